@@ -1,0 +1,144 @@
+"""Spec and status fragments that every job kind shares."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import Field
+
+from huorn.api.base import ApiModel, DnsLabel, Duration, Quantity
+
+
+class ElasticityPolicy(StrEnum):
+    GOODPUT = "goodput"
+    FIXED = "fixed"
+
+
+class Resources(ApiModel):
+    """What one replica asks for. GPUs are whole devices; shared GPUs are not scheduled by Huorn."""
+
+    gpus: int = Field(default=1, ge=0, le=16, description="Whole GPUs per replica.")
+    cpu: Quantity = Field(default="4", description="CPU per replica, e.g. '4' or '500m'.")
+    memory: Quantity = Field(default="16Gi", description="Memory per replica, e.g. '16Gi'.")
+
+
+class Elasticity(ApiModel):
+    min_replicas: int = Field(default=1, ge=1, le=4096, description="Never run with fewer replicas.")
+    max_replicas: int = Field(default=1, ge=1, le=4096, description="Never run with more replicas.")
+    policy: ElasticityPolicy = Field(
+        default=ElasticityPolicy.GOODPUT,
+        description="goodput: Huorn picks the replica count and batch size; fixed: keep minReplicas.",
+    )
+
+
+class Checkpoint(ApiModel):
+    volume: DnsLabel | None = Field(
+        default=None, description="Name of a PersistentVolumeClaim that holds the checkpoints."
+    )
+    path: str = Field(default="/checkpoints", pattern=r"^/.*", description="Absolute path in the pod.")
+    interval: Duration = Field(default="10m", description="Time between periodic checkpoints.")
+    interval_steps: int | None = Field(
+        default=None, ge=1, description="Checkpoint every N steps (overrides interval when set)."
+    )
+
+
+class MitigationLevel(StrEnum):
+    """The FALCON ladder. Each level includes those below it."""
+
+    OBSERVE = "observe"  # S1
+    REBALANCE = "rebalance"  # S2
+    RESPLIT = "resplit"  # S3
+    RESTART = "restart"  # S4
+
+
+class Remediation(ApiModel):
+    hang_timeout: Duration = Field(
+        default="30s", description="A rank stuck this long in one collective counts as hung."
+    )
+    fail_slow_detection: bool = Field(default=True, description="Run FALCON-style fail-slow detection.")
+    max_mitigation: MitigationLevel = Field(
+        default=MitigationLevel.RESTART, description="The highest rung of the mitigation ladder allowed."
+    )
+
+
+class EnvVar(ApiModel):
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=256)
+    value: str = Field(default="", max_length=32768)
+
+
+class JobCommon(ApiModel):
+    """Fields every job kind shares; the kinds subclass this."""
+
+    virtual_cluster: DnsLabel = Field(description="The VirtualCluster whose GPUs this job uses.")
+    image: str = Field(
+        default="ghcr.io/huorn-io/huorn:0.1.0", min_length=1, description="Container image of the pods."
+    )
+    priority: int = Field(
+        default=50, ge=0, le=1000,
+        description="Higher wins. Jobs at 100 or above are never preempted (the KAI convention).",
+    )
+    resources: Resources = Field(default_factory=Resources)
+    elasticity: Elasticity = Field(default_factory=Elasticity)
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    remediation: Remediation = Field(default_factory=Remediation)
+    env: list[EnvVar] = Field(default_factory=list, max_length=128, description="Environment overrides.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Status
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(ApiModel):
+    """A metav1.Condition, so kstatus, `kubectl wait`, Argo CD and Flux read it unaided."""
+
+    type: str = Field(max_length=316)
+    status: ConditionStatus
+    reason: str = Field(default="", max_length=1024)
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class Decision(ApiModel):
+    """One entry of the bounded decision history: what was done, why, and when."""
+
+    time: str
+    action: str = Field(max_length=64)
+    reason: str = Field(max_length=1024)
+    graph_version: int | None = None
+
+
+class LastCheckpoint(ApiModel):
+    step: int = 0
+    time: str | None = None
+    path: str | None = None
+
+
+Phase = Literal["Pending", "Placing", "Running", "Resizing", "Remediating", "Succeeded", "Failed", "Stalled"]
+
+DECISION_HISTORY_LIMIT = 32
+
+
+class JobStatus(ApiModel):
+    """Status that every job kind reports. Everything here is derivable from the cluster again."""
+
+    model_config = ApiModel.model_config | {"extra": "allow"}
+
+    phase: Phase = "Pending"
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    replicas: int = 0
+    selector: str | None = Field(default=None, description="Label selector of the pods (for HPA).")
+    graph: dict | None = Field(default=None, description="Bounded summary of the execution graph.")
+    throughput: float | None = Field(default=None, description="Samples per second, last window.")
+    goodput: float | None = Field(default=None, description="Throughput × statistical efficiency.")
+    last_checkpoint: LastCheckpoint | None = None
+    decisions: list[Decision] = Field(default_factory=list, max_length=DECISION_HISTORY_LIMIT)
+    message: str | None = None

@@ -1,0 +1,51 @@
+"""VirtualCluster: a tenant's share of GPU nodes, which it may lend and borrow."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from huorn.api.base import ApiModel, DnsLabel
+from huorn.api.common import Condition
+
+
+class LabelSelector(ApiModel):
+    match_labels: dict[str, str] = Field(default_factory=dict)
+
+
+class Members(ApiModel):
+    node_selector: LabelSelector | None = None
+    nodes: list[str] | None = Field(default=None, max_length=10000)
+
+
+class Lending(ApiModel):
+    lendable: bool = False
+    max_gpus_lent: int = Field(default=0, ge=0, alias="maxGPUsLent")
+    reclaim_grace_seconds: int = Field(default=30, ge=0, le=86400)
+
+
+class Borrowing(ApiModel):
+    max_gpus_borrowed: int = Field(default=0, ge=0, alias="maxGPUsBorrowed")
+
+
+class VirtualClusterSpec(ApiModel):
+    members: Members
+    purpose: Literal["training", "inference"] = "training"
+    lending: Lending = Field(default_factory=Lending)
+    borrowing: Borrowing = Field(default_factory=Borrowing)
+    namespaces: list[DnsLabel] = Field(
+        default_factory=list, description="Namespaces allowed to use it; empty means all."
+    )
+
+
+class VirtualClusterStatus(ApiModel):
+    model_config = ApiModel.model_config | {"extra": "allow"}
+
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    nodes: int = 0
+    capacity: int = Field(default=0, description="GPUs on member nodes.")
+    allocated: int = 0
+    lent: int = 0
+    borrowed: int = 0

@@ -1,0 +1,32 @@
+"""The `huorn` command. Each subcommand lives in its own module under huorn.cli and is
+registered here, so that the list below is the whole surface (a test pins it)."""
+
+from __future__ import annotations
+
+import typer
+
+from huorn import __version__
+
+app = typer.Typer(
+    name="huorn",
+    help="Huorn: elastic training, RL and inference on shared GPU clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"huorn {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """Huorn: elastic training, RL and inference on shared GPU clusters."""
+
+
+# Subcommand registrations: one line per command, each from its own module.
