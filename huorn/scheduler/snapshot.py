@@ -1,0 +1,178 @@
+"""ClusterSnapshot: the state one scheduling decision runs against, Kueue style.
+
+A decision (admit this gang, grow that one, shrink a third to make room) is tried on the snapshot,
+judged, and either kept or undone; the real cluster is touched only after the whole cycle has
+decided. An undo log instead of copies keeps a try-and-undo at O(nodes touched), which is what
+lets the allocator and the simulator try thousands of candidate allocations per cycle.
+
+Lending is accounted per GPU: a replica of a job of virtual cluster A placed on a node of B adds
+its GPUs to A's `borrowed` and to B's `lent`, and both are held to the limits of the VirtualCluster
+spec (maxGPUsBorrowed, maxGPUsLent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from huorn.scheduler import placement
+
+
+@dataclass(frozen=True)
+class VirtualClusterView:
+    """The parts of a VirtualCluster's spec that scheduling decisions obey."""
+
+    name: str
+    purpose: str = "training"  # "training" or "inference"
+    lendable: bool = False
+    max_gpus_lent: int = 0
+    max_gpus_borrowed: int = 0
+    reclaim_grace_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A job's GPUs on the snapshot: where they are and whose they are."""
+
+    job: str
+    virtual_cluster: str
+    gpus_by_node: Mapping[str, int]
+    cpu_by_node: Mapping[str, int]
+
+
+class ClusterSnapshot:
+    def __init__(self, nodes: list[placement.NodeView], virtual_clusters: list[VirtualClusterView]):
+        self._nodes = {n.name: n for n in nodes}
+        if len(self._nodes) != len(nodes):
+            raise ValueError("nodes: two nodes share a name; node names must be unique")
+        self._vcs = {v.name: v for v in virtual_clusters}
+        for n in nodes:
+            if n.virtual_cluster and n.virtual_cluster not in self._vcs:
+                raise ValueError(
+                    f"node {n.name}: virtual_cluster {n.virtual_cluster!r} is not among the "
+                    f"virtual clusters given ({sorted(self._vcs)}); add it or clear the field"
+                )
+        self._free = {n.name: n.gpus_free for n in nodes}
+        self._cpu = {n.name: n.cpu_free_milli for n in nodes}
+        self._lent = dict.fromkeys(self._vcs, 0)
+        self._borrowed = dict.fromkeys(self._vcs, 0)
+        self._bindings: dict[str, Binding] = {}
+        self._undo: list[tuple[str, Binding]] = []
+
+    # ----------------------------------------------------------------- reading
+    def node_views(self) -> list[placement.NodeView]:
+        return [
+            dataclasses.replace(n, gpus_free=self._free[n.name], cpu_free_milli=self._cpu[n.name])
+            for n in self._nodes.values()
+        ]
+
+    def virtual_cluster(self, name: str) -> VirtualClusterView:
+        return self._vcs[name]
+
+    def virtual_clusters(self) -> list[VirtualClusterView]:
+        return list(self._vcs.values())
+
+    def bindings(self) -> dict[str, Binding]:
+        return dict(self._bindings)
+
+    def capacity(self, vc: str) -> int:
+        """GPUs on the member nodes of `vc` that are not cordoned."""
+        return sum(n.gpus_total for n in self._nodes.values() if n.virtual_cluster == vc and not n.cordoned)
+
+    def free(self, vc: str | None = None) -> int:
+        return sum(
+            self._free[n.name] for n in self._nodes.values()
+            if (vc is None or n.virtual_cluster == vc) and not n.cordoned
+        )
+
+    def lent(self, vc: str) -> int:
+        return self._lent[vc]
+
+    def borrowed(self, vc: str) -> int:
+        return self._borrowed[vc]
+
+    def lend_left(self, vc: str) -> int:
+        view = self._vcs[vc]
+        return max(0, view.max_gpus_lent - self._lent[vc]) if view.lendable else 0
+
+    def borrow_left(self, vc: str) -> int:
+        return max(0, self._vcs[vc].max_gpus_borrowed - self._borrowed[vc])
+
+    # ----------------------------------------------------------------- deciding
+    def place(
+        self, vc: str, replicas: int, gpus_per_replica: int, cpu_milli_per_replica: int = 0,
+        node_selector: Mapping[str, str] | None = None,
+    ) -> placement.Placement | placement.Unplaceable:
+        """Where a gang of `vc` would go now, within every lending and borrowing limit."""
+        if vc and vc not in self._vcs:
+            raise ValueError(f"virtual_cluster {vc!r} is unknown; known: {sorted(self._vcs)}")
+        return placement.place_gang(
+            self.node_views(), replicas, gpus_per_replica, cpu_milli_per_replica,
+            virtual_cluster=vc, node_selector=node_selector,
+            borrow_limit=self.borrow_left(vc) if vc else 0,
+            lend_limits={name: self.lend_left(name) for name in self._vcs if name != vc},
+        )
+
+    def assume(
+        self, job: str, vc: str, where: placement.Placement, gpus_per_replica: int,
+        cpu_milli_per_replica: int = 0,
+    ) -> Binding:
+        """Take the GPUs of `where` for `job`; raises if the job is already bound or they are gone."""
+        if job in self._bindings:
+            raise ValueError(f"job {job!r} is already bound; forget it before binding it again")
+        cpu: dict[str, int] = {}
+        for node in where.assignments:
+            cpu[node] = cpu.get(node, 0) + cpu_milli_per_replica
+        binding = Binding(job, vc, where.gpus_by_node(gpus_per_replica), cpu)
+        for node, gpus in binding.gpus_by_node.items():
+            if node not in self._nodes:
+                raise ValueError(f"placement names node {node!r}, which the snapshot does not hold")
+            if self._free[node] < gpus:
+                raise ValueError(f"node {node}: {gpus} GPUs asked, {self._free[node]} free")
+        self._apply(binding, sign=-1)
+        self._bindings[job] = binding
+        self._undo.append(("assume", binding))
+        return binding
+
+    def forget(self, job: str) -> Binding:
+        """Give back every GPU of `job` (it finished, shrank to zero or was preempted)."""
+        binding = self._bindings.pop(job)
+        self._apply(binding, sign=+1)
+        self._undo.append(("forget", binding))
+        return binding
+
+    @contextlib.contextmanager
+    def simulate(self) -> Iterator[ClusterSnapshot]:
+        """Try changes inside the block; every one of them is undone on exit."""
+        mark = len(self._undo)
+        try:
+            yield self
+        finally:
+            self._rollback(mark)
+
+    def _rollback(self, mark: int) -> None:
+        while len(self._undo) > mark:
+            op, binding = self._undo.pop()
+            if op == "assume":
+                del self._bindings[binding.job]
+                self._apply(binding, sign=+1)
+            else:
+                self._bindings[binding.job] = binding
+                self._apply(binding, sign=-1)
+
+    def commit(self) -> None:
+        """Drop the undo log: what was assumed so far stays, and memory stays bounded."""
+        self._undo.clear()
+
+    def _apply(self, binding: Binding, sign: int) -> None:
+        for node, gpus in binding.gpus_by_node.items():
+            self._free[node] += sign * gpus
+            cpu = self._cpu[node]
+            if cpu is not None:
+                self._cpu[node] = cpu + sign * binding.cpu_by_node.get(node, 0)
+            owner = self._nodes[node].virtual_cluster
+            if owner and binding.virtual_cluster and owner != binding.virtual_cluster:
+                self._lent[owner] -= sign * gpus
+                self._borrowed[binding.virtual_cluster] -= sign * gpus

@@ -1,0 +1,161 @@
+"""Gang placement and the snapshot it runs against: table cases plus hypothesis invariants."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from huorn.scheduler import placement, snapshot
+from huorn.scheduler.placement import NodeView, Placement, Unplaceable
+
+
+def build_nodes(*free: int, total: int = 8, vc: str = "", prefix: str = "n") -> list[NodeView]:
+    return [NodeView(f"{prefix}{i}", total, f, virtual_cluster=vc) for i, f in enumerate(free)]
+
+
+def test_gang_fits_on_one_node_takes_the_tightest() -> None:
+    result = placement.place_gang(build_nodes(8, 4, 6), replicas=2, gpus_per_replica=2)
+    assert result == Placement(["n1", "n1"])
+
+
+def test_gang_spans_fewest_nodes_largest_first() -> None:
+    result = placement.place_gang(build_nodes(2, 8, 4, 6), replicas=6, gpus_per_replica=2)
+    assert isinstance(result, Placement)
+    assert result.nodes_spanned == 2
+    assert Counter(result.assignments) == {"n1": 4, "n2": 2}  # 8 GPUs on n1, the rest on the tightest fit
+
+
+def test_all_or_none_when_short() -> None:
+    result = placement.place_gang(build_nodes(3, vc="a"), replicas=4, gpus_per_replica=2,
+                                  virtual_cluster="a", borrow_limit=2)
+    assert isinstance(result, Unplaceable)
+    assert "needs 8 GPUs" in result.reason
+    assert "virtual cluster a" in result.reason
+    assert "3 free" in result.reason
+    assert "borrowing limit 2" in result.reason
+
+
+def test_fragmentation_is_named() -> None:
+    result = placement.place_gang(build_nodes(3, 3, 3), replicas=1, gpus_per_replica=4)
+    assert isinstance(result, Unplaceable)
+    assert "no node has 4 free GPUs in one piece (largest 3)" in result.reason
+
+
+def test_cordoned_and_selector_are_respected() -> None:
+    nodes = [
+        NodeView("a", 8, 8, cordoned=True),
+        NodeView("b", 8, 8, labels={"gpu": "h200"}),
+        NodeView("c", 8, 8, labels={"gpu": "a10"}),
+    ]
+    result = placement.place_gang(nodes, replicas=2, gpus_per_replica=4, node_selector={"gpu": "h200"})
+    assert result == Placement(["b", "b"])
+    blocked = placement.place_gang(nodes[:1], replicas=1, gpus_per_replica=1)
+    assert isinstance(blocked, Unplaceable) and "1 node(s) cordoned" in blocked.reason
+
+
+def test_cpu_limits_replicas_per_node() -> None:
+    nodes = [NodeView("a", 8, 8, cpu_free_milli=8000), NodeView("b", 8, 8, cpu_free_milli=64000)]
+    result = placement.place_gang(nodes, replicas=4, gpus_per_replica=1, cpu_milli_per_replica=4000)
+    assert result == Placement(["b"] * 4)
+
+
+def test_borrowing_takes_own_first_then_within_limits() -> None:
+    nodes = build_nodes(4, vc="train", prefix="t") + build_nodes(8, 8, vc="infer", prefix="i")
+    ok = placement.place_gang(nodes, replicas=8, gpus_per_replica=1, virtual_cluster="train",
+                              borrow_limit=4, lend_limits={"infer": 6})
+    assert isinstance(ok, Placement)
+    assert Counter(ok.assignments) == {"t0": 4, "i0": 4} or Counter(ok.assignments) == {"t0": 4, "i1": 4}
+    too_much = placement.place_gang(nodes, replicas=9, gpus_per_replica=1, virtual_cluster="train",
+                                    borrow_limit=4, lend_limits={"infer": 6})
+    assert isinstance(too_much, Unplaceable)
+    not_lent = placement.place_gang(nodes, replicas=5, gpus_per_replica=1, virtual_cluster="train",
+                                    borrow_limit=4)
+    assert isinstance(not_lent, Unplaceable) and "lendable by other virtual clusters 0" in not_lent.reason
+
+
+def test_bad_node_is_rejected_with_the_field() -> None:
+    with pytest.raises(ValueError, match="gpus_free"):
+        NodeView("x", 4, 5)
+    with pytest.raises(ValueError, match="replicas"):
+        placement.place_gang(build_nodes(8), replicas=0, gpus_per_replica=1)
+
+
+@st.composite
+def clusters(draw: st.DrawFn) -> tuple[list[NodeView], int, int]:
+    count = draw(st.integers(1, 12))
+    nodes = []
+    for i in range(count):
+        total = draw(st.sampled_from([1, 2, 4, 8]))
+        nodes.append(NodeView(f"n{i}", total, draw(st.integers(0, total)), cordoned=draw(st.booleans())
+                              and draw(st.booleans())))
+    return nodes, draw(st.integers(1, 16)), draw(st.sampled_from([1, 2, 4, 8]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters())
+def test_placement_is_all_or_none_within_capacity_and_minimal(case: tuple[list[NodeView], int, int]) -> None:
+    nodes, replicas, per = case
+    result = placement.place_gang(nodes, replicas, per)
+    usable = [n for n in nodes if not n.cordoned]
+    slots = sorted((n.gpus_free // per for n in usable), reverse=True)
+    if sum(slots) < replicas:
+        assert isinstance(result, Unplaceable)
+        return
+    assert isinstance(result, Placement)
+    assert len(result.assignments) == replicas
+    by_name = {n.name: n for n in nodes}
+    for name, gpus in result.gpus_by_node(per).items():
+        assert not by_name[name].cordoned
+        assert gpus <= by_name[name].gpus_free
+    # Minimal span: no fewer nodes could hold the gang.
+    fewest = next(k for k in range(1, len(slots) + 1) if sum(slots[:k]) >= replicas)
+    assert result.nodes_spanned == fewest
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.sampled_from([1, 2, 4]), st.sampled_from(["a", "b"])),
+                min_size=1, max_size=15),
+       st.integers(0, 16), st.integers(0, 16))
+def test_snapshot_never_breaks_lend_or_borrow_limits(
+    jobs: list[tuple[int, int, str]], lend_b: int, borrow_a: int
+) -> None:
+    nodes = build_nodes(8, 8, vc="a", prefix="a") + build_nodes(8, 8, 8, vc="b", prefix="b")
+    vcs = [snapshot.VirtualClusterView("a", max_gpus_borrowed=borrow_a),
+           snapshot.VirtualClusterView("b", lendable=True, max_gpus_lent=lend_b)]
+    snap = snapshot.ClusterSnapshot(nodes, vcs)
+    for i, (replicas, per, vc) in enumerate(jobs):
+        where = snap.place(vc, replicas, per)
+        if isinstance(where, Placement):
+            snap.assume(f"j{i}", vc, where, per)
+        assert snap.borrowed("a") <= borrow_a
+        assert snap.lent("b") <= lend_b
+        assert snap.lent("a") == 0  # a does not lend
+        assert all(n.gpus_free >= 0 for n in snap.node_views())
+    used = sum(sum(b.gpus_by_node.values()) for b in snap.bindings().values())
+    assert used + snap.free() == 40
+
+
+def test_snapshot_simulate_undoes_everything() -> None:
+    snap = snapshot.ClusterSnapshot(build_nodes(8, 8, vc="a"), [snapshot.VirtualClusterView("a")])
+    first = snap.place("a", 2, 4)
+    assert isinstance(first, Placement)
+    snap.assume("keep", "a", first, 4)
+    before = (snap.node_views(), snap.bindings())
+    with snap.simulate():
+        snap.forget("keep")
+        trial = snap.place("a", 4, 4)
+        assert isinstance(trial, Placement)
+        snap.assume("trial", "a", trial, 4)
+        assert snap.free() == 0
+    assert (snap.node_views(), snap.bindings()) == before
+    assert snap.free() == 8
+    with pytest.raises(ValueError, match="already bound"):
+        snap.assume("keep", "a", first, 4)
+
+
+def test_snapshot_rejects_unknown_virtual_cluster() -> None:
+    with pytest.raises(ValueError, match="virtual_cluster 'x'"):
+        snapshot.ClusterSnapshot([NodeView("n", 8, 8, virtual_cluster="x")], [])
