@@ -1,0 +1,105 @@
+"""Causal self-attention with the three KV-sharing modes of the FusedKV paper (arXiv 2512.03870).
+
+With L layers and n = L/2, layers 1..n (0-based 0..n-1 here) project their own K and V. Layers
+above n project only Q and rebuild K and V from layer 1 and layer n:
+  - fusedkv:      K_i = a_i1 ⊙ K_1 + a_in ⊙ K_n,  V_i = b_i1 ⊙ V_1 + b_in ⊙ V_n
+  - fusedkv-lite: K_i = K_n,                      V_i = V_1
+K is fused after RoPE, so the upper layers never re-rotate. The weight of a key channel is shared
+by both channels of its rotary pair: a scalar times a 2-D rotation commutes with the rotation,
+so the fused key of position s is still R_s times a fixed vector and the scores keep depending
+on relative position only. Values are not rotated and get one weight per channel."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from huorn.models import layers as model_layers
+from huorn.models.cache import KVCache, SharedKV
+from huorn.models.config import ModelConfig
+
+
+def expand_pair_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, D/2] -> [kv_heads, 1, D]: channel j and j + D/2 (one rotary pair) get weight j."""
+    return torch.cat([weight, weight], dim=-1).unsqueeze(1)
+
+
+def build_causal_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """Boolean [queries, keys] mask for queries that are the last `queries` of `keys` positions."""
+    offset = keys - queries
+    q_pos = torch.arange(queries, device=device).unsqueeze(1) + offset
+    k_pos = torch.arange(keys, device=device).unsqueeze(0)
+    return k_pos <= q_pos
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.n_kv_heads, cfg.head_dim
+        self.mode = cfg.kv_sharing
+        self.owns_kv = cfg.owns_kv(layer)
+        self.dropout = cfg.dropout
+        sharing = cfg.kv_sharing != "none"
+        self.records_first = sharing and layer == 0
+        self.records_last = sharing and layer == cfg.shared_layers - 1
+        self.wq = nn.Linear(cfg.width, cfg.heads * cfg.head_dim, bias=False)
+        if self.owns_kv:
+            self.wk = nn.Linear(cfg.width, self.kv_heads * cfg.head_dim, bias=False)
+            self.wv = nn.Linear(cfg.width, self.kv_heads * cfg.head_dim, bias=False)
+        if self.mode == "fusedkv" and not self.owns_kv:
+            # Row 0 weighs layer 1, row 1 weighs layer n. Initialised at the Lite point (K from
+            # layer n, V from layer 1): FusedKV then starts as the Lite model and learns from there.
+            k_fuse = torch.zeros(2, self.kv_heads, cfg.head_dim // 2)
+            k_fuse[1] = 1.0
+            v_fuse = torch.zeros(2, self.kv_heads, cfg.head_dim)
+            v_fuse[0] = 1.0
+            self.k_fuse = nn.Parameter(k_fuse)
+            self.v_fuse = nn.Parameter(v_fuse)
+        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.width, bias=False)
+
+    def split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, heads, self.head_dim).transpose(1, 2)
+
+    def rebuild_kv(self, shared: SharedKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of an upper layer from the lower layers' (already complete) shared K/V."""
+        if shared.k_last is None or shared.v_first is None:
+            raise ValueError(
+                f"layer {self.layer} rebuilds its K/V from layers 1 and n, but `shared` lacks them; "
+                "run the lower half first (or receive their SharedKV from the previous pipeline stage)"
+            )
+        if self.mode == "fusedkv-lite":
+            return shared.k_last, shared.v_first
+        k_first, k_last, v_first, v_last = shared.k_first, shared.k_last, shared.v_first, shared.v_last
+        k_fuse = self.k_fuse.to(k_last.dtype)
+        v_fuse = self.v_fuse.to(v_first.dtype)
+        k = expand_pair_weight(k_fuse[0]) * k_first + expand_pair_weight(k_fuse[1]) * k_last
+        v = v_fuse[0].unsqueeze(1) * v_first + v_fuse[1].unsqueeze(1) * v_last
+        return k, v
+
+    def forward(self, x: torch.Tensor, rope: model_layers.Rope, shared: SharedKV,
+                cache: KVCache | None = None) -> torch.Tensor:
+        q = model_layers.apply_rope(self.split_heads(self.wq(x), self.heads), rope)
+        if self.owns_kv:
+            k = model_layers.apply_rope(self.split_heads(self.wk(x), self.kv_heads), rope)
+            v = self.split_heads(self.wv(x), self.kv_heads)
+            if cache is not None:
+                k, v = cache.append(self.layer, k, v)
+            if self.records_first:
+                shared.k_first, shared.v_first = k, v
+            if self.records_last:
+                shared.k_last, shared.v_last = k, v
+        else:
+            k, v = self.rebuild_kv(shared)
+        queries, keys = q.shape[2], k.shape[2]
+        mask = None
+        if queries > 1 and queries != keys:
+            mask = build_causal_mask(queries, keys, q.device)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=queries > 1 and queries == keys,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.kv_heads != self.heads,
+        )
+        batch, _, length, _ = out.shape
+        return self.wo(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
