@@ -8,10 +8,21 @@ fields are refused: a typo such as ``minReplica`` must fail loudly, not be silen
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
+
+from huorn.api import rules
 
 GROUP = "huorn.io"
 VERSION = "v1alpha1"
@@ -23,10 +34,6 @@ QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
 DURATION_PATTERN = r"^([0-9]+(ms|s|m|h))+$"
 # DNS-1123 label, used for names that become parts of Kubernetes object names.
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-
-Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, examples=["4", "500m", "16Gi"])]
-Duration = Annotated[str, Field(pattern=DURATION_PATTERN, examples=["30s", "10m"])]
-DnsLabel = Annotated[str, Field(pattern=DNS_LABEL_PATTERN, max_length=63)]
 
 _QUANTITY_SUFFIX = {
     "": 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
@@ -51,6 +58,78 @@ def parse_duration(text: str) -> float:
     return sum(int(n) * _DURATION_UNIT[u] for n, u in parts)
 
 
+def _coerce_quantity(value: object) -> object:
+    """Accept ``cpu: 4`` as well as ``cpu: "4"``, as Kubernetes does (int-or-string).
+
+    NB: bool is an int in Python, and YAML's ``true`` must stay an error in both places.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+def _check_quantity(text: str) -> str:
+    parse_quantity(text)
+    return text
+
+
+def _check_duration(text: str) -> str:
+    parse_duration(text)
+    return text
+
+
+def _check_dns_label(text: str) -> str:
+    if len(text) > 63 or not re.fullmatch(DNS_LABEL_PATTERN, text):
+        raise ValueError(
+            f"{text!r} is not a DNS label: use at most 63 lowercase letters, digits and '-', "
+            "starting and ending with a letter or digit"
+        )
+    return text
+
+
+# The JSON schemas below are what the CRD gets; the validators give the clearer Python errors.
+Quantity = Annotated[
+    str,
+    BeforeValidator(_coerce_quantity),
+    AfterValidator(_check_quantity),
+    WithJsonSchema({
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "x-kubernetes-int-or-string": True,
+        "pattern": QUANTITY_PATTERN,
+        "minimum": 0,
+    }),
+]
+Duration = Annotated[
+    str, AfterValidator(_check_duration), WithJsonSchema({"type": "string", "pattern": DURATION_PATTERN})
+]
+DnsLabel = Annotated[
+    str,
+    AfterValidator(_check_dns_label),
+    WithJsonSchema({"type": "string", "pattern": DNS_LABEL_PATTERN, "maxLength": 63}),
+]
+
+
+def _dump_default(annotation: Any, value: Any) -> Any:
+    return TypeAdapter(annotation).dump_python(value, mode="json", by_alias=True, exclude_none=True)
+
+
+def _extend_schema(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """Add what pydantic leaves out of a model's JSON schema and the CRD needs.
+
+    Defaults made by a factory (nested objects, lists) are written out, so the API server fills
+    in the same values pydantic would and CEL rules see the same object. The class's
+    cross-field rules become x-kubernetes-validations.
+    """
+    properties = schema.get("properties", {})
+    for name, info in cls.model_fields.items():
+        alias = info.alias or name
+        if info.default_factory is not None and alias in properties:
+            properties[alias]["default"] = _dump_default(info.annotation, info.default_factory())  # type: ignore[call-arg]
+    found = rules.rules_for(cls)
+    if found:
+        schema["x-kubernetes-validations"] = [rule.to_crd() for rule in found]
+
+
 class ApiModel(BaseModel):
     """Base of every spec and status fragment: camelCase aliases, unknown fields refused."""
 
@@ -59,7 +138,13 @@ class ApiModel(BaseModel):
         populate_by_name=True,
         extra="forbid",
         validate_assignment=True,
+        json_schema_extra=_extend_schema,
     )
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> ApiModel:
+        rules.check_rules(self)
+        return self
 
     def to_wire(self) -> dict:
         """The object as the API server stores it: camelCase, defaults included, no nulls."""

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from huorn.api import rules
 from huorn.api.base import ApiModel, DnsLabel, Duration, Quantity
 
 
@@ -23,6 +24,17 @@ class Resources(ApiModel):
     memory: Quantity = Field(default="16Gi", description="Memory per replica, e.g. '16Gi'.")
 
 
+@rules.attach(
+    rules.Rule(
+        name="elasticity-min-le-max",
+        field="minReplicas",
+        cel="self.minReplicas <= self.maxReplicas",
+        holds=lambda e: e.min_replicas <= e.max_replicas,
+        message="must be ≤ maxReplicas",
+        detail=lambda e: f"{e.min_replicas} > {e.max_replicas}",
+        fix="set minReplicas to at most maxReplicas, or raise maxReplicas",
+    ),
+)
 class Elasticity(ApiModel):
     min_replicas: int = Field(default=1, ge=1, le=4096, description="Never run with fewer replicas.")
     max_replicas: int = Field(default=1, ge=1, le=4096, description="Never run with more replicas.")

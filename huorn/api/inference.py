@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from huorn.api import rules
 from huorn.api.base import ApiModel
 from huorn.api.common import JobCommon, JobStatus
 from huorn.api.training import ModelSpec
@@ -21,17 +22,49 @@ class ServingLimits(ApiModel):
     max_tokens: int = Field(default=2048, ge=1, le=1 << 22)
 
 
+@rules.attach(
+    rules.Rule(
+        name="quantization-glvq-bits",
+        field="bits",
+        cel="(self.method == 'glvq') == has(self.bits)",
+        holds=lambda q: (q.method == "glvq") == (q.bits is not None),
+        message="is required for method glvq, and only then",
+        detail=lambda q: f"method {q.method}, bits {'set' if q.bits is not None else 'missing'}",
+        fix="set bits (1-8) with method glvq, or remove bits with method none",
+    ),
+)
 class Quantization(ApiModel):
     method: Literal["none", "glvq"] = "none"
     bits: int | None = Field(default=None, ge=1, le=8, description="Bits per weight for glvq.")
     group_size: int = Field(default=8, ge=2, le=256)
 
 
+@rules.attach(
+    rules.Rule(
+        name="slo-needs-target",
+        field="",
+        cel="has(self.p99LatencyMs) || has(self.tokensPerSecond)",
+        holds=lambda s: s.p99_latency_ms is not None or s.tokens_per_second is not None,
+        message="needs at least one target",
+        fix="set p99LatencyMs or tokensPerSecond (or both)",
+    ),
+)
 class Slo(ApiModel):
     p99_latency_ms: float | None = Field(default=None, gt=0, alias="p99LatencyMs")
     tokens_per_second: float | None = Field(default=None, gt=0)
 
 
+@rules.attach(
+    rules.Rule(
+        name="autoscaling-min-le-max",
+        field="minReplicas",
+        cel="self.minReplicas <= self.maxReplicas",
+        holds=lambda a: a.min_replicas <= a.max_replicas,
+        message="must be ≤ maxReplicas",
+        detail=lambda a: f"{a.min_replicas} > {a.max_replicas}",
+        fix="set minReplicas to at most maxReplicas, or raise maxReplicas",
+    ),
+)
 class Autoscaling(ApiModel):
     min_replicas: int = Field(default=1, ge=0, le=4096)
     max_replicas: int = Field(default=1, ge=1, le=4096)
@@ -41,7 +74,8 @@ class InferenceJobSpec(JobCommon):
     model: ServedModel
     serving: ServingLimits = Field(default_factory=ServingLimits)
     quantization: Quantization = Field(default_factory=Quantization)
-    slo: Slo = Field(default_factory=Slo)
+    # NB: the default carries a target, because an SLO without one is invalid.
+    slo: Slo = Field(default_factory=lambda: Slo(p99_latency_ms=1000.0))
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
 
 

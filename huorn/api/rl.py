@@ -3,23 +3,35 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
+from huorn.api import rules
 from huorn.api.base import ApiModel, DnsLabel
 from huorn.api.common import JobCommon, JobStatus
 from huorn.api.training import ModelSpec
 
 
+@rules.attach(
+    rules.Rule(
+        name="role-device-mapping-size",
+        field="deviceMapping",
+        cel="!has(self.deviceMapping) || size(self.deviceMapping) == self.replicas * self.gpusPerReplica",
+        holds=lambda r: r.device_mapping is None or len(r.device_mapping) == r.replicas * r.gpus_per_replica,
+        message="must list replicas × gpusPerReplica GPU indices",
+        detail=lambda r: f"{len(r.device_mapping or [])} indices for {r.replicas} × {r.gpus_per_replica}",
+        fix="list one GPU index per GPU of the role, or leave deviceMapping out",
+    ),
+)
 class Role(ApiModel):
     replicas: int = Field(default=1, ge=0, le=4096)
     gpus_per_replica: int = Field(default=1, ge=0, le=16)
     colocation_group: DnsLabel | None = Field(
         default=None, description="Roles in one group share the same GPUs, offloading in turn."
     )
-    device_mapping: list[int] | None = Field(
-        default=None, description="GPU indices this role uses inside its colocation group."
+    device_mapping: list[Annotated[int, Field(ge=0, le=65535)]] | None = Field(
+        default=None, max_length=1024, description="GPU indices (among the job's gpus) this role uses."
     )
 
 
@@ -44,6 +56,30 @@ class Normalisation(StrEnum):
     NONE = "none"
 
 
+@rules.attach(
+    rules.Rule(
+        name="algorithm-clip-high-ge-low",
+        field="clipHigh",
+        cel="self.clipHigh >= self.clipLow",
+        holds=lambda a: a.clip_high >= a.clip_low,
+        message="must be ≥ clipLow (DAPO's clip-higher widens the upper bound only)",
+        detail=lambda a: f"{a.clip_high} < {a.clip_low}",
+        fix="raise clipHigh to at least clipLow",
+    ),
+    rules.Rule(
+        name="algorithm-overlong-buffer",
+        field="overlongBuffer",
+        cel=(
+            "!has(self.overlongBuffer) || "
+            "(has(self.overlongMaxLength) && self.overlongBuffer < self.overlongMaxLength)"
+        ),
+        holds=lambda a: a.overlong_buffer is None
+        or (a.overlong_max_length is not None and a.overlong_buffer < a.overlong_max_length),
+        message="needs overlongMaxLength and must be below it (the penalty ramps over the last tokens)",
+        detail=lambda a: f"buffer {a.overlong_buffer}, max length {a.overlong_max_length}",
+        fix="set overlongMaxLength above overlongBuffer, or remove overlongBuffer",
+    ),
+)
 class AlgorithmSpec(ApiModel):
     name: Algorithm = Algorithm.GRPO
     group_size: int = Field(default=8, ge=1, le=1024, description="Responses sampled per prompt.")
@@ -69,6 +105,87 @@ class RolloutSpec(ApiModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
 
 
+ROLE_FIELDS = ("actorTrain", "rollout", "reference", "reward", "environment")
+
+
+def list_roles(roles: Roles) -> list[tuple[str, Role]]:
+    """The roles that are present, by wire name, in a fixed order."""
+    present = [(name, getattr(roles, _SNAKE[name])) for name in ROLE_FIELDS]
+    return [(name, role) for name, role in present if role is not None]
+
+
+def count_gpus_needed(roles: Roles) -> int:
+    """GPUs the roles need: dedicated roles add up; a colocation group needs its largest member."""
+    dedicated = 0
+    groups: dict[str, int] = {}
+    for _, role in list_roles(roles):
+        demand = role.replicas * role.gpus_per_replica
+        if role.colocation_group is None:
+            dedicated += demand
+        else:
+            groups[role.colocation_group] = max(groups.get(role.colocation_group, 0), demand)
+    return dedicated + sum(groups.values())
+
+
+_SNAKE = {"actorTrain": "actor_train", "rollout": "rollout", "reference": "reference",
+          "reward": "reward", "environment": "environment"}
+
+
+def _cel_gpus_needed() -> str:
+    """count_gpus_needed in plain CEL (no sum() or max() in the portable subset).
+
+    A colocated role is counted only if it is the largest member of its group (ties go to the
+    earlier role), so every group is counted once, at its largest demand.
+    """
+    terms = []
+    for i, name in enumerate(ROLE_FIELDS):
+        role = f"self.roles.{name}"
+        demand = f"{role}.replicas * {role}.gpusPerReplica"
+        larger = []
+        for j, other_name in enumerate(ROLE_FIELDS):
+            if j == i:
+                continue
+            other = f"self.roles.{other_name}"
+            beats = ">=" if j < i else ">"
+            larger.append(
+                f"(has({other}) && has({other}.colocationGroup) && {other}.colocationGroup == "
+                f"{role}.colocationGroup && {other}.replicas * {other}.gpusPerReplica {beats} {demand})"
+            )
+        counted = f"(!has({role}.colocationGroup) || !({' || '.join(larger)}))"
+        terms.append(f"(has({role}) && {counted} ? {demand} : 0)")
+    return " + ".join(terms)
+
+
+def _cel_mappings_within_gpus() -> str:
+    clauses = [
+        f"(!has(self.roles.{name}) || !has(self.roles.{name}.deviceMapping) || "
+        f"self.roles.{name}.deviceMapping.all(i, i < self.gpus))"
+        for name in ROLE_FIELDS
+    ]
+    return "!has(self.gpus) || (" + " && ".join(clauses) + ")"
+
+
+@rules.attach(
+    rules.Rule(
+        name="rl-colocated-roles-fit",
+        field="gpus",
+        cel=f"!has(self.gpus) || {_cel_gpus_needed()} <= self.gpus",
+        holds=lambda s: s.gpus is None or count_gpus_needed(s.roles) <= s.gpus,
+        message="must hold the roles: dedicated roles add up, each colocation group needs its largest role",
+        detail=lambda s: f"roles need {count_gpus_needed(s.roles)}, gpus is {s.gpus}",
+        fix="raise gpus, lower role replicas, or colocate roles in one group",
+    ),
+    rules.Rule(
+        name="rl-device-mapping-within-gpus",
+        field="roles",
+        cel=_cel_mappings_within_gpus(),
+        holds=lambda s: s.gpus is None
+        or all(i < s.gpus for _, r in list_roles(s.roles) for i in (r.device_mapping or [])),
+        message="deviceMapping indices must be below gpus",
+        detail=lambda s: f"gpus is {s.gpus}",
+        fix="use GPU indices 0 .. gpus-1, or raise gpus",
+    ),
+)
 class RLJobSpec(JobCommon):
     model: ModelSpec = Field(default_factory=ModelSpec)
     roles: Roles = Field(default_factory=Roles)

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from huorn.api import rules
 from huorn.api.base import ApiModel, DnsLabel
 from huorn.api.common import JobCommon, JobStatus
 
@@ -23,6 +24,17 @@ class TeacherRef(ApiModel):
     kl_weight: float = Field(default=0.2, ge=0, le=100, description="γ in CE + γ·KL (DDK).")
 
 
+@rules.attach(
+    rules.Rule(
+        name="task-teacher-iff-distill",
+        field="teacher",
+        cel="(self.kind == 'distill') == has(self.teacher)",
+        holds=lambda t: (t.kind == TaskKind.DISTILL) == (t.teacher is not None),
+        message="is required when kind is distill, and only then",
+        detail=lambda t: f"kind is {t.kind.value}, teacher is {'set' if t.teacher else 'missing'}",
+        fix="give teacher.checkpoint for distill, or remove teacher for pretrain and cpt",
+    ),
+)
 class Task(ApiModel):
     kind: TaskKind = TaskKind.PRETRAIN
     teacher: TeacherRef | None = Field(default=None, description="Required when kind is distill.")
@@ -35,6 +47,26 @@ class KvSharing(StrEnum):
     FUSEDKV_LITE = "fusedkv-lite"
 
 
+@rules.attach(
+    rules.Rule(
+        name="moe-prototypes-divide-experts",
+        field="prototypes",
+        cel="self.experts % self.prototypes == 0",
+        holds=lambda m: m.experts % m.prototypes == 0,
+        message="must divide experts, so that every prototype holds the same number of experts",
+        detail=lambda m: f"{m.experts} experts, {m.prototypes} prototypes",
+        fix="choose prototypes among the divisors of experts",
+    ),
+    rules.Rule(
+        name="moe-top-k",
+        field="topK",
+        cel="self.prototypes == 1 ? self.topK <= self.experts : self.topK == 1",
+        holds=lambda m: m.top_k <= m.experts if m.prototypes == 1 else m.top_k == 1,
+        message="must be 1 with prototypes (top-1 inside each prototype), otherwise ≤ experts",
+        detail=lambda m: f"topK {m.top_k}, prototypes {m.prototypes}, experts {m.experts}",
+        fix="set topK to 1 when prototypes > 1, or to at most experts with prototypes 1",
+    ),
+)
 class MoE(ApiModel):
     experts: int = Field(ge=2, le=1024)
     prototypes: int = Field(default=1, ge=1, le=64, description="Expert groups (M6-T prototyping).")
@@ -43,6 +75,44 @@ class MoE(ApiModel):
     balance_loss_weight: float = Field(default=0.01, ge=0, le=10)
 
 
+@rules.attach(
+    rules.Rule(
+        name="model-width-divisible-by-heads",
+        field="width",
+        cel="self.width % self.heads == 0",
+        holds=lambda m: m.width % m.heads == 0,
+        message="must be divisible by heads",
+        detail=lambda m: f"{m.width} % {m.heads} = {m.width % m.heads}",
+        fix="make width a multiple of heads",
+    ),
+    rules.Rule(
+        name="model-head-dim-even",
+        field="width",
+        cel="self.width % self.heads != 0 || (self.width / self.heads) % 2 == 0",
+        holds=lambda m: m.width % m.heads != 0 or (m.width // m.heads) % 2 == 0,
+        message="divided by heads must be even, because rotary embeddings rotate channel pairs",
+        detail=lambda m: f"head dimension {m.width // m.heads}",
+        fix="make width a multiple of 2 × heads",
+    ),
+    rules.Rule(
+        name="model-kv-heads-divide-heads",
+        field="kvHeads",
+        cel="!has(self.kvHeads) || self.heads % self.kvHeads == 0",
+        holds=lambda m: m.kv_heads is None or m.heads % m.kv_heads == 0,
+        message="must divide heads, so that query heads share key/value heads evenly",
+        detail=lambda m: f"{m.heads} heads, {m.kv_heads} kvHeads",
+        fix="choose kvHeads among the divisors of heads, or leave it out for plain attention",
+    ),
+    rules.Rule(
+        name="model-kv-sharing-layers",
+        field="kvSharing",
+        cel="self.kvSharing == 'none' || self.layers >= 2",
+        holds=lambda m: m.kv_sharing == KvSharing.NONE or m.layers >= 2,
+        message="needs at least 2 layers, since the upper half of the layers reuses the lower half's KV",
+        detail=lambda m: f"{m.layers} layer",
+        fix="use kvSharing none, or 2 or more layers",
+    ),
+)
 class ModelSpec(ApiModel):
     layers: int = Field(default=4, ge=1, le=256)
     width: int = Field(default=128, ge=8, le=65536, description="Hidden size (d_model).")
@@ -60,6 +130,26 @@ class DataSource(ApiModel):
     path: str | None = None
 
 
+@rules.attach(
+    rules.Rule(
+        name="data-source-names-unique",
+        field="sources",
+        cel="self.sources.all(s, self.sources.exists_one(t, t.name == s.name))",
+        holds=lambda d: len({s.name for s in d.sources}) == len(d.sources),
+        message="must have distinct names",
+        detail=lambda d: ", ".join(s.name for s in d.sources),
+        fix="merge sources of the same name or rename one",
+    ),
+    rules.Rule(
+        name="data-manual-weights",
+        field="sources",
+        cel="self.mixture == 'auto' || self.sources.exists(s, s.weight > 0.0)",
+        holds=lambda d: d.mixture == "auto" or any(s.weight > 0 for s in d.sources),
+        message="need at least one positive weight when mixture is manual",
+        detail=lambda d: "all weights are 0",
+        fix="give a source a weight above 0, or set mixture: auto",
+    ),
+)
 class DataSpec(ApiModel):
     sources: list[DataSource] = Field(
         default_factory=lambda: [DataSource(name="general")], min_length=1, max_length=64
@@ -84,6 +174,25 @@ class BatchRule(StrEnum):
     GOODPUT = "goodput"  # the scheduler picks batch and lr together (AdaScale)
 
 
+@rules.attach(
+    rules.Rule(
+        name="optimization-steps-or-tokens",
+        field="steps",
+        cel="has(self.steps) || has(self.tokens)",
+        holds=lambda o: o.steps is not None or o.tokens is not None,
+        message="is missing and so is tokens, so training would never end",
+        fix="set steps (optimizer steps) or tokens (training tokens)",
+    ),
+    rules.Rule(
+        name="optimization-micro-le-global",
+        field="microBatch",
+        cel="self.microBatch <= self.globalBatch",
+        holds=lambda o: o.micro_batch <= o.global_batch,
+        message="must be ≤ globalBatch",
+        detail=lambda o: f"{o.micro_batch} > {o.global_batch}",
+        fix="lower microBatch or raise globalBatch",
+    ),
+)
 class Optimization(ApiModel):
     global_batch: int = Field(default=16, ge=1, le=1 << 24, description="Sequences per optimizer step.")
     micro_batch: int = Field(default=4, ge=1, le=1 << 20, description="Sequences per forward pass.")
@@ -103,17 +212,56 @@ class PipelineSchedule(StrEnum):
     AUTO = "auto"
 
 
+@rules.attach(
+    rules.Rule(
+        name="parallelism-k-needs-kfkb",
+        field="k",
+        cel="self.schedule == 'kfkb' || self.k == 1",
+        holds=lambda p: p.schedule == PipelineSchedule.KFKB or p.k == 1,
+        message="must be 1 unless schedule is kfkb",
+        detail=lambda p: f"k {p.k} with schedule {p.schedule.value}",
+        fix="set schedule: kfkb, or k: 1",
+    ),
+)
 class Parallelism(ApiModel):
     pipeline_stages: int = Field(default=1, ge=1, le=128)
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     k: int = Field(default=1, ge=1, le=64, description="Micro-batches per group in kFkB.")
 
 
+@rules.attach(
+    rules.Rule(
+        name="training-stages-le-layers",
+        field="parallelism.pipelineStages",
+        cel="self.parallelism.pipelineStages <= self.model.layers",
+        holds=lambda s: s.parallelism.pipeline_stages <= s.model.layers,
+        message="must be ≤ model.layers, since every stage holds at least one layer",
+        detail=lambda s: f"{s.parallelism.pipeline_stages} > {s.model.layers}",
+        fix="lower pipelineStages or add layers",
+    ),
+    rules.Rule(
+        name="training-fixed-batch-divisible",
+        field="optimization.globalBatch",
+        cel=(
+            "self.elasticity.policy != 'fixed' || self.optimization.globalBatch % "
+            "(self.optimization.microBatch * self.elasticity.minReplicas) == 0"
+        ),
+        holds=lambda s: s.elasticity.policy != "fixed"
+        or s.optimization.global_batch % (s.optimization.micro_batch * s.elasticity.min_replicas) == 0,
+        message="must be divisible by microBatch × minReplicas when elasticity.policy is fixed",
+        detail=lambda s: (
+            f"{s.optimization.global_batch} % ({s.optimization.micro_batch} × {s.elasticity.min_replicas})"
+            f" = {s.optimization.global_batch % (s.optimization.micro_batch * s.elasticity.min_replicas)}"
+        ),
+        fix="make globalBatch a multiple of microBatch × minReplicas, or use policy goodput",
+    ),
+)
 class TrainingJobSpec(JobCommon):
     task: Task = Field(default_factory=Task)
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)
-    optimization: Optimization = Field(default_factory=Optimization)
+    # NB: the default carries steps, because an Optimization without steps or tokens is invalid.
+    optimization: Optimization = Field(default_factory=lambda: Optimization(steps=100))
     parallelism: Parallelism = Field(default_factory=Parallelism)
 
 

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from huorn.api import rules
 from huorn.api.base import ApiModel, DnsLabel
 from huorn.api.common import Condition
 
@@ -14,11 +15,32 @@ class LabelSelector(ApiModel):
     match_labels: dict[str, str] = Field(default_factory=dict)
 
 
+@rules.attach(
+    rules.Rule(
+        name="members-selector-or-nodes",
+        field="",
+        cel="has(self.nodeSelector) || (has(self.nodes) && size(self.nodes) > 0)",
+        holds=lambda m: m.node_selector is not None or bool(m.nodes),
+        message="need a nodeSelector or a non-empty list of nodes",
+        fix="set members.nodeSelector.matchLabels or list members.nodes",
+    ),
+)
 class Members(ApiModel):
     node_selector: LabelSelector | None = None
     nodes: list[str] | None = Field(default=None, max_length=10000)
 
 
+@rules.attach(
+    rules.Rule(
+        name="lending-max-needs-lendable",
+        field="maxGPUsLent",
+        cel="self.lendable || self.maxGPUsLent == 0",
+        holds=lambda lending: lending.lendable or lending.max_gpus_lent == 0,
+        message="must be 0 unless lendable is true",
+        detail=lambda lending: f"maxGPUsLent {lending.max_gpus_lent} with lendable false",
+        fix="set lendable: true, or maxGPUsLent: 0",
+    ),
+)
 class Lending(ApiModel):
     lendable: bool = False
     max_gpus_lent: int = Field(default=0, ge=0, alias="maxGPUsLent")
