@@ -30,3 +30,5 @@ def main(
 
 
 # Subcommand registrations: one line per command, each from its own module.
+from huorn.cli import graph as _graph_cli  # noqa: E402, I001
+app.command("graph")(_graph_cli.graph_command)

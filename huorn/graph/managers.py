@@ -1,0 +1,136 @@
+"""Vertex and edge managers: plug-ins that turn events and statistics into graph mutations.
+
+Fangorn attaches a manager to each vertex and edge; later work (remediation, mixture planning,
+distillation) adds behaviour by registering a manager, without touching the graph core, the
+backends or the monitor loop. A manager is keyed by a vertex role or an edge kind, or by "*" to
+see every event, and returns the mutations it made so the caller can apply and report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from huorn.graph import mutate
+from huorn.graph.model import Graph, Mutation
+
+# Event types the built-in managers understand.
+SCHEDULER_DECISION = "scheduler.decision"  # data: replicas, reason, [remove]
+INSTANCE_FAILED = "instance.failed"  # data: instance, reason
+EDGE_FIRED = "edge.fired"  # data: step, path (a checkpoint edge fires when a checkpoint lands)
+VERTEX_COMPLETED = "vertex.completed"  # data: reason
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str
+    target: str  # a vertex name or an edge key (source->target:kind)
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class Manager(Protocol):
+    def handle(self, graph: Graph, event: Event) -> list[Mutation]: ...
+
+
+def _done(m: Mutation | None) -> list[Mutation]:
+    return [m] if m is not None else []
+
+
+class TrainerManager:
+    """Resizes the trainer gang when the scheduler decides on a new replica count."""
+
+    def handle(self, graph: Graph, event: Event) -> list[Mutation]:
+        if event.type != SCHEDULER_DECISION:
+            return []
+        reason = event.data.get("reason") or f"scheduler chose {event.data['replicas']} replicas"
+        return _done(
+            mutate.resize(
+                graph,
+                event.target,
+                int(event.data["replicas"]),
+                reason=reason,
+                remove=event.data.get("remove"),
+            )
+        )
+
+
+class InstanceManager:
+    """Replaces a failed instance of any vertex with a new generation (remediation's last rung)."""
+
+    def handle(self, graph: Graph, event: Event) -> list[Mutation]:
+        if event.type != INSTANCE_FAILED:
+            return []
+        reason = event.data.get("reason") or f"instance {event.data['instance']} failed"
+        return [mutate.replace_instance(graph, event.data["instance"], reason=reason)]
+
+
+class CheckpointEdgeManager:
+    """Starts the consumer of a checkpoint edge (an eval) when the producer writes a checkpoint,
+    and hands it the checkpoint's step and path as parameters."""
+
+    def handle(self, graph: Graph, event: Event) -> list[Mutation]:
+        edge = next((e for e in graph.edges if e.key == event.target), None)
+        if event.type != EDGE_FIRED or edge is None:
+            return []
+        step = event.data.get("step")
+        out = _done(
+            mutate.set_param(
+                graph,
+                edge.target,
+                "checkpoint",
+                dict(event.data),
+                reason=f"checkpoint of step {step} landed on {edge.key}",
+            )
+        )
+        return out + _done(
+            mutate.set_active(
+                graph, edge.target, True, reason=f"{edge.kind} edge from {edge.source} fired at step {step}"
+            )
+        )
+
+
+class OnDemandManager:
+    """Parks an on-demand vertex again when its work is done, releasing its resources."""
+
+    def handle(self, graph: Graph, event: Event) -> list[Mutation]:
+        if event.type != VERTEX_COMPLETED:
+            return []
+        return _done(
+            mutate.set_active(graph, event.target, False, reason=event.data.get("reason") or "completed")
+        )
+
+
+class ManagerSet:
+    """The managers of one graph, by vertex role and by edge kind."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, list[Manager]] = {}
+
+    def add(self, key: str, manager: Manager) -> None:
+        """Attach a manager to a vertex role, an edge kind (prefix `edge:`), or "*" for all."""
+        self._by_key.setdefault(key, []).append(manager)
+
+    def managers_for(self, graph: Graph, target: str) -> list[Manager]:
+        if target in graph.vertices:
+            keys = [graph.vertices[target].role]
+        else:
+            keys = [f"edge:{e.kind}" for e in graph.edges if e.key == target]
+            if not keys:
+                raise KeyError(
+                    f"event target {target!r} is neither a vertex nor an edge of graph {graph.name!r}"
+                )
+        return [m for k in [*keys, "*"] for m in self._by_key.get(k, [])]
+
+    def dispatch(self, graph: Graph, event: Event) -> list[Mutation]:
+        """Let every manager of the target react; return all mutations in the order made."""
+        return [m for manager in self.managers_for(graph, event.target) for m in manager.handle(graph, event)]
+
+
+def build_default_managers() -> ManagerSet:
+    managers = ManagerSet()
+    managers.add("trainer", TrainerManager())
+    managers.add("server", TrainerManager())  # an InferenceJob's servers resize the same way
+    managers.add("edge:checkpoint", CheckpointEdgeManager())
+    managers.add("eval", OnDemandManager())
+    managers.add("*", InstanceManager())
+    return managers

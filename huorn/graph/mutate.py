@@ -1,0 +1,161 @@
+"""The mutation API: every run-time change to a graph goes through here.
+
+Each function changes the graph, bumps its version once and appends one log entry with the
+reason and the time from the graph's injected clock. Funnelling every change through one place
+is what lets the operator write "why is this job at 2 replicas" into status and Events, and lets
+a backend diff two versions instead of guessing what changed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from huorn.graph.model import Edge, Graph, Instance, Mutation, Vertex, build_instances
+
+
+def _record(graph: Graph, action: str, target: str, reason: str, detail: dict[str, Any]) -> Mutation:
+    if not reason.strip():
+        raise ValueError(f"a {action} of {target!r} needs a reason: say why, it goes into status and Events")
+    graph.version += 1
+    mutation = Mutation(graph.version, graph.clock(), action, target, reason, detail)
+    graph.log.append(mutation)
+    graph.mutation_count += 1
+    graph.action_counts[action] = graph.action_counts.get(action, 0) + 1
+    return mutation
+
+
+def resize(
+    graph: Graph, vertex: str, replicas: int, *, reason: str, remove: list[str] | None = None
+) -> Mutation | None:
+    """Set a vertex's replica count; None when it already has that many (no version bump).
+
+    `remove` names the instances to drop when shrinking (a reclaim picks the cheapest workers to
+    lose); without it the highest ordinals go, which keeps ordinals dense for the survivors.
+    """
+    v = graph.vertex(vertex)
+    if not v.min_replicas <= replicas <= v.max_replicas:
+        raise ValueError(
+            f"replicas={replicas} for vertex {vertex!r} is outside its range "
+            f"[{v.min_replicas}, {v.max_replicas}] (elasticity.minReplicas..maxReplicas)"
+        )
+    before = v.replicas
+    if replicas == before:
+        return None
+    if replicas > before:
+        used = {i.ordinal for i in v.instances}
+        free = (o for o in range(replicas + len(used)) if o not in used)
+        added = [Instance(vertex, next(free)) for _ in range(replicas - before)]
+        v.instances = sorted([*v.instances, *added], key=lambda i: i.ordinal)
+        detail: dict[str, Any] = {"from": before, "to": replicas, "added": [i.name for i in added]}
+    else:
+        names = (
+            remove
+            if remove is not None
+            else [i.name for i in sorted(v.instances, key=lambda i: i.ordinal)][replicas:]
+        )
+        unknown = set(names) - {i.name for i in v.instances}
+        if unknown or len(names) != before - replicas:
+            raise ValueError(
+                f"remove={names} must name exactly {before - replicas} current instances of {vertex!r}"
+                f" (it has {[i.name for i in v.instances]})"
+            )
+        v.instances = [i for i in v.instances if i.name not in names]
+        detail = {"from": before, "to": replicas, "removed": sorted(names)}
+    return _record(graph, "resize", vertex, reason, detail)
+
+
+def find_instance(graph: Graph, name: str) -> tuple[Vertex, int]:
+    for v in graph.vertices.values():
+        for index, instance in enumerate(v.instances):
+            if instance.name == name:
+                return v, index
+    raise KeyError(f"graph {graph.name!r} has no instance {name!r}; it has {graph.instance_names()}")
+
+
+def replace_instance(graph: Graph, name: str, *, reason: str) -> Mutation:
+    """Swap one instance for a fresh one with the same ordinal and the next generation."""
+    v, index = find_instance(graph, name)
+    old = v.instances[index]
+    new = Instance(old.vertex, old.ordinal, old.generation + 1)
+    v.instances[index] = new
+    return _record(graph, "replace", v.name, reason, {"old": old.name, "new": new.name})
+
+
+def insert_vertices(graph: Graph, vertices: list[Vertex], edges: list[Edge], *, reason: str) -> Mutation:
+    """Add vertices and the edges that connect them, as one mutation (one version)."""
+    clash = [v.name for v in vertices if v.name in graph.vertices]
+    if clash:
+        raise ValueError(f"vertices {clash} already exist in graph {graph.name!r}; pick new names")
+    known = set(graph.vertices) | {v.name for v in vertices}
+    for e in edges:
+        for end in (e.source, e.target):
+            if end not in known:
+                raise ValueError(
+                    f"edge {e.key} refers to vertex {end!r}, which neither exists nor is inserted"
+                )
+    for v in vertices:
+        if not v.instances and v.active:
+            v.instances = build_instances(v.name, v.min_replicas)
+        graph.vertices[v.name] = v
+    graph.edges.extend(edges)
+    detail = {"vertices": [v.name for v in vertices], "edges": [e.key for e in edges]}
+    return _record(graph, "insert", ",".join(v.name for v in vertices), reason, detail)
+
+
+def set_active(graph: Graph, vertex: str, active: bool, *, reason: str) -> Mutation | None:
+    """Start or stop a vertex (an on-demand eval when a checkpoint edge fires, for instance)."""
+    v = graph.vertex(vertex)
+    if v.active == active:
+        return None
+    v.active = active
+    if active and not v.instances:
+        v.instances = build_instances(v.name, max(v.min_replicas, 1))
+    if not active:
+        v.instances = []
+    return _record(graph, "activate" if active else "deactivate", vertex, reason, {})
+
+
+def choose_branch(graph: Graph, branch: str, option: str, *, reason: str) -> Mutation | None:
+    """Run one option of a choice point and park the others."""
+    try:
+        b = graph.branches[branch]
+    except KeyError:
+        raise KeyError(
+            f"graph {graph.name!r} has no branch {branch!r}; it has {sorted(graph.branches)}"
+        ) from None
+    if option not in b.options:
+        raise ValueError(f"branch {branch!r} has no option {option!r}; choose one of {sorted(b.options)}")
+    if b.chosen == option:
+        return None
+    b.chosen = option
+    for name, members in b.options.items():
+        for vertex in members:
+            v = graph.vertex(vertex)
+            v.active = name == option
+            if v.active and not v.instances:
+                v.instances = build_instances(vertex, max(v.min_replicas, 1))
+            if not v.active:
+                v.instances = []
+    return _record(graph, "choose", branch, reason, {"option": option})
+
+
+def set_param(graph: Graph, target: str, key: str, value: Any, *, reason: str) -> Mutation | None:
+    """Set a parameter of a vertex (by name) or an edge (by its `source->target:kind` key)."""
+    params = _params_of(graph, target)
+    if key in params and params[key] == value:
+        return None
+    old = copy.deepcopy(params.get(key))
+    params[key] = value
+    return _record(graph, "set-param", target, reason, {"key": key, "old": old, "new": value})
+
+
+def _params_of(graph: Graph, target: str) -> dict[str, Any]:
+    if target in graph.vertices:
+        return graph.vertices[target].params
+    for e in graph.edges:
+        if e.key == target:
+            return e.params
+    raise KeyError(
+        f"{target!r} is neither a vertex {sorted(graph.vertices)} nor an edge {[e.key for e in graph.edges]}"
+    )

@@ -1,0 +1,181 @@
+"""The mutation API, the managers, and the serialised status (round trip and size bound)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from huorn import graph
+from huorn.graph import managers, model, mutate, serialise
+
+
+class FakeClock:
+    """An injected clock: each reading advances one second, so log times are predictable."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self._ticks = itertools.count(start)
+
+    def __call__(self) -> float:
+        return float(next(self._ticks))
+
+
+def build_graph(lo: int = 1, hi: int = 4, eval_vertex: bool = False) -> model.Graph:
+    annotations = {"huorn.io/eval": "true"} if eval_vertex else {}
+    g = graph.compile(
+        {
+            "apiVersion": "huorn.io/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": "demo", "annotations": annotations},
+            "spec": {"virtualCluster": "train", "elasticity": {"minReplicas": lo, "maxReplicas": hi}},
+        }
+    )
+    g.clock = FakeClock()
+    return g
+
+
+def test_each_mutation_bumps_version_once_and_logs_reason_and_time() -> None:
+    g = build_graph()
+    mutate.resize(g, "trainer", 3, reason="goodput says 3")
+    mutate.replace_instance(g, "trainer-1", reason="worker exited -9")
+    mutate.set_param(g, "trainer", "k", 2, reason="kFkB planner")
+    assert g.version == 4
+    assert [(m.version, m.time, m.action, m.reason) for m in g.log] == [
+        (2, 1000.0, "resize", "goodput says 3"),
+        (3, 1001.0, "replace", "worker exited -9"),
+        (4, 1002.0, "set-param", "kFkB planner"),
+    ]
+    assert [i.name for i in g.vertex("trainer").instances] == ["trainer-0", "trainer-1-g1", "trainer-2"]
+    assert g.action_counts == {"resize": 1, "replace": 1, "set-param": 1}
+
+
+def test_noop_mutations_do_not_bump_version() -> None:
+    g = build_graph()
+    assert mutate.resize(g, "trainer", 1, reason="same") is None
+    assert mutate.set_param(g, "trainer", "k", 1, reason="same") is None
+    assert g.version == 1 and g.log == []
+
+
+def test_resize_outside_range_names_the_field() -> None:
+    g = build_graph(lo=1, hi=2)
+    with pytest.raises(ValueError, match=r"elasticity.minReplicas..maxReplicas"):
+        mutate.resize(g, "trainer", 3, reason="too many")
+    with pytest.raises(ValueError, match="needs a reason"):
+        mutate.resize(g, "trainer", 2, reason=" ")
+    assert g.version == 1
+
+
+def test_shrink_removes_named_instances_and_regrow_reuses_free_ordinals() -> None:
+    g = build_graph()
+    mutate.resize(g, "trainer", 4, reason="grow")
+    mutate.resize(g, "trainer", 2, reason="reclaim", remove=["trainer-1", "trainer-2"])
+    assert [i.name for i in g.vertex("trainer").instances] == ["trainer-0", "trainer-3"]
+    mutate.resize(g, "trainer", 3, reason="regrow")
+    assert [i.ordinal for i in g.vertex("trainer").instances] == [0, 1, 3]
+    with pytest.raises(ValueError, match="must name exactly"):
+        mutate.resize(g, "trainer", 2, reason="bad", remove=["trainer-9"])
+
+
+def test_insert_vertices_and_choose_branch() -> None:
+    g = build_graph()
+    fast = model.Vertex("distill-a", "distill", 1, 1, mode=model.ExecutionMode.ON_DEMAND, active=False)
+    slow = model.Vertex("distill-b", "distill", 1, 1, mode=model.ExecutionMode.ON_DEMAND, active=False)
+    edges = [
+        model.Edge("trainer", "distill-a", "checkpoint"),
+        model.Edge("trainer", "distill-b", "checkpoint"),
+    ]
+    mutate.insert_vertices(g, [fast, slow], edges, reason="teacher ready")
+    g.branches["teacher"] = model.Branch("teacher", {"small": ["distill-a"], "large": ["distill-b"]})
+    mutate.choose_branch(g, "teacher", "large", reason="upstream output is 2 GiB")
+    assert g.vertex("distill-b").active and g.vertex("distill-b").replicas == 1
+    assert not g.vertex("distill-a").active
+    mutate.choose_branch(g, "teacher", "small", reason="flip")
+    assert g.vertex("distill-a").replicas == 1 and g.vertex("distill-b").replicas == 0
+    with pytest.raises(ValueError, match="already exist"):
+        mutate.insert_vertices(g, [model.Vertex("trainer", "x", 1, 1)], [], reason="dup")
+    with pytest.raises(ValueError, match="neither exists"):
+        mutate.insert_vertices(g, [], [model.Edge("trainer", "ghost", "x")], reason="dangling")
+
+
+def test_managers_resize_on_decision_and_replace_on_failure() -> None:
+    g = build_graph()
+    ms = managers.build_default_managers()
+    done = ms.dispatch(g, managers.Event(managers.SCHEDULER_DECISION, "trainer", {"replicas": 2}))
+    assert [m.action for m in done] == ["resize"] and g.vertex("trainer").replicas == 2
+    done = ms.dispatch(
+        g, managers.Event(managers.INSTANCE_FAILED, "trainer", {"instance": "trainer-0", "reason": "SIGKILL"})
+    )
+    assert [m.detail for m in done] == [{"old": "trainer-0", "new": "trainer-0-g1"}]
+
+
+def test_checkpoint_edge_firing_starts_eval_and_completion_parks_it() -> None:
+    g = build_graph(eval_vertex=True)
+    ms = managers.build_default_managers()
+    done = ms.dispatch(
+        g,
+        managers.Event(
+            managers.EDGE_FIRED, "trainer->eval:checkpoint", {"step": 40, "path": "/ckpt/step-40"}
+        ),
+    )
+    assert [m.action for m in done] == ["set-param", "activate"]
+    assert g.vertex("eval").active and g.vertex("eval").params["checkpoint"]["step"] == 40
+    ms.dispatch(g, managers.Event(managers.VERTEX_COMPLETED, "eval", {"reason": "eval done"}))
+    assert not g.vertex("eval").active and g.vertex("eval").replicas == 0
+    with pytest.raises(KeyError, match="neither a vertex nor an edge"):
+        ms.dispatch(g, managers.Event(managers.EDGE_FIRED, "nowhere", {}))
+
+
+def test_status_round_trip_is_exact_when_log_fits() -> None:
+    g = build_graph(eval_vertex=True)
+    mutate.resize(g, "trainer", 3, reason="grow")
+    mutate.replace_instance(g, "trainer-2", reason="crash")
+    status = serialise.to_status(g)
+    assert status["summary"]["logDropped"] == 0
+    assert serialise.from_status(status, clock=g.clock) == g
+
+
+# A random walk over the mutation API; each step is (operation, argument).
+_OPS = st.lists(
+    st.tuples(st.sampled_from(["resize", "replace", "param"]), st.integers(0, 7), st.text(max_size=300)),
+    max_size=120,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_OPS, budget=st.integers(3000, 20000))
+def test_serialised_status_respects_bound_and_keeps_totals(ops: list, budget: int) -> None:
+    g = build_graph(lo=1, hi=8)
+    for op, n, text in ops:
+        trainer = g.vertex("trainer")
+        reason = text.strip() or "random"
+        if op == "resize":
+            mutate.resize(g, "trainer", n + 1, reason=reason)
+        elif op == "replace":
+            mutate.replace_instance(g, trainer.instances[n % trainer.replicas].name, reason=reason)
+        else:
+            mutate.set_param(g, "trainer", "k", n, reason=reason)
+    status = serialise.to_status(g, max_bytes=budget)
+    assert serialise.measure(status) <= budget
+    back = serialise.from_status(status)
+    # Structure and totals survive whole; the log is the newest suffix of the real one.
+    assert back.vertices == g.vertices and back.edges == g.edges and back.version == g.version
+    assert back.mutation_count == len(g.log) and back.action_counts == g.action_counts
+    kept = len(back.log)
+    assert kept + status["summary"]["logDropped"] == len(g.log)
+    assert [m.version for m in back.log] == [m.version for m in g.log[len(g.log) - kept :]]
+
+
+def test_structure_over_budget_is_a_clear_error() -> None:
+    g = build_graph()
+    mutate.set_param(g, "trainer", "blob", "x" * 5000, reason="big")
+    with pytest.raises(serialise.GraphTooLarge, match="status budget"):
+        serialise.to_status(g, max_bytes=4096)
+
+
+def test_instance_encoding_is_compact_and_exact() -> None:
+    instances = [model.Instance("t", o) for o in range(4096)] + [model.Instance("t", 5000, 3)]
+    text = serialise.encode_instances(instances)
+    assert text == "0-4095,5000g3"
+    assert serialise.decode_instances("t", text) == instances
