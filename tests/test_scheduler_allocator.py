@@ -1,0 +1,169 @@
+"""The goodput allocator: invariants on random clusters and job mixes, plus behaviour cases."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from huorn.scheduler import allocator, goodput, perfmodel, snapshot
+from huorn.scheduler.placement import NodeView
+
+SCALES_WELL = perfmodel.PolluxParams(0.01, 0.01, 0.01, 0.0005, 0.05, 0.002, 3.0)
+SCALES_BADLY = perfmodel.PolluxParams(0.01, 0.001, 0.3, 0.05, 1.0, 0.2, 1.0)
+
+
+def build_perf(params: perfmodel.PolluxParams) -> perfmodel.PerfModel:
+    return perfmodel.PerfModel("transformer", prior=params)
+
+
+def build_snapshot(train_nodes: int = 2, infer_nodes: int = 0, lend: int = 0, borrow: int = 0
+                   ) -> snapshot.ClusterSnapshot:
+    nodes = [NodeView(f"t{i}", 8, 8, virtual_cluster="train") for i in range(train_nodes)]
+    nodes += [NodeView(f"i{i}", 8, 8, virtual_cluster="infer") for i in range(infer_nodes)]
+    vcs = [snapshot.VirtualClusterView("train", max_gpus_borrowed=borrow),
+           snapshot.VirtualClusterView("infer", purpose="inference", lendable=lend > 0, max_gpus_lent=lend)]
+    return snapshot.ClusterSnapshot(nodes, vcs)
+
+
+def build_job(name: str, params: perfmodel.PolluxParams = SCALES_WELL, **kw: object) -> allocator.JobView:
+    defaults = {"virtual_cluster": "train", "min_replicas": 1, "max_replicas": 16, "noise_scale": 4096.0,
+                "base_batch": 32.0}
+    defaults.update(kw)
+    return allocator.JobView(name, perf=build_perf(params), **defaults)  # type: ignore[arg-type]
+
+
+def test_gpus_go_where_they_add_most_goodput() -> None:
+    snap = build_snapshot()
+    decisions = allocator.Allocator().allocate(snap, [build_job("good"), build_job("bad", SCALES_BADLY)], 0)
+    got = {d.job: d for d in decisions}
+    assert got["good"].replicas > got["bad"].replicas >= 1
+    assert got["good"].replicas + got["bad"].replicas <= 16
+    assert got["good"].lr_scale is not None and got["good"].lr_scale > 1
+
+
+def test_low_noise_scale_keeps_batches_small() -> None:
+    """A job whose gradient noise is small gains little from a bigger batch, so it gets fewer GPUs."""
+    snap = build_snapshot()
+    jobs = [build_job("noisy"), build_job("quiet", noise_scale=8.0)]
+    got = {d.job: d for d in allocator.Allocator().allocate(snap, jobs, 0)}
+    assert got["noisy"].replicas > got["quiet"].replicas
+
+
+def test_priority_preempts_lower_and_pinned_jobs_are_never_shrunk() -> None:
+    snap = build_snapshot(train_nodes=1)
+    alloc = allocator.Allocator()
+    low = build_job("low", min_replicas=8, max_replicas=8, priority=10)
+    first = alloc.allocate(snap, [low], 0)
+    assert first[0].action == "admit"
+    low.replicas = 8
+    high = build_job("high", min_replicas=4, max_replicas=4, priority=60, submitted=1)
+    got = {d.job: d for d in alloc.allocate(snap, [low, high], 10)}
+    assert got["low"].action == "preempt" and got["high"].action == "admit"
+    assert "priority" in got["low"].reason
+
+    snap2 = build_snapshot(train_nodes=1)
+    pinned = build_job("pinned", min_replicas=2, max_replicas=8, priority=100)
+    alloc.allocate(snap2, [pinned], 0)
+    pinned.replicas = snap2.bindings()["pinned"].gpus_by_node["t0"]
+    urgent = build_job("urgent", min_replicas=8, max_replicas=8, priority=900)
+    got = {d.job: d for d in alloc.allocate(snap2, [pinned, urgent], 1000)}
+    assert got["pinned"].replicas == pinned.replicas
+    assert got["urgent"].action == "pending"
+
+
+def test_restart_penalty_and_cooldown_prevent_flapping() -> None:
+    snap = build_snapshot()
+    alloc = allocator.Allocator(allocator.AllocatorConfig(cooldown_seconds=600))
+    a = build_job("a")
+    d = alloc.allocate(snap, [a], 0)[0]
+    a.replicas, a.last_resize = d.replicas, 0.0
+    b = build_job("b", max_replicas=2, submitted=5)
+    # A small newcomer should not make `a` restart just to hand over a sliver of speedup.
+    for t in (10.0, 700.0, 1400.0):
+        got = {x.job: x for x in alloc.allocate(snap, [a, b], t)}
+        assert got["a"].action in ("keep", "shrink")
+        if got["a"].action == "shrink":
+            a.replicas, a.last_resize = got["a"].replicas, t
+        b.replicas = got["b"].replicas
+        for x in (a, b):
+            if x.name in snap.bindings() and x.replicas == 0:
+                snap.forget(x.name)
+    flips = alloc.allocate(snap, [a, b], 2000)
+    assert {x.action for x in flips} == {"keep"}
+
+
+def test_borrowing_uses_lent_gpus_only_within_limits() -> None:
+    snap = build_snapshot(train_nodes=1, infer_nodes=2, lend=6, borrow=4)
+    jobs = [build_job(f"j{i}", max_replicas=8) for i in range(3)]
+    allocator.Allocator().allocate(snap, jobs, 0)
+    assert snap.borrowed("train") <= 4 and snap.lent("infer") <= 4
+    assert sum(sum(b.gpus_by_node.values()) for b in snap.bindings().values()) == 12
+
+
+def test_adascale_gain_matches_efficiency() -> None:
+    assert goodput.adascale_gain(1000.0, 32, 32) == pytest.approx(1.0)
+    gain = goodput.adascale_gain(1000.0, 32, 128)
+    assert gain == pytest.approx(4 * (1000 + 32) / (1000 + 128))
+    assert 1 < gain < 4
+    with pytest.raises(ValueError, match="noise_scale"):
+        goodput.efficiency(-1.0, 32, 64)
+
+
+@st.composite
+def job_mixes(draw: st.DrawFn) -> tuple[snapshot.ClusterSnapshot, list[allocator.JobView], int, int]:
+    lend = draw(st.integers(0, 16))
+    borrow = draw(st.integers(0, 16))
+    snap = build_snapshot(draw(st.integers(1, 3)), draw(st.integers(0, 2)), lend, borrow)
+    jobs = []
+    for i in range(draw(st.integers(1, 8))):
+        lo = draw(st.integers(1, 4))
+        jobs.append(build_job(
+            f"j{i}", draw(st.sampled_from([SCALES_WELL, SCALES_BADLY])), min_replicas=lo,
+            max_replicas=lo + draw(st.integers(0, 12)), gpus_per_replica=draw(st.sampled_from([1, 2, 4])),
+            priority=draw(st.sampled_from([10, 50, 100])), submitted=float(i),
+            noise_scale=draw(st.floats(0, 10000))))
+    return snap, jobs, lend, borrow
+
+
+@settings(max_examples=60, deadline=None)
+@given(job_mixes())
+def test_invariants_hold_over_successive_cycles(case: tuple) -> None:
+    snap, jobs, lend, borrow = case
+    alloc = allocator.Allocator()
+    pinned_at: dict[str, int] = {}
+    for cycle in range(3):
+        decisions = alloc.allocate(snap, jobs, float(cycle * 1000))
+        bindings = snap.bindings()
+        by_job = {d.job: d for d in decisions}
+        assert set(by_job) == {j.name for j in jobs}
+        for job in jobs:
+            d = by_job[job.name]
+            if d.replicas:
+                assert job.min_replicas <= d.replicas <= job.max_replicas
+                used = sum(bindings[job.name].gpus_by_node.values())
+                assert used == d.replicas * job.gpus_per_replica
+                assert len(d.assignments) == d.replicas
+            else:
+                assert job.name not in bindings
+            if job.name in pinned_at:
+                assert d.replicas >= pinned_at[job.name]
+        assert all(n.gpus_free >= 0 for n in snap.node_views())
+        assert snap.borrowed("train") <= borrow
+        assert snap.lent("infer") <= lend
+        per_node = Counter[str]()
+        for b in bindings.values():
+            per_node.update(b.gpus_by_node)
+        assert all(v <= 8 for v in per_node.values())
+        for job in jobs:
+            job.replicas = by_job[job.name].replicas
+            job.last_resize = float(cycle * 1000)
+            if job.replicas and job.priority >= allocator.PINNED_PRIORITY:
+                pinned_at[job.name] = job.replicas
+        # Random new noise scales between cycles, as the runtime would report.
+        for job in jobs:
+            job.noise_scale = float(np.clip(job.noise_scale * 2, 0, 1e5))
+            job.model_version += 1
