@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from huorn.api import rules
 from huorn.api.base import API_VERSION, GROUP, VERSION, ObjectMeta
 from huorn.api.common import JobStatus
 from huorn.api.inference import InferenceJobSpec, InferenceJobStatus
@@ -130,6 +131,9 @@ class VirtualCluster(_Resource):
     status: VirtualClusterStatus | None = None
 
 
+# Any of the four typed resources, as huorn.api.manifests.load_manifest returns it.
+Resource = TrainingJob | RLJob | InferenceJob | VirtualCluster
+
 RESOURCE_MODELS: dict[str, type[_Resource]] = {
     "TrainingJob": TrainingJob,
     "RLJob": RLJob,
@@ -137,4 +141,7 @@ RESOURCE_MODELS: dict[str, type[_Resource]] = {
     "VirtualCluster": VirtualCluster,
 }
 
-__all__ = ["JOB_KINDS", "KINDS", "RESOURCE_MODELS", "JobStatus", "Kind", "PrinterColumn"]
+# Every cross-field rule with the model class it sits on (all model modules are imported above).
+RULES = rules.registered()
+
+__all__ = ["JOB_KINDS", "KINDS", "RESOURCE_MODELS", "RULES", "JobStatus", "Kind", "PrinterColumn", "Resource"]

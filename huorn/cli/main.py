@@ -32,3 +32,7 @@ def main(
 # Subcommand registrations: one line per command, each from its own module.
 from huorn.cli import graph as _graph_cli  # noqa: E402, I001
 app.command("graph")(_graph_cli.graph_command)
+from huorn.cli import crds as _crds_cli  # noqa: E402, I001
+app.command("crds")(_crds_cli.crds_command)
+from huorn.cli import validate as _validate_cli  # noqa: E402, I001
+app.command("validate")(_validate_cli.validate_command)

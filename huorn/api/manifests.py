@@ -1,0 +1,158 @@
+"""Load manifests into typed resources, with errors that name the field and the fix.
+
+The local runner, the operator and ``huorn validate`` all come through here, so a manifest is
+judged the same way everywhere, and the same way the API server judges it: nulls are pruned
+first (the server drops a null on a non-nullable field before defaulting), then the schema
+and the cross-field rules of huorn.api.rules apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import yaml
+
+from huorn.api import base, kinds, rules
+
+_KIND_NAMES = ", ".join(kinds.RESOURCE_MODELS)
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One problem: the wire path of the field (``spec.elasticity.minReplicas``) and what to do."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class ManifestError(ValueError):
+    """A manifest that Huorn refuses. ``errors`` lists every field at fault."""
+
+    def __init__(self, errors: list[FieldError], kind: str = "", name: str = "", source: str = "") -> None:
+        self.errors = errors
+        self.kind = kind
+        self.name = name
+        self.source = source
+        super().__init__(self._render())
+
+    @property
+    def subject(self) -> str:
+        """``Kind/name`` as kubectl prints it, with placeholders when either is unknown."""
+        return f"{self.kind or '<unknown kind>'}/{self.name or '<unnamed>'}"
+
+    def _render(self) -> str:
+        prefix = f"{self.source}: " if self.source else ""
+        return "\n".join(f"{prefix}{self.subject}: {error}" for error in self.errors)
+
+
+def prune_nulls(value: Any) -> Any:
+    """Drop null fields, as the API server does for non-nullable fields before defaulting."""
+    if isinstance(value, Mapping):
+        return {k: prune_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [prune_nulls(v) for v in value]
+    return value
+
+
+def format_location(loc: tuple[str | int, ...]) -> str:
+    """``('spec', 'env', 0, 'name')`` -> ``spec.env[0].name``."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text
+
+
+def _describe(error: Mapping[str, Any]) -> FieldError:
+    loc = tuple(error["loc"])
+    kind = error["type"]
+    if kind == rules.RULE_ERROR_TYPE:
+        ctx = error["ctx"]
+        field = tuple(ctx["field"].split(".")) if ctx["field"] else ()
+        return FieldError(format_location(loc + field), ctx["explanation"])
+    path = format_location(loc)
+    if kind == "extra_forbidden":
+        return FieldError(path, "unknown field; check its spelling and case against docs/api.md")
+    if kind == "missing":
+        return FieldError(path, "required field is missing")
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if "input" in error and kind not in ("value_error",) and not isinstance(error["input"], dict | list):
+        message += f" (got {error['input']!r})"
+    return FieldError(path, message)
+
+
+def describe_validation_error(error: pydantic.ValidationError) -> list[FieldError]:
+    """Turn pydantic's errors into FieldErrors with wire paths and actionable messages."""
+    return [_describe(e) for e in error.errors()]
+
+
+def load_manifest(source: Mapping[str, Any] | str | Path, origin: str = "") -> kinds.Resource:
+    """Parse and validate one manifest: a dict, or a path to a file holding exactly one document.
+
+    Raises ManifestError naming every field at fault. ``origin`` labels errors (a file name).
+    """
+    if isinstance(source, str | Path):
+        documents = list(read_documents(Path(source)))
+        if len(documents) != 1:
+            raise ManifestError(
+                [FieldError("", f"expected one YAML document, found {len(documents)}; "
+                                "use load_manifests for multi-document files")],
+                source=str(source),
+            )
+        return load_manifest(documents[0], origin=origin or str(source))
+    if not isinstance(source, Mapping):
+        problem = FieldError("", "a manifest must be a mapping with apiVersion, kind, metadata and spec")
+        raise ManifestError([problem], source=origin)
+    body = prune_nulls(source)
+    kind = str(body.get("kind", ""))
+    metadata = body.get("metadata")
+    name = str(metadata.get("name", "")) if isinstance(metadata, Mapping) else ""
+    if body.get("apiVersion") != base.API_VERSION:
+        raise ManifestError(
+            [FieldError("apiVersion", f"must be {base.API_VERSION} (got {body.get('apiVersion')!r})")],
+            kind=kind, name=name, source=origin,
+        )
+    model = kinds.RESOURCE_MODELS.get(kind)
+    if model is None:
+        raise ManifestError(
+            [FieldError("kind", f"{kind!r} is not a Huorn kind; use one of {_KIND_NAMES}")],
+            kind=kind, name=name, source=origin,
+        )
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as error:
+        raise ManifestError(describe_validation_error(error), kind=kind, name=name, source=origin) from None
+
+
+def read_documents(path: Path) -> Iterator[Any]:
+    """The YAML documents of a file, skipping empty ones (a trailing ``---``)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        problem = FieldError("", f"cannot read the file: {error.strerror}")
+        raise ManifestError([problem], source=str(path)) from None
+    try:
+        documents = list(yaml.safe_load_all(text))
+    except yaml.YAMLError as error:
+        raise ManifestError([FieldError("", f"not valid YAML: {error}")], source=str(path)) from None
+    yield from (doc for doc in documents if doc is not None)
+
+
+def load_manifests(path: Path) -> list[kinds.Resource | ManifestError]:
+    """Every document of a multi-document file, each loaded or the error it raised, in order."""
+    results: list[kinds.Resource | ManifestError] = []
+    for document in read_documents(path):
+        try:
+            results.append(load_manifest(document, origin=str(path)))
+        except ManifestError as error:
+            results.append(error)
+    return results

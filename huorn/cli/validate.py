@@ -1,0 +1,122 @@
+"""`huorn validate FILE_OR_DIR...`: offline validation of Huorn manifests.
+
+It judges a manifest exactly as the API server with Huorn's CRDs would (same schema, same
+cross-field rules, see huorn.api.manifests), so a user learns of a bad spec before applying it.
+Documents of other API groups (a Service next to a TrainingJob) are skipped, not failed, so a
+whole deployment directory can be checked; a huorn.io document of the wrong version still fails.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+
+from huorn.api import base, manifests
+
+EXIT_INVALID = 2
+
+
+class OutputFormat(StrEnum):
+    TEXT = "text"
+    JSON = "json"
+    YAML = "yaml"
+
+
+@dataclass
+class Verdict:
+    """The outcome for one document, in the shape -o json prints."""
+
+    file: str
+    kind: str
+    name: str
+    status: str  # ok | invalid | skipped
+    errors: list[dict[str, str]] = field(default_factory=list)
+
+
+def list_manifest_files(paths: list[Path]) -> tuple[list[Path], list[Verdict]]:
+    """Files to check (directories recurse into *.yaml and *.yml), and verdicts for bad paths."""
+    files: list[Path] = []
+    problems: list[Verdict] = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted({*path.rglob("*.yaml"), *path.rglob("*.yml")})
+            if not found:
+                problems.append(_path_problem(path, "no *.yaml files in this directory"))
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            problems.append(_path_problem(path, "no such file or directory"))
+    return files, problems
+
+
+def _path_problem(path: Path, message: str) -> Verdict:
+    return Verdict(str(path), "", "", "invalid", [{"path": "", "message": message}])
+
+
+def _is_foreign(document: Any) -> bool:
+    api_version = document.get("apiVersion") if isinstance(document, dict) else None
+    return isinstance(api_version, str) and api_version.split("/")[0] != base.GROUP
+
+
+def check_file(path: Path) -> list[Verdict]:
+    """One verdict per YAML document of the file (one for the file if it cannot be read)."""
+    try:
+        documents = list(manifests.read_documents(path))
+    except manifests.ManifestError as error:
+        return [Verdict(str(path), "", "", "invalid", [asdict(e) for e in error.errors])]
+    verdicts = []
+    for document in documents:
+        kind = str(document.get("kind", "")) if isinstance(document, dict) else ""
+        metadata = document.get("metadata") if isinstance(document, dict) else None
+        name = str(metadata.get("name", "")) if isinstance(metadata, dict) else ""
+        if _is_foreign(document):
+            verdicts.append(Verdict(str(path), kind, name, "skipped"))
+            continue
+        try:
+            manifests.load_manifest(document, origin=str(path))
+        except manifests.ManifestError as error:
+            verdicts.append(Verdict(str(path), kind, name, "invalid", [asdict(e) for e in error.errors]))
+        else:
+            verdicts.append(Verdict(str(path), kind, name, "ok"))
+    return verdicts
+
+
+def _print_text(verdicts: list[Verdict]) -> None:
+    for v in verdicts:
+        subject = f"{v.kind or '<unknown kind>'}/{v.name or '<unnamed>'}"
+        if v.status == "ok":
+            typer.echo(f"{v.file}: {subject}: ok")
+        elif v.status == "skipped":
+            typer.echo(f"{v.file}: {subject}: skipped (not a {base.GROUP} resource)")
+        else:
+            where = f"{v.file}: {subject}" if v.kind or v.name else v.file
+            for error in v.errors:
+                text = f"{error['path']}: {error['message']}" if error["path"] else error["message"]
+                typer.echo(f"{where}: {text}", err=True)
+
+
+def validate_command(
+    paths: list[Path] = typer.Argument(..., help="Manifest files or directories (recursing into *.yaml)."),
+    output: OutputFormat = typer.Option(OutputFormat.TEXT, "--output", "-o", help="text, json or yaml."),
+) -> None:
+    """Validate Huorn manifests offline, as the API server with the CRDs would; exit 2 if any is invalid."""
+    files, verdicts = list_manifest_files(paths)
+    for path in files:
+        verdicts.extend(check_file(path))
+    if output is OutputFormat.TEXT:
+        _print_text(verdicts)
+    else:
+        records = [asdict(v) for v in verdicts]
+        if output is OutputFormat.JSON:
+            typer.echo(json.dumps(records, indent=2))
+        else:
+            typer.echo(yaml.safe_dump(records, sort_keys=False).rstrip("\n"))
+    if any(v.status == "invalid" for v in verdicts):
+        raise typer.Exit(EXIT_INVALID)
