@@ -1,0 +1,128 @@
+"""Atomic, resharding checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout under the checkpoint root:
+
+    step-00000120/      complete checkpoints (DCP files + .metadata + huorn.json)
+    .tmp-step-00000140/ a checkpoint being written; never read, removed on the next start
+    latest              text file naming the newest complete checkpoint, replaced last
+
+Every rank writes its shards into the temporary directory, a barrier makes sure all are done,
+and only then does rank 0 rename the directory and replace `latest` (write + fsync + rename).
+A crash at any point leaves either the previous `latest` or the new one, never a partial
+checkpoint behind the pointer. DCP stores the model and optimizer as a sharded state dict
+keyed by fully qualified names, so a checkpoint written by N ranks loads at any other world
+size; under DDP the replicated tensors are de-duplicated on save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict as dcp_state
+
+_NAME = re.compile(r"^step-(\d{8})$")
+LATEST = "latest"
+META = "huorn.json"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file() and (path / META).is_file()
+
+
+def find_latest(root: Path) -> Path | None:
+    """The newest complete checkpoint: the one `latest` names, else the highest complete step
+    directory (covers a crash between the rename and the pointer update). Temporary and
+    incomplete directories are never returned."""
+    root = Path(root)
+    try:
+        named = root / (root / LATEST).read_text().strip()
+        candidates = [named] if _NAME.match(named.name) and is_complete(named) else []
+    except OSError:
+        candidates = []
+    if root.is_dir():
+        candidates += [p for p in root.iterdir() if _NAME.match(p.name) and is_complete(p)]
+    return max(candidates, key=lambda p: p.name, default=None)
+
+
+def read_meta(path: Path) -> dict:
+    return json.loads((Path(path) / META).read_text())
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    scratch = path.with_name(f".{path.name}.tmp")
+    with open(scratch, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(scratch, path)
+
+
+def remove_stale_temporaries(root: Path) -> list[Path]:
+    """Delete leftovers of interrupted saves; call on one rank before any rank saves again."""
+    root = Path(root)
+    stale = [p for p in root.glob(".tmp-step-*") if p.is_dir()] if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def build_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Model and optimizer state in DCP's canonical (FQN-keyed, DDP-unwrapped) form."""
+    model_state, optim_state = dcp_state.get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    meta: dict, rank: int, barrier: callable, keep: int = 3) -> Path:
+    """Collective: every rank calls it with the same step. Returns the final directory."""
+    root = Path(root)
+    final = root / checkpoint_name(step)
+    scratch = root / f".tmp-{checkpoint_name(step)}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    barrier()
+    dcp.save(build_state(model, optimizer), checkpoint_id=str(scratch))
+    if rank == 0:
+        _write_atomically(scratch / META, json.dumps({**meta, "step": step}, indent=2) + "\n")
+    barrier()
+    if rank == 0:
+        if is_complete(final):
+            shutil.rmtree(scratch, ignore_errors=True)  # the same step was saved before a restart
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(scratch, final)
+        _write_atomically(root / LATEST, final.name + "\n")
+        complete = sorted(p for p in root.iterdir() if _NAME.match(p.name) and is_complete(p))
+        for old in complete[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """Load into `model` (and `optimizer`) in place, at whatever world size is running now;
+    returns the checkpoint's huorn.json. Collective when a process group is initialised."""
+    path = Path(path)
+    if not is_complete(path):
+        raise ValueError(f"{path} is not a complete Huorn checkpoint (no .metadata or {META})")
+    if optimizer is None:
+        state = {"model": dcp_state.get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(path))
+        dcp_state.set_model_state_dict(model, state["model"])
+    else:
+        state = build_state(model, optimizer)
+        dcp.load(state, checkpoint_id=str(path))
+        dcp_state.set_state_dict(model, optimizer, model_state_dict=state["model"],
+                                 optim_state_dict=state["optimizer"])
+    return read_meta(path)

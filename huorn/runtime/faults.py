@@ -1,0 +1,77 @@
+"""Fault injection: make chosen ranks slow or hung, inside or outside collectives, on demand.
+
+The remediation detectors (hang and fail-slow) are tested against these, so each fault mimics
+one of C4's four classes: `slow-compute` and `hang-compute` act between collectives (a slow or
+stuck GPU kernel), `slow-comm` and `hang-collective` act inside the DDP communication hook
+after the collective's sequence number was entered (a slow link, a stuck NIC). Faults come from
+the run config and from `faults.json` in the run dir, which a harness may rewrite at any time;
+the file is re-read at every step and while a hang blocks, so removing a hang releases it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from huorn.runtime import config as run_config
+
+_HANG_POLL_S = 0.5
+
+
+class FaultInjector:
+    def __init__(self, configured: list[run_config.Fault], run_dir: Path, rank: int,
+                 replica: str | None) -> None:
+        self.configured = list(configured)
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.replica = replica
+        self.step = 0
+        self._file_faults: list[run_config.Fault] = []
+        self._file_mtime: float | None = None
+        self._lock = threading.Lock()
+
+    def refresh(self) -> None:
+        """Re-read the control file when it changed; a file that does not parse keeps the last
+        good set, so a harness caught mid-write cannot switch faults off by accident."""
+        path = self.run_dir / run_config.FAULTS_FILE
+        try:
+            mtime = os.stat(path).st_mtime_ns
+        except FileNotFoundError:
+            with self._lock:
+                self._file_faults, self._file_mtime = [], None
+            return
+        if mtime == self._file_mtime:
+            return
+        faults = run_config.read_faults_file(self.run_dir)
+        if faults is not None:
+            with self._lock:
+                self._file_faults, self._file_mtime = faults, mtime
+
+    def active(self, kind: str) -> run_config.Fault | None:
+        with self._lock:
+            candidates = [*self.configured, *self._file_faults]
+        for fault in candidates:
+            if fault.kind == kind and fault.applies(self.step, self.rank, self.replica):
+                return fault
+        return None
+
+    def _block_while(self, kind: str) -> None:
+        while self.active(kind) is not None:
+            time.sleep(_HANG_POLL_S)
+            self.refresh()
+
+    def before_compute(self) -> None:
+        """Called by the training loop at the start of every step's compute."""
+        slow = self.active("slow-compute")
+        if slow is not None:
+            time.sleep(slow.ms / 1000.0)
+        self._block_while("hang-compute")
+
+    def inside_collective(self) -> None:
+        """Called by the communication hook after entering a collective, before it runs."""
+        slow = self.active("slow-comm")
+        if slow is not None:
+            time.sleep(slow.ms / 1000.0)
+        self._block_while("hang-collective")

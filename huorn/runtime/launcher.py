@@ -1,0 +1,139 @@
+"""How Huorn starts an elastic gang: the torchrun command line, the agents' environment, the
+stand-alone rendezvous store, and killing a whole replica.
+
+Measured on torch 2.13 (see the team note on torchrun elastic), three choices make a gang on one
+host survive the loss of any replica, and they are all made here so every backend inherits them:
+
+1. The c10d rendezvous store runs in its own process (`python -m huorn.runtime.store`), not in
+   an agent, because the agent that hosts it is a single point of failure; agents connect with
+   `is_host=false` so none of them ever tries to host it.
+2. Each replica gets its own loopback address (`--local-addr 127.0.0.N`), so rank-0 bootstrap
+   addresses differ per replica exactly as they would on separate hosts.
+3. `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: with store sharing on, an agent that was not rank 0
+   keeps the bootstrap MASTER_ADDR/PORT of the first round forever, so after the old rank 0 dies
+   the survivors are told different MASTER_PORTs and hang in init_process_group. With sharing off,
+   rank 0 publishes a fresh address in every rendezvous round and everybody reads that one.
+
+Recovery time is governed by `monitor_interval` (how often an agent looks at its workers and at
+waiting nodes), the keep-alive settings (a dead agent leaves the rendezvous after interval ×
+attempts) and `last_call_timeout` (how long a round waits for latecomers once min is reached).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+
+@dataclass(frozen=True)
+class ElasticSettings:
+    """Rendezvous and restart knobs of one agent; the defaults favour fast recovery on one host."""
+
+    min_nodes: int
+    max_nodes: int
+    rdzv_endpoint: str
+    rdzv_id: str
+    nproc_per_node: int = 1
+    local_addr: str | None = None
+    monitor_interval: float = 0.5
+    last_call_timeout: int = 2
+    join_timeout: int = 300
+    close_timeout: int = 10
+    keep_alive_interval: int = 1
+    keep_alive_max_attempt: int = 3
+    read_timeout: int = 60
+    max_restarts: int = 100
+    extra_rdzv_conf: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(f"min_nodes ({self.min_nodes}) must be >= 1 and <= max_nodes ({self.max_nodes})")
+        if self.nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if ":" not in self.rdzv_endpoint:
+            raise ValueError(f"rdzv_endpoint {self.rdzv_endpoint!r} must be HOST:PORT of the rendezvous "
+                             "store")
+
+
+def build_rdzv_conf(settings: ElasticSettings) -> str:
+    conf = {
+        "is_host": "false",
+        "last_call_timeout": str(settings.last_call_timeout),
+        "join_timeout": str(settings.join_timeout),
+        "close_timeout": str(settings.close_timeout),
+        "keep_alive_interval": str(settings.keep_alive_interval),
+        "keep_alive_max_attempt": str(settings.keep_alive_max_attempt),
+        "read_timeout": str(settings.read_timeout),
+        **settings.extra_rdzv_conf,
+    }
+    return ",".join(f"{k}={v}" for k, v in conf.items())
+
+
+def build_torchrun_command(config_path: Path | str, settings: ElasticSettings,
+                           python: str = sys.executable) -> list[str]:
+    """argv of one torchrun agent (one replica) that runs the Huorn trainer on `config_path`."""
+    command = [
+        python, "-m", "torch.distributed.run",
+        f"--nnodes={settings.min_nodes}:{settings.max_nodes}",
+        f"--nproc-per-node={settings.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={settings.rdzv_endpoint}",
+        f"--rdzv-id={settings.rdzv_id}",
+        f"--rdzv-conf={build_rdzv_conf(settings)}",
+        f"--monitor-interval={settings.monitor_interval}",
+        f"--max-restarts={settings.max_restarts}",
+    ]
+    if settings.local_addr:
+        command.append(f"--local-addr={settings.local_addr}")
+    return [*command, "-m", "huorn.runtime.train", "--config", str(config_path)]
+
+
+def build_agent_env(replica: str, base_env: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of one agent: the replica's name (fault targeting, endpoint files) and the
+    store-sharing opt-out explained in the module docstring."""
+    env = dict(os.environ if base_env is None else base_env)
+    env.update({
+        "HUORN_REPLICA": replica,
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+    })
+    return env
+
+
+def build_store_command(host: str, port: int, port_file: Path | str | None = None,
+                        python: str = sys.executable) -> list[str]:
+    """argv of the stand-alone rendezvous store; port 0 picks a free one and writes it to port_file."""
+    command = [python, "-m", "huorn.runtime.store", "--host", host, "--port", str(port)]
+    if port_file is not None:
+        command += ["--port-file", str(port_file)]
+    return command
+
+
+def replica_address(index: int) -> str:
+    """Loopback address of replica `index` (0-based): 127.0.0.2, 127.0.0.3, ... Linux routes the
+    whole 127/8 to the loopback device, so these need no setup."""
+    if not 0 <= index < 250:
+        raise ValueError(f"replica index {index} is outside 0..249")
+    return f"127.0.0.{index + 2}"
+
+
+def kill_process_tree(pid: int, timeout: float = 10.0) -> list[int]:
+    """SIGKILL `pid` and every descendant, children first gathered so none escapes by re-parenting.
+    Killing only a torchrun agent leaves its worker running in its own session, still in the
+    collective; a replica is gone only when its whole tree is."""
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return []
+    victims = [*root.children(recursive=True), root]
+    for process in victims:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(victims, timeout=timeout)
+    return [p.pid for p in victims]

@@ -1,0 +1,193 @@
+"""Per-rank telemetry: Prometheus `/metrics` and a JSON `/telemetry` view on one small HTTP server.
+
+The JSON view exists for the remediation detectors, which need what Prometheus cannot give
+cheaply: the last N steps of this rank with step time split into compute and communication, and
+the sequence numbers of the last collective entered and completed. In bulk-synchronous training
+every rank enters collective k together, so a rank whose `entered` stops while its peers sit in
+`entered > completed` is the one hung outside collectives, and a rank stuck with
+`entered > completed` alone is hung inside one (C4's classification).
+
+The server runs in a daemon thread and reads state under a lock, so it keeps answering while
+the training thread is blocked, which is exactly when a detector needs it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import prometheus_client
+
+_DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_HEARTBEAT_PERIOD_S = 1.0
+
+
+class Telemetry:
+    """Metrics and recent history of one rank. Thread-safe: the comm hook calls it from the
+    autograd/gloo threads, the HTTP server from its own."""
+
+    def __init__(self, job: str, rank: int, world_size: int, replica: str | None, history: int = 256) -> None:
+        self.job, self.rank, self.world_size, self.replica = job, rank, world_size, replica
+        self.registry = prometheus_client.CollectorRegistry()
+        r = self.registry
+        self.step_seconds = prometheus_client.Histogram(
+            "huorn_step_seconds", "Wall time of one optimizer step", buckets=_DURATION_BUCKETS, registry=r)
+        self.step_gauge = prometheus_client.Gauge("huorn_step", "Last completed global step", registry=r)
+        self.tokens_per_second = prometheus_client.Gauge(
+            "huorn_tokens_per_second", "Global training tokens per second, last step", registry=r)
+        self.loss = prometheus_client.Gauge("huorn_loss", "Training loss of the last step", registry=r)
+        self.collectives = prometheus_client.Counter(
+            "huorn_collectives", "Collectives completed, by operation", ["op"], registry=r)
+        self.collective_seconds = prometheus_client.Histogram(
+            "huorn_collective_seconds", "Collective duration from entry to completion, by operation",
+            ["op"], buckets=_DURATION_BUCKETS, registry=r)
+        self.heartbeat = prometheus_client.Gauge(
+            "huorn_heartbeat_timestamp_seconds", "Unix time of the last heartbeat of this rank", registry=r)
+        self.noise_scale = prometheus_client.Gauge(
+            "huorn_gradient_noise_scale", "Smoothed B_noise (sequences), McCandlish et al.", registry=r)
+        self.seq_entered = prometheus_client.Gauge(
+            "huorn_collective_seq_entered", "Sequence number of the last collective entered", registry=r)
+        self.seq_completed = prometheus_client.Gauge(
+            "huorn_collective_seq_completed", "Sequence number of the last collective completed", registry=r)
+        self.world_gauge = prometheus_client.Gauge(
+            "huorn_world_size", "Ranks in the current gang", registry=r)
+        self.info = prometheus_client.Info("huorn_rank", "Identity of this rank", registry=r)
+        self.info.info({"job": job, "rank": str(rank), "replica": replica or "", "pid": str(os.getpid())})
+        self.world_gauge.set(world_size)
+        self._lock = threading.Lock()
+        self._entered = 0
+        self._completed = 0
+        self._in_flight: dict[int, tuple[str, float]] = {}
+        self._comm_seconds = 0.0
+        self._steps: collections.deque[dict] = collections.deque(maxlen=history)
+        self._last_heartbeat = time.time()
+        self._stop = threading.Event()
+        self._server: ThreadingHTTPServer | None = None
+        self.beat()
+
+    # -- collectives -------------------------------------------------------------------------
+    def enter_collective(self, op: str) -> int:
+        with self._lock:
+            self._entered += 1
+            seq = self._entered
+            self._in_flight[seq] = (op, time.monotonic())
+        self.seq_entered.set(seq)
+        return seq
+
+    def complete_collective(self, seq: int) -> float:
+        with self._lock:
+            op, started = self._in_flight.pop(seq)
+            duration = time.monotonic() - started
+            self._completed = max(self._completed, seq)
+            self._comm_seconds += duration
+            completed = self._completed
+        self.seq_completed.set(completed)
+        self.collectives.labels(op=op).inc()
+        self.collective_seconds.labels(op=op).observe(duration)
+        return duration
+
+    def take_comm_seconds(self) -> float:
+        """Communication time accumulated since the last call (one step's worth)."""
+        with self._lock:
+            seconds, self._comm_seconds = self._comm_seconds, 0.0
+        return seconds
+
+    # -- steps and heartbeat -----------------------------------------------------------------
+    def beat(self) -> None:
+        with self._lock:
+            self._last_heartbeat = time.time()
+        self.heartbeat.set(self._last_heartbeat)
+
+    def record_step(self, step: int, step_seconds: float, comm_seconds: float, loss: float,
+                    tokens_per_second: float, noise_scale: float | None) -> None:
+        comm = min(comm_seconds, step_seconds)
+        record = {
+            "step": step, "time": time.time(), "step_seconds": step_seconds,
+            "compute_seconds": step_seconds - comm, "comm_seconds": comm, "loss": loss,
+            "tokens_per_second": tokens_per_second, "gradient_noise_scale": noise_scale,
+        }
+        with self._lock:
+            self._steps.append(record)
+        self.step_seconds.observe(step_seconds)
+        self.step_gauge.set(step)
+        self.loss.set(loss)
+        self.tokens_per_second.set(tokens_per_second)
+        if noise_scale is not None:
+            self.noise_scale.set(noise_scale)
+        self.beat()
+
+    def snapshot(self) -> dict:
+        """What `/telemetry` serves."""
+        now = time.monotonic()
+        with self._lock:
+            in_flight = [{"seq": s, "op": op, "seconds": now - t}
+                         for s, (op, t) in sorted(self._in_flight.items())]
+            return {
+                "job": self.job, "rank": self.rank, "world_size": self.world_size, "replica": self.replica,
+                "pid": os.getpid(), "heartbeat": self._last_heartbeat,
+                "collective": {"entered": self._entered, "completed": self._completed,
+                               "in_flight": in_flight},
+                "steps": list(self._steps),
+            }
+
+    # -- server ------------------------------------------------------------------------------
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP server and the heartbeat thread; returns the bound port."""
+        telemetry = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?")[0]
+                if path == "/metrics":
+                    body = prometheus_client.generate_latest(telemetry.registry)
+                    kind = prometheus_client.CONTENT_TYPE_LATEST
+                elif path == "/telemetry":
+                    body, kind = json.dumps(telemetry.snapshot()).encode(), "application/json"
+                elif path == "/healthz":
+                    body, kind = b"ok\n", "text/plain"
+                else:
+                    self.send_error(404, "try /metrics, /telemetry or /healthz")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:  # keep the trainer's stderr for the trainer
+                return
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="huorn-telemetry", daemon=True).start()
+        threading.Thread(target=self._beat_forever, name="huorn-heartbeat", daemon=True).start()
+        return self._server.server_address[1]
+
+    def _beat_forever(self) -> None:
+        # NB: the heartbeat says the process is alive, not that it progresses; progress is the
+        # collective sequence numbers and the step history.
+        while not self._stop.wait(_HEARTBEAT_PERIOD_S):
+            self.beat()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+def write_endpoint_file(run_dir: Path, replica: str | None, local_rank: int, info: dict) -> Path:
+    """Publish where this rank's telemetry listens, atomically, as
+    `<run_dir>/endpoints/<replica>-<local_rank>.json`; a supervisor lists the directory."""
+    directory = Path(run_dir) / "endpoints"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{replica or 'local'}-{local_rank}.json"
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(info) + "\n")
+    os.replace(scratch, path)
+    return path

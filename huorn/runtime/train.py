@@ -1,0 +1,246 @@
+"""The elastic trainer: `python -m huorn.runtime.train --config FILE`, usually under torchrun.
+
+Every (re)start of a worker is the same path: join the gang torchrun formed, load the latest
+complete checkpoint at whatever world size this round has, and continue from its step. The data
+of step s is a pure function of (seed, s, micro-batch index) and the micro-batches of a step are
+dealt round-robin to whatever ranks exist, so a resize changes who computes what, never what is
+computed.
+
+Stopping is agreed, not unilateral: SIGTERM only sets a flag, and the flag rides on the per-step
+statistics all-reduce, so every rank learns at the same step boundary that some rank must leave.
+All ranks then take the checkpoint together (DCP is collective). The rank that got SIGTERM exits
+0; the others exit with RESTART_EXIT so that their torchrun agents re-rendezvous without it
+(an agent whose worker exits 0 believes the job is finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from huorn import models
+from huorn.runtime import batching, checkpoint, comm, faults, noise_scale, telemetry
+from huorn.runtime import config as run_config
+from huorn.runtime.data import sampler
+
+RESTART_EXIT = 3
+_STATS = ("loss_sum", "small_sq", "contributors", "stop", "checkpoint_due")
+
+
+class Trainer:
+    def __init__(self, cfg: run_config.RunConfig) -> None:
+        self.cfg = cfg
+        self.spec = cfg.spec
+        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        self.rank, self.world, self.local_rank = comm.init_process_group(
+            "nccl" if use_cuda else "gloo", cfg.collective_timeout_s)
+        if use_cuda:
+            torch.cuda.set_device(self.local_rank)
+        self.device = torch.device(f"cuda:{self.local_rank}" if use_cuda else "cpu")
+        self.replica = os.environ.get("HUORN_REPLICA")
+        self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.stop_requested = False
+
+        torch.manual_seed(self.spec.data.seed)
+        model_cfg = run_config.build_model_config(self.spec.model)
+        self.model = models.build_model(model_cfg).to(self.device)
+        self.ddp = DistributedDataParallel(
+            self.model, device_ids=[self.local_rank] if use_cuda else None,
+            find_unused_parameters=model_cfg.moe is not None)
+        opt = self.spec.optimization
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.learning_rate,
+                                           betas=(0.9, 0.95), weight_decay=opt.weight_decay)
+        self.plan = batching.plan_batch(opt, self.spec.elasticity.min_replicas, self.world)
+        self.total_steps = cfg.total_steps()
+        self.mixture = sampler.build_mixture(
+            [(s.name, s.weight, s.path) for s in self.spec.data.sources], self.spec.data.seed,
+            self.spec.model.context, cfg.data_dir)
+
+        self.telemetry = telemetry.Telemetry(cfg.job_name, self.rank, self.world, self.replica,
+                                             cfg.telemetry_history)
+        self.injector = faults.FaultInjector(cfg.faults, self.run_dir, self.rank, self.replica)
+        self.hook_state = comm.HookState(self.telemetry, self.injector)
+        self.ddp.register_comm_hook(self.hook_state, comm.allreduce_hook)
+        self.noise = noise_scale.NoiseScale()
+        # bf16 autocast on GPU; CPU runs stay fp32 so they can be compared exactly with a reference.
+        self.autocast = (
+            (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_cuda else contextlib.nullcontext)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def log(self, record: dict) -> None:
+        """Rank 0 appends one JSON line per event; a single write() keeps lines whole."""
+        if self.rank != 0:
+            return
+        line = json.dumps({"time": time.time(), **record}) + "\n"
+        with open(self.run_dir / run_config.STEPS_FILE, "a") as handle:
+            handle.write(line)
+
+    def start_telemetry(self) -> int:
+        port = self.cfg.telemetry_port + self.local_rank if self.cfg.telemetry_port else 0
+        bound = self.telemetry.serve(self.cfg.telemetry_host, port)
+        telemetry.write_endpoint_file(self.run_dir, self.replica, self.local_rank, {
+            "port": bound, "host": self.cfg.telemetry_host, "rank": self.rank, "local_rank": self.local_rank,
+            "world_size": self.world, "replica": self.replica, "pid": os.getpid(),
+            "restart_count": self.restart_count})
+        return bound
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def resume(self) -> int:
+        root = self.cfg.checkpoint_root
+        if self.rank == 0:
+            checkpoint.remove_stale_temporaries(root)
+        latest = checkpoint.find_latest(root) if self.rank == 0 else None
+        latest = comm.broadcast_object(str(latest) if latest else None, self.hook_state)
+        if latest is None:
+            return 0
+        meta = checkpoint.load_checkpoint(Path(latest), self.model, self.optimizer)
+        return int(meta["step"])
+
+    def save(self, step: int, reason: str) -> None:
+        started = time.monotonic()
+        path = checkpoint.save_checkpoint(
+            self.cfg.checkpoint_root, step, self.model, self.optimizer,
+            {"world_size": self.world, "job": self.cfg.job_name, "seed": self.spec.data.seed,
+             "global_batch": self.plan.global_batch},
+            self.rank, lambda: comm.barrier(self.hook_state), keep=self.cfg.keep_checkpoints)
+        self.last_checkpoint_time = time.monotonic()
+        self.log({"event": "checkpoint", "step": step, "reason": reason, "path": str(path),
+                  "seconds": time.monotonic() - started})
+
+    # -- one step --------------------------------------------------------------------------------
+    def compute_step(self, step: int) -> tuple[float, float, int]:
+        """Forward/backward of this rank's micro-batches of `step`; returns (summed loss, squared
+        norm of this rank's own mean gradient, micro-batches computed)."""
+        mine = sampler.assign_micro_batches(self.plan.micro_batches, self.world, self.rank)
+        # NB: a rank with no micro-batch still runs one backward with weight 0, because DDP's
+        # all-reduce needs every rank to contribute a bucket.
+        work = mine or [0]
+        weight = 1.0 / self.plan.micro_batches if mine else 0.0
+        loss_sum = 0.0
+        for i, index in enumerate(work):
+            tokens, targets = self.mixture.micro_batch(step, index, self.plan.micro_batch)
+            tokens, targets = tokens.to(self.device), targets.to(self.device)
+            sync = contextlib.nullcontext() if i == len(work) - 1 else self.ddp.no_sync()
+            with sync:
+                with self.autocast():
+                    _, loss = self.ddp(tokens, targets)
+                (loss * weight).backward()
+            loss_sum += float(loss.detach()) if mine else 0.0
+        local_sq, self.global_sq = self.hook_state.norms.take()
+        # The bucket held (n/M)·g_local; rescale to the squared norm of this rank's mean gradient.
+        small_sq = local_sq * (self.plan.micro_batches / len(mine)) ** 2 if mine else 0.0
+        return loss_sum, small_sq, len(mine)
+
+    def update_noise_scale(self, small_sq_sum: float, contributors: int) -> float | None:
+        """B_noise from this step's per-rank (small batch) and reduced (global batch) gradient norms;
+        unchanged in a world of one, where there is no second batch size to compare with."""
+        if contributors < 2:
+            return self.noise.value
+        b_small = self.plan.global_batch / contributors
+        return self.noise.update(small_sq_sum / contributors, self.global_sq, b_small, self.plan.global_batch)
+
+    def validate(self) -> float:
+        self.model.eval()
+        total = 0.0
+        with torch.no_grad(), self.autocast():
+            for index in range(self.cfg.validation_batches):
+                tokens, targets = self.mixture.validation_batch(index, self.plan.micro_batch)
+                total += float(self.model(tokens.to(self.device), targets.to(self.device))[1])
+        self.model.train()
+        return total / self.cfg.validation_batches
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> int:
+        port = self.start_telemetry()
+        step = self.resume()
+        self.log({"event": "start", "resumed_from": step, "world_size": self.world, "global_batch":
+                  self.plan.global_batch, "restart_count": self.restart_count, "telemetry_port": port})
+        signal.signal(signal.SIGTERM, self._request_stop)
+        interval_steps = self.spec.checkpoint.interval_steps
+        interval_s = self.cfg.checkpoint_interval_s()
+        self.last_checkpoint_time = time.monotonic()
+        while step < self.total_steps:
+            started = time.perf_counter()
+            self.injector.step = step
+            self.injector.refresh()
+            self.telemetry.take_comm_seconds()
+            self.injector.before_compute()
+            lr = batching.learning_rate(step, self.total_steps, self.plan.learning_rate,
+                                        self.spec.optimization.warmup_steps, self.spec.optimization.schedule)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum, small_sq, computed = self.compute_step(step)
+            due = interval_s is not None and time.monotonic() - self.last_checkpoint_time >= interval_s
+            # The one explicit collective per step: loss, noise-scale inputs and the stop and
+            # checkpoint flags travel together, so every rank acts on them at the same boundary.
+            stats = torch.tensor([loss_sum, small_sq, float(computed > 0), float(self.stop_requested),
+                                  float(due and self.rank == 0)], dtype=torch.float64)
+            comm.all_reduce(stats, self.hook_state, op="stats")
+            noise = self.update_noise_scale(float(stats[1]), int(stats[2]))
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            step += 1
+            stats_by_name = dict(zip(_STATS, stats.tolist(), strict=True))
+            loss = stats_by_name["loss_sum"] / self.plan.micro_batches
+            elapsed = time.perf_counter() - started
+            tokens_per_s = self.plan.global_batch * self.spec.model.context / elapsed
+            comm_s = self.telemetry.take_comm_seconds()
+            self.telemetry.record_step(step, elapsed, comm_s, loss, tokens_per_s, noise)
+            record = {"event": "step", "step": step, "loss": loss, "world_size": self.world, "lr": lr,
+                      "tokens_per_second": tokens_per_s, "step_seconds": elapsed, "comm_seconds": comm_s,
+                      "gradient_noise_scale": noise}
+            if self.cfg.validation_interval and step % self.cfg.validation_interval == 0:
+                record["validation_loss"] = self.validate()
+            self.log(record)
+            if stats_by_name["stop"] > 0:
+                self.save(step, "sigterm" if self.stop_requested else "peer-stop")
+                return 0 if self.stop_requested else RESTART_EXIT
+            if step == self.total_steps or (interval_steps and step % interval_steps == 0) \
+                    or stats_by_name["checkpoint_due"] > 0:
+                self.save(step, "final" if step == self.total_steps else "periodic")
+        self.log({"event": "done", "step": step})
+        return 0
+
+    def _request_stop(self, signum: int, frame: object) -> None:
+        self.stop_requested = True
+
+    def close(self) -> None:
+        self.telemetry.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m huorn.runtime.train",
+                                     description="Huorn's elastic trainer.")
+    parser.add_argument("--config", type=Path, required=True,
+                        help="run config (JSON or YAML), see docs/runtime.md")
+    args = parser.parse_args(argv)
+    try:
+        cfg = run_config.load_run_config(args.config)
+        run_config.build_model_config(cfg.spec.model)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
