@@ -48,7 +48,11 @@ class Checkpoint(ApiModel):
     volume: DnsLabel | None = Field(
         default=None, description="Name of a PersistentVolumeClaim that holds the checkpoints."
     )
-    path: str = Field(default="/checkpoints", pattern=r"^/.*", description="Absolute path in the pod.")
+    path: str = Field(
+        default="/checkpoints", min_length=1, max_length=4096,
+        description="Directory of the checkpoints: absolute in a pod; the local runner resolves a relative "
+        "path against its working directory.",
+    )
     interval: Duration = Field(default="10m", description="Time between periodic checkpoints.")
     interval_steps: int | None = Field(
         default=None, ge=1, description="Checkpoint every N steps (overrides interval when set)."

@@ -8,6 +8,7 @@ and the cross-field rules of huorn.api.rules apply.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,10 @@ def load_manifest(source: Mapping[str, Any] | str | Path, origin: str = "") -> k
             kind=kind, name=name, source=origin,
         )
     try:
-        return model.model_validate(body)
+        # NB: strict JSON mode, because the API server is strict: it refuses "3" for an integer,
+        # which pydantic's lax Python mode would quietly accept. default=str keeps YAML
+        # timestamps (metadata.creationTimestamp) passing through as text.
+        return model.model_validate_json(json.dumps(body, default=str), strict=True)
     except pydantic.ValidationError as error:
         raise ManifestError(describe_validation_error(error), kind=kind, name=name, source=origin) from None
 

@@ -62,7 +62,7 @@ class Normalisation(StrEnum):
         field="clipHigh",
         cel="self.clipHigh >= self.clipLow",
         holds=lambda a: a.clip_high >= a.clip_low,
-        message="must be ≥ clipLow (DAPO's clip-higher widens the upper bound only)",
+        message="must be ≥ clipLow, as DAPO's clip-higher only widens the upper bound",
         detail=lambda a: f"{a.clip_high} < {a.clip_low}",
         fix="raise clipHigh to at least clipLow",
     ),
@@ -75,7 +75,7 @@ class Normalisation(StrEnum):
         ),
         holds=lambda a: a.overlong_buffer is None
         or (a.overlong_max_length is not None and a.overlong_buffer < a.overlong_max_length),
-        message="needs overlongMaxLength and must be below it (the penalty ramps over the last tokens)",
+        message="needs overlongMaxLength and must be below it, as the penalty ramps over the last tokens",
         detail=lambda a: f"buffer {a.overlong_buffer}, max length {a.overlong_max_length}",
         fix="set overlongMaxLength above overlongBuffer, or remove overlongBuffer",
     ),
