@@ -1,0 +1,123 @@
+"""The prediction board: how many GPUs each inference virtual cluster will need over the next horizon.
+
+Lending inference GPUs to training only pays if they come back before inference needs them. A
+reclaim takes up to the reclaim grace (the borrower checkpoints first), so the board forecasts the
+*peak* request rate over the next horizon, at an upper quantile rather than the mean: a forecast
+that is right on average is wrong half the time, and each of those times is an SLO miss.
+
+The model is scikit-learn gradient boosting with the quantile loss, on features a service's own
+history gives: the last few bins, the recent mean, maximum and slope, and the time of day. Time of
+day matters because inference load is diurnal (the GenAI trace in /work/shared/data swings ten-fold
+over a day); the slope matters because load ramps before it peaks.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sklearn import ensemble
+
+DAY = 86400.0
+EPS = 0.5  # requests per second; keeps the ratio of two near-idle rates finite
+
+
+def _log_ratio(peak: float, level: float) -> float:
+    return math.log((peak + EPS) / (level + EPS))
+
+
+def load_qps_series(path: str | Path, bin_seconds: float = 300.0) -> tuple[np.ndarray, np.ndarray]:
+    """Cluster request rate per bin from the GenAI QPS trace (sum over containers).
+
+    Each container reports its rate about once per five minutes, so summing the reports in a bin
+    of that length gives the service's total rate. Returns (bin start times, rate).
+    """
+    times: list[float] = []
+    values: list[float] = []
+    with Path(path).open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        missing = {"timestamp_anon", "value"} - set(reader.fieldnames or [])
+        if missing:
+            raise ValueError(f"{path}: column(s) {sorted(missing)} missing; the QPS trace needs "
+                             "timestamp_anon,value")
+        for line, row in enumerate(reader, start=2):
+            try:
+                times.append(float(row["timestamp_anon"]))
+                values.append(float(row["value"]))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"{path}:{line}: timestamp_anon and value must be numbers ({err})") from None
+    if not times:
+        raise ValueError(f"{path}: no rows")
+    t = np.asarray(times)
+    start = t.min()
+    idx = ((t - start) // bin_seconds).astype(int)
+    rate = np.bincount(idx, weights=np.asarray(values))
+    return start + bin_seconds * np.arange(len(rate)), rate
+
+
+@dataclass(frozen=True)
+class ForecastConfig:
+    horizon_bins: int = 2  # forecast the peak over the next this many bins
+    lags: int = 6
+    quantile: float = 0.95
+    bin_seconds: float = 300.0
+
+
+def _features(times: np.ndarray, rate: np.ndarray, end: int, lags: int) -> np.ndarray:
+    """Features of the history up to and including bin `end`."""
+    window = rate[max(0, end - lags + 1): end + 1]
+    window = np.concatenate([np.full(lags - len(window), window[0]), window])
+    phase = 2 * math.pi * (times[end] % DAY) / DAY
+    slope = window[-1] - window[-3] if lags >= 3 else 0.0
+    return np.concatenate([window, [window.mean(), window.max(), slope, math.sin(phase), math.cos(phase)]])
+
+
+class LoadForecaster:
+    """Peak-rate forecaster for one inference virtual cluster."""
+
+    def __init__(self, config: ForecastConfig | None = None, seed: int = 0):
+        self.config = config or ForecastConfig()
+        self._model = ensemble.GradientBoostingRegressor(
+            loss="quantile", alpha=self.config.quantile, n_estimators=150, max_depth=3,
+            learning_rate=0.05, random_state=seed)
+        self._fitted = False
+
+    def fit(self, times: np.ndarray, rate: np.ndarray) -> LoadForecaster:
+        h, lags = self.config.horizon_bins, self.config.lags
+        if len(rate) < lags + h + 10:
+            raise ValueError(f"history has {len(rate)} bins; the forecaster needs at least {lags + h + 10}")
+        ends = np.arange(lags - 1, len(rate) - h)
+        x = np.stack([_features(times, rate, e, lags) for e in ends])
+        # Learn the peak relative to the recent maximum, in logs: a ratio carries over from a busy
+        # afternoon to a quiet night, where an absolute rate learnt in one would be wrong in the other.
+        y = np.array([_log_ratio(rate[e + 1: e + 1 + h].max(), rate[max(0, e - lags + 1): e + 1].max())
+                      for e in ends])
+        self._model.fit(x, y)
+        self._fitted = True
+        return self
+
+    def predict_peak(self, times: np.ndarray, rate: np.ndarray, end: int) -> float:
+        """Upper-quantile peak rate over the `horizon_bins` after bin `end`, never below the current rate."""
+        if not self._fitted:
+            raise ValueError("forecaster is not fitted; call fit() with request-rate history first")
+        return float(self.predict_series(times[: end + 1], rate[: end + 1])[-1])
+
+    def predict_series(self, times: np.ndarray, rate: np.ndarray) -> np.ndarray:
+        """Forecast made at every bin (vectorised, for the simulator and the evaluation)."""
+        if not self._fitted:
+            raise ValueError("forecaster is not fitted; call fit() with request-rate history first")
+        lags = self.config.lags
+        x = np.stack([_features(times, rate, e, lags) for e in range(len(rate))])
+        level = np.array([rate[max(0, e - lags + 1): e + 1].max() for e in range(len(rate))])
+        peak = (level + EPS) * np.exp(self._model.predict(x)) - EPS
+        return np.maximum(peak, rate)
+
+
+def gpus_needed(rate: float | np.ndarray, rate_per_gpu: float, headroom: float = 0.1) -> np.ndarray:
+    """GPUs that serve `rate` within SLO with `headroom` spare (the board's answer)."""
+    if rate_per_gpu <= 0:
+        raise ValueError(f"rate_per_gpu must be > 0, got {rate_per_gpu}")
+    return np.ceil(np.asarray(rate) * (1 + headroom) / rate_per_gpu).astype(int)

@@ -1,0 +1,118 @@
+"""Lending idle inference GPUs to training, and getting them back in time.
+
+An inference virtual cluster lends what its forecast peak over the next horizon leaves idle
+(capacity − forecast need, within the VirtualCluster's maxGPUsLent). When the forecast rises the
+difference is reclaimed ahead of need: the forecast horizon is longer than the reclaim grace, so
+the GPUs are back before the load arrives. When load jumps past the forecast, the reclaim starts
+at once and the grace period is the only delay.
+
+Each reclaim is a decision with a deadline, not an action: the borrower gets SIGTERM at
+`signal_at`, checkpoints and releases, and anything still running at `deadline` (signal_at + the
+lender's reclaim grace) is killed. Victims are chosen to minimise lost work, measured in GPU-seconds
+(FaPES): a victim that can checkpoint inside the grace loses only the checkpoint write and the
+restart of the replicas that keep running; one that cannot also loses everything since its last
+checkpoint. Shrinking an elastic job that stays above its minimum is preferred to preempting a
+job, because a preempted job loses its whole restart and its place, which this cost counts.
+Jobs of priority ≥ 100 are never victims.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from huorn.scheduler import snapshot
+
+PINNED_PRIORITY = 100
+
+
+@dataclass(frozen=True)
+class LoanView:
+    """One training job's replicas on a lender's nodes, and what losing them would cost."""
+
+    job: str
+    replicas_on_lender: int
+    replicas_total: int
+    min_replicas: int
+    gpus_per_replica: int = 1
+    priority: int = 50
+    seconds_since_checkpoint: float = 0.0
+    checkpoint_seconds: float = 10.0  # time to write a checkpoint after SIGTERM
+    restart_seconds: float = 60.0
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    job: str
+    action: str  # shrink | preempt
+    replicas_released: int
+    gpus_released: int
+    signal_at: float
+    deadline: float
+    graceful: bool  # the victim can checkpoint before the deadline
+    lost_gpu_seconds: float
+    reason: str
+
+
+def lendable_gpus(lender: snapshot.VirtualClusterView, capacity: int, forecast_need: int) -> int:
+    """GPUs the lender may have out on loan now: idle under its forecast, within its limit."""
+    if not lender.lendable:
+        return 0
+    return max(0, min(lender.max_gpus_lent, capacity - forecast_need))
+
+
+def _lost(loan: LoanView, released: int, preempt: bool, grace: float) -> tuple[float, bool]:
+    graceful = loan.checkpoint_seconds <= grace
+    gpus_total = loan.replicas_total * loan.gpus_per_replica
+    staying = 0 if preempt else (loan.replicas_total - released) * loan.gpus_per_replica
+    since = loan.checkpoint_seconds if graceful else loan.seconds_since_checkpoint
+    restart = loan.restart_seconds * (gpus_total if preempt else staying)
+    return since * gpus_total + restart, graceful
+
+
+def plan_reclaim(
+    lender: snapshot.VirtualClusterView, gpus_wanted: int, loans: list[LoanView], now: float, why: str
+) -> list[Reclaim]:
+    """Choose victims that give back at least `gpus_wanted` GPUs at the least lost work.
+
+    Returns fewer GPUs than asked only when the loans cannot cover it (pinned borrowers); the
+    caller sees that from the sum. Greedy by lost GPU-seconds per GPU returned, which is optimal
+    when every option releases what it offers and close to it otherwise.
+    """
+    if gpus_wanted <= 0:
+        return []
+    grace = lender.reclaim_grace_seconds
+    options: list[tuple[float, LoanView, bool]] = []
+    for loan in loans:
+        if loan.priority >= PINNED_PRIORITY or loan.replicas_on_lender <= 0:
+            continue
+        shrinkable = min(loan.replicas_on_lender, loan.replicas_total - loan.min_replicas)
+        if shrinkable > 0:
+            lost, _ = _lost(loan, shrinkable, False, grace)
+            options.append((lost / (shrinkable * loan.gpus_per_replica), loan, False))
+        lost, _ = _lost(loan, loan.replicas_on_lender, True, grace)
+        options.append((lost / (loan.replicas_on_lender * loan.gpus_per_replica), loan, True))
+    options.sort(key=lambda o: (o[0], o[1].job, o[2]))
+    chosen: dict[str, Reclaim] = {}
+    left = gpus_wanted
+    for _, loan, preempt in options:
+        if left <= 0:
+            break
+        earlier = chosen.get(loan.job)
+        if earlier is not None and not preempt:
+            continue
+        if earlier is not None:
+            left += earlier.gpus_released  # a shrink that was not enough becomes a preemption
+        if preempt:
+            replicas = loan.replicas_on_lender
+        else:
+            cap = min(loan.replicas_on_lender, loan.replicas_total - loan.min_replicas)
+            replicas = min(cap, math.ceil(left / loan.gpus_per_replica))
+        lost, graceful = _lost(loan, replicas, preempt, grace)
+        gpus = replicas * loan.gpus_per_replica
+        chosen[loan.job] = Reclaim(
+            loan.job, "preempt" if preempt else "shrink", replicas, gpus, now, now + grace, graceful, lost,
+            f"{lender.name} reclaims {gpus_wanted} GPU(s) ({why}); {loan.job} gives back {gpus} "
+            f"losing {lost:.0f} GPU-s, the least of the borrowers")
+        left -= gpus
+    return list(chosen.values())
