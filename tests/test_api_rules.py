@@ -1,0 +1,154 @@
+"""Every cross-field rule, on a valid and an invalid object, in both places it is enforced:
+the CEL string of the generated CRD (evaluated by cel-python on the object as the API server
+would store it) and the pydantic model (through huorn.api.manifests, as the CLI and operator
+load manifests). Each invalid object breaks exactly one rule, so a rule that never fires, or
+fires on the wrong field, fails its own case."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from api_support import DELETE, apply_defaults, build_manifest, crd_errors, evaluate_rule, openapi_schema
+
+from huorn.api import kinds, manifests
+
+
+@dataclass(frozen=True)
+class Case:
+    rule: str
+    kind: str
+    node: str  # wire path of the object the rule sits on
+    valid: dict[str, Any]
+    invalid: dict[str, Any]
+
+
+CASES = [
+    Case("elasticity-min-le-max", "TrainingJob", "spec.elasticity",
+         {"elasticity": {"minReplicas": 2, "maxReplicas": 2}},
+         {"elasticity": {"minReplicas": 3, "maxReplicas": 2}}),
+    Case("task-teacher-iff-distill", "TrainingJob", "spec.task",
+         {"task": {"kind": "distill", "teacher": {"checkpoint": "/t"}}}, {"task": {"kind": "distill"}}),
+    Case("moe-prototypes-divide-experts", "TrainingJob", "spec.model.moe",
+         {"model": {"moe": {"experts": 8, "prototypes": 4}}},
+         {"model": {"moe": {"experts": 10, "prototypes": 4}}}),
+    Case("moe-top-k", "TrainingJob", "spec.model.moe",
+         {"model": {"moe": {"experts": 8, "topK": 8}}}, {"model": {"moe": {"experts": 4, "topK": 5}}}),
+    Case("model-width-divisible-by-heads", "TrainingJob", "spec.model",
+         {"model": {"width": 96, "heads": 3}}, {"model": {"width": 100, "heads": 8}}),
+    Case("model-head-dim-even", "TrainingJob", "spec.model",
+         {"model": {"width": 128, "heads": 4}}, {"model": {"width": 24, "heads": 8}}),
+    Case("model-kv-heads-divide-heads", "TrainingJob", "spec.model",
+         {"model": {"heads": 4, "kvHeads": 2}}, {"model": {"heads": 4, "kvHeads": 3}}),
+    Case("model-kv-sharing-layers", "TrainingJob", "spec.model",
+         {"model": {"layers": 2, "kvSharing": "fusedkv"}},
+         {"model": {"layers": 1, "kvSharing": "fusedkv-lite"}}),
+    Case("data-source-names-unique", "TrainingJob", "spec.data",
+         {"data": {"sources": [{"name": "code"}, {"name": "math"}]}},
+         {"data": {"sources": [{"name": "code"}, {"name": "code"}]}}),
+    Case("data-manual-weights", "TrainingJob", "spec.data",
+         {"data": {"sources": [{"name": "code", "weight": 0}, {"name": "math", "weight": 0.5}]}},
+         {"data": {"sources": [{"name": "code", "weight": 0}, {"name": "math", "weight": 0}]}}),
+    Case("optimization-steps-or-tokens", "TrainingJob", "spec.optimization",
+         {"optimization": {"steps": DELETE, "tokens": 1000}}, {"optimization": {"steps": DELETE}}),
+    Case("optimization-micro-le-global", "TrainingJob", "spec.optimization",
+         {"optimization": {"globalBatch": 4, "microBatch": 4}},
+         {"optimization": {"globalBatch": 4, "microBatch": 8}}),
+    Case("parallelism-k-needs-kfkb", "TrainingJob", "spec.parallelism",
+         {"parallelism": {"schedule": "kfkb", "k": 4}}, {"parallelism": {"schedule": "auto", "k": 2}}),
+    Case("training-stages-le-layers", "TrainingJob", "spec",
+         {"model": {"layers": 4}, "parallelism": {"pipelineStages": 4}},
+         {"model": {"layers": 4}, "parallelism": {"pipelineStages": 5}}),
+    Case("training-fixed-batch-divisible", "TrainingJob", "spec",
+         {"elasticity": {"policy": "fixed", "minReplicas": 2, "maxReplicas": 2}},
+         {"elasticity": {"policy": "fixed", "minReplicas": 3, "maxReplicas": 3}}),
+    Case("role-device-mapping-size", "RLJob", "spec.roles.rollout",
+         {"roles": {"rollout": {"replicas": 2, "deviceMapping": [0, 1]}}},
+         {"roles": {"rollout": {"replicas": 2, "deviceMapping": [0]}}}),
+    Case("algorithm-clip-high-ge-low", "RLJob", "spec.algorithm",
+         {"algorithm": {"clipLow": 0.2, "clipHigh": 0.2}}, {"algorithm": {"clipLow": 0.3, "clipHigh": 0.25}}),
+    Case("algorithm-overlong-buffer", "RLJob", "spec.algorithm",
+         {"algorithm": {"overlongMaxLength": 100, "overlongBuffer": 20}},
+         {"algorithm": {"overlongBuffer": 20}}),
+    Case("rl-colocated-roles-fit", "RLJob", "spec",
+         {"gpus": 4, "roles": {"actorTrain": {"replicas": 4, "colocationGroup": "a"},
+                               "rollout": {"replicas": 4, "colocationGroup": "a"}}},
+         {"gpus": 3, "roles": {"actorTrain": {"replicas": 4, "colocationGroup": "a"},
+                               "rollout": {"replicas": 4, "colocationGroup": "a"}}}),
+    Case("rl-device-mapping-within-gpus", "RLJob", "spec",
+         {"gpus": 2, "roles": {"rollout": {"deviceMapping": [1]}}},
+         {"gpus": 2, "roles": {"rollout": {"deviceMapping": [2]}}}),
+    Case("quantization-glvq-bits", "InferenceJob", "spec.quantization",
+         {"quantization": {"method": "glvq", "bits": 3}}, {"quantization": {"method": "none", "bits": 3}}),
+    Case("slo-needs-target", "InferenceJob", "spec.slo", {"slo": {"tokensPerSecond": 10}}, {"slo": {}}),
+    Case("autoscaling-min-le-max", "InferenceJob", "spec.autoscaling",
+         {"autoscaling": {"minReplicas": 0, "maxReplicas": 1}},
+         {"autoscaling": {"minReplicas": 2, "maxReplicas": 1}}),
+    Case("members-selector-or-nodes", "VirtualCluster", "spec.members",
+         {"members": {"nodes": DELETE, "nodeSelector": {"matchLabels": {}}}}, {"members": {"nodes": []}}),
+    Case("lending-max-needs-lendable", "VirtualCluster", "spec.lending",
+         {"lending": {"lendable": True, "maxGPUsLent": 2}},
+         {"lending": {"lendable": False, "maxGPUsLent": 2}}),
+]
+
+RULES = {rule.name: rule for _, rule in kinds.RULES}
+
+
+def _node(value: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        value = value["properties"][part] if "properties" in value else value[part]
+    return value
+
+
+def test_every_rule_has_a_case() -> None:
+    assert sorted(RULES) == sorted(case.rule for case in CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.rule for case in CASES])
+def test_rule_in_cel_accepts_valid_and_refuses_invalid(case: Case) -> None:
+    rule = RULES[case.rule]
+    schema = openapi_schema(case.kind)
+    node_schema = _node(schema, case.node)
+    assert rule.to_crd() in node_schema["x-kubernetes-validations"]
+    for patch, expected in ((case.valid, True), (case.invalid, False)):
+        stored = apply_defaults(schema, build_manifest(case.kind, patch))
+        assert evaluate_rule(rule.cel, node_schema, _node(stored, case.node)) is expected
+    assert crd_errors(case.kind, build_manifest(case.kind, case.valid)) == []
+    refused = crd_errors(case.kind, build_manifest(case.kind, case.invalid))
+    assert len(refused) == 1 and refused[0].endswith(f"{rule.cel} -> False"), refused
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.rule for case in CASES])
+def test_rule_in_pydantic_names_the_field_and_the_fix(case: Case) -> None:
+    rule = RULES[case.rule]
+    manifests.load_manifest(build_manifest(case.kind, case.valid))
+    with pytest.raises(manifests.ManifestError) as caught:
+        manifests.load_manifest(build_manifest(case.kind, case.invalid))
+    expected_path = f"{case.node}.{rule.field}" if rule.field else case.node
+    assert [error.path for error in caught.value.errors] == [expected_path]
+    assert rule.message in str(caught.value) and rule.fix in str(caught.value)
+
+
+def test_model_rules_sit_on_every_copy_of_the_model() -> None:
+    """ModelSpec appears in all three job kinds; its rules must guard every occurrence."""
+    width_rule = RULES["model-width-divisible-by-heads"].to_crd()
+    for kind, node in (("TrainingJob", "spec.model"), ("RLJob", "spec.model"),
+                       ("InferenceJob", "spec.model.architecture")):
+        assert width_rule in _node(openapi_schema(kind), node)["x-kubernetes-validations"]
+        bad = {"model": {"width": 100, "heads": 8}}
+        if kind == "InferenceJob":
+            bad = {"model": {"architecture": {"width": 100, "heads": 8}}}
+        assert crd_errors(kind, build_manifest(kind, bad))
+        with pytest.raises(manifests.ManifestError, match=f"{node}.width"):
+            manifests.load_manifest(build_manifest(kind, bad))
+
+
+def test_rule_names_are_unique_and_paths_are_wire_names() -> None:
+    names = [rule.name for _, rule in kinds.RULES]
+    assert len(names) == len(set(names))
+    for cls, rule in kinds.RULES:
+        if rule.field:
+            head = rule.field.split(".")[0]
+            aliases = {info.alias or name for name, info in cls.model_fields.items()}
+            assert head in aliases, f"{rule.name}: {head} is not a field of {cls.__name__}"
