@@ -115,16 +115,27 @@ class Allocator:
         if job.perf is None:
             good[job.min_replicas:] = 1.0
             return _Table(good, choices)
+        # Every replica count and every candidate local batch in one vectorised model call.
         per_node = max(1, self.config.gpus_per_node // job.gpus_per_replica)
-        for a in range(1, top + 1):
-            nodes = math.ceil(a / per_node)
-
-            def thr(local: np.ndarray, a: int = a, nodes: int = nodes) -> np.ndarray:
-                return job.perf.predict_many(np.full(local.shape, a), np.full(local.shape, nodes), local)
-
-            choice = goodput.choose_batch(thr, job.noise_scale, job.base_batch, a, job.max_local_batch)
-            choices[a] = choice
-            good[a] = choice.goodput if choice else 0.0
+        reps = np.arange(1, top + 1, dtype=float)
+        low = np.maximum(1.0, job.base_batch / reps)
+        local = low[:, None] * 2.0 ** np.arange(12)[None, :]
+        local = np.minimum(local, job.max_local_batch)
+        ok = low[:, None] <= job.max_local_batch
+        r2 = np.broadcast_to(reps[:, None], local.shape)
+        nodes = np.ceil(r2 / per_node)
+        thr = job.perf.predict_many(r2, nodes, local)
+        eff = goodput.efficiency(job.noise_scale, job.base_batch, local * r2)
+        gp = np.where(ok, thr * eff, 0.0)
+        best = np.argmax(gp, axis=1)
+        for i, a in enumerate(range(1, top + 1)):
+            if not ok[i, 0]:
+                continue
+            m = float(local[i, best[i]] * a)
+            good[a] = gp[i, best[i]]
+            choices[a] = goodput.BatchChoice(m, float(local[i, best[i]]), float(thr[i, best[i]]),
+                                             float(eff[i, best[i]]), float(good[a]),
+                                             goodput.adascale_gain(job.noise_scale, job.base_batch, m))
         ref = good[job.min_replicas] or max(good.max(), 1e-12)
         return _Table(good / ref, choices)
 

@@ -71,6 +71,12 @@ class ClusterSnapshot:
     def virtual_cluster(self, name: str) -> VirtualClusterView:
         return self._vcs[name]
 
+    def set_virtual_cluster(self, view: VirtualClusterView) -> None:
+        """Replace a cluster's limits (the loaning board lowers maxGPUsLent as load rises)."""
+        if view.name not in self._vcs:
+            raise ValueError(f"virtual_cluster {view.name!r} is unknown; known: {sorted(self._vcs)}")
+        self._vcs[view.name] = view
+
     def virtual_clusters(self) -> list[VirtualClusterView]:
         return list(self._vcs.values())
 
