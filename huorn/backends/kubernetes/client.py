@@ -1,0 +1,203 @@
+"""Idempotent writes through the official kubernetes client: create-or-patch, delete-if-present.
+
+Every write may be repeated: the operator can die between any two calls and reconcile again, so
+a create that meets 409 AlreadyExists patches instead, and a delete that meets 404 counts as
+done. Pods are special: most of a pod's spec is immutable, so an existing pod gets only its
+metadata patched, and a pod that must change is replaced by the caller under a new name (the
+graph's instance generation). Label selectors are applied on the client side as well, which is
+harmless against a real server and required by the KMock emulator, which ignores them.
+
+The client is synchronous (urllib3); calls run in worker threads so that kopf's event loop
+never blocks on the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kubernetes
+
+from huorn.api import base
+from huorn.backends.kubernetes import retry
+
+
+@dataclass(frozen=True)
+class CoreKind:
+    plural: str
+    namespaced: bool = True
+    patchable: tuple[str, ...] = ("metadata",)
+
+
+CORE_KINDS: dict[str, CoreKind] = {
+    "Pod": CoreKind("pods", patchable=("metadata",)),
+    "Service": CoreKind("services", patchable=("metadata", "spec")),
+    "ConfigMap": CoreKind("configmaps", patchable=("metadata", "data")),
+    "Node": CoreKind("nodes", namespaced=False),
+}
+
+
+def build_api_client(
+    kubeconfig: str | None = None, context: str | None = None
+) -> kubernetes.client.ApiClient:
+    """An ApiClient from a kubeconfig file, or from the pod's service account when there is none."""
+    config = kubernetes.client.Configuration()
+    if kubeconfig:
+        kubernetes.config.load_kube_config(
+            config_file=kubeconfig, context=context, client_configuration=config
+        )
+    else:
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=config)
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config(context=context, client_configuration=config)
+    return kubernetes.client.ApiClient(config)
+
+
+def match_labels(obj: Mapping[str, Any], selector: Mapping[str, str]) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def selector_string(selector: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+
+
+class KubeClient:
+    """The backend's only door to the API; every method is safe to repeat."""
+
+    def __init__(self, api: kubernetes.client.ApiClient, policy: retry.RetryPolicy | None = None) -> None:
+        self.api = api
+        self.core = kubernetes.client.CoreV1Api(api)
+        self.custom = kubernetes.client.CustomObjectsApi(api)
+        self.policy = policy or retry.RetryPolicy()
+        self.retries = 0  # how often a write was retried; the operator exports it as a metric
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, conflicts: bool = True, **kwargs: Any) -> Any:
+        policy = (
+            self.policy
+            if conflicts
+            else retry.RetryPolicy(
+                self.policy.attempts, self.policy.base_delay, self.policy.max_delay, retry_conflicts=False
+            )
+        )
+
+        def count(_exc: BaseException, _attempt: int) -> None:
+            self.retries += 1
+
+        bound = functools.partial(fn, *args, **kwargs)
+        return await retry.call_with_retry(lambda: asyncio.to_thread(bound), policy, on_retry=count)
+
+    def _sanitize(self, obj: Any) -> Any:
+        return self.api.sanitize_for_serialization(obj)
+
+    # ------------------------------------------------------------------ core objects
+    async def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Create the object, or patch the mutable parts of the one that exists."""
+        kind = CORE_KINDS[manifest["kind"]]
+        ns = manifest["metadata"].get("namespace")
+        name = manifest["metadata"]["name"]
+        create = getattr(self.core, f"create_namespaced_{_snake(manifest['kind'])}")
+        try:
+            created = await self._call(create, ns, manifest, conflicts=False)
+            return self._sanitize(created)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 409:
+                raise
+        patch_body = {k: manifest[k] for k in kind.patchable if k in manifest}
+        if manifest["kind"] == "Service":
+            # clusterIP is immutable once allocated; the headless "None" is set at create.
+            patch_body["spec"] = {k: v for k, v in manifest["spec"].items() if k != "clusterIP"}
+        patch = getattr(self.core, f"patch_namespaced_{_snake(manifest['kind'])}")
+        return self._sanitize(await self._call(patch, name, ns, patch_body))
+
+    async def delete(self, kind: str, namespace: str, name: str) -> bool:
+        """Delete if present; True when this call deleted it, False when it was already gone."""
+        fn = getattr(self.core, f"delete_namespaced_{_snake(kind)}")
+        try:
+            await self._call(fn, name, namespace)
+            return True
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    async def list(self, kind: str, namespace: str | None, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Objects of `kind` whose labels match; None lists every namespace."""
+        snake = _snake(kind)
+        spec = CORE_KINDS[kind]
+        selector = selector_string(labels)
+        if not spec.namespaced:
+            result = await self._call(getattr(self.core, f"list_{snake}"), label_selector=selector)
+        elif namespace is None:
+            result = await self._call(
+                getattr(self.core, f"list_{snake}_for_all_namespaces"), label_selector=selector
+            )
+        else:
+            result = await self._call(
+                getattr(self.core, f"list_namespaced_{snake}"), namespace, label_selector=selector
+            )
+        items = self._sanitize(result).get("items", [])
+        return [i for i in items if match_labels(i, labels)]
+
+    # ------------------------------------------------------------------ Huorn's own kinds
+    async def get_custom(self, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        try:
+            if namespace is None:
+                return await self._call(
+                    self.custom.get_cluster_custom_object, base.GROUP, base.VERSION, plural, name
+                )
+            return await self._call(
+                self.custom.get_namespaced_custom_object, base.GROUP, base.VERSION, namespace, plural, name
+            )
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list_custom(self, plural: str, namespace: str | None) -> list[dict[str, Any]]:
+        if namespace is None:
+            result = await self._call(
+                self.custom.list_cluster_custom_object, base.GROUP, base.VERSION, plural
+            )
+        else:
+            result = await self._call(
+                self.custom.list_namespaced_custom_object, base.GROUP, base.VERSION, namespace, plural
+            )
+        return list(result.get("items", []))
+
+    async def patch_status(
+        self, plural: str, namespace: str | None, name: str, status: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Merge-patch status; None when the object is gone (a deletion raced the reconcile)."""
+        body = {"status": status}
+        try:
+            if namespace is None:
+                return await self._call(
+                    self.custom.patch_cluster_custom_object_status,
+                    base.GROUP,
+                    base.VERSION,
+                    plural,
+                    name,
+                    body,
+                )
+            return await self._call(
+                self.custom.patch_namespaced_custom_object_status,
+                base.GROUP,
+                base.VERSION,
+                namespace,
+                plural,
+                name,
+                body,
+            )
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+
+def _snake(kind: str) -> str:
+    return {"Pod": "pod", "Service": "service", "ConfigMap": "config_map", "Node": "node"}[kind]

@@ -1,0 +1,288 @@
+"""The Kubernetes objects of a TrainingJob's graph, as plain dicts (no API calls here).
+
+One pod per graph instance, named `<job>-<instance>` so that the name alone says which vertex
+and generation it is: a replaced instance gets a new generation and therefore a new pod name,
+and a stale pod can never be taken for its successor. Trainer pods are pinned to the node that
+Huorn's gang placement chose (required node affinity on the hostname), because the default
+scheduler knows nothing of gangs, virtual clusters or loans. The rendezvous store runs in its
+own pod behind a headless Service (the graph's `rendezvous` vertex): measured on torch 2.13, the
+agent that hosts the c10d store is a single point of failure, so no trainer hosts it.
+
+The command follows the runtime's launcher (huorn/runtime/launcher.py, docs/runtime.md); the
+backend may not import the runtime, so the flags are repeated here and a test compares the two.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from huorn.graph.model import Graph, Instance
+
+MANAGED_BY = "huorn"
+LABEL_JOB = "huorn.io/job"
+LABEL_KIND = "huorn.io/kind"
+LABEL_VERTEX = "huorn.io/vertex"
+LABEL_INSTANCE = "huorn.io/instance"
+ANNOTATION_NODE = "huorn.io/node"
+ANNOTATION_GPUS = "huorn.io/gpus"
+ANNOTATION_VC = "huorn.io/virtual-cluster"
+GPU_RESOURCE = "nvidia.com/gpu"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+CONFIG_DIR = "/etc/huorn"
+CONFIG_FILE = "config.json"
+RUN_DIR = "/var/run/huorn"
+STORE_PORT = 29400
+TELEMETRY_PORT = 9400
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """The owning custom resource: what every child's labels and ownerReference point at."""
+
+    kind: str
+    name: str
+    namespace: str
+    uid: str
+    api_version: str = "huorn.io/v1alpha1"
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> JobRef:
+        meta = body["metadata"]
+        return cls(body["kind"], meta["name"], meta["namespace"], meta.get("uid", ""), body["apiVersion"])
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {LABEL_JOB: self.name, LABEL_KIND: self.kind, "app.kubernetes.io/managed-by": MANAGED_BY}
+
+    @property
+    def owner_reference(self) -> dict[str, Any]:
+        # controller=true lets `kubectl get pods -o wide` and the garbage collector of a real
+        # cluster find the job; blockOwnerDeletion keeps a foreground delete waiting for pods.
+        return {
+            "apiVersion": self.api_version,
+            "kind": self.kind,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def pod_name(job: JobRef, instance: Instance) -> str:
+    return f"{job.name}-{instance.name}"
+
+
+def store_service_name(job: JobRef) -> str:
+    return f"{job.name}-rdzv"
+
+
+def config_map_name(job: JobRef) -> str:
+    return f"{job.name}-config"
+
+
+def rendezvous_endpoint(job: JobRef) -> str:
+    return f"{store_service_name(job)}.{job.namespace}.svc:{STORE_PORT}"
+
+
+def _metadata(job: JobRef, name: str, extra_labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": {**job.labels, **(extra_labels or {})},
+        "ownerReferences": [job.owner_reference],
+    }
+
+
+def build_run_config(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The runtime's resolved config (huorn.runtime.config.RunConfig, camelCase on the wire)."""
+    return {
+        "jobName": job.name,
+        "spec": dict(spec),
+        "runDir": RUN_DIR,
+        "telemetryHost": "0.0.0.0",
+        "telemetryPort": TELEMETRY_PORT,
+    }
+
+
+def build_config_map(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(job, config_map_name(job)),
+        "data": {CONFIG_FILE: json.dumps(build_run_config(job, spec), indent=2, sort_keys=True)},
+    }
+
+
+def build_store_service(job: JobRef) -> dict[str, Any]:
+    """Headless: the agents resolve the store pod's own IP, with no kube-proxy hop to fail over."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, store_service_name(job)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": {LABEL_JOB: job.name, LABEL_VERTEX: "rendezvous"},
+            "ports": [{"name": "c10d", "port": STORE_PORT, "targetPort": STORE_PORT, "protocol": "TCP"}],
+            "publishNotReadyAddresses": True,
+        },
+    }
+
+
+def build_torchrun_args(job: JobRef, graph: Graph, nproc_per_node: int) -> list[str]:
+    """The flags of huorn.runtime.launcher.build_torchrun_command, for a pod instead of a process."""
+    trainer = graph.vertex("trainer")
+    rdzv_conf = (
+        "is_host=false,last_call_timeout=2,join_timeout=300,close_timeout=10,"
+        "keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=60"
+    )
+    return [
+        "torchrun",
+        f"--nnodes={trainer.min_replicas}:{trainer.max_replicas}",
+        f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rendezvous_endpoint(job)}",
+        f"--rdzv-id={job.uid or job.name}",
+        f"--rdzv-conf={rdzv_conf}",
+        "--monitor-interval=0.5",
+        "--max-restarts=100",
+        "-m",
+        "huorn.runtime.train",
+        "--config",
+        f"{CONFIG_DIR}/{CONFIG_FILE}",
+    ]
+
+
+def _security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def build_trainer_pod(
+    job: JobRef,
+    graph: Graph,
+    instance: Instance,
+    node: str,
+    spec: Mapping[str, Any],
+    virtual_cluster: str,
+) -> dict[str, Any]:
+    """One trainer replica, pinned to `node`."""
+    resources = spec.get("resources", {})
+    gpus = int(resources.get("gpus", 1))
+    cpu = str(resources.get("cpu", "4"))
+    memory = str(resources.get("memory", "16Gi"))
+    limits: dict[str, Any] = {"cpu": cpu, "memory": memory}
+    if gpus:
+        limits[GPU_RESOURCE] = str(gpus)
+    env = [
+        {"name": "HUORN_REPLICA", "value": instance.name},
+        {"name": "HUORN_JOB", "value": job.name},
+        {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "OMP_NUM_THREADS", "value": "1"},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        *({"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", [])),
+    ]
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "run", "mountPath": RUN_DIR},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_map_name(job)}},
+        {"name": "run", "emptyDir": {}},
+    ]
+    checkpoint = spec.get("checkpoint", {})
+    if checkpoint.get("volume"):
+        mounts.append({"name": "checkpoints", "mountPath": checkpoint.get("path", "/checkpoints")})
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint["volume"]}})
+    metadata = _metadata(
+        job, pod_name(job, instance), {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name}
+    )
+    metadata["annotations"] = {
+        ANNOTATION_NODE: node,
+        ANNOTATION_GPUS: str(gpus),
+        ANNOTATION_VC: virtual_cluster,
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {
+            # Never: a failed pod is the operator's to judge (restart rules, remediation); a
+            # kubelet restart in place would hide the failure and keep a broken node in the gang.
+            "restartPolicy": "Never",
+            "hostname": pod_name(job, instance),
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": HOSTNAME_LABEL, "operator": "In", "values": [node]},
+                                ]
+                            }
+                        ],
+                    }
+                }
+            },
+            "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": spec.get("image", "ghcr.io/huorn-io/huorn:0.1.0"),
+                    "command": build_torchrun_args(job, graph, max(1, gpus)),
+                    "env": env,
+                    "ports": [{"name": "telemetry", "containerPort": TELEMETRY_PORT}],
+                    "resources": {"limits": limits, "requests": dict(limits)},
+                    "volumeMounts": mounts,
+                    "securityContext": _security_context(),
+                }
+            ],
+            "volumes": volumes,
+            "terminationGracePeriodSeconds": 30,
+        },
+    }
+
+
+def build_store_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The rendezvous vertex: no GPU, so the default scheduler may put it on any node."""
+    metadata = _metadata(
+        job, pod_name(job, instance), {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name}
+    )
+    metadata["annotations"] = {ANNOTATION_GPUS: "0"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {
+            "restartPolicy": "Always",
+            "containers": [
+                {
+                    "name": "store",
+                    "image": spec.get("image", "ghcr.io/huorn-io/huorn:0.1.0"),
+                    "command": [
+                        "python",
+                        "-m",
+                        "huorn.runtime.store",
+                        "--host",
+                        "0.0.0.0",
+                        "--port",
+                        str(STORE_PORT),
+                    ],
+                    "ports": [{"name": "c10d", "containerPort": STORE_PORT}],
+                    "resources": {
+                        "limits": {"cpu": "250m", "memory": "256Mi"},
+                        "requests": {"cpu": "250m", "memory": "256Mi"},
+                    },
+                    "readinessProbe": {"tcpSocket": {"port": STORE_PORT}, "periodSeconds": 2},
+                    "securityContext": _security_context(),
+                }
+            ],
+        },
+    }

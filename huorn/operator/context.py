@@ -1,0 +1,54 @@
+"""What every handler shares: the API client, the cluster mirror, metrics, locks and settings.
+
+It travels in kopf's memo, so handlers stay plain functions of (context, body) that tests can
+also call directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from huorn.backends.kubernetes import client as kube
+from huorn.backends.kubernetes import retry
+from huorn.operator import index, metrics
+
+EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """Tunables; the defaults suit a real cluster, tests shorten the intervals."""
+
+    resync_seconds: float = 30.0  # a timer re-reconciles every job: retries placement, repairs drift
+    vc_status_seconds: float = 10.0
+    error_backoff_seconds: float = 5.0  # kopf retries a handler that raised after this long
+    max_pod_replacements: int = 3  # per job; "huorn.io/max-restarts" on the job overrides it
+    retry: retry.RetryPolicy = field(default_factory=retry.RetryPolicy)
+
+    def __post_init__(self) -> None:
+        if self.resync_seconds <= 0 or self.vc_status_seconds <= 0:
+            raise ValueError("resync_seconds and vc_status_seconds must be > 0")
+        if self.max_pod_replacements < 0:
+            raise ValueError(f"max_pod_replacements must be ≥ 0, got {self.max_pod_replacements}")
+
+
+@dataclass
+class Context:
+    client: kube.KubeClient
+    post_event: EventPoster
+    settings: OperatorSettings = field(default_factory=OperatorSettings)
+    connection: Any = None  # kopf.ConnectionInfo for kopf's own watches; same server as `client`
+    index: index.ClusterIndex = field(default_factory=index.ClusterIndex)
+    metrics: metrics.OperatorMetrics = field(default_factory=metrics.OperatorMetrics)
+    placement_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _job_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+
+    def job_lock(self, namespace: str, name: str) -> asyncio.Lock:
+        """One reconcile of a job at a time, whether kopf, a timer or a pod event started it."""
+        return self._job_locks.setdefault((namespace, name), asyncio.Lock())
+
+    def forget_job(self, namespace: str, name: str) -> None:
+        self._job_locks.pop((namespace, name), None)

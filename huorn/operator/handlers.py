@@ -1,0 +1,139 @@
+"""kopf handlers: watches feed the mirror, and every path into a job goes through one reconcile.
+
+kopf calls create, update, resume and a timer for each job, and a pod event calls the same
+reconcile for the pod's job, under one lock per job, so a job is never reconciled twice at once.
+The reconcile always reads the job fresh from the API: a body that a watch delivered a moment
+ago may predate the graph mutation this operator just wrote into status.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from huorn.api import base, kinds
+from huorn.backends.kubernetes import manifests
+from huorn.operator import context, index, otherjobs, training, virtualclusters
+from huorn.operator.context import Context
+
+GROUP, VERSION = base.GROUP, base.VERSION
+
+
+def _ctx(memo: Any) -> Context:
+    return memo.huorn
+
+
+async def _reconcile_job(ctx: Context, plural: str, namespace: str, name: str) -> str | None:
+    async with ctx.job_lock(namespace, name):
+        body = await ctx.client.get_custom(plural, namespace, name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        kind = body["kind"]
+        started = time.perf_counter()
+        try:
+            if kind == "TrainingJob":
+                phase = await training.reconcile(ctx, body)
+            else:
+                phase = await otherjobs.reconcile(ctx, body)
+        except Exception:
+            ctx.metrics.reconciles.labels(kind, "error").inc()
+            raise
+        finally:
+            ctx.metrics.reconcile_seconds.labels(kind).observe(time.perf_counter() - started)
+            ctx.metrics.api_retries.set(ctx.client.retries)
+        ctx.metrics.reconciles.labels(kind, "stalled" if phase == "Stalled" else "ok").inc()
+        return phase
+
+
+def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings) -> None:
+    """Register every handler on `registry` (a fresh one per operator keeps tests independent)."""
+    settings_resync, settings_vc = tunables.resync_seconds, tunables.vc_status_seconds
+    backoff = tunables.error_backoff_seconds
+
+    @kopf.on.startup(registry=registry)
+    async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+        settings.posting.enabled = True
+        settings.posting.level = logging.INFO
+        settings.persistence.finalizer = "huorn.io/cleanup"
+        settings.watching.connect_timeout = 30
+        settings.networking.request_timeout = 60
+        ctx = _ctx(memo)
+        # Fill the mirror before any job handler runs, so that the first placements after a
+        # restart see every GPU already taken (the watches replay them too, but later).
+        for node in await ctx.client.list("Node", None, {}):
+            ctx.index.nodes[node["metadata"]["name"]] = index.build_node_record(node)
+        for pod in await ctx.client.list("Pod", None, {"app.kubernetes.io/managed-by": manifests.MANAGED_BY}):
+            ctx.index.observe_pod(pod)
+        for vc in await ctx.client.list_custom("virtualclusters", None):
+            ctx.index.vcs[vc["metadata"]["name"]] = dict(vc.get("spec") or {})
+
+    @kopf.on.login(registry=registry)
+    def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
+        return _ctx(memo).connection
+
+    @kopf.on.event("", "v1", "nodes", registry=registry)
+    async def node_changed(type: str, body: Mapping[str, Any], memo: Any, **_: Any) -> None:
+        ctx = _ctx(memo)
+        name = body["metadata"]["name"]
+        if type == "DELETED":
+            ctx.index.nodes.pop(name, None)
+        else:
+            ctx.index.nodes[name] = index.build_node_record(body)
+
+    @kopf.on.event("", "v1", "pods", labels={manifests.LABEL_JOB: kopf.PRESENT}, registry=registry)
+    async def pod_changed(type: str, body: Mapping[str, Any], memo: Any, **_: Any) -> None:
+        ctx = _ctx(memo)
+        before = ctx.index.pods.get((body["metadata"].get("namespace", ""), body["metadata"]["name"]))
+        record = ctx.index.observe_pod(body, deleted=type == "DELETED")
+        if record is None or (before is not None and before.phase == record.phase and type != "DELETED"):
+            return
+        kind = (body["metadata"].get("labels") or {}).get(manifests.LABEL_KIND, "TrainingJob")
+        if kind in kinds.KINDS:
+            await _reconcile_job(ctx, kinds.KINDS[kind].plural, record.namespace, record.job)
+
+    @kopf.on.event(GROUP, VERSION, "virtualclusters", registry=registry)
+    async def vc_changed(type: str, body: Mapping[str, Any], memo: Any, **_: Any) -> None:
+        ctx = _ctx(memo)
+        if type == "DELETED":
+            virtualclusters.forget(ctx, body["metadata"]["name"])
+        else:
+            ctx.index.vcs[body["metadata"]["name"]] = dict(body.get("spec") or {})
+
+    @kopf.on.resume(GROUP, VERSION, "virtualclusters", registry=registry)
+    @kopf.on.create(GROUP, VERSION, "virtualclusters", registry=registry)
+    @kopf.on.update(GROUP, VERSION, "virtualclusters", registry=registry)
+    @kopf.timer(GROUP, VERSION, "virtualclusters", interval=settings_vc, registry=registry, backoff=backoff)
+    async def vc_reconcile(body: Mapping[str, Any], memo: Any, **_: Any) -> None:
+        ctx = _ctx(memo)
+        fresh = await ctx.client.get_custom("virtualclusters", None, body["metadata"]["name"])
+        if fresh is not None:
+            await virtualclusters.reconcile(ctx, fresh)
+
+    for kind in kinds.JOB_KINDS:
+        plural = kind.plural
+
+        @kopf.on.resume(GROUP, VERSION, plural, registry=registry, backoff=backoff)
+        @kopf.on.create(GROUP, VERSION, plural, registry=registry, backoff=backoff)
+        @kopf.on.update(GROUP, VERSION, plural, registry=registry, backoff=backoff)
+        @kopf.timer(GROUP, VERSION, plural, interval=settings_resync, registry=registry, backoff=backoff)
+        async def job_reconcile(namespace: str, name: str, memo: Any, resource: Any, **_: Any) -> None:
+            await _reconcile_job(_ctx(memo), resource.plural, namespace, name)
+
+        @kopf.on.delete(GROUP, VERSION, plural, registry=registry, backoff=backoff)
+        async def job_delete(
+            body: Mapping[str, Any],
+            namespace: str,
+            name: str,
+            memo: Any,
+            **_: Any,
+        ) -> None:
+            ctx = _ctx(memo)
+            async with ctx.job_lock(namespace, name):
+                deleted = await training.delete_children(ctx, namespace, name)
+            ctx.post_event(body, "Normal", "Deleted", f"deleted {deleted} child objects")
+            ctx.metrics.record_phase(body["kind"], f"{namespace}/{name}", None)
+            ctx.forget_job(namespace, name)

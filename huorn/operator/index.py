@@ -1,0 +1,204 @@
+"""The operator's in-memory mirror of nodes, virtual clusters and Huorn pods.
+
+Placement needs the free GPUs of every node, and asking the API for every pod on every
+reconcile is quadratic in the number of jobs (1,000 jobs × 1,000 list calls). kopf's watches
+already stream every change, so the operator keeps this mirror and rebuilds it from the watches
+(and one listing at startup) after a restart: it holds nothing that the API objects do not.
+
+The one thing the API cannot show yet is a placement decided a moment ago whose pods are still
+being created. Those are kept as *reservations* under the same keys the pods will have, so two
+jobs placed back to back never get the same GPUs; a pod's arrival replaces its reservation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from huorn.api import base
+from huorn.backends.kubernetes import manifests
+from huorn.scheduler import placement, snapshot
+
+TERMINAL_POD_PHASES = frozenset({"Succeeded", "Failed"})
+
+
+@dataclass(frozen=True)
+class PodRecord:
+    """What one Huorn pod holds: its job, node and GPUs, and how it is doing."""
+
+    namespace: str
+    name: str
+    job: str
+    vertex: str
+    instance: str
+    node: str
+    gpus: int
+    cpu_milli: int
+    virtual_cluster: str
+    phase: str = "Pending"
+    exit_code: int | None = None
+    deleting: bool = False
+
+    @property
+    def job_key(self) -> tuple[str, str]:
+        return (self.namespace, self.job)
+
+    @property
+    def holds_resources(self) -> bool:
+        return self.phase not in TERMINAL_POD_PHASES
+
+
+def _cpu_milli(text: str | None) -> int:
+    return int(base.parse_quantity(text) * 1000) if text else 0
+
+
+def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
+    """A record from a pod object, None for pods that are not a Huorn job's."""
+    meta = body.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if manifests.LABEL_JOB not in labels:
+        return None
+    annotations = meta.get("annotations") or {}
+    containers = (body.get("spec") or {}).get("containers") or [{}]
+    limits = (containers[0].get("resources") or {}).get("limits") or {}
+    status = body.get("status") or {}
+    exit_code = None
+    for cs in status.get("containerStatuses") or []:
+        terminated = (cs.get("state") or {}).get("terminated")
+        if terminated is not None:
+            exit_code = terminated.get("exitCode")
+    return PodRecord(
+        namespace=meta.get("namespace", ""),
+        name=meta["name"],
+        job=labels[manifests.LABEL_JOB],
+        vertex=labels.get(manifests.LABEL_VERTEX, ""),
+        instance=labels.get(manifests.LABEL_INSTANCE, ""),
+        node=annotations.get(manifests.ANNOTATION_NODE, "") or (body.get("spec") or {}).get("nodeName", ""),
+        gpus=int(annotations.get(manifests.ANNOTATION_GPUS, "0")),
+        cpu_milli=_cpu_milli(limits.get("cpu")),
+        virtual_cluster=annotations.get(manifests.ANNOTATION_VC, ""),
+        phase=status.get("phase", "Pending"),
+        exit_code=exit_code,
+        deleting=bool(meta.get("deletionTimestamp")),
+    )
+
+
+@dataclass
+class NodeRecord:
+    name: str
+    gpus: int
+    labels: dict[str, str]
+    unschedulable: bool = False
+
+
+def build_node_record(body: Mapping[str, Any]) -> NodeRecord:
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    allocatable = status.get("allocatable") or status.get("capacity") or {}
+    return NodeRecord(
+        name=meta["name"],
+        gpus=int(allocatable.get(manifests.GPU_RESOURCE, 0) or 0),
+        labels=dict(meta.get("labels") or {}),
+        unschedulable=bool((body.get("spec") or {}).get("unschedulable")),
+    )
+
+
+@dataclass
+class ClusterIndex:
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    vcs: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> spec (wire form)
+    pods: dict[tuple[str, str], PodRecord] = field(default_factory=dict)
+    reservations: dict[tuple[str, str], PodRecord] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------- updates from watches
+    def observe_pod(self, body: Mapping[str, Any], deleted: bool = False) -> PodRecord | None:
+        record = build_pod_record(body)
+        if record is None:
+            return None
+        key = (record.namespace, record.name)
+        self.reservations.pop(key, None)
+        if deleted:
+            self.pods.pop(key, None)
+        else:
+            self.pods[key] = record
+        return record
+
+    def reserve(self, records: Iterable[PodRecord]) -> None:
+        for r in records:
+            if (r.namespace, r.name) not in self.pods:
+                self.reservations[(r.namespace, r.name)] = r
+
+    def release(self, records: Iterable[PodRecord]) -> None:
+        for r in records:
+            self.reservations.pop((r.namespace, r.name), None)
+
+    # ----------------------------------------------------------------- reading
+    def pods_of(self, namespace: str, job: str) -> list[PodRecord]:
+        return [p for (ns, _), p in self.pods.items() if ns == namespace and p.job == job]
+
+    def virtual_cluster_of(self, node: NodeRecord) -> str:
+        """The first virtual cluster (by name) whose members include the node; '' for none."""
+        for name in sorted(self.vcs):
+            members = self.vcs[name].get("members") or {}
+            if node.name in (members.get("nodes") or []):
+                return name
+            selector = ((members.get("nodeSelector") or {}).get("matchLabels")) or None
+            if selector and all(node.labels.get(k) == v for k, v in selector.items()):
+                return name
+        return ""
+
+    def members_of(self, vc: str) -> list[NodeRecord]:
+        return [n for n in self.nodes.values() if self.virtual_cluster_of(n) == vc]
+
+    def _holders(self) -> list[PodRecord]:
+        held = [p for p in self.pods.values() if p.holds_resources and p.gpus]
+        return held + [r for r in self.reservations.values() if r.gpus]
+
+    def build_snapshot(self) -> snapshot.ClusterSnapshot:
+        """A scheduler snapshot with every pod and reservation already assumed, per job."""
+        owner = {n.name: self.virtual_cluster_of(n) for n in self.nodes.values()}
+        views = [
+            placement.NodeView(
+                name=n.name,
+                gpus_total=n.gpus,
+                gpus_free=n.gpus,
+                labels=n.labels,
+                virtual_cluster=owner[n.name],
+                cordoned=n.unschedulable,
+            )
+            for n in self.nodes.values()
+        ]
+        vcs = [build_vc_view(name, spec) for name, spec in self.vcs.items()]
+        snap = snapshot.ClusterSnapshot(views, vcs)
+        by_job: dict[tuple[str, str, str], list[str]] = {}
+        gpus_of: dict[tuple[str, str, str], int] = {}
+        for p in self._holders():
+            if p.node not in self.nodes:
+                continue
+            key = (p.namespace, p.job, p.virtual_cluster if p.virtual_cluster in self.vcs else "")
+            by_job.setdefault(key, []).extend([p.node] * p.gpus)
+            gpus_of[key] = 1
+        for (ns, job, vc), gpu_nodes in by_job.items():
+            # One binding per job, one "replica" per GPU: pods of a job may differ in GPUs.
+            try:
+                snap.assume(f"{ns}/{job}", vc, placement.Placement(gpu_nodes), gpus_per_replica=1)
+            except ValueError:
+                # A node shrank under running pods (a GPU went bad): the pods still run, the
+                # node simply has nothing free, which the snapshot already shows.
+                continue
+        snap.commit()
+        return snap
+
+
+def build_vc_view(name: str, spec: Mapping[str, Any]) -> snapshot.VirtualClusterView:
+    lending = spec.get("lending") or {}
+    borrowing = spec.get("borrowing") or {}
+    return snapshot.VirtualClusterView(
+        name=name,
+        purpose=spec.get("purpose", "training"),
+        lendable=bool(lending.get("lendable", False)),
+        max_gpus_lent=int(lending.get("maxGPUsLent", 0)),
+        max_gpus_borrowed=int(borrowing.get("maxGPUsBorrowed", 0)),
+        reclaim_grace_seconds=float(lending.get("reclaimGraceSeconds", 30)),
+    )

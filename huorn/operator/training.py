@@ -1,0 +1,386 @@
+"""Reconcile one TrainingJob: compile → place (all or none) → record the decision → apply.
+
+The order is what makes a kill at any moment harmless. A decision (a resize, a pod replacement)
+is first written into the job's status as a graph mutation (a write-ahead log), and only then
+are pods created or deleted; a restarted operator reads the graph back from status, finds the
+decision already taken, and finishes applying it under the same deterministic pod names, so
+nothing is decided twice and no pod is created twice. Placement is all or none: if any replica
+of the gang cannot be placed, no mutation is written and no pod is created, and the job says why
+in its Reconciling condition.
+
+Restart rules for a failed trainer pod: exit code 2 (the runtime refused its config) fails the
+job, since a new pod would fail the same way; any other failure replaces the pod (a new graph
+generation, so a new name) while spec.remediation.maxMitigation allows "restart" and the job has
+had fewer than its replacement budget (3, or the huorn.io/max-restarts annotation). torchrun
+restarts workers inside a pod on its own; the operator only sees a pod fail when torchrun gives up.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+from huorn.backends.kubernetes import manifests
+from huorn.graph import compiler, mutate, serialise
+from huorn.graph.model import Graph, Mutation
+from huorn.operator import conditions, validation
+from huorn.operator.context import Context
+from huorn.operator.index import PodRecord
+from huorn.scheduler import placement
+
+PLURAL = "trainingjobs"
+KIND = "TrainingJob"
+PERMANENT_EXIT_CODES = frozenset({2})
+MAX_RESTARTS_ANNOTATION = "huorn.io/max-restarts"
+DECISION_LIMIT = 32
+
+
+def _iso(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def build_decisions(graph: Graph) -> list[dict[str, Any]]:
+    return [
+        {"time": _iso(m.time), "action": m.action, "reason": m.reason[:1024], "graphVersion": m.version}
+        for m in graph.log[-DECISION_LIMIT:]
+    ]
+
+
+def _replacement_budget(ctx: Context, body: Mapping[str, Any]) -> int:
+    text = ((body.get("metadata") or {}).get("annotations") or {}).get(MAX_RESTARTS_ANNOTATION)
+    try:
+        return int(text) if text is not None else ctx.settings.max_pod_replacements
+    except ValueError:
+        return ctx.settings.max_pod_replacements
+
+
+async def _write_status(ctx: Context, body: Mapping[str, Any], status: dict[str, Any]) -> None:
+    old = body.get("status") or {}
+    if conditions.strip_times({**old, **status}) == conditions.strip_times(old):
+        return
+    meta = body["metadata"]
+    await ctx.client.patch_status(PLURAL, meta["namespace"], meta["name"], status)
+
+
+def _event(ctx: Context, body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+    ctx.post_event(body, kind, reason, message)
+
+
+async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
+    """Bring one job one step closer to its spec; returns the phase written."""
+    meta = body["metadata"]
+    ns, name, generation = meta["namespace"], meta["name"], meta.get("generation")
+    old = body.get("status") or {}
+    try:
+        job = validation.load_job(body)
+        validation.check_training(job)
+        vc_spec = ctx.index.vcs.get(job.spec.virtual_cluster)
+        if vc_spec is not None:
+            validation.check_namespace(ns, job.spec.virtual_cluster, vc_spec)
+    except validation.InvalidSpec as exc:
+        return await _stall(ctx, body, "InvalidSpec", str(exc))
+    if old.get("phase") in ("Succeeded", "Failed"):
+        await _clean_terminal(ctx, body, old["phase"])
+        return old["phase"]
+
+    fresh = compiler.compile(job)
+    graph = serialise.from_status(old["graph"]) if old.get("graph") else fresh
+    trainer, spec_trainer = graph.vertex("trainer"), fresh.vertex("trainer")
+    trainer.min_replicas, trainer.max_replicas = spec_trainer.min_replicas, spec_trainer.max_replicas
+    trainer.params, trainer.resources = spec_trainer.params, spec_trainer.resources
+    ref = manifests.JobRef.from_body(body)
+    spec = body.get("spec") or {}
+    selector = f"{manifests.LABEL_JOB}={name},{manifests.LABEL_VERTEX}=trainer"
+    base_status: dict[str, Any] = {"observedGeneration": generation, "selector": selector}
+
+    if vc_spec is None:
+        msg = (
+            f"virtual cluster {job.spec.virtual_cluster!r} does not exist; "
+            "create it or fix spec.virtualCluster"
+        )
+        return await _waiting(ctx, body, base_status, "Pending", "VirtualClusterNotFound", msg)
+
+    pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
+    new: list[Mutation] = []
+    budget = _replacement_budget(ctx, body)
+    for instance in list(trainer.instances):
+        pod = pods.get(manifests.pod_name(ref, instance))
+        if pod is None or pod.phase != "Failed":
+            continue
+        allowed = job.spec.remediation.max_mitigation.value == "restart"
+        used = graph.action_counts.get("replace", 0)
+        if pod.exit_code in PERMANENT_EXIT_CODES or not allowed or used >= budget:
+            why = f"pod {pod.name} failed with exit code {pod.exit_code}; " + (
+                "the runtime refused its config"
+                if pod.exit_code in PERMANENT_EXIT_CODES
+                else "restarts are not allowed (spec.remediation.maxMitigation)"
+                if not allowed
+                else f"replacement budget of {budget} used up"
+            )
+            return await _fail(ctx, body, graph, base_status, why)
+        new.append(
+            mutate.replace_instance(
+                graph,
+                instance.name,
+                reason=f"pod {pod.name} failed (exit code {pod.exit_code}); replacing it",
+            )
+        )
+
+    trainer_pods = [pods.get(manifests.pod_name(ref, i)) for i in trainer.instances]
+    if trainer_pods and all(p is not None and p.phase == "Succeeded" for p in trainer_pods) and not new:
+        status = {
+            **base_status,
+            "phase": "Succeeded",
+            "replicas": 0,
+            "graph": serialise.to_status(graph),
+            "conditions": conditions.build_conditions(
+                old.get("conditions"), generation, ready=(False, "Succeeded", "training finished")
+            ),
+        }
+        await _write_status(ctx, body, status)
+        _event(ctx, body, "Normal", "Succeeded", "every trainer pod finished")
+        await _clean_terminal(ctx, body, "Succeeded")
+        ctx.metrics.record_phase(KIND, f"{ns}/{name}", "Succeeded")
+        return "Succeeded"
+
+    desired = job.spec.elasticity.min_replicas
+    if trainer.replicas != desired:
+        resized = mutate.resize(
+            graph,
+            "trainer",
+            desired,
+            reason=f"scale {trainer.replicas}→{desired}: spec.elasticity.minReplicas is {desired}",
+        )
+        if resized is not None:
+            new.append(resized)
+
+    missing = [i for i in graph.vertex("trainer").instances if manifests.pod_name(ref, i) not in pods]
+    reserved: list[PodRecord] = []
+    assignments: dict[str, str] = {}
+    if missing:
+        async with ctx.placement_lock:
+            gpus = job.spec.resources.gpus
+            where = ctx.index.build_snapshot().place(job.spec.virtual_cluster, len(missing), gpus)
+            if isinstance(where, placement.Unplaceable):
+                ctx.metrics.decisions.labels(KIND, "unplaceable").inc()
+                phase = old.get("phase") if old.get("phase") in ("Running", "Resizing") else "Pending"
+                return await _waiting(ctx, body, base_status, phase, "Unplaceable", where.reason)
+            for instance, node in zip(missing, where.assignments, strict=True):
+                assignments[instance.name] = node
+                reserved.append(
+                    PodRecord(
+                        namespace=ns,
+                        name=manifests.pod_name(ref, instance),
+                        job=name,
+                        vertex="trainer",
+                        instance=instance.name,
+                        node=node,
+                        gpus=gpus,
+                        cpu_milli=0,
+                        virtual_cluster=job.spec.virtual_cluster,
+                    )
+                )
+            ctx.index.reserve(reserved)
+
+    # Write-ahead: the decision is in status before any pod changes.
+    try:
+        if new or missing:
+            phase = _phase(graph, trainer_pods_running=0, total=1, has_new=True, old=old)
+            await _write_status(
+                ctx,
+                body,
+                {
+                    **base_status,
+                    "phase": phase,
+                    "graph": serialise.to_status(graph),
+                    "decisions": build_decisions(graph),
+                    "targetReplicas": desired,
+                },
+            )
+        for m in new:
+            ctx.metrics.decisions.labels(KIND, m.action).inc()
+            _event(ctx, body, "Normal", m.action.capitalize(), m.reason)
+        await _apply_children(ctx, body, ref, graph, spec, assignments, job.spec.virtual_cluster, pods)
+    except BaseException:
+        ctx.index.release(reserved)
+        raise
+    return await _report(ctx, body, graph, base_status)
+
+
+def _phase(graph: Graph, trainer_pods_running: int, total: int, has_new: bool, old: Mapping[str, Any]) -> str:
+    if trainer_pods_running == total and not has_new:
+        return "Running"
+    if graph.log and graph.log[-1].action == "resize" and old.get("phase") in ("Running", "Resizing"):
+        return "Resizing"
+    return old.get("phase") if old.get("phase") in ("Running", "Resizing") else "Placing"
+
+
+async def _apply_children(
+    ctx: Context,
+    body: Mapping[str, Any],
+    ref: manifests.JobRef,
+    graph: Graph,
+    spec: Mapping[str, Any],
+    assignments: Mapping[str, str],
+    vc: str,
+    pods: Mapping[str, PodRecord],
+) -> None:
+    old = body.get("status") or {}
+    fresh_spec = old.get("observedGeneration") != (body.get("metadata") or {}).get("generation")
+    if assignments or fresh_spec:
+        await ctx.client.apply(manifests.build_config_map(ref, spec))
+        await ctx.client.apply(manifests.build_store_service(ref))
+    for instance in graph.vertex("rendezvous").instances:
+        if manifests.pod_name(ref, instance) not in pods:
+            await ctx.client.apply(manifests.build_store_pod(ref, instance, spec))
+    trainer = graph.vertex("trainer")
+    for instance in trainer.instances:
+        node = assignments.get(instance.name)
+        if node is not None:
+            await ctx.client.apply(manifests.build_trainer_pod(ref, graph, instance, node, spec, vc))
+    wanted = {manifests.pod_name(ref, i) for v in graph.vertices.values() for i in v.instances}
+    for pod in pods.values():
+        if pod.name not in wanted and not pod.deleting:
+            await ctx.client.delete("Pod", ref.namespace, pod.name)
+
+
+async def _report(ctx: Context, body: Mapping[str, Any], graph: Graph, base_status: dict[str, Any]) -> str:
+    """Status from what the pods are doing now; pod events call reconcile again as they change."""
+    meta = body["metadata"]
+    ref = manifests.JobRef.from_body(body)
+    pods = {p.name: p for p in ctx.index.pods_of(meta["namespace"], meta["name"])}
+    trainer = graph.vertex("trainer")
+    present = [pods[n] for n in (manifests.pod_name(ref, i) for i in trainer.instances) if n in pods]
+    running = sum(1 for p in present if p.phase == "Running")
+    total = trainer.replicas
+    old = body.get("status") or {}
+    phase = _phase(graph, running, total, has_new=False, old=old)
+    if phase == "Running":
+        conds = conditions.build_conditions(
+            old.get("conditions"),
+            base_status["observedGeneration"],
+            ready=(True, "Running", f"{running}/{total} trainer pods running"),
+        )
+    else:
+        message = f"{running}/{total} trainer pods running"
+        conds = conditions.build_conditions(
+            old.get("conditions"),
+            base_status["observedGeneration"],
+            ready=(False, "PodsNotRunning", message),
+            reconciling=(True, phase, message),
+        )
+    status = {
+        **base_status,
+        "phase": phase,
+        "replicas": len(present),
+        "graph": serialise.to_status(graph),
+        "decisions": build_decisions(graph),
+        "conditions": conds,
+        "targetReplicas": total,
+        "message": None,
+    }
+    await _write_status(ctx, body, status)
+    ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", phase)
+    return phase
+
+
+async def _waiting(
+    ctx: Context,
+    body: Mapping[str, Any],
+    base_status: dict[str, Any],
+    phase: str,
+    reason: str,
+    message: str,
+) -> str:
+    old = body.get("status") or {}
+    previous = next((c for c in old.get("conditions") or [] if c.get("type") == conditions.RECONCILING), {})
+    if previous.get("message") != message:
+        _event(ctx, body, "Warning", reason, message)
+    status = {
+        **base_status,
+        "phase": phase,
+        "message": message,
+        "conditions": conditions.build_conditions(
+            old.get("conditions"),
+            base_status["observedGeneration"],
+            ready=(old.get("phase") == "Running", reason, message),
+            reconciling=(True, reason, message),
+        ),
+    }
+    await _write_status(ctx, body, status)
+    meta = body["metadata"]
+    ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", phase)
+    return phase
+
+
+async def _stall(ctx: Context, body: Mapping[str, Any], reason: str, message: str) -> str:
+    meta = body["metadata"]
+    old = body.get("status") or {}
+    if old.get("message") != message:
+        _event(ctx, body, "Warning", reason, message)
+    status = {
+        "phase": "Stalled",
+        "observedGeneration": meta.get("generation"),
+        "message": message,
+        "conditions": conditions.build_conditions(
+            old.get("conditions"),
+            meta.get("generation"),
+            ready=(False, reason, message),
+            stalled=(True, reason, message),
+        ),
+    }
+    await _write_status(ctx, body, status)
+    ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Stalled")
+    return "Stalled"
+
+
+async def _fail(
+    ctx: Context,
+    body: Mapping[str, Any],
+    graph: Graph,
+    base_status: dict[str, Any],
+    why: str,
+) -> str:
+    old = body.get("status") or {}
+    status = {
+        **base_status,
+        "phase": "Failed",
+        "message": why,
+        "replicas": 0,
+        "graph": serialise.to_status(graph),
+        "conditions": conditions.build_conditions(
+            old.get("conditions"),
+            base_status["observedGeneration"],
+            ready=(False, "Failed", why),
+            stalled=(True, "Failed", why),
+        ),
+    }
+    await _write_status(ctx, body, status)
+    ctx.metrics.decisions.labels(KIND, "fail").inc()
+    _event(ctx, body, "Warning", "Failed", why)
+    await _clean_terminal(ctx, body, "Failed")
+    meta = body["metadata"]
+    ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Failed")
+    return "Failed"
+
+
+async def _clean_terminal(ctx: Context, body: Mapping[str, Any], phase: str) -> None:
+    """A finished job frees its rendezvous store; a failed one frees every GPU too."""
+    meta = body["metadata"]
+    for pod in ctx.index.pods_of(meta["namespace"], meta["name"]):
+        if pod.deleting or (phase == "Succeeded" and pod.vertex == "trainer"):
+            continue
+        if pod.vertex == "rendezvous" or pod.holds_resources:
+            await ctx.client.delete("Pod", pod.namespace, pod.name)
+
+
+async def delete_children(ctx: Context, namespace: str, name: str) -> int:
+    """Delete every child by label, from the API rather than the mirror; 404s count as done."""
+    deleted = 0
+    labels = {manifests.LABEL_JOB: name}
+    for kind in ("Pod", "Service", "ConfigMap"):
+        for obj in await ctx.client.list(kind, namespace, labels):
+            deleted += await ctx.client.delete(kind, namespace, obj["metadata"]["name"])
+    ctx.index.release([r for r in ctx.index.reservations.values() if r.job_key == (namespace, name)])
+    return deleted

@@ -1,0 +1,68 @@
+"""The VirtualCluster controller: member nodes and GPU accounting in status.
+
+A node belongs to the first virtual cluster (by name) that lists it or whose selector matches
+it, so two overlapping selectors never count one GPU twice. Lending is counted per GPU, as the
+scheduler's snapshot counts it: a pod of a job of cluster A on a node of cluster B adds its
+GPUs to B's `lent` and to A's `borrowed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+from huorn.operator import conditions
+from huorn.operator.context import Context
+
+PLURAL = "virtualclusters"
+
+
+def compute_usage(ctx: Context, vc: str) -> dict[str, int]:
+    members = {n.name: n for n in ctx.index.members_of(vc)}
+    allocated = lent = borrowed = 0
+    holders = [p for p in ctx.index.pods.values() if p.holds_resources and p.gpus]
+    holders += [r for r in ctx.index.reservations.values() if r.gpus]
+    for pod in holders:
+        on_member = pod.node in members
+        if on_member:
+            allocated += pod.gpus
+            if pod.virtual_cluster != vc:
+                lent += pod.gpus
+        elif pod.virtual_cluster == vc and pod.node in ctx.index.nodes:
+            borrowed += pod.gpus
+    return {
+        "nodes": len(members),
+        "capacity": sum(n.gpus for n in members.values()),
+        "allocated": allocated,
+        "lent": lent,
+        "borrowed": borrowed,
+    }
+
+
+async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
+    meta = body["metadata"]
+    name = meta["name"]
+    ctx.index.vcs[name] = dict(body.get("spec") or {})
+    usage = compute_usage(ctx, name)
+    old = body.get("status") or {}
+    message = f"{usage['nodes']} nodes, {usage['capacity']} GPUs, {usage['allocated']} allocated"
+    status: dict[str, Any] = {
+        **usage,
+        "observedGeneration": meta.get("generation"),
+        "conditions": conditions.build_conditions(
+            old.get("conditions"), meta.get("generation"), ready=(True, "Tracking", message)
+        ),
+    }
+    for state in ("capacity", "allocated", "lent", "borrowed"):
+        ctx.metrics.vc_gpus.labels(name, state).set(usage[state])
+    if conditions.strip_times({**old, **status}) != conditions.strip_times(old):
+        await ctx.client.patch_status(PLURAL, None, name, status)
+    return usage
+
+
+def forget(ctx: Context, name: str) -> None:
+    ctx.index.vcs.pop(name, None)
+    for state in ("capacity", "allocated", "lent", "borrowed"):
+        with contextlib.suppress(KeyError):
+            ctx.metrics.vc_gpus.remove(name, state)

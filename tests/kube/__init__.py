@@ -1,0 +1,1 @@
+"""Test helpers that give the operator a Kubernetes API: the KMock emulator with its gaps filled."""

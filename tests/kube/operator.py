@@ -1,0 +1,91 @@
+"""Run Huorn's real kopf operator against an emulated (or real) cluster from a test.
+
+In a thread for most tests (fast start, its metrics readable), or as a subprocess that a test
+can SIGKILL at any moment, which is what an operator killed by the kubelet looks like.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import kubernetes
+
+from huorn.backends.kubernetes import retry
+from huorn.operator import context, runner
+
+FAST = context.OperatorSettings(
+    resync_seconds=2.0,
+    vc_status_seconds=1.0,
+    error_backoff_seconds=0.5,
+    retry=retry.RetryPolicy(attempts=10, base_delay=0.05, max_delay=0.5),
+)
+
+
+class OperatorThread:
+    """`with OperatorThread(api) as op:` runs the operator until the block ends."""
+
+    def __init__(self, api: kubernetes.client.ApiClient, settings: context.OperatorSettings = FAST) -> None:
+        self.ctx = runner.build_context(api, settings)
+        self.api = api
+        self.stop = threading.Event()
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="huorn-operator", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            runner.run_operator(self.api, ctx=self.ctx, stop_flag=self.stop, ready_flag=self.ready)
+        except BaseException as exc:  # surfaced by __exit__
+            self.error = exc
+
+    def __enter__(self) -> OperatorThread:
+        self._thread.start()
+        if not self.ready.wait(timeout=60):
+            raise AssertionError(f"operator did not become ready: {self.error!r}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self._thread.join(timeout=60)
+        if self._thread.is_alive():
+            raise AssertionError("operator did not stop within 60 s")
+
+
+class OperatorProcess:
+    """The operator as `huorn operator --kubeconfig ...` in a child process, killable with SIGKILL."""
+
+    def __init__(self, kubeconfig: Path, log: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.log = log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "HUORN_OPERATOR_FAST": "1"}
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "huorn.cli.main",
+                    "operator",
+                    "--kubeconfig",
+                    str(self.kubeconfig),
+                    "--all-namespaces",
+                    "--resync-seconds",
+                    "2",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self.proc = None
