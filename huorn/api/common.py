@@ -140,6 +140,8 @@ class LastCheckpoint(ApiModel):
 Phase = Literal["Pending", "Placing", "Running", "Resizing", "Remediating", "Succeeded", "Failed", "Stalled"]
 
 DECISION_HISTORY_LIMIT = 32
+# Ready, Reconciling, Stalled and the kind-specific ones; a bound keeps the server's cost estimate finite.
+CONDITION_LIMIT = 16
 
 
 class JobStatus(ApiModel):
@@ -149,7 +151,7 @@ class JobStatus(ApiModel):
 
     phase: Phase = "Pending"
     observed_generation: int | None = None
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list, max_length=CONDITION_LIMIT)
     replicas: int = 0
     selector: str | None = Field(default=None, description="Label selector of the pods (for HPA).")
     graph: dict | None = Field(default=None, description="Bounded summary of the execution graph.")

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from huorn.api import rules
 from huorn.api.base import ApiModel, DnsLabel
-from huorn.api.common import Condition
+from huorn.api.common import CONDITION_LIMIT, Condition
 
 
 class LabelSelector(ApiModel):
@@ -57,7 +57,7 @@ class VirtualClusterSpec(ApiModel):
     lending: Lending = Field(default_factory=Lending)
     borrowing: Borrowing = Field(default_factory=Borrowing)
     namespaces: list[DnsLabel] = Field(
-        default_factory=list, description="Namespaces allowed to use it; empty means all."
+        default_factory=list, max_length=1024, description="Namespaces allowed to use it; empty means all."
     )
 
 
@@ -65,7 +65,7 @@ class VirtualClusterStatus(ApiModel):
     model_config = ApiModel.model_config | {"extra": "allow"}
 
     observed_generation: int | None = None
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list, max_length=CONDITION_LIMIT)
     nodes: int = 0
     capacity: int = Field(default=0, description="GPUs on member nodes.")
     allocated: int = 0
