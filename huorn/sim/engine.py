@@ -1,0 +1,206 @@
+"""Discrete-event simulation of one policy on one cluster, running the real scheduler code.
+
+Events are arrivals, completions, scheduling ticks (60 s, Pollux's interval), QPS bins (5 min) and
+the return of reclaimed GPUs. Between events every running job progresses at its true rate, so
+completions land at their exact time; the scheduler runs on ticks only, and only on ticks where
+something changed (or every fifth tick for the elastic policies, whose noise scales drift). The
+engine owns the ClusterSnapshot that the policies decide against; policies never see the truth.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from huorn.scheduler import allocator, perfmodel, placement, snapshot
+from huorn.sim import inference, policies, state, workload
+
+TRAIN, INFER = "train", "infer"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    gpus: int
+    seed: int = 0
+    inference_share: float = 0.25
+    load: float = 0.8
+    tick_seconds: float = 60.0
+    reclaim_grace_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.gpus < 8:
+            raise ValueError(f"gpus must be ≥ 8, got {self.gpus}")
+        if not 0 < self.inference_share < 1:
+            raise ValueError(f"inference_share must lie in (0, 1), got {self.inference_share}")
+        if not self.load > 0:
+            raise ValueError(f"load must be > 0, got {self.load}")
+
+
+@dataclass
+class Totals:
+    slo_requests: float = 0.0
+    slo_served: float = 0.0
+    train_gpu_seconds: float = 0.0
+    infer_gpu_seconds: float = 0.0
+    lost_gpu_seconds: float = 0.0
+    preemptions: int = 0
+    series: list[tuple[float, int, int, int, int, float]] = field(default_factory=list)
+    series_work: list[tuple[float, float]] = field(default_factory=list)  # (t, trace GPU-s done)
+    finished_work: float = 0.0
+
+
+class Simulation:
+    def __init__(self, jobs: list[workload.TrainingJob], nodes: list[workload.Node],
+                 load: inference.InferenceLoad, spec: policies.PolicySpec, config: SimConfig):
+        self.spec, self.config, self.load = spec, config, load
+        self.rng = np.random.default_rng(config.seed)
+        infer_names = _pick_inference_nodes(nodes, load.gpus)
+        self.infer_gpus = sum(n.gpus for n in nodes if n.name in infer_names)
+        self.node_vc = {n.name: INFER if n.name in infer_names else TRAIN for n in nodes}
+        views = [placement.NodeView(n.name, n.gpus, n.gpus, virtual_cluster=self.node_vc[n.name])
+                 for n in nodes]
+        lends = spec.loaning != "none"
+        self.infer_view = snapshot.VirtualClusterView(
+            INFER, "inference", lendable=lends, max_gpus_lent=self.infer_gpus if lends else 0,
+            reclaim_grace_seconds=config.reclaim_grace_seconds)
+        train_view = snapshot.VirtualClusterView(TRAIN, max_gpus_borrowed=self.infer_gpus if lends else 0)
+        self.snap = snapshot.ClusterSnapshot(views, [train_view, self.infer_view])
+        self.train_gpus = self.snap.capacity(TRAIN)
+        ordered = sorted(jobs, key=lambda j: (j.arrival, j.name))
+        self.jobs = [state.JobState(j, belief=self._belief(j)) for j in ordered]
+        self.by_name = {js.job.name: js for js in self.jobs}
+        self.allocator = allocator.Allocator(spec.allocator)
+        self.returns: list[tuple[float, int]] = []  # (time, GPUs) reclaimed GPUs still held by training
+        self.totals = Totals()
+        self.now = 0.0
+        self.live: list[state.JobState] = []
+
+    def _belief(self, job: workload.TrainingJob) -> perfmodel.PerfModel | None:
+        if not self.spec.elastic:
+            return None
+        if self.spec.family_priors:
+            fam = workload.PRIOR_FAMILY.get(job.family.name, job.family.name)
+            return perfmodel.PerfModel(fam, prior=workload.FAMILIES[fam].params)
+        return perfmodel.PerfModel("transformer", prior=workload.FAMILIES["transformer"].params)
+
+    # ------------------------------------------------------------------ bookkeeping used by policies
+    def active(self) -> list[state.JobState]:
+        """Pending and running jobs, in arrival order."""
+        return self.live
+
+    def inflight_returns(self) -> int:
+        return sum(g for t, g in self.returns if t > self.now)
+
+    def infer_available(self) -> int:
+        return self.infer_gpus - self.snap.lent(INFER) - self.inflight_returns()
+
+    def bind(self, js: state.JobState, where: placement.Placement, replicas: int, local: float,
+             restart: bool) -> None:
+        gpr = js.job.family.gpus_per_replica
+        self.snap.assume(js.job.name, TRAIN, where, gpr)
+        on_lender = sum(1 for n in where.assignments if self.node_vc[n] == INFER)
+        if js.status != "running":
+            js.status, js.admitted_at = "running", self.now
+            js.started = self.now if js.started is None else js.started
+        js.on_lender = on_lender
+        js.configure(replicas, where.nodes_spanned, local, self.now, restart)
+
+    def unbind(self, js: state.JobState, requeue: bool, lose_work: bool) -> None:
+        if js.job.name in self.snap.bindings():
+            self.snap.forget(js.job.name)
+        if lose_work:
+            self.totals.lost_gpu_seconds += js.lose_since_checkpoint()
+        if requeue:
+            js.status, js.replicas, js.on_lender, js.rate = "pending", 0, 0, 0.0
+            js.preemptions += 1
+            self.totals.preemptions += 1
+
+    def hold_returns(self, gpus: int, until: float) -> None:
+        if gpus > 0:
+            self.returns.append((until, gpus))
+
+    def set_lend_limit(self, gpus: int) -> None:
+        self.snap.set_virtual_cluster(snapshot.VirtualClusterView(
+            INFER, "inference", lendable=self.infer_view.lendable, max_gpus_lent=max(0, gpus),
+            reclaim_grace_seconds=self.config.reclaim_grace_seconds))
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, progress: Callable[[float], None] | None = None) -> list[state.JobState]:
+        arrivals = [js.job.arrival for js in self.jobs]
+        nxt, finished, total = 0, 0, len(self.jobs)
+        next_tick, next_bin = 0.0, 0.0
+        dirty, last_full = True, -math.inf
+        running: list[state.JobState] = []
+        while finished < total:
+            t_fin = min((js.finish_time(self.now) for js in running), default=math.inf)
+            t_ret = min((t for t, _ in self.returns if t > self.now), default=math.inf)
+            t_arr = arrivals[nxt] if nxt < total else math.inf
+            t = min(t_fin, t_ret, t_arr, next_tick, next_bin)
+            self._account(self.now, t, running)
+            self.now = t
+            while nxt < total and arrivals[nxt] <= t:
+                self.jobs[nxt].status = "pending"
+                self.live.append(self.jobs[nxt])
+                nxt, dirty = nxt + 1, True
+            for js in running:
+                if js.finish_time(t) <= t + 1e-6:
+                    js.done, js.status, js.finished = js.job.work, "done", t
+                    self.totals.finished_work += js.reference_gpu_seconds
+                    self.unbind(js, requeue=False, lose_work=False)
+                    js.replicas, js.rate = 0, 0.0
+                    self.allocator.forget_job(js.job.name)
+                    finished, dirty = finished + 1, True
+            self.returns = [(rt, g) for rt, g in self.returns if rt > t]
+            if t >= next_bin:
+                next_bin = self.load.next_bin_time(t)
+                dirty = True
+                policies.react_to_load(self)
+            if t >= next_tick:
+                next_tick = t + self.config.tick_seconds
+                for js in running:
+                    js.refresh_rate()
+                    if js.maybe_report(t, self.rng):
+                        dirty = True
+                full_due = self.spec.elastic and t - last_full >= 5 * self.config.tick_seconds
+                if dirty or full_due:
+                    policies.schedule(self)
+                    dirty, last_full = False, t
+                self.totals.series.append((t, sum(js.gpus for js in running), self.snap.lent(INFER),
+                                           self.load.need_at(t), self.infer_available(),
+                                           sum(js.rate > 0 for js in running)))
+                live_work = sum(js.reference_gpu_seconds for js in self.live if js.done > 0)
+                self.totals.series_work.append((t, self.totals.finished_work + live_work))
+                if progress is not None:
+                    progress(finished / total)
+            self.live = [js for js in self.live if js.status != "done"]
+            running = [js for js in self.live if js.status == "running"]
+        return self.jobs
+
+    def _account(self, t0: float, t1: float, running: list[state.JobState]) -> None:
+        if t1 <= t0:
+            return
+        for js in running:
+            js.advance(t0, t1)
+        dt = t1 - t0
+        self.totals.train_gpu_seconds += sum(js.gpus for js in running) * dt
+        need = self.load.need_at(t0)
+        self.totals.infer_gpu_seconds += need * dt
+        requests = self.load.requests_per_second(t0) * dt
+        avail = self.infer_available()
+        self.totals.slo_requests += requests
+        self.totals.slo_served += requests * (1.0 if need <= avail else max(0, avail) / need)
+
+
+def _pick_inference_nodes(nodes: list[workload.Node], gpus: int) -> set[str]:
+    """Whole 8-GPU nodes first (inference replicas are big), until the share is reached."""
+    chosen: set[str] = set()
+    total = 0
+    for n in sorted(nodes, key=lambda n: (-n.gpus, n.name)):
+        if total >= gpus:
+            break
+        chosen.add(n.name)
+        total += n.gpus
+    return chosen

@@ -1,0 +1,51 @@
+"""The inference virtual cluster's load: the GenAI QPS series, its GPU need, and the board's forecast.
+
+The series is played in simulated seconds, 5-minute bins, starting halfway through so that the
+first 11 hours are out of the sample the forecaster was fitted on (its first half); after the end
+it wraps around. Its rate is scaled so the peak needs 90 % of the inference cluster with 10 %
+headroom: the cluster is sized for its peak, as inference clusters are, and so idles at night.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from huorn.scheduler import forecast
+
+PEAK_SHARE = 0.9
+HEADROOM = 0.1
+
+
+class InferenceLoad:
+    def __init__(self, qps_csv: Path, gpus: int, seed: int = 0):
+        times, rate = forecast.load_qps_series(qps_csv)
+        self.gpus = gpus
+        self.rate = rate
+        self.bin_seconds = forecast.ForecastConfig().bin_seconds
+        self.offset = len(rate) // 2
+        half = len(rate) // 2
+        board = forecast.LoadForecaster(seed=seed).fit(times[:half], rate[:half])
+        self.rate_per_gpu = max(float(rate.max()), 1e-9) * (1 + HEADROOM) / (PEAK_SHARE * max(gpus, 1))
+        self.need = forecast.gpus_needed(rate, self.rate_per_gpu, HEADROOM)
+        peak = board.predict_series(times, rate)
+        self.forecast_need = forecast.gpus_needed(peak, self.rate_per_gpu, HEADROOM)
+        self.need = np.minimum(self.need, gpus)
+        self.forecast_need = np.minimum(self.forecast_need, gpus)
+
+    def bin_of(self, t: float) -> int:
+        return (int(t // self.bin_seconds) + self.offset) % len(self.rate)
+
+    def next_bin_time(self, t: float) -> float:
+        return (math.floor(t / self.bin_seconds) + 1) * self.bin_seconds
+
+    def need_at(self, t: float) -> int:
+        return int(self.need[self.bin_of(t)])
+
+    def forecast_at(self, t: float) -> int:
+        return int(self.forecast_need[self.bin_of(t)])
+
+    def requests_per_second(self, t: float) -> float:
+        return float(self.rate[self.bin_of(t)])

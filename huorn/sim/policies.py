@@ -1,0 +1,170 @@
+"""Huorn and the three baselines, each as faithful as one simulator allows.
+
+- fifo: static gangs in strict arrival order (head-of-line blocking), each at its requested size,
+  on the training cluster only; no elasticity, no loaning, no preemption.
+- kueue: Kueue's ClusterQueue model. Workloads are admitted whole, at their requested size, in
+  BestEffortFIFO order (a head that does not fit does not block the rest), and may borrow the
+  inference cluster's unused quota. When the lender needs its quota back, borrowing workloads are
+  evicted whole, lowest priority and most recently admitted first (Kueue's preemption order);
+  they stop at the end of the grace period and lose the work since their last periodic checkpoint.
+  Kueue has no performance model and no forecast: it reclaims when the need is already there.
+- pollux: the goodput allocator (AdaptDL's objective: speedup, batch size and learning rate chosen
+  together) on the training cluster only, with a 10 % restart penalty and no priors: every job
+  starts from one generic curve and learns its own from telemetry. No loaning, no inference
+  awareness.
+- huorn: the same allocator with family priors, the restart-cost hysteresis and cooldown, plus
+  loaning: the inference cluster lends what its forecast peak leaves idle, reclaims ahead of the
+  forecast and at once on a jump, choosing victims by least lost work and shrinking them
+  gracefully (SIGTERM → checkpoint → release) within the grace period.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from huorn.scheduler import allocator, loaning, placement
+
+if TYPE_CHECKING:
+    from huorn.sim.engine import Simulation
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    elastic: bool
+    loaning: str  # none | kueue | huorn
+    strict_fifo: bool = False
+    family_priors: bool = False
+    allocator: allocator.AllocatorConfig = field(default_factory=allocator.AllocatorConfig)
+
+
+POLICIES: dict[str, PolicySpec] = {
+    "fifo": PolicySpec("fifo", elastic=False, loaning="none", strict_fifo=True),
+    "kueue": PolicySpec("kueue", elastic=False, loaning="kueue"),
+    "pollux": PolicySpec("pollux", elastic=True, loaning="none", allocator=allocator.AllocatorConfig(
+        horizon_seconds=math.inf, hysteresis=0.10, cooldown_seconds=0.0)),
+    "huorn": PolicySpec("huorn", elastic=True, loaning="huorn", family_priors=True),
+}
+TRAIN, INFER = "train", "infer"
+
+
+def schedule(sim: Simulation) -> None:
+    react_to_load(sim)
+    if sim.spec.elastic:
+        _schedule_elastic(sim)
+    else:
+        _schedule_static(sim)
+
+
+def react_to_load(sim: Simulation) -> None:
+    """Set what the inference cluster lends now, and reclaim what it must have back."""
+    if sim.spec.loaning == "none":
+        return
+    need = sim.load.need_at(sim.now)
+    if sim.spec.loaning == "kueue":
+        lendable = max(0, sim.infer_gpus - need)  # its unused quota, as of now
+    else:
+        reserve = max(need, sim.load.forecast_at(sim.now))
+        lendable = loaning.lendable_gpus(sim.infer_view, sim.infer_gpus, reserve)
+    sim.set_lend_limit(lendable)
+    excess = sim.snap.lent(INFER) - lendable
+    if excess <= 0:
+        return
+    if sim.spec.loaning == "kueue":
+        _kueue_evict(sim, excess)
+    else:
+        jump = need > sim.infer_available()
+        _huorn_reclaim(sim, excess, "load jumped past the forecast" if jump else "forecast peak rises")
+
+
+def _kueue_evict(sim: Simulation, excess: int) -> None:
+    grace = sim.config.reclaim_grace_seconds
+    borrowers = sorted((js for js in sim.active() if js.status == "running" and js.on_lender),
+                       key=lambda js: -js.admitted_at)  # one priority here: newest first
+    for js in borrowers:
+        if excess <= 0:
+            break
+        gpus = js.on_lender * js.job.family.gpus_per_replica
+        sim.unbind(js, requeue=True, lose_work=True)
+        sim.hold_returns(gpus, sim.now + grace)
+        excess -= gpus
+
+
+def _huorn_reclaim(sim: Simulation, excess: int, why: str) -> None:
+    loans = [loaning.LoanView(
+        js.job.name, js.on_lender, js.replicas, js.job.min_replicas, js.job.family.gpus_per_replica,
+        seconds_since_checkpoint=sim.now - js.last_checkpoint,
+        checkpoint_seconds=js.job.family.checkpoint_seconds, restart_seconds=js.job.family.restart_seconds)
+        for js in sim.active() if js.status == "running" and js.on_lender]
+    for r in loaning.plan_reclaim(sim.infer_view, excess, loans, sim.now, why):
+        js = sim.by_name[r.job]
+        release = r.signal_at + (js.job.family.checkpoint_seconds if r.graceful else r.deadline - r.signal_at)
+        sim.hold_returns(r.gpus_released, min(release, r.deadline))
+        keep = js.replicas - r.replicas_released
+        sim.unbind(js, requeue=r.action == "preempt", lose_work=not r.graceful)
+        if r.action == "shrink":
+            where = sim.snap.place(TRAIN, keep, js.job.family.gpus_per_replica)
+            if isinstance(where, placement.Placement):
+                sim.bind(js, where, keep, js.local_batch, restart=True)
+                js.last_resize = sim.now
+            else:
+                js.status, js.replicas, js.on_lender, js.rate = "pending", 0, 0, 0.0
+                sim.totals.preemptions += 1
+
+
+def _schedule_static(sim: Simulation) -> None:
+    for js in sim.active():
+        if js.status != "pending":
+            continue
+        fam = js.job.family
+        free = sim.snap.free(TRAIN) + min(sim.snap.borrow_left(TRAIN), sim.snap.lend_left(INFER))
+        if free < fam.gpus_per_replica:
+            return
+        replicas = js.job.requested_replicas
+        where = sim.snap.place(TRAIN, replicas, fam.gpus_per_replica)
+        if isinstance(where, placement.Placement):
+            sim.bind(js, where, replicas, max(1.0, fam.base_batch / replicas), restart=True)
+        elif sim.spec.strict_fifo:
+            return
+
+
+def _schedule_elastic(sim: Simulation) -> None:
+    running = [js for js in sim.active() if js.status == "running"]
+    capacity = sim.train_gpus + sim.snap.lend_left(INFER) + sim.snap.lent(INFER)
+    room = max(0, capacity - sum(js.job.min_replicas * js.job.family.gpus_per_replica for js in running))
+    # Pending jobs beyond what could ever get their minimum this cycle cannot change the outcome.
+    pending = [js for js in sim.active() if js.status == "pending"][: room + 1]
+    views = []
+    for js in running + pending:
+        fam = js.job.family
+        views.append(allocator.JobView(
+            js.job.name, TRAIN, js.belief, fam.gpus_per_replica, js.job.min_replicas, js.job.max_replicas,
+            replicas=js.replicas, noise_scale=js.noise_scale, base_batch=fam.base_batch,
+            max_local_batch=fam.max_local_batch, restart_seconds=fam.restart_seconds,
+            last_resize=js.last_resize, submitted=js.job.arrival,
+            model_version=js.model_version * 1000 + int(4 * math.log1p(js.noise_scale))))
+    for d in sim.allocator.allocate(sim.snap, views, sim.now):
+        js = sim.by_name[d.job]
+        if d.action == "keep":
+            if d.local_batch and d.local_batch != js.local_batch:
+                js.local_batch = d.local_batch  # a batch change needs no restart (AdaptDL)
+                js.refresh_rate()
+            continue
+        if d.action == "pending":
+            continue
+        if d.action == "preempt":
+            js.status, js.replicas, js.on_lender, js.rate = "pending", 0, 0, 0.0
+            js.preemptions += 1
+            sim.totals.preemptions += 1
+            continue
+        where = placement.Placement(d.assignments)
+        js.on_lender = sum(1 for n in where.assignments if sim.node_vc[n] == INFER)
+        if js.status != "running":
+            js.status, js.admitted_at = "running", sim.now
+            js.started = sim.now if js.started is None else js.started
+        local = d.local_batch or max(1.0, js.job.family.base_batch / d.replicas)
+        js.configure(d.replicas, where.nodes_spanned, local, sim.now, restart=True)
+        if d.action in ("grow", "shrink"):
+            js.last_resize = sim.now

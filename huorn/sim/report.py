@@ -1,0 +1,127 @@
+"""Metrics of a simulated run, the comparison across policies, and the plots a person looks at.
+
+Goodput here is cluster-level and comparable across jobs: a job's progress counted in the trace
+GPU-seconds it stands for (its fraction done × its trace duration × its requested GPUs), summed
+over jobs and divided by the arrival window, the span in which every policy is offered the same
+load. It is "how many GPUs' worth of the trace's work got done per second"; static FIFO can at best
+match its busy GPUs, and elastic policies beat it only by finishing work faster than requested.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from huorn.sim import engine
+
+
+def summarise(sim: engine.Simulation, wall_seconds: float) -> dict:
+    jobs = sim.jobs
+    jct = np.array([js.finished - js.job.arrival for js in jobs])
+    last_arrival = max(js.job.arrival for js in jobs)
+    window = max(last_arrival, 1.0)
+    done_in_window = _work_done_by(sim, window)
+    makespan = max(js.finished for js in jobs) - min(js.job.arrival for js in jobs)
+    t = sim.totals
+    return {
+        "jobs": len(jobs),
+        "gpus": sim.config.gpus,
+        "training_gpus": sim.train_gpus,
+        "inference_gpus": sim.infer_gpus,
+        "jct_mean_s": float(jct.mean()),
+        "jct_p50_s": float(np.percentile(jct, 50)),
+        "jct_p99_s": float(np.percentile(jct, 99)),
+        "makespan_s": float(makespan),
+        "goodput_gpu_equiv": done_in_window / window,
+        "gpu_utilisation": (t.train_gpu_seconds + t.infer_gpu_seconds) / (sim.config.gpus * makespan),
+        "inference_slo_attainment": t.slo_served / t.slo_requests if t.slo_requests else 1.0,
+        "preemptions": t.preemptions,
+        "gpu_hours_lost": t.lost_gpu_seconds / 3600,
+        "restarts": int(sum(js.restarts for js in jobs)),
+        "wall_seconds": wall_seconds,
+    }
+
+
+def _work_done_by(sim: engine.Simulation, when: float) -> float:
+    """Trace GPU-seconds of work done by `when`, interpolated from the per-tick series."""
+    series = sim.totals.series_work
+    if not series:
+        return 0.0
+    times = np.array([s[0] for s in series])
+    work = np.array([s[1] for s in series])
+    return float(np.interp(when, times, work))
+
+
+def compare(results: dict[str, dict]) -> dict:
+    """Huorn against the best baseline and against static FIFO, the issue's three goals."""
+    if "huorn" not in results:
+        return {}
+    h = results["huorn"]
+    baselines = {k: v for k, v in results.items() if k != "huorn"}
+    out: dict = {}
+    if baselines:
+        best = min(baselines, key=lambda k: baselines[k]["jct_mean_s"])
+        out["best_baseline_by_mean_jct"] = best
+        out["mean_jct_reduction_vs_best"] = 1 - h["jct_mean_s"] / baselines[best]["jct_mean_s"]
+    if "fifo" in results and results["fifo"]["goodput_gpu_equiv"] > 0:
+        out["goodput_vs_fifo"] = h["goodput_gpu_equiv"] / results["fifo"]["goodput_gpu_equiv"]
+    out["inference_slo_attainment"] = h["inference_slo_attainment"]
+    return out
+
+
+def write_report(out_dir: Path, results: dict[str, dict], sims: dict[str, engine.Simulation]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"policies": results, "huorn_vs_baselines": compare(results)}
+    path = out_dir / "report.json"
+    path.write_text(json.dumps(report, indent=2, sort_keys=True))
+    _plot(out_dir, results, sims)
+    return path
+
+
+def _plot(out_dir: Path, results: dict[str, dict], sims: dict[str, engine.Simulation]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    names = list(results)
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    keys = ("jct_mean_s", "jct_p99_s", "goodput_gpu_equiv", "inference_slo_attainment")
+    labels = ("mean JCT (s)", "p99 JCT (s)", "goodput (GPU-equiv.)", "inference SLO")
+    for ax, key, label in zip(axes, keys, labels, strict=True):
+        ax.bar(names, [results[n][key] for n in names], color=["#888", "#6a9", "#69c", "#d63"][: len(names)])
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(out_dir / "metrics.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(len(names), 1, figsize=(12, 2.4 * len(names)), sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], names, strict=True):
+        s = np.array(sims[name].totals.series, dtype=float)
+        if s.size == 0:
+            continue
+        hours = s[:, 0] / 3600
+        ax.plot(hours, s[:, 1], label="training GPUs in use", lw=0.8)
+        ax.plot(hours, s[:, 2], label="inference GPUs lent", lw=0.8)
+        ax.plot(hours, s[:, 3], label="inference need", lw=0.8)
+        ax.set_ylabel(name)
+        ax.legend(loc="upper right", fontsize=7)
+    axes[-1, 0].set_xlabel("hours")
+    fig.tight_layout()
+    fig.savefig(out_dir / "timeline.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in names:
+        jct = np.sort([js.finished - js.job.arrival for js in sims[name].jobs])
+        ax.plot(jct, np.linspace(0, 1, len(jct)), label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("job completion time (s)")
+    ax.set_ylabel("CDF")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "jct_cdf.png", dpi=110)
+    plt.close(fig)

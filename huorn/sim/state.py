@@ -1,0 +1,117 @@
+"""What the simulator tracks per job, and the truth it measures policies against.
+
+The truth (a job's real Pollux curve, its real noise scale) lives here and never reaches a policy:
+policies see only their own performance model, fed by the telemetry samples the engine reports,
+as the operator would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from huorn.scheduler import goodput, perfmodel
+from huorn.sim import workload
+
+NOISE_GROWTH = 4.0  # the noise scale grows to (1 + this)× its start by the end of training [Pollux §2]
+MEASURE_SECONDS = 120.0  # a configuration reports a step time once it has run this long
+CHECKPOINT_EVERY = 600.0  # periodic checkpoint interval (seconds of progress)
+TELEMETRY_NOISE = 0.05  # log-normal σ of a reported step time
+
+
+@dataclass
+class JobState:
+    job: workload.TrainingJob
+    belief: perfmodel.PerfModel | None = None
+    status: str = "future"  # future | pending | running | done
+    replicas: int = 0
+    nodes: int = 0
+    on_lender: int = 0  # replicas on nodes of the inference virtual cluster
+    local_batch: float = 0.0
+    rate: float = 0.0  # base-batch samples per second, true
+    done: float = 0.0
+    done_at_checkpoint: float = 0.0
+    last_checkpoint: float = 0.0
+    busy_until: float = 0.0  # restarting until then: holds GPUs, makes no progress
+    config_since: float = 0.0
+    last_resize: float = -math.inf
+    admitted_at: float = 0.0
+    started: float | None = None
+    finished: float | None = None
+    model_version: int = 0
+    reported: set[tuple[int, int, float]] = field(default_factory=set)
+    gpu_seconds: float = 0.0
+    restarts: int = 0
+    preemptions: int = 0
+
+    @property
+    def gpus(self) -> int:
+        return self.replicas * self.job.family.gpus_per_replica
+
+    @property
+    def noise_scale(self) -> float:
+        return self.job.noise_scale * (1 + NOISE_GROWTH * min(1.0, self.done / self.job.work))
+
+    def true_step_time(self, replicas: int, nodes: int, local: float) -> float:
+        return float(perfmodel.predict_step_time(self.job.truth, replicas, nodes, local))
+
+    def configure(self, replicas: int, nodes: int, local: float, now: float, restart: bool) -> None:
+        """Run at a new size; a restart pauses progress for the family's restart time."""
+        self.replicas, self.nodes, self.local_batch = replicas, nodes, local
+        self.config_since = now
+        if restart:
+            self.busy_until = now + self.job.family.restart_seconds
+            self.restarts += 1
+        self.refresh_rate()
+
+    def refresh_rate(self) -> None:
+        if not self.replicas:
+            self.rate = 0.0
+            return
+        step = self.true_step_time(self.replicas, self.nodes, self.local_batch)
+        m = self.replicas * self.local_batch
+        eff = float(goodput.efficiency(self.noise_scale, self.job.family.base_batch, m))
+        self.rate = m / step * eff
+
+    def advance(self, t0: float, t1: float) -> None:
+        if self.status != "running":
+            return
+        self.gpu_seconds += self.gpus * (t1 - t0)
+        start = max(t0, self.busy_until)
+        if t1 > start:
+            self.done = min(self.job.work, self.done + self.rate * (t1 - start))
+        if t1 - self.last_checkpoint >= CHECKPOINT_EVERY:
+            self.done_at_checkpoint, self.last_checkpoint = self.done, t1
+
+    def finish_time(self, now: float) -> float:
+        if self.status != "running" or self.rate <= 0:
+            return math.inf
+        return max(now, self.busy_until) + (self.job.work - self.done) / self.rate
+
+    def maybe_report(self, now: float, rng: np.random.Generator) -> bool:
+        """Report a step-time sample once a configuration has run a measurement window."""
+        if self.belief is None or self.status != "running":
+            return False
+        if now - max(self.config_since, self.busy_until) < MEASURE_SECONDS:
+            return False
+        key = (self.replicas, self.nodes, self.local_batch)
+        if key in self.reported:
+            return False
+        self.reported.add(key)
+        t = self.true_step_time(*key) * float(rng.lognormal(0, TELEMETRY_NOISE))
+        self.belief.observe(perfmodel.Sample(self.replicas, self.nodes, self.local_batch, t))
+        self.model_version += 1
+        return True
+
+    def lose_since_checkpoint(self) -> float:
+        """Roll back to the last checkpoint; returns the GPU-seconds that work had cost."""
+        lost = self.done - self.done_at_checkpoint
+        self.done = self.done_at_checkpoint
+        return lost / self.rate * self.gpus if self.rate > 0 else 0.0
+
+    @property
+    def reference_gpu_seconds(self) -> float:
+        """The job's progress in trace GPU-seconds (duration × requested GPUs × fraction done)."""
+        return self.done / self.job.work * self.job.requested_gpus * self.job.duration

@@ -1,0 +1,216 @@
+"""Simulator inputs: the OpenB pod and node lists, scaled to N GPUs, and the job catalogue.
+
+Rules (each a documented choice, see docs/scheduling.md):
+
+- Training jobs are the pods with qos BE or Burstable and num_gpu ≥ 1 (as the trace README
+  suggests); LS and Guaranteed pods are services, whose role the inference virtual cluster and the
+  GenAI QPS series play. Pods with num_gpu = 0 use no GPU and are left out. A pod with a shared GPU
+  (gpu_milli < 1000) asks for one whole GPU, since Huorn schedules whole devices.
+- A job's work is what its pod did in the trace: duration (deletion − creation) at its requested
+  GPUs, run at the family's base batch. Every policy has to do the same work.
+- Scaling to N GPUs: nodes are drawn (seeded) from the node list until they hold N GPUs; training
+  pods are kept with probability N/1024 (all of them at 1,024 GPUs). Arrivals are compressed by
+  one factor so that the offered training load equals `load` × the training GPUs: the trace spans
+  40 days of a 6,000-GPU cluster, which at 1,024 GPUs would leave the GPUs nearly idle and every
+  policy equal.
+- The catalogue assigns each job a model family by a hash of its name (so the rule is stable
+  across seeds and subsets): 8-GPU pods are large language models (8 GPUs per replica); others are
+  CNN 35 %, transformer 35 %, recommender 15 %, MoE 10 %, and the CPU-measured tiny transformer 5 %.
+  Each job's true curve is its family's Pollux curve with every parameter perturbed by a seeded
+  log-normal factor (σ = 0.3), so a model has something to learn beyond the family prior.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from huorn.scheduler import perfmodel
+
+POD_COLUMNS = ("name", "num_gpu", "gpu_milli", "qos", "creation_time", "deletion_time")
+NODE_COLUMNS = ("sn", "gpu")
+FULL_TRACE_GPUS = 1024
+
+
+class TraceError(ValueError):
+    """A trace CSV is malformed; the message names the file, the line and the column."""
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    params: perfmodel.PolluxParams  # true step-time curve (seconds) on one GPU
+    base_batch: float
+    max_local_batch: float
+    noise_scale: float  # gradient noise scale at the start; it grows as training proceeds
+    restart_seconds: float
+    checkpoint_seconds: float
+    gpus_per_replica: int = 1
+    max_scale: int = 8  # max replicas = requested × this (capped at 64)
+
+
+FAMILIES: dict[str, Family] = {
+    "cnn": Family("cnn", perfmodel.PolluxParams(0.01, 0.002, 0.02, 0.002, 0.08, 0.008, 3.0),
+                  128, 512, 2000, 40, 5),
+    "transformer": Family("transformer", perfmodel.PolluxParams(0.02, 0.004, 0.05, 0.004, 0.2, 0.02, 2.0),
+                          32, 128, 800, 60, 10),
+    "recommender": Family("recommender", perfmodel.PolluxParams(0.01, 0.0005, 0.03, 0.003, 0.15, 0.015, 1.5),
+                          1024, 8192, 4000, 30, 5),
+    "moe": Family("moe", perfmodel.PolluxParams(0.03, 0.003, 0.08, 0.006, 0.4, 0.04, 1.5),
+                  64, 256, 600, 90, 20),
+    # Fitted from tests/data/ddp_step_times.csv (benchmarks/measure_step_times.py, CPU DDP over gloo).
+    "transformer-tiny": Family("transformer-tiny",
+                               perfmodel.PolluxParams(0.00139, 0.00208, 0.00396, 0.00407, 0.01, 0.005, 1.0),
+                               8, 64, 200, 20, 2),
+    "llm": Family("llm", perfmodel.PolluxParams(0.2, 0.08, 0.1, 0.01, 0.6, 0.06, 2.0),
+                  16, 32, 300, 180, 30, gpus_per_replica=8, max_scale=4),
+}
+MIX = (("cnn", 0.35), ("transformer", 0.35), ("recommender", 0.15), ("moe", 0.10), ("transformer-tiny", 0.05))
+PRIOR_FAMILY = {"llm": "transformer"}  # the family prior a scheduler starts an llm job from
+
+
+@dataclass
+class TrainingJob:
+    name: str
+    arrival: float
+    requested_gpus: int
+    family: Family
+    truth: perfmodel.PolluxParams
+    noise_scale: float
+    min_replicas: int
+    max_replicas: int
+    requested_replicas: int
+    work: float  # base-batch samples to process
+    duration: float  # seconds it ran in the trace at its requested GPUs
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    gpus: int
+    model: str
+
+
+def _rows(path: Path, columns: tuple[str, ...]) -> list[dict[str, str]]:
+    with Path(path).open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        missing = [c for c in columns if c not in (reader.fieldnames or [])]
+        if missing:
+            raise TraceError(f"{path}: column {missing[0]!r} is missing; expected columns {list(columns)}")
+        return list(reader)
+
+
+def _int(path: Path, line: int, row: dict[str, str], column: str, default: int | None = None) -> int:
+    value = (row.get(column) or "").strip()
+    if not value and default is not None:
+        return default
+    try:
+        return int(float(value))
+    except ValueError:
+        raise TraceError(f"{path}:{line}: column {column!r} must be a number, got {value!r}") from None
+
+
+def load_nodes(path: Path, gpus: int, seed: int) -> list[Node]:
+    """Nodes drawn from the node list until they hold exactly `gpus` GPUs (the last one trimmed)."""
+    rows = _rows(path, NODE_COLUMNS)
+    nodes = [Node(r["sn"], _int(path, i + 2, r, "gpu"), r.get("model", "")) for i, r in enumerate(rows)]
+    nodes = [n for n in nodes if n.gpus > 0]
+    order = np.random.default_rng(seed).permutation(len(nodes))
+    chosen: list[Node] = []
+    total = 0
+    for i in order:
+        if total >= gpus:
+            break
+        n = nodes[i]
+        take = min(n.gpus, gpus - total)
+        chosen.append(Node(n.name, take, n.model))
+        total += take
+    if total < gpus:
+        raise TraceError(f"{path}: holds {total} GPUs, fewer than the {gpus} asked (--gpus)")
+    return chosen
+
+
+def _unit(name: str, salt: str) -> float:
+    digest = hashlib.sha256(f"{salt}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def _family_of(name: str, gpus: int) -> Family:
+    if gpus >= 8:
+        return FAMILIES["llm"]
+    u = _unit(name, "family")
+    for fam, share in MIX:
+        if u < share:
+            return FAMILIES[fam]
+        u -= share
+    return FAMILIES[MIX[-1][0]]
+
+
+def _compression(raw: list[tuple[int, int, int, str]], train_gpus: int, load: float) -> float:
+    """The factor that makes the offered load over the arrival window equal `load`.
+
+    Offered load counts each job's GPU-seconds only up to the window's end, since a 20-hour job
+    arriving at the end of a 6-hour window does not load that window; bisection on the factor.
+    """
+    arrive = np.array([a for a, _, _, _ in raw], dtype=float)
+    arrive -= arrive[0]
+    dur = np.array([d for _, d, _, _ in raw], dtype=float)
+    gpus = np.array([g for _, _, g, _ in raw], dtype=float)
+    span = max(arrive[-1], 1.0)
+
+    def offered(c: float) -> float:
+        window = span / c
+        return float(np.sum(gpus * np.minimum(dur, window - arrive / c)) / (train_gpus * window))
+
+    lo, hi = 1.0, 1e5
+    if offered(lo) >= load:
+        return lo
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if offered(mid) < load else (lo, mid)
+    return hi
+
+
+def load_jobs(path: Path, gpus: int, train_gpus: int, load: float, seed: int) -> list[TrainingJob]:
+    """Training jobs from an OpenB-format pod list, sampled and time-compressed for `gpus` GPUs."""
+    rows = _rows(path, POD_COLUMNS)
+    rng = np.random.default_rng(seed)
+    keep = min(1.0, gpus / FULL_TRACE_GPUS)
+    raw = []
+    for i, r in enumerate(rows):
+        line = i + 2
+        n_gpu = _int(path, line, r, "num_gpu")
+        if r["qos"] not in ("BE", "Burstable") or n_gpu < 1:
+            continue
+        if rng.random() >= keep:
+            continue
+        created = _int(path, line, r, "creation_time")
+        deleted = _int(path, line, r, "deletion_time", default=created + 1)
+        if deleted < created:
+            raise TraceError(f"{path}:{line}: column 'deletion_time' ({deleted}) is before creation_time")
+        raw.append((created, max(1, deleted - created), n_gpu, r["name"]))
+    if not raw:
+        raise TraceError(f"{path}: no training pods (qos BE or Burstable with num_gpu ≥ 1) to simulate")
+    raw.sort()
+    compress = _compression(raw, train_gpus, load)
+    start = raw[0][0]
+    jobs = []
+    for created, duration, n_gpu, name in raw:
+        fam = _family_of(name, n_gpu)
+        jrng = np.random.default_rng([seed, int(_unit(name, "curve") * 2**32)])
+        truth = perfmodel.PolluxParams.from_array(
+            fam.params.as_array() * np.exp(jrng.normal(0, 0.3, 7) * np.array([1, 1, 1, 1, 1, 1, 0])))
+        req = max(1, n_gpu // fam.gpus_per_replica)
+        local = max(1.0, fam.base_batch / req)
+        nodes = math.ceil(req * fam.gpus_per_replica / 8)
+        step = float(perfmodel.predict_step_time(truth, req, nodes, local))
+        work = duration * req * local / step  # samples its trace run processed at the base batch
+        noise = fam.noise_scale * float(jrng.lognormal(0, 0.3))
+        jobs.append(TrainingJob(name, (created - start) / compress, n_gpu, fam, truth, noise,
+                                1, min(64, req * fam.max_scale), req, work, float(duration)))
+    return jobs
