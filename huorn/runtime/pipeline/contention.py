@@ -1,0 +1,153 @@
+"""Network contention for experiments, and the link thread every pipeline send goes through.
+
+Contention is a documented throttle in the send path, not background traffic: on a shared
+CPU box, background traffic steals cores before it steals bandwidth, and on NVLink it would
+take enormous volumes to matter, so neither measures what Ada-Grouper is about (a network
+preempted by other tenants). The throttle models the link as a queue that background
+tenants keep busy a fraction `level` (0 to 0.8) of the time, with bursts of `burst_s` each,
+and a message of b bytes is held back, before its real send starts, by
+
+    burst_s · level / (1 − level)                       queueing behind background bursts (M/M/1)
+  + b · level / ((1 − level) · bandwidth_bytes_s)        its bytes getting only a (1 − level) share
+
+which is zero at level 0 (the real link alone), grows as 1/(1 − level), and at 80% is
+4 × burst_s plus 4 × the message's emulated transfer time. Links are FIFO: one thread per
+direction of each pipeline edge sleeps out the delay and then sends, so a message also waits
+for those ahead of it, while the compute thread carries on. The level can change at any
+time, e.g. from a per-step callback.
+
+Every send goes through a `LinkSender` whatever the level, so that the time each message
+held its link (sleep + real transfer) is measured the same way with and without contention;
+that is the point-to-point figure the planner's cost model is calibrated from."""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+MAX_LEVEL = 0.8
+
+
+@dataclass
+class Throttle:
+    level: float = 0.0
+    burst_s: float = 0.005
+    bandwidth_bytes_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        self.set_level(self.level)
+        if not self.bandwidth_bytes_s > 0:
+            raise ValueError(f"Throttle.bandwidth_bytes_s must be > 0, got {self.bandwidth_bytes_s}")
+        if self.burst_s < 0:
+            raise ValueError(f"Throttle.burst_s must be >= 0, got {self.burst_s}")
+
+    def set_level(self, level: float) -> None:
+        if not 0.0 <= level <= MAX_LEVEL:
+            raise ValueError(f"contention level must be in 0..{MAX_LEVEL} (0–80%), got {level}")
+        self.level = float(level)
+
+    def delay_s(self, nbytes: int) -> float:
+        busy = self.level / (1.0 - self.level)
+        return busy * (self.burst_s + nbytes / self.bandwidth_bytes_s)
+
+
+@dataclass
+class LinkStats:
+    messages: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def seconds_per_message(self) -> float:
+        return self.seconds / self.messages if self.messages else 0.0
+
+
+@dataclass
+class _Item:
+    tensor: torch.Tensor
+    tag: int
+    ready: torch.cuda.Event | None = field(default=None)
+
+
+class LinkSender:
+    """One direction of one pipeline edge: a FIFO of outgoing messages served by one thread.
+
+    NB: the thread keeps each tensor referenced until its send completed, so the compute
+    thread may drop its own reference right after `send`."""
+
+    def __init__(self, peer: int, group: dist.ProcessGroup, throttle: Throttle, device: torch.device) -> None:
+        self.peer, self.group, self.throttle, self.device = peer, group, throttle, device
+        self._queue: queue.Queue[_Item | None] = queue.Queue()
+        self._stats = LinkStats()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name=f"huorn-link-to-{peer}", daemon=True)
+        self._thread.start()
+
+    def send(self, tensor: torch.Tensor, tag: int) -> None:
+        self._raise_if_failed()
+        ready = None
+        if tensor.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._queue.put(_Item(tensor, tag, ready))
+
+    def drain(self) -> None:
+        """Block until every queued message has been delivered (end of a step)."""
+        self._queue.join()
+        self._raise_if_failed()
+
+    def take_stats(self) -> LinkStats:
+        with self._lock:
+            stats, self._stats = self._stats, LinkStats()
+        return stats
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"link to rank {self.peer} failed") from self._error
+
+    def _serve(self) -> None:
+        stream = None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream(self.device)
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    self._deliver(item, stream)
+            except BaseException as error:
+                self._error = error
+            finally:
+                self._queue.task_done()
+
+    def _deliver(self, item: _Item, stream: torch.cuda.Stream | None) -> None:
+        if item.ready is not None:
+            item.ready.synchronize()
+        start = time.perf_counter()
+        delay = self.throttle.delay_s(item.tensor.numel() * item.tensor.element_size())
+        if delay > 0:
+            time.sleep(delay)
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                dist.isend(item.tensor, dst=self.peer, group=self.group, tag=item.tag).wait()
+            stream.synchronize()
+        else:
+            dist.isend(item.tensor, dst=self.peer, group=self.group, tag=item.tag).wait()
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self._stats.messages += 1
+            self._stats.nbytes += item.tensor.numel() * item.tensor.element_size()
+            self._stats.seconds += elapsed

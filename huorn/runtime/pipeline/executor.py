@@ -1,0 +1,319 @@
+"""One pipeline stage's share of a training step, driven by a schedule table.
+
+The compute thread walks its row of the table. Receives are posted for the whole step before
+the first action (so a message can land while the stage computes something else) and sends
+are handed to per-edge link threads (`contention.LinkSender`), so the compute thread only ever
+blocks when the input it needs next has truly not arrived: communication overlaps compute.
+
+A stage module is any `nn.Module` called as `module(*tensors)` that returns a tensor or a
+tuple of tensors; everything it returns travels to the next stage as one flat buffer (the
+decoder's hidden state plus the FusedKV tensors upper layers rebuild from), and the gradients
+of all of them come back the same way. The last stage's outputs go to `loss_fn(outputs,
+target)`. Each micro-batch's loss is divided by the number of micro-batches, so the summed
+gradients equal those of the mean loss, as in single-process gradient accumulation."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from huorn.runtime.pipeline import contention, memory, schedules
+from huorn.runtime.pipeline import topology as pp_topology
+
+LossFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]
+HEADER_SLOTS = 64
+
+
+@dataclass
+class StepStats:
+    """What one step on this stage measured; the planner's inputs come from these."""
+
+    loss: float | None
+    seconds: float
+    forward_s: float  # mean compute seconds of one forward
+    backward_s: float
+    recv_wait_s: float  # time blocked waiting for messages
+    send_link: contention.LinkStats | None  # activations sent on (this stage to the next)
+    grad_link: contention.LinkStats | None  # gradients sent back (this stage to the previous)
+    peak_saved_bytes: int
+    executed: list[str] = field(default_factory=list)  # the actions run, in order
+
+
+@dataclass(frozen=True)
+class _Layout:
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return sum(int(torch.Size(s).numel()) for s in self.shapes)
+
+
+class StageExecutor:
+    """Runs schedule tables for one stage; build once, call `run_step` every step."""
+
+    def __init__(self, module: nn.Module, topology: pp_topology.PipelineTopology,
+                 groups: pp_topology.PipelineGroups, loss_fn: LossFn, device: torch.device,
+                 throttle: contention.Throttle | None = None) -> None:
+        self.module, self.topology, self.groups, self.loss_fn = module, topology, groups, loss_fn
+        self.device = device
+        self.throttle = throttle or contention.Throttle()
+        self.meter = memory.SavedTensorMeter(module.parameters())
+        self.input_layout: _Layout | None = None
+        self.output_layout: _Layout | None = None
+        self.microbatch_bytes = 0
+        self.negotiated = False
+        stage, replica = topology.stage, topology.replica
+        self._next = topology.global_rank(replica, stage + 1) if not topology.is_last else None
+        self._previous = topology.global_rank(replica, stage - 1) if not topology.is_first else None
+        self.send_link = (contention.LinkSender(self._next, groups.to_next, self.throttle, device)
+                          if self._next is not None else None)
+        self.grad_link = (contention.LinkSender(self._previous, groups.to_previous, self.throttle, device)
+                          if self._previous is not None else None)
+
+    def close(self) -> None:
+        for link in (self.send_link, self.grad_link):
+            if link is not None:
+                link.close()
+
+    # --- set-up --------------------------------------------------------------------------------
+    def negotiate_shapes(self, first_inputs: Sequence[torch.Tensor] | None,
+                         first_target: torch.Tensor | None = None) -> None:
+        """Learn the message layouts by running one forward in pipeline order (stage 0 first).
+
+        Stage 0 passes a real micro-batch, the last stage a real target; the others build
+        zeros of the announced shapes. The same forward measures the saved-activation bytes
+        per micro-batch (loss included on the last stage) for the memory model."""
+        if self.topology.is_first:
+            if first_inputs is None:
+                raise ValueError("negotiate_shapes: stage 0 needs one micro-batch of inputs")
+            inputs = [t.to(self.device) for t in first_inputs]
+        else:
+            self.input_layout = self._receive_layout()
+            # views of one flat buffer, as received: a saved view keeps the whole buffer alive
+            flat = torch.zeros(self.input_layout.numel, dtype=self.input_layout.dtype, device=self.device)
+            inputs = self._unpack(flat, self.input_layout)
+        loss = None
+        if self.topology.is_last:
+            if first_target is None:
+                raise ValueError("negotiate_shapes: the last stage needs one micro-batch of targets")
+            target = first_target.to(self.device)
+
+            def loss(outputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+                return self.loss_fn(outputs, target)
+        self.microbatch_bytes = memory.measure_microbatch_bytes(self.module, inputs, loss)
+        with torch.no_grad():
+            outputs = _as_tuple(self.module(*inputs))
+        if not self.topology.is_last:
+            dtypes = {t.dtype for t in outputs}
+            if len(dtypes) != 1 or not outputs[0].is_floating_point():
+                raise ValueError(f"stage {self.topology.stage} outputs must share one floating dtype, "
+                                 f"got {sorted(map(str, dtypes))}; cast them in the stage module")
+            self.output_layout = _Layout(tuple(tuple(t.shape) for t in outputs), outputs[0].dtype)
+            self._send_layout(self.output_layout)
+        self.negotiated = True
+
+    def _send_layout(self, layout: _Layout) -> None:
+        values = [_DTYPES.index(layout.dtype), len(layout.shapes)]
+        for shape in layout.shapes:
+            values += [len(shape), *shape]
+        if len(values) > HEADER_SLOTS:
+            raise ValueError(f"stage outputs too many tensors/dims for the {HEADER_SLOTS}-slot header")
+        header = torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        header[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        dist.send(header, dst=self._next, group=self.groups.to_next)
+
+    def _receive_layout(self) -> _Layout:
+        header = torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        dist.recv(header, src=self._previous, group=self.groups.from_previous)
+        values = header.tolist()
+        dtype, count, position, shapes = _DTYPES[values[0]], values[1], 2, []
+        for _ in range(count):
+            ndim = values[position]
+            shapes.append(tuple(values[position + 1: position + 1 + ndim]))
+            position += 1 + ndim
+        return _Layout(tuple(shapes), dtype)
+
+    # --- one step ------------------------------------------------------------------------------
+    def run_step(self, schedule: schedules.Schedule, inputs: Sequence[Sequence[torch.Tensor]] | None,
+                 targets: Sequence[torch.Tensor] | None) -> StepStats:
+        """Forward and backward of every micro-batch of this step; gradients accumulate into
+        the module's .grad (data-parallel averaging included). The caller runs the optimizer."""
+        stage, count = self.topology.stage, schedule.microbatches
+        if schedule.stages != self.topology.stages:
+            raise ValueError(f"schedule has {schedule.stages} stages, the pipeline {self.topology.stages}")
+        if self.topology.is_first and (inputs is None or len(inputs) != count):
+            raise ValueError(f"stage 0 needs {count} micro-batches of inputs")
+        if self.topology.is_last and (targets is None or len(targets) != count):
+            raise ValueError(f"the last stage needs {count} micro-batches of targets")
+        if not self.negotiated:
+            raise RuntimeError("call negotiate_shapes before run_step")
+        started = time.perf_counter()
+        pending_inputs = {m: self._post_receive(m, forward=True) for m in range(count)
+                          } if not self.topology.is_first else {}
+        pending_grads = {m: self._post_receive(m, forward=False) for m in range(count)
+                         } if not self.topology.is_last else {}
+        self.meter.reset_peak()
+        timer = _Timer(self.device)
+        stored: dict[int, tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+        losses: list[torch.Tensor] = []
+        executed: list[str] = []
+        wait_s = 0.0
+        for action in schedule.table[stage]:
+            m = action.microbatch
+            executed.append(str(action))
+            if action.kind == "F":
+                if self.topology.is_first:
+                    received = [t.to(self.device) for t in inputs[m]]  # type: ignore[index]
+                else:
+                    tick = time.perf_counter()
+                    received = self._unpack(self._wait(pending_inputs.pop(m)), self.input_layout)
+                    wait_s += time.perf_counter() - tick
+                    for tensor in received:
+                        tensor.requires_grad_(True)
+                with timer.measure("F"), self.meter.hooks():
+                    outputs = _as_tuple(self.module(*received))
+                    if self.topology.is_last:
+                        loss = self.loss_fn(outputs, targets[m].to(self.device)) / count  # type: ignore[index]
+                        losses.append(loss.detach())
+                        outputs = (loss,)
+                    aux = _aux_loss(self.module)
+                    if aux is not None:
+                        outputs = (*outputs, aux / count)
+                stored[m] = (received, outputs)
+                if self.send_link is not None:
+                    payload = outputs[: len(self.output_layout.shapes)]  # type: ignore[union-attr]
+                    self.send_link.send(self._pack(payload), tag=m)
+            else:
+                received, outputs = stored.pop(m)
+                grads: list[torch.Tensor | None] = []
+                if not self.topology.is_last:
+                    tick = time.perf_counter()
+                    grads = list(self._unpack(self._wait(pending_grads.pop(m)), self.output_layout))
+                    wait_s += time.perf_counter() - tick
+                grads += [None] * (len(outputs) - len(grads))  # loss and aux: implicit ones
+                with timer.measure("B"):
+                    torch.autograd.backward(outputs, grads)
+                del outputs
+                if self.grad_link is not None:
+                    back = [t.grad if t.grad is not None else torch.zeros_like(t) for t in received]
+                    self.grad_link.send(self._pack(back), tag=m)
+        for link in (self.send_link, self.grad_link):
+            if link is not None:
+                link.drain()
+        self._average_gradients()
+        forward_s, backward_s = timer.means()
+        return StepStats(
+            loss=float(torch.stack(losses).sum()) if losses else None,
+            seconds=time.perf_counter() - started, forward_s=forward_s, backward_s=backward_s,
+            recv_wait_s=wait_s,
+            send_link=self.send_link.take_stats() if self.send_link else None,
+            grad_link=self.grad_link.take_stats() if self.grad_link else None,
+            peak_saved_bytes=self.meter.peak_bytes, executed=executed,
+        )
+
+    def _post_receive(self, microbatch: int, forward: bool) -> tuple[torch.Tensor, dist.Work]:
+        layout = self.input_layout if forward else self.output_layout
+        buffer = torch.empty(layout.numel, dtype=layout.dtype, device=self.device)  # type: ignore[union-attr]
+        peer = self._previous if forward else self._next
+        group = self.groups.from_previous if forward else self.groups.from_next
+        return buffer, dist.irecv(buffer, src=peer, group=group, tag=microbatch)
+
+    @staticmethod
+    def _wait(pending: tuple[torch.Tensor, dist.Work]) -> torch.Tensor:
+        buffer, work = pending
+        work.wait()
+        return buffer
+
+    @staticmethod
+    def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+    @staticmethod
+    def _unpack(buffer: torch.Tensor, layout: _Layout | None) -> list[torch.Tensor]:
+        assert layout is not None
+        out, offset = [], 0
+        for shape in layout.shapes:
+            size = int(torch.Size(shape).numel())
+            out.append(buffer[offset: offset + size].view(shape))
+            offset += size
+        return out
+
+    def _average_gradients(self) -> None:
+        group = self.groups.data_parallel
+        if group is None:
+            return
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=group)
+        flat /= self.topology.replicas
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset: offset + p.grad.numel()].view_as(p.grad))
+            offset += p.grad.numel()
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def _as_tuple(outputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+
+
+def _aux_loss(module: nn.Module) -> torch.Tensor | None:
+    """A stage module may expose `pipeline_aux_loss()` (MoE balancing) to add to its backward."""
+    hook = getattr(module, "pipeline_aux_loss", None)
+    if hook is None:
+        return None
+    aux = hook()
+    return aux if aux is not None and aux.requires_grad else None
+
+
+class _Timer:
+    """Compute time of forwards and backwards: wall clock on CPU, CUDA events on GPU (read at
+    the end of the step, so timing never forces a synchronisation mid-step)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = {"F": [], "B": []}
+
+    def measure(self, kind: str) -> _Span:
+        return _Span(self, kind)
+
+    def means(self) -> tuple[float, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        result = []
+        for kind in ("F", "B"):
+            spans = self.spans[kind]
+            if self.cuda:
+                values = [start.elapsed_time(end) / 1000.0 for start, end in spans]
+            else:
+                values = [end - start for start, end in spans]
+            result.append(sum(values) / len(values) if values else 0.0)
+        return result[0], result[1]
+
+
+class _Span:
+    def __init__(self, timer: _Timer, kind: str) -> None:
+        self.timer, self.kind = timer, kind
+
+    def __enter__(self) -> None:
+        if self.timer.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.timer.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        else:
+            end = time.perf_counter()
+        self.timer.spans[self.kind].append((self.start, end))

@@ -1,0 +1,106 @@
+"""Activation memory of a pipeline stage: predicted from the schedule table, measured from
+the tensors autograd actually saves.
+
+Prediction: a stage holds one set of saved activations per micro-batch whose forward has run
+and whose backward has not, so its peak is `count_in_flight(stage) × bytes per micro-batch`.
+kFkB multiplies the 1F1B in-flight count by k, which is the whole memory cost of a larger k.
+
+Measurement: `SavedTensorMeter` hooks autograd's saved-tensor packing, so it counts exactly
+what the backward pass will need (not parameters, not receive buffers), and a weak finalizer
+subtracts each tensor when autograd frees the graph after backward. It works the same on CPU
+and GPU, where `torch.cuda.max_memory_allocated` would also count workspace and caches."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from huorn.runtime.pipeline import schedules
+
+
+def predict_peak_bytes(schedule: schedules.Schedule, bytes_per_microbatch: Sequence[int]) -> tuple[int, ...]:
+    """Peak saved-activation bytes per stage for this table."""
+    if len(bytes_per_microbatch) != schedule.stages:
+        raise ValueError(f"bytes_per_microbatch: need one entry per stage ({schedule.stages}), "
+                         f"got {len(bytes_per_microbatch)}")
+    in_flight = schedules.count_in_flight(schedule)
+    return tuple(n * b for n, b in zip(in_flight, bytes_per_microbatch, strict=True))
+
+
+class _Saved:
+    """What autograd stores in place of a saved tensor; its death is the tensor's release."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class SavedTensorMeter:
+    """Live and peak bytes of tensors saved for backward, parameters excluded.
+
+    Storages are counted once however many ops save them (a residual stream saved by two
+    layers costs its bytes once), which is what the allocator would hold."""
+
+    def __init__(self, parameters: Iterable[nn.Parameter] = ()) -> None:
+        self._parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer in self._parameter_storages or storage.nbytes() == 0:
+            return tensor
+        entry = self._live.get(pointer)
+        if entry is None:
+            self._live[pointer] = [storage.nbytes(), 1]
+            self.live_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        else:
+            entry[1] += 1
+        holder = _Saved(tensor)
+        weakref.finalize(holder, self._release, pointer)
+        return holder
+
+    def _release(self, pointer: int) -> None:
+        entry = self._live.get(pointer)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live_bytes -= entry[0]
+            del self._live[pointer]
+
+    @staticmethod
+    def _unpack(packed: object) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed  # type: ignore[return-value]
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Context manager to wrap forward passes whose saved tensors should be counted."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
+def measure_microbatch_bytes(module: nn.Module, inputs: Sequence[torch.Tensor],
+                             loss: Callable[[tuple[torch.Tensor, ...]], torch.Tensor] | None = None) -> int:
+    """Saved-activation bytes of one forward of `module` on `inputs` (freed again afterwards),
+    including what `loss` saves on the last stage.
+
+    The memory model's per-micro-batch size, measured once per stage rather than derived from
+    the architecture, so it stays right for any stage module the executor is given."""
+    meter = SavedTensorMeter(module.parameters())
+    prepared = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    with meter.hooks():
+        outputs = module(*prepared)
+        if loss is not None:
+            outputs = loss(outputs if isinstance(outputs, tuple) else (outputs,))
+    measured = meter.peak_bytes
+    del outputs
+    return measured

@@ -1,0 +1,96 @@
+"""Huorn's decoder cut into pipeline stages.
+
+A `DecoderStage` borrows the decoder's own modules (embedding on the first stage, a run of
+blocks, final norm and head on the last) and calls them the way `Decoder.forward_blocks`
+does, so a pipelined model computes exactly what the single-device one computes. What crosses
+a stage boundary is the hidden state plus the FusedKV tensors (`SharedKV`) recorded by lower
+layers that upper layers rebuild their K/V from: a stage receives the slots that blocks below
+it filled and sends on those filled by then. In `none` mode only the hidden state travels.
+
+The math stays in huorn.models; this module only decides where to cut."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from huorn import models
+from huorn.models import layers as model_layers
+from huorn.models import moe as model_moe
+
+SLOTS = tuple(f.name for f in fields(models.SharedKV))  # k_first, v_first, k_last, v_last
+
+
+def present_slots(cfg: models.ModelConfig, layers_done: int) -> tuple[str, ...]:
+    """SharedKV slots filled once blocks 0..layers_done-1 have run."""
+    if cfg.kv_sharing == "none":
+        return ()
+    filled = []
+    if layers_done > 0:
+        filled += ["k_first", "v_first"]
+    if layers_done >= cfg.shared_layers:
+        filled += ["k_last", "v_last"]
+    return tuple(s for s in SLOTS if s in filled)
+
+
+def balance_layers(layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous (start, end) block ranges, as even as possible, earlier stages taking the
+    remainder (the last stage also carries the head, the first only a lookup)."""
+    if not 1 <= stages <= layers:
+        raise ValueError(f"pipeline stages must be between 1 and the model's layers ({layers}), got {stages}")
+    base, extra = divmod(layers, stages)
+    bounds, start = [], 0
+    for stage in range(stages):
+        end = start + base + (1 if stage < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class DecoderStage(nn.Module):
+    def __init__(self, decoder: models.Decoder, start: int, end: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.cfg, self.start, self.end, self.first, self.last = decoder.cfg, start, end, first, last
+        self.embed = decoder.embed if first else None
+        self.blocks = nn.ModuleList(decoder.layers[start:end])
+        self.norm = decoder.norm if last else None
+        self.head = decoder.head if last else None
+        self.incoming = present_slots(self.cfg, start)
+        self.outgoing = present_slots(self.cfg, end)
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if self.first:
+            x = self.embed(tensors[0])  # type: ignore[misc]
+            shared = models.SharedKV()
+        else:
+            x = tensors[0]
+            slots = dict(zip(self.incoming, tensors[1:], strict=True))
+            shared = models.SharedKV(**slots)
+        rope = model_layers.build_rope(self.cfg.head_dim, x.shape[1], self.cfg.rope_theta, 0, x.device)
+        for block in self.blocks:
+            x = block(x, rope, shared)
+        if self.last:
+            return self.head(self.norm(x))  # type: ignore[misc]
+        return (x, *(getattr(shared, s) for s in self.outgoing))
+
+    def pipeline_aux_loss(self) -> torch.Tensor | None:
+        """MoE balancing losses of this stage's blocks, added to what the stage back-propagates."""
+        losses = [b.ffn.aux_loss for b in self.blocks
+                  if isinstance(b.ffn, model_moe.MoE) and b.ffn.aux_loss is not None]
+        return torch.stack(losses).sum() if losses and self.training else None
+
+
+def split_decoder(decoder: models.Decoder, stages: int) -> list[DecoderStage]:
+    """All stages of `decoder` (they share its parameters; a rank keeps only its own)."""
+    bounds = balance_layers(decoder.cfg.layers, stages)
+    return [DecoderStage(decoder, start, end, first=i == 0, last=i == stages - 1)
+            for i, (start, end) in enumerate(bounds)]
+
+
+def compute_decoder_loss(outputs: tuple[torch.Tensor, ...], targets: torch.Tensor) -> torch.Tensor:
+    """The decoder's training cross-entropy on the last stage's logits (as `Decoder.forward_head`)."""
+    logits = outputs[0]
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)

@@ -1,0 +1,87 @@
+"""Where a rank sits in DP × PP and the process groups it talks through.
+
+Ranks are laid out replica-major: rank = replica · stages + stage, so the stages of one
+pipeline are neighbours (on one host they share the fastest links) and the data-parallel
+peers of a stage are `stages` apart.
+
+Each pipeline edge gets two groups, one per direction. With NCCL, point-to-point calls on
+one communicator run in order on one stream, so activations going up and gradients coming
+down on the same communicator could wait on each other; a communicator per direction keeps
+both flowing, and gloo is happy either way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class PipelineTopology:
+    stages: int
+    replicas: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or self.replicas < 1:
+            raise ValueError(f"stages and replicas must be >= 1, got {self.stages} and {self.replicas}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size} "
+                             f"(= replicas {self.replicas} × stages {self.stages})")
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.replicas
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.stages
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def global_rank(self, replica: int, stage: int) -> int:
+        return replica * self.stages + stage
+
+
+@dataclass
+class PipelineGroups:
+    """The groups this rank uses (None where it has no such neighbour)."""
+
+    to_next: dist.ProcessGroup | None = None  # activations to stage + 1
+    from_previous: dist.ProcessGroup | None = None  # activations from stage − 1
+    to_previous: dist.ProcessGroup | None = None  # gradients to stage − 1
+    from_next: dist.ProcessGroup | None = None  # gradients from stage + 1
+    data_parallel: dist.ProcessGroup | None = None
+
+
+def build_groups(topology: PipelineTopology) -> PipelineGroups:
+    """Create every group in the same order on every rank (dist.new_group is collective)."""
+    if dist.get_world_size() != topology.world_size:
+        raise ValueError(f"world size {dist.get_world_size()} != replicas × stages = {topology.world_size}")
+    mine = PipelineGroups()
+    for replica in range(topology.replicas):
+        for stage in range(topology.stages - 1):
+            low, high = topology.global_rank(replica, stage), topology.global_rank(replica, stage + 1)
+            forward = dist.new_group([low, high])
+            backward = dist.new_group([low, high])
+            if topology.rank == low:
+                mine.to_next, mine.from_next = forward, backward
+            elif topology.rank == high:
+                mine.from_previous, mine.to_previous = forward, backward
+    if topology.replicas > 1:
+        for stage in range(topology.stages):
+            members = [topology.global_rank(r, stage) for r in range(topology.replicas)]
+            group = dist.new_group(members)
+            if topology.rank in members:
+                mine.data_parallel = group
+    return mine

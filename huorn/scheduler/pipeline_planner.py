@@ -1,0 +1,160 @@
+"""Adaptive k for kFkB pipeline schedules (Ada-Grouper), decided from measurements.
+
+The cost model replays a schedule table as a discrete-event simulation: each stage runs its
+row in order; an action starts when the stage is free and its input has arrived; every
+message occupies its link (one FIFO per direction of each edge) for the measured seconds per
+message. That captures the whole trade-off: with k = 1 each micro-batch's round trip to the
+next stage and back sits on the critical path, so per-message link time adds to every
+micro-batch; kFkB sends k messages back to back and works on the group while they travel,
+paying link time once per group; GPipe hides the most but holds all micro-batches.
+
+Calibration is online and needs no model of the network: compute seconds per forward and
+backward come from each stage's timers and link seconds from the link threads' own clocks
+over the last window of steps, and `model_scale` (measured ÷ predicted step time of the
+running k) reports how well the replay matches reality.
+
+The planner is decision-only (no torch, no process groups): the runtime passes plain numbers
+and plain tables ([(kind, micro-batch), ...] per stage) and gets back a `KDecision`, whose
+`to_dict()` goes to telemetry and to the job's graph log."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+PlainTable = Sequence[Sequence[tuple[str, int]]]
+
+
+def predict_step_seconds(table: PlainTable, forward_s: Sequence[float], backward_s: Sequence[float],
+                         link_forward_s: Sequence[float], link_backward_s: Sequence[float]) -> float:
+    """Makespan of one step of `table`. link_forward_s[s] is the time one activation message
+    holds the link from stage s to s+1, link_backward_s[s] one gradient from s+1 to s."""
+    stages = len(table)
+    for name, values, want in (("forward_s", forward_s, stages), ("backward_s", backward_s, stages),
+                               ("link_forward_s", link_forward_s, stages - 1),
+                               ("link_backward_s", link_backward_s, stages - 1)):
+        if len(values) != want:
+            raise ValueError(f"{name}: need {want} values for {stages} stages, got {len(values)}")
+    position = [0] * stages
+    clock = [0.0] * stages
+    arrival: dict[tuple[str, int, int], float] = {}  # (kind, receiving stage, mb) -> time
+    link_free = {("F", s): 0.0 for s in range(stages - 1)} | {("B", s): 0.0 for s in range(stages - 1)}
+    progress = True
+    while progress:
+        progress = False
+        for s in range(stages):
+            row = table[s]
+            while position[s] < len(row):
+                kind, mb = row[position[s]]
+                if (kind == "F" and s == 0) or (kind == "B" and s == stages - 1):
+                    ready = 0.0
+                elif (kind, s, mb) in arrival:
+                    ready = arrival[(kind, s, mb)]
+                else:
+                    break
+                end = max(clock[s], ready) + (forward_s[s] if kind == "F" else backward_s[s])
+                clock[s] = end
+                position[s] += 1
+                progress = True
+                if kind == "F" and s < stages - 1:
+                    delivered = max(end, link_free[("F", s)]) + link_forward_s[s]
+                    link_free[("F", s)] = delivered
+                    arrival[("F", s + 1, mb)] = delivered
+                elif kind == "B" and s > 0:
+                    delivered = max(end, link_free[("B", s - 1)]) + link_backward_s[s - 1]
+                    link_free[("B", s - 1)] = delivered
+                    arrival[("B", s - 1, mb)] = delivered
+    if any(position[s] < len(table[s]) for s in range(stages)):
+        raise ValueError("table deadlocks: some stage waits for a message that is never sent")
+    return max(clock)
+
+
+@dataclass(frozen=True)
+class KDecision:
+    step: int
+    previous_k: int
+    k: int
+    changed: bool
+    reason: str
+    predicted_step_s: dict[int, float] = field(default_factory=dict)
+    peak_bytes: dict[int, int] = field(default_factory=dict)  # worst stage, per k
+    feasible: tuple[int, ...] = ()
+    measured_step_s: float = 0.0
+    model_scale: float = 1.0
+    forward_s: tuple[float, ...] = ()
+    backward_s: tuple[float, ...] = ()
+    link_forward_s: tuple[float, ...] = ()
+    link_backward_s: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class AdaptiveKPlanner:
+    """Re-chooses k among `candidates` each time `decide` is called (the runtime calls it every
+    `replan_every` steps with that window's averages). It switches only when the best feasible
+    k is predicted at least `min_gain` faster than the running one, so measurement noise does
+    not make k flap, and always leaves a k whose predicted memory exceeds the limit."""
+
+    def __init__(self, memory_limit_bytes: int | None = None, min_gain: float = 0.05) -> None:
+        if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+            raise ValueError(f"memory_limit_bytes must be > 0 or None, got {memory_limit_bytes}")
+        if not 0.0 <= min_gain < 1.0:
+            raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+        self.memory_limit_bytes = memory_limit_bytes
+        self.min_gain = min_gain
+        self.history: list[KDecision] = []
+
+    def decide(self, *, step: int, current_k: int, forward_s: Sequence[float], backward_s: Sequence[float],
+               link_forward_s: Sequence[float], link_backward_s: Sequence[float], measured_step_s: float,
+               candidates: Mapping[int, PlainTable], peak_bytes: Mapping[int, Sequence[int]]) -> KDecision:
+        if not candidates:
+            raise ValueError("candidates: give at least one k with its table")
+        if set(peak_bytes) != set(candidates):
+            raise ValueError(f"peak_bytes must cover the same k as candidates: {sorted(candidates)}")
+        worst = {k: max(peak_bytes[k]) for k in candidates}
+        limit = self.memory_limit_bytes
+        feasible = tuple(sorted(k for k in candidates if limit is None or worst[k] <= limit))
+        if not feasible:
+            feasible = (min(candidates, key=lambda k: worst[k]),)
+        predicted = {k: predict_step_seconds(candidates[k], forward_s, backward_s, link_forward_s,
+                                             link_backward_s) for k in sorted(candidates)}
+        scale = measured_step_s / predicted[current_k] if predicted.get(current_k) else 1.0
+        best = min(feasible, key=lambda k: (predicted[k], k))
+        current_ok = current_k in feasible
+        gain = 1.0 - predicted[best] / predicted[current_k] if current_k in predicted else 1.0
+        switch = best != current_k and (not current_ok or gain >= self.min_gain)
+        chosen = best if switch else current_k
+        reason = self._explain(current_k, best, chosen, predicted, worst, feasible, gain, forward_s,
+                               backward_s, link_forward_s, link_backward_s, current_ok)
+        decision = KDecision(
+            step=step, previous_k=current_k, k=chosen, changed=chosen != current_k, reason=reason,
+            predicted_step_s={k: v * scale for k, v in predicted.items()}, peak_bytes=worst,
+            feasible=feasible, measured_step_s=measured_step_s, model_scale=scale,
+            forward_s=tuple(forward_s), backward_s=tuple(backward_s),
+            link_forward_s=tuple(link_forward_s), link_backward_s=tuple(link_backward_s),
+        )
+        self.history.append(decision)
+        return decision
+
+    def _explain(self, current: int, best: int, chosen: int, predicted: Mapping[int, float],
+                 worst: Mapping[int, int], feasible: Sequence[int], gain: float, forward_s: Sequence[float],
+                 backward_s: Sequence[float], link_forward_s: Sequence[float],
+                 link_backward_s: Sequence[float], current_ok: bool) -> str:
+        compute = max(f + b for f, b in zip(forward_s, backward_s, strict=True))
+        link = max([*link_forward_s, *link_backward_s], default=0.0)
+        ratio = link / compute if compute else 0.0
+        table = ", ".join(f"k={k}: {predicted[k] * 1e3:.1f} ms" for k in sorted(predicted))
+        head = (f"link {link * 1e3:.2f} ms/message = {ratio:.2f}× the slowest stage's F+B "
+                f"({compute * 1e3:.2f} ms); predicted step {table}")
+        if self.memory_limit_bytes is not None:
+            blocked = sorted(set(predicted) - set(feasible))
+            head += (f"; memory limit {self.memory_limit_bytes} B rules out k={blocked}" if blocked
+                     else f"; all k fit in {self.memory_limit_bytes} B")
+        if not current_ok:
+            return f"{head}; k={current} exceeds the memory limit, switch to k={chosen}"
+        if chosen != current:
+            return f"{head}; k={chosen} is {gain:.0%} faster than k={current}: switch"
+        if best != current:
+            return f"{head}; k={best} only {gain:.0%} faster (< {self.min_gain:.0%}): keep k={current}"
+        return f"{head}; k={current} is already the fastest: keep"

@@ -1,0 +1,100 @@
+"""Worker functions for the pipeline tests. They live in a plain module (not a test file) so
+that spawned processes can import them by name."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from huorn import models
+from huorn.runtime.pipeline import contention, executor, memory, schedules, split, training
+from huorn.runtime.pipeline import topology as pp_topology
+
+
+def build_decoder(cfg: models.ModelConfig, seed: int = 0) -> models.Decoder:
+    torch.manual_seed(seed)
+    return models.build_model(cfg).double()
+
+
+def make_decoder_batch(cfg: models.ModelConfig, microbatches: int, size: int, seed: int
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (size, cfg.context)
+    tokens = [torch.randint(0, cfg.vocabulary, shape, generator=generator) for _ in range(microbatches)]
+    targets = [torch.randint(0, cfg.vocabulary, shape, generator=generator) for _ in range(microbatches)]
+    return tokens, targets
+
+
+def decoder_case_worker(rank: int, world: int, jobs: list[tuple[str, models.ModelConfig, int, list, int]]
+                        ) -> dict:
+    """For each job (label, config, stages, [(schedule, k), ...], micro-batches per replica):
+    one step of every case from the same initial weights. Returns this rank's losses and
+    gradients keyed by the decoder's parameter names, per job label and case."""
+    results: dict = {}
+    for label, cfg, stages, cases, microbatches in jobs:
+        topo = pp_topology.PipelineTopology(stages=stages, replicas=world // stages, rank=rank)
+        groups = pp_topology.build_groups(topo)
+        tokens, targets = make_decoder_batch(cfg, microbatches * topo.replicas, 2, seed=7)
+        mine = slice(topo.replica * microbatches, (topo.replica + 1) * microbatches)
+        for name, k in cases:
+            decoder = build_decoder(cfg)
+            names = {id(p): n for n, p in decoder.named_parameters()}
+            stage = split.split_decoder(decoder, stages)[topo.stage]
+            runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss,
+                                            torch.device("cpu"))
+            runner.negotiate_shapes([tokens[0]] if topo.is_first else None, targets[0])
+            schedule = schedules.build_schedule(name, stages, microbatches, k)
+            stats = runner.run_step(schedule, [[t] for t in tokens[mine]], targets[mine])
+            runner.close()
+            grads = {names[id(p)]: p.grad.clone() for p in stage.parameters() if p.grad is not None}
+            results[(label, name, k)] = {
+                "loss": stats.loss, "grads": grads, "executed": stats.executed, "stage": topo.stage,
+                "peak": stats.peak_saved_bytes, "microbatch_bytes": runner.microbatch_bytes,
+                "predicted": memory.predict_peak_bytes(
+                    schedule, [runner.microbatch_bytes] * stages)[topo.stage],
+            }
+    return results
+
+
+def build_mlp_stages(stages: int, width: int, depth: int, seed: int = 0) -> list[nn.Sequential]:
+    torch.manual_seed(seed)
+    return [nn.Sequential(*[layer for _ in range(depth) for layer in (nn.Linear(width, width), nn.Tanh())])
+            for _ in range(stages)]
+
+
+def make_mlp_batch(step: int, microbatches: int, size: int, width: int
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    inputs = [torch.randn(size, width, generator=generator) for _ in range(microbatches)]
+    targets = [torch.randn(size, width, generator=generator) for _ in range(microbatches)]
+    return inputs, targets
+
+
+def mse_loss(outputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(outputs[0], target)
+
+
+def adaptive_worker(rank: int, world: int, stages: int, width: int, depth: int, microbatches: int,
+                    size: int, levels: list[float], burst_s: float, replan_every: int) -> dict:
+    """Adaptive-k training of an MLP pipeline while the contention level follows `levels`
+    (one per step); returns reports and the final weights of this rank's stage."""
+    from huorn.scheduler import pipeline_planner  # the wiring layer's job; tests may do it
+
+    topo = pp_topology.PipelineTopology(stages=stages, replicas=1, rank=rank)
+    groups = pp_topology.build_groups(topo)
+    module = build_mlp_stages(stages, width, depth)[topo.stage]
+    throttle = contention.Throttle(level=0.0, burst_s=burst_s)
+    runner = executor.StageExecutor(module, topo, groups, mse_loss, torch.device("cpu"), throttle)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
+    plan = training.PipelinePlan(microbatches=microbatches, schedule="auto", k=1, replan_every=replan_every)
+
+    def batches(step: int) -> training.Batch:
+        inputs, targets = make_mlp_batch(step, microbatches, size, width)
+        return [[x] for x in inputs], targets
+
+    reports = training.run_pipeline_training(
+        stage=runner, optimizer=optimizer, batches=batches, steps=len(levels), plan=plan,
+        planner=pipeline_planner.AdaptiveKPlanner(min_gain=0.1), contention_level=lambda step: levels[step],
+    )
+    runner.close()
+    return {"reports": reports, "state": {n: p.detach().clone() for n, p in module.state_dict().items()}}
