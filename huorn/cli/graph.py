@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import typer
-import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from huorn import graph
+from huorn.api import manifests
 from huorn.graph import model, render, serialise
 
 EXIT_INVALID = 2
@@ -32,29 +32,20 @@ class ManifestError(ValueError):
     """A manifest that cannot run; the message names the file, the field and the fix."""
 
 
-def _describe(error: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in error.errors()
-    )
-
-
 def load_job(path: Path) -> BaseModel:
-    """Read the first job document of a YAML file and validate it into its resource model."""
+    """Read and validate a one-document manifest with the API's own loader (the same checks as
+    `huorn validate` and admission), and insist on a kind that compiles into a graph."""
     try:
-        documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        resource = manifests.load_manifest(path)
+    except manifests.ManifestError as error:
+        raise ManifestError(str(error)) from error
     except OSError as error:
         raise ManifestError(f"{path}: cannot read it ({error.strerror})") from error
-    except yaml.YAMLError as error:
-        raise ManifestError(f"{path}: not valid YAML: {error}") from error
-    jobs = [d for d in documents if isinstance(d, dict) and d.get("kind") in graph.registered_kinds()]
-    if not jobs:
-        raise ManifestError(f"{path}: kind: no job found; set kind to one of {graph.registered_kinds()}")
-    try:
-        return graph.load_resource(jobs[0])
-    except ValidationError as error:
-        raise ManifestError(f"{path}: {_describe(error)}") from error
-    except ValueError as error:
-        raise ManifestError(f"{path}: {error}") from error
+    if resource.kind not in graph.registered_kinds():
+        raise ManifestError(
+            f"{path}: kind: {resource.kind} has no execution graph; use one of {graph.registered_kinds()}"
+        )
+    return resource
 
 
 def compile_file(path: Path) -> tuple[BaseModel, model.Graph]:

@@ -37,7 +37,11 @@ def endpoint_name(graph: Graph, vertex: str) -> str:
 
 
 def volume_name(graph: Graph, vertex: str, what: str) -> str:
-    return f"{graph.name}-{vertex}-{what}"
+    return volume_name_for(graph.name, vertex, what)
+
+
+def volume_name_for(job: str, vertex: str, what: str) -> str:
+    return f"{job}-{vertex}-{what}"
 
 
 def instance_name(graph: Graph, instance: Instance) -> str:

@@ -63,12 +63,8 @@ def compile_training(job: kinds.TrainingJob) -> Graph:
             "pipelineStages": spec.parallelism.pipeline_stages,
             "pipelineSchedule": spec.parallelism.schedule.value,
             "k": spec.parallelism.k,
-            "task": spec.task.to_wire(),
-            "model": spec.model.to_wire(),
-            "data": spec.data.to_wire(),
-            "optimization": spec.optimization.to_wire(),
             "checkpoint": spec.checkpoint.to_wire(),
-            "env": {e.name: e.value for e in spec.env},
+            "spec": spec.to_wire(),
         },
     )
     graph.edges.append(
@@ -192,3 +188,22 @@ def compile_inference(job: kinds.InferenceJob) -> Graph:
         Edge("router", "server", "requests", Pattern.ALL_TO_ALL, Scheduling.CONCURRENT, Transport.NETWORK)
     )
     return graph
+
+
+def build_training_spec(trainer: Vertex) -> dict:
+    """The TrainingJobSpec wire dict a trainer vertex runs now: the compiled spec with the
+    knobs that mutations own (replica range, pipeline parameters) laid over it, so a backend
+    never runs a stale value after a set-param."""
+    spec = dict(trainer.params["spec"])
+    spec["elasticity"] = {
+        **spec.get("elasticity", {}),
+        "minReplicas": trainer.min_replicas,
+        "maxReplicas": trainer.max_replicas,
+    }
+    spec["parallelism"] = {
+        **spec.get("parallelism", {}),
+        "pipelineStages": trainer.params["pipelineStages"],
+        "schedule": trainer.params["pipelineSchedule"],
+        "k": trainer.params["k"],
+    }
+    return spec

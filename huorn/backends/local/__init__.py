@@ -1,0 +1,1 @@
+"""The local backend: a graph materialised as processes and directories on this machine."""

@@ -1,0 +1,268 @@
+"""The local backend: a graph's desired resources as process trees and directories here.
+
+volume → a directory under the run dir; endpoint → the loopback address the store listens on;
+instance → a process tree (the store, or one torchrun agent per trainer replica). `apply` diffs
+the running trees against `desired.build_desired(graph)`, so a resize, a replacement or a
+restart of `huorn run` are all the same reconcile. `observe` reads what the runtime publishes:
+the JSON-lines step log, the telemetry endpoint files and the torchrun agents' own logs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from huorn.backends import monitor
+from huorn.backends.local import commands, processes
+from huorn.graph import desired, model
+
+# torchrun's agent logs each failed worker as "failed (exitcode: -9) local_rank: 0 (pid: 123)".
+# A negative exit code is a signal; SIGTERM (-15) is how agents and Huorn stop workers on purpose.
+_WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+_SIGNALS = {-9: "SIGKILL", -6: "SIGABRT", -11: "SIGSEGV", -7: "SIGBUS", -4: "SIGILL", -8: "SIGFPE"}
+
+
+class LocalBackendError(RuntimeError):
+    """Something on this machine prevented the graph from being materialised."""
+
+
+@dataclass
+class LocalSettings:
+    python: str = sys.executable
+    host: str = "127.0.0.1"
+    step_limit: int | None = None
+    stop_grace_s: float = 90.0
+    store_start_timeout_s: float = 60.0
+    tuning: commands.ElasticTuning = field(default_factory=commands.ElasticTuning)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class LocalBackend:
+    """Materialises one TrainingJob graph on this machine and reports what it sees."""
+
+    def __init__(self, graph: model.Graph, run_dir: Path, settings: LocalSettings | None = None) -> None:
+        unsupported = sorted({v.role for v in graph.vertices.values()} - {"rendezvous", "trainer", "eval"})
+        if graph.kind != "TrainingJob" or unsupported:
+            raise LocalBackendError(
+                f"the local backend runs TrainingJobs (rendezvous + trainer vertices); {graph.kind} "
+                f"{graph.name!r} has roles {unsupported}: run it through the operator instead"
+            )
+        self.run_dir = Path(run_dir).resolve()
+        self.settings = settings or LocalSettings()
+        self.job = graph.name
+        self.processes: dict[str, processes.ManagedProcess] = {}
+        self.store_endpoint: str | None = None
+        self.exit_codes: dict[str, int | None] = {}
+        self.actions: list[dict[str, Any]] = []
+        self._steps_offset = 0
+        self._reported_failures: set[str] = set()
+        self._current: list[desired.DesiredResource] = []
+
+    # -- paths -----------------------------------------------------------------------------------
+    def volume_path(self, name: str) -> Path:
+        return self.run_dir / "volumes" / name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.volume_path(desired.volume_name_for(self.job, "trainer", "checkpoints"))
+
+    # -- apply -----------------------------------------------------------------------------------
+    def apply(self, graph: model.Graph) -> list[str]:
+        want = desired.build_desired(graph)
+        create, delete = desired.diff_desired(self._current, want)
+        done: list[str] = []
+        for resource in delete:
+            done.append(self._delete(graph, resource))
+        for resource in create:
+            done.append(self._create(graph, resource))
+        self._current = want
+        for line in done:
+            self._record_action(graph.version, line)
+        return done
+
+    def _create(self, graph: model.Graph, resource: desired.DesiredResource) -> str:
+        if resource.kind == "volume":
+            self.volume_path(resource.name).mkdir(parents=True, exist_ok=True)
+            return f"created volume {resource.name}"
+        if resource.kind == "endpoint":
+            return f"endpoint {resource.name} is served by its vertex's instance"
+        if resource.role == "rendezvous":
+            return self._start_store(resource)
+        if resource.role == "trainer":
+            return self._start_agent(graph, resource)
+        msg = f"the local backend cannot run {resource.role!r} instances; this vertex waits"
+        return msg
+
+    def _delete(self, graph: model.Graph, resource: desired.DesiredResource) -> str:
+        if resource.kind != "instance":
+            return f"kept {resource.kind} {resource.name} (its data outlives the instances)"
+        proc = self.processes.get(resource.name)
+        if proc is None:
+            return f"{resource.name} was not running"
+        failed = resource.name in self._reported_failures
+        if failed or proc.exit_code() is not None:
+            pids = processes.kill_tree(proc)
+            self.exit_codes[proc.name] = proc.exit_code()
+            return f"killed {resource.name} (process tree {pids})"
+        code = processes.terminate_tree(proc, self.settings.stop_grace_s)
+        self.exit_codes[proc.name] = code
+        return f"stopped {resource.name} with SIGTERM (checkpoint, exit code {code})"
+
+    def _start_store(self, resource: desired.DesiredResource) -> str:
+        port_file = self.run_dir / commands.STORE_PORT_FILE
+        port_file.unlink(missing_ok=True)
+        argv = commands.build_store_command(self.settings.host, port_file, self.settings.python)
+        instance = resource.name.removeprefix(f"{self.job}-")
+        proc = processes.start_process(
+            instance,
+            resource.vertex,
+            resource.role,
+            argv,
+            commands.build_agent_env(instance),
+            self.run_dir / "logs" / f"{instance}.log",
+            self.run_dir,
+        )
+        self.processes[resource.name] = proc
+        deadline = time.monotonic() + self.settings.store_start_timeout_s
+        while not port_file.exists():
+            if proc.exit_code() is not None or time.monotonic() > deadline:
+                raise LocalBackendError(
+                    f"the rendezvous store did not start (exit code {proc.exit_code()}); see {proc.log_path}"
+                )
+            time.sleep(0.1)
+        self.store_endpoint = f"{self.settings.host}:{int(port_file.read_text())}"
+        return f"started rendezvous store {instance} on {self.store_endpoint} (pid {proc.pid})"
+
+    def _start_agent(self, graph: model.Graph, resource: desired.DesiredResource) -> str:
+        if self.store_endpoint is None:
+            raise LocalBackendError("a trainer must start after its rendezvous store; the graph has none")
+        trainer = graph.vertex(resource.vertex)
+        config = commands.build_run_config(
+            self.job, trainer, self.run_dir, self.checkpoint_dir, self.settings.step_limit
+        )
+        config_path = commands.write_json_atomically(self.run_dir / commands.CONFIG_FILE, config)
+        address = commands.replica_address(resource.ordinal or 0)
+        argv = commands.build_agent_command(
+            config_path,
+            trainer,
+            self.store_endpoint,
+            self.job,
+            address,
+            self.settings.tuning,
+            self.settings.python,
+        )
+        instance = resource.name.removeprefix(f"{self.job}-")
+        proc = processes.start_process(
+            instance,
+            resource.vertex,
+            resource.role,
+            argv,
+            commands.build_agent_env(instance, self.settings.extra_env),
+            self.run_dir / "logs" / f"{instance}.log",
+            self.run_dir,
+        )
+        self.processes[resource.name] = proc
+        return f"started agent {instance} on {address} (pid {proc.pid})"
+
+    def _record_action(self, version: int, text: str) -> None:
+        entry = {"time": time.time(), "graphVersion": version, "action": text}
+        self.actions.append(entry)
+        with open(self.run_dir / "actions.jsonl", "a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+
+    # -- observe ---------------------------------------------------------------------------------
+    def observe(self) -> monitor.Observation:
+        observation = monitor.Observation(time=time.time())
+        for key, proc in self.processes.items():
+            observation.instances[proc.name] = self._instance_state(key, proc)
+        records = self._read_new_records()
+        observation.steps = [r for r in records if r.get("event") == "step"]
+        checkpoints = [r for r in records if r.get("event") == "checkpoint"]
+        if checkpoints:
+            observation.checkpoint = {
+                "vertex": "trainer",
+                "step": checkpoints[-1]["step"],
+                "path": checkpoints[-1].get("path"),
+            }
+        observation.telemetry = self._poll_telemetry()
+        trainers = [p for p in self.processes.values() if p.role == "trainer" and not p.stopping]
+        observation.finished = bool(trainers) and all(p.exit_code() == 0 for p in trainers)
+        return observation
+
+    def _instance_state(self, key: str, proc: processes.ManagedProcess) -> monitor.InstanceState:
+        if proc.stopping:
+            return monitor.InstanceState(proc.name, proc.vertex, alive=False)
+        proc.remember_descendants()
+        code = proc.exit_code()
+        reason = ""
+        for match in _WORKER_FAILED.finditer(proc.read_new_log()):
+            exit_code, pid = int(match[1]), match[3]
+            if exit_code < 0 and exit_code != -15:
+                reason = f"worker pid {pid} of {proc.name} was killed by {_SIGNALS.get(exit_code, exit_code)}"
+        if not reason and code is not None and code != 0:
+            reason = f"{proc.role} process of {proc.name} exited with code {code}"
+        if not reason and code == 0 and proc.role == "rendezvous":
+            reason = f"rendezvous store {proc.name} exited"
+        failed = bool(reason)
+        if failed:
+            self._reported_failures.add(key)
+        return monitor.InstanceState(proc.name, proc.vertex, alive=code is None, failed=failed, reason=reason)
+
+    def _read_new_records(self) -> list[dict[str, Any]]:
+        path = self.run_dir / commands.STEPS_FILE
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(self._steps_offset)
+                data = handle.read()
+        except OSError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next look
+        self._steps_offset += len(complete)
+        records = []
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+        return records
+
+    def _poll_telemetry(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for path in sorted((self.run_dir / commands.ENDPOINTS_DIR).glob("*.json")):
+            try:
+                info = json.loads(path.read_text())
+                url = f"http://{info['host']}:{info['port']}/telemetry"
+                with urllib.request.urlopen(url, timeout=0.5) as response:
+                    out[path.stem] = json.loads(response.read())
+            except (OSError, ValueError, KeyError):
+                continue  # a replica that is restarting or gone has a stale file; skip it
+        return out
+
+    # -- stop ------------------------------------------------------------------------------------
+    def stop(self, graceful: bool = True) -> list[str]:
+        """Stop everything: trainers first (with SIGTERM they checkpoint), the store last."""
+        done = []
+        running = [p for p in self.processes.values() if not (p.stopping and p.exit_code() is not None)]
+        trainers = [p for p in running if p.role == "trainer" and p.exit_code() is None]
+        if graceful:
+            # All at once: the trainers agree on one stop step and take one collective checkpoint.
+            for proc in trainers:
+                processes.send_terminate(proc)
+            deadline = time.monotonic() + self.settings.stop_grace_s
+            for proc in trainers:
+                code = processes.wait_exit(proc, max(0.0, deadline - time.monotonic()))
+                done.append(f"stopped {proc.name} with SIGTERM (exit code {code})")
+        for proc in sorted(running, key=lambda p: p.role == "rendezvous"):
+            pids = processes.kill_tree(proc)
+            if pids:
+                done.append(f"killed {proc.name} (process tree {pids})")
+            self.exit_codes[proc.name] = proc.exit_code()
+        for line in done:
+            self._record_action(-1, line)
+        return done

@@ -1,0 +1,146 @@
+"""`huorn run FILE.yaml`: validate, compile and run a job on this machine, then write a report.
+
+This is the same path the operator takes in a cluster (compile → monitor loop → backend apply),
+with the local backend in place of the Kubernetes one. Nothing starts until the manifest has
+been validated and compiled, so a bad manifest exits 2 with no process left behind.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from huorn.backends import monitor
+from huorn.backends.local import backend as local_backend
+from huorn.backends.local import report
+from huorn.cli import graph as graph_cli
+from huorn.cli import live
+from huorn.graph import model, mutate
+
+
+def parse_scale_at(values: list[str], trainer: model.Vertex) -> list[tuple[int, int]]:
+    plan = []
+    for value in values:
+        step, _, replicas = value.partition(":")
+        if not (step.isdigit() and replicas.isdigit()) or int(step) < 1:
+            raise graph_cli.ManifestError(
+                f"--scale-at {value!r}: expected STEP:REPLICAS, e.g. --scale-at 20:2"
+            )
+        if not trainer.min_replicas <= int(replicas) <= trainer.max_replicas:
+            raise graph_cli.ManifestError(
+                f"--scale-at {value}: {replicas} replicas is outside spec.elasticity "
+                f"{trainer.min_replicas}..{trainer.max_replicas}"
+            )
+        plan.append((int(step), int(replicas)))
+    return plan
+
+
+def prepare_run_dir(run_dir: Path) -> Path | None:
+    """Keep a previous run's directory by renaming it (its checkpoints may matter); return where."""
+    if not run_dir.exists() or not any(run_dir.iterdir()):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return None
+    kept = run_dir.with_name(f"{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.rename(kept)
+    run_dir.mkdir(parents=True)
+    return kept
+
+
+def run_command(
+    file: Path = typer.Argument(..., help="A TrainingJob manifest (YAML)."),
+    replicas: int | None = typer.Option(None, "--replicas", help="Start with this many trainer replicas."),
+    steps: int | None = typer.Option(
+        None, "--steps", min=1, help="Stop after this many steps (overrides spec)."
+    ),
+    run_dir: Path | None = typer.Option(None, "--run-dir", help="Where logs, checkpoints and the report go."),
+    scale_at: list[str] = typer.Option(
+        [], "--scale-at", help="STEP:REPLICAS, resize when training reaches STEP."
+    ),
+    watch: bool | None = typer.Option(
+        None, "--watch/--no-watch", help="Live progress (default: on a terminal)."
+    ),
+    interval: float = typer.Option(1.0, "--interval", min=0.1, help="Seconds between monitor ticks."),
+    stall_timeout: float = typer.Option(
+        600.0, "--stall-timeout", min=10, help="Give up when no step completes for this long (seconds)."
+    ),
+) -> None:
+    """Run a job locally: the rendezvous store and one torchrun agent per replica, as processes."""
+    try:
+        _, g = graph_cli.compile_file(file)
+        if g.kind != "TrainingJob":
+            raise graph_cli.ManifestError(
+                f"{file}: kind: huorn run runs TrainingJobs locally; a {g.kind} runs through the operator"
+            )
+        trainer = g.vertex("trainer")
+        plan = parse_scale_at(scale_at, trainer)
+        if replicas is not None and not trainer.min_replicas <= replicas <= trainer.max_replicas:
+            raise graph_cli.ManifestError(
+                f"--replicas {replicas} is outside spec.elasticity "
+                f"{trainer.min_replicas}..{trainer.max_replicas}"
+            )
+    except graph_cli.ManifestError as error:
+        graph_cli.fail_invalid(error)
+        return
+    if replicas is not None:
+        mutate.resize(g, "trainer", replicas, reason=f"--replicas {replicas} on the command line")
+    directory = (run_dir or Path("runs") / g.name).resolve()
+    kept = prepare_run_dir(directory)
+    if kept is not None:
+        typer.echo(f"kept the previous run in {kept}", err=True)
+    backend = local_backend.LocalBackend(g, directory, local_backend.LocalSettings(step_limit=steps))
+    policies: list[monitor.Policy] = [monitor.ScheduledResize("trainer", plan)] if plan else []
+    view = live.RunView(g, total_steps=steps, enabled=sys.stdout.isatty() if watch is None else watch)
+    loop = monitor.Monitor(g, backend, policies, on_tick=view.update)
+    outcome = _drive(loop, backend, view, interval, stall_timeout)
+    path = report.write_report(directory, g, outcome, "huorn run " + shlex.join(sys.argv[2:]))
+    typer.echo(f"{outcome}. Report: {path}")
+    raise typer.Exit(0 if outcome == "finished" else 130 if outcome.startswith("interrupted") else 1)
+
+
+def _drive(
+    loop: monitor.Monitor,
+    backend: local_backend.LocalBackend,
+    view: live.RunView,
+    interval: float,
+    stall_timeout: float,
+) -> str:
+    """Run the loop; Ctrl-C or SIGTERM stops the trainers with a checkpoint, then everything."""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    last_progress = time.monotonic()
+
+    def stalled(result: monitor.TickResult) -> bool:
+        nonlocal last_progress
+        if result.observation.steps or result.mutations:
+            last_progress = time.monotonic()
+        return time.monotonic() - last_progress > stall_timeout
+
+    outcome = "failed"
+    try:
+        with view:
+            loop.start()
+            result = loop.run(interval=interval, should_stop=stalled)
+            outcome = (
+                "finished" if result.observation.finished else f"stalled (no step for {stall_timeout:.0f} s)"
+            )
+    except KeyboardInterrupt:
+        outcome = "interrupted (checkpointed and stopped)"
+    except local_backend.LocalBackendError as error:
+        typer.echo(f"error: {error}", err=True)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the checkpoint short
+        try:
+            backend.stop(graceful=not outcome.startswith("finished"))
+            view.update_final(backend.observe())
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, previous)
+    return outcome
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,143 @@
+"""The shared monitor's decisions and the local backend's command lines, files and report,
+checked without starting processes (the scenario tests in test_local_run.py start them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from huorn import graph
+from huorn.backends import monitor
+from huorn.backends.local import commands, report
+from huorn.graph import managers, model, mutate
+from huorn.runtime import config as run_config
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
+
+
+def build_graph() -> model.Graph:
+    from huorn.api import manifests
+
+    return graph.compile(manifests.load_manifest(QUICKSTART))
+
+
+def observe(*steps: int, world: int = 1, **extra: object) -> monitor.Observation:
+    records = [
+        {"event": "step", "step": s, "loss": 1.0, "world_size": world, "time": float(s)} for s in steps
+    ]
+    return monitor.Observation(time=0.0, steps=records, **extra)  # type: ignore[arg-type]
+
+
+def test_scheduled_resize_fires_once_when_step_is_reached() -> None:
+    g = build_graph()
+    policy = monitor.ScheduledResize("trainer", [(10, 2), (30, 1)])
+    assert policy.decide(g, observe(1, 2, 3)) == []
+    (event,) = policy.decide(g, observe(9, 10, 11))
+    assert event.type == managers.SCHEDULER_DECISION and event.data["replicas"] == 2
+    assert "--scale-at 10:2" in event.data["reason"]
+    assert policy.decide(g, observe(12)) == []
+    # Both remaining points passed in one observation: only the latest one matters.
+    policy = monitor.ScheduledResize("trainer", [(10, 2), (20, 1)])
+    assert [e.data["replicas"] for e in policy.decide(g, observe(25))] == [1]
+
+
+def test_failed_instances_become_events_only_while_in_graph() -> None:
+    g = build_graph()
+    states = {
+        "trainer-0": monitor.InstanceState("trainer-0", "trainer", alive=True, failed=True, reason="SIGKILL"),
+        "trainer-7": monitor.InstanceState("trainer-7", "trainer", alive=False, failed=True, reason="old"),
+    }
+    events = monitor.build_failure_events(g, monitor.Observation(time=0.0, instances=states))
+    assert [(e.type, e.data["instance"]) for e in events] == [(managers.INSTANCE_FAILED, "trainer-0")]
+    managers.build_default_managers().dispatch(g, events[0])
+    assert [i.name for i in g.vertex("trainer").instances] == ["trainer-0-g1"]
+    # The replaced name is no longer in the graph, so a repeated report does nothing.
+    assert monitor.build_failure_events(g, monitor.Observation(time=0.0, instances=states)) == []
+
+
+def test_checkpoint_fires_only_checkpoint_edges() -> None:
+    g = build_graph()
+    seen = monitor.Observation(time=0.0, checkpoint={"vertex": "trainer", "step": 25, "path": "/c"})
+    assert monitor.build_checkpoint_events(g, seen) == []
+    g.vertices["eval"] = model.Vertex("eval", "eval", 1, 1, mode=model.ExecutionMode.ON_DEMAND, active=False)
+    g.edges.append(model.Edge("trainer", "eval", "checkpoint", transport=model.Transport.CHECKPOINT_FILE))
+    (event,) = monitor.build_checkpoint_events(g, seen)
+    assert event.target == "trainer->eval:checkpoint" and event.data["step"] == 25
+
+
+def test_run_config_is_accepted_by_the_runtime(tmp_path: Path) -> None:
+    g = build_graph()
+    mutate.set_param(g, "trainer", "pipelineSchedule", "kfkb", reason="planner")
+    mutate.set_param(g, "trainer", "k", 3, reason="planner")
+    payload = commands.build_run_config("quickstart", g.vertex("trainer"), tmp_path, tmp_path / "ck", 7)
+    path = commands.write_json_atomically(tmp_path / "config.json", payload)
+    cfg = run_config.load_run_config(path)
+    assert cfg.total_steps() == 7 and cfg.checkpoint_root == tmp_path / "ck"
+    assert cfg.spec.parallelism.k == 3 and cfg.spec.model.kv_sharing.value == "fusedkv"
+    assert cfg.spec.elasticity.max_replicas == 2
+
+
+def test_agent_command_follows_the_measured_recipe(tmp_path: Path) -> None:
+    trainer = build_graph().vertex("trainer")
+    argv = commands.build_agent_command(
+        tmp_path / "c.json",
+        trainer,
+        "127.0.0.1:29400",
+        "quickstart",
+        commands.replica_address(1),
+        commands.ElasticTuning(),
+    )
+    assert "--nnodes=1:2" in argv and "--rdzv-endpoint=127.0.0.1:29400" in argv
+    assert "--local-addr=127.0.0.3" in argv
+    conf = next(a for a in argv if a.startswith("--rdzv-conf="))
+    assert "is_host=false" in conf and "keep_alive_interval=1" in conf
+    assert argv[-3:] == ["huorn.runtime.train", "--config", str(tmp_path / "c.json")]
+    env = commands.build_agent_env("trainer-1")
+    assert env["HUORN_REPLICA"] == "trainer-1" and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert commands.replica_address(0) != commands.replica_address(1)
+
+
+def test_step_summary_finds_gaps_and_recomputed_steps() -> None:
+    records = [{"step": s, "world_size": w} for s, w in [(1, 1), (2, 1), (3, 2), (2, 2), (3, 2), (5, 2)]]
+    summary = report.summarise_steps(records)
+    assert summary.last == 5 and summary.missing == [4] and summary.repeated == 2
+    assert summary.world_sizes == [1, 2]
+
+
+def test_report_is_written_from_run_files(tmp_path: Path) -> None:
+    g = build_graph()
+    g.clock = iter([100.5, 200.5]).__next__
+    mutate.resize(g, "trainer", 2, reason="scale up for the test")
+    records = [{"event": "start", "time": 99.0}]
+    records += [
+        {
+            "event": "step",
+            "step": s,
+            "loss": 5.0 - s / 10,
+            "world_size": 1,
+            "tokens_per_second": 1000.0,
+            "time": 90.0 + s,
+        }
+        for s in range(1, 11)
+    ]
+    records += [{"event": "start", "time": 110.0}]
+    records += [
+        {
+            "event": "step",
+            "step": s,
+            "loss": 5.0 - s / 10,
+            "world_size": 2,
+            "tokens_per_second": 2000.0,
+            "time": 100.0 + s,
+        }
+        for s in range(11, 15)
+    ]
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    path = report.write_report(tmp_path, g, "finished")
+    text = path.read_text()
+    assert "Outcome: **finished**" in text and "no gaps" in text
+    assert "scale up for the test" in text and "| 2 | 4 | 2000 |" in text
+    assert "| 10.5 |" in text  # from the mutation at 100.5 to the first step after the restart at 110
+    for picture in ("loss.png", "throughput.png", "graph.png"):
+        assert (tmp_path / picture).read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "graph.json").read_text())["summary"]["mutations"] == 1
