@@ -36,5 +36,7 @@ from huorn.cli import crds as _crds_cli  # noqa: E402, I001
 app.command("crds")(_crds_cli.crds_command)
 from huorn.cli import validate as _validate_cli  # noqa: E402, I001
 app.command("validate")(_validate_cli.validate_command)
+from huorn.cli import operator as _operator_cli  # noqa: E402, I001
+app.command("operator")(_operator_cli.operator_command)
 from huorn.cli import run as _run_cli  # noqa: E402, I001
 app.command("run")(_run_cli.run_command)

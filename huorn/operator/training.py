@@ -201,6 +201,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         for m in new:
             ctx.metrics.decisions.labels(KIND, m.action).inc()
             _event(ctx, body, "Normal", m.action.capitalize(), m.reason)
+        if assignments:
+            ctx.metrics.decisions.labels(KIND, "place").inc()
+            chosen = list(assignments.values())
+            nodes = ", ".join(f"{n}×{chosen.count(n)}" for n in sorted(set(chosen)))
+            _event(ctx, body, "Normal", "Placed", f"placed {len(assignments)} trainer replicas: {nodes}")
         await _apply_children(ctx, body, ref, graph, spec, assignments, job.spec.virtual_cluster, pods)
     except BaseException:
         ctx.index.release(reserved)

@@ -8,6 +8,7 @@ message that names the field and the fix, and nothing is created for it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,7 +43,14 @@ def load_job(body: Mapping[str, Any]) -> Any:
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         where = _location(first) or "spec"
-        raise InvalidSpec(f"{where}: {first.get('msg', 'invalid')}") from None
+        message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        # A model-level validator names its field at the start of the message ("optimization.
+        # globalBatch: ..."): join it to the location so the path reads whole.
+        match = re.match(r"^([A-Za-z][\w.]*): ", message)
+        if match:
+            return_path = f"{where}.{match.group(1)}"
+            raise InvalidSpec(f"{return_path}: {message[match.end():]}") from None
+        raise InvalidSpec(f"{where}: {message}") from None
 
 
 def check_training(job: Any) -> None:

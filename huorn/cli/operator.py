@@ -1,0 +1,63 @@
+"""`huorn operator`: run the operator, from a kubeconfig or with the pod's service account.
+
+Flags follow kubectl: `--kubeconfig`, `--context`, `-n/--namespace` (repeatable) or
+`-A/--all-namespaces`. With `--peering NAME`, several replicas of the operator elect one active
+instance through kopf's peering objects (install the kopf peering CRDs; see docs/operator.md);
+without it the operator runs standalone and assumes it is alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import typer
+
+from huorn.backends.kubernetes import client as kube
+from huorn.operator import context, runner
+
+EXIT_USAGE = 2
+
+
+def operator_command(
+    kubeconfig: str | None = typer.Option(
+        None, "--kubeconfig", envvar="KUBECONFIG", help="Kubeconfig file; in-cluster credentials when unset."
+    ),
+    kube_context: str | None = typer.Option(None, "--context", help="Kubeconfig context to use."),
+    namespace: list[str] = typer.Option([], "--namespace", "-n", help="Serve only these namespaces."),
+    all_namespaces: bool = typer.Option(False, "--all-namespaces", "-A", help="Serve every namespace."),
+    peering: str | None = typer.Option(None, "--peering", help="kopf peering name for high availability."),
+    priority: int = typer.Option(0, "--priority", help="Peering priority; the highest one runs."),
+    metrics_port: int = typer.Option(8080, "--metrics-port", help="Prometheus /metrics port; 0 disables."),
+    resync_seconds: float = typer.Option(30.0, "--resync-seconds", help="Re-reconcile every job this often."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
+    """Run the Huorn operator until interrupted."""
+    if namespace and all_namespaces:
+        typer.echo("error: --namespace and --all-namespaces exclude each other; pick one", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    if not 0 <= metrics_port <= 65535:
+        typer.echo(f"error: --metrics-port must be in 0..65535, got {metrics_port}", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    if resync_seconds <= 0:
+        typer.echo(f"error: --resync-seconds must be > 0, got {resync_seconds}", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    # Tests that kill and restart the operator shorten the backoffs the same way in every run.
+    fast = os.environ.get("HUORN_OPERATOR_FAST") == "1"
+    settings = context.OperatorSettings(
+        resync_seconds=resync_seconds, error_backoff_seconds=0.5 if fast else 5.0,
+        vc_status_seconds=1.0 if fast else 10.0,
+    )
+    try:
+        api = kube.build_api_client(kubeconfig, kube_context)
+    except Exception as exc:
+        typer.echo(f"error: cannot load credentials ({exc}); pass --kubeconfig or run in a cluster", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    runner.run_operator(
+        api, namespaces=namespace, peering=peering, priority=priority, settings=settings,
+        metrics_port=metrics_port or None,
+    )

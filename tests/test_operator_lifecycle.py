@@ -1,0 +1,280 @@
+"""The operator's life cycle of a TrainingJob: real kopf against the KMock emulator.
+
+Pod phases are driven by PATCHing pods, as a kubelet would report them; every wait polls the API
+with a deadline, since the operator works in its own thread.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kube import builders
+from kube.cluster import wait_for
+
+from huorn.runtime import config as runtime_config
+from huorn.runtime import launcher
+
+pytest_plugins = ["kube.fixtures"]
+
+NS = "team"
+
+
+def _running(kube: builders.Kube, name: str, trainers: int) -> dict:
+    wait_for(lambda: len(kube.pods(NS, name, "trainer")) == trainers, what=f"{trainers} trainer pods")
+    kube.run_all_pods(NS, name)
+    return wait_for(
+        lambda: (
+            (s := kube.job_status(NS, name)).get("phase") == "Running" and s.get("replicas") == trainers and s
+        ),
+        what="phase Running",
+    )
+
+
+def test_create_makes_pinned_pods_service_and_config(kube: builders.Kube, operator) -> None:
+    kube.create_job(NS, builders.make_training_job("llm", "train", replicas=2, gpus=2))
+    pods = wait_for(lambda: len(kube.pods(NS, "llm")) == 3 and kube.pods(NS, "llm"), what="3 pods")
+    job = kube.get_job(NS, "llm")
+    names = [p.metadata.name for p in pods]
+    assert names == ["llm-rendezvous-0", "llm-trainer-0", "llm-trainer-1"]
+    assert kube.condition(NS, "llm", "Reconciling")["status"] == "True"
+
+    trainer = pods[1]
+    container = trainer.spec.containers[0]
+    args = container.command
+    assert args[0] == "torchrun" and args[-4:] == [
+        "-m",
+        "huorn.runtime.train",
+        "--config",
+        "/etc/huorn/config.json",
+    ]
+    # The same flags the runtime's own launcher gives a local agent, except the pod's endpoint.
+    reference = launcher.build_torchrun_command(
+        "/etc/huorn/config.json",
+        launcher.ElasticSettings(2, 4, "llm-rdzv.team.svc:29400", job["metadata"]["uid"], nproc_per_node=2),
+    )
+    assert args[1:] == reference[3:]
+    env = {e.name: e.value for e in container.env}
+    assert env["HUORN_REPLICA"] == "trainer-0" and env["EXTRA"] == "1"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert container.resources.limits["nvidia.com/gpu"] == "2"
+    assert {m.mount_path for m in container.volume_mounts} == {"/etc/huorn", "/var/run/huorn", "/checkpoints"}
+    assert any(
+        v.persistent_volume_claim and v.persistent_volume_claim.claim_name == "ckpt"
+        for v in trainer.spec.volumes
+    )
+    terms = trainer.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+    nodes = {
+        p.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms[
+            0
+        ]
+        .match_expressions[0]
+        .values[0]
+        for p in pods[1:]
+    }
+    assert terms.node_selector_terms[0].match_expressions[0].key == "kubernetes.io/hostname"
+    assert len(nodes) == 1 and nodes <= {"a0", "a1"}, "a 2×2-GPU gang fits one 4-GPU node of its own VC"
+    for pod in pods:
+        owner = pod.metadata.owner_references[0]
+        assert (owner.kind, owner.name, owner.uid, owner.controller) == (
+            "TrainingJob",
+            "llm",
+            job["metadata"]["uid"],
+            True,
+        )
+
+    service = kube.core.read_namespaced_service("llm-rdzv", NS)
+    assert service.spec.cluster_ip == "None" and service.spec.selector["huorn.io/vertex"] == "rendezvous"
+    config = json.loads(kube.core.read_namespaced_config_map("llm-config", NS).data["config.json"])
+    run = runtime_config.RunConfig.model_validate(config)  # the runtime reads it with its own model
+    assert run.job_name == "llm" and run.spec.resources.gpus == 2
+
+    status = _running(kube, "llm", 2)
+    ready = kube.condition(NS, "llm", "Ready")
+    assert ready["status"] == "True" and ready["observedGeneration"] == job["metadata"]["generation"]
+    assert kube.condition(NS, "llm", "Reconciling")["status"] == "False"
+    assert status["selector"] == "huorn.io/job=llm,huorn.io/vertex=trainer"
+    assert wait_for(lambda: any(e.reason == "Placed" for e in kube.events(NS, "llm")), what="Placed event")
+    vc = wait_for(
+        lambda: (kube.get_vc("train").get("status") or {}).get("allocated") == 4 and kube.get_vc("train")
+    )
+    assert vc["status"]["capacity"] == 8 and vc["status"]["nodes"] == 2
+
+
+def test_scale_subresource_resizes_and_logs_mutations(kube: builders.Kube, operator) -> None:
+    kube.create_job(NS, builders.make_training_job("big", "train", replicas=2, gpus=2))
+    _running(kube, "big", 2)
+    scale = kube.scale(NS, "big", 4)
+    assert scale["spec"]["replicas"] == 4
+    _running(kube, "big", 4)
+    kube.scale(NS, "big", 1)
+    wait_for(lambda: len(kube.pods(NS, "big", "trainer")) == 1, what="scale down to 1 pod")
+    status = wait_for(lambda: (s := kube.job_status(NS, "big")).get("replicas") == 1 and s, what="replicas 1")
+    resizes = [d for d in status["decisions"] if d["action"] == "resize"]
+    assert [d["reason"].split(":")[0] for d in resizes] == ["scale 2→4", "scale 4→1"]
+    assert status["graph"]["summary"]["actions"]["resize"] == 2
+    assert [p.metadata.name for p in kube.pods(NS, "big", "trainer")] == ["big-trainer-0"]
+    assert (
+        kube.custom.get_namespaced_custom_object_scale("huorn.io", "v1alpha1", NS, "trainingjobs", "big")[
+            "status"
+        ]["replicas"]
+        == 1
+    )
+    assert (
+        operator.ctx.metrics.value("huorn_decisions_total", {"kind": "TrainingJob", "action": "resize"}) == 2
+    )
+    assert wait_for(
+        lambda: sum(e.reason == "Resize" for e in kube.events(NS, "big")) == 2, what="2 Resize events"
+    )
+
+
+def test_failed_pod_is_replaced_then_a_config_error_fails_the_job(kube: builders.Kube, operator) -> None:
+    kube.create_job(NS, builders.make_training_job("flaky", "train", replicas=2, gpus=1))
+    _running(kube, "flaky", 2)
+    kube.set_pod_phase(NS, "flaky-trainer-0", "Failed", exit_code=137)
+    wait_for(
+        lambda: (
+            [p.metadata.name for p in kube.pods(NS, "flaky", "trainer")]
+            == ["flaky-trainer-0-g1", "flaky-trainer-1"]
+        ),
+        what="the failed pod replaced by generation 1",
+    )
+    status = kube.job_status(NS, "flaky")
+    assert [d["action"] for d in status["decisions"]] == ["replace"]
+    assert "exit code 137" in status["decisions"][0]["reason"]
+
+    kube.set_pod_phase(NS, "flaky-trainer-1", "Failed", exit_code=2)
+    status = wait_for(
+        lambda: (s := kube.job_status(NS, "flaky")).get("phase") == "Failed" and s, what="Failed"
+    )
+    assert kube.condition(NS, "flaky", "Stalled")["status"] == "True"
+    assert "runtime refused its config" in status["message"]
+    # A failed gang gives its GPUs back: every non-terminal pod and the store are deleted.
+    wait_for(lambda: [p.metadata.name for p in kube.pods(NS, "flaky")] == ["flaky-trainer-1"], what="cleanup")
+
+
+def test_replacement_budget_and_mitigation_level_are_restart_rules(kube: builders.Kube, operator) -> None:
+    body = builders.make_training_job(
+        "strict", "train", replicas=1, gpus=1, remediation={"maxMitigation": "resplit"}
+    )
+    kube.create_job(NS, body)
+    _running(kube, "strict", 1)
+    kube.set_pod_phase(NS, "strict-trainer-0", "Failed", exit_code=1)
+    status = wait_for(
+        lambda: (s := kube.job_status(NS, "strict")).get("phase") == "Failed" and s, what="Failed"
+    )
+    assert "spec.remediation.maxMitigation" in status["message"]
+
+    budget = builders.make_training_job("once", "train", replicas=1, gpus=1)
+    budget["metadata"]["annotations"] = {"huorn.io/max-restarts": "1"}
+    kube.create_job(NS, budget)
+    _running(kube, "once", 1)
+    kube.set_pod_phase(NS, "once-trainer-0", "Failed", exit_code=1)
+    wait_for(
+        lambda: kube.pods(NS, "once", "trainer")[0].metadata.name == "once-trainer-0-g1", what="replaced"
+    )
+    kube.set_pod_phase(NS, "once-trainer-0-g1", "Failed", exit_code=1)
+    status = wait_for(
+        lambda: (s := kube.job_status(NS, "once")).get("phase") == "Failed" and s, what="Failed"
+    )
+    assert "budget of 1 used up" in status["message"]
+
+
+def test_delete_removes_every_child(kube: builders.Kube, operator) -> None:
+    kube.create_job(NS, builders.make_training_job("gone", "train", replicas=2, gpus=1))
+    _running(kube, "gone", 2)
+    assert kube.children(NS, "gone") == {
+        "pods": ["gone-rendezvous-0", "gone-trainer-0", "gone-trainer-1"],
+        "services": ["gone-rdzv"],
+        "configmaps": ["gone-config"],
+    }
+    kube.delete_job(NS, "gone")
+    wait_for(lambda: not kube.job_exists(NS, "gone"), what="finalizer released")
+    assert kube.children(NS, "gone") == {"pods": [], "services": [], "configmaps": []}
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        (
+            {"optimization": {"steps": 10, "globalBatch": 10, "microBatch": 4}},
+            "spec.optimization.globalBatch",
+        ),
+        ({"elasticity": {"minReplicas": 5, "maxReplicas": 2}}, "spec.elasticity.minReplicas"),
+        ({"task": {"kind": "distill"}}, "spec.task.teacher"),
+    ],
+)
+def test_invalid_spec_stalls_naming_the_field_and_creates_nothing(
+    kube: builders.Kube,
+    operator,
+    patch: dict,
+    field: str,
+) -> None:
+    kube.create_job(NS, builders.make_training_job("bad", "train", **patch))
+    status = wait_for(
+        lambda: (s := kube.job_status(NS, "bad")).get("phase") == "Stalled" and s, what="Stalled"
+    )
+    stalled = kube.condition(NS, "bad", "Stalled")
+    assert stalled["status"] == "True" and stalled["reason"] == "InvalidSpec"
+    assert field in stalled["message"] and field in status["message"]
+    assert kube.children(NS, "bad") == {"pods": [], "services": [], "configmaps": []}
+    assert wait_for(
+        lambda: any(e.reason == "InvalidSpec" for e in kube.events(NS, "bad")), what="Warning event"
+    )
+
+
+def test_unplaceable_gang_creates_nothing_and_says_why(kube: builders.Kube, operator) -> None:
+    # 4 replicas × 4 GPUs = 16: the VC has 8 and may borrow 4, so no part of the gang may start.
+    kube.create_job(NS, builders.make_training_job("huge", "train", replicas=4, gpus=4))
+    cond = wait_for(
+        lambda: (c := kube.condition(NS, "huge", "Reconciling")).get("reason") == "Unplaceable" and c
+    )
+    assert cond["status"] == "True" and "needs 16 GPUs" in cond["message"]
+    assert kube.pods(NS, "huge") == []
+    # Lowering the gang to what fits (8 own + 4 borrowed) places all of it at once.
+    kube.scale(NS, "huge", 3)
+    _running(kube, "huge", 3)
+    wait_for(lambda: (kube.get_vc("train").get("status") or {}).get("borrowed") == 4, what="borrowed 4")
+    wait_for(lambda: (kube.get_vc("serve").get("status") or {}).get("lent") == 4, what="lent 4")
+
+
+def test_rl_and_inference_jobs_are_validated_but_wait_for_their_runtime(
+    kube: builders.Kube, operator
+) -> None:
+    kube.create_job(
+        NS,
+        {
+            "apiVersion": "huorn.io/v1alpha1",
+            "kind": "RLJob",
+            "metadata": {"name": "rl"},
+            "spec": {"virtualCluster": "train"},
+        },
+        plural="rljobs",
+    )
+    cond = wait_for(
+        lambda: (
+            kube.condition(NS, "rl", "Stalled", "rljobs").get("status") == "True"
+            and kube.condition(NS, "rl", "Stalled", "rljobs")
+        ),
+        what="RLJob Stalled",
+    )
+    assert cond["reason"] == "RuntimeNotAvailable"
+    kube.create_job(
+        NS,
+        {
+            "apiVersion": "huorn.io/v1alpha1",
+            "kind": "InferenceJob",
+            "metadata": {"name": "inf"},
+            "spec": {"virtualCluster": "serve", "model": {"checkpoint": ""}},
+        },
+        plural="inferencejobs",
+    )
+    cond = wait_for(
+        lambda: (
+            kube.condition(NS, "inf", "Stalled", "inferencejobs").get("status") == "True"
+            and kube.condition(NS, "inf", "Stalled", "inferencejobs")
+        ),
+        what="InferenceJob Stalled",
+    )
+    assert cond["reason"] == "InvalidSpec" and "spec.model.checkpoint" in cond["message"]
+    assert kube.pods(NS, "rl") == [] and kube.pods(NS, "inf") == []
