@@ -1,0 +1,167 @@
+"""`huorn run` end to end on this machine: real torchrun agents, a real store process, the real
+trainer. One scenario covers the resize (1 → 2 during the run) and a kill -9 of a worker; a
+second covers Ctrl-C; the bad-manifest cases check that nothing starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from huorn.backends.local import report
+from huorn.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+HUORN = [sys.executable, "-c", "from huorn.cli.main import app; app()"]
+
+
+def read_steps(run_dir: Path) -> list[dict]:
+    return [r for r in report.read_records(run_dir) if r.get("event") == "step"]
+
+
+def start_run(run_dir: Path, *args: str) -> subprocess.Popen:
+    argv = [
+        *HUORN,
+        "run",
+        str(QUICKSTART),
+        "--run-dir",
+        str(run_dir),
+        "--no-watch",
+        "--interval",
+        "0.5",
+        *args,
+    ]
+    log = open(run_dir.parent / f"{run_dir.name}.out", "wb")  # noqa: SIM115 - closed by the child's exit
+    return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"huorn run exited early with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(0.3)
+
+
+def leftover_processes(run_dir: Path) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(run_dir) in part for part in process.info["cmdline"] or []):
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_run_resizes_survives_kill9_and_reports_both(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = start_run(run_dir, "--steps", "26", "--scale-at", "3:2")
+    try:
+
+        def two_replicas_running() -> bool:
+            steps = read_steps(run_dir)
+            return bool(steps) and steps[-1]["world_size"] == 2 and steps[-1]["step"] >= 13
+
+        wait_for(two_replicas_running, 240, proc)
+        victim = json.loads((run_dir / "endpoints" / "trainer-1-0.json").read_text())["pid"]
+        assert "huorn.runtime.train" in " ".join(psutil.Process(victim).cmdline())
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, (run_dir.parent / "run.out").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    steps = read_steps(run_dir)
+    summary = report.summarise_steps(steps)
+    assert summary.last == 26 and summary.missing == [] and summary.world_sizes == [1, 2]
+    # The resize is graceful (an agreed checkpoint at the boundary), so across it the step
+    # sequence continues with the very next step: no gap and no repeat.
+    first_two = next(i for i, r in enumerate(steps) if r["world_size"] == 2)
+    assert steps[first_two]["step"] == steps[first_two - 1]["step"] + 1
+    status = json.loads((run_dir / "graph.json").read_text())
+    actions = [(m["action"], m["detail"]) for m in status["log"]]
+    assert ("resize", {"from": 1, "to": 2, "added": ["trainer-1"]}) in actions
+    assert ("replace", {"old": "trainer-1", "new": "trainer-1-g1"}) in actions
+    text = (run_dir / "report.md").read_text()
+    assert "Outcome: **finished**" in text and "no gaps" in text
+    assert (
+        "trainer-1 → trainer-1-g1" in text
+        and f"worker pid {victim} of trainer-1 was killed by SIGKILL" in text
+    )
+    for picture in ("loss.png", "throughput.png", "graph.png"):
+        assert (run_dir / picture).stat().st_size > 10_000
+    assert leftover_processes(run_dir) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_checkpoints_and_stops_everything(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = start_run(run_dir, "--steps", "500")
+    try:
+        wait_for(lambda: len(read_steps(run_dir)) >= 3, 240, proc)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=180) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    records = report.read_records(run_dir)
+    last_step = max(r["step"] for r in records if r.get("event") == "step")
+    checkpoints = [r for r in records if r.get("event") == "checkpoint"]
+    assert checkpoints and checkpoints[-1]["reason"] == "sigterm" and checkpoints[-1]["step"] == last_step
+    assert "Outcome: **interrupted" in (run_dir / "report.md").read_text()
+    assert leftover_processes(run_dir) == []
+
+
+def invoke_run(tmp_path: Path, manifest: dict | None, *args: str) -> tuple[int, str, Path]:
+    path = tmp_path / "job.yaml"
+    source = manifest if manifest is not None else yaml.safe_load(QUICKSTART.read_text())
+    path.write_text(yaml.safe_dump(source))
+    run_dir = tmp_path / "never"
+    result = CliRunner().invoke(main.app, ["run", str(path), "--run-dir", str(run_dir), "--no-watch", *args])
+    return result.exit_code, result.stderr, run_dir
+
+
+def test_bad_manifest_exits_2_naming_the_field_and_starts_nothing(tmp_path: Path) -> None:
+    manifest = yaml.safe_load(QUICKSTART.read_text())
+    manifest["spec"]["elasticity"]["maxReplica"] = 2
+    code, err, run_dir = invoke_run(tmp_path, manifest)
+    assert code == 2 and "spec.elasticity.maxReplica" in err
+    assert not run_dir.exists() and psutil.Process().children(recursive=True) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--replicas", "3"), "--replicas 3 is outside spec.elasticity 1..2"),
+        (("--scale-at", "10:5"), "--scale-at 10:5: 5 replicas is outside spec.elasticity 1..2"),
+        (("--scale-at", "ten"), "expected STEP:REPLICAS"),
+    ],
+)
+def test_bad_options_exit_2_before_anything_starts(
+    tmp_path: Path, args: tuple[str, ...], message: str
+) -> None:
+    code, err, run_dir = invoke_run(tmp_path, None, *args)
+    assert code == 2 and message in err and not run_dir.exists()
+
+
+def test_other_kinds_are_refused_with_exit_2(tmp_path: Path) -> None:
+    manifest = yaml.safe_load((ROOT / "examples" / "rl-job.yaml").read_text())
+    code, err, run_dir = invoke_run(tmp_path, manifest)
+    assert code == 2 and "runs through the operator" in err and not run_dir.exists()
