@@ -165,7 +165,8 @@ class PerfModel:
         hi = np.full(7, 10.0)
         lo[6], hi[6] = 0.0, math.log(10.0)  # γ in [1, 10]
         start = np.clip(np.log(self.params.as_array()), lo + 1e-9, hi - 1e-9)
-        result = optimize.least_squares(residuals, start, bounds=(lo, hi), method="trf", max_nfev=200)
+        result = optimize.least_squares(residuals, start, bounds=(lo, hi), method="trf", max_nfev=200,
+                                        ftol=1e-4, xtol=1e-4, gtol=1e-4)  # 1e-4 in log time: 0.01 %
         self.params = PolluxParams.from_array(np.exp(result.x))
         resid = y - np.log(predict_step_time(self.params, r, n, b))
         self._resid_var = float(np.mean(resid**2)) if len(resid) > 1 else 0.0

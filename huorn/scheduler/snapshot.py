@@ -54,6 +54,7 @@ class ClusterSnapshot:
                     f"node {n.name}: virtual_cluster {n.virtual_cluster!r} is not among the "
                     f"virtual clusters given ({sorted(self._vcs)}); add it or clear the field"
                 )
+        self._views = {n.name: n for n in nodes}  # current NodeViews, rebuilt only where touched
         self._free = {n.name: n.gpus_free for n in nodes}
         self._cpu = {n.name: n.cpu_free_milli for n in nodes}
         self._lent = dict.fromkeys(self._vcs, 0)
@@ -63,10 +64,7 @@ class ClusterSnapshot:
 
     # ----------------------------------------------------------------- reading
     def node_views(self) -> list[placement.NodeView]:
-        return [
-            dataclasses.replace(n, gpus_free=self._free[n.name], cpu_free_milli=self._cpu[n.name])
-            for n in self._nodes.values()
-        ]
+        return list(self._views.values())
 
     def virtual_cluster(self, name: str) -> VirtualClusterView:
         return self._vcs[name]
@@ -178,6 +176,8 @@ class ClusterSnapshot:
             cpu = self._cpu[node]
             if cpu is not None:
                 self._cpu[node] = cpu + sign * binding.cpu_by_node.get(node, 0)
+            self._views[node] = dataclasses.replace(
+                self._nodes[node], gpus_free=self._free[node], cpu_free_milli=self._cpu[node])
             owner = self._nodes[node].virtual_cluster
             if owner and binding.virtual_cluster and owner != binding.virtual_cluster:
                 self._lent[owner] -= sign * gpus

@@ -77,6 +77,7 @@ class Simulation:
         self.totals = Totals()
         self.now = 0.0
         self.live: list[state.JobState] = []
+        self._running_gpus = 0
 
     def _belief(self, job: workload.TrainingJob) -> perfmodel.PerfModel | None:
         if not self.spec.elastic:
@@ -109,6 +110,7 @@ class Simulation:
         js.configure(replicas, where.nodes_spanned, local, self.now, restart)
 
     def unbind(self, js: state.JobState, requeue: bool, lose_work: bool) -> None:
+        js.sync(self.now)
         if js.job.name in self.snap.bindings():
             self.snap.forget(js.job.name)
         if lose_work:
@@ -147,6 +149,7 @@ class Simulation:
                 nxt, dirty = nxt + 1, True
             for js in running:
                 if js.finish_time(t) <= t + 1e-6:
+                    js.sync(t)
                     js.done, js.status, js.finished = js.job.work, "done", t
                     self.totals.finished_work += js.reference_gpu_seconds
                     self.unbind(js, requeue=False, lose_work=False)
@@ -156,11 +159,14 @@ class Simulation:
             self.returns = [(rt, g) for rt, g in self.returns if rt > t]
             if t >= next_bin:
                 next_bin = self.load.next_bin_time(t)
+                for js in running:
+                    js.sync(t)
                 dirty = True
                 policies.react_to_load(self)
             if t >= next_tick:
                 next_tick = t + self.config.tick_seconds
                 for js in running:
+                    js.sync(t)
                     js.refresh_rate()
                     if js.maybe_report(t, self.rng):
                         dirty = True
@@ -177,15 +183,14 @@ class Simulation:
                     progress(finished / total)
             self.live = [js for js in self.live if js.status != "done"]
             running = [js for js in self.live if js.status == "running"]
+            self._running_gpus = sum(js.gpus for js in running)
         return self.jobs
 
     def _account(self, t0: float, t1: float, running: list[state.JobState]) -> None:
         if t1 <= t0:
             return
-        for js in running:
-            js.advance(t0, t1)
         dt = t1 - t0
-        self.totals.train_gpu_seconds += sum(js.gpus for js in running) * dt
+        self.totals.train_gpu_seconds += self._running_gpus * dt
         need = self.load.need_at(t0)
         self.totals.infer_gpu_seconds += need * dt
         requests = self.load.requests_per_second(t0) * dt

@@ -110,6 +110,7 @@ def _huorn_reclaim(sim: Simulation, excess: int, why: str) -> None:
                 sim.bind(js, where, keep, js.local_batch, restart=True)
                 js.last_resize = sim.now
             else:
+                js.sync(sim.now)
                 js.status, js.replicas, js.on_lender, js.rate = "pending", 0, 0, 0.0
                 sim.totals.preemptions += 1
 
@@ -149,12 +150,14 @@ def _schedule_elastic(sim: Simulation) -> None:
         js = sim.by_name[d.job]
         if d.action == "keep":
             if d.local_batch and d.local_batch != js.local_batch:
+                js.sync(sim.now)
                 js.local_batch = d.local_batch  # a batch change needs no restart (AdaptDL)
                 js.refresh_rate()
             continue
         if d.action == "pending":
             continue
         if d.action == "preempt":
+            js.sync(sim.now)
             js.status, js.replicas, js.on_lender, js.rate = "pending", 0, 0, 0.0
             js.preemptions += 1
             sim.totals.preemptions += 1

@@ -45,6 +45,7 @@ class JobState:
     gpu_seconds: float = 0.0
     restarts: int = 0
     preemptions: int = 0
+    synced: float = 0.0  # progress is accounted up to this time; it is linear in between
 
     @property
     def gpus(self) -> int:
@@ -59,6 +60,7 @@ class JobState:
 
     def configure(self, replicas: int, nodes: int, local: float, now: float, restart: bool) -> None:
         """Run at a new size; a restart pauses progress for the family's restart time."""
+        self.sync(now)
         self.replicas, self.nodes, self.local_batch = replicas, nodes, local
         self.config_since = now
         if restart:
@@ -75,20 +77,21 @@ class JobState:
         eff = float(goodput.efficiency(self.noise_scale, self.job.family.base_batch, m))
         self.rate = m / step * eff
 
-    def advance(self, t0: float, t1: float) -> None:
-        if self.status != "running":
-            return
-        self.gpu_seconds += self.gpus * (t1 - t0)
-        start = max(t0, self.busy_until)
-        if t1 > start:
-            self.done = min(self.job.work, self.done + self.rate * (t1 - start))
-        if t1 - self.last_checkpoint >= CHECKPOINT_EVERY:
-            self.done_at_checkpoint, self.last_checkpoint = self.done, t1
+    def sync(self, t: float) -> None:
+        """Account progress up to `t`; called only where the rate is about to change."""
+        if self.status == "running" and t > self.synced:
+            self.gpu_seconds += self.gpus * (t - self.synced)
+            start = max(self.synced, self.busy_until)
+            if t > start:
+                self.done = min(self.job.work, self.done + self.rate * (t - start))
+            if t - self.last_checkpoint >= CHECKPOINT_EVERY:
+                self.done_at_checkpoint, self.last_checkpoint = self.done, t
+        self.synced = max(self.synced, t)
 
     def finish_time(self, now: float) -> float:
         if self.status != "running" or self.rate <= 0:
             return math.inf
-        return max(now, self.busy_until) + (self.job.work - self.done) / self.rate
+        return max(self.synced, self.busy_until) + (self.job.work - self.done) / self.rate
 
     def maybe_report(self, now: float, rng: np.random.Generator) -> bool:
         """Report a step-time sample once a configuration has run a measurement window."""
