@@ -40,3 +40,5 @@ from huorn.cli import operator as _operator_cli  # noqa: E402, I001
 app.command("operator")(_operator_cli.operator_command)
 from huorn.cli import run as _run_cli  # noqa: E402, I001
 app.command("run")(_run_cli.run_command)
+from huorn.cli import simulate as _simulate_cli  # noqa: E402, I001
+app.command("simulate")(_simulate_cli.simulate)

@@ -1,0 +1,75 @@
+"""`huorn simulate`: run the scheduling policies on a trace and write a report with plots.
+
+Exit code 2 on invalid input (a malformed CSV names its column), like kubectl's usage errors;
+progress goes to stderr through rich, so stdout carries only the result (table, JSON or YAML).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from huorn.sim import engine, policies, report, run, workload
+
+DATA = Path("/work/shared/data")
+COLUMNS = ("jct_mean_s", "jct_p50_s", "jct_p99_s", "makespan_s", "goodput_gpu_equiv", "gpu_utilisation",
+           "inference_slo_attainment", "preemptions", "gpu_hours_lost", "wall_seconds")
+
+
+def simulate(
+    trace: Path = typer.Option(DATA / "openb_pod_list_default.csv", "--trace", help="OpenB pod list CSV."),
+    nodes: Path = typer.Option(DATA / "openb_node_list_gpu_node.csv", "--nodes", help="OpenB node list CSV."),
+    qps: Path = typer.Option(DATA / "genai_qps.csv", "--qps", help="Inference request-rate CSV."),
+    gpus: int = typer.Option(128, "--gpus", help="Cluster size; the trace is scaled to it."),
+    policy: str = typer.Option("all", "--policy", help="all, or one of: fifo, kueue, pollux, huorn."),
+    seed: int = typer.Option(0, "--seed", help="Seeds node choice, task sampling and telemetry noise."),
+    load: float = typer.Option(0.8, "--load", help="Offered training load over the arrival window."),
+    inference_share: float = typer.Option(0.25, "--inference-share", help="Share of GPUs for inference."),
+    output: Path = typer.Option(Path("sim-report"), "--output", help="Directory for report.json and plots."),
+    fmt: str = typer.Option("table", "-o", "--output-format", help="table, json or yaml on stdout."),
+) -> None:
+    """Simulate the policies on the trace; writes DIR/report.json and PNG plots."""
+    err = Console(stderr=True)
+    names = list(policies.POLICIES) if policy == "all" else [policy]
+    try:
+        if policy != "all" and policy not in policies.POLICIES:
+            raise ValueError(f"--policy {policy!r} is unknown; use all or one of {sorted(policies.POLICIES)}")
+        if fmt not in ("table", "json", "yaml"):
+            raise ValueError(f"-o {fmt!r} is unknown; use table, json or yaml")
+        for flag, path in (("--trace", trace), ("--nodes", nodes), ("--qps", qps)):
+            if not path.is_file():
+                raise ValueError(f"{flag} {path}: no such file")
+        config = engine.SimConfig(gpus=gpus, seed=seed, inference_share=inference_share, load=load)
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                      TimeElapsedColumn(), console=err) as bar:
+            tasks = {n: bar.add_task(f"{n:>7}", total=1.0) for n in names}
+            results, sims = run.run_policies(trace, nodes, qps, names, config,
+                                             lambda n, f: bar.update(tasks[n], completed=f))
+            for n in names:
+                bar.update(tasks[n], completed=1.0)
+    except (ValueError, workload.TraceError) as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    path = report.write_report(output, results, sims)
+    err.print(f"wrote {path} and plots in {output}")
+    full = {"policies": results, "huorn_vs_baselines": report.compare(results)}
+    if fmt == "json":
+        sys.stdout.write(json.dumps(full, indent=2, sort_keys=True) + "\n")
+    elif fmt == "yaml":
+        sys.stdout.write(yaml.safe_dump(full, sort_keys=True))
+    else:
+        table = Table(title=f"{gpus} GPUs, seed {seed}")
+        table.add_column("metric")
+        for n in names:
+            table.add_column(n, justify="right")
+        for col in COLUMNS:
+            table.add_row(col, *(f"{results[n][col]:.4g}" for n in names))
+        Console().print(table)
+
