@@ -1,0 +1,88 @@
+"""The simulator: invariants checked at every tick, determinism, and the policies' ordering."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from huorn.scheduler import allocator
+from huorn.sim import engine, run
+
+DATA = Path("/work/shared/data")
+TRACE = DATA / "openb_pod_list_default.csv"
+NODES = DATA / "openb_node_list_gpu_node.csv"
+QPS = DATA / "genai_qps.csv"
+pytestmark = pytest.mark.skipif(not TRACE.exists(), reason="shared OpenB trace not present")
+
+
+def check_invariants(sim: engine.Simulation) -> None:
+    snap = sim.snap
+    assert all(0 <= n.gpus_free <= n.gpus_total for n in snap.node_views())
+    assert snap.borrowed("train") <= sim.infer_gpus
+    assert snap.lent("infer") == snap.borrowed("train")
+    if sim.spec.loaning == "none":
+        assert snap.lent("infer") == 0
+    bindings = snap.bindings()
+    for js in sim.active():
+        if js.status == "running":
+            assert js.job.min_replicas <= js.replicas <= js.job.max_replicas
+            assert sum(bindings[js.job.name].gpus_by_node.values()) == js.gpus
+            if not sim.spec.elastic:
+                assert js.replicas == js.job.requested_replicas
+        else:
+            assert js.job.name not in bindings
+    # Reclaimed GPUs come back within the lender's grace period, never later.
+    grace = sim.config.reclaim_grace_seconds
+    assert all(t <= sim.now + grace + 1e-6 for t, _ in sim.returns)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "kueue", "pollux", "huorn"])
+def test_invariants_hold_at_every_tick(policy: str) -> None:
+    sim = run.build_simulation(TRACE, NODES, QPS, policy, engine.SimConfig(gpus=64, seed=1, load=1.2))
+    ticks = []
+    lent = []
+    sim.run(lambda _: (check_invariants(sim), ticks.append(sim.now), lent.append(sim.snap.lent("infer"))))
+    assert len(ticks) > 10
+    if sim.spec.loaning != "none":
+        assert max(lent) > 0  # the loaning paths were exercised, not just allowed
+    assert all(js.status == "done" and js.finished >= js.job.arrival for js in sim.jobs)
+    assert all(js.done == pytest.approx(js.job.work) for js in sim.jobs)
+
+
+@pytest.mark.slow
+def test_simulation_is_deterministic_for_a_seed() -> None:
+    config = engine.SimConfig(gpus=32, seed=3)
+    first, _ = run.run_policies(TRACE, NODES, QPS, ["huorn"], config)
+    second, _ = run.run_policies(TRACE, NODES, QPS, ["huorn"], config)
+    other, _ = run.run_policies(TRACE, NODES, QPS, ["huorn"], engine.SimConfig(gpus=32, seed=4))
+    drop = {"wall_seconds"}
+    strip = {k: v for k, v in first["huorn"].items() if k not in drop}
+    assert strip == {k: v for k, v in second["huorn"].items() if k not in drop}
+    assert strip != {k: v for k, v in other["huorn"].items() if k not in drop}
+
+
+@pytest.mark.slow
+def test_elastic_policies_beat_static_fifo() -> None:
+    results, _ = run.run_policies(TRACE, NODES, QPS, ["fifo", "pollux", "huorn"], engine.SimConfig(gpus=128))
+    assert results["huorn"]["jct_mean_s"] < results["pollux"]["jct_mean_s"] < results["fifo"]["jct_mean_s"]
+    assert results["huorn"]["goodput_gpu_equiv"] > results["fifo"]["goodput_gpu_equiv"]
+    assert results["huorn"]["inference_slo_attainment"] >= 0.99
+    assert results["fifo"]["preemptions"] == 0
+
+
+def test_pinned_priority_constant_matches_the_api_convention() -> None:
+    from huorn.api import common
+
+    field = common.JobCommon.model_fields["priority"]
+    assert "100" in (field.description or "")
+    assert allocator.PINNED_PRIORITY == 100
+
+
+def test_bad_config_names_the_field() -> None:
+    with pytest.raises(ValueError, match="gpus"):
+        engine.SimConfig(gpus=2)
+    with pytest.raises(ValueError, match="inference_share"):
+        engine.SimConfig(gpus=64, inference_share=1.5)
+    with pytest.raises(ValueError, match="policy 'lottery'"):
+        run.build_simulation(TRACE, NODES, QPS, "lottery", engine.SimConfig(gpus=64))
