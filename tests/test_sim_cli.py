@@ -1,0 +1,53 @@
+"""`huorn simulate`: report files, output formats, and exit code 2 with the column named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from huorn.cli.main import app
+
+DATA = Path("/work/shared/data")
+pytestmark = pytest.mark.skipif(not (DATA / "openb_pod_list_default.csv").exists(), reason="no shared trace")
+
+
+def test_simulate_all_policies_writes_report_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    result = CliRunner().invoke(app, ["simulate", "--gpus", "16", "--policy", "all", "--seed", "2",
+                                      "--output", str(out), "-o", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["policies"]) == {"fifo", "kueue", "pollux", "huorn"}
+    for metrics in report["policies"].values():
+        assert metrics["jobs"] > 0
+        assert 0 <= metrics["inference_slo_attainment"] <= 1
+        assert metrics["jct_p50_s"] <= metrics["jct_p99_s"]
+    assert "mean_jct_reduction_vs_best" in report["huorn_vs_baselines"]
+    for png in ("metrics.png", "timeline.png", "jct_cdf.png"):
+        assert (out / png).stat().st_size > 1000
+    printed = json.loads(result.stdout[result.stdout.index("{"):])
+    assert printed["policies"]["huorn"]["jobs"] == report["policies"]["huorn"]["jobs"]
+
+
+def test_malformed_trace_exits_2_naming_the_column(tmp_path: Path) -> None:
+    bad = tmp_path / "pods.csv"
+    bad.write_text("name,cpu_milli,num_gpu,qos,creation_time,deletion_time\np,1000,1,BE,0,10\n")
+    result = CliRunner().invoke(app, ["simulate", "--trace", str(bad), "--gpus", "16", "--policy", "fifo",
+                                      "--output", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert "gpu_milli" in result.output
+
+    bad.write_text("name,num_gpu,gpu_milli,qos,creation_time,deletion_time\np,one,1000,BE,0,10\n")
+    result = CliRunner().invoke(app, ["simulate", "--trace", str(bad), "--gpus", "16", "--policy", "fifo",
+                                      "--output", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert "num_gpu" in result.output and ":2" in result.output
+
+
+def test_unknown_policy_exits_2(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["simulate", "--policy", "lottery", "--output", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "--policy 'lottery'" in result.output
