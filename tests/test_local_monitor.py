@@ -141,3 +141,43 @@ def test_report_is_written_from_run_files(tmp_path: Path) -> None:
     for picture in ("loss.png", "throughput.png", "graph.png"):
         assert (tmp_path / picture).read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "graph.json").read_text())["summary"]["mutations"] == 1
+
+
+def test_goodput_policy_asks_the_allocator_and_respects_slots() -> None:
+    from huorn.backends import goodput
+
+    records = [
+        {
+            "event": "step",
+            "step": s,
+            "world_size": 1,
+            "step_seconds": 0.8 + 0.01 * (s % 3),
+            "loss": 3.0,
+            "time": float(s),
+            "gradient_noise_scale": 40.0,
+        }
+        for s in range(1, 9)
+    ]
+    grow = goodput.GoodputPolicy("quickstart", "local", slots=2, global_batch=16.0)
+    (event,) = grow.decide(build_graph(), observe_records(records))
+    assert event.data["replicas"] == 2 and event.data["reason"].startswith("goodput allocator: grow")
+    assert len(grow.perf.samples) == 8 and grow.noise_scale == 40.0
+    # One slot on this machine: the allocator cannot grow the job, so no event.
+    tight = goodput.GoodputPolicy("quickstart", "local", slots=1, global_batch=16.0)
+    assert tight.decide(build_graph(), observe_records(records)) == []
+    assert tight.last_decision is not None and tight.last_decision.replicas == 1
+
+
+def test_goodput_policy_waits_for_samples_and_skips_restart_outliers() -> None:
+    from huorn.backends import goodput
+
+    policy = goodput.GoodputPolicy("quickstart", "local", slots=2, global_batch=16.0)
+    few = [{"step": s, "world_size": 1, "step_seconds": 0.5} for s in (1, 2)]
+    assert policy.decide(build_graph(), observe_records(few)) == []
+    policy.learn([{"step": s, "world_size": 1, "step_seconds": 0.5} for s in (3, 4)])
+    policy.learn([{"step": 5, "world_size": 1, "step_seconds": 9.0}])  # the warm-up step after a restart
+    assert [s.step_time for s in policy.perf.samples] == [0.5] * 4
+
+
+def observe_records(records: list[dict]) -> monitor.Observation:
+    return monitor.Observation(time=0.0, steps=records)

@@ -113,7 +113,7 @@ def test_run_resizes_survives_kill9_and_reports_both(tmp_path: Path) -> None:
 def test_ctrl_c_checkpoints_and_stops_everything(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    proc = start_run(run_dir, "--steps", "500")
+    proc = start_run(run_dir, "--steps", "500", "--policy", "fixed")
     try:
         wait_for(lambda: len(read_steps(run_dir)) >= 3, 240, proc)
         proc.send_signal(signal.SIGINT)

@@ -35,6 +35,7 @@ class RunView:
         self.events: collections.deque[str] = collections.deque(maxlen=6)
         self.started = time.monotonic()
         self._live: Live | None = None
+        self._printed = -1
 
     def __enter__(self) -> RunView:
         if self.enabled:
@@ -69,7 +70,10 @@ class RunView:
             self._event(action)
         if self._live is not None:
             self._live.update(self.render())
-        elif self.step // PLAIN_EVERY_STEPS > before // PLAIN_EVERY_STEPS or result.observation.finished:
+        elif self.step != self._printed and (
+            self.step // PLAIN_EVERY_STEPS > before // PLAIN_EVERY_STEPS or result.observation.finished
+        ):
+            self._printed = self.step
             self.console.print(self.summary_line(), highlight=False)
 
     def update_final(self, observation: monitor.Observation) -> None:
@@ -77,7 +81,8 @@ class RunView:
         before = self.step
         observation.finished = False
         self.update(monitor.TickResult(observation, [], [], []))
-        if self._live is None and self.step != before:
+        if self._live is None and self.step not in (before, self._printed):
+            self._printed = self.step
             self.console.print(self.summary_line(), highlight=False)
 
     def summary_line(self) -> str:

@@ -7,6 +7,7 @@ been validated and compiled, so a bad manifest exits 2 with no process left behi
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import typer
 
-from huorn.backends import monitor
+from huorn.backends import goodput, monitor
 from huorn.backends.local import backend as local_backend
 from huorn.backends.local import report
 from huorn.cli import graph as graph_cli
@@ -38,6 +39,22 @@ def parse_scale_at(values: list[str], trainer: model.Vertex) -> list[tuple[int, 
             )
         plan.append((int(step), int(replicas)))
     return plan
+
+
+def build_policies(
+    g: model.Graph, plan: list[tuple[int, int]], policy: str, slots: int
+) -> list[monitor.Policy]:
+    """--scale-at is an explicit plan and wins; otherwise goodput asks the allocator."""
+    if plan:
+        return [monitor.ScheduledResize("trainer", plan)]
+    if policy != "goodput":
+        return []
+    spec = g.vertex("trainer").params["spec"]
+    return [
+        goodput.GoodputPolicy(
+            g.name, spec["virtualCluster"], slots, float(spec["optimization"]["globalBatch"])
+        )
+    ]
 
 
 def prepare_run_dir(run_dir: Path) -> Path | None:
@@ -65,6 +82,15 @@ def run_command(
         None, "--watch/--no-watch", help="Live progress (default: on a terminal)."
     ),
     interval: float = typer.Option(1.0, "--interval", min=0.1, help="Seconds between monitor ticks."),
+    policy: str | None = typer.Option(
+        None, "--policy", help="goodput or fixed (default: spec.elasticity.policy); --scale-at overrides it."
+    ),
+    slots: int | None = typer.Option(
+        None,
+        "--slots",
+        min=1,
+        help="Replicas this machine can run at once, for goodput (default: CPU count).",
+    ),
     stall_timeout: float = typer.Option(
         600.0, "--stall-timeout", min=10, help="Give up when no step completes for this long (seconds)."
     ),
@@ -78,6 +104,9 @@ def run_command(
             )
         trainer = g.vertex("trainer")
         plan = parse_scale_at(scale_at, trainer)
+        chosen = policy or trainer.params["policy"]
+        if chosen not in ("goodput", "fixed"):
+            raise graph_cli.ManifestError(f"--policy {chosen!r}: use goodput or fixed")
         if replicas is not None and not trainer.min_replicas <= replicas <= trainer.max_replicas:
             raise graph_cli.ManifestError(
                 f"--replicas {replicas} is outside spec.elasticity "
@@ -93,7 +122,7 @@ def run_command(
     if kept is not None:
         typer.echo(f"kept the previous run in {kept}", err=True)
     backend = local_backend.LocalBackend(g, directory, local_backend.LocalSettings(step_limit=steps))
-    policies: list[monitor.Policy] = [monitor.ScheduledResize("trainer", plan)] if plan else []
+    policies = build_policies(g, plan, chosen, slots or os.cpu_count() or 1)
     view = live.RunView(g, total_steps=steps, enabled=sys.stdout.isatty() if watch is None else watch)
     loop = monitor.Monitor(g, backend, policies, on_tick=view.update)
     outcome = _drive(loop, backend, view, interval, stall_timeout)

@@ -1,0 +1,102 @@
+"""The goodput policy of the monitor loop: telemetry in, the allocator's replica count out.
+
+Every step record the runtime logs (replicas, step time) becomes a sample of the job's Pollux
+performance model; every few steps the allocator, the same one the operator and the simulator
+use, picks the replica count with the best predicted goodput on what this backend can offer, and
+a different count becomes a scheduler.decision event for the trainer's manager. Locally the
+"GPUs" the allocator hands out are replica slots (a CPU core each by default), which keeps the
+decision code identical to a cluster's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from huorn.backends import monitor
+from huorn.graph import managers, model
+from huorn.scheduler import allocator, perfmodel, placement, snapshot
+
+
+@dataclass
+class GoodputPolicy:
+    job: str
+    virtual_cluster: str
+    slots: int  # replicas this backend can run at once
+    global_batch: float
+    vertex: str = "trainer"
+    perf: perfmodel.PerfModel = field(
+        default_factory=lambda: perfmodel.PerfModel("transformer-tiny", params_b=0.001, gpu_type="cpu")
+    )
+    decider: allocator.Allocator = field(
+        default_factory=lambda: allocator.Allocator(allocator.AllocatorConfig(gpus_per_node=1 << 10))
+    )
+    decide_every_steps: int = 5
+    min_samples: int = 3
+    restart_seconds: float = 20.0
+    clock: Callable[[], float] = time.time
+    noise_scale: float = 0.0
+    last_decision: allocator.Decision | None = None
+    _last_step: int = 0
+    _last_resize: float = float("-inf")
+    _times: dict[int, list[float]] = field(default_factory=dict)
+
+    def learn(self, steps: list[dict]) -> None:
+        """Feed step records to the performance model, skipping outliers such as the first step
+        after a restart (it pays for warm-up, not for the configuration)."""
+        for record in steps:
+            world, seconds = int(record.get("world_size", 0)), float(record.get("step_seconds") or 0.0)
+            if world < 1 or seconds <= 0:
+                continue
+            seen = self._times.setdefault(world, [])
+            if len(seen) >= 3 and seconds > 3 * statistics.median(seen):
+                continue
+            seen.append(seconds)
+            self.perf.observe(perfmodel.Sample(world, 1, self.global_batch / world, seconds))
+            if record.get("gradient_noise_scale"):
+                self.noise_scale = float(record["gradient_noise_scale"])
+
+    def decide(self, graph: model.Graph, observation: monitor.Observation) -> list[managers.Event]:
+        self.learn(observation.steps)
+        step = observation.last_step
+        if step is None or len(self.perf.samples) < self.min_samples:
+            return []
+        if step - self._last_step < self.decide_every_steps:
+            return []
+        self._last_step = step
+        v = graph.vertex(self.vertex)
+        now = self.clock()
+        job = allocator.JobView(
+            name=self.job,
+            virtual_cluster=self.virtual_cluster,
+            perf=self.perf,
+            gpus_per_replica=1,
+            min_replicas=v.min_replicas,
+            max_replicas=v.max_replicas,
+            replicas=v.replicas,
+            noise_scale=self.noise_scale,
+            base_batch=self.global_batch,
+            max_local_batch=self.global_batch,
+            restart_seconds=self.restart_seconds,
+            last_resize=self._last_resize,
+            model_version=len(self.perf.samples),
+        )
+        snap = snapshot.ClusterSnapshot(
+            [placement.NodeView("local", self.slots, self.slots, virtual_cluster=self.virtual_cluster)],
+            [snapshot.VirtualClusterView(self.virtual_cluster)],
+        )
+        (decision,) = self.decider.allocate(snap, [job], now)
+        self.last_decision = decision
+        if decision.replicas == v.replicas or not v.min_replicas <= decision.replicas <= v.max_replicas:
+            return []
+        self._last_resize = now
+        reason = f"goodput allocator: {decision.action} to {decision.replicas} ({decision.reason})"
+        return [
+            managers.Event(
+                managers.SCHEDULER_DECISION,
+                self.vertex,
+                {"replicas": decision.replicas, "reason": reason[:1000]},
+            )
+        ]
