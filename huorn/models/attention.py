@@ -65,11 +65,6 @@ class Attention(nn.Module):
 
     def rebuild_kv(self, shared: SharedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of an upper layer from the lower layers' (already complete) shared K/V."""
-        if shared.k_last is None or shared.v_first is None:
-            raise ValueError(
-                f"layer {self.layer} rebuilds its K/V from layers 1 and n, but `shared` lacks them; "
-                "run the lower half first (or receive their SharedKV from the previous pipeline stage)"
-            )
         if self.mode == "fusedkv-lite":
             return shared.k_last, shared.v_first
         k_first, k_last, v_first, v_last = shared.k_first, shared.k_last, shared.v_first, shared.v_last
@@ -78,6 +73,25 @@ class Attention(nn.Module):
         k = expand_pair_weight(k_fuse[0]) * k_first + expand_pair_weight(k_fuse[1]) * k_last
         v = v_fuse[0].unsqueeze(1) * v_first + v_fuse[1].unsqueeze(1) * v_last
         return k, v
+
+    def attend_fused_one_query(self, q: torch.Tensor, shared: SharedKV) -> torch.Tensor:
+        """FusedKV attention of one new query per sequence without materialising K_i and V_i.
+
+        NOTE: decoding is bound by memory traffic. Rebuilding K_i = a1 ⊙ K_1 + an ⊙ K_n over the
+        whole prefix writes and re-reads two prefix-sized tensors per upper layer at every step.
+        Instead, q·K_i = (q ⊙ a1)·K_1 + (q ⊙ an)·K_n and P·V_i = b1 ⊙ (P·V_1) + bn ⊙ (P·V_n), so
+        each cached tensor is read once. Exact algebra; it differs from the full forward only by
+        floating-point rounding."""
+        batch, _, _, dim = q.shape
+        group = self.heads // self.kv_heads
+        qg = q.view(batch, self.kv_heads, group, dim)  # query heads that share one kv head
+        k_fuse = torch.stack([expand_pair_weight(w) for w in self.k_fuse.to(q.dtype)])  # [2, kv, 1, D]
+        v_fuse = self.v_fuse.to(q.dtype).unsqueeze(2)  # [2, kv, 1, D]
+        scores = (qg * k_fuse[0]) @ shared.k_first.transpose(-1, -2)
+        scores = scores + (qg * k_fuse[1]) @ shared.k_last.transpose(-1, -2)
+        probs = torch.softmax(scores.float() / dim**0.5, dim=-1).to(q.dtype)  # [B, kv, group, S]
+        out = v_fuse[0] * (probs @ shared.v_first) + v_fuse[1] * (probs @ shared.v_last)
+        return out.view(batch, self.heads, 1, dim)
 
     def forward(self, x: torch.Tensor, rope: model_layers.Rope, shared: SharedKV,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -91,6 +105,13 @@ class Attention(nn.Module):
                 shared.k_first, shared.v_first = k, v
             if self.records_last:
                 shared.k_last, shared.v_last = k, v
+        elif not shared.is_complete():
+            raise ValueError(
+                f"layer {self.layer} rebuilds its K/V from layers 1 and n, but `shared` lacks them; "
+                "run the lower half first (or receive their SharedKV from the previous pipeline stage)"
+            )
+        elif self.mode == "fusedkv" and q.shape[2] == 1 and not self.training:
+            return self.project_out(self.attend_fused_one_query(q, shared))
         else:
             k, v = self.rebuild_kv(shared)
         queries, keys = q.shape[2], k.shape[2]
@@ -101,5 +122,8 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=queries > 1 and queries == keys,
             dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.kv_heads != self.heads,
         )
+        return self.project_out(out)
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
         batch, _, length, _ = out.shape
         return self.wo(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))

@@ -124,13 +124,15 @@ class Decoder(nn.Module):
                        self.cfg.head_dim, dtype=dtype or self.head.weight.dtype,
                        device=device or self.head.weight.device)
 
-    def forward_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward_step(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Logits [B, t, V] for t new tokens after the cache's prefix; appends their K/V.
 
-        One call with the whole prompt is the prefill; calls with t = 1 decode."""
+        One call with the whole prompt is the prefill; calls with t = 1 decode. `last_only`
+        projects only the last position ([B, 1, V]): a 32k-token prompt's full logits would be
+        larger than its KV cache."""
         x, _ = self.forward_blocks(self.embed_tokens(tokens), position=cache.length, cache=cache)
         cache.advance(tokens.shape[1])
-        logits, _ = self.forward_head(x)
+        logits, _ = self.forward_head(x[:, -1:] if last_only else x)
         return logits
 
     @torch.no_grad()
@@ -138,7 +140,7 @@ class Decoder(nn.Module):
                  generator: torch.Generator | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """Prompt [B, T] followed by `new_tokens` tokens: greedy at temperature 0, else sampled."""
         cache = cache or self.build_cache(prompt.shape[0], prompt.shape[1] + new_tokens)
-        logits = self.forward_step(prompt, cache)[:, -1]
+        logits = self.forward_step(prompt, cache, last_only=True)[:, -1]
         out = [prompt]
         for step in range(new_tokens):
             if temperature > 0:
@@ -148,7 +150,7 @@ class Decoder(nn.Module):
                 token = logits.argmax(dim=-1, keepdim=True)
             out.append(token)
             if step + 1 < new_tokens:
-                logits = self.forward_step(token, cache)[:, -1]
+                logits = self.forward_step(token, cache, last_only=True)[:, -1]
         return torch.cat(out, dim=1)
 
     # --- accounting ----------------------------------------------------------------------------
