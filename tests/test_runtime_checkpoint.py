@@ -1,0 +1,165 @@
+"""Checkpoints: atomic publication, partial checkpoints never picked up, and DCP resharding to a
+different world size; plus the DDP comm hook checked against a single-process reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from huorn import models
+from huorn.runtime import checkpoint, comm, faults, telemetry
+
+_CFG = models.ModelConfig(layers=2, width=32, heads=2, context=16)
+_MICRO_BATCHES = 3  # deliberately not a multiple of the world size
+
+
+def _batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + index)
+    data = torch.randint(0, 256, (2, _CFG.context + 1), generator=generator)
+    return data[:, :-1], data[:, 1:]
+
+
+def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = models.build_model(_CFG)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _reference_gradients() -> dict[str, torch.Tensor]:
+    """Mean gradient over all micro-batches, computed in one process with no communication."""
+    model, _ = _fresh()
+    for index in range(_MICRO_BATCHES):
+        (model(*_batch(index))[1] / _MICRO_BATCHES).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    return {f"{i}.{k}": v.clone() for i, s in optimizer.state_dict()["state"].items() for k, v in s.items()
+            if torch.is_tensor(v)}
+
+
+def _worker(rank: int, world: int, store: str, root: str, out: str, mode: str) -> None:
+    torch.set_num_threads(1)  # an OpenMP pool inherited through fork must not be used
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        model, optimizer = _fresh()
+        state = comm.HookState(telemetry.Telemetry("t", rank, world, None),
+                               faults.FaultInjector([], Path(out), rank, None))
+        if mode == "save":
+            ddp = DistributedDataParallel(model)
+            ddp.register_comm_hook(state, comm.allreduce_hook)
+            mine = list(range(rank, _MICRO_BATCHES, world))
+            for i, index in enumerate(mine):
+                context = ddp.no_sync() if i < len(mine) - 1 else torch.enable_grad()
+                with context:
+                    (ddp(*_batch(index))[1] / _MICRO_BATCHES).backward()
+            torch.save({n: p.grad.clone() for n, p in model.named_parameters()}, f"{out}/grads-{rank}.pt")
+            optimizer.step()
+            checkpoint.save_checkpoint(Path(root), 1, model, optimizer, {"world_size": world}, rank,
+                                       lambda: comm.barrier(state))
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "optim": _optimizer_tensors(optimizer),
+                            "entered": state.telemetry.snapshot()["collective"]}, f"{out}/saved.pt")
+        else:
+            meta = checkpoint.load_checkpoint(checkpoint.find_latest(Path(root)), model, optimizer)
+            torch.save({"model": model.state_dict(), "optim": _optimizer_tensors(optimizer), "meta": meta},
+                       f"{out}/loaded-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, *args: str) -> None:
+    # NB: fork, not spawn: re-importing torch in every child costs 10+ s on a loaded machine, and
+    # the parent never initialises a process group, so forking it is safe.
+    mp.start_processes(_worker, args=(world, *args), nprocs=world, start_method="fork")
+
+
+@pytest.fixture(scope="module")
+def saved_at_two(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("dcp")
+    _spawn(2, str(tmp / "store-save"), str(tmp / "ckpt"), str(tmp), "save")
+    (tmp / "w3").mkdir()
+    _spawn(3, str(tmp / "w3" / "store"), str(tmp / "ckpt"), str(tmp / "w3"), "load")
+    return tmp
+
+
+def test_comm_hook_sum_equals_the_single_process_mean_gradient(saved_at_two: Path) -> None:
+    reference = _reference_gradients()
+    for rank in range(2):
+        grads = torch.load(saved_at_two / f"grads-{rank}.pt")
+        for name, value in reference.items():
+            torch.testing.assert_close(grads[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    collectives = torch.load(saved_at_two / "saved.pt")["entered"]
+    assert collectives["entered"] == collectives["completed"] >= 1
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_checkpoint_from_two_ranks_loads_at_another_world_size(saved_at_two: Path, world: int) -> None:
+    saved = torch.load(saved_at_two / "saved.pt")
+    out = saved_at_two / f"w{world}"
+    if world == 1:
+        model, optimizer = _fresh()  # no process group at all: DCP's single-process path
+        meta = checkpoint.load_checkpoint(checkpoint.find_latest(saved_at_two / "ckpt"), model, optimizer)
+        loaded = [{"model": model.state_dict(), "optim": _optimizer_tensors(optimizer), "meta": meta}]
+    else:  # loaded by the fixture, before this process ran any torch kernel (fork safety)
+        loaded = [torch.load(out / f"loaded-{rank}.pt") for rank in range(world)]
+    for state in loaded:
+        assert state["meta"]["step"] == 1 and state["meta"]["world_size"] == 2
+        for name, value in saved["model"].items():
+            torch.testing.assert_close(state["model"][name], value, rtol=0, atol=0, msg=name)
+        assert state["optim"].keys() == saved["optim"].keys() and saved["optim"]
+        for name, value in saved["optim"].items():
+            torch.testing.assert_close(state["optim"][name], value, rtol=0, atol=0, msg=name)
+
+
+def _save_single(root: Path, step: int) -> Path:
+    model, optimizer = _fresh()
+    return checkpoint.save_checkpoint(root, step, model, optimizer, {}, 0, lambda: None, keep=10)
+
+
+def test_partial_and_temporary_checkpoints_are_never_picked_up(tmp_path: Path) -> None:
+    good = _save_single(tmp_path, 4)
+    assert checkpoint.find_latest(tmp_path) == good
+    (tmp_path / ".tmp-step-00000009").mkdir()  # a save killed half way
+    (tmp_path / ".tmp-step-00000009" / ".metadata").write_bytes(b"x")
+    (tmp_path / "step-00000008").mkdir()  # renamed by hand without metadata
+    assert checkpoint.find_latest(tmp_path) == good
+    (tmp_path / "latest").write_text("step-00000008\n")  # pointer to an incomplete checkpoint
+    assert checkpoint.find_latest(tmp_path) == good
+    assert checkpoint.remove_stale_temporaries(tmp_path) == [tmp_path / ".tmp-step-00000009"]
+    with pytest.raises(ValueError, match="not a complete Huorn checkpoint"):
+        checkpoint.load_checkpoint(tmp_path / "step-00000008", *_fresh())
+
+
+def test_a_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    first = _save_single(tmp_path, 2)
+
+    real_rename = os.rename
+
+    def crash(source: object, target: object) -> None:
+        if Path(target).name.startswith("step-"):  # DCP's own renames inside the save go through
+            raise OSError("simulated power loss")
+        real_rename(source, target)
+
+    monkeypatch.setattr(checkpoint.os, "rename", crash)
+    with pytest.raises(OSError, match="power loss"):
+        _save_single(tmp_path, 3)
+    monkeypatch.undo()
+    assert (tmp_path / "latest").read_text().strip() == first.name
+    assert checkpoint.find_latest(tmp_path) == first
+    assert (tmp_path / ".tmp-step-00000003").is_dir()  # the leftover that the next start removes
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
+    model, optimizer = _fresh()
+    for step in range(1, 6):
+        checkpoint.save_checkpoint(tmp_path, step, model, optimizer, {}, 0, lambda: None, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004", "step-00000005"]
+    assert checkpoint.read_meta(checkpoint.find_latest(tmp_path))["step"] == 5
