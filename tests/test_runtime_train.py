@@ -1,0 +1,144 @@
+"""The trainer as a process: loss goes down, SIGTERM leaves a loadable checkpoint within the grace
+period and a restart resumes from it, bad configs exit 2; plus the pure batch/lr/noise rules."""
+
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import runtime_harness as harness
+from hypothesis import given
+from hypothesis import strategies as st
+
+from huorn import models
+from huorn.api import training
+from huorn.runtime import batching, checkpoint, noise_scale
+from huorn.runtime import config as run_config
+
+GRACE_PERIOD_S = 30.0  # Kubernetes' default terminationGracePeriodSeconds
+
+
+@pytest.fixture(scope="module")
+def data_dir() -> Path:
+    return harness.shared_data_dir()
+
+
+def test_loss_goes_down_on_the_shipped_corpora(tmp_path: Path, data_dir: Path) -> None:
+    config = harness.write_config(tmp_path, data_dir, harness.build_spec(steps=40, interval_steps=20),
+                                  validationInterval=10)
+    process = harness.start_trainer(config, tmp_path / "train.log")
+    assert process.wait(timeout=240) == 0, (tmp_path / "train.log").read_text()[-3000:]
+    events = harness.read_events(tmp_path / "run")
+    steps = harness.steps_of(events)
+    assert [s["step"] for s in steps] == list(range(1, 41))
+    assert steps[0]["loss"] == pytest.approx(math.log(256), abs=0.5)  # untrained: uniform over bytes
+    validation = [s["validation_loss"] for s in steps if "validation_loss" in s]
+    assert len(validation) == 4 and validation[-1] < validation[0] < steps[0]["loss"]
+    assert np.mean([s["loss"] for s in steps[-5:]]) < steps[0]["loss"] - 1.5
+    assert [e["reason"] for e in events if e["event"] == "checkpoint"] == ["periodic", "final"]
+    assert events[-1] == {**events[-1], "event": "done", "step": 40}
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_within_the_grace_period_and_a_restart_resumes(tmp_path: Path,
+                                                                          data_dir: Path) -> None:
+    spec = harness.build_spec(steps=10_000, interval_steps=None)
+    config = harness.write_config(tmp_path, data_dir, spec, faults=[{"kind": "slow-compute", "ms": 50}])
+    process = harness.start_trainer(config, tmp_path / "train.log")
+    harness.wait_for(lambda: len(harness.steps_of(harness.read_events(tmp_path / "run"))) >= 3, 180,
+                     "three steps")
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=GRACE_PERIOD_S) == 0
+    assert time.monotonic() - signalled < GRACE_PERIOD_S
+    events = harness.read_events(tmp_path / "run")
+    last_step = harness.steps_of(events)[-1]["step"]
+    assert events[-1]["event"] == "checkpoint" and events[-1]["reason"] == "sigterm"
+    assert events[-1]["step"] == last_step
+    latest = checkpoint.find_latest(tmp_path / "ckpt")
+    assert latest is not None and checkpoint.read_meta(latest)["step"] == last_step
+    model_spec = training.ModelSpec.model_validate(spec["model"])
+    model = models.build_model(run_config.build_model_config(model_spec))
+    assert checkpoint.load_checkpoint(latest, model, None)["step"] == last_step
+
+    resumed = harness.write_config(tmp_path, data_dir, spec, stepLimit=last_step + 3)
+    process = harness.start_trainer(resumed, tmp_path / "train.log")
+    assert process.wait(timeout=240) == 0
+    attempts = harness.split_attempts(harness.read_events(tmp_path / "run"))
+    assert attempts[-1]["start"]["resumed_from"] == last_step
+    assert [s["step"] for s in attempts[-1]["steps"]] == [last_step + 1, last_step + 2, last_step + 3]
+
+
+def test_bad_config_exits_2_naming_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("jobName: x\nrunDir: /tmp/x\nspec:\n  virtualCluster: vc\n  optimization:\n"
+                    "    steps: 5\n    globalBatch: 10\n    microBatch: 4\n")
+    result = subprocess.run([sys.executable, "-m", "huorn.runtime.train", "--config", str(path)],
+                            capture_output=True, text=True, env=harness.child_env(), timeout=120)
+    assert result.returncode == 2
+    assert "globalBatch" in result.stderr and "microBatch" in result.stderr
+
+
+def test_run_config_round_trips_and_resolves_defaults(tmp_path: Path) -> None:
+    path = harness.write_config(tmp_path, tmp_path, harness.build_spec(steps=7))
+    config = run_config.load_run_config(path)
+    assert config.total_steps() == 7 and config.telemetry_port == 0
+    assert config.checkpoint_root == tmp_path / "ckpt"
+    assert run_config.load_run_config(run_config.write_run_config(config, tmp_path / "again.json")) == config
+    tokens = harness.build_spec(steps=None, tokens=12 * 32 * 5 + 1)
+    del tokens["optimization"]["steps"]
+    assert run_config.RunConfig.model_validate(
+        {"jobName": "t", "spec": tokens, "runDir": "/r"}).total_steps() == 6
+    with pytest.raises(ValueError, match="telemetryPort"):
+        (tmp_path / "p.json").write_text('{"jobName": "t", "runDir": "/r", "telemetryPort": 70000, '
+                                         '"spec": {"virtualCluster": "v", "optimization": {"steps": 1}}}')
+        run_config.load_run_config(tmp_path / "p.json")
+
+
+def test_fixed_global_batch_keeps_batch_and_lr_across_world_sizes() -> None:
+    opt = training.Optimization(global_batch=24, micro_batch=2, learning_rate=1e-3, steps=10)
+    plans = [batching.plan_batch(opt, 2, world) for world in (1, 2, 3, 5)]
+    assert {(p.global_batch, p.micro_batches, p.learning_rate) for p in plans} == {(24, 12, 1e-3)}
+
+
+def test_scale_with_replicas_grows_batch_and_lr_by_the_square_root_rule() -> None:
+    opt = training.Optimization(global_batch=16, micro_batch=2, learning_rate=1e-3, steps=10,
+                                batch_rule="scale-with-replicas")
+    base, doubled = batching.plan_batch(opt, 2, 2), batching.plan_batch(opt, 2, 4)
+    assert (base.global_batch, base.learning_rate) == (16, 1e-3)
+    assert doubled.global_batch == 32 and doubled.learning_rate == pytest.approx(1e-3 * math.sqrt(2))
+    assert doubled.micro_batches // 4 == base.micro_batches // 2  # the same work per replica
+
+
+@given(step=st.integers(0, 999), schedule=st.sampled_from(list(training.LrSchedule)))
+def test_learning_rate_warms_up_then_stays_within_ten_to_hundred_percent(step: int, schedule: str) -> None:
+    lr = batching.learning_rate(step, 1000, 1.0, 50, training.LrSchedule(schedule))
+    if step < 50:
+        assert lr == pytest.approx((step + 1) / 50)
+    else:
+        assert 0.1 - 1e-9 <= lr <= 1.0 + 1e-9
+    final = batching.learning_rate(999, 1000, 1.0, 50, training.LrSchedule.COSINE)
+    assert final == pytest.approx(0.1, abs=1e-4)
+
+
+def test_noise_scale_recovers_a_known_gradient_noise() -> None:
+    """Per-sample gradients g = G + ε with ε ~ N(0, σ²I): B_noise = tr(Σ)/|G|² = d·σ²/|G|²."""
+    rng = np.random.default_rng(0)
+    dim, sigma, b_small, ranks = 200, 0.5, 8, 4
+    true = rng.normal(size=dim)
+    expected = dim * sigma**2 / float(true @ true)
+    estimator = noise_scale.NoiseScale(decay=0.99)
+    for _ in range(400):
+        samples = true + sigma * rng.normal(size=(ranks, b_small, dim))
+        small_sq = float(np.mean([np.sum(s.mean(axis=0) ** 2) for s in samples]))
+        big_sq = float(np.sum(samples.reshape(-1, dim).mean(axis=0) ** 2))
+        estimator.update(small_sq, big_sq, b_small, b_small * ranks)
+    assert estimator.value == pytest.approx(expected, rel=0.15)
+    with pytest.raises(ValueError, match="b_small < b_big"):
+        noise_scale.estimate_components(1.0, 1.0, 8, 8)
