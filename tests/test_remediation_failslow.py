@@ -1,0 +1,153 @@
+"""FALCON fail-slow detection: BOCD + validation over randomised synthetic traces, localisation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from huorn.scheduler.remediation import bocd, failslow, period, steptable
+
+WORKERS = 4
+STEPS = 300
+
+
+def build_trace(rng: np.random.Generator, slow: tuple[int, int, float] | None) -> steptable.StepTable:
+    """Per-worker busy times with realistic noise: lognormal jitter (1-4%), per-worker speed
+    differences, a slow drift and 2% spikes (GC pauses, checkpoint steps) of 1.3-2.5×."""
+    noise = rng.uniform(0.01, 0.04)
+    base = rng.uniform(0.05, 2.0)
+    rows = []
+    for w in range(WORKERS):
+        t = base * rng.uniform(0.95, 1.05) * np.exp(rng.normal(0, noise, STEPS))
+        t *= np.linspace(1.0, rng.uniform(0.98, 1.02), STEPS)
+        spikes = rng.random(STEPS) < 0.02
+        t[spikes] *= rng.uniform(1.3, 2.5, spikes.sum())
+        if slow is not None and slow[0] == w:
+            t[slow[1]:] *= slow[2]
+        rows += [{"iteration": i, "worker": f"w{w}", "time": float(t[i])} for i in range(STEPS)]
+    return steptable.build_table(rows, steptable.REQUIRED)
+
+
+def test_fifty_randomised_trials_meet_precision_recall_and_onset() -> None:
+    rng = np.random.default_rng(2026)
+    true_pos = false_pos = false_neg = clean_alarms = 0
+    onset_errors = []
+    for _ in range(50):
+        worker, onset, factor = int(rng.integers(WORKERS)), int(rng.integers(30, 260)), rng.uniform(1.2, 3.0)
+        trace = build_trace(rng, (worker, onset, factor))
+        found = [f for f in failslow.detect_fail_slow(trace) if f.factor > 1]
+        hits = [f for f in found if f.worker == f"w{worker}" and abs(f.onset_iteration - onset) <= 20]
+        true_pos += min(len(hits), 1)
+        false_neg += 1 - min(len(hits), 1)
+        false_pos += len(found) - min(len(hits), 1)
+        onset_errors += [abs(h.onset_iteration - onset) for h in hits[:1]]
+        if hits:
+            assert hits[0].kind == "compute"
+            assert hits[0].factor == pytest.approx(factor, rel=0.08)
+        clean_alarms += len(failslow.detect_fail_slow(build_trace(rng, None)))
+    precision = true_pos / max(true_pos + false_pos, 1)
+    recall = true_pos / (true_pos + false_neg)
+    assert precision >= 0.95 and recall >= 0.95, (precision, recall)
+    assert max(onset_errors) <= 20
+    assert clean_alarms == 0
+
+
+def test_spike_without_level_shift_is_rejected_by_validation() -> None:
+    """Plain BOCD flags a lone burst; the ≥10% median shift check throws it away."""
+    x = np.full(200, 0.1) * np.exp(np.random.default_rng(1).normal(0, 0.02, 200))
+    x[100:103] *= 3.0
+    filt = bocd.RunLengthFilter(float(np.log(x[0])), 0.02, bocd.BocdConfig())
+    flagged = max(float(filt.update(float(np.log(v)))[:16].sum()) for v in x)
+    assert flagged > 0.9  # the raw change-point mass does fire on the burst
+    assert bocd.detect_changes(x) == []
+
+
+def test_small_shift_below_ten_percent_is_not_reported() -> None:
+    x = np.full(300, 1.0) * np.exp(np.random.default_rng(3).normal(0, 0.01, 300))
+    x[150:] *= 1.05
+    assert bocd.detect_changes(x) == []
+
+
+def test_job_wide_shift_is_reported_once_as_job_wide() -> None:
+    rng = np.random.default_rng(5)
+    rows = []
+    for w in range(4):
+        t = 0.2 * np.exp(rng.normal(0, 0.02, 200))
+        t[120:] *= 1.4
+        rows += [{"iteration": i, "worker": str(w), "time": float(t[i])} for i in range(200)]
+    found = failslow.detect_fail_slow(steptable.build_table(rows, steptable.REQUIRED))
+    assert [(f.worker, f.kind) for f in found] == [("*", "job-wide")]
+    assert abs(found[0].onset_iteration - 120) <= 5
+
+
+def test_compute_straggler_does_not_also_blame_the_waiting_peers_comm() -> None:
+    rng = np.random.default_rng(8)
+    rows = []
+    for w in range(4):
+        compute = 0.1 * np.exp(rng.normal(0, 0.02, 200))
+        comm = 0.02 * np.exp(rng.normal(0, 0.02, 200))
+        if w == 2:
+            compute[90:] *= 2.0
+        else:
+            comm[90:] += 0.1  # peers now wait for rank 2 inside the all-reduce
+        rows += [{"iteration": i, "worker": str(w), "time": float(compute[i] + comm[i]),
+                  "compute": float(compute[i]), "comm": float(comm[i])} for i in range(200)]
+    table = steptable.build_table(rows, (*steptable.REQUIRED, *steptable.OPTIONAL))
+    found = failslow.detect_fail_slow(table)
+    assert [(f.worker, f.kind) for f in found] == [("2", "compute")]
+
+
+def test_localisation_uses_two_x_for_compute_and_one_point_one_x_for_comm() -> None:
+    compute = {0: 1.0, 1: 1.1, 2: 2.3, 3: 0.9}
+    comm = {0: 1.0, 1: 1.0, 2: 1.02, 3: 1.15}
+    culprits = failslow.localise_ranks(compute, comm)
+    assert [(c.rank, c.kind) for c in culprits] == [(2, "compute"), (3, "communication")]
+    assert failslow.localise_ranks({0: 1.0, 1: 1.9, 2: 1.0}, {}) == []  # 1.9× is compute noise
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(0.5, 10.0), min_size=2, max_size=9), st.integers(5, 30))
+def test_period_from_autocorrelation_finds_calls_per_iteration(pattern: list[float], reps: int) -> None:
+    signal = np.tile(pattern, reps)
+    if len(set(pattern)) == 1:
+        assert period.estimate_period(signal) == 1
+        return
+    p = period.estimate_period(signal)
+    assert len(pattern) % p == 0  # the true period or a divisor of it when the pattern repeats
+    assert np.allclose(signal[: len(signal) - p], signal[p:])
+
+
+def test_iteration_times_are_cut_from_a_raw_collective_log() -> None:
+    sizes = [4, 16, 16, 1] * 30
+    step = np.concatenate([[0.5] * 60, [0.8] * 60])
+    starts = np.cumsum(np.repeat(step / 4, 1))[: len(sizes)]
+    durations = period.iteration_times(starts, sizes)
+    assert period.estimate_period(sizes) == 4
+    assert durations[0] == pytest.approx(0.5) and durations[-1] == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("iteration,worker\n1,a\n", "'time'"),
+        ("iteration,worker,time\nx,a,0.1\n", "column 'iteration'"),
+        ("iteration,worker,time\n1,a,fast\n", "column 'time'"),
+        ("iteration,worker,time\n1,a,-1\n", "column 'time'"),
+        ("iteration,worker,time\n1,a,0.1\n1,a,0.2\n", "duplicate"),
+        ("iteration,worker,time\n1,,0.1\n", "column 'worker'"),
+        ("", "header"),
+    ],
+)
+def test_malformed_step_tables_name_the_column(text: str, needle: str) -> None:
+    with pytest.raises(steptable.StepTableError, match=needle):
+        steptable.parse_csv(text)
+
+
+def test_step_table_round_trips_through_csv() -> None:
+    table = build_trace(np.random.default_rng(0), None)
+    again = steptable.parse_csv(steptable.format_csv(table))
+    assert again.workers == table.workers
+    for w in table.workers:
+        assert np.allclose(again.times[w], table.times[w])
