@@ -45,6 +45,7 @@ def operator_command(
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        force=True,
     )
     # Tests that kill and restart the operator shorten the backoffs the same way in every run.
     fast = os.environ.get("HUORN_OPERATOR_FAST") == "1"
@@ -61,3 +62,9 @@ def operator_command(
         api, namespaces=namespace, peering=peering, priority=priority, settings=settings,
         metrics_port=metrics_port or None,
     )
+
+
+if __name__ == "__main__":
+    # `python -m huorn.cli.operator` starts without importing every other subcommand (and torch),
+    # which is what a container entrypoint and the kill-and-restart tests want.
+    typer.run(operator_command)

@@ -68,20 +68,9 @@ class OperatorProcess:
         env = {**os.environ, "HUORN_OPERATOR_FAST": "1"}
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "huorn.cli.main",
-                    "operator",
-                    "--kubeconfig",
-                    str(self.kubeconfig),
-                    "--all-namespaces",
-                    "--resync-seconds",
-                    "2",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
+                [sys.executable, "-m", "huorn.cli.operator", "--kubeconfig", str(self.kubeconfig),
+                 "--all-namespaces", "--resync-seconds", "2", "--metrics-port", "0"],
+                stdout=out, stderr=subprocess.STDOUT, env=env,
             )
 
     def kill(self) -> None:
