@@ -94,7 +94,7 @@ def adaptive_worker(rank: int, world: int, stages: int, width: int, depth: int, 
 
     reports = training.run_pipeline_training(
         stage=runner, optimizer=optimizer, batches=batches, steps=len(levels), plan=plan,
-        planner=pipeline_planner.AdaptiveKPlanner(min_gain=0.1), contention_level=lambda step: levels[step],
+        planner=pipeline_planner.AdaptiveKPlanner(min_gain=0.08), contention_level=lambda step: levels[step],
     )
     runner.close()
     return {"reports": reports, "state": {n: p.detach().clone() for n, p in module.state_dict().items()}}
