@@ -3,12 +3,13 @@
 In bulk-synchronous training every rank issues the same collectives in the same order, so each
 rank's count of collectives entered and completed is a position on one shared timeline. When the
 job stops, the positions say who stopped it:
-- some ranks wait inside collective k while another never entered it: the latter hangs outside
-  communication (compute, data loading, a deadlock in Python). It is the culprit;
-- every rank entered collective k and none completed it: the collective itself hangs
-  (a link, a NIC, a frozen device). The culprit is the end of the wait-for chain when the
-  transport reports whom each rank waits for, else the rank whose heartbeat went stale (its
-  process froze mid-collective), else the whole communicator is suspect.
+- peers wait inside collective k while one rank never entered it: that rank hangs outside
+  communication (compute, data loading, a deadlock in Python);
+- one rank sits inside an earlier collective that its peers have long since entered too: it
+  hangs inside communication (a stuck NIC or link, a frozen kernel);
+- every rank entered collective k and none completed it: the collective itself hangs. The
+  culprit is the end of the wait-for chain when the transport reports whom each rank waits for,
+  else the rank whose heartbeat went stale, else the whole communicator is suspect.
 Torch's watchdog only notices after 10 minutes and cannot name anybody; this needs one timeout.
 """
 
@@ -91,39 +92,80 @@ class HangDetector:
 def classify_stall(
     samples: Iterable[RankSample], stalled_for: float, now: float, heartbeat_timeout: float
 ) -> HangFinding:
-    """Name the culprit of a stall that has already lasted `stalled_for` seconds."""
+    """Name the culprit of a stall that has already lasted `stalled_for` seconds.
+
+    NB: DDP launches one all-reduce per gradient bucket without waiting for the previous one,
+    so healthy ranks run ahead to later sequence numbers while the culprit's stays behind. The
+    lowest `entered` is therefore the culprit; whether it sits inside its collective
+    (entered > completed) or outside (entered == completed) tells the two hang classes apart.
+    """
     by_rank = {s.rank: s for s in samples}
-    k = max(s.seq_entered for s in by_rank.values())
-    inside = sorted(r for r, s in by_rank.items() if s.seq_entered == k and s.seq_completed < k)
-    lagging = sorted(r for r, s in by_rank.items() if s.seq_entered < k)
-    stale = sorted(r for r, s in by_rank.items() if now - s.heartbeat > heartbeat_timeout)
+    k_max = max(s.seq_entered for s in by_rank.values())
+    k_min = min(s.seq_entered for s in by_rank.values())
+    inside = {r for r, s in by_rank.items() if s.seq_completed < s.seq_entered}
+    stale = {r for r, s in by_rank.items() if now - s.heartbeat > heartbeat_timeout}
 
     def nodes_of(ranks: Iterable[int]) -> tuple[str, ...]:
         return tuple(sorted({n for r in ranks if (n := by_rank[r].node) is not None}))
 
-    if lagging and inside:
-        frozen = set(lagging) <= set(stale)
-        why = "heartbeat stale too: the process is frozen" if frozen else "heartbeat alive"
+    def alive(ranks: Iterable[int]) -> str:
+        return "heartbeat stale: the process is frozen" if set(ranks) <= stale else "heartbeat alive"
+
+    if k_min < k_max:
+        lagging = sorted(r for r, s in by_rank.items() if s.seq_entered == k_min)
+        if set(lagging) <= inside:
+            return HangFinding(
+                COMMUNICATION, tuple(lagging), k_min, stalled_for,
+                f"rank(s) {lagging} stuck inside collective #{k_min} for {stalled_for:.1f}s while peers "
+                f"went on to #{k_max} ({alive(lagging)})", nodes_of(lagging),
+            )
+        outside = [r for r in lagging if r not in inside]
         return HangFinding(
-            NON_COMMUNICATION, tuple(lagging), k, stalled_for,
-            f"ranks {inside} wait inside collective #{k} for {stalled_for:.1f}s; "
-            f"rank(s) {lagging} never entered it ({why})", nodes_of(lagging),
+            NON_COMMUNICATION, tuple(outside), k_min + 1, stalled_for,
+            f"peers wait inside collective #{k_min + 1}..#{k_max} for {stalled_for:.1f}s; rank(s) "
+            f"{outside} never entered #{k_min + 1} ({alive(outside)})", nodes_of(outside),
         )
     if not inside:
         return HangFinding(
-            NON_COMMUNICATION, tuple(sorted(by_rank)), k, stalled_for,
-            f"no rank is inside a collective and none moved for {stalled_for:.1f}s after #{k}: "
+            NON_COMMUNICATION, tuple(sorted(by_rank)), k_max, stalled_for,
+            f"no rank is inside a collective and none moved for {stalled_for:.1f}s after #{k_max}: "
             f"the whole job is stuck outside communication", nodes_of(by_rank),
+        )
+    if len(inside) < len(by_rank):
+        outside = sorted(set(by_rank) - inside)
+        return HangFinding(
+            NON_COMMUNICATION, tuple(outside), k_max, stalled_for,
+            f"ranks {sorted(inside)} wait inside collective #{k_max}; rank(s) {outside} completed it and "
+            f"issued nothing for {stalled_for:.1f}s ({alive(outside)})", nodes_of(outside),
         )
     chain = _follow_wait_chain(by_rank)
     if chain:
         culprits, how = chain, "the end of the wait-for chain"
     elif stale and len(stale) < len(by_rank):
-        culprits, how = stale, "its heartbeat stopped inside the collective"
+        culprits, how = sorted(stale), "its heartbeat stopped inside the collective"
     else:
         culprits, how = [], "no rank stands out: the communicator (links, switches) is suspect"
     return HangFinding(
-        COMMUNICATION, tuple(culprits), k, stalled_for,
-        f"all ranks entered collective #{k} and none completed it in {stalled_for:.1f}s; "
+        COMMUNICATION, tuple(culprits), k_max, stalled_for,
+        f"all ranks entered collective #{k_max} and none completed it in {stalled_for:.1f}s; "
         f"culprit {culprits or 'unknown'}: {how}", nodes_of(culprits),
     )
+
+
+def parse_runtime_telemetry(snapshot: dict, observed_at: float, node: str | None = None) -> RankSample:
+    """Read one rank's `/telemetry` JSON (huorn.runtime.telemetry) into a RankSample.
+
+    The runtime stamps its heartbeat with its own wall clock; `observed_at` is the observer's
+    clock at the same moment, and on one host (or NTP-synchronised hosts) they agree closely
+    enough for a heartbeat timeout of seconds.
+    """
+    try:
+        collective = snapshot["collective"]
+        steps = snapshot.get("steps") or []
+        return RankSample(
+            rank=int(snapshot["rank"]), seq_entered=int(collective["entered"]),
+            seq_completed=int(collective["completed"]), heartbeat=float(snapshot["heartbeat"]),
+            step=int(steps[-1]["step"]) if steps else 0, node=node,
+        )
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        raise ValueError(f"telemetry snapshot lacks a field the hang detector needs: {error!r}") from error

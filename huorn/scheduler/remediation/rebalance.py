@@ -1,0 +1,126 @@
+"""S2 and S3 plans: rebalance micro-batches across data-parallel ranks, re-split pipeline stages.
+
+S2 (FALCON) minimises Σ(N_i·t_i − mean)² with N_i ≥ 1 and Σ N_i = total. The square is not
+linear, and what the job actually waits for is the slowest rank, so we solve the linear
+program that matters first (minimise the makespan max_i N_i·t_i) and then, among the makespan-
+optimal plans, minimise Σ|N_i·t_i − mean|: the L1 form of FALCON's objective, which breaks ties
+towards the most even plan. Both stages are exact integer programs (scipy.optimize.milp/HiGHS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+from scipy import optimize
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchPlan:
+    counts: tuple[int, ...]  # micro-batches per data-parallel rank
+    makespan: float  # predicted step time: max_i counts_i · t_i
+    before: float  # the same with the even split the job ran with
+
+
+def _check(times: Sequence[float], total: int) -> np.ndarray:
+    t = np.asarray(times, dtype=float)
+    if t.ndim != 1 or len(t) == 0 or not np.all(np.isfinite(t)) or np.any(t <= 0):
+        raise ValueError("per-rank micro-batch times must be a non-empty list of positive numbers")
+    if total < len(t):
+        raise ValueError(f"total micro-batches ({total}) must be >= the number of ranks ({len(t)}): "
+                         "each rank needs at least one")
+    return t
+
+
+def even_split(total: int, ranks: int) -> list[int]:
+    """What the job does without S2: equal shares, the remainder to the first ranks."""
+    return [total // ranks + (1 if i < total % ranks else 0) for i in range(ranks)]
+
+
+def rebalance_microbatches(times: Sequence[float], total: int) -> MicroBatchPlan:
+    """Integer micro-batch counts for ranks that take `times[i]` seconds per micro-batch."""
+    t = _check(times, total)
+    n = len(t)
+    integer = np.ones(n + 1)
+    integer[-1] = 0
+    bounds = optimize.Bounds(np.r_[np.ones(n), 0.0], np.r_[np.full(n, total), np.inf])
+    # Stage 1, variables (N_1..N_n, z): minimise z subject to N_i·t_i − z ≤ 0, Σ N_i = total.
+    rows = np.hstack([np.diag(t), -np.ones((n, 1))])
+    constraints = [
+        optimize.LinearConstraint(rows, -np.inf, 0.0),
+        optimize.LinearConstraint(np.r_[np.ones(n), 0.0][None, :], total, total),
+    ]
+    objective = np.r_[np.zeros(n), 1.0]
+    first = optimize.milp(objective, integrality=integer, bounds=bounds, constraints=constraints)
+    if not first.success:
+        raise RuntimeError(f"micro-batch rebalance found no plan: {first.message}")
+    makespan = float(first.x[-1])
+    # Stage 2, variables (N, d): minimise Σ d_i with d_i ≥ |N_i·t_i − mean|, makespan kept.
+    mean_row = np.tile(t / n, (n, 1))  # mean = Σ_j N_j·t_j / n, linear in N
+    dev = np.diag(t) - mean_row
+    eye = np.eye(n)
+    constraints = [
+        optimize.LinearConstraint(np.hstack([dev, -eye]), -np.inf, 0.0),
+        optimize.LinearConstraint(np.hstack([-dev, -eye]), -np.inf, 0.0),
+        optimize.LinearConstraint(np.hstack([np.diag(t), np.zeros((n, n))]), -np.inf, makespan * (1 + 1e-9)),
+        optimize.LinearConstraint(np.r_[np.ones(n), np.zeros(n)][None, :], total, total),
+    ]
+    second = optimize.milp(
+        np.r_[np.zeros(n), np.ones(n)], integrality=np.r_[np.ones(n), np.zeros(n)],
+        bounds=optimize.Bounds(np.r_[np.ones(n), np.zeros(n)], np.r_[np.full(n, total), np.full(n, np.inf)]),
+        constraints=constraints,
+    )
+    x = second.x[:n] if second.success else first.x[:n]
+    counts = tuple(int(np.rint(v)) for v in x)
+    before = float(max(c * ti for c, ti in zip(even_split(total, n), t, strict=True)))
+    return MicroBatchPlan(counts, float(max(c * ti for c, ti in zip(counts, t, strict=True))), before)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    boundaries: tuple[int, ...]  # first layer of each stage; stage s runs layers [b_s, b_{s+1})
+    makespan: float  # slowest stage's time per micro-batch
+    before: float  # the same for an even split of the layers
+
+
+def _stage_time(layer_costs: np.ndarray, lo: int, hi: int, speed: float) -> float:
+    return float(layer_costs[lo:hi].sum()) / speed
+
+
+def _even_boundaries(layers: int, stages: int) -> list[int]:
+    sizes = even_split(layers, stages)
+    return [int(v) for v in np.cumsum([0, *sizes[:-1]])]
+
+
+def resplit_stages(layer_costs: Sequence[float], stage_speeds: Sequence[float]) -> StagePlan:
+    """S3: contiguous layers per pipeline stage so that the slowest stage is as fast as possible.
+
+    `stage_speeds[s]` is the relative speed of the rank(s) holding stage s (1.0 healthy, 0.5 a
+    rank at half speed). Exact dynamic programme over split points, O(stages · layers²).
+    """
+    costs = np.asarray(layer_costs, dtype=float)
+    speeds = np.asarray(stage_speeds, dtype=float)
+    stages, layers = len(speeds), len(costs)
+    if stages == 0 or layers < stages:
+        raise ValueError(f"need at least one layer per stage: {layers} layers for {stages} stages")
+    if np.any(costs <= 0) or np.any(speeds <= 0):
+        raise ValueError("layer costs and stage speeds must be positive")
+    best = np.full((stages + 1, layers + 1), np.inf)
+    choice = np.zeros((stages + 1, layers + 1), dtype=int)
+    best[0, 0] = 0.0
+    for s in range(1, stages + 1):
+        for end in range(s, layers - (stages - s) + 1):
+            for start in range(s - 1, end):
+                value = max(best[s - 1, start], _stage_time(costs, start, end, speeds[s - 1]))
+                if value < best[s, end]:
+                    best[s, end], choice[s, end] = value, start
+    bounds, end = [], layers
+    for s in range(stages, 0, -1):
+        end = int(choice[s, end])
+        bounds.append(end)
+    boundaries = tuple(reversed(bounds))
+    even = _even_boundaries(layers, stages)
+    even_ends = [*even[1:], layers]
+    before = max(_stage_time(costs, a, b, sp) for a, b, sp in zip(even, even_ends, speeds, strict=True))
+    return StagePlan(boundaries, float(best[stages, layers]), float(before))
