@@ -1,0 +1,136 @@
+"""The Helm chart, rendered and linted by Helm's own engine (helm-python-sdk), checked against the
+Kubernetes schemas (kubernetes-validate) and against what the operator actually needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import kubernetes_validate
+import pytest
+import typer
+import yaml
+
+from huorn.cli import operator as operator_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "huorn"
+KUBE_VERSION = "1.33"
+# Kinds outside the core Kubernetes schemas: the Prometheus operator's and kopf's own CRDs.
+NOT_IN_KUBERNETES = {"ServiceMonitor", "ClusterKopfPeering"}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "ha": {"replicaCount": 2, "peering": {"enabled": True, "name": "huorn"}},
+    "namespaced-monitored": {
+        "watchNamespaces": ["team-a", "team-b"],
+        "logLevel": "debug",
+        "metrics": {"port": 9090, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    },
+}
+
+
+def _render(values: dict[str, Any]) -> list[dict[str, Any]]:
+    chart = helm_python.Chart.load(CHART)
+    files = chart.render(values, name="huorn", namespace="huorn-system")
+    docs = []
+    for path, text in files.items():
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def _one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    [doc] = [d for d in docs if d["kind"] == kind]
+    return doc
+
+
+def test_chart_lints_clean_in_strict_mode() -> None:
+    report = helm_python.lint(CHART, strict=True, kube_version=f"v{KUBE_VERSION}.0")
+    assert report["errors"] == [] and report["messages"] == []
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_rendered_manifest_passes_the_kubernetes_schema(variant: str) -> None:
+    docs = _render(VARIANTS[variant])
+    checked = 0
+    for doc in docs:
+        if doc["kind"] in NOT_IN_KUBERNETES:
+            with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+            continue
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        checked += 1
+    assert checked >= 5  # ServiceAccount, ClusterRole, ClusterRoleBinding, Deployment, Service
+
+
+def test_chart_crds_equal_the_generated_crds() -> None:
+    generated = sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+    assert generated, "crds/ is empty: run `huorn crds`"
+    assert sorted(p.name for p in (CHART / "crds").glob("*.yaml")) == generated
+    for name in generated:
+        assert (CHART / "crds" / name).read_text() == (ROOT / "crds" / name).read_text(), (
+            f"helm/huorn/crds/{name} differs from crds/{name}: copy crds/*.yaml into helm/huorn/crds/"
+        )
+        kubernetes_validate.validate(
+            yaml.safe_load((CHART / "crds" / name).read_text()), KUBE_VERSION, strict=True
+        )
+
+
+def test_deployment_runs_non_root_read_only_with_limits() -> None:
+    deployment = _one(_render({}), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert {"cpu", "memory"} <= set(container["resources"]["limits"])
+    assert deployment["spec"]["strategy"]["type"] == "Recreate", "two standalone operators must never overlap"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_rendered_arguments_are_accepted_by_huorn_operator(variant: str) -> None:
+    [container] = _one(_render(VARIANTS[variant]), "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["python", "-m", "huorn.cli.operator"]
+    app = typer.Typer()
+    app.command()(operator_cli.operator_command)
+    command = typer.main.get_command(app)
+    context = command.make_context("huorn-operator", list(container["args"]))  # parses, runs nothing
+    params = context.params
+    values = VARIANTS[variant]
+    assert params["all_namespaces"] is not bool(values.get("watchNamespaces"))
+    assert params["namespace"] == values.get("watchNamespaces", [])
+    assert params["peering"] == (values["peering"]["name"] if "peering" in values else None)
+    assert params["metrics_port"] == values.get("metrics", {}).get("port", 8080)
+
+
+def test_cluster_role_is_least_privilege_and_never_reads_secrets() -> None:
+    rules = _one(_render({}), "ClusterRole")["rules"]
+    granted = {
+        (g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
+    }
+    assert all("*" not in verbs for verbs in granted.values()) and all("*" not in k[1] for k in granted)
+    assert not any(resource in ("secrets", "pods/exec") for _, resource in granted)
+    assert granted[("", "pods")] == {"list", "watch", "create", "patch", "delete"}
+    assert granted[("", "nodes")] == {"list", "watch"}, "nodes are read, never changed"
+    assert granted[("huorn.io", "trainingjobs")] == {"get", "list", "watch", "patch"}
+    assert ("kopf.dev", "clusterkopfpeerings") not in granted
+    ha_rules = _one(_render(VARIANTS["ha"]), "ClusterRole")["rules"]
+    assert any("clusterkopfpeerings" in r["resources"] for r in ha_rules)
+
+
+def test_values_schema_and_guards_reject_bad_values_with_the_field() -> None:
+    chart = helm_python.Chart.load(CHART)
+    with pytest.raises(helm_python.HelmValuesError, match="replicaCount"):
+        chart.render({"replicaCount": "two"}, name="huorn", namespace="x")
+    with pytest.raises(helm_python.HelmValuesError, match="pullPolicy"):
+        chart.render({"image": {"repository": "r", "pullPolicy": "Sometimes"}}, name="huorn", namespace="x")
+    with pytest.raises(helm_python.HelmRenderError, match=r"peering\.enabled"):
+        chart.render({"replicaCount": 3}, name="huorn", namespace="x")
+
+
+def test_notes_say_how_to_use_it() -> None:
+    files = helm_python.Chart.load(CHART).render({}, name="huorn", namespace="huorn-system")
+    notes = next(text for path, text in files.items() if path.endswith("NOTES.txt"))
+    assert "kubectl get trainingjobs" in notes and "all namespaces" in notes
