@@ -15,7 +15,9 @@ from huorn.scheduler import traffic
 from huorn.scheduler.remediation import failslow, hang, ladder, linkmatrix, rebalance
 
 
-def sample(rank: int, entered: int, completed: int, heartbeat: float = 100.0, **kw: object) -> hang.RankSample:
+def sample(
+    rank: int, entered: int, completed: int, heartbeat: float = 100.0, **kw: object
+) -> hang.RankSample:
     return hang.RankSample(rank=rank, seq_entered=entered, seq_completed=completed, heartbeat=heartbeat, **kw)
 
 
@@ -102,7 +104,10 @@ def test_rebalance_of_a_two_x_straggler_matches_falcon_arithmetic() -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.floats(0.5, 3.0), min_size=2, max_size=9), st.lists(st.floats(0.3, 1.0), min_size=2, max_size=3))
+@given(
+    st.lists(st.floats(0.5, 3.0), min_size=2, max_size=9),
+    st.lists(st.floats(0.3, 1.0), min_size=2, max_size=3),
+)
 def test_stage_resplit_is_optimal_over_all_contiguous_splits(costs: list[float], speeds: list[float]) -> None:
     if len(costs) < len(speeds):
         return
