@@ -27,9 +27,14 @@ def compute_usage(ctx: Context, vc: str) -> dict[str, int]:
         on_member = pod.node in members
         if on_member:
             allocated += pod.gpus
-            if pod.virtual_cluster != vc:
+            if pod.virtual_cluster != vc and pod.virtual_cluster in ctx.index.vcs:
                 lent += pod.gpus
-        elif pod.virtual_cluster == vc and pod.node in ctx.index.nodes:
+        elif (
+            pod.virtual_cluster == vc
+            and pod.node in ctx.index.nodes
+            # Borrowed only from another virtual cluster; a node in none lends nothing.
+            and ctx.index.virtual_cluster_of(ctx.index.nodes[pod.node]) not in ("", vc)
+        ):
             borrowed += pod.gpus
     return {
         "nodes": len(members),

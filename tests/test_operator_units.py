@@ -1,0 +1,236 @@
+"""Unit tests of the operator's parts that need no API: backoff (in fake time), manifests,
+the cluster mirror's GPU accounting, validation messages and kstatus conditions."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import kubernetes
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from huorn.backends.kubernetes import manifests, retry
+from huorn.graph import compiler
+from huorn.graph.model import Instance
+from huorn.operator import conditions, index, validation, virtualclusters
+from huorn.operator.context import Context
+from huorn.runtime import launcher
+
+
+def _api_error(status: int, retry_after: str | None = None) -> kubernetes.client.ApiException:
+    exc = kubernetes.client.ApiException(status=status, reason="injected")
+    exc.headers = {"Retry-After": retry_after} if retry_after else {}
+    return exc
+
+
+class Flaky:
+    def __init__(self, *errors: BaseException) -> None:
+        self.errors = list(errors)
+        self.calls = 0
+
+    async def __call__(self) -> str:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return "done"
+
+
+@pytest.mark.looptime
+async def test_backoff_retries_429_and_5xx_with_full_jitter_in_fake_time(looptime) -> None:
+    policy = retry.RetryPolicy(attempts=5, base_delay=1.0, max_delay=8.0)
+    call = Flaky(_api_error(429), _api_error(500), _api_error(503))
+    assert await retry.call_with_retry(call, policy, rng=random.Random(7)) == "done"
+    expected_rng = random.Random(7)
+    expected = sum(policy.delay(attempt, expected_rng) for attempt in range(3))
+    assert call.calls == 4
+    assert float(looptime) == pytest.approx(expected, abs=1e-3)
+
+
+@pytest.mark.looptime
+async def test_backoff_honours_retry_after_but_caps_it(looptime) -> None:
+    policy = retry.RetryPolicy(attempts=3, base_delay=0.1, max_delay=5.0)
+    call = Flaky(_api_error(429, retry_after="3"), _api_error(429, retry_after="120"))
+    assert await retry.call_with_retry(call, policy) == "done"
+    assert float(looptime) == pytest.approx(3 + 5, abs=1e-3)
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize(
+    ("status", "conflicts", "calls"), [(422, True, 1), (404, True, 1), (409, False, 1), (409, True, 2)]
+)
+async def test_refusals_are_not_retried(looptime, status: int, conflicts: bool, calls: int) -> None:
+    policy = retry.RetryPolicy(attempts=2, base_delay=0.5, max_delay=1.0, retry_conflicts=conflicts)
+    call = Flaky(_api_error(status), _api_error(status))
+    with pytest.raises(kubernetes.client.ApiException):
+        await retry.call_with_retry(call, policy)
+    assert call.calls == calls
+
+
+def test_retry_policy_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="attempts"):
+        retry.RetryPolicy(attempts=0)
+    with pytest.raises(ValueError, match="base_delay"):
+        retry.RetryPolicy(base_delay=2, max_delay=1)
+
+
+def _job(**spec: object) -> dict:
+    body = {
+        "apiVersion": "huorn.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "llm", "namespace": "team", "uid": "u-1", "generation": 1},
+        "spec": {
+            "virtualCluster": "train",
+            "elasticity": {"minReplicas": 2, "maxReplicas": 3},
+            "optimization": {"steps": 5},
+            **spec,
+        },
+    }
+    return body
+
+
+def test_store_pod_runs_the_runtimes_store_on_the_service_port() -> None:
+    body = _job()
+    ref = manifests.JobRef.from_body(body)
+    pod = manifests.build_store_pod(ref, Instance("rendezvous", 0), body["spec"])
+    expected = launcher.build_store_command("0.0.0.0", manifests.STORE_PORT, python="python")
+    assert pod["spec"]["containers"][0]["command"] == expected
+    service = manifests.build_store_service(ref)
+    assert service["spec"]["selector"] == {"huorn.io/job": "llm", "huorn.io/vertex": "rendezvous"}
+    assert manifests.rendezvous_endpoint(ref) == f"llm-rdzv.team.svc:{manifests.STORE_PORT}"
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 5)), min_size=1, max_size=30, unique=True))
+def test_pod_names_are_unique_dns_labels_per_instance_generation(instances: list[tuple[int, int]]) -> None:
+    ref = manifests.JobRef("TrainingJob", "a-job", "ns", "uid")
+    names = [manifests.pod_name(ref, Instance("trainer", o, g)) for o, g in instances]
+    assert len(set(names)) == len(names)
+    assert all(len(n) <= 63 and n.replace("-", "").isalnum() and n.islower() for n in names)
+
+
+def test_trainer_pod_pins_the_node_and_mounts_config_and_checkpoints() -> None:
+    body = _job(
+        checkpoint={"volume": "ckpt", "path": "/ckpt"}, resources={"gpus": 0, "cpu": "1", "memory": "1Gi"}
+    )
+    ref = manifests.JobRef.from_body(body)
+    graph = compiler.compile(validation.load_job(body))
+    pod = manifests.build_trainer_pod(ref, graph, Instance("trainer", 1), "node-7", body["spec"], "train")
+    term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["node-7"]
+    limits = pod["spec"]["containers"][0]["resources"]["limits"]
+    assert manifests.GPU_RESOURCE not in limits, "a CPU-only replica asks for no GPU"
+    assert "--nproc-per-node=1" in pod["spec"]["containers"][0]["command"]
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}} in pod["spec"]["volumes"]
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+
+
+def _pod(name: str, node: str, gpus: int, vc: str, phase: str = "Running") -> dict:
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "labels": {"huorn.io/job": name.split("-")[0], "huorn.io/vertex": "trainer"},
+            "annotations": {
+                "huorn.io/node": node,
+                "huorn.io/gpus": str(gpus),
+                "huorn.io/virtual-cluster": vc,
+            },
+        },
+        "spec": {"containers": [{"resources": {"limits": {"cpu": "1"}}}]},
+        "status": {"phase": phase},
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a0", "a1", "b0", "c0"]),
+            st.integers(1, 4),
+            st.sampled_from(["a", "b"]),
+            st.sampled_from(["Running", "Failed", "Pending"]),
+        ),
+        max_size=12,
+    )
+)
+def test_lent_equals_borrowed_and_allocation_counts_only_live_pods(pods: list) -> None:
+    ctx = Context(client=None, post_event=lambda *a: None)  # type: ignore[arg-type]
+    for name, gpus, pool in (("a0", 16, "a"), ("a1", 16, "a"), ("b0", 16, "b"), ("c0", 16, "none")):
+        ctx.index.nodes[name] = index.NodeRecord(name, gpus, {"pool": pool})
+    ctx.index.vcs = {vc: {"members": {"nodeSelector": {"matchLabels": {"pool": vc}}}} for vc in ("a", "b")}
+    for i, (node, gpus, vc, phase) in enumerate(pods):
+        ctx.index.observe_pod(_pod(f"j{i}-trainer-0", node, gpus, vc, phase))
+    usage = {vc: virtualclusters.compute_usage(ctx, vc) for vc in ("a", "b")}
+    assert usage["a"]["lent"] + usage["b"]["lent"] == usage["a"]["borrowed"] + usage["b"]["borrowed"]
+    live_on = {vc: sum(g for n, g, _, p in pods if p != "Failed" and n[0] == vc) for vc in ("a", "b")}
+    assert {vc: u["allocated"] for vc, u in usage.items()} == live_on
+    assert usage["a"]["capacity"] == 32 and usage["b"]["capacity"] == 16
+
+
+def test_snapshot_places_around_pods_and_reservations() -> None:
+    ix = index.ClusterIndex()
+    ix.nodes = {
+        "a0": index.NodeRecord("a0", 4, {"pool": "a"}),
+        "a1": index.NodeRecord("a1", 4, {"pool": "a"}),
+    }
+    ix.vcs = {"a": {"members": {"nodeSelector": {"matchLabels": {"pool": "a"}}}}}
+    ix.observe_pod(_pod("x-trainer-0", "a0", 3, "a"))
+    ix.reserve([index.PodRecord("ns", "y-trainer-0", "y", "trainer", "trainer-0", "a1", 2, 0, "a")])
+    snap = ix.build_snapshot()
+    assert snap.free("a") == 3
+    assert snap.place("a", 2, 2).reason.startswith("needs 4 GPUs")  # 1 free on a0, 2 on a1
+    assert snap.place("a", 1, 2).assignments == ["a1"]
+
+
+def test_validation_names_fields() -> None:
+    with pytest.raises(validation.InvalidSpec, match=r"^spec\.resources\.gpus"):
+        validation.load_job(_job(resources={"gpus": -1}))
+    with pytest.raises(validation.InvalidSpec, match=r"spec\.model\.width"):
+        validation.check_training(validation.load_job(_job(model={"width": 130, "heads": 4})))
+    with pytest.raises(validation.InvalidSpec, match=r"spec\.optimization\.steps"):
+        validation.check_training(validation.load_job(_job(optimization={"globalBatch": 8})))
+    with pytest.raises(validation.InvalidSpec, match=r"spec\.virtualCluster.*team"):
+        validation.check_namespace("team", "train", {"namespaces": ["other"]})
+
+
+def test_conditions_keep_transition_time_until_status_changes() -> None:
+    first = conditions.build_conditions(
+        None, 1, ready=(False, "Placing", "0/2"), reconciling=(True, "Placing", "")
+    )
+    for c in first:
+        c["lastTransitionTime"] = "2020-01-01T00:00:00Z"
+    second = conditions.build_conditions(first, 2, ready=(True, "Running", "2/2"))
+    by_type = {c["type"]: c for c in second}
+    assert by_type["Stalled"]["lastTransitionTime"] == "2020-01-01T00:00:00Z"
+    assert by_type["Ready"]["lastTransitionTime"] != "2020-01-01T00:00:00Z"
+    assert all(c["observedGeneration"] == 2 for c in second)
+    assert conditions.is_true(second, "Ready") and not conditions.is_true(second, "Reconciling")
+
+
+def test_kubeclient_apply_is_create_or_patch(tmp_path) -> None:
+    """Against the emulator: a second apply of the same ConfigMap patches it instead of failing."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from kube.cluster import EmulatedCluster
+
+    from huorn.backends.kubernetes import client as kube
+
+    with EmulatedCluster(tmp_path) as cluster:
+        client = kube.KubeClient(cluster.api_client())
+        ref = manifests.JobRef("TrainingJob", "llm", "team", "uid")
+
+        async def scenario() -> tuple[dict, dict, bool, bool, list]:
+            first = await client.apply(manifests.build_config_map(ref, {"a": 1}))
+            second = await client.apply(manifests.build_config_map(ref, {"a": 2}))
+            gone = await client.delete("ConfigMap", "team", "llm-config")
+            again = await client.delete("ConfigMap", "team", "llm-config")
+            left = await client.list("ConfigMap", "team", {"huorn.io/job": "llm"})
+            return first, second, gone, again, left
+
+        first, second, gone, again, left = asyncio.run(scenario())
+    assert '"a": 1' in first["data"]["config.json"] and '"a": 2' in second["data"]["config.json"]
+    assert (gone, again, left) == (True, False, [])
