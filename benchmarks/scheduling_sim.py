@@ -25,10 +25,13 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/scheduling_sim"))
     parser.add_argument("--sizes", default="128,1024")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--qps-start", default="middle,beginning")
     args = parser.parse_args()
     summary: dict = {}
-    for gpus in (int(g) for g in args.sizes.split(",")):
-        config = engine.SimConfig(gpus=gpus, seed=args.seed)
+    cases = [(int(g), q) for q in args.qps_start.split(",") for g in args.sizes.split(",")]
+    for gpus, qps_start in cases:
+        config = engine.SimConfig(gpus=gpus, seed=args.seed, qps_start=qps_start)
+        tag = f"{gpus} GPUs {qps_start[:5]}"
         results: dict[str, dict] = {}
         sims: dict[str, engine.Simulation] = {}
         cpu: dict[str, float] = {}
@@ -41,14 +44,14 @@ def main() -> None:
             results.update(r)
             sims.update(s)
             results[name]["cpu_seconds"] = cpu[name]
-            print(f"{gpus:>5} GPUs {name:>7}: mean JCT {r[name]['jct_mean_s']:8.0f} s  p99 "
+            print(f"{tag} {name:>7}: mean JCT {r[name]['jct_mean_s']:8.0f} s  p99 "
                   f"{r[name]['jct_p99_s']:8.0f} s  goodput {r[name]['goodput_gpu_equiv']:7.1f}  SLO "
                   f"{r[name]['inference_slo_attainment']:.4f}  preemptions {r[name]['preemptions']:4d}  "
                   f"cpu {cpu[name]:5.1f} s  wall {r[name]['wall_seconds']:5.1f} s", flush=True)
-        report.write_report(args.output / f"gpus{gpus}", results, sims)
+        report.write_report(args.output / f"gpus{gpus}-{qps_start}", results, sims)
         cmp = report.compare(results)
-        summary[gpus] = {"policies": results, "huorn_vs_baselines": cmp}
-        print(f"{gpus:>5} GPUs: Huorn mean JCT {100 * cmp['mean_jct_reduction_vs_best']:.1f} % below "
+        summary[f"{gpus}-{qps_start}"] = {"policies": results, "huorn_vs_baselines": cmp}
+        print(f"{tag}: Huorn mean JCT {100 * cmp['mean_jct_reduction_vs_best']:.1f} % below "
               f"{cmp['best_baseline_by_mean_jct']} (goal ≥ 25 %); goodput {cmp['goodput_vs_fifo']:.2f}× FIFO "
               f"(goal ≥ 1.8×), job goodput {cmp['job_goodput_vs_fifo']:.2f}× FIFO; "
               f"SLO {cmp['inference_slo_attainment']:.4f} (goal ≥ 0.99)", flush=True)

@@ -167,3 +167,16 @@ def test_invariants_hold_over_successive_cycles(case: tuple) -> None:
         for job in jobs:
             job.noise_scale = float(np.clip(job.noise_scale * 2, 0, 1e5))
             job.model_version += 1
+
+
+def test_cooldown_blocks_reversals_but_not_the_next_step() -> None:
+    alloc = allocator.Allocator(allocator.AllocatorConfig(cooldown_seconds=300))
+    snap = build_snapshot()
+    shrunk = build_job("shrunk", replicas=2, last_resize=0.0, last_direction=-1)
+    where = snap.place("train", 2, 1)
+    snap.assume("shrunk", "train", where, 1)
+    # Just shrunk: no regrowth inside the cooldown even with the whole cluster idle.
+    assert alloc.allocate(snap, [shrunk], 10.0)[0].action == "keep"
+    # After the cooldown the idle GPUs are worth a restart.
+    grown = alloc.allocate(snap, [shrunk], 400.0)[0]
+    assert grown.action == "grow" and grown.replicas > 2

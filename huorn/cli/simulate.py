@@ -32,6 +32,7 @@ def simulate(
     seed: int = typer.Option(0, "--seed", help="Seeds node choice, task sampling and telemetry noise."),
     load: float = typer.Option(0.8, "--load", help="Offered training load over the arrival window."),
     inference_share: float = typer.Option(0.25, "--inference-share", help="Share of GPUs for inference."),
+    qps_start: str = typer.Option("middle", "--qps-start", help="QPS series start: middle, beginning."),
     output: Path = typer.Option(Path("sim-report"), "--output", help="Directory for report.json and plots."),
     fmt: str = typer.Option("table", "-o", "--output-format", help="table, json or yaml on stdout."),
 ) -> None:
@@ -46,7 +47,8 @@ def simulate(
         for flag, path in (("--trace", trace), ("--nodes", nodes), ("--qps", qps)):
             if not path.is_file():
                 raise ValueError(f"{flag} {path}: no such file")
-        config = engine.SimConfig(gpus=gpus, seed=seed, inference_share=inference_share, load=load)
+        config = engine.SimConfig(gpus=gpus, seed=seed, inference_share=inference_share, load=load,
+                                  qps_start=qps_start)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                       TimeElapsedColumn(), console=err) as bar:
             tasks = {n: bar.add_task(f"{n:>7}", total=1.0) for n in names}

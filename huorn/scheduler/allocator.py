@@ -15,7 +15,8 @@ jobs of any size. One cycle runs in two passes against a ClusterSnapshot:
 
 Flapping is priced, not forbidden: any size other than a running job's current one is discounted
 by the restart it costs (restart seconds over the planning horizon) plus a hysteresis margin, and
-inside a cooldown after its last resize a job may only shrink if the minimums pass forces it.
+inside a cooldown after its last resize a job may not reverse it: no regrowth after a shrink, and
+no shrink after a growth unless the minimums pass forces it.
 
 Budgets come from the snapshot with every managed job lifted off: each virtual cluster's own free
 GPUs, plus what it may borrow (its borrowing limit, and what lenders still lend). The counts are
@@ -52,6 +53,7 @@ class JobView:
     max_local_batch: float = 256.0
     restart_seconds: float = 60.0
     last_resize: float = -math.inf
+    last_direction: int = 0  # +1 the last resize grew the job, -1 it shrank it
     submitted: float = 0.0
     model_version: int = 0  # bump when perf or noise_scale change, so cached tables are rebuilt
 
@@ -205,7 +207,12 @@ class Allocator:
             v *= max(0.0, 1.0 - penalty)
             v[cur] = keep
             if now - job.last_resize < self.config.cooldown_seconds:
-                v[cur + 1:] = 0.0  # no voluntary growth in the cooldown
+                # Flapping is a reversal: no regrowth right after a shrink, and no voluntary shrink
+                # right after a growth (the minimums pass can still force one).
+                if job.last_direction < 0:
+                    v[cur + 1:] = 0.0
+                elif job.last_direction > 0:
+                    v[1:cur] = 0.0
         return v
 
     @staticmethod

@@ -29,6 +29,7 @@ class SimConfig:
     load: float = 0.8
     tick_seconds: float = 60.0
     reclaim_grace_seconds: float = 30.0
+    qps_start: str = "middle"  # where the QPS series starts playing: middle or beginning
 
     def __post_init__(self) -> None:
         if self.gpus < 8:
@@ -37,6 +38,8 @@ class SimConfig:
             raise ValueError(f"inference_share must lie in (0, 1), got {self.inference_share}")
         if not self.load > 0:
             raise ValueError(f"load must be > 0, got {self.load}")
+        if self.qps_start not in ("middle", "beginning"):
+            raise ValueError(f"qps_start must be middle or beginning, got {self.qps_start!r}")
 
 
 @dataclass

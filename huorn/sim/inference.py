@@ -1,9 +1,12 @@
 """The inference virtual cluster's load: the GenAI QPS series, its GPU need, and the board's forecast.
 
-The series is played in simulated seconds, 5-minute bins, starting halfway through so that the
-first 11 hours are out of the sample the forecaster was fitted on (its first half); after the end
-it wraps around. Its rate is scaled so the peak needs 90 % of the inference cluster with 10 %
-headroom: the cluster is sized for its peak, as inference clusters are, and so idles at night.
+The series is played in simulated seconds, in 5-minute bins, and the forecaster never sees the half
+it is first tested on: with `start="middle"` it is fitted on the first half and play starts at the
+midpoint (a quiet night first, the busy day about 12 h in); with `start="beginning"` it is fitted
+on the second half and play starts at the beginning (the busy day arrives within the first hour,
+on top of the training burst: the adversarial phase). After the end the series wraps around.
+Its rate is scaled so the peak needs 90 % of the inference cluster with 10 % headroom: the cluster
+is sized for its peak, as inference clusters are, and so idles at night.
 """
 
 from __future__ import annotations
@@ -20,14 +23,19 @@ HEADROOM = 0.1
 
 
 class InferenceLoad:
-    def __init__(self, qps_csv: Path, gpus: int, seed: int = 0):
+    def __init__(self, qps_csv: Path, gpus: int, seed: int = 0, start: str = "middle"):
         times, rate = forecast.load_qps_series(qps_csv)
         self.gpus = gpus
         self.rate = rate
         self.bin_seconds = forecast.ForecastConfig().bin_seconds
-        self.offset = len(rate) // 2
         half = len(rate) // 2
-        board = forecast.LoadForecaster(seed=seed).fit(times[:half], rate[:half])
+        if start == "middle":
+            self.offset, fit = half, slice(0, half)
+        elif start == "beginning":
+            self.offset, fit = 0, slice(half, len(rate))
+        else:
+            raise ValueError(f"qps start {start!r} is unknown; use middle or beginning")
+        board = forecast.LoadForecaster(seed=seed).fit(times[fit], rate[fit])
         self.rate_per_gpu = max(float(rate.max()), 1e-9) * (1 + HEADROOM) / (PEAK_SHARE * max(gpus, 1))
         self.need = forecast.gpus_needed(rate, self.rate_per_gpu, HEADROOM)
         peak = board.predict_series(times, rate)

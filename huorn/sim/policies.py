@@ -108,7 +108,7 @@ def _huorn_reclaim(sim: Simulation, excess: int, why: str) -> None:
             where = sim.snap.place(TRAIN, keep, js.job.family.gpus_per_replica)
             if isinstance(where, placement.Placement):
                 sim.bind(js, where, keep, js.local_batch, restart=True)
-                js.last_resize = sim.now
+                js.last_resize, js.last_direction = sim.now, -1
             else:
                 js.sync(sim.now)
                 js.status, js.replicas, js.on_lender, js.rate = "pending", 0, 0, 0.0
@@ -144,7 +144,7 @@ def _schedule_elastic(sim: Simulation) -> None:
             js.job.name, TRAIN, js.belief, fam.gpus_per_replica, js.job.min_replicas, js.job.max_replicas,
             replicas=js.replicas, noise_scale=js.noise_scale, base_batch=fam.base_batch,
             max_local_batch=fam.max_local_batch, restart_seconds=fam.restart_seconds,
-            last_resize=js.last_resize, submitted=js.job.arrival,
+            last_resize=js.last_resize, last_direction=js.last_direction, submitted=js.job.arrival,
             model_version=js.model_version * 1000 + int(4 * math.log1p(js.noise_scale))))
     for d in sim.allocator.allocate(sim.snap, views, sim.now):
         js = sim.by_name[d.job]
@@ -170,4 +170,4 @@ def _schedule_elastic(sim: Simulation) -> None:
         local = d.local_batch or max(1.0, js.job.family.base_batch / d.replicas)
         js.configure(d.replicas, where.nodes_spanned, local, sim.now, restart=True)
         if d.action in ("grow", "shrink"):
-            js.last_resize = sim.now
+            js.last_resize, js.last_direction = sim.now, 1 if d.action == "grow" else -1

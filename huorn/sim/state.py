@@ -37,6 +37,7 @@ class JobState:
     busy_until: float = 0.0  # restarting until then: holds GPUs, makes no progress
     config_since: float = 0.0
     last_resize: float = -math.inf
+    last_direction: int = 0
     admitted_at: float = 0.0
     started: float | None = None
     finished: float | None = None
