@@ -1,0 +1,134 @@
+"""Elastic training under real torchrun agents: the launcher's command line, killing a replica's
+whole process tree, and the acceptance scenario (2 replicas, a third joins, the rank-0 replica is
+SIGKILLed; training resumes from the last checkpoint with no gap or repeat and the loss curve of
+an uninterrupted run)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import runtime_harness as harness
+
+from huorn.runtime import launcher
+
+LOSS_TOLERANCE = 1e-4  # max |Δloss| per step against the uninterrupted single-process run
+
+
+def _settings(port: int, replica: int, min_nodes: int = 2) -> launcher.ElasticSettings:
+    return launcher.ElasticSettings(min_nodes=min_nodes, max_nodes=3, rdzv_endpoint=f"127.0.0.1:{port}",
+                                    rdzv_id="acceptance", local_addr=launcher.replica_address(replica))
+
+
+def test_torchrun_command_carries_the_recovery_settings() -> None:
+    command = launcher.build_torchrun_command("/cfg.json", _settings(29400, 1), python="py")
+    assert command[:3] == ["py", "-m", "torch.distributed.run"]
+    assert "--nnodes=2:3" in command and "--rdzv-backend=c10d" in command
+    assert "--rdzv-endpoint=127.0.0.1:29400" in command and "--local-addr=127.0.0.3" in command
+    rdzv_conf = next(c for c in command if c.startswith("--rdzv-conf=")).removeprefix("--rdzv-conf=")
+    conf = dict(kv.split("=") for kv in rdzv_conf.split(","))
+    assert conf["is_host"] == "false" and conf["last_call_timeout"] == "2"
+    assert conf["keep_alive_interval"] == "1" and conf["keep_alive_max_attempt"] == "3"
+    assert command[-4:] == ["-m", "huorn.runtime.train", "--config", "/cfg.json"]
+    env = launcher.build_agent_env("b", {"PATH": "/bin"})
+    assert env["HUORN_REPLICA"] == "b" and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    with pytest.raises(ValueError, match="min_nodes"):
+        launcher.ElasticSettings(min_nodes=3, max_nodes=2, rdzv_endpoint="h:1", rdzv_id="x")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        launcher.ElasticSettings(min_nodes=1, max_nodes=2, rdzv_endpoint="h", rdzv_id="x")
+
+
+def test_killing_a_replica_kills_its_whole_tree() -> None:
+    # The child starts its own session, as torchrun's workers do, and would outlive its parent.
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+                               "'import time; time.sleep(300)'], start_new_session=True); time.sleep(300)"])
+    harness.wait_for(lambda: psutil.Process(parent.pid).children(), 60, "the grandchild to start")
+    child = psutil.Process(parent.pid).children()[0]
+    killed = launcher.kill_process_tree(parent.pid)
+    assert set(killed) == {parent.pid, child.pid}
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    assert launcher.kill_process_tree(parent.pid) == []
+
+
+def _last_step(run_dir: Path) -> int:
+    steps = harness.steps_of(harness.read_events(run_dir))
+    return steps[-1]["step"] if steps else 0
+
+
+def _first_step_after(run_dir: Path, since: float, world: int) -> float | None:
+    """Time of the first step logged by an attempt at `world` that started after `since`."""
+    for attempt in harness.split_attempts(harness.read_events(run_dir)):
+        if attempt["start"]["time"] > since and attempt["start"]["world_size"] == world and attempt["steps"]:
+            return attempt["steps"][0]["time"]
+    return None
+
+
+@pytest.mark.slow
+def test_a_joining_and_a_killed_replica_keep_the_run_exact(tmp_path: Path) -> None:
+    data = harness.shared_data_dir()
+    steps = 60
+    spec = harness.build_spec(steps=steps, interval_steps=5, min_replicas=2)
+    # Pace the steps (100 ms of injected compute each) so the scenario fits in the run on any machine.
+    config = harness.write_config(tmp_path, data, spec, faults=[{"kind": "slow-compute", "ms": 100}])
+    store, port = harness.start_store(tmp_path)
+    run_dir = tmp_path / "run"
+    agents: dict[int, subprocess.Popen] = {}
+    try:
+        for replica in (0, 1):
+            agents[replica] = harness.start_agent(config, _settings(port, replica), f"r{replica}",
+                                                  tmp_path / f"agent{replica}.log")
+        harness.wait_for(lambda: _last_step(run_dir) >= 8, 240, "8 steps at world size 2")
+
+        joined_at = time.time()
+        agents[2] = harness.start_agent(config, _settings(port, 2), "r2", tmp_path / "agent2.log")
+        harness.wait_for(lambda: _first_step_after(run_dir, joined_at, 3), 240, "the third replica to join")
+        at_three = _last_step(run_dir)
+        harness.wait_for(lambda: _last_step(run_dir) >= at_three + 8, 240, "8 steps at world size 3")
+
+        # Kill the replica that holds rank 0 (the one a shared-store setup could not lose).
+        ranks = {json.loads(p.read_text())["rank"]: json.loads(p.read_text())["replica"]
+                 for p in (run_dir / "endpoints").glob("*.json")}
+        victim = int(ranks[0].removeprefix("r"))
+        killed_at, killed_step = time.time(), _last_step(run_dir)
+        assert launcher.kill_process_tree(agents[victim].pid)
+        recovered = harness.wait_for(lambda: _first_step_after(run_dir, killed_at, 2), 240, "recovery at 2")
+        for replica, agent in agents.items():
+            if replica != victim:
+                assert agent.wait(timeout=300) == 0, (tmp_path / f"agent{replica}.log").read_text()[-3000:]
+    finally:
+        for agent in agents.values():
+            launcher.kill_process_tree(agent.pid)
+        launcher.kill_process_tree(store.pid)
+
+    events = harness.read_events(run_dir)
+    attempts = harness.split_attempts(events)
+    assert [a["start"]["world_size"] for a in attempts] == [2, 3, 2]
+    # The join is a graceful hand-over: a SIGTERM checkpoint at the last step, nothing lost.
+    assert attempts[1]["start"]["resumed_from"] == attempts[0]["steps"][-1]["step"]
+    # The kill loses the steps since the last periodic checkpoint, and only those.
+    resumed = attempts[2]["start"]["resumed_from"]
+    assert resumed % 5 == 0 and killed_step - 5 <= resumed <= attempts[1]["steps"][-1]["step"]
+    for attempt in attempts:  # within an attempt: consecutive from the resume point, no gap, no repeat
+        numbers = [s["step"] for s in attempt["steps"]]
+        assert numbers == list(range(attempt["start"]["resumed_from"] + 1, attempt["start"]["resumed_from"]
+                                     + 1 + len(numbers)))
+    history = harness.effective_steps(events)
+    assert sorted(history) == list(range(1, steps + 1))
+
+    # The same job uninterrupted, in one process, with the same seed.
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    reference_config = harness.write_config(reference_dir, data, spec)
+    assert harness.start_trainer(reference_config, reference_dir / "train.log").wait(timeout=300) == 0
+    reference = harness.effective_steps(harness.read_events(reference_dir / "run"))
+    worst = max(abs(history[s]["loss"] - reference[s]["loss"]) for s in range(1, steps + 1))
+    assert worst < LOSS_TOLERANCE
+    print(f"\njoin: {attempts[1]['steps'][0]['time'] - joined_at:.1f} s from agent start to a step at 3; "
+          f"recovery: {recovered - killed_at:.1f} s from SIGKILL to a step at 2; "
+          f"lost steps: {killed_step - resumed}; max |Δloss| vs uninterrupted: {worst:.2e}")
