@@ -1,0 +1,84 @@
+"""Simulator inputs: the trace rules of huorn.sim.workload on small hand-made CSVs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from huorn.sim import inference, workload
+
+HEADER = ("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,"
+          "creation_time,deletion_time,scheduled_time\n")
+
+
+def write_pods(path: Path, rows: list[str]) -> Path:
+    path.write_text(HEADER + "".join(r + "\n" for r in rows))
+    return path
+
+
+def test_training_pods_are_the_gpu_be_and_burstable_ones(tmp_path: Path) -> None:
+    pods = write_pods(tmp_path / "p.csv", [
+        "a,1000,1,1,1000,,BE,Running,0,100,0",
+        "b,1000,1,1,460,,Burstable,Failed,10,50,10",  # shared GPU: one whole GPU
+        "c,1000,1,0,0,,BE,Running,20,90,20",  # no GPU: left out
+        "d,1000,1,1,1000,,LS,Running,30,900,30",  # a service: the inference cluster's part
+        "e,1000,1,8,1000,,BE,Running,40,4000,40",
+    ])
+    jobs = workload.load_jobs(pods, 1024, 768, 0.8, seed=0)
+    assert [j.name for j in jobs] == ["a", "b", "e"]
+    assert [j.requested_gpus for j in jobs] == [1, 1, 8]
+    assert [j.duration for j in jobs] == [100, 40, 3960]
+    assert jobs[2].family.name == "llm" and jobs[2].requested_replicas == 1
+    assert all(j.min_replicas == 1 and j.max_replicas >= j.requested_replicas for j in jobs)
+
+
+def test_compression_sets_the_offered_load(tmp_path: Path) -> None:
+    rows = [f"j{i},1,1,1,1000,,BE,Running,{i * 1000},{i * 1000 + 500},0" for i in range(200)]
+    jobs = workload.load_jobs(write_pods(tmp_path / "p.csv", rows), 1024, 10, 0.8, seed=0)
+    window = max(j.arrival for j in jobs)
+    offered = sum(min(j.duration, window - j.arrival) for j in jobs) / (10 * window)
+    assert offered == pytest.approx(0.8, rel=0.02)
+    assert window < 199 * 1000  # compressed
+
+
+def test_family_assignment_is_stable_and_seeded_curves_differ(tmp_path: Path) -> None:
+    rows = [f"j{i},1,1,1,1000,,BE,Running,{i},{i + 100},0" for i in range(300)]
+    pods = write_pods(tmp_path / "p.csv", rows)
+    first = workload.load_jobs(pods, 1024, 100, 0.8, seed=0)
+    second = workload.load_jobs(pods, 1024, 100, 0.8, seed=1)
+    assert [j.family.name for j in first] == [j.family.name for j in second]
+    shares = {f: sum(j.family.name == f for j in first) / len(first) for f, _ in workload.MIX}
+    assert shares["cnn"] == pytest.approx(0.35, abs=0.1)
+    assert first[0].truth != second[0].truth
+
+
+def test_nodes_are_trimmed_to_the_gpu_count(tmp_path: Path) -> None:
+    nodes_csv = tmp_path / "n.csv"
+    rows = "".join(f"n{i},1,1,8,T4\n" for i in range(4))
+    nodes_csv.write_text("sn,cpu_milli,memory_mib,gpu,model\n" + rows)
+    nodes = workload.load_nodes(nodes_csv, 20, seed=0)
+    assert sum(n.gpus for n in nodes) == 20
+    with pytest.raises(workload.TraceError, match="fewer than the 64"):
+        workload.load_nodes(nodes_csv, 64, seed=0)
+
+
+def test_malformed_rows_name_line_and_column(tmp_path: Path) -> None:
+    pods = write_pods(tmp_path / "p.csv", ["a,1,1,1,1000,,BE,Running,50,10,0"])
+    with pytest.raises(workload.TraceError, match=r"p.csv:2: column 'deletion_time'"):
+        workload.load_jobs(pods, 1024, 10, 0.8, seed=0)
+    empty = write_pods(tmp_path / "e.csv", ["a,1,1,1,1000,,LS,Running,0,10,0"])
+    with pytest.raises(workload.TraceError, match="no training pods"):
+        workload.load_jobs(empty, 1024, 10, 0.8, seed=0)
+
+
+@pytest.mark.skipif(not Path("/work/shared/data/genai_qps.csv").exists(), reason="no shared QPS trace")
+def test_inference_cluster_is_sized_for_its_peak() -> None:
+    load = inference.InferenceLoad(Path("/work/shared/data/genai_qps.csv"), 32)
+    assert load.need.max() == pytest.approx(0.9 * 32, abs=1)
+    assert np.all(load.forecast_need >= load.need)
+    assert load.need_at(0) == load.need[len(load.rate) // 2]
+    assert load.bin_of(load.bin_seconds * len(load.rate)) == load.bin_of(0)  # wraps around
+    with pytest.raises(ValueError, match="qps start"):
+        inference.InferenceLoad(Path("/work/shared/data/genai_qps.csv"), 32, start="noon")
