@@ -87,3 +87,22 @@ def test_bad_inputs_name_the_field() -> None:
         perfmodel.PerfModel("cnn", gpu_type="TPU")
     with pytest.raises(ValueError, match="nodes"):
         perfmodel.PerfModel("cnn").observe(perfmodel.Sample(1, 2, 8, 0.1))
+
+
+def test_residual_regressor_is_kept_only_where_the_form_misses() -> None:
+    truth = perfmodel.PolluxParams(0.02, 0.004, 0.05, 0.004, 0.2, 0.02, 2.0)
+    rng = np.random.default_rng(1)
+    pollux_shaped = perfmodel.PerfModel("transformer")
+    for replicas in (1, 2, 4, 8, 16):
+        for batch in (4, 8, 16, 32):
+            nodes = max(1, replicas // 8)
+            t = float(perfmodel.predict_step_time(truth, replicas, nodes, batch)) * rng.lognormal(0, 0.01)
+            pollux_shaped.observe(perfmodel.Sample(replicas, nodes, batch, t))
+    pollux_shaped.fit()
+    assert pollux_shaped._residual is None  # the parametric form already explains the data
+
+    measured = perfmodel.PerfModel("transformer-tiny", gpu_type="cpu")
+    for s in load_samples():
+        measured.observe(s)
+    measured.fit()
+    assert measured._residual is not None  # shared-core contention is outside the Pollux form
