@@ -3,7 +3,6 @@ stand-alone rendezvous store, torchrun agents as "replicas", and readers of the 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from huorn.runtime import config as run_config
-from huorn.runtime import launcher
+from huorn.runtime import launcher, steplog
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,63 +57,19 @@ def start_trainer(config: Path, log: Path) -> subprocess.Popen:
 
 
 def start_store(tmp: Path) -> tuple[subprocess.Popen, int]:
-    port_file = tmp / "store.port"
-    with open(tmp / "store.log", "ab") as out:
-        process = subprocess.Popen(launcher.build_store_command("127.0.0.1", 0, port_file), cwd=REPO,
-                                   env=child_env(), stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-    wait_for(port_file.exists, 60, "the rendezvous store to write its port")
-    return process, int(port_file.read_text())
+    return launcher.start_store(tmp, env=child_env())
 
 
 def start_agent(config: Path, settings: launcher.ElasticSettings, replica: str,
                 log: Path) -> subprocess.Popen:
     """One torchrun agent in its own session, like a pod: killing it means killing its tree."""
-    command = launcher.build_torchrun_command(config, settings)
-    env = launcher.build_agent_env(replica, child_env())
-    with open(log, "ab") as out:
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    return launcher.start_agent(config, settings, replica, log, env=child_env())
 
 
-def read_events(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / run_config.STEPS_FILE
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except ValueError:
-            continue
-    return events
-
-
-def steps_of(events: list[dict]) -> list[dict]:
-    return [e for e in events if e.get("event") == "step"]
-
-
-def split_attempts(events: list[dict]) -> list[dict]:
-    """Group the log by worker start: each attempt has its resume step and the steps it logged."""
-    attempts: list[dict] = []
-    for event in events:
-        if event.get("event") == "start":
-            attempts.append({"start": event, "steps": []})
-        elif event.get("event") == "step" and attempts:
-            attempts[-1]["steps"].append(event)
-    return attempts
-
-
-def effective_steps(events: list[dict]) -> dict[int, dict]:
-    """The step history that counts: a later attempt that resumed from step k overrides whatever
-    an earlier attempt logged after k (that work was lost with the crash)."""
-    history: dict[int, dict] = {}
-    for attempt in split_attempts(events):
-        resumed = attempt["start"]["resumed_from"]
-        history = {k: v for k, v in history.items() if k <= resumed}
-        for step in attempt["steps"]:
-            history[step["step"]] = step
-    return history
+read_events = steplog.read_events
+steps_of = steplog.steps_of
+split_attempts = steplog.split_attempts
+effective_steps = steplog.effective_steps
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, period: float = 0.2) -> object:

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import runtime_harness as harness
 
-from huorn.runtime import launcher
+from huorn.runtime import launcher, steplog
 
 LOSS_TOLERANCE = 1e-4  # max |Δloss| per step against the uninterrupted single-process run
 
@@ -56,17 +56,8 @@ def test_killing_a_replica_kills_its_whole_tree() -> None:
     assert launcher.kill_process_tree(parent.pid) == []
 
 
-def _last_step(run_dir: Path) -> int:
-    steps = harness.steps_of(harness.read_events(run_dir))
-    return steps[-1]["step"] if steps else 0
-
-
-def _first_step_after(run_dir: Path, since: float, world: int) -> float | None:
-    """Time of the first step logged by an attempt at `world` that started after `since`."""
-    for attempt in harness.split_attempts(harness.read_events(run_dir)):
-        if attempt["start"]["time"] > since and attempt["start"]["world_size"] == world and attempt["steps"]:
-            return attempt["steps"][0]["time"]
-    return None
+_last_step = steplog.last_step
+_first_step_after = steplog.first_step_after
 
 
 @pytest.mark.slow
@@ -132,3 +123,14 @@ def test_a_joining_and_a_killed_replica_keep_the_run_exact(tmp_path: Path) -> No
     print(f"\njoin: {attempts[1]['steps'][0]['time'] - joined_at:.1f} s from agent start to a step at 3; "
           f"recovery: {recovered - killed_at:.1f} s from SIGKILL to a step at 2; "
           f"lost steps: {killed_step - resumed}; max |Δloss| vs uninterrupted: {worst:.2e}")
+
+
+def test_effective_history_drops_steps_lost_with_a_crash() -> None:
+    def step(n: int, loss: float) -> dict:
+        return {"event": "step", "step": n, "loss": loss}
+
+    events = [{"event": "start", "resumed_from": 0}, step(1, 9.0), step(2, 8.0), step(3, 7.5),
+              {"event": "start", "resumed_from": 2}, step(3, 7.0), step(4, 6.0)]
+    history = steplog.effective_steps(events)
+    assert sorted(history) == [1, 2, 3, 4] and history[3]["loss"] == 7.0
+    assert [a["start"]["resumed_from"] for a in steplog.split_attempts(events)] == [0, 2]

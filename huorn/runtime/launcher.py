@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,3 +139,32 @@ def kill_process_tree(pid: int, timeout: float = 10.0) -> list[int]:
             process.kill()
     psutil.wait_procs(victims, timeout=timeout)
     return [p.pid for p in victims]
+
+
+def start_store(directory: Path, host: str = "127.0.0.1", env: dict[str, str] | None = None,
+                timeout: float = 60.0) -> tuple[subprocess.Popen, int]:
+    """Start the stand-alone rendezvous store in its own session; returns it and its port."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    port_file = directory / "store.port"
+    port_file.unlink(missing_ok=True)
+    with open(directory / "store.log", "ab") as log:
+        process = subprocess.Popen(build_store_command(host, 0, port_file), env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            kill_process_tree(process.pid)
+            raise RuntimeError(f"the rendezvous store did not start; see {directory / 'store.log'}")
+        time.sleep(0.1)
+    return process, int(port_file.read_text())
+
+
+def start_agent(config_path: Path | str, settings: ElasticSettings, replica: str, log_path: Path | str,
+                env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start one torchrun agent (one replica) in its own session, as a pod would be; stop it with
+    kill_process_tree (hard) or SIGTERM to the agent (graceful: checkpoint, then exit)."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(build_torchrun_command(config_path, settings),
+                                env=build_agent_env(replica, env), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)

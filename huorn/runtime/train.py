@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -165,8 +166,11 @@ class Trainer:
     def run(self) -> int:
         port = self.start_telemetry()
         step = self.resume()
+        # process_started lets a harness split a recovery into "until the new worker exists" and
+        # "worker start-up, rendezvous of the process group and checkpoint load".
         self.log({"event": "start", "resumed_from": step, "world_size": self.world, "global_batch":
-                  self.plan.global_batch, "restart_count": self.restart_count, "telemetry_port": port})
+                  self.plan.global_batch, "restart_count": self.restart_count, "telemetry_port": port,
+                  "process_started": psutil.Process().create_time()})
         signal.signal(signal.SIGTERM, self._request_stop)
         interval_steps = self.spec.checkpoint.interval_steps
         interval_s = self.cfg.checkpoint_interval_s()
