@@ -17,9 +17,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def build_spec(steps: int = 20, interval_steps: int | None = 5, global_batch: int = 12, micro_batch: int = 2,
-               min_replicas: int = 1, max_replicas: int = 3, seed: int = 7, **optimization: object) -> dict:
+               min_replicas: int = 1, max_replicas: int = 3, seed: int = 7, task: dict | None = None,
+               **optimization: object) -> dict:
     """A TrainingJob spec (wire form) small enough to train on a loaded 2-core machine."""
     return {
+        **({"task": task} if task else {}),
         "virtualCluster": "test",
         "elasticity": {"minReplicas": min_replicas, "maxReplicas": max_replicas},
         "model": {"layers": 2, "width": 32, "heads": 2, "context": 32},

@@ -44,6 +44,15 @@ def test_loss_goes_down_on_the_shipped_corpora(tmp_path: Path, data_dir: Path) -
     assert [e["reason"] for e in events if e["event"] == "checkpoint"] == ["periodic", "final"]
     assert events[-1] == {**events[-1], "event": "done", "step": 40}
 
+    # Continual pre-training from those weights starts where this run ended, not from scratch.
+    task = {"kind": "cpt", "initCheckpoint": str(tmp_path / "ckpt")}
+    (tmp_path / "cpt").mkdir()
+    cpt_spec = harness.build_spec(steps=2, interval_steps=None, task=task)
+    cpt = harness.write_config(tmp_path / "cpt", data_dir, cpt_spec)
+    assert harness.start_trainer(cpt, tmp_path / "cpt.log").wait(timeout=240) == 0
+    first = harness.steps_of(harness.read_events(tmp_path / "cpt" / "run"))[0]
+    assert first["loss"] < steps[0]["loss"] - 1.0
+
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_within_the_grace_period_and_a_restart_resumes(tmp_path: Path,
@@ -95,6 +104,9 @@ def test_run_config_round_trips_and_resolves_defaults(tmp_path: Path) -> None:
     del tokens["optimization"]["steps"]
     assert run_config.RunConfig.model_validate(
         {"jobName": "t", "spec": tokens, "runDir": "/r"}).total_steps() == 6
+    distill = harness.build_spec(task={"kind": "distill", "teacher": {"checkpoint": "/t"}})
+    with pytest.raises(ValueError, match=r"spec\.task\.kind"):
+        run_config.RunConfig.model_validate({"jobName": "t", "spec": distill, "runDir": "/r"})
     with pytest.raises(ValueError, match="telemetryPort"):
         (tmp_path / "p.json").write_text('{"jobName": "t", "runDir": "/r", "telemetryPort": 70000, '
                                          '"spec": {"virtualCluster": "v", "optimization": {"steps": 1}}}')

@@ -54,6 +54,18 @@ def find_latest(root: Path) -> Path | None:
     return max(candidates, key=lambda p: p.name, default=None)
 
 
+def resolve(path: Path) -> Path:
+    """A checkpoint directory itself, or the newest complete one under a checkpoint root."""
+    path = Path(path)
+    if is_complete(path):
+        return path
+    latest = find_latest(path)
+    if latest is None:
+        raise ValueError(f"{path} holds no complete Huorn checkpoint (neither a step-* directory with "
+                         f".metadata and {META}, nor a root with one)")
+    return latest
+
+
 def read_meta(path: Path) -> dict:
     return json.loads((Path(path) / META).read_text())
 

@@ -77,6 +77,12 @@ class RunConfig(base.ApiModel):
                 f"spec.optimization.globalBatch ({opt.global_batch}) must be a multiple of microBatch "
                 f"({opt.micro_batch}); change one of them"
             )
+        if self.spec.task.kind == training.TaskKind.DISTILL:
+            raise ValueError("spec.task.kind: this trainer runs pretrain and cpt; distill (DDK) is not "
+                             "part of it yet, so set kind: pretrain or cpt")
+        if self.spec.task.kind == training.TaskKind.CPT and not self.spec.task.init_checkpoint:
+            raise ValueError("spec.task.initCheckpoint: cpt continues from existing weights; set it to "
+                             "a checkpoint directory (or a checkpoint root with a `latest`)")
         if self.step_limit is None and opt.steps is None and opt.tokens is None:
             raise ValueError("set spec.optimization.steps or spec.optimization.tokens (or the run "
                              "config's stepLimit): the trainer needs to know when to stop")

@@ -104,17 +104,21 @@ class Trainer:
             checkpoint.remove_stale_temporaries(root)
         latest = checkpoint.find_latest(root) if self.rank == 0 else None
         latest = comm.broadcast_object(str(latest) if latest else None, self.hook_state)
-        if latest is None:
-            return 0
-        meta = checkpoint.load_checkpoint(Path(latest), self.model, self.optimizer)
-        return int(meta["step"])
+        if latest is not None:
+            return int(checkpoint.load_checkpoint(Path(latest), self.model, self.optimizer)["step"])
+        if self.spec.task.init_checkpoint:
+            # Continual pre-training starts from another run's weights, with a fresh optimizer
+            # and step 0; once this run has its own checkpoint, that one wins on restart.
+            source = checkpoint.resolve(Path(self.spec.task.init_checkpoint))
+            checkpoint.load_checkpoint(source, self.model, None)
+        return 0
 
     def save(self, step: int, reason: str) -> None:
         started = time.monotonic()
         path = checkpoint.save_checkpoint(
             self.cfg.checkpoint_root, step, self.model, self.optimizer,
             {"world_size": self.world, "job": self.cfg.job_name, "seed": self.spec.data.seed,
-             "global_batch": self.plan.global_batch},
+             "global_batch": self.plan.global_batch, "model": self.spec.model.to_wire()},
             self.rank, lambda: comm.barrier(self.hook_state), keep=self.cfg.keep_checkpoints)
         self.last_checkpoint_time = time.monotonic()
         self.log({"event": "checkpoint", "step": step, "reason": reason, "path": str(path),
