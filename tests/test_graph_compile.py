@@ -122,3 +122,33 @@ def test_waiting_vertex_has_no_desired_resources_until_activated() -> None:
     assert not [r for r in desired.build_desired(g) if r.vertex == "eval"]
     mutate.set_active(g, "eval", True, reason="checkpoint landed")
     assert [r.name for r in desired.build_desired(g) if r.vertex == "eval"] == ["demo-eval-0"]
+
+
+def test_producers_are_created_before_consumers_whatever_their_names() -> None:
+    g = graph.compile(build_training())
+    # Rename so the store would sort after the trainer alphabetically.
+    store = g.vertices.pop("rendezvous")
+    store.name = "zz-store"
+    store.instances = [model.Instance("zz-store", 0)]
+    g.vertices["zz-store"] = store
+    g.edges[0].source = "zz-store"
+    order = [r.vertex for r in desired.build_desired(g) if r.kind == "instance"]
+    assert order == ["zz-store", "trainer"]
+    rl = graph.compile(
+        {
+            "apiVersion": "huorn.io/v1alpha1",
+            "kind": "RLJob",
+            "metadata": {"name": "rl"},
+            "spec": {
+                "virtualCluster": "train",
+                "roles": {"environment": {"replicas": 1}, "reward": {"replicas": 1}},
+            },
+        }
+    )
+    order = [r.vertex for r in desired.build_desired(rl) if r.kind == "instance"]
+    assert (
+        order.index("environment")
+        < order.index("rollout")
+        < order.index("reward")
+        < order.index("actor-train")
+    )

@@ -179,3 +179,18 @@ def test_instance_encoding_is_compact_and_exact() -> None:
     text = serialise.encode_instances(instances)
     assert text == "0-4095,5000g3"
     assert serialise.decode_instances("t", text) == instances
+
+
+def test_store_failure_replaces_store_and_every_trainer_that_joined_it() -> None:
+    g = build_graph()
+    mutate.resize(g, "trainer", 2, reason="grow")
+    done = managers.build_default_managers().dispatch(
+        g,
+        managers.Event(managers.INSTANCE_FAILED, "rendezvous", {"instance": "rendezvous-0", "reason": "-9"}),
+    )
+    assert [(m.action, m.detail["old"], m.detail["new"]) for m in done] == [
+        ("replace", "rendezvous-0", "rendezvous-0-g1"),
+        ("replace", "trainer-0", "trainer-0-g1"),
+        ("replace", "trainer-1", "trainer-1-g1"),
+    ]
+    assert "rendezvous-0-g1" in done[1].reason

@@ -67,42 +67,55 @@ def leftover_processes(run_dir: Path) -> list[psutil.Process]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_run_resizes_survives_kill9_and_reports_both(tmp_path: Path) -> None:
+@pytest.mark.timeout(600)
+def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_path: Path) -> None:
+    """Resize 1 → 2 at step 3, SIGKILL the worker of trainer-1, then SIGKILL the rendezvous store."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    proc = start_run(run_dir, "--steps", "26", "--scale-at", "3:2")
+    proc = start_run(run_dir, "--steps", "34", "--scale-at", "3:2")
     try:
 
-        def two_replicas_running() -> bool:
+        def stepping_at_two_after(step: int) -> bool:
             steps = read_steps(run_dir)
-            return bool(steps) and steps[-1]["world_size"] == 2 and steps[-1]["step"] >= 13
+            return bool(steps) and steps[-1]["world_size"] == 2 and steps[-1]["step"] >= step
 
-        wait_for(two_replicas_running, 240, proc)
+        wait_for(lambda: stepping_at_two_after(13), 240, proc)
         victim = json.loads((run_dir / "endpoints" / "trainer-1-0.json").read_text())["pid"]
         assert "huorn.runtime.train" in " ".join(psutil.Process(victim).cmdline())
         os.kill(victim, signal.SIGKILL)
+        killed_at = len(read_steps(run_dir))
+        wait_for(lambda: len(read_steps(run_dir)) >= killed_at + 4 and stepping_at_two_after(20), 240, proc)
+        store = next(
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if "huorn.runtime.store" in " ".join(p.info["cmdline"] or [])
+            and str(run_dir) in " ".join(p.info["cmdline"] or [])
+        )
+        store.kill()
         assert proc.wait(timeout=300) == 0, (run_dir.parent / "run.out").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
     steps = read_steps(run_dir)
     summary = report.summarise_steps(steps)
-    assert summary.last == 26 and summary.missing == [] and summary.world_sizes == [1, 2]
+    assert summary.last == 34 and summary.missing == [] and summary.world_sizes == [1, 2]
     # The resize is graceful (an agreed checkpoint at the boundary), so across it the step
     # sequence continues with the very next step: no gap and no repeat.
     first_two = next(i for i, r in enumerate(steps) if r["world_size"] == 2)
     assert steps[first_two]["step"] == steps[first_two - 1]["step"] + 1
     status = json.loads((run_dir / "graph.json").read_text())
-    actions = [(m["action"], m["detail"]) for m in status["log"]]
-    assert ("resize", {"from": 1, "to": 2, "added": ["trainer-1"]}) in actions
-    assert ("replace", {"old": "trainer-1", "new": "trainer-1-g1"}) in actions
+    changes = [(m["action"], m["detail"]) for m in status["log"]]
+    assert changes[0] == ("resize", {"from": 1, "to": 2, "added": ["trainer-1"]})
+    assert changes[1] == ("replace", {"old": "trainer-1", "new": "trainer-1-g1"})
+    assert changes[2:] == [
+        ("replace", {"old": "rendezvous-0", "new": "rendezvous-0-g1"}),
+        ("replace", {"old": "trainer-0", "new": "trainer-0-g1"}),
+        ("replace", {"old": "trainer-1-g1", "new": "trainer-1-g2"}),
+    ]
     text = (run_dir / "report.md").read_text()
     assert "Outcome: **finished**" in text and "no gaps" in text
-    assert (
-        "trainer-1 → trainer-1-g1" in text
-        and f"worker pid {victim} of trainer-1 was killed by SIGKILL" in text
-    )
+    assert f"trainer-1 → trainer-1-g1: worker pid {victim} of trainer-1 was killed by SIGKILL" in text
+    assert "rendezvous-0 → rendezvous-0-g1: rendezvous process of rendezvous-0 exited with code -9" in text
     for picture in ("loss.png", "throughput.png", "graph.png"):
         assert (run_dir / picture).stat().st_size > 10_000
     assert leftover_processes(run_dir) == []

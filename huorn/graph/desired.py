@@ -97,7 +97,31 @@ def build_desired(graph: Graph) -> list[DesiredResource]:
                 copy.deepcopy(v.params),
                 tuple(sorted({*volumes, *feeds})),
             )
-    return sorted(out.values(), key=lambda r: (_ORDER[r.kind], r.name))
+    depth = _producer_depths(graph)
+    return sorted(out.values(), key=lambda r: (_ORDER[r.kind], depth.get(r.vertex, 0), r.name))
+
+
+def _producer_depths(graph: Graph) -> dict[str, int]:
+    """How many concurrent network producers stand before each vertex, so that instances are
+    created producers first (the store before the trainers) whatever their names."""
+    feeds = {
+        v: [
+            e.source
+            for e in graph.edges_to(v)
+            if e.transport == Transport.NETWORK and e.scheduling == Scheduling.CONCURRENT and e.source != v
+        ]
+        for v in graph.vertices
+    }
+    depth: dict[str, int] = {}
+
+    def visit(v: str, path: frozenset[str]) -> int:
+        if v not in depth:
+            depth[v] = 1 + max((visit(p, path | {v}) for p in feeds[v] if p not in path), default=-1)
+        return depth[v]
+
+    for v in graph.vertices:
+        visit(v, frozenset())
+    return depth
 
 
 def diff_desired(

@@ -60,8 +60,38 @@ class InstanceManager:
     def handle(self, graph: Graph, event: Event) -> list[Mutation]:
         if event.type != INSTANCE_FAILED:
             return []
+        if event.data["instance"] not in graph.instance_names():
+            return []  # another manager already replaced it
         reason = event.data.get("reason") or f"instance {event.data['instance']} failed"
         return [mutate.replace_instance(graph, event.data["instance"], reason=reason)]
+
+
+class RendezvousManager:
+    """Replaces a failed rendezvous store and, with it, every instance that joined through it.
+
+    The c10d store holds the rendezvous state and agents keep one connection to it: a new store
+    is empty and on a new address, so agents of the old one can only fail (after their
+    keep-alive runs out) and be replaced one by one. Replacing them with the store, in the same
+    reconcile, turns that into one restart from the last checkpoint."""
+
+    def handle(self, graph: Graph, event: Event) -> list[Mutation]:
+        if event.type != INSTANCE_FAILED or event.data["instance"] not in graph.instance_names():
+            return []
+        reason = event.data.get("reason") or f"rendezvous store {event.data['instance']} failed"
+        out = [mutate.replace_instance(graph, event.data["instance"], reason=reason)]
+        new = out[0].detail["new"]
+        for edge in graph.edges_from(event.target):
+            if edge.kind != "rendezvous":
+                continue
+            for instance in list(graph.vertex(edge.target).instances):
+                out.append(
+                    mutate.replace_instance(
+                        graph,
+                        instance.name,
+                        reason=f"its rendezvous store was replaced by {new}; rejoin the new one",
+                    )
+                )
+        return out
 
 
 class CheckpointEdgeManager:
@@ -132,5 +162,6 @@ def build_default_managers() -> ManagerSet:
     managers.add("server", TrainerManager())  # an InferenceJob's servers resize the same way
     managers.add("edge:checkpoint", CheckpointEdgeManager())
     managers.add("eval", OnDemandManager())
+    managers.add("rendezvous", RendezvousManager())
     managers.add("*", InstanceManager())
     return managers
