@@ -43,7 +43,7 @@ SETTINGS = {
                           "keep_alive_max_attempt": 3},
     "huorn": {},  # ElasticSettings' own defaults
 }
-STEPS = 60
+STEPS = 100
 
 
 def _wait(predicate: Callable[[], object], timeout: float, what: str) -> object:

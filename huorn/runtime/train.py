@@ -194,7 +194,7 @@ class Trainer:
             # The one explicit collective per step: loss, noise-scale inputs and the stop and
             # checkpoint flags travel together, so every rank acts on them at the same boundary.
             stats = torch.tensor([loss_sum, small_sq, float(computed > 0), float(self.stop_requested),
-                                  float(due and self.rank == 0)], dtype=torch.float64)
+                                  float(due and self.rank == 0)], dtype=torch.float64, device=self.device)
             comm.all_reduce(stats, self.hook_state, op="stats")
             noise = self.update_noise_scale(float(stats[1]), int(stats[2]))
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
