@@ -4,6 +4,7 @@ that spawned processes can import them by name."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from huorn import models
@@ -31,22 +32,23 @@ def decoder_case_worker(rank: int, world: int, jobs: list[tuple[str, models.Mode
     one step of every case from the same initial weights. Returns this rank's losses and
     gradients keyed by the decoder's parameter names, per job label and case."""
     results: dict = {}
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    device = device or torch.device("cpu")
     for label, cfg, stages, cases, microbatches in jobs:
         topo = pp_topology.PipelineTopology(stages=stages, replicas=world // stages, rank=rank)
         groups = pp_topology.build_groups(topo)
         tokens, targets = make_decoder_batch(cfg, microbatches * topo.replicas, 2, seed=7)
         mine = slice(topo.replica * microbatches, (topo.replica + 1) * microbatches)
         for name, k in cases:
-            decoder = build_decoder(cfg)
+            decoder = build_decoder(cfg).to(device)
             names = {id(p): n for n, p in decoder.named_parameters()}
             stage = split.split_decoder(decoder, stages)[topo.stage]
-            runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss,
-                                            torch.device("cpu"))
+            runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, device)
             runner.negotiate_shapes([tokens[0]] if topo.is_first else None, targets[0])
             schedule = schedules.build_schedule(name, stages, microbatches, k)
             stats = runner.run_step(schedule, [[t] for t in tokens[mine]], targets[mine])
             runner.close()
-            grads = {names[id(p)]: p.grad.clone() for p in stage.parameters() if p.grad is not None}
+            grads = {names[id(p)]: p.grad.cpu() for p in stage.parameters() if p.grad is not None}
             results[(label, name, k)] = {
                 "loss": stats.loss, "grads": grads, "executed": stats.executed, "stage": topo.stage,
                 "peak": stats.peak_saved_bytes, "microbatch_bytes": runner.microbatch_bytes,

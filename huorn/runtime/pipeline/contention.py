@@ -73,6 +73,7 @@ class _Item:
     tensor: torch.Tensor
     tag: int
     ready: torch.cuda.Event | None = field(default=None)
+    done: threading.Event | None = field(default=None)
 
 
 class LinkSender:
@@ -90,13 +91,14 @@ class LinkSender:
         self._thread = threading.Thread(target=self._serve, name=f"huorn-link-to-{peer}", daemon=True)
         self._thread.start()
 
-    def send(self, tensor: torch.Tensor, tag: int) -> None:
+    def send(self, tensor: torch.Tensor, tag: int, done: threading.Event | None = None) -> None:
+        """Queue `tensor` for the peer; `done` (if given) is set once it has been delivered."""
         self._raise_if_failed()
         ready = None
         if tensor.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        self._queue.put(_Item(tensor, tag, ready))
+        self._queue.put(_Item(tensor, tag, ready, done))
 
     def drain(self) -> None:
         """Block until every queued message has been delivered (end of a step)."""
@@ -151,3 +153,5 @@ class LinkSender:
             self._stats.messages += 1
             self._stats.nbytes += item.tensor.numel() * item.tensor.element_size()
             self._stats.seconds += elapsed
+        if item.done is not None:
+            item.done.set()

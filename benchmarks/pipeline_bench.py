@@ -1,0 +1,295 @@
+"""Shared body of benchmarks/pipeline_cpu.py and benchmarks/pipeline_gpu.py: the same decoder,
+split into the same stages, trained by Huorn's executor (1F1B, each fixed k, adaptive k) and by
+torch.distributed.pipelining's Schedule1F1B and ScheduleGPipe, at each contention level, in
+one run, with throughput ratios. Step times are medians over the measured steps (a shared
+machine's hiccups land on single steps).
+
+Contention is the send-path throttle of huorn.runtime.pipeline.contention, applied to torch's
+schedules too so that both run on the same emulated link: on CPU their sends go through the
+same link threads (`_batch_p2p` is wrapped for the run); on GPU the same delay is a
+`torch.cuda._sleep` on a side stream ahead of each of torch's batched send/recv calls (NCCL
+needs its grouped calls kept whole), which delays the batch's receive along with its send.
+At level 0 torch runs unpatched. The burst length is set from the measured compute time,
+`burst_fraction` × (forward + backward of one micro-batch on the slowest stage), so the same
+levels mean the same relative preemption on any machine."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from huorn import models
+from huorn.runtime.pipeline import contention, executor, split, training
+from huorn.runtime.pipeline import topology as pp_topology
+from huorn.scheduler import pipeline_planner
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    backend: str
+    stages: int
+    model: models.ModelConfig
+    micro_batch: int
+    microbatches: int
+    levels: tuple[float, ...] = (0.0, 0.4, 0.8)
+    fixed_k: tuple[int, ...] = (1, 2, 3, 4)
+    warmup: int = 2
+    steps: int = 5
+    replan_every: int = 3
+    burst_fraction: float = 0.15
+    dtype: str = "float32"
+    machine: str = ""
+    partial_path: str = ""  # rank 0 rewrites this JSON after each level, in case a later one hangs
+
+
+@dataclass
+class LevelResult:
+    level: float
+    tokens_per_s: dict[str, float] = field(default_factory=dict)
+    step_s: dict[str, float] = field(default_factory=dict)
+    adaptive_k: list[int] = field(default_factory=list)
+    decisions: list[dict] = field(default_factory=list)
+    peak_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)  # k -> (predicted, measured)
+    torch_throttled_batches: int = 0
+
+
+def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
+    torch.manual_seed(0)
+    on_gpu = config.backend == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    dtype = getattr(torch, config.dtype)
+    decoder = models.build_model(config.model).to(device=device, dtype=dtype)
+    topo = pp_topology.PipelineTopology(stages=config.stages, replicas=1, rank=rank)
+    groups = pp_topology.build_groups(topo)
+    stage = split.split_decoder(decoder, config.stages)[topo.stage]
+    throttle = contention.Throttle()
+    runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, device, throttle)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(1)
+    shape = (config.micro_batch * config.microbatches, config.model.context)
+    tokens = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
+    targets = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
+    chunks = list(tokens.chunk(config.microbatches)), list(targets.chunk(config.microbatches))
+
+    def batches(step: int) -> training.Batch:
+        return [[t] for t in chunks[0]], chunks[1]
+
+    def run_ours(plan: training.PipelinePlan, steps: int) -> list[training.StepReport]:
+        planner = pipeline_planner.AdaptiveKPlanner() if plan.schedule == "auto" else None
+        return training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches, steps=steps,
+                                              plan=plan, planner=planner)
+
+    # calibrate the burst length from measured compute (1F1B, no contention)
+    run_ours(training.PipelinePlan(microbatches=config.microbatches, schedule="1f1b"), config.warmup)
+    one_f_one_b = training.schedules.build_schedule("1f1b", config.stages, config.microbatches)
+    samples = [runner.run_step(one_f_one_b, *batches(0)) for _ in range(2)]
+    compute = torch.tensor([sum(s.forward_s + s.backward_s for s in samples) / len(samples)],
+                           dtype=torch.float64, device=device)
+    dist.all_reduce(compute, op=dist.ReduceOp.MAX)
+    throttle.burst_s = config.burst_fraction * float(compute[0])
+    tokens_per_step = config.micro_batch * config.microbatches * config.model.context
+    results = []
+    for level in config.levels:
+        throttle.set_level(level)
+        result = LevelResult(level=level)
+        for k in config.fixed_k:
+            plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k)
+            reports = run_ours(plan, config.warmup + config.steps)[config.warmup:]
+            seconds = statistics.median(r.seconds for r in reports)
+            name = "huorn 1F1B" if k == 1 else f"huorn k={k}"
+            result.step_s[name] = seconds
+            result.peak_bytes[str(k)] = (reports[-1].predicted_peak_bytes, reports[-1].peak_saved_bytes)
+        plan = training.PipelinePlan(microbatches=config.microbatches, schedule="auto", k=1,
+                                     replan_every=config.replan_every)
+        reports = run_ours(plan, config.warmup + config.replan_every + config.steps)
+        measured = reports[config.warmup + config.replan_every:]
+        result.step_s["huorn adaptive"] = statistics.median(r.seconds for r in measured)
+        result.adaptive_k = [r.k for r in reports]
+        result.decisions = [r.decision for r in reports if r.decision is not None]
+        for schedule_class in ("Schedule1F1B", "ScheduleGPipe"):
+            name = f"torch {schedule_class}"
+            result.step_s[name] = time_torch_schedule(schedule_class, stage, topo, config, device, chunks,
+                                                      throttle)
+        result.torch_throttled_batches, THROTTLED_BATCHES[0] = THROTTLED_BATCHES[0], 0
+        result.tokens_per_s = {name: tokens_per_step / s for name, s in result.step_s.items()}
+        results.append(result)
+        if rank == 0 and config.partial_path:
+            Path(config.partial_path).write_text(json.dumps([asdict(r) for r in results], default=str))
+    runner.close()
+    if rank != 0:
+        return None
+    return {"config": asdict(config), "burst_s": throttle.burst_s, "compute_fb_s": float(compute[0]),
+            "levels": [asdict(r) for r in results]}
+
+
+def time_torch_schedule(name: str, stage_module: torch.nn.Module, topo: pp_topology.PipelineTopology,
+                        config: BenchConfig, device: torch.device, chunks: tuple[list, list],
+                        throttle: contention.Throttle) -> float:
+    from torch.distributed import pipelining
+
+    stage = pipelining.PipelineStage(stage_module, topo.stage, topo.stages, device)
+    schedule = getattr(pipelining, name)(stage, n_microbatches=config.microbatches,
+                                         loss_fn=lambda out, y: split.compute_decoder_loss((out,), y))
+    tokens, targets = torch.cat(chunks[0]), torch.cat(chunks[1])
+    times = []
+    patch = throttled_torch_p2p(throttle, device) if throttle.level > 0 else contextlib.nullcontext()
+    with patch:
+        for _ in range(config.warmup + config.steps):
+            synchronize(device)
+            dist.barrier()
+            start = time.perf_counter()
+            if topo.is_first:
+                schedule.step(tokens)
+            elif topo.is_last:
+                schedule.step(target=targets, losses=[])
+            else:
+                schedule.step()
+            synchronize(device)
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+            stage_module.zero_grad(set_to_none=True)
+    return statistics.median(times[config.warmup:])
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+THROTTLED_BATCHES = [0]  # torch p2p batches that went through the throttle (proof it was applied)
+
+
+class _DeliveredWork:
+    """What torch's schedule waits on for a send that our link thread delivers."""
+
+    def __init__(self, done: threading.Event) -> None:
+        self.done = done
+
+    def wait(self, timeout: object = None) -> bool:
+        self.done.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
+@contextlib.contextmanager
+def throttled_torch_p2p(throttle: contention.Throttle, device: torch.device) -> Iterator[None]:
+    """Route torch.distributed.pipelining's sends through the same throttle for one run."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    if not hasattr(torch_schedules, "_batch_p2p"):
+        raise RuntimeError("this torch has no pipelining.schedules._batch_p2p; the throttle cannot reach "
+                           "torch's sends, so a contended comparison would be unfair: update the patch")
+    original = torch_schedules._batch_p2p
+    links: dict[tuple[int, int], contention.LinkSender] = {}
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    cycles_per_s = measure_sleep_rate(device) if side is not None else 0.0
+
+    def on_cpu(p2p_ops: list, desc: str | None = None) -> list:
+        THROTTLED_BATCHES[0] += 1
+        works = []
+        for op in p2p_ops:
+            if op.op is dist.isend:
+                key = (op.peer, id(op.group))
+                if key not in links:
+                    group = op.group or dist.group.WORLD
+                    links[key] = contention.LinkSender(op.peer, group, throttle, device)
+                done = threading.Event()
+                links[key].send(op.tensor, tag=op.tag, done=done)
+                works.append(_DeliveredWork(done))
+            else:
+                works.append(dist.irecv(op.tensor, src=op.peer, group=op.group, tag=op.tag))
+        return works
+
+    def on_gpu(p2p_ops: list, desc: str | None = None) -> list:
+        THROTTLED_BATCHES[0] += 1
+        nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in p2p_ops if op.op is dist.isend)
+        delay = throttle.delay_s(nbytes) if nbytes else 0.0
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            if delay > 0:
+                torch.cuda._sleep(int(delay * cycles_per_s))
+            return original(p2p_ops, desc)
+
+    torch_schedules._batch_p2p = on_gpu if side is not None else on_cpu
+    try:
+        yield
+    finally:
+        torch_schedules._batch_p2p = original
+        for link in links.values():
+            link.drain()
+            link.close()
+
+
+def measure_sleep_rate(device: torch.device) -> float:
+    """GPU clock cycles per second of torch.cuda._sleep, to turn a delay into cycles."""
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(50_000_000)
+    end.record()
+    end.synchronize()
+    return 50_000_000 / (start.elapsed_time(end) / 1000.0)
+
+
+def summarise(result: dict) -> str:
+    """The markdown table and ratios for docs/benchmarks.md."""
+    lines = ["| contention | huorn 1F1B | best fixed k | huorn adaptive (k chosen) | torch Schedule1F1B | "
+             "torch ScheduleGPipe | adaptive / 1F1B | adaptive / torch 1F1B |",
+             "|---|---|---|---|---|---|---|---|"]
+    for level in result["levels"]:
+        tps = level["tokens_per_s"]
+        fixed = {n: v for n, v in tps.items() if n.startswith("huorn") and "adaptive" not in n}
+        best = max(fixed, key=fixed.get)
+        chosen = level["adaptive_k"][-1]
+        best_label = best.removeprefix("huorn ")
+        lines.append(
+            f"| {level['level']:.0%} | {tps['huorn 1F1B']:.0f} | {fixed[best]:.0f} ({best_label}) "
+            f"| {tps['huorn adaptive']:.0f} (k={chosen}) | {tps['torch Schedule1F1B']:.0f} | "
+            f"{tps['torch ScheduleGPipe']:.0f} | {tps['huorn adaptive'] / tps['huorn 1F1B']:.2f}× | "
+            f"{tps['huorn adaptive'] / tps['torch Schedule1F1B']:.2f}× |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["huorn 1F1B", "huorn k=2", "huorn k=3", "huorn k=4", "huorn adaptive", "torch Schedule1F1B",
+             "torch ScheduleGPipe"]
+    levels = result["levels"]
+    figure, axis = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        values = [lv["tokens_per_s"].get(name, 0.0) for lv in levels]
+        axis.bar([j + i * width for j in range(len(levels))], values, width, label=name)
+    axis.set_xticks([j + 0.4 - width / 2 for j in range(len(levels))],
+                    [f"contention {lv['level']:.0%}" for lv in levels])
+    axis.set_ylabel("tokens / s")
+    axis.set_title(title, fontsize=10)
+    axis.legend(fontsize=7, ncols=4)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_outputs(result: dict, out: Path, name: str, title: str) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
+    table = summarise(result)
+    (out / f"{name}.md").write_text(table + "\n")
+    plot(result, out / f"{name}.png", title)
+    return table

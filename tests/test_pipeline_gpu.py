@@ -1,0 +1,35 @@
+"""The executor over NCCL on two GPUs: one step of every schedule equals single-process
+training on the CPU in float64 (FusedKV decoder, so K/V cross the stage boundary too)."""
+
+from __future__ import annotations
+
+import pipeline_workers as workers
+import pytest
+import torch
+
+from huorn import models
+from huorn.runtime.pipeline import launch
+
+pytestmark = pytest.mark.gpu
+
+CASES = [("gpipe", 1), ("1f1b", 1), ("kfkb", 2), ("kfkb", 3), ("kfkb", 4)]
+CFG = models.ModelConfig(layers=4, width=32, heads=4, vocabulary=64, context=16, kv_sharing="fusedkv")
+MICROBATCHES = 8
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpu_nccl_step_equals_single_process() -> None:
+    jobs = [("nccl-pp2", CFG, 2, CASES, MICROBATCHES)]
+    ranks = launch.run_workers(workers.decoder_case_worker, 2, "nccl", (jobs,))
+    decoder = workers.build_decoder(CFG)
+    tokens, targets = workers.make_decoder_batch(CFG, MICROBATCHES, 2, seed=7)
+    for x, y in zip(tokens, targets, strict=True):
+        (decoder(x, y)[1] / MICROBATCHES).backward()
+    for name, k in CASES:
+        got = {}
+        for rank in ranks:
+            got.update(rank[("nccl-pp2", name, k)]["grads"])
+            assert rank[("nccl-pp2", name, k)]["peak"] == rank[("nccl-pp2", name, k)]["predicted"]
+        for param_name, param in decoder.named_parameters():
+            torch.testing.assert_close(got[param_name], param.grad, rtol=1e-6, atol=1e-8,
+                                       msg=f"{name} k={k}: gradient of {param_name}")
