@@ -163,3 +163,10 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
         checkpoint.save_checkpoint(tmp_path, step, model, optimizer, {}, 0, lambda: None, keep=2)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004", "step-00000005"]
     assert checkpoint.read_meta(checkpoint.find_latest(tmp_path))["step"] == 5
+
+
+def test_resolve_accepts_a_checkpoint_or_a_root(tmp_path: Path) -> None:
+    newest = [_save_single(tmp_path, step) for step in (1, 2)][-1]
+    assert checkpoint.resolve(tmp_path) == newest == checkpoint.resolve(newest)
+    with pytest.raises(ValueError, match="no complete Huorn checkpoint"):
+        checkpoint.resolve(tmp_path / "elsewhere")

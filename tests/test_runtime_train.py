@@ -99,6 +99,11 @@ def test_run_config_round_trips_and_resolves_defaults(tmp_path: Path) -> None:
     config = run_config.load_run_config(path)
     assert config.total_steps() == 7 and config.telemetry_port == 0
     assert config.checkpoint_root == tmp_path / "ckpt"
+    assert config.checkpoint_interval_s() is None  # intervalSteps governs
+    timed = harness.build_spec(steps=7, interval_steps=None)
+    timed["checkpoint"]["interval"] = "1m30s"
+    assert run_config.RunConfig.model_validate({"jobName": "t", "spec": timed, "runDir": "/r"}
+                                               ).checkpoint_interval_s() == 90
     assert run_config.load_run_config(run_config.write_run_config(config, tmp_path / "again.json")) == config
     tokens = harness.build_spec(steps=None, tokens=12 * 32 * 5 + 1)
     del tokens["optimization"]["steps"]
