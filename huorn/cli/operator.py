@@ -31,6 +31,9 @@ def operator_command(
     metrics_port: int = typer.Option(8080, "--metrics-port", help="Prometheus /metrics port; 0 disables."),
     resync_seconds: float = typer.Option(30.0, "--resync-seconds", help="Re-reconcile every job this often."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+    no_mirror: bool = typer.Option(
+        False, "--no-mirror", hidden=True, help="Benchmark baseline: list pods on every reconcile."
+    ),
 ) -> None:
     """Run the Huorn operator until interrupted."""
     if namespace and all_namespaces:
@@ -51,7 +54,7 @@ def operator_command(
     fast = os.environ.get("HUORN_OPERATOR_FAST") == "1"
     settings = context.OperatorSettings(
         resync_seconds=resync_seconds, error_backoff_seconds=0.5 if fast else 5.0,
-        vc_status_seconds=1.0 if fast else 10.0,
+        vc_status_seconds=1.0 if fast else 10.0, mirror=not no_mirror,
     )
     try:
         api = kube.build_api_client(kubeconfig, kube_context)

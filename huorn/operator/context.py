@@ -26,6 +26,10 @@ class OperatorSettings:
     vc_status_seconds: float = 10.0
     error_backoff_seconds: float = 5.0  # kopf retries a handler that raised after this long
     max_pod_replacements: int = 3  # per job; "huorn.io/max-restarts" on the job overrides it
+    # False: list every Huorn pod from the API before each reconcile instead of trusting the
+    # watch-fed mirror; the stateless design that benchmarks/operator_scale.py compares against.
+    mirror: bool = True
+    api_threads: int = 32  # API calls in flight at once
     retry: retry.RetryPolicy = field(default_factory=retry.RetryPolicy)
 
     def __post_init__(self) -> None:

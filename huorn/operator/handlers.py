@@ -8,6 +8,8 @@ ago may predate the graph mutation this operator just wrote into status.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Mapping
@@ -21,6 +23,7 @@ from huorn.operator import context, index, otherjobs, training, virtualclusters
 from huorn.operator.context import Context
 
 GROUP, VERSION = base.GROUP, base.VERSION
+logger = logging.getLogger("huorn.operator")
 
 
 def _ctx(memo: Any) -> Context:
@@ -28,13 +31,17 @@ def _ctx(memo: Any) -> Context:
 
 
 async def _reconcile_job(ctx: Context, plural: str, namespace: str, name: str) -> str | None:
+    waited = time.perf_counter()
     async with ctx.job_lock(namespace, name):
+        logger.debug("reconcile %s/%s after %.3fs in line", namespace, name, time.perf_counter() - waited)
         body = await ctx.client.get_custom(plural, namespace, name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return None
         kind = body["kind"]
         started = time.perf_counter()
         try:
+            if not ctx.settings.mirror:
+                await _relist_pods(ctx)
             if kind == "TrainingJob":
                 phase = await training.reconcile(ctx, body)
             else:
@@ -46,7 +53,16 @@ async def _reconcile_job(ctx: Context, plural: str, namespace: str, name: str) -
             ctx.metrics.reconcile_seconds.labels(kind).observe(time.perf_counter() - started)
             ctx.metrics.api_retries.set(ctx.client.retries)
         ctx.metrics.reconciles.labels(kind, "stalled" if phase == "Stalled" else "ok").inc()
+        took = time.perf_counter() - started
+        logger.debug("reconciled %s %s/%s in %.3fs: %s", kind, namespace, name, took, phase)
         return phase
+
+
+async def _relist_pods(ctx: Context) -> None:
+    pods = await ctx.client.list("Pod", None, {"app.kubernetes.io/managed-by": manifests.MANAGED_BY})
+    ctx.index.pods.clear()
+    for pod in pods:
+        ctx.index.observe_pod(pod)
 
 
 def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings) -> None:
@@ -62,6 +78,11 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         settings.watching.connect_timeout = 30
         settings.networking.request_timeout = 60
         ctx = _ctx(memo)
+        # API calls run in threads (the client is synchronous); the default pool of cpu+4 threads
+        # would cap a burst of reconciles at a handful of requests in flight.
+        asyncio.get_running_loop().set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(ctx.settings.api_threads, thread_name_prefix="api")
+        )
         # Fill the mirror before any job handler runs, so that the first placements after a
         # restart see every GPU already taken (the watches replay them too, but later).
         for node in await ctx.client.list("Node", None, {}):
@@ -91,6 +112,8 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         record = ctx.index.observe_pod(body, deleted=type == "DELETED")
         if record is None or (before is not None and before.phase == record.phase and type != "DELETED"):
             return
+        if before is None and type != "DELETED" and record.phase == "Pending":
+            return  # a pod this operator just created: the reconcile that created it reports it
         kind = (body["metadata"].get("labels") or {}).get(manifests.LABEL_KIND, "TrainingJob")
         if kind in kinds.KINDS:
             await _reconcile_job(ctx, kinds.KINDS[kind].plural, record.namespace, record.job)

@@ -82,6 +82,7 @@ class EmulatedCluster:
         config = kubernetes.client.Configuration()
         config.host = self.url
         config.api_key = {"authorization": "Bearer emulator"}
+        config.connection_pool_maxsize = 32
         return kubernetes.client.ApiClient(config)
 
 

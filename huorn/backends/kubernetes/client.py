@@ -54,6 +54,9 @@ def build_api_client(
             kubernetes.config.load_incluster_config(client_configuration=config)
         except kubernetes.config.ConfigException:
             kubernetes.config.load_kube_config(context=context, client_configuration=config)
+    # Reconciles run API calls from a thread pool; urllib3's default of 10 pooled connections
+    # would open and drop a connection for every call beyond the tenth.
+    config.connection_pool_maxsize = 32
     return kubernetes.client.ApiClient(config)
 
 
