@@ -122,22 +122,35 @@ def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_ctrl_c_checkpoints_and_stops_everything(tmp_path: Path) -> None:
+@pytest.mark.timeout(420)
+def test_shrink_then_ctrl_c_checkpoints_and_stops_everything(tmp_path: Path) -> None:
+    """Start at 2 replicas, shrink to 1 at step 6 (SIGTERM → agreed checkpoint), then Ctrl-C."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    proc = start_run(run_dir, "--steps", "500", "--policy", "fixed")
+    proc = start_run(run_dir, "--steps", "500", "--replicas", "2", "--scale-at", "6:1")
     try:
-        wait_for(lambda: len(read_steps(run_dir)) >= 3, 240, proc)
+
+        def stepping_alone() -> bool:
+            steps = read_steps(run_dir)
+            return bool(steps) and steps[-1]["world_size"] == 1 and steps[-1]["step"] >= 10
+
+        wait_for(stepping_alone, 300, proc)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=180) == 130
     finally:
         if proc.poll() is None:
             proc.kill()
     records = report.read_records(run_dir)
-    last_step = max(r["step"] for r in records if r.get("event") == "step")
+    steps = [r for r in records if r.get("event") == "step"]
+    summary = report.summarise_steps(steps)
+    assert summary.missing == [] and summary.repeated == 0 and summary.world_sizes == [2, 1]
     checkpoints = [r for r in records if r.get("event") == "checkpoint"]
-    assert checkpoints and checkpoints[-1]["reason"] == "sigterm" and checkpoints[-1]["step"] == last_step
+    # The shrink: both ranks checkpoint together at one step; rank 0 logs it, as the leaver
+    # ("sigterm") or the survivor ("peer-stop"), whichever it was.
+    assert checkpoints[0]["reason"] in ("sigterm", "peer-stop") and checkpoints[0]["step"] >= 6
+    assert checkpoints[-1]["reason"] == "sigterm" and checkpoints[-1]["step"] == summary.last
+    status = json.loads((run_dir / "graph.json").read_text())
+    assert [m["detail"] for m in status["log"]][-1] == {"from": 2, "to": 1, "removed": ["trainer-1"]}
     assert "Outcome: **interrupted" in (run_dir / "report.md").read_text()
     assert leftover_processes(run_dir) == []
 

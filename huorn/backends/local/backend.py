@@ -76,9 +76,7 @@ class LocalBackend:
     def apply(self, graph: model.Graph) -> list[str]:
         want = desired.build_desired(graph)
         create, delete = desired.diff_desired(self._current, want)
-        done: list[str] = []
-        for resource in delete:
-            done.append(self._delete(graph, resource))
+        done = self._delete_all(delete)
         for resource in create:
             done.append(self._create(graph, resource))
         self._current = want
@@ -99,20 +97,31 @@ class LocalBackend:
         msg = f"the local backend cannot run {resource.role!r} instances; this vertex waits"
         return msg
 
-    def _delete(self, graph: model.Graph, resource: desired.DesiredResource) -> str:
-        if resource.kind != "instance":
-            return f"kept {resource.kind} {resource.name} (its data outlives the instances)"
-        proc = self.processes.get(resource.name)
-        if proc is None:
-            return f"{resource.name} was not running"
-        failed = resource.name in self._reported_failures
-        if failed or proc.exit_code() is not None:
-            pids = processes.kill_tree(proc)
-            self.exit_codes[proc.name] = proc.exit_code()
-            return f"killed {resource.name} (process tree {pids})"
-        code = processes.terminate_tree(proc, self.settings.stop_grace_s)
-        self.exit_codes[proc.name] = code
-        return f"stopped {resource.name} with SIGTERM (checkpoint, exit code {code})"
+    def _delete_all(self, resources: list[desired.DesiredResource]) -> list[str]:
+        """Stop instances that are going away: failed ones are killed at once; healthy ones get
+        SIGTERM together (their workers agree on one stop step and checkpoint once), then each
+        is waited for and its tree killed. Volumes and endpoints keep their data."""
+        done, draining = [], []
+        for resource in resources:
+            proc = self.processes.get(resource.name)
+            if resource.kind != "instance":
+                done.append(f"kept {resource.kind} {resource.name} (its data outlives the instances)")
+            elif proc is None:
+                done.append(f"{resource.name} was not running")
+            elif resource.name in self._reported_failures or proc.exit_code() is not None:
+                pids = processes.kill_tree(proc)
+                self.exit_codes[proc.name] = proc.exit_code()
+                done.append(f"killed {resource.name} (process tree {pids})")
+            else:
+                processes.send_terminate(proc)
+                draining.append((resource.name, proc))
+        deadline = time.monotonic() + self.settings.stop_grace_s
+        for name, proc in draining:
+            code = processes.wait_exit(proc, max(0.0, deadline - time.monotonic()))
+            processes.kill_tree(proc)
+            self.exit_codes[proc.name] = code
+            done.append(f"stopped {name} with SIGTERM (checkpoint, exit code {code})")
+        return done
 
     def _start_store(self, resource: desired.DesiredResource) -> str:
         port_file = self.run_dir / commands.STORE_PORT_FILE

@@ -122,12 +122,3 @@ def wait_exit(proc: ManagedProcess, timeout: float) -> int | None:
         return proc.popen.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         return None
-
-
-def terminate_tree(proc: ManagedProcess, grace: float) -> int | None:
-    """SIGTERM the root, wait up to `grace` seconds, then kill whatever is left. Returns the
-    root's exit code (None when it had to be killed)."""
-    send_terminate(proc)
-    code = wait_exit(proc, grace)
-    kill_tree(proc)
-    return code
