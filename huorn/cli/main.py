@@ -42,3 +42,5 @@ from huorn.cli import run as _run_cli  # noqa: E402, I001
 app.command("run")(_run_cli.run_command)
 from huorn.cli import simulate as _simulate_cli  # noqa: E402, I001
 app.command("simulate")(_simulate_cli.simulate)
+from huorn.cli import detect as _detect_cli  # noqa: E402, I001
+app.command("detect")(_detect_cli.detect_command)

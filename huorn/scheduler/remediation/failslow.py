@@ -5,9 +5,10 @@ uses what synchronous training implies:
 - a slow link or NIC delays every member of the collective alike, so a shift that appears on
   most workers at the same time is job-wide (reported once, worker ``*``);
 - a shift on a few workers only is their own computation: they are the stragglers;
-- with separate ``compute``/``comm`` columns, a compute straggler also lengthens its peers'
-  communication (they wait for it inside the all-reduce), so a communication shift that coincides
-  with a compute shift elsewhere is that waiting, not a second fault, and is dropped.
+- with separate ``compute``/``comm`` columns, compute is judged per worker and communication
+  on the per-step minimum over workers (the collective's own latency, free of waiting), and a
+  shift counts only if it moves the iteration time by the 10% (FALCON validates on iteration
+  time, not on the part that moved).
 """
 
 from __future__ import annotations
@@ -70,24 +71,57 @@ def _merge_job_wide(found: list[SlowFinding], workers: int) -> list[SlowFinding]
     return result
 
 
+def _iteration_seconds(table: StepTable) -> np.ndarray:
+    """The job's step time per iteration: the slowest worker's busy time sets the pace."""
+    by_iteration: dict[int, float] = {}
+    for w in table.workers:
+        for it, t in zip(table.iterations[w], table.times[w], strict=True):
+            by_iteration[int(it)] = max(by_iteration.get(int(it), 0.0), float(t))
+    return np.array([by_iteration[i] for i in sorted(by_iteration)])
+
+
+def _moves_iteration(series: np.ndarray, iterations: np.ndarray, finding: SlowFinding,
+                     step_seconds: float, min_shift: float) -> bool:
+    """FALCON validates on iteration time: a shift in one part counts only if it moves the
+    whole step by min_shift. A 2× jitter in a 1 ms wait is not a fail-slow."""
+    before = series[iterations < finding.onset_iteration][-100:]
+    after = series[iterations >= finding.onset_iteration][:20]
+    if len(before) == 0 or len(after) == 0:
+        return False
+    return abs(float(np.median(after)) - float(np.median(before))) >= min_shift * step_seconds
+
+
 def detect_fail_slow(table: StepTable, config: bocd.BocdConfig | None = None) -> list[SlowFinding]:
     """Return the validated slowdowns (and recoveries) in the table, ordered by onset."""
     config = config or bocd.BocdConfig()
-    found: list[SlowFinding] = []
-    if table.compute is not None and table.comm is not None:
-        compute = [SlowFinding(w, "compute", *c) for w in table.workers
-                   for c in _changes(table.iterations[w], table.compute[w], config)]
-        comm = [SlowFinding(w, "communication", *c) for w in table.workers
-                for c in _changes(table.iterations[w], table.comm[w], config)]
-        comm = [f for f in comm if not any(
-            abs(f.onset_iteration - c.onset_iteration) <= ONSET_TOLERANCE and c.worker != f.worker
-            for c in compute)]
-        found = _merge_job_wide(compute, len(table.workers)) + _merge_job_wide(comm, len(table.workers))
-    else:
+    if table.compute is None or table.comm is None:
         found = [SlowFinding(w, "compute", *c) for w in table.workers
                  for c in _changes(table.iterations[w], table.times[w], config)]
-        found = _merge_job_wide(found, len(table.workers))
+        return sorted(_merge_job_wide(found, len(table.workers)), key=lambda f: (f.onset_iteration, f.worker))
+    step_seconds = float(np.median(_iteration_seconds(table)))
+    compute = [f for w in table.workers
+               for f in (SlowFinding(w, "compute", *c)
+                         for c in _changes(table.iterations[w], table.compute[w], config))
+               if _moves_iteration(table.compute[w], table.iterations[w], f, step_seconds, config.min_shift)]
+    # NB: per-rank comm time is mostly waiting for the slowest peer, so it is noisy and moves
+    # whenever anybody computes slowly. The last rank to arrive waits for nobody: the minimum
+    # over ranks is the collective's own latency, and that is what a slow network raises.
+    iterations, comm = _min_comm(table)
+    network = [f for f in (SlowFinding(JOB_WIDE, "communication", *c)
+                           for c in _changes(iterations, comm, config))
+               if _moves_iteration(comm, iterations, f, step_seconds, config.min_shift)]
+    found = _merge_job_wide(compute, len(table.workers)) + network
     return sorted(found, key=lambda f: (f.onset_iteration, f.worker))
+
+
+def _min_comm(table: StepTable) -> tuple[np.ndarray, np.ndarray]:
+    assert table.comm is not None
+    by_iteration: dict[int, float] = {}
+    for w in table.workers:
+        for it, c in zip(table.iterations[w], table.comm[w], strict=True):
+            by_iteration[int(it)] = min(by_iteration.get(int(it), np.inf), float(c))
+    iterations = np.array(sorted(by_iteration))
+    return iterations, np.array([by_iteration[i] for i in iterations])
 
 
 @dataclasses.dataclass(frozen=True)
