@@ -80,6 +80,7 @@ GPU_SPEED: dict[str, float] = {
     "G2": 0.25, "G3": 0.3, "T4": 0.08, "P100": 0.1, "cpu": 1.0, "": 1.0,
 }
 PRIOR_LOG_STD = 1.0  # a family prior is right within a factor e≈2.7 (one sigma)
+MEASUREMENT_LOG_STD = 0.1  # a median step time is right within about 10 % (one sigma)
 
 
 def scale_prior(family: str, params_b: float, gpu_type: str) -> PolluxParams:
@@ -155,11 +156,12 @@ class PerfModel:
         b = np.array([s.local_batch for s in self.samples], dtype=float)
         y = np.log([s.step_time for s in self.samples])
         log_prior = np.log(self.prior.as_array())
-        prior_w = 1.0 / PRIOR_LOG_STD
 
+        # MAP under Gaussian noise: each residual over its own sigma. Measurements are much tighter
+        # than the prior, so a few samples override a prior that belongs to a different model.
         def residuals(log_p: np.ndarray) -> np.ndarray:
             fit = np.log(predict_step_time(np.exp(log_p), r, n, b)) - y
-            return np.concatenate([fit, prior_w * (log_p - log_prior) / math.sqrt(max(len(y), 1))])
+            return np.concatenate([fit / MEASUREMENT_LOG_STD, (log_p - log_prior) / PRIOR_LOG_STD])
 
         lo = np.full(7, -25.0)
         hi = np.full(7, 10.0)

@@ -1,0 +1,44 @@
+"""Turn the runtime's step log into what the scheduler learns from: perf samples and noise scale.
+
+The runtime (huorn/runtime) appends one JSON object per event to `steps.jsonl`: `start` (with the
+gang's world size and global batch), then `step` lines with `step_seconds` and, when it has
+enough history, `gradient_noise_scale`. The scheduler may not import the runtime (the layers point
+the other way), so this module reads the plain dicts. One sample per configuration, its median
+step time: a median shrugs off the first steps after a restart (compilation, cold caches) and a
+noisy neighbour, which a mean would fold into the curve.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+
+from huorn.scheduler import perfmodel
+
+
+def samples_from_step_events(events: Iterable[dict], nodes: int = 1, skip_first: int = 2
+                             ) -> list[perfmodel.Sample]:
+    """Median step time per (world size, local batch) seen in the log; `nodes` the gang spanned."""
+    per_config: dict[tuple[int, float], list[float]] = {}
+    global_batch: float | None = None
+    since_start = 0
+    for event in events:
+        kind = event.get("event")
+        if kind == "start":
+            global_batch = float(event["global_batch"])
+            since_start = 0
+        elif kind == "step" and global_batch is not None:
+            since_start += 1
+            if since_start <= skip_first or not event.get("step_seconds"):
+                continue
+            world = int(event["world_size"])
+            per_config.setdefault((world, global_batch / world), []).append(float(event["step_seconds"]))
+    return [perfmodel.Sample(world, min(nodes, world), local, statistics.median(times))
+            for (world, local), times in sorted(per_config.items())]
+
+
+def noise_scale_from_step_events(events: Iterable[dict], window: int = 10) -> float | None:
+    """Mean of the last `window` gradient noise scales the runtime reported; None before any."""
+    values = [float(e["gradient_noise_scale"]) for e in events
+              if e.get("event") == "step" and e.get("gradient_noise_scale") is not None]
+    return statistics.fmean(values[-window:]) if values else None

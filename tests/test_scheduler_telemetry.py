@@ -1,0 +1,45 @@
+"""The perf model learns from the real runtime's step log (an excerpt of a local elastic run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from huorn.scheduler import perfmodel, telemetry
+
+# Rank 0's steps.jsonl from `benchmarks/local_elastic.py` (the huorn run: 1 worker, then resized
+# to 2), trimmed to 49 events; checkpoint paths dropped.
+EXCERPT = Path(__file__).parent / "data" / "runtime_steps_excerpt.jsonl"
+
+
+def load_events() -> list[dict]:
+    return [json.loads(line) for line in EXCERPT.read_text().splitlines()]
+
+
+def test_step_log_becomes_one_median_sample_per_configuration() -> None:
+    events = load_events()
+    samples = telemetry.samples_from_step_events(events)
+    assert [(s.replicas, s.local_batch) for s in samples] == [(1, 16.0), (2, 8.0)]
+    ws2 = sorted(e["step_seconds"] for e in events if e.get("event") == "step" and e["world_size"] == 2)[2:]
+    assert min(ws2) <= samples[1].step_time <= max(ws2)
+    assert all(s.nodes == 1 for s in samples)
+
+
+def test_perf_model_fitted_on_runtime_telemetry_reproduces_it() -> None:
+    samples = telemetry.samples_from_step_events(load_events())
+    model = perfmodel.PerfModel("transformer-tiny", gpu_type="cpu")
+    for s in samples:
+        model.observe(s)
+    for s in samples:
+        predicted = model.predict(s.replicas, s.nodes, s.local_batch)
+        assert predicted.step_time == pytest.approx(s.step_time, rel=0.2)
+
+
+def test_noise_scale_is_read_from_the_log() -> None:
+    events = load_events()
+    reported = [e["gradient_noise_scale"] for e in events if e.get("gradient_noise_scale") is not None]
+    scale = telemetry.noise_scale_from_step_events(events, window=5)
+    assert scale == pytest.approx(sum(reported[-5:]) / 5)
+    assert telemetry.noise_scale_from_step_events(events[:3]) is None
