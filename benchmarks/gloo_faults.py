@@ -87,7 +87,7 @@ class FileTelemetry:
     def record(self, **step: float) -> None:
         if self.enabled:
             with self.lock:
-                self.steps = [*self.steps[-999:], step]
+                self.steps = [*self.steps[-255:], step]  # the runtime keeps 256 too
 
     def _publish_forever(self) -> None:
         scratch = self.path.with_suffix(".tmp")
@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> None:
     counts = [args.microbatches] * args.world
     plan_path = run_dir / "plan.json"
     plan_version = 0
+    step_seconds: list[float] = []  # kept with telemetry off too, for the overhead benchmark
     for step in range(args.steps):
         started = time.perf_counter()
         # Rank 0 reads the controller's plan and broadcasts it, so all ranks switch at one step.
@@ -215,10 +216,12 @@ def run(args: argparse.Namespace) -> None:
             links = probe_links(args.world, args.rank, faults, step)
             with telemetry.lock:
                 telemetry.links = links
-        telemetry.record(step=step, time=time.perf_counter() - started, compute=compute, comm=comm,
+        step_seconds.append(time.perf_counter() - started)
+        telemetry.record(step=step, time=step_seconds[-1], compute=compute, comm=comm,
                          microbatches=counts[args.rank], plan=plan_version, wall=time.time())
     if args.rank == 0:
         torch.save([p.detach() for p in params], run_dir / "final.pt")
+        (run_dir / "summary.json").write_text(json.dumps({"step_seconds": step_seconds}))
     dist.barrier()
     dist.destroy_process_group()
     time.sleep(0.3)  # let the publisher write the last steps

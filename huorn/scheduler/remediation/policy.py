@@ -1,0 +1,139 @@
+"""The remediation policy of the monitor loop: telemetry in, ladder decisions and graph events out.
+
+It has the shape of `huorn.backends.monitor.Policy` (`decide(graph, observation)`), so the local
+backend and the operator run it like any other policy. It reads `observation.telemetry`
+(replica → the runtime's `/telemetry` JSON) and `observation.time`, and nothing else.
+
+Only S4 has a graph mutation today: the culprit's instance is reported failed, and the default
+InstanceManager replaces it with a new generation, which makes the elastic gang restart from its
+last checkpoint. S1-S3 decisions are kept in `decisions` (the operator copies them to status)
+until the runtime can apply per-rank micro-batch counts and stage splits.
+
+NB: a whole job that sits outside any collective for a while is what checkpointing, validation,
+start-up and rendezvous look like, so that case is recorded but never restarts anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from huorn.api import base
+from huorn.api.common import MitigationLevel, Remediation
+from huorn.graph import managers, model
+from huorn.scheduler.remediation import failslow, hang, ladder, steptable
+
+
+class TelemetryObservation(Protocol):
+    time: float
+    telemetry: dict[str, dict[str, Any]]
+
+
+class RemediationPolicy:
+    """One job's detectors and ladder, fed one monitor observation at a time."""
+
+    def __init__(self, remediation: Remediation, costs: ladder.LadderCosts | None = None,
+                 shape: ladder.JobShape | None = None) -> None:
+        self.remediation = remediation
+        self.hang = hang.HangDetector(base.parse_duration(remediation.hang_timeout))
+        self.ladder = ladder.MitigationLadder(remediation.max_mitigation, costs, shape)
+        self.decisions: list[ladder.Decision] = []
+        self.history: dict[str, dict[int, dict]] = {}  # replica → step → record
+        self._handled_hangs: set[tuple[tuple[str, ...], int]] = set()
+        self._slow_seen: set[tuple[str, int]] = set()
+        self._last_step = -1
+
+    def decide(self, graph: model.Graph, observation: TelemetryObservation) -> list[managers.Event]:
+        snapshots = {k: v for k, v in observation.telemetry.items() if "collective" in v}
+        if not snapshots:
+            return []
+        events = self._decide_hang(graph, snapshots, observation.time)
+        if self.remediation.fail_slow_detection and not events:
+            events = self._decide_fail_slow(graph, snapshots)
+        return events
+
+    # -- hangs -----------------------------------------------------------------------------------
+    def _decide_hang(
+        self, graph: model.Graph, snapshots: Mapping[str, dict], now: float
+    ) -> list[managers.Event]:
+        replica_of: dict[int, str] = {}
+        samples = []
+        for key, snap in snapshots.items():
+            replica = snap.get("replica") or key
+            sample = hang.parse_runtime_telemetry(snap, now, node=replica)
+            replica_of[sample.rank] = replica
+            samples.append(sample)
+        finding = self.hang.observe(samples, now)
+        if finding is None or not finding.culprits or len(finding.culprits) == len(samples):
+            return []
+        replicas = tuple(sorted({replica_of[r] for r in finding.culprits}))
+        key = (replicas, finding.collective)
+        if key in self._handled_hangs:
+            return []
+        self._handled_hangs.add(key)
+        decision = self.ladder.on_hang(finding)
+        self.decisions.append(decision)
+        return self._events_for(graph, decision, replicas)
+
+    # -- fail-slow -------------------------------------------------------------------------------
+    def _decide_fail_slow(self, graph: model.Graph, snapshots: Mapping[str, dict]) -> list[managers.Event]:
+        for key, snap in snapshots.items():
+            replica = snap.get("replica") or key
+            for record in snap.get("steps") or []:
+                self.history.setdefault(replica, {})[int(record["step"])] = record
+        table = self.build_table()
+        if table is None:
+            return []
+        events: list[managers.Event] = []
+        for finding in failslow.detect_fail_slow(table):
+            if finding.factor <= 1 or (finding.worker, finding.onset_iteration) in self._slow_seen:
+                continue
+            self._slow_seen.add((finding.worker, finding.onset_iteration))
+            if self.ladder.level is None:
+                self.decisions.append(self.ladder.on_fail_slow(finding, []))
+        latest = max((max(steps) for steps in self.history.values() if steps), default=-1)
+        healthy = self._healthy_step_seconds()
+        for step in range(self._last_step + 1, latest + 1):
+            seconds = max((h[step]["step_seconds"] for h in self.history.values() if step in h), default=None)
+            if seconds is None or healthy is None:
+                continue
+            decision = self.ladder.on_step(seconds, healthy)
+            if decision is not None:
+                self.decisions.append(decision)
+                worker = self.ladder.finding.worker if self.ladder.finding else failslow.JOB_WIDE
+                events += self._events_for(graph, decision, () if worker == failslow.JOB_WIDE else (worker,))
+        self._last_step = max(self._last_step, latest)
+        return events
+
+    def build_table(self) -> steptable.StepTable | None:
+        """The replicas' recent steps as the detector's generic table (compute/comm split)."""
+        rows = [{"iteration": step, "worker": replica, "time": r["step_seconds"],
+                 "compute": r["compute_seconds"], "comm": r["comm_seconds"]}
+                for replica, steps in self.history.items() for step, r in sorted(steps.items())[-512:]]
+        if not rows:
+            return None
+        return steptable.build_table(rows, (*steptable.REQUIRED, *steptable.OPTIONAL))
+
+    def _healthy_step_seconds(self) -> float | None:
+        finding = self.ladder.finding
+        if finding is None:
+            return None
+        before = [r["step_seconds"] for h in self.history.values() for s, r in h.items()
+                  if s < finding.onset_iteration]
+        return sorted(before)[len(before) // 2] if before else None
+
+    # -- events ----------------------------------------------------------------------------------
+    def _events_for(self, graph: model.Graph, decision: ladder.Decision,
+                    replicas: tuple[str, ...]) -> list[managers.Event]:
+        if decision.level is not MitigationLevel.RESTART or decision.action == "capped":
+            return []
+        live = set(graph.instance_names())
+        events = []
+        for replica in replicas:
+            vertex = next((v.name for v in graph.vertices.values()
+                           if any(i.name == replica for i in v.instances)), None)
+            if vertex is not None and replica in live:
+                events.append(managers.Event(managers.INSTANCE_FAILED, vertex, {
+                    "instance": replica, "reason": f"remediation S4 ({decision.action}): {decision.reason}",
+                }))
+        return events
