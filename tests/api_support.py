@@ -18,6 +18,7 @@ Nothing here comes from the pydantic models; that is the point of comparing the 
 from __future__ import annotations
 
 import copy
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,22 @@ def crd_errors(kind: str, manifest: dict[str, Any]) -> list[str]:
         return errors  # as on the server, CEL runs only on schema-valid objects
     outcomes = run_cel(schema, obj)
     return [f"{path}: {rule} -> {outcome}" for path, rule, outcome in outcomes if outcome is not True]
+
+
+def failing_rule_paths(kind: str, manifest: dict[str, Any]) -> set[str]:
+    """Wire paths (`spec.elasticity.minReplicas`) the CEL rules report, for a schema-valid manifest."""
+    schema = openapi_schema(kind)
+    obj = apply_defaults(schema, prune_nulls(manifest))
+    fields = {}
+    for path, node in iter_schema_nodes(schema):
+        for entry in node.get("x-kubernetes-validations", []):
+            fields[(path, entry["rule"])] = entry.get("fieldPath", "")
+    paths = set()
+    for path, rule, outcome in run_cel(schema, obj):
+        if outcome is not True:
+            node_path = re.sub(r"\[\d+\]", "[*]", path)
+            paths.add((path + fields[(node_path, rule)]).lstrip("."))
+    return paths
 
 
 def admit(kind: str, manifest: dict[str, Any]) -> dict[str, Any]:
