@@ -1,0 +1,128 @@
+"""The local backend against real processes: failure detection from the agents' own log lines,
+the store as its own process, and killing whole trees including orphans."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from huorn import graph
+from huorn.api import manifests
+from huorn.backends.local import backend as local_backend
+from huorn.backends.local import processes
+from huorn.graph import model, mutate
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
+
+
+def build_graph() -> model.Graph:
+    return graph.compile(manifests.load_manifest(QUICKSTART))
+
+
+def start_python(tmp_path: Path, name: str, role: str, code: str) -> processes.ManagedProcess:
+    return processes.start_process(
+        name,
+        "trainer" if role == "trainer" else "rendezvous",
+        role,
+        [sys.executable, "-c", code],
+        {"PATH": "/usr/bin:/bin"},
+        tmp_path / "logs" / f"{name}.log",
+        tmp_path,
+    )
+
+
+def wait_exit(proc: processes.ManagedProcess) -> None:
+    proc.popen.wait(timeout=60)
+
+
+def test_signal_deaths_are_failures_but_sigterm_and_clean_exits_are_not(tmp_path: Path) -> None:
+    g = build_graph()
+    mutate.resize(g, "trainer", 2, reason="two agents")
+    backend = local_backend.LocalBackend(g, tmp_path)
+    line = "[E] failed (exitcode: {code}) local_rank: 0 (pid: {pid}) of binary: python"
+    killed = start_python(
+        tmp_path,
+        "trainer-0",
+        "trainer",
+        f"print({line.format(code=-9, pid=4242)!r}, flush=True); import time; time.sleep(60)",
+    )
+    stopped = start_python(tmp_path, "trainer-1", "trainer", f"print({line.format(code=-15, pid=4343)!r})")
+    backend.processes = {"quickstart-trainer-0": killed, "quickstart-trainer-1": stopped}
+    wait_exit(stopped)
+    deadline = time.monotonic() + 30
+    while "4242" not in killed.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    seen = backend.observe()
+    assert seen.instances["trainer-0"].failed and seen.instances["trainer-0"].alive
+    assert seen.instances["trainer-0"].reason == "worker pid 4242 of trainer-0 was killed by SIGKILL"
+    assert not seen.instances["trainer-1"].failed  # SIGTERM is how workers are stopped on purpose
+    assert not seen.finished  # trainer-0 still runs
+    # The log is read incrementally: the same line is not reported twice.
+    assert not backend.observe().instances["trainer-0"].failed
+    backend.stop(graceful=False)
+    assert killed.exit_code() is not None
+
+
+def test_an_agent_exiting_nonzero_fails_and_all_zero_exits_finish(tmp_path: Path) -> None:
+    backend = local_backend.LocalBackend(build_graph(), tmp_path)
+    bad = start_python(tmp_path, "trainer-0", "trainer", "raise SystemExit(1)")
+    backend.processes = {"quickstart-trainer-0": bad}
+    wait_exit(bad)
+    state = backend.observe().instances["trainer-0"]
+    assert state.failed and state.reason == "trainer process of trainer-0 exited with code 1"
+    good = start_python(tmp_path, "trainer-0-g1", "trainer", "pass")
+    backend.processes = {"quickstart-trainer-0-g1": good}
+    wait_exit(good)
+    assert backend.observe().finished
+
+
+def test_store_runs_as_its_own_process_and_stop_removes_it(tmp_path: Path) -> None:
+    g = build_graph()
+    mutate.set_active(g, "trainer", False, reason="only the store for this test")
+    backend = local_backend.LocalBackend(g, tmp_path)
+    done = backend.apply(g)
+    pid = backend.processes["quickstart-rendezvous-0"].pid
+    assert f"started rendezvous store rendezvous-0 on {backend.store_endpoint} (pid {pid})" in done
+    host, port = str(backend.store_endpoint).split(":")
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    client = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    client.set("probe", "1")
+    assert client.get("probe") == b"1"
+    store = backend.processes["quickstart-rendezvous-0"]
+    assert backend.stop() == [f"killed rendezvous-0 (process tree [{store.pid}])"]
+    assert not psutil.pid_exists(store.pid) or psutil.Process(store.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_kill_tree_reaches_orphans_of_a_dead_root(tmp_path: Path) -> None:
+    # The root starts a child in its own session (as torchrun does with workers) and waits.
+    code = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+        "time.sleep(120)\n"
+    )
+    root = start_python(tmp_path, "trainer-0", "trainer", code)
+    deadline = time.monotonic() + 30
+    while not root.remember_descendants() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (child,) = root.known_pids
+    psutil.Process(root.pid).kill()  # the agent dies first; its worker is re-parented away
+    root.popen.wait(timeout=30)
+    assert psutil.pid_exists(child)
+    assert child in processes.kill_tree(root)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_other_kinds_are_refused_by_the_local_backend(tmp_path: Path) -> None:
+    rl = graph.compile(manifests.load_manifest(QUICKSTART.parent / "rl-job.yaml"))
+    try:
+        local_backend.LocalBackend(rl, tmp_path)
+    except local_backend.LocalBackendError as error:
+        assert "run it through the operator" in str(error)
+    else:
+        raise AssertionError("an RLJob graph must be refused")
