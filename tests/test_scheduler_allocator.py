@@ -180,3 +180,22 @@ def test_cooldown_blocks_reversals_but_not_the_next_step() -> None:
     # After the cooldown the idle GPUs are worth a restart.
     grown = alloc.allocate(snap, [shrunk], 400.0)[0]
     assert grown.action == "grow" and grown.replicas > 2
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 16), st.floats(0, 5000), st.sampled_from([8.0, 32.0, 100.0]))
+def test_vectorised_tables_match_the_one_config_reference(replicas: int, noise: float, base: float) -> None:
+    """The allocator prices all sizes in one call; goodput.choose_batch prices one. They must agree."""
+    job = build_job("j", SCALES_BADLY, noise_scale=noise, base_batch=base, max_local_batch=256.0)
+    choice = allocator.Allocator().table(job).choices[replicas]
+    nodes = -(-replicas // 8)
+
+    def throughput(local: np.ndarray) -> np.ndarray:
+        return job.perf.predict_many(np.full(local.shape, replicas), np.full(local.shape, nodes), local)
+
+    reference = goodput.choose_batch(throughput, noise, base, replicas, 256.0)
+    assert choice is not None and reference is not None
+    assert choice.goodput == pytest.approx(reference.goodput, rel=1e-9)
+    assert choice.global_batch == pytest.approx(reference.global_batch)
+    assert choice.lr_scale == pytest.approx(reference.lr_scale)
+    assert reference.global_batch >= base  # never below the batch the user tuned
