@@ -109,7 +109,12 @@ def load_manifest(source: Mapping[str, Any] | str | Path, origin: str = "") -> k
                                 "use load_manifests for multi-document files")],
                 source=str(source),
             )
-        return load_manifest(documents[0], origin=origin or str(source))
+        return load_document(documents[0], origin=origin or str(source))
+    return load_document(source, origin=origin)
+
+
+def load_document(source: Any, origin: str = "") -> kinds.Resource:
+    """Validate one parsed YAML document (any value: a stray scalar is an error, not a path)."""
     if not isinstance(source, Mapping):
         problem = FieldError("", "a manifest must be a mapping with apiVersion, kind, metadata and spec")
         raise ManifestError([problem], source=origin)
@@ -156,7 +161,7 @@ def load_manifests(path: Path) -> list[kinds.Resource | ManifestError]:
     results: list[kinds.Resource | ManifestError] = []
     for document in read_documents(path):
         try:
-            results.append(load_manifest(document, origin=str(path)))
+            results.append(load_document(document, origin=str(path)))
         except ManifestError as error:
             results.append(error)
     return results

@@ -80,7 +80,7 @@ def check_file(path: Path) -> list[Verdict]:
             verdicts.append(Verdict(str(path), kind, name, "skipped"))
             continue
         try:
-            manifests.load_manifest(document, origin=str(path))
+            manifests.load_document(document, origin=str(path))
         except manifests.ManifestError as error:
             verdicts.append(Verdict(str(path), kind, name, "invalid", [asdict(e) for e in error.errors]))
         else:

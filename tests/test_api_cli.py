@@ -1,0 +1,103 @@
+"""`huorn validate`: what a user sees and the exit codes scripts rely on (0 valid, 2 invalid)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from api_support import ROOT, build_manifest
+from typer.testing import CliRunner
+
+from huorn.cli import main
+
+EXAMPLES = ROOT / "examples"
+
+
+def _invoke(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main.app, ["validate", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_valid_examples_print_ok_and_exit_0() -> None:
+    code, out, err = _invoke(*[str(p) for p in sorted(EXAMPLES.glob("*.yaml"))])
+    assert code == 0, err
+    assert f"{EXAMPLES / 'quickstart.yaml'}: TrainingJob/quickstart: ok" in out.splitlines()
+    assert out.count(": ok") == 7 and err == ""
+
+
+def test_an_invalid_manifest_exits_2_naming_file_kind_name_and_field() -> None:
+    path = EXAMPLES / "invalid" / "elasticity-min-above-max.yaml"
+    code, out, err = _invoke(str(path))
+    assert code == 2 and out == ""
+    assert err.strip() == (
+        f"{path}: TrainingJob/elasticity-min-above-max: spec.elasticity.minReplicas: must be ≤ maxReplicas "
+        "(3 > 2); set minReplicas to at most maxReplicas, or raise maxReplicas"
+    )
+
+
+def test_directories_recurse_and_one_bad_file_fails_the_run() -> None:
+    code, out, err = _invoke(str(EXAMPLES))
+    assert code == 2
+    assert "quickstart.yaml: TrainingJob/quickstart: ok" in out
+    assert len(err.strip().splitlines()) >= len(list((EXAMPLES / "invalid").glob("*.yaml")))
+
+
+def test_multi_document_files_and_foreign_documents(tmp_path: Path) -> None:
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"}}
+    path = tmp_path / "stack.yml"
+    path.write_text(yaml.safe_dump_all([build_manifest("TrainingJob", name="a"), service,
+                                        build_manifest("RLJob", name="b")]))
+    code, out, _ = _invoke(str(tmp_path))
+    assert code == 0
+    assert out.splitlines() == [
+        f"{path}: TrainingJob/a: ok",
+        f"{path}: Service/web: skipped (not a huorn.io resource)",
+        f"{path}: RLJob/b: ok",
+    ]
+
+
+def test_wrong_huorn_version_is_an_error_not_a_skip(tmp_path: Path) -> None:
+    manifest = build_manifest("TrainingJob") | {"apiVersion": "huorn.io/v1"}
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(manifest))
+    code, _, err = _invoke(str(tmp_path / "old.yaml"))
+    assert code == 2 and "apiVersion: must be huorn.io/v1alpha1" in err
+
+
+def test_missing_paths_empty_directories_and_broken_yaml_exit_2(tmp_path: Path) -> None:
+    assert _invoke(str(tmp_path / "nope.yaml"))[0] == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = _invoke(str(empty))
+    assert code == 2 and "no *.yaml files" in err
+    (tmp_path / "broken.yaml").write_text("spec: [\n")
+    code, _, err = _invoke(str(tmp_path / "broken.yaml"))
+    assert code == 2 and "not valid YAML" in err
+
+
+def test_json_output_is_machine_readable() -> None:
+    code, out, _ = _invoke("-o", "json", str(EXAMPLES / "quickstart.yaml"),
+                           str(EXAMPLES / "invalid" / "glvq-without-bits.yaml"))
+    assert code == 2
+    records = json.loads(out)
+    assert [(r["kind"], r["name"], r["status"]) for r in records] == [
+        ("TrainingJob", "quickstart", "ok"), ("InferenceJob", "glvq-without-bits", "invalid")]
+    assert records[1]["errors"][0]["path"] == "spec.quantization.bits"
+
+
+def test_yaml_output_and_bad_option_value() -> None:
+    code, out, _ = _invoke("-o", "yaml", str(EXAMPLES / "rl-job.yaml"))
+    assert code == 0 and yaml.safe_load(out)[0]["status"] == "ok"
+    assert _invoke("-o", "xml", str(EXAMPLES / "rl-job.yaml"))[0] == 2
+
+
+def test_the_installed_command_exits_2_on_invalid_input() -> None:
+    """The real entry point, in a subprocess, as CI and users run it (one call: start-up is slow)."""
+    huorn = Path(sys.executable).with_name("huorn")
+    bad = EXAMPLES / "invalid" / "k-without-kfkb.yaml"
+    args = [str(huorn), "validate", str(EXAMPLES / "quickstart.yaml"), str(bad)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stdout.endswith("TrainingJob/quickstart: ok\n") and "spec.parallelism.k: " in result.stderr
