@@ -7,12 +7,20 @@ peers of a stage are `stages` apart.
 Each pipeline edge gets two groups, one per direction. With NCCL, point-to-point calls on
 one communicator run in order on one stream, so activations going up and gradients coming
 down on the same communicator could wait on each other; a communicator per direction keeps
-both flowing, and gloo is happy either way."""
+both flowing, and gloo is happy either way.
+
+NB: NCCL creates a group's communicator on its first call, and that creation blocks until
+both ranks make it. Left to the first real message it deadlocks: stage 0 would block creating
+the gradient communicator while posting its receives, before sending the activation that
+stage 1 needs before it ever sends a gradient. So `build_groups` exchanges one number on every
+group right away, in creation order, which is a chain (each rank meets its lower neighbour
+before its upper one) and so cannot wait in a cycle."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -69,19 +77,41 @@ def build_groups(topology: PipelineTopology) -> PipelineGroups:
     if dist.get_world_size() != topology.world_size:
         raise ValueError(f"world size {dist.get_world_size()} != replicas × stages = {topology.world_size}")
     mine = PipelineGroups()
+    me = topology.rank
     for replica in range(topology.replicas):
         for stage in range(topology.stages - 1):
             low, high = topology.global_rank(replica, stage), topology.global_rank(replica, stage + 1)
             forward = dist.new_group([low, high])
             backward = dist.new_group([low, high])
-            if topology.rank == low:
+            if me == low:
                 mine.to_next, mine.from_next = forward, backward
-            elif topology.rank == high:
+            elif me == high:
                 mine.from_previous, mine.to_previous = forward, backward
+            if me in (low, high):
+                _connect(forward, sender=low, receiver=high, me=me)
+                _connect(backward, sender=high, receiver=low, me=me)
     if topology.replicas > 1:
         for stage in range(topology.stages):
             members = [topology.global_rank(r, stage) for r in range(topology.replicas)]
             group = dist.new_group(members)
-            if topology.rank in members:
+            if me in members:
                 mine.data_parallel = group
+                dist.all_reduce(torch.zeros(1, device=_device()), group=group)
+    if dist.get_backend() == "nccl":
+        torch.cuda.synchronize()
     return mine
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _connect(group: dist.ProcessGroup, sender: int, receiver: int, me: int) -> None:
+    """One number from sender to receiver, so the communicator exists before real traffic."""
+    probe = torch.zeros(1, device=_device())
+    if me == sender:
+        dist.send(probe, dst=receiver, group=group)
+    else:
+        dist.recv(probe, src=sender, group=group)
