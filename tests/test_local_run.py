@@ -96,6 +96,7 @@ def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_pat
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(timeout=60)
     steps = read_steps(run_dir)
     summary = report.summarise_steps(steps)
     assert summary.last == 34 and summary.missing == [] and summary.world_sizes == [1, 2]
@@ -140,6 +141,7 @@ def test_shrink_then_ctrl_c_checkpoints_and_stops_everything(tmp_path: Path) -> 
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(timeout=60)
     records = report.read_records(run_dir)
     steps = [r for r in records if r.get("event") == "step"]
     summary = report.summarise_steps(steps)
@@ -167,9 +169,11 @@ def invoke_run(tmp_path: Path, manifest: dict | None, *args: str) -> tuple[int, 
 def test_bad_manifest_exits_2_naming_the_field_and_starts_nothing(tmp_path: Path) -> None:
     manifest = yaml.safe_load(QUICKSTART.read_text())
     manifest["spec"]["elasticity"]["maxReplica"] = 2
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     code, err, run_dir = invoke_run(tmp_path, manifest)
     assert code == 2 and "spec.elasticity.maxReplica" in err
-    assert not run_dir.exists() and psutil.Process().children(recursive=True) == []
+    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not run_dir.exists() and started == []
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,9 @@ def _drive(
 ) -> str:
     """Run the loop; Ctrl-C or SIGTERM stops the trainers with a checkpoint, then everything."""
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # NB: a shell starts background jobs with SIGINT ignored, and Python then leaves it ignored;
+    # `huorn run` always treats Ctrl-C as "checkpoint and stop", so it installs the handler itself.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     last_progress = time.monotonic()
 
     def stalled(result: monitor.TickResult) -> bool:
