@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from hypothesis import strategies as st
 
 from huorn import models
 from huorn.api import training
-from huorn.runtime import batching, checkpoint, noise_scale
+from huorn.runtime import batching, checkpoint, noise_scale, train
 from huorn.runtime import config as run_config
 
 GRACE_PERIOD_S = 30.0  # Kubernetes' default terminationGracePeriodSeconds
@@ -29,6 +27,7 @@ def data_dir() -> Path:
     return harness.shared_data_dir()
 
 
+@pytest.mark.slow
 def test_loss_goes_down_on_the_shipped_corpora(tmp_path: Path, data_dir: Path) -> None:
     config = harness.write_config(tmp_path, data_dir, harness.build_spec(steps=40, interval_steps=20),
                                   validationInterval=10)
@@ -84,14 +83,15 @@ def test_sigterm_checkpoints_within_the_grace_period_and_a_restart_resumes(tmp_p
     assert [s["step"] for s in attempts[-1]["steps"]] == [last_step + 1, last_step + 2, last_step + 3]
 
 
-def test_bad_config_exits_2_naming_the_field(tmp_path: Path) -> None:
+def test_bad_config_exits_2_naming_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("jobName: x\nrunDir: /tmp/x\nspec:\n  virtualCluster: vc\n  optimization:\n"
                     "    steps: 5\n    globalBatch: 10\n    microBatch: 4\n")
-    result = subprocess.run([sys.executable, "-m", "huorn.runtime.train", "--config", str(path)],
-                            capture_output=True, text=True, env=harness.child_env(), timeout=120)
-    assert result.returncode == 2
-    assert "globalBatch" in result.stderr and "microBatch" in result.stderr
+    assert train.main(["--config", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert "globalBatch" in error and "microBatch" in error
+    assert train.main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read run config" in capsys.readouterr().err
 
 
 def test_run_config_round_trips_and_resolves_defaults(tmp_path: Path) -> None:
