@@ -10,9 +10,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from api_support import DELETE, apply_defaults, build_manifest, crd_errors, evaluate_rule, openapi_schema
+from api_support import (
+    DELETE,
+    ROOT,
+    apply_defaults,
+    build_manifest,
+    crd_errors,
+    evaluate_rule,
+    openapi_schema,
+)
 
-from huorn.api import kinds, manifests
+from huorn.api import kinds, manifests, rl
 
 
 @dataclass(frozen=True)
@@ -152,3 +160,19 @@ def test_rule_names_are_unique_and_paths_are_wire_names() -> None:
             head = rule.field.split(".")[0]
             aliases = {info.alias or name for name, info in cls.model_fields.items()}
             assert head in aliases, f"{rule.name}: {head} is not a field of {cls.__name__}"
+
+
+def test_every_rule_is_documented() -> None:
+    docs = (ROOT / "docs" / "api.md").read_text()
+    missing = [name for name in RULES if f"`{name}`" not in docs]
+    assert not missing, f"add these rules to the table in docs/api.md: {missing}"
+
+
+def test_count_gpus_needed_counts_each_group_once_at_its_largest() -> None:
+    roles = rl.Roles.model_validate({
+        "actorTrain": {"replicas": 4, "gpusPerReplica": 2, "colocationGroup": "main"},
+        "rollout": {"replicas": 2, "gpusPerReplica": 2, "colocationGroup": "main"},
+        "reference": {"replicas": 3, "colocationGroup": "ref"},
+        "reward": {"replicas": 2},
+    })
+    assert rl.count_gpus_needed(roles) == 8 + 3 + 2
