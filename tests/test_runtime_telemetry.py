@@ -140,6 +140,10 @@ def test_injected_hangs_show_in_sequence_numbers_of_a_real_gang(tmp_path: Path) 
                          "three steps")
         view = _telemetry(tmp_path, 0)
         assert view["world_size"] == 2 and view["steps"][-1]["comm_seconds"] >= 0
+        # Two ranks give two batch sizes, so the gradient noise scale gets a value.
+        noise = harness.wait_for(lambda: [s["gradient_noise_scale"] for s in _telemetry(tmp_path, 0)["steps"]
+                                          if s["gradient_noise_scale"]], 120, "a gradient noise scale")
+        assert all(0 < value < 1e6 for value in noise)
         control = tmp_path / "run" / run_config.FAULTS_FILE
 
         # hang-compute on rank 1: it stops entering collectives; rank 0 waits inside the next one.
