@@ -49,8 +49,10 @@ def test_live_panel_shows_step_loss_throughput_replicas_and_events() -> None:
     g = graph.compile(manifests.load_manifest(QUICKSTART))
     view = live.RunView(g, total_steps=None, enabled=True)
     view.update(tick(1, 2, 3))
+    view.ranks = {"trainer-0-0": {"rank": 0, "heartbeat": 0.0, "collective": {"entered": 7, "completed": 6}}}
     buffer = io.StringIO()
     Console(file=buffer, width=120).print(view.render())
     text = buffer.getvalue()
     assert "3 / 300" in text and "2.3333" in text and "1,000" in text
     assert "1 running, 1 desired" in text and "TrainingJob quickstart" in text
+    assert "trainer-0-0: rank 0" in text and "coll 7/6" in text

@@ -36,6 +36,7 @@ class RunView:
         self.started = time.monotonic()
         self._live: Live | None = None
         self._printed = -1
+        self.ranks: dict[str, dict] = {}
 
     def __enter__(self) -> RunView:
         if self.enabled:
@@ -64,6 +65,7 @@ class RunView:
             self.loss = float(record["loss"])
             self.tokens_per_second = float(record["tokens_per_second"])
             self.world_size = int(record["world_size"])
+        self.ranks = result.observation.telemetry
         for mutation in result.mutations:
             self._event(f"v{mutation.version} {mutation.action} {mutation.target}: {mutation.reason}")
         for action in result.actions:
@@ -93,6 +95,21 @@ class RunView:
             f"replicas {self.world_size}  graph v{self.graph.version}"
         )
 
+    def describe_ranks(self) -> str:
+        """One word per rank from its /telemetry: heartbeat age and the last collective entered
+        and completed, the numbers a hang shows first."""
+        now = time.time()
+        parts = []
+        for name, snap in sorted(self.ranks.items()):
+            beat = snap.get("heartbeat")
+            age = f"{now - beat:.0f}s" if beat else "?"
+            seq = snap.get("collective", {})
+            parts.append(
+                f"{name}: rank {snap.get('rank')} beat {age} ago, "
+                f"coll {seq.get('entered')}/{seq.get('completed')}"
+            )
+        return "; ".join(parts) or "-"
+
     def render(self) -> Group:
         table = Table.grid(padding=(0, 2))
         table.add_row("job", f"{self.graph.kind} {self.graph.name}  (graph v{self.graph.version})")
@@ -103,6 +120,7 @@ class RunView:
             "replicas", f"{self.world_size} running, {self.graph.vertex('trainer').replicas} desired"
         )
         table.add_row("elapsed", f"{time.monotonic() - self.started:.0f} s")
+        table.add_row("ranks", self.describe_ranks())
         events = Table.grid()
         for line in self.events:
             events.add_row(line)
