@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from huorn import graph
-from huorn.graph import managers, model, mutate, serialise
+from huorn.graph import desired, managers, model, mutate, serialise
 
 
 class FakeClock:
@@ -165,6 +165,13 @@ def test_serialised_status_respects_bound_and_keeps_totals(ops: list, budget: in
     kept = len(back.log)
     assert kept + status["summary"]["logDropped"] == len(g.log)
     assert [m.version for m in back.log] == [m.version for m in g.log[len(g.log) - kept :]]
+    # Invariants of the mutation API, whatever the sequence.
+    trainer = g.vertex("trainer")
+    names = [i.name for i in trainer.instances]
+    assert trainer.min_replicas <= trainer.replicas <= trainer.max_replicas and len(set(names)) == len(names)
+    assert g.version == 1 + g.mutation_count
+    # A restarted operator rebuilds the graph from status and computes the very same resources.
+    assert desired.build_desired(back) == desired.build_desired(g)
 
 
 def test_structure_over_budget_is_a_clear_error() -> None:

@@ -178,7 +178,8 @@ def write_report(run_dir: Path, graph: model.Graph, outcome: str, command: str =
         detail = json.dumps(m.detail)
         took = f"{recovery[m.version]:.1f}" if m.version in recovery else "-"
         lines.append(
-            f"| {m.version} | {_clock(m.time)} | {m.action} | {m.target} | {m.reason} | `{detail}` | {took} |"
+            f"| {m.version} | {_clock(m.time)} | {m.action} | {m.target} | {m.reason.replace('|', '/')} "
+            f"| `{detail}` | {took} |"
         )
     if not mutations:
         lines.append("| - | - | - | - | the graph ran as compiled | - | - |")
