@@ -9,6 +9,9 @@ real trainer), each on the quickstart TrainingJob:
 2. huorn: `--policy goodput`, the allocator grows the job when its model predicts a gain;
 3. huorn-kill9: starts at 2 replicas, one worker is SIGKILLed mid-run; Huorn replaces the replica.
 
+Run directories (with their report.md) go to runs/local_elastic/<scenario>; the summary and the
+plot go to --output.
+
 It reports wall time to the last step, tokens/s, the ratio huorn / baseline, the pause of the
 resize (last step at 1 replica → first step at 2) and the recovery time after the kill (kill →
 first step of the restarted gang), and plots tokens/s over time for the three runs.
@@ -41,7 +44,7 @@ def read_records(run_dir: Path) -> list[dict]:
 
 
 def run_scenario(name: str, out: Path, steps: int, extra: list[str], kill_at: int | None = None) -> dict:
-    run_dir = out / name
+    run_dir = ROOT / "runs" / "local_elastic" / name  # runs/ is git-ignored: checkpoints stay out of git
     argv = [
         *HUORN,
         "run",
@@ -56,7 +59,8 @@ def run_scenario(name: str, out: Path, steps: int, extra: list[str], kill_at: in
         *extra,
     ]
     started = time.time()
-    with open(out / f"{name}.out", "wb") as log:
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(run_dir.parent / f"{name}.out", "wb") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         killed_at = None
         while proc.poll() is None:
