@@ -72,7 +72,7 @@ def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_pat
     """Resize 1 → 2 at step 3, SIGKILL the worker of trainer-1, then SIGKILL the rendezvous store."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    proc = start_run(run_dir, "--steps", "34", "--scale-at", "3:2")
+    proc = start_run(run_dir, "--steps", "34", "--scale-at", "3:2", "--json")
     try:
 
         def stepping_at_two_after(step: int) -> bool:
@@ -97,6 +97,15 @@ def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=60)
+    printed = json.loads((run_dir.parent / "run.out").read_text().splitlines()[-1])
+    assert printed["outcome"] == "finished" and printed["report"] == str(run_dir / "report.md")
+    assert [m["action"] for m in printed["mutations"]] == [
+        "resize",
+        "replace",
+        "replace",
+        "replace",
+        "replace",
+    ]
     steps = read_steps(run_dir)
     summary = report.summarise_steps(steps)
     assert summary.last == 34 and summary.missing == [] and summary.world_sizes == [1, 2]

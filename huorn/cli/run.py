@@ -7,6 +7,7 @@ been validated and compiled, so a bad manifest exits 2 with no process left behi
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -91,6 +92,9 @@ def run_command(
         min=1,
         help="Replicas this machine can run at once, for goodput (default: CPU count).",
     ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print a JSON summary at the end instead of a sentence."
+    ),
     stall_timeout: float = typer.Option(
         600.0, "--stall-timeout", min=10, help="Give up when no step completes for this long (seconds)."
     ),
@@ -127,7 +131,29 @@ def run_command(
     loop = monitor.Monitor(g, backend, policies, on_tick=view.update)
     outcome = _drive(loop, backend, view, interval, stall_timeout)
     path = report.write_report(directory, g, outcome, "huorn run " + shlex.join(sys.argv[2:]))
-    typer.echo(f"{outcome}. Report: {path}")
+    if as_json:
+        steps = report.summarise_steps(
+            [r for r in report.read_records(directory) if r.get("event") == "step"]
+        )
+        typer.echo(
+            json.dumps(
+                {
+                    "outcome": outcome,
+                    "report": str(path),
+                    "runDir": str(directory),
+                    "lastStep": steps.last,
+                    "missingSteps": steps.missing,
+                    "worldSizes": steps.world_sizes,
+                    "graphVersion": g.version,
+                    "mutations": [
+                        {"version": m.version, "action": m.action, "target": m.target, "reason": m.reason}
+                        for m in g.log
+                    ],
+                }
+            )
+        )
+    else:
+        typer.echo(f"{outcome}. Report: {path}")
     raise typer.Exit(0 if outcome == "finished" else 130 if outcome.startswith("interrupted") else 1)
 
 
