@@ -87,6 +87,16 @@ def test_json_output_is_machine_readable() -> None:
     assert records[1]["errors"][0]["path"] == "spec.quantization.bits"
 
 
+def test_table_output_has_a_row_per_error() -> None:
+    code, out, _ = _invoke("-o", "table", str(EXAMPLES / "quickstart.yaml"),
+                           str(EXAMPLES / "invalid" / "slo-without-target.yaml"))
+    assert code == 2
+    rows = [line.split() for line in out.splitlines()]
+    assert rows[0][:3] == ["FILE", "RESOURCE", "STATUS"]
+    assert any("TrainingJob/quickstart" in row and "ok" in row for row in rows)
+    assert any("invalid" in row and "spec.slo" in row for row in rows)
+
+
 def test_yaml_output_and_bad_option_value() -> None:
     code, out, _ = _invoke("-o", "yaml", str(EXAMPLES / "rl-job.yaml"))
     assert code == 0 and yaml.safe_load(out)[0]["status"] == "ok"

@@ -14,6 +14,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+import rich.box
+import rich.console
+import rich.table
 import typer
 import yaml
 
@@ -24,6 +27,7 @@ EXIT_INVALID = 2
 
 class OutputFormat(StrEnum):
     TEXT = "text"
+    TABLE = "table"
     JSON = "json"
     YAML = "yaml"
 
@@ -102,9 +106,27 @@ def _print_text(verdicts: list[Verdict]) -> None:
                 typer.echo(f"{where}: {text}", err=True)
 
 
+def _print_table(verdicts: list[Verdict]) -> None:
+    table = rich.table.Table(box=rich.box.SIMPLE, show_edge=False)
+    for column in ("FILE", "RESOURCE", "STATUS", "FIELD", "MESSAGE"):
+        table.add_column(column, overflow="fold")
+    for v in verdicts:
+        subject = f"{v.kind or '?'}/{v.name or '?'}" if v.kind or v.name else ""
+        rows = v.errors or [{"path": "", "message": ""}]
+        for error in rows:
+            table.add_row(v.file, subject, v.status, error["path"], error["message"])
+    # NB: piped output keeps one row per line (no folding at 80 columns), for grep and awk.
+    console = rich.console.Console()
+    if not console.is_terminal:
+        console = rich.console.Console(width=10_000)
+    console.print(table)
+
+
 def validate_command(
     paths: list[Path] = typer.Argument(..., help="Manifest files or directories (recursing into *.yaml)."),
-    output: OutputFormat = typer.Option(OutputFormat.TEXT, "--output", "-o", help="text, json or yaml."),
+    output: OutputFormat = typer.Option(
+        OutputFormat.TEXT, "--output", "-o", help="text (one line per result), table, json or yaml."
+    ),
 ) -> None:
     """Validate Huorn manifests offline, as the API server with the CRDs would; exit 2 if any is invalid."""
     files, verdicts = list_manifest_files(paths)
@@ -112,6 +134,8 @@ def validate_command(
         verdicts.extend(check_file(path))
     if output is OutputFormat.TEXT:
         _print_text(verdicts)
+    elif output is OutputFormat.TABLE:
+        _print_table(verdicts)
     else:
         records = [asdict(v) for v in verdicts]
         if output is OutputFormat.JSON:
