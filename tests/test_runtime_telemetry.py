@@ -4,6 +4,8 @@ whose hangs are injected through the control file and read back from /telemetry.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -130,7 +132,7 @@ def test_injected_hangs_show_in_sequence_numbers_of_a_real_gang(tmp_path: Path) 
     config = harness.write_config(tmp_path, harness.shared_data_dir(), harness.build_spec(steps=100_000),
                                   faults=[{"kind": "slow-compute", "ms": 30}])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "-m", "huorn.runtime.train", "--config", str(config)]
+               "--max-restarts=2", "-m", "huorn.runtime.train", "--config", str(config)]
     with open(tmp_path / "gang.log", "ab") as log:
         gang = subprocess.Popen(command, cwd=harness.REPO, stdout=log, stderr=subprocess.STDOUT,
                                 env=launcher.build_agent_env("g", harness.child_env()),
@@ -171,5 +173,18 @@ def test_injected_hangs_show_in_sequence_numbers_of_a_real_gang(tmp_path: Path) 
         control.write_text(json.dumps([{"kind": "slow-comm", "ms": 400, "rank": 0}]))
         harness.wait_for(lambda: _telemetry(tmp_path, 0)["steps"][-1]["comm_seconds"] >= 0.4, 120,
                          "slow communication on rank 0")
+        control.write_text("[]")
+
+        # SIGTERM to one worker only: both ranks agree on the step, checkpoint together, the
+        # signalled rank exits 0 and its peer asks its agent for a restart, which resumes there.
+        os.kill(_telemetry(tmp_path, 1)["pid"], signal.SIGTERM)
+        stopped = harness.wait_for(lambda: [e for e in harness.read_events(tmp_path / "run")
+                                            if e["event"] == "checkpoint" and e["reason"] != "periodic"],
+                                   120, "the agreed checkpoint")[0]
+        assert stopped["reason"] == "peer-stop"  # logged by rank 0, which was not signalled
+        restarted = harness.wait_for(
+            lambda: harness.split_attempts(harness.read_events(tmp_path / "run"))[1:], 180, "the restart")[0]
+        assert restarted["start"]["resumed_from"] == stopped["step"]
+        assert restarted["start"]["restart_count"] == 1
     finally:
         launcher.kill_process_tree(gang.pid)
