@@ -142,7 +142,12 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         @kopf.on.resume(GROUP, VERSION, plural, registry=registry, backoff=backoff)
         @kopf.on.create(GROUP, VERSION, plural, registry=registry, backoff=backoff)
         @kopf.on.update(GROUP, VERSION, plural, registry=registry, backoff=backoff)
-        @kopf.timer(GROUP, VERSION, plural, interval=settings_resync, registry=registry, backoff=backoff)
+        # initial_delay: create/resume already reconcile a new job; a timer firing at once too
+        # would double the API traffic of a burst of creations.
+        @kopf.timer(
+            GROUP, VERSION, plural, interval=settings_resync, initial_delay=settings_resync,
+            registry=registry, backoff=backoff,
+        )
         async def job_reconcile(namespace: str, name: str, memo: Any, resource: Any, **_: Any) -> None:
             await _reconcile_job(_ctx(memo), resource.plural, namespace, name)
 

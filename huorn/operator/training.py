@@ -211,7 +211,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     except BaseException:
         ctx.index.release(reserved)
         raise
-    return await _report(ctx, body, graph, base_status)
+    created = {manifests.pod_name(ref, i) for i in graph.vertex("trainer").instances if i.name in assignments}
+    return await _report(ctx, body, graph, base_status, created)
 
 
 def _phase(graph: Graph, trainer_pods_running: int, total: int, has_new: bool, old: Mapping[str, Any]) -> str:
@@ -256,14 +257,23 @@ async def _apply_children(
     ))
 
 
-async def _report(ctx: Context, body: Mapping[str, Any], graph: Graph, base_status: dict[str, Any]) -> str:
-    """Status from what the pods are doing now; pod events call reconcile again as they change."""
+async def _report(
+    ctx: Context, body: Mapping[str, Any], graph: Graph, base_status: dict[str, Any],
+    created: set[str] | frozenset[str] = frozenset(),
+) -> str:
+    """Status from what the pods are doing now; pod events call reconcile again as they change.
+
+    `created` names the pods this reconcile just created: their watch events may not have
+    arrived yet, and the pod event of a new Pending pod does not reconcile again.
+    """
     meta = body["metadata"]
     ref = manifests.JobRef.from_body(body)
     pods = {p.name: p for p in ctx.index.pods_of(meta["namespace"], meta["name"])}
     trainer = graph.vertex("trainer")
-    present = [pods[n] for n in (manifests.pod_name(ref, i) for i in trainer.instances) if n in pods]
+    names = [manifests.pod_name(ref, i) for i in trainer.instances]
+    present = [pods[n] for n in names if n in pods]
     running = sum(1 for p in present if p.phase == "Running")
+    existing = sum(1 for n in names if n in pods or n in created)
     total = trainer.replicas
     old = body.get("status") or {}
     phase = _phase(graph, running, total, has_new=False, old=old)
@@ -284,7 +294,7 @@ async def _report(ctx: Context, body: Mapping[str, Any], graph: Graph, base_stat
     status = {
         **base_status,
         "phase": phase,
-        "replicas": len(present),
+        "replicas": existing,
         "graph": serialise.to_status(graph),
         "decisions": build_decisions(graph),
         "conditions": conds,
