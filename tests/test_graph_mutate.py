@@ -201,3 +201,5 @@ def test_store_failure_replaces_store_and_every_trainer_that_joined_it() -> None
         ("replace", "trainer-1", "trainer-1-g1"),
     ]
     assert "rendezvous-0-g1" in done[1].reason
+    # The store is broken; the trainers are healthy and only move, so backends drain them.
+    assert [m.detail.get("drain", False) for m in done] == [False, True, True]

@@ -126,3 +126,18 @@ def test_other_kinds_are_refused_by_the_local_backend(tmp_path: Path) -> None:
         assert "run it through the operator" in str(error)
     else:
         raise AssertionError("an RLJob graph must be refused")
+
+
+def test_replaced_instances_are_killed_at_once_unless_drained(tmp_path: Path) -> None:
+    g = build_graph()
+    mutate.resize(g, "trainer", 2, reason="two agents")
+    backend = local_backend.LocalBackend(g, tmp_path)
+    backend.apply(g)  # starts the store and two real agents; replace both before they matter
+    try:
+        mutate.replace_instance(g, "trainer-0", reason="hung: remediation S4")
+        mutate.replace_instance(g, "trainer-1", reason="store moved", drain=True)
+        done = backend.apply(g)
+        assert done[0].startswith("killed quickstart-trainer-0 (process tree")
+        assert done[1].startswith("stopped quickstart-trainer-1 with SIGTERM")
+    finally:
+        backend.stop(graceful=False)

@@ -119,8 +119,8 @@ def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_pat
     assert changes[1] == ("replace", {"old": "trainer-1", "new": "trainer-1-g1"})
     assert changes[2:] == [
         ("replace", {"old": "rendezvous-0", "new": "rendezvous-0-g1"}),
-        ("replace", {"old": "trainer-0", "new": "trainer-0-g1"}),
-        ("replace", {"old": "trainer-1-g1", "new": "trainer-1-g2"}),
+        ("replace", {"old": "trainer-0", "new": "trainer-0-g1", "drain": True}),
+        ("replace", {"old": "trainer-1-g1", "new": "trainer-1-g2", "drain": True}),
     ]
     text = (run_dir / "report.md").read_text()
     assert "Outcome: **finished**" in text and "no gaps" in text

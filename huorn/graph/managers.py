@@ -89,6 +89,7 @@ class RendezvousManager:
                         graph,
                         instance.name,
                         reason=f"its rendezvous store was replaced by {new}; rejoin the new one",
+                        drain=True,
                     )
                 )
         return out

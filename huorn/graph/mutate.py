@@ -73,13 +73,20 @@ def find_instance(graph: Graph, name: str) -> tuple[Vertex, int]:
     raise KeyError(f"graph {graph.name!r} has no instance {name!r}; it has {graph.instance_names()}")
 
 
-def replace_instance(graph: Graph, name: str, *, reason: str) -> Mutation:
-    """Swap one instance for a fresh one with the same ordinal and the next generation."""
+def replace_instance(graph: Graph, name: str, *, reason: str, drain: bool = False) -> Mutation:
+    """Swap one instance for a fresh one with the same ordinal and the next generation.
+
+    By default the old instance is broken and backends kill it at once. `drain=True` says it is
+    healthy but must move (its store was replaced, say): backends stop it gracefully, so its
+    workers checkpoint first."""
     v, index = find_instance(graph, name)
     old = v.instances[index]
     new = Instance(old.vertex, old.ordinal, old.generation + 1)
     v.instances[index] = new
-    return _record(graph, "replace", v.name, reason, {"old": old.name, "new": new.name})
+    detail: dict[str, Any] = {"old": old.name, "new": new.name}
+    if drain:
+        detail["drain"] = True
+    return _record(graph, "replace", v.name, reason, detail)
 
 
 def insert_vertices(graph: Graph, vertices: list[Vertex], edges: list[Edge], *, reason: str) -> Mutation:

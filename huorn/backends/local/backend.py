@@ -63,6 +63,7 @@ class LocalBackend:
         self._steps_offset = 0
         self._reported_failures: set[str] = set()
         self._current: list[desired.DesiredResource] = []
+        self._applied_version = 0
 
     # -- paths -----------------------------------------------------------------------------------
     def volume_path(self, name: str) -> Path:
@@ -76,6 +77,11 @@ class LocalBackend:
     def apply(self, graph: model.Graph) -> list[str]:
         want = desired.build_desired(graph)
         create, delete = desired.diff_desired(self._current, want)
+        # A replaced instance is broken (kill it at once) unless the replacement says drain.
+        for m in graph.log:
+            if m.version > self._applied_version and m.action == "replace" and not m.detail.get("drain"):
+                self._reported_failures.add(f"{self.job}-{m.detail['old']}")
+        self._applied_version = graph.version
         done = self._delete_all(delete)
         for resource in create:
             done.append(self._create(graph, resource))
