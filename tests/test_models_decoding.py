@@ -97,3 +97,56 @@ def test_cache_overflow_is_a_clear_error() -> None:
     cache = decoder.build_cache(batch=1, max_length=4)
     with pytest.raises(ValueError, match="max_length=4"):
         decoder.forward_step(torch.zeros(1, 5, dtype=torch.long), cache)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_cached_decoding_stays_close_to_full_forward(mode: str) -> None:
+    """The one-query FusedKV path and the cache must also work in the serving dtype."""
+    decoder = build_decoder(mode).to(torch.bfloat16)
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full, _ = decoder(tokens)
+        cache = decoder.build_cache(batch=2, max_length=24)
+        assert cache.keys[0].dtype == torch.bfloat16
+        pieces = [decoder.forward_step(tokens[:, :8], cache)]
+        pieces += [decoder.forward_step(tokens[:, i:i + 1], cache) for i in range(8, 24)]
+    incremental = torch.cat(pieces, dim=1).float()
+    scale = full.float().abs().max().item()
+    assert (incremental - full.float()).abs().max().item() <= 0.05 * scale
+
+
+def test_sampled_generation_is_reproducible_with_a_seeded_generator() -> None:
+    decoder = build_decoder("fusedkv")
+    prompt = torch.zeros(2, 3, dtype=torch.long)
+    first = decoder.generate(prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(9))
+    second = decoder.generate(prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(9))
+    other = decoder.generate(prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(10))
+    assert torch.equal(first, second)
+    assert not torch.equal(first, other)
+
+
+def test_last_only_prefill_returns_the_last_position_of_the_full_logits() -> None:
+    decoder = build_decoder("fusedkv-lite")
+    tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        full = decoder.forward_step(tokens, decoder.build_cache(2, 12))
+        last = decoder.forward_step(tokens, decoder.build_cache(2, 12), last_only=True)
+    assert last.shape == (2, 1, 97)
+    assert torch.allclose(last[:, 0], full[:, -1], atol=1e-6)
+
+
+def test_shared_kv_round_trips_through_a_tensor_list_and_rejects_a_wrong_length() -> None:
+    k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    shared = models.SharedKV.from_tensors(models.SharedKV(k, v, k, None).tensors())
+    assert shared.k_first is k and shared.v_last is None and not shared.is_complete()
+    with pytest.raises(ValueError, match="expected 4"):
+        models.SharedKV.from_tensors([k, v])
+
+
+def test_flops_per_token_follows_the_palm_count() -> None:
+    cfg = models.ModelConfig(layers=2, width=32, heads=4, vocabulary=50)
+    decoder = models.build_model(cfg)
+    per_layer = 4 * 32 * 32 + 3 * 32 * cfg.ffn_hidden + 2 * 32  # attention, SwiGLU, two RMSNorms
+    non_embedding = 2 * per_layer + 32 + 32 * 50  # final norm and head
+    assert decoder.count_parameters(include_embedding=False) == non_embedding
+    assert decoder.flops_per_token(64) == 6 * non_embedding + 12 * 2 * 32 * 64
