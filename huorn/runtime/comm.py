@@ -84,6 +84,7 @@ def barrier(state: HookState) -> None:
     if not dist.is_initialized():
         return
     seq = state.telemetry.enter_collective("barrier")
+    state.injector.inside_collective()
     dist.barrier()
     state.telemetry.complete_collective(seq)
 
@@ -93,6 +94,7 @@ def broadcast_object(value: object, state: HookState, src: int = 0) -> object:
     if not dist.is_initialized():
         return value
     seq = state.telemetry.enter_collective("broadcast")
+    state.injector.inside_collective()
     box = [value]
     dist.broadcast_object_list(box, src=src)
     state.telemetry.complete_collective(seq)
