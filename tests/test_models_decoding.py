@@ -150,3 +150,15 @@ def test_flops_per_token_follows_the_palm_count() -> None:
     non_embedding = 2 * per_layer + 32 + 32 * 50  # final norm and head
     assert decoder.count_parameters(include_embedding=False) == non_embedding
     assert decoder.flops_per_token(64) == 6 * non_embedding + 12 * 2 * 32 * 64
+
+
+def test_lite_upper_layers_need_only_k_of_layer_n_and_v_of_layer_1() -> None:
+    """A pipeline stage of a Lite model may send two tensors instead of four."""
+    decoder = build_decoder("fusedkv-lite")
+    tokens = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        full, _ = decoder(tokens)
+        x, shared = decoder.forward_blocks(decoder.embed_tokens(tokens), 0, 2)
+        x, _ = decoder.forward_blocks(x, 2, 4, models.SharedKV(k_last=shared.k_last, v_first=shared.v_first))
+        staged, _ = decoder.forward_head(x)
+    assert torch.allclose(staged, full, atol=1e-6)

@@ -63,6 +63,12 @@ class Attention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, heads, self.head_dim).transpose(1, 2)
 
+    def has_sources(self, shared: SharedKV) -> bool:
+        """Lite reads only K of layer n and V of layer 1; FusedKV reads all four."""
+        if self.mode == "fusedkv-lite":
+            return shared.k_last is not None and shared.v_first is not None
+        return shared.is_complete()
+
     def rebuild_kv(self, shared: SharedKV) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of an upper layer from the lower layers' (already complete) shared K/V."""
         if self.mode == "fusedkv-lite":
@@ -105,7 +111,7 @@ class Attention(nn.Module):
                 shared.k_first, shared.v_first = k, v
             if self.records_last:
                 shared.k_last, shared.v_last = k, v
-        elif not shared.is_complete():
+        elif not self.has_sources(shared):
             raise ValueError(
                 f"layer {self.layer} rebuilds its K/V from layers 1 and n, but `shared` lacks them; "
                 "run the lower half first (or receive their SharedKV from the previous pipeline stage)"
