@@ -69,6 +69,7 @@ class FileTelemetry:
         self.entered = self.completed = 0
         self.steps: list[dict] = []
         self.links: list[list[float]] | None = None
+        self.stopped = threading.Event()
         if enabled:
             threading.Thread(target=self._publish_forever, daemon=True).start()
 
@@ -98,7 +99,8 @@ class FileTelemetry:
                         "steps": list(self.steps), "links": self.links}
             scratch.write_text(json.dumps(body))
             os.replace(scratch, self.path)
-            time.sleep(0.1)
+            if self.stopped.wait(0.1):
+                return
 
 
 class Faults:
@@ -151,8 +153,17 @@ def probe_links(world: int, rank: int, faults: Faults, step: int) -> list[list[f
     return sym.tolist()
 
 
+def exit_when_orphaned() -> None:
+    """A hung rank never ends by itself: leave when the controller that started us is gone."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(3)
+
+
 def run(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir)
+    threading.Thread(target=exit_when_orphaned, daemon=True).start()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world, timeout=__import__("datetime").timedelta(seconds=600))
     telemetry = FileTelemetry(run_dir, args.rank, not args.no_telemetry)

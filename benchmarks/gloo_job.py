@@ -128,3 +128,53 @@ class GlooJob:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def run_straggler_scenario(run_dir: Path, world: int = 4, per_rank: int = 12, steps: int = 130,
+                           onset: int = 30, observe_steps: int = 25, startup_s: float = 300) -> dict:
+    """Healthy → compute straggler (rank world-1 at 2×) → S2 plan, all in one gloo job.
+
+    The plan is applied `observe_steps` after the onset (not at detection) so the unmitigated
+    phase is long enough to measure on a loaded machine; throughput is compared by medians.
+    """
+    from huorn.api.common import MitigationLevel
+    from huorn.scheduler.remediation import failslow, ladder
+
+    total = per_rank * world
+    slow_rank = world - 1
+    faults = [{"kind": "slow-compute", "rank": slow_rank, "from_step": onset, "factor": 2.0}]
+    with GlooJob(run_dir, world=world, steps=steps, microbatches=per_rank, faults=faults) as job:
+        job.wait_for_step(1, startup_s)
+        finding, detected_step = None, -1
+        deadline = time.monotonic() + 300
+        while finding is None and time.monotonic() < deadline:
+            time.sleep(0.3)
+            table = job.step_table()
+            found = [f for f in failslow.detect_fail_slow(table) if f.factor > 1] if table else []
+            finding, detected_step = (found[0], job.last_step()) if found else (None, -1)
+        if finding is None:
+            raise AssertionError("the straggler was not detected")
+        job.wait_for_step(onset + observe_steps, 300)
+        measured = job.microbatch_seconds(finding.onset_iteration + 1, job.last_step())
+        lad = ladder.MitigationLadder(MitigationLevel.REBALANCE, ladder.LadderCosts(rebalance=0.0),
+                                      ladder.JobShape(measured, total))
+        lad.on_fail_slow(finding, [int(finding.worker)] if finding.worker.isdigit() else [])
+        decision = lad.on_step(1.0, 0.0)
+        assert decision is not None
+        counts = list(decision.plan["microbatches"])  # type: ignore[call-overload]
+        job.write_plan(counts)
+        job.wait(600)
+        records = {s["step"]: s for s in job.read_telemetry()[0]["steps"]}
+    switched = min(s for s, r in records.items() if r["plan"] > 0)
+
+    def throughput(first: int, last: int) -> float:
+        return total / float(np.median([records[i]["time"] for i in range(first, last) if i in records]))
+
+    healthy, straggling = throughput(5, onset), throughput(onset + 2, switched)
+    mitigated = throughput(switched + 2, steps)
+    return {"world": world, "total_microbatches": total, "onset": onset, "slow_rank": slow_rank,
+            "finding": finding, "detected_at_step": detected_step, "plan": counts,
+            "decision": decision, "switched_at": switched, "throughput_healthy": healthy,
+            "throughput_straggler": straggling, "throughput_s2": mitigated,
+            "recovered_fraction": (mitigated - straggling) / (healthy - straggling),
+            "series": [records[i]["time"] for i in sorted(records)], "steps": steps}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -25,9 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gloo_faults
 import gloo_job
 
-from huorn.api.common import MitigationLevel
 from huorn.scheduler import traffic
-from huorn.scheduler.remediation import failslow, hang, ladder
+from huorn.scheduler.remediation import failslow, hang
 
 TORCH_WATCHDOG_S = 600.0
 
@@ -58,12 +58,50 @@ def measure_overhead(tmp: Path, pairs: int, steps: int) -> dict:
             seconds = json.loads((run_dir / "summary.json").read_text())["step_seconds"][5:]
             sink.append(statistics.median(seconds))
     per_call = measure_telemetry_calls()
+    publish = measure_publish_seconds()
     step = statistics.median(without_t)
     return {"median_step_with_s": statistics.median(with_t), "median_step_without_s": step,
             "overhead_ratio": statistics.median(with_t) / step - 1,
             "runs_with": with_t, "runs_without": without_t,
             "instrumentation_us_per_step": per_call * 1e6,
-            "instrumentation_fraction": per_call / step}
+            "instrumentation_fraction": per_call / step,
+            "publisher_ms_per_write": publish * 1e3,
+            "publisher_core_fraction": publish * 10,  # 10 writes per second
+            "runtime_telemetry": measure_runtime_telemetry()}
+
+
+def measure_runtime_telemetry(repeats: int = 5000, collectives: int = 3) -> dict:
+    """The runtime's own Telemetry (huorn.runtime.telemetry): the training thread's cost per step
+    and the cost of serving one /telemetry poll (the monitor polls about once a second)."""
+    from huorn.runtime import telemetry as runtime_telemetry
+
+    t = runtime_telemetry.Telemetry("bench", 0, 4, "trainer-0")
+    start = time.perf_counter()
+    for i in range(repeats):
+        for _ in range(collectives):
+            t.complete_collective(t.enter_collective("allreduce"))
+        t.record_step(i, 0.1, t.take_comm_seconds(), 2.0, 1000.0, None)
+    per_step = (time.perf_counter() - start) / repeats
+    start = time.perf_counter()
+    for _ in range(200):
+        json.dumps(t.snapshot())
+    per_poll = (time.perf_counter() - start) / 200
+    return {"us_per_step": per_step * 1e6, "ms_per_poll": per_poll * 1e3}
+
+
+def measure_publish_seconds(repeats: int = 200) -> float:
+    """CPU time of one telemetry publication with a full 256-step history (10 per second)."""
+    with tempfile.TemporaryDirectory() as d:
+        t = gloo_faults.FileTelemetry(Path(d), 0, enabled=False)
+        for i in range(256):
+            t.steps.append({"step": i, "time": 0.1, "compute": 0.08, "comm": 0.02, "microbatches": 8,
+                            "plan": 0, "wall": time.time()})
+        scratch, path = Path(d) / "t.tmp", Path(d) / "t.json"
+        start = time.process_time()
+        for _ in range(repeats):
+            scratch.write_text(json.dumps({"rank": 0, "heartbeat": time.time(), "steps": list(t.steps)}))
+            os.replace(scratch, path)
+        return (time.process_time() - start) / repeats
 
 
 def measure_telemetry_calls(repeats: int = 20_000) -> float:
@@ -75,42 +113,17 @@ def measure_telemetry_calls(repeats: int = 20_000) -> float:
             for _ in range(3):
                 t.complete(t.enter())
             t.record(step=i, time=0.1, compute=0.08, comm=0.02, microbatches=8, plan=0, wall=0.0)
-        return (time.perf_counter() - start) / repeats
+        elapsed = time.perf_counter() - start
+        t.stopped.set()
+        time.sleep(0.2)
+        return elapsed / repeats
 
 
 def measure_s2(tmp: Path) -> dict:
-    onset, steps, per_rank, world = 30, 120, 8, 3
-    total = per_rank * world
-    faults = [{"kind": "slow-compute", "rank": 2, "from_step": onset, "factor": 2.0}]
-    with gloo_job.GlooJob(tmp / "s2", world=world, steps=steps, microbatches=per_rank, faults=faults) as job:
-        job.wait_for_step(1, 300)
-        finding = None
-        while finding is None:
-            time.sleep(0.3)
-            table = job.step_table()
-            found = [f for f in failslow.detect_fail_slow(table) if f.factor > 1] if table else []
-            finding = found[0] if found else None
-        detected_step = job.last_step()
-        shape = ladder.JobShape(job.microbatch_seconds(finding.onset_iteration + 1, detected_step), total)
-        lad = ladder.MitigationLadder(MitigationLevel.REBALANCE, ladder.LadderCosts(rebalance=0.0), shape)
-        lad.on_fail_slow(finding, [2])
-        decision = lad.on_step(1.0, 0.0)
-        assert decision is not None
-        job.write_plan(list(decision.plan["microbatches"]))
-        job.wait(600)
-        records = {s["step"]: s for s in job.read_telemetry()[0]["steps"]}
-    switched = min(s for s, r in records.items() if r["plan"] > 0)
-
-    def throughput(lo: int, hi: int) -> float:
-        return total / float(np.median([records[i]["time"] for i in range(lo, hi)]))
-
-    healthy, slow = throughput(5, onset), throughput(onset + 2, switched)
-    fixed = throughput(switched + 2, steps)
-    return {"onset": onset, "found_onset": finding.onset_iteration, "factor": finding.factor,
-            "detected_at_step": detected_step, "plan": decision.plan["microbatches"], "switched_at": switched,
-            "throughput_healthy": healthy, "throughput_straggler": slow, "throughput_s2": fixed,
-            "recovered_fraction": (fixed - slow) / (healthy - slow),
-            "series": [records[i]["time"] for i in sorted(records)]}
+    result = gloo_job.run_straggler_scenario(tmp / "s2")
+    finding = result.pop("finding")
+    result.pop("decision")
+    return {**result, "found_onset": finding.onset_iteration, "factor": finding.factor}
 
 
 def measure_synthetic_detection(trials: int) -> dict:
@@ -160,12 +173,14 @@ def plot(result: dict, out: Path) -> None:
     s2 = result["s2"]
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.plot(np.array(s2["series"]) * 1000, lw=1, color="tab:blue", label="step time (rank 0)")
-    ax.axvline(s2["onset"], color="tab:red", ls="--", label="slow-compute injected (rank 2, 2×)")
+    injected = f"slow-compute injected (rank {s2['slow_rank']}, 2×)"
+    ax.axvline(s2["onset"], color="tab:red", ls="--", label=injected)
     ax.axvline(s2["detected_at_step"], color="tab:orange", ls=":", label="fail-slow detected")
     ax.axvline(s2["switched_at"], color="tab:green", ls="-.", label=f"S2 plan {s2['plan']}")
     ax.set_xlabel("step")
     ax.set_ylabel("ms")
-    ax.set_title(f"S2 recovers {s2['recovered_fraction']:.0%} of the lost throughput (3 gloo ranks)")
+    share = s2["recovered_fraction"]
+    ax.set_title(f"S2 recovers {share:.0%} of the lost throughput ({s2['world']} gloo ranks)")
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(out / "remediation_s2.png", dpi=120)

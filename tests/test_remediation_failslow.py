@@ -151,3 +151,15 @@ def test_step_table_round_trips_through_csv() -> None:
     assert again.workers == table.workers
     for w in table.workers:
         assert np.allclose(again.times[w], table.times[w])
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.floats(1e-3, 1e3), st.integers(0, 10_000))
+def test_detection_does_not_depend_on_the_unit_of_time(scale: float, seed: int) -> None:
+    """Log-space BOCD: milliseconds or hours, the same trace gives the same change-points."""
+    rng = np.random.default_rng(seed)
+    x = np.exp(rng.normal(0, 0.02, 150))
+    x[int(rng.integers(30, 120)):] *= 1.5
+    base = [(c.onset, round(c.factor, 6)) for c in bocd.detect_changes(x)]
+    assert [(c.onset, round(c.factor, 6)) for c in bocd.detect_changes(x * scale)] == base
+    assert len(base) == 1

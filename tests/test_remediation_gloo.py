@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from huorn.api.common import MitigationLevel
-from huorn.scheduler.remediation import failslow, hang, ladder, linkmatrix
+from huorn.scheduler.remediation import hang, ladder, linkmatrix
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gloo_faults
@@ -22,6 +22,7 @@ STARTUP_S = 180  # three fresh Python + torch processes on a loaded 2-core machi
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("fault", "kind"),
     [("hang-compute", hang.NON_COMMUNICATION), ("hang-collective", hang.COMMUNICATION)],
@@ -46,51 +47,26 @@ def test_hung_rank_is_named_and_classified_within_ten_seconds(tmp_path: Path, fa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_compute_straggler_is_detected_and_s2_recovers_most_of_the_loss(tmp_path: Path) -> None:
-    onset, steps, per_rank, world = 30, 120, 8, 3
-    total = per_rank * world
-    faults = [{"kind": "slow-compute", "rank": 2, "from_step": onset, "factor": 2.0}]
-    with gloo_job.GlooJob(tmp_path, world=world, steps=steps, microbatches=per_rank, faults=faults) as job:
-        job.wait_for_step(1, STARTUP_S)
-        finding = None
-        deadline = time.monotonic() + 120
-        while finding is None and time.monotonic() < deadline:
-            time.sleep(0.3)
-            table = job.step_table()
-            slow = [f for f in failslow.detect_fail_slow(table) if f.factor > 1] if table else []
-            finding = slow[0] if slow else None
-        assert finding is not None, "the straggler was not detected"
-        assert (finding.worker, finding.kind) == ("2", "compute")
-        assert abs(finding.onset_iteration - onset) <= 20
-        shape = ladder.JobShape(job.microbatch_seconds(finding.onset_iteration + 1, job.last_step()), total)
-        lad = ladder.MitigationLadder(MitigationLevel.REBALANCE, ladder.LadderCosts(rebalance=0.0), shape)
-        lad.on_fail_slow(finding, [2])
-        decision = lad.on_step(1.0, 0.0)
-        assert decision is not None and decision.level is MitigationLevel.REBALANCE
-        counts = decision.plan["microbatches"]
-        assert sum(counts) == total and counts[2] < per_rank
-        job.write_plan(counts)
-        job.wait(240)
-        snapshots = job.read_telemetry()
-    records = {s["step"]: s for s in snapshots[0]["steps"]}
-    switched = min(s for s, r in records.items() if r["plan"] > 0)
-    assert switched < steps - 30, "the plan came too late to measure"
-
-    def throughput(first: int, last: int) -> float:
-        return total / float(np.median([records[i]["time"] for i in range(first, last)]))
-
-    healthy, straggling = throughput(5, onset), throughput(onset + 2, switched)
-    mitigated = throughput(switched + 2, steps)
-    recovered = (mitigated - straggling) / (healthy - straggling)
-    assert recovered >= 0.55, (healthy, straggling, mitigated)
+    result = gloo_job.run_straggler_scenario(tmp_path, startup_s=STARTUP_S)
+    finding = result["finding"]
+    assert (finding.worker, finding.kind) == (str(result["slow_rank"]), "compute")
+    assert abs(finding.onset_iteration - result["onset"]) <= 20
+    assert result["decision"].level is MitigationLevel.REBALANCE
+    counts = result["plan"]
+    assert sum(counts) == result["total_microbatches"] and counts[result["slow_rank"]] < min(counts[:-1])
+    assert result["switched_at"] < result["steps"] - 30, "the plan came too late to measure"
+    assert result["recovered_fraction"] >= 0.55, result
     # Uneven micro-batch counts still give the single-process gradient (weighted all-reduce).
     final = torch.load(tmp_path / "final.pt")
-    reference = gloo_faults.reference_params(steps, total, lr=0.05)
+    reference = gloo_faults.reference_params(result["steps"], result["total_microbatches"], lr=0.05)
     for got, want in zip(final, reference, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_delayed_sends_of_one_rank_show_as_a_bad_node_in_the_link_matrix(tmp_path: Path) -> None:
     faults = [{"kind": "slow-comm", "rank": 3, "from_step": 0, "ms": 20.0}]
     with gloo_job.GlooJob(tmp_path, world=4, steps=6, microbatches=1, base_ms=1.0, faults=faults,
