@@ -65,23 +65,33 @@ def _clock(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%H:%M:%S")
 
 
+def mark_mutations(ax: plt.Axes, marks: dict[float, list[model.Mutation]]) -> None:
+    """A dashed line per position, labelled with every mutation there ("v4-v6 replace")."""
+    for x, group in sorted(marks.items()):
+        versions = f"v{group[0].version}" + (f"-v{group[-1].version}" if len(group) > 1 else "")
+        actions = "/".join(dict.fromkeys(m.action for m in group))
+        ax.axvline(x, color="tab:red", ls="--", lw=0.8)
+        ax.annotate(
+            f"{versions} {actions}",
+            (x, ax.get_ylim()[1]),
+            fontsize=7,
+            rotation=90,
+            va="top",
+            ha="right",
+            color="tab:red",
+        )
+
+
 def plot_loss(steps: list[dict[str, Any]], mutations: list[model.Mutation], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], ".-", ms=3, lw=1, label="training loss")
+    # Mark mutations at the first step logged after them, one label per position.
+    marks: dict[float, list[model.Mutation]] = {}
     for m in mutations:
-        # Mark a mutation at the first step logged after it.
         after = next((r["step"] for r in steps if r["time"] >= m.time), None)
         if after is not None:
-            ax.axvline(after, color="tab:red", ls="--", lw=0.8)
-            ax.annotate(
-                f"v{m.version} {m.action}",
-                (after, ax.get_ylim()[1]),
-                fontsize=7,
-                rotation=90,
-                va="top",
-                ha="right",
-                color="tab:red",
-            )
+            marks.setdefault(float(after), []).append(m)
+    mark_mutations(ax, marks)
     ax.set_xlabel("global step")
     ax.set_ylabel("loss")
     ax.set_title("Loss by step (dashed: graph mutations)")
@@ -103,17 +113,10 @@ def plot_throughput(steps: list[dict[str, Any]], mutations: list[model.Mutation]
     twin.step(times, [r["world_size"] for r in steps], where="post", color="tab:green", lw=1.5)
     twin.set_ylabel("replicas (world size)", color="tab:green")
     twin.set_ylim(0, max([r["world_size"] for r in steps], default=1) + 1)
+    marks = {}
     for m in mutations:
-        ax.axvline(m.time - t0, color="tab:red", ls="--", lw=0.8)
-        ax.annotate(
-            f"v{m.version} {m.action}",
-            (m.time - t0, ax.get_ylim()[1]),
-            fontsize=7,
-            rotation=90,
-            va="top",
-            ha="right",
-            color="tab:red",
-        )
+        marks.setdefault(round(m.time - t0, 0), []).append(m)
+    mark_mutations(ax, marks)
     ax.set_title("Throughput and replicas over time (dashed: graph mutations)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
