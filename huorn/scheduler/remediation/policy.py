@@ -23,6 +23,8 @@ from huorn.api.common import MitigationLevel, Remediation
 from huorn.graph import managers, model
 from huorn.scheduler.remediation import failslow, hang, ladder, steptable
 
+HISTORY_STEPS = 1024  # per replica: enough for BOCD's segments, bounded for week-long jobs
+
 
 class TelemetryObservation(Protocol):
     time: float
@@ -60,7 +62,10 @@ class RemediationPolicy:
         samples = []
         for key, snap in snapshots.items():
             replica = snap.get("replica") or key
-            sample = hang.parse_runtime_telemetry(snap, now, node=replica)
+            try:
+                sample = hang.parse_runtime_telemetry(snap, now, node=replica)
+            except ValueError:
+                continue  # a replica mid-restart can serve a partial view; judge it next tick
             replica_of[sample.rank] = replica
             samples.append(sample)
         finding = self.hang.observe(samples, now)
@@ -79,8 +84,11 @@ class RemediationPolicy:
     def _decide_fail_slow(self, graph: model.Graph, snapshots: Mapping[str, dict]) -> list[managers.Event]:
         for key, snap in snapshots.items():
             replica = snap.get("replica") or key
+            steps = self.history.setdefault(replica, {})
             for record in snap.get("steps") or []:
-                self.history.setdefault(replica, {})[int(record["step"])] = record
+                steps[int(record["step"])] = record
+            for old in sorted(steps)[:-HISTORY_STEPS]:
+                del steps[old]
         table = self.build_table()
         if table is None:
             return []
