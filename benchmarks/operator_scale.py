@@ -94,6 +94,11 @@ def run_one(mode: str, jobs: int, replicas: int, timeout: float, workdir: Path) 
         for i in range(nodes):
             kube.create_node(builders.make_node(f"n{i}", GPUS_PER_NODE, pool="a"))
         kube.create_vc(builders.make_virtual_cluster("train", pool="a"))
+        # The emulator's own speed on this machine, for scale: sequential GETs of one object.
+        probe = time.perf_counter()
+        for _ in range(50):
+            kube.get_vc("train")
+        emulator_rps = 50 / (time.perf_counter() - probe)
         port = _free_port()
         args = [
             sys.executable,
@@ -165,6 +170,7 @@ def run_one(mode: str, jobs: int, replicas: int, timeout: float, workdir: Path) 
         "p99_s": q[98],
         "reconciles": reconciles,
         "reconciles_per_s": reconciles / (settled - start),
+        "emulator_gets_per_s": emulator_rps,
         "settled_s": settled - start,
         "peak_rss_mib": peak,
     }
@@ -188,7 +194,7 @@ def main() -> int:
         print(
             f"{mode:9s} jobs={r['jobs']} p50={r['p50_s']:.2f}s p99={r['p99_s']:.2f}s "
             f"reconciles/s={r['reconciles_per_s']:.1f} peak={r['peak_rss_mib']:.0f}MiB "
-            f"wall={r['wall_s']:.1f}s",
+            f"wall={r['wall_s']:.1f}s emulator={r['emulator_gets_per_s']:.0f} GET/s",
             flush=True,
         )
     if len(results) == 2:
