@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import networkx as nx
 
-from huorn.graph.model import Edge, Graph, Transport, Vertex
+from huorn.graph.model import Edge, Graph, Scheduling, Transport, Vertex
 
 _EDGE_STYLE = {Transport.NETWORK: "solid", Transport.CHECKPOINT_FILE: "dashed", Transport.MEMORY: "dotted"}
 
@@ -28,7 +28,7 @@ def _quote(text: str) -> str:
 
 def vertex_label(v: Vertex) -> str:
     state = "" if v.active else " (waiting)"
-    names = ", ".join(i.name for i in v.instances[:4]) + (" …" if v.replicas > 4 else "")
+    names = ", ".join(i.name for i in v.instances[:2]) + (f" +{v.replicas - 2}" if v.replicas > 2 else "")
     counts = f"{v.replicas} of {v.min_replicas}..{v.max_replicas}"
     return f"{v.name}{state}\n{v.role} · {v.mode.value}\n{counts}\n{names}"
 
@@ -68,11 +68,25 @@ def build_networkx(graph: Graph) -> nx.MultiDiGraph:
 
 def _layout(graph: Graph, g: nx.MultiDiGraph) -> dict[str, tuple[float, float]]:
     """Left-to-right layers by longest path from the sources, so data flows like in the DOT."""
-    simple = nx.DiGraph(g)
     order = list(graph.vertices)
     layer = dict.fromkeys(order, 0)
-    acyclic = nx.DiGraph([(u, w) for u, w in simple.edges if order.index(u) < order.index(w)])
+    # Sequential edges are feedback (weights after a step, a checkpoint for an eval): lay out
+    # the concurrent data flow first, then drop whatever edge still closes a cycle.
+    acyclic = nx.DiGraph(
+        [
+            (e.source, e.target)
+            for e in graph.edges
+            if e.scheduling == Scheduling.CONCURRENT and e.source != e.target
+        ]
+    )
     acyclic.add_nodes_from(order)
+    for e in graph.edges:
+        if e.scheduling == Scheduling.SEQUENTIAL and e.source != e.target:
+            acyclic.add_edge(e.source, e.target)
+            if not nx.is_directed_acyclic_graph(acyclic):
+                acyclic.remove_edge(e.source, e.target)
+    while not nx.is_directed_acyclic_graph(acyclic):
+        acyclic.remove_edge(*nx.find_cycle(acyclic)[-1][:2])
     for node in nx.topological_sort(acyclic):
         for succ in acyclic.successors(node):
             layer[succ] = max(layer[succ], layer[node] + 1)
@@ -90,6 +104,11 @@ def render_png(graph: Graph, path: Path, mutations: int = 12) -> Path:
     pos = _layout(graph, g)
     fig, (ax, side) = plt.subplots(1, 2, figsize=(14, 6), gridspec_kw={"width_ratios": [3, 2]})
     ax.set_title(f"{graph.kind} {graph.name}, graph version {graph.version}")
+    xs = [p[0] for p in pos.values()] or [0.0]
+    ys = [p[1] for p in pos.values()] or [0.0]
+    ax.set_xlim(min(xs) - 1.8, max(xs) + 1.8)
+    ax.set_ylim(min(ys) - 1.4, max(ys) + 1.4)
+    fig.tight_layout()  # fix the data → display transform before placing labels on the arcs
     for (u, w, data), rad in zip(g.edges(data=True), _arc_radii(g), strict=True):
         nx.draw_networkx_edges(
             g,
@@ -99,13 +118,18 @@ def render_png(graph: Graph, path: Path, mutations: int = 12) -> Path:
             style=_EDGE_STYLE[data["transport"]],
             arrows=True,
             arrowsize=18,
-            node_size=6000,
+            node_size=14000,
             connectionstyle=f"arc3,rad={rad}",
         )
-        (x1, y1), (x2, y2) = pos[u], pos[w]
+        # On the arc itself: arc3 bends in display space towards (dy, -dx) and the curve's
+        # midpoint lies half way to its control point.
+        (x1, y1), (x2, y2) = ax.transData.transform([pos[u], pos[w]])
+        mx, my = ax.transData.inverted().transform(
+            ((x1 + x2) / 2 + 0.5 * rad * (y2 - y1), (y1 + y2) / 2 - 0.5 * rad * (x2 - x1) + 10)
+        )
         ax.text(
-            (x1 + x2) / 2,
-            (y1 + y2) / 2 + rad * 1.5,
+            mx,
+            my,
             data["label"],
             fontsize=7,
             ha="center",
@@ -128,15 +152,11 @@ def render_png(graph: Graph, path: Path, mutations: int = 12) -> Path:
                 "ls": "-" if active else "--",
             },
         )
-    xs = [p[0] for p in pos.values()] or [0.0]
-    ys = [p[1] for p in pos.values()] or [0.0]
-    ax.set_xlim(min(xs) - 1.8, max(xs) + 1.8)
-    ax.set_ylim(min(ys) - 1.4, max(ys) + 1.4)
     ax.axis("off")
     side.axis("off")
     side.set_title(f"mutations ({graph.mutation_count} in all, newest last)")
     lines = [
-        textwrap.shorten(f"v{m.version} {m.action} {m.target}: {m.reason}", 90)
+        textwrap.shorten(f"v{m.version} {m.action} {m.target}: {m.reason}", 78)
         for m in graph.log[-mutations:]
     ] or ["(none: the graph is as compiled)"]
     side.text(
