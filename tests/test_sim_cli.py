@@ -51,3 +51,15 @@ def test_unknown_policy_exits_2(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["simulate", "--policy", "lottery", "--output", str(tmp_path)])
     assert result.exit_code == 2
     assert "--policy 'lottery'" in result.output
+
+
+def test_yaml_output_and_single_policy(tmp_path: Path) -> None:
+    import yaml
+
+    args = ["simulate", "--gpus", "16", "--policy", "kueue", "--output", str(tmp_path), "-o", "yaml",
+            "--qps-start", "beginning"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    doc = yaml.safe_load(result.stdout[result.stdout.index("huorn_vs_baselines"):])
+    assert list(doc["policies"]) == ["kueue"]
+    assert doc["huorn_vs_baselines"] == {}  # nothing to compare without huorn

@@ -19,8 +19,8 @@ from rich.table import Table
 from huorn.sim import engine, policies, report, run, workload
 
 DATA = Path("/work/shared/data")
-COLUMNS = ("jct_mean_s", "jct_p50_s", "jct_p99_s", "makespan_s", "goodput_gpu_equiv", "gpu_utilisation",
-           "inference_slo_attainment", "preemptions", "gpu_hours_lost", "wall_seconds")
+COLUMNS = ("jct_mean_s", "jct_p50_s", "jct_p99_s", "makespan_s", "goodput_gpu_equiv", "job_goodput_vs_trace",
+           "gpu_utilisation", "inference_slo_attainment", "preemptions", "gpu_hours_lost", "wall_seconds")
 
 
 def simulate(
