@@ -163,3 +163,18 @@ def test_detection_does_not_depend_on_the_unit_of_time(scale: float, seed: int) 
     base = [(c.onset, round(c.factor, 6)) for c in bocd.detect_changes(x)]
     assert [(c.onset, round(c.factor, 6)) for c in bocd.detect_changes(x * scale)] == base
     assert len(base) == 1
+
+
+def test_slow_network_is_found_on_the_minimum_comm_time_as_job_wide_communication() -> None:
+    rng = np.random.default_rng(9)
+    rows = []
+    for w in range(4):
+        compute = 0.1 * np.exp(rng.normal(0, 0.02, 200))
+        comm = 0.03 * np.exp(rng.normal(0, 0.02, 200)) + rng.uniform(0, 0.02, 200)  # waiting jitter
+        comm[110:] += 0.03  # every collective now takes 30 ms longer
+        rows += [{"iteration": i, "worker": str(w), "time": float(compute[i] + comm[i]),
+                  "compute": float(compute[i]), "comm": float(comm[i])} for i in range(200)]
+    table = steptable.build_table(rows, (*steptable.REQUIRED, *steptable.OPTIONAL))
+    found = failslow.detect_fail_slow(table)
+    assert [(f.worker, f.kind) for f in found] == [(failslow.JOB_WIDE, "communication")]
+    assert abs(found[0].onset_iteration - 110) <= 5
