@@ -131,11 +131,13 @@ class GlooJob:
 
 
 def run_straggler_scenario(run_dir: Path, world: int = 4, per_rank: int = 12, steps: int = 130,
-                           onset: int = 30, observe_steps: int = 25, startup_s: float = 300) -> dict:
+                           onset: int = 30, observe_steps: int = 25, startup_s: float = 300,
+                           base_ms: float = 10.0) -> dict:
     """Healthy → compute straggler (rank world-1 at 2×) → S2 plan, all in one gloo job.
 
     The plan is applied `observe_steps` after the onset (not at detection) so the unmitigated
     phase is long enough to measure on a loaded machine; throughput is compared by medians.
+    10 ms of device time per micro-batch keeps the host's CPU jitter a small part of a step.
     """
     from huorn.api.common import MitigationLevel
     from huorn.scheduler.remediation import failslow, ladder
@@ -143,7 +145,8 @@ def run_straggler_scenario(run_dir: Path, world: int = 4, per_rank: int = 12, st
     total = per_rank * world
     slow_rank = world - 1
     faults = [{"kind": "slow-compute", "rank": slow_rank, "from_step": onset, "factor": 2.0}]
-    with GlooJob(run_dir, world=world, steps=steps, microbatches=per_rank, faults=faults) as job:
+    with GlooJob(run_dir, world=world, steps=steps, microbatches=per_rank, faults=faults,
+                 base_ms=base_ms) as job:
         job.wait_for_step(1, startup_s)
         finding, detected_step = None, -1
         deadline = time.monotonic() + 300
