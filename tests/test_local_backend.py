@@ -51,6 +51,16 @@ def test_signal_deaths_are_failures_but_sigterm_and_clean_exits_are_not(tmp_path
     )
     stopped = start_python(tmp_path, "trainer-1", "trainer", f"print({line.format(code=-15, pid=4343)!r})")
     backend.processes = {"quickstart-trainer-0": killed, "quickstart-trainer-1": stopped}
+    try:
+        observe_signal_deaths(backend, killed, stopped)
+    finally:
+        backend.stop(graceful=False)
+    assert killed.exit_code() is not None
+
+
+def observe_signal_deaths(
+    backend: local_backend.LocalBackend, killed: processes.ManagedProcess, stopped: processes.ManagedProcess
+) -> None:
     wait_exit(stopped)
     deadline = time.monotonic() + 30
     while "4242" not in killed.log_path.read_text() and time.monotonic() < deadline:
@@ -62,8 +72,6 @@ def test_signal_deaths_are_failures_but_sigterm_and_clean_exits_are_not(tmp_path
     assert not seen.finished  # trainer-0 still runs
     # The log is read incrementally: the same line is not reported twice.
     assert not backend.observe().instances["trainer-0"].failed
-    backend.stop(graceful=False)
-    assert killed.exit_code() is not None
 
 
 def test_an_agent_exiting_nonzero_fails_and_all_zero_exits_finish(tmp_path: Path) -> None:
@@ -83,7 +91,13 @@ def test_store_runs_as_its_own_process_and_stop_removes_it(tmp_path: Path) -> No
     g = build_graph()
     mutate.set_active(g, "trainer", False, reason="only the store for this test")
     backend = local_backend.LocalBackend(g, tmp_path)
-    done = backend.apply(g)
+    try:
+        check_store_serves(backend, backend.apply(g))
+    finally:
+        backend.stop()
+
+
+def check_store_serves(backend: local_backend.LocalBackend, done: list[str]) -> None:
     pid = backend.processes["quickstart-rendezvous-0"].pid
     assert f"started rendezvous store rendezvous-0 on {backend.store_endpoint} (pid {pid})" in done
     host, port = str(backend.store_endpoint).split(":")

@@ -66,6 +66,15 @@ def leftover_processes(run_dir: Path) -> list[psutil.Process]:
     return found
 
 
+def stop_leftovers(proc: subprocess.Popen, run_dir: Path) -> None:
+    """A failed test must not leave the run's processes behind (they live in their own sessions)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=60)
+    for process in leftover_processes(run_dir):
+        process.kill()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_path: Path) -> None:
@@ -94,9 +103,7 @@ def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_pat
         store.kill()
         assert proc.wait(timeout=300) == 0, (run_dir.parent / "run.out").read_text()[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=60)
+        stop_leftovers(proc, run_dir)
     printed = json.loads((run_dir.parent / "run.out").read_text().splitlines()[-1])
     assert printed["outcome"] == "finished" and printed["report"] == str(run_dir / "report.md")
     assert [m["action"] for m in printed["mutations"]] == [
@@ -148,9 +155,7 @@ def test_shrink_then_ctrl_c_checkpoints_and_stops_everything(tmp_path: Path) -> 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=180) == 130
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=60)
+        stop_leftovers(proc, run_dir)
     records = report.read_records(run_dir)
     steps = [r for r in records if r.get("event") == "step"]
     summary = report.summarise_steps(steps)
