@@ -99,6 +99,13 @@ def test_create_makes_pinned_pods_service_and_config(kube: builders.Kube, operat
         lambda: (kube.get_vc("train").get("status") or {}).get("allocated") == 4 and kube.get_vc("train")
     )
     assert vc["status"]["capacity"] == 8 and vc["status"]["nodes"] == 2
+    metrics = operator.ctx.metrics
+    assert metrics.value("huorn_jobs", {"kind": "TrainingJob", "phase": "Running"}) == 1
+    assert metrics.value("huorn_jobs", {"kind": "TrainingJob", "phase": "Placing"}) == 0
+    assert metrics.value("huorn_virtualcluster_gpus", {"virtual_cluster": "train", "state": "allocated"}) == 4
+    assert metrics.value("huorn_decisions_total", {"kind": "TrainingJob", "action": "place"}) == 1
+    assert metrics.value("huorn_reconcile_total", {"kind": "TrainingJob", "result": "ok"}) >= 2
+    assert metrics.value("huorn_reconcile_duration_seconds_count", {"kind": "TrainingJob"}) >= 2
 
 
 def test_scale_subresource_resizes_and_logs_mutations(kube: builders.Kube, operator) -> None:
