@@ -44,7 +44,7 @@ class BenchConfig:
     fixed_k: tuple[int, ...] = (1, 2, 3, 4)
     warmup: int = 2
     steps: int = 5
-    replan_every: int = 3
+    replan_every: int = 2  # steps per round of each configuration; adaptive k decides once a round
     burst_fraction: float = 0.15
     dtype: str = "float32"
     machine: str = ""
@@ -83,6 +83,8 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
     def batches(step: int) -> training.Batch:
         return [[t] for t in chunks[0]], chunks[1]
 
+    TORCH_BATCH[:] = [(tokens, targets)]
+
     def run_ours(plan: training.PipelinePlan, steps: int) -> list[training.StepReport]:
         planner = pipeline_planner.AdaptiveKPlanner() if plan.schedule == "auto" else None
         return training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches, steps=steps,
@@ -98,27 +100,43 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
     throttle.burst_s = config.burst_fraction * float(compute[0])
     tokens_per_step = config.micro_batch * config.microbatches * config.model.context
     results = []
+    planner = pipeline_planner.AdaptiveKPlanner()
+    adaptive_k = 1
+    torch_schedules = {name: build_torch_schedule(name, stage, topo, config, device)
+                       for name in ("Schedule1F1B", "ScheduleGPipe")}
     for level in config.levels:
         throttle.set_level(level)
         result = LevelResult(level=level)
-        for k in config.fixed_k:
-            plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k)
-            reports = run_ours(plan, config.warmup + config.steps)[config.warmup:]
-            seconds = statistics.median(r.seconds for r in reports)
-            name = "huorn 1F1B" if k == 1 else f"huorn k={k}"
-            result.step_s[name] = seconds
-            result.peak_bytes[str(k)] = (reports[-1].predicted_peak_bytes, reports[-1].peak_saved_bytes)
-        plan = training.PipelinePlan(microbatches=config.microbatches, schedule="auto", k=1,
-                                     replan_every=config.replan_every)
-        reports = run_ours(plan, config.warmup + config.replan_every + config.steps)
-        measured = reports[config.warmup + config.replan_every:]
-        result.step_s["huorn adaptive"] = statistics.median(r.seconds for r in measured)
-        result.adaptive_k = [r.k for r in reports]
-        result.decisions = [r.decision for r in reports if r.decision is not None]
-        for schedule_class in ("Schedule1F1B", "ScheduleGPipe"):
-            name = f"torch {schedule_class}"
-            result.step_s[name] = time_torch_schedule(schedule_class, stage, topo, config, device, chunks,
-                                                      throttle)
+        samples: dict[str, list[float]] = {}
+        # Rounds interleave every configuration, so the shared machine's load drifts over all
+        # of them alike; round 0 is warm-up. Adaptive k keeps its planner and its k across
+        # rounds and levels, as a real run would, and decides once per round.
+        for round_ in range(config.steps + 1):
+            for k in config.fixed_k:
+                plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k)
+                reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
+                                                         steps=config.replan_every, plan=plan)
+                name = "huorn 1F1B" if k == 1 else f"huorn k={k}"
+                if round_:
+                    samples.setdefault(name, []).extend(r.seconds for r in reports)
+                result.peak_bytes[str(k)] = (reports[-1].predicted_peak_bytes, reports[-1].peak_saved_bytes)
+            plan = training.PipelinePlan(microbatches=config.microbatches, schedule="auto", k=adaptive_k,
+                                         replan_every=config.replan_every)
+            reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
+                                                     steps=config.replan_every, plan=plan, planner=planner)
+            decision = reports[-1].decision
+            adaptive_k = int(decision["k"]) if decision else adaptive_k
+            adaptive_k = broadcast_int(adaptive_k, device)
+            result.adaptive_k += [r.k for r in reports]
+            if decision:
+                result.decisions.append(decision)
+            if round_:
+                samples.setdefault("huorn adaptive", []).extend(r.seconds for r in reports)
+            for name, schedule in torch_schedules.items():
+                times = time_torch_steps(schedule, stage, topo, device, config.replan_every, throttle)
+                if round_:
+                    samples.setdefault(f"torch {name}", []).extend(times)
+        result.step_s = {name: statistics.median(values) for name, values in samples.items()}
         result.torch_throttled_batches, THROTTLED_BATCHES[0] = THROTTLED_BATCHES[0], 0
         result.tokens_per_s = {name: tokens_per_step / s for name, s in result.step_s.items()}
         results.append(result)
@@ -131,33 +149,46 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
             "levels": [asdict(r) for r in results]}
 
 
-def time_torch_schedule(name: str, stage_module: torch.nn.Module, topo: pp_topology.PipelineTopology,
-                        config: BenchConfig, device: torch.device, chunks: tuple[list, list],
-                        throttle: contention.Throttle) -> float:
+def build_torch_schedule(name: str, stage_module: torch.nn.Module, topo: pp_topology.PipelineTopology,
+                         config: BenchConfig, device: torch.device) -> object:
     from torch.distributed import pipelining
 
     stage = pipelining.PipelineStage(stage_module, topo.stage, topo.stages, device)
     schedule = getattr(pipelining, name)(stage, n_microbatches=config.microbatches,
                                          loss_fn=lambda out, y: split.compute_decoder_loss((out,), y))
-    tokens, targets = torch.cat(chunks[0]), torch.cat(chunks[1])
+    return schedule
+
+
+def time_torch_steps(schedule: object, stage_module: torch.nn.Module, topo: pp_topology.PipelineTopology,
+                     device: torch.device, steps: int, throttle: contention.Throttle) -> list[float]:
+    tokens, targets = TORCH_BATCH[0]
     times = []
     patch = throttled_torch_p2p(throttle, device) if throttle.level > 0 else contextlib.nullcontext()
     with patch:
-        for _ in range(config.warmup + config.steps):
+        for _ in range(steps):
             synchronize(device)
             dist.barrier()
             start = time.perf_counter()
             if topo.is_first:
-                schedule.step(tokens)
+                schedule.step(tokens)  # type: ignore[attr-defined]
             elif topo.is_last:
-                schedule.step(target=targets, losses=[])
+                schedule.step(target=targets, losses=[])  # type: ignore[attr-defined]
             else:
-                schedule.step()
+                schedule.step()  # type: ignore[attr-defined]
             synchronize(device)
             dist.barrier()
             times.append(time.perf_counter() - start)
             stage_module.zero_grad(set_to_none=True)
-    return statistics.median(times[config.warmup:])
+    return times
+
+
+def broadcast_int(value: int, device: torch.device) -> int:
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.broadcast(tensor, src=0)
+    return int(tensor[0])
+
+
+TORCH_BATCH: list[tuple[torch.Tensor, torch.Tensor]] = []  # the whole batch, for torch's step()
 
 
 def synchronize(device: torch.device) -> None:
@@ -262,6 +293,7 @@ def summarise(result: dict) -> str:
 
 
 def plot(result: dict, path: Path, title: str) -> None:
+    """Throughput per configuration and level (left) and the k adaptive ran, step by step (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -270,16 +302,26 @@ def plot(result: dict, path: Path, title: str) -> None:
     names = ["huorn 1F1B", "huorn k=2", "huorn k=3", "huorn k=4", "huorn adaptive", "torch Schedule1F1B",
              "torch ScheduleGPipe"]
     levels = result["levels"]
-    figure, axis = plt.subplots(figsize=(10, 4))
+    figure, (bars, ks) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 1.3]})
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         values = [lv["tokens_per_s"].get(name, 0.0) for lv in levels]
-        axis.bar([j + i * width for j in range(len(levels))], values, width, label=name)
-    axis.set_xticks([j + 0.4 - width / 2 for j in range(len(levels))],
+        bars.bar([j + i * width for j in range(len(levels))], values, width, label=name)
+    bars.set_xticks([j + 0.4 - width / 2 for j in range(len(levels))],
                     [f"contention {lv['level']:.0%}" for lv in levels])
-    axis.set_ylabel("tokens / s")
-    axis.set_title(title, fontsize=10)
-    axis.legend(fontsize=7, ncols=4)
+    bars.set_ylabel("tokens / s (median step)")
+    bars.set_title(title, fontsize=10)
+    bars.legend(fontsize=7, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.1))
+    start = 0
+    for lv in levels:
+        steps = range(start, start + len(lv["adaptive_k"]))
+        ks.step(list(steps), lv["adaptive_k"], where="post", label=f"{lv['level']:.0%}")
+        start += len(lv["adaptive_k"])
+    ks.set_xlabel("adaptive run's step")
+    ks.set_ylabel("k")
+    ks.set_yticks(range(1, max(max(lv["adaptive_k"]) for lv in levels) + 1))
+    ks.set_title("k chosen by the planner", fontsize=10)
+    ks.legend(title="contention", fontsize=7)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

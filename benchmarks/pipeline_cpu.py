@@ -4,7 +4,8 @@ Schedule1F1B and ScheduleGPipe on the same decoder, in one run.
 
     .venv/bin/python benchmarks/pipeline_cpu.py [--out runs/pipeline_cpu] [--quick]
 
-Writes <out>/pipeline_cpu.{json,md,png}; the table is what docs/benchmarks.md quotes."""
+Writes <out>/pipeline_cpu.{json,md,png} (pipeline_cpu_<S>stages.* with --stages S); the table
+is what docs/benchmarks.md quotes."""
 
 from __future__ import annotations
 
@@ -25,19 +26,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/pipeline_cpu"))
     parser.add_argument("--quick", action="store_true", help="fewer steps, for a smoke run")
+    parser.add_argument("--stages", type=int, default=4, help="processes = pipeline stages (default 4)")
     args = parser.parse_args()
     config = pipeline_bench.BenchConfig(
-        backend="gloo", stages=4,
+        backend="gloo", stages=args.stages,
         model=models.ModelConfig(layers=4, width=128, heads=4, vocabulary=256, context=32),
         micro_batch=4, microbatches=16, steps=2 if args.quick else 6, warmup=1 if args.quick else 2,
-        machine="2-core CPU VM, gloo, 4 processes",
+        machine=f"2-core CPU VM, gloo, {args.stages} processes",
     )
     started = time.time()
-    results = launch.run_workers(pipeline_bench.bench_worker, 4, "gloo", (config,), timeout_s=1500)
+    results = launch.run_workers(pipeline_bench.bench_worker, args.stages, "gloo", (config,), timeout_s=1500)
     result = results[0]
     result["wall_s"] = time.time() - started
-    table = pipeline_bench.write_outputs(result, args.out, "pipeline_cpu",
-                                         "Pipeline throughput on CPU (gloo, 4 stages), by contention level")
+    name = "pipeline_cpu" if args.stages == 4 else f"pipeline_cpu_{args.stages}stages"
+    title = f"Pipeline throughput on CPU (gloo, {args.stages} stages), by contention"
+    table = pipeline_bench.write_outputs(result, args.out, name, title)
     print(f"burst {result['burst_s'] * 1e3:.2f} ms (compute F+B {result['compute_fb_s'] * 1e3:.2f} ms), "
           f"wall {result['wall_s']:.0f} s")
     print(table)

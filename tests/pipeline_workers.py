@@ -20,10 +20,12 @@ def build_decoder(cfg: models.ModelConfig, seed: int = 0) -> models.Decoder:
 def make_decoder_batch(cfg: models.ModelConfig, microbatches: int, size: int, seed: int
                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
-    shape = (size, cfg.context)
-    tokens = [torch.randint(0, cfg.vocabulary, shape, generator=generator) for _ in range(microbatches)]
-    targets = [torch.randint(0, cfg.vocabulary, shape, generator=generator) for _ in range(microbatches)]
-    return tokens, targets
+    # micro-batches as views of one batch, as a data loader hands them out: the memory model
+    # must still count each micro-batch's own bytes
+    shape = (size * microbatches, cfg.context)
+    tokens = torch.randint(0, cfg.vocabulary, shape, generator=generator)
+    targets = torch.randint(0, cfg.vocabulary, shape, generator=generator)
+    return list(tokens.chunk(microbatches)), list(targets.chunk(microbatches))
 
 
 def decoder_case_worker(rank: int, world: int, jobs: list[tuple[str, models.ModelConfig, int, list, int]]

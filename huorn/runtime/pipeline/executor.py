@@ -92,7 +92,7 @@ class StageExecutor:
         if self.topology.is_first:
             if first_inputs is None:
                 raise ValueError("negotiate_shapes: stage 0 needs one micro-batch of inputs")
-            inputs = [t.to(self.device) for t in first_inputs]
+            inputs = [t.to(self.device, copy=True) for t in first_inputs]
         else:
             self.input_layout = self._receive_layout()
             # views of one flat buffer, as received: a saved view keeps the whole buffer alive
@@ -102,7 +102,7 @@ class StageExecutor:
         if self.topology.is_last:
             if first_target is None:
                 raise ValueError("negotiate_shapes: the last stage needs one micro-batch of targets")
-            target = first_target.to(self.device)
+            target = first_target.to(self.device, copy=True)
 
             def loss(outputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
                 return self.loss_fn(outputs, target)
@@ -169,7 +169,10 @@ class StageExecutor:
             executed.append(str(action))
             if action.kind == "F":
                 if self.topology.is_first:
-                    received = [t.to(self.device) for t in inputs[m]]  # type: ignore[index]
+                    # a copy, so that each micro-batch's saved inputs are its own storage even
+                    # when the caller's micro-batches are views of one batch (the memory model
+                    # counts bytes per micro-batch)
+                    received = [t.to(self.device, copy=True) for t in inputs[m]]  # type: ignore[index]
                 else:
                     tick = time.perf_counter()
                     received = self._unpack(self._wait(pending_inputs.pop(m)), self.input_layout)
@@ -179,7 +182,7 @@ class StageExecutor:
                 with timer.measure("F"), self.meter.hooks():
                     outputs = _as_tuple(self.module(*received))
                     if self.topology.is_last:
-                        loss = self.loss_fn(outputs, targets[m].to(self.device)) / count  # type: ignore[index]
+                        loss = self.loss_fn(outputs, targets[m].to(self.device, copy=True)) / count  # type: ignore[index]
                         losses.append(loss.detach())
                         outputs = (loss,)
                     aux = _aux_loss(self.module)

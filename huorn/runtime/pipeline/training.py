@@ -76,36 +76,36 @@ def run_pipeline_training(
     if plan.schedule == "auto" and planner is None:
         raise ValueError("schedule 'auto' needs a planner: pass "
                          "huorn.scheduler.pipeline_planner.AdaptiveKPlanner()")
-    executor_ = stage
-    topo = executor_.topology
+    runner = stage
+    topo = runner.topology
     k = plan.k if plan.schedule in ("kfkb", "auto") else 1
-    if not executor_.negotiated:
+    if not runner.negotiated:
         inputs, targets = batches(start_step)
-        executor_.negotiate_shapes(inputs[0] if topo.is_first and inputs else None,
-                                   targets[0] if topo.is_last and targets else None)
+        runner.negotiate_shapes(inputs[0] if topo.is_first and inputs else None,
+                                targets[0] if topo.is_last and targets else None)
     window: list[executor.StepStats] = []
     reports = []
     for step in range(start_step, start_step + steps):
         if contention_level is not None:
-            executor_.throttle.set_level(contention_level(step))
+            runner.throttle.set_level(contention_level(step))
         schedule = schedules.build_schedule(plan.schedule if plan.schedule != "auto" else "kfkb",
                                              topo.stages, plan.microbatches, k)
         inputs, targets = batches(step)
         optimizer.zero_grad(set_to_none=True)
-        stats = executor_.run_step(schedule, inputs, targets)
+        stats = runner.run_step(schedule, inputs, targets)
         optimizer.step()
-        loss, slowest = _reduce_step(stats, executor_.device, topo.replicas)
+        loss, slowest = _reduce_step(stats, runner.device, topo.replicas)
         window.append(stats)
         stats.seconds = slowest
         report = StepReport(
             step=step, schedule=schedule.name, k=schedule.k, loss=loss, seconds=slowest,
-            contention=executor_.throttle.level, peak_saved_bytes=stats.peak_saved_bytes,
+            contention=runner.throttle.level, peak_saved_bytes=stats.peak_saved_bytes,
             predicted_peak_bytes=memory.predict_peak_bytes(
-                schedule, [executor_.microbatch_bytes] * topo.stages)[topo.stage],
+                schedule, [runner.microbatch_bytes] * topo.stages)[topo.stage],
             executed=stats.executed,
         )
         if plan.schedule == "auto" and (step - start_step + 1) % plan.replan_every == 0:
-            k, report.decision = _replan(executor_, planner, window, step, k, plan)  # type: ignore[arg-type]
+            k, report.decision = _replan(runner, planner, window, step, k, plan)  # type: ignore[arg-type]
             window = []
         reports.append(report)
         if on_step is not None:
@@ -115,18 +115,18 @@ def run_pipeline_training(
 
 def _reduce_step(stats: executor.StepStats, device: torch.device, replicas: int) -> tuple[float, float]:
     """The step's loss (summed over the last stages, averaged over replicas) and the slowest
-    rank's step time, in one all-reduce of two numbers."""
-    values = torch.tensor([stats.loss or 0.0, -stats.seconds], dtype=torch.float64, device=device)
-    total = values.clone()
-    dist.all_reduce(total[:1])
-    dist.all_reduce(total[1:], op=dist.ReduceOp.MIN)
-    return float(total[0]) / replicas, -float(total[1])
+    rank's step time, in two one-number all-reduces."""
+    loss = torch.tensor([stats.loss or 0.0], dtype=torch.float64, device=device)
+    seconds = torch.tensor([stats.seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(loss)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(loss[0]) / replicas, float(seconds[0])
 
 
-def _replan(executor_: executor.StageExecutor, planner: KPlanner, window: list[executor.StepStats], step: int,
+def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[executor.StepStats], step: int,
             k: int, plan: PipelinePlan) -> tuple[int, dict | None]:
     """Gather window averages from every rank, let rank 0 decide, broadcast k."""
-    topo = executor_.topology
+    topo = runner.topology
     n = len(window)
 
     def mean(values: list[float]) -> float:
@@ -137,8 +137,8 @@ def _replan(executor_: executor.StageExecutor, planner: KPlanner, window: list[e
         mean([s.forward_s for s in window]), mean([s.backward_s for s in window]),
         mean([s.send_link.seconds_per_message for s in window if s.send_link]),
         mean([s.grad_link.seconds_per_message for s in window if s.grad_link]),
-        sum(s.seconds for s in window) / n, float(executor_.microbatch_bytes),
-    ], dtype=torch.float64, device=executor_.device)
+        sum(s.seconds for s in window) / n, float(runner.microbatch_bytes),
+    ], dtype=torch.float64, device=runner.device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     rows = [g.tolist() for g in gathered]
@@ -148,7 +148,7 @@ def _replan(executor_: executor.StageExecutor, planner: KPlanner, window: list[e
         stage = int(row[0])
         worst[stage] = [max(a, b) for a, b in zip(worst[stage], row[1:], strict=True)]
     decision = None
-    chosen = torch.tensor([k], dtype=torch.int64, device=executor_.device)
+    chosen = torch.tensor([k], dtype=torch.int64, device=runner.device)
     if dist.get_rank() == 0:
         tables = schedules.build_candidates(stages, plan.microbatches, plan.candidates)
         bytes_per_stage = [int(w[5]) for w in worst]
