@@ -92,6 +92,9 @@ class HuornEmulator(kmock.KubernetesEmulator):
                 namespaced=namespaced,
                 verbs=_VERBS,
             )
+        self.resources[kmock.resource("kopf.dev", "v1", "clusterkopfpeerings")] = kmock.ResourceInfo(
+            kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False, verbs=_VERBS,
+        )
         # kopf's observers wait until discovery lists namespaces and CRDs, even when clusterwide.
         self.resources[kmock.resource("", "v1", "namespaces")] = kmock.ResourceInfo(
             kind="Namespace",

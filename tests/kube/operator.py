@@ -29,8 +29,12 @@ FAST = context.OperatorSettings(
 class OperatorThread:
     """`with OperatorThread(api) as op:` runs the operator until the block ends."""
 
-    def __init__(self, api: kubernetes.client.ApiClient, settings: context.OperatorSettings = FAST) -> None:
+    def __init__(
+        self, api: kubernetes.client.ApiClient, settings: context.OperatorSettings = FAST,
+        peering: str | None = None, priority: int = 0,
+    ) -> None:
         self.ctx = runner.build_context(api, settings)
+        self.peering, self.priority = peering, priority
         self.api = api
         self.stop = threading.Event()
         self.ready = threading.Event()
@@ -39,7 +43,10 @@ class OperatorThread:
 
     def _run(self) -> None:
         try:
-            runner.run_operator(self.api, ctx=self.ctx, stop_flag=self.stop, ready_flag=self.ready)
+            runner.run_operator(
+                self.api, ctx=self.ctx, stop_flag=self.stop, ready_flag=self.ready,
+                peering=self.peering, priority=self.priority,
+            )
         except BaseException as exc:  # surfaced by __exit__
             self.error = exc
 
