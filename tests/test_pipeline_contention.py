@@ -1,0 +1,48 @@
+"""The contention throttle: zero at level 0, the documented M/M/1-style growth with level,
+FIFO links, and bad levels rejected with the valid range in the message."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from huorn.runtime.pipeline import contention
+
+
+def test_level_zero_adds_nothing_whatever_the_link() -> None:
+    assert contention.Throttle(level=0.0, burst_s=0.01, bandwidth_bytes_s=1e6).delay_s(10**6) == 0.0
+
+
+def test_eighty_percent_is_four_bursts_plus_four_emulated_transfers() -> None:
+    throttle = contention.Throttle(level=0.8, burst_s=0.002, bandwidth_bytes_s=1e9)
+    assert throttle.delay_s(10**6) == pytest.approx(4 * 0.002 + 4 * 1e-3)
+    assert contention.Throttle(level=0.4, burst_s=0.003).delay_s(123) == pytest.approx(0.003 * 0.4 / 0.6)
+
+
+@given(low=st.floats(0.0, 0.8), high=st.floats(0.0, 0.8), nbytes=st.integers(0, 10**8))
+def test_delay_never_falls_as_contention_rises(low: float, high: float, nbytes: int) -> None:
+    low, high = sorted((low, high))
+    a = contention.Throttle(level=low, burst_s=0.001, bandwidth_bytes_s=1e8).delay_s(nbytes)
+    b = contention.Throttle(level=high, burst_s=0.001, bandwidth_bytes_s=1e8).delay_s(nbytes)
+    assert 0.0 <= a <= b and math.isfinite(b)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"level": 0.9}, "0..0.8"), ({"level": -0.1}, "0..0.8"),
+    ({"burst_s": -1.0}, "burst_s"), ({"bandwidth_bytes_s": 0.0}, "bandwidth_bytes_s"),
+])
+def test_bad_settings_are_rejected_with_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        contention.Throttle(**kwargs)
+
+
+def test_level_can_change_mid_run_and_is_checked() -> None:
+    throttle = contention.Throttle(burst_s=0.001)
+    throttle.set_level(0.5)
+    assert throttle.delay_s(0) == pytest.approx(0.001)
+    with pytest.raises(ValueError, match="0–80%"):
+        throttle.set_level(0.85)
+    assert throttle.level == 0.5
