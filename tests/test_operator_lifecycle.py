@@ -285,3 +285,15 @@ def test_rl_and_inference_jobs_are_validated_but_wait_for_their_runtime(
     )
     assert cond["reason"] == "InvalidSpec" and "spec.model.checkpoint" in cond["message"]
     assert kube.pods(NS, "rl") == [] and kube.pods(NS, "inf") == []
+
+
+def test_finished_gang_succeeds_and_frees_its_store(kube: builders.Kube, operator) -> None:
+    kube.create_job(NS, builders.make_training_job("done", "train", replicas=2, gpus=1))
+    _running(kube, "done", 2)
+    for pod in kube.pods(NS, "done", "trainer"):
+        kube.set_pod_phase(NS, pod.metadata.name, "Succeeded", exit_code=0)
+    status = wait_for(lambda: (s := kube.job_status(NS, "done")).get("phase") == "Succeeded" and s)
+    assert kube.condition(NS, "done", "Ready")["reason"] == "Succeeded" and status["replicas"] == 0
+    wait_for(lambda: kube.pods(NS, "done", "rendezvous") == [], what="the store pod deleted")
+    assert [p.metadata.name for p in kube.pods(NS, "done")] == ["done-trainer-0", "done-trainer-1"]
+    wait_for(lambda: (kube.get_vc("train").get("status") or {}).get("allocated") == 0, what="GPUs freed")
