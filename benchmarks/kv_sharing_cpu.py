@@ -71,7 +71,15 @@ def build_configs(args: argparse.Namespace) -> dict[str, models.ModelConfig]:
         return models.ModelConfig(**{**base.__dict__, "width": width, "kv_heads": args.heads // 2})
 
     best = min(widths, key=lambda w: abs(models.build_model(gqa(w)).count_parameters() - target))
-    configs["gqa"] = gqa(best)
+    # Widths move in steps of 2·heads, too coarse at this scale; the SwiGLU hidden size (in
+    # steps of 8) then closes the remaining gap to the standard model's parameter count.
+    hiddens = range(8, 8 * gqa(best).ffn_hidden, 8)
+
+    def with_hidden(hidden: int) -> models.ModelConfig:
+        return models.ModelConfig(**{**gqa(best).__dict__, "ffn_multiplier": (hidden - 0.5) / best})
+
+    hidden = min(hiddens, key=lambda h: abs(models.build_model(with_hidden(h)).count_parameters() - target))
+    configs["gqa"] = with_hidden(hidden)
     return configs
 
 
