@@ -1,8 +1,9 @@
 """Shared body of benchmarks/pipeline_cpu.py and benchmarks/pipeline_gpu.py: the same decoder,
 split into the same stages, trained by Huorn's executor (1F1B, each fixed k, adaptive k) and by
 torch.distributed.pipelining's Schedule1F1B and ScheduleGPipe, at each contention level, in
-one run, with throughput ratios. Step times are medians over the measured steps (a shared
-machine's hiccups land on single steps).
+one run, with throughput ratios. Configurations run interleaved in rounds, in an order that
+rotates every round, every step starts after a barrier (ours through `before_step`, torch's
+directly), and step times are medians (a shared machine's hiccups land on single steps).
 
 Contention is the send-path throttle of huorn.runtime.pipeline.contention, applied to torch's
 schedules too so that both run on the same emulated link: on CPU their sends go through the
@@ -16,6 +17,7 @@ levels mean the same relative preemption on any machine."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import statistics
 import threading
@@ -104,6 +106,36 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
     adaptive_k = 1
     torch_schedules = {name: build_torch_schedule(name, stage, topo, config, device)
                        for name in ("Schedule1F1B", "ScheduleGPipe")}
+
+    def aligned(step: int) -> None:
+        synchronize(device)
+        dist.barrier()
+
+    def run_fixed(k: int) -> tuple[str, list[float]]:
+        plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k)
+        reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
+                                                 steps=config.replan_every, plan=plan, before_step=aligned)
+        result.peak_bytes[str(k)] = (reports[-1].predicted_peak_bytes, reports[-1].peak_saved_bytes)
+        return ("huorn 1F1B" if k == 1 else f"huorn k={k}"), [r.seconds for r in reports]
+
+    def run_adaptive() -> tuple[str, list[float]]:
+        nonlocal adaptive_k
+        plan = training.PipelinePlan(microbatches=config.microbatches, schedule="auto", k=adaptive_k,
+                                     replan_every=config.replan_every)
+        reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
+                                                 steps=config.replan_every, plan=plan, planner=planner,
+                                                 before_step=aligned)
+        decision = reports[-1].decision
+        adaptive_k = broadcast_int(int(decision["k"]) if decision else adaptive_k, device)
+        result.adaptive_k += [r.k for r in reports]
+        if decision:
+            result.decisions.append(decision)
+        return "huorn adaptive", [r.seconds for r in reports]
+
+    def run_torch(name: str) -> tuple[str, list[float]]:
+        times = time_torch_steps(torch_schedules[name], stage, topo, device, config.replan_every, throttle)
+        return f"torch {name}", times
+
     for level in config.levels:
         throttle.set_level(level)
         result = LevelResult(level=level)
@@ -112,30 +144,13 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
         # of them alike; round 0 is warm-up. Adaptive k keeps its planner and its k across
         # rounds and levels, as a real run would, and decides once per round.
         for round_ in range(config.steps + 1):
-            for k in config.fixed_k:
-                plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k)
-                reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
-                                                         steps=config.replan_every, plan=plan)
-                name = "huorn 1F1B" if k == 1 else f"huorn k={k}"
+            runs = [functools.partial(run_fixed, k) for k in config.fixed_k] + [run_adaptive]
+            runs += [functools.partial(run_torch, name) for name in torch_schedules]
+            shift = round_ % len(runs)  # rotate the order, so no configuration always follows another
+            for run in runs[shift:] + runs[:shift]:
+                name, seconds = run()
                 if round_:
-                    samples.setdefault(name, []).extend(r.seconds for r in reports)
-                result.peak_bytes[str(k)] = (reports[-1].predicted_peak_bytes, reports[-1].peak_saved_bytes)
-            plan = training.PipelinePlan(microbatches=config.microbatches, schedule="auto", k=adaptive_k,
-                                         replan_every=config.replan_every)
-            reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
-                                                     steps=config.replan_every, plan=plan, planner=planner)
-            decision = reports[-1].decision
-            adaptive_k = int(decision["k"]) if decision else adaptive_k
-            adaptive_k = broadcast_int(adaptive_k, device)
-            result.adaptive_k += [r.k for r in reports]
-            if decision:
-                result.decisions.append(decision)
-            if round_:
-                samples.setdefault("huorn adaptive", []).extend(r.seconds for r in reports)
-            for name, schedule in torch_schedules.items():
-                times = time_torch_steps(schedule, stage, topo, device, config.replan_every, throttle)
-                if round_:
-                    samples.setdefault(f"torch {name}", []).extend(times)
+                    samples.setdefault(name, []).extend(seconds)
         result.step_s = {name: statistics.median(values) for name, values in samples.items()}
         result.torch_throttled_batches, THROTTLED_BATCHES[0] = THROTTLED_BATCHES[0], 0
         result.tokens_per_s = {name: tokens_per_step / s for name, s in result.step_s.items()}

@@ -69,10 +69,13 @@ def run_pipeline_training(
     steps: int, plan: PipelinePlan, planner: KPlanner | None = None,
     contention_level: Callable[[int], float] | None = None,
     on_step: Callable[[StepReport], None] | None = None, start_step: int = 0,
+    before_step: Callable[[int], None] | None = None,
 ) -> list[StepReport]:
     """Train `steps` steps. `batches(step)` gives (micro-batch inputs, micro-batch targets):
     inputs are read on stage 0 and targets on the last stage (others may return None).
-    With schedule `auto` a planner is required. Returns this rank's reports."""
+    With schedule `auto` a planner is required. `before_step(step)` runs on every rank before
+    each step's clock starts (a barrier there makes step times start together, as the
+    benchmarks do). Returns this rank's reports."""
     if plan.schedule == "auto" and planner is None:
         raise ValueError("schedule 'auto' needs a planner: pass "
                          "huorn.scheduler.pipeline_planner.AdaptiveKPlanner()")
@@ -92,6 +95,8 @@ def run_pipeline_training(
                                              topo.stages, plan.microbatches, k)
         inputs, targets = batches(step)
         optimizer.zero_grad(set_to_none=True)
+        if before_step is not None:
+            before_step(step)
         stats = runner.run_step(schedule, inputs, targets)
         optimizer.step()
         loss, slowest = _reduce_step(stats, runner.device, topo.replicas)
