@@ -188,9 +188,9 @@ def test_validation_names_fields() -> None:
     with pytest.raises(validation.InvalidSpec, match=r"^spec\.resources\.gpus"):
         validation.load_job(_job(resources={"gpus": -1}))
     with pytest.raises(validation.InvalidSpec, match=r"spec\.model\.width"):
-        validation.check_training(validation.load_job(_job(model={"width": 130, "heads": 4})))
-    with pytest.raises(validation.InvalidSpec, match=r"spec\.optimization\.steps"):
-        validation.check_training(validation.load_job(_job(optimization={"globalBatch": 8})))
+        validation.load_job(_job(model={"width": 130, "heads": 4}))
+    with pytest.raises(validation.InvalidSpec, match=r"spec\.optimization"):
+        validation.load_job(_job(optimization={"globalBatch": 8, "microBatch": 4}))
     with pytest.raises(validation.InvalidSpec, match=r"spec\.virtualCluster.*team"):
         validation.check_namespace("team", "train", {"namespaces": ["other"]})
 

@@ -75,7 +75,6 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     old = body.get("status") or {}
     try:
         job = validation.load_job(body)
-        validation.check_training(job)
         vc_spec = ctx.index.vcs.get(job.spec.virtual_cluster)
         if vc_spec is not None:
             validation.check_namespace(ns, job.spec.virtual_cluster, vc_spec)
