@@ -197,6 +197,7 @@ def main() -> None:
         kv, fusion = cache_bytes(cfg, args.context)
         summary[mode] = {
             "width": cfg.width,
+            "ffn_hidden": cfg.ffn_hidden,
             "kv_heads": cfg.n_kv_heads,
             "params": models.build_model(cfg).count_parameters(),
             "val_loss_mean": float(np.mean(finals)),
@@ -225,12 +226,12 @@ def main() -> None:
     )
     print(f"data: {source}\nwall: {wall:.0f} s, {args.seeds} seed(s) × {args.steps} steps")
     print(
-        f"{'mode':14}{'width':>6}{'params':>10}{'val loss':>10}{'(min..max)':>16}{'KV bytes':>11}"
+        f"{'mode':14}{'width':>6}{'ffn':>5}{'params':>10}{'val loss':>10}{'(min..max)':>16}{'KV bytes':>11}"
         f"{'ratio':>7}{'fusion B':>9}"
     )
     for mode, row in summary.items():
         print(
-            f"{mode:14}{row['width']:>6}{row['params']:>10}{row['val_loss_mean']:>10.4f}"
+            f"{mode:14}{row['width']:>6}{row['ffn_hidden']:>5}{row['params']:>10}{row['val_loss_mean']:>10.4f}"
             f"{row['val_loss_min']:>8.4f}..{row['val_loss_max']:.4f}{row['kv_cache_bytes']:>11}"
             f"{row['kv_cache_ratio']:>7.2f}{row['fusion_weight_bytes']:>9}"
         )
