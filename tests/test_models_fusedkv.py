@@ -177,3 +177,19 @@ def test_upper_fused_layers_have_no_key_value_projections() -> None:
     names = {n for n, _ in fused.named_parameters()}
     assert "layers.1.attention.wk.weight" in names
     assert "layers.2.attention.wk.weight" not in names and "layers.3.attention.wv.weight" not in names
+
+
+def test_fusion_weights_learn_from_the_start_at_the_lite_point() -> None:
+    """Initialised at Lite (K from layer n, V from layer 1), yet all four weights get gradients."""
+    torch.manual_seed(0)
+    cfg = models.ModelConfig(layers=4, width=32, heads=2, vocabulary=40, kv_sharing="fusedkv")
+    fused, lite = models.build_model(cfg), models.build_model(
+        models.ModelConfig(**{**cfg.__dict__, "kv_sharing": "fusedkv-lite"}))
+    lite.load_state_dict(fused.state_dict(), strict=False)  # Lite has no fusion weights
+    tokens = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(1))
+    _, loss = fused(tokens, tokens)
+    assert torch.allclose(loss, lite(tokens, tokens)[1], atol=1e-6)
+    loss.backward()
+    attention = fused.layers[3].attention
+    assert attention.k_fuse.grad.abs().min(dim=-1).values.gt(0).all()
+    assert attention.v_fuse.grad.abs().min(dim=-1).values.gt(0).all()
