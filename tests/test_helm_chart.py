@@ -113,7 +113,7 @@ def test_cluster_role_is_least_privilege_and_never_reads_secrets() -> None:
     assert all("*" not in verbs for verbs in granted.values()) and all("*" not in k[1] for k in granted)
     assert not any(resource in ("secrets", "pods/exec") for _, resource in granted)
     assert granted[("", "pods")] == {"list", "watch", "create", "patch", "delete"}
-    assert granted[("", "nodes")] == {"list", "watch"}, "nodes are read, never changed"
+    assert granted[("", "nodes")] == {"get", "list", "watch", "patch"}, "read; patched to cordon"
     assert granted[("huorn.io", "trainingjobs")] == {"get", "list", "watch", "patch"}
     assert ("kopf.dev", "clusterkopfpeerings") not in granted
     ha_rules = _one(_render(VARIANTS["ha"]), "ClusterRole")["rules"]

@@ -30,6 +30,9 @@ class OperatorSettings:
     # watch-fed mirror; the stateless design that benchmarks/operator_scale.py compares against.
     mirror: bool = True
     api_threads: int = 32  # API calls in flight at once
+    monitor_seconds: float = 5.0  # how often each running job's pods are polled for telemetry
+    telemetry_port: int = 9400  # the runtime's /telemetry port in every trainer pod
+    telemetry_timeout_seconds: float = 2.0
     retry: retry.RetryPolicy = field(default_factory=retry.RetryPolicy)
 
     def __post_init__(self) -> None:
@@ -49,6 +52,9 @@ class Context:
     metrics: metrics.OperatorMetrics = field(default_factory=metrics.OperatorMetrics)
     placement_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _job_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    # The monitor's per-job policies (detector history, learned perf model). Memory only: a
+    # restarted operator relearns them, and every decision they took is already in status.
+    monitors: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     def job_lock(self, namespace: str, name: str) -> asyncio.Lock:
         """One reconcile of a job at a time, whether kopf, a timer or a pod event started it."""
@@ -56,3 +62,4 @@ class Context:
 
     def forget_job(self, namespace: str, name: str) -> None:
         self._job_locks.pop((namespace, name), None)
+        self.monitors.pop((namespace, name), None)

@@ -19,7 +19,7 @@ import kopf
 
 from huorn.api import base, kinds
 from huorn.backends.kubernetes import manifests
-from huorn.operator import context, index, otherjobs, training, virtualclusters
+from huorn.operator import context, index, loans, monitoring, otherjobs, training, virtualclusters
 from huorn.operator.context import Context
 
 GROUP, VERSION = base.GROUP, base.VERSION
@@ -134,7 +134,17 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         ctx = _ctx(memo)
         fresh = await ctx.client.get_custom("virtualclusters", None, body["metadata"]["name"])
         if fresh is not None:
+            # Reclaim first, so the status written next already counts the loans given back.
+            await loans.reclaim(ctx, fresh)
             await virtualclusters.reconcile(ctx, fresh)
+
+    # One monitor per TrainingJob: the shared loop (huorn.backends.monitor) fed by pod telemetry.
+    # cancellation_timeout: a tick blocked on a pod's HTTP timeout must not hold up a deletion or
+    # a shutdown for long; the tick's work is all in the API objects, so cancelling loses nothing.
+    @kopf.daemon(GROUP, VERSION, "trainingjobs", registry=registry, cancellation_timeout=5.0,
+                 initial_delay=tunables.monitor_seconds)
+    async def job_monitor(namespace: str, name: str, memo: Any, stopped: Any, **_: Any) -> None:
+        await monitoring.run_daemon(_ctx(memo), namespace, name, stopped)
 
     for kind in kinds.JOB_KINDS:
         plural = kind.plural

@@ -39,6 +39,7 @@ class PodRecord:
     phase: str = "Pending"
     exit_code: int | None = None
     deleting: bool = False
+    ip: str = ""  # status.podIP: where the monitor reads the pod's /telemetry
 
     @property
     def job_key(self) -> tuple[str, str]:
@@ -81,6 +82,7 @@ def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
         phase=status.get("phase", "Pending"),
         exit_code=exit_code,
         deleting=bool(meta.get("deletionTimestamp")),
+        ip=status.get("podIP", "") or "",
     )
 
 

@@ -22,10 +22,11 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
+from huorn.api.common import ElasticityPolicy
 from huorn.backends.kubernetes import manifests
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import Graph, Mutation
-from huorn.operator import conditions, validation
+from huorn.operator import conditions, cordon, validation
 from huorn.operator.context import Context
 from huorn.operator.index import PodRecord
 from huorn.scheduler import placement
@@ -35,6 +36,7 @@ KIND = "TrainingJob"
 PERMANENT_EXIT_CODES = frozenset({2})
 MAX_RESTARTS_ANNOTATION = "huorn.io/max-restarts"
 DECISION_LIMIT = 32
+RUNTIME_PARAMS = frozenset({"mitigation"})
 
 
 def _iso(seconds: float) -> str:
@@ -88,7 +90,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     graph = serialise.from_status(old["graph"]) if old.get("graph") else fresh
     trainer, spec_trainer = graph.vertex("trainer"), fresh.vertex("trainer")
     trainer.min_replicas, trainer.max_replicas = spec_trainer.min_replicas, spec_trainer.max_replicas
-    trainer.params, trainer.resources = spec_trainer.params, spec_trainer.resources
+    # Parameters the monitor set at run time (the mitigation rung) survive; the spec owns the rest.
+    kept = {k: v for k, v in trainer.params.items() if k in RUNTIME_PARAMS}
+    trainer.params, trainer.resources = {**spec_trainer.params, **kept}, spec_trainer.resources
     ref = manifests.JobRef.from_body(body)
     spec = body.get("spec") or {}
     selector = f"{manifests.LABEL_JOB}={name},{manifests.LABEL_VERTEX}=trainer"
@@ -144,17 +148,20 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         ctx.metrics.record_phase(KIND, f"{ns}/{name}", "Succeeded")
         return "Succeeded"
 
-    desired = job.spec.elasticity.min_replicas
+    desired = desired_replicas(job, trainer.replicas)
     if trainer.replicas != desired:
+        bound = "minReplicas" if desired == job.spec.elasticity.min_replicas else "maxReplicas"
+        value = getattr(job.spec.elasticity, "min_replicas" if bound == "minReplicas" else "max_replicas")
         resized = mutate.resize(
             graph,
             "trainer",
             desired,
-            reason=f"scale {trainer.replicas}→{desired}: spec.elasticity.minReplicas is {desired}",
+            reason=f"scale {trainer.replicas}→{desired}: spec.elasticity.{bound} is {value}",
         )
         if resized is not None:
             new.append(resized)
 
+    await cordon.ensure_cordoned(ctx, body, graph)
     missing = [i for i in graph.vertex("trainer").instances if manifests.pod_name(ref, i) not in pods]
     reserved: list[PodRecord] = []
     assignments: dict[str, str] = {}
@@ -212,6 +219,15 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         raise
     created = {manifests.pod_name(ref, i) for i in graph.vertex("trainer").instances if i.name in assignments}
     return await _report(ctx, body, graph, base_status, created)
+
+
+def desired_replicas(job: Any, current: int) -> int:
+    """`fixed` follows minReplicas (the scale subresource); `goodput` keeps what the allocator
+    chose through the monitor, moved back inside [minReplicas, maxReplicas] when the spec moves."""
+    el = job.spec.elasticity
+    if el.policy != ElasticityPolicy.GOODPUT:
+        return el.min_replicas
+    return min(max(current, el.min_replicas), el.max_replicas)
 
 
 def _phase(graph: Graph, trainer_pods_running: int, total: int, has_new: bool, old: Mapping[str, Any]) -> str:

@@ -117,11 +117,16 @@ class KubeClient:
         patch = getattr(self.core, f"patch_namespaced_{_snake(manifest['kind'])}")
         return self._sanitize(await self._call(patch, name, ns, patch_body))
 
-    async def delete(self, kind: str, namespace: str, name: str) -> bool:
-        """Delete if present; True when this call deleted it, False when it was already gone."""
+    async def delete(self, kind: str, namespace: str, name: str, grace_seconds: int | None = None) -> bool:
+        """Delete if present; True when this call deleted it, False when it was already gone.
+
+        `grace_seconds` is the pod's termination grace: SIGTERM now, SIGKILL after it, which is
+        the time a trainer has to write its checkpoint when a lender reclaims its GPUs.
+        """
         fn = getattr(self.core, f"delete_namespaced_{_snake(kind)}")
+        extra = {} if grace_seconds is None else {"grace_period_seconds": int(grace_seconds)}
         try:
-            await self._call(fn, name, namespace)
+            await self._call(fn, name, namespace, **extra)
             return True
         except kubernetes.client.ApiException as exc:
             if exc.status == 404:
@@ -145,6 +150,22 @@ class KubeClient:
             )
         items = self._sanitize(result).get("items", [])
         return [i for i in items if match_labels(i, labels)]
+
+    async def cordon_node(self, name: str, taint: Mapping[str, str]) -> dict[str, Any] | None:
+        """Mark a node unschedulable and taint it; None when the node is gone. Repeatable.
+
+        The taint list is read and written whole (a merge patch replaces lists), and the patch
+        is retried on a 409, so a concurrent change of another taint is not lost.
+        """
+        try:
+            node = self._sanitize(await self._call(self.core.read_node, name))
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        taints = [t for t in (node.get("spec") or {}).get("taints") or [] if t.get("key") != taint["key"]]
+        body = {"spec": {"unschedulable": True, "taints": [*taints, dict(taint)]}}
+        return self._sanitize(await self._call(self.core.patch_node, name, body))
 
     # ------------------------------------------------------------------ Huorn's own kinds
     async def get_custom(self, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:

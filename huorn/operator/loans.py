@@ -1,0 +1,149 @@
+"""Getting lent GPUs back: an inference VirtualCluster's demand shrinks the training jobs on its nodes.
+
+Demand is what the lender's InferenceJobs need now: `autoscaling.minReplicas × resources.gpus`
+each, the floor their SLO requires. Whatever the lender's own workloads cannot get from its free
+GPUs is reclaimed from borrowers, up to what it has out on loan. The victims are chosen by
+`huorn.scheduler.loaning.plan_reclaim` (least lost work, FaPES); the operator only applies them.
+
+A shrink is a graph mutation like any other: the resize, naming exactly the instances on the
+lender's nodes, goes into the borrower's status first; then those pods are deleted with the
+lender's `reclaimGraceSeconds` as their grace period, which is SIGTERM now and time to write a
+checkpoint (the runtime checkpoints on SIGTERM) before the kubelet kills them. Pods being deleted
+no longer count as lent, so a restarted operator sees the debt already paid and reclaims nothing
+twice. A reclaim that would need a preemption (the borrower is at its minimum, or `fixed`) is not
+applied: the lender gets a Warning Event saying which job holds its GPUs and why it stays.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from huorn.graph import mutate, serialise
+from huorn.operator import index, training, validation
+from huorn.operator.context import Context
+from huorn.scheduler import loaning
+
+INFERENCE_PLURAL = "inferencejobs"
+
+
+@dataclass
+class Borrower:
+    namespace: str
+    job: str
+    pods: list[index.PodRecord] = field(default_factory=list)  # its trainer pods on the lender's nodes
+
+
+def count_demand(jobs: list[Mapping[str, Any]], vc: str) -> int:
+    """GPUs the InferenceJobs of `vc` need at their floor (minReplicas × GPUs each)."""
+    total = 0
+    for job in jobs:
+        spec = job.get("spec") or {}
+        if spec.get("virtualCluster") != vc:
+            continue
+        replicas = int((spec.get("autoscaling") or {}).get("minReplicas", 1))
+        total += replicas * int((spec.get("resources") or {}).get("gpus", 1))
+    return total
+
+
+def find_borrowers(ctx: Context, vc: str) -> dict[tuple[str, str], Borrower]:
+    """Other clusters' live trainer pods on `vc`'s nodes; pods already being deleted are paid debt."""
+    members = {n.name for n in ctx.index.members_of(vc)}
+    out: dict[tuple[str, str], Borrower] = {}
+    for pod in ctx.index.pods.values():
+        if (pod.node in members and pod.virtual_cluster not in ("", vc) and pod.vertex == "trainer"
+                and pod.holds_resources and not pod.deleting and pod.gpus):
+            out.setdefault(pod.job_key, Borrower(pod.namespace, pod.job)).pods.append(pod)
+    return out
+
+
+def count_wanted(ctx: Context, vc: str, demand: int, borrowers: Mapping[Any, Borrower]) -> int:
+    members = ctx.index.members_of(vc)
+    capacity = sum(n.gpus for n in members if not n.unschedulable)
+    names = {n.name for n in members}
+    used = sum(p.gpus for p in ctx.index.pods.values()
+               if p.node in names and p.holds_resources and not p.deleting)
+    lent = sum(p.gpus for b in borrowers.values() for p in b.pods)
+    return max(0, min(lent, demand - (capacity - used)))
+
+
+async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Reclaim]:
+    """Reclaim what an inference VirtualCluster needs back; returns the reclaims applied."""
+    name = vc_body["metadata"]["name"]
+    spec = vc_body.get("spec") or {}
+    if spec.get("purpose") != "inference":
+        return []
+    borrowers = find_borrowers(ctx, name)
+    if not borrowers:
+        return []
+    demand = count_demand(await ctx.client.list_custom(INFERENCE_PLURAL, None), name)
+    wanted = count_wanted(ctx, name, demand, borrowers)
+    if wanted <= 0:
+        return []
+    jobs: dict[str, tuple[Borrower, Mapping[str, Any], Any]] = {}
+    loans = []
+    for b in borrowers.values():
+        body = await ctx.client.get_custom(training.PLURAL, b.namespace, b.job)
+        if body is None or not (body.get("status") or {}).get("graph"):
+            continue
+        job = validation.load_job(body)
+        graph = serialise.from_status(body["status"]["graph"])
+        key = f"{b.namespace}/{b.job}"
+        jobs[key] = (b, body, job)
+        min_replicas = job.spec.elasticity.min_replicas
+        if job.spec.elasticity.policy != "goodput":
+            min_replicas = graph.vertex("trainer").replicas  # a fixed gang cannot shrink, only stop
+        loans.append(loaning.LoanView(
+            job=key, replicas_on_lender=len(b.pods), replicas_total=graph.vertex("trainer").replicas,
+            min_replicas=min_replicas, gpus_per_replica=job.spec.resources.gpus,
+            priority=job.spec.priority,
+        ))
+    view = index.build_vc_view(name, spec)
+    why = f"its InferenceJobs need {demand} GPU(s)"
+    plan = loaning.plan_reclaim(view, wanted, loans, time.time(), why)
+    applied = []
+    for r in plan:
+        b, body, _ = jobs[r.job]
+        if r.action != "shrink":
+            ctx.post_event(vc_body, "Warning", "ReclaimBlocked",
+                           f"{why}; {r.job} holds {r.gpus_released} lent GPU(s) but cannot shrink "
+                           "(at minReplicas, or elasticity.policy fixed); preemption is not applied")
+            continue
+        if await shrink_borrower(ctx, b, r, int(view.reclaim_grace_seconds)):
+            ctx.post_event(vc_body, "Normal", "Reclaimed", r.reason)
+            applied.append(r)
+    return applied
+
+
+async def shrink_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: int) -> bool:
+    """Write the shrink into the borrower's status, then SIGTERM its pods on the lender's nodes."""
+    async with ctx.job_lock(b.namespace, b.job):
+        body = await ctx.client.get_custom(training.PLURAL, b.namespace, b.job)
+        if body is None or not (body.get("status") or {}).get("graph"):
+            return False
+        graph = serialise.from_status(body["status"]["graph"])
+        trainer = graph.vertex("trainer")
+        live = {i.name for i in trainer.instances}
+        # Newest instances first: they have done the least since the gang last (re)started.
+        victims = sorted((p for p in b.pods if p.instance in live), key=lambda p: p.instance,
+                         reverse=True)[: r.replicas_released]
+        if not victims or trainer.replicas - len(victims) < trainer.min_replicas:
+            return False
+        m = mutate.resize(graph, "trainer", trainer.replicas - len(victims),
+                          reason=f"reclaim: {r.reason}", remove=[p.instance for p in victims])
+        if m is None:
+            return False
+        await ctx.client.patch_status(training.PLURAL, b.namespace, b.job, {
+            "graph": serialise.to_status(graph), "decisions": training.build_decisions(graph),
+            "targetReplicas": trainer.replicas,
+        })
+        ctx.metrics.decisions.labels(training.KIND, "resize").inc()
+        ctx.post_event(body, "Normal", "Reclaim", m.reason)
+        for pod in victims:
+            await ctx.client.delete("Pod", pod.namespace, pod.name, grace_seconds=grace)
+        fresh = await ctx.client.get_custom(training.PLURAL, b.namespace, b.job)
+        if fresh is not None:
+            await training.reconcile(ctx, fresh)
+    return True

@@ -1,0 +1,195 @@
+"""The operator's side of the shared monitor loop: one `Monitor.tick` per running job and period.
+
+The policies are the local backend's (`GoodputPolicy`, `RemediationPolicy`) and so is the loop
+(`huorn.backends.monitor.Monitor`); only the source of observations (pod IPs, over HTTP) and
+what applying means differ. Applying is: write the mutated graph into status (the write-ahead
+log the reconcile already trusts), post an Event per mutation, then run the ordinary reconcile,
+which cordons, deletes and places pods. A kill at any point therefore leaves either no decision
+(it is simply taken again on the next tick) or a decision in status that the next reconcile
+finishes; never the same decision twice.
+
+Ladder decisions that have no pod action yet (S1-S3, and a hang capped by maxMitigation) become
+`set-param` mutations of the trainer's `mitigation` parameter. That keeps them in the same
+bounded history as resizes and replacements, and a decision re-derived after a restart sets the
+same value, which `mutate.set_param` records as no change: exactly once again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from huorn.api.common import ElasticityPolicy, MitigationLevel
+from huorn.backends import goodput, monitor
+from huorn.backends.kubernetes import manifests, observe
+from huorn.graph import model, mutate, serialise
+from huorn.operator import cordon, training, validation
+from huorn.operator.context import Context
+from huorn.scheduler.remediation import policy
+
+logger = logging.getLogger("huorn.operator.monitor")
+MITIGATION_PARAM = "mitigation"
+ACTIVE_PHASES = frozenset({"Running", "Resizing"})
+
+
+@dataclass
+class JobPolicies:
+    """One job's policies; rebuilt when the job's spec (generation) or identity (uid) changes."""
+
+    key: tuple[str, int]  # (uid, generation)
+    remediation: policy.RemediationPolicy
+    goodput: goodput.GoodputPolicy | None
+    last_step: int = -1
+    ladder_seen: int = 0
+
+    def all(self) -> list[monitor.Policy]:
+        return [p for p in (self.remediation, self.goodput) if p is not None]
+
+
+def build_policies(job: Any, key: tuple[str, int]) -> JobPolicies:
+    spec = job.spec
+    grow = None
+    if spec.elasticity.policy == ElasticityPolicy.GOODPUT:
+        grow = goodput.GoodputPolicy(
+            job=job.metadata.name, virtual_cluster=spec.virtual_cluster, slots=0,
+            global_batch=float(spec.optimization.global_batch),
+        )
+    return JobPolicies(key, policy.RemediationPolicy(spec.remediation), grow)
+
+
+def _policies_for(ctx: Context, body: Mapping[str, Any], job: Any) -> JobPolicies:
+    meta = body["metadata"]
+    key = (str(meta.get("uid", "")), int(meta.get("generation") or 0))
+    found = ctx.monitors.get((meta["namespace"], meta["name"]))
+    if found is None or found.key != key:
+        found = build_policies(job, key)
+        ctx.monitors[(meta["namespace"], meta["name"])] = found
+    return found
+
+
+def count_slots(ctx: Context, virtual_cluster: str, replicas: int, gpus: int) -> int:
+    """Replicas the job could run now: its own plus what the free GPUs of its VC hold."""
+    free = ctx.index.build_snapshot().free(virtual_cluster)
+    return replicas + free // max(1, gpus)
+
+
+def record_ladder(graph: model.Graph, state: JobPolicies) -> list[model.Mutation]:
+    """New ladder decisions that replace nothing become `set-param` mutations of the trainer."""
+    fresh = state.remediation.decisions[state.ladder_seen:]
+    state.ladder_seen = len(state.remediation.decisions)
+    out = []
+    for d in fresh:
+        if d.level is MitigationLevel.RESTART and d.action != "capped":
+            continue  # S4 is the InstanceManager's replace mutation
+        value = {"level": d.level.value, "action": d.action, "ranks": list(d.ranks), "plan": dict(d.plan)}
+        m = mutate.set_param(graph, "trainer", MITIGATION_PARAM, value,
+                             reason=f"remediation {d.level.value} ({d.action}): {d.reason}")
+        if m is not None:
+            out.append(m)
+    return out
+
+
+def mark_cordons(ctx: Context, namespace: str, job: str, mutations: list[model.Mutation]) -> None:
+    """An S4 replacement names the node of the pod it replaces, so the reconcile that applies it
+    (now or after a restart) can cordon that node before placing the new pod."""
+    for m in mutations:
+        if m.action != "replace" or "remediation S4" not in m.reason:
+            continue
+        old = m.detail.get("old")
+        pod = next((p for p in ctx.index.pods_of(namespace, job) if p.instance == old), None)
+        if pod is not None and pod.node:
+            m.detail[cordon.DETAIL_KEY] = pod.node
+
+
+async def fetch_observation(
+    ctx: Context, body: Mapping[str, Any], graph: model.Graph, state: JobPolicies, gpus: int
+) -> monitor.Observation:
+    meta = body["metadata"]
+    ref = manifests.JobRef.from_body(body)
+    pods = {p.name: p for p in ctx.index.pods_of(meta["namespace"], meta["name"])}
+    ips = {}
+    for instance in graph.vertex("trainer").instances:
+        pod = pods.get(manifests.pod_name(ref, instance))
+        if pod is not None and pod.phase == "Running" and pod.ip and not pod.deleting:
+            ips[instance.name] = pod.ip
+    targets = observe.build_targets(ips, ctx.settings.telemetry_port)
+    snapshots = await asyncio.to_thread(
+        observe.fetch_snapshots, targets, ctx.settings.telemetry_timeout_seconds
+    )
+    return observe.build_observation(time.time(), snapshots, state.last_step, gpus)
+
+
+async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutation]:
+    """One monitor pass over one job; returns the mutations it recorded (and applied)."""
+    body = await ctx.client.get_custom(training.PLURAL, namespace, name)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return []
+    status = body.get("status") or {}
+    if status.get("phase") not in ACTIVE_PHASES or not status.get("graph"):
+        return []
+    try:
+        job = validation.load_job(body)
+    except validation.InvalidSpec:
+        return []
+    state = _policies_for(ctx, body, job)
+    gpus = job.spec.resources.gpus
+    observation = await fetch_observation(ctx, body, serialise.from_status(status["graph"]), state, gpus)
+    if not observation.telemetry:
+        return []
+    async with ctx.job_lock(namespace, name):
+        # Decide against the graph as it is now: a reconcile may have mutated it while we polled.
+        body = await ctx.client.get_custom(training.PLURAL, namespace, name)
+        if body is None or (body.get("status") or {}).get("phase") not in ACTIVE_PHASES:
+            return []
+        graph = serialise.from_status(body["status"]["graph"])
+        if observation.steps:
+            state.last_step = int(observation.steps[-1]["step"])
+        if state.goodput is not None:
+            trainer = graph.vertex("trainer")
+            state.goodput.slots = count_slots(ctx, job.spec.virtual_cluster, trainer.replicas, gpus)
+        result = monitor.Monitor(graph, observe.ObservedBackend(observation), state.all()).tick()
+        mutations = list(result.mutations) + record_ladder(graph, state)
+        if not mutations:
+            return []
+        mark_cordons(ctx, namespace, name, mutations)
+        await ctx.client.patch_status(training.PLURAL, namespace, name, {
+            "graph": serialise.to_status(graph), "decisions": training.build_decisions(graph),
+        })
+        for m in mutations:
+            ctx.metrics.decisions.labels(training.KIND, m.action).inc()
+            reason = _event_reason(m)
+            ctx.post_event(body, "Warning" if reason.startswith("Remedia") else "Normal", reason, m.reason)
+        logger.info("monitor %s/%s: %s", namespace, name, "; ".join(m.reason for m in mutations))
+        fresh = await ctx.client.get_custom(training.PLURAL, namespace, name)
+        if fresh is not None:
+            await training.reconcile(ctx, fresh)
+    return mutations
+
+
+def _event_reason(m: model.Mutation) -> str:
+    if m.action == "set-param" and m.detail.get("key") == MITIGATION_PARAM:
+        return "Remediation"
+    if m.action == "replace" and cordon.DETAIL_KEY in m.detail:
+        return "Remediate"
+    return m.action.capitalize()
+
+
+async def run_daemon(ctx: Context, namespace: str, name: str, stopped: Any) -> None:
+    """The body of the per-job kopf daemon: tick, then wait, until kopf stops it.
+
+    A failing tick is logged and retried next period: the monitor must never take a job's
+    reconciles down with it, and every tick starts again from the API objects.
+    """
+    while not stopped:
+        try:
+            await tick_job(ctx, namespace, name)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("monitor tick of %s/%s failed; next try in %.1fs",
+                             namespace, name, ctx.settings.monitor_seconds)
+        await stopped.wait(ctx.settings.monitor_seconds)

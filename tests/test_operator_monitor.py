@@ -1,0 +1,154 @@
+"""The operator's monitor: real kopf against KMock, real HTTP telemetry from the runtime's own code.
+
+Each trainer pod's `/telemetry` is served by `huorn.runtime.telemetry.Telemetry` (the class the
+trainer runs) on a loopback address of its own (127.0.0.2, 127.0.0.3, ...), all on one port, and
+that address is patched into the pod's `status.podIP` as a kubelet would. The operator polls the
+pods exactly as in a cluster; the tests drive the ranks' sequence numbers and step records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+from kube import builders
+from kube import operator as operator_mod
+from kube.cluster import EmulatedCluster, wait_for
+
+from huorn.runtime import telemetry as runtime_telemetry
+
+pytest_plugins = ["kube.fixtures"]
+
+NS = "team"
+IPS = {"trainer-0": "127.0.0.2", "trainer-1": "127.0.0.3"}
+
+
+class Ranks:
+    """One telemetry server per trainer replica, as the runtime serves it, on one shared port."""
+
+    def __init__(self, job: str, gpus_per_replica: int = 1) -> None:
+        world = len(IPS) * gpus_per_replica
+        self.by_replica: dict[str, runtime_telemetry.Telemetry] = {}
+        self.port = 0
+        for rank, (replica, ip) in enumerate(IPS.items()):
+            t = runtime_telemetry.Telemetry(job, rank * gpus_per_replica, world, replica)
+            self.port = t.serve(ip, self.port)
+            self.by_replica[replica] = t
+
+    def advance(self, replica: str, collectives: int) -> None:
+        t = self.by_replica[replica]
+        for _ in range(collectives):
+            t.complete_collective(t.enter_collective("allreduce"))
+
+    def close(self) -> None:
+        for t in self.by_replica.values():
+            t.close()
+
+
+@pytest.fixture()
+def ranks() -> Iterator[Ranks]:
+    r = Ranks("llm")
+    yield r
+    r.close()
+
+
+def start_operator(cluster: EmulatedCluster, port: int) -> operator_mod.OperatorThread:
+    settings = dataclasses.replace(
+        operator_mod.FAST, monitor_seconds=0.3, telemetry_port=port, telemetry_timeout_seconds=1.0
+    )
+    return operator_mod.OperatorThread(cluster.api_client(), settings)
+
+
+def run_with_ips(kube: builders.Kube, name: str, trainers: int) -> None:
+    """Pods Running with their telemetry address in status.podIP, as the kubelet reports them."""
+    wait_for(lambda: len(kube.pods(NS, name, "trainer")) == trainers, what=f"{trainers} trainer pods")
+    for pod in kube.pods(NS, name):
+        instance = pod.metadata.labels["huorn.io/instance"]
+        status = {"phase": "Running", "podIP": IPS.get(instance, "127.0.0.9")}
+        kube.core.patch_namespaced_pod_status(pod.metadata.name, NS, {"status": status})
+    wait_for(lambda: kube.job_status(NS, name).get("phase") == "Running", what="phase Running")
+
+
+def decisions(kube: builders.Kube, name: str, action: str) -> list[dict]:
+    return [d for d in kube.job_status(NS, name).get("decisions") or [] if d["action"] == action]
+
+
+def is_cordoned(node: object) -> object:
+    spec = getattr(node, "spec", None)
+    return node if spec is not None and spec.unschedulable else None
+
+
+def hang_replica_1(ranks: Ranks) -> None:
+    """Both ranks at collective #40; then rank 0 enters #41 and waits there, rank 1 never does."""
+    ranks.advance("trainer-0", 40)
+    ranks.advance("trainer-1", 40)
+    ranks.by_replica["trainer-0"].enter_collective("allreduce")
+
+
+def test_goodput_policy_grows_job_within_max_replicas(cluster, kube: builders.Kube) -> None:
+    grower = Ranks("grow", gpus_per_replica=2)
+    try:
+        with start_operator(cluster, grower.port):
+            kube.create_job(NS, builders.make_training_job(
+                "grow", "train", replicas=1, max_replicas=2, gpus=2,
+                elasticity={"minReplicas": 1, "maxReplicas": 2, "policy": "goodput"},
+            ))
+            run_with_ips(kube, "grow", 1)
+            for step in range(1, 13):  # one replica, steady steps, a known noise scale
+                grower.by_replica["trainer-0"].record_step(step, 0.8 + 0.01 * (step % 3), 0.1, 3.0,
+                                                           1000.0, 40.0)
+            resized = wait_for(lambda: decisions(kube, "grow", "resize"), what="a resize decision")
+            wait_for(lambda: len(kube.pods(NS, "grow", "trainer")) == 2, what="a second trainer pod")
+            assert "goodput allocator: grow to 2" in resized[-1]["reason"]
+            assert any(e.reason == "Resize" and "goodput" in e.message for e in kube.events(NS, "grow"))
+            # The allocator never goes past maxReplicas, and the reconcile keeps its choice.
+            run_with_ips(kube, "grow", 2)
+            assert kube.job_status(NS, "grow")["targetReplicas"] == 2
+            assert len(decisions(kube, "grow", "resize")) == 1
+    finally:
+        grower.close()
+
+
+def test_injected_hang_ends_in_s4_cordon_and_replacement(cluster, kube: builders.Kube, ranks: Ranks) -> None:
+    with start_operator(cluster, ranks.port):
+        kube.create_job(NS, builders.make_training_job(
+            "llm", "train", replicas=2, max_replicas=2, gpus=2, remediation={"hangTimeout": "2s"}))
+        run_with_ips(kube, "llm", 2)
+        culprit = kube.core.read_namespaced_pod("llm-trainer-1", NS)
+        node = culprit.metadata.annotations["huorn.io/node"]
+        hang_replica_1(ranks)
+        replaced = wait_for(lambda: decisions(kube, "llm", "replace"), what="an S4 decision", timeout=60)
+        assert "remediation S4" in replaced[0]["reason"] and "rank(s) [1]" in replaced[0]["reason"]
+        cordoned = wait_for(lambda: is_cordoned(kube.core.read_node(node)), what=f"node {node} cordoned")
+        assert [(t.key, t.effect) for t in cordoned.spec.taints] == [("huorn.io/cordoned", "NoSchedule")]
+        names = wait_for(lambda: (n := [p.metadata.name for p in kube.pods(NS, "llm", "trainer")])
+                         == ["llm-trainer-0", "llm-trainer-1-g1"] and n, what="the replacement pod")
+        assert names
+        new = kube.core.read_namespaced_pod("llm-trainer-1-g1", NS)
+        assert new.metadata.annotations["huorn.io/node"] != node, "the replacement avoids the cordoned node"
+        reasons = {e.reason for e in kube.events(NS, "llm")}
+        assert {"Remediate", "Cordoned"} <= reasons
+        assert kube.job_status(NS, "llm")["cordonedVersion"] >= 2
+
+
+def test_max_mitigation_caps_the_ladder(cluster, kube: builders.Kube, ranks: Ranks) -> None:
+    with start_operator(cluster, ranks.port):
+        kube.create_job(NS, builders.make_training_job(
+            "llm", "train", replicas=2, max_replicas=2, gpus=2,
+            remediation={"hangTimeout": "2s", "maxMitigation": "rebalance"}))
+        run_with_ips(kube, "llm", 2)
+        hang_replica_1(ranks)
+        capped = wait_for(lambda: decisions(kube, "llm", "set-param"), what="a capped decision", timeout=60)
+        assert "capped" in capped[0]["reason"] and "maxMitigation is rebalance" in capped[0]["reason"]
+        graph = kube.job_status(NS, "llm")["graph"]
+        trainer = next(v for v in graph["vertices"] if v["name"] == "trainer")
+        assert trainer["params"]["mitigation"]["action"] == "capped"
+        assert any(e.reason == "Remediation" and e.type == "Warning" for e in kube.events(NS, "llm"))
+        # Capped means nothing is replaced and no node is cordoned, however long the hang lasts.
+        wait_for(lambda: kube.job_status(NS, "llm").get("phase") == "Running", what="still Running")
+        assert decisions(kube, "llm", "replace") == []
+        assert not any(is_cordoned(n) for n in kube.core.list_node().items)
+        names = [p.metadata.name for p in kube.pods(NS, "llm", "trainer")]
+        assert names == ["llm-trainer-0", "llm-trainer-1"]
+        assert len(decisions(kube, "llm", "set-param")) == 1
