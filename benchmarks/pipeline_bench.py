@@ -17,6 +17,7 @@ levels mean the same relative preemption on any machine."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import json
 import statistics
@@ -31,8 +32,8 @@ import torch.distributed as dist
 
 from huorn import models
 from huorn.runtime.pipeline import contention, executor, split, training
+from huorn.runtime.pipeline import planner as pipeline_planner
 from huorn.runtime.pipeline import topology as pp_topology
-from huorn.scheduler import pipeline_planner
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class BenchConfig:
     dtype: str = "float32"
     machine: str = ""
     partial_path: str = ""  # rank 0 rewrites this JSON after each level, in case a later one hangs
+    level_budget_s: float = 0.0  # stop a level's rounds once it ran this long (0: run every round)
+    hang_dump_s: float = 0.0  # print every thread's stack after this long, to show where a hang sits
 
 
 @dataclass
@@ -62,9 +65,12 @@ class LevelResult:
     decisions: list[dict] = field(default_factory=list)
     peak_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)  # k -> (predicted, measured)
     torch_throttled_batches: int = 0
+    measured_rounds: int = 0
 
 
 def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
+    if config.hang_dump_s > 0:
+        faulthandler.dump_traceback_later(config.hang_dump_s, exit=False)
     torch.manual_seed(0)
     on_gpu = config.backend == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -136,10 +142,15 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
         times = time_torch_steps(torch_schedules[name], stage, topo, device, config.replan_every, throttle)
         return f"torch {name}", times
 
+    def describe(done: list[LevelResult]) -> dict:
+        return {"config": asdict(config), "burst_s": throttle.burst_s, "compute_fb_s": float(compute[0]),
+                "torch_version": torch.__version__, "levels": [asdict(r) for r in done]}
+
     for level in config.levels:
         throttle.set_level(level)
         result = LevelResult(level=level)
         samples: dict[str, list[float]] = {}
+        level_started = time.perf_counter()
         # Rounds interleave every configuration, so the shared machine's load drifts over all
         # of them alike; round 0 is warm-up. Adaptive k keeps its planner and its k across
         # rounds and levels, as a real run would, and decides once per round.
@@ -151,17 +162,23 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
                 name, seconds = run()
                 if round_:
                     samples.setdefault(name, []).extend(seconds)
+            result.measured_rounds = round_
+            # a slow machine or link gets fewer rounds rather than no result: rank 0 decides
+            # for both, so that every rank leaves the level at the same round
+            over = config.level_budget_s > 0 and time.perf_counter() - level_started > config.level_budget_s
+            if round_ >= 2 and broadcast_int(int(over), device):
+                break
         result.step_s = {name: statistics.median(values) for name, values in samples.items()}
         result.torch_throttled_batches, THROTTLED_BATCHES[0] = THROTTLED_BATCHES[0], 0
         result.tokens_per_s = {name: tokens_per_step / s for name, s in result.step_s.items()}
         results.append(result)
         if rank == 0 and config.partial_path:
-            Path(config.partial_path).write_text(json.dumps([asdict(r) for r in results], default=str))
+            Path(config.partial_path).write_text(json.dumps(describe(results), indent=2, default=str))
     runner.close()
+    faulthandler.cancel_dump_traceback_later()
     if rank != 0:
         return None
-    return {"config": asdict(config), "burst_s": throttle.burst_s, "compute_fb_s": float(compute[0]),
-            "levels": [asdict(r) for r in results]}
+    return describe(results)
 
 
 def build_torch_schedule(name: str, stage_module: torch.nn.Module, topo: pp_topology.PipelineTopology,

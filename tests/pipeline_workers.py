@@ -82,7 +82,7 @@ def adaptive_worker(rank: int, world: int, stages: int, width: int, depth: int, 
                     size: int, levels: list[float], burst_s: float, replan_every: int) -> dict:
     """Adaptive-k training of an MLP pipeline while the contention level follows `levels`
     (one per step); returns reports and the final weights of this rank's stage."""
-    from huorn.scheduler import pipeline_planner  # the wiring layer's job; tests may do it
+    from huorn.runtime.pipeline import planner as pipeline_planner
 
     topo = pp_topology.PipelineTopology(stages=stages, replicas=1, rank=rank)
     groups = pp_topology.build_groups(topo)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from huorn.runtime.pipeline import memory, schedules
-from huorn.scheduler import pipeline_planner
+from huorn.runtime.pipeline import planner as pipeline_planner
 
 
 def plain_candidates(stages: int, microbatches: int, ks: tuple[int, ...] = (1, 2, 3, 4)) -> dict:

@@ -88,14 +88,19 @@ def remove_stale_temporaries(root: Path) -> list[Path]:
     return stale
 
 
-def build_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Model and optimizer state in DCP's canonical (FQN-keyed, DDP-unwrapped) form."""
-    model_state, optim_state = dcp_state.get_state_dict(model, optimizer)
+def build_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, flat: bool = False) -> dict:
+    """Model and optimizer state in DCP's canonical (FQN-keyed, DDP-unwrapped) form.
+
+    `flat` keys the optimizer's hyper-parameters per parameter too. A pipeline needs it: its
+    stages hold different parameters, and the nested form's one `param_groups` list would be
+    de-duplicated across ranks as if every rank held the same one."""
+    options = dcp_state.StateDictOptions(flatten_optimizer_state_dict=flat)
+    model_state, optim_state = dcp_state.get_state_dict(model, optimizer, options=options)
     return {"model": model_state, "optimizer": optim_state}
 
 
 def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    meta: dict, rank: int, barrier: callable, keep: int = 3) -> Path:
+                    meta: dict, rank: int, barrier: callable, keep: int = 3, flat: bool = False) -> Path:
     """Collective: every rank calls it with the same step. Returns the final directory."""
     root = Path(root)
     final = root / checkpoint_name(step)
@@ -104,7 +109,7 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: to
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(scratch, ignore_errors=True)
     barrier()
-    dcp.save(build_state(model, optimizer), checkpoint_id=str(scratch))
+    dcp.save(build_state(model, optimizer, flat), checkpoint_id=str(scratch))
     if rank == 0:
         _write_atomically(scratch / META, json.dumps({**meta, "step": step}, indent=2) + "\n")
     barrier()
@@ -122,7 +127,8 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: to
     return final
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                    flat: bool = False) -> dict:
     """Load into `model` (and `optimizer`) in place, at whatever world size is running now;
     returns the checkpoint's huorn.json. Collective when a process group is initialised."""
     path = Path(path)
@@ -133,8 +139,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         dcp.load(state, checkpoint_id=str(path))
         dcp_state.set_model_state_dict(model, state["model"])
     else:
-        state = build_state(model, optimizer)
+        state = build_state(model, optimizer, flat)
         dcp.load(state, checkpoint_id=str(path))
         dcp_state.set_state_dict(model, optimizer, model_state_dict=state["model"],
-                                 optim_state_dict=state["optimizer"])
+                                 optim_state_dict=state["optimizer"],
+                                 options=dcp_state.StateDictOptions(flatten_optimizer_state_dict=flat))
     return read_meta(path)

@@ -33,6 +33,8 @@ class Fault(base.ApiModel):
     from_step: int = Field(default=0, ge=0, description="First global step (0-based) it applies to.")
     until_step: int | None = Field(default=None, ge=0, description="First step it no longer applies to.")
     ms: float = Field(default=0.0, ge=0, description="Delay per step for slow-compute and slow-comm.")
+    per_micro_batch: bool = Field(default=False, description="slow-compute: delay every micro-batch the "
+                                  "rank computes (a slower device), not once per step.")
     rank: int | None = Field(default=None, ge=0, description="Global rank it hits; None: every rank.")
     replica: str | None = Field(default=None, description="HUORN_REPLICA of the process it hits.")
 
@@ -67,6 +69,8 @@ class RunConfig(base.ApiModel):
     collective_timeout_s: float = Field(default=120.0, gt=0, description="Gloo/NCCL timeout per collective.")
     keep_checkpoints: int = Field(default=3, ge=1, le=1000, description="Complete checkpoints kept.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    pipeline_replan_every: int = Field(default=5, ge=1, le=100_000,
+                                       description="Steps between adaptive-k decisions (schedule auto).")
     faults: list[Fault] = Field(default_factory=list)
 
     @model_validator(mode="after")

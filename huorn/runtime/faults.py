@@ -65,9 +65,16 @@ class FaultInjector:
     def before_compute(self) -> None:
         """Called by the training loop at the start of every step's compute."""
         slow = self.active("slow-compute")
-        if slow is not None:
+        if slow is not None and not slow.per_micro_batch:
             time.sleep(slow.ms / 1000.0)
         self._block_while("hang-compute")
+
+    def before_micro_batch(self) -> None:
+        """Called before each micro-batch's forward: a slower device costs time per unit of work,
+        which is what S2 (moving micro-batches away from the slow rank) can win back."""
+        slow = self.active("slow-compute")
+        if slow is not None and slow.per_micro_batch:
+            time.sleep(slow.ms / 1000.0)
 
     def inside_collective(self) -> None:
         """Called by the communication hook after entering a collective, before it runs."""

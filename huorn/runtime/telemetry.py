@@ -65,6 +65,7 @@ class Telemetry:
         self._in_flight: dict[int, tuple[str, float]] = {}
         self._comm_seconds = 0.0
         self._steps: collections.deque[dict] = collections.deque(maxlen=history)
+        self._parameters: dict[str, object] = {}
         self._last_heartbeat = time.time()
         self._stop = threading.Event()
         self._server: ThreadingHTTPServer | None = None
@@ -121,6 +122,12 @@ class Telemetry:
             self.noise_scale.set(noise_scale)
         self.beat()
 
+    def set_parameter(self, name: str, value: object) -> None:
+        """A run-time setting the monitor should see (per-rank micro-batch counts, the pipeline's k
+        and the reason it was chosen); served under `parameters` until replaced."""
+        with self._lock:
+            self._parameters[name] = value
+
     def snapshot(self) -> dict:
         """What `/telemetry` serves."""
         now = time.monotonic()
@@ -133,6 +140,7 @@ class Telemetry:
                 "collective": {"entered": self._entered, "completed": self._completed,
                                "in_flight": in_flight},
                 "steps": list(self._steps),
+                "parameters": dict(self._parameters),
             }
 
     # -- server ------------------------------------------------------------------------------

@@ -11,6 +11,11 @@ statistics all-reduce, so every rank learns at the same step boundary that some 
 All ranks then take the checkpoint together (DCP is collective). The rank that got SIGTERM exits
 0; the others exit with RESTART_EXIT so that their torchrun agents re-rendezvous without it
 (an agent whose worker exits 0 believes the job is finished).
+
+A job with `parallelism.pipelineStages > 1` runs the same loop through
+`huorn.runtime.pipeline.job.PipelineTrainer`, which swaps DDP for the pipeline executor and
+keeps everything else (data, checkpoints, stop agreement, telemetry). Remediation S2 arrives
+through the run directory's control file (`huorn.runtime.microbatches`).
 """
 
 from __future__ import annotations
@@ -30,12 +35,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from huorn import models
-from huorn.runtime import batching, checkpoint, comm, faults, noise_scale, telemetry
+from huorn.runtime import batching, checkpoint, comm, faults, microbatches, noise_scale, telemetry
 from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler
 
 RESTART_EXIT = 3
-_STATS = ("loss_sum", "small_sq", "contributors", "stop", "checkpoint_due")
+_STATS = ("loss_sum", "small_sq", "contributors", "stop", "checkpoint_due", "plan_changed")
 
 
 class Trainer:
@@ -55,15 +60,14 @@ class Trainer:
         self.stop_requested = False
 
         torch.manual_seed(self.spec.data.seed)
-        model_cfg = run_config.build_model_config(self.spec.model)
-        self.model = models.build_model(model_cfg).to(self.device)
-        self.ddp = DistributedDataParallel(
-            self.model, device_ids=[self.local_rank] if use_cuda else None,
-            find_unused_parameters=model_cfg.moe is not None)
-        opt = self.spec.optimization
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.learning_rate,
-                                           betas=(0.9, 0.95), weight_decay=opt.weight_decay)
-        self.plan = batching.plan_batch(opt, self.spec.elasticity.min_replicas, self.world)
+        self.model_cfg = run_config.build_model_config(self.spec.model)
+        self.model = models.build_model(self.model_cfg).to(self.device)
+        self.state_module: torch.nn.Module = self.model  # what checkpoints hold
+        self.flat_checkpoint = False  # see checkpoint.build_state
+        self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
+                                        self.data_parallel_size())
+        self.microbatch_counts: tuple[int, ...] | None = None  # S2 plan; None: even round-robin
+        self.control_stamp = 0
         self.total_steps = cfg.total_steps()
         self.mixture = sampler.build_mixture(
             [(s.name, s.weight, s.path) for s in self.spec.data.sources], self.spec.data.seed,
@@ -73,11 +77,24 @@ class Trainer:
                                              cfg.telemetry_history)
         self.injector = faults.FaultInjector(cfg.faults, self.run_dir, self.rank, self.replica)
         self.hook_state = comm.HookState(self.telemetry, self.injector)
-        self.ddp.register_comm_hook(self.hook_state, comm.allreduce_hook)
         self.noise = noise_scale.NoiseScale()
         # bf16 autocast on GPU; CPU runs stay fp32 so they can be compared exactly with a reference.
         self.autocast = (
             (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_cuda else contextlib.nullcontext)
+        self.build_parallel(use_cuda)
+
+    def data_parallel_size(self) -> int:
+        """Ranks that split the batch (all of them under DDP; a pipeline divides by its stages)."""
+        return self.world
+
+    def build_parallel(self, use_cuda: bool) -> None:
+        self.ddp = DistributedDataParallel(
+            self.model, device_ids=[self.local_rank] if use_cuda else None,
+            find_unused_parameters=self.model_cfg.moe is not None)
+        opt = self.spec.optimization
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.learning_rate,
+                                           betas=(0.9, 0.95), weight_decay=opt.weight_decay)
+        self.ddp.register_comm_hook(self.hook_state, comm.allreduce_hook)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def log(self, record: dict) -> None:
@@ -105,21 +122,23 @@ class Trainer:
         latest = checkpoint.find_latest(root) if self.rank == 0 else None
         latest = comm.broadcast_object(str(latest) if latest else None, self.hook_state)
         if latest is not None:
-            return int(checkpoint.load_checkpoint(Path(latest), self.model, self.optimizer)["step"])
+            return int(checkpoint.load_checkpoint(Path(latest), self.state_module, self.optimizer,
+                                                  self.flat_checkpoint)["step"])
         if self.spec.task.init_checkpoint:
             # Continual pre-training starts from another run's weights, with a fresh optimizer
             # and step 0; once this run has its own checkpoint, that one wins on restart.
             source = checkpoint.resolve(Path(self.spec.task.init_checkpoint))
-            checkpoint.load_checkpoint(source, self.model, None)
+            checkpoint.load_checkpoint(source, self.state_module, None)
         return 0
 
     def save(self, step: int, reason: str) -> None:
         started = time.monotonic()
         path = checkpoint.save_checkpoint(
-            self.cfg.checkpoint_root, step, self.model, self.optimizer,
+            self.cfg.checkpoint_root, step, self.state_module, self.optimizer,
             {"world_size": self.world, "job": self.cfg.job_name, "seed": self.spec.data.seed,
              "global_batch": self.plan.global_batch, "model": self.spec.model.to_wire()},
-            self.rank, lambda: comm.barrier(self.hook_state), keep=self.cfg.keep_checkpoints)
+            self.rank, lambda: comm.barrier(self.hook_state), keep=self.cfg.keep_checkpoints,
+            flat=self.flat_checkpoint)
         self.last_checkpoint_time = time.monotonic()
         self.log({"event": "checkpoint", "step": step, "reason": reason, "path": str(path),
                   "seconds": time.monotonic() - started})
@@ -128,13 +147,15 @@ class Trainer:
     def compute_step(self, step: int) -> tuple[float, float, int]:
         """Forward/backward of this rank's micro-batches of `step`; returns (summed loss, squared
         norm of this rank's own mean gradient, micro-batches computed)."""
-        mine = sampler.assign_micro_batches(self.plan.micro_batches, self.world, self.rank)
+        mine = microbatches.assign(self.microbatch_counts, self.plan.micro_batches, self.world, self.rank)
         # NB: a rank with no micro-batch still runs one backward with weight 0, because DDP's
         # all-reduce needs every rank to contribute a bucket.
         work = mine or [0]
         weight = 1.0 / self.plan.micro_batches if mine else 0.0
         loss_sum = 0.0
         for i, index in enumerate(work):
+            if mine:
+                self.injector.before_micro_batch()
             tokens, targets = self.mixture.micro_batch(step, index, self.plan.micro_batch)
             tokens, targets = tokens.to(self.device), targets.to(self.device)
             sync = contextlib.nullcontext() if i == len(work) - 1 else self.ddp.no_sync()
@@ -189,29 +210,24 @@ class Trainer:
                                         self.spec.optimization.warmup_steps, self.spec.optimization.schedule)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum, small_sq, computed = self.compute_step(step)
             due = interval_s is not None and time.monotonic() - self.last_checkpoint_time >= interval_s
-            # The one explicit collective per step: loss, noise-scale inputs and the stop and
-            # checkpoint flags travel together, so every rank acts on them at the same boundary.
-            stats = torch.tensor([loss_sum, small_sq, float(computed > 0), float(self.stop_requested),
-                                  float(due and self.rank == 0)], dtype=torch.float64, device=self.device)
-            comm.all_reduce(stats, self.hook_state, op="stats")
-            noise = self.update_noise_scale(float(stats[1]), int(stats[2]))
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            flags = [float(self.stop_requested), float(due and self.rank == 0), self.poll_control_file()]
+            loss, noise, extra, flags = self.train_step(step, flags)
+            stats_by_name = dict(zip(_STATS[3:], flags, strict=True))
             step += 1
-            stats_by_name = dict(zip(_STATS, stats.tolist(), strict=True))
-            loss = stats_by_name["loss_sum"] / self.plan.micro_batches
             elapsed = time.perf_counter() - started
             tokens_per_s = self.plan.global_batch * self.spec.model.context / elapsed
             comm_s = self.telemetry.take_comm_seconds()
             self.telemetry.record_step(step, elapsed, comm_s, loss, tokens_per_s, noise)
             record = {"event": "step", "step": step, "loss": loss, "world_size": self.world, "lr": lr,
                       "tokens_per_second": tokens_per_s, "step_seconds": elapsed, "comm_seconds": comm_s,
-                      "gradient_noise_scale": noise}
+                      "gradient_noise_scale": noise, **extra}
+            if self.microbatch_counts is not None:
+                record["microbatches"] = list(self.microbatch_counts)
             if self.cfg.validation_interval and step % self.cfg.validation_interval == 0:
                 record["validation_loss"] = self.validate()
+            if stats_by_name["plan_changed"] > 0:
+                self.apply_control_file(step)
             self.log(record)
             if stats_by_name["stop"] > 0:
                 self.save(step, "sigterm" if self.stop_requested else "peer-stop")
@@ -221,6 +237,52 @@ class Trainer:
                 self.save(step, "final" if step == self.total_steps else "periodic")
         self.log({"event": "done", "step": step})
         return 0
+
+    def train_step(self, step: int, flags: list[float]) -> tuple[float, float | None, dict, list[float]]:
+        """One optimizer step; `flags` (stop, checkpoint due, control file changed) are summed over
+        the ranks in the step's one explicit collective. Returns (loss, noise scale, extra step-log
+        fields, reduced flags)."""
+        loss_sum, small_sq, computed = self.compute_step(step)
+        # Loss, noise-scale inputs and the flags travel together, so every rank acts on them at
+        # the same boundary.
+        stats = torch.tensor([loss_sum, small_sq, float(computed > 0), *flags],
+                             dtype=torch.float64, device=self.device)
+        comm.all_reduce(stats, self.hook_state, op="stats")
+        noise = self.update_noise_scale(float(stats[1]), int(stats[2]))
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        values = stats.tolist()
+        return values[0] / self.plan.micro_batches, noise, {}, values[3:]
+
+    # -- remediation S2 --------------------------------------------------------------------------
+    def poll_control_file(self) -> float:
+        """1.0 on rank 0 when the control file changed since it was last applied."""
+        if self.rank != 0:
+            return 0.0
+        _, stamp = microbatches.read_control_file(self.run_dir)
+        return float(stamp > 0 and stamp != self.control_stamp)
+
+    def apply_control_file(self, step: int) -> None:
+        """Collective: rank 0's reading of the file reaches every rank, which switch together
+        from the next step on."""
+        reading = microbatches.read_control_file(self.run_dir) if self.rank == 0 else (None, 0)
+        plan, stamp = comm.broadcast_object(reading, self.hook_state)  # type: ignore[misc]
+        self.control_stamp = stamp
+        if plan is None:
+            return
+        problem = microbatches.check_plan(plan, self.world, self.plan.micro_batches)
+        if problem is not None:
+            self.microbatch_counts = None
+            self.log({"event": "microbatch-plan-rejected", "step": step, "counts": list(plan.counts),
+                      "reason": problem})
+            return
+        self.microbatch_counts = plan.counts
+        self.telemetry.set_parameter("microbatches", {
+            "counts": list(plan.counts), "reason": plan.reason, "version": plan.version,
+            "from_step": step + 1})
+        self.log({"event": "microbatch-plan", "step": step, "from_step": step + 1,
+                  "counts": list(plan.counts), "reason": plan.reason, "version": plan.version})
 
     def _request_stop(self, signum: int, frame: object) -> None:
         self.stop_requested = True
@@ -243,7 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    trainer = Trainer(cfg)
+    if cfg.spec.parallelism.pipeline_stages > 1:
+        # NB: imported here because the pipeline trainer subclasses Trainer (an import cycle otherwise).
+        from huorn.runtime.pipeline import job as pipeline_job
+
+        trainer: Trainer = pipeline_job.PipelineTrainer(cfg)
+    else:
+        trainer = Trainer(cfg)
     try:
         return trainer.run()
     finally:

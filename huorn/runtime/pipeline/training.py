@@ -8,8 +8,8 @@ micro-batch, and gradients are exactly those of the step's batch whatever the ta
 Every `replan_every` steps each rank contributes its window averages (stage compute times,
 seconds per message on its outgoing links, step time) to one all-gather; rank 0 asks the
 planner and broadcasts the chosen k, so all ranks switch together. The planner arrives by
-injection (`KPlanner`, implemented by `huorn.scheduler.pipeline_planner.AdaptiveKPlanner`)
-because the runtime layer must not import the scheduler."""
+injection (`KPlanner`, implemented by `huorn.runtime.pipeline.planner.AdaptiveKPlanner`), so
+benchmarks and tests can swap in a planner with other thresholds."""
 
 from __future__ import annotations
 
@@ -64,6 +64,61 @@ class StepReport:
     decision: dict | None = None  # rank 0 only, on steps where the planner ran
 
 
+class PipelineTraining:
+    """The step-by-step form of the loop, for a caller that owns the loop itself (the trainer
+    sets the learning rate, clips gradients, checkpoints and agrees on stopping between steps).
+    `before_update()` runs after the step's backward passes and before `optimizer.step()`."""
+
+    def __init__(self, *, stage: executor.StageExecutor, optimizer: torch.optim.Optimizer,
+                 batches: Callable[[int], Batch], plan: PipelinePlan, planner: KPlanner | None = None,
+                 contention_level: Callable[[int], float] | None = None,
+                 before_step: Callable[[int], None] | None = None,
+                 before_update: Callable[[], None] | None = None) -> None:
+        if plan.schedule == "auto" and planner is None:
+            raise ValueError("schedule 'auto' needs a planner: pass "
+                             "huorn.runtime.pipeline.planner.AdaptiveKPlanner()")
+        self.runner, self.optimizer, self.batches, self.plan = stage, optimizer, batches, plan
+        self.planner, self.contention_level = planner, contention_level
+        self.before_step, self.before_update = before_step, before_update
+        self.k = plan.k if plan.schedule in ("kfkb", "auto") else 1
+        self.window: list[executor.StepStats] = []
+        self.steps_done = 0
+
+    def run_step(self, step: int) -> StepReport:
+        runner, plan = self.runner, self.plan
+        topo = runner.topology
+        inputs, targets = self.batches(step)
+        if not runner.negotiated:
+            runner.negotiate_shapes(inputs[0] if topo.is_first and inputs else None,
+                                    targets[0] if topo.is_last and targets else None)
+        if self.contention_level is not None:
+            runner.throttle.set_level(self.contention_level(step))
+        schedule = schedules.build_schedule(plan.schedule if plan.schedule != "auto" else "kfkb",
+                                             topo.stages, plan.microbatches, self.k)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.before_step is not None:
+            self.before_step(step)
+        stats = runner.run_step(schedule, inputs, targets)
+        if self.before_update is not None:
+            self.before_update()
+        self.optimizer.step()
+        loss, slowest = _reduce_step(stats, runner.device, topo.replicas)
+        self.window.append(stats)
+        stats.seconds = slowest
+        report = StepReport(
+            step=step, schedule=schedule.name, k=schedule.k, loss=loss, seconds=slowest,
+            contention=runner.throttle.level, peak_saved_bytes=stats.peak_saved_bytes,
+            predicted_peak_bytes=memory.predict_peak_bytes(
+                schedule, [runner.microbatch_bytes] * topo.stages)[topo.stage],
+            executed=stats.executed,
+        )
+        self.steps_done += 1
+        if plan.schedule == "auto" and self.steps_done % plan.replan_every == 0:
+            self.k, report.decision = _replan(runner, self.planner, self.window, step, self.k, plan)  # type: ignore[arg-type]
+            self.window = []
+        return report
+
+
 def run_pipeline_training(
     *, stage: executor.StageExecutor, optimizer: torch.optim.Optimizer, batches: Callable[[int], Batch],
     steps: int, plan: PipelinePlan, planner: KPlanner | None = None,
@@ -76,42 +131,11 @@ def run_pipeline_training(
     With schedule `auto` a planner is required. `before_step(step)` runs on every rank before
     each step's clock starts (a barrier there makes step times start together, as the
     benchmarks do). Returns this rank's reports."""
-    if plan.schedule == "auto" and planner is None:
-        raise ValueError("schedule 'auto' needs a planner: pass "
-                         "huorn.scheduler.pipeline_planner.AdaptiveKPlanner()")
-    runner = stage
-    topo = runner.topology
-    k = plan.k if plan.schedule in ("kfkb", "auto") else 1
-    if not runner.negotiated:
-        inputs, targets = batches(start_step)
-        runner.negotiate_shapes(inputs[0] if topo.is_first and inputs else None,
-                                targets[0] if topo.is_last and targets else None)
-    window: list[executor.StepStats] = []
+    loop = PipelineTraining(stage=stage, optimizer=optimizer, batches=batches, plan=plan, planner=planner,
+                            contention_level=contention_level, before_step=before_step)
     reports = []
     for step in range(start_step, start_step + steps):
-        if contention_level is not None:
-            runner.throttle.set_level(contention_level(step))
-        schedule = schedules.build_schedule(plan.schedule if plan.schedule != "auto" else "kfkb",
-                                             topo.stages, plan.microbatches, k)
-        inputs, targets = batches(step)
-        optimizer.zero_grad(set_to_none=True)
-        if before_step is not None:
-            before_step(step)
-        stats = runner.run_step(schedule, inputs, targets)
-        optimizer.step()
-        loss, slowest = _reduce_step(stats, runner.device, topo.replicas)
-        window.append(stats)
-        stats.seconds = slowest
-        report = StepReport(
-            step=step, schedule=schedule.name, k=schedule.k, loss=loss, seconds=slowest,
-            contention=runner.throttle.level, peak_saved_bytes=stats.peak_saved_bytes,
-            predicted_peak_bytes=memory.predict_peak_bytes(
-                schedule, [runner.microbatch_bytes] * topo.stages)[topo.stage],
-            executed=stats.executed,
-        )
-        if plan.schedule == "auto" and (step - start_step + 1) % plan.replan_every == 0:
-            k, report.decision = _replan(runner, planner, window, step, k, plan)  # type: ignore[arg-type]
-            window = []
+        report = loop.run_step(step)
         reports.append(report)
         if on_step is not None:
             on_step(report)

@@ -1,0 +1,134 @@
+"""The trainer of a TrainingJob with `parallelism.pipelineStages > 1`: DP × PP over the gang.
+
+World = stages × replicas, laid out replica-major (`topology`). Every rank builds the whole
+decoder from the job's seed (so every stage starts from exactly the weights a single process
+would) and keeps its own stage's modules. The step's M micro-batches are dealt round-robin to
+the replicas, so a replica's pipeline runs M / replicas of them; each micro-batch weighs 1/M
+through the executor's 1/count scaling and the data-parallel average, which makes the step's
+gradient the non-pipelined one.
+
+Gradient clipping needs the whole model's norm: every rank contributes its stage's squared norm
+to one all-reduce and the sum is divided by the replicas (which hold identical averaged
+gradients), the same clip torch.nn.utils.clip_grad_norm_ applies to the undivided model.
+
+Checkpoints name every tensor by its fully qualified name in the undivided decoder
+(`embed.weight`, `layers.5.attn...`), so each stage writes disjoint keys through DCP, replicas
+de-duplicate, and a checkpoint loads at any stage count, including none.
+
+Elastic rule: the world size must be a multiple of the stages; a resize adds or removes whole
+pipeline replicas (multiples of `stages` ranks), and M must stay divisible by the replicas.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from huorn.runtime import comm, train
+from huorn.runtime.pipeline import executor, planner, split, topology, training
+
+
+class StageState(nn.Module):
+    """A stage's modules under the undivided decoder's names, for checkpoints only."""
+
+    def __init__(self, stage: split.DecoderStage) -> None:
+        super().__init__()
+        if stage.embed is not None:
+            self.embed = stage.embed
+        self.layers = nn.ModuleDict({str(stage.start + i): b for i, b in enumerate(stage.blocks)})
+        if stage.norm is not None:
+            self.norm = stage.norm
+            self.head = stage.head
+
+
+class PipelineTrainer(train.Trainer):
+    def data_parallel_size(self) -> int:
+        stages = self.spec.parallelism.pipeline_stages
+        if self.world % stages:
+            raise ValueError(f"world size {self.world} is not a multiple of parallelism.pipelineStages "
+                             f"({stages}); run stages × replicas ranks")
+        return self.world // stages
+
+    def build_parallel(self, use_cuda: bool) -> None:
+        par = self.spec.parallelism
+        replicas = self.data_parallel_size()
+        if self.plan.micro_batches % replicas:
+            raise ValueError(f"a step's {self.plan.micro_batches} micro-batches do not split evenly over "
+                             f"{replicas} pipeline replicas; make globalBatch / microBatch a multiple of "
+                             "the replicas")
+        self.topology = topology.PipelineTopology(par.pipeline_stages, replicas, self.rank)
+        groups = topology.build_groups(self.topology)
+        stages = split.split_decoder(self.model, par.pipeline_stages)
+        self.stage = stages[self.topology.stage]
+        self.state_module = StageState(self.stage)
+        self.flat_checkpoint = True
+        self.stage_executor = executor.StageExecutor(self.stage, self.topology, groups,
+                                                     split.compute_decoder_loss, self.device)
+        opt = self.spec.optimization
+        self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=opt.learning_rate,
+                                           betas=(0.9, 0.95), weight_decay=opt.weight_decay)
+        schedule = par.schedule.value
+        self.pipeline_plan = training.PipelinePlan(
+            microbatches=self.plan.micro_batches // replicas, schedule=schedule,
+            k=par.k if schedule == "kfkb" else 1, replan_every=self.cfg.pipeline_replan_every)
+        self.loop = training.PipelineTraining(
+            stage=self.stage_executor, optimizer=self.optimizer, batches=self.build_batches,
+            plan=self.pipeline_plan, planner=planner.AdaptiveKPlanner() if schedule == "auto" else None,
+            before_update=self.clip_gradients)
+        self.telemetry.set_parameter("pipeline", {
+            "stages": par.pipeline_stages, "replicas": replicas, "schedule": schedule, "k": self.loop.k})
+
+    def build_batches(self, step: int) -> training.Batch:
+        """This replica's micro-batches of `step`: inputs on the first stage, targets on the last."""
+        mine = batching_indices(self.plan.micro_batches, self.topology)
+        pairs = [self.mixture.micro_batch(step, i, self.plan.micro_batch) for i in mine]
+        inputs = [[tokens.to(self.device)] for tokens, _ in pairs] if self.topology.is_first else None
+        targets = [t.to(self.device) for _, t in pairs] if self.topology.is_last else None
+        return inputs, targets
+
+    def clip_gradients(self, max_norm: float = 1.0) -> None:
+        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        local = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else \
+            torch.zeros((), dtype=torch.float64)
+        total = local.reshape(1).to(self.device)
+        comm.all_reduce(total, self.hook_state, op="grad-norm")
+        norm = math.sqrt(float(total[0]) / self.topology.replicas)
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+
+    def compute_step(self, step: int) -> tuple[float, float, int]:
+        raise ValueError("a pipeline job computes through train_step; compute_step is DDP's")
+
+    def validate(self) -> float:
+        raise ValueError("validationInterval is not supported with pipelineStages > 1; set it to 0")
+
+    def train_step(self, step: int, flags: list[float]) -> tuple[float, float | None, dict, list[float]]:
+        report = self.loop.run_step(step)
+        reduced = torch.tensor(flags, dtype=torch.float64, device=self.device)
+        comm.all_reduce(reduced, self.hook_state, op="stats")
+        extra: dict = {"schedule": report.schedule, "k": report.k}
+        if report.decision is not None or self.pipeline_plan.schedule == "auto":
+            # every rank learns k through the loop's broadcast; rank 0 also has the reason
+            decision = report.decision
+            if decision is not None:
+                extra["k_decision"] = {"k": decision["k"], "previous_k": decision["previous_k"],
+                                       "changed": decision["changed"], "reason": decision["reason"]}
+            self.telemetry.set_parameter("pipeline", {
+                "stages": self.topology.stages, "replicas": self.topology.replicas,
+                "schedule": self.pipeline_plan.schedule, "k": self.loop.k,
+                **({"decision": extra["k_decision"]} if decision is not None else {})})
+        return report.loss, None, extra, reduced.tolist()
+
+    def close(self) -> None:
+        self.stage_executor.close()
+        super().close()
+
+
+def batching_indices(micro_batches: int, topo: topology.PipelineTopology) -> list[int]:
+    """The step's micro-batch indices that replica `topo.replica` runs (round-robin over replicas)."""
+    return list(range(topo.replica, micro_batches, topo.replicas))
+

@@ -1,0 +1,135 @@
+"""The trainer with pipelineStages > 1 and with S2 micro-batch plans, under torchrun on CPU (gloo),
+checked against a world-of-one, non-pipelined reference run of the same seed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import runtime_harness as harness
+
+from huorn.runtime import microbatches
+
+pytestmark = pytest.mark.timeout(600)
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def data_dir() -> Path:
+    return harness.shared_data_dir()
+
+
+def build_spec(**parallelism: object) -> dict:
+    spec = harness.build_spec(steps=STEPS, interval_steps=3, global_batch=8, micro_batch=2, max_replicas=4)
+    if parallelism:
+        spec["parallelism"] = parallelism
+    return spec
+
+
+def run_job(tmp: Path, data_dir: Path, spec: dict, nproc: int, **fields: object) -> list[dict]:
+    config = harness.write_config(tmp, data_dir, spec, device="cpu", **fields)
+    if nproc == 1:
+        command = [sys.executable, "-m", "huorn.runtime.train", "--config", str(config)]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   "-m", "huorn.runtime.train", "--config", str(config)]
+    done = subprocess.run(command, cwd=harness.REPO, env=harness.child_env(), capture_output=True,
+                          text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:-1500]
+    return harness.read_events(tmp / "run")
+
+
+def losses(events: list[dict]) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in harness.steps_of(events)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[int, float]:
+    """The plain trainer in a world of one: every micro-batch on one rank, no pipeline."""
+    return losses(run_job(tmp_path_factory.mktemp("ref"), data_dir, build_spec(), nproc=1))
+
+
+@pytest.mark.slow
+def test_two_stage_pipeline_matches_the_unpipelined_loss_and_resumes(tmp_path: Path, data_dir: Path,
+                                                                      reference: dict[int, float]) -> None:
+    events = run_job(tmp_path, data_dir, build_spec(pipelineStages=2, schedule="1f1b"), nproc=2)
+    got = losses(events)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-5), step
+    assert {e["schedule"] for e in harness.steps_of(events)} == {"1f1b"}
+    # Resume from the step-3 checkpoint: per-stage DCP state brings back weights and optimizer.
+    root = tmp_path / "ckpt"
+    shutil.rmtree(root / "step-00000006")
+    (root / "latest").write_text("step-00000003\n")
+    (tmp_path / "run" / "steps.jsonl").unlink()
+    resumed = run_job(tmp_path, data_dir, build_spec(pipelineStages=2, schedule="1f1b"), nproc=2)
+    assert next(e for e in resumed if e["event"] == "start")["resumed_from"] == 3
+    again = losses(resumed)
+    assert sorted(again) == [4, 5, 6]
+    for step in again:
+        assert again[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-5), step
+
+
+@pytest.mark.slow
+def test_auto_schedule_records_its_k_decision_with_a_reason(tmp_path: Path, data_dir: Path,
+                                                            reference: dict[int, float]) -> None:
+    events = run_job(tmp_path, data_dir, build_spec(pipelineStages=2, schedule="auto"), nproc=2,
+                     pipelineReplanEvery=2)
+    steps = harness.steps_of(events)
+    decided = [e for e in steps if "k_decision" in e]
+    assert [e["step"] for e in decided] == [2, 4, 6]
+    for record in decided:
+        assert record["k_decision"]["reason"].startswith("link ")
+        assert record["k_decision"]["k"] in (1, 2, 3, 4)
+    # whatever k was chosen, the gradients are the step's batch: the loss stays the reference's
+    for e in steps:
+        assert e["loss"] == pytest.approx(reference[e["step"]], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_s2_plan_keeps_the_batch_and_speeds_up_a_slowed_rank(tmp_path: Path, data_dir: Path,
+                                                              reference: dict[int, float]) -> None:
+    """Rank 1 is slow per micro-batch from the start; the control file (there from the start, so
+    applied at the first boundary) moves one of its two micro-batches to rank 0 (counts 3/1)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(parents=True)
+    slow = {"kind": "slow-compute", "ms": 400, "rank": 1, "perMicroBatch": True}
+    (run_dir / "faults.json").write_text(json.dumps({"faults": [slow]}))
+    microbatches.write_control_file(run_dir, [3, 1], "S2 test: rank 1 is slower", version=1)
+    events = run_job(tmp_path, data_dir, build_spec(), nproc=2)
+    plans = [e for e in events if e["event"] == "microbatch-plan"]
+    assert plans and plans[0]["counts"] == [3, 1] and plans[0]["reason"] == "S2 test: rank 1 is slower"
+    applied_from = plans[0]["from_step"]
+    steps = harness.steps_of(events)
+    for e in steps:
+        # same samples, same global batch, unequal split: the loss is the reference's
+        assert e["loss"] == pytest.approx(reference[e["step"]], rel=1e-4, abs=1e-5), e["step"]
+        assert ("microbatches" in e) == (e["step"] >= applied_from)
+    even = [e["step_seconds"] for e in steps if e["step"] < applied_from]
+    rebalanced = [e["step_seconds"] for e in steps if e["step"] >= applied_from]
+    assert even and rebalanced
+    # even: rank 1 waits 2 × 400 ms per step; rebalanced: 1 × 400 ms
+    assert min(even) > 0.75
+    assert sorted(rebalanced)[len(rebalanced) // 2] < min(even) - 0.25
+
+
+def test_control_file_rejects_plans_that_do_not_fit_the_gang(tmp_path: Path) -> None:
+    plan = microbatches.MicroBatchPlan((3, 1))
+    assert microbatches.check_plan(plan, 2, 4) is None
+    assert "3 ranks" in microbatches.check_plan(plan, 3, 4)
+    assert "keep the global batch" in microbatches.check_plan(plan, 2, 6)
+    assert "at least one" in microbatches.check_plan(microbatches.MicroBatchPlan((4, 0)), 2, 4)
+    assert microbatches.read_control_file(tmp_path) == (None, 0)
+    (tmp_path / microbatches.CONTROL_FILE).write_text("{half")
+    assert microbatches.read_control_file(tmp_path) == (None, -1)
+    microbatches.write_control_file(tmp_path, [1, 3], "why", 2)
+    read, stamp = microbatches.read_control_file(tmp_path)
+    assert read == microbatches.MicroBatchPlan((1, 3), "why", 2) and stamp > 0
+    blocks = [microbatches.assign((1, 3), 4, 2, r) for r in range(2)]
+    assert blocks == [[0], [1, 2, 3]]
+    assert microbatches.assign(None, 4, 2, 1) == [1, 3]
