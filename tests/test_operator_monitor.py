@@ -16,6 +16,8 @@ from kube import builders
 from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
 
+from huorn.graph import mutate, serialise
+from huorn.operator import cordon, training
 from huorn.runtime import telemetry as runtime_telemetry
 
 pytest_plugins = ["kube.fixtures"]
@@ -152,3 +154,68 @@ def test_max_mitigation_caps_the_ladder(cluster, kube: builders.Kube, ranks: Ran
         names = [p.metadata.name for p in kube.pods(NS, "llm", "trainer")]
         assert names == ["llm-trainer-0", "llm-trainer-1"]
         assert len(decisions(kube, "llm", "set-param")) == 1
+
+
+def test_operator_killed_after_write_ahead_finishes_s4_once(
+    cluster, kube: builders.Kube, ranks: Ranks
+) -> None:
+    """The state an operator leaves when it dies right after writing its S4 decision: the decision is
+    in status, nothing else happened. The next operator cordons and replaces once, and its own monitor
+    does not decide again although the old rank's telemetry still shows the hang."""
+    with start_operator(cluster, ranks.port):
+        kube.create_job(NS, builders.make_training_job(
+            "llm", "train", replicas=2, max_replicas=2, gpus=2, remediation={"hangTimeout": "2s"}))
+        run_with_ips(kube, "llm", 2)
+    node = kube.core.read_namespaced_pod("llm-trainer-1", NS).metadata.annotations["huorn.io/node"]
+    hang_replica_1(ranks)
+    status = kube.job_status(NS, "llm")
+    g = serialise.from_status(status["graph"])
+    m = mutate.replace_instance(g, "trainer-1", reason="remediation S4 (cordon-replace-restart): rank 1 hung")
+    m.detail[cordon.DETAIL_KEY] = node
+    kube.custom.patch_namespaced_custom_object_status(
+        builders.GROUP, builders.VERSION, NS, "trainingjobs", "llm",
+        {"status": {"graph": serialise.to_status(g), "decisions": training.build_decisions(g)}})
+    with start_operator(cluster, ranks.port) as op:
+        wait_for(lambda: [p.metadata.name for p in kube.pods(NS, "llm", "trainer")]
+                 == ["llm-trainer-0", "llm-trainer-1-g1"], what="the replacement pod")
+        wait_for(lambda: is_cordoned(kube.core.read_node(node)), what="cordon")
+        run_with_ips(kube, "llm", 2)
+        settle = kube.job_status(NS, "llm")["graph"]["version"]
+        watch_past_hang_timeout(op)
+        assert kube.job_status(NS, "llm")["graph"]["version"] == settle
+    assert len(decisions(kube, "llm", "replace")) == 1
+    assert len([e for e in kube.events(NS, "llm") if e.reason == "Cordoned"]) == 1
+    assert kube.job_status(NS, "llm")["cordonedVersion"] == m.version
+
+
+def test_operator_killed_mid_remediation_never_decides_twice(
+    cluster, kube: builders.Kube, ranks: Ranks
+) -> None:
+    op = start_operator(cluster, ranks.port).__enter__()
+    try:
+        kube.create_job(NS, builders.make_training_job(
+            "llm", "train", replicas=2, max_replicas=2, gpus=2, remediation={"hangTimeout": "2s"}))
+        run_with_ips(kube, "llm", 2)
+        hang_replica_1(ranks)
+        wait_for(lambda: decisions(kube, "llm", "replace"), what="an S4 decision", timeout=60)
+    finally:
+        op.__exit__(None, None, None)  # stopped wherever it was: cordoning, deleting or placing
+    with start_operator(cluster, ranks.port) as second:
+        wait_for(lambda: [p.metadata.name for p in kube.pods(NS, "llm", "trainer")]
+                 == ["llm-trainer-0", "llm-trainer-1-g1"], what="the replacement pod")
+        run_with_ips(kube, "llm", 2)
+        watch_past_hang_timeout(second)
+        assert len(decisions(kube, "llm", "replace")) == 1
+        assert len([e for e in kube.events(NS, "llm") if e.reason == "Cordoned"]) == 1
+
+
+
+def watch_past_hang_timeout(op: operator_mod.OperatorThread) -> None:
+    """Wait until the running monitor has polled telemetry for longer than the 2 s hang timeout
+    (10 polls of 0.3 s), with the old rank's hang still served, so a second decision would show."""
+    def polls() -> int:
+        state = op.ctx.monitors.get((NS, "llm"))
+        return state.polls if state is not None else 0
+
+    start = wait_for(lambda: polls() or None, what="the monitor polling")
+    wait_for(lambda: polls() >= start + 10, what="10 monitor polls", timeout=60)

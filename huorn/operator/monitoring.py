@@ -45,6 +45,7 @@ class JobPolicies:
     goodput: goodput.GoodputPolicy | None
     last_step: int = -1
     ladder_seen: int = 0
+    polls: int = 0  # ticks that read some telemetry: how long the job has been watched
 
     def all(self) -> list[monitor.Policy]:
         return [p for p in (self.remediation, self.goodput) if p is not None]
@@ -140,6 +141,7 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
     observation = await fetch_observation(ctx, body, serialise.from_status(status["graph"]), state, gpus)
     if not observation.telemetry:
         return []
+    state.polls += 1
     async with ctx.job_lock(namespace, name):
         # Decide against the graph as it is now: a reconcile may have mutated it while we polled.
         body = await ctx.client.get_custom(training.PLURAL, namespace, name)
