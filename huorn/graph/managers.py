@@ -19,6 +19,7 @@ SCHEDULER_DECISION = "scheduler.decision"  # data: replicas, reason, [remove]
 INSTANCE_FAILED = "instance.failed"  # data: instance, reason
 EDGE_FIRED = "edge.fired"  # data: step, path (a checkpoint edge fires when a checkpoint lands)
 VERTEX_COMPLETED = "vertex.completed"  # data: reason
+PARAMETER_DECISION = "parameter.decision"  # data: key, value, reason (a run-time knob, e.g. S2's counts)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,17 @@ class OnDemandManager:
         )
 
 
+class ParameterManager:
+    """Records a policy's choice of a run-time parameter as a set-param mutation with its reason;
+    the backend delivers the new value to the running instances (e.g. S2's micro-batch counts)."""
+
+    def handle(self, graph: Graph, event: Event) -> list[Mutation]:
+        if event.type != PARAMETER_DECISION:
+            return []
+        return _done(mutate.set_param(graph, event.target, str(event.data["key"]), event.data["value"],
+                                      reason=str(event.data["reason"])))
+
+
 class ManagerSet:
     """The managers of one graph, by vertex role and by edge kind."""
 
@@ -165,4 +177,5 @@ def build_default_managers() -> ManagerSet:
     managers.add("eval", OnDemandManager())
     managers.add("rendezvous", RendezvousManager())
     managers.add("*", InstanceManager())
+    managers.add("*", ParameterManager())
     return managers

@@ -151,6 +151,7 @@ class Trainer:
         # NB: a rank with no micro-batch still runs one backward with weight 0, because DDP's
         # all-reduce needs every rank to contribute a bucket.
         work = mine or [0]
+        self.telemetry.set_parameter("micro_batches", {"total": self.plan.micro_batches, "mine": len(mine)})
         weight = 1.0 / self.plan.micro_batches if mine else 0.0
         loss_sum = 0.0
         for i, index in enumerate(work):

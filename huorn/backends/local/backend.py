@@ -81,14 +81,31 @@ class LocalBackend:
         for m in graph.log:
             if m.version > self._applied_version and m.action == "replace" and not m.detail.get("drain"):
                 self._reported_failures.add(f"{self.job}-{m.detail['old']}")
+        delivered = self._deliver_microbatches(graph)
         self._applied_version = graph.version
         done = self._delete_all(delete)
         for resource in create:
             done.append(self._create(graph, resource))
+        done += delivered
         self._current = want
         for line in done:
             self._record_action(graph.version, line)
         return done
+
+    def _deliver_microbatches(self, graph: model.Graph) -> list[str]:
+        """Remediation S2: the newest set-param of a trainer's `microbatches` since the last apply
+        goes to the run directory's control file, which the trainer applies at a step boundary
+        (the running gang is not restarted)."""
+        latest = [m for m in graph.log if m.version > self._applied_version and m.action == "set-param"
+                  and m.detail.get("key") == "microbatches" and m.target in graph.vertices
+                  and graph.vertices[m.target].role == "trainer"]
+        if not latest:
+            return []
+        m = latest[-1]
+        counts = [int(c) for c in m.detail["new"]]
+        commands.write_json_atomically(self.run_dir / commands.MICROBATCHES_FILE,
+                                       {"counts": counts, "reason": m.reason, "version": m.version})
+        return [f"wrote micro-batch counts {counts} to {commands.MICROBATCHES_FILE} ({m.reason})"]
 
     def _create(self, graph: model.Graph, resource: desired.DesiredResource) -> str:
         if resource.kind == "volume":

@@ -23,6 +23,7 @@ STEPS_FILE = "steps.jsonl"
 ENDPOINTS_DIR = "endpoints"
 CONFIG_FILE = "config.json"
 STORE_PORT_FILE = "store.port"
+MICROBATCHES_FILE = "microbatches.json"  # huorn.runtime.microbatches.CONTROL_FILE: S2 counts
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,15 @@ It has the shape of `huorn.backends.monitor.Policy` (`decide(graph, observation)
 backend and the operator run it like any other policy. It reads `observation.telemetry`
 (replica → the runtime's `/telemetry` JSON) and `observation.time`, and nothing else.
 
-Only S4 has a graph mutation today: the culprit's instance is reported failed, and the default
-InstanceManager replaces it with a new generation, which makes the elastic gang restart from its
-last checkpoint. S1-S3 decisions are kept in `decisions` (the operator copies them to status)
-until the runtime can apply per-rank micro-batch counts and stage splits.
+S4's mutation reports the culprit's instance failed, and the default InstanceManager replaces it
+with a new generation, which makes the elastic gang restart from its last checkpoint. S2's is a
+set-param of the trainer vertex's `microbatches` (per-rank counts, with the ladder's reason); the
+backend delivers it (the local backend writes the run directory's control file, which the
+trainer applies at a step boundary). Unless the caller gives a JobShape, S2's inputs come from
+the telemetry itself: each rank's seconds per micro-batch is its recent median compute time (its
+step minus the time inside collectives) over the micro-batches it computes, which the trainer
+publishes under `parameters.micro_batches`. S1 and S3 decisions are kept in `decisions` (the
+operator copies them to status).
 
 NB: a whole job that sits outside any collective for a while is what checkpointing, validation,
 start-up and rendezvous look like, so that case is recorded but never restarts anything.
@@ -15,6 +20,7 @@ start-up and rendezvous look like, so that case is recorded but never restarts a
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -24,6 +30,7 @@ from huorn.graph import managers, model
 from huorn.scheduler.remediation import failslow, hang, ladder, steptable
 
 HISTORY_STEPS = 1024  # per replica: enough for BOCD's segments, bounded for week-long jobs
+SHAPE_WINDOW = 5  # recent steps whose median compute time gives a rank's seconds per micro-batch
 
 
 class TelemetryObservation(Protocol):
@@ -39,6 +46,7 @@ class RemediationPolicy:
         self.remediation = remediation
         self.hang = hang.HangDetector(base.parse_duration(remediation.hang_timeout))
         self.ladder = ladder.MitigationLadder(remediation.max_mitigation, costs, shape)
+        self.shape_from_telemetry = shape is None
         self.decisions: list[ladder.Decision] = []
         self.history: dict[str, dict[int, dict]] = {}  # replica → step → record
         self._handled_hangs: set[tuple[tuple[str, ...], int]] = set()
@@ -100,6 +108,8 @@ class RemediationPolicy:
             if self.ladder.level is None:
                 self.decisions.append(self.ladder.on_fail_slow(finding, []))
         latest = max((max(steps) for steps in self.history.values() if steps), default=-1)
+        if self.shape_from_telemetry:
+            self.ladder.shape = build_shape(snapshots) or self.ladder.shape
         healthy = self._healthy_step_seconds()
         for step in range(self._last_step + 1, latest + 1):
             seconds = max((h[step]["step_seconds"] for h in self.history.values() if step in h), default=None)
@@ -133,6 +143,16 @@ class RemediationPolicy:
     # -- events ----------------------------------------------------------------------------------
     def _events_for(self, graph: model.Graph, decision: ladder.Decision,
                     replicas: tuple[str, ...]) -> list[managers.Event]:
+        if decision.level is MitigationLevel.REBALANCE and "microbatches" in decision.plan:
+            trainers = graph.vertices_with_role("trainer")
+            plan = decision.plan
+            reason = (f"remediation S2 ({decision.action}): {decision.reason}; counts {plan['microbatches']} "
+                      f"predict {plan['predictedStepSeconds']:.3f}s per step (even split "
+                      f"{plan['stepSecondsBefore']:.3f}s)")
+            if not trainers:
+                return []
+            return [managers.Event(managers.PARAMETER_DECISION, trainers[0].name, {
+                "key": "microbatches", "value": list(plan["microbatches"]), "reason": reason})]
         if decision.level is not MitigationLevel.RESTART or decision.action == "capped":
             return []
         live = set(graph.instance_names())
@@ -145,3 +165,23 @@ class RemediationPolicy:
                     "instance": replica, "reason": f"remediation S4 ({decision.action}): {decision.reason}",
                 }))
         return events
+
+
+def build_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:
+    """S2's inputs from the ranks' telemetry: seconds per micro-batch by rank, and the step's
+    micro-batches. None until every rank of one gang has published enough steps."""
+    per_rank: dict[int, float] = {}
+    totals, world = set(), set()
+    for snap in snapshots.values():
+        batches = (snap.get("parameters") or {}).get("micro_batches")
+        steps = (snap.get("steps") or [])[-SHAPE_WINDOW:]
+        if not batches or not batches.get("mine") or len(steps) < SHAPE_WINDOW:
+            return None
+        compute = statistics.median(float(r["compute_seconds"]) for r in steps)
+        per_rank[int(snap["rank"])] = max(compute, 1e-6) / int(batches["mine"])
+        totals.add(int(batches["total"]))
+        world.add(int(snap["world_size"]))
+    if len(totals) != 1 or len(world) != 1 or sorted(per_rank) != list(range(world.pop())):
+        return None
+    return ladder.JobShape(microbatch_seconds=[per_rank[r] for r in sorted(per_rank)],
+                           total_microbatches=totals.pop())

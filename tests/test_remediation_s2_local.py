@@ -1,0 +1,74 @@
+"""End to end on the local backend: a rank made slower per micro-batch (a `slow-compute` fault with
+perMicroBatch) is detected from its /telemetry, the ladder climbs to S2, the decision becomes a
+set-param mutation with its reason, the backend writes the control file, and the trainer applies
+the unequal split, after which steps get faster again."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
+from huorn.api.common import MitigationLevel, Remediation
+from huorn.backends import monitor
+from huorn.backends.local import backend as local_backend
+from huorn.backends.local import report
+from huorn.graph import compiler
+from huorn.scheduler.remediation import ladder, policy
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
+STEPS, SLOW_FROM, SLOW_MS = 70, 15, 80
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_slow_rank_leads_to_an_applied_s2_plan(tmp_path: Path) -> None:
+    manifest = yaml.safe_load(QUICKSTART.read_text())
+    spec = manifest["spec"]
+    spec["elasticity"].update(minReplicas=2, maxReplicas=2, policy="fixed")
+    spec["model"].update(layers=2, width=32, heads=2, context=32)
+    spec["optimization"].update(globalBatch=8, microBatch=1, steps=STEPS)
+    spec["checkpoint"] = {"path": "./checkpoints", "intervalSteps": 50}
+    spec["remediation"] = {"hangTimeout": "60s", "maxMitigation": "rebalance"}
+    g = compiler.compile(manifest)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "faults.json").write_text(json.dumps({"faults": [
+        {"kind": "slow-compute", "ms": SLOW_MS, "perMicroBatch": True, "fromStep": SLOW_FROM,
+         "replica": "trainer-1"}]}))
+    backend = local_backend.LocalBackend(g, run_dir, local_backend.LocalSettings(step_limit=STEPS))
+    remediation = policy.RemediationPolicy(Remediation.model_validate(spec["remediation"]),
+                                           costs=ladder.LadderCosts(rebalance=1.0))
+    loop = monitor.Monitor(g, backend, [remediation])
+    deadline = time.monotonic() + 500
+    try:
+        loop.start()
+        result = loop.run(interval=0.5, should_stop=lambda _: time.monotonic() > deadline)
+    finally:
+        backend.stop(graceful=False)
+    actions = (run_dir / "actions.jsonl").read_text()
+    assert result.observation.finished, actions[-3000:]
+    s2 = [d for d in remediation.decisions if d.level is MitigationLevel.REBALANCE]
+    assert len(s2) == 1, remediation.decisions
+    counts = s2[0].plan["microbatches"]
+    assert sum(counts) == 8 and counts[1] < counts[0]  # work moves away from the slow rank 1
+    mutations = [m for m in g.log if m.action == "set-param" and m.detail["key"] == "microbatches"]
+    assert len(mutations) == 1 and mutations[0].detail["new"] == counts
+    assert mutations[0].reason.startswith("remediation S2 (rebalance-microbatches)")
+    assert "wrote micro-batch counts" in actions
+    records = report.read_records(run_dir)
+    applied = [r for r in records if r.get("event") == "microbatch-plan"]
+    assert applied and applied[0]["counts"] == counts and applied[0]["reason"] == mutations[0].reason
+    steps = {r["step"]: r for r in records if r.get("event") == "step"}
+    assert report.summarise_steps(list(steps.values())).last == STEPS
+    start = applied[0]["from_step"]
+    slow = [steps[s]["step_seconds"] for s in steps if SLOW_FROM + 2 < s < start]
+    fixed = [steps[s]["step_seconds"] for s in steps if s > start + 1]
+    assert slow and fixed and all(steps[s].get("microbatches") == counts for s in steps if s >= start)
+    # even split: rank 1 sleeps 4 × 80 ms a step; rebalanced: fewer micro-batches, fewer sleeps
+    assert statistics.median(fixed) < statistics.median(slow) - 0.05
