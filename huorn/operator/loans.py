@@ -16,6 +16,7 @@ applied: the lender gets a Warning Event saying which job holds its GPUs and why
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -104,8 +105,12 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
     why = f"its InferenceJobs need {demand} GPU(s)"
     plan = loaning.plan_reclaim(view, wanted, loans, time.time(), why)
     applied = []
-    for r in plan:
-        b, body, _ = jobs[r.job]
+    left = wanted
+    by_job = {loan.job: loan for loan in loans}
+    for planned in plan:
+        b, body, _ = jobs[planned.job]
+        r = as_shrink(planned, by_job[planned.job], left)
+        left -= r.gpus_released
         if r.action != "shrink":
             ctx.post_event(vc_body, "Warning", "ReclaimBlocked",
                            f"{why}; {r.job} holds {r.gpus_released} lent GPU(s) but cannot shrink "
@@ -115,6 +120,22 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
             ctx.post_event(vc_body, "Normal", "Reclaimed", r.reason)
             applied.append(r)
     return applied
+
+
+def as_shrink(r: loaning.Reclaim, loan: loaning.LoanView, wanted: int) -> loaning.Reclaim:
+    """The operator gives GPUs back by shrinking only. The planner may price a preemption lower
+    per GPU (it returns more GPUs than asked); where a shrink of the same job covers what is still
+    wanted, that shrink is applied instead, since it keeps the job running."""
+    if r.action == "shrink" or wanted <= 0:
+        return r
+    shrinkable = min(loan.replicas_on_lender, loan.replicas_total - loan.min_replicas)
+    replicas = -(-wanted // loan.gpus_per_replica)
+    if replicas > shrinkable:
+        return r
+    gpus = replicas * loan.gpus_per_replica
+    reason = r.reason.replace(f"gives back {r.gpus_released}", f"gives back {gpus}")
+    return dataclasses.replace(r, action="shrink", replicas_released=replicas, gpus_released=gpus,
+                               reason=reason + " (a shrink instead of the planned preemption)")
 
 
 async def shrink_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: int) -> bool:

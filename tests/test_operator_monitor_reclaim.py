@@ -1,0 +1,74 @@
+"""Loan reclaim in the cluster: an inference VirtualCluster's demand shrinks the borrowing trainer.
+
+Real kopf against KMock. Training's own cluster (a0, a1: 8 GPUs) is filled by a fixed job, so an
+elastic job borrows 4 GPUs on the serving cluster's b0. An InferenceJob in the serving cluster
+then needs 6 of b0's 8 GPUs: 2 must come back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from kube import builders
+from kube.cluster import wait_for
+
+pytest_plugins = ["kube.fixtures"]
+
+NS = "team"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "inference-job.yaml"
+
+
+def make_inference_job(name: str, vc: str, replicas: int, gpus: int) -> dict:
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["metadata"] = {"name": name}
+    body["spec"].update(virtualCluster=vc, priority=50)
+    body["spec"]["resources"]["gpus"] = gpus
+    body["spec"]["autoscaling"] = {"minReplicas": replicas, "maxReplicas": replicas}
+    return body
+
+
+def nodes_of(kube: builders.Kube, job: str) -> list[str]:
+    return sorted(p.metadata.annotations["huorn.io/node"] for p in kube.pods(NS, job, "trainer"))
+
+
+def resize_decisions(kube: builders.Kube, job: str) -> list[dict]:
+    return [d for d in kube.job_status(NS, job).get("decisions") or [] if d["action"] == "resize"]
+
+
+def test_inference_demand_reclaims_lent_gpus_by_shrinking_the_borrower(kube: builders.Kube, operator) -> None:
+    kube.custom.patch_cluster_custom_object(
+        builders.GROUP, builders.VERSION, "virtualclusters", "serve",
+        {"spec": {"purpose": "inference", "lending": {"lendable": True, "maxGPUsLent": 4,
+                                                        "reclaimGraceSeconds": 45}}})
+    kube.create_job(NS, builders.make_training_job("fill", "train", replicas=2, max_replicas=2, gpus=4))
+    wait_for(lambda: len(kube.pods(NS, "fill", "trainer")) == 2, what="the filler's pods")
+    kube.create_job(NS, builders.make_training_job(
+        "elastic", "train", replicas=2, max_replicas=2, gpus=2,
+        elasticity={"minReplicas": 2, "maxReplicas": 2, "policy": "goodput"}))
+    wait_for(lambda: nodes_of(kube, "elastic") == ["b0", "b0"], what="the elastic job borrowing b0")
+    kube.run_all_pods(NS, "elastic")
+    wait_for(lambda: kube.get_vc("serve").get("status", {}).get("lent") == 4, what="serve lends 4")
+
+    # At minReplicas nothing can be given back gracefully: the lender is told why.
+    kube.custom.create_namespaced_custom_object(
+        builders.GROUP, builders.VERSION, NS, "inferencejobs", make_inference_job("chat", "serve", 3, 2))
+    blocked = wait_for(lambda: [e for e in kube.events("default", "serve") + kube.events(NS, "serve")
+                                if e.reason == "ReclaimBlocked"], what="ReclaimBlocked on serve")
+    assert "team/elastic" in blocked[0].message and nodes_of(kube, "elastic") == ["b0", "b0"]
+
+    # Room to shrink: one replica (2 GPUs) goes, the one with the least lost work.
+    kube.custom.patch_namespaced_custom_object(
+        builders.GROUP, builders.VERSION, NS, "trainingjobs", "elastic",
+        {"spec": {"elasticity": {"minReplicas": 1}}})
+    wait_for(lambda: nodes_of(kube, "elastic") == ["b0"], what="the borrower shrunk to one replica")
+    (shrink,) = resize_decisions(kube, "elastic")
+    assert shrink["reason"].startswith("reclaim: serve reclaims 2 GPU(s)")
+    assert "team/elastic gives back 2" in shrink["reason"]
+    assert [p.metadata.name for p in kube.pods(NS, "elastic", "trainer")] == ["elastic-trainer-0"]
+    assert any(e.reason == "Reclaim" for e in kube.events(NS, "elastic"))
+    wait_for(lambda: kube.get_vc("serve").get("status", {}).get("lent") == 2, what="serve lends 2")
+    wait_for(lambda: kube.get_vc("train").get("status", {}).get("borrowed") == 2, what="train borrows 2")
+    # Paid back: later VC ticks reclaim nothing more.
+    wait_for(lambda: kube.job_status(NS, "elastic").get("phase") == "Running", what="Running at 1")
+    assert len(resize_decisions(kube, "elastic")) == 1
