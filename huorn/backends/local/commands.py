@@ -73,7 +73,9 @@ def build_agent_command(
         "-m",
         "torch.distributed.run",
         f"--nnodes={trainer.min_replicas}:{trainer.max_replicas}",
-        "--nproc-per-node=1",
+        # One replica is one whole pipeline: torchrun numbers a node's workers consecutively, which
+        # is the runtime's replica-major layout, and a resize adds or removes whole pipelines.
+        f"--nproc-per-node={int(trainer.params.get('pipelineStages', 1))}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={rdzv_endpoint}",
         f"--rdzv-id={run_id}",

@@ -77,6 +77,7 @@ class PipelineTrainer(train.Trainer):
             stage=self.stage_executor, optimizer=self.optimizer, batches=self.build_batches,
             plan=self.pipeline_plan, planner=planner.AdaptiveKPlanner() if schedule == "auto" else None,
             before_update=self.clip_gradients)
+        self.last_k_decision: dict | None = None
         self.telemetry.set_parameter("pipeline", {
             "stages": par.pipeline_stages, "replicas": replicas, "schedule": schedule, "k": self.loop.k})
 
@@ -111,16 +112,16 @@ class PipelineTrainer(train.Trainer):
         reduced = torch.tensor(flags, dtype=torch.float64, device=self.device)
         comm.all_reduce(reduced, self.hook_state, op="stats")
         extra: dict = {"schedule": report.schedule, "k": report.k}
-        if report.decision is not None or self.pipeline_plan.schedule == "auto":
-            # every rank learns k through the loop's broadcast; rank 0 also has the reason
-            decision = report.decision
-            if decision is not None:
-                extra["k_decision"] = {"k": decision["k"], "previous_k": decision["previous_k"],
-                                       "changed": decision["changed"], "reason": decision["reason"]}
+        decision = report.decision  # rank 0 only; the other ranks learn k through the broadcast
+        if decision is not None:
+            self.last_k_decision = {"step": step + 1, "k": decision["k"], "reason": decision["reason"],
+                                    "previous_k": decision["previous_k"], "changed": decision["changed"]}
+            extra["k_decision"] = self.last_k_decision
+        if self.pipeline_plan.schedule == "auto":
             self.telemetry.set_parameter("pipeline", {
                 "stages": self.topology.stages, "replicas": self.topology.replicas,
-                "schedule": self.pipeline_plan.schedule, "k": self.loop.k,
-                **({"decision": extra["k_decision"]} if decision is not None else {})})
+                "schedule": "auto", "k": self.loop.k,
+                **({"decision": self.last_k_decision} if self.last_k_decision else {})})
         return report.loss, None, extra, reduced.tolist()
 
     def close(self) -> None:

@@ -1,0 +1,59 @@
+"""A pipelined TrainingJob on the local backend: one replica is one torchrun agent with a worker
+per stage, `schedule: auto` chooses k inside the gang, and the monitor records the choice in the
+graph's mutation log with the planner's reason."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
+from huorn.backends import monitor
+from huorn.backends.local import backend as local_backend
+from huorn.backends.local import report
+from huorn.graph import compiler
+from huorn.scheduler import pipeline_k
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
+STEPS = 12
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_auto_pipeline_job_runs_locally_and_logs_its_k_choice(tmp_path: Path) -> None:
+    manifest = yaml.safe_load(QUICKSTART.read_text())
+    spec = manifest["spec"]
+    spec["elasticity"].update(minReplicas=1, maxReplicas=1, policy="fixed")
+    spec["model"].update(layers=2, width=32, heads=2, context=32)
+    spec["optimization"].update(globalBatch=8, microBatch=2, steps=STEPS)
+    spec["checkpoint"] = {"path": "./checkpoints", "intervalSteps": 50}
+    spec["parallelism"] = {"pipelineStages": 2, "schedule": "auto"}
+    g = compiler.compile(manifest)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    # slow enough steps that the monitor ticks between a decision and the end of the job
+    (run_dir / "faults.json").write_text(json.dumps({"faults": [{"kind": "slow-compute", "ms": 150}]}))
+    backend = local_backend.LocalBackend(g, run_dir, local_backend.LocalSettings(step_limit=STEPS))
+    loop = monitor.Monitor(g, backend, [pipeline_k.KDecisionPolicy()])
+    deadline = time.monotonic() + 400
+    try:
+        loop.start()
+        result = loop.run(interval=0.3, should_stop=lambda _: time.monotonic() > deadline)
+    finally:
+        backend.stop(graceful=False)
+    assert result.observation.finished, (run_dir / "actions.jsonl").read_text()[-3000:]
+    records = report.read_records(run_dir)
+    steps = [r for r in records if r.get("event") == "step"]
+    assert report.summarise_steps(steps).last == STEPS
+    assert next(r for r in records if r.get("event") == "start")["world_size"] == 2
+    decided = [r for r in steps if "k_decision" in r]
+    assert [r["step"] for r in decided] == [5, 10]
+    logged = [m for m in g.log if m.action == "set-param" and m.detail["key"] == pipeline_k.PARAM]
+    assert logged, "the first k decision must reach the mutation log"
+    first = decided[0]["k_decision"]
+    assert logged[0].detail["new"] == first["k"] and first["reason"] in logged[0].reason
+    assert logged[0].reason.startswith("adaptive k at step 5")
