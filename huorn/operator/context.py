@@ -38,6 +38,10 @@ class OperatorSettings:
     def __post_init__(self) -> None:
         if self.resync_seconds <= 0 or self.vc_status_seconds <= 0:
             raise ValueError("resync_seconds and vc_status_seconds must be > 0")
+        if self.monitor_seconds <= 0 or self.telemetry_timeout_seconds <= 0:
+            raise ValueError("monitor_seconds and telemetry_timeout_seconds must be > 0")
+        if not 0 < self.telemetry_port < 65536:
+            raise ValueError(f"telemetry_port must be in 1..65535, got {self.telemetry_port}")
         if self.max_pod_replacements < 0:
             raise ValueError(f"max_pod_replacements must be ≥ 0, got {self.max_pod_replacements}")
 

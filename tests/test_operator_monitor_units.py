@@ -1,0 +1,124 @@
+"""Pieces of the operator's monitor without a cluster: observations from real telemetry servers,
+the daemon loop in fake time, cordon bookkeeping, reclaim arithmetic and the replica rule."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kopf._cogs.aiokits import aioenums
+
+from huorn.api import kinds
+from huorn.backends.kubernetes import observe
+from huorn.graph import compiler, mutate
+from huorn.operator import cordon, loans, monitoring, training
+from huorn.runtime import telemetry as runtime_telemetry
+from huorn.scheduler import loaning
+
+
+def build_job(policy: str = "goodput", lo: int = 1, hi: int = 4) -> object:
+    body = {
+        "apiVersion": "huorn.io/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "llm", "namespace": "t"},
+        "spec": {"virtualCluster": "train", "resources": {"gpus": 2},
+                 "elasticity": {"minReplicas": lo, "maxReplicas": hi, "policy": policy},
+                 # 4 × 840: divisible by microBatch × minReplicas for any minReplicas of 1..8
+                 "optimization": {"steps": 10, "globalBatch": 3360, "microBatch": 4}},
+    }
+    return kinds.RESOURCE_MODELS["TrainingJob"].model_validate(body)
+
+
+def test_observation_from_real_telemetry_servers_counts_replicas_and_skips_seen_steps() -> None:
+    ranks = [runtime_telemetry.Telemetry("llm", r, 4, f"trainer-{r // 2}") for r in (0, 2)]
+    try:
+        port = ranks[0].serve("127.0.0.2", 0)
+        ranks[1].serve("127.0.0.3", port)
+        for step in range(1, 6):
+            for t in ranks:
+                t.record_step(step, 0.5, 0.1, 2.0, 100.0, None)
+        targets = observe.build_targets({"trainer-0": "127.0.0.2", "trainer-1": "127.0.0.3",
+                                         "gone": "127.0.0.9", "starting": ""}, port)
+        assert "starting" not in targets
+        snaps = observe.fetch_snapshots(targets, timeout=2.0)
+        assert sorted(snaps) == ["trainer-0", "trainer-1"], "an unreachable pod is left out"
+        obs = observe.build_observation(50.0, snaps, after_step=3, gpus_per_replica=2)
+        assert [s["step"] for s in obs.steps] == [4, 5]
+        assert {s["world_size"] for s in obs.steps} == {2}, "4 ranks of 2 GPUs per pod are 2 replicas"
+        assert obs.telemetry["trainer-1"]["replica"] == "trainer-1" and obs.time == 50.0
+    finally:
+        for t in ranks:
+            t.close()
+
+
+@pytest.mark.looptime
+async def test_daemon_ticks_every_period_and_survives_a_failing_tick(looptime, monkeypatch) -> None:
+    ticks: list[float] = []
+
+    async def tick(ctx: object, namespace: str, name: str) -> list:
+        ticks.append(float(looptime))
+        if len(ticks) == 2:
+            raise RuntimeError("API down for a moment")
+        return []
+
+    class Settings:
+        monitor_seconds = 5.0
+
+    class Ctx:
+        settings = Settings()
+
+    monkeypatch.setattr(monitoring, "tick_job", tick)
+    setter: aioenums.FlagSetter = aioenums.FlagSetter()
+    stopped = aioenums.AsyncFlagWaiter(setter)
+    task = asyncio.create_task(monitoring.run_daemon(Ctx(), "t", "llm", stopped))  # type: ignore[arg-type]
+    await asyncio.sleep(12.0)
+    setter.set()
+    await task
+    assert ticks == [0.0, 5.0, 10.0]
+    assert float(looptime) == pytest.approx(12.0), "a stop ends the wait at once, not after the period"
+
+
+def test_cordons_pending_only_after_the_last_cordoned_version() -> None:
+    graph = compiler.compile(build_job("fixed", 2, 2))
+    first = mutate.replace_instance(graph, "trainer-0", reason="remediation S4: x")
+    first.detail[cordon.DETAIL_KEY] = "a0"
+    mutate.replace_instance(graph, "trainer-1", reason="pod failed")  # a plain restart cordons nothing
+    second = mutate.replace_instance(graph, "trainer-0-g1", reason="remediation S4: y")
+    second.detail[cordon.DETAIL_KEY] = "a1"
+    assert cordon.pending_cordons(graph, 0) == [(first.version, "a0"), (second.version, "a1")]
+    assert cordon.pending_cordons(graph, first.version) == [(second.version, "a1")]
+    assert cordon.pending_cordons(graph, second.version) == []
+
+
+def test_demand_counts_only_the_lenders_inference_jobs() -> None:
+    jobs = [
+        {"spec": {"virtualCluster": "serve", "resources": {"gpus": 2}, "autoscaling": {"minReplicas": 3}}},
+        {"spec": {"virtualCluster": "serve", "resources": {"gpus": 1}}},
+        {"spec": {"virtualCluster": "other", "resources": {"gpus": 8}, "autoscaling": {"minReplicas": 1}}},
+    ]
+    assert loans.count_demand(jobs, "serve") == 7
+
+
+def test_a_planned_preemption_becomes_a_shrink_only_when_a_shrink_covers_the_need() -> None:
+    lender = loaning.snapshot.VirtualClusterView("serve", purpose="inference", lendable=True,
+                                                 max_gpus_lent=8, reclaim_grace_seconds=45)
+    loan = loaning.LoanView("t/elastic", replicas_on_lender=2, replicas_total=2, min_replicas=1,
+                            gpus_per_replica=2)
+    (planned,) = loaning.plan_reclaim(lender, 2, [loan], 0.0, "demand")
+    shrink = loans.as_shrink(planned, loan, 2)
+    assert (shrink.action, shrink.replicas_released, shrink.gpus_released) == ("shrink", 1, 2)
+    assert "gives back 2" in shrink.reason and shrink.deadline == planned.deadline
+    assert loans.as_shrink(planned, loan, 4).action == planned.action, "one replica must stay"
+    at_min = loaning.LoanView("t/fixed", 2, 2, 2, 2)
+    (blocked,) = loaning.plan_reclaim(lender, 2, [at_min], 0.0, "demand")
+    assert loans.as_shrink(blocked, at_min, 2).action == "preempt"
+
+
+@given(st.integers(1, 8), st.integers(0, 8), st.integers(0, 12))
+def test_goodput_keeps_the_allocators_count_inside_the_spec_bounds(lo: int, extra: int, current: int) -> None:
+    hi = lo + extra
+    assert lo <= training.desired_replicas(build_job("goodput", lo, hi), current) <= hi
+    if lo <= current <= hi:
+        assert training.desired_replicas(build_job("goodput", lo, hi), current) == current
+    assert training.desired_replicas(build_job("fixed", lo, hi), current) == lo
