@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import runtime_harness as harness
+from hypothesis import given
+from hypothesis import strategies as st
 
 from huorn.runtime import microbatches
 
@@ -30,15 +32,20 @@ def build_spec(**parallelism: object) -> dict:
     return spec
 
 
-def run_job(tmp: Path, data_dir: Path, spec: dict, nproc: int, **fields: object) -> list[dict]:
+def start_job(tmp: Path, data_dir: Path, spec: dict, nproc: int,
+              **fields: object) -> subprocess.CompletedProcess:
     config = harness.write_config(tmp, data_dir, spec, device="cpu", **fields)
     if nproc == 1:
         command = [sys.executable, "-m", "huorn.runtime.train", "--config", str(config)]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "-m", "huorn.runtime.train", "--config", str(config)]
-    done = subprocess.run(command, cwd=harness.REPO, env=harness.child_env(), capture_output=True,
+                   "--max-restarts=0", "-m", "huorn.runtime.train", "--config", str(config)]
+    return subprocess.run(command, cwd=harness.REPO, env=harness.child_env(), capture_output=True,
                           text=True, timeout=400)
+
+
+def run_job(tmp: Path, data_dir: Path, spec: dict, nproc: int, **fields: object) -> list[dict]:
+    done = start_job(tmp, data_dir, spec, nproc, **fields)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:-1500]
     return harness.read_events(tmp / "run")
 
@@ -75,7 +82,6 @@ def test_two_stage_pipeline_matches_the_unpipelined_loss_and_resumes(tmp_path: P
         assert again[step] == pytest.approx(reference[step], rel=1e-4, abs=1e-5), step
 
 
-@pytest.mark.slow
 def test_auto_schedule_records_its_k_decision_with_a_reason(tmp_path: Path, data_dir: Path,
                                                             reference: dict[int, float]) -> None:
     events = run_job(tmp_path, data_dir, build_spec(pipelineStages=2, schedule="auto"), nproc=2,
@@ -91,7 +97,6 @@ def test_auto_schedule_records_its_k_decision_with_a_reason(tmp_path: Path, data
         assert e["loss"] == pytest.approx(reference[e["step"]], rel=1e-4, abs=1e-5)
 
 
-@pytest.mark.slow
 def test_s2_plan_keeps_the_batch_and_speeds_up_a_slowed_rank(tmp_path: Path, data_dir: Path,
                                                               reference: dict[int, float]) -> None:
     """Rank 1 is slow per micro-batch from the start; the control file (there from the start, so
@@ -116,6 +121,31 @@ def test_s2_plan_keeps_the_batch_and_speeds_up_a_slowed_rank(tmp_path: Path, dat
     # even: rank 1 waits 2 × 400 ms per step; rebalanced: 1 × 400 ms
     assert min(even) > 0.75
     assert sorted(rebalanced)[len(rebalanced) // 2] < min(even) - 0.25
+
+
+def test_data_and_pipeline_parallel_with_kfkb_matches_the_reference(tmp_path: Path, data_dir: Path,
+                                                                    reference: dict[int, float]) -> None:
+    """World 4 = 2 stages × 2 replicas: each replica's pipeline runs half the micro-batches and the
+    stage gradients are averaged over the replicas."""
+    events = run_job(tmp_path, data_dir, build_spec(pipelineStages=2, schedule="kfkb", k=2), nproc=4)
+    got = losses(events)
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-5), step
+    assert {(e["schedule"], e["k"]) for e in harness.steps_of(events)} == {("kfkb", 2)}
+
+
+def test_world_size_that_is_not_a_multiple_of_the_stages_is_refused(tmp_path: Path, data_dir: Path) -> None:
+    done = start_job(tmp_path, data_dir, build_spec(pipelineStages=2), nproc=3)
+    assert done.returncode != 0
+    assert "world size 3 is not a multiple of parallelism.pipelineStages (2)" in done.stderr
+
+
+@given(counts=st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=8))
+def test_any_plan_covers_every_micro_batch_exactly_once(counts: list[int]) -> None:
+    total, world = sum(counts), len(counts)
+    dealt = [i for r in range(world) for i in microbatches.assign(tuple(counts), total, world, r)]
+    assert dealt == list(range(total))
+    assert [len(microbatches.assign(tuple(counts), total, world, r)) for r in range(world)] == counts
 
 
 def test_control_file_rejects_plans_that_do_not_fit_the_gang(tmp_path: Path) -> None:

@@ -306,13 +306,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if cfg.spec.parallelism.pipeline_stages > 1:
-        # NB: imported here because the pipeline trainer subclasses Trainer (an import cycle otherwise).
-        from huorn.runtime.pipeline import job as pipeline_job
+    try:
+        if cfg.spec.parallelism.pipeline_stages > 1:
+            # NB: imported here: the pipeline trainer subclasses Trainer (an import cycle otherwise).
+            from huorn.runtime.pipeline import job as pipeline_job
 
-        trainer: Trainer = pipeline_job.PipelineTrainer(cfg)
-    else:
-        trainer = Trainer(cfg)
+            trainer: Trainer = pipeline_job.PipelineTrainer(cfg)
+        else:
+            trainer = Trainer(cfg)
+    except ValueError as error:  # a gang that does not fit the job, e.g. world size vs. stages
+        print(f"error: {error}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 2
     try:
         return trainer.run()
     finally:
