@@ -15,7 +15,9 @@ running k) reports how well the replay matches reality.
 
 The planner is decision-only (no torch, no process groups): the runtime passes plain numbers
 and plain tables ([(kind, micro-batch), ...] per stage) and gets back a `KDecision`, whose
-`to_dict()` goes to telemetry and to the job's graph log."""
+`to_dict()` goes to telemetry and to the job's graph log. It lives in the runtime, next to the
+schedule tables and memory model it reads, because the choice is made inside the gang (one
+all-gather and one broadcast at a step boundary); docs/pipeline.md weighs the alternative."""
 
 from __future__ import annotations
 
