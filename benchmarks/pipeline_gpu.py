@@ -1,16 +1,27 @@
 """Pipeline schedules under network contention on two H200s: NCCL, 2 processes (2 stages),
 levels 0/40/80%. The same table as benchmarks/pipeline_cpu.py on a larger bf16 decoder.
 
-    python3 benchmarks/pipeline_gpu.py [--out $OUT] [--quick]
+    python3 benchmarks/pipeline_gpu.py [--out $OUT] [--budget-s 270] [--quick]
+    .venv/bin/python benchmarks/pipeline_gpu.py --tiny --out runs/pipeline_gpu_dry   # CPU dry run
 
 Run through the device tool on nvidia-h200-x2 (see docs/benchmarks.md for the exact call).
-NCCL_NVLS_ENABLE=0 stays set: NVLink multicast must not be used on those machines."""
+NCCL_NVLS_ENABLE=0 stays set: NVLink multicast must not be used on those machines.
+
+A device call is short and a hang used to eat all of it, so the run is fenced three ways:
+each level stops its rounds after `--level-budget-s`, rank 0 rewrites the partial JSON after
+every level, and a watchdog here ends the workers after `--budget-s` and turns whatever levels
+finished into the JSON, table and PNG (named pipeline_gpu_partial.*), after the workers
+printed their stacks. `--tiny` runs the same code over gloo on the CPU with a small model,
+to check before spending device time that nothing else hangs."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,28 +37,91 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/pipeline_gpu"))
     parser.add_argument("--quick", action="store_true", help="fewer steps, for a smoke run")
+    parser.add_argument("--tiny", action="store_true", help="gloo on the CPU with a small model (dry run)")
+    parser.add_argument("--budget-s", type=float, default=270.0, help="watchdog: end the workers after this")
+    parser.add_argument("--level-budget-s", type=float, default=65.0, help="stop a level's rounds after this")
     args = parser.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    import torch
-
-    config = pipeline_bench.BenchConfig(
-        backend="nccl", stages=2,
-        model=models.ModelConfig(layers=8, width=2048, heads=16, vocabulary=32768, context=1024),
-        micro_batch=2, microbatches=16, steps=3 if args.quick else 10, warmup=2 if args.quick else 3,
-        dtype="bfloat16", machine=f"2× {torch.cuda.get_device_name(0)}, NCCL, 2 processes",
-        partial_path=str(args.out / "pipeline_gpu_partial.json"),
-    )
+    if args.budget_s <= 0 or args.level_budget_s <= 0:
+        parser.error("--budget-s and --level-budget-s must be > 0 (seconds)")
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                        ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[name] = value  # the spawned workers inherit them
+    config = build_config(args)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    results = launch.run_workers(pipeline_bench.bench_worker, config.stages, "nccl", (config,), timeout_s=900)
-    result = results[0]
+    outcome: dict = {}
+    thread = threading.Thread(target=run_into, args=(outcome, config), daemon=True)
+    thread.start()
+    thread.join(args.budget_s)
+    if "result" in outcome:
+        result, name = outcome["result"][0], "pipeline_gpu"
+    else:
+        reason = (repr(outcome["error"]) if "error" in outcome
+                  else f"still running after {args.budget_s:.0f} s")
+        print(f"pipeline_gpu: workers failed or hung ({reason}); writing the levels that finished",
+              file=sys.stderr)
+        end_workers(grace_s=5.0)
+        result, name = read_partial(Path(config.partial_path)), "pipeline_gpu_partial"
+        result["error"] = reason
     result["wall_s"] = time.time() - started
-    table = pipeline_bench.write_outputs(result, args.out, "pipeline_gpu",
-                                         "Pipeline throughput on 2× H200 (NCCL, 2 stages), by contention")
-    print(f"burst {result['burst_s'] * 1e3:.3f} ms (compute F+B {result['compute_fb_s'] * 1e3:.3f} ms), "
-          f"wall {result['wall_s']:.0f} s")
+    table = ""
+    if result["levels"]:
+        title = f"Pipeline throughput on {config.machine}, by contention"
+        table = pipeline_bench.write_outputs(result, args.out, name, title)
+    else:
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
+    print(f"torch {result.get('torch_version')}; burst {result.get('burst_s', 0.0) * 1e3:.3f} ms "
+          f"(compute F+B {result.get('compute_fb_s', 0.0) * 1e3:.3f} ms), wall {result['wall_s']:.0f} s")
+    for level in result["levels"]:
+        print(f"level {level['level']:.0%}: {level['measured_rounds']} measured rounds")
     print(table)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if name == "pipeline_gpu" else 3)  # a hung worker thread must not keep us alive
+
+
+def build_config(args: argparse.Namespace) -> pipeline_bench.BenchConfig:
+    quick = args.quick or args.tiny
+    common = dict(stages=2, steps=3 if quick else 10, warmup=2 if quick else 3,
+                  partial_path=str(args.out / "pipeline_gpu_partial.json"),
+                  level_budget_s=args.level_budget_s, hang_dump_s=max(args.budget_s - 10.0, 1.0))
+    if args.tiny:
+        return pipeline_bench.BenchConfig(
+            backend="gloo", model=models.ModelConfig(layers=2, width=32, heads=2, vocabulary=64, context=8),
+            micro_batch=2, microbatches=8, machine="CPU dry run, gloo, 2 processes", **common)
+    import torch
+
+    return pipeline_bench.BenchConfig(
+        backend="nccl",
+        model=models.ModelConfig(layers=8, width=2048, heads=16, vocabulary=32768, context=1024),
+        micro_batch=2, microbatches=16, dtype="bfloat16",
+        machine=f"2× {torch.cuda.get_device_name(0)}, NCCL, 2 processes", **common)
+
+
+def run_into(outcome: dict, config: pipeline_bench.BenchConfig) -> None:
+    try:
+        outcome["result"] = launch.run_workers(pipeline_bench.bench_worker, config.stages, config.backend,
+                                               (config,), timeout_s=900)
+    except BaseException as error:  # reported by main, which still writes what finished
+        outcome["error"] = error
+
+
+def end_workers(grace_s: float) -> None:
+    """SIGTERM, then SIGKILL, the spawned workers (their faulthandler already printed stacks)."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    deadline = time.time() + grace_s
+    for child in children:
+        child.join(max(deadline - time.time(), 0.1))
+        if child.is_alive():
+            child.kill()
+
+
+def read_partial(path: Path) -> dict:
+    if not path.exists():
+        return {"levels": []}
+    return json.loads(path.read_text())
 
 
 if __name__ == "__main__":
