@@ -46,6 +46,12 @@ def main() -> None:
     for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                         ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ[name] = value  # the spawned workers inherit them
+    # The 2026-11-30 H200 run hung in the first backward on both ranks. With lazy module
+    # loading (CUDA's default), the first launch of a kernel waits for the GPU to drain, and
+    # the executor's receives posted ahead for later micro-batches never drain: their sends
+    # need this very backward. Loading every kernel at start removes that wait (untested on
+    # GPU so far; docs/benchmarks.md, pipeline section).
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     config = build_config(args)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
