@@ -126,6 +126,9 @@ async def fetch_observation(
 
 async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutation]:
     """One monitor pass over one job; returns the mutations it recorded (and applied)."""
+    if not any(p.vertex == "trainer" and p.phase == "Running" and p.ip and not p.deleting
+               for p in ctx.index.pods_of(namespace, name)):
+        return []  # nothing to poll; the mirror says so without an API round trip
     body = await ctx.client.get_custom(training.PLURAL, namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return []
