@@ -5,7 +5,6 @@ the residual, and the balancing loss follows Switch's formula."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,15 +14,7 @@ from hypothesis import strategies as st
 from huorn import models
 from huorn.models import moe as model_moe
 
-
-@pytest.fixture(autouse=True)
-def single_thread() -> Iterator[None]:
-    """One intra-op thread: on the loaded 2-core CI VM, two spin-waiting OpenMP threads make
-    these small models several times slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @settings(max_examples=60, deadline=None)

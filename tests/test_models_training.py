@@ -7,22 +7,13 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from huorn import models
 
-
-@pytest.fixture(autouse=True)
-def single_thread() -> Iterator[None]:
-    """One intra-op thread: on the loaded 2-core CI VM, two spin-waiting OpenMP threads make
-    these small models several times slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def load_bytes() -> tuple[torch.Tensor, torch.Tensor]:
