@@ -310,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.spec.parallelism.pipeline_stages > 1:
             # NB: imported here: the pipeline trainer subclasses Trainer (an import cycle otherwise).
             from huorn.runtime.pipeline import job as pipeline_job
+            from huorn.runtime.pipeline import topology as pp_topology
 
+            pp_topology.prefer_eager_module_loading()
             trainer: Trainer = pipeline_job.PipelineTrainer(cfg)
         else:
             trainer = Trainer(cfg)

@@ -107,6 +107,8 @@ class StageExecutor:
             def loss(outputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
                 return self.loss_fn(outputs, target)
         self.microbatch_bytes = memory.measure_microbatch_bytes(self.module, inputs, loss)
+        if self.device.type == "cuda":
+            self._warm_up_backward(inputs, loss)
         with torch.no_grad():
             outputs = _as_tuple(self.module(*inputs))
         if not self.topology.is_last:
@@ -117,6 +119,26 @@ class StageExecutor:
             self.output_layout = _Layout(tuple(tuple(t.shape) for t in outputs), outputs[0].dtype)
             self._send_layout(self.output_layout)
         self.negotiated = True
+
+    def _warm_up_backward(self, inputs: Sequence[torch.Tensor],
+                          loss: Callable[[tuple[torch.Tensor, ...]], torch.Tensor] | None) -> None:
+        """One local forward and backward before any receive is posted.
+
+        NB: run_step posts the receives of every micro-batch up front; on NCCL each is a kernel
+        that waits on the GPU until its peer sends. Loading a kernel module (CUDA loads them
+        lazily, on first launch) or creating a cuBLAS workspace waits for the device, so a first
+        backward inside run_step could wait on receives whose data needs that very backward: both
+        stages hung this way on 2×H200. Running every kernel once here, with nothing pending,
+        moves those one-time waits out of the step. Gradients are cleared again afterwards."""
+        prepared = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+        outputs = _as_tuple(self.module(*prepared))
+        if loss is not None:
+            outputs = (loss(outputs),)
+        floating = [t for t in outputs if t.is_floating_point() and t.requires_grad]
+        if floating:
+            torch.autograd.backward(floating, [torch.ones_like(t) for t in floating])
+        self.module.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(self.device)
 
     def _send_layout(self, layout: _Layout) -> None:
         values = [_DTYPES.index(layout.dtype), len(layout.shapes)]

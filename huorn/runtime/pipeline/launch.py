@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from huorn.runtime.pipeline import topology as pp_topology
+
 
 def run_workers(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args: tuple = (),
                 timeout_s: float = 300.0) -> list[Any]:
@@ -35,6 +37,7 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, backend: str, sc
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if backend == "nccl":
+        pp_topology.prefer_eager_module_loading()
         torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.FileStore(os.path.join(scratch, "store"), world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,

@@ -18,6 +18,7 @@ before its upper one) and so cannot wait in a cycle."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -115,3 +116,12 @@ def _connect(group: dist.ProcessGroup, sender: int, receiver: int, me: int) -> N
         dist.send(probe, dst=receiver, group=group)
     else:
         dist.recv(probe, src=sender, group=group)
+
+
+def prefer_eager_module_loading() -> None:
+    """Ask CUDA to load every kernel when the context starts, not at first launch.
+
+    Must run before the process's first CUDA call. Lazy loading waits for the device, and a
+    pipeline stage always has NCCL receives waiting on the device for its peer (see
+    StageExecutor._warm_up_backward); an explicit setting by the user wins."""
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
