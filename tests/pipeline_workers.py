@@ -46,6 +46,8 @@ def decoder_case_worker(rank: int, world: int, jobs: list[tuple[str, models.Mode
             names = {id(p): n for n, p in decoder.named_parameters()}
             stage = split.split_decoder(decoder, stages)[topo.stage]
             runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, device)
+            if label.endswith("-jit"):  # receives posted when needed, as on NCCL
+                runner.post_receives_ahead = False
             runner.negotiate_shapes([tokens[0]] if topo.is_first else None, targets[0])
             schedule = schedules.build_schedule(name, stages, microbatches, k)
             stats = runner.run_step(schedule, [[t] for t in tokens[mine]], targets[mine])

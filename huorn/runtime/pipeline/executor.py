@@ -68,6 +68,12 @@ class StageExecutor:
         self.output_layout: _Layout | None = None
         self.microbatch_bytes = 0
         self.negotiated = False
+        # NB: on NCCL a posted receive is a kernel that holds the device until its data comes;
+        # anything in a step that waits for the device (a lazy kernel load, a cudaMalloc that
+        # synchronises) would then wait on data that only this rank's own later work releases.
+        # Both 2×H200 stages hung so. There, each receive is posted when it is needed; gloo
+        # receives run on the host, so they are all posted up front to overlap with compute.
+        self.post_receives_ahead = device.type != "cuda"
         stage, replica = topology.stage, topology.replica
         self._next = topology.global_rank(replica, stage + 1) if not topology.is_last else None
         self._previous = topology.global_rank(replica, stage - 1) if not topology.is_first else None
@@ -176,10 +182,11 @@ class StageExecutor:
         if not self.negotiated:
             raise RuntimeError("call negotiate_shapes before run_step")
         started = time.perf_counter()
+        ahead = self.post_receives_ahead
         pending_inputs = {m: self._post_receive(m, forward=True) for m in range(count)
-                          } if not self.topology.is_first else {}
+                          } if ahead and not self.topology.is_first else {}
         pending_grads = {m: self._post_receive(m, forward=False) for m in range(count)
-                         } if not self.topology.is_last else {}
+                         } if ahead and not self.topology.is_last else {}
         self.meter.reset_peak()
         timer = _Timer(self.device)
         stored: dict[int, tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
@@ -197,7 +204,8 @@ class StageExecutor:
                     received = [t.to(self.device, copy=True) for t in inputs[m]]  # type: ignore[index]
                 else:
                     tick = time.perf_counter()
-                    received = self._unpack(self._wait(pending_inputs.pop(m)), self.input_layout)
+                    pending = pending_inputs.pop(m, None) or self._post_receive(m, forward=True)
+                    received = self._unpack(self._wait(pending), self.input_layout)
                     wait_s += time.perf_counter() - tick
                     for tensor in received:
                         tensor.requires_grad_(True)
@@ -219,7 +227,8 @@ class StageExecutor:
                 grads: list[torch.Tensor | None] = []
                 if not self.topology.is_last:
                     tick = time.perf_counter()
-                    grads = list(self._unpack(self._wait(pending_grads.pop(m)), self.output_layout))
+                    pending = pending_grads.pop(m, None) or self._post_receive(m, forward=False)
+                    grads = list(self._unpack(self._wait(pending), self.output_layout))
                     wait_s += time.perf_counter() - tick
                 grads += [None] * (len(outputs) - len(grads))  # loss and aux: implicit ones
                 with timer.measure("B"):
