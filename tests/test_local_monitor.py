@@ -85,7 +85,7 @@ def test_agent_command_follows_the_measured_recipe(tmp_path: Path) -> None:
         "127.0.0.1:29400",
         "quickstart",
         commands.replica_address(1),
-        commands.ElasticTuning(),
+        {"keep_alive_interval": 1},
     )
     assert "--nnodes=1:2" in argv and "--rdzv-endpoint=127.0.0.1:29400" in argv
     assert "--local-addr=127.0.0.3" in argv

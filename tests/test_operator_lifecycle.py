@@ -42,18 +42,20 @@ def test_create_makes_pinned_pods_service_and_config(kube: builders.Kube, operat
     trainer = pods[1]
     container = trainer.spec.containers[0]
     args = container.command
-    assert args[0] == "torchrun" and args[-4:] == [
+    assert args[:3] == ["python", "-m", "torch.distributed.run"] and args[-4:] == [
         "-m",
         "huorn.runtime.train",
         "--config",
         "/etc/huorn/config.json",
     ]
-    # The same flags the runtime's own launcher gives a local agent, except the pod's endpoint.
+    # The same command the runtime's own launcher gives a local agent, with the pod's endpoint.
     reference = launcher.build_torchrun_command(
         "/etc/huorn/config.json",
         launcher.ElasticSettings(2, 4, "llm-rdzv.team.svc:29400", job["metadata"]["uid"], nproc_per_node=2),
+        python="python",
     )
-    assert args[1:] == reference[3:]
+    assert args == reference
+    assert "--nnodes=2:4" in args and "--rdzv-endpoint=llm-rdzv.team.svc:29400" in args
     env = {e.name: e.value for e in container.env}
     assert env["HUORN_REPLICA"] == "trainer-0" and env["EXTRA"] == "1"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"

@@ -8,8 +8,8 @@ scheduler knows nothing of gangs, virtual clusters or loans. The rendezvous stor
 own pod behind a headless Service (the graph's `rendezvous` vertex): measured on torch 2.13, the
 agent that hosts the c10d store is a single point of failure, so no trainer hosts it.
 
-The command follows the runtime's launcher (huorn/runtime/launcher.py, docs/runtime.md); the
-backend may not import the runtime, so the flags are repeated here and a test compares the two.
+The commands come from the runtime's launcher (huorn/runtime/launcher.py, docs/runtime.md), the
+one runtime module the control plane may import, so a pod and a local replica run the same line.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from huorn.graph.model import Graph, Instance
+from huorn.runtime import launcher
 
 MANAGED_BY = "huorn"
 LABEL_JOB = "huorn.io/job"
@@ -132,27 +133,16 @@ def build_store_service(job: JobRef) -> dict[str, Any]:
 
 
 def build_torchrun_args(job: JobRef, graph: Graph, nproc_per_node: int) -> list[str]:
-    """The flags of huorn.runtime.launcher.build_torchrun_command, for a pod instead of a process."""
+    """The runtime launcher's own command line (the one a local replica runs), for a pod."""
     trainer = graph.vertex("trainer")
-    rdzv_conf = (
-        "is_host=false,last_call_timeout=2,join_timeout=300,close_timeout=10,"
-        "keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=60"
+    settings = launcher.ElasticSettings(
+        min_nodes=trainer.min_replicas,
+        max_nodes=trainer.max_replicas,
+        rdzv_endpoint=rendezvous_endpoint(job),
+        rdzv_id=job.uid or job.name,
+        nproc_per_node=nproc_per_node,
     )
-    return [
-        "torchrun",
-        f"--nnodes={trainer.min_replicas}:{trainer.max_replicas}",
-        f"--nproc-per-node={nproc_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={rendezvous_endpoint(job)}",
-        f"--rdzv-id={job.uid or job.name}",
-        f"--rdzv-conf={rdzv_conf}",
-        "--monitor-interval=0.5",
-        "--max-restarts=100",
-        "-m",
-        "huorn.runtime.train",
-        "--config",
-        f"{CONFIG_DIR}/{CONFIG_FILE}",
-    ]
+    return launcher.build_torchrun_command(f"{CONFIG_DIR}/{CONFIG_FILE}", settings, python="python")
 
 
 def _security_context() -> dict[str, Any]:
@@ -266,15 +256,7 @@ def build_store_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any]) ->
                 {
                     "name": "store",
                     "image": spec.get("image", "ghcr.io/huorn-io/huorn:0.1.0"),
-                    "command": [
-                        "python",
-                        "-m",
-                        "huorn.runtime.store",
-                        "--host",
-                        "0.0.0.0",
-                        "--port",
-                        str(STORE_PORT),
-                    ],
+                    "command": launcher.build_store_command("0.0.0.0", STORE_PORT, python="python"),
                     "ports": [{"name": "c10d", "containerPort": STORE_PORT}],
                     "resources": {
                         "limits": {"cpu": "250m", "memory": "256Mi"},

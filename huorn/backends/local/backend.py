@@ -39,7 +39,8 @@ class LocalSettings:
     step_limit: int | None = None
     stop_grace_s: float = 90.0
     store_start_timeout_s: float = 60.0
-    tuning: commands.ElasticTuning = field(default_factory=commands.ElasticTuning)
+    # overrides of huorn.runtime.launcher.ElasticSettings' rendezvous and restart knobs
+    tuning: dict[str, Any] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
 
 

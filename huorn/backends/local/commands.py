@@ -1,11 +1,12 @@
 """Command lines and files of a local run: the store, the torchrun agents, the run config.
 
-Backends may not import huorn.runtime (the import contracts keep the control plane and the pod
-apart), so the flags below follow the runtime's documented launcher (docs/runtime.md,
-huorn/runtime/launcher.py) rather than calling it. Three choices matter, all measured by the
-runtime's elastic tests: agents connect to a stand-alone store with `is_host=false`; each replica
-has its own loopback address; and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes rank 0 publish a
-fresh MASTER_ADDR/PORT every rendezvous round, which avoids the split-port hang.
+The agents and the store are started with the runtime's own launcher (huorn.runtime.launcher,
+the one module of the runtime that the control plane may import; a contract in pyproject.toml
+says so), so a local replica and a pod run exactly the same command. Three choices matter, all
+measured by the runtime's elastic tests: agents connect to a stand-alone store with
+`is_host=false`; each replica has its own loopback address; and
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes rank 0 publish a fresh MASTER_ADDR/PORT every
+rendezvous round, which avoids the split-port hang.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from huorn.graph import jobs, model
+from huorn.runtime import launcher
 
 STEPS_FILE = "steps.jsonl"
 ENDPOINTS_DIR = "endpoints"
@@ -26,27 +28,13 @@ STORE_PORT_FILE = "store.port"
 MICROBATCHES_FILE = "microbatches.json"  # huorn.runtime.microbatches.CONTROL_FILE: S2 counts
 
 
-@dataclass(frozen=True)
-class ElasticTuning:
-    """How fast a local gang notices changes; see notes/torchrun-elastic.md for what each costs."""
-
-    monitor_interval: float = 0.5
-    last_call_timeout: int = 2
-    join_timeout: int = 300
-    close_timeout: int = 10
-    keep_alive_interval: int = 1
-    keep_alive_max_attempt: int = 3
-    max_restarts: int = 100
-
-
 def replica_address(ordinal: int) -> str:
-    """127.0.0.2, 127.0.0.3, ...: Linux routes all of 127/8 to loopback, so each replica looks
-    like its own host to the rendezvous, as pods do."""
-    return f"127.0.0.{2 + ordinal % 250}"
+    """Each replica looks like its own host to the rendezvous, as pods do."""
+    return launcher.replica_address(ordinal % 250)
 
 
 def build_store_command(host: str, port_file: Path, python: str = sys.executable) -> list[str]:
-    return [python, "-m", "huorn.runtime.store", "--host", host, "--port", "0", "--port-file", str(port_file)]
+    return launcher.build_store_command(host, 0, port_file, python)
 
 
 def build_agent_command(
@@ -55,52 +43,28 @@ def build_agent_command(
     rdzv_endpoint: str,
     run_id: str,
     local_addr: str,
-    tuning: ElasticTuning,
+    tuning: Mapping[str, Any] | None = None,
     python: str = sys.executable,
 ) -> list[str]:
-    conf = ",".join(
-        [
-            "is_host=false",
-            f"last_call_timeout={tuning.last_call_timeout}",
-            f"join_timeout={tuning.join_timeout}",
-            f"close_timeout={tuning.close_timeout}",
-            f"keep_alive_interval={tuning.keep_alive_interval}",
-            f"keep_alive_max_attempt={tuning.keep_alive_max_attempt}",
-        ]
+    """One replica's torchrun agent. `tuning` overrides launcher.ElasticSettings' knobs.
+
+    One replica is one whole pipeline: torchrun numbers a node's workers consecutively, which is
+    the runtime's replica-major layout, and a resize adds or removes whole pipelines."""
+    settings = launcher.ElasticSettings(
+        min_nodes=trainer.min_replicas,
+        max_nodes=trainer.max_replicas,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=run_id,
+        nproc_per_node=int(trainer.params.get("pipelineStages", 1)),
+        local_addr=local_addr,
+        **dict(tuning or {}),
     )
-    return [
-        python,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={trainer.min_replicas}:{trainer.max_replicas}",
-        # One replica is one whole pipeline: torchrun numbers a node's workers consecutively, which
-        # is the runtime's replica-major layout, and a resize adds or removes whole pipelines.
-        f"--nproc-per-node={int(trainer.params.get('pipelineStages', 1))}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={rdzv_endpoint}",
-        f"--rdzv-id={run_id}",
-        f"--rdzv-conf={conf}",
-        f"--monitor-interval={tuning.monitor_interval}",
-        f"--max-restarts={tuning.max_restarts}",
-        f"--local-addr={local_addr}",
-        "-m",
-        "huorn.runtime.train",
-        "--config",
-        str(config_path),
-    ]
+    return launcher.build_torchrun_command(config_path, settings, python)
 
 
 def build_agent_env(instance: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            "HUORN_REPLICA": instance,
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
-            "LOGLEVEL": env.get("LOGLEVEL", "INFO"),
-        }
-    )
+    env = launcher.build_agent_env(instance)
+    env.setdefault("LOGLEVEL", "INFO")
     env.update(extra or {})
     return env
 
