@@ -71,6 +71,8 @@ class RunConfig(base.ApiModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     pipeline_replan_every: int = Field(default=5, ge=1, le=100_000,
                                        description="Steps between adaptive-k decisions (schedule auto).")
+    stage_layers: list[int] | None = Field(default=None, description="Layers per pipeline stage, e.g. "
+                                           "[3, 1] (remediation S3); default: balanced by count.")
     faults: list[Fault] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -87,6 +89,12 @@ class RunConfig(base.ApiModel):
         if self.spec.task.kind == training.TaskKind.CPT and not self.spec.task.init_checkpoint:
             raise ValueError("spec.task.initCheckpoint: cpt continues from existing weights; set it to "
                              "a checkpoint directory (or a checkpoint root with a `latest`)")
+        stages = self.spec.parallelism.pipeline_stages
+        split, layers = self.stage_layers, self.spec.model.layers
+        if split is not None and (len(split) != stages or min(split) < 1 or sum(split) != layers):
+            example = [layers - stages + 1] + [1] * (stages - 1)
+            raise ValueError(f"stageLayers {split} must have one entry per pipeline stage ({stages}), each "
+                             f">= 1, summing to spec.model.layers ({layers}); e.g. {example}")
         if self.step_limit is None and opt.steps is None and opt.tokens is None:
             raise ValueError("set spec.optimization.steps or spec.optimization.tokens (or the run "
                              "config's stepLimit): the trainer needs to know when to stop")

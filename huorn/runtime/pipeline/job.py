@@ -60,7 +60,7 @@ class PipelineTrainer(train.Trainer):
                              "the replicas")
         self.topology = topology.PipelineTopology(par.pipeline_stages, replicas, self.rank)
         groups = topology.build_groups(self.topology)
-        stages = split.split_decoder(self.model, par.pipeline_stages)
+        stages = split.split_decoder(self.model, par.pipeline_stages, self.cfg.stage_layers)
         self.stage = stages[self.topology.stage]
         self.state_module = StageState(self.stage)
         self.flat_checkpoint = True
@@ -78,8 +78,10 @@ class PipelineTrainer(train.Trainer):
             plan=self.pipeline_plan, planner=planner.AdaptiveKPlanner() if schedule == "auto" else None,
             before_update=self.clip_gradients)
         self.last_k_decision: dict | None = None
+        self.stage_layers = [end - start for start, end in ((s.start, s.end) for s in stages)]
         self.telemetry.set_parameter("pipeline", {
-            "stages": par.pipeline_stages, "replicas": replicas, "schedule": schedule, "k": self.loop.k})
+            "stages": par.pipeline_stages, "replicas": replicas, "schedule": schedule, "k": self.loop.k,
+            "stage_layers": self.stage_layers})
 
     def build_batches(self, step: int) -> training.Batch:
         """This replica's micro-batches of `step`: inputs on the first stage, targets on the last."""
@@ -111,7 +113,7 @@ class PipelineTrainer(train.Trainer):
         report = self.loop.run_step(step)
         reduced = torch.tensor(flags, dtype=torch.float64, device=self.device)
         comm.all_reduce(reduced, self.hook_state, op="stats")
-        extra: dict = {"schedule": report.schedule, "k": report.k}
+        extra: dict = {"schedule": report.schedule, "k": report.k, "stage_layers": self.stage_layers}
         decision = report.decision  # rank 0 only; the other ranks learn k through the broadcast
         if decision is not None:
             self.last_k_decision = {"step": step + 1, "k": decision["k"], "reason": decision["reason"],
@@ -120,7 +122,7 @@ class PipelineTrainer(train.Trainer):
         if self.pipeline_plan.schedule == "auto":
             self.telemetry.set_parameter("pipeline", {
                 "stages": self.topology.stages, "replicas": self.topology.replicas,
-                "schedule": "auto", "k": self.loop.k,
+                "schedule": "auto", "k": self.loop.k, "stage_layers": self.stage_layers,
                 **({"decision": self.last_k_decision} if self.last_k_decision else {})})
         return report.loss, None, extra, reduced.tolist()
 

@@ -83,9 +83,33 @@ class DecoderStage(nn.Module):
         return torch.stack(losses).sum() if losses and self.training else None
 
 
-def split_decoder(decoder: models.Decoder, stages: int) -> list[DecoderStage]:
-    """All stages of `decoder` (they share its parameters; a rank keeps only its own)."""
-    bounds = balance_layers(decoder.cfg.layers, stages)
+def bounds_from_layers(stage_layers: list[int], layers: int, stages: int) -> list[tuple[int, int]]:
+    """(start, end) block ranges of an explicit per-stage layer count (remediation S3's re-split),
+    checked against the model so that a plan made for another job cannot cut this one wrongly."""
+    counts = list(stage_layers)
+    if len(counts) != stages:
+        raise ValueError(f"stageLayers has {len(counts)} entries but parallelism.pipelineStages is {stages}; "
+                         "give one layer count per stage")
+    if any(c < 1 for c in counts):
+        raise ValueError(f"stageLayers {counts}: every stage needs at least one layer")
+    if sum(counts) != layers:
+        raise ValueError(f"stageLayers {counts} sums to {sum(counts)} but spec.model.layers is {layers}; "
+                         "the counts must add up to the model's layers")
+    bounds, start = [], 0
+    for count in counts:
+        bounds.append((start, start + count))
+        start += count
+    return bounds
+
+
+def split_decoder(decoder: models.Decoder, stages: int,
+                  stage_layers: list[int] | None = None) -> list[DecoderStage]:
+    """All stages of `decoder` (they share its parameters; a rank keeps only its own). Without
+    `stage_layers` the layers are balanced by count."""
+    if stage_layers is None:
+        bounds = balance_layers(decoder.cfg.layers, stages)
+    else:
+        bounds = bounds_from_layers(stage_layers, decoder.cfg.layers, stages)
     return [DecoderStage(decoder, start, end, first=i == 0, last=i == stages - 1)
             for i, (start, end) in enumerate(bounds)]
 
