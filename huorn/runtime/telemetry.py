@@ -92,6 +92,13 @@ class Telemetry:
         self.collective_seconds.labels(op=op).observe(duration)
         return duration
 
+    def add_comm_seconds(self, seconds: float) -> None:
+        """Waiting outside the wrapped collectives (a pipeline stage blocked on its neighbour's
+        point-to-point message) is communication too: without it a stage that waits for a slow
+        neighbour would look as slow as the neighbour, and S3 could not tell them apart."""
+        with self._lock:
+            self._comm_seconds += max(0.0, seconds)
+
     def take_comm_seconds(self) -> float:
         """Communication time accumulated since the last call (one step's worth)."""
         with self._lock:

@@ -83,9 +83,13 @@ class LocalBackend:
             if m.version > self._applied_version and m.action == "replace" and not m.detail.get("drain"):
                 self._reported_failures.add(f"{self.job}-{m.detail['old']}")
         delivered = self._deliver_microbatches(graph)
+        restart = self._restart_for_resplit(graph, want, delete)
         self._applied_version = graph.version
-        done = self._delete_all(delete)
-        for resource in create:
+        done = self._delete_all(delete + restart)
+        if restart:
+            done.append(f"restarting {len(restart)} trainer agent(s) with stageLayers "
+                        f"{graph.vertex(restart[0].vertex).params['stageLayers']} from their checkpoint")
+        for resource in create + restart:
             done.append(self._create(graph, resource))
         done += delivered
         self._current = want
@@ -107,6 +111,20 @@ class LocalBackend:
         commands.write_json_atomically(self.run_dir / commands.MICROBATCHES_FILE,
                                        {"counts": counts, "reason": m.reason, "version": m.version})
         return [f"wrote micro-batch counts {counts} to {commands.MICROBATCHES_FILE} ({m.reason})"]
+
+    def _restart_for_resplit(self, graph: model.Graph, want: list[desired.DesiredResource],
+                             delete: list[desired.DesiredResource]) -> list[desired.DesiredResource]:
+        """Remediation S3: a new `stageLayers` changes which modules every rank holds, which a
+        running gang cannot do, so every running trainer agent is drained (SIGTERM: one agreed stop
+        step and one coordinated checkpoint) and started again on the new run config. The
+        checkpoint's undivided parameter names let the new stages load it."""
+        changed = {m.target for m in graph.log if m.version > self._applied_version
+                   and m.action == "set-param" and m.detail.get("key") == "stageLayers"
+                   and m.target in graph.vertices and graph.vertices[m.target].role == "trainer"}
+        going = {r.name for r in delete}
+        running = {r.name for r in self._current}
+        return [r for r in want if r.kind == "instance" and r.vertex in changed
+                and r.name in running and r.name not in going]
 
     def _create(self, graph: model.Graph, resource: desired.DesiredResource) -> str:
         if resource.kind == "volume":

@@ -84,6 +84,8 @@ def build_run_config(
     }
     if step_limit is not None:
         config["stepLimit"] = step_limit
+    if trainer.params.get("stageLayers"):
+        config["stageLayers"] = [int(n) for n in trainer.params["stageLayers"]]  # remediation S3
     return config
 
 

@@ -111,6 +111,7 @@ class PipelineTrainer(train.Trainer):
 
     def train_step(self, step: int, flags: list[float]) -> tuple[float, float | None, dict, list[float]]:
         report = self.loop.run_step(step)
+        self.telemetry.add_comm_seconds(report.recv_wait_s)
         reduced = torch.tensor(flags, dtype=torch.float64, device=self.device)
         comm.all_reduce(reduced, self.hook_state, op="stats")
         extra: dict = {"schedule": report.schedule, "k": report.k, "stage_layers": self.stage_layers}

@@ -62,6 +62,7 @@ class StepReport:
     predicted_peak_bytes: int  # this rank, from the memory model
     executed: list[str] = field(default_factory=list)
     decision: dict | None = None  # rank 0 only, on steps where the planner ran
+    recv_wait_s: float = 0.0  # this rank, blocked on the neighbour stages' activations/gradients
 
 
 class PipelineTraining:
@@ -110,7 +111,7 @@ class PipelineTraining:
             contention=runner.throttle.level, peak_saved_bytes=stats.peak_saved_bytes,
             predicted_peak_bytes=memory.predict_peak_bytes(
                 schedule, [runner.microbatch_bytes] * topo.stages)[topo.stage],
-            executed=stats.executed,
+            executed=stats.executed, recv_wait_s=stats.recv_wait_s,
         )
         self.steps_done += 1
         if plan.schedule == "auto" and self.steps_done % plan.replan_every == 0:

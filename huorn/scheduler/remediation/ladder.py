@@ -116,11 +116,11 @@ class MitigationLadder:
         target = self.next_rung()
         if target is None or self.loss_since_rung < self.costs.of(target):
             return None
-        paid = self.loss_since_rung
+        paid, previous = self.loss_since_rung, self.level
         self.level, self.loss_since_rung = target, 0.0
         return Decision(
             target, ACTIONS[target],
-            f"lost {paid:.1f}s since {ORDER[_index(target) - 1].value if _index(target) else 'detection'}"
+            f"lost {paid:.1f}s since {previous.value}"
             f" ≥ {self.costs.of(target):.1f}s cost of {target.value} (ski-rental)",
             self.ranks, plan=self.build_plan(target),
         )
@@ -133,7 +133,10 @@ class MitigationLadder:
                     "stepSecondsBefore": mb.before}
         if level is MitigationLevel.RESPLIT and s.layer_costs is not None and s.stage_speeds is not None:
             st = rebalance.resplit_stages(s.layer_costs, s.stage_speeds)
-            return {"stageBoundaries": list(st.boundaries), "predictedStageSeconds": st.makespan,
+            ends = [*st.boundaries[1:], len(s.layer_costs)]
+            return {"stageBoundaries": list(st.boundaries),
+                    "stageLayers": [end - start for start, end in zip(st.boundaries, ends, strict=True)],
+                    "predictedStageSeconds": st.makespan,
                     "stageSecondsBefore": st.before}
         if level is MitigationLevel.RESTART:
             return {"cordon": True, "replacePods": True, "restartFromCheckpoint": True}

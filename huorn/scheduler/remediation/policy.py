@@ -11,8 +11,12 @@ backend delivers it (the local backend writes the run directory's control file, 
 trainer applies at a step boundary). Unless the caller gives a JobShape, S2's inputs come from
 the telemetry itself: each rank's seconds per micro-batch is its recent median compute time (its
 step minus the time inside collectives) over the micro-batches it computes, which the trainer
-publishes under `parameters.micro_batches`. S1 and S3 decisions are kept in `decisions` (the
-operator copies them to status).
+publishes under `parameters.micro_batches`. S3's is a set-param of the trainer vertex's
+`stageLayers` (layers per pipeline stage); the backend restarts the gang from a coordinated
+checkpoint with the new split, which the checkpoint's undivided parameter names allow. S3's inputs
+are each stage's seconds per layer: its ranks' median compute time over the layers it holds, as
+the pipeline trainer publishes them under `parameters.pipeline.stage_layers`. Every decision is
+kept in `decisions` (the operator copies them to status).
 
 NB: a whole job that sits outside any collective for a while is what checkpointing, validation,
 start-up and rendezvous look like, so that case is recorded but never restarts anything.
@@ -109,7 +113,7 @@ class RemediationPolicy:
                 self.decisions.append(self.ladder.on_fail_slow(finding, []))
         latest = max((max(steps) for steps in self.history.values() if steps), default=-1)
         if self.shape_from_telemetry:
-            self.ladder.shape = build_shape(snapshots) or self.ladder.shape
+            self.ladder.shape = build_pipeline_shape(snapshots) or build_shape(snapshots) or self.ladder.shape
         healthy = self._healthy_step_seconds()
         for step in range(self._last_step + 1, latest + 1):
             seconds = max((h[step]["step_seconds"] for h in self.history.values() if step in h), default=None)
@@ -153,6 +157,8 @@ class RemediationPolicy:
                 return []
             return [managers.Event(managers.PARAMETER_DECISION, trainers[0].name, {
                 "key": "microbatches", "value": list(plan["microbatches"]), "reason": reason})]
+        if decision.level is MitigationLevel.RESPLIT and "stageLayers" in decision.plan:
+            return build_resplit_events(graph, decision)
         if decision.level is not MitigationLevel.RESTART or decision.action == "capped":
             return []
         live = set(graph.instance_names())
@@ -165,6 +171,47 @@ class RemediationPolicy:
                     "instance": replica, "reason": f"remediation S4 ({decision.action}): {decision.reason}",
                 }))
         return events
+
+
+def build_resplit_events(graph: model.Graph, decision: ladder.Decision) -> list[managers.Event]:
+    """S3's plan (stage start boundaries) as the trainer's `stageLayers` set-param."""
+    trainers = [v for v in graph.vertices_with_role("trainer") if int(v.params.get("pipelineStages", 1)) > 1]
+    if not trainers:
+        return []
+    plan = decision.plan
+    split = [int(n) for n in plan["stageLayers"]]  # type: ignore[attr-defined]
+    reason = (f"remediation S3 ({decision.action}): {decision.reason}; stage layers {split} predict "
+              f"{plan['predictedStageSeconds']:.3f}s for the slowest stage (now "
+              f"{plan['stageSecondsBefore']:.3f}s)")
+    return [managers.Event(managers.PARAMETER_DECISION, trainers[0].name, {
+        "key": "stageLayers", "value": split, "reason": reason})]
+
+
+def build_pipeline_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:
+    """S3's inputs from a pipeline job's telemetry: every layer costs the same (the decoder's
+    blocks are identical), and a stage's speed is the fastest stage's seconds per layer over its
+    own (its slowest replica's median compute time divided by the layers it holds). None until
+    every stage has published enough steps."""
+    per_layer: dict[int, float] = {}
+    splits = set()
+    for snap in snapshots.values():
+        pipeline = (snap.get("parameters") or {}).get("pipeline") or {}
+        split = pipeline.get("stage_layers")
+        steps = (snap.get("steps") or [])[-SHAPE_WINDOW:]
+        if not split or len(steps) < SHAPE_WINDOW:
+            return None
+        splits.add(tuple(int(n) for n in split))
+        stage = int(snap["rank"]) % len(split)  # replica-major layout: rank = replica × stages + stage
+        compute = statistics.median(float(r["compute_seconds"]) for r in steps)
+        per_layer[stage] = max(per_layer.get(stage, 0.0), max(compute, 1e-6) / split[stage])
+    if len(splits) != 1:
+        return None
+    split = splits.pop()
+    if sorted(per_layer) != list(range(len(split))):
+        return None
+    fastest = min(per_layer.values())
+    return ladder.JobShape(layer_costs=[1.0] * sum(split),
+                           stage_speeds=[fastest / per_layer[s] for s in range(len(split))])
 
 
 def build_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:

@@ -1,0 +1,70 @@
+"""Remediation S3 end to end on the local backend: a pipelined job (2 stages, 4 layers) whose
+stage-0 rank is made slower is detected from its /telemetry, the ladder (capped at `resplit`)
+re-splits the layers, the decision becomes a `stageLayers` set-param with its reason, the backend
+drains the gang (coordinated checkpoint) and restarts it with the new split, and the step sequence
+goes on with no gap and no repeat."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
+from huorn.api.common import MitigationLevel, Remediation
+from huorn.backends import monitor
+from huorn.backends.local import backend as local_backend
+from huorn.backends.local import report
+from huorn.graph import compiler
+from huorn.scheduler.remediation import ladder, policy
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
+STEPS, SLOW_FROM, SLOW_MS = 60, 12, 150
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_slow_stage_leads_to_a_restart_with_a_new_layer_split(tmp_path: Path) -> None:
+    manifest = yaml.safe_load(QUICKSTART.read_text())
+    spec = manifest["spec"]
+    spec["elasticity"].update(minReplicas=1, maxReplicas=1, policy="fixed")
+    spec["model"].update(layers=4, width=32, heads=2, context=32)
+    spec["optimization"].update(globalBatch=8, microBatch=2, steps=STEPS)
+    spec["parallelism"] = {"pipelineStages": 2, "schedule": "1f1b"}
+    spec["checkpoint"] = {"path": "./checkpoints", "intervalSteps": 50}
+    spec["remediation"] = {"hangTimeout": "60s", "maxMitigation": "resplit"}
+    g = compiler.compile(manifest)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "faults.json").write_text(json.dumps({"faults": [
+        {"kind": "slow-compute", "ms": SLOW_MS, "fromStep": SLOW_FROM, "rank": 0}]}))
+    backend = local_backend.LocalBackend(g, run_dir, local_backend.LocalSettings(step_limit=STEPS))
+    remediation = policy.RemediationPolicy(Remediation.model_validate(spec["remediation"]),
+                                           costs=ladder.LadderCosts(resplit=1.0))
+    loop = monitor.Monitor(g, backend, [remediation])
+    deadline = time.monotonic() + 500
+    try:
+        loop.start()
+        result = loop.run(interval=0.5, should_stop=lambda _: time.monotonic() > deadline)
+    finally:
+        backend.stop(graceful=False)
+    actions = (run_dir / "actions.jsonl").read_text()
+    assert result.observation.finished, actions[-3000:]
+    s3 = [d for d in remediation.decisions if d.level is MitigationLevel.RESPLIT]
+    assert len(s3) == 1, remediation.decisions
+    split = s3[0].plan["stageLayers"]
+    assert sum(split) == 4 and split[0] < 2  # layers move away from the slow stage 0
+    mutations = [m for m in g.log if m.action == "set-param" and m.detail["key"] == "stageLayers"]
+    assert len(mutations) == 1 and mutations[0].detail["new"] == split
+    assert mutations[0].reason.startswith("remediation S3 (resplit-stages)")
+    assert f"with stageLayers {split}" in actions
+    assert json.loads((run_dir / "config.json").read_text())["stageLayers"] == split
+    records = [r for r in report.read_records(run_dir) if r.get("event") == "step"]
+    summary = report.summarise_steps(records)
+    assert summary.last == STEPS and not summary.missing and summary.repeated == 0, summary
+    layouts = [tuple(r["stage_layers"]) for r in sorted(records, key=lambda r: r["step"])]
+    change = layouts.index(tuple(split))
+    assert set(layouts[:change]) == {(2, 2)} and set(layouts[change:]) == {tuple(split)}
