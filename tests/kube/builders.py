@@ -156,7 +156,15 @@ class Kube:
                     "state": {"terminated": {"exitCode": exit_code, "reason": "Error"}},
                 }
             ]
-        self.core.patch_namespaced_pod_status(name, ns, {"status": status})
+        # NB: the test plays the kubelet, which retries its status updates; errors injected for
+        # the operator (e.g. the first two pod PATCHes answer 409) may land on this patch too.
+        for attempt in range(6):
+            try:
+                self.core.patch_namespaced_pod_status(name, ns, {"status": status})
+                return
+            except kubernetes.client.ApiException as error:
+                if error.status not in (409, 429, 500, 503) or attempt == 5:
+                    raise
 
     def run_all_pods(self, ns: str, job: str) -> int:
         count = 0
