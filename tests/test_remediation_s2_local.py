@@ -5,21 +5,16 @@ the unequal split, after which steps get faster again."""
 
 from __future__ import annotations
 
-import json
 import statistics
-import time
 from pathlib import Path
 
 import pytest
+import remediation_support
 import yaml
 
-import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
-from huorn.api.common import MitigationLevel, Remediation
-from huorn.backends import monitor
-from huorn.backends.local import backend as local_backend
+from huorn.api.common import MitigationLevel
 from huorn.backends.local import report
-from huorn.graph import compiler
-from huorn.scheduler.remediation import ladder, policy
+from huorn.scheduler.remediation import ladder
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 STEPS, SLOW_FROM, SLOW_MS = 70, 15, 80
@@ -35,24 +30,12 @@ def test_slow_rank_leads_to_an_applied_s2_plan(tmp_path: Path) -> None:
     spec["optimization"].update(globalBatch=8, microBatch=1, steps=STEPS)
     spec["checkpoint"] = {"path": "./checkpoints", "intervalSteps": 50}
     spec["remediation"] = {"hangTimeout": "60s", "maxMitigation": "rebalance"}
-    g = compiler.compile(manifest)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "faults.json").write_text(json.dumps({"faults": [
-        {"kind": "slow-compute", "ms": SLOW_MS, "perMicroBatch": True, "fromStep": SLOW_FROM,
-         "replica": "trainer-1"}]}))
-    backend = local_backend.LocalBackend(g, run_dir, local_backend.LocalSettings(step_limit=STEPS))
-    remediation = policy.RemediationPolicy(Remediation.model_validate(spec["remediation"]),
-                                           costs=ladder.LadderCosts(rebalance=1.0))
-    loop = monitor.Monitor(g, backend, [remediation])
-    deadline = time.monotonic() + 500
-    try:
-        loop.start()
-        result = loop.run(interval=0.5, should_stop=lambda _: time.monotonic() > deadline)
-    finally:
-        backend.stop(graceful=False)
-    actions = (run_dir / "actions.jsonl").read_text()
-    assert result.observation.finished, actions[-3000:]
+    run = remediation_support.run_with_faults(
+        manifest, [{"kind": "slow-compute", "ms": SLOW_MS, "perMicroBatch": True, "fromStep": SLOW_FROM,
+         "replica": "trainer-1"}],
+        ladder.LadderCosts(rebalance=1.0), tmp_path / "run", STEPS)
+    g, remediation, run_dir, actions = run.graph, run.remediation, run.run_dir, run.actions
+    assert run.finished, actions[-3000:]
     s2 = [d for d in remediation.decisions if d.level is MitigationLevel.REBALANCE]
     assert len(s2) == 1, remediation.decisions
     counts = s2[0].plan["microbatches"]

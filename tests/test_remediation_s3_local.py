@@ -7,19 +7,15 @@ goes on with no gap and no repeat."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
+import remediation_support
 import yaml
 
-import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
-from huorn.api.common import MitigationLevel, Remediation
-from huorn.backends import monitor
-from huorn.backends.local import backend as local_backend
+from huorn.api.common import MitigationLevel
 from huorn.backends.local import report
-from huorn.graph import compiler
-from huorn.scheduler.remediation import ladder, policy
+from huorn.scheduler.remediation import ladder
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 STEPS, SLOW_FROM, SLOW_MS = 60, 12, 150
@@ -36,23 +32,11 @@ def test_slow_stage_leads_to_a_restart_with_a_new_layer_split(tmp_path: Path) ->
     spec["parallelism"] = {"pipelineStages": 2, "schedule": "1f1b"}
     spec["checkpoint"] = {"path": "./checkpoints", "intervalSteps": 50}
     spec["remediation"] = {"hangTimeout": "60s", "maxMitigation": "resplit"}
-    g = compiler.compile(manifest)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "faults.json").write_text(json.dumps({"faults": [
-        {"kind": "slow-compute", "ms": SLOW_MS, "fromStep": SLOW_FROM, "rank": 0}]}))
-    backend = local_backend.LocalBackend(g, run_dir, local_backend.LocalSettings(step_limit=STEPS))
-    remediation = policy.RemediationPolicy(Remediation.model_validate(spec["remediation"]),
-                                           costs=ladder.LadderCosts(resplit=1.0))
-    loop = monitor.Monitor(g, backend, [remediation])
-    deadline = time.monotonic() + 500
-    try:
-        loop.start()
-        result = loop.run(interval=0.5, should_stop=lambda _: time.monotonic() > deadline)
-    finally:
-        backend.stop(graceful=False)
-    actions = (run_dir / "actions.jsonl").read_text()
-    assert result.observation.finished, actions[-3000:]
+    run = remediation_support.run_with_faults(
+        manifest, [{"kind": "slow-compute", "ms": SLOW_MS, "fromStep": SLOW_FROM, "rank": 0}],
+        ladder.LadderCosts(resplit=1.0), tmp_path / "run", STEPS)
+    g, remediation, run_dir, actions = run.graph, run.remediation, run.run_dir, run.actions
+    assert run.finished, actions[-3000:]
     s3 = [d for d in remediation.decisions if d.level is MitigationLevel.RESPLIT]
     assert len(s3) == 1, remediation.decisions
     split = s3[0].plan["stageLayers"]
