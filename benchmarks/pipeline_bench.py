@@ -256,7 +256,7 @@ def throttled_torch_p2p(throttle: contention.Throttle, device: torch.device) -> 
     original = torch_schedules._batch_p2p
     links: dict[tuple[int, int], contention.LinkSender] = {}
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
-    cycles_per_s = measure_sleep_rate(device) if side is not None else 0.0
+    cycles_per_s = contention.gpu_sleep_rate(device) if side is not None else 0.0
 
     def on_cpu(p2p_ops: list, desc: str | None = None) -> list:
         THROTTLED_BATCHES[0] += 1
@@ -292,17 +292,6 @@ def throttled_torch_p2p(throttle: contention.Throttle, device: torch.device) -> 
         for link in links.values():
             link.drain()
             link.close()
-
-
-def measure_sleep_rate(device: torch.device) -> float:
-    """GPU clock cycles per second of torch.cuda._sleep, to turn a delay into cycles."""
-    torch.cuda._sleep(1000)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(50_000_000)
-    end.record()
-    end.synchronize()
-    return 50_000_000 / (start.elapsed_time(end) / 1000.0)
 
 
 def summarise(result: dict) -> str:

@@ -104,3 +104,27 @@ def adaptive_worker(rank: int, world: int, stages: int, width: int, depth: int, 
     )
     runner.close()
     return {"reports": reports, "state": {n: p.detach().clone() for n, p in module.state_dict().items()}}
+
+
+def link_worker(rank: int, world: int, level: float, burst_s: float, messages: int) -> dict:
+    """Rank 0 sends `messages` tensors through the device's link at `level`; rank 1 receives
+    them in order. Returns rank 0's link stats and, on rank 1, the received values."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    group = dist.new_group([0, 1])
+    if rank == 0:
+        link = contention.make_link(1, group, contention.Throttle(level=level, burst_s=burst_s), device)
+        for m in range(messages):
+            link.send(torch.full((1024,), float(m), device=device), tag=m)
+        link.drain()
+        stats = link.take_stats()
+        link.close()
+        return {"kind": type(link).__name__, "messages": stats.messages, "nbytes": stats.nbytes,
+                "seconds_per_message": stats.seconds_per_message}
+    received = []
+    for m in range(messages):
+        buffer = torch.empty(1024, device=device)
+        dist.recv(buffer, src=0, group=group, tag=m)
+        received.append(buffer.cpu())
+    return {"received": [float(t[0]) for t in received],
+            "uniform": all(bool((t == t[0]).all()) for t in received)}

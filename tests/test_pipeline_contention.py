@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 
+import pipeline_workers as workers
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from huorn.runtime.pipeline import contention
+from huorn.runtime.pipeline import contention, launch
 
 
 def test_level_zero_adds_nothing_whatever_the_link() -> None:
@@ -46,3 +47,13 @@ def test_level_can_change_mid_run_and_is_checked() -> None:
     with pytest.raises(ValueError, match="0–80%"):
         throttle.set_level(0.85)
     assert throttle.level == 0.5
+
+
+def test_gloo_link_delivers_in_order_and_times_the_contention_delay() -> None:
+    """The same check as the CUDA link's GPU test, on the host-thread link that gloo gets."""
+    burst_s, messages = 0.02, 4
+    sender, receiver = launch.run_workers(workers.link_worker, 2, "gloo", (0.5, burst_s, messages))
+    assert sender["kind"] == "LinkSender"
+    assert receiver["received"] == [float(m) for m in range(messages)] and receiver["uniform"]
+    assert sender["messages"] == messages and sender["nbytes"] == messages * 1024 * 4
+    assert burst_s * 0.9 <= sender["seconds_per_message"] < burst_s * 5

@@ -1,9 +1,16 @@
 """One pipeline stage's share of a training step, driven by a schedule table.
 
-The compute thread walks its row of the table. Receives are posted for the whole step before
-the first action (so a message can land while the stage computes something else) and sends
-are handed to per-edge link threads (`contention.LinkSender`), so the compute thread only ever
-blocks when the input it needs next has truly not arrived: communication overlaps compute.
+The compute thread walks its row of the table. Sends go to a link per edge and direction
+(`contention.make_link`: a host thread on gloo, a CUDA stream on NCCL), so they never hold up
+the compute that follows. On gloo, receives are posted for the whole step before the first
+action, so a message can land while the stage computes something else; on NCCL a receive is
+posted when the schedule reaches it, which is still far ahead of the GPU (see
+`post_receives_ahead`). Either way the stage only waits when the input it needs next has
+truly not arrived: communication overlaps compute.
+
+Saved-activation bytes are metered (autograd saved-tensor hooks, a Python call per saved
+tensor) on the first step of each table only: a table's peak does not change from step to
+step, and the hooks cost a few percent of a step where the host launches GPU kernels.
 
 A stage module is any `nn.Module` called as `module(*tensors)` that returns a tensor or a
 tuple of tensors; everything it returns travels to the next stage as one flat buffer (the
@@ -14,6 +21,7 @@ gradients equal those of the mean loss, as in single-process gradient accumulati
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -77,10 +85,11 @@ class StageExecutor:
         stage, replica = topology.stage, topology.replica
         self._next = topology.global_rank(replica, stage + 1) if not topology.is_last else None
         self._previous = topology.global_rank(replica, stage - 1) if not topology.is_first else None
-        self.send_link = (contention.LinkSender(self._next, groups.to_next, self.throttle, device)
+        self.send_link = (contention.make_link(self._next, groups.to_next, self.throttle, device)
                           if self._next is not None else None)
-        self.grad_link = (contention.LinkSender(self._previous, groups.to_previous, self.throttle, device)
+        self.grad_link = (contention.make_link(self._previous, groups.to_previous, self.throttle, device)
                           if self._previous is not None else None)
+        self.measured_peaks: dict[tuple[str, int, int], int] = {}  # table -> peak saved bytes
 
     def close(self) -> None:
         for link in (self.send_link, self.grad_link):
@@ -187,6 +196,8 @@ class StageExecutor:
                           } if ahead and not self.topology.is_first else {}
         pending_grads = {m: self._post_receive(m, forward=False) for m in range(count)
                          } if ahead and not self.topology.is_last else {}
+        table_key = (schedule.name, schedule.k, count)
+        metering = table_key not in self.measured_peaks
         self.meter.reset_peak()
         timer = _Timer(self.device)
         stored: dict[int, tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
@@ -209,7 +220,7 @@ class StageExecutor:
                     wait_s += time.perf_counter() - tick
                     for tensor in received:
                         tensor.requires_grad_(True)
-                with timer.measure("F"), self.meter.hooks():
+                with timer.measure("F"), (self.meter.hooks() if metering else contextlib.nullcontext()):
                     outputs = _as_tuple(self.module(*received))
                     if self.topology.is_last:
                         loss = self.loss_fn(outputs, targets[m].to(self.device, copy=True)) / count  # type: ignore[index]
@@ -241,6 +252,8 @@ class StageExecutor:
             if link is not None:
                 link.drain()
         self._average_gradients()
+        if metering:
+            self.measured_peaks[table_key] = self.meter.peak_bytes
         forward_s, backward_s = timer.means()
         return StepStats(
             loss=float(torch.stack(losses).sum()) if losses else None,
@@ -248,7 +261,7 @@ class StageExecutor:
             recv_wait_s=wait_s,
             send_link=self.send_link.take_stats() if self.send_link else None,
             grad_link=self.grad_link.take_stats() if self.grad_link else None,
-            peak_saved_bytes=self.meter.peak_bytes, executed=executed,
+            peak_saved_bytes=self.measured_peaks[table_key], executed=executed,
         )
 
     def _post_receive(self, microbatch: int, forward: bool) -> tuple[torch.Tensor, dist.Work]:

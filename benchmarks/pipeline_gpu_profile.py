@@ -1,0 +1,175 @@
+"""Where a pipeline step's time goes on two GPUs: Huorn's 1F1B with each link kind and with and
+without saved-activation metering, against torch's Schedule1F1B, on the model of
+benchmarks/pipeline_gpu.py, plus a torch.profiler summary of one step of each executor.
+
+    python3 benchmarks/pipeline_gpu_profile.py --out $OUT          # on nvidia-h200-x2
+    .venv/bin/python benchmarks/pipeline_gpu_profile.py --tiny     # CPU dry run (gloo)
+
+It answers one question before a full benchmark is worth device time: is the executor's gap to
+torch in the GPU's work (kernels) or in the host's hand-offs (link threads, hooks, waits)?
+`gpu busy` is the union of kernel time on the compute stream over the step's wall time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pipeline_bench
+import torch
+import torch.distributed as dist
+
+from huorn import models
+from huorn.runtime.pipeline import contention, executor, launch, schedules, split
+from huorn.runtime.pipeline import topology as pp_topology
+
+
+def worker(rank: int, world: int, config: pipeline_bench.BenchConfig, rounds: int) -> dict:
+    on_gpu = config.backend == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    torch.manual_seed(0)
+    decoder = models.build_model(config.model).to(device=device, dtype=getattr(torch, config.dtype))
+    topo = pp_topology.PipelineTopology(stages=config.stages, replicas=1, rank=rank)
+    groups = pp_topology.build_groups(topo)
+    stage = split.split_decoder(decoder, config.stages)[topo.stage]
+    runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, device)
+    stream_links = runner.send_link, runner.grad_link
+    thread_links = tuple(
+        contention.LinkSender(peer, group, runner.throttle, device) if peer is not None else None
+        for peer, group in ((runner._next, groups.to_next), (runner._previous, groups.to_previous)))
+    generator = torch.Generator().manual_seed(1)
+    shape = (config.micro_batch * config.microbatches, config.model.context)
+    tokens = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
+    targets = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
+    inputs = [[t] for t in tokens.chunk(config.microbatches)]
+    labels = list(targets.chunk(config.microbatches))
+    runner.negotiate_shapes(inputs[0], labels[0])
+    torch_schedule = pipeline_bench.build_torch_schedule("Schedule1F1B", stage, topo, config, device)
+    pipeline_bench.TORCH_BATCH[:] = [(tokens, targets)]
+
+    def ours(links: tuple, meter: bool, k: int = 1):
+        table = schedules.build_schedule("kfkb", config.stages, config.microbatches, k)
+
+        def step() -> None:
+            runner.send_link, runner.grad_link = links
+            if meter:
+                runner.measured_peaks.clear()
+            runner.run_step(table, inputs if topo.is_first else None, labels if topo.is_last else None)
+            stage.zero_grad(set_to_none=True)
+        return step
+
+    def torch_step() -> None:
+        if topo.is_first:
+            torch_schedule.step(tokens)
+        elif topo.is_last:
+            torch_schedule.step(target=targets, losses=[])
+        else:
+            torch_schedule.step()
+        stage.zero_grad(set_to_none=True)
+
+    configs = {
+        "huorn 1F1B, stream links": ours(stream_links, meter=False),
+        "huorn 1F1B, stream links, metered": ours(stream_links, meter=True),
+        "huorn 1F1B, thread links": ours(thread_links, meter=False),
+        "huorn 1F1B, thread links, metered (old)": ours(thread_links, meter=True),
+        "huorn k=2, stream links": ours(stream_links, meter=False, k=2),
+        "torch Schedule1F1B": torch_step,
+    }
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    names = list(configs)
+    for round_ in range(rounds + 1):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            for _ in range(2):
+                pipeline_bench.synchronize(device)
+                dist.barrier()
+                start = time.perf_counter()
+                configs[name]()
+                pipeline_bench.synchronize(device)
+                dist.barrier()
+                if round_:
+                    times[name].append(time.perf_counter() - start)
+    tokens_per_step = config.micro_batch * config.microbatches * config.model.context
+    result = {"rank": rank, "median_s": {n: statistics.median(v) for n, v in times.items()}}
+    result["tokens_per_s"] = {n: tokens_per_step / s for n, s in result["median_s"].items()}
+    # compute floor: the same forwards and backwards with no pipeline at all
+    fb = [runner.run_step(schedules.build_schedule("1f1b", config.stages, config.microbatches),
+                          inputs if topo.is_first else None, labels if topo.is_last else None)
+          for _ in range(3)][-1]
+    result["compute_s_per_step"] = config.microbatches * (fb.forward_s + fb.backward_s)
+    result["profiles"] = {}
+    for name in ("huorn 1F1B, stream links", "huorn 1F1B, thread links, metered (old)", "torch Schedule1F1B"):
+        result["profiles"][name] = profile_step(configs[name], device)
+    runner.send_link, runner.grad_link = stream_links
+    for link in thread_links:
+        if link is not None:
+            link.close()
+    runner.close()
+    return result
+
+
+def profile_step(step, device: torch.device) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    pipeline_bench.synchronize(device)
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        pipeline_bench.synchronize(device)
+        wall = time.perf_counter() - start
+    dist.barrier()
+    table = prof.key_averages().table(
+        sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=12)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA")
+    busy, last_end = 0.0, None
+    for begin, end in spans:
+        if last_end is None or begin > last_end:
+            busy += end - begin
+            last_end = end
+        elif end > last_end:
+            busy += end - last_end
+            last_end = end
+    return {"wall_s": wall, "gpu_busy_s": busy / 1e6, "table": table}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/pipeline_gpu_profile"))
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--tiny", action="store_true", help="gloo on the CPU with a small model (dry run)")
+    args = parser.parse_args()
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                        ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[name] = value
+    if args.tiny:
+        config = pipeline_bench.BenchConfig(
+            backend="gloo", stages=2, micro_batch=2, microbatches=8,
+            model=models.ModelConfig(layers=2, width=32, heads=2, vocabulary=64, context=8))
+    else:
+        config = pipeline_bench.BenchConfig(
+            backend="nccl", stages=2, micro_batch=2, microbatches=16, dtype="bfloat16",
+            model=models.ModelConfig(layers=8, width=2048, heads=16, vocabulary=32768, context=1024))
+    results = launch.run_workers(worker, 2, config.backend, (config, args.rounds), timeout_s=600)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pipeline_gpu_profile.json").write_text(json.dumps(results, indent=2))
+    for result in results:
+        print(f"--- rank {result['rank']}: compute floor {result['compute_s_per_step'] * 1e3:.1f} ms/step")
+        for name, seconds in result["median_s"].items():
+            print(f"{name:42s} {seconds * 1e3:8.1f} ms  {result['tokens_per_s'][name]:10.0f} tok/s")
+        for name, prof in result["profiles"].items():
+            print(f"[{name}] wall {prof['wall_s'] * 1e3:.1f} ms, gpu busy {prof['gpu_busy_s'] * 1e3:.1f} ms")
+            if result["rank"] == 1:
+                print(prof["table"])
+
+
+if __name__ == "__main__":
+    main()
