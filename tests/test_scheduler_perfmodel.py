@@ -106,3 +106,24 @@ def test_residual_regressor_is_kept_only_where_the_form_misses() -> None:
         measured.observe(s)
     measured.fit()
     assert measured._residual is not None  # shared-core contention is outside the Pollux form
+
+
+def test_batched_jacobian_is_scipys_two_point_jacobian_bit_for_bit() -> None:
+    """The fit's hand-batched Jacobian must not change a single fit: same steps, same differences."""
+    from scipy.optimize._numdiff import approx_derivative
+
+    rng = np.random.default_rng(7)
+    lo, hi = np.full(7, -25.0), np.full(7, 10.0)
+    lo[6], hi[6] = 0.0, np.log(10.0)
+    prior = np.log(perfmodel.FAMILY_PRIORS["cnn"].as_array())
+    for trial in range(300):
+        k = int(rng.integers(1, 20))
+        r = rng.integers(1, 65, k).astype(float)
+        data = (r, np.minimum(r, rng.integers(1, 9, k)).astype(float), 2.0 ** rng.integers(0, 10, k),
+                rng.normal(-2, 1, k), prior)
+        x = np.clip(prior + rng.normal(0, 2, 7), lo + 1e-9, hi - 1e-9)
+        x[6] = (lo[6] + 1e-12, np.log(2.0), hi[6] - 1e-12, x[6])[trial % 4]  # at both γ bounds too
+        want = approx_derivative(lambda p, d=data: perfmodel._fit_residuals(p, d), x, method="2-point",
+                                 bounds=(lo, hi))
+        got = perfmodel._fit_jacobian(x, data, lo, hi)
+        assert np.array_equal(want, got), trial

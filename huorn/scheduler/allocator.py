@@ -89,8 +89,36 @@ class Decision:
 
 @dataclass
 class _Table:
+    """A job's speedup per replica count, and the batch that earns it.
+
+    The batch choices are built only for the sizes a decision reports: a cycle rebuilds hundreds
+    of tables but reports a handful of sizes, and building all of them cost more than the search.
+    """
+
     speedup: np.ndarray  # index a = replicas; [0] = 0
-    choices: list[goodput.BatchChoice | None]
+    local: np.ndarray | None = None  # best local batch per replica count (index a - 1)
+    throughput: np.ndarray | None = None
+    eff: np.ndarray | None = None
+    good: np.ndarray | None = None  # goodput before normalisation, index a
+    ok: np.ndarray | None = None
+    noise_scale: float = 0.0
+    base_batch: float = 1.0
+
+    def choice(self, replicas: int) -> goodput.BatchChoice | None:
+        if self.local is None or self.ok is None or not 0 < replicas < len(self.speedup):
+            return None
+        i = replicas - 1
+        if not self.ok[i]:
+            return None
+        m = float(self.local[i] * replicas)
+        assert self.throughput is not None and self.eff is not None and self.good is not None
+        return goodput.BatchChoice(m, float(self.local[i]), float(self.throughput[i]), float(self.eff[i]),
+                                   float(self.good[replicas]),
+                                   goodput.adascale_gain(self.noise_scale, self.base_batch, m))
+
+    @property
+    def choices(self) -> list[goodput.BatchChoice | None]:
+        return [self.choice(a) for a in range(len(self.speedup))]
 
 
 class Allocator:
@@ -113,10 +141,9 @@ class Allocator:
     def _build_table(self, job: JobView) -> _Table:
         top = job.max_replicas if self.config.elastic else job.min_replicas
         good = np.zeros(top + 1)
-        choices: list[goodput.BatchChoice | None] = [None] * (top + 1)
         if job.perf is None:
             good[job.min_replicas:] = 1.0
-            return _Table(good, choices)
+            return _Table(good)
         # Every replica count and every candidate local batch in one vectorised model call.
         per_node = max(1, self.config.gpus_per_node // job.gpus_per_replica)
         reps = np.arange(1, top + 1, dtype=float)
@@ -130,16 +157,12 @@ class Allocator:
         eff = goodput.efficiency(job.noise_scale, job.base_batch, local * r2)
         gp = np.where(ok, thr * eff, 0.0)
         best = np.argmax(gp, axis=1)
-        for i, a in enumerate(range(1, top + 1)):
-            if not ok[i, 0]:
-                continue
-            m = float(local[i, best[i]] * a)
-            good[a] = gp[i, best[i]]
-            choices[a] = goodput.BatchChoice(m, float(local[i, best[i]]), float(thr[i, best[i]]),
-                                             float(eff[i, best[i]]), float(good[a]),
-                                             goodput.adascale_gain(job.noise_scale, job.base_batch, m))
+        rows = np.arange(top)
+        fits = ok[:, 0]
+        good[1:] = np.where(fits, gp[rows, best], 0.0)
         ref = good[job.min_replicas] or max(good.max(), 1e-12)
-        return _Table(good / ref, choices)
+        return _Table(good / ref, local[rows, best], thr[rows, best], eff[rows, best], good, fits,
+                      job.noise_scale, job.base_batch)
 
     # ------------------------------------------------------------------ the cycle
     def allocate(self, snap: snapshot.ClusterSnapshot, jobs: list[JobView], now: float) -> list[Decision]:
@@ -280,8 +303,7 @@ class Allocator:
 
     def _decision(self, job: JobView, action: str, replicas: int, assignments: list[str], reason: str
                   ) -> Decision:
-        table = self.table(job)
-        choice = table.choices[replicas] if 0 < replicas < len(table.choices) else None
+        choice = self.table(job).choice(replicas)
         return Decision(job.name, action, replicas, job.replicas,
                         choice.global_batch if choice else None, choice.local_batch if choice else None,
                         choice.lr_scale if choice else None, assignments, reason)

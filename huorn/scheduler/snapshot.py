@@ -55,6 +55,7 @@ class ClusterSnapshot:
                     f"virtual clusters given ({sorted(self._vcs)}); add it or clear the field"
                 )
         self._views = {n.name: n for n in nodes}  # current NodeViews, rebuilt only where touched
+        self._stale: set[str] = set()  # nodes whose view is rebuilt when next read
         self._free = {n.name: n.gpus_free for n in nodes}
         self._cpu = {n.name: n.cpu_free_milli for n in nodes}
         self._lent = dict.fromkeys(self._vcs, 0)
@@ -64,6 +65,12 @@ class ClusterSnapshot:
 
     # ----------------------------------------------------------------- reading
     def node_views(self) -> list[placement.NodeView]:
+        # Views are rebuilt on read, not on every assume/forget: a cycle lifts every running job
+        # off and back on (budgets, trial placements) far more often than it places a gang.
+        for node in self._stale:
+            self._views[node] = dataclasses.replace(
+                self._nodes[node], gpus_free=self._free[node], cpu_free_milli=self._cpu[node])
+        self._stale.clear()
         return list(self._views.values())
 
     def virtual_cluster(self, name: str) -> VirtualClusterView:
@@ -176,8 +183,7 @@ class ClusterSnapshot:
             cpu = self._cpu[node]
             if cpu is not None:
                 self._cpu[node] = cpu + sign * binding.cpu_by_node.get(node, 0)
-            self._views[node] = dataclasses.replace(
-                self._nodes[node], gpus_free=self._free[node], cpu_free_milli=self._cpu[node])
+            self._stale.add(node)
             owner = self._nodes[node].virtual_cluster
             if owner and binding.virtual_cluster and owner != binding.virtual_cluster:
                 self._lent[owner] -= sign * gpus

@@ -140,7 +140,10 @@ class Simulation:
         dirty, last_full = True, -math.inf
         running: list[state.JobState] = []
         while finished < total:
-            t_fin = min((js.finish_time(self.now) for js in running), default=math.inf)
+            # Each finish time is computed once per event: nothing below changes a running job's
+            # progress before the completion check uses the same values.
+            fins = [js.finish_time(self.now) for js in running]
+            t_fin = min(fins, default=math.inf)
             t_ret = min((t for t, _ in self.returns if t > self.now), default=math.inf)
             t_arr = arrivals[nxt] if nxt < total else math.inf
             t = min(t_fin, t_ret, t_arr, next_tick, next_bin)
@@ -150,8 +153,8 @@ class Simulation:
                 self.jobs[nxt].status = "pending"
                 self.live.append(self.jobs[nxt])
                 nxt, dirty = nxt + 1, True
-            for js in running:
-                if js.finish_time(t) <= t + 1e-6:
+            for js, fin in zip(running, fins, strict=True):
+                if fin <= t + 1e-6:
                     js.sync(t)
                     js.done, js.status, js.finished = js.job.work, "done", t
                     self.totals.finished_work += js.reference_gpu_seconds
