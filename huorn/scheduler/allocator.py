@@ -112,9 +112,10 @@ class _Table:
             return None
         m = float(self.local[i] * replicas)
         assert self.throughput is not None and self.eff is not None and self.good is not None
+        # goodput.adascale_gain in scalar arithmetic (same operations): a cycle reports every job.
+        gain = m / self.base_batch * ((self.noise_scale + self.base_batch) / (self.noise_scale + m))
         return goodput.BatchChoice(m, float(self.local[i]), float(self.throughput[i]), float(self.eff[i]),
-                                   float(self.good[replicas]),
-                                   goodput.adascale_gain(self.noise_scale, self.base_batch, m))
+                                   float(self.good[replicas]), float(gain))
 
     @property
     def choices(self) -> list[goodput.BatchChoice | None]:
