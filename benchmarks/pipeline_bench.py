@@ -54,6 +54,8 @@ class BenchConfig:
     partial_path: str = ""  # rank 0 rewrites this JSON after each level, in case a later one hangs
     level_budget_s: float = 0.0  # stop a level's rounds once it ran this long (0: run every round)
     hang_dump_s: float = 0.0  # print every thread's stack after this long, to show where a hang sits
+    p2p_max_ctas: int | None = None  # NCCL thread blocks of our edge communicators (build_groups)
+    p2p_high_priority: bool = False
 
 
 @dataclass
@@ -77,7 +79,8 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
     dtype = getattr(torch, config.dtype)
     decoder = models.build_model(config.model).to(device=device, dtype=dtype)
     topo = pp_topology.PipelineTopology(stages=config.stages, replicas=1, rank=rank)
-    groups = pp_topology.build_groups(topo)
+    groups = pp_topology.build_groups(topo, p2p_max_ctas=config.p2p_max_ctas,
+                                      p2p_high_priority=config.p2p_high_priority)
     stage = split.split_decoder(decoder, config.stages)[topo.stage]
     throttle = contention.Throttle()
     runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, device, throttle)

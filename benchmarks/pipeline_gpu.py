@@ -40,7 +40,14 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="gloo on the CPU with a small model (dry run)")
     parser.add_argument("--budget-s", type=float, default=270.0, help="watchdog: end the workers after this")
     parser.add_argument("--level-budget-s", type=float, default=65.0, help="stop a level's rounds after this")
+    parser.add_argument("--rounds", type=int, default=10, help="measured rounds per level (2 steps each)")
+    parser.add_argument("--p2p-max-ctas", type=int, default=None,
+                        help="NCCL thread blocks of the executor's edge communicators (default: NCCL's)")
+    parser.add_argument("--p2p-high-priority", action="store_true",
+                        help="put the executor's edge communicators on high-priority streams")
     args = parser.parse_args()
+    if args.p2p_max_ctas is not None and args.p2p_max_ctas < 1:
+        parser.error("--p2p-max-ctas must be >= 1")
     if args.budget_s <= 0 or args.level_budget_s <= 0:
         parser.error("--budget-s and --level-budget-s must be > 0 (seconds)")
     for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
@@ -88,9 +95,10 @@ def main() -> None:
 
 def build_config(args: argparse.Namespace) -> pipeline_bench.BenchConfig:
     quick = args.quick or args.tiny
-    common = dict(stages=2, steps=3 if quick else 10, warmup=2 if quick else 3,
+    common = dict(stages=2, steps=3 if quick else args.rounds, warmup=2 if quick else 3,
                   partial_path=str(args.out / "pipeline_gpu_partial.json"),
-                  level_budget_s=args.level_budget_s, hang_dump_s=max(args.budget_s - 10.0, 1.0))
+                  level_budget_s=args.level_budget_s, hang_dump_s=max(args.budget_s - 10.0, 1.0),
+                  p2p_max_ctas=args.p2p_max_ctas, p2p_high_priority=args.p2p_high_priority)
     if args.tiny:
         return pipeline_bench.BenchConfig(
             backend="gloo", model=models.ModelConfig(layers=2, width=32, heads=2, vocabulary=64, context=8),

@@ -43,24 +43,33 @@ def worker(rank: int, world: int, config: pipeline_bench.BenchConfig, rounds: in
     thread_links = tuple(
         contention.LinkSender(peer, group, runner.throttle, device) if peer is not None else None
         for peer, group in ((runner._next, groups.to_next), (runner._previous, groups.to_previous)))
+    # the same stage over edge communicators with other NCCL settings (build_groups' options)
+    variants = {"max_ctas=2": dict(p2p_max_ctas=2), "max_ctas=4": dict(p2p_max_ctas=4),
+                "max_ctas=8": dict(p2p_max_ctas=8), "high priority": dict(p2p_high_priority=True),
+                "max_ctas=4, high priority": dict(p2p_max_ctas=4, p2p_high_priority=True)} if on_gpu else {}
+    others = {name: executor.StageExecutor(stage, topo, pp_topology.build_groups(topo, **options),
+                                           split.compute_decoder_loss, device)
+              for name, options in variants.items()}
     generator = torch.Generator().manual_seed(1)
     shape = (config.micro_batch * config.microbatches, config.model.context)
     tokens = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
     targets = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
     inputs = [[t] for t in tokens.chunk(config.microbatches)]
     labels = list(targets.chunk(config.microbatches))
-    runner.negotiate_shapes(inputs[0], labels[0])
+    for each in (runner, *others.values()):
+        each.negotiate_shapes(inputs[0], labels[0])
     torch_schedule = pipeline_bench.build_torch_schedule("Schedule1F1B", stage, topo, config, device)
     pipeline_bench.TORCH_BATCH[:] = [(tokens, targets)]
 
-    def ours(links: tuple, meter: bool, k: int = 1):
+    def ours(links: tuple, meter: bool, k: int = 1, stage_runner: executor.StageExecutor = runner):
         table = schedules.build_schedule("kfkb", config.stages, config.microbatches, k)
 
         def step() -> None:
-            runner.send_link, runner.grad_link = links
+            if stage_runner is runner:
+                runner.send_link, runner.grad_link = links
             if meter:
-                runner.measured_peaks.clear()
-            runner.run_step(table, inputs if topo.is_first else None, labels if topo.is_last else None)
+                stage_runner.measured_peaks.clear()
+            stage_runner.run_step(table, inputs if topo.is_first else None, labels if topo.is_last else None)
             stage.zero_grad(set_to_none=True)
         return step
 
@@ -81,6 +90,8 @@ def worker(rank: int, world: int, config: pipeline_bench.BenchConfig, rounds: in
         "huorn k=2, stream links": ours(stream_links, meter=False, k=2),
         "torch Schedule1F1B": torch_step,
     }
+    for name, other in others.items():
+        configs[f"huorn 1F1B, stream links, {name}"] = ours((), meter=False, stage_runner=other)
     times: dict[str, list[float]] = {name: [] for name in configs}
     names = list(configs)
     for round_ in range(rounds + 1):
@@ -104,13 +115,14 @@ def worker(rank: int, world: int, config: pipeline_bench.BenchConfig, rounds: in
           for _ in range(3)][-1]
     result["compute_s_per_step"] = config.microbatches * (fb.forward_s + fb.backward_s)
     result["profiles"] = {}
-    for name in ("huorn 1F1B, stream links", "huorn 1F1B, thread links, metered (old)", "torch Schedule1F1B"):
+    for name in ("huorn 1F1B, stream links", "torch Schedule1F1B"):
         result["profiles"][name] = profile_step(configs[name], device)
     runner.send_link, runner.grad_link = stream_links
     for link in thread_links:
         if link is not None:
             link.close()
-    runner.close()
+    for each in (runner, *others.values()):
+        each.close()
     return result
 
 
@@ -141,6 +153,21 @@ def profile_step(step, device: torch.device) -> dict:
     return {"wall_s": wall, "gpu_busy_s": busy / 1e6, "table": table}
 
 
+def best_link_flags(results: list[dict]) -> str:
+    """benchmarks/pipeline_gpu.py's flags for the fastest edge-communicator setting measured
+    (a step is as slow as its slowest rank)."""
+    prefix = "huorn 1F1B, stream links"
+    flags = {prefix: "", **{f"{prefix}, max_ctas={n}": f"--p2p-max-ctas {n}" for n in (2, 4, 8)},
+             f"{prefix}, high priority": "--p2p-high-priority",
+             f"{prefix}, max_ctas=4, high priority": "--p2p-max-ctas 4 --p2p-high-priority"}
+    step = {name: max(r["median_s"][name] for r in results) for name in flags
+            if all(name in r["median_s"] for r in results)}
+    best = min(step, key=step.get)
+    print(f"fastest link setting: {best.removeprefix(prefix + ', ') if best != prefix else 'default'} "
+          f"({step[best] * 1e3:.1f} ms/step)")
+    return flags[best]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/pipeline_gpu_profile"))
@@ -161,10 +188,12 @@ def main() -> None:
     results = launch.run_workers(worker, 2, config.backend, (config, args.rounds), timeout_s=600)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pipeline_gpu_profile.json").write_text(json.dumps(results, indent=2))
+    flags = best_link_flags(results)
+    (args.out / "best_flags.txt").write_text(flags + "\n")
     for result in results:
         print(f"--- rank {result['rank']}: compute floor {result['compute_s_per_step'] * 1e3:.1f} ms/step")
         for name, seconds in result["median_s"].items():
-            print(f"{name:42s} {seconds * 1e3:8.1f} ms  {result['tokens_per_s'][name]:10.0f} tok/s")
+            print(f"{name:58s} {seconds * 1e3:8.1f} ms  {result['tokens_per_s'][name]:10.0f} tok/s")
         for name, prof in result["profiles"].items():
             print(f"[{name}] wall {prof['wall_s'] * 1e3:.1f} ms, gpu busy {prof['gpu_busy_s'] * 1e3:.1f} ms")
             if result["rank"] == 1:

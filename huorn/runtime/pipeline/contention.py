@@ -239,8 +239,11 @@ def gpu_sleep_rate(device: torch.device) -> float:
     """GPU clock cycles per second of `torch.cuda._sleep`, to turn a delay into cycles."""
     # a private stream, so that the measurement neither waits for queued compute nor for a
     # receive the compute stream is waiting on
+    # NB: an idle H200 sits at a low SM clock and a lone spinning kernel raises it only after a
+    # while; counted at the idle clock, every later delay ran several times too short. Spin
+    # first, then count.
     with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-        torch.cuda._sleep(1000)
+        torch.cuda._sleep(100_000_000)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         torch.cuda._sleep(20_000_000)

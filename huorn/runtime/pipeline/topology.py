@@ -73,17 +73,27 @@ class PipelineGroups:
     data_parallel: dist.ProcessGroup | None = None
 
 
-def build_groups(topology: PipelineTopology) -> PipelineGroups:
-    """Create every group in the same order on every rank (dist.new_group is collective)."""
+def build_groups(topology: PipelineTopology, *, p2p_max_ctas: int | None = None,
+                 p2p_high_priority: bool = False) -> PipelineGroups:
+    """Create every group in the same order on every rank (dist.new_group is collective).
+
+    On NCCL, `p2p_max_ctas` caps the thread blocks of the pipeline edges' communicators and
+    `p2p_high_priority` puts their streams ahead of compute. NB: a send or receive kernel
+    spins on its SMs until the peer arrives, and in a pipeline it usually waits a whole
+    action for it, so by default it takes SMs from the stage's own compute for that long;
+    a message is only megabytes, which NVLink carries as fast with a few blocks."""
     if dist.get_world_size() != topology.world_size:
         raise ValueError(f"world size {dist.get_world_size()} != replicas × stages = {topology.world_size}")
+    if p2p_max_ctas is not None and p2p_max_ctas < 1:
+        raise ValueError(f"p2p_max_ctas must be >= 1 (thread blocks), got {p2p_max_ctas}")
+    options = _p2p_options(p2p_max_ctas, p2p_high_priority)
     mine = PipelineGroups()
     me = topology.rank
     for replica in range(topology.replicas):
         for stage in range(topology.stages - 1):
             low, high = topology.global_rank(replica, stage), topology.global_rank(replica, stage + 1)
-            forward = dist.new_group([low, high])
-            backward = dist.new_group([low, high])
+            forward = dist.new_group([low, high], pg_options=options)
+            backward = dist.new_group([low, high], pg_options=options)
             if me == low:
                 mine.to_next, mine.from_next = forward, backward
             elif me == high:
@@ -101,6 +111,17 @@ def build_groups(topology: PipelineTopology) -> PipelineGroups:
     if dist.get_backend() == "nccl":
         torch.cuda.synchronize()
     return mine
+
+
+def _p2p_options(max_ctas: int | None, high_priority: bool) -> object | None:
+    """NCCL options for the edge communicators, or None (the defaults; always so on gloo)."""
+    if dist.get_backend() != "nccl" or (max_ctas is None and not high_priority):
+        return None
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
+    if max_ctas is not None:
+        options.config.max_ctas = max_ctas
+        options.config.min_ctas = 1
+    return options
 
 
 def _device() -> torch.device:
