@@ -199,3 +199,67 @@ def test_vectorised_tables_match_the_one_config_reference(replicas: int, noise: 
     assert choice.global_batch == pytest.approx(reference.global_batch)
     assert choice.lr_scale == pytest.approx(reference.lr_scale)
     assert reference.global_batch >= base  # never below the batch the user tuned
+
+
+# Cheap on one node, costly across nodes: the Pollux inter-node terms dominate.
+NETWORK_BOUND = perfmodel.PolluxParams(0.01, 0.002, 0.01, 0.0005, 2.0, 0.2, 2.0)
+
+
+def fragmented_snapshot() -> snapshot.ClusterSnapshot:
+    """Six GPUs free on one node, two on another: eight replicas fit, but only across two nodes."""
+    nodes = [NodeView("big", 6, 6, virtual_cluster="train"), NodeView("small", 2, 2, virtual_cluster="train")]
+    return snapshot.ClusterSnapshot(nodes, [snapshot.VirtualClusterView("train")])
+
+
+def test_a_gang_is_priced_at_the_nodes_it_would_really_span() -> None:
+    job = build_job("net", NETWORK_BOUND, max_replicas=8)
+    aware = allocator.Allocator().allocate(fragmented_snapshot(), [job], 0)[0]
+    naive = allocator.Allocator(allocator.AllocatorConfig(placement_aware=False)).allocate(
+        fragmented_snapshot(), [build_job("net", NETWORK_BOUND, max_replicas=8)], 0)[0]
+    # The table assumes 8 replicas pack onto one node; they would span two, which is slower here.
+    assert naive.replicas == 8 and len(set(naive.assignments)) == 2
+    assert aware.replicas == 6 and set(aware.assignments) == {"big"}
+    perf = job.perf
+    assert perf is not None
+    at6 = perf.predict(6, 1, aware.local_batch or 0).throughput
+    at8 = perf.predict(8, 2, naive.local_batch or 0).throughput
+    assert at6 > at8  # the choice is the faster one, by the job's own model
+
+
+def test_a_placement_worse_than_the_table_does_not_make_a_job_flap() -> None:
+    snap = fragmented_snapshot()
+    alloc = allocator.Allocator()
+    job = build_job("net", NETWORK_BOUND, max_replicas=8)
+    first = alloc.allocate(snap, [job], 0)[0]
+    job.replicas, job.last_resize, job.last_direction = first.replicas, 0.0, 1
+    for t in (60.0, 600.0, 6000.0):
+        got = alloc.allocate(snap, [job], t)[0]
+        assert got.action == "keep", (t, got)
+
+
+def test_jct_weight_gives_the_extra_gpus_to_the_job_that_finishes_sooner() -> None:
+    def run(weight: float) -> dict[str, int]:
+        jobs = [build_job("short", remaining_work=2e4), build_job("long", remaining_work=2e7, submitted=1)]
+        config = allocator.AllocatorConfig(jct_weight=weight)
+        return {d.job: d.replicas for d in allocator.Allocator(config).allocate(build_snapshot(), jobs, 0)}
+
+    plain, weighted = run(0.0), run(0.5)
+    assert plain["short"] == plain["long"]  # identical curves: the sum of speedups splits evenly
+    assert weighted["short"] > weighted["long"] >= 1
+    assert weighted["short"] + weighted["long"] == plain["short"] + plain["long"]
+
+
+def test_restarts_are_charged_over_the_remaining_time() -> None:
+    def grows(remaining: float) -> bool:
+        snap = build_snapshot(train_nodes=1)
+        config = allocator.AllocatorConfig(restart_over_remaining=True)
+        alloc = allocator.Allocator(config)
+        job = build_job("j", remaining_work=remaining, restart_seconds=60.0, max_replicas=8)
+        job.replicas = 1
+        snap.assume("j", "train", snapshot.placement.Placement(["t0"]), 1)
+        return alloc.allocate(snap, [job], 0)[0].action == "grow"
+
+    # At one replica this job processes a few hundred samples a second: 3e3 samples is seconds of
+    # work, not worth a 60 s restart; 3e7 is hours, and growing pays for itself many times over.
+    assert not grows(3e3)
+    assert grows(3e7)

@@ -25,6 +25,7 @@ then placed gang by gang, all-or-none, stepping a job down when fragmentation le
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ class JobView:
     last_direction: int = 0  # +1 the last resize grew the job, -1 it shrank it
     submitted: float = 0.0
     model_version: int = 0  # bump when perf or noise_scale change, so cached tables are rebuilt
+    # Work left, in base-batch samples (the spec's steps or tokens less the reported progress);
+    # None when unknown. Only read when AllocatorConfig.jct_weight > 0.
+    remaining_work: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -72,12 +76,28 @@ class AllocatorConfig:
     cooldown_seconds: float = 300.0
     gpus_per_node: int = 8  # to predict nodes spanned before placement
     elastic: bool = True  # False: every job runs at exactly min replicas (no goodput search)
+    # Price a gang at the nodes its placement really spans, not at perfect packing: a running job
+    # is valued (and its batch chosen) at its own span, and a gang that would land on more nodes
+    # than packing promised is compared with the smaller sizes that fit in fewer nodes.
+    placement_aware: bool = True
+    # 0: maximise the sum of speedups (Pollux). > 0: weigh each job's speedup by
+    # (horizon / its remaining time at minimum size) ** jct_weight, so that GPUs go first where they
+    # finish work soonest (heSRPT's rule for concave speedups: shorter jobs get larger shares).
+    jct_weight: float = 0.0
+    # 0: minimums go to running jobs first, then pending ones in submission order. > 0: shortest
+    # remaining time first (SRPT), where a running job counts as if its remaining time were this many
+    # times shorter, so a pending job displaces it only when it is that much shorter (hysteresis
+    # against preempting for a near-equal).
+    srpt_margin: float = 0.0
+    # Charge a restart over the shorter of the horizon and the job's own remaining time: a job that
+    # will finish in two minutes does not pay back a one-minute restart, whatever it gains per second.
+    restart_over_remaining: bool = False
 
 
 @dataclass(frozen=True)
 class Decision:
     job: str
-    action: str  # admit | grow | shrink | preempt | keep | pending
+    action: str  # admit | grow | shrink | move (same size, new nodes) | preempt | keep | pending
     replicas: int
     previous_replicas: int
     global_batch: float | None = None
@@ -122,10 +142,15 @@ class _Table:
         return [self.choice(a) for a in range(len(self.speedup))]
 
 
+_AtSpan = tuple[float, goodput.BatchChoice | None]  # speedup and best batch at a real span
+
+
 class Allocator:
     def __init__(self, config: AllocatorConfig | None = None):
         self.config = config or AllocatorConfig()
         self._tables: dict[str, tuple[int, _Table]] = {}
+        # (model_version, {(replicas, nodes): (speedup, batch choice)}) per job, for real spans.
+        self._spans: dict[str, tuple[int, dict[tuple[int, int], _AtSpan]]] = {}
 
     # ------------------------------------------------------------------ goodput tables
     def table(self, job: JobView) -> _Table:
@@ -138,6 +163,43 @@ class Allocator:
 
     def forget_job(self, job: str) -> None:
         self._tables.pop(job, None)
+        self._spans.pop(job, None)
+
+    def ideal_nodes(self, job: JobView, replicas: int) -> int:
+        """The nodes a gang spans when packed perfectly: what the goodput table assumes."""
+        return math.ceil(replicas / max(1, self.config.gpus_per_node // job.gpus_per_replica))
+
+    def at_span(self, job: JobView, replicas: int, nodes: int) -> tuple[float, goodput.BatchChoice | None]:
+        """Speedup (on the table's scale) and best batch of `replicas` spread over `nodes` nodes."""
+        table = self.table(job)
+        packed = nodes == self.ideal_nodes(job, replicas)
+        if job.perf is None or packed or not 0 < replicas < len(table.speedup):
+            return (float(table.speedup[replicas]) if 0 <= replicas < len(table.speedup) else 0.0,
+                    table.choice(replicas))
+        cached = self._spans.get(job.name)
+        if cached is None or cached[0] != job.model_version:
+            cached = (job.model_version, {})
+            self._spans[job.name] = cached
+        hit = cached[1].get((replicas, nodes))
+        if hit is not None:
+            return hit
+        local = goodput.candidate_local_batches(job.base_batch, replicas, job.max_local_batch)
+        if local.size == 0:
+            result: _AtSpan = (0.0, None)
+        else:
+            thr = job.perf.predict_many(np.full(local.shape, float(replicas)),
+                                        np.full(local.shape, float(nodes)), local)
+            eff = goodput.efficiency(job.noise_scale, job.base_batch, local * replicas)
+            i = int(np.argmax(thr * eff))
+            m = float(local[i] * replicas)
+            good = float(thr[i] * eff[i])
+            ref = table.good[job.min_replicas] if table.good is not None else 0.0
+            ref = ref or max(float(table.good.max()) if table.good is not None else 0.0, 1e-12)
+            gain = goodput.adascale_gain(job.noise_scale, job.base_batch, m)
+            choice = goodput.BatchChoice(m, float(local[i]), float(thr[i]), float(eff[i]), good, gain)
+            result = (good / ref, choice)
+        cached[1][(replicas, nodes)] = result
+        return result
 
     def _build_table(self, job: JobView) -> _Table:
         top = job.max_replicas if self.config.elastic else job.min_replicas
@@ -174,7 +236,7 @@ class Allocator:
         bound = snap.bindings()
         own, lend, borrow = self._budgets(snap, [j for j in jobs if j.name in bound])
         target = {j.name: 0 for j in jobs}
-        values = {j.name: self._values(j, now) for j in jobs}
+        values = {j.name: self._values(j, now, bound) for j in jobs}
 
         def take(job: JobView, gpus: int, commit: bool) -> bool:
             vc = job.virtual_cluster
@@ -195,6 +257,11 @@ class Allocator:
         # Pass 1: minimums by priority; pinned jobs first, running before pending within a priority.
         def rank(j: JobView) -> tuple:
             pinned = bool(j.replicas) and j.priority >= PINNED_PRIORITY
+            if self.config.srpt_margin > 0:
+                left = self._remaining_seconds(j)
+                if j.replicas:
+                    left /= self.config.srpt_margin
+                return (not pinned, -j.priority, left, j.submitted, j.name)
             return (not pinned, -j.priority, not j.replicas, j.submitted, j.name)
 
         order = sorted(jobs, key=rank)
@@ -219,15 +286,34 @@ class Allocator:
                 values[name] = values[name][: to]  # that jump does not fit; try smaller ones
             self._push_best(heap, job, target[name], values[name])
 
-        return self._place(snap, jobs, target, bound)
+        # A running job that the greedy would shrink keeps the GPUs for its current size in
+        # reserve if they are left over: placement may find the smaller gang spread so thin that
+        # shrinking does not pay (the table prices every size at perfect packing).
+        keepable: set[str] = set()
+        if self.config.placement_aware:
+            for job in jobs:
+                t = target[job.name]
+                if job.name in bound and 0 < t < job.replicas and take(
+                        job, (job.replicas - t) * job.gpus_per_replica, commit=True):
+                    keepable.add(job.name)
+        return self._place(snap, jobs, target, bound, keepable, now)
 
-    def _values(self, job: JobView, now: float) -> np.ndarray:
+    def _values(self, job: JobView, now: float, bound: dict[str, snapshot.Binding]) -> np.ndarray:
         """Speedup per replica count, discounted for a restart where a size change needs one."""
-        v = self.table(job).speedup.copy()
+        table = self.table(job)
+        v = table.speedup.copy()
+        if self.config.jct_weight != 0 and job.remaining_work is not None and table.good is not None:
+            left = self._remaining_seconds(job)
+            weight = (self.config.horizon_seconds / max(left, 60.0)) ** self.config.jct_weight
+        else:
+            weight = 1.0
+        v *= weight
         if job.replicas:
-            penalty = job.restart_seconds / self.config.horizon_seconds + self.config.hysteresis
+            penalty = self._penalty(job)
             cur = min(job.replicas, len(v) - 1)
             keep = v[cur]
+            if self.config.placement_aware and job.name in bound:
+                keep = self.at_span(job, cur, len(bound[job.name].gpus_by_node))[0] * weight
             v *= max(0.0, 1.0 - penalty)
             v[cur] = keep
             if now - job.last_resize < self.config.cooldown_seconds:
@@ -262,7 +348,7 @@ class Allocator:
         return own, lend, borrow
 
     def _place(self, snap: snapshot.ClusterSnapshot, jobs: list[JobView], target: dict[str, int],
-               bound: dict[str, snapshot.Binding]) -> list[Decision]:
+               bound: dict[str, snapshot.Binding], keepable: set[str], now: float) -> list[Decision]:
         decisions: list[Decision] = []
         # Release first what shrinks or stops, so the GPUs are there for the jobs that grow.
         for job in jobs:
@@ -273,38 +359,91 @@ class Allocator:
                           key=lambda j: (-j.priority, -target[j.name] * j.gpus_per_replica, j.submitted))
         for job in jobs:
             if job.name in bound and target[job.name] == job.replicas:
-                decisions.append(self._decision(job, "keep", job.replicas, list(
-                    _assignments(bound[job.name], job.gpus_per_replica)), "size unchanged"))
+                decisions.append(self._keep(job, bound[job.name], "size unchanged"))
         for job in changing:
             want = target[job.name]
             placed: placement.Placement | None = None
             reason = ""
+            best = -1.0
+            running = job.name in bound
+            # A resize restarts the job: price it as _values does, so that a placement worse than
+            # the table assumed cannot make a job flap between two sizes.
+            cost = 1.0 - self._penalty(job) if running else 1.0
             for a in range(want, job.min_replicas - 1, -1) if want else []:
                 where = snap.place(job.virtual_cluster, a, job.gpus_per_replica)
-                if isinstance(where, placement.Placement):
-                    snap.assume(job.name, job.virtual_cluster, where, job.gpus_per_replica)
+                if not isinstance(where, placement.Placement):
+                    reason = where.reason
+                    continue
+                if not self.config.placement_aware:
                     placed, want = where, a
                     break
-                reason = where.reason
+                # Fragmentation may spread the gang over more nodes than the table assumed; a
+                # smaller gang on fewer nodes can then be faster. Keep the best real speedup, and
+                # stop at the first size that packs as the table assumed.
+                speed = self.at_span(job, a, where.nodes_spanned)[0] * cost
+                if speed > best:
+                    placed, want, best = where, a, speed
+                if where.nodes_spanned <= self.ideal_nodes(job, a):
+                    break
+            if running and self.config.placement_aware and (job.replicas <= target[job.name]
+                                                              or job.name in keepable):
+                old = bound[job.name]
+                stay = self.at_span(job, job.replicas, len(old.gpus_by_node))[0]
+                if stay >= best:
+                    with contextlib.suppress(ValueError):  # its GPUs went to a bigger gang first
+                        where = placement.Placement(_assignments(old, job.gpus_per_replica))
+                        snap.assume(job.name, job.virtual_cluster, where, job.gpus_per_replica)
+                        decisions.append(self._keep(job, old, "a resize would land on a placement that "
+                                                              "does not pay for its restart"))
+                        continue
+            if placed is not None:
+                snap.assume(job.name, job.virtual_cluster, placed, job.gpus_per_replica)
             if placed is None:
                 action = "preempt" if job.replicas else "pending"
                 why = reason or self._why_zero(job)
                 decisions.append(self._decision(job, action, 0, [], why))
                 continue
-            action = "admit" if not job.replicas else ("grow" if want > job.replicas else "shrink")
+            action = ("admit" if not job.replicas else "grow" if want > job.replicas
+                      else "shrink" if want < job.replicas else "move")
             speed = self.table(job).speedup
-            why = (f"predicted speedup {speed[want]:.2f}× at {want} replicas "
+            real = self.at_span(job, want, placed.nodes_spanned)[0]
+            why = (f"predicted speedup {real:.2f}× at {want} replicas on {placed.nodes_spanned} node(s) "
                    f"vs {speed[job.min_replicas]:.2f}× at min {job.min_replicas}")
-            decisions.append(self._decision(job, action, want, placed.assignments, why))
+            decisions.append(self._decision(job, action, want, placed.assignments, why,
+                                            nodes=placed.nodes_spanned))
         return decisions
+
+    def _keep(self, job: JobView, binding: snapshot.Binding, why: str) -> Decision:
+        return self._decision(job, "keep", job.replicas, _assignments(binding, job.gpus_per_replica), why,
+                              nodes=len(binding.gpus_by_node))
+
+    def _remaining_seconds(self, job: JobView) -> float:
+        """Time the job still needs at its minimum size, by its own model; inf when unknown."""
+        table = self.table(job)
+        if job.remaining_work is None or table.good is None:
+            return math.inf
+        rate = float(table.good[job.min_replicas])
+        return job.remaining_work / rate if rate > 0 else math.inf
+
+    def _penalty(self, job: JobView) -> float:
+        horizon = self.config.horizon_seconds
+        if self.config.restart_over_remaining and job.replicas:
+            table = self.table(job)
+            cur = min(job.replicas, len(table.speedup) - 1)
+            speed = float(table.speedup[cur]) or 1.0
+            horizon = min(horizon, self._remaining_seconds(job) / speed)
+        return job.restart_seconds / max(horizon, 1e-9) + self.config.hysteresis
 
     def _why_zero(self, job: JobView) -> str:
         return (f"no GPUs left for its minimum of {job.min_replicas}×{job.gpus_per_replica} after jobs of "
                 f"priority ≥ {job.priority} took theirs")
 
-    def _decision(self, job: JobView, action: str, replicas: int, assignments: list[str], reason: str
-                  ) -> Decision:
-        choice = self.table(job).choice(replicas)
+    def _decision(self, job: JobView, action: str, replicas: int, assignments: list[str], reason: str,
+                  nodes: int | None = None) -> Decision:
+        if self.config.placement_aware and nodes is not None:
+            choice = self.at_span(job, replicas, nodes)[1]
+        else:
+            choice = self.table(job).choice(replicas)
         return Decision(job.name, action, replicas, job.replicas,
                         choice.global_batch if choice else None, choice.local_batch if choice else None,
                         choice.lr_scale if choice else None, assignments, reason)

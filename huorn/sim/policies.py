@@ -45,7 +45,11 @@ POLICIES: dict[str, PolicySpec] = {
     "kueue": PolicySpec("kueue", elastic=False, loaning="kueue"),
     "pollux": PolicySpec("pollux", elastic=True, loaning="none", allocator=allocator.AllocatorConfig(
         horizon_seconds=math.inf, hysteresis=0.10, cooldown_seconds=0.0)),
-    "huorn": PolicySpec("huorn", elastic=True, loaning="huorn", family_priors=True),
+    # JCT-aware: speedups weighed by (horizon / remaining time)^0.5, restarts charged over the
+    # shorter of a one-hour horizon and the job's remaining time (docs/scheduling.md, "Allocator").
+    "huorn": PolicySpec("huorn", elastic=True, loaning="huorn", family_priors=True,
+                        allocator=allocator.AllocatorConfig(horizon_seconds=3600.0, jct_weight=0.5,
+                                                            restart_over_remaining=True)),
 }
 TRAIN, INFER = "train", "infer"
 
@@ -145,7 +149,8 @@ def _schedule_elastic(sim: Simulation) -> None:
             replicas=js.replicas, noise_scale=js.noise_scale, base_batch=fam.base_batch,
             max_local_batch=fam.max_local_batch, restart_seconds=fam.restart_seconds,
             last_resize=js.last_resize, last_direction=js.last_direction, submitted=js.job.arrival,
-            model_version=js.model_version * 1000 + int(4 * math.log1p(js.noise_scale))))
+            model_version=js.model_version * 1000 + int(4 * math.log1p(js.noise_scale)),
+            remaining_work=js.job.work - js.done))
     for d in sim.allocator.allocate(sim.snap, views, sim.now):
         js = sim.by_name[d.job]
         if d.action == "keep":
