@@ -22,13 +22,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--gpus", type=int, default=128)
+    parser.add_argument("--load", type=float, default=0.8)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/scheduling_sim/seeds.json"))
     args = parser.parse_args()
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         trace = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv",
                  DATA / "genai_qps.csv")
-        config = engine.SimConfig(gpus=args.gpus, seed=seed)
+        config = engine.SimConfig(gpus=args.gpus, seed=seed, load=args.load)
         results, _ = run.run_policies(*trace, ["fifo", "pollux", "huorn"], config)
         h, p, f = results["huorn"], results["pollux"], results["fifo"]
         row = {
@@ -36,16 +37,21 @@ def main() -> None:
             "jct_reduction_vs_pollux": 1 - h["jct_mean_s"] / p["jct_mean_s"],
             "goodput_vs_fifo": h["goodput_gpu_equiv"] / f["goodput_gpu_equiv"],
             "job_goodput_vs_fifo": h["job_goodput_vs_trace"] / f["job_goodput_vs_trace"],
+            "saturated_goodput_vs_fifo": h["goodput_saturated_gpu_equiv"] / f["goodput_saturated_gpu_equiv"],
+            "job_goodput_with_wait_vs_fifo": (h["job_goodput_with_wait_vs_trace"]
+                                              / f["job_goodput_with_wait_vs_trace"]),
             "slo": h["inference_slo_attainment"],
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    keys = ("jct_reduction_vs_pollux", "goodput_vs_fifo", "job_goodput_vs_fifo", "slo")
+    keys = ("jct_reduction_vs_pollux", "goodput_vs_fifo", "saturated_goodput_vs_fifo", "job_goodput_vs_fifo",
+            "job_goodput_with_wait_vs_fifo", "slo")
     summary = {k: {"mean": statistics.fmean(r[k] for r in rows), "min": min(r[k] for r in rows),
                    "max": max(r[k] for r in rows)} for k in keys}
     print(json.dumps(summary, indent=2))
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"gpus": args.gpus, "runs": rows, "summary": summary}, indent=2))
+    out = {"gpus": args.gpus, "load": args.load, "runs": rows, "summary": summary}
+    args.output.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -101,3 +101,16 @@ def test_whole_trace_at_1024_gpus_simulates_well_inside_a_minute() -> None:
     cpu = time.process_time() - start
     assert results["huorn"]["jobs"] > 3000  # the whole trace: every GPU training pod is kept
     assert cpu < 40.0, f"Huorn on the whole trace at 1,024 GPUs took {cpu:.1f} CPU s"
+
+
+def test_goodput_measures_are_bounded_by_what_they_count() -> None:
+    """Static FIFO reproduces the trace: its saturated-window goodput cannot exceed the training GPUs,
+    and counting queueing can only lower a job's goodput."""
+    results, _ = run.run_policies(TRACE, NODES, QPS, ["fifo", "huorn"], engine.SimConfig(gpus=32, seed=2))
+    fifo, huorn = results["fifo"], results["huorn"]
+    assert 0 < fifo["goodput_saturated_gpu_equiv"] <= fifo["training_gpus"] + 1e-6
+    assert fifo["saturated_window_s"] == huorn["saturated_window_s"]  # one window for every policy
+    for r in (fifo, huorn):
+        assert r["job_goodput_with_wait_vs_trace"] <= r["job_goodput_vs_trace"] + 1e-9
+    # FIFO runs every job exactly as the trace did: per job, as fast as the trace once started.
+    assert fifo["job_goodput_vs_trace"] == pytest.approx(1.0, abs=0.25)

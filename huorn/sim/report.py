@@ -1,14 +1,22 @@
 """Metrics of a simulated run, the comparison across policies, and the plots a person looks at.
 
-Goodput here is cluster-level and comparable across jobs: a job's progress counted in the trace
-GPU-seconds it stands for (its fraction done × its trace duration × its requested GPUs), summed
-over jobs and divided by the arrival window, the span in which every policy is offered the same
-load. It is "how many GPUs' worth of the trace's work got done per second", and it cannot exceed the
-offered load: when FIFO keeps up with arrivals no policy can beat it by much on this measure.
+Goodput is Pollux's: throughput × statistical efficiency, in the job's own progress units
+(base-batch-equivalent samples per second; one sample at batch M is worth E(M) of a sample at the
+base batch, which is also the AdaScale gain per step). To add jobs of different models, each job's
+goodput is divided by its goodput as the trace ran it (its requested GPUs at its base batch, which
+static FIFO reproduces exactly) and weighted by its requested GPUs: cluster goodput G(t) is then
+"trace GPU-seconds of work done per second", in GPU equivalents, and static FIFO with every GPU busy
+scores the number of training GPUs. Restart pauses count as zero. It is reported over two windows:
 
-Job goodput is Pollux's per-job view: the rate at which a job progresses while it holds GPUs,
-relative to its trace run (trace duration / (finish − first start)); 1.0 is "as fast as the trace
-at the requested size", above 1 means elasticity made it faster. Both are reported.
+- the arrival window (`goodput_gpu_equiv`, the original measure): it cannot exceed the offered
+  load, so when FIFO keeps up with arrivals no policy beats it by much;
+- the saturated window (`goodput_saturated_gpu_equiv`): from the first arrival for T* = total trace
+  work ÷ training GPUs, the time a perfectly packed static cluster needs for the whole trace. Work
+  is waiting for every policy during it, so it measures how fast each turns GPUs into progress.
+
+Per job (Pollux's per-job view, relative to the trace run, so 1.0 is "as fast as the trace at the
+requested size"): `job_goodput_vs_trace` is trace duration / (finish − first start), the speed while
+holding GPUs; `job_goodput_with_wait_vs_trace` is trace duration / JCT, which also counts queueing.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ def summarise(sim: engine.Simulation, wall_seconds: float) -> dict:
     window = max(last_arrival, 1.0)
     done_in_window = _work_done_by(sim, window)
     makespan = max(js.finished for js in jobs) - min(js.job.arrival for js in jobs)
+    saturated = max(sum(js.job.duration * js.job.requested_gpus for js in jobs) / sim.train_gpus, 1.0)
     t = sim.totals
     return {
         "jobs": len(jobs),
@@ -42,6 +51,10 @@ def summarise(sim: engine.Simulation, wall_seconds: float) -> dict:
         "jct_p99_s": float(np.percentile(jct, 99)),
         "makespan_s": float(makespan),
         "goodput_gpu_equiv": done_in_window / window,
+        "goodput_saturated_gpu_equiv": _work_done_by(sim, saturated) / saturated,
+        "saturated_window_s": saturated,
+        "job_goodput_with_wait_vs_trace": float(np.mean([
+            js.job.duration / max(js.finished - js.job.arrival, 1e-9) for js in jobs])),
         "job_goodput_vs_trace": float(np.mean([js.job.duration / max(js.finished - js.started, 1e-9)
                                                for js in jobs])),
         "gpu_utilisation": (t.train_gpu_seconds + t.infer_gpu_seconds) / (sim.config.gpus * makespan),
@@ -77,6 +90,13 @@ def compare(results: dict[str, dict]) -> dict:
     if "fifo" in results and results["fifo"]["goodput_gpu_equiv"] > 0:
         out["goodput_vs_fifo"] = h["goodput_gpu_equiv"] / results["fifo"]["goodput_gpu_equiv"]
         out["job_goodput_vs_fifo"] = h["job_goodput_vs_trace"] / results["fifo"]["job_goodput_vs_trace"]
+        f = results["fifo"]
+        if f.get("goodput_saturated_gpu_equiv"):
+            out["saturated_goodput_vs_fifo"] = (h["goodput_saturated_gpu_equiv"]
+                                                / f["goodput_saturated_gpu_equiv"])
+        if f.get("job_goodput_with_wait_vs_trace"):
+            out["job_goodput_with_wait_vs_fifo"] = (h["job_goodput_with_wait_vs_trace"]
+                                                    / f["job_goodput_with_wait_vs_trace"])
     out["inference_slo_attainment"] = h["inference_slo_attainment"]
     return out
 
