@@ -47,7 +47,8 @@ class BenchConfig:
     fixed_k: tuple[int, ...] = (1, 2, 3, 4)
     warmup: int = 2
     steps: int = 5
-    replan_every: int = 2  # steps per round of each configuration; adaptive k decides once a round
+    replan_every: int = 2  # timed steps per round of each configuration; adaptive k decides once a round
+    switch_warmup: int = 1  # untimed steps each configuration runs first in every round
     burst_fraction: float = 0.15
     dtype: str = "float32"
     machine: str = ""
@@ -68,6 +69,7 @@ class LevelResult:
     peak_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)  # k -> (predicted, measured)
     torch_throttled_batches: int = 0
     measured_rounds: int = 0
+    round_s: dict[str, list[float]] = field(default_factory=dict)  # mean step per measured round
 
 
 def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
@@ -120,7 +122,17 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
         synchronize(device)
         dist.barrier()
 
+    def warm_up(k: int) -> None:
+        """Untimed steps after a switch: the first step of a configuration after another one
+        ran slower by up to 10% on the H200s (allocator, other communicators), and with two
+        timed steps per round such a step moved the median between two modes."""
+        if config.switch_warmup:
+            plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k)
+            training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
+                                           steps=config.switch_warmup, plan=plan, before_step=aligned)
+
     def run_fixed(k: int) -> tuple[str, list[float]]:
+        warm_up(k)
         plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k)
         reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
                                                  steps=config.replan_every, plan=plan, before_step=aligned)
@@ -129,6 +141,7 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
 
     def run_adaptive() -> tuple[str, list[float]]:
         nonlocal adaptive_k
+        warm_up(adaptive_k)
         plan = training.PipelinePlan(microbatches=config.microbatches, schedule="auto", k=adaptive_k,
                                      replan_every=config.replan_every)
         reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
@@ -142,8 +155,9 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
         return "huorn adaptive", [r.seconds for r in reports]
 
     def run_torch(name: str) -> tuple[str, list[float]]:
-        times = time_torch_steps(torch_schedules[name], stage, topo, device, config.replan_every, throttle)
-        return f"torch {name}", times
+        times = time_torch_steps(torch_schedules[name], stage, topo, device,
+                                 config.switch_warmup + config.replan_every, throttle)
+        return f"torch {name}", times[config.switch_warmup:]
 
     def describe(done: list[LevelResult]) -> dict:
         return {"config": asdict(config), "burst_s": throttle.burst_s, "compute_fb_s": float(compute[0]),
@@ -165,6 +179,7 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
                 name, seconds = run()
                 if round_:
                     samples.setdefault(name, []).extend(seconds)
+                    result.round_s.setdefault(name, []).append(statistics.fmean(seconds))
             result.measured_rounds = round_
             # a slow machine or link gets fewer rounds rather than no result: rank 0 decides
             # for both, so that every rank leaves the level at the same round
@@ -297,6 +312,19 @@ def throttled_torch_p2p(throttle: contention.Throttle, device: torch.device) -> 
             link.close()
 
 
+def round_ratio_spread(level: dict, name: str, baseline: str) -> tuple[float, float, float] | None:
+    """Quartiles of `name`'s speed over `baseline`'s, round by round (the two ran minutes apart
+    at most, so a drift of the machine cancels), or None for a result without rounds."""
+    rounds = level.get("round_s") or {}
+    if name not in rounds or baseline not in rounds:
+        return None
+    ratios = sorted(b / a for a, b in zip(rounds[name], rounds[baseline], strict=True))
+    if len(ratios) < 2:
+        return None
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q1, median, q3
+
+
 def summarise(result: dict) -> str:
     """The markdown table and ratios for docs/benchmarks.md."""
     lines = ["| contention | huorn 1F1B | best fixed k | huorn adaptive (k chosen) | torch Schedule1F1B | "
@@ -313,6 +341,15 @@ def summarise(result: dict) -> str:
             f"| {tps['huorn adaptive']:.0f} (k={chosen}) | {tps['torch Schedule1F1B']:.0f} | "
             f"{tps['torch ScheduleGPipe']:.0f} | {tps['huorn adaptive'] / tps['huorn 1F1B']:.2f}× | "
             f"{tps['huorn adaptive'] / tps['torch Schedule1F1B']:.2f}× |")
+    spreads = []
+    for level in result["levels"]:
+        for baseline in ("huorn 1F1B", "torch Schedule1F1B"):
+            spread = round_ratio_spread(level, "huorn adaptive", baseline)
+            if spread is not None:
+                spreads.append(f"{level['level']:.0%} adaptive / {baseline.removeprefix('huorn ')}: "
+                               f"median {spread[1]:.2f}× (quartiles {spread[0]:.2f}–{spread[2]:.2f}×)")
+    if spreads:
+        lines += ["", "Round by round (paired ratios):", *[f"- {line}" for line in spreads]]
     return "\n".join(lines)
 
 

@@ -97,14 +97,14 @@ def worker(rank: int, world: int, config: pipeline_bench.BenchConfig, rounds: in
     for round_ in range(rounds + 1):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            for _ in range(2):
+            for repeat in range(3):  # the first step after a switch is a warm-up
                 pipeline_bench.synchronize(device)
                 dist.barrier()
                 start = time.perf_counter()
                 configs[name]()
                 pipeline_bench.synchronize(device)
                 dist.barrier()
-                if round_:
+                if round_ and repeat:
                     times[name].append(time.perf_counter() - start)
     tokens_per_step = config.micro_batch * config.microbatches * config.model.context
     result = {"rank": rank, "median_s": {n: statistics.median(v) for n, v in times.items()}}
