@@ -263,3 +263,22 @@ def test_restarts_are_charged_over_the_remaining_time() -> None:
     # work, not worth a 60 s restart; 3e7 is hours, and growing pays for itself many times over.
     assert not grows(3e3)
     assert grows(3e7)
+
+
+def test_pending_jobs_can_be_admitted_shortest_remaining_first() -> None:
+    """One free GPU, two pending jobs: FIFO admits the older, SRPT the one that finishes sooner."""
+    def admitted(order: str) -> str:
+        snap = build_snapshot(train_nodes=1)
+        blocker = build_job("blocker", min_replicas=7, max_replicas=7)
+        alloc = allocator.Allocator(allocator.AllocatorConfig(pending_order=order))
+        alloc.allocate(snap, [blocker], 0)
+        jobs = [build_job("old-long", remaining_work=1e8, max_replicas=1, submitted=1),
+                build_job("new-short", remaining_work=1e4, max_replicas=1, submitted=2)]
+        got = {d.job: d.action for d in alloc.allocate(snap, jobs, 10)}
+        assert sorted(got.values()) == ["admit", "pending"]
+        return next(name for name, action in got.items() if action == "admit")
+
+    assert admitted("submitted") == "old-long"
+    assert admitted("remaining") == "new-short"
+    with pytest.raises(ValueError, match="pending_order"):
+        allocator.AllocatorConfig(pending_order="random")

@@ -114,3 +114,14 @@ def test_goodput_measures_are_bounded_by_what_they_count() -> None:
         assert r["job_goodput_with_wait_vs_trace"] <= r["job_goodput_vs_trace"] + 1e-9
     # FIFO runs every job exactly as the trace did: per job, as fast as the trace once started.
     assert fifo["job_goodput_vs_trace"] == pytest.approx(1.0, abs=0.25)
+
+
+def test_huorn_admits_on_arrival_and_pollux_on_its_60_second_cycle() -> None:
+    config = engine.SimConfig(gpus=32, seed=1)
+    results, sims = run.run_policies(TRACE, NODES, QPS, ["pollux", "huorn"], config)
+    pollux_starts = [js.started for js in sims["pollux"].jobs]
+    assert all(s % 60 == 0 for s in pollux_starts)  # every allocation happens on a tick
+    on_arrival = [js for js in sims["huorn"].jobs if js.started == js.job.arrival]
+    assert len(on_arrival) >= 10  # event-driven: jobs that find free GPUs do not wait for the tick
+    assert any(js.job.arrival % 60 != 0 for js in on_arrival)
+    assert results["huorn"]["jobs"] == results["pollux"]["jobs"]

@@ -84,14 +84,16 @@ class AllocatorConfig:
     # (horizon / its remaining time at minimum size) ** jct_weight, so that GPUs go first where they
     # finish work soonest (heSRPT's rule for concave speedups: shorter jobs get larger shares).
     jct_weight: float = 0.0
-    # 0: minimums go to running jobs first, then pending ones in submission order. > 0: shortest
-    # remaining time first (SRPT), where a running job counts as if its remaining time were this many
-    # times shorter, so a pending job displaces it only when it is that much shorter (hysteresis
-    # against preempting for a near-equal).
-    srpt_margin: float = 0.0
+    # Order of pending jobs in the minimums pass: "submitted" (FIFO) or "remaining" (shortest
+    # remaining time first, SRPT without preemption: running jobs still come first).
+    pending_order: str = "submitted"
     # Charge a restart over the shorter of the horizon and the job's own remaining time: a job that
     # will finish in two minutes does not pay back a one-minute restart, whatever it gains per second.
     restart_over_remaining: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pending_order not in ("submitted", "remaining"):
+            raise ValueError(f"pending_order must be submitted or remaining, got {self.pending_order!r}")
 
 
 @dataclass(frozen=True)
@@ -257,12 +259,9 @@ class Allocator:
         # Pass 1: minimums by priority; pinned jobs first, running before pending within a priority.
         def rank(j: JobView) -> tuple:
             pinned = bool(j.replicas) and j.priority >= PINNED_PRIORITY
-            if self.config.srpt_margin > 0:
-                left = self._remaining_seconds(j)
-                if j.replicas:
-                    left /= self.config.srpt_margin
-                return (not pinned, -j.priority, left, j.submitted, j.name)
-            return (not pinned, -j.priority, not j.replicas, j.submitted, j.name)
+            if self.config.pending_order == "remaining" and not j.replicas:
+                return (not pinned, -j.priority, True, self._remaining_seconds(j), j.submitted, j.name)
+            return (not pinned, -j.priority, not j.replicas, 0.0, j.submitted, j.name)
 
         order = sorted(jobs, key=rank)
         for job in order:

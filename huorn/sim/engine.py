@@ -152,10 +152,11 @@ class Simulation:
             t = min(t_fin, t_ret, t_arr, next_tick, next_bin)
             self._account(self.now, t, running)
             self.now = t
+            event = False  # an arrival or a completion: what event-driven admission reacts to
             while nxt < total and arrivals[nxt] <= t:
                 self.jobs[nxt].status = "pending"
                 self.live.append(self.jobs[nxt])
-                nxt, dirty = nxt + 1, True
+                nxt, dirty, event = nxt + 1, True, True
             for js, fin in zip(running, fins, strict=True):
                 if fin <= t + 1e-6:
                     js.sync(t)
@@ -164,7 +165,7 @@ class Simulation:
                     self.unbind(js, requeue=False, lose_work=False)
                     js.replicas, js.rate = 0, 0.0
                     self.allocator.forget_job(js.job.name)
-                    finished, dirty = finished + 1, True
+                    finished, dirty, event = finished + 1, True, True
             self.returns = [(rt, g) for rt, g in self.returns if rt > t]
             if t >= next_bin:
                 next_bin = self.load.next_bin_time(t)
@@ -172,6 +173,7 @@ class Simulation:
                     js.sync(t)
                 dirty = True
                 policies.react_to_load(self)
+            admit = self.spec.event_admission and event and t < next_tick
             if t >= next_tick:
                 next_tick = t + self.config.tick_seconds
                 for js in running:
@@ -190,6 +192,8 @@ class Simulation:
                 self.totals.series_work.append((t, self.totals.finished_work + live_work))
                 if progress is not None:
                     progress(finished / total)
+            if admit and any(js.status == "pending" for js in self.live):
+                policies.admit(self)  # dirty stays set: the next tick still runs the full cycle
             self.live = [js for js in self.live if js.status != "done"]
             running = [js for js in self.live if js.status == "running"]
             self._running_gpus = sum(js.gpus for js in running)
