@@ -159,3 +159,20 @@ def test_snapshot_simulate_undoes_everything() -> None:
 def test_snapshot_rejects_unknown_virtual_cluster() -> None:
     with pytest.raises(ValueError, match="virtual_cluster 'x'"):
         snapshot.ClusterSnapshot([NodeView("n", 8, 8, virtual_cluster="x")], [])
+
+
+def test_single_node_may_borrow_a_whole_lender_node_within_the_limits() -> None:
+    nodes = build_nodes(2, 2, 2, vc="train", prefix="t") + build_nodes(8, vc="infer", prefix="i")
+    limits = {"virtual_cluster": "train", "borrow_limit": 8, "lend_limits": {"infer": 8}}
+    spread = placement.place_gang(nodes, 6, 1, **limits)  # type: ignore[arg-type]
+    assert isinstance(spread, Placement) and spread.nodes_spanned == 3  # own cluster first
+    whole = placement.place_gang(nodes, 6, 1, single_node=True, **limits)  # type: ignore[arg-type]
+    assert isinstance(whole, Placement) and whole.assignments == ["i0"] * 6
+    # A limit below the gang's size keeps it off the lender.
+    for borrow, lend in ((4, 8), (8, 4)):
+        none = placement.place_gang(nodes, 6, 1, virtual_cluster="train", borrow_limit=borrow,
+                                    lend_limits={"infer": lend}, single_node=True)
+        assert isinstance(none, Unplaceable) and "single node" in none.reason
+    mixed = build_nodes(8, 3, vc="train", prefix="t") + build_nodes(8, vc="infer", prefix="i")
+    own = placement.place_gang(mixed, 3, 1, single_node=True, **limits)  # type: ignore[arg-type]
+    assert isinstance(own, Placement) and own.assignments == ["t1"] * 3  # tightest own node first

@@ -379,6 +379,12 @@ class Allocator:
                 # Fragmentation may spread the gang over more nodes than the table assumed; a
                 # smaller gang on fewer nodes can then be faster. Keep the best real speedup, and
                 # stop at the first size that packs as the table assumed.
+                if where.nodes_spanned > 1 and self.ideal_nodes(job, a) == 1:
+                    # Own-cluster-first spread the gang; one whole node (a lender's, if the
+                    # lending limits allow) may hold it instead.
+                    whole = snap.place(job.virtual_cluster, a, job.gpus_per_replica, single_node=True)
+                    if isinstance(whole, placement.Placement):
+                        where = whole
                 speed = self.at_span(job, a, where.nodes_spanned)[0] * cost
                 if speed > best:
                     placed, want, best = where, a, speed

@@ -109,6 +109,7 @@ def place_gang(
     node_selector: Mapping[str, str] | None = None,
     borrow_limit: int = 0,
     lend_limits: Mapping[str, int] | None = None,
+    single_node: bool = False,
 ) -> Placement | Unplaceable:
     """Place all `replicas` or none.
 
@@ -141,6 +142,17 @@ def place_gang(
             largest_own = max(largest_own, node.gpus_free)
         else:
             foreign.setdefault(node.virtual_cluster, []).append((node.name, slots))
+
+    if single_node:
+        # The whole gang on one node, its own cluster's or a lender's (within both limits): the
+        # tightest that fits, own nodes first on a tie.
+        fits = [(slots, 0, name) for name, slots in own if slots >= replicas]
+        if need <= borrow_limit:
+            fits += [(slots, 1, name) for vc, vc_slots in foreign.items() if need <= lend_limits.get(vc, 0)
+                     for name, slots in vc_slots if slots >= replicas]
+        if fits:
+            return Placement([min(fits)[2]] * replicas)
+        return Unplaceable(f"no single node holds {replicas} replicas × {gpus_per_replica} GPUs")
 
     own_slots = sum(s for _, s in own)
     if own_slots >= replicas:

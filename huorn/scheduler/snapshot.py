@@ -114,7 +114,7 @@ class ClusterSnapshot:
     # ----------------------------------------------------------------- deciding
     def place(
         self, vc: str, replicas: int, gpus_per_replica: int, cpu_milli_per_replica: int = 0,
-        node_selector: Mapping[str, str] | None = None,
+        node_selector: Mapping[str, str] | None = None, single_node: bool = False,
     ) -> placement.Placement | placement.Unplaceable:
         """Where a gang of `vc` would go now, within every lending and borrowing limit."""
         if vc and vc not in self._vcs:
@@ -124,6 +124,7 @@ class ClusterSnapshot:
             virtual_cluster=vc, node_selector=node_selector,
             borrow_limit=self.borrow_left(vc) if vc else 0,
             lend_limits={name: self.lend_left(name) for name in self._vcs if name != vc},
+            single_node=single_node,
         )
 
     def assume(
