@@ -20,7 +20,14 @@ no shrink after a growth unless the minimums pass forces it.
 
 Budgets come from the snapshot with every managed job lifted off: each virtual cluster's own free
 GPUs, plus what it may borrow (its borrowing limit, and what lenders still lend). The counts are
-then placed gang by gang, all-or-none, stepping a job down when fragmentation leaves no room.
+then placed gang by gang, all-or-none. The table assumes perfect packing, and fragmentation makes
+that wrong often enough to matter (a gang of 8 spread over 3 nodes can run slower than 6 on one),
+so placement prices each candidate at the nodes it really spans, steps down while a smaller gang
+would pack better, and keeps a running job where it is unless moving pays for its restart.
+
+Optional JCT-aware terms (off by default, on for Huorn in the simulator) use each job's remaining
+work, which a goodput-only objective ignores: a weight favouring jobs that finish sooner, a
+restart charged over the remaining time, and shortest-remaining-first admission.
 """
 
 from __future__ import annotations

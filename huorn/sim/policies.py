@@ -12,10 +12,12 @@
   together) on the training cluster only, with a 10 % restart penalty and no priors: every job
   starts from one generic curve and learns its own from telemetry. No loaning, no inference
   awareness.
-- huorn: the same allocator with family priors, the restart-cost hysteresis and cooldown, plus
-  loaning: the inference cluster lends what its forecast peak leaves idle, reclaims ahead of the
-  forecast and at once on a jump, choosing victims by least lost work and shrinking them
-  gracefully (SIGTERM → checkpoint → release) within the grace period.
+- huorn: the same allocator with family priors, the restart-cost hysteresis and cooldown, the
+  JCT-aware terms (remaining-time weights, restarts charged over the remaining time, shortest-
+  remaining admission) and admission between ticks, plus loaning: the inference cluster lends what
+  its forecast peak leaves idle, reclaims ahead of the forecast and at once on a jump, choosing
+  victims by least lost work and shrinking them gracefully (SIGTERM → checkpoint → release)
+  within the grace period.
 """
 
 from __future__ import annotations
