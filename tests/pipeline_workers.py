@@ -138,3 +138,13 @@ def link_worker(rank: int, world: int, level: float, burst_s: float, messages: i
     received = [b.cpu() for b in buffers]
     return {"received": [float(t[0]) for t in received],
             "uniform": all(bool((t == t[0]).all()) for t in received)}
+
+
+def check_link_run(ranks: list[dict], kind: str, burst_s: float, messages: int) -> None:
+    """What link_worker's two ranks must show: the device's link kind, every message whole and
+    in order, and seconds per message that include the throttle's delay (one burst at 50%)."""
+    sender, receiver = ranks
+    assert sender["kind"] == kind
+    assert receiver["received"] == [float(m) for m in range(messages)] and receiver["uniform"]
+    assert sender["messages"] == messages and sender["nbytes"] == messages * 1024 * 4
+    assert burst_s * 0.9 <= sender["seconds_per_message"] < burst_s * 5, sender
