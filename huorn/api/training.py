@@ -267,6 +267,9 @@ class TrainingJobSpec(JobCommon):
 
 class TrainingJobStatus(JobStatus):
     step: int = 0
+    control_version: int | None = Field(default=None, description="Graph version of the run-time control "
+                                        "(remediation S2's micro-batch counts) last written to the job's "
+                                        "ConfigMap.")
     loss: float | None = None
     tokens_per_second: float | None = None
     batch_size: int | None = None

@@ -36,7 +36,7 @@ KIND = "TrainingJob"
 PERMANENT_EXIT_CODES = frozenset({2})
 MAX_RESTARTS_ANNOTATION = "huorn.io/max-restarts"
 DECISION_LIMIT = 32
-RUNTIME_PARAMS = frozenset({"mitigation"})
+RUNTIME_PARAMS = frozenset({"mitigation", "microbatches"})
 
 
 def _iso(seconds: float) -> str:
@@ -213,7 +213,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             chosen = list(assignments.values())
             nodes = ", ".join(f"{n}×{chosen.count(n)}" for n in sorted(set(chosen)))
             _event(ctx, body, "Normal", "Placed", f"placed {len(assignments)} trainer replicas: {nodes}")
-        await _apply_children(ctx, body, ref, graph, spec, assignments, job.spec.virtual_cluster, pods)
+        control = manifests.micro_batch_control(graph)
+        await _apply_children(ctx, body, ref, graph, spec, assignments, job.spec.virtual_cluster, pods,
+                              control)
+        if control is not None:
+            base_status["controlVersion"] = control.version  # only once the ConfigMap has it
     except BaseException:
         ctx.index.release(reserved)
         raise
@@ -247,12 +251,14 @@ async def _apply_children(
     assignments: Mapping[str, str],
     vc: str,
     pods: Mapping[str, PodRecord],
+    control: manifests.MicroBatchControl | None = None,
 ) -> None:
     old = body.get("status") or {}
     fresh_spec = old.get("observedGeneration") != (body.get("metadata") or {}).get("generation")
+    fresh_control = control is not None and old.get("controlVersion") != control.version
     writes = []
-    if assignments or fresh_spec:
-        writes += [manifests.build_config_map(ref, spec), manifests.build_store_service(ref)]
+    if assignments or fresh_spec or fresh_control:
+        writes += [manifests.build_config_map(ref, spec, control), manifests.build_store_service(ref)]
     for instance in graph.vertex("rendezvous").instances:
         if manifests.pod_name(ref, instance) not in pods:
             writes.append(manifests.build_store_pod(ref, instance, spec))

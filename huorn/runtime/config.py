@@ -57,6 +57,9 @@ class RunConfig(base.ApiModel):
     job_name: str = Field(min_length=1, description="Name of the TrainingJob (labels, metrics).")
     spec: training.TrainingJobSpec
     run_dir: Path = Field(description="Step log, telemetry endpoint files and the fault control file.")
+    control_dir: Path | None = Field(default=None, description="Where the control plane's run-time "
+                                     "files appear (remediation S2's micro-batch counts); default run_dir. "
+                                     "In a pod: the job's ConfigMap volume, which the operator updates.")
     checkpoint_dir: Path | None = Field(default=None, description="Default: spec.checkpoint.path.")
     data_dir: Path | None = Field(default=None, description="Corpus cache; default $HUORN_DATA_DIR.")
     telemetry_host: str = Field(default="0.0.0.0", description="Address the telemetry server binds.")

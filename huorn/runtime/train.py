@@ -56,6 +56,7 @@ class Trainer:
         self.replica = os.environ.get("HUORN_REPLICA")
         self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.run_dir = Path(cfg.run_dir)
+        self.control_dir = Path(cfg.control_dir) if cfg.control_dir is not None else self.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.stop_requested = False
 
@@ -261,13 +262,13 @@ class Trainer:
         """1.0 on rank 0 when the control file changed since it was last applied."""
         if self.rank != 0:
             return 0.0
-        _, stamp = microbatches.read_control_file(self.run_dir)
+        _, stamp = microbatches.read_control_file(self.control_dir)
         return float(stamp > 0 and stamp != self.control_stamp)
 
     def apply_control_file(self, step: int) -> None:
         """Collective: rank 0's reading of the file reaches every rank, which switch together
         from the next step on."""
-        reading = microbatches.read_control_file(self.run_dir) if self.rank == 0 else (None, 0)
+        reading = microbatches.read_control_file(self.control_dir) if self.rank == 0 else (None, 0)
         plan, stamp = comm.broadcast_object(reading, self.hook_state)  # type: ignore[misc]
         self.control_stamp = stamp
         if plan is None:

@@ -34,6 +34,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 CONFIG_DIR = "/etc/huorn"
 CONFIG_FILE = "config.json"
+# huorn.runtime.microbatches.CONTROL_FILE, as a key of the job's ConfigMap (remediation S2's counts)
+MICROBATCHES_KEY = "microbatches.json"
 RUN_DIR = "/var/run/huorn"
 STORE_PORT = 29400
 TELEMETRY_PORT = 9400
@@ -103,17 +105,50 @@ def build_run_config(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
         "jobName": job.name,
         "spec": dict(spec),
         "runDir": RUN_DIR,
+        "controlDir": CONFIG_DIR,
         "telemetryHost": "0.0.0.0",
         "telemetryPort": TELEMETRY_PORT,
     }
 
 
-def build_config_map(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class MicroBatchControl:
+    """Remediation S2's per-rank micro-batch counts, as the trainer reads them from its control
+    directory; `version` is the graph version of the set-param that chose them."""
+
+    counts: tuple[int, ...]
+    reason: str
+    version: int
+
+
+def micro_batch_control(graph: Graph) -> MicroBatchControl | None:
+    """The trainer's current `microbatches` parameter, with the reason and version of the
+    set-param that set it (the graph's version when the bounded log no longer holds it)."""
+    counts = graph.vertex("trainer").params.get("microbatches")
+    if not counts:
+        return None
+    setting = next((m for m in reversed(graph.log) if m.action == "set-param" and m.target == "trainer"
+                    and m.detail.get("key") == "microbatches"), None)
+    if setting is None:
+        return MicroBatchControl(tuple(int(c) for c in counts), "", graph.version)
+    return MicroBatchControl(tuple(int(c) for c in counts), setting.reason, setting.version)
+
+
+def build_config_map(job: JobRef, spec: Mapping[str, Any],
+                     control: MicroBatchControl | None = None) -> dict[str, Any]:
+    """The run config, and S2's counts when there are any. NB: the pods mount this ConfigMap
+    as a volume (no subPath), so the kubelet swaps in an update atomically within its sync
+    period (about a minute), and the trainer applies it at the next step boundary: that is how
+    a rebalance reaches a running gang without a restart."""
+    data = {CONFIG_FILE: json.dumps(build_run_config(job, spec), indent=2, sort_keys=True)}
+    if control is not None:
+        data[MICROBATCHES_KEY] = json.dumps(
+            {"counts": list(control.counts), "reason": control.reason, "version": control.version}) + "\n"
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(job, config_map_name(job)),
-        "data": {CONFIG_FILE: json.dumps(build_run_config(job, spec), indent=2, sort_keys=True)},
+        "data": data,
     }
 
 
