@@ -127,6 +127,22 @@ def test_checkpoint_edge_firing_starts_eval_and_completion_parks_it() -> None:
         ms.dispatch(g, managers.Event(managers.EDGE_FIRED, "nowhere", {}))
 
 
+def test_a_checkpoint_landing_during_an_eval_runs_it_again_on_the_newer_one() -> None:
+    g = build_graph(eval_vertex=True)
+    ms = managers.build_default_managers()
+    first = {"step": 40, "path": "/ckpt/step-40"}
+    ms.dispatch(g, managers.Event(managers.EDGE_FIRED, "trainer->eval:checkpoint", dict(first)))
+    ms.dispatch(g, managers.Event(managers.EDGE_FIRED, "trainer->eval:checkpoint",
+                                  {"step": 50, "path": "/ckpt/step-50"}))
+    again = ms.dispatch(g, managers.Event(managers.VERTEX_COMPLETED, "eval",
+                                          {"reason": "done", "inputs": [first]}))
+    assert [m.action for m in again] == ["replace"] and "step 50 landed meanwhile" in again[0].reason
+    assert g.vertex("eval").active and g.vertex("eval").instances[0].generation == 1
+    parked = ms.dispatch(g, managers.Event(managers.VERTEX_COMPLETED, "eval", {
+        "reason": "done", "inputs": [{"step": 50, "path": "/ckpt/step-50"}]}))
+    assert [m.action for m in parked] == ["deactivate"] and not g.vertex("eval").active
+
+
 def test_status_round_trip_is_exact_when_log_fits() -> None:
     g = build_graph(eval_vertex=True)
     mutate.resize(g, "trainer", 3, reason="grow")

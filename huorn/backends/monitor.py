@@ -23,6 +23,8 @@ class InstanceState:
     alive: bool
     failed: bool = False
     reason: str = ""
+    completed: bool = False  # exited: an on-demand instance's work is done (reason says if it failed)
+    input: dict[str, Any] | None = None  # what an on-demand instance was started on (its checkpoint)
 
 
 @dataclass
@@ -104,6 +106,23 @@ def build_checkpoint_events(graph: model.Graph, observation: Observation) -> lis
     ]
 
 
+def build_completion_events(graph: model.Graph, observation: Observation) -> list[managers.Event]:
+    """An active on-demand vertex (an eval) whose every instance exited cleanly is done; its
+    manager parks it again, which releases what it held."""
+    events = []
+    for vertex in graph.vertices.values():
+        if vertex.mode is not model.ExecutionMode.ON_DEMAND or not vertex.active or not vertex.instances:
+            continue
+        states = [observation.instances.get(i.name) for i in vertex.instances]
+        if all(s is not None and s.completed for s in states):
+            problems = [s.reason for s in states if s is not None and s.reason]
+            reason = (f"{vertex.name} finished with errors: {'; '.join(problems)}" if problems
+                      else f"{vertex.name}: every instance finished")
+            events.append(managers.Event(managers.VERTEX_COMPLETED, vertex.name, {
+                "reason": reason, "inputs": [s.input for s in states if s is not None]}))
+    return events
+
+
 @dataclass
 class TickResult:
     observation: Observation
@@ -135,9 +154,9 @@ class Monitor:
 
     def tick(self) -> TickResult:
         observation = self.backend.observe()
-        events = build_failure_events(self.graph, observation) + build_checkpoint_events(
-            self.graph, observation
-        )
+        events = (build_failure_events(self.graph, observation)
+                  + build_checkpoint_events(self.graph, observation)
+                  + build_completion_events(self.graph, observation))
         if not observation.finished:
             for policy in self.policies:
                 events += policy.decide(self.graph, observation)
@@ -157,6 +176,9 @@ class Monitor:
         """Tick every `interval` seconds until the workload finishes or `should_stop` says so."""
         while True:
             result = self.tick()
-            if result.observation.finished or (should_stop is not None and should_stop(result)):
+            # A finishing tick can still start work (an eval of the last checkpoint): go on until
+            # a finished tick changes nothing.
+            done = result.observation.finished and not result.mutations
+            if done or (should_stop is not None and should_stop(result)):
                 return result
             sleep(interval)

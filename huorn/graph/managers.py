@@ -122,11 +122,21 @@ class CheckpointEdgeManager:
 
 
 class OnDemandManager:
-    """Parks an on-demand vertex again when its work is done, releasing its resources."""
+    """Parks an on-demand vertex again when its work is done, releasing its resources; but when
+    a newer input landed while it worked (a checkpoint written during an eval), it runs again
+    on that input instead, so the newest checkpoint, the last of a run included, is never
+    skipped. `data["inputs"]` are what its instances were started on (as the backend reports)."""
 
     def handle(self, graph: Graph, event: Event) -> list[Mutation]:
-        if event.type != VERTEX_COMPLETED:
+        if event.type != VERTEX_COMPLETED or event.target not in graph.vertices:
             return []
+        vertex = graph.vertices[event.target]
+        newest = vertex.params.get("checkpoint")
+        used = event.data.get("inputs") or []
+        if newest is not None and used and any(u != newest for u in used):
+            reason = (f"{event.target} finished on step {used[0].get('step') if used[0] else '?'}; "
+                      f"the checkpoint of step {newest.get('step')} landed meanwhile: evaluate it too")
+            return [mutate.replace_instance(graph, i.name, reason=reason) for i in list(vertex.instances)]
         return _done(
             mutate.set_active(graph, event.target, False, reason=event.data.get("reason") or "completed")
         )

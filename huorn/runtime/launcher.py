@@ -117,6 +117,14 @@ def build_store_command(host: str, port: int, port_file: Path | str | None = Non
     return command
 
 
+def build_eval_command(config_path: Path | str, checkpoint: Path | str, python: str = sys.executable,
+                       batches: int | None = None) -> list[str]:
+    """The eval vertex's process (huorn.runtime.evaluate): one checkpoint, no process group."""
+    argv = [python, "-m", "huorn.runtime.evaluate", "--config", str(config_path),
+            "--checkpoint", str(checkpoint)]
+    return argv + (["--batches", str(batches)] if batches is not None else [])
+
+
 def replica_address(index: int) -> str:
     """Loopback address of replica `index` (0-based): 127.0.0.2, 127.0.0.3, ... Linux routes the
     whole 127/8 to the loopback device, so these need no setup."""

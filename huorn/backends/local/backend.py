@@ -64,6 +64,7 @@ class LocalBackend:
         self._steps_offset = 0
         self._reported_failures: set[str] = set()
         self._current: list[desired.DesiredResource] = []
+        self._inputs: dict[str, dict[str, Any] | None] = {}  # on-demand instance → its checkpoint
         self._applied_version = 0
 
     # -- paths -----------------------------------------------------------------------------------
@@ -136,6 +137,8 @@ class LocalBackend:
             return self._start_store(resource)
         if resource.role == "trainer":
             return self._start_agent(graph, resource)
+        if resource.role == "eval":
+            return self._start_eval(graph, resource)
         msg = f"the local backend cannot run {resource.role!r} instances; this vertex waits"
         return msg
 
@@ -150,6 +153,8 @@ class LocalBackend:
                 done.append(f"kept {resource.kind} {resource.name} (its data outlives the instances)")
             elif proc is None:
                 done.append(f"{resource.name} was not running")
+            elif proc.role == "eval" and proc.exit_code() is not None:
+                done.append(f"{resource.name} finished (exit code {proc.exit_code()})")
             elif resource.name in self._reported_failures or proc.exit_code() is not None:
                 pids = processes.kill_tree(proc)
                 self.exit_codes[proc.name] = proc.exit_code()
@@ -221,6 +226,28 @@ class LocalBackend:
         self.processes[resource.name] = proc
         return f"started agent {instance} on {address} (pid {proc.pid})"
 
+    def _start_eval(self, graph: model.Graph, resource: desired.DesiredResource) -> str:
+        """The eval vertex: one process on the checkpoint its edge handed it (the newest under
+        the checkpoint directory when the edge did not name one), with the trainer's run config."""
+        config_path = self.run_dir / commands.CONFIG_FILE
+        if not config_path.exists():
+            return f"{resource.name} waits: no trainer has written its run config yet"
+        landed = graph.vertex(resource.vertex).params.get("checkpoint") or {}
+        target = landed.get("path") or self.checkpoint_dir
+        instance = resource.name.removeprefix(f"{self.job}-")
+        proc = processes.start_process(
+            instance,
+            resource.vertex,
+            resource.role,
+            commands.build_eval_command(config_path, Path(target), self.settings.python),
+            commands.build_agent_env(instance, self.settings.extra_env),
+            self.run_dir / "logs" / f"{instance}.log",
+            self.run_dir,
+        )
+        self.processes[resource.name] = proc
+        self._inputs[proc.name] = dict(landed) if landed else None
+        return f"started {instance} on the checkpoint of step {landed.get('step', '?')} (pid {proc.pid})"
+
     def _record_action(self, version: int, text: str) -> None:
         entry = {"time": time.time(), "graphVersion": version, "action": text}
         self.actions.append(entry)
@@ -243,7 +270,9 @@ class LocalBackend:
             }
         observation.telemetry = self._poll_telemetry()
         trainers = [p for p in self.processes.values() if p.role == "trainer" and not p.stopping]
-        observation.finished = bool(trainers) and all(p.exit_code() == 0 for p in trainers)
+        evaluating = any(r.role == "eval" for r in self._current)
+        observation.finished = (bool(trainers) and all(p.exit_code() == 0 for p in trainers)
+                                and not evaluating)
         return observation
 
     def _instance_state(self, key: str, proc: processes.ManagedProcess) -> monitor.InstanceState:
@@ -251,6 +280,10 @@ class LocalBackend:
             return monitor.InstanceState(proc.name, proc.vertex, alive=False)
         proc.remember_descendants()
         code = proc.exit_code()
+        if proc.role == "eval":  # batch work: its exit ends it, a failure is reported, not retried
+            why = "" if code in (None, 0) else f"{proc.name} exited with code {code} (see {proc.log_path})"
+            return monitor.InstanceState(proc.name, proc.vertex, alive=code is None, reason=why,
+                                         completed=code is not None, input=self._inputs.get(proc.name))
         reason = ""
         for match in _WORKER_FAILED.finditer(proc.read_new_log()):
             exit_code, pid = int(match[1]), match[3]

@@ -33,6 +33,10 @@ def replica_address(ordinal: int) -> str:
     return launcher.replica_address(ordinal % 250)
 
 
+def build_eval_command(config_path: Path, checkpoint: Path, python: str = sys.executable) -> list[str]:
+    return launcher.build_eval_command(config_path, checkpoint, python)
+
+
 def build_store_command(host: str, port_file: Path, python: str = sys.executable) -> list[str]:
     return launcher.build_store_command(host, 0, port_file, python)
 

@@ -189,6 +189,16 @@ def write_report(run_dir: Path, graph: model.Graph, outcome: str, command: str =
     replacements = [m for m in mutations if m.action == "replace"]
     lines += ["", "## Replacements", ""]
     lines += [f"- {m.detail['old']} → {m.detail['new']}: {m.reason}" for m in replacements] or ["- none"]
+    evals = [r for r in records if r.get("event") == "eval"]
+    if evals:
+        names = sorted({name for r in evals for name in r.get("sources", {})})
+        lines += ["", "## Evaluations (eval vertex)", "",
+                  "| checkpoint step | loss | perplexity | " + " | ".join(names) + " | seconds |",
+                  "|---|---|---|" + "---|" * len(names) + "---|"]
+        for r in evals:
+            per_source = " | ".join(f"{r['sources'].get(n, float('nan')):.4f}" for n in names)
+            lines.append(f"| {r['step']} | {r['loss']:.4f} | {r['perplexity']:.2f} | {per_source} "
+                         f"| {r['seconds']:.1f} |")
     throughput = _throughput_by_world(steps)
     lines += [
         "",

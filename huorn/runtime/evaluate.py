@@ -1,0 +1,115 @@
+"""Evaluate one checkpoint: what a TrainingJob's on-demand eval vertex runs when a checkpoint lands.
+
+    python -m huorn.runtime.evaluate --config RUN_CONFIG --checkpoint PATH [--batches N]
+
+It is one process with no process group, so it never joins or slows the training gang: it reads
+the checkpoint the trainer finished writing (a complete one, or it refuses), rebuilds the model
+from the same run config, and measures the loss on the held-out documents of every data source
+separately and of the job's mixture. The per-source numbers are what a mixture change or a
+continual-pre-training run is judged by; the mixture's is comparable with the trainer's own
+`validation_loss` (same batches for the same seed).
+
+The result goes to `<runDir>/evals/eval-<step>.json` (atomically) and, as one `eval` record, to
+the step log, where `huorn run`'s report and the monitor read it. Exit codes: 0 done, 2 a bad
+config or checkpoint (named in the message).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from huorn import models
+from huorn.runtime import checkpoint
+from huorn.runtime import config as run_config
+from huorn.runtime.data import sampler
+
+EVALS_DIR = "evals"
+EVAL_EVENT = "eval"
+
+
+def evaluate(cfg: run_config.RunConfig, checkpoint_path: Path, batches: int,
+             sequences: int | None = None) -> dict:
+    """Losses of the checkpoint at `checkpoint_path` on `batches` validation batches per source."""
+    if batches < 1:
+        raise ValueError(f"batches must be >= 1, got {batches}")
+    spec = cfg.spec
+    torch.manual_seed(spec.data.seed)
+    model = models.build_model(run_config.build_model_config(spec.model))
+    path = checkpoint.resolve(Path(checkpoint_path))
+    with warnings.catch_warnings():  # one process with no group is the point; DCP warns about it
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        meta = checkpoint.load_checkpoint(path, model, None)
+    model.eval()
+    sequences = sequences or spec.optimization.micro_batch
+    sources = [(s.name, s.weight, s.path) for s in spec.data.sources]
+    mixture = sampler.build_mixture(sources, spec.data.seed, spec.model.context, cfg.data_dir)
+    started = time.perf_counter()
+    result: dict = {"step": int(meta.get("step", -1)), "checkpoint": str(path), "batches": batches,
+                    "sequences": sequences, "sources": {}}
+    with torch.no_grad():
+        result["loss"] = _mean_loss(model, mixture, batches, sequences)
+        for source in mixture.sources:
+            alone = sampler.Mixture([source], spec.data.seed, spec.model.context)
+            result["sources"][source.name] = _mean_loss(model, alone, batches, sequences)
+    result["perplexity"] = math.exp(min(result["loss"], 50.0))
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+def _mean_loss(model: torch.nn.Module, mixture: sampler.Mixture, batches: int, sequences: int) -> float:
+    total = 0.0
+    for index in range(batches):
+        tokens, targets = mixture.validation_batch(index, sequences)
+        total += float(model(tokens, targets)[1])
+    return total / batches
+
+
+def write_result(run_dir: Path, result: dict) -> Path:
+    """The JSON file (atomic), and one whole line in the step log."""
+    out = Path(run_dir) / EVALS_DIR / f"eval-{result['step']:08d}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = out.with_name(f".{out.name}.tmp")
+    scratch.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(scratch, out)
+    fields = {k: v for k, v in result.items() if k != "checkpoint"}
+    record = {"time": time.time(), "event": EVAL_EVENT, **fields}
+    with open(Path(run_dir) / run_config.STEPS_FILE, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m huorn.runtime.evaluate",
+                                     description="Evaluate one checkpoint of a TrainingJob.")
+    parser.add_argument("--config", type=Path, required=True, help="the run config the trainer ran with")
+    parser.add_argument("--checkpoint", type=Path, required=True,
+                        help="a checkpoint directory, or a checkpoint root (its latest complete one)")
+    parser.add_argument("--batches", type=int, default=None,
+                        help="validation batches per source (default: the config's validationBatches)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    try:
+        cfg = run_config.load_run_config(args.config)
+        batches = args.batches if args.batches is not None else cfg.validation_batches
+        result = evaluate(cfg, args.checkpoint, batches)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"evaluate: {error}", file=sys.stderr)
+        return 2
+    out = write_result(cfg.run_dir, result)
+    per_source = ", ".join(f"{name} {loss:.4f}" for name, loss in result["sources"].items())
+    print(f"step {result['step']}: loss {result['loss']:.4f} (perplexity {result['perplexity']:.2f}); "
+          f"{per_source}; {result['seconds']:.1f} s → {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
