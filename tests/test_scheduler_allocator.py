@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from huorn.scheduler import allocator, goodput, perfmodel, snapshot
@@ -129,11 +130,12 @@ def job_mixes(draw: st.DrawFn) -> tuple[snapshot.ClusterSnapshot, list[allocator
     return snap, jobs, lend, borrow
 
 
+@pytest.mark.parametrize("fairness_p", [1.0, -1.0])
 @settings(max_examples=60, deadline=None)
 @given(job_mixes())
-def test_invariants_hold_over_successive_cycles(case: tuple) -> None:
+def test_invariants_hold_over_successive_cycles(fairness_p: float, case: tuple) -> None:
     snap, jobs, lend, borrow = case
-    alloc = allocator.Allocator()
+    alloc = allocator.Allocator(allocator.AllocatorConfig(fairness_p=fairness_p))
     pinned_at: dict[str, int] = {}
     for cycle in range(3):
         decisions = alloc.allocate(snap, jobs, float(cycle * 1000))
@@ -282,3 +284,70 @@ def test_pending_jobs_can_be_admitted_shortest_remaining_first() -> None:
     assert admitted("remaining") == "new-short"
     with pytest.raises(ValueError, match="pending_order"):
         allocator.AllocatorConfig(pending_order="random")
+
+
+# ---------------------------------------------------------------- Pollux's fairness exponent p
+
+
+def test_fitness_terms_at_p_1_are_the_speedups_themselves() -> None:
+    """p = 1 must leave the greedy exactly as it was: the terms are the speedups, bit for bit."""
+    speedups = np.array([0.0, 1.0, 1.9696937, 2.93, 0.5])
+    assert allocator.fitness_terms(speedups, 1.0) is speedups
+    assert allocator.fitness(speedups[1:], 1.0) == pytest.approx(np.mean(speedups[1:]))
+    # The power mean of equal speedups is that speedup at any p, and it falls as p falls.
+    assert allocator.fitness(np.array([2.0, 2.0]), -1.0) == pytest.approx(2.0, rel=1e-3)
+    spread = np.array([1.0, 9.0])
+    assert allocator.fitness(spread, 1.0) > allocator.fitness(spread, 0.0) > allocator.fitness(spread, -1.0)
+    assert allocator.fitness(spread, -1.0) == pytest.approx(2 / (1 / 1.001 + 1 / 9.001))
+    with pytest.raises(ValueError, match="fairness_p"):
+        allocator.AllocatorConfig(fairness_p=float("nan"))
+
+
+def two_job_split(p: float) -> tuple[dict[str, int], dict[str, float]]:
+    """A job that scales well and one that scales badly share two nodes; replicas and speedups."""
+    alloc = allocator.Allocator(allocator.AllocatorConfig(fairness_p=p))
+    jobs = [build_job("good"), build_job("bad", SCALES_BADLY)]
+    got = {d.job: d.replicas for d in alloc.allocate(build_snapshot(), jobs, 0)}
+    return got, {j.name: float(alloc.table(j).speedup[got[j.name]]) for j in jobs}
+
+
+def test_p_minus_1_balances_speedups_that_p_1_leaves_unequal() -> None:
+    sum_replicas, sum_speed = two_job_split(1.0)
+    fair_replicas, fair_speed = two_job_split(-1.0)
+    # p = 1 gives nearly everything to the job that turns GPUs into speedup; the other stays at 1×.
+    assert sum_replicas["good"] > 2 * sum_replicas["bad"]
+    assert sum_speed["bad"] == pytest.approx(1.0)
+    # p = -1 takes GPUs from it until the badly scaling job is no longer far behind.
+    assert fair_replicas["bad"] > sum_replicas["bad"]
+    assert min(fair_speed.values()) > min(sum_speed.values()) * 1.3
+    ratio = max(fair_speed.values()) / min(fair_speed.values())
+    assert ratio < 0.5 * max(sum_speed.values()) / min(sum_speed.values())
+    # Balance has a price in total speedup, which p = 1 maximises; each wins on its own objective.
+    assert sum(fair_speed.values()) < sum(sum_speed.values())
+    for p in (1.0, -1.0):
+        own = fair_speed if p == -1.0 else sum_speed
+        other = sum_speed if p == -1.0 else fair_speed
+        assert allocator.fitness(np.array(list(own.values())), p) > allocator.fitness(
+            np.array(list(other.values())), p)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(50, 20000), st.integers(1, 2), st.integers(2, 6)), min_size=2,
+                max_size=3), st.sampled_from([1.0, -1.0, 0.0]))
+def test_greedy_reaches_the_best_power_mean_on_concave_speedups(specs: list, p: float) -> None:
+    """On one 8-GPU node, with concave speedups, the greedy must find the exhaustive optimum of FITNESS_p."""
+    jobs = [build_job(f"j{i}", min_replicas=lo, max_replicas=lo + extra, noise_scale=noise)
+            for i, (noise, lo, extra) in enumerate(specs)]
+    assume(sum(j.min_replicas for j in jobs) <= 8)
+    alloc = allocator.Allocator(allocator.AllocatorConfig(fairness_p=p, placement_aware=False))
+    tables = [alloc.table(j).speedup for j in jobs]
+    for j, t in zip(jobs, tables, strict=True):
+        steps = np.diff(t[j.min_replicas:])
+        assume(np.all(steps > 0) and np.all(np.diff(steps) <= 1e-12))  # increasing and concave
+    got = {d.job: d.replicas for d in alloc.allocate(build_snapshot(train_nodes=1), jobs, 0)}
+    greedy = allocator.fitness(np.array([t[got[j.name]] for j, t in zip(jobs, tables, strict=True)]), p)
+    best = max(
+        allocator.fitness(np.array([t[a] for t, a in zip(tables, sizes, strict=True)]), p)
+        for sizes in itertools.product(*(range(j.min_replicas, j.max_replicas + 1) for j in jobs))
+        if sum(sizes) <= 8)
+    assert greedy == pytest.approx(best, rel=1e-9)

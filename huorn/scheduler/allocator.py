@@ -25,6 +25,15 @@ that wrong often enough to matter (a gang of 8 spread over 3 nodes can run slowe
 so placement prices each candidate at the nodes it really spans, steps down while a smaller gang
 would pack better, and keeps a running job where it is unless moving pays for its restart.
 
+Pollux's fairness knob (`AllocatorConfig.fairness_p`): Pollux maximises the generalised power
+mean of the speedups, FITNESS_p = (1/J Σ_j SPEEDUP_j^p)^(1/p). p = 1 (the default) is the sum
+above; the paper evaluates Pollux at p = −1, which trades some total speedup for balance. The
+greedy pass compares marginal changes of Σ u(SPEEDUP_j) with u(s) = s^p for p > 0, −s^p for p < 0
+(lower Σ s^p is better there) and log s at p = 0, per GPU. Like Pollux's artifact simulator, a
+small ε (1e-3) is added to every speedup before the power when p ≠ 1, so that a job at zero GPUs
+is finite but costs 1/ε times a job at its minimum: no extra GPU is ever worth more than admitting
+a job, which is what the minimums pass already does first.
+
 Optional JCT-aware terms (off by default, on for Huorn in the simulator) use each job's remaining
 work, which a goodput-only objective ignores: a weight favouring jobs that finish sooner, a
 restart charged over the remaining time, and shortest-remaining-first admission.
@@ -97,10 +106,16 @@ class AllocatorConfig:
     # Charge a restart over the shorter of the horizon and the job's own remaining time: a job that
     # will finish in two minutes does not pay back a one-minute restart, whatever it gains per second.
     restart_over_remaining: bool = False
+    # Pollux's fairness exponent p: the greedy maximises the power mean (1/J Σ speedup^p)^(1/p).
+    # 1 is the plain sum (Pollux's throughput-optimal setting, and this allocator's behaviour before
+    # p existed); the Pollux paper evaluates p = -1, which gives the GPUs to the jobs furthest behind.
+    fairness_p: float = 1.0
 
     def __post_init__(self) -> None:
         if self.pending_order not in ("submitted", "remaining"):
             raise ValueError(f"pending_order must be submitted or remaining, got {self.pending_order!r}")
+        if not math.isfinite(self.fairness_p):
+            raise ValueError(f"fairness_p must be finite, got {self.fairness_p!r}")
 
 
 @dataclass(frozen=True)
@@ -245,7 +260,7 @@ class Allocator:
         bound = snap.bindings()
         own, lend, borrow = self._budgets(snap, [j for j in jobs if j.name in bound])
         target = {j.name: 0 for j in jobs}
-        values = {j.name: self._values(j, now, bound) for j in jobs}
+        values = {j.name: fitness_terms(self._values(j, now, bound), self.config.fairness_p) for j in jobs}
 
         def take(job: JobView, gpus: int, commit: bool) -> bool:
             vc = job.virtual_cluster
@@ -276,7 +291,7 @@ class Allocator:
             if take(job, floor * job.gpus_per_replica, commit=True):
                 target[job.name] = floor
 
-        # Pass 2: extras, greedy on speedup per GPU.
+        # Pass 2: extras, greedy on the fitness term (speedup at p = 1) gained per GPU.
         heap: list[tuple[float, str, int]] = []
         for job in jobs:
             self._push_best(heap, job, target[job.name], values[job.name])
@@ -459,6 +474,39 @@ class Allocator:
         return Decision(job.name, action, replicas, job.replicas,
                         choice.global_batch if choice else None, choice.local_batch if choice else None,
                         choice.lr_scale if choice else None, assignments, reason)
+
+
+FITNESS_EPSILON = 1e-3  # added to speedups before the power when p ≠ 1, as Pollux's artifact does
+
+
+def fitness_terms(speedups: np.ndarray, p: float) -> np.ndarray:
+    """Each size's contribution to the power-mean objective, oriented so that higher is better.
+
+    Maximising (1/J Σ s_j^p)^(1/p) is maximising Σ s_j^p for p > 0 and minimising it for p < 0
+    (the outer power 1/p is then decreasing), and the limit p → 0 is the geometric mean, Σ log s_j.
+    The greedy compares differences of these terms, so the monotone outer power never has to be
+    taken. At p = 1 the speedups come back untouched, so the allocator decides exactly as it did
+    before p existed. Otherwise ε keeps a size with speedup 0 (pending, or blocked by the cooldown)
+    finite: for p < 0 it costs 1/ε^|p| against 1 at the minimum, so reaching the minimum outweighs
+    any growth, the paper's treatment of jobs without GPUs.
+    """
+    if p == 1.0:
+        return speedups
+    s = np.maximum(speedups, 0.0) + FITNESS_EPSILON
+    if p == 0.0:
+        return np.log(s)
+    return np.sign(p) * s**p
+
+
+def fitness(speedups: np.ndarray, p: float) -> float:
+    """Pollux's FITNESS_p of one allocation: the power mean of the jobs' speedups (ε added when p ≠ 1)."""
+    s = np.asarray(speedups, dtype=float)
+    if p == 1.0:
+        return float(s.mean())
+    s = np.maximum(s, 0.0) + FITNESS_EPSILON
+    if p == 0.0:
+        return float(np.exp(np.log(s).mean()))
+    return float(np.mean(s**p) ** (1.0 / p))
 
 
 def _assignments(binding: snapshot.Binding, gpus_per_replica: int) -> list[str]:
