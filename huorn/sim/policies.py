@@ -11,7 +11,10 @@
 - pollux: the goodput allocator (AdaptDL's objective: speedup, batch size and learning rate chosen
   together) on the training cluster only, with a 10 % restart penalty and no priors: every job
   starts from one generic curve and learns its own from telemetry. No loaning, no inference
-  awareness.
+  awareness. It maximises the sum of speedups, Pollux's fairness exponent p = 1.
+- pollux-p-1: the same at p = -1, the exponent the Pollux paper evaluates: the power mean of
+  speedups, which favours the jobs furthest behind. Both run, and the better one per case is the
+  baseline Huorn is measured against, so neither choice of p flatters Huorn.
 - huorn: the same allocator with family priors, the restart-cost hysteresis and cooldown, the
   JCT-aware terms (remaining-time weights, restarts charged over the remaining time, shortest-
   remaining admission) and admission between ticks, plus loaning: the inference cluster lends what
@@ -52,6 +55,8 @@ POLICIES: dict[str, PolicySpec] = {
     "kueue": PolicySpec("kueue", elastic=False, loaning="kueue"),
     "pollux": PolicySpec("pollux", elastic=True, loaning="none", allocator=allocator.AllocatorConfig(
         horizon_seconds=math.inf, hysteresis=0.10, cooldown_seconds=0.0)),
+    "pollux-p-1": PolicySpec("pollux-p-1", elastic=True, loaning="none", allocator=allocator.AllocatorConfig(
+        horizon_seconds=math.inf, hysteresis=0.10, cooldown_seconds=0.0, fairness_p=-1.0)),
     # JCT-aware: speedups weighed by (horizon / remaining time)^0.5, restarts charged over the
     # shorter of a one-hour horizon and the job's remaining time, pending jobs shortest first
     # (docs/scheduling.md, "Allocator").
