@@ -22,10 +22,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy import optimize
-from sklearn import ensemble, model_selection
+
+if TYPE_CHECKING:
+    from sklearn import ensemble
 
 PARAM_NAMES = ("a_c", "b_c", "alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma")
 
@@ -234,6 +237,10 @@ class PerfModel:
         if len(self.samples) < self.residual_min_samples:
             return None
         x = _features(self.samples)
+        # NB: imported here, when a model first has enough samples to try one: scikit-learn
+        # takes 0.7 s and tens of MiB to import, which every operator start paid for nothing.
+        from sklearn import ensemble, model_selection
+
         reg = ensemble.GradientBoostingRegressor(n_estimators=60, max_depth=2, learning_rate=0.1,
                                                  random_state=0)
         # Shuffled folds: telemetry arrives sorted by configuration, and contiguous folds would
