@@ -130,12 +130,12 @@ def job_mixes(draw: st.DrawFn) -> tuple[snapshot.ClusterSnapshot, list[allocator
     return snap, jobs, lend, borrow
 
 
-@pytest.mark.parametrize("fairness_p", [1.0, -1.0])
+@pytest.mark.parametrize(("fairness_p", "reference"), [(1.0, "min"), (-1.0, "min"), (-1.0, "fair_share")])
 @settings(max_examples=60, deadline=None)
 @given(job_mixes())
-def test_invariants_hold_over_successive_cycles(fairness_p: float, case: tuple) -> None:
+def test_invariants_hold_over_successive_cycles(fairness_p: float, reference: str, case: tuple) -> None:
     snap, jobs, lend, borrow = case
-    alloc = allocator.Allocator(allocator.AllocatorConfig(fairness_p=fairness_p))
+    alloc = allocator.Allocator(allocator.AllocatorConfig(fairness_p=fairness_p, speedup_reference=reference))
     pinned_at: dict[str, int] = {}
     for cycle in range(3):
         decisions = alloc.allocate(snap, jobs, float(cycle * 1000))
@@ -351,3 +351,26 @@ def test_greedy_reaches_the_best_power_mean_on_concave_speedups(specs: list, p: 
         for sizes in itertools.product(*(range(j.min_replicas, j.max_replicas + 1) for j in jobs))
         if sum(sizes) <= 8)
     assert greedy == pytest.approx(best, rel=1e-9)
+
+
+def test_fair_share_reference_is_pollux_speedup_over_an_equal_share() -> None:
+    """SPEEDUP relative to a 1/J share (the paper's) weighs each job by its speedup at that share."""
+    def split(reference: str, cluster_jobs: int | None) -> dict[str, int]:
+        config = allocator.AllocatorConfig(fairness_p=-1.0, speedup_reference=reference)
+        jobs = [build_job("good"), build_job("bad", SCALES_BADLY)]
+        decisions = allocator.Allocator(config).allocate(build_snapshot(), jobs, 0, cluster_jobs=cluster_jobs)
+        return {d.job: d.replicas for d in decisions}
+
+    # Exhaustive optimum of Σ (speedup / speedup at the fair share of 16 / 2 = 8 GPUs)^-1.
+    alloc = allocator.Allocator()
+    good, bad = (alloc.table(build_job("good")).speedup, alloc.table(build_job("bad", SCALES_BADLY)).speedup)
+    best = min(range(1, 16), key=lambda a: good[8] / good[a] + bad[8] / bad[16 - a])
+    fair = split("fair_share", None)
+    assert fair == {"good": best, "bad": 16 - best}
+    # The job that scales well is worth more at its fair share, so it gets more than with the minimum
+    # as reference (where both count alike).
+    assert fair["good"] > split("min", None)["good"]
+    # With 16 jobs in the cluster the fair share is one GPU, which is the minimum here: same split.
+    assert split("fair_share", 16) == split("min", None)
+    with pytest.raises(ValueError, match="speedup_reference"):
+        allocator.AllocatorConfig(speedup_reference="median")

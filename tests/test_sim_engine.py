@@ -37,7 +37,7 @@ def check_invariants(sim: engine.Simulation) -> None:
     assert all(t <= sim.now + grace + 1e-6 for t, _ in sim.returns)
 
 
-@pytest.mark.parametrize("policy", ["fifo", "kueue", "pollux", "pollux-p-1", "huorn"])
+@pytest.mark.parametrize("policy", ["fifo", "kueue", "pollux", "pollux-p-1", "pollux-p-1-fair", "huorn"])
 def test_invariants_hold_at_every_tick(policy: str) -> None:
     sim = run.build_simulation(TRACE, NODES, QPS, policy, engine.SimConfig(gpus=64, seed=1, load=1.2))
     ticks = []

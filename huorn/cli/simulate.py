@@ -28,8 +28,8 @@ def simulate(
     nodes: Path = typer.Option(DATA / "openb_node_list_gpu_node.csv", "--nodes", help="OpenB node list CSV."),
     qps: Path = typer.Option(DATA / "genai_qps.csv", "--qps", help="Inference request-rate CSV."),
     gpus: int = typer.Option(128, "--gpus", help="Cluster size; the trace is scaled to it."),
-    policy: str = typer.Option("all", "--policy",
-                               help="all, or one of: fifo, kueue, pollux, pollux-p-1 (p = -1), huorn."),
+    policy: str = typer.Option("all", "--policy", help="all, or one of: fifo, kueue, pollux, pollux-p-1, "
+                                                        "pollux-p-1-fair, huorn."),
     seed: int = typer.Option(0, "--seed", help="Seeds node choice, task sampling and telemetry noise."),
     load: float = typer.Option(0.8, "--load", help="Offered training load over the arrival window."),
     inference_share: float = typer.Option(0.25, "--inference-share", help="Share of GPUs for inference."),

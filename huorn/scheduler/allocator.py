@@ -32,7 +32,8 @@ greedy pass compares marginal changes of Σ u(SPEEDUP_j) with u(s) = s^p for p >
 (lower Σ s^p is better there) and log s at p = 0, per GPU. Like Pollux's artifact simulator, a
 small ε (1e-3) is added to every speedup before the power when p ≠ 1, so that a job at zero GPUs
 is finite but costs 1/ε times a job at its minimum: no extra GPU is ever worth more than admitting
-a job, which is what the minimums pass already does first.
+a job, which is what the minimums pass already does first. The paper's SPEEDUP is relative to an
+equal 1/J share of the cluster, not to the job's minimum; `speedup_reference="fair_share"` uses it.
 
 Optional JCT-aware terms (off by default, on for Huorn in the simulator) use each job's remaining
 work, which a goodput-only objective ignores: a weight favouring jobs that finish sooner, a
@@ -110,10 +111,16 @@ class AllocatorConfig:
     # 1 is the plain sum (Pollux's throughput-optimal setting, and this allocator's behaviour before
     # p existed); the Pollux paper evaluates p = -1, which gives the GPUs to the jobs furthest behind.
     fairness_p: float = 1.0
+    # What a speedup of 1 means in the objective: "min", the job's goodput at its minimum size (this
+    # allocator's own reference), or "fair_share", its goodput at an equal 1/J share of the GPUs it
+    # may use, as the Pollux paper defines SPEEDUP. Jobs are weighed differently unless p = 0.
+    speedup_reference: str = "min"
 
     def __post_init__(self) -> None:
         if self.pending_order not in ("submitted", "remaining"):
             raise ValueError(f"pending_order must be submitted or remaining, got {self.pending_order!r}")
+        if self.speedup_reference not in ("min", "fair_share"):
+            raise ValueError(f"speedup_reference must be min or fair_share, got {self.speedup_reference!r}")
         if not math.isfinite(self.fairness_p):
             raise ValueError(f"fairness_p must be finite, got {self.fairness_p!r}")
 
@@ -252,15 +259,25 @@ class Allocator:
                       job.noise_scale, job.base_batch)
 
     # ------------------------------------------------------------------ the cycle
-    def allocate(self, snap: snapshot.ClusterSnapshot, jobs: list[JobView], now: float) -> list[Decision]:
-        """Decide every job's replicas and batch, and bind the result on `snap`."""
+    def allocate(self, snap: snapshot.ClusterSnapshot, jobs: list[JobView], now: float,
+                 cluster_jobs: int | None = None) -> list[Decision]:
+        """Decide every job's replicas and batch, and bind the result on `snap`.
+
+        `cluster_jobs` is J, the number of jobs the fair share is split among when
+        `speedup_reference` is "fair_share" (default: len(jobs)). A caller that leaves out pending
+        jobs that cannot be admitted this cycle, as the simulator does for speed, passes the full
+        count, so that the fair share is that of the real cluster.
+        """
         by_name = {j.name: j for j in jobs}
         if len(by_name) != len(jobs):
             raise ValueError("jobs: two jobs share a name; job names must be unique")
         bound = snap.bindings()
         own, lend, borrow = self._budgets(snap, [j for j in jobs if j.name in bound])
         target = {j.name: 0 for j in jobs}
-        values = {j.name: fitness_terms(self._values(j, now, bound), self.config.fairness_p) for j in jobs}
+        share = cluster_jobs if cluster_jobs is not None else len(jobs)
+        values = {j.name: fitness_terms(self._values(j, now, bound) / self._reference(j, share, own, lend,
+                                                                                       borrow),
+                                        self.config.fairness_p) for j in jobs}
 
         def take(job: JobView, gpus: int, commit: bool) -> bool:
             vc = job.virtual_cluster
@@ -318,6 +335,21 @@ class Allocator:
                         job, (job.replicas - t) * job.gpus_per_replica, commit=True):
                     keepable.add(job.name)
         return self._place(snap, jobs, target, bound, keepable, now)
+
+    def _reference(self, job: JobView, jobs: int, own: dict[str, int], lend: dict[str, int],
+                   borrow: dict[str, int]) -> float:
+        """The speedup (on the table's scale) that counts as 1 in the objective.
+
+        Pollux measures SPEEDUP against an exclusive 1/J share of the cluster, so a job is judged
+        by what it would do with its fair share; the table's own scale is the minimum size (1.0).
+        """
+        if self.config.speedup_reference == "min":
+            return 1.0
+        vc = job.virtual_cluster
+        gpus = own.get(vc, 0) + min(borrow.get(vc, 0), sum(x for v, x in lend.items() if v != vc))
+        speedup = self.table(job).speedup
+        fair = min(max(1, math.ceil(gpus / (max(jobs, 1) * job.gpus_per_replica))), len(speedup) - 1)
+        return float(speedup[fair]) if speedup[fair] > 0 else 1.0
 
     def _values(self, job: JobView, now: float, bound: dict[str, snapshot.Binding]) -> np.ndarray:
         """Speedup per replica count, discounted for a restart where a size change needs one."""

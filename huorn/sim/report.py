@@ -28,9 +28,9 @@ import numpy as np
 
 from huorn.sim import engine
 
-ORDER = ("fifo", "kueue", "pollux", "pollux-p-1", "huorn")
+ORDER = ("fifo", "kueue", "pollux", "pollux-p-1", "pollux-p-1-fair", "huorn")
 COLOURS = {"fifo": "#888888", "kueue": "#66aa99", "pollux": "#6699cc", "pollux-p-1": "#3355aa",
-           "huorn": "#dd6633"}
+           "pollux-p-1-fair": "#223377", "huorn": "#dd6633"}
 
 
 def summarise(sim: engine.Simulation, wall_seconds: float) -> dict:
