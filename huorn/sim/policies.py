@@ -1,4 +1,4 @@
-"""Huorn and the three baselines, each as faithful as one simulator allows.
+"""Huorn and the baselines (FIFO, Kueue, three Pollux variants), each as faithful as one simulator allows.
 
 - fifo: static gangs in strict arrival order (head-of-line blocking), each at its requested size,
   on the training cluster only; no elasticity, no loaning, no preemption.
