@@ -8,8 +8,8 @@ import json
 import time
 from pathlib import Path
 
+import job_support
 import pytest
-import yaml
 
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
 from huorn.backends import monitor
@@ -18,20 +18,14 @@ from huorn.backends.local import report
 from huorn.graph import compiler
 from huorn.scheduler import pipeline_k
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 STEPS = 12
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_auto_pipeline_job_runs_locally_and_logs_its_k_choice(tmp_path: Path) -> None:
-    manifest = yaml.safe_load(QUICKSTART.read_text())
-    spec = manifest["spec"]
-    spec["elasticity"].update(minReplicas=1, maxReplicas=1, policy="fixed")
-    spec["model"].update(layers=2, width=32, heads=2, context=32)
-    spec["optimization"].update(globalBatch=8, microBatch=2, steps=STEPS)
-    spec["checkpoint"] = {"path": "./checkpoints", "intervalSteps": 50}
-    spec["parallelism"] = {"pipelineStages": 2, "schedule": "auto"}
+    manifest = job_support.tiny_job(replicas=1, steps=STEPS, micro_batch=2,
+                                    parallelism={"pipelineStages": 2, "schedule": "auto"})
     g = compiler.compile(manifest)
     run_dir = tmp_path / "run"
     run_dir.mkdir()

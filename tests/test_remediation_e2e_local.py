@@ -8,8 +8,8 @@ import json
 import time
 from pathlib import Path
 
+import job_support
 import pytest
-import yaml
 
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
 from huorn.api.common import MitigationLevel, Remediation
@@ -19,20 +19,15 @@ from huorn.backends.local import report
 from huorn.graph import compiler
 from huorn.scheduler.remediation import policy
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 STEPS, INTERVAL, HANG_AT = 30, 5, 12
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_injected_hang_ends_in_s4_and_the_job_completes_from_its_checkpoint(tmp_path: Path) -> None:
-    manifest = yaml.safe_load(QUICKSTART.read_text())
+    manifest = job_support.tiny_job(replicas=2, steps=STEPS, micro_batch=2, interval=INTERVAL,
+                                    remediation={"hangTimeout": "5s", "maxMitigation": "restart"})
     spec = manifest["spec"]
-    spec["elasticity"].update(minReplicas=2, maxReplicas=2, policy="fixed")
-    spec["model"].update(layers=2, width=32, heads=2, context=32)
-    spec["optimization"].update(globalBatch=8, microBatch=2, steps=STEPS)
-    spec["checkpoint"] = {"path": "./checkpoints", "intervalSteps": INTERVAL}
-    spec["remediation"] = {"hangTimeout": "5s", "maxMitigation": "restart"}
     g = compiler.compile(manifest)
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -8,28 +8,22 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+import job_support
 import pytest
 import remediation_support
-import yaml
 
 from huorn.api.common import MitigationLevel
 from huorn.backends.local import report
 from huorn.scheduler.remediation import ladder
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 STEPS, SLOW_FROM, SLOW_MS = 70, 15, 80
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_slow_rank_leads_to_an_applied_s2_plan(tmp_path: Path) -> None:
-    manifest = yaml.safe_load(QUICKSTART.read_text())
-    spec = manifest["spec"]
-    spec["elasticity"].update(minReplicas=2, maxReplicas=2, policy="fixed")
-    spec["model"].update(layers=2, width=32, heads=2, context=32)
-    spec["optimization"].update(globalBatch=8, microBatch=1, steps=STEPS)
-    spec["checkpoint"] = {"path": "./checkpoints", "intervalSteps": 50}
-    spec["remediation"] = {"hangTimeout": "60s", "maxMitigation": "rebalance"}
+    manifest = job_support.tiny_job(replicas=2, steps=STEPS, micro_batch=1,
+                                    remediation={"hangTimeout": "60s", "maxMitigation": "rebalance"})
     run = remediation_support.run_with_faults(
         manifest, [{"kind": "slow-compute", "ms": SLOW_MS, "perMicroBatch": True, "fromStep": SLOW_FROM,
          "replica": "trainer-1"}],

@@ -9,29 +9,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import job_support
 import pytest
 import remediation_support
-import yaml
 
 from huorn.api.common import MitigationLevel
 from huorn.backends.local import report
 from huorn.scheduler.remediation import ladder
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 STEPS, SLOW_FROM, SLOW_MS = 60, 12, 150
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_slow_stage_leads_to_a_restart_with_a_new_layer_split(tmp_path: Path) -> None:
-    manifest = yaml.safe_load(QUICKSTART.read_text())
-    spec = manifest["spec"]
-    spec["elasticity"].update(minReplicas=1, maxReplicas=1, policy="fixed")
-    spec["model"].update(layers=4, width=32, heads=2, context=32)
-    spec["optimization"].update(globalBatch=8, microBatch=2, steps=STEPS)
-    spec["parallelism"] = {"pipelineStages": 2, "schedule": "1f1b"}
-    spec["checkpoint"] = {"path": "./checkpoints", "intervalSteps": 50}
-    spec["remediation"] = {"hangTimeout": "60s", "maxMitigation": "resplit"}
+    manifest = job_support.tiny_job(replicas=1, steps=STEPS, micro_batch=2, layers=4,
+                                    parallelism={"pipelineStages": 2, "schedule": "1f1b"},
+                                    remediation={"hangTimeout": "60s", "maxMitigation": "resplit"})
     run = remediation_support.run_with_faults(
         manifest, [{"kind": "slow-compute", "ms": SLOW_MS, "fromStep": SLOW_FROM, "rank": 0}],
         ladder.LadderCosts(resplit=1.0), tmp_path / "run", STEPS)

@@ -10,7 +10,7 @@ truly not arrived: communication overlaps compute.
 
 Saved-activation bytes are metered (autograd saved-tensor hooks, a Python call per saved
 tensor) on the first step of each table only: a table's peak does not change from step to
-step, and the hooks cost a few percent of a step where the host launches GPU kernels.
+step, and the hooks cost 6–26% of a step on two H200s, where the host launches the kernels.
 
 A stage module is any `nn.Module` called as `module(*tensors)` that returns a tensor or a
 tuple of tensors; everything it returns travels to the next stage as one flat buffer (the
