@@ -57,7 +57,6 @@ class BenchConfig:
     hang_dump_s: float = 0.0  # print every thread's stack after this long, to show where a hang sits
     p2p_max_ctas: int | None = None  # NCCL thread blocks of our edge communicators (build_groups)
     p2p_high_priority: bool = False
-    lockstep_below: float | None = None  # adaptive only: PipelinePlan.lockstep_below
 
 
 @dataclass
@@ -132,10 +131,7 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
             training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
                                            steps=config.switch_warmup, plan=plan, before_step=aligned)
 
-    adaptive_lockstep = False
-
     def run_fixed(k: int) -> tuple[str, list[float]]:
-        runner.wait_for_sends = False
         warm_up(k)
         plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k)
         reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
@@ -144,16 +140,13 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
         return ("huorn 1F1B" if k == 1 else f"huorn k={k}"), [r.seconds for r in reports]
 
     def run_adaptive() -> tuple[str, list[float]]:
-        nonlocal adaptive_k, adaptive_lockstep
-        runner.wait_for_sends = adaptive_lockstep
+        nonlocal adaptive_k
         warm_up(adaptive_k)
         plan = training.PipelinePlan(microbatches=config.microbatches, schedule="auto", k=adaptive_k,
-                                     replan_every=config.replan_every, lockstep_below=config.lockstep_below)
+                                     replan_every=config.replan_every)
         reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
                                                  steps=config.replan_every, plan=plan, planner=planner,
                                                  before_step=aligned)
-        adaptive_lockstep = runner.wait_for_sends  # set by the replan, on every rank
-        runner.wait_for_sends = False
         decision = reports[-1].decision
         adaptive_k = broadcast_int(int(decision["k"]) if decision else adaptive_k, device)
         result.adaptive_k += [r.k for r in reports]

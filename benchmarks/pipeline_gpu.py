@@ -45,8 +45,6 @@ def main() -> None:
                         help="NCCL thread blocks of the executor's edge communicators (default: NCCL's)")
     parser.add_argument("--p2p-high-priority", action="store_true",
                         help="put the executor's edge communicators on high-priority streams")
-    parser.add_argument("--lockstep-below", type=float, default=None,
-                        help="adaptive k also runs sends in lockstep while link/F+B is under this")
     args = parser.parse_args()
     if args.p2p_max_ctas is not None and args.p2p_max_ctas < 1:
         parser.error("--p2p-max-ctas must be >= 1")
@@ -100,8 +98,7 @@ def build_config(args: argparse.Namespace) -> pipeline_bench.BenchConfig:
     common = dict(stages=2, steps=3 if quick else args.rounds, warmup=2 if quick else 3,
                   partial_path=str(args.out / "pipeline_gpu_partial.json"),
                   level_budget_s=args.level_budget_s, hang_dump_s=max(args.budget_s - 10.0, 1.0),
-                  p2p_max_ctas=args.p2p_max_ctas, p2p_high_priority=args.p2p_high_priority,
-                  lockstep_below=args.lockstep_below)
+                  p2p_max_ctas=args.p2p_max_ctas, p2p_high_priority=args.p2p_high_priority)
     if args.tiny:
         return pipeline_bench.BenchConfig(
             backend="gloo", model=models.ModelConfig(layers=2, width=32, heads=2, vocabulary=64, context=8),

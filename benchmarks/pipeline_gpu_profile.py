@@ -44,8 +44,9 @@ def worker(rank: int, world: int, config: pipeline_bench.BenchConfig, rounds: in
         contention.LinkSender(peer, group, runner.throttle, device) if peer is not None else None
         for peer, group in ((runner._next, groups.to_next), (runner._previous, groups.to_previous)))
     # the same stage over edge communicators with other NCCL settings (build_groups' options)
-    variants = {"max_ctas=2": dict(p2p_max_ctas=2), "max_ctas=8": dict(p2p_max_ctas=8),
-                "high priority": dict(p2p_high_priority=True)} if on_gpu else {}
+    variants = {"max_ctas=2": dict(p2p_max_ctas=2), "max_ctas=4": dict(p2p_max_ctas=4),
+                "max_ctas=8": dict(p2p_max_ctas=8), "high priority": dict(p2p_high_priority=True),
+                "max_ctas=4, high priority": dict(p2p_max_ctas=4, p2p_high_priority=True)} if on_gpu else {}
     others = {name: executor.StageExecutor(stage, topo, pp_topology.build_groups(topo, **options),
                                            split.compute_decoder_loss, device)
               for name, options in variants.items()}
@@ -60,12 +61,10 @@ def worker(rank: int, world: int, config: pipeline_bench.BenchConfig, rounds: in
     torch_schedule = pipeline_bench.build_torch_schedule("Schedule1F1B", stage, topo, config, device)
     pipeline_bench.TORCH_BATCH[:] = [(tokens, targets)]
 
-    def ours(links: tuple, meter: bool, k: int = 1, stage_runner: executor.StageExecutor = runner,
-             lockstep: bool = False):
+    def ours(links: tuple, meter: bool, k: int = 1, stage_runner: executor.StageExecutor = runner):
         table = schedules.build_schedule("kfkb", config.stages, config.microbatches, k)
 
         def step() -> None:
-            stage_runner.wait_for_sends = lockstep
             if stage_runner is runner:
                 runner.send_link, runner.grad_link = links
             if meter:
@@ -88,14 +87,11 @@ def worker(rank: int, world: int, config: pipeline_bench.BenchConfig, rounds: in
         "huorn 1F1B, stream links, metered": ours(stream_links, meter=True),
         "huorn 1F1B, thread links": ours(thread_links, meter=False),
         "huorn 1F1B, thread links, metered (old)": ours(thread_links, meter=True),
-        "huorn 1F1B, stream links, lockstep": ours(stream_links, meter=False, lockstep=True),
         "huorn k=2, stream links": ours(stream_links, meter=False, k=2),
         "torch Schedule1F1B": torch_step,
     }
     for name, other in others.items():
         configs[f"huorn 1F1B, stream links, {name}"] = ours((), meter=False, stage_runner=other)
-        configs[f"huorn 1F1B, stream links, lockstep, {name}"] = ours((), meter=False, stage_runner=other,
-                                                                      lockstep=True)
     times: dict[str, list[float]] = {name: [] for name in configs}
     names = list(configs)
     for round_ in range(rounds + 1):
@@ -161,13 +157,9 @@ def best_link_flags(results: list[dict]) -> str:
     """benchmarks/pipeline_gpu.py's flags for the fastest edge-communicator setting measured
     (a step is as slow as its slowest rank)."""
     prefix = "huorn 1F1B, stream links"
-    settings = {"": "", "max_ctas=2": "--p2p-max-ctas 2", "max_ctas=8": "--p2p-max-ctas 8",
-                "high priority": "--p2p-high-priority"}
-    flags = {}
-    for mode, mode_flag in (("", ""), ("lockstep", "--lockstep-below 0.05")):
-        for setting, setting_flag in settings.items():
-            name = ", ".join(part for part in (prefix, mode, setting) if part)
-            flags[name] = " ".join(f for f in (mode_flag, setting_flag) if f)
+    flags = {prefix: "", **{f"{prefix}, max_ctas={n}": f"--p2p-max-ctas {n}" for n in (2, 4, 8)},
+             f"{prefix}, high priority": "--p2p-high-priority",
+             f"{prefix}, max_ctas=4, high priority": "--p2p-max-ctas 4 --p2p-high-priority"}
     step = {name: max(r["median_s"][name] for r in results) for name in flags
             if all(name in r["median_s"] for r in results)}
     best = min(step, key=step.get)

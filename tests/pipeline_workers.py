@@ -81,8 +81,7 @@ def mse_loss(outputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.T
 
 
 def adaptive_worker(rank: int, world: int, stages: int, width: int, depth: int, microbatches: int,
-                    size: int, levels: list[float], burst_s: float, replan_every: int,
-                    lockstep_below: float | None = None) -> dict:
+                    size: int, levels: list[float], burst_s: float, replan_every: int) -> dict:
     """Adaptive-k training of an MLP pipeline while the contention level follows `levels`
     (one per step); returns reports and the final weights of this rank's stage."""
     from huorn.runtime.pipeline import planner as pipeline_planner
@@ -93,8 +92,7 @@ def adaptive_worker(rank: int, world: int, stages: int, width: int, depth: int, 
     throttle = contention.Throttle(level=0.0, burst_s=burst_s)
     runner = executor.StageExecutor(module, topo, groups, mse_loss, torch.device("cpu"), throttle)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
-    plan = training.PipelinePlan(microbatches=microbatches, schedule="auto", k=1, replan_every=replan_every,
-                                 lockstep_below=lockstep_below)
+    plan = training.PipelinePlan(microbatches=microbatches, schedule="auto", k=1, replan_every=replan_every)
 
     def batches(step: int) -> training.Batch:
         inputs, targets = make_mlp_batch(step, microbatches, size, width)

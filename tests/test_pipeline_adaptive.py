@@ -95,35 +95,3 @@ def replay(stages: list[torch.nn.Sequential], optimizer: torch.optim.Optimizer) 
         optimizer.step()
         losses.append(total)
     return losses
-
-
-@pytest.fixture(scope="module")
-def lockstep_run() -> list[dict]:
-    args = (STAGES, WIDTH, DEPTH, MICROBATCHES, SIZE, LEVELS, BURST_S, REPLAN_EVERY, 0.5)
-    return launch.run_workers(workers.adaptive_worker, STAGES, "gloo", args)
-
-
-@pytest.mark.slow
-def test_sends_in_lockstep_on_a_calm_link_overlapped_once_it_is_preempted(lockstep_run: list[dict]) -> None:
-    """lockstep_below=0.5: on the calm link a message takes far less than half a micro-batch's
-    F+B, so the loop waits for each send; at 80% it takes more, so sends overlap again. The
-    send mode changes no arithmetic: the weights equal single-process SGD."""
-    made = decisions(lockstep_run)
-    calm, contended = made[REPLAN_EVERY - 1], made[len(LEVELS) - 1]
-    assert calm["lockstep"] is True and "in lockstep" in calm["reason"]
-    assert contended["lockstep"] is False and "overlapped" in contended["reason"]
-    link = max(contended["link_forward_s"] + contended["link_backward_s"])
-    compute = max(f + b for f, b in zip(contended["forward_s"], contended["backward_s"], strict=True))
-    assert link >= 0.5 * compute
-    stages = workers.build_mlp_stages(STAGES, WIDTH, DEPTH)
-    optimizer = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=0.05)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        losses = replay(stages, optimizer)
-    finally:
-        torch.set_num_threads(threads)
-    assert [r.loss for r in lockstep_run[0]["reports"]] == pytest.approx(losses, rel=1e-5)
-    for rank, stage in enumerate(stages):
-        for name, value in stage.state_dict().items():
-            torch.testing.assert_close(lockstep_run[rank]["state"][name], value, rtol=1e-5, atol=1e-6)

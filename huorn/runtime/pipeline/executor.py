@@ -90,12 +90,6 @@ class StageExecutor:
         self.grad_link = (contention.make_link(self._previous, groups.to_previous, self.throttle, device)
                           if self._previous is not None else None)
         self.measured_peaks: dict[tuple[str, int, int], int] = {}  # table -> peak saved bytes
-        # Lockstep: the stage's next compute waits until each of its sends has been delivered.
-        # NB: on a link whose messages take a few percent of a micro-batch's compute there is
-        # nothing to hide, and on a GPU a send kernel that waits for its receiver stays resident
-        # beside the compute; Hopper's persistent GEMMs, sized to every SM, then run a second
-        # partial wave. The training loop turns this on from the measured link (lockstep_below).
-        self.wait_for_sends = False
 
     def close(self) -> None:
         for link in (self.send_link, self.grad_link):
@@ -239,8 +233,6 @@ class StageExecutor:
                 if self.send_link is not None:
                     payload = outputs[: len(self.output_layout.shapes)]  # type: ignore[union-attr]
                     self.send_link.send(self._pack(payload), tag=m)
-                    if self.wait_for_sends:
-                        self.send_link.drain()
             else:
                 received, outputs = stored.pop(m)
                 grads: list[torch.Tensor | None] = []
@@ -256,8 +248,6 @@ class StageExecutor:
                 if self.grad_link is not None:
                     back = [t.grad if t.grad is not None else torch.zeros_like(t) for t in received]
                     self.grad_link.send(self._pack(back), tag=m)
-                    if self.wait_for_sends:
-                        self.grad_link.drain()
         for link in (self.send_link, self.grad_link):
             if link is not None:
                 link.drain()

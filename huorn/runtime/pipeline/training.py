@@ -38,10 +38,6 @@ class PipelinePlan:
     k: int = 1  # kfkb's k, and the starting k of auto
     candidates: tuple[int, ...] = (1, 2, 3, 4)
     replan_every: int = 5
-    # with `auto`: run in lockstep (each send delivered before the next compute) while the
-    # slowest link's seconds per message stay under this fraction of a micro-batch's F+B;
-    # None keeps sends overlapped always
-    lockstep_below: float | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in (*schedules.SCHEDULE_NAMES, "auto"):
@@ -52,9 +48,6 @@ class PipelinePlan:
             raise ValueError(f"k and candidates must be >= 1, got k={self.k}, candidates={self.candidates}")
         if self.replan_every < 1:
             raise ValueError(f"replan_every must be >= 1, got {self.replan_every}")
-        if self.lockstep_below is not None and not 0.0 <= self.lockstep_below < 1.0:
-            raise ValueError(f"lockstep_below must be in [0, 1) (a fraction of F+B) or None, "
-                             f"got {self.lockstep_below}")
 
 
 @dataclass
@@ -185,7 +178,7 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
         stage = int(row[0])
         worst[stage] = [max(a, b) for a, b in zip(worst[stage], row[1:], strict=True)]
     decision = None
-    chosen = torch.tensor([k, int(runner.wait_for_sends)], dtype=torch.int64, device=runner.device)
+    chosen = torch.tensor([k], dtype=torch.int64, device=runner.device)
     if dist.get_rank() == 0:
         tables = schedules.build_candidates(stages, plan.microbatches, plan.candidates)
         bytes_per_stage = [int(w[5]) for w in worst]
@@ -199,16 +192,5 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
         )
         chosen[0] = int(result.k)
         decision = result.to_dict()
-        if plan.lockstep_below is not None:
-            compute = max(w[0] + w[1] for w in worst)
-            edges = range(stages - 1)
-            link = max([*(worst[s][2] for s in edges), *(worst[s + 1][3] for s in edges)], default=0.0)
-            lockstep = compute > 0 and link < plan.lockstep_below * compute
-            chosen[1] = int(lockstep)
-            decision["lockstep"] = lockstep
-            decision["reason"] += (f"; sends {'in lockstep' if lockstep else 'overlapped'}: link "
-                                   f"{link / compute if compute else 0.0:.3f}× F+B "
-                                   f"{'<' if lockstep else '>='} {plan.lockstep_below}")
     dist.broadcast(chosen, src=0)
-    runner.wait_for_sends = bool(chosen[1])
     return int(chosen[0]), decision
