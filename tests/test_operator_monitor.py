@@ -55,9 +55,11 @@ def ranks() -> Iterator[Ranks]:
     r.close()
 
 
-def start_operator(cluster: EmulatedCluster, port: int) -> operator_mod.OperatorThread:
+def start_operator(cluster: EmulatedCluster, port: int, progress_seconds: float = 30.0
+                   ) -> operator_mod.OperatorThread:
     settings = dataclasses.replace(
-        operator_mod.FAST, monitor_seconds=0.3, telemetry_port=port, telemetry_timeout_seconds=1.0
+        operator_mod.FAST, monitor_seconds=0.3, telemetry_port=port, telemetry_timeout_seconds=1.0,
+        progress_seconds=progress_seconds,
     )
     return operator_mod.OperatorThread(cluster.api_client(), settings)
 
@@ -110,6 +112,27 @@ def test_goodput_policy_grows_job_within_max_replicas(cluster, kube: builders.Ku
             assert len(decisions(kube, "grow", "resize")) == 1
     finally:
         grower.close()
+
+
+def test_training_progress_and_the_last_checkpoint_reach_status(cluster, kube: builders.Kube,
+                                                                ranks: Ranks) -> None:
+    """What `kubectl get tj` prints (Step, Loss) comes from the ranks' telemetry, and a landed
+    checkpoint reaches status.lastCheckpoint at once, even between progress writes."""
+    for step in range(1, 8):  # all before the pods run: the first poll sees all seven
+        for replica in IPS:
+            ranks.by_replica[replica].record_step(step, 0.5, 0.1, 3.0 - 0.1 * step, 2000.0 + step, None)
+    with start_operator(cluster, ranks.port, progress_seconds=3600.0):
+        kube.create_job(NS, builders.make_training_job("llm", "train", replicas=2, max_replicas=2, gpus=2))
+        run_with_ips(kube, "llm", 2)
+        status = wait_for(lambda: (s := kube.job_status(NS, "llm")).get("step") == 7 and s,
+                          what="status.step 7")
+        assert status["loss"] == pytest.approx(2.3) and status["tokensPerSecond"] == pytest.approx(2007.0)
+        checkpoint = {"step": 7, "path": "/checkpoints/step-00000007", "time": "2026-11-30T11:00:00Z"}
+        for replica in IPS:
+            ranks.by_replica[replica].set_parameter("checkpoint", dict(checkpoint))
+        landed = wait_for(lambda: kube.job_status(NS, "llm").get("lastCheckpoint"), what="lastCheckpoint")
+        assert landed == checkpoint
+        assert kube.job_status(NS, "llm")["phase"] == "Running"
 
 
 def test_injected_hang_ends_in_s4_cordon_and_replacement(cluster, kube: builders.Kube, ranks: Ranks) -> None:

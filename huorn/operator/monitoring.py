@@ -46,6 +46,8 @@ class JobPolicies:
     last_step: int = -1
     ladder_seen: int = 0
     polls: int = 0  # ticks that read some telemetry: how long the job has been watched
+    progress_written: float = float("-inf")  # time of the last status.step/loss write
+    checkpoint_written: int | None = None  # step of the last status.lastCheckpoint written
 
     def all(self) -> list[monitor.Policy]:
         return [p for p in (self.remediation, self.goodput) if p is not None]
@@ -145,6 +147,7 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
     if not observation.telemetry:
         return []
     state.polls += 1
+    await write_progress(ctx, namespace, name, state, observation)
     async with ctx.job_lock(namespace, name):
         # Decide against the graph as it is now: a reconcile may have mutated it while we polled.
         body = await ctx.client.get_custom(training.PLURAL, namespace, name)
@@ -173,6 +176,45 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
         if fresh is not None:
             await training.reconcile(ctx, fresh)
     return mutations
+
+
+def build_progress(observation: monitor.Observation) -> dict[str, Any]:
+    """status.step, loss, tokensPerSecond (from the newest step record) and lastCheckpoint (from
+    the lowest rank's telemetry), what `kubectl get trainingjobs` prints; {} when nothing new."""
+    progress: dict[str, Any] = {}
+    if observation.steps:
+        last = observation.steps[-1]
+        progress["step"] = int(last["step"])
+        if last.get("loss") is not None:
+            progress["loss"] = round(float(last["loss"]), 6)
+        if last.get("tokens_per_second") is not None:
+            progress["tokensPerSecond"] = round(float(last["tokens_per_second"]), 1)
+    if observation.telemetry:
+        first = min(observation.telemetry.values(), key=lambda s: int(s.get("rank", 1 << 30)))
+        landed = (first.get("parameters") or {}).get("checkpoint")
+        if isinstance(landed, dict) and "step" in landed:
+            progress["lastCheckpoint"] = {k: landed[k] for k in ("step", "time", "path") if k in landed}
+    return progress
+
+
+async def write_progress(ctx: Context, namespace: str, name: str, state: JobPolicies,
+                         observation: monitor.Observation) -> bool:
+    """A merge patch of the progress fields, at most every `progress_seconds` (at once for a new
+    checkpoint). It touches no field the reconcile owns, so it needs no job lock."""
+    progress = build_progress(observation)
+    checkpoint = (progress.get("lastCheckpoint") or {}).get("step")
+    fresh_checkpoint = checkpoint is not None and checkpoint != state.checkpoint_written
+    due = observation.time - state.progress_written >= ctx.settings.progress_seconds
+    if not progress or not (due or fresh_checkpoint):
+        return False
+    if not due:
+        progress = {"lastCheckpoint": progress["lastCheckpoint"]}
+    await ctx.client.patch_status(training.PLURAL, namespace, name, progress)
+    if due:
+        state.progress_written = observation.time
+    if checkpoint is not None:
+        state.checkpoint_written = checkpoint
+    return True
 
 
 def _event_reason(m: model.Mutation) -> str:

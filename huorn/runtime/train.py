@@ -143,6 +143,10 @@ class Trainer:
         self.last_checkpoint_time = time.monotonic()
         self.log({"event": "checkpoint", "step": step, "reason": reason, "path": str(path),
                   "seconds": time.monotonic() - started})
+        # the operator copies it to status.lastCheckpoint
+        self.telemetry.set_parameter("checkpoint", {
+            "step": step, "path": str(path),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
     # -- one step --------------------------------------------------------------------------------
     def compute_step(self, step: int) -> tuple[float, float, int]:
