@@ -107,8 +107,9 @@ def build_checkpoint_events(graph: model.Graph, observation: Observation) -> lis
 
 
 def build_completion_events(graph: model.Graph, observation: Observation) -> list[managers.Event]:
-    """An active on-demand vertex (an eval) whose every instance exited cleanly is done; its
-    manager parks it again, which releases what it held."""
+    """An active on-demand vertex (an eval) whose every instance has exited is done (a failure
+    is named in the reason, not retried); its manager parks it again, or runs it once more when
+    a newer input landed meanwhile."""
     events = []
     for vertex in graph.vertices.values():
         if vertex.mode is not model.ExecutionMode.ON_DEMAND or not vertex.active or not vertex.instances:
