@@ -3,16 +3,14 @@ backend, as the S2 and S3 end-to-end tests both do."""
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import job_support
+
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
 from huorn.api.common import Remediation
-from huorn.backends import monitor
-from huorn.backends.local import backend as local_backend
 from huorn.graph import compiler, model
 from huorn.scheduler.remediation import ladder, policy
 
@@ -29,17 +27,8 @@ class RemediatedRun:
 def run_with_faults(manifest: dict[str, Any], faults: list[dict[str, Any]], costs: ladder.LadderCosts,
                     run_dir: Path, steps: int, budget_s: float = 500) -> RemediatedRun:
     g = compiler.compile(manifest)
-    run_dir.mkdir()
-    (run_dir / "faults.json").write_text(json.dumps({"faults": faults}))
-    backend = local_backend.LocalBackend(g, run_dir, local_backend.LocalSettings(step_limit=steps))
     remediation = policy.RemediationPolicy(Remediation.model_validate(manifest["spec"]["remediation"]),
                                            costs=costs)
-    loop = monitor.Monitor(g, backend, [remediation])
-    deadline = time.monotonic() + budget_s
-    try:
-        loop.start()
-        result = loop.run(interval=0.5, should_stop=lambda _: time.monotonic() > deadline)
-    finally:
-        backend.stop(graceful=False)
+    result = job_support.run_local(g, run_dir, faults, [remediation], steps, budget_s)
     actions = (run_dir / "actions.jsonl").read_text()
     return RemediatedRun(g, remediation, run_dir, actions, result.observation.finished)

@@ -4,16 +4,12 @@ graph's mutation log with the planner's reason."""
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 import job_support
 import pytest
 
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
-from huorn.backends import monitor
-from huorn.backends.local import backend as local_backend
 from huorn.backends.local import report
 from huorn.graph import compiler
 from huorn.scheduler import pipeline_k
@@ -28,17 +24,9 @@ def test_auto_pipeline_job_runs_locally_and_logs_its_k_choice(tmp_path: Path) ->
                                     parallelism={"pipelineStages": 2, "schedule": "auto"})
     g = compiler.compile(manifest)
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
     # slow enough steps that the monitor ticks between a decision and the end of the job
-    (run_dir / "faults.json").write_text(json.dumps({"faults": [{"kind": "slow-compute", "ms": 150}]}))
-    backend = local_backend.LocalBackend(g, run_dir, local_backend.LocalSettings(step_limit=STEPS))
-    loop = monitor.Monitor(g, backend, [pipeline_k.KDecisionPolicy()])
-    deadline = time.monotonic() + 400
-    try:
-        loop.start()
-        result = loop.run(interval=0.3, should_stop=lambda _: time.monotonic() > deadline)
-    finally:
-        backend.stop(graceful=False)
+    result = job_support.run_local(g, run_dir, [{"kind": "slow-compute", "ms": 150}],
+                                   [pipeline_k.KDecisionPolicy()], STEPS, budget_s=400, interval=0.3)
     assert result.observation.finished, (run_dir / "actions.jsonl").read_text()[-3000:]
     records = report.read_records(run_dir)
     steps = [r for r in records if r.get("event") == "step"]

@@ -4,8 +4,6 @@ its checkpoint with no more steps recomputed than one checkpoint interval."""
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 import job_support
@@ -13,8 +11,6 @@ import pytest
 
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
 from huorn.api.common import MitigationLevel, Remediation
-from huorn.backends import monitor
-from huorn.backends.local import backend as local_backend
 from huorn.backends.local import report
 from huorn.graph import compiler
 from huorn.scheduler.remediation import policy
@@ -30,19 +26,10 @@ def test_injected_hang_ends_in_s4_and_the_job_completes_from_its_checkpoint(tmp_
     spec = manifest["spec"]
     g = compiler.compile(manifest)
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    # Only the first generation of trainer-1 hangs: its replacement must run normally.
-    (run_dir / "faults.json").write_text(json.dumps(
-        {"faults": [{"kind": "hang-compute", "fromStep": HANG_AT, "replica": "trainer-1"}]}))
-    backend = local_backend.LocalBackend(g, run_dir, local_backend.LocalSettings(step_limit=STEPS))
     remediation = policy.RemediationPolicy(Remediation.model_validate(spec["remediation"]))
-    loop = monitor.Monitor(g, backend, [remediation])
-    deadline = time.monotonic() + 780
-    try:
-        loop.start()
-        result = loop.run(interval=0.5, should_stop=lambda _: time.monotonic() > deadline)
-    finally:
-        backend.stop(graceful=False)
+    # Only the first generation of trainer-1 hangs: its replacement must run normally.
+    result = job_support.run_local(g, run_dir, [{"kind": "hang-compute", "fromStep": HANG_AT,
+                                                 "replica": "trainer-1"}], [remediation], STEPS, budget_s=780)
     assert result.observation.finished, (run_dir / "actions.jsonl").read_text()[-3000:]
     restarts = [d for d in remediation.decisions if d.level is MitigationLevel.RESTART]
     assert len(restarts) == 1 and "non-communication" in restarts[0].reason
