@@ -84,3 +84,30 @@ def test_a_directory_without_a_checkpoint_is_refused_by_name(tmp_path: Path, cap
     (tmp_path / "empty").mkdir()
     assert evaluate.main(["--config", str(config_path), "--checkpoint", str(tmp_path / "empty")]) == 2
     assert "holds no complete Huorn checkpoint" in capsys.readouterr().err
+
+
+def test_result_file_is_the_compact_result_a_pod_reports(tmp_path: Path) -> None:
+    """`--result-file` (a pod's /dev/termination-log) holds the same losses as the result file."""
+    config_path = write_config(tmp_path)
+    cfg = run_config.load_run_config(config_path)
+    save_trained(cfg, step=4)
+    out = tmp_path / "termination-log"
+    argv = ["--config", str(config_path), "--checkpoint", str(cfg.checkpoint_root), "--result-file", str(out)]
+    assert evaluate.main(argv) == 0
+    full = json.loads((cfg.run_dir / "evals" / "eval-00000004.json").read_text())
+    compact = json.loads(out.read_text())
+    assert compact["step"] == 4 and compact["sourcesOmitted"] == 0
+    assert compact["loss"] == pytest.approx(full["loss"], abs=1e-6)
+    assert compact["sources"] == pytest.approx(full["sources"], abs=1e-6)
+    assert len(out.read_bytes()) <= evaluate.RESULT_FILE_LIMIT
+
+
+def test_compact_result_drops_sources_that_do_not_fit_and_counts_them() -> None:
+    result = {"step": 9, "loss": 2.5, "perplexity": 12.18, "checkpoint": "/c/step-9",
+              "sources": {f"source-{i:03d}-{'x' * 40}": 2.0 + i / 100 for i in range(200)}}
+    text = evaluate.build_compact_result(result, limit=1024)
+    parsed = json.loads(text)
+    assert len(text.encode()) <= 1024
+    assert parsed["loss"] == 2.5 and 0 < len(parsed["sources"]) < 200
+    assert parsed["sourcesOmitted"] == 200 - len(parsed["sources"])
+    assert all(result["sources"][k] == pytest.approx(v) for k, v in parsed["sources"].items())

@@ -12,6 +12,7 @@ jobs placed back to back never get the same GPUs; a pod's arrival replaces its r
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,8 @@ class PodRecord:
     exit_code: int | None = None
     deleting: bool = False
     ip: str = ""  # status.podIP: where the monitor reads the pod's /telemetry
+    message: str = ""  # the terminated container's message: an eval pod's result (JSON)
+    input: dict[str, Any] | None = None  # an eval pod's checkpoint (its huorn.io/checkpoint annotation)
 
     @property
     def job_key(self) -> tuple[str, str]:
@@ -64,11 +67,12 @@ def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
     containers = (body.get("spec") or {}).get("containers") or [{}]
     limits = (containers[0].get("resources") or {}).get("limits") or {}
     status = body.get("status") or {}
-    exit_code = None
+    exit_code, message = None, ""
     for cs in status.get("containerStatuses") or []:
         terminated = (cs.get("state") or {}).get("terminated")
         if terminated is not None:
             exit_code = terminated.get("exitCode")
+            message = str(terminated.get("message") or "")
     return PodRecord(
         namespace=meta.get("namespace", ""),
         name=meta["name"],
@@ -83,7 +87,17 @@ def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
         exit_code=exit_code,
         deleting=bool(meta.get("deletionTimestamp")),
         ip=status.get("podIP", "") or "",
+        message=message,
+        input=_parse_input(annotations.get(manifests.ANNOTATION_CHECKPOINT)),
     )
+
+
+def _parse_input(text: str | None) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 @dataclass

@@ -27,8 +27,9 @@ from huorn.api.common import ElasticityPolicy, MitigationLevel
 from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import model, mutate, serialise
-from huorn.operator import cordon, training, validation
+from huorn.operator import conditions, cordon, evaluation, training, validation
 from huorn.operator.context import Context
+from huorn.operator.index import TERMINAL_POD_PHASES
 from huorn.scheduler.remediation import policy
 
 logger = logging.getLogger("huorn.operator.monitor")
@@ -127,10 +128,16 @@ async def fetch_observation(
 
 
 async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutation]:
-    """One monitor pass over one job; returns the mutations it recorded (and applied)."""
-    if not any(p.vertex == "trainer" and p.phase == "Running" and p.ip and not p.deleting
-               for p in ctx.index.pods_of(namespace, name)):
-        return []  # nothing to poll; the mirror says so without an API round trip
+    """One monitor pass over one job; returns the mutations it recorded (and applied).
+
+    It polls the running trainer pods, and it also runs when only an eval pod has ended (after
+    the trainers finished, say), so that the eval's result and what follows it are settled."""
+    mirrored = ctx.index.pods_of(namespace, name)
+    polling = any(p.vertex == "trainer" and p.phase == "Running" and p.ip and not p.deleting
+                  for p in mirrored)
+    ended = any(p.phase in TERMINAL_POD_PHASES and p.input is not None and not p.deleting for p in mirrored)
+    if not polling and not ended:
+        return []  # nothing to poll or settle; the mirror says so without an API round trip
     body = await ctx.client.get_custom(training.PLURAL, namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         return []
@@ -143,11 +150,17 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
         return []
     state = _policies_for(ctx, body, job)
     gpus = job.spec.resources.gpus
-    observation = await fetch_observation(ctx, body, serialise.from_status(status["graph"]), state, gpus)
-    if not observation.telemetry:
+    observed = serialise.from_status(status["graph"])
+    if polling:
+        observation = await fetch_observation(ctx, body, observed, state, gpus)
+    else:
+        observation = monitor.Observation(time=time.time())
+    settling = evaluation.has_finished_pod(observed, ctx.index.pods_of(namespace, name))
+    if not observation.telemetry and not settling:
         return []
-    state.polls += 1
-    await write_progress(ctx, namespace, name, state, observation)
+    if observation.telemetry:
+        state.polls += 1
+        await write_progress(ctx, namespace, name, state, observation)
     async with ctx.job_lock(namespace, name):
         # Decide against the graph as it is now: a reconcile may have mutated it while we polled.
         body = await ctx.client.get_custom(training.PLURAL, namespace, name)
@@ -159,18 +172,33 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
         if state.goodput is not None:
             trainer = graph.vertex("trainer")
             state.goodput.slots = count_slots(ctx, job.spec.virtual_cluster, trainer.replicas, gpus)
-        result = monitor.Monitor(graph, observe.ObservedBackend(observation), state.all()).tick()
-        mutations = list(result.mutations) + record_ladder(graph, state)
+        # The eval vertex's inputs for the shared managers: a checkpoint it was not handed yet,
+        # and eval pods that ended (read under the lock, against the graph as it is now).
+        pods = ctx.index.pods_of(namespace, name)
+        observation.instances.update(evaluation.build_states(graph, pods))
+        observation.checkpoint = evaluation.landed_checkpoint(graph, observation.telemetry)
+        # Without telemetry (only an eval pod ended) the policies have nothing to judge.
+        policies = state.all() if observation.telemetry else []
+        result = monitor.Monitor(graph, observe.ObservedBackend(observation), policies).tick()
+        mutations = list(result.mutations) + (record_ladder(graph, state) if policies else [])
         if not mutations:
             return []
         mark_cordons(ctx, namespace, name, mutations)
+        when = conditions.now()
+        results = [evaluation.build_result(p, when)
+                   for p in evaluation.settled(observation.instances, graph, pods)]
         await ctx.client.patch_status(training.PLURAL, namespace, name, {
             "graph": serialise.to_status(graph), "decisions": training.build_decisions(graph),
+            **evaluation.build_status(body.get("status") or {}, results),
         })
         for m in mutations:
             ctx.metrics.decisions.labels(training.KIND, m.action).inc()
             reason = _event_reason(m)
             ctx.post_event(body, "Warning" if reason.startswith("Remedia") else "Normal", reason, m.reason)
+        for entry in results:
+            ok = entry["phase"] == "Succeeded"
+            ctx.post_event(body, "Normal" if ok else "Warning", "Evaluated" if ok else "EvaluationFailed",
+                           evaluation.describe(entry))
         logger.info("monitor %s/%s: %s", namespace, name, "; ".join(m.reason for m in mutations))
         fresh = await ctx.client.get_custom(training.PLURAL, namespace, name)
         if fresh is not None:

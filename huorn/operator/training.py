@@ -26,7 +26,7 @@ from huorn.api.common import ElasticityPolicy
 from huorn.backends.kubernetes import manifests
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import Graph, Mutation
-from huorn.operator import conditions, cordon, validation
+from huorn.operator import conditions, cordon, evaluation, validation
 from huorn.operator.context import Context
 from huorn.operator.index import PodRecord
 from huorn.scheduler import placement
@@ -36,7 +36,7 @@ KIND = "TrainingJob"
 PERMANENT_EXIT_CODES = frozenset({2})
 MAX_RESTARTS_ANNOTATION = "huorn.io/max-restarts"
 DECISION_LIMIT = 32
-RUNTIME_PARAMS = frozenset({"mitigation", "microbatches"})
+RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers"})
 
 
 def _iso(seconds: float) -> str:
@@ -113,7 +113,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         if pod is None or pod.phase != "Failed":
             continue
         allowed = job.spec.remediation.max_mitigation.value == "restart"
-        used = graph.action_counts.get("replace", 0)
+        # An S3 roll replaces healthy pods on purpose; those do not spend the failure budget.
+        used = graph.action_counts.get("replace", 0) - int(old.get("resplitReplacements") or 0)
         if pod.exit_code in PERMANENT_EXIT_CODES or not allowed or used >= budget:
             why = f"pod {pod.name} failed with exit code {pod.exit_code}; " + (
                 "the runtime refused its config"
@@ -132,7 +133,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         )
 
     trainer_pods = [pods.get(manifests.pod_name(ref, i)) for i in trainer.instances]
-    if trainer_pods and all(p is not None and p.phase == "Succeeded" for p in trainer_pods) and not new:
+    finished = trainer_pods and all(p is not None and p.phase == "Succeeded" for p in trainer_pods)
+    # An eval in flight finishes first (its result, or a re-run on a newer checkpoint, still counts).
+    if finished and not new and not evaluation.in_flight(graph):
         status = {
             **base_status,
             "phase": "Succeeded",
@@ -160,6 +163,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         )
         if resized is not None:
             new.append(resized)
+
+    new += _plan_resplit(graph, ref, pods, old, base_status)
+    waiting = await _drain_replaced(ctx, body, ref, graph, spec, pods, new, base_status)
+    if waiting is not None:
+        return waiting
 
     await cordon.ensure_cordoned(ctx, body, graph)
     missing = [i for i in graph.vertex("trainer").instances if manifests.pod_name(ref, i) not in pods]
@@ -225,6 +233,70 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     return await _report(ctx, body, graph, base_status, created)
 
 
+def _plan_resplit(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, PodRecord],
+                  old: Mapping[str, Any], base_status: dict[str, Any]) -> list[Mutation]:
+    """Remediation S3 in a cluster: a new `stageLayers` changes which layers every rank holds,
+    which a running trainer cannot do, so every live trainer pod is replaced with drain (a new
+    generation, so a new pod name; the old pod gets SIGTERM and checkpoints). Once per decision:
+    status.resplitVersion, written in the same patch as these replacements, names the set-param
+    that was rolled."""
+    split = manifests.stage_split(graph)
+    if split is None or old.get("resplitVersion") == split.version:
+        return []
+    layers = list(split.layers)
+    out = []
+    for instance in list(graph.vertex("trainer").instances):
+        pod = pods.get(manifests.pod_name(ref, instance))
+        if pod is None or pod.deleting or not pod.holds_resources:
+            continue
+        out.append(mutate.replace_instance(
+            graph, instance.name, drain=True,
+            reason=f"remediation S3: restart on stage layers {layers} from the last checkpoint "
+                   f"(set-param of graph version {split.version})"))
+    base_status["resplitVersion"] = split.version
+    base_status["resplitReplacements"] = int(old.get("resplitReplacements") or 0) + len(out)
+    return out
+
+
+async def _drain_replaced(
+    ctx: Context, body: Mapping[str, Any], ref: manifests.JobRef, graph: Graph,
+    spec: Mapping[str, Any], pods: Mapping[str, PodRecord], new: list[Mutation],
+    base_status: dict[str, Any],
+) -> str | None:
+    """Pods replaced with drain still hold their GPUs while they checkpoint, so their successors
+    wait for them to go rather than being placed around them (or reported Unplaceable). Writes
+    the decision first, then the ConfigMap (the new split), then deletes them gracefully (the
+    pod's terminationGracePeriodSeconds: SIGTERM, checkpoint, exit). Every step is repeatable:
+    a restarted operator finds the decision in status and the same pods still to delete."""
+    drained = {m.detail["old"] for m in graph.log if m.action == "replace" and m.detail.get("drain")}
+    wanted = {manifests.pod_name(ref, i) for i in graph.vertex("trainer").instances}
+    going = [p for p in pods.values() if p.vertex == "trainer" and p.instance in drained
+             and p.name not in wanted and p.holds_resources]
+    if not going:
+        return None
+    old = body.get("status") or {}
+    if new:
+        await _write_status(ctx, body, {
+            **base_status, "phase": "Remediating", "graph": serialise.to_status(graph),
+            "decisions": build_decisions(graph),
+        })
+        for m in new:
+            ctx.metrics.decisions.labels(KIND, m.action).inc()
+            if not m.detail.get("drain"):
+                _event(ctx, body, "Normal", m.action.capitalize(), m.reason)
+    split = manifests.stage_split(graph)
+    control = manifests.micro_batch_control(graph)
+    if split is not None and old.get("resplitVersion") != split.version:
+        await ctx.client.apply(manifests.build_config_map(ref, spec, control, split))
+        _event(ctx, body, "Normal", "Resplit",
+               f"restarting {len(going)} trainer pods on stage layers {list(split.layers)} "
+               f"from their checkpoint: {split.reason}"[:1024])
+    await asyncio.gather(*(ctx.client.delete("Pod", ref.namespace, p.name) for p in going if not p.deleting))
+    message = (f"waiting for {len(going)} trainer pods to checkpoint and exit before their "
+               f"successors start" + (f" on stage layers {list(split.layers)}" if split else ""))
+    return await _waiting(ctx, body, base_status, "Remediating", "Draining", message, event="Normal")
+
+
 def desired_replicas(job: Any, current: int) -> int:
     """`fixed` follows minReplicas (the scale subresource); `goodput` keeps what the allocator
     chose through the monitor, moved back inside [minReplicas, maxReplicas] when the spec moves."""
@@ -258,7 +330,8 @@ async def _apply_children(
     fresh_control = control is not None and old.get("controlVersion") != control.version
     writes = []
     if assignments or fresh_spec or fresh_control:
-        writes += [manifests.build_config_map(ref, spec, control), manifests.build_store_service(ref)]
+        split = manifests.stage_split(graph)
+        writes += [manifests.build_config_map(ref, spec, control, split), manifests.build_store_service(ref)]
     for instance in graph.vertex("rendezvous").instances:
         if manifests.pod_name(ref, instance) not in pods:
             writes.append(manifests.build_store_pod(ref, instance, spec))
@@ -266,12 +339,14 @@ async def _apply_children(
         node = assignments.get(instance.name)
         if node is not None:
             writes.append(manifests.build_trainer_pod(ref, graph, instance, node, spec, vc))
+    writes += evaluation.build_pods(ref, graph, spec, pods.values())
     # Independent objects, written concurrently: a gang of 64 pods is one round trip deep, not 64.
     # The ConfigMap goes first so that no pod ever starts without its config.
     if writes and writes[0]["kind"] == "ConfigMap":
         await ctx.client.apply(writes.pop(0))
     await asyncio.gather(*(ctx.client.apply(w) for w in writes))
     wanted = {manifests.pod_name(ref, i) for v in graph.vertices.values() for i in v.instances}
+    wanted |= evaluation.wanted_pods(graph, pods.values())
     await asyncio.gather(*(
         ctx.client.delete("Pod", ref.namespace, pod.name)
         for pod in pods.values() if pod.name not in wanted and not pod.deleting
@@ -334,11 +409,12 @@ async def _waiting(
     phase: str,
     reason: str,
     message: str,
+    event: str = "Warning",
 ) -> str:
     old = body.get("status") or {}
     previous = next((c for c in old.get("conditions") or [] if c.get("type") == conditions.RECONCILING), {})
     if previous.get("message") != message:
-        _event(ctx, body, "Warning", reason, message)
+        _event(ctx, body, event, reason, message)
     status = {
         **base_status,
         "phase": phase,
@@ -413,7 +489,8 @@ async def _clean_terminal(ctx: Context, body: Mapping[str, Any], phase: str) -> 
     for pod in ctx.index.pods_of(meta["namespace"], meta["name"]):
         if pod.deleting or (phase == "Succeeded" and pod.vertex == "trainer"):
             continue
-        if pod.vertex == "rendezvous" or pod.holds_resources:
+        # A finished eval pod goes too: its result is in status already.
+        if pod.vertex in ("rendezvous", "eval") or pod.holds_resources:
             await ctx.client.delete("Pod", pod.namespace, pod.name)
 
 

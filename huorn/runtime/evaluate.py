@@ -10,8 +10,11 @@ continual-pre-training run is judged by; the mixture's is comparable with the tr
 `validation_loss` (same batches for the same seed).
 
 The result goes to `<runDir>/evals/eval-<step>.json` (atomically) and, as one `eval` record, to
-the step log, where `huorn run`'s report and the monitor read it. Exit codes: 0 done, 2 a bad
-config or checkpoint (named in the message).
+the step log, where `huorn run`'s report and the monitor read it. In a pod, `--result-file
+/dev/termination-log` also writes a compact copy (at most `RESULT_FILE_LIMIT` bytes) where the
+kubelet turns it into the container's termination message: that is how the operator, which
+cannot read the pod's files, gets the result. Exit codes: 0 done, 2 a bad config or checkpoint
+(named in the message).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from huorn.runtime.data import sampler
 
 EVALS_DIR = "evals"
 EVAL_EVENT = "eval"
+# The kubelet keeps at most 4096 bytes of a termination message; past that it truncates, which
+# would leave the operator unparseable JSON.
+RESULT_FILE_LIMIT = 4096
 
 
 def evaluate(cfg: run_config.RunConfig, checkpoint_path: Path, batches: int,
@@ -87,6 +93,26 @@ def write_result(run_dir: Path, result: dict) -> Path:
     return out
 
 
+def build_compact_result(result: dict, limit: int = RESULT_FILE_LIMIT) -> str:
+    """The result as one JSON line of at most `limit` bytes: sources that do not fit are dropped
+    (largest names last) and counted in `sourcesOmitted`, so a job with many sources still
+    reports its mixture loss rather than a truncated document."""
+    compact = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in result.items() if k != "sources"}
+    sources = {name: round(float(loss), 6) for name, loss in result.get("sources", {}).items()}
+    kept: dict[str, float] = {}
+    for name in sorted(sources, key=lambda n: (len(n), n)):
+        trial = json.dumps({**compact, "sources": {**kept, name: sources[name]},
+                            "sourcesOmitted": len(sources)}, separators=(",", ":"))
+        if len(trial.encode()) > limit:
+            break
+        kept[name] = sources[name]
+    text = json.dumps({**compact, "sources": kept, "sourcesOmitted": len(sources) - len(kept)},
+                      separators=(",", ":"))
+    if len(text.encode()) > limit:
+        raise ValueError(f"the eval result does not fit in {limit} bytes even without sources")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m huorn.runtime.evaluate",
                                      description="Evaluate one checkpoint of a TrainingJob.")
@@ -95,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a checkpoint directory, or a checkpoint root (its latest complete one)")
     parser.add_argument("--batches", type=int, default=None,
                         help="validation batches per source (default: the config's validationBatches)")
+    parser.add_argument("--result-file", type=Path, default=None,
+                        help="also write the result as compact JSON here (a pod's /dev/termination-log)")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     try:
@@ -105,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate: {error}", file=sys.stderr)
         return 2
     out = write_result(cfg.run_dir, result)
+    if args.result_file is not None:
+        args.result_file.write_text(build_compact_result(result))
     per_source = ", ".join(f"{name} {loss:.4f}" for name, loss in result["sources"].items())
     print(f"step {result['step']}: loss {result['loss']:.4f} (perplexity {result['perplexity']:.2f}); "
           f"{per_source}; {result['seconds']:.1f} s → {out}")

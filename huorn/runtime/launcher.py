@@ -118,11 +118,13 @@ def build_store_command(host: str, port: int, port_file: Path | str | None = Non
 
 
 def build_eval_command(config_path: Path | str, checkpoint: Path | str, python: str = sys.executable,
-                       batches: int | None = None) -> list[str]:
-    """The eval vertex's process (huorn.runtime.evaluate): one checkpoint, no process group."""
+                       batches: int | None = None, result_file: Path | str | None = None) -> list[str]:
+    """The eval vertex's process (huorn.runtime.evaluate): one checkpoint, no process group.
+    `result_file` is where a pod's kubelet picks up the result (its termination message)."""
     argv = [python, "-m", "huorn.runtime.evaluate", "--config", str(config_path),
             "--checkpoint", str(checkpoint)]
-    return argv + (["--batches", str(batches)] if batches is not None else [])
+    argv += ["--batches", str(batches)] if batches is not None else []
+    return argv + (["--result-file", str(result_file)] if result_file is not None else [])
 
 
 def replica_address(index: int) -> str:

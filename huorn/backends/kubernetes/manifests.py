@@ -30,6 +30,10 @@ LABEL_INSTANCE = "huorn.io/instance"
 ANNOTATION_NODE = "huorn.io/node"
 ANNOTATION_GPUS = "huorn.io/gpus"
 ANNOTATION_VC = "huorn.io/virtual-cluster"
+# On an eval pod: the checkpoint its edge handed it (JSON), which the monitor compares with the
+# newest one when the pod ends (re-run on a newer checkpoint, as the OnDemandManager decides).
+ANNOTATION_CHECKPOINT = "huorn.io/checkpoint"
+TERMINATION_LOG = "/dev/termination-log"
 GPU_RESOURCE = "nvidia.com/gpu"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 CONFIG_DIR = "/etc/huorn"
@@ -99,9 +103,11 @@ def _metadata(job: JobRef, name: str, extra_labels: Mapping[str, str] | None = N
     }
 
 
-def build_run_config(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The runtime's resolved config (huorn.runtime.config.RunConfig, camelCase on the wire)."""
-    return {
+def build_run_config(job: JobRef, spec: Mapping[str, Any],
+                     stage_layers: list[int] | None = None) -> dict[str, Any]:
+    """The runtime's resolved config (huorn.runtime.config.RunConfig, camelCase on the wire);
+    `stage_layers` is remediation S3's split, which the trainer reads only when it starts."""
+    config: dict[str, Any] = {
         "jobName": job.name,
         "spec": dict(spec),
         "runDir": RUN_DIR,
@@ -109,6 +115,9 @@ def build_run_config(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
         "telemetryHost": "0.0.0.0",
         "telemetryPort": TELEMETRY_PORT,
     }
+    if stage_layers:
+        config["stageLayers"] = [int(n) for n in stage_layers]
+    return config
 
 
 @dataclass(frozen=True)
@@ -134,13 +143,38 @@ def micro_batch_control(graph: Graph) -> MicroBatchControl | None:
     return MicroBatchControl(tuple(int(c) for c in counts), setting.reason, setting.version)
 
 
+@dataclass(frozen=True)
+class StageSplit:
+    """Remediation S3's layers per pipeline stage; `version` is the graph version of the
+    set-param that chose them, which status.resplitVersion records once the gang was rolled."""
+
+    layers: tuple[int, ...]
+    reason: str
+    version: int
+
+
+def stage_split(graph: Graph) -> StageSplit | None:
+    """The trainer's current `stageLayers` parameter with the set-param that set it (the graph's
+    version when the bounded log no longer holds it)."""
+    layers = graph.vertex("trainer").params.get("stageLayers")
+    if not layers:
+        return None
+    setting = next((m for m in reversed(graph.log) if m.action == "set-param" and m.target == "trainer"
+                    and m.detail.get("key") == "stageLayers"), None)
+    version = setting.version if setting is not None else graph.version
+    return StageSplit(tuple(int(n) for n in layers), setting.reason if setting else "", version)
+
+
 def build_config_map(job: JobRef, spec: Mapping[str, Any],
-                     control: MicroBatchControl | None = None) -> dict[str, Any]:
+                     control: MicroBatchControl | None = None,
+                     split: StageSplit | None = None) -> dict[str, Any]:
     """The run config, and S2's counts when there are any. NB: the pods mount this ConfigMap
     as a volume (no subPath), so the kubelet swaps in an update atomically within its sync
     period (about a minute), and the trainer applies it at the next step boundary: that is how
-    a rebalance reaches a running gang without a restart."""
-    data = {CONFIG_FILE: json.dumps(build_run_config(job, spec), indent=2, sort_keys=True)}
+    a rebalance reaches a running gang without a restart. S3's split is part of the run config,
+    which a trainer reads only at start: the operator rolls the gang to apply it."""
+    config = build_run_config(job, spec, list(split.layers) if split is not None else None)
+    data = {CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True)}
     if control is not None:
         data[MICROBATCHES_KEY] = json.dumps(
             {"counts": list(control.counts), "reason": control.reason, "version": control.version}) + "\n"
@@ -301,5 +335,83 @@ def build_store_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any]) ->
                     "securityContext": _security_context(),
                 }
             ],
+        },
+    }
+
+
+def eval_pod_name(job: JobRef, instance: Instance, checkpoint: Mapping[str, Any] | None) -> str:
+    """`<job>-<instance>-s<step>`: the step keeps a later activation of the same instance (the
+    eval vertex is parked between checkpoints, and its instance names restart at eval-0) from
+    ever meeting the finished pod of an earlier one under the same name."""
+    step = (checkpoint or {}).get("step")
+    suffix = f"s{int(step)}" if step is not None else "latest"
+    return f"{pod_name(job, instance)}-{suffix}"
+
+
+def build_eval_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any],
+                   checkpoint: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The eval vertex: `python -m huorn.runtime.evaluate` on one checkpoint, in a pod of its own.
+
+    A bare pod with restartPolicy Never, like the trainers: the operator is its only controller,
+    so a failure is reported once and never retried (a batch Job would add a second controller
+    whose backoffLimit retries). The evaluator runs on CPU with no process group, so the pod
+    asks for no GPU and the default scheduler places it; it reads the checkpoint from the job's
+    checkpoint volume (read-only; shared by trainer pods on several nodes, so ReadWriteMany
+    already) and the run config from the job's ConfigMap, the trainers' own. Its result comes
+    back as the termination message (the operator cannot read the pod's files).
+    """
+    resources = spec.get("resources", {})
+    limits = {"cpu": str(resources.get("cpu", "4")), "memory": str(resources.get("memory", "16Gi"))}
+    ckpt = spec.get("checkpoint", {})
+    root = str(ckpt.get("path", "/checkpoints"))
+    target = (checkpoint or {}).get("path") or root
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "run", "mountPath": RUN_DIR},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_map_name(job)}},
+        {"name": "run", "emptyDir": {}},
+    ]
+    if ckpt.get("volume"):
+        mounts.append({"name": "checkpoints", "mountPath": root, "readOnly": True})
+        volumes.append({"name": "checkpoints",
+                        "persistentVolumeClaim": {"claimName": ckpt["volume"], "readOnly": True}})
+    env = [
+        {"name": "HUORN_REPLICA", "value": instance.name},
+        {"name": "HUORN_JOB", "value": job.name},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *({"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", [])),
+    ]
+    metadata = _metadata(job, eval_pod_name(job, instance, checkpoint),
+                         {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name})
+    metadata["annotations"] = {
+        ANNOTATION_GPUS: "0",
+        ANNOTATION_CHECKPOINT: json.dumps(dict(checkpoint or {}), sort_keys=True),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "eval",
+                    "image": spec.get("image", "ghcr.io/huorn-io/huorn:0.1.0"),
+                    "command": launcher.build_eval_command(f"{CONFIG_DIR}/{CONFIG_FILE}", target,
+                                                           python="python", result_file=TERMINATION_LOG),
+                    "env": env,
+                    "resources": {"limits": limits, "requests": dict(limits)},
+                    "volumeMounts": mounts,
+                    "securityContext": _security_context(),
+                    # File: the result JSON; on a crash before it is written, the log's tail
+                    # (the evaluator's one-line refusal) becomes the message instead.
+                    "terminationMessagePath": TERMINATION_LOG,
+                    "terminationMessagePolicy": "FallbackToLogsOnError",
+                }
+            ],
+            "volumes": volumes,
+            "terminationGracePeriodSeconds": 30,
         },
     }

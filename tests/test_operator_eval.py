@@ -1,0 +1,225 @@
+"""The eval vertex in a cluster: real kopf against KMock, real `/telemetry` from the runtime's own
+Telemetry class on 127.0.0.x pod IPs (as in test_operator_monitor.py).
+
+The trainers publish a checkpoint; the operator starts one eval pod on it; a newer checkpoint
+that lands meanwhile is evaluated next, never in parallel; the pod's termination message (what
+`python -m huorn.runtime.evaluate --result-file /dev/termination-log` writes) reaches status
+and an Event; a failure is reported once and not retried; and a restarted operator resumes from
+the API objects alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import kmock
+import pytest
+from kube import builders
+from kube import operator as operator_mod
+from kube.cluster import EmulatedCluster, wait_for
+
+from huorn.backends.kubernetes import manifests
+from huorn.runtime import evaluate
+from huorn.runtime import telemetry as runtime_telemetry
+
+pytest_plugins = ["kube.fixtures"]
+
+NS = "team"
+IPS = {"trainer-0": "127.0.0.2", "trainer-1": "127.0.0.3"}
+PODS = kmock.resource("", "v1", "pods")
+
+
+class Ranks:
+    """One telemetry server per trainer replica, on one shared port."""
+
+    def __init__(self, job: str) -> None:
+        self.by_replica: dict[str, runtime_telemetry.Telemetry] = {}
+        self.port = 0
+        for rank, (replica, ip) in enumerate(IPS.items()):
+            t = runtime_telemetry.Telemetry(job, rank, len(IPS), replica)
+            self.port = t.serve(ip, self.port)
+            self.by_replica[replica] = t
+
+    def checkpoint(self, step: int) -> dict[str, Any]:
+        """What the trainer publishes after a checkpoint (huorn.runtime.train.Trainer.save)."""
+        landed = {"step": step, "path": f"/checkpoints/step-{step:08d}", "time": "2026-11-30T12:00:00Z"}
+        for t in self.by_replica.values():
+            t.set_parameter("checkpoint", dict(landed))
+        return landed
+
+    def close(self) -> None:
+        for t in self.by_replica.values():
+            t.close()
+
+
+@pytest.fixture()
+def ranks() -> Iterator[Ranks]:
+    r = Ranks("llm")
+    yield r
+    r.close()
+
+
+def start_operator(cluster: EmulatedCluster, port: int) -> operator_mod.OperatorThread:
+    settings = dataclasses.replace(operator_mod.FAST, monitor_seconds=0.3, telemetry_port=port,
+                                   telemetry_timeout_seconds=1.0)
+    return operator_mod.OperatorThread(cluster.api_client(), settings)
+
+
+def make_job(name: str) -> dict[str, Any]:
+    body = builders.make_training_job(name, "train", replicas=2, max_replicas=2, gpus=2)
+    body["metadata"]["annotations"] = {"huorn.io/eval": "true"}
+    return body
+
+
+def run_with_ips(kube: builders.Kube, name: str) -> None:
+    wait_for(lambda: len(kube.pods(NS, name, "trainer")) == 2, what="2 trainer pods")
+    for pod in kube.pods(NS, name):
+        instance = pod.metadata.labels["huorn.io/instance"]
+        status = {"phase": "Running", "podIP": IPS.get(instance, "127.0.0.9")}
+        kube.core.patch_namespaced_pod_status(pod.metadata.name, NS, {"status": status})
+    wait_for(lambda: kube.job_status(NS, name).get("phase") == "Running", what="phase Running")
+
+
+def eval_pods(kube: builders.Kube, name: str) -> list[str]:
+    return [p.metadata.name for p in kube.pods(NS, name, "eval")]
+
+
+def finish(kube: builders.Kube, pod: str, exit_code: int, message: str) -> None:
+    """The kubelet's report of an ended eval container, termination message included."""
+    terminated = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
+                  "message": message}
+    status = {"phase": "Succeeded" if exit_code == 0 else "Failed", "containerStatuses": [
+        {"name": "eval", "ready": False, "restartCount": 0, "image": "x", "imageID": "x",
+         "state": {"terminated": terminated}}]}
+    kube.core.patch_namespaced_pod_status(pod, NS, {"status": status})
+
+
+def result_message(step: int, loss: float) -> str:
+    """The termination message exactly as the evaluator builds it."""
+    return evaluate.build_compact_result({
+        "step": step, "checkpoint": f"/checkpoints/step-{step:08d}", "batches": 2, "sequences": 4,
+        "loss": loss, "sources": {"web": loss - 0.25, "code": loss + 0.5}, "perplexity": 2.718 ** loss,
+        "seconds": 1.5})
+
+
+def eval_vertex(kube: builders.Kube, name: str) -> dict[str, Any]:
+    graph = kube.job_status(NS, name)["graph"]
+    return next(v for v in graph["vertices"] if v["name"] == "eval")
+
+
+def events(kube: builders.Kube, name: str, reason: str) -> list[str]:
+    return [e.message for e in kube.events(NS, name) if e.reason == reason]
+
+
+def test_checkpoints_run_one_eval_pod_at_a_time_and_results_reach_status(
+        cluster: EmulatedCluster, kube: builders.Kube, ranks: Ranks) -> None:
+    with start_operator(cluster, ranks.port):
+        kube.create_job(NS, make_job("llm"))
+        run_with_ips(kube, "llm")
+        assert eval_pods(kube, "llm") == [], "no eval before a checkpoint lands"
+
+        ranks.checkpoint(5)
+        first = wait_for(lambda: eval_pods(kube, "llm"), what="an eval pod")
+        assert first == ["llm-eval-0-s5"]
+        pod = kube.core.read_namespaced_pod("llm-eval-0-s5", NS)
+        container = pod.spec.containers[0]
+        assert container.command == ["python", "-m", "huorn.runtime.evaluate", "--config",
+                                     "/etc/huorn/config.json", "--checkpoint", "/checkpoints/step-00000005",
+                                     "--result-file", "/dev/termination-log"]
+        assert container.termination_message_policy == "FallbackToLogsOnError"
+        assert manifests.GPU_RESOURCE not in (container.resources.limits or {}), "the evaluator runs on CPU"
+        mounts = {m.name: (m.mount_path, m.read_only) for m in container.volume_mounts}
+        assert mounts["checkpoints"] == ("/checkpoints", True)
+        assert mounts["config"] == ("/etc/huorn", True)
+        volumes = {v.name: v for v in pod.spec.volumes}
+        assert volumes["checkpoints"].persistent_volume_claim.claim_name == "ckpt"
+        assert volumes["config"].config_map.name == "llm-config"
+        assert pod.spec.restart_policy == "Never"
+        owner = pod.metadata.owner_references[0]
+        assert (owner.kind, owner.name, owner.controller) == ("TrainingJob", "llm", True)
+        assert json.loads(pod.metadata.annotations[manifests.ANNOTATION_CHECKPOINT]) == {
+            "vertex": "trainer", "step": 5, "path": "/checkpoints/step-00000005"}
+
+        # A newer checkpoint while the eval runs: handed to the vertex, but no second pod.
+        ranks.checkpoint(10)
+        wait_for(lambda: eval_vertex(kube, "llm")["params"]["checkpoint"]["step"] == 10,
+                 what="the eval vertex handed step 10")
+        assert eval_pods(kube, "llm") == ["llm-eval-0-s5"], "at most one eval in flight"
+
+        # The first eval ends: its result goes to status and an Event; step 10 is evaluated next.
+        kube.set_pod_phase(NS, "llm-eval-0-s5", "Running")
+        finish(kube, "llm-eval-0-s5", 0, result_message(5, 2.5))
+        wait_for(lambda: eval_pods(kube, "llm") == ["llm-eval-0-g1-s10"], what="a re-run on step 10")
+        last = kube.job_status(NS, "llm")["lastEvaluation"]
+        assert last["phase"] == "Succeeded" and last["step"] == 5 and last["pod"] == "llm-eval-0-s5"
+        assert last["loss"] == pytest.approx(2.5)
+        assert last["sources"] == pytest.approx({"web": 2.25, "code": 3.0})
+        assert last["checkpoint"] == "/checkpoints/step-00000005"
+        assert wait_for(lambda: events(kube, "llm", "Evaluated"), what="an Evaluated event") == [
+            "checkpoint of step 5: loss 2.5000 (code 3.0000, web 2.2500)"]
+        second = kube.core.read_namespaced_pod("llm-eval-0-g1-s10", NS).spec.containers[0]
+        assert "/checkpoints/step-00000010" in second.command
+
+        # Training ends while the re-run works: the job waits for it before it is Succeeded.
+        for trainer in kube.pods(NS, "llm", "trainer"):
+            kube.set_pod_phase(NS, trainer.metadata.name, "Succeeded")
+        wait_for(lambda: kube.condition(NS, "llm", "Ready").get("message") == "0/2 trainer pods running",
+                 what="the trainers' success seen")
+        assert kube.job_status(NS, "llm")["phase"] != "Succeeded"
+
+        # It fails: reported once (status, Warning Event), not retried; then the job succeeds.
+        finish(kube, "llm-eval-0-g1-s10", 2, "evaluate: /checkpoints/step-00000010 holds no complete "
+                                             "Huorn checkpoint\n")
+        wait_for(lambda: kube.job_status(NS, "llm").get("phase") == "Succeeded", what="Succeeded")
+        status = kube.job_status(NS, "llm")
+        assert status["lastEvaluation"]["phase"] == "Failed" and status["lastEvaluation"]["step"] == 10
+        assert "exit code 2" in status["lastEvaluation"]["message"]
+        assert "holds no complete Huorn checkpoint" in status["lastEvaluation"]["message"]
+        assert status["evaluations"] == [{"step": 5, "phase": "Succeeded", "loss": 2.5},
+                                         {"step": 10, "phase": "Failed"}]
+        assert len(events(kube, "llm", "EvaluationFailed")) == 1
+        vertex = eval_vertex(kube, "llm")
+        assert vertex["active"] is False and not vertex["instances"]
+        wait_for(lambda: eval_pods(kube, "llm") == [], what="the finished eval pod cleaned up")
+        actions = [d["action"] for d in status["decisions"]]
+        assert actions.count("activate") == 1 and actions.count("deactivate") == 1
+        assert actions.count("replace") == 1, "one re-run for the newer checkpoint, no retry"
+
+
+def test_a_restarted_operator_resumes_evals_from_the_api_objects(
+        cluster: EmulatedCluster, kube: builders.Kube, ranks: Ranks) -> None:
+    km = cluster.kmock
+    assert km is not None
+    with start_operator(cluster, ranks.port) as first:
+        kube.create_job(NS, make_job("llm"))
+        run_with_ips(kube, "llm")
+        # The eval pod's create meets a 500 first; exactly one pod comes of it.
+        km["post", PODS, kmock.body(re.compile(r".*huorn\.runtime\.evaluate.*", re.S))][:1].override << 500
+        before = first.ctx.client.retries
+        ranks.checkpoint(5)
+        wait_for(lambda: eval_pods(kube, "llm") == ["llm-eval-0-s5"], what="an eval pod")
+        assert first.ctx.client.retries > before, "the injected 500 was answered and retried"
+    # The operator is gone: the eval ends and a newer checkpoint lands meanwhile.
+    finish(kube, "llm-eval-0-s5", 0, result_message(5, 2.0))
+    ranks.checkpoint(8)
+    with start_operator(cluster, ranks.port):
+        wait_for(lambda: eval_pods(kube, "llm") == ["llm-eval-0-g1-s8"], what="the re-run on step 8")
+        wait_for(lambda: kube.job_status(NS, "llm").get("lastEvaluation", {}).get("step") == 5,
+                 what="the result of the eval that ended while no operator ran")
+        # Another operator restart with the re-run in flight: nothing is created or recorded twice.
+    with start_operator(cluster, ranks.port):
+        wait_for(lambda: kube.job_status(NS, "llm").get("phase") == "Running", what="Running")
+        kube.set_pod_phase(NS, "llm-trainer-0", "Running")  # a pod event: one more reconcile
+        finish(kube, "llm-eval-0-g1-s8", 0, result_message(8, 1.75))
+        wait_for(lambda: eval_pods(kube, "llm") == [], what="the vertex parked, its pod deleted")
+        status = kube.job_status(NS, "llm")
+    assert status["evaluations"] == [{"step": 5, "phase": "Succeeded", "loss": 2.0},
+                                     {"step": 8, "phase": "Succeeded", "loss": 1.75}]
+    actions = [d["action"] for d in status["decisions"]]
+    assert actions.count("activate") == 1 and actions.count("replace") == 1
+    assert actions.count("deactivate") == 1
+    assert len(events(kube, "llm", "Evaluated")) == 2
