@@ -57,6 +57,7 @@ class BenchConfig:
     hang_dump_s: float = 0.0  # print every thread's stack after this long, to show where a hang sits
     p2p_max_ctas: int | None = None  # NCCL thread blocks of our edge communicators (build_groups)
     p2p_high_priority: bool = False
+    lockstep: bool = False  # also run 1F1B in lockstep, and let adaptive choose overlap or lockstep
 
 
 @dataclass
@@ -65,6 +66,7 @@ class LevelResult:
     tokens_per_s: dict[str, float] = field(default_factory=dict)
     step_s: dict[str, float] = field(default_factory=dict)
     adaptive_k: list[int] = field(default_factory=list)
+    adaptive_comm: list[str] = field(default_factory=list)  # overlap or lockstep, per adaptive step
     decisions: list[dict] = field(default_factory=list)
     peak_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)  # k -> (predicted, measured)
     torch_throttled_batches: int = 0
@@ -113,8 +115,8 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
     throttle.burst_s = config.burst_fraction * float(compute[0])
     tokens_per_step = config.micro_batch * config.microbatches * config.model.context
     results = []
-    planner = pipeline_planner.AdaptiveKPlanner()
-    adaptive_k = 1
+    planner = pipeline_planner.AdaptiveKPlanner(lockstep=config.lockstep)
+    adaptive_k, adaptive_comm = 1, "overlap"
     torch_schedules = {name: build_torch_schedule(name, stage, topo, config, device)
                        for name in ("Schedule1F1B", "ScheduleGPipe")}
 
@@ -122,33 +124,38 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
         synchronize(device)
         dist.barrier()
 
-    def warm_up(k: int) -> None:
+    def warm_up(k: int, comm: str = "overlap") -> None:
         """Untimed steps after a switch: the first step of a configuration after another one
         ran slower by up to 10% on the H200s (allocator, other communicators), and with two
         timed steps per round such a step moved the median between two modes."""
         if config.switch_warmup:
-            plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k)
+            plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k, comm=comm)
             training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
                                            steps=config.switch_warmup, plan=plan, before_step=aligned)
 
-    def run_fixed(k: int) -> tuple[str, list[float]]:
-        warm_up(k)
-        plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k)
+    def run_fixed(k: int, comm: str = "overlap") -> tuple[str, list[float]]:
+        warm_up(k, comm)
+        plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k, comm=comm)
         reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
                                                  steps=config.replan_every, plan=plan, before_step=aligned)
         result.peak_bytes[str(k)] = (reports[-1].predicted_peak_bytes, reports[-1].peak_saved_bytes)
-        return ("huorn 1F1B" if k == 1 else f"huorn k={k}"), [r.seconds for r in reports]
+        name = "huorn 1F1B" if k == 1 else f"huorn k={k}"
+        return (f"{name} lockstep" if comm == "lockstep" else name), [r.seconds for r in reports]
 
     def run_adaptive() -> tuple[str, list[float]]:
-        nonlocal adaptive_k
-        warm_up(adaptive_k)
+        nonlocal adaptive_k, adaptive_comm
+        warm_up(adaptive_k, adaptive_comm)
         plan = training.PipelinePlan(microbatches=config.microbatches, schedule="auto", k=adaptive_k,
-                                     replan_every=config.replan_every)
-        reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
-                                                 steps=config.replan_every, plan=plan, planner=planner,
-                                                 before_step=aligned)
+                                     replan_every=config.replan_every,
+                                     comm="auto" if config.lockstep else "overlap")
+        loop = training.PipelineTraining(stage=runner, optimizer=optimizer, batches=batches, plan=plan,
+                                         planner=planner, before_step=aligned)
+        loop.comm = adaptive_comm  # the mode carries over from the previous round, as k does
+        reports = [loop.run_step(step) for step in range(config.replan_every)]
         decision = reports[-1].decision
         adaptive_k = broadcast_int(int(decision["k"]) if decision else adaptive_k, device)
+        adaptive_comm = ("overlap", "lockstep")[broadcast_int(int(loop.comm == "lockstep"), device)]
+        result.adaptive_comm += [r.comm for r in reports]
         result.adaptive_k += [r.k for r in reports]
         if decision:
             result.decisions.append(decision)
@@ -173,6 +180,8 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
         # rounds and levels, as a real run would, and decides once per round.
         for round_ in range(config.steps + 1):
             runs = [functools.partial(run_fixed, k) for k in config.fixed_k] + [run_adaptive]
+            if config.lockstep:
+                runs.append(functools.partial(run_fixed, 1, "lockstep"))
             runs += [functools.partial(run_torch, name) for name in torch_schedules]
             shift = round_ % len(runs)  # rotate the order, so no configuration always follows another
             for run in runs[shift:] + runs[:shift]:
@@ -334,19 +343,25 @@ def summarise(result: dict) -> str:
         tps = level["tokens_per_s"]
         fixed = {n: v for n, v in tps.items() if n.startswith("huorn") and "adaptive" not in n}
         best = max(fixed, key=fixed.get)
-        chosen = level["adaptive_k"][-1]
+        chosen = f"k={level['adaptive_k'][-1]}"
+        comms = level.get("adaptive_comm") or []
+        if "lockstep" in comms:
+            chosen += f", lockstep {comms.count('lockstep') / len(comms):.0%} of steps"
         best_label = best.removeprefix("huorn ")
         lines.append(
             f"| {level['level']:.0%} | {tps['huorn 1F1B']:.0f} | {fixed[best]:.0f} ({best_label}) "
-            f"| {tps['huorn adaptive']:.0f} (k={chosen}) | {tps['torch Schedule1F1B']:.0f} | "
+            f"| {tps['huorn adaptive']:.0f} ({chosen}) | {tps['torch Schedule1F1B']:.0f} | "
             f"{tps['torch ScheduleGPipe']:.0f} | {tps['huorn adaptive'] / tps['huorn 1F1B']:.2f}× | "
             f"{tps['huorn adaptive'] / tps['torch Schedule1F1B']:.2f}× |")
     spreads = []
     for level in result["levels"]:
-        for baseline in ("huorn 1F1B", "torch Schedule1F1B"):
-            spread = round_ratio_spread(level, "huorn adaptive", baseline)
+        pairs = [("huorn adaptive", "huorn 1F1B"), ("huorn adaptive", "torch Schedule1F1B"),
+                 ("huorn 1F1B lockstep", "torch Schedule1F1B"), ("huorn 1F1B lockstep", "huorn 1F1B")]
+        for name, baseline in pairs:
+            spread = round_ratio_spread(level, name, baseline)
             if spread is not None:
-                spreads.append(f"{level['level']:.0%} adaptive / {baseline.removeprefix('huorn ')}: "
+                spreads.append(f"{level['level']:.0%} {name.removeprefix('huorn ')} / "
+                               f"{baseline.removeprefix('huorn ')}: "
                                f"median {spread[1]:.2f}× (quartiles {spread[0]:.2f}–{spread[2]:.2f}×)")
     if spreads:
         lines += ["", "Round by round (paired ratios):", *[f"- {line}" for line in spreads]]
@@ -363,6 +378,8 @@ def plot(result: dict, path: Path, title: str) -> None:
     names = ["huorn 1F1B", "huorn k=2", "huorn k=3", "huorn k=4", "huorn adaptive", "torch Schedule1F1B",
              "torch ScheduleGPipe"]
     levels = result["levels"]
+    if any("huorn 1F1B lockstep" in lv["tokens_per_s"] for lv in levels):
+        names.insert(1, "huorn 1F1B lockstep")
     figure, (bars, ks) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 1.3]})
     width = 0.8 / len(names)
     for i, name in enumerate(names):

@@ -50,11 +50,13 @@ def decoder_case_worker(rank: int, world: int, jobs: list[tuple[str, models.Mode
                 runner.post_receives_ahead = False
             runner.negotiate_shapes([tokens[0]] if topo.is_first else None, targets[0])
             schedule = schedules.build_schedule(name, stages, microbatches, k)
-            stats = runner.run_step(schedule, [[t] for t in tokens[mine]], targets[mine])
+            comm = "lockstep" if label.endswith("-lockstep") else "overlap"
+            stats = runner.run_step(schedule, [[t] for t in tokens[mine]], targets[mine], comm=comm)
             runner.close()
             grads = {names[id(p)]: p.grad.cpu() for p in stage.parameters() if p.grad is not None}
             results[(label, name, k)] = {
                 "loss": stats.loss, "grads": grads, "executed": stats.executed, "stage": topo.stage,
+                "comm": stats.comm,
                 "peak": stats.peak_saved_bytes, "microbatch_bytes": runner.microbatch_bytes,
                 "predicted": memory.predict_peak_bytes(
                     schedule, [runner.microbatch_bytes] * stages)[topo.stage],
@@ -81,7 +83,8 @@ def mse_loss(outputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.T
 
 
 def adaptive_worker(rank: int, world: int, stages: int, width: int, depth: int, microbatches: int,
-                    size: int, levels: list[float], burst_s: float, replan_every: int) -> dict:
+                    size: int, levels: list[float], burst_s: float, replan_every: int,
+                    comm: str = "overlap", planner_options: dict | None = None) -> dict:
     """Adaptive-k training of an MLP pipeline while the contention level follows `levels`
     (one per step); returns reports and the final weights of this rank's stage."""
     from huorn.runtime.pipeline import planner as pipeline_planner
@@ -92,7 +95,8 @@ def adaptive_worker(rank: int, world: int, stages: int, width: int, depth: int, 
     throttle = contention.Throttle(level=0.0, burst_s=burst_s)
     runner = executor.StageExecutor(module, topo, groups, mse_loss, torch.device("cpu"), throttle)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
-    plan = training.PipelinePlan(microbatches=microbatches, schedule="auto", k=1, replan_every=replan_every)
+    plan = training.PipelinePlan(microbatches=microbatches, schedule="auto", k=1, replan_every=replan_every,
+                                 comm=comm)
 
     def batches(step: int) -> training.Batch:
         inputs, targets = make_mlp_batch(step, microbatches, size, width)
@@ -100,7 +104,8 @@ def adaptive_worker(rank: int, world: int, stages: int, width: int, depth: int, 
 
     reports = training.run_pipeline_training(
         stage=runner, optimizer=optimizer, batches=batches, steps=len(levels), plan=plan,
-        planner=pipeline_planner.AdaptiveKPlanner(min_gain=0.08), contention_level=lambda step: levels[step],
+        planner=pipeline_planner.AdaptiveKPlanner(**(planner_options or {"min_gain": 0.08})),
+        contention_level=lambda step: levels[step],
     )
     runner.close()
     return {"reports": reports, "state": {n: p.detach().clone() for n, p in module.state_dict().items()}}

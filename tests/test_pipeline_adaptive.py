@@ -79,10 +79,11 @@ def test_switching_k_loses_and_repeats_no_micro_batch(run: list[dict]) -> None:
             torch.testing.assert_close(run[rank]["state"][name], value, rtol=1e-5, atol=1e-6)
 
 
-def replay(stages: list[torch.nn.Sequential], optimizer: torch.optim.Optimizer) -> list[float]:
+def replay(stages: list[torch.nn.Sequential], optimizer: torch.optim.Optimizer, steps: int = len(LEVELS)
+           ) -> list[float]:
     """Single-process SGD with gradient accumulation over the same micro-batches."""
     losses = []
-    for step in range(len(LEVELS)):
+    for step in range(steps):
         inputs, targets = workers.make_mlp_batch(step, MICROBATCHES, SIZE, WIDTH)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -95,3 +96,38 @@ def replay(stages: list[torch.nn.Sequential], optimizer: torch.optim.Optimizer) 
         optimizer.step()
         losses.append(total)
     return losses
+
+
+@pytest.mark.slow
+def test_comm_auto_switches_to_lockstep_between_steps_and_the_weights_stay_exact() -> None:
+    """With comm auto the planner may move the gang between overlap and lockstep at a step
+    boundary (here it is told every link is fast enough, and to re-measure after each window):
+    all ranks switch together, each step runs the mode decided before it, and training stays
+    exactly single-process SGD."""
+    steps, every = 8, 2
+    # min_gain 0.99: k stays 1 (a k switch skips the probe), whatever the loaded box measures
+    options = {"lockstep": True, "lockstep_link_fraction": 0.99, "reprobe_every": 1, "min_gain": 0.99}
+    run = launch.run_workers(workers.adaptive_worker, STAGES, "gloo",
+                             (STAGES, WIDTH, DEPTH, MICROBATCHES, SIZE, [0.0] * steps, BURST_S, every,
+                              "auto", options))
+    expected, planned = "overlap", []  # decisions are made (and reported) on rank 0
+    for report in run[0]["reports"]:
+        planned.append(expected)
+        if report.decision is not None:
+            expected = report.decision["comm"]
+    assert run[0]["reports"][1].decision["comm"] == "lockstep"  # the first window probes it
+    assert planned[2:4] == ["lockstep", "lockstep"]
+    for rank in run:
+        assert [r.comm for r in rank["reports"]] == planned
+    stages = workers.build_mlp_stages(STAGES, WIDTH, DEPTH)
+    optimizer = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=0.05)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        losses = replay(stages, optimizer, steps)
+    finally:
+        torch.set_num_threads(threads)
+    assert [r.loss for r in run[0]["reports"]] == pytest.approx(losses, rel=1e-5)
+    for rank, stage in enumerate(stages):
+        for name, value in stage.state_dict().items():
+            torch.testing.assert_close(run[rank]["state"][name], value, rtol=1e-5, atol=1e-6)

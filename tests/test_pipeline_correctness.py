@@ -41,7 +41,9 @@ def reference(cfg: models.ModelConfig, microbatches: int) -> tuple[float, dict[s
 @pytest.fixture(scope="module")
 def four_ranks() -> dict:
     jobs = [("pp4-fused", FUSED, 4, CASES, MICROBATCHES), ("dp2xpp2", DENSE, 2, CASES, MICROBATCHES),
-            ("pp4-fused-jit", FUSED, 4, JIT_CASES, MICROBATCHES)]
+            ("pp4-fused-jit", FUSED, 4, JIT_CASES, MICROBATCHES),
+            ("pp4-fused-lockstep", FUSED, 4, CASES, MICROBATCHES),
+            ("dp2xpp2-lockstep", DENSE, 2, CASES, MICROBATCHES)]
     merged: dict = {}
     for rank_result in launch.run_workers(workers.decoder_case_worker, 4, "gloo", (jobs,)):
         for key, value in rank_result.items():
@@ -109,3 +111,12 @@ def test_larger_k_costs_proportionally_more_activation_memory(four_ranks: dict) 
 def test_receives_posted_when_needed_give_the_same_step(four_ranks: dict, name: str, k: int) -> None:
     """The NCCL path posts each receive only when it is consumed; the result must not change."""
     assert_matches_reference(four_ranks[("pp4-fused-jit", name, k)], FUSED, MICROBATCHES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{n}-k{k}" for n, k in CASES])
+def test_lockstep_exchanges_give_the_same_step(four_ranks: dict, case: tuple[str, int]) -> None:
+    """Batched exchanges (torch's pairing, with kFkB's deferred sends) route every message to
+    the right micro-batch: 4 stages, and 2 stages × 2 replicas."""
+    assert_matches_reference(four_ranks[("pp4-fused-lockstep", *case)], FUSED, MICROBATCHES)
+    assert_matches_reference(four_ranks[("dp2xpp2-lockstep", *case)], DENSE, 2 * MICROBATCHES)
+    assert all(r["comm"] == "lockstep" for r in four_ranks[("pp4-fused-lockstep", *case)])

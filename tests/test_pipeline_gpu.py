@@ -19,20 +19,21 @@ MICROBATCHES = 8
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_gpu_nccl_step_equals_single_process() -> None:
-    jobs = [("nccl-pp2", CFG, 2, CASES, MICROBATCHES)]
+    jobs = [("nccl-pp2", CFG, 2, CASES, MICROBATCHES), ("nccl-pp2-lockstep", CFG, 2, CASES, MICROBATCHES)]
     ranks = launch.run_workers(workers.decoder_case_worker, 2, "nccl", (jobs,))
     decoder = workers.build_decoder(CFG)
     tokens, targets = workers.make_decoder_batch(CFG, MICROBATCHES, 2, seed=7)
     for x, y in zip(tokens, targets, strict=True):
         (decoder(x, y)[1] / MICROBATCHES).backward()
-    for name, k in CASES:
-        got = {}
-        for rank in ranks:
-            got.update(rank[("nccl-pp2", name, k)]["grads"])
-            assert rank[("nccl-pp2", name, k)]["peak"] == rank[("nccl-pp2", name, k)]["predicted"]
-        for param_name, param in decoder.named_parameters():
-            torch.testing.assert_close(got[param_name], param.grad, rtol=1e-6, atol=1e-8,
-                                       msg=f"{name} k={k}: gradient of {param_name}")
+    for label in ("nccl-pp2", "nccl-pp2-lockstep"):  # links in the background; batched exchanges
+        for name, k in CASES:
+            got = {}
+            for rank in ranks:
+                got.update(rank[(label, name, k)]["grads"])
+                assert rank[(label, name, k)]["peak"] == rank[(label, name, k)]["predicted"]
+            for param_name, param in decoder.named_parameters():
+                torch.testing.assert_close(got[param_name], param.grad, rtol=1e-6, atol=1e-8,
+                                           msg=f"{label} {name} k={k}: gradient of {param_name}")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

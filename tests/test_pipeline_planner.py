@@ -89,6 +89,7 @@ def test_small_predicted_gains_do_not_flap_k() -> None:
 
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"memory_limit_bytes": 0}, "memory_limit_bytes"), ({"min_gain": 1.5}, "min_gain"),
+    ({"lockstep_link_fraction": 1.0}, "lockstep_link_fraction"), ({"reprobe_every": 0}, "reprobe_every"),
 ])
 def test_bad_planner_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
@@ -98,3 +99,55 @@ def test_bad_planner_settings_name_the_field(kwargs: dict, field: str) -> None:
 def test_measurements_of_the_wrong_length_are_rejected() -> None:
     with pytest.raises(ValueError, match="link_forward_s: need 3 values"):
         pipeline_planner.predict_step_seconds(plain_candidates(4, 4)[1], [1] * 4, [1] * 4, [0], [0] * 3)
+
+
+def calm_window(planner: pipeline_planner.AdaptiveKPlanner, step: int, measured: float,
+                link: float = 0.0002, comm: str = "overlap") -> pipeline_planner.KDecision:
+    return planner.decide(step=step, current_k=1, forward_s=[0.01] * 4, backward_s=[0.02] * 4,
+                          link_forward_s=[link] * 3, link_backward_s=[link] * 3, measured_step_s=measured,
+                          candidates=plain_candidates(4, 16), peak_bytes=peaks(4, 16, 1000), comm=comm,
+                          lockstep_ok={1: True, 2: True, 3: True, 4: True})
+
+
+def test_a_fast_link_gets_a_lockstep_window_and_the_faster_mode_is_kept() -> None:
+    planner = pipeline_planner.AdaptiveKPlanner(lockstep=True, reprobe_every=3)
+    first = calm_window(planner, 4, 0.60)
+    assert first.comm == "lockstep" and "0.007× F+B" in first.reason and "never measured" in first.reason
+    kept = calm_window(planner, 9, 0.55, comm="lockstep")
+    assert (kept.comm, kept.k) == ("lockstep", 1) and "faster than overlap's 600.0 ms" in kept.reason
+    assert calm_window(planner, 14, 0.56, comm="lockstep").comm == "lockstep"  # within min_gain
+    reprobe = calm_window(planner, 19, 0.55, comm="lockstep")
+    assert reprobe.comm == "overlap" and "re-measure overlap" in reprobe.reason
+    back = calm_window(planner, 24, 0.60)  # overlap still slower: straight back to lockstep
+    assert back.comm == "lockstep" and "measured 550.0 ms against overlap's 600.0 ms" in back.reason
+
+
+def test_lockstep_that_is_not_faster_is_left_and_not_retried_until_the_reprobe() -> None:
+    planner = pipeline_planner.AdaptiveKPlanner(lockstep=True, reprobe_every=3)
+    assert calm_window(planner, 4, 0.60).comm == "lockstep"
+    slower = calm_window(planner, 9, 0.62, comm="lockstep")
+    assert slower.comm == "overlap" and "not faster than overlap's 600.0 ms" in slower.reason
+    assert [calm_window(planner, s, 0.60).comm for s in (14, 19)] == ["overlap", "overlap"]
+    assert calm_window(planner, 24, 0.60).comm == "lockstep"  # third overlap window: re-measure
+
+
+def test_a_slower_link_ends_lockstep_and_a_slow_link_never_starts_it() -> None:
+    planner = pipeline_planner.AdaptiveKPlanner(lockstep=True)
+    calm_window(planner, 4, 0.60)
+    calm_window(planner, 9, 0.55, comm="lockstep")
+    rose = calm_window(planner, 14, 0.70, comm="lockstep")
+    assert rose.comm == "overlap" and "27% slower" in rose.reason and rose.k == 1
+    busy = calm_window(planner, 19, 0.90, link=0.01)  # link 1/3 of F+B: overlap it, re-plan k
+    assert busy.comm == "overlap" and busy.k > 1
+
+
+def test_lockstep_needs_permission_and_a_table_that_has_it() -> None:
+    assert calm_window(pipeline_planner.AdaptiveKPlanner(), 4, 0.6).comm == "overlap"
+    planner = pipeline_planner.AdaptiveKPlanner(lockstep=True)
+    decision = planner.decide(step=4, current_k=1, forward_s=[0.01] * 4, backward_s=[0.02] * 4,
+                              link_forward_s=[0.0002] * 3, link_backward_s=[0.0002] * 3, measured_step_s=0.6,
+                              candidates=plain_candidates(4, 16), peak_bytes=peaks(4, 16, 1000),
+                              lockstep_ok={1: False})
+    assert decision.comm == "overlap"
+    with pytest.raises(ValueError, match="comm"):
+        calm_window(planner, 9, 0.6, comm="sideways")

@@ -104,3 +104,64 @@ def test_drawing_writes_a_png(tmp_path: Path) -> None:
     path = drawing.draw_schedules(items, tmp_path / "schedules.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10_000
+
+
+@settings(max_examples=60, deadline=None)
+@given(stages=st.integers(2, 8), microbatches=st.integers(1, 24), k=st.integers(1, 3))
+def test_lockstep_exchanges_move_every_message_once_in_order_without_deadlock(
+        stages: int, microbatches: int, k: int) -> None:
+    """Up to k = 3 every kFkB table (and so 1F1B) has lockstep exchanges. Each message is sent
+    once and received once, in micro-batch order per direction, never before the action that
+    makes it, its receive sits right before the action that needs it, and the strict NCCL
+    rendezvous model runs to the end."""
+    schedule = schedules.build_schedule("kfkb", stages, microbatches, k)
+    exchanges = schedules.lockstep_exchanges(schedule)
+    assert schedules.find_lockstep_deadlock(schedule, exchanges) == []
+    for stage, row in enumerate(schedule.table):
+        assert len(exchanges[stage]) == len(row) + 1
+        done = {(a.kind, a.microbatch): i for i, a in enumerate(row)}
+        sends: dict[str, list[int]] = {"F": [], "B": []}
+        for index, ops in enumerate(exchanges[stage]):
+            for t in ops:
+                if t.op == "send":
+                    assert done[(t.kind, t.microbatch)] < index, f"{t} before its action"
+                    assert t.peer == (stage + 1 if t.kind == "F" else stage - 1)
+                    sends[t.kind].append(t.microbatch)
+                else:
+                    assert (row[index].kind, row[index].microbatch) == (t.kind, t.microbatch)
+        if stage < stages - 1:
+            assert sends["F"] == list(range(microbatches))
+        if stage > 0:
+            assert sends["B"] == list(range(microbatches))
+
+
+def test_1f1b_lockstep_pairs_each_send_with_the_next_receive_as_torch_does() -> None:
+    exchanges = schedules.lockstep_exchanges(schedules.build_schedule("1f1b", 2, 3))
+    text = [[", ".join(map(str, ops)) for ops in per_stage] for per_stage in exchanges]
+    assert text[0] == ["", "send F0 → stage 1", "send F1 → stage 1, recv B0 ← stage 1", "",
+                       "send F2 → stage 1, recv B1 ← stage 1", "recv B2 ← stage 1", ""]
+    assert text[1] == ["recv F0 ← stage 0", "", "send B0 → stage 0, recv F1 ← stage 0", "",
+                       "send B1 → stage 0, recv F2 ← stage 0", "", "send B2 → stage 0"]
+
+
+def test_2f2b_defers_the_sends_that_would_close_a_rendezvous_cycle() -> None:
+    """Sent right after F2, stage 0's F2 would wait for stage 1, which waits to hand B1 to
+    stage 0 behind it: the naive pairing is a cycle, and the deferral resolves it."""
+    schedule = schedules.build_schedule("kfkb", 2, 4, 2)
+    exchanges = schedules.lockstep_exchanges(schedule)
+    first = [", ".join(map(str, ops)) for ops in exchanges[0]]
+    assert "send F2 → stage 1" not in first[3]  # not in the exchange right after F2
+    assert schedules.find_lockstep_deadlock(schedule, exchanges) == []
+    naive = [[[t for t in ops] for ops in per_stage] for per_stage in exchanges]
+    naive[0][3] = [schedules.Transfer("send", "F", 1, 2)]  # back where the naive pairing puts it
+    for index, ops in enumerate(naive[0]):
+        if index != 3:
+            naive[0][index] = [t for t in ops if (t.op, t.kind, t.microbatch) != ("send", "F", 2)]
+    assert schedules.describe_blocked(naive)
+
+
+def test_tables_without_lockstep_exchanges_say_so() -> None:
+    schedule = schedules.build_schedule("kfkb", 4, 16, 5)
+    with pytest.raises(schedules.ScheduleError, match="cannot run in lockstep"):
+        schedules.lockstep_exchanges(schedule)
+    assert schedules.find_lockstep_deadlock(schedule)

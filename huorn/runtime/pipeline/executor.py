@@ -8,6 +8,13 @@ posted when the schedule reaches it, which is still far ahead of the GPU (see
 `post_receives_ahead`). Either way the stage only waits when the input it needs next has
 truly not arrived: communication overlaps compute.
 
+With `comm="lockstep"` there are no links: between two actions the stage posts one batched
+exchange (`schedules.lockstep_exchanges`) with the sends that are ready and the next action's
+receive, over the replica's pipeline communicator, and its compute waits for it, as
+torch.distributed.pipelining does. On NVLink, where a message takes tens of microseconds,
+that keeps NCCL kernels from running beside the GEMMs; on a slow link it exposes every
+transfer, which is why the planner chooses the mode from measured step times.
+
 Saved-activation bytes are metered (autograd saved-tensor hooks, a Python call per saved
 tensor) on the first step of each table only: a table's peak does not change from step to
 step, and the hooks cost 6–26% of a step on two H200s, where the host launches the kernels.
@@ -35,6 +42,7 @@ from huorn.runtime.pipeline import topology as pp_topology
 
 LossFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]
 HEADER_SLOTS = 64
+COMM_MODES = ("overlap", "lockstep")
 
 
 @dataclass
@@ -50,6 +58,7 @@ class StepStats:
     grad_link: contention.LinkStats | None  # gradients sent back (this stage to the previous)
     peak_saved_bytes: int
     executed: list[str] = field(default_factory=list)  # the actions run, in order
+    comm: str = "overlap"  # how messages moved: links in the background, or lockstep exchanges
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,8 @@ class StageExecutor:
         self.grad_link = (contention.make_link(self._previous, groups.to_previous, self.throttle, device)
                           if self._previous is not None else None)
         self.measured_peaks: dict[tuple[str, int, int], int] = {}  # table -> peak saved bytes
+        self._side_stream: torch.cuda.Stream | None = None  # lockstep contention delays
+        self._cycles_per_s = 0.0
 
     def close(self) -> None:
         for link in (self.send_link, self.grad_link):
@@ -178,10 +189,18 @@ class StageExecutor:
 
     # --- one step ------------------------------------------------------------------------------
     def run_step(self, schedule: schedules.Schedule, inputs: Sequence[Sequence[torch.Tensor]] | None,
-                 targets: Sequence[torch.Tensor] | None) -> StepStats:
+                 targets: Sequence[torch.Tensor] | None, comm: str = "overlap") -> StepStats:
         """Forward and backward of every micro-batch of this step; gradients accumulate into
-        the module's .grad (data-parallel averaging included). The caller runs the optimizer."""
+        the module's .grad (data-parallel averaging included). The caller runs the optimizer.
+        `comm` is "overlap" (links in the background) or "lockstep" (batched exchanges)."""
         stage, count = self.topology.stage, schedule.microbatches
+        if comm not in COMM_MODES:
+            raise ValueError(f"comm must be one of {', '.join(COMM_MODES)}, got {comm!r}")
+        lockstep = comm == "lockstep" and self.topology.stages > 1
+        exchanges = schedules.lockstep_exchanges(schedule)[stage] if lockstep else ()
+        outbox: dict[tuple[str, int], torch.Tensor] = {}
+        inbox: dict[tuple[str, int], torch.Tensor] = {}
+        exchange_s = 0.0
         if schedule.stages != self.topology.stages:
             raise ValueError(f"schedule has {schedule.stages} stages, the pipeline {self.topology.stages}")
         if self.topology.is_first and (inputs is None or len(inputs) != count):
@@ -191,7 +210,7 @@ class StageExecutor:
         if not self.negotiated:
             raise RuntimeError("call negotiate_shapes before run_step")
         started = time.perf_counter()
-        ahead = self.post_receives_ahead
+        ahead = self.post_receives_ahead and not lockstep
         pending_inputs = {m: self._post_receive(m, forward=True) for m in range(count)
                           } if ahead and not self.topology.is_first else {}
         pending_grads = {m: self._post_receive(m, forward=False) for m in range(count)
@@ -204,9 +223,11 @@ class StageExecutor:
         losses: list[torch.Tensor] = []
         executed: list[str] = []
         wait_s = 0.0
-        for action in schedule.table[stage]:
+        for position, action in enumerate(schedule.table[stage]):
             m = action.microbatch
             executed.append(str(action))
+            if lockstep:
+                exchange_s += self._exchange(exchanges[position], outbox, inbox)
             if action.kind == "F":
                 if self.topology.is_first:
                     # a copy, so that each micro-batch's saved inputs are its own storage even
@@ -215,8 +236,12 @@ class StageExecutor:
                     received = [t.to(self.device, copy=True) for t in inputs[m]]  # type: ignore[index]
                 else:
                     tick = time.perf_counter()
-                    pending = pending_inputs.pop(m, None) or self._post_receive(m, forward=True)
-                    received = self._unpack(self._wait(pending), self.input_layout)
+                    if lockstep:
+                        buffer = inbox.pop(("F", m))
+                    else:
+                        pending = pending_inputs.pop(m, None) or self._post_receive(m, forward=True)
+                        buffer = self._wait(pending)
+                    received = self._unpack(buffer, self.input_layout)
                     wait_s += time.perf_counter() - tick
                     for tensor in received:
                         tensor.requires_grad_(True)
@@ -231,23 +256,39 @@ class StageExecutor:
                         outputs = (*outputs, aux / count)
                 stored[m] = (received, outputs)
                 if self.send_link is not None:
-                    payload = outputs[: len(self.output_layout.shapes)]  # type: ignore[union-attr]
-                    self.send_link.send(self._pack(payload), tag=m)
+                    payload = self._pack(outputs[: len(self.output_layout.shapes)])  # type: ignore[union-attr]
+                    if lockstep:
+                        outbox[("F", m)] = payload
+                    else:
+                        self.send_link.send(payload, tag=m)
             else:
                 received, outputs = stored.pop(m)
                 grads: list[torch.Tensor | None] = []
                 if not self.topology.is_last:
                     tick = time.perf_counter()
-                    pending = pending_grads.pop(m, None) or self._post_receive(m, forward=False)
-                    grads = list(self._unpack(self._wait(pending), self.output_layout))
+                    if lockstep:
+                        buffer = inbox.pop(("B", m))
+                    else:
+                        pending = pending_grads.pop(m, None) or self._post_receive(m, forward=False)
+                        buffer = self._wait(pending)
+                    grads = list(self._unpack(buffer, self.output_layout))
                     wait_s += time.perf_counter() - tick
                 grads += [None] * (len(outputs) - len(grads))  # loss and aux: implicit ones
                 with timer.measure("B"):
                     torch.autograd.backward(outputs, grads)
                 del outputs
                 if self.grad_link is not None:
-                    back = [t.grad if t.grad is not None else torch.zeros_like(t) for t in received]
-                    self.grad_link.send(self._pack(back), tag=m)
+                    back = self._pack([t.grad if t.grad is not None else torch.zeros_like(t)
+                                       for t in received])
+                    if lockstep:
+                        outbox[("B", m)] = back
+                    else:
+                        self.grad_link.send(back, tag=m)
+        if lockstep:
+            exchange_s += self._exchange(exchanges[-1], outbox, inbox)
+            if outbox or inbox:
+                raise RuntimeError(f"stage {stage}: lockstep exchanges left {sorted(outbox)} unsent and "
+                                   f"{sorted(inbox)} unused; the exchanges do not match {schedule.name}")
         for link in (self.send_link, self.grad_link):
             if link is not None:
                 link.drain()
@@ -258,11 +299,52 @@ class StageExecutor:
         return StepStats(
             loss=float(torch.stack(losses).sum()) if losses else None,
             seconds=time.perf_counter() - started, forward_s=forward_s, backward_s=backward_s,
-            recv_wait_s=wait_s,
+            recv_wait_s=wait_s + exchange_s, comm="lockstep" if lockstep else "overlap",
             send_link=self.send_link.take_stats() if self.send_link else None,
             grad_link=self.grad_link.take_stats() if self.grad_link else None,
             peak_saved_bytes=self.measured_peaks[table_key], executed=executed,
         )
+
+    def _exchange(self, transfers: Sequence[schedules.Transfer], outbox: dict[tuple[str, int], torch.Tensor],
+                  inbox: dict[tuple[str, int], torch.Tensor]) -> float:
+        """One lockstep exchange: post its sends and receives as one batch and make compute
+        wait for all of them. Returns the host seconds spent (on GPU the host does not block;
+        the wait is the compute stream's). Contention holds the batch back by the throttle's
+        delay for the bytes it sends, as the benchmark does for torch's batches."""
+        if not transfers:
+            return 0.0
+        tick = time.perf_counter()
+        group, replica = self.groups.pipeline, self.topology.replica
+        ops, sent_bytes = [], 0
+        for t in transfers:
+            peer = self.topology.global_rank(replica, t.peer)
+            if t.op == "send":
+                tensor = outbox.pop((t.kind, t.microbatch))
+                sent_bytes += tensor.numel() * tensor.element_size()
+                ops.append(dist.P2POp(dist.isend, tensor, peer, group=group, tag=t.microbatch))
+            else:
+                layout = self.input_layout if t.kind == "F" else self.output_layout
+                tensor = torch.empty(layout.numel, dtype=layout.dtype, device=self.device)  # type: ignore[union-attr]
+                inbox[(t.kind, t.microbatch)] = tensor
+                ops.append(dist.P2POp(dist.irecv, tensor, peer, group=group, tag=t.microbatch))
+        delay = self.throttle.delay_s(sent_bytes) if sent_bytes else 0.0
+        if self.device.type == "cuda" and delay > 0:
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(self.device)
+                self._cycles_per_s = contention.gpu_sleep_rate(self.device)
+            compute = torch.cuda.current_stream(self.device)
+            self._side_stream.wait_stream(compute)
+            with torch.cuda.stream(self._side_stream):
+                torch.cuda._sleep(int(delay * self._cycles_per_s))
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            compute.wait_stream(self._side_stream)
+        else:
+            if delay > 0:
+                time.sleep(delay)
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return time.perf_counter() - tick
 
     def _post_receive(self, microbatch: int, forward: bool) -> tuple[torch.Tensor, dist.Work]:
         layout = self.input_layout if forward else self.output_layout

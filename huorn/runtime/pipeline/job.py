@@ -70,12 +70,16 @@ class PipelineTrainer(train.Trainer):
         self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=opt.learning_rate,
                                            betas=(0.9, 0.95), weight_decay=opt.weight_decay)
         schedule = par.schedule.value
+        # on NCCL, `schedule: auto` also measures lockstep exchanges against overlapped links
+        # (planner docstring); on gloo the links are host threads and there is nothing to win
+        comm = "auto" if schedule == "auto" and self.device.type == "cuda" else "overlap"
         self.pipeline_plan = training.PipelinePlan(
             microbatches=self.plan.micro_batches // replicas, schedule=schedule,
-            k=par.k if schedule == "kfkb" else 1, replan_every=self.cfg.pipeline_replan_every)
+            k=par.k if schedule == "kfkb" else 1, replan_every=self.cfg.pipeline_replan_every, comm=comm)
         self.loop = training.PipelineTraining(
             stage=self.stage_executor, optimizer=self.optimizer, batches=self.build_batches,
-            plan=self.pipeline_plan, planner=planner.AdaptiveKPlanner() if schedule == "auto" else None,
+            plan=self.pipeline_plan,
+            planner=planner.AdaptiveKPlanner(lockstep=comm == "auto") if schedule == "auto" else None,
             before_update=self.clip_gradients)
         self.last_k_decision: dict | None = None
         self.stage_layers = [end - start for start, end in ((s.start, s.end) for s in stages)]

@@ -13,6 +13,17 @@ backward come from each stage's timers and link seconds from the link threads' o
 over the last window of steps, and `model_scale` (measured ÷ predicted step time of the
 running k) reports how well the replay matches reality.
 
+The planner also chooses how messages move (`comm`). "overlap" sends from links in the
+background and "lockstep" batches each action's sends and the next receive into one exchange
+that compute waits for (executor docstring). The replay cannot price what lockstep avoids:
+NCCL kernels spinning on SMs beside the GEMMs, which on NVLink cost more than the transfer
+saves. So that choice is measured, not predicted. When the links carry at most
+`lockstep_link_fraction` of the slowest stage's F+B per message, overlap can hide no more than
+that, and the planner runs one window in lockstep and keeps whichever mode measured faster.
+It re-measures the other mode every `reprobe_every` windows, and it leaves lockstep at once
+when its step time rises by `min_gain` (a slower link shows up as exposed exchanges, and the
+k choice needs overlap's link figures).
+
 The planner is decision-only (no torch, no process groups): the runtime passes plain numbers
 and plain tables ([(kind, micro-batch), ...] per stage) and gets back a `KDecision`, whose
 `to_dict()` goes to telemetry and to the job's graph log. It lives in the runtime, next to the
@@ -22,7 +33,7 @@ all-gather and one broadcast at a step boundary); docs/pipeline.md weighs the al
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 PlainTable = Sequence[Sequence[tuple[str, int]]]
 
@@ -87,6 +98,8 @@ class KDecision:
     backward_s: tuple[float, ...] = ()
     link_forward_s: tuple[float, ...] = ()
     link_backward_s: tuple[float, ...] = ()
+    previous_comm: str = "overlap"
+    comm: str = "overlap"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,18 +111,37 @@ class AdaptiveKPlanner:
     k is predicted at least `min_gain` faster than the running one, so measurement noise does
     not make k flap, and always leaves a k whose predicted memory exceeds the limit."""
 
-    def __init__(self, memory_limit_bytes: int | None = None, min_gain: float = 0.05) -> None:
+    def __init__(self, memory_limit_bytes: int | None = None, min_gain: float = 0.05, *,
+                 lockstep: bool = False, lockstep_link_fraction: float = 0.05,
+                 reprobe_every: int = 6) -> None:
         if memory_limit_bytes is not None and memory_limit_bytes <= 0:
             raise ValueError(f"memory_limit_bytes must be > 0 or None, got {memory_limit_bytes}")
         if not 0.0 <= min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+        if not 0.0 <= lockstep_link_fraction < 1.0:
+            raise ValueError(f"lockstep_link_fraction must be in [0, 1), got {lockstep_link_fraction}")
+        if reprobe_every < 1:
+            raise ValueError(f"reprobe_every must be >= 1 (windows), got {reprobe_every}")
         self.memory_limit_bytes = memory_limit_bytes
         self.min_gain = min_gain
+        self.lockstep = lockstep
+        self.lockstep_link_fraction = lockstep_link_fraction
+        self.reprobe_every = reprobe_every
         self.history: list[KDecision] = []
+        self._measured: dict[tuple[str, int], float] = {}  # (comm, k) -> last window's step seconds
+        self._windows_in_comm = 0
+        self._probing = False
 
     def decide(self, *, step: int, current_k: int, forward_s: Sequence[float], backward_s: Sequence[float],
                link_forward_s: Sequence[float], link_backward_s: Sequence[float], measured_step_s: float,
-               candidates: Mapping[int, PlainTable], peak_bytes: Mapping[int, Sequence[int]]) -> KDecision:
+               candidates: Mapping[int, PlainTable], peak_bytes: Mapping[int, Sequence[int]],
+               comm: str = "overlap", lockstep_ok: Mapping[int, bool] | None = None) -> KDecision:
+        """`comm` is how the window ran; `lockstep_ok[k]` says whether k's table has lockstep
+        exchanges (`schedules.lockstep_exchanges`); lockstep is only tried where it does."""
+        if comm not in ("overlap", "lockstep"):
+            raise ValueError(f"comm must be 'overlap' or 'lockstep', got {comm!r}")
+        if comm == "lockstep":
+            return self._decide_in_lockstep(step, current_k, measured_step_s)
         if not candidates:
             raise ValueError("candidates: give at least one k with its table")
         if set(peak_bytes) != set(candidates):
@@ -136,6 +168,65 @@ class AdaptiveKPlanner:
             forward_s=tuple(forward_s), backward_s=tuple(backward_s),
             link_forward_s=tuple(link_forward_s), link_backward_s=tuple(link_backward_s),
         )
+        decision = self._maybe_probe_lockstep(decision, lockstep_ok or {})
+        self.history.append(decision)
+        return decision
+
+    def _maybe_probe_lockstep(self, decision: KDecision, lockstep_ok: Mapping[int, bool]) -> KDecision:
+        """After an overlap window that keeps k: try (or return to) lockstep when the link is
+        too fast for overlap to matter."""
+        k = decision.k
+        self._measured[("overlap", k)] = decision.measured_step_s
+        self._windows_in_comm += 1
+        if not self.lockstep or decision.changed or not lockstep_ok.get(k, False):
+            return decision
+        compute = max(f + b for f, b in zip(decision.forward_s, decision.backward_s, strict=True))
+        link = max([*decision.link_forward_s, *decision.link_backward_s], default=0.0)
+        ratio = link / compute if compute else 1.0
+        if ratio > self.lockstep_link_fraction:
+            return decision
+        known = self._measured.get(("lockstep", k))
+        lockstep_was_slower = known is not None and known >= decision.measured_step_s
+        if lockstep_was_slower and self._windows_in_comm < self.reprobe_every:
+            return decision
+        why = ("never measured" if known is None else
+               f"measured {known * 1e3:.1f} ms against overlap's {decision.measured_step_s * 1e3:.1f} ms"
+               if known < decision.measured_step_s else f"last measured {self._windows_in_comm} windows ago")
+        self._probing, self._windows_in_comm = True, 0
+        return replace(decision, comm="lockstep", reason=(
+            f"{decision.reason}; the link is {ratio:.3f}× F+B (≤ {self.lockstep_link_fraction:g}), so "
+            f"overlap can hide little: run k={k} in lockstep for a window (lockstep {why})"))
+
+    def _decide_in_lockstep(self, step: int, k: int, measured: float) -> KDecision:
+        """A lockstep window has no link figures (an exchange is a rendezvous, not a link's
+        time), so k stays and only the two modes' measured step times are compared."""
+        overlap = self._measured.get(("overlap", k))
+        previous = self._measured.get(("lockstep", k))
+        self._windows_in_comm += 1
+        comm, note = "lockstep", ""
+        if self._probing:
+            self._probing = False
+            if overlap is not None and measured >= overlap:
+                comm = "overlap"
+                note = f"not faster than overlap's {overlap * 1e3:.1f} ms: back to overlap"
+            else:
+                note = ("faster than overlap's " + f"{overlap * 1e3:.1f} ms" if overlap is not None
+                        else "no overlap figure") + ": keep lockstep"
+        elif previous is not None and measured > previous * (1.0 + self.min_gain):
+            comm = "overlap"
+            note = (f"{measured / previous - 1.0:.0%} slower than the previous lockstep window "
+                    f"({previous * 1e3:.1f} ms): the link may have slowed; back to overlap to re-plan k")
+        elif self._windows_in_comm >= self.reprobe_every:
+            comm = "overlap"
+            note = f"{self._windows_in_comm} windows in lockstep: re-measure overlap"
+        else:
+            note = "keep lockstep"
+        self._measured[("lockstep", k)] = measured
+        if comm != "lockstep":
+            self._windows_in_comm = 0
+        decision = KDecision(step=step, previous_k=k, k=k, changed=False, measured_step_s=measured,
+                             reason=f"lockstep window at k={k}: {measured * 1e3:.1f} ms a step, {note}",
+                             previous_comm="lockstep", comm=comm)
         self.history.append(decision)
         return decision
 

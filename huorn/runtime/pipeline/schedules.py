@@ -10,6 +10,7 @@ Peak in-flight micro-batches on stage s are k·(S−s), the Ada-Grouper memory t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -205,3 +206,141 @@ def count_in_flight(schedule: Schedule) -> tuple[int, ...]:
 def build_candidates(stages: int, microbatches: int, ks: Sequence[int]) -> dict[int, Schedule]:
     """kFkB tables for each distinct effective k (k above M collapses to GPipe's single group)."""
     return {min(k, microbatches): build_schedule("kfkb", stages, microbatches, k) for k in ks}
+
+
+# --- lockstep exchanges ------------------------------------------------------------------------
+# In lockstep mode (executor `comm="lockstep"`) a stage does not send from a link in the
+# background. Between two actions it posts ONE batched exchange that holds the sends of the
+# action it just ran and the receives of the action it runs next, and its compute waits for the
+# whole exchange, as torch.distributed.pipelining's schedules do. No NCCL kernel then runs beside
+# a GEMM, which is what a fast link (NVLink) wants. The price is that every exchange is a
+# rendezvous with the neighbours, so the pairing must be checked: one rank's exchanges run one
+# after another (one NCCL stream), and an exchange finishes only once every peer has posted the
+# exchange holding the matching operation.
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point operation of an exchange. `kind` F is an activation (to stage + 1),
+    B a gradient (to stage − 1); `peer` is the other stage."""
+
+    op: Literal["send", "recv"]
+    kind: ActionKind
+    peer: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        arrow = "→" if self.op == "send" else "←"
+        return f"{self.op} {self.kind}{self.microbatch} {arrow} stage {self.peer}"
+
+
+Exchanges = tuple[tuple[tuple[Transfer, ...], ...], ...]
+
+
+@functools.lru_cache(maxsize=64)
+def lockstep_exchanges(schedule: Schedule) -> Exchanges:
+    """Per stage, len(row) + 1 exchanges: exchange i runs right before action i (the last one
+    after the final action). Each holds action i's receive and the sends that are ready.
+
+    A send first goes into the exchange right after the action that produced it, which is
+    torch's pairing for 1F1B (send F_i with the receive of the B that follows). In kFkB with
+    k > 1 that rendezvous can be a cycle: stage 0 waits to hand F2 to stage 1, which waits to
+    hand B1 to stage 0. Such a send is deferred to the stage's next exchange, with every later
+    send in its direction (messages match in order), until the table runs through
+    `find_lockstep_deadlock`. ScheduleError when no deferral helps."""
+    last = schedule.stages - 1
+    exchanges: list[list[list[Transfer]]] = []
+    for stage, row in enumerate(schedule.table):
+        per_stage: list[list[Transfer]] = []
+        previous: Action | None = None
+        for action in [*row, None]:
+            ops: list[Transfer] = []
+            if previous is not None:
+                if previous.kind == "F" and stage < last:
+                    ops.append(Transfer("send", "F", stage + 1, previous.microbatch))
+                elif previous.kind == "B" and stage > 0:
+                    ops.append(Transfer("send", "B", stage - 1, previous.microbatch))
+            if action is not None:
+                if action.kind == "F" and stage > 0:
+                    ops.append(Transfer("recv", "F", stage - 1, action.microbatch))
+                elif action.kind == "B" and stage < last:
+                    ops.append(Transfer("recv", "B", stage + 1, action.microbatch))
+            per_stage.append(ops)
+            previous = action
+        exchanges.append(per_stage)
+    for _ in range(sum(len(row) for row in schedule.table) ** 2):
+        blocked = _lockstep_blocked(exchanges)
+        if not blocked:
+            return tuple(tuple(tuple(ops) for ops in per_stage) for per_stage in exchanges)
+        # defer the one send whose receive is furthest ahead on its peer: that peer has the
+        # most work to do before it can take the message, so holding it back costs least
+        where = _exchange_index(exchanges)
+        reached = {stage: index for stage, index, _ in blocked}
+        candidates = [(where[(t.peer, "recv", t.kind, t.microbatch)]
+                       - reached.get(t.peer, len(exchanges[t.peer])), stage, index, t)
+                      for stage, index, unmatched in blocked for t in unmatched
+                      if t.op == "send" and index + 1 < len(exchanges[stage])]
+        if not candidates:
+            break
+        _, stage, index, send = max(candidates, key=lambda c: (c[0], -c[1]))
+        ops = exchanges[stage][index]
+        deferred = [t for t in ops if t.op == "send" and t.kind == send.kind]
+        exchanges[stage][index] = [t for t in ops if t not in deferred]
+        exchanges[stage][index + 1][:0] = deferred
+    stuck = describe_blocked(exchanges)
+    raise ScheduleError(f"{schedule.name} k={schedule.k} cannot run in lockstep: " + "; ".join(stuck))
+
+
+def find_lockstep_deadlock(schedule: Schedule, exchanges: Exchanges | None = None) -> list[str]:
+    """What each stuck stage waits for when `exchanges` (default: `lockstep_exchanges`) run;
+    empty when the table completes.
+
+    Strict semantics (NCCL): a rank runs exchange, action, exchange, ... one after another; an
+    exchange ends when each of its operations is matched by the peer's operation and the peer
+    has reached the exchange that holds it. Eager buffering of small sends is not assumed, so
+    exchanges that pass here cannot hang on any transport."""
+    if exchanges is None:
+        try:
+            exchanges = lockstep_exchanges(schedule)
+        except ScheduleError as error:
+            return [str(error)]
+    as_lists = [[list(ops) for ops in per_stage] for per_stage in exchanges]
+    return describe_blocked(as_lists)
+
+
+def describe_blocked(exchanges: Sequence[Sequence[Sequence[Transfer]]]) -> list[str]:
+    return [f"stage {stage} blocks at exchange {index} waiting for [{', '.join(map(str, ops))}]"
+            for stage, index, ops in _lockstep_blocked(exchanges)]
+
+
+def _lockstep_blocked(exchanges: Sequence[Sequence[Sequence[Transfer]]]
+                      ) -> list[tuple[int, int, list[Transfer]]]:
+    """(stage, exchange index, unmatched operations) for every stage that cannot finish."""
+    where = _exchange_index(exchanges)
+    partner = {"send": "recv", "recv": "send"}
+    position = [0] * len(exchanges)  # 2·i: exchange i pending; 2·i + 1: action i pending
+    finish = [2 * len(per_stage) - 1 for per_stage in exchanges]
+
+    def unmatched(stage: int) -> list[Transfer]:
+        ops = exchanges[stage][position[stage] // 2]
+        return [t for t in ops
+                if position[t.peer] < 2 * where.get((t.peer, partner[t.op], t.kind, t.microbatch), 1 << 30)]
+
+    changed = True
+    while changed:
+        changed = False
+        for stage in range(len(exchanges)):
+            while position[stage] < finish[stage]:
+                if position[stage] % 2 == 0 and unmatched(stage):
+                    break
+                position[stage] += 1
+                changed = True
+    return [(stage, position[stage] // 2, unmatched(stage))
+            for stage in range(len(exchanges)) if position[stage] < finish[stage]]
+
+
+def _exchange_index(exchanges: Sequence[Sequence[Sequence[Transfer]]]
+                    ) -> dict[tuple[int, str, str, int], int]:
+    """(stage, op, kind, micro-batch) -> the index of the exchange that holds it."""
+    return {(stage, t.op, t.kind, t.microbatch): index
+            for stage, per_stage in enumerate(exchanges) for index, ops in enumerate(per_stage) for t in ops}

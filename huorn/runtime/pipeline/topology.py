@@ -70,6 +70,7 @@ class PipelineGroups:
     from_previous: dist.ProcessGroup | None = None  # activations from stage − 1
     to_previous: dist.ProcessGroup | None = None  # gradients to stage − 1
     from_next: dist.ProcessGroup | None = None  # gradients from stage + 1
+    pipeline: dist.ProcessGroup | None = None  # all stages of this replica: lockstep exchanges
     data_parallel: dist.ProcessGroup | None = None
 
 
@@ -101,6 +102,14 @@ def build_groups(topology: PipelineTopology, *, p2p_max_ctas: int | None = None,
             if me in (low, high):
                 _connect(forward, sender=low, receiver=high, me=me)
                 _connect(backward, sender=high, receiver=low, me=me)
+    if topology.stages > 1:
+        # one communicator for a replica's whole pipeline, as torch.distributed.pipelining uses:
+        # a lockstep exchange batches operations towards both neighbours into one NCCL group
+        for replica in range(topology.replicas):
+            members = [topology.global_rank(replica, stage) for stage in range(topology.stages)]
+            group = dist.new_group(members, pg_options=options)
+            if me in members:
+                mine.pipeline = group
     if topology.replicas > 1:
         for stage in range(topology.stages):
             members = [topology.global_rank(r, stage) for r in range(topology.replicas)]

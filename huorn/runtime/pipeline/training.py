@@ -7,7 +7,8 @@ micro-batch, and gradients are exactly those of the step's batch whatever the ta
 
 Every `replan_every` steps each rank contributes its window averages (stage compute times,
 seconds per message on its outgoing links, step time) to one all-gather; rank 0 asks the
-planner and broadcasts the chosen k, so all ranks switch together. The planner arrives by
+planner and broadcasts the chosen k (and, with `comm="auto"`, how messages move: overlap or
+lockstep, see the planner), so all ranks switch together. The planner arrives by
 injection (`KPlanner`, implemented by `huorn.runtime.pipeline.planner.AdaptiveKPlanner`), so
 benchmarks and tests can swap in a planner with other thresholds."""
 
@@ -28,7 +29,8 @@ Batch = tuple[Sequence[Sequence[torch.Tensor]] | None, Sequence[torch.Tensor] | 
 class KPlanner(Protocol):
     def decide(self, *, step: int, current_k: int, forward_s: Sequence[float], backward_s: Sequence[float],
                link_forward_s: Sequence[float], link_backward_s: Sequence[float], measured_step_s: float,
-               candidates: Mapping[int, Any], peak_bytes: Mapping[int, Sequence[int]]) -> Any: ...
+               candidates: Mapping[int, Any], peak_bytes: Mapping[int, Sequence[int]],
+               comm: str = ..., lockstep_ok: Mapping[int, bool] | None = ...) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,13 @@ class PipelinePlan:
     k: int = 1  # kfkb's k, and the starting k of auto
     candidates: tuple[int, ...] = (1, 2, 3, 4)
     replan_every: int = 5
+    comm: str = "overlap"  # overlap | lockstep | auto (the planner measures both; needs schedule auto)
 
     def __post_init__(self) -> None:
+        if self.comm not in ("overlap", "lockstep", "auto"):
+            raise ValueError(f"comm must be overlap, lockstep or auto, got {self.comm!r}")
+        if self.comm == "auto" and self.schedule != "auto":
+            raise ValueError("comm 'auto' is chosen by the adaptive planner: it needs schedule 'auto'")
         if self.schedule not in (*schedules.SCHEDULE_NAMES, "auto"):
             raise ValueError(f"schedule must be gpipe, 1f1b, kfkb or auto, got {self.schedule!r}")
         if self.microbatches < 1:
@@ -63,6 +70,7 @@ class StepReport:
     executed: list[str] = field(default_factory=list)
     decision: dict | None = None  # rank 0 only, on steps where the planner ran
     recv_wait_s: float = 0.0  # this rank, blocked on the neighbour stages' activations/gradients
+    comm: str = "overlap"  # how this step's messages moved
 
 
 class PipelineTraining:
@@ -82,6 +90,7 @@ class PipelineTraining:
         self.planner, self.contention_level = planner, contention_level
         self.before_step, self.before_update = before_step, before_update
         self.k = plan.k if plan.schedule in ("kfkb", "auto") else 1
+        self.comm = "lockstep" if plan.comm == "lockstep" else "overlap"
         self.window: list[executor.StepStats] = []
         self.steps_done = 0
 
@@ -99,7 +108,7 @@ class PipelineTraining:
         self.optimizer.zero_grad(set_to_none=True)
         if self.before_step is not None:
             self.before_step(step)
-        stats = runner.run_step(schedule, inputs, targets)
+        stats = runner.run_step(schedule, inputs, targets, comm=self.comm)
         if self.before_update is not None:
             self.before_update()
         self.optimizer.step()
@@ -111,11 +120,12 @@ class PipelineTraining:
             contention=runner.throttle.level, peak_saved_bytes=stats.peak_saved_bytes,
             predicted_peak_bytes=memory.predict_peak_bytes(
                 schedule, [runner.microbatch_bytes] * topo.stages)[topo.stage],
-            executed=stats.executed, recv_wait_s=stats.recv_wait_s,
+            executed=stats.executed, recv_wait_s=stats.recv_wait_s, comm=stats.comm,
         )
         self.steps_done += 1
         if plan.schedule == "auto" and self.steps_done % plan.replan_every == 0:
-            self.k, report.decision = _replan(runner, self.planner, self.window, step, self.k, plan)  # type: ignore[arg-type]
+            self.k, self.comm, report.decision = _replan(runner, self.planner, self.window, step,  # type: ignore[arg-type]
+                                                         self.k, self.comm, plan)
             self.window = []
         return report
 
@@ -154,8 +164,8 @@ def _reduce_step(stats: executor.StepStats, device: torch.device, replicas: int)
 
 
 def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[executor.StepStats], step: int,
-            k: int, plan: PipelinePlan) -> tuple[int, dict | None]:
-    """Gather window averages from every rank, let rank 0 decide, broadcast k."""
+            k: int, comm: str, plan: PipelinePlan) -> tuple[int, str, dict | None]:
+    """Gather window averages from every rank, let rank 0 decide, broadcast k and the mode."""
     topo = runner.topology
     n = len(window)
 
@@ -178,7 +188,8 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
         stage = int(row[0])
         worst[stage] = [max(a, b) for a, b in zip(worst[stage], row[1:], strict=True)]
     decision = None
-    chosen = torch.tensor([k], dtype=torch.int64, device=runner.device)
+    modes = ("overlap", "lockstep")
+    chosen = torch.tensor([k, modes.index(comm)], dtype=torch.int64, device=runner.device)
     if dist.get_rank() == 0:
         tables = schedules.build_candidates(stages, plan.microbatches, plan.candidates)
         bytes_per_stage = [int(w[5]) for w in worst]
@@ -189,8 +200,19 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
             measured_step_s=max(w[4] for w in worst),
             candidates={c: t.to_plain() for c, t in tables.items()},
             peak_bytes={c: memory.predict_peak_bytes(t, bytes_per_stage) for c, t in tables.items()},
+            comm=comm,
+            lockstep_ok={c: _has_lockstep(t) for c, t in tables.items()} if plan.comm == "auto" else {},
         )
         chosen[0] = int(result.k)
+        chosen[1] = modes.index(result.comm)
         decision = result.to_dict()
     dist.broadcast(chosen, src=0)
-    return int(chosen[0]), decision
+    return int(chosen[0]), modes[int(chosen[1])], decision
+
+
+def _has_lockstep(table: schedules.Schedule) -> bool:
+    try:
+        schedules.lockstep_exchanges(table)
+    except schedules.ScheduleError:
+        return False
+    return True
