@@ -1,0 +1,170 @@
+"""Remediation S3 in a cluster: a `stageLayers` set-param in the job's graph (what the monitor
+writes for an S3 decision) reaches the run config in the job's ConfigMap, and the gang is rolled
+once: the old trainer pods are deleted gracefully and hold their GPUs until they are gone (they
+checkpoint on SIGTERM), and only then do their successors start on the new split. Real kopf
+against KMock; the test plays the kubelet, which lets a deleted pod linger while it checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import kmock
+from kube import builders
+from kube import operator as operator_mod
+from kube.cluster import EmulatedCluster, wait_for
+
+from huorn.backends.kubernetes import manifests
+from huorn.graph import mutate, serialise
+from huorn.operator import training
+from huorn.runtime import config as run_config
+
+pytest_plugins = ["kube.fixtures"]
+
+NS = "team"
+PODS = kmock.resource("", "v1", "pods")
+
+
+class Kubelet:
+    """A finalizer on the running trainer pods makes a DELETE only mark them (deletionTimestamp),
+    as a graceful delete does while the pod checkpoints; `release` ends the grace period."""
+
+    FINALIZER = "test.huorn.io/checkpointing"
+
+    def __init__(self, kube: builders.Kube, km: kmock.KubernetesEmulator) -> None:
+        self.kube, self.km = kube, km
+
+    def hold(self, names: list[str]) -> None:
+        for name in names:
+            self.kube.core.patch_namespaced_pod(name, NS, {"metadata": {"finalizers": [self.FINALIZER]}})
+
+    def deletes(self) -> list[tuple[str, dict[str, str]]]:
+        """The pod DELETEs the API received: (pod name, query parameters)."""
+        return [(r.url.path.rstrip("/").split("/")[-1], dict(r.params)) for r in self.km["delete", PODS]]
+
+    def release(self, names: list[str]) -> None:
+        for name in names:
+            self.kube.core.patch_namespaced_pod(name, NS, {"metadata": {"finalizers": []}})
+
+
+def make_job(name: str, max_restarts: int | None = None) -> dict[str, Any]:
+    body = builders.make_training_job(name, "train", replicas=2, max_replicas=2, gpus=4,
+                                      parallelism={"pipelineStages": 2}, model={"layers": 4})
+    if max_restarts is not None:
+        body["metadata"]["annotations"] = {training.MAX_RESTARTS_ANNOTATION: str(max_restarts)}
+    return body
+
+
+def decide_s3(kube: builders.Kube, job: str, split: list[int], why: str) -> int:
+    """What the monitor writes for an S3 decision: the set-param in the graph, in status."""
+    g = serialise.from_status(kube.job_status(NS, job)["graph"])
+    m = mutate.set_param(g, "trainer", "stageLayers", split, reason=why)
+    assert m is not None
+    kube.custom.patch_namespaced_custom_object_status(
+        builders.GROUP, builders.VERSION, NS, "trainingjobs", job,
+        {"status": {"graph": serialise.to_status(g), "decisions": training.build_decisions(g)}})
+    return m.version
+
+
+def run_config_of(kube: builders.Kube, job: str, tmp_path: Path) -> run_config.RunConfig:
+    """The ConfigMap's run config as the trainer loads it (the runtime's own model and checks)."""
+    ref = manifests.JobRef.from_body(kube.get_job(NS, job))
+    data = kube.core.read_namespaced_config_map(manifests.config_map_name(ref), NS).data
+    path = tmp_path / "config.json"
+    path.write_text(data[manifests.CONFIG_FILE])
+    return run_config.load_run_config(path)
+
+
+def trainers(kube: builders.Kube, job: str) -> list[str]:
+    return [p.metadata.name for p in kube.pods(NS, job, "trainer")]
+
+
+def test_s3_split_reaches_the_config_and_the_gang_rolls_once(
+        cluster: EmulatedCluster, kube: builders.Kube, tmp_path: Path) -> None:
+    assert cluster.kmock is not None
+    kubelet = Kubelet(kube, cluster.kmock)
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        kube.create_job(NS, make_job("pp", max_restarts=1))
+        wait_for(lambda: len(trainers(kube, "pp")) == 2, what="2 trainer pods")
+        kube.run_all_pods(NS, "pp")
+        kubelet.hold(trainers(kube, "pp"))
+        wait_for(lambda: kube.job_status(NS, "pp").get("phase") == "Running", what="Running")
+        assert run_config_of(kube, "pp", tmp_path).stage_layers is None
+        # Both nodes of VC "train" are full (4 GPUs each): a successor placed beside a draining
+        # pod would have to borrow, or fail, which is why successors wait for their predecessors.
+
+        why = "remediation S3 (resplit): stage 1 is 1.8x slower per layer"
+        version = decide_s3(kube, "pp", [3, 1], why)
+        wait_for(lambda: len(kubelet.deletes()) >= 2, what="both trainer pods deleted")
+        assert sorted({n for n, _ in kubelet.deletes()}) == ["pp-trainer-0", "pp-trainer-1"]
+        # Graceful: no grace override, so the pod's own 30 s (SIGTERM, checkpoint, exit) applies.
+        assert all("gracePeriodSeconds" not in params for _, params in kubelet.deletes())
+        assert kube.core.read_namespaced_pod("pp-trainer-0", NS).spec.termination_grace_period_seconds == 30
+        status = wait_for(lambda: (s := kube.job_status(NS, "pp")).get("resplitVersion") == version and s,
+                          what="resplitVersion")
+        assert run_config_of(kube, "pp", tmp_path).stage_layers == [3, 1], "the split is in the ConfigMap"
+        replaced = [d for d in status["decisions"] if d["action"] == "replace"]
+        assert len(replaced) == 2 and all("remediation S3: restart on stage layers [3, 1]" in d["reason"]
+                                          for d in replaced)
+        # The old pods are still checkpointing: no successor yet, the job says why.
+        cond = wait_for(lambda: (c := kube.condition(NS, "pp", "Reconciling")).get("reason") == "Draining"
+                        and c, what="Draining")
+        assert "waiting for 2 trainer pods to checkpoint and exit" in cond["message"]
+        assert kube.job_status(NS, "pp")["phase"] == "Remediating"
+        assert trainers(kube, "pp") == ["pp-trainer-0", "pp-trainer-1"]
+        assert any(e.reason == "Resplit" and "[3, 1]" in e.message for e in kube.events(NS, "pp"))
+
+        # They exit: the successors start on the new split, on the GPUs just freed.
+        kubelet.release(["pp-trainer-0", "pp-trainer-1"])
+        wait_for(lambda: trainers(kube, "pp") == ["pp-trainer-0-g1", "pp-trainer-1-g1"], what="successors")
+        kube.run_all_pods(NS, "pp")
+        wait_for(lambda: kube.job_status(NS, "pp").get("phase") == "Running", what="Running again")
+        assert run_config_of(kube, "pp", tmp_path).stage_layers == [3, 1]
+
+        # Once per decision: more reconciles (a pod event, a spec change) roll nothing again,
+        # the restart budget is untouched, and the spec change keeps the split.
+        kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
+                                                   "pp", {"spec": {"env": [{"name": "X", "value": "1"}]}})
+        wait_for(lambda: "X" in json.dumps(run_config_of(kube, "pp", tmp_path).spec.model_dump(
+            by_alias=True, mode="json")), what="spec rewritten")
+        kube.set_pod_phase(NS, "pp-trainer-0-g1", "Running")
+        assert run_config_of(kube, "pp", tmp_path).stage_layers == [3, 1]
+        status = kube.job_status(NS, "pp")
+        assert [d["action"] for d in status["decisions"]].count("replace") == 2
+        assert status["resplitReplacements"] == 2
+        assert trainers(kube, "pp") == ["pp-trainer-0-g1", "pp-trainer-1-g1"]
+
+        # A real failure afterwards is still replaced: the roll's two replacements did not spend
+        # the budget of one (huorn.io/max-restarts: "1").
+        kube.set_pod_phase(NS, "pp-trainer-1-g1", "Failed", exit_code=1)
+        wait_for(lambda: "pp-trainer-1-g2" in trainers(kube, "pp"), what="failure replacement")
+        assert kube.job_status(NS, "pp")["phase"] != "Failed"
+
+
+def test_a_restarted_operator_finishes_a_roll_it_decided(
+        cluster: EmulatedCluster, kube: builders.Kube, tmp_path: Path) -> None:
+    """The decision (replacements and resplitVersion) is in status before any pod is touched;
+    an operator stopped with the old pods still draining finishes the roll, exactly once."""
+    assert cluster.kmock is not None
+    kubelet = Kubelet(kube, cluster.kmock)
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        kube.create_job(NS, make_job("pp"))
+        wait_for(lambda: len(trainers(kube, "pp")) == 2, what="2 trainer pods")
+        kube.run_all_pods(NS, "pp")
+        kubelet.hold(trainers(kube, "pp"))
+        wait_for(lambda: kube.job_status(NS, "pp").get("phase") == "Running", what="Running")
+        version = decide_s3(kube, "pp", [1, 3], "remediation S3 (resplit): stage 0 is slow")
+        wait_for(lambda: kube.job_status(NS, "pp").get("resplitVersion") == version, what="decided")
+        wait_for(lambda: len(kubelet.deletes()) >= 2, what="deletes sent")
+    # No operator: the old pods finish checkpointing and go.
+    kubelet.release(["pp-trainer-0", "pp-trainer-1"])
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        wait_for(lambda: trainers(kube, "pp") == ["pp-trainer-0-g1", "pp-trainer-1-g1"], what="successors")
+        kube.run_all_pods(NS, "pp")
+        wait_for(lambda: kube.job_status(NS, "pp").get("phase") == "Running", what="Running again")
+        assert run_config_of(kube, "pp", tmp_path).stage_layers == [1, 3]
+    status = kube.job_status(NS, "pp")
+    assert [d["action"] for d in status["decisions"]].count("replace") == 2
+    assert status["resplitVersion"] == version
