@@ -171,22 +171,33 @@ def test_checkpoints_run_one_eval_pod_at_a_time_and_results_reach_status(
                  what="the trainers' success seen")
         assert kube.job_status(NS, "llm")["phase"] != "Succeeded"
 
-        # It fails: reported once (status, Warning Event), not retried; then the job succeeds.
+        # It fails: reported once (status, Warning Event), not retried on that checkpoint.
         finish(kube, "llm-eval-0-g1-s10", 2, "evaluate: /checkpoints/step-00000010 holds no complete "
                                              "Huorn checkpoint\n")
-        wait_for(lambda: kube.job_status(NS, "llm").get("phase") == "Succeeded", what="Succeeded")
-        status = kube.job_status(NS, "llm")
-        assert status["lastEvaluation"]["phase"] == "Failed" and status["lastEvaluation"]["step"] == 10
+        status = wait_for(lambda: (s := kube.job_status(NS, "llm")).get("lastEvaluation", {})
+                          .get("step") == 10 and s, what="the failure in status")
+        assert status["lastEvaluation"]["phase"] == "Failed"
         assert "exit code 2" in status["lastEvaluation"]["message"]
         assert "holds no complete Huorn checkpoint" in status["lastEvaluation"]["message"]
+        assert len(wait_for(lambda: events(kube, "llm", "EvaluationFailed"), what="a Warning")) == 1
+
+        # The trainers' final checkpoint (step 100, which the monitor never saw: they exited right
+        # after saving it) is evaluated before the job is done, from the checkpoint root.
+        wait_for(lambda: eval_pods(kube, "llm") == ["llm-eval-0-s100"], what="the final eval")
+        final = kube.core.read_namespaced_pod("llm-eval-0-s100", NS).spec.containers[0]
+        assert final.command[final.command.index("--checkpoint") + 1] == "/checkpoints"
+        assert kube.job_status(NS, "llm")["phase"] != "Succeeded"
+        finish(kube, "llm-eval-0-s100", 0, result_message(100, 1.25))
+        wait_for(lambda: kube.job_status(NS, "llm").get("phase") == "Succeeded", what="Succeeded")
+        status = kube.job_status(NS, "llm")
         assert status["evaluations"] == [{"step": 5, "phase": "Succeeded", "loss": 2.5},
-                                         {"step": 10, "phase": "Failed"}]
-        assert len(events(kube, "llm", "EvaluationFailed")) == 1
+                                         {"step": 10, "phase": "Failed"},
+                                         {"step": 100, "phase": "Succeeded", "loss": 1.25}]
         vertex = eval_vertex(kube, "llm")
         assert vertex["active"] is False and not vertex["instances"]
         wait_for(lambda: eval_pods(kube, "llm") == [], what="the finished eval pod cleaned up")
         actions = [d["action"] for d in status["decisions"]]
-        assert actions.count("activate") == 1 and actions.count("deactivate") == 1
+        assert actions.count("activate") == 2 and actions.count("deactivate") == 2
         assert actions.count("replace") == 1, "one re-run for the newer checkpoint, no retry"
 
 

@@ -20,6 +20,7 @@ status in the same patch as the graph mutation that ends its instance, so it is 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -127,6 +128,31 @@ def landed_checkpoint(graph: model.Graph, telemetry: Mapping[str, Mapping[str, A
         handed = graph.vertices[edge.target].params.get("checkpoint") or {}
         if handed.get("step") is None or int(handed["step"]) < data["step"]:
             return data
+    return None
+
+
+def final_step(job: Any) -> int:
+    """The step of the trainers' last checkpoint: they always save at their last step, which is
+    huorn.runtime.config.RunConfig.total_steps for a pod (no stepLimit), restated here because
+    the control plane does not import the runtime's config."""
+    opt = job.spec.optimization
+    if opt.steps is not None:
+        return int(opt.steps)
+    return max(1, math.ceil(opt.tokens / (opt.global_batch * job.spec.model.context)))
+
+
+def final_checkpoint(graph: model.Graph, job: Any) -> dict[str, Any] | None:
+    """When every trainer pod succeeded: the last checkpoint, as a checkpoint edge carries it, if
+    the eval vertex was not handed it (the monitor polls every few seconds, and a trainer exits
+    right after its final save, so its telemetry may never have shown it). No path: the pod gets
+    the checkpoint root, whose newest complete checkpoint the evaluator picks."""
+    step = final_step(job)
+    for edge in graph.edges_from("trainer"):
+        if edge.kind != "checkpoint" or edge.target not in graph.vertices:
+            continue
+        handed = graph.vertices[edge.target].params.get("checkpoint") or {}
+        if handed.get("step") is None or int(handed["step"]) < step:
+            return {"vertex": "trainer", "step": step, "path": None}
     return None
 
 

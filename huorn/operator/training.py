@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from huorn.api.common import ElasticityPolicy
-from huorn.backends.kubernetes import manifests
+from huorn.backends import monitor
+from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import Graph, Mutation
 from huorn.operator import conditions, cordon, evaluation, validation
@@ -134,6 +136,13 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
 
     trainer_pods = [pods.get(manifests.pod_name(ref, i)) for i in trainer.instances]
     finished = trainer_pods and all(p is not None and p.phase == "Succeeded" for p in trainer_pods)
+    if finished and not new and not evaluation.in_flight(graph):
+        # The last checkpoint is evaluated before the job is done, through the shared loop as any
+        # other: the edge fires and the CheckpointEdgeManager activates the eval vertex.
+        last = evaluation.final_checkpoint(graph, job)
+        if last is not None:
+            observation = monitor.Observation(time=time.time(), checkpoint=last, finished=True)
+            new += monitor.Monitor(graph, observe.ObservedBackend(observation), []).tick().mutations
     # An eval in flight finishes first (its result, or a re-run on a newer checkpoint, still counts).
     if finished and not new and not evaluation.in_flight(graph):
         status = {
