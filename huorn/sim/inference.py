@@ -5,6 +5,7 @@ it is first tested on: with `start="middle"` it is fitted on the first half and 
 midpoint (a quiet night first, the busy day about 12 h in); with `start="beginning"` it is fitted
 on the second half and play starts at the beginning (the busy day arrives within the first hour,
 on top of the training burst: the adversarial phase). After the end the series wraps around.
+The board (`board`, a ForecastConfig) is the policy's own: Huorn forecasts at its own quantile.
 Its rate is scaled so the peak needs 90 % of the inference cluster with 10 % headroom: the cluster
 is sized for its peak, as inference clusters are, and so idles at night.
 """
@@ -23,7 +24,8 @@ HEADROOM = 0.1
 
 
 class InferenceLoad:
-    def __init__(self, qps_csv: Path, gpus: int, seed: int = 0, start: str = "middle"):
+    def __init__(self, qps_csv: Path, gpus: int, seed: int = 0, start: str = "middle",
+                 board: forecast.ForecastConfig | None = None):
         times, rate = forecast.load_qps_series(qps_csv)
         self.gpus = gpus
         self.rate = rate
@@ -35,10 +37,10 @@ class InferenceLoad:
             self.offset, fit = 0, slice(half, len(rate))
         else:
             raise ValueError(f"qps start {start!r} is unknown; use middle or beginning")
-        board = forecast.LoadForecaster(seed=seed).fit(times[fit], rate[fit])
+        board_model = forecast.LoadForecaster(board, seed=seed).fit(times[fit], rate[fit])
         self.rate_per_gpu = max(float(rate.max()), 1e-9) * (1 + HEADROOM) / (PEAK_SHARE * max(gpus, 1))
         self.need = forecast.gpus_needed(rate, self.rate_per_gpu, HEADROOM)
-        peak = board.predict_series(times, rate)
+        peak = board_model.predict_series(times, rate)
         self.forecast_need = forecast.gpus_needed(peak, self.rate_per_gpu, HEADROOM)
         self.need = np.minimum(self.need, gpus)
         self.forecast_need = np.minimum(self.forecast_need, gpus)

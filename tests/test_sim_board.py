@@ -1,0 +1,58 @@
+"""Huorn's prediction board in the simulator: a thinner reserve lends more without losing the SLO."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from huorn.scheduler import forecast
+from huorn.sim import engine, inference, policies, run
+
+DATA = Path("/work/shared/data")
+TRACE = DATA / "openb_pod_list_default.csv"
+NODES = DATA / "openb_node_list_gpu_node.csv"
+QPS = DATA / "genai_qps.csv"
+pytestmark = pytest.mark.skipif(not TRACE.exists(), reason="shared OpenB trace not present")
+
+
+def test_only_huorn_uses_a_board_other_than_the_default() -> None:
+    """The baselines' behaviour must not move with Huorn's board (Kueue reads no forecast anyway)."""
+    for name, spec in policies.POLICIES.items():
+        if name == "huorn":
+            assert spec.board.quantile == policies.HUORN_BOARD_QUANTILE < forecast.ForecastConfig().quantile
+        else:
+            assert spec.board == forecast.ForecastConfig()
+
+
+def test_huorn_board_reserves_less_on_the_busy_day_and_still_covers_most_next_bins() -> None:
+    """Fitted on the second half, played from the start (the busy day first): the held-out half."""
+    default = inference.InferenceLoad(QPS, 32, start="beginning")
+    huorn = inference.InferenceLoad(QPS, 32, start="beginning",
+                                    board=policies.POLICIES["huorn"].board)
+    held = np.arange(len(huorn.rate) // 2 - 1)
+    assert np.all(huorn.forecast_need >= huorn.need)  # never below what is needed now
+    above_default = np.mean(default.forecast_need[held] - default.need[held])
+    above_huorn = np.mean(huorn.forecast_need[held] - huorn.need[held])
+    assert above_huorn < 0.5 * above_default  # measured 2.4 GPUs against 8.4
+    covered = np.mean(huorn.forecast_need[held] >= huorn.need[held + 1])
+    assert covered >= 0.65  # measured 0.72 (0.95 board: 0.94); misses are reclaimed at once
+
+
+def test_thinner_reserve_lends_more_and_keeps_the_slo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """128 GPUs, busy inference during the training burst: the case where the reserve binds."""
+    config = engine.SimConfig(gpus=128, seed=0, qps_start="beginning")
+    out = {}
+    for quantile in (0.95, policies.HUORN_BOARD_QUANTILE):
+        board = forecast.ForecastConfig(quantile=quantile)
+        spec = dataclasses.replace(policies.POLICIES["huorn"], board=board)
+        monkeypatch.setitem(policies.POLICIES, "huorn", spec)
+        results, sims = run.run_policies(TRACE, NODES, QPS, ["huorn"], config)
+        lent = sum(lent for t, _, lent, *_ in sims["huorn"].totals.series if t < 4 * 3600)
+        out[quantile] = (results["huorn"], lent)
+    (old, old_lent), (new, new_lent) = out[0.95], out[policies.HUORN_BOARD_QUANTILE]
+    assert new_lent > 1.3 * old_lent  # GPU-ticks lent in the first four hours
+    assert new["jct_mean_s"] < 0.97 * old["jct_mean_s"]  # measured 1,688 s against 1,769 s
+    assert new["inference_slo_attainment"] >= 0.995  # measured 99.91 % (goal 99 %)
