@@ -23,6 +23,10 @@ from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
 
 from huorn.backends.kubernetes import manifests
+from huorn.graph import compiler
+from huorn.operator import evaluation, validation
+from huorn.operator.index import PodRecord
+from huorn.runtime import config as run_config
 from huorn.runtime import evaluate
 from huorn.runtime import telemetry as runtime_telemetry
 
@@ -234,3 +238,58 @@ def test_a_restarted_operator_resumes_evals_from_the_api_objects(
     assert actions.count("activate") == 1 and actions.count("replace") == 1
     assert actions.count("deactivate") == 1
     assert len(events(kube, "llm", "Evaluated")) == 2
+
+
+# ---------------------------------------------------------------- the pieces, without a cluster
+def eval_graph(handed: dict[str, Any] | None) -> Any:
+    graph = compiler.compile(make_job("llm") | {"metadata": {"name": "llm",
+                                                             "annotations": {"huorn.io/eval": "true"}}})
+    if handed is not None:
+        graph.vertex("eval").params["checkpoint"] = handed
+    return graph
+
+
+def test_a_checkpoint_fires_only_when_newer_than_the_one_handed() -> None:
+    telemetry = {"trainer-1": {"rank": 2, "parameters": {"checkpoint": {"step": 3, "path": "/c/3"}}},
+                 "trainer-0": {"rank": 0, "parameters": {"checkpoint": {"step": 7, "path": "/c/7"}}}}
+    fresh = evaluation.landed_checkpoint(eval_graph(None), telemetry)
+    assert fresh == {"vertex": "trainer", "step": 7, "path": "/c/7"}, "the lowest rank's, edge-shaped"
+    assert evaluation.landed_checkpoint(eval_graph(dict(fresh)), telemetry) is None
+    assert evaluation.landed_checkpoint(eval_graph({"vertex": "trainer", "step": 9, "path": "/c/9"}),
+                                        telemetry) is None, "an older one never fires after a newer"
+    no_eval = eval_graph(None)
+    no_eval.edges = [e for e in no_eval.edges if e.kind != "checkpoint"]
+    assert evaluation.landed_checkpoint(no_eval, telemetry) is None
+
+
+def test_results_are_bounded_and_failures_say_why() -> None:
+    many = {f"s{i:02d}": 1.0 + i for i in range(40)}
+    message = json.dumps({"step": 4, "loss": 2.0, "perplexity": 7.389, "checkpoint": "/c/4",
+                          "sources": many, "sourcesOmitted": 3})
+    ok = PodRecord(NS, "llm-eval-0-s4", "llm", "eval", "eval-0", "", 0, 0, "", phase="Succeeded",
+                   exit_code=0, message=message, input={"step": 4, "path": "/c/4"})
+    entry = evaluation.build_result(ok, "t")
+    assert entry["phase"] == "Succeeded" and entry["loss"] == 2.0 and entry["step"] == 4
+    assert len(entry["sources"]) == evaluation.MAX_SOURCES and entry["sourcesOmitted"] == 3 + 40 - 16
+    assert evaluation.failure(ok) == ""
+    silent = dataclasses.replace(ok, message="")
+    assert "without a result" in evaluation.failure(silent)
+    crashed = dataclasses.replace(ok, phase="Failed", exit_code=137, message="x" * 5000 + "\nOOMKilled")
+    bad = evaluation.build_result(crashed, "t")
+    assert bad["phase"] == "Failed" and bad["step"] == 4 and "loss" not in bad
+    assert "exit code 137: OOMKilled" in bad["message"] and len(bad["message"]) <= evaluation.MESSAGE_LIMIT
+    history = evaluation.build_status({"evaluations": [{"step": i} for i in range(10)]}, [entry])
+    assert len(history["evaluations"]) == evaluation.HISTORY and history["evaluations"][-1]["step"] == 4
+
+
+def test_the_final_step_is_the_trainers_total_steps() -> None:
+    by_tokens = make_job("llm")
+    by_tokens["spec"]["optimization"] = {"tokens": 10_000, "globalBatch": 48, "microBatch": 4}
+    job = validation.load_job(by_tokens | {"metadata": {"name": "llm", "namespace": NS}})
+    ref = manifests.JobRef("TrainingJob", "llm", NS, "u1")
+    cfg = run_config.RunConfig.model_validate(manifests.build_run_config(ref, by_tokens["spec"]))
+    assert evaluation.final_step(job) == cfg.total_steps() == 2  # ceil(10,000 / (48 × 128))
+    graph = eval_graph({"vertex": "trainer", "step": 2, "path": "/c/2"})
+    assert evaluation.final_checkpoint(graph, job) is None
+    graph = eval_graph({"vertex": "trainer", "step": 1, "path": "/c/1"})
+    assert evaluation.final_checkpoint(graph, job) == {"vertex": "trainer", "step": 2, "path": None}

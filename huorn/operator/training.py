@@ -353,7 +353,13 @@ async def _apply_children(
     # The ConfigMap goes first so that no pod ever starts without its config.
     if writes and writes[0]["kind"] == "ConfigMap":
         await ctx.client.apply(writes.pop(0))
-    await asyncio.gather(*(ctx.client.apply(w) for w in writes))
+    written = await asyncio.gather(*(ctx.client.apply(w) for w in writes))
+    for obj in written:
+        # An eval pod is in the mirror at once: a reconcile right after this one (a newer
+        # checkpoint handed to the vertex meanwhile) must not start a second one for the instance.
+        if obj.get("kind", "Pod") == "Pod" and ((obj.get("metadata") or {}).get("labels") or {}).get(
+                manifests.LABEL_VERTEX) == "eval":
+            ctx.index.observe_pod(obj)
     wanted = {manifests.pod_name(ref, i) for v in graph.vertices.values() for i in v.instances}
     wanted |= evaluation.wanted_pods(graph, pods.values())
     await asyncio.gather(*(
