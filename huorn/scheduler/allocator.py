@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -115,12 +116,20 @@ class AllocatorConfig:
     # allocator's own reference), or "fair_share", its goodput at an equal 1/J share of the GPUs it
     # may use, as the Pollux paper defines SPEEDUP. Jobs are weighed differently unless p = 0.
     speedup_reference: str = "min"
+    # A running job that would finish within this many of its own restart times at its current size
+    # keeps that size in the minimums pass, before pending jobs of its priority get theirs (0: off).
+    # Tearing it down to admit others frees its GPUs only briefly before its completion would, and
+    # costs it a restart and a slower finish. Needs remaining_work; Huorn only.
+    protect_finishing_restarts: float = 0.0
 
     def __post_init__(self) -> None:
         if self.pending_order not in ("submitted", "remaining"):
             raise ValueError(f"pending_order must be submitted or remaining, got {self.pending_order!r}")
         if self.speedup_reference not in ("min", "fair_share"):
             raise ValueError(f"speedup_reference must be min or fair_share, got {self.speedup_reference!r}")
+        if not self.protect_finishing_restarts >= 0:
+            raise ValueError("protect_finishing_restarts must be ≥ 0, got "
+                             f"{self.protect_finishing_restarts!r}")
         if not math.isfinite(self.fairness_p):
             raise ValueError(f"fairness_p must be finite, got {self.fairness_p!r}")
 
@@ -303,10 +312,21 @@ class Allocator:
             return (not pinned, -j.priority, not j.replicas, 0.0, j.submitted, j.name)
 
         order = sorted(jobs, key=rank)
-        for job in order:
-            floor = job.replicas if job.replicas and job.priority >= PINNED_PRIORITY else job.min_replicas
-            if take(job, floor * job.gpus_per_replica, commit=True):
-                target[job.name] = floor
+        for _, group in itertools.groupby(order, key=lambda j: rank(j)[:2]):
+            members = list(group)  # one priority level: running jobs first, then pending ones
+            running = [j for j in members if j.replicas]
+            for job in members:
+                if not job.replicas:
+                    # Jobs about to finish keep their size before the level's pending jobs get theirs.
+                    for near in running:
+                        if (target[near.name] and target[near.name] < near.replicas and self._finishing(near)
+                                and take(near, (near.replicas - target[near.name]) * near.gpus_per_replica,
+                                         commit=True)):
+                            target[near.name] = near.replicas
+                    running = []
+                floor = job.replicas if job.replicas and job.priority >= PINNED_PRIORITY else job.min_replicas
+                if take(job, floor * job.gpus_per_replica, commit=True):
+                    target[job.name] = floor
 
         # Pass 2: extras, greedy on the fitness term (speedup at p = 1) gained per GPU.
         heap: list[tuple[float, str, int]] = []
@@ -483,6 +503,15 @@ class Allocator:
             return math.inf
         rate = float(table.good[job.min_replicas])
         return job.remaining_work / rate if rate > 0 else math.inf
+
+    def _finishing(self, job: JobView) -> bool:
+        """Whether a running job finishes at its current size within protect_finishing_restarts restarts."""
+        if self.config.protect_finishing_restarts <= 0 or not job.replicas:
+            return False
+        speedup = self.table(job).speedup
+        speed = float(speedup[min(job.replicas, len(speedup) - 1)]) or 1.0
+        left = self._remaining_seconds(job) / speed
+        return left <= self.config.protect_finishing_restarts * job.restart_seconds
 
     def _penalty(self, job: JobView) -> float:
         horizon = self.config.horizon_seconds
