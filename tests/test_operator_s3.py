@@ -12,19 +12,23 @@ from pathlib import Path
 from typing import Any
 
 import kmock
+import pytest
 from kube import builders
 from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
 
-from huorn.backends.kubernetes import manifests
+from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import mutate, serialise
 from huorn.operator import training
 from huorn.runtime import config as run_config
+from huorn.runtime import telemetry as runtime_telemetry
+from huorn.scheduler.remediation import policy
 
 pytest_plugins = ["kube.fixtures"]
 
 NS = "team"
 PODS = kmock.resource("", "v1", "pods")
+PIPELINE_IPS = {"trainer-0": "127.0.0.2", "trainer-1": "127.0.0.3"}
 
 
 class Kubelet:
@@ -168,3 +172,60 @@ def test_a_restarted_operator_finishes_a_roll_it_decided(
     status = kube.job_status(NS, "pp")
     assert [d["action"] for d in status["decisions"]].count("replace") == 2
     assert status["resplitVersion"] == version
+
+
+class PipelineRanks:
+    """2 pods × 2 local ranks, as torchrun starts them: rank = 2 × replica + local rank, local
+    rank r serving on port + r of its pod's IP, stage = rank % 2 (the runtime's layout)."""
+
+    def __init__(self, job: str) -> None:
+        self.all: list[runtime_telemetry.Telemetry] = []
+        for _ in range(20):  # find a port whose successor is free on both addresses too
+            try:
+                self.port = self._serve(job)
+                return
+            except OSError:
+                self.close()
+        raise AssertionError("no two consecutive free ports on 127.0.0.2 and 127.0.0.3")
+
+    def _serve(self, job: str) -> int:
+        port = 0
+        for replica_index, (replica, ip) in enumerate(PIPELINE_IPS.items()):
+            for local in range(2):
+                t = runtime_telemetry.Telemetry(job, 2 * replica_index + local, 4, replica)
+                self.all.append(t)
+                bound = t.serve(ip, port + local if port else 0)
+                port = port or bound
+        return port
+
+    def record(self, steps: int, compute_by_stage: list[float], split: list[int]) -> None:
+        for t in self.all:
+            t.set_parameter("pipeline", {"stages": 2, "stage_layers": split})
+            compute = compute_by_stage[t.rank % 2]
+            for step in range(1, steps + 1):
+                t.record_step(step, compute + 0.1, 0.1, 2.0, 1000.0, None)
+
+    def close(self) -> None:
+        for t in self.all:
+            t.close()
+        self.all = []
+
+
+def test_every_local_rank_is_polled_so_s3_sees_every_stage() -> None:
+    """The operator reads each rank of a pod (port + local rank): with stages inside a pod, the
+    pods' first ranks are all stage 0, and S3's view of the stages would never be complete."""
+    ranks = PipelineRanks("pp")
+    try:
+        ranks.record(6, compute_by_stage=[0.2, 0.6], split=[2, 2])  # stage 1 is 3x slower per layer
+        first_only = observe.fetch_snapshots(observe.build_targets(PIPELINE_IPS, ranks.port), 2.0)
+        assert {s["rank"] for s in first_only.values()} == {0, 2}
+        assert policy.build_pipeline_shape(first_only) is None
+        every = observe.fetch_snapshots(observe.build_targets(PIPELINE_IPS, ranks.port, 2), 2.0)
+        assert sorted(every) == ["trainer-0", "trainer-0/1", "trainer-1", "trainer-1/1"]
+        assert {s["rank"] for s in every.values()} == {0, 1, 2, 3}
+        shape = policy.build_pipeline_shape(every)
+        assert shape is not None and shape.stage_speeds == pytest.approx([1.0, 1 / 3])
+        obs = observe.build_observation(1.0, every, after_step=0, gpus_per_replica=2)
+        assert obs.steps[-1]["step"] == 6 and obs.steps[-1]["world_size"] == 2
+    finally:
+        ranks.close()

@@ -120,7 +120,8 @@ async def fetch_observation(
         pod = pods.get(manifests.pod_name(ref, instance))
         if pod is not None and pod.phase == "Running" and pod.ip and not pod.deleting:
             ips[instance.name] = pod.ip
-    targets = observe.build_targets(ips, ctx.settings.telemetry_port)
+    # A pod runs one rank per GPU (torchrun --nproc-per-node), each on its own telemetry port.
+    targets = observe.build_targets(ips, ctx.settings.telemetry_port, max(1, gpus))
     snapshots = await asyncio.to_thread(
         observe.fetch_snapshots, targets, ctx.settings.telemetry_timeout_seconds
     )

@@ -48,8 +48,19 @@ def fetch_snapshots(targets: Mapping[str, str], timeout: float) -> dict[str, dic
     return {replica: snap for replica, snap in out.items() if snap is not None}
 
 
-def build_targets(pod_ips: Mapping[str, str], port: int) -> dict[str, str]:
-    return {replica: f"http://{ip}:{port}/telemetry" for replica, ip in sorted(pod_ips.items()) if ip}
+def build_targets(pod_ips: Mapping[str, str], port: int, ranks_per_pod: int = 1) -> dict[str, str]:
+    """One URL per rank: the runtime serves local rank r on `port + r`. Every rank, not only the
+    pod's first: S2's shape needs each rank's seconds per micro-batch and S3's each pipeline
+    stage's (a pod's local ranks are different stages), and a hung rank may be any of them.
+    Local rank 0 is keyed by the replica's name, the others `<replica>/<local rank>`."""
+    targets = {}
+    for replica, ip in sorted(pod_ips.items()):
+        if not ip:
+            continue
+        for local in range(max(1, ranks_per_pod)):
+            key = replica if local == 0 else f"{replica}/{local}"
+            targets[key] = f"http://{ip}:{port + local}/telemetry"
+    return targets
 
 
 def build_observation(
