@@ -7,7 +7,9 @@ against KMock; the test plays the kubelet, which lets a deleted pod linger while
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -227,5 +229,59 @@ def test_every_local_rank_is_polled_so_s3_sees_every_stage() -> None:
         assert shape is not None and shape.stage_speeds == pytest.approx([1.0, 1 / 3])
         obs = observe.build_observation(1.0, every, after_step=0, gpus_per_replica=2)
         assert obs.steps[-1]["step"] == 6 and obs.steps[-1]["world_size"] == 2
+    finally:
+        ranks.close()
+
+
+def run_pipeline_pods(kube: builders.Kube, job: str, names: list[str]) -> None:
+    """Pods Running with their pod's telemetry address, as the kubelet reports them."""
+    wait_for(lambda: trainers(kube, job) == names, what=f"trainer pods {names}")
+    for pod in kube.pods(NS, job):
+        ordinal = pod.metadata.labels["huorn.io/instance"].split("-")[1]
+        ip = PIPELINE_IPS.get(f"trainer-{ordinal}", "127.0.0.9")
+        status = {"status": {"phase": "Running", "podIP": ip}}
+        kube.core.patch_namespaced_pod_status(pod.metadata.name, NS, status)
+    wait_for(lambda: kube.job_status(NS, job).get("phase") == "Running", what="Running")
+
+
+def test_s3_from_pipeline_telemetry_to_a_rolled_gang(cluster: EmulatedCluster, kube: builders.Kube,
+                                                      tmp_path: Path) -> None:
+    """End to end in a cluster: the ranks' telemetry (rank 3, stage 1 of the second pod, turns
+    slow) → fail-slow S1 → S3 in the operator's monitor → `set-param stageLayers` → the split in
+    the ConfigMap and the gang rolled onto it, once."""
+    ranks = PipelineRanks("pp")
+    rng = random.Random(7)
+    try:
+        settings = dataclasses.replace(operator_mod.FAST, monitor_seconds=0.3, telemetry_port=ranks.port,
+                                       telemetry_timeout_seconds=1.0, progress_seconds=0.5)
+        with operator_mod.OperatorThread(cluster.api_client(), settings):
+            body = builders.make_training_job("pp", "train", replicas=2, max_replicas=2, gpus=2,
+                                              parallelism={"pipelineStages": 2}, model={"layers": 4},
+                                              remediation={"maxMitigation": "resplit"})
+            kube.create_job(NS, body)
+            run_pipeline_pods(kube, "pp", ["pp-trainer-0", "pp-trainer-1"])
+            for t in ranks.all:
+                t.set_parameter("pipeline", {"stages": 2, "stage_layers": [2, 2]})
+                for step in range(1, 51):
+                    seconds = (30.0 if t.rank == 3 and step >= 25 else 1.0) + rng.uniform(-0.02, 0.02)
+                    t.record_step(step, seconds, 0.1, 2.0, 1000.0, None)
+            run_pipeline_pods(kube, "pp", ["pp-trainer-0-g1", "pp-trainer-1-g1"])
+            assert run_config_of(kube, "pp", tmp_path).stage_layers == [3, 1], "stage 1 keeps one layer"
+            status = kube.job_status(NS, "pp")
+            settings_made = [d["reason"] for d in status["decisions"] if d["action"] == "set-param"]
+            assert any(r.startswith("remediation S3 (resplit-stages)") and "stage layers [3, 1]" in r
+                       for r in settings_made)
+            assert [d["action"] for d in status["decisions"]].count("replace") == 2
+            assert status["resplitVersion"] > 0
+            assert any(e.reason == "Resplit" for e in kube.events(NS, "pp"))
+            # The successors run (on the same addresses, resuming at step 51) and are polled; the
+            # ticks over their telemetry decide nothing new.
+            version = status["graph"]["version"]
+            for t in ranks.all:
+                t.set_parameter("pipeline", {"stages": 2, "stage_layers": [3, 1]})
+                t.record_step(51, 1.0, 0.1, 1.9, 1000.0, None)
+            wait_for(lambda: kube.job_status(NS, "pp").get("step") == 51, what="progress from the new pods")
+            assert kube.job_status(NS, "pp")["graph"]["version"] == version
+            assert trainers(kube, "pp") == ["pp-trainer-0-g1", "pp-trainer-1-g1"]
     finally:
         ranks.close()
