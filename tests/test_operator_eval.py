@@ -14,20 +14,25 @@ import dataclasses
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import kmock
 import pytest
+import torch
+import yaml
 from kube import builders
 from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
 
+from huorn import models
 from huorn.backends.kubernetes import manifests
 from huorn.graph import compiler
-from huorn.operator import evaluation, validation
+from huorn.graph.model import Instance
+from huorn.operator import evaluation, index, validation
 from huorn.operator.index import PodRecord
+from huorn.runtime import checkpoint, evaluate
 from huorn.runtime import config as run_config
-from huorn.runtime import evaluate
 from huorn.runtime import telemetry as runtime_telemetry
 
 pytest_plugins = ["kube.fixtures"]
@@ -293,3 +298,37 @@ def test_the_final_step_is_the_trainers_total_steps() -> None:
     assert evaluation.final_checkpoint(graph, job) is None
     graph = eval_graph({"vertex": "trainer", "step": 1, "path": "/c/1"})
     assert evaluation.final_checkpoint(graph, job) == {"vertex": "trainer", "step": 2, "path": None}
+
+
+def test_the_evaluators_termination_message_is_what_the_operator_records(tmp_path: Path) -> None:
+    """The real evaluator, run as the eval pod runs it (the pod's command on the ConfigMap's run
+    config), writes a termination message that the operator turns into the right status entry."""
+    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml")
+                          .read_text())["spec"]
+    spec["model"].update({"layers": 2, "width": 32, "heads": 2, "context": 32})
+    spec["checkpoint"] = {"path": str(tmp_path / "ck"), "volume": "ckpt"}
+    ref = manifests.JobRef("TrainingJob", "llm", NS, "u1")
+    config = manifests.build_run_config(ref, spec) | {"runDir": str(tmp_path / "run")}  # the emptyDir
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = run_config.load_run_config(tmp_path / "config.json")
+    torch.manual_seed(0)
+    model = models.build_model(run_config.build_model_config(cfg.spec.model))
+    saved = checkpoint.save_checkpoint(cfg.checkpoint_root, 6, model, torch.optim.AdamW(model.parameters()),
+                                       {"job": "llm"}, rank=0, barrier=lambda: None)
+    landed = {"vertex": "trainer", "step": 6, "path": str(saved)}
+    pod = manifests.build_eval_pod(ref, Instance("eval", 0), spec, landed)
+    argv = pod["spec"]["containers"][0]["command"]
+    assert argv[:3] == ["python", "-m", "huorn.runtime.evaluate"]
+    args = argv[3:]
+    args[args.index("--config") + 1] = str(tmp_path / "config.json")  # the ConfigMap's mount here
+    args[args.index("--result-file") + 1] = str(tmp_path / "termination-log")
+    assert evaluate.main(args) == 0
+    record = index.build_pod_record(pod | {"status": {"phase": "Succeeded", "containerStatuses": [
+        {"state": {"terminated": {"exitCode": 0, "message": (tmp_path / "termination-log").read_text()}}}]}})
+    assert record is not None and record.input == landed
+    entry = evaluation.build_result(record, "t")
+    full = json.loads((tmp_path / "run" / "evals" / "eval-00000006.json").read_text())
+    assert entry["phase"] == "Succeeded" and entry["step"] == 6 and entry["checkpoint"] == str(saved)
+    assert entry["loss"] == pytest.approx(full["loss"], abs=1e-6)
+    assert entry["sources"] == pytest.approx(full["sources"], abs=1e-6)
+    assert sorted(entry["sources"]) == ["code", "general", "math"]
