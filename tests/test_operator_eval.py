@@ -72,9 +72,10 @@ def ranks() -> Iterator[Ranks]:
     r.close()
 
 
-def start_operator(cluster: EmulatedCluster, port: int) -> operator_mod.OperatorThread:
+def start_operator(cluster: EmulatedCluster, port: int, eval_start_seconds: float = 600.0
+                   ) -> operator_mod.OperatorThread:
     settings = dataclasses.replace(operator_mod.FAST, monitor_seconds=0.3, telemetry_port=port,
-                                   telemetry_timeout_seconds=1.0)
+                                   telemetry_timeout_seconds=1.0, eval_start_seconds=eval_start_seconds)
     return operator_mod.OperatorThread(cluster.api_client(), settings)
 
 
@@ -243,6 +244,27 @@ def test_a_restarted_operator_resumes_evals_from_the_api_objects(
     assert actions.count("activate") == 1 and actions.count("replace") == 1
     assert actions.count("deactivate") == 1
     assert len(events(kube, "llm", "Evaluated")) == 2
+
+
+def test_an_eval_pod_that_never_starts_is_reported_and_does_not_stall_later_evals(
+        cluster: EmulatedCluster, kube: builders.Kube, ranks: Ranks) -> None:
+    with start_operator(cluster, ranks.port, eval_start_seconds=2.0):
+        kube.create_job(NS, make_job("llm"))
+        run_with_ips(kube, "llm")
+        ranks.checkpoint(5)
+        wait_for(lambda: eval_pods(kube, "llm") == ["llm-eval-0-s5"], what="an eval pod")
+        waiting = {"phase": "Pending", "containerStatuses": [
+            {"name": "eval", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
+             "state": {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}}]}
+        kube.core.patch_namespaced_pod_status("llm-eval-0-s5", NS, {"status": waiting})
+        last = wait_for(lambda: kube.job_status(NS, "llm").get("lastEvaluation"), timeout=30,
+                        what="the stuck eval reported")
+        assert last["phase"] == "Failed" and last["step"] == 5
+        assert "did not start within 2 s: ImagePullBackOff: Back-off pulling image" in last["message"]
+        wait_for(lambda: eval_pods(kube, "llm") == [], what="the stuck pod deleted, the vertex parked")
+        assert eval_vertex(kube, "llm")["active"] is False
+        ranks.checkpoint(9)  # the next checkpoint is evaluated as usual
+        wait_for(lambda: eval_pods(kube, "llm") == ["llm-eval-0-s9"], what="the next eval")
 
 
 # ---------------------------------------------------------------- the pieces, without a cluster

@@ -36,6 +36,10 @@ class OperatorSettings:
     # status.step/loss/tokensPerSecond/lastCheckpoint are written at most this often per job (a
     # new checkpoint is written at once): 1,000 running jobs cost ≤ 34 status writes a second
     progress_seconds: float = 30.0
+    # An eval pod still Pending this long after its creation (unschedulable, image not pulled) is
+    # reported failed: one eval runs at a time, so a pod that never starts would stall every
+    # later eval and hold the job's Succeeded forever.
+    eval_start_seconds: float = 600.0
     retry: retry.RetryPolicy = field(default_factory=retry.RetryPolicy)
 
     def __post_init__(self) -> None:
@@ -43,6 +47,8 @@ class OperatorSettings:
             raise ValueError("resync_seconds and vc_status_seconds must be > 0")
         if self.monitor_seconds <= 0 or self.telemetry_timeout_seconds <= 0 or self.progress_seconds <= 0:
             raise ValueError("monitor_seconds, telemetry_timeout_seconds and progress_seconds must be > 0")
+        if self.eval_start_seconds <= 0:
+            raise ValueError(f"eval_start_seconds must be > 0, got {self.eval_start_seconds}")
         if not 0 < self.telemetry_port < 65536:
             raise ValueError(f"telemetry_port must be in 1..65535, got {self.telemetry_port}")
         if self.max_pod_replacements < 0:

@@ -69,15 +69,22 @@ def in_flight(graph: model.Graph) -> bool:
     return any(v.active and v.instances for v in eval_vertices(graph))
 
 
-def has_finished_pod(graph: model.Graph, pods: Iterable[PodRecord]) -> bool:
-    """An eval pod ended and its instance is still in the graph: the monitor has work to settle."""
+def is_over(pod: PodRecord, now: float, start_seconds: float) -> bool:
+    """The pod ended, or never started: still Pending `start_seconds` after its creation."""
+    stuck = pod.phase == "Pending" and pod.created > 0 and now - pod.created > start_seconds
+    return pod.phase in TERMINAL_POD_PHASES or stuck
+
+
+def has_finished_pod(graph: model.Graph, pods: Iterable[PodRecord], now: float, start_seconds: float) -> bool:
+    """An eval pod is over and its instance is still in the graph: the monitor has work to settle."""
     pods = list(pods)
-    return any((p := pod_of(pods, v.name, i.name)) is not None and p.phase in TERMINAL_POD_PHASES
+    return any((p := pod_of(pods, v.name, i.name)) is not None and is_over(p, now, start_seconds)
                for v in eval_vertices(graph) for i in v.instances)
 
 
-def build_states(graph: model.Graph, pods: Iterable[PodRecord]) -> dict[str, monitor.InstanceState]:
-    """The eval instances as the shared loop reads them; a finished pod is `completed`."""
+def build_states(graph: model.Graph, pods: Iterable[PodRecord], now: float, start_seconds: float
+                 ) -> dict[str, monitor.InstanceState]:
+    """The eval instances as the shared loop reads them; a pod that is over is `completed`."""
     pods = list(pods)
     states: dict[str, monitor.InstanceState] = {}
     for v in eval_vertices(graph):
@@ -85,10 +92,15 @@ def build_states(graph: model.Graph, pods: Iterable[PodRecord]) -> dict[str, mon
             pod = pod_of(pods, v.name, i.name)
             if pod is None:
                 continue
-            done = pod.phase in TERMINAL_POD_PHASES
+            done = is_over(pod, now, start_seconds)
+            why = ""
+            if done and pod.phase not in TERMINAL_POD_PHASES:
+                why = (f"eval pod {pod.name} did not start within {start_seconds:.0f} s: "
+                       f"{pod.waiting or 'still Pending'}")[:MESSAGE_LIMIT]
+            elif done:
+                why = failure(pod)
             states[i.name] = monitor.InstanceState(
-                i.name, v.name, alive=not done, completed=done,
-                reason=failure(pod) if done else "", input=pod.input)
+                i.name, v.name, alive=not done, completed=done, reason=why, input=pod.input)
     return states
 
 
@@ -156,10 +168,10 @@ def final_checkpoint(graph: model.Graph, job: Any) -> dict[str, Any] | None:
     return None
 
 
-def build_result(pod: PodRecord, when: str) -> dict[str, Any]:
-    """One bounded status entry for a finished eval pod."""
+def build_result(pod: PodRecord, when: str, why: str | None = None) -> dict[str, Any]:
+    """One bounded status entry for a finished eval pod (`why`: the failure, if known already)."""
     result = parse_result(pod)
-    why = failure(pod)
+    why = failure(pod) if why is None else why
     entry: dict[str, Any] = {
         "pod": pod.name,
         "phase": "Failed" if why else "Succeeded",
@@ -183,12 +195,13 @@ def build_result(pod: PodRecord, when: str) -> dict[str, Any]:
 
 
 def settled(before: Mapping[str, monitor.InstanceState], graph: model.Graph,
-            pods: Iterable[PodRecord]) -> list[PodRecord]:
-    """Finished eval pods whose instance the tick's mutations took out of the graph."""
+            pods: Iterable[PodRecord]) -> list[tuple[PodRecord, str]]:
+    """Finished eval pods, with their failure ('' for none), whose instance the tick's mutations
+    took out of the graph."""
     live = set(graph.instance_names())
     by_instance = {p.instance: p for p in pods if p.vertex in {v.name for v in eval_vertices(graph)}
                    and not p.deleting}
-    return [by_instance[name] for name, state in before.items()
+    return [(by_instance[name], state.reason) for name, state in before.items()
             if state.completed and name not in live and name in by_instance]
 
 

@@ -12,6 +12,7 @@ jobs placed back to back never get the same GPUs; a pod's arrival replaces its r
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ class PodRecord:
     ip: str = ""  # status.podIP: where the monitor reads the pod's /telemetry
     message: str = ""  # the terminated container's message: an eval pod's result (JSON)
     input: dict[str, Any] | None = None  # an eval pod's checkpoint (its huorn.io/checkpoint annotation)
+    created: float = 0.0  # metadata.creationTimestamp, seconds since the epoch (0: unknown)
+    waiting: str = ""  # why the container is not running yet (ErrImagePull, ...), with its message
 
     @property
     def job_key(self) -> tuple[str, str]:
@@ -67,12 +70,21 @@ def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
     containers = (body.get("spec") or {}).get("containers") or [{}]
     limits = (containers[0].get("resources") or {}).get("limits") or {}
     status = body.get("status") or {}
-    exit_code, message = None, ""
+    exit_code, message, waiting = None, "", ""
     for cs in status.get("containerStatuses") or []:
         terminated = (cs.get("state") or {}).get("terminated")
         if terminated is not None:
             exit_code = terminated.get("exitCode")
             message = str(terminated.get("message") or "")
+        held = (cs.get("state") or {}).get("waiting")
+        if held is not None:
+            waiting = ": ".join(str(v) for v in (held.get("reason"), held.get("message")) if v)
+    if not waiting:
+        unscheduled = [c for c in status.get("conditions") or []
+                       if c.get("type") == "PodScheduled" and c.get("status") == "False"]
+        if unscheduled:
+            why = unscheduled[0]
+            waiting = ": ".join(str(v) for v in (why.get("reason"), why.get("message")) if v)
     return PodRecord(
         namespace=meta.get("namespace", ""),
         name=meta["name"],
@@ -89,7 +101,17 @@ def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
         ip=status.get("podIP", "") or "",
         message=message,
         input=_parse_input(annotations.get(manifests.ANNOTATION_CHECKPOINT)),
+        created=_parse_time(meta.get("creationTimestamp")),
+        waiting=waiting,
     )
+
+
+def _parse_time(text: str | None) -> float:
+    try:
+        stamp = datetime.datetime.strptime(str(text), "%Y-%m-%dT%H:%M:%SZ") if text else None
+    except ValueError:
+        return 0.0
+    return stamp.replace(tzinfo=datetime.UTC).timestamp() if stamp is not None else 0.0
 
 
 def _parse_input(text: str | None) -> dict[str, Any] | None:

@@ -29,7 +29,6 @@ from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import model, mutate, serialise
 from huorn.operator import conditions, cordon, evaluation, training, validation
 from huorn.operator.context import Context
-from huorn.operator.index import TERMINAL_POD_PHASES
 from huorn.scheduler.remediation import policy
 
 logger = logging.getLogger("huorn.operator.monitor")
@@ -136,7 +135,9 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
     mirrored = ctx.index.pods_of(namespace, name)
     polling = any(p.vertex == "trainer" and p.phase == "Running" and p.ip and not p.deleting
                   for p in mirrored)
-    ended = any(p.phase in TERMINAL_POD_PHASES and p.input is not None and not p.deleting for p in mirrored)
+    now, start_seconds = time.time(), ctx.settings.eval_start_seconds
+    ended = any(p.input is not None and not p.deleting and evaluation.is_over(p, now, start_seconds)
+                for p in mirrored)
     if not polling and not ended:
         return []  # nothing to poll or settle; the mirror says so without an API round trip
     body = await ctx.client.get_custom(training.PLURAL, namespace, name)
@@ -156,7 +157,7 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
         observation = await fetch_observation(ctx, body, observed, state, gpus)
     else:
         observation = monitor.Observation(time=time.time())
-    settling = evaluation.has_finished_pod(observed, ctx.index.pods_of(namespace, name))
+    settling = evaluation.has_finished_pod(observed, ctx.index.pods_of(namespace, name), now, start_seconds)
     if not observation.telemetry and not settling:
         return []
     if observation.telemetry:
@@ -176,7 +177,7 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
         # The eval vertex's inputs for the shared managers: a checkpoint it was not handed yet,
         # and eval pods that ended (read under the lock, against the graph as it is now).
         pods = ctx.index.pods_of(namespace, name)
-        observation.instances.update(evaluation.build_states(graph, pods))
+        observation.instances.update(evaluation.build_states(graph, pods, time.time(), start_seconds))
         observation.checkpoint = evaluation.landed_checkpoint(graph, observation.telemetry)
         # Without telemetry (only an eval pod ended) the policies have nothing to judge.
         policies = state.all() if observation.telemetry else []
@@ -186,8 +187,8 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
             return []
         mark_cordons(ctx, namespace, name, mutations)
         when = conditions.now()
-        results = [evaluation.build_result(p, when)
-                   for p in evaluation.settled(observation.instances, graph, pods)]
+        results = [evaluation.build_result(p, when, why)
+                   for p, why in evaluation.settled(observation.instances, graph, pods)]
         await ctx.client.patch_status(training.PLURAL, namespace, name, {
             "graph": serialise.to_status(graph), "decisions": training.build_decisions(graph),
             **evaluation.build_status(body.get("status") or {}, results),
