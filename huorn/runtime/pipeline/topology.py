@@ -110,6 +110,7 @@ def build_groups(topology: PipelineTopology, *, p2p_max_ctas: int | None = None,
             group = dist.new_group(members, pg_options=options)
             if me in members:
                 mine.pipeline = group
+                _connect_both_ways(group, topology, me)
     if topology.replicas > 1:
         for stage in range(topology.stages):
             members = [topology.global_rank(r, stage) for r in range(topology.replicas)]
@@ -146,6 +147,25 @@ def _connect(group: dist.ProcessGroup, sender: int, receiver: int, me: int) -> N
         dist.send(probe, dst=receiver, group=group)
     else:
         dist.recv(probe, src=sender, group=group)
+
+
+def _connect_both_ways(group: dist.ProcessGroup, topology: PipelineTopology, me: int) -> None:
+    """One batched exchange with each neighbour, in both directions, before any step.
+
+    NB: NCCL connects a peer lazily, on the first operation in each direction, and that set-up
+    blocks the host in the batched call until the peer's host joins it. In a lockstep GPipe
+    step, stage 0 first receives a gradient in the batch that sends its last activation; stage
+    1 meanwhile sat in a host-blocking copy (a CPU target moved to the GPU) that waited for that
+    very activation, so neither host moved (2×H200, 2026-11-30). With every direction connected
+    here, a step never sets up a connection."""
+    stage, replica = topology.stage, topology.replica
+    peers = [topology.global_rank(replica, s) for s in (stage - 1, stage + 1) if 0 <= s < topology.stages]
+    outgoing = [torch.zeros(1, device=_device()) for _ in peers]
+    incoming = [torch.zeros(1, device=_device()) for _ in peers]
+    ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, peer in zip(outgoing, peers, strict=True)]
+    ops += [dist.P2POp(dist.irecv, t, peer, group=group) for t, peer in zip(incoming, peers, strict=True)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def prefer_eager_module_loading() -> None:
