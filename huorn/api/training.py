@@ -265,8 +265,36 @@ class TrainingJobSpec(JobCommon):
     parallelism: Parallelism = Field(default_factory=Parallelism)
 
 
+class EvaluationSummary(ApiModel):
+    """One line of status.evaluations: the short history next to the full newest result."""
+
+    step: int
+    phase: Literal["Succeeded", "Failed"]
+    loss: float | None = None
+
+
+class EvaluationResult(EvaluationSummary):
+    """The newest eval pod's result (huorn.operator.evaluation.build_result), bounded in size."""
+
+    pod: str = Field(max_length=253)
+    checkpoint: str = Field(default="", max_length=1024)
+    time: str | None = None
+    perplexity: float | None = None
+    sources: dict[str, float] = Field(default_factory=dict, max_length=16,
+                                      description="Loss per data source (at most 16; see sourcesOmitted).")
+    sources_omitted: int | None = None
+    message: str | None = Field(default=None, max_length=1024)
+
+
 class TrainingJobStatus(JobStatus):
     step: int = 0
+    last_evaluation: EvaluationResult | None = Field(
+        default=None, description="The newest eval pod's result (job annotated huorn.io/eval).")
+    evaluations: list[EvaluationSummary] = Field(default_factory=list, max_length=8)
+    resplit_version: int | None = Field(default=None, description="Graph version of the last S3 stage "
+                                        "re-split whose gang roll was started.")
+    resplit_replacements: int | None = Field(default=None, description="Trainer pods replaced by S3 "
+                                             "rolls; they do not count against the restart budget.")
     control_version: int | None = Field(default=None, description="Graph version of the run-time control "
                                         "(remediation S2's micro-batch counts) last written to the job's "
                                         "ConfigMap.")

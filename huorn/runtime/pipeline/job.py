@@ -71,7 +71,8 @@ class PipelineTrainer(train.Trainer):
                                            betas=(0.9, 0.95), weight_decay=opt.weight_decay)
         schedule = par.schedule.value
         # on NCCL, `schedule: auto` also measures lockstep exchanges against overlapped links
-        # (planner docstring); on gloo the links are host threads and there is nothing to win
+        # (planner docstring): what lockstep saves is SMs that NCCL kernels take from compute;
+        # gloo's links are host threads, so there the mode stays overlap
         comm = "auto" if schedule == "auto" and self.device.type == "cuda" else "overlap"
         self.pipeline_plan = training.PipelinePlan(
             microbatches=self.plan.micro_batches // replicas, schedule=schedule,

@@ -1,0 +1,50 @@
+"""The status fields the operator writes for evals and S3 rolls are typed in the API, so that
+`kubectl explain` and a structural CRD describe them: what huorn.operator.evaluation builds
+validates against TrainingJobStatus, field names included, and the CRD carries the schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from huorn.api.training import TrainingJobStatus
+from huorn.operator import evaluation
+
+
+def entry(step: int, phase: str = "Succeeded", **extra: object) -> dict:
+    base = {"pod": f"job-eval-0-s{step}", "phase": phase, "step": step, "checkpoint": f"/ckpt/step-{step}",
+            "time": "2026-11-30T14:00:00Z"}
+    return base | extra
+
+
+def test_what_the_operator_writes_validates_against_the_status_model() -> None:
+    results = [entry(8, loss=2.5, sources={"code": 2.25, "math": 2.75}, perplexity=12.18, sourcesOmitted=3),
+               entry(16, "Failed", message="OOMKilled")]
+    status = evaluation.build_status({"evaluations": [{"step": 4, "phase": "Succeeded", "loss": 2.9}]},
+                                     results)
+    status |= {"resplitVersion": 12, "resplitReplacements": 4}
+    parsed = TrainingJobStatus.model_validate(status)
+    assert parsed.last_evaluation is not None and parsed.last_evaluation.phase == "Failed"
+    assert parsed.last_evaluation.message == "OOMKilled"
+    assert [e.step for e in parsed.evaluations] == [4, 8, 16]
+    assert parsed.evaluations[1].loss == 2.5
+    assert (parsed.resplit_version, parsed.resplit_replacements) == (12, 4)
+    first = TrainingJobStatus.model_validate(evaluation.build_status({}, results[:1]))
+    assert first.last_evaluation.sources_omitted == 3 and first.last_evaluation.sources["math"] == 2.75
+
+
+def test_a_malformed_eval_result_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValidationError, match=r"lastEvaluation\.phase"):
+        TrainingJobStatus.model_validate({"lastEvaluation": entry(8, "Maybe")})
+
+
+def test_the_crd_describes_the_new_status_fields() -> None:
+    crd = yaml.safe_load(Path("crds/trainingjobs.huorn.io.yaml").read_text())
+    status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert {"lastEvaluation", "evaluations", "resplitVersion", "resplitReplacements"} <= set(status)
+    last = status["lastEvaluation"]["properties"]
+    assert last["phase"]["enum"] == ["Succeeded", "Failed"]
+    assert status["evaluations"]["maxItems"] == evaluation.HISTORY
