@@ -248,14 +248,7 @@ def build_trainer_pod(
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         *({"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", [])),
     ]
-    mounts = [
-        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-        {"name": "run", "mountPath": RUN_DIR},
-    ]
-    volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": config_map_name(job)}},
-        {"name": "run", "emptyDir": {}},
-    ]
+    mounts, volumes = _config_and_run_volumes(job)
     checkpoint = spec.get("checkpoint", {})
     if checkpoint.get("volume"):
         mounts.append({"name": "checkpoints", "mountPath": checkpoint.get("path", "/checkpoints")})
@@ -365,14 +358,7 @@ def build_eval_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any],
     ckpt = spec.get("checkpoint", {})
     root = str(ckpt.get("path", "/checkpoints"))
     target = (checkpoint or {}).get("path") or root
-    mounts = [
-        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-        {"name": "run", "mountPath": RUN_DIR},
-    ]
-    volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": config_map_name(job)}},
-        {"name": "run", "emptyDir": {}},
-    ]
+    mounts, volumes = _config_and_run_volumes(job)
     if ckpt.get("volume"):
         mounts.append({"name": "checkpoints", "mountPath": root, "readOnly": True})
         volumes.append({"name": "checkpoints",
@@ -415,3 +401,17 @@ def build_eval_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any],
             "terminationGracePeriodSeconds": 30,
         },
     }
+
+
+def _config_and_run_volumes(job: JobRef) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The job's ConfigMap (read-only) and a scratch run directory: every pod of a job, trainer
+    or eval, reads the same run config from the same place."""
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "run", "mountPath": RUN_DIR},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_map_name(job)}},
+        {"name": "run", "emptyDir": {}},
+    ]
+    return mounts, volumes
