@@ -496,6 +496,15 @@ class Allocator:
         return self._decision(job, "keep", job.replicas, _assignments(binding, job.gpus_per_replica), why,
                               nodes=len(binding.gpus_by_node))
 
+    def remaining_seconds(self, job: JobView) -> float:
+        """Time the job still needs at its minimum size, by its own model: the key of SRPT admission.
+
+        A caller that hands the allocator only the pending jobs that could start this cycle (the
+        simulator, for speed) must pick them by this key when `pending_order` is "remaining", or
+        the shortest jobs further back in the queue are never seen.
+        """
+        return self._remaining_seconds(job)
+
     def _remaining_seconds(self, job: JobView) -> float:
         """Time the job still needs at its minimum size, by its own model; inf when unknown."""
         table = self.table(job)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from huorn.scheduler import allocator, forecast, loaning, placement
 
 if TYPE_CHECKING:
+    from huorn.sim import state
     from huorn.sim.engine import Simulation
 
 
@@ -180,6 +181,18 @@ def _schedule_static(sim: Simulation) -> None:
             return
 
 
+def job_view(js: state.JobState) -> allocator.JobView:
+    """What the allocator sees of a job: its own model and the runtime's reports, never the truth."""
+    fam = js.job.family
+    return allocator.JobView(
+        js.job.name, TRAIN, js.belief, fam.gpus_per_replica, js.job.min_replicas, js.job.max_replicas,
+        replicas=js.replicas, noise_scale=js.noise_scale, base_batch=fam.base_batch,
+        max_local_batch=fam.max_local_batch, restart_seconds=fam.restart_seconds,
+        last_resize=js.last_resize, last_direction=js.last_direction, submitted=js.job.arrival,
+        model_version=js.model_version * 1000 + int(4 * math.log1p(js.noise_scale)),
+        remaining_work=js.job.work - js.done)
+
+
 def _schedule_elastic(sim: Simulation, admission_only: bool = False) -> None:
     if admission_only:
         running = []
@@ -190,18 +203,17 @@ def _schedule_elastic(sim: Simulation, admission_only: bool = False) -> None:
         running = [js for js in sim.active() if js.status == "running"]
         capacity = sim.train_gpus + sim.snap.lend_left(INFER) + sim.snap.lent(INFER)
         room = max(0, capacity - sum(js.job.min_replicas * js.job.family.gpus_per_replica for js in running))
-    # Pending jobs beyond what could ever get their minimum this cycle cannot change the outcome.
-    pending = [js for js in sim.active() if js.status == "pending"][: room + 1]
-    views = []
-    for js in running + pending:
-        fam = js.job.family
-        views.append(allocator.JobView(
-            js.job.name, TRAIN, js.belief, fam.gpus_per_replica, js.job.min_replicas, js.job.max_replicas,
-            replicas=js.replicas, noise_scale=js.noise_scale, base_batch=fam.base_batch,
-            max_local_batch=fam.max_local_batch, restart_seconds=fam.restart_seconds,
-            last_resize=js.last_resize, last_direction=js.last_direction, submitted=js.job.arrival,
-            model_version=js.model_version * 1000 + int(4 * math.log1p(js.noise_scale)),
-            remaining_work=js.job.work - js.done))
+
+    # Pending jobs beyond what could ever get their minimum this cycle cannot change the outcome:
+    # the first room + 1 in the allocator's own admission order (arrival order, or shortest
+    # remaining time first, which needs every pending job's estimate to pick them).
+    pending = [js for js in sim.active() if js.status == "pending"]
+    if sim.spec.allocator.pending_order == "remaining" and len(pending) > room + 1:
+        ranked = sorted((job_view(js) for js in pending),
+                        key=lambda v: (-v.priority, sim.allocator.remaining_seconds(v), v.submitted, v.name))
+        views = [job_view(js) for js in running] + ranked[: room + 1]
+    else:
+        views = [job_view(js) for js in running + pending[: room + 1]]
     # J for Pollux's fair-share speedup: every job waiting or running, not only those handed over.
     for d in sim.allocator.allocate(sim.snap, views, sim.now, cluster_jobs=len(sim.active())):
         js = sim.by_name[d.job]
