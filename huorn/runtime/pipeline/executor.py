@@ -23,7 +23,7 @@ A stage module is any `nn.Module` called as `module(*tensors)` that returns a te
 tuple of tensors; everything it returns travels to the next stage as one flat buffer (the
 decoder's hidden state plus the FusedKV tensors upper layers rebuild from), and the gradients
 of all of them come back the same way. The last stage's outputs go to `loss_fn(outputs,
-target)`. Each micro-batch's loss is divided by the number of micro-batches, so the summed
+target)`. Each micro-batch's loss is scaled by 1/M (its backward starts at 1/M), so the summed
 gradients equal those of the mean loss, as in single-process gradient accumulation."""
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ class StageExecutor:
         self.grad_link = (contention.make_link(self._previous, groups.to_previous, self.throttle, device)
                           if self._previous is not None else None)
         self.measured_peaks: dict[tuple[str, int, int], int] = {}  # table -> peak saved bytes
+        self._scales: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         self._side_stream: torch.cuda.Stream | None = None  # lockstep contention delays
         self._cycles_per_s = 0.0
 
@@ -230,10 +231,10 @@ class StageExecutor:
                 exchange_s += self._exchange(exchanges[position], outbox, inbox)
             if action.kind == "F":
                 if self.topology.is_first:
-                    # a copy, so that each micro-batch's saved inputs are its own storage even
-                    # when the caller's micro-batches are views of one batch (the memory model
-                    # counts bytes per micro-batch)
-                    received = [t.to(self.device, copy=True) for t in inputs[m]]  # type: ignore[index]
+                    # metered steps copy, so that each micro-batch's saved inputs are its own
+                    # storage even when the caller's micro-batches are views of one batch (the
+                    # memory model counts bytes per micro-batch); other steps save a kernel
+                    received = [t.to(self.device, copy=metering) for t in inputs[m]]  # type: ignore[index]
                 else:
                     tick = time.perf_counter()
                     if lockstep:
@@ -248,12 +249,13 @@ class StageExecutor:
                 with timer.measure("F"), (self.meter.hooks() if metering else contextlib.nullcontext()):
                     outputs = _as_tuple(self.module(*received))
                     if self.topology.is_last:
-                        loss = self.loss_fn(outputs, targets[m].to(self.device, copy=True)) / count  # type: ignore[index]
+                        target = targets[m].to(self.device, copy=metering)  # type: ignore[index]
+                        loss = self.loss_fn(outputs, target)
                         losses.append(loss.detach())
                         outputs = (loss,)
                     aux = _aux_loss(self.module)
                     if aux is not None:
-                        outputs = (*outputs, aux / count)
+                        outputs = (*outputs, aux)
                 stored[m] = (received, outputs)
                 if self.send_link is not None:
                     payload = self._pack(outputs[: len(self.output_layout.shapes)])  # type: ignore[union-attr]
@@ -273,7 +275,10 @@ class StageExecutor:
                         buffer = self._wait(pending)
                     grads = list(self._unpack(buffer, self.output_layout))
                     wait_s += time.perf_counter() - tick
-                grads += [None] * (len(outputs) - len(grads))  # loss and aux: implicit ones
+                # the loss and aux losses start their backward at 1/M rather than being divided
+                # by M in the forward: the same gradients, without a division and its backward
+                # node per micro-batch (on two H200s the last stage's host launches the kernels)
+                grads += [self._scale(count, t) for t in outputs[len(grads):]]
                 with timer.measure("B"):
                     torch.autograd.backward(outputs, grads)
                 del outputs
@@ -297,7 +302,7 @@ class StageExecutor:
             self.measured_peaks[table_key] = self.meter.peak_bytes
         forward_s, backward_s = timer.means()
         return StepStats(
-            loss=float(torch.stack(losses).sum()) if losses else None,
+            loss=float(torch.stack(losses).sum()) / count if losses else None,
             seconds=time.perf_counter() - started, forward_s=forward_s, backward_s=backward_s,
             recv_wait_s=wait_s + exchange_s, comm="lockstep" if lockstep else "overlap",
             send_link=self.send_link.take_stats() if self.send_link else None,
@@ -359,8 +364,20 @@ class StageExecutor:
         work.wait()
         return buffer
 
+    def _scale(self, count: int, like: torch.Tensor) -> torch.Tensor:
+        """1/count as the gradient of a scalar loss, cached per (count, dtype, device)."""
+        key = (count, like.dtype, like.device)
+        scale = self._scales.get(key)
+        if scale is None:
+            scale = self._scales[key] = torch.full_like(like, 1.0 / count)
+        return scale
+
     @staticmethod
     def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One flat message. A single contiguous tensor goes as a view, without a copy: nothing
+        writes to an activation or a gradient after it is sent."""
+        if len(tensors) == 1 and tensors[0].is_contiguous():
+            return tensors[0].detach().view(-1)
         return torch.cat([t.detach().reshape(-1) for t in tensors])
 
     @staticmethod
