@@ -59,12 +59,15 @@ def test_unknown_remaining_work_is_never_protected_and_bad_values_are_refused() 
         allocator.AllocatorConfig(protect_finishing_restarts=-1.0)
 
 
+@pytest.mark.parametrize("admission", ["minimums", "value"])
 @settings(max_examples=60, deadline=None)
 @given(job_mixes(), st.lists(st.floats(1.0, 1e7), min_size=8, max_size=8))
-def test_invariants_hold_with_the_protection_on(case: tuple, remaining: list[float]) -> None:
-    """Capacity, limits and min/max replicas over successive cycles, with jobs nearing their end."""
+def test_invariants_hold_with_the_protection_on(admission: str, case: tuple, remaining: list[float]) -> None:
+    """Capacity, limits and min/max replicas over successive cycles, with jobs nearing their end,
+    and with pending jobs admitted by value (Huorn's setting) or in the minimums pass."""
     snap, jobs, lend, borrow = case
     alloc = allocator.Allocator(allocator.AllocatorConfig(protect_finishing_restarts=5.0, jct_weight=0.5,
+                                                          admission=admission,
                                                           restart_over_remaining=True,
                                                           pending_order="remaining"))
     for job, left in zip(jobs, remaining, strict=False):

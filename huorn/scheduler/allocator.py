@@ -121,12 +121,21 @@ class AllocatorConfig:
     # Tearing it down to admit others frees its GPUs only briefly before its completion would, and
     # costs it a restart and a slower finish. Needs remaining_work; Huorn only.
     protect_finishing_restarts: float = 0.0
+    # How a pending job gets its minimum. "minimums": in the first pass, before any running job gets
+    # an extra GPU (Pollux: admitting a job outweighs any growth). "value": a pending job that no
+    # running job is below in priority competes in the greedy pass instead, its first step (0 → its
+    # minimum) valued like any other step, so running jobs keep extras that are worth more than
+    # starting it. A pending job of higher priority than some running job still gets its minimum
+    # in the first pass, as before. Huorn only.
+    admission: str = "minimums"
 
     def __post_init__(self) -> None:
         if self.pending_order not in ("submitted", "remaining"):
             raise ValueError(f"pending_order must be submitted or remaining, got {self.pending_order!r}")
         if self.speedup_reference not in ("min", "fair_share"):
             raise ValueError(f"speedup_reference must be min or fair_share, got {self.speedup_reference!r}")
+        if self.admission not in ("minimums", "value"):
+            raise ValueError(f"admission must be minimums or value, got {self.admission!r}")
         if not self.protect_finishing_restarts >= 0:
             raise ValueError("protect_finishing_restarts must be ≥ 0, got "
                              f"{self.protect_finishing_restarts!r}")
@@ -312,6 +321,9 @@ class Allocator:
             return (not pinned, -j.priority, not j.replicas, 0.0, j.submitted, j.name)
 
         order = sorted(jobs, key=rank)
+        lowest_running = min((j.priority for j in jobs if j.replicas), default=math.inf)
+        by_value = {j.name for j in jobs if self.config.admission == "value" and not j.replicas
+                    and j.priority <= lowest_running}  # admitted in pass 2, if worth the GPUs
         for _, group in itertools.groupby(order, key=lambda j: rank(j)[:2]):
             members = list(group)  # one priority level: running jobs first, then pending ones
             running = [j for j in members if j.replicas]
@@ -324,6 +336,8 @@ class Allocator:
                                          commit=True)):
                             target[near.name] = near.replicas
                     running = []
+                if job.name in by_value:
+                    continue
                 floor = job.replicas if job.replicas and job.priority >= PINNED_PRIORITY else job.min_replicas
                 if take(job, floor * job.gpus_per_replica, commit=True):
                     target[job.name] = floor
@@ -331,7 +345,7 @@ class Allocator:
         # Pass 2: extras, greedy on the fitness term (speedup at p = 1) gained per GPU.
         heap: list[tuple[float, str, int]] = []
         for job in jobs:
-            self._push_best(heap, job, target[job.name], values[job.name])
+            self._push_best(heap, job, target[job.name], values[job.name], job.name in by_value)
         while heap:
             _, name, to = heapq.heappop(heap)
             job = by_name[name]
@@ -342,7 +356,7 @@ class Allocator:
                 target[name] = to
             else:
                 values[name] = values[name][: to]  # that jump does not fit; try smaller ones
-            self._push_best(heap, job, target[name], values[name])
+            self._push_best(heap, job, target[name], values[name], name in by_value)
 
         # A running job that the greedy would shrink keeps the GPUs for its current size in
         # reserve if they are left over: placement may find the smaller gang spread so thin that
@@ -399,11 +413,15 @@ class Allocator:
         return v
 
     @staticmethod
-    def _push_best(heap: list, job: JobView, at: int, values: np.ndarray) -> None:
-        if at == 0 or at + 1 >= len(values):
+    def _push_best(heap: list, job: JobView, at: int, values: np.ndarray, from_zero: bool = False) -> None:
+        """Queue the job's best jump from `at` replicas; from 0 only when it is admitted by value."""
+        if (at == 0 and not from_zero) or at + 1 >= len(values):
             return
-        steps = np.arange(at + 1, len(values))
-        gains = (values[at + 1:] - values[at]) / ((steps - at) * job.gpus_per_replica)
+        first = max(at + 1, job.min_replicas)  # a jump from 0 lands on the minimum or above
+        if first >= len(values):
+            return
+        steps = np.arange(first, len(values))
+        gains = (values[first:] - values[at]) / ((steps - at) * job.gpus_per_replica)
         i = int(np.argmax(gains))
         if gains[i] > 1e-9:
             heapq.heappush(heap, (-float(gains[i]), job.name, int(steps[i])))

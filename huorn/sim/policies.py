@@ -79,14 +79,16 @@ POLICIES: dict[str, PolicySpec] = {
                                       horizon_seconds=math.inf, hysteresis=0.10, cooldown_seconds=0.0,
                                       fairness_p=-1.0, speedup_reference="fair_share")),
     # JCT-aware: speedups weighed by (horizon / remaining time)^0.5, restarts charged over the
-    # shorter of a one-hour horizon and the job's remaining time, pending jobs shortest first, and
-    # jobs within five restarts of finishing not shrunk to admit others (docs/scheduling.md,
+    # shorter of a one-hour horizon and the job's remaining time, pending jobs shortest first,
+    # jobs within five restarts of finishing not shrunk to admit others, and pending jobs admitted
+    # when their first GPUs are worth more than a running job's extras (docs/scheduling.md,
     # "Allocator").
     "huorn": PolicySpec("huorn", elastic=True, loaning="huorn", family_priors=True, event_admission=True,
                         allocator=allocator.AllocatorConfig(horizon_seconds=3600.0, jct_weight=0.5,
                                                             restart_over_remaining=True,
                                                             pending_order="remaining",
-                                                            protect_finishing_restarts=5.0),
+                                                            protect_finishing_restarts=5.0,
+                                                            admission="value"),
                         board=forecast.ForecastConfig(quantile=HUORN_BOARD_QUANTILE)),
 }
 TRAIN, INFER = "train", "infer"
