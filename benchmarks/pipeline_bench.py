@@ -57,7 +57,8 @@ class BenchConfig:
     hang_dump_s: float = 0.0  # print every thread's stack after this long, to show where a hang sits
     p2p_max_ctas: int | None = None  # NCCL thread blocks of our edge communicators (build_groups)
     p2p_high_priority: bool = False
-    lockstep: bool = False  # also run 1F1B in lockstep, and let adaptive choose overlap or lockstep
+    lockstep: bool = False  # also run 1F1B in lockstep
+    adaptive_comm: str = "overlap"  # "auto": adaptive k also measures lockstep against overlap
 
 
 @dataclass
@@ -115,7 +116,7 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
     throttle.burst_s = config.burst_fraction * float(compute[0])
     tokens_per_step = config.micro_batch * config.microbatches * config.model.context
     results = []
-    planner = pipeline_planner.AdaptiveKPlanner(lockstep=config.lockstep)
+    planner = pipeline_planner.AdaptiveKPlanner(lockstep=config.adaptive_comm == "auto")
     adaptive_k, adaptive_comm = 1, "overlap"
     torch_schedules = {name: build_torch_schedule(name, stage, topo, config, device)
                        for name in ("Schedule1F1B", "ScheduleGPipe")}
@@ -147,7 +148,7 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
         warm_up(adaptive_k, adaptive_comm)
         plan = training.PipelinePlan(microbatches=config.microbatches, schedule="auto", k=adaptive_k,
                                      replan_every=config.replan_every,
-                                     comm="auto" if config.lockstep else "overlap")
+                                     comm=config.adaptive_comm)
         loop = training.PipelineTraining(stage=runner, optimizer=optimizer, batches=batches, plan=plan,
                                          planner=planner, before_step=aligned)
         loop.comm = adaptive_comm  # the mode carries over from the previous round, as k does

@@ -70,17 +70,17 @@ class PipelineTrainer(train.Trainer):
         self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=opt.learning_rate,
                                            betas=(0.9, 0.95), weight_decay=opt.weight_decay)
         schedule = par.schedule.value
-        # on NCCL, `schedule: auto` also measures lockstep exchanges against overlapped links
-        # (planner docstring): what lockstep saves is SMs that NCCL kernels take from compute;
-        # gloo's links are host threads, so there the mode stays overlap
-        comm = "auto" if schedule == "auto" and self.device.type == "cuda" else "overlap"
+        # NB: messages move over overlapped links. Lockstep exchanges (comm "lockstep"/"auto")
+        # measured 0.98–0.99× overlap on 2×H200, and probing them cost adaptive k up to 8% at
+        # 0–40% contention there (docs/benchmarks.md), so a TrainingJob does not turn them on.
+        comm = "overlap"
         self.pipeline_plan = training.PipelinePlan(
             microbatches=self.plan.micro_batches // replicas, schedule=schedule,
             k=par.k if schedule == "kfkb" else 1, replan_every=self.cfg.pipeline_replan_every, comm=comm)
         self.loop = training.PipelineTraining(
             stage=self.stage_executor, optimizer=self.optimizer, batches=self.build_batches,
             plan=self.pipeline_plan,
-            planner=planner.AdaptiveKPlanner(lockstep=comm == "auto") if schedule == "auto" else None,
+            planner=planner.AdaptiveKPlanner() if schedule == "auto" else None,
             before_update=self.clip_gradients)
         self.last_k_decision: dict | None = None
         self.stage_layers = [end - start for start, end in ((s.start, s.end) for s in stages)]
