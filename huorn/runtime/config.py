@@ -35,6 +35,9 @@ class Fault(base.ApiModel):
     ms: float = Field(default=0.0, ge=0, description="Delay per step for slow-compute and slow-comm.")
     per_micro_batch: bool = Field(default=False, description="slow-compute: delay every micro-batch the "
                                   "rank computes (a slower device), not once per step.")
+    per_layer: bool = Field(default=False, description="slow-compute: delay every decoder layer's forward "
+                            "on the rank (a slower device whose cost moves with the layers it holds, "
+                            "as in a pipeline stage), not once per step.")
     rank: int | None = Field(default=None, ge=0, description="Global rank it hits; None: every rank.")
     replica: str | None = Field(default=None, description="HUORN_REPLICA of the process it hits.")
 
@@ -42,6 +45,10 @@ class Fault(base.ApiModel):
     def _check_delay(self) -> Fault:
         if self.kind.startswith("slow-") and self.ms <= 0:
             raise ValueError(f"fault {self.kind!r} needs ms > 0, e.g. {{kind: {self.kind}, ms: 200}}")
+        if self.per_layer and self.per_micro_batch:
+            raise ValueError("fault: perLayer and perMicroBatch exclude each other; set one of them")
+        if (self.per_layer or self.per_micro_batch) and self.kind != "slow-compute":
+            raise ValueError(f"fault {self.kind!r}: perLayer and perMicroBatch apply to slow-compute only")
         return self
 
     def applies(self, step: int, rank: int, replica: str | None) -> bool:

@@ -65,7 +65,7 @@ class FaultInjector:
     def before_compute(self) -> None:
         """Called by the training loop at the start of every step's compute."""
         slow = self.active("slow-compute")
-        if slow is not None and not slow.per_micro_batch:
+        if slow is not None and not slow.per_micro_batch and not slow.per_layer:
             time.sleep(slow.ms / 1000.0)
         self._block_while("hang-compute")
 
@@ -74,6 +74,13 @@ class FaultInjector:
         which is what S2 (moving micro-batches away from the slow rank) can win back."""
         slow = self.active("slow-compute")
         if slow is not None and slow.per_micro_batch:
+            time.sleep(slow.ms / 1000.0)
+
+    def before_layer(self) -> None:
+        """Called before each decoder layer's forward: on a pipeline stage the delay then moves
+        with the layers, which is what S3 (re-splitting the layers) can win back."""
+        slow = self.active("slow-compute")
+        if slow is not None and slow.per_layer:
             time.sleep(slow.ms / 1000.0)
 
     def inside_collective(self) -> None:

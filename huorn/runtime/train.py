@@ -77,6 +77,8 @@ class Trainer:
         self.telemetry = telemetry.Telemetry(cfg.job_name, self.rank, self.world, self.replica,
                                              cfg.telemetry_history)
         self.injector = faults.FaultInjector(cfg.faults, self.run_dir, self.rank, self.replica)
+        for layer in self.model.layers:  # a pipeline stage runs its share of these same modules
+            layer.register_forward_pre_hook(lambda *_: self.injector.before_layer())
         self.hook_state = comm.HookState(self.telemetry, self.injector)
         self.noise = noise_scale.NoiseScale()
         # bf16 autocast on GPU; CPU runs stay fp32 so they can be compared exactly with a reference.
