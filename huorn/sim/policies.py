@@ -195,6 +195,15 @@ def job_view(js: state.JobState) -> allocator.JobView:
         remaining_work=js.job.work - js.done)
 
 
+def _remaining_seconds(sim: Simulation, js: state.JobState) -> float:
+    """The allocator's SRPT key for a pending job, cached while its model and progress stand still."""
+    key = js.admission_key
+    if key is None or key[0] != js.model_version or key[1] != js.done:
+        key = (js.model_version, js.done, sim.allocator.remaining_seconds(job_view(js)))
+        js.admission_key = key
+    return key[2]
+
+
 def _schedule_elastic(sim: Simulation, admission_only: bool = False) -> None:
     if admission_only:
         running = []
@@ -211,9 +220,8 @@ def _schedule_elastic(sim: Simulation, admission_only: bool = False) -> None:
     # remaining time first, which needs every pending job's estimate to pick them).
     pending = [js for js in sim.active() if js.status == "pending"]
     if sim.spec.allocator.pending_order == "remaining" and len(pending) > room + 1:
-        ranked = sorted((job_view(js) for js in pending),
-                        key=lambda v: (-v.priority, sim.allocator.remaining_seconds(v), v.submitted, v.name))
-        views = [job_view(js) for js in running] + ranked[: room + 1]
+        ranked = sorted(pending, key=lambda js: (_remaining_seconds(sim, js), js.job.arrival, js.job.name))
+        views = [job_view(js) for js in running + ranked[: room + 1]]
     else:
         views = [job_view(js) for js in running + pending[: room + 1]]
     # J for Pollux's fair-share speedup: every job waiting or running, not only those handed over.

@@ -49,6 +49,8 @@ class JobState:
     synced: float = 0.0  # progress is accounted up to this time; it is linear in between
     # The true step time of a configuration never changes; the engine asks for it every tick.
     _step_cache: dict[tuple[int, int, float], float] = field(default_factory=dict, repr=False)
+    # A pending job's admission key (model version, progress, key): it only changes when they do.
+    admission_key: tuple[int, float, float] | None = field(default=None, repr=False)
 
     @property
     def gpus(self) -> int:
