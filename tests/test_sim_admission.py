@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from huorn.scheduler import allocator
-from huorn.scheduler.allocator import JobView
 from huorn.sim import engine, policies, run
 
 DATA = Path("/work/shared/data")
@@ -17,10 +16,13 @@ QPS = DATA / "genai_qps.csv"
 pytestmark = pytest.mark.skipif(not TRACE.exists(), reason="shared OpenB trace not present")
 
 
-def handed_over(policy: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[JobView], list[JobView]]]:
+Call = tuple[list[allocator.JobView], list[allocator.JobView]]  # pending jobs handed over, left out
+
+
+def handed_over(policy: str, monkeypatch: pytest.MonkeyPatch) -> list[Call]:
     """Every allocation call: the pending jobs handed over, and those left out, as the policy sees them."""
     sim = run.build_simulation(TRACE, NODES, QPS, policy, engine.SimConfig(gpus=32, seed=1, load=1.5))
-    calls: list[tuple[list[JobView], list[JobView]]] = []
+    calls: list[Call] = []
     real = allocator.Allocator.allocate
 
     def spy(self: allocator.Allocator, snap, jobs, now, cluster_jobs=None):  # type: ignore[no-untyped-def]
