@@ -37,7 +37,10 @@ equal 1/J share of the cluster, not to the job's minimum; `speedup_reference="fa
 
 Optional JCT-aware terms (off by default, on for Huorn in the simulator) use each job's remaining
 work, which a goodput-only objective ignores: a weight favouring jobs that finish sooner, a
-restart charged over the remaining time, and shortest-remaining-first admission.
+restart charged over the remaining time, shortest-remaining-first admission, jobs a few restarts
+from their end kept whole while others are admitted, and admission by value (a pending job's
+first GPUs compete with running jobs' extras instead of coming before all of them), because
+tearing running jobs down for every arrival paid restarts that the arrivals did not earn back.
 """
 
 from __future__ import annotations

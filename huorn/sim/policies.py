@@ -20,8 +20,9 @@
   Huorn.
 - huorn: the same allocator with family priors, the restart-cost hysteresis and cooldown, the
   JCT-aware terms (remaining-time weights, restarts charged over the remaining time, shortest-
-  remaining admission) and admission between ticks, plus loaning: the inference cluster lends what
-  its forecast peak leaves idle, reclaims ahead of the forecast and at once on a jump, choosing
+  remaining admission over the whole queue, admission by value, jobs near their end kept whole)
+  and admission between ticks, plus loaning: the inference cluster lends what its forecast peak
+  (0.9 quantile) leaves idle, reclaims ahead of the forecast and at once on a jump, choosing
   victims by least lost work and shrinking them gracefully (SIGTERM → checkpoint → release)
   within the grace period.
 """
