@@ -99,6 +99,11 @@ class Telemetry:
         with self._lock:
             self._comm_seconds += max(0.0, seconds)
 
+    def comm_seconds_so_far(self) -> float:
+        """Communication time since the last `take_comm_seconds`, without resetting it."""
+        with self._lock:
+            return self._comm_seconds
+
     def take_comm_seconds(self) -> float:
         """Communication time accumulated since the last call (one step's worth)."""
         with self._lock:
@@ -112,13 +117,20 @@ class Telemetry:
         self.heartbeat.set(self._last_heartbeat)
 
     def record_step(self, step: int, step_seconds: float, comm_seconds: float, loss: float,
-                    tokens_per_second: float, noise_scale: float | None) -> None:
+                    tokens_per_second: float, noise_scale: float | None,
+                    microbatch_seconds: float | None = None) -> None:
+        """`microbatch_seconds`: compute seconds of one of this rank's micro-batches (forward and
+        backward, collectives excluded). S2 plans from it: the step's compute also holds work
+        that does not scale with the micro-batches (the optimizer step), which would make a
+        rank holding few micro-batches look slow per micro-batch."""
         comm = min(comm_seconds, step_seconds)
         record = {
             "step": step, "time": time.time(), "step_seconds": step_seconds,
             "compute_seconds": step_seconds - comm, "comm_seconds": comm, "loss": loss,
             "tokens_per_second": tokens_per_second, "gradient_noise_scale": noise_scale,
         }
+        if microbatch_seconds is not None:
+            record["microbatch_seconds"] = microbatch_seconds
         with self._lock:
             self._steps.append(record)
         self.step_seconds.observe(step_seconds)

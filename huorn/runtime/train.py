@@ -68,6 +68,7 @@ class Trainer:
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
                                         self.data_parallel_size())
         self.microbatch_counts: tuple[int, ...] | None = None  # S2 plan; None: even round-robin
+        self.microbatch_seconds: float | None = None  # last step's compute per micro-batch (S2's input)
         self.control_stamp = 0
         self.total_steps = cfg.total_steps()
         self.mixture = sampler.build_mixture(
@@ -161,6 +162,7 @@ class Trainer:
         self.telemetry.set_parameter("micro_batches", {"total": self.plan.micro_batches, "mine": len(mine)})
         weight = 1.0 / self.plan.micro_batches if mine else 0.0
         loss_sum = 0.0
+        loop_started, comm_before = time.perf_counter(), self.telemetry.comm_seconds_so_far()
         for i, index in enumerate(work):
             if mine:
                 self.injector.before_micro_batch()
@@ -172,6 +174,9 @@ class Trainer:
                     _, loss = self.ddp(tokens, targets)
                 (loss * weight).backward()
             loss_sum += float(loss.detach()) if mine else 0.0
+        loop_comm = self.telemetry.comm_seconds_so_far() - comm_before
+        self.microbatch_seconds = (max(0.0, time.perf_counter() - loop_started - loop_comm) / len(mine)
+                                   if mine else None)
         local_sq, self.global_sq = self.hook_state.norms.take()
         # The bucket held (n/M)·g_local; rescale to the squared norm of this rank's mean gradient.
         small_sq = local_sq * (self.plan.micro_batches / len(mine)) ** 2 if mine else 0.0
@@ -226,12 +231,15 @@ class Trainer:
             elapsed = time.perf_counter() - started
             tokens_per_s = self.plan.global_batch * self.spec.model.context / elapsed
             comm_s = self.telemetry.take_comm_seconds()
-            self.telemetry.record_step(step, elapsed, comm_s, loss, tokens_per_s, noise)
+            self.telemetry.record_step(step, elapsed, comm_s, loss, tokens_per_s, noise,
+                                       microbatch_seconds=self.microbatch_seconds)
             record = {"event": "step", "step": step, "loss": loss, "world_size": self.world, "lr": lr,
                       "tokens_per_second": tokens_per_s, "step_seconds": elapsed, "comm_seconds": comm_s,
                       "gradient_noise_scale": noise, **extra}
             if self.microbatch_counts is not None:
                 record["microbatches"] = list(self.microbatch_counts)
+            if self.microbatch_seconds is not None:
+                record["microbatch_seconds"] = self.microbatch_seconds
             if self.cfg.validation_interval and step % self.cfg.validation_interval == 0:
                 record["validation_loss"] = self.validate()
             if stats_by_name["plan_changed"] > 0:

@@ -9,6 +9,13 @@ rung, then "buy" it. That rule is 2-competitive against an oracle that knew the 
 
 A hang is different: the job makes no progress at all, and only S4 removes a stopped rank, so
 it goes straight to S4 (or to the cap, with the reason saying what was not allowed).
+
+A plan fitted to a slowdown is wrong once the slowdown changes. While S2 or S3 holds, every
+step prices the applied plan and the best plan for the speeds measured now; once the predicted
+seconds it would have saved pay for re-planning (the same rung's cost: ski-rental again), the
+ladder re-plans. When the best plan is the even one, the fail-slow is over: the job goes back
+to the even split and the ladder starts afresh. Without this, a rank that recovered would sit
+idle behind counts fitted to its slowdown, and that loss would climb the ladder to a restart.
 Decisions are plain objects; the graph turns them into mutations and Events.
 """
 
@@ -50,6 +57,7 @@ class JobShape:
     total_microbatches: int = 0
     layer_costs: list[float] | None = None  # pipeline: relative cost of each layer
     stage_speeds: list[float] | None = None  # pipeline: relative speed of each stage's rank(s)
+    layer_seconds: float | None = None  # pipeline: a step's seconds for one layer cost at speed 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +86,9 @@ class MitigationLadder:
         self.loss_since_rung = 0.0
         self.finding: failslow.SlowFinding | None = None
         self.ranks: tuple[int, ...] = ()
+        self.applied: dict[str, object] | None = None  # the S2/S3 plan in force
+        self.steps_on_plan = 0
+        self.replan_gain = 0.0  # seconds the best plan would have saved since the applied one
 
     def applicable(self, level: MitigationLevel) -> bool:
         s = self.shape
@@ -109,21 +120,118 @@ class MitigationLadder:
         )
 
     def on_step(self, step_seconds: float, healthy_seconds: float) -> Decision | None:
-        """Account one step's loss; climb a rung once the loss since the last one pays for it."""
+        """Account one step's loss; re-plan S2/S3 once a better plan has paid for it, or climb a
+        rung once the loss since the last one pays for that."""
         if self.level is None:
             return None
+        replan = self._replan_if_paid()
+        if replan is not None:
+            return replan
         self.loss_since_rung += max(0.0, step_seconds - healthy_seconds)
         target = self.next_rung()
         if target is None or self.loss_since_rung < self.costs.of(target):
             return None
         paid, previous = self.loss_since_rung, self.level
         self.level, self.loss_since_rung = target, 0.0
+        plan = self.build_plan(target)
+        self._apply(plan)
         return Decision(
             target, ACTIONS[target],
             f"lost {paid:.1f}s since {previous.value}"
             f" ≥ {self.costs.of(target):.1f}s cost of {target.value} (ski-rental)",
-            self.ranks, plan=self.build_plan(target),
+            self.ranks, plan=plan,
         )
+
+    # -- re-planning under S2/S3 -------------------------------------------------------------------
+    SETTLE_STEPS = 8  # steps on a new plan before its telemetry describes it (the shape's window)
+    # NB: measured speeds are noisy, and with near-equal ranks the exact optimum is rarely the
+    # even split ([5, 3] may beat [4, 4] by a rounding). The even split is the job's own plan,
+    # so it wins within this margin of the best, and a plan must beat the applied one by it
+    # before any saving counts.
+    MARGIN = 0.1
+
+    def _apply(self, plan: dict[str, object]) -> None:
+        self.applied = plan if ("microbatches" in plan or "stageLayers" in plan) else None
+        self.steps_on_plan, self.replan_gain = 0, 0.0
+
+    def _replan_if_paid(self) -> Decision | None:
+        if self.level not in (MitigationLevel.REBALANCE, MitigationLevel.RESPLIT) or self.applied is None:
+            return None
+        self.steps_on_plan += 1
+        if self.steps_on_plan <= self.SETTLE_STEPS:
+            return None
+        priced = self._price(self.level)
+        if priced is None:
+            return None
+        current, best, plan, even = priced
+        if plan == self._key(self.applied) or current <= best * (1.0 + self.MARGIN):
+            self.replan_gain = 0.0
+            return None
+        self.replan_gain += current - best
+        cost = self.costs.of(self.level)
+        if self.replan_gain < cost:
+            return None
+        level, gain = self.level, self.replan_gain
+        full = self.build_plan(level) if not even else self._even_plan(level)
+        what = "micro-batch counts" if level is MitigationLevel.REBALANCE else "stage layers"
+        reason = (f"measured speeds changed: the applied {what} {list(self._key(self.applied))} now predict "
+                  f"{current:.3f}s a step, {list(plan)} {best:.3f}s; saved {gain:.1f}s ≥ {cost:.1f}s "
+                  f"cost of {level.value} (ski-rental)")
+        if even:
+            action = "restore-even"
+            reason += "; the even split is best again: the fail-slow is over"
+            self.level, self.finding, self.ranks, self.loss_since_rung = None, None, (), 0.0
+            self.applied = None
+        else:
+            action = "replan-microbatches" if level is MitigationLevel.REBALANCE else "replan-stages"
+            self._apply(full)
+        return Decision(level, action, reason, self.ranks, plan=full)
+
+    @staticmethod
+    def _key(plan: dict[str, object]) -> tuple[int, ...]:
+        values = plan.get("microbatches", plan.get("stageLayers"))
+        return tuple(int(v) for v in values)  # type: ignore[union-attr]
+
+    def _price(self, level: MitigationLevel) -> tuple[float, float, tuple[int, ...], bool] | None:
+        """(applied plan's seconds a step, best plan's, best plan, whether it is the even one),
+        from the shape measured now; None when the shape cannot price this rung."""
+        s, applied = self.shape, self._key(self.applied or {})
+        if level is MitigationLevel.REBALANCE:
+            if s.microbatch_seconds is None or len(s.microbatch_seconds) != len(applied):
+                return None
+            best = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches)
+            current = max(c * t for c, t in zip(applied, s.microbatch_seconds, strict=True))
+            even = tuple(rebalance.even_split(s.total_microbatches, len(applied)))
+            even_time = max(c * t for c, t in zip(even, s.microbatch_seconds, strict=True))
+            if even_time <= best.makespan * (1.0 + self.MARGIN):
+                return current, even_time, even, True
+            return current, best.makespan, tuple(best.counts), False
+        if s.layer_costs is None or s.stage_speeds is None or s.layer_seconds is None \
+                or len(s.stage_speeds) != len(applied) or sum(applied) != len(s.layer_costs):
+            return None
+        plan = rebalance.resplit_stages(s.layer_costs, s.stage_speeds)
+        ends = [*plan.boundaries[1:], len(s.layer_costs)]
+        best = tuple(end - start for start, end in zip(plan.boundaries, ends, strict=True))
+        starts = [sum(applied[:i]) for i in range(len(applied))]
+        current = max(sum(s.layer_costs[a:a + n]) / speed
+                      for a, n, speed in zip(starts, applied, s.stage_speeds, strict=True))
+        even = tuple(rebalance.even_split(len(s.layer_costs), len(applied)))
+        if plan.before <= plan.makespan * (1.0 + self.MARGIN):
+            return current * s.layer_seconds, plan.before * s.layer_seconds, even, True
+        return current * s.layer_seconds, plan.makespan * s.layer_seconds, best, False
+
+    def _even_plan(self, level: MitigationLevel) -> dict[str, object]:
+        """The job's own plan, in the form of `build_plan`'s, priced on the current shape."""
+        s = self.shape
+        if level is MitigationLevel.REBALANCE and s.microbatch_seconds is not None:
+            counts = rebalance.even_split(s.total_microbatches, len(s.microbatch_seconds))
+            seconds = max(c * t for c, t in zip(counts, s.microbatch_seconds, strict=True))
+            return {"microbatches": counts, "predictedStepSeconds": seconds, "stepSecondsBefore": seconds}
+        assert s.layer_costs is not None and s.stage_speeds is not None
+        layers = rebalance.even_split(len(s.layer_costs), len(s.stage_speeds))
+        plan = rebalance.resplit_stages(s.layer_costs, s.stage_speeds)
+        return {"stageBoundaries": [sum(layers[:i]) for i in range(len(layers))], "stageLayers": layers,
+                "predictedStageSeconds": plan.before, "stageSecondsBefore": plan.before}
 
     def build_plan(self, level: MitigationLevel) -> dict[str, object]:
         s = self.shape

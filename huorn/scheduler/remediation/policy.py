@@ -211,12 +211,14 @@ def build_pipeline_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | Non
         return None
     fastest = min(per_layer.values())
     return ladder.JobShape(layer_costs=[1.0] * sum(split),
-                           stage_speeds=[fastest / per_layer[s] for s in range(len(split))])
+                           stage_speeds=[fastest / per_layer[s] for s in range(len(split))],
+                           layer_seconds=fastest)
 
 
 def build_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:
-    """S2's inputs from the ranks' telemetry: seconds per micro-batch by rank, and the step's
-    micro-batches. None until every rank of one gang has published enough steps."""
+    """S2's inputs from the ranks' telemetry: seconds per micro-batch by rank (the runtime's own
+    figure when it publishes one, else compute over micro-batches), and the step's micro-batches.
+    None until every rank of one gang has published enough steps."""
     per_rank: dict[int, float] = {}
     totals, world = set(), set()
     for snap in snapshots.values():
@@ -224,8 +226,12 @@ def build_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:
         steps = (snap.get("steps") or [])[-SHAPE_WINDOW:]
         if not batches or not batches.get("mine") or len(steps) < SHAPE_WINDOW:
             return None
-        compute = statistics.median(float(r["compute_seconds"]) for r in steps)
-        per_rank[int(snap["rank"])] = max(compute, 1e-6) / int(batches["mine"])
+        if all(r.get("microbatch_seconds") for r in steps):  # the runtime's own per-micro-batch time
+            per_rank[int(snap["rank"])] = max(statistics.median(float(r["microbatch_seconds"])
+                                                                for r in steps), 1e-6)
+        else:
+            compute = statistics.median(float(r["compute_seconds"]) for r in steps)
+            per_rank[int(snap["rank"])] = max(compute, 1e-6) / int(batches["mine"])
         totals.add(int(batches["total"]))
         world.add(int(snap["world_size"]))
     if len(totals) != 1 or len(world) != 1 or sorted(per_rank) != list(range(world.pop())):
