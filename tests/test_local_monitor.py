@@ -3,6 +3,7 @@ checked without starting processes (the scenario tests in test_local_run.py star
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -143,21 +144,24 @@ def test_report_is_written_from_run_files(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "graph.json").read_text())["summary"]["mutations"] == 1
 
 
+GROWING_RECORDS = [
+    {
+        "event": "step",
+        "step": s,
+        "world_size": 1,
+        "step_seconds": 0.8 + 0.01 * (s % 3),
+        "loss": 3.0,
+        "time": float(s),
+        "gradient_noise_scale": 40.0,
+    }
+    for s in range(1, 9)
+]
+
+
 def test_goodput_policy_asks_the_allocator_and_respects_slots() -> None:
     from huorn.backends import goodput
 
-    records = [
-        {
-            "event": "step",
-            "step": s,
-            "world_size": 1,
-            "step_seconds": 0.8 + 0.01 * (s % 3),
-            "loss": 3.0,
-            "time": float(s),
-            "gradient_noise_scale": 40.0,
-        }
-        for s in range(1, 9)
-    ]
+    records = GROWING_RECORDS
     grow = goodput.GoodputPolicy("quickstart", "local", slots=2, global_batch=16.0)
     (event,) = grow.decide(build_graph(), observe_records(records))
     assert event.data["replicas"] == 2 and event.data["reason"].startswith("goodput allocator: grow")
@@ -166,6 +170,25 @@ def test_goodput_policy_asks_the_allocator_and_respects_slots() -> None:
     tight = goodput.GoodputPolicy("quickstart", "local", slots=1, global_batch=16.0)
     assert tight.decide(build_graph(), observe_records(records)) == []
     assert tight.last_decision is not None and tight.last_decision.replicas == 1
+
+
+def test_goodput_policy_runs_huorns_allocator_and_does_not_grow_a_job_about_to_finish() -> None:
+    """The local backend and the operator decide with the allocator the simulator's Huorn runs
+    (allocator.HUORN). Given the job's steps, a restart that the remaining time cannot pay back
+    is not taken: the same telemetry that grows a job at step 8 of 1,000 leaves it alone at step
+    8 of 10."""
+    from huorn.backends import goodput
+    from huorn.scheduler import allocator
+
+    records = GROWING_RECORDS
+    long = goodput.GoodputPolicy("quickstart", "local", slots=2, global_batch=16.0, total_steps=1000)
+    assert long.decider.config == dataclasses.replace(allocator.HUORN, gpus_per_node=1 << 10)
+    (event,) = long.decide(build_graph(), observe_records(records))
+    assert event.data["replicas"] == 2
+    ending = goodput.GoodputPolicy("quickstart", "local", slots=2, global_batch=16.0, total_steps=10,
+                                   restart_seconds=20.0)
+    assert ending.decide(build_graph(), observe_records(records)) == []
+    assert ending.last_decision is not None and ending.last_decision.replicas == 1
 
 
 def test_goodput_policy_waits_for_samples_and_skips_restart_outliers() -> None:

@@ -10,6 +10,7 @@ decision code identical to a cluster's.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -30,9 +31,12 @@ class GoodputPolicy:
     perf: perfmodel.PerfModel = field(
         default_factory=lambda: perfmodel.PerfModel("transformer-tiny", params_b=0.001, gpu_type="cpu")
     )
+    # the allocator Huorn runs everywhere (the simulator's "huorn" policy too); one local "node"
     decider: allocator.Allocator = field(
-        default_factory=lambda: allocator.Allocator(allocator.AllocatorConfig(gpus_per_node=1 << 10))
+        default_factory=lambda: allocator.Allocator(
+            dataclasses.replace(allocator.HUORN, gpus_per_node=1 << 10))
     )
+    total_steps: int | None = None  # the job's optimizer steps: its remaining work, for the JCT terms
     decide_every_steps: int = 5
     min_samples: int = 3
     restart_seconds: float = 20.0
@@ -82,6 +86,9 @@ class GoodputPolicy:
             restart_seconds=self.restart_seconds,
             last_resize=self._last_resize,
             model_version=len(self.perf.samples),
+            # samples left, in the unit of the performance model's throughput (samples per second)
+            remaining_work=(max(self.total_steps - step, 0) * self.global_batch
+                            if self.total_steps is not None else None),
         )
         snap = snapshot.ClusterSnapshot(
             [placement.NodeView("local", self.slots, self.slots, virtual_cluster=self.virtual_cluster)],

@@ -53,7 +53,8 @@ def build_policies(
     spec = g.vertex("trainer").params["spec"]
     return [
         goodput.GoodputPolicy(
-            g.name, spec["virtualCluster"], slots, float(spec["optimization"]["globalBatch"])
+            g.name, spec["virtualCluster"], slots, float(spec["optimization"]["globalBatch"]),
+            total_steps=spec["optimization"].get("steps"),
         )
     ]
 

@@ -59,7 +59,7 @@ def build_policies(job: Any, key: tuple[str, int]) -> JobPolicies:
     if spec.elasticity.policy == ElasticityPolicy.GOODPUT:
         grow = goodput.GoodputPolicy(
             job=job.metadata.name, virtual_cluster=spec.virtual_cluster, slots=0,
-            global_batch=float(spec.optimization.global_batch),
+            global_batch=float(spec.optimization.global_batch), total_steps=spec.optimization.steps,
         )
     return JobPolicies(key, policy.RemediationPolicy(spec.remediation), grow)
 

@@ -146,6 +146,17 @@ class AllocatorConfig:
             raise ValueError(f"fairness_p must be finite, got {self.fairness_p!r}")
 
 
+# Huorn's own settings: what the operator, the local backend and the simulator all run (the
+# defaults above are the neutral, Pollux-like allocator the baselines build on). JCT-aware: speedups
+# weighed by (horizon / remaining time)^0.5, restarts charged over the shorter of a one-hour horizon
+# and the job's remaining time, pending jobs shortest first, jobs within five restarts of finishing
+# not shrunk to admit others, and a pending job admitted when its first GPUs are worth more than a
+# running job's extras (docs/scheduling.md, "Allocator"). The JCT terms need a job's remaining work
+# (JobView.remaining_work); without it they fall back to the neutral rule for that job.
+HUORN = AllocatorConfig(horizon_seconds=3600.0, jct_weight=0.5, restart_over_remaining=True,
+                        pending_order="remaining", protect_finishing_restarts=5.0, admission="value")
+
+
 @dataclass(frozen=True)
 class Decision:
     job: str

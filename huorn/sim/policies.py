@@ -57,15 +57,7 @@ class PolicySpec:
     board: forecast.ForecastConfig = field(default_factory=forecast.ForecastConfig)
 
 
-# Huorn's board forecasts the 10-minute peak at the 0.9 quantile, not 0.95. What a miss costs sets
-# the quantile: the board re-plans every 5-minute bin and reclaims at once when load passes the
-# reserve, so an under-forecast leaves inference short only for the reclaim latency (the victim's
-# checkpoint write, at most the 30 s grace: a tenth of a bin), never for the whole bin. At 0.95 the
-# reserve bought again the insurance the reactive path already gives: through the busy day it sat
-# 7-14 GPUs above the next 10 minutes' real peak at 128 GPUs (of 32) and 60-110 at 1,024 (of 256),
-# idle. 0.9 was picked among 0.95, 0.9, 0.85, 0.8, 0.65 and 0.5 on seeds 0-4 at 128 GPUs: lower
-# quantiles gained no more JCT and left a thinner reserve (docs/scheduling.md, "Prediction board").
-HUORN_BOARD_QUANTILE = 0.9
+HUORN_BOARD_QUANTILE = forecast.HUORN_QUANTILE  # why 0.9: huorn.scheduler.forecast
 
 
 POLICIES: dict[str, PolicySpec] = {
@@ -79,17 +71,9 @@ POLICIES: dict[str, PolicySpec] = {
                                   allocator=allocator.AllocatorConfig(
                                       horizon_seconds=math.inf, hysteresis=0.10, cooldown_seconds=0.0,
                                       fairness_p=-1.0, speedup_reference="fair_share")),
-    # JCT-aware: speedups weighed by (horizon / remaining time)^0.5, restarts charged over the
-    # shorter of a one-hour horizon and the job's remaining time, pending jobs shortest first,
-    # jobs within five restarts of finishing not shrunk to admit others, and pending jobs admitted
-    # when their first GPUs are worth more than a running job's extras (docs/scheduling.md,
-    # "Allocator").
+    # Huorn's production allocator and board (huorn.scheduler.allocator.HUORN, forecast.HUORN_QUANTILE)
     "huorn": PolicySpec("huorn", elastic=True, loaning="huorn", family_priors=True, event_admission=True,
-                        allocator=allocator.AllocatorConfig(horizon_seconds=3600.0, jct_weight=0.5,
-                                                            restart_over_remaining=True,
-                                                            pending_order="remaining",
-                                                            protect_finishing_restarts=5.0,
-                                                            admission="value"),
+                        allocator=allocator.HUORN,
                         board=forecast.ForecastConfig(quantile=HUORN_BOARD_QUANTILE)),
 }
 TRAIN, INFER = "train", "infer"
