@@ -24,6 +24,7 @@ import yaml
 from kube import builders
 from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
+from kube.ranks import IPS, Ranks
 
 from huorn import models
 from huorn.backends.kubernetes import manifests
@@ -33,36 +34,11 @@ from huorn.operator import evaluation, index, validation
 from huorn.operator.index import PodRecord
 from huorn.runtime import checkpoint, evaluate
 from huorn.runtime import config as run_config
-from huorn.runtime import telemetry as runtime_telemetry
 
 pytest_plugins = ["kube.fixtures"]
 
 NS = "team"
-IPS = {"trainer-0": "127.0.0.2", "trainer-1": "127.0.0.3"}
 PODS = kmock.resource("", "v1", "pods")
-
-
-class Ranks:
-    """One telemetry server per trainer replica, on one shared port."""
-
-    def __init__(self, job: str) -> None:
-        self.by_replica: dict[str, runtime_telemetry.Telemetry] = {}
-        self.port = 0
-        for rank, (replica, ip) in enumerate(IPS.items()):
-            t = runtime_telemetry.Telemetry(job, rank, len(IPS), replica)
-            self.port = t.serve(ip, self.port)
-            self.by_replica[replica] = t
-
-    def checkpoint(self, step: int) -> dict[str, Any]:
-        """What the trainer publishes after a checkpoint (huorn.runtime.train.Trainer.save)."""
-        landed = {"step": step, "path": f"/checkpoints/step-{step:08d}", "time": "2026-11-30T12:00:00Z"}
-        for t in self.by_replica.values():
-            t.set_parameter("checkpoint", dict(landed))
-        return landed
-
-    def close(self) -> None:
-        for t in self.by_replica.values():
-            t.close()
 
 
 @pytest.fixture()

@@ -15,37 +15,14 @@ import pytest
 from kube import builders
 from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
+from kube.ranks import IPS, Ranks
 
 from huorn.graph import mutate, serialise
 from huorn.operator import cordon, training
-from huorn.runtime import telemetry as runtime_telemetry
 
 pytest_plugins = ["kube.fixtures"]
 
 NS = "team"
-IPS = {"trainer-0": "127.0.0.2", "trainer-1": "127.0.0.3"}
-
-
-class Ranks:
-    """One telemetry server per trainer replica, as the runtime serves it, on one shared port."""
-
-    def __init__(self, job: str, gpus_per_replica: int = 1) -> None:
-        world = len(IPS) * gpus_per_replica
-        self.by_replica: dict[str, runtime_telemetry.Telemetry] = {}
-        self.port = 0
-        for rank, (replica, ip) in enumerate(IPS.items()):
-            t = runtime_telemetry.Telemetry(job, rank * gpus_per_replica, world, replica)
-            self.port = t.serve(ip, self.port)
-            self.by_replica[replica] = t
-
-    def advance(self, replica: str, collectives: int) -> None:
-        t = self.by_replica[replica]
-        for _ in range(collectives):
-            t.complete_collective(t.enter_collective("allreduce"))
-
-    def close(self) -> None:
-        for t in self.by_replica.values():
-            t.close()
 
 
 @pytest.fixture()
