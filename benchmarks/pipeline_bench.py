@@ -23,7 +23,7 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -217,6 +217,19 @@ def build_torch_schedule(name: str, stage_module: torch.nn.Module, topo: pp_topo
     schedule = getattr(pipelining, name)(stage, n_microbatches=config.microbatches,
                                          loss_fn=lambda out, y: split.compute_decoder_loss((out,), y))
     return schedule
+
+
+def torch_stepper(schedule: object, topo: pp_topology.PipelineTopology, tokens: torch.Tensor,
+                  targets: torch.Tensor) -> Callable[[], None]:
+    """One step of a torch.distributed.pipelining schedule, called as each stage must call it."""
+    def step() -> None:
+        if topo.is_first:
+            schedule.step(tokens)  # type: ignore[attr-defined]
+        elif topo.is_last:
+            schedule.step(target=targets, losses=[])  # type: ignore[attr-defined]
+        else:
+            schedule.step()  # type: ignore[attr-defined]
+    return step
 
 
 def time_torch_steps(schedule: object, stage_module: torch.nn.Module, topo: pp_topology.PipelineTopology,

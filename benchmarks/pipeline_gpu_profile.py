@@ -73,13 +73,10 @@ def worker(rank: int, world: int, config: pipeline_bench.BenchConfig, rounds: in
             stage.zero_grad(set_to_none=True)
         return step
 
+    torch_once = pipeline_bench.torch_stepper(torch_schedule, topo, tokens, targets)
+
     def torch_step() -> None:
-        if topo.is_first:
-            torch_schedule.step(tokens)
-        elif topo.is_last:
-            torch_schedule.step(target=targets, losses=[])
-        else:
-            torch_schedule.step()
+        torch_once()
         stage.zero_grad(set_to_none=True)
 
     configs = {

@@ -58,16 +58,8 @@ def worker(rank: int, world: int, config: pipeline_bench.BenchConfig, steps: int
                             comm=comm)
         return step
 
-    def torch_step() -> None:
-        if topo.is_first:
-            torch_schedule.step(tokens)
-        elif topo.is_last:
-            torch_schedule.step(target=targets, losses=[])
-        else:
-            torch_schedule.step()
-
     configs = {"huorn 1F1B overlap": ours("overlap"), "huorn 1F1B lockstep": ours("lockstep"),
-               "torch Schedule1F1B": torch_step}
+               "torch Schedule1F1B": pipeline_bench.torch_stepper(torch_schedule, topo, tokens, targets)}
     host: dict[str, list[float]] = {n: [] for n in configs}
     total: dict[str, list[float]] = {n: [] for n in configs}
     for round_ in range(steps + 1):
