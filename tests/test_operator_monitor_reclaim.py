@@ -72,3 +72,30 @@ def test_inference_demand_reclaims_lent_gpus_by_shrinking_the_borrower(kube: bui
     # Paid back: later VC ticks reclaim nothing more.
     wait_for(lambda: kube.job_status(NS, "elastic").get("phase") == "Running", what="Running at 1")
     assert len(resize_decisions(kube, "elastic")) == 1
+
+
+def test_an_inference_clusters_demand_is_not_lent_to_a_new_borrower(kube: builders.Kube, operator) -> None:
+    """With an InferenceJob already needing 6 of b0's 8 GPUs, a training job that would have to
+    borrow 4 of them waits instead of being placed and reclaimed at once; when the InferenceJob
+    goes, its GPUs can be lent again and the job starts there."""
+    kube.custom.patch_cluster_custom_object(
+        builders.GROUP, builders.VERSION, "virtualclusters", "serve",
+        {"spec": {"purpose": "inference", "lending": {"lendable": True, "maxGPUsLent": 8}}})
+    kube.create_job(NS, builders.make_training_job("fill", "train", replicas=2, max_replicas=2, gpus=4))
+    wait_for(lambda: len(kube.pods(NS, "fill", "trainer")) == 2, what="the filler's pods")
+    kube.custom.create_namespaced_custom_object(
+        builders.GROUP, builders.VERSION, NS, "inferencejobs", make_inference_job("chat", "serve", 3, 2))
+    wait_for(lambda: (kube.custom.get_namespaced_custom_object(
+        builders.GROUP, builders.VERSION, NS, "inferencejobs", "chat").get("status") or {}).get("phase")
+        == "Stalled", what="the InferenceJob seen by the operator")
+    kube.create_job(NS, builders.make_training_job("late", "train", replicas=2, max_replicas=2, gpus=2))
+    # the reconcile tried to place it, knowing the demand, and found no room: an Unplaceable
+    # Event, and no pod on the 6 GPUs the InferenceJob needs
+    (refused, *_) = wait_for(lambda: [e for e in kube.events(NS, "late") if e.reason == "Unplaceable"],
+                             what="late refused a placement")
+    assert "lendable by other virtual clusters 2" in refused.message  # 8 − the 6 it needs
+    assert kube.job_status(NS, "late").get("phase") == "Pending"
+    assert kube.pods(NS, "late", "trainer") == []
+    assert kube.get_vc("serve").get("status", {}).get("lent", 0) == 0
+    kube.custom.delete_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "inferencejobs", "chat")
+    wait_for(lambda: nodes_of(kube, "late") == ["b0", "b0"], what="late placed on b0 once the demand is gone")

@@ -102,3 +102,23 @@ def test_reclaim_always_within_grace_and_covers_need_when_possible(
     available = sum(loan.replicas_on_lender * loan.gpus_per_replica for loan in loans
                     if loan.priority < loaning.PINNED_PRIORITY)
     assert got >= min(wanted, available)
+
+
+def test_a_lenders_reserve_is_never_lent() -> None:
+    """An inference cluster's unmet demand (reserved_gpus) stays unlent: a borrower is not placed
+    on GPUs that reclaim would take back at once; without a reserve the limit is maxGPUsLent."""
+    from huorn.scheduler import placement, snapshot
+
+    nodes = [placement.NodeView("b0", 8, 8, virtual_cluster="serve")]
+
+    def snap(reserved: int) -> snapshot.ClusterSnapshot:
+        return snapshot.ClusterSnapshot(nodes, [
+            snapshot.VirtualClusterView("train", max_gpus_borrowed=8),
+            snapshot.VirtualClusterView("serve", purpose="inference", lendable=True, max_gpus_lent=8,
+                                        reserved_gpus=reserved)])
+
+    assert snap(0).lend_left("serve") == 8
+    assert snap(6).lend_left("serve") == 2
+    assert isinstance(snap(6).place("train", 2, 2), placement.Unplaceable)
+    assert isinstance(snap(6).place("train", 1, 2), placement.Placement)
+    assert snap(9).lend_left("serve") == 0

@@ -118,6 +118,12 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         if kind in kinds.KINDS:
             await _reconcile_job(ctx, kinds.KINDS[kind].plural, record.namespace, record.job)
 
+    # InferenceJobs' demand keeps their cluster's GPUs from being lent (index.build_snapshot);
+    # a watch replays every object on start, so a restarted operator has it back before placing
+    @kopf.on.event(GROUP, VERSION, "inferencejobs", registry=registry)
+    async def inference_changed(type: str, body: Mapping[str, Any], memo: Any, **_: Any) -> None:
+        _ctx(memo).index.observe_inference_job(body, deleted=type == "DELETED")
+
     @kopf.on.event(GROUP, VERSION, "virtualclusters", registry=registry)
     async def vc_changed(type: str, body: Mapping[str, Any], memo: Any, **_: Any) -> None:
         ctx = _ctx(memo)

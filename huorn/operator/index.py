@@ -12,6 +12,7 @@ jobs placed back to back never get the same GPUs; a pod's arrival replaces its r
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 from collections.abc import Iterable, Mapping
@@ -148,8 +149,28 @@ class ClusterIndex:
     vcs: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> spec (wire form)
     pods: dict[tuple[str, str], PodRecord] = field(default_factory=dict)
     reservations: dict[tuple[str, str], PodRecord] = field(default_factory=dict)
+    # InferenceJobs' floors (minReplicas × GPUs), by job: what their cluster must keep unlent
+    inference_demand: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- updates from watches
+    def observe_inference_job(self, body: Mapping[str, Any], deleted: bool = False) -> None:
+        meta = body.get("metadata") or {}
+        key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
+        spec = body.get("spec") or {}
+        if deleted or not spec.get("virtualCluster"):
+            self.inference_demand.pop(key, None)
+            return
+        try:
+            replicas = int((spec.get("autoscaling") or {}).get("minReplicas", 1))
+            gpus = int((spec.get("resources") or {}).get("gpus", 1))
+        except (TypeError, ValueError):
+            self.inference_demand.pop(key, None)  # invalid: its reconcile reports it, it holds nothing
+            return
+        self.inference_demand[key] = (str(spec["virtualCluster"]), max(0, replicas) * max(0, gpus))
+
+    def demand_of(self, vc: str) -> int:
+        return sum(gpus for cluster, gpus in self.inference_demand.values() if cluster == vc)
+
     def observe_pod(self, body: Mapping[str, Any], deleted: bool = False) -> PodRecord | None:
         record = build_pod_record(body)
         if record is None:
@@ -207,7 +228,13 @@ class ClusterIndex:
             )
             for n in self.nodes.values()
         ]
-        vcs = [build_vc_view(name, spec) for name, spec in self.vcs.items()]
+        held: dict[str, int] = {}
+        for p in self._holders():  # what each cluster's own workloads hold on its own nodes
+            if p.node in owner and owner[p.node] == p.virtual_cluster:
+                held[p.virtual_cluster] = held.get(p.virtual_cluster, 0) + p.gpus
+        vcs = [dataclasses.replace(build_vc_view(name, spec),
+                                   reserved_gpus=max(0, self.demand_of(name) - held.get(name, 0)))
+               for name, spec in self.vcs.items()]
         snap = snapshot.ClusterSnapshot(views, vcs)
         by_job: dict[tuple[str, str, str], list[str]] = {}
         gpus_of: dict[tuple[str, str, str], int] = {}

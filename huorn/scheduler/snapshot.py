@@ -30,6 +30,9 @@ class VirtualClusterView:
     max_gpus_lent: int = 0
     max_gpus_borrowed: int = 0
     reclaim_grace_seconds: float = 30.0
+    # GPUs the cluster's own workloads need now beyond what they hold (an inference cluster's
+    # demand): never lent, so a borrower is not placed on GPUs that reclaim would take back at once
+    reserved_gpus: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,12 @@ class ClusterSnapshot:
 
     def lend_left(self, vc: str) -> int:
         view = self._vcs[vc]
-        return max(0, view.max_gpus_lent - self._lent[vc]) if view.lendable else 0
+        if not view.lendable:
+            return 0
+        left = view.max_gpus_lent - self._lent[vc]
+        if view.reserved_gpus:
+            left = min(left, self.free(vc) - view.reserved_gpus)
+        return max(0, left)
 
     def borrow_left(self, vc: str) -> int:
         return max(0, self._vcs[vc].max_gpus_borrowed - self._borrowed[vc])
