@@ -78,26 +78,14 @@ class LevelResult:
 def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
     if config.hang_dump_s > 0:
         faulthandler.dump_traceback_later(config.hang_dump_s, exit=False)
-    torch.manual_seed(0)
-    on_gpu = config.backend == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    dtype = getattr(torch, config.dtype)
-    decoder = models.build_model(config.model).to(device=device, dtype=dtype)
-    topo = pp_topology.PipelineTopology(stages=config.stages, replicas=1, rank=rank)
-    groups = pp_topology.build_groups(topo, p2p_max_ctas=config.p2p_max_ctas,
-                                      p2p_high_priority=config.p2p_high_priority)
-    stage = split.split_decoder(decoder, config.stages)[topo.stage]
     throttle = contention.Throttle()
-    runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, device, throttle)
+    setup = build_stage(config, rank, throttle)
+    device, topo, stage, runner = setup.device, setup.topo, setup.stage, setup.runner
+    tokens, targets = setup.tokens, setup.targets
     optimizer = torch.optim.SGD(stage.parameters(), lr=1e-4)
-    generator = torch.Generator().manual_seed(1)
-    shape = (config.micro_batch * config.microbatches, config.model.context)
-    tokens = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
-    targets = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
-    chunks = list(tokens.chunk(config.microbatches)), list(targets.chunk(config.microbatches))
 
     def batches(step: int) -> training.Batch:
-        return [[t] for t in chunks[0]], chunks[1]
+        return setup.inputs, setup.labels
 
     TORCH_BATCH[:] = [(tokens, targets)]
 
@@ -219,6 +207,41 @@ def build_torch_schedule(name: str, stage_module: torch.nn.Module, topo: pp_topo
     return schedule
 
 
+@dataclass
+class StageSetup:
+    """One rank's stage of the benchmark model, its executor and one step's batch, as every
+    pipeline benchmark builds them (same seeds, so all compare the same work)."""
+
+    device: torch.device
+    topo: pp_topology.PipelineTopology
+    groups: pp_topology.PipelineGroups
+    stage: torch.nn.Module
+    runner: executor.StageExecutor
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    inputs: list[list[torch.Tensor]]  # the micro-batches of tokens, as stage 0 takes them
+    labels: list[torch.Tensor]  # the micro-batches of targets, as the last stage takes them
+
+
+def build_stage(config: BenchConfig, rank: int, throttle: contention.Throttle | None = None) -> StageSetup:
+    on_gpu = config.backend == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    torch.manual_seed(0)
+    decoder = models.build_model(config.model).to(device=device, dtype=getattr(torch, config.dtype))
+    topo = pp_topology.PipelineTopology(stages=config.stages, replicas=1, rank=rank)
+    groups = pp_topology.build_groups(topo, p2p_max_ctas=config.p2p_max_ctas,
+                                      p2p_high_priority=config.p2p_high_priority)
+    stage = split.split_decoder(decoder, config.stages)[topo.stage]
+    runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, device, throttle)
+    generator = torch.Generator().manual_seed(1)
+    shape = (config.micro_batch * config.microbatches, config.model.context)
+    tokens = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
+    targets = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
+    inputs = [[t] for t in tokens.chunk(config.microbatches)]
+    return StageSetup(device, topo, groups, stage, runner, tokens, targets, inputs,
+                      list(targets.chunk(config.microbatches)))
+
+
 def torch_stepper(schedule: object, topo: pp_topology.PipelineTopology, tokens: torch.Tensor,
                   targets: torch.Tensor) -> Callable[[], None]:
     """One step of a torch.distributed.pipelining schedule, called as each stage must call it."""
@@ -234,7 +257,7 @@ def torch_stepper(schedule: object, topo: pp_topology.PipelineTopology, tokens: 
 
 def time_torch_steps(schedule: object, stage_module: torch.nn.Module, topo: pp_topology.PipelineTopology,
                      device: torch.device, steps: int, throttle: contention.Throttle) -> list[float]:
-    tokens, targets = TORCH_BATCH[0]
+    step = torch_stepper(schedule, topo, *TORCH_BATCH[0])
     times = []
     patch = throttled_torch_p2p(throttle, device) if throttle.level > 0 else contextlib.nullcontext()
     with patch:
@@ -242,12 +265,7 @@ def time_torch_steps(schedule: object, stage_module: torch.nn.Module, topo: pp_t
             synchronize(device)
             dist.barrier()
             start = time.perf_counter()
-            if topo.is_first:
-                schedule.step(tokens)  # type: ignore[attr-defined]
-            elif topo.is_last:
-                schedule.step(target=targets, losses=[])  # type: ignore[attr-defined]
-            else:
-                schedule.step()  # type: ignore[attr-defined]
+            step()
             synchronize(device)
             dist.barrier()
             times.append(time.perf_counter() - start)

@@ -31,14 +31,9 @@ from huorn.runtime.pipeline import topology as pp_topology
 
 
 def worker(rank: int, world: int, config: pipeline_bench.BenchConfig, rounds: int) -> dict:
-    on_gpu = config.backend == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    torch.manual_seed(0)
-    decoder = models.build_model(config.model).to(device=device, dtype=getattr(torch, config.dtype))
-    topo = pp_topology.PipelineTopology(stages=config.stages, replicas=1, rank=rank)
-    groups = pp_topology.build_groups(topo)
-    stage = split.split_decoder(decoder, config.stages)[topo.stage]
-    runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, device)
+    setup = pipeline_bench.build_stage(config, rank)
+    device, topo, groups, stage, runner = setup.device, setup.topo, setup.groups, setup.stage, setup.runner
+    on_gpu = device.type == "cuda"
     stream_links = runner.send_link, runner.grad_link
     thread_links = tuple(
         contention.LinkSender(peer, group, runner.throttle, device) if peer is not None else None
@@ -50,12 +45,7 @@ def worker(rank: int, world: int, config: pipeline_bench.BenchConfig, rounds: in
     others = {name: executor.StageExecutor(stage, topo, pp_topology.build_groups(topo, **options),
                                            split.compute_decoder_loss, device)
               for name, options in variants.items()}
-    generator = torch.Generator().manual_seed(1)
-    shape = (config.micro_batch * config.microbatches, config.model.context)
-    tokens = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
-    targets = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
-    inputs = [[t] for t in tokens.chunk(config.microbatches)]
-    labels = list(targets.chunk(config.microbatches))
+    tokens, targets, inputs, labels = setup.tokens, setup.targets, setup.inputs, setup.labels
     for each in (runner, *others.values()):
         each.negotiate_shapes(inputs[0], labels[0])
     torch_schedule = pipeline_bench.build_torch_schedule("Schedule1F1B", stage, topo, config, device)

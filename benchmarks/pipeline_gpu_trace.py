@@ -25,29 +25,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pipeline_bench
-import torch
 import torch.distributed as dist
 
 from huorn import models
-from huorn.runtime.pipeline import executor, launch, schedules, split
-from huorn.runtime.pipeline import topology as pp_topology
+from huorn.runtime.pipeline import launch, schedules
 
 
 def worker(rank: int, world: int, config: pipeline_bench.BenchConfig, steps: int, out: str) -> dict:
-    on_gpu = config.backend == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    torch.manual_seed(0)
-    decoder = models.build_model(config.model).to(device=device, dtype=getattr(torch, config.dtype))
-    topo = pp_topology.PipelineTopology(stages=config.stages, replicas=1, rank=rank)
-    groups = pp_topology.build_groups(topo)
-    stage = split.split_decoder(decoder, config.stages)[topo.stage]
-    runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, device)
-    generator = torch.Generator().manual_seed(1)
-    shape = (config.micro_batch * config.microbatches, config.model.context)
-    tokens = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
-    targets = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
-    inputs = [[t] for t in tokens.chunk(config.microbatches)]
-    labels = list(targets.chunk(config.microbatches))
+    setup = pipeline_bench.build_stage(config, rank)
+    device, topo, stage, runner = setup.device, setup.topo, setup.stage, setup.runner
+    tokens, targets, inputs, labels = setup.tokens, setup.targets, setup.inputs, setup.labels
+    on_gpu = device.type == "cuda"
     runner.negotiate_shapes(inputs[0], labels[0])
     torch_schedule = pipeline_bench.build_torch_schedule("Schedule1F1B", stage, topo, config, device)
     table = schedules.build_schedule("1f1b", config.stages, config.microbatches)
