@@ -20,6 +20,7 @@ import contextlib
 import faulthandler
 import functools
 import json
+import os
 import statistics
 import threading
 import time
@@ -205,6 +206,21 @@ def build_torch_schedule(name: str, stage_module: torch.nn.Module, topo: pp_topo
     schedule = getattr(pipelining, name)(stage, n_microbatches=config.microbatches,
                                          loss_fn=lambda out, y: split.compute_decoder_loss((out,), y))
     return schedule
+
+
+def diagnosis_config(tiny: bool) -> BenchConfig:
+    """The profile's and the trace's configuration: benchmarks/pipeline_gpu.py's model on two
+    GPUs, or a small one on gloo for a CPU dry run. NVLink multicast is kept off, as there."""
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                        ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[name] = value
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+    if tiny:
+        return BenchConfig(backend="gloo", stages=2, micro_batch=2, microbatches=8,
+                           model=models.ModelConfig(layers=2, width=32, heads=2, vocabulary=64, context=8))
+    gpu_model = models.ModelConfig(layers=8, width=2048, heads=16, vocabulary=32768, context=1024)
+    return BenchConfig(backend="nccl", stages=2, micro_batch=2, microbatches=16, dtype="bfloat16",
+                       model=gpu_model)
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -25,7 +24,6 @@ import pipeline_bench
 import torch
 import torch.distributed as dist
 
-from huorn import models
 from huorn.runtime.pipeline import contention, executor, launch, schedules, split
 from huorn.runtime.pipeline import topology as pp_topology
 
@@ -161,17 +159,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tiny", action="store_true", help="gloo on the CPU with a small model (dry run)")
     args = parser.parse_args()
-    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                        ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ[name] = value
-    if args.tiny:
-        config = pipeline_bench.BenchConfig(
-            backend="gloo", stages=2, micro_batch=2, microbatches=8,
-            model=models.ModelConfig(layers=2, width=32, heads=2, vocabulary=64, context=8))
-    else:
-        config = pipeline_bench.BenchConfig(
-            backend="nccl", stages=2, micro_batch=2, microbatches=16, dtype="bfloat16",
-            model=models.ModelConfig(layers=8, width=2048, heads=16, vocabulary=32768, context=1024))
+    config = pipeline_bench.diagnosis_config(args.tiny)
     results = launch.run_workers(worker, 2, config.backend, (config, args.rounds), timeout_s=600)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pipeline_gpu_profile.json").write_text(json.dumps(results, indent=2))

@@ -15,7 +15,6 @@ import argparse
 import gzip
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline_bench
 import torch.distributed as dist
 
-from huorn import models
 from huorn.runtime.pipeline import launch, schedules
 
 
@@ -121,18 +119,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="measured rounds (one timed step each)")
     parser.add_argument("--tiny", action="store_true", help="gloo on the CPU with a small model (dry run)")
     args = parser.parse_args()
-    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                        ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ[name] = value
-    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-    if args.tiny:
-        config = pipeline_bench.BenchConfig(
-            backend="gloo", stages=2, micro_batch=2, microbatches=8,
-            model=models.ModelConfig(layers=2, width=32, heads=2, vocabulary=64, context=8))
-    else:
-        config = pipeline_bench.BenchConfig(
-            backend="nccl", stages=2, micro_batch=2, microbatches=16, dtype="bfloat16",
-            model=models.ModelConfig(layers=8, width=2048, heads=16, vocabulary=32768, context=1024))
+    config = pipeline_bench.diagnosis_config(args.tiny)
     args.out.mkdir(parents=True, exist_ok=True)
     results = launch.run_workers(worker, 2, config.backend, (config, args.steps, str(args.out)),
                                  timeout_s=400)
