@@ -40,7 +40,8 @@ def test_inference_demand_reclaims_lent_gpus_by_shrinking_the_borrower(kube: bui
     kube.custom.patch_cluster_custom_object(
         builders.GROUP, builders.VERSION, "virtualclusters", "serve",
         {"spec": {"purpose": "inference", "lending": {"lendable": True, "maxGPUsLent": 4,
-                                                        "reclaimGraceSeconds": 45}}})
+                                                        "reclaimGraceSeconds": 45,
+                                                        "reclaimPolicy": "Shrink"}}})
     kube.create_job(NS, builders.make_training_job("fill", "train", replicas=2, max_replicas=2, gpus=4))
     wait_for(lambda: len(kube.pods(NS, "fill", "trainer")) == 2, what="the filler's pods")
     kube.create_job(NS, builders.make_training_job(
@@ -50,7 +51,8 @@ def test_inference_demand_reclaims_lent_gpus_by_shrinking_the_borrower(kube: bui
     kube.run_all_pods(NS, "elastic")
     wait_for(lambda: kube.get_vc("serve").get("status", {}).get("lent") == 4, what="serve lends 4")
 
-    # At minReplicas nothing can be given back gracefully: the lender is told why.
+    # At minReplicas nothing can be given back gracefully, and this lender does not preempt:
+    # it is told why.
     kube.custom.create_namespaced_custom_object(
         builders.GROUP, builders.VERSION, NS, "inferencejobs", make_inference_job("chat", "serve", 3, 2))
     blocked = wait_for(lambda: [e for e in kube.events("default", "serve") + kube.events(NS, "serve")
@@ -99,3 +101,42 @@ def test_an_inference_clusters_demand_is_not_lent_to_a_new_borrower(kube: builde
     assert kube.get_vc("serve").get("status", {}).get("lent", 0) == 0
     kube.custom.delete_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "inferencejobs", "chat")
     wait_for(lambda: nodes_of(kube, "late") == ["b0", "b0"], what="late placed on b0 once the demand is gone")
+
+
+
+def test_a_borrower_that_cannot_shrink_is_preempted_and_requeued(kube: builders.Kube, operator) -> None:
+    """reclaimPolicy Preempt (the default): a fixed gang borrowing b0 is stopped when the serving
+    cluster needs its GPUs. Every trainer pod goes (a gang missing members would only wait at its
+    rendezvous), the successors wait off the reserved GPUs, the restart budget is untouched, and
+    the gang starts again once the demand is gone."""
+    kube.custom.patch_cluster_custom_object(
+        builders.GROUP, builders.VERSION, "virtualclusters", "serve",
+        {"spec": {"purpose": "inference", "lending": {"lendable": True, "maxGPUsLent": 8,
+                                                        "reclaimGraceSeconds": 45}}})
+    kube.create_job(NS, builders.make_training_job("fill", "train", replicas=2, max_replicas=2, gpus=4))
+    wait_for(lambda: len(kube.pods(NS, "fill", "trainer")) == 2, what="the filler's pods")
+    kube.create_job(NS, builders.make_training_job("gang", "train", replicas=2, max_replicas=2, gpus=2))
+    wait_for(lambda: nodes_of(kube, "gang") == ["b0", "b0"], what="the fixed gang borrowing b0")
+    kube.run_all_pods(NS, "gang")
+    first = sorted(p.metadata.name for p in kube.pods(NS, "gang", "trainer"))
+
+    kube.custom.create_namespaced_custom_object(
+        builders.GROUP, builders.VERSION, NS, "inferencejobs", make_inference_job("chat", "serve", 3, 2))
+    wait_for(lambda: [e for e in kube.events(NS, "gang") if e.reason == "Preempted"], what="gang preempted")
+    wait_for(lambda: kube.pods(NS, "gang", "trainer") == [], what="every trainer pod of the gang gone")
+    status = kube.job_status(NS, "gang")
+    assert status.get("preemptReplacements") == 2
+    replaced = [d for d in status.get("decisions") or [] if d["action"] == "replace"]
+    assert len(replaced) == 2 and all(d["reason"].startswith("preempted: serve reclaims") for d in replaced)
+    # its successors do not go back onto the 6 GPUs the InferenceJob needs
+    wait_for(lambda: [e for e in kube.events(NS, "gang") if e.reason == "Unplaceable"], what="gang waits")
+    assert kube.pods(NS, "gang", "trainer") == []
+    assert any(e.reason == "Reclaimed" and "(preempted)" in e.message
+               for e in kube.events("default", "serve") + kube.events(NS, "serve"))
+
+    kube.custom.delete_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "inferencejobs", "chat")
+    wait_for(lambda: nodes_of(kube, "gang") == ["b0", "b0"], what="the gang placed again")
+    second = sorted(p.metadata.name for p in kube.pods(NS, "gang", "trainer"))
+    assert not set(first) & set(second)  # a new generation of pods
+    kube.run_all_pods(NS, "gang")
+    wait_for(lambda: kube.job_status(NS, "gang").get("phase") == "Running", what="gang Running again")

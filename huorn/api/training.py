@@ -295,6 +295,9 @@ class TrainingJobStatus(JobStatus):
                                         "re-split whose gang roll was started.")
     resplit_replacements: int | None = Field(default=None, description="Trainer pods replaced by S3 "
                                              "rolls; they do not count against the restart budget.")
+    preempt_replacements: int | None = Field(default=None, description="Trainer pods replaced because a "
+                                             "lender reclaimed its GPUs; they do not count against the "
+                                             "restart budget.")
     control_version: int | None = Field(default=None, description="Graph version of the run-time control "
                                         "(remediation S2's micro-batch counts) last written to the job's "
                                         "ConfigMap.")

@@ -45,6 +45,11 @@ class Lending(ApiModel):
     lendable: bool = False
     max_gpus_lent: int = Field(default=0, ge=0, alias="maxGPUsLent")
     reclaim_grace_seconds: int = Field(default=30, ge=0, le=86400)
+    reclaim_policy: Literal["Preempt", "Shrink"] = Field(
+        default="Preempt",
+        description="How lent GPUs come back when this cluster needs them. Preempt: shrink elastic "
+                    "borrowers, and stop (checkpoint, requeue) a borrower that cannot shrink. Shrink: "
+                    "never stop a borrower; one at its minimum keeps the GPUs until it ends.")
 
 
 class Borrowing(ApiModel):

@@ -10,8 +10,16 @@ lender's nodes, goes into the borrower's status first; then those pods are delet
 lender's `reclaimGraceSeconds` as their grace period, which is SIGTERM now and time to write a
 checkpoint (the runtime checkpoints on SIGTERM) before the kubelet kills them. Pods being deleted
 no longer count as lent, so a restarted operator sees the debt already paid and reclaims nothing
-twice. A reclaim that would need a preemption (the borrower is at its minimum, or `fixed`) is not
-applied: the lender gets a Warning Event saying which job holds its GPUs and why it stays.
+twice.
+
+A borrower that cannot shrink (at its minimum, or `fixed`) is preempted when the lender's
+`lending.reclaimPolicy` is Preempt (the default): every live trainer pod of the job is replaced
+with drain, which is how an S3 roll restarts a gang, and the old pods are deleted with the
+lender's grace. A gang that lost some members would only wait at its rendezvous, so the whole
+gang goes, and its successors are placed again all or none, never on GPUs the lender reserves
+for its demand (`index.build_snapshot`). These replacements do not spend the job's restart
+budget (`status.preemptReplacements`). With `reclaimPolicy: Shrink` the lender gets a Warning
+Event instead, naming the job that keeps its GPUs.
 """
 
 from __future__ import annotations
@@ -112,9 +120,15 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
         r = as_shrink(planned, by_job[planned.job], left)
         left -= r.gpus_released
         if r.action != "shrink":
-            ctx.post_event(vc_body, "Warning", "ReclaimBlocked",
-                           f"{why}; {r.job} holds {r.gpus_released} lent GPU(s) but cannot shrink "
-                           "(at minReplicas, or elasticity.policy fixed); preemption is not applied")
+            if (spec.get("lending") or {}).get("reclaimPolicy", "Preempt") != "Preempt":
+                ctx.post_event(vc_body, "Warning", "ReclaimBlocked",
+                               f"{why}; {r.job} holds {r.gpus_released} lent GPU(s) but cannot shrink "
+                               "(at minReplicas, or elasticity.policy fixed), and lending.reclaimPolicy "
+                               "is Shrink")
+                continue
+            if await preempt_borrower(ctx, b, r, int(view.reclaim_grace_seconds)):
+                ctx.post_event(vc_body, "Normal", "Reclaimed", f"{r.reason} (preempted)")
+                applied.append(r)
             continue
         if await shrink_borrower(ctx, b, r, int(view.reclaim_grace_seconds)):
             ctx.post_event(vc_body, "Normal", "Reclaimed", r.reason)
@@ -163,6 +177,39 @@ async def shrink_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: 
         ctx.metrics.decisions.labels(training.KIND, "resize").inc()
         ctx.post_event(body, "Normal", "Reclaim", m.reason)
         for pod in victims:
+            await ctx.client.delete("Pod", pod.namespace, pod.name, grace_seconds=grace)
+        fresh = await ctx.client.get_custom(training.PLURAL, b.namespace, b.job)
+        if fresh is not None:
+            await training.reconcile(ctx, fresh)
+    return True
+
+
+async def preempt_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: int) -> bool:
+    """Stop a borrower that cannot shrink: every live trainer pod is replaced with drain (a new
+    generation each, placed again all or none), and the old pods get the lender's grace to
+    checkpoint. Repeatable: a restarted operator finds the replacements in status and the old
+    pods already deleting, which no longer count as lent."""
+    async with ctx.job_lock(b.namespace, b.job):
+        body = await ctx.client.get_custom(training.PLURAL, b.namespace, b.job)
+        if body is None or not (body.get("status") or {}).get("graph"):
+            return False
+        graph = serialise.from_status(body["status"]["graph"])
+        live = {p.instance: p for p in ctx.index.pods_of(b.namespace, b.job)
+                if p.vertex == "trainer" and p.holds_resources and not p.deleting}
+        reason = f"preempted: {r.reason}"
+        replaced = [mutate.replace_instance(graph, i.name, drain=True, reason=reason)
+                    for i in list(graph.vertex("trainer").instances) if i.name in live]
+        if not replaced:
+            return False
+        old = body.get("status") or {}
+        await ctx.client.patch_status(training.PLURAL, b.namespace, b.job, {
+            "graph": serialise.to_status(graph), "decisions": training.build_decisions(graph),
+            "preemptReplacements": int(old.get("preemptReplacements") or 0) + len(replaced),
+        })
+        ctx.metrics.decisions.labels(training.KIND, "replace").inc(len(replaced))
+        ctx.post_event(body, "Warning", "Preempted", f"{reason}; the gang restarts from its checkpoint "
+                       "once it can be placed again"[:1024])
+        for pod in live.values():
             await ctx.client.delete("Pod", pod.namespace, pod.name, grace_seconds=grace)
         fresh = await ctx.client.get_custom(training.PLURAL, b.namespace, b.job)
         if fresh is not None:

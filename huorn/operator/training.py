@@ -115,8 +115,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         if pod is None or pod.phase != "Failed":
             continue
         allowed = job.spec.remediation.max_mitigation.value == "restart"
-        # An S3 roll replaces healthy pods on purpose; those do not spend the failure budget.
-        used = graph.action_counts.get("replace", 0) - int(old.get("resplitReplacements") or 0)
+        # An S3 roll or a preemption replaces healthy pods on purpose; those do not spend the
+        # failure budget.
+        used = (graph.action_counts.get("replace", 0) - int(old.get("resplitReplacements") or 0)
+                - int(old.get("preemptReplacements") or 0))
         if pod.exit_code in PERMANENT_EXIT_CODES or not allowed or used >= budget:
             why = f"pod {pod.name} failed with exit code {pod.exit_code}; " + (
                 "the runtime refused its config"
