@@ -60,6 +60,10 @@ class JobShape:
     layer_seconds: float | None = None  # pipeline: a step's seconds for one layer cost at speed 1
 
 
+# (applied plan's seconds a step, best plan's, best plan, whether the best is the even split)
+Priced = tuple[float, float, tuple[int, ...], bool]
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     level: MitigationLevel
@@ -89,6 +93,7 @@ class MitigationLadder:
         self.applied: dict[str, object] | None = None  # the S2/S3 plan in force
         self.steps_on_plan = 0
         self.replan_gain = 0.0  # seconds the best plan would have saved since the applied one
+        self._priced: tuple[JobShape, tuple[int, ...], Priced | None] | None = None  # per shape and plan
 
     def applicable(self, level: MitigationLevel) -> bool:
         s = self.shape
@@ -160,7 +165,12 @@ class MitigationLadder:
         self.steps_on_plan += 1
         if self.steps_on_plan <= self.SETTLE_STEPS:
             return None
-        priced = self._price(self.level)
+        # NB: the policy hands the ladder a new shape once per monitor tick, which may cover many
+        # steps; pricing solves integer programs, so it runs once per shape and plan, not per step
+        applied = self._key(self.applied)
+        if self._priced is None or self._priced[0] is not self.shape or self._priced[1] != applied:
+            self._priced = (self.shape, applied, self._price(self.level))
+        priced = self._priced[2]
         if priced is None:
             return None
         current, best, plan, even = priced
@@ -192,7 +202,7 @@ class MitigationLadder:
         values = plan.get("microbatches", plan.get("stageLayers"))
         return tuple(int(v) for v in values)  # type: ignore[union-attr]
 
-    def _price(self, level: MitigationLevel) -> tuple[float, float, tuple[int, ...], bool] | None:
+    def _price(self, level: MitigationLevel) -> Priced | None:
         """(applied plan's seconds a step, best plan's, best plan, whether it is the even one),
         from the shape measured now; None when the shape cannot price this rung."""
         s, applied = self.shape, self._key(self.applied or {})
