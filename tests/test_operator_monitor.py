@@ -205,8 +205,14 @@ def test_operator_killed_mid_remediation_never_decides_twice(
                  == ["llm-trainer-0", "llm-trainer-1-g1"], what="the replacement pod")
         run_with_ips(kube, "llm", 2)
         watch_past_hang_timeout(second)
-        assert len(decisions(kube, "llm", "replace")) == 1
-        assert len([e for e in kube.events(NS, "llm") if e.reason == "Cordoned"]) == 1
+        (replace,) = decisions(kube, "llm", "replace")
+        status = kube.job_status(NS, "llm")
+        cordoned = [n.metadata.name for n in kube.core.list_node().items if is_cordoned(n)]
+        assert len(cordoned) == 1 and status["cordonedVersion"] == replace["graphVersion"]
+        # NB: at most one Event: kopf posts Events in the background, so one queued when the
+        # first operator stopped may be lost (Events are best-effort); a second cordon would
+        # post a second one
+        assert len([e for e in kube.events(NS, "llm") if e.reason == "Cordoned"]) <= 1
 
 
 
