@@ -139,13 +139,27 @@ class MitigationLadder:
         paid, previous = self.loss_since_rung, self.level
         self.level, self.loss_since_rung = target, 0.0
         plan = self.build_plan(target)
+        reason = (f"lost {paid:.1f}s since {previous.value}"
+                  f" ≥ {self.costs.of(target):.1f}s cost of {target.value} (ski-rental)")
+        if self._changes_nothing(target, plan):
+            # the rung is passed (the loss goes on towards the next one) but nothing is applied
+            self.applied = None
+            return Decision(target, "skip-" + ACTIONS[target],
+                            f"{reason}; but the even split is already the best plan for the speeds "
+                            "measured now, so it would change nothing", self.ranks)
         self._apply(plan)
-        return Decision(
-            target, ACTIONS[target],
-            f"lost {paid:.1f}s since {previous.value}"
-            f" ≥ {self.costs.of(target):.1f}s cost of {target.value} (ski-rental)",
-            self.ranks, plan=plan,
-        )
+        return Decision(target, ACTIONS[target], reason, self.ranks, plan=plan)
+
+    def _changes_nothing(self, level: MitigationLevel, plan: dict[str, object]) -> bool:
+        """An S2 or S3 plan that is the job's own even split (what it runs without one)."""
+        s = self.shape
+        if level is MitigationLevel.REBALANCE and s.microbatch_seconds is not None and "microbatches" in plan:
+            return list(plan["microbatches"]) == rebalance.even_split(  # type: ignore[call-overload]
+                s.total_microbatches, len(s.microbatch_seconds))
+        if level is MitigationLevel.RESPLIT and s.stage_speeds is not None and "stageLayers" in plan:
+            return list(plan["stageLayers"]) == rebalance.even_split(  # type: ignore[call-overload]
+                len(s.layer_costs or []), len(s.stage_speeds))
+        return False
 
     # -- re-planning under S2/S3 -------------------------------------------------------------------
     SETTLE_STEPS = 8  # steps on a new plan before its telemetry describes it (the shape's window)
