@@ -13,7 +13,7 @@ from kopf._cogs.aiokits import aioenums
 from huorn.api import kinds
 from huorn.backends.kubernetes import observe
 from huorn.graph import compiler, mutate
-from huorn.operator import cordon, loans, monitoring, training
+from huorn.operator import cordon, index, loans, monitoring, training
 from huorn.runtime import telemetry as runtime_telemetry
 from huorn.scheduler import loaning
 
@@ -97,7 +97,10 @@ def test_demand_counts_only_the_lenders_inference_jobs() -> None:
         {"spec": {"virtualCluster": "serve", "resources": {"gpus": 1}}},
         {"spec": {"virtualCluster": "other", "resources": {"gpus": 8}, "autoscaling": {"minReplicas": 1}}},
     ]
-    assert loans.count_demand(jobs, "serve") == 7
+    cluster_index = index.ClusterIndex()
+    for n, job in enumerate(jobs):
+        cluster_index.observe_inference_job({"metadata": {"namespace": "team", "name": f"j{n}"}, **job})
+    assert cluster_index.demand_of("serve") == 7
 
 
 def test_a_planned_preemption_becomes_a_shrink_only_when_a_shrink_covers_the_need() -> None:

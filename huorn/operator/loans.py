@@ -35,26 +35,12 @@ from huorn.operator import index, training, validation
 from huorn.operator.context import Context
 from huorn.scheduler import loaning
 
-INFERENCE_PLURAL = "inferencejobs"
-
 
 @dataclass
 class Borrower:
     namespace: str
     job: str
     pods: list[index.PodRecord] = field(default_factory=list)  # its trainer pods on the lender's nodes
-
-
-def count_demand(jobs: list[Mapping[str, Any]], vc: str) -> int:
-    """GPUs the InferenceJobs of `vc` need at their floor (minReplicas × GPUs each)."""
-    total = 0
-    for job in jobs:
-        spec = job.get("spec") or {}
-        if spec.get("virtualCluster") != vc:
-            continue
-        replicas = int((spec.get("autoscaling") or {}).get("minReplicas", 1))
-        total += replicas * int((spec.get("resources") or {}).get("gpus", 1))
-    return total
 
 
 def find_borrowers(ctx: Context, vc: str) -> dict[tuple[str, str], Borrower]:
@@ -87,7 +73,7 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
     borrowers = find_borrowers(ctx, name)
     if not borrowers:
         return []
-    demand = count_demand(await ctx.client.list_custom(INFERENCE_PLURAL, None), name)
+    demand = ctx.index.demand_of(name)  # the InferenceJobs' floors, kept from their watch
     wanted = count_wanted(ctx, name, demand, borrowers)
     if wanted <= 0:
         return []
