@@ -60,6 +60,7 @@ class BenchConfig:
     p2p_high_priority: bool = False
     lockstep: bool = False  # also run 1F1B in lockstep
     adaptive_comm: str = "overlap"  # "auto": adaptive k also measures lockstep against overlap
+    cuda_graphs: bool = False  # our stages replay CUDA graphs (GPU); adds "huorn 1F1B eager" to compare
 
 
 @dataclass
@@ -123,13 +124,20 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
             training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
                                            steps=config.switch_warmup, plan=plan, before_step=aligned)
 
-    def run_fixed(k: int, comm: str = "overlap") -> tuple[str, list[float]]:
-        warm_up(k, comm)
-        plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k, comm=comm)
-        reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
-                                                 steps=config.replan_every, plan=plan, before_step=aligned)
+    def run_fixed(k: int, comm: str = "overlap", eager: bool = False) -> tuple[str, list[float]]:
+        runner.cuda_graphs = config.cuda_graphs and not eager
+        try:
+            warm_up(k, comm)
+            plan = training.PipelinePlan(microbatches=config.microbatches, schedule="kfkb", k=k, comm=comm)
+            reports = training.run_pipeline_training(stage=runner, optimizer=optimizer, batches=batches,
+                                                     steps=config.replan_every, plan=plan,
+                                                     before_step=aligned)
+        finally:
+            runner.cuda_graphs = config.cuda_graphs
         result.peak_bytes[str(k)] = (reports[-1].predicted_peak_bytes, reports[-1].peak_saved_bytes)
         name = "huorn 1F1B" if k == 1 else f"huorn k={k}"
+        if eager:
+            return f"{name} eager", [r.seconds for r in reports]
         return (f"{name} lockstep" if comm == "lockstep" else name), [r.seconds for r in reports]
 
     def run_adaptive() -> tuple[str, list[float]]:
@@ -172,6 +180,8 @@ def bench_worker(rank: int, world: int, config: BenchConfig) -> dict | None:
             runs = [functools.partial(run_fixed, k) for k in config.fixed_k] + [run_adaptive]
             if config.lockstep:
                 runs.append(functools.partial(run_fixed, 1, "lockstep"))
+            if config.cuda_graphs:
+                runs.append(functools.partial(run_fixed, 1, eager=True))
             runs += [functools.partial(run_torch, name) for name in torch_schedules]
             shift = round_ % len(runs)  # rotate the order, so no configuration always follows another
             for run in runs[shift:] + runs[:shift]:
@@ -248,7 +258,8 @@ def build_stage(config: BenchConfig, rank: int, throttle: contention.Throttle | 
     groups = pp_topology.build_groups(topo, p2p_max_ctas=config.p2p_max_ctas,
                                       p2p_high_priority=config.p2p_high_priority)
     stage = split.split_decoder(decoder, config.stages)[topo.stage]
-    runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, device, throttle)
+    runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, device, throttle,
+                                    cuda_graphs=config.cuda_graphs)
     generator = torch.Generator().manual_seed(1)
     shape = (config.micro_batch * config.microbatches, config.model.context)
     tokens = torch.randint(0, config.model.vocabulary, shape, generator=generator).to(device)
@@ -404,7 +415,9 @@ def summarise(result: dict) -> str:
     spreads = []
     for level in result["levels"]:
         pairs = [("huorn adaptive", "huorn 1F1B"), ("huorn adaptive", "torch Schedule1F1B"),
-                 ("huorn 1F1B lockstep", "torch Schedule1F1B"), ("huorn 1F1B lockstep", "huorn 1F1B")]
+                 ("huorn 1F1B lockstep", "torch Schedule1F1B"), ("huorn 1F1B lockstep", "huorn 1F1B"),
+                 ("huorn 1F1B", "torch Schedule1F1B"), ("huorn 1F1B eager", "torch Schedule1F1B"),
+                 ("huorn 1F1B", "huorn 1F1B eager")]
         for name, baseline in pairs:
             spread = round_ratio_spread(level, name, baseline)
             if spread is not None:
@@ -426,8 +439,9 @@ def plot(result: dict, path: Path, title: str) -> None:
     names = ["huorn 1F1B", "huorn k=2", "huorn k=3", "huorn k=4", "huorn adaptive", "torch Schedule1F1B",
              "torch ScheduleGPipe"]
     levels = result["levels"]
-    if any("huorn 1F1B lockstep" in lv["tokens_per_s"] for lv in levels):
-        names.insert(1, "huorn 1F1B lockstep")
+    for extra in ("huorn 1F1B lockstep", "huorn 1F1B eager"):
+        if any(extra in lv["tokens_per_s"] for lv in levels):
+            names.insert(1, extra)
     figure, (bars, ks) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 1.3]})
     width = 0.8 / len(names)
     for i, name in enumerate(names):

@@ -45,18 +45,25 @@ def decoder_case_worker(rank: int, world: int, jobs: list[tuple[str, models.Mode
             decoder = build_decoder(cfg).to(device)
             names = {id(p): n for n, p in decoder.named_parameters()}
             stage = split.split_decoder(decoder, stages)[topo.stage]
-            runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, device)
+            graphed = label.endswith("-graphs")
+            runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, device,
+                                            cuda_graphs=graphed)
             if label.endswith("-jit"):  # receives posted when needed, as on NCCL
                 runner.post_receives_ahead = False
             runner.negotiate_shapes([tokens[0]] if topo.is_first else None, targets[0])
             schedule = schedules.build_schedule(name, stages, microbatches, k)
             comm = "lockstep" if label.endswith("-lockstep") else "overlap"
-            stats = runner.run_step(schedule, [[t] for t in tokens[mine]], targets[mine], comm=comm)
+            batch = ([[t] for t in tokens[mine]], targets[mine])
+            if graphed:  # a table's first step meters eagerly; graphs replay from the second
+                for _ in range(1 + runner.graph_attempts):  # (a failed capture is retried next step)
+                    runner.run_step(schedule, *batch, comm=comm)
+                    stage.zero_grad(set_to_none=True)
+            stats = runner.run_step(schedule, *batch, comm=comm)
             runner.close()
             grads = {names[id(p)]: p.grad.cpu() for p in stage.parameters() if p.grad is not None}
             results[(label, name, k)] = {
                 "loss": stats.loss, "grads": grads, "executed": stats.executed, "stage": topo.stage,
-                "comm": stats.comm,
+                "comm": stats.comm, "graphed": stats.graphed, "graph_note": runner.graph_note,
                 "peak": stats.peak_saved_bytes, "microbatch_bytes": runner.microbatch_bytes,
                 "predicted": memory.predict_peak_bytes(
                     schedule, [runner.microbatch_bytes] * stages)[topo.stage],

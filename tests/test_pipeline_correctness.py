@@ -43,7 +43,8 @@ def four_ranks() -> dict:
     jobs = [("pp4-fused", FUSED, 4, CASES, MICROBATCHES), ("dp2xpp2", DENSE, 2, CASES, MICROBATCHES),
             ("pp4-fused-jit", FUSED, 4, JIT_CASES, MICROBATCHES),
             ("pp4-fused-lockstep", FUSED, 4, CASES, MICROBATCHES),
-            ("dp2xpp2-lockstep", DENSE, 2, CASES, MICROBATCHES)]
+            ("dp2xpp2-lockstep", DENSE, 2, CASES, MICROBATCHES),
+            ("pp4-fused-graphs", FUSED, 4, [("1f1b", 1)], MICROBATCHES)]
     merged: dict = {}
     for rank_result in launch.run_workers(workers.decoder_case_worker, 4, "gloo", (jobs,)):
         for key, value in rank_result.items():
@@ -120,3 +121,12 @@ def test_lockstep_exchanges_give_the_same_step(four_ranks: dict, case: tuple[str
     assert_matches_reference(four_ranks[("pp4-fused-lockstep", *case)], FUSED, MICROBATCHES)
     assert_matches_reference(four_ranks[("dp2xpp2-lockstep", *case)], DENSE, 2 * MICROBATCHES)
     assert all(r["comm"] == "lockstep" for r in four_ranks[("pp4-fused-lockstep", *case)])
+
+
+def test_cuda_graphs_asked_for_on_cpu_run_eagerly_and_say_why(four_ranks: dict) -> None:
+    """An executor built with cuda_graphs=True on gloo keeps training correctly (three steps on
+    the same weights, the last one compared) and names why it did not replay graphs."""
+    per_rank = four_ranks[("pp4-fused-graphs", "1f1b", 1)]
+    assert not any(r["graphed"] for r in per_rank)
+    assert all("CUDA graphs need a CUDA device" in r["graph_note"] for r in per_rank)
+    assert_matches_reference(per_rank, FUSED, MICROBATCHES)

@@ -1,5 +1,6 @@
 """The executor over NCCL on two GPUs: one step of every schedule equals single-process
-training on the CPU in float64 (FusedKV decoder, so K/V cross the stage boundary too)."""
+training on the CPU in float64 (FusedKV decoder, so K/V cross the stage boundary too), with
+overlapped links and lockstep exchanges; and stages replayed as CUDA graphs (experimental)."""
 
 from __future__ import annotations
 
@@ -21,19 +22,46 @@ MICROBATCHES = 8
 def test_two_gpu_nccl_step_equals_single_process() -> None:
     jobs = [("nccl-pp2", CFG, 2, CASES, MICROBATCHES), ("nccl-pp2-lockstep", CFG, 2, CASES, MICROBATCHES)]
     ranks = launch.run_workers(workers.decoder_case_worker, 2, "nccl", (jobs,))
+    decoder, want_loss = reference_step()
+    for label in ("nccl-pp2", "nccl-pp2-lockstep"):  # links in the background; batched exchanges
+        check_against_reference(ranks, label, decoder, want_loss, graphed=False)
+
+
+def reference_step() -> tuple[torch.nn.Module, float]:
     decoder = workers.build_decoder(CFG)
     tokens, targets = workers.make_decoder_batch(CFG, MICROBATCHES, 2, seed=7)
+    want_loss = 0.0
     for x, y in zip(tokens, targets, strict=True):
-        (decoder(x, y)[1] / MICROBATCHES).backward()
-    for label in ("nccl-pp2", "nccl-pp2-lockstep"):  # links in the background; batched exchanges
-        for name, k in CASES:
-            got = {}
-            for rank in ranks:
-                got.update(rank[(label, name, k)]["grads"])
-                assert rank[(label, name, k)]["peak"] == rank[(label, name, k)]["predicted"]
-            for param_name, param in decoder.named_parameters():
-                torch.testing.assert_close(got[param_name], param.grad, rtol=1e-6, atol=1e-8,
-                                           msg=f"{label} {name} k={k}: gradient of {param_name}")
+        loss = decoder(x, y)[1] / MICROBATCHES
+        loss.backward()
+        want_loss += float(loss.detach())
+    return decoder, want_loss
+
+
+def check_against_reference(ranks: list[dict], label: str, decoder: torch.nn.Module, want_loss: float,
+                            graphed: bool) -> None:
+    for name, k in CASES:
+        got = {}
+        for rank in ranks:
+            got.update(rank[(label, name, k)]["grads"])
+            assert rank[(label, name, k)]["graphed"] == graphed, rank[(label, name, k)]["graph_note"]
+            assert rank[(label, name, k)]["peak"] == rank[(label, name, k)]["predicted"]
+        losses = [r[(label, name, k)]["loss"] for r in ranks if r[(label, name, k)]["loss"] is not None]
+        assert losses == [pytest.approx(want_loss, rel=1e-6)], f"{label} {name} k={k}: loss"
+        for param_name, param in decoder.named_parameters():
+            torch.testing.assert_close(got[param_name], param.grad, rtol=1e-6, atol=1e-8,
+                                       msg=f"{label} {name} k={k}: gradient of {param_name}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.xfail(reason="on 2×H200 a process's first stage capture after NCCL work and eager steps "
+                          "fails with cudaErrorStreamCaptureInvalidated (docs/pipeline.md, CUDA graphs)",
+                   strict=False)
+def test_two_gpu_cuda_graphed_stages_equal_single_process() -> None:
+    ranks = launch.run_workers(workers.decoder_case_worker, 2, "nccl",
+                               ([("nccl-pp2-graphs", CFG, 2, CASES, MICROBATCHES)],))
+    decoder, want_loss = reference_step()
+    check_against_reference(ranks, "nccl-pp2-graphs", decoder, want_loss, graphed=True)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from huorn.runtime.pipeline import contention, memory, schedules
+from huorn.runtime.pipeline import contention, graphs, memory, schedules
 from huorn.runtime.pipeline import topology as pp_topology
 
 LossFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]
@@ -59,6 +59,7 @@ class StepStats:
     peak_saved_bytes: int
     executed: list[str] = field(default_factory=list)  # the actions run, in order
     comm: str = "overlap"  # how messages moved: links in the background, or lockstep exchanges
+    graphed: bool = False  # forwards and backwards replayed as CUDA graphs (graphs.py)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ class StageExecutor:
 
     def __init__(self, module: nn.Module, topology: pp_topology.PipelineTopology,
                  groups: pp_topology.PipelineGroups, loss_fn: LossFn, device: torch.device,
-                 throttle: contention.Throttle | None = None) -> None:
+                 throttle: contention.Throttle | None = None, cuda_graphs: bool = False,
+                 max_graph_slots: int = 8) -> None:
         self.module, self.topology, self.groups, self.loss_fn = module, topology, groups, loss_fn
         self.device = device
         self.throttle = throttle or contention.Throttle()
@@ -102,6 +104,14 @@ class StageExecutor:
         self._scales: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         self._side_stream: torch.cuda.Stream | None = None  # lockstep contention delays
         self._cycles_per_s = 0.0
+        # CUDA graphs (graphs.py) are set up in negotiate_shapes, once the input layout is known;
+        # graph_note says why a stage that asked for them runs eagerly. `cuda_graphs` may be
+        # turned off and on between steps (the benchmark runs both on one executor).
+        self.cuda_graphs, self.max_graph_slots = cuda_graphs, max_graph_slots
+        self.graphs: graphs.GraphedStage | None = None
+        self.graph_note: str | None = None
+        self.graph_attempts = 4  # steps whose capture may fail before graphs are off for good
+        self._graph_failures = 0
 
     def close(self) -> None:
         for link in (self.send_link, self.grad_link):
@@ -145,7 +155,24 @@ class StageExecutor:
                                  f"got {sorted(map(str, dtypes))}; cast them in the stage module")
             self.output_layout = _Layout(tuple(tuple(t.shape) for t in outputs), outputs[0].dtype)
             self._send_layout(self.output_layout)
+        if self.cuda_graphs:
+            self._set_up_graphs(inputs, target if self.topology.is_last else None)
         self.negotiated = True
+
+    def _set_up_graphs(self, inputs: Sequence[torch.Tensor], target: torch.Tensor | None) -> None:
+        blocker = graphs.graph_blocker(self.module)
+        if self.device.type != "cuda":
+            blocker = f"CUDA graphs need a CUDA device, this stage runs on {self.device.type}"
+        if blocker is not None:
+            self.graph_note = f"stage {self.topology.stage} runs eagerly: {blocker}"
+            return
+        samples = [t.detach().requires_grad_(t.is_floating_point() and not self.topology.is_first)
+                   for t in inputs]
+        if target is not None:
+            samples.append(target)
+        loss_fn = self.loss_fn if self.topology.is_last else None
+        self.graphs = graphs.GraphedStage(self.module, loss_fn, samples, self.max_graph_slots)
+        self._graph_failures = 0
 
     def _warm_up_backward(self, inputs: Sequence[torch.Tensor],
                           loss: Callable[[tuple[torch.Tensor, ...]], torch.Tensor] | None) -> None:
@@ -210,17 +237,21 @@ class StageExecutor:
             raise ValueError(f"the last stage needs {count} micro-batches of targets")
         if not self.negotiated:
             raise RuntimeError("call negotiate_shapes before run_step")
+        table_key = (schedule.name, schedule.k, count)
+        metering = table_key not in self.measured_peaks
+        # capturing comes first: it waits for the device, so no receive may be posted yet
+        graphed = self.cuda_graphs and not metering and self._graphs_ready(schedule)
         started = time.perf_counter()
         ahead = self.post_receives_ahead and not lockstep
         pending_inputs = {m: self._post_receive(m, forward=True) for m in range(count)
                           } if ahead and not self.topology.is_first else {}
         pending_grads = {m: self._post_receive(m, forward=False) for m in range(count)
                          } if ahead and not self.topology.is_last else {}
-        table_key = (schedule.name, schedule.k, count)
-        metering = table_key not in self.measured_peaks
+        if graphed:
+            self.graphs.ensure_grads()  # type: ignore[union-attr]
         self.meter.reset_peak()
         timer = _Timer(self.device)
-        stored: dict[int, tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+        stored: dict[int, tuple[list[torch.Tensor], tuple[torch.Tensor, ...], int]] = {}
         losses: list[torch.Tensor] = []
         executed: list[str] = []
         wait_s = 0.0
@@ -246,17 +277,25 @@ class StageExecutor:
                     wait_s += time.perf_counter() - tick
                     for tensor in received:
                         tensor.requires_grad_(True)
-                with timer.measure("F"), (self.meter.hooks() if metering else contextlib.nullcontext()):
-                    outputs = _as_tuple(self.module(*received))
+                slot = -1
+                if graphed:
+                    with timer.measure("F"):
+                        args = [*received, targets[m]] if self.topology.is_last else received  # type: ignore[index]
+                        outputs, slot = self.graphs.forward(args)  # type: ignore[union-attr]
                     if self.topology.is_last:
-                        target = targets[m].to(self.device, copy=metering)  # type: ignore[index]
-                        loss = self.loss_fn(outputs, target)
-                        losses.append(loss.detach())
-                        outputs = (loss,)
-                    aux = _aux_loss(self.module)
-                    if aux is not None:
-                        outputs = (*outputs, aux)
-                stored[m] = (received, outputs)
+                        losses.append(outputs[0].detach().clone())  # the slot's next replay overwrites it
+                else:
+                    with timer.measure("F"), (self.meter.hooks() if metering else contextlib.nullcontext()):
+                        outputs = _as_tuple(self.module(*received))
+                        if self.topology.is_last:
+                            target = targets[m].to(self.device, copy=metering)  # type: ignore[index]
+                            loss = self.loss_fn(outputs, target)
+                            losses.append(loss.detach())
+                            outputs = (loss,)
+                        aux = _aux_loss(self.module)
+                        if aux is not None:
+                            outputs = (*outputs, aux)
+                stored[m] = (received, outputs, slot)
                 if self.send_link is not None:
                     payload = self._pack(outputs[: len(self.output_layout.shapes)])  # type: ignore[union-attr]
                     if lockstep:
@@ -264,7 +303,7 @@ class StageExecutor:
                     else:
                         self.send_link.send(payload, tag=m)
             else:
-                received, outputs = stored.pop(m)
+                received, outputs, slot = stored.pop(m)
                 grads: list[torch.Tensor | None] = []
                 if not self.topology.is_last:
                     tick = time.perf_counter()
@@ -282,9 +321,12 @@ class StageExecutor:
                 with timer.measure("B"):
                     torch.autograd.backward(outputs, grads)
                 del outputs
+                if graphed:
+                    self.graphs.release(slot)  # type: ignore[union-attr]
                 if self.grad_link is not None:
+                    # a graphed backward leaves the slot's static buffer in .grad: send a copy
                     back = self._pack([t.grad if t.grad is not None else torch.zeros_like(t)
-                                       for t in received])
+                                       for t in received], copy=graphed)
                     if lockstep:
                         outbox[("B", m)] = back
                     else:
@@ -307,8 +349,27 @@ class StageExecutor:
             recv_wait_s=wait_s + exchange_s, comm="lockstep" if lockstep else "overlap",
             send_link=self.send_link.take_stats() if self.send_link else None,
             grad_link=self.grad_link.take_stats() if self.grad_link else None,
-            peak_saved_bytes=self.measured_peaks[table_key], executed=executed,
+            peak_saved_bytes=self.measured_peaks[table_key], executed=executed, graphed=graphed,
         )
+
+    def _graphs_ready(self, schedule: schedules.Schedule) -> bool:
+        """Whether this step replays graphs: captures the slots the table keeps in flight on this
+        stage first. A capture that fails turns graphs off for good (graph_note says why); a
+        table that needs more slots than the cap runs eagerly."""
+        if self.graphs is None:
+            return False
+        needed = schedules.count_in_flight(schedule)[self.topology.stage]
+        try:
+            return self.graphs.prepare(needed)
+        except graphs.GraphUnavailable as error:
+            self._graph_failures += 1
+            given_up = self._graph_failures >= self.graph_attempts
+            self.graph_note = (f"stage {self.topology.stage} runs eagerly: {error}"
+                               + ("" if given_up else f" (step {self._graph_failures} of "
+                                                      f"{self.graph_attempts}; trying again next step)"))
+            if given_up:
+                self.graphs = None
+            return False
 
     def _exchange(self, transfers: Sequence[schedules.Transfer], outbox: dict[tuple[str, int], torch.Tensor],
                   inbox: dict[tuple[str, int], torch.Tensor]) -> float:
@@ -373,11 +434,12 @@ class StageExecutor:
         return scale
 
     @staticmethod
-    def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """One flat message. A single contiguous tensor goes as a view, without a copy: nothing
-        writes to an activation or a gradient after it is sent."""
+    def _pack(tensors: Sequence[torch.Tensor], copy: bool = False) -> torch.Tensor:
+        """One flat message. A single contiguous tensor goes as a view, without a copy (nothing
+        writes to an activation or an eager gradient after it is sent), unless `copy`."""
         if len(tensors) == 1 and tensors[0].is_contiguous():
-            return tensors[0].detach().view(-1)
+            flat = tensors[0].detach().view(-1)
+            return flat.clone() if copy else flat
         return torch.cat([t.detach().reshape(-1) for t in tensors])
 
     @staticmethod
