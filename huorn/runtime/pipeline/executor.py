@@ -24,7 +24,13 @@ tuple of tensors; everything it returns travels to the next stage as one flat bu
 decoder's hidden state plus the FusedKV tensors upper layers rebuild from), and the gradients
 of all of them come back the same way. The last stage's outputs go to `loss_fn(outputs,
 target)`. Each micro-batch's loss is scaled by 1/M (its backward starts at 1/M), so the summed
-gradients equal those of the mean loss, as in single-process gradient accumulation."""
+gradients equal those of the mean loss, as in single-process gradient accumulation.
+
+Replicas may run tables of different lengths (remediation S2 gives a slow pipeline fewer
+micro-batches). Averaging their gradients would then weigh a micro-batch of the short table
+more than one of the long table, so `run_step(weight=N_r / M_total)` scales this replica's
+gradients by its share before a data-parallel sum: every micro-batch weighs 1/M_total, the
+gradient of the non-pipelined step. Without `weight` (equal tables) the average is unchanged."""
 
 from __future__ import annotations
 
@@ -190,10 +196,13 @@ class StageExecutor:
 
     # --- one step ------------------------------------------------------------------------------
     def run_step(self, schedule: schedules.Schedule, inputs: Sequence[Sequence[torch.Tensor]] | None,
-                 targets: Sequence[torch.Tensor] | None, comm: str = "overlap") -> StepStats:
+                 targets: Sequence[torch.Tensor] | None, comm: str = "overlap",
+                 weight: float | None = None) -> StepStats:
         """Forward and backward of every micro-batch of this step; gradients accumulate into
         the module's .grad (data-parallel averaging included). The caller runs the optimizer.
-        `comm` is "overlap" (links in the background) or "lockstep" (batched exchanges)."""
+        `comm` is "overlap" (links in the background) or "lockstep" (batched exchanges).
+        `weight` is this replica's share of the step's micro-batches when replicas run unequal
+        counts (module docstring); None means equal counts."""
         stage, count = self.topology.stage, schedule.microbatches
         if comm not in COMM_MODES:
             raise ValueError(f"comm must be one of {', '.join(COMM_MODES)}, got {comm!r}")
@@ -297,7 +306,7 @@ class StageExecutor:
         for link in (self.send_link, self.grad_link):
             if link is not None:
                 link.drain()
-        self._average_gradients()
+        self._average_gradients(weight)
         if metering:
             self.measured_peaks[table_key] = self.meter.peak_bytes
         forward_s, backward_s = timer.means()
@@ -390,14 +399,18 @@ class StageExecutor:
             offset += size
         return out
 
-    def _average_gradients(self) -> None:
+    def _average_gradients(self, weight: float | None = None) -> None:
+        """Mean over replicas of equal tables; with `weight`, the weighted sum (module docstring)."""
         group = self.groups.data_parallel
         if group is None:
             return
         params = [p for p in self.module.parameters() if p.grad is not None]
         flat = torch.cat([p.grad.reshape(-1) for p in params])
+        if weight is not None:
+            flat *= weight
         dist.all_reduce(flat, group=group)
-        flat /= self.topology.replicas
+        if weight is None:
+            flat /= self.topology.replicas
         offset = 0
         for p in params:
             p.grad.copy_(flat[offset: offset + p.grad.numel()].view_as(p.grad))
