@@ -16,6 +16,8 @@ seconds it would have saved pay for re-planning (the same rung's cost: ski-renta
 ladder re-plans. When the best plan is the even one, the fail-slow is over: the job goes back
 to the even split and the ladder starts afresh. Without this, a rank that recovered would sit
 idle behind counts fitted to its slowdown, and that loss would climb the ladder to a restart.
+A pipelined job can hold both: S2's counts stay in force when the ladder climbs on to S3, so
+S3's way back down also restores the even counts (the plan then carries both).
 Decisions are plain objects; the graph turns them into mutations and Events.
 """
 
@@ -53,7 +55,7 @@ class LadderCosts:
 class JobShape:
     """What the planners of S2 and S3 need; None means the job has no such parallelism."""
 
-    microbatch_seconds: list[float] | None = None  # per data-parallel rank, seconds per micro-batch
+    microbatch_seconds: list[float] | None = None  # per DP rank or pipeline replica, seconds per micro-batch
     total_microbatches: int = 0
     layer_costs: list[float] | None = None  # pipeline: relative cost of each layer
     stage_speeds: list[float] | None = None  # pipeline: relative speed of each stage's rank(s)
@@ -93,6 +95,7 @@ class MitigationLadder:
         self.applied: dict[str, object] | None = None  # the S2/S3 plan in force
         self.steps_on_plan = 0
         self.replan_gain = 0.0  # seconds the best plan would have saved since the applied one
+        self.counts_in_force: list[int] | None = None  # S2's counts, kept while S3 holds
         self._priced: tuple[JobShape, tuple[int, ...], Priced | None] | None = None  # per shape and plan
 
     def applicable(self, level: MitigationLevel) -> bool:
@@ -171,6 +174,8 @@ class MitigationLadder:
 
     def _apply(self, plan: dict[str, object]) -> None:
         self.applied = plan if ("microbatches" in plan or "stageLayers" in plan) else None
+        if "microbatches" in plan:
+            self.counts_in_force = list(plan["microbatches"])  # type: ignore[call-overload]
         self.steps_on_plan, self.replan_gain = 0, 0.0
 
     def _replan_if_paid(self) -> Decision | None:
@@ -204,8 +209,12 @@ class MitigationLadder:
         if even:
             action = "restore-even"
             reason += "; the even split is best again: the fail-slow is over"
+            if level is MitigationLevel.RESPLIT and self.counts_in_force is not None \
+                    and self.shape.microbatch_seconds is not None:
+                full.update(self._even_plan(MitigationLevel.REBALANCE))
+                reason += "; S2's counts go back to the even split too"
             self.level, self.finding, self.ranks, self.loss_since_rung = None, None, (), 0.0
-            self.applied = None
+            self.applied, self.counts_in_force = None, None
         else:
             action = "replan-microbatches" if level is MitigationLevel.REBALANCE else "replan-stages"
             self._apply(full)
