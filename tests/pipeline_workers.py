@@ -175,15 +175,19 @@ def unequal_counts_worker(rank: int, world: int, cfg: models.ModelConfig, stages
         stage = split.split_decoder(decoder, stages)[topo.stage]
         runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, torch.device("cpu"))
         plan = training.PipelinePlan(microbatches=total // topo.replicas, schedule=name, k=k, replan_every=1)
-        loop: training.PipelineTraining
+        # the batches callback reads the loop's counts, so it is attached once the loop exists
+        loop = training.PipelineTraining(
+            stage=runner, optimizer=torch.optim.SGD(stage.parameters(), lr=0.0),
+            batches=lambda step: ([], []), plan=plan,
+            planner=pipeline_planner.AdaptiveKPlanner() if name == "auto" else None)
 
-        def batches(step: int) -> training.Batch:
+        def batches(step: int, loop: training.PipelineTraining = loop, total: int = total,
+                    tokens: list[torch.Tensor] = tokens, targets: list[torch.Tensor] = targets
+                    ) -> training.Batch:
             mine = microbatches.assign(loop.counts, total, topo.replicas, topo.replica)
             return [[tokens[i]] for i in mine], [targets[i] for i in mine]
 
-        loop = training.PipelineTraining(
-            stage=runner, optimizer=torch.optim.SGD(stage.parameters(), lr=0.0), batches=batches, plan=plan,
-            planner=pipeline_planner.AdaptiveKPlanner() if name == "auto" else None)
+        loop.batches = batches
         loop.set_counts(counts)
         refusals = []
         if label.endswith("-refuse"):

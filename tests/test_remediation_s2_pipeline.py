@@ -36,7 +36,8 @@ def snapshot(rank: int, per_microbatch: float, mine: int = TOTAL // 2, split: tu
             "parameters": {"pipeline": {"stages": 2, "replicas": 2, "stage_layers": list(split)},
                            "micro_batches": {"total": TOTAL, "mine": mine}},
             "steps": [{"step": s, "step_seconds": 1.0, "compute_seconds": mine * per_microbatch + 0.05,
-                       "comm_seconds": 0.1, **({"microbatch_seconds": per_microbatch} if runtime_figure else {})}
+                       "comm_seconds": 0.1,
+                       **({"microbatch_seconds": per_microbatch} if runtime_figure else {})}
                       for s in range(policy.SHAPE_WINDOW)]}
 
 
@@ -105,7 +106,8 @@ def test_s2_waits_for_every_rank_while_s3_needs_every_stage() -> None:
     shape = policy.build_pipeline_shape(snaps)
     assert shape is not None and shape.stage_speeds is not None
     assert shape.microbatch_seconds is None
-    assert not ladder.MitigationLadder(MitigationLevel.RESPLIT, COSTS, shape).applicable(MitigationLevel.REBALANCE)
+    lad = ladder.MitigationLadder(MitigationLevel.RESPLIT, COSTS, shape)
+    assert not lad.applicable(MitigationLevel.REBALANCE)
 
 
 def test_after_s2_the_counts_in_force_do_not_change_the_replica_speeds() -> None:
@@ -142,4 +144,5 @@ def test_when_s3_ends_its_way_back_down_restores_s2_counts_too() -> None:
     g = build_graph()
     remediation = policy.RemediationPolicy(Remediation.model_validate({"maxMitigation": "resplit"}))
     events = remediation._events_for(g, decision, ())
-    assert [(e.data["key"], e.data["value"]) for e in events] == [("stageLayers", [2, 2]), ("microbatches", [4, 4])]
+    assert [(e.data["key"], e.data["value"]) for e in events] == [
+        ("stageLayers", [2, 2]), ("microbatches", [4, 4])]

@@ -11,9 +11,10 @@ Remediation S2 reaches a pipelined job through the same control file as a DDP ga
 (`huorn.runtime.microbatches`), with one count per pipeline replica rather than per rank: a
 replica's stages form one pipeline and must run one table, so the replica is the unit that can
 take fewer micro-batches. Under a plan replica r runs the contiguous block of indices
-`microbatches.assign` gives it, and the executor weighs its gradients by N_r / M, so the step's
-gradient is still the non-pipelined one. A plan that does not fit is refused and the counts in
-force stay: within one process lifetime the replicas cannot change, so those counts still fit.
+`microbatches.assign` gives it, and the executor weighs each micro-batch 1/M and sums over
+replicas, so the step's gradient is still the non-pipelined one. A plan that does not fit is
+refused and the counts in force stay: within one process lifetime the replicas cannot change,
+so those counts still fit.
 
 Gradient clipping needs the whole model's norm: every rank contributes its stage's squared norm
 to one all-reduce and the sum is divided by the replicas (which hold identical averaged
@@ -125,7 +126,9 @@ class PipelineTrainer(train.Trainer):
 
     def train_step(self, step: int, flags: list[float]) -> tuple[float, float | None, dict, list[float]]:
         report = self.loop.run_step(step)
-        self.telemetry.add_comm_seconds(report.recv_wait_s)
+        # waits for the neighbour stages and, with replicas, for the slowest replica in the gradient
+        # all-reduce: a healthy replica's compute must not grow with a slow replica's
+        self.telemetry.add_comm_seconds(report.recv_wait_s + report.reduce_wait_s)
         # this stage's own compute per micro-batch, waits excluded: S2 takes a replica's speed
         # from its slowest stage's figure
         self.microbatch_seconds = report.microbatch_s

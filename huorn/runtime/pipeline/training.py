@@ -13,9 +13,10 @@ injection (`KPlanner`, implemented by `huorn.runtime.pipeline.planner.AdaptiveKP
 benchmarks and tests can swap in a planner with other thresholds.
 
 Remediation S2 gives the replicas unequal shares of the step (`set_counts`): replica r runs a
-table of its own N_r micro-batches, weighs its gradients and loss by N_r / M (executor
-docstring), and k stays one k for the job. The planner then sees the critical replica, the
-one with the most work per step (N_r × its slowest stage's F+B), with its own table; a
+table of its own N_r micro-batches, every micro-batch's gradient weighs 1/M of the whole step
+(executor docstring), its mean loss weighs N_r / M, and k stays one k for the job. The planner
+then sees the critical replica, the one with the most work per step (N_r × its slowest
+stage's F+B), with its own table; a
 replica with fewer micro-batches finishes its table earlier and waits in the gradient sum, so
 it cannot set the step time. Memory is each replica's own table, worst replica per stage."""
 
@@ -80,6 +81,7 @@ class StepReport:
     comm: str = "overlap"  # how this step's messages moved
     microbatches: int = 0  # this replica's micro-batches in the step
     microbatch_s: float = 0.0  # this stage's forward + backward seconds for one micro-batch (S2's input)
+    reduce_wait_s: float = 0.0  # this rank, in the data-parallel gradient all-reduce
 
 
 class PipelineTraining:
@@ -137,7 +139,8 @@ class PipelineTraining:
         self.optimizer.zero_grad(set_to_none=True)
         if self.before_step is not None:
             self.before_step(step)
-        stats = runner.run_step(schedule, inputs, targets, comm=self.comm, weight=weight)
+        total = self.total_microbatches if self.counts is not None else None
+        stats = runner.run_step(schedule, inputs, targets, comm=self.comm, total_microbatches=total)
         if self.before_update is not None:
             self.before_update()
         self.optimizer.step()
@@ -151,6 +154,7 @@ class PipelineTraining:
                 schedule, [runner.microbatch_bytes] * topo.stages)[topo.stage],
             executed=stats.executed, recv_wait_s=stats.recv_wait_s, comm=stats.comm,
             microbatches=mine, microbatch_s=stats.forward_s + stats.backward_s,
+            reduce_wait_s=stats.reduce_wait_s,
         )
         self.steps_done += 1
         if plan.schedule == "auto" and self.steps_done % plan.replan_every == 0:
