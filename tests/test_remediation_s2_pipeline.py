@@ -119,9 +119,7 @@ def test_after_s2_the_counts_in_force_do_not_change_the_replica_speeds() -> None
     assert after is not None and after.microbatch_seconds == pytest.approx(shape.microbatch_seconds)
 
 
-def test_when_s3_ends_its_way_back_down_restores_s2_counts_too() -> None:
-    """S2 then S3 on one pipelined job; when the slowdown is over, S3's restore-even carries the
-    even micro-batch counts as well, so no replica stays idle behind S2's counts."""
+def s2_then_s3() -> ladder.MitigationLadder:
     lad = ladder.MitigationLadder(MitigationLevel.RESPLIT, ladder.LadderCosts(rebalance=1.0, resplit=3.0),
                                   shape_of([0.1, 0.1, 0.3, 0.1]))
     lad.on_fail_slow(SLOW, [])
@@ -132,13 +130,24 @@ def test_when_s3_ends_its_way_back_down_restores_s2_counts_too() -> None:
             made.append(decision)
     assert [d.action for d in made] == ["rebalance-microbatches", "resplit-stages"]
     assert lad.counts_in_force == [6, 2]
-    lad.shape = shape_of([0.1, 0.1, 0.1, 0.1])  # healthy again
-    decision = None
+    return lad
+
+
+def next_decision(lad: ladder.MitigationLadder) -> ladder.Decision:
     for _ in range(100):
         decision = lad.on_step(1.2, 1.0)
         if decision is not None:
-            break
-    assert decision is not None and decision.action == "restore-even"
+            return decision
+    raise AssertionError("no decision in 100 steps")
+
+
+def test_when_s3_ends_its_way_back_down_restores_s2_counts_too() -> None:
+    """S2 then S3 on one pipelined job; when the slowdown is over, S3's restore-even carries the
+    even micro-batch counts as well, so no replica stays idle behind S2's counts."""
+    lad = s2_then_s3()
+    lad.shape = shape_of([0.1, 0.1, 0.1, 0.1])  # healthy again
+    decision = next_decision(lad)
+    assert decision.action == "restore-even"
     assert decision.plan["stageLayers"] == [2, 2] and decision.plan["microbatches"] == [4, 4]
     assert lad.level is None and lad.counts_in_force is None
     g = build_graph()
@@ -146,3 +155,21 @@ def test_when_s3_ends_its_way_back_down_restores_s2_counts_too() -> None:
     events = remediation._events_for(g, decision, ())
     assert [(e.data["key"], e.data["value"]) for e in events] == [
         ("stageLayers", [2, 2]), ("microbatches", [4, 4])]
+
+
+def test_when_s3_ends_but_a_replica_is_still_slow_s2_holds_again() -> None:
+    """Replica 1 slow in both its stages: the stages look balanced (S3's even split is best), but
+    S2's counts still pay, so they stay, and the ladder is back on S2 (tracking them), not reset."""
+    lad = s2_then_s3()
+    lad.shape = shape_of([0.1, 0.1, 0.3, 0.3])
+    decision = next_decision(lad)
+    assert decision.action == "restore-even" and decision.plan["stageLayers"] == [2, 2]
+    assert "microbatches" not in decision.plan and "S2's counts [6, 2] stay" in decision.reason
+    assert lad.level is MitigationLevel.REBALANCE and lad.applied == {"microbatches": [6, 2]}
+    g = build_graph()
+    remediation = policy.RemediationPolicy(Remediation.model_validate({"maxMitigation": "resplit"}))
+    assert [e.data["key"] for e in remediation._events_for(g, decision, ())] == ["stageLayers"]
+    lad.shape = shape_of([0.1, 0.1, 0.1, 0.1])  # and once the replica recovers, S2 is undone
+    decision = next_decision(lad)
+    assert decision.action == "restore-even" and decision.plan["microbatches"] == [4, 4]
+    assert lad.level is None

@@ -16,9 +16,9 @@ Remediation S2 gives the replicas unequal shares of the step (`set_counts`): rep
 table of its own N_r micro-batches, every micro-batch's gradient weighs 1/M of the whole step
 (executor docstring), its mean loss weighs N_r / M, and k stays one k for the job. The planner
 then sees the critical replica, the one with the most work per step (N_r × its slowest
-stage's F+B), with its own table; a
-replica with fewer micro-batches finishes its table earlier and waits in the gradient sum, so
-it cannot set the step time. Memory is each replica's own table, worst replica per stage."""
+stage's F+B), with its own table; a replica with fewer micro-batches finishes its table
+earlier and waits in the gradient sum, so it cannot set the step time. Memory is each
+replica's own table, worst replica per stage."""
 
 from __future__ import annotations
 
@@ -214,9 +214,10 @@ def _reduce_step(stats: executor.StepStats, device: torch.device, replicas: int,
 
 
 def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[executor.StepStats], step: int,
-            k: int, comm: str, plan: PipelinePlan, mine: int | None = None) -> tuple[int, str, dict | None]:
+            k: int, comm: str, plan: PipelinePlan, own_microbatches: int | None = None
+            ) -> tuple[int, str, dict | None]:
     """Gather window averages from every rank, let rank 0 decide, broadcast k and the mode.
-    `mine` is this replica's micro-batches (module docstring for unequal counts)."""
+    `own_microbatches` is this replica's table length (module docstring for unequal counts)."""
     topo = runner.topology
     n = len(window)
 
@@ -229,7 +230,7 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
         mean([s.send_link.seconds_per_message for s in window if s.send_link]),
         mean([s.grad_link.seconds_per_message for s in window if s.grad_link]),
         sum(s.seconds for s in window) / n, float(runner.microbatch_bytes),
-        float(plan.microbatches if mine is None else mine),
+        float(plan.microbatches if own_microbatches is None else own_microbatches),
     ], dtype=torch.float64, device=runner.device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)

@@ -16,8 +16,9 @@ seconds it would have saved pay for re-planning (the same rung's cost: ski-renta
 ladder re-plans. When the best plan is the even one, the fail-slow is over: the job goes back
 to the even split and the ladder starts afresh. Without this, a rank that recovered would sit
 idle behind counts fitted to its slowdown, and that loss would climb the ladder to a restart.
-A pipelined job can hold both: S2's counts stay in force when the ladder climbs on to S3, so
-S3's way back down also restores the even counts (the plan then carries both).
+A pipelined job can hold both: S2's counts stay in force when the ladder climbs on to S3. S3's
+way back down then also restores the even counts (the plan carries both), unless the replicas'
+speeds still call for S2, in which case the ladder returns to S2 on the counts in force.
 Decisions are plain objects; the graph turns them into mutations and Events.
 """
 
@@ -208,6 +209,14 @@ class MitigationLadder:
                   f"cost of {level.value} (ski-rental)")
         if even:
             action = "restore-even"
+            if level is MitigationLevel.RESPLIT and self._s2_still_pays():
+                # the stages are balanced again, but one replica is still slower as a whole
+                # (all its stages alike, which S3 cannot see): back to S2 on the counts in force
+                reason += (f"; the even layer split is best again, but the replicas' speeds still "
+                           f"differ: S2's counts {self.counts_in_force} stay and S2 holds again")
+                self.level, self.loss_since_rung = MitigationLevel.REBALANCE, 0.0
+                self._apply({"microbatches": list(self.counts_in_force)})
+                return Decision(level, action, reason, self.ranks, plan=full)
             reason += "; the even split is best again: the fail-slow is over"
             if level is MitigationLevel.RESPLIT and self.counts_in_force is not None \
                     and self.shape.microbatch_seconds is not None:
@@ -219,6 +228,15 @@ class MitigationLadder:
             action = "replan-microbatches" if level is MitigationLevel.REBALANCE else "replan-stages"
             self._apply(full)
         return Decision(level, action, reason, self.ranks, plan=full)
+
+    def _s2_still_pays(self) -> bool:
+        """Whether the speeds measured now still put S2's best plan beyond the even split's margin."""
+        s = self.shape
+        if self.counts_in_force is None or s.microbatch_seconds is None \
+                or len(s.microbatch_seconds) != len(self.counts_in_force):
+            return False
+        best = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches)
+        return best.before > best.makespan * (1.0 + self.MARGIN)
 
     @staticmethod
     def _key(plan: dict[str, object]) -> tuple[int, ...]:

@@ -269,8 +269,8 @@ def build_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:
         if parameters.get("pipeline"):
             return None  # S2's unit is the pipeline replica there: build_pipeline_shape
         steps = (snap.get("steps") or [])[-SHAPE_WINDOW:]
-        seconds = _microbatch_seconds(snap, steps)
-        if seconds is None or len(steps) < SHAPE_WINDOW:
+        seconds = _microbatch_seconds(snap, steps) if len(steps) >= SHAPE_WINDOW else None
+        if seconds is None:
             return None
         per_rank[int(snap["rank"])] = seconds
         totals.add(int(parameters["micro_batches"]["total"]))
