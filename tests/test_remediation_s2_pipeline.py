@@ -6,6 +6,8 @@ trainer's /telemetry, 2 stages × 2 replicas (rank = replica × 2 + stage)."""
 
 from __future__ import annotations
 
+import itertools
+import random
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import yaml
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
 from huorn.api.common import MitigationLevel, Remediation
 from huorn.graph import compiler, managers, model
-from huorn.scheduler.remediation import failslow, ladder, policy
+from huorn.scheduler.remediation import failslow, ladder, policy, rebalance
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 SLOW = failslow.SlowFinding("trainer-1", "compute", 40, 50, 3.0)
@@ -64,6 +66,8 @@ def test_a_replica_is_as_fast_as_its_slowest_stage() -> None:
     # replica 1's stage 0 (rank 2) takes 0.3 s per micro-batch, everything else 0.1 s
     shape = shape_of([0.1, 0.1, 0.3, 0.1])
     assert shape.microbatch_seconds == pytest.approx([0.1, 0.3]) and shape.total_microbatches == TOTAL
+    # and a fixed part a step: one micro-batch through its other stage (fill and drain)
+    assert shape.fixed_seconds == pytest.approx([0.1, 0.1])
     assert shape.stage_speeds is not None and shape.layer_costs == [1.0] * 4  # S3's half is unchanged
     # older runtimes publish no microbatch_seconds: compute over the replica's micro-batches
     fallback = shape_of([0.1, 0.1, 0.3, 0.1], runtime_figure=False)
@@ -75,9 +79,10 @@ def test_a_slow_replica_gets_fewer_micro_batches() -> None:
     s2 = decisions[1]
     assert s2.level is MitigationLevel.REBALANCE and s2.action == "rebalance-microbatches"
     counts = s2.plan["microbatches"]
-    assert len(counts) == 2 and sum(counts) == TOTAL and counts == [6, 2]  # 0.6 s against 0.6 s
-    assert s2.plan["predictedStepSeconds"] == pytest.approx(0.6)
-    assert s2.plan["stepSecondsBefore"] == pytest.approx(1.2)
+    # N·t + fill: [6, 2] takes 0.6 + 0.1 s on replica 0 and 0.6 + 0.1 s on replica 1
+    assert len(counts) == 2 and sum(counts) == TOTAL and counts == [6, 2]
+    assert s2.plan["predictedStepSeconds"] == pytest.approx(0.7)
+    assert s2.plan["stepSecondsBefore"] == pytest.approx(1.3)  # [4, 4]: 1.2 + 0.1 s on replica 1
     # the decision reaches the trainer vertex as one count per pipeline replica
     g = build_graph()
     remediation = policy.RemediationPolicy(Remediation.model_validate({"maxMitigation": "resplit"}))
@@ -173,3 +178,36 @@ def test_when_s3_ends_but_a_replica_is_still_slow_s2_holds_again() -> None:
     decision = next_decision(lad)
     assert decision.action == "restore-even" and decision.plan["microbatches"] == [4, 4]
     assert lad.level is None
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_plan_with_a_fixed_part_per_replica_is_the_brute_force_optimum(seed: int) -> None:
+    """Both integer programs with each replica's fill and drain added: the makespan is the
+    smallest of all plans, and among the plans that reach it the L1 spread is the smallest."""
+    rng = random.Random(seed)
+    n, total = rng.randint(2, 3), rng.randint(4, 9)
+    times = [rng.uniform(0.05, 0.5) for _ in range(n)]
+    fixed = [rng.uniform(0.0, 0.6) for _ in range(n)]
+    plan = rebalance.rebalance_microbatches(times, total, fixed)
+    plans = [c for c in itertools.product(range(1, total + 1), repeat=n) if sum(c) == total]
+    best = min(rebalance.step_seconds(c, times, fixed) for c in plans)
+    assert plan.makespan == pytest.approx(best, rel=1e-6)
+    assert sum(plan.counts) == total and min(plan.counts) >= 1
+
+    def spread(counts: tuple[int, ...]) -> float:
+        loads = [c * t + f for c, t, f in zip(counts, times, fixed, strict=True)]
+        return sum(abs(x - sum(loads) / n) for x in loads)
+
+    tied = [c for c in plans if rebalance.step_seconds(c, times, fixed) <= best * (1 + 1e-9)]
+    assert spread(plan.counts) == pytest.approx(min(spread(c) for c in tied), rel=1e-6, abs=1e-9)
+
+
+def test_a_fixed_part_can_change_the_plan() -> None:
+    """Replica 1 is 3× slower per micro-batch and its fill and drain add 0.25 s a step whatever
+    its count: at 2 micro-batches it would take 0.85 s, so it gets one fewer than without."""
+    without = rebalance.rebalance_microbatches([0.1, 0.3], 8)
+    assert without.counts == (6, 2) and without.makespan == pytest.approx(0.6)
+    with_fill = rebalance.rebalance_microbatches([0.1, 0.3], 8, [0.0, 0.25])
+    assert with_fill.counts == (7, 1) and with_fill.makespan == pytest.approx(0.7)
+    with pytest.raises(ValueError, match="fixed seconds"):
+        rebalance.rebalance_microbatches([0.1, 0.3], 8, [0.1])

@@ -61,6 +61,7 @@ class JobShape:
     layer_costs: list[float] | None = None  # pipeline: relative cost of each layer
     stage_speeds: list[float] | None = None  # pipeline: relative speed of each stage's rank(s)
     layer_seconds: float | None = None  # pipeline: a step's seconds for one layer cost at speed 1
+    fixed_seconds: list[float] | None = None  # per pipeline replica: fill and drain, whatever its count
 
 
 # (applied plan's seconds a step, best plan's, best plan, whether the best is the even split)
@@ -235,7 +236,7 @@ class MitigationLadder:
         if self.counts_in_force is None or s.microbatch_seconds is None \
                 or len(s.microbatch_seconds) != len(self.counts_in_force):
             return False
-        best = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches)
+        best = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches, s.fixed_seconds)
         return best.before > best.makespan * (1.0 + self.MARGIN)
 
     @staticmethod
@@ -250,10 +251,11 @@ class MitigationLadder:
         if level is MitigationLevel.REBALANCE:
             if s.microbatch_seconds is None or len(s.microbatch_seconds) != len(applied):
                 return None
-            best = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches)
-            current = max(c * t for c, t in zip(applied, s.microbatch_seconds, strict=True))
+            fixed = s.fixed_seconds
+            best = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches, fixed)
+            current = rebalance.step_seconds(applied, s.microbatch_seconds, fixed)
             even = tuple(rebalance.even_split(s.total_microbatches, len(applied)))
-            even_time = max(c * t for c, t in zip(even, s.microbatch_seconds, strict=True))
+            even_time = rebalance.step_seconds(even, s.microbatch_seconds, s.fixed_seconds)
             if even_time <= best.makespan * (1.0 + self.MARGIN):
                 return current, even_time, even, True
             return current, best.makespan, tuple(best.counts), False
@@ -276,7 +278,7 @@ class MitigationLadder:
         s = self.shape
         if level is MitigationLevel.REBALANCE and s.microbatch_seconds is not None:
             counts = rebalance.even_split(s.total_microbatches, len(s.microbatch_seconds))
-            seconds = max(c * t for c, t in zip(counts, s.microbatch_seconds, strict=True))
+            seconds = rebalance.step_seconds(counts, s.microbatch_seconds, s.fixed_seconds)
             return {"microbatches": counts, "predictedStepSeconds": seconds, "stepSecondsBefore": seconds}
         assert s.layer_costs is not None and s.stage_speeds is not None
         layers = rebalance.even_split(len(s.layer_costs), len(s.stage_speeds))
@@ -287,7 +289,7 @@ class MitigationLadder:
     def build_plan(self, level: MitigationLevel) -> dict[str, object]:
         s = self.shape
         if level is MitigationLevel.REBALANCE and s.microbatch_seconds is not None:
-            mb = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches)
+            mb = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches, s.fixed_seconds)
             return {"microbatches": list(mb.counts), "predictedStepSeconds": mb.makespan,
                     "stepSecondsBefore": mb.before}
         if level is MitigationLevel.RESPLIT and s.layer_costs is not None and s.stage_speeds is not None:

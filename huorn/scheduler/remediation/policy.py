@@ -207,11 +207,14 @@ def build_pipeline_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | Non
     """S3's and S2's inputs from a pipeline job's telemetry. S3: every layer costs the same (the
     decoder's blocks are identical), and a stage's speed is the fastest stage's seconds per layer
     over its own (its slowest replica's median compute time divided by the layers it holds).
-    S2: a replica's seconds per micro-batch are its slowest stage's (module docstring), with the
-    step's micro-batches; only once every rank of the gang reports them. None until every stage
+    S2: a replica's seconds per micro-batch are its slowest stage's (module docstring), its fixed
+    seconds a step one micro-batch through its other stages (the pipeline's fill and drain, which
+    do not shrink with its count), with the step's micro-batches; only once every rank of the
+    gang reports them. None until every stage
     has published enough steps."""
     per_layer: dict[int, float] = {}
     per_replica: dict[int, float] = {}  # slowest stage's seconds per micro-batch
+    summed: dict[int, float] = {}  # all stages' seconds for one micro-batch
     splits, totals, worlds, ranks = set(), set(), set(), set()
     for snap in snapshots.values():
         pipeline = (snap.get("parameters") or {}).get("pipeline") or {}
@@ -227,6 +230,7 @@ def build_pipeline_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | Non
         seconds = _microbatch_seconds(snap, steps)
         if seconds is not None:
             per_replica[replica] = max(per_replica.get(replica, 0.0), seconds)
+            summed[replica] = summed.get(replica, 0.0) + seconds
             totals.add(int(snap["parameters"]["micro_batches"]["total"]))
             ranks.add(rank)
         worlds.add(int(snap.get("world_size", 0)))
@@ -241,7 +245,10 @@ def build_pipeline_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | Non
                             layer_seconds=fastest)
     world = worlds.pop() if len(worlds) == 1 else 0
     if len(totals) == 1 and world and sorted(ranks) == list(range(world)):
-        shape.microbatch_seconds = [per_replica[r] for r in range(world // len(split))]
+        replicas = range(world // len(split))
+        shape.microbatch_seconds = [per_replica[r] for r in replicas]
+        # one micro-batch through the other stages: the fill and drain around the slowest one
+        shape.fixed_seconds = [summed[r] - per_replica[r] for r in replicas]
         shape.total_microbatches = totals.pop()
     return shape
 
