@@ -19,6 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 CFG = models.ModelConfig(layers=4, width=16, heads=2, vocabulary=32, context=8)
 CASES = [
     ("even", None, "1f1b", 1),
+    ("2-2", (2, 2), "1f1b", 1),  # equal counts, as S2's way back writes them
     ("3-1", (3, 1), "1f1b", 1),
     ("1-3", (1, 3), "kfkb", 2),
     ("5-1-gpipe", (5, 1), "gpipe", 1),
@@ -99,3 +100,11 @@ def test_a_plan_that_does_not_fit_is_refused_and_the_counts_in_force_stay(ranks:
         assert kept == (3, 1)
         assert r["3-1-refuse"]["reports"][0].microbatches == (3, 1)[r["3-1-refuse"]["replica"]]
     check_against_reference(ranks, "3-1-refuse", 4)
+
+
+def test_equal_counts_run_the_plain_path_bit_for_bit(ranks: list[dict]) -> None:
+    """S2's way back ([2, 2]) must not leave a summed-gradient path behind: same bits as no plan."""
+    for r in ranks:
+        assert r["2-2"]["reports"][0].loss == r["even"]["reports"][0].loss
+        for name, grad in r["even"]["grads"].items():
+            torch.testing.assert_close(r["2-2"]["grads"][name], grad, rtol=0, atol=0)
