@@ -160,3 +160,54 @@ def check_link_run(ranks: list[dict], kind: str, burst_s: float, messages: int) 
     assert receiver["received"] == [float(m) for m in range(messages)] and receiver["uniform"]
     assert sender["messages"] == messages and sender["nbytes"] == messages * 1024 * 4
     assert burst_s * 0.9 <= sender["seconds_per_message"] < burst_s * 5, sender
+
+
+def unequal_counts_worker(rank: int, world: int, cfg: models.ModelConfig, stages: int,
+                          cases: list[tuple[str, tuple[int, ...] | None, str, int]]) -> dict:
+    """For each case (label, per-replica counts, schedule, k): one training-loop step of the
+    float64 decoder from the same initial weights (SGD at lr 0, so the gradients stay readable),
+    with the replicas running the counts S2 gives them. Every case also runs `auto` and refusal
+    checks where its label says so. Returns the reports and this rank's gradients by case."""
+    from huorn.runtime import microbatches
+    from huorn.runtime.pipeline import planner as pipeline_planner
+
+    topo = pp_topology.PipelineTopology(stages=stages, replicas=world // stages, rank=rank)
+    groups = pp_topology.build_groups(topo)
+    results: dict = {}
+    for label, counts, name, k in cases:
+        total = sum(counts) if counts is not None else 2 * topo.replicas
+        tokens, targets = make_decoder_batch(cfg, total, 2, seed=7)
+        decoder = build_decoder(cfg)
+        names = {id(p): n for n, p in decoder.named_parameters()}
+        stage = split.split_decoder(decoder, stages)[topo.stage]
+        runner = executor.StageExecutor(stage, topo, groups, split.compute_decoder_loss, torch.device("cpu"))
+        plan = training.PipelinePlan(microbatches=total // topo.replicas, schedule=name, k=k, replan_every=1)
+        # the batches callback reads the loop's counts, so it is attached once the loop exists
+        loop = training.PipelineTraining(
+            stage=runner, optimizer=torch.optim.SGD(stage.parameters(), lr=0.0),
+            batches=lambda step: ([], []), plan=plan,
+            planner=pipeline_planner.AdaptiveKPlanner() if name == "auto" else None)
+
+        def batches(step: int, loop: training.PipelineTraining = loop, total: int = total,
+                    tokens: list[torch.Tensor] = tokens, targets: list[torch.Tensor] = targets
+                    ) -> training.Batch:
+            mine = microbatches.assign(loop.counts, total, topo.replicas, topo.replica)
+            return [[tokens[i]] for i in mine], [targets[i] for i in mine]
+
+        loop.batches = batches
+        loop.set_counts(counts)
+        refusals = []
+        if label.endswith("-refuse"):
+            for bad in ((1, 1, 2), (4, 0), (3, 2)):  # wrong length, an empty replica, wrong sum
+                try:
+                    loop.set_counts(bad)
+                except ValueError as error:
+                    refusals.append(str(error))
+            refusals.append(loop.counts)  # what stays in force
+        reports = [loop.run_step(step) for step in range(2 if name == "auto" else 1)]
+        runner.close()
+        results[label] = {
+            "reports": reports, "refusals": refusals, "stage": topo.stage, "replica": topo.replica,
+            "grads": {names[id(p)]: p.grad.clone() for p in stage.parameters() if p.grad is not None},
+        }
+    return results

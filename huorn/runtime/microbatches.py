@@ -15,6 +15,10 @@ step); its change rides on the step's statistics all-reduce and the counts follo
 broadcast, so all ranks switch at the same boundary. A plan that no longer fits the gang (its
 length is not the world size after a resize, or its sum is not the step's micro-batches after
 the global batch changed) is rejected with a reason and the even round-robin split applies.
+
+A pipelined job reads the same file with one count per pipeline replica (all stages of a
+replica run one table); it keeps the counts in force when it rejects a plan
+(`huorn.runtime.pipeline.job`).
 """
 
 from __future__ import annotations
@@ -59,13 +63,14 @@ def write_control_file(run_dir: Path, counts: list[int], reason: str, version: i
     return path
 
 
-def check_plan(plan: MicroBatchPlan, world_size: int, micro_batches: int) -> str | None:
-    """Why `plan` cannot apply to this gang, or None when it can."""
+def check_plan(plan: MicroBatchPlan, world_size: int, micro_batches: int, unit: str = "rank") -> str | None:
+    """Why `plan` cannot apply to this gang, or None when it can. `unit` is what takes a share
+    of the step: a rank under DDP, a "pipeline replica" in a pipelined job (`world_size` of them)."""
     if len(plan.counts) != world_size:
-        return (f"counts has {len(plan.counts)} entries but the gang has {world_size} ranks; "
-                "write one count per rank")
+        return (f"counts has {len(plan.counts)} entries but the gang has {world_size} {unit}s; "
+                f"write one count per {unit}")
     if any(c < 1 for c in plan.counts):
-        return f"counts {list(plan.counts)}: every rank needs at least one micro-batch"
+        return f"counts {list(plan.counts)}: every {unit} needs at least one micro-batch"
     if sum(plan.counts) != micro_batches:
         return (f"counts sum to {sum(plan.counts)} but a step has {micro_batches} micro-batches; "
                 "keep the global batch")

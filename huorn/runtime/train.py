@@ -287,18 +287,30 @@ class Trainer:
         self.control_stamp = stamp
         if plan is None:
             return
-        problem = microbatches.check_plan(plan, self.world, self.plan.micro_batches)
+        problem = self.check_microbatch_plan(plan)
         if problem is not None:
-            self.microbatch_counts = None
-            self.log({"event": "microbatch-plan-rejected", "step": step, "counts": list(plan.counts),
-                      "reason": problem})
+            self.reject_microbatch_plan(step, plan, problem)
             return
-        self.microbatch_counts = plan.counts
+        self.use_microbatch_counts(plan.counts)
         self.telemetry.set_parameter("microbatches", {
             "counts": list(plan.counts), "reason": plan.reason, "version": plan.version,
             "from_step": step + 1})
         self.log({"event": "microbatch-plan", "step": step, "from_step": step + 1,
                   "counts": list(plan.counts), "reason": plan.reason, "version": plan.version})
+
+    def check_microbatch_plan(self, plan: microbatches.MicroBatchPlan) -> str | None:
+        """Why `plan` does not fit this gang (one count per data-parallel rank), or None."""
+        return microbatches.check_plan(plan, self.world, self.plan.micro_batches)
+
+    def reject_microbatch_plan(self, step: int, plan: microbatches.MicroBatchPlan, problem: str) -> None:
+        """A DDP gang falls back to the even split: a plan that does not fit is most often one
+        written for the gang before a resize."""
+        self.microbatch_counts = None
+        self.log({"event": "microbatch-plan-rejected", "step": step, "counts": list(plan.counts),
+                  "reason": problem})
+
+    def use_microbatch_counts(self, counts: tuple[int, ...]) -> None:
+        self.microbatch_counts = counts
 
     def _request_stop(self, signum: int, frame: object) -> None:
         self.stop_requested = True

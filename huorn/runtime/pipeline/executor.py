@@ -24,7 +24,16 @@ tuple of tensors; everything it returns travels to the next stage as one flat bu
 decoder's hidden state plus the FusedKV tensors upper layers rebuild from), and the gradients
 of all of them come back the same way. The last stage's outputs go to `loss_fn(outputs,
 target)`. Each micro-batch's loss is scaled by 1/M (its backward starts at 1/M), so the summed
-gradients equal those of the mean loss, as in single-process gradient accumulation."""
+gradients equal those of the mean loss, as in single-process gradient accumulation.
+
+Replicas may run tables of different lengths (remediation S2 gives a slow pipeline fewer
+micro-batches). Averaging their gradients would then weigh a micro-batch of the short table
+more than one of the long table, so with `run_step(total_microbatches=M)` the backward starts
+at 1/M, the step's total over all replicas, and the replicas' gradients are summed: every
+micro-batch weighs 1/M, as in the non-pipelined step. (Scaling each replica's average by its
+share N_r/M instead is the same in exact arithmetic, but rounds 1/N_r in the loss's dtype:
+gradients then differed from the reference's by 4e-9 in float64.) Without it (equal tables)
+the seed stays 1/M_table and the replicas' gradients are averaged, bit for bit as before."""
 
 from __future__ import annotations
 
@@ -60,6 +69,9 @@ class StepStats:
     executed: list[str] = field(default_factory=list)  # the actions run, in order
     comm: str = "overlap"  # how messages moved: links in the background, or lockstep exchanges
     graphed: bool = False  # forwards and backwards replayed as CUDA graphs (graphs.py)
+    # host seconds in the data-parallel gradient all-reduce: with replicas, a fast replica waits
+    # there for a slow one, which is communication, not its own compute (remediation reads both)
+    reduce_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -217,11 +229,15 @@ class StageExecutor:
 
     # --- one step ------------------------------------------------------------------------------
     def run_step(self, schedule: schedules.Schedule, inputs: Sequence[Sequence[torch.Tensor]] | None,
-                 targets: Sequence[torch.Tensor] | None, comm: str = "overlap") -> StepStats:
+                 targets: Sequence[torch.Tensor] | None, comm: str = "overlap",
+                 total_microbatches: int | None = None) -> StepStats:
         """Forward and backward of every micro-batch of this step; gradients accumulate into
         the module's .grad (data-parallel averaging included). The caller runs the optimizer.
-        `comm` is "overlap" (links in the background) or "lockstep" (batched exchanges)."""
+        `comm` is "overlap" (links in the background) or "lockstep" (batched exchanges).
+        `total_microbatches` is the step's micro-batches over all replicas when replicas run
+        unequal counts (module docstring); None means equal counts."""
         stage, count = self.topology.stage, schedule.microbatches
+        weigh = total_microbatches or count  # each micro-batch's share of the step's gradient
         if comm not in COMM_MODES:
             raise ValueError(f"comm must be one of {', '.join(COMM_MODES)}, got {comm!r}")
         lockstep = comm == "lockstep" and self.topology.stages > 1
@@ -317,7 +333,7 @@ class StageExecutor:
                 # the loss and aux losses start their backward at 1/M rather than being divided
                 # by M in the forward: the same gradients, without a division and its backward
                 # node per micro-batch (on two H200s the last stage's host launches the kernels)
-                grads += [self._scale(count, t) for t in outputs[len(grads):]]
+                grads += [self._scale(weigh, t) for t in outputs[len(grads):]]
                 with timer.measure("B"):
                     torch.autograd.backward(outputs, grads)
                 del outputs
@@ -339,7 +355,9 @@ class StageExecutor:
         for link in (self.send_link, self.grad_link):
             if link is not None:
                 link.drain()
-        self._average_gradients()
+        tick = time.perf_counter()
+        self._average_gradients(summed=total_microbatches is not None)
+        reduce_wait_s = time.perf_counter() - tick
         if metering:
             self.measured_peaks[table_key] = self.meter.peak_bytes
         forward_s, backward_s = timer.means()
@@ -350,6 +368,7 @@ class StageExecutor:
             send_link=self.send_link.take_stats() if self.send_link else None,
             grad_link=self.grad_link.take_stats() if self.grad_link else None,
             peak_saved_bytes=self.measured_peaks[table_key], executed=executed, graphed=graphed,
+            reduce_wait_s=reduce_wait_s,
         )
 
     def _graphs_ready(self, schedule: schedules.Schedule) -> bool:
@@ -452,14 +471,16 @@ class StageExecutor:
             offset += size
         return out
 
-    def _average_gradients(self) -> None:
+    def _average_gradients(self, summed: bool = False) -> None:
+        """Mean over replicas of equal tables; the sum when each seed was 1/M of the whole step."""
         group = self.groups.data_parallel
         if group is None:
             return
         params = [p for p in self.module.parameters() if p.grad is not None]
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat, group=group)
-        flat /= self.topology.replicas
+        if not summed:
+            flat /= self.topology.replicas
         offset = 0
         for p in params:
             p.grad.copy_(flat[offset: offset + p.grad.numel()].view_as(p.grad))

@@ -7,6 +7,15 @@ the replicas, so a replica's pipeline runs M / replicas of them; each micro-batc
 through the executor's 1/count scaling and the data-parallel average, which makes the step's
 gradient the non-pipelined one.
 
+Remediation S2 reaches a pipelined job through the same control file as a DDP gang
+(`huorn.runtime.microbatches`), with one count per pipeline replica rather than per rank: a
+replica's stages form one pipeline and must run one table, so the replica is the unit that can
+take fewer micro-batches. Under a plan replica r runs the contiguous block of indices
+`microbatches.assign` gives it, and the executor weighs each micro-batch 1/M and sums over
+replicas, so the step's gradient is still the non-pipelined one. A plan that does not fit is
+refused and the counts in force stay: within one process lifetime the replicas cannot change,
+so those counts still fit.
+
 Gradient clipping needs the whole model's norm: every rank contributes its stage's squared norm
 to one all-reduce and the sum is divided by the replicas (which hold identical averaged
 gradients), the same clip torch.nn.utils.clip_grad_norm_ applies to the undivided model.
@@ -26,7 +35,7 @@ import math
 import torch
 from torch import nn
 
-from huorn.runtime import comm, train
+from huorn.runtime import comm, microbatches, train
 from huorn.runtime.pipeline import executor, planner, split, topology, training
 
 
@@ -90,7 +99,8 @@ class PipelineTrainer(train.Trainer):
 
     def build_batches(self, step: int) -> training.Batch:
         """This replica's micro-batches of `step`: inputs on the first stage, targets on the last."""
-        mine = batching_indices(self.plan.micro_batches, self.topology)
+        mine = batching_indices(self.plan.micro_batches, self.topology, self.loop.counts)
+        self.telemetry.set_parameter("micro_batches", {"total": self.plan.micro_batches, "mine": len(mine)})
         pairs = [self.mixture.micro_batch(step, i, self.plan.micro_batch) for i in mine]
         inputs = [[tokens.to(self.device)] for tokens, _ in pairs] if self.topology.is_first else None
         targets = [t.to(self.device) for _, t in pairs] if self.topology.is_last else None
@@ -116,7 +126,12 @@ class PipelineTrainer(train.Trainer):
 
     def train_step(self, step: int, flags: list[float]) -> tuple[float, float | None, dict, list[float]]:
         report = self.loop.run_step(step)
-        self.telemetry.add_comm_seconds(report.recv_wait_s)
+        # waits for the neighbour stages and, with replicas, for the slowest replica in the gradient
+        # all-reduce: a healthy replica's compute must not grow with a slow replica's
+        self.telemetry.add_comm_seconds(report.recv_wait_s + report.reduce_wait_s)
+        # this stage's own compute per micro-batch, waits excluded: S2 takes a replica's speed
+        # from its slowest stage's figure
+        self.microbatch_seconds = report.microbatch_s
         reduced = torch.tensor(flags, dtype=torch.float64, device=self.device)
         comm.all_reduce(reduced, self.hook_state, op="stats")
         extra: dict = {"schedule": report.schedule, "k": report.k, "stage_layers": self.stage_layers}
@@ -132,12 +147,29 @@ class PipelineTrainer(train.Trainer):
                 **({"decision": self.last_k_decision} if self.last_k_decision else {})})
         return report.loss, None, extra, reduced.tolist()
 
+    # -- remediation S2 --------------------------------------------------------------------------
+    def check_microbatch_plan(self, plan: microbatches.MicroBatchPlan) -> str | None:
+        """One count per pipeline replica (module docstring), not one per rank."""
+        return microbatches.check_plan(plan, self.topology.replicas, self.plan.micro_batches,
+                                       unit="pipeline replica")
+
+    def reject_microbatch_plan(self, step: int, plan: microbatches.MicroBatchPlan, problem: str) -> None:
+        kept = list(self.loop.counts) if self.loop.counts is not None else None
+        self.log({"event": "microbatch-plan-rejected", "step": step, "counts": list(plan.counts),
+                  "reason": problem, "kept": kept})
+
+    def use_microbatch_counts(self, counts: tuple[int, ...]) -> None:
+        self.loop.set_counts(counts)  # checked above: cannot raise here, so nothing is half-applied
+        self.microbatch_counts = counts
+
     def close(self) -> None:
         self.stage_executor.close()
         super().close()
 
 
-def batching_indices(micro_batches: int, topo: topology.PipelineTopology) -> list[int]:
-    """The step's micro-batch indices that replica `topo.replica` runs (round-robin over replicas)."""
-    return list(range(topo.replica, micro_batches, topo.replicas))
+def batching_indices(micro_batches: int, topo: topology.PipelineTopology,
+                     counts: tuple[int, ...] | None = None) -> list[int]:
+    """The step's micro-batch indices that replica `topo.replica` runs: round-robin over replicas,
+    or the replica's contiguous block under an S2 plan (the DDP trainer's rule, per replica)."""
+    return microbatches.assign(counts, micro_batches, topo.replicas, topo.replica)
 

@@ -10,7 +10,15 @@ seconds per message on its outgoing links, step time) to one all-gather; rank 0 
 planner and broadcasts the chosen k (and, with `comm="auto"`, how messages move: overlap or
 lockstep, see the planner), so all ranks switch together. The planner arrives by
 injection (`KPlanner`, implemented by `huorn.runtime.pipeline.planner.AdaptiveKPlanner`), so
-benchmarks and tests can swap in a planner with other thresholds."""
+benchmarks and tests can swap in a planner with other thresholds.
+
+Remediation S2 gives the replicas unequal shares of the step (`set_counts`): replica r runs a
+table of its own N_r micro-batches, every micro-batch's gradient weighs 1/M of the whole step
+(executor docstring), its mean loss weighs N_r / M, and k stays one k for the job. The planner
+then sees the critical replica, the one with the most work per step (N_r × its slowest
+stage's F+B), with its own table; a replica with fewer micro-batches finishes its table
+earlier and waits in the gradient sum, so it cannot set the step time. Memory is each
+replica's own table, worst replica per stage."""
 
 from __future__ import annotations
 
@@ -71,6 +79,9 @@ class StepReport:
     decision: dict | None = None  # rank 0 only, on steps where the planner ran
     recv_wait_s: float = 0.0  # this rank, blocked on the neighbour stages' activations/gradients
     comm: str = "overlap"  # how this step's messages moved
+    microbatches: int = 0  # this replica's micro-batches in the step
+    microbatch_s: float = 0.0  # this stage's forward + backward seconds for one micro-batch (S2's input)
+    reduce_wait_s: float = 0.0  # this rank, in the data-parallel gradient all-reduce
 
 
 class PipelineTraining:
@@ -93,10 +104,30 @@ class PipelineTraining:
         self.comm = "lockstep" if plan.comm == "lockstep" else "overlap"
         self.window: list[executor.StepStats] = []
         self.steps_done = 0
+        self.counts: tuple[int, ...] | None = None  # micro-batches per replica (S2); None: even
+
+    @property
+    def total_microbatches(self) -> int:
+        return self.plan.microbatches * self.runner.topology.replicas
+
+    def microbatches_of(self, replica: int) -> int:
+        return self.counts[replica] if self.counts is not None else self.plan.microbatches
+
+    def set_counts(self, counts: Sequence[int] | None) -> None:
+        """Micro-batches per replica from the next step on (None: the even split). Raises
+        ValueError naming `counts` and changes nothing when they do not fit the step. Equal
+        counts are stored as None, so the way back to the even split is exactly the plain path."""
+        if counts is not None:
+            problem = check_counts(counts, self.runner.topology.replicas, self.total_microbatches)
+            if problem is not None:
+                raise ValueError(problem)
+        self.counts = None if counts is None or len(set(counts)) == 1 else tuple(int(c) for c in counts)
 
     def run_step(self, step: int) -> StepReport:
         runner, plan = self.runner, self.plan
         topo = runner.topology
+        mine = self.microbatches_of(topo.replica)
+        weight = mine / self.total_microbatches if self.counts is not None else None
         inputs, targets = self.batches(step)
         if not runner.negotiated:
             runner.negotiate_shapes(inputs[0] if topo.is_first and inputs else None,
@@ -104,15 +135,16 @@ class PipelineTraining:
         if self.contention_level is not None:
             runner.throttle.set_level(self.contention_level(step))
         schedule = schedules.build_schedule(plan.schedule if plan.schedule != "auto" else "kfkb",
-                                             topo.stages, plan.microbatches, self.k)
+                                             topo.stages, mine, self.k)
         self.optimizer.zero_grad(set_to_none=True)
         if self.before_step is not None:
             self.before_step(step)
-        stats = runner.run_step(schedule, inputs, targets, comm=self.comm)
+        total = self.total_microbatches if self.counts is not None else None
+        stats = runner.run_step(schedule, inputs, targets, comm=self.comm, total_microbatches=total)
         if self.before_update is not None:
             self.before_update()
         self.optimizer.step()
-        loss, slowest = _reduce_step(stats, runner.device, topo.replicas)
+        loss, slowest = _reduce_step(stats, runner.device, topo.replicas, weight)
         self.window.append(stats)
         stats.seconds = slowest
         report = StepReport(
@@ -121,11 +153,13 @@ class PipelineTraining:
             predicted_peak_bytes=memory.predict_peak_bytes(
                 schedule, [runner.microbatch_bytes] * topo.stages)[topo.stage],
             executed=stats.executed, recv_wait_s=stats.recv_wait_s, comm=stats.comm,
+            microbatches=mine, microbatch_s=stats.forward_s + stats.backward_s,
+            reduce_wait_s=stats.reduce_wait_s,
         )
         self.steps_done += 1
         if plan.schedule == "auto" and self.steps_done % plan.replan_every == 0:
             self.k, self.comm, report.decision = _replan(runner, self.planner, self.window, step,  # type: ignore[arg-type]
-                                                         self.k, self.comm, plan)
+                                                         self.k, self.comm, plan, mine)
             self.window = []
         return report
 
@@ -153,19 +187,37 @@ def run_pipeline_training(
     return reports
 
 
-def _reduce_step(stats: executor.StepStats, device: torch.device, replicas: int) -> tuple[float, float]:
-    """The step's loss (summed over the last stages, averaged over replicas) and the slowest
-    rank's step time, in two one-number all-reduces."""
+def check_counts(counts: Sequence[int], replicas: int, total: int) -> str | None:
+    """Why per-replica micro-batch `counts` cannot run a step of `total`, or None."""
+    if len(counts) != replicas:
+        return (f"counts has {len(counts)} entries but the job has {replicas} pipeline replicas; "
+                "give one count per pipeline replica")
+    if any(int(c) < 1 for c in counts):
+        return f"counts {list(counts)}: every pipeline replica needs at least one micro-batch"
+    if sum(int(c) for c in counts) != total:
+        return f"counts sum to {sum(int(c) for c in counts)} but a step has {total} micro-batches"
+    return None
+
+
+def _reduce_step(stats: executor.StepStats, device: torch.device, replicas: int,
+                 weight: float | None = None) -> tuple[float, float]:
+    """The step's loss and the slowest rank's step time, in two one-number all-reduces. A
+    last stage's loss is its replica's mean; the step's is the mean over all micro-batches: the
+    replicas' average for equal counts, else each weighted by its share (`weight`)."""
     loss = torch.tensor([stats.loss or 0.0], dtype=torch.float64, device=device)
+    if weight is not None:
+        loss *= weight
     seconds = torch.tensor([stats.seconds], dtype=torch.float64, device=device)
     dist.all_reduce(loss)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return float(loss[0]) / replicas, float(seconds[0])
+    return float(loss[0]) / (replicas if weight is None else 1.0), float(seconds[0])
 
 
 def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[executor.StepStats], step: int,
-            k: int, comm: str, plan: PipelinePlan) -> tuple[int, str, dict | None]:
-    """Gather window averages from every rank, let rank 0 decide, broadcast k and the mode."""
+            k: int, comm: str, plan: PipelinePlan, own_microbatches: int | None = None
+            ) -> tuple[int, str, dict | None]:
+    """Gather window averages from every rank, let rank 0 decide, broadcast k and the mode.
+    `own_microbatches` is this replica's table length (module docstring for unequal counts)."""
     topo = runner.topology
     n = len(window)
 
@@ -178,32 +230,47 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
         mean([s.send_link.seconds_per_message for s in window if s.send_link]),
         mean([s.grad_link.seconds_per_message for s in window if s.grad_link]),
         sum(s.seconds for s in window) / n, float(runner.microbatch_bytes),
+        float(plan.microbatches if own_microbatches is None else own_microbatches),
     ], dtype=torch.float64, device=runner.device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     rows = [g.tolist() for g in gathered]
     stages = topo.stages
+    counts = [int(rows[r * stages][7]) for r in range(topo.replicas)]  # replica-major ranks
+    even = len(set(counts)) == 1
+    longest = plan.microbatches
+    if not even:  # the critical replica's rows only (module docstring)
+        critical = max(range(topo.replicas), key=lambda r: counts[r] * max(
+            row[1] + row[2] for row in rows[r * stages:(r + 1) * stages]))
+        rows, longest = rows[critical * stages:(critical + 1) * stages], counts[critical]
     worst = [[0.0] * 6 for _ in range(stages)]  # slowest replica per stage
     for row in rows:
         stage = int(row[0])
-        worst[stage] = [max(a, b) for a, b in zip(worst[stage], row[1:], strict=True)]
+        worst[stage] = [max(a, b) for a, b in zip(worst[stage], row[1:7], strict=True)]
     decision = None
     modes = ("overlap", "lockstep")
     chosen = torch.tensor([k, modes.index(comm)], dtype=torch.int64, device=runner.device)
     if dist.get_rank() == 0:
-        tables = schedules.build_candidates(stages, plan.microbatches, plan.candidates)
+        tables = schedules.build_candidates(stages, longest, plan.candidates)
         bytes_per_stage = [int(w[5]) for w in worst]
+        peak_bytes = {c: memory.predict_peak_bytes(t, bytes_per_stage) for c, t in tables.items()}
+        if not even:  # each replica's own table; the worst replica per stage
+            peak_bytes = {c: tuple(max(per) for per in zip(*(
+                memory.predict_peak_bytes(schedules.build_schedule("kfkb", stages, m, c), bytes_per_stage)
+                for m in set(counts)), strict=True)) for c in tables}
+        # with unequal counts the critical table may be shorter than k: ask about the k it runs
+        current = k if even else min(k, longest)
         result = planner.decide(
-            step=step, current_k=k, forward_s=[w[0] for w in worst], backward_s=[w[1] for w in worst],
+            step=step, current_k=current, forward_s=[w[0] for w in worst], backward_s=[w[1] for w in worst],
             link_forward_s=[worst[s][2] for s in range(stages - 1)],
             link_backward_s=[worst[s + 1][3] for s in range(stages - 1)],
             measured_step_s=max(w[4] for w in worst),
             candidates={c: t.to_plain() for c, t in tables.items()},
-            peak_bytes={c: memory.predict_peak_bytes(t, bytes_per_stage) for c, t in tables.items()},
+            peak_bytes=peak_bytes,
             comm=comm,
             lockstep_ok={c: _has_lockstep(t) for c, t in tables.items()} if plan.comm == "auto" else {},
         )
-        chosen[0] = int(result.k)
+        chosen[0] = int(result.k) if result.k != current else k
         chosen[1] = modes.index(result.comm)
         decision = result.to_dict()
     dist.broadcast(chosen, src=0)

@@ -16,6 +16,9 @@ seconds it would have saved pay for re-planning (the same rung's cost: ski-renta
 ladder re-plans. When the best plan is the even one, the fail-slow is over: the job goes back
 to the even split and the ladder starts afresh. Without this, a rank that recovered would sit
 idle behind counts fitted to its slowdown, and that loss would climb the ladder to a restart.
+A pipelined job can hold both: S2's counts stay in force when the ladder climbs on to S3. S3's
+way back down then also restores the even counts (the plan carries both), unless the replicas'
+speeds still call for S2, in which case the ladder returns to S2 on the counts in force.
 Decisions are plain objects; the graph turns them into mutations and Events.
 """
 
@@ -53,11 +56,12 @@ class LadderCosts:
 class JobShape:
     """What the planners of S2 and S3 need; None means the job has no such parallelism."""
 
-    microbatch_seconds: list[float] | None = None  # per data-parallel rank, seconds per micro-batch
+    microbatch_seconds: list[float] | None = None  # per DP rank or pipeline replica, seconds per micro-batch
     total_microbatches: int = 0
     layer_costs: list[float] | None = None  # pipeline: relative cost of each layer
     stage_speeds: list[float] | None = None  # pipeline: relative speed of each stage's rank(s)
     layer_seconds: float | None = None  # pipeline: a step's seconds for one layer cost at speed 1
+    fixed_seconds: list[float] | None = None  # per pipeline replica: fill and drain, whatever its count
 
 
 # (applied plan's seconds a step, best plan's, best plan, whether the best is the even split)
@@ -93,6 +97,7 @@ class MitigationLadder:
         self.applied: dict[str, object] | None = None  # the S2/S3 plan in force
         self.steps_on_plan = 0
         self.replan_gain = 0.0  # seconds the best plan would have saved since the applied one
+        self.counts_in_force: list[int] | None = None  # S2's counts, kept while S3 holds
         self._priced: tuple[JobShape, tuple[int, ...], Priced | None] | None = None  # per shape and plan
 
     def applicable(self, level: MitigationLevel) -> bool:
@@ -171,6 +176,8 @@ class MitigationLadder:
 
     def _apply(self, plan: dict[str, object]) -> None:
         self.applied = plan if ("microbatches" in plan or "stageLayers" in plan) else None
+        if "microbatches" in plan:
+            self.counts_in_force = list(plan["microbatches"])  # type: ignore[call-overload]
         self.steps_on_plan, self.replan_gain = 0, 0.0
 
     def _replan_if_paid(self) -> Decision | None:
@@ -203,13 +210,34 @@ class MitigationLadder:
                   f"cost of {level.value} (ski-rental)")
         if even:
             action = "restore-even"
+            if level is MitigationLevel.RESPLIT and self._s2_still_pays():
+                # the stages are balanced again, but one replica is still slower as a whole
+                # (all its stages alike, which S3 cannot see): back to S2 on the counts in force
+                reason += (f"; the even layer split is best again, but the replicas' speeds still "
+                           f"differ: S2's counts {self.counts_in_force} stay and S2 holds again")
+                self.level, self.loss_since_rung = MitigationLevel.REBALANCE, 0.0
+                self._apply({"microbatches": list(self.counts_in_force)})
+                return Decision(level, action, reason, self.ranks, plan=full)
             reason += "; the even split is best again: the fail-slow is over"
+            if level is MitigationLevel.RESPLIT and self.counts_in_force is not None \
+                    and self.shape.microbatch_seconds is not None:
+                full.update(self._even_plan(MitigationLevel.REBALANCE))
+                reason += "; S2's counts go back to the even split too"
             self.level, self.finding, self.ranks, self.loss_since_rung = None, None, (), 0.0
-            self.applied = None
+            self.applied, self.counts_in_force = None, None
         else:
             action = "replan-microbatches" if level is MitigationLevel.REBALANCE else "replan-stages"
             self._apply(full)
         return Decision(level, action, reason, self.ranks, plan=full)
+
+    def _s2_still_pays(self) -> bool:
+        """Whether the speeds measured now still put S2's best plan beyond the even split's margin."""
+        s = self.shape
+        if self.counts_in_force is None or s.microbatch_seconds is None \
+                or len(s.microbatch_seconds) != len(self.counts_in_force):
+            return False
+        best = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches, s.fixed_seconds)
+        return best.before > best.makespan * (1.0 + self.MARGIN)
 
     @staticmethod
     def _key(plan: dict[str, object]) -> tuple[int, ...]:
@@ -223,10 +251,11 @@ class MitigationLadder:
         if level is MitigationLevel.REBALANCE:
             if s.microbatch_seconds is None or len(s.microbatch_seconds) != len(applied):
                 return None
-            best = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches)
-            current = max(c * t for c, t in zip(applied, s.microbatch_seconds, strict=True))
+            fixed = s.fixed_seconds
+            best = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches, fixed)
+            current = rebalance.step_seconds(applied, s.microbatch_seconds, fixed)
             even = tuple(rebalance.even_split(s.total_microbatches, len(applied)))
-            even_time = max(c * t for c, t in zip(even, s.microbatch_seconds, strict=True))
+            even_time = rebalance.step_seconds(even, s.microbatch_seconds, s.fixed_seconds)
             if even_time <= best.makespan * (1.0 + self.MARGIN):
                 return current, even_time, even, True
             return current, best.makespan, tuple(best.counts), False
@@ -249,7 +278,7 @@ class MitigationLadder:
         s = self.shape
         if level is MitigationLevel.REBALANCE and s.microbatch_seconds is not None:
             counts = rebalance.even_split(s.total_microbatches, len(s.microbatch_seconds))
-            seconds = max(c * t for c, t in zip(counts, s.microbatch_seconds, strict=True))
+            seconds = rebalance.step_seconds(counts, s.microbatch_seconds, s.fixed_seconds)
             return {"microbatches": counts, "predictedStepSeconds": seconds, "stepSecondsBefore": seconds}
         assert s.layer_costs is not None and s.stage_speeds is not None
         layers = rebalance.even_split(len(s.layer_costs), len(s.stage_speeds))
@@ -260,7 +289,7 @@ class MitigationLadder:
     def build_plan(self, level: MitigationLevel) -> dict[str, object]:
         s = self.shape
         if level is MitigationLevel.REBALANCE and s.microbatch_seconds is not None:
-            mb = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches)
+            mb = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches, s.fixed_seconds)
             return {"microbatches": list(mb.counts), "predictedStepSeconds": mb.makespan,
                     "stepSecondsBefore": mb.before}
         if level is MitigationLevel.RESPLIT and s.layer_costs is not None and s.stage_speeds is not None:

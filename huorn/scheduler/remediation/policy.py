@@ -18,6 +18,14 @@ are each stage's seconds per layer: its ranks' median compute time over the laye
 the pipeline trainer publishes them under `parameters.pipeline.stage_layers`. Every decision is
 kept in `decisions` (the operator copies them to status).
 
+A pipelined job gets both rungs from one shape (`build_pipeline_shape`). S2's unit there is the
+pipeline replica: a replica runs one table, so its seconds per micro-batch are its slowest
+stage's. That splits the two rungs' work cleanly. A replica that is slow as a whole, or slow in
+one stage, differs from the other replicas, and S2 (cheaper) moves micro-batches away from it.
+A stage that is slow in every replica leaves the replicas equal: S2's best plan is the even
+split, the ladder passes it (`skip-rebalance-microbatches`), and S3, which moves layers in every
+replica at once, takes over.
+
 NB: a whole job that sits outside any collective for a while is what checkpointing, validation,
 start-up and rendezvous look like, so that case is recorded but never restarts anything.
 """
@@ -148,17 +156,11 @@ class RemediationPolicy:
     def _events_for(self, graph: model.Graph, decision: ladder.Decision,
                     replicas: tuple[str, ...]) -> list[managers.Event]:
         if decision.level is MitigationLevel.REBALANCE and "microbatches" in decision.plan:
-            trainers = graph.vertices_with_role("trainer")
-            plan = decision.plan
-            reason = (f"remediation S2 ({decision.action}): {decision.reason}; counts {plan['microbatches']} "
-                      f"predict {plan['predictedStepSeconds']:.3f}s per step (even split "
-                      f"{plan['stepSecondsBefore']:.3f}s)")
-            if not trainers:
-                return []
-            return [managers.Event(managers.PARAMETER_DECISION, trainers[0].name, {
-                "key": "microbatches", "value": list(plan["microbatches"]), "reason": reason})]
+            return build_rebalance_events(graph, decision)
         if decision.level is MitigationLevel.RESPLIT and "stageLayers" in decision.plan:
-            return build_resplit_events(graph, decision)
+            # S3's way back down carries S2's even counts too when S2 held before it (ladder)
+            extra = build_rebalance_events(graph, decision) if "microbatches" in decision.plan else []
+            return build_resplit_events(graph, decision) + extra
         if decision.level is not MitigationLevel.RESTART or decision.action == "capped":
             return []
         live = set(graph.instance_names())
@@ -171,6 +173,20 @@ class RemediationPolicy:
                     "instance": replica, "reason": f"remediation S4 ({decision.action}): {decision.reason}",
                 }))
         return events
+
+
+def build_rebalance_events(graph: model.Graph, decision: ladder.Decision) -> list[managers.Event]:
+    """S2's plan (micro-batches per DP rank or pipeline replica) as the trainer's `microbatches`
+    set-param."""
+    trainers = graph.vertices_with_role("trainer")
+    plan = decision.plan
+    reason = (f"remediation S2 ({decision.action}): {decision.reason}; counts {plan['microbatches']} "
+              f"predict {plan['predictedStepSeconds']:.3f}s per step (even split "
+              f"{plan['stepSecondsBefore']:.3f}s)")
+    if not trainers:
+        return []
+    return [managers.Event(managers.PARAMETER_DECISION, trainers[0].name, {
+        "key": "microbatches", "value": list(plan["microbatches"]), "reason": reason})]  # type: ignore[call-overload]
 
 
 def build_resplit_events(graph: model.Graph, decision: ladder.Decision) -> list[managers.Event]:
@@ -188,12 +204,18 @@ def build_resplit_events(graph: model.Graph, decision: ladder.Decision) -> list[
 
 
 def build_pipeline_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:
-    """S3's inputs from a pipeline job's telemetry: every layer costs the same (the decoder's
-    blocks are identical), and a stage's speed is the fastest stage's seconds per layer over its
-    own (its slowest replica's median compute time divided by the layers it holds). None until
-    every stage has published enough steps."""
+    """S3's and S2's inputs from a pipeline job's telemetry. S3: every layer costs the same (the
+    decoder's blocks are identical), and a stage's speed is the fastest stage's seconds per layer
+    over its own (its slowest replica's median compute time divided by the layers it holds).
+    S2: a replica's seconds per micro-batch are its slowest stage's (module docstring), its fixed
+    seconds a step one micro-batch through its other stages (the pipeline's fill and drain, which
+    do not shrink with its count), with the step's micro-batches; only once every rank of the
+    gang reports them. None until every stage
+    has published enough steps."""
     per_layer: dict[int, float] = {}
-    splits = set()
+    per_replica: dict[int, float] = {}  # slowest stage's seconds per micro-batch
+    summed: dict[int, float] = {}  # all stages' seconds for one micro-batch
+    splits, totals, worlds, ranks = set(), set(), set(), set()
     for snap in snapshots.values():
         pipeline = (snap.get("parameters") or {}).get("pipeline") or {}
         split = pipeline.get("stage_layers")
@@ -201,18 +223,46 @@ def build_pipeline_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | Non
         if not split or len(steps) < SHAPE_WINDOW:
             return None
         splits.add(tuple(int(n) for n in split))
-        stage = int(snap["rank"]) % len(split)  # replica-major layout: rank = replica × stages + stage
+        rank = int(snap["rank"])
+        stage, replica = rank % len(split), rank // len(split)  # rank = replica × stages + stage
         compute = statistics.median(float(r["compute_seconds"]) for r in steps)
         per_layer[stage] = max(per_layer.get(stage, 0.0), max(compute, 1e-6) / split[stage])
+        seconds = _microbatch_seconds(snap, steps)
+        if seconds is not None:
+            per_replica[replica] = max(per_replica.get(replica, 0.0), seconds)
+            summed[replica] = summed.get(replica, 0.0) + seconds
+            totals.add(int(snap["parameters"]["micro_batches"]["total"]))
+            ranks.add(rank)
+        worlds.add(int(snap.get("world_size", 0)))
     if len(splits) != 1:
         return None
     split = splits.pop()
     if sorted(per_layer) != list(range(len(split))):
         return None
     fastest = min(per_layer.values())
-    return ladder.JobShape(layer_costs=[1.0] * sum(split),
-                           stage_speeds=[fastest / per_layer[s] for s in range(len(split))],
-                           layer_seconds=fastest)
+    shape = ladder.JobShape(layer_costs=[1.0] * sum(split),
+                            stage_speeds=[fastest / per_layer[s] for s in range(len(split))],
+                            layer_seconds=fastest)
+    world = worlds.pop() if len(worlds) == 1 else 0
+    if len(totals) == 1 and world and sorted(ranks) == list(range(world)):
+        replicas = range(world // len(split))
+        shape.microbatch_seconds = [per_replica[r] for r in replicas]
+        # one micro-batch through the other stages: the fill and drain around the slowest one
+        shape.fixed_seconds = [summed[r] - per_replica[r] for r in replicas]
+        shape.total_microbatches = totals.pop()
+    return shape
+
+
+def _microbatch_seconds(snap: dict, steps: list[dict]) -> float | None:
+    """A rank's recent seconds per micro-batch: the runtime's own figure when it publishes one,
+    else compute over the micro-batches it holds; None when it reports no micro-batches."""
+    batches = (snap.get("parameters") or {}).get("micro_batches")
+    if not batches or not batches.get("mine"):
+        return None
+    if all(r.get("microbatch_seconds") for r in steps):
+        return max(statistics.median(float(r["microbatch_seconds"]) for r in steps), 1e-6)
+    compute = statistics.median(float(r["compute_seconds"]) for r in steps)
+    return max(compute, 1e-6) / int(batches["mine"])
 
 
 def build_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:
@@ -222,17 +272,15 @@ def build_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:
     per_rank: dict[int, float] = {}
     totals, world = set(), set()
     for snap in snapshots.values():
-        batches = (snap.get("parameters") or {}).get("micro_batches")
+        parameters = snap.get("parameters") or {}
+        if parameters.get("pipeline"):
+            return None  # S2's unit is the pipeline replica there: build_pipeline_shape
         steps = (snap.get("steps") or [])[-SHAPE_WINDOW:]
-        if not batches or not batches.get("mine") or len(steps) < SHAPE_WINDOW:
+        seconds = _microbatch_seconds(snap, steps) if len(steps) >= SHAPE_WINDOW else None
+        if seconds is None:
             return None
-        if all(r.get("microbatch_seconds") for r in steps):  # the runtime's own per-micro-batch time
-            per_rank[int(snap["rank"])] = max(statistics.median(float(r["microbatch_seconds"])
-                                                                for r in steps), 1e-6)
-        else:
-            compute = statistics.median(float(r["compute_seconds"]) for r in steps)
-            per_rank[int(snap["rank"])] = max(compute, 1e-6) / int(batches["mine"])
-        totals.add(int(batches["total"]))
+        per_rank[int(snap["rank"])] = seconds
+        totals.add(int(parameters["micro_batches"]["total"]))
         world.add(int(snap["world_size"]))
     if len(totals) != 1 or len(world) != 1 or sorted(per_rank) != list(range(world.pop())):
         return None

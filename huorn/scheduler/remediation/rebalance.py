@@ -5,6 +5,11 @@ linear, and what the job actually waits for is the slowest rank, so we solve the
 program that matters first (minimise the makespan max_i N_i·t_i) and then, among the makespan-
 optimal plans, minimise Σ|N_i·t_i − mean|: the L1 form of FALCON's objective, which breaks ties
 towards the most even plan. Both stages are exact integer programs (scipy.optimize.milp/HiGHS).
+
+A pipeline replica is a rank with a fixed cost on top: its step is N·t plus the fill and drain
+of its pipeline (one micro-batch through its other stages), which do not shrink with N. Left
+out, S2 predicted 0.054 s for a replica at one micro-batch that measured 0.122 s. So each rank
+may carry `fixed` seconds a step, and both programs take N_i·t_i + fixed_i as its time.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from scipy import optimize
 @dataclasses.dataclass(frozen=True)
 class MicroBatchPlan:
     counts: tuple[int, ...]  # micro-batches per data-parallel rank
-    makespan: float  # predicted step time: max_i counts_i · t_i
+    makespan: float  # predicted step time: max_i counts_i · t_i + fixed_i
     before: float  # the same with the even split the job ran with
 
 
@@ -38,17 +43,29 @@ def even_split(total: int, ranks: int) -> list[int]:
     return [total // ranks + (1 if i < total % ranks else 0) for i in range(ranks)]
 
 
-def rebalance_microbatches(times: Sequence[float], total: int) -> MicroBatchPlan:
-    """Integer micro-batch counts for ranks that take `times[i]` seconds per micro-batch."""
+def step_seconds(counts: Sequence[int], times: Sequence[float],
+                 fixed: Sequence[float] | None = None) -> float:
+    """The predicted step time of `counts`: the slowest rank's N_i·t_i + fixed_i."""
+    extra = fixed if fixed is not None else [0.0] * len(times)
+    return float(max(c * t + f for c, t, f in zip(counts, times, extra, strict=True)))
+
+
+def rebalance_microbatches(times: Sequence[float], total: int,
+                           fixed: Sequence[float] | None = None) -> MicroBatchPlan:
+    """Integer micro-batch counts for ranks that take `times[i]` seconds per micro-batch and
+    `fixed[i]` seconds a step whatever their count (a pipeline's fill and drain; default 0)."""
     t = _check(times, total)
     n = len(t)
+    o = np.zeros(n) if fixed is None else np.asarray(fixed, dtype=float)
+    if o.shape != t.shape or not np.all(np.isfinite(o)) or np.any(o < 0):
+        raise ValueError("fixed seconds must be one non-negative number per rank")
     integer = np.ones(n + 1)
     integer[-1] = 0
     bounds = optimize.Bounds(np.r_[np.ones(n), 0.0], np.r_[np.full(n, total), np.inf])
-    # Stage 1, variables (N_1..N_n, z): minimise z subject to N_i·t_i − z ≤ 0, Σ N_i = total.
+    # Stage 1, variables (N_1..N_n, z): minimise z subject to N_i·t_i + o_i − z ≤ 0, Σ N_i = total.
     rows = np.hstack([np.diag(t), -np.ones((n, 1))])
     constraints = [
-        optimize.LinearConstraint(rows, -np.inf, 0.0),
+        optimize.LinearConstraint(rows, -np.inf, -o),
         optimize.LinearConstraint(np.r_[np.ones(n), 0.0][None, :], total, total),
     ]
     objective = np.r_[np.zeros(n), 1.0]
@@ -56,14 +73,16 @@ def rebalance_microbatches(times: Sequence[float], total: int) -> MicroBatchPlan
     if not first.success:
         raise RuntimeError(f"micro-batch rebalance found no plan: {first.message}")
     makespan = float(first.x[-1])
-    # Stage 2, variables (N, d): minimise Σ d_i with d_i ≥ |N_i·t_i − mean|, makespan kept.
-    mean_row = np.tile(t / n, (n, 1))  # mean = Σ_j N_j·t_j / n, linear in N
+    # Stage 2, variables (N, d): minimise Σ d_i with d_i ≥ |N_i·t_i + o_i − mean|, makespan kept.
+    mean_row = np.tile(t / n, (n, 1))  # mean = Σ_j (N_j·t_j + o_j) / n, linear in N
     dev = np.diag(t) - mean_row
+    shift = o - o.mean()  # the constant part of N_i·t_i + o_i − mean
     eye = np.eye(n)
     constraints = [
-        optimize.LinearConstraint(np.hstack([dev, -eye]), -np.inf, 0.0),
-        optimize.LinearConstraint(np.hstack([-dev, -eye]), -np.inf, 0.0),
-        optimize.LinearConstraint(np.hstack([np.diag(t), np.zeros((n, n))]), -np.inf, makespan * (1 + 1e-9)),
+        optimize.LinearConstraint(np.hstack([dev, -eye]), -np.inf, -shift),
+        optimize.LinearConstraint(np.hstack([-dev, -eye]), -np.inf, shift),
+        optimize.LinearConstraint(np.hstack([np.diag(t), np.zeros((n, n))]), -np.inf,
+                                  makespan * (1 + 1e-9) - o),
         optimize.LinearConstraint(np.r_[np.ones(n), np.zeros(n)][None, :], total, total),
     ]
     second = optimize.milp(
@@ -73,8 +92,8 @@ def rebalance_microbatches(times: Sequence[float], total: int) -> MicroBatchPlan
     )
     x = second.x[:n] if second.success else first.x[:n]
     counts = tuple(int(np.rint(v)) for v in x)
-    before = float(max(c * ti for c, ti in zip(even_split(total, n), t, strict=True)))
-    return MicroBatchPlan(counts, float(max(c * ti for c, ti in zip(counts, t, strict=True))), before)
+    return MicroBatchPlan(counts, step_seconds(counts, t.tolist(), o.tolist()),
+                          step_seconds(even_split(total, n), t.tolist(), o.tolist()))
 
 
 @dataclasses.dataclass(frozen=True)
