@@ -46,9 +46,9 @@ def main() -> None:
     parser.add_argument("--p2p-high-priority", action="store_true",
                         help="put the executor's edge communicators on high-priority streams")
     parser.add_argument("--no-lockstep", action="store_true", help="leave out 1F1B in lockstep")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="our stages replay CUDA graphs (experimental, docs/pipeline.md); an eager "
-                             "1F1B then runs beside them for comparison")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run our stages eagerly (by default they replay CUDA graphs, as a "
+                             "TrainingJob's do, and an eager 1F1B runs beside them for comparison)")
     parser.add_argument("--adaptive-comm", choices=("overlap", "auto"), default="overlap",
                         help="auto: adaptive k also measures lockstep exchanges against overlapped links")
     args = parser.parse_args()
@@ -106,7 +106,7 @@ def build_config(args: argparse.Namespace) -> pipeline_bench.BenchConfig:
                   level_budget_s=args.level_budget_s, hang_dump_s=max(args.budget_s - 10.0, 1.0),
                   p2p_max_ctas=args.p2p_max_ctas, p2p_high_priority=args.p2p_high_priority,
                   lockstep=not args.no_lockstep, adaptive_comm=args.adaptive_comm,
-                  cuda_graphs=args.cuda_graphs and not args.tiny)
+                  cuda_graphs=not args.no_cuda_graphs and not args.tiny)
     if args.tiny:
         return pipeline_bench.BenchConfig(
             backend="gloo", model=models.ModelConfig(layers=2, width=32, heads=2, vocabulary=64, context=8),

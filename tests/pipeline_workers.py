@@ -55,7 +55,7 @@ def decoder_case_worker(rank: int, world: int, jobs: list[tuple[str, models.Mode
             comm = "lockstep" if label.endswith("-lockstep") else "overlap"
             batch = ([[t] for t in tokens[mine]], targets[mine])
             if graphed:  # a table's first step meters eagerly; graphs replay from the second
-                for _ in range(1 + runner.graph_attempts):  # (a failed capture is retried next step)
+                for _ in range(2):
                     runner.run_step(schedule, *batch, comm=comm)
                     stage.zero_grad(set_to_none=True)
             stats = runner.run_step(schedule, *batch, comm=comm)

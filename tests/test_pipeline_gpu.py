@@ -1,6 +1,6 @@
 """The executor over NCCL on two GPUs: one step of every schedule equals single-process
 training on the CPU in float64 (FusedKV decoder, so K/V cross the stage boundary too), with
-overlapped links and lockstep exchanges; and stages replayed as CUDA graphs (experimental)."""
+overlapped links and lockstep exchanges; and stages replayed as CUDA graphs."""
 
 from __future__ import annotations
 
@@ -54,9 +54,6 @@ def check_against_reference(ranks: list[dict], label: str, decoder: torch.nn.Mod
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.xfail(reason="on 2×H200 a process's first stage capture after NCCL work and eager steps "
-                          "fails with cudaErrorStreamCaptureInvalidated (docs/pipeline.md, CUDA graphs)",
-                   strict=False)
 def test_two_gpu_cuda_graphed_stages_equal_single_process() -> None:
     ranks = launch.run_workers(workers.decoder_case_worker, 2, "nccl",
                                ([("nccl-pp2-graphs", CFG, 2, CASES, MICROBATCHES)],))

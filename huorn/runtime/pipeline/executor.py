@@ -122,8 +122,6 @@ class StageExecutor:
         self.cuda_graphs, self.max_graph_slots = cuda_graphs, max_graph_slots
         self.graphs: graphs.GraphedStage | None = None
         self.graph_note: str | None = None
-        self.graph_attempts = 4  # steps whose capture may fail before graphs are off for good
-        self._graph_failures = 0
 
     def close(self) -> None:
         for link in (self.send_link, self.grad_link):
@@ -184,7 +182,6 @@ class StageExecutor:
             samples.append(target)
         loss_fn = self.loss_fn if self.topology.is_last else None
         self.graphs = graphs.GraphedStage(self.module, loss_fn, samples, self.max_graph_slots)
-        self._graph_failures = 0
 
     def _warm_up_backward(self, inputs: Sequence[torch.Tensor],
                           loss: Callable[[tuple[torch.Tensor, ...]], torch.Tensor] | None) -> None:
@@ -374,20 +371,14 @@ class StageExecutor:
     def _graphs_ready(self, schedule: schedules.Schedule) -> bool:
         """Whether this step replays graphs: captures the slots the table keeps in flight on this
         stage first. A capture that fails turns graphs off for good (graph_note says why); a
-        table that needs more slots than the cap runs eagerly."""
+        table that needs more slots than the cap, or than the free memory holds, runs eagerly."""
         if self.graphs is None:
             return False
         needed = schedules.count_in_flight(schedule)[self.topology.stage]
         try:
             return self.graphs.prepare(needed)
         except graphs.GraphUnavailable as error:
-            self._graph_failures += 1
-            given_up = self._graph_failures >= self.graph_attempts
-            self.graph_note = (f"stage {self.topology.stage} runs eagerly: {error}"
-                               + ("" if given_up else f" (step {self._graph_failures} of "
-                                                      f"{self.graph_attempts}; trying again next step)"))
-            if given_up:
-                self.graphs = None
+            self.graphs, self.graph_note = None, f"stage {self.topology.stage} runs eagerly: {error}"
             return False
 
     def _exchange(self, transfers: Sequence[schedules.Transfer], outbox: dict[tuple[str, int], torch.Tensor],

@@ -2,10 +2,11 @@
 
 Why: on one H200 each half of the benchmark decoder (4 layers, width 2048, 16 micro-batches
 of 2 × 1,024 tokens) was bound by the host launching its kernels, not by the GPU. Eager, the
-host needed 175 ms (stage 0) and 169 ms (stage 1) for a step's forwards and backwards, and the
-GPU finished with it; replayed as graphs the same work took 107 and 141 ms (GPU time), with the
-host done after 22 and 18 ms (`benchmarks/pipeline_gpu_probe.py`). A pipeline of host-bound
-stages runs at the host's pace, whatever the schedule.
+host needed 187 ms (stage 0) and 196 ms (stage 1) for a step's forwards and backwards, and the
+GPU finished with it; replayed as graphs the same work took 108 and 140 ms (GPU time), with the
+host done after 22 and 26 ms (`benchmarks/pipeline_gpu_probe.py`). A pipeline of host-bound
+stages runs at the host's pace, whatever the schedule: on 2×H200 graphed 1F1B steps took
+150 ms against 196 ms for torch's Schedule1F1B (docs/benchmarks.md).
 
 `torch.cuda.make_graphed_callables` turns a module into an autograd function whose forward and
 backward replay captured graphs. Its static buffers (inputs, saved activations, outputs,
@@ -15,7 +16,9 @@ between the two on a stage (2 on stage 0 of a 2-stage 1F1B, k × stages in kFkB,
 so each in-flight slot gets its own graphed callable with its own memory pool: a micro-batch
 takes a free slot at its forward and gives it back after its backward, in any order the table
 asks. The memory is the price: every slot keeps one micro-batch's activations and one set of
-parameter gradients for good, whichever table runs, so the number of slots is capped.
+parameter gradients for good, whichever table runs, so the number of slots is capped, and a
+slot is only captured while the device keeps twice the last slot's footprint free; a table
+that needs more slots than that runs eagerly.
 
 What aliasing the static buffers means for the caller (the executor does all three):
 - a micro-batch's loss must be copied before its slot runs again;
@@ -29,7 +32,6 @@ What aliasing the static buffers means for the caller (the executor does all thr
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -38,7 +40,6 @@ from torch import nn
 from huorn.models import moe as model_moe
 
 LossFn = Callable[[tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]
-CAPTURE_ATTEMPTS = 3
 
 
 class GraphUnavailable(RuntimeError):
@@ -84,46 +85,44 @@ class GraphedStage:
         self._slots: list[Callable[..., tuple[torch.Tensor, ...]]] = []
         self._free: list[int] = []
         self._grads: dict[nn.Parameter, torch.Tensor] = {}
+        self.slot_bytes = 0  # device memory the last captured slot took (its pool)
 
     @property
     def slots(self) -> int:
         return len(self._slots)
 
     def prepare(self, needed: int) -> bool:
-        """Capture slots until `needed` exist. False (nothing captured) when `needed` is over the
-        cap: that table runs eagerly."""
+        """Capture slots until `needed` exist. False (that table runs eagerly) when `needed` is
+        over the cap or the device has not room for another slot."""
         if needed > self.max_slots:
             return False
         while len(self._slots) < needed:
+            if self.slot_bytes and torch.cuda.mem_get_info()[0] < 2 * self.slot_bytes:
+                return False
+            reserved = torch.cuda.memory_reserved()
             self._slots.append(self._capture())
             self._free.append(len(self._slots) - 1)
+            self.slot_bytes = max(self.slot_bytes, torch.cuda.memory_reserved() - reserved)
         return True
 
-    def _capture(self, attempts: int = CAPTURE_ATTEMPTS) -> Callable[..., tuple[torch.Tensor, ...]]:
-        """One slot's graphs; GraphUnavailable when every attempt failed.
+    def _capture(self) -> Callable[..., tuple[torch.Tensor, ...]]:
+        """One slot's graphs, or GraphUnavailable: an op that cannot be captured (a host sync, a
+        data-dependent shape), or a capture invalidated by work outside it.
 
-        NB: on 2×H200 the first capture in a process that had run NCCL work and eager steps
-        failed with cudaErrorStreamCaptureInvalidated, retried at once it failed again, and a
-        capture a few steps later in the same process succeeded (benchmarks/pipeline_gpu_probe.py,
-        without NCCL, never saw it). So a failure drops every reference to the failed attempt
-        (its traceback holds the warm-up's autograd graph), and the executor tries again on its
-        next steps before giving up (`StageExecutor.graph_attempts`)."""
-        message = ""
-        for _ in range(attempts):
-            samples = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in self._samples)
-            wrapper = _SlotModule(self.module, self.loss_fn)
-            stream = torch.cuda.current_stream()
-            try:
-                with _thread_local_capture():
-                    return torch.cuda.make_graphed_callables(wrapper, samples)
-            except RuntimeError as failed:
-                message = str(failed).splitlines()[0]
-            # a capture that raises at its end leaves its side stream current
-            torch.cuda.set_stream(stream)
-            del samples, wrapper
-            gc.collect()
-            torch.cuda.synchronize()
-        raise GraphUnavailable(f"capturing the stage failed {attempts} times: {message}")
+        NB: the capture fails with cudaErrorStreamCaptureInvalidated if an autograd graph from
+        an eager step on another stream is still alive: its parameters' AccumulateGrad nodes
+        keep that stream, and the captured backward would have to wait on it. The saved-tensor
+        meter used to leak exactly such a graph (memory.SavedTensorMeter), and every first
+        capture on 2×H200 failed until that was fixed."""
+        samples = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in self._samples)
+        wrapper = _SlotModule(self.module, self.loss_fn)
+        stream = torch.cuda.current_stream()
+        try:
+            with _thread_local_capture():
+                return torch.cuda.make_graphed_callables(wrapper, samples)
+        except RuntimeError as error:
+            torch.cuda.set_stream(stream)  # a capture that raises at its end leaves its side stream current
+            raise GraphUnavailable(f"capturing the stage failed: {str(error).splitlines()[0]}") from error
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], int]:
         if not self._free:
@@ -177,11 +176,12 @@ def _thread_local_capture() -> Iterator[None]:
 
     NB: it captures in "global" mode and has no argument to change that. In global mode a
     CUDA call that is unsafe during capture, made by *any* thread of the process, invalidates
-    the capture. A process with NCCL communicators has such threads (the process group's
-    watchdog queries events; NCCL's proxy threads), and on 2×H200 every capture of a stage
-    failed with cudaErrorStreamCaptureInvalidated, while the same capture without NCCL worked.
-    Nothing but the capturing thread touches the capture stream, which is what thread-local
-    mode requires. `make_graphed_callables` looks `torch.cuda.graph` up when it runs, so it
+    the capture, and a process with NCCL communicators has such threads (the process group's
+    watchdog queries events; NCCL's proxy threads). Nothing but the capturing thread (and the
+    autograd engine's, which launches into the capture stream) touches the capture stream,
+    which is what thread-local mode requires. (The captures that failed on 2×H200 failed for
+    another reason, see `_capture`; whether global mode would also fail was not measured.)
+    `make_graphed_callables` looks `torch.cuda.graph` up when it runs, so it
     is swapped for the duration of one call, on the thread that makes it."""
     original = torch.cuda.graph
     torch.cuda.graph = _ThreadLocalGraph  # type: ignore[misc]

@@ -73,8 +73,11 @@ class PipelineTrainer(train.Trainer):
         self.stage = stages[self.topology.stage]
         self.state_module = StageState(self.stage)
         self.flat_checkpoint = True
+        # on GPUs the stages replay CUDA graphs: eager stages were bound by the host launching
+        # kernels (docs/pipeline.md); an MoE stage, or one that fails to capture, runs eagerly
         self.stage_executor = executor.StageExecutor(self.stage, self.topology, groups,
-                                                     split.compute_decoder_loss, self.device)
+                                                     split.compute_decoder_loss, self.device,
+                                                     cuda_graphs=use_cuda)
         opt = self.spec.optimization
         self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=opt.learning_rate,
                                            betas=(0.9, 0.95), weight_decay=opt.weight_decay)
@@ -134,7 +137,10 @@ class PipelineTrainer(train.Trainer):
         self.microbatch_seconds = report.microbatch_s
         reduced = torch.tensor(flags, dtype=torch.float64, device=self.device)
         comm.all_reduce(reduced, self.hook_state, op="stats")
-        extra: dict = {"schedule": report.schedule, "k": report.k, "stage_layers": self.stage_layers}
+        extra: dict = {"schedule": report.schedule, "k": report.k, "stage_layers": self.stage_layers,
+                       "cuda_graphs": report.graphed}
+        if self.stage_executor.graph_note:  # why this stage runs eagerly although graphs were asked for
+            extra["graph_note"] = self.stage_executor.graph_note
         decision = report.decision  # rank 0 only; the other ranks learn k through the broadcast
         if decision is not None:
             self.last_k_decision = {"step": step + 1, "k": decision["k"], "reason": decision["reason"],

@@ -66,7 +66,13 @@ class SavedTensorMeter:
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         else:
             entry[1] += 1
-        holder = _Saved(tensor)
+        # NB: the holder keeps a *detached* view. A saved output still carries its grad_fn, the
+        # node that saves it: holding it as is closes a cycle through C++ (node -> holder ->
+        # tensor -> node) that Python's collector cannot see, so every metered step leaked its
+        # autograd graph, activations included. Unpacking gets the grad_fn back from autograd's
+        # own record. The leaked graph also kept the parameters' AccumulateGrad nodes alive on the
+        # stream of the eager step, which made the first CUDA-graph capture fail (docs/pipeline.md).
+        holder = _Saved(tensor.detach())
         weakref.finalize(holder, self._release, pointer)
         return holder
 

@@ -79,6 +79,7 @@ class StepReport:
     decision: dict | None = None  # rank 0 only, on steps where the planner ran
     recv_wait_s: float = 0.0  # this rank, blocked on the neighbour stages' activations/gradients
     comm: str = "overlap"  # how this step's messages moved
+    graphed: bool = False  # this rank's forwards and backwards replayed CUDA graphs
     microbatches: int = 0  # this replica's micro-batches in the step
     microbatch_s: float = 0.0  # this stage's forward + backward seconds for one micro-batch (S2's input)
     reduce_wait_s: float = 0.0  # this rank, in the data-parallel gradient all-reduce
@@ -152,7 +153,7 @@ class PipelineTraining:
             contention=runner.throttle.level, peak_saved_bytes=stats.peak_saved_bytes,
             predicted_peak_bytes=memory.predict_peak_bytes(
                 schedule, [runner.microbatch_bytes] * topo.stages)[topo.stage],
-            executed=stats.executed, recv_wait_s=stats.recv_wait_s, comm=stats.comm,
+            executed=stats.executed, recv_wait_s=stats.recv_wait_s, comm=stats.comm, graphed=stats.graphed,
             microbatches=mine, microbatch_s=stats.forward_s + stats.backward_s,
             reduce_wait_s=stats.reduce_wait_s,
         )
