@@ -28,7 +28,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,61 +37,35 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import yaml  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
-import huorn.graph.jobs  # noqa: E402,F401  (registers the TrainingJob compiler)
-from huorn.api.common import MitigationLevel, Remediation  # noqa: E402
-from huorn.backends import monitor  # noqa: E402
-from huorn.backends.local import backend as local_backend  # noqa: E402
-from huorn.backends.local import report  # noqa: E402
-from huorn.graph import compiler  # noqa: E402
-from huorn.scheduler.remediation import ladder, policy  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_remediation_run import PipelineJob, run_pipelined_job  # noqa: E402
+
+from huorn.api.common import MitigationLevel  # noqa: E402
+from huorn.scheduler.remediation import ladder  # noqa: E402
 
 STEPS, SLOW_FROM, LAYERS = 70, 12, 4
+JOB = PipelineJob(layers=LAYERS, replicas=2, micro_batch=1, steps=STEPS)
 
 
 def run_job(name: str, cap: str, slow_ms: float | None, workdir: Path) -> dict:
-    manifest = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
-    spec = manifest["spec"]
-    spec["elasticity"].update(minReplicas=2, maxReplicas=2, policy="fixed")
-    spec["model"].update(layers=LAYERS, width=32, heads=2, context=32)
-    spec["optimization"].update(globalBatch=8, microBatch=1, steps=STEPS)
-    spec["checkpoint"] = {"path": "./checkpoints", "intervalSteps": 100}
-    spec["parallelism"] = {"pipelineStages": 2, "schedule": "1f1b"}
-    spec["remediation"] = {"hangTimeout": "60s", "maxMitigation": cap}
-    g = compiler.compile(manifest)
-    run_dir = workdir / name
-    run_dir.mkdir(parents=True)
     faults = [] if slow_ms is None else [
         {"kind": "slow-compute", "ms": slow_ms, "perLayer": True, "fromStep": SLOW_FROM,
          "replica": "trainer-1"}]
-    (run_dir / "faults.json").write_text(json.dumps({"faults": faults}))
-    backend = local_backend.LocalBackend(g, run_dir, local_backend.LocalSettings(step_limit=STEPS))
-    remediation = policy.RemediationPolicy(Remediation.model_validate(spec["remediation"]),
-                                           costs=ladder.LadderCosts(rebalance=1.0))
-    loop = monitor.Monitor(g, backend, [remediation])
-    started = time.monotonic()
-    try:
-        loop.start()
-        loop.run(interval=0.5, should_stop=lambda _: time.monotonic() - started > 900)
-    finally:
-        backend.stop(graceful=False)
-    records = report.read_records(run_dir)
-    steps = {r["step"]: r["step_seconds"] for r in records if r.get("event") == "step"}
-    applied = [r for r in records if r.get("event") == "microbatch-plan"]
-    s2 = [d for d in remediation.decisions
+    run = run_pipelined_job(name, cap, faults, workdir, JOB, ladder.LadderCosts(rebalance=1.0))
+    applied = [r for r in run.records if r.get("event") == "microbatch-plan"]
+    s2 = [d for d in run.remediation.decisions
           if d.level is MitigationLevel.REBALANCE and "microbatches" in d.plan]
-    endpoints = [json.loads(p.read_text()) for p in (run_dir / "endpoints").glob("*.json")]
+    endpoints = [json.loads(p.read_text()) for p in (run.run_dir / "endpoints").glob("*.json")]
     slow_replica = sorted({e["rank"] // 2 for e in endpoints if e["replica"] == "trainer-1"})
-    return {"name": name, "cap": cap, "wall_seconds": time.monotonic() - started, "step_seconds": steps,
+    return {"name": name, "cap": cap, "wall_seconds": run.wall_seconds, "step_seconds": run.step_seconds(),
             "counts": s2[0].plan["microbatches"] if s2 else None,
             "predicted_step_s": s2[0].plan["predictedStepSeconds"] if s2 else None,
             "predicted_even_step_s": s2[0].plan["stepSecondsBefore"] if s2 else None,
             "reason": s2[0].reason if s2 else None,
             "applied_from_step": applied[0]["from_step"] if applied else None,
-            "slow_pipeline_replica": slow_replica,
-            "mutations": [m.reason for m in g.log if m.action == "set-param"]}
+            "slow_pipeline_replica": slow_replica, "mutations": run.mutations()}
 
 
 def main() -> None:
