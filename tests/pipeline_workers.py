@@ -28,6 +28,21 @@ def make_decoder_batch(cfg: models.ModelConfig, microbatches: int, size: int, se
     return list(tokens.chunk(microbatches)), list(targets.chunk(microbatches))
 
 
+def single_process_reference(cfg: models.ModelConfig, microbatches: int
+                             ) -> tuple[float, dict[str, torch.Tensor]]:
+    """The step every pipelined case must reproduce: gradient accumulation over the same
+    micro-batches (seed 7, 2 sequences each) in one process. Returns the mean loss and every
+    parameter's gradient by name."""
+    decoder = build_decoder(cfg)
+    tokens, targets = make_decoder_batch(cfg, microbatches, 2, seed=7)
+    total = 0.0
+    for x, y in zip(tokens, targets, strict=True):
+        _, loss = decoder(x, y)
+        (loss / microbatches).backward()
+        total += loss.item() / microbatches
+    return total, {n: p.grad for n, p in decoder.named_parameters()}
+
+
 def decoder_case_worker(rank: int, world: int, jobs: list[tuple[str, models.ModelConfig, int, list, int]]
                         ) -> dict:
     """For each job (label, config, stages, [(schedule, k), ...], micro-batches per replica):

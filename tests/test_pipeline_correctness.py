@@ -28,14 +28,7 @@ FUSED = models.ModelConfig(layers=4, width=16, heads=2, vocabulary=32, context=8
 
 @functools.cache
 def reference(cfg: models.ModelConfig, microbatches: int) -> tuple[float, dict[str, torch.Tensor]]:
-    decoder = workers.build_decoder(cfg)
-    tokens, targets = workers.make_decoder_batch(cfg, microbatches, 2, seed=7)
-    total = 0.0
-    for x, y in zip(tokens, targets, strict=True):
-        _, loss = decoder(x, y)
-        (loss / microbatches).backward()
-        total += loss.item() / microbatches
-    return total, {n: p.grad for n, p in decoder.named_parameters()}
+    return workers.single_process_reference(cfg, microbatches)
 
 
 @pytest.fixture(scope="module")

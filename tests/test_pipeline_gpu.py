@@ -22,24 +22,12 @@ MICROBATCHES = 8
 def test_two_gpu_nccl_step_equals_single_process() -> None:
     jobs = [("nccl-pp2", CFG, 2, CASES, MICROBATCHES), ("nccl-pp2-lockstep", CFG, 2, CASES, MICROBATCHES)]
     ranks = launch.run_workers(workers.decoder_case_worker, 2, "nccl", (jobs,))
-    decoder, want_loss = reference_step()
     for label in ("nccl-pp2", "nccl-pp2-lockstep"):  # links in the background; batched exchanges
-        check_against_reference(ranks, label, decoder, want_loss, graphed=False)
+        check_against_reference(ranks, label, graphed=False)
 
 
-def reference_step() -> tuple[torch.nn.Module, float]:
-    decoder = workers.build_decoder(CFG)
-    tokens, targets = workers.make_decoder_batch(CFG, MICROBATCHES, 2, seed=7)
-    want_loss = 0.0
-    for x, y in zip(tokens, targets, strict=True):
-        loss = decoder(x, y)[1] / MICROBATCHES
-        loss.backward()
-        want_loss += float(loss.detach())
-    return decoder, want_loss
-
-
-def check_against_reference(ranks: list[dict], label: str, decoder: torch.nn.Module, want_loss: float,
-                            graphed: bool) -> None:
+def check_against_reference(ranks: list[dict], label: str, graphed: bool) -> None:
+    want_loss, want_grads = workers.single_process_reference(CFG, MICROBATCHES)
     for name, k in CASES:
         got = {}
         for rank in ranks:
@@ -48,8 +36,8 @@ def check_against_reference(ranks: list[dict], label: str, decoder: torch.nn.Mod
             assert rank[(label, name, k)]["peak"] == rank[(label, name, k)]["predicted"]
         losses = [r[(label, name, k)]["loss"] for r in ranks if r[(label, name, k)]["loss"] is not None]
         assert losses == [pytest.approx(want_loss, rel=1e-6)], f"{label} {name} k={k}: loss"
-        for param_name, param in decoder.named_parameters():
-            torch.testing.assert_close(got[param_name], param.grad, rtol=1e-6, atol=1e-8,
+        for param_name, want in want_grads.items():
+            torch.testing.assert_close(got[param_name], want, rtol=1e-6, atol=1e-8,
                                        msg=f"{label} {name} k={k}: gradient of {param_name}")
 
 
@@ -57,8 +45,7 @@ def check_against_reference(ranks: list[dict], label: str, decoder: torch.nn.Mod
 def test_two_gpu_cuda_graphed_stages_equal_single_process() -> None:
     ranks = launch.run_workers(workers.decoder_case_worker, 2, "nccl",
                                ([("nccl-pp2-graphs", CFG, 2, CASES, MICROBATCHES)],))
-    decoder, want_loss = reference_step()
-    check_against_reference(ranks, "nccl-pp2-graphs", decoder, want_loss, graphed=True)
+    check_against_reference(ranks, "nccl-pp2-graphs", graphed=True)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

@@ -30,14 +30,7 @@ CASES = [
 
 @functools.cache
 def reference(total: int) -> tuple[float, dict[str, torch.Tensor]]:
-    decoder = workers.build_decoder(CFG)
-    tokens, targets = workers.make_decoder_batch(CFG, total, 2, seed=7)
-    loss_sum = 0.0
-    for x, y in zip(tokens, targets, strict=True):
-        _, loss = decoder(x, y)
-        (loss / total).backward()
-        loss_sum += loss.item() / total
-    return loss_sum, {n: p.grad for n, p in decoder.named_parameters()}
+    return workers.single_process_reference(CFG, total)
 
 
 @pytest.fixture(scope="module")
