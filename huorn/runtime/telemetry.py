@@ -18,6 +18,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -118,11 +119,16 @@ class Telemetry:
 
     def record_step(self, step: int, step_seconds: float, comm_seconds: float, loss: float,
                     tokens_per_second: float, noise_scale: float | None,
-                    microbatch_seconds: float | None = None) -> None:
+                    microbatch_seconds: float | None = None,
+                    waits: Mapping[str, float] | None = None) -> None:
         """`microbatch_seconds`: compute seconds of one of this rank's micro-batches (forward and
         backward, collectives excluded). S2 plans from it: the step's compute also holds work
         that does not scale with the micro-batches (the optimizer step), which would make a
-        rank holding few micro-batches look slow per micro-batch."""
+        rank holding few micro-batches look slow per micro-batch. `waits`: parts of
+        `comm_seconds` by kind (a pipeline stage's receive and data-parallel reduce waits). The
+        fail-slow detector needs them apart: a slow neighbour stage raises the receive wait, a
+        slow replica the reduce wait, and only a wait that no compute slowdown explains is a slow
+        link."""
         comm = min(comm_seconds, step_seconds)
         record = {
             "step": step, "time": time.time(), "step_seconds": step_seconds,
@@ -131,6 +137,7 @@ class Telemetry:
         }
         if microbatch_seconds is not None:
             record["microbatch_seconds"] = microbatch_seconds
+        record.update(waits or {})
         with self._lock:
             self._steps.append(record)
         self.step_seconds.observe(step_seconds)

@@ -132,6 +132,10 @@ class PipelineTrainer(train.Trainer):
         # waits for the neighbour stages and, with replicas, for the slowest replica in the gradient
         # all-reduce: a healthy replica's compute must not grow with a slow replica's
         self.telemetry.add_comm_seconds(report.recv_wait_s + report.reduce_wait_s)
+        # apart as well: the detector tells a slow link (receive waits that no compute slowdown
+        # explains) from a rank that is slow and makes its neighbours wait (docs/remediation.md)
+        self.step_waits = {"recv_wait_seconds": report.recv_wait_s,
+                           "reduce_wait_seconds": report.reduce_wait_s}
         # this stage's own compute per micro-batch, waits excluded: S2 takes a replica's speed
         # from its slowest stage's figure
         self.microbatch_seconds = report.microbatch_s

@@ -9,13 +9,24 @@ uses what synchronous training implies:
   on the per-step minimum over workers (the collective's own latency, free of waiting), and a
   shift counts only if it moves the iteration time by the 10% (FALCON validates on iteration
   time, not on the part that moved).
+
+A pipelined job (DP × PP) breaks two of those assumptions, so it has its own entry point,
+`detect_pipeline_fail_slow`. A pod holds several stages, so the series are per rank, not per
+pod. And in a pipeline a slow rank makes others wait: its neighbour stages in their
+point-to-point receives, the other replicas in the data-parallel all-reduce. Those waits grow
+exactly when the rank slows down, so they would read as a slow network. Waits are effects and
+compute is the cause: a communication shift that coincides with a compute shift of a rank that
+could have caused it is not reported. What remains is measured where a network fault shows and a
+slow peer does not: a link between stages s and s+1 by the smaller of its two endpoints' receive
+waits (a slow stage makes only the other endpoint wait, a slow link both), the all-reduce of
+stage s by the smallest reduce wait over replicas (the last replica to arrive waits for nobody).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -35,9 +46,35 @@ class SlowFinding:
     onset_iteration: int
     detected_iteration: int
     factor: float
+    # pipelined jobs only (None elsewhere): the rank and its place, so that the ladder and S2,
+    # whose unit is the pipeline replica, know which replica is slow. A link's `stage` is the
+    # stage before it; an all-reduce's or a stage-wide finding's `replica` is None.
+    rank: int | None = None
+    replica: int | None = None
+    stage: int | None = None
+    link: bool = False  # communication between `stage` and `stage + 1` of `replica`
 
     def to_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+        found = dataclasses.asdict(self)
+        if not self.link:  # a DDP finding keeps the five fields `huorn detect` always printed
+            del found["link"]
+            for key in ("rank", "replica", "stage"):
+                if found[key] is None:
+                    del found[key]
+        return found
+
+    def where(self) -> str:
+        """Where the slowdown is, in the words an operator reads in a decision's reason."""
+        if self.link:
+            return (f"the link from stage {self.stage} to stage {(self.stage or 0) + 1} of pipeline "
+                    f"replica {self.replica}")
+        if self.rank is not None:
+            return f"{self.worker} (rank {self.rank}: pipeline replica {self.replica}, stage {self.stage})"
+        if self.stage is not None and self.kind == "communication":
+            return f"the data-parallel all-reduce of stage {self.stage}"
+        if self.stage is not None:
+            return f"stage {self.stage} of every pipeline replica"
+        return self.worker
 
 
 def _changes(
@@ -150,3 +187,134 @@ def localise_ranks(
             continue
         culprits += [Culprit(r, kind, v / median) for r, v in sorted(values.items()) if v > ratio * median]
     return culprits
+
+
+# -- pipelined jobs (DP × PP) -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PipelineRank:
+    """Where one rank sits: the instance (pod, agent) that runs it, which S4 would replace."""
+
+    instance: str
+    rank: int
+    replica: int
+    stage: int
+
+
+@dataclasses.dataclass
+class PipelineTable:
+    """Per-rank series of a pipelined job: `steps` has one worker per rank (keyed as in `ranks`)
+    with its compute/comm split; `recv_wait` and `reduce_wait` are the parts of comm that the
+    pipeline trainer publishes apart (None from a runtime that does not)."""
+
+    steps: StepTable
+    ranks: dict[str, PipelineRank]
+    recv_wait: dict[str, np.ndarray] | None = None
+    reduce_wait: dict[str, np.ndarray] | None = None
+
+
+def detect_pipeline_fail_slow(table: PipelineTable,
+                              config: bocd.BocdConfig | None = None) -> list[SlowFinding]:
+    """Return the validated slowdowns (and recoveries) of a pipelined job, ordered by onset:
+    ranks slow in compute by name and place, links and all-reduces slow on their own."""
+    config = config or bocd.BocdConfig()
+    steps = table.steps
+    if steps.compute is None or steps.comm is None:
+        raise ValueError("a pipelined job's table needs the compute and comm columns")
+    step_seconds = float(np.median(_iteration_seconds(steps)))
+    compute = []
+    for w in steps.workers:
+        where = table.ranks[w]
+        for c in _changes(steps.iterations[w], steps.compute[w], config):
+            finding = SlowFinding(where.instance, "compute", *c, rank=where.rank, replica=where.replica,
+                                  stage=where.stage)
+            if _moves_iteration(steps.compute[w], steps.iterations[w], finding, step_seconds,
+                                config.min_shift):
+                compute.append(finding)
+    replicas = len({p.replica for p in table.ranks.values()})
+    compute = _merge_pipeline(compute, replicas)
+    network = [f for f in _pipeline_network(table, config, step_seconds) if not _explained(f, compute)]
+    return sorted(compute + network,
+                  key=lambda f: (f.onset_iteration, f.worker, -1 if f.rank is None else f.rank))
+
+
+def _merge_pipeline(found: list[SlowFinding], replicas: int) -> list[SlowFinding]:
+    """Collapse shifts that hit at least half of the pipeline replicas (two at least) at once.
+
+    The unit is the replica, not the rank: a replica slow as a whole is all its stages, which in
+    a job of two replicas is half the ranks, and it must stay a named replica for S2. A shift on
+    one stage of most replicas is that stage's (S3's case); one on several stages is job-wide."""
+    result: list[SlowFinding] = []
+    pending = sorted(found, key=lambda f: (f.onset_iteration, f.rank or 0))
+    while pending:
+        head = pending[0]
+        group = [f for f in pending if abs(f.onset_iteration - head.onset_iteration) <= ONSET_TOLERANCE
+                 and (f.factor > 1) == (head.factor > 1)]
+        hit = {f.replica for f in group}
+        if len(hit) >= 2 and len(hit) * 2 >= replicas:
+            stages = {f.stage for f in group}
+            stage = stages.pop() if len(stages) == 1 else None
+            result.append(SlowFinding(
+                JOB_WIDE, "job-wide" if stage is None else "compute",
+                int(statistics.median_low([f.onset_iteration for f in group])),
+                max(f.detected_iteration for f in group), float(np.median([f.factor for f in group])),
+                stage=stage))
+            pending = [f for f in pending if f not in group]
+        else:
+            result.append(head)
+            pending = pending[1:]
+    return result
+
+
+def _explained(network: SlowFinding, compute: list[SlowFinding]) -> bool:
+    """Whether a compute shift at the same time could have made these ranks wait: a rank of the
+    same replica for a link (a stage waits only for its own pipeline's stages), any rank for an
+    all-reduce or a job-wide figure (every replica waits for the slowest)."""
+    return any(abs(c.onset_iteration - network.onset_iteration) <= ONSET_TOLERANCE
+               and (c.factor > 1) == (network.factor > 1)
+               and (network.replica is None or c.replica is None or c.replica == network.replica)
+               for c in compute)
+
+
+def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
+                      step_seconds: float) -> list[SlowFinding]:
+    steps = table.steps
+    assert steps.comm is not None
+    found: list[SlowFinding] = []
+
+    def detect(series: tuple[np.ndarray, np.ndarray], **where: object) -> None:
+        iterations, values = series
+        for c in _changes(iterations, values, config):
+            finding = SlowFinding(JOB_WIDE, "communication", *c, **where)  # type: ignore[arg-type]
+            if _moves_iteration(values, iterations, finding, step_seconds, config.min_shift):
+                found.append(finding)
+
+    if table.recv_wait is None or table.reduce_wait is None:
+        # NB: a runtime that publishes only the sum cannot tell a stage's wait for its neighbour
+        # from its replica's wait for another replica; the DDP rule on the sum, with the
+        # explanation rule applied to every rank, is the most that can be said
+        detect(_per_iteration(steps, steps.comm, steps.workers, min))
+        return found
+    at = {(p.replica, p.stage): w for w, p in table.ranks.items()}
+    stages = sorted({p.stage for p in table.ranks.values()})
+    for replica in sorted({p.replica for p in table.ranks.values()}):
+        for stage in stages[:-1]:
+            ends = [at.get((replica, stage)), at.get((replica, stage + 1))]
+            if None not in ends:
+                detect(_per_iteration(steps, table.recv_wait, ends, min),  # type: ignore[arg-type]
+                       replica=replica, stage=stage, link=True)
+    for stage in stages:
+        group = [w for w, p in table.ranks.items() if p.stage == stage]
+        if len(group) >= 2:
+            detect(_per_iteration(steps, table.reduce_wait, group, min), stage=stage)
+    return found
+
+
+def _per_iteration(steps: StepTable, series: Mapping[str, np.ndarray], workers: list[str],
+                   reduce: Callable[[list[float]], float]) -> tuple[np.ndarray, np.ndarray]:
+    """One figure per iteration over `workers`, on the iterations every one of them reported."""
+    by_iteration: dict[int, list[float]] = {}
+    for w in workers:
+        for it, v in zip(steps.iterations[w], series[w], strict=True):
+            by_iteration.setdefault(int(it), []).append(float(v))
+    iterations = np.array(sorted(i for i, v in by_iteration.items() if len(v) == len(workers)), dtype=int)
+    return iterations, np.array([reduce(by_iteration[int(i)]) for i in iterations], dtype=float)

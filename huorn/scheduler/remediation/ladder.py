@@ -125,7 +125,7 @@ class MitigationLadder:
         self.level, self.loss_since_rung = MitigationLevel.OBSERVE, 0.0
         return Decision(
             MitigationLevel.OBSERVE, ACTIONS[MitigationLevel.OBSERVE],
-            f"fail-slow ({finding.kind}) on {finding.worker} ×{finding.factor:.2f} since step "
+            f"fail-slow ({finding.kind}) on {finding.where()} ×{finding.factor:.2f} since step "
             f"{finding.onset_iteration}; observing until the loss pays for the next rung", self.ranks,
         )
 

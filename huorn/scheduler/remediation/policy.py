@@ -36,6 +36,8 @@ import statistics
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+import numpy as np
+
 from huorn.api import base
 from huorn.api.common import MitigationLevel, Remediation
 from huorn.graph import managers, model
@@ -60,7 +62,8 @@ class RemediationPolicy:
         self.ladder = ladder.MitigationLadder(remediation.max_mitigation, costs, shape)
         self.shape_from_telemetry = shape is None
         self.decisions: list[ladder.Decision] = []
-        self.history: dict[str, dict[int, dict]] = {}  # replica → step → record
+        self.history: dict[str, dict[int, dict]] = {}  # replica (pipelined: rank) → step → record
+        self.positions: dict[str, failslow.PipelineRank] = {}  # pipelined: history key → rank's place
         self._handled_hangs: set[tuple[tuple[str, ...], int]] = set()
         self._slow_seen: set[tuple[str, int]] = set()
         self._last_step = -1
@@ -103,22 +106,26 @@ class RemediationPolicy:
     # -- fail-slow -------------------------------------------------------------------------------
     def _decide_fail_slow(self, graph: model.Graph, snapshots: Mapping[str, dict]) -> list[managers.Event]:
         for key, snap in snapshots.items():
-            replica = snap.get("replica") or key
-            steps = self.history.setdefault(replica, {})
+            steps = self.history.setdefault(self._history_key(key, snap), {})
             for record in snap.get("steps") or []:
                 steps[int(record["step"])] = record
             for old in sorted(steps)[:-HISTORY_STEPS]:
                 del steps[old]
-        table = self.build_table()
-        if table is None:
+        if self.positions:
+            pipeline_table = self.build_pipeline_table()
+            found = failslow.detect_pipeline_fail_slow(pipeline_table) if pipeline_table else []
+        else:
+            table = self.build_table()
+            found = failslow.detect_fail_slow(table) if table else []
+        if not any(self.history.values()):
             return []
         events: list[managers.Event] = []
-        for finding in failslow.detect_fail_slow(table):
-            if finding.factor <= 1 or (finding.worker, finding.onset_iteration) in self._slow_seen:
+        for finding in found:
+            if finding.factor <= 1 or (finding.where(), finding.onset_iteration) in self._slow_seen:
                 continue
-            self._slow_seen.add((finding.worker, finding.onset_iteration))
+            self._slow_seen.add((finding.where(), finding.onset_iteration))
             if self.ladder.level is None:
-                self.decisions.append(self.ladder.on_fail_slow(finding, []))
+                self.decisions.append(self.ladder.on_fail_slow(finding, _culprit_ranks(finding, found)))
         latest = max((max(steps) for steps in self.history.values() if steps), default=-1)
         if self.shape_from_telemetry:
             self.ladder.shape = build_pipeline_shape(snapshots) or build_shape(snapshots) or self.ladder.shape
@@ -135,6 +142,19 @@ class RemediationPolicy:
         self._last_step = max(self._last_step, latest)
         return events
 
+    def _history_key(self, key: str, snap: dict) -> str:
+        """A pipelined pod runs several stages, and one history per pod would interleave their
+        records (whichever rank was read last wins): there the history is per rank, with the
+        rank's place kept beside it. Elsewhere it stays per replica, the unit S4 replaces."""
+        pipeline = (snap.get("parameters") or {}).get("pipeline") or {}
+        stages = len(pipeline.get("stage_layers") or ()) or int(pipeline.get("stages") or 0)
+        if stages < 1 or "rank" not in snap:
+            return snap.get("replica") or key
+        rank = int(snap["rank"])  # rank = replica × stages + stage (runtime/pipeline/topology.py)
+        self.positions[str(rank)] = failslow.PipelineRank(snap.get("replica") or key, rank,
+                                                          rank // stages, rank % stages)
+        return str(rank)
+
     def build_table(self) -> steptable.StepTable | None:
         """The replicas' recent steps as the detector's generic table (compute/comm split)."""
         rows = [{"iteration": step, "worker": replica, "time": r["step_seconds"],
@@ -143,6 +163,28 @@ class RemediationPolicy:
         if not rows:
             return None
         return steptable.build_table(rows, (*steptable.REQUIRED, *steptable.OPTIONAL))
+
+    def build_pipeline_table(self) -> failslow.PipelineTable | None:
+        """The ranks' recent steps with their places and, from a runtime that publishes them,
+        the receive and reduce waits apart (the pipeline detector needs both, module docstring
+        of failslow.py)."""
+        recent = {w: sorted(self.history.get(w, {}).items())[-512:] for w in self.positions}
+        recent = {w: records for w, records in recent.items() if records}
+        rows = [{"iteration": step, "worker": w, "time": r["step_seconds"],
+                 "compute": r["compute_seconds"], "comm": r["comm_seconds"]}
+                for w, records in recent.items() for step, r in records]
+        if not rows:
+            return None
+        columns = (*steptable.REQUIRED, *steptable.OPTIONAL)
+        table = failslow.PipelineTable(steptable.build_table(rows, columns),
+                                       {w: self.positions[w] for w in recent})
+        if all("recv_wait_seconds" in r and "reduce_wait_seconds" in r
+               for records in recent.values() for _, r in records):
+            table.recv_wait = {w: np.array([r["recv_wait_seconds"] for _, r in records], dtype=float)
+                               for w, records in recent.items()}
+            table.reduce_wait = {w: np.array([r["reduce_wait_seconds"] for _, r in records], dtype=float)
+                                 for w, records in recent.items()}
+        return table
 
     def _healthy_step_seconds(self) -> float | None:
         finding = self.ladder.finding
@@ -173,6 +215,16 @@ class RemediationPolicy:
                     "instance": replica, "reason": f"remediation S4 ({decision.action}): {decision.reason}",
                 }))
         return events
+
+
+def _culprit_ranks(finding: failslow.SlowFinding, found: list[failslow.SlowFinding]) -> list[int]:
+    """The ranks a pipelined finding names, with the other ranks of its replica that slowed at
+    the same time: a replica slow as a whole is all its stages, and the decisions carry them all."""
+    if finding.rank is None:
+        return []
+    return sorted({f.rank for f in found if f.rank is not None and f.replica == finding.replica
+                   and f.factor > 1 and f.kind == finding.kind
+                   and abs(f.onset_iteration - finding.onset_iteration) <= failslow.ONSET_TOLERANCE})
 
 
 def build_rebalance_events(graph: model.Graph, decision: ladder.Decision) -> list[managers.Event]:
