@@ -65,8 +65,10 @@ class SlowFinding:
 
     def where(self) -> str:
         """Where the slowdown is, in the words an operator reads in a decision's reason."""
+        if self.link and self.stage is None:
+            return f"the links between the stages of pipeline replica {self.replica}"
         if self.link:
-            return (f"the link from stage {self.stage} to stage {(self.stage or 0) + 1} of pipeline "
+            return (f"the link from stage {self.stage} to stage {self.stage + 1} of pipeline "
                     f"replica {self.replica}")
         if self.rank is not None:
             return f"{self.worker} (rank {self.rank}: pipeline replica {self.replica}, stage {self.stage})"
@@ -297,16 +299,40 @@ def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
     at = {(p.replica, p.stage): w for w, p in table.ranks.items()}
     stages = sorted({p.stage for p in table.ranks.values()})
     for replica in sorted({p.replica for p in table.ranks.values()}):
+        links = len(found)
         for stage in stages[:-1]:
             ends = [at.get((replica, stage)), at.get((replica, stage + 1))]
             if None not in ends:
                 detect(_per_iteration(steps, table.recv_wait, ends, min),  # type: ignore[arg-type]
                        replica=replica, stage=stage, link=True)
+        found[links:] = _merge_links(found[links:])
     for stage in stages:
         group = [w for w, p in table.ranks.items() if p.stage == stage]
         if len(group) >= 2:
             detect(_per_iteration(steps, table.reduce_wait, group, min), stage=stage)
     return found
+
+
+def _merge_links(found: list[SlowFinding]) -> list[SlowFinding]:
+    """One replica's link findings, those that shifted together as one with no stage named.
+
+    A slow link delays the whole pipeline's critical path, so with three stages or more every
+    stage of the replica waits longer, the far links' endpoints too: the waits name the replica
+    but not which of its links (LinkStats per link would; docs/remediation.md, Limits)."""
+    result: list[SlowFinding] = []
+    pending = sorted(found, key=lambda f: f.onset_iteration)
+    while pending:
+        head = pending[0]
+        group = [f for f in pending if abs(f.onset_iteration - head.onset_iteration) <= ONSET_TOLERANCE
+                 and (f.factor > 1) == (head.factor > 1)]
+        if len(group) == 1:
+            result.append(head)
+        else:
+            result.append(dataclasses.replace(
+                head, stage=None, factor=float(np.median([f.factor for f in group])),
+                detected_iteration=max(f.detected_iteration for f in group)))
+        pending = [f for f in pending if f not in group]
+    return result
 
 
 def _per_iteration(steps: StepTable, series: Mapping[str, np.ndarray], workers: list[str],

@@ -146,6 +146,11 @@ class MitigationLadder:
         plan = self.build_plan(target)
         reason = (f"lost {paid:.1f}s since {previous.value}"
                   f" ≥ {self.costs.of(target):.1f}s cost of {target.value} (ski-rental)")
+        if target is MitigationLevel.REBALANCE and self.finding is not None \
+                and self.finding.replica is not None and not self.finding.link:
+            # S2 plans from every replica's measured speed, not from this name; the name says
+            # whether the plan moves work off the replica that the detector found slow
+            reason += f"; detected on pipeline replica {self.finding.replica}"
         if self._changes_nothing(target, plan):
             # the rung is passed (the loss goes on towards the next one) but nothing is applied
             self.applied = None
