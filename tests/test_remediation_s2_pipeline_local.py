@@ -4,7 +4,8 @@ step 12, so its whole pipeline replica runs slower per micro-batch. The policy r
 /telemetry, takes the replica's speed from its slowest stage, the ladder (capped at `rebalance`)
 climbs to S2, the decision becomes a `microbatches` set-param with one count per pipeline
 replica, the backend writes the control file, and the trainers run the unequal tables from a
-step boundary on, with no restart and no step lost or repeated."""
+step boundary on, with no restart and no step lost or repeated. The fail-slow detector names
+that replica (its ranks, with their stages) rather than a job-wide communication slowdown."""
 
 from __future__ import annotations
 
@@ -44,6 +45,12 @@ def test_slow_pipeline_replica_gets_fewer_micro_batches(tmp_path: Path) -> None:
     slow_replica = {e["rank"] // 2 for e in endpoints if e["replica"] == "trainer-1"}
     assert len(slow_replica) == 1 and len(endpoints) == 4, endpoints
     slow = slow_replica.pop()
+    # the detector named that replica (both its ranks: the whole replica is slowed), not a
+    # job-wide communication slowdown (its neighbours' and the other replica's waits grew too)
+    first = remediation.decisions[0]
+    assert first.level is MitigationLevel.OBSERVE and "(compute)" in first.reason, first
+    assert f"pipeline replica {slow}," in first.reason and set(first.ranks) == {2 * slow, 2 * slow + 1}, first
+    assert f"detected on pipeline replica {slow}" in s2[0].reason, s2[0]
     assert len(counts) == 2 and sum(counts) == 8 and counts[slow] < counts[1 - slow], counts
     mutations = [m for m in g.log if m.action == "set-param" and m.detail["key"] == "microbatches"]
     assert mutations and mutations[0].detail["new"] == counts
