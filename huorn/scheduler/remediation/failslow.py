@@ -48,7 +48,8 @@ class SlowFinding:
     factor: float
     # pipelined jobs only (None elsewhere): the rank and its place, so that the ladder and S2,
     # whose unit is the pipeline replica, know which replica is slow. A link's `stage` is the
-    # stage before it; an all-reduce's or a stage-wide finding's `replica` is None.
+    # stage before it (None when the replica's links shifted together, `_merge_links`); an
+    # all-reduce's or a stage-wide finding's `replica` is None.
     rank: int | None = None
     replica: int | None = None
     stage: int | None = None
