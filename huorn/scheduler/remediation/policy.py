@@ -26,6 +26,10 @@ A stage that is slow in every replica leaves the replicas equal: S2's best plan 
 split, the ladder passes it (`skip-rebalance-microbatches`), and S3, which moves layers in every
 replica at once, takes over.
 
+Fail-slow detection keeps one history per replica for DDP jobs, but one per rank for pipelined
+jobs: a pipelined pod runs several stages, and the pipeline detector must see each rank's compute
+and waits with its replica and stage to tell the rank that is slow from those that wait for it.
+
 NB: a whole job that sits outside any collective for a while is what checkpointing, validation,
 start-up and rendezvous look like, so that case is recorded but never restarts anything.
 """
