@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError, model_validator
 from huorn.api import base, training
 from huorn.models import config as model_config
 
-FaultKind = Literal["slow-compute", "hang-compute", "hang-collective", "slow-comm"]
+FaultKind = Literal["slow-compute", "hang-compute", "hang-collective", "slow-comm", "slow-link"]
 FAULTS_FILE = "faults.json"
 STEPS_FILE = "steps.jsonl"
 ENDPOINTS_DIR = "endpoints"
@@ -32,12 +32,17 @@ class Fault(base.ApiModel):
     kind: FaultKind
     from_step: int = Field(default=0, ge=0, description="First global step (0-based) it applies to.")
     until_step: int | None = Field(default=None, ge=0, description="First step it no longer applies to.")
-    ms: float = Field(default=0.0, ge=0, description="Delay per step for slow-compute and slow-comm.")
+    ms: float = Field(default=0.0, ge=0, description="Delay per step for slow-compute, per collective for "
+                      "slow-comm, per message for slow-link.")
     per_micro_batch: bool = Field(default=False, description="slow-compute: delay every micro-batch the "
                                   "rank computes (a slower device), not once per step.")
     per_layer: bool = Field(default=False, description="slow-compute: delay every decoder layer's forward "
                             "on the rank (a slower device whose cost moves with the layers it holds, "
                             "as in a pipeline stage), not once per step.")
+    direction: Literal["forward", "backward"] | None = Field(
+        default=None, description="slow-link: which of the rank's outgoing pipeline links is slowed, "
+        "forward (activations to the next stage) or backward (gradients to the previous stage); "
+        "None: both.")
     rank: int | None = Field(default=None, ge=0, description="Global rank it hits; None: every rank.")
     replica: str | None = Field(default=None, description="HUORN_REPLICA of the process it hits.")
 
@@ -49,6 +54,9 @@ class Fault(base.ApiModel):
             raise ValueError("fault: perLayer and perMicroBatch exclude each other; set one of them")
         if (self.per_layer or self.per_micro_batch) and self.kind != "slow-compute":
             raise ValueError(f"fault {self.kind!r}: perLayer and perMicroBatch apply to slow-compute only")
+        if self.direction is not None and self.kind != "slow-link":
+            raise ValueError(f"fault {self.kind!r}: direction applies to slow-link only (the pipeline's "
+                             "point-to-point links); remove it or use kind slow-link")
         return self
 
     def applies(self, step: int, rank: int, replica: str | None) -> bool:

@@ -3,7 +3,11 @@
 The remediation detectors (hang and fail-slow) are tested against these, so each fault mimics
 one of C4's four classes: `slow-compute` and `hang-compute` act between collectives (a slow or
 stuck GPU kernel), `slow-comm` and `hang-collective` act inside the DDP communication hook
-after the collective's sequence number was entered (a slow link, a stuck NIC). Faults come from
+after the collective's sequence number was entered (a slow link, a stuck NIC). `slow-link` is
+the pipeline's own slow network: the data-parallel collectives of a pipelined job are few and
+the traffic that a slow link between two stages holds up is point-to-point, so it delays the
+messages a rank sends to its neighbour stages, in the executor's send path where contention is
+injected (`link_delays`). Faults come from
 the run config and from `faults.json` in the run dir, which a harness may rewrite at any time;
 the file is re-read at every step and while a hang blocks, so removing a hang releases it.
 """
@@ -89,3 +93,19 @@ class FaultInjector:
         if slow is not None:
             time.sleep(slow.ms / 1000.0)
         self._block_while("hang-collective")
+
+    def link_delays(self) -> tuple[float, float]:
+        """Seconds to add to every message this rank sends to the next stage and to the previous
+        one during this step. The executor's links sleep them out in the send path, like
+        contention, so the slowdown is seen where a slow link shows: in the seconds per message
+        of that link alone, and in the waits of the stages behind it, not in anybody's compute."""
+        forward = backward = 0.0
+        with self._lock:
+            candidates = [*self.configured, *self._file_faults]
+        for fault in candidates:
+            if fault.kind == "slow-link" and fault.applies(self.step, self.rank, self.replica):
+                if fault.direction in (None, "forward"):
+                    forward += fault.ms / 1000.0
+                if fault.direction in (None, "backward"):
+                    backward += fault.ms / 1000.0
+        return forward, backward

@@ -120,7 +120,8 @@ class Telemetry:
     def record_step(self, step: int, step_seconds: float, comm_seconds: float, loss: float,
                     tokens_per_second: float, noise_scale: float | None,
                     microbatch_seconds: float | None = None,
-                    waits: Mapping[str, float] | None = None) -> None:
+                    waits: Mapping[str, float] | None = None,
+                    links: Mapping[str, float] | None = None) -> None:
         """`microbatch_seconds`: compute seconds of one of this rank's micro-batches (forward and
         backward, collectives excluded). S2 plans from it: the step's compute also holds work
         that does not scale with the micro-batches (the optimizer step), which would make a
@@ -128,7 +129,10 @@ class Telemetry:
         `comm_seconds` by kind (a pipeline stage's receive and data-parallel reduce waits). The
         fail-slow detector needs them apart: a slow neighbour stage raises the receive wait, a
         slow replica the reduce wait, and only a wait that no compute slowdown explains is a slow
-        link."""
+        link. `links`: a pipeline stage's outgoing links, seconds per message and messages
+        (`send_link_*` to the next stage, `grad_link_*` to the previous); they run beside compute,
+        so they are not part of `comm_seconds`. Behind a slow link every stage waits longer, but
+        only that link's messages take longer: they say which link it is."""
         comm = min(comm_seconds, step_seconds)
         record = {
             "step": step, "time": time.time(), "step_seconds": step_seconds,
@@ -138,6 +142,7 @@ class Telemetry:
         if microbatch_seconds is not None:
             record["microbatch_seconds"] = microbatch_seconds
         record.update(waits or {})
+        record.update(links or {})
         with self._lock:
             self._steps.append(record)
         self.step_seconds.observe(step_seconds)

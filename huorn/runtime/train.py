@@ -70,6 +70,7 @@ class Trainer:
         self.microbatch_counts: tuple[int, ...] | None = None  # S2 plan; None: even round-robin
         self.microbatch_seconds: float | None = None  # last step's compute per micro-batch (S2's input)
         self.step_waits: dict[str, float] = {}  # last step's waits by kind (a pipeline's receive, reduce)
+        self.step_links: dict[str, float] = {}  # last step's pipeline link figures (telemetry.record_step)
         self.control_stamp = 0
         self.total_steps = cfg.total_steps()
         self.mixture = sampler.build_mixture(
@@ -233,7 +234,8 @@ class Trainer:
             tokens_per_s = self.plan.global_batch * self.spec.model.context / elapsed
             comm_s = self.telemetry.take_comm_seconds()
             self.telemetry.record_step(step, elapsed, comm_s, loss, tokens_per_s, noise,
-                                       microbatch_seconds=self.microbatch_seconds, waits=self.step_waits)
+                                       microbatch_seconds=self.microbatch_seconds, waits=self.step_waits,
+                                       links=self.step_links)
             record = {"event": "step", "step": step, "loss": loss, "world_size": self.world, "lr": lr,
                       "tokens_per_second": tokens_per_s, "step_seconds": elapsed, "comm_seconds": comm_s,
                       "gradient_noise_scale": noise, **extra}

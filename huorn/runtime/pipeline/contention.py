@@ -16,6 +16,11 @@ direction of each pipeline edge sleeps out the delay and then sends, so a messag
 for those ahead of it, while the compute thread carries on. The level can change at any
 time, e.g. from a per-step callback.
 
+A link also has its own `extra_s`, seconds added to each of its messages whatever the level:
+fault injection's `slow-link` (huorn/runtime/faults.py) slows one direction of one edge, where
+the throttle is shared by all of a stage's links. It is slept out in the same place as the
+throttle's delay, so it is measured in the same seconds per message.
+
 Every send goes through a link whatever the level, so that the time each message held its
 link (delay + real transfer) is measured the same way with and without contention; that is the
 point-to-point figure the planner's cost model is calibrated from. There are two links:
@@ -92,6 +97,7 @@ class LinkSender:
 
     def __init__(self, peer: int, group: dist.ProcessGroup, throttle: Throttle, device: torch.device) -> None:
         self.peer, self.group, self.throttle, self.device = peer, group, throttle, device
+        self.extra_s = 0.0  # per message, on top of the throttle's delay (module docstring)
         self._queue: queue.Queue[_Item | None] = queue.Queue()
         self._stats = LinkStats()
         self._lock = threading.Lock()
@@ -147,7 +153,7 @@ class LinkSender:
         if item.ready is not None:
             item.ready.synchronize()
         start = time.perf_counter()
-        delay = self.throttle.delay_s(item.tensor.numel() * item.tensor.element_size())
+        delay = self.throttle.delay_s(item.tensor.numel() * item.tensor.element_size()) + self.extra_s
         if delay > 0:
             time.sleep(delay)
         if stream is not None:
@@ -193,6 +199,7 @@ class StreamLink:
     def __init__(self, peer: int, group: dist.ProcessGroup, throttle: Throttle, device: torch.device) -> None:
         self.peer, self.group, self.throttle, self.device = peer, group, throttle, device
         self.stream = torch.cuda.Stream(device)
+        self.extra_s = 0.0  # per message, on top of the throttle's delay (module docstring)
         self._cycles_per_s = 0.0
         self._in_flight: list[_InFlight] = []
         self._stats = LinkStats()
@@ -201,7 +208,7 @@ class StreamLink:
         if done is not None:
             raise ValueError("StreamLink.send: `done` is not supported on CUDA; wait on drain()")
         nbytes = tensor.numel() * tensor.element_size()
-        delay = self.throttle.delay_s(nbytes)
+        delay = self.throttle.delay_s(nbytes) + self.extra_s
         if delay > 0 and not self._cycles_per_s:
             self._cycles_per_s = gpu_sleep_rate(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

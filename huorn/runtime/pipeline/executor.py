@@ -72,6 +72,10 @@ class StepStats:
     # host seconds in the data-parallel gradient all-reduce: with replicas, a fast replica waits
     # there for a slow one, which is communication, not its own compute (remediation reads both)
     reduce_wait_s: float = 0.0
+    # host seconds blocked at the end of the step until this stage's outgoing links had
+    # delivered: a slow link holds its sender here, and counted as compute it would blame the
+    # sender's GPU for its link
+    send_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ class StageExecutor:
                           if self._next is not None else None)
         self.grad_link = (contention.make_link(self._previous, groups.to_previous, self.throttle, device)
                           if self._previous is not None else None)
+        self.link_delays = (0.0, 0.0)  # forward, backward: set_link_delays
         self.measured_peaks: dict[tuple[str, int, int], int] = {}  # table -> peak saved bytes
         self._scales: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         self._side_stream: torch.cuda.Stream | None = None  # lockstep contention delays
@@ -122,6 +127,17 @@ class StageExecutor:
         self.cuda_graphs, self.max_graph_slots = cuda_graphs, max_graph_slots
         self.graphs: graphs.GraphedStage | None = None
         self.graph_note: str | None = None
+
+    def set_link_delays(self, forward_s: float, backward_s: float) -> None:
+        """Seconds added to every message this stage sends on (activations) and back (gradients)
+        from the next step on: fault injection's `slow-link`, one direction of one edge, where
+        the throttle's contention is shared by both (contention.py)."""
+        if forward_s < 0 or backward_s < 0:
+            raise ValueError(f"link delays must be >= 0 s, got forward {forward_s}, backward {backward_s}")
+        self.link_delays = (float(forward_s), float(backward_s))
+        for link, extra in ((self.send_link, forward_s), (self.grad_link, backward_s)):
+            if link is not None:
+                link.extra_s = float(extra)
 
     def close(self) -> None:
         for link in (self.send_link, self.grad_link):
@@ -349,9 +365,11 @@ class StageExecutor:
             if outbox or inbox:
                 raise RuntimeError(f"stage {stage}: lockstep exchanges left {sorted(outbox)} unsent and "
                                    f"{sorted(inbox)} unused; the exchanges do not match {schedule.name}")
+        tick = time.perf_counter()
         for link in (self.send_link, self.grad_link):
             if link is not None:
                 link.drain()
+        send_wait_s = time.perf_counter() - tick
         tick = time.perf_counter()
         self._average_gradients(summed=total_microbatches is not None)
         reduce_wait_s = time.perf_counter() - tick
@@ -365,7 +383,7 @@ class StageExecutor:
             send_link=self.send_link.take_stats() if self.send_link else None,
             grad_link=self.grad_link.take_stats() if self.grad_link else None,
             peak_saved_bytes=self.measured_peaks[table_key], executed=executed, graphed=graphed,
-            reduce_wait_s=reduce_wait_s,
+            reduce_wait_s=reduce_wait_s, send_wait_s=send_wait_s,
         )
 
     def _graphs_ready(self, schedule: schedules.Schedule) -> bool:
@@ -391,10 +409,11 @@ class StageExecutor:
             return 0.0
         tick = time.perf_counter()
         group, replica = self.groups.pipeline, self.topology.replica
-        ops, sent_bytes = [], 0
+        ops, sent_bytes, extra_s = [], 0, 0.0
         for t in transfers:
             peer = self.topology.global_rank(replica, t.peer)
             if t.op == "send":
+                extra_s = max(extra_s, self.link_delays[0 if t.kind == "F" else 1])
                 tensor = outbox.pop((t.kind, t.microbatch))
                 sent_bytes += tensor.numel() * tensor.element_size()
                 ops.append(dist.P2POp(dist.isend, tensor, peer, group=group, tag=t.microbatch))
@@ -403,7 +422,8 @@ class StageExecutor:
                 tensor = torch.empty(layout.numel, dtype=layout.dtype, device=self.device)  # type: ignore[union-attr]
                 inbox[(t.kind, t.microbatch)] = tensor
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, group=group, tag=t.microbatch))
-        delay = self.throttle.delay_s(sent_bytes) if sent_bytes else 0.0
+        # a slowed link holds back the batch it sends on, as the throttle does (set_link_delays)
+        delay = self.throttle.delay_s(sent_bytes) + extra_s if sent_bytes else 0.0
         if self.device.type == "cuda" and delay > 0:
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(self.device)

@@ -128,14 +128,25 @@ class PipelineTrainer(train.Trainer):
         raise ValueError("validationInterval is not supported with pipelineStages > 1; set it to 0")
 
     def train_step(self, step: int, flags: list[float]) -> tuple[float, float | None, dict, list[float]]:
+        # fault injection's slow-link acts in the links' send path, which only the executor owns
+        self.stage_executor.set_link_delays(*self.injector.link_delays())
         report = self.loop.run_step(step)
-        # waits for the neighbour stages and, with replicas, for the slowest replica in the gradient
-        # all-reduce: a healthy replica's compute must not grow with a slow replica's
-        self.telemetry.add_comm_seconds(report.recv_wait_s + report.reduce_wait_s)
+        # waits for the neighbour stages, for this stage's own links to deliver and, with
+        # replicas, for the slowest replica in the gradient all-reduce: a healthy replica's
+        # compute must not grow with a slow replica's, nor a sender's with its slow link
+        self.telemetry.add_comm_seconds(report.recv_wait_s + report.reduce_wait_s + report.send_wait_s)
         # apart as well: the detector tells a slow link (receive waits that no compute slowdown
         # explains) from a rank that is slow and makes its neighbours wait (docs/remediation.md)
         self.step_waits = {"recv_wait_seconds": report.recv_wait_s,
-                           "reduce_wait_seconds": report.reduce_wait_s}
+                           "reduce_wait_seconds": report.reduce_wait_s,
+                           "send_wait_seconds": report.send_wait_s}
+        # and each outgoing link's own seconds per message: behind a slow link every stage waits,
+        # but only that link's messages take longer, which is how the detector names it
+        self.step_links = {}
+        for name, stats in (("send_link", report.send_link), ("grad_link", report.grad_link)):
+            if stats is not None and stats.messages:
+                self.step_links[f"{name}_seconds_per_message"] = stats.seconds_per_message
+                self.step_links[f"{name}_messages"] = stats.messages
         # this stage's own compute per micro-batch, waits excluded: S2 takes a replica's speed
         # from its slowest stage's figure
         self.microbatch_seconds = report.microbatch_s

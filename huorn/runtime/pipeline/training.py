@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from huorn.runtime.pipeline import executor, memory, schedules
+from huorn.runtime.pipeline import contention, executor, memory, schedules
 
 Batch = tuple[Sequence[Sequence[torch.Tensor]] | None, Sequence[torch.Tensor] | None]
 
@@ -83,6 +83,12 @@ class StepReport:
     microbatches: int = 0  # this replica's micro-batches in the step
     microbatch_s: float = 0.0  # this stage's forward + backward seconds for one micro-batch (S2's input)
     reduce_wait_s: float = 0.0  # this rank, in the data-parallel gradient all-reduce
+    send_wait_s: float = 0.0  # this rank, until its outgoing links had delivered the step's messages
+    # this rank's outgoing links (None where the stage has none): what each message held its
+    # link, and how many it sent. Waits grow along the whole pipeline behind a slow link; these
+    # are measured on the link itself, so the detector can say which link is slow.
+    send_link: contention.LinkStats | None = None  # activations to the next stage
+    grad_link: contention.LinkStats | None = None  # gradients to the previous stage
 
 
 class PipelineTraining:
@@ -155,7 +161,8 @@ class PipelineTraining:
                 schedule, [runner.microbatch_bytes] * topo.stages)[topo.stage],
             executed=stats.executed, recv_wait_s=stats.recv_wait_s, comm=stats.comm, graphed=stats.graphed,
             microbatches=mine, microbatch_s=stats.forward_s + stats.backward_s,
-            reduce_wait_s=stats.reduce_wait_s,
+            reduce_wait_s=stats.reduce_wait_s, send_wait_s=stats.send_wait_s,
+            send_link=stats.send_link, grad_link=stats.grad_link,
         )
         self.steps_done += 1
         if plan.schedule == "auto" and self.steps_done % plan.replan_every == 0:
