@@ -20,6 +20,9 @@ could have caused it is not reported. What remains is measured where a network f
 slow peer does not: a link between stages s and s+1 by the smaller of its two endpoints' receive
 waits (a slow stage makes only the other endpoint wait, a slow link both), the all-reduce of
 stage s by the smallest reduce wait over replicas (the last replica to arrive waits for nobody).
+Behind a slow link every stage of the replica waits, so with three stages or more the waits name
+the replica, not the link. Where the runtime publishes its links' own seconds per message, those
+name it: only the slow link's messages take longer, in the direction that is slow.
 """
 
 from __future__ import annotations
@@ -54,9 +57,15 @@ class SlowFinding:
     replica: int | None = None
     stage: int | None = None
     link: bool = False  # communication between `stage` and `stage + 1` of `replica`
+    # a link measured on its own messages (PipelineTable.send_link/grad_link): forward
+    # (activations, stage → stage + 1), backward (gradients, stage + 1 → stage) or both; None
+    # when only the waits were read, which cannot tell the directions apart
+    direction: str | None = None
 
     def to_dict(self) -> dict[str, object]:
         found = dataclasses.asdict(self)
+        if self.direction is None:
+            del found["direction"]
         if not self.link:  # a DDP finding keeps the five fields `huorn detect` always printed
             del found["link"]
             for key in ("rank", "replica", "stage"):
@@ -68,6 +77,15 @@ class SlowFinding:
         """Where the slowdown is, in the words an operator reads in a decision's reason."""
         if self.link and self.stage is None:
             return f"the links between the stages of pipeline replica {self.replica}"
+        if self.link and self.direction == "forward":
+            return (f"the forward link (activations) from stage {self.stage} to stage "
+                    f"{self.stage + 1} of pipeline replica {self.replica}")
+        if self.link and self.direction == "backward":
+            return (f"the backward link (gradients) from stage {self.stage + 1} to stage "  # type: ignore[operator]
+                    f"{self.stage} of pipeline replica {self.replica}")
+        if self.link and self.direction == "both":
+            return (f"both directions of the link between stage {self.stage} and stage "
+                    f"{self.stage + 1} of pipeline replica {self.replica}")  # type: ignore[operator]
         if self.link:
             return (f"the link from stage {self.stage} to stage {self.stage + 1} of pipeline "
                     f"replica {self.replica}")
@@ -203,16 +221,34 @@ class PipelineRank:
     stage: int
 
 
+@dataclasses.dataclass(frozen=True)
+class LinkSeries:
+    """One outgoing link of one rank, per step (aligned with the rank's steps): seconds each
+    message held the link, and how many it carried."""
+
+    seconds_per_message: np.ndarray
+    messages: np.ndarray
+
+    def seconds(self) -> np.ndarray:
+        """Seconds a step the link was busy: what a slower link adds to the pipeline's step,
+        which is what FALCON's validation on iteration time weighs."""
+        return self.seconds_per_message * self.messages
+
+
 @dataclasses.dataclass
 class PipelineTable:
     """Per-rank series of a pipelined job: `steps` has one worker per rank (keyed as in `ranks`)
     with its compute/comm split; `recv_wait` and `reduce_wait` are the parts of comm that the
-    pipeline trainer publishes apart (None from a runtime that does not)."""
+    pipeline trainer publishes apart (None from a runtime that does not); `send_link` and
+    `grad_link` are each rank's outgoing links, to the next stage and to the previous (a rank
+    without that link, or whose runtime does not publish it, is absent)."""
 
     steps: StepTable
     ranks: dict[str, PipelineRank]
     recv_wait: dict[str, np.ndarray] | None = None
     reduce_wait: dict[str, np.ndarray] | None = None
+    send_link: dict[str, LinkSeries] = dataclasses.field(default_factory=dict)
+    grad_link: dict[str, LinkSeries] = dataclasses.field(default_factory=dict)
 
 
 def detect_pipeline_fail_slow(table: PipelineTable,
@@ -284,12 +320,13 @@ def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
     assert steps.comm is not None
     found: list[SlowFinding] = []
 
-    def detect(series: tuple[np.ndarray, np.ndarray], **where: object) -> None:
+    def detect(series: tuple[np.ndarray, np.ndarray], into: list[SlowFinding] | None = None,
+               **where: object) -> None:
         iterations, values = series
         for c in _changes(iterations, values, config):
             finding = SlowFinding(JOB_WIDE, "communication", *c, **where)  # type: ignore[arg-type]
             if _moves_iteration(values, iterations, finding, step_seconds, config.min_shift):
-                found.append(finding)
+                (found if into is None else into).append(finding)
 
     if table.recv_wait is None or table.reduce_wait is None:
         # NB: a runtime that publishes only the sum cannot tell a stage's wait for its neighbour
@@ -300,13 +337,23 @@ def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
     at = {(p.replica, p.stage): w for w, p in table.ranks.items()}
     stages = sorted({p.stage for p in table.ranks.values()})
     for replica in sorted({p.replica for p in table.ranks.values()}):
-        links = len(found)
+        waits: list[SlowFinding] = []
+        measured: list[SlowFinding] = []
         for stage in stages[:-1]:
             ends = [at.get((replica, stage)), at.get((replica, stage + 1))]
             if None not in ends:
-                detect(_per_iteration(steps, table.recv_wait, ends, min),  # type: ignore[arg-type]
+                detect(_per_iteration(steps, table.recv_wait, ends, min), waits,  # type: ignore[arg-type]
                        replica=replica, stage=stage, link=True)
-        found[links:] = _merge_links(found[links:])
+            # each direction on the rank that sends it: the link's own time, which only a slow
+            # link (or on NCCL a late receiver, which the explanation rule covers) makes longer
+            for links, sender, direction in ((table.send_link, ends[0], "forward"),
+                                             (table.grad_link, ends[1], "backward")):
+                if sender is not None and sender in links:
+                    detect(_per_iteration(steps, {sender: links[sender].seconds()}, [sender], min), measured,
+                           replica=replica, stage=stage, link=True, direction=direction)
+        # the waits that shifted with a measured link are that link's effects along the pipeline
+        waits = [w for w in waits if not any(_together(w, m) for m in measured)]
+        found += _merge_links(waits) + _merge_directions(measured)
     for stage in stages:
         group = [w for w, p in table.ranks.items() if p.stage == stage]
         if len(group) >= 2:
@@ -314,12 +361,35 @@ def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
     return found
 
 
+def _together(a: SlowFinding, b: SlowFinding) -> bool:
+    return abs(a.onset_iteration - b.onset_iteration) <= ONSET_TOLERANCE and (a.factor > 1) == (b.factor > 1)
+
+
+def _merge_directions(found: list[SlowFinding]) -> list[SlowFinding]:
+    """Both directions of one link that shifted together are one finding: a slow cable or NIC
+    slows both ways, and two decisions for one fault would climb the ladder twice."""
+    result: list[SlowFinding] = []
+    for f in found:
+        twin = next((g for g in result if g.stage == f.stage and g.direction != f.direction
+                     and _together(f, g)), None)
+        if twin is None:
+            result.append(f)
+        else:
+            result[result.index(twin)] = dataclasses.replace(
+                twin, direction="both", onset_iteration=min(f.onset_iteration, twin.onset_iteration),
+                detected_iteration=max(f.detected_iteration, twin.detected_iteration),
+                factor=float(np.median([f.factor, twin.factor])))
+    return result
+
+
 def _merge_links(found: list[SlowFinding]) -> list[SlowFinding]:
-    """One replica's link findings, those that shifted together as one with no stage named.
+    """One replica's link findings from the waits, those that shifted together as one with no
+    stage named.
 
     A slow link delays the whole pipeline's critical path, so with three stages or more every
     stage of the replica waits longer, the far links' endpoints too: the waits name the replica
-    but not which of its links (LinkStats per link would; docs/remediation.md, Limits)."""
+    but not which of its links. A runtime that publishes its links' seconds per message names
+    the link (`_merge_directions`); this is what is left without them."""
     result: list[SlowFinding] = []
     pending = sorted(found, key=lambda f: f.onset_iteration)
     while pending:

@@ -170,8 +170,9 @@ class RemediationPolicy:
 
     def build_pipeline_table(self) -> failslow.PipelineTable | None:
         """The ranks' recent steps with their places and, from a runtime that publishes them,
-        the receive and reduce waits apart (the pipeline detector needs both, module docstring
-        of failslow.py)."""
+        the receive and reduce waits apart and each rank's outgoing links (the pipeline detector
+        needs the waits to tell a slow peer from a slow link, and the links to say which link;
+        module docstring of failslow.py)."""
         recent = {w: sorted(self.history.get(w, {}).items())[-512:] for w in self.positions}
         recent = {w: records for w, records in recent.items() if records}
         rows = [{"iteration": step, "worker": w, "time": r["step_seconds"],
@@ -188,6 +189,14 @@ class RemediationPolicy:
                                for w, records in recent.items()}
             table.reduce_wait = {w: np.array([r["reduce_wait_seconds"] for _, r in records], dtype=float)
                                  for w, records in recent.items()}
+        # a rank's outgoing links, where every one of its recent records has them (the first
+        # stage sends no gradients, the last no activations; an older runtime neither)
+        for name, links in (("send_link", table.send_link), ("grad_link", table.grad_link)):
+            for w, records in recent.items():
+                if all(f"{name}_seconds_per_message" in r for _, r in records):
+                    links[w] = failslow.LinkSeries(
+                        np.array([r[f"{name}_seconds_per_message"] for _, r in records], dtype=float),
+                        np.array([r.get(f"{name}_messages", 1) for _, r in records], dtype=float))
         return table
 
     def _healthy_step_seconds(self) -> float | None:

@@ -1,0 +1,77 @@
+"""A real slow link between pipeline stages, detected and named (local backend, 3 stages, 1 or 2
+pipeline replicas of one torchrun agent each). From step 12, every message one rank sends on
+one of its links is held back 20 ms by fault injection's `slow-link`, in the executor's send
+path: the forward link of rank 1 (stage 1's activations to stage 2, one replica), or the
+backward link of rank 5 (replica 1's last stage, its gradients to stage 1). Behind a slow link
+every stage of the replica waits longer, stage 0 too, so the receive waits alone name the
+replica but not the link; the link's own seconds per message name it, in its direction. Nobody's
+compute may be blamed, the sender's included: a last stage whose gradient link is slow waits for
+it to drain at the end of the step (34 ms a step here), which counted as compute would have
+named its GPU. With two replicas the other replica waits in the all-reduce, which is not
+blamed either. The ladder is capped at `observe`."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import job_support
+import pytest
+import remediation_support
+
+from huorn.api.common import MitigationLevel
+from huorn.scheduler.remediation import failslow, ladder
+
+STEPS, SLOW_FROM, SLOW_MS = 50, 12, 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("replicas", "rank", "direction", "where", "quiet", "behind"), [
+    (1, 1, "forward", "the forward link (activations) from stage 1 to stage 2 of pipeline replica 0",
+     ("0", "send_link"), "0"),
+    (2, 5, "backward", "the backward link (gradients) from stage 2 to stage 1 of pipeline replica 1",
+     ("4", "grad_link"), "3"),
+], ids=["forward-one-replica", "backward-two-replicas"])
+def test_a_slow_link_of_a_three_stage_pipeline_is_named(
+        tmp_path: Path, replicas: int, rank: int, direction: str, where: str,
+        quiet: tuple[str, str], behind: str) -> None:
+    manifest = job_support.tiny_job(replicas=replicas, steps=STEPS, micro_batch=1, layers=6,
+                                    parallelism={"pipelineStages": 3, "schedule": "1f1b"},
+                                    remediation={"hangTimeout": "60s", "maxMitigation": "observe"})
+    run = remediation_support.run_with_faults(
+        manifest,
+        [{"kind": "slow-link", "ms": SLOW_MS, "direction": direction, "fromStep": SLOW_FROM, "rank": rank}],
+        ladder.LadderCosts(rebalance=1.0), tmp_path / "run", STEPS)
+    assert run.finished, run.actions[-3000:]
+    decisions = run.remediation.decisions
+    assert [d.level for d in decisions] == [MitigationLevel.OBSERVE], decisions
+    assert f"fail-slow (communication) on {where} " in decisions[0].reason, decisions[0].reason
+    assert decisions[0].ranks == (), decisions[0]
+    # the runtime's figures: the slowed link's seconds per message grew by the delay, the same
+    # direction's link of the next stage did not, and a stage beyond the slowed link waited longer
+    history = run.remediation.history
+
+    def median(rank: str, key: str, after: bool) -> float:
+        return statistics.median(r[key] for s, r in history[rank].items()
+                                 if (s > SLOW_FROM + 3 if after else 2 < s < SLOW_FROM))
+
+    slowed = "send_link" if direction == "forward" else "grad_link"
+    per_message = f"{slowed}_seconds_per_message"
+    assert median(str(rank), per_message, True) > median(str(rank), per_message, False) + 0.8 * SLOW_MS / 1000
+    assert median(quiet[0], f"{quiet[1]}_seconds_per_message", True) < SLOW_MS / 2000
+    assert median(behind, "recv_wait_seconds", True) > 2 * median(behind, "recv_wait_seconds", False)
+    table = run.remediation.build_pipeline_table()
+    assert table is not None
+    first = [str(3 * r) for r in range(replicas)]
+    last = [str(3 * r + 2) for r in range(replicas)]
+    assert sorted(table.send_link) == sorted(set(table.ranks) - set(last))
+    assert sorted(table.grad_link) == sorted(set(table.ranks) - set(first))
+    found = [f for f in failslow.detect_pipeline_fail_slow(table) if f.factor > 1]
+    assert [(f.kind, f.where()) for f in found] == [("communication", where)], found
+    assert abs(found[0].onset_iteration - SLOW_FROM) <= 3, found
+    # the same run without the links' figures: the waits name the replica, not the link
+    table.send_link.clear()
+    table.grad_link.clear()
+    found = [f for f in failslow.detect_pipeline_fail_slow(table) if f.factor > 1]
+    assert [(f.link, f.replica, f.stage) for f in found] == [(True, rank // 3, None)], found
