@@ -133,9 +133,11 @@ def adaptive_worker(rank: int, world: int, stages: int, width: int, depth: int, 
     return {"reports": reports, "state": {n: p.detach().clone() for n, p in module.state_dict().items()}}
 
 
-def link_worker(rank: int, world: int, level: float, burst_s: float, messages: int) -> dict:
-    """Rank 0 sends `messages` tensors through the device's link at `level`; rank 1 receives
-    them in order. Returns rank 0's link stats and, on rank 1, the received values."""
+def link_worker(rank: int, world: int, level: float, burst_s: float, messages: int,
+                extra_s: float = 0.0) -> dict:
+    """Rank 0 sends `messages` tensors through the device's link at `level`, each held back
+    `extra_s` more (a slow-link fault); rank 1 receives them in order. Returns rank 0's link
+    stats and, on rank 1, the received values."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
     group = dist.new_group([0, 1])
@@ -149,6 +151,7 @@ def link_worker(rank: int, world: int, level: float, burst_s: float, messages: i
     dist.barrier()
     if rank == 0:
         link = contention.make_link(1, group, contention.Throttle(level=level, burst_s=burst_s), device)
+        link.extra_s = extra_s
         for m in range(messages):
             link.send(torch.full((1024,), float(m), device=device), tag=m)
         link.drain()
@@ -167,14 +170,15 @@ def link_worker(rank: int, world: int, level: float, burst_s: float, messages: i
             "uniform": all(bool((t == t[0]).all()) for t in received)}
 
 
-def check_link_run(ranks: list[dict], kind: str, burst_s: float, messages: int) -> None:
+def check_link_run(ranks: list[dict], kind: str, delay_s: float, messages: int) -> None:
     """What link_worker's two ranks must show: the device's link kind, every message whole and
-    in order, and seconds per message that include the throttle's delay (one burst at 50%)."""
+    in order, and seconds per message that include the delay each message was held back (the
+    throttle's: one burst at 50%; a fault's extra)."""
     sender, receiver = ranks
     assert sender["kind"] == kind
     assert receiver["received"] == [float(m) for m in range(messages)] and receiver["uniform"]
     assert sender["messages"] == messages and sender["nbytes"] == messages * 1024 * 4
-    assert burst_s * 0.9 <= sender["seconds_per_message"] < burst_s * 5, sender
+    assert delay_s * 0.9 <= sender["seconds_per_message"] < delay_s * 5, sender
 
 
 def unequal_counts_worker(rank: int, world: int, cfg: models.ModelConfig, stages: int,

@@ -54,3 +54,11 @@ def test_gloo_link_delivers_in_order_and_times_the_contention_delay() -> None:
     burst_s, messages = 0.02, 4
     ranks = launch.run_workers(workers.link_worker, 2, "gloo", (0.5, burst_s, messages))
     workers.check_link_run(ranks, "LinkSender", burst_s, messages)
+
+
+def test_gloo_link_holds_each_message_back_by_its_slow_link_delay_without_contention() -> None:
+    """A slow-link fault's `extra_s` acts at level 0, on this link alone, and shows in the
+    seconds per message the detector reads."""
+    extra_s, messages = 0.03, 4
+    ranks = launch.run_workers(workers.link_worker, 2, "gloo", (0.0, 0.02, messages, extra_s))
+    workers.check_link_run(ranks, "LinkSender", extra_s, messages)

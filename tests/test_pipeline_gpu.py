@@ -56,3 +56,12 @@ def test_stream_link_delivers_in_order_and_times_the_contention_delay() -> None:
     burst_s, messages = 0.004, 6
     ranks = launch.run_workers(workers.link_worker, 2, "nccl", (0.5, burst_s, messages))
     workers.check_link_run(ranks, "StreamLink", burst_s, messages)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_stream_link_holds_each_message_back_by_its_slow_link_delay() -> None:
+    """A slow-link fault on the CUDA link: a GPU spin of `extra_s` per message at level 0, in
+    the seconds per message its CUDA events measure."""
+    extra_s, messages = 0.01, 6
+    ranks = launch.run_workers(workers.link_worker, 2, "nccl", (0.0, 0.004, messages, extra_s))
+    workers.check_link_run(ranks, "StreamLink", extra_s, messages)

@@ -60,3 +60,58 @@ def test_per_layer_delay_hits_only_its_rank_and_steps(tmp_path: Path) -> None:
 def test_contradictory_fault_forms_are_refused(fault: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         run_config.Fault.model_validate({"kind": "slow-compute", "ms": 10, **fault})
+
+
+# -- slow-link: a pipeline rank's point-to-point sends -------------------------------------------
+def link_injector(tmp_path: Path, *specs: dict) -> faults.FaultInjector:
+    parsed = [run_config.Fault.model_validate({"kind": "slow-link", **spec}) for spec in specs]
+    return faults.FaultInjector(parsed, tmp_path, rank=1, replica="trainer-0")
+
+
+def test_slow_link_delays_the_direction_it_names_from_its_step_on_its_rank(tmp_path: Path) -> None:
+    slow = link_injector(tmp_path, {"ms": 20, "direction": "forward", "fromStep": 5, "untilStep": 9,
+                                    "rank": 1})
+    assert slow.link_delays() == (0.0, 0.0)  # step 0: not yet
+    slow.step = 5
+    assert slow.link_delays() == (0.02, 0.0)
+    slow.step = 9
+    assert slow.link_delays() == (0.0, 0.0)  # untilStep is exclusive
+    slow.step, slow.rank = 6, 2
+    assert slow.link_delays() == (0.0, 0.0)  # another rank's link
+    backward = link_injector(tmp_path, {"ms": 30, "direction": "backward", "replica": "trainer-0"})
+    assert backward.link_delays() == (0.0, 0.03)
+    backward.replica = "trainer-1"
+    assert backward.link_delays() == (0.0, 0.0)
+
+
+def test_slow_link_without_a_direction_slows_both_and_faults_add_up(tmp_path: Path) -> None:
+    both = link_injector(tmp_path, {"ms": 10}, {"ms": 5, "direction": "backward"})
+    forward, backward = both.link_delays()
+    assert forward == pytest.approx(0.01) and backward == pytest.approx(0.015)
+    # and the other kinds leave the links alone, slow-comm (the DDP collectives) included
+    other = faults.FaultInjector([run_config.Fault(kind="slow-comm", ms=50),
+                                  run_config.Fault(kind="slow-compute", ms=50)],
+                                 tmp_path, rank=1, replica=None)
+    assert other.link_delays() == (0.0, 0.0)
+
+
+def test_slow_link_from_the_control_file_is_read_at_the_next_refresh(tmp_path: Path) -> None:
+    slow = faults.FaultInjector([], tmp_path, rank=0, replica=None)
+    (tmp_path / run_config.FAULTS_FILE).write_text(
+        '{"faults": [{"kind": "slow-link", "ms": 25, "direction": "forward", "rank": 0}]}')
+    slow.refresh()
+    assert slow.link_delays() == (0.025, 0.0)
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ({"kind": "slow-link"}, "needs ms > 0"),
+    ({"kind": "slow-link", "ms": -1}, "ms"),
+    ({"kind": "slow-link", "ms": 10, "direction": "sideways"}, "direction"),
+    ({"kind": "slow-comm", "ms": 10, "direction": "forward"}, "direction applies to slow-link only"),
+    ({"kind": "slow-compute", "ms": 10, "direction": "backward"}, "direction applies to slow-link only"),
+    ({"kind": "slow-link", "ms": 10, "perLayer": True}, "slow-compute only"),
+    ({"kind": "slow-links", "ms": 10}, "kind"),
+])
+def test_bad_slow_link_specs_are_refused_naming_the_field(fault: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        run_config.Fault.model_validate(fault)

@@ -1,0 +1,190 @@
+"""Which link of a pipeline is slow, on synthetic per-rank telemetry with 3 stages shaped like the
+pipeline trainer's: the 1F1B model of test_remediation_failslow_pipeline.py (a slow link adds
+to its replica's step, and every stage of that replica waits for it), plus what the runtime
+publishes on each rank's outgoing links, seconds per message and messages per step. Only the
+slow link's own messages take longer; the waits alone name the replica but not the link."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import test_remediation_failslow_pipeline as pipeline
+import yaml
+
+from huorn.api.common import MitigationLevel, Remediation
+from huorn.graph import compiler
+from huorn.scheduler.remediation import failslow, ladder, policy, steptable
+
+STAGES, MESSAGE_S = 3, 0.0005  # a healthy link's seconds per message
+Link = tuple[int, int, str]  # replica, the stage before the link, direction
+
+
+def records(slow: dict[Link, float], compute: dict[tuple[int, int], float] | None = None,
+            stages: int = STAGES, replicas: int = 2, seed: int = 0,
+            late_receiver: bool = False) -> dict[int, list[dict[str, Any]]]:
+    """Every rank's step records with its outgoing links. `slow` adds seconds to every message of
+    a link from step ONSET; its replica's pipeline then takes that many seconds longer per
+    micro-batch. `late_receiver`: a slow stage also makes the link into it longer, as a send on
+    NCCL waits for its receive to be posted."""
+    added: dict[int, float] = {}
+    for (replica, _, _), seconds in slow.items():
+        added[replica] = added.get(replica, 0.0) + pipeline.M * seconds
+    by_rank = pipeline.records(pipeline.Fault(compute=compute or {}, link=added), stages, replicas, seed)
+    rng = np.random.default_rng(seed + 100)
+    for rank, recs in by_rank.items():
+        replica, stage = divmod(rank, stages)
+        for record in recs:
+            after = record["step"] >= pipeline.ONSET
+            for name, direction, peer, present in (("send_link", "forward", stage + 1, stage < stages - 1),
+                                                   ("grad_link", "backward", stage - 1, stage > 0)):
+                if not present:
+                    continue
+                before = min(stage, peer)
+                seconds = MESSAGE_S * float(np.exp(rng.normal(0, 0.1)))
+                if after:
+                    seconds += slow.get((replica, before, direction), 0.0)
+                    factor = (compute or {}).get((replica, peer), 1.0)
+                    if late_receiver and factor > 1:
+                        seconds += pipeline.MB * (factor - 1)
+                record[f"{name}_seconds_per_message"] = seconds
+                record[f"{name}_messages"] = pipeline.M
+    return by_rank
+
+
+def table(by_rank: dict[int, list[dict[str, Any]]], stages: int = STAGES) -> failslow.PipelineTable:
+    rows = [{"iteration": r["step"], "worker": str(rank), "time": r["step_seconds"],
+             "compute": r["compute_seconds"], "comm": r["comm_seconds"]}
+            for rank, recs in by_rank.items() for r in recs]
+    built = failslow.PipelineTable(
+        steptable.build_table(rows, (*steptable.REQUIRED, *steptable.OPTIONAL)),
+        {str(rank): failslow.PipelineRank(f"trainer-{rank // stages}", rank, rank // stages, rank % stages)
+         for rank in by_rank},
+        recv_wait={str(rank): np.array([r["recv_wait_seconds"] for r in recs])
+                   for rank, recs in by_rank.items()},
+        reduce_wait={str(rank): np.array([r["reduce_wait_seconds"] for r in recs])
+                     for rank, recs in by_rank.items()})
+    for name, links in (("send_link", built.send_link), ("grad_link", built.grad_link)):
+        for rank, recs in by_rank.items():
+            if f"{name}_seconds_per_message" in recs[0]:
+                links[str(rank)] = failslow.LinkSeries(
+                    np.array([r[f"{name}_seconds_per_message"] for r in recs]),
+                    np.array([r[f"{name}_messages"] for r in recs], dtype=float))
+    return built
+
+
+def slowdowns(built: failslow.PipelineTable) -> list[failslow.SlowFinding]:
+    return [f for f in failslow.detect_pipeline_fail_slow(built) if f.factor > 1]
+
+
+EVERY_LINK = [(replica, stage, direction) for replica in (0, 1) for stage in (0, 1)
+              for direction in ("forward", "backward")]
+
+
+@pytest.mark.parametrize("link", EVERY_LINK, ids=lambda link: "r{}-s{}-{}".format(*link))
+def test_the_slow_link_of_three_stages_is_named_with_its_direction(link: Link) -> None:
+    replica, stage, direction = link
+    built = table(records({link: 0.01}))
+    found = slowdowns(built)
+    assert [(f.kind, f.link, f.replica, f.stage, f.direction, f.rank) for f in found] == \
+        [("communication", True, replica, stage, direction, None)], found
+    assert abs(found[0].onset_iteration - pipeline.ONSET) <= 3 and found[0].factor > 5
+    # the waits grew along the whole pipeline, far from the link too: without the links'
+    # figures the same telemetry names the replica and no link
+    built.send_link.clear()
+    built.grad_link.clear()
+    assert [(f.link, f.replica, f.stage) for f in slowdowns(built)] == [(True, replica, None)]
+
+
+def test_the_named_link_reads_as_an_operator_would_say_it() -> None:
+    found = slowdowns(table(records({(0, 1, "forward"): 0.01})))
+    assert found[0].where() == "the forward link (activations) from stage 1 to stage 2 of pipeline replica 0"
+    assert found[0].to_dict()["direction"] == "forward"
+    found = slowdowns(table(records({(1, 0, "backward"): 0.01})))
+    assert found[0].where() == "the backward link (gradients) from stage 1 to stage 0 of pipeline replica 1"
+
+
+def test_both_directions_of_one_link_are_one_finding() -> None:
+    found = slowdowns(table(records({(1, 1, "forward"): 0.01, (1, 1, "backward"): 0.01})))
+    assert [(f.replica, f.stage, f.direction) for f in found] == [(1, 1, "both")], found
+    assert found[0].where() == "both directions of the link between stage 1 and stage 2 of pipeline replica 1"
+
+
+def test_two_slow_links_of_two_replicas_are_both_named() -> None:
+    found = slowdowns(table(records({(0, 0, "forward"): 0.01, (1, 1, "backward"): 0.01})))
+    assert sorted((f.replica, f.stage, f.direction) for f in found) == [(0, 0, "forward"), (1, 1, "backward")]
+
+
+def test_a_slow_middle_stage_is_compute_even_when_its_incoming_link_looks_longer() -> None:
+    # on NCCL a send waits for its receive to be posted, so the link into a slow stage takes
+    # longer too: that shift is the slow stage's effect, as its neighbours' waits are
+    built = table(records({}, compute={(1, 1): 3.0}, late_receiver=True))
+    found = slowdowns(built)
+    assert [(f.kind, f.rank, f.replica, f.stage) for f in found] == [("compute", 4, 1, 1)], found
+    # both links into stage 1 did shift: the explanation rule is what keeps them out
+    links = [f for f in failslow._pipeline_network(built, failslow.bocd.BocdConfig(), 0.1) if f.factor > 1]
+    assert [(f.replica, f.stage, f.direction) for f in links] == \
+        [(1, 0, "forward"), (1, 1, "backward")], links
+
+
+def test_healthy_links_change_nothing_else() -> None:
+    assert slowdowns(table(records({}))) == []
+    by_rank = records({})
+    allreduce = pipeline.records(pipeline.Fault(allreduce=0.04), STAGES, 2, 0)
+    for rank, recs in by_rank.items():  # the same links, with a slow all-reduce
+        for mine, other in zip(recs, allreduce[rank], strict=True):
+            other.update({k: v for k, v in mine.items() if "_link_" in k})
+    found = slowdowns(table(allreduce))
+    assert [(f.kind, f.link, f.replica, f.stage) for f in found] == \
+        [("communication", False, None, s) for s in range(STAGES)], found
+
+
+# -- the policy: link figures from the step records, as `/telemetry` serves them ------------------
+@dataclass
+class Seen:
+    time: float
+    telemetry: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def test_the_policy_reads_the_links_and_its_decision_names_the_slow_one() -> None:
+    manifest = yaml.safe_load(pipeline.QUICKSTART.read_text())
+    manifest["spec"]["model"]["layers"] = 6
+    manifest["spec"]["elasticity"].update(minReplicas=2, maxReplicas=2)
+    manifest["spec"]["parallelism"] = {"pipelineStages": STAGES, "schedule": "1f1b"}
+    graph = compiler.compile(manifest)
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s", max_mitigation="observe"),
+                                   ladder.LadderCosts(rebalance=0.5))
+    by_rank = records({(1, 1, "forward"): 0.01})
+    for step in range(0, pipeline.STEPS, 4):
+        seen = Seen(float(step), {
+            f"trainer-{rank // STAGES}-{rank % STAGES}": {
+                "rank": rank, "world_size": 2 * STAGES, "replica": f"trainer-{rank // STAGES}",
+                "collective": {"entered": step, "completed": step, "in_flight": []},
+                "heartbeat": float(step),
+                "parameters": {"pipeline": {"stages": STAGES, "replicas": 2, "stage_layers": [2, 2, 2]},
+                               "micro_batches": {"total": 2 * pipeline.M, "mine": pipeline.M}},
+                "steps": recs[max(0, step - 255):step + 1]}
+            for rank, recs in by_rank.items()})
+        pol.decide(graph, seen)
+    built = pol.build_pipeline_table()
+    assert built is not None
+    assert sorted(built.send_link) == ["0", "1", "3", "4"] and sorted(built.grad_link) == ["1", "2", "4", "5"]
+    assert [d.level for d in pol.decisions] == [MitigationLevel.OBSERVE], pol.decisions
+    assert "fail-slow (communication) on the forward link (activations) from stage 1 to stage 2 of " \
+           "pipeline replica 1" in pol.decisions[0].reason, pol.decisions[0]
+
+
+def test_a_rank_whose_records_lack_the_links_is_read_without_them() -> None:
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s", max_mitigation="observe"),
+                                   ladder.LadderCosts(rebalance=0.5))
+    by_rank = records({})
+    for rank, recs in by_rank.items():
+        pol.positions[str(rank)] = failslow.PipelineRank(f"trainer-{rank // STAGES}", rank,
+                                                         rank // STAGES, rank % STAGES)
+        pol.history[str(rank)] = {r["step"]: r for r in recs}
+    del pol.history["1"][60]["send_link_seconds_per_message"]  # one record of an older runtime
+    built = pol.build_pipeline_table()
+    assert built is not None
+    assert sorted(built.send_link) == ["0", "3", "4"] and sorted(built.grad_link) == ["1", "2", "4", "5"]
