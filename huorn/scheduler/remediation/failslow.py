@@ -81,11 +81,11 @@ class SlowFinding:
             return (f"the forward link (activations) from stage {self.stage} to stage "
                     f"{self.stage + 1} of pipeline replica {self.replica}")
         if self.link and self.direction == "backward":
-            return (f"the backward link (gradients) from stage {self.stage + 1} to stage "  # type: ignore[operator]
+            return (f"the backward link (gradients) from stage {self.stage + 1} to stage "
                     f"{self.stage} of pipeline replica {self.replica}")
         if self.link and self.direction == "both":
             return (f"both directions of the link between stage {self.stage} and stage "
-                    f"{self.stage + 1} of pipeline replica {self.replica}")  # type: ignore[operator]
+                    f"{self.stage + 1} of pipeline replica {self.replica}")
         if self.link:
             return (f"the link from stage {self.stage} to stage {self.stage + 1} of pipeline "
                     f"replica {self.replica}")
@@ -306,8 +306,10 @@ def _merge_pipeline(found: list[SlowFinding], replicas: int) -> list[SlowFinding
 
 def _explained(network: SlowFinding, compute: list[SlowFinding]) -> bool:
     """Whether a compute shift at the same time could have made these ranks wait: a rank of the
-    same replica for a link (a stage waits only for its own pipeline's stages), any rank for an
-    all-reduce or a job-wide figure (every replica waits for the slowest)."""
+    same replica for a link (a stage waits only for its own pipeline's stages; and on NCCL a
+    send waits for its receive to be posted, so a slow stage lengthens its incoming links' own
+    seconds per message too), any rank for an all-reduce or a job-wide figure (every replica
+    waits for the slowest)."""
     return any(abs(c.onset_iteration - network.onset_iteration) <= ONSET_TOLERANCE
                and (c.factor > 1) == (network.factor > 1)
                and (network.replica is None or c.replica is None or c.replica == network.replica)
