@@ -339,23 +339,26 @@ def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
     at = {(p.replica, p.stage): w for w, p in table.ranks.items()}
     stages = sorted({p.stage for p in table.ranks.values()})
     for replica in sorted({p.replica for p in table.ranks.values()}):
+        pairs = [(at.get((replica, stage)), at.get((replica, stage + 1))) for stage in stages[:-1]]
+        if all(first in table.send_link and second in table.grad_link for first, second in pairs):
+            # every link's own time, on the rank that sends it, which only a slow link (or on
+            # NCCL a late receiver, which the explanation rule covers) makes longer. The waits
+            # are not read then: they grow behind any slow link, and a wait that validated a
+            # tick before the link's own shift would take the decision with a vaguer name.
+            measured: list[SlowFinding] = []
+            for stage, (first, second) in zip(stages, pairs, strict=False):
+                for links, sender, direction in ((table.send_link, first, "forward"),
+                                                 (table.grad_link, second, "backward")):
+                    detect(_per_iteration(steps, {sender: links[sender].seconds()}, [sender], min),  # type: ignore[index]
+                           measured, replica=replica, stage=stage, link=True, direction=direction)
+            found += _merge_directions(measured)
+            continue
         waits: list[SlowFinding] = []
-        measured: list[SlowFinding] = []
-        for stage in stages[:-1]:
-            ends = [at.get((replica, stage)), at.get((replica, stage + 1))]
+        for stage, ends in zip(stages, pairs, strict=False):
             if None not in ends:
-                detect(_per_iteration(steps, table.recv_wait, ends, min), waits,  # type: ignore[arg-type]
+                detect(_per_iteration(steps, table.recv_wait, list(ends), min), waits,  # type: ignore[arg-type]
                        replica=replica, stage=stage, link=True)
-            # each direction on the rank that sends it: the link's own time, which only a slow
-            # link (or on NCCL a late receiver, which the explanation rule covers) makes longer
-            for links, sender, direction in ((table.send_link, ends[0], "forward"),
-                                             (table.grad_link, ends[1], "backward")):
-                if sender is not None and sender in links:
-                    detect(_per_iteration(steps, {sender: links[sender].seconds()}, [sender], min), measured,
-                           replica=replica, stage=stage, link=True, direction=direction)
-        # the waits that shifted with a measured link are that link's effects along the pipeline
-        waits = [w for w in waits if not any(_together(w, m) for m in measured)]
-        found += _merge_links(waits) + _merge_directions(measured)
+        found += _merge_links(waits)
     for stage in stages:
         group = [w for w, p in table.ranks.items() if p.stage == stage]
         if len(group) >= 2:
