@@ -188,3 +188,19 @@ def test_a_rank_whose_records_lack_the_links_is_read_without_them() -> None:
     built = pol.build_pipeline_table()
     assert built is not None
     assert sorted(built.send_link) == ["0", "3", "4"] and sorted(built.grad_link) == ["1", "2", "4", "5"]
+
+
+def test_with_the_links_figures_waits_that_no_link_shows_are_not_a_slow_link() -> None:
+    # the replica's waits grow as behind a slow link, but no link's own messages take longer
+    # (a wait that validated before the link's own shift, on a real run): the links' figures
+    # decide, and the waits alone are read only where they are missing
+    by_rank = records({})
+    waits = pipeline.records(pipeline.Fault(link={0: pipeline.M * 0.01}), STAGES, 2, 0)
+    for rank, recs in by_rank.items():
+        for mine, other in zip(recs, waits[rank], strict=True):
+            other.update({k: v for k, v in mine.items() if "_link_" in k})
+    built = table(waits)
+    assert slowdowns(built) == []
+    built.send_link.clear()
+    built.grad_link.clear()
+    assert [(f.link, f.replica, f.stage) for f in slowdowns(built)] == [(True, 0, None)]
