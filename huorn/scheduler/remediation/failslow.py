@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -111,22 +112,41 @@ def _merge_job_wide(found: list[SlowFinding], workers: int) -> list[SlowFinding]
     """Collapse shifts that hit at least half of the workers at once into one job-wide finding."""
     if workers < 2:
         return found
+
+    def merge(group: list[SlowFinding]) -> SlowFinding | None:
+        if len({f.worker for f in group}) * 2 >= workers and len(group) >= 2:
+            return SlowFinding(JOB_WIDE, "job-wide", *_group_span(group))
+        return None
+
+    return _merge_concurrent(found, lambda f: f.onset_iteration, merge)
+
+
+def _merge_concurrent(found: list[SlowFinding], order: Callable[[SlowFinding], Any],
+                      merge: Callable[[list[SlowFinding]], SlowFinding | None]) -> list[SlowFinding]:
+    """Walk the shifts in `order`; those within ONSET_TOLERANCE of the earliest left, and in the
+    same direction, form a group. `merge(group)` gives one finding for the whole group, or None
+    to keep the earliest alone and look at the others again: every merge rule of this module
+    (job-wide, per replica, per link) is a different `merge` over the same grouping."""
     result: list[SlowFinding] = []
-    pending = sorted(found, key=lambda f: f.onset_iteration)
+    pending = sorted(found, key=order)
     while pending:
         head = pending[0]
         group = [f for f in pending if abs(f.onset_iteration - head.onset_iteration) <= ONSET_TOLERANCE
                  and (f.factor > 1) == (head.factor > 1)]
-        if len({f.worker for f in group}) * 2 >= workers and len(group) >= 2:
-            result.append(SlowFinding(
-                JOB_WIDE, "job-wide", int(statistics.median_low([f.onset_iteration for f in group])),
-                max(f.detected_iteration for f in group), float(np.median([f.factor for f in group])),
-            ))
-            pending = [f for f in pending if f not in group]
-        else:
+        merged = merge(group)
+        if merged is None:
             result.append(head)
             pending = pending[1:]
+        else:
+            result.append(merged)
+            pending = [f for f in pending if f not in group]
     return result
+
+
+def _group_span(group: list[SlowFinding]) -> tuple[int, int, float]:
+    """A merged finding's onset (the median's lower), detection (the last) and factor (median)."""
+    return (int(statistics.median_low([f.onset_iteration for f in group])),
+            max(f.detected_iteration for f in group), float(np.median([f.factor for f in group])))
 
 
 def _iteration_seconds(table: StepTable) -> np.ndarray:
@@ -282,26 +302,17 @@ def _merge_pipeline(found: list[SlowFinding], replicas: int) -> list[SlowFinding
     The unit is the replica, not the rank: a replica slow as a whole is all its stages, which in
     a job of two replicas is half the ranks, and it must stay a named replica for S2. A shift on
     one stage of most replicas is that stage's (S3's case); one on several stages is job-wide."""
-    result: list[SlowFinding] = []
-    pending = sorted(found, key=lambda f: (f.onset_iteration, f.rank or 0))
-    while pending:
-        head = pending[0]
-        group = [f for f in pending if abs(f.onset_iteration - head.onset_iteration) <= ONSET_TOLERANCE
-                 and (f.factor > 1) == (head.factor > 1)]
+
+    def merge(group: list[SlowFinding]) -> SlowFinding | None:
         hit = {f.replica for f in group}
-        if len(hit) >= 2 and len(hit) * 2 >= replicas:
-            stages = {f.stage for f in group}
-            stage = stages.pop() if len(stages) == 1 else None
-            result.append(SlowFinding(
-                JOB_WIDE, "job-wide" if stage is None else "compute",
-                int(statistics.median_low([f.onset_iteration for f in group])),
-                max(f.detected_iteration for f in group), float(np.median([f.factor for f in group])),
-                stage=stage))
-            pending = [f for f in pending if f not in group]
-        else:
-            result.append(head)
-            pending = pending[1:]
-    return result
+        if len(hit) < 2 or len(hit) * 2 < replicas:
+            return None
+        stages = {f.stage for f in group}
+        stage = stages.pop() if len(stages) == 1 else None
+        return SlowFinding(JOB_WIDE, "job-wide" if stage is None else "compute", *_group_span(group),
+                           stage=stage)
+
+    return _merge_concurrent(found, lambda f: (f.onset_iteration, f.rank or 0), merge)
 
 
 def _explained(network: SlowFinding, compute: list[SlowFinding]) -> bool:
@@ -395,20 +406,14 @@ def _merge_links(found: list[SlowFinding]) -> list[SlowFinding]:
     stage of the replica waits longer, the far links' endpoints too: the waits name the replica
     but not which of its links. A runtime that publishes its links' seconds per message names
     the link (`_merge_directions`); this is what is left without them."""
-    result: list[SlowFinding] = []
-    pending = sorted(found, key=lambda f: f.onset_iteration)
-    while pending:
-        head = pending[0]
-        group = [f for f in pending if abs(f.onset_iteration - head.onset_iteration) <= ONSET_TOLERANCE
-                 and (f.factor > 1) == (head.factor > 1)]
+
+    def merge(group: list[SlowFinding]) -> SlowFinding | None:
         if len(group) == 1:
-            result.append(head)
-        else:
-            result.append(dataclasses.replace(
-                head, stage=None, factor=float(np.median([f.factor for f in group])),
-                detected_iteration=max(f.detected_iteration for f in group)))
-        pending = [f for f in pending if f not in group]
-    return result
+            return None
+        return dataclasses.replace(group[0], stage=None, factor=float(np.median([f.factor for f in group])),
+                                   detected_iteration=max(f.detected_iteration for f in group))
+
+    return _merge_concurrent(found, lambda f: f.onset_iteration, merge)
 
 
 def _per_iteration(steps: StepTable, series: Mapping[str, np.ndarray], workers: list[str],
