@@ -18,7 +18,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,53 +27,27 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import yaml  # noqa: E402
 
-import huorn.graph.jobs  # noqa: E402,F401  (registers the TrainingJob compiler)
-from huorn.api.common import MitigationLevel, Remediation  # noqa: E402
-from huorn.backends import monitor  # noqa: E402
-from huorn.backends.local import backend as local_backend  # noqa: E402
-from huorn.backends.local import report  # noqa: E402
-from huorn.graph import compiler  # noqa: E402
-from huorn.scheduler.remediation import ladder, policy  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from remediation_run import LocalJob, run_local_job  # noqa: E402
+
+from huorn.api.common import MitigationLevel  # noqa: E402
+from huorn.scheduler.remediation import ladder  # noqa: E402
 
 STEPS, SLOW_FROM = 80, 15
+JOB = LocalJob(layers=2, replicas=2, micro_batch=1, steps=STEPS, pipeline_stages=None, timeout_s=600)
 
 
 def run_job(cap: str, slow_ms: float, workdir: Path) -> dict:
-    manifest = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
-    spec = manifest["spec"]
-    spec["elasticity"].update(minReplicas=2, maxReplicas=2, policy="fixed")
-    spec["model"].update(layers=2, width=32, heads=2, context=32)
-    spec["optimization"].update(globalBatch=8, microBatch=1, steps=STEPS)
-    spec["checkpoint"] = {"path": "./checkpoints", "intervalSteps": 100}
-    spec["remediation"] = {"hangTimeout": "60s", "maxMitigation": cap}
-    g = compiler.compile(manifest)
-    run_dir = workdir / cap
-    run_dir.mkdir(parents=True)
-    (run_dir / "faults.json").write_text(json.dumps({"faults": [
-        {"kind": "slow-compute", "ms": slow_ms, "perMicroBatch": True, "fromStep": SLOW_FROM,
-         "replica": "trainer-1"}]}))
-    backend = local_backend.LocalBackend(g, run_dir, local_backend.LocalSettings(step_limit=STEPS))
-    remediation = policy.RemediationPolicy(Remediation.model_validate(spec["remediation"]),
-                                           costs=ladder.LadderCosts(rebalance=1.0))
-    loop = monitor.Monitor(g, backend, [remediation])
-    started = time.monotonic()
-    try:
-        loop.start()
-        loop.run(interval=0.5, should_stop=lambda _: time.monotonic() - started > 600)
-    finally:
-        backend.stop(graceful=False)
-    wall = time.monotonic() - started
-    records = report.read_records(run_dir)
-    steps = {r["step"]: r["step_seconds"] for r in records if r.get("event") == "step"}
-    plans = [r for r in records if r.get("event") == "microbatch-plan"]
-    s2 = [d for d in remediation.decisions if d.level is MitigationLevel.REBALANCE]
-    return {"cap": cap, "wall_seconds": wall, "step_seconds": steps,
+    faults = [{"kind": "slow-compute", "ms": slow_ms, "perMicroBatch": True, "fromStep": SLOW_FROM,
+               "replica": "trainer-1"}]
+    run = run_local_job(cap, cap, faults, workdir, JOB, ladder.LadderCosts(rebalance=1.0))
+    plans = [r for r in run.records if r.get("event") == "microbatch-plan"]
+    s2 = [d for d in run.remediation.decisions if d.level is MitigationLevel.REBALANCE]
+    return {"cap": cap, "wall_seconds": run.wall_seconds, "step_seconds": run.step_seconds(),
             "applied_from": plans[0]["from_step"] if plans else None,
             "counts": plans[0]["counts"] if plans else None,
-            "reason": s2[0].reason if s2 else None,
-            "mutations": [m.reason for m in g.log if m.action == "set-param"]}
+            "reason": s2[0].reason if s2 else None, "mutations": run.mutations()}
 
 
 def main() -> None:

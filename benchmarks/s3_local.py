@@ -38,19 +38,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_remediation_run import PipelineJob, run_pipelined_job  # noqa: E402
+from remediation_run import LocalJob, run_local_job  # noqa: E402
 
 from huorn.api.common import MitigationLevel  # noqa: E402
 from huorn.scheduler.remediation import ladder  # noqa: E402
 
 STEPS, SLOW_FROM, LAYERS = 70, 12, 8
-JOB = PipelineJob(layers=LAYERS, replicas=1, micro_batch=2, steps=STEPS)
+JOB = LocalJob(layers=LAYERS, replicas=1, micro_batch=2, steps=STEPS)
 
 
 def run_job(name: str, cap: str, slow_ms: float | None, workdir: Path) -> dict:
     faults = [] if slow_ms is None else [
         {"kind": "slow-compute", "ms": slow_ms, "perLayer": True, "fromStep": SLOW_FROM, "rank": 0}]
-    run = run_pipelined_job(name, cap, faults, workdir, JOB, ladder.LadderCosts(resplit=1.0))
+    run = run_local_job(name, cap, faults, workdir, JOB, ladder.LadderCosts(resplit=1.0))
     steps = [r for r in run.records if r.get("event") == "step"]
     layouts = {r["step"]: r.get("stage_layers") for r in steps}
     s3 = [d for d in run.remediation.decisions if d.level is MitigationLevel.RESPLIT]

@@ -1,7 +1,7 @@
-"""One pipelined TrainingJob on the local backend, under the monitor loop and the remediation
-policy, with an optional fault: what the S2 and S3 benchmarks on pipelined jobs
-(benchmarks/s2_pipeline_local.py, benchmarks/s3_local.py) run once per case, so that their
-baseline, Huorn and healthy runs differ only in the ladder's cap and the fault."""
+"""One TrainingJob on the local backend, under the monitor loop and the remediation policy, with
+injected faults: what the remediation benchmarks on real jobs (benchmarks/s2_local.py,
+s2_pipeline_local.py, s3_local.py) run once per case, so that their baseline, Huorn and healthy
+runs differ only in the ladder's cap and the faults."""
 
 from __future__ import annotations
 
@@ -25,14 +25,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
-class PipelineJob:
-    """The job's shape: a small decoder in 2 stages, `replicas` pipeline replicas (agents)."""
+class LocalJob:
+    """The job's shape: a small decoder, `replicas` agents (pipeline replicas when pipelined),
+    in `pipeline_stages` stages or, with None, data-parallel only."""
 
     layers: int
     replicas: int
     micro_batch: int
     steps: int = 70
     global_batch: int = 8
+    pipeline_stages: int | None = 2
+    timeout_s: float = 900.0
 
 
 @dataclass
@@ -50,8 +53,8 @@ class FinishedRun:
         return [m.reason for m in self.graph.log if m.action == "set-param"]
 
 
-def run_pipelined_job(name: str, cap: str, faults: list[dict], workdir: Path, job: PipelineJob,
-                      costs: ladder.LadderCosts) -> FinishedRun:
+def run_local_job(name: str, cap: str, faults: list[dict], workdir: Path, job: LocalJob,
+                  costs: ladder.LadderCosts) -> FinishedRun:
     """Run `job` to its last step with the ladder capped at `cap` and `faults` injected."""
     manifest = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
     spec = manifest["spec"]
@@ -59,7 +62,8 @@ def run_pipelined_job(name: str, cap: str, faults: list[dict], workdir: Path, jo
     spec["model"].update(layers=job.layers, width=32, heads=2, context=32)
     spec["optimization"].update(globalBatch=job.global_batch, microBatch=job.micro_batch, steps=job.steps)
     spec["checkpoint"] = {"path": "./checkpoints", "intervalSteps": 100}
-    spec["parallelism"] = {"pipelineStages": 2, "schedule": "1f1b"}
+    if job.pipeline_stages is not None:
+        spec["parallelism"] = {"pipelineStages": job.pipeline_stages, "schedule": "1f1b"}
     spec["remediation"] = {"hangTimeout": "60s", "maxMitigation": cap}
     graph = compiler.compile(manifest)
     run_dir = workdir / name
@@ -71,7 +75,7 @@ def run_pipelined_job(name: str, cap: str, faults: list[dict], workdir: Path, jo
     started = time.monotonic()
     try:
         loop.start()
-        loop.run(interval=0.5, should_stop=lambda _: time.monotonic() - started > 900)
+        loop.run(interval=0.5, should_stop=lambda _: time.monotonic() - started > job.timeout_s)
     finally:
         backend.stop(graceful=False)
     return FinishedRun(graph, remediation, run_dir, report.read_records(run_dir), time.monotonic() - started)
