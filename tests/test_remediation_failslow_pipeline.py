@@ -21,7 +21,7 @@ import yaml
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
 from huorn.api.common import MitigationLevel, Remediation
 from huorn.graph import compiler
-from huorn.scheduler.remediation import failslow, ladder, policy, steptable
+from huorn.scheduler.remediation import failslow, ladder, policy
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 STEPS, ONSET, M, MB = 120, 50, 4, 0.01  # MB: a healthy stage's seconds per micro-batch
@@ -70,20 +70,18 @@ def records(fault: Fault, stages: int = 2, replicas: int = 2, seed: int = 0,
 
 def table(fault: Fault, stages: int = 2, replicas: int = 2, seed: int = 0,
           split: bool = True) -> failslow.PipelineTable:
-    by_rank = records(fault, stages, replicas, seed, split)
-    rows = [{"iteration": rec["step"], "worker": str(rank), "time": rec["step_seconds"],
-             "compute": rec["compute_seconds"], "comm": rec["comm_seconds"]}
-            for rank, recs in by_rank.items() for rec in recs]
-    built = failslow.PipelineTable(
-        steptable.build_table(rows, (*steptable.REQUIRED, *steptable.OPTIONAL)),
-        {str(rank): failslow.PipelineRank(f"trainer-{rank // stages}", rank, rank // stages, rank % stages)
-         for rank in by_rank})
-    if split:
-        built.recv_wait = {str(r): np.array([x["recv_wait_seconds"] for x in recs])
-                           for r, recs in by_rank.items()}
-        built.reduce_wait = {str(r): np.array([x["reduce_wait_seconds"] for x in recs])
-                             for r, recs in by_rank.items()}
+    built = failslow.build_pipeline_table(*as_records(records(fault, stages, replicas, seed, split), stages))
+    assert built is not None
     return built
+
+
+def as_records(by_rank: dict[int, list[dict[str, Any]]], stages: int
+               ) -> tuple[dict[str, list[tuple[int, dict[str, Any]]]], dict[str, failslow.PipelineRank]]:
+    """Step records per rank, as the remediation policy holds them, and the ranks' places."""
+    records = {str(rank): [(r["step"], r) for r in recs] for rank, recs in by_rank.items()}
+    ranks = {str(rank): failslow.PipelineRank(f"trainer-{rank // stages}", rank, *divmod(rank, stages))
+             for rank in by_rank}
+    return records, ranks
 
 
 def slowdowns(found: list[failslow.SlowFinding]) -> list[failslow.SlowFinding]:

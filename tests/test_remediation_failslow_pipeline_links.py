@@ -16,7 +16,7 @@ import yaml
 
 from huorn.api.common import MitigationLevel, Remediation
 from huorn.graph import compiler
-from huorn.scheduler.remediation import failslow, ladder, policy, steptable
+from huorn.scheduler.remediation import failslow, ladder, policy
 
 STAGES, MESSAGE_S = 3, 0.0005  # a healthy link's seconds per message
 Link = tuple[int, int, str]  # replica, the stage before the link, direction
@@ -55,23 +55,8 @@ def records(slow: dict[Link, float], compute: dict[tuple[int, int], float] | Non
 
 
 def table(by_rank: dict[int, list[dict[str, Any]]], stages: int = STAGES) -> failslow.PipelineTable:
-    rows = [{"iteration": r["step"], "worker": str(rank), "time": r["step_seconds"],
-             "compute": r["compute_seconds"], "comm": r["comm_seconds"]}
-            for rank, recs in by_rank.items() for r in recs]
-    built = failslow.PipelineTable(
-        steptable.build_table(rows, (*steptable.REQUIRED, *steptable.OPTIONAL)),
-        {str(rank): failslow.PipelineRank(f"trainer-{rank // stages}", rank, rank // stages, rank % stages)
-         for rank in by_rank},
-        recv_wait={str(rank): np.array([r["recv_wait_seconds"] for r in recs])
-                   for rank, recs in by_rank.items()},
-        reduce_wait={str(rank): np.array([r["reduce_wait_seconds"] for r in recs])
-                     for rank, recs in by_rank.items()})
-    for name, links in (("send_link", built.send_link), ("grad_link", built.grad_link)):
-        for rank, recs in by_rank.items():
-            if f"{name}_seconds_per_message" in recs[0]:
-                links[str(rank)] = failslow.LinkSeries(
-                    np.array([r[f"{name}_seconds_per_message"] for r in recs]),
-                    np.array([r[f"{name}_messages"] for r in recs], dtype=float))
+    built = failslow.build_pipeline_table(*pipeline.as_records(by_rank, stages))
+    assert built is not None
     return built
 
 

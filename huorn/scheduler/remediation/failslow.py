@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from huorn.scheduler.remediation import bocd
+from huorn.scheduler.remediation import bocd, steptable
 from huorn.scheduler.remediation.steptable import StepTable
 
 JOB_WIDE = "*"
@@ -269,6 +269,36 @@ class PipelineTable:
     reduce_wait: dict[str, np.ndarray] | None = None
     send_link: dict[str, LinkSeries] = dataclasses.field(default_factory=dict)
     grad_link: dict[str, LinkSeries] = dataclasses.field(default_factory=dict)
+
+
+def build_pipeline_table(records: Mapping[str, Sequence[tuple[int, Mapping[str, Any]]]],
+                         ranks: Mapping[str, PipelineRank]) -> PipelineTable | None:
+    """The detector's table from each rank's (step, step record) pairs in step order: the
+    compute/comm split, and, from a runtime that publishes them, the receive and reduce waits
+    apart and each rank's outgoing links. The waits tell a slow peer from a slow link, and the
+    links say which link; a rank whose records lack a link (the first stage sends no gradients,
+    the last no activations, an older runtime neither) is left out of that link's series."""
+    records = {w: recs for w, recs in records.items() if recs}
+    rows = [{"iteration": step, "worker": w, "time": r["step_seconds"],
+             "compute": r["compute_seconds"], "comm": r["comm_seconds"]}
+            for w, recs in records.items() for step, r in recs]
+    if not rows:
+        return None
+    table = PipelineTable(steptable.build_table(rows, (*steptable.REQUIRED, *steptable.OPTIONAL)),
+                          {w: ranks[w] for w in records})
+    if all("recv_wait_seconds" in r and "reduce_wait_seconds" in r
+           for recs in records.values() for _, r in recs):
+        table.recv_wait = {w: np.array([r["recv_wait_seconds"] for _, r in recs], dtype=float)
+                           for w, recs in records.items()}
+        table.reduce_wait = {w: np.array([r["reduce_wait_seconds"] for _, r in recs], dtype=float)
+                             for w, recs in records.items()}
+    for name, links in (("send_link", table.send_link), ("grad_link", table.grad_link)):
+        for w, recs in records.items():
+            if all(f"{name}_seconds_per_message" in r for _, r in recs):
+                links[w] = LinkSeries(
+                    np.array([r[f"{name}_seconds_per_message"] for _, r in recs], dtype=float),
+                    np.array([r.get(f"{name}_messages", 1) for _, r in recs], dtype=float))
+    return table
 
 
 def detect_pipeline_fail_slow(table: PipelineTable,

@@ -40,8 +40,6 @@ import statistics
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-import numpy as np
-
 from huorn.api import base
 from huorn.api.common import MitigationLevel, Remediation
 from huorn.graph import managers, model
@@ -169,35 +167,9 @@ class RemediationPolicy:
         return steptable.build_table(rows, (*steptable.REQUIRED, *steptable.OPTIONAL))
 
     def build_pipeline_table(self) -> failslow.PipelineTable | None:
-        """The ranks' recent steps with their places and, from a runtime that publishes them,
-        the receive and reduce waits apart and each rank's outgoing links (the pipeline detector
-        needs the waits to tell a slow peer from a slow link, and the links to say which link;
-        module docstring of failslow.py)."""
+        """The ranks' recent steps with their places (failslow.build_pipeline_table)."""
         recent = {w: sorted(self.history.get(w, {}).items())[-512:] for w in self.positions}
-        recent = {w: records for w, records in recent.items() if records}
-        rows = [{"iteration": step, "worker": w, "time": r["step_seconds"],
-                 "compute": r["compute_seconds"], "comm": r["comm_seconds"]}
-                for w, records in recent.items() for step, r in records]
-        if not rows:
-            return None
-        columns = (*steptable.REQUIRED, *steptable.OPTIONAL)
-        table = failslow.PipelineTable(steptable.build_table(rows, columns),
-                                       {w: self.positions[w] for w in recent})
-        if all("recv_wait_seconds" in r and "reduce_wait_seconds" in r
-               for records in recent.values() for _, r in records):
-            table.recv_wait = {w: np.array([r["recv_wait_seconds"] for _, r in records], dtype=float)
-                               for w, records in recent.items()}
-            table.reduce_wait = {w: np.array([r["reduce_wait_seconds"] for _, r in records], dtype=float)
-                                 for w, records in recent.items()}
-        # a rank's outgoing links, where every one of its recent records has them (the first
-        # stage sends no gradients, the last no activations; an older runtime neither)
-        for name, links in (("send_link", table.send_link), ("grad_link", table.grad_link)):
-            for w, records in recent.items():
-                if all(f"{name}_seconds_per_message" in r for _, r in records):
-                    links[w] = failslow.LinkSeries(
-                        np.array([r[f"{name}_seconds_per_message"] for _, r in records], dtype=float),
-                        np.array([r.get(f"{name}_messages", 1) for _, r in records], dtype=float))
-        return table
+        return failslow.build_pipeline_table(recent, self.positions)
 
     def _healthy_step_seconds(self) -> float | None:
         finding = self.ladder.finding
