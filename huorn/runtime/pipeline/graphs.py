@@ -17,7 +17,7 @@ so each in-flight slot gets its own graphed callable with its own memory pool: a
 takes a free slot at its forward and gives it back after its backward, in any order the table
 asks. The memory is the price: every slot keeps one micro-batch's activations and one set of
 parameter gradients for good, whichever table runs, so the number of slots is capped, and a
-slot is only captured while the device keeps twice the last slot's footprint free; a table
+slot is only captured while the device keeps twice the largest slot's footprint free; a table
 that needs more slots than that runs eagerly.
 
 What aliasing the static buffers means for the caller (the executor does all three):
@@ -85,7 +85,7 @@ class GraphedStage:
         self._slots: list[Callable[..., tuple[torch.Tensor, ...]]] = []
         self._free: list[int] = []
         self._grads: dict[nn.Parameter, torch.Tensor] = {}
-        self.slot_bytes = 0  # device memory the last captured slot took (its pool)
+        self.slot_bytes = 0  # the most device memory one slot's capture took (its pool, warm-up included)
 
     @property
     def slots(self) -> int:
