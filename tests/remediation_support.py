@@ -3,7 +3,7 @@ backend, as the S2 and S3 end-to-end tests both do."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,3 +32,13 @@ def run_with_faults(manifest: dict[str, Any], faults: list[dict[str, Any]], cost
     result = job_support.run_local(g, run_dir, faults, [remediation], steps, budget_s)
     actions = (run_dir / "actions.jsonl").read_text()
     return RemediatedRun(g, remediation, run_dir, actions, result.observation.finished)
+
+
+@dataclass
+class Seen:
+    """What a backend's Observation carries that the monitor policies read (time, each replica's
+    /telemetry, new step records), for driving a policy without a backend."""
+
+    time: float = 0.0
+    telemetry: dict[str, dict[str, Any]] = field(default_factory=dict)
+    steps: list[dict[str, Any]] = field(default_factory=list)

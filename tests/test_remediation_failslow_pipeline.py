@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from remediation_support import Seen
 
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
 from huorn.api.common import MitigationLevel, Remediation
@@ -162,11 +163,6 @@ def test_ddp_findings_print_as_before() -> None:
 
 
 # -- the policy: two stages per pod, as on the local backend and in a cluster ---------------------
-@dataclass
-class Seen:
-    time: float
-    telemetry: dict[str, dict[str, Any]] = field(default_factory=dict)
-
 
 def test_the_policy_names_the_slow_replica_from_pods_holding_two_stages() -> None:
     manifest = yaml.safe_load(QUICKSTART.read_text())

@@ -6,13 +6,13 @@ slow link's own messages take longer; the waits alone name the replica but not t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pytest
 import test_remediation_failslow_pipeline as pipeline
 import yaml
+from remediation_support import Seen
 
 from huorn.api.common import MitigationLevel, Remediation
 from huorn.graph import compiler
@@ -127,11 +127,6 @@ def test_healthy_links_change_nothing_else() -> None:
 
 
 # -- the policy: link figures from the step records, as `/telemetry` serves them ------------------
-@dataclass
-class Seen:
-    time: float
-    telemetry: dict[str, dict[str, Any]] = field(default_factory=dict)
-
 
 def test_the_policy_reads_the_links_and_its_decision_names_the_slow_one() -> None:
     manifest = yaml.safe_load(pipeline.QUICKSTART.read_text())

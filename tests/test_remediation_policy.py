@@ -4,12 +4,12 @@ checkpoint)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
+from remediation_support import Seen
 
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
 from huorn.api.common import MitigationLevel, Remediation
@@ -18,13 +18,6 @@ from huorn.scheduler.remediation import ladder, policy
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 
-
-@dataclass
-class Seen:
-    """What the backend's Observation carries that the policy reads."""
-
-    time: float
-    telemetry: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def build_graph() -> Any:

@@ -3,12 +3,12 @@ mutation log: the control-plane halves, without processes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from remediation_support import Seen
 
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
 from huorn.api.common import MitigationLevel, Remediation
@@ -18,12 +18,6 @@ from huorn.scheduler.remediation import ladder, policy
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 
-
-@dataclass
-class Seen:
-    time: float = 0.0
-    telemetry: dict[str, dict[str, Any]] = field(default_factory=dict)
-    steps: list[dict[str, Any]] = field(default_factory=list)
 
 
 def build_graph() -> Any:
