@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import pytest
 
 from huorn.scheduler import allocator
-from huorn.sim import engine, run
+from huorn.sim import engine, run, workload
 
 DATA = Path("/work/shared/data")
 TRACE = DATA / "openb_pod_list_default.csv"
@@ -88,19 +89,13 @@ def test_bad_config_names_the_field() -> None:
         run.build_simulation(TRACE, NODES, QPS, "lottery", engine.SimConfig(gpus=64))
 
 
-@pytest.mark.slow
-def test_whole_trace_at_1024_gpus_simulates_well_inside_a_minute() -> None:
-    """The issue's speed goal, on CPU time (wall time depends on whoever else shares the cores).
-
-    Measured: about 11-12 CPU s for Huorn or Pollux on the 2-core VM; the bound leaves 3x room.
-    """
-    import time
-
-    start = time.process_time()
-    results, _ = run.run_policies(TRACE, NODES, QPS, ["huorn"], engine.SimConfig(gpus=1024))
-    cpu = time.process_time() - start
-    assert results["huorn"]["jobs"] > 3000  # the whole trace: every GPU training pod is kept
-    assert cpu < 40.0, f"Huorn on the whole trace at 1,024 GPUs took {cpu:.1f} CPU s"
+def test_at_1024_gpus_every_gpu_training_pod_of_the_trace_is_a_job() -> None:
+    """1,024 GPUs is the whole trace, unsampled: the speed goal (under 60 s) is measured on it
+    by benchmarks/scheduling_sim.py, not timed here."""
+    rows = list(csv.DictReader(TRACE.open()))
+    training = [r for r in rows if r["qos"] in ("BE", "Burstable") and int(r["num_gpu"]) >= 1]
+    jobs = workload.load_jobs(TRACE, 1024, 768, 0.8, seed=0)
+    assert len(jobs) == len(training) > 3000
 
 
 def test_goodput_measures_are_bounded_by_what_they_count() -> None:
