@@ -34,6 +34,24 @@ def test_training_pods_are_the_gpu_be_and_burstable_ones(tmp_path: Path) -> None
     assert all(j.min_replicas == 1 and j.max_replicas >= j.requested_replicas for j in jobs)
 
 
+def test_the_elastic_range_factor_widens_every_range_and_its_cap(tmp_path: Path) -> None:
+    """The rule: up to 8× the requested replicas (4× for LLMs), at most 64; the sensitivity
+    study multiplies both (benchmarks/scheduling_elastic_range.py)."""
+    pods = write_pods(tmp_path / "p.csv", [
+        "a,1000,1,1,1000,,BE,Running,0,100,0",
+        "b,1000,1,16,1000,,BE,Running,10,500,10",  # 16 GPUs: 2 LLM replicas of 8
+        "c,1000,1,160,1000,,BE,Running,20,500,20",  # 20 LLM replicas: 4 × 20 = 80 > 64, capped
+    ])
+    rule = workload.load_jobs(pods, 1024, 768, 0.8, seed=0)
+    wide = workload.load_jobs(pods, 1024, 768, 0.8, seed=0, elastic_range=4)
+    scale = {j.name: j.family.max_scale for j in rule}
+    assert [j.max_replicas for j in rule] == [scale["a"], 2 * scale["b"], 64]
+    assert [j.max_replicas for j in wide] == [4 * scale["a"], 8 * scale["b"], 256]
+    assert [j.work for j in wide] == [j.work for j in rule]  # the jobs are the same otherwise
+    with pytest.raises(ValueError, match="elastic_range"):
+        workload.load_jobs(pods, 1024, 768, 0.8, seed=0, elastic_range=0)
+
+
 def test_compression_sets_the_offered_load(tmp_path: Path) -> None:
     rows = [f"j{i},1,1,1,1000,,BE,Running,{i * 1000},{i * 1000 + 500},0" for i in range(200)]
     jobs = workload.load_jobs(write_pods(tmp_path / "p.csv", rows), 1024, 10, 0.8, seed=0)

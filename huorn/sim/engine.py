@@ -30,6 +30,7 @@ class SimConfig:
     tick_seconds: float = 60.0
     reclaim_grace_seconds: float = 30.0
     qps_start: str = "middle"  # where the QPS series starts playing: middle or beginning
+    elastic_range: int = 1  # multiplies every job's elastic range (workload.load_jobs); 1 is the rule
 
     def __post_init__(self) -> None:
         if self.gpus < 8:
@@ -40,6 +41,8 @@ class SimConfig:
             raise ValueError(f"load must be > 0, got {self.load}")
         if self.qps_start not in ("middle", "beginning"):
             raise ValueError(f"qps_start must be middle or beginning, got {self.qps_start!r}")
+        if self.elastic_range < 1:
+            raise ValueError(f"elastic_range must be >= 1, got {self.elastic_range}")
 
 
 @dataclass

@@ -176,8 +176,13 @@ def _compression(raw: list[tuple[int, int, int, str]], train_gpus: int, load: fl
     return hi
 
 
-def load_jobs(path: Path, gpus: int, train_gpus: int, load: float, seed: int) -> list[TrainingJob]:
-    """Training jobs from an OpenB-format pod list, sampled and time-compressed for `gpus` GPUs."""
+def load_jobs(path: Path, gpus: int, train_gpus: int, load: float, seed: int,
+              elastic_range: int = 1) -> list[TrainingJob]:
+    """Training jobs from an OpenB-format pod list, sampled and time-compressed for `gpus` GPUs.
+    `elastic_range` multiplies every family's elastic range and the 64-replica cap (1: the
+    documented rule); it exists for the sensitivity study of how far the caps bound goodput."""
+    if elastic_range < 1:
+        raise ValueError(f"elastic_range must be >= 1, got {elastic_range}")
     rows = _rows(path, POD_COLUMNS)
     rng = np.random.default_rng(seed)
     keep = min(1.0, gpus / FULL_TRACE_GPUS)
@@ -212,5 +217,6 @@ def load_jobs(path: Path, gpus: int, train_gpus: int, load: float, seed: int) ->
         work = duration * req * local / step  # samples its trace run processed at the base batch
         noise = fam.noise_scale * float(jrng.lognormal(0, 0.3))
         jobs.append(TrainingJob(name, (created - start) / compress, n_gpu, fam, truth, noise,
-                                1, min(64, req * fam.max_scale), req, work, float(duration)))
+                                1, min(64 * elastic_range, req * fam.max_scale * elastic_range), req, work,
+                                float(duration)))
     return jobs
