@@ -49,7 +49,11 @@ def test_a_slow_link_of_a_three_stage_pipeline_is_named(
     assert f"fail-slow (communication) on {where} " in decisions[0].reason, decisions[0].reason
     assert decisions[0].ranks == (), decisions[0]
     # the runtime's figures: the slowed link's seconds per message grew by the delay, the same
-    # direction's link of the next stage did not, and a stage beyond the slowed link waited longer
+    # direction's link of the next stage did not, and a stage beyond the slowed link waited longer,
+    # by one message's delay at least (its compute did not change). NB: by the delay, not by a
+    # ratio: its wait before the fault is waiting for the other stages' compute, which on a shared
+    # CPU grows with the machine's load (0.014 to 0.056 s a step over 35 runs on a 2-core box,
+    # against 0.080 to 0.092 s after, 0.030 to 0.071 s more)
     history = run.remediation.history
 
     def median(rank: str, key: str, after: bool) -> float:
@@ -60,18 +64,27 @@ def test_a_slow_link_of_a_three_stage_pipeline_is_named(
     per_message = f"{slowed}_seconds_per_message"
     assert median(str(rank), per_message, True) > median(str(rank), per_message, False) + 0.8 * SLOW_MS / 1000
     assert median(quiet[0], f"{quiet[1]}_seconds_per_message", True) < SLOW_MS / 2000
-    assert median(behind, "recv_wait_seconds", True) > 2 * median(behind, "recv_wait_seconds", False)
+    waited = median(behind, "recv_wait_seconds", True) - median(behind, "recv_wait_seconds", False)
+    assert waited > SLOW_MS / 1000, waited
     table = run.remediation.build_pipeline_table()
     assert table is not None
     first = [str(3 * r) for r in range(replicas)]
     last = [str(3 * r + 2) for r in range(replicas)]
     assert sorted(table.send_link) == sorted(set(table.ranks) - set(last))
     assert sorted(table.grad_link) == sorted(set(table.ranks) - set(first))
-    found = [f for f in failslow.detect_pipeline_fail_slow(table) if f.factor > 1]
-    assert [(f.kind, f.where()) for f in found] == [("communication", where)], found
-    assert abs(found[0].onset_iteration - SLOW_FROM) <= 3, found
+
+    def caused(found: list[failslow.SlowFinding]) -> list[failslow.SlowFinding]:
+        """The slowdowns that start with the fault. What it could wrongly blame (the sender's
+        drain, the other replica's all-reduce wait) starts with it too. NB: a rank's compute
+        may also slow down later in the run by 10% of the step or more when the shared CPU's
+        load changes, which the detector rightly reports: rank 0's, 1.6 to 2× from 6 steps after
+        the fault's start, in 2 runs of 16 on a 2-core box that other jobs were using."""
+        return [f for f in found if f.factor > 1 and abs(f.onset_iteration - SLOW_FROM) <= 3]
+
+    found = failslow.detect_pipeline_fail_slow(table)  # the link's onset is within 3 steps too
+    assert [(f.kind, f.where()) for f in caused(found)] == [("communication", where)], found
     # the same run without the links' figures: the waits name the replica, not the link
     table.send_link.clear()
     table.grad_link.clear()
-    found = [f for f in failslow.detect_pipeline_fail_slow(table) if f.factor > 1]
+    found = caused(failslow.detect_pipeline_fail_slow(table))
     assert [(f.link, f.replica, f.stage) for f in found] == [(True, rank // 3, None)], found

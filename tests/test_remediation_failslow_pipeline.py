@@ -136,6 +136,28 @@ def test_a_slow_link_in_a_longer_pipeline_names_its_replica() -> None:
     assert found[0].where() == "the links between the stages of pipeline replica 0"
 
 
+def test_a_slow_link_in_a_longer_pipeline_names_its_replica_when_one_link_shifts_alone() -> None:
+    # behind a slow link the far links' waits grow less (the delay fills slack their stages had),
+    # and under load they may not validate at all: the link whose waits did is not thereby the
+    # slow one (a local run with replica 1's backward link from stage 2 to stage 1 slowed saw only
+    # the link from stage 0 to stage 1 validate), so with three stages the waits still name only
+    # the replica
+    pipeline = table(Fault(link={0: 0.04}), stages=3)
+    assert pipeline.recv_wait is not None
+    far = pipeline.recv_wait["2"]  # replica 0's last stage: the far link's end that waits least
+    far[ONSET:] = np.resize(far[10:ONSET], STEPS - ONSET)  # its waits as before the fault
+
+    def shifts(ends: list[str]) -> list[tuple[int, int, float]]:
+        assert pipeline.recv_wait is not None
+        series = failslow._per_iteration(pipeline.steps, pipeline.recv_wait, ends, min)
+        return [c for c in failslow._changes(*series, failslow.bocd.BocdConfig()) if c[2] > 1]
+
+    assert len(shifts(["0", "1"])) == 1 and shifts(["1", "2"]) == []  # one link's waits shifted
+    found = slowdowns(failslow.detect_pipeline_fail_slow(pipeline))
+    assert [(f.kind, f.link, f.replica, f.stage) for f in found] == [("communication", True, 0, None)], found
+    assert found[0].where() == "the links between the stages of pipeline replica 0"
+
+
 def test_a_slow_all_reduce_is_reported_per_stage() -> None:
     found = slowdowns(failslow.detect_pipeline_fail_slow(table(Fault(allreduce=0.04))))
     assert [(f.kind, f.link, f.replica, f.stage) for f in found] == \

@@ -52,8 +52,9 @@ class SlowFinding:
     factor: float
     # pipelined jobs only (None elsewhere): the rank and its place, so that the ladder and S2,
     # whose unit is the pipeline replica, know which replica is slow. A link's `stage` is the
-    # stage before it (None when the replica's links shifted together, `_merge_links`); an
-    # all-reduce's or a stage-wide finding's `replica` is None.
+    # stage before it (None when it was judged on the waits of a replica of three stages or
+    # more, which cannot tell its links apart: `_merge_links`); an all-reduce's or a stage-wide
+    # finding's `replica` is None.
     rank: int | None = None
     replica: int | None = None
     stage: int | None = None
@@ -399,7 +400,7 @@ def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
             if None not in ends:
                 detect(_per_iteration(steps, table.recv_wait, list(ends), min), waits,  # type: ignore[arg-type]
                        replica=replica, stage=stage, link=True)
-        found += _merge_links(waits)
+        found += _merge_links(waits, len(pairs))
     for stage in stages:
         group = [w for w, p in table.ranks.items() if p.stage == stage]
         if len(group) >= 2:
@@ -428,18 +429,23 @@ def _merge_directions(found: list[SlowFinding]) -> list[SlowFinding]:
     return result
 
 
-def _merge_links(found: list[SlowFinding]) -> list[SlowFinding]:
-    """One replica's link findings from the waits, those that shifted together as one with no
-    stage named.
+def _merge_links(found: list[SlowFinding], links: int) -> list[SlowFinding]:
+    """One replica's link findings from the waits, given how many links the replica has: with
+    more than one, those that shifted together become one finding with no stage named.
 
     A slow link delays the whole pipeline's critical path, so with three stages or more every
     stage of the replica waits longer, the far links' endpoints too: the waits name the replica
-    but not which of its links. A runtime that publishes its links' seconds per message names
-    the link (`_merge_directions`); this is what is left without them."""
+    but not which of its links. That holds for a link whose waits validated alone as well. The
+    waits of a link away from the slow one grow less (the delay partly fills slack that its
+    stages had), so under load they may miss validation, and the link left need not be the slow
+    one: on one local run with the backward link from stage 2 to stage 1 slowed, only the waits
+    of the link from stage 0 to stage 1 validated. With one link (two stages) the waits name it.
+    A runtime that publishes its links' seconds per message names the link
+    (`_merge_directions`); this is what is left without them."""
+    if links <= 1:
+        return found
 
-    def merge(group: list[SlowFinding]) -> SlowFinding | None:
-        if len(group) == 1:
-            return None
+    def merge(group: list[SlowFinding]) -> SlowFinding:
         return dataclasses.replace(group[0], stage=None, factor=float(np.median([f.factor for f in group])),
                                    detected_iteration=max(f.detected_iteration for f in group))
 
