@@ -149,7 +149,10 @@ def _refine_onset(x: np.ndarray, onset: int, flagged_at: int, seg_start: int, co
     lo = max(seg_start, onset - 2 * config.confirm)
     hi = min(len(x), flagged_at + config.validate)
     best, best_cost = onset, math.inf
-    for s in range(max(lo + 3, onset - config.confirm), hi - config.validate // 2 + 1):
+    # splits inside the warm-up are not searched: its first step after it is the earliest onset
+    # that can be flagged (`detect_changes`)
+    first = max(lo + 3, onset - config.confirm, seg_start + config.warmup)
+    for s in range(first, hi - config.validate // 2 + 1):
         left, right = x[lo:s], x[s:hi]
         cost = float(np.abs(left - np.median(left)).sum() + np.abs(right - np.median(right)).sum())
         if cost < best_cost:
@@ -186,8 +189,11 @@ def detect_changes(times: Sequence[float], config: BocdConfig | None = None) -> 
                 continue
             r_map = int(np.argmax(probs[: config.confirm + 1]))
             onset = t - r_map + 1
-            if onset <= last_rejected or onset - seg_start < config.warmup:
+            if onset <= last_rejected:
                 continue
+            # a shift that began in the warm-up's last steps is flagged at the warm-up's end:
+            # skipping it would let the run that holds it absorb it, and it was never reported
+            onset = max(onset, seg_start + config.warmup)
             if t + config.validate > len(x):
                 break  # not enough data yet to validate: an online caller sees it next time
             candidate = onset
