@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.progress import track
 
-from huorn.sim import engine, report, run
+from huorn.sim import bounds, engine, run
 
 DATA = Path("/work/shared/data")
 POLLUXES = ("pollux", "pollux-p-1", "pollux-p-1-fair")
@@ -45,7 +45,7 @@ def main() -> None:
         huorn = results["huorn"]
         row = {
             "gpus": int(gpus), "seed": int(seed), "load": float(load), "elastic_range": factor,
-            "bound_vs_fifo": report.saturated_goodput_bound(sims["fifo"]) / fifo,
+            "bound_vs_fifo": bounds.saturated_goodput_bound(sims["fifo"]) / fifo,
             "huorn_saturated_goodput_vs_fifo": huorn["goodput_saturated_gpu_equiv"] / fifo,
             "best_pollux": best,
             "best_pollux_saturated_goodput_vs_fifo": results[best]["goodput_saturated_gpu_equiv"] / fifo,

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from huorn.scheduler import perfmodel
-from huorn.sim import engine, state
+from huorn.sim import engine
 
 ORDER = ("fifo", "kueue", "pollux", "pollux-p-1", "pollux-p-1-fair", "huorn")
 COLOURS = {"fifo": "#888888", "kueue": "#66aa99", "pollux": "#6699cc", "pollux-p-1": "#3355aa",
@@ -76,38 +75,6 @@ def _work_done_by(sim: engine.Simulation, when: float) -> float:
     times = np.array([s[0] for s in series])
     work = np.array([s[1] for s in series])
     return float(np.interp(when, times, work))
-
-
-def saturated_goodput_bound(sim: engine.Simulation, grid: int = 200) -> float:
-    """An upper bound on `goodput_saturated_gpu_equiv` for ANY policy on this trace and cluster.
-
-    Why: the saturated-window goal (1.8× FIFO) can be out of reach whatever the scheduler does,
-    because every job's speed is capped by its elastic range. The bound ignores capacity entirely:
-    each job runs from its arrival, after the one restart every policy pays to start it, at its
-    best configuration (any replica count up to its cap, on one node when the gang fits in one or
-    on several, any local batch on a `grid`-point log grid up to its memory limit) with the
-    statistical efficiency of its largest noise scale. Reads the truth, so it is a yardstick for
-    reports, never an input to a policy.
-    """
-    start = min(js.job.arrival for js in sim.jobs)
-    window = max(sum(js.job.duration * js.job.requested_gpus for js in sim.jobs) / sim.train_gpus, 1.0)
-    done = 0.0
-    for js in sim.jobs:
-        job, fam = js.job, js.job.family
-        a = job.truth.as_array()
-        noise = job.noise_scale * (1 + state.NOISE_GROWTH)  # efficiency rises with the noise scale
-        r = np.arange(1, job.max_replicas + 1, dtype=float)[:, None, None]
-        low = np.maximum(1.0, fam.base_batch / r)
-        span = np.log(np.maximum(fam.max_local_batch / low, 1.0))
-        local = low * np.exp(span * np.linspace(0.0, 1.0, grid)[None, None, :])
-        nodes = np.array([1.0, 2.0])[None, :, None]  # the step-time model only tells 1 from > 1
-        ok = (low <= fam.max_local_batch) & ((nodes > 1) | (r * fam.gpus_per_replica <= 8))
-        step = perfmodel.predict_step_time(a, r, nodes, local)
-        m = r * local
-        rate = float(np.where(ok, m / step * (noise + fam.base_batch) / (noise + m), 0.0).max())
-        seconds = max(0.0, start + window - job.arrival - fam.restart_seconds)
-        done += job.requested_gpus * job.duration * min(1.0, rate * seconds / job.work)
-    return done / window
 
 
 def compare(results: dict[str, dict]) -> dict:
