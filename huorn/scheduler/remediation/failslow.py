@@ -388,12 +388,15 @@ def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
             # are not read then: they grow behind any slow link, and a wait that validated a
             # tick before the link's own shift would take the decision with a vaguer name.
             measured: list[SlowFinding] = []
+            rises: list[float] = []
             for stage, (first, second) in zip(stages, pairs, strict=False):
                 for links, sender, direction in ((table.send_link, first, "forward"),
                                                  (table.grad_link, second, "backward")):
-                    detect(_per_iteration(steps, {sender: links[sender].seconds()}, [sender], min),  # type: ignore[index]
-                           measured, replica=replica, stage=stage, link=True, direction=direction)
-            found += _merge_directions(measured)
+                    series = _per_iteration(steps, {sender: links[sender].seconds()}, [sender], min)  # type: ignore[index]
+                    before = len(measured)
+                    detect(series, measured, replica=replica, stage=stage, link=True, direction=direction)
+                    rises += [_rise(*series, f) for f in measured[before:]]
+            found += _merge_directions(_without_late_receivers(measured, rises))
             continue
         waits: list[SlowFinding] = []
         for stage, ends in zip(stages, pairs, strict=False):
@@ -406,6 +409,32 @@ def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
         if len(group) >= 2:
             detect(_per_iteration(steps, table.reduce_wait, group, min), stage=stage)
     return found
+
+
+def _rise(iterations: np.ndarray, series: np.ndarray, finding: SlowFinding) -> float:
+    """Seconds a step that the shift added, on the windows `_moves_iteration` reads."""
+    before = series[iterations < finding.onset_iteration][-100:]
+    after = series[iterations >= finding.onset_iteration][:20]
+    return float(np.median(after)) - float(np.median(before))
+
+
+LATE_RECEIVER_SHARE = 0.25  # of the slow link's own rise: below it, a concurrent link's rise is its effect
+
+
+def _without_late_receivers(found: list[SlowFinding], rises: list[float]) -> list[SlowFinding]:
+    """Drop the link shifts of a replica that a much larger concurrent one explains.
+
+    A send completes only once its receiver takes it (gloo; NCCL for large messages), so behind
+    one slow link the other links of the replica take longer too: their receivers post later,
+    having waited for the slow link themselves. Measured on the local backend (3 stages, rank 1's
+    forward link held back 20 ms a message, a loaded 2-core machine): the slowed link's seconds a
+    step rose by the delay, the backward links' by 1-3 ms a message, enough on some runs to
+    validate, and to take the decision with the wrong link's name. A link that shifted with less
+    than a quarter of a concurrent link's rise is taken as its effect; a cable slow both ways
+    raises both directions alike, and both stay (`_merge_directions` makes them one)."""
+    return [f for f, rise in zip(found, rises, strict=True)
+            if not any(_together(f, g) and abs(rise) < LATE_RECEIVER_SHARE * abs(other)
+                       for g, other in zip(found, rises, strict=True) if g is not f)]
 
 
 def _together(a: SlowFinding, b: SlowFinding) -> bool:
