@@ -149,8 +149,11 @@ def _refine_onset(x: np.ndarray, onset: int, flagged_at: int, seg_start: int, co
     lo = max(seg_start, onset - 2 * config.confirm)
     hi = min(len(x), flagged_at + config.validate)
     best, best_cost = onset, math.inf
-    # splits inside the warm-up are not searched: its first step after it is the earliest onset
-    # that can be flagged (`detect_changes`)
+    # splits inside the warm-up are not searched: a shift whose run began after the warm-up but
+    # whose first high step was its last would be placed there and rejected, and the run that
+    # holds it would absorb it for good; its first step after the warm-up is the earliest onset
+    # that can be flagged. (A shift whose run began inside the warm-up is still skipped: flagging
+    # it at the warm-up's end also flagged slow drifts that CPU load puts in the first steps.)
     first = max(lo + 3, onset - config.confirm, seg_start + config.warmup)
     for s in range(first, hi - config.validate // 2 + 1):
         left, right = x[lo:s], x[s:hi]
@@ -189,11 +192,8 @@ def detect_changes(times: Sequence[float], config: BocdConfig | None = None) -> 
                 continue
             r_map = int(np.argmax(probs[: config.confirm + 1]))
             onset = t - r_map + 1
-            if onset <= last_rejected:
+            if onset <= last_rejected or onset - seg_start < config.warmup:
                 continue
-            # a shift that began in the warm-up's last steps is flagged at the warm-up's end:
-            # skipping it would let the run that holds it absorb it, and it was never reported
-            onset = max(onset, seg_start + config.warmup)
             if t + config.validate > len(x):
                 break  # not enough data yet to validate: an online caller sees it next time
             candidate = onset
