@@ -9,6 +9,7 @@ the goal is out of reach because of the rule or because of the scheduler. The ru
 changed: the benchmark's figures stay those of factor 1.
 
     .venv/bin/python benchmarks/scheduling_elastic_range.py [--cases 1024:0:0.8,128:0:0.8] [--ranges 1,2,4]
+    .venv/bin/python benchmarks/scheduling_elastic_range.py --plot-only   # redraw the PNG from the JSON
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ def main() -> None:
     parser.add_argument("--ranges", default="1,2,4", help="elastic-range factors, comma-separated")
     parser.add_argument("--output", type=Path,
                         default=Path("benchmarks/results/scheduling_sim/elastic_range.json"))
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --output's JSON")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.output.read_text()), args.output.with_suffix(".png"))
+        return
     trace = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv",
              DATA / "genai_qps.csv")
     work = [(case, int(r)) for case in args.cases.split(",") for r in args.ranges.split(",")]
@@ -57,6 +62,36 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(rows, indent=2))
+    plot(rows, args.output.with_suffix(".png"))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Saturated-window goodput against FIFO by elastic range, one panel per cluster size:
+    the bound, Huorn and the best Pollux, with the 1.8× goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    sizes = sorted({r["gpus"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.6), squeeze=False, sharey=True)
+    for ax, gpus in zip(axes[0], sizes, strict=True):
+        mine = sorted((r for r in rows if r["gpus"] == gpus), key=lambda r: r["elastic_range"])
+        ranges = [r["elastic_range"] for r in mine]
+        for key, label in (("bound_vs_fifo", "bound (any policy)"),
+                           ("huorn_saturated_goodput_vs_fifo", "Huorn"),
+                           ("best_pollux_saturated_goodput_vs_fifo", "best Pollux")):
+            ax.plot(ranges, [r[key] for r in mine], marker="o", label=label)
+        ax.axhline(1.8, color="grey", ls="--", lw=0.8, label="goal 1.8×")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ranges, [f"×{x}" for x in ranges])
+        ax.set_xlabel("elastic range (× the rule's)")
+        ax.set_title(f"{gpus:,} GPUs")
+    axes[0, 0].set_ylabel("saturated goodput / FIFO")
+    axes[0, -1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
