@@ -51,6 +51,14 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def trainer_command(config: Path, nproc: int) -> list[str]:
+    """The trainer under torchrun on `nproc` local ranks (no restarts), or alone for one."""
+    if nproc == 1:
+        return [sys.executable, "-m", "huorn.runtime.train", "--config", str(config)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "--max-restarts=0", "-m", "huorn.runtime.train", "--config", str(config)]
+
+
 def start_trainer(config: Path, log: Path) -> subprocess.Popen:
     """The trainer without torchrun: a world of one."""
     with open(log, "ab") as out:

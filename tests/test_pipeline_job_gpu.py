@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,13 +31,8 @@ def _spec(**parallelism: object) -> dict:
 
 def _run(tmp: Path, spec: dict, nproc: int) -> list[dict]:
     config = harness.write_config(tmp, harness.shared_data_dir(), spec, device="cuda")
-    if nproc == 1:
-        command = [sys.executable, "-m", "huorn.runtime.train", "--config", str(config)]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "--max-restarts=0", "-m", "huorn.runtime.train", "--config", str(config)]
-    done = subprocess.run(command, cwd=harness.REPO, env=harness.child_env(), capture_output=True, text=True,
-                          timeout=500)
+    done = subprocess.run(harness.trainer_command(config, nproc), cwd=harness.REPO, env=harness.child_env(),
+                          capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return harness.steps_of(harness.read_events(tmp / "run"))
 

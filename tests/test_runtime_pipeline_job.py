@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,13 +34,8 @@ def build_spec(**parallelism: object) -> dict:
 def start_job(tmp: Path, data_dir: Path, spec: dict, nproc: int,
               **fields: object) -> subprocess.CompletedProcess:
     config = harness.write_config(tmp, data_dir, spec, device="cpu", **fields)
-    if nproc == 1:
-        command = [sys.executable, "-m", "huorn.runtime.train", "--config", str(config)]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "--max-restarts=0", "-m", "huorn.runtime.train", "--config", str(config)]
-    return subprocess.run(command, cwd=harness.REPO, env=harness.child_env(), capture_output=True,
-                          text=True, timeout=400)
+    return subprocess.run(harness.trainer_command(config, nproc), cwd=harness.REPO, env=harness.child_env(),
+                          capture_output=True, text=True, timeout=400)
 
 
 def run_job(tmp: Path, data_dir: Path, spec: dict, nproc: int, **fields: object) -> list[dict]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,13 +26,6 @@ def build_spec(**parallelism: object) -> dict:
     return spec
 
 
-def command(config: Path, nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, "-m", "huorn.runtime.train", "--config", str(config)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "--max-restarts=0", "-m", "huorn.runtime.train", "--config", str(config)]
-
-
 def losses(run_dir: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in harness.steps_of(harness.read_events(run_dir))}
 
@@ -41,8 +33,8 @@ def losses(run_dir: Path) -> dict[int, float]:
 def test_per_replica_counts_keep_the_loss_and_a_wrong_length_plan_is_refused(tmp_path: Path) -> None:
     data_dir = harness.shared_data_dir()
     reference_config = harness.write_config(tmp_path / "ref", data_dir, build_spec(), device="cpu")
-    reference = subprocess.run(command(reference_config, 1), cwd=harness.REPO, env=harness.child_env(),
-                               capture_output=True, text=True, timeout=300)
+    reference = subprocess.run(harness.trainer_command(reference_config, 1), cwd=harness.REPO,
+                               env=harness.child_env(), capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
     want = losses(tmp_path / "ref" / "run")
 
@@ -55,8 +47,8 @@ def test_per_replica_counts_keep_the_loss_and_a_wrong_length_plan_is_refused(tmp
                                   device="cpu")
     log = tmp_path / "pp.log"
     with open(log, "w") as out:
-        job = subprocess.Popen(command(config, 4), cwd=harness.REPO, env=harness.child_env(), stdout=out,
-                               stderr=subprocess.STDOUT)
+        job = subprocess.Popen(harness.trainer_command(config, 4), cwd=harness.REPO, env=harness.child_env(),
+                               stdout=out, stderr=subprocess.STDOUT)
     try:
         harness.wait_for(lambda: any(e["event"] == "microbatch-plan" for e in harness.read_events(run_dir)),
                          240, "the first plan to be applied")

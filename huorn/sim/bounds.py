@@ -43,9 +43,9 @@ def best_rates(js: state.JobState, grid: int = 200) -> np.ndarray:
     return rate.max(axis=(1, 2))
 
 
-def _window(sim: engine.Simulation) -> tuple[float, float]:
-    """The saturated window: from the first arrival, as long as a perfectly packed static cluster
-    needs for the whole trace (the report's `saturated_window_s`)."""
+def saturated_window(sim: engine.Simulation) -> tuple[float, float]:
+    """The saturated window T* (start, length): from the first arrival, as long as a perfectly
+    packed static cluster needs for the whole trace. The report measures goodput over it too."""
     start = min(js.job.arrival for js in sim.jobs)
     window = max(sum(js.job.duration * js.job.requested_gpus for js in sim.jobs) / sim.train_gpus, 1.0)
     return start, window
@@ -53,7 +53,7 @@ def _window(sim: engine.Simulation) -> tuple[float, float]:
 
 def saturated_goodput_bound(sim: engine.Simulation, grid: int = 200) -> float:
     """GPU-equivalents over the saturated window with capacity ignored (module notes)."""
-    start, window = _window(sim)
+    start, window = saturated_window(sim)
     done = 0.0
     for js in sim.jobs:
         job = js.job
@@ -81,7 +81,7 @@ def _hull(gpus: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def capacity_goodput_bound(sim: engine.Simulation, slots: int = 48, grid: int = 200) -> float:
     """GPU-equivalents over the saturated window with the GPUs shared (module notes)."""
-    start, window = _window(sim)
+    start, window = saturated_window(sim)
     dt = window / slots
     load = sim.load
     capacity = np.empty(slots)

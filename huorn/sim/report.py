@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from huorn.sim import engine
+from huorn.sim import bounds, engine
 
 ORDER = ("fifo", "kueue", "pollux", "pollux-p-1", "pollux-p-1-fair", "huorn")
 COLOURS = {"fifo": "#888888", "kueue": "#66aa99", "pollux": "#6699cc", "pollux-p-1": "#3355aa",
@@ -40,7 +40,7 @@ def summarise(sim: engine.Simulation, wall_seconds: float) -> dict:
     window = max(last_arrival, 1.0)
     done_in_window = _work_done_by(sim, window)
     makespan = max(js.finished for js in jobs) - min(js.job.arrival for js in jobs)
-    saturated = max(sum(js.job.duration * js.job.requested_gpus for js in jobs) / sim.train_gpus, 1.0)
+    start, saturated = bounds.saturated_window(sim)
     t = sim.totals
     return {
         "jobs": len(jobs),
@@ -52,7 +52,7 @@ def summarise(sim: engine.Simulation, wall_seconds: float) -> dict:
         "jct_p99_s": float(np.percentile(jct, 99)),
         "makespan_s": float(makespan),
         "goodput_gpu_equiv": done_in_window / window,
-        "goodput_saturated_gpu_equiv": _work_done_by(sim, saturated) / saturated,
+        "goodput_saturated_gpu_equiv": _work_done_by(sim, start + saturated) / saturated,
         "saturated_window_s": saturated,
         "job_goodput_with_wait_vs_trace": float(np.mean([
             js.job.duration / max(js.finished - js.job.arrival, 1e-9) for js in jobs])),

@@ -28,6 +28,7 @@ name it: only the slow link's messages take longer, in the direction that is slo
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -159,15 +160,22 @@ def _iteration_seconds(table: StepTable) -> np.ndarray:
     return np.array([by_iteration[i] for i in sorted(by_iteration)])
 
 
+def _rise(iterations: np.ndarray, series: np.ndarray, finding: SlowFinding) -> float:
+    """Seconds a step that the shift added: the median of 20 steps from its onset less that of
+    up to 100 before it (NaN when either side is empty)."""
+    before = series[iterations < finding.onset_iteration][-100:]
+    after = series[iterations >= finding.onset_iteration][:20]
+    if len(before) == 0 or len(after) == 0:
+        return math.nan
+    return float(np.median(after)) - float(np.median(before))
+
+
 def _moves_iteration(series: np.ndarray, iterations: np.ndarray, finding: SlowFinding,
                      step_seconds: float, min_shift: float) -> bool:
     """FALCON validates on iteration time: a shift in one part counts only if it moves the
     whole step by min_shift. A 2× jitter in a 1 ms wait is not a fail-slow."""
-    before = series[iterations < finding.onset_iteration][-100:]
-    after = series[iterations >= finding.onset_iteration][:20]
-    if len(before) == 0 or len(after) == 0:
-        return False
-    return abs(float(np.median(after)) - float(np.median(before))) >= min_shift * step_seconds
+    rise = _rise(iterations, series, finding)
+    return not math.isnan(rise) and abs(rise) >= min_shift * step_seconds
 
 
 def detect_fail_slow(table: StepTable, config: bocd.BocdConfig | None = None) -> list[SlowFinding]:
@@ -409,13 +417,6 @@ def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
         if len(group) >= 2:
             detect(_per_iteration(steps, table.reduce_wait, group, min), stage=stage)
     return found
-
-
-def _rise(iterations: np.ndarray, series: np.ndarray, finding: SlowFinding) -> float:
-    """Seconds a step that the shift added, on the windows `_moves_iteration` reads."""
-    before = series[iterations < finding.onset_iteration][-100:]
-    after = series[iterations >= finding.onset_iteration][:20]
-    return float(np.median(after)) - float(np.median(before))
 
 
 LATE_RECEIVER_SHARE = 0.25  # of the slow link's own rise: below it, a concurrent link's rise is its effect
