@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from huorn.api import rules
-from huorn.api.base import ApiModel, DnsLabel
+from huorn.api.base import ApiModel, DnsLabel, Duration
 from huorn.api.common import CONDITION_LIMIT, Condition
 
 
@@ -30,6 +30,33 @@ class Members(ApiModel):
     nodes: list[str] | None = Field(default=None, max_length=10000)
 
 
+class LoadForecast(ApiModel):
+    """Where an inference cluster's request rate comes from, and what one GPU of it serves.
+
+    The operator reads the rate's history from Prometheus (the HTTP API's `query_range`, at the
+    board's 5-minute bins), fits the prediction board on it (huorn.scheduler.forecast), and keeps
+    unlent, or reclaims ahead of time, the GPUs the forecast peak of the next 10 minutes needs.
+    Prometheus holds the history, so a restarted operator has it back at its first tick.
+    """
+
+    prometheus_url: str = Field(
+        alias="prometheusURL", pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048,
+        description="Base URL of the Prometheus HTTP API, e.g. http://prometheus.monitoring:9090.")
+    query: str = Field(
+        min_length=1, max_length=4096,
+        description="PromQL giving the cluster's request rate in requests per second, e.g. "
+                    "sum(rate(vllm:request_success_total{namespace=\"serving\"}[5m])). Several series "
+                    "are summed.")
+    requests_per_gpu: float = Field(
+        gt=0, alias="requestsPerGPU", description="Requests per second one GPU serves within the SLO.")
+    headroom: float = Field(default=0.1, ge=0, le=1, description="Spare capacity kept above the forecast.")
+    quantile: float = Field(
+        default=0.9, ge=0.5, le=0.99,
+        description="Quantile of the next 10 minutes' peak that is reserved. A miss costs only the "
+                    "reclaim latency: a rate above the reserve is reclaimed for at once.")
+    history: Duration = Field(default="24h", description="How much rate history the board is fitted on.")
+
+
 @rules.attach(
     rules.Rule(
         name="lending-max-needs-lendable",
@@ -50,12 +77,27 @@ class Lending(ApiModel):
         description="How lent GPUs come back when this cluster needs them. Preempt: shrink elastic "
                     "borrowers, and stop (checkpoint, requeue) a borrower that cannot shrink. Shrink: "
                     "never stop a borrower; one at its minimum keeps the GPUs until it ends.")
+    forecast: LoadForecast | None = Field(
+        default=None,
+        description="Inference clusters only: reserve the GPUs the forecast request rate needs, "
+                    "not only the InferenceJobs' floors.")
 
 
 class Borrowing(ApiModel):
     max_gpus_borrowed: int = Field(default=0, ge=0, alias="maxGPUsBorrowed")
 
 
+@rules.attach(
+    rules.Rule(
+        name="forecast-needs-inference",
+        field="lending.forecast",
+        cel="!has(self.lending) || !has(self.lending.forecast) || self.purpose == 'inference'",
+        holds=lambda spec: spec.lending.forecast is None or spec.purpose == "inference",
+        message="is read only by an inference virtual cluster",
+        detail=lambda spec: f"purpose {spec.purpose}",
+        fix="set purpose: inference, or remove lending.forecast",
+    ),
+)
 class VirtualClusterSpec(ApiModel):
     members: Members
     purpose: Literal["training", "inference"] = "training"
@@ -76,3 +118,6 @@ class VirtualClusterStatus(ApiModel):
     allocated: int = 0
     lent: int = 0
     borrowed: int = 0
+    forecast: dict[str, Any] | None = Field(
+        default=None, description="The prediction board's last reading (inference clusters with "
+                                  "lending.forecast): request rates, the GPUs they need, and when.")

@@ -40,6 +40,7 @@ class OperatorSettings:
     # reported failed: one eval runs at a time, so a pod that never starts would stall every
     # later eval and hold the job's Succeeded forever.
     eval_start_seconds: float = 600.0
+    forecast_timeout_seconds: float = 5.0  # one Prometheus range query of an inference cluster's board
     retry: retry.RetryPolicy = field(default_factory=retry.RetryPolicy)
 
     def __post_init__(self) -> None:
@@ -47,6 +48,8 @@ class OperatorSettings:
             raise ValueError("resync_seconds and vc_status_seconds must be > 0")
         if self.monitor_seconds <= 0 or self.telemetry_timeout_seconds <= 0 or self.progress_seconds <= 0:
             raise ValueError("monitor_seconds, telemetry_timeout_seconds and progress_seconds must be > 0")
+        if self.forecast_timeout_seconds <= 0:
+            raise ValueError(f"forecast_timeout_seconds must be > 0, got {self.forecast_timeout_seconds}")
         if self.eval_start_seconds <= 0:
             raise ValueError(f"eval_start_seconds must be > 0, got {self.eval_start_seconds}")
         if not 0 < self.telemetry_port < 65536:
@@ -68,6 +71,9 @@ class Context:
     # The monitor's per-job policies (detector history, learned perf model). Memory only: a
     # restarted operator relearns them, and every decision they took is already in status.
     monitors: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # Each inference cluster's prediction board (huorn.operator.board.BoardState). Memory only:
+    # its history is Prometheus's, read again at the first tick.
+    boards: dict[str, Any] = field(default_factory=dict)
 
     def job_lock(self, namespace: str, name: str) -> asyncio.Lock:
         """One reconcile of a job at a time, whether kopf, a timer or a pod event started it."""

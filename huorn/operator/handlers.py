@@ -19,7 +19,7 @@ import kopf
 
 from huorn.api import base, kinds
 from huorn.backends.kubernetes import manifests
-from huorn.operator import context, index, loans, monitoring, otherjobs, training, virtualclusters
+from huorn.operator import board, context, index, loans, monitoring, otherjobs, training, virtualclusters
 from huorn.operator.context import Context
 
 GROUP, VERSION = base.GROUP, base.VERSION
@@ -129,6 +129,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         ctx = _ctx(memo)
         if type == "DELETED":
             virtualclusters.forget(ctx, body["metadata"]["name"])
+            board.forget(ctx, body["metadata"]["name"])
         else:
             ctx.index.vcs[body["metadata"]["name"]] = dict(body.get("spec") or {})
 
@@ -140,7 +141,9 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         ctx = _ctx(memo)
         fresh = await ctx.client.get_custom("virtualclusters", None, body["metadata"]["name"])
         if fresh is not None:
-            # Reclaim first, so the status written next already counts the loans given back.
+            # The board first, so that reclaim and placement's reserve use this tick's forecast;
+            # reclaim next, so the status written last already counts the loans given back.
+            await board.update(ctx, fresh)
             await loans.reclaim(ctx, fresh)
             await virtualclusters.reconcile(ctx, fresh)
 

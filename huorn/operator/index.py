@@ -151,6 +151,8 @@ class ClusterIndex:
     reservations: dict[tuple[str, str], PodRecord] = field(default_factory=dict)
     # InferenceJobs' floors (minReplicas × GPUs), by job: what their cluster must keep unlent
     inference_demand: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
+    # The prediction board's GPUs by inference cluster (huorn.operator.board), where it has one
+    forecast_demand: dict[str, int] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- updates from watches
     def observe_inference_job(self, body: Mapping[str, Any], deleted: bool = False) -> None:
@@ -168,8 +170,13 @@ class ClusterIndex:
             return
         self.inference_demand[key] = (str(spec["virtualCluster"]), max(0, replicas) * max(0, gpus))
 
-    def demand_of(self, vc: str) -> int:
+    def floors_of(self, vc: str) -> int:
         return sum(gpus for cluster, gpus in self.inference_demand.values() if cluster == vc)
+
+    def demand_of(self, vc: str) -> int:
+        """What an inference cluster keeps unlent: its InferenceJobs' floors, or its forecast
+        request rate's GPUs where that is more (the floors hold even when the rate is idle)."""
+        return max(self.floors_of(vc), self.forecast_demand.get(vc, 0))
 
     def observe_pod(self, body: Mapping[str, Any], deleted: bool = False) -> PodRecord | None:
         record = build_pod_record(body)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from huorn.graph import mutate, serialise
-from huorn.operator import index, training, validation
+from huorn.operator import board, index, training, validation
 from huorn.operator.context import Context
 from huorn.scheduler import loaning
 
@@ -73,7 +73,7 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
     borrowers = find_borrowers(ctx, name)
     if not borrowers:
         return []
-    demand = ctx.index.demand_of(name)  # the InferenceJobs' floors, kept from their watch
+    demand = ctx.index.demand_of(name)  # the InferenceJobs' floors, or the board's forecast
     wanted = count_wanted(ctx, name, demand, borrowers)
     if wanted <= 0:
         return []
@@ -96,7 +96,11 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
             priority=job.spec.priority,
         ))
     view = index.build_vc_view(name, spec)
-    why = f"its InferenceJobs need {demand} GPU(s)"
+    forecast_gpus = ctx.index.forecast_demand.get(name, 0)
+    if forecast_gpus > ctx.index.floors_of(name):
+        why = f"its forecast request rate needs {forecast_gpus} GPU(s) ({board.FIELD})"
+    else:
+        why = f"its InferenceJobs need {demand} GPU(s)"
     plan = loaning.plan_reclaim(view, wanted, loans, time.time(), why)
     applied = []
     left = wanted

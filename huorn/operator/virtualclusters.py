@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-from huorn.operator import conditions
+from huorn.operator import board, conditions
 from huorn.operator.context import Context
 
 PLURAL = "virtualclusters"
@@ -59,6 +59,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
             old.get("conditions"), meta.get("generation"), ready=(True, "Tracking", message)
         ),
     }
+    reading = board.status_of(ctx, name)
+    if reading is not None or old.get("forecast") is not None:
+        status["forecast"] = reading
     for state in ("capacity", "allocated", "lent", "borrowed"):
         ctx.metrics.vc_gpus.labels(name, state).set(usage[state])
     if conditions.strip_times({**old, **status}) != conditions.strip_times(old):

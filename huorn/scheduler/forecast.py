@@ -132,3 +132,33 @@ def gpus_needed(rate: float | np.ndarray, rate_per_gpu: float, headroom: float =
     if rate_per_gpu <= 0:
         raise ValueError(f"rate_per_gpu must be > 0, got {rate_per_gpu}")
     return np.ceil(np.asarray(rate) * (1 + headroom) / rate_per_gpu).astype(int)
+
+
+@dataclass(frozen=True)
+class BoardReading:
+    """What the board says for one inference cluster now: the rate, the forecast peak of the next
+    horizon, and the GPUs that peak needs. `fitted` is False while the history is too short for
+    the model; the reading is then reactive (the current rate only)."""
+
+    rate: float
+    peak: float
+    gpus: int
+    bins: int
+    fitted: bool
+
+
+def min_history_bins(config: ForecastConfig) -> int:
+    """Bins of history the forecaster needs before it can be fitted."""
+    return config.lags + config.horizon_bins + 10
+
+
+def read_board(times: np.ndarray, rate: np.ndarray, rate_per_gpu: float, headroom: float,
+               model: LoadForecaster | None) -> BoardReading:
+    """The board's reading at the last bin of `rate`, from a fitted `model` or, without one,
+    from the current rate alone (what a cluster reserves before it has a day of history)."""
+    if len(rate) == 0:
+        raise ValueError("the request-rate history is empty")
+    now = float(rate[-1])
+    peak = now if model is None else max(now, model.predict_peak(times, rate, len(rate) - 1))
+    gpus = int(gpus_needed(peak, rate_per_gpu, headroom))
+    return BoardReading(now, peak, gpus, len(rate), model is not None)

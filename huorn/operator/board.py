@@ -1,0 +1,181 @@
+"""The prediction board in the cluster: an inference VirtualCluster's forecast request rate, in GPUs.
+
+An inference cluster with `lending.forecast` keeps unlent (and reclaims ahead of time) the GPUs
+that the forecast peak of its request rate over the next 10 minutes needs, not only its
+InferenceJobs' floors: FaPES's board, with the same model as the simulator
+(`huorn.scheduler.forecast`). The rate's history comes from Prometheus, which the serving stack
+already feeds: one `query_range` at the board's 5-minute bins. Prometheus keeps the history, so
+the operator keeps nothing of its own, and a restarted operator has the whole history at its
+first tick.
+
+- The model is refitted at most once a bin (it only learns from whole bins), and only once the
+  history holds enough bins; until then the reading is reactive: the current rate alone.
+- A rate above the reserve is the "load jumped" case: the reading is never below the current
+  rate, so the next tick (`OperatorSettings.vc_status_seconds`) reclaims for it.
+- When Prometheus cannot be read, the last reading stays in force (lending less is the safe side)
+  and the cluster gets a Warning Event `ForecastUnavailable` that names the field to check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from huorn.api.base import parse_duration
+from huorn.operator.context import Context
+from huorn.scheduler import forecast
+
+FIELD = "spec.lending.forecast"
+
+
+class ForecastUnavailable(Exception):
+    """Prometheus did not give a usable rate history; the message names the field to check."""
+
+
+@dataclass
+class BoardState:
+    """One cluster's board between ticks: its model, when it was fitted, the last reading."""
+
+    settings: tuple[Any, ...]
+    model: forecast.LoadForecaster | None = None
+    fitted_at_bin: float = -math.inf
+    reading: forecast.BoardReading | None = None
+    error: str | None = None
+
+
+def fetch_rate_history(url: str, query: str, start: float, end: float, step: float,
+                       timeout: float) -> tuple[np.ndarray, np.ndarray]:
+    """The query's value at every `step` from `start` to `end` (Prometheus `query_range`),
+    summed over series, on a regular grid. A bin without a sample takes the one before it (a
+    scrape missed), and bins before the first sample are dropped."""
+    params = urllib.parse.urlencode({"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}",
+                                     "step": f"{step:g}"})
+    target = f"{url.rstrip('/')}/api/v1/query_range?{params}"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout) as response:
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        detail = _prometheus_error(err.read())
+        raise ForecastUnavailable(
+            f"Prometheus answered {err.code} to {FIELD}.query: {detail or err.reason}; fix the query"
+        ) from None
+    except (OSError, urllib.error.URLError) as err:
+        raise ForecastUnavailable(
+            f"cannot reach Prometheus at {FIELD}.prometheusURL {url}: {err}; check the URL and that "
+            "the operator may reach it") from None
+    except ValueError:
+        raise ForecastUnavailable(
+            f"{FIELD}.prometheusURL {url} did not answer with Prometheus JSON; point it at the "
+            "Prometheus HTTP API's base URL") from None
+    if not isinstance(body, dict) or body.get("status") != "success":
+        detail = body.get("error") if isinstance(body, dict) else None
+        raise ForecastUnavailable(f"Prometheus refused {FIELD}.query: {detail or body!r}; fix the query")
+    return _to_grid(body.get("data") or {}, query, start, end, step)
+
+
+def _prometheus_error(raw: bytes) -> str | None:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    return body.get("error") if isinstance(body, dict) else None
+
+
+def _to_grid(data: Mapping[str, Any], query: str, start: float, end: float,
+             step: float) -> tuple[np.ndarray, np.ndarray]:
+    if data.get("resultType") != "matrix":
+        raise ForecastUnavailable(
+            f"{FIELD}.query gave a {data.get('resultType')!r} result, not a range vector; it must be an "
+            "instant-vector expression such as sum(rate(requests_total[5m]))")
+    grid = np.arange(start, end + step / 2, step)
+    total = np.full(len(grid), np.nan)
+    for series in data.get("result") or []:
+        for t, value in series.get("values") or []:
+            i = round((float(t) - start) / step)
+            v = float(value)
+            if 0 <= i < len(grid) and math.isfinite(v):
+                total[i] = v if math.isnan(total[i]) else total[i] + v
+    seen = np.flatnonzero(~np.isnan(total))
+    if len(seen) == 0:
+        raise ForecastUnavailable(f"{FIELD}.query {query!r} returned no samples over the history; "
+                                  "check the metric's name and labels")
+    total, grid = total[seen[0]:], grid[seen[0]:]
+    for i in range(1, len(total)):
+        if math.isnan(total[i]):
+            total[i] = total[i - 1]
+    return grid, np.maximum(total, 0.0)
+
+
+async def update(ctx: Context, vc_body: Mapping[str, Any],
+                 now: float | None = None) -> forecast.BoardReading | None:
+    """Read the board of an inference cluster with `lending.forecast`; the GPUs it needs go into
+    the index, where placement's reserve and reclaim read them (`ClusterIndex.demand_of`)."""
+    name = vc_body["metadata"]["name"]
+    spec = vc_body.get("spec") or {}
+    config = (spec.get("lending") or {}).get("forecast")
+    if spec.get("purpose") != "inference" or not config:
+        forget(ctx, name)
+        return None
+    board_config = forecast.ForecastConfig(quantile=float(config.get("quantile", 0.9)))
+    settings = (config["prometheusURL"], config["query"], board_config.quantile, config.get("history", "24h"))
+    state = ctx.boards.get(name)
+    if state is None or state.settings != settings:
+        state = ctx.boards[name] = BoardState(settings)
+    now = time.time() if now is None else now
+    step = board_config.bin_seconds
+    end = math.floor(now / step) * step
+    start = end - parse_duration(config.get("history", "24h"))
+    try:
+        times, rate = await asyncio.to_thread(
+            fetch_rate_history, config["prometheusURL"], config["query"], start, now, step,
+            ctx.settings.forecast_timeout_seconds)
+        # The last point is the rate now; the whole bins before it are what the model learns from.
+        whole = times <= end
+        if whole.sum() >= forecast.min_history_bins(board_config) and state.fitted_at_bin < end:
+            state.model = await asyncio.to_thread(
+                forecast.LoadForecaster(board_config).fit, times[whole], rate[whole])
+            state.fitted_at_bin = end
+        reading = forecast.read_board(times, rate, float(config["requestsPerGPU"]),
+                                      float(config.get("headroom", 0.1)), state.model)
+    except (ForecastUnavailable, ValueError) as err:
+        message = str(err)
+        if state.reading is not None:
+            message += f"; keeping the last forecast, {state.reading.gpus} GPU(s)"
+        if message != state.error:
+            ctx.post_event(vc_body, "Warning", "ForecastUnavailable", message)
+        state.error = message
+        return state.reading
+    if state.error is not None:
+        ctx.post_event(vc_body, "Normal", "ForecastAvailable",
+                       f"reading {FIELD}.query again: {reading.gpus} GPU(s) for "
+                       f"{reading.peak:.3g} requests/s")
+    state.error, state.reading = None, reading
+    ctx.index.forecast_demand[name] = reading.gpus
+    return reading
+
+
+def status_of(ctx: Context, name: str) -> dict[str, Any] | None:
+    """The board's last reading for the cluster's status, rounded so that noise alone does not
+    rewrite status every tick."""
+    state = ctx.boards.get(name)
+    if state is None or state.reading is None:
+        return None
+    r = state.reading
+    return {"requestsPerSecond": float(f"{r.rate:.3g}"), "peakRequestsPerSecond": float(f"{r.peak:.3g}"),
+            "gpus": r.gpus, "historyBins": r.bins, "model": "fitted" if r.fitted else "reactive",
+            "error": state.error}
+
+
+def forget(ctx: Context, name: str) -> None:
+    ctx.boards.pop(name, None)
+    ctx.index.forecast_demand.pop(name, None)
