@@ -98,6 +98,11 @@ CASES = [
     Case("lending-max-needs-lendable", "VirtualCluster", "spec.lending",
          {"lending": {"lendable": True, "maxGPUsLent": 2}},
          {"lending": {"lendable": False, "maxGPUsLent": 2}}),
+    Case("forecast-needs-inference", "VirtualCluster", "spec",
+         {"purpose": "inference", "lending": {"forecast": {
+             "prometheusURL": "http://prometheus:9090", "query": "sum(rate(r[5m]))", "requestsPerGPU": 4}}},
+         {"purpose": "training", "lending": {"forecast": {
+             "prometheusURL": "http://prometheus:9090", "query": "sum(rate(r[5m]))", "requestsPerGPU": 4}}}),
 ]
 
 RULES = {rule.name: rule for _, rule in kinds.RULES}

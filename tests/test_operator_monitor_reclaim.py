@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import prometheus_api
 import yaml
 from kube import builders
 from kube.cluster import wait_for
@@ -140,3 +141,54 @@ def test_a_borrower_that_cannot_shrink_is_preempted_and_requeued(kube: builders.
     assert not set(first) & set(second)  # a new generation of pods
     kube.run_all_pods(NS, "gang")
     wait_for(lambda: kube.job_status(NS, "gang").get("phase") == "Running", what="gang Running again")
+
+
+def test_the_forecast_request_rate_reclaims_without_any_inference_job(kube: builders.Kube, operator) -> None:
+    """lending.forecast: the serving cluster's rate, read from Prometheus, is the demand. Idle, it
+    lends; when the rate reaches 50 requests/s at 10 a GPU (6 GPUs with 10 % headroom), 2 of the 4
+    lent GPUs come back from the elastic borrower, named as the forecast's, and the cluster's
+    status carries the reading. No InferenceJob is involved: the serving stack is whatever feeds
+    Prometheus."""
+    with prometheus_api.serve() as prometheus:
+        prometheus.rate = lambda t: 0.0
+        kube.custom.patch_cluster_custom_object(
+            builders.GROUP, builders.VERSION, "virtualclusters", "serve",
+            {"spec": {"purpose": "inference", "lending": {
+                "lendable": True, "maxGPUsLent": 8, "reclaimGraceSeconds": 45, "reclaimPolicy": "Shrink",
+                "forecast": {"prometheusURL": prometheus.url, "query": "sum(rate(requests_total[5m]))",
+                             "requestsPerGPU": 10, "headroom": 0.1}}}})
+        wait_for(lambda: (kube.get_vc("serve").get("status", {}).get("forecast") or {}).get("gpus") == 0,
+                 what="serve's board reads an idle rate")
+        kube.create_job(NS, builders.make_training_job("fill", "train", replicas=2, max_replicas=2, gpus=4))
+        wait_for(lambda: len(kube.pods(NS, "fill", "trainer")) == 2, what="the filler's pods")
+        kube.create_job(NS, builders.make_training_job(
+            "elastic", "train", replicas=2, max_replicas=2, gpus=2,
+            elasticity={"minReplicas": 2, "maxReplicas": 2, "policy": "goodput"}))
+        wait_for(lambda: nodes_of(kube, "elastic") == ["b0", "b0"], what="the elastic job borrowing b0")
+        kube.run_all_pods(NS, "elastic")
+        wait_for(lambda: kube.get_vc("serve").get("status", {}).get("lent") == 4, what="serve lends 4")
+        kube.custom.patch_namespaced_custom_object(
+            builders.GROUP, builders.VERSION, NS, "trainingjobs", "elastic",
+            {"spec": {"elasticity": {"minReplicas": 1}}})  # room to shrink
+
+        prometheus.rate = lambda t: 50.0
+        wait_for(lambda: nodes_of(kube, "elastic") == ["b0"], what="the borrower shrunk for the forecast")
+        (shrink,) = resize_decisions(kube, "elastic")
+        assert "its forecast request rate needs 6 GPU(s) (spec.lending.forecast)" in shrink["reason"]
+        def reading() -> dict:
+            return kube.get_vc("serve").get("status", {}).get("forecast") or {}
+
+        wait_for(lambda: reading().get("gpus") == 6, what="the reading in status")
+        assert reading()["requestsPerSecond"] == 50.0 and "error" not in reading()
+        wait_for(lambda: kube.get_vc("serve").get("status", {}).get("lent") == 2, what="serve lends 2")
+        assert prometheus.queries and all(q["step"] == "300" for q in prometheus.queries)
+
+        # Prometheus gone: the last forecast stays in force, and the cluster says why
+        prometheus.fail = (503, "storage unavailable")
+        warning = wait_for(lambda: [e for e in kube.events("default", "serve") + kube.events(NS, "serve")
+                                    if e.reason == "ForecastUnavailable"], what="ForecastUnavailable")
+        assert "storage unavailable" in warning[0].message
+        assert "keeping the last forecast, 6 GPU(s)" in warning[0].message
+        assert nodes_of(kube, "elastic") == ["b0"] and len(resize_decisions(kube, "elastic")) == 1
+        wait_for(lambda: "storage unavailable" in reading().get("error", ""), what="the error in status")
+        assert reading()["gpus"] == 6

@@ -171,9 +171,12 @@ def status_of(ctx: Context, name: str) -> dict[str, Any] | None:
     if state is None or state.reading is None:
         return None
     r = state.reading
-    return {"requestsPerSecond": float(f"{r.rate:.3g}"), "peakRequestsPerSecond": float(f"{r.peak:.3g}"),
-            "gpus": r.gpus, "historyBins": r.bins, "model": "fitted" if r.fitted else "reactive",
-            "error": state.error}
+    out: dict[str, Any] = {
+        "requestsPerSecond": float(f"{r.rate:.3g}"), "peakRequestsPerSecond": float(f"{r.peak:.3g}"),
+        "gpus": r.gpus, "historyBins": r.bins, "model": "fitted" if r.fitted else "reactive"}
+    if state.error is not None:
+        out["error"] = state.error  # NB: not null when there is none; a merge patch deletes nulls
+    return out
 
 
 def forget(ctx: Context, name: str) -> None:
