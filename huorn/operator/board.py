@@ -8,8 +8,9 @@ already feeds: one `query_range` at the board's 5-minute bins. Prometheus keeps 
 the operator keeps nothing of its own, and a restarted operator has the whole history at its
 first tick.
 
-- The model is refitted at most once a bin (it only learns from whole bins), and only once the
-  history holds enough bins; until then the reading is reactive: the current rate alone.
+- The bins end now, so the last is the rate now. The model is refitted at most once a bin
+  (5 minutes), and only once the history holds enough bins; until then the reading is reactive:
+  the current rate alone.
 - A rate above the reserve is the "load jumped" case: the reading is never below the current
   rate, so the next tick (`OperatorSettings.vc_status_seconds`) reclaims for it.
 - When Prometheus cannot be read, the last reading stays in force (lending less is the safe side)
@@ -48,16 +49,18 @@ class BoardState:
 
     settings: tuple[Any, ...]
     model: forecast.LoadForecaster | None = None
-    fitted_at_bin: float = -math.inf
+    fitted_at: float = -math.inf
     reading: forecast.BoardReading | None = None
     error: str | None = None
 
 
 def fetch_rate_history(url: str, query: str, start: float, end: float, step: float,
                        timeout: float) -> tuple[np.ndarray, np.ndarray]:
-    """The query's value at every `step` from `start` to `end` (Prometheus `query_range`),
-    summed over series, on a regular grid. A bin without a sample takes the one before it (a
-    scrape missed), and bins before the first sample are dropped."""
+    """The query's value every `step` back from `end` to `start` (Prometheus `query_range`),
+    summed over series, on a regular grid whose last point is `end`: the rate now. A bin
+    without a sample takes the one before it (a scrape missed), and bins before the first
+    sample are dropped."""
+    start = end - step * math.floor((end - start) / step + 1e-9)
     params = urllib.parse.urlencode({"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}",
                                      "step": f"{step:g}"})
     target = f"{url.rstrip('/')}/api/v1/query_range?{params}"
@@ -97,7 +100,7 @@ def _to_grid(data: Mapping[str, Any], query: str, start: float, end: float,
         raise ForecastUnavailable(
             f"{FIELD}.query gave a {data.get('resultType')!r} result, not a range vector; it must be an "
             "instant-vector expression such as sum(rate(requests_total[5m]))")
-    grid = np.arange(start, end + step / 2, step)
+    grid = start + step * np.arange(round((end - start) / step) + 1)
     total = np.full(len(grid), np.nan)
     for series in data.get("result") or []:
         for t, value in series.get("values") or []:
@@ -133,18 +136,15 @@ async def update(ctx: Context, vc_body: Mapping[str, Any],
         state = ctx.boards[name] = BoardState(settings)
     now = time.time() if now is None else now
     step = board_config.bin_seconds
-    end = math.floor(now / step) * step
-    start = end - parse_duration(config.get("history", "24h"))
     try:
+        # bins that end now, so that the last one is the rate now: a jump is seen at this tick
         times, rate = await asyncio.to_thread(
-            fetch_rate_history, config["prometheusURL"], config["query"], start, now, step,
+            fetch_rate_history, config["prometheusURL"], config["query"],
+            now - parse_duration(config.get("history", "24h")), now, step,
             ctx.settings.forecast_timeout_seconds)
-        # The last point is the rate now; the whole bins before it are what the model learns from.
-        whole = times <= end
-        if whole.sum() >= forecast.min_history_bins(board_config) and state.fitted_at_bin < end:
-            state.model = await asyncio.to_thread(
-                forecast.LoadForecaster(board_config).fit, times[whole], rate[whole])
-            state.fitted_at_bin = end
+        if len(rate) >= forecast.min_history_bins(board_config) and now - state.fitted_at >= step:
+            state.model = await asyncio.to_thread(forecast.LoadForecaster(board_config).fit, times, rate)
+            state.fitted_at = now
         reading = forecast.read_board(times, rate, float(config["requestsPerGPU"]),
                                       float(config.get("headroom", 0.1)), state.model)
     except (ForecastUnavailable, ValueError) as err:
