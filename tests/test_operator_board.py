@@ -13,7 +13,7 @@ import prometheus_api
 import pydantic
 import pytest
 
-from huorn.api.virtualcluster import VirtualClusterSpec
+from huorn.api.virtualcluster import ForecastReading, VirtualClusterSpec
 from huorn.operator import board
 from huorn.operator.context import Context
 from huorn.scheduler import forecast
@@ -92,7 +92,8 @@ async def test_with_a_short_history_the_board_reserves_for_the_rate_now(promethe
     assert reading.bins == 7
     assert reading.gpus == math.ceil(diurnal(DAY0 + 6 * 3600))
     assert ctx.index.forecast_demand["serve"] == reading.gpus
-    assert board.status_of(ctx, "serve")["model"] == "reactive"
+    status = ForecastReading.model_validate(board.status_of(ctx, "serve"))  # the CRD's status schema
+    assert status.model == "reactive" and status.gpus == reading.gpus and status.error is None
     assert events.events == []
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -108,6 +108,16 @@ class VirtualClusterSpec(ApiModel):
     )
 
 
+class ForecastReading(ApiModel):
+    requests_per_second: float = Field(description="The rate now.")
+    peak_requests_per_second: float = Field(description="The forecast peak of the next 10 minutes.")
+    gpus: int = Field(ge=0, description="GPUs that peak needs: what this cluster keeps unlent.")
+    history_bins: int = Field(ge=0, description="5-minute bins of rate history read.")
+    model: Literal["fitted", "reactive"] = Field(
+        description="reactive: too little history to fit the board, so the rate now is reserved.")
+    error: str | None = Field(default=None, description="Why Prometheus cannot be read now, if so.")
+
+
 class VirtualClusterStatus(ApiModel):
     model_config = ApiModel.model_config | {"extra": "allow"}
 
@@ -118,6 +128,6 @@ class VirtualClusterStatus(ApiModel):
     allocated: int = 0
     lent: int = 0
     borrowed: int = 0
-    forecast: dict[str, Any] | None = Field(
+    forecast: ForecastReading | None = Field(
         default=None, description="The prediction board's last reading (inference clusters with "
-                                  "lending.forecast): request rates, the GPUs they need, and when.")
+                                  "lending.forecast).")
