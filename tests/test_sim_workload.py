@@ -52,6 +52,24 @@ def test_the_elastic_range_factor_widens_every_range_and_its_cap(tmp_path: Path)
         workload.load_jobs(pods, 1024, 768, 0.8, seed=0, elastic_range=0)
 
 
+def test_the_restart_cost_factor_scales_every_restart_and_nothing_else(tmp_path: Path) -> None:
+    """The study of what restarts cost (benchmarks/scheduling_restart_cost.py) scales the
+    catalogue's restart times; the jobs and their curves stay the same."""
+    pods = write_pods(tmp_path / "p.csv", [
+        "a,1000,1,1,1000,,BE,Running,0,100,0",
+        "b,1000,1,16,1000,,BE,Running,10,500,10",
+    ])
+    rule = workload.load_jobs(pods, 1024, 768, 0.8, seed=0)
+    half = workload.load_jobs(pods, 1024, 768, 0.8, seed=0, restart_cost=0.5)
+    assert [j.family.restart_seconds for j in half] == [j.family.restart_seconds / 2 for j in rule]
+    assert all(j.family.restart_seconds > 0 for j in rule)
+    same = [(j.work, j.truth, j.max_replicas) for j in rule]
+    assert [(j.work, j.truth, j.max_replicas) for j in half] == same
+    assert workload.FAMILIES[rule[0].family.name].restart_seconds == rule[0].family.restart_seconds
+    with pytest.raises(ValueError, match="restart_cost"):
+        workload.load_jobs(pods, 1024, 768, 0.8, seed=0, restart_cost=-1)
+
+
 def test_compression_sets_the_offered_load(tmp_path: Path) -> None:
     rows = [f"j{i},1,1,1,1000,,BE,Running,{i * 1000},{i * 1000 + 500},0" for i in range(200)]
     jobs = workload.load_jobs(write_pods(tmp_path / "p.csv", rows), 1024, 10, 0.8, seed=0)

@@ -31,6 +31,7 @@ class SimConfig:
     reclaim_grace_seconds: float = 30.0
     qps_start: str = "middle"  # where the QPS series starts playing: middle or beginning
     elastic_range: int = 1  # multiplies every job's elastic range (workload.load_jobs); 1 is the rule
+    restart_cost: float = 1.0  # multiplies every job's restart time (workload.load_jobs); 1 is the rule
 
     def __post_init__(self) -> None:
         if self.gpus < 8:
@@ -43,6 +44,8 @@ class SimConfig:
             raise ValueError(f"qps_start must be middle or beginning, got {self.qps_start!r}")
         if self.elastic_range < 1:
             raise ValueError(f"elastic_range must be >= 1, got {self.elastic_range}")
+        if self.restart_cost < 0:
+            raise ValueError(f"restart_cost must be >= 0, got {self.restart_cost}")
 
 
 @dataclass

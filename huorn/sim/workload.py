@@ -23,6 +23,7 @@ Rules (each a documented choice, see docs/scheduling.md):
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -177,12 +178,15 @@ def _compression(raw: list[tuple[int, int, int, str]], train_gpus: int, load: fl
 
 
 def load_jobs(path: Path, gpus: int, train_gpus: int, load: float, seed: int,
-              elastic_range: int = 1) -> list[TrainingJob]:
+              elastic_range: int = 1, restart_cost: float = 1.0) -> list[TrainingJob]:
     """Training jobs from an OpenB-format pod list, sampled and time-compressed for `gpus` GPUs.
     `elastic_range` multiplies every family's elastic range and the 64-replica cap (1: the
-    documented rule); it exists for the sensitivity study of how far the caps bound goodput."""
+    documented rule), and `restart_cost` every family's restart time (1: the catalogue's); both
+    exist only for sensitivity studies of what bounds goodput."""
     if elastic_range < 1:
         raise ValueError(f"elastic_range must be >= 1, got {elastic_range}")
+    if restart_cost < 0:
+        raise ValueError(f"restart_cost must be >= 0, got {restart_cost}")
     rows = _rows(path, POD_COLUMNS)
     rng = np.random.default_rng(seed)
     keep = min(1.0, gpus / FULL_TRACE_GPUS)
@@ -207,6 +211,8 @@ def load_jobs(path: Path, gpus: int, train_gpus: int, load: float, seed: int,
     jobs = []
     for created, duration, n_gpu, name in raw:
         fam = _family_of(name, n_gpu)
+        if restart_cost != 1.0:
+            fam = dataclasses.replace(fam, restart_seconds=fam.restart_seconds * restart_cost)
         jrng = np.random.default_rng([seed, int(_unit(name, "curve") * 2**32)])
         truth = perfmodel.PolluxParams.from_array(
             fam.params.as_array() * np.exp(jrng.normal(0, 0.3, 7) * np.array([1, 1, 1, 1, 1, 1, 0])))
