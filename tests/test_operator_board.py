@@ -150,6 +150,23 @@ async def test_when_prometheus_fails_the_last_forecast_stays_and_one_warning_say
     assert "error" not in board.status_of(ctx, "serve")
 
 
+async def test_a_forecast_spec_the_crd_would_refuse_is_reported_not_raised(prometheus) -> None:
+    """An object from before the CRD carried the field's schema: the board says what is wrong
+    and keeps the last reading, instead of failing the cluster's whole reconcile."""
+    ctx, events = make_ctx()
+    body = serving(prometheus.url)
+    first = await board.update(ctx, body, now=DAY0 + 3600)
+    assert first is not None
+    del body["spec"]["lending"]["forecast"]["requestsPerGPU"]
+    assert await board.update(ctx, body, now=DAY0 + 3610) == first
+    ((kind, reason, message),) = events.events
+    assert (kind, reason) == ("Warning", "ForecastUnavailable")
+    assert message.startswith("spec.lending.forecast is invalid: requestsPerGPU: Field required; fix the "
+                              "VirtualCluster"), message
+    assert message.endswith(f"keeping the last forecast, {first.gpus} GPU(s)")
+    assert ctx.index.forecast_demand["serve"] == first.gpus
+
+
 async def test_the_forecast_raises_the_demand_above_the_floors_but_never_lowers_them(prometheus) -> None:
     ctx, _ = make_ctx()
     ctx.index.observe_inference_job({"metadata": {"namespace": "t", "name": "chat"},

@@ -180,6 +180,8 @@ def test_the_forecast_request_rate_reclaims_without_any_inference_job(kube: buil
 
         wait_for(lambda: reading().get("gpus") == 6, what="the reading in status")
         assert reading()["requestsPerSecond"] == 50.0 and "error" not in reading()
+        gauge = {"virtual_cluster": "serve", "state": "forecast"}
+        wait_for(lambda: operator.ctx.metrics.value("huorn_virtualcluster_gpus", gauge) == 6, what="gauge")
         wait_for(lambda: kube.get_vc("serve").get("status", {}).get("lent") == 2, what="serve lends 2")
         assert prometheus.queries and all(q["step"] == "300" for q in prometheus.queries)
 

@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pydantic
 
 from huorn.api.base import parse_duration
+from huorn.api.virtualcluster import LoadForecast
 from huorn.operator.context import Context
 from huorn.scheduler import forecast
 
@@ -129,24 +131,32 @@ async def update(ctx: Context, vc_body: Mapping[str, Any],
     if spec.get("purpose") != "inference" or not config:
         forget(ctx, name)
         return None
-    board_config = forecast.ForecastConfig(quantile=float(config.get("quantile", 0.9)))
-    settings = (config["prometheusURL"], config["query"], board_config.quantile, config.get("history", "24h"))
+    invalid = ""
+    try:
+        spec_forecast: LoadForecast | None = LoadForecast.model_validate(config)
+    except pydantic.ValidationError as err:
+        # the CRD's schema refuses these; an object from before the CRD was updated may not
+        spec_forecast, invalid = None, f"{FIELD} is invalid: {_first_error(err)}; fix the VirtualCluster"
+    settings = tuple(config.get(key) for key in ("prometheusURL", "query", "quantile", "history"))
     state = ctx.boards.get(name)
     if state is None or state.settings != settings:
-        state = ctx.boards[name] = BoardState(settings)
+        # a new model for new settings, but the last reading stays in force until one is read
+        state = ctx.boards[name] = BoardState(settings, reading=state.reading if state else None)
     now = time.time() if now is None else now
-    step = board_config.bin_seconds
     try:
+        if spec_forecast is None:
+            raise ForecastUnavailable(invalid)
+        board_config = forecast.ForecastConfig(quantile=spec_forecast.quantile)
+        step = board_config.bin_seconds
         # bins that end now, so that the last one is the rate now: a jump is seen at this tick
         times, rate = await asyncio.to_thread(
-            fetch_rate_history, config["prometheusURL"], config["query"],
-            now - parse_duration(config.get("history", "24h")), now, step,
-            ctx.settings.forecast_timeout_seconds)
+            fetch_rate_history, spec_forecast.prometheus_url, spec_forecast.query,
+            now - parse_duration(spec_forecast.history), now, step, ctx.settings.forecast_timeout_seconds)
         if len(rate) >= forecast.min_history_bins(board_config) and now - state.fitted_at >= step:
             state.model = await asyncio.to_thread(forecast.LoadForecaster(board_config).fit, times, rate)
             state.fitted_at = now
-        reading = forecast.read_board(times, rate, float(config["requestsPerGPU"]),
-                                      float(config.get("headroom", 0.1)), state.model)
+        reading = forecast.read_board(times, rate, spec_forecast.requests_per_gpu, spec_forecast.headroom,
+                                      state.model)
     except (ForecastUnavailable, ValueError) as err:
         message = str(err)
         if state.reading is not None:
@@ -162,6 +172,12 @@ async def update(ctx: Context, vc_body: Mapping[str, Any],
     state.error, state.reading = None, reading
     ctx.index.forecast_demand[name] = reading.gpus
     return reading
+
+
+def _first_error(err: pydantic.ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {first['msg']}" if where else first["msg"]
 
 
 def status_of(ctx: Context, name: str) -> dict[str, Any] | None:

@@ -35,7 +35,8 @@ class OperatorMetrics:
         self.jobs = prom.Gauge("huorn_jobs", "Jobs by kind and phase.", ["kind", "phase"], registry=r)
         self.vc_gpus = prom.Gauge(
             "huorn_virtualcluster_gpus",
-            "GPUs of a virtual cluster by state (capacity, allocated, lent, borrowed).",
+            "GPUs of a virtual cluster by state (capacity, allocated, lent, borrowed; forecast: what "
+            "the prediction board reserves, inference clusters with lending.forecast only).",
             ["virtual_cluster", "state"],
             registry=r,
         )

@@ -62,6 +62,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
     reading = board.status_of(ctx, name)
     if reading is not None or old.get("forecast") is not None:
         status["forecast"] = reading
+    if reading is not None:
+        ctx.metrics.vc_gpus.labels(name, "forecast").set(reading["gpus"])
+    else:
+        with contextlib.suppress(KeyError):
+            ctx.metrics.vc_gpus.remove(name, "forecast")
     for state in ("capacity", "allocated", "lent", "borrowed"):
         ctx.metrics.vc_gpus.labels(name, state).set(usage[state])
     if conditions.strip_times({**old, **status}) != conditions.strip_times(old):
@@ -71,6 +76,6 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
 
 def forget(ctx: Context, name: str) -> None:
     ctx.index.vcs.pop(name, None)
-    for state in ("capacity", "allocated", "lent", "borrowed"):
+    for state in ("capacity", "allocated", "lent", "borrowed", "forecast"):
         with contextlib.suppress(KeyError):
             ctx.metrics.vc_gpus.remove(name, state)
