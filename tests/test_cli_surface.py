@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from huorn.cli import main
 
-EXPECTED = {"crds", "detect", "graph", "operator", "run", "schedule", "simulate", "validate"}
+EXPECTED = {"crds", "detect", "forecast", "graph", "operator", "run", "schedule", "simulate", "validate"}
 
 
 def test_command_list_is_pinned() -> None:

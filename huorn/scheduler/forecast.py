@@ -162,3 +162,51 @@ def read_board(times: np.ndarray, rate: np.ndarray, rate_per_gpu: float, headroo
     peak = now if model is None else max(now, model.predict_peak(times, rate, len(rate) - 1))
     gpus = int(gpus_needed(peak, rate_per_gpu, headroom))
     return BoardReading(now, peak, gpus, len(rate), model is not None)
+
+
+@dataclass(frozen=True)
+class BoardEvaluation:
+    """The board replayed over held-out history, against persistence (reserving the rate now):
+    per bin of the held-out part, the GPUs each reserves and the GPUs the next horizon needs."""
+
+    times: np.ndarray
+    rate: np.ndarray
+    peak: np.ndarray  # the board's forecast peak at each bin
+    need: np.ndarray  # GPUs the real peak of the next horizon needs
+    board_gpus: np.ndarray
+    persistence_gpus: np.ndarray
+    bin_seconds: float
+
+    @staticmethod
+    def _summary(reserve: np.ndarray, need: np.ndarray, bin_seconds: float) -> dict[str, float]:
+        short = np.maximum(need - reserve, 0)
+        return {"coverage": float(np.mean(reserve >= need)),
+                "mean_reserved_gpus": float(reserve.mean()),
+                "mean_idle_gpus": float(np.maximum(reserve - need, 0).mean()),
+                "mean_short_gpus_when_short": float(short[short > 0].mean()) if (short > 0).any() else 0.0,
+                "short_gpu_hours": float(short.sum() * bin_seconds / 3600)}
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {"board": self._summary(self.board_gpus, self.need, self.bin_seconds),
+                "persistence": self._summary(self.persistence_gpus, self.need, self.bin_seconds)}
+
+
+def evaluate_board(times: np.ndarray, rate: np.ndarray, rate_per_gpu: float, headroom: float,
+                   config: ForecastConfig | None = None, train_share: float = 0.5) -> BoardEvaluation:
+    """Fit the board on the first `train_share` of the history and replay it over the rest, the
+    way it runs: each bin's forecast sees only the bins before it."""
+    config = config or ForecastConfig()
+    if not 0 < train_share < 1:
+        raise ValueError(f"train_share must lie in (0, 1), got {train_share}")
+    cut = int(len(rate) * train_share)
+    h = config.horizon_bins
+    if cut < min_history_bins(config) or len(rate) - cut <= h:
+        raise ValueError(f"history has {len(rate)} bins; fitting on {train_share:.0%} of it and replaying "
+                         f"the rest needs at least {math.ceil(min_history_bins(config) / train_share)} bins")
+    model = LoadForecaster(config).fit(times[:cut], rate[:cut])
+    peak = model.predict_series(times, rate)
+    held = slice(cut, len(rate) - h)
+    coming = np.array([rate[e + 1: e + 1 + h].max() for e in range(cut, len(rate) - h)])
+    return BoardEvaluation(times[held], rate[held], peak[held], gpus_needed(coming, rate_per_gpu, headroom),
+                           gpus_needed(peak[held], rate_per_gpu, headroom),
+                           gpus_needed(rate[held], rate_per_gpu, headroom), config.bin_seconds)
