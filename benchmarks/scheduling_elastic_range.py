@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rich.progress import track
 
-from huorn.sim import bounds, engine, run
+from huorn.sim import bounds, engine, report, run
 
 DATA = Path("/work/shared/data")
 POLLUXES = ("pollux", "pollux-p-1", "pollux-p-1-fair")
@@ -66,32 +66,7 @@ def main() -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Saturated-window goodput against FIFO by elastic range, one panel per cluster size:
-    the bound, Huorn and the best Pollux, with the 1.8× goal."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    sizes = sorted({r["gpus"] for r in rows}, reverse=True)
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.6), squeeze=False, sharey=True)
-    for ax, gpus in zip(axes[0], sizes, strict=True):
-        mine = sorted((r for r in rows if r["gpus"] == gpus), key=lambda r: r["elastic_range"])
-        ranges = [r["elastic_range"] for r in mine]
-        for key, label in (("bound_vs_fifo", "bound (any policy)"),
-                           ("huorn_saturated_goodput_vs_fifo", "Huorn"),
-                           ("best_pollux_saturated_goodput_vs_fifo", "best Pollux")):
-            ax.plot(ranges, [r[key] for r in mine], marker="o", label=label)
-        ax.axhline(1.8, color="grey", ls="--", lw=0.8, label="goal 1.8×")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ranges, [f"×{x}" for x in ranges])
-        ax.set_xlabel("elastic range (× the rule's)")
-        ax.set_title(f"{gpus:,} GPUs")
-    axes[0, 0].set_ylabel("saturated goodput / FIFO")
-    axes[0, -1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.plot_goodput_sensitivity(rows, path, "elastic_range", "elastic range (× the rule's)", log2=True)
 
 
 if __name__ == "__main__":

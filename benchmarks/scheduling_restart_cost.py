@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rich.progress import track
 
-from huorn.sim import bounds, engine, policies, run
+from huorn.sim import bounds, engine, policies, report, run
 
 DATA = Path("/work/shared/data")
 POLLUXES = ("pollux", "pollux-p-1", "pollux-p-1-fair")
@@ -75,32 +75,10 @@ def main() -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Saturated-window goodput against FIFO by restart cost, one panel per cluster size: the
-    bound, Huorn and the best Pollux, with the 1.8× goal."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    sizes = sorted({r["gpus"] for r in rows})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.6), squeeze=False, sharey=True)
-    for ax, gpus in zip(axes[0], sizes, strict=True):
-        mine = sorted((r for r in rows if r["gpus"] == gpus), key=lambda r: r["restart_cost"])
-        costs = [r["restart_cost"] for r in mine]
-        ax.plot(costs, [r["bound_vs_fifo"] for r in mine], marker="o", label="bound (any policy)")
-        ax.plot(costs, [r["policies"]["huorn"]["saturated_goodput_vs_fifo"] for r in mine], marker="o",
-                label="Huorn")
-        ax.plot(costs, [r["policies"][r["best_pollux"]]["saturated_goodput_vs_fifo"] for r in mine],
-                marker="o", label="best Pollux")
-        ax.axhline(1.8, color="grey", ls="--", lw=0.8, label="goal 1.8×")
-        ax.set_xticks(costs, [f"×{x:g}" for x in costs])
-        ax.set_xlabel("restart time (× the catalogue's)")
-        ax.set_title(f"{gpus:,} GPUs")
-    axes[0, 0].set_ylabel("saturated goodput / FIFO")
-    axes[0, -1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    key = "saturated_goodput_vs_fifo"
+    flat = [{**r, f"huorn_{key}": r["policies"]["huorn"][key],
+             f"best_pollux_{key}": r["policies"][r["best_pollux"]][key]} for r in rows]
+    report.plot_goodput_sensitivity(flat, path, "restart_cost", "restart time (× the catalogue's)")
 
 
 if __name__ == "__main__":

@@ -174,3 +174,36 @@ def _plot(out_dir: Path, results: dict[str, dict], sims: dict[str, engine.Simula
     fig.tight_layout()
     fig.savefig(out_dir / "jct_cdf.png", dpi=110)
     plt.close(fig)
+
+
+def plot_goodput_sensitivity(rows: list[dict], path: Path, factor: str, xlabel: str,
+                             log2: bool = False) -> None:
+    """Saturated-window goodput against FIFO by one study factor (elastic range, restart time),
+    one panel per cluster size: the bound, Huorn and the best Pollux, with the 1.8× goal. Each
+    row carries `gpus`, the factor, `bound_vs_fifo`, `huorn_saturated_goodput_vs_fifo` and
+    `best_pollux_saturated_goodput_vs_fifo`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    sizes = sorted({r["gpus"] for r in rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.6), squeeze=False, sharey=True)
+    for ax, gpus in zip(axes[0], sizes, strict=True):
+        mine = sorted((r for r in rows if r["gpus"] == gpus), key=lambda r: r[factor])
+        xs = [r[factor] for r in mine]
+        for key, label in (("bound_vs_fifo", "bound (any policy)"),
+                           ("huorn_saturated_goodput_vs_fifo", "Huorn"),
+                           ("best_pollux_saturated_goodput_vs_fifo", "best Pollux")):
+            ax.plot(xs, [r[key] for r in mine], marker="o", label=label)
+        ax.axhline(1.8, color="grey", ls="--", lw=0.8, label="goal 1.8×")
+        if log2:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"×{x:g}" for x in xs])
+        ax.set_xlabel(xlabel)
+        ax.set_title(f"{gpus:,} GPUs")
+    axes[0, 0].set_ylabel("saturated goodput / FIFO")
+    axes[0, -1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
