@@ -37,12 +37,9 @@ def resize_decisions(kube: builders.Kube, job: str) -> list[dict]:
     return [d for d in kube.job_status(NS, job).get("decisions") or [] if d["action"] == "resize"]
 
 
-def test_inference_demand_reclaims_lent_gpus_by_shrinking_the_borrower(kube: builders.Kube, operator) -> None:
-    kube.custom.patch_cluster_custom_object(
-        builders.GROUP, builders.VERSION, "virtualclusters", "serve",
-        {"spec": {"purpose": "inference", "lending": {"lendable": True, "maxGPUsLent": 4,
-                                                        "reclaimGraceSeconds": 45,
-                                                        "reclaimPolicy": "Shrink"}}})
+def borrow_four_gpus_of_b0(kube: builders.Kube) -> None:
+    """Training's own nodes filled by a fixed job; an elastic job (2 replicas of 2 GPUs, at its
+    minimum) running on the serving cluster's b0."""
     kube.create_job(NS, builders.make_training_job("fill", "train", replicas=2, max_replicas=2, gpus=4))
     wait_for(lambda: len(kube.pods(NS, "fill", "trainer")) == 2, what="the filler's pods")
     kube.create_job(NS, builders.make_training_job(
@@ -51,6 +48,15 @@ def test_inference_demand_reclaims_lent_gpus_by_shrinking_the_borrower(kube: bui
     wait_for(lambda: nodes_of(kube, "elastic") == ["b0", "b0"], what="the elastic job borrowing b0")
     kube.run_all_pods(NS, "elastic")
     wait_for(lambda: kube.get_vc("serve").get("status", {}).get("lent") == 4, what="serve lends 4")
+
+
+def test_inference_demand_reclaims_lent_gpus_by_shrinking_the_borrower(kube: builders.Kube, operator) -> None:
+    kube.custom.patch_cluster_custom_object(
+        builders.GROUP, builders.VERSION, "virtualclusters", "serve",
+        {"spec": {"purpose": "inference", "lending": {"lendable": True, "maxGPUsLent": 4,
+                                                        "reclaimGraceSeconds": 45,
+                                                        "reclaimPolicy": "Shrink"}}})
+    borrow_four_gpus_of_b0(kube)
 
     # At minReplicas nothing can be given back gracefully, and this lender does not preempt:
     # it is told why.
@@ -159,14 +165,7 @@ def test_the_forecast_request_rate_reclaims_without_any_inference_job(kube: buil
                              "requestsPerGPU": 10, "headroom": 0.1}}}})
         wait_for(lambda: (kube.get_vc("serve").get("status", {}).get("forecast") or {}).get("gpus") == 0,
                  what="serve's board reads an idle rate")
-        kube.create_job(NS, builders.make_training_job("fill", "train", replicas=2, max_replicas=2, gpus=4))
-        wait_for(lambda: len(kube.pods(NS, "fill", "trainer")) == 2, what="the filler's pods")
-        kube.create_job(NS, builders.make_training_job(
-            "elastic", "train", replicas=2, max_replicas=2, gpus=2,
-            elasticity={"minReplicas": 2, "maxReplicas": 2, "policy": "goodput"}))
-        wait_for(lambda: nodes_of(kube, "elastic") == ["b0", "b0"], what="the elastic job borrowing b0")
-        kube.run_all_pods(NS, "elastic")
-        wait_for(lambda: kube.get_vc("serve").get("status", {}).get("lent") == 4, what="serve lends 4")
+        borrow_four_gpus_of_b0(kube)
         kube.custom.patch_namespaced_custom_object(
             builders.GROUP, builders.VERSION, NS, "trainingjobs", "elastic",
             {"spec": {"elasticity": {"minReplicas": 1}}})  # room to shrink
