@@ -6,6 +6,8 @@ slow link's own messages take longer; the waits alone name the replica but not t
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -199,3 +201,21 @@ def test_links_that_wait_for_receivers_behind_a_slow_link_are_not_named(effect: 
     assert [(f.replica, f.stage, f.direction) for f in found] == [slow], found
     both = slowdowns(table(records({slow: 0.02, (0, 1, "backward"): 0.02})))
     assert [(f.replica, f.stage, f.direction) for f in both] == [(0, 1, "both")], both
+
+
+def test_a_real_shift_is_not_absorbed_by_jitter_near_zero_at_the_warmup_end() -> None:
+    """Recorded from tests/test_remediation_failslow_link_local.py (the backward link of replica
+    1 slowed by 20 ms a message from step 13) in a run that named nothing: before the fault the
+    link took 0.07-0.16 ms a message with spikes of 0.5-5 ms, a 30× swing in log space. Two
+    spikes at steps 10 and 11, merged by the median-of-three into a plateau that began inside
+    the warm-up, started a run that absorbed the 20 ms shift for good. Floored at half of
+    min_shift of the step, the jitter is gone and the link is named."""
+    recorded = json.loads((Path(__file__).parent / "data" / "slow_link_warmup_plateau.json").read_text())
+    ranks = {w: failslow.PipelineRank(f"replica-{int(w) // 3}", int(w), int(w) // 3, int(w) % 3)
+             for w in recorded}
+    built = failslow.build_pipeline_table(
+        {w: sorted((int(s), r) for s, r in steps.items()) for w, steps in recorded.items()}, ranks)
+    assert built is not None
+    found = failslow.detect_pipeline_fail_slow(built)
+    assert [(f.kind, f.link, f.replica, f.stage, f.direction, f.onset_iteration) for f in found] == [
+        ("communication", True, 1, 1, "backward", 13)], found

@@ -372,10 +372,18 @@ def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
     assert steps.comm is not None
     found: list[SlowFinding] = []
 
+    # NB: a wait or a link's time is near zero while healthy, where sub-millisecond jitter is a
+    # 30× swing in the log space BOCD works in: two such spikes merged by the median-of-three into
+    # a short plateau at the end of the warm-up started a run that then absorbed a real 20 ms
+    # shift for good (1 run in ~12 of tests/test_remediation_failslow_link_local.py). Below half
+    # of min_shift of the step such a part cannot decide a finding, so BOCD sees it floored
+    # there; every shift that could move the step by min_shift still rises at least 2× above it.
+    floor = config.min_shift / 2 * step_seconds
+
     def detect(series: tuple[np.ndarray, np.ndarray], into: list[SlowFinding] | None = None,
                **where: object) -> None:
         iterations, values = series
-        for c in _changes(iterations, values, config):
+        for c in _changes(iterations, np.maximum(values, floor), config):
             finding = SlowFinding(JOB_WIDE, "communication", *c, **where)  # type: ignore[arg-type]
             if _moves_iteration(values, iterations, finding, step_seconds, config.min_shift):
                 (found if into is None else into).append(finding)
