@@ -82,6 +82,7 @@ def test_the_history_can_come_from_prometheus() -> None:
     (["--prometheus", "http://p:9090", "--requests-per-gpu", "2"], "--prometheus needs --query"),
     (["--qps", "QPS", "--requests-per-gpu", "0"], "--requests-per-gpu=0.0: must be > 0"),
     (["--qps", "QPS", "--requests-per-gpu", "2", "--quantile", "0.3"], "use 0.5 to 0.99"),
+    (["--qps", "QPS", "--requests-per-gpu", "2", "--train-share", "1"], "--train-share=1.0: use a share"),
     (["--qps", "SHORT", "--requests-per-gpu", "2"], "needs at least 36 bins"),
     (["--qps", "BAD", "--requests-per-gpu", "2"], "timestamp_anon,value"),
     (["--qps", "MISSING", "--requests-per-gpu", "2"], "cannot read"),

@@ -138,6 +138,8 @@ def forecast_command(
         fail(f"--quantile={quantile}: use 0.5 to 0.99, as lending.forecast.quantile")
     if not 0 <= headroom <= 1:
         fail(f"--headroom={headroom}: use 0 to 1")
+    if not 0 < train_share < 1:
+        fail(f"--train-share={train_share}: use a share between 0 and 1, such as 0.5")
     config = forecast.ForecastConfig(quantile=quantile)
     with err.status("reading the history and fitting the board"):
         try:
