@@ -8,39 +8,26 @@ with the column and line named on stderr.
 
 from __future__ import annotations
 
-import io
-import json
-from enum import StrEnum
 from pathlib import Path
 
 import typer
-import yaml
 from rich.console import Console
 from rich.table import Table
 
+from huorn.cli.output import OutputFormat, render_console, render_data
 from huorn.scheduler.remediation import bocd, failslow, steptable
 
 EXIT_INVALID = 2
 
 
-class OutputFormat(StrEnum):
-    TABLE = "table"
-    JSON = "json"
-    YAML = "yaml"
-
-
 def render_findings(findings: list[failslow.SlowFinding], output: OutputFormat) -> str:
     rows = [f.to_dict() for f in findings]
-    if output is OutputFormat.JSON:
-        return json.dumps({"findings": rows}, indent=2)
-    if output is OutputFormat.YAML:
-        return yaml.safe_dump({"findings": rows}, sort_keys=False).rstrip()
+    if output is not OutputFormat.TABLE:
+        return render_data({"findings": rows}, output)
     table = Table("WORKER", "KIND", "ONSET", "DETECTED", "FACTOR", box=None, pad_edge=False)
     for f in findings:
         table.add_row(f.worker, f.kind, str(f.onset_iteration), str(f.detected_iteration), f"{f.factor:.2f}x")
-    console = Console(width=100, file=io.StringIO())
-    console.print(table if findings else "no fail-slow found")
-    return console.file.getvalue().rstrip()  # type: ignore[attr-defined]
+    return render_console(table if findings else "no fail-slow found")
 
 
 def detect_command(

@@ -12,44 +12,32 @@ query and URL the VirtualCluster would carry. Exit code 2 means bad input, named
 from __future__ import annotations
 
 import csv
-import io
 import json
 import time
-from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
 import typer
-import yaml
 from rich.console import Console
 from rich.table import Table
 
 from huorn.api.base import parse_duration
+from huorn.cli.output import OutputFormat, render_console, render_data
 from huorn.scheduler import forecast
 
 EXIT_INVALID = 2
 
 
-class OutputFormat(StrEnum):
-    TABLE = "table"
-    JSON = "json"
-    YAML = "yaml"
-
-
 def render(report: dict, output: OutputFormat) -> str:
-    if output is OutputFormat.JSON:
-        return json.dumps(report, indent=2)
-    if output is OutputFormat.YAML:
-        return yaml.safe_dump(report, sort_keys=False).rstrip()
+    if output is not OutputFormat.TABLE:
+        return render_data(report, output)
     table = Table("RESERVE", "COVERAGE", "MEAN GPUS", "IDLE GPUS", "SHORT GPU-H", box=None, pad_edge=False)
     for name, s in report["summary"].items():
         table.add_row(name, f"{s['coverage']:.1%}", f"{s['mean_reserved_gpus']:.1f}",
                       f"{s['mean_idle_gpus']:.1f}", f"{s['short_gpu_hours']:.2f}")
-    console = Console(width=100, file=io.StringIO())
-    console.print(f"{report['bins_replayed']} bins replayed after fitting on {report['bins_fitted']} "
-                  f"(quantile {report['quantile']}, {report['requests_per_gpu']:g} requests/s per GPU)")
-    console.print(table)
-    return console.file.getvalue().rstrip()  # type: ignore[attr-defined]
+    heading = (f"{report['bins_replayed']} bins replayed after fitting on {report['bins_fitted']} "
+               f"(quantile {report['quantile']}, {report['requests_per_gpu']:g} requests/s per GPU)")
+    return render_console(heading, table)
 
 
 def write_outputs(evaluation: forecast.BoardEvaluation, report: dict, directory: Path) -> None:
