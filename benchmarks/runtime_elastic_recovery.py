@@ -1,21 +1,31 @@
-"""Elastic recovery times of Huorn's torchrun settings against torchrun's default timeouts.
+"""Elastic recovery of the runtime: torchrun's default timeouts, Huorn's torchrun settings, and
+Huorn's in-place resizing (huorn.runtime.membership), side by side in one run.
 
-Both runs use the same real setup (stand-alone rendezvous store, one loopback address per
+All three use the same real setup (stand-alone rendezvous store, one loopback address per
 replica, store sharing off: without these torchrun does not survive losing the rank-0 replica at
-all) and the same scenario on CPU:
+all) and the same scenario:
 
     2 replicas train -> a 3rd joins -> one is SIGTERMed (graceful shrink) -> the rank-0 replica
     is SIGKILLed (hard failure) -> the last one finishes the job.
 
-For each event it reports the time from the event to the first step at the new world size and
-the steps lost, then the ratio baseline/Huorn. Writes a JSON summary and a PNG (step vs time).
+For each event it reports
+- the time from the event to the first step at the new world size,
+- the training time lost: that wall time less the steps the gang still made in it at its median
+  step time (a joiner's start-up costs nothing where the gang keeps training through it),
+- the steps lost (recomputed),
+then ratios against torchrun's defaults. Writes a JSON summary and a PNG (step vs time).
 
     .venv/bin/python benchmarks/runtime_elastic_recovery.py [--out benchmarks/results]
+
+With `--device cuda --width 1024 --layers 24` on a machine with 2 GPUs, the scenario is
+1 replica -> a 2nd joins -> one is SIGTERMed, one GPU per replica, NCCL (no SIGKILL: NCCL's
+watchdog aborts the survivors, see docs/runtime.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -38,10 +48,11 @@ from huorn.runtime import config as run_config  # noqa: E402
 from huorn.runtime import launcher, steplog  # noqa: E402
 from huorn.runtime.data import build  # noqa: E402
 
-SETTINGS = {
-    "torchrun defaults": {"monitor_interval": 0.1, "last_call_timeout": 30, "keep_alive_interval": 5,
-                          "keep_alive_max_attempt": 3},
-    "huorn": {},  # ElasticSettings' own defaults
+SETTINGS: dict[str, tuple[dict, bool]] = {  # name: (ElasticSettings overrides, in place)
+    "torchrun defaults": ({"monitor_interval": 0.1, "last_call_timeout": 30, "keep_alive_interval": 5,
+                           "keep_alive_max_attempt": 3}, False),
+    "huorn torchrun": ({}, False),  # ElasticSettings' own defaults
+    "huorn in place": ({}, True),
 }
 STEPS = 100
 
@@ -56,31 +67,45 @@ def _wait(predicate: Callable[[], object], timeout: float, what: str) -> object:
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def run_scenario(name: str, overrides: dict, data_dir: Path, workdir: Path) -> dict:
+def lost_seconds(steps: list[dict], at: float, done: float) -> float:
+    """Wall time from `at` to `done` that did not turn into steps, at the run's median step time."""
+    gaps = sorted(b["time"] - a["time"] for a, b in itertools.pairwise(steps))
+    median = gaps[len(gaps) // 2] if gaps else 0.0
+    made = sum(1 for s in steps if at < s["time"] < done)
+    return max(0.0, done - at - made * median)
+
+
+def run_scenario(name: str, overrides: dict, in_place: bool, data_dir: Path, workdir: Path,
+                 args: argparse.Namespace) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    gpu = args.device == "cuda"
+    max_replicas = 2 if gpu else 3
     spec = {
-        "virtualCluster": "bench", "elasticity": {"minReplicas": 1, "maxReplicas": 3},
-        "model": {"layers": 2, "width": 32, "heads": 2, "context": 32},
+        "virtualCluster": "bench", "elasticity": {"minReplicas": 1, "maxReplicas": max_replicas},
+        "model": {"layers": args.layers, "width": args.width, "heads": max(2, args.width // 64),
+                  "context": args.context},
         "data": {"sources": [{"name": "general"}, {"name": "code"}, {"name": "math"}], "seed": 7},
         "optimization": {"globalBatch": 12, "microBatch": 2, "steps": STEPS, "warmupSteps": 3},
         "checkpoint": {"intervalSteps": 5},
     }
     config = run_config.write_run_config(run_config.RunConfig.model_validate({
         "jobName": "bench", "spec": spec, "runDir": str(workdir / "run"),
-        "checkpointDir": str(workdir / "ckpt"),
+        "checkpointDir": str(workdir / "ckpt"), "device": args.device,
         "dataDir": str(data_dir), "telemetryHost": "127.0.0.1",
-        "faults": [{"kind": "slow-compute", "ms": 100}]}), workdir / "config.json")
+        "faults": [{"kind": "slow-compute", "ms": args.pace_ms}]}), workdir / "config.json")
     store, port = launcher.start_store(workdir, env=env)
     run_dir = workdir / "run"
 
     def settings(replica: int) -> launcher.ElasticSettings:
-        return launcher.ElasticSettings(min_nodes=1, max_nodes=3, rdzv_endpoint=f"127.0.0.1:{port}",
-                                        rdzv_id=name.replace(" ", "-"),
+        return launcher.ElasticSettings(min_nodes=1, max_nodes=max_replicas,
+                                        rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=name.replace(" ", "-"),
                                         local_addr=launcher.replica_address(replica), **overrides)
 
     def start(replica: int) -> subprocess.Popen:
         log = workdir / f"agent{replica}.log"
-        return launcher.start_agent(config, settings(replica), f"r{replica}", log, env)
+        replica_env = dict(env, CUDA_VISIBLE_DEVICES=str(replica)) if gpu else env
+        return launcher.start_agent(config, settings(replica), f"r{replica}", log, replica_env,
+                                    in_place=in_place)
 
     def rank_owner(rank: int) -> int:
         for path in (run_dir / "endpoints").glob("*.json"):
@@ -94,24 +119,30 @@ def run_scenario(name: str, overrides: dict, data_dir: Path, workdir: Path) -> d
         return attempts[-1]["start"]["world_size"] if attempts else 0
 
     events: list[dict] = []
-    agents = {0: start(0), 1: start(1)}
+    agents = {0: start(0)} if gpu else {0: start(0), 1: start(1)}
+    first = len(agents)
+    scenario = ([("join", 2), ("graceful shrink", 1)] if gpu else
+                [("join", 3), ("graceful shrink", 2), ("SIGKILL rank-0 replica", 1)])
     began = time.time()
     try:
-        _wait(lambda: current_world() == 2 and steplog.last_step(run_dir) >= 8, 300, "8 steps at 2")
-        for kind, target_world in (("join", 3), ("graceful shrink", 2), ("SIGKILL rank-0 replica", 1)):
+        _wait(lambda: current_world() == first and steplog.last_step(run_dir) >= 8, 600,
+              f"8 steps at {first}")
+        for kind, target_world in scenario:
             at, step = time.time(), steplog.last_step(run_dir)
             if kind == "join":
-                agents[2] = start(2)
+                agents[len(agents)] = start(len(agents))
             elif kind == "graceful shrink":
                 victim = next(r for r in agents if r != rank_owner(0) and agents[r].poll() is None)
                 agents[victim].send_signal(signal.SIGTERM)
             else:
                 victim = rank_owner(0)
                 launcher.kill_process_tree(agents[victim].pid)
-            done = _wait(lambda w=target_world, t=at: steplog.first_step_after(run_dir, t, w), 300, kind)
+            done = _wait(lambda w=target_world, t=at: steplog.first_step_after(run_dir, t, w), 600, kind)
             attempt = steplog.split_attempts(steplog.read_events(run_dir))[-1]
             events.append({"event": kind, "at": at - began, "seconds": done - at,
                            "lost_steps": max(0, step - attempt["start"]["resumed_from"])})
+            events[-1]["lost_seconds"] = lost_seconds(
+                steplog.steps_of(steplog.read_events(run_dir)), at, done)
             if kind != "SIGKILL rank-0 replica":
                 reached = steplog.last_step(run_dir)
                 _wait(lambda s=reached: steplog.last_step(run_dir) >= s + 8, 300, "8 steps")
@@ -129,26 +160,39 @@ def run_scenario(name: str, overrides: dict, data_dir: Path, workdir: Path) -> d
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--context", type=int, default=32)
+    parser.add_argument("--pace-ms", type=int, default=100, help="injected compute per step")
+    parser.add_argument("--name", default="runtime_elastic_recovery", help="stem of the output files")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     data_dir = Path(tempfile.gettempdir()) / f"huorn-test-data-{os.getuid()}"
     for corpus in ("code", "general", "math"):
         build.ensure_corpus(corpus, data_dir)
     results = []
-    for name, overrides in SETTINGS.items():
+    for name, (overrides, in_place) in SETTINGS.items():
         with tempfile.TemporaryDirectory(prefix="huorn-bench-") as workdir:
             print(f"running: {name}", file=sys.stderr, flush=True)
-            results.append(run_scenario(name, overrides, data_dir, Path(workdir)))
-    baseline, huorn = results
-    print("| event | torchrun defaults (s) | huorn (s) | ratio | steps lost (huorn) |")
-    print("|---|---|---|---|---|")
-    for b, h in zip(baseline["events"], huorn["events"], strict=True):
-        ratio = b["seconds"] / h["seconds"]
-        print(f"| {h['event']} | {b['seconds']:.1f} | {h['seconds']:.1f} | {ratio:.2f}x "
-              f"| {h['lost_steps']} |")
-    print(f"| whole run ({STEPS} steps) | {baseline['wall_seconds']:.1f} | {huorn['wall_seconds']:.1f} | "
-          f"{baseline['wall_seconds'] / huorn['wall_seconds']:.2f}x | complete: {huorn['complete']} |")
-    (args.out / "runtime_elastic_recovery.json").write_text(json.dumps(results, indent=2) + "\n")
+            results.append(run_scenario(name, overrides, in_place, data_dir, Path(workdir), args))
+    baseline = results[0]
+    names = [r["name"] for r in results]
+    print("| event | " + " | ".join(f"{n}: to a step (s) / lost (s)" for n in names)
+          + " | lost, defaults ÷ in place | steps lost (in place) |")
+    print("|---|" + "---|" * len(names) + "---|---|")
+    for index, event in enumerate(baseline["events"]):
+        cells = [f"{r['events'][index]['seconds']:.1f} / {r['events'][index]['lost_seconds']:.1f}"
+                 for r in results]
+        in_place = results[-1]["events"][index]
+        ratio = event["lost_seconds"] / max(in_place["lost_seconds"], 0.1)
+        print(f"| {event['event']} | " + " | ".join(cells) + f" | {ratio:.1f}x | {in_place['lost_steps']} |")
+    print(f"| whole run ({STEPS} steps) | " + " | ".join(f"{r['wall_seconds']:.1f}" for r in results)
+          + f" | {baseline['wall_seconds'] / results[-1]['wall_seconds']:.2f}x | "
+          f"complete: {all(r['complete'] for r in results)} |")
+    (args.out / f"{args.name}.json").write_text(json.dumps(
+        {"device": args.device, "model": {"layers": args.layers, "width": args.width,
+                                          "context": args.context}, "results": results}, indent=2) + "\n")
     figure, axis = plt.subplots(figsize=(8, 4))
     for result in results:
         xs, ys = zip(*result["curve"], strict=True)
@@ -157,10 +201,11 @@ def main() -> int:
             axis.axvline(event["at"], color=line.get_color(), alpha=0.3, linestyle="--")
     axis.set_xlabel("seconds since start")
     axis.set_ylabel("global step logged")
-    axis.set_title("Join, graceful shrink, SIGKILL of the rank-0 replica (dashed lines)")
+    axis.set_title("Join, graceful shrink" + ("" if args.device == "cuda" else
+                                              ", SIGKILL of the rank-0 replica") + " (dashed lines)")
     axis.legend()
     figure.tight_layout()
-    figure.savefig(args.out / "runtime_elastic_recovery.png", dpi=120)
+    figure.savefig(args.out / f"{args.name}.png", dpi=120)
     return 0 if all(r["complete"] for r in results) else 1
 
 

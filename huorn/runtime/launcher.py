@@ -95,6 +95,50 @@ def build_torchrun_command(config_path: Path | str, settings: ElasticSettings,
     return [*command, "-m", "huorn.runtime.train", "--config", str(config_path)]
 
 
+def build_in_place_command(config_path: Path | str, settings: ElasticSettings,
+                           python: str = sys.executable) -> list[str]:
+    """argv of one replica that resizes in place (huorn.runtime.membership): the trainer itself,
+    no torchrun agent, taking part in the same c10d rendezvous with the same settings."""
+    if settings.nproc_per_node != 1:
+        raise ValueError("in-place resizing runs one trainer process per replica: nproc_per_node "
+                         f"must be 1, got {settings.nproc_per_node}")
+    command = [python, "-m", "huorn.runtime.train", "--config", str(config_path), "--in-place",
+               f"--nnodes={settings.min_nodes}:{settings.max_nodes}",
+               f"--rdzv-endpoint={settings.rdzv_endpoint}", f"--rdzv-id={settings.rdzv_id}",
+               f"--rdzv-conf={build_rdzv_conf(settings)}"]
+    return command + ([f"--local-addr={settings.local_addr}"] if settings.local_addr else [])
+
+
+def parse_in_place_arguments(nnodes: str, endpoint: str | None, rdzv_id: str, local_addr: str | None,
+                             conf: str) -> ElasticSettings:
+    """The trainer's in-place flags back into ElasticSettings; errors name the flag."""
+    if endpoint is None:
+        raise ValueError("--in-place needs --rdzv-endpoint HOST:PORT (the stand-alone rendezvous store)")
+    try:
+        low, high = (int(part) for part in nnodes.split(":", 1)) if ":" in nnodes else (int(nnodes),) * 2
+    except ValueError:
+        raise ValueError(f"--nnodes must be MIN:MAX or N, got {nnodes!r}") from None
+    knobs = {"last_call_timeout": "last_call_timeout", "join_timeout": "join_timeout",
+             "close_timeout": "close_timeout", "keep_alive_interval": "keep_alive_interval",
+             "keep_alive_max_attempt": "keep_alive_max_attempt", "read_timeout": "read_timeout"}
+    values: dict[str, int] = {}
+    extra: dict[str, str] = {}
+    for item in filter(None, conf.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--rdzv-conf entries are KEY=VALUE, got {item!r}")
+        if key in knobs:
+            try:
+                values[knobs[key]] = int(value)
+            except ValueError:
+                raise ValueError(f"--rdzv-conf {key} must be a whole number of seconds, "
+                                 f"got {value!r}") from None
+        elif key != "is_host":
+            extra[key] = value
+    return ElasticSettings(min_nodes=low, max_nodes=high, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
+                           local_addr=local_addr, extra_rdzv_conf=extra, **values)
+
+
 def build_agent_env(replica: str, base_env: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of one agent: the replica's name (fault targeting, endpoint files) and the
     store-sharing opt-out explained in the module docstring."""
@@ -171,10 +215,11 @@ def start_store(directory: Path, host: str = "127.0.0.1", env: dict[str, str] | 
 
 
 def start_agent(config_path: Path | str, settings: ElasticSettings, replica: str, log_path: Path | str,
-                env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start one torchrun agent (one replica) in its own session, as a pod would be; stop it with
-    kill_process_tree (hard) or SIGTERM to the agent (graceful: checkpoint, then exit)."""
+                env: dict[str, str] | None = None, in_place: bool = False) -> subprocess.Popen:
+    """Start one replica in its own session, as a pod would be: a torchrun agent, or with
+    `in_place` the trainer itself; stop it with kill_process_tree (hard) or SIGTERM (graceful)."""
+    build = build_in_place_command if in_place else build_torchrun_command
     with open(log_path, "ab") as log:
-        return subprocess.Popen(build_torchrun_command(config_path, settings),
+        return subprocess.Popen(build(config_path, settings),
                                 env=build_agent_env(replica, env), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -1,6 +1,7 @@
 """Readers of the step log (`steps.jsonl` in the run dir), which rank 0 appends one JSON line to
-per event: `start` (a worker gang began, with the step it resumed from), `step`, `checkpoint`
-and `done`. Backends read it for status (step, loss), tests and benchmarks to prove that a
+per event: `start` (a worker gang began, with the step it resumed from), `regroup` (an in-place
+resize formed a new gang, huorn.runtime.membership, with the step it continues from), `step`,
+`checkpoint` and `done`. Backends read it for status (step, loss), tests and benchmarks to prove that a
 resize neither skipped nor repeated a step."""
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ def last_step(run_dir: Path) -> int:
 
 
 def split_attempts(events: list[dict]) -> list[dict]:
-    """Group the log by gang start: each attempt has its `start` event and the steps it logged."""
+    """Group the log by gang: each attempt has the event that formed it (`start`, or `regroup`
+    after an in-place resize) and the steps it logged."""
     attempts: list[dict] = []
     for event in events:
-        if event.get("event") == "start":
+        if event.get("event") in ("start", "regroup"):
             attempts.append({"start": event, "steps": []})
         elif event.get("event") == "step" and attempts:
             attempts[-1]["steps"].append(event)

@@ -72,6 +72,20 @@ class Telemetry:
         self._server: ThreadingHTTPServer | None = None
         self.beat()
 
+    def rejoin(self, rank: int, world_size: int) -> None:
+        """A new round of an in-place resize: a new rank and world, and collective sequence numbers
+        from 0 again on every member, so that newcomers and old members stay aligned for the hang
+        detectors (they compare `entered` across ranks)."""
+        with self._lock:
+            self.rank, self.world_size = rank, world_size
+            self._entered = self._completed = 0
+            self._in_flight.clear()
+        self.seq_entered.set(0)
+        self.seq_completed.set(0)
+        self.world_gauge.set(world_size)
+        self.info.info({"job": self.job, "rank": str(rank), "replica": self.replica or "",
+                        "pid": str(os.getpid())})
+
     # -- collectives -------------------------------------------------------------------------
     def enter_collective(self, op: str) -> int:
         with self._lock:

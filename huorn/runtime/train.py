@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -32,24 +33,39 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.nn.parallel import DistributedDataParallel
 
 from huorn import models
-from huorn.runtime import batching, checkpoint, comm, faults, microbatches, noise_scale, telemetry
+from huorn.runtime import (
+    batching,
+    checkpoint,
+    comm,
+    faults,
+    launcher,
+    membership,
+    microbatches,
+    noise_scale,
+    telemetry,
+)
 from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler
 
 RESTART_EXIT = 3
-_STATS = ("loss_sum", "small_sq", "contributors", "stop", "checkpoint_due", "plan_changed")
+_STATS = ("loss_sum", "small_sq", "contributors", "stop", "checkpoint_due", "plan_changed", "joiners")
+# A step that fails this many times in a row with the same gang is a bug, not a lost peer.
+_MAX_RETRIES_PER_STEP = 3
 
 
 class Trainer:
-    def __init__(self, cfg: run_config.RunConfig) -> None:
+    def __init__(self, cfg: run_config.RunConfig, gang: membership.Membership | None = None) -> None:
+        """`gang`: resize in place (huorn.runtime.membership) instead of under torchrun's agent."""
         self.cfg = cfg
         self.spec = cfg.spec
+        self.gang = gang
         use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        self.rank, self.world, self.local_rank = comm.init_process_group(
-            "nccl" if use_cuda else "gloo", cfg.collective_timeout_s)
+        self.backend = "nccl" if use_cuda else "gloo"
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if use_cuda:
             torch.cuda.set_device(self.local_rank)
         self.device = torch.device(f"cuda:{self.local_rank}" if use_cuda else "cpu")
@@ -60,9 +76,17 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.stop_requested = False
 
+        # The model is built before joining the gang: it depends only on the seed, and a replica
+        # that resizes in place does this slow part while the gang still trains.
         torch.manual_seed(self.spec.data.seed)
         self.model_cfg = run_config.build_model_config(self.spec.model)
         self.model = models.build_model(self.model_cfg).to(self.device)
+        if gang is None:
+            self.rank, self.world, self.local_rank = comm.init_process_group(
+                self.backend, cfg.collective_timeout_s)
+        else:
+            self.rank, self.world = self.join_round()
+        self.has_state = False  # in-place mode: this process holds the gang's training state
         self.state_module: torch.nn.Module = self.model  # what checkpoints hold
         self.flat_checkpoint = False  # see checkpoint.build_state
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
@@ -94,13 +118,82 @@ class Trainer:
         return self.world
 
     def build_parallel(self, use_cuda: bool) -> None:
-        self.ddp = DistributedDataParallel(
-            self.model, device_ids=[self.local_rank] if use_cuda else None,
-            find_unused_parameters=self.model_cfg.moe is not None)
         opt = self.spec.optimization
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.learning_rate,
                                            betas=(0.9, 0.95), weight_decay=opt.weight_decay)
+        if self.gang is None:  # in place, DDP comes after the state is shared (run, regroup)
+            self.wrap_data_parallel()
+
+    def wrap_data_parallel(self) -> None:
+        """DDP over the current process group (again after every in-place regroup). Collective:
+        DDP broadcasts rank 0's parameters and buffers."""
+        self.ddp = DistributedDataParallel(
+            self.model, device_ids=[self.local_rank] if self.device.type == "cuda" else None,
+            find_unused_parameters=self.model_cfg.moe is not None)
         self.ddp.register_comm_hook(self.hook_state, comm.allreduce_hook)
+
+    # -- in-place resizing -----------------------------------------------------------------------
+    def join_round(self) -> tuple[int, int]:
+        """Block until the gang's next rendezvous round forms, and make its process group."""
+        assert self.gang is not None
+        round_ = self.gang.next_round()
+        membership.init_round_process_group(self.backend, round_, self.cfg.collective_timeout_s)
+        return round_.rank, round_.world
+
+    def regroup(self, step: int, reason: str) -> int:
+        """Leave this process group, form the next round with whoever is there now, and continue
+        from the newest state any member holds. Returns the step to continue from."""
+        started = time.monotonic()
+        old_world = self.world
+        self.ddp = None  # type: ignore[assignment]  # NB: DDP holds the old group; drop it first
+        with contextlib.suppress(Exception):  # a group with a dead peer may refuse to close cleanly
+            dist.destroy_process_group()
+        # A step cut short by a lost peer may have left half-accumulated gradients behind.
+        self.optimizer.zero_grad(set_to_none=True)
+        self.rank, self.world = self.join_round()
+        self.telemetry.rejoin(self.rank, self.world)
+        self.injector.rank = self.rank
+        step = self.share_state(step)
+        self.wrap_data_parallel()
+        self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
+                                        self.data_parallel_size())
+        self.microbatch_counts = None  # a plan written for the old gang does not fit the new one
+        self.write_endpoint()
+        self.log({"event": "regroup", "reason": reason, "resumed_from": step, "from_world_size": old_world,
+                  "world_size": self.world, "global_batch": self.plan.global_batch,
+                  "seconds": time.monotonic() - started})
+        return step
+
+    def share_state(self, step: int) -> int:
+        """Collective, after a round forms: the member with the newest state (the most steps; the
+        lowest rank among equals) broadcasts the model, the optimizer and the loop's own state to
+        every rank. When no rank holds state (the gang's first round), it comes from the last
+        checkpoint instead."""
+        held = [None] * self.world
+        dist.all_gather_object(held, step if self.has_state else None)
+        steps = [(s, -r) for r, s in enumerate(held) if s is not None]
+        if not steps:
+            step = self.resume()
+        else:
+            best, negative_rank = max(steps)
+            source = -negative_rank
+            model_state, optim_state = dcp_state.get_state_dict(self.model, self.optimizer)
+            tensors = [model_state[k] for k in sorted(model_state)]
+            tensors += [value for _, value in _flatten_optimizer_state(optim_state)]
+            for tensor in tensors:
+                dist.broadcast(tensor, src=source)
+            loop = comm.broadcast_object(
+                {"noise": dataclasses.asdict(self.noise), "control_stamp": self.control_stamp,
+                 "param_groups": optim_state["param_groups"]} if self.rank == source else None,
+                self.hook_state, src=source)
+            optim_state["param_groups"] = loop["param_groups"]  # type: ignore[index]
+            dcp_state.set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
+                                     optim_state_dict=optim_state)
+            self.noise = noise_scale.NoiseScale(**loop["noise"])  # type: ignore[index]
+            self.control_stamp = loop["control_stamp"]  # type: ignore[index]
+            step = best
+        self.has_state = True
+        return step
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def log(self, record: dict) -> None:
@@ -113,12 +206,15 @@ class Trainer:
 
     def start_telemetry(self) -> int:
         port = self.cfg.telemetry_port + self.local_rank if self.cfg.telemetry_port else 0
-        bound = self.telemetry.serve(self.cfg.telemetry_host, port)
+        self.telemetry_port = self.telemetry.serve(self.cfg.telemetry_host, port)
+        self.write_endpoint()
+        return self.telemetry_port
+
+    def write_endpoint(self) -> None:
         telemetry.write_endpoint_file(self.run_dir, self.replica, self.local_rank, {
-            "port": bound, "host": self.cfg.telemetry_host, "rank": self.rank, "local_rank": self.local_rank,
-            "world_size": self.world, "replica": self.replica, "pid": os.getpid(),
-            "restart_count": self.restart_count})
-        return bound
+            "port": self.telemetry_port, "host": self.cfg.telemetry_host, "rank": self.rank,
+            "local_rank": self.local_rank, "world_size": self.world, "replica": self.replica,
+            "pid": os.getpid(), "restart_count": self.restart_count})
 
     # -- checkpoints ---------------------------------------------------------------------------
     def resume(self) -> int:
@@ -205,57 +301,102 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
         port = self.start_telemetry()
-        step = self.resume()
+        if self.gang is None:
+            step = self.resume()
+        else:
+            step = self.share_state(0)
+            self.wrap_data_parallel()
+        self.state_step = step  # optimizer steps applied to this process's state
         # process_started lets a harness split a recovery into "until the new worker exists" and
         # "worker start-up, rendezvous of the process group and checkpoint load".
         self.log({"event": "start", "resumed_from": step, "world_size": self.world, "global_batch":
                   self.plan.global_batch, "restart_count": self.restart_count, "telemetry_port": port,
-                  "process_started": psutil.Process().create_time()})
+                  "process_started": psutil.Process().create_time(), "in_place": self.gang is not None})
         signal.signal(signal.SIGTERM, self._request_stop)
-        interval_steps = self.spec.checkpoint.interval_steps
-        interval_s = self.cfg.checkpoint_interval_s()
         self.last_checkpoint_time = time.monotonic()
+        failures: tuple[int, int] = (-1, 0)  # (step, failures in a row at it)
         while step < self.total_steps:
-            started = time.perf_counter()
-            self.injector.step = step
-            self.injector.refresh()
-            self.telemetry.take_comm_seconds()
-            self.injector.before_compute()
-            lr = batching.learning_rate(step, self.total_steps, self.plan.learning_rate,
-                                        self.spec.optimization.warmup_steps, self.spec.optimization.schedule)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            due = interval_s is not None and time.monotonic() - self.last_checkpoint_time >= interval_s
-            flags = [float(self.stop_requested), float(due and self.rank == 0), self.poll_control_file()]
-            loss, noise, extra, flags = self.train_step(step, flags)
-            stats_by_name = dict(zip(_STATS[3:], flags, strict=True))
-            step += 1
-            elapsed = time.perf_counter() - started
-            tokens_per_s = self.plan.global_batch * self.spec.model.context / elapsed
-            comm_s = self.telemetry.take_comm_seconds()
-            self.telemetry.record_step(step, elapsed, comm_s, loss, tokens_per_s, noise,
-                                       microbatch_seconds=self.microbatch_seconds, waits=self.step_waits,
-                                       links=self.step_links)
-            record = {"event": "step", "step": step, "loss": loss, "world_size": self.world, "lr": lr,
-                      "tokens_per_second": tokens_per_s, "step_seconds": elapsed, "comm_seconds": comm_s,
-                      "gradient_noise_scale": noise, **extra}
-            if self.microbatch_counts is not None:
-                record["microbatches"] = list(self.microbatch_counts)
-            if self.microbatch_seconds is not None:
-                record["microbatch_seconds"] = self.microbatch_seconds
-            if self.cfg.validation_interval and step % self.cfg.validation_interval == 0:
-                record["validation_loss"] = self.validate()
-            if stats_by_name["plan_changed"] > 0:
-                self.apply_control_file(step)
-            self.log(record)
-            if stats_by_name["stop"] > 0:
-                self.save(step, "sigterm" if self.stop_requested else "peer-stop")
-                return 0 if self.stop_requested else RESTART_EXIT
-            if step == self.total_steps or (interval_steps and step % interval_steps == 0) \
-                    or stats_by_name["checkpoint_due"] > 0:
-                self.save(step, "final" if step == self.total_steps else "periodic")
+            if self.gang is None:
+                step, code = self.advance(step)
+            else:
+                try:
+                    step, code = self.advance(step)
+                except RuntimeError as error:  # gloo reports a lost peer as a plain RuntimeError
+                    failures = (self.state_step, failures[1] + 1 if failures[0] == self.state_step else 1)
+                    if failures[1] > _MAX_RETRIES_PER_STEP:
+                        raise
+                    step, code = self.recover(error), None
+            if code is not None:
+                return code
         self.log({"event": "done", "step": step})
         return 0
+
+    def advance(self, step: int) -> tuple[int, int | None]:
+        """One step, its log line and whatever the gang agreed on at its boundary (stop,
+        checkpoint, new plan, regroup). Returns (next step, exit code or None to go on)."""
+        started = time.perf_counter()
+        self.injector.step = step
+        self.injector.refresh()
+        self.telemetry.take_comm_seconds()
+        self.injector.before_compute()
+        lr = batching.learning_rate(step, self.total_steps, self.plan.learning_rate,
+                                    self.spec.optimization.warmup_steps, self.spec.optimization.schedule)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        interval_s = self.cfg.checkpoint_interval_s()
+        due = interval_s is not None and time.monotonic() - self.last_checkpoint_time >= interval_s
+        joiners = float(self.gang.waiting()) if self.gang is not None and self.rank == 0 else 0.0
+        flags = [float(self.stop_requested), float(due and self.rank == 0), self.poll_control_file(),
+                 joiners]
+        loss, noise, extra, flags = self.train_step(step, flags)
+        stats_by_name = dict(zip(_STATS[3:], flags, strict=True))
+        step += 1
+        self.state_step = step
+        elapsed = time.perf_counter() - started
+        tokens_per_s = self.plan.global_batch * self.spec.model.context / elapsed
+        comm_s = self.telemetry.take_comm_seconds()
+        self.telemetry.record_step(step, elapsed, comm_s, loss, tokens_per_s, noise,
+                                   microbatch_seconds=self.microbatch_seconds, waits=self.step_waits,
+                                   links=self.step_links)
+        record = {"event": "step", "step": step, "loss": loss, "world_size": self.world, "lr": lr,
+                  "tokens_per_second": tokens_per_s, "step_seconds": elapsed, "comm_seconds": comm_s,
+                  "gradient_noise_scale": noise, **extra}
+        if self.microbatch_counts is not None:
+            record["microbatches"] = list(self.microbatch_counts)
+        if self.microbatch_seconds is not None:
+            record["microbatch_seconds"] = self.microbatch_seconds
+        if self.cfg.validation_interval and step % self.cfg.validation_interval == 0:
+            record["validation_loss"] = self.validate()
+        if stats_by_name["plan_changed"] > 0:
+            self.apply_control_file(step)
+        self.log(record)
+        leaving = int(stats_by_name["stop"])
+        if leaving and (self.gang is None or leaving >= self.world):
+            # torchrun's way, and everyone's last step in place: the state goes to a checkpoint.
+            self.save(step, "sigterm" if self.stop_requested else "peer-stop")
+            return step, 0 if self.stop_requested else RESTART_EXIT
+        if leaving and self.stop_requested:
+            return step, 0  # in place: the ranks that stay hold the state; nothing to save
+        if self.gang is not None and step < self.total_steps and (leaving or stats_by_name["joiners"] > 0):
+            # Before any checkpoint of this boundary: the leavers are gone and a save is collective.
+            step = self.regroup(step, "leave" if leaving else "join")
+        interval_steps = self.spec.checkpoint.interval_steps
+        if step == self.total_steps or (interval_steps and step % interval_steps == 0) \
+                or stats_by_name["checkpoint_due"] > 0:
+            self.save(step, "final" if step == self.total_steps else "periodic")
+        return step, None
+
+    def recover(self, error: RuntimeError) -> int:
+        """A collective failed: a peer died or hung. Form the next round with the ranks still
+        alive; the newest state any of them holds goes on (often no step is lost at all)."""
+        print(f"huorn: collective failed at step {self.state_step} ({error}); regrouping", file=sys.stderr,
+              flush=True)
+        for _ in range(_MAX_RETRIES_PER_STEP):
+            try:
+                return self.regroup(self.state_step, f"peer-lost: {type(error).__name__}")
+            except RuntimeError as again:  # a member of the new round died before it formed
+                error = again
+        raise error
 
     def train_step(self, step: int, flags: list[float]) -> tuple[float, float | None, dict, list[float]]:
         """One optimizer step; `flags` (stop, checkpoint due, control file changed) are summed over
@@ -324,15 +465,41 @@ class Trainer:
             dist.destroy_process_group()
 
 
+def _flatten_optimizer_state(optim_state: dict) -> list[tuple[str, torch.Tensor]]:
+    """The optimizer's per-parameter tensors in one order every rank agrees on (by parameter
+    name, then by state key), so a broadcast can send them one by one without their names."""
+    return [(f"{name}.{key}", value)
+            for name in sorted(optim_state["state"])
+            for key, value in sorted(optim_state["state"][name].items())
+            if isinstance(value, torch.Tensor)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m huorn.runtime.train",
                                      description="Huorn's elastic trainer.")
     parser.add_argument("--config", type=Path, required=True,
                         help="run config (JSON or YAML), see docs/runtime.md")
+    rendezvous = parser.add_argument_group(
+        "in-place resizing", "take part in the c10d rendezvous directly instead of under torchrun, "
+        "so that a resize keeps this process (huorn.runtime.membership)")
+    rendezvous.add_argument("--in-place", action="store_true", help="resize in place")
+    rendezvous.add_argument("--nnodes", default="1:1", help="MIN:MAX replicas, as torchrun's")
+    rendezvous.add_argument("--rdzv-endpoint", help="HOST:PORT of the stand-alone rendezvous store")
+    rendezvous.add_argument("--rdzv-id", default="huorn", help="the gang's rendezvous id")
+    rendezvous.add_argument("--local-addr", default=None, help="this replica's address")
+    rendezvous.add_argument("--rdzv-conf", default="",
+                            help="KEY=VALUE,... overriding launcher.ElasticSettings' timeouts")
     args = parser.parse_args(argv)
     try:
         cfg = run_config.load_run_config(args.config)
         run_config.build_model_config(cfg.spec.model)
+        settings = launcher.parse_in_place_arguments(
+            args.nnodes, args.rdzv_endpoint, args.rdzv_id, args.local_addr, args.rdzv_conf) \
+            if args.in_place else None
+        if settings is not None and cfg.spec.parallelism.pipeline_stages > 1:
+            raise ValueError("spec.parallelism.pipelineStages > 1 cannot resize in place (a stage "
+                             "holds only its own layers); launch it under torchrun")
+        gang = membership.Membership(settings) if settings is not None else None
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -345,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             pp_topology.prefer_eager_module_loading()
             trainer: Trainer = pipeline_job.PipelineTrainer(cfg)
         else:
-            trainer = Trainer(cfg)
+            trainer = Trainer(cfg, gang)
     except ValueError as error:  # a gang that does not fit the job, e.g. world size vs. stages
         print(f"error: {error}", file=sys.stderr)
         if dist.is_initialized():
@@ -359,3 +526,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

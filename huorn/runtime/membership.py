@@ -1,0 +1,90 @@
+"""In-place resizing: the worker process stays alive when the gang changes.
+
+torchrun restarts every worker of a gang whenever its membership changes: a replica that joins
+makes all the others stop, start a new Python process, import torch, build the model and load the
+last checkpoint, which is what a resize costs (docs/benchmarks.md, "Elastic recovery"). In
+in-place mode a replica is one trainer process that takes part in torch.distributed.elastic's c10d
+rendezvous itself, through the same `DynamicRendezvousHandler` torchrun's agent uses, against the
+same stand-alone store (`huorn.runtime.store`):
+
+- a newcomer does its slow start-up (imports, model, optimizer) *before* it enters the
+  rendezvous's wait list, while the gang keeps training;
+- the gang sees the waiting node at a step boundary (`waiting()`), agrees on it through the step's
+  statistics all-reduce, and every member calls `next_round()` from inside its loop;
+- each round gets a fresh process group on the rendezvous store under its own key prefix, so no
+  rank hosts a store that the others depend on;
+- the members' state then reaches the newcomers by broadcast from one member
+  (`Trainer.share_state`), not from a checkpoint.
+
+A graceful leaver just exits: its keep-alive lapses after `keep_alive_interval ×
+keep_alive_max_attempt` and the survivors' next round forms without it. A failed peer is found the
+same way once a collective has raised; the survivors keep the state of the last step they all
+finished.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+
+from huorn.runtime import launcher
+
+
+@dataclass(frozen=True)
+class Round:
+    """One formed gang: this process's rank in it, its size, and the store its process group uses.
+    `number` counts the rounds this process has joined (1 for its first)."""
+
+    number: int
+    rank: int
+    world: int
+    store: dist.Store
+
+
+class Membership:
+    """This process's seat in the elastic gang, across rounds of the c10d rendezvous."""
+
+    def __init__(self, settings: launcher.ElasticSettings) -> None:
+        if settings.nproc_per_node != 1:
+            raise ValueError("in-place resizing runs one trainer process per replica: set "
+                             f"nproc_per_node to 1 (got {settings.nproc_per_node})")
+        conf = {key: value for key, value in (item.split("=", 1) for item in
+                                              launcher.build_rdzv_conf(settings).split(","))}
+        params = RendezvousParameters(
+            backend="c10d", endpoint=settings.rdzv_endpoint, run_id=settings.rdzv_id,
+            min_nodes=settings.min_nodes, max_nodes=settings.max_nodes, local_addr=settings.local_addr,
+            **conf)
+        # Without this the handler makes rank 0 of every round host a TCP store for the others:
+        # the single point of failure the stand-alone store exists to avoid (launcher docstring).
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        self.settings = settings
+        self.handler = registry.get_rendezvous_handler(params)
+        self.rounds = 0
+
+    def next_round(self) -> Round:
+        """Leave the current round (if any) and block until the next one forms; a process may
+        call this any number of times. The process group of the round is this process's to make."""
+        info = self.handler.next_rendezvous()
+        self.rounds += 1
+        # NB: the handler already prefixes the store with the rendezvous's round number, the
+        # same on every member and different from every earlier round's.
+        store = dist.PrefixStore("huorn/process-group/", info.store)
+        return Round(self.rounds, info.rank, info.world_size, store)
+
+    def waiting(self) -> int:
+        """Nodes in the wait list for the next round: replicas ready to join."""
+        return self.handler.num_nodes_waiting()
+
+    def close(self) -> None:
+        """Mark the rendezvous closed: the job is over, and no node may join any more."""
+        self.handler.shutdown()
+
+
+def init_round_process_group(backend: str, round_: Round, timeout_s: float) -> None:
+    """The process group of one round, on the rendezvous store under the round's prefix."""
+    dist.init_process_group(backend=backend, store=round_.store, rank=round_.rank,
+                            world_size=round_.world, timeout=timedelta(seconds=timeout_s))

@@ -1,0 +1,139 @@
+"""In-place resizing (huorn.runtime.membership): replicas that join, leave and die while the
+others keep their processes, their state and their step; the run stays exact."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import runtime_harness as harness
+
+from huorn.runtime import launcher, steplog
+
+LOSS_TOLERANCE = 1e-4  # max |Δloss| per step against the uninterrupted single-process run
+
+
+def _settings(port: int, replica: int) -> launcher.ElasticSettings:
+    return launcher.ElasticSettings(min_nodes=1, max_nodes=3, rdzv_endpoint=f"127.0.0.1:{port}",
+                                    rdzv_id="in-place", local_addr=launcher.replica_address(replica))
+
+
+def test_in_place_command_is_the_trainer_itself_with_the_rendezvous_settings() -> None:
+    command = launcher.build_in_place_command("/cfg.json", _settings(29400, 1), python="py")
+    assert command[:5] == ["py", "-m", "huorn.runtime.train", "--config", "/cfg.json"]
+    assert "--in-place" in command and "--nnodes=1:3" in command
+    assert "--rdzv-endpoint=127.0.0.1:29400" in command and "--local-addr=127.0.0.3" in command
+    conf = next(c for c in command if c.startswith("--rdzv-conf=")).removeprefix("--rdzv-conf=")
+    parsed = launcher.parse_in_place_arguments("1:3", "127.0.0.1:29400", "in-place", "127.0.0.3", conf)
+    assert parsed == _settings(29400, 1)  # the flags carry every setting there and back
+    with pytest.raises(ValueError, match="nproc_per_node"):
+        launcher.build_in_place_command("/cfg.json", launcher.ElasticSettings(
+            min_nodes=1, max_nodes=2, rdzv_endpoint="h:1", rdzv_id="x", nproc_per_node=2))
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (("1:3", None, "x", None, ""), "--rdzv-endpoint"),
+    (("one:3", "h:1", "x", None, ""), "--nnodes"),
+    (("1:3", "h:1", "x", None, "last_call_timeout"), "KEY=VALUE"),
+    (("1:3", "h:1", "x", None, "join_timeout=soon"), "join_timeout"),
+])
+def test_bad_in_place_flags_name_the_flag(arguments: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        launcher.parse_in_place_arguments(*arguments)
+
+
+def test_a_pipeline_job_refuses_to_resize_in_place(tmp_path: Path) -> None:
+    spec = harness.build_spec(steps=2)
+    spec["parallelism"] = {"pipelineStages": 2}
+    config = harness.write_config(tmp_path, harness.shared_data_dir(), spec)
+    done = subprocess.run([*launcher.build_in_place_command(config, _settings(1, 0))], cwd=harness.REPO,
+                          env=harness.child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "pipelineStages" in done.stderr
+
+
+def _regroups(run_dir: Path) -> list[dict]:
+    return [e for e in steplog.read_events(run_dir) if e["event"] == "regroup"]
+
+
+@pytest.mark.slow
+def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path) -> None:
+    data = harness.shared_data_dir()
+    steps = 60
+    spec = harness.build_spec(steps=steps, interval_steps=5, min_replicas=1)
+    config = harness.write_config(tmp_path, data, spec, faults=[{"kind": "slow-compute", "ms": 100}])
+    store, port = harness.start_store(tmp_path)
+    run_dir = tmp_path / "run"
+    replicas: dict[int, subprocess.Popen] = {}
+
+    def start(replica: int) -> None:
+        replicas[replica] = launcher.start_agent(config, _settings(port, replica), f"r{replica}",
+                                                 tmp_path / f"r{replica}.log", env=harness.child_env(),
+                                                 in_place=True)
+
+    def log(replica: int) -> str:
+        return (tmp_path / f"r{replica}.log").read_text()[-3000:]
+
+    try:
+        start(0)
+        start(1)
+        harness.wait_for(lambda: steplog.last_step(run_dir) >= 8, 240, "8 steps at world size 2")
+        joined_at = time.time()
+        start(2)
+        harness.wait_for(lambda: steplog.first_step_after(run_dir, joined_at, 3), 240, "the join")
+        at_three = steplog.last_step(run_dir)
+        harness.wait_for(lambda: steplog.last_step(run_dir) >= at_three + 6, 240, "6 steps at 3")
+
+        replicas[1].terminate()  # graceful: it leaves at the next step boundary
+        assert replicas[1].wait(timeout=120) == 0, log(1)
+        harness.wait_for(lambda: len(_regroups(run_dir)) >= 2, 240, "the gang to re-form without r1")
+        at_two = steplog.last_step(run_dir)
+        harness.wait_for(lambda: steplog.last_step(run_dir) >= at_two + 4, 240, "4 steps at 2")
+
+        endpoints = {json.loads(p.read_text())["replica"]: json.loads(p.read_text())
+                     for p in (run_dir / "endpoints").glob("*.json")}
+        victim = next(int(name.removeprefix("r")) for name, e in endpoints.items()
+                      if e["rank"] == 0 and name != "r1")
+        killed_step = steplog.last_step(run_dir)
+        assert launcher.kill_process_tree(replicas[victim].pid)
+        survivor = ({0, 2} - {victim}).pop()
+        assert replicas[survivor].wait(timeout=300) == 0, log(survivor)
+    finally:
+        for process in replicas.values():
+            launcher.kill_process_tree(process.pid)
+        launcher.kill_process_tree(store.pid)
+
+    events = steplog.read_events(run_dir)
+    # No worker process was ever restarted: one gang start, then three in-place regroups, and the
+    # survivor's telemetry endpoint still names the process that was started first.
+    assert [e["event"] for e in events].count("start") == 1
+    regroups = _regroups(run_dir)
+    assert [(r["reason"].split(":")[0], r["from_world_size"], r["world_size"]) for r in regroups] == [
+        ("join", 2, 3), ("leave", 3, 2), ("peer-lost", 2, 1)]
+    survivor_endpoint = json.loads((run_dir / "endpoints" / f"r{survivor}-0.json").read_text())
+    assert survivor_endpoint["pid"] == replicas[survivor].pid and survivor_endpoint["world_size"] == 1
+    # Join and leave lose nothing; the kill loses at most the step in flight, never back to a
+    # checkpoint.
+    attempts = steplog.split_attempts(events)
+    for before, after in zip(attempts, attempts[1:], strict=False):
+        last = before["steps"][-1]["step"]
+        assert after["start"]["resumed_from"] == last or (
+            after["start"]["reason"].startswith("peer-lost") and last - 1 <= after["start"]["resumed_from"])
+    assert regroups[-1]["resumed_from"] >= killed_step
+    history = steplog.effective_steps(events)
+    assert sorted(history) == list(range(1, steps + 1))
+
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    reference_config = harness.write_config(reference_dir, data, spec)
+    assert harness.start_trainer(reference_config, reference_dir / "train.log").wait(timeout=300) == 0
+    reference = steplog.effective_steps(steplog.read_events(reference_dir / "run"))
+    gaps = {s: abs(history[s]["loss"] - reference[s]["loss"]) for s in range(1, steps + 1)}
+    worst = max(gaps.values())
+    assert worst < LOSS_TOLERANCE, (f"first step off the uninterrupted run: "
+                                     f"{min(s for s, gap in gaps.items() if gap >= LOSS_TOLERANCE)}; "
+                                     f"regroups: {regroups}")
+    print("\nregroup pauses: " + ", ".join(f"{r['reason']} {r['seconds']:.1f} s" for r in regroups)
+          + f"; max |Δloss| vs uninterrupted: {worst:.2e}")
