@@ -131,7 +131,8 @@ def test_status_graph_is_free_form_and_spec_is_not() -> None:
 def test_defaults_from_factories_reach_the_crd() -> None:
     """A nested object the user leaves out is defaulted by the server as by pydantic."""
     spec = openapi_schema("TrainingJob")["properties"]["spec"]["properties"]
-    assert spec["elasticity"]["default"] == {"minReplicas": 1, "maxReplicas": 1, "policy": "goodput"}
+    assert spec["elasticity"]["default"] == {"minReplicas": 1, "maxReplicas": 1, "policy": "goodput",
+                                             "resize": "auto"}
     assert spec["optimization"]["default"]["steps"] == 100
     assert openapi_schema("InferenceJob")["properties"]["spec"]["properties"]["slo"]["default"] == {
         "p99LatencyMs": 1000.0

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from huorn import graph
 from huorn.api import manifests
@@ -85,6 +86,44 @@ def test_an_agent_exiting_nonzero_fails_and_all_zero_exits_finish(tmp_path: Path
     backend.processes = {"quickstart-trainer-0-g1": good}
     wait_exit(good)
     assert backend.observe().finished
+
+
+def test_an_in_place_replica_is_judged_by_its_own_exit(tmp_path: Path) -> None:
+    """No agent logs an in-place worker's death: its own exit code says it. A signal death is a
+    failure, a SIGTERM this backend sent (a leave) is not, and all-zero exits finish the run."""
+    backend = local_backend.LocalBackend(build_graph(), tmp_path)
+    killed = start_python(tmp_path, "trainer-0", "trainer", "import os, signal; os.kill(os.getpid(), 9)")
+    leaving = start_python(tmp_path, "trainer-1", "trainer", "import time; time.sleep(60)")
+    for proc in (killed, leaving):
+        proc.in_place = True
+    backend.processes = {"quickstart-trainer-0": killed, "quickstart-trainer-1": leaving}
+    try:
+        processes.send_terminate(leaving)
+        wait_exit(killed)
+        wait_exit(leaving)
+        seen = backend.observe()
+        state = seen.instances["trainer-0"]
+        assert state.failed and state.reason == f"worker pid {killed.pid} of trainer-0 was killed by SIGKILL"
+        assert not seen.instances["trainer-1"].failed and not seen.finished
+        done = start_python(tmp_path, "trainer-0-g1", "trainer", "pass")
+        done.in_place = True
+        backend.processes = {"quickstart-trainer-0-g1": done, "quickstart-trainer-1": leaving}
+        wait_exit(done)
+        assert backend.observe().finished  # the leaver is not waited for
+    finally:
+        backend.stop(graceful=False)
+
+
+def test_a_refused_config_stops_the_run_instead_of_replacing_forever(tmp_path: Path) -> None:
+    """Exit code 2 is the runtime refusing its config: a new replica would be refused the same
+    way (at once, in place), so the backend gives up rather than replace it in a loop."""
+    backend = local_backend.LocalBackend(build_graph(), tmp_path)
+    refused = start_python(tmp_path, "trainer-0", "trainer", "raise SystemExit(2)")
+    refused.in_place = True
+    backend.processes = {"quickstart-trainer-0": refused}
+    wait_exit(refused)
+    with pytest.raises(local_backend.LocalBackendError, match="refused its config"):
+        backend.observe()
 
 
 def test_store_runs_as_its_own_process_and_stop_removes_it(tmp_path: Path) -> None:

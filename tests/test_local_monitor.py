@@ -7,6 +7,9 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
+import yaml
+
 from huorn import graph
 from huorn.backends import monitor
 from huorn.backends.local import commands, report
@@ -16,10 +19,14 @@ from huorn.runtime import config as run_config
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 
 
-def build_graph() -> model.Graph:
+def build_graph(resize: str | None = None) -> model.Graph:
+    """The quickstart's graph; `resize` sets spec.elasticity.resize (default: the manifest's)."""
     from huorn.api import manifests
 
-    return graph.compile(manifests.load_manifest(QUICKSTART))
+    manifest = yaml.safe_load(QUICKSTART.read_text())
+    if resize is not None:
+        manifest["spec"]["elasticity"]["resize"] = resize
+    return graph.compile(manifests.load_manifest(manifest))
 
 
 def observe(*steps: int, world: int = 1, **extra: object) -> monitor.Observation:
@@ -78,8 +85,9 @@ def test_run_config_is_accepted_by_the_runtime(tmp_path: Path) -> None:
     assert cfg.spec.elasticity.max_replicas == 2
 
 
-def test_agent_command_follows_the_measured_recipe(tmp_path: Path) -> None:
-    trainer = build_graph().vertex("trainer")
+@pytest.mark.parametrize("resize", ["restart", "inPlace"])
+def test_agent_command_follows_the_measured_recipe(tmp_path: Path, resize: str) -> None:
+    trainer = build_graph(resize).vertex("trainer")
     argv = commands.build_agent_command(
         tmp_path / "c.json",
         trainer,
@@ -92,7 +100,11 @@ def test_agent_command_follows_the_measured_recipe(tmp_path: Path) -> None:
     assert "--local-addr=127.0.0.3" in argv
     conf = next(a for a in argv if a.startswith("--rdzv-conf="))
     assert "is_host=false" in conf and "keep_alive_interval=1" in conf
-    assert argv[-3:] == ["huorn.runtime.train", "--config", str(tmp_path / "c.json")]
+    if resize == "restart":  # a torchrun agent with the trainer as its workers
+        assert argv[1:3] == ["-m", "torch.distributed.run"]
+        assert argv[-3:] == ["huorn.runtime.train", "--config", str(tmp_path / "c.json")]
+    else:  # the trainer itself, in the same rendezvous
+        assert argv[1:6] == ["-m", "huorn.runtime.train", "--config", str(tmp_path / "c.json"), "--in-place"]
     env = commands.build_agent_env("trainer-1")
     assert env["HUORN_REPLICA"] == "trainer-1" and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert commands.replica_address(0) != commands.replica_address(1)
@@ -142,6 +154,18 @@ def test_report_is_written_from_run_files(tmp_path: Path) -> None:
     for picture in ("loss.png", "throughput.png", "graph.png"):
         assert (tmp_path / picture).read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "graph.json").read_text())["summary"]["mutations"] == 1
+
+
+def test_recovery_counts_an_in_place_regroup_as_the_gang_stepping_again() -> None:
+    """An in-place resize logs `regroup`, not a new `start`: its recovery ends at the first step
+    after the regroup, not at some later restart."""
+    g = build_graph()
+    g.clock = iter([100.0]).__next__
+    m = mutate.resize(g, "trainer", 2, reason="grow")
+    assert m is not None
+    records = [{"event": "step", "step": 10, "time": 101.0}, {"event": "regroup", "time": 104.0},
+               {"event": "step", "step": 11, "time": 104.5}]
+    assert report.recovery_seconds(records, [m]) == {m.version: 4.5}
 
 
 GROWING_RECORDS = [

@@ -1,6 +1,8 @@
-"""`huorn run` end to end on this machine: real torchrun agents, a real store process, the real
-trainer. One scenario covers the resize (1 → 2 during the run) and a kill -9 of a worker; a
-second covers Ctrl-C; the bad-manifest cases check that nothing starts."""
+"""`huorn run` end to end on this machine: a real store process and the real trainer, its
+replicas either trainers that resize in place or torchrun agents (spec.elasticity.resize; the
+quickstart's `auto` picks in place). One scenario covers the resize (1 → 2 during the run), a
+kill -9 of a worker and of the store; a second covers a shrink and Ctrl-C; both run in both
+modes. The bad-manifest cases check that nothing starts."""
 
 from __future__ import annotations
 
@@ -29,11 +31,20 @@ def read_steps(run_dir: Path) -> list[dict]:
     return [r for r in report.read_records(run_dir) if r.get("event") == "step"]
 
 
-def start_run(run_dir: Path, *args: str) -> subprocess.Popen:
+def quickstart_with(directory: Path, resize: str) -> Path:
+    """The quickstart manifest with spec.elasticity.resize set, written into `directory`."""
+    manifest = yaml.safe_load(QUICKSTART.read_text())
+    manifest["spec"]["elasticity"]["resize"] = resize
+    path = directory / f"quickstart-{resize}.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
+def start_run(run_dir: Path, manifest: Path, *args: str) -> subprocess.Popen:
     argv = [
         *HUORN,
         "run",
-        str(QUICKSTART),
+        str(manifest),
         "--run-dir",
         str(run_dir),
         "--no-watch",
@@ -75,13 +86,26 @@ def stop_leftovers(proc: subprocess.Popen, run_dir: Path) -> None:
         process.kill()
 
 
+def gang_starts(run_dir: Path) -> list[dict]:
+    """The step log's `start` events: one per (re)started worker gang."""
+    return [r for r in report.read_records(run_dir) if r.get("event") == "start"]
+
+
+def regroups(run_dir: Path) -> list[tuple[str, int, int]]:
+    """In-place regroups as (why, world size before, world size after)."""
+    return [(r["reason"].split(":")[0], r["from_world_size"], r["world_size"])
+            for r in report.read_records(run_dir) if r.get("event") == "regroup"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("resize", ["inPlace", "restart"])
+def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_path: Path, resize: str) -> None:
     """Resize 1 → 2 at step 3, SIGKILL the worker of trainer-1, then SIGKILL the rendezvous store."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    proc = start_run(run_dir, "--steps", "34", "--scale-at", "3:2", "--json")
+    manifest = quickstart_with(tmp_path, resize)
+    proc = start_run(run_dir, manifest, "--steps", "34", "--scale-at", "3:2", "--json")
     try:
 
         def stepping_at_two_after(step: int) -> bool:
@@ -116,10 +140,19 @@ def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_pat
     steps = read_steps(run_dir)
     summary = report.summarise_steps(steps)
     assert summary.last == 34 and summary.missing == [] and summary.world_sizes == [1, 2]
-    # The resize is graceful (an agreed checkpoint at the boundary), so across it the step
-    # sequence continues with the very next step: no gap and no repeat.
+    # The resize is graceful (under torchrun an agreed checkpoint at the boundary; in place the
+    # state goes over to the newcomer), so across it the step sequence continues with the very
+    # next step: no gap and no repeat.
     first_two = next(i for i, r in enumerate(steps) if r["world_size"] == 2)
     assert steps[first_two]["step"] == steps[first_two - 1]["step"] + 1
+    if resize == "inPlace":
+        # The join and the kill kept the first process: the only other gang start is the one
+        # after the store's loss, which no process of the old rendezvous survives.
+        assert len(gang_starts(run_dir)) == 2 and all(s["in_place"] for s in gang_starts(run_dir))
+        assert regroups(run_dir)[0] == ("join", 1, 2)
+        assert "peer-lost" in [why for why, _, _ in regroups(run_dir)]
+    else:
+        assert regroups(run_dir) == [] and len(gang_starts(run_dir)) >= 4
     status = json.loads((run_dir / "graph.json").read_text())
     changes = [(m["action"], m["detail"]) for m in status["log"]]
     assert changes[0] == ("resize", {"from": 1, "to": 2, "added": ["trainer-1"]})
@@ -140,11 +173,14 @@ def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_shrink_then_ctrl_c_checkpoints_and_stops_everything(tmp_path: Path) -> None:
-    """Start at 2 replicas, shrink to 1 at step 6 (SIGTERM → agreed checkpoint), then Ctrl-C."""
+@pytest.mark.parametrize("resize", ["inPlace", "restart"])
+def test_shrink_then_ctrl_c_checkpoints_and_stops_everything(tmp_path: Path, resize: str) -> None:
+    """Start at 2 replicas, shrink to 1 at step 6 (SIGTERM: under torchrun an agreed checkpoint,
+    in place the leaver just leaves), then Ctrl-C (a checkpoint and a clean stop)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    proc = start_run(run_dir, "--steps", "500", "--replicas", "2", "--scale-at", "6:1")
+    proc = start_run(run_dir, quickstart_with(tmp_path, resize), "--steps", "500", "--replicas", "2",
+                     "--scale-at", "6:1")
     try:
 
         def stepping_alone() -> bool:
@@ -161,9 +197,15 @@ def test_shrink_then_ctrl_c_checkpoints_and_stops_everything(tmp_path: Path) -> 
     summary = report.summarise_steps(steps)
     assert summary.missing == [] and summary.repeated == 0 and summary.world_sizes == [2, 1]
     checkpoints = [r for r in records if r.get("event") == "checkpoint"]
-    # The shrink: both ranks checkpoint together at one step; rank 0 logs it, as the leaver
-    # ("sigterm") or the survivor ("peer-stop"), whichever it was.
-    assert checkpoints[0]["reason"] in ("sigterm", "peer-stop") and checkpoints[0]["step"] >= 6
+    if resize == "restart":
+        # The shrink: both ranks checkpoint together at one step; rank 0 logs it, as the leaver
+        # ("sigterm") or the survivor ("peer-stop"), whichever it was.
+        assert checkpoints[0]["reason"] in ("sigterm", "peer-stop") and checkpoints[0]["step"] >= 6
+    else:
+        # The shrink: the leaver leaves at a step boundary and the survivor keeps its state, so
+        # no checkpoint is needed for it; the survivor's only one is Ctrl-C's (or periodic ones).
+        assert regroups(run_dir) == [("leave", 2, 1)] and len(gang_starts(run_dir)) == 1
+        assert {c["reason"] for c in checkpoints[:-1]} <= {"periodic"}
     assert checkpoints[-1]["reason"] == "sigterm" and checkpoints[-1]["step"] == summary.last
     status = json.loads((run_dir / "graph.json").read_text())
     assert [m["detail"] for m in status["log"]][-1] == {"from": 2, "to": 1, "removed": ["trainer-1"]}

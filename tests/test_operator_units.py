@@ -120,7 +120,9 @@ def test_trainer_pod_pins_the_node_and_mounts_config_and_checkpoints() -> None:
     assert term["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["node-7"]
     limits = pod["spec"]["containers"][0]["resources"]["limits"]
     assert manifests.GPU_RESOURCE not in limits, "a CPU-only replica asks for no GPU"
-    assert "--nproc-per-node=1" in pod["spec"]["containers"][0]["command"]
+    # One process per replica, so `auto` resizes in place: the pod runs the trainer, no agent.
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[:3] == ["python", "-m", "huorn.runtime.train"] and "--in-place" in command
     assert pod["spec"]["restartPolicy"] == "Never"
     assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}} in pod["spec"]["volumes"]
     assert pod["metadata"]["ownerReferences"][0]["uid"] == "u-1"

@@ -16,6 +16,19 @@ class ElasticityPolicy(StrEnum):
     FIXED = "fixed"
 
 
+class ResizeMode(StrEnum):
+    """How a trainer gang changes its membership (docs/runtime.md, "In-place resizing").
+
+    torchrun's agent restarts every worker of the gang on any membership change, which costs a
+    process start, a model build and a checkpoint load on every replica; a trainer that takes
+    part in the rendezvous itself keeps its process and state, but only as one process per
+    replica. `auto` lets the compiler pick (huorn.api.training.resolve_resize)."""
+
+    AUTO = "auto"
+    IN_PLACE = "inPlace"
+    RESTART = "restart"
+
+
 class Resources(ApiModel):
     """What one replica asks for. GPUs are whole devices; shared GPUs are not scheduled by Huorn."""
 
@@ -41,6 +54,16 @@ class Elasticity(ApiModel):
     policy: ElasticityPolicy = Field(
         default=ElasticityPolicy.GOODPUT,
         description="goodput: Huorn picks the replica count and batch size; fixed: keep minReplicas.",
+    )
+    resize: ResizeMode = Field(
+        default=ResizeMode.AUTO,
+        description="How a TrainingJob's trainers live through a membership change. restart: a torchrun "
+        "agent per replica, and every join, leave or failure restarts every worker from the last "
+        "checkpoint. inPlace: each replica is one trainer process that joins the rendezvous itself, so "
+        "joins, graceful leaves and lost gloo peers keep the surviving processes and their in-memory "
+        "state (a lost NCCL peer still restarts from the last checkpoint); it needs one process per "
+        "replica, i.e. parallelism.pipelineStages 1 and resources.gpus at most 1. auto: inPlace when a "
+        "replica is one process, restart otherwise.",
     )
 
 

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from huorn.api import rules
 from huorn.api.base import ApiModel, DnsLabel
-from huorn.api.common import JobCommon, JobStatus
+from huorn.api.common import JobCommon, JobStatus, ResizeMode
 
 
 class TaskKind(StrEnum):
@@ -255,6 +255,23 @@ class Parallelism(ApiModel):
         ),
         fix="make globalBatch a multiple of microBatch × minReplicas, or use policy goodput",
     ),
+    rules.Rule(
+        name="training-in-place-one-process",
+        field="elasticity.resize",
+        cel=(
+            "self.elasticity.resize != 'inPlace' || "
+            "(self.parallelism.pipelineStages == 1 && self.resources.gpus <= 1)"
+        ),
+        holds=lambda s: s.elasticity.resize != ResizeMode.IN_PLACE
+        or is_one_process_per_replica(s.parallelism.pipeline_stages, s.resources.gpus),
+        message=(
+            "can be inPlace only when a replica is one trainer process (parallelism.pipelineStages 1 "
+            "and resources.gpus ≤ 1), since in-place resizing carries one process's state"
+        ),
+        detail=lambda s: f"pipelineStages {s.parallelism.pipeline_stages}, gpus {s.resources.gpus}",
+        fix="use resize: restart (or auto, which picks restart here), or set pipelineStages to 1 and "
+        "gpus to at most 1",
+    ),
 )
 class TrainingJobSpec(JobCommon):
     task: Task = Field(default_factory=Task)
@@ -263,6 +280,24 @@ class TrainingJobSpec(JobCommon):
     # NB: the default carries steps, because an Optimization without steps or tokens is invalid.
     optimization: Optimization = Field(default_factory=lambda: Optimization(steps=100))
     parallelism: Parallelism = Field(default_factory=Parallelism)
+
+
+def is_one_process_per_replica(pipeline_stages: int, gpus: int) -> bool:
+    """Whether a trainer replica runs as a single process: a pipeline runs one process per stage,
+    and a pod runs one per GPU (a CPU-only replica is one process too). In-place resizing
+    (huorn.runtime.membership) carries exactly one process's state across a membership change."""
+    return pipeline_stages == 1 and gpus <= 1
+
+
+def resolve_resize(spec: TrainingJobSpec) -> ResizeMode:
+    """`spec.elasticity.resize` with `auto` decided: inPlace when a replica is one process, since
+    that keeps the survivors' processes and state through joins, leaves and lost gloo peers;
+    restart otherwise, the only mode that can rebuild a multi-process replica."""
+    chosen = spec.elasticity.resize
+    if chosen != ResizeMode.AUTO:
+        return chosen
+    one = is_one_process_per_replica(spec.parallelism.pipeline_stages, spec.resources.gpus)
+    return ResizeMode.IN_PLACE if one else ResizeMode.RESTART
 
 
 class EvaluationSummary(ApiModel):

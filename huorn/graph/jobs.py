@@ -3,7 +3,9 @@
 TrainingJob: an elastic trainer gang plus its own rendezvous-store vertex. torchrun measurements
 (notes/torchrun-elastic.md) show the agent that hosts the c10d store is a single point of
 failure, so the store lives in a one-replica vertex that no shrink, reclaim or remediation ever
-picks. An optional on-demand eval vertex hangs off a checkpoint edge.
+picks. The trainer's `resize` parameter (inPlace or restart, never auto) says whether a replica
+is the trainer process itself, which survives a membership change, or a torchrun agent. An
+optional on-demand eval vertex hangs off a checkpoint edge.
 RLJob: one vertex per ROLL role, joined by rollout, reward and weight edges; colocated roles
 talk through memory, the others through the network.
 InferenceJob: serving replicas behind a router.
@@ -11,7 +13,8 @@ InferenceJob: serving replicas behind a router.
 
 from __future__ import annotations
 
-from huorn.api import kinds, rl
+from huorn.api import kinds, rl, training
+from huorn.api.common import ResizeMode
 from huorn.graph import compiler
 from huorn.graph.model import (
     Edge,
@@ -63,6 +66,9 @@ def compile_training(job: kinds.TrainingJob) -> Graph:
             "pipelineStages": spec.parallelism.pipeline_stages,
             "pipelineSchedule": spec.parallelism.schedule.value,
             "k": spec.parallelism.k,
+            # inPlace or restart, `auto` decided here once: how a backend launches each replica
+            # (the trainer itself, or a torchrun agent) follows from it.
+            "resize": training.resolve_resize(spec).value,
             "checkpoint": spec.checkpoint.to_wire(),
             "spec": spec.to_wire(),
         },
@@ -188,6 +194,14 @@ def compile_inference(job: kinds.InferenceJob) -> Graph:
         Edge("router", "server", "requests", Pattern.ALL_TO_ALL, Scheduling.CONCURRENT, Transport.NETWORK)
     )
     return graph
+
+
+def resizes_in_place(trainer: Vertex) -> bool:
+    """Whether each replica of this trainer vertex is the trainer process itself, taking part in
+    the rendezvous directly (huorn.runtime.membership), rather than a torchrun agent. A graph
+    compiled before the `resize` parameter existed runs its replicas as it started them: under
+    torchrun."""
+    return trainer.params.get("resize") == ResizeMode.IN_PLACE.value
 
 
 def build_training_spec(trainer: Vertex) -> dict:

@@ -9,7 +9,8 @@ own pod behind a headless Service (the graph's `rendezvous` vertex): measured on
 agent that hosts the c10d store is a single point of failure, so no trainer hosts it.
 
 The commands come from the runtime's launcher (huorn/runtime/launcher.py, docs/runtime.md), the
-one runtime module the control plane may import, so a pod and a local replica run the same line.
+one runtime module the control plane may import, so a pod and a local replica run the same line:
+a torchrun agent, or the trainer itself when the job resizes in place (spec.elasticity.resize).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from huorn.graph import jobs
 from huorn.graph.model import Graph, Instance
 from huorn.runtime import launcher
 
@@ -201,17 +203,35 @@ def build_store_service(job: JobRef) -> dict[str, Any]:
     }
 
 
-def build_torchrun_args(job: JobRef, graph: Graph, nproc_per_node: int) -> list[str]:
-    """The runtime launcher's own command line (the one a local replica runs), for a pod."""
+def _elastic_settings(job: JobRef, graph: Graph, nproc_per_node: int) -> launcher.ElasticSettings:
+    """The gang's rendezvous settings as a pod sees them: the store behind its Service, and the
+    job's uid as the rendezvous id (a re-created job of the same name never meets the old one).
+    No local address: the rendezvous names a pod by its own hostname, unique per pod."""
     trainer = graph.vertex("trainer")
-    settings = launcher.ElasticSettings(
+    return launcher.ElasticSettings(
         min_nodes=trainer.min_replicas,
         max_nodes=trainer.max_replicas,
         rdzv_endpoint=rendezvous_endpoint(job),
         rdzv_id=job.uid or job.name,
         nproc_per_node=nproc_per_node,
     )
-    return launcher.build_torchrun_command(f"{CONFIG_DIR}/{CONFIG_FILE}", settings, python="python")
+
+
+def build_torchrun_args(job: JobRef, graph: Graph, nproc_per_node: int) -> list[str]:
+    """The runtime launcher's own torchrun line (the one a local replica runs), for a pod."""
+    return launcher.build_torchrun_command(f"{CONFIG_DIR}/{CONFIG_FILE}",
+                                           _elastic_settings(job, graph, nproc_per_node), python="python")
+
+
+def build_trainer_command(job: JobRef, graph: Graph, nproc_per_node: int) -> list[str]:
+    """A trainer pod's command: the trainer itself in the rendezvous when the trainer vertex
+    resizes in place (a membership change then keeps the pod's process and state; the pod is
+    one process, so `nproc_per_node` is 1), otherwise a torchrun agent of `nproc_per_node`
+    workers."""
+    if jobs.resizes_in_place(graph.vertex("trainer")):
+        return launcher.build_in_place_command(f"{CONFIG_DIR}/{CONFIG_FILE}",
+                                               _elastic_settings(job, graph, nproc_per_node), python="python")
+    return build_torchrun_args(job, graph, nproc_per_node)
 
 
 def _security_context() -> dict[str, Any]:
@@ -288,7 +308,7 @@ def build_trainer_pod(
                 {
                     "name": "trainer",
                     "image": spec.get("image", "ghcr.io/huorn-io/huorn:0.1.0"),
-                    "command": build_torchrun_args(job, graph, max(1, gpus)),
+                    "command": build_trainer_command(job, graph, max(1, gpus)),
                     "env": env,
                     "ports": [{"name": "telemetry", "containerPort": TELEMETRY_PORT}],
                     "resources": {"limits": limits, "requests": dict(limits)},

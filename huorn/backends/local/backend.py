@@ -1,10 +1,19 @@
 """The local backend: a graph's desired resources as process trees and directories here.
 
 volume → a directory under the run dir; endpoint → the loopback address the store listens on;
-instance → a process tree (the store, or one torchrun agent per trainer replica). `apply` diffs
-the running trees against `desired.build_desired(graph)`, so a resize, a replacement or a
-restart of `huorn run` are all the same reconcile. `observe` reads what the runtime publishes:
-the JSON-lines step log, the telemetry endpoint files and the torchrun agents' own logs.
+instance → a process tree (the store, or per trainer replica a torchrun agent or, when the
+trainer resizes in place, the trainer process itself). `apply` diffs the running trees against
+`desired.build_desired(graph)`, so a resize, a replacement or a restart of `huorn run` are all the
+same reconcile. `observe` reads what the runtime publishes: the JSON-lines step log, the telemetry
+endpoint files and the torchrun agents' own logs.
+
+How a replica's exit reads: a torchrun agent restarts its workers itself (the runtime's exit
+code 3 asks for that), so a worker's death shows only in the agent's log, and the agent exits
+only when training is done (0) or it gave up (non-zero). An in-place replica has no agent: it
+exits 0 when training is done or when it was asked to leave (SIGTERM, which this backend sends
+only to instances it stops), and non-zero only when it could not go on, e.g. a lost peer it
+could not regroup without. Either way, exit code 2 means the runtime refused its config, which
+a new process would refuse again.
 """
 
 from __future__ import annotations
@@ -20,12 +29,19 @@ from typing import Any
 
 from huorn.backends import monitor
 from huorn.backends.local import commands, processes
-from huorn.graph import desired, model
+from huorn.graph import desired, jobs, model
 
 # torchrun's agent logs each failed worker as "failed (exitcode: -9) local_rank: 0 (pid: 123)".
 # A negative exit code is a signal; SIGTERM (-15) is how agents and Huorn stop workers on purpose.
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 _SIGNALS = {-9: "SIGKILL", -6: "SIGABRT", -11: "SIGSEGV", -7: "SIGBUS", -4: "SIGILL", -8: "SIGFPE"}
+# huorn.runtime.train's exit code for a config it refuses (the operator fails the job on it too).
+CONFIG_REFUSED_EXIT = 2
+
+
+def _killed(pid: int, instance: str, code: int) -> str:
+    """The failure reason of a worker that a signal killed, the same words in both resize modes."""
+    return f"worker pid {pid} of {instance} was killed by {_SIGNALS.get(code, code)}"
 
 
 class LocalBackendError(RuntimeError):
@@ -162,12 +178,17 @@ class LocalBackend:
             else:
                 processes.send_terminate(proc)
                 draining.append((resource.name, proc))
+        # In place, a leaver only leaves while others stay (they keep the state in memory); when
+        # none stays, the whole gang takes one agreed checkpoint, as torchrun's workers always do.
+        staying = any(p.role == "trainer" and not p.stopping and p.exit_code() is None
+                      for p in self.processes.values())
         deadline = time.monotonic() + self.settings.stop_grace_s
         for name, proc in draining:
             code = processes.wait_exit(proc, max(0.0, deadline - time.monotonic()))
             processes.kill_tree(proc)
             self.exit_codes[proc.name] = code
-            done.append(f"stopped {name} with SIGTERM (checkpoint, exit code {code})")
+            how = "left the gang in place" if proc.in_place and staying else "checkpoint"
+            done.append(f"stopped {name} with SIGTERM ({how}, exit code {code})")
         return done
 
     def _start_store(self, resource: desired.DesiredResource) -> str:
@@ -204,6 +225,7 @@ class LocalBackend:
         )
         config_path = commands.write_json_atomically(self.run_dir / commands.CONFIG_FILE, config)
         address = commands.replica_address(resource.ordinal or 0)
+        in_place = jobs.resizes_in_place(trainer)
         argv = commands.build_agent_command(
             config_path,
             trainer,
@@ -223,8 +245,10 @@ class LocalBackend:
             self.run_dir / "logs" / f"{instance}.log",
             self.run_dir,
         )
+        proc.in_place = in_place
         self.processes[resource.name] = proc
-        return f"started agent {instance} on {address} (pid {proc.pid})"
+        what = "trainer (resizes in place)" if in_place else "agent"
+        return f"started {what} {instance} on {address} (pid {proc.pid})"
 
     def _start_eval(self, graph: model.Graph, resource: desired.DesiredResource) -> str:
         """The eval vertex: one process on the checkpoint its edge handed it (the newest under
@@ -284,11 +308,20 @@ class LocalBackend:
             why = "" if code in (None, 0) else f"{proc.name} exited with code {code} (see {proc.log_path})"
             return monitor.InstanceState(proc.name, proc.vertex, alive=code is None, reason=why,
                                          completed=code is not None, input=self._inputs.get(proc.name))
+        if proc.role == "trainer" and code == CONFIG_REFUSED_EXIT:
+            # A replacement would be refused the same way, and in place it would be at once, in
+            # a loop: stop the run instead, as the operator fails the job.
+            raise LocalBackendError(f"the trainer runtime refused its config (exit code {code} of "
+                                    f"{proc.name}); see {proc.log_path}")
         reason = ""
-        for match in _WORKER_FAILED.finditer(proc.read_new_log()):
-            exit_code, pid = int(match[1]), match[3]
-            if exit_code < 0 and exit_code != -15:
-                reason = f"worker pid {pid} of {proc.name} was killed by {_SIGNALS.get(exit_code, exit_code)}"
+        if proc.in_place:  # the root is the worker: no agent logs its death, its exit code says it
+            if code is not None and code < 0 and code != -15:
+                reason = _killed(proc.pid, proc.name, code)
+        else:
+            for match in _WORKER_FAILED.finditer(proc.read_new_log()):
+                exit_code, pid = int(match[1]), int(match[3])
+                if exit_code < 0 and exit_code != -15:
+                    reason = _killed(pid, proc.name, exit_code)
         if not reason and code is not None and code != 0:
             reason = f"{proc.role} process of {proc.name} exited with code {code}"
         if not reason and code == 0 and proc.role == "rendezvous":

@@ -1,4 +1,5 @@
-"""Command lines and files of a local run: the store, the torchrun agents, the run config.
+"""Command lines and files of a local run: the store, the replicas (torchrun agents, or trainers
+that resize in place), the run config.
 
 The agents and the store are started with the runtime's own launcher (huorn.runtime.launcher,
 the one module of the runtime that the control plane may import; a contract in pyproject.toml
@@ -50,10 +51,14 @@ def build_agent_command(
     tuning: Mapping[str, Any] | None = None,
     python: str = sys.executable,
 ) -> list[str]:
-    """One replica's torchrun agent. `tuning` overrides launcher.ElasticSettings' knobs.
+    """One replica's command: a torchrun agent, or, when the trainer vertex resizes in place, the
+    trainer itself in the same rendezvous (no agent, so a membership change keeps its process and
+    state). `tuning` overrides launcher.ElasticSettings' knobs; the agent's own (monitor interval,
+    restarts) mean nothing in place.
 
     One replica is one whole pipeline: torchrun numbers a node's workers consecutively, which is
-    the runtime's replica-major layout, and a resize adds or removes whole pipelines."""
+    the runtime's replica-major layout, and a resize adds or removes whole pipelines. In place, a
+    replica is one process (the API's rule and the compiler's `auto` make sure of it)."""
     settings = launcher.ElasticSettings(
         min_nodes=trainer.min_replicas,
         max_nodes=trainer.max_replicas,
@@ -63,6 +68,8 @@ def build_agent_command(
         local_addr=local_addr,
         **dict(tuning or {}),
     )
+    if jobs.resizes_in_place(trainer):
+        return launcher.build_in_place_command(config_path, settings, python)
     return launcher.build_torchrun_command(config_path, settings, python)
 
 

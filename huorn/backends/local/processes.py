@@ -21,7 +21,9 @@ import psutil
 
 @dataclass
 class ManagedProcess:
-    """One process tree the local backend started: a store, or a torchrun agent and its workers."""
+    """One process tree the local backend started: a store, a torchrun agent and its workers, or
+    a trainer that resizes in place (`in_place`: the root is the worker itself, with no agent
+    to restart it or to log its death, and a SIGTERM makes it leave the gang, not checkpoint)."""
 
     name: str
     vertex: str
@@ -32,6 +34,7 @@ class ManagedProcess:
     known_pids: set[int] = field(default_factory=set)
     stopping: bool = False  # we asked it to stop, so its exit is not a failure
     log_offset: int = 0
+    in_place: bool = False
 
     @property
     def pid(self) -> int:
@@ -109,7 +112,9 @@ def kill_tree(proc: ManagedProcess, timeout: float = 10.0) -> list[int]:
 
 
 def send_terminate(proc: ManagedProcess) -> None:
-    """SIGTERM the root only: a torchrun agent forwards it to its workers, which checkpoint."""
+    """SIGTERM the root only: a torchrun agent forwards it to its workers, which checkpoint; an
+    in-place trainer leaves the gang at its next step boundary (or, when the whole gang got
+    it, checkpoints with the others)."""
     proc.stopping = True
     proc.remember_descendants()
     if proc.exit_code() is None:

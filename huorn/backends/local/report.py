@@ -126,15 +126,16 @@ def plot_throughput(steps: list[dict[str, Any]], mutations: list[model.Mutation]
 
 
 def recovery_seconds(records: list[dict[str, Any]], mutations: list[model.Mutation]) -> dict[int, float]:
-    """Per mutation version: seconds from the mutation to the first step of the restarted gang
-    (the first step logged after a worker `start` that follows the mutation)."""
+    """Per mutation version: seconds from the mutation to the first step of the re-formed gang
+    (the first step logged after a worker `start`, or an in-place `regroup`, that follows the
+    mutation)."""
     out = {}
     for m in mutations:
         restarted = False
         for r in records:
             if r.get("time", 0.0) <= m.time:
                 continue
-            restarted = restarted or r.get("event") == "start"
+            restarted = restarted or r.get("event") in ("start", "regroup")
             if restarted and r.get("event") == "step":
                 out[m.version] = r["time"] - m.time
                 break
