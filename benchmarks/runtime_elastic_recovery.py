@@ -39,11 +39,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 from huorn.runtime import config as run_config  # noqa: E402
 from huorn.runtime import launcher, steplog  # noqa: E402
 from huorn.runtime.data import build  # noqa: E402
@@ -77,7 +72,8 @@ def lost_seconds(steps: list[dict], at: float, done: float) -> float:
 
 def run_scenario(name: str, overrides: dict, in_place: bool, data_dir: Path, workdir: Path,
                  args: argparse.Namespace) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     gpu = args.device == "cuda"
     max_replicas = 2 if gpu else 3
     spec = {
@@ -86,7 +82,7 @@ def run_scenario(name: str, overrides: dict, in_place: bool, data_dir: Path, wor
                   "context": args.context},
         "data": {"sources": [{"name": "general"}, {"name": "code"}, {"name": "math"}], "seed": 7},
         "optimization": {"globalBatch": 12, "microBatch": 2, "steps": STEPS, "warmupSteps": 3},
-        "checkpoint": {"intervalSteps": 5},
+        "checkpoint": {"intervalSteps": args.checkpoint_steps},
     }
     config = run_config.write_run_config(run_config.RunConfig.model_validate({
         "jobName": "bench", "spec": spec, "runDir": str(workdir / "run"),
@@ -165,7 +161,10 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--context", type=int, default=32)
     parser.add_argument("--pace-ms", type=int, default=100, help="injected compute per step")
+    parser.add_argument("--checkpoint-steps", type=int, default=5, help="periodic checkpoint interval")
     parser.add_argument("--name", default="runtime_elastic_recovery", help="stem of the output files")
+    parser.add_argument("--only", nargs="*", choices=list(SETTINGS), help="run only these configurations")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep each run's logs here")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     data_dir = Path(tempfile.gettempdir()) / f"huorn-test-data-{os.getuid()}"
@@ -173,9 +172,15 @@ def main() -> int:
         build.ensure_corpus(corpus, data_dir)
     results = []
     for name, (overrides, in_place) in SETTINGS.items():
-        with tempfile.TemporaryDirectory(prefix="huorn-bench-") as workdir:
+        if args.only and name not in args.only:
+            continue
+        with tempfile.TemporaryDirectory(prefix="huorn-bench-") as scratch:
+            workdir = args.workdir / name.replace(" ", "-") if args.workdir else Path(scratch)
+            workdir.mkdir(parents=True, exist_ok=True)
             print(f"running: {name}", file=sys.stderr, flush=True)
-            results.append(run_scenario(name, overrides, in_place, data_dir, Path(workdir), args))
+            results.append(run_scenario(name, overrides, in_place, data_dir, workdir, args))
+        partial = {"device": args.device, "results": results}  # kept if a later configuration hangs
+        (args.out / f"{args.name}.json").write_text(json.dumps(partial, indent=2) + "\n")
     baseline = results[0]
     names = [r["name"] for r in results]
     print("| event | " + " | ".join(f"{n}: to a step (s) / lost (s)" for n in names)
@@ -193,6 +198,14 @@ def main() -> int:
     (args.out / f"{args.name}.json").write_text(json.dumps(
         {"device": args.device, "model": {"layers": args.layers, "width": args.width,
                                           "context": args.context}, "results": results}, indent=2) + "\n")
+    try:
+        import matplotlib
+    except ImportError:  # the GPU machine's image may lack it; the JSON is plotted elsewhere
+        print("matplotlib is not installed: no PNG", file=sys.stderr)
+        return 0 if all(r["complete"] for r in results) else 1
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     figure, axis = plt.subplots(figsize=(8, 4))
     for result in results:
         xs, ys = zip(*result["curve"], strict=True)

@@ -62,7 +62,8 @@ def _regroups(run_dir: Path) -> list[dict]:
 def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path) -> None:
     data = harness.shared_data_dir()
     steps = 60
-    spec = harness.build_spec(steps=steps, interval_steps=5, min_replicas=1)
+    # A checkpoint at every step: every resize lands on a save, which the joiner must take part in.
+    spec = harness.build_spec(steps=steps, interval_steps=1, min_replicas=1)
     config = harness.write_config(tmp_path, data, spec, faults=[{"kind": "slow-compute", "ms": 100}])
     store, port = harness.start_store(tmp_path)
     run_dir = tmp_path / "run"

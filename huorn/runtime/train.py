@@ -87,6 +87,7 @@ class Trainer:
         else:
             self.rank, self.world = self.join_round()
         self.has_state = False  # in-place mode: this process holds the gang's training state
+        self.pending_save: str | None = None  # a checkpoint due at this step boundary, not yet taken
         self.state_module: torch.nn.Module = self.model  # what checkpoints hold
         self.flat_checkpoint = False  # see checkpoint.build_state
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
@@ -162,6 +163,7 @@ class Trainer:
         self.log({"event": "regroup", "reason": reason, "resumed_from": step, "from_world_size": old_world,
                   "world_size": self.world, "global_batch": self.plan.global_batch,
                   "seconds": time.monotonic() - started})
+        self.take_pending_save(step)
         return step
 
     def share_state(self, step: int) -> int:
@@ -184,8 +186,9 @@ class Trainer:
                 dist.broadcast(tensor, src=source)
             loop = comm.broadcast_object(
                 {"noise": dataclasses.asdict(self.noise), "control_stamp": self.control_stamp,
-                 "param_groups": optim_state["param_groups"]} if self.rank == source else None,
-                self.hook_state, src=source)
+                 "param_groups": optim_state["param_groups"], "pending_save": self.pending_save}
+                if self.rank == source else None, self.hook_state, src=source)
+            self.pending_save = loop["pending_save"]  # type: ignore[index]
             optim_state["param_groups"] = loop["param_groups"]  # type: ignore[index]
             dcp_state.set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
                                      optim_state_dict=optim_state)
@@ -306,6 +309,7 @@ class Trainer:
         else:
             step = self.share_state(0)
             self.wrap_data_parallel()
+            self.take_pending_save(step)  # a joiner takes part in the save its gang had due
         self.state_step = step  # optimizer steps applied to this process's state
         # process_started lets a harness split a recovery into "until the new worker exists" and
         # "worker start-up, rendezvous of the process group and checkpoint load".
@@ -377,14 +381,21 @@ class Trainer:
             return step, 0 if self.stop_requested else RESTART_EXIT
         if leaving and self.stop_requested:
             return step, 0  # in place: the ranks that stay hold the state; nothing to save
-        if self.gang is not None and step < self.total_steps and (leaving or stats_by_name["joiners"] > 0):
-            # Before any checkpoint of this boundary: the leavers are gone and a save is collective.
-            step = self.regroup(step, "leave" if leaving else "join")
         interval_steps = self.spec.checkpoint.interval_steps
         if step == self.total_steps or (interval_steps and step % interval_steps == 0) \
                 or stats_by_name["checkpoint_due"] > 0:
-            self.save(step, "final" if step == self.total_steps else "periodic")
+            self.pending_save = "final" if step == self.total_steps else "periodic"
+        if self.gang is not None and step < self.total_steps and (leaving or stats_by_name["joiners"] > 0):
+            # The save waits for the new gang: the leavers are gone, a save is collective, and a
+            # joiner learns of it with the state (share_state), so every rank takes it.
+            return self.regroup(step, "leave" if leaving else "join"), None
+        self.take_pending_save(step)
         return step, None
+
+    def take_pending_save(self, step: int) -> None:
+        if self.pending_save is not None:
+            reason, self.pending_save = self.pending_save, None
+            self.save(step, reason)
 
     def recover(self, error: RuntimeError) -> int:
         """A collective failed: a peer died or hung. Form the next round with the ranks still
