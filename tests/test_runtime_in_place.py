@@ -3,6 +3,7 @@ others keep their processes, their state and their step; the run stays exact."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import runtime_harness as harness
 
-from huorn.runtime import launcher, steplog
+from huorn.runtime import launcher, steplog, train
 
 LOSS_TOLERANCE = 1e-4  # max |Δloss| per step against the uninterrupted single-process run
 
@@ -88,7 +89,7 @@ def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path
         harness.wait_for(lambda: steplog.last_step(run_dir) >= at_three + 6, 240, "6 steps at 3")
 
         replicas[1].terminate()  # graceful: it leaves at the next step boundary
-        assert replicas[1].wait(timeout=120) == 0, log(1)
+        assert replicas[1].wait(timeout=120) == train.LEFT_EXIT, log(1)
         harness.wait_for(lambda: len(_regroups(run_dir)) >= 2, 240, "the gang to re-form without r1")
         at_two = steplog.last_step(run_dir)
         harness.wait_for(lambda: steplog.last_step(run_dir) >= at_two + 4, 240, "4 steps at 2")
@@ -118,7 +119,7 @@ def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path
     # Join and leave lose nothing; the kill loses at most the step in flight, never back to a
     # checkpoint.
     attempts = steplog.split_attempts(events)
-    for before, after in zip(attempts, attempts[1:], strict=False):
+    for before, after in itertools.pairwise(attempts):
         last = before["steps"][-1]["step"]
         assert after["start"]["resumed_from"] == last or (
             after["start"]["reason"].startswith("peer-lost") and last - 1 <= after["start"]["resumed_from"])

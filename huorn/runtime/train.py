@@ -34,6 +34,7 @@ import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict as dcp_state
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from torch.nn.parallel import DistributedDataParallel
 
 from huorn import models
@@ -52,6 +53,9 @@ from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler
 
 RESTART_EXIT = 3
+# An in-place replica that left on SIGTERM, as a shell reports a process SIGTERM ended: not 0, so
+# that a pod evicted by someone else than the operator ends Failed and is replaced.
+LEFT_EXIT = 143
 _STATS = ("loss_sum", "small_sq", "contributors", "stop", "checkpoint_due", "plan_changed", "joiners")
 # A step that fails this many times in a row with the same gang is a bug, not a lost peer.
 _MAX_RETRIES_PER_STEP = 3
@@ -85,9 +89,15 @@ class Trainer:
             self.rank, self.world, self.local_rank = comm.init_process_group(
                 self.backend, cfg.collective_timeout_s)
         else:
+            # NB: before the gang forms, a pod is told to go by SIGTERM too; holding no state yet,
+            # this process just goes (_request_stop). Without a handler, Python as a pod's PID 1
+            # would ignore it until the grace period ends.
+            self.has_state = False
+            signal.signal(signal.SIGTERM, self._request_stop)
             self.rank, self.world = self.join_round()
         self.has_state = False  # in-place mode: this process holds the gang's training state
         self.pending_save: str | None = None  # a checkpoint due at this step boundary, not yet taken
+        self.store_unreachable = False
         self.state_module: torch.nn.Module = self.model  # what checkpoints hold
         self.flat_checkpoint = False  # see checkpoint.build_state
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
@@ -333,6 +343,10 @@ class Trainer:
             if code is not None:
                 return code
         self.log({"event": "done", "step": step})
+        if self.gang is not None and self.rank == 0:
+            # A replica still waiting to join would otherwise wait out join_timeout and fail.
+            with contextlib.suppress(Exception):
+                self.gang.close()
         return 0
 
     def advance(self, step: int) -> tuple[int, int | None]:
@@ -349,7 +363,7 @@ class Trainer:
             group["lr"] = lr
         interval_s = self.cfg.checkpoint_interval_s()
         due = interval_s is not None and time.monotonic() - self.last_checkpoint_time >= interval_s
-        joiners = float(self.gang.waiting()) if self.gang is not None and self.rank == 0 else 0.0
+        joiners = float(self.count_joiners()) if self.gang is not None and self.rank == 0 else 0.0
         flags = [float(self.stop_requested), float(due and self.rank == 0), self.poll_control_file(),
                  joiners]
         loss, noise, extra, flags = self.train_step(step, flags)
@@ -375,22 +389,40 @@ class Trainer:
             self.apply_control_file(step)
         self.log(record)
         leaving = int(stats_by_name["stop"])
-        if leaving and (self.gang is None or leaving >= self.world):
-            # torchrun's way, and everyone's last step in place: the state goes to a checkpoint.
+        if leaving:
+            # Everyone checkpoints while the leavers are still here. In place the ranks that stay
+            # hold the state anyway, but their own SIGTERMs may be a step behind (a whole job
+            # being stopped), and fewer than minReplicas of them can form no gang to save it.
             self.save(step, "sigterm" if self.stop_requested else "peer-stop")
-            return step, 0 if self.stop_requested else RESTART_EXIT
-        if leaving and self.stop_requested:
-            return step, 0  # in place: the ranks that stay hold the state; nothing to save
+            if self.stop_requested:
+                return step, 0 if self.gang is None else LEFT_EXIT
+            if self.gang is None:
+                return step, RESTART_EXIT
+            if step < self.total_steps:
+                return self.regroup(step, "leave"), None
         interval_steps = self.spec.checkpoint.interval_steps
         if step == self.total_steps or (interval_steps and step % interval_steps == 0) \
                 or stats_by_name["checkpoint_due"] > 0:
             self.pending_save = "final" if step == self.total_steps else "periodic"
-        if self.gang is not None and step < self.total_steps and (leaving or stats_by_name["joiners"] > 0):
-            # The save waits for the new gang: the leavers are gone, a save is collective, and a
-            # joiner learns of it with the state (share_state), so every rank takes it.
-            return self.regroup(step, "leave" if leaving else "join"), None
+        if self.gang is not None and step < self.total_steps and stats_by_name["joiners"] > 0:
+            # The save waits for the new gang: a joiner learns of it with the state
+            # (share_state), so every rank of the new gang takes it together.
+            return self.regroup(step, "join"), None
         self.take_pending_save(step)
         return step, None
+
+    def count_joiners(self) -> int:
+        """Replicas waiting to join. A store that does not answer means none: the gang trains on,
+        and a lost store shows where it matters, at the next regroup or the operator's look."""
+        assert self.gang is not None
+        try:
+            return self.gang.waiting()
+        except Exception as error:  # RendezvousError, DistStoreError, timeouts
+            if not self.store_unreachable:
+                print(f"huorn: the rendezvous store does not answer ({error}); no resize until it does",
+                      file=sys.stderr, flush=True)
+            self.store_unreachable = True
+            return 0
 
     def take_pending_save(self, step: int) -> None:
         if self.pending_save is not None:
@@ -469,6 +501,8 @@ class Trainer:
 
     def _request_stop(self, signum: int, frame: object) -> None:
         self.stop_requested = True
+        if self.gang is not None and not self.has_state:
+            raise SystemExit(LEFT_EXIT)  # a joiner with nothing to hand over leaves at once
 
     def close(self) -> None:
         self.telemetry.close()
@@ -524,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
             trainer: Trainer = pipeline_job.PipelineTrainer(cfg)
         else:
             trainer = Trainer(cfg, gang)
+    except RendezvousClosedError:
+        print("huorn: the gang finished training before this replica could join", file=sys.stderr)
+        return 0
     except ValueError as error:  # a gang that does not fit the job, e.g. world size vs. stages
         print(f"error: {error}", file=sys.stderr)
         if dist.is_initialized():

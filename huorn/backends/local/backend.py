@@ -178,8 +178,8 @@ class LocalBackend:
             else:
                 processes.send_terminate(proc)
                 draining.append((resource.name, proc))
-        # In place, a leaver only leaves while others stay (they keep the state in memory); when
-        # none stays, the whole gang takes one agreed checkpoint, as torchrun's workers always do.
+        # Either way the gang takes one agreed checkpoint at the leaver's step boundary; in place
+        # the ranks that stay then go on in their processes instead of restarting.
         staying = any(p.role == "trainer" and not p.stopping and p.exit_code() is None
                       for p in self.processes.values())
         deadline = time.monotonic() + self.settings.stop_grace_s
@@ -187,7 +187,7 @@ class LocalBackend:
             code = processes.wait_exit(proc, max(0.0, deadline - time.monotonic()))
             processes.kill_tree(proc)
             self.exit_codes[proc.name] = code
-            how = "left the gang in place" if proc.in_place and staying else "checkpoint"
+            how = "checkpoint, left the gang in place" if proc.in_place and staying else "checkpoint"
             done.append(f"stopped {name} with SIGTERM ({how}, exit code {code})")
         return done
 
