@@ -101,6 +101,17 @@ def broadcast_object(value: object, state: HookState, src: int = 0) -> object:
     return box[0]
 
 
+def broadcast_tensor(tensor: torch.Tensor, src: int, device: torch.device) -> None:
+    """Broadcast `tensor` in place from `src`, through `device` when it lives elsewhere: NCCL
+    moves only GPU tensors, and an optimizer keeps some state (AdamW's `step`) on the CPU."""
+    if tensor.device == device:
+        dist.broadcast(tensor, src=src)
+        return
+    staged = tensor.to(device)
+    dist.broadcast(staged, src=src)
+    tensor.copy_(staged)
+
+
 def init_process_group(backend: str, timeout_s: float) -> tuple[int, int, int]:
     """Join the gang described by torchrun's environment, or form a world of one without it (an
     in-memory store), so DDP, the hook and DCP take the same path in both cases.

@@ -193,7 +193,7 @@ class Trainer:
             tensors = [model_state[k] for k in sorted(model_state)]
             tensors += [value for _, value in _flatten_optimizer_state(optim_state)]
             for tensor in tensors:
-                dist.broadcast(tensor, src=source)
+                comm.broadcast_tensor(tensor, source, self.device)
             loop = comm.broadcast_object(
                 {"noise": dataclasses.asdict(self.noise), "control_stamp": self.control_stamp,
                  "param_groups": optim_state["param_groups"], "pending_save": self.pending_save}
