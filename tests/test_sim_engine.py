@@ -120,3 +120,32 @@ def test_huorn_admits_on_arrival_and_pollux_on_its_60_second_cycle() -> None:
     assert len(on_arrival) >= 10  # event-driven: jobs that find free GPUs do not wait for the tick
     assert any(js.job.arrival % 60 != 0 for js in on_arrival)
     assert results["huorn"]["jobs"] == results["pollux"]["jobs"]
+
+
+def _job(family: str) -> workload.TrainingJob:
+    fam = workload.FAMILIES[family]
+    return workload.TrainingJob("j", 0.0, fam.gpus_per_replica, fam, fam.params, fam.noise_scale,
+                                1, 4, 1, 1e6, 3600.0)
+
+
+@pytest.mark.parametrize("family", ["cnn", "llm"])
+def test_a_resize_in_place_pauses_a_share_of_a_restart_for_one_process_replicas(family: str) -> None:
+    from huorn.sim import policies, state
+
+    assert policies.POLICIES["huorn"].in_place_resize
+    assert not any(p.in_place_resize for name, p in policies.POLICIES.items() if name != "huorn")
+    js = state.JobState(_job(family))
+    restart = js.job.family.restart_seconds
+    js.status = "running"
+    js.configure(1, 1, 8.0, 0.0, restart=True, in_place=True)
+    assert js.busy_until == restart  # starting from nothing is a full restart in any mode
+    js.configure(2, 1, 8.0, 1000.0, restart=True, in_place=False)
+    assert js.busy_until == 1000.0 + restart  # torchrun: every resize restarts
+    js.configure(3, 1, 8.0, 2000.0, restart=True, in_place=True)
+    one_process = js.job.family.gpus_per_replica == 1
+    expected = restart * state.IN_PLACE_RESIZE_SHARE if one_process else restart
+    assert js.busy_until == pytest.approx(2000.0 + expected)
+    assert js.restarts == 3
+    # The allocator is told what a resize costs this job now.
+    assert policies.job_view(js, in_place=True).restart_seconds == pytest.approx(expected)
+    assert policies.job_view(js, in_place=False).restart_seconds == restart

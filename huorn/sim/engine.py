@@ -116,7 +116,7 @@ class Simulation:
             js.status, js.admitted_at = "running", self.now
             js.started = self.now if js.started is None else js.started
         js.on_lender = on_lender
-        js.configure(replicas, where.nodes_spanned, local, self.now, restart)
+        js.configure(replicas, where.nodes_spanned, local, self.now, restart, self.spec.in_place_resize)
 
     def unbind(self, js: state.JobState, requeue: bool, lose_work: bool) -> None:
         js.sync(self.now)

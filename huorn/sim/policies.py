@@ -55,6 +55,10 @@ class PolicySpec:
     allocator: allocator.AllocatorConfig = field(default_factory=allocator.AllocatorConfig)
     # The prediction board that sizes the inference reserve (read only by loaning="huorn").
     board: forecast.ForecastConfig = field(default_factory=forecast.ForecastConfig)
+    # A running job's resize keeps its processes (Huorn's runtime, spec.elasticity.resize): the
+    # pause is state.IN_PLACE_RESIZE_SHARE of a restart. Pollux (AdaptDL) restarts from a
+    # checkpoint on every reallocation, as torchrun does.
+    in_place_resize: bool = False
 
 
 HUORN_BOARD_QUANTILE = forecast.HUORN_QUANTILE  # why 0.9: huorn.scheduler.forecast
@@ -73,7 +77,7 @@ POLICIES: dict[str, PolicySpec] = {
                                       fairness_p=-1.0, speedup_reference="fair_share")),
     # Huorn's production allocator and board (huorn.scheduler.allocator.HUORN, forecast.HUORN_QUANTILE)
     "huorn": PolicySpec("huorn", elastic=True, loaning="huorn", family_priors=True, event_admission=True,
-                        allocator=allocator.HUORN,
+                        allocator=allocator.HUORN, in_place_resize=True,
                         board=forecast.ForecastConfig(quantile=HUORN_BOARD_QUANTILE)),
 }
 TRAIN, INFER = "train", "infer"
@@ -168,13 +172,14 @@ def _schedule_static(sim: Simulation) -> None:
             return
 
 
-def job_view(js: state.JobState) -> allocator.JobView:
-    """What the allocator sees of a job: its own model and the runtime's reports, never the truth."""
+def job_view(js: state.JobState, in_place: bool = False) -> allocator.JobView:
+    """What the allocator sees of a job: its own model and the runtime's reports, never the truth;
+    its restart cost is what resizing it costs now (in place or not, its runtime's mode)."""
     fam = js.job.family
     return allocator.JobView(
         js.job.name, TRAIN, js.belief, fam.gpus_per_replica, js.job.min_replicas, js.job.max_replicas,
         replicas=js.replicas, noise_scale=js.noise_scale, base_batch=fam.base_batch,
-        max_local_batch=fam.max_local_batch, restart_seconds=fam.restart_seconds,
+        max_local_batch=fam.max_local_batch, restart_seconds=js.resize_seconds(in_place),
         last_resize=js.last_resize, last_direction=js.last_direction, submitted=js.job.arrival,
         model_version=js.model_version * 1000 + int(4 * math.log1p(js.noise_scale)),
         remaining_work=js.job.work - js.done)
@@ -184,7 +189,8 @@ def _remaining_seconds(sim: Simulation, js: state.JobState) -> float:
     """The allocator's SRPT key for a pending job, cached while its model and progress stand still."""
     key = js.admission_key
     if key is None or key[0] != js.model_version or key[1] != js.done:
-        key = (js.model_version, js.done, sim.allocator.remaining_seconds(job_view(js)))
+        key = (js.model_version, js.done,
+               sim.allocator.remaining_seconds(job_view(js, sim.spec.in_place_resize)))
         js.admission_key = key
     return key[2]
 
@@ -206,9 +212,9 @@ def _schedule_elastic(sim: Simulation, admission_only: bool = False) -> None:
     pending = [js for js in sim.active() if js.status == "pending"]
     if sim.spec.allocator.pending_order == "remaining" and len(pending) > room + 1:
         ranked = sorted(pending, key=lambda js: (_remaining_seconds(sim, js), js.job.arrival, js.job.name))
-        views = [job_view(js) for js in running + ranked[: room + 1]]
+        views = [job_view(js, sim.spec.in_place_resize) for js in running + ranked[: room + 1]]
     else:
-        views = [job_view(js) for js in running + pending[: room + 1]]
+        views = [job_view(js, sim.spec.in_place_resize) for js in running + pending[: room + 1]]
     # J for Pollux's fair-share speedup: every job waiting or running, not only those handed over.
     for d in sim.allocator.allocate(sim.snap, views, sim.now, cluster_jobs=len(sim.active())):
         js = sim.by_name[d.job]

@@ -19,6 +19,12 @@ NOISE_GROWTH = 4.0  # the noise scale grows to (1 + this)× its start by the end
 MEASURE_SECONDS = 120.0  # a configuration reports a step time once it has run this long
 CHECKPOINT_EVERY = 600.0  # periodic checkpoint interval (seconds of progress)
 TELEMETRY_NOISE = 0.05  # log-normal σ of a reported step time
+# What a resize of a running job costs, as a share of its family's restart time, when the runtime
+# resizes in place (huorn.runtime.membership: the staying processes keep their state, only a
+# joiner starts up, and it does so while the gang trains). The largest ratio of training time lost
+# in place to that lost under Huorn's torchrun settings, measured for joins and graceful shrinks
+# on CPU and on two H200s (docs/benchmarks.md, "Elastic recovery of the runtime"), rounded up.
+IN_PLACE_RESIZE_SHARE = 0.6
 
 
 @dataclass
@@ -68,13 +74,24 @@ class JobState:
             self._step_cache[key] = step
         return step
 
-    def configure(self, replicas: int, nodes: int, local: float, now: float, restart: bool) -> None:
-        """Run at a new size; a restart pauses progress for the family's restart time."""
+    def resize_seconds(self, in_place: bool) -> float:
+        """The pause of resizing this job while it runs: a restart, or in place (one process per
+        replica only) a share of one. Starting from nothing is always a full restart."""
+        fam = self.job.family
+        if in_place and self.replicas > 0 and fam.gpus_per_replica == 1:
+            return fam.restart_seconds * IN_PLACE_RESIZE_SHARE
+        return fam.restart_seconds
+
+    def configure(self, replicas: int, nodes: int, local: float, now: float, restart: bool,
+                  in_place: bool = False) -> None:
+        """Run at a new size; a restart pauses progress for the family's restart time (less,
+        resizing a running job in place)."""
         self.sync(now)
+        pause = self.resize_seconds(in_place)
         self.replicas, self.nodes, self.local_batch = replicas, nodes, local
         self.config_since = now
         if restart:
-            self.busy_until = now + self.job.family.restart_seconds
+            self.busy_until = now + pause
             self.restarts += 1
         self.refresh_rate()
 
