@@ -146,6 +146,5 @@ def test_a_resize_in_place_pauses_a_share_of_a_restart_for_one_process_replicas(
     expected = restart * state.IN_PLACE_RESIZE_SHARE if one_process else restart
     assert js.busy_until == pytest.approx(2000.0 + expected)
     assert js.restarts == 3
-    # The allocator is told what a resize costs this job now.
-    assert policies.job_view(js, in_place=True).restart_seconds == pytest.approx(expected)
-    assert policies.job_view(js, in_place=False).restart_seconds == restart
+    # The allocator still prices a resize as a restart (policies.job_view says why).
+    assert policies.job_view(js).restart_seconds == restart
