@@ -101,3 +101,22 @@ def shared_data_dir() -> Path:
     for corpus in corpora.CORPORA:
         build.ensure_corpus(corpus, directory)
     return directory
+
+
+def start_paced_gang(tmp: Path, spec: dict) -> tuple[Path, subprocess.Popen, int]:
+    """The config of an elastic scenario, every step paced by 100 ms of injected compute so that
+    the scenario fits in the run on any machine, and its stand-alone store: (config, store, port)."""
+    config = write_config(tmp, shared_data_dir(), spec, faults=[{"kind": "slow-compute", "ms": 100}])
+    store, port = start_store(tmp)
+    return config, store, port
+
+
+def loss_gaps_to_uninterrupted(tmp: Path, spec: dict, history: dict[int, dict]) -> dict[int, float]:
+    """|Δloss| per step between `history` and the same job run uninterrupted, in one process,
+    with the same seed."""
+    reference_dir = tmp / "reference"
+    reference_dir.mkdir()
+    reference_config = write_config(reference_dir, shared_data_dir(), spec)
+    assert start_trainer(reference_config, reference_dir / "train.log").wait(timeout=300) == 0
+    reference = effective_steps(read_events(reference_dir / "run"))
+    return {s: abs(history[s]["loss"] - reference[s]["loss"]) for s in sorted(reference)}

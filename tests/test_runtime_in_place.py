@@ -61,12 +61,10 @@ def _regroups(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path) -> None:
-    data = harness.shared_data_dir()
     steps = 60
     # A checkpoint at every step: every resize lands on a save, which the joiner must take part in.
     spec = harness.build_spec(steps=steps, interval_steps=1, min_replicas=1)
-    config = harness.write_config(tmp_path, data, spec, faults=[{"kind": "slow-compute", "ms": 100}])
-    store, port = harness.start_store(tmp_path)
+    config, store, port = harness.start_paced_gang(tmp_path, spec)
     run_dir = tmp_path / "run"
     replicas: dict[int, subprocess.Popen] = {}
 
@@ -127,12 +125,7 @@ def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path
     history = steplog.effective_steps(events)
     assert sorted(history) == list(range(1, steps + 1))
 
-    reference_dir = tmp_path / "reference"
-    reference_dir.mkdir()
-    reference_config = harness.write_config(reference_dir, data, spec)
-    assert harness.start_trainer(reference_config, reference_dir / "train.log").wait(timeout=300) == 0
-    reference = steplog.effective_steps(steplog.read_events(reference_dir / "run"))
-    gaps = {s: abs(history[s]["loss"] - reference[s]["loss"]) for s in range(1, steps + 1)}
+    gaps = harness.loss_gaps_to_uninterrupted(tmp_path, spec, history)
     worst = max(gaps.values())
     assert worst < LOSS_TOLERANCE, (f"first step off the uninterrupted run: "
                                      f"{min(s for s, gap in gaps.items() if gap >= LOSS_TOLERANCE)}; "
