@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import prometheus_client
 import pytest
 import runtime_harness as harness
 
@@ -188,3 +189,22 @@ def test_injected_hangs_show_in_sequence_numbers_of_a_real_gang(tmp_path: Path) 
         assert restarted["start"]["restart_count"] == 1
     finally:
         launcher.kill_process_tree(gang.pid)
+
+
+def test_a_regroup_restarts_the_collective_timeline_for_every_member() -> None:
+    """After an in-place regroup a joiner starts counting collectives at 0; the members must too,
+    or the hang detector would see the joiner as far behind its peers."""
+    from huorn.scheduler.remediation import hang
+
+    member, joiner = (telemetry.Telemetry("job", 0, 2, "r0"), telemetry.Telemetry("job", 2, 3, "r2"))
+    for _ in range(40):
+        member.complete_collective(member.enter_collective("allreduce"))
+    member.rejoin(1, 3)
+    assert member.snapshot()["rank"] == 1 and member.snapshot()["world_size"] == 3
+    for rank in (member, joiner):
+        rank.complete_collective(rank.enter_collective("broadcast"))
+    now = time.time()
+    samples = [hang.parse_runtime_telemetry(t.snapshot(), now) for t in (member, joiner)]
+    assert [(s.seq_entered, s.seq_completed) for s in samples] == [(1, 1), (1, 1)]
+    exported = prometheus_client.generate_latest(member.registry).decode()
+    assert "huorn_world_size 3.0" in exported and 'rank="1"' in exported
