@@ -73,12 +73,15 @@ def test_each_replica_runs_its_own_table_once(ranks: list[dict], label: str, cou
 
 def test_adaptive_k_plans_on_unequal_tables(ranks: list[dict]) -> None:
     """With schedule auto and a re-plan every step, rank 0 decides from the critical replica
-    (3 micro-batches, so k can be at most 3) and the second step, on the chosen k, is exact too."""
+    and the second step, on the chosen k, is exact too. The critical replica is the one with the
+    most measured time: the 3-micro-batch one (k up to 3), unless on a loaded machine the other
+    replica's single micro-batch of this tiny model took over 3× as long (k = 1 only); one
+    full-suite run in about ten saw that."""
     decisions = [rep.decision for rep in ranks[0]["3-1-auto"]["reports"] if rep.decision]
     assert len(decisions) == 2
     for decision in decisions:
         assert decision["reason"].startswith("link ")
-        assert set(decision["predicted_step_s"]) == {1, 2, 3}  # the 3-micro-batch table's k
+        assert set(decision["predicted_step_s"]) in ({1, 2, 3}, {1})  # the critical table's k
         assert decision["peak_bytes"]
     for r in ranks:  # every rank runs the k chosen after step 0, capped by its own table
         case = r["3-1-auto"]
