@@ -99,12 +99,17 @@ def regroups(run_dir: Path) -> list[tuple[str, int, int]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("resize", ["inPlace", "restart"])
-def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_path: Path, resize: str) -> None:
-    """Resize 1 → 2 at step 3, SIGKILL the worker of trainer-1, then SIGKILL the rendezvous store."""
+def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_path: Path) -> None:
+    """Resize 1 → 2 at step 3, SIGKILL the worker of trainer-1, then SIGKILL the rendezvous store.
+
+    In place, the default for the quickstart's one-process replicas. The same scenario under
+    torchrun agents (`resize: restart`, what pipelines and multi-GPU replicas run) is covered by
+    the agents' own acceptance test (test_runtime_elastic.py), the local backend's reading of an
+    agent's log (test_local_backend.py) and the local pipeline runs (test_pipeline_local_job.py,
+    test_remediation_s3_local.py); running it here too cost the suite 38 s."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    manifest = quickstart_with(tmp_path, resize)
+    manifest = quickstart_with(tmp_path, "inPlace")
     proc = start_run(run_dir, manifest, "--steps", "34", "--scale-at", "3:2", "--json")
     try:
 
@@ -145,14 +150,11 @@ def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_pat
     # next step: no gap and no repeat.
     first_two = next(i for i, r in enumerate(steps) if r["world_size"] == 2)
     assert steps[first_two]["step"] == steps[first_two - 1]["step"] + 1
-    if resize == "inPlace":
-        # The join and the kill kept the first process: the only other gang start is the one
-        # after the store's loss, which no process of the old rendezvous survives.
-        assert len(gang_starts(run_dir)) == 2 and all(s["in_place"] for s in gang_starts(run_dir))
-        assert regroups(run_dir)[0] == ("join", 1, 2)
-        assert "peer-lost" in [why for why, _, _ in regroups(run_dir)]
-    else:
-        assert regroups(run_dir) == [] and len(gang_starts(run_dir)) >= 4
+    # The join and the kill kept the first process: the only other gang start is the one after
+    # the store's loss, which no process of the old rendezvous survives.
+    assert len(gang_starts(run_dir)) == 2 and all(s["in_place"] for s in gang_starts(run_dir))
+    assert regroups(run_dir)[0] == ("join", 1, 2)
+    assert "peer-lost" in [why for why, _, _ in regroups(run_dir)]
     status = json.loads((run_dir / "graph.json").read_text())
     changes = [(m["action"], m["detail"]) for m in status["log"]]
     assert changes[0] == ("resize", {"from": 1, "to": 2, "added": ["trainer-1"]})
@@ -173,14 +175,13 @@ def test_run_resizes_survives_losing_each_kind_of_replica_and_reports_it(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("resize", ["inPlace", "restart"])
-def test_shrink_then_ctrl_c_checkpoints_and_stops_everything(tmp_path: Path, resize: str) -> None:
+def test_shrink_then_ctrl_c_checkpoints_and_stops_everything(tmp_path: Path) -> None:
     """Start at 2 replicas, shrink to 1 at step 6 (SIGTERM: an agreed checkpoint; under torchrun
     the survivor then restarts, in place it goes on in its process), then Ctrl-C (a checkpoint and
     a clean stop)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    proc = start_run(run_dir, quickstart_with(tmp_path, resize), "--steps", "500", "--replicas", "2",
+    proc = start_run(run_dir, quickstart_with(tmp_path, "inPlace"), "--steps", "500", "--replicas", "2",
                      "--scale-at", "6:1")
     try:
 
@@ -202,8 +203,8 @@ def test_shrink_then_ctrl_c_checkpoints_and_stops_everything(tmp_path: Path, res
     # ("sigterm") or the survivor ("peer-stop"), whichever it was.
     shrink = next(c for c in checkpoints if c["reason"] in ("sigterm", "peer-stop"))
     assert shrink["step"] >= 6 and shrink is not checkpoints[-1]
-    if resize == "inPlace":  # ... and the survivor went on in its own process
-        assert regroups(run_dir) == [("leave", 2, 1)] and len(gang_starts(run_dir)) == 1
+    # ... and the survivor went on in its own process
+    assert regroups(run_dir) == [("leave", 2, 1)] and len(gang_starts(run_dir)) == 1
     assert checkpoints[-1]["reason"] == "sigterm" and checkpoints[-1]["step"] == summary.last
     status = json.loads((run_dir / "graph.json").read_text())
     assert [m["detail"] for m in status["log"]][-1] == {"from": 2, "to": 1, "removed": ["trainer-1"]}

@@ -75,8 +75,8 @@ def test_adaptive_k_plans_on_unequal_tables(ranks: list[dict]) -> None:
     """With schedule auto and a re-plan every step, rank 0 decides from the critical replica
     and the second step, on the chosen k, is exact too. The critical replica is the one with the
     most measured time: the 3-micro-batch one (k up to 3), unless on a loaded machine the other
-    replica's single micro-batch of this tiny model took over 3× as long (k = 1 only); one
-    full-suite run in about ten saw that."""
+    replica's single micro-batch of this tiny model took over 3× as long (k = 1 only), as one
+    full-suite run on the 2-core VM saw."""
     decisions = [rep.decision for rep in ranks[0]["3-1-auto"]["reports"] if rep.decision]
     assert len(decisions) == 2
     for decision in decisions:
