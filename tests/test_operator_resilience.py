@@ -61,7 +61,9 @@ def test_injected_409_429_500_and_slow_answers_converge(
         "tough-trainer-1",
     ], "no duplicate pods after retried creates"
     assert status["decisions"] == []
-    assert operator.ctx.client.retries >= 5, "the injected errors were answered and retried"
+    # Only Huorn's client creates pods and ConfigMaps, so it met those three injected errors
+    # itself; kopf's own patches may take some of the 409s and 429s, depending on timing.
+    assert operator.ctx.client.retries >= 3, "the injected errors were answered and retried"
     kube.scale(NS, "tough", 3)
     _running(kube, "tough", 3)
     assert [d["action"] for d in kube.job_status(NS, "tough")["decisions"]] == ["resize"]

@@ -62,8 +62,10 @@ class ElasticSettings:
                              "store")
 
 
-def build_rdzv_conf(settings: ElasticSettings) -> str:
-    conf = {
+def rdzv_conf(settings: ElasticSettings) -> dict[str, str]:
+    """The c10d rendezvous handler's options, as torchrun's --rdzv-conf and the in-place trainer
+    pass them."""
+    return {
         "is_host": "false",
         "last_call_timeout": str(settings.last_call_timeout),
         "join_timeout": str(settings.join_timeout),
@@ -73,7 +75,10 @@ def build_rdzv_conf(settings: ElasticSettings) -> str:
         "read_timeout": str(settings.read_timeout),
         **settings.extra_rdzv_conf,
     }
-    return ",".join(f"{k}={v}" for k, v in conf.items())
+
+
+def build_rdzv_conf(settings: ElasticSettings) -> str:
+    return ",".join(f"{k}={v}" for k, v in rdzv_conf(settings).items())
 
 
 def build_torchrun_command(config_path: Path | str, settings: ElasticSettings,

@@ -36,10 +36,8 @@ from huorn.runtime import launcher
 
 @dataclass(frozen=True)
 class Round:
-    """One formed gang: this process's rank in it, its size, and the store its process group uses.
-    `number` counts the rounds this process has joined (1 for its first)."""
+    """One formed gang: this process's rank in it, its size, and the store its process group uses."""
 
-    number: int
     rank: int
     world: int
     store: dist.Store
@@ -52,28 +50,24 @@ class Membership:
         if settings.nproc_per_node != 1:
             raise ValueError("in-place resizing runs one trainer process per replica: set "
                              f"nproc_per_node to 1 (got {settings.nproc_per_node})")
-        conf = {key: value for key, value in (item.split("=", 1) for item in
-                                              launcher.build_rdzv_conf(settings).split(","))}
         params = RendezvousParameters(
             backend="c10d", endpoint=settings.rdzv_endpoint, run_id=settings.rdzv_id,
             min_nodes=settings.min_nodes, max_nodes=settings.max_nodes, local_addr=settings.local_addr,
-            **conf)
+            **launcher.rdzv_conf(settings))
         # Without this the handler makes rank 0 of every round host a TCP store for the others:
         # the single point of failure the stand-alone store exists to avoid (launcher docstring).
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         self.settings = settings
         self.handler = registry.get_rendezvous_handler(params)
-        self.rounds = 0
 
     def next_round(self) -> Round:
         """Leave the current round (if any) and block until the next one forms; a process may
         call this any number of times. The process group of the round is this process's to make."""
         info = self.handler.next_rendezvous()
-        self.rounds += 1
         # NB: the handler already prefixes the store with the rendezvous's round number, the
         # same on every member and different from every earlier round's.
         store = dist.PrefixStore("huorn/process-group/", info.store)
-        return Round(self.rounds, info.rank, info.world_size, store)
+        return Round(info.rank, info.world_size, store)
 
     def waiting(self) -> int:
         """Nodes in the wait list for the next round: replicas ready to join."""

@@ -85,6 +85,7 @@ class Trainer:
         torch.manual_seed(self.spec.data.seed)
         self.model_cfg = run_config.build_model_config(self.spec.model)
         self.model = models.build_model(self.model_cfg).to(self.device)
+        self.has_state = False  # in-place mode: this process holds the gang's training state
         if gang is None:
             self.rank, self.world, self.local_rank = comm.init_process_group(
                 self.backend, cfg.collective_timeout_s)
@@ -92,10 +93,8 @@ class Trainer:
             # NB: before the gang forms, a pod is told to go by SIGTERM too; holding no state yet,
             # this process just goes (_request_stop). Without a handler, Python as a pod's PID 1
             # would ignore it until the grace period ends.
-            self.has_state = False
             signal.signal(signal.SIGTERM, self._request_stop)
             self.rank, self.world = self.join_round()
-        self.has_state = False  # in-place mode: this process holds the gang's training state
         self.pending_save: str | None = None  # a checkpoint due at this step boundary, not yet taken
         self.store_unreachable = False
         self.state_module: torch.nn.Module = self.model  # what checkpoints hold
