@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from huorn.sim import inference, workload
+from huorn.sim import inference, policies, state, workload
 
 HEADER = ("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,"
           "creation_time,deletion_time,scheduled_time\n")
@@ -68,6 +68,43 @@ def test_the_restart_cost_factor_scales_every_restart_and_nothing_else(tmp_path:
     assert workload.FAMILIES[rule[0].family.name].restart_seconds == rule[0].family.restart_seconds
     with pytest.raises(ValueError, match="restart_cost"):
         workload.load_jobs(pods, 1024, 768, 0.8, seed=0, restart_cost=-1)
+
+
+def test_declared_work_is_exact_by_default_and_wrong_or_missing_as_the_study_asks() -> None:
+    """The study of wrong declarations (benchmarks/scheduling_work_estimate.py): a log-normal
+    factor of the asked σ, the asked share undeclared, the same for every policy and run."""
+    names = [f"job-{i}" for i in range(4000)]
+    assert {workload.declared_factor(n, 0, 0.0, 0.0) for n in names} == {1.0}
+    factors = np.array([workload.declared_factor(n, 0, 0.5, 0.0) for n in names])
+    assert abs(np.mean(np.log(factors))) < 0.03 and abs(np.std(np.log(factors)) - 0.5) < 0.03
+    assert [workload.declared_factor(n, 0, 0.5, 0.0) for n in names[:50]] == list(factors[:50])
+    assert [workload.declared_factor(n, 1, 0.5, 0.0) for n in names[:50]] != list(factors[:50])
+    missing = [workload.declared_factor(n, 0, 0.5, 0.3) is None for n in names]
+    assert 0.27 < np.mean(missing) < 0.33
+    assert all(workload.declared_factor(n, 0, 0.0, 1.0) is None for n in names[:50])
+
+
+def test_a_job_reports_what_its_declaration_leaves_never_the_truth(tmp_path: Path) -> None:
+    rows = [f"j{i},1000,1,1,1000,,BE,Running,{i},{i + 500},0" for i in range(40)]
+    pods = write_pods(tmp_path / "p.csv", rows)
+    jobs = workload.load_jobs(pods, 1024, 768, 0.8, seed=0, work_estimate_error=1.0, undeclared_share=0.25)
+    undeclared = [j for j in jobs if j.declared_factor is None]
+    declared = [j for j in jobs if j.declared_factor is not None]
+    assert undeclared and declared
+    for j in jobs:
+        js = state.JobState(j)
+        js.done = j.work * 0.5
+        remaining = policies.job_view(js).remaining_work
+        if j.declared_factor is None:
+            assert remaining is None
+        else:  # declared less done, never below 0: a job past its declared end is "about done"
+            assert remaining == pytest.approx(max(j.work * j.declared_factor - js.done, 0.0))
+    assert any(policies.job_view(state.JobState(j, done=j.work)).remaining_work == 0 for j in declared
+               if j.declared_factor < 1)
+    with pytest.raises(ValueError, match="work_estimate_error"):
+        workload.load_jobs(pods, 1024, 768, 0.8, seed=0, work_estimate_error=-0.1)
+    with pytest.raises(ValueError, match="undeclared_share"):
+        workload.load_jobs(pods, 1024, 768, 0.8, seed=0, undeclared_share=1.5)
 
 
 def test_compression_sets_the_offered_load(tmp_path: Path) -> None:

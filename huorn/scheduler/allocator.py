@@ -443,13 +443,27 @@ class Allocator:
     @staticmethod
     def _budgets(snap: snapshot.ClusterSnapshot, running: list[JobView]
                  ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        # Pinned jobs are never shrunk and never reclaimed (loaning.PINNED_PRIORITY): what they
+        # hold on a lender stays theirs when the lender lowers its limit below it. Without this the
+        # lowered limit preempted another pinned job, one that held no lent GPU at all.
+        bound = snap.bindings()
+        pinned_lent: dict[str, int] = {}
+        pinned_borrowed: dict[str, int] = {}
+        for job in running:
+            if job.priority >= PINNED_PRIORITY:
+                held = snap.foreign_gpus(job.virtual_cluster, bound[job.name].gpus_by_node)
+                for owner, gpus in held.items():
+                    pinned_lent[owner] = pinned_lent.get(owner, 0) + gpus
+                    pinned_borrowed[job.virtual_cluster] = pinned_borrowed.get(job.virtual_cluster, 0) + gpus
         with snap.simulate():
             for job in running:
                 snap.forget(job.name)
             own = {v.name: snap.free(v.name) for v in snap.virtual_clusters()}
             own[""] = snap.free("")  # nodes outside any virtual cluster
-            lend = {v.name: min(snap.lend_left(v.name), snap.free(v.name)) for v in snap.virtual_clusters()}
-            borrow = {v.name: snap.borrow_left(v.name) for v in snap.virtual_clusters()}
+            lend = {v.name: min(max(snap.lend_left(v.name), pinned_lent.get(v.name, 0)), snap.free(v.name))
+                    for v in snap.virtual_clusters()}
+            borrow = {v.name: max(snap.borrow_left(v.name), pinned_borrowed.get(v.name, 0))
+                      for v in snap.virtual_clusters()}
         return own, lend, borrow
 
     def _place(self, snap: snapshot.ClusterSnapshot, jobs: list[JobView], target: dict[str, int],
@@ -500,7 +514,12 @@ class Allocator:
                                                               or job.name in keepable):
                 old = bound[job.name]
                 stay = self.at_span(job, job.replicas, len(old.gpus_by_node))[0]
-                if stay >= best:
+                # Its old GPUs on a lender's nodes count against that lender's limit again: a
+                # gang placed since it was lifted off may have taken the room (the limit was
+                # exceeded by 7 GPUs, and an inference SLO missed, before this check). A pinned
+                # job keeps what it holds, as in _budgets.
+                if stay >= best and (job.priority >= PINNED_PRIORITY
+                                     or snap.limits_allow(job.virtual_cluster, old.gpus_by_node)):
                     with contextlib.suppress(ValueError):  # its GPUs went to a bigger gang first
                         where = placement.Placement(_assignments(old, job.gpus_per_replica))
                         snap.assume(job.name, job.virtual_cluster, where, job.gpus_per_replica)

@@ -119,6 +119,28 @@ class ClusterSnapshot:
     def borrow_left(self, vc: str) -> int:
         return max(0, self._vcs[vc].max_gpus_borrowed - self._borrowed[vc])
 
+    def foreign_gpus(self, vc: str, gpus_by_node: Mapping[str, int]) -> dict[str, int]:
+        """The GPUs of `gpus_by_node` that other virtual clusters own, by owner: what `vc` borrows."""
+        foreign: dict[str, int] = {}
+        for node, gpus in gpus_by_node.items():
+            owner = self._nodes[node].virtual_cluster
+            if vc and owner and owner != vc:
+                foreign[owner] = foreign.get(owner, 0) + gpus
+        return foreign
+
+    def limits_allow(self, vc: str, gpus_by_node: Mapping[str, int]) -> bool:
+        """Whether `vc` may take these GPUs now within every lending and borrowing limit.
+
+        `place` keeps the limits by construction; a caller that puts a job back on GPUs it held
+        before (a running job that keeps its size) must ask, because other gangs may have taken
+        the lenders' room since the job's GPUs were lifted off.
+        """
+        foreign = self.foreign_gpus(vc, gpus_by_node)
+        if not foreign:
+            return True
+        return (sum(foreign.values()) <= self.borrow_left(vc)
+                and all(gpus <= self.lend_left(owner) for owner, gpus in foreign.items()))
+
     # ----------------------------------------------------------------- deciding
     def place(
         self, vc: str, replicas: int, gpus_per_replica: int, cpu_milli_per_replica: int = 0,

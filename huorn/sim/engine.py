@@ -32,6 +32,10 @@ class SimConfig:
     qps_start: str = "middle"  # where the QPS series starts playing: middle or beginning
     elastic_range: int = 1  # multiplies every job's elastic range (workload.load_jobs); 1 is the rule
     restart_cost: float = 1.0  # multiplies every job's restart time (workload.load_jobs); 1 is the rule
+    # How wrong each job's declared total work is (σ of its log; workload.declared_factor) and the
+    # share of jobs that declare none: a study of Huorn's JCT terms; 0 and 0 are exact.
+    work_estimate_error: float = 0.0
+    undeclared_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gpus < 8:
@@ -46,6 +50,10 @@ class SimConfig:
             raise ValueError(f"elastic_range must be >= 1, got {self.elastic_range}")
         if self.restart_cost < 0:
             raise ValueError(f"restart_cost must be >= 0, got {self.restart_cost}")
+        if self.work_estimate_error < 0:
+            raise ValueError(f"work_estimate_error must be >= 0, got {self.work_estimate_error}")
+        if not 0 <= self.undeclared_share <= 1:
+            raise ValueError(f"undeclared_share must lie in [0, 1], got {self.undeclared_share}")
 
 
 @dataclass

@@ -185,7 +185,14 @@ def job_view(js: state.JobState) -> allocator.JobView:
         max_local_batch=fam.max_local_batch, restart_seconds=fam.restart_seconds,
         last_resize=js.last_resize, last_direction=js.last_direction, submitted=js.job.arrival,
         model_version=js.model_version * 1000 + int(4 * math.log1p(js.noise_scale)),
-        remaining_work=js.job.work - js.done)
+        remaining_work=_declared_remaining(js))
+
+
+def _declared_remaining(js: state.JobState) -> float | None:
+    """Remaining work as the job's spec declares it, as the runtime's GoodputPolicy computes it:
+    what is declared less what is done, at least 0, and unknown when nothing is declared."""
+    factor = js.job.declared_factor
+    return None if factor is None else max(js.job.work * factor - js.done, 0.0)
 
 
 def _remaining_seconds(sim: Simulation, js: state.JobState) -> float:

@@ -17,7 +17,8 @@ def build_simulation(trace: Path, nodes_csv: Path, qps: Path, policy: str, confi
     infer_gpus = max(8, round(config.gpus * config.inference_share))
     train_gpus = config.gpus - infer_gpus
     jobs = workload.load_jobs(trace, config.gpus, train_gpus, config.load, config.seed,
-                              config.elastic_range, config.restart_cost)
+                              config.elastic_range, config.restart_cost, config.work_estimate_error,
+                              config.undeclared_share)
     spec = policies.POLICIES[policy]
     load = inference.InferenceLoad(qps, infer_gpus, config.seed, config.qps_start, board=spec.board)
     return engine.Simulation(jobs, nodes, load, spec, config)

@@ -26,6 +26,7 @@ import csv
 import dataclasses
 import hashlib
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,9 @@ class TrainingJob:
     requested_replicas: int
     work: float  # base-batch samples to process
     duration: float  # seconds it ran in the trace at its requested GPUs
+    # The total work its spec declares (steps or tokens), as a multiple of `work`; None: the spec
+    # declares none. Huorn's JCT terms read the declaration, never `work` itself. 1: exact.
+    declared_factor: float | None = 1.0
 
 
 @dataclass(frozen=True)
@@ -177,16 +181,38 @@ def _compression(raw: list[tuple[int, int, int, str]], train_gpus: int, load: fl
     return hi
 
 
+def declared_factor(name: str, seed: int, error: float, undeclared_share: float) -> float | None:
+    """How far a job's declared total work is from the truth, as a factor; None: not declared.
+
+    The factor is log-normal with σ `error` (0: exact) and a share `undeclared_share` of jobs
+    declares nothing. Both are drawn from the job's name and the seed, so every policy sees the
+    same declarations and a run is reproducible.
+    """
+    if undeclared_share > 0 and _unit(name, f"undeclared:{seed}") < undeclared_share:
+        return None
+    if error == 0:
+        return 1.0
+    u = min(max(_unit(name, f"declared:{seed}"), 1e-12), 1 - 1e-12)
+    return math.exp(error * statistics.NormalDist().inv_cdf(u))
+
+
 def load_jobs(path: Path, gpus: int, train_gpus: int, load: float, seed: int,
-              elastic_range: int = 1, restart_cost: float = 1.0) -> list[TrainingJob]:
+              elastic_range: int = 1, restart_cost: float = 1.0, work_estimate_error: float = 0.0,
+              undeclared_share: float = 0.0) -> list[TrainingJob]:
     """Training jobs from an OpenB-format pod list, sampled and time-compressed for `gpus` GPUs.
     `elastic_range` multiplies every family's elastic range and the 64-replica cap (1: the
     documented rule), and `restart_cost` every family's restart time (1: the catalogue's); both
-    exist only for sensitivity studies of what bounds goodput."""
+    exist only for sensitivity studies of what bounds goodput. `work_estimate_error` and
+    `undeclared_share` make the declared totals wrong or absent (`declared_factor`), for the
+    study of how much of the JCT gain survives that; 0 and 0 are exact declarations."""
     if elastic_range < 1:
         raise ValueError(f"elastic_range must be >= 1, got {elastic_range}")
     if restart_cost < 0:
         raise ValueError(f"restart_cost must be >= 0, got {restart_cost}")
+    if work_estimate_error < 0:
+        raise ValueError(f"work_estimate_error must be >= 0, got {work_estimate_error}")
+    if not 0 <= undeclared_share <= 1:
+        raise ValueError(f"undeclared_share must lie in [0, 1], got {undeclared_share}")
     rows = _rows(path, POD_COLUMNS)
     rng = np.random.default_rng(seed)
     keep = min(1.0, gpus / FULL_TRACE_GPUS)
@@ -224,5 +250,6 @@ def load_jobs(path: Path, gpus: int, train_gpus: int, load: float, seed: int,
         noise = fam.noise_scale * float(jrng.lognormal(0, 0.3))
         jobs.append(TrainingJob(name, (created - start) / compress, n_gpu, fam, truth, noise,
                                 1, min(64 * elastic_range, req * fam.max_scale * elastic_range), req, work,
-                                float(duration)))
+                                float(duration),
+                                declared_factor(name, seed, work_estimate_error, undeclared_share)))
     return jobs
