@@ -302,6 +302,24 @@ def test_pending_jobs_can_be_admitted_shortest_remaining_first() -> None:
         allocator.AllocatorConfig(pending_order="random")
 
 
+def test_a_job_that_declares_no_length_ranks_as_one_horizon_left_not_last() -> None:
+    """Shortest-remaining-first must not starve jobs whose spec declares no steps: they rank as
+    if one horizon (the time their neutral JCT weight stands for) were left."""
+    alloc = allocator.Allocator(allocator.AllocatorConfig(pending_order="remaining", horizon_seconds=3600))
+    short, long_ = build_job("short", remaining_work=1e3), build_job("long", remaining_work=1e9)
+    unknown = build_job("unknown", remaining_work=None)
+    keys = {j.name: alloc.remaining_seconds(j) for j in (short, long_, unknown)}
+    assert keys["unknown"] == 3600
+    assert keys["short"] < keys["unknown"] < keys["long"]
+
+    snap = build_snapshot(train_nodes=1)
+    alloc.allocate(snap, [build_job("blocker", min_replicas=7, max_replicas=7)], 0)
+    jobs = [build_job("long", remaining_work=1e9, max_replicas=1, submitted=1),
+            build_job("unknown", remaining_work=None, max_replicas=1, submitted=2)]
+    got = {d.job: d.action for d in alloc.allocate(snap, jobs, 10)}
+    assert got == {"long": "pending", "unknown": "admit"}
+
+
 # ---------------------------------------------------------------- Pollux's fairness exponent p
 
 

@@ -331,7 +331,7 @@ class Allocator:
         def rank(j: JobView) -> tuple:
             pinned = bool(j.replicas) and j.priority >= PINNED_PRIORITY
             if self.config.pending_order == "remaining" and not j.replicas:
-                return (not pinned, -j.priority, True, self._remaining_seconds(j), j.submitted, j.name)
+                return (not pinned, -j.priority, True, self.remaining_seconds(j), j.submitted, j.name)
             return (not pinned, -j.priority, not j.replicas, 0.0, j.submitted, j.name)
 
         order = sorted(jobs, key=rank)
@@ -553,8 +553,14 @@ class Allocator:
         A caller that hands the allocator only the pending jobs that could start this cycle (the
         simulator, for speed) must pick them by this key when `pending_order` is "remaining", or
         the shortest jobs further back in the queue are never seen.
+
+        A job whose spec declares no length ranks as if it had one horizon left, the time its
+        neutral JCT weight stands for: ranked last (as infinitely long), jobs that declare
+        nothing waited behind every job that did, and half the jobs undeclared cost more mean
+        JCT than all of them (docs/scheduling.md, "Wrong or missing job lengths").
         """
-        return self._remaining_seconds(job)
+        left = self._remaining_seconds(job)
+        return self.config.horizon_seconds if math.isinf(left) else left
 
     def _remaining_seconds(self, job: JobView) -> float:
         """Time the job still needs at its minimum size, by its own model; inf when unknown."""
