@@ -63,3 +63,20 @@ def test_yaml_output_and_single_policy(tmp_path: Path) -> None:
     doc = yaml.safe_load(result.stdout[result.stdout.index("huorn_vs_baselines"):])
     assert list(doc["policies"]) == ["kueue"]
     assert doc["huorn_vs_baselines"] == {}  # nothing to compare without huorn
+
+
+def test_job_lengths_can_be_declared_wrong_or_not_at_all(tmp_path: Path) -> None:
+    """What Huorn's JCT terms read, made wrong or absent; the baselines read no declaration."""
+    def run(*extra: str) -> dict:
+        result = CliRunner().invoke(app, ["simulate", "--gpus", "16", "--policy", "huorn", "--seed", "2",
+                                          "--output", str(tmp_path), "-o", "json", *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout[result.stdout.index("{"):])["policies"]["huorn"]
+
+    exact, unknown = run(), run("--undeclared-share", "1")
+    assert exact["jobs"] == unknown["jobs"]
+    assert exact["jct_mean_s"] != unknown["jct_mean_s"]
+    for flag, value in (("--work-estimate-error", "-1"), ("--undeclared-share", "1.5")):
+        args = ["simulate", "--policy", "huorn", flag, value, "--output", str(tmp_path)]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and flag in result.output

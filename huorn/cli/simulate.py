@@ -34,6 +34,11 @@ def simulate(
     load: float = typer.Option(0.8, "--load", help="Offered training load over the arrival window."),
     inference_share: float = typer.Option(0.25, "--inference-share", help="Share of GPUs for inference."),
     qps_start: str = typer.Option("middle", "--qps-start", help="QPS series start: middle, beginning."),
+    work_estimate_error: float = typer.Option(
+        0.0, "--work-estimate-error", help="σ of log(declared / true length) of every job: how wrong "
+        "the steps its spec declares are (0: exact)."),
+    undeclared_share: float = typer.Option(
+        0.0, "--undeclared-share", help="Share of jobs whose spec declares no length (0 to 1)."),
     output: Path = typer.Option(Path("sim-report"), "--output", help="Directory for report.json and plots."),
     fmt: str = typer.Option("table", "-o", "--output-format", help="table, json or yaml on stdout."),
 ) -> None:
@@ -48,8 +53,14 @@ def simulate(
         for flag, path in (("--trace", trace), ("--nodes", nodes), ("--qps", qps)):
             if not path.is_file():
                 raise ValueError(f"{flag} {path}: no such file")
+        if work_estimate_error < 0:
+            raise ValueError(f"--work-estimate-error must be ≥ 0 (0: exact lengths), "
+                             f"got {work_estimate_error}")
+        if not 0 <= undeclared_share <= 1:
+            raise ValueError(f"--undeclared-share must lie in [0, 1], got {undeclared_share}")
         config = engine.SimConfig(gpus=gpus, seed=seed, inference_share=inference_share, load=load,
-                                  qps_start=qps_start)
+                                  qps_start=qps_start, work_estimate_error=work_estimate_error,
+                                  undeclared_share=undeclared_share)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                       TimeElapsedColumn(), console=err) as bar:
             tasks = {n: bar.add_task(f"{n:>7}", total=1.0) for n in names}
