@@ -17,9 +17,10 @@ then ratios against torchrun's defaults. Writes a JSON summary and a PNG (step v
 
     .venv/bin/python benchmarks/runtime_elastic_recovery.py [--out benchmarks/results]
 
-With `--device cuda --width 1024 --layers 24` on a machine with 2 GPUs, the scenario is
-1 replica -> a 2nd joins -> one is SIGTERMed, one GPU per replica, NCCL (no SIGKILL: NCCL's
-watchdog aborts the survivors, see docs/runtime.md).
+With `--device cuda --width 1024 --layers 24` on a machine with 2 GPUs, one GPU per replica,
+NCCL, the scenario is 1 replica -> a 2nd joins -> one is SIGTERMed -> a 3rd joins on the freed GPU
+-> the rank-0 replica is SIGKILLed (`--gpu-kill`; without it the run ends after the SIGTERM, as
+measured before NCCL peers were watched in place: huorn.runtime.peer_watch).
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ SETTINGS: dict[str, tuple[dict, bool]] = {  # name: (ElasticSettings overrides, 
     "huorn torchrun": ({}, False),  # ElasticSettings' own defaults
     "huorn in place": ({}, True),
 }
-STEPS = 100
 
 
 def _wait(predicate: Callable[[], object], timeout: float, what: str) -> object:
@@ -81,7 +81,7 @@ def run_scenario(name: str, overrides: dict, in_place: bool, data_dir: Path, wor
         "model": {"layers": args.layers, "width": args.width, "heads": max(2, args.width // 64),
                   "context": args.context},
         "data": {"sources": [{"name": "general"}, {"name": "code"}, {"name": "math"}], "seed": 7},
-        "optimization": {"globalBatch": 12, "microBatch": 2, "steps": STEPS, "warmupSteps": 3},
+        "optimization": {"globalBatch": 12, "microBatch": 2, "steps": args.steps, "warmupSteps": 3},
         "checkpoint": {"intervalSteps": args.checkpoint_steps},
     }
     config = run_config.write_run_config(run_config.RunConfig.model_validate({
@@ -99,7 +99,11 @@ def run_scenario(name: str, overrides: dict, in_place: bool, data_dir: Path, wor
 
     def start(replica: int) -> subprocess.Popen:
         log = workdir / f"agent{replica}.log"
-        replica_env = dict(env, CUDA_VISIBLE_DEVICES=str(replica)) if gpu else env
+        if gpu:
+            free = _wait(lambda: set(range(2)) - {gpu_of[r] for r in agents if agents[r].poll() is None},
+                         60, "a free GPU")
+            gpu_of[replica] = min(free)
+        replica_env = dict(env, CUDA_VISIBLE_DEVICES=str(gpu_of[replica])) if gpu else env
         return launcher.start_agent(config, settings(replica), f"r{replica}", log, replica_env,
                                     in_place=in_place)
 
@@ -115,10 +119,17 @@ def run_scenario(name: str, overrides: dict, in_place: bool, data_dir: Path, wor
         return attempts[-1]["start"]["world_size"] if attempts else 0
 
     events: list[dict] = []
-    agents = {0: start(0)} if gpu else {0: start(0), 1: start(1)}
+    agents: dict[int, subprocess.Popen] = {}
+    gpu_of: dict[int, int] = {}  # replica: its GPU; a joiner takes the one a leaver freed
+    for replica in (0,) if gpu else (0, 1):
+        agents[replica] = start(replica)
     first = len(agents)
-    scenario = ([("join", 2), ("graceful shrink", 1)] if gpu else
-                [("join", 3), ("graceful shrink", 2), ("SIGKILL rank-0 replica", 1)])
+    if not gpu:
+        scenario = [("join", 3), ("graceful shrink", 2), ("SIGKILL rank-0 replica", 1)]
+    elif args.gpu_kill:
+        scenario = [("join", 2), ("graceful shrink", 1), ("join", 2), ("SIGKILL rank-0 replica", 1)]
+    else:
+        scenario = [("join", 2), ("graceful shrink", 1)]
     began = time.time()
     try:
         _wait(lambda: current_world() == first and steplog.last_step(run_dir) >= 8, 600,
@@ -149,7 +160,7 @@ def run_scenario(name: str, overrides: dict, in_place: bool, data_dir: Path, wor
         launcher.kill_process_tree(store.pid)
     history = steplog.effective_steps(steplog.read_events(run_dir))
     return {"name": name, "events": events, "wall_seconds": time.time() - began,
-            "complete": sorted(history) == list(range(1, STEPS + 1)),
+            "complete": sorted(history) == list(range(1, args.steps + 1)),
             "curve": [(e["time"] - began, e["step"]) for e in steplog.steps_of(steplog.read_events(run_dir))]}
 
 
@@ -165,6 +176,9 @@ def main() -> int:
     parser.add_argument("--name", default="runtime_elastic_recovery", help="stem of the output files")
     parser.add_argument("--only", nargs="*", choices=list(SETTINGS), help="run only these configurations")
     parser.add_argument("--workdir", type=Path, default=None, help="keep each run's logs here")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps of the job")
+    parser.add_argument("--gpu-kill", action="store_true",
+                        help="on cuda: a 3rd replica joins after the SIGTERM, then rank 0's is SIGKILLed")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     data_dir = Path(tempfile.gettempdir()) / f"huorn-test-data-{os.getuid()}"
@@ -192,7 +206,7 @@ def main() -> int:
         in_place = results[-1]["events"][index]
         ratio = event["lost_seconds"] / max(in_place["lost_seconds"], 0.1)
         print(f"| {event['event']} | " + " | ".join(cells) + f" | {ratio:.1f}x | {in_place['lost_steps']} |")
-    print(f"| whole run ({STEPS} steps) | " + " | ".join(f"{r['wall_seconds']:.1f}" for r in results)
+    print(f"| whole run ({args.steps} steps) | " + " | ".join(f"{r['wall_seconds']:.1f}" for r in results)
           + f" | {baseline['wall_seconds'] / results[-1]['wall_seconds']:.2f}x | "
           f"complete: {all(r['complete'] for r in results)} |")
     (args.out / f"{args.name}.json").write_text(json.dumps(
@@ -214,7 +228,7 @@ def main() -> int:
             axis.axvline(event["at"], color=line.get_color(), alpha=0.3, linestyle="--")
     axis.set_xlabel("seconds since start")
     axis.set_ylabel("global step logged")
-    axis.set_title("Join, graceful shrink" + ("" if args.device == "cuda" else
+    axis.set_title("Join, graceful shrink" + ("" if args.device == "cuda" and not args.gpu_kill else
                                               ", SIGKILL of the rank-0 replica") + " (dashed lines)")
     axis.legend()
     figure.tight_layout()

@@ -85,6 +85,9 @@ class RunConfig(base.ApiModel):
     validation_interval: int = Field(default=0, ge=0, description="Validation loss every N steps; 0: off.")
     validation_batches: int = Field(default=2, ge=1, le=1000)
     collective_timeout_s: float = Field(default=120.0, gt=0, description="Gloo/NCCL timeout per collective.")
+    peer_timeout_s: float = Field(default=15.0, gt=1, description=(
+        "In place: a member whose heartbeat stands still this long is dead, and the gang regroups "
+        "without it (huorn.runtime.peer_watch)."))
     keep_checkpoints: int = Field(default=3, ge=1, le=1000, description="Complete checkpoints kept.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     pipeline_replan_every: int = Field(default=5, ge=1, le=100_000,

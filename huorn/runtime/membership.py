@@ -25,6 +25,8 @@ finished.
 from __future__ import annotations
 
 import os
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
 
 from huorn.runtime import launcher
+from huorn.runtime.peer_watch import PeerWatch
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,17 @@ class Membership:
         # same on every member and different from every earlier round's.
         store = dist.PrefixStore("huorn/process-group/", info.store)
         return Round(info.rank, info.world_size, store)
+
+    def watch(self, round_: Round, on_lost: Callable[[list[int]], None], timeout_s: float) -> PeerWatch:
+        """Heartbeats of this round's members (huorn.runtime.peer_watch), on a store connection of
+        this process's own, under a key the round's members agree on through the round's store."""
+        if round_.rank == 0:
+            round_.store.set("huorn/peer-watch-token", uuid.uuid4().hex)
+        token = round_.store.get("huorn/peer-watch-token").decode()
+        host, _, port = self.settings.rdzv_endpoint.rpartition(":")
+        own = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+        store = dist.PrefixStore(f"huorn/peer-watch/{token}/", own)
+        return PeerWatch(store, round_.rank, round_.world, on_lost, timeout_s=timeout_s).start()
 
     def waiting(self) -> int:
         """Nodes in the wait list for the next round: replicas ready to join."""

@@ -51,6 +51,7 @@ from huorn.runtime import (
 )
 from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler
+from huorn.runtime.peer_watch import PeerLostError, PeerWatch
 
 RESTART_EXIT = 3
 # An in-place replica that left on SIGTERM, as a shell reports a process SIGTERM ended: not 0, so
@@ -86,6 +87,13 @@ class Trainer:
         self.model_cfg = run_config.build_model_config(self.spec.model)
         self.model = models.build_model(self.model_cfg).to(self.device)
         self.has_state = False  # in-place mode: this process holds the gang's training state
+        self.watch: PeerWatch | None = None  # in place: the heartbeats of this round's members
+        self.peer_lost: list[int] | None = None  # ranks the watch found dead; the groups are aborted
+        if gang is not None and self.backend == "nccl":
+            # A dead peer is found by the heartbeats (huorn.runtime.peer_watch), which abort the
+            # groups; the watchdog must neither kill this process for that abort nor on a
+            # collective's timeout, or the survivors restart from a checkpoint.
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
         if gang is None:
             self.rank, self.world, self.local_rank = comm.init_process_group(
                 self.backend, cfg.collective_timeout_s)
@@ -148,18 +156,38 @@ class Trainer:
         assert self.gang is not None
         round_ = self.gang.next_round()
         membership.init_round_process_group(self.backend, round_, self.cfg.collective_timeout_s)
+        if self.backend == "nccl":  # gloo raises on a lost peer itself (and cannot abort a wait)
+            self.watch = self.gang.watch(round_, self._peer_lost, self.cfg.peer_timeout_s)
         return round_.rank, round_.world
+
+    def _peer_lost(self, ranks: list[int]) -> None:
+        """The watch's thread: a member stopped beating. An NCCL collective waiting on it would
+        spin until its timeout, so the groups are aborted (ncclCommAbort), and the loop regroups
+        before it applies the step (_raise_if_peer_lost)."""
+        self.peer_lost = ranks
+        print(f"huorn: rank(s) {ranks} stopped beating for {self.cfg.peer_timeout_s:g} s; aborting the "
+              "process group to regroup without them", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):  # a group being destroyed by the main thread already
+            dist.distributed_c10d._abort_process_group()
+
+    def _raise_if_peer_lost(self) -> None:
+        if self.peer_lost is not None:
+            raise PeerLostError(f"rank(s) {self.peer_lost} of the gang stopped beating")
 
     def regroup(self, step: int, reason: str) -> int:
         """Leave this process group, form the next round with whoever is there now, and continue
         from the newest state any member holds. Returns the step to continue from."""
         started = time.monotonic()
         old_world = self.world
+        if self.watch is not None:  # first: a late alarm must not abort the next round's group
+            self.watch.stop()
+            self.watch = None
         self.ddp = None  # type: ignore[assignment]  # NB: DDP holds the old group; drop it first
         with contextlib.suppress(Exception):  # a group with a dead peer may refuse to close cleanly
             dist.destroy_process_group()
         # A step cut short by a lost peer may have left half-accumulated gradients behind.
         self.optimizer.zero_grad(set_to_none=True)
+        self.peer_lost = None
         self.rank, self.world = self.join_round()
         self.telemetry.rejoin(self.rank, self.world)
         self.injector.rank = self.rank
@@ -197,6 +225,7 @@ class Trainer:
                 {"noise": dataclasses.asdict(self.noise), "control_stamp": self.control_stamp,
                  "param_groups": optim_state["param_groups"], "pending_save": self.pending_save}
                 if self.rank == source else None, self.hook_state, src=source)
+            self._raise_if_peer_lost()  # a member lost mid-broadcast: what arrived may be partial
             self.pending_save = loop["pending_save"]  # type: ignore[index]
             optim_state["param_groups"] = loop["param_groups"]  # type: ignore[index]
             dcp_state.set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
@@ -334,7 +363,11 @@ class Trainer:
             else:
                 try:
                     step, code = self.advance(step)
-                except RuntimeError as error:  # gloo reports a lost peer as a plain RuntimeError
+                except Exception as error:  # gloo reports a lost peer as a plain RuntimeError
+                    if not isinstance(error, RuntimeError) and self.peer_lost is None:
+                        raise
+                    # An aborted group may also hand a collective garbage (an object all-gather
+                    # that does not unpickle), hence any error once the watch has fired.
                     failures = (self.state_step, failures[1] + 1 if failures[0] == self.state_step else 1)
                     if failures[1] > _MAX_RETRIES_PER_STEP:
                         raise
@@ -342,6 +375,8 @@ class Trainer:
             if code is not None:
                 return code
         self.log({"event": "done", "step": step})
+        if self.watch is not None:
+            self.watch.stop()
         if self.gang is not None and self.rank == 0:
             # A replica still waiting to join would otherwise wait out join_timeout and fail.
             with contextlib.suppress(Exception):
@@ -428,7 +463,7 @@ class Trainer:
             reason, self.pending_save = self.pending_save, None
             self.save(step, reason)
 
-    def recover(self, error: RuntimeError) -> int:
+    def recover(self, error: Exception) -> int:
         """A collective failed: a peer died or hung. Form the next round with the ranks still
         alive; the newest state any of them holds goes on (often no step is lost at all)."""
         print(f"huorn: collective failed at step {self.state_step} ({error}); regrouping", file=sys.stderr,
@@ -436,7 +471,9 @@ class Trainer:
         for _ in range(_MAX_RETRIES_PER_STEP):
             try:
                 return self.regroup(self.state_step, f"peer-lost: {type(error).__name__}")
-            except RuntimeError as again:  # a member of the new round died before it formed
+            except Exception as again:  # a member of the new round died before it formed
+                if not isinstance(again, RuntimeError) and self.peer_lost is None:
+                    raise
                 error = again
         raise error
 
@@ -450,11 +487,12 @@ class Trainer:
         stats = torch.tensor([loss_sum, small_sq, float(computed > 0), *flags],
                              dtype=torch.float64, device=self.device)
         comm.all_reduce(stats, self.hook_state, op="stats")
-        noise = self.update_noise_scale(float(stats[1]), int(stats[2]))
+        values = stats.tolist()  # NB: waits for the step's collectives, aborted or not
+        self._raise_if_peer_lost()  # an aborted step's sums are garbage: nothing may apply them
+        noise = self.update_noise_scale(values[1], int(values[2]))
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        values = stats.tolist()
         return values[0] / self.plan.micro_batches, noise, {}, values[3:]
 
     # -- remediation S2 --------------------------------------------------------------------------
