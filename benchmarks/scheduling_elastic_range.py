@@ -14,42 +14,31 @@ changed: the benchmark's figures stay those of factor 1.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from rich.progress import track
+from study_common import POLLUXES, TRACE, arguments, case, redraw, write
 
 from huorn.sim import bounds, engine, report, run
 
-DATA = Path("/work/shared/data")
-POLLUXES = ("pollux", "pollux-p-1", "pollux-p-1-fair")
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default="1024:0:0.8,128:0:0.8", help="gpus:seed:load, comma-separated")
+    parser = arguments(__doc__, "1024:0:0.8,128:0:0.8", "elastic_range.json")
     parser.add_argument("--ranges", default="1,2,4", help="elastic-range factors, comma-separated")
-    parser.add_argument("--output", type=Path,
-                        default=Path("benchmarks/results/scheduling_sim/elastic_range.json"))
-    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --output's JSON")
     args = parser.parse_args()
-    if args.plot_only:
-        plot(json.loads(args.output.read_text()), args.output.with_suffix(".png"))
+    if redraw(args, plot):
         return
-    trace = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv",
-             DATA / "genai_qps.csv")
-    work = [(case, int(r)) for case in args.cases.split(",") for r in args.ranges.split(",")]
+    work = [(case(c), int(r)) for c in args.cases.split(",") for r in args.ranges.split(",")]
     rows = []
-    for case, factor in track(work, description="cases"):
-        gpus, seed, load = case.split(":")
-        config = engine.SimConfig(gpus=int(gpus), seed=int(seed), load=float(load), elastic_range=factor)
-        results, sims = run.run_policies(*trace, ["fifo", *POLLUXES, "huorn"], config)
+    for (gpus, seed, load), factor in track(work, description="cases"):
+        config = engine.SimConfig(gpus=gpus, seed=seed, load=load, elastic_range=factor)
+        results, sims = run.run_policies(*TRACE, ["fifo", *POLLUXES, "huorn"], config)
         fifo = results["fifo"]["goodput_saturated_gpu_equiv"]
         best = min(POLLUXES, key=lambda k: results[k]["jct_mean_s"])
         huorn = results["huorn"]
         row = {
-            "gpus": int(gpus), "seed": int(seed), "load": float(load), "elastic_range": factor,
+            "gpus": gpus, "seed": seed, "load": load, "elastic_range": factor,
             "bound_vs_fifo": bounds.saturated_goodput_bound(sims["fifo"]) / fifo,
             "huorn_saturated_goodput_vs_fifo": huorn["goodput_saturated_gpu_equiv"] / fifo,
             "best_pollux": best,
@@ -60,9 +49,7 @@ def main() -> None:
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(rows, indent=2))
-    plot(rows, args.output.with_suffix(".png"))
+    write(rows, args.output, plot)
 
 
 def plot(rows: list[dict], path: Path) -> None:

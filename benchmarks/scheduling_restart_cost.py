@@ -13,17 +13,15 @@ for fewer restarts. The rule itself is not changed: the benchmark's figures stay
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
 
 from rich.progress import track
+from study_common import POLLUXES, TRACE, arguments, case, redraw, write
 
 from huorn.sim import bounds, engine, policies, report, run
 
-DATA = Path("/work/shared/data")
-POLLUXES = ("pollux", "pollux-p-1", "pollux-p-1-fair")
 # Huorn with fewer resizes, at the catalogue's restart cost (128 GPUs only: the 1,024-GPU runs
 # cost a minute each). Registered under their own names for this run only.
 FEWER_RESIZES = {"huorn-hysteresis-0.15": {"hysteresis": 0.15}, "huorn-hysteresis-0.3": {"hysteresis": 0.3},
@@ -31,33 +29,25 @@ FEWER_RESIZES = {"huorn-hysteresis-0.15": {"hysteresis": 0.15}, "huorn-hysteresi
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default="128:0:0.8,1024:0:0.8", help="gpus:seed:load, comma-separated")
+    parser = arguments(__doc__, "128:0:0.8,1024:0:0.8", "restart_cost.json")
     parser.add_argument("--costs", default="1,0.5,0", help="restart-time factors, comma-separated")
-    parser.add_argument("--output", type=Path,
-                        default=Path("benchmarks/results/scheduling_sim/restart_cost.json"))
-    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --output's JSON")
     args = parser.parse_args()
-    if args.plot_only:
-        plot(json.loads(args.output.read_text()), args.output.with_suffix(".png"))
+    if redraw(args, plot):
         return
     huorn = policies.POLICIES["huorn"]
     for name, change in FEWER_RESIZES.items():
         policies.POLICIES[name] = dataclasses.replace(
             huorn, name=name, allocator=dataclasses.replace(huorn.allocator, **change))
-    trace = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv",
-             DATA / "genai_qps.csv")
-    work = [(case, float(c)) for case in args.cases.split(",") for c in args.costs.split(",")]
+    work = [(case(c), float(cost)) for c in args.cases.split(",") for cost in args.costs.split(",")]
     rows = []
-    for case, cost in track(work, description="cases"):
-        gpus, seed, load = case.split(":")
-        config = engine.SimConfig(gpus=int(gpus), seed=int(seed), load=float(load), restart_cost=cost)
-        variants = list(FEWER_RESIZES) if cost == 1.0 and int(gpus) <= 128 else []
-        results, sims = run.run_policies(*trace, ["fifo", *POLLUXES, "huorn", *variants], config)
+    for (gpus, seed, load), cost in track(work, description="cases"):
+        config = engine.SimConfig(gpus=gpus, seed=seed, load=load, restart_cost=cost)
+        variants = list(FEWER_RESIZES) if cost == 1.0 and gpus <= 128 else []
+        results, sims = run.run_policies(*TRACE, ["fifo", *POLLUXES, "huorn", *variants], config)
         fifo = results["fifo"]["goodput_saturated_gpu_equiv"]
         best = min(POLLUXES, key=lambda k: results[k]["jct_mean_s"])
         row = {
-            "gpus": int(gpus), "seed": int(seed), "load": float(load), "restart_cost": cost,
+            "gpus": gpus, "seed": seed, "load": load, "restart_cost": cost,
             "bound_vs_fifo": bounds.saturated_goodput_bound(sims["fifo"]) / fifo,
             "best_pollux": best,
             "policies": {name: {"saturated_goodput_vs_fifo": r["goodput_saturated_gpu_equiv"] / fifo,
@@ -69,9 +59,7 @@ def main() -> None:
         row["huorn_jct_reduction_vs_best_pollux"] = 1 - huorn_jct / best_jct
         rows.append(row)
         print(json.dumps(row), flush=True)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(rows, indent=2))
-    plot(rows, args.output.with_suffix(".png"))
+    write(rows, args.output, plot)
 
 
 def plot(rows: list[dict], path: Path) -> None:

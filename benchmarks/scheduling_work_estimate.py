@@ -16,47 +16,35 @@ case. The benchmark's own figures stay those of exact declarations.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
 
 from rich.progress import track
+from study_common import POLLUXES, TRACE, arguments, case, redraw, write
 
 from huorn.sim import engine, run
 
-DATA = Path("/work/shared/data")
-POLLUXES = ("pollux", "pollux-p-1", "pollux-p-1-fair")
 # (work_estimate_error, undeclared_share): exact, three error levels, half and all undeclared.
 VARIANTS = ((0.0, 0.0), (0.25, 0.0), (0.5, 0.0), (1.0, 0.0), (0.0, 0.5), (0.0, 1.0))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default="128:0:0.8,128:0:1.5,1024:0:0.8",
-                        help="gpus:seed:load, comma-separated")
-    parser.add_argument("--output", type=Path,
-                        default=Path("benchmarks/results/scheduling_sim/work_estimate.json"))
-    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --output's JSON")
-    args = parser.parse_args()
-    if args.plot_only:
-        plot(json.loads(args.output.read_text()), args.output.with_suffix(".png"))
+    args = arguments(__doc__, "128:0:0.8,128:0:1.5,1024:0:0.8", "work_estimate.json").parse_args()
+    if redraw(args, plot):
         return
-    trace = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv",
-             DATA / "genai_qps.csv")
     rows = []
-    for case in track(args.cases.split(","), description="cases"):
-        gpus, seed, load = case.split(":")
-        config = engine.SimConfig(gpus=int(gpus), seed=int(seed), load=float(load))
-        baselines, _ = run.run_policies(*trace, ["fifo", *POLLUXES], config)
+    for gpus, seed, load in track([case(c) for c in args.cases.split(",")], description="cases"):
+        config = engine.SimConfig(gpus=gpus, seed=seed, load=load)
+        baselines, _ = run.run_policies(*TRACE, ["fifo", *POLLUXES], config)
         best = min(POLLUXES, key=lambda k: baselines[k]["jct_mean_s"])
         best_jct = baselines[best]["jct_mean_s"]
         fifo_goodput = baselines["fifo"]["goodput_saturated_gpu_equiv"]
         for error, undeclared in VARIANTS:
             varied = dataclasses.replace(config, work_estimate_error=error, undeclared_share=undeclared)
-            huorn = run.run_policies(*trace, ["huorn"], varied)[0]["huorn"]
+            huorn = run.run_policies(*TRACE, ["huorn"], varied)[0]["huorn"]
             row = {
-                "gpus": int(gpus), "seed": int(seed), "load": float(load),
+                "gpus": gpus, "seed": seed, "load": load,
                 "work_estimate_error": error, "undeclared_share": undeclared,
                 "best_pollux": best, "best_pollux_jct_mean_s": best_jct,
                 "huorn_jct_mean_s": huorn["jct_mean_s"], "huorn_jct_p99_s": huorn["jct_p99_s"],
@@ -66,9 +54,7 @@ def main() -> None:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(rows, indent=2))
-    plot(rows, args.output.with_suffix(".png"))
+    write(rows, args.output, plot)
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -125,3 +125,15 @@ def test_goodput_keeps_the_allocators_count_inside_the_spec_bounds(lo: int, extr
     if lo <= current <= hi:
         assert training.desired_replicas(build_job("goodput", lo, hi), current) == current
     assert training.desired_replicas(build_job("fixed", lo, hi), current) == lo
+
+
+def test_a_job_declared_in_tokens_gives_the_scheduler_its_length_in_steps() -> None:
+    """Huorn's JCT terms read the job's length; one declared in tokens counted as undeclared
+    (ranked behind every declared job in admission) until the tokens were turned into steps."""
+    job = build_job()
+    by_steps = monitoring.build_policies(job, ("uid", 1)).goodput
+    assert by_steps is not None and by_steps.total_steps == 10
+    job.spec.optimization.tokens = 3360 * job.spec.model.context * 25 + 1  # 25 steps and a token
+    job.spec.optimization.steps = None
+    by_tokens = monitoring.build_policies(job, ("uid", 2)).goodput
+    assert by_tokens is not None and by_tokens.total_steps == 26

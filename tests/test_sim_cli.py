@@ -26,6 +26,7 @@ def test_simulate_all_policies_writes_report_and_plots(tmp_path: Path) -> None:
         assert 0 <= metrics["inference_slo_attainment"] <= 1
         assert metrics["jct_p50_s"] <= metrics["jct_p99_s"]
     assert "mean_jct_reduction_vs_best" in report["huorn_vs_baselines"]
+    assert report["config"]["gpus"] == 16 and report["config"]["seed"] == 2  # what was measured
     for png in ("metrics.png", "timeline.png", "jct_cdf.png"):
         assert (out / png).stat().st_size > 1000
     printed = json.loads(result.stdout[result.stdout.index("{"):])
@@ -74,6 +75,7 @@ def test_job_lengths_can_be_declared_wrong_or_not_at_all(tmp_path: Path) -> None
         return json.loads(result.stdout[result.stdout.index("{"):])["policies"]["huorn"]
 
     exact, unknown = run(), run("--undeclared-share", "1")
+    assert json.loads((tmp_path / "report.json").read_text())["config"]["undeclared_share"] == 1.0
     assert exact["jobs"] == unknown["jobs"]
     assert exact["jct_mean_s"] != unknown["jct_mean_s"]
     for flag, value in (("--work-estimate-error", "-1"), ("--undeclared-share", "1.5")):

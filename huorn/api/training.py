@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Literal
 
@@ -280,6 +281,18 @@ class TrainingJobSpec(JobCommon):
     # NB: the default carries steps, because an Optimization without steps or tokens is invalid.
     optimization: Optimization = Field(default_factory=lambda: Optimization(steps=100))
     parallelism: Parallelism = Field(default_factory=Parallelism)
+
+
+def declared_steps(spec: TrainingJobSpec) -> int:
+    """Optimizer steps of the whole run as the spec declares them: `steps`, or `tokens` over the
+    tokens of one step (globalBatch × context), rounded up. The runtime's learning-rate schedule
+    spans exactly these, and the scheduler's JCT terms read them as the job's length (a job
+    declared in tokens once counted as undeclared there)."""
+    opt = spec.optimization
+    if opt.steps is not None:
+        return int(opt.steps)
+    assert opt.tokens is not None  # the optimization-steps-or-tokens rule
+    return max(1, math.ceil(opt.tokens / (opt.global_batch * spec.model.context)))
 
 
 def is_one_process_per_replica(pipeline_stages: int, gpus: int) -> bool:

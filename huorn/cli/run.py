@@ -17,6 +17,7 @@ from pathlib import Path
 
 import typer
 
+from huorn.api import training
 from huorn.backends import goodput, monitor
 from huorn.backends.local import backend as local_backend
 from huorn.backends.local import report
@@ -54,7 +55,7 @@ def build_policies(
     return [
         goodput.GoodputPolicy(
             g.name, spec["virtualCluster"], slots, float(spec["optimization"]["globalBatch"]),
-            total_steps=spec["optimization"].get("steps"),
+            total_steps=training.declared_steps(training.TrainingJobSpec.model_validate(spec)),
         )
     ]
 

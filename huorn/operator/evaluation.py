@@ -20,10 +20,10 @@ status in the same patch as the graph mutation that ends its instance, so it is 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from huorn.api.training import declared_steps
 from huorn.backends import monitor
 from huorn.backends.kubernetes import manifests
 from huorn.graph import model
@@ -144,13 +144,9 @@ def landed_checkpoint(graph: model.Graph, telemetry: Mapping[str, Mapping[str, A
 
 
 def final_step(job: Any) -> int:
-    """The step of the trainers' last checkpoint: they always save at their last step, which is
-    huorn.runtime.config.RunConfig.total_steps for a pod (no stepLimit), restated here because
-    the control plane does not import the runtime's config."""
-    opt = job.spec.optimization
-    if opt.steps is not None:
-        return int(opt.steps)
-    return max(1, math.ceil(opt.tokens / (opt.global_batch * job.spec.model.context)))
+    """The step of the trainers' last checkpoint: they always save at their last step, the
+    declared steps for a pod (no stepLimit)."""
+    return declared_steps(job.spec)
 
 
 def final_checkpoint(graph: model.Graph, job: Any) -> dict[str, Any] | None:

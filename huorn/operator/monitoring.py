@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from huorn.api.common import ElasticityPolicy, MitigationLevel
+from huorn.api.training import declared_steps
 from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import model, mutate, serialise
@@ -59,7 +60,7 @@ def build_policies(job: Any, key: tuple[str, int]) -> JobPolicies:
     if spec.elasticity.policy == ElasticityPolicy.GOODPUT:
         grow = goodput.GoodputPolicy(
             job=job.metadata.name, virtual_cluster=spec.virtual_cluster, slots=0,
-            global_batch=float(spec.optimization.global_batch), total_steps=spec.optimization.steps,
+            global_batch=float(spec.optimization.global_batch), total_steps=declared_steps(spec),
         )
     return JobPolicies(key, policy.RemediationPolicy(spec.remediation), grow)
 

@@ -10,7 +10,6 @@ admission cannot be read differently here. docs/runtime.md lists every field.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Literal
 
@@ -127,12 +126,9 @@ class RunConfig(base.ApiModel):
 
     def total_steps(self) -> int:
         """Optimizer steps of the whole run; the learning-rate schedule spans exactly these."""
-        opt = self.spec.optimization
         if self.step_limit is not None:
             return self.step_limit
-        if opt.steps is not None:
-            return opt.steps
-        return max(1, math.ceil(opt.tokens / (opt.global_batch * self.spec.model.context)))
+        return training.declared_steps(self.spec)
 
     def checkpoint_interval_s(self) -> float | None:
         """Seconds between time-based checkpoints, or None when intervalSteps governs."""

@@ -21,6 +21,7 @@ holding GPUs; `job_goodput_with_wait_vs_trace` is trace duration / JCT, which al
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -105,6 +106,8 @@ def compare(results: dict[str, dict]) -> dict:
 def write_report(out_dir: Path, results: dict[str, dict], sims: dict[str, engine.Simulation]) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"policies": results, "huorn_vs_baselines": compare(results)}
+    if sims:  # the settings the figures came from: a report must say what it measured
+        report["config"] = dataclasses.asdict(next(iter(sims.values())).config)
     path = out_dir / "report.json"
     path.write_text(json.dumps(report, indent=2, sort_keys=True))
     _plot(out_dir, results, sims)
