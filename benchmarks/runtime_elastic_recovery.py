@@ -179,8 +179,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps of the job")
     parser.add_argument("--gpu-kill", action="store_true",
                         help="on cuda: a 3rd replica joins after the SIGTERM, then rank 0's is SIGKILLed")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None,
+                        help="JSONs of earlier runs to merge into OUT/NAME.json and .png; runs nothing")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        merge(args.merge, args.out / f"{args.name}.json")
+        return 0
     data_dir = Path(tempfile.gettempdir()) / f"huorn-test-data-{os.getuid()}"
     for corpus in ("code", "general", "math"):
         build.ensure_corpus(corpus, data_dir)
@@ -213,10 +218,16 @@ def main() -> int:
         {"device": args.device, "model": {"layers": args.layers, "width": args.width,
                                           "context": args.context}, "results": results}, indent=2) + "\n")
     try:
-        import matplotlib
+        plot(results, args.device == "cuda" and not args.gpu_kill, args.out / f"{args.name}.png")
     except ImportError:  # the GPU machine's image may lack it; the JSON is plotted elsewhere
         print("matplotlib is not installed: no PNG", file=sys.stderr)
-        return 0 if all(r["complete"] for r in results) else 1
+    return 0 if all(r["complete"] for r in results) else 1
+
+
+def plot(results: list[dict], no_kill: bool, path: Path) -> None:
+    """Step against time per configuration, each event a dashed line in its colour."""
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -228,12 +239,19 @@ def main() -> int:
             axis.axvline(event["at"], color=line.get_color(), alpha=0.3, linestyle="--")
     axis.set_xlabel("seconds since start")
     axis.set_ylabel("global step logged")
-    axis.set_title("Join, graceful shrink" + ("" if args.device == "cuda" and not args.gpu_kill else
-                                              ", SIGKILL of the rank-0 replica") + " (dashed lines)")
+    axis.set_title("Join, graceful shrink" + ("" if no_kill else ", SIGKILL of the rank-0 replica")
+                   + " (dashed lines)")
     axis.legend()
     figure.tight_layout()
-    figure.savefig(args.out / f"{args.name}.png", dpi=120)
-    return 0 if all(r["complete"] for r in results) else 1
+    figure.savefig(path, dpi=120)
+
+
+def merge(paths: list[Path], out: Path) -> None:
+    """Runs of single configurations (one device call each) as one JSON and one plot."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    merged = {**runs[0], "results": [r for run in runs for r in run["results"]]}
+    out.write_text(json.dumps(merged, indent=2) + "\n")
+    plot(merged["results"], False, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
