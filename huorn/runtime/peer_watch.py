@@ -48,9 +48,12 @@ class PeerWatch:
         return self
 
     def stop(self) -> None:
+        """Ends the thread and waits for it, an abort it is making included: one that finished
+        late could abort the next round's groups. A store that does not answer ends it too,
+        within the store's timeout."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5 * self.interval_s)
+            self._thread.join(timeout=120)
 
     def check(self) -> list[int]:
         """One heartbeat and one look at the peers; returns the ranks found dead now."""
