@@ -111,12 +111,21 @@ def start_paced_gang(tmp: Path, spec: dict) -> tuple[Path, subprocess.Popen, int
     return config, store, port
 
 
-def loss_gaps_to_uninterrupted(tmp: Path, spec: dict, history: dict[int, dict]) -> dict[int, float]:
-    """|Δloss| per step between `history` and the same job run uninterrupted, in one process,
-    with the same seed."""
+def start_uninterrupted(tmp: Path, spec: dict) -> subprocess.Popen:
+    """The same job run uninterrupted, in one process, with the same seed, in tmp/reference.
+    A scenario can start it first: its gang is paced by sleeps, so the CPU is mostly idle, and
+    the reference then costs the suite nothing."""
     reference_dir = tmp / "reference"
     reference_dir.mkdir()
     reference_config = write_config(reference_dir, shared_data_dir(), spec)
-    assert start_trainer(reference_config, reference_dir / "train.log").wait(timeout=300) == 0
-    reference = effective_steps(read_events(reference_dir / "run"))
+    return start_trainer(reference_config, reference_dir / "train.log")
+
+
+def loss_gaps_to_uninterrupted(tmp: Path, spec: dict, history: dict[int, dict],
+                               started: subprocess.Popen | None = None) -> dict[int, float]:
+    """|Δloss| per step between `history` and the uninterrupted run (`started`, or one started
+    now)."""
+    reference = started if started is not None else start_uninterrupted(tmp, spec)
+    assert reference.wait(timeout=300) == 0, (tmp / "reference" / "train.log").read_text()[-3000:]
+    reference = effective_steps(read_events(tmp / "reference" / "run"))
     return {s: abs(history[s]["loss"] - reference[s]["loss"]) for s in sorted(reference)}

@@ -65,6 +65,7 @@ def test_a_joining_and_a_killed_replica_keep_the_run_exact(tmp_path: Path) -> No
     steps = 60
     spec = harness.build_spec(steps=steps, interval_steps=5, min_replicas=2)
     config, store, port = harness.start_paced_gang(tmp_path, spec)
+    uninterrupted = harness.start_uninterrupted(tmp_path, spec)  # meanwhile, on idle CPU
     run_dir = tmp_path / "run"
     agents: dict[int, subprocess.Popen] = {}
     try:
@@ -109,7 +110,7 @@ def test_a_joining_and_a_killed_replica_keep_the_run_exact(tmp_path: Path) -> No
     history = harness.effective_steps(events)
     assert sorted(history) == list(range(1, steps + 1))
 
-    worst = max(harness.loss_gaps_to_uninterrupted(tmp_path, spec, history).values())
+    worst = max(harness.loss_gaps_to_uninterrupted(tmp_path, spec, history, uninterrupted).values())
     assert worst < LOSS_TOLERANCE
     print(f"\njoin: {attempts[1]['steps'][0]['time'] - joined_at:.1f} s from agent start to a step at 3; "
           f"recovery: {recovered - killed_at:.1f} s from SIGKILL to a step at 2; "

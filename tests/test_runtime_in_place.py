@@ -65,6 +65,7 @@ def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path
     # A checkpoint at every step: every resize lands on a save, which the joiner must take part in.
     spec = harness.build_spec(steps=steps, interval_steps=1, min_replicas=1)
     config, store, port = harness.start_paced_gang(tmp_path, spec)
+    uninterrupted = harness.start_uninterrupted(tmp_path, spec)  # meanwhile, on idle CPU
     run_dir = tmp_path / "run"
     replicas: dict[int, subprocess.Popen] = {}
 
@@ -125,7 +126,7 @@ def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path
     history = steplog.effective_steps(events)
     assert sorted(history) == list(range(1, steps + 1))
 
-    gaps = harness.loss_gaps_to_uninterrupted(tmp_path, spec, history)
+    gaps = harness.loss_gaps_to_uninterrupted(tmp_path, spec, history, uninterrupted)
     worst = max(gaps.values())
     assert worst < LOSS_TOLERANCE, (f"first step off the uninterrupted run: "
                                      f"{min(s for s, gap in gaps.items() if gap >= LOSS_TOLERANCE)}; "
