@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from huorn.api.common import MitigationLevel
@@ -87,6 +87,7 @@ def _brute_force_makespan(times: list[float], total: int) -> float:
 
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.floats(0.5, 4.0), min_size=2, max_size=4), st.integers(0, 8))
+@example([2.00001, 0.5], 7)  # HiGHS's default 1e-4 gap once kept 4.00002 s where 4.0 s was optimal
 def test_milp_rebalance_is_exact_and_keeps_every_rank(times: list[float], extra: int) -> None:
     total = len(times) + extra
     plan = rebalance.rebalance_microbatches(times, total)
