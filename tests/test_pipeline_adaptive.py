@@ -12,6 +12,9 @@ import torch
 
 from huorn.runtime.pipeline import launch
 
+# Measures wall-clock behaviour of real processes: runs alone (scripts/test's serial part).
+pytestmark = pytest.mark.serial
+
 STAGES, WIDTH, DEPTH, MICROBATCHES, SIZE = 2, 384, 10, 8, 64
 BURST_S = 0.004  # at 80% contention a message waits 4 × 4 ms behind background bursts
 LEVELS = [0.0] * 4 + [0.8] * 8

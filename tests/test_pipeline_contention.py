@@ -49,6 +49,7 @@ def test_level_can_change_mid_run_and_is_checked() -> None:
     assert throttle.level == 0.5
 
 
+@pytest.mark.serial
 def test_gloo_link_delivers_in_order_and_times_the_contention_delay() -> None:
     """The same check as the CUDA link's GPU test, on the host-thread link that gloo gets."""
     burst_s, messages = 0.02, 4
@@ -56,6 +57,7 @@ def test_gloo_link_delivers_in_order_and_times_the_contention_delay() -> None:
     workers.check_link_run(ranks, "LinkSender", burst_s, messages)
 
 
+@pytest.mark.serial
 def test_gloo_link_holds_each_message_back_by_its_slow_link_delay_without_contention() -> None:
     """A slow-link fault's `extra_s` acts at level 0, on this link alone, and shows in the
     seconds per message the detector reads."""

@@ -15,6 +15,9 @@ from huorn.backends.local import report
 from huorn.graph import compiler
 from huorn.scheduler.remediation import policy
 
+# Measures wall-clock behaviour of real processes: runs alone (scripts/test's serial part).
+pytestmark = pytest.mark.serial
+
 STEPS, INTERVAL, HANG_AT = 30, 5, 12
 
 

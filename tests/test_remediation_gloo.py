@@ -18,6 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gloo_faults
 import gloo_job
 
+# Measures wall-clock behaviour of real processes: runs alone (scripts/test's serial part).
+pytestmark = pytest.mark.serial
+
 STARTUP_S = 180  # three fresh Python + torch processes on a loaded 2-core machine
 
 

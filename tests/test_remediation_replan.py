@@ -15,6 +15,9 @@ from huorn.api.common import MitigationLevel
 from huorn.backends.local import report
 from huorn.scheduler.remediation import failslow, ladder
 
+# Measures wall-clock behaviour of real processes: runs alone (scripts/test's serial part).
+pytestmark = pytest.mark.serial
+
 SLOW = failslow.SlowFinding("trainer-1", "compute", 40, 50, 7.0)
 COSTS = ladder.LadderCosts(rebalance=1.0, resplit=2.0, restart=1000.0)
 

@@ -16,6 +16,9 @@ from huorn.api.common import MitigationLevel
 from huorn.backends.local import report
 from huorn.scheduler.remediation import ladder
 
+# Measures wall-clock behaviour of real processes: runs alone (scripts/test's serial part).
+pytestmark = pytest.mark.serial
+
 STEPS, SLOW_FROM, SLOW_MS = 70, 15, 80
 
 

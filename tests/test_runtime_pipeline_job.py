@@ -94,6 +94,7 @@ def test_auto_schedule_records_its_k_decision_with_a_reason(tmp_path: Path, data
         assert e["loss"] == pytest.approx(reference[e["step"]], rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.serial
 def test_s2_plan_keeps_the_batch_and_speeds_up_a_slowed_rank(tmp_path: Path, data_dir: Path,
                                                               reference: dict[int, float]) -> None:
     """Rank 1 is slow per micro-batch from the start; the control file (there from the start, so

@@ -128,6 +128,7 @@ def _stalled(tmp: Path, rank: int, seconds: float = 2.0) -> dict:
     return after if (before["entered"], before["completed"]) == (after["entered"], after["completed"]) else {}
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_injected_hangs_show_in_sequence_numbers_of_a_real_gang(tmp_path: Path) -> None:
     config = harness.write_config(tmp_path, harness.shared_data_dir(), harness.build_spec(steps=100_000),
