@@ -54,3 +54,13 @@ def test_version_flag() -> None:
     result = CliRunner().invoke(main.app, ["--version"])
     assert result.exit_code == 0
     assert result.output.startswith("huorn ")
+
+
+def test_operator_refuses_bad_flags_before_it_connects() -> None:
+    for args, field in ((["-n", "a", "-A"], "--all-namespaces"),
+                        (["--metrics-port", "70000"], "--metrics-port"),
+                        (["--resync-seconds", "0"], "--resync-seconds"),
+                        (["--pod-start-seconds", "-1"], "--pod-start-seconds")):
+        result = CliRunner().invoke(main.app, ["operator", "--kubeconfig", "/nonexistent", *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert field in result.output, (args, result.output)

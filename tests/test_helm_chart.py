@@ -26,6 +26,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "watchNamespaces": ["team-a", "team-b"],
         "logLevel": "debug",
         "metrics": {"port": 9090, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+        "podStartSeconds": 1800,
     },
 }
 
@@ -103,6 +104,7 @@ def test_rendered_arguments_are_accepted_by_huorn_operator(variant: str) -> None
     assert params["namespace"] == values.get("watchNamespaces", [])
     assert params["peering"] == (values["peering"]["name"] if "peering" in values else None)
     assert params["metrics_port"] == values.get("metrics", {}).get("port", 8080)
+    assert params["pod_start_seconds"] == values.get("podStartSeconds", 600)
 
 
 def test_cluster_role_is_least_privilege_and_never_reads_secrets() -> None:
@@ -126,6 +128,8 @@ def test_values_schema_and_guards_reject_bad_values_with_the_field() -> None:
         chart.render({"replicaCount": "two"}, name="huorn", namespace="x")
     with pytest.raises(helm_python.HelmValuesError, match="pullPolicy"):
         chart.render({"image": {"repository": "r", "pullPolicy": "Sometimes"}}, name="huorn", namespace="x")
+    with pytest.raises(helm_python.HelmValuesError, match="podStartSeconds"):
+        chart.render({"podStartSeconds": 0}, name="huorn", namespace="x")
     with pytest.raises(helm_python.HelmRenderError, match=r"peering\.enabled"):
         chart.render({"replicaCount": 3}, name="huorn", namespace="x")
 

@@ -6,11 +6,13 @@ with a deadline, since the operator works in its own thread.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 from kube import builders
-from kube.cluster import wait_for
+from kube import operator as operator_mod
+from kube.cluster import EmulatedCluster, wait_for
 
 from huorn.runtime import config as runtime_config
 from huorn.runtime import launcher
@@ -187,6 +189,66 @@ def test_replacement_budget_and_mitigation_level_are_restart_rules(kube: builder
         lambda: (s := kube.job_status(NS, "once")).get("phase") == "Failed" and s, what="Failed"
     )
     assert "budget of 1 used up" in status["message"]
+
+
+def _hold_pending(kube: builders.Kube, pod: str, reason: str, message: str) -> None:
+    """What the kubelet reports of a container that cannot start."""
+    waiting = {"phase": "Pending", "containerStatuses": [
+        {"name": "trainer", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
+         "state": {"waiting": {"reason": reason, "message": message}}}]}
+    kube.core.patch_namespaced_pod_status(pod, NS, {"status": waiting})
+
+
+def test_a_pod_that_never_starts_is_replaced_then_fails_the_job_naming_why(
+        cluster: EmulatedCluster, kube: builders.Kube) -> None:
+    settings = dataclasses.replace(operator_mod.FAST, trainer_start_seconds=4.0)
+    with operator_mod.OperatorThread(cluster.api_client(), settings):
+        body = builders.make_training_job("stuck", "train", replicas=2, gpus=1)
+        body["metadata"]["annotations"] = {"huorn.io/max-restarts": "1"}
+        kube.create_job(NS, body)
+        wait_for(lambda: len(kube.pods(NS, "stuck")) == 3, what="the store pod and 2 trainer pods")
+        kube.set_pod_phase(NS, "stuck-rendezvous-0", "Running")
+        kube.set_pod_phase(NS, "stuck-trainer-0", "Running")
+        _hold_pending(kube, "stuck-trainer-1", "ImagePullBackOff", "Back-off pulling image \"x\"")
+        # While it waits, the job says which pod waits and why.
+        ready = wait_for(
+            lambda: (c := kube.condition(NS, "stuck", "Ready")) and "Back-off" in c["message"] and c,
+            what="the waiting reason in the Ready condition")
+        assert ready["status"] == "False"
+        assert ready["message"].startswith("1/2 trainer pods running; stuck-trainer-1: ImagePullBackOff")
+        wait_for(lambda: sorted(p.metadata.name for p in kube.pods(NS, "stuck", "trainer"))
+                 == ["stuck-trainer-0", "stuck-trainer-1-g1"], what="the stuck pod replaced")
+        decision = kube.job_status(NS, "stuck")["decisions"][-1]
+        assert decision["action"] == "replace"
+        assert ("pod stuck-trainer-1 did not start within 4 s (ImagePullBackOff: Back-off pulling image"
+                in decision["reason"]), decision
+        _hold_pending(kube, "stuck-trainer-1-g1", "ErrImagePull", "not found")
+        status = wait_for(lambda: (s := kube.job_status(NS, "stuck")).get("phase") == "Failed" and s,
+                          what="Failed once the budget is spent")
+        assert "stuck-trainer-1-g1 did not start within 4 s (ErrImagePull: not found)" in status["message"]
+        assert "replacement budget of 1 used up" in status["message"]
+        # A failed gang gives its GPUs back, the running pod's too.
+        wait_for(lambda: kube.pods(NS, "stuck", "trainer") == [], what="cleanup")
+
+
+def test_an_evicted_store_pod_is_replaced_behind_the_same_service(kube: builders.Kube, operator) -> None:
+    """The kubelet restarts a crashed store container in place (restartPolicy Always), but an
+    evicted store pod stays Failed, and without its store the gang can never rendezvous again."""
+    kube.create_job(NS, builders.make_training_job("rdzv", "train", replicas=2, gpus=1))
+    _running(kube, "rdzv", 2)
+    evicted = {"phase": "Failed", "reason": "Evicted",
+               "message": "The node was low on resource: memory."}
+    kube.core.patch_namespaced_pod_status("rdzv-rendezvous-0", NS, {"status": evicted})
+    wait_for(lambda: sorted(p.metadata.name for p in kube.pods(NS, "rdzv"))
+             == ["rdzv-rendezvous-0-g1", "rdzv-trainer-0", "rdzv-trainer-1"], what="the store pod replaced")
+    store = kube.core.read_namespaced_pod("rdzv-rendezvous-0-g1", NS)
+    service = kube.core.read_namespaced_service("rdzv-rdzv", NS)
+    assert all(store.metadata.labels.get(k) == v for k, v in service.spec.selector.items())
+    status = wait_for(lambda: (s := kube.job_status(NS, "rdzv")).get("phase") == "Running" and s,
+                      what="the job still Running")
+    assert [d["action"] for d in status["decisions"]] == ["replace"]
+    assert (status["decisions"][0]["reason"]
+            == "pod rdzv-rendezvous-0 failed (Evicted: The node was low on resource: memory.); replacing it")
 
 
 def test_delete_removes_every_child(kube: builders.Kube, operator) -> None:

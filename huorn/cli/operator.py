@@ -30,6 +30,10 @@ def operator_command(
     priority: int = typer.Option(0, "--priority", help="Peering priority; the highest one runs."),
     metrics_port: int = typer.Option(8080, "--metrics-port", help="Prometheus /metrics port; 0 disables."),
     resync_seconds: float = typer.Option(30.0, "--resync-seconds", help="Re-reconcile every job this often."),
+    pod_start_seconds: float = typer.Option(
+        600.0, "--pod-start-seconds",
+        help="A trainer pod still Pending this long is replaced (the job's replacement budget), an eval "
+             "pod is reported failed."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     no_mirror: bool = typer.Option(
         False, "--no-mirror", hidden=True, help="Benchmark baseline: list pods on every reconcile."
@@ -45,6 +49,9 @@ def operator_command(
     if resync_seconds <= 0:
         typer.echo(f"error: --resync-seconds must be > 0, got {resync_seconds}", err=True)
         raise typer.Exit(EXIT_USAGE)
+    if pod_start_seconds <= 0:
+        typer.echo(f"error: --pod-start-seconds must be > 0, got {pod_start_seconds}", err=True)
+        raise typer.Exit(EXIT_USAGE)
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
@@ -55,6 +62,7 @@ def operator_command(
     settings = context.OperatorSettings(
         resync_seconds=resync_seconds, error_backoff_seconds=0.5 if fast else 5.0,
         vc_status_seconds=1.0 if fast else 10.0, mirror=not no_mirror,
+        trainer_start_seconds=pod_start_seconds, eval_start_seconds=pod_start_seconds,
     )
     try:
         api = kube.build_api_client(kubeconfig, kube_context)

@@ -40,6 +40,10 @@ class OperatorSettings:
     # reported failed: one eval runs at a time, so a pod that never starts would stall every
     # later eval and hold the job's Succeeded forever.
     eval_start_seconds: float = 600.0
+    # A trainer pod still Pending this long after its creation is replaced like a failed one (the
+    # job's replacement budget), and the job fails naming why once the budget is spent: Kueue's
+    # waitForPodsReady. Until then its GPUs count as taken and the gang cannot train.
+    trainer_start_seconds: float = 600.0
     forecast_timeout_seconds: float = 5.0  # one Prometheus range query of an inference cluster's board
     retry: retry.RetryPolicy = field(default_factory=retry.RetryPolicy)
 
@@ -50,8 +54,9 @@ class OperatorSettings:
             raise ValueError("monitor_seconds, telemetry_timeout_seconds and progress_seconds must be > 0")
         if self.forecast_timeout_seconds <= 0:
             raise ValueError(f"forecast_timeout_seconds must be > 0, got {self.forecast_timeout_seconds}")
-        if self.eval_start_seconds <= 0:
-            raise ValueError(f"eval_start_seconds must be > 0, got {self.eval_start_seconds}")
+        if self.eval_start_seconds <= 0 or self.trainer_start_seconds <= 0:
+            raise ValueError(f"eval_start_seconds and trainer_start_seconds must be > 0, got "
+                             f"{self.eval_start_seconds} and {self.trainer_start_seconds}")
         if not 0 < self.telemetry_port < 65536:
             raise ValueError(f"telemetry_port must be in 1..65535, got {self.telemetry_port}")
         if self.max_pod_replacements < 0:

@@ -71,8 +71,7 @@ def in_flight(graph: model.Graph) -> bool:
 
 def is_over(pod: PodRecord, now: float, start_seconds: float) -> bool:
     """The pod ended, or never started: still Pending `start_seconds` after its creation."""
-    stuck = pod.phase == "Pending" and pod.created > 0 and now - pod.created > start_seconds
-    return pod.phase in TERMINAL_POD_PHASES or stuck
+    return pod.phase in TERMINAL_POD_PHASES or pod.never_started(now, start_seconds)
 
 
 def has_finished_pod(graph: model.Graph, pods: Iterable[PodRecord], now: float, start_seconds: float) -> bool:
@@ -96,7 +95,7 @@ def build_states(graph: model.Graph, pods: Iterable[PodRecord], now: float, star
             why = ""
             if done and pod.phase not in TERMINAL_POD_PHASES:
                 why = (f"eval pod {pod.name} did not start within {start_seconds:.0f} s: "
-                       f"{pod.waiting or 'still Pending'}")[:MESSAGE_LIMIT]
+                       f"{pod.not_started_reason()}")[:MESSAGE_LIMIT]
             elif done:
                 why = failure(pod)
             states[i.name] = monitor.InstanceState(

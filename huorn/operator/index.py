@@ -47,6 +47,13 @@ class PodRecord:
     input: dict[str, Any] | None = None  # an eval pod's checkpoint (its huorn.io/checkpoint annotation)
     created: float = 0.0  # metadata.creationTimestamp, seconds since the epoch (0: unknown)
     waiting: str = ""  # why the container is not running yet (ErrImagePull, ...), with its message
+    ended: str = ""  # why the kubelet ended the pod itself (Evicted, ...), with its message
+
+    def failure(self) -> str:
+        """What a Failed pod ended with, as a person would want it in a decision."""
+        if self.exit_code is not None:
+            return f"failed with exit code {self.exit_code}"
+        return f"failed ({self.ended or 'no exit code'})"
 
     @property
     def job_key(self) -> tuple[str, str]:
@@ -55,6 +62,14 @@ class PodRecord:
     @property
     def holds_resources(self) -> bool:
         return self.phase not in TERMINAL_POD_PHASES
+
+    def never_started(self, now: float, limit_seconds: float) -> bool:
+        """Still Pending `limit_seconds` after its creation (unschedulable, image not pulled): a
+        pod that may never start, while Huorn counts its GPUs as taken."""
+        return self.phase == "Pending" and self.created > 0 and now - self.created > limit_seconds
+
+    def not_started_reason(self) -> str:
+        return self.waiting or "still Pending"
 
 
 def _cpu_milli(text: str | None) -> int:
@@ -104,6 +119,7 @@ def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
         input=_parse_input(annotations.get(manifests.ANNOTATION_CHECKPOINT)),
         created=_parse_time(meta.get("creationTimestamp")),
         waiting=waiting,
+        ended=": ".join(str(v) for v in (status.get("reason"), status.get("message")) if v),
     )
 
 

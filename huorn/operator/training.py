@@ -38,6 +38,7 @@ KIND = "TrainingJob"
 PERMANENT_EXIT_CODES = frozenset({2})
 MAX_RESTARTS_ANNOTATION = "huorn.io/max-restarts"
 DECISION_LIMIT = 32
+REASON_LIMIT = 1024  # a decision's reason (Decision.reason); a kubelet's waiting message has no bound
 RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers"})
 
 
@@ -47,7 +48,8 @@ def _iso(seconds: float) -> str:
 
 def build_decisions(graph: Graph) -> list[dict[str, Any]]:
     return [
-        {"time": _iso(m.time), "action": m.action, "reason": m.reason[:1024], "graphVersion": m.version}
+        {"time": _iso(m.time), "action": m.action, "reason": m.reason[:REASON_LIMIT],
+         "graphVersion": m.version}
         for m in graph.log[-DECISION_LIMIT:]
     ]
 
@@ -110,31 +112,36 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
     new: list[Mutation] = []
     budget = _replacement_budget(ctx, body)
-    for instance in list(trainer.instances):
+    now, start_seconds = time.time(), ctx.settings.trainer_start_seconds
+    # The store pod too: restartPolicy Always restarts its container in place, but an evicted store
+    # pod stays Failed (and one that never starts stays Pending), and the gang cannot rendezvous
+    # without it. Its successor gets a new name behind the same Service.
+    for instance in [*trainer.instances, *graph.vertex("rendezvous").instances]:
         pod = pods.get(manifests.pod_name(ref, instance))
-        if pod is None or pod.phase != "Failed":
+        if pod is None:
             continue
+        stuck = not pod.deleting and pod.never_started(now, start_seconds)
+        if pod.phase != "Failed" and not stuck:
+            continue
+        what = (f"pod {pod.name} did not start within {start_seconds:.0f} s ({pod.not_started_reason()})"
+                if stuck else f"pod {pod.name} {pod.failure()}")
+        refused = not stuck and pod.exit_code in PERMANENT_EXIT_CODES
         allowed = job.spec.remediation.max_mitigation.value == "restart"
         # An S3 roll or a preemption replaces healthy pods on purpose; those do not spend the
         # failure budget.
         used = (graph.action_counts.get("replace", 0) - int(old.get("resplitReplacements") or 0)
                 - int(old.get("preemptReplacements") or 0))
-        if pod.exit_code in PERMANENT_EXIT_CODES or not allowed or used >= budget:
-            why = f"pod {pod.name} failed with exit code {pod.exit_code}; " + (
+        if refused or not allowed or used >= budget:
+            why = f"{what}; " + (
                 "the runtime refused its config"
-                if pod.exit_code in PERMANENT_EXIT_CODES
+                if refused
                 else "restarts are not allowed (spec.remediation.maxMitigation)"
                 if not allowed
                 else f"replacement budget of {budget} used up"
             )
-            return await _fail(ctx, body, graph, base_status, why)
-        new.append(
-            mutate.replace_instance(
-                graph,
-                instance.name,
-                reason=f"pod {pod.name} failed (exit code {pod.exit_code}); replacing it",
-            )
-        )
+            return await _fail(ctx, body, graph, base_status, why[:REASON_LIMIT])
+        reason = f"{what}; replacing it"[:REASON_LIMIT]
+        new.append(mutate.replace_instance(graph, instance.name, reason=reason))
 
     trainer_pods = [pods.get(manifests.pod_name(ref, i)) for i in trainer.instances]
     finished = trainer_pods and all(p is not None and p.phase == "Succeeded" for p in trainer_pods)
@@ -398,6 +405,9 @@ async def _report(
         )
     else:
         message = f"{running}/{total} trainer pods running"
+        held = [f"{p.name}: {p.waiting}" for p in present if p.phase == "Pending" and p.waiting]
+        if held:  # why they are not: what `kubectl describe pod` would say first
+            message = f"{message}; {'; '.join(held)}"[:REASON_LIMIT]
         conds = conditions.build_conditions(
             old.get("conditions"),
             base_status["observedGeneration"],
