@@ -45,6 +45,9 @@ def test_the_crd_describes_the_new_status_fields() -> None:
     crd = yaml.safe_load(Path("crds/trainingjobs.huorn.io.yaml").read_text())
     status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert {"lastEvaluation", "evaluations", "resplitVersion", "resplitReplacements"} <= set(status)
+    assert {"progressPercent", "estimatedRemainingSeconds", "estimatedRemaining"} <= set(status)
+    columns = {c["name"]: c["jsonPath"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert columns["Progress"] == ".status.progressPercent" and columns["ETA"] == ".status.estimatedRemaining"
     last = status["lastEvaluation"]["properties"]
     assert last["phase"]["enum"] == ["Succeeded", "Failed"]
     assert status["evaluations"]["maxItems"] == evaluation.HISTORY

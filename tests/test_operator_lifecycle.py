@@ -358,6 +358,7 @@ def test_finished_gang_succeeds_and_frees_its_store(kube: builders.Kube, operato
         kube.set_pod_phase(NS, pod.metadata.name, "Succeeded", exit_code=0)
     status = wait_for(lambda: (s := kube.job_status(NS, "done")).get("phase") == "Succeeded" and s)
     assert kube.condition(NS, "done", "Ready")["reason"] == "Succeeded" and status["replicas"] == 0
+    assert (status["progressPercent"], status["estimatedRemaining"]) == (100, "0s")
     wait_for(lambda: kube.pods(NS, "done", "rendezvous") == [], what="the store pod deleted")
     assert [p.metadata.name for p in kube.pods(NS, "done")] == ["done-trainer-0", "done-trainer-1"]
     wait_for(lambda: (kube.get_vc("train").get("status") or {}).get("allocated") == 0, what="GPUs freed")

@@ -104,6 +104,9 @@ def test_training_progress_and_the_last_checkpoint_reach_status(cluster, kube: b
         status = wait_for(lambda: (s := kube.job_status(NS, "llm")).get("step") == 7 and s,
                           what="status.step 7")
         assert status["loss"] == pytest.approx(2.3) and status["tokensPerSecond"] == pytest.approx(2007.0)
+        # 7 of the 100 declared steps; the first write's rate is the step's own 0.5 s: 93 × 0.5 s.
+        assert (status["progressPercent"], status["estimatedRemainingSeconds"]) == (7, 46)
+        assert status["estimatedRemaining"] == "46s"
         checkpoint = {"step": 7, "path": "/checkpoints/step-00000007", "time": "2026-11-30T11:00:00Z"}
         for replica in IPS:
             ranks.by_replica[replica].set_parameter("checkpoint", dict(checkpoint))

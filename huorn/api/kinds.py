@@ -68,6 +68,8 @@ TRAINING_JOB = Kind(
         *_JOB_COLUMNS[:2],
         PrinterColumn("Step", ".status.step", "integer"),
         PrinterColumn("Loss", ".status.loss", "number"),
+        PrinterColumn("Progress", ".status.progressPercent", "integer"),
+        PrinterColumn("ETA", ".status.estimatedRemaining"),
         *_JOB_COLUMNS[2:],
     ),
     scale_spec_path=".spec.elasticity.minReplicas",

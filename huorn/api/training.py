@@ -351,5 +351,14 @@ class TrainingJobStatus(JobStatus):
                                         "ConfigMap.")
     loss: float | None = None
     tokens_per_second: float | None = None
+    progress_percent: int | None = Field(
+        default=None, ge=0, le=100, description="Steps done of those the spec declares "
+        "(optimization.steps, or tokens over globalBatch × context).")
+    estimated_remaining_seconds: int | None = Field(
+        default=None, ge=0, description="The declared steps left at the rate seen since the previous "
+        "progress write (resize and restart pauses included); absent while no rate is known.")
+    estimated_remaining: str | None = Field(
+        default=None, max_length=16, description="estimatedRemainingSeconds for people ('1h05m'): the "
+        "ETA column of `kubectl get tj`.")
     batch_size: int | None = None
     learning_rate: float | None = None

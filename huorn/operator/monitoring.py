@@ -28,7 +28,7 @@ from huorn.api.training import declared_steps
 from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import model, mutate, serialise
-from huorn.operator import conditions, cordon, evaluation, training, validation
+from huorn.operator import conditions, cordon, estimates, evaluation, training, validation
 from huorn.operator.context import Context
 from huorn.scheduler.remediation import policy
 
@@ -48,6 +48,8 @@ class JobPolicies:
     ladder_seen: int = 0
     polls: int = 0  # ticks that read some telemetry: how long the job has been watched
     progress_written: float = float("-inf")  # time of the last status.step/loss write
+    progress_step: int | None = None  # status.step in that write: the rate behind the ETA
+    total_steps: int | None = None  # what the spec declares (steps, or tokens as steps)
     checkpoint_written: int | None = None  # step of the last status.lastCheckpoint written
 
     def all(self) -> list[monitor.Policy]:
@@ -62,7 +64,8 @@ def build_policies(job: Any, key: tuple[str, int]) -> JobPolicies:
             job=job.metadata.name, virtual_cluster=spec.virtual_cluster, slots=0,
             global_batch=float(spec.optimization.global_batch), total_steps=declared_steps(spec),
         )
-    return JobPolicies(key, policy.RemediationPolicy(spec.remediation), grow)
+    return JobPolicies(key, policy.RemediationPolicy(spec.remediation), grow,
+                       total_steps=declared_steps(spec))
 
 
 def _policies_for(ctx: Context, body: Mapping[str, Any], job: Any) -> JobPolicies:
@@ -209,9 +212,12 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
     return mutations
 
 
-def build_progress(observation: monitor.Observation) -> dict[str, Any]:
-    """status.step, loss, tokensPerSecond (from the newest step record) and lastCheckpoint (from
-    the lowest rank's telemetry), what `kubectl get trainingjobs` prints; {} when nothing new."""
+def build_progress(observation: monitor.Observation, total_steps: int | None = None,
+                   since: tuple[float, int] | None = None) -> dict[str, Any]:
+    """status.step, loss, tokensPerSecond (from the newest step record), progressPercent and the
+    ETA (against the declared `total_steps`; `since`: time and step of the previous write) and
+    lastCheckpoint (from the lowest rank's telemetry), what `kubectl get trainingjobs` prints;
+    {} when nothing new."""
     progress: dict[str, Any] = {}
     if observation.steps:
         last = observation.steps[-1]
@@ -220,6 +226,9 @@ def build_progress(observation: monitor.Observation) -> dict[str, Any]:
             progress["loss"] = round(float(last["loss"]), 6)
         if last.get("tokens_per_second") is not None:
             progress["tokensPerSecond"] = round(float(last["tokens_per_second"]), 1)
+        seconds = last.get("step_seconds")
+        progress |= estimates.estimate_progress(progress["step"], total_steps, observation.time, since,
+                                      float(seconds) if seconds is not None else None)
     if observation.telemetry:
         first = min(observation.telemetry.values(), key=lambda s: int(s.get("rank", 1 << 30)))
         landed = (first.get("parameters") or {}).get("checkpoint")
@@ -232,7 +241,8 @@ async def write_progress(ctx: Context, namespace: str, name: str, state: JobPoli
                          observation: monitor.Observation) -> bool:
     """A merge patch of the progress fields, at most every `progress_seconds` (at once for a new
     checkpoint). It touches no field the reconcile owns, so it needs no job lock."""
-    progress = build_progress(observation)
+    since = None if state.progress_step is None else (state.progress_written, state.progress_step)
+    progress = build_progress(observation, state.total_steps, since)
     checkpoint = (progress.get("lastCheckpoint") or {}).get("step")
     fresh_checkpoint = checkpoint is not None and checkpoint != state.checkpoint_written
     due = observation.time - state.progress_written >= ctx.settings.progress_seconds
@@ -243,6 +253,7 @@ async def write_progress(ctx: Context, namespace: str, name: str, state: JobPoli
     await ctx.client.patch_status(training.PLURAL, namespace, name, progress)
     if due:
         state.progress_written = observation.time
+        state.progress_step = progress.get("step", state.progress_step)
     if checkpoint is not None:
         state.checkpoint_written = checkpoint
     return True

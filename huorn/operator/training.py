@@ -28,7 +28,7 @@ from huorn.backends import monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import Graph, Mutation
-from huorn.operator import conditions, cordon, evaluation, validation
+from huorn.operator import conditions, cordon, estimates, evaluation, validation
 from huorn.operator.context import Context
 from huorn.operator.index import PodRecord
 from huorn.scheduler import placement
@@ -158,6 +158,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             **base_status,
             "phase": "Succeeded",
             "replicas": 0,
+            "progressPercent": 100,
+            "estimatedRemainingSeconds": 0,
+            "estimatedRemaining": estimates.human_seconds(0),
             "graph": serialise.to_status(graph),
             "conditions": conditions.build_conditions(
                 old.get("conditions"), generation, ready=(False, "Succeeded", "training finished")
