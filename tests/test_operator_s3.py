@@ -254,17 +254,20 @@ def test_s3_from_pipeline_telemetry_to_a_rolled_gang(cluster: EmulatedCluster, k
     try:
         settings = dataclasses.replace(operator_mod.FAST, monitor_seconds=0.3, telemetry_port=ranks.port,
                                        telemetry_timeout_seconds=1.0, progress_seconds=0.5)
+        # Every rank's steps are there before the pods run, so the first poll sees all of them: a
+        # poll between ranks would read rank 0's 50 steps and rank 3's first few, and no later
+        # step would come to show rank 3's slowdown (seen once in a full run on two workers).
+        for t in ranks.all:
+            t.set_parameter("pipeline", {"stages": 2, "stage_layers": [2, 2]})
+            for step in range(1, 51):
+                seconds = (30.0 if t.rank == 3 and step >= 25 else 1.0) + rng.uniform(-0.02, 0.02)
+                t.record_step(step, seconds, 0.1, 2.0, 1000.0, None)
         with operator_mod.OperatorThread(cluster.api_client(), settings):
             body = builders.make_training_job("pp", "train", replicas=2, max_replicas=2, gpus=2,
                                               parallelism={"pipelineStages": 2}, model={"layers": 4},
                                               remediation={"maxMitigation": "resplit"})
             kube.create_job(NS, body)
             run_pipeline_pods(kube, "pp", ["pp-trainer-0", "pp-trainer-1"])
-            for t in ranks.all:
-                t.set_parameter("pipeline", {"stages": 2, "stage_layers": [2, 2]})
-                for step in range(1, 51):
-                    seconds = (30.0 if t.rank == 3 and step >= 25 else 1.0) + rng.uniform(-0.02, 0.02)
-                    t.record_step(step, seconds, 0.1, 2.0, 1000.0, None)
             run_pipeline_pods(kube, "pp", ["pp-trainer-0-g1", "pp-trainer-1-g1"])
             assert run_config_of(kube, "pp", tmp_path).stage_layers == [3, 1], "stage 1 keeps one layer"
             status = kube.job_status(NS, "pp")
