@@ -48,11 +48,14 @@ def test_slow_pipeline_replica_gets_fewer_micro_batches(tmp_path: Path) -> None:
     slow_replica = {e["rank"] // 2 for e in endpoints if e["replica"] == "trainer-1"}
     assert len(slow_replica) == 1 and len(endpoints) == 4, endpoints
     slow = slow_replica.pop()
-    # the detector named that replica (both its ranks: the whole replica is slowed), not a
-    # job-wide communication slowdown (its neighbours' and the other replica's waits grew too)
+    # the detector named that replica, not a job-wide communication slowdown (its neighbours' and
+    # the other replica's waits grew too). Both its ranks are slowed; the first decision carries
+    # those whose change point has validated by then: both in most runs, but once (of many
+    # full-suite runs) only stage 1's, stage 0's validating a poll later.
     first = remediation.decisions[0]
     assert first.level is MitigationLevel.OBSERVE and "(compute)" in first.reason, first
-    assert f"pipeline replica {slow}," in first.reason and set(first.ranks) == {2 * slow, 2 * slow + 1}, first
+    assert f"pipeline replica {slow}," in first.reason, first
+    assert first.ranks and set(first.ranks) <= {2 * slow, 2 * slow + 1}, first
     assert f"detected on pipeline replica {slow}" in s2[0].reason, s2[0]
     assert len(counts) == 2 and sum(counts) == 8 and counts[slow] < counts[1 - slow], counts
     mutations = [m for m in g.log if m.action == "set-param" and m.detail["key"] == "microbatches"]
