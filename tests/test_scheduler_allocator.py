@@ -187,6 +187,29 @@ def test_invariants_hold_over_successive_cycles(config: allocator.AllocatorConfi
             job.model_version += 1
 
 
+def test_a_pinned_job_is_never_shrunk_onto_a_better_packed_smaller_gang() -> None:
+    """Regression (found by the property test above in a full-suite run): a pinned job of 4
+    replicas spread over the training node and a lender's node was moved to 3 replicas on the
+    lender's node alone, which its model priced faster, once the lender allowed 3 GPUs on loan.
+    Pass 1 reserves a pinned job's size; the placement search now stops there too."""
+    snap = build_snapshot(train_nodes=1, infer_nodes=1, lend=0, borrow=3)
+    jobs = [build_job("j0", SCALES_BADLY, min_replicas=3, max_replicas=5, priority=100, noise_scale=591.0),
+            build_job("j1", min_replicas=1, max_replicas=3, gpus_per_replica=2, priority=100, submitted=1.0,
+                      noise_scale=0.0)]
+    alloc = allocator.Allocator()
+    sizes: list[dict[str, int]] = []
+    for cycle, limit in enumerate([0, 0, 3]):
+        snap.set_virtual_cluster(snapshot.VirtualClusterView(
+            "infer", purpose="inference", lendable=limit > 0, max_gpus_lent=limit))
+        got = {d.job: d.replicas for d in alloc.allocate(snap, jobs, float(cycle * 1000))}
+        sizes.append(got)
+        for job in jobs:
+            job.replicas, job.last_resize = got[job.name], float(cycle * 1000)
+            job.noise_scale, job.model_version = job.noise_scale * 2, job.model_version + 1
+    assert sizes[1]["j0"] == 4, sizes  # the case: running at 4 when the lender opens
+    assert sizes[2]["j0"] >= 4 and sizes[2]["j1"] >= sizes[1]["j1"], sizes
+
+
 def test_cooldown_blocks_reversals_but_not_the_next_step() -> None:
     alloc = allocator.Allocator(allocator.AllocatorConfig(cooldown_seconds=300))
     snap = build_snapshot()

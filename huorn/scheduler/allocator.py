@@ -488,7 +488,10 @@ class Allocator:
             # A resize restarts the job: price it as _values does, so that a placement worse than
             # the table assumed cannot make a job flap between two sizes.
             cost = 1.0 - self._penalty(job) if running else 1.0
-            for a in range(want, job.min_replicas - 1, -1) if want else []:
+            # A pinned job is never shrunk (pass 1's floor): a smaller gang that would pack better
+            # is not an option for it, and if no size from its own up fits, it keeps its GPUs.
+            floor = job.replicas if running and job.priority >= PINNED_PRIORITY else job.min_replicas
+            for a in range(want, floor - 1, -1) if want else []:
                 where = snap.place(job.virtual_cluster, a, job.gpus_per_replica)
                 if not isinstance(where, placement.Placement):
                     reason = where.reason
