@@ -58,14 +58,14 @@ class JobPolicies:
 
 def build_policies(job: Any, key: tuple[str, int]) -> JobPolicies:
     spec = job.spec
+    total = declared_steps(spec)
     grow = None
     if spec.elasticity.policy == ElasticityPolicy.GOODPUT:
         grow = goodput.GoodputPolicy(
             job=job.metadata.name, virtual_cluster=spec.virtual_cluster, slots=0,
-            global_batch=float(spec.optimization.global_batch), total_steps=declared_steps(spec),
+            global_batch=float(spec.optimization.global_batch), total_steps=total,
         )
-    return JobPolicies(key, policy.RemediationPolicy(spec.remediation), grow,
-                       total_steps=declared_steps(spec))
+    return JobPolicies(key, policy.RemediationPolicy(spec.remediation), grow, total_steps=total)
 
 
 def _policies_for(ctx: Context, body: Mapping[str, Any], job: Any) -> JobPolicies:
@@ -227,8 +227,9 @@ def build_progress(observation: monitor.Observation, total_steps: int | None = N
         if last.get("tokens_per_second") is not None:
             progress["tokensPerSecond"] = round(float(last["tokens_per_second"]), 1)
         seconds = last.get("step_seconds")
+        step_seconds = float(seconds) if seconds is not None else None
         progress |= estimates.estimate_progress(progress["step"], total_steps, observation.time, since,
-                                      float(seconds) if seconds is not None else None)
+                                                step_seconds)
     if observation.telemetry:
         first = min(observation.telemetry.values(), key=lambda s: int(s.get("rank", 1 << 30)))
         landed = (first.get("parameters") or {}).get("checkpoint")
