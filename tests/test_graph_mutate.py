@@ -143,6 +143,49 @@ def test_a_checkpoint_landing_during_an_eval_runs_it_again_on_the_newer_one() ->
     assert [m.action for m in parked] == ["deactivate"] and not g.vertex("eval").active
 
 
+def test_suspend_keeps_the_instances_to_resume_with_under_new_names() -> None:
+    g = build_graph(lo=1, hi=4, eval_vertex=True)
+    mutate.resize(g, "trainer", 3, reason="goodput says 3")
+    managers.build_default_managers().dispatch(
+        g, managers.Event(managers.EDGE_FIRED, "trainer->eval:checkpoint", {"step": 40, "path": "/c/40"}))
+    m = mutate.suspend(g, ["trainer", "rendezvous", "eval"], reason="spec.suspend is true", renew=True)
+    assert m is not None and m.action == "suspend"
+    assert m.detail == {"vertices": ["trainer", "rendezvous", "eval"],
+                        "replicas": {"trainer": 3, "rendezvous": 1}}
+    trainer, store, ev = g.vertex("trainer"), g.vertex("rendezvous"), g.vertex("eval")
+    assert not trainer.active and not store.active
+    assert [i.name for i in trainer.instances] == ["trainer-0-g1", "trainer-1-g1", "trainer-2-g1"]
+    # Nothing of a suspended vertex runs: no pod, no process, no store endpoint. The checkpoint
+    # volume stays, for the eval and for the resume.
+    assert g.instance_names() == ["eval-0-g1"]
+    wanted = {(d.kind, d.vertex) for d in desired.build_desired(g)}
+    assert {w for w in wanted if w[0] != "volume"} == {("instance", "eval")}
+    assert ("volume", "trainer") in wanted
+    # The eval in flight keeps its checkpoint and stays active: it runs again after the resume.
+    assert ev.active and ev.params["checkpoint"]["step"] == 40
+    assert mutate.suspend(g, ["trainer", "rendezvous", "eval"], reason="again", renew=True) is None
+    assert trainer.instances[0].generation == 1, "a repeated suspend renews nothing"
+
+    # The round trip through status keeps a suspended graph suspended, instances included.
+    back = serialise.from_status(serialise.to_status(g))
+    assert not back.vertex("trainer").active and back.vertex("trainer").replicas == 3
+
+    r = mutate.resume(back, ["trainer", "rendezvous", "eval"], reason="spec.suspend is false")
+    assert r is not None and r.detail == {"vertices": ["trainer", "rendezvous"],
+                                          "replicas": {"trainer": 3, "rendezvous": 1}}
+    assert sorted(back.instance_names()) == ["eval-0-g1", "rendezvous-0-g1", "trainer-0-g1", "trainer-1-g1",
+                                             "trainer-2-g1"]
+    assert mutate.resume(back, ["trainer", "rendezvous"], reason="again") is None
+    assert back.action_counts == {"resize": 1, "set-param": 1, "activate": 1, "suspend": 1, "resume": 1}
+
+
+def test_a_job_suspended_before_any_pod_keeps_its_first_names() -> None:
+    g = build_graph(lo=2, hi=4)
+    mutate.suspend(g, ["trainer", "rendezvous"], reason="created suspended", renew=False)
+    mutate.resume(g, ["trainer", "rendezvous"], reason="admitted")
+    assert sorted(g.instance_names()) == ["rendezvous-0", "trainer-0", "trainer-1"]
+
+
 def test_status_round_trip_is_exact_when_log_fits() -> None:
     g = build_graph(eval_vertex=True)
     mutate.resize(g, "trainer", 3, reason="grow")

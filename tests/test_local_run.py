@@ -246,6 +246,13 @@ def test_bad_options_exit_2_before_anything_starts(
     assert code == 2 and message in err and not run_dir.exists()
 
 
+def test_a_suspended_job_is_refused_with_exit_2(tmp_path: Path) -> None:
+    manifest = yaml.safe_load(QUICKSTART.read_text())
+    manifest["spec"]["suspend"] = True
+    code, err, run_dir = invoke_run(tmp_path, manifest)
+    assert code == 2 and "spec.suspend is true" in err and not run_dir.exists()
+
+
 def test_other_kinds_are_refused_with_exit_2(tmp_path: Path) -> None:
     manifest = yaml.safe_load((ROOT / "examples" / "rl-job.yaml").read_text())
     code, err, run_dir = invoke_run(tmp_path, manifest)

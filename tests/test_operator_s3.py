@@ -13,11 +13,11 @@ import random
 from pathlib import Path
 from typing import Any
 
-import kmock
 import pytest
 from kube import builders
 from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
+from kube.kubelet import Kubelet
 
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import mutate, serialise
@@ -29,30 +29,7 @@ from huorn.scheduler.remediation import policy
 pytest_plugins = ["kube.fixtures"]
 
 NS = "team"
-PODS = kmock.resource("", "v1", "pods")
 PIPELINE_IPS = {"trainer-0": "127.0.0.2", "trainer-1": "127.0.0.3"}
-
-
-class Kubelet:
-    """A finalizer on the running trainer pods makes a DELETE only mark them (deletionTimestamp),
-    as a graceful delete does while the pod checkpoints; `release` ends the grace period."""
-
-    FINALIZER = "test.huorn.io/checkpointing"
-
-    def __init__(self, kube: builders.Kube, km: kmock.KubernetesEmulator) -> None:
-        self.kube, self.km = kube, km
-
-    def hold(self, names: list[str]) -> None:
-        for name in names:
-            self.kube.core.patch_namespaced_pod(name, NS, {"metadata": {"finalizers": [self.FINALIZER]}})
-
-    def deletes(self) -> list[tuple[str, dict[str, str]]]:
-        """The pod DELETEs the API received: (pod name, query parameters)."""
-        return [(r.url.path.rstrip("/").split("/")[-1], dict(r.params)) for r in self.km["delete", PODS]]
-
-    def release(self, names: list[str]) -> None:
-        for name in names:
-            self.kube.core.patch_namespaced_pod(name, NS, {"metadata": {"finalizers": []}})
 
 
 def make_job(name: str, max_restarts: int | None = None) -> dict[str, Any]:
@@ -90,7 +67,7 @@ def trainers(kube: builders.Kube, job: str) -> list[str]:
 def test_s3_split_reaches_the_config_and_the_gang_rolls_once(
         cluster: EmulatedCluster, kube: builders.Kube, tmp_path: Path) -> None:
     assert cluster.kmock is not None
-    kubelet = Kubelet(kube, cluster.kmock)
+    kubelet = Kubelet(kube, cluster.kmock, NS)
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
         kube.create_job(NS, make_job("pp", max_restarts=1))
         wait_for(lambda: len(trainers(kube, "pp")) == 2, what="2 trainer pods")
@@ -154,7 +131,7 @@ def test_a_restarted_operator_finishes_a_roll_it_decided(
     """The decision (replacements and resplitVersion) is in status before any pod is touched;
     an operator stopped with the old pods still draining finishes the roll, exactly once."""
     assert cluster.kmock is not None
-    kubelet = Kubelet(kube, cluster.kmock)
+    kubelet = Kubelet(kube, cluster.kmock, NS)
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
         kube.create_job(NS, make_job("pp"))
         wait_for(lambda: len(trainers(kube, "pp")) == 2, what="2 trainer pods")

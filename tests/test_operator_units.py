@@ -211,6 +211,19 @@ def test_conditions_keep_transition_time_until_status_changes() -> None:
     assert conditions.is_true(second, "Ready") and not conditions.is_true(second, "Reconciling")
 
 
+def test_the_suspended_condition_appears_with_the_first_suspension_and_stays() -> None:
+    plain = conditions.build_conditions(None, 1, ready=(True, "Running", "2/2"))
+    assert [c["type"] for c in plain] == ["Ready", "Reconciling", "Stalled"]
+    held = conditions.build_conditions(plain, 2, ready=(False, "Suspended", "s"),
+                                       suspended=(True, "Suspended", "s"))
+    assert conditions.is_true(held, "Suspended")
+    # Once written, it stays: False with reason Resumed when the job runs again.
+    back = conditions.build_conditions(held, 3, ready=(True, "Running", "2/2"))
+    suspended = next(c for c in back if c["type"] == "Suspended")
+    assert (suspended["status"], suspended["reason"]) == ("False", "Resumed")
+    assert suspended["observedGeneration"] == 3
+
+
 def test_kubeclient_apply_is_create_or_patch(tmp_path) -> None:
     """Against the emulator: a second apply of the same ConfigMap patches it instead of failing."""
     import sys

@@ -160,7 +160,9 @@ class LastCheckpoint(ApiModel):
     path: str | None = None
 
 
-Phase = Literal["Pending", "Placing", "Running", "Resizing", "Remediating", "Succeeded", "Failed", "Stalled"]
+Phase = Literal[
+    "Pending", "Placing", "Running", "Resizing", "Remediating", "Suspended", "Succeeded", "Failed", "Stalled"
+]
 
 DECISION_HISTORY_LIMIT = 32
 # Ready, Reconciling, Stalled and the kind-specific ones; a bound keeps the server's cost estimate finite.

@@ -281,6 +281,13 @@ class TrainingJobSpec(JobCommon):
     # NB: the default carries steps, because an Optimization without steps or tokens is invalid.
     optimization: Optimization = Field(default_factory=lambda: Optimization(steps=100))
     parallelism: Parallelism = Field(default_factory=Parallelism)
+    suspend: bool = Field(
+        default=False,
+        description="True stops every pod of the job and frees its GPUs: trainers get SIGTERM and "
+        "checkpoint first. False again resumes it from that checkpoint, at the replicas it had. "
+        "A job created with suspend true waits without pods (what Kubernetes Jobs, JobSet, Kubeflow "
+        "and Kueue call suspend).",
+    )
 
 
 def declared_steps(spec: TrainingJobSpec) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import typer
 
-from huorn.api import training
+from huorn.api import kinds, training
 from huorn.backends import goodput, monitor
 from huorn.backends.local import backend as local_backend
 from huorn.backends.local import report
@@ -103,10 +103,14 @@ def run_command(
 ) -> None:
     """Run a job locally: the rendezvous store and one torchrun agent per replica, as processes."""
     try:
-        _, g = graph_cli.compile_file(file)
+        job, g = graph_cli.compile_file(file)
         if g.kind != "TrainingJob":
             raise graph_cli.ManifestError(
                 f"{file}: kind: huorn run runs TrainingJobs locally; a {g.kind} runs through the operator"
+            )
+        if isinstance(job, kinds.TrainingJob) and job.spec.suspend:
+            raise graph_cli.ManifestError(
+                f"{file}: spec.suspend is true, so the job is not to run; set it to false (or remove it)"
             )
         trainer = g.vertex("trainer")
         plan = parse_scale_at(scale_at, trainer)

@@ -111,7 +111,7 @@ class Branch:
 class Mutation:
     version: int  # the graph version this mutation produced
     time: float  # seconds since the epoch, from the graph's injected clock
-    action: str  # resize, replace, insert, choose, set-param, activate
+    action: str  # resize, replace, insert, choose, set-param, activate, suspend, resume
     target: str
     reason: str
     detail: dict[str, Any] = field(default_factory=dict)

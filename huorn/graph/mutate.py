@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from huorn.graph.model import Edge, Graph, Instance, Mutation, Vertex, build_instances
+from huorn.graph.model import Edge, ExecutionMode, Graph, Instance, Mutation, Vertex, build_instances
 
 
 def _record(graph: Graph, action: str, target: str, reason: str, detail: dict[str, Any]) -> Mutation:
@@ -121,6 +121,43 @@ def set_active(graph: Graph, vertex: str, active: bool, *, reason: str) -> Mutat
     if not active:
         v.instances = []
     return _record(graph, "activate" if active else "deactivate", vertex, reason, {})
+
+
+def suspend(graph: Graph, vertices: list[str], *, reason: str, renew: bool) -> Mutation | None:
+    """Stop the named vertices' work and keep their instances to resume with; None when every
+    one of them is suspended already.
+
+    A long-running vertex goes inactive with its instances kept, so a resume brings back the
+    replica count the allocator had chosen, not the minimum. An on-demand vertex stays as it is
+    (its being active means its work is in flight), so an eval stopped here runs again on the same
+    checkpoint after the resume. `renew` moves every instance to its next generation: the old
+    pods may still be checkpointing when the job resumes, and their successors need other names."""
+    named = [graph.vertex(name) for name in vertices]
+    parked = [v for v in named if v.mode is not ExecutionMode.ON_DEMAND]
+    if not any(v.active for v in parked):
+        return None
+    for v in named:
+        if renew:
+            v.instances = [Instance(i.vertex, i.ordinal, i.generation + 1) for i in v.instances]
+        if v in parked:
+            v.active = False
+    detail = {"vertices": [v.name for v in named], "replicas": {v.name: v.replicas for v in parked}}
+    return _record(graph, "suspend", ",".join(vertices), reason, detail)
+
+
+def resume(graph: Graph, vertices: list[str], *, reason: str) -> Mutation | None:
+    """Start the vertices that `suspend` stopped, with the instances it kept; None when none is
+    suspended."""
+    parked = [v for v in (graph.vertex(name) for name in vertices)
+              if v.mode is not ExecutionMode.ON_DEMAND and not v.active]
+    if not parked:
+        return None
+    for v in parked:
+        v.active = True
+        if not v.instances:
+            v.instances = build_instances(v.name, max(v.min_replicas, 1))
+    detail = {"vertices": [v.name for v in parked], "replicas": {v.name: v.replicas for v in parked}}
+    return _record(graph, "resume", ",".join(vertices), reason, detail)
 
 
 def choose_branch(graph: Graph, branch: str, option: str, *, reason: str) -> Mutation | None:

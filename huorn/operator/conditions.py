@@ -4,6 +4,10 @@ kstatus (what `kubectl wait`, Argo CD and Flux read) treats an object as current
 observedGeneration equals metadata.generation and neither Reconciling nor Stalled is True. The
 three conditions are always written together so that a reader never sees a stale mix, and a
 condition's lastTransitionTime changes only when its status does, as metav1.Condition requires.
+
+A job that was ever suspended has a fourth, Suspended, as Kubernetes Jobs and JobSets do: it is
+written from the first suspension on (so `kubectl wait --for=condition=Suspended` works), and
+turns False with reason Resumed when the job runs again.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 READY = "Ready"
 RECONCILING = "Reconciling"
 STALLED = "Stalled"
+SUSPENDED = "Suspended"
 
 
 def now() -> str:
@@ -28,11 +33,16 @@ def build_conditions(
     ready: tuple[bool, str, str],
     reconciling: tuple[bool, str, str] | None = None,
     stalled: tuple[bool, str, str] | None = None,
+    suspended: tuple[bool, str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """The three conditions; each tuple is (status, reason, message). Absent means False."""
+    """The three conditions, and Suspended once there was one; each tuple is (status, reason,
+    message). Absent means False."""
     before = {c.get("type"): c for c in previous or []}
     out = []
-    for kind, value in ((READY, ready), (RECONCILING, reconciling), (STALLED, stalled)):
+    kinds = [(READY, ready), (RECONCILING, reconciling), (STALLED, stalled)]
+    if suspended is not None or SUSPENDED in before:
+        kinds.append((SUSPENDED, suspended if suspended is not None else (False, "Resumed", "")))
+    for kind, value in kinds:
         status, reason, message = value if value is not None else (False, "AsExpected", "")
         text = "True" if status else "False"
         old = before.get(kind) or {}

@@ -27,7 +27,7 @@ from huorn.api.common import ElasticityPolicy
 from huorn.backends import monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import compiler, mutate, serialise
-from huorn.graph.model import Graph, Mutation
+from huorn.graph.model import Graph, Mutation, Vertex
 from huorn.operator import conditions, cordon, estimates, evaluation, validation
 from huorn.operator.context import Context
 from huorn.operator.index import PodRecord
@@ -102,15 +102,30 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     selector = f"{manifests.LABEL_JOB}={name},{manifests.LABEL_VERTEX}=trainer"
     base_status: dict[str, Any] = {"observedGeneration": generation, "selector": selector}
 
+    pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
+    new: list[Mutation] = []
+    if job.spec.suspend and not _all_succeeded(ref, trainer, pods):
+        return await _suspend(ctx, body, ref, graph, pods, base_status)
     if vc_spec is None:
         msg = (
             f"virtual cluster {job.spec.virtual_cluster!r} does not exist; "
             "create it or fix spec.virtualCluster"
         )
         return await _waiting(ctx, body, base_status, "Pending", "VirtualClusterNotFound", msg)
-
-    pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
-    new: list[Mutation] = []
+    if not trainer.active:
+        # Resume. The pods the suspension stopped may still be checkpointing: their successors
+        # would load a checkpoint half written, so they go first.
+        stopping = [p for p in pods.values() if p.holds_resources]
+        if stopping:
+            message = (f"resuming: waiting for {len(stopping)} pods stopped by the suspension to "
+                       "checkpoint and exit")
+            return await _waiting(ctx, body, base_status, "Pending", "Resuming", message, event="Normal")
+        checkpoint = (old.get("lastCheckpoint") or {}).get("step")
+        since = f"the checkpoint of step {checkpoint}" if checkpoint is not None else "its last checkpoint"
+        resumed = mutate.resume(graph, suspendable_vertices(graph), reason=(
+            f"spec.suspend is false: resuming at {trainer.replicas} trainer replicas from {since}"))
+        if resumed is not None:
+            new.append(resumed)
     budget = _replacement_budget(ctx, body)
     now, start_seconds = time.time(), ctx.settings.trainer_start_seconds
     # The store pod too: restartPolicy Always restarts its container in place, but an evicted store
@@ -252,6 +267,73 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         raise
     created = {manifests.pod_name(ref, i) for i in graph.vertex("trainer").instances if i.name in assignments}
     return await _report(ctx, body, graph, base_status, created)
+
+
+def _all_succeeded(ref: manifests.JobRef, trainer: Vertex, pods: Mapping[str, PodRecord]) -> bool:
+    """Every trainer pod of the running gang finished: the job is done, and a suspend comes too
+    late to stop anything."""
+    mine = [pods.get(manifests.pod_name(ref, i)) for i in trainer.instances]
+    return trainer.active and bool(mine) and all(p is not None and p.phase == "Succeeded" for p in mine)
+
+
+def suspendable_vertices(graph: Graph) -> list[str]:
+    """What a suspension stops: the gang, its rendezvous store, and an eval in flight."""
+    return ["trainer", "rendezvous", *(v.name for v in evaluation.eval_vertices(graph))]
+
+
+async def _suspend(
+    ctx: Context, body: Mapping[str, Any], ref: manifests.JobRef, graph: Graph,
+    pods: Mapping[str, PodRecord], base_status: dict[str, Any],
+) -> str:
+    """spec.suspend: record the decision, then delete every pod of the job gracefully (trainers
+    checkpoint on SIGTERM within their grace period), and report Suspended. The decision renews
+    the instances' names, so a resume never waits on a name a stopping pod still holds, and
+    keeps their count, so it resumes at the size the allocator had chosen. Repeating any step
+    is harmless: the mutation is recorded once, and deleting a pod that is going is skipped."""
+    meta = body["metadata"]
+    old = body.get("status") or {}
+    trainer = graph.vertex("trainer")
+    replicas = trainer.replicas
+    reason = (f"spec.suspend is true: stopping {replicas} trainer replicas; they checkpoint on SIGTERM, "
+              "and the job resumes from that checkpoint when spec.suspend is false"
+              if pods else "spec.suspend is true: the job waits without pods until spec.suspend is false")
+    suspended = mutate.suspend(graph, suspendable_vertices(graph), reason=reason, renew=bool(pods))
+    if suspended is not None:
+        # Write-ahead, as every decision: a restarted operator finds it and only finishes the deletes.
+        wire = serialise.to_status(graph)
+        decided = {"phase": "Suspended", "graph": wire, "decisions": build_decisions(graph)}
+        await _write_status(ctx, body, {**base_status, **decided})
+        ctx.metrics.decisions.labels(KIND, "suspend").inc()
+        _event(ctx, body, "Normal", "Suspended", suspended.reason)
+    await asyncio.gather(*(ctx.client.delete("Pod", p.namespace, p.name) for p in pods.values()
+                           if p.holds_resources and not p.deleting))
+    stopping = [p for p in pods.values() if p.holds_resources]
+    checkpoint = (old.get("lastCheckpoint") or {}).get("step")
+    if stopping:
+        message = f"suspended: waiting for {len(stopping)} pods to checkpoint and exit"
+    else:
+        message = ("suspended: no pods run and no GPUs are held; set spec.suspend to false to resume"
+                   + (f" from the checkpoint of step {checkpoint}" if checkpoint is not None else ""))
+    status = {
+        **base_status,
+        "phase": "Suspended",
+        "message": message,
+        "replicas": sum(1 for p in stopping if p.vertex == "trainer"),
+        "graph": serialise.to_status(graph),
+        "decisions": build_decisions(graph),
+        # No rate while nothing runs; the monitor writes the ETA again after the resume.
+        "estimatedRemainingSeconds": None,
+        "estimatedRemaining": None,
+        "conditions": conditions.build_conditions(
+            old.get("conditions"), base_status["observedGeneration"],
+            ready=(False, "Suspended", message),
+            reconciling=(True, "Suspending", message) if stopping else None,
+            suspended=(True, "Suspended", message),
+        ),
+    }
+    await _write_status(ctx, body, status)
+    ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Suspended")
+    return "Suspended"
 
 
 def _plan_resplit(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, PodRecord],
