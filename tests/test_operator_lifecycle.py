@@ -177,7 +177,7 @@ def test_replacement_budget_and_mitigation_level_are_restart_rules(kube: builder
     assert "spec.remediation.maxMitigation" in status["message"]
 
     budget = builders.make_training_job("once", "train", replicas=1, gpus=1)
-    budget["metadata"]["annotations"] = {"huorn.io/max-restarts": "1"}
+    budget["spec"]["remediation"] = {"maxRestarts": 1}
     kube.create_job(NS, budget)
     _running(kube, "once", 1)
     kube.set_pod_phase(NS, "once-trainer-0", "Failed", exit_code=1)
@@ -204,7 +204,7 @@ def test_a_pod_that_never_starts_is_replaced_then_fails_the_job_naming_why(
     settings = dataclasses.replace(operator_mod.FAST, trainer_start_seconds=4.0)
     with operator_mod.OperatorThread(cluster.api_client(), settings):
         body = builders.make_training_job("stuck", "train", replicas=2, gpus=1)
-        body["metadata"]["annotations"] = {"huorn.io/max-restarts": "1"}
+        body["spec"]["remediation"] = {"maxRestarts": 1}
         kube.create_job(NS, body)
         wait_for(lambda: len(kube.pods(NS, "stuck")) == 3, what="the store pod and 2 trainer pods")
         kube.set_pod_phase(NS, "stuck-rendezvous-0", "Running")
@@ -273,6 +273,7 @@ def test_delete_removes_every_child(kube: builders.Kube, operator) -> None:
         ),
         ({"elasticity": {"minReplicas": 5, "maxReplicas": 2}}, "spec.elasticity.minReplicas"),
         ({"task": {"kind": "distill"}}, "spec.task.teacher"),
+        ({"remediation": {"maxRestarts": -1}}, "spec.remediation.maxRestarts"),
     ],
 )
 def test_invalid_spec_stalls_naming_the_field_and_creates_nothing(

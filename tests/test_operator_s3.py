@@ -36,7 +36,7 @@ def make_job(name: str, max_restarts: int | None = None) -> dict[str, Any]:
     body = builders.make_training_job(name, "train", replicas=2, max_replicas=2, gpus=4,
                                       parallelism={"pipelineStages": 2}, model={"layers": 4})
     if max_restarts is not None:
-        body["metadata"]["annotations"] = {training.MAX_RESTARTS_ANNOTATION: str(max_restarts)}
+        body["spec"]["remediation"] = {"maxRestarts": max_restarts}
     return body
 
 
@@ -120,7 +120,7 @@ def test_s3_split_reaches_the_config_and_the_gang_rolls_once(
         assert trainers(kube, "pp") == ["pp-trainer-0-g1", "pp-trainer-1-g1"]
 
         # A real failure afterwards is still replaced: the roll's two replacements did not spend
-        # the budget of one (huorn.io/max-restarts: "1").
+        # the budget of one (spec.remediation.maxRestarts: 1).
         kube.set_pod_phase(NS, "pp-trainer-1-g1", "Failed", exit_code=1)
         wait_for(lambda: "pp-trainer-1-g2" in trainers(kube, "pp"), what="failure replacement")
         assert kube.job_status(NS, "pp")["phase"] != "Failed"

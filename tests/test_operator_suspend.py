@@ -58,7 +58,8 @@ def test_suspend_checkpoints_frees_the_gpus_and_resume_restarts_at_the_same_size
     kubelet = Kubelet(kube, cluster.kmock, NS)
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
         body = builders.make_training_job("s", "train", replicas=2, max_replicas=4, gpus=2)
-        body["metadata"]["annotations"] = {"huorn.io/eval": "true", training.MAX_RESTARTS_ANNOTATION: "1"}
+        body["metadata"]["annotations"] = {"huorn.io/eval": "true"}
+        body["spec"]["remediation"] = {"maxRestarts": 1}
         kube.create_job(NS, body)
         wait_for(lambda: len(names(kube, "s", "trainer")) == 2, what="2 trainer pods")
         kube.run_all_pods(NS, "s")

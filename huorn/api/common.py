@@ -99,6 +99,13 @@ class Remediation(ApiModel):
     max_mitigation: MitigationLevel = Field(
         default=MitigationLevel.RESTART, description="The highest rung of the mitigation ladder allowed."
     )
+    max_restarts: int = Field(
+        default=3, ge=0, le=1000,
+        description="Pod replacements the job may spend on failures: a trainer or store pod that failed, "
+        "was evicted or never started, and remediation restarts. The next failure after that fails the "
+        "job. Moves made on purpose (S3 re-splits, loan reclaims, suspensions) do not count "
+        "(Kubeflow's backoffLimit).",
+    )
 
 
 class EnvVar(ApiModel):

@@ -25,7 +25,6 @@ class OperatorSettings:
     resync_seconds: float = 30.0  # a timer re-reconciles every job: retries placement, repairs drift
     vc_status_seconds: float = 10.0
     error_backoff_seconds: float = 5.0  # kopf retries a handler that raised after this long
-    max_pod_replacements: int = 3  # per job; "huorn.io/max-restarts" on the job overrides it
     # False: list every Huorn pod from the API before each reconcile instead of trusting the
     # watch-fed mirror; the stateless design that benchmarks/operator_scale.py compares against.
     mirror: bool = True
@@ -59,8 +58,6 @@ class OperatorSettings:
                              f"{self.eval_start_seconds} and {self.trainer_start_seconds}")
         if not 0 < self.telemetry_port < 65536:
             raise ValueError(f"telemetry_port must be in 1..65535, got {self.telemetry_port}")
-        if self.max_pod_replacements < 0:
-            raise ValueError(f"max_pod_replacements must be ≥ 0, got {self.max_pod_replacements}")
 
 
 @dataclass

@@ -11,7 +11,7 @@ in its Reconciling condition.
 Restart rules for a failed trainer pod: exit code 2 (the runtime refused its config) fails the
 job, since a new pod would fail the same way; any other failure replaces the pod (a new graph
 generation, so a new name) while spec.remediation.maxMitigation allows "restart" and the job has
-had fewer than its replacement budget (3, or the huorn.io/max-restarts annotation). torchrun
+had fewer than its replacement budget (spec.remediation.maxRestarts, 3 by default). torchrun
 restarts workers inside a pod on its own; the operator only sees a pod fail when torchrun gives up.
 """
 
@@ -36,7 +36,6 @@ from huorn.scheduler import placement
 PLURAL = "trainingjobs"
 KIND = "TrainingJob"
 PERMANENT_EXIT_CODES = frozenset({2})
-MAX_RESTARTS_ANNOTATION = "huorn.io/max-restarts"
 DECISION_LIMIT = 32
 REASON_LIMIT = 1024  # a decision's reason (Decision.reason); a kubelet's waiting message has no bound
 RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers"})
@@ -52,14 +51,6 @@ def build_decisions(graph: Graph) -> list[dict[str, Any]]:
          "graphVersion": m.version}
         for m in graph.log[-DECISION_LIMIT:]
     ]
-
-
-def _replacement_budget(ctx: Context, body: Mapping[str, Any]) -> int:
-    text = ((body.get("metadata") or {}).get("annotations") or {}).get(MAX_RESTARTS_ANNOTATION)
-    try:
-        return int(text) if text is not None else ctx.settings.max_pod_replacements
-    except ValueError:
-        return ctx.settings.max_pod_replacements
 
 
 async def _write_status(ctx: Context, body: Mapping[str, Any], status: dict[str, Any]) -> None:
@@ -126,7 +117,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             f"spec.suspend is false: resuming at {trainer.replicas} trainer replicas from {since}"))
         if resumed is not None:
             new.append(resumed)
-    budget = _replacement_budget(ctx, body)
+    budget = job.spec.remediation.max_restarts
     now, start_seconds = time.time(), ctx.settings.trainer_start_seconds
     # The store pod too: restartPolicy Always restarts its container in place, but an evicted store
     # pod stays Failed (and one that never starts stays Pending), and the gang cannot rendezvous
