@@ -1,0 +1,87 @@
+"""Priority preemption: which running gangs a pending one of higher priority may stop to start.
+
+Kueue's `withinClusterQueue: LowerPriority` and Volcano's and KAI's priority preemption give a
+platform team the same promise: a job of higher priority does not wait behind work of lower
+priority. The rules here are theirs:
+
+- only jobs of strictly lower priority are victims, and never one at `PINNED_PRIORITY` or above
+  (the KAI convention the allocator keeps too: those are never preempted);
+- candidates are taken lowest priority first and, among equals, the most recently started
+  first (it has done the least since its last checkpoint, and it is Kueue's order too), until
+  the pending gang fits;
+- then every victim that the gang does not need after all is given back, highest priority
+  first, so that the set is minimal;
+- jobs already stopping (their pods are being deleted) count as gone: a gang that fits once
+  they are gone preempts nobody more, it waits.
+
+Pure: a `ClusterSnapshot` and plain values in, names out; the snapshot is left as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from huorn.scheduler import placement
+from huorn.scheduler.allocator import PINNED_PRIORITY
+from huorn.scheduler.snapshot import ClusterSnapshot
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A running gang that holds GPUs: its snapshot binding key, priority and start time."""
+
+    job: str
+    priority: int
+    started: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """`victims` to stop (empty: the gang fits once the jobs already stopping are gone)."""
+
+    victims: tuple[str, ...]
+
+
+def is_preemptible(victim_priority: int, preemptor_priority: int) -> bool:
+    return victim_priority < preemptor_priority and victim_priority < PINNED_PRIORITY
+
+
+def _fits(snap: ClusterSnapshot, vc: str, replicas: int, gpus: int) -> bool:
+    return isinstance(snap.place(vc, replicas, gpus), placement.Placement)
+
+
+def plan_preemption(
+    snap: ClusterSnapshot, vc: str, replicas: int, gpus_per_replica: int, priority: int,
+    candidates: Iterable[Candidate], stopping: Iterable[str] = (),
+) -> Plan | None:
+    """The fewest victims, by the rules above, after which `replicas × gpus_per_replica` of
+    cluster `vc` can be placed; None when no set of eligible victims is enough."""
+    bound = set(snap.bindings())
+    order = sorted((c for c in candidates if c.job in bound and is_preemptible(c.priority, priority)),
+                   key=lambda c: (c.priority, -c.started, c.job))
+    with snap.simulate():
+        for job in stopping:
+            if job in bound:
+                snap.forget(job)
+        if _fits(snap, vc, replicas, gpus_per_replica):
+            return Plan(())
+        taken: list[Candidate] = []
+        for c in order:
+            snap.forget(c.job)
+            taken.append(c)
+            if _fits(snap, vc, replicas, gpus_per_replica):
+                break
+        else:
+            return None
+    # Give back every victim the gang can do without, the most valuable first.
+    needed = list(taken)
+    for c in sorted(taken, key=lambda c: (-c.priority, c.started, c.job)):
+        trial = [v for v in needed if v is not c]
+        with snap.simulate():
+            for job in [*stopping, *(v.job for v in trial)]:
+                if job in bound:
+                    snap.forget(job)
+            if _fits(snap, vc, replicas, gpus_per_replica):
+                needed = trial
+    return Plan(tuple(v.job for v in needed))

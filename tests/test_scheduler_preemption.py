@@ -1,0 +1,94 @@
+"""Priority preemption's victim choice: lower priority only, never pinned, minimal, fitting."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from huorn.scheduler import placement, preemption
+from huorn.scheduler.preemption import Candidate
+from huorn.scheduler.snapshot import ClusterSnapshot, VirtualClusterView
+
+
+def build_snapshot(nodes: dict[str, int], jobs: dict[str, dict[str, int]],
+                   vc: str = "train") -> ClusterSnapshot:
+    snap = ClusterSnapshot([placement.NodeView(n, g, g, virtual_cluster=vc) for n, g in nodes.items()],
+                           [VirtualClusterView(vc)])
+    for job, by_node in jobs.items():
+        where = placement.Placement([n for n, gpus in by_node.items() for _ in range(gpus)])
+        snap.assume(job, vc, where, gpus_per_replica=1)
+    snap.commit()
+    return snap
+
+
+def test_the_lowest_priority_newest_gang_goes_first_and_only_what_is_needed() -> None:
+    snap = build_snapshot({"a": 4, "b": 4}, {"old-low": {"a": 2}, "new-low": {"a": 2}, "mid": {"b": 4}})
+    candidates = [Candidate("old-low", 10, started=100.0), Candidate("new-low", 10, started=200.0),
+                  Candidate("mid", 40, started=50.0)]
+    # 2 GPUs: the newest of the lowest priority is enough.
+    assert preemption.plan_preemption(snap, "train", 1, 2, 50, candidates).victims == ("new-low",)
+    # 4 GPUs on one node: both low ones on node a, not the mid one on b.
+    both = preemption.plan_preemption(snap, "train", 1, 4, 50, candidates)
+    assert both is not None and set(both.victims) == {"new-low", "old-low"}
+    # 8 GPUs: everyone.
+    assert len(preemption.plan_preemption(snap, "train", 2, 4, 50, candidates).victims) == 3
+    # The snapshot is as it was.
+    assert snap.free("train") == 0
+
+
+def test_equal_higher_and_pinned_priorities_are_never_victims() -> None:
+    snap = build_snapshot({"a": 4}, {"peer": {"a": 2}, "pinned": {"a": 2}})
+    candidates = [Candidate("peer", 50, 0.0), Candidate("pinned", 100, 0.0)]
+    assert preemption.plan_preemption(snap, "train", 1, 2, 50, candidates) is None
+    assert preemption.plan_preemption(snap, "train", 1, 2, 1000, candidates).victims == ("peer",)
+    assert preemption.plan_preemption(snap, "train", 1, 4, 1000, candidates) is None
+
+
+def test_a_gang_that_fits_once_the_stopping_jobs_are_gone_preempts_nobody_more() -> None:
+    snap = build_snapshot({"a": 4}, {"going": {"a": 2}, "low": {"a": 2}})
+    candidates = [Candidate("low", 10, 0.0)]
+    assert preemption.plan_preemption(snap, "train", 1, 2, 50, candidates, stopping=["going"]).victims == ()
+    assert preemption.plan_preemption(snap, "train", 1, 4, 50, candidates, stopping=["going"]).victims == (
+        "low",)
+
+
+@settings(max_examples=150)
+@given(
+    gpus=st.lists(st.integers(1, 8), min_size=1, max_size=4),
+    jobs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4), st.integers(0, 150), st.integers(0, 9)),
+                  max_size=8),
+    want=st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(0, 150)),
+)
+def test_victims_are_eligible_sufficient_and_minimal(gpus: list[int], jobs: list[tuple[int, int, int, int]],
+                                                     want: tuple[int, int, int]) -> None:
+    nodes = {f"n{i}": g for i, g in enumerate(gpus)}
+    free = dict(nodes)
+    placed: dict[str, dict[str, int]] = {}
+    candidates = []
+    for k, (node_index, size, priority, started) in enumerate(jobs):
+        node = f"n{node_index % len(gpus)}"
+        take = min(size, free[node])
+        if take == 0:
+            continue
+        free[node] -= take
+        placed[f"j{k}"] = {node: take}
+        candidates.append(Candidate(f"j{k}", priority, float(started)))
+    snap = build_snapshot(nodes, placed)
+    replicas, per_replica, priority = want
+    plan = preemption.plan_preemption(snap, "train", replicas, per_replica, priority, candidates)
+    by_name = {c.job: c for c in candidates}
+
+    def fits_without(victims: list[str]) -> bool:
+        with snap.simulate():
+            for v in victims:
+                snap.forget(v)
+            return isinstance(snap.place("train", replicas, per_replica), placement.Placement)
+
+    eligible = [c.job for c in candidates if preemption.is_preemptible(c.priority, priority)]
+    if plan is None:
+        assert not fits_without(eligible), "a plan existed: every eligible victim was enough"
+        return
+    assert all(preemption.is_preemptible(by_name[v].priority, priority) for v in plan.victims)
+    assert fits_without(list(plan.victims))
+    for v in plan.victims:
+        assert not fits_without([w for w in plan.victims if w != v]), f"{v} was not needed"
