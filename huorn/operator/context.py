@@ -13,7 +13,7 @@ from typing import Any
 
 from huorn.backends.kubernetes import client as kube
 from huorn.backends.kubernetes import retry
-from huorn.operator import index, metrics
+from huorn.operator import index, metrics, queue
 
 EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
 
@@ -76,6 +76,13 @@ class Context:
     # Each inference cluster's prediction board (huorn.operator.board.BoardState). Memory only:
     # its history is Prometheus's, read again at the first tick.
     boards: dict[str, Any] = field(default_factory=dict)
+    # The order of admission, and the preemptions a reconcile decided for its handler to apply
+    # (victims' names and why) once the deciding job's lock is released.
+    queue: queue.AdmissionQueue = field(default_factory=queue.AdmissionQueue)
+    preemptions: dict[tuple[str, str], tuple[tuple[str, ...], str]] = field(default_factory=dict)
+    # Reconcile a job soon, from a task of its own (the handlers set it): a waiting job that can go
+    # first, or that GPUs just freed for, should not wait for its resync timer.
+    wake: Callable[[str, str], None] = field(default=lambda namespace, name: None)
 
     def job_lock(self, namespace: str, name: str) -> asyncio.Lock:
         """One reconcile of a job at a time, whether kopf, a timer or a pod event started it."""
@@ -84,3 +91,5 @@ class Context:
     def forget_job(self, namespace: str, name: str) -> None:
         self._job_locks.pop((namespace, name), None)
         self.monitors.pop((namespace, name), None)
+        self.queue.forget(namespace, name)
+        self.preemptions.pop((namespace, name), None)

@@ -12,14 +12,24 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
 
 from huorn.api import base, kinds
 from huorn.backends.kubernetes import manifests
-from huorn.operator import board, context, index, loans, monitoring, otherjobs, training, virtualclusters
+from huorn.operator import (
+    board,
+    context,
+    index,
+    loans,
+    monitoring,
+    otherjobs,
+    preempting,
+    training,
+    virtualclusters,
+)
 from huorn.operator.context import Context
 
 GROUP, VERSION = base.GROUP, base.VERSION
@@ -55,7 +65,40 @@ async def _reconcile_job(ctx: Context, plural: str, namespace: str, name: str) -
         ctx.metrics.reconciles.labels(kind, "stalled" if phase == "Stalled" else "ok").inc()
         took = time.perf_counter() - started
         logger.debug("reconciled %s %s/%s in %.3fs: %s", kind, namespace, name, took, phase)
-        return phase
+    # Outside this job's lock: each victim's own lock is taken in turn.
+    await preempting.apply_planned(ctx, namespace, name)
+    return phase
+
+
+WAKE_LIMIT = 8  # waiting jobs woken when GPUs free up, first in line first
+
+
+def _waker(ctx: Context) -> Callable[[str, str], None]:
+    """ctx.wake: a reconcile of the job in a task of its own (kept referenced until it ends)."""
+    tasks: set[asyncio.Task[Any]] = set()
+
+    def wake(namespace: str, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(
+            _reconcile_job(ctx, training.PLURAL, namespace, name), name=f"wake {namespace}/{name}")
+        tasks.add(task)
+        task.add_done_callback(_finished(tasks))
+
+    return wake
+
+
+def _finished(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
+    def done(task: asyncio.Task[Any]) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("woken reconcile %s failed: %r; its timer retries", task.get_name(),
+                           task.exception())
+    return done
+
+
+def wake_waiting(ctx: Context) -> None:
+    """GPUs were freed: the first jobs in line try to place now rather than at their resync."""
+    for job in ctx.queue.waiting()[:WAKE_LIMIT]:
+        ctx.wake(*job.key)
 
 
 async def _relist_pods(ctx: Context) -> None:
@@ -91,6 +134,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             ctx.index.observe_pod(pod)
         for vc in await ctx.client.list_custom("virtualclusters", None):
             ctx.index.vcs[vc["metadata"]["name"]] = dict(vc.get("spec") or {})
+        ctx.wake = _waker(ctx)
 
     @kopf.on.login(registry=registry)
     def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
@@ -117,6 +161,8 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         kind = (body["metadata"].get("labels") or {}).get(manifests.LABEL_KIND, "TrainingJob")
         if kind in kinds.KINDS:
             await _reconcile_job(ctx, kinds.KINDS[kind].plural, record.namespace, record.job)
+        if record.gpus and (type == "DELETED" or not record.holds_resources):
+            wake_waiting(ctx)
 
     # InferenceJobs' demand keeps their cluster's GPUs from being lent (index.build_snapshot);
     # a watch replays every object on start, so a restarted operator has it back before placing

@@ -117,13 +117,13 @@ def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
         ip=status.get("podIP", "") or "",
         message=message,
         input=_parse_input(annotations.get(manifests.ANNOTATION_CHECKPOINT)),
-        created=_parse_time(meta.get("creationTimestamp")),
+        created=parse_time(meta.get("creationTimestamp")),
         waiting=waiting,
         ended=": ".join(str(v) for v in (status.get("reason"), status.get("message")) if v),
     )
 
 
-def _parse_time(text: str | None) -> float:
+def parse_time(text: str | None) -> float:
     try:
         stamp = datetime.datetime.strptime(str(text), "%Y-%m-%dT%H:%M:%SZ") if text else None
     except ValueError:

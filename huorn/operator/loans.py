@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from huorn.graph import mutate, serialise
-from huorn.operator import board, index, training, validation
+from huorn.operator import board, index, preempting, training, validation
 from huorn.operator.context import Context
 from huorn.scheduler import loaning
 
@@ -175,33 +175,5 @@ async def shrink_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: 
 
 
 async def preempt_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: int) -> bool:
-    """Stop a borrower that cannot shrink: every live trainer pod is replaced with drain (a new
-    generation each, placed again all or none), and the old pods get the lender's grace to
-    checkpoint. Repeatable: a restarted operator finds the replacements in status and the old
-    pods already deleting, which no longer count as lent."""
-    async with ctx.job_lock(b.namespace, b.job):
-        body = await ctx.client.get_custom(training.PLURAL, b.namespace, b.job)
-        if body is None or not (body.get("status") or {}).get("graph"):
-            return False
-        graph = serialise.from_status(body["status"]["graph"])
-        live = {p.instance: p for p in ctx.index.pods_of(b.namespace, b.job)
-                if p.vertex == "trainer" and p.holds_resources and not p.deleting}
-        reason = f"preempted: {r.reason}"
-        replaced = [mutate.replace_instance(graph, i.name, drain=True, reason=reason)
-                    for i in list(graph.vertex("trainer").instances) if i.name in live]
-        if not replaced:
-            return False
-        old = body.get("status") or {}
-        await ctx.client.patch_status(training.PLURAL, b.namespace, b.job, {
-            "graph": serialise.to_status(graph), "decisions": training.build_decisions(graph),
-            "preemptReplacements": int(old.get("preemptReplacements") or 0) + len(replaced),
-        })
-        ctx.metrics.decisions.labels(training.KIND, "replace").inc(len(replaced))
-        ctx.post_event(body, "Warning", "Preempted", f"{reason}; the gang restarts from its checkpoint "
-                       "once it can be placed again"[:1024])
-        for pod in live.values():
-            await ctx.client.delete("Pod", pod.namespace, pod.name, grace_seconds=grace)
-        fresh = await ctx.client.get_custom(training.PLURAL, b.namespace, b.job)
-        if fresh is not None:
-            await training.reconcile(ctx, fresh)
-    return True
+    """Stop a borrower that cannot shrink, with the lender's grace (huorn.operator.preempting)."""
+    return await preempting.preempt_gang(ctx, b.namespace, b.job, f"preempted: {r.reason}", grace)

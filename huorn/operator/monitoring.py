@@ -78,10 +78,15 @@ def _policies_for(ctx: Context, body: Mapping[str, Any], job: Any) -> JobPolicie
     return found
 
 
-def count_slots(ctx: Context, virtual_cluster: str, replicas: int, gpus: int) -> int:
-    """Replicas the job could run now: its own plus what the free GPUs of its VC hold."""
+def count_slots(ctx: Context, virtual_cluster: str, replicas: int, gpus: int,
+                job: tuple[str, str] | None = None) -> int:
+    """Replicas the job could run now: its own plus what the free GPUs of its VC hold, less what
+    the jobs waiting in that VC's line need. Growth is an extra, and every waiting gang's minimum
+    comes before extras, as in the allocator's first pass."""
     free = ctx.index.build_snapshot().free(virtual_cluster)
-    return replicas + free // max(1, gpus)
+    owed = sum(w.missing * w.gpus for w in ctx.queue.waiting()
+               if w.virtual_cluster == virtual_cluster and w.key != job)
+    return replicas + max(0, free - owed) // max(1, gpus)
 
 
 def record_ladder(graph: model.Graph, state: JobPolicies) -> list[model.Mutation]:
@@ -177,7 +182,8 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
             state.last_step = int(observation.steps[-1]["step"])
         if state.goodput is not None:
             trainer = graph.vertex("trainer")
-            state.goodput.slots = count_slots(ctx, job.spec.virtual_cluster, trainer.replicas, gpus)
+            state.goodput.slots = count_slots(ctx, job.spec.virtual_cluster, trainer.replicas, gpus,
+                                              (namespace, name))
         # The eval vertex's inputs for the shared managers: a checkpoint it was not handed yet,
         # and eval pods that ended (read under the lock, against the graph as it is now).
         pods = ctx.index.pods_of(namespace, name)

@@ -18,6 +18,7 @@ restarts workers inside a pod on its own; the operator only sees a pod fail when
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import time
 from collections.abc import Mapping
@@ -28,10 +29,11 @@ from huorn.backends import monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import Graph, Mutation, Vertex
-from huorn.operator import conditions, cordon, estimates, evaluation, validation
+from huorn.operator import conditions, cordon, estimates, evaluation, index, queue, validation
 from huorn.operator.context import Context
 from huorn.operator.index import PodRecord
 from huorn.scheduler import placement
+from huorn.scheduler import preemption as sched_preemption
 
 PLURAL = "trainingjobs"
 KIND = "TrainingJob"
@@ -76,10 +78,17 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         if vc_spec is not None:
             validation.check_namespace(ns, job.spec.virtual_cluster, vc_spec)
     except validation.InvalidSpec as exc:
+        ctx.queue.forget(ns, name)
         return await _stall(ctx, body, "InvalidSpec", str(exc))
     if old.get("phase") in ("Succeeded", "Failed"):
+        ctx.queue.forget(ns, name)
         await _clean_terminal(ctx, body, old["phase"])
         return old["phase"]
+    known = ctx.queue.jobs.get((ns, name))
+    queued = queue.QueuedJob(ns, name, job.spec.virtual_cluster, job.spec.priority,
+                             index.parse_time(meta.get("creationTimestamp")), job.spec.resources.gpus,
+                             missing=known.missing if known is not None else 0)
+    ctx.queue.record(queued)
 
     fresh = compiler.compile(job)
     graph = serialise.from_status(old["graph"]) if old.get("graph") else fresh
@@ -200,14 +209,23 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     missing = [i for i in graph.vertex("trainer").instances if manifests.pod_name(ref, i) not in pods]
     reserved: list[PodRecord] = []
     assignments: dict[str, str] = {}
+    ctx.queue.record(dataclasses.replace(queued, missing=len(missing)))
     if missing:
         async with ctx.placement_lock:
             gpus = job.spec.resources.gpus
-            where = ctx.index.build_snapshot().place(job.spec.virtual_cluster, len(missing), gpus)
+            snap = ctx.index.build_snapshot()
+            phase = old.get("phase") if old.get("phase") in ("Running", "Resizing") else "Pending"
+            ahead = ctx.queue.first_ahead_that_fits(queued, snap)
+            if ahead is not None:
+                ctx.wake(*ahead.key)
+                message = (f"queued behind {ahead.binding} (priority {ahead.priority}), which waited "
+                           "first and fits in the free GPUs")
+                return await _waiting(ctx, body, base_status, phase, "Queued", message, event="Normal")
+            where = snap.place(job.spec.virtual_cluster, len(missing), gpus)
             if isinstance(where, placement.Unplaceable):
                 ctx.metrics.decisions.labels(KIND, "unplaceable").inc()
-                phase = old.get("phase") if old.get("phase") in ("Running", "Resizing") else "Pending"
-                return await _waiting(ctx, body, base_status, phase, "Unplaceable", where.reason)
+                message = _plan_preemption(ctx, queued, snap, len(missing), where.reason)
+                return await _waiting(ctx, body, base_status, phase, "Unplaceable", message)
             for instance, node in zip(missing, where.assignments, strict=True):
                 assignments[instance.name] = node
                 reserved.append(
@@ -224,6 +242,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                     )
                 )
             ctx.index.reserve(reserved)
+            ctx.queue.record(dataclasses.replace(queued, missing=0))
 
     # Write-ahead: the decision is in status before any pod changes.
     try:
@@ -260,6 +279,22 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     return await _report(ctx, body, graph, base_status, created)
 
 
+def _plan_preemption(ctx: Context, job: queue.QueuedJob, snap: Any, replicas: int, why: str) -> str:
+    """Gangs of lower priority on the job's VirtualCluster's nodes that it may stop to start
+    (huorn.scheduler.preemption); the handler applies them once this job's lock is released.
+    Returns the waiting message, which says what is being done about it."""
+    nodes = {n.name for n in ctx.index.members_of(job.virtual_cluster)}
+    candidates, stopping = ctx.queue.candidates(p for p in ctx.index.pods.values() if p.node in nodes)
+    plan = sched_preemption.plan_preemption(snap, job.virtual_cluster, replicas, job.gpus, job.priority,
+                                            candidates, stopping)
+    if plan is None:
+        return why
+    if not plan.victims:
+        return f"{why}; waiting for the pods of preempted jobs to checkpoint and exit"
+    ctx.preemptions[job.key] = (plan.victims, f"{job.binding} (priority {job.priority})")
+    return f"{why}; preempting {', '.join(plan.victims)} (lower priority) to make room"
+
+
 def _all_succeeded(ref: manifests.JobRef, trainer: Vertex, pods: Mapping[str, PodRecord]) -> bool:
     """Every trainer pod of the running gang finished: the job is done, and a suspend comes too
     late to stop anything."""
@@ -282,6 +317,7 @@ async def _suspend(
     keeps their count, so it resumes at the size the allocator had chosen. Repeating any step
     is harmless: the mutation is recorded once, and deleting a pod that is going is skipped."""
     meta = body["metadata"]
+    ctx.queue.forget(meta["namespace"], meta["name"])
     old = body.get("status") or {}
     trainer = graph.vertex("trainer")
     replicas = trainer.replicas
@@ -589,6 +625,7 @@ async def _fail(
 async def _clean_terminal(ctx: Context, body: Mapping[str, Any], phase: str) -> None:
     """A finished job frees its rendezvous store; a failed one frees every GPU too."""
     meta = body["metadata"]
+    ctx.queue.forget(meta["namespace"], meta["name"])
     for pod in ctx.index.pods_of(meta["namespace"], meta["name"]):
         if pod.deleting or (phase == "Succeeded" and pod.vertex == "trainer"):
             continue

@@ -1,0 +1,93 @@
+"""The order in which TrainingJobs get GPUs, and who a waiting job of higher priority may stop.
+
+Each job's reconcile places its own gang, so without an order the GPUs that one job frees go to
+whichever reconcile runs next, not to the job that has waited longest or matters most. The queue
+gives Kueue's BestEffortFIFO order within each VirtualCluster: higher priority first, then the
+older job. A job that would place now steps back when one ahead of it in its VirtualCluster is
+waiting and fits in the free GPUs (that one goes first, and is woken to do so); a job ahead that
+does not fit blocks nobody. A waiting job that does not fit may preempt running gangs of lower
+priority (`huorn.scheduler.preemption`).
+
+Memory only, like the mirror: every reconcile records its job again, and the resume handlers
+reconcile every job at start, so a restarted operator has the queue back within one pass. A job
+it has not seen yet is never a victim (its priority is unknown).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from huorn.operator.index import PodRecord
+from huorn.scheduler import placement, preemption
+from huorn.scheduler.snapshot import ClusterSnapshot
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    namespace: str
+    name: str
+    virtual_cluster: str
+    priority: int
+    created: float  # metadata.creationTimestamp, seconds since the epoch
+    gpus: int  # per replica
+    missing: int = 0  # replicas it could not place at its last reconcile; 0: not waiting
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    @property
+    def binding(self) -> str:
+        """Its key in the operator's ClusterSnapshot (index.build_snapshot)."""
+        return f"{self.namespace}/{self.name}"
+
+    def goes_before(self, other: QueuedJob) -> bool:
+        return (-self.priority, self.created, self.key) < (-other.priority, other.created, other.key)
+
+
+@dataclass
+class AdmissionQueue:
+    jobs: dict[tuple[str, str], QueuedJob] = field(default_factory=dict)
+
+    def record(self, job: QueuedJob) -> None:
+        self.jobs[job.key] = job
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.jobs.pop((namespace, name), None)
+
+    def waiting(self) -> list[QueuedJob]:
+        """Jobs whose gang could not be placed, first in line first."""
+        out = [j for j in self.jobs.values() if j.missing]
+        return sorted(out, key=lambda j: (-j.priority, j.created, j.key))
+
+    def first_ahead_that_fits(self, job: QueuedJob, snap: ClusterSnapshot) -> QueuedJob | None:
+        """The first waiting job of `job`'s VirtualCluster ahead of it that could be placed now."""
+        for other in self.waiting():
+            if other.key == job.key or other.virtual_cluster != job.virtual_cluster:
+                continue
+            if not other.goes_before(job):
+                break
+            if isinstance(snap.place(other.virtual_cluster, other.missing, other.gpus), placement.Placement):
+                return other
+        return None
+
+    def candidates(self, pods: Iterable[PodRecord]) -> tuple[list[preemption.Candidate], list[str]]:
+        """Running gangs as preemption sees them, and the jobs already stopping (every pod that
+        holds GPUs is being deleted), by snapshot binding key."""
+        held: dict[tuple[str, str], list[PodRecord]] = {}
+        for p in pods:
+            if p.gpus and p.holds_resources:
+                held.setdefault(p.job_key, []).append(p)
+        candidates, stopping = [], []
+        for key, mine in held.items():
+            binding = f"{key[0]}/{key[1]}"
+            if all(p.deleting for p in mine):
+                stopping.append(binding)
+                continue
+            known = self.jobs.get(key)
+            if known is None:
+                continue
+            started = max((p.created for p in mine if not p.deleting), default=0.0)
+            candidates.append(preemption.Candidate(binding, known.priority, started))
+        return candidates, stopping

@@ -1,0 +1,113 @@
+"""Priority in the cluster: real kopf against KMock, the test playing the kubelet.
+
+A waiting job of higher priority stops gangs of lower priority on its VirtualCluster's nodes
+(gracefully: they checkpoint) and gets their GPUs before anyone else; pinned jobs (priority 100
+and above) and jobs of equal priority are never stopped; GPUs that free up go to the first job
+in line, not to whichever reconcile runs first.
+"""
+
+from __future__ import annotations
+
+from kube import builders
+from kube import operator as operator_mod
+from kube.cluster import EmulatedCluster, wait_for
+from kube.kubelet import Kubelet
+
+pytest_plugins = ["kube.fixtures"]
+
+NS = "team"
+
+
+def solo_cluster(kube: builders.Kube) -> None:
+    """A VirtualCluster of one 4-GPU node that neither lends nor borrows."""
+    kube.create_node(builders.make_node("c0", 4, pool="c"))
+    kube.create_vc(builders.make_virtual_cluster("solo", pool="c"))
+
+
+def make_job(name: str, priority: int, gpus: int = 2) -> dict:
+    return builders.make_training_job(name, "solo", replicas=1, max_replicas=1, gpus=gpus, priority=priority)
+
+
+def trainers(kube: builders.Kube, job: str) -> list[str]:
+    return sorted(p.metadata.name for p in kube.pods(NS, job, "trainer"))
+
+
+def start(kube: builders.Kube, name: str, priority: int, gpus: int = 2) -> None:
+    kube.create_job(NS, make_job(name, priority, gpus))
+    wait_for(lambda: trainers(kube, name) != [], what=f"{name}'s trainer pod")
+    kube.run_all_pods(NS, name)
+    wait_for(lambda: kube.job_status(NS, name).get("phase") == "Running", what=f"{name} Running")
+
+
+def test_a_higher_priority_job_stops_the_lowest_gang_and_gets_its_gpus_first(
+        cluster: EmulatedCluster, kube: builders.Kube) -> None:
+    assert cluster.kmock is not None
+    kubelet = Kubelet(kube, cluster.kmock, NS)
+    solo_cluster(kube)
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        start(kube, "low", 10)
+        start(kube, "mid", 30)
+        kubelet.hold(["low-trainer-0"])
+
+        kube.create_job(NS, make_job("high", 60))
+        wait_for(lambda: ("low-trainer-0", {}) in kubelet.deletes(), what="low's pod deleted, gracefully")
+        low = wait_for(lambda: (s := kube.job_status(NS, "low")).get("preemptReplacements") == 1 and s,
+                       what="low preempted")
+        assert low["decisions"][-1]["action"] == "replace"
+        assert low["decisions"][-1]["reason"] == ("preempted by team/high (priority 60) to place its gang: "
+                                                  "priority 10 is lower")
+        assert any(e.reason == "Preempted" for e in kube.events(NS, "low"))
+        wait_for(lambda: any(e.reason == "Preempting" and "team/low" in e.message
+                             for e in kube.events(NS, "high")), what="high's Preempting event")
+        # While low checkpoints, high waits for it and stops nobody else.
+        waiting = wait_for(lambda: "waiting for the pods of preempted jobs" in
+                           (c := kube.condition(NS, "high", "Reconciling"))["message"] and c,
+                           what="high waiting for low's pods")
+        assert waiting["reason"] == "Unplaceable"
+        assert trainers(kube, "mid") == ["mid-trainer-0"]
+        assert {n for n, _ in kubelet.deletes() if n.startswith("mid")} == set()
+
+        # low's pod exits: high, first in line, gets the GPUs, and low's successor waits.
+        kubelet.release(["low-trainer-0"])
+        wait_for(lambda: trainers(kube, "high") == ["high-trainer-0"], what="high placed")
+        assert trainers(kube, "low") == []
+        kube.run_all_pods(NS, "high")
+        wait_for(lambda: kube.job_status(NS, "high").get("phase") == "Running", what="high Running")
+        assert trainers(kube, "low") == []
+        assert kube.job_status(NS, "low")["phase"] != "Failed"
+
+        # high goes away: low comes back under its successor's name, its restart budget untouched.
+        kube.delete_job(NS, "high")
+        wait_for(lambda: trainers(kube, "low") == ["low-trainer-0-g1"], what="low back")
+        kube.run_all_pods(NS, "low")
+        wait_for(lambda: kube.job_status(NS, "low").get("phase") == "Running", what="low Running again")
+
+
+def test_pinned_and_equal_priority_gangs_are_never_stopped(kube: builders.Kube, operator) -> None:
+    solo_cluster(kube)
+    start(kube, "pinned", 100)
+    start(kube, "peer", 60)
+    kube.create_job(NS, make_job("high", 60))
+    cond = wait_for(lambda: (c := kube.condition(NS, "high", "Reconciling")).get("reason") == "Unplaceable"
+                    and c, what="high Unplaceable")
+    assert "preempting" not in cond["message"] and "waiting for the pods" not in cond["message"]
+    assert trainers(kube, "pinned") == ["pinned-trainer-0"] and trainers(kube, "peer") == ["peer-trainer-0"]
+    assert kube.job_status(NS, "peer").get("preemptReplacements") is None
+
+
+def test_freed_gpus_go_to_the_first_job_in_line(kube: builders.Kube, operator) -> None:
+    """Two jobs wait behind a full cluster that they may not preempt (equal priority). When it frees,
+    the one of higher priority needs all 4 GPUs; the smaller one behind it must not take 2 first."""
+    solo_cluster(kube)
+    start(kube, "first", 50, gpus=4)
+    kube.create_job(NS, make_job("big", 40, gpus=4))
+    kube.create_job(NS, make_job("small", 20, gpus=2))
+    for name in ("big", "small"):
+        wait_for(lambda n=name: kube.condition(NS, n, "Reconciling").get("reason") == "Unplaceable",
+                 what=f"{name} waiting")
+    kube.delete_job(NS, "first")
+    wait_for(lambda: trainers(kube, "big") == ["big-trainer-0"], what="big placed")
+    assert trainers(kube, "small") == []
+    reason = wait_for(lambda: (c := kube.condition(NS, "small", "Reconciling")).get("reason") in (
+        "Queued", "Unplaceable") and c, what="small still waiting")
+    assert reason["status"] == "True"
