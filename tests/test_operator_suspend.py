@@ -132,8 +132,8 @@ def test_a_job_created_suspended_creates_nothing_until_resumed(kube: builders.Ku
     body = builders.make_training_job("later", "train", replicas=2, gpus=1)
     body["spec"]["suspend"] = True
     kube.create_job(NS, body)
-    status = wait_for(lambda: (s := kube.job_status(NS, "later")).get("phase") == "Suspended" and s,
-                      what="Suspended")
+    status = wait_for(lambda: (s := kube.job_status(NS, "later")).get("phase") == "Suspended"
+                      and s.get("message") and s, what="Suspended, with its message")
     assert kube.children(NS, "later") == {"pods": [], "services": [], "configmaps": []}
     assert [(d["action"], d["reason"]) for d in status["decisions"]] == [
         ("suspend", "spec.suspend is true: the job waits without pods until spec.suspend is false")]

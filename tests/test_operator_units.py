@@ -249,3 +249,31 @@ def test_kubeclient_apply_is_create_or_patch(tmp_path) -> None:
         first, second, gone, again, left = asyncio.run(scenario())
     assert '"a": 1' in first["data"]["config.json"] and '"a": 2' in second["data"]["config.json"]
     assert (gone, again, left) == (True, False, [])
+
+
+def _pod_body(name: str, phase: str = "Running") -> dict:
+    labels = {"huorn.io/job": "j", "huorn.io/vertex": "trainer", "huorn.io/instance": name}
+    return {"metadata": {"namespace": "team", "name": name, "labels": labels},
+            "spec": {"nodeName": "a0", "containers": [{"resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+            "status": {"phase": phase}}
+
+
+def test_a_mirror_resync_drops_only_what_the_watch_missed() -> None:
+    mirror = index.ClusterIndex()
+    for name in ("kept", "gone", "changed"):
+        mirror.observe_pod(_pod_body(name))
+    mark = mirror.observations
+    # The list began here; the watch then saw a new pod and a phase change before it answered.
+    mirror.observe_pod(_pod_body("new"))
+    mirror.observe_pod(_pod_body("changed", "Succeeded"))
+    listed = [_pod_body("kept", "Failed"), _pod_body("changed")]  # "gone" was deleted unseen
+    dropped = mirror.resync_pods(listed, mark)
+    assert [p.name for p in dropped] == ["gone"]
+    assert sorted(name for _, name in mirror.pods) == ["changed", "kept", "new"]
+    assert mirror.pods[("team", "kept")].phase == "Failed", "the list is newer than the watch here"
+    assert mirror.pods[("team", "changed")].phase == "Succeeded", "the watch is newer than the list here"
+
+
+def test_pod_creation_times_read_the_same_from_a_watch_and_from_a_list() -> None:
+    assert index.parse_time("2026-12-01T06:00:00Z") == index.parse_time("2026-12-01T06:00:00+00:00") > 0
+    assert index.parse_time(None) == index.parse_time("yesterday") == 0.0

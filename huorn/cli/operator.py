@@ -62,6 +62,7 @@ def operator_command(
     settings = context.OperatorSettings(
         resync_seconds=resync_seconds, error_backoff_seconds=0.5 if fast else 5.0,
         vc_status_seconds=1.0 if fast else 10.0, mirror=not no_mirror,
+        mirror_resync_seconds=2.0 if fast else 60.0,
         trainer_start_seconds=pod_start_seconds, eval_start_seconds=pod_start_seconds,
     )
     try:

@@ -28,6 +28,11 @@ class OperatorSettings:
     # False: list every Huorn pod from the API before each reconcile instead of trusting the
     # watch-fed mirror; the stateless design that benchmarks/operator_scale.py compares against.
     mirror: bool = True
+    # The mirror's pods are listed again this often, and records the watch never updated are
+    # dropped: a pod deleted between the start-up list and the watch's own first list (or in the
+    # gap of a watch that expired and was listed again) has no DELETED event, and would otherwise
+    # hold its GPUs in the mirror for ever.
+    mirror_resync_seconds: float = 60.0
     api_threads: int = 32  # API calls in flight at once
     monitor_seconds: float = 5.0  # how often each running job's pods are polled for telemetry
     telemetry_port: int = 9400  # the runtime's /telemetry port in every trainer pod
@@ -47,8 +52,8 @@ class OperatorSettings:
     retry: retry.RetryPolicy = field(default_factory=retry.RetryPolicy)
 
     def __post_init__(self) -> None:
-        if self.resync_seconds <= 0 or self.vc_status_seconds <= 0:
-            raise ValueError("resync_seconds and vc_status_seconds must be > 0")
+        if self.resync_seconds <= 0 or self.vc_status_seconds <= 0 or self.mirror_resync_seconds <= 0:
+            raise ValueError("resync_seconds, vc_status_seconds and mirror_resync_seconds must be > 0")
         if self.monitor_seconds <= 0 or self.telemetry_timeout_seconds <= 0 or self.progress_seconds <= 0:
             raise ValueError("monitor_seconds, telemetry_timeout_seconds and progress_seconds must be > 0")
         if self.forecast_timeout_seconds <= 0:

@@ -42,6 +42,9 @@ def _ctx(memo: Any) -> Context:
 
 async def _reconcile_job(ctx: Context, plural: str, namespace: str, name: str) -> str | None:
     waited = time.perf_counter()
+    # Only a plan this reconcile makes is applied: one that a monitor tick's reconcile left may
+    # be stale by now.
+    ctx.preemptions.pop((namespace, name), None)
     async with ctx.job_lock(namespace, name):
         logger.debug("reconcile %s/%s after %.3fs in line", namespace, name, time.perf_counter() - waited)
         body = await ctx.client.get_custom(plural, namespace, name)
@@ -71,6 +74,31 @@ async def _reconcile_job(ctx: Context, plural: str, namespace: str, name: str) -
 
 
 WAKE_LIMIT = 8  # waiting jobs woken when GPUs free up, first in line first
+
+
+async def _resync_mirror(ctx: Context) -> None:
+    """List every Huorn pod again every `mirror_resync_seconds` and drop the records the watch
+    missed the end of (index.ClusterIndex.resync_pods); their jobs are reconciled, and the line
+    woken, since GPUs the mirror thought taken may be free."""
+    while True:
+        await asyncio.sleep(ctx.settings.mirror_resync_seconds)
+        try:
+            mark = ctx.index.observations
+            selector = {"app.kubernetes.io/managed-by": manifests.MANAGED_BY}
+            listed = await ctx.client.list("Pod", None, selector)
+            dropped = ctx.index.resync_pods(listed, mark)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("mirror resync failed; next try in %.0fs", ctx.settings.mirror_resync_seconds)
+            continue
+        if not dropped:
+            continue
+        logger.info("mirror resync dropped %d pods the watch missed: %s", len(dropped),
+                    ", ".join(f"{p.namespace}/{p.name}" for p in dropped[:8]))
+        for job in sorted({p.job_key for p in dropped if p.job}):
+            ctx.wake(*job)
+        wake_waiting(ctx)
 
 
 def _waker(ctx: Context) -> Callable[[str, str], None]:
@@ -135,6 +163,15 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         for vc in await ctx.client.list_custom("virtualclusters", None):
             ctx.index.vcs[vc["metadata"]["name"]] = dict(vc.get("spec") or {})
         ctx.wake = _waker(ctx)
+        if ctx.settings.mirror:
+            memo.huorn_mirror_resync = asyncio.get_running_loop().create_task(
+                _resync_mirror(ctx), name="mirror resync")
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop_background(memo: Any, **_: Any) -> None:
+        task = getattr(memo, "huorn_mirror_resync", None)
+        if task is not None:
+            task.cancel()
 
     @kopf.on.login(registry=registry)
     def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:

@@ -124,11 +124,15 @@ def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
 
 
 def parse_time(text: str | None) -> float:
+    """An RFC 3339 time as watches give it ('...Z') or as the client's lists give it
+    ('...+00:00'); 0.0 when absent or unreadable."""
     try:
-        stamp = datetime.datetime.strptime(str(text), "%Y-%m-%dT%H:%M:%SZ") if text else None
+        stamp = datetime.datetime.fromisoformat(str(text)) if text else None
     except ValueError:
         return 0.0
-    return stamp.replace(tzinfo=datetime.UTC).timestamp() if stamp is not None else 0.0
+    if stamp is None:
+        return 0.0
+    return (stamp if stamp.tzinfo else stamp.replace(tzinfo=datetime.UTC)).timestamp()
 
 
 def _parse_input(text: str | None) -> dict[str, Any] | None:
@@ -169,6 +173,9 @@ class ClusterIndex:
     inference_demand: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
     # The prediction board's GPUs by inference cluster (huorn.operator.board), where it has one
     forecast_demand: dict[str, int] = field(default_factory=dict)
+    # When each pod record was last written, in observations (see resync_pods)
+    seen: dict[tuple[str, str], int] = field(default_factory=dict)
+    observations: int = 0
 
     # ----------------------------------------------------------------- updates from watches
     def observe_inference_job(self, body: Mapping[str, Any], deleted: bool = False) -> None:
@@ -200,11 +207,33 @@ class ClusterIndex:
             return None
         key = (record.namespace, record.name)
         self.reservations.pop(key, None)
+        self.observations += 1
         if deleted:
             self.pods.pop(key, None)
+            self.seen.pop(key, None)
         else:
             self.pods[key] = record
+            self.seen[key] = self.observations
         return record
+
+    def resync_pods(self, listed: Iterable[Mapping[str, Any]], mark: int) -> list[PodRecord]:
+        """Bring the mirror in line with a list of every Huorn pod that began when
+        `observations` was `mark`; returns the records dropped. A record the watch wrote after
+        the list began is newer than the list and stays as it is."""
+        fresh = set()
+        for body in listed:
+            record = build_pod_record(body)
+            if record is None:
+                continue
+            key = (record.namespace, record.name)
+            fresh.add(key)
+            if self.seen.get(key, -1) <= mark:
+                self.observe_pod(body)
+        stale = [key for key in self.pods if key not in fresh and self.seen.get(key, -1) <= mark]
+        dropped = [self.pods.pop(key) for key in stale]
+        for key in stale:
+            self.seen.pop(key, None)
+        return dropped
 
     def reserve(self, records: Iterable[PodRecord]) -> None:
         for r in records:

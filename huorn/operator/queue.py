@@ -61,12 +61,14 @@ class AdmissionQueue:
         out = [j for j in self.jobs.values() if j.missing]
         return sorted(out, key=lambda j: (-j.priority, j.created, j.key))
 
-    def first_ahead_that_fits(self, job: QueuedJob, snap: ClusterSnapshot) -> QueuedJob | None:
-        """The first waiting job of `job`'s VirtualCluster ahead of it that could be placed now."""
+    def first_ahead_that_fits(self, job: QueuedJob, snap: ClusterSnapshot,
+                              growth: bool = False) -> QueuedJob | None:
+        """The first waiting job of `job`'s VirtualCluster ahead of it that could be placed now;
+        with `growth` (replicas beyond `job`'s minimum), every waiting job is ahead of it."""
         for other in self.waiting():
             if other.key == job.key or other.virtual_cluster != job.virtual_cluster:
                 continue
-            if not other.goes_before(job):
+            if not growth and not other.goes_before(job):
                 break
             if isinstance(snap.place(other.virtual_cluster, other.missing, other.gpus), placement.Placement):
                 return other

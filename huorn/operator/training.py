@@ -209,22 +209,28 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     missing = [i for i in graph.vertex("trainer").instances if manifests.pod_name(ref, i) not in pods]
     reserved: list[PodRecord] = []
     assignments: dict[str, str] = {}
-    ctx.queue.record(dataclasses.replace(queued, missing=len(missing)))
+    # In line only below its minimum (a new gang, a lost member): growth is an extra, which
+    # comes after every waiting gang and stops no one.
+    below_minimum = len(graph.vertex("trainer").instances) - len(missing) < trainer.min_replicas
+    ctx.queue.record(dataclasses.replace(queued, missing=len(missing) if below_minimum else 0))
     if missing:
         async with ctx.placement_lock:
             gpus = job.spec.resources.gpus
             snap = ctx.index.build_snapshot()
             phase = old.get("phase") if old.get("phase") in ("Running", "Resizing") else "Pending"
-            ahead = ctx.queue.first_ahead_that_fits(queued, snap)
+            ahead = ctx.queue.first_ahead_that_fits(queued, snap, growth=not below_minimum)
             if ahead is not None:
                 ctx.wake(*ahead.key)
                 message = (f"queued behind {ahead.binding} (priority {ahead.priority}), which waited "
-                           "first and fits in the free GPUs")
+                           "first and fits in the free GPUs" if below_minimum else
+                           f"growth waits: {ahead.binding} (priority {ahead.priority}) waits for GPUs and "
+                           "fits in the free ones, and growth comes after the line")
                 return await _waiting(ctx, body, base_status, phase, "Queued", message, event="Normal")
             where = snap.place(job.spec.virtual_cluster, len(missing), gpus)
             if isinstance(where, placement.Unplaceable):
                 ctx.metrics.decisions.labels(KIND, "unplaceable").inc()
-                message = _plan_preemption(ctx, queued, snap, len(missing), where.reason)
+                message = (_plan_preemption(ctx, queued, snap, len(missing), where.reason)
+                           if below_minimum else where.reason)
                 return await _waiting(ctx, body, base_status, phase, "Unplaceable", message)
             for instance, node in zip(missing, where.assignments, strict=True):
                 assignments[instance.name] = node

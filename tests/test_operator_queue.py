@@ -1,0 +1,54 @@
+"""The admission line: order, who steps back for whom, and preemption's view of the running gangs."""
+
+from __future__ import annotations
+
+from huorn.operator import index, queue
+from huorn.scheduler import placement
+from huorn.scheduler.snapshot import ClusterSnapshot, VirtualClusterView
+
+
+def snapshot_with_free(gpus: int) -> ClusterSnapshot:
+    return ClusterSnapshot([placement.NodeView("a0", gpus, gpus, virtual_cluster="train")],
+                           [VirtualClusterView("train")])
+
+
+def job(name: str, priority: int, created: float, gpus: int = 2, missing: int = 1, vc: str = "train"
+        ) -> queue.QueuedJob:
+    return queue.QueuedJob("team", name, vc, priority, created, gpus, missing)
+
+
+def test_the_line_is_priority_then_age_and_only_jobs_that_fit_hold_others_back() -> None:
+    line = queue.AdmissionQueue()
+    for j in (job("late-high", 60, 20.0), job("early-high", 60, 10.0), job("low", 10, 0.0),
+              job("huge", 90, 0.0, gpus=8), job("other-vc", 99, 0.0, vc="serve"),
+              job("running", 99, 0.0, missing=0)):
+        line.record(j)
+    assert [j.name for j in line.waiting()] == ["other-vc", "huge", "early-high", "late-high", "low"]
+    snap = snapshot_with_free(4)
+    # huge does not fit, so it holds no one back; early-high fits and goes before late-high and low.
+    assert line.first_ahead_that_fits(line.jobs[("team", "late-high")], snap).name == "early-high"
+    assert line.first_ahead_that_fits(line.jobs[("team", "low")], snap).name == "early-high"
+    assert line.first_ahead_that_fits(line.jobs[("team", "early-high")], snap) is None
+    # Growth of a running job comes after every waiting gang, whatever its priority.
+    assert line.first_ahead_that_fits(line.jobs[("team", "running")], snap, growth=True).name == "early-high"
+    line.forget("team", "early-high")
+    line.forget("team", "late-high")
+    assert line.first_ahead_that_fits(line.jobs[("team", "running")], snap, growth=True).name == "low"
+
+
+def test_preemption_sees_running_gangs_and_the_ones_already_stopping() -> None:
+    line = queue.AdmissionQueue()
+    line.record(job("run", 10, 0.0, missing=0))
+    line.record(job("going", 10, 0.0, missing=0))
+
+    def pod(name: str, job_name: str, created: float, deleting: bool = False, phase: str = "Running"
+            ) -> index.PodRecord:
+        return index.PodRecord("team", name, job_name, "trainer", name, "a0", 2, 0, "train", phase=phase,
+                               deleting=deleting, created=created)
+
+    pods = [pod("run-0", "run", 5.0), pod("run-1", "run", 7.0), pod("run-old", "run", 1.0, phase="Failed"),
+            pod("going-0", "going", 3.0, deleting=True), pod("stranger-0", "stranger", 2.0)]
+    candidates, stopping = line.candidates(pods)
+    # The gang started when its newest live pod did; a job the queue has not seen is no candidate.
+    assert [(c.job, c.priority, c.started) for c in candidates] == [("team/run", 10, 7.0)]
+    assert stopping == ["team/going"]
