@@ -105,9 +105,14 @@ def test_freed_gpus_go_to_the_first_job_in_line(kube: builders.Kube, operator) -
     for name in ("big", "small"):
         wait_for(lambda n=name: kube.condition(NS, n, "Reconciling").get("reason") == "Unplaceable",
                  what=f"{name} waiting")
+    # The line is in the VirtualCluster's status (`kubectl get vc` prints Waiting).
+    wait_for(lambda: (s := kube.get_vc("solo").get("status") or {}).get("waitingJobs") == 2
+             and s["waitingGPUs"] == 6, what="2 jobs and 6 GPUs waiting in solo's status")
     kube.delete_job(NS, "first")
     wait_for(lambda: trainers(kube, "big") == ["big-trainer-0"], what="big placed")
     assert trainers(kube, "small") == []
+    wait_for(lambda: (s := kube.get_vc("solo").get("status") or {}).get("waitingJobs") == 1
+             and s["waitingGPUs"] == 2, what="small alone in line")
     reason = wait_for(lambda: (c := kube.condition(NS, "small", "Reconciling")).get("reason") in (
         "Queued", "Unplaceable") and c, what="small still waiting")
     assert reason["status"] == "True"

@@ -94,6 +94,8 @@ VIRTUAL_CLUSTER = Kind(
         PrinterColumn("Allocated", ".status.allocated", "integer"),
         PrinterColumn("Lent", ".status.lent", "integer"),
         PrinterColumn("Borrowed", ".status.borrowed", "integer"),
+        PrinterColumn("Waiting", ".status.waitingJobs", "integer",
+                      description="TrainingJobs waiting in line for this cluster's GPUs"),
         PrinterColumn("Forecast", ".status.forecast.gpus", "integer", priority=1,
                       description="GPUs the forecast request rate needs (lending.forecast)"),
         PrinterColumn("Age", ".metadata.creationTimestamp", "date"),

@@ -35,10 +35,15 @@ class OperatorMetrics:
         self.jobs = prom.Gauge("huorn_jobs", "Jobs by kind and phase.", ["kind", "phase"], registry=r)
         self.vc_gpus = prom.Gauge(
             "huorn_virtualcluster_gpus",
-            "GPUs of a virtual cluster by state (capacity, allocated, lent, borrowed; forecast: what "
-            "the prediction board reserves, inference clusters with lending.forecast only).",
+            "GPUs of a virtual cluster by state (capacity, allocated, lent, borrowed; waiting: what its "
+            "jobs waiting in line need; forecast: what the prediction board reserves, inference "
+            "clusters with lending.forecast only).",
             ["virtual_cluster", "state"],
             registry=r,
+        )
+        self.vc_waiting_jobs = prom.Gauge(
+            "huorn_virtualcluster_waiting_jobs", "TrainingJobs waiting in line for a virtual cluster's GPUs.",
+            ["virtual_cluster"], registry=r,
         )
         self.decisions = prom.Counter(
             "huorn_decisions", "Decisions taken, by kind and action.", ["kind", "action"], registry=r

@@ -36,12 +36,15 @@ def compute_usage(ctx: Context, vc: str) -> dict[str, int]:
             and ctx.index.virtual_cluster_of(ctx.index.nodes[pod.node]) not in ("", vc)
         ):
             borrowed += pod.gpus
+    waiting = [j for j in ctx.queue.waiting() if j.virtual_cluster == vc]
     return {
         "nodes": len(members),
         "capacity": sum(n.gpus for n in members.values()),
         "allocated": allocated,
         "lent": lent,
         "borrowed": borrowed,
+        "waitingJobs": len(waiting),
+        "waitingGPUs": sum(j.missing * j.gpus for j in waiting),
     }
 
 
@@ -69,6 +72,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
             ctx.metrics.vc_gpus.remove(name, "forecast")
     for state in ("capacity", "allocated", "lent", "borrowed"):
         ctx.metrics.vc_gpus.labels(name, state).set(usage[state])
+    ctx.metrics.vc_gpus.labels(name, "waiting").set(usage["waitingGPUs"])
+    ctx.metrics.vc_waiting_jobs.labels(name).set(usage["waitingJobs"])
     if conditions.strip_times({**old, **status}) != conditions.strip_times(old):
         await ctx.client.patch_status(PLURAL, None, name, status)
     return usage
@@ -76,6 +81,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
 
 def forget(ctx: Context, name: str) -> None:
     ctx.index.vcs.pop(name, None)
-    for state in ("capacity", "allocated", "lent", "borrowed", "forecast"):
+    for state in ("capacity", "allocated", "lent", "borrowed", "waiting", "forecast"):
         with contextlib.suppress(KeyError):
             ctx.metrics.vc_gpus.remove(name, state)
+    with contextlib.suppress(KeyError):
+        ctx.metrics.vc_waiting_jobs.remove(name)
