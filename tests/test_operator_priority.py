@@ -116,3 +116,29 @@ def test_freed_gpus_go_to_the_first_job_in_line(kube: builders.Kube, operator) -
     reason = wait_for(lambda: (c := kube.condition(NS, "small", "Reconciling")).get("reason") in (
         "Queued", "Unplaceable") and c, what="small still waiting")
     assert reason["status"] == "True"
+
+
+def test_an_elastic_gang_of_lower_priority_shrinks_instead_of_stopping(kube: builders.Kube, operator) -> None:
+    solo_cluster(kube)
+    body = builders.make_training_job("elastic", "solo", replicas=3, max_replicas=4, gpus=1, priority=10)
+    body["spec"]["elasticity"]["policy"] = "goodput"
+    kube.create_job(NS, body)
+    wait_for(lambda: len(trainers(kube, "elastic")) == 3, what="3 elastic replicas")
+    kube.run_all_pods(NS, "elastic")
+    # Its minimum goes back to 1; it keeps the 3 replicas it has.
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
+                                               "elastic", {"spec": {"elasticity": {"minReplicas": 1}}})
+    wait_for(lambda: kube.job_status(NS, "elastic").get("observedGeneration")
+             == kube.get_job(NS, "elastic")["metadata"]["generation"], what="the new minimum observed")
+    start(kube, "fixed", 10, gpus=1)
+
+    kube.create_job(NS, make_job("high", 60, gpus=2))
+    wait_for(lambda: trainers(kube, "high") == ["high-trainer-0"], what="high placed")
+    assert trainers(kube, "elastic") == ["elastic-trainer-0"], "the two newest replicas given up"
+    assert trainers(kube, "fixed") == ["fixed-trainer-0"], "nobody stopped"
+    status = kube.job_status(NS, "elastic")
+    assert status["decisions"][-1]["action"] == "resize"
+    assert status["decisions"][-1]["reason"] == ("shrunk by 2 for team/high (priority 60) to place its gang: "
+                                                 "priority 10 is lower, and the job is elastic")
+    assert status.get("preemptReplacements") is None and status["phase"] != "Failed"
+    assert any(e.reason == "Shrunk" for e in kube.events(NS, "elastic"))

@@ -36,6 +36,22 @@ def test_the_lowest_priority_newest_gang_goes_first_and_only_what_is_needed() ->
     assert snap.free("train") == 0
 
 
+def test_elastic_victims_shrink_before_anyone_is_stopped() -> None:
+    snap = build_snapshot({"a": 4, "b": 4}, {"elastic": {"a": 3}, "fixed": {"a": 1}, "mid": {"b": 4}})
+    surplus = (("trainer-2", "a", 1), ("trainer-1", "a", 1))  # 3 replicas of 1 GPU, minimum 1
+    candidates = [Candidate("elastic", 10, 0.0, surplus), Candidate("fixed", 10, 5.0),
+                  Candidate("mid", 40, 0.0)]
+    # 1 GPU: the newer fixed gang would go whole, but the elastic one gives up a replica instead.
+    one = preemption.plan_preemption(snap, "train", 1, 1, 50, candidates)
+    assert one == preemption.Plan((), (("elastic", ("trainer-2",)),))
+    two = preemption.plan_preemption(snap, "train", 1, 2, 50, candidates)
+    assert two == preemption.Plan((), (("elastic", ("trainer-2", "trainer-1")),))
+    # 3 on one node: shrinking to the minimum leaves 2, so whole gangs go, and nobody shrinks.
+    three = preemption.plan_preemption(snap, "train", 1, 3, 50, candidates)
+    assert three is not None and three.shrinks == () and set(three.victims) == {"elastic"}
+    assert snap.free("train") == 0
+
+
 def test_equal_higher_and_pinned_priorities_are_never_victims() -> None:
     snap = build_snapshot({"a": 4}, {"peer": {"a": 2}, "pinned": {"a": 2}})
     candidates = [Candidate("peer", 50, 0.0), Candidate("pinned", 100, 0.0)]
@@ -72,22 +88,44 @@ def test_victims_are_eligible_sufficient_and_minimal(gpus: list[int], jobs: list
             continue
         free[node] -= take
         placed[f"j{k}"] = {node: take}
-        candidates.append(Candidate(f"j{k}", priority, float(started)))
+        # Replicas of 1 GPU; odd jobs are elastic down to one replica.
+        surplus = tuple((f"r{r}", node, 1) for r in range(take - 1, 0, -1)) if k % 2 else ()
+        candidates.append(Candidate(f"j{k}", priority, float(started), surplus))
     snap = build_snapshot(nodes, placed)
     replicas, per_replica, priority = want
     plan = preemption.plan_preemption(snap, "train", replicas, per_replica, priority, candidates)
     by_name = {c.job: c for c in candidates}
 
-    def fits_without(victims: list[str]) -> bool:
+    def fits_without(victims: list[str], shrunk: dict[str, int] | None = None) -> bool:
         with snap.simulate():
             for v in victims:
                 snap.forget(v)
+            for job_name, count in (shrunk or {}).items():
+                (node, held), = placed[job_name].items()
+                snap.forget(job_name)
+                snap.assume(job_name, "train", placement.Placement([node] * (held - count)), 1)
             return isinstance(snap.place("train", replicas, per_replica), placement.Placement)
 
     eligible = [c.job for c in candidates if preemption.is_preemptible(c.priority, priority)]
     if plan is None:
         assert not fits_without(eligible), "a plan existed: every eligible victim was enough"
         return
+    if plan == preemption.Plan(()):
+        assert fits_without([]), "nothing to do only when the gang fits already"
+        return
+    if plan.shrinks:
+        assert plan.victims == ()
+        shrunk = {job_name: len(names) for job_name, names in plan.shrinks}
+        assert all(preemption.is_preemptible(by_name[j].priority, priority) for j in shrunk)
+        assert all(n <= len(by_name[j].surplus) for j, n in shrunk.items()), "never below the minimum"
+        assert fits_without([], shrunk)
+        last_job, last_names = plan.shrinks[-1]
+        assert not fits_without([], {**shrunk, last_job: len(last_names) - 1}), "the last replica was needed"
+        return
+    # Whole gangs only when no shrink is enough.
+    everything = {c.job: len(c.surplus) for c in candidates if c.surplus
+                  and preemption.is_preemptible(c.priority, priority)}
+    assert not fits_without([], everything)
     assert all(preemption.is_preemptible(by_name[v].priority, priority) for v in plan.victims)
     assert fits_without(list(plan.victims))
     for v in plan.victims:

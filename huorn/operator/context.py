@@ -82,9 +82,9 @@ class Context:
     # its history is Prometheus's, read again at the first tick.
     boards: dict[str, Any] = field(default_factory=dict)
     # The order of admission, and the preemptions a reconcile decided for its handler to apply
-    # (victims' names and why) once the deciding job's lock is released.
+    # (huorn.scheduler.preemption.Plan, and who for) once the deciding job's lock is released.
     queue: queue.AdmissionQueue = field(default_factory=queue.AdmissionQueue)
-    preemptions: dict[tuple[str, str], tuple[tuple[str, ...], str]] = field(default_factory=dict)
+    preemptions: dict[tuple[str, str], tuple[Any, str]] = field(default_factory=dict)
     # Reconcile a job soon, from a task of its own (the handlers set it): a waiting job that can go
     # first, or that GPUs just freed for, should not wait for its resync timer.
     wake: Callable[[str, str], None] = field(default=lambda namespace, name: None)

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from huorn.graph import mutate, serialise
+from huorn.graph import serialise
 from huorn.operator import board, index, preempting, training, validation
 from huorn.operator.context import Context
 from huorn.scheduler import loaning
@@ -143,35 +143,11 @@ def as_shrink(r: loaning.Reclaim, loan: loaning.LoanView, wanted: int) -> loanin
 
 
 async def shrink_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: int) -> bool:
-    """Write the shrink into the borrower's status, then SIGTERM its pods on the lender's nodes."""
-    async with ctx.job_lock(b.namespace, b.job):
-        body = await ctx.client.get_custom(training.PLURAL, b.namespace, b.job)
-        if body is None or not (body.get("status") or {}).get("graph"):
-            return False
-        graph = serialise.from_status(body["status"]["graph"])
-        trainer = graph.vertex("trainer")
-        live = {i.name for i in trainer.instances}
-        # Newest instances first: they have done the least since the gang last (re)started.
-        victims = sorted((p for p in b.pods if p.instance in live), key=lambda p: p.instance,
-                         reverse=True)[: r.replicas_released]
-        if not victims or trainer.replicas - len(victims) < trainer.min_replicas:
-            return False
-        m = mutate.resize(graph, "trainer", trainer.replicas - len(victims),
-                          reason=f"reclaim: {r.reason}", remove=[p.instance for p in victims])
-        if m is None:
-            return False
-        await ctx.client.patch_status(training.PLURAL, b.namespace, b.job, {
-            "graph": serialise.to_status(graph), "decisions": training.build_decisions(graph),
-            "targetReplicas": trainer.replicas,
-        })
-        ctx.metrics.decisions.labels(training.KIND, "resize").inc()
-        ctx.post_event(body, "Normal", "Reclaim", m.reason)
-        for pod in victims:
-            await ctx.client.delete("Pod", pod.namespace, pod.name, grace_seconds=grace)
-        fresh = await ctx.client.get_custom(training.PLURAL, b.namespace, b.job)
-        if fresh is not None:
-            await training.reconcile(ctx, fresh)
-    return True
+    """Shrink a borrower by its pods on the lender's nodes, newest instances first (they have
+    done the least since the gang last (re)started), with the lender's grace."""
+    victims = sorted((p.instance for p in b.pods), reverse=True)
+    return await preempting.shrink_gang(ctx, b.namespace, b.job, victims, f"reclaim: {r.reason}", grace,
+                                        count=r.replicas_released)
 
 
 async def preempt_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: int) -> bool:

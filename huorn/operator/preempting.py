@@ -1,4 +1,9 @@
-"""Stopping a running gang so that others get its GPUs: a lender's reclaim, or a job of higher priority.
+"""Stopping or shrinking a running gang so that others get its GPUs: a lender's reclaim, or a job of
+higher priority.
+
+A shrink is a graph mutation like any other: the resize, naming exactly the replicas to give up,
+goes into the job's status first; then those pods are deleted gracefully (SIGTERM, checkpoint),
+and the rest of the gang goes on at its smaller size.
 
 Every live trainer pod of the victim is replaced with drain (a new generation each), which is how
 an S3 roll restarts a gang; the decision goes into the victim's status first, then the old pods
@@ -51,15 +56,56 @@ async def preempt_gang(ctx: Context, namespace: str, name: str, reason: str,
     return True
 
 
+async def shrink_gang(ctx: Context, namespace: str, name: str, replicas: list[str], reason: str,
+                      grace: int | None = None, count: int | None = None) -> bool:
+    """Give up the first `count` (default: all) of the named trainer replicas that still run, in
+    the order given, never below minReplicas; False when there is nothing (left) to give up."""
+    async with ctx.job_lock(namespace, name):
+        body = await ctx.client.get_custom(training.PLURAL, namespace, name)
+        if body is None or not (body.get("status") or {}).get("graph"):
+            return False
+        graph = serialise.from_status(body["status"]["graph"])
+        trainer = graph.vertex("trainer")
+        live = {i.name for i in trainer.instances}
+        pods = {p.instance: p for p in ctx.index.pods_of(namespace, name)
+                if p.vertex == "trainer" and p.holds_resources and not p.deleting}
+        going = [r for r in replicas if r in live and r in pods][:count]
+        if not going or trainer.replicas - len(going) < trainer.min_replicas:
+            return False
+        m = mutate.resize(graph, "trainer", trainer.replicas - len(going), reason=reason, remove=going)
+        if m is None:
+            return False
+        await ctx.client.patch_status(training.PLURAL, namespace, name, {
+            "graph": serialise.to_status(graph), "decisions": training.build_decisions(graph),
+            "targetReplicas": trainer.replicas,
+        })
+        ctx.metrics.decisions.labels(training.KIND, "resize").inc()
+        event = "Reclaim" if reason.startswith("reclaim") else "Shrunk"
+        ctx.post_event(body, "Normal", event, m.reason[:1024])
+        for replica in going:
+            pod = pods[replica]
+            await ctx.client.delete("Pod", pod.namespace, pod.name, grace_seconds=grace)
+        fresh = await ctx.client.get_custom(training.PLURAL, namespace, name)
+        if fresh is not None:
+            await training.reconcile(ctx, fresh)
+    return True
+
+
 async def apply_planned(ctx: Context, namespace: str, name: str) -> list[str]:
     """The preemptions a reconcile of `namespace/name` planned (huorn.operator.training); returns
     the victims stopped. Runs outside the preemptor's lock: each victim takes its own."""
     planned = ctx.preemptions.pop((namespace, name), None)
     if planned is None:
         return []
-    victims, preemptor = planned
+    plan, preemptor = planned
     stopped = []
-    for victim in victims:
+    for victim, replicas in plan.shrinks:
+        victim_ns, victim_name = victim.split("/", 1)
+        reason = (f"shrunk by {len(replicas)} for {preemptor} to place its gang: priority "
+                  f"{_priority(ctx, victim)} is lower, and the job is elastic")
+        if await shrink_gang(ctx, victim_ns, victim_name, list(replicas), reason):
+            stopped.append(f"{victim} (shrunk by {len(replicas)})")
+    for victim in plan.victims:
         victim_ns, victim_name = victim.split("/", 1)
         reason = f"preempted by {preemptor} to place its gang: priority {_priority(ctx, victim)} is lower"
         if await preempt_gang(ctx, victim_ns, victim_name, reason):

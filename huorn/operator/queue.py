@@ -32,6 +32,8 @@ class QueuedJob:
     created: float  # metadata.creationTimestamp, seconds since the epoch
     gpus: int  # per replica
     missing: int = 0  # replicas it could not place at its last reconcile; 0: not waiting
+    min_replicas: int = 1
+    elastic: bool = False  # elasticity.policy goodput: it may be shrunk to min_replicas
 
     @property
     def key(self) -> tuple[str, str]:
@@ -90,6 +92,10 @@ class AdmissionQueue:
             known = self.jobs.get(key)
             if known is None:
                 continue
-            started = max((p.created for p in mine if not p.deleting), default=0.0)
-            candidates.append(preemption.Candidate(binding, known.priority, started))
+            live = sorted((p for p in mine if not p.deleting and p.vertex == "trainer"),
+                          key=lambda p: (p.created, p.instance), reverse=True)
+            started = max((p.created for p in live), default=0.0)
+            spare = max(0, len(live) - known.min_replicas) if known.elastic else 0
+            surplus = tuple((p.instance, p.node, p.gpus) for p in live[:spare])
+            candidates.append(preemption.Candidate(binding, known.priority, started, surplus))
         return candidates, stopping

@@ -87,7 +87,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     known = ctx.queue.jobs.get((ns, name))
     queued = queue.QueuedJob(ns, name, job.spec.virtual_cluster, job.spec.priority,
                              index.parse_time(meta.get("creationTimestamp")), job.spec.resources.gpus,
-                             missing=known.missing if known is not None else 0)
+                             missing=known.missing if known is not None else 0,
+                             min_replicas=job.spec.elasticity.min_replicas,
+                             elastic=job.spec.elasticity.policy == ElasticityPolicy.GOODPUT)
     ctx.queue.record(queued)
 
     fresh = compiler.compile(job)
@@ -295,9 +297,12 @@ def _plan_preemption(ctx: Context, job: queue.QueuedJob, snap: Any, replicas: in
                                             candidates, stopping)
     if plan is None:
         return why
-    if not plan.victims:
+    if not plan.victims and not plan.shrinks:
         return f"{why}; waiting for the pods of preempted jobs to checkpoint and exit"
-    ctx.preemptions[job.key] = (plan.victims, f"{job.binding} (priority {job.priority})")
+    ctx.preemptions[job.key] = (plan, f"{job.binding} (priority {job.priority})")
+    if plan.shrinks:
+        shrunk = ", ".join(f"{victim} by {len(replicas)}" for victim, replicas in plan.shrinks)
+        return f"{why}; shrinking {shrunk} (lower priority, elastic) to make room"
     return f"{why}; preempting {', '.join(plan.victims)} (lower priority) to make room"
 
 

@@ -12,7 +12,11 @@ priority. The rules here are theirs:
 - then every victim that the gang does not need after all is given back, highest priority
   first, so that the set is minimal;
 - jobs already stopping (their pods are being deleted) count as gone: a gang that fits once
-  they are gone preempts nobody more, it waits.
+  they are gone preempts nobody more, it waits;
+- elastic victims shrink before anyone is stopped (what Kueue users ask for as partial
+  preemption): replicas above a job's minimum are given up one at a time, newest replica first,
+  in the same victim order, until the gang fits. Only when shrinking every such job to its
+  minimum is not enough are whole gangs stopped instead (and then nobody is shrunk).
 
 Pure: a `ClusterSnapshot` and plain values in, names out; the snapshot is left as it was.
 """
@@ -34,13 +38,17 @@ class Candidate:
     job: str
     priority: int
     started: float
+    # Replicas it may give up (above its minimum, elastic only), newest first: (replica, node, GPUs)
+    surplus: tuple[tuple[str, str, int], ...] = ()
 
 
 @dataclass(frozen=True)
 class Plan:
-    """`victims` to stop (empty: the gang fits once the jobs already stopping are gone)."""
+    """`victims` to stop and `shrinks` (job → replicas to give up); both empty: the gang fits
+    once the jobs already stopping are gone."""
 
     victims: tuple[str, ...]
+    shrinks: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def is_preemptible(victim_priority: int, preemptor_priority: int) -> bool:
@@ -66,6 +74,9 @@ def plan_preemption(
                 snap.forget(job)
         if _fits(snap, vc, replicas, gpus_per_replica):
             return Plan(())
+        shrinks = _plan_shrinks(snap, vc, replicas, gpus_per_replica, order)
+        if shrinks is not None:
+            return Plan((), shrinks)
         taken: list[Candidate] = []
         for c in order:
             snap.forget(c.job)
@@ -85,3 +96,26 @@ def plan_preemption(
             if _fits(snap, vc, replicas, gpus_per_replica):
                 needed = trial
     return Plan(tuple(v.job for v in needed))
+
+
+def _plan_shrinks(snap: ClusterSnapshot, vc: str, replicas: int, gpus_per_replica: int,
+                  order: list[Candidate]) -> tuple[tuple[str, tuple[str, ...]], ...] | None:
+    """Surplus replicas given up one at a time, in victim order, until the gang fits; None when
+    all of them are not enough. Leaves `snap` as it found it."""
+    given: dict[str, list[str]] = {}
+    with snap.simulate():
+        for c in order:
+            for replica, node, gpus in c.surplus:
+                binding = snap.forget(c.job)
+                left = dict(binding.gpus_by_node)
+                left[node] = left.get(node, 0) - gpus
+                if left[node] < 0:
+                    raise ValueError(f"{c.job}: replica {replica} holds {gpus} GPUs on {node}, "
+                                     f"more than the job holds there")
+                nodes = [n for n, count in sorted(left.items()) for _ in range(count)]
+                if nodes:
+                    snap.assume(c.job, binding.virtual_cluster, placement.Placement(nodes), 1)
+                given.setdefault(c.job, []).append(replica)
+                if _fits(snap, vc, replicas, gpus_per_replica):
+                    return tuple((job, tuple(names)) for job, names in given.items())
+    return None
