@@ -102,12 +102,21 @@ async def _resync_mirror(ctx: Context) -> None:
 
 
 def _waker(ctx: Context) -> Callable[[str, str], None]:
-    """ctx.wake: a reconcile of the job in a task of its own (kept referenced until it ends)."""
+    """ctx.wake: a reconcile of the job in a task of its own (kept referenced until it ends). A
+    job already woken and not yet started is not woken again, so a gang of 64 pods going away
+    costs each waiting job one reconcile, not 64."""
     tasks: set[asyncio.Task[Any]] = set()
+    due: set[tuple[str, str]] = set()
+
+    async def run(namespace: str, name: str) -> None:
+        due.discard((namespace, name))
+        await _reconcile_job(ctx, training.PLURAL, namespace, name)
 
     def wake(namespace: str, name: str) -> None:
-        task = asyncio.get_running_loop().create_task(
-            _reconcile_job(ctx, training.PLURAL, namespace, name), name=f"wake {namespace}/{name}")
+        if (namespace, name) in due:
+            return
+        due.add((namespace, name))
+        task = asyncio.get_running_loop().create_task(run(namespace, name), name=f"wake {namespace}/{name}")
         tasks.add(task)
         task.add_done_callback(_finished(tasks))
 
