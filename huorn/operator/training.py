@@ -41,6 +41,7 @@ PERMANENT_EXIT_CODES = frozenset({2})
 DECISION_LIMIT = 32
 REASON_LIMIT = 1024  # a decision's reason (Decision.reason); a kubelet's waiting message has no bound
 RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers"})
+WAKE_AFTER_PLACING = 8  # waiting jobs of the VirtualCluster woken when one that waited is placed
 
 
 def _iso(seconds: float) -> str:
@@ -211,17 +212,21 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     missing = [i for i in graph.vertex("trainer").instances if manifests.pod_name(ref, i) not in pods]
     reserved: list[PodRecord] = []
     assignments: dict[str, str] = {}
-    # In line only below its minimum (a new gang, a lost member): growth is an extra, which
-    # comes after every waiting gang and stops no one.
+    # In line once it could not be placed, and only below its minimum (a new gang, a lost
+    # member): growth is an extra, which comes after every waiting gang and stops no one. A job
+    # that has not tried yet is not in line, so a burst of new jobs places as fast as before.
     below_minimum = len(graph.vertex("trainer").instances) - len(missing) < trainer.min_replicas
-    ctx.queue.record(dataclasses.replace(queued, missing=len(missing) if below_minimum else 0))
-    if missing:
+    in_line = dataclasses.replace(queued, missing=len(missing) if below_minimum else 0)
+    if not missing:
+        ctx.queue.record(dataclasses.replace(queued, missing=0))
+    else:
         async with ctx.placement_lock:
             gpus = job.spec.resources.gpus
             snap = ctx.index.build_snapshot()
             phase = old.get("phase") if old.get("phase") in ("Running", "Resizing") else "Pending"
             ahead = ctx.queue.first_ahead_that_fits(queued, snap, growth=not below_minimum)
             if ahead is not None:
+                ctx.queue.record(in_line)
                 ctx.wake(*ahead.key)
                 message = (f"queued behind {ahead.binding} (priority {ahead.priority}), which waited "
                            "first and fits in the free GPUs" if below_minimum else
@@ -230,6 +235,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                 return await _waiting(ctx, body, base_status, phase, "Queued", message, event="Normal")
             where = snap.place(job.spec.virtual_cluster, len(missing), gpus)
             if isinstance(where, placement.Unplaceable):
+                ctx.queue.record(in_line)
                 ctx.metrics.decisions.labels(KIND, "unplaceable").inc()
                 message = (_plan_preemption(ctx, queued, snap, len(missing), where.reason)
                            if below_minimum else where.reason)
@@ -251,6 +257,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                 )
             ctx.index.reserve(reserved)
             ctx.queue.record(dataclasses.replace(queued, missing=0))
+            if queued.missing:
+                # The line moved: those that stepped back behind this job try again now.
+                for waiting_job in ctx.queue.waiting()[:WAKE_AFTER_PLACING]:
+                    if waiting_job.virtual_cluster == queued.virtual_cluster:
+                        ctx.wake(*waiting_job.key)
 
     # Write-ahead: the decision is in status before any pod changes.
     try:
