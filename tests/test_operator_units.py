@@ -277,3 +277,14 @@ def test_a_mirror_resync_drops_only_what_the_watch_missed() -> None:
 def test_pod_creation_times_read_the_same_from_a_watch_and_from_a_list() -> None:
     assert index.parse_time("2026-12-01T06:00:00Z") == index.parse_time("2026-12-01T06:00:00+00:00") > 0
     assert index.parse_time(None) == index.parse_time("yesterday") == 0.0
+
+
+def test_the_operator_starts_without_scikit_learn() -> None:
+    """scikit-learn is ~50 MiB of the operator's footprint; only a forecasting inference cluster
+    or a performance model that fits a residual needs it (it crept back in once, via the board)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, huorn.cli.operator, huorn.operator.handlers; print('sklearn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from sklearn import ensemble
 
 DAY = 86400.0
 EPS = 0.5  # requests per second; keeps the ratio of two near-idle rates finite
@@ -90,6 +89,10 @@ class LoadForecaster:
     """Peak-rate forecaster for one inference virtual cluster."""
 
     def __init__(self, config: ForecastConfig | None = None, seed: int = 0):
+        # Imported here: scikit-learn costs the operator ~50 MiB and a second at start, and only
+        # an inference cluster with lending.forecast ever builds a forecaster.
+        from sklearn import ensemble
+
         self.config = config or ForecastConfig()
         self._model = ensemble.GradientBoostingRegressor(
             loss="quantile", alpha=self.config.quantile, n_estimators=150, max_depth=3,
