@@ -142,3 +142,30 @@ def test_an_elastic_gang_of_lower_priority_shrinks_instead_of_stopping(kube: bui
                                                  "priority 10 is lower, and the job is elastic")
     assert status.get("preemptReplacements") is None and status["phase"] != "Failed"
     assert any(e.reason == "Shrunk" for e in kube.events(NS, "elastic"))
+
+
+def test_a_restarted_operator_finishes_a_preemption_and_stops_no_one_twice(
+        cluster: EmulatedCluster, kube: builders.Kube) -> None:
+    """The victim's stop is in its status before its pods are deleted; an operator that comes up
+    while they still checkpoint rebuilds the line from the jobs, places the preemptor once they are
+    gone, and decides nothing twice."""
+    assert cluster.kmock is not None
+    kubelet = Kubelet(kube, cluster.kmock, NS)
+    solo_cluster(kube)
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        start(kube, "low", 10)
+        start(kube, "mid", 30)
+        kubelet.hold(["low-trainer-0"])
+        kube.create_job(NS, make_job("high", 60))
+        wait_for(lambda: kube.job_status(NS, "low").get("preemptReplacements") == 1, what="low preempted")
+        wait_for(lambda: ("low-trainer-0", {}) in kubelet.deletes(), what="low's pod deleted")
+    # No operator while low's pod checkpoints and exits.
+    kubelet.release(["low-trainer-0"])
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        wait_for(lambda: trainers(kube, "high") == ["high-trainer-0"], what="high placed by the new operator")
+        kube.run_all_pods(NS, "high")
+        wait_for(lambda: kube.job_status(NS, "high").get("phase") == "Running", what="high Running")
+        assert trainers(kube, "low") == [] and trainers(kube, "mid") == ["mid-trainer-0"]
+        low = kube.job_status(NS, "low")
+        assert [d["action"] for d in low["decisions"]] == ["replace"] and low["preemptReplacements"] == 1
+        assert kube.job_status(NS, "mid").get("preemptReplacements") is None

@@ -52,3 +52,28 @@ def test_preemption_sees_running_gangs_and_the_ones_already_stopping() -> None:
     # The gang started when its newest live pod did; a job the queue has not seen is no candidate.
     assert [(c.job, c.priority, c.started) for c in candidates] == [("team/run", 10, 7.0)]
     assert stopping == ["team/going"]
+
+
+def test_the_line_is_rebuilt_from_the_jobs_status_after_a_restart() -> None:
+    from huorn.api import kinds
+
+    def body(reason: str, graph: dict | None) -> dict:
+        status = {"conditions": [{"type": "Reconciling", "status": "True", "reason": reason}]}
+        if graph is not None:
+            status["graph"] = graph
+        return {"apiVersion": "huorn.io/v1alpha1", "kind": "TrainingJob",
+                "metadata": {"namespace": "team", "name": "j", "creationTimestamp": "2026-12-01T06:00:00Z"},
+                "spec": {"virtualCluster": "train", "priority": 70, "resources": {"gpus": 2},
+                         "elasticity": {"minReplicas": 3, "maxReplicas": 4, "policy": "goodput"}},
+                "status": status}
+
+    def entry(b: dict, pods: list[index.PodRecord] = ()) -> queue.QueuedJob:  # type: ignore[assignment]
+        return queue.from_job(kinds.TrainingJob.model_validate(b), b, pods)
+
+    never_placed = entry(body("Unplaceable", None))
+    assert (never_placed.missing, never_placed.priority, never_placed.gpus) == (3, 70, 2)
+    assert never_placed.elastic and never_placed.created > 0
+    one_left = index.PodRecord("team", "j-trainer-0", "j", "trainer", "trainer-0", "a0", 2, 0, "train")
+    graph = {"vertices": [{"name": "trainer", "replicas": 4}]}
+    assert entry(body("Queued", graph), [one_left]).missing == 3
+    assert entry(body("Draining", graph)).missing == 0, "a job draining is not in line"

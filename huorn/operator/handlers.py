@@ -27,7 +27,9 @@ from huorn.operator import (
     monitoring,
     otherjobs,
     preempting,
+    queue,
     training,
+    validation,
     virtualclusters,
 )
 from huorn.operator.context import Context
@@ -171,6 +173,16 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             ctx.index.observe_pod(pod)
         for vc in await ctx.client.list_custom("virtualclusters", None):
             ctx.index.vcs[vc["metadata"]["name"]] = dict(vc.get("spec") or {})
+        # The line too: the first job reconciled must not take GPUs a waiting one was promised.
+        for body in await ctx.client.list_custom(training.PLURAL, None):
+            if (body.get("status") or {}).get("phase") in ("Succeeded", "Failed", "Suspended"):
+                continue
+            try:
+                job = validation.load_job(body)
+            except validation.InvalidSpec:
+                continue
+            meta = body["metadata"]
+            ctx.queue.record(queue.from_job(job, body, ctx.index.pods_of(meta["namespace"], meta["name"])))
         ctx.wake = _waker(ctx)
         if ctx.settings.mirror:
             memo.huorn_mirror_resync = asyncio.get_running_loop().create_task(

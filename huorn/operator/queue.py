@@ -8,17 +8,20 @@ waiting and fits in the free GPUs (that one goes first, and is woken to do so); 
 does not fit blocks nobody. A waiting job that does not fit may preempt running gangs of lower
 priority (`huorn.scheduler.preemption`).
 
-Memory only, like the mirror: every reconcile records its job again, and the resume handlers
-reconcile every job at start, so a restarted operator has the queue back within one pass. A job
-it has not seen yet is never a victim (its priority is unknown).
+Memory, like the mirror, and rebuilt the same way: at start, from a listing of the jobs, before
+any handler runs (`from_job`: a job whose status says it waits, Unplaceable or Queued, is in line
+with the replicas its graph has no pod for). Without that, the first job a restarted operator
+happened to reconcile could take GPUs that a preemption had freed for another. Every reconcile
+then records its job again. A job not seen yet is never a victim (its priority is unknown).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from huorn.operator.index import PodRecord
+from huorn.operator.index import PodRecord, parse_time
 from huorn.scheduler import placement, preemption
 from huorn.scheduler.snapshot import ClusterSnapshot
 
@@ -46,6 +49,28 @@ class QueuedJob:
 
     def goes_before(self, other: QueuedJob) -> bool:
         return (-self.priority, self.created, self.key) < (-other.priority, other.created, other.key)
+
+
+WAITING_REASONS = frozenset({"Unplaceable", "Queued"})
+
+
+def from_job(job: Any, body: Mapping[str, Any], pods: Iterable[PodRecord]) -> QueuedJob:
+    """A job's entry as its API object shows it (`job`: its validated model): in line with the
+    trainer replicas that have no pod when its Reconciling condition says it waits."""
+    meta, status = body.get("metadata") or {}, body.get("status") or {}
+    spec = job.spec
+    missing = 0
+    reconciling = next((c for c in status.get("conditions") or [] if c.get("type") == "Reconciling"), {})
+    graph = status.get("graph") or {}
+    if reconciling.get("status") == "True" and reconciling.get("reason") in WAITING_REASONS:
+        # A gang never placed has no graph in status yet: it starts at minReplicas.
+        trainer = next((v for v in graph.get("vertices") or [] if v.get("name") == "trainer"), {})
+        replicas = int(trainer.get("replicas", spec.elasticity.min_replicas))
+        present = sum(1 for p in pods if p.vertex == "trainer" and p.holds_resources and not p.deleting)
+        missing = max(0, replicas - present)
+    return QueuedJob(str(meta.get("namespace", "")), str(meta.get("name", "")), spec.virtual_cluster,
+                     spec.priority, parse_time(meta.get("creationTimestamp")), spec.resources.gpus, missing,
+                     spec.elasticity.min_replicas, spec.elasticity.policy.value == "goodput")
 
 
 @dataclass
