@@ -39,18 +39,23 @@ def start(kube: builders.Kube, name: str, priority: int, gpus: int = 2) -> None:
     wait_for(lambda: kube.job_status(NS, name).get("phase") == "Running", what=f"{name} Running")
 
 
+def low_and_mid_then_high(kube: builders.Kube, kubelet: Kubelet) -> None:
+    """low (10) and mid (30) fill the cluster; high (60) arrives, and low's pod, held by the
+    kubelet while it checkpoints, is deleted."""
+    start(kube, "low", 10)
+    start(kube, "mid", 30)
+    kubelet.hold(["low-trainer-0"])
+    kube.create_job(NS, make_job("high", 60))
+    wait_for(lambda: ("low-trainer-0", {}) in kubelet.deletes(), what="low's pod deleted, gracefully")
+
+
 def test_a_higher_priority_job_stops_the_lowest_gang_and_gets_its_gpus_first(
         cluster: EmulatedCluster, kube: builders.Kube) -> None:
     assert cluster.kmock is not None
     kubelet = Kubelet(kube, cluster.kmock, NS)
     solo_cluster(kube)
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
-        start(kube, "low", 10)
-        start(kube, "mid", 30)
-        kubelet.hold(["low-trainer-0"])
-
-        kube.create_job(NS, make_job("high", 60))
-        wait_for(lambda: ("low-trainer-0", {}) in kubelet.deletes(), what="low's pod deleted, gracefully")
+        low_and_mid_then_high(kube, kubelet)
         low = wait_for(lambda: (s := kube.job_status(NS, "low")).get("preemptReplacements") == 1 and s,
                        what="low preempted")
         assert low["decisions"][-1]["action"] == "replace"
@@ -153,12 +158,8 @@ def test_a_restarted_operator_finishes_a_preemption_and_stops_no_one_twice(
     kubelet = Kubelet(kube, cluster.kmock, NS)
     solo_cluster(kube)
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
-        start(kube, "low", 10)
-        start(kube, "mid", 30)
-        kubelet.hold(["low-trainer-0"])
-        kube.create_job(NS, make_job("high", 60))
+        low_and_mid_then_high(kube, kubelet)
         wait_for(lambda: kube.job_status(NS, "low").get("preemptReplacements") == 1, what="low preempted")
-        wait_for(lambda: ("low-trainer-0", {}) in kubelet.deletes(), what="low's pod deleted")
     # No operator while low's pod checkpoints and exits.
     kubelet.release(["low-trainer-0"])
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
