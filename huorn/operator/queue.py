@@ -54,23 +54,28 @@ class QueuedJob:
 WAITING_REASONS = frozenset({"Unplaceable", "Queued"})
 
 
+def build_entry(job: Any, meta: Mapping[str, Any], missing: int = 0) -> QueuedJob:
+    """A job's entry from its validated model and its metadata."""
+    spec = job.spec
+    return QueuedJob(str(meta.get("namespace", "")), str(meta.get("name", "")), spec.virtual_cluster,
+                     spec.priority, parse_time(meta.get("creationTimestamp")), spec.resources.gpus, missing,
+                     spec.elasticity.min_replicas, spec.elasticity.policy.value == "goodput")
+
+
 def from_job(job: Any, body: Mapping[str, Any], pods: Iterable[PodRecord]) -> QueuedJob:
     """A job's entry as its API object shows it (`job`: its validated model): in line with the
     trainer replicas that have no pod when its Reconciling condition says it waits."""
-    meta, status = body.get("metadata") or {}, body.get("status") or {}
-    spec = job.spec
+    status = body.get("status") or {}
     missing = 0
     reconciling = next((c for c in status.get("conditions") or [] if c.get("type") == "Reconciling"), {})
     graph = status.get("graph") or {}
     if reconciling.get("status") == "True" and reconciling.get("reason") in WAITING_REASONS:
         # A gang never placed has no graph in status yet: it starts at minReplicas.
         trainer = next((v for v in graph.get("vertices") or [] if v.get("name") == "trainer"), {})
-        replicas = int(trainer.get("replicas", spec.elasticity.min_replicas))
+        replicas = int(trainer.get("replicas", job.spec.elasticity.min_replicas))
         present = sum(1 for p in pods if p.vertex == "trainer" and p.holds_resources and not p.deleting)
         missing = max(0, replicas - present)
-    return QueuedJob(str(meta.get("namespace", "")), str(meta.get("name", "")), spec.virtual_cluster,
-                     spec.priority, parse_time(meta.get("creationTimestamp")), spec.resources.gpus, missing,
-                     spec.elasticity.min_replicas, spec.elasticity.policy.value == "goodput")
+    return build_entry(job, body.get("metadata") or {}, missing)
 
 
 @dataclass

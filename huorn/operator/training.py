@@ -29,7 +29,7 @@ from huorn.backends import monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import Graph, Mutation, Vertex
-from huorn.operator import conditions, cordon, estimates, evaluation, index, queue, validation
+from huorn.operator import conditions, cordon, estimates, evaluation, queue, validation
 from huorn.operator.context import Context
 from huorn.operator.index import PodRecord
 from huorn.scheduler import placement
@@ -86,11 +86,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         await _clean_terminal(ctx, body, old["phase"])
         return old["phase"]
     known = ctx.queue.jobs.get((ns, name))
-    queued = queue.QueuedJob(ns, name, job.spec.virtual_cluster, job.spec.priority,
-                             index.parse_time(meta.get("creationTimestamp")), job.spec.resources.gpus,
-                             missing=known.missing if known is not None else 0,
-                             min_replicas=job.spec.elasticity.min_replicas,
-                             elastic=job.spec.elasticity.policy == ElasticityPolicy.GOODPUT)
+    queued = queue.build_entry(job, meta, known.missing if known is not None else 0)
     ctx.queue.record(queued)
 
     fresh = compiler.compile(job)
