@@ -199,7 +199,9 @@ def test_a_restarted_operator_resumes_evals_from_the_api_objects(
         before = first.ctx.client.retries
         ranks.checkpoint(5)
         wait_for(lambda: eval_pods(kube, "llm") == ["llm-eval-0-s5"], what="an eval pod")
-        assert first.ctx.client.retries > before, "the injected 500 was answered and retried"
+        # Polled, not read once: the emulator stores the pod before it answers 500, so the test
+        # can see the pod before the operator's thread has counted the retry.
+        wait_for(lambda: first.ctx.client.retries > before, what="the injected 500 answered and retried")
     # The operator is gone: the eval ends and a newer checkpoint lands meanwhile.
     finish(kube, "llm-eval-0-s5", 0, result_message(5, 2.0))
     ranks.checkpoint(8)
