@@ -16,6 +16,7 @@ from huorn.backends.kubernetes import retry
 from huorn.operator import index, metrics, queue
 
 EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
+WAKE_LIMIT = 8  # waiting jobs woken at once, first in line first
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,13 @@ class Context:
     def job_lock(self, namespace: str, name: str) -> asyncio.Lock:
         """One reconcile of a job at a time, whether kopf, a timer or a pod event started it."""
         return self._job_locks.setdefault((namespace, name), asyncio.Lock())
+
+    def wake_line(self, virtual_cluster: str | None = None) -> None:
+        """GPUs were freed, or the line moved: its first jobs (of one VirtualCluster, or of all)
+        try to place now rather than at their resync."""
+        waiting = [j for j in self.queue.waiting() if virtual_cluster in (None, j.virtual_cluster)]
+        for job in waiting[:WAKE_LIMIT]:
+            self.wake(*job.key)
 
     def forget_job(self, namespace: str, name: str) -> None:
         self._job_locks.pop((namespace, name), None)

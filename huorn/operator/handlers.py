@@ -75,9 +75,6 @@ async def _reconcile_job(ctx: Context, plural: str, namespace: str, name: str) -
     return phase
 
 
-WAKE_LIMIT = 8  # waiting jobs woken when GPUs free up, first in line first
-
-
 async def _resync_mirror(ctx: Context) -> None:
     """List every Huorn pod again every `mirror_resync_seconds` and drop the records the watch
     missed the end of (index.ClusterIndex.resync_pods); their jobs are reconciled, and the line
@@ -100,7 +97,7 @@ async def _resync_mirror(ctx: Context) -> None:
                     ", ".join(f"{p.namespace}/{p.name}" for p in dropped[:8]))
         for job in sorted({p.job_key for p in dropped if p.job}):
             ctx.wake(*job)
-        wake_waiting(ctx)
+        ctx.wake_line()
 
 
 def _waker(ctx: Context) -> Callable[[str, str], None]:
@@ -132,12 +129,6 @@ def _finished(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], No
             logger.warning("woken reconcile %s failed: %r; its timer retries", task.get_name(),
                            task.exception())
     return done
-
-
-def wake_waiting(ctx: Context) -> None:
-    """GPUs were freed: the first jobs in line try to place now rather than at their resync."""
-    for job in ctx.queue.waiting()[:WAKE_LIMIT]:
-        ctx.wake(*job.key)
 
 
 async def _relist_pods(ctx: Context) -> None:
@@ -220,7 +211,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         if kind in kinds.KINDS:
             await _reconcile_job(ctx, kinds.KINDS[kind].plural, record.namespace, record.job)
         if record.gpus and (type == "DELETED" or not record.holds_resources):
-            wake_waiting(ctx)
+            ctx.wake_line()
 
     # InferenceJobs' demand keeps their cluster's GPUs from being lent (index.build_snapshot);
     # a watch replays every object on start, so a restarted operator has it back before placing

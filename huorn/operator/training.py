@@ -41,7 +41,6 @@ PERMANENT_EXIT_CODES = frozenset({2})
 DECISION_LIMIT = 32
 REASON_LIMIT = 1024  # a decision's reason (Decision.reason); a kubelet's waiting message has no bound
 RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers"})
-WAKE_AFTER_PLACING = 8  # waiting jobs of the VirtualCluster woken when one that waited is placed
 
 
 def _iso(seconds: float) -> str:
@@ -255,9 +254,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             ctx.queue.record(dataclasses.replace(queued, missing=0))
             if queued.missing:
                 # The line moved: those that stepped back behind this job try again now.
-                for waiting_job in ctx.queue.waiting()[:WAKE_AFTER_PLACING]:
-                    if waiting_job.virtual_cluster == queued.virtual_cluster:
-                        ctx.wake(*waiting_job.key)
+                ctx.wake_line(queued.virtual_cluster)
 
     # Write-ahead: the decision is in status before any pod changes.
     try:
