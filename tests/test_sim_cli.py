@@ -41,11 +41,15 @@ def test_malformed_trace_exits_2_naming_the_column(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "gpu_milli" in result.output
 
+    # A path longer than a terminal line: the error stays one line, whole, to copy or grep.
+    deep = tmp_path / ("a-directory-with-a-long-name-" * 4)
+    deep.mkdir()
+    bad = deep / "pods.csv"
     bad.write_text("name,num_gpu,gpu_milli,qos,creation_time,deletion_time\np,one,1000,BE,0,10\n")
     result = CliRunner().invoke(app, ["simulate", "--trace", str(bad), "--gpus", "16", "--policy", "fifo",
                                       "--output", str(tmp_path / "o")])
     assert result.exit_code == 2
-    assert "num_gpu" in result.output and ":2" in result.output
+    assert f"error: {bad}:2: column 'num_gpu' must be a number, got 'one'\n" in result.output
 
 
 def test_unknown_policy_exits_2(tmp_path: Path) -> None:

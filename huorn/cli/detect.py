@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from huorn.cli.output import OutputFormat, render_console, render_data
+from huorn.cli.output import OutputFormat, print_error, render_console, render_data
 from huorn.scheduler.remediation import bocd, failslow, steptable
 
 EXIT_INVALID = 2
@@ -39,17 +38,16 @@ def detect_command(
     """Find fail-slow workers in a table of per-worker step times (FALCON: BOCD + validation)."""
     if as_json:
         output = OutputFormat.JSON
-    err = Console(stderr=True)
     if not 0 < min_shift < 10:
-        err.print(f"error: --min-shift={min_shift}: use a fraction such as 0.10 for 10%")
+        print_error(f"--min-shift={min_shift}: use a fraction such as 0.10 for 10%")
         raise typer.Exit(EXIT_INVALID)
     try:
         table = steptable.read_csv(steptimes)
     except OSError as error:
-        err.print(f"error: cannot read {steptimes}: {error.strerror or error}")
+        print_error(f"cannot read {steptimes}: {error.strerror or error}")
         raise typer.Exit(EXIT_INVALID) from None
     except steptable.StepTableError as error:
-        err.print(f"error: {steptimes}: {error}")
+        print_error(f"{steptimes}: {error}")
         raise typer.Exit(EXIT_INVALID) from None
     findings = failslow.detect_fail_slow(table, bocd.BocdConfig(min_shift=min_shift))
     typer.echo(render_findings(findings, output))

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from huorn.api.base import parse_duration
-from huorn.cli.output import OutputFormat, render_console, render_data
+from huorn.cli.output import OutputFormat, print_error, render_console, render_data
 from huorn.scheduler import forecast
 
 EXIT_INVALID = 2
@@ -113,7 +113,7 @@ def forecast_command(
     err = Console(stderr=True, soft_wrap=True)
 
     def fail(message: str) -> None:
-        err.print(f"error: {message}")
+        print_error(message)
         raise typer.Exit(EXIT_INVALID)
 
     if (qps is None) == (prometheus is None):

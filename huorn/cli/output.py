@@ -8,6 +8,7 @@ import json
 from enum import StrEnum
 from typing import Any
 
+import typer
 import yaml
 from rich.console import Console
 
@@ -31,3 +32,10 @@ def render_console(*renderables: Any) -> str:
     for renderable in renderables:
         console.print(renderable)
     return console.file.getvalue().rstrip()  # type: ignore[attr-defined]
+
+
+def print_error(message: str) -> None:
+    """`error: MESSAGE` on stderr as plain text: rich would wrap it at the terminal's width (a
+    file path split across lines can no longer be copied or grepped) and read `[...]` in it as
+    markup, dropping part of the message."""
+    typer.echo(f"error: {message}", err=True)

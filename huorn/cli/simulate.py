@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from huorn.cli.output import print_error
 from huorn.sim import engine, policies, report, run, workload
 
 DATA = Path("/work/shared/data")
@@ -69,7 +70,7 @@ def simulate(
             for n in names:
                 bar.update(tasks[n], completed=1.0)
     except (ValueError, workload.TraceError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        print_error(str(exc))
         raise typer.Exit(2) from None
     path = report.write_report(output, results, sims)
     err.print(f"wrote {path} and plots in {output}")
