@@ -61,6 +61,15 @@ def pick(*good: Any, bad: tuple[Any, ...] = ()) -> st.SearchStrategy[Any]:
 QUANTITIES = pick("1", "500m", 4, 0, "16Gi", "1.5", bad=("x", -1, "16GB", 1.5, True))
 DURATIONS = pick("10m", "1h30m", "250ms", "0s", bad=("5", "10 m", ""))
 
+# Both matchers, one, or none (the failure-rule-one-matcher rule); 0 with In, repeats.
+FAILURE_RULES = some(
+    required={"action": pick("FailJob", "Ignore", "Count", bad=("FailIndex",))},
+    onExitCodes=some(required={"operator": pick("In", "NotIn", bad=("Is",)),
+                               "values": st.lists(pick(0, 1, 42, 255, bad=(256, -1)), max_size=3)}),
+    onPodConditions=st.lists(some(required={"type": pick("DisruptionTarget", "example.com/Gone", bad=("",))},
+                                  status=pick("True", "False", bad=("yes",))), max_size=2),
+)
+
 model_specs = some(
     layers=pick(1, 2, 3, 4, bad=(0, 257)),
     width=pick(8, 12, 16, 24, 48, bad=(7,)),
@@ -88,7 +97,9 @@ common_fields = dict(
     checkpoint=some(volume=pick("ckpt", bad=("Bad",)), path=pick("/c", "./c", bad=("",)), interval=DURATIONS,
                     intervalSteps=pick(1, 25, bad=(0,))),
     remediation=some(hangTimeout=DURATIONS, failSlowDetection=pick(True, False, bad=("yes",)),
-                     maxMitigation=pick("observe", "restart", bad=("reboot",))),
+                     maxMitigation=pick("observe", "restart", bad=("reboot",)),
+                     maxRestarts=pick(0, 3, 1000, bad=(-1, 1001)),
+                     podFailurePolicy=some(required={"rules": st.lists(FAILURE_RULES, max_size=3)})),
     env=st.lists(some(required={"name": pick("A", "NCCL_DEBUG", bad=("1BAD",))}, value=pick("", "x")),
                  max_size=2),
 )

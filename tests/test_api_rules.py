@@ -32,6 +32,10 @@ class Case:
     invalid: dict[str, Any]
 
 
+def _failure_rule(matcher: dict[str, Any]) -> dict[str, Any]:
+    return {"remediation": {"podFailurePolicy": {"rules": [{"action": "FailJob", **matcher}]}}}
+
+
 CASES = [
     Case("elasticity-min-le-max", "TrainingJob", "spec.elasticity",
          {"elasticity": {"minReplicas": 2, "maxReplicas": 2}},
@@ -101,6 +105,16 @@ CASES = [
     Case("lending-max-needs-lendable", "VirtualCluster", "spec.lending",
          {"lending": {"lendable": True, "maxGPUsLent": 2}},
          {"lending": {"lendable": False, "maxGPUsLent": 2}}),
+    Case("exit-codes-unique", "TrainingJob", "spec.remediation.podFailurePolicy.rules[0].onExitCodes",
+         _failure_rule({"onExitCodes": {"operator": "NotIn", "values": [0, 1]}}),
+         _failure_rule({"onExitCodes": {"operator": "NotIn", "values": [1, 0, 1]}})),
+    Case("exit-codes-in-not-zero", "TrainingJob", "spec.remediation.podFailurePolicy.rules[0].onExitCodes",
+         _failure_rule({"onExitCodes": {"operator": "NotIn", "values": [0]}}),
+         _failure_rule({"onExitCodes": {"operator": "In", "values": [42, 0]}})),
+    Case("failure-rule-one-matcher", "TrainingJob", "spec.remediation.podFailurePolicy.rules[0]",
+         _failure_rule({"onPodConditions": [{"type": "DisruptionTarget"}]}),
+         _failure_rule({"onPodConditions": [{"type": "DisruptionTarget"}],
+                        "onExitCodes": {"operator": "In", "values": [42]}})),
     Case("forecast-needs-inference", "VirtualCluster", "spec",
          {"purpose": "inference", "lending": {"forecast": {
              "prometheusURL": "http://prometheus:9090", "query": "sum(rate(r[5m]))", "requestsPerGPU": 4}}},
@@ -112,8 +126,12 @@ RULES = {rule.name: rule for _, rule in kinds.RULES}
 
 
 def _node(value: dict[str, Any], path: str) -> Any:
+    """The schema node (or the stored value) at a wire path; `rules[0]` steps into a list."""
     for part in path.split("."):
-        value = value["properties"][part] if "properties" in value else value[part]
+        name, _, index = part.partition("[")
+        value = value["properties"][name] if "properties" in value else value[name]
+        if index:
+            value = value["items"] if "items" in value else value[int(index.rstrip("]"))]
     return value
 
 

@@ -51,6 +51,18 @@ def test_each_mutation_bumps_version_once_and_logs_reason_and_time() -> None:
     assert g.action_counts == {"resize": 1, "replace": 1, "set-param": 1}
 
 
+def test_an_uncounted_replacement_is_tallied_with_the_graph() -> None:
+    """A failure the pod failure policy ignores: the tally is part of the graph, so it is written
+    (and read back by a restarted operator) in the same status patch as the decision."""
+    g = build_graph()
+    mutate.replace_instance(g, "trainer-0", reason="crash")
+    m = mutate.replace_instance(g, "trainer-0-g1", reason="evicted by a node drain", counted=False)
+    assert m.detail == {"old": "trainer-0-g1", "new": "trainer-0-g2", "counted": False}
+    assert g.action_counts == {"replace": 2, mutate.UNCOUNTED_REPLACE: 1}
+    back = serialise.from_status(serialise.to_status(g))
+    assert back.action_counts == g.action_counts
+
+
 def test_noop_mutations_do_not_bump_version() -> None:
     g = build_graph()
     assert mutate.resize(g, "trainer", 1, reason="same") is None

@@ -191,6 +191,40 @@ def test_replacement_budget_and_mitigation_level_are_restart_rules(kube: builder
     assert "budget of 1 used up" in status["message"]
 
 
+def test_a_pod_failure_policy_ignores_evictions_and_fails_on_a_final_exit_code(
+        kube: builders.Kube, operator) -> None:
+    """Kubernetes Job's podFailurePolicy: with no restart budget at all, an evicted pod
+    (DisruptionTarget, as a node drain or the kubelet sets it) is still replaced, and the
+    trainer's own "do not retry" exit code fails the job at once."""
+    body = builders.make_training_job("policy", "train", replicas=2, gpus=1)
+    body["spec"]["remediation"] = {"maxRestarts": 0, "podFailurePolicy": {"rules": [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+        {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [42]}},
+    ]}}
+    kube.create_job(NS, body)
+    _running(kube, "policy", 2)
+    evicted = {"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory.",
+               "conditions": [{"type": "DisruptionTarget", "status": "True",
+                               "reason": "TerminationByKubelet"}]}
+    kube.core.patch_namespaced_pod_status("policy-trainer-0", NS, {"status": evicted})
+    wait_for(lambda: sorted(p.metadata.name for p in kube.pods(NS, "policy", "trainer"))
+             == ["policy-trainer-0-g1", "policy-trainer-1"], what="the evicted pod replaced")
+    status = wait_for(lambda: (s := kube.job_status(NS, "policy")).get("ignoredFailures") == 1 and s,
+                      what="the ignored failure in status")
+    assert status["restartsUsed"] == 0 and status["phase"] != "Failed"
+    assert status["decisions"][-1]["reason"] == (
+        "pod policy-trainer-0 failed (Evicted: The node was low on resource: memory.); replacing it "
+        "(spec.remediation.podFailurePolicy.rules[0] (pod condition DisruptionTarget): Ignore, not counted "
+        "against spec.remediation.maxRestarts)")
+
+    kube.set_pod_phase(NS, "policy-trainer-1", "Failed", exit_code=42)
+    status = wait_for(lambda: (s := kube.job_status(NS, "policy")).get("phase") == "Failed" and s,
+                      what="Failed on the final exit code")
+    assert status["message"] == ("pod policy-trainer-1 failed with exit code 42; "
+                                 "spec.remediation.podFailurePolicy.rules[1] (exit code 42 In [42]): FailJob")
+    assert kube.condition(NS, "policy", "Stalled")["status"] == "True"
+
+
 def _hold_pending(kube: builders.Kube, pod: str, reason: str, message: str) -> None:
     """What the kubelet reports of a container that cannot start."""
     waiting = {"phase": "Pending", "containerStatuses": [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -91,6 +91,84 @@ class MitigationLevel(StrEnum):
     RESTART = "restart"  # S4
 
 
+class FailureAction(StrEnum):
+    """What a pod failure that a podFailurePolicy rule matches does to the job (Kubernetes Job's
+    actions, FailIndex aside: a gang has no indexes to fail alone)."""
+
+    FAIL_JOB = "FailJob"  # the job fails now; no replacement
+    IGNORE = "Ignore"  # replace the pod without spending spec.remediation.maxRestarts
+    COUNT = "Count"  # replace the pod and spend one restart (what an unmatched failure does)
+
+
+class ExitCodeOperator(StrEnum):
+    IN = "In"
+    NOT_IN = "NotIn"
+
+
+@rules.attach(
+    rules.Rule(
+        name="exit-codes-unique",
+        field="values",
+        cel="self.values.all(v, self.values.exists_one(w, w == v))",
+        holds=lambda e: len(set(e.values)) == len(e.values),
+        message="must be distinct",
+        detail=lambda e: ", ".join(str(v) for v in e.values),
+        fix="list each exit code once",
+    ),
+    rules.Rule(
+        name="exit-codes-in-not-zero",
+        field="values",
+        cel="self.operator != 'In' || self.values.all(v, v != 0)",
+        holds=lambda e: e.operator != ExitCodeOperator.IN or 0 not in e.values,
+        message="must not hold 0 with operator In (a container that exited 0 did not fail)",
+        fix="remove 0, or use operator NotIn",
+    ),
+)
+class OnExitCodes(ApiModel):
+    """Matches a pod whose trainer container terminated with an exit code in (In) or not in
+    (NotIn) the values. A pod the kubelet ended without running its container to an exit
+    (Evicted before it started) has no exit code and matches no exit-code rule."""
+
+    operator: ExitCodeOperator
+    values: list[Annotated[int, Field(ge=0, le=255)]] = Field(min_length=1, max_length=255)
+
+
+class OnPodCondition(ApiModel):
+    """Matches a pod that has this condition with this status, e.g. DisruptionTarget, which
+    Kubernetes sets on a pod it evicts (a node drain, the kubelet under node pressure, the
+    scheduler's preemption, a tainted node)."""
+
+    type: str = Field(min_length=1, max_length=316, pattern=r"^([a-z0-9.-]+/)?[A-Za-z0-9][-A-Za-z0-9_.]*$")
+    status: Literal["True", "False", "Unknown"] = "True"
+
+
+@rules.attach(
+    rules.Rule(
+        name="failure-rule-one-matcher",
+        field="",
+        cel="has(self.onExitCodes) != has(self.onPodConditions)",
+        holds=lambda r: (r.on_exit_codes is None) != (r.on_pod_conditions is None),
+        message="a podFailurePolicy rule needs exactly one of onExitCodes and onPodConditions",
+        fix="split a rule that has both into two, or add the one that is missing",
+    ),
+)
+class PodFailureRule(ApiModel):
+    action: FailureAction
+    on_exit_codes: OnExitCodes | None = None
+    on_pod_conditions: list[OnPodCondition] | None = Field(
+        default=None, min_length=1, max_length=20,
+        description="Matches when the pod has any of these conditions.",
+    )
+
+
+class PodFailurePolicy(ApiModel):
+    """Kubernetes Job's podFailurePolicy for a TrainingJob's trainer and store pods: the rules are
+    tried in order on each failed pod, and the first that matches decides. A failure no rule
+    matches follows Huorn's own restart rules (exit code 2 fails the job, anything else counts)."""
+
+    rules: list[PodFailureRule] = Field(min_length=1, max_length=20)
+
+
 class Remediation(ApiModel):
     hang_timeout: Duration = Field(
         default="30s", description="A rank stuck this long in one collective counts as hung."
@@ -103,8 +181,14 @@ class Remediation(ApiModel):
         default=3, ge=0, le=1000,
         description="Pod replacements the job may spend on failures: a trainer or store pod that failed, "
         "was evicted or never started, and remediation restarts. The next failure after that fails the "
-        "job. Moves made on purpose (S3 re-splits, loan reclaims, suspensions) do not count "
-        "(Kubeflow's backoffLimit).",
+        "job. Moves made on purpose (S3 re-splits, loan reclaims, suspensions) and failures that an "
+        "Ignore rule of podFailurePolicy matches do not count (Kubeflow's backoffLimit).",
+    )
+    pod_failure_policy: PodFailurePolicy | None = Field(
+        default=None,
+        description="Kubernetes Job's podFailurePolicy, for a TrainingJob's trainer and store pods: fail "
+        "the job at once on an exit code that means the failure is final, or replace an evicted pod "
+        "(DisruptionTarget) without spending maxRestarts. Rules are tried in order; the first match decides.",
     )
 
 

@@ -70,6 +70,7 @@ TRAINING_JOB = Kind(
         PrinterColumn("Loss", ".status.loss", "number"),
         PrinterColumn("Progress", ".status.progressPercent", "integer"),
         PrinterColumn("ETA", ".status.estimatedRemaining"),
+        PrinterColumn("Restarts", ".status.restartsUsed", "integer", priority=1),
         *_JOB_COLUMNS[2:],
     ),
     scale_spec_path=".spec.elasticity.minReplicas",

@@ -353,6 +353,11 @@ class TrainingJobStatus(JobStatus):
     preempt_replacements: int | None = Field(default=None, description="Trainer pods replaced because a "
                                              "lender reclaimed its GPUs; they do not count against the "
                                              "restart budget.")
+    restarts_used: int | None = Field(default=None, ge=0, description="Pod replacements spent from "
+                                      "spec.remediation.maxRestarts.")
+    ignored_failures: int | None = Field(default=None, ge=0, description="Failed pods replaced under an "
+                                         "Ignore rule of spec.remediation.podFailurePolicy; they do not "
+                                         "count against the restart budget.")
     control_version: int | None = Field(default=None, description="Graph version of the run-time control "
                                         "(remediation S2's micro-batch counts) last written to the job's "
                                         "ConfigMap.")

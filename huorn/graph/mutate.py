@@ -73,12 +73,18 @@ def find_instance(graph: Graph, name: str) -> tuple[Vertex, int]:
     raise KeyError(f"graph {graph.name!r} has no instance {name!r}; it has {graph.instance_names()}")
 
 
-def replace_instance(graph: Graph, name: str, *, reason: str, drain: bool = False) -> Mutation:
+UNCOUNTED_REPLACE = "replace-uncounted"  # action_counts key: replacements that spent no failure budget
+
+
+def replace_instance(graph: Graph, name: str, *, reason: str, drain: bool = False,
+                     counted: bool = True) -> Mutation:
     """Swap one instance for a fresh one with the same ordinal and the next generation.
 
     By default the old instance is broken and backends kill it at once. `drain=True` says it is
     healthy but must move (its store was replaced, say): backends stop it gracefully, so its
-    workers checkpoint first."""
+    workers checkpoint first. `counted=False` marks a failure that is not the job's (a pod
+    failure policy's Ignore): the tally travels with the graph, so it is written in the same
+    status patch as the decision and can never be counted without it, or twice."""
     v, index = find_instance(graph, name)
     old = v.instances[index]
     new = Instance(old.vertex, old.ordinal, old.generation + 1)
@@ -86,6 +92,9 @@ def replace_instance(graph: Graph, name: str, *, reason: str, drain: bool = Fals
     detail: dict[str, Any] = {"old": old.name, "new": new.name}
     if drain:
         detail["drain"] = True
+    if not counted:
+        detail["counted"] = False
+        graph.action_counts[UNCOUNTED_REPLACE] = graph.action_counts.get(UNCOUNTED_REPLACE, 0) + 1
     return _record(graph, "replace", v.name, reason, detail)
 
 

@@ -48,6 +48,7 @@ class PodRecord:
     created: float = 0.0  # metadata.creationTimestamp, seconds since the epoch (0: unknown)
     waiting: str = ""  # why the container is not running yet (ErrImagePull, ...), with its message
     ended: str = ""  # why the kubelet ended the pod itself (Evicted, ...), with its message
+    conditions: tuple[tuple[str, str], ...] = ()  # status.conditions as (type, status): DisruptionTarget
 
     def failure(self) -> str:
         """What a Failed pod ended with, as a person would want it in a decision."""
@@ -120,6 +121,8 @@ def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
         created=parse_time(meta.get("creationTimestamp")),
         waiting=waiting,
         ended=": ".join(str(v) for v in (status.get("reason"), status.get("message")) if v),
+        conditions=tuple((str(c.get("type")), str(c.get("status"))) for c in status.get("conditions") or []
+                         if c.get("type")),
     )
 
 

@@ -8,10 +8,12 @@ nothing is decided twice and no pod is created twice. Placement is all or none: 
 of the gang cannot be placed, no mutation is written and no pod is created, and the job says why
 in its Reconciling condition.
 
-Restart rules for a failed trainer pod: exit code 2 (the runtime refused its config) fails the
-job, since a new pod would fail the same way; any other failure replaces the pod (a new graph
+Restart rules for a failed trainer pod: spec.remediation.podFailurePolicy first (Kubernetes
+Job's rules; huorn.operator.failures), then exit code 2 (the runtime refused its config) fails
+the job, since a new pod would fail the same way; any other failure replaces the pod (a new graph
 generation, so a new name) while spec.remediation.maxMitigation allows "restart" and the job has
-had fewer than its replacement budget (spec.remediation.maxRestarts, 3 by default). torchrun
+had fewer than its replacement budget (spec.remediation.maxRestarts, 3 by default); a failure
+the policy ignores spends none of it. torchrun
 restarts workers inside a pod on its own; the operator only sees a pod fail when torchrun gives up.
 """
 
@@ -24,12 +26,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from huorn.api.common import ElasticityPolicy
+from huorn.api.common import ElasticityPolicy, FailureAction
 from huorn.backends import monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import Graph, Mutation, Vertex
-from huorn.operator import conditions, cordon, estimates, evaluation, queue, validation
+from huorn.operator import conditions, cordon, estimates, evaluation, failures, queue, validation
 from huorn.operator.context import Context
 from huorn.operator.index import PodRecord
 from huorn.scheduler import placement
@@ -37,7 +39,6 @@ from huorn.scheduler import preemption as sched_preemption
 
 PLURAL = "trainingjobs"
 KIND = "TrainingJob"
-PERMANENT_EXIT_CODES = frozenset({2})
 DECISION_LIMIT = 32
 REASON_LIMIT = 1024  # a decision's reason (Decision.reason); a kubelet's waiting message has no bound
 RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers"})
@@ -138,23 +139,27 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             continue
         what = (f"pod {pod.name} did not start within {start_seconds:.0f} s ({pod.not_started_reason()})"
                 if stuck else f"pod {pod.name} {pod.failure()}")
-        refused = not stuck and pod.exit_code in PERMANENT_EXIT_CODES
+        verdict = failures.judge(pod, job.spec.remediation.pod_failure_policy, never_started=stuck)
         allowed = job.spec.remediation.max_mitigation.value == "restart"
-        # An S3 roll or a preemption replaces healthy pods on purpose; those do not spend the
-        # failure budget.
-        used = (graph.action_counts.get("replace", 0) - int(old.get("resplitReplacements") or 0)
-                - int(old.get("preemptReplacements") or 0))
-        if refused or not allowed or used >= budget:
+        # An S3 roll or a preemption replaces healthy pods on purpose, and a failure the
+        # podFailurePolicy ignores is not the job's; none of those spend the failure budget.
+        used = restarts_used(graph, old)
+        ignored = verdict.action == FailureAction.IGNORE
+        if verdict.action == FailureAction.FAIL_JOB or not allowed or (used >= budget and not ignored):
             why = f"{what}; " + (
-                "the runtime refused its config"
-                if refused
+                verdict.why
+                if verdict.action == FailureAction.FAIL_JOB
                 else "restarts are not allowed (spec.remediation.maxMitigation)"
                 if not allowed
                 else f"replacement budget of {budget} used up"
             )
             return await _fail(ctx, body, graph, base_status, why[:REASON_LIMIT])
-        reason = f"{what}; replacing it"[:REASON_LIMIT]
-        new.append(mutate.replace_instance(graph, instance.name, reason=reason))
+        because = f" ({verdict.why}, not counted against spec.remediation.maxRestarts)" if ignored else ""
+        reason = f"{what}; replacing it{because}"[:REASON_LIMIT]
+        new.append(mutate.replace_instance(graph, instance.name, reason=reason, counted=not ignored))
+    base_status["restartsUsed"] = restarts_used(graph, old)
+    if mutate.UNCOUNTED_REPLACE in graph.action_counts:
+        base_status["ignoredFailures"] = graph.action_counts[mutate.UNCOUNTED_REPLACE]
 
     trainer_pods = [pods.get(manifests.pod_name(ref, i)) for i in trainer.instances]
     finished = trainer_pods and all(p is not None and p.phase == "Succeeded" for p in trainer_pods)
@@ -289,6 +294,13 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         raise
     created = {manifests.pod_name(ref, i) for i in graph.vertex("trainer").instances if i.name in assignments}
     return await _report(ctx, body, graph, base_status, created)
+
+
+def restarts_used(graph: Graph, old: Mapping[str, Any]) -> int:
+    """Replacements spent from spec.remediation.maxRestarts. S3 rolls, preemptions and the
+    failures a pod failure policy ignores replace pods too, but none of them is the job failing."""
+    return max(0, graph.action_counts.get("replace", 0) - graph.action_counts.get(mutate.UNCOUNTED_REPLACE, 0)
+               - int(old.get("resplitReplacements") or 0) - int(old.get("preemptReplacements") or 0))
 
 
 def _plan_preemption(ctx: Context, job: queue.QueuedJob, snap: Any, replicas: int, why: str) -> str:
