@@ -16,14 +16,19 @@ from huorn.runtime.pipeline import launch
 pytestmark = pytest.mark.serial
 
 STAGES, WIDTH, DEPTH, MICROBATCHES, SIZE = 2, 384, 10, 8, 64
-BURST_S = 0.004  # at 80% contention a message waits 4 × 4 ms behind background bursts
+BURST_S = 0.0025  # at 80% contention a message waits 4 × 2.5 ms behind background bursts
 LEVELS = [0.0] * 4 + [0.8] * 8
+# The calm link's noise predicts k>1 up to 7 % faster on this 2-core VM, and the contended link
+# (about 1.2× a stage's F+B, where kFkB gains most: 4 ms bursts made the link 1.5× F+B and the gain
+# 10-11 %, 8 ms bursts 3.4× and 1-2 %) 15 %; a 10 % switching margin sits between the two.
+MIN_GAIN = 0.10
 REPLAN_EVERY = 4  # decisions after step 3 (a calm window), 7 and 11 (contended)
 
 
 @pytest.fixture(scope="module")
 def run() -> list[dict]:
-    args = (STAGES, WIDTH, DEPTH, MICROBATCHES, SIZE, LEVELS, BURST_S, REPLAN_EVERY)
+    args = (STAGES, WIDTH, DEPTH, MICROBATCHES, SIZE, LEVELS, BURST_S, REPLAN_EVERY, "overlap",
+            {"min_gain": MIN_GAIN})
     return launch.run_workers(workers.adaptive_worker, STAGES, "gloo", args)
 
 
@@ -44,9 +49,8 @@ def test_k_rises_when_the_link_is_preempted_and_the_numbers_say_why(run: list[di
     assert contended["link_forward_s"][0] > 5 * calm["link_forward_s"][0]
     # ... which the replay charges to 1F1B once per micro-batch and to kFkB once per group
     predicted = contended["predicted_step_s"]
-    # (by at least the planner's switching margin: min_gain=0.08 in workers.adaptive_worker; a
-    # fixed 10% here failed at 9.97% on a loaded VM, where compute, not the link, grows)
-    assert predicted[contended["k"]] <= 0.92 * predicted[1]
+    # (by at least the planner's switching margin, MIN_GAIN)
+    assert predicted[contended["k"]] <= (1 - MIN_GAIN) * predicted[1]
     calm_spread = max(calm["predicted_step_s"].values()) / min(calm["predicted_step_s"].values())
     assert calm_spread < 1.1, "on a calm link all k should look alike"
     ks = [r.k for r in run[0]["reports"]]

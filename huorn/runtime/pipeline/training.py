@@ -5,7 +5,7 @@ Every step runs one whole table (all M micro-batches of the step's batch), and k
 between steps, after every link has drained: a switch can neither lose nor repeat a
 micro-batch, and gradients are exactly those of the step's batch whatever the table.
 
-Every `replan_every` steps each rank contributes its window averages (stage compute times,
+Every `replan_every` steps each rank contributes its window's median step (stage compute times,
 seconds per message on its outgoing links, step time) to one all-gather; rank 0 asks the
 planner and broadcasts the chosen k (and, with `comm="auto"`, how messages move: overlap or
 lockstep, see the planner), so all ranks switch together. The planner arrives by
@@ -22,6 +22,7 @@ replica's own table, worst replica per stage."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -227,17 +228,18 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
     """Gather window averages from every rank, let rank 0 decide, broadcast k and the mode.
     `own_microbatches` is this replica's table length (module docstring for unequal counts)."""
     topo = runner.topology
-    n = len(window)
 
-    def mean(values: list[float]) -> float:
-        return sum(values) / len(values) if values else 0.0
+    def typical(values: list[float]) -> float:
+        # The median step, not the mean: one odd step (the first of a run, whose first messages
+        # wait for a peer still starting; a GC pause) would otherwise move k for a whole window.
+        return statistics.median(values) if values else 0.0
 
     mine = torch.tensor([
         float(topo.stage),
-        mean([s.forward_s for s in window]), mean([s.backward_s for s in window]),
-        mean([s.send_link.seconds_per_message for s in window if s.send_link]),
-        mean([s.grad_link.seconds_per_message for s in window if s.grad_link]),
-        sum(s.seconds for s in window) / n, float(runner.microbatch_bytes),
+        typical([s.forward_s for s in window]), typical([s.backward_s for s in window]),
+        typical([s.send_link.seconds_per_message for s in window if s.send_link]),
+        typical([s.grad_link.seconds_per_message for s in window if s.grad_link]),
+        typical([s.seconds for s in window]), float(runner.microbatch_bytes),
         float(plan.microbatches if own_microbatches is None else own_microbatches),
     ], dtype=torch.float64, device=runner.device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
