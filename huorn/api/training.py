@@ -288,6 +288,18 @@ class TrainingJobSpec(JobCommon):
         "A job created with suspend true waits without pods (what Kubernetes Jobs, JobSet, Kubeflow "
         "and Kueue call suspend).",
     )
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=1, le=31_536_000,
+        description="The job fails (reason DeadlineExceeded) once it has run this long since "
+        "status.startTime; its pods get SIGTERM and checkpoint first. A resume starts the clock "
+        "again, as for a Kubernetes Job.",
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None, ge=0, le=31_536_000,
+        description="Delete the TrainingJob (and so its pods, Service and ConfigMap) this long "
+        "after status.completionTime; unset keeps it. Under GitOps that re-applies deleted "
+        "objects, leave it unset: a re-applied job would run again.",
+    )
 
 
 def declared_steps(spec: TrainingJobSpec) -> int:
@@ -343,6 +355,11 @@ class EvaluationResult(EvaluationSummary):
 
 class TrainingJobStatus(JobStatus):
     step: int = 0
+    start_time: str | None = Field(default=None, description="When the gang was first placed, or placed "
+                                   "again by a resume (RFC 3339); spec.activeDeadlineSeconds counts from "
+                                   "here.")
+    completion_time: str | None = Field(default=None, description="When the job Succeeded or Failed "
+                                        "(RFC 3339); spec.ttlSecondsAfterFinished counts from here.")
     last_evaluation: EvaluationResult | None = Field(
         default=None, description="The newest eval pod's result (job annotated huorn.io/eval).")
     evaluations: list[EvaluationSummary] = Field(default_factory=list, max_length=8)

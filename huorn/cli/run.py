@@ -112,6 +112,13 @@ def run_command(
             raise graph_cli.ManifestError(
                 f"{file}: spec.suspend is true, so the job is not to run; set it to false (or remove it)"
             )
+        if isinstance(job, kinds.TrainingJob):
+            cluster_only = [f for f, v in (("activeDeadlineSeconds", job.spec.active_deadline_seconds),
+                                           ("ttlSecondsAfterFinished", job.spec.ttl_seconds_after_finished))
+                            if v is not None]
+            if cluster_only:
+                typer.echo(f"note: spec.{' and spec.'.join(cluster_only)} apply in a cluster (the operator); "
+                           "huorn run does not enforce them (--stall-timeout bounds a stuck run)", err=True)
         trainer = g.vertex("trainer")
         plan = parse_scale_at(scale_at, trainer)
         chosen = policy or trainer.params["policy"]

@@ -89,6 +89,8 @@ class Context:
     # Reconcile a job soon, from a task of its own (the handlers set it): a waiting job that can go
     # first, or that GPUs just freed for, should not wait for its resync timer.
     wake: Callable[[str, str], None] = field(default=lambda namespace, name: None)
+    # The same, `seconds` from now: a deadline or a TTL that falls due before the resync timer.
+    wake_later: Callable[[str, str, float], None] = field(default=lambda namespace, name, seconds: None)
 
     def job_lock(self, namespace: str, name: str) -> asyncio.Lock:
         """One reconcile of a job at a time, whether kopf, a timer or a pod event started it."""

@@ -27,6 +27,7 @@ FIELD = "spec.remediation.podFailurePolicy"
 class Verdict:
     action: FailureAction
     why: str  # for the decision or the failure message: which rule, or which built-in reason
+    rule: int | None = None  # the index of the podFailurePolicy rule that decided, if one did
 
 
 def _matches(rule: PodFailureRule, pod: PodRecord) -> bool:
@@ -54,7 +55,7 @@ def judge(pod: PodRecord, policy: PodFailurePolicy | None, *, never_started: boo
     for index, rule in enumerate(policy.rules if policy is not None else ()):
         if _matches(rule, pod):
             matched = f"{FIELD}.rules[{index}] ({_describe(rule, pod)})"
-            return Verdict(rule.action, f"{matched}: {rule.action.value}")
+            return Verdict(rule.action, f"{matched}: {rule.action.value}", index)
     if pod.exit_code in PERMANENT_EXIT_CODES:
         return Verdict(FailureAction.FAIL_JOB, "the runtime refused its config")
     return Verdict(FailureAction.COUNT, "")

@@ -122,6 +122,28 @@ def _waker(ctx: Context) -> Callable[[str, str], None]:
     return wake
 
 
+def _later(ctx: Context) -> Callable[[str, str, float], None]:
+    """ctx.wake_later: one timer per job, the earliest asked for; asking again for a later time
+    changes nothing, so a reconcile can ask on every pass."""
+    timers: dict[tuple[str, str], tuple[float, asyncio.TimerHandle]] = {}
+
+    def fire(key: tuple[str, str]) -> None:
+        timers.pop(key, None)
+        ctx.wake(*key)
+
+    def wake_later(namespace: str, name: str, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        key, when = (namespace, name), loop.time() + max(0.0, seconds)
+        scheduled = timers.get(key)
+        if scheduled is not None:
+            if scheduled[0] <= when:
+                return
+            scheduled[1].cancel()
+        timers[key] = (when, loop.call_at(when, fire, key))
+
+    return wake_later
+
+
 def _finished(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
     def done(task: asyncio.Task[Any]) -> None:
         tasks.discard(task)
@@ -175,6 +197,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             meta = body["metadata"]
             ctx.queue.record(queue.from_job(job, body, ctx.index.pods_of(meta["namespace"], meta["name"])))
         ctx.wake = _waker(ctx)
+        ctx.wake_later = _later(ctx)
         if ctx.settings.mirror:
             memo.huorn_mirror_resync = asyncio.get_running_loop().create_task(
                 _resync_mirror(ctx), name="mirror resync")

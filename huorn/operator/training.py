@@ -31,7 +31,7 @@ from huorn.backends import monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import Graph, Mutation, Vertex
-from huorn.operator import conditions, cordon, estimates, evaluation, failures, queue, validation
+from huorn.operator import conditions, cordon, estimates, evaluation, failures, index, queue, validation
 from huorn.operator.context import Context
 from huorn.operator.index import PodRecord
 from huorn.scheduler import placement
@@ -84,6 +84,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     if old.get("phase") in ("Succeeded", "Failed"):
         ctx.queue.forget(ns, name)
         await _clean_terminal(ctx, body, old["phase"])
+        await _expire_finished(ctx, body, job.spec.ttl_seconds_after_finished)
         return old["phase"]
     known = ctx.queue.jobs.get((ns, name))
     queued = queue.build_entry(job, meta, known.missing if known is not None else 0)
@@ -125,6 +126,17 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             f"spec.suspend is false: resuming at {trainer.replicas} trainer replicas from {since}"))
         if resumed is not None:
             new.append(resumed)
+    started = _start_time(old, [pods.get(manifests.pod_name(ref, i)) for i in trainer.instances])
+    if started and not old.get("startTime"):
+        base_status["startTime"] = _iso(started)
+    deadline = job.spec.active_deadline_seconds
+    if deadline is not None and started and not _all_succeeded(ref, trainer, pods):
+        ran = time.time() - started
+        if ran >= deadline:
+            why = (f"the job ran {ran:.0f} s since status.startTime, past spec.activeDeadlineSeconds "
+                   f"({deadline} s); its pods were stopped (trainers checkpoint on SIGTERM)")
+            return await _fail(ctx, body, graph, base_status, why, reason="DeadlineExceeded")
+        ctx.wake_later(ns, name, deadline - ran)
     budget = job.spec.remediation.max_restarts
     now, start_seconds = time.time(), ctx.settings.trainer_start_seconds
     # The store pod too: restartPolicy Always restarts its container in place, but an evicted store
@@ -153,7 +165,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                 if not allowed
                 else f"replacement budget of {budget} used up"
             )
-            return await _fail(ctx, body, graph, base_status, why[:REASON_LIMIT])
+            reason = "PodFailurePolicy" if verdict.rule is not None else "Failed"
+            return await _fail(ctx, body, graph, base_status, why[:REASON_LIMIT], reason=reason)
         because = f" ({verdict.why}, not counted against spec.remediation.maxRestarts)" if ignored else ""
         reason = f"{what}; replacing it{because}"[:REASON_LIMIT]
         new.append(mutate.replace_instance(graph, instance.name, reason=reason, counted=not ignored))
@@ -175,6 +188,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         status = {
             **base_status,
             "phase": "Succeeded",
+            "completionTime": _iso(time.time()),
             "replicas": 0,
             "progressPercent": 100,
             "estimatedRemainingSeconds": 0,
@@ -256,6 +270,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                     )
                 )
             ctx.index.reserve(reserved)
+            if not base_status.get("startTime", old.get("startTime")):
+                # In the write-ahead patch below; a resume cleared it, so its clock starts again.
+                base_status["startTime"] = _iso(time.time())
             ctx.queue.record(dataclasses.replace(queued, missing=0))
             if queued.missing:
                 # The line moved: those that stepped back behind this job try again now.
@@ -370,6 +387,7 @@ async def _suspend(
                    + (f" from the checkpoint of step {checkpoint}" if checkpoint is not None else ""))
     status = {
         **base_status,
+        **({"startTime": None} if old.get("startTime") else {}),  # a resume starts the deadline again
         "phase": "Suspended",
         "message": message,
         "replicas": sum(1 for p in stopping if p.vertex == "trainer"),
@@ -625,28 +643,61 @@ async def _fail(
     graph: Graph,
     base_status: dict[str, Any],
     why: str,
+    reason: str = "Failed",
 ) -> str:
+    """`reason` is the Ready and Stalled conditions' (Kubernetes Job's names where they exist:
+    DeadlineExceeded, PodFailurePolicy), so `kubectl wait` and alerts can tell failures apart."""
     old = body.get("status") or {}
     status = {
         **base_status,
         "phase": "Failed",
         "message": why,
+        "completionTime": old.get("completionTime") or _iso(time.time()),
         "replicas": 0,
         "graph": serialise.to_status(graph),
         "conditions": conditions.build_conditions(
             old.get("conditions"),
             base_status["observedGeneration"],
-            ready=(False, "Failed", why),
-            stalled=(True, "Failed", why),
+            ready=(False, reason, why),
+            stalled=(True, reason, why),
         ),
     }
     await _write_status(ctx, body, status)
     ctx.metrics.decisions.labels(KIND, "fail").inc()
-    _event(ctx, body, "Warning", "Failed", why)
+    _event(ctx, body, "Warning", reason, why)
     await _clean_terminal(ctx, body, "Failed")
     meta = body["metadata"]
     ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Failed")
     return "Failed"
+
+
+def _start_time(old: Mapping[str, Any], trainer_pods: list[PodRecord | None]) -> float:
+    """status.startTime in seconds; without one, the oldest trainer pod's creation (a job placed
+    by a Huorn that did not write it, or whose write was lost); 0.0 while nothing was placed."""
+    if old.get("startTime"):
+        return index.parse_time(old["startTime"])
+    created = [p.created for p in trainer_pods if p is not None and p.created > 0]
+    return min(created) if created else 0.0
+
+
+async def _expire_finished(ctx: Context, body: Mapping[str, Any], ttl: int | None) -> None:
+    """spec.ttlSecondsAfterFinished: delete the finished job once its time is up (its finalizer
+    then deletes the children); until then, a wake at that moment rather than the next resync."""
+    if ttl is None:
+        return
+    meta, old = body["metadata"], body.get("status") or {}
+    finished = index.parse_time(old.get("completionTime"))
+    if not finished:
+        # Finished before completionTime was written: its clock starts now, and never earlier.
+        finished = time.time()
+        await _write_status(ctx, body, {"completionTime": _iso(finished)})
+    left = finished + ttl - time.time()
+    if left > 0:
+        ctx.wake_later(meta["namespace"], meta["name"], left)
+        return
+    if await ctx.client.delete_custom(PLURAL, meta["namespace"], meta["name"]):
+        _event(ctx, body, "Normal", "Expired",
+               f"deleted {ttl} s after it {str(old.get('phase')).lower()} (spec.ttlSecondsAfterFinished)")
 
 
 async def _clean_terminal(ctx: Context, body: Mapping[str, Any], phase: str) -> None:

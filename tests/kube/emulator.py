@@ -13,6 +13,7 @@ import copy
 import datetime
 import itertools
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp.web
@@ -72,6 +73,11 @@ class HuornEmulator(kmock.KubernetesEmulator):
     """An API emulator that behaves like a real server for what Huorn's operator relies on."""
 
     _versions: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _last_version: int = attrs.field(default=0, init=False)
+
+    def _next_version(self) -> str:
+        self._last_version = next(self._versions)
+        return str(self._last_version)
 
     def declare_resources(self) -> None:
         """Serve Huorn's kinds and the core kinds; posting a CRD to KMock does not serve it."""
@@ -141,7 +147,7 @@ class HuornEmulator(kmock.KubernetesEmulator):
             meta["namespace"] = request.namespace
         meta["uid"] = str(uuid.uuid4())
         meta["creationTimestamp"] = _now()
-        meta["resourceVersion"] = str(next(self._versions))
+        meta["resourceVersion"] = self._next_version()
         if request.resource is not None and request.resource.group == base.GROUP:
             meta["generation"] = 1
         return _rewrite(request, data=data)
@@ -152,7 +158,7 @@ class HuornEmulator(kmock.KubernetesEmulator):
         if key not in self.objects or self.objects[key].deleted:
             return request
         current = dict(self.objects[key].raw)
-        version = str(next(self._versions))
+        version = self._next_version()
         patched = dicts.patch_dict(current, request.data or {})
         bump = (
             request.subresource != "status"
@@ -171,6 +177,30 @@ class HuornEmulator(kmock.KubernetesEmulator):
         if bump:
             data["metadata"]["generation"] = generation
         return _rewrite(request, data=data)
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        """A list carries the version it was taken at (KMock answers '...'), for the watch after it."""
+        taken = self._last_version  # before the objects: a change racing the list is replayed, not lost
+        payload = await super()._serve_list(request)
+        payload["metadata"]["resourceVersion"] = str(taken)
+        return payload
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        """A watch from a list's resourceVersion does not replay what that list returned.
+
+        KMock replays every object as ADDED. kopf then sees a new object twice at one version:
+        its second finalizer patch fails its resourceVersion test (422), and it waits for a
+        next event that already passed, so a job created while the operator starts sat until its
+        resync. Live ADDED events always carry a newer version, so only replays are dropped.
+        """
+        since = request.params.get("resourceVersion", "")
+        floor = int(since) if since.isdigit() else 0
+        async for event in super()._serve_watch(request):
+            if floor and isinstance(event, dict) and event.get("type") == "ADDED":
+                version = str(event["object"].get("metadata", {}).get("resourceVersion", ""))
+                if version.isdigit() and int(version) <= floor:
+                    continue
+            yield event
 
     async def _handle_scale(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         """The autoscaling/v1 Scale view of a custom resource, mapped by the CRD's scale paths."""

@@ -182,6 +182,18 @@ class KubeClient:
                 return None
             raise
 
+    async def delete_custom(self, plural: str, namespace: str, name: str) -> bool:
+        """Delete a namespaced Huorn object; True when this call deleted it, False when it was
+        already gone. Its finalizer then lets the operator delete its children first."""
+        try:
+            await self._call(self.custom.delete_namespaced_custom_object, base.GROUP, base.VERSION,
+                             namespace, plural, name)
+            return True
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
     async def list_custom(self, plural: str, namespace: str | None) -> list[dict[str, Any]]:
         if namespace is None:
             result = await self._call(
