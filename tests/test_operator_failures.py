@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from kube import builders
 
 from huorn.api.common import FailureAction, PodFailurePolicy
-from huorn.operator import failures, index
+from huorn.graph import compiler, mutate
+from huorn.graph.model import Mutation
+from huorn.operator import failures, index, validation
 
 RULE = "spec.remediation.podFailurePolicy.rules"
 DISRUPTED = (("Ready", "False"), ("DisruptionTarget", "True"))
@@ -81,3 +84,42 @@ def test_pod_records_carry_their_conditions() -> None:
     assert record is not None
     assert record.conditions == (("DisruptionTarget", "True"), ("Ready", "False"))
     assert failures.judge(record, _policy(IGNORE_DISRUPTION)).action == FailureAction.IGNORE
+
+
+def _replaced(at: float, failure: bool = True) -> Mutation:
+    return Mutation(1, at, "replace", "trainer", "why", {"old": "trainer-0", "new": "trainer-0-g1",
+                                                         **({"failure": True} if failure else {})})
+
+
+@pytest.mark.parametrize(("log", "wait", "incidents"), [
+    # The first failure is replaced at once: a lost spot node should cost nothing.
+    ([], 0.0, 0),
+    # Then 10 s after the previous replacement, 20 s, 40 s: here 3 s have passed since it.
+    ([_replaced(997)], 7.0, 1),
+    ([_replaced(900), _replaced(997)], 17.0, 2),
+    ([_replaced(800), _replaced(900), _replaced(997)], 37.0, 3),
+    # Capped at 60 s here (6 min by default).
+    ([_replaced(500 + 50 * i) for i in range(9)] + [_replaced(997)], 57.0, 10),
+    # Pods replaced in one reconcile (a node lost under three trainers) are one incident.
+    ([_replaced(997.0), _replaced(997.2), _replaced(997.3)], 7.3, 1),
+    # Waited out already: replace now, the count still says how many there were.
+    ([_replaced(900), _replaced(950)], 0.0, 2),
+    # Older than the 10 min window, or not failures (an S3 roll, a preemption): not counted.
+    ([_replaced(300), _replaced(997, failure=False)], 0.0, 0),
+])
+def test_replacements_back_off_after_the_first_failure(log: list[Mutation], wait: float,
+                                                       incidents: int) -> None:
+    backoff = failures.replacement_backoff(log, now=1000.0, initial=10.0, cap=60.0)
+    assert backoff == failures.Backoff(pytest.approx(wait), incidents)
+
+
+def test_no_backoff_when_its_initial_wait_is_zero() -> None:
+    assert failures.replacement_backoff([_replaced(999)], 1000.0, initial=0.0, cap=360.0).seconds == 0.0
+
+
+def test_a_replacement_for_a_failure_is_marked_in_the_log() -> None:
+    graph = compiler.compile(validation.load_job(builders.make_training_job("j", "vc", replicas=2, gpus=1)))
+    mutate.replace_instance(graph, "trainer-0", reason="pod failed", failure=True)
+    mutate.replace_instance(graph, "trainer-1", reason="S3 roll", drain=True)
+    assert [bool(m.detail.get("failure")) for m in graph.log[-2:]] == [True, False]
+    assert failures.replacement_backoff(graph.log, graph.log[-1].time, 10.0, 360.0).incidents == 1

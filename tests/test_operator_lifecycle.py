@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 from kube import builders
@@ -189,6 +190,47 @@ def test_replacement_budget_and_mitigation_level_are_restart_rules(kube: builder
         lambda: (s := kube.job_status(NS, "once")).get("phase") == "Failed" and s, what="Failed"
     )
     assert "budget of 1 used up" in status["message"]
+
+
+def test_repeated_failures_back_off_before_their_replacement(cluster: EmulatedCluster,
+                                                            kube: builders.Kube) -> None:
+    """Kubernetes Job's back-off: the first failure is replaced at once, the next waits 2 s after
+    that replacement, the one after 4 s; the wait is on its own timer (the resync is 120 s away)
+    and the job says until when."""
+    settings = dataclasses.replace(operator_mod.FAST, resync_seconds=120.0, replacement_backoff_seconds=2.0,
+                                   replacement_backoff_max_seconds=8.0)
+    with operator_mod.OperatorThread(cluster.api_client(), settings):
+        body = builders.make_training_job("crashy", "train", replicas=1, gpus=1)
+        body["spec"]["remediation"] = {"maxRestarts": 5}
+        kube.create_job(NS, body)
+        _running(kube, "crashy", 1)
+
+        def fail_and_time(pod: str, successor: str) -> float:
+            failed = time.monotonic()
+            kube.set_pod_phase(NS, pod, "Failed", exit_code=1)
+            wait_for(lambda: [p.metadata.name for p in kube.pods(NS, "crashy", "trainer")] == [successor],
+                     what=f"{pod} replaced by {successor}")
+            return time.monotonic() - failed
+
+        assert fail_and_time("crashy-trainer-0", "crashy-trainer-0-g1") < 1.5  # at once
+        kube.set_pod_phase(NS, "crashy-trainer-0-g1", "Running")
+        failed = time.monotonic()
+        kube.set_pod_phase(NS, "crashy-trainer-0-g1", "Failed", exit_code=1)
+        waiting = wait_for(
+            lambda: (c := kube.condition(NS, "crashy", "Reconciling"))["reason"] == "BackOff" and c,
+            what="the BackOff condition")
+        assert waiting["message"].startswith("pod crashy-trainer-0-g1 failed with exit code 1; replacing at ")
+        assert waiting["message"].endswith(": back-off after 1 failure in the last 10 min")
+        assert [p.metadata.name for p in kube.pods(NS, "crashy", "trainer")] == ["crashy-trainer-0-g1"]
+        wait_for(lambda: [p.metadata.name for p in kube.pods(NS, "crashy", "trainer")]
+                 == ["crashy-trainer-0-g2"], what="the replacement after its back-off")
+        # 2 s after the first replacement, which came a moment before the failure
+        assert time.monotonic() - failed >= 1.0
+        kube.set_pod_phase(NS, "crashy-trainer-0-g2", "Running")
+        assert fail_and_time("crashy-trainer-0-g2", "crashy-trainer-0-g3") >= 3.0  # doubled: 4 s
+        status = kube.job_status(NS, "crashy")
+        assert status["restartsUsed"] == 3 and status["phase"] != "Failed"
+        assert "BackOff" in {e.reason for e in kube.events(NS, "crashy")}
 
 
 def test_a_pod_failure_policy_ignores_evictions_and_fails_on_a_final_exit_code(

@@ -34,6 +34,11 @@ def operator_command(
         600.0, "--pod-start-seconds",
         help="A trainer pod still Pending this long is replaced (the job's replacement budget), an eval "
              "pod is reported failed."),
+    replacement_backoff_seconds: float = typer.Option(
+        10.0, "--replacement-backoff-seconds",
+        help="A job's first failed pod is replaced at once; each further one within 10 min waits this "
+             "long after the previous replacement, doubling up to 6 min (Kubernetes Job's back-off). "
+             "0 replaces at once."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     no_mirror: bool = typer.Option(
         False, "--no-mirror", hidden=True, help="Benchmark baseline: list pods on every reconcile."
@@ -52,6 +57,10 @@ def operator_command(
     if pod_start_seconds <= 0:
         typer.echo(f"error: --pod-start-seconds must be > 0, got {pod_start_seconds}", err=True)
         raise typer.Exit(EXIT_USAGE)
+    if not 0 <= replacement_backoff_seconds <= 360:
+        typer.echo("error: --replacement-backoff-seconds must be in 0..360, got "
+                   f"{replacement_backoff_seconds}", err=True)
+        raise typer.Exit(EXIT_USAGE)
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
@@ -64,6 +73,8 @@ def operator_command(
         vc_status_seconds=1.0 if fast else 10.0, mirror=not no_mirror,
         mirror_resync_seconds=2.0 if fast else 60.0,
         trainer_start_seconds=pod_start_seconds, eval_start_seconds=pod_start_seconds,
+        replacement_backoff_seconds=0.5 if fast else replacement_backoff_seconds,
+        replacement_backoff_max_seconds=2.0 if fast else 360.0,
     )
     try:
         api = kube.build_api_client(kubeconfig, kube_context)

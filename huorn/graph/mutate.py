@@ -77,14 +77,16 @@ UNCOUNTED_REPLACE = "replace-uncounted"  # action_counts key: replacements that 
 
 
 def replace_instance(graph: Graph, name: str, *, reason: str, drain: bool = False,
-                     counted: bool = True) -> Mutation:
+                     counted: bool = True, failure: bool = False) -> Mutation:
     """Swap one instance for a fresh one with the same ordinal and the next generation.
 
     By default the old instance is broken and backends kill it at once. `drain=True` says it is
     healthy but must move (its store was replaced, say): backends stop it gracefully, so its
     workers checkpoint first. `counted=False` marks a failure that is not the job's (a pod
     failure policy's Ignore): the tally travels with the graph, so it is written in the same
-    status patch as the decision and can never be counted without it, or twice."""
+    status patch as the decision and can never be counted without it, or twice. `failure=True`
+    marks the replacement of a pod that failed or never started, which the operator's back-off
+    counts (its time is in the log)."""
     v, index = find_instance(graph, name)
     old = v.instances[index]
     new = Instance(old.vertex, old.ordinal, old.generation + 1)
@@ -92,6 +94,8 @@ def replace_instance(graph: Graph, name: str, *, reason: str, drain: bool = Fals
     detail: dict[str, Any] = {"old": old.name, "new": new.name}
     if drain:
         detail["drain"] = True
+    if failure:
+        detail["failure"] = True
     if not counted:
         detail["counted"] = False
         graph.action_counts[UNCOUNTED_REPLACE] = graph.action_counts.get(UNCOUNTED_REPLACE, 0) + 1

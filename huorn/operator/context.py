@@ -49,6 +49,11 @@ class OperatorSettings:
     # job's replacement budget), and the job fails naming why once the budget is spent: Kueue's
     # waitForPodsReady. Until then its GPUs count as taken and the gang cannot train.
     trainer_start_seconds: float = 600.0
+    # Kubernetes Job's pod failure back-off: the first failed pod is replaced at once, each further
+    # one within 10 minutes waits this long after the previous replacement, doubling up to the
+    # cap (huorn.operator.failures.replacement_backoff); 0 replaces every failure at once.
+    replacement_backoff_seconds: float = 10.0
+    replacement_backoff_max_seconds: float = 360.0
     forecast_timeout_seconds: float = 5.0  # one Prometheus range query of an inference cluster's board
     retry: retry.RetryPolicy = field(default_factory=retry.RetryPolicy)
 
@@ -62,6 +67,10 @@ class OperatorSettings:
         if self.eval_start_seconds <= 0 or self.trainer_start_seconds <= 0:
             raise ValueError(f"eval_start_seconds and trainer_start_seconds must be > 0, got "
                              f"{self.eval_start_seconds} and {self.trainer_start_seconds}")
+        if not 0 <= self.replacement_backoff_seconds <= self.replacement_backoff_max_seconds:
+            raise ValueError("replacement_backoff_seconds must be in 0..replacement_backoff_max_seconds "
+                             f"({self.replacement_backoff_max_seconds}), got "
+                             f"{self.replacement_backoff_seconds}")
         if not 0 < self.telemetry_port < 65536:
             raise ValueError(f"telemetry_port must be in 1..65535, got {self.telemetry_port}")
 

@@ -139,6 +139,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         ctx.wake_later(ns, name, deadline - ran)
     budget = job.spec.remediation.max_restarts
     now, start_seconds = time.time(), ctx.settings.trainer_start_seconds
+    # From the log as this reconcile found it: the pods failing now are one incident, and all
+    # are replaced together or all wait.
+    backoff = failures.replacement_backoff(graph.log, now, ctx.settings.replacement_backoff_seconds,
+                                           ctx.settings.replacement_backoff_max_seconds)
+    held: list[str] = []
     # The store pod too: restartPolicy Always restarts its container in place, but an evicted store
     # pod stays Failed (and one that never starts stays Pending), and the gang cannot rendezvous
     # without it. Its successor gets a new name behind the same Service.
@@ -167,12 +172,25 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             )
             reason = "PodFailurePolicy" if verdict.rule is not None else "Failed"
             return await _fail(ctx, body, graph, base_status, why[:REASON_LIMIT], reason=reason)
+        if backoff.seconds > 0:
+            held.append(what)
+            continue
         because = f" ({verdict.why}, not counted against spec.remediation.maxRestarts)" if ignored else ""
         reason = f"{what}; replacing it{because}"[:REASON_LIMIT]
-        new.append(mutate.replace_instance(graph, instance.name, reason=reason, counted=not ignored))
+        new.append(mutate.replace_instance(graph, instance.name, reason=reason, counted=not ignored,
+                                           failure=True))
     base_status["restartsUsed"] = restarts_used(graph, old)
     if mutate.UNCOUNTED_REPLACE in graph.action_counts:
         base_status["ignoredFailures"] = graph.action_counts[mutate.UNCOUNTED_REPLACE]
+    if held:
+        ctx.wake_later(ns, name, backoff.seconds)
+        more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+        # An absolute time, so the message (and its Event) stays the same until then.
+        message = (f"{held[0]}{more}; replacing at {_iso(now + backoff.seconds)}: back-off after "
+                   f"{backoff.incidents} failure{'s' if backoff.incidents > 1 else ''} in the last "
+                   f"{failures.BACKOFF_WINDOW_SECONDS / 60:.0f} min")
+        phase = old.get("phase") if old.get("phase") in ("Running", "Resizing") else "Placing"
+        return await _waiting(ctx, body, base_status, phase, "BackOff", message[:REASON_LIMIT])
 
     trainer_pods = [pods.get(manifests.pod_name(ref, i)) for i in trainer.instances]
     finished = trainer_pods and all(p is not None and p.phase == "Succeeded" for p in trainer_pods)

@@ -23,6 +23,8 @@ FAST = context.OperatorSettings(
     vc_status_seconds=1.0,
     error_backoff_seconds=0.5,
     mirror_resync_seconds=2.0,
+    replacement_backoff_seconds=0.5,
+    replacement_backoff_max_seconds=2.0,
     retry=retry.RetryPolicy(attempts=10, base_delay=0.05, max_delay=0.5),
 )
 
