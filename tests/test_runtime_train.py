@@ -110,8 +110,8 @@ def test_run_config_round_trips_and_resolves_defaults(tmp_path: Path) -> None:
     assert run_config.RunConfig.model_validate(
         {"jobName": "t", "spec": tokens, "runDir": "/r"}).total_steps() == 6
     distill = harness.build_spec(task={"kind": "distill", "teacher": {"checkpoint": "/t"}})
-    with pytest.raises(ValueError, match=r"spec\.task\.kind"):
-        run_config.RunConfig.model_validate({"jobName": "t", "spec": distill, "runDir": "/r"})
+    teacher = run_config.RunConfig.model_validate({"jobName": "t", "spec": distill, "runDir": "/r"}).spec.task
+    assert teacher.teacher is not None and teacher.teacher.reweight_steps == 1000  # DDK's K
     with pytest.raises(ValueError, match="telemetryPort"):
         (tmp_path / "p.json").write_text('{"jobName": "t", "runDir": "/r", "telemetryPort": 70000, '
                                          '"spec": {"virtualCluster": "v", "optimization": {"steps": 1}}}')

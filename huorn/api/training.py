@@ -23,6 +23,11 @@ class TeacherRef(ApiModel):
     checkpoint: str = Field(min_length=1, description="Path or URI of the teacher's checkpoint.")
     temperature: float = Field(default=1.0, gt=0, le=100)
     kl_weight: float = Field(default=0.2, ge=0, le=100, description="γ in CE + γ·KL (DDK).")
+    reweight_steps: int = Field(default=1000, ge=1, le=10_000_000, description="K: with data.mixture auto, "
+                                "the source weights are recomputed from the student's and teacher's "
+                                "per-source validation losses every K steps (DDK).")
+    reweight_smoothing: float = Field(default=0.5, gt=0, le=1, description="α in r ← α·ψ/Σψ + (1 − α)/N: "
+                                      "below 1, every source keeps at least (1 − α)/N of the mix.")
 
 
 @rules.attach(
@@ -156,7 +161,8 @@ class DataSpec(ApiModel):
         default_factory=lambda: [DataSource(name="general")], min_length=1, max_length=64
     )
     mixture: Literal["manual", "auto"] = Field(
-        default="manual", description="auto: D-CPT/DDK picks the weights at run time."
+        default="manual", description="auto: with task.kind distill, DDK reweights the sources at run "
+        "time from the student's gap to the teacher (the listed weights are then ignored).",
     )
     seed: int = Field(default=0, ge=0)
 

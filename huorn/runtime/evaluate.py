@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from huorn import models
-from huorn.runtime import checkpoint
+from huorn.runtime import checkpoint, distill
 from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler
 
@@ -56,27 +56,19 @@ def evaluate(cfg: run_config.RunConfig, checkpoint_path: Path, batches: int,
         meta = checkpoint.load_checkpoint(path, model, None)
     model.eval()
     sequences = sequences or spec.optimization.micro_batch
-    sources = [(s.name, s.weight, s.path) for s in spec.data.sources]
+    auto = spec.data.mixture == "auto"  # DDK's run-time weights: every listed source, evenly
+    sources = [(s.name, 1.0 if auto else s.weight, s.path) for s in spec.data.sources]
     mixture = sampler.build_mixture(sources, spec.data.seed, spec.model.context, cfg.data_dir)
     started = time.perf_counter()
     result: dict = {"step": int(meta.get("step", -1)), "checkpoint": str(path), "batches": batches,
                     "sequences": sequences, "sources": {}}
     with torch.no_grad():
-        result["loss"] = _mean_loss(model, mixture, batches, sequences)
-        for source in mixture.sources:
-            alone = sampler.Mixture([source], spec.data.seed, spec.model.context)
-            result["sources"][source.name] = _mean_loss(model, alone, batches, sequences)
+        result["loss"] = distill.mean_loss(model, mixture, batches, sequences)
+        losses = distill.source_losses(model, mixture, batches, sequences)
+        result["sources"] = {s.name: loss for s, loss in zip(mixture.sources, losses, strict=True)}
     result["perplexity"] = math.exp(min(result["loss"], 50.0))
     result["seconds"] = time.perf_counter() - started
     return result
-
-
-def _mean_loss(model: torch.nn.Module, mixture: sampler.Mixture, batches: int, sequences: int) -> float:
-    total = 0.0
-    for index in range(batches):
-        tokens, targets = mixture.validation_batch(index, sequences)
-        total += float(model(tokens, targets)[1])
-    return total / batches
 
 
 def write_result(run_dir: Path, result: dict) -> Path:

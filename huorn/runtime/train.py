@@ -42,6 +42,7 @@ from huorn.runtime import (
     batching,
     checkpoint,
     comm,
+    distill,
     faults,
     launcher,
     membership,
@@ -86,6 +87,11 @@ class Trainer:
         torch.manual_seed(self.spec.data.seed)
         self.model_cfg = run_config.build_model_config(self.spec.model)
         self.model = models.build_model(self.model_cfg).to(self.device)
+        # Distillation's teacher is read before the gang forms too: alone, DCP needs no other
+        # process, so an in-place replica joining a running gang loads it without them.
+        teacher = self.spec.task.teacher
+        self.teacher = (distill.load_teacher(teacher.checkpoint, self.spec.model, self.device).model
+                        if teacher is not None else None)
         self.has_state = False  # in-place mode: this process holds the gang's training state
         self.watch: PeerWatch | None = None  # in place: the heartbeats of this round's members
         self.peer_lost: list[int] | None = None  # ranks the watch found dead; the groups are aborted
@@ -115,9 +121,14 @@ class Trainer:
         self.step_links: dict[str, float] = {}  # last step's pipeline link figures (telemetry.record_step)
         self.control_stamp = 0
         self.total_steps = cfg.total_steps()
+        auto = self.spec.data.mixture == "auto"  # DDK sets the weights; every listed source takes part
         self.mixture = sampler.build_mixture(
-            [(s.name, s.weight, s.path) for s in self.spec.data.sources], self.spec.data.seed,
-            self.spec.model.context, cfg.data_dir)
+            [(s.name, 1.0 if auto else s.weight, s.path) for s in self.spec.data.sources],
+            self.spec.data.seed, self.spec.model.context, cfg.data_dir)
+        self.validation_mixture = self.mixture  # fixed, so validation losses compare across reweightings
+        self.ddk = (distill.DomainReweighting(teacher.reweight_steps, teacher.reweight_smoothing)
+                    if auto and teacher is not None else None)
+        self.teacher_losses: list[float] | None = None  # per source; the teacher is frozen
 
         self.telemetry = telemetry.Telemetry(cfg.job_name, self.rank, self.world, self.replica,
                                              cfg.telemetry_history)
@@ -223,7 +234,8 @@ class Trainer:
                 comm.broadcast_tensor(tensor, source, self.device)
             loop = comm.broadcast_object(
                 {"noise": dataclasses.asdict(self.noise), "control_stamp": self.control_stamp,
-                 "param_groups": optim_state["param_groups"], "pending_save": self.pending_save}
+                 "param_groups": optim_state["param_groups"], "pending_save": self.pending_save,
+                 "ddk": self.ddk.state() if self.ddk is not None else None}
                 if self.rank == source else None, self.hook_state, src=source)
             self._raise_if_peer_lost()  # a member lost mid-broadcast: what arrived may be partial
             self.pending_save = loop["pending_save"]  # type: ignore[index]
@@ -232,6 +244,7 @@ class Trainer:
                                      optim_state_dict=optim_state)
             self.noise = noise_scale.NoiseScale(**loop["noise"])  # type: ignore[index]
             self.control_stamp = loop["control_stamp"]  # type: ignore[index]
+            self.restore_mixture(loop["ddk"])  # type: ignore[index]
             step = best
         self.has_state = True
         return step
@@ -265,8 +278,10 @@ class Trainer:
         latest = checkpoint.find_latest(root) if self.rank == 0 else None
         latest = comm.broadcast_object(str(latest) if latest else None, self.hook_state)
         if latest is not None:
-            return int(checkpoint.load_checkpoint(Path(latest), self.state_module, self.optimizer,
-                                                  self.flat_checkpoint)["step"])
+            meta = checkpoint.load_checkpoint(Path(latest), self.state_module, self.optimizer,
+                                              self.flat_checkpoint)
+            self.restore_mixture(meta.get("ddk"))
+            return int(meta["step"])
         if self.spec.task.init_checkpoint:
             # Continual pre-training starts from another run's weights, with a fresh optimizer
             # and step 0; once this run has its own checkpoint, that one wins on restart.
@@ -279,7 +294,8 @@ class Trainer:
         path = checkpoint.save_checkpoint(
             self.cfg.checkpoint_root, step, self.state_module, self.optimizer,
             {"world_size": self.world, "job": self.cfg.job_name, "seed": self.spec.data.seed,
-             "global_batch": self.plan.global_batch, "model": self.spec.model.to_wire()},
+             "global_batch": self.plan.global_batch, "model": self.spec.model.to_wire(),
+             **({"ddk": self.ddk.state()} if self.ddk is not None else {})},
             self.rank, lambda: comm.barrier(self.hook_state), keep=self.cfg.keep_checkpoints,
             flat=self.flat_checkpoint)
         self.last_checkpoint_time = time.monotonic()
@@ -310,7 +326,9 @@ class Trainer:
             sync = contextlib.nullcontext() if i == len(work) - 1 else self.ddp.no_sync()
             with sync:
                 with self.autocast():
-                    _, loss = self.ddp(tokens, targets)
+                    logits, loss = self.ddp(tokens, targets)
+                    if self.teacher is not None:
+                        loss = loss + self.distillation_term(tokens, logits)
                 (loss * weight).backward()
             loss_sum += float(loss.detach()) if mine else 0.0
         loop_comm = self.telemetry.comm_seconds_so_far() - comm_before
@@ -320,6 +338,46 @@ class Trainer:
         # The bucket held (n/M)·g_local; rescale to the squared norm of this rank's mean gradient.
         small_sq = local_sq * (self.plan.micro_batches / len(mine)) ** 2 if mine else 0.0
         return loss_sum, small_sq, len(mine)
+
+    def distillation_term(self, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """γ·KL(student ‖ teacher) of one micro-batch (DDK's loss is CE plus this)."""
+        assert self.teacher is not None and self.spec.task.teacher is not None
+        teacher = self.spec.task.teacher
+        with torch.no_grad():
+            teacher_logits, _ = self.teacher(tokens)
+        return teacher.kl_weight * distill.kl_divergence(logits, teacher_logits, teacher.temperature)
+
+    def reweight(self, step: int) -> None:
+        """DDK at a step boundary: rank 0 measures each source's gap to the teacher and every rank
+        takes the same ratios, so the weights, and the batches drawn with them, agree."""
+        assert self.ddk is not None and self.teacher is not None
+        started = time.monotonic()
+        measured = None
+        if self.rank == 0:
+            batches, sequences = self.cfg.validation_batches, self.plan.micro_batch
+            if self.teacher_losses is None:
+                self.teacher_losses = distill.source_losses(self.teacher, self.validation_mixture, batches,
+                                                            sequences, self.device)
+            student = distill.source_losses(self.model, self.validation_mixture, batches, sequences,
+                                            self.device)
+            measured = {"student_losses": student, "teacher_losses": self.teacher_losses,
+                        "ratios": [s / t for s, t in zip(student, self.teacher_losses, strict=True)]}
+        measured = comm.broadcast_object(measured, self.hook_state)
+        self._raise_if_peer_lost()
+        assert isinstance(measured, dict)
+        weights = self.ddk.advance(step, measured["ratios"])
+        self.restore_mixture(self.ddk.state())
+        names = [s.name for s in self.mixture.sources]
+        self.telemetry.set_parameter("mixture", dict(zip(names, weights, strict=True)))
+        self.log({"event": "ddk", "step": step, "sources": names, "weights": weights, **measured,
+                  "seconds": time.monotonic() - started})
+
+    def restore_mixture(self, state: dict | None) -> None:
+        """DDK's weights from a checkpoint, a member's hand-over or a reweighting."""
+        if self.ddk is None or not state:
+            return
+        self.ddk.restore(state)
+        self.mixture = self.validation_mixture.with_probabilities(self.ddk.weights)
 
     def update_noise_scale(self, small_sq_sum: float, contributors: int) -> float | None:
         """B_noise from this step's per-rank (small batch) and reduced (global batch) gradient norms;
@@ -334,7 +392,7 @@ class Trainer:
         total = 0.0
         with torch.no_grad(), self.autocast():
             for index in range(self.cfg.validation_batches):
-                tokens, targets = self.mixture.validation_batch(index, self.plan.micro_batch)
+                tokens, targets = self.validation_mixture.validation_batch(index, self.plan.micro_batch)
                 total += float(self.model(tokens.to(self.device), targets.to(self.device))[1])
         self.model.train()
         return total / self.cfg.validation_batches
@@ -386,6 +444,8 @@ class Trainer:
     def advance(self, step: int) -> tuple[int, int | None]:
         """One step, its log line and whatever the gang agreed on at its boundary (stop,
         checkpoint, new plan, regroup). Returns (next step, exit code or None to go on)."""
+        if self.ddk is not None and self.ddk.due(step):
+            self.reweight(step)  # outside the step's time: a measurement, not training
         started = time.perf_counter()
         self.injector.step = step
         self.injector.refresh()

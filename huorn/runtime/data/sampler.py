@@ -67,6 +67,20 @@ class Mixture:
         weights = np.array([s.weight for s in active], dtype=np.float64)
         self.probabilities = weights / weights.sum()
 
+    def with_probabilities(self, probabilities: list[float]) -> Mixture:
+        """The same sources drawn with other probabilities (DDK's reweighting): still a pure
+        function of (seed, step, index) once the probabilities are fixed."""
+        if len(probabilities) != len(self.sources) or min(probabilities) < 0 or sum(probabilities) <= 0:
+            raise ValueError(f"need {len(self.sources)} probabilities, non-negative with a positive sum, "
+                             f"got {probabilities}")
+        mixture = Mixture(self.sources, self.seed, self.context)
+        mixture.probabilities = np.asarray(probabilities, dtype=np.float64) / sum(probabilities)
+        return mixture
+
+    def only(self, index: int) -> Mixture:
+        """Source `index` alone: its own validation loss."""
+        return Mixture([self.sources[index]], self.seed, self.context)
+
     def _draw(self, step: int, index: int, sequences: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, step, index])
         choice = rng.choice(len(self.sources), size=sequences, p=self.probabilities)
