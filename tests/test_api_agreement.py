@@ -111,7 +111,8 @@ training_specs = some(
     always=JOB_REQUIRED,
     **common_fields,
     task=some(kind=pick("pretrain", "cpt", "distill", bad=("finetune",)),
-              teacher=some(required={"checkpoint": pick("/t", bad=("",))})),
+              teacher=some(required={"checkpoint": pick("/t", "s3://t", bad=("",))}),
+              initCheckpoint=pick("/c", "gs://c", bad=("",))),
     model=model_specs,
     data=some(
         sources=st.lists(

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from huorn.api import training
 from huorn.backends.kubernetes import manifests, retry
 from huorn.graph import compiler
 from huorn.graph.model import Instance
@@ -195,6 +196,25 @@ def test_validation_names_fields() -> None:
         validation.load_job(_job(optimization={"globalBatch": 8, "microBatch": 4}))
     with pytest.raises(validation.InvalidSpec, match=r"spec\.virtualCluster.*team"):
         validation.check_namespace("team", "train", {"namespaces": ["other"]})
+
+
+def test_checkpoints_a_pod_reads_must_be_on_its_checkpoint_volume() -> None:
+    def spec(path: str, volume: str | None = "ckpt", kind: str = "distill") -> training.TrainingJobSpec:
+        task = ({"kind": "distill", "teacher": {"checkpoint": path}} if kind == "distill"
+                else {"kind": "cpt", "initCheckpoint": path})
+        job = validation.load_job(_job(task=task, checkpoint={"volume": volume, "path": "/checkpoints/run"}))
+        assert isinstance(job.spec, training.TrainingJobSpec)
+        return job.spec
+
+    validation.check_mounted_paths(spec("/checkpoints/run/teacher/step-100"))
+    validation.check_mounted_paths(spec("/checkpoints/run/base", kind="cpt"))
+    validation.check_mounted_paths(spec("/models/teacher", volume=None))  # baked into the image
+    with pytest.raises(validation.InvalidSpec, match=r"^spec.task.teacher.checkpoint: .*'/checkpoints/run"):
+        validation.check_mounted_paths(spec("/models/teacher"))
+    with pytest.raises(validation.InvalidSpec, match=r"^spec\.task\.initCheckpoint"):
+        validation.check_mounted_paths(spec("/checkpoints/run/../other", kind="cpt"))
+    with pytest.raises(validation.InvalidSpec, match=r"^spec\.task\.teacher\.checkpoint"):
+        validation.check_mounted_paths(spec("teacher/step-100"))  # relative: the pod's cwd is not the volume
 
 
 def test_conditions_keep_transition_time_until_status_changes() -> None:

@@ -118,14 +118,15 @@ def test_the_teacher_must_exist_and_share_the_vocabulary_and_context(tmp_path: P
         distill.load_teacher(str(tmp_path / "none"), student, torch.device("cpu"))
 
 
-def test_distill_refuses_a_pipeline_and_auto_refuses_other_tasks(tmp_path: Path, data_dir: Path) -> None:
+def test_the_trainer_holds_the_api_rules_on_distillation(tmp_path: Path, data_dir: Path) -> None:
+    """The run config embeds the API's TrainingJobSpec, so a local run refuses what the CRD does."""
     spec = _student_spec(tmp_path, steps=4, every=2)
     spec["parallelism"] = {"pipelineStages": 2}
-    with pytest.raises(ValueError, match=r"spec\.parallelism\.pipelineStages"):
+    with pytest.raises(ValueError, match=r"pipelineStages: must be 1 when task\.kind is distill"):
         harness.write_config(tmp_path, data_dir, spec)
     auto = harness.build_spec(steps=4)
     auto["data"]["mixture"] = "auto"
-    with pytest.raises(ValueError, match=r"spec\.data\.mixture: auto"):
+    with pytest.raises(ValueError, match=r"data\.mixture: can be auto only when task\.kind is distill"):
         harness.write_config(tmp_path, data_dir, auto)
 
 

@@ -19,8 +19,23 @@ class TaskKind(StrEnum):
     DISTILL = "distill"
 
 
+@rules.attach(
+    rules.Rule(
+        name="teacher-checkpoint-is-a-path",
+        field="checkpoint",
+        cel="!self.checkpoint.contains('://')",
+        holds=lambda t: "://" not in t.checkpoint,
+        message="must be a filesystem path: trainers read the teacher's weights from disk, not from "
+        "object storage",
+        detail=lambda t: t.checkpoint,
+        fix="copy the teacher's checkpoint onto the job's checkpoint volume and give its path there "
+        "(under spec.checkpoint.path)",
+    ),
+)
 class TeacherRef(ApiModel):
-    checkpoint: str = Field(min_length=1, description="Path or URI of the teacher's checkpoint.")
+    checkpoint: str = Field(min_length=1, description="Path of the teacher's checkpoint directory (or "
+                            "of a checkpoint root with a `latest`). In a pod it must lie on the job's "
+                            "checkpoint volume, under spec.checkpoint.path.")
     temperature: float = Field(default=1.0, gt=0, le=100)
     kl_weight: float = Field(default=0.2, ge=0, le=100, description="γ in CE + γ·KL (DDK).")
     reweight_steps: int = Field(default=1000, ge=1, le=10_000_000, description="K: with data.mixture auto, "
@@ -40,11 +55,34 @@ class TeacherRef(ApiModel):
         detail=lambda t: f"kind is {t.kind.value}, teacher is {'set' if t.teacher else 'missing'}",
         fix="give teacher.checkpoint for distill, or remove teacher for pretrain and cpt",
     ),
+    rules.Rule(
+        name="task-cpt-init-checkpoint",
+        field="initCheckpoint",
+        cel="self.kind != 'cpt' || has(self.initCheckpoint)",
+        holds=lambda t: t.kind != TaskKind.CPT or t.init_checkpoint is not None,
+        message="is required when kind is cpt, since continual pre-training starts from existing "
+        "weights",
+        fix="set initCheckpoint to a checkpoint directory (or a checkpoint root with a `latest`), or "
+        "use kind pretrain",
+    ),
+    rules.Rule(
+        name="task-init-checkpoint-is-a-path",
+        field="initCheckpoint",
+        cel="!has(self.initCheckpoint) || !self.initCheckpoint.contains('://')",
+        holds=lambda t: t.init_checkpoint is None or "://" not in t.init_checkpoint,
+        message="must be a filesystem path: trainers read the starting weights from disk, not from "
+        "object storage",
+        detail=lambda t: str(t.init_checkpoint),
+        fix="copy the checkpoint onto the job's checkpoint volume and give its path there (under "
+        "spec.checkpoint.path)",
+    ),
 )
 class Task(ApiModel):
     kind: TaskKind = TaskKind.PRETRAIN
     teacher: TeacherRef | None = Field(default=None, description="Required when kind is distill.")
-    init_checkpoint: str | None = Field(default=None, description="Starting weights for cpt.")
+    init_checkpoint: str | None = Field(default=None, min_length=1, description="Starting weights for "
+                                        "cpt: a checkpoint directory or root; in a pod, under "
+                                        "spec.checkpoint.path on the checkpoint volume.")
 
 
 class KvSharing(StrEnum):
@@ -278,6 +316,26 @@ class Parallelism(ApiModel):
         detail=lambda s: f"pipelineStages {s.parallelism.pipeline_stages}, gpus {s.resources.gpus}",
         fix="use resize: restart (or auto, which picks restart here), or set pipelineStages to 1 and "
         "gpus to at most 1",
+    ),
+    rules.Rule(
+        name="training-distill-data-parallel",
+        field="parallelism.pipelineStages",
+        cel="self.task.kind != 'distill' || self.parallelism.pipelineStages == 1",
+        holds=lambda s: s.task.kind != TaskKind.DISTILL or s.parallelism.pipeline_stages == 1,
+        message="must be 1 when task.kind is distill: distillation runs data-parallel, since the "
+        "teacher's logits are needed where the student's last layer is",
+        detail=lambda s: f"pipelineStages {s.parallelism.pipeline_stages}",
+        fix="set pipelineStages to 1 (scale with more replicas instead)",
+    ),
+    rules.Rule(
+        name="training-auto-mixture-needs-distill",
+        field="data.mixture",
+        cel="self.data.mixture != 'auto' || self.task.kind == 'distill'",
+        holds=lambda s: s.data.mixture != "auto" or s.task.kind == TaskKind.DISTILL,
+        message="can be auto only when task.kind is distill: auto reweights the sources by DDK, from "
+        "the student's gap to the teacher",
+        detail=lambda s: f"task.kind {s.task.kind.value}",
+        fix="set mixture: manual and give the weights",
     ),
 )
 class TrainingJobSpec(JobCommon):

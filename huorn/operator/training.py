@@ -78,6 +78,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         vc_spec = ctx.index.vcs.get(job.spec.virtual_cluster)
         if vc_spec is not None:
             validation.check_namespace(ns, job.spec.virtual_cluster, vc_spec)
+        validation.check_mounted_paths(job.spec)
     except validation.InvalidSpec as exc:
         ctx.queue.forget(ns, name)
         return await _stall(ctx, body, "InvalidSpec", str(exc))

@@ -9,9 +9,10 @@ message that names the field and the fix, and nothing is created for it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import PurePosixPath
 from typing import Any
 
-from huorn.api import kinds, manifests
+from huorn.api import kinds, manifests, training
 
 
 class InvalidSpec(ValueError):
@@ -45,3 +46,29 @@ def check_namespace(namespace: str, vc_name: str, vc_spec: Mapping[str, Any]) ->
             f"not {namespace!r}; "
             "use another virtual cluster or add the namespace to its spec.namespaces"
         )
+
+
+def check_mounted_paths(spec: training.TrainingJobSpec) -> None:
+    """Checkpoints a trainer pod must read (a distillation teacher, cpt's starting weights) lie on
+    the job's checkpoint volume, the only persistent storage its pods mount.
+
+    Without a volume the pods mount nothing persistent, so the path can only be in the image and
+    is left for the trainer to judge. With one, a path outside spec.checkpoint.path would fail in
+    every pod only after the gang was placed and the images pulled: refused here instead.
+    """
+    if not spec.checkpoint.volume:
+        return
+    root = PurePosixPath(spec.checkpoint.path)
+    reads = [("spec.task.initCheckpoint", spec.task.init_checkpoint)]
+    if spec.task.teacher is not None:
+        reads.append(("spec.task.teacher.checkpoint", spec.task.teacher.checkpoint))
+    for field, location in reads:
+        if location is None:
+            continue
+        path = PurePosixPath(location)
+        if not path.is_absolute() or ".." in path.parts or not path.is_relative_to(root):
+            raise InvalidSpec(
+                f"{field}: {location!r} is not on the checkpoint volume {spec.checkpoint.volume!r}, "
+                f"which pods mount at spec.checkpoint.path {str(root)!r}; copy the checkpoint onto "
+                f"that volume and give its absolute path under {str(root)!r}"
+            )

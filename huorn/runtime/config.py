@@ -103,17 +103,6 @@ class RunConfig(base.ApiModel):
                 f"spec.optimization.globalBatch ({opt.global_batch}) must be a multiple of microBatch "
                 f"({opt.micro_batch}); change one of them"
             )
-        distilling = self.spec.task.kind == training.TaskKind.DISTILL
-        if distilling and self.spec.parallelism.pipeline_stages > 1:
-            raise ValueError("spec.parallelism.pipelineStages: distillation runs data-parallel only (the "
-                             "teacher's logits are needed where the last stage is); set it to 1")
-        if self.spec.data.mixture == "auto" and not distilling:
-            raise ValueError("spec.data.mixture: auto reweights the sources by DDK, which needs "
-                             "task.kind: distill (D-CPT planning for pretrain and cpt is not implemented); "
-                             "set mixture: manual with weights")
-        if self.spec.task.kind == training.TaskKind.CPT and not self.spec.task.init_checkpoint:
-            raise ValueError("spec.task.initCheckpoint: cpt continues from existing weights; set it to "
-                             "a checkpoint directory (or a checkpoint root with a `latest`)")
         stages = self.spec.parallelism.pipeline_stages
         split, layers = self.stage_layers, self.spec.model.layers
         if split is not None and (len(split) != stages or min(split) < 1 or sum(split) != layers):
