@@ -32,6 +32,9 @@ class Case:
     invalid: dict[str, Any]
 
 
+_SOURCES = [{"name": "general"}, {"name": "math"}]
+
+
 def _failure_rule(matcher: dict[str, Any]) -> dict[str, Any]:
     return {"remediation": {"podFailurePolicy": {"rules": [{"action": "FailJob", **matcher}]}}}
 
@@ -82,9 +85,21 @@ CASES = [
          {"task": {"kind": "distill", "teacher": {"checkpoint": "/t"}}, "parallelism": {"pipelineStages": 1}},
          {"task": {"kind": "distill", "teacher": {"checkpoint": "/t"}},
           "parallelism": {"pipelineStages": 2}}),
-    Case("training-auto-mixture-needs-distill", "TrainingJob", "spec",
+    Case("training-auto-mixture-has-a-method", "TrainingJob", "spec",
          {"task": {"kind": "distill", "teacher": {"checkpoint": "/t"}}, "data": {"mixture": "auto"}},
          {"task": {"kind": "pretrain"}, "data": {"mixture": "auto"}}),
+    Case("training-plan-needs-auto-without-distill", "TrainingJob", "spec",
+         {"data": {"mixture": "auto", "sources": _SOURCES, "plan": {"domain": "math"}}},
+         {"data": {"mixture": "manual", "sources": _SOURCES, "plan": {"domain": "math"}}}),
+    Case("data-plan-domain-and-general", "TrainingJob", "spec.data",
+         {"data": {"mixture": "auto", "sources": _SOURCES, "plan": {"domain": "math"}}},
+         {"data": {"mixture": "auto", "sources": [{"name": "math"}, {"name": "code", "weight": 0}],
+                   "plan": {"domain": "math"}}}),
+    Case("plan-probe-ratios-distinct", "TrainingJob", "spec.data.plan",
+         {"data": {"mixture": "auto", "sources": _SOURCES,
+                   "plan": {"domain": "math", "probeRatios": [0.1, 0.5, 0.9]}}},
+         {"data": {"mixture": "auto", "sources": _SOURCES,
+                   "plan": {"domain": "math", "probeRatios": [0.1, 0.5, 0.5]}}}),
     Case("task-cpt-init-checkpoint", "TrainingJob", "spec.task",
          {"task": {"kind": "cpt", "initCheckpoint": "/checkpoints/base"}}, {"task": {"kind": "cpt"}}),
     Case("task-init-checkpoint-is-a-path", "TrainingJob", "spec.task",

@@ -126,7 +126,7 @@ def test_the_trainer_holds_the_api_rules_on_distillation(tmp_path: Path, data_di
         harness.write_config(tmp_path, data_dir, spec)
     auto = harness.build_spec(steps=4)
     auto["data"]["mixture"] = "auto"
-    with pytest.raises(ValueError, match=r"data\.mixture: can be auto only when task\.kind is distill"):
+    with pytest.raises(ValueError, match=r"data\.mixture: can be auto only with a method"):
         harness.write_config(tmp_path, data_dir, auto)
 
 

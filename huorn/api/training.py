@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -174,6 +174,38 @@ class DataSource(ApiModel):
     path: str | None = None
 
 
+ProbeRatio = Annotated[float, Field(gt=0, lt=1)]
+
+
+@rules.attach(
+    rules.Rule(
+        name="plan-probe-ratios-distinct",
+        field="probeRatios",
+        cel="self.probeRatios.all(r, self.probeRatios.exists_one(q, q == r))",
+        holds=lambda p: len(set(p.probe_ratios)) == len(p.probe_ratios),
+        message="must be distinct: each probe trains at its own domain share",
+        detail=lambda p: ", ".join(f"{r:g}" for r in p.probe_ratios),
+        fix="remove the repeated ratios",
+    ),
+)
+class MixturePlan(ApiModel):
+    """D-CPT: short probe runs at several domain shares fit the D-CPT law, which then picks the
+    share for the whole run (docs/runtime.md, "Mixture planning")."""
+
+    domain: DnsLabel = Field(description="The source whose share is planned; the other sources form the "
+                             "general corpus, in the proportions of their weights.")
+    general_tolerance: float = Field(
+        default=0.02, ge=0, le=1, description="T: the planned share keeps the predicted general loss "
+        "within (1 + T) of a run on the general corpus alone; the lowest predicted domain loss within "
+        "that bound wins.")
+    probe_ratios: list[ProbeRatio] = Field(
+        default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9], min_length=3, max_length=16,
+        description="Domain shares of the probe runs, each in (0, 1).")
+    probe_steps: int = Field(default=200, ge=4, le=1_000_000, description="Optimizer steps of each probe.")
+    probe_evaluations: int = Field(default=4, ge=2, le=64, description="Validation points along each "
+                                   "probe: the law's token axis.")
+
+
 @rules.attach(
     rules.Rule(
         name="data-source-names-unique",
@@ -193,6 +225,20 @@ class DataSource(ApiModel):
         detail=lambda d: "all weights are 0",
         fix="give a source a weight above 0, or set mixture: auto",
     ),
+    rules.Rule(
+        name="data-plan-domain-and-general",
+        field="plan.domain",
+        cel=("!has(self.plan) || (self.sources.exists(s, s.name == self.plan.domain) && "
+             "self.sources.exists(s, s.name != self.plan.domain && s.weight > 0.0))"),
+        holds=lambda d: d.plan is None or (
+            any(s.name == d.plan.domain for s in d.sources)
+            and any(s.name != d.plan.domain and s.weight > 0 for s in d.sources)),
+        message="must name one of data.sources, and another source of weight > 0 must remain as the "
+        "general corpus",
+        detail=lambda d: f"domain {d.plan.domain if d.plan else None}, sources "
+        f"{', '.join(f'{s.name}={s.weight:g}' for s in d.sources)}",
+        fix="set plan.domain to a listed source and give at least one other source a positive weight",
+    ),
 )
 class DataSpec(ApiModel):
     sources: list[DataSource] = Field(
@@ -200,8 +246,11 @@ class DataSpec(ApiModel):
     )
     mixture: Literal["manual", "auto"] = Field(
         default="manual", description="auto: with task.kind distill, DDK reweights the sources at run "
-        "time from the student's gap to the teacher (the listed weights are then ignored).",
+        "time from the student's gap to the teacher (the listed weights are then ignored); otherwise "
+        "data.plan's D-CPT probes choose the domain's share before training.",
     )
+    plan: MixturePlan | None = Field(default=None, description="D-CPT mixture planning, with mixture "
+                                     "auto for pretrain and cpt.")
     seed: int = Field(default=0, ge=0)
 
 
@@ -328,14 +377,25 @@ class Parallelism(ApiModel):
         fix="set pipelineStages to 1 (scale with more replicas instead)",
     ),
     rules.Rule(
-        name="training-auto-mixture-needs-distill",
+        name="training-auto-mixture-has-a-method",
         field="data.mixture",
-        cel="self.data.mixture != 'auto' || self.task.kind == 'distill'",
-        holds=lambda s: s.data.mixture != "auto" or s.task.kind == TaskKind.DISTILL,
-        message="can be auto only when task.kind is distill: auto reweights the sources by DDK, from "
-        "the student's gap to the teacher",
-        detail=lambda s: f"task.kind {s.task.kind.value}",
-        fix="set mixture: manual and give the weights",
+        cel="self.data.mixture != 'auto' || self.task.kind == 'distill' || has(self.data.plan)",
+        holds=lambda s: s.data.mixture != "auto" or s.task.kind == TaskKind.DISTILL
+        or s.data.plan is not None,
+        message="can be auto only with a method: DDK's reweighting (task.kind distill) or D-CPT "
+        "planning (data.plan)",
+        detail=lambda s: f"task.kind {s.task.kind.value}, no data.plan",
+        fix="add data.plan with the domain source, or set mixture: manual and give the weights",
+    ),
+    rules.Rule(
+        name="training-plan-needs-auto-without-distill",
+        field="data.plan",
+        cel="!has(self.data.plan) || (self.data.mixture == 'auto' && self.task.kind != 'distill')",
+        holds=lambda s: s.data.plan is None or (s.data.mixture == "auto" and s.task.kind != TaskKind.DISTILL),
+        message="applies only with mixture auto and task.kind pretrain or cpt (distillation's mix "
+        "follows DDK)",
+        detail=lambda s: f"mixture {s.data.mixture}, task.kind {s.task.kind.value}",
+        fix="set mixture: auto, or remove data.plan",
     ),
 )
 class TrainingJobSpec(JobCommon):

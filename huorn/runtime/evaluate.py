@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from huorn import models
-from huorn.runtime import checkpoint, distill
+from huorn.runtime import checkpoint, distill, mixture_plan
 from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler
 
@@ -56,8 +56,11 @@ def evaluate(cfg: run_config.RunConfig, checkpoint_path: Path, batches: int,
         meta = checkpoint.load_checkpoint(path, model, None)
     model.eval()
     sequences = sequences or spec.optimization.micro_batch
-    auto = spec.data.mixture == "auto"  # DDK's run-time weights: every listed source, evenly
-    sources = [(s.name, 1.0 if auto else s.weight, s.path) for s in spec.data.sources]
+    # With mixture auto: the D-CPT plan's weights once made, else every listed source evenly
+    # (DDK's weights move during the run).
+    auto = spec.data.mixture == "auto"
+    weights = mixture_plan.planned_weights(cfg) or [1.0 if auto else s.weight for s in spec.data.sources]
+    sources = [(s.name, w, s.path) for s, w in zip(spec.data.sources, weights, strict=True)]
     mixture = sampler.build_mixture(sources, spec.data.seed, spec.model.context, cfg.data_dir)
     started = time.perf_counter()
     result: dict = {"step": int(meta.get("step", -1)), "checkpoint": str(path), "batches": batches,

@@ -47,6 +47,7 @@ from huorn.runtime import (
     launcher,
     membership,
     microbatches,
+    mixture_plan,
     noise_scale,
     telemetry,
 )
@@ -122,8 +123,19 @@ class Trainer:
         self.control_stamp = 0
         self.total_steps = cfg.total_steps()
         auto = self.spec.data.mixture == "auto"  # DDK sets the weights; every listed source takes part
+        weights = [1.0 if auto else s.weight for s in self.spec.data.sources]
+        # D-CPT probes before the first step (or a plan an earlier start made); every rank draws
+        # with the weights rank 0 wrote.
+        self.mixture_plan = (mixture_plan.plan_mixture(cfg, self.rank, self.world, self.device, self._say)
+                             if self.spec.data.plan is not None else None)
+        if self.mixture_plan is not None:
+            weights = self.mixture_plan.weights
+            if not self.mixture_plan.choice["within_tolerance"]:
+                self._say(f"D-CPT: no domain share keeps the general loss within spec.data.plan."
+                          f"generalTolerance; training at {self.mixture_plan.share:g}, the share "
+                          "nearest to it")
         self.mixture = sampler.build_mixture(
-            [(s.name, 1.0 if auto else s.weight, s.path) for s in self.spec.data.sources],
+            [(s.name, w, s.path) for s, w in zip(self.spec.data.sources, weights, strict=True)],
             self.spec.data.seed, self.spec.model.context, cfg.data_dir)
         self.validation_mixture = self.mixture  # fixed, so validation losses compare across reweightings
         self.ddk = (distill.DomainReweighting(teacher.reweight_steps, teacher.reweight_smoothing)
@@ -132,6 +144,9 @@ class Trainer:
 
         self.telemetry = telemetry.Telemetry(cfg.job_name, self.rank, self.world, self.replica,
                                              cfg.telemetry_history)
+        if self.mixture_plan is not None:
+            self.telemetry.set_parameter("mixture", {s.name: w for s, w in zip(
+                self.spec.data.sources, self.mixture_plan.weights, strict=True)})
         self.injector = faults.FaultInjector(cfg.faults, self.run_dir, self.rank, self.replica)
         for layer in self.model.layers:  # a pipeline stage runs its share of these same modules
             layer.register_forward_pre_hook(lambda *_: self.injector.before_layer())
@@ -250,6 +265,10 @@ class Trainer:
         return step
 
     # -- bookkeeping ---------------------------------------------------------------------------
+    def _say(self, message: str) -> None:
+        """Progress before the first step (D-CPT probes), on stderr: the pod's log."""
+        print(f"huorn: rank {self.rank}: {message}", file=sys.stderr, flush=True)
+
     def log(self, record: dict) -> None:
         """Rank 0 appends one JSON line per event; a single write() keeps lines whole."""
         if self.rank != 0:
@@ -412,6 +431,12 @@ class Trainer:
         self.log({"event": "start", "resumed_from": step, "world_size": self.world, "global_batch":
                   self.plan.global_batch, "restart_count": self.restart_count, "telemetry_port": port,
                   "process_started": psutil.Process().create_time(), "in_place": self.gang is not None})
+        if self.mixture_plan is not None:
+            plan = self.mixture_plan
+            self.log({"event": "dcpt", "share": plan.share, "weights": plan.weights,
+                      "sources": [s.name for s in self.spec.data.sources], "tokens": plan.tokens,
+                      "choice": plan.choice, "domain_r2": plan.domain_r2, "general_r2": plan.general_r2,
+                      "probes": len(plan.probes), "seconds": plan.seconds})
         signal.signal(signal.SIGTERM, self._request_stop)
         self.last_checkpoint_time = time.monotonic()
         failures: tuple[int, int] = (-1, 0)  # (step, failures in a row at it)

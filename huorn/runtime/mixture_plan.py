@@ -1,0 +1,306 @@
+"""D-CPT mixture planning: the domain's share of a pre-training or continual pre-training run,
+chosen from short probe runs before the run starts.
+
+The D-CPT Law (arXiv 2406.01375) says a corpus's validation loss after D tokens of training in
+which that corpus has share r is L(N, D, r) = E + A/N^α + B·r^η/D^β + C/(r + ε)^γ. Probes run at
+the job's own model size, so N is fixed and E + A/N^α is one constant: seven parameters, fitted by
+L-BFGS on a Huber loss from several starts, as the paper fits. The domain corpus's loss is fitted
+with r the domain's share, the general corpus's with 1 − r. The share for the whole run (D = its
+tokens) is the one of lowest predicted domain loss whose predicted general loss stays within
+(1 + T) of a run on the general corpus alone: the paper's first use, the trade-off between
+general and domain ability.
+
+Probes are independent, so the ranks split them (rank i of W runs probes i, i + W, ...) and
+each writes its points to a file of its own under the checkpoint root, whole or not at all. Rank
+0 fits once every probe is there and writes the plan; the others read that file, so every rank
+draws with the same weights whatever its floating point. A restart skips the probes already
+written, and a resumed run reads the plan instead of probing again. The directory is named after
+a digest of everything a probe's outcome depends on, so a changed spec probes afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from scipy import optimize, special
+
+from huorn import models
+from huorn.api import training
+from huorn.runtime import checkpoint, distill
+from huorn.runtime import config as run_config
+from huorn.runtime.data import sampler
+
+HUBER_DELTA = 1e-3  # the paper's
+SHARE_GRID = np.round(np.linspace(0.01, 0.99, 99), 2)
+_WAIT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Law:
+    """One corpus's fitted D-CPT law at a fixed model size; tokens are counted in `scale`s."""
+
+    e: float
+    b: float
+    eta: float
+    beta: float
+    c: float
+    gamma: float
+    eps: float
+    scale: float
+
+    def predict(self, tokens: np.ndarray | float, share: np.ndarray | float) -> np.ndarray:
+        d = np.asarray(tokens, dtype=np.float64) / self.scale
+        r = np.asarray(share, dtype=np.float64)
+        return self.e + self.b * r**self.eta / d**self.beta + self.c / (r + self.eps) ** self.gamma
+
+
+@dataclass(frozen=True)
+class Fit:
+    law: Law
+    r2: float  # on the probe points it was fitted to
+
+
+def _unpack(raw: np.ndarray, scale: float) -> Law:
+    # E is free; the other six are positive, fitted as logarithms so L-BFGS needs no bounds.
+    b, eta, beta, c, gamma, eps = np.exp(np.clip(raw[1:], -30.0, 30.0))
+    return Law(float(raw[0]), float(b), float(eta), float(beta), float(c), float(gamma), float(eps), scale)
+
+
+def fit_law(tokens: list[float], shares: list[float], losses: list[float]) -> Fit:
+    """The seven parameters minimising the Huber loss of the residuals, best of a grid of starts
+    (the objective has flat valleys where one start alone stops early)."""
+    d = np.asarray(tokens, dtype=np.float64)
+    r = np.asarray(shares, dtype=np.float64)
+    y = np.asarray(losses, dtype=np.float64)
+    if not (len(d) == len(r) == len(y)) or len(y) < 8:
+        raise ValueError(f"a D-CPT fit needs at least 8 points (seven parameters), got {len(y)}")
+    scale = float(d.min())
+    spread = max(float(y.max() - y.min()), 1e-3)
+
+    def objective(raw: np.ndarray) -> float:
+        law = _unpack(raw, scale)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            residual = law.predict(d, r) - y
+        if not np.all(np.isfinite(residual)):
+            return 1e30
+        return float(special.huber(HUBER_DELTA, residual).sum())
+
+    best: optimize.OptimizeResult | None = None
+    for eta in (0.5, 1.5):
+        for beta in (0.3, 1.0):
+            for gamma in (0.2, 1.0):
+                start = np.array([y.min() - 0.1 * spread, math.log(spread), math.log(eta), math.log(beta),
+                                  math.log(0.1 * spread), math.log(gamma), math.log(0.1)])
+                result = optimize.minimize(objective, start, method="L-BFGS-B",
+                                           options={"maxiter": 2000, "maxfun": 20000})
+                if best is None or result.fun < best.fun:
+                    best = result
+    assert best is not None
+    law = _unpack(best.x, scale)
+    residual = law.predict(d, r) - y
+    total = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float((residual**2).sum()) / total if total > 0 else 1.0
+    return Fit(law, r2)
+
+
+@dataclass(frozen=True)
+class Choice:
+    share: float
+    domain_loss: float  # predicted, at the run's tokens
+    general_loss: float
+    general_reference: float  # predicted for the general corpus alone
+    within_tolerance: bool  # False: no share kept the bound, and the one nearest to it was taken
+
+
+def choose_share(domain: Law, general: Law, tokens: float, tolerance: float) -> Choice:
+    """The share of lowest predicted domain loss among those that keep the general loss within
+    (1 + tolerance) of the general corpus alone; the general law sees the general share 1 − r."""
+    domain_loss = domain.predict(tokens, SHARE_GRID)
+    general_loss = general.predict(tokens, 1.0 - SHARE_GRID)
+    reference = float(general.predict(tokens, 1.0))
+    feasible = general_loss <= (1.0 + tolerance) * reference
+    if feasible.any():
+        index = int(np.flatnonzero(feasible)[np.argmin(domain_loss[feasible])])
+    else:
+        index = int(np.argmin(general_loss))
+    return Choice(float(SHARE_GRID[index]), float(domain_loss[index]), float(general_loss[index]), reference,
+                  bool(feasible.any()))
+
+
+def share_weights(data: training.DataSpec, share: float) -> list[float]:
+    """Sampling weights in data.sources' order: the domain takes `share`, the other sources the
+    rest in the proportions of their listed weights."""
+    assert data.plan is not None
+    general = sum(s.weight for s in data.sources if s.name != data.plan.domain)
+    return [share if s.name == data.plan.domain else (1.0 - share) * s.weight / general
+            for s in data.sources]
+
+
+def digest(spec: training.TrainingJobSpec) -> str:
+    """What a probe's outcome depends on: the model, the data, the optimiser and the starting
+    weights; not the run's length, elasticity or checkpointing."""
+    opt = spec.optimization
+    key = {
+        "model": spec.model.to_wire(),
+        "data": spec.data.to_wire(),
+        "optimization": [opt.global_batch, opt.micro_batch, opt.learning_rate, opt.warmup_steps,
+                         opt.weight_decay],
+        "init": spec.task.init_checkpoint,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def plan_directory(cfg: run_config.RunConfig) -> Path:
+    return cfg.checkpoint_root / f"mixture-plan-{digest(cfg.spec)}"
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(payload, indent=1))
+    os.replace(scratch, path)
+
+
+def _starting_model(cfg: run_config.RunConfig, device: torch.device) -> torch.nn.Module:
+    spec = cfg.spec
+    torch.manual_seed(spec.data.seed)
+    model = models.build_model(run_config.build_model_config(spec.model)).to(device)
+    if spec.task.init_checkpoint:
+        source = checkpoint.resolve(Path(spec.task.init_checkpoint))
+        with warnings.catch_warnings():  # one process, no group: what DCP warns about is the point
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            checkpoint.load_checkpoint(source, model, None)
+    return model
+
+
+def run_probe(cfg: run_config.RunConfig, share: float, device: torch.device) -> list[dict[str, float]]:
+    """One probe: the job's model trained alone for probeSteps at this domain share, with the
+    job's optimiser at a constant learning rate after a short warm-up (a decaying schedule would
+    make the early points of a probe incomparable with its last); validation points along it."""
+    spec = cfg.spec
+    plan, opt = spec.data.plan, spec.optimization
+    assert plan is not None
+    everything = sampler.build_mixture([(s.name, 1.0, s.path) for s in spec.data.sources], spec.data.seed,
+                                       spec.model.context, cfg.data_dir)
+    weights = share_weights(spec.data, share)
+    mixture = everything.with_probabilities(weights)
+    names = [s.name for s in spec.data.sources]
+    domain = names.index(plan.domain)
+    general = [(i, s.weight) for i, s in enumerate(spec.data.sources) if i != domain and s.weight > 0]
+    general_total = sum(w for _, w in general)
+    model = _starting_model(cfg, device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.learning_rate, betas=(0.9, 0.95),
+                                  weight_decay=opt.weight_decay)
+    micro_batches = opt.global_batch // opt.micro_batch
+    warmup = min(opt.warmup_steps, plan.probe_steps // 10)
+    marks = {plan.probe_steps * k // plan.probe_evaluations for k in range(1, plan.probe_evaluations + 1)}
+    points: list[dict[str, float]] = []
+    for step in range(plan.probe_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = opt.learning_rate * min(1.0, (step + 1) / warmup) if warmup else opt.learning_rate
+        for index in range(micro_batches):
+            tokens, targets = mixture.micro_batch(step, index, opt.micro_batch)
+            loss = model(tokens.to(device), targets.to(device))[1]
+            (loss / micro_batches).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step + 1 in marks:
+            batches = cfg.validation_batches
+            losses = {i: distill.mean_loss(model, everything.only(i), batches, opt.micro_batch, device)
+                      for i in [domain, *(i for i, _ in general)]}
+            points.append({
+                "tokens": float((step + 1) * opt.global_batch * spec.model.context),
+                "domain_loss": losses[domain],
+                "general_loss": sum(w * losses[i] for i, w in general) / general_total,
+            })
+    return points
+
+
+@dataclass(frozen=True)
+class Plan:
+    share: float
+    weights: list[float]  # in data.sources' order
+    tokens: float  # of the whole run, where the laws were evaluated
+    choice: dict[str, Any]
+    domain_r2: float
+    general_r2: float
+    domain_law: dict[str, float]
+    general_law: dict[str, float]
+    probes: list[dict[str, Any]]
+    seconds: float  # probing and fitting, as measured by rank 0
+
+    @classmethod
+    def read(cls, path: Path) -> Plan:
+        return cls(**json.loads(path.read_text()))
+
+
+def build_plan(data: training.DataSpec, probes: list[dict[str, Any]], tokens: float, seconds: float) -> Plan:
+    """Fit both laws to the probes' points and choose the share for a run of `tokens`."""
+    assert data.plan is not None
+    rows = [(p["share"], point) for p in probes for point in p["points"]]
+    d = [point["tokens"] for _, point in rows]
+    domain = fit_law(d, [share for share, _ in rows], [point["domain_loss"] for _, point in rows])
+    general = fit_law(d, [1.0 - share for share, _ in rows], [point["general_loss"] for _, point in rows])
+    choice = choose_share(domain.law, general.law, tokens, data.plan.general_tolerance)
+    return Plan(choice.share, share_weights(data, choice.share), tokens, asdict(choice), domain.r2,
+                general.r2, asdict(domain.law), asdict(general.law), probes, seconds)
+
+
+def plan_mixture(cfg: run_config.RunConfig, rank: int, world: int, device: torch.device,
+                 progress: Callable[[str], None] = lambda _: None) -> Plan:
+    """The run's plan: read if an earlier start made it, else probed (this rank's share of the
+    probes), fitted by rank 0 and read by the others."""
+    spec = cfg.spec
+    plan = spec.data.plan
+    assert plan is not None
+    directory = plan_directory(cfg)
+    tokens = run_tokens(cfg)
+    plan_file = directory / f"plan-{tokens:.0f}.json"  # the probes serve any length; the choice not
+    if plan_file.exists():
+        return Plan.read(plan_file)
+    directory.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    files = [directory / f"probe-{index}.json" for index in range(len(plan.probe_ratios))]
+    for index in range(rank, len(files), world):
+        if files[index].exists():
+            continue
+        share = plan.probe_ratios[index]
+        progress(f"D-CPT probe {index + 1}/{len(files)}: domain share {share:g}, {plan.probe_steps} steps")
+        probe_started = time.monotonic()
+        points = run_probe(cfg, share, device)
+        _write_json(files[index], {"share": share, "points": points,
+                                   "seconds": time.monotonic() - probe_started})
+    # NB: a rank that dies here takes the gang with it (torchrun restarts every worker, a pod's
+    # loss restarts the gang), and the restart re-deals only the probes still missing.
+    target = files if rank == 0 else [plan_file]
+    while not all(path.exists() for path in target):
+        time.sleep(_WAIT_POLL_S)
+    if rank != 0:
+        return Plan.read(plan_file)
+    probes = [json.loads(path.read_text()) for path in files]
+    result = build_plan(spec.data, probes, tokens, time.monotonic() - started)
+    _write_json(plan_file, asdict(result))
+    return result
+
+
+def run_tokens(cfg: run_config.RunConfig) -> float:
+    """Tokens of the whole run: the D at which the laws choose."""
+    return float(cfg.total_steps() * cfg.spec.optimization.global_batch * cfg.spec.model.context)
+
+
+def planned_weights(cfg: run_config.RunConfig) -> list[float] | None:
+    """The weights an earlier start planned for this spec, if it did (the evaluator's mixture)."""
+    path = plan_directory(cfg) / f"plan-{run_tokens(cfg):.0f}.json"
+    return Plan.read(path).weights if cfg.spec.data.plan is not None and path.exists() else None
