@@ -20,6 +20,7 @@ a digest of everything a probe's outcome depends on, so a changed spec probes af
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -42,6 +43,11 @@ from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler
 
 HUBER_DELTA = 1e-3  # the paper's
+# Each validation point of a probe is taken after a branch that decays the learning rate over
+# this fraction of the steps so far (warmup-stable-decay): the run ends annealed, and a point on
+# the constant-rate trunk would sit well above where an annealed run of that length ends.
+COOLDOWN_FRACTION = 0.2
+LR_FLOOR = 0.1  # the trainer's schedules end at 10 % of the peak (huorn.runtime.batching)
 SHARE_GRID = np.round(np.linspace(0.01, 0.99, 99), 2)
 _WAIT_POLL_S = 0.5
 
@@ -72,9 +78,10 @@ class Fit:
 
 
 def _unpack(raw: np.ndarray, scale: float) -> Law:
-    # E is free; the other six are positive, fitted as logarithms so L-BFGS needs no bounds.
-    b, eta, beta, c, gamma, eps = np.exp(np.clip(raw[1:], -30.0, 30.0))
-    return Law(float(raw[0]), float(b), float(eta), float(beta), float(c), float(gamma), float(eps), scale)
+    # All seven are positive (E is the loss floor, and a loss is never negative); fitted as
+    # logarithms so L-BFGS needs no bounds.
+    e, b, eta, beta, c, gamma, eps = np.exp(np.clip(raw, -30.0, 30.0))
+    return Law(float(e), float(b), float(eta), float(beta), float(c), float(gamma), float(eps), scale)
 
 
 def fit_law(tokens: list[float], shares: list[float], losses: list[float]) -> Fit:
@@ -100,7 +107,8 @@ def fit_law(tokens: list[float], shares: list[float], losses: list[float]) -> Fi
     for eta in (0.5, 1.5):
         for beta in (0.3, 1.0):
             for gamma in (0.2, 1.0):
-                start = np.array([y.min() - 0.1 * spread, math.log(spread), math.log(eta), math.log(beta),
+                start = np.array([math.log(max(y.min() - 0.1 * spread, 1e-3)), math.log(spread),
+                                  math.log(eta), math.log(beta),
                                   math.log(0.1 * spread), math.log(gamma), math.log(0.1)])
                 result = optimize.minimize(objective, start, method="L-BFGS-B",
                                            options={"maxiter": 2000, "maxfun": 20000})
@@ -183,17 +191,33 @@ def _starting_model(cfg: run_config.RunConfig, device: torch.device) -> torch.nn
     return model
 
 
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mixture: sampler.Mixture, steps: range,
+           rate: Callable[[int], float], opt: training.Optimization, device: torch.device) -> None:
+    micro_batches = opt.global_batch // opt.micro_batch
+    for step in steps:
+        for group in optimizer.param_groups:
+            group["lr"] = rate(step)
+        for index in range(micro_batches):
+            tokens, targets = mixture.micro_batch(step, index, opt.micro_batch)
+            loss = model(tokens.to(device), targets.to(device))[1]
+            (loss / micro_batches).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 def run_probe(cfg: run_config.RunConfig, share: float, device: torch.device) -> list[dict[str, float]]:
     """One probe: the job's model trained alone for probeSteps at this domain share, with the
-    job's optimiser at a constant learning rate after a short warm-up (a decaying schedule would
-    make the early points of a probe incomparable with its last); validation points along it."""
+    job's optimiser at a constant learning rate after a short warm-up; at each validation point
+    a copy decays the rate to the schedule's floor over COOLDOWN_FRACTION more steps and is
+    measured, so every point is an annealed run of its own length (a constant schedule, as the
+    job asks for one, skips the decay)."""
     spec = cfg.spec
     plan, opt = spec.data.plan, spec.optimization
     assert plan is not None
     everything = sampler.build_mixture([(s.name, 1.0, s.path) for s in spec.data.sources], spec.data.seed,
                                        spec.model.context, cfg.data_dir)
-    weights = share_weights(spec.data, share)
-    mixture = everything.with_probabilities(weights)
+    mixture = everything.with_probabilities(share_weights(spec.data, share))
     names = [s.name for s in spec.data.sources]
     domain = names.index(plan.domain)
     general = [(i, s.weight) for i, s in enumerate(spec.data.sources) if i != domain and s.weight > 0]
@@ -202,29 +226,35 @@ def run_probe(cfg: run_config.RunConfig, share: float, device: torch.device) -> 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=opt.weight_decay)
-    micro_batches = opt.global_batch // opt.micro_batch
-    warmup = min(opt.warmup_steps, plan.probe_steps // 10)
-    marks = {plan.probe_steps * k // plan.probe_evaluations for k in range(1, plan.probe_evaluations + 1)}
+    peak, warmup = opt.learning_rate, min(opt.warmup_steps, plan.probe_steps // 10)
+    decays = opt.schedule != training.LrSchedule.CONSTANT
+    evaluations = plan.probe_evaluations
+    marks = sorted({max(1, plan.probe_steps * k // evaluations) for k in range(1, evaluations + 1)})
     points: list[dict[str, float]] = []
-    for step in range(plan.probe_steps):
-        for group in optimizer.param_groups:
-            group["lr"] = opt.learning_rate * min(1.0, (step + 1) / warmup) if warmup else opt.learning_rate
-        for index in range(micro_batches):
-            tokens, targets = mixture.micro_batch(step, index, opt.micro_batch)
-            loss = model(tokens.to(device), targets.to(device))[1]
-            (loss / micro_batches).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step + 1 in marks:
-            batches = cfg.validation_batches
-            losses = {i: distill.mean_loss(model, everything.only(i), batches, opt.micro_batch, device)
-                      for i in [domain, *(i for i, _ in general)]}
-            points.append({
-                "tokens": float((step + 1) * opt.global_batch * spec.model.context),
-                "domain_loss": losses[domain],
-                "general_loss": sum(w * losses[i] for i, w in general) / general_total,
-            })
+    done = 0
+    for mark in marks:
+        _train(model, optimizer, mixture, range(done, mark),
+               lambda step: peak * min(1.0, (step + 1) / warmup) if warmup else peak, opt, device)
+        done = mark
+        measured, optimizer_state = model, None
+        cooldown = max(1, round(COOLDOWN_FRACTION * mark)) if decays else 0
+        if cooldown:
+            measured = copy.deepcopy(model)
+            optimizer_state = copy.deepcopy(optimizer.state_dict())
+            branch = torch.optim.AdamW(measured.parameters(), lr=peak, betas=(0.9, 0.95),
+                                       weight_decay=opt.weight_decay)
+            branch.load_state_dict(optimizer_state)
+            _train(measured, branch, mixture, range(mark, mark + cooldown),
+                   lambda step, start=mark, length=cooldown: peak * (1 - (1 - LR_FLOOR) * (step - start + 1)
+                                                                    / length), opt, device)
+        batches = cfg.validation_batches
+        losses = {i: distill.mean_loss(measured, everything.only(i), batches, opt.micro_batch, device)
+                  for i in [domain, *(i for i, _ in general)]}
+        points.append({
+            "tokens": float((mark + cooldown) * opt.global_batch * spec.model.context),
+            "domain_loss": losses[domain],
+            "general_loss": sum(w * losses[i] for i, w in general) / general_total,
+        })
     return points
 
 
