@@ -105,6 +105,29 @@ class RolloutSpec(ApiModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
 
 
+@rules.attach(
+    rules.Rule(
+        name="rl-mini-batches-le-prompts",
+        field="miniBatches",
+        cel="self.miniBatches <= self.promptsPerStep",
+        holds=lambda o: o.mini_batches <= o.prompts_per_step,
+        message="must be ≤ promptsPerStep, since each optimiser step takes at least one prompt's group",
+        detail=lambda o: f"{o.mini_batches} > {o.prompts_per_step}",
+        fix="lower miniBatches or raise promptsPerStep",
+    ),
+)
+class RLOptimization(ApiModel):
+    learning_rate: float = Field(default=1e-5, gt=0, le=1)
+    weight_decay: float = Field(default=0.0, ge=0, le=1)
+    prompts_per_step: int = Field(default=8, ge=1, le=65536, description="Prompts per RL step, each "
+                                  "answered groupSize times.")
+    update_epochs: int = Field(default=1, ge=1, le=64, description="Passes over a step's responses.")
+    mini_batches: int = Field(default=1, ge=1, le=65536, description="Optimiser steps per pass; above 1 "
+                              "the policy moves within a step, and the clip takes effect.")
+    seed: int = Field(default=0, ge=0, description="Prompts, sampling and (without initCheckpoint) the "
+                      "initial weights.")
+
+
 ROLE_FIELDS = ("actorTrain", "rollout", "reference", "reward", "environment")
 
 
@@ -176,6 +199,17 @@ def _cel_mappings_within_gpus() -> str:
         fix="raise gpus, lower role replicas, or colocate roles in one group",
     ),
     rules.Rule(
+        name="rl-init-checkpoint-is-a-path",
+        field="initCheckpoint",
+        cel="!has(self.initCheckpoint) || !self.initCheckpoint.contains('://')",
+        holds=lambda s: s.init_checkpoint is None or "://" not in s.init_checkpoint,
+        message="must be a filesystem path: workers read the starting weights from disk, not from "
+        "object storage",
+        detail=lambda s: str(s.init_checkpoint),
+        fix="copy the checkpoint onto the job's checkpoint volume and give its path there (under "
+        "spec.checkpoint.path)",
+    ),
+    rules.Rule(
         name="rl-device-mapping-within-gpus",
         field="roles",
         cel=_cel_mappings_within_gpus(),
@@ -192,6 +226,11 @@ class RLJobSpec(JobCommon):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     reward: RewardSpec = Field(default_factory=RewardSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    optimization: RLOptimization = Field(default_factory=RLOptimization)
+    init_checkpoint: str | None = Field(
+        default=None, min_length=1, description="The policy's (and the reference's) starting weights: a "
+        "Huorn checkpoint of spec.model's architecture, e.g. a TrainingJob's; in a pod, under "
+        "spec.checkpoint.path on the checkpoint volume.")
     steps: int = Field(default=100, ge=1)
     gpus: int | None = Field(default=None, ge=0, description="GPUs the job holds, shared by colocated roles.")
 

@@ -108,6 +108,23 @@ def _arithmetic_problem(rng: random.Random) -> str:
     return f"Q: What is the square of {c}?\nA: {c * c}\n"
 
 
+def arithmetic_question(rng: random.Random, largest: int = 999) -> tuple[str, str]:
+    """One question of the math corpus's kinds that have a one-number answer, and that answer:
+    the prompts of RL's verifiable rewards (huorn.runtime.rl.tasks). `largest` bounds the
+    operands, for easier questions than the corpus's."""
+    kind = rng.choice(("add", "sub", "mul", "div", "square"))
+    a, b, c = rng.randint(0, largest), rng.randint(0, largest), rng.randint(1, min(99, max(1, largest)))
+    if kind == "add":
+        return f"What is {a} + {b}?", str(a + b)
+    if kind == "sub":
+        return f"What is {a} - {b}?", str(a - b)
+    if kind == "mul":
+        return f"What is {a % 100} * {b % 100}?", str((a % 100) * (b % 100))
+    if kind == "div":
+        return f"What is {a * c} / {c}?", str(a)
+    return f"What is the square of {c}?", str(c * c)
+
+
 def iter_math(documents: int = 2000, problems_per_document: int = 64,
               seed: int = 0) -> Iterator[tuple[str, bytes]]:
     rng = random.Random(seed)

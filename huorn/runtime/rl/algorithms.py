@@ -1,0 +1,146 @@
+"""The RL objectives of GRPO, DAPO and Lite PPO, as tensors in and tensors out.
+
+Each algorithm is a preset of a few choices (notes/papers.md; "Tricks or Traps?", DAPO, GRPO):
+how advantages are normalised (mean over the prompt's group; std over the group, the batch or
+not at all), the clip range (DAPO's clip-higher widens only the upper bound), how per-token
+losses are aggregated (per sequence, then averaged; or over all tokens of the batch), the KL to
+the reference (k3 estimator) and DAPO's dynamic sampling and overlong shaping. The spec's
+algorithm fields override a preset only where the user set them, so `name: dapo` alone is DAPO
+as published.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from huorn.api import rl
+
+_STD_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The resolved choices one update uses."""
+
+    mean: rl.Normalisation
+    std: rl.Normalisation
+    clip_low: float
+    clip_high: float
+    aggregation: str  # "token" or "sequence"
+    kl_coefficient: float
+    dynamic_sampling: bool
+    overlong_max_length: int | None
+    overlong_buffer: int | None
+
+
+_PRESETS: dict[rl.Algorithm, dict[str, object]] = {
+    # GRPO (DeepSeekMath): group-normalised advantages, per-sequence mean, a KL to the reference.
+    rl.Algorithm.GRPO: {"advantage_mean": rl.Normalisation.GROUP, "advantage_std": rl.Normalisation.GROUP,
+                        "clip_low": 0.2, "clip_high": 0.2, "loss_aggregation": "sequence",
+                        "kl_coefficient": 0.04, "dynamic_sampling": False},
+    # DAPO: clip-higher, token-level loss, dynamic sampling, no KL.
+    rl.Algorithm.DAPO: {"advantage_mean": rl.Normalisation.GROUP, "advantage_std": rl.Normalisation.GROUP,
+                        "clip_low": 0.2, "clip_high": 0.28, "loss_aggregation": "token",
+                        "kl_coefficient": 0.0, "dynamic_sampling": True},
+    # Lite PPO: group mean, batch std, token-level loss, plain clip, no KL.
+    rl.Algorithm.LITE_PPO: {"advantage_mean": rl.Normalisation.GROUP, "advantage_std": rl.Normalisation.BATCH,
+                            "clip_low": 0.2, "clip_high": 0.2, "loss_aggregation": "token",
+                            "kl_coefficient": 0.0, "dynamic_sampling": False},
+}
+
+
+def resolve(spec: rl.AlgorithmSpec) -> Settings:
+    """The preset of spec.name with the fields the user set on top."""
+    if spec.name not in _PRESETS:
+        raise ValueError(f"spec.algorithm.name: {spec.name.value} needs a critic, which Huorn's RL runtime "
+                         "does not run; use grpo, dapo or lite-ppo")
+    values = {**_PRESETS[spec.name], **{f: getattr(spec, f) for f in spec.model_fields_set if f != "name"}}
+    return Settings(
+        mean=rl.Normalisation(values["advantage_mean"]), std=rl.Normalisation(values["advantage_std"]),
+        clip_low=float(values["clip_low"]), clip_high=float(values["clip_high"]),  # type: ignore[arg-type]
+        aggregation=str(values["loss_aggregation"]), kl_coefficient=float(values["kl_coefficient"]),  # type: ignore[arg-type]
+        dynamic_sampling=bool(values["dynamic_sampling"]),
+        overlong_max_length=spec.overlong_max_length, overlong_buffer=spec.overlong_buffer)
+
+
+def advantages(rewards: torch.Tensor, settings: Settings) -> torch.Tensor:
+    """One advantage per response, rewards [prompts, group]: (r − mean) / std, each over the
+    group, the batch or not at all."""
+    rewards = rewards.double()
+    if settings.mean == rl.Normalisation.GROUP:
+        centred = rewards - rewards.mean(dim=1, keepdim=True)
+    elif settings.mean == rl.Normalisation.BATCH:
+        centred = rewards - rewards.mean()
+    else:
+        centred = rewards
+    if settings.std == rl.Normalisation.GROUP:
+        scale = rewards.std(dim=1, keepdim=True, unbiased=False)
+    elif settings.std == rl.Normalisation.BATCH:
+        scale = rewards.std(unbiased=False).expand_as(rewards)
+    else:
+        return centred.float()
+    return (centred / (scale + _STD_EPS)).float()
+
+
+def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """DAPO's dynamic sampling: a group whose responses all scored the same has zero advantage
+    everywhere and teaches nothing; True for the others."""
+    return rewards.max(dim=1).values > rewards.min(dim=1).values
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the reward: 0 up to L_max − L_cache, then a
+    linear ramp to −1 at L_max, and −1 beyond."""
+    start = max_length - buffer
+    ramp = (start - lengths.double()) / buffer
+    penalty = torch.where(lengths <= start, torch.zeros_like(ramp), ramp)
+    return torch.where(lengths > max_length, torch.full_like(ramp, -1.0), penalty).float()
+
+
+def k3(new: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(π ‖ π_ref) by the k3 estimator, π_ref/π − log(π_ref/π) − 1 (never negative)."""
+    log_ratio = reference - new
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+@dataclass
+class LossParts:
+    loss: torch.Tensor  # what backward() is called on
+    policy: float
+    kl: float
+    clip_fraction: float  # of response tokens where the clip was active
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """Σ_i Σ_t ℓ_it / Σ_i |o_i| (token), or the mean over sequences of Σ_t ℓ_it / |o_i| (sequence)."""
+    if how == "token":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    lengths = mask.sum(dim=1).clamp(min=1)
+    return ((per_token * mask).sum(dim=1) / lengths).mean()
+
+
+def policy_loss(new: torch.Tensor, old: torch.Tensor, advantage: torch.Tensor, mask: torch.Tensor,
+                settings: Settings, reference: torch.Tensor | None = None) -> LossParts:
+    """The clipped surrogate, −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A) per token with
+    ρ = π/π_old, aggregated as the settings say, plus β·KL to the reference when β > 0.
+
+    new, old, reference: log-probabilities of the response tokens [B, T]; advantage [B]; mask
+    [B, T] is 1 on response tokens."""
+    mask = mask.float()
+    ratio = torch.exp(new - old)
+    a = advantage.unsqueeze(1)
+    clipped = torch.clamp(ratio, 1 - settings.clip_low, 1 + settings.clip_high)
+    per_token = -torch.minimum(ratio * a, clipped * a)
+    surrogate = aggregate(per_token, mask, settings.aggregation)
+    # Where the min took the clipped term: those tokens pass no gradient (PPO's clip fraction).
+    was_clipped = (clipped * a < ratio * a - 1e-7).float()
+    clip_fraction = float((was_clipped * mask).sum() / mask.sum().clamp(min=1))
+    kl_value = torch.zeros((), dtype=new.dtype, device=new.device)
+    if settings.kl_coefficient > 0:
+        if reference is None:
+            raise ValueError("a KL term needs the reference policy's log-probabilities")
+        kl_value = aggregate(k3(new, reference), mask, settings.aggregation)
+    total = surrogate + settings.kl_coefficient * kl_value
+    return LossParts(total, float(surrogate.detach()), float(kl_value.detach()), clip_fraction)

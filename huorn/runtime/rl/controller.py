@@ -1,0 +1,255 @@
+"""The single controller of an RLJob (ROLL's structure): one process drives the worker roles,
+each a group of Ray actors, through the data flow of one RL step.
+
+    python -m huorn.runtime.rl.controller --config rl-config.json
+
+One step: the trainer's weights go into Ray's object store once and every rollout worker loads
+them; the step's prompts are dealt to the rollout workers, which sample `groupSize` responses
+each; reward workers score them against the verifiable answers (DAPO's overlong shaping added);
+with dynamic sampling, groups that all scored alike are dropped and more prompts are sampled,
+up to three rounds, until the step has `promptsPerStep` informative groups; the reference
+worker gives the log-probabilities for the KL term when the algorithm has one; advantages are
+normalised as the algorithm says; the trainer updates. The step log (JSON lines, as the
+trainer's) gets one `rl` record per step, `eval` records of greedy accuracy on held-out prompts
+at the start and end, and checkpoints follow spec.checkpoint.intervalSteps (and the end).
+
+Ray runs locally (`ray.init` starts a cluster of this machine's CPUs) unless RAY_ADDRESS names
+one; the roles' replicas become actors of one CPU each, or of gpusPerReplica GPUs on a GPU
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from pydantic import Field
+
+from huorn.api import base, rl
+from huorn.runtime.rl import algorithms, tasks, workers
+
+STEPS_FILE = "steps.jsonl"
+_SAMPLING_ROUNDS = 3  # DAPO's dynamic sampling: prompt batches drawn before training on what there is
+
+
+class RLRunConfig(base.ApiModel):
+    job_name: str = Field(min_length=1)
+    spec: rl.RLJobSpec
+    run_dir: Path = Field(description="The step log.")
+    checkpoint_dir: Path | None = Field(default=None, description="Default: spec.checkpoint.path.")
+    device: str = Field(default="auto", pattern="^(auto|cpu|cuda)$")
+    eval_prompts: int = Field(default=64, ge=0, le=100_000, description="Held-out prompts scored greedily "
+                              "at the start and the end; 0: none.")
+    start_timeout_s: float = Field(default=300.0, gt=0, description="How long the roles' actors may take "
+                                   "to start (a role asking for more than the cluster has never does).")
+    ray_cpus: int | None = Field(default=None, ge=1, description="CPUs of the local Ray cluster; default: "
+                                 "this machine's.")
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.checkpoint_dir or Path(self.spec.checkpoint.path)
+
+
+class Controller:
+    def __init__(self, cfg: RLRunConfig) -> None:
+        self.cfg = cfg
+        self.spec = cfg.spec
+        self.settings = algorithms.resolve(self.spec.algorithm)  # refuses ppo, naming the field
+        tasks.check_reward(self.spec.reward)
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        gpu = cfg.device != "cpu" and torch.cuda.is_available()
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), num_cpus=cfg.ray_cpus, include_dashboard=False,
+                     log_to_driver=False, namespace=cfg.job_name,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        wire, roles = self.spec.to_wire(), self.spec.roles
+        init = self.spec.init_checkpoint
+        rollouts = max(1, roles.rollout.replicas)
+        rewards = max(1, roles.reward.replicas) if roles.reward is not None else 0
+        reference = self.settings.kl_coefficient > 0
+        # Actors share the cluster's CPUs: one each where there are enough, a fair fraction where
+        # not (a laptop runs every role), so no actor waits for a CPU that never frees. The model
+        # roles take whole GPUs on a GPU machine; reward workers only check strings.
+        heavy = 1 + rollouts + int(reference)
+        cpus = float(ray.cluster_resources().get("CPU", 1))
+        share = min(1.0, cpus / (heavy + 0.25 * rewards))
+
+        def actor(cls: type, role: rl.Role) -> Any:
+            return ray.remote(cls).options(num_cpus=share, num_gpus=role.gpus_per_replica if gpu else 0)
+
+        self.trainer = actor(workers.PolicyTrainer, roles.actor_train).remote(
+            wire, init, str(cfg.checkpoint_root), cfg.device)
+        self.rollouts = [actor(workers.RolloutWorker, roles.rollout).remote(wire, cfg.device)
+                         for _ in range(rollouts)]
+        self.reference = (actor(workers.ReferenceWorker, roles.reference or rl.Role()).remote(
+            wire, init, cfg.device) if reference else None)
+        self.rewards = [ray.remote(workers.RewardWorker).options(num_cpus=0.25 * share).remote(wire)
+                        for _ in range(rewards)]
+        everyone = [self.trainer, *self.rollouts, *self.rewards]
+        everyone += [self.reference] if self.reference is not None else []
+        try:
+            ray.get([a.__ray_ready__.remote() for a in everyone], timeout=cfg.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ValueError(
+                f"the roles' {len(everyone)} actors did not start within {cfg.start_timeout_s:.0f} s on a "
+                f"Ray cluster of {ray.cluster_resources()}; lower spec.roles' replicas or gpusPerReplica, "
+                "or give the cluster more") from None
+        except ray.exceptions.RayError as error:  # an actor's constructor refused (a bad checkpoint)
+            cause = getattr(error, "cause", None) or error
+            raise ValueError(str(cause).strip().splitlines()[-1]) from None
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def log(self, record: dict[str, Any]) -> None:
+        with open(self.run_dir / STEPS_FILE, "a") as handle:
+            handle.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+    def _deal(self, items: list[Any]) -> list[list[Any]]:
+        """Items round-robin over the rollout workers (contiguous chunks keep prompts in order)."""
+        n = len(self.rollouts)
+        size = -(-len(items) // n)
+        return [items[i * size:(i + 1) * size] for i in range(n)]
+
+    # -- one step ------------------------------------------------------------------------------
+    def sync_weights(self, version: int) -> None:
+        weights = self.trainer.weights.remote()  # an object ref: stored once, read by every worker
+        ray.get([worker.load.remote(weights, version) for worker in self.rollouts])
+
+    def generate(self, prompts: list[tasks.Prompt], seed: int, greedy: bool = False) -> list[dict[str, Any]]:
+        pairs = [(p.text, p.answer) for p in prompts]
+        futures = [worker.generate.remote(chunk, seed * 1000 + i, greedy)
+                   for i, (worker, chunk) in enumerate(zip(self.rollouts, self._deal(pairs), strict=True))
+                   if chunk]
+        return [item for chunk in ray.get(futures) for item in chunk]
+
+    def score(self, items: list[dict[str, Any]]) -> list[list[float]]:
+        if not self.rewards:
+            reward = self.spec.reward
+            return [[tasks.score(reward, tasks.Prompt(i["text"], i["answer"]), r) for r in i["responses"]]
+                    for i in items]
+        chunks = [items[k::len(self.rewards)] for k in range(len(self.rewards))]
+        scored = ray.get([w.score.remote(c) for w, c in zip(self.rewards, chunks, strict=True) if c])
+        out: list[list[float]] = [[] for _ in items]
+        for k, chunk_scores in enumerate(scored):
+            for j, s in enumerate(chunk_scores):
+                out[k + j * len(self.rewards)] = s
+        return out
+
+    def rollout_step(self, step: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        """The step's groups with their rewards: `promptsPerStep` of them, informative ones only
+        under dynamic sampling (as many as three rounds of prompts could give)."""
+        want = self.spec.optimization.prompts_per_step
+        kept: list[dict[str, Any]] = []
+        drawn = dropped = 0
+        raw: list[float] = []
+        for round_ in range(_SAMPLING_ROUNDS if self.settings.dynamic_sampling else 1):
+            prompts = tasks.prompts(self.spec.reward.dataset, self.spec.optimization.seed, step, want,
+                                    round_=round_)
+            items = self.generate(prompts, seed=step * _SAMPLING_ROUNDS + round_)
+            drawn += len(items)
+            limit, buffer = self.settings.overlong_max_length, self.settings.overlong_buffer
+            for item, scores in zip(items, self.score(items), strict=True):
+                rewards = torch.tensor(scores)
+                raw.extend(scores)
+                if limit is not None and buffer is not None:
+                    rewards = rewards + algorithms.overlong_penalty(item["mask"].sum(dim=1), limit, buffer)
+                item["rewards"] = rewards
+                informative = bool(algorithms.informative_groups(rewards[None])[0])
+                if self.settings.dynamic_sampling and not informative:
+                    dropped += 1
+                    continue
+                if len(kept) < want:
+                    kept.append(item)
+            if len(kept) >= want:
+                break
+        stats = {"reward_mean": sum(raw) / max(1, len(raw)), "groups_drawn": drawn, "groups_dropped": dropped,
+                 "groups_trained": len(kept)}
+        return kept, stats
+
+    def evaluate(self, step: int) -> dict[str, Any] | None:
+        """Greedy accuracy on held-out prompts, with the weights the rollout workers hold."""
+        if not self.cfg.eval_prompts:
+            return None
+        spec = self.spec
+        prompts = tasks.held_out(spec.reward.dataset, spec.optimization.seed, self.cfg.eval_prompts)
+        items = self.generate(prompts, seed=0, greedy=True)
+        scores = [s[0] for s in self.score(items)]
+        record = {"event": "eval", "step": step, "accuracy": sum(scores) / len(scores),
+                  "prompts": len(scores),
+                  "examples": [{"prompt": i["text"], "response": i["responses"][0], "answer": i["answer"]}
+                               for i in items[:3]]}
+        self.log(record)
+        return record
+
+    def run(self) -> int:
+        step = ray.get(self.trainer.resume.remote())
+        total = self.spec.steps
+        self.log({"event": "start", "resumed_from": step, "algorithm": self.spec.algorithm.name.value,
+                  "settings": {k: (v.value if hasattr(v, "value") else v)
+                               for k, v in vars(self.settings).items()},
+                  "rollout_workers": len(self.rollouts), "reward_workers": len(self.rewards),
+                  "reference": self.reference is not None})
+        self.sync_weights(step)
+        if step == 0:
+            self.evaluate(0)
+        interval = self.spec.checkpoint.interval_steps
+        while step < total:
+            started = time.monotonic()
+            items, stats = self.rollout_step(step)
+            rolled = time.monotonic()
+            if not items:  # every group alike through every round: nothing to learn from this step
+                self.log({"event": "rl", "step": step, **stats, "skipped": True})
+            else:
+                rewards = torch.stack([item["rewards"] for item in items])
+                advantages = algorithms.advantages(rewards, self.settings)
+                references = (ray.get(self.reference.logprobs.remote(items)) if self.reference is not None
+                              else [None] * len(items))
+                batch = [{"prompt": item["prompt"], "tokens": item["tokens"], "mask": item["mask"],
+                          "advantages": advantages[k], "reference": references[k]}
+                         for k, item in enumerate(items)]
+                metrics = ray.get(self.trainer.update.remote(batch))
+                lengths = torch.cat([item["mask"].sum(dim=1) for item in items])
+                self.log({"event": "rl", "step": step, **stats, **metrics,
+                          "accuracy": float((rewards > 0.5).float().mean()),
+                          "response_length": float(lengths.float().mean()),
+                          "rollout_seconds": rolled - started, "update_seconds": time.monotonic() - rolled})
+            step += 1
+            self.sync_weights(step)
+            if (interval and step % interval == 0) or step == total:
+                self.log({"event": "checkpoint", "step": step,
+                          "path": ray.get(self.trainer.save.remote(step, self.cfg.job_name))})
+        self.evaluate(step)
+        self.log({"event": "done", "step": step})
+        return 0
+
+
+def load_config(path: Path) -> RLRunConfig:
+    return RLRunConfig.model_validate(json.loads(Path(path).read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m huorn.runtime.rl.controller", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+        controller = Controller(cfg)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        return controller.run()
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

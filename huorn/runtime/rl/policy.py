@@ -1,0 +1,94 @@
+"""Sampling responses from the decoder, and the log-probabilities of given responses.
+
+Both paths must agree: the trainer recomputes the sampled tokens' log-probabilities with a full
+forward pass (teacher forcing) to form PPO's ratio, and a test checks that at temperature 1
+they equal the ones seen while sampling with the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from huorn.runtime.data import tokenizer
+
+NEWLINE = ord("\n")
+
+
+@dataclass
+class Samples:
+    """Responses to one prompt: tokens [G, T] after the prompt, and a mask [G, T] that is 1 up to
+    and including the first newline (the answer line) or the whole length if none came."""
+
+    prompt: list[int]
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    sampled_logprobs: torch.Tensor  # [G, T] under the sampling distribution (temperature, top-p)
+
+    def texts(self) -> list[str]:
+        out = []
+        for row, mask in zip(self.tokens.tolist(), self.mask.tolist(), strict=True):
+            out.append(tokenizer.decode([t for t, m in zip(row, mask, strict=True) if m]))
+        return out
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(dim=1)
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Logits with everything outside the smallest set of probability ≥ top_p masked out."""
+    if top_p >= 1.0:
+        return logits
+    ordered, order = torch.sort(logits, descending=True, dim=-1)
+    cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+    drop = cumulative - torch.softmax(ordered, dim=-1) >= top_p  # keep the token that crosses top_p
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, prompt: list[int], group: int, max_new_tokens: int, temperature: float,
+           top_p: float, generator: torch.Generator) -> Samples:
+    """`group` responses to one prompt, decoded together with one KV cache; greedy at
+    temperature 0. Decoding stops once every response has finished its answer line."""
+    model.eval()
+    device = next(model.parameters()).device
+    context = torch.tensor([prompt] * group, dtype=torch.long, device=device)
+    cache = model.build_cache(group, len(prompt) + max_new_tokens)  # type: ignore[operator]
+    logits = model.forward_step(context, cache, last_only=True)[:, -1].float()  # type: ignore[operator]
+    tokens, logprobs = [], []
+    finished = torch.zeros(group, dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        if temperature > 0:
+            scaled = F.log_softmax(_top_p(logits / temperature, top_p), dim=-1)
+            token = torch.multinomial(scaled.exp(), 1, generator=generator)
+        else:
+            scaled = F.log_softmax(logits, dim=-1)
+            token = scaled.argmax(dim=-1, keepdim=True)
+        tokens.append(token[:, 0])
+        logprobs.append(scaled.gather(-1, token)[:, 0])
+        finished |= token[:, 0] == NEWLINE
+        if finished.all() or step + 1 == max_new_tokens:
+            break
+        logits = model.forward_step(token, cache, last_only=True)[:, -1].float()  # type: ignore[operator]
+    out = torch.stack(tokens, dim=1).cpu()
+    # 1 up to and including each row's first newline.
+    newline = (out == NEWLINE).int()
+    before = newline.cumsum(dim=1) - newline
+    mask = (before == 0).float()
+    return Samples(prompt, out, mask, torch.stack(logprobs, dim=1).cpu() * mask)
+
+
+def response_logprobs(model: torch.nn.Module, prompt: list[int], responses: torch.Tensor) -> torch.Tensor:
+    """log π(o_t | prompt, o_<t) of each response token [G, T], by one teacher-forced forward
+    pass; differentiable when the model is in training mode with grad enabled."""
+    device = next(model.parameters()).device
+    prefix = torch.tensor([prompt] * responses.shape[0], dtype=torch.long, device=device)
+    full = torch.cat([prefix, responses.to(device)], dim=1)
+    logits, _ = model(full[:, :-1])
+    start = len(prompt) - 1  # the logit at position i predicts token i + 1
+    picked = F.log_softmax(logits[:, start:].float(), dim=-1)
+    return picked.gather(-1, full[:, len(prompt):].unsqueeze(-1))[..., 0]

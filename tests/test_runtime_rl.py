@@ -1,0 +1,202 @@
+"""The RL runtime: the objectives against their formulas, sampling against teacher forcing, the
+verifiable rewards, one real update's direction, and (slow) the single controller over a real
+local Ray cluster, resumed from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import runtime_harness as harness
+import torch
+
+from huorn import models
+from huorn.api import rl
+from huorn.runtime import config as run_config
+from huorn.runtime.rl import algorithms, controller, policy, tasks, workers
+
+MODEL = {"layers": 2, "width": 32, "heads": 2, "context": 64}
+
+
+def _settings(**fields: object) -> algorithms.Settings:
+    return algorithms.resolve(rl.AlgorithmSpec.model_validate(fields))
+
+
+def test_each_algorithm_is_its_papers_preset_and_set_fields_override_it() -> None:
+    grpo, dapo, lite = (_settings(name=n) for n in ("grpo", "dapo", "lite-ppo"))
+    assert (grpo.std, grpo.aggregation, grpo.kl_coefficient) == (rl.Normalisation.GROUP, "sequence",
+                                                                  0.04)
+    assert (dapo.clip_low, dapo.clip_high, dapo.aggregation) == (0.2, 0.28, "token")
+    assert dapo.dynamic_sampling
+    assert dapo.kl_coefficient == 0
+    assert (lite.mean, lite.std) == (rl.Normalisation.GROUP, rl.Normalisation.BATCH)
+    assert lite.aggregation == "token"
+    assert _settings(name="dapo", clipHigh=0.3, dynamicSampling=False).clip_high == 0.3
+    assert not _settings(name="dapo", dynamicSampling=False).dynamic_sampling
+    with pytest.raises(ValueError, match=r"^spec\.algorithm\.name: ppo needs a critic"):
+        _settings(name="ppo")
+
+
+def test_advantages_normalise_by_group_or_batch() -> None:
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    group = algorithms.advantages(rewards, _settings(name="grpo"))
+    centred = rewards - rewards.mean(1, keepdim=True)
+    expected = centred / (rewards.std(1, keepdim=True, unbiased=False) + 1e-6)
+    assert torch.allclose(group, expected, atol=1e-6)
+    batch = algorithms.advantages(rewards, _settings(name="lite-ppo"))
+    expected = centred / (rewards.std(unbiased=False) + 1e-6)
+    assert torch.allclose(batch, expected, atol=1e-6)
+    alike = algorithms.advantages(torch.ones(1, 4), _settings(name="grpo"))
+    assert torch.equal(alike, torch.zeros(1, 4))  # nothing to learn from a group that all scored alike
+    assert algorithms.informative_groups(rewards).tolist() == [True, True]
+    assert algorithms.informative_groups(torch.tensor([[1.0, 1.0], [0.0, 1.0]])).tolist() == [False, True]
+
+
+def test_the_clipped_surrogate_clips_asymmetrically_and_aggregates_as_asked() -> None:
+    dapo = _settings(name="dapo")  # ε_low 0.2, ε_high 0.28
+    old = torch.zeros(2, 3)
+    new = torch.log(torch.tensor([[1.5, 1.1, 0.5], [0.7, 1.0, 1.0]]))
+    advantage = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    parts = algorithms.policy_loss(new, old, advantage, mask, dapo)
+    # Row 0, A = +1: min(ρ, clip(ρ, 0.8, 1.28)) = 1.28, 1.1, 0.5. Row 1, A = −1: −min(−ρ, −clip) =
+    # max(ρ, clip(ρ)) = 0.8, 1.0 (the third token is masked out).
+    per_token = torch.tensor([[-1.28, -1.1, -0.5], [0.8, 1.0, 0.0]])
+    assert parts.policy == pytest.approx(float(per_token.sum() / 5), abs=1e-6)
+    assert parts.clip_fraction == pytest.approx(2 / 5)  # 1.5 above 1.28, 0.7 below 0.8
+    by_sequence = _settings(name="dapo", lossAggregation="sequence")
+    sequence = algorithms.policy_loss(new, old, advantage, mask, by_sequence)
+    means = (per_token[0].sum() / 3 + per_token[1].sum() / 2) / 2
+    assert sequence.policy == pytest.approx(float(means), abs=1e-6)
+
+
+def test_the_kl_term_is_k3_to_the_reference() -> None:
+    new, reference = torch.log(torch.tensor([[0.5, 0.2]])), torch.log(torch.tensor([[0.4, 0.2]]))
+    k3 = algorithms.k3(new, reference)
+    assert float(k3[0, 0]) == pytest.approx(0.8 - math.log(0.8) - 1, abs=1e-6) and float(k3[0, 1]) == 0
+    grpo = _settings(name="grpo")
+    parts = algorithms.policy_loss(new, new.detach(), torch.zeros(1), torch.ones(1, 2), grpo, reference)
+    assert parts.kl == pytest.approx(float(k3.mean()), abs=1e-6)
+    assert float(parts.loss) == pytest.approx(0.04 * parts.kl, abs=1e-7)
+    with pytest.raises(ValueError, match="reference"):
+        algorithms.policy_loss(new, new, torch.zeros(1), torch.ones(1, 2), grpo)
+
+
+def test_overlong_shaping_is_zero_then_a_ramp_then_minus_one() -> None:
+    penalty = algorithms.overlong_penalty(torch.tensor([10, 16, 18, 20, 21]), max_length=20, buffer=4)
+    assert penalty.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
+
+
+def test_sampled_log_probabilities_equal_the_teacher_forced_ones() -> None:
+    torch.manual_seed(0)
+    model = models.build_model(run_config.build_model_config(rl.RLJobSpec.model_validate(
+        {"virtualCluster": "x", "model": MODEL}).model))
+    prompt = list(b"Q: What is 2 + 3?\nA:")
+    samples = policy.sample(model, prompt, 4, 10, 1.0, 1.0, torch.Generator().manual_seed(1))
+    forced = policy.response_logprobs(model.eval(), prompt, samples.tokens)
+    assert torch.allclose(forced * samples.mask, samples.sampled_logprobs, atol=1e-4)
+    first = (samples.tokens == policy.NEWLINE).int().argmax(dim=1)
+    for row in range(4):  # the mask ends with the first newline, if one came
+        if (samples.tokens[row] == policy.NEWLINE).any():
+            assert samples.mask[row, : first[row] + 1].all() and not samples.mask[row, first[row] + 1:].any()
+    # A top-p this small keeps only the most likely token: sampling becomes greedy.
+    narrow = policy.sample(model, prompt, 2, 6, 1.0, 1e-6, torch.Generator().manual_seed(2))
+    greedy = policy.sample(model, prompt, 2, 6, 0.0, 1.0, torch.Generator())
+    assert torch.equal(narrow.tokens, greedy.tokens)
+
+
+def test_prompts_are_reproducible_and_rewards_check_the_first_line() -> None:
+    assert tasks.prompts("arithmetic-small", 0, 3, 5) == tasks.prompts("arithmetic-small", 0, 3, 5)
+    assert tasks.prompts("arithmetic-small", 0, 3, 5) != tasks.prompts("arithmetic-small", 0, 4, 5)
+    for p in tasks.prompts("arithmetic-small", 0, 0, 20):
+        question = p.text.removeprefix("Q: What is ").removesuffix("?\nA:")
+        if question.startswith("the square of "):
+            assert int(p.answer) == int(question.removeprefix("the square of ")) ** 2
+        else:
+            assert int(p.answer) == int(eval(question.replace("/", "//")))
+    exact, form = rl.RewardSpec(type="math-exact"), rl.RewardSpec(type="format")
+    prompt = tasks.Prompt("Q: What is 2 + 3?\nA:", "5")
+    assert tasks.score(exact, prompt, " 5\nQ: What") == 1.0 and tasks.score(exact, prompt, " 6\n") == 0.0
+    assert tasks.score(form, prompt, " 6\n") == 1.0 and tasks.score(form, prompt, " six\n") == 0.0
+    with pytest.raises(ValueError, match=r"^spec\.reward\.type: code-tests needs a code sandbox"):
+        tasks.check_reward(rl.RewardSpec(type="code-tests"))
+    with pytest.raises(ValueError, match=r"^spec\.reward\.dataset: 'gsm8k'"):
+        tasks.check_reward(rl.RewardSpec(dataset="gsm8k"))
+
+
+def test_an_update_raises_the_rewarded_response_and_lowers_the_other(tmp_path: Path) -> None:
+    spec = {"virtualCluster": "x", "model": MODEL, "algorithm": {"name": "lite-ppo", "groupSize": 2},
+            "optimization": {"learningRate": 3e-3, "promptsPerStep": 1}}
+    trainer = workers.PolicyTrainer(spec, None, str(tmp_path / "ckpt"), "cpu")
+    prompt = list(b"Q: What is 2 + 3?\nA:")
+    tokens = torch.tensor([list(b" 5\n"), list(b" 9\n")])
+    mask = torch.ones(2, 3)
+    before = policy.response_logprobs(trainer.model.eval(), prompt, tokens).sum(dim=1)
+    item = {"prompt": prompt, "tokens": tokens, "mask": mask, "advantages": torch.tensor([1.0, -1.0]),
+            "reference": None}
+    metrics = trainer.update([item])
+    after = policy.response_logprobs(trainer.model.eval(), prompt, tokens).sum(dim=1)
+    assert after[0] > before[0] and after[1] < before[1]
+    assert metrics["updates"] == 1 and metrics["grad_norm"] > 0
+
+
+def test_the_controller_refuses_what_it_cannot_run_before_starting_ray(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = tmp_path / "rl.json"
+    config.write_text(json.dumps({"jobName": "rl", "runDir": str(tmp_path / "run"), "spec": {
+        "virtualCluster": "x", "model": MODEL, "algorithm": {"name": "ppo"}}}))
+    assert controller.main(["--config", str(config)]) == 2
+    assert "spec.algorithm.name: ppo needs a critic" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_controller_run_over_ray_logs_every_step_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    spec = {"virtualCluster": "x", "model": MODEL, "steps": 3,
+            "algorithm": {"name": "grpo", "groupSize": 4},  # GRPO: a KL term, so a reference worker
+            "reward": {"type": "format", "dataset": "arithmetic-small"},
+            "rollout": {"maxNewTokens": 6},
+            "optimization": {"learningRate": 1e-3, "promptsPerStep": 4, "miniBatches": 2},
+            "roles": {"rollout": {"replicas": 2}, "reward": {"replicas": 1}},
+            "checkpoint": {"path": "/checkpoints", "intervalSteps": 3}}
+    config = tmp_path / "rl.json"
+
+    def run(steps: int) -> list[dict]:
+        config.write_text(json.dumps({"jobName": "rl", "spec": {**spec, "steps": steps},
+                                      "runDir": str(tmp_path / "run"),
+                                      "checkpointDir": str(tmp_path / "ckpt"),
+                                      "evalPrompts": 8, "rayCpus": 2}))
+        done = subprocess.run([sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)],
+                              cwd=harness.REPO, env=harness.child_env(), capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = (tmp_path / "run" / controller.STEPS_FILE).read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    events = run(3)
+    kinds = [e["event"] for e in events]
+    assert kinds == ["start", "eval", "rl", "rl", "rl", "checkpoint", "eval", "done"]
+    start = events[0]
+    assert start["reference"] and start["rollout_workers"] == 2 and start["reward_workers"] == 1
+    for e in (e for e in events if e["event"] == "rl"):
+        assert e["groups_trained"] == 4 and e["updates"] == 2 and 0 <= e["reward_mean"] <= 1
+        assert 1 <= e["response_length"] <= 6 and e["kl"] >= 0
+    assert [e["step"] for e in events if e["event"] == "rl"] == [0, 1, 2]
+
+    resumed = run(5)[len(events):]
+    assert resumed[0]["event"] == "start" and resumed[0]["resumed_from"] == 3
+    assert [e["step"] for e in resumed if e["event"] == "rl"] == [3, 4]
+    assert resumed[-1] == {**resumed[-1], "event": "done", "step": 5}
+
+    # A starting checkpoint of another architecture is refused, naming the field.
+    spec["initCheckpoint"] = str(tmp_path / "ckpt")
+    spec["model"] = {**MODEL, "width": 64}
+    config.write_text(json.dumps({"jobName": "rl", "spec": spec, "runDir": str(tmp_path / "bad"),
+                                  "rayCpus": 2}))
+    done = subprocess.run([sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)],
+                          cwd=harness.REPO, env=harness.child_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and "spec.initCheckpoint" in done.stderr, done.stderr[-2000:]
