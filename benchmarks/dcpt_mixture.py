@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import matplotlib
 import numpy as np
+import trainer_runs
 from rich.progress import Progress
 
 from huorn.runtime import checkpoint, evaluate, mixture_plan
@@ -59,46 +56,6 @@ def spec(args: argparse.Namespace, *, steps: int, weights: dict[str, float], ini
                          "warmupSteps": max(1, steps // 20), "steps": steps},
         "checkpoint": {"path": "/checkpoints", "intervalSteps": steps},
     }
-
-
-def start(name: str, body: dict, out: Path, data_dir: Path) -> tuple[run_config.RunConfig, subprocess.Popen]:
-    directory = out / name
-    shutil.rmtree(directory, ignore_errors=True)  # a fresh run: no checkpoint, no plan from before
-    config = run_config.RunConfig.model_validate({
-        "jobName": name, "spec": body, "runDir": str(directory / "run"),
-        "checkpointDir": str(directory / "ckpt"), "dataDir": str(data_dir), "telemetryHost": "127.0.0.1",
-        "validationBatches": 4})
-    path = run_config.write_run_config(config, directory / "config.json")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    log = open(directory / "train.log", "wb")  # noqa: SIM115 - closed with the process, below
-    process = subprocess.Popen([sys.executable, "-m", "huorn.runtime.train", "--config", str(path)],
-                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    return config, process
-
-
-def run_all(jobs: dict[str, dict], out: Path, data_dir: Path, progress: Progress,
-            parallel: int) -> dict[str, run_config.RunConfig]:
-    """Each job a real trainer, `parallel` at a time (one thread each), with a bar per job."""
-    waiting = list(jobs.items())
-    running: dict[str, tuple[run_config.RunConfig, subprocess.Popen, object]] = {}
-    done: dict[str, run_config.RunConfig] = {}
-    while waiting or running:
-        while waiting and len(running) < parallel:
-            name, body = waiting.pop(0)
-            config, process = start(name, body, out, data_dir)
-            running[name] = (config, process, progress.add_task(name, total=body["optimization"]["steps"]))
-        time.sleep(0.5)
-        for name, (config, process, task) in list(running.items()):
-            steps_file = Path(config.run_dir) / run_config.STEPS_FILE
-            count = steps_file.read_text().count('"event": "step"') if steps_file.exists() else 0
-            progress.update(task, completed=count)  # type: ignore[arg-type]
-            if process.poll() is not None:
-                if process.returncode != 0:
-                    raise SystemExit(f"{name} failed; see {out / name / 'train.log'}")
-                done[name] = config
-                del running[name]
-    return done
 
 
 def training_seconds(config: run_config.RunConfig) -> float:
@@ -182,13 +139,13 @@ def main() -> None:
 
     listed = {**GENERAL, DOMAIN: 1.0}  # the baseline: the sources as a user lists them, no planning
     with Progress() as progress:
-        base = run_all({"base": spec(args, steps=args.base_steps, weights=GENERAL, init=None)},
+        base = trainer_runs.run_all({"base": spec(args, steps=args.base_steps, weights=GENERAL, init=None)},
                        args.work, data_dir, progress, 1)["base"]
         init = base.checkpoint_root
         jobs = {"planned": spec(args, steps=args.cpt_steps, weights=listed, init=init, plan=True),
                 "listed": spec(args, steps=args.cpt_steps, weights=listed, init=init)}
         jobs |= {f"share-{s:g}": spec(args, steps=args.cpt_steps, weights=mix(s), init=init) for s in shares}
-        configs = run_all(jobs, args.work, data_dir, progress, args.parallel)
+        configs = trainer_runs.run_all(jobs, args.work, data_dir, progress, args.parallel)
     scores = {name: score(config, args.eval_batches) for name, config in configs.items()}
     plan_file = next(mixture_plan.plan_directory(configs["planned"]).glob("plan-*.json"))
     plan = mixture_plan.Plan.read(plan_file)

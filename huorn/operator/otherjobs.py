@@ -1,4 +1,5 @@
-"""RLJob and InferenceJob: accepted and validated now, run once their runtimes land.
+"""RLJob and InferenceJob: accepted and validated now, placed once the operator runs them (an
+RLJob's runtime runs on one machine already; InferenceJob has none yet).
 
 A user who applies one of these should learn at once whether the spec is right, and then that
 it waits for a runtime rather than for GPUs. So the operator validates the spec like any other
@@ -27,8 +28,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         graph = compiler.compile(job)
         reason = "RuntimeNotAvailable"
         message = (
-            f"{kind} spec is valid ({len(graph.vertices)} vertices); its runtime is not available in "
-            "this Huorn version yet, so nothing is scheduled"
+            f"{kind} spec is valid ({len(graph.vertices)} vertices); the operator does not run this "
+            "kind in this Huorn version, so nothing is scheduled"
+            + (" (an RLJob runs on one machine: python -m huorn.runtime.rl.controller)"
+               if kind == "RLJob" else "")
         )
         kind_event = "Normal"
     except (validation.InvalidSpec, ValueError) as exc:

@@ -1,0 +1,60 @@
+"""Real trainer processes for the CPU benchmarks: each run is `python -m huorn.runtime.train` with
+a run config of its own, a progress bar per run, and a few at a time (one thread each)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.progress import Progress
+
+from huorn.runtime import config as run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_trainer(name: str, body: dict, out: Path, data_dir: Path
+                  ) -> tuple[run_config.RunConfig, subprocess.Popen]:
+    directory = out / name
+    shutil.rmtree(directory, ignore_errors=True)  # a fresh run: no checkpoint, no plan from before
+    config = run_config.RunConfig.model_validate({
+        "jobName": name, "spec": body, "runDir": str(directory / "run"),
+        "checkpointDir": str(directory / "ckpt"), "dataDir": str(data_dir), "telemetryHost": "127.0.0.1",
+        "validationBatches": 4})
+    path = run_config.write_run_config(config, directory / "config.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    log = open(directory / "train.log", "wb")  # noqa: SIM115 - closed with the process, below
+    process = subprocess.Popen([sys.executable, "-m", "huorn.runtime.train", "--config", str(path)],
+                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    return config, process
+
+
+def run_all(jobs: dict[str, dict], out: Path, data_dir: Path, progress: Progress,
+            parallel: int) -> dict[str, run_config.RunConfig]:
+    """Each job a real trainer, `parallel` at a time (one thread each), with a bar per job."""
+    waiting = list(jobs.items())
+    running: dict[str, tuple[run_config.RunConfig, subprocess.Popen, object]] = {}
+    done: dict[str, run_config.RunConfig] = {}
+    while waiting or running:
+        while waiting and len(running) < parallel:
+            name, body = waiting.pop(0)
+            config, process = start_trainer(name, body, out, data_dir)
+            running[name] = (config, process, progress.add_task(name, total=body["optimization"]["steps"]))
+        time.sleep(0.5)
+        for name, (config, process, task) in list(running.items()):
+            steps_file = Path(config.run_dir) / run_config.STEPS_FILE
+            count = steps_file.read_text().count('"event": "step"') if steps_file.exists() else 0
+            progress.update(task, completed=count)  # type: ignore[arg-type]
+            if process.poll() is not None:
+                if process.returncode != 0:
+                    raise SystemExit(f"{name} failed; see {out / name / 'train.log'}")
+                done[name] = config
+                del running[name]
+    return done
+
+
