@@ -254,6 +254,39 @@ def test_a_suspended_job_is_refused_with_exit_2(tmp_path: Path) -> None:
 
 
 def test_other_kinds_are_refused_with_exit_2(tmp_path: Path) -> None:
-    manifest = yaml.safe_load((ROOT / "examples" / "rl-job.yaml").read_text())
+    manifest = yaml.safe_load((ROOT / "examples" / "inference-job.yaml").read_text())
     code, err, run_dir = invoke_run(tmp_path, manifest)
     assert code == 2 and "runs through the operator" in err and not run_dir.exists()
+
+
+def test_an_rl_job_the_runtime_cannot_run_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    manifest = yaml.safe_load((ROOT / "examples" / "rl-job.yaml").read_text())  # 8 training actors
+    code, err, run_dir = invoke_run(tmp_path, manifest)
+    assert code == 2 and "spec.roles.actorTrain.replicas: 8" in err and not run_dir.exists()
+    manifest["spec"]["roles"]["actorTrain"] = {"replicas": 1, "colocationGroup": "main"}
+    manifest["spec"]["algorithm"]["name"] = "ppo"
+    code, err, _ = invoke_run(tmp_path, manifest)
+    assert code == 2 and "spec.algorithm.name: ppo needs a critic" in err
+
+
+@pytest.mark.slow
+def test_huorn_run_runs_an_rl_job_through_its_controller(tmp_path: Path) -> None:
+    manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "RLJob", "metadata": {"name": "tiny-rl"},
+                "spec": {"virtualCluster": "local",
+                         "model": {"layers": 2, "width": 32, "heads": 2, "context": 64},
+                         "algorithm": {"name": "lite-ppo", "groupSize": 4},
+                         "reward": {"type": "format", "dataset": "arithmetic-small"},
+                         "rollout": {"maxNewTokens": 6}, "optimization": {"promptsPerStep": 2},
+                         "steps": 50}}
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(main.app, ["run", str(path), "--run-dir", str(run_dir), "--steps", "2",
+                                           "--no-watch", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["outcome"] == "finished" and summary["steps"] == 2
+    assert 0 <= summary["accuracyBefore"] <= 1 and 0 <= summary["accuracyAfter"] <= 1
+    events = [json.loads(line) for line in (run_dir / "run" / "steps.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "rl"] == [0, 1]
+    assert (run_dir / "checkpoints" / "latest").exists()

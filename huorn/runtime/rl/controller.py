@@ -57,12 +57,23 @@ class RLRunConfig(base.ApiModel):
         return self.checkpoint_dir or Path(self.spec.checkpoint.path)
 
 
+def check_runnable(spec: rl.RLJobSpec) -> algorithms.Settings:
+    """What this runtime refuses in a valid spec, each naming the field and the fix; the resolved
+    algorithm otherwise. `huorn run` calls it before creating anything."""
+    settings = algorithms.resolve(spec.algorithm)  # ppo needs a critic
+    tasks.check_reward(spec.reward)
+    if spec.roles.actor_train.replicas != 1:
+        raise ValueError(f"spec.roles.actorTrain.replicas: {spec.roles.actor_train.replicas}, but the RL "
+                         "runtime trains with one actor (data-parallel training actors are not "
+                         "implemented); set it to 1")
+    return settings
+
+
 class Controller:
     def __init__(self, cfg: RLRunConfig) -> None:
         self.cfg = cfg
         self.spec = cfg.spec
-        self.settings = algorithms.resolve(self.spec.algorithm)  # refuses ppo, naming the field
-        tasks.check_reward(self.spec.reward)
+        self.settings = check_runnable(self.spec)
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         gpu = cfg.device != "cpu" and torch.cuda.is_available()
