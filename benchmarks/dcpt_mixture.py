@@ -29,7 +29,6 @@ from rich.progress import Progress
 
 from huorn.runtime import checkpoint, evaluate, mixture_plan
 from huorn.runtime import config as run_config
-from huorn.runtime.data import build, corpora
 
 matplotlib.use("Agg")
 from matplotlib import pyplot  # after choosing the headless backend
@@ -101,14 +100,11 @@ def plot(sweep: dict[float, dict], planned: dict, baseline: dict, plan: mixture_
     right.set_ylabel("general validation loss (general:code 2:1)")
     left.legend(fontsize=8)
     right.legend(fontsize=8)
-    figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    trainer_runs.save_figure(figure, title, path)
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = trainer_runs.argument_parser(__doc__, "dcpt_mixture")
     parser.add_argument("--base-steps", type=int, default=400, help="pre-training of the base model")
     parser.add_argument("--cpt-steps", type=int, default=400, help="each continual pre-training run")
     parser.add_argument("--probe-steps", type=int, default=40, help="each of the plan's five probes")
@@ -119,18 +115,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-batches", type=int, default=16)
     parser.add_argument("--parallel", type=int, default=2, help="trainers at a time (one thread each)")
-    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "dcpt_mixture")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "dcpt_mixture.json")
-    parser.add_argument("--png", type=Path, default=ROOT / "docs" / "figures" / "dcpt_mixture.png")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     started = time.perf_counter()
-    data_dir = args.work / "data"
-    for corpus in corpora.CORPORA:
-        build.ensure_corpus(corpus, data_dir)
+    data_dir = trainer_runs.build_corpora(args.work)
     shares = [float(s) for s in args.shares.split(",")]
     general_total = sum(GENERAL.values())
 
@@ -187,7 +178,6 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    args.png.parent.mkdir(parents=True, exist_ok=True)
     plot(sweep, planned, baseline, plan, reference, args.tolerance, args.png,
          f"{MODEL['layers']}x{MODEL['width']} base ({args.base_steps} steps), continual pre-training "
          f"{args.cpt_steps} steps; probes 5 x {args.probe_steps} steps; seed {args.seed}")

@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 import matplotlib
+import trainer_runs
 from rich.progress import Progress
 
 from huorn.runtime import checkpoint, evaluate
 from huorn.runtime import config as run_config
-from huorn.runtime.data import build, corpora
 
 matplotlib.use("Agg")
 from matplotlib import pyplot  # after choosing the headless backend
@@ -107,14 +107,11 @@ def plot(results: dict, weights: list[dict], path: Path, title: str) -> None:
     right.set_title("DDK's mix over the run", fontsize=9)
     right.grid(alpha=0.3)
     right.legend()
-    figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    trainer_runs.save_figure(figure, title, path)
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = trainer_runs.argument_parser(__doc__, "ddk_distill")
     parser.add_argument("--teacher-steps", type=int, default=400)
     parser.add_argument("--student-steps", type=int, default=200)
     parser.add_argument("--reweight-steps", type=int, default=20, help="DDK's K")
@@ -123,18 +120,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-batches", type=int, default=16)
-    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "ddk_distill")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ddk_distill.json")
-    parser.add_argument("--png", type=Path, default=ROOT / "docs" / "figures" / "ddk_distill.png")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     started = time.perf_counter()
-    data_dir = args.work / "data"
-    for corpus in corpora.CORPORA:
-        build.ensure_corpus(corpus, data_dir)
+    data_dir = trainer_runs.build_corpora(args.work)
     big = {"layers": 4, "width": 96, "heads": 4, "context": 64}
     small = {"layers": 2, "width": 48, "heads": 2, "context": 64}
     results, configs = {}, {}
@@ -164,7 +156,6 @@ def main() -> None:
               "seconds": round(time.perf_counter() - started, 1)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    args.png.parent.mkdir(parents=True, exist_ok=True)
     plot({v: results[v] for v in VARIANTS}, weights, args.png,
          f"teacher {big['layers']}x{big['width']} ({args.teacher_steps} steps), students "
          f"{small['layers']}x{small['width']} ({args.student_steps} steps), K={args.reweight_steps}")

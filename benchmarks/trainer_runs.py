@@ -3,6 +3,7 @@ a run config of its own, a progress bar per run, and a few at a time (one thread
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -10,9 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+from matplotlib.figure import Figure
 from rich.progress import Progress
 
 from huorn.runtime import config as run_config
+from huorn.runtime.data import build, corpora
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,3 +61,28 @@ def run_all(jobs: dict[str, dict], out: Path, data_dir: Path, progress: Progress
     return done
 
 
+
+
+def argument_parser(doc: str | None, name: str) -> argparse.ArgumentParser:
+    """The benchmark's parser with its outputs: --work (runs, ignored by git), --out (the JSON
+    under benchmarks/results) and --png (the figure under docs/figures)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / name)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / f"{name}.json")
+    parser.add_argument("--png", type=Path, default=ROOT / "docs" / "figures" / f"{name}.png")
+    return parser
+
+
+def save_figure(figure: Figure, title: str, path: Path) -> None:
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+
+
+def build_corpora(work: Path) -> Path:
+    """The shipped corpora, built once under the benchmark's work directory."""
+    data_dir = work / "data"
+    for corpus in corpora.CORPORA:
+        build.ensure_corpus(corpus, data_dir)
+    return data_dir

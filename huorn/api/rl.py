@@ -198,17 +198,7 @@ def _cel_mappings_within_gpus() -> str:
         detail=lambda s: f"roles need {count_gpus_needed(s.roles)}, gpus is {s.gpus}",
         fix="raise gpus, lower role replicas, or colocate roles in one group",
     ),
-    rules.Rule(
-        name="rl-init-checkpoint-is-a-path",
-        field="initCheckpoint",
-        cel="!has(self.initCheckpoint) || !self.initCheckpoint.contains('://')",
-        holds=lambda s: s.init_checkpoint is None or "://" not in s.init_checkpoint,
-        message="must be a filesystem path: workers read the starting weights from disk, not from "
-        "object storage",
-        detail=lambda s: str(s.init_checkpoint),
-        fix="copy the checkpoint onto the job's checkpoint volume and give its path there (under "
-        "spec.checkpoint.path)",
-    ),
+    rules.filesystem_path("rl-init-checkpoint-is-a-path", "initCheckpoint", "init_checkpoint"),
     rules.Rule(
         name="rl-device-mapping-within-gpus",
         field="roles",

@@ -102,3 +102,19 @@ def check_rules(obj: Any) -> None:
                 "{text}",
                 {"text": prefix + text, "field": rule.field, "rule": rule.name, "explanation": text},
             )
+
+
+def filesystem_path(name: str, field: str, attribute: str) -> Rule:
+    """`field` (wire name; `attribute` its Python name), a checkpoint that workers load, is a path
+    on disk rather than an object-store URI: Huorn's runtimes read checkpoints from the job's
+    checkpoint volume and download nothing."""
+    return Rule(
+        name=name,
+        field=field,
+        cel=f"!has(self.{field}) || !self.{field}.contains('://')",
+        holds=lambda o: getattr(o, attribute) is None or "://" not in getattr(o, attribute),
+        message="must be a filesystem path: workers read checkpoints from disk, not from object storage",
+        detail=lambda o: str(getattr(o, attribute)),
+        fix="copy the checkpoint onto the job's checkpoint volume and give its path there (under "
+        "spec.checkpoint.path)",
+    )

@@ -20,17 +20,7 @@ class TaskKind(StrEnum):
 
 
 @rules.attach(
-    rules.Rule(
-        name="teacher-checkpoint-is-a-path",
-        field="checkpoint",
-        cel="!self.checkpoint.contains('://')",
-        holds=lambda t: "://" not in t.checkpoint,
-        message="must be a filesystem path: trainers read the teacher's weights from disk, not from "
-        "object storage",
-        detail=lambda t: t.checkpoint,
-        fix="copy the teacher's checkpoint onto the job's checkpoint volume and give its path there "
-        "(under spec.checkpoint.path)",
-    ),
+    rules.filesystem_path("teacher-checkpoint-is-a-path", "checkpoint", "checkpoint"),
 )
 class TeacherRef(ApiModel):
     checkpoint: str = Field(min_length=1, description="Path of the teacher's checkpoint directory (or "
@@ -65,17 +55,7 @@ class TeacherRef(ApiModel):
         fix="set initCheckpoint to a checkpoint directory (or a checkpoint root with a `latest`), or "
         "use kind pretrain",
     ),
-    rules.Rule(
-        name="task-init-checkpoint-is-a-path",
-        field="initCheckpoint",
-        cel="!has(self.initCheckpoint) || !self.initCheckpoint.contains('://')",
-        holds=lambda t: t.init_checkpoint is None or "://" not in t.init_checkpoint,
-        message="must be a filesystem path: trainers read the starting weights from disk, not from "
-        "object storage",
-        detail=lambda t: str(t.init_checkpoint),
-        fix="copy the checkpoint onto the job's checkpoint volume and give its path there (under "
-        "spec.checkpoint.path)",
-    ),
+    rules.filesystem_path("task-init-checkpoint-is-a-path", "initCheckpoint", "init_checkpoint"),
 )
 class Task(ApiModel):
     kind: TaskKind = TaskKind.PRETRAIN
