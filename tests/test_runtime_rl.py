@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -190,6 +192,32 @@ def test_a_controller_run_over_ray_logs_every_step_and_resumes_from_its_checkpoi
     assert resumed[0]["event"] == "start" and resumed[0]["resumed_from"] == 3
     assert [e["step"] for e in resumed if e["event"] == "rl"] == [3, 4]
     assert resumed[-1] == {**resumed[-1], "event": "done", "step": 5}
+
+    # SIGTERM mid-run (a pod being stopped): the step in flight ends, is saved, and the run exits 0;
+    # the next start resumes right after it.
+    config.write_text(json.dumps({"jobName": "rl", "spec": {**spec, "steps": 500},
+                                  "runDir": str(tmp_path / "run"), "checkpointDir": str(tmp_path / "ckpt"),
+                                  "evalPrompts": 0, "rayCpus": 2}))
+    log = tmp_path / "run" / controller.STEPS_FILE
+    seen = len(log.read_text().splitlines())
+    process = subprocess.Popen([sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)],
+                               cwd=harness.REPO, env=harness.child_env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while sum('"event": "rl"' in line for line in log.read_text().splitlines()[seen:]) < 2:
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 0
+    after = [json.loads(line) for line in log.read_text().splitlines()[seen:]]
+    stopped = after[-1]
+    assert stopped["event"] == "stopped" and stopped["signal"] == "sigterm"
+    saved = after[-2]
+    assert (saved["event"], saved["reason"], saved["step"]) == ("checkpoint", "sigterm", stopped["step"])
+    assert max(e["step"] for e in after if e["event"] == "rl") == stopped["step"] - 1
+    again = run(stopped["step"] + 1)[seen + len(after):]
+    assert again[0]["resumed_from"] == stopped["step"]
+    assert [e["step"] for e in again if e["event"] == "rl"] == [stopped["step"]]
 
     # A starting checkpoint of another architecture is refused, naming the field.
     spec["initCheckpoint"] = str(tmp_path / "ckpt")

@@ -54,7 +54,9 @@ def run_rl(job: kinds.RLJob, directory: Path, steps: int | None, watch: bool, as
     total = int(spec.get("steps", job.spec.steps))
     with open(log, "wb") as out:
         command = [sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)]
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        # A session of its own: a terminal's Ctrl-C reaches this process alone, which hands the
+        # controller one SIGINT (it ends the step, saves it and shuts its Ray actors down).
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     interrupted = False
     with Progress(disable=not watch) as progress:
         task = progress.add_task(f"{job.metadata.name}: RL steps", total=total)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -74,6 +75,7 @@ class Controller:
         self.cfg = cfg
         self.spec = cfg.spec
         self.settings = check_runnable(self.spec)
+        self.stop_signal: str | None = None  # set by SIGTERM or SIGINT; the step ends, then the run
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         gpu = cfg.device != "cpu" and torch.cuda.is_available()
@@ -199,6 +201,9 @@ class Controller:
         self.log(record)
         return record
 
+    def _request_stop(self, signum: int, frame: object) -> None:
+        self.stop_signal = signal.Signals(signum).name.lower()
+
     def run(self) -> int:
         step = ray.get(self.trainer.resume.remote())
         total = self.spec.steps
@@ -211,6 +216,10 @@ class Controller:
         if step == 0:
             self.evaluate(0)
         interval = self.spec.checkpoint.interval_steps
+        # SIGTERM (a pod being stopped) or SIGINT (Ctrl-C under huorn run): finish the step, save
+        # it, go. The next start resumes there, as the trainer of a TrainingJob does.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._request_stop)
         while step < total:
             started = time.monotonic()
             items, stats = self.rollout_step(step)
@@ -232,9 +241,15 @@ class Controller:
                           "response_length": float(lengths.float().mean()),
                           "rollout_seconds": rolled - started, "update_seconds": time.monotonic() - rolled})
             step += 1
+            if self.stop_signal is not None:
+                self.log({"event": "checkpoint", "step": step, "reason": self.stop_signal,
+                          "path": ray.get(self.trainer.save.remote(step, self.cfg.job_name))})
+                self.log({"event": "stopped", "step": step, "signal": self.stop_signal})
+                return 0
             self.sync_weights(step)
             if (interval and step % interval == 0) or step == total:
-                self.log({"event": "checkpoint", "step": step,
+                reason = "final" if step == total else "interval"
+                self.log({"event": "checkpoint", "step": step, "reason": reason,
                           "path": ray.get(self.trainer.save.remote(step, self.cfg.job_name))})
         self.evaluate(step)
         self.log({"event": "done", "step": step})
