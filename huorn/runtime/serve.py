@@ -1,0 +1,270 @@
+"""The serving runtime of an InferenceJob replica: one model (GLVQ-quantised when the spec says so)
+behind an HTTP API, with requests batched and Prometheus metrics.
+
+    python -m huorn.runtime.serve --config serve-config.json
+
+- `POST /v1/completions` {"prompt": str, "max_tokens": int, "temperature": float, "seed": int}
+  → {"text", "tokens", "queue_seconds", "seconds"}. Prompts are byte-tokenised, as in training.
+- `GET /healthz` is 200 once the model is loaded (a readiness probe), `GET /metrics` the
+  Prometheus text: requests, generated tokens, latency and batch-size histograms.
+
+Batching: requests wait in one queue; the model takes the oldest and, with it, every waiting
+request of the same prompt length, up to `serving.maxBatch`, and decodes them together with one
+KV cache (the decoder has no padding mask, so only equal lengths share a batch). Generation
+runs in a worker thread, so the server keeps accepting while it decodes. A request asking for
+more than `serving.maxTokens` tokens in all, or past the model's context, is refused with 400
+naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import prometheus_client
+import torch
+from aiohttp import web
+from pydantic import Field
+
+from huorn import models
+from huorn.api import base, inference, training
+from huorn.runtime import checkpoint, glvq
+from huorn.runtime import config as run_config
+from huorn.runtime.data import sampler
+
+CALIBRATION_SOURCES = ("general", "code", "math")
+BATCHER = web.AppKey("batcher", asyncio.Task)
+
+
+class ServeConfig(base.ApiModel):
+    job_name: str = Field(min_length=1)
+    spec: inference.InferenceJobSpec
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=0, le=65535, description="0 picks a free port (written to run_dir).")
+    run_dir: Path = Field(description="Where the bound port and the load report are written.")
+    data_dir: Path | None = Field(default=None, description="Corpora for GLVQ's calibration.")
+    calibration_batches: int = Field(default=8, ge=1, le=1024, description="GLVQ's calibration batches "
+                                     "of 4 sequences from the shipped corpora.")
+    quantize_steps: int = Field(default=200, ge=0, le=100_000, description="GLVQ's Adam steps per layer.")
+    device: str = Field(default="auto", pattern="^(auto|cpu|cuda)$")
+
+
+def load_model(cfg: ServeConfig) -> tuple[torch.nn.Module, dict]:
+    """The checkpoint in spec.model.checkpoint with spec.model.architecture, quantised as
+    spec.quantization says; returns the model and what loading did."""
+    spec = cfg.spec
+    path = checkpoint.resolve(Path(spec.model.checkpoint))
+    meta = checkpoint.read_meta(path)
+    architecture = spec.model.architecture
+    if meta.get("model") is not None and training.ModelSpec.model_validate(meta["model"]) != architecture:
+        raise ValueError(f"spec.model.architecture: {path} holds another architecture ({meta['model']}); "
+                         "set spec.model.architecture to it")
+    model = models.build_model(run_config.build_model_config(architecture))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        checkpoint.load_checkpoint(path, model, None)
+    model.eval()
+    report: dict = {"checkpoint": str(path), "step": meta.get("step"),
+                    "quantization": spec.quantization.method}
+    q = spec.quantization
+    if q.method == "glvq":
+        assert q.bits is not None  # the quantization-glvq-bits rule
+        mixture = sampler.build_mixture([(s, 1.0, None) for s in CALIBRATION_SOURCES], 0,
+                                        architecture.context, cfg.data_dir)
+        batches = [mixture.micro_batch(10**9 + i, 0, 4)[0] for i in range(cfg.calibration_batches)]
+        started = time.monotonic()
+        quantized = glvq.quantize_model(model, batches, q.bits, q.group_size, steps=cfg.quantize_steps)
+        report |= {"bits": q.bits, "bits_per_weight": quantized["bits_per_weight"],
+                   "quantize_seconds": time.monotonic() - started}
+    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    return model.to(device), report
+
+
+@dataclass
+class Request:
+    tokens: list[int]
+    max_tokens: int
+    temperature: float
+    seed: int
+    arrived: float = field(default_factory=time.monotonic)
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = prometheus_client.CollectorRegistry()
+        self.requests = prometheus_client.Counter("huorn_serve_requests", "Completions answered, by outcome.",
+                                                  ["outcome"], registry=self.registry)
+        self.tokens = prometheus_client.Counter("huorn_serve_generated_tokens", "Tokens generated.",
+                                                registry=self.registry)
+        self.latency = prometheus_client.Histogram(
+            "huorn_serve_request_seconds", "Arrival to answer.", registry=self.registry,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.batch = prometheus_client.Histogram(
+            "huorn_serve_batch_size", "Requests decoded together.", registry=self.registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+
+
+class Server:
+    def __init__(self, cfg: ServeConfig, model: torch.nn.Module) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.limits = cfg.spec.serving
+        self.context = cfg.spec.model.architecture.context
+        self.queue: list[Request] = []
+        self.wake = asyncio.Event()
+        self.metrics = Metrics()
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            prompt = body["prompt"]
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError("prompt: give a non-empty string")
+            tokens = list(prompt.encode("utf-8"))
+            wanted = int(body.get("max_tokens", 16))
+            temperature = float(body.get("temperature", 0.0))
+            seed = int(body.get("seed", 0))
+            if wanted < 1 or temperature < 0:
+                raise ValueError("max_tokens must be ≥ 1 and temperature ≥ 0")
+            limit = min(self.limits.max_tokens, self.context)
+            if len(tokens) + wanted > limit:
+                raise ValueError(f"max_tokens: prompt ({len(tokens)} tokens) + max_tokens ({wanted}) exceeds "
+                                 f"{limit} (spec.serving.maxTokens and the model's context); ask for fewer")
+        except (KeyError, ValueError, TypeError, json.JSONDecodeError) as error:
+            self.metrics.requests.labels("refused").inc()
+            message = f"missing field {error}" if isinstance(error, KeyError) else str(error)
+            return web.json_response({"error": message}, status=400)
+        item = Request(tokens, wanted, temperature, seed)
+        self.queue.append(item)
+        self.wake.set()
+        text, count, queued, seconds = await item.done
+        self.metrics.requests.labels("ok").inc()
+        self.metrics.latency.observe(time.monotonic() - item.arrived)
+        return web.json_response({"text": text, "tokens": count, "queue_seconds": queued, "seconds": seconds})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "queued": len(self.queue)})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=prometheus_client.generate_latest(self.metrics.registry),
+                            headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
+
+    # -- batching --------------------------------------------------------------------------------
+    def take_batch(self) -> list[Request]:
+        """The oldest request and the waiting ones of its prompt length, up to maxBatch."""
+        first = self.queue[0]
+        batch = [r for r in self.queue if len(r.tokens) == len(first.tokens)][: self.limits.max_batch]
+        self.queue = [r for r in self.queue if r not in batch]
+        return batch
+
+    def generate(self, batch: list[Request]) -> list[tuple[str, int]]:
+        """One batch decoded together: each row samples at its own temperature and seed and
+        stops (for the answer) at its own max_tokens."""
+        device = next(self.model.parameters()).device
+        steps = max(r.max_tokens for r in batch)
+        prompt = torch.tensor([r.tokens for r in batch], dtype=torch.long, device=device)
+        generators = [torch.Generator(device=device).manual_seed(r.seed) for r in batch]
+        with torch.no_grad():
+            cache = self.model.build_cache(len(batch), prompt.shape[1] + steps)  # type: ignore[operator]
+            logits = self.model.forward_step(prompt, cache, last_only=True)[:, -1].float()  # type: ignore[operator]
+            out: list[list[int]] = [[] for _ in batch]
+            for step in range(steps):
+                chosen = []
+                for row, request in enumerate(batch):
+                    if request.temperature > 0:
+                        probs = torch.softmax(logits[row] / request.temperature, dim=-1)
+                        chosen.append(int(torch.multinomial(probs, 1, generator=generators[row])))
+                    else:
+                        chosen.append(int(logits[row].argmax()))
+                for row, token in enumerate(chosen):
+                    if step < batch[row].max_tokens:
+                        out[row].append(token)
+                if step + 1 < steps:
+                    tokens = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
+                    logits = self.model.forward_step(tokens, cache, last_only=True)[:, -1].float()  # type: ignore[operator]
+        return [(bytes(t).decode("utf-8", errors="replace"), len(t)) for t in out]
+
+    async def run_batches(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            while self.queue:
+                batch = self.take_batch()
+                started = time.monotonic()
+                self.metrics.batch.observe(len(batch))
+                try:
+                    answers = await asyncio.to_thread(self.generate, batch)
+                except Exception as error:  # a failed batch answers its requests, and serving goes on
+                    for r in batch:
+                        r.done.set_exception(error)
+                    continue
+                seconds = time.monotonic() - started
+                for r, (text, count) in zip(batch, answers, strict=True):
+                    self.metrics.tokens.inc(count)
+                    r.done.set_result((text, count, started - r.arrived, seconds))
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes([web.post("/v1/completions", self.completions), web.get("/healthz", self.healthz),
+                        web.get("/metrics", self.metrics_text)])
+
+        async def start_batching(app: web.Application) -> None:
+            app[BATCHER] = asyncio.create_task(self.run_batches())
+
+        async def stop_batching(app: web.Application) -> None:
+            app[BATCHER].cancel()
+
+        app.on_startup.append(start_batching)
+        app.on_cleanup.append(stop_batching)
+        return app
+
+
+async def serve(cfg: ServeConfig) -> None:
+    model, report = load_model(cfg)
+    server = Server(cfg, model)
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "serve.json").write_text(json.dumps({**report, "port": port, "time": time.time()}))
+    print(f"huorn: serving {cfg.job_name} on {cfg.host}:{port}", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m huorn.runtime.serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        cfg = ServeConfig.model_validate(json.loads(args.config.read_text()))
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(cfg))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The serving runtime: a real aiohttp server on a saved checkpoint answers completions as the
+model's own greedy decoding does, batches requests of one prompt length, refuses what is too
+long naming the field, reports Prometheus metrics, and serves a GLVQ-quantised model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+import runtime_harness as harness
+import torch
+
+from huorn import models
+from huorn.api import training
+from huorn.runtime import checkpoint, serve
+from huorn.runtime import config as run_config
+
+ARCHITECTURE = {"layers": 2, "width": 32, "heads": 2, "context": 64}
+
+
+def _saved_model(root: Path) -> torch.nn.Module:
+    spec = training.ModelSpec.model_validate(ARCHITECTURE)
+    torch.manual_seed(0)
+    model = models.build_model(run_config.build_model_config(spec))
+    optimizer = torch.optim.AdamW(model.parameters())
+    checkpoint.save_checkpoint(root, 1, model, optimizer, {"model": spec.to_wire()}, rank=0,
+                               barrier=lambda: None)
+    return model.eval()
+
+
+def _config(tmp_path: Path, **spec: object) -> serve.ServeConfig:
+    return serve.ServeConfig.model_validate({
+        "jobName": "chat", "host": "127.0.0.1", "port": 0, "runDir": str(tmp_path / "run"),
+        "dataDir": str(tmp_path / "data"), "quantizeSteps": 5, "calibrationBatches": 2,
+        "spec": {"virtualCluster": "x", "model": {"checkpoint": str(tmp_path / "ckpt"),
+                                                   "architecture": ARCHITECTURE},
+                 "serving": {"maxBatch": 8, "maxTokens": 48}, **spec}})
+
+
+async def _serving(cfg: serve.ServeConfig, client_work) -> object:
+    model, report = serve.load_model(cfg)
+    server = serve.Server(cfg, model)
+    runner = aiohttp.web.AppRunner(server.app())
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+            return await client_work(session, server, report)
+    finally:
+        await runner.cleanup()
+
+
+def test_completions_equal_greedy_decoding_and_same_length_prompts_share_a_batch(tmp_path: Path) -> None:
+    model = _saved_model(tmp_path / "ckpt")
+    prompts = ["Q: What is 1 + 2?\nA:", "Q: What is 7 + 5?\nA:", "Q: Hi?\nA:"]
+
+    async def work(session, server, report):
+        async def ask(prompt: str) -> dict:
+            async with session.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6}) as r:
+                assert r.status == 200
+                return await r.json()
+
+        answers = await asyncio.gather(*(ask(p) for p in prompts))
+        async with session.post("/v1/completions", json={"prompt": "x" * 40, "max_tokens": 10}) as r:
+            refused = (r.status, await r.json())
+        async with session.get("/metrics") as r:
+            metrics = await r.text()
+        return answers, refused, metrics
+
+    answers, refused, metrics = asyncio.run(_serving(_config(tmp_path), work))
+    for prompt, answer in zip(prompts, answers, strict=True):
+        tokens = torch.tensor([list(prompt.encode())])
+        expected = model.generate(tokens, 6)[0, tokens.shape[1]:].tolist()
+        assert answer["text"] == bytes(expected).decode("utf-8", errors="replace") and answer["tokens"] == 6
+    status, error = refused
+    assert status == 400 and error["error"].startswith("max_tokens:")
+    assert "spec.serving.maxTokens" in error["error"]
+    assert 'huorn_serve_requests_total{outcome="ok"} 3.0' in metrics
+    assert 'huorn_serve_requests_total{outcome="refused"} 1.0' in metrics
+    assert "huorn_serve_generated_tokens_total 18.0" in metrics
+
+
+def test_the_batcher_takes_the_oldest_and_its_prompt_length_up_to_max_batch(tmp_path: Path) -> None:
+    _saved_model(tmp_path / "ckpt")
+    cfg = _config(tmp_path, serving={"maxBatch": 2, "maxTokens": 48})
+
+    async def check() -> list[list[int]]:
+        model, _ = serve.load_model(cfg)
+        server = serve.Server(cfg, model)
+        lengths = [3, 5, 3, 3, 5]
+        server.queue = [serve.Request(list(range(n)), 1, 0.0, 0) for n in lengths]
+        taken = []
+        while server.queue:
+            taken.append([len(r.tokens) for r in server.take_batch()])
+        return taken
+
+    assert asyncio.run(check()) == [[3, 3], [5, 5], [3]]
+
+
+def test_a_glvq_model_is_quantised_at_load_and_answers(tmp_path: Path) -> None:
+    _saved_model(tmp_path / "ckpt")
+    cfg = _config(tmp_path, quantization={"method": "glvq", "bits": 4, "groupSize": 8})
+
+    async def work(session, server, report):
+        async with session.post("/v1/completions", json={"prompt": "Q: 2 + 2?\nA:", "max_tokens": 4}) as r:
+            return report, r.status, await r.json()
+
+    report, status, answer = asyncio.run(_serving(cfg, work))
+    # 4-bit codes, plus the lattices and row scales, which weigh more on rows of only 32 weights.
+    assert report["quantization"] == "glvq" and 4 < report["bits_per_weight"] < 5.5
+    assert status == 200 and answer["tokens"] == 4
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_naming_the_field(tmp_path: Path) -> None:
+    _saved_model(tmp_path / "ckpt")
+    cfg = _config(tmp_path)
+    cfg.spec.model.architecture = training.ModelSpec.model_validate({**ARCHITECTURE, "width": 64})
+    with pytest.raises(ValueError, match=r"^spec\.model\.architecture: .*holds another architecture"):
+        serve.load_model(cfg)
+
+
+def test_the_server_process_writes_its_port_answers_and_stops_on_sigterm(tmp_path: Path) -> None:
+    _saved_model(tmp_path / "ckpt")
+    config = tmp_path / "serve.json"
+    config.write_text(_config(tmp_path).model_dump_json(by_alias=True))
+    process = subprocess.Popen([sys.executable, "-m", "huorn.runtime.serve", "--config", str(config)],
+                               cwd=harness.REPO, env=harness.child_env(), stderr=subprocess.PIPE, text=True)
+    ready = tmp_path / "run" / "serve.json"
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-2000:]
+        time.sleep(0.1)
+    port = json.loads(ready.read_text())["port"]
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": "Q: 1 + 1?\nA:", "max_tokens": 3}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert json.loads(response.read())["tokens"] == 3
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
