@@ -129,6 +129,8 @@ CASES = [
          {"optimization": {"promptsPerStep": 4, "miniBatches": 5}}),
     Case("rl-init-checkpoint-is-a-path", "RLJob", "spec",
          {"initCheckpoint": "/checkpoints/base"}, {"initCheckpoint": "s3://bucket/base"}),
+    Case("served-checkpoint-is-a-path", "InferenceJob", "spec.model",
+         {"model": {"checkpoint": "/checkpoints/chat"}}, {"model": {"checkpoint": "s3://bucket/chat"}}),
     Case("quantization-glvq-bits", "InferenceJob", "spec.quantization",
          {"quantization": {"method": "glvq", "bits": 3}}, {"quantization": {"method": "none", "bits": 3}}),
     Case("slo-needs-target", "InferenceJob", "spec.slo", {"slo": {"tokensPerSecond": 10}}, {"slo": {}}),

@@ -12,8 +12,10 @@ from huorn.api.common import JobCommon, JobStatus
 from huorn.api.training import ModelSpec
 
 
+@rules.attach(rules.filesystem_path("served-checkpoint-is-a-path", "checkpoint", "checkpoint"))
 class ServedModel(ApiModel):
-    checkpoint: str = Field(min_length=1, description="Path or URI of the checkpoint to serve.")
+    checkpoint: str = Field(min_length=1, description="Path of the checkpoint to serve (a directory, or "
+                            "a checkpoint root with a `latest`); in a pod, on the checkpoint volume.")
     architecture: ModelSpec = Field(default_factory=ModelSpec)
 
 

@@ -1,5 +1,5 @@
-"""RLJob and InferenceJob: accepted and validated now, placed once the operator runs them (an
-RLJob's runtime runs on one machine already; InferenceJob has none yet).
+"""RLJob and InferenceJob: accepted and validated now, placed once the operator runs them (their
+runtimes run on one machine already: the RL controller, and one serving replica).
 
 A user who applies one of these should learn at once whether the spec is right, and then that
 it waits for a runtime rather than for GPUs. So the operator validates the spec like any other
@@ -30,8 +30,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         message = (
             f"{kind} spec is valid ({len(graph.vertices)} vertices); the operator does not run this "
             "kind in this Huorn version, so nothing is scheduled"
-            + (" (an RLJob runs on one machine: python -m huorn.runtime.rl.controller)"
-               if kind == "RLJob" else "")
+            + (" (an RLJob runs on one machine: python -m huorn.runtime.rl.controller)" if kind == "RLJob"
+               else " (one replica runs on one machine: python -m huorn.runtime.serve)")
         )
         kind_event = "Normal"
     except (validation.InvalidSpec, ValueError) as exc:
