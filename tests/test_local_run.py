@@ -11,16 +11,23 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
+from huorn import models
+from huorn.api import training
 from huorn.backends.local import report
 from huorn.cli import main
+from huorn.runtime import checkpoint
+from huorn.runtime import config as run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
@@ -254,9 +261,44 @@ def test_a_suspended_job_is_refused_with_exit_2(tmp_path: Path) -> None:
 
 
 def test_other_kinds_are_refused_with_exit_2(tmp_path: Path) -> None:
-    manifest = yaml.safe_load((ROOT / "examples" / "inference-job.yaml").read_text())
+    manifest = next(yaml.safe_load_all((ROOT / "examples" / "virtual-cluster.yaml").read_text()))
+    assert manifest["kind"] == "VirtualCluster"
     code, err, run_dir = invoke_run(tmp_path, manifest)
-    assert code == 2 and "runs through the operator" in err and not run_dir.exists()
+    assert code == 2 and "VirtualCluster" in err and not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_huorn_run_serves_an_inference_job_until_told_to_stop(tmp_path: Path) -> None:
+    architecture = {"layers": 2, "width": 32, "heads": 2, "context": 64}
+    spec = training.ModelSpec.model_validate(architecture)
+    model = models.build_model(run_config.build_model_config(spec))
+    checkpoint.save_checkpoint(tmp_path / "ckpt", 1, model, torch.optim.AdamW(model.parameters()),
+                               {"model": spec.to_wire()}, rank=0, barrier=lambda: None)
+    manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "InferenceJob", "metadata": {"name": "chat"},
+                "spec": {"virtualCluster": "local", "model": {"checkpoint": str(tmp_path / "ckpt"),
+                                                               "architecture": architecture}}}
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    run_dir = tmp_path / "serving"
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(outcome=CliRunner().invoke(main.app, [
+        "run", str(path), "--run-dir", str(run_dir), "--port", "0", "--serve-seconds", "15", "--json"])))
+    thread.start()
+    ready = run_dir / "run" / "serve.json"
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert thread.is_alive() and time.monotonic() < deadline, result
+        time.sleep(0.1)
+    port = json.loads(ready.read_text())["port"]
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": "Q: 1 + 1?\nA:", "max_tokens": 2}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert json.loads(response.read())["tokens"] == 2
+    thread.join(timeout=60)
+    outcome = result["outcome"]
+    assert outcome.exit_code == 0, outcome.output
+    assert json.loads(outcome.stdout.strip().splitlines()[0])["url"] == f"http://127.0.0.1:{port}"
 
 
 def test_an_rl_job_the_runtime_cannot_run_is_refused_before_anything_starts(tmp_path: Path) -> None:

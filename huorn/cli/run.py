@@ -22,7 +22,7 @@ from huorn.backends import goodput, monitor
 from huorn.backends.local import backend as local_backend
 from huorn.backends.local import report
 from huorn.cli import graph as graph_cli
-from huorn.cli import live, run_rl
+from huorn.cli import live, run_rl, run_serve
 from huorn.graph import model, mutate
 
 
@@ -72,7 +72,7 @@ def prepare_run_dir(run_dir: Path) -> Path | None:
 
 
 def run_command(
-    file: Path = typer.Argument(..., help="A TrainingJob or RLJob manifest (YAML)."),
+    file: Path = typer.Argument(..., help="A TrainingJob, RLJob or InferenceJob manifest (YAML)."),
     replicas: int | None = typer.Option(None, "--replicas", help="Start with this many trainer replicas."),
     steps: int | None = typer.Option(
         None, "--steps", min=1, help="Stop after this many steps (overrides spec)."
@@ -97,14 +97,25 @@ def run_command(
     as_json: bool = typer.Option(
         False, "--json", help="Print a JSON summary at the end instead of a sentence."
     ),
+    serve_port: int = typer.Option(8000, "--port", min=0, max=65535,
+                                   help="InferenceJob: the port to serve on (0 picks a free one)."),
+    serve_seconds: float | None = typer.Option(None, "--serve-seconds", min=1,
+                                               help="InferenceJob: stop serving after this long."),
     stall_timeout: float = typer.Option(
         600.0, "--stall-timeout", min=10, help="Give up when no step completes for this long (seconds)."
     ),
 ) -> None:
     """Run a job locally: a TrainingJob's rendezvous store and one torchrun agent per replica, as
-    processes; an RLJob's single controller over a local Ray cluster."""
+    processes; an RLJob's single controller over a local Ray cluster; one InferenceJob replica,
+    serving until Ctrl-C."""
     try:
         job, g = graph_cli.compile_file(file)
+        if isinstance(job, kinds.InferenceJob):
+            directory = (run_dir or Path("runs") / g.name).resolve()
+            kept = prepare_run_dir(directory)
+            if kept is not None:
+                typer.echo(f"kept the previous run in {kept}", err=True)
+            raise typer.Exit(run_serve.run_serve(job, directory, serve_port, as_json, serve_seconds))
         if isinstance(job, kinds.RLJob):
             run_rl.check(file, job)
             directory = (run_dir or Path("runs") / g.name).resolve()
@@ -114,10 +125,7 @@ def run_command(
             shown = sys.stdout.isatty() if watch is None else watch
             raise typer.Exit(run_rl.run_rl(job, directory, steps, shown, as_json))
         if g.kind != "TrainingJob":
-            raise graph_cli.ManifestError(
-                f"{file}: kind: huorn run runs TrainingJobs and RLJobs locally; a {g.kind} runs through "
-                "the operator"
-            )
+            raise graph_cli.ManifestError(f"{file}: kind: huorn run does not run a {g.kind} locally")
         if isinstance(job, kinds.TrainingJob) and job.spec.suspend:
             raise graph_cli.ManifestError(
                 f"{file}: spec.suspend is true, so the job is not to run; set it to false (or remove it)"
