@@ -282,7 +282,7 @@ def test_huorn_run_serves_an_inference_job_until_told_to_stop(tmp_path: Path) ->
     run_dir = tmp_path / "serving"
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(outcome=CliRunner().invoke(main.app, [
-        "run", str(path), "--run-dir", str(run_dir), "--port", "0", "--serve-seconds", "15", "--json"])))
+        "run", str(path), "--run-dir", str(run_dir), "--port", "0", "--serve-seconds", "10", "--json"])))
     thread.start()
     ready = run_dir / "run" / "serve.json"
     deadline = time.monotonic() + 60
