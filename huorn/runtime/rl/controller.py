@@ -125,7 +125,7 @@ class Controller:
             handle.write(json.dumps({"time": time.time(), **record}) + "\n")
 
     def _deal(self, items: list[Any]) -> list[list[Any]]:
-        """Items round-robin over the rollout workers (contiguous chunks keep prompts in order)."""
+        """Items split over the rollout workers in contiguous chunks, which keep prompts in order."""
         n = len(self.rollouts)
         size = -(-len(items) // n)
         return [items[i * size:(i + 1) * size] for i in range(n)]

@@ -33,10 +33,6 @@ class Samples:
             out.append(tokenizer.decode([t for t, m in zip(row, mask, strict=True) if m]))
         return out
 
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.mask.sum(dim=1)
-
 
 def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Logits with everything outside the smallest set of probability ≥ top_p masked out."""

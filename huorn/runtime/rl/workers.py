@@ -66,7 +66,6 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.learning_rate, betas=(0.9, 0.95),
                                            weight_decay=opt.weight_decay)
         self.root = Path(checkpoint_root)
-        self.version = 0
 
     def resume(self) -> int:
         """The step to start at: after the newest checkpoint of this run, or 0."""
@@ -114,7 +113,6 @@ class PolicyTrainer:
                 totals["kl"] += parts.kl
                 totals["clip_fraction"] += parts.clip_fraction
                 totals["grad_norm"] += float(norm)
-        self.version += 1
         return {k: v / max(1, updates) for k, v in totals.items()} | {"updates": updates}
 
     def save(self, step: int, job: str) -> str:
