@@ -11,7 +11,7 @@ from pathlib import Path
 
 import prometheus_api
 import yaml
-from kube import builders
+from kube import builders, serving
 from kube.cluster import wait_for
 
 pytest_plugins = ["kube.fixtures"]
@@ -30,24 +30,15 @@ def make_inference_job(name: str, vc: str, replicas: int, gpus: int) -> dict:
 
 
 def nodes_of(kube: builders.Kube, job: str) -> list[str]:
-    return sorted(p.metadata.annotations["huorn.io/node"] for p in kube.pods(NS, job, "trainer"))
+    return serving.nodes_of(kube, NS, job)
 
 
 def resize_decisions(kube: builders.Kube, job: str) -> list[dict]:
-    return [d for d in kube.job_status(NS, job).get("decisions") or [] if d["action"] == "resize"]
+    return serving.resize_decisions(kube, NS, job)
 
 
 def borrow_four_gpus_of_b0(kube: builders.Kube) -> None:
-    """Training's own nodes filled by a fixed job; an elastic job (2 replicas of 2 GPUs, at its
-    minimum) running on the serving cluster's b0."""
-    kube.create_job(NS, builders.make_training_job("fill", "train", replicas=2, max_replicas=2, gpus=4))
-    wait_for(lambda: len(kube.pods(NS, "fill", "trainer")) == 2, what="the filler's pods")
-    kube.create_job(NS, builders.make_training_job(
-        "elastic", "train", replicas=2, max_replicas=2, gpus=2,
-        elasticity={"minReplicas": 2, "maxReplicas": 2, "policy": "goodput"}))
-    wait_for(lambda: nodes_of(kube, "elastic") == ["b0", "b0"], what="the elastic job borrowing b0")
-    kube.run_all_pods(NS, "elastic")
-    wait_for(lambda: kube.get_vc("serve").get("status", {}).get("lent") == 4, what="serve lends 4")
+    serving.borrow_four_gpus_of_b0(kube, NS)
 
 
 def test_inference_demand_reclaims_lent_gpus_by_shrinking_the_borrower(kube: builders.Kube, operator) -> None:
@@ -81,6 +72,9 @@ def test_inference_demand_reclaims_lent_gpus_by_shrinking_the_borrower(kube: bui
     # Paid back: later VC ticks reclaim nothing more.
     wait_for(lambda: kube.job_status(NS, "elastic").get("phase") == "Running", what="Running at 1")
     assert len(resize_decisions(kube, "elastic")) == 1
+    # The InferenceJob's third replica waited for those GPUs, and takes them.
+    wait_for(lambda: len(kube.pods(NS, "chat", "server")) == 3, what="the third replica placed")
+    assert {p.metadata.annotations["huorn.io/node"] for p in kube.pods(NS, "chat", "server")} == {"b0"}
 
 
 def test_an_inference_clusters_demand_is_not_lent_to_a_new_borrower(kube: builders.Kube, operator) -> None:
@@ -94,15 +88,13 @@ def test_an_inference_clusters_demand_is_not_lent_to_a_new_borrower(kube: builde
     wait_for(lambda: len(kube.pods(NS, "fill", "trainer")) == 2, what="the filler's pods")
     kube.custom.create_namespaced_custom_object(
         builders.GROUP, builders.VERSION, NS, "inferencejobs", make_inference_job("chat", "serve", 3, 2))
-    wait_for(lambda: (kube.custom.get_namespaced_custom_object(
-        builders.GROUP, builders.VERSION, NS, "inferencejobs", "chat").get("status") or {}).get("phase")
-        == "Stalled", what="the InferenceJob seen by the operator")
+    wait_for(lambda: len(kube.pods(NS, "chat", "server")) == 3, what="the InferenceJob's 3 replicas on b0")
     kube.create_job(NS, builders.make_training_job("late", "train", replicas=2, max_replicas=2, gpus=2))
     # the reconcile tried to place it, knowing the demand, and found no room: an Unplaceable
     # Event, and no pod on the 6 GPUs the InferenceJob needs
     (refused, *_) = wait_for(lambda: [e for e in kube.events(NS, "late") if e.reason == "Unplaceable"],
                              what="late refused a placement")
-    assert "lendable by other virtual clusters 2" in refused.message  # 8 − the 6 it needs
+    assert "lendable by other virtual clusters 2" in refused.message  # 8 − the 6 its replicas hold
     assert kube.job_status(NS, "late").get("phase") == "Pending"
     assert kube.pods(NS, "late", "trainer") == []
     assert kube.get_vc("serve").get("status", {}).get("lent", 0) == 0

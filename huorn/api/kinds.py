@@ -82,7 +82,18 @@ RL_JOB = Kind(
 )
 INFERENCE_JOB = Kind(
     kind="InferenceJob", plural="inferencejobs", singular="inferencejob", short_names=("ij",),
-    scope="Namespaced", spec=InferenceJobSpec, status=InferenceJobStatus, columns=_JOB_COLUMNS,
+    scope="Namespaced", spec=InferenceJobSpec, status=InferenceJobStatus,
+    columns=(
+        *_JOB_COLUMNS[:2],
+        PrinterColumn("Serving", ".status.readyReplicas", "integer",
+                      description="Replicas ready to serve (the Service's endpoints)"),
+        PrinterColumn("Desired", ".status.desiredReplicas", "integer",
+                      description="Replicas the autoscaler asks for"),
+        PrinterColumn("RPS", ".status.requestsPerSecond", "number"),
+        PrinterColumn("P99ms", ".status.p99LatencyMs", "number"),
+        PrinterColumn("Util", ".status.utilization", "number", priority=1),
+        *_JOB_COLUMNS[2:],
+    ),
     scale_spec_path=".spec.autoscaling.minReplicas",
     scale_status_path=".status.replicas",
 )

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import typer
 
 from huorn.api import kinds
+from huorn.runtime import launcher
 
 
 def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool,
@@ -28,7 +28,7 @@ def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool
                                   "host": "127.0.0.1", "port": port, "runDir": str(run)}, indent=1))
     log = directory / "serve.log"
     with open(log, "wb") as out:
-        command = [sys.executable, "-m", "huorn.runtime.serve", "--config", str(config)]
+        command = launcher.build_serve_command(config)
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     ready = run / "serve.json"
     started = time.monotonic()

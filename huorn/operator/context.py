@@ -55,6 +55,11 @@ class OperatorSettings:
     replacement_backoff_seconds: float = 10.0
     replacement_backoff_max_seconds: float = 360.0
     forecast_timeout_seconds: float = 5.0  # one Prometheus range query of an inference cluster's board
+    # How often each InferenceJob's ready replicas are scraped and its autoscaler consulted (the
+    # HorizontalPodAutoscaler's default period), the port their /metrics are on, and its timeout.
+    autoscale_seconds: float = 15.0
+    serve_port: int = 8000
+    serve_timeout_seconds: float = 2.0
     retry: retry.RetryPolicy = field(default_factory=retry.RetryPolicy)
 
     def __post_init__(self) -> None:
@@ -71,6 +76,11 @@ class OperatorSettings:
             raise ValueError("replacement_backoff_seconds must be in 0..replacement_backoff_max_seconds "
                              f"({self.replacement_backoff_max_seconds}), got "
                              f"{self.replacement_backoff_seconds}")
+        if self.autoscale_seconds <= 0 or self.serve_timeout_seconds <= 0:
+            raise ValueError(f"autoscale_seconds and serve_timeout_seconds must be > 0, got "
+                             f"{self.autoscale_seconds} and {self.serve_timeout_seconds}")
+        if not 0 < self.serve_port < 65536:
+            raise ValueError(f"serve_port must be in 1..65535, got {self.serve_port}")
         if not 0 < self.telemetry_port < 65536:
             raise ValueError(f"telemetry_port must be in 1..65535, got {self.telemetry_port}")
 
@@ -100,6 +110,13 @@ class Context:
     wake: Callable[[str, str], None] = field(default=lambda namespace, name: None)
     # The same, `seconds` from now: a deadline or a TTL that falls due before the resync timer.
     wake_later: Callable[[str, str, float], None] = field(default=lambda namespace, name, seconds: None)
+    # The same for an InferenceJob; and the InferenceJobs with replicas waiting for GPUs, by
+    # their virtual cluster: GPUs freed there wake them before the training line.
+    wake_serving: Callable[[str, str], None] = field(default=lambda namespace, name: None)
+    serving_waiting: dict[tuple[str, str], str] = field(default_factory=dict)
+    # Each InferenceJob's autoscaler (huorn.operator.autoscaling.ScalerState). Memory only: a
+    # restarted operator keeps the replicas in status until its window has filled again.
+    autoscalers: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     def job_lock(self, namespace: str, name: str) -> asyncio.Lock:
         """One reconcile of a job at a time, whether kopf, a timer or a pod event started it."""
@@ -108,6 +125,9 @@ class Context:
     def wake_line(self, virtual_cluster: str | None = None) -> None:
         """GPUs were freed, or the line moved: its first jobs (of one VirtualCluster, or of all)
         try to place now rather than at their resync."""
+        for key, vc in list(self.serving_waiting.items()):
+            if virtual_cluster in (None, vc):
+                self.wake_serving(*key)
         waiting = [j for j in self.queue.waiting() if virtual_cluster in (None, j.virtual_cluster)]
         for job in waiting[:WAKE_LIMIT]:
             self.wake(*job.key)
@@ -117,3 +137,5 @@ class Context:
         self.monitors.pop((namespace, name), None)
         self.queue.forget(namespace, name)
         self.preemptions.pop((namespace, name), None)
+        self.serving_waiting.pop((namespace, name), None)
+        self.autoscalers.pop((namespace, name), None)

@@ -20,6 +20,7 @@ import kopf
 from huorn.api import base, kinds
 from huorn.backends.kubernetes import manifests
 from huorn.operator import (
+    autoscaling,
     board,
     context,
     index,
@@ -28,6 +29,7 @@ from huorn.operator import (
     otherjobs,
     preempting,
     queue,
+    serving,
     training,
     validation,
     virtualclusters,
@@ -59,6 +61,8 @@ async def _reconcile_job(ctx: Context, plural: str, namespace: str, name: str) -
                 await _relist_pods(ctx)
             if kind == "TrainingJob":
                 phase = await training.reconcile(ctx, body)
+            elif kind == "InferenceJob":
+                phase = await serving.reconcile(ctx, body)
             else:
                 phase = await otherjobs.reconcile(ctx, body)
         except Exception:
@@ -100,16 +104,16 @@ async def _resync_mirror(ctx: Context) -> None:
         ctx.wake_line()
 
 
-def _waker(ctx: Context) -> Callable[[str, str], None]:
-    """ctx.wake: a reconcile of the job in a task of its own (kept referenced until it ends). A
-    job already woken and not yet started is not woken again, so a gang of 64 pods going away
-    costs each waiting job one reconcile, not 64."""
+def _waker(ctx: Context, plural: str = training.PLURAL) -> Callable[[str, str], None]:
+    """ctx.wake (ctx.wake_serving for InferenceJobs): a reconcile of the job in a task of its own
+    (kept referenced until it ends). A job already woken and not yet started is not woken again,
+    so a gang of 64 pods going away costs each waiting job one reconcile, not 64."""
     tasks: set[asyncio.Task[Any]] = set()
     due: set[tuple[str, str]] = set()
 
     async def run(namespace: str, name: str) -> None:
         due.discard((namespace, name))
-        await _reconcile_job(ctx, training.PLURAL, namespace, name)
+        await _reconcile_job(ctx, plural, namespace, name)
 
     def wake(namespace: str, name: str) -> None:
         if (namespace, name) in due:
@@ -197,6 +201,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             meta = body["metadata"]
             ctx.queue.record(queue.from_job(job, body, ctx.index.pods_of(meta["namespace"], meta["name"])))
         ctx.wake = _waker(ctx)
+        ctx.wake_serving = _waker(ctx, serving.PLURAL)
         ctx.wake_later = _later(ctx)
         if ctx.settings.mirror:
             memo.huorn_mirror_resync = asyncio.get_running_loop().create_task(
@@ -236,7 +241,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         if record.gpus and (type == "DELETED" or not record.holds_resources):
             ctx.wake_line()
 
-    # InferenceJobs' demand keeps their cluster's GPUs from being lent (index.build_snapshot);
+    # InferenceJobs' replicas keep their cluster's GPUs from being lent (index.build_snapshot);
     # a watch replays every object on start, so a restarted operator has it back before placing
     @kopf.on.event(GROUP, VERSION, "inferencejobs", registry=registry)
     async def inference_changed(type: str, body: Mapping[str, Any], memo: Any, **_: Any) -> None:
@@ -272,6 +277,12 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
                  initial_delay=tunables.monitor_seconds)
     async def job_monitor(namespace: str, name: str, memo: Any, stopped: Any, **_: Any) -> None:
         await monitoring.run_daemon(_ctx(memo), namespace, name, stopped)
+
+    # One autoscaler per InferenceJob: its replicas' /metrics, the HPA's rule, a recorded resize.
+    @kopf.daemon(GROUP, VERSION, serving.PLURAL, registry=registry, cancellation_timeout=5.0,
+                 initial_delay=tunables.autoscale_seconds)
+    async def inference_autoscaler(namespace: str, name: str, memo: Any, stopped: Any, **_: Any) -> None:
+        await autoscaling.run_daemon(_ctx(memo), namespace, name, stopped)
 
     for kind in kinds.JOB_KINDS:
         plural = kind.plural

@@ -49,6 +49,7 @@ class PodRecord:
     waiting: str = ""  # why the container is not running yet (ErrImagePull, ...), with its message
     ended: str = ""  # why the kubelet ended the pod itself (Evicted, ...), with its message
     conditions: tuple[tuple[str, str], ...] = ()  # status.conditions as (type, status): DisruptionTarget
+    template: str = ""  # a serving replica's spec hash (manifests.serve_template_hash): rolled when stale
 
     def failure(self) -> str:
         """What a Failed pod ended with, as a person would want it in a decision."""
@@ -123,6 +124,7 @@ def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
         ended=": ".join(str(v) for v in (status.get("reason"), status.get("message")) if v),
         conditions=tuple((str(c.get("type")), str(c.get("status"))) for c in status.get("conditions") or []
                          if c.get("type")),
+        template=annotations.get(manifests.ANNOTATION_TEMPLATE, ""),
     )
 
 
@@ -172,7 +174,7 @@ class ClusterIndex:
     vcs: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> spec (wire form)
     pods: dict[tuple[str, str], PodRecord] = field(default_factory=dict)
     reservations: dict[tuple[str, str], PodRecord] = field(default_factory=dict)
-    # InferenceJobs' floors (minReplicas × GPUs), by job: what their cluster must keep unlent
+    # InferenceJobs' GPUs (desired replicas × GPUs each), by job: what their cluster keeps unlent
     inference_demand: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
     # The prediction board's GPUs by inference cluster (huorn.operator.board), where it has one
     forecast_demand: dict[str, int] = field(default_factory=dict)
@@ -189,7 +191,11 @@ class ClusterIndex:
             self.inference_demand.pop(key, None)
             return
         try:
-            replicas = int((spec.get("autoscaling") or {}).get("minReplicas", 1))
+            # The autoscaler's count once it has one (status.desiredReplicas), the floor before:
+            # the replicas the job asks for are what the cluster must not lend.
+            desired = (body.get("status") or {}).get("desiredReplicas")
+            floor = max(1, int((spec.get("autoscaling") or {}).get("minReplicas", 1)))
+            replicas = int(desired) if desired is not None else floor
             gpus = int((spec.get("resources") or {}).get("gpus", 1))
         except (TypeError, ValueError):
             self.inference_demand.pop(key, None)  # invalid: its reconcile reports it, it holds nothing
@@ -200,8 +206,9 @@ class ClusterIndex:
         return sum(gpus for cluster, gpus in self.inference_demand.values() if cluster == vc)
 
     def demand_of(self, vc: str) -> int:
-        """What an inference cluster keeps unlent: its InferenceJobs' floors, or its forecast
-        request rate's GPUs where that is more (the floors hold even when the rate is idle)."""
+        """What an inference cluster keeps unlent: its InferenceJobs' desired replicas' GPUs, or
+        its forecast request rate's GPUs where that is more (the replicas hold even when the
+        rate is idle)."""
         return max(self.floors_of(vc), self.forecast_demand.get(vc, 0))
 
     def observe_pod(self, body: Mapping[str, Any], deleted: bool = False) -> PodRecord | None:

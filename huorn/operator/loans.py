@@ -1,7 +1,8 @@
 """Getting lent GPUs back: an inference VirtualCluster's demand shrinks the training jobs on its nodes.
 
-Demand is what the lender's InferenceJobs need now: `autoscaling.minReplicas × resources.gpus`
-each, the floor their SLO requires. Whatever the lender's own workloads cannot get from its free
+Demand is what the lender's InferenceJobs need now: their autoscalers' replica counts
+(`status.desiredReplicas × resources.gpus`, `minReplicas` before the first count), or the
+prediction board's forecast where that is more. Whatever the lender's own workloads cannot get from its free
 GPUs is reclaimed from borrowers, up to what it has out on loan. The victims are chosen by
 `huorn.scheduler.loaning.plan_reclaim` (least lost work, FaPES); the operator only applies them.
 
@@ -58,10 +59,11 @@ def count_wanted(ctx: Context, vc: str, demand: int, borrowers: Mapping[Any, Bor
     members = ctx.index.members_of(vc)
     capacity = sum(n.gpus for n in members if not n.unschedulable)
     names = {n.name for n in members}
-    used = sum(p.gpus for p in ctx.index.pods.values()
-               if p.node in names and p.holds_resources and not p.deleting)
+    live = [p for p in ctx.index.pods.values() if p.node in names and p.holds_resources and not p.deleting]
+    used = sum(p.gpus for p in live)
+    own = sum(p.gpus for p in live if p.virtual_cluster == vc)  # demand already met by its own pods
     lent = sum(p.gpus for b in borrowers.values() for p in b.pods)
-    return max(0, min(lent, demand - (capacity - used)))
+    return max(0, min(lent, (demand - own) - (capacity - used)))
 
 
 async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Reclaim]:

@@ -1,8 +1,9 @@
-"""RLJob and InferenceJob: accepted and validated now, placed once the operator runs them (their
-runtimes run on one machine already: the RL controller, and one serving replica).
+"""RLJob: accepted and validated now, placed once the operator runs it (its runtime, the RL
+controller over Ray, runs on one machine already: `huorn run`). InferenceJobs are run by
+huorn.operator.serving.
 
-A user who applies one of these should learn at once whether the spec is right, and then that
-it waits for a runtime rather than for GPUs. So the operator validates the spec like any other
+A user who applies one should learn at once whether the spec is right, and then that it waits
+for a runtime rather than for GPUs. So the operator validates the spec like any other
 (pydantic plus the graph compiler, which checks roles and edges) and reports Stalled with reason
 RuntimeNotAvailable: kstatus readers stop waiting, and nothing is created.
 """
@@ -16,7 +17,7 @@ from huorn.graph import compiler
 from huorn.operator import conditions, validation
 from huorn.operator.context import Context
 
-PLURALS = {"RLJob": "rljobs", "InferenceJob": "inferencejobs"}
+PLURALS = {"RLJob": "rljobs"}
 
 
 async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
@@ -30,8 +31,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         message = (
             f"{kind} spec is valid ({len(graph.vertices)} vertices); the operator does not run this "
             "kind in this Huorn version, so nothing is scheduled"
-            + (" (an RLJob runs on one machine: python -m huorn.runtime.rl.controller)" if kind == "RLJob"
-               else " (one replica runs on one machine: python -m huorn.runtime.serve)")
+            + " (an RLJob runs on one machine: huorn run, or python -m huorn.runtime.rl.controller)"
         )
         kind_event = "Normal"
     except (validation.InvalidSpec, ValueError) as exc:

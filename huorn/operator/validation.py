@@ -13,6 +13,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from huorn.api import kinds, manifests, training
+from huorn.api.common import Checkpoint
 
 
 class InvalidSpec(ValueError):
@@ -56,19 +57,24 @@ def check_mounted_paths(spec: training.TrainingJobSpec) -> None:
     is left for the trainer to judge. With one, a path outside spec.checkpoint.path would fail in
     every pod only after the gang was placed and the images pulled: refused here instead.
     """
-    if not spec.checkpoint.volume:
-        return
-    root = PurePosixPath(spec.checkpoint.path)
     reads = [("spec.task.initCheckpoint", spec.task.init_checkpoint)]
     if spec.task.teacher is not None:
         reads.append(("spec.task.teacher.checkpoint", spec.task.teacher.checkpoint))
+    check_on_volume(spec.checkpoint, reads)
+
+
+def check_on_volume(checkpoint: Checkpoint, reads: list[tuple[str, str | None]]) -> None:
+    """Each (field, path) read by a pod lies under the checkpoint volume's mount, when there is one."""
+    if not checkpoint.volume:
+        return
+    root = PurePosixPath(checkpoint.path)
     for field, location in reads:
         if location is None:
             continue
         path = PurePosixPath(location)
         if not path.is_absolute() or ".." in path.parts or not path.is_relative_to(root):
             raise InvalidSpec(
-                f"{field}: {location!r} is not on the checkpoint volume {spec.checkpoint.volume!r}, "
+                f"{field}: {location!r} is not on the checkpoint volume {checkpoint.volume!r}, "
                 f"which pods mount at spec.checkpoint.path {str(root)!r}; copy the checkpoint onto "
                 f"that volume and give its absolute path under {str(root)!r}"
             )

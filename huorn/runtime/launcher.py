@@ -176,6 +176,11 @@ def build_eval_command(config_path: Path | str, checkpoint: Path | str, python: 
     return argv + (["--result-file", str(result_file)] if result_file is not None else [])
 
 
+def build_serve_command(config_path: Path | str, python: str = sys.executable) -> list[str]:
+    """An InferenceJob replica's process (huorn.runtime.serve): one model behind HTTP."""
+    return [python, "-m", "huorn.runtime.serve", "--config", str(config_path)]
+
+
 def replica_address(index: int) -> str:
     """Loopback address of replica `index` (0-based): 127.0.0.2, 127.0.0.3, ... Linux routes the
     whole 127/8 to the loopback device, so these need no setup."""

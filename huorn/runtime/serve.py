@@ -6,7 +6,8 @@ behind an HTTP API, with requests batched and Prometheus metrics.
 - `POST /v1/completions` {"prompt": str, "max_tokens": int, "temperature": float, "seed": int}
   → {"text", "tokens", "queue_seconds", "seconds"}. Prompts are byte-tokenised, as in training.
 - `GET /healthz` is 200 once the model is loaded (a readiness probe), `GET /metrics` the
-  Prometheus text: requests, generated tokens, latency and batch-size histograms.
+  Prometheus text: requests, generated tokens, seconds spent decoding (the busy fraction the
+  operator's autoscaler reads), latency and batch-size histograms.
 
 Batching: requests wait in one queue; the model takes the oldest and, with it, every waiting
 request of the same prompt length, up to `serving.maxBatch`, and decodes them together with one
@@ -107,6 +108,10 @@ class Metrics:
         self.latency = prometheus_client.Histogram(
             "huorn_serve_request_seconds", "Arrival to answer.", registry=self.registry,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        # Seconds spent decoding: its rate is the replica's busy fraction, the utilisation that the
+        # operator's autoscaler targets (huorn.scheduler.autoscale).
+        self.busy = prometheus_client.Counter("huorn_serve_busy_seconds", "Seconds spent decoding batches.",
+                                              registry=self.registry)
         self.batch = prometheus_client.Histogram(
             "huorn_serve_batch_size", "Requests decoded together.", registry=self.registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
@@ -204,10 +209,12 @@ class Server:
                 try:
                     answers = await asyncio.to_thread(self.generate, batch)
                 except Exception as error:  # a failed batch answers its requests, and serving goes on
+                    self.metrics.busy.inc(time.monotonic() - started)
                     for r in batch:
                         r.done.set_exception(error)
                     continue
                 seconds = time.monotonic() - started
+                self.metrics.busy.inc(seconds)
                 for r, (text, count) in zip(batch, answers, strict=True):
                     self.metrics.tokens.inc(count)
                     r.done.set_result((text, count, started - r.arrived, seconds))

@@ -126,6 +126,7 @@ def place_gang(
     need = replicas * gpus_per_replica
     own: list[tuple[str, int]] = []
     foreign: dict[str, list[tuple[str, int]]] = {}
+    foreign_free: dict[str, int] = {}  # free GPUs on other clusters' nodes: a lending limit lends no more
     cordoned = 0
     own_free = 0
     largest_own = 0
@@ -142,6 +143,7 @@ def place_gang(
             largest_own = max(largest_own, node.gpus_free)
         else:
             foreign.setdefault(node.virtual_cluster, []).append((node.name, slots))
+            foreign_free[node.virtual_cluster] = foreign_free.get(node.virtual_cluster, 0) + node.gpus_free
 
     if single_node:
         # The whole gang on one node, its own cluster's or a lender's (within both limits): the
@@ -166,7 +168,7 @@ def place_gang(
     lendable_gpus = 0
     for vc, vc_slots in sorted(foreign.items()):
         vc_left = lend_limits.get(vc, 0) // gpus_per_replica if gpus_per_replica else left
-        lendable_gpus += lend_limits.get(vc, 0)
+        lendable_gpus += min(lend_limits.get(vc, 0), foreign_free.get(vc, 0))
         for name, cap in sorted(vc_slots, key=lambda s: (-s[1], s[0])):
             take = min(cap, vc_left)
             if take > 0:

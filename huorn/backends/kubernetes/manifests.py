@@ -1,4 +1,4 @@
-"""The Kubernetes objects of a TrainingJob's graph, as plain dicts (no API calls here).
+"""The Kubernetes objects of a job's graph, as plain dicts (no API calls here).
 
 One pod per graph instance, named `<job>-<instance>` so that the name alone says which vertex
 and generation it is: a replaced instance gets a new generation and therefore a new pod name,
@@ -15,6 +15,7 @@ a torchrun agent, or the trainer itself when the job resizes in place (spec.elas
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -435,3 +436,115 @@ def _config_and_run_volumes(job: JobRef) -> tuple[list[dict[str, Any]], list[dic
         {"name": "run", "emptyDir": {}},
     ]
     return mounts, volumes
+
+
+# ---------------------------------------------------------------------------- InferenceJob
+# The server vertex's replicas are pods like trainers (pinned to the node Huorn chose, GPUs
+# counted by annotation); the router vertex is a ClusterIP Service, whose endpoints are the
+# ready replicas: kube-proxy spreads the requests, and a replica leaves the rotation as soon as
+# its readiness probe (the model loaded) fails.
+SERVE_PORT = 8000
+ANNOTATION_TEMPLATE = "huorn.io/template"
+# Spec fields a running replica never rereads: changing them rolls no pod.
+UNROLLED_FIELDS = frozenset({"autoscaling", "slo", "priority", "elasticity", "remediation"})
+
+
+def serve_service_name(job: JobRef) -> str:
+    return job.name
+
+
+def build_serve_config(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """huorn.runtime.serve.ServeConfig, camelCase on the wire: the replica listens on every
+    address, on the port the Service targets."""
+    return {"jobName": job.name, "spec": dict(spec), "host": "0.0.0.0", "port": SERVE_PORT, "runDir": RUN_DIR}
+
+
+def serve_template_hash(spec: Mapping[str, Any]) -> str:
+    """What a replica was started from: a pod with another hash runs an old spec and is rolled."""
+    kept = {k: v for k, v in spec.items() if k not in UNROLLED_FIELDS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_serve_config_map(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(job, config_map_name(job)),
+        "data": {CONFIG_FILE: json.dumps(build_serve_config(job, spec), indent=2, sort_keys=True)},
+    }
+
+
+def build_serve_service(job: JobRef) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, serve_service_name(job)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {LABEL_JOB: job.name, LABEL_VERTEX: "server"},
+            "ports": [{"name": "http", "port": 80, "targetPort": SERVE_PORT, "protocol": "TCP"}],
+        },
+    }
+
+
+def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[str, Any],
+                    virtual_cluster: str) -> dict[str, Any]:
+    """One serving replica, pinned to `node` when it asks for GPUs (the default scheduler places
+    a CPU replica). restartPolicy Always: a crashed server is restarted in place by the kubelet,
+    as a Deployment's would be; the operator replaces a pod only when the pod itself is lost."""
+    resources = spec.get("resources", {})
+    gpus = int(resources.get("gpus", 1))
+    limits: dict[str, Any] = {"cpu": str(resources.get("cpu", "4")),
+                              "memory": str(resources.get("memory", "16Gi"))}
+    if gpus:
+        limits[GPU_RESOURCE] = str(gpus)
+    mounts, volumes = _config_and_run_volumes(job)
+    checkpoint = spec.get("checkpoint", {})
+    if checkpoint.get("volume"):
+        mounts.append({"name": "checkpoints", "mountPath": checkpoint.get("path", "/checkpoints"),
+                       "readOnly": True})
+        volumes.append({"name": "checkpoints",
+                        "persistentVolumeClaim": {"claimName": checkpoint["volume"], "readOnly": True}})
+    env = [
+        {"name": "HUORN_REPLICA", "value": instance.name},
+        {"name": "HUORN_JOB", "value": job.name},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *({"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", [])),
+    ]
+    metadata = _metadata(job, pod_name(job, instance),
+                         {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name})
+    metadata["annotations"] = {
+        ANNOTATION_NODE: node,
+        ANNOTATION_GPUS: str(gpus),
+        ANNOTATION_VC: virtual_cluster,
+        ANNOTATION_TEMPLATE: serve_template_hash(spec),
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Always",
+        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "containers": [
+            {
+                "name": "server",
+                "image": spec.get("image", "ghcr.io/huorn-io/huorn:0.1.0"),
+                "command": launcher.build_serve_command(f"{CONFIG_DIR}/{CONFIG_FILE}", python="python"),
+                "env": env,
+                "ports": [{"name": "http", "containerPort": SERVE_PORT}],
+                "resources": {"limits": limits, "requests": dict(limits)},
+                "volumeMounts": mounts,
+                "securityContext": _security_context(),
+                # Loading (and GLVQ-quantising) a model takes a while: ready only once /healthz
+                # answers, which is after the model is in memory.
+                "readinessProbe": {"httpGet": {"path": "/healthz", "port": SERVE_PORT}, "periodSeconds": 2},
+                "startupProbe": {"httpGet": {"path": "/healthz", "port": SERVE_PORT}, "periodSeconds": 5,
+                                 "failureThreshold": 120},
+            }
+        ],
+        "volumes": volumes,
+        # SIGTERM stops accepting; requests in flight get this long to finish.
+        "terminationGracePeriodSeconds": 30,
+    }
+    if gpus and node:
+        term = {"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "In", "values": [node]}]}
+        pod_spec["affinity"] = {"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

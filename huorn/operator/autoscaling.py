@@ -1,0 +1,200 @@
+"""Each InferenceJob's autoscaler in the cluster: scrape its ready replicas, read the load, and
+record a resize of the server vertex when the rule (huorn.scheduler.autoscale) asks for another
+count.
+
+The replicas' own `/metrics` are the source (the serving runtime exports the seconds it spends
+decoding, its requests, tokens and latency histogram): no Prometheus or metrics adapter is
+needed for the job to scale, unlike an HPA on custom metrics. Two scrapes a period apart give
+the rates. The resize is a graph mutation written into status before any pod changes (the same
+write-ahead path as a TrainingJob's monitor), so a killed operator either never decided or finds
+the decision in status; the reconcile that follows places or deletes the pods, and a larger
+`status.desiredReplicas` is at once the cluster's demand for its lent GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from huorn.api import kinds
+from huorn.backends.kubernetes import manifests
+from huorn.graph import mutate, serialise
+from huorn.operator import serving, validation
+from huorn.operator.context import Context
+from huorn.operator.training import build_decisions
+from huorn.scheduler import autoscale
+
+logger = logging.getLogger("huorn.operator.autoscaling")
+
+
+@dataclass
+class ScalerState:
+    """One job's autoscaler and the last scrape of each replica; rebuilt on a new uid or spec."""
+
+    key: tuple[str, int]  # (uid, generation)
+    scaler: autoscale.Autoscaler
+    last: dict[str, autoscale.ReplicaSample] = field(default_factory=dict)
+
+
+def build_rule(job: kinds.InferenceJob) -> autoscale.ScalingRule:
+    spec = job.spec
+    p99 = spec.slo.p99_latency_ms
+    return autoscale.ScalingRule(
+        min_replicas=spec.autoscaling.min_replicas,
+        max_replicas=spec.autoscaling.max_replicas,
+        target_utilization=spec.autoscaling.target_utilization,
+        p99_seconds=p99 / 1000 if p99 is not None else None,
+        tokens_per_second=spec.slo.tokens_per_second,
+        scale_down_delay_seconds=spec.autoscaling.scale_down_delay_seconds,
+    )
+
+
+def parse_metrics(text: str, now: float) -> autoscale.ReplicaSample | None:
+    """A replica's counters from its Prometheus text; None when it does not export them (not a
+    Huorn serving replica, or a version without the busy counter)."""
+    values: dict[str, float] = {}
+    buckets: list[tuple[float, float]] = []
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "huorn_serve_requests_total" and sample.labels.get("outcome") == "ok":
+                    values["requests"] = sample.value
+                elif sample.name in ("huorn_serve_generated_tokens_total", "huorn_serve_busy_seconds_total"):
+                    values[sample.name] = sample.value
+                elif sample.name == "huorn_serve_request_seconds_bucket":
+                    buckets.append((float(sample.labels["le"]), sample.value))
+    except (ValueError, KeyError):
+        return None
+    if "huorn_serve_busy_seconds_total" not in values:
+        return None
+    return autoscale.ReplicaSample(
+        time=now,
+        requests=values.get("requests", 0.0),
+        tokens=values.get("huorn_serve_generated_tokens_total", 0.0),
+        busy_seconds=values["huorn_serve_busy_seconds_total"],
+        latency_buckets=tuple(sorted(buckets)),
+    )
+
+
+def fetch_text(url: str, timeout: float) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read().decode("utf-8", errors="replace")
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+
+
+def fetch_all(targets: Mapping[str, str], timeout: float) -> dict[str, str]:
+    """Every replica at once: one slow replica costs one timeout, not one each."""
+    if not targets:
+        return {}
+    workers = min(16, len(targets))
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="serve-metrics") as pool:
+        futures = {replica: pool.submit(fetch_text, url, timeout) for replica, url in targets.items()}
+        texts = {replica: f.result() for replica, f in futures.items()}
+    return {replica: text for replica, text in texts.items() if text is not None}
+
+
+def _state_for(ctx: Context, body: Mapping[str, Any], job: kinds.InferenceJob) -> ScalerState:
+    meta = body["metadata"]
+    key = (str(meta.get("uid", "")), int(meta.get("generation") or 0))
+    state = ctx.autoscalers.get((meta["namespace"], meta["name"]))
+    if state is None or state.key != key:
+        # A new spec keeps the last scrape (the replicas are the same processes) and restarts
+        # the window under the new rule.
+        last = state.last if state is not None and state.key[0] == key[0] else {}
+        state = ScalerState(key, autoscale.Autoscaler(build_rule(job)), last)
+        ctx.autoscalers[(meta["namespace"], meta["name"])] = state
+    return state
+
+
+def _load_status(reading: autoscale.LoadReading | None) -> dict[str, Any]:
+    if reading is None:
+        return {}
+    out: dict[str, Any] = {
+        "requestsPerSecond": round(reading.requests_per_second, 3),
+        "tokensPerSecond": round(reading.tokens_per_second, 1),
+        "utilization": round(reading.utilization, 3),
+    }
+    if reading.p99_seconds is not None:
+        out["p99LatencyMs"] = round(reading.p99_seconds * 1000, 1)
+    return out
+
+
+async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendation | None:
+    """One autoscaler pass over one job; returns its recommendation (None when nothing runs)."""
+    body = await ctx.client.get_custom(serving.PLURAL, namespace, name)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    status = body.get("status") or {}
+    if not status.get("graph") or status.get("phase") == "Stalled":
+        return None
+    try:
+        job = validation.load_job(body)
+    except validation.InvalidSpec:
+        return None
+    assert isinstance(job, kinds.InferenceJob)
+    ref = manifests.JobRef.from_body(body)
+    server = serialise.from_status(status["graph"]).vertex(serving.SERVER)
+    targets = {}
+    for instance in server.instances:
+        pod = ctx.index.pods.get((namespace, manifests.pod_name(ref, instance)))
+        if pod is not None and serving.is_ready(pod) and pod.ip:
+            targets[instance.name] = f"http://{pod.ip}:{ctx.settings.serve_port}/metrics"
+    texts = await asyncio.to_thread(fetch_all, targets, ctx.settings.serve_timeout_seconds)
+    now = time.time()
+    samples = {r: s for r, s in ((r, parse_metrics(t, now)) for r, t in texts.items()) if s is not None}
+    state = _state_for(ctx, body, job)
+    reading = autoscale.read_load(state.last, samples)
+    state.last = samples
+    rec = state.scaler.recommend(now, server.replicas, reading)
+    load = _load_status(reading)
+    target = min(server.max_replicas, max(server.min_replicas, 1, rec.replicas))
+    if target == server.replicas:
+        if load and any(status.get(k) != v for k, v in load.items()):
+            await ctx.client.patch_status(serving.PLURAL, namespace, name, load)
+        return rec
+    async with ctx.job_lock(namespace, name):
+        fresh = await ctx.client.get_custom(serving.PLURAL, namespace, name)
+        if fresh is None or not (fresh.get("status") or {}).get("graph"):
+            return rec
+        graph = serialise.from_status(fresh["status"]["graph"])
+        before = graph.vertex(serving.SERVER).replicas
+        if before != server.replicas:
+            return rec  # the job changed meanwhile (a spec edit, a replacement): next tick decides
+        ready = {i.name: serving.is_ready(p) for i in graph.vertex(serving.SERVER).instances
+                 if (p := ctx.index.pods.get((namespace, manifests.pod_name(ref, i)))) is not None}
+        mutate.resize(graph, serving.SERVER, target, reason=f"autoscaler: {rec.reason}",
+                      remove=serving.shrink_order(graph, target, ready))
+        patch = {**load, "graph": serialise.to_status(graph), "decisions": build_decisions(graph),
+                 "desiredReplicas": target}
+        await ctx.client.patch_status(serving.PLURAL, namespace, name, patch)
+        ctx.index.observe_inference_job({**fresh, "status": {**fresh["status"], **patch}})
+    event = "ScaledUp" if target > before else "ScaledDown"
+    ctx.post_event(body, "Normal", event, f"autoscaler: {rec.reason}")
+    ctx.metrics.reconciles.labels(serving.KIND, "scaled").inc()
+    ctx.wake_serving(namespace, name)
+    return rec
+
+
+async def run_daemon(ctx: Context, namespace: str, name: str, stopped: Any) -> None:
+    """The body of the per-InferenceJob kopf daemon: tick, then wait, until kopf stops it. A
+    failing tick is logged and retried next period; every tick starts from the API objects."""
+    while not stopped:
+        try:
+            await tick(ctx, namespace, name)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("autoscaler tick of %s/%s failed; next try in %.1fs",
+                             namespace, name, ctx.settings.autoscale_seconds)
+        await stopped.wait(ctx.settings.autoscale_seconds)

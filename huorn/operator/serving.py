@@ -1,0 +1,277 @@
+"""InferenceJob in the cluster: serving replicas placed on their virtual cluster, behind a Service,
+scaled to their SLO, and given GPUs back from borrowers when load rises.
+
+The job's graph is the compiled one (a `router` vertex, which is the Service, and a `server`
+vertex, one pod per instance), kept in status like a TrainingJob's, and changed only by recorded
+mutations: a resize from the autoscaler (huorn.operator.autoscaling), a replacement of a lost pod,
+a rolling replacement after a spec change. So `status.decisions` says why the job has the
+replicas it has, and a restarted operator carries on from status.
+
+- **Placement.** A replica asking for GPUs goes on one node of the job's virtual cluster, the
+  fullest one it fits on (best fit keeps whole nodes free for training gangs), pinned there like
+  a trainer. A replica that finds no room waits; its GPUs are already in the cluster's demand
+  (`status.desiredReplicas × resources.gpus`, index.ClusterIndex.demand_of), so the cluster's
+  next tick reclaims lent GPUs for it (huorn.operator.loans), and the borrower's pods going away
+  wake this job at once.
+- **Lost pods.** A replica pod that ended (evicted, its node gone) is replaced with a new
+  generation; a crashed server inside a live pod is the kubelet's to restart (restartPolicy
+  Always), as in a Deployment.
+- **Rolling update.** A spec change that a running replica cannot pick up (model, quantisation,
+  image, resources, env: manifests.serve_template_hash) replaces the replicas one at a time, each
+  only while every other replica is ready: capacity drops by at most one replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from huorn.api import kinds
+from huorn.backends.kubernetes import manifests
+from huorn.graph import compiler, mutate, serialise
+from huorn.graph.model import Graph, Instance
+from huorn.operator import conditions, index, validation
+from huorn.operator.context import Context
+from huorn.operator.training import build_decisions
+
+PLURAL = "inferencejobs"
+KIND = "InferenceJob"
+SERVER = "server"
+
+
+def is_ready(pod: index.PodRecord) -> bool:
+    """Running, and ready by the kubelet's readiness probe (the model is loaded). A pod with no
+    Ready condition at all is judged by its phase."""
+    if pod.phase != "Running" or pod.deleting:
+        return False
+    ready = [status for kind, status in pod.conditions if kind == "Ready"]
+    return not ready or ready[0] == "True"
+
+
+def restore_graph(body: Mapping[str, Any], fresh: Graph) -> tuple[Graph, list[str]]:
+    """The graph in status with the spec's bounds and parameters laid over it (the spec owns
+    them; the instances are the job's history); a replica count the new bounds exclude is
+    resized into them. Returns the graph and the reasons of the mutations made."""
+    old = (body.get("status") or {}).get("graph")
+    if not old:
+        return fresh, []
+    graph = serialise.from_status(old)
+    server, spec_server = graph.vertex(SERVER), fresh.vertex(SERVER)
+    before = (server.min_replicas, server.max_replicas)
+    server.params, server.resources = spec_server.params, spec_server.resources
+    graph.vertex("router").params = fresh.vertex("router").params
+    low, high = spec_server.min_replicas, spec_server.max_replicas
+    server.min_replicas, server.max_replicas = min(low, server.replicas), max(high, server.replicas)
+    inside = min(high, max(max(low, 1), server.replicas))
+    made = []
+    if inside != server.replicas:
+        reason = (f"spec.autoscaling is now {low}..{high} replicas (was {before[0]}..{before[1]}): "
+                  f"{server.replicas} → {inside}")
+        mutate.resize(graph, SERVER, inside, reason=reason, remove=shrink_order(graph, inside, {}))
+        made.append(reason)
+    server.min_replicas, server.max_replicas = low, high
+    return graph, made
+
+
+def shrink_order(graph: Graph, replicas: int, ready: Mapping[str, bool]) -> list[str] | None:
+    """The instances a shrink to `replicas` removes: those not ready first (a replica still
+    waiting for GPUs or loading serves no one), then the highest ordinals."""
+    instances = graph.vertex(SERVER).instances
+    drop = len(instances) - replicas
+    if drop <= 0:
+        return None
+    order = sorted(instances, key=lambda i: (ready.get(i.name, False), -i.ordinal))
+    return [i.name for i in order[:drop]]
+
+
+def free_gpus(ctx: Context, vc: str) -> dict[str, int]:
+    """GPUs free now on each schedulable member node of `vc`: its GPUs less what pods (deleting
+    ones too, until they are gone) and this operator's reservations hold there."""
+    free = {n.name: n.gpus for n in ctx.index.members_of(vc) if not n.unschedulable}
+    holders = [*ctx.index.pods.values(), *ctx.index.reservations.values()]
+    for pod in holders:
+        if pod.node in free and pod.holds_resources and pod.gpus:
+            free[pod.node] -= pod.gpus
+    return free
+
+
+def choose_nodes(free: dict[str, int], gpus: int, count: int) -> list[str]:
+    """Best fit, one replica at a time: the node with the fewest free GPUs that still fits it
+    (ties by name, so the choice is the same after a restart). Fewer than `count` when full."""
+    chosen = []
+    for _ in range(count):
+        fits = sorted((left, name) for name, left in free.items() if left >= gpus)
+        if not fits:
+            break
+        name = fits[0][1]
+        free[name] -= gpus
+        chosen.append(name)
+    return chosen
+
+
+async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
+    """Bring one InferenceJob one step closer to its spec and its autoscaler's replica count."""
+    meta = body["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    old = body.get("status") or {}
+    try:
+        job = validation.load_job(body)
+        assert isinstance(job, kinds.InferenceJob)
+        vc_spec = ctx.index.vcs.get(job.spec.virtual_cluster)
+        if vc_spec is not None:
+            validation.check_namespace(ns, job.spec.virtual_cluster, vc_spec)
+        served = [("spec.model.checkpoint", job.spec.model.checkpoint)]
+        validation.check_on_volume(job.spec.checkpoint, served)
+        fresh = compiler.compile(job)
+    except (validation.InvalidSpec, ValueError) as exc:
+        ctx.serving_waiting.pop((ns, name), None)
+        return await _stall(ctx, body, "InvalidSpec", str(exc))
+    vc = job.spec.virtual_cluster
+    ref = manifests.JobRef.from_body(body)
+    spec = job.spec.to_wire()
+    selector = f"{manifests.LABEL_JOB}={name},{manifests.LABEL_VERTEX}={SERVER}"
+    base = {"observedGeneration": meta.get("generation"), "selector": selector}
+    if vc_spec is None:
+        message = f"virtual cluster {vc!r} does not exist; create it or fix spec.virtualCluster"
+        return await _report_waiting(ctx, body, base, "VirtualClusterNotFound", message)
+
+    graph, resized = restore_graph(body, fresh)
+    version = graph.version
+    pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
+    server = graph.vertex(SERVER)
+    template = manifests.serve_template_hash(spec)
+
+    def pod_of(instance: Instance) -> index.PodRecord | None:
+        return pods.get(manifests.pod_name(ref, instance))
+
+    for instance in list(server.instances):
+        pod = pod_of(instance)
+        if pod is not None and not pod.deleting and not pod.holds_resources:
+            code = f"exit code {pod.exit_code}" if pod.exit_code is not None else "no reason given"
+            why = pod.ended or code
+            mutate.replace_instance(graph, instance.name, failure=True,
+                                    reason=f"replica pod {pod.name} {pod.phase} ({why}): replaced")
+    _roll_one(graph, ref, pods, template)
+    if graph.version != version:
+        # Write-ahead: the mutation is in status before any pod is created or deleted for it.
+        status = {**base, "graph": serialise.to_status(graph), "decisions": build_decisions(graph),
+                  "desiredReplicas": server.replicas}
+        await ctx.client.patch_status(PLURAL, ns, name, status)
+        ctx.index.observe_inference_job({**body, "status": {**old, **status}})
+        for reason in resized:
+            ctx.post_event(body, "Normal", "Scaled", reason)
+
+    missing = [i for i in server.instances if pod_of(i) is None]
+    gpus = job.spec.resources.gpus
+    writes: list[dict[str, Any]] = []
+    if missing or old.get("observedGeneration") != meta.get("generation"):
+        writes += [manifests.build_serve_config_map(ref, spec), manifests.build_serve_service(ref)]
+    placed = 0
+    async with ctx.placement_lock:
+        nodes = choose_nodes(free_gpus(ctx, vc), gpus, len(missing)) if gpus else [""] * len(missing)
+        pods_new = [manifests.build_serve_pod(ref, i, node, spec, vc)
+                    for i, node in zip(missing, nodes, strict=False)]
+        ctx.index.reserve(r for r in (index.build_pod_record(p) for p in pods_new) if r is not None)
+        placed = len(pods_new)
+    if writes:
+        await ctx.client.apply(writes[0])  # the ConfigMap before any pod that reads it
+        await asyncio.gather(*(ctx.client.apply(w) for w in writes[1:]))
+    await asyncio.gather(*(ctx.client.apply(p) for p in pods_new))
+    wanted = {manifests.pod_name(ref, i) for i in server.instances}
+    await asyncio.gather(*(ctx.client.delete("Pod", ns, p.name)
+                           for p in pods.values() if p.name not in wanted and not p.deleting))
+
+    unplaced = len(missing) - placed
+    if unplaced:
+        ctx.serving_waiting[(ns, name)] = vc
+    else:
+        ctx.serving_waiting.pop((ns, name), None)
+    live = [pod_of(i) for i in server.instances]
+    ready = sum(1 for p in live if p is not None and is_ready(p))
+    running = sum(1 for p in live if p is not None and p.holds_resources) + placed
+    if unplaced:
+        reason = "WaitingForGPUs"
+        message = (f"{unplaced} of {server.replicas} replica(s) wait for {gpus} GPU(s) each on virtual "
+                   f"cluster {vc!r}; the cluster reclaims GPUs it lent for them")
+    elif ready < server.replicas:
+        reason, message = "ReplicasStarting", f"{ready} of {server.replicas} replica(s) ready"
+    else:
+        reason, message = "AllReplicasReady", f"{ready} replica(s) serving"
+    phase = "Running" if ready else "Pending"
+    status = {
+        **base,
+        "phase": phase,
+        "replicas": running,
+        "readyReplicas": ready,
+        "desiredReplicas": server.replicas,
+        "message": message,
+        "graph": serialise.to_status(graph),
+        "decisions": build_decisions(graph),
+        "conditions": conditions.build_conditions(
+            old.get("conditions"), meta.get("generation"),
+            ready=(ready >= server.replicas, reason, message),
+            reconciling=(ready < server.replicas, reason, message) if ready < server.replicas else None,
+        ),
+    }
+    if unplaced and old.get("message") != message:
+        ctx.post_event(body, "Normal", reason, message)
+    await _write_status(ctx, body, status)
+    ctx.metrics.record_phase(KIND, f"{ns}/{name}", phase)
+    return phase
+
+
+def _roll_one(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, index.PodRecord],
+              template: str) -> None:
+    """Replace one replica started from an older spec, if every other replica is ready."""
+    server = graph.vertex(SERVER)
+    current = [(i, pods.get(manifests.pod_name(ref, i))) for i in server.instances]
+    stale = [i for i, p in current
+             if p is not None and not p.deleting and p.template and p.template != template]
+    if not stale:
+        return
+    target = stale[0]
+    others_ready = all(p is not None and is_ready(p) for i, p in current if i != target)
+    if others_ready:
+        mutate.replace_instance(graph, target.name, drain=True, counted=False,
+                                reason=f"rolling update: replica {target.name} runs an older spec "
+                                       "(model, image, resources, quantisation or env changed)")
+
+
+async def _write_status(ctx: Context, body: Mapping[str, Any], status: dict[str, Any]) -> None:
+    old = body.get("status") or {}
+    if conditions.strip_times({**old, **status}) == conditions.strip_times(old):
+        return
+    meta = body["metadata"]
+    await ctx.client.patch_status(PLURAL, meta["namespace"], meta["name"], status)
+
+
+async def _report_waiting(ctx: Context, body: Mapping[str, Any], base: dict[str, Any], reason: str,
+                          message: str) -> str:
+    old = body.get("status") or {}
+    if old.get("message") != message:
+        ctx.post_event(body, "Warning", reason, message)
+    status = {**base, "phase": "Pending", "message": message, "conditions": conditions.build_conditions(
+        old.get("conditions"), body["metadata"].get("generation"), ready=(False, reason, message),
+        reconciling=(True, reason, message))}
+    await _write_status(ctx, body, status)
+    ctx.metrics.record_phase(KIND, f"{body['metadata']['namespace']}/{body['metadata']['name']}", "Pending")
+    return "Pending"
+
+
+async def _stall(ctx: Context, body: Mapping[str, Any], reason: str, message: str) -> str:
+    meta = body["metadata"]
+    old = body.get("status") or {}
+    if old.get("message") != message:
+        ctx.post_event(body, "Warning", reason, message)
+    status = {
+        "phase": "Stalled",
+        "observedGeneration": meta.get("generation"),
+        "message": message,
+        "conditions": conditions.build_conditions(
+            old.get("conditions"), meta.get("generation"),
+            ready=(False, reason, message), stalled=(True, reason, message)),
+    }
+    await _write_status(ctx, body, status)
+    ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Stalled")
+    return "Stalled"

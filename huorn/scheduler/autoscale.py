@@ -1,0 +1,212 @@
+"""How many serving replicas an InferenceJob needs, from what its replicas measure.
+
+The rule is the Kubernetes HorizontalPodAutoscaler's, on the metric a GPU server saturates on,
+its busy fraction, with the job's SLO as two further floors; platform teams already know how it
+behaves, and each part of it answers a known failure of simpler rules:
+
+- **Utilisation.** Each replica exports the seconds it spent decoding; their rate is its busy
+  fraction. The fleet needs ceil(Σ busy / targetUtilization) replicas, so that each would be
+  busy at the target, with room left for a burst while new replicas load.
+- **Latency guard.** A p99 latency above `slo.p99LatencyMs` (from the replicas' latency
+  histograms, interpolated as Prometheus's histogram_quantile does) asks for one replica more
+  than now even when utilisation looks low: long prompts queue behind each other without a
+  replica ever looking busier than its batch.
+- **Throughput floor.** With `slo.tokensPerSecond`, the fleet keeps enough replicas to generate
+  that many tokens a second at the target utilisation, from the tokens a replica generates per
+  busy second.
+- **Growth is fast, shrinking is slow.** A rise is applied at once (at most doubling, or four
+  more, per decision: the HPA's default policy), a fall only once every recommendation in the
+  last `scaleDownDelaySeconds` agrees (its stabilisation window), so a replica that took minutes
+  to load is not dropped in a lull between two bursts.
+
+Scale to zero is not offered: with no replica there is nothing to measure, and Huorn has no
+request-holding proxy to wake one. The autoscaler keeps at least one replica; `minReplicas: 0`
+only lets the cluster lend the first replica's GPUs while the job is parked at `maxReplicas`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ReplicaSample:
+    """One replica's counters at one scrape, cumulative as the replica exports them."""
+
+    time: float
+    requests: float
+    tokens: float
+    busy_seconds: float
+    latency_buckets: tuple[tuple[float, float], ...] = ()  # (upper bound, cumulative count), +Inf last
+
+
+@dataclass(frozen=True)
+class LoadReading:
+    """The fleet's load between two scrapes, over the replicas measured both times."""
+
+    replicas: int
+    requests_per_second: float
+    tokens_per_second: float
+    busy: float  # Σ busy fraction: replicas' worth of decoding
+    p99_seconds: float | None
+    tokens_per_busy_second: float | None
+
+    @property
+    def utilization(self) -> float:
+        return self.busy / self.replicas if self.replicas else 0.0
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """Prometheus's histogram_quantile over cumulative (upper bound, count) buckets: linear
+    within the bucket the rank falls in; the last finite bound when it falls in +Inf."""
+    if not buckets or not 0 <= q <= 1:
+        return None
+    total = buckets[-1][1]
+    if total <= 0:
+        return None
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            width = count - lower_count
+            share = (rank - lower_count) / width if width > 0 else 1.0
+            return lower_bound + (bound - lower_bound) * share
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def read_load(before: Mapping[str, ReplicaSample], after: Mapping[str, ReplicaSample]) -> LoadReading | None:
+    """Rates over the replicas scraped both times. A replica whose counters went down restarted
+    (its process began again from zero) and is left out of this reading; None when no replica
+    can be read twice yet."""
+    requests = tokens = busy = busy_seconds = 0.0
+    merged: dict[float, float] = {}
+    measured = 0
+    for replica, now in after.items():
+        then = before.get(replica)
+        if then is None or now.time <= then.time:
+            continue
+        deltas = (now.requests - then.requests, now.tokens - then.tokens,
+                  now.busy_seconds - then.busy_seconds)
+        if min(deltas) < 0:
+            continue
+        elapsed = now.time - then.time
+        measured += 1
+        requests += deltas[0] / elapsed
+        tokens += deltas[1] / elapsed
+        busy += min(1.0, deltas[2] / elapsed)
+        busy_seconds += deltas[2]
+        old = dict(then.latency_buckets)
+        for bound, count in now.latency_buckets:
+            merged[bound] = merged.get(bound, 0.0) + max(0.0, count - old.get(bound, 0.0))
+    if not measured:
+        return None
+    buckets = sorted(merged.items())
+    p99 = histogram_quantile(0.99, buckets)
+    made = sum(now.tokens - before[r].tokens for r, now in after.items()
+               if r in before and now.time > before[r].time and now.tokens >= before[r].tokens)
+    return LoadReading(
+        replicas=measured,
+        requests_per_second=requests,
+        tokens_per_second=tokens,
+        busy=busy,
+        p99_seconds=p99,
+        tokens_per_busy_second=made / busy_seconds if busy_seconds > 0 and made > 0 else None,
+    )
+
+
+@dataclass(frozen=True)
+class ScalingRule:
+    """The job's autoscaling settings and SLO, in the units the rule uses."""
+
+    min_replicas: int
+    max_replicas: int
+    target_utilization: float = 0.7
+    p99_seconds: float | None = None
+    tokens_per_second: float | None = None
+    scale_down_delay_seconds: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError(f"replica range [{self.min_replicas}, {self.max_replicas}] is empty "
+                             "(spec.autoscaling.minReplicas..maxReplicas)")
+        if not 0 < self.target_utilization <= 1:
+            raise ValueError(f"target_utilization {self.target_utilization} is outside (0, 1] "
+                             "(spec.autoscaling.targetUtilization)")
+
+    @property
+    def floor(self) -> int:
+        return max(1, self.min_replicas)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    replicas: int
+    reason: str
+
+
+@dataclass
+class Autoscaler:
+    """One InferenceJob's rule and the recent raw recommendations its stabilisation window reads.
+    Memory only: a restarted operator starts with an empty window, and keeps the replicas it
+    finds until the window has filled again."""
+
+    rule: ScalingRule
+    window: deque[tuple[float, int]] = field(default_factory=deque)
+    started: float | None = None
+
+    def raw(self, current: int, reading: LoadReading) -> tuple[int, str]:
+        """What this reading alone asks for, and why."""
+        rule = self.rule
+        need = math.ceil(reading.busy / rule.target_utilization - 1e-9)
+        why = (f"{reading.busy:.2f} replica(s) busy of {reading.replicas} measured (target utilisation "
+               f"{rule.target_utilization:g})")
+        target, p99 = rule.p99_seconds, reading.p99_seconds
+        if target is not None and p99 is not None and p99 > target and current + 1 > need:
+            need = current + 1
+            why = f"p99 latency {p99 * 1000:.0f} ms is above the SLO's {target * 1000:.0f} ms"
+        if rule.tokens_per_second is not None and reading.tokens_per_busy_second:
+            per_replica = reading.tokens_per_busy_second * rule.target_utilization
+            floor = math.ceil(rule.tokens_per_second / per_replica)
+            if floor > need:
+                need = floor
+                why = (f"slo.tokensPerSecond {rule.tokens_per_second:g} needs {floor} replica(s) at "
+                       f"{reading.tokens_per_busy_second:.0f} tokens per busy second")
+        return need, why
+
+    def recommend(self, now: float, current: int, reading: LoadReading | None) -> Recommendation:
+        rule = self.rule
+        lo, hi = rule.floor, rule.max_replicas
+        if self.started is None:
+            self.started = now
+        inside = min(hi, max(lo, current))
+        if inside != current:
+            return Recommendation(inside, f"{current} replica(s) is outside {lo}..{hi} (spec.autoscaling): "
+                                          f"{current} → {inside}")
+        if reading is None:
+            return Recommendation(current, "no replica measured twice yet")
+        need, why = self.raw(current, reading)
+        need = min(hi, max(lo, need))
+        self.window.append((now, need))
+        while self.window and self.window[0][0] < now - rule.scale_down_delay_seconds:
+            self.window.popleft()
+        if need > current:
+            step = min(need, max(2 * current, current + 4))
+            return Recommendation(step, f"{why}: {current} → {step} replica(s)")
+        if need < current:
+            # Every recommendation of the whole window must allow the fall, and the window must
+            # really span the delay (a restarted operator has no history to trust yet).
+            if now - self.started < rule.scale_down_delay_seconds:
+                return Recommendation(current, f"{why}; kept: the scale-down window has not elapsed")
+            floor = max(n for _, n in self.window)
+            if floor < current:
+                return Recommendation(floor, f"{why} for {rule.scale_down_delay_seconds:.0f} s: "
+                                             f"{current} → {floor} replica(s)")
+            return Recommendation(current, f"{why}; kept: load in the last "
+                                           f"{rule.scale_down_delay_seconds:.0f} s needed {floor}")
+        return Recommendation(current, why)

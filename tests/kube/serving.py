@@ -1,0 +1,143 @@
+"""InferenceJob replicas for operator tests: the serving runtime's own server
+(huorn.runtime.serve.Server) on a tiny saved model, one per replica at its own loopback address
+(the pod IP the test reports), all on one shared port, as the operator's autoscaler scrapes them;
+and a load generator that keeps them busy with real completions."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+from aiohttp import web
+
+from huorn import models
+from huorn.api import training
+from huorn.runtime import checkpoint, serve
+from huorn.runtime import config as run_config
+from kube import builders
+from kube.cluster import wait_for
+
+ARCHITECTURE = {"layers": 2, "width": 32, "heads": 2, "context": 128}
+
+
+def save_tiny_model(root: Path) -> Path:
+    spec = training.ModelSpec.model_validate(ARCHITECTURE)
+    torch.manual_seed(0)
+    model = models.build_model(run_config.build_model_config(spec))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        checkpoint.save_checkpoint(root, 1, model, torch.optim.AdamW(model.parameters()),
+                                   {"model": spec.to_wire()}, rank=0, barrier=lambda: None)
+    return root
+
+
+def make_inference_job(name: str, vc: str, *, checkpoint_path: str = "/checkpoints/chat", gpus: int = 2,
+                       min_replicas: int = 1, max_replicas: int = 1, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "huorn.io/v1alpha1",
+        "kind": "InferenceJob",
+        "metadata": {"name": name},
+        "spec": {
+            "virtualCluster": vc,
+            "priority": 50,
+            "resources": {"gpus": gpus, "cpu": "2", "memory": "4Gi"},
+            "model": {"checkpoint": checkpoint_path, "architecture": ARCHITECTURE},
+            "serving": {"maxBatch": 8, "maxTokens": 128},
+            "autoscaling": {"minReplicas": min_replicas, "maxReplicas": max_replicas},
+            **spec,
+        },
+    }
+
+
+def _free_port(ip: str) -> int:
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return int(s.getsockname()[1])
+
+
+class Replicas:
+    """Real serving replicas in a background event loop; `start(ip)` brings one up."""
+
+    def __init__(self, checkpoint_dir: Path, run_dir: Path) -> None:
+        self.cfg = serve.ServeConfig.model_validate({
+            "jobName": "chat", "host": "127.0.0.1", "port": 0, "runDir": str(run_dir),
+            "spec": make_inference_job("chat", "serve", checkpoint_path=str(checkpoint_dir))["spec"]})
+        self.model, _ = serve.load_model(self.cfg)
+        self.port = _free_port("127.0.0.2")
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="replicas", daemon=True)
+        self.thread.start()
+        self.runners: list[web.AppRunner] = []
+        self.stop_load = threading.Event()
+        self.load_threads: list[threading.Thread] = []
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
+
+    def start(self, ip: str) -> None:
+        async def up() -> None:
+            runner = web.AppRunner(serve.Server(self.cfg, self.model).app())
+            await runner.setup()
+            await web.TCPSite(runner, ip, self.port).start()
+            self.runners.append(runner)
+
+        self._run(up())
+
+    def load(self, ip: str, clients: int = 3, max_tokens: int = 40) -> None:
+        """`clients` loops each asking for completions back to back until `quiet`."""
+        def client(index: int) -> None:
+            async def go() -> None:
+                async with aiohttp.ClientSession(f"http://{ip}:{self.port}") as session:
+                    while not self.stop_load.is_set():
+                        prompt = "Q: what is " + "1+" * (index + 1) + "1?\nA:"
+                        async with session.post("/v1/completions",
+                                                json={"prompt": prompt, "max_tokens": max_tokens}) as r:
+                            assert r.status == 200, await r.text()
+            asyncio.run(go())
+
+        self.stop_load.clear()
+        self.load_threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+        for t in self.load_threads:
+            t.start()
+
+    def quiet(self) -> None:
+        self.stop_load.set()
+        deadline = time.monotonic() + 30
+        for t in self.load_threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        self.quiet()
+        for runner in self.runners:
+            self._run(runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+# ---------------------------------------------------------------- a borrower on the serving nodes
+def nodes_of(kube: builders.Kube, ns: str, job: str) -> list[str]:
+    return sorted(p.metadata.annotations["huorn.io/node"] for p in kube.pods(ns, job, "trainer"))
+
+
+def resize_decisions(kube: builders.Kube, ns: str, job: str) -> list[dict]:
+    return [d for d in kube.job_status(ns, job).get("decisions") or [] if d["action"] == "resize"]
+
+
+def borrow_four_gpus_of_b0(kube: builders.Kube, ns: str) -> None:
+    """Training's own nodes filled by a fixed job; an elastic job (2 replicas of 2 GPUs, at its
+    minimum) running on the serving cluster's b0."""
+    kube.create_job(ns, builders.make_training_job("fill", "train", replicas=2, max_replicas=2, gpus=4))
+    wait_for(lambda: len(kube.pods(ns, "fill", "trainer")) == 2, what="the filler's pods")
+    kube.create_job(ns, builders.make_training_job(
+        "elastic", "train", replicas=2, max_replicas=2, gpus=2,
+        elasticity={"minReplicas": 2, "maxReplicas": 2, "policy": "goodput"}))
+    wait_for(lambda: nodes_of(kube, ns, "elastic") == ["b0", "b0"], what="the elastic job borrowing b0")
+    kube.run_all_pods(ns, "elastic")
+    wait_for(lambda: kube.get_vc("serve").get("status", {}).get("lent") == 4, what="serve lends 4")

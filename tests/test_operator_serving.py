@@ -1,0 +1,173 @@
+"""InferenceJobs run by the operator: real kopf against KMock, real serving replicas.
+
+Each replica pod's server is the serving runtime's own (huorn.runtime.serve.Server, a tiny saved
+model) at the loopback address the test reports as the pod's IP; the operator scrapes their
+/metrics as in a cluster, and real completions load them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kube import builders, serving
+from kube import operator as operator_mod
+from kube.cluster import EmulatedCluster, wait_for
+
+from huorn.backends.kubernetes import manifests
+from huorn.runtime import launcher, serve
+
+pytest_plugins = ["kube.fixtures"]
+
+NS = "team"
+IJ = "inferencejobs"
+IPS = {"server-0": "127.0.0.2", "server-1": "127.0.0.3", "server-2": "127.0.0.4"}
+
+
+def status(kube: builders.Kube, name: str) -> dict:
+    return kube.job_status(NS, name, IJ)
+
+
+def servers(kube: builders.Kube, name: str) -> dict[str, object]:
+    return {p.metadata.labels["huorn.io/instance"]: p for p in kube.pods(NS, name, "server")
+            if not p.metadata.deletion_timestamp}
+
+
+def run_pod(kube: builders.Kube, pod: object, ip: str = "") -> None:
+    """What the kubelet reports once the container runs and /healthz answers."""
+    body = {"status": {"phase": "Running", "podIP": ip,
+                       "conditions": [{"type": "Ready", "status": "True"}]}}
+    kube.core.patch_namespaced_pod_status(pod.metadata.name, NS, body)
+
+
+def scaled(kube: builders.Kube, name: str, reason: str) -> list:
+    return [e for e in kube.events(NS, name) if e.reason == reason]
+
+
+@pytest.fixture()
+def replicas(tmp_path: Path) -> Iterator[serving.Replicas]:
+    r = serving.Replicas(serving.save_tiny_model(tmp_path / "ckpt"), tmp_path / "run")
+    yield r
+    r.close()
+
+
+def test_an_inference_job_scales_on_real_load_and_takes_back_lent_gpus(
+    cluster: EmulatedCluster, kube: builders.Kube, replicas: serving.Replicas
+) -> None:
+    """b0 (8 GPUs, cluster "serve") lends 4 to an elastic trainer; two InferenceJobs take the
+    other 4. Load on "chat" makes its autoscaler ask for a second replica; those 2 GPUs are lent,
+    so the cluster shrinks the borrower and the replica lands on them. Quiet again, chat goes
+    back to one replica once its scale-down window has passed."""
+    settings = dataclasses.replace(operator_mod.FAST, autoscale_seconds=0.5, serve_port=replicas.port)
+    kube.custom.patch_cluster_custom_object(
+        builders.GROUP, builders.VERSION, "virtualclusters", "serve",
+        {"spec": {"purpose": "inference", "lending": {
+            "lendable": True, "maxGPUsLent": 4, "reclaimGraceSeconds": 30, "reclaimPolicy": "Shrink"}}})
+    with operator_mod.OperatorThread(cluster.api_client(), settings):
+        serving.borrow_four_gpus_of_b0(kube, NS)
+        kube.custom.patch_namespaced_custom_object(
+            builders.GROUP, builders.VERSION, NS, "trainingjobs", "elastic",
+            {"spec": {"elasticity": {"minReplicas": 1}}})  # room to shrink
+        kube.create_job(NS, serving.make_inference_job("batch", "serve"), plural=IJ)
+        kube.create_job(NS, serving.make_inference_job(
+            "chat", "serve",
+            autoscaling={"minReplicas": 1, "maxReplicas": 2, "targetUtilization": 0.5,
+                         "scaleDownDelaySeconds": 3},
+            slo={"p99LatencyMs": 60000}), plural=IJ)
+
+        # One replica each, pinned to b0, behind a Service, configured from the job's ConfigMap.
+        wait_for(lambda: len(servers(kube, "chat")) == 1 and len(servers(kube, "batch")) == 1,
+                 what="one replica of each InferenceJob")
+        pod = servers(kube, "chat")["server-0"]
+        assert pod.metadata.annotations["huorn.io/node"] == "b0"
+        assert pod.metadata.annotations["huorn.io/gpus"] == "2"
+        command = launcher.build_serve_command("/etc/huorn/config.json", "python")
+        assert pod.spec.containers[0].command == command
+        config = kube.core.read_namespaced_config_map("chat-config", NS).data["config.json"]
+        served = serve.ServeConfig.model_validate(json.loads(config))  # what the replica will load
+        assert served.port == manifests.SERVE_PORT and served.spec.autoscaling.max_replicas == 2
+        service = kube.core.read_namespaced_service("chat", NS)
+        assert service.spec.selector == {"huorn.io/job": "chat", "huorn.io/vertex": "server"}
+        assert status(kube, "chat").get("phase") == "Pending"
+        replicas.start(IPS["server-0"])
+        run_pod(kube, pod, IPS["server-0"])
+        run_pod(kube, servers(kube, "batch")["server-0"])
+        wait_for(lambda: status(kube, "chat").get("readyReplicas") == 1, what="chat serving")
+        assert status(kube, "chat")["phase"] == "Running" and status(kube, "chat")["desiredReplicas"] == 1
+
+        # Load: replica 0 is busy all the time, twice the target utilisation.
+        replicas.load(IPS["server-0"])
+        (up, *_) = wait_for(lambda: scaled(kube, "chat", "ScaledUp"), what="chat scaled up")
+        assert "busy" in up.message and "1 → 2" in up.message
+        now = status(kube, "chat")
+        assert now["desiredReplicas"] == 2 and now["requestsPerSecond"] > 0 and now["utilization"] > 0.5
+        resizes = [d["reason"] for d in now["decisions"] if d["action"] == "resize"]
+        assert resizes[-1].startswith("autoscaler: ")
+        # The second replica's GPUs are on loan: the borrower gives back one replica of 2 GPUs.
+        wait_for(lambda: serving.nodes_of(kube, NS, "elastic") == ["b0"], what="the borrower shrunk")
+        (shrink,) = serving.resize_decisions(kube, NS, "elastic")
+        assert "serve reclaims 2 GPU(s)" in shrink["reason"]
+        wait_for(lambda: "server-1" in servers(kube, "chat"), what="chat's second replica placed")
+        assert servers(kube, "chat")["server-1"].metadata.annotations["huorn.io/node"] == "b0"
+        replicas.start(IPS["server-1"])
+        run_pod(kube, servers(kube, "chat")["server-1"], IPS["server-1"])
+        wait_for(lambda: status(kube, "chat").get("readyReplicas") == 2, what="two replicas serving")
+
+        # Quiet: back to one replica after the 3 s window, the newest one going.
+        replicas.quiet()
+        (down, *_) = wait_for(lambda: scaled(kube, "chat", "ScaledDown"), what="chat scaled down", timeout=60)
+        assert "2 → 1" in down.message
+        wait_for(lambda: list(servers(kube, "chat")) == ["server-0"], what="replica 1 deleted")
+        assert status(kube, "chat")["desiredReplicas"] == 1
+        assert scaled(kube, "batch", "ScaledUp") == []  # an idle job at its floor stays there
+
+
+def test_lost_replicas_are_replaced_and_a_spec_change_rolls_one_replica_at_a_time(
+    kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    job = serving.make_inference_job("chat", "serve", min_replicas=2, max_replicas=2)
+    kube.create_job(NS, job, plural=IJ)
+    wait_for(lambda: len(servers(kube, "chat")) == 2, what="two replicas")
+    for pod in servers(kube, "chat").values():
+        run_pod(kube, pod)
+    wait_for(lambda: status(kube, "chat").get("readyReplicas") == 2, what="both ready")
+
+    # A replica pod evicted: a new generation replaces it, with the reason in the decisions.
+    kube.set_pod_phase(NS, "chat-server-1", "Failed")
+    wait_for(lambda: "server-1-g1" in servers(kube, "chat"), what="replica 1 replaced")
+    (replaced,) = [d for d in status(kube, "chat")["decisions"] if d["action"] == "replace"]
+    assert replaced["reason"].startswith("replica pod chat-server-1 Failed")
+    run_pod(kube, servers(kube, "chat")["server-1-g1"])
+
+    # A new checkpoint: one replica is rolled, the other waits until the new one is ready.
+    kube.custom.patch_namespaced_custom_object(
+        builders.GROUP, builders.VERSION, NS, IJ, "chat",
+        {"spec": {"model": {"checkpoint": "/checkpoints/v2"}}})
+    wait_for(lambda: "server-0-g1" in servers(kube, "chat"), what="the first replica rolled")
+    assert "server-1-g1" in servers(kube, "chat")  # still serving the old checkpoint
+    config = json.loads(kube.core.read_namespaced_config_map("chat-config", NS).data["config.json"])
+    assert config["spec"]["model"]["checkpoint"] == "/checkpoints/v2"
+    run_pod(kube, servers(kube, "chat")["server-0-g1"])
+    wait_for(lambda: sorted(servers(kube, "chat")) == ["server-0-g1", "server-1-g2"],
+             what="the second rolled")
+    rolls = [d for d in status(kube, "chat")["decisions"] if d["reason"].startswith("rolling update")]
+    assert len(rolls) == 2
+    # Scaling bounds are not a rolled field: a new maxReplicas restarts nothing.
+    kube.custom.patch_namespaced_custom_object(
+        builders.GROUP, builders.VERSION, NS, IJ, "chat", {"spec": {"autoscaling": {"maxReplicas": 4}}})
+    wait_for(lambda: status(kube, "chat").get("observedGeneration") == 3, what="the new bounds seen")
+    assert sorted(servers(kube, "chat")) == ["server-0-g1", "server-1-g2"]
+
+
+def test_an_inference_job_on_a_checkpoint_off_its_volume_is_refused_naming_the_field(
+    kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    kube.create_job(NS, serving.make_inference_job(
+        "chat", "serve", checkpoint={"volume": "models", "path": "/models"}), plural=IJ)
+    cond = wait_for(lambda: kube.condition(NS, "chat", "Stalled", IJ).get("status") == "True"
+                    and kube.condition(NS, "chat", "Stalled", IJ), what="Stalled")
+    assert cond["reason"] == "InvalidSpec" and cond["message"].startswith("spec.model.checkpoint:")
+    assert "/models" in cond["message"] and kube.pods(NS, "chat") == []
