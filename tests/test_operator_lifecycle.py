@@ -386,7 +386,7 @@ def test_unplaceable_gang_creates_nothing_and_says_why(kube: builders.Kube, oper
     wait_for(lambda: (kube.get_vc("serve").get("status") or {}).get("lent") == 4, what="lent 4")
 
 
-def test_rl_and_inference_jobs_are_validated_but_wait_for_their_runtime(
+def test_an_rl_job_waits_for_its_runtime_and_an_invalid_inference_job_is_stalled(
     kube: builders.Kube, operator
 ) -> None:
     kube.create_job(

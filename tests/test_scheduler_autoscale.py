@@ -11,25 +11,27 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from huorn.backends import replica_metrics
 from huorn.backends.kubernetes import manifests
 from huorn.graph.model import Instance
-from huorn.operator import autoscaling, serving
+from huorn.operator import serving
 from huorn.runtime import serve
 from huorn.scheduler import autoscale
 
 
-def sample(t: float, busy: float, requests: float = 0.0, tokens: float = 0.0,
+def sample(t: float, busy: float, requests: float = 0.0, tokens: float = 0.0, latency: float = 0.0,
            buckets: tuple[tuple[float, float], ...] = ()) -> autoscale.ReplicaSample:
-    return autoscale.ReplicaSample(t, requests, tokens, busy, buckets)
+    return autoscale.ReplicaSample(t, requests, tokens, busy, latency, buckets)
 
 
-def reading(busy: float, replicas: int = 1, p99: float | None = None,
+def reading(in_flight: float, replicas: int = 1, p99: float | None = None,
             per_busy_second: float | None = None) -> autoscale.LoadReading:
-    return autoscale.LoadReading(replicas, 10.0, 100.0, busy, p99, per_busy_second)
+    return autoscale.LoadReading(replicas, 10.0, 100.0, 1.0, in_flight, p99, per_busy_second)
 
 
 def rule(**kw: object) -> autoscale.ScalingRule:
-    args = {"min_replicas": 1, "max_replicas": 16, "target_utilization": 0.5,
+    """Two batch slots per replica at a target of 0.5: one request in flight per replica."""
+    args = {"min_replicas": 1, "max_replicas": 16, "slots_per_replica": 2, "target_utilization": 0.5,
             "scale_down_delay_seconds": 60.0}
     return autoscale.ScalingRule(**{**args, **kw})  # type: ignore[arg-type]
 
@@ -46,44 +48,48 @@ def test_histogram_quantile_interpolates_like_prometheus() -> None:
 
 
 def test_read_load_sums_rates_and_leaves_out_a_restarted_replica() -> None:
-    before = {"a": sample(0, busy=10, requests=100, tokens=1000), "b": sample(0, busy=50, requests=7),
-              "c": sample(0, busy=3)}
-    after = {"a": sample(10, busy=15, requests=150, tokens=3000), "b": sample(10, busy=2, requests=1),
-             "c": sample(10, busy=13), "d": sample(10, busy=1)}
+    before = {"a": sample(0, busy=10, requests=100, tokens=1000, latency=40),
+              "b": sample(0, busy=50, requests=7), "c": sample(0, busy=3, latency=5)}
+    after = {"a": sample(10, busy=15, requests=150, tokens=3000, latency=70),
+             "b": sample(10, busy=2, requests=1), "c": sample(10, busy=13, latency=15),
+             "d": sample(10, busy=1)}
     got = autoscale.read_load(before, after)
     assert got is not None
     assert got.replicas == 2  # b restarted (its counters fell), d was not scraped before
     assert got.busy == pytest.approx(0.5 + 1.0)
     assert got.requests_per_second == pytest.approx(5.0)
+    # Little's law: 30 + 10 request-seconds answered in 10 s = 4 requests in flight on average
+    assert got.in_flight == pytest.approx(4.0) and got.utilization(2) == pytest.approx(1.0)
     assert got.tokens_per_busy_second == pytest.approx(2000 / 15)
     assert autoscale.read_load({}, after) is None
 
 
 def test_a_busy_fleet_grows_at_once_within_the_growth_step_and_the_bounds() -> None:
     scaler = autoscale.Autoscaler(rule())
-    rec = scaler.recommend(0.0, 2, reading(busy=1.8, replicas=2))
-    assert rec.replicas == 4 and "1.80 replica(s) busy" in rec.reason and "2 → 4" in rec.reason
-    # 100 replicas' worth of load from 2: at most double or +4 per decision (the HPA's policy)
-    assert autoscale.Autoscaler(rule()).recommend(0.0, 2, reading(busy=50, replicas=2)).replicas == 6
+    rec = scaler.recommend(0.0, 2, reading(in_flight=3.6, replicas=2))
+    assert rec.replicas == 4 and "3.6 request(s) in flight on 2 replica(s) of 2 slot(s)" in rec.reason
+    assert "2 → 4" in rec.reason
+    # 50 replicas' worth of load from 2: at most double or +4 per decision (the HPA's policy)
+    assert autoscale.Autoscaler(rule()).recommend(0.0, 2, reading(in_flight=50, replicas=2)).replicas == 6
     capped = autoscale.Autoscaler(rule(max_replicas=3))
-    assert capped.recommend(0.0, 2, reading(busy=2, replicas=2)).replicas == 3
+    assert capped.recommend(0.0, 2, reading(in_flight=4, replicas=2)).replicas == 3
 
 
 def test_the_latency_guard_and_the_throughput_floor_raise_a_quiet_looking_fleet() -> None:
     guarded = autoscale.Autoscaler(rule(p99_seconds=0.25))
-    slow = guarded.recommend(0.0, 3, reading(busy=0.3, replicas=3, p99=0.9))
+    slow = guarded.recommend(0.0, 3, reading(in_flight=0.3, replicas=3, p99=0.9))
     assert slow.replicas == 4 and "p99 latency 900 ms is above the SLO's 250 ms" in slow.reason
     floor = autoscale.Autoscaler(rule(tokens_per_second=2000)).recommend(
-        0.0, 1, reading(busy=0.2, per_busy_second=1000))
+        0.0, 1, reading(in_flight=0.2, per_busy_second=1000))
     assert floor.replicas == 4 and "slo.tokensPerSecond 2000 needs 4" in floor.reason  # 2000 / (1000 × 0.5)
 
 
 def test_a_fall_waits_for_the_whole_window_and_takes_its_highest_need() -> None:
     scaler = autoscale.Autoscaler(rule(scale_down_delay_seconds=60))
-    assert scaler.recommend(0.0, 4, reading(busy=1.9, replicas=4)).replicas == 4  # needs 4
-    assert scaler.recommend(30.0, 4, reading(busy=0.2, replicas=4)).replicas == 4  # window not elapsed
-    assert scaler.recommend(59.0, 4, reading(busy=0.2, replicas=4)).replicas == 4
-    rec = scaler.recommend(70.0, 4, reading(busy=0.2, replicas=4))  # t=0 left the window; 30..70 need 1
+    assert scaler.recommend(0.0, 4, reading(in_flight=3.9, replicas=4)).replicas == 4  # needs 4
+    assert scaler.recommend(30.0, 4, reading(in_flight=0.2, replicas=4)).replicas == 4  # window not elapsed
+    assert scaler.recommend(59.0, 4, reading(in_flight=0.2, replicas=4)).replicas == 4
+    rec = scaler.recommend(70.0, 4, reading(in_flight=0.2, replicas=4))  # t=0 left the window; 30..70 need 1
     assert rec.replicas == 1 and "for 60 s: 4 → 1" in rec.reason
 
 
@@ -91,7 +97,7 @@ def test_no_reading_keeps_the_replicas_inside_the_range_and_never_scales_to_zero
     scaler = autoscale.Autoscaler(rule(min_replicas=0, max_replicas=3, scale_down_delay_seconds=0))
     assert scaler.recommend(0.0, 5, None).replicas == 3
     assert scaler.recommend(1.0, 0, None).replicas == 1
-    assert scaler.recommend(2.0, 2, reading(busy=0.0, replicas=2)).replicas == 1
+    assert scaler.recommend(2.0, 2, reading(in_flight=0.0, replicas=2)).replicas == 1
     with pytest.raises(ValueError, match="targetUtilization"):
         rule(target_utilization=1.5)
 
@@ -108,7 +114,7 @@ def test_recommendations_stay_in_range_and_never_fall_inside_the_window(
     current = min(low + span, max(low, 1, current))
     for step, busy in enumerate(loads):
         now = step * 10.0
-        rec = scaler.recommend(now, current, reading(busy=busy, replicas=current))
+        rec = scaler.recommend(now, current, reading(in_flight=busy, replicas=current))
         assert max(low, 1) <= rec.replicas <= low + span
         if rec.replicas < current:
             assert now >= 25  # no fall before a whole window was seen
@@ -126,13 +132,14 @@ def test_the_serving_runtimes_metrics_read_back_as_a_sample() -> None:
     for seconds in np.linspace(0.02, 0.4, 12):
         metrics.latency.observe(float(seconds))
     text = prometheus_client.generate_latest(metrics.registry).decode()
-    got = autoscaling.parse_metrics(text, 7.0)
+    got = replica_metrics.parse_metrics(text, 7.0)
     assert got is not None
     assert (got.time, got.requests, got.tokens, got.busy_seconds) == (7.0, 12.0, 480.0, 2.5)
+    assert got.latency_seconds == pytest.approx(float(np.linspace(0.02, 0.4, 12).sum()))
     assert got.latency_buckets[-1] == (float("inf"), 12.0)
     p99 = autoscale.histogram_quantile(0.99, got.latency_buckets)
     assert p99 is not None and 0.25 < p99 <= 0.5
-    assert autoscaling.parse_metrics("some_other_metric 1\n", 0.0) is None
+    assert replica_metrics.parse_metrics("some_other_metric 1\n", 0.0) is None
 
 
 def test_a_replica_pod_is_pinned_probed_and_reads_its_config() -> None:

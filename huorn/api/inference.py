@@ -68,14 +68,16 @@ class Slo(ApiModel):
     ),
 )
 class Autoscaling(ApiModel):
-    """The operator scales replicas between the bounds on their measured busy fraction, with the
-    SLO as floors (huorn.scheduler.autoscale, the HorizontalPodAutoscaler's rule)."""
+    """The operator scales replicas between the bounds on their requests in flight against their
+    batch slots, with the SLO as floors (huorn.scheduler.autoscale, the HorizontalPodAutoscaler's
+    rule)."""
 
     min_replicas: int = Field(default=1, ge=0, le=4096, description="Replicas kept even when idle; 0 "
                               "lets the cluster lend the first replica's GPUs only while none runs.")
     max_replicas: int = Field(default=1, ge=1, le=4096)
-    target_utilization: float = Field(default=0.7, gt=0, le=1, description="Busy fraction each replica "
-                                      "is scaled to (seconds decoding per second).")
+    target_utilization: float = Field(default=0.7, gt=0, le=1, description="Share of each replica's "
+                                      "batch slots (serving.maxBatch) kept in use: requests in flight per "
+                                      "replica / maxBatch.")
     scale_down_delay_seconds: float = Field(
         default=300, ge=0, le=86400,
         description="A scale-down waits until the load of this whole window allows it; a rise is "
@@ -95,7 +97,7 @@ class InferenceJobStatus(JobStatus):
     p99_latency_ms: float | None = Field(default=None, alias="p99LatencyMs")
     requests_per_second: float | None = None
     tokens_per_second: float | None = None
-    utilization: float | None = Field(default=None, description="Mean busy fraction of the replicas.")
+    utilization: float | None = Field(default=None, description="Share of the replicas' batch slots in use.")
     desired_replicas: int | None = Field(default=None, description="Replicas the autoscaler asks for; "
                                          "their GPUs are what the virtual cluster keeps unlent.")
     ready_replicas: int | None = None

@@ -2,9 +2,9 @@
 record a resize of the server vertex when the rule (huorn.scheduler.autoscale) asks for another
 count.
 
-The replicas' own `/metrics` are the source (the serving runtime exports the seconds it spends
-decoding, its requests, tokens and latency histogram): no Prometheus or metrics adapter is
-needed for the job to scale, unlike an HPA on custom metrics. Two scrapes a period apart give
+The replicas' own `/metrics` are the source (huorn.backends.replica_metrics reads the seconds
+spent decoding, the requests, tokens and latency histogram): no Prometheus or metrics adapter
+is needed for the job to scale, unlike an HPA on custom metrics. Two scrapes a period apart give
 the rates. The resize is a graph mutation written into status before any pod changes (the same
 write-ahead path as a TrainingJob's monitor), so a killed operator either never decided or finds
 the decision in status; the reconcile that follows places or deletes the pods, and a larger
@@ -14,18 +14,14 @@ the decision in status; the reconcile that follows places or deletes the pods, a
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from huorn.api import kinds
+from huorn.backends import replica_metrics
 from huorn.backends.kubernetes import manifests
 from huorn.graph import mutate, serialise
 from huorn.operator import serving, validation
@@ -51,57 +47,12 @@ def build_rule(job: kinds.InferenceJob) -> autoscale.ScalingRule:
     return autoscale.ScalingRule(
         min_replicas=spec.autoscaling.min_replicas,
         max_replicas=spec.autoscaling.max_replicas,
+        slots_per_replica=spec.serving.max_batch,
         target_utilization=spec.autoscaling.target_utilization,
         p99_seconds=p99 / 1000 if p99 is not None else None,
         tokens_per_second=spec.slo.tokens_per_second,
         scale_down_delay_seconds=spec.autoscaling.scale_down_delay_seconds,
     )
-
-
-def parse_metrics(text: str, now: float) -> autoscale.ReplicaSample | None:
-    """A replica's counters from its Prometheus text; None when it does not export them (not a
-    Huorn serving replica, or a version without the busy counter)."""
-    values: dict[str, float] = {}
-    buckets: list[tuple[float, float]] = []
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "huorn_serve_requests_total" and sample.labels.get("outcome") == "ok":
-                    values["requests"] = sample.value
-                elif sample.name in ("huorn_serve_generated_tokens_total", "huorn_serve_busy_seconds_total"):
-                    values[sample.name] = sample.value
-                elif sample.name == "huorn_serve_request_seconds_bucket":
-                    buckets.append((float(sample.labels["le"]), sample.value))
-    except (ValueError, KeyError):
-        return None
-    if "huorn_serve_busy_seconds_total" not in values:
-        return None
-    return autoscale.ReplicaSample(
-        time=now,
-        requests=values.get("requests", 0.0),
-        tokens=values.get("huorn_serve_generated_tokens_total", 0.0),
-        busy_seconds=values["huorn_serve_busy_seconds_total"],
-        latency_buckets=tuple(sorted(buckets)),
-    )
-
-
-def fetch_text(url: str, timeout: float) -> str | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.read().decode("utf-8", errors="replace")
-    except (OSError, urllib.error.URLError, ValueError):
-        return None
-
-
-def fetch_all(targets: Mapping[str, str], timeout: float) -> dict[str, str]:
-    """Every replica at once: one slow replica costs one timeout, not one each."""
-    if not targets:
-        return {}
-    workers = min(16, len(targets))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="serve-metrics") as pool:
-        futures = {replica: pool.submit(fetch_text, url, timeout) for replica, url in targets.items()}
-        texts = {replica: f.result() for replica, f in futures.items()}
-    return {replica: text for replica, text in texts.items() if text is not None}
 
 
 def _state_for(ctx: Context, body: Mapping[str, Any], job: kinds.InferenceJob) -> ScalerState:
@@ -117,13 +68,13 @@ def _state_for(ctx: Context, body: Mapping[str, Any], job: kinds.InferenceJob) -
     return state
 
 
-def _load_status(reading: autoscale.LoadReading | None) -> dict[str, Any]:
+def _load_status(reading: autoscale.LoadReading | None, slots: int) -> dict[str, Any]:
     if reading is None:
         return {}
     out: dict[str, Any] = {
         "requestsPerSecond": round(reading.requests_per_second, 3),
         "tokensPerSecond": round(reading.tokens_per_second, 1),
-        "utilization": round(reading.utilization, 3),
+        "utilization": round(reading.utilization(slots), 3),
     }
     if reading.p99_seconds is not None:
         out["p99LatencyMs"] = round(reading.p99_seconds * 1000, 1)
@@ -150,14 +101,15 @@ async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendat
         pod = ctx.index.pods.get((namespace, manifests.pod_name(ref, instance)))
         if pod is not None and serving.is_ready(pod) and pod.ip:
             targets[instance.name] = f"http://{pod.ip}:{ctx.settings.serve_port}/metrics"
-    texts = await asyncio.to_thread(fetch_all, targets, ctx.settings.serve_timeout_seconds)
+    texts = await asyncio.to_thread(replica_metrics.fetch_all, targets, ctx.settings.serve_timeout_seconds)
     now = time.time()
-    samples = {r: s for r, s in ((r, parse_metrics(t, now)) for r, t in texts.items()) if s is not None}
+    parsed = {replica: replica_metrics.parse_metrics(text, now) for replica, text in texts.items()}
+    samples = {replica: sample for replica, sample in parsed.items() if sample is not None}
     state = _state_for(ctx, body, job)
     reading = autoscale.read_load(state.last, samples)
     state.last = samples
     rec = state.scaler.recommend(now, server.replicas, reading)
-    load = _load_status(reading)
+    load = _load_status(reading, job.spec.serving.max_batch)
     target = min(server.max_replicas, max(server.min_replicas, 1, rec.replicas))
     if target == server.replicas:
         if load and any(status.get(k) != v for k, v in load.items()):

@@ -1,12 +1,18 @@
 """How many serving replicas an InferenceJob needs, from what its replicas measure.
 
-The rule is the Kubernetes HorizontalPodAutoscaler's, on the metric a GPU server saturates on,
-its busy fraction, with the job's SLO as two further floors; platform teams already know how it
-behaves, and each part of it answers a known failure of simpler rules:
+The rule is the Kubernetes HorizontalPodAutoscaler's, on the metric a batching server saturates
+on, its requests in flight against its batch slots (Knative's concurrency target, and what
+KServe users scale vLLM on), with the job's SLO as two further floors; platform teams already
+know how it behaves, and each part of it answers a known failure of simpler rules:
 
-- **Utilisation.** Each replica exports the seconds it spent decoding; their rate is its busy
-  fraction. The fleet needs ceil(Σ busy / targetUtilization) replicas, so that each would be
-  busy at the target, with room left for a burst while new replicas load.
+- **Slot utilisation.** Requests in flight per replica come from the latency histogram's sum:
+  the seconds of all requests answered in an interval, divided by the interval, is the mean
+  number in flight (Little's law). The fleet needs ceil(in flight / (serving.maxBatch ×
+  targetUtilization)) replicas, so that each would fill that share of its batch, with room left
+  for a burst while new replicas load. A replica's busy fraction (seconds decoding per second)
+  is no measure of its capacity when it batches: one request at a time keeps it busy all the
+  time at a fraction of what it serves with full batches (measured: benchmarks/serving_autoscale.py
+  scaled to its maximum on the first, light, minute of the trace with busy fraction as the metric).
 - **Latency guard.** A p99 latency above `slo.p99LatencyMs` (from the replicas' latency
   histograms, interpolated as Prometheus's histogram_quantile does) asks for one replica more
   than now even when utilisation looks low: long prompts queue behind each other without a
@@ -40,6 +46,7 @@ class ReplicaSample:
     requests: float
     tokens: float
     busy_seconds: float
+    latency_seconds: float = 0.0  # the latency histogram's sum: seconds of all requests answered
     latency_buckets: tuple[tuple[float, float], ...] = ()  # (upper bound, cumulative count), +Inf last
 
 
@@ -51,12 +58,13 @@ class LoadReading:
     requests_per_second: float
     tokens_per_second: float
     busy: float  # Σ busy fraction: replicas' worth of decoding
+    in_flight: float  # mean requests in flight over the fleet (queued or decoding)
     p99_seconds: float | None
     tokens_per_busy_second: float | None
 
-    @property
-    def utilization(self) -> float:
-        return self.busy / self.replicas if self.replicas else 0.0
+    def utilization(self, slots: int) -> float:
+        """Share of the measured replicas' batch slots in use."""
+        return self.in_flight / (self.replicas * slots) if self.replicas and slots else 0.0
 
 
 def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
@@ -84,7 +92,7 @@ def read_load(before: Mapping[str, ReplicaSample], after: Mapping[str, ReplicaSa
     """Rates over the replicas scraped both times. A replica whose counters went down restarted
     (its process began again from zero) and is left out of this reading; None when no replica
     can be read twice yet."""
-    requests = tokens = busy = busy_seconds = 0.0
+    requests = tokens = busy = busy_seconds = in_flight = 0.0
     merged: dict[float, float] = {}
     measured = 0
     for replica, now in after.items():
@@ -92,7 +100,7 @@ def read_load(before: Mapping[str, ReplicaSample], after: Mapping[str, ReplicaSa
         if then is None or now.time <= then.time:
             continue
         deltas = (now.requests - then.requests, now.tokens - then.tokens,
-                  now.busy_seconds - then.busy_seconds)
+                  now.busy_seconds - then.busy_seconds, now.latency_seconds - then.latency_seconds)
         if min(deltas) < 0:
             continue
         elapsed = now.time - then.time
@@ -101,6 +109,7 @@ def read_load(before: Mapping[str, ReplicaSample], after: Mapping[str, ReplicaSa
         tokens += deltas[1] / elapsed
         busy += min(1.0, deltas[2] / elapsed)
         busy_seconds += deltas[2]
+        in_flight += deltas[3] / elapsed
         old = dict(then.latency_buckets)
         for bound, count in now.latency_buckets:
             merged[bound] = merged.get(bound, 0.0) + max(0.0, count - old.get(bound, 0.0))
@@ -115,6 +124,7 @@ def read_load(before: Mapping[str, ReplicaSample], after: Mapping[str, ReplicaSa
         requests_per_second=requests,
         tokens_per_second=tokens,
         busy=busy,
+        in_flight=in_flight,
         p99_seconds=p99,
         tokens_per_busy_second=made / busy_seconds if busy_seconds > 0 and made > 0 else None,
     )
@@ -126,6 +136,7 @@ class ScalingRule:
 
     min_replicas: int
     max_replicas: int
+    slots_per_replica: int = 1  # serving.maxBatch: requests a replica decodes together
     target_utilization: float = 0.7
     p99_seconds: float | None = None
     tokens_per_second: float | None = None
@@ -135,6 +146,9 @@ class ScalingRule:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             raise ValueError(f"replica range [{self.min_replicas}, {self.max_replicas}] is empty "
                              "(spec.autoscaling.minReplicas..maxReplicas)")
+        if self.slots_per_replica < 1:
+            raise ValueError(f"slots_per_replica must be ≥ 1 (spec.serving.maxBatch), got "
+                             f"{self.slots_per_replica}")
         if not 0 < self.target_utilization <= 1:
             raise ValueError(f"target_utilization {self.target_utilization} is outside (0, 1] "
                              "(spec.autoscaling.targetUtilization)")
@@ -163,9 +177,9 @@ class Autoscaler:
     def raw(self, current: int, reading: LoadReading) -> tuple[int, str]:
         """What this reading alone asks for, and why."""
         rule = self.rule
-        need = math.ceil(reading.busy / rule.target_utilization - 1e-9)
-        why = (f"{reading.busy:.2f} replica(s) busy of {reading.replicas} measured (target utilisation "
-               f"{rule.target_utilization:g})")
+        need = math.ceil(reading.in_flight / (rule.slots_per_replica * rule.target_utilization) - 1e-9)
+        why = (f"{reading.in_flight:.1f} request(s) in flight on {reading.replicas} replica(s) of "
+               f"{rule.slots_per_replica} slot(s) (target utilisation {rule.target_utilization:g})")
         target, p99 = rule.p99_seconds, reading.p99_seconds
         if target is not None and p99 is not None and p99 > target and current + 1 > need:
             need = current + 1

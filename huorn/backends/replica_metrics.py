@@ -1,0 +1,66 @@
+"""A serving replica's load, read from its own Prometheus text (`/metrics`).
+
+The serving runtime exports the counters the autoscaler's rule needs (huorn.scheduler.autoscale):
+completions answered, tokens generated, seconds spent decoding, and the latency histogram (whose
+sum gives the requests in flight). The
+operator reads them from each ready pod, a benchmark from local processes: one parser for both.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from huorn.scheduler import autoscale
+
+
+def parse_metrics(text: str, now: float) -> autoscale.ReplicaSample | None:
+    """A replica's counters from its Prometheus text; None when it does not export them (not a
+    Huorn serving replica, or a version without the busy counter)."""
+    values: dict[str, float] = {}
+    buckets: list[tuple[float, float]] = []
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "huorn_serve_requests_total" and sample.labels.get("outcome") == "ok":
+                    values["requests"] = sample.value
+                elif sample.name in ("huorn_serve_generated_tokens_total", "huorn_serve_busy_seconds_total",
+                                     "huorn_serve_request_seconds_sum"):
+                    values[sample.name] = sample.value
+                elif sample.name == "huorn_serve_request_seconds_bucket":
+                    buckets.append((float(sample.labels["le"]), sample.value))
+    except (ValueError, KeyError):
+        return None
+    if "huorn_serve_busy_seconds_total" not in values:
+        return None
+    return autoscale.ReplicaSample(
+        time=now,
+        requests=values.get("requests", 0.0),
+        tokens=values.get("huorn_serve_generated_tokens_total", 0.0),
+        busy_seconds=values["huorn_serve_busy_seconds_total"],
+        latency_seconds=values.get("huorn_serve_request_seconds_sum", 0.0),
+        latency_buckets=tuple(sorted(buckets)),
+    )
+
+
+def fetch_text(url: str, timeout: float) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read().decode("utf-8", errors="replace")
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+
+
+def fetch_all(targets: Mapping[str, str], timeout: float) -> dict[str, str]:
+    """Every replica at once: one slow replica costs one timeout, not one each."""
+    if not targets:
+        return {}
+    workers = min(16, len(targets))
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="serve-metrics") as pool:
+        futures = {replica: pool.submit(fetch_text, url, timeout) for replica, url in targets.items()}
+        texts = {replica: f.result() for replica, f in futures.items()}
+    return {replica: text for replica, text in texts.items() if text is not None}
