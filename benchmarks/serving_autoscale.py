@@ -12,14 +12,14 @@ policies, one after the other, on the same arrivals:
   replicas' own /metrics read with `huorn.operator.replica_metrics.parse_metrics`), between 1 and the
   static-peak count. A replica it adds is a new process, which loads the model before it serves.
 
-A probe first measures one replica under a closed loop of 16 clients: its capacity (the trace is
+A probe first measures one replica under a closed loop of 64 clients: its capacity (the trace is
 scaled so its peak is `--peak-load` × the static-peak fleet's capacity) and its mean latency
 there (the SLO on p99 is `--slo-factor` × that). Reported per policy: the share of requests
 within the SLO, the share of one-second windows whose p99 is within it, latency percentiles,
 and replica-seconds (a replica counts from its start, loading included, to its stop); and
 Huorn's ratios to both baselines.
 
-    .venv/bin/python benchmarks/serving_autoscale.py [--bins 0:268] [--bin-seconds 0.5] [--max-replicas N]
+    .venv/bin/python benchmarks/serving_autoscale.py [--bins 40:132] [--bin-seconds 1.5] [--max-replicas N]
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from huorn.scheduler import autoscale, forecast
 DATA = ROOT.parent / "shared" / "data"
 ARCHITECTURE = {"layers": 4, "width": 64, "heads": 4, "context": 128}
 MAX_BATCH = 16
+CLIENTS = 64  # the probe's closed loop: four prompt lengths × a full batch each
 PROMPTS = [f"Q: {'what is ' * n}1+1?\nA:" for n in (1, 2, 3, 4)]  # four lengths: batches form per length
 
 
@@ -142,8 +143,8 @@ async def ask(session: aiohttp.ClientSession, url: str, prompt: str, timeout: fl
 
 
 async def probe(fleet: Fleet, seconds: float) -> dict:
-    """One replica: p50 latency alone, and requests/s and mean latency under 16 closed-loop
-    clients (a full batch's worth)."""
+    """One replica: p50 latency alone, and requests/s and mean latency under CLIENTS closed-loop
+    clients (full batches of each prompt length)."""
     fleet.scale_to(1)
     await fleet.wait_ready()
     (url,) = fleet.ready()
@@ -159,11 +160,11 @@ async def probe(fleet: Fleet, seconds: float) -> dict:
                 done += 1
 
         started = time.monotonic()
-        await asyncio.gather(*(client(i) for i in range(16)))
+        await asyncio.gather(*(client(i) for i in range(CLIENTS)))
         capacity = done / (time.monotonic() - started)
     fleet.close()
     return {"p50_alone_s": float(np.median(alone)), "capacity_rps": capacity,
-            "batch_latency_s": 16 / capacity}
+            "batch_latency_s": CLIENTS / capacity}
 
 
 async def run_policy(policy: str, fleet: Fleet, rates: list[float], bin_seconds: float, slo_s: float,
@@ -300,16 +301,16 @@ def plot(results: dict, meta: dict, path: Path) -> None:
 def main() -> int:
     parser = argument_parser(__doc__, "serving_autoscale")
     parser.add_argument("--qps", type=Path, default=DATA / "genai_qps.csv")
-    parser.add_argument("--bins", default="0:268", help="5-minute bins of the trace to replay, start:end")
-    parser.add_argument("--bin-seconds", type=float, default=0.5)
+    parser.add_argument("--bins", default="40:132", help="5-minute bins of the trace to replay, start:end")
+    parser.add_argument("--bin-seconds", type=float, default=1.5)
     parser.add_argument("--max-replicas", type=int, default=max(2, min(6, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--peak-load", type=float, default=0.6,
                         help="the trace's peak as a share of the static-peak fleet's capacity")
     parser.add_argument("--target", type=float, default=0.7, help="target utilisation (the default)")
     parser.add_argument("--slo-factor", type=float, default=2.0,
-                        help="SLO (p99) = this × one replica's mean latency with 16 clients")
+                        help="SLO (p99) = this × one replica's mean latency in the probe's closed loop")
     parser.add_argument("--period", type=float, default=0.5, help="autoscaler period (s)")
-    parser.add_argument("--scale-down-delay", type=float, default=3.0)
+    parser.add_argument("--scale-down-delay", type=float, default=12.0)
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
