@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import kmock
 import pytest
 from kube import builders, serving
 from kube import operator as operator_mod
@@ -172,3 +173,38 @@ def test_an_inference_job_on_a_checkpoint_off_its_volume_is_refused_naming_the_f
                     and kube.condition(NS, "chat", "Stalled", IJ), what="Stalled")
     assert cond["reason"] == "InvalidSpec" and cond["message"].startswith("spec.model.checkpoint:")
     assert "/models" in cond["message"] and kube.pods(NS, "chat") == []
+
+
+def test_an_inference_job_converges_through_api_errors_and_a_restarted_operator_changes_nothing(
+    cluster: EmulatedCluster, kube: builders.Kube
+) -> None:
+    """Injected 500/503/429 on the writes the serving path makes: no duplicate pod, no decision;
+    then a fresh operator (nothing in memory) resumes the job and finds nothing to do."""
+    km = cluster.kmock
+    km["post", kmock.resource("", "v1", "pods")][:2].override << 500
+    km["post", kmock.resource("", "v1", "configmaps")][:1].override << 503
+    km["post", kmock.resource("", "v1", "services")][:1].override << 500
+    km["patch", kmock.resource("huorn.io", "v1alpha1", IJ)][:3].override << 429
+    job = serving.make_inference_job("chat", "serve", min_replicas=2, max_replicas=2)
+    with operator_mod.OperatorThread(cluster.api_client()) as first:
+        kube.create_job(NS, job, plural=IJ)
+        wait_for(lambda: len(servers(kube, "chat")) == 2, what="two replicas")
+        for pod in servers(kube, "chat").values():
+            run_pod(kube, pod)
+        wait_for(lambda: status(kube, "chat").get("readyReplicas") == 2, what="both ready")
+        assert first.ctx.client.retries >= 3, "the injected errors were answered and retried"
+        desired = {"namespace": NS, "job": "chat", "state": "desired"}
+        assert first.ctx.metrics.value("huorn_inferencejob_replicas", desired) == 2
+
+    def state() -> tuple:
+        s = status(kube, "chat")
+        return (sorted(p.metadata.name for p in kube.pods(NS, "chat")), kube.children(NS, "chat"),
+                s["graph"]["version"], s.get("decisions"), s["desiredReplicas"])
+
+    before = state()
+    assert before[0] == ["chat-server-0", "chat-server-1"] and before[3] == []
+    with operator_mod.OperatorThread(cluster.api_client()) as second:
+        ready = {"namespace": NS, "job": "chat", "state": "ready"}
+        wait_for(lambda: second.ctx.metrics.value("huorn_inferencejob_replicas", ready) == 2,
+                 what="the job resumed by the new operator")
+        assert state() == before

@@ -39,6 +39,9 @@ def operator_command(
         help="A job's first failed pod is replaced at once; each further one within 10 min waits this "
              "long after the previous replacement, doubling up to 6 min (Kubernetes Job's back-off). "
              "0 replaces at once."),
+    autoscale_seconds: float = typer.Option(
+        15.0, "--autoscale-seconds",
+        help="How often each InferenceJob's ready replicas are scraped and its autoscaler consulted."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     no_mirror: bool = typer.Option(
         False, "--no-mirror", hidden=True, help="Benchmark baseline: list pods on every reconcile."
@@ -53,6 +56,9 @@ def operator_command(
         raise typer.Exit(EXIT_USAGE)
     if resync_seconds <= 0:
         typer.echo(f"error: --resync-seconds must be > 0, got {resync_seconds}", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    if autoscale_seconds <= 0:
+        typer.echo(f"error: --autoscale-seconds must be > 0, got {autoscale_seconds}", err=True)
         raise typer.Exit(EXIT_USAGE)
     if pod_start_seconds <= 0:
         typer.echo(f"error: --pod-start-seconds must be > 0, got {pod_start_seconds}", err=True)
@@ -75,6 +81,7 @@ def operator_command(
         trainer_start_seconds=pod_start_seconds, eval_start_seconds=pod_start_seconds,
         replacement_backoff_seconds=0.5 if fast else replacement_backoff_seconds,
         replacement_backoff_max_seconds=2.0 if fast else 360.0,
+        autoscale_seconds=autoscale_seconds,
     )
     try:
         api = kube.build_api_client(kubeconfig, kube_context)

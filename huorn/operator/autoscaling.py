@@ -133,7 +133,7 @@ async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendat
         ctx.index.observe_inference_job({**fresh, "status": {**fresh["status"], **patch}})
     event = "ScaledUp" if target > before else "ScaledDown"
     ctx.post_event(body, "Normal", event, f"autoscaler: {rec.reason}")
-    ctx.metrics.reconciles.labels(serving.KIND, "scaled").inc()
+    ctx.metrics.decisions.labels(serving.KIND, "resize").inc()
     ctx.wake_serving(namespace, name)
     return rec
 

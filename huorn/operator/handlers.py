@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -312,4 +313,8 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
                 deleted = await training.delete_children(ctx, namespace, name)
             ctx.post_event(body, "Normal", "Deleted", f"deleted {deleted} child objects")
             ctx.metrics.record_phase(body["kind"], f"{namespace}/{name}", None)
+            if body["kind"] == serving.KIND:
+                for state in ("desired", "ready"):
+                    with contextlib.suppress(KeyError):  # never reconciled: no sample to drop
+                        ctx.metrics.inference_replicas.remove(namespace, name, state)
             ctx.forget_job(namespace, name)

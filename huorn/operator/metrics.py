@@ -48,6 +48,10 @@ class OperatorMetrics:
         self.decisions = prom.Counter(
             "huorn_decisions", "Decisions taken, by kind and action.", ["kind", "action"], registry=r
         )
+        self.inference_replicas = prom.Gauge(
+            "huorn_inferencejob_replicas", "An InferenceJob's serving replicas: desired (the autoscaler's "
+            "count) and ready (the Service's endpoints).", ["namespace", "job", "state"], registry=r,
+        )
         self.api_retries = prom.Gauge(
             "huorn_api_retries", "API writes retried after 409/429/5xx.", registry=r
         )

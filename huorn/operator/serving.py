@@ -161,6 +161,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         ctx.index.observe_inference_job({**body, "status": {**old, **status}})
         for reason in resized:
             ctx.post_event(body, "Normal", "Scaled", reason)
+        for m in graph.log:
+            if m.version > version:
+                ctx.metrics.decisions.labels(KIND, m.action).inc()
 
     missing = [i for i in server.instances if pod_of(i) is None]
     gpus = job.spec.resources.gpus
@@ -218,6 +221,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         ctx.post_event(body, "Normal", reason, message)
     await _write_status(ctx, body, status)
     ctx.metrics.record_phase(KIND, f"{ns}/{name}", phase)
+    ctx.metrics.inference_replicas.labels(ns, name, "desired").set(server.replicas)
+    ctx.metrics.inference_replicas.labels(ns, name, "ready").set(ready)
     return phase
 
 
