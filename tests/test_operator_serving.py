@@ -1,6 +1,6 @@
 """InferenceJobs run by the operator: real kopf against KMock, real serving replicas.
 
-Each replica pod's server is the serving runtime's own (huorn.runtime.serve.Server, a tiny saved
+Each replica pod is the serving runtime itself (`python -m huorn.runtime.serve`, a tiny saved
 model) at the loopback address the test reports as the pod's IP; the operator scrapes their
 /metrics as in a cluster, and real completions load them.
 """

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -21,7 +22,7 @@ from huorn.scheduler import autoscale
 
 def sample(t: float, busy: float, requests: float = 0.0, tokens: float = 0.0, latency: float = 0.0,
            buckets: tuple[tuple[float, float], ...] = ()) -> autoscale.ReplicaSample:
-    return autoscale.ReplicaSample(t, requests, tokens, busy, latency, buckets)
+    return autoscale.ReplicaSample(t, requests, tokens, busy, latency_seconds=latency, latency_buckets=buckets)
 
 
 def reading(in_flight: float, replicas: int = 1, p99: float | None = None,
@@ -62,6 +63,10 @@ def test_read_load_sums_rates_and_leaves_out_a_restarted_replica() -> None:
     assert got.in_flight == pytest.approx(4.0) and got.utilization(2) == pytest.approx(1.0)
     assert got.tokens_per_busy_second == pytest.approx(2000 / 15)
     assert autoscale.read_load({}, after) is None
+    # Answers stopped (overloaded or stuck): nothing completes, but 12 wait; that is the load.
+    stuck = autoscale.read_load({"a": sample(0, busy=1, latency=4)},
+                                {"a": dataclasses.replace(sample(10, busy=1, latency=4), in_flight=12)})
+    assert stuck is not None and stuck.in_flight == 12
 
 
 def test_a_busy_fleet_grows_at_once_within_the_growth_step_and_the_bounds() -> None:
@@ -129,6 +134,7 @@ def test_the_serving_runtimes_metrics_read_back_as_a_sample() -> None:
     metrics.requests.labels("refused").inc(3)
     metrics.tokens.inc(480)
     metrics.busy.inc(2.5)
+    metrics.in_flight.inc(3)
     for seconds in np.linspace(0.02, 0.4, 12):
         metrics.latency.observe(float(seconds))
     text = prometheus_client.generate_latest(metrics.registry).decode()
@@ -136,6 +142,7 @@ def test_the_serving_runtimes_metrics_read_back_as_a_sample() -> None:
     assert got is not None
     assert (got.time, got.requests, got.tokens, got.busy_seconds) == (7.0, 12.0, 480.0, 2.5)
     assert got.latency_seconds == pytest.approx(float(np.linspace(0.02, 0.4, 12).sum()))
+    assert got.in_flight == 3
     assert got.latency_buckets[-1] == (float("inf"), 12.0)
     p99 = autoscale.histogram_quantile(0.99, got.latency_buckets)
     assert p99 is not None and 0.25 < p99 <= 0.5

@@ -8,13 +8,13 @@ operator reads them from each ready pod, a benchmark from local processes: one p
 
 from __future__ import annotations
 
-import concurrent.futures
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from huorn.backends import fetch
 from huorn.scheduler import autoscale
 
 
@@ -29,7 +29,7 @@ def parse_metrics(text: str, now: float) -> autoscale.ReplicaSample | None:
                 if sample.name == "huorn_serve_requests_total" and sample.labels.get("outcome") == "ok":
                     values["requests"] = sample.value
                 elif sample.name in ("huorn_serve_generated_tokens_total", "huorn_serve_busy_seconds_total",
-                                     "huorn_serve_request_seconds_sum"):
+                                     "huorn_serve_request_seconds_sum", "huorn_serve_in_flight"):
                     values[sample.name] = sample.value
                 elif sample.name == "huorn_serve_request_seconds_bucket":
                     buckets.append((float(sample.labels["le"]), sample.value))
@@ -43,6 +43,7 @@ def parse_metrics(text: str, now: float) -> autoscale.ReplicaSample | None:
         tokens=values.get("huorn_serve_generated_tokens_total", 0.0),
         busy_seconds=values["huorn_serve_busy_seconds_total"],
         latency_seconds=values.get("huorn_serve_request_seconds_sum", 0.0),
+        in_flight=values.get("huorn_serve_in_flight", 0.0),
         latency_buckets=tuple(sorted(buckets)),
     )
 
@@ -56,11 +57,5 @@ def fetch_text(url: str, timeout: float) -> str | None:
 
 
 def fetch_all(targets: Mapping[str, str], timeout: float) -> dict[str, str]:
-    """Every replica at once: one slow replica costs one timeout, not one each."""
-    if not targets:
-        return {}
-    workers = min(16, len(targets))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="serve-metrics") as pool:
-        futures = {replica: pool.submit(fetch_text, url, timeout) for replica, url in targets.items()}
-        texts = {replica: f.result() for replica, f in futures.items()}
-    return {replica: text for replica, text in texts.items() if text is not None}
+    """Every replica's text at once (replica → URL): one slow replica costs one timeout."""
+    return fetch.fetch_all(targets, fetch_text, timeout)

@@ -24,7 +24,7 @@ from huorn.api import kinds
 from huorn.backends import replica_metrics
 from huorn.backends.kubernetes import manifests
 from huorn.graph import mutate, serialise
-from huorn.operator import serving, validation
+from huorn.operator import daemons, serving, validation
 from huorn.operator.context import Context
 from huorn.operator.training import build_decisions
 from huorn.scheduler import autoscale
@@ -139,14 +139,6 @@ async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendat
 
 
 async def run_daemon(ctx: Context, namespace: str, name: str, stopped: Any) -> None:
-    """The body of the per-InferenceJob kopf daemon: tick, then wait, until kopf stops it. A
-    failing tick is logged and retried next period; every tick starts from the API objects."""
-    while not stopped:
-        try:
-            await tick(ctx, namespace, name)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("autoscaler tick of %s/%s failed; next try in %.1fs",
-                             namespace, name, ctx.settings.autoscale_seconds)
-        await stopped.wait(ctx.settings.autoscale_seconds)
+    """The body of the per-InferenceJob kopf daemon (huorn.operator.daemons.every)."""
+    await daemons.every(ctx.settings.autoscale_seconds, stopped, lambda: tick(ctx, namespace, name),
+                        f"autoscaler tick of {namespace}/{name}", logger)

@@ -28,7 +28,7 @@ from huorn.api.training import declared_steps
 from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import model, mutate, serialise
-from huorn.operator import conditions, cordon, estimates, evaluation, training, validation
+from huorn.operator import conditions, cordon, daemons, estimates, evaluation, training, validation
 from huorn.operator.context import Context
 from huorn.scheduler.remediation import policy
 
@@ -275,17 +275,6 @@ def _event_reason(m: model.Mutation) -> str:
 
 
 async def run_daemon(ctx: Context, namespace: str, name: str, stopped: Any) -> None:
-    """The body of the per-job kopf daemon: tick, then wait, until kopf stops it.
-
-    A failing tick is logged and retried next period: the monitor must never take a job's
-    reconciles down with it, and every tick starts again from the API objects.
-    """
-    while not stopped:
-        try:
-            await tick_job(ctx, namespace, name)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("monitor tick of %s/%s failed; next try in %.1fs",
-                             namespace, name, ctx.settings.monitor_seconds)
-        await stopped.wait(ctx.settings.monitor_seconds)
+    """The body of the per-TrainingJob kopf daemon (huorn.operator.daemons.every)."""
+    await daemons.every(ctx.settings.monitor_seconds, stopped, lambda: tick_job(ctx, namespace, name),
+                        f"monitor tick of {namespace}/{name}", logger)

@@ -112,6 +112,10 @@ class Metrics:
         # operator's autoscaler targets (huorn.scheduler.autoscale).
         self.busy = prometheus_client.Counter("huorn_serve_busy_seconds", "Seconds spent decoding batches.",
                                               registry=self.registry)
+        # Accepted and not yet answered: what the autoscaler reads when answers stop coming (a
+        # replica so overloaded that nothing completes would otherwise look idle).
+        self.in_flight = prometheus_client.Gauge("huorn_serve_in_flight", "Requests accepted, not yet "
+                                                 "answered.", registry=self.registry)
         self.batch = prometheus_client.Histogram(
             "huorn_serve_batch_size", "Requests decoded together.", registry=self.registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
@@ -151,7 +155,11 @@ class Server:
         item = Request(tokens, wanted, temperature, seed)
         self.queue.append(item)
         self.wake.set()
-        text, count, queued, seconds = await item.done
+        self.metrics.in_flight.inc()
+        try:
+            text, count, queued, seconds = await item.done
+        finally:
+            self.metrics.in_flight.dec()
         self.metrics.requests.labels("ok").inc()
         self.metrics.latency.observe(time.monotonic() - item.arrived)
         return web.json_response({"text": text, "tokens": count, "queue_seconds": queued, "seconds": seconds})

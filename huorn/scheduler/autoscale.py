@@ -7,12 +7,14 @@ know how it behaves, and each part of it answers a known failure of simpler rule
 
 - **Slot utilisation.** Requests in flight per replica come from the latency histogram's sum:
   the seconds of all requests answered in an interval, divided by the interval, is the mean
-  number in flight (Little's law). The fleet needs ceil(in flight / (serving.maxBatch ×
-  targetUtilization)) replicas, so that each would fill that share of its batch, with room left
-  for a burst while new replicas load. A replica's busy fraction (seconds decoding per second)
-  is no measure of its capacity when it batches: one request at a time keeps it busy all the
-  time at a fraction of what it serves with full batches (measured: benchmarks/serving_autoscale.py
-  scaled to its maximum on the first, light, minute of the trace with busy fraction as the metric).
+  number in flight (Little's law); or from the replica's count of requests not yet answered,
+  where that is more (answers that stop coming would otherwise read as no load). The fleet needs
+  ceil(in flight / (serving.maxBatch × targetUtilization)) replicas, so that each would fill
+  that share of its batch, with room left for a burst while new replicas load. A replica's
+  busy fraction (seconds decoding per second) is no measure of its capacity when it batches:
+  one request at a time keeps it busy all the time at a fraction of what it serves with full
+  batches (measured: benchmarks/serving_autoscale.py scaled to its maximum on the first, light,
+  minute of the trace with busy fraction as the metric).
 - **Latency guard.** A p99 latency above `slo.p99LatencyMs` (from the replicas' latency
   histograms, interpolated as Prometheus's histogram_quantile does) asks for one replica more
   than now even when utilisation looks low: long prompts queue behind each other without a
@@ -47,6 +49,7 @@ class ReplicaSample:
     tokens: float
     busy_seconds: float
     latency_seconds: float = 0.0  # the latency histogram's sum: seconds of all requests answered
+    in_flight: float = 0.0  # requests accepted and not yet answered, at the scrape
     latency_buckets: tuple[tuple[float, float], ...] = ()  # (upper bound, cumulative count), +Inf last
 
 
@@ -92,7 +95,7 @@ def read_load(before: Mapping[str, ReplicaSample], after: Mapping[str, ReplicaSa
     """Rates over the replicas scraped both times. A replica whose counters went down restarted
     (its process began again from zero) and is left out of this reading; None when no replica
     can be read twice yet."""
-    requests = tokens = busy = busy_seconds = in_flight = 0.0
+    requests = tokens = busy = busy_seconds = in_flight = in_flight_now = 0.0
     merged: dict[float, float] = {}
     measured = 0
     for replica, now in after.items():
@@ -110,6 +113,7 @@ def read_load(before: Mapping[str, ReplicaSample], after: Mapping[str, ReplicaSa
         busy += min(1.0, deltas[2] / elapsed)
         busy_seconds += deltas[2]
         in_flight += deltas[3] / elapsed
+        in_flight_now += now.in_flight
         old = dict(then.latency_buckets)
         for bound, count in now.latency_buckets:
             merged[bound] = merged.get(bound, 0.0) + max(0.0, count - old.get(bound, 0.0))
@@ -124,7 +128,9 @@ def read_load(before: Mapping[str, ReplicaSample], after: Mapping[str, ReplicaSa
         requests_per_second=requests,
         tokens_per_second=tokens,
         busy=busy,
-        in_flight=in_flight,
+        # The interval's mean, or the count now when more are waiting than that: a replica whose
+        # answers stopped (overloaded, stuck) completes nothing and would otherwise read idle.
+        in_flight=max(in_flight, in_flight_now),
         p99_seconds=p99,
         tokens_per_busy_second=made / busy_seconds if busy_seconds > 0 and made > 0 else None,
     )

@@ -1,12 +1,16 @@
-"""InferenceJob replicas for operator tests: the serving runtime's own server
-(huorn.runtime.serve.Server) on a tiny saved model, one per replica at its own loopback address
-(the pod IP the test reports), all on one shared port, as the operator's autoscaler scrapes them;
-and a load generator that keeps them busy with real completions."""
+"""InferenceJob replicas for operator tests: the serving runtime itself (`python -m
+huorn.runtime.serve`, a process per replica as in a pod) on a tiny saved model, each at its own
+loopback address (the pod IP the test reports), all on one shared port, as the operator's
+autoscaler scrapes them; and a load generator that keeps them busy with real completions."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import socket
+import subprocess
 import threading
 import time
 import warnings
@@ -15,11 +19,10 @@ from typing import Any
 
 import aiohttp
 import torch
-from aiohttp import web
 
 from huorn import models
 from huorn.api import training
-from huorn.runtime import checkpoint, serve
+from huorn.runtime import checkpoint, launcher
 from huorn.runtime import config as run_config
 from kube import builders
 from kube.cluster import wait_for
@@ -63,32 +66,33 @@ def _free_port(ip: str) -> int:
 
 
 class Replicas:
-    """Real serving replicas in a background event loop; `start(ip)` brings one up."""
+    """Real serving replicas, each `python -m huorn.runtime.serve` in a process of its own (as in
+    a pod) bound to its loopback address; `start(ip)` brings one up and waits until it serves."""
 
     def __init__(self, checkpoint_dir: Path, run_dir: Path) -> None:
-        self.cfg = serve.ServeConfig.model_validate({
-            "jobName": "chat", "host": "127.0.0.1", "port": 0, "runDir": str(run_dir),
-            "spec": make_inference_job("chat", "serve", checkpoint_path=str(checkpoint_dir))["spec"]})
-        self.model, _ = serve.load_model(self.cfg)
+        self.checkpoint_dir, self.run_dir = checkpoint_dir, run_dir
         self.port = _free_port("127.0.0.2")
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="replicas", daemon=True)
-        self.thread.start()
-        self.runners: list[web.AppRunner] = []
+        self.processes: list[subprocess.Popen] = []
         self.stop_load = threading.Event()
         self.load_threads: list[threading.Thread] = []
 
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
-
     def start(self, ip: str) -> None:
-        async def up() -> None:
-            runner = web.AppRunner(serve.Server(self.cfg, self.model).app())
-            await runner.setup()
-            await web.TCPSite(runner, ip, self.port).start()
-            self.runners.append(runner)
-
-        self._run(up())
+        run = self.run_dir / ip
+        run.mkdir(parents=True, exist_ok=True)
+        config = run / "config.json"
+        spec = make_inference_job("chat", "serve", checkpoint_path=str(self.checkpoint_dir))["spec"]
+        config.write_text(json.dumps({"jobName": "chat", "host": ip, "port": self.port, "runDir": str(run),
+                                      "device": "cpu", "spec": spec}))
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        with open(run / "serve.log", "wb") as log:
+            self.processes.append(subprocess.Popen(launcher.build_serve_command(config), env=env, stdout=log,
+                                                   stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 60
+        while not (run / "serve.json").exists():
+            if self.processes[-1].poll() is not None or time.monotonic() > deadline:
+                log = (run / "serve.log").read_text()[-2000:]
+                raise AssertionError(f"replica at {ip} did not start: {log}")
+            time.sleep(0.1)
 
     def load(self, ip: str, clients: int = 3, max_tokens: int = 40) -> None:
         """`clients` loops each asking for completions back to back until `quiet`."""
@@ -115,10 +119,13 @@ class Replicas:
 
     def close(self) -> None:
         self.quiet()
-        for runner in self.runners:
-            self._run(runner.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        for process in self.processes:
+            process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 # ---------------------------------------------------------------- a borrower on the serving nodes

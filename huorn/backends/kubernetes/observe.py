@@ -11,7 +11,6 @@ so a decision of the monitor and one of a user take the same path.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import urllib.error
 import urllib.request
@@ -19,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from huorn.backends import monitor
+from huorn.backends import fetch, monitor
 from huorn.graph import model
 
 
@@ -39,13 +38,7 @@ def fetch_snapshot(url: str, timeout: float) -> dict[str, Any] | None:
 
 def fetch_snapshots(targets: Mapping[str, str], timeout: float) -> dict[str, dict[str, Any]]:
     """Every target (replica → URL) at once, so one slow pod costs one timeout, not one each."""
-    if not targets:
-        return {}
-    workers = min(16, len(targets))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="telemetry") as pool:
-        futures = {replica: pool.submit(fetch_snapshot, url, timeout) for replica, url in targets.items()}
-        out = {replica: f.result() for replica, f in futures.items()}
-    return {replica: snap for replica, snap in out.items() if snap is not None}
+    return fetch.fetch_all(targets, fetch_snapshot, timeout)
 
 
 def build_targets(pod_ips: Mapping[str, str], port: int, ranks_per_pod: int = 1) -> dict[str, str]:
