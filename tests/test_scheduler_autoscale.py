@@ -22,7 +22,8 @@ from huorn.scheduler import autoscale
 
 def sample(t: float, busy: float, requests: float = 0.0, tokens: float = 0.0, latency: float = 0.0,
            buckets: tuple[tuple[float, float], ...] = ()) -> autoscale.ReplicaSample:
-    return autoscale.ReplicaSample(t, requests, tokens, busy, latency_seconds=latency, latency_buckets=buckets)
+    return autoscale.ReplicaSample(t, requests, tokens, busy, latency_seconds=latency,
+                                   latency_buckets=buckets)
 
 
 def reading(in_flight: float, replicas: int = 1, p99: float | None = None,
