@@ -33,22 +33,18 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import numpy as np
-import torch
 from matplotlib.figure import Figure
 from rich.progress import Progress
 from trainer_runs import ROOT, argument_parser, save_figure
 
-from huorn import models
 from huorn.api import training
 from huorn.backends import replica_metrics
-from huorn.runtime import checkpoint, launcher
-from huorn.runtime import config as run_config
+from huorn.runtime import launcher, serve
 from huorn.scheduler import autoscale, forecast
 
 DATA = ROOT.parent / "shared" / "data"
@@ -320,7 +316,7 @@ def main() -> int:
     if not len(trace) or trace.max() <= 0:
         parser.error(f"--bins {args.bins}: no load in that stretch of {args.qps}")
     checkpoint_dir = args.work / "ckpt"
-    save_model(checkpoint_dir)
+    serve.save_untrained(checkpoint_dir, training.ModelSpec.model_validate(ARCHITECTURE))
     config = {"jobName": "bench", "host": "127.0.0.1", "port": 0, "device": "cpu",
               "spec": {"virtualCluster": "serve", "model": {"checkpoint": str(checkpoint_dir),
                                                             "architecture": ARCHITECTURE},
@@ -373,17 +369,6 @@ def main() -> int:
     print(f"SLO {out['slo_s'] * 1000:.0f} ms; one replica {out['capacity_rps']:.1f} req/s; peak "
           f"{out['peak_rps']:.1f} req/s; wrote {args.out} and {args.png}")
     return 0
-
-
-def save_model(root: Path) -> None:
-    """A small decoder saved as a checkpoint: serving cost, not answers, is measured here."""
-    spec = training.ModelSpec.model_validate(ARCHITECTURE)
-    torch.manual_seed(0)
-    model = models.build_model(run_config.build_model_config(spec))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        checkpoint.save_checkpoint(root, 1, model, torch.optim.AdamW(model.parameters()),
-                                   {"model": spec.to_wire()}, rank=0, barrier=lambda: None)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import Graph, Instance
 from huorn.operator import conditions, index, validation
 from huorn.operator.context import Context
-from huorn.operator.training import build_decisions
+from huorn.operator.training import build_decisions, write_status
 
 PLURAL = "inferencejobs"
 KIND = "InferenceJob"
@@ -219,7 +219,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     }
     if unplaced and old.get("message") != message:
         ctx.post_event(body, "Normal", reason, message)
-    await _write_status(ctx, body, status)
+    await write_status(ctx, body, status, PLURAL)
     ctx.metrics.record_phase(KIND, f"{ns}/{name}", phase)
     ctx.metrics.inference_replicas.labels(ns, name, "desired").set(server.replicas)
     ctx.metrics.inference_replicas.labels(ns, name, "ready").set(ready)
@@ -243,14 +243,6 @@ def _roll_one(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, index.PodR
                                        "(model, image, resources, quantisation or env changed)")
 
 
-async def _write_status(ctx: Context, body: Mapping[str, Any], status: dict[str, Any]) -> None:
-    old = body.get("status") or {}
-    if conditions.strip_times({**old, **status}) == conditions.strip_times(old):
-        return
-    meta = body["metadata"]
-    await ctx.client.patch_status(PLURAL, meta["namespace"], meta["name"], status)
-
-
 async def _report_waiting(ctx: Context, body: Mapping[str, Any], base: dict[str, Any], reason: str,
                           message: str) -> str:
     old = body.get("status") or {}
@@ -259,7 +251,7 @@ async def _report_waiting(ctx: Context, body: Mapping[str, Any], base: dict[str,
     status = {**base, "phase": "Pending", "message": message, "conditions": conditions.build_conditions(
         old.get("conditions"), body["metadata"].get("generation"), ready=(False, reason, message),
         reconciling=(True, reason, message))}
-    await _write_status(ctx, body, status)
+    await write_status(ctx, body, status, PLURAL)
     ctx.metrics.record_phase(KIND, f"{body['metadata']['namespace']}/{body['metadata']['name']}", "Pending")
     return "Pending"
 
@@ -277,6 +269,6 @@ async def _stall(ctx: Context, body: Mapping[str, Any], reason: str, message: st
             old.get("conditions"), meta.get("generation"),
             ready=(False, reason, message), stalled=(True, reason, message)),
     }
-    await _write_status(ctx, body, status)
+    await write_status(ctx, body, status, PLURAL)
     ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Stalled")
     return "Stalled"

@@ -56,12 +56,15 @@ def build_decisions(graph: Graph) -> list[dict[str, Any]]:
     ]
 
 
-async def _write_status(ctx: Context, body: Mapping[str, Any], status: dict[str, Any]) -> None:
+async def write_status(ctx: Context, body: Mapping[str, Any], status: dict[str, Any],
+                       plural: str = PLURAL) -> None:
+    """Patch status only when it says something new (condition times aside): a reconcile that
+    changed nothing writes nothing."""
     old = body.get("status") or {}
     if conditions.strip_times({**old, **status}) == conditions.strip_times(old):
         return
     meta = body["metadata"]
-    await ctx.client.patch_status(PLURAL, meta["namespace"], meta["name"], status)
+    await ctx.client.patch_status(plural, meta["namespace"], meta["name"], status)
 
 
 def _event(ctx: Context, body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
@@ -217,7 +220,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                 old.get("conditions"), generation, ready=(False, "Succeeded", "training finished")
             ),
         }
-        await _write_status(ctx, body, status)
+        await write_status(ctx, body, status)
         _event(ctx, body, "Normal", "Succeeded", "every trainer pod finished")
         await _clean_terminal(ctx, body, "Succeeded")
         ctx.metrics.record_phase(KIND, f"{ns}/{name}", "Succeeded")
@@ -301,7 +304,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     try:
         if new or missing:
             phase = _phase(graph, trainer_pods_running=0, total=1, has_new=True, old=old)
-            await _write_status(
+            await write_status(
                 ctx,
                 body,
                 {
@@ -392,7 +395,7 @@ async def _suspend(
         # Write-ahead, as every decision: a restarted operator finds it and only finishes the deletes.
         wire = serialise.to_status(graph)
         decided = {"phase": "Suspended", "graph": wire, "decisions": build_decisions(graph)}
-        await _write_status(ctx, body, {**base_status, **decided})
+        await write_status(ctx, body, {**base_status, **decided})
         ctx.metrics.decisions.labels(KIND, "suspend").inc()
         _event(ctx, body, "Normal", "Suspended", suspended.reason)
     await asyncio.gather(*(ctx.client.delete("Pod", p.namespace, p.name) for p in pods.values()
@@ -422,7 +425,7 @@ async def _suspend(
             suspended=(True, "Suspended", message),
         ),
     }
-    await _write_status(ctx, body, status)
+    await write_status(ctx, body, status)
     ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Suspended")
     return "Suspended"
 
@@ -470,7 +473,7 @@ async def _drain_replaced(
         return None
     old = body.get("status") or {}
     if new:
-        await _write_status(ctx, body, {
+        await write_status(ctx, body, {
             **base_status, "phase": "Remediating", "graph": serialise.to_status(graph),
             "decisions": build_decisions(graph),
         })
@@ -600,7 +603,7 @@ async def _report(
         "targetReplicas": total,
         "message": None,
     }
-    await _write_status(ctx, body, status)
+    await write_status(ctx, body, status)
     ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", phase)
     return phase
 
@@ -629,7 +632,7 @@ async def _waiting(
             reconciling=(True, reason, message),
         ),
     }
-    await _write_status(ctx, body, status)
+    await write_status(ctx, body, status)
     meta = body["metadata"]
     ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", phase)
     return phase
@@ -651,7 +654,7 @@ async def _stall(ctx: Context, body: Mapping[str, Any], reason: str, message: st
             stalled=(True, reason, message),
         ),
     }
-    await _write_status(ctx, body, status)
+    await write_status(ctx, body, status)
     ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Stalled")
     return "Stalled"
 
@@ -681,7 +684,7 @@ async def _fail(
             stalled=(True, reason, why),
         ),
     }
-    await _write_status(ctx, body, status)
+    await write_status(ctx, body, status)
     ctx.metrics.decisions.labels(KIND, "fail").inc()
     _event(ctx, body, "Warning", reason, why)
     await _clean_terminal(ctx, body, "Failed")
@@ -709,7 +712,7 @@ async def _expire_finished(ctx: Context, body: Mapping[str, Any], ttl: int | Non
     if not finished:
         # Finished before completionTime was written: its clock starts now, and never earlier.
         finished = time.time()
-        await _write_status(ctx, body, {"completionTime": _iso(finished)})
+        await write_status(ctx, body, {"completionTime": _iso(finished)})
     left = finished + ttl - time.time()
     if left > 0:
         ctx.wake_later(meta["namespace"], meta["name"], left)

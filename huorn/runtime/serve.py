@@ -88,6 +88,17 @@ def load_model(cfg: ServeConfig) -> tuple[torch.nn.Module, dict]:
     return model.to(device), report
 
 
+def save_untrained(root: Path, architecture: training.ModelSpec, seed: int = 0) -> Path:
+    """A freshly initialised model as a servable checkpoint: load tests and benchmarks measure
+    what serving costs, not what it answers, and need no training run first."""
+    torch.manual_seed(seed)
+    model = models.build_model(run_config.build_model_config(architecture))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return checkpoint.save_checkpoint(root, 1, model, torch.optim.AdamW(model.parameters()),
+                                          {"model": architecture.to_wire()}, rank=0, barrier=lambda: None)
+
+
 @dataclass
 class Request:
     tokens: list[int]

@@ -13,17 +13,13 @@ import socket
 import subprocess
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import torch
 
-from huorn import models
 from huorn.api import training
-from huorn.runtime import checkpoint, launcher
-from huorn.runtime import config as run_config
+from huorn.runtime import launcher, serve
 from kube import builders
 from kube.cluster import wait_for
 
@@ -31,13 +27,7 @@ ARCHITECTURE = {"layers": 2, "width": 32, "heads": 2, "context": 128}
 
 
 def save_tiny_model(root: Path) -> Path:
-    spec = training.ModelSpec.model_validate(ARCHITECTURE)
-    torch.manual_seed(0)
-    model = models.build_model(run_config.build_model_config(spec))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        checkpoint.save_checkpoint(root, 1, model, torch.optim.AdamW(model.parameters()),
-                                   {"model": spec.to_wire()}, rank=0, barrier=lambda: None)
+    serve.save_untrained(root, training.ModelSpec.model_validate(ARCHITECTURE))
     return root
 
 
