@@ -104,8 +104,9 @@ def test_an_inference_job_scales_on_real_load_and_takes_back_lent_gpus(
         replicas.load(IPS["server-0"])
         (up, *_) = wait_for(lambda: scaled(kube, "chat", "ScaledUp"), what="chat scaled up")
         assert "in flight" in up.message and "1 → 2" in up.message
-        now = status(kube, "chat")
-        assert now["desiredReplicas"] == 2 and now["requestsPerSecond"] > 0 and now["utilization"] > 0.25
+        now = wait_for(lambda: (s := status(kube, "chat")).get("requestsPerSecond", 0) > 0 and s,
+                       what="the load in status")
+        assert now["desiredReplicas"] == 2 and now["utilization"] > 0.25
         resizes = [d["reason"] for d in now["decisions"] if d["action"] == "resize"]
         assert resizes[-1].startswith("autoscaler: ")
         # The second replica's GPUs are on loan: the borrower gives back one replica of 2 GPUs.
