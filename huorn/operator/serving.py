@@ -196,7 +196,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     if unplaced:
         reason = "WaitingForGPUs"
         message = (f"{unplaced} of {server.replicas} replica(s) wait for {gpus} GPU(s) each on virtual "
-                   f"cluster {vc!r}; the cluster reclaims GPUs it lent for them")
+                   f"cluster {vc!r} (GPUs it lent are reclaimed for them; otherwise they wait for "
+                   "GPUs to free)")
     elif ready < server.replicas:
         reason, message = "ReplicasStarting", f"{ready} of {server.replicas} replica(s) ready"
     else:
