@@ -59,6 +59,13 @@ def _regroups(run_dir: Path) -> list[dict]:
     return [e for e in steplog.read_events(run_dir) if e["event"] == "regroup"]
 
 
+def _resizes(run_dir: Path) -> list[dict]:
+    """The regroups that changed the world size. On a loaded machine a joiner can miss the round
+    its gang formed for it (c10d's last call closed before it synced); the gang then regroups at
+    its old size and counts the joiner again at the next step, which loses nothing."""
+    return [r for r in _regroups(run_dir) if r["world_size"] != r["from_world_size"]]
+
+
 @pytest.mark.slow
 def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path) -> None:
     steps = 60
@@ -89,7 +96,7 @@ def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path
 
         replicas[1].terminate()  # graceful: it leaves at the next step boundary
         assert replicas[1].wait(timeout=120) == train.LEFT_EXIT, log(1)
-        harness.wait_for(lambda: len(_regroups(run_dir)) >= 2, 240, "the gang to re-form without r1")
+        harness.wait_for(lambda: len(_resizes(run_dir)) >= 2, 240, "the gang to re-form without r1")
         at_two = steplog.last_step(run_dir)
         harness.wait_for(lambda: steplog.last_step(run_dir) >= at_two + 4, 240, "4 steps at 2")
 
@@ -111,18 +118,22 @@ def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path
     # survivor's telemetry endpoint still names the process that was started first.
     assert [e["event"] for e in events].count("start") == 1
     regroups = _regroups(run_dir)
-    assert [(r["reason"].split(":")[0], r["from_world_size"], r["world_size"]) for r in regroups] == [
+    resizes = _resizes(run_dir)
+    assert [(r["reason"].split(":")[0], r["from_world_size"], r["world_size"]) for r in resizes] == [
         ("join", 2, 3), ("leave", 3, 2), ("peer-lost", 2, 1)]
+    missed = [r for r in regroups if r not in resizes]
+    assert all(r["reason"] == "join" for r in missed), missed  # only a join can form the same size
+    assert len(missed) <= 10, f"the joiner missed {len(missed)} rounds"
     survivor_endpoint = json.loads((run_dir / "endpoints" / f"r{survivor}-0.json").read_text())
     assert survivor_endpoint["pid"] == replicas[survivor].pid and survivor_endpoint["world_size"] == 1
     # Join and leave lose nothing; the kill loses at most the step in flight, never back to a
     # checkpoint.
-    attempts = steplog.split_attempts(events)
+    attempts = [a for a in steplog.split_attempts(events) if a["steps"]]  # a missed join may log none
     for before, after in itertools.pairwise(attempts):
         last = before["steps"][-1]["step"]
         assert after["start"]["resumed_from"] == last or (
             after["start"]["reason"].startswith("peer-lost") and last - 1 <= after["start"]["resumed_from"])
-    assert regroups[-1]["resumed_from"] >= killed_step
+    assert resizes[-1]["resumed_from"] >= killed_step
     history = steplog.effective_steps(events)
     assert sorted(history) == list(range(1, steps + 1))
 
