@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy import optimize, special
 
 from huorn import models
 from huorn.api import training
@@ -87,6 +86,10 @@ def _unpack(raw: np.ndarray, scale: float) -> Law:
 def fit_law(tokens: list[float], shares: list[float], losses: list[float]) -> Fit:
     """The seven parameters minimising the Huber loss of the residuals, best of a grid of starts
     (the objective has flat valleys where one start alone stops early)."""
+    # Imported here: scipy.optimize costs every trainer start about 0.3 s, and only a job with
+    # mixture: auto ever fits a law.
+    from scipy import optimize, special
+
     d = np.asarray(tokens, dtype=np.float64)
     r = np.asarray(shares, dtype=np.float64)
     y = np.asarray(losses, dtype=np.float64)
@@ -103,7 +106,7 @@ def fit_law(tokens: list[float], shares: list[float], losses: list[float]) -> Fi
             return 1e30
         return float(special.huber(HUBER_DELTA, residual).sum())
 
-    best: optimize.OptimizeResult | None = None
+    best: Any = None  # scipy.optimize.OptimizeResult
     for eta in (0.5, 1.5):
         for beta in (0.3, 1.0):
             for gamma in (0.2, 1.0):
