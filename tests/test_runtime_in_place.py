@@ -60,10 +60,11 @@ def _regroups(run_dir: Path) -> list[dict]:
 
 
 def _resizes(run_dir: Path) -> list[dict]:
-    """The regroups that changed the world size. On a loaded machine a joiner can miss the round
-    its gang formed for it (c10d's last call closed before it synced); the gang then regroups at
-    its old size and counts the joiner again at the next step, which loses nothing."""
-    return [r for r in _regroups(run_dir) if r["world_size"] != r["from_world_size"]]
+    """The regroups but for joins that formed at the old size. On a loaded machine a joiner can
+    miss the round its gang formed for it (c10d's last call closed before it synced); the gang
+    then regroups without it and counts it again at the next step, which loses nothing."""
+    return [r for r in _regroups(run_dir)
+            if not (r["reason"] == "join" and r["world_size"] == r["from_world_size"])]
 
 
 @pytest.mark.slow
@@ -122,7 +123,6 @@ def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path
     assert [(r["reason"].split(":")[0], r["from_world_size"], r["world_size"]) for r in resizes] == [
         ("join", 2, 3), ("leave", 3, 2), ("peer-lost", 2, 1)]
     missed = [r for r in regroups if r not in resizes]
-    assert all(r["reason"] == "join" for r in missed), missed  # only a join can form the same size
     assert len(missed) <= 10, f"the joiner missed {len(missed)} rounds"
     survivor_endpoint = json.loads((run_dir / "endpoints" / f"r{survivor}-0.json").read_text())
     assert survivor_endpoint["pid"] == replicas[survivor].pid and survivor_endpoint["world_size"] == 1
