@@ -189,19 +189,25 @@ def build_config_map(job: JobRef, spec: Mapping[str, Any],
     }
 
 
-def build_store_service(job: JobRef) -> dict[str, Any]:
-    """Headless: the agents resolve the store pod's own IP, with no kube-proxy hop to fail over."""
+def _service(job: JobRef, name: str, vertex: str, port: tuple[str, int, int], **spec: Any) -> dict[str, Any]:
+    """A Service in front of one vertex's pods; `port` is (name, port, targetPort)."""
+    port_name, number, target = port
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(job, store_service_name(job)),
+        "metadata": _metadata(job, name),
         "spec": {
-            "clusterIP": "None",
-            "selector": {LABEL_JOB: job.name, LABEL_VERTEX: "rendezvous"},
-            "ports": [{"name": "c10d", "port": STORE_PORT, "targetPort": STORE_PORT, "protocol": "TCP"}],
-            "publishNotReadyAddresses": True,
+            **spec,
+            "selector": {LABEL_JOB: job.name, LABEL_VERTEX: vertex},
+            "ports": [{"name": port_name, "port": number, "targetPort": target, "protocol": "TCP"}],
         },
     }
+
+
+def build_store_service(job: JobRef) -> dict[str, Any]:
+    """Headless: the agents resolve the store pod's own IP, with no kube-proxy hop to fail over."""
+    return _service(job, store_service_name(job), "rendezvous", ("c10d", STORE_PORT, STORE_PORT),
+                    clusterIP="None", publishNotReadyAddresses=True)
 
 
 def _elastic_settings(job: JobRef, graph: Graph, nproc_per_node: int) -> launcher.ElasticSettings:
@@ -380,16 +386,8 @@ def build_eval_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any],
     root = str(ckpt.get("path", "/checkpoints"))
     target = (checkpoint or {}).get("path") or root
     mounts, volumes = _config_and_run_volumes(job)
-    if ckpt.get("volume"):
-        mounts.append({"name": "checkpoints", "mountPath": root, "readOnly": True})
-        volumes.append({"name": "checkpoints",
-                        "persistentVolumeClaim": {"claimName": ckpt["volume"], "readOnly": True}})
-    env = [
-        {"name": "HUORN_REPLICA", "value": instance.name},
-        {"name": "HUORN_JOB", "value": job.name},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-        *({"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", [])),
-    ]
+    _mount_checkpoints_read_only(ckpt, mounts, volumes)
+    env = _replica_env(job, instance, spec)
     metadata = _metadata(job, eval_pod_name(job, instance, checkpoint),
                          {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name})
     metadata["annotations"] = {
@@ -465,6 +463,26 @@ def serve_template_hash(spec: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _mount_checkpoints_read_only(checkpoint: Mapping[str, Any], mounts: list[dict[str, Any]],
+                                 volumes: list[dict[str, Any]]) -> None:
+    """The job's checkpoint volume, read-only, at its path: an evaluator or a server reads the
+    checkpoints the trainers write, and must never change them."""
+    if checkpoint.get("volume"):
+        mounts.append({"name": "checkpoints", "mountPath": str(checkpoint.get("path", "/checkpoints")),
+                       "readOnly": True})
+        volumes.append({"name": "checkpoints",
+                        "persistentVolumeClaim": {"claimName": checkpoint["volume"], "readOnly": True}})
+
+
+def _replica_env(job: JobRef, instance: Instance, spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {"name": "HUORN_REPLICA", "value": instance.name},
+        {"name": "HUORN_JOB", "value": job.name},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *({"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", [])),
+    ]
+
+
 def build_serve_config_map(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -475,16 +493,7 @@ def build_serve_config_map(job: JobRef, spec: Mapping[str, Any]) -> dict[str, An
 
 
 def build_serve_service(job: JobRef) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(job, serve_service_name(job)),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": {LABEL_JOB: job.name, LABEL_VERTEX: "server"},
-            "ports": [{"name": "http", "port": 80, "targetPort": SERVE_PORT, "protocol": "TCP"}],
-        },
-    }
+    return _service(job, serve_service_name(job), "server", ("http", 80, SERVE_PORT), type="ClusterIP")
 
 
 def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[str, Any],
@@ -499,18 +508,8 @@ def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[st
     if gpus:
         limits[GPU_RESOURCE] = str(gpus)
     mounts, volumes = _config_and_run_volumes(job)
-    checkpoint = spec.get("checkpoint", {})
-    if checkpoint.get("volume"):
-        mounts.append({"name": "checkpoints", "mountPath": checkpoint.get("path", "/checkpoints"),
-                       "readOnly": True})
-        volumes.append({"name": "checkpoints",
-                        "persistentVolumeClaim": {"claimName": checkpoint["volume"], "readOnly": True}})
-    env = [
-        {"name": "HUORN_REPLICA", "value": instance.name},
-        {"name": "HUORN_JOB", "value": job.name},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-        *({"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", [])),
-    ]
+    _mount_checkpoints_read_only(spec.get("checkpoint", {}), mounts, volumes)
+    env = _replica_env(job, instance, spec)
     metadata = _metadata(job, pod_name(job, instance),
                          {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name})
     metadata["annotations"] = {
