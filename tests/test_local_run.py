@@ -26,7 +26,7 @@ from huorn import models
 from huorn.api import training
 from huorn.backends.local import report
 from huorn.cli import main
-from huorn.runtime import checkpoint
+from huorn.runtime import checkpoint, steplog
 from huorn.runtime import config as run_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,12 +99,11 @@ def gang_starts(run_dir: Path) -> list[dict]:
 
 
 def regroups(run_dir: Path) -> list[tuple[str, int, int]]:
-    """In-place regroups as (why, world size before, after), but for joins that formed at the old
-    size: a joiner that missed its round on a loaded machine makes the gang regroup without it,
-    which loses nothing. (A peer-lost round at the old size is kept: a replacement can make it.)"""
-    found = [(r["reason"].split(":")[0], r["from_world_size"], r["world_size"])
-             for r in report.read_records(run_dir) if r.get("event") == "regroup"]
-    return [r for r in found if not (r[0] == "join" and r[1] == r[2])]
+    """In-place regroups as (why, world size before, after), but for missed joins
+    (steplog.missed_join), which lose nothing."""
+    return [(r["reason"].split(":")[0], r["from_world_size"], r["world_size"])
+            for r in report.read_records(run_dir)
+            if r.get("event") == "regroup" and not steplog.missed_join(r)]
 
 
 @pytest.mark.slow

@@ -60,11 +60,8 @@ def _regroups(run_dir: Path) -> list[dict]:
 
 
 def _resizes(run_dir: Path) -> list[dict]:
-    """The regroups but for joins that formed at the old size. On a loaded machine a joiner can
-    miss the round its gang formed for it (c10d's last call closed before it synced); the gang
-    then regroups without it and counts it again at the next step, which loses nothing."""
-    return [r for r in _regroups(run_dir)
-            if not (r["reason"] == "join" and r["world_size"] == r["from_world_size"])]
+    """The regroups but for missed joins (steplog.missed_join), which lose nothing."""
+    return [r for r in _regroups(run_dir) if not steplog.missed_join(r)]
 
 
 @pytest.mark.slow

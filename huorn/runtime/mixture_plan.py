@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from huorn.api import training
 from huorn.runtime import checkpoint, distill
 from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler
+
+if TYPE_CHECKING:
+    from scipy.optimize import OptimizeResult
 
 HUBER_DELTA = 1e-3  # the paper's
 # Each validation point of a probe is taken after a branch that decays the learning rate over
@@ -106,7 +109,7 @@ def fit_law(tokens: list[float], shares: list[float], losses: list[float]) -> Fi
             return 1e30
         return float(special.huber(HUBER_DELTA, residual).sum())
 
-    best: Any = None  # scipy.optimize.OptimizeResult
+    best: OptimizeResult | None = None
     for eta in (0.5, 1.5):
         for beta in (0.3, 1.0):
             for gamma in (0.2, 1.0):

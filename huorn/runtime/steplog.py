@@ -28,6 +28,14 @@ def read_events(run_dir: Path) -> list[dict]:
     return events
 
 
+def missed_join(event: dict) -> bool:
+    """A regroup for a join that formed at the old size: on a loaded host the joiner can miss the
+    round its gang formed for it (most likely c10d's last call closing before it synced). It
+    stays in the wait list and is counted again at the next step boundary; nothing is lost."""
+    return (event.get("event") == "regroup" and event.get("reason") == "join"
+            and event.get("world_size") == event.get("from_world_size"))
+
+
 def steps_of(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("event") == "step"]
 

@@ -49,6 +49,7 @@ from huorn.runtime import (
     microbatches,
     mixture_plan,
     noise_scale,
+    steplog,
     telemetry,
 )
 from huorn.runtime import config as run_config
@@ -223,12 +224,11 @@ class Trainer:
                                         self.data_parallel_size())
         self.microbatch_counts = None  # a plan written for the old gang does not fit the new one
         self.write_endpoint()
-        self.log({"event": "regroup", "reason": reason, "resumed_from": step, "from_world_size": old_world,
-                  "world_size": self.world, "global_batch": self.plan.global_batch,
-                  "seconds": time.monotonic() - started})
-        if reason == "join" and self.world <= old_world and self.rank == 0:
-            # c10d's last call closed before the waiting replica synced (a loaded host): it is
-            # still in the wait list, and the next step boundary counts it again.
+        event = {"event": "regroup", "reason": reason, "resumed_from": step, "from_world_size": old_world,
+                 "world_size": self.world, "global_batch": self.plan.global_batch,
+                 "seconds": time.monotonic() - started}
+        self.log(event)
+        if self.rank == 0 and steplog.missed_join(event):
             print(f"huorn: the joining replica missed round at world size {self.world}; it joins at "
                   "the next step boundary", file=sys.stderr, flush=True)
         self.take_pending_save(step)
