@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kopf._cogs.aiokits import aioenums
 
 from huorn.api import kinds
+from huorn.backends import monitor
 from huorn.backends.kubernetes import observe
 from huorn.graph import compiler, mutate
 from huorn.operator import context, cordon, index, loans, monitoring, queue, training
@@ -151,3 +152,36 @@ def test_a_job_declared_in_tokens_gives_the_scheduler_its_length_in_steps() -> N
     job.spec.optimization.steps = None
     by_tokens = monitoring.build_policies(job, ("uid", 2)).goodput
     assert by_tokens is not None and by_tokens.total_steps == 26
+
+
+class RecordingClient:
+    """The one call write_progress makes, recorded."""
+
+    def __init__(self) -> None:
+        self.patches: list[dict] = []
+
+    async def patch_status(self, plural: str, namespace: str, name: str, patch: dict) -> None:
+        self.patches.append(patch)
+
+
+async def test_a_step_seen_too_soon_is_written_once_its_period_has_passed() -> None:
+    """Status progress is rate-limited, but the newest step is kept, not dropped: a run whose last
+    steps land right after a write (found when a faster API emulator made it the usual case)
+    showed a stale status.step until a step that never came."""
+    client = RecordingClient()
+    ctx = type("Ctx", (), {"client": client, "settings": context.OperatorSettings(progress_seconds=30.0)})()
+    state = monitoring.build_policies(build_job(), ("uid", 1))
+    telemetry = {"r0": {"rank": 0, "parameters": {"checkpoint": {"step": 4, "time": 1.0, "path": "/c/4"}}}}
+
+    def seen(at: float, *steps: int) -> monitor.Observation:
+        return monitor.Observation(time=at, telemetry=telemetry,
+                                   steps=[{"step": s, "loss": 2.0 - s / 10} for s in steps])
+
+    assert await monitoring.write_progress(ctx, "t", "llm", state, seen(100.0, 4, 5))
+    assert client.patches[-1]["step"] == 5 and client.patches[-1]["lastCheckpoint"]["step"] == 4
+    assert not await monitoring.write_progress(ctx, "t", "llm", state, seen(101.0, 6))  # too soon
+    assert not await monitoring.write_progress(ctx, "t", "llm", state, seen(120.0))  # still too soon
+    assert await monitoring.write_progress(ctx, "t", "llm", state, seen(131.0))  # no new step, but due
+    assert client.patches[-1]["step"] == 6 and client.patches[-1]["loss"] == pytest.approx(1.4)
+    assert not await monitoring.write_progress(ctx, "t", "llm", state, seen(170.0))  # written once
+    assert len(client.patches) == 2

@@ -51,6 +51,7 @@ class JobPolicies:
     progress_step: int | None = None  # status.step in that write: the rate behind the ETA
     total_steps: int | None = None  # what the spec declares (steps, or tokens as steps)
     checkpoint_written: int | None = None  # step of the last status.lastCheckpoint written
+    progress_pending: dict[str, Any] | None = None  # the newest step's fields, not written yet
 
     def all(self) -> list[monitor.Policy]:
         return [p for p in (self.remediation, self.goodput) if p is not None]
@@ -247,20 +248,29 @@ def build_progress(observation: monitor.Observation, total_steps: int | None = N
 async def write_progress(ctx: Context, namespace: str, name: str, state: JobPolicies,
                          observation: monitor.Observation) -> bool:
     """A merge patch of the progress fields, at most every `progress_seconds` (at once for a new
-    checkpoint). It touches no field the reconcile owns, so it needs no job lock."""
+    checkpoint). It touches no field the reconcile owns, so it needs no job lock.
+
+    A step seen too soon after the last write is kept, not dropped, and written once the period
+    has passed: a run whose last steps come in one burst (it finished, or it paused for a resize)
+    would otherwise leave status.step behind until a step that may never come."""
     since = None if state.progress_step is None else (state.progress_written, state.progress_step)
     progress = build_progress(observation, state.total_steps, since)
-    checkpoint = (progress.get("lastCheckpoint") or {}).get("step")
+    if "step" in progress:
+        state.progress_pending = {k: v for k, v in progress.items() if k != "lastCheckpoint"}
+    landed = progress.get("lastCheckpoint")
+    checkpoint = (landed or {}).get("step")
     fresh_checkpoint = checkpoint is not None and checkpoint != state.checkpoint_written
     due = observation.time - state.progress_written >= ctx.settings.progress_seconds
-    if not progress or not (due or fresh_checkpoint):
+    patch: dict[str, Any] = dict(state.progress_pending or {}) if due else {}
+    if landed is not None and (patch or fresh_checkpoint):
+        patch["lastCheckpoint"] = landed
+    if not patch:
         return False
-    if not due:
-        progress = {"lastCheckpoint": progress["lastCheckpoint"]}
-    await ctx.client.patch_status(training.PLURAL, namespace, name, progress)
+    await ctx.client.patch_status(training.PLURAL, namespace, name, patch)
     if due:
         state.progress_written = observation.time
-        state.progress_step = progress.get("step", state.progress_step)
+        state.progress_step = patch.get("step", state.progress_step)
+        state.progress_pending = None
     if checkpoint is not None:
         state.checkpoint_written = checkpoint
     return True
