@@ -103,10 +103,11 @@ class Controller:
             # environment: with one, Ray starts each actor in a fresh worker through setup_worker
             # and leaves the workers it prestarted idle (the two-run RL test: 70 → 62 CPU-s). A
             # cluster named by RAY_ADDRESS can be reached only through a runtime environment.
-            with _environment(OMP_NUM_THREADS="1") if address is None else contextlib.nullcontext():
+            one_thread = {"OMP_NUM_THREADS": "1"}
+            with _environment(**one_thread):
                 ray.init(address=address, num_cpus=cfg.ray_cpus, include_dashboard=False,
                          log_to_driver=False, namespace=cfg.job_name,
-                         runtime_env=None if address is None else {"env_vars": {"OMP_NUM_THREADS": "1"}})
+                         runtime_env=None if address is None else {"env_vars": one_thread})
         wire, roles = self.spec.to_wire(), self.spec.roles
         init = self.spec.init_checkpoint
         rollouts = max(1, roles.rollout.replicas)
