@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -155,3 +156,20 @@ def test_inference_cluster_is_sized_for_its_peak() -> None:
     assert load.bin_of(load.bin_seconds * len(load.rate)) == load.bin_of(0)  # wraps around
     with pytest.raises(ValueError, match="qps start"):
         inference.InferenceLoad(Path("/work/shared/data/genai_qps.csv"), 32, start="noon")
+
+
+def test_a_qps_file_rewritten_in_place_is_read_again_and_shared_arrays_are_read_only(tmp_path: Path) -> None:
+    """The series and its forecast are cached per process; a cache that ignored a rewrite would
+    simulate yesterday's load, and one a simulation could write into would change the next's."""
+    qps = tmp_path / "qps.csv"
+    day = [(i * 300, 10 + 9 * math.sin(2 * math.pi * i / 288)) for i in range(2 * 288)]
+    qps.write_text("timestamp_anon,value\n" + "".join(f"{t},{v:.3f}\n" for t, v in day))
+    first = inference.InferenceLoad(qps, 8)
+    again = inference.InferenceLoad(qps, 16)
+    assert again.rate is first.rate  # one read, one fit
+    assert again.need.max() == pytest.approx(0.9 * 16, abs=1)
+    with pytest.raises(ValueError, match="read-only"):
+        first.rate[0] = 0.0
+    qps.write_text("timestamp_anon,value\n" + "".join(f"{t},{2 * v:.3f}\n" for t, v in day) + "0,1.0\n")
+    rewritten = inference.InferenceLoad(qps, 8)
+    assert rewritten.rate[0] == pytest.approx(2 * first.rate[0] + 1.0, rel=1e-3)
