@@ -130,8 +130,10 @@ def test_a_borrower_that_cannot_shrink_is_preempted_and_requeued(kube: builders.
     # its successors do not go back onto the 6 GPUs the InferenceJob needs
     wait_for(lambda: [e for e in kube.events(NS, "gang") if e.reason == "Unplaceable"], what="gang waits")
     assert kube.pods(NS, "gang", "trainer") == []
-    assert any(e.reason == "Reclaimed" and "(preempted)" in e.message
-               for e in kube.events("default", "serve") + kube.events(NS, "serve"))
+    # the lender's Event is written after the gang's, so it is waited for, not read once
+    wait_for(lambda: any(e.reason == "Reclaimed" and "(preempted)" in e.message
+                         for e in kube.events("default", "serve") + kube.events(NS, "serve")),
+             what="the lender's Reclaimed event naming the preemption")
 
     kube.custom.delete_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "inferencejobs", "chat")
     wait_for(lambda: nodes_of(kube, "gang") == ["b0", "b0"], what="the gang placed again")

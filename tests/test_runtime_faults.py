@@ -21,10 +21,16 @@ def injector(tmp_path: Path, rank: int, **fault: object) -> faults.FaultInjector
     return faults.FaultInjector([spec], tmp_path, rank=rank, replica=None)
 
 
-def timed(fn: object) -> float:
-    start = time.perf_counter()
-    fn()  # type: ignore[operator]
-    return time.perf_counter() - start
+def timed(fn: object, repeats: int = 3) -> float:
+    """The fastest of a few calls: a sleep is never shorter than asked, but a loaded host can add
+    a scheduling delay of its own to any one call (164 ms for a 40 ms delay once, on three test
+    workers sharing two cores), which the minimum leaves out."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()  # type: ignore[operator]
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def test_per_layer_delay_follows_the_layers_a_stage_holds(tmp_path: Path) -> None:
