@@ -1,9 +1,9 @@
 """Fixtures shared by several test areas."""
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import settings
 
 # Property tests run beside other tests (scripts/test runs two workers), where a 200 ms deadline
@@ -12,6 +12,8 @@ settings.register_profile("huorn", deadline=None)
 settings.load_profile("huorn")
 
 PHASES = ("all", "parallel", "serial")
+# How a module shows it holds tests of the serial part; the serial part imports no other module.
+SERIAL_MARK = "pytest.mark.serial"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -22,6 +24,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
              "scripts/test runs `-n 2 --phase parallel`, then `--phase serial`.")
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The serial part skips importing the modules that hold no serial test: importing all of them
+    (torch, kopf, Ray's client, assertion rewriting) took the serial part 8-14 s before its first
+    test. Text, not import, decides, so the parallel part checks (below) that no serial test sits
+    in a module without the mark's text, where the serial part would never see it."""
+    if (config.getoption("--phase") == "serial" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")
+            and SERIAL_MARK not in collection_path.read_text(encoding="utf-8")):
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     phase = config.getoption("--phase")
     if phase == "all":
@@ -30,6 +44,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     dropped: list[pytest.Item] = []
     for item in items:
         serial = item.get_closest_marker("serial") is not None
+        if serial and phase == "parallel" and SERIAL_MARK not in item.path.read_text(encoding="utf-8"):
+            raise pytest.UsageError(f"{item.nodeid} is marked serial without the text {SERIAL_MARK!r} in "
+                                    "its module, so `--phase serial` would not collect it; mark it "
+                                    "with @pytest.mark.serial or pytestmark = pytest.mark.serial")
         (keep if serial == (phase == "serial") else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
@@ -40,6 +58,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def single_thread() -> Iterator[None]:
     """One intra-op thread: on the loaded 2-core CI VM, two spin-waiting OpenMP threads make
     small models several times slower. Model tests opt in with `pytestmark`."""
+    import torch  # here: the xdist controller and the serial part need no torch of their own
+
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
