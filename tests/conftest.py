@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def single_thread() -> Iterator[None]:
     """One intra-op thread: on the loaded 2-core CI VM, two spin-waiting OpenMP threads make
     small models several times slower. Model tests opt in with `pytestmark`."""
-    import torch  # here: the xdist controller and the serial part need no torch of their own
+    import torch  # here, not at the top: the xdist controller, which runs no test, needs no torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
