@@ -187,3 +187,7 @@ def test_the_forecast_request_rate_reclaims_without_any_inference_job(kube: buil
         assert nodes_of(kube, "elastic") == ["b0"] and len(resize_decisions(kube, "elastic")) == 1
         wait_for(lambda: "storage unavailable" in reading().get("error", ""), what="the error in status")
         assert reading()["gpus"] == 6
+        # and back: the error leaves status (written as null: a merge patch keeps a key left out)
+        prometheus.fail = None
+        wait_for(lambda: "error" not in reading(), what="the error cleared in status")
+        assert reading()["gpus"] == 6

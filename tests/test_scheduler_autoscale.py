@@ -108,6 +108,32 @@ def test_no_reading_keeps_the_replicas_inside_the_range_and_never_scales_to_zero
         rule(target_utilization=1.5)
 
 
+def test_the_forecast_floor_loads_replicas_before_the_rise_and_holds_them_through_the_window() -> None:
+    """Predictive scaling: the board's peak of the next 10 minutes (here 45 requests/s at 10 a
+    replica: 5) raises a quiet fleet before its replicas measure anything, and a fall waits while
+    the forecast still needs them."""
+    scaler = autoscale.Autoscaler(rule(scale_down_delay_seconds=60))
+    coming = autoscale.ForecastFloor(5, 45.0, 10.0)
+    # nothing measured yet: the forecast alone may raise the count, within the growth step
+    first = scaler.recommend(0.0, 1, None, coming)
+    assert first.replicas == 5 and first.reason == ("forecast peak 45 requests/s over the next 10 minutes "
+                                                    "needs 5 replica(s) at 10 each: 1 → 5 replica(s)")
+    assert scaler.recommend(1.0, 8, None, coming).replicas == 8  # and never lower it
+    # measured and quiet (0.4 in flight needs 1), but the forecast needs 5: kept at 5
+    quiet = scaler.recommend(10.0, 5, reading(in_flight=0.4, replicas=5), coming)
+    assert quiet.replicas == 5 and quiet.reason.startswith("forecast peak 45 requests/s")
+    # the forecast falls; the replicas go only once the whole window allows it
+    calm = autoscale.ForecastFloor(1, 4.0, 10.0)
+    assert scaler.recommend(40.0, 5, reading(in_flight=0.4, replicas=5), calm).replicas == 5
+    assert scaler.recommend(80.0, 5, reading(in_flight=0.4, replicas=5), calm).replicas == 1
+    # a measured need above the forecast wins, and the bounds still hold
+    busy = scaler.recommend(90.0, 1, reading(in_flight=3.0, replicas=1), calm)
+    assert busy.replicas == 3 and "in flight" in busy.reason
+    capped = autoscale.Autoscaler(rule(max_replicas=3))
+    assert capped.recommend(0.0, 1, None, coming).replicas == 3
+    assert capped.recommend(1.0, 2, reading(in_flight=0.1, replicas=2), coming).replicas == 3
+
+
 @given(st.integers(1, 20), st.lists(st.floats(0, 40), min_size=1, max_size=30), st.integers(0, 5),
        st.integers(1, 20))
 def test_recommendations_stay_in_range_and_never_fall_inside_the_window(

@@ -219,6 +219,40 @@ class JobCommon(ApiModel):
 # Status
 
 
+class RateHistory(ApiModel):
+    """Where a request rate's history comes from, for the prediction board (huorn.scheduler.forecast).
+
+    The operator reads the history from Prometheus (the HTTP API's `query_range`, at the board's
+    5-minute bins) and fits the board on it. Prometheus holds the history, so a restarted
+    operator has it back at its first tick, and the serving stack already feeds it.
+    """
+
+    prometheus_url: str = Field(
+        alias="prometheusURL", pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048,
+        description="Base URL of the Prometheus HTTP API, e.g. http://prometheus.monitoring:9090.")
+    query: str = Field(
+        min_length=1, max_length=4096,
+        description="PromQL giving the request rate in requests per second, e.g. "
+                    "sum(rate(vllm:request_success_total{namespace=\"serving\"}[5m])). Several series "
+                    "are summed.")
+    quantile: float = Field(
+        default=0.9, ge=0.5, le=0.99,
+        description="Quantile of the next 10 minutes' peak that is provided for. A miss costs only the "
+                    "reaction time: a rate above the forecast is acted on at once.")
+    history: Duration = Field(default="24h", description="How much rate history the board is fitted on.")
+
+
+class RateReading(ApiModel):
+    """The board's last reading, in status."""
+
+    requests_per_second: float = Field(description="The rate now.")
+    peak_requests_per_second: float = Field(description="The forecast peak of the next 10 minutes.")
+    history_bins: int = Field(ge=0, description="5-minute bins of rate history read.")
+    model: Literal["fitted", "reactive"] = Field(
+        description="reactive: too little history to fit the board, so the rate now is provided for.")
+    error: str | None = Field(default=None, description="Why Prometheus cannot be read now, if so.")
+
+
 class ConditionStatus(StrEnum):
     TRUE = "True"
     FALSE = "False"

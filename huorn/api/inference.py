@@ -8,7 +8,7 @@ from pydantic import Field
 
 from huorn.api import rules
 from huorn.api.base import ApiModel
-from huorn.api.common import JobCommon, JobStatus
+from huorn.api.common import JobCommon, JobStatus, RateHistory, RateReading
 from huorn.api.training import ModelSpec
 
 
@@ -56,6 +56,18 @@ class Slo(ApiModel):
     tokens_per_second: float | None = Field(default=None, gt=0)
 
 
+class ReplicaForecast(RateHistory):
+    """Predictive scaling: the job's request rate forecast over the next 10 minutes (the FaPES
+    prediction board, fitted on the rate's history in Prometheus) is a floor of the replica count,
+    so replicas load before a rise rather than after it. A replica takes minutes to load a model;
+    a reactive rule sees the rise only once it queues."""
+
+    requests_per_replica: float = Field(
+        gt=0, alias="requestsPerReplica",
+        description="Requests per second one replica serves within the SLO (measure it with "
+                    "benchmarks/serving_autoscale.py's probe, or from a replica's metrics at its limit).")
+
+
 @rules.attach(
     rules.Rule(
         name="autoscaling-min-le-max",
@@ -82,6 +94,10 @@ class Autoscaling(ApiModel):
         default=300, ge=0, le=86400,
         description="A scale-down waits until the load of this whole window allows it; a rise is "
                     "applied at once.")
+    forecast: ReplicaForecast | None = Field(
+        default=None,
+        description="Keep at least the replicas that the forecast peak request rate of the next 10 "
+                    "minutes needs, as well as what the replicas measure now.")
 
 
 class InferenceJobSpec(JobCommon):
@@ -93,11 +109,17 @@ class InferenceJobSpec(JobCommon):
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
 
 
+class ReplicaForecastReading(RateReading):
+    replicas: int = Field(ge=0, description="Replicas that peak needs: a floor of desiredReplicas.")
+
+
 class InferenceJobStatus(JobStatus):
     p99_latency_ms: float | None = Field(default=None, alias="p99LatencyMs")
     requests_per_second: float | None = None
     tokens_per_second: float | None = None
     utilization: float | None = Field(default=None, description="Share of the replicas' batch slots in use.")
+    forecast: ReplicaForecastReading | None = Field(
+        default=None, description="The prediction board's last reading, with spec.autoscaling.forecast.")
     desired_replicas: int | None = Field(default=None, description="Replicas the autoscaler asks for; "
                                          "their GPUs are what the virtual cluster keeps unlent.")
     ready_replicas: int | None = None

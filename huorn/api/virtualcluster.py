@@ -7,8 +7,8 @@ from typing import Literal
 from pydantic import Field
 
 from huorn.api import rules
-from huorn.api.base import ApiModel, DnsLabel, Duration
-from huorn.api.common import CONDITION_LIMIT, Condition
+from huorn.api.base import ApiModel, DnsLabel
+from huorn.api.common import CONDITION_LIMIT, Condition, RateHistory, RateReading
 
 
 class LabelSelector(ApiModel):
@@ -30,31 +30,16 @@ class Members(ApiModel):
     nodes: list[str] | None = Field(default=None, max_length=10000)
 
 
-class LoadForecast(ApiModel):
+class LoadForecast(RateHistory):
     """Where an inference cluster's request rate comes from, and what one GPU of it serves.
 
-    The operator reads the rate's history from Prometheus (the HTTP API's `query_range`, at the
-    board's 5-minute bins), fits the prediction board on it (huorn.scheduler.forecast), and keeps
-    unlent, or reclaims ahead of time, the GPUs the forecast peak of the next 10 minutes needs.
-    Prometheus holds the history, so a restarted operator has it back at its first tick.
+    The cluster keeps unlent, or reclaims ahead of time, the GPUs that the forecast peak of the
+    next 10 minutes needs; a rate above that reserve is reclaimed for at once.
     """
 
-    prometheus_url: str = Field(
-        alias="prometheusURL", pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048,
-        description="Base URL of the Prometheus HTTP API, e.g. http://prometheus.monitoring:9090.")
-    query: str = Field(
-        min_length=1, max_length=4096,
-        description="PromQL giving the cluster's request rate in requests per second, e.g. "
-                    "sum(rate(vllm:request_success_total{namespace=\"serving\"}[5m])). Several series "
-                    "are summed.")
     requests_per_gpu: float = Field(
         gt=0, alias="requestsPerGPU", description="Requests per second one GPU serves within the SLO.")
     headroom: float = Field(default=0.1, ge=0, le=1, description="Spare capacity kept above the forecast.")
-    quantile: float = Field(
-        default=0.9, ge=0.5, le=0.99,
-        description="Quantile of the next 10 minutes' peak that is reserved. A miss costs only the "
-                    "reclaim latency: a rate above the reserve is reclaimed for at once.")
-    history: Duration = Field(default="24h", description="How much rate history the board is fitted on.")
 
 
 @rules.attach(
@@ -108,14 +93,8 @@ class VirtualClusterSpec(ApiModel):
     )
 
 
-class ForecastReading(ApiModel):
-    requests_per_second: float = Field(description="The rate now.")
-    peak_requests_per_second: float = Field(description="The forecast peak of the next 10 minutes.")
+class ForecastReading(RateReading):
     gpus: int = Field(ge=0, description="GPUs that peak needs: what this cluster keeps unlent.")
-    history_bins: int = Field(ge=0, description="5-minute bins of rate history read.")
-    model: Literal["fitted", "reactive"] = Field(
-        description="reactive: too little history to fit the board, so the rate now is reserved.")
-    error: str | None = Field(default=None, description="Why Prometheus cannot be read now, if so.")
 
 
 class VirtualClusterStatus(ApiModel):

@@ -9,6 +9,10 @@ the rates. The resize is a graph mutation written into status before any pod cha
 write-ahead path as a TrainingJob's monitor), so a killed operator either never decided or finds
 the decision in status; the reconcile that follows places or deletes the pods, and a larger
 `status.desiredReplicas` is at once the cluster's demand for its lent GPUs.
+
+With `autoscaling.forecast` each tick also reads the job's prediction board (huorn.operator.board,
+the same model and Prometheus reader as an inference cluster's), whose forecast peak is a floor of
+the replicas: they load before the rise, and the cluster reclaims their GPUs ahead of it too.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from huorn.api import kinds
 from huorn.backends import replica_metrics
 from huorn.backends.kubernetes import manifests
 from huorn.graph import mutate, serialise
-from huorn.operator import daemons, serving, validation
+from huorn.operator import board, daemons, serving, validation
 from huorn.operator.context import Context
 from huorn.operator.training import build_decisions
 from huorn.scheduler import autoscale
 
 logger = logging.getLogger("huorn.operator.autoscaling")
+
+FORECAST_FIELD = "spec.autoscaling.forecast"
 
 
 @dataclass
@@ -39,6 +45,7 @@ class ScalerState:
     key: tuple[str, int]  # (uid, generation)
     scaler: autoscale.Autoscaler
     last: dict[str, autoscale.ReplicaSample] = field(default_factory=dict)
+    board_state: board.BoardState | None = None  # with autoscaling.forecast
 
 
 def build_rule(job: kinds.InferenceJob) -> autoscale.ScalingRule:
@@ -62,8 +69,11 @@ def _state_for(ctx: Context, body: Mapping[str, Any], job: kinds.InferenceJob) -
     if state is None or state.key != key:
         # A new spec keeps the last scrape (the replicas are the same processes) and restarts
         # the window under the new rule.
-        last = state.last if state is not None and state.key[0] == key[0] else {}
-        state = ScalerState(key, autoscale.Autoscaler(build_rule(job)), last)
+        same = state is not None and state.key[0] == key[0]
+        last = state.last if same else {}
+        # the board too: its model is refitted only when its own settings change
+        kept = state.board_state if same else None
+        state = ScalerState(key, autoscale.Autoscaler(build_rule(job)), last, kept)
         ctx.autoscalers[(meta["namespace"], meta["name"])] = state
     return state
 
@@ -79,6 +89,26 @@ def _load_status(reading: autoscale.LoadReading | None, slots: int) -> dict[str,
     if reading.p99_seconds is not None:
         out["p99LatencyMs"] = round(reading.p99_seconds * 1000, 1)
     return out
+
+
+async def forecast_floor(ctx: Context, body: Mapping[str, Any], state: ScalerState,
+                         job: kinds.InferenceJob, now: float) -> autoscale.ForecastFloor | None:
+    """The replicas the job's forecast peak needs, or None without `autoscaling.forecast` (or
+    before Prometheus was ever read)."""
+    source = job.spec.autoscaling.forecast
+    if source is None:
+        state.board_state = None
+        return None
+    settings = board.settings_of(source.model_dump(by_alias=True))
+    kept = state.board_state
+    if kept is None or kept.settings != settings:
+        # a new model for new settings; the last reading stays in force until one is read
+        state.board_state = board.BoardState(settings, reading=kept.reading if kept else None)
+    reading = await board.read(ctx, body, state.board_state, source, "", FORECAST_FIELD,
+                               source.requests_per_replica, 0.0, "replica", now)
+    if reading is None:
+        return None
+    return autoscale.ForecastFloor(reading.gpus, reading.peak, source.requests_per_replica)
 
 
 async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendation | None:
@@ -108,8 +138,15 @@ async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendat
     state = _state_for(ctx, body, job)
     reading = autoscale.read_load(state.last, samples)
     state.last = samples
-    rec = state.scaler.recommend(now, server.replicas, reading)
+    floor = await forecast_floor(ctx, body, state, job, now)
+    rec = state.scaler.recommend(now, server.replicas, reading, floor)
     load = _load_status(reading, job.spec.serving.max_batch)
+    seen = state.board_state
+    if seen is not None and seen.reading is not None:
+        load["forecast"] = board.clearing(board.reading_status(seen.reading, seen.error, "replicas"),
+                                          status.get("forecast"))
+    elif status.get("forecast") is not None:
+        load["forecast"] = None  # the field was removed from the spec
     target = min(server.max_replicas, max(server.min_replicas, 1, rec.replicas))
     if target == server.replicas:
         if load and any(status.get(k) != v for k, v in load.items()):

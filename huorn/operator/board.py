@@ -1,4 +1,8 @@
-"""The prediction board in the cluster: an inference VirtualCluster's forecast request rate, in GPUs.
+"""The prediction board in the cluster: a forecast request rate, in GPUs or in replicas.
+
+Two readers: an inference VirtualCluster's `lending.forecast` (the GPUs it keeps unlent, below)
+and an InferenceJob's `autoscaling.forecast` (a floor of its replicas, huorn.operator.autoscaling).
+Both read Prometheus and fit the model the same way, through `read`.
 
 An inference cluster with `lending.forecast` keeps unlent (and reclaims ahead of time) the GPUs
 that the forecast peak of its request rate over the next 10 minutes needs, not only its
@@ -34,6 +38,7 @@ import numpy as np
 import pydantic
 
 from huorn.api.base import parse_duration
+from huorn.api.common import RateHistory
 from huorn.api.virtualcluster import LoadForecast
 from huorn.operator.context import Context
 from huorn.scheduler import forecast
@@ -57,7 +62,7 @@ class BoardState:
 
 
 def fetch_rate_history(url: str, query: str, start: float, end: float, step: float,
-                       timeout: float) -> tuple[np.ndarray, np.ndarray]:
+                       timeout: float, field: str = FIELD) -> tuple[np.ndarray, np.ndarray]:
     """The query's value every `step` back from `end` to `start` (Prometheus `query_range`),
     summed over series, on a regular grid whose last point is `end`: the rate now. A bin
     without a sample takes the one before it (a scrape missed), and bins before the first
@@ -72,20 +77,20 @@ def fetch_rate_history(url: str, query: str, start: float, end: float, step: flo
     except urllib.error.HTTPError as err:
         detail = _prometheus_error(err.read())
         raise ForecastUnavailable(
-            f"Prometheus answered {err.code} to {FIELD}.query: {detail or err.reason}; fix the query"
+            f"Prometheus answered {err.code} to {field}.query: {detail or err.reason}; fix the query"
         ) from None
     except (OSError, urllib.error.URLError) as err:
         raise ForecastUnavailable(
-            f"cannot reach Prometheus at {FIELD}.prometheusURL {url}: {err}; check the URL and that "
+            f"cannot reach Prometheus at {field}.prometheusURL {url}: {err}; check the URL and that "
             "the operator may reach it") from None
     except ValueError:
         raise ForecastUnavailable(
-            f"{FIELD}.prometheusURL {url} did not answer with Prometheus JSON; point it at the "
+            f"{field}.prometheusURL {url} did not answer with Prometheus JSON; point it at the "
             "Prometheus HTTP API's base URL") from None
     if not isinstance(body, dict) or body.get("status") != "success":
         detail = body.get("error") if isinstance(body, dict) else None
-        raise ForecastUnavailable(f"Prometheus refused {FIELD}.query: {detail or body!r}; fix the query")
-    return _to_grid(body.get("data") or {}, query, start, end, step)
+        raise ForecastUnavailable(f"Prometheus refused {field}.query: {detail or body!r}; fix the query")
+    return _to_grid(body.get("data") or {}, query, start, end, step, field)
 
 
 def _prometheus_error(raw: bytes) -> str | None:
@@ -97,10 +102,10 @@ def _prometheus_error(raw: bytes) -> str | None:
 
 
 def _to_grid(data: Mapping[str, Any], query: str, start: float, end: float,
-             step: float) -> tuple[np.ndarray, np.ndarray]:
+             step: float, field: str) -> tuple[np.ndarray, np.ndarray]:
     if data.get("resultType") != "matrix":
         raise ForecastUnavailable(
-            f"{FIELD}.query gave a {data.get('resultType')!r} result, not a range vector; it must be an "
+            f"{field}.query gave a {data.get('resultType')!r} result, not a range vector; it must be an "
             "instant-vector expression such as sum(rate(requests_total[5m]))")
     grid = start + step * np.arange(round((end - start) / step) + 1)
     total = np.full(len(grid), np.nan)
@@ -112,13 +117,54 @@ def _to_grid(data: Mapping[str, Any], query: str, start: float, end: float,
                 total[i] = v if math.isnan(total[i]) else total[i] + v
     seen = np.flatnonzero(~np.isnan(total))
     if len(seen) == 0:
-        raise ForecastUnavailable(f"{FIELD}.query {query!r} returned no samples over the history; "
+        raise ForecastUnavailable(f"{field}.query {query!r} returned no samples over the history; "
                                   "check the metric's name and labels")
     total, grid = total[seen[0]:], grid[seen[0]:]
     for i in range(1, len(total)):
         if math.isnan(total[i]):
             total[i] = total[i - 1]
     return grid, np.maximum(total, 0.0)
+
+
+def settings_of(config: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a model is fitted for: new settings, a new model."""
+    return tuple(config.get(key) for key in ("prometheusURL", "query", "quantile", "history"))
+
+
+async def read(ctx: Context, body: Mapping[str, Any], state: BoardState, source: RateHistory | None,
+               invalid: str, field: str, per_unit: float, headroom: float, unit: str,
+               now: float) -> forecast.BoardReading | None:
+    """One reading of the board: the history up to now from Prometheus, the model refitted at most
+    once a bin, the peak in units of `per_unit` requests/s (a GPU's or a replica's). When it cannot
+    be read, the last reading stays in force and one Warning Event (per distinct cause) on `body`
+    says why; `invalid` is the reason when `source` is None."""
+    try:
+        if source is None:
+            raise ForecastUnavailable(invalid)
+        board_config = forecast.ForecastConfig(quantile=source.quantile)
+        step = board_config.bin_seconds
+        # bins that end now, so that the last one is the rate now: a jump is seen at this tick
+        times, rate = await asyncio.to_thread(
+            fetch_rate_history, source.prometheus_url, source.query, now - parse_duration(source.history),
+            now, step, ctx.settings.forecast_timeout_seconds, field)
+        if len(rate) >= forecast.min_history_bins(board_config) and now - state.fitted_at >= step:
+            state.model = await asyncio.to_thread(forecast.LoadForecaster(board_config).fit, times, rate)
+            state.fitted_at = now
+        reading = forecast.read_board(times, rate, per_unit, headroom, state.model)
+    except (ForecastUnavailable, ValueError) as err:
+        message = str(err)
+        if state.reading is not None:
+            message += f"; keeping the last forecast, {state.reading.gpus} {unit}(s)"
+        if message != state.error:
+            ctx.post_event(body, "Warning", "ForecastUnavailable", message)
+        state.error = message
+        return state.reading
+    if state.error is not None:
+        ctx.post_event(body, "Normal", "ForecastAvailable",
+                       f"reading {field}.query again: {reading.gpus} {unit}(s) for "
+                       f"{reading.peak:.3g} requests/s")
+    state.error, state.reading = None, reading
+    return reading
 
 
 async def update(ctx: Context, vc_body: Mapping[str, Any],
@@ -137,41 +183,30 @@ async def update(ctx: Context, vc_body: Mapping[str, Any],
     except pydantic.ValidationError as err:
         # the CRD's schema refuses these; an object from before the CRD was updated may not
         spec_forecast, invalid = None, f"{FIELD} is invalid: {_first_error(err)}; fix the VirtualCluster"
-    settings = tuple(config.get(key) for key in ("prometheusURL", "query", "quantile", "history"))
+    settings = settings_of(config)
     state = ctx.boards.get(name)
     if state is None or state.settings != settings:
         # a new model for new settings, but the last reading stays in force until one is read
         state = ctx.boards[name] = BoardState(settings, reading=state.reading if state else None)
-    now = time.time() if now is None else now
-    try:
-        if spec_forecast is None:
-            raise ForecastUnavailable(invalid)
-        board_config = forecast.ForecastConfig(quantile=spec_forecast.quantile)
-        step = board_config.bin_seconds
-        # bins that end now, so that the last one is the rate now: a jump is seen at this tick
-        times, rate = await asyncio.to_thread(
-            fetch_rate_history, spec_forecast.prometheus_url, spec_forecast.query,
-            now - parse_duration(spec_forecast.history), now, step, ctx.settings.forecast_timeout_seconds)
-        if len(rate) >= forecast.min_history_bins(board_config) and now - state.fitted_at >= step:
-            state.model = await asyncio.to_thread(forecast.LoadForecaster(board_config).fit, times, rate)
-            state.fitted_at = now
-        reading = forecast.read_board(times, rate, spec_forecast.requests_per_gpu, spec_forecast.headroom,
-                                      state.model)
-    except (ForecastUnavailable, ValueError) as err:
-        message = str(err)
-        if state.reading is not None:
-            message += f"; keeping the last forecast, {state.reading.gpus} GPU(s)"
-        if message != state.error:
-            ctx.post_event(vc_body, "Warning", "ForecastUnavailable", message)
-        state.error = message
-        return state.reading
-    if state.error is not None:
-        ctx.post_event(vc_body, "Normal", "ForecastAvailable",
-                       f"reading {FIELD}.query again: {reading.gpus} GPU(s) for "
-                       f"{reading.peak:.3g} requests/s")
-    state.error, state.reading = None, reading
-    ctx.index.forecast_demand[name] = reading.gpus
+    per_gpu, headroom = (spec_forecast.requests_per_gpu, spec_forecast.headroom) if spec_forecast else (1, 0)
+    reading = await read(ctx, vc_body, state, spec_forecast, invalid, FIELD, per_gpu, headroom, "GPU",
+                         time.time() if now is None else now)
+    if reading is not None and state.error is None:
+        ctx.index.forecast_demand[name] = reading.gpus
     return reading
+
+
+def reading_status(reading: forecast.BoardReading, error: str | None, unit_field: str) -> dict[str, Any]:
+    """A reading for status (common.RateReading), rounded so that noise alone does not rewrite
+    status every tick; `unit_field` names the count of what the peak needs (gpus, replicas)."""
+    out: dict[str, Any] = {
+        "requestsPerSecond": float(f"{reading.rate:.3g}"),
+        "peakRequestsPerSecond": float(f"{reading.peak:.3g}"),
+        unit_field: reading.gpus, "historyBins": reading.bins,
+        "model": "fitted" if reading.fitted else "reactive"}
+    if error is not None:
+        out["error"] = error  # NB: not null when there is none; a merge patch deletes nulls
+    return out
 
 
 def _first_error(err: pydantic.ValidationError) -> str:
@@ -180,19 +215,20 @@ def _first_error(err: pydantic.ValidationError) -> str:
     return f"{where}: {first['msg']}" if where else first["msg"]
 
 
+def clearing(new: dict[str, Any] | None, old: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """`new` as a merge patch over `old`: an error that has cleared is written as null, which
+    deletes it (a key left out of a merge patch keeps its old value)."""
+    if new is not None and "error" not in new and "error" in (old or {}):
+        return {**new, "error": None}
+    return new
+
+
 def status_of(ctx: Context, name: str) -> dict[str, Any] | None:
-    """The board's last reading for the cluster's status, rounded so that noise alone does not
-    rewrite status every tick."""
+    """The cluster board's last reading for the cluster's status."""
     state = ctx.boards.get(name)
     if state is None or state.reading is None:
         return None
-    r = state.reading
-    out: dict[str, Any] = {
-        "requestsPerSecond": float(f"{r.rate:.3g}"), "peakRequestsPerSecond": float(f"{r.peak:.3g}"),
-        "gpus": r.gpus, "historyBins": r.bins, "model": "fitted" if r.fitted else "reactive"}
-    if state.error is not None:
-        out["error"] = state.error  # NB: not null when there is none; a merge patch deletes nulls
-    return out
+    return reading_status(state.reading, state.error, "gpus")
 
 
 def forget(ctx: Context, name: str) -> None:

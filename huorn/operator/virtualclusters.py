@@ -64,7 +64,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
     }
     reading = board.status_of(ctx, name)
     if reading is not None or old.get("forecast") is not None:
-        status["forecast"] = reading
+        status["forecast"] = board.clearing(reading, old.get("forecast"))
     if reading is not None:
         ctx.metrics.vc_gpus.labels(name, "forecast").set(reading["gpus"])
     else:

@@ -22,6 +22,12 @@ know how it behaves, and each part of it answers a known failure of simpler rule
 - **Throughput floor.** With `slo.tokensPerSecond`, the fleet keeps enough replicas to generate
   that many tokens a second at the target utilisation, from the tokens a replica generates per
   busy second.
+- **Forecast floor (predictive scaling).** With `autoscaling.forecast`, the replicas that the
+  prediction board's forecast peak of the next 10 minutes needs are a floor too (ForecastFloor),
+  so replicas load before a rise rather than after it: a replica takes minutes to load a model,
+  and a rule on what the replicas measure sees a rise only once requests queue. The floor joins
+  the stabilisation window like any reading, so the fleet does not shrink ahead of a forecast
+  rise either. With no replica measured yet, the floor alone may raise the count.
 - **Growth is fast, shrinking is slow.** A rise is applied at once (at most doubling, or four
   more, per decision: the HPA's default policy), a fall only once every recommendation in the
   last `scaleDownDelaySeconds` agrees (its stabilisation window), so a replica that took minutes
@@ -165,6 +171,21 @@ class ScalingRule:
 
 
 @dataclass(frozen=True)
+class ForecastFloor:
+    """The replicas the forecast peak rate needs (huorn.scheduler.forecast's board, at one
+    replica's rate)."""
+
+    replicas: int
+    peak_requests_per_second: float
+    requests_per_replica: float
+
+    @property
+    def reason(self) -> str:
+        return (f"forecast peak {self.peak_requests_per_second:.3g} requests/s over the next 10 minutes "
+                f"needs {self.replicas} replica(s) at {self.requests_per_replica:g} each")
+
+
+@dataclass(frozen=True)
 class Recommendation:
     replicas: int
     reason: str
@@ -180,8 +201,9 @@ class Autoscaler:
     window: deque[tuple[float, int]] = field(default_factory=deque)
     started: float | None = None
 
-    def raw(self, current: int, reading: LoadReading) -> tuple[int, str]:
-        """What this reading alone asks for, and why."""
+    def raw(self, current: int, reading: LoadReading,
+            forecast: ForecastFloor | None = None) -> tuple[int, str]:
+        """What this reading and the forecast ask for, and why."""
         rule = self.rule
         need = math.ceil(reading.in_flight / (rule.slots_per_replica * rule.target_utilization) - 1e-9)
         why = (f"{reading.in_flight:.1f} request(s) in flight on {reading.replicas} replica(s) of "
@@ -197,9 +219,12 @@ class Autoscaler:
                 need = floor
                 why = (f"slo.tokensPerSecond {rule.tokens_per_second:g} needs {floor} replica(s) at "
                        f"{reading.tokens_per_busy_second:.0f} tokens per busy second")
+        if forecast is not None and forecast.replicas > need:
+            need, why = forecast.replicas, forecast.reason
         return need, why
 
-    def recommend(self, now: float, current: int, reading: LoadReading | None) -> Recommendation:
+    def recommend(self, now: float, current: int, reading: LoadReading | None,
+                  forecast: ForecastFloor | None = None) -> Recommendation:
         rule = self.rule
         lo, hi = rule.floor, rule.max_replicas
         if self.started is None:
@@ -209,8 +234,13 @@ class Autoscaler:
             return Recommendation(inside, f"{current} replica(s) is outside {lo}..{hi} (spec.autoscaling): "
                                           f"{current} → {inside}")
         if reading is None:
+            # Nothing measured: the forecast may only raise the count, and is not a reading the
+            # scale-down window could trust later.
+            if forecast is not None and min(hi, forecast.replicas) > current:
+                step = min(hi, forecast.replicas, max(2 * current, current + 4))
+                return Recommendation(step, f"{forecast.reason}: {current} → {step} replica(s)")
             return Recommendation(current, "no replica measured twice yet")
-        need, why = self.raw(current, reading)
+        need, why = self.raw(current, reading, forecast)
         need = min(hi, max(lo, need))
         self.window.append((now, need))
         while self.window and self.window[0][0] < now - rule.scale_down_delay_seconds:
