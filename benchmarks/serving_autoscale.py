@@ -11,6 +11,12 @@ policies, one after the other, on the same arrivals:
 - `huorn`: from one replica, the operator's autoscaler (`huorn.scheduler.autoscale`, fed by the
   replicas' own /metrics read with `huorn.operator.replica_metrics.parse_metrics`), between 1 and the
   static-peak count. A replica it adds is a new process, which loads the model before it serves.
+- `huorn-predictive`: the same rule with `autoscaling.forecast`'s floor (autoscale.ForecastFloor):
+  the prediction board (huorn.scheduler.forecast, the operator's model and quantile) forecasts the
+  next two bins' peak from the bins before the current one, and ⌈peak / (a replica's probed
+  capacity × the target utilisation)⌉ replicas are kept. The board is fitted on the trace's bins
+  after the replayed stretch (held out: the stretch itself is never in the fit); the operator
+  fits on the last 24 h, which a 22-hour trace does not have before the stretch.
 
 A probe first measures one replica under a closed loop of 64 clients: its capacity (the trace is
 scaled so its peak is `--peak-load` × the static-peak fleet's capacity) and its mean latency
@@ -164,13 +170,15 @@ async def probe(fleet: Fleet, seconds: float) -> dict:
 
 
 async def run_policy(policy: str, fleet: Fleet, rates: list[float], bin_seconds: float, slo_s: float,
-                     static: int, high: int, args, progress: Progress) -> dict:
+                     static: int, high: int, args, progress: Progress,
+                     floors: list[autoscale.ForecastFloor] | None = None) -> dict:
     rng = random.Random(args.seed)
     rule = autoscale.ScalingRule(min_replicas=1, max_replicas=high, slots_per_replica=MAX_BATCH,
                                  target_utilization=args.target,
                                  p99_seconds=slo_s, scale_down_delay_seconds=args.scale_down_delay)
     scaler = autoscale.Autoscaler(rule)
-    fleet.scale_to(static if policy != "huorn" else 1)
+    elastic = policy.startswith("huorn")
+    fleet.scale_to(static if not elastic else 1)
     await fleet.wait_ready()
     latencies: list[tuple[float, float | None]] = []  # (arrival, latency or None for a failure)
     timeline: list[tuple[float, int, int, float]] = []
@@ -202,7 +210,8 @@ async def run_policy(policy: str, fleet: Fleet, rates: list[float], bin_seconds:
                     samples[url] = sample
             reading = autoscale.read_load(last, samples)
             last = samples
-            fleet.scale_to(scaler.recommend(now, len(fleet.replicas), reading).replicas)
+            floor = floors[min(current_bin, len(floors) - 1)] if floors else None
+            fleet.scale_to(scaler.recommend(now, len(fleet.replicas), reading, floor).replicas)
 
     async def watch() -> None:
         while not stop.is_set():
@@ -210,14 +219,14 @@ async def run_policy(policy: str, fleet: Fleet, rates: list[float], bin_seconds:
             timeline.append((time.monotonic() - start, len(fleet.replicas), len(fleet.ready()), current))
             await asyncio.sleep(0.2)
 
-    current = 0.0
+    current, current_bin = 0.0, 0
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         helpers = [asyncio.create_task(watch())]
-        if policy == "huorn":
+        if elastic:
             helpers.append(asyncio.create_task(control(session)))
         for b, rate in enumerate(rates):
-            current = rate
+            current, current_bin = rate, b
             bin_end = start + (b + 1) * bin_seconds
             t = time.monotonic()
             while rate > 0:
@@ -244,6 +253,26 @@ async def run_policy(policy: str, fleet: Fleet, rates: list[float], bin_seconds:
     used = fleet.replica_seconds
     fleet.close()
     return summarise(policy, latencies, timeline, used, slo_s, len(rates) * bin_seconds)
+
+
+def forecast_floors(times: np.ndarray, series: np.ndarray, lo: int, hi: int, scale: float,
+                    per_replica: float) -> tuple[list[autoscale.ForecastFloor], dict]:
+    """The board's floor for each replayed bin b: the peak of bins b..b+1 forecast at the end of
+    bin b-1 (what is known when b starts), in the replay's requests/s. Fitted on bins [hi:]."""
+    config = forecast.ForecastConfig(quantile=forecast.HUORN_QUANTILE)
+    if len(series) - hi < forecast.min_history_bins(config):
+        raise SystemExit(f"--bins ends at {hi}: the board is fitted on the bins after the stretch and needs "
+                         f"{forecast.min_history_bins(config)} of them; end the stretch earlier")
+    model = forecast.LoadForecaster(config).fit(times[hi:], series[hi:])
+    peaks = model.predict_series(times, series) * scale
+    floors = []
+    for b in range(hi - lo):
+        peak = float(peaks[lo + b - 1]) if lo + b >= 1 else float(series[lo] * scale)
+        replicas = max(1, math.ceil(peak / per_replica - 1e-9))
+        floors.append(autoscale.ForecastFloor(replicas, peak, per_replica))
+    coming = [max(series[lo + b: lo + b + 2]) * scale for b in range(hi - lo)]
+    covered = float(np.mean([f.peak_requests_per_second >= c for f, c in zip(floors, coming, strict=True)]))
+    return floors, {"board_coverage": covered, "board_fit_bins": len(series) - hi}
 
 
 def summarise(policy: str, latencies: list[tuple[float, float | None]], timeline: list, used: float,
@@ -309,9 +338,15 @@ def main() -> int:
     parser.add_argument("--scale-down-delay", type=float, default=12.0)
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", default="static-mean,static-peak,huorn,huorn-predictive",
+                        help="comma-separated, run in this order on the same arrivals")
     args = parser.parse_args()
+    unknown = set(args.policies.split(",")) - {"static-mean", "static-peak", "huorn", "huorn-predictive"}
+    if unknown or "static-peak" not in args.policies.split(","):
+        parser.error(f"--policies: {sorted(unknown) or 'static-peak is missing'}; choose among static-mean, "
+                     "static-peak, huorn, huorn-predictive, with static-peak (the ratios' baseline)")
     lo, hi = (int(x) for x in args.bins.split(":"))
-    _, series = forecast.load_qps_series(args.qps)
+    times, series = forecast.load_qps_series(args.qps)
     trace = series[lo:hi]
     if not len(trace) or trace.max() <= 0:
         parser.error(f"--bins {args.bins}: no load in that stretch of {args.qps}")
@@ -334,35 +369,42 @@ def main() -> int:
         slo_s = args.slo_factor * measured["batch_latency_s"]
         out.update(measured, slo_s=slo_s, peak_rps=peak_rps, mean_rps=float(np.mean(rates)),
                    static_mean=static_mean, static_peak=static_peak)
+        floors, board = forecast_floors(times, series, lo, hi, peak_rps / float(trace.max()),
+                                        capacity * args.target)
+        out.update(board)
         results = {}
+        counts = {"static-mean": static_mean, "static-peak": static_peak, "huorn": 1, "huorn-predictive": 1}
         with Progress() as progress:
-            for policy, count in (("static-mean", static_mean), ("static-peak", static_peak), ("huorn", 1)):
+            for policy in args.policies.split(","):
                 fleet = Fleet(args.work / policy, config)
-                results[policy] = await run_policy(policy, fleet, rates, args.bin_seconds, slo_s, count,
-                                                   static_peak, args, progress)
+                results[policy] = await run_policy(
+                    policy, fleet, rates, args.bin_seconds, slo_s, counts[policy], static_peak, args,
+                    progress, floors if policy == "huorn-predictive" else None)
         return results
 
     results = asyncio.run(everything())
-    h = results["huorn"]
-    mean, peak = results["static-mean"], results["static-peak"]
-    out["ratios"] = {
-        "huorn_replica_seconds_vs_static_peak": h["replica_seconds"] / peak["replica_seconds"],
-        "huorn_replica_seconds_vs_static_mean": h["replica_seconds"] / mean["replica_seconds"],
-        "huorn_slo_windows_minus_static_peak": h["slo_attainment_windows"] - peak["slo_attainment_windows"],
-        "huorn_slo_windows_minus_static_mean": h["slo_attainment_windows"] - mean["slo_attainment_windows"],
-    }
+    out["ratios"] = {}
+    for name in ("huorn", "huorn-predictive"):
+        for base in ("static-peak", "static-mean"):
+            if name in results and base in results:
+                h, b = results[name], results[base]
+                key = name.replace("-", "_")
+                out["ratios"][f"{key}_replica_seconds_vs_{base.replace('-', '_')}"] = (
+                    h["replica_seconds"] / b["replica_seconds"])
+                out["ratios"][f"{key}_slo_windows_minus_{base.replace('-', '_')}"] = (
+                    h["slo_attainment_windows"] - b["slo_attainment_windows"])
     plot(results, out, args.png)
     out["policies"] = {k: {m: v for m, v in r.items() if m not in ("timeline", "latency_values")}
                        for k, r in results.items()}
     out["timelines"] = {k: [[round(x, 2) for x in p] for p in r["timeline"]] for k, r in results.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
-    print(f"{'policy':12} {'reqs':>6} {'fail':>5} {'SLO req':>8} {'SLO win':>8} {'p50 ms':>7} {'p99 ms':>7} "
+    print(f"{'policy':16} {'reqs':>6} {'fail':>5} {'SLO req':>8} {'SLO win':>8} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'replica-s':>9} {'mean rep':>8}")
     for name, r in out["policies"].items():
         p50 = f"{r['p50_s'] * 1000:.0f}" if r["p50_s"] is not None else "-"
         p99 = f"{r['p99_s'] * 1000:.0f}" if r["p99_s"] is not None else "-"
-        print(f"{name:12} {r['requests']:6d} {r['failed']:5d} {r['slo_attainment_requests']:8.2%} "
+        print(f"{name:16} {r['requests']:6d} {r['failed']:5d} {r['slo_attainment_requests']:8.2%} "
               f"{r['slo_attainment_windows']:8.2%} {p50:>7} {p99:>7} {r['replica_seconds']:9.0f} "
               f"{r['mean_replicas']:8.2f}")
     print(json.dumps({k: round(v, 3) for k, v in out["ratios"].items()}))
