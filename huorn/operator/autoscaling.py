@@ -99,11 +99,7 @@ async def forecast_floor(ctx: Context, body: Mapping[str, Any], state: ScalerSta
     if source is None:
         state.board_state = None
         return None
-    settings = board.settings_of(source.model_dump(by_alias=True))
-    kept = state.board_state
-    if kept is None or kept.settings != settings:
-        # a new model for new settings; the last reading stays in force until one is read
-        state.board_state = board.BoardState(settings, reading=kept.reading if kept else None)
+    state.board_state = board.state_for(state.board_state, source.model_dump(by_alias=True))
     reading = await board.read(ctx, body, state.board_state, source, "", FORECAST_FIELD,
                                source.requests_per_replica, 0.0, "replica", now)
     if reading is None:

@@ -126,9 +126,13 @@ def _to_grid(data: Mapping[str, Any], query: str, start: float, end: float,
     return grid, np.maximum(total, 0.0)
 
 
-def settings_of(config: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What a model is fitted for: new settings, a new model."""
-    return tuple(config.get(key) for key in ("prometheusURL", "query", "quantile", "history"))
+def state_for(previous: BoardState | None, config: Mapping[str, Any]) -> BoardState:
+    """The board state for these forecast settings: `previous` while they are the same; for new
+    settings a new model, with the last reading kept in force until one is read."""
+    settings = tuple(config.get(key) for key in ("prometheusURL", "query", "quantile", "history"))
+    if previous is not None and previous.settings == settings:
+        return previous
+    return BoardState(settings, reading=previous.reading if previous else None)
 
 
 async def read(ctx: Context, body: Mapping[str, Any], state: BoardState, source: RateHistory | None,
@@ -183,11 +187,7 @@ async def update(ctx: Context, vc_body: Mapping[str, Any],
     except pydantic.ValidationError as err:
         # the CRD's schema refuses these; an object from before the CRD was updated may not
         spec_forecast, invalid = None, f"{FIELD} is invalid: {_first_error(err)}; fix the VirtualCluster"
-    settings = settings_of(config)
-    state = ctx.boards.get(name)
-    if state is None or state.settings != settings:
-        # a new model for new settings, but the last reading stays in force until one is read
-        state = ctx.boards[name] = BoardState(settings, reading=state.reading if state else None)
+    state = ctx.boards[name] = state_for(ctx.boards.get(name), config)
     per_gpu, headroom = (spec_forecast.requests_per_gpu, spec_forecast.headroom) if spec_forecast else (1, 0)
     reading = await read(ctx, vc_body, state, spec_forecast, invalid, FIELD, per_gpu, headroom, "GPU",
                          time.time() if now is None else now)
