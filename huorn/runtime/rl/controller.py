@@ -36,7 +36,7 @@ import torch
 from pydantic import Field
 
 from huorn.api import base, rl
-from huorn.runtime.rl import algorithms, tasks, workers
+from huorn.runtime.rl import algorithms, rewarding, tasks, workers
 
 STEPS_FILE = "steps.jsonl"
 _SAMPLING_ROUNDS = 3  # DAPO's dynamic sampling: prompt batches drawn before training on what there is
@@ -129,7 +129,7 @@ class Controller:
                          for _ in range(rollouts)]
         self.reference = (actor(workers.ReferenceWorker, roles.reference or rl.Role()).remote(
             wire, init, cfg.device) if reference else None)
-        self.rewards = [ray.remote(workers.RewardWorker).options(num_cpus=0.25 * share).remote(wire)
+        self.rewards = [ray.remote(rewarding.RewardWorker).options(num_cpus=0.25 * share).remote(wire)
                         for _ in range(rewards)]
         everyone = [self.trainer, *self.rollouts, *self.rewards]
         everyone += [self.reference] if self.reference is not None else []

@@ -7,7 +7,8 @@ directly.
 - RolloutWorker (actor-infer) holds a copy of the policy, refreshed from the trainer's weights
   each step (one put into Ray's object store, read by every worker), and samples groups.
 - ReferenceWorker holds the frozen starting policy, for the KL term.
-- RewardWorker scores responses against the verifiable answers.
+- RewardWorker (huorn.runtime.rl.rewarding, a module without torch) scores responses against
+  the verifiable answers.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from huorn import models
 from huorn.api import rl, training
 from huorn.runtime import checkpoint
 from huorn.runtime import config as run_config
-from huorn.runtime.rl import algorithms, policy, tasks
+from huorn.runtime.rl import algorithms, policy
 
 
 def _device(wanted: str) -> torch.device:
@@ -166,13 +167,3 @@ class ReferenceWorker:
     @torch.no_grad()
     def logprobs(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
         return [policy.response_logprobs(self.model, item["prompt"], item["tokens"]).cpu() for item in items]
-
-
-class RewardWorker:
-    def __init__(self, spec_wire: dict) -> None:
-        self.spec = rl.RLJobSpec.model_validate(spec_wire)
-
-    def score(self, items: list[dict[str, Any]]) -> list[list[float]]:
-        prompt = tasks.Prompt
-        return [[tasks.score(self.spec.reward, prompt(item["text"], item["answer"]), response)
-                 for response in item["responses"]] for item in items]
