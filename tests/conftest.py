@@ -51,7 +51,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (keep if serial == (phase == "serial") else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
+    if phase == "parallel":
+        # Longest first: the modules holding `slow` scenarios start the run and the quick ones
+        # fill the workers' gaps at the end. In file order the two-run RL test (60-110 s) started
+        # among the last, and one worker ran it while the other had nothing left. A module's
+        # tests stay together, so a module-scoped fixture is still set up once per worker.
+        heavy = {item.path for item in keep if item.get_closest_marker("slow") is not None}
+        keep.sort(key=lambda item: item.path not in heavy)
+    items[:] = keep
 
 
 @pytest.fixture
