@@ -34,15 +34,15 @@ STEPS, SLOW_FROM = 50, 12
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("replicas", "rank", "direction", "slow_ms", "where", "quiet", "behind"), [
+@pytest.mark.parametrize(("replicas", "rank", "direction", "slow_ms", "where", "quiet"), [
     (1, 1, "forward", 20, "the forward link (activations) from stage 1 to stage 2 of pipeline replica 0",
-     ("0", "send_link"), "0"),
+     ("0", "send_link")),
     (2, 5, "backward", 40, "the backward link (gradients) from stage 2 to stage 1 of pipeline replica 1",
-     ("4", "grad_link"), "3"),
+     ("4", "grad_link")),
 ], ids=["forward-one-replica", "backward-two-replicas"])
 def test_a_slow_link_of_a_three_stage_pipeline_is_named(
         tmp_path: Path, replicas: int, rank: int, direction: str, slow_ms: int, where: str,
-        quiet: tuple[str, str], behind: str) -> None:
+        quiet: tuple[str, str]) -> None:
     manifest = job_support.tiny_job(replicas=replicas, steps=STEPS, micro_batch=1, layers=6,
                                     parallelism={"pipelineStages": 3, "schedule": "1f1b"},
                                     remediation={"hangTimeout": "60s", "maxMitigation": "observe"})
@@ -56,14 +56,12 @@ def test_a_slow_link_of_a_three_stage_pipeline_is_named(
         pytest.fail(f"decisions: {decisions}\n{explain(run, rank, tmp_path)}", pytrace=False)
     assert f"fail-slow (communication) on {where} " in decisions[0].reason, decisions[0].reason
     assert decisions[0].ranks == (), decisions[0]
-    # the runtime's figures: the slowed link's seconds per message grew by the delay, the same
-    # direction's link of the next stage did not, and a stage beyond the slowed link waited longer,
-    # by half a message's delay at least (its compute did not change). NB: by the delay, not by a
-    # ratio: its wait before the fault is waiting for the other stages' compute, which on a shared
-    # CPU grows with the machine's load (0.014 to 0.056 s a step over 35 runs on a 2-core box,
-    # against 0.080 to 0.092 s after, 0.030 to 0.071 s more). A whole delay failed once (0.031 s
-    # more behind a 40 ms link) on a host so loaded that the suite's parallel part took 734 s
-    # instead of 550-580: the wait before the fault grows with the load, the wait after it less.
+    # the runtime's figures: the slowed link's seconds per message grew by the delay, and the same
+    # direction's link of the next stage did not. NB: by the delay, not by a ratio. What a stage
+    # beyond the slowed link waits for is not asserted: before the fault it waits for the other
+    # stages' compute, which on a shared CPU grows with the machine's load (0.014 to 0.056 s a step
+    # over 35 runs on a 2-core box), so its growth ranged from 0.071 s to -0.075 s (a loaded host,
+    # the suite's parallel part at 780 s instead of 550) behind the same 20 ms link.
     history = run.remediation.history
 
     def median(rank: str, key: str, after: bool) -> float:
@@ -74,8 +72,6 @@ def test_a_slow_link_of_a_three_stage_pipeline_is_named(
     per_message = f"{slowed}_seconds_per_message"
     assert median(str(rank), per_message, True) > median(str(rank), per_message, False) + 0.8 * slow_ms / 1000
     assert median(quiet[0], f"{quiet[1]}_seconds_per_message", True) < slow_ms / 2000
-    waited = median(behind, "recv_wait_seconds", True) - median(behind, "recv_wait_seconds", False)
-    assert waited > 0.5 * slow_ms / 1000, waited
     table = run.remediation.build_pipeline_table()
     assert table is not None
     first = [str(3 * r) for r in range(replicas)]
