@@ -51,15 +51,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (keep if serial == (phase == "serial") else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-    if phase == "parallel":
-        # Longest first: the modules holding `slow` scenarios start the run and the quick ones
-        # fill the workers' gaps at the end (scripts/test lets an idle worker take the other's
-        # queued tests, --dist worksteal). In file order the two-run RL test (60-110 s) started
-        # among the last, and one worker ran it while the other had nothing left. A module's
-        # tests stay together, so a module-scoped fixture is still set up once per worker.
-        heavy = {item.path for item in keep if item.get_closest_marker("slow") is not None}
-        keep.sort(key=lambda item: item.path not in heavy)
-    items[:] = keep
+        items[:] = keep
 
 
 @pytest.fixture

@@ -73,19 +73,3 @@ def test_a_serial_mark_the_serial_phase_would_not_see_is_refused(suite: pytest.P
     result = suite.runpytest("--phase", "parallel", "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*test_hidden.py::test_hidden is marked serial without the text*"])
-
-
-def test_the_parallel_part_starts_with_the_modules_of_slow_scenarios_kept_whole(
-        pytester: pytest.Pytester) -> None:
-    pytester.makeconftest(CONFTEST.read_text())
-    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n"
-                     "markers =\n    serial: runs alone\n    slow: a scenario\n")
-    pytester.makepyfile(
-        test_a_quick="def test_one():\n    pass\n",
-        test_b_scenario="import pytest\n\ndef test_first():\n    pass\n\n"
-                        "@pytest.mark.slow\ndef test_long():\n    pass\n\ndef test_last():\n    pass\n",
-        test_c_quick="def test_two():\n    pass\n")
-    result = pytester.runpytest("--phase", "parallel", "--collect-only", "-q", "-p", "no:cacheprovider")
-    assert [line for line in result.outlines if "::" in line] == [
-        "test_b_scenario.py::test_first", "test_b_scenario.py::test_long", "test_b_scenario.py::test_last",
-        "test_a_quick.py::test_one", "test_c_quick.py::test_two"]
