@@ -28,8 +28,9 @@ import torch
 
 def _dcp() -> tuple[ModuleType, ModuleType]:
     """DCP and its state-dict helpers, imported on first use: importing them costs a process
-    1.2-1.4 s of CPU (DTensor's operator tables), which the processes that only find or read
-    checkpoints' metadata (the RL rollout and reference workers, the local backend) never need."""
+    1.2-1.4 s of CPU (DTensor's operator tables), which the processes that never save or load a
+    checkpoint's tensors (the RL rollout workers, a reference worker without initCheckpoint,
+    anything that only finds checkpoints or reads their metadata) need not pay."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dcp_state
     return dcp, dcp_state
