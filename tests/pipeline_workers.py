@@ -106,9 +106,16 @@ def mse_loss(outputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.T
 
 def adaptive_worker(rank: int, world: int, stages: int, width: int, depth: int, microbatches: int,
                     size: int, levels: list[float], burst_s: float, replan_every: int,
-                    comm: str = "overlap", planner_options: dict | None = None) -> dict:
+                    comm: str = "overlap", planner_options: dict | None = None,
+                    delay_per_microbatch: float | None = None) -> dict:
     """Adaptive-k training of an MLP pipeline while the contention level follows `levels`
-    (one per step); returns reports and the final weights of this rank's stage."""
+    (one per step); returns reports, the final weights of this rank's stage, and the burst used.
+
+    With `delay_per_microbatch` the burst is not `burst_s` but set when contention starts, from
+    the calm steps' measured F+B of one micro-batch (the slowest rank's median), so that a
+    contended message waits that many micro-batches' F+B. What kFkB gains depends on that ratio,
+    and a fixed burst left it to the host's load: the same 2.5 ms burst was 15 % faster on an idle
+    2-core box and 7 % beside another test, whose load made the F+B 1.7× longer."""
     from huorn.runtime.pipeline import planner as pipeline_planner
 
     topo = pp_topology.PipelineTopology(stages=stages, replicas=1, rank=rank)
@@ -124,13 +131,28 @@ def adaptive_worker(rank: int, world: int, stages: int, width: int, depth: int, 
         inputs, targets = make_mlp_batch(step, microbatches, size, width)
         return [[x] for x in inputs], targets
 
+    measured: list[training.StepReport] = []
+
+    def calibrate(step: int) -> None:
+        contended = levels[step] > 0 and not any(levels[:step])
+        if delay_per_microbatch is None or not contended:
+            return
+        calm = [r.microbatch_s for r in measured[1:]] or [r.microbatch_s for r in measured]
+        if not calm:
+            raise ValueError("delay_per_microbatch needs a calm step before the first contended one")
+        slowest = torch.tensor([float(torch.tensor(calm).median())])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank calls this at the same step
+        level = levels[step]
+        throttle.burst_s = delay_per_microbatch * float(slowest) * (1 - level) / level
+
     reports = training.run_pipeline_training(
         stage=runner, optimizer=optimizer, batches=batches, steps=len(levels), plan=plan,
         planner=pipeline_planner.AdaptiveKPlanner(**(planner_options or {"min_gain": 0.08})),
-        contention_level=lambda step: levels[step],
+        contention_level=lambda step: levels[step], on_step=measured.append, before_step=calibrate,
     )
     runner.close()
-    return {"reports": reports, "state": {n: p.detach().clone() for n, p in module.state_dict().items()}}
+    return {"reports": reports, "state": {n: p.detach().clone() for n, p in module.state_dict().items()},
+            "burst_s": throttle.burst_s}
 
 
 def link_worker(rank: int, world: int, level: float, burst_s: float, messages: int,
