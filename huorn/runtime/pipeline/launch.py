@@ -26,9 +26,14 @@ def run_workers(fn: Callable[..., Any], world_size: int, backend: str = "gloo", 
     process group; return the results (anything torch.save can store) by rank."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    # A fork server imports torch and fn's module once, then forks every worker of every call
+    # from that state: a spawned worker imported them afresh, 3-4 s of CPU each, which a test
+    # module standing up a dozen small worlds paid for each rank of each. The server forks before
+    # any thread or CUDA context exists, so the children start as clean as spawned ones.
+    mp.set_forkserver_preload(["torch", "torch.distributed", __name__, fn.__module__])
     with tempfile.TemporaryDirectory(prefix="huorn-pp-") as scratch:
         mp.start_processes(_worker, args=(fn, world_size, backend, scratch, timeout_s, args),
-                           nprocs=world_size, join=True, start_method="spawn")
+                           nprocs=world_size, join=True, start_method="forkserver")
         return [torch.load(Path(scratch) / f"result-{r}.pt", weights_only=False) for r in range(world_size)]
 
 
