@@ -156,6 +156,20 @@ def test_the_controller_refuses_what_it_cannot_run_before_starting_ray(
     assert "spec.algorithm.name: ppo needs a critic" in capsys.readouterr().err
 
 
+def test_ray_cpus_for_a_running_cluster_is_refused_naming_both(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray itself refuses num_cpus for a cluster it connects to, naming neither setting."""
+    config = tmp_path / "rl.json"
+    config.write_text(json.dumps({"jobName": "rl", "runDir": str(tmp_path / "run"), "rayCpus": 2, "spec": {
+        "virtualCluster": "x", "model": MODEL}}))
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.7:6379")
+    assert controller.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: rayCpus: 2 sizes a Ray cluster") and "RAY_ADDRESS=10.0.0.7:6379" in err, err
+    assert "drop rayCpus, or unset RAY_ADDRESS" in err
+    assert not (tmp_path / "run").exists()  # refused before anything was made
+
+
 def test_the_roles_import_only_what_they_run() -> None:
     """Ray imports each actor's module in the actor's process, so its imports are the role's
     start-up cost: a reward worker needs no torch, and a rollout worker no DCP (1.2-1.4 s of CPU)
@@ -185,13 +199,29 @@ def test_a_controller_run_over_ray_logs_every_step_and_resumes_from_its_checkpoi
             "checkpoint": {"path": "/checkpoints", "intervalSteps": 3}}
     config = tmp_path / "rl.json"
 
+    # Both runs drive one running cluster, as controllers do on a KubeRay cluster: RAY_ADDRESS
+    # names it (the controller then neither starts nor sizes one), and the restarted controller
+    # finds it again. `huorn run`'s RL test covers the controller starting its own. (No CPU is
+    # saved: 93 CPU-s against 84 with a cluster per run, since on a running cluster every actor
+    # starts in a fresh worker for its runtime environment.)
+    import ray
+
+    cluster = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="huorn-test")
+    env = {**harness.child_env(), "RAY_ADDRESS": cluster.address_info["gcs_address"]}
+    try:
+        run_twice_on(tmp_path, spec, config, env)
+    finally:
+        ray.shutdown()
+
+
+def run_twice_on(tmp_path: Path, spec: dict, config: Path, env: dict[str, str]) -> None:
     def run(steps: int) -> list[dict]:
         config.write_text(json.dumps({"jobName": "rl", "spec": {**spec, "steps": steps},
                                       "runDir": str(tmp_path / "run"),
                                       "checkpointDir": str(tmp_path / "ckpt"),
-                                      "evalPrompts": 8, "rayCpus": 2}))
+                                      "evalPrompts": 8}))
         done = subprocess.run([sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)],
-                              cwd=harness.REPO, env=harness.child_env(), capture_output=True, text=True,
+                              cwd=harness.REPO, env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         lines = (tmp_path / "run" / controller.STEPS_FILE).read_text().splitlines()
@@ -211,11 +241,11 @@ def test_a_controller_run_over_ray_logs_every_step_and_resumes_from_its_checkpoi
     # flight ends, is saved as the newest checkpoint, and the run exits 0.
     config.write_text(json.dumps({"jobName": "rl", "spec": {**spec, "steps": 500},
                                   "runDir": str(tmp_path / "run"), "checkpointDir": str(tmp_path / "ckpt"),
-                                  "evalPrompts": 0, "rayCpus": 2}))
+                                  "evalPrompts": 0}))
     log = tmp_path / "run" / controller.STEPS_FILE
     seen = len(log.read_text().splitlines())
     process = subprocess.Popen([sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)],
-                               cwd=harness.REPO, env=harness.child_env(), stdout=subprocess.DEVNULL,
+                               cwd=harness.REPO, env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while sum('"event": "rl"' in line for line in log.read_text().splitlines()[seen:]) < 2:

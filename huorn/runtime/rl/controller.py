@@ -53,7 +53,7 @@ class RLRunConfig(base.ApiModel):
     start_timeout_s: float = Field(default=300.0, gt=0, description="How long the roles' actors may take "
                                    "to start (a role asking for more than the cluster has never does).")
     ray_cpus: int | None = Field(default=None, ge=1, description="CPUs of the local Ray cluster; default: "
-                                 "this machine's.")
+                                 "this machine's. Not with RAY_ADDRESS (a running cluster has its own).")
 
     @property
     def checkpoint_root(self) -> Path:
@@ -89,6 +89,13 @@ def _environment(**values: str) -> Iterator[None]:
 
 class Controller:
     def __init__(self, cfg: RLRunConfig) -> None:
+        address = os.environ.get("RAY_ADDRESS") or None
+        if address and cfg.ray_cpus is not None:
+            # NB: refused before anything starts; Ray itself refuses num_cpus for a cluster it
+            # only connects to, in words that name neither the field nor the variable.
+            raise ValueError(f"rayCpus: {cfg.ray_cpus} sizes a Ray cluster this controller starts, but "
+                             f"RAY_ADDRESS={address} names a running one, whose CPUs are its own; drop "
+                             "rayCpus, or unset RAY_ADDRESS to start a local cluster")
         self.cfg = cfg
         self.spec = cfg.spec
         self.settings = check_runnable(self.spec)
@@ -97,7 +104,6 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         gpu = cfg.device != "cpu" and torch.cuda.is_available()
         if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS")
             # Actors run one intra-op thread each. A cluster started here takes it from this
             # process's environment when ray.init spawns the raylet, so its workers need no runtime
             # environment: with one, Ray starts each actor in a fresh worker through setup_worker
