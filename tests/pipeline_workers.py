@@ -3,6 +3,8 @@ that spawned processes can import them by name."""
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -140,7 +142,7 @@ def adaptive_worker(rank: int, world: int, stages: int, width: int, depth: int, 
         calm = [r.microbatch_s for r in measured[1:]] or [r.microbatch_s for r in measured]
         if not calm:
             raise ValueError("delay_per_microbatch needs a calm step before the first contended one")
-        slowest = torch.tensor([float(torch.tensor(calm).median())])
+        slowest = torch.tensor([statistics.median(calm)])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank calls this at the same step
         level = levels[step]
         throttle.burst_s = delay_per_microbatch * float(slowest) * (1 - level) / level

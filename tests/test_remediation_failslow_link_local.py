@@ -88,12 +88,12 @@ def test_a_slow_link_of_a_three_stage_pipeline_is_named(
         the fault's start, in 2 runs of 16 on a 2-core box that other jobs were using."""
         return [f for f in found if f.factor > 1 and abs(f.onset_iteration - SLOW_FROM) <= 3]
 
-    # Every finding of the detector on the steps it had seen when it named the link: the link,
-    # and nobody's compute. NB: not over the whole run: with one replica any compute shift of any
-    # rank near the fault's onset explains the link's wait away, and over the whole run the host's
-    # load has more time to make one (the full suite's serial part, 1 run in 2 on 2026-12-03, in
-    # runs whose decisions had named the link).
-    # (and the few steps after, which the policy's table had on top of the detected one)
+    # Every finding of the detector on the steps it had seen when it named the link (and the few
+    # after the detected one that the policy's table also had): the link, and nobody's compute.
+    # NB: not over the whole run: with one replica any compute shift of any rank near the fault's
+    # onset explains the link's wait away, and over the whole run the host's load has more time to
+    # make one (the full suite's serial part, 1 run in 2 on 2026-12-03, in runs whose decisions had
+    # named the link).
     named = run.remediation.ladder.finding
     assert named is not None and (named.kind, named.where()) == ("communication", where), named
     early = failslow.build_pipeline_table(

@@ -206,10 +206,7 @@ class Trainer:
         from the newest state any member holds. Returns the step to continue from."""
         started = time.monotonic()
         old_world = self.world
-        if self.watch is not None:  # first: a late alarm must not abort the next round's group
-            self.watch.stop()
-            self.watch = None
-        self.ddp = None  # type: ignore[assignment]  # NB: DDP holds the old group; drop it first
+        self._release_group_holders()  # a late alarm must not abort the next round's group
         with contextlib.suppress(Exception):  # a group with a dead peer may refuse to close cleanly
             dist.destroy_process_group()
         # A step cut short by a lost peer may have left half-accumulated gradients behind.
@@ -631,17 +628,21 @@ class Trainer:
         if self.gang is not None and not self.has_state:
             raise SystemExit(LEFT_EXIT)  # a joiner with nothing to hand over leaves at once
 
-    def close(self) -> None:
-        """Release the gang in the order regroup() does. NB: a replica that leaves returns with its
-        peer watch still beating (a late alarm would abort the group under the destroy below),
-        and DDP's reducer holds the group past destroy_process_group, so the group's gloo threads
-        lived on into interpreter shutdown, where a leaver of the in-place test died of SIGABRT
-        ("terminate called without an active exception") instead of exiting LEFT_EXIT (once,
-        with the suite's parallel part on 3 workers of a 2-core box, 2026-12-03)."""
+    def _release_group_holders(self) -> None:
+        """Stop what still uses the process group, before it is destroyed: the peer watch (whose
+        alarm aborts the group) and DDP, whose reducer holds the group past destroy_process_group."""
         if self.watch is not None:
             self.watch.stop()
             self.watch = None
         self.ddp = None  # type: ignore[assignment]
+
+    def close(self) -> None:
+        """Release the gang as regroup() does. NB: a replica that leaves returns with its peer
+        watch still beating and DDP still holding the group, whose gloo threads then lived on into
+        interpreter shutdown, where a leaver of the in-place test died of SIGABRT ("terminate
+        called without an active exception") instead of exiting LEFT_EXIT (once, with the suite's
+        parallel part on 3 workers of a 2-core box, 2026-12-03)."""
+        self._release_group_holders()
         self.telemetry.close()
         if dist.is_initialized():
             dist.destroy_process_group()
