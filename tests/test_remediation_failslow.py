@@ -83,6 +83,30 @@ def test_a_shift_whose_first_high_step_ends_the_warm_up_is_reported_after_it() -
         assert bocd.detect_changes(spiked) == []
 
 
+def test_a_slowdown_soon_after_a_start_up_transient_eased_is_found() -> None:
+    """A loaded host's first steps run slow and then ease (a validated change, factor < 1, at
+    step 12); a rank slows down 1.5× eight steps later. Both are found, each at its onset. The
+    second was missed for good while a change needed a whole warm-up of its segment before it
+    (8 < 10 steps): the candidate was skipped at every step, and the run holding it grew."""
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        x = 0.05 * np.exp(rng.normal(0, 0.03, 80))
+        x[:12] *= 2.0
+        x[20:] *= 1.5
+        found = bocd.detect_changes(x)
+        assert [c.onset for c in found] == [12, 20], found
+        assert found[0].factor == pytest.approx(0.5, rel=0.1)
+        assert found[1].factor == pytest.approx(1.5, rel=0.1)
+        legacy = bocd.BocdConfig(min_segment=bocd.BocdConfig().warmup)
+        assert [c.onset for c in bocd.detect_changes(x, legacy)] == [12]
+
+
+@pytest.mark.parametrize("min_segment", [1, 11])
+def test_a_segment_shorter_than_two_steps_or_longer_than_the_warm_up_is_refused(min_segment: int) -> None:
+    with pytest.raises(ValueError, match="min_segment"):
+        bocd.BocdConfig(min_segment=min_segment)
+
+
 def test_small_shift_below_ten_percent_is_not_reported() -> None:
     x = np.full(300, 1.0) * np.exp(np.random.default_rng(3).normal(0, 0.01, 300))
     x[150:] *= 1.05

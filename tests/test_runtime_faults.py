@@ -1,5 +1,6 @@
 """Fault injection's slow-compute forms: once a step, per micro-batch, and per layer (a slower
-device whose cost moves with the layers a pipeline stage holds, which S3 can win back)."""
+device whose cost moves with the layers a pipeline stage holds, which S3 can win back), by a
+fixed delay or by a factor of the rank's own compute; and slow-link."""
 
 from __future__ import annotations
 
@@ -66,6 +67,46 @@ def test_per_layer_delay_hits_only_its_rank_and_steps(tmp_path: Path) -> None:
 def test_contradictory_fault_forms_are_refused(fault: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         run_config.Fault.model_validate({"kind": "slow-compute", "ms": 10, **fault})
+
+
+# -- slow-compute by a factor of the rank's own compute -------------------------------------------
+def factor_injector(tmp_path: Path, **fault: object) -> faults.FaultInjector:
+    spec = run_config.Fault.model_validate({"kind": "slow-compute", "factor": 3, **fault})
+    return faults.FaultInjector([spec], tmp_path, rank=0, replica=None)
+
+
+def test_a_per_micro_batch_factor_stretches_each_micro_batch_it_is_told_of(tmp_path: Path) -> None:
+    slow = factor_injector(tmp_path, perMicroBatch=True)
+    assert timed(slow.before_micro_batch) < 0.02  # nothing before: the work is not known yet
+    assert 2 * 0.03 <= timed(lambda: slow.after_micro_batch(0.03)) < 2 * 0.03 + 0.08
+    assert 2 * 0.06 <= timed(lambda: slow.after_micro_batch(0.06)) < 2 * 0.06 + 0.08  # twice the work
+    assert timed(slow.before_compute) < 0.02  # and nothing once per step
+
+
+def test_a_whole_step_factor_follows_the_last_steps_own_compute(tmp_path: Path) -> None:
+    slow = factor_injector(tmp_path, fromStep=1)
+    slow.before_compute()
+    slow.after_step(0.02)  # step 0: not slowed yet
+    slow.step = 1
+    started = time.perf_counter()
+    slow.before_compute()
+    slept = time.perf_counter() - started
+    assert 2 * 0.02 <= slept < 2 * 0.02 + 0.08
+    slow.after_step(0.05 + slept)  # the step measured its compute with the sleep inside it
+    assert slow.last_compute_s == pytest.approx(0.05, abs=0.005)  # the rank's own work only
+    assert 2 * 0.05 <= timed(slow.before_compute) < 2 * 0.05 + 0.08
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ({"factor": 2, "perLayer": True}, "not perLayer"),
+    ({"factor": 2, "ms": 10}, "ms and factor exclude each other"),
+    ({"kind": "slow-comm", "factor": 2}, "factor applies to slow-compute only"),
+    ({"factor": 1.0}, "factor"),
+    ({}, "ms > 0.* or factor > 1"),
+])
+def test_bad_factor_specs_are_refused_naming_the_field(fault: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        run_config.Fault.model_validate({"kind": "slow-compute", **fault})
 
 
 # -- slow-link: a pipeline rank's point-to-point sends -------------------------------------------

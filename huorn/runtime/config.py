@@ -33,6 +33,10 @@ class Fault(base.ApiModel):
     until_step: int | None = Field(default=None, ge=0, description="First step it no longer applies to.")
     ms: float = Field(default=0.0, ge=0, description="Delay per step for slow-compute, per collective for "
                       "slow-comm, per message for slow-link.")
+    factor: float | None = Field(default=None, gt=1, description="slow-compute instead of ms: the rank "
+                                 "computes this many times slower than it measures itself computing "
+                                 "(a throttled device), so the slowdown keeps its size on any host; "
+                                 "whole steps or perMicroBatch, not perLayer.")
     per_micro_batch: bool = Field(default=False, description="slow-compute: delay every micro-batch the "
                                   "rank computes (a slower device), not once per step.")
     per_layer: bool = Field(default=False, description="slow-compute: delay every decoder layer's forward "
@@ -47,8 +51,18 @@ class Fault(base.ApiModel):
 
     @model_validator(mode="after")
     def _check_delay(self) -> Fault:
-        if self.kind.startswith("slow-") and self.ms <= 0:
-            raise ValueError(f"fault {self.kind!r} needs ms > 0, e.g. {{kind: {self.kind}, ms: 200}}")
+        if self.factor is not None:
+            if self.kind != "slow-compute":
+                raise ValueError(f"fault {self.kind!r}: factor applies to slow-compute only; use ms")
+            if self.ms > 0:
+                raise ValueError("fault slow-compute: ms and factor exclude each other; set one of them")
+            if self.per_layer:
+                raise ValueError("fault slow-compute: factor applies to whole steps or perMicroBatch, "
+                                 "not perLayer (a layer's backward is not timed apart); use ms")
+        elif self.kind.startswith("slow-") and self.ms <= 0:
+            hint = (" or factor > 1, e.g. {kind: slow-compute, factor: 2}" if self.kind == "slow-compute"
+                    else "")
+            raise ValueError(f"fault {self.kind!r} needs ms > 0, e.g. {{kind: {self.kind}, ms: 200}}{hint}")
         if self.per_layer and self.per_micro_batch:
             raise ValueError("fault: perLayer and perMicroBatch exclude each other; set one of them")
         if (self.per_layer or self.per_micro_batch) and self.kind != "slow-compute":

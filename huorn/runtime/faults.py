@@ -10,6 +10,10 @@ messages a rank sends to its neighbour stages, in the executor's send path where
 injected (`link_delays`). Faults come from
 the run config and from `faults.json` in the run dir, which a harness may rewrite at any time;
 the file is re-read at every step and while a hang blocks, so removing a hang releases it.
+
+A `slow-compute` with `factor` instead of `ms` scales the rank's own measured compute: a fixed
+delay is a large slowdown on a fast host and a small one on a loaded host, where every step is
+slower, so a detector or a planner tested against it saw a different fault on each machine.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class FaultInjector:
         self._file_faults: list[run_config.Fault] = []
         self._file_mtime: float | None = None
         self._lock = threading.Lock()
+        self.last_compute_s = 0.0  # the rank's last step's compute, without what was injected
+        self._slept_this_step = 0.0
 
     def refresh(self) -> None:
         """Re-read the control file when it changed; a file that does not parse keeps the last
@@ -66,26 +72,46 @@ class FaultInjector:
             time.sleep(_HANG_POLL_S)
             self.refresh()
 
+    def _sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+            self._slept_this_step += seconds
+
     def before_compute(self) -> None:
-        """Called by the training loop at the start of every step's compute."""
+        """Called by the training loop at the start of every step's compute. A whole-step
+        `factor` sleeps for the compute the rank's last step did itself ((factor − 1) times it):
+        a step's own compute is known only once it ran, and the last one is the closest."""
+        self._slept_this_step = 0.0
         slow = self.active("slow-compute")
         if slow is not None and not slow.per_micro_batch and not slow.per_layer:
-            time.sleep(slow.ms / 1000.0)
+            self._sleep((slow.factor - 1) * self.last_compute_s if slow.factor else slow.ms / 1000.0)
         self._block_while("hang-compute")
+
+    def after_step(self, compute_s: float) -> None:
+        """Called with a step's compute (its time less that inside collectives and waits), so a
+        `factor` scales what the rank computes, not what it was made to sleep."""
+        self.last_compute_s = max(0.0, compute_s - self._slept_this_step)
 
     def before_micro_batch(self) -> None:
         """Called before each micro-batch's forward: a slower device costs time per unit of work,
         which is what S2 (moving micro-batches away from the slow rank) can win back."""
         slow = self.active("slow-compute")
-        if slow is not None and slow.per_micro_batch:
-            time.sleep(slow.ms / 1000.0)
+        if slow is not None and slow.per_micro_batch and not slow.factor:
+            self._sleep(slow.ms / 1000.0)
+
+    def after_micro_batch(self, compute_s: float) -> None:
+        """Called after each micro-batch's forward and backward with their compute (collectives
+        excluded): a perMicroBatch `factor` stretches it to factor times."""
+        slow = self.active("slow-compute")
+        if slow is not None and slow.per_micro_batch and slow.factor:
+            self._sleep((slow.factor - 1) * compute_s)
 
     def before_layer(self) -> None:
         """Called before each decoder layer's forward: on a pipeline stage the delay then moves
         with the layers, which is what S3 (re-splitting the layers) can win back."""
         slow = self.active("slow-compute")
         if slow is not None and slow.per_layer:
-            time.sleep(slow.ms / 1000.0)
+            self._sleep(slow.ms / 1000.0)
 
     def inside_collective(self) -> None:
         """Called by the communication hook after entering a collective, before it runs."""

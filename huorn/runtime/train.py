@@ -342,6 +342,7 @@ class Trainer:
         for i, index in enumerate(work):
             if mine:
                 self.injector.before_micro_batch()
+            batch_started, batch_comm = time.perf_counter(), self.telemetry.comm_seconds_so_far()
             tokens, targets = self.mixture.micro_batch(step, index, self.plan.micro_batch)
             tokens, targets = tokens.to(self.device), targets.to(self.device)
             sync = contextlib.nullcontext() if i == len(work) - 1 else self.ddp.no_sync()
@@ -352,6 +353,9 @@ class Trainer:
                         loss = loss + self.distillation_term(tokens, logits)
                 (loss * weight).backward()
             loss_sum += float(loss.detach()) if mine else 0.0
+            if mine:
+                self.injector.after_micro_batch(time.perf_counter() - batch_started
+                                                - (self.telemetry.comm_seconds_so_far() - batch_comm))
         loop_comm = self.telemetry.comm_seconds_so_far() - comm_before
         self.microbatch_seconds = (max(0.0, time.perf_counter() - loop_started - loop_comm) / len(mine)
                                    if mine else None)
@@ -494,6 +498,7 @@ class Trainer:
         elapsed = time.perf_counter() - started
         tokens_per_s = self.plan.global_batch * self.spec.model.context / elapsed
         comm_s = self.telemetry.take_comm_seconds()
+        self.injector.after_step(elapsed - comm_s)
         self.telemetry.record_step(step, elapsed, comm_s, loss, tokens_per_s, noise,
                                    microbatch_seconds=self.microbatch_seconds, waits=self.step_waits,
                                    links=self.step_links)

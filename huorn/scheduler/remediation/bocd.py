@@ -39,6 +39,10 @@ class BocdConfig:
     validate: int = 10  # steps after the onset that the 10% shift is measured on
     min_shift: float = 0.10
     warmup: int = 10  # steps that set the prior's scale; no change is flagged inside them
+    # steps a segment after a detected change must hold before the next change can begin: its
+    # level is a median of them. NB: requiring `warmup` there too missed, for good, a slowdown
+    # that began 8 steps after a loaded host's slow first steps had eased (the ease is a change)
+    min_segment: int = 5
     max_run: int = 400  # run lengths above this are merged (bounded memory and time)
     min_noise: float = 0.01  # floor of the prior's log-space sd (1%), so a flat trace is not "noiseless"
 
@@ -49,6 +53,14 @@ class BocdConfig:
             raise ValueError(f"threshold={self.threshold}: must lie in (0, 1), e.g. 0.9")
         if self.confirm < 1 or self.validate < 1 or self.warmup < 2:
             raise ValueError("confirm and validate must be >= 1 and warmup >= 2 steps")
+        if not 2 <= self.min_segment <= self.warmup:
+            raise ValueError(f"min_segment={self.min_segment}: must lie in [2, warmup={self.warmup}]")
+
+    def gap(self, seg_start: int) -> int:
+        """Steps from a segment's start to the earliest onset of a change in it: the first
+        segment holds the start-up, whose drifts `warmup` steps absorb; a later one begins at a
+        change that was validated, and only its level must be known."""
+        return self.warmup if seg_start == 0 else self.min_segment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +166,7 @@ def _refine_onset(x: np.ndarray, onset: int, flagged_at: int, seg_start: int, co
     # holds it would absorb it for good; its first step after the warm-up is the earliest onset
     # that can be flagged. (A shift whose run began inside the warm-up is still skipped: flagging
     # it at the warm-up's end also flagged slow drifts that CPU load puts in the first steps.)
-    first = max(lo + 3, onset - config.confirm, seg_start + config.warmup)
+    first = max(lo + 3, onset - config.confirm, seg_start + config.gap(seg_start))
     for s in range(first, hi - config.validate // 2 + 1):
         left, right = x[lo:s], x[s:hi]
         cost = float(np.abs(left - np.median(left)).sum() + np.abs(right - np.median(right)).sum())
@@ -192,13 +204,13 @@ def detect_changes(times: Sequence[float], config: BocdConfig | None = None) -> 
                 continue
             r_map = int(np.argmax(probs[: config.confirm + 1]))
             onset = t - r_map + 1
-            if onset <= last_rejected or onset - seg_start < config.warmup:
+            if onset <= last_rejected or onset - seg_start < config.gap(seg_start):
                 continue
             if t + config.validate > len(x):
                 break  # not enough data yet to validate: an online caller sees it next time
             candidate = onset
             onset = _refine_onset(x, onset, t, seg_start, config)
-            if onset - seg_start < config.warmup or onset <= last_rejected:
+            if onset - seg_start < config.gap(seg_start) or onset <= last_rejected:
                 last_rejected = max(last_rejected, candidate)
                 continue
             end = onset + config.validate
