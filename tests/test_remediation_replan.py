@@ -118,17 +118,19 @@ def test_a_pipeline_shape_without_seconds_is_not_re_planned() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_s2_is_undone_on_a_real_job_once_the_slow_rank_recovers(tmp_path: Path) -> None:
-    """Local backend, real trainers: rank 1 is slow from step 15 to 45. The ladder takes S2,
+    """Local backend, real trainers: rank 1 computes 4× slower from step 25 to 55 (past the
+    start-up's slower first steps on a loaded host, and scaled to its own compute so that the
+    slowdown keeps its size on any host: tests/test_remediation_s2_local.py). The ladder takes S2,
     then, once telemetry shows rank 1 healthy again, restores the even counts (possibly through
     a re-plan on the way, as the speeds settle), which the
     trainers apply from a step boundary on, with no step lost or repeated."""
     # NB: 200 steps leave room for the way back ([7, 1] → maybe [5, 3] → [4, 4]) to be decided AND
     # applied before the job ends, also when a loaded machine makes the monitor lag the steps
-    steps_total, slow_from, slow_until = 200, 15, 45
+    steps_total, slow_from, slow_until = 200, 25, 55
     manifest = job_support.tiny_job(replicas=2, steps=steps_total, micro_batch=1,
                                     remediation={"hangTimeout": "60s", "maxMitigation": "rebalance"})
     run = remediation_support.run_with_faults(
-        manifest, [{"kind": "slow-compute", "ms": 80, "perMicroBatch": True, "fromStep": slow_from,
+        manifest, [{"kind": "slow-compute", "factor": 4.0, "perMicroBatch": True, "fromStep": slow_from,
                     "untilStep": slow_until, "replica": "trainer-1"}],
         ladder.LadderCosts(rebalance=0.02), tmp_path / "run", steps_total)
     assert run.finished, run.actions[-3000:]
