@@ -6,6 +6,7 @@ slow link's own messages take longer; the waits alone name the replica but not t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -210,12 +211,46 @@ def test_a_real_shift_is_not_absorbed_by_jitter_near_zero_at_the_warmup_end() ->
     spikes at steps 10 and 11, merged by the median-of-three into a plateau that began inside
     the warm-up, started a run that absorbed the 20 ms shift for good. Floored at half of
     min_shift of the step, the jitter is gone and the link is named."""
-    recorded = json.loads((Path(__file__).parent / "data" / "slow_link_warmup_plateau.json").read_text())
+    found = failslow.detect_pipeline_fail_slow(recorded_table("slow_link_warmup_plateau.json"))
+    assert [(f.kind, f.link, f.replica, f.stage, f.direction, f.onset_iteration) for f in found] == [
+        ("communication", True, 1, 1, "backward", 13)], found
+
+
+def recorded_table(name: str, last_step: int | None = None) -> failslow.PipelineTable:
+    """A recorded run of the local slow-link test (3 stages; rank → history of step records)."""
+    recorded = json.loads((Path(__file__).parent / "data" / name).read_text())
     ranks = {w: failslow.PipelineRank(f"replica-{int(w) // 3}", int(w), int(w) // 3, int(w) % 3)
              for w in recorded}
     built = failslow.build_pipeline_table(
-        {w: sorted((int(s), r) for s, r in steps.items()) for w, steps in recorded.items()}, ranks)
+        {w: sorted((int(s), r) for s, r in steps.items() if last_step is None or int(s) <= last_step)
+         for w, steps in recorded.items()}, ranks)
     assert built is not None
-    found = failslow.detect_pipeline_fail_slow(built)
-    assert [(f.kind, f.link, f.replica, f.stage, f.direction, f.onset_iteration) for f in found] == [
-        ("communication", True, 1, 1, "backward", 13)], found
+    return built
+
+
+@pytest.mark.parametrize("last_step", [30, 49])
+def test_a_link_is_not_explained_by_its_sender_or_by_a_later_slowdown(last_step: int) -> None:
+    """Recorded from tests/test_remediation_failslow_link_local.py (full suite, 2026-12-03): the
+    backward link from stage 2 to stage 1 of replica 1 slowed by 40 ms a message from step 13,
+    and the host's load then made rank 5 (that link's sender) compute 3.6× slower from step 19,
+    and every rank from 17-18 when read to the run's end. Either shift took the link's finding
+    away as its explanation. Neither can be: a sender computes before it sends, so its compute
+    does not lengthen its own messages, and a slowdown that began 4 steps or more after the
+    link's cannot have caused it. The compute shifts are reported as well, as what they are."""
+    found = failslow.detect_pipeline_fail_slow(recorded_table("slow_link_sender_slows_later.json", last_step))
+    link = [(f.kind, f.replica, f.stage, f.direction, f.onset_iteration) for f in found if f.link]
+    assert link == [("communication", 1, 1, "backward", 13)], found
+    assert [f.kind for f in found if not f.link] == (["compute"] if last_step == 30 else ["job-wide"]), found
+
+
+def test_a_slow_receiver_still_explains_its_incoming_link() -> None:
+    """The other half of the rule: the stage that receives on a link, slowed at the link's onset,
+    explains the link's longer messages (on NCCL a send waits for its receive to be posted)."""
+    receiver = failslow.SlowFinding("r1", "compute", 12, 22, 2.0, rank=4, replica=1, stage=1)
+    sender = dataclasses.replace(receiver, rank=5, stage=2)
+    link = failslow.SlowFinding(failslow.JOB_WIDE, "communication", 12, 22, 3.0, replica=1, stage=1,
+                                link=True, direction="backward")
+    assert failslow._explained(link, [receiver])
+    assert not failslow._explained(link, [sender])
+    assert not failslow._explained(link, [dataclasses.replace(receiver, onset_iteration=16)])
+    assert failslow._explained(dataclasses.replace(link, direction=None), [sender])  # from waits

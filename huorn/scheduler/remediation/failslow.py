@@ -354,16 +354,35 @@ def _merge_pipeline(found: list[SlowFinding], replicas: int) -> list[SlowFinding
     return _merge_concurrent(found, lambda f: (f.onset_iteration, f.rank or 0), merge)
 
 
+CAUSE_LAG = 3  # steps a cause's onset may be placed after its effect's (BOCD's onsets jitter)
+
+
 def _explained(network: SlowFinding, compute: list[SlowFinding]) -> bool:
     """Whether a compute shift at the same time could have made these ranks wait: a rank of the
     same replica for a link (a stage waits only for its own pipeline's stages; and on NCCL a
     send waits for its receive to be posted, so a slow stage lengthens its incoming links' own
     seconds per message too), any rank for an all-reduce or a job-wide figure (every replica
-    waits for the slowest)."""
-    return any(abs(c.onset_iteration - network.onset_iteration) <= ONSET_TOLERANCE
+    waits for the slowest).
+
+    A link measured on its own messages is explained only by its receiver: the sender computes
+    before it sends, so its own slowdown cannot lengthen a message. And no cause begins well after
+    its effect. NB: both happened in one run of the slow-link test (2026-12-03): the sender of a
+    slowed gradient link, a last stage, computed 3.6× slower from 6 steps after the link's onset
+    (the host's load), and that took the link's finding away."""
+    return any(-ONSET_TOLERANCE <= c.onset_iteration - network.onset_iteration <= CAUSE_LAG
                and (c.factor > 1) == (network.factor > 1)
                and (network.replica is None or c.replica is None or c.replica == network.replica)
+               and _could_delay(c, network)
                for c in compute)
+
+
+def _could_delay(cause: SlowFinding, link: SlowFinding) -> bool:
+    """Whether a compute finding's stage receives on the link that `link` measured itself."""
+    if not link.link or link.direction is None or link.stage is None or cause.stage is None:
+        return True  # judged on waits, or a stage-wide or job-wide cause: any stage may be it
+    receivers = {"forward": {link.stage + 1}, "backward": {link.stage},
+                 "both": {link.stage, link.stage + 1}}[link.direction]
+    return cause.stage in receivers
 
 
 def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
