@@ -34,25 +34,45 @@ def test_slow_rank_leads_to_an_applied_s2_plan(tmp_path: Path) -> None:
         manifest, [{"kind": "slow-compute", "factor": SLOW_FACTOR, "perMicroBatch": True,
                     "fromStep": SLOW_FROM, "replica": "trainer-1"}],
         ladder.LadderCosts(rebalance=1.0), tmp_path / "run", STEPS)
-    g, remediation, run_dir, actions = run.graph, run.remediation, run.run_dir, run.actions
-    assert run.finished, actions[-3000:]
+    g, remediation, run_dir = run.graph, run.remediation, run.run_dir
+    assert run.finished, run.actions[-3000:]
+    # S2, and maybe re-plans as the measured speeds move (the host's load moves them too: once,
+    # with the neighbour test's load doubling every step from step 18, [6, 2] became [7, 1])
     s2 = [d for d in remediation.decisions if d.level is MitigationLevel.REBALANCE]
-    assert len(s2) == 1, remediation.decisions
-    counts = s2[0].plan["microbatches"]
-    assert sum(counts) == 8 and counts[1] < counts[0]  # work moves away from the slow rank 1
+    actions = [d.action for d in s2]
+    assert actions and actions[0] == "rebalance-microbatches", remediation.decisions
+    assert set(actions[1:]) <= {"replan-microbatches"}, remediation.decisions
+    plans = [d.plan["microbatches"] for d in s2]
+    assert all(sum(c) == 8 and c[1] < c[0] for c in plans), plans  # work moves away from rank 1
     mutations = [m for m in g.log if m.action == "set-param" and m.detail["key"] == "microbatches"]
-    assert len(mutations) == 1 and mutations[0].detail["new"] == counts
+    assert [m.detail["new"] for m in mutations] == plans
     assert mutations[0].reason.startswith("remediation S2 (rebalance-microbatches)")
-    assert "wrote micro-batch counts" in actions
+    assert "wrote micro-batch counts" in run.actions
     records = report.read_records(run_dir)
     applied = [r for r in records if r.get("event") == "microbatch-plan"]
-    assert applied and applied[0]["counts"] == counts and applied[0]["reason"] == mutations[0].reason
+    # applied in the order decided (a re-plan in the job's last steps may come too late)
+    assert applied and [r["counts"] for r in applied] == plans[:len(applied)], (applied, plans)
+    assert [r["reason"] for r in applied] == [m.reason for m in mutations][:len(applied)]
     steps = {r["step"]: r for r in records if r.get("event") == "step"}
     assert report.summarise_steps(list(steps.values())).last == STEPS
     start = applied[0]["from_step"]
-    slow = [steps[s]["step_seconds"] for s in steps if SLOW_FROM + 2 < s < start]
-    fixed = [steps[s]["step_seconds"] for s in steps if s > start + 1]
-    assert slow and fixed and all(steps[s].get("microbatches") == counts for s in steps if s >= start)
-    # even split: rank 1 takes 4 × 4 micro-batch times a step; rebalanced ([7, 1]: 7 × 1 against
-    # 1 × 4), less than half of that, with the step's fixed costs on both (0.62 measured)
-    assert statistics.median(fixed) < 0.8 * statistics.median(slow), (slow, fixed)
+    in_force = [max((r for r in applied if r["from_step"] <= s), key=lambda r: r["from_step"])["counts"]
+                for s in sorted(steps) if s >= start]
+    assert [steps[s].get("microbatches") for s in sorted(steps) if s >= start] == in_force
+    # What S2 changes: how much longer the slow rank computes a step than the other. Even split:
+    # 4 × 4 against 4 × 1 micro-batch times (4×); [7, 1]: 1 × 4 against 7 × 1, [6, 2]: 2 × 4
+    # against 6 × 1. NB: the ranks' compute, not the step's wall time, which the neighbour test's
+    # load moved by more than S2's gain (once 2× from step 18 on, spikes of 1 s later): the
+    # wall-clock gain is benchmarks/s2_local.py's (3.92×, docs/remediation.md). Measured 3.83 → 0.65.
+    history = remediation.history
+
+    def imbalance(step: int) -> float:
+        return history["trainer-1"][step]["compute_seconds"] / history["trainer-0"][step]["compute_seconds"]
+
+    both = sorted(set(history["trainer-0"]) & set(history["trainer-1"]))
+    slow = [imbalance(s) for s in both if SLOW_FROM + 2 < s < start]
+    fixed = [imbalance(s) for s in both if s > start + 1]
+    assert slow and fixed, both
+    print(f"\nimbalance: {statistics.median(slow):.2f} even, {statistics.median(fixed):.2f} on S2's plans")
+    assert statistics.median(slow) > 2.0, slow
+    assert statistics.median(fixed) < 0.6 * statistics.median(slow), (slow, fixed)
