@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 
 
-def _dcp() -> tuple[ModuleType, ModuleType]:
+def dcp_modules() -> tuple[ModuleType, ModuleType]:
     """DCP and its state-dict helpers, imported on first use: importing them costs a process
     1.2-1.4 s of CPU (DTensor's operator tables), which the processes that never save or load a
     checkpoint's tensors (the RL rollout workers, a reference worker without initCheckpoint,
@@ -104,7 +104,7 @@ def build_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, flat: 
     `flat` keys the optimizer's hyper-parameters per parameter too. A pipeline needs it: its
     stages hold different parameters, and the nested form's one `param_groups` list would be
     de-duplicated across ranks as if every rank held the same one."""
-    _, dcp_state = _dcp()
+    _, dcp_state = dcp_modules()
     options = dcp_state.StateDictOptions(flatten_optimizer_state_dict=flat)
     model_state, optim_state = dcp_state.get_state_dict(model, optimizer, options=options)
     return {"model": model_state, "optimizer": optim_state}
@@ -120,7 +120,7 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: to
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(scratch, ignore_errors=True)
     barrier()
-    dcp, _ = _dcp()
+    dcp, _ = dcp_modules()
     dcp.save(build_state(model, optimizer, flat), checkpoint_id=str(scratch))
     if rank == 0:
         _write_atomically(scratch / META, json.dumps({**meta, "step": step}, indent=2) + "\n")
@@ -146,7 +146,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     path = Path(path)
     if not is_complete(path):
         raise ValueError(f"{path} is not a complete Huorn checkpoint (no .metadata or {META})")
-    dcp, dcp_state = _dcp()
+    dcp, dcp_state = dcp_modules()
     if optimizer is None:
         state = {"model": dcp_state.get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=str(path))

@@ -33,7 +33,6 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from torch.nn.parallel import DistributedDataParallel
 
@@ -244,6 +243,7 @@ class Trainer:
         else:
             best, negative_rank = max(steps)
             source = -negative_rank
+            _, dcp_state = checkpoint.dcp_modules()  # on first use: a fresh gang never pays for it
             model_state, optim_state = dcp_state.get_state_dict(self.model, self.optimizer)
             tensors = [model_state[k] for k in sorted(model_state)]
             tensors += [value for _, value in _flatten_optimizer_state(optim_state)]
