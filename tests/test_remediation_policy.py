@@ -93,3 +93,35 @@ def test_fail_slow_climbs_the_ladder_to_restart_of_the_slow_replica() -> None:
     assert levels[0] is MitigationLevel.OBSERVE and levels[-1] is MitigationLevel.RESTART
     assert "trainer-1" in pol.decisions[0].reason and "compute" in pol.decisions[0].reason
     assert [(e.type, e.data["instance"]) for e in events] == [(managers.INSTANCE_FAILED, "trainer-1")]
+
+
+def test_the_loss_since_the_onset_pays_for_s2_even_when_detection_came_late() -> None:
+    """Ski-rental's rent runs from the slowdown's onset: the steps the detector needed to be sure
+    were lost too. Here they already pay for S2 when the slowdown is found, so S2 comes on the same
+    tick (counting only from the detection, it came steps later, and on a noisy host too late)."""
+    graph = build_graph()
+    costs = ladder.LadderCosts(rebalance=0.3)  # about 4 steps of a 2× slowdown at 0.08 s
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s", max_mitigation="rebalance"), costs)
+    rng = np.random.default_rng(7)
+    history: dict[int, list[dict]] = {0: [], 1: []}
+    ticks: list[tuple[int, MitigationLevel, str]] = []
+    for step in range(120):
+        computes = [0.08 * np.exp(rng.normal(0, 0.02)) * (2.0 if rank == 1 and step >= 50 else 1.0)
+                    for rank in (0, 1)]
+        for rank in (0, 1):
+            history[rank].append({"step": step, "step_seconds": max(computes) + 0.02,
+                                  "compute_seconds": computes[rank], "comm_seconds": 0.02})
+        snaps = {}
+        for r in (0, 1):
+            snap = snapshot(r, f"trainer-{r}", 3 * step, 3 * step, float(step), history[r][-256:])
+            snaps[f"trainer-{r}-0"] = {**snap, "parameters": {"micro_batches": {"total": 8, "mine": 4}}}
+        before = len(pol.decisions)
+        pol.decide(graph, Seen(float(step), snaps))
+        ticks += [(step, d.level, d.reason) for d in pol.decisions[before:]]
+    observed = [t for t, level, _ in ticks if level is MitigationLevel.OBSERVE]
+    rebalanced = [(t, reason) for t, level, reason in ticks if level is MitigationLevel.REBALANCE]
+    assert observed and rebalanced, ticks
+    assert observed[0] > 50 + 4, ticks  # the detector needed more steps than the rent takes
+    assert rebalanced[0][0] == observed[0], ticks
+    lost = float(rebalanced[0][1].split("lost ")[1].split("s")[0])
+    assert 0.3 <= lost < 0.3 + 0.2, rebalanced  # paid step by step from the onset, not all at once

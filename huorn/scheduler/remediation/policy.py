@@ -122,17 +122,22 @@ class RemediationPolicy:
         if not any(self.history.values()):
             return []
         events: list[managers.Event] = []
+        first = self._last_step + 1
         for finding in found:
             if finding.factor <= 1 or (finding.where(), finding.onset_iteration) in self._slow_seen:
                 continue
             self._slow_seen.add((finding.where(), finding.onset_iteration))
             if self.ladder.level is None:
                 self.decisions.append(self.ladder.on_fail_slow(finding, _culprit_ranks(finding, found)))
+                # ski-rental's rent runs from the onset, not from the detection: the steps between
+                # were lost all the same, and a detector slowed by a noisy host must not also
+                # delay the mitigation by the loss it would have counted meanwhile
+                first = min(first, max(finding.onset_iteration, 0))
         latest = max((max(steps) for steps in self.history.values() if steps), default=-1)
         if self.shape_from_telemetry:
             self.ladder.shape = build_pipeline_shape(snapshots) or build_shape(snapshots) or self.ladder.shape
         healthy = self._healthy_step_seconds()
-        for step in range(self._last_step + 1, latest + 1):
+        for step in range(first, latest + 1):
             seconds = max((h[step]["step_seconds"] for h in self.history.values() if step in h), default=None)
             if seconds is None or healthy is None:
                 continue
@@ -141,6 +146,8 @@ class RemediationPolicy:
                 self.decisions.append(decision)
                 worker = self.ladder.finding.worker if self.ladder.finding else failslow.JOB_WIDE
                 events += self._events_for(graph, decision, () if worker == failslow.JOB_WIDE else (worker,))
+                if step <= self._last_step:
+                    break  # the rest of the replayed steps ran before this rung: they price nothing on it
         self._last_step = max(self._last_step, latest)
         return events
 
