@@ -55,6 +55,35 @@ def test_a_pipeline_job_refuses_to_resize_in_place(tmp_path: Path) -> None:
     assert done.returncode == 2 and "pipelineStages" in done.stderr
 
 
+def test_a_leaver_stops_its_heartbeat_thread_before_it_exits() -> None:
+    """The rendezvous's keep-alive thread calls into the store's C++ client; one still beating at
+    interpreter shutdown aborted a leaver (SIGABRT, "terminate called without an active
+    exception") instead of letting it exit LEFT_EXIT. `leave()` must end it, and only it."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from huorn.runtime import membership
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    settings = launcher.ElasticSettings(min_nodes=1, max_nodes=1, rdzv_endpoint=f"127.0.0.1:{master.port}",
+                                        rdzv_id="leave", local_addr="127.0.0.1")
+
+    def beating() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("RendezvousKeepAliveTimer")]
+
+    gang = membership.Membership(settings)
+    before = beating()
+    round_ = gang.next_round()
+    assert (round_.rank, round_.world) == (0, 1)
+    assert len(beating()) == len(before) + 1
+    gang.leave()
+    assert beating() == before
+    gang.leave()  # a second leave, as close() after an earlier one, is harmless
+    gang.close()
+
+
 def _regroups(run_dir: Path) -> list[dict]:
     return [e for e in steplog.read_events(run_dir) if e["event"] == "regroup"]
 

@@ -16,10 +16,10 @@ same stand-alone store (`huorn.runtime.store`):
 - the members' state then reaches the newcomers by broadcast from one member
   (`Trainer.share_state`), not from a checkpoint.
 
-A graceful leaver just exits: its keep-alive lapses after `keep_alive_interval ×
-keep_alive_max_attempt` and the survivors' next round forms without it. A failed peer is found the
-same way once a collective has raised; the survivors keep the state of the last step they all
-finished.
+A graceful leaver stops its keep-alive heartbeats and exits (`leave()`): the heartbeats lapse
+after `keep_alive_interval × keep_alive_max_attempt` and the survivors' next round forms without
+it. A failed peer is found the same way once a collective has raised; the survivors keep the
+state of the last step they all finished.
 """
 
 from __future__ import annotations
@@ -86,6 +86,21 @@ class Membership:
     def waiting(self) -> int:
         """Nodes in the wait list for the next round: replicas ready to join."""
         return self.handler.num_nodes_waiting()
+
+    def leave(self) -> None:
+        """Stop this node's keep-alive heartbeats before the process exits; the survivors' next
+        round forms without it, as it would once the heartbeats lapsed.
+
+        NB: the handler beats from a daemon thread that calls into the store's C++ client. Left
+        running, it could be inside such a call when the interpreter finalises; CPython then ends
+        the thread with a forced unwind through pybind11's noexcept frames, and C++ aborts the
+        process ("terminate called without an active exception", SIGABRT instead of the leaver's
+        exit code; seen in the in-place test). torch has no public way to stop the heartbeats of
+        a node that stays out of the next round, so this uses the handler's own `_stop_heartbeats`
+        (what its `next_rendezvous` and `shutdown` call), which joins the thread."""
+        stop = getattr(self.handler, "_stop_heartbeats", None)
+        if stop is not None:
+            stop()
 
     def close(self) -> None:
         """Mark the rendezvous closed: the job is over, and no node may join any more."""

@@ -648,6 +648,8 @@ class Trainer:
         called without an active exception") instead of exiting LEFT_EXIT (once, with the suite's
         parallel part on 3 workers of a 2-core box, 2026-12-03)."""
         self._release_group_holders()
+        if self.gang is not None:
+            self.gang.leave()  # no heartbeat thread may be inside the store's client at exit
         self.telemetry.close()
         if dist.is_initialized():
             dist.destroy_process_group()
