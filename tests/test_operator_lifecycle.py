@@ -385,27 +385,7 @@ def test_unplaceable_gang_creates_nothing_and_says_why(kube: builders.Kube, oper
     wait_for(lambda: (kube.get_vc("serve").get("status") or {}).get("lent") == 4, what="lent 4")
 
 
-def test_an_rl_job_waits_for_its_runtime_and_an_invalid_inference_job_is_stalled(
-    kube: builders.Kube, operator
-) -> None:
-    kube.create_job(
-        NS,
-        {
-            "apiVersion": "huorn.io/v1alpha1",
-            "kind": "RLJob",
-            "metadata": {"name": "rl"},
-            "spec": {"virtualCluster": "train"},
-        },
-        plural="rljobs",
-    )
-    cond = wait_for(
-        lambda: (
-            kube.condition(NS, "rl", "Stalled", "rljobs").get("status") == "True"
-            and kube.condition(NS, "rl", "Stalled", "rljobs")
-        ),
-        what="RLJob Stalled",
-    )
-    assert cond["reason"] == "RuntimeNotAvailable"
+def test_an_invalid_inference_job_is_stalled_and_nothing_is_created(kube: builders.Kube, operator) -> None:
     kube.create_job(
         NS,
         {
@@ -424,7 +404,7 @@ def test_an_rl_job_waits_for_its_runtime_and_an_invalid_inference_job_is_stalled
         what="InferenceJob Stalled",
     )
     assert cond["reason"] == "InvalidSpec" and "spec.model.checkpoint" in cond["message"]
-    assert kube.pods(NS, "rl") == [] and kube.pods(NS, "inf") == []
+    assert kube.pods(NS, "inf") == []
 
 
 def test_finished_gang_succeeds_and_frees_its_store(kube: builders.Kube, operator) -> None:

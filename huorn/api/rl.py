@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -228,3 +229,44 @@ class RLJobSpec(JobCommon):
 class RLJobStatus(JobStatus):
     step: int = 0
     mean_reward: float | None = None
+    restarts: int = Field(default=0, ge=0, description="Gang restarts counted against "
+                          "spec.remediation.maxRestarts.")
+    gang_generation: int = Field(default=0, ge=0, description="Which start of the gang its pods "
+                                 "belong to: every restart, counted or not, is a new generation.")
+    start_time: str | None = None
+    completion_time: str | None = None
+
+
+@dataclass(frozen=True)
+class RayLayout:
+    """An RLJob's pods in a cluster: one head (Ray's head node and the single controller, no
+    GPU) and `workers` Ray worker nodes of `gpus_per_worker` GPUs each."""
+
+    gpus: int
+    gpus_per_worker: int
+    workers: int
+
+
+def ray_layout(spec: RLJobSpec) -> RayLayout:
+    """How the job's GPUs become Ray worker pods, or ValueError naming the field and the fix.
+
+    The job holds `spec.gpus` (default: what its roles need) in pods of `spec.resources.gpus`
+    each, the Kubernetes unit of one Ray node. A role replica is one Ray actor, and an actor's
+    GPUs lie on one node, so no role may ask for more GPUs a replica than one pod has."""
+    gpus = spec.gpus if spec.gpus is not None else count_gpus_needed(spec.roles)
+    if gpus == 0:
+        return RayLayout(0, 0, 0)
+    per = spec.resources.gpus
+    if per < 1:
+        raise ValueError(f"spec.resources.gpus: 0, but the job holds {gpus} GPU(s) (spec.gpus or its "
+                         "roles) in Ray worker pods of spec.resources.gpus each; set it to at least 1")
+    if gpus % per:
+        raise ValueError(f"spec.gpus: {gpus} is not a multiple of spec.resources.gpus ({per}), the GPUs "
+                         f"of one Ray worker pod; make spec.gpus a multiple of {per}, or change "
+                         "spec.resources.gpus")
+    for name, role in list_roles(spec.roles):
+        if role.gpus_per_replica > per:
+            raise ValueError(f"spec.roles.{name}.gpusPerReplica: {role.gpus_per_replica} exceeds "
+                             f"spec.resources.gpus ({per}): a replica is one Ray actor, which runs on "
+                             "one worker pod; raise spec.resources.gpus or lower gpusPerReplica")
+    return RayLayout(gpus, per, gpus // per)

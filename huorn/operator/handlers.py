@@ -27,9 +27,9 @@ from huorn.operator import (
     index,
     loans,
     monitoring,
-    otherjobs,
     preempting,
     queue,
+    rljobs,
     serving,
     training,
     validation,
@@ -65,7 +65,7 @@ async def _reconcile_job(ctx: Context, plural: str, namespace: str, name: str) -
             elif kind == "InferenceJob":
                 phase = await serving.reconcile(ctx, body)
             else:
-                phase = await otherjobs.reconcile(ctx, body)
+                phase = await rljobs.reconcile(ctx, body)
         except Exception:
             ctx.metrics.reconciles.labels(kind, "error").inc()
             raise

@@ -181,6 +181,23 @@ def build_serve_command(config_path: Path | str, python: str = sys.executable) -
     return [python, "-m", "huorn.runtime.serve", "--config", str(config_path)]
 
 
+RAY_PORT = 6379  # Ray's GCS on an RLJob's head pod, behind the job's headless Service
+
+
+def build_rl_head_command(config_path: Path | str, cpus: int, port: int = RAY_PORT,
+                          python: str = sys.executable) -> list[str]:
+    """An RLJob's head (huorn.runtime.rl.node): Ray's head node, then the single controller on it."""
+    return [python, "-m", "huorn.runtime.rl.node", "head", "--config", str(config_path),
+            "--port", str(port), "--cpus", str(cpus)]
+
+
+def build_rl_worker_command(head_address: str, gpus: int, cpus: int,
+                            python: str = sys.executable) -> list[str]:
+    """One Ray worker node of an RLJob, joining the head at HOST:PORT with its pod's GPUs."""
+    return [python, "-m", "huorn.runtime.rl.node", "worker", "--address", head_address,
+            "--gpus", str(gpus), "--cpus", str(cpus)]
+
+
 def replica_address(index: int) -> str:
     """Loopback address of replica `index` (0-based): 127.0.0.2, 127.0.0.3, ... Linux routes the
     whole 127/8 to the loopback device, so these need no setup."""

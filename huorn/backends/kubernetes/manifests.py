@@ -97,7 +97,7 @@ def rendezvous_endpoint(job: JobRef) -> str:
     return f"{store_service_name(job)}.{job.namespace}.svc:{STORE_PORT}"
 
 
-def _metadata(job: JobRef, name: str, extra_labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+def job_metadata(job: JobRef, name: str, extra_labels: Mapping[str, str] | None = None) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": job.namespace,
@@ -184,18 +184,19 @@ def build_config_map(job: JobRef, spec: Mapping[str, Any],
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(job, config_map_name(job)),
+        "metadata": job_metadata(job, config_map_name(job)),
         "data": data,
     }
 
 
-def _service(job: JobRef, name: str, vertex: str, port: tuple[str, int, int], **spec: Any) -> dict[str, Any]:
+def build_service(job: JobRef, name: str, vertex: str, port: tuple[str, int, int],
+                  **spec: Any) -> dict[str, Any]:
     """A Service in front of one vertex's pods; `port` is (name, port, targetPort)."""
     port_name, number, target = port
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(job, name),
+        "metadata": job_metadata(job, name),
         "spec": {
             **spec,
             "selector": {LABEL_JOB: job.name, LABEL_VERTEX: vertex},
@@ -206,7 +207,7 @@ def _service(job: JobRef, name: str, vertex: str, port: tuple[str, int, int], **
 
 def build_store_service(job: JobRef) -> dict[str, Any]:
     """Headless: the agents resolve the store pod's own IP, with no kube-proxy hop to fail over."""
-    return _service(job, store_service_name(job), "rendezvous", ("c10d", STORE_PORT, STORE_PORT),
+    return build_service(job, store_service_name(job), "rendezvous", ("c10d", STORE_PORT, STORE_PORT),
                     clusterIP="None", publishNotReadyAddresses=True)
 
 
@@ -241,7 +242,7 @@ def build_trainer_command(job: JobRef, graph: Graph, nproc_per_node: int) -> lis
     return build_torchrun_args(job, graph, nproc_per_node)
 
 
-def _security_context() -> dict[str, Any]:
+def security_context() -> dict[str, Any]:
     return {
         "runAsNonRoot": True,
         "runAsUser": 1000,
@@ -275,12 +276,12 @@ def build_trainer_pod(
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         *({"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", [])),
     ]
-    mounts, volumes = _config_and_run_volumes(job)
+    mounts, volumes = config_and_run_volumes(job)
     checkpoint = spec.get("checkpoint", {})
     if checkpoint.get("volume"):
         mounts.append({"name": "checkpoints", "mountPath": checkpoint.get("path", "/checkpoints")})
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint["volume"]}})
-    metadata = _metadata(
+    metadata = job_metadata(
         job, pod_name(job, instance), {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name}
     )
     metadata["annotations"] = {
@@ -320,7 +321,7 @@ def build_trainer_pod(
                     "ports": [{"name": "telemetry", "containerPort": TELEMETRY_PORT}],
                     "resources": {"limits": limits, "requests": dict(limits)},
                     "volumeMounts": mounts,
-                    "securityContext": _security_context(),
+                    "securityContext": security_context(),
                 }
             ],
             "volumes": volumes,
@@ -331,7 +332,7 @@ def build_trainer_pod(
 
 def build_store_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any]) -> dict[str, Any]:
     """The rendezvous vertex: no GPU, so the default scheduler may put it on any node."""
-    metadata = _metadata(
+    metadata = job_metadata(
         job, pod_name(job, instance), {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name}
     )
     metadata["annotations"] = {ANNOTATION_GPUS: "0"}
@@ -352,7 +353,7 @@ def build_store_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any]) ->
                         "requests": {"cpu": "250m", "memory": "256Mi"},
                     },
                     "readinessProbe": {"tcpSocket": {"port": STORE_PORT}, "periodSeconds": 2},
-                    "securityContext": _security_context(),
+                    "securityContext": security_context(),
                 }
             ],
         },
@@ -385,10 +386,10 @@ def build_eval_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any],
     ckpt = spec.get("checkpoint", {})
     root = str(ckpt.get("path", "/checkpoints"))
     target = (checkpoint or {}).get("path") or root
-    mounts, volumes = _config_and_run_volumes(job)
+    mounts, volumes = config_and_run_volumes(job)
     _mount_checkpoints_read_only(ckpt, mounts, volumes)
     env = _replica_env(job, instance, spec)
-    metadata = _metadata(job, eval_pod_name(job, instance, checkpoint),
+    metadata = job_metadata(job, eval_pod_name(job, instance, checkpoint),
                          {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name})
     metadata["annotations"] = {
         ANNOTATION_GPUS: "0",
@@ -409,7 +410,7 @@ def build_eval_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any],
                     "env": env,
                     "resources": {"limits": limits, "requests": dict(limits)},
                     "volumeMounts": mounts,
-                    "securityContext": _security_context(),
+                    "securityContext": security_context(),
                     # File: the result JSON; on a crash before it is written, the log's tail
                     # (the evaluator's one-line refusal) becomes the message instead.
                     "terminationMessagePath": TERMINATION_LOG,
@@ -422,7 +423,7 @@ def build_eval_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any],
     }
 
 
-def _config_and_run_volumes(job: JobRef) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def config_and_run_volumes(job: JobRef) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The job's ConfigMap (read-only) and a scratch run directory: every pod of a job, trainer
     or eval, reads the same run config from the same place."""
     mounts = [
@@ -457,10 +458,16 @@ def build_serve_config(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
     return {"jobName": job.name, "spec": dict(spec), "host": "0.0.0.0", "port": SERVE_PORT, "runDir": RUN_DIR}
 
 
+def template_hash(spec: Mapping[str, Any], unrolled: frozenset[str]) -> str:
+    """What a pod was started from, less the spec fields no running pod reads: a pod with
+    another hash runs an old spec."""
+    kept = {k: v for k, v in spec.items() if k not in unrolled}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def serve_template_hash(spec: Mapping[str, Any]) -> str:
     """What a replica was started from: a pod with another hash runs an old spec and is rolled."""
-    kept = {k: v for k, v in spec.items() if k not in UNROLLED_FIELDS}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+    return template_hash(spec, UNROLLED_FIELDS)
 
 
 def _mount_checkpoints_read_only(checkpoint: Mapping[str, Any], mounts: list[dict[str, Any]],
@@ -487,13 +494,13 @@ def build_serve_config_map(job: JobRef, spec: Mapping[str, Any]) -> dict[str, An
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(job, config_map_name(job)),
+        "metadata": job_metadata(job, config_map_name(job)),
         "data": {CONFIG_FILE: json.dumps(build_serve_config(job, spec), indent=2, sort_keys=True)},
     }
 
 
 def build_serve_service(job: JobRef) -> dict[str, Any]:
-    return _service(job, serve_service_name(job), "server", ("http", 80, SERVE_PORT), type="ClusterIP")
+    return build_service(job, serve_service_name(job), "server", ("http", 80, SERVE_PORT), type="ClusterIP")
 
 
 def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[str, Any],
@@ -507,10 +514,10 @@ def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[st
                               "memory": str(resources.get("memory", "16Gi"))}
     if gpus:
         limits[GPU_RESOURCE] = str(gpus)
-    mounts, volumes = _config_and_run_volumes(job)
+    mounts, volumes = config_and_run_volumes(job)
     _mount_checkpoints_read_only(spec.get("checkpoint", {}), mounts, volumes)
     env = _replica_env(job, instance, spec)
-    metadata = _metadata(job, pod_name(job, instance),
+    metadata = job_metadata(job, pod_name(job, instance),
                          {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name})
     metadata["annotations"] = {
         ANNOTATION_NODE: node,
@@ -530,7 +537,7 @@ def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[st
                 "ports": [{"name": "http", "containerPort": SERVE_PORT}],
                 "resources": {"limits": limits, "requests": dict(limits)},
                 "volumeMounts": mounts,
-                "securityContext": _security_context(),
+                "securityContext": security_context(),
                 # Loading (and GLVQ-quantising) a model takes a while: ready only once /healthz
                 # answers, which is after the model is in memory.
                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": SERVE_PORT}, "periodSeconds": 2},

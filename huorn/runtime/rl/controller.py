@@ -102,7 +102,6 @@ class Controller:
         self.stop_signal: str | None = None  # set by SIGTERM or SIGINT; the step ends, then the run
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        gpu = cfg.device != "cpu" and torch.cuda.is_available()
         if not ray.is_initialized():
             # Actors run one intra-op thread each. A cluster started here takes it from this
             # process's environment when ray.init spawns the raylet, so its workers need no runtime
@@ -114,6 +113,10 @@ class Controller:
                 ray.init(address=address, num_cpus=cfg.ray_cpus, include_dashboard=False,
                          log_to_driver=False, namespace=cfg.job_name,
                          runtime_env=None if address is None else {"env_vars": one_thread})
+        # The model roles take whole GPUs where the cluster has any. NB: the cluster's, not this
+        # process's: in a pod the controller runs on Ray's head node, which holds no GPU, while
+        # the worker nodes hold them all (huorn.runtime.rl.node).
+        gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         wire, roles = self.spec.to_wire(), self.spec.roles
         init = self.spec.init_checkpoint
         rollouts = max(1, roles.rollout.replicas)
@@ -154,6 +157,11 @@ class Controller:
     def log(self, record: dict[str, Any]) -> None:
         with open(self.run_dir / STEPS_FILE, "a") as handle:
             handle.write(json.dumps({"time": time.time(), **record}) + "\n")
+        if record.get("event") in ("rl", "eval", "checkpoint", "done"):
+            # one line each on stdout as well: what `kubectl logs` of a head pod shows
+            shown = " ".join(f"{k}={record[k]}" for k in ("step", "reward_mean", "accuracy", "reason", "path")
+                             if k in record)
+            print(f"huorn-rl {record['event']}: {shown}", flush=True)
 
     def _deal(self, items: list[Any]) -> list[list[Any]]:
         """Items split over the rollout workers in contiguous chunks, which keep prompts in order."""

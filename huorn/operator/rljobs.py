@@ -1,0 +1,323 @@
+"""RLJob in the cluster: one Ray cluster per job (a head and GPU workers), placed as a gang on the
+job's virtual cluster, restarted as a gang, finished when its single controller is.
+
+The compiled graph has one vertex per ROLL role (actor-train, rollout, reference, reward); the
+controller places those as Ray actors itself. What the operator places is the Ray cluster under
+them, so the first reconcile inserts two vertices into the graph, with the reason in the log:
+`ray-head` (one pod: Ray's head node and the controller, no GPU) and `ray-worker` (one pod of
+`spec.resources.gpus` GPUs for each share of the job's `spec.gpus`; api.rl.ray_layout).
+
+- **Placement.** All or nothing: every worker finds room on the virtual cluster's own nodes
+  (best fit, fullest node first, as InferenceJob replicas are placed), or none is created and
+  the job says what it waits for. Nothing is borrowed, and an RLJob is neither preempted nor a
+  victim of reclaim: it holds only its own cluster's GPUs, until it ends.
+- **Failures.** A pod that ends while the controller runs is a gang failure: Ray's actors on a
+  lost node are gone, so every pod of the gang is replaced (a new generation each) and the
+  controller resumes from its last checkpoint on a fresh Ray cluster. Each failure is judged
+  as a TrainingJob's (huorn.operator.failures: spec.remediation.podFailurePolicy, exit code 2 is
+  the controller refusing its config and fails the job) and spends one of
+  spec.remediation.maxRestarts unless a rule ignores it; restarts back off as Kubernetes Job's.
+- **The end.** The head pod's exit code is the controller's: Succeeded ends the job and stops
+  the workers; a refusal or a spent budget fails it, naming the pod and why.
+
+Every decision is a graph mutation written to status before any pod is created or deleted for
+it, so a restarted operator neither restarts a gang twice nor loses a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from huorn.api import kinds, rl
+from huorn.api.common import FailureAction
+from huorn.backends.kubernetes import manifests
+from huorn.backends.kubernetes import rl_manifests as rlm
+from huorn.graph import compiler, mutate, serialise
+from huorn.graph.model import ExecutionMode, Graph, Instance, ResourceRequest, Vertex
+from huorn.operator import conditions, failures, index, serving, validation
+from huorn.operator.context import Context
+from huorn.operator.training import REASON_LIMIT, build_decisions, write_status
+
+PLURAL = "rljobs"
+KIND = "RLJob"
+
+
+def _iso(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def build_ray_vertices(layout: rl.RayLayout) -> list[Vertex]:
+    head = Vertex(rlm.HEAD, rlm.HEAD, 1, 1, ResourceRequest(0), ExecutionMode.GANG)
+    workers = Vertex(rlm.WORKER, rlm.WORKER, layout.workers, layout.workers,
+                     ResourceRequest(layout.gpus_per_worker), ExecutionMode.GANG,
+                     params={"gpusPerWorker": layout.gpus_per_worker})
+    return [head, workers]
+
+
+def restore_graph(body: Mapping[str, Any], fresh: Graph, layout: rl.RayLayout) -> Graph:
+    """The graph in status (its Ray vertices and their generations are the job's history), or
+    the compiled one with the Ray cluster inserted, for a job never placed."""
+    old = (body.get("status") or {}).get("graph")
+    if old:
+        graph = serialise.from_status(old)
+        if rlm.HEAD in graph.vertices:
+            return graph
+    else:
+        graph = fresh
+    shape = (f"{layout.workers} worker(s) of {layout.gpus_per_worker} GPU(s)" if layout.workers
+             else "no GPU worker (a CPU-only job: the head runs every actor)")
+    mutate.insert_vertices(graph, build_ray_vertices(layout), [], reason=(
+        f"placed as one Ray cluster: a head (the single controller, no GPU) and {shape}"))
+    return graph
+
+
+def fit_layout(graph: Graph, layout: rl.RayLayout) -> None:
+    """Make the worker vertex the spec's layout. Only between gangs: the caller restarts a
+    running gang whose spec changed before the pods of the new layout are made."""
+    workers = graph.vertex(rlm.WORKER)
+    before = (workers.replicas, int(workers.params.get("gpusPerWorker", 0)))
+    if before == (layout.workers, layout.gpus_per_worker):
+        return
+    workers.min_replicas = min(workers.replicas, layout.workers)
+    workers.max_replicas = max(workers.replicas, layout.workers)
+    workers.params = {**workers.params, "gpusPerWorker": layout.gpus_per_worker}
+    workers.resources = ResourceRequest(layout.gpus_per_worker)
+    mutate.resize(graph, rlm.WORKER, layout.workers, reason=(
+        f"spec.gpus and spec.resources.gpus now make {layout.workers} Ray worker(s) of "
+        f"{layout.gpus_per_worker} GPU(s) (were {before[0]} of {before[1]})"))
+    workers.min_replicas = workers.max_replicas = layout.workers
+
+
+def gang(graph: Graph) -> list[Instance]:
+    return [*graph.vertex(rlm.HEAD).instances, *graph.vertex(rlm.WORKER).instances]
+
+
+async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
+    """Bring one RLJob one step closer to a finished controller."""
+    meta = body["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    old = body.get("status") or {}
+    try:
+        job = validation.load_job(body)
+        assert isinstance(job, kinds.RLJob)
+        vc_spec = ctx.index.vcs.get(job.spec.virtual_cluster)
+        if vc_spec is not None:
+            validation.check_namespace(ns, job.spec.virtual_cluster, vc_spec)
+        validation.check_on_volume(job.spec.checkpoint, [("spec.initCheckpoint", job.spec.init_checkpoint)])
+        layout = rl.ray_layout(job.spec)
+        fresh = compiler.compile(job)
+    except (validation.InvalidSpec, ValueError) as exc:
+        return await _stall(ctx, body, "InvalidSpec", str(exc))
+    ref = manifests.JobRef.from_body(body)
+    base: dict[str, Any] = {"observedGeneration": meta.get("generation"),
+                            "selector": f"{manifests.LABEL_JOB}={name}"}
+    pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
+    if old.get("phase") in ("Succeeded", "Failed"):
+        await _stop(ctx, [p for p in pods.values() if p.holds_resources])
+        ctx.metrics.record_phase(KIND, f"{ns}/{name}", old["phase"])
+        return str(old["phase"])
+    vc = job.spec.virtual_cluster
+    if vc_spec is None:
+        message = f"virtual cluster {vc!r} does not exist; create it or fix spec.virtualCluster"
+        return await _waiting(ctx, body, base, "VirtualClusterNotFound", message)
+
+    graph = restore_graph(body, fresh, layout)
+    version = graph.version
+    members = gang(graph)
+
+    def pod_of(instance: Instance) -> index.PodRecord | None:
+        return pods.get(manifests.pod_name(ref, instance))
+
+    head = pod_of(members[0])
+    if head is not None and head.phase == "Succeeded":
+        return await _finish(ctx, body, graph, base, pods)
+    now, limit = time.time(), ctx.settings.trainer_start_seconds
+    live_now = [p for p in (pod_of(i) for i in members) if p is not None and not p.deleting]
+    # a pod that ended, or one that never started (Kueue's waitForPodsReady, as for trainers)
+    ended = [p for p in live_now if not p.holds_resources or p.never_started(now, limit)]
+    restarts = int(old.get("restarts") or 0)
+    if ended:
+        policy = job.spec.remediation.pod_failure_policy
+        verdicts = [(p, failures.judge(p, policy, never_started=p.holds_resources)) for p in ended]
+        what = "; ".join(_describe(p, limit) for p in ended)
+        final = next((v for _, v in verdicts if v.action == FailureAction.FAIL_JOB), None)
+        counted = any(v.action == FailureAction.COUNT for _, v in verdicts)
+        budget = job.spec.remediation.max_restarts
+        if final is not None or (counted and restarts >= budget):
+            why = f"{what}; " + (final.why if final is not None else f"restart budget of {budget} used up "
+                                 "(spec.remediation.maxRestarts)")
+            reason = "PodFailurePolicy" if final is not None and final.rule is not None else "Failed"
+            return await _fail(ctx, body, graph, base, why[:REASON_LIMIT], reason, pods)
+        backoff = failures.replacement_backoff(graph.log, now, ctx.settings.replacement_backoff_seconds,
+                                               ctx.settings.replacement_backoff_max_seconds)
+        if backoff.seconds > 0:
+            ctx.wake_later(ns, name, backoff.seconds)
+            message = (f"{what}; restarting the gang at {_iso(now + backoff.seconds)}: back-off after "
+                       f"{backoff.incidents} failure(s) in the last "
+                       f"{failures.BACKOFF_WINDOW_SECONDS / 60:.0f} min")
+            return await _waiting(ctx, body, base, "BackOff", message[:REASON_LIMIT])
+        because = "" if counted else " (a failure spec.remediation.podFailurePolicy ignores: not counted)"
+        reason = (f"{what}; the Ray cluster's actors went with it: restarting the whole gang, which resumes "
+                  f"from the last checkpoint{because}")[:REASON_LIMIT]
+        for instance in list(members):
+            mutate.replace_instance(graph, instance.name, reason=reason, counted=counted, failure=True)
+        restarts += int(counted)
+        ctx.post_event(body, "Warning", "GangRestarted", reason)
+    template = rlm.template_hash(job.spec.to_wire())
+    live = [p for p in (pod_of(i) for i in members) if p is not None and p.holds_resources and not p.deleting]
+    if not ended and any(p.template != template for p in live):
+        # Ray's nodes and the controller read the spec once, at their start: a changed spec
+        # restarts the gang on it (from the last checkpoint), not counted against the budget.
+        reason = ("the spec changed since this gang started (spec.* other than priority and "
+                  "remediation): restarting the whole gang on it, from the last checkpoint")
+        for instance in list(members):
+            mutate.replace_instance(graph, instance.name, reason=reason, drain=True, counted=False)
+        ctx.post_event(body, "Normal", "GangRestarted", reason)
+        live = []
+    if not live:
+        fit_layout(graph, layout)
+    base["restarts"] = restarts
+    if graph.version != version:
+        # Write-ahead: the mutation is in status before any pod is created or deleted for it.
+        await ctx.client.patch_status(PLURAL, ns, name, {**base, "graph": serialise.to_status(graph),
+                                                          "decisions": build_decisions(graph)})
+        for m in graph.log:
+            if m.version > version:
+                ctx.metrics.decisions.labels(KIND, m.action).inc()
+        members = gang(graph)
+    wanted = {manifests.pod_name(ref, i) for i in members}
+    await _stop(ctx, [p for p in pods.values() if p.name not in wanted and not p.deleting])
+
+    spec = job.spec.to_wire()
+    missing = [i for i in members if pod_of(i) is None]
+    missing_workers = [i for i in missing if i.vertex == rlm.WORKER]
+    async with ctx.placement_lock:
+        nodes = serving.choose_nodes(serving.free_gpus(ctx, vc), layout.gpus_per_worker, len(missing_workers))
+        placed = len(nodes) == len(missing_workers)
+        new_pods = []
+        if placed:
+            new_pods = [rlm.build_head_pod(ref, i, spec, vc) if i.vertex == rlm.HEAD
+                        else rlm.build_worker_pod(ref, i, spec, layout.gpus_per_worker,
+                                                  nodes[missing_workers.index(i)], vc)
+                        for i in missing]
+            ctx.index.reserve(r for r in (index.build_pod_record(p) for p in new_pods) if r is not None)
+    if new_pods:
+        await ctx.client.apply(rlm.build_rl_config_map(ref, spec))  # before any pod that reads it
+        await ctx.client.apply(rlm.build_head_service(ref))
+        await asyncio.gather(*(ctx.client.apply(p) for p in new_pods))
+    if not placed:
+        free = sum(max(0, n) for n in serving.free_gpus(ctx, vc).values())
+        message = (f"waiting for {len(missing_workers)} Ray worker(s) of {layout.gpus_per_worker} GPU(s) "
+                   f"each on virtual cluster {vc!r} ({free} GPU(s) free on its nodes, none borrowed); "
+                   "the gang starts when all of them fit")
+        return await _waiting(ctx, body, {**base, "graph": serialise.to_status(graph),
+                                          "decisions": build_decisions(graph)}, "WaitingForGPUs", message)
+
+    live_pods = [pod_of(i) for i in members]
+    running = sum(1 for p in live if p is not None and p.phase == "Running")
+    started = min((p.created for p in live_pods if p is not None and p.phase == "Running" and p.created),
+                  default=0.0)
+    if running == len(members):
+        phase, reason = "Running", "ControllerRunning"
+        message = (f"the controller runs on a Ray cluster of {len(members) - 1} GPU worker(s)"
+                   if len(members) > 1 else "the controller runs, every actor on the head")
+    else:
+        phase, reason = "Pending", "GangStarting"
+        message = f"{running} of {len(members)} pod(s) of the Ray cluster running"
+    status = {
+        **base,
+        "phase": phase,
+        "replicas": sum(1 for p in live_pods if p is not None and p.holds_resources) + len(new_pods),
+        "message": message,
+        "graph": serialise.to_status(graph),
+        "decisions": build_decisions(graph),
+        "conditions": conditions.build_conditions(
+            old.get("conditions"), meta.get("generation"),
+            ready=(phase == "Running", reason, message),
+            reconciling=(True, reason, message) if phase != "Running" else None),
+    }
+    if started and not old.get("startTime"):
+        status["startTime"] = _iso(started)
+    await write_status(ctx, body, status, PLURAL)
+    ctx.metrics.record_phase(KIND, f"{ns}/{name}", phase)
+    return phase
+
+
+def _describe(pod: index.PodRecord, start_limit: float) -> str:
+    if pod.holds_resources:
+        return f"pod {pod.name} did not start within {start_limit:.0f} s ({pod.not_started_reason()})"
+    return f"pod {pod.name} {pod.failure()}" + (f" ({_tail(pod.message)})" if pod.message else "")
+
+
+def _tail(message: str) -> str:
+    """The last line of a pod's termination message: the controller's `error: ...` refusal."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    return lines[-1][-400:] if lines else ""
+
+
+async def _stop(ctx: Context, pods: list[index.PodRecord]) -> None:
+    await asyncio.gather(*(ctx.client.delete("Pod", p.namespace, p.name) for p in pods))
+
+
+async def _finish(ctx: Context, body: Mapping[str, Any], graph: Graph, base: dict[str, Any],
+                  pods: Mapping[str, index.PodRecord]) -> str:
+    meta, old = body["metadata"], body.get("status") or {}
+    message = "the controller finished every step (its step log and checkpoints are on the checkpoint volume)"
+    status = {**base, "phase": "Succeeded", "replicas": 0, "message": message,
+              "completionTime": old.get("completionTime") or _iso(time.time()),
+              "graph": serialise.to_status(graph), "decisions": build_decisions(graph),
+              "conditions": conditions.build_conditions(
+                  old.get("conditions"), meta.get("generation"), ready=(True, "Completed", message))}
+    if old.get("phase") != "Succeeded":
+        ctx.post_event(body, "Normal", "Completed", message)
+    await write_status(ctx, body, status, PLURAL)
+    await _stop(ctx, [p for p in pods.values() if p.holds_resources and not p.deleting])
+    ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Succeeded")
+    return "Succeeded"
+
+
+async def _fail(ctx: Context, body: Mapping[str, Any], graph: Graph, base: dict[str, Any], why: str,
+                reason: str, pods: Mapping[str, index.PodRecord]) -> str:
+    meta, old = body["metadata"], body.get("status") or {}
+    status = {**base, "phase": "Failed", "replicas": 0, "message": why,
+              "completionTime": old.get("completionTime") or _iso(time.time()),
+              "graph": serialise.to_status(graph), "decisions": build_decisions(graph),
+              "conditions": conditions.build_conditions(
+                  old.get("conditions"), meta.get("generation"),
+                  ready=(False, reason, why), stalled=(True, reason, why))}
+    if old.get("phase") != "Failed":
+        ctx.post_event(body, "Warning", reason, why)
+        ctx.metrics.decisions.labels(KIND, "fail").inc()
+    await write_status(ctx, body, status, PLURAL)
+    await _stop(ctx, [p for p in pods.values() if p.holds_resources and not p.deleting])
+    ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Failed")
+    return "Failed"
+
+
+async def _waiting(ctx: Context, body: Mapping[str, Any], base: dict[str, Any], reason: str,
+                   message: str) -> str:
+    meta, old = body["metadata"], body.get("status") or {}
+    if old.get("message") != message:
+        ctx.post_event(body, "Normal", reason, message)
+    status = {**base, "phase": "Pending", "message": message, "conditions": conditions.build_conditions(
+        old.get("conditions"), meta.get("generation"), ready=(False, reason, message),
+        reconciling=(True, reason, message))}
+    await write_status(ctx, body, status, PLURAL)
+    ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Pending")
+    return "Pending"
+
+
+async def _stall(ctx: Context, body: Mapping[str, Any], reason: str, message: str) -> str:
+    meta, old = body["metadata"], body.get("status") or {}
+    if old.get("message") != message:
+        ctx.post_event(body, "Warning", reason, message)
+    status = {"phase": "Stalled", "observedGeneration": meta.get("generation"), "message": message,
+              "conditions": conditions.build_conditions(
+                  old.get("conditions"), meta.get("generation"),
+                  ready=(False, reason, message), stalled=(True, reason, message))}
+    await write_status(ctx, body, status, PLURAL)
+    ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Stalled")
+    return "Stalled"

@@ -1,0 +1,188 @@
+"""RLJobs run by the operator (real kopf against KMock): one Ray cluster per job, placed as a gang
+on the job's virtual cluster, restarted as a gang, judged by its controller's exit code.
+
+The test plays the kubelet (pod phases and exit codes); what the pods run is checked by command
+line here and for real in tests/test_runtime_rl_node.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import kubernetes
+from kube import builders
+from kube.cluster import wait_for
+
+from huorn.runtime import launcher
+
+pytest_plugins = ["kube.fixtures"]
+
+NS = "team"
+RL = "rljobs"
+
+
+def rl_job(name: str, **spec: Any) -> dict[str, Any]:
+    """Four GPUs on the "train" cluster (nodes a0, a1 of 4 each), in Ray workers of two."""
+    body: dict[str, Any] = {
+        "virtualCluster": "train", "gpus": 4,
+        "resources": {"gpus": 2, "cpu": "6", "memory": "8Gi"},
+        "roles": {"actorTrain": {"replicas": 1, "gpusPerReplica": 2},
+                  "rollout": {"replicas": 1, "gpusPerReplica": 2}},
+        "checkpoint": {"volume": "rl-ckpt", "path": "/checkpoints", "intervalSteps": 5},
+        "steps": 20,
+    }
+    body.update(spec)
+    return {"apiVersion": "huorn.io/v1alpha1", "kind": "RLJob", "metadata": {"name": name}, "spec": body}
+
+
+def status(kube: builders.Kube, name: str) -> dict:
+    return kube.job_status(NS, name, RL)
+
+
+def live_pods(kube: builders.Kube, name: str) -> dict[str, Any]:
+    return {p.metadata.name: p for p in kube.pods(NS, name) if not p.metadata.deletion_timestamp}
+
+
+def end_pod(kube: builders.Kube, pod: str, phase: str, exit_code: int, message: str = "") -> None:
+    """What the kubelet reports when the container ends (its termination message, if any)."""
+    terminated = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
+                  "message": message}
+    body = {"status": {"phase": phase, "containerStatuses": [
+        {"name": "c", "ready": False, "restartCount": 0, "image": "x", "imageID": "x",
+         "state": {"terminated": terminated}}]}}
+    kube.core.patch_namespaced_pod_status(pod, NS, body)
+
+
+def run_all(kube: builders.Kube, name: str) -> None:
+    for pod in live_pods(kube, name):
+        kube.set_pod_phase(NS, pod, "Running")
+
+
+def test_an_rl_job_is_one_ray_cluster_whose_controller_ends_the_job(kube: builders.Kube, operator) -> None:
+    kube.create_job(NS, rl_job("dapo"), plural=RL)
+    pods = wait_for(lambda: len(live_pods(kube, "dapo")) == 3 and live_pods(kube, "dapo"), what="the gang")
+    assert sorted(pods) == ["dapo-ray-head-0", "dapo-ray-worker-0", "dapo-ray-worker-1"]
+
+    # The head: Ray's head node and the controller, no GPU, left to the default scheduler.
+    head = pods["dapo-ray-head-0"].spec
+    assert head.containers[0].command == launcher.build_rl_head_command("/etc/huorn/config.json", 6,
+                                                                        python="python")
+    assert "nvidia.com/gpu" not in head.containers[0].resources.limits and head.affinity is None
+    assert head.restart_policy == "Never"
+    # The workers: two GPUs each, pinned to the nodes Huorn chose, joining the head's Service.
+    workers = [pods[f"dapo-ray-worker-{i}"] for i in (0, 1)]
+    for worker in workers:
+        assert worker.spec.containers[0].command == launcher.build_rl_worker_command(
+            "dapo-ray.team.svc:6379", 2, 6, python="python")
+        assert worker.spec.containers[0].resources.limits["nvidia.com/gpu"] == "2"
+        node = worker.metadata.annotations["huorn.io/node"]
+        term = worker.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+        assert term.node_selector_terms[0].match_expressions[0].values == [node]
+        mounts = {m.mount_path: m.read_only for m in worker.spec.containers[0].volume_mounts}
+        assert mounts["/checkpoints"] is None  # read-write: the training actor saves there
+    # best fit: the second worker goes where the first left room (a0 has 4 GPUs)
+    assert [w.metadata.annotations["huorn.io/node"] for w in workers] == ["a0", "a0"]
+    service = kube.core.read_namespaced_service("dapo-ray", NS)
+    assert service.spec.cluster_ip == "None" and service.spec.ports[0].port == 6379
+    assert service.spec.selector == {"huorn.io/job": "dapo", "huorn.io/vertex": "ray-head"}
+    # the run config is what the controller loads (its own model validates it)
+    from huorn.runtime.rl import controller
+
+    data = kube.core.read_namespaced_config_map("dapo-config", NS).data["config.json"]
+    config = controller.RLRunConfig.model_validate(json.loads(data))
+    assert config.spec.steps == 20 and config.checkpoint_root.as_posix() == "/checkpoints"
+    assert config.ray_cpus is None  # the head's Ray cluster is sized by its pods, not the controller
+    assert status(kube, "dapo")["phase"] == "Pending"
+
+    run_all(kube, "dapo")
+    now = wait_for(lambda: (s := status(kube, "dapo")).get("phase") == "Running" and s, what="Running")
+    assert now["replicas"] == 3 and now["startTime"]
+    assert kube.condition(NS, "dapo", "Ready", RL)["status"] == "True"
+    assert [d["action"] for d in now["decisions"]] == ["insert"]
+    assert "one Ray cluster" in now["decisions"][0]["reason"]
+    allocated = wait_for(lambda: (kube.get_vc("train").get("status") or {}).get("allocated") == 4,
+                         what="the VirtualCluster counting the workers' GPUs")
+    assert allocated
+
+    end_pod(kube, "dapo-ray-head-0", "Succeeded", 0)
+    done = wait_for(lambda: (s := status(kube, "dapo")).get("phase") == "Succeeded" and s, what="Succeeded")
+    assert done["completionTime"] and done["replicas"] == 0
+    assert kube.condition(NS, "dapo", "Ready", RL)["reason"] == "Completed"
+    wait_for(lambda: list(live_pods(kube, "dapo")) == ["dapo-ray-head-0"], what="the workers stopped")
+    assert [e.reason for e in kube.events(NS, "dapo")].count("Completed") == 1
+
+
+def test_a_lost_worker_restarts_the_gang_and_a_refused_config_fails_the_job(
+    kube: builders.Kube, operator
+) -> None:
+    kube.create_job(NS, rl_job("grpo", remediation={"maxRestarts": 3}), plural=RL)
+    wait_for(lambda: len(live_pods(kube, "grpo")) == 3, what="the gang")
+    run_all(kube, "grpo")
+    wait_for(lambda: status(kube, "grpo").get("phase") == "Running", what="Running")
+
+    # A node lost under a worker: Ray's actors on it are gone, so the whole gang starts again.
+    end_pod(kube, "grpo-ray-worker-1", "Failed", 137)
+    second = ["grpo-ray-head-0-g1", "grpo-ray-worker-0-g1", "grpo-ray-worker-1-g1"]
+    wait_for(lambda: sorted(live_pods(kube, "grpo")) == second, what="a new generation of the gang")
+    now = status(kube, "grpo")
+    assert now["restarts"] == 1
+    replaced = [d["reason"] for d in now["decisions"] if d["action"] == "replace"]
+    assert len(replaced) == 3 and all("grpo-ray-worker-1 failed with exit code 137" in r for r in replaced)
+    assert "restarting the whole gang" in replaced[0]
+    (event,) = [e for e in kube.events(NS, "grpo") if e.reason == "GangRestarted"]
+    assert "exit code 137" in event.message
+
+    # The controller of the new gang refuses its config: final, whatever budget is left.
+    run_all(kube, "grpo")
+    refusal = ("Traceback is not printed\nerror: spec.roles.actorTrain.replicas: 2, but the RL runtime "
+               "trains with one actor; set it to 1")
+    end_pod(kube, "grpo-ray-head-0-g1", "Failed", 2, refusal)
+    failed = wait_for(lambda: (s := status(kube, "grpo")).get("phase") == "Failed" and s, what="Failed")
+    assert "exit code 2" in failed["message"] and "the runtime refused its config" in failed["message"]
+    assert "spec.roles.actorTrain.replicas: 2" in failed["message"]
+    assert failed["restarts"] == 1
+    assert kube.condition(NS, "grpo", "Stalled", RL)["status"] == "True"
+    wait_for(lambda: list(live_pods(kube, "grpo")) == ["grpo-ray-head-0-g1"], what="the workers stopped")
+
+
+def test_the_restart_budget_is_spent_once_per_gang_failure(kube: builders.Kube, operator) -> None:
+    kube.create_job(NS, rl_job("ppo", remediation={"maxRestarts": 0}), plural=RL)
+    wait_for(lambda: len(live_pods(kube, "ppo")) == 3, what="the gang")
+    run_all(kube, "ppo")
+    end_pod(kube, "ppo-ray-head-0", "Failed", 1)
+    failed = wait_for(lambda: (s := status(kube, "ppo")).get("phase") == "Failed" and s, what="Failed")
+    assert "restart budget of 0 used up (spec.remediation.maxRestarts)" in failed["message"]
+    assert failed["restarts"] == 0
+    wait_for(lambda: list(live_pods(kube, "ppo")) == ["ppo-ray-head-0"], what="the workers stopped")
+
+
+def test_an_rl_job_waits_for_all_its_gpus_and_a_bad_layout_is_refused(kube: builders.Kube, operator) -> None:
+    # 12 GPUs of workers of 2 on a cluster of 8: none is placed, and the job says why.
+    kube.create_job(NS, rl_job("big", gpus=12), plural=RL)
+    waiting = wait_for(lambda: (s := status(kube, "big")).get("message", "").startswith("waiting") and s,
+                       what="WaitingForGPUs")
+    assert waiting["phase"] == "Pending" and "6 Ray worker(s) of 2 GPU(s)" in waiting["message"]
+    assert kube.condition(NS, "big", "Ready", RL)["reason"] == "WaitingForGPUs"
+    assert kube.pods(NS, "big") == []
+    # Room for it: the same job at 8 GPUs is placed whole.
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, RL, "big",
+                                               {"spec": {"gpus": 8}})
+    wait_for(lambda: len(live_pods(kube, "big")) == 5, what="the gang of four workers")
+
+    kube.create_job(NS, rl_job("odd", gpus=5), plural=RL)
+    cond = wait_for(lambda: (c := kube.condition(NS, "odd", "Stalled", RL)).get("status") == "True" and c,
+                    what="Stalled")
+    assert cond["reason"] == "InvalidSpec"
+    assert "spec.gpus: 5 is not a multiple of spec.resources.gpus (2)" in cond["message"]
+    wide = rl_job("wide", gpus=6, roles={"actorTrain": {"replicas": 1, "gpusPerReplica": 4}})
+    kube.create_job(NS, wide, plural=RL)
+    cond = wait_for(lambda: (c := kube.condition(NS, "wide", "Stalled", RL)).get("status") == "True" and c,
+                    what="Stalled")
+    assert "spec.roles.actorTrain.gpusPerReplica: 4 exceeds spec.resources.gpus (2)" in cond["message"]
+    assert kube.pods(NS, "odd") == [] and kube.pods(NS, "wide") == []
+    try:
+        kube.core.read_namespaced_config_map("odd-config", NS)
+        raise AssertionError("a refused job got a ConfigMap")
+    except kubernetes.client.ApiException as error:
+        assert error.status == 404

@@ -1,0 +1,112 @@
+"""The processes of an RLJob's pods (huorn.runtime.rl.node), for real on this machine: a worker
+waits for its head, and a head with one GPU worker runs a whole RL job whose model actors can
+only be placed on the worker (the head holds no GPU; the worker declares three to Ray, which on
+a CPU machine is only a resource count, so the actors compute on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import runtime_harness as harness
+
+from huorn.runtime import launcher
+from huorn.runtime.rl import node
+
+MODEL = {"layers": 2, "width": 32, "heads": 2, "context": 64}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_worker_waits_for_the_head_and_names_it_when_it_never_comes() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        node.wait_for_head(f"127.0.0.1:{port}", timeout_s=5)  # answers: returns at once
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"Ray head at 127.0.0.1:{port} did not answer within 0 s"):
+        node.wait_for_head(f"127.0.0.1:{port}", timeout_s=0.4, period_s=0.1)
+    assert time.monotonic() - started < 5
+    with pytest.raises(ValueError, match="--address: 'head-without-port'"):
+        node.wait_for_head("head-without-port", 1)
+    # the pod's command: exit 2 for an address that cannot be one, 1 for a head that never answers
+    assert node.main(["worker", "--address", "head-without-port"]) == 2
+    assert node.main(["worker", "--address", f"127.0.0.1:{port}", "--wait", "0.3"]) == 1
+
+
+def _stop(process: subprocess.Popen) -> None:
+    with_group = process.poll() is None
+    if with_group:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_head_and_a_gpu_worker_run_an_rl_job_with_its_actors_on_the_worker(tmp_path: Path) -> None:
+    port = _free_port()
+    spec = {"virtualCluster": "x", "model": MODEL, "steps": 2, "gpus": 3,
+            "algorithm": {"name": "grpo", "groupSize": 2},
+            "reward": {"type": "format", "dataset": "arithmetic-small"},
+            "rollout": {"maxNewTokens": 4},
+            "optimization": {"promptsPerStep": 2},
+            "roles": {"rollout": {"replicas": 1}, "reward": {"replicas": 1}}}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"jobName": "rl", "spec": spec, "runDir": str(tmp_path / "run"),
+                                  "checkpointDir": str(tmp_path / "ckpt"), "evalPrompts": 2,
+                                  "startTimeoutS": 240}))
+    # Ray's token authentication, as spec.env turns it on for every pod of a job: one token
+    env = harness.child_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=uuid.uuid4().hex)
+    env.pop("RAY_ADDRESS", None)
+    logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("worker", "head")}  # noqa: SIM115
+    # The worker pod may start first: it waits for the head's GCS, then joins with its GPUs.
+    worker = subprocess.Popen(launcher.build_rl_worker_command(f"127.0.0.1:{port}", 3, 1), env=env,
+                              cwd=harness.REPO, stdout=logs["worker"], stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    head = subprocess.Popen(launcher.build_rl_head_command(config, 2, port=port), env=env, cwd=harness.REPO,
+                            stdout=logs["head"], stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = head.wait(timeout=360)
+        head_log = (tmp_path / "head.log").read_text()
+        assert code == 0, head_log[-4000:] + (tmp_path / "worker.log").read_text()[-2000:]
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]  # still a Ray node
+    finally:
+        _stop(head)
+        _stop(worker)
+        for log in logs.values():
+            log.close()
+    events = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events if e["event"] in ("start", "rl", "done")]
+    assert kinds == ["start", "rl", "rl", "done"]
+    assert events[0]["reference"]  # GRPO's KL term: trainer, rollout and reference each took a "GPU"
+    # what `kubectl logs` of the head pod shows, one line a step
+    assert head_log.count("huorn-rl rl: step=") == 2 and "huorn-rl done: step=2" in head_log
+    # the head's Ray node went with the head: nothing of its process group is left, and no
+    # address of it is left where a later plain ray.init() on this host would look for one
+    assert not _group_alive(head.pid)
+    assert not Path("/tmp/ray/ray_current_cluster").exists() or \
+        f":{port}" not in Path("/tmp/ray/ray_current_cluster").read_text()
