@@ -186,3 +186,48 @@ def test_an_rl_job_waits_for_all_its_gpus_and_a_bad_layout_is_refused(kube: buil
         raise AssertionError("a refused job got a ConfigMap")
     except kubernetes.client.ApiException as error:
         assert error.status == 404
+
+
+def test_a_changed_spec_restarts_the_gang_on_it_and_a_priority_change_does_not(
+    kube: builders.Kube, operator
+) -> None:
+    kube.create_job(NS, rl_job("cpt"), plural=RL)
+    wait_for(lambda: len(live_pods(kube, "cpt")) == 3, what="the gang")
+    run_all(kube, "cpt")
+    wait_for(lambda: status(kube, "cpt").get("phase") == "Running", what="Running")
+    patch = kube.custom.patch_namespaced_custom_object
+    patch(builders.GROUP, builders.VERSION, NS, RL, "cpt", {"spec": {"priority": 70}})
+    wait_for(lambda: status(kube, "cpt").get("observedGeneration") == 2, what="the priority seen")
+    assert sorted(live_pods(kube, "cpt")) == ["cpt-ray-head-0", "cpt-ray-worker-0", "cpt-ray-worker-1"]
+
+    patch(builders.GROUP, builders.VERSION, NS, RL, "cpt", {"spec": {"steps": 40}})
+    second = ["cpt-ray-head-0-g1", "cpt-ray-worker-0-g1", "cpt-ray-worker-1-g1"]
+    wait_for(lambda: sorted(live_pods(kube, "cpt")) == second, what="the gang on the new spec")
+    now = status(kube, "cpt")
+    assert now["restarts"] == 0  # the job did not fail: nothing spent from maxRestarts
+    assert any("spec changed" in d["reason"] for d in now["decisions"] if d["action"] == "replace")
+    data = json.loads(kube.core.read_namespaced_config_map("cpt-config", NS).data["config.json"])
+    assert data["spec"]["steps"] == 40  # what the new controller reads
+
+
+def test_a_restarted_operator_restarts_a_failed_gang_once(cluster, kube: builders.Kube) -> None:
+    from kube import operator as operator_mod
+
+    with operator_mod.OperatorThread(cluster.api_client()):
+        kube.create_job(NS, rl_job("once"), plural=RL)
+        wait_for(lambda: len(live_pods(kube, "once")) == 3, what="the gang")
+        run_all(kube, "once")
+        wait_for(lambda: status(kube, "once").get("phase") == "Running", what="Running")
+    end_pod(kube, "once-ray-worker-0", "Failed", 137)  # while no operator runs
+    second = ["once-ray-head-0-g1", "once-ray-worker-0-g1", "once-ray-worker-1-g1"]
+    with operator_mod.OperatorThread(cluster.api_client()):
+        wait_for(lambda: sorted(live_pods(kube, "once")) == second, what="one new generation")
+    # Another operator finds the restart in status: a reconcile (made certain by a spec change
+    # no pod reads) leaves the new generation alone.
+    with operator_mod.OperatorThread(cluster.api_client()):
+        kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, RL, "once",
+                                                   {"spec": {"priority": 60}})
+        wait_for(lambda: status(kube, "once").get("observedGeneration") == 2, what="a reconcile")
+        assert sorted(live_pods(kube, "once")) == second
+    assert status(kube, "once")["restarts"] == 1
+    assert len([e for e in kube.events(NS, "once") if e.reason == "GangRestarted"]) == 1
