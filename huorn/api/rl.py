@@ -231,8 +231,6 @@ class RLJobStatus(JobStatus):
     mean_reward: float | None = None
     restarts: int = Field(default=0, ge=0, description="Gang restarts counted against "
                           "spec.remediation.maxRestarts.")
-    gang_generation: int = Field(default=0, ge=0, description="Which start of the gang its pods "
-                                 "belong to: every restart, counted or not, is a new generation.")
     start_time: str | None = None
     completion_time: str | None = None
 
