@@ -231,3 +231,51 @@ def test_a_restarted_operator_restarts_a_failed_gang_once(cluster, kube: builder
         assert sorted(live_pods(kube, "once")) == second
     assert status(kube, "once")["restarts"] == 1
     assert len([e for e in kube.events(NS, "once") if e.reason == "GangRestarted"]) == 1
+
+
+def test_the_controllers_progress_reaches_status_and_kubectl_get(cluster, kube: builders.Kube) -> None:
+    """The head's controller serves /progress (a real ProgressServer at the loopback address the
+    test reports as the head pod's IP); the operator's poll writes it into status."""
+    import dataclasses
+
+    from kube import operator as operator_mod
+
+    from huorn.runtime.rl import progress
+
+    state = progress.Progress("prog", 20)
+    server = progress.ProgressServer(state, "127.0.0.6", 0)
+    settings = dataclasses.replace(operator_mod.FAST, telemetry_port=server.port, monitor_seconds=0.2,
+                                   progress_seconds=60.0)
+    try:
+        with operator_mod.OperatorThread(cluster.api_client(), settings):
+            kube.create_job(NS, rl_job("prog"), plural=RL)
+            wait_for(lambda: len(live_pods(kube, "prog")) == 3, what="the gang")
+            for record in ({"event": "start", "resumed_from": 0}, {"event": "eval", "accuracy": 0.25},
+                           {"event": "rl", "step": 0, "reward_mean": 0.5},
+                           {"event": "rl", "step": 1, "reward_mean": 0.625}):
+                state.record(record)  # before the job runs: no poll sees half of them
+            run_all(kube, "prog")
+            kube.core.patch_namespaced_pod_status("prog-ray-head-0", NS, {"status": {"podIP": "127.0.0.6"}})
+            wait_for(lambda: status(kube, "prog").get("phase") == "Running", what="Running")
+            first = wait_for(lambda: (s := status(kube, "prog")).get("step") == 2 and s, what="step 2")
+            assert (first["progressPercent"], first["meanReward"], first["evalAccuracy"]) == (10, 0.625, 0.25)
+            # More steps within progress_seconds wait; a new checkpoint is written at once, with them.
+            state.record({"event": "rl", "step": 2, "reward_mean": 0.75})
+            state.record({"event": "rl", "step": 3, "reward_mean": 0.75})
+            assert status(kube, "prog")["step"] == 2
+            state.record({"event": "checkpoint", "step": 4, "path": "/checkpoints/prog/step-4"})
+            saved = wait_for(lambda: (s := status(kube, "prog")).get("lastCheckpoint") and s,
+                             what="the checkpoint in status")
+            assert saved["lastCheckpoint"] == {"step": 4, "path": "/checkpoints/prog/step-4"}
+            assert saved["step"] == 4 and saved["progressPercent"] == 20
+            # what `kubectl get rlj` prints: the kind's printer columns read these fields
+            from huorn.api import kinds
+
+            columns = {c.name: c.json_path for c in kinds.RL_JOB.columns}
+            assert columns["Step"] == ".status.step" and columns["Reward"] == ".status.meanReward"
+            end_pod(kube, "prog-ray-head-0", "Succeeded", 0)
+            done = wait_for(lambda: (s := status(kube, "prog")).get("phase") == "Succeeded" and s,
+                            what="Succeeded")
+            assert (done["step"], done["progressPercent"]) == (20, 100)
+    finally:
+        server.close()

@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import math
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from huorn import models
 from huorn.api import rl, training
 from huorn.runtime import checkpoint
 from huorn.runtime import config as run_config
-from huorn.runtime.rl import algorithms, controller, policy, tasks, workers
+from huorn.runtime.rl import algorithms, controller, policy, progress, tasks, workers
 
 MODEL = {"layers": 2, "width": 32, "heads": 2, "context": 64}
 
@@ -239,9 +242,10 @@ def run_twice_on(tmp_path: Path, spec: dict, config: Path, env: dict[str, str]) 
 
     # A longer run resumes after step 3. SIGTERM mid-run (a pod being stopped): the step in
     # flight ends, is saved as the newest checkpoint, and the run exits 0.
+    port = _free_port()
     config.write_text(json.dumps({"jobName": "rl", "spec": {**spec, "steps": 500},
                                   "runDir": str(tmp_path / "run"), "checkpointDir": str(tmp_path / "ckpt"),
-                                  "evalPrompts": 0}))
+                                  "evalPrompts": 0, "progressPort": port}))
     log = tmp_path / "run" / controller.STEPS_FILE
     seen = len(log.read_text().splitlines())
     process = subprocess.Popen([sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)],
@@ -251,8 +255,13 @@ def run_twice_on(tmp_path: Path, spec: dict, config: Path, env: dict[str, str]) 
     while sum('"event": "rl"' in line for line in log.read_text().splitlines()[seen:]) < 2:
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
         time.sleep(0.2)
+    # What the operator reads on the head pod: the steps done, counting the resumed ones.
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/progress", timeout=10) as answer:
+        served = json.loads(answer.read())
+    assert served["job"] == "rl" and served["steps"] == 500 and served["step"] >= 3 + 2
+    assert 0 <= served["rewardMean"] <= 1
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=120) == 0
+    assert process.wait(timeout=120) == 128 + signal.SIGTERM  # stopped, not finished: a pod's Failed
     after = [json.loads(line) for line in log.read_text().splitlines()[seen:]]
     assert after[0]["event"] == "start" and after[0]["resumed_from"] == 3
     assert next(e["step"] for e in after if e["event"] == "rl") == 3
@@ -269,3 +278,31 @@ def run_twice_on(tmp_path: Path, spec: dict, config: Path, env: dict[str, str]) 
     wider = training.ModelSpec.model_validate({**MODEL, "width": 64})
     with pytest.raises(ValueError, match=r"^spec\.initCheckpoint: .*holds a model other than spec\.model"):
         workers.build_policy(wider, str(tmp_path / "ckpt"), 0, torch.device("cpu"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_progress_is_the_latest_state_of_the_step_log_over_http() -> None:
+    state = progress.Progress("rl", 10)
+    server = progress.ProgressServer(state, "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        state.record({"event": "start", "resumed_from": 4})
+        with urllib.request.urlopen(f"{url}/progress", timeout=10) as answer:
+            assert json.loads(answer.read()) == {"job": "rl", "steps": 10, "step": 4}
+        for record in ({"event": "rl", "step": 4, "reward_mean": 0.25}, {"event": "eval", "accuracy": 0.5},
+                       {"event": "rl", "step": 5, "reward_mean": 0.75},
+                       {"event": "checkpoint", "step": 6, "path": "/c/6"}, {"event": "done", "step": 6}):
+            state.record(record)
+        with urllib.request.urlopen(f"{url}/progress", timeout=10) as answer:
+            assert json.loads(answer.read()) == {
+                "job": "rl", "steps": 10, "step": 6, "rewardMean": 0.75, "evalAccuracy": 0.5,
+                "lastCheckpoint": {"step": 6, "path": "/c/6"}, "done": True}
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"{url}/metrics", timeout=10)
+    finally:
+        server.close()

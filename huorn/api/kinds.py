@@ -78,7 +78,15 @@ TRAINING_JOB = Kind(
 )
 RL_JOB = Kind(
     kind="RLJob", plural="rljobs", singular="rljob", short_names=("rlj",),
-    scope="Namespaced", spec=RLJobSpec, status=RLJobStatus, columns=_JOB_COLUMNS,
+    scope="Namespaced", spec=RLJobSpec, status=RLJobStatus,
+    columns=(
+        *_JOB_COLUMNS[:2],
+        PrinterColumn("Step", ".status.step", "integer"),
+        PrinterColumn("Reward", ".status.meanReward", "number"),
+        PrinterColumn("Progress", ".status.progressPercent", "integer"),
+        PrinterColumn("Restarts", ".status.restarts", "integer", priority=1),
+        *_JOB_COLUMNS[2:],
+    ),
 )
 INFERENCE_JOB = Kind(
     kind="InferenceJob", plural="inferencejobs", singular="inferencejob", short_names=("ij",),

@@ -227,8 +227,11 @@ class RLJobSpec(JobCommon):
 
 
 class RLJobStatus(JobStatus):
-    step: int = 0
-    mean_reward: float | None = None
+    step: int = Field(default=0, ge=0, description="RL steps done, resumed ones included.")
+    mean_reward: float | None = Field(default=None, description="The last step's mean reward.")
+    progress_percent: int | None = Field(default=None, ge=0, le=100, description="step / spec.steps.")
+    eval_accuracy: float | None = Field(default=None, description="Greedy accuracy on held-out prompts, "
+                                        "at the start and the end of a run.")
     restarts: int = Field(default=0, ge=0, description="Gang restarts counted against "
                           "spec.remediation.maxRestarts.")
     start_time: str | None = None

@@ -117,6 +117,8 @@ class Context:
     # Each InferenceJob's autoscaler (huorn.operator.autoscaling.ScalerState). Memory only: a
     # restarted operator keeps the replicas in status until its window has filled again.
     autoscalers: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # When each RLJob's progress was last written to status (huorn.operator.rljobs.tick).
+    rl_progress: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def job_lock(self, namespace: str, name: str) -> asyncio.Lock:
         """One reconcile of a job at a time, whether kopf, a timer or a pod event started it."""
@@ -139,3 +141,4 @@ class Context:
         self.preemptions.pop((namespace, name), None)
         self.serving_waiting.pop((namespace, name), None)
         self.autoscalers.pop((namespace, name), None)
+        self.rl_progress.pop((namespace, name), None)

@@ -285,6 +285,12 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
     async def inference_autoscaler(namespace: str, name: str, memo: Any, stopped: Any, **_: Any) -> None:
         await autoscaling.run_daemon(_ctx(memo), namespace, name, stopped)
 
+    # One progress poll per RLJob: its controller's /progress on the head pod, into status.
+    @kopf.daemon(GROUP, VERSION, rljobs.PLURAL, registry=registry, cancellation_timeout=5.0,
+                 initial_delay=tunables.monitor_seconds)
+    async def rl_progress(namespace: str, name: str, memo: Any, stopped: Any, **_: Any) -> None:
+        await rljobs.run_daemon(_ctx(memo), namespace, name, stopped)
+
     for kind in kinds.JOB_KINDS:
         plural = kind.plural
 

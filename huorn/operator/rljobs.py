@@ -27,22 +27,24 @@ it, so a restarted operator neither restarts a gang twice nor loses a restart.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from huorn.api import kinds, rl
 from huorn.api.common import FailureAction
-from huorn.backends.kubernetes import manifests
+from huorn.backends.kubernetes import manifests, observe
 from huorn.backends.kubernetes import rl_manifests as rlm
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import ExecutionMode, Graph, Instance, ResourceRequest, Vertex
-from huorn.operator import conditions, failures, index, serving, validation
+from huorn.operator import conditions, daemons, failures, index, serving, validation
 from huorn.operator.context import Context
 from huorn.operator.training import REASON_LIMIT, build_decisions, write_status
 
 PLURAL = "rljobs"
 KIND = "RLJob"
+logger = logging.getLogger("huorn.operator.rljobs")
 
 
 def _iso(seconds: float) -> str:
@@ -133,7 +135,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
 
     head = pod_of(members[0])
     if head is not None and head.phase == "Succeeded":
-        return await _finish(ctx, body, graph, base, pods)
+        return await _finish(ctx, body, graph, {**base, "step": job.spec.steps, "progressPercent": 100}, pods)
     now, limit = time.time(), ctx.settings.trainer_start_seconds
     live_now = [p for p in (pod_of(i) for i in members) if p is not None and not p.deleting]
     # a pod that ended, or one that never started (Kueue's waitForPodsReady, as for trainers)
@@ -244,6 +246,56 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     await write_status(ctx, body, status, PLURAL)
     ctx.metrics.record_phase(KIND, f"{ns}/{name}", phase)
     return phase
+
+
+def progress_status(seen: Mapping[str, Any]) -> dict[str, Any]:
+    """The status fields of what the head's controller serves on /progress."""
+    step, steps = int(seen.get("step", 0)), max(1, int(seen.get("steps", 1)))
+    status: dict[str, Any] = {"step": step, "progressPercent": min(100, 100 * step // steps)}
+    if seen.get("rewardMean") is not None:
+        status["meanReward"] = round(float(seen["rewardMean"]), 6)
+    if seen.get("evalAccuracy") is not None:
+        status["evalAccuracy"] = round(float(seen["evalAccuracy"]), 6)
+    if seen.get("lastCheckpoint"):
+        status["lastCheckpoint"] = {"step": int(seen["lastCheckpoint"]["step"]),
+                                    "path": str(seen["lastCheckpoint"].get("path", ""))}
+    return status
+
+
+async def tick(ctx: Context, namespace: str, name: str) -> dict[str, Any] | None:
+    """Read a running job's progress from its head pod and write what changed into status: at
+    most every `progress_seconds`, a new checkpoint at once. Returns the patch written, if any."""
+    body = await ctx.client.get_custom(PLURAL, namespace, name)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    status = body.get("status") or {}
+    if status.get("phase") != "Running" or not (status.get("graph") or {}):
+        return None
+    graph = serialise.from_status(status["graph"])
+    if rlm.HEAD not in graph.vertices:
+        return None
+    ref = manifests.JobRef.from_body(body)
+    head = ctx.index.pods.get((namespace, manifests.pod_name(ref, graph.vertex(rlm.HEAD).instances[0])))
+    if head is None or head.phase != "Running" or not head.ip:
+        return None
+    url = f"http://{head.ip}:{ctx.settings.telemetry_port}/progress"
+    seen = await asyncio.to_thread(observe.fetch_snapshot, url, ctx.settings.telemetry_timeout_seconds)
+    if seen is None:
+        return None  # starting, or gone: the reconcile judges the pod, not this poll
+    patch = {k: v for k, v in progress_status(seen).items() if status.get(k) != v}
+    now, key = time.time(), (namespace, name)
+    if not patch or ("lastCheckpoint" not in patch
+                     and now - ctx.rl_progress.get(key, 0.0) < ctx.settings.progress_seconds):
+        return None
+    await ctx.client.patch_status(PLURAL, namespace, name, patch)
+    ctx.rl_progress[key] = now
+    return patch
+
+
+async def run_daemon(ctx: Context, namespace: str, name: str, stopped: Any) -> None:
+    """The body of the per-RLJob kopf daemon (huorn.operator.daemons.every)."""
+    await daemons.every(ctx.settings.monitor_seconds, stopped, lambda: tick(ctx, namespace, name),
+                        f"progress poll of RLJob {namespace}/{name}", logger)
 
 
 def _describe(pod: index.PodRecord, start_limit: float) -> str:

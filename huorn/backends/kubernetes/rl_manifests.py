@@ -56,8 +56,10 @@ def whole_cpus(quantity: object) -> int:
 
 
 def build_rl_config(job: manifests.JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The controller's run config; it serves its progress where the operator polls it."""
     return {"jobName": job.name, "spec": dict(spec), "runDir": manifests.RUN_DIR,
-            "startTimeoutS": START_TIMEOUT_SECONDS}
+            "startTimeoutS": START_TIMEOUT_SECONDS,
+            "progressHost": "0.0.0.0", "progressPort": manifests.TELEMETRY_PORT}
 
 
 def build_rl_config_map(job: manifests.JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -105,7 +107,9 @@ def _pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any], com
             "image": spec.get("image", "ghcr.io/huorn-io/huorn:0.1.0"),
             "command": command,
             "env": env,
-            "ports": [{"name": "gcs", "containerPort": launcher.RAY_PORT}] if instance.vertex == HEAD else [],
+            "ports": [{"name": "gcs", "containerPort": launcher.RAY_PORT},
+                      {"name": "progress", "containerPort": manifests.TELEMETRY_PORT}]
+            if instance.vertex == HEAD else [],
             "resources": {"limits": limits, "requests": dict(limits)},
             "volumeMounts": mounts,
             "securityContext": manifests.security_context(),

@@ -36,7 +36,7 @@ import torch
 from pydantic import Field
 
 from huorn.api import base, rl
-from huorn.runtime.rl import algorithms, rewarding, tasks, workers
+from huorn.runtime.rl import algorithms, progress, rewarding, tasks, workers
 
 STEPS_FILE = "steps.jsonl"
 _SAMPLING_ROUNDS = 3  # DAPO's dynamic sampling: prompt batches drawn before training on what there is
@@ -54,6 +54,9 @@ class RLRunConfig(base.ApiModel):
                                    "to start (a role asking for more than the cluster has never does).")
     ray_cpus: int | None = Field(default=None, ge=1, description="CPUs of the local Ray cluster; default: "
                                  "this machine's. Not with RAY_ADDRESS (a running cluster has its own).")
+    progress_host: str = Field(default="127.0.0.1", min_length=1, description="Where GET /progress listens.")
+    progress_port: int | None = Field(default=None, ge=0, le=65535, description="Serve the latest step as "
+                                      "JSON on this port (0: any free one); default: not served.")
 
     @property
     def checkpoint_root(self) -> Path:
@@ -100,6 +103,7 @@ class Controller:
         self.spec = cfg.spec
         self.settings = check_runnable(self.spec)
         self.stop_signal: str | None = None  # set by SIGTERM or SIGINT; the step ends, then the run
+        self.progress = progress.Progress(cfg.job_name, cfg.spec.steps)
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not ray.is_initialized():
@@ -157,6 +161,7 @@ class Controller:
     def log(self, record: dict[str, Any]) -> None:
         with open(self.run_dir / STEPS_FILE, "a") as handle:
             handle.write(json.dumps({"time": time.time(), **record}) + "\n")
+        self.progress.record(record)
         if record.get("event") in ("rl", "eval", "checkpoint", "done"):
             # one line each on stdout as well: what `kubectl logs` of a head pod shows
             shown = " ".join(f"{k}={record[k]}" for k in ("step", "reward_mean", "accuracy", "reason", "path")
@@ -244,6 +249,15 @@ class Controller:
         self.stop_signal = signal.Signals(signum).name.lower()
 
     def run(self) -> int:
+        server = (progress.ProgressServer(self.progress, self.cfg.progress_host, self.cfg.progress_port)
+                  if self.cfg.progress_port is not None else None)
+        try:
+            return self._run()
+        finally:
+            if server is not None:
+                server.close()
+
+    def _run(self) -> int:
         step = ray.get(self.trainer.resume.remote())
         total = self.spec.steps
         self.log({"event": "start", "resumed_from": step, "algorithm": self.spec.algorithm.name.value,
@@ -284,7 +298,9 @@ class Controller:
                 self.log({"event": "checkpoint", "step": step, "reason": self.stop_signal,
                           "path": ray.get(self.trainer.save.remote(step, self.cfg.job_name))})
                 self.log({"event": "stopped", "step": step, "signal": self.stop_signal})
-                return 0
+                # 128 + the signal, as a shell reports it: a head pod stopped mid-run (a node
+                # drained) must not read as a controller that finished every step
+                return 128 + signal.Signals[self.stop_signal.upper()].value
             self.sync_weights(step)
             if (interval and step % interval == 0) or step == total:
                 reason = "final" if step == total else "interval"
