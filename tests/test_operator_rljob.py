@@ -279,3 +279,20 @@ def test_the_controllers_progress_reaches_status_and_kubectl_get(cluster, kube: 
             assert (done["step"], done["progressPercent"]) == (20, 100)
     finally:
         server.close()
+
+
+def test_gpus_freed_by_a_finished_job_wake_a_waiting_one(cluster, kube: builders.Kube) -> None:
+    """No resync in the test's time: only the freed GPUs' wake can place the waiting job."""
+    import dataclasses
+
+    from kube import operator as operator_mod
+
+    settings = dataclasses.replace(operator_mod.FAST, resync_seconds=600.0)
+    with operator_mod.OperatorThread(cluster.api_client(), settings):
+        kube.create_job(NS, rl_job("first", gpus=8), plural=RL)  # all of "train"
+        wait_for(lambda: len(live_pods(kube, "first")) == 5, what="the first gang")
+        run_all(kube, "first")
+        kube.create_job(NS, rl_job("second"), plural=RL)
+        wait_for(lambda: status(kube, "second").get("message", "").startswith("waiting"), what="waiting")
+        end_pod(kube, "first-ray-head-0", "Succeeded", 0)  # its workers are stopped, their GPUs freed
+        wait_for(lambda: len(live_pods(kube, "second")) == 3, timeout=20, what="the second gang placed")

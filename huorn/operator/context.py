@@ -119,6 +119,11 @@ class Context:
     autoscalers: dict[tuple[str, str], Any] = field(default_factory=dict)
     # When each RLJob's progress was last written to status (huorn.operator.rljobs.tick).
     rl_progress: dict[tuple[str, str], float] = field(default_factory=dict)
+    # RLJobs waiting for GPUs of their virtual cluster, woken like waiting InferenceJobs, and
+    # the wakers that reconcile an RLJob (now, or `seconds` from now: a restart's back-off).
+    rl_waiting: dict[tuple[str, str], str] = field(default_factory=dict)
+    wake_rl: Callable[[str, str], None] = field(default=lambda namespace, name: None)
+    wake_rl_later: Callable[[str, str, float], None] = field(default=lambda namespace, name, seconds: None)
 
     def job_lock(self, namespace: str, name: str) -> asyncio.Lock:
         """One reconcile of a job at a time, whether kopf, a timer or a pod event started it."""
@@ -130,6 +135,9 @@ class Context:
         for key, vc in list(self.serving_waiting.items()):
             if virtual_cluster in (None, vc):
                 self.wake_serving(*key)
+        for key, vc in list(self.rl_waiting.items()):
+            if virtual_cluster in (None, vc):
+                self.wake_rl(*key)
         waiting = [j for j in self.queue.waiting() if virtual_cluster in (None, j.virtual_cluster)]
         for job in waiting[:WAKE_LIMIT]:
             self.wake(*job.key)
@@ -142,3 +150,4 @@ class Context:
         self.serving_waiting.pop((namespace, name), None)
         self.autoscalers.pop((namespace, name), None)
         self.rl_progress.pop((namespace, name), None)
+        self.rl_waiting.pop((namespace, name), None)

@@ -127,14 +127,15 @@ def _waker(ctx: Context, plural: str = training.PLURAL) -> Callable[[str, str], 
     return wake
 
 
-def _later(ctx: Context) -> Callable[[str, str, float], None]:
-    """ctx.wake_later: one timer per job, the earliest asked for; asking again for a later time
-    changes nothing, so a reconcile can ask on every pass."""
+def _later(wake: Callable[[], Callable[[str, str], None]]) -> Callable[[str, str, float], None]:
+    """ctx.wake_later (ctx.wake_rl_later): one timer per job, the earliest asked for; asking again
+    for a later time changes nothing, so a reconcile can ask on every pass. `wake` is read when
+    the timer fires, so the context's waker may be replaced meanwhile."""
     timers: dict[tuple[str, str], tuple[float, asyncio.TimerHandle]] = {}
 
     def fire(key: tuple[str, str]) -> None:
         timers.pop(key, None)
-        ctx.wake(*key)
+        wake()(*key)
 
     def wake_later(namespace: str, name: str, seconds: float) -> None:
         loop = asyncio.get_running_loop()
@@ -203,7 +204,9 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             ctx.queue.record(queue.from_job(job, body, ctx.index.pods_of(meta["namespace"], meta["name"])))
         ctx.wake = _waker(ctx)
         ctx.wake_serving = _waker(ctx, serving.PLURAL)
-        ctx.wake_later = _later(ctx)
+        ctx.wake_rl = _waker(ctx, rljobs.PLURAL)
+        ctx.wake_later = _later(lambda: ctx.wake)
+        ctx.wake_rl_later = _later(lambda: ctx.wake_rl)
         if ctx.settings.mirror:
             memo.huorn_mirror_resync = asyncio.get_running_loop().create_task(
                 _resync_mirror(ctx), name="mirror resync")

@@ -156,7 +156,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         backoff = failures.replacement_backoff(graph.log, now, ctx.settings.replacement_backoff_seconds,
                                                ctx.settings.replacement_backoff_max_seconds)
         if backoff.seconds > 0:
-            ctx.wake_later(ns, name, backoff.seconds)
+            ctx.wake_rl_later(ns, name, backoff.seconds)
             message = (f"{what}; restarting the gang at {_iso(now + backoff.seconds)}: back-off after "
                        f"{backoff.incidents} failure(s) in the last "
                        f"{failures.BACKOFF_WINDOW_SECONDS / 60:.0f} min")
@@ -210,7 +210,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         await ctx.client.apply(rlm.build_rl_config_map(ref, spec))  # before any pod that reads it
         await ctx.client.apply(rlm.build_head_service(ref))
         await asyncio.gather(*(ctx.client.apply(p) for p in new_pods))
-    if not placed:
+    if placed:
+        ctx.rl_waiting.pop((ns, name), None)
+    else:
+        ctx.rl_waiting[(ns, name)] = vc  # GPUs freed on it wake this job (ctx.wake_line)
         free = sum(max(0, n) for n in serving.free_gpus(ctx, vc).values())
         message = (f"waiting for {len(missing_workers)} Ray worker(s) of {layout.gpus_per_worker} GPU(s) "
                    f"each on virtual cluster {vc!r} ({free} GPU(s) free on its nodes, none borrowed); "
