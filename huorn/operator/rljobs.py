@@ -40,7 +40,7 @@ from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import ExecutionMode, Graph, Instance, ResourceRequest, Vertex
 from huorn.operator import conditions, daemons, failures, index, serving, validation
 from huorn.operator.context import Context
-from huorn.operator.training import REASON_LIMIT, build_decisions, write_status
+from huorn.operator.training import REASON_LIMIT, build_decisions, stall, write_status
 
 PLURAL = "rljobs"
 KIND = "RLJob"
@@ -103,16 +103,13 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     ns, name = meta["namespace"], meta["name"]
     old = body.get("status") or {}
     try:
-        job = validation.load_job(body)
+        job, vc_spec = validation.load_job_on_cluster(body, ctx.index.vcs)
         assert isinstance(job, kinds.RLJob)
-        vc_spec = ctx.index.vcs.get(job.spec.virtual_cluster)
-        if vc_spec is not None:
-            validation.check_namespace(ns, job.spec.virtual_cluster, vc_spec)
         validation.check_on_volume(job.spec.checkpoint, [("spec.initCheckpoint", job.spec.init_checkpoint)])
         layout = rl.ray_layout(job.spec)
         fresh = compiler.compile(job)
     except (validation.InvalidSpec, ValueError) as exc:
-        return await _stall(ctx, body, "InvalidSpec", str(exc))
+        return await stall(ctx, body, "InvalidSpec", str(exc), PLURAL, KIND)
     ref = manifests.JobRef.from_body(body)
     base: dict[str, Any] = {"observedGeneration": meta.get("generation"),
                             "selector": f"{manifests.LABEL_JOB}={name}"}
@@ -222,7 +219,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                                           "decisions": build_decisions(graph)}, "WaitingForGPUs", message)
 
     live_pods = [pod_of(i) for i in members]
-    running = sum(1 for p in live if p is not None and p.phase == "Running")
+    running = sum(1 for p in live_pods if p is not None and p.phase == "Running")
     started = min((p.created for p in live_pods if p is not None and p.phase == "Running" and p.created),
                   default=0.0)
     if running == len(members):
@@ -363,16 +360,3 @@ async def _waiting(ctx: Context, body: Mapping[str, Any], base: dict[str, Any], 
     await write_status(ctx, body, status, PLURAL)
     ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Pending")
     return "Pending"
-
-
-async def _stall(ctx: Context, body: Mapping[str, Any], reason: str, message: str) -> str:
-    meta, old = body["metadata"], body.get("status") or {}
-    if old.get("message") != message:
-        ctx.post_event(body, "Warning", reason, message)
-    status = {"phase": "Stalled", "observedGeneration": meta.get("generation"), "message": message,
-              "conditions": conditions.build_conditions(
-                  old.get("conditions"), meta.get("generation"),
-                  ready=(False, reason, message), stalled=(True, reason, message))}
-    await write_status(ctx, body, status, PLURAL)
-    ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Stalled")
-    return "Stalled"

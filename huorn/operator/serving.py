@@ -33,7 +33,7 @@ from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import Graph, Instance
 from huorn.operator import conditions, index, validation
 from huorn.operator.context import Context
-from huorn.operator.training import build_decisions, write_status
+from huorn.operator.training import build_decisions, stall, write_status
 
 PLURAL = "inferencejobs"
 KIND = "InferenceJob"
@@ -116,17 +116,14 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     ns, name = meta["namespace"], meta["name"]
     old = body.get("status") or {}
     try:
-        job = validation.load_job(body)
+        job, vc_spec = validation.load_job_on_cluster(body, ctx.index.vcs)
         assert isinstance(job, kinds.InferenceJob)
-        vc_spec = ctx.index.vcs.get(job.spec.virtual_cluster)
-        if vc_spec is not None:
-            validation.check_namespace(ns, job.spec.virtual_cluster, vc_spec)
         served = [("spec.model.checkpoint", job.spec.model.checkpoint)]
         validation.check_on_volume(job.spec.checkpoint, served)
         fresh = compiler.compile(job)
     except (validation.InvalidSpec, ValueError) as exc:
         ctx.serving_waiting.pop((ns, name), None)
-        return await _stall(ctx, body, "InvalidSpec", str(exc))
+        return await stall(ctx, body, "InvalidSpec", str(exc), PLURAL, KIND)
     vc = job.spec.virtual_cluster
     ref = manifests.JobRef.from_body(body)
     spec = job.spec.to_wire()
@@ -255,21 +252,3 @@ async def _report_waiting(ctx: Context, body: Mapping[str, Any], base: dict[str,
     await write_status(ctx, body, status, PLURAL)
     ctx.metrics.record_phase(KIND, f"{body['metadata']['namespace']}/{body['metadata']['name']}", "Pending")
     return "Pending"
-
-
-async def _stall(ctx: Context, body: Mapping[str, Any], reason: str, message: str) -> str:
-    meta = body["metadata"]
-    old = body.get("status") or {}
-    if old.get("message") != message:
-        ctx.post_event(body, "Warning", reason, message)
-    status = {
-        "phase": "Stalled",
-        "observedGeneration": meta.get("generation"),
-        "message": message,
-        "conditions": conditions.build_conditions(
-            old.get("conditions"), meta.get("generation"),
-            ready=(False, reason, message), stalled=(True, reason, message)),
-    }
-    await write_status(ctx, body, status, PLURAL)
-    ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Stalled")
-    return "Stalled"

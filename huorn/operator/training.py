@@ -77,14 +77,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     ns, name, generation = meta["namespace"], meta["name"], meta.get("generation")
     old = body.get("status") or {}
     try:
-        job = validation.load_job(body)
-        vc_spec = ctx.index.vcs.get(job.spec.virtual_cluster)
-        if vc_spec is not None:
-            validation.check_namespace(ns, job.spec.virtual_cluster, vc_spec)
+        job, vc_spec = validation.load_job_on_cluster(body, ctx.index.vcs)
         validation.check_mounted_paths(job.spec)
     except validation.InvalidSpec as exc:
         ctx.queue.forget(ns, name)
-        return await _stall(ctx, body, "InvalidSpec", str(exc))
+        return await stall(ctx, body, "InvalidSpec", str(exc))
     if old.get("phase") in ("Succeeded", "Failed"):
         ctx.queue.forget(ns, name)
         await _clean_terminal(ctx, body, old["phase"])
@@ -638,7 +635,10 @@ async def _waiting(
     return phase
 
 
-async def _stall(ctx: Context, body: Mapping[str, Any], reason: str, message: str) -> str:
+async def stall(ctx: Context, body: Mapping[str, Any], reason: str, message: str,
+                plural: str = PLURAL, kind: str = KIND) -> str:
+    """`Stalled` with the reason and a message naming the field and the fix (an invalid spec):
+    kstatus readers stop waiting, and the job's Event says it once."""
     meta = body["metadata"]
     old = body.get("status") or {}
     if old.get("message") != message:
@@ -654,8 +654,8 @@ async def _stall(ctx: Context, body: Mapping[str, Any], reason: str, message: st
             stalled=(True, reason, message),
         ),
     }
-    await write_status(ctx, body, status)
-    ctx.metrics.record_phase(KIND, f"{meta['namespace']}/{meta['name']}", "Stalled")
+    await write_status(ctx, body, status, plural)
+    ctx.metrics.record_phase(kind, f"{meta['namespace']}/{meta['name']}", "Stalled")
     return "Stalled"
 
 

@@ -39,6 +39,18 @@ def load_job(body: Mapping[str, Any]) -> kinds.Resource:
         raise InvalidSpec("; ".join(str(error) for error in exc.errors)) from None
 
 
+def load_job_on_cluster(body: Mapping[str, Any],
+                        vcs: Mapping[str, Mapping[str, Any]]) -> tuple[Any, Mapping[str, Any] | None]:
+    """The validated job and its virtual cluster's spec (None while the cluster does not exist,
+    which is a wait, not an error); InvalidSpec if the job is invalid or its namespace is not
+    one the cluster admits."""
+    job: Any = load_job(body)
+    vc_spec = vcs.get(job.spec.virtual_cluster)
+    if vc_spec is not None:
+        check_namespace(body["metadata"]["namespace"], job.spec.virtual_cluster, vc_spec)
+    return job, vc_spec
+
+
 def check_namespace(namespace: str, vc_name: str, vc_spec: Mapping[str, Any]) -> None:
     allowed = vc_spec.get("namespaces") or []
     if allowed and namespace not in allowed:

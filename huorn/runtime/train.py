@@ -708,9 +708,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ValueError as error:  # a gang that does not fit the job, e.g. world size vs. stages
         print(f"error: {error}", file=sys.stderr)
+        if gang is not None:
+            gang.leave()
         if dist.is_initialized():
             dist.destroy_process_group()
         return 2
+    except BaseException:  # a joiner told to stop before it holds state leaves at once (SystemExit)
+        if gang is not None:
+            gang.leave()  # no heartbeat thread inside the store's client at exit (Membership.leave)
+        raise
     try:
         return trainer.run()
     finally:
