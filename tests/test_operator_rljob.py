@@ -296,3 +296,36 @@ def test_gpus_freed_by_a_finished_job_wake_a_waiting_one(cluster, kube: builders
         wait_for(lambda: status(kube, "second").get("message", "").startswith("waiting"), what="waiting")
         end_pod(kube, "first-ray-head-0", "Succeeded", 0)  # its workers are stopped, their GPUs freed
         wait_for(lambda: len(live_pods(kube, "second")) == 3, timeout=20, what="the second gang placed")
+
+
+def test_suspend_stops_the_head_before_its_workers_and_resume_starts_a_new_gang(
+    kube: builders.Kube, operator
+) -> None:
+    kube.create_job(NS, rl_job("paused", suspend=True), plural=RL)
+    waiting = wait_for(lambda: (s := status(kube, "paused")).get("phase") == "Suspended" and s,
+                       what="Suspended")
+    assert "waits without pods" in waiting["decisions"][-1]["reason"] and kube.pods(NS, "paused") == []
+    assert kube.condition(NS, "paused", "Suspended", RL)["status"] == "True"
+    patch = kube.custom.patch_namespaced_custom_object
+    patch(builders.GROUP, builders.VERSION, NS, RL, "paused", {"spec": {"suspend": False}})
+    first = ["paused-ray-head-0", "paused-ray-worker-0", "paused-ray-worker-1"]
+    wait_for(lambda: sorted(live_pods(kube, "paused")) == first, what="the gang")
+    run_all(kube, "paused")
+    wait_for(lambda: status(kube, "paused").get("phase") == "Running", what="Running")
+
+    patch(builders.GROUP, builders.VERSION, NS, RL, "paused", {"spec": {"suspend": True}})
+    # The head goes first: the controller checkpoints through the training actor on a worker.
+    wait_for(lambda: "paused-ray-head-0" not in live_pods(kube, "paused"), what="the head stopped")
+    gone = wait_for(lambda: (s := status(kube, "paused")).get("message", "").startswith("suspended: no pods")
+                    and s, what="every pod stopped")
+    assert gone["replicas"] == 0 and live_pods(kube, "paused") == {}
+    assert [e.reason for e in kube.events(NS, "paused")].count("Suspended") == 2
+    wait_for(lambda: (kube.get_vc("train").get("status") or {}).get("allocated") == 0, what="GPUs freed")
+
+    patch(builders.GROUP, builders.VERSION, NS, RL, "paused", {"spec": {"suspend": False}})
+    second = ["paused-ray-head-0-g1", "paused-ray-worker-0-g1", "paused-ray-worker-1-g1"]
+    wait_for(lambda: sorted(live_pods(kube, "paused")) == second, what="a new gang")
+    now = status(kube, "paused")
+    assert now["restarts"] == 0 and kube.condition(NS, "paused", "Suspended", RL)["status"] == "False"
+    actions = [d["action"] for d in now["decisions"]]
+    assert actions == ["insert", "suspend", "resume", "suspend", "resume"], actions

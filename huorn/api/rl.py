@@ -223,6 +223,12 @@ class RLJobSpec(JobCommon):
         "Huorn checkpoint of spec.model's architecture, e.g. a TrainingJob's; in a pod, under "
         "spec.checkpoint.path on the checkpoint volume.")
     steps: int = Field(default=100, ge=1)
+    suspend: bool = Field(
+        default=False,
+        description="True stops the job's Ray cluster and frees its GPUs: the controller gets SIGTERM "
+        "and checkpoints its step first. False again resumes it from that checkpoint. A job created "
+        "with suspend true waits without pods (Kueue's suspend).",
+    )
     gpus: int | None = Field(default=None, ge=0, description="GPUs the job holds, shared by colocated roles.")
 
 

@@ -125,6 +125,16 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
 
     graph = restore_graph(body, fresh, layout)
     version = graph.version
+    if job.spec.suspend:
+        return await _suspend(ctx, body, graph, pods, base)
+    if not graph.vertex(rlm.HEAD).active:
+        stopping = [p for p in pods.values() if p.holds_resources]
+        if stopping:
+            message = (f"resuming: waiting for {len(stopping)} pod(s) stopped by the suspension to "
+                       "checkpoint and exit")
+            return await _waiting(ctx, body, base, "Resuming", message)
+        mutate.resume(graph, [rlm.HEAD, rlm.WORKER],
+                      reason="spec.suspend is false: the gang starts again, from the last checkpoint")
     members = gang(graph)
 
     def pod_of(instance: Instance) -> index.PodRecord | None:
@@ -296,6 +306,47 @@ async def run_daemon(ctx: Context, namespace: str, name: str, stopped: Any) -> N
     """The body of the per-RLJob kopf daemon (huorn.operator.daemons.every)."""
     await daemons.every(ctx.settings.monitor_seconds, stopped, lambda: tick(ctx, namespace, name),
                         f"progress poll of RLJob {namespace}/{name}", logger)
+
+
+async def _suspend(ctx: Context, body: Mapping[str, Any], graph: Graph,
+                   pods: Mapping[str, index.PodRecord], base: dict[str, Any]) -> str:
+    """spec.suspend: record the decision, then stop the head first and the workers once it has
+    gone. The controller checkpoints its step on SIGTERM through the training actor, which lives
+    on a worker: stopping the workers with it would lose that checkpoint. The decision renews
+    the instances' names, so a resume never waits on a name a stopping pod still holds."""
+    meta, old = body["metadata"], body.get("status") or {}
+    ns, name = meta["namespace"], meta["name"]
+    ctx.rl_waiting.pop((ns, name), None)
+    holding = [p for p in pods.values() if p.holds_resources]
+    reason = ("spec.suspend is true: stopping the Ray cluster; the controller checkpoints its step on "
+              "SIGTERM, and the job resumes from that checkpoint when spec.suspend is false" if holding
+              else "spec.suspend is true: the job waits without pods until spec.suspend is false")
+    decided = mutate.suspend(graph, [rlm.HEAD, rlm.WORKER], reason=reason, renew=bool(holding))
+    if decided is not None:
+        # Write-ahead: a restarted operator finds the decision and only finishes the stopping.
+        await ctx.client.patch_status(PLURAL, ns, name, {**base, "phase": "Suspended",
+                                                          "graph": serialise.to_status(graph),
+                                                          "decisions": build_decisions(graph)})
+        ctx.metrics.decisions.labels(KIND, "suspend").inc()
+        ctx.post_event(body, "Normal", "Suspended", decided.reason)
+    heads = [p for p in holding if p.vertex == rlm.HEAD]
+    await _stop(ctx, [p for p in (heads or holding) if not p.deleting])
+    if holding:
+        message = (f"suspended: waiting for the controller to checkpoint and exit ({len(holding)} pod(s) "
+                   "still running)")
+    else:
+        checkpoint = (old.get("lastCheckpoint") or {}).get("step")
+        message = ("suspended: no pods run and no GPUs are held; set spec.suspend to false to resume"
+                   + (f" from the checkpoint of step {checkpoint}" if checkpoint is not None else ""))
+    status = {**base, "phase": "Suspended", "message": message, "replicas": len(holding),
+              "graph": serialise.to_status(graph), "decisions": build_decisions(graph),
+              "conditions": conditions.build_conditions(
+                  old.get("conditions"), meta.get("generation"), ready=(False, "Suspended", message),
+                  reconciling=(True, "Suspending", message) if holding else None,
+                  suspended=(True, "Suspended", message))}
+    await write_status(ctx, body, status, PLURAL)
+    ctx.metrics.record_phase(KIND, f"{ns}/{name}", "Suspended")
+    return "Suspended"
 
 
 def _describe(pod: index.PodRecord, start_limit: float) -> str:

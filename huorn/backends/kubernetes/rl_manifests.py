@@ -32,7 +32,7 @@ START_TIMEOUT_SECONDS = 1800.0
 
 
 # Spec fields that no pod of a running gang reads: changing them restarts nothing.
-UNROLLED_FIELDS = frozenset({"priority", "remediation"})
+UNROLLED_FIELDS = frozenset({"priority", "remediation", "suspend"})
 
 
 def template_hash(spec: Mapping[str, Any]) -> str:
