@@ -170,3 +170,39 @@ def test_a_restarted_operator_finishes_a_preemption_and_stops_no_one_twice(
         low = kube.job_status(NS, "low")
         assert [d["action"] for d in low["decisions"]] == ["replace"] and low["preemptReplacements"] == 1
         assert kube.job_status(NS, "mid").get("preemptReplacements") is None
+
+
+def test_a_higher_priority_training_job_preempts_a_running_rl_job(
+        cluster: EmulatedCluster, kube: builders.Kube) -> None:
+    """An RLJob's Ray cluster is a gang like any other: a waiting TrainingJob of higher priority
+    stops it (its pods replaced, nothing spent from its restart budget), gets the GPUs first, and
+    the RLJob's next gang waits for room instead of taking them back."""
+    assert cluster.kmock is not None
+    kubelet = Kubelet(kube, cluster.kmock, NS)
+    solo_cluster(kube)
+    rl = {"apiVersion": f"{builders.GROUP}/{builders.VERSION}", "kind": "RLJob", "metadata": {"name": "rl"},
+          "spec": {"virtualCluster": "solo", "priority": 10, "gpus": 4,
+                   "resources": {"gpus": 2, "cpu": "2", "memory": "8Gi"},
+                   "roles": {"actorTrain": {"gpusPerReplica": 2}, "rollout": {"gpusPerReplica": 2}}}}
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        kube.create_job(NS, rl, plural="rljobs")
+        first = ["rl-ray-head-0", "rl-ray-worker-0", "rl-ray-worker-1"]
+        wait_for(lambda: sorted(p.metadata.name for p in kube.pods(NS, "rl")) == first, what="the RL gang")
+        kube.run_all_pods(NS, "rl")
+        wait_for(lambda: kube.job_status(NS, "rl", "rljobs").get("phase") == "Running", what="rl Running")
+        kubelet.hold(first)
+        kube.create_job(NS, make_job("high", 60))
+        wait_for(lambda: {n for n, _ in kubelet.deletes()} >= set(first), what="the RL gang stopped")
+        rl_status = kube.job_status(NS, "rl", "rljobs")
+        assert rl_status["decisions"][-1]["action"] == "replace"
+        assert rl_status["decisions"][-1]["reason"].startswith(
+            "preempted by team/high (priority 60) to place its gang: priority 10 is lower")
+        assert any(e.reason == "Preempted" for e in kube.events(NS, "rl"))
+        assert trainers(kube, "high") == []  # the GPUs are still held while the gang checkpoints
+        kubelet.release(first)
+        wait_for(lambda: trainers(kube, "high") == ["high-trainer-0"], what="high placed")
+        # 2 GPUs are left, the RLJob needs 4: it waits, its budget untouched
+        waiting = wait_for(lambda: (s := kube.job_status(NS, "rl", "rljobs")).get("message", "")
+                           .startswith("waiting") and s, what="the RLJob waiting")
+        assert waiting.get("restarts", 0) == 0 and waiting["phase"] == "Pending"
+        assert [p.metadata.name for p in kube.pods(NS, "rl")] == []

@@ -329,3 +329,27 @@ def test_suspend_stops_the_head_before_its_workers_and_resume_starts_a_new_gang(
     assert now["restarts"] == 0 and kube.condition(NS, "paused", "Suspended", RL)["status"] == "False"
     actions = [d["action"] for d in now["decisions"]]
     assert actions == ["insert", "suspend", "resume", "suspend", "resume"], actions
+
+
+def test_a_suspended_gang_keeps_its_workers_until_the_head_has_checkpointed(cluster, kube: builders.Kube,
+                                                                            operator) -> None:
+    """The kubelet holds the head (a finalizer, as while its controller checkpoints through the
+    training actor on a worker): the workers are not touched until the head is gone."""
+    from kube.kubelet import Kubelet
+
+    kubelet = Kubelet(kube, cluster.kmock, NS)
+    kube.create_job(NS, rl_job("order"), plural=RL)
+    wait_for(lambda: len(live_pods(kube, "order")) == 3, what="the gang")
+    run_all(kube, "order")
+    wait_for(lambda: status(kube, "order").get("phase") == "Running", what="Running")
+    kubelet.hold(["order-ray-head-0"])
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, RL, "order",
+                                               {"spec": {"suspend": True}})
+    wait_for(lambda: ("order-ray-head-0", {}) in kubelet.deletes(), what="the head stopped")
+    wait_for(lambda: "waiting for the controller" in status(kube, "order").get("message", ""),
+             what="the suspension waiting for the head")
+    assert not [n for n, _ in kubelet.deletes() if "worker" in n]
+    kubelet.release(["order-ray-head-0"])
+    wait_for(lambda: {n for n, _ in kubelet.deletes() if "worker" in n} ==
+             {"order-ray-worker-0", "order-ray-worker-1"}, what="the workers stopped after the head")
+    wait_for(lambda: status(kube, "order").get("message", "").startswith("suspended: no pods"), what="done")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from huorn.graph import mutate, serialise
-from huorn.operator import training
+from huorn.operator import rljobs, training
 from huorn.operator.context import Context
 
 logger = logging.getLogger("huorn.operator.preempting")
@@ -108,7 +108,9 @@ async def apply_planned(ctx: Context, namespace: str, name: str) -> list[str]:
     for victim in plan.victims:
         victim_ns, victim_name = victim.split("/", 1)
         reason = f"preempted by {preemptor} to place its gang: priority {_priority(ctx, victim)} is lower"
-        if await preempt_gang(ctx, victim_ns, victim_name, reason):
+        known = ctx.queue.jobs.get((victim_ns, victim_name))
+        stop = rljobs.preempt if known is not None and known.kind == rljobs.KIND else preempt_gang
+        if await stop(ctx, victim_ns, victim_name, reason):
             stopped.append(victim)
     if stopped:
         logger.info("%s/%s preempted %s", namespace, name, ", ".join(stopped))

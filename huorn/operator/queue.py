@@ -1,4 +1,5 @@
-"""The order in which TrainingJobs get GPUs, and who a waiting job of higher priority may stop.
+"""The order in which TrainingJobs get GPUs, and who a waiting job of higher priority may stop
+(a running TrainingJob or RLJob).
 
 Each job's reconcile places its own gang, so without an order the GPUs that one job frees go to
 whichever reconcile runs next, not to the job that has waited longest or matters most. The queue
@@ -37,6 +38,9 @@ class QueuedJob:
     missing: int = 0  # replicas it could not place at its last reconcile; 0: not waiting
     min_replicas: int = 1
     elastic: bool = False  # elasticity.policy goodput: it may be shrunk to min_replicas
+    # An RLJob is recorded too, never waiting (it places itself, huorn.operator.rljobs): a gang a
+    # waiting TrainingJob of higher priority may stop, as any other.
+    kind: str = "TrainingJob"
 
     @property
     def key(self) -> tuple[str, str]:
@@ -52,6 +56,7 @@ class QueuedJob:
 
 
 WAITING_REASONS = frozenset({"Unplaceable", "Queued"})
+GANG_VERTICES = frozenset({"trainer", "ray-worker"})  # the pods that hold a gang's GPUs, by kind
 
 
 def build_entry(job: Any, meta: Mapping[str, Any], missing: int = 0) -> QueuedJob:
@@ -122,7 +127,7 @@ class AdmissionQueue:
             known = self.jobs.get(key)
             if known is None:
                 continue
-            live = sorted((p for p in mine if not p.deleting and p.vertex == "trainer"),
+            live = sorted((p for p in mine if not p.deleting and p.vertex in GANG_VERTICES),
                           key=lambda p: (p.created, p.instance), reverse=True)
             started = max((p.created for p in live), default=0.0)
             spare = max(0, len(live) - known.min_replicas) if known.elastic else 0

@@ -27,6 +27,7 @@ it, so a restarted operator neither restarts a gang twice nor loses a restart.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -38,7 +39,7 @@ from huorn.backends.kubernetes import manifests, observe
 from huorn.backends.kubernetes import rl_manifests as rlm
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import ExecutionMode, Graph, Instance, ResourceRequest, Vertex
-from huorn.operator import conditions, daemons, failures, index, serving, validation
+from huorn.operator import conditions, daemons, failures, index, queue, serving, validation
 from huorn.operator.context import Context
 from huorn.operator.training import REASON_LIMIT, build_decisions, stall, write_status
 
@@ -109,12 +110,18 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         layout = rl.ray_layout(job.spec)
         fresh = compiler.compile(job)
     except (validation.InvalidSpec, ValueError) as exc:
+        ctx.queue.forget(ns, name)
         return await stall(ctx, body, "InvalidSpec", str(exc), PLURAL, KIND)
+    # a gang that higher-priority TrainingJobs may stop (huorn.operator.queue); it never waits there
+    entry = dataclasses.replace(queue.build_entry(job, meta), kind=KIND, gpus=max(1, layout.gpus_per_worker),
+                                min_replicas=layout.workers, elastic=False)
+    ctx.queue.record(entry)
     ref = manifests.JobRef.from_body(body)
     base: dict[str, Any] = {"observedGeneration": meta.get("generation"),
                             "selector": f"{manifests.LABEL_JOB}={name}"}
     pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
     if old.get("phase") in ("Succeeded", "Failed"):
+        ctx.queue.forget(ns, name)
         await _stop(ctx, [p for p in pods.values() if p.holds_resources])
         ctx.metrics.record_phase(KIND, f"{ns}/{name}", old["phase"])
         return str(old["phase"])
@@ -204,8 +211,12 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     missing = [i for i in members if pod_of(i) is None]
     missing_workers = [i for i in missing if i.vertex == rlm.WORKER]
     async with ctx.placement_lock:
-        nodes = serving.choose_nodes(serving.free_gpus(ctx, vc), layout.gpus_per_worker, len(missing_workers))
-        placed = len(nodes) == len(missing_workers)
+        # GPUs freed for a waiting TrainingJob that goes first (a preemption's, say) are its own
+        ahead = (ctx.queue.first_ahead_that_fits(entry, ctx.index.build_snapshot())
+                 if missing_workers else None)
+        nodes = [] if ahead is not None else serving.choose_nodes(
+            serving.free_gpus(ctx, vc), layout.gpus_per_worker, len(missing_workers))
+        placed = ahead is None and len(nodes) == len(missing_workers)
         new_pods = []
         if placed:
             new_pods = [rlm.build_head_pod(ref, i, spec, vc) if i.vertex == rlm.HEAD
@@ -225,6 +236,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         message = (f"waiting for {len(missing_workers)} Ray worker(s) of {layout.gpus_per_worker} GPU(s) "
                    f"each on virtual cluster {vc!r} ({free} GPU(s) free on its nodes, none borrowed); "
                    "the gang starts when all of them fit")
+        if ahead is not None:
+            ctx.wake(*ahead.key)
+            message += (f"; {ahead.binding} (priority {ahead.priority}) is ahead in line and fits now, "
+                        "so it goes first")
         return await _waiting(ctx, body, {**base, "graph": serialise.to_status(graph),
                                           "decisions": build_decisions(graph)}, "WaitingForGPUs", message)
 
@@ -308,6 +323,39 @@ async def run_daemon(ctx: Context, namespace: str, name: str, stopped: Any) -> N
                         f"progress poll of RLJob {namespace}/{name}", logger)
 
 
+async def preempt(ctx: Context, namespace: str, name: str, reason: str) -> bool:
+    """Stop a running gang for a job of higher priority: every pod is replaced (drain, not
+    counted against maxRestarts), the decision written first; the new gang queues for GPUs
+    again and resumes from the last checkpoint. False when no pod of it holds GPUs."""
+    async with ctx.job_lock(namespace, name):
+        body = await ctx.client.get_custom(PLURAL, namespace, name)
+        if body is None or not (body.get("status") or {}).get("graph"):
+            return False
+        graph = serialise.from_status(body["status"]["graph"])
+        if rlm.HEAD not in graph.vertices:
+            return False
+        ref = manifests.JobRef.from_body(body)
+        pods = {p.name: p for p in ctx.index.pods_of(namespace, name)}
+        live = [p for i in gang(graph) if (p := pods.get(manifests.pod_name(ref, i))) is not None
+                and p.holds_resources and not p.deleting]
+        if not any(p.gpus for p in live):
+            return False
+        why = f"{reason}; the gang restarts from its last checkpoint once it fits again"[:REASON_LIMIT]
+        for instance in gang(graph):
+            mutate.replace_instance(graph, instance.name, reason=why, drain=True, counted=False)
+        await ctx.client.patch_status(PLURAL, namespace, name, {"graph": serialise.to_status(graph),
+                                                                "decisions": build_decisions(graph)})
+        ctx.metrics.decisions.labels(KIND, "replace").inc(len(gang(graph)))
+        ctx.post_event(body, "Warning", "Preempted", why)
+        # all at once, for the preemptor's sake: the head's SIGTERM checkpoint may then fail, and
+        # the new gang resumes from the last interval's
+        await _stop(ctx, live)
+        fresh = await ctx.client.get_custom(PLURAL, namespace, name)
+        if fresh is not None:
+            await reconcile(ctx, fresh)
+    return True
+
+
 async def _suspend(ctx: Context, body: Mapping[str, Any], graph: Graph,
                    pods: Mapping[str, index.PodRecord], base: dict[str, Any]) -> str:
     """spec.suspend: record the decision, then stop the head first and the workers once it has
@@ -317,6 +365,7 @@ async def _suspend(ctx: Context, body: Mapping[str, Any], graph: Graph,
     meta, old = body["metadata"], body.get("status") or {}
     ns, name = meta["namespace"], meta["name"]
     ctx.rl_waiting.pop((ns, name), None)
+    ctx.queue.forget(ns, name)
     holding = [p for p in pods.values() if p.holds_resources]
     reason = ("spec.suspend is true: stopping the Ray cluster; the controller checkpoints its step on "
               "SIGTERM, and the job resumes from that checkpoint when spec.suspend is false" if holding
