@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -47,14 +46,8 @@ def test_a_worker_waits_for_the_head_and_names_it_when_it_never_comes() -> None:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    with_group = process.poll() is None
-    if with_group:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+    if process.poll() is None:
+        node.stop_group(process)  # what the head does with its own Ray node
 
 
 def _group_alive(pgid: int) -> bool:
