@@ -9,8 +9,13 @@ them, so the first reconcile inserts two vertices into the graph, with the reaso
 
 - **Placement.** All or nothing: every worker finds room on the virtual cluster's own nodes
   (best fit, fullest node first, as InferenceJob replicas are placed), or none is created and
-  the job says what it waits for. Nothing is borrowed, and an RLJob is neither preempted nor a
-  victim of reclaim: it holds only its own cluster's GPUs, until it ends.
+  the job says what it waits for. Nothing is borrowed, so an RLJob is no victim of reclaim.
+- **Priority.** The admission queue records a running RLJob as a gang a waiting TrainingJob of
+  higher priority may stop (`preempt`), and a new gang steps back for a TrainingJob ahead in
+  line that fits. An RLJob never waits in that line itself: its placement ignores borrowed
+  GPUs, which the line's snapshot counts, so a TrainingJob stepping back for it could wait for
+  a placement that never comes.
+- **Suspend.** The head is stopped first, the workers once it has gone (`_suspend`).
 - **Failures.** A pod that ends while the controller runs is a gang failure: Ray's actors on a
   lost node are gone, so every pod of the gang is replaced (a new generation each) and the
   controller resumes from its last checkpoint on a fresh Ray cluster. Each failure is judged
