@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -316,7 +317,14 @@ def test_an_rl_job_the_runtime_cannot_run_is_refused_before_anything_starts(tmp_
 
 
 @pytest.mark.slow
-def test_huorn_run_runs_an_rl_job_through_its_controller(tmp_path: Path) -> None:
+def test_huorn_run_runs_an_rl_job_through_its_controller(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # A host where `ray start` once ran records that cluster's address (ray_current_cluster), and
+    # a plain ray.init() joins it instead of starting its own: long gone, that was a failed run.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt"))  # short: Ray's socket paths must fit 107 bytes
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
     manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "RLJob", "metadata": {"name": "tiny-rl"},
                 "spec": {"virtualCluster": "local",
                          "model": {"layers": 2, "width": 32, "heads": 2, "context": 64},

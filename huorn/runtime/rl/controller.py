@@ -114,7 +114,10 @@ class Controller:
             # cluster named by RAY_ADDRESS can be reached only through a runtime environment.
             one_thread = {"OMP_NUM_THREADS": "1"}
             with _environment(**one_thread):
-                ray.init(address=address, num_cpus=cfg.ray_cpus, include_dashboard=False,
+                # "local": a cluster of its own, even where an old `ray start` left its address
+                # in the temp dir (ray_current_cluster), which a plain ray.init() would try to
+                # join: long gone, it hung `huorn run` for minutes before failing
+                ray.init(address=address or "local", num_cpus=cfg.ray_cpus, include_dashboard=False,
                          log_to_driver=False, namespace=cfg.job_name,
                          runtime_env=None if address is None else {"env_vars": one_thread})
         # The model roles take whole GPUs where the cluster has any. NB: the cluster's, not this
