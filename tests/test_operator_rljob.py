@@ -170,11 +170,16 @@ def test_an_rl_job_waits_for_all_its_gpus_and_a_bad_layout_is_refused(kube: buil
                                                {"spec": {"gpus": 8}})
     wait_for(lambda: len(live_pods(kube, "big")) == 5, what="the gang of four workers")
 
-    kube.create_job(NS, rl_job("odd", gpus=5), plural=RL)
+    # (an explicit spec.gpus that is no multiple is the API's rule rl-gpus-fill-worker-pods; what
+    # the roles need when spec.gpus is unset, only the operator can tell)
+    odd = rl_job("odd", roles={"actorTrain": {"replicas": 1, "gpusPerReplica": 2},
+                               "rollout": {"replicas": 1, "gpusPerReplica": 1}})
+    del odd["spec"]["gpus"]
+    kube.create_job(NS, odd, plural=RL)
     cond = wait_for(lambda: (c := kube.condition(NS, "odd", "Stalled", RL)).get("status") == "True" and c,
                     what="Stalled")
     assert cond["reason"] == "InvalidSpec"
-    assert "spec.gpus: 5 is not a multiple of spec.resources.gpus (2)" in cond["message"]
+    assert "spec.gpus: unset, so the roles' 3 is not a multiple of spec.resources.gpus (2)" in cond["message"]
     wide = rl_job("wide", gpus=6, roles={"actorTrain": {"replicas": 1, "gpusPerReplica": 4}})
     kube.create_job(NS, wide, plural=RL)
     cond = wait_for(lambda: (c := kube.condition(NS, "wide", "Stalled", RL)).get("status") == "True" and c,

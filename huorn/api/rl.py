@@ -199,6 +199,18 @@ def _cel_mappings_within_gpus() -> str:
         detail=lambda s: f"roles need {count_gpus_needed(s.roles)}, gpus is {s.gpus}",
         fix="raise gpus, lower role replicas, or colocate roles in one group",
     ),
+    rules.Rule(
+        name="rl-gpus-fill-worker-pods",
+        field="gpus",
+        cel="!has(self.gpus) || self.gpus == 0 "
+            "|| (self.resources.gpus > 0 && self.gpus % self.resources.gpus == 0)",
+        holds=lambda s: s.gpus is None or s.gpus == 0
+        or (s.resources.gpus > 0 and s.gpus % s.resources.gpus == 0),
+        message="must be a multiple of resources.gpus: in a cluster the job's GPUs are Ray worker pods "
+        "of resources.gpus each",
+        detail=lambda s: f"gpus {s.gpus}, resources.gpus {s.resources.gpus}",
+        fix="make gpus a multiple of resources.gpus, or change resources.gpus",
+    ),
     rules.filesystem_path("rl-init-checkpoint-is-a-path", "initCheckpoint", "init_checkpoint"),
     rules.Rule(
         name="rl-device-mapping-within-gpus",
@@ -268,9 +280,9 @@ def ray_layout(spec: RLJobSpec) -> RayLayout:
         raise ValueError(f"spec.resources.gpus: 0, but the job holds {gpus} GPU(s) (spec.gpus or its "
                          "roles) in Ray worker pods of spec.resources.gpus each; set it to at least 1")
     if gpus % per:
-        raise ValueError(f"spec.gpus: {gpus} is not a multiple of spec.resources.gpus ({per}), the GPUs "
-                         f"of one Ray worker pod; make spec.gpus a multiple of {per}, or change "
-                         "spec.resources.gpus")
+        held = f"spec.gpus: {gpus}" if spec.gpus is not None else f"spec.gpus: unset, so the roles' {gpus}"
+        raise ValueError(f"{held} is not a multiple of spec.resources.gpus ({per}), the GPUs of one Ray "
+                         f"worker pod; set spec.gpus to a multiple of {per}, or change spec.resources.gpus")
     for name, role in list_roles(spec.roles):
         if role.gpus_per_replica > per:
             raise ValueError(f"spec.roles.{name}.gpusPerReplica: {role.gpus_per_replica} exceeds "
