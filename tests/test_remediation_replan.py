@@ -102,7 +102,27 @@ def test_an_s2_that_would_change_nothing_is_skipped_not_applied() -> None:
     decision = lad.on_step(2.0, 1.0)
     assert decision is not None and decision.action == "skip-rebalance-microbatches"
     assert decision.plan == {} and "would change nothing" in decision.reason
-    assert lad.level is MitigationLevel.REBALANCE and lad.applied is None  # the loss climbs on
+    # the loss climbs on, and the even split is what is in force, priced like an applied plan
+    assert lad.level is MitigationLevel.REBALANCE and lad.applied is not None
+    assert lad.applied["microbatches"] == [4, 4]
+
+
+def test_a_straggler_after_a_passed_s2_still_gets_its_plan() -> None:
+    """A start-up blip passed S2 (the even split was best); rank 1 then slows for real. The ladder,
+    no longer at S1, takes no new finding, so the even split in force must be priced and re-planned
+    like any applied plan: before, the straggler was never rebalanced."""
+    lad = ladder.MitigationLadder(MitigationLevel.REBALANCE, COSTS,
+                                  ladder.JobShape(microbatch_seconds=[0.1, 0.1], total_microbatches=8))
+    lad.on_fail_slow(SLOW, [1])
+    assert lad.on_step(2.0, 1.0).action == "skip-rebalance-microbatches"  # type: ignore[union-attr]
+    lad.shape = ladder.JobShape(microbatch_seconds=[0.1, 0.4], total_microbatches=8)
+    step, decision = steps_until_decision(lad)
+    assert decision is not None and decision.action == "rebalance-microbatches"
+    assert decision.plan["microbatches"][1] < 4 and sum(decision.plan["microbatches"]) == 8
+    # [4, 4] now costs 1.6 s a step against [7, 1]'s 0.7: the 1 s re-plan is paid on the second
+    # priced step, which start once the even split's telemetry settled
+    assert step == ladder.MitigationLadder.SETTLE_STEPS + 2
+    assert lad.applied is not None and lad.applied["microbatches"] == decision.plan["microbatches"]
 
 
 def test_a_pipeline_shape_without_seconds_is_not_re_planned() -> None:

@@ -37,8 +37,11 @@ def test_slow_stage_leads_to_a_restart_with_a_new_layer_split(tmp_path: Path) ->
         ladder.LadderCosts(resplit=1.0), tmp_path / "run", STEPS)
     g, remediation, run_dir, actions = run.graph, run.remediation, run.run_dir, run.actions
     assert run.finished, actions[-3000:]
-    s3 = [d for d in remediation.decisions if d.level is MitigationLevel.RESPLIT]
-    assert len(s3) == 1, remediation.decisions
+    # the S3 decisions that change the split (a start-up blip on a loaded host may pass S3 first,
+    # with the even split best: `skip-resplit-stages`, after which the split in force is priced
+    # and the slow stage still gets its plan)
+    s3 = [d for d in remediation.decisions if d.level is MitigationLevel.RESPLIT and "stageLayers" in d.plan]
+    assert len(s3) == 1 and s3[0].action == "resplit-stages", remediation.decisions
     split = s3[0].plan["stageLayers"]
     assert sum(split) == 4 and split[0] < 2  # layers move away from the slow stage 0
     mutations = [m for m in g.log if m.action == "set-param" and m.detail["key"] == "stageLayers"]

@@ -98,6 +98,7 @@ class MitigationLadder:
         self.steps_on_plan = 0
         self.replan_gain = 0.0  # seconds the best plan would have saved since the applied one
         self.counts_in_force: list[int] | None = None  # S2's counts, kept while S3 holds
+        self.passed = False  # the rung in force was passed: its even split is what `applied` holds
         self._priced: tuple[JobShape, tuple[int, ...], Priced | None] | None = None  # per shape and plan
 
     def applicable(self, level: MitigationLevel) -> bool:
@@ -152,8 +153,14 @@ class MitigationLadder:
             # whether the plan moves work off the replica that the detector found slow
             reason += f"; detected on pipeline replica {self.finding.replica}"
         if self._changes_nothing(target, plan):
-            # the rung is passed (the loss goes on towards the next one) but nothing is applied
-            self.applied = None
+            # The rung is passed (the loss goes on towards the next one) and nothing changes: the
+            # even split stays in force. It is priced from here on as an applied plan would be, so
+            # a slowdown that begins or grows later still gets this rung's plan once that pays.
+            # NB: before, nothing was in force, nothing was priced, and the ladder (no longer at
+            # S1) took no new finding: a start-up blip passed S2 early and a real straggler after
+            # it was never rebalanced (a flaky serial test, test_remediation_replan.py).
+            self.applied, self.passed = self._even_plan(target), True
+            self.steps_on_plan, self.replan_gain = 0, 0.0
             return Decision(target, "skip-" + ACTIONS[target],
                             f"{reason}; but the even split is already the best plan for the speeds "
                             "measured now, so it would change nothing", self.ranks)
@@ -180,6 +187,7 @@ class MitigationLadder:
     MARGIN = 0.1
 
     def _apply(self, plan: dict[str, object]) -> None:
+        self.passed = False
         self.applied = plan if ("microbatches" in plan or "stageLayers" in plan) else None
         if "microbatches" in plan:
             self.counts_in_force = list(plan["microbatches"])  # type: ignore[call-overload]
@@ -230,6 +238,9 @@ class MitigationLadder:
                 reason += "; S2's counts go back to the even split too"
             self.level, self.finding, self.ranks, self.loss_since_rung = None, None, (), 0.0
             self.applied, self.counts_in_force = None, None
+        elif self.passed:  # the first plan of a rung passed earlier: the rung's own action
+            action = ACTIONS[level]
+            self._apply(full)
         else:
             action = "replan-microbatches" if level is MitigationLevel.REBALANCE else "replan-stages"
             self._apply(full)
