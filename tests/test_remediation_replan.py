@@ -160,7 +160,9 @@ def test_s2_is_undone_on_a_real_job_once_the_slow_rank_recovers(tmp_path: Path) 
           if d.level is MitigationLevel.REBALANCE and "microbatches" in d.plan]
     # on the way back the noisy speeds may pass through a re-plan ([6, 2]) before [4, 4]
     actions = [d.action for d in s2]
-    assert actions[0] == "rebalance-microbatches" and "restore-even" in actions, s2
+    # every decision in the message: an empty s2 may be no finding at all, or a rung passed early
+    assert actions and actions[0] == "rebalance-microbatches" and "restore-even" in actions, \
+        run.remediation.decisions
     restore = actions.index("restore-even")
     assert set(actions[1:restore]) <= {"replan-microbatches"}, s2
     assert s2[0].plan["microbatches"][1] < 4 and s2[restore].plan["microbatches"] == [4, 4]
