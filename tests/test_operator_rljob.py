@@ -300,7 +300,9 @@ def test_gpus_freed_by_a_finished_job_wake_a_waiting_one(cluster, kube: builders
         kube.create_job(NS, rl_job("second"), plural=RL)
         wait_for(lambda: status(kube, "second").get("message", "").startswith("waiting"), what="waiting")
         end_pod(kube, "first-ray-head-0", "Succeeded", 0)  # its workers are stopped, their GPUs freed
-        wait_for(lambda: len(live_pods(kube, "second")) == 3, timeout=20, what="the second gang placed")
+        placed = wait_for(lambda: len(names := sorted(live_pods(kube, "second"))) == 3 and names,
+                          timeout=20, what="the second gang placed")
+        assert placed == ["second-ray-head-0", "second-ray-worker-0", "second-ray-worker-1"]
 
 
 def test_suspend_stops_the_head_before_its_workers_and_resume_starts_a_new_gang(

@@ -46,15 +46,11 @@ from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import ExecutionMode, Graph, Instance, ResourceRequest, Vertex
 from huorn.operator import conditions, daemons, failures, index, queue, serving, validation
 from huorn.operator.context import Context
-from huorn.operator.training import REASON_LIMIT, build_decisions, stall, write_status
+from huorn.operator.training import REASON_LIMIT, build_decisions, iso_time, stall, write_status
 
 PLURAL = "rljobs"
 KIND = "RLJob"
 logger = logging.getLogger("huorn.operator.rljobs")
-
-
-def _iso(seconds: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
 def build_ray_vertices(layout: rl.RayLayout) -> list[Vertex]:
@@ -176,7 +172,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                                                ctx.settings.replacement_backoff_max_seconds)
         if backoff.seconds > 0:
             ctx.wake_rl_later(ns, name, backoff.seconds)
-            message = (f"{what}; restarting the gang at {_iso(now + backoff.seconds)}: back-off after "
+            message = (f"{what}; restarting the gang at {iso_time(now + backoff.seconds)}: back-off after "
                        f"{backoff.incidents} failure(s) in the last "
                        f"{failures.BACKOFF_WINDOW_SECONDS / 60:.0f} min")
             return await _waiting(ctx, body, base, "BackOff", message[:REASON_LIMIT])
@@ -272,7 +268,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             reconciling=(True, reason, message) if phase != "Running" else None),
     }
     if started and not old.get("startTime"):
-        status["startTime"] = _iso(started)
+        status["startTime"] = iso_time(started)
     await write_status(ctx, body, status, PLURAL)
     ctx.metrics.record_phase(KIND, f"{ns}/{name}", phase)
     return phase
@@ -424,7 +420,7 @@ async def _finish(ctx: Context, body: Mapping[str, Any], graph: Graph, base: dic
     meta, old = body["metadata"], body.get("status") or {}
     message = "the controller finished every step (its step log and checkpoints are on the checkpoint volume)"
     status = {**base, "phase": "Succeeded", "replicas": 0, "message": message,
-              "completionTime": old.get("completionTime") or _iso(time.time()),
+              "completionTime": old.get("completionTime") or iso_time(time.time()),
               "graph": serialise.to_status(graph), "decisions": build_decisions(graph),
               "conditions": conditions.build_conditions(
                   old.get("conditions"), meta.get("generation"), ready=(True, "Completed", message))}
@@ -440,7 +436,7 @@ async def _fail(ctx: Context, body: Mapping[str, Any], graph: Graph, base: dict[
                 reason: str, pods: Mapping[str, index.PodRecord]) -> str:
     meta, old = body["metadata"], body.get("status") or {}
     status = {**base, "phase": "Failed", "replicas": 0, "message": why,
-              "completionTime": old.get("completionTime") or _iso(time.time()),
+              "completionTime": old.get("completionTime") or iso_time(time.time()),
               "graph": serialise.to_status(graph), "decisions": build_decisions(graph),
               "conditions": conditions.build_conditions(
                   old.get("conditions"), meta.get("generation"),

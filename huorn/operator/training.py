@@ -44,13 +44,13 @@ REASON_LIMIT = 1024  # a decision's reason (Decision.reason); a kubelet's waitin
 RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers"})
 
 
-def _iso(seconds: float) -> str:
+def iso_time(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def build_decisions(graph: Graph) -> list[dict[str, Any]]:
     return [
-        {"time": _iso(m.time), "action": m.action, "reason": m.reason[:REASON_LIMIT],
+        {"time": iso_time(m.time), "action": m.action, "reason": m.reason[:REASON_LIMIT],
          "graphVersion": m.version}
         for m in graph.log[-DECISION_LIMIT:]
     ]
@@ -129,7 +129,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             new.append(resumed)
     started = _start_time(old, [pods.get(manifests.pod_name(ref, i)) for i in trainer.instances])
     if started and not old.get("startTime"):
-        base_status["startTime"] = _iso(started)
+        base_status["startTime"] = iso_time(started)
     deadline = job.spec.active_deadline_seconds
     if deadline is not None and started and not _all_succeeded(ref, trainer, pods):
         ran = time.time() - started
@@ -187,7 +187,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         ctx.wake_later(ns, name, backoff.seconds)
         more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
         # An absolute time, so the message (and its Event) stays the same until then.
-        message = (f"{held[0]}{more}; replacing at {_iso(now + backoff.seconds)}: back-off after "
+        message = (f"{held[0]}{more}; replacing at {iso_time(now + backoff.seconds)}: back-off after "
                    f"{backoff.incidents} failure{'s' if backoff.incidents > 1 else ''} in the last "
                    f"{failures.BACKOFF_WINDOW_SECONDS / 60:.0f} min")
         phase = old.get("phase") if old.get("phase") in ("Running", "Resizing") else "Placing"
@@ -207,7 +207,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         status = {
             **base_status,
             "phase": "Succeeded",
-            "completionTime": _iso(time.time()),
+            "completionTime": iso_time(time.time()),
             "replicas": 0,
             "progressPercent": 100,
             "estimatedRemainingSeconds": 0,
@@ -291,7 +291,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             ctx.index.reserve(reserved)
             if not base_status.get("startTime", old.get("startTime")):
                 # In the write-ahead patch below; a resume cleared it, so its clock starts again.
-                base_status["startTime"] = _iso(time.time())
+                base_status["startTime"] = iso_time(time.time())
             ctx.queue.record(dataclasses.replace(queued, missing=0))
             if queued.missing:
                 # The line moved: those that stepped back behind this job try again now.
@@ -674,7 +674,7 @@ async def _fail(
         **base_status,
         "phase": "Failed",
         "message": why,
-        "completionTime": old.get("completionTime") or _iso(time.time()),
+        "completionTime": old.get("completionTime") or iso_time(time.time()),
         "replicas": 0,
         "graph": serialise.to_status(graph),
         "conditions": conditions.build_conditions(
@@ -712,7 +712,7 @@ async def _expire_finished(ctx: Context, body: Mapping[str, Any], ttl: int | Non
     if not finished:
         # Finished before completionTime was written: its clock starts now, and never earlier.
         finished = time.time()
-        await write_status(ctx, body, {"completionTime": _iso(finished)})
+        await write_status(ctx, body, {"completionTime": iso_time(finished)})
     left = finished + ttl - time.time()
     if left > 0:
         ctx.wake_later(meta["namespace"], meta["name"], left)
