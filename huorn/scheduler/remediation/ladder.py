@@ -62,10 +62,12 @@ class JobShape:
     stage_speeds: list[float] | None = None  # pipeline: relative speed of each stage's rank(s)
     layer_seconds: float | None = None  # pipeline: a step's seconds for one layer cost at speed 1
     fixed_seconds: list[float] | None = None  # per pipeline replica: fill and drain, whatever its count
+    noise: float = 0.0  # the least certain rank's relative uncertainty (policy.median_uncertainty)
 
 
-# (applied plan's seconds a step, best plan's, best plan, whether the best is the even split)
-Priced = tuple[float, float, tuple[int, ...], bool]
+# (applied plan's seconds a step, best plan's, best plan, whether the best is the even split,
+# whether the best is faster than the applied plan beyond the measured noise)
+Priced = tuple[float, float, tuple[int, ...], bool, bool]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,23 +170,44 @@ class MitigationLadder:
         return Decision(target, ACTIONS[target], reason, self.ranks, plan=plan)
 
     def _changes_nothing(self, level: MitigationLevel, plan: dict[str, object]) -> bool:
-        """An S2 or S3 plan that is the job's own even split (what it runs without one)."""
+        """An S2 or S3 plan that is the job's own even split (what it runs without one), or that
+        beats it only within the measured noise."""
         s = self.shape
         if level is MitigationLevel.REBALANCE and s.microbatch_seconds is not None and "microbatches" in plan:
-            return list(plan["microbatches"]) == rebalance.even_split(  # type: ignore[call-overload]
-                s.total_microbatches, len(s.microbatch_seconds))
+            counts = [int(n) for n in plan["microbatches"]]  # type: ignore[attr-defined]
+            even = rebalance.even_split(s.total_microbatches, len(s.microbatch_seconds))
+            times, fixed = s.microbatch_seconds, s.fixed_seconds
+            return counts == even or not self._faster(rebalance.unit_seconds(counts, times, fixed),
+                                                       rebalance.unit_seconds(even, times, fixed))
         if level is MitigationLevel.RESPLIT and s.stage_speeds is not None and "stageLayers" in plan:
-            return list(plan["stageLayers"]) == rebalance.even_split(  # type: ignore[call-overload]
-                len(s.layer_costs or []), len(s.stage_speeds))
+            layers = [int(n) for n in plan["stageLayers"]]  # type: ignore[attr-defined]
+            costs = s.layer_costs or []
+            even = rebalance.even_split(len(costs), len(s.stage_speeds))
+            return layers == even or not self._faster(rebalance.stage_seconds(layers, costs, s.stage_speeds),
+                                                      rebalance.stage_seconds(even, costs, s.stage_speeds))
         return False
 
     # -- re-planning under S2/S3 -------------------------------------------------------------------
     SETTLE_STEPS = 8  # steps on a new plan before its telemetry describes it (the shape's window)
     # NB: measured speeds are noisy, and with near-equal ranks the exact optimum is rarely the
-    # even split ([5, 3] may beat [4, 4] by a rounding). The even split is the job's own plan,
-    # so it wins within this margin of the best, and a plan must beat the applied one by it
-    # before any saving counts.
-    MARGIN = 0.1
+    # even split ([5, 3] may beat [4, 4] by a rounding). So a plan counts as faster than another
+    # only if it is faster for every speed within ±delta of each unit's measured one
+    # (rebalance.worst_case_ratio), delta being the shape's measured uncertainty within
+    # [MIN_DELTA, MAX_DELTA]. A fixed 10 % margin on the ratio before let a loaded host's swings
+    # between two small ranks pay re-plan after re-plan ([3, 5], [5, 3], [1, 7]) while the even
+    # split never came back. MAX_DELTA bounds what noise may hide: one micro-batch moved back to
+    # even from a rank that holds up to 5 ([5, 3] → [4, 4]: 1.25×) must always count, which
+    # needs delta < 1/(2·5 − 1); smaller gains are not worth chasing through that much noise.
+    MIN_DELTA = 0.05
+    MAX_DELTA = 0.1
+
+    def delta(self) -> float:
+        """The relative error allowed to each unit's measured speed when plans are compared."""
+        return min(self.MAX_DELTA, max(self.MIN_DELTA, self.shape.noise))
+
+    def _faster(self, new: Sequence[float], old: Sequence[float]) -> bool:
+        """Whether units taking `new` seconds beat `old` for any of their speeds within delta."""
+        return rebalance.worst_case_ratio(new, old, self.delta()) < 1.0
 
     def _apply(self, plan: dict[str, object]) -> None:
         self.passed = False
@@ -207,9 +230,11 @@ class MitigationLadder:
         priced = self._priced[2]
         if priced is None:
             return None
-        current, best, plan, even = priced
-        if plan == self._key(self.applied) or current <= best * (1.0 + self.MARGIN):
+        current, best, plan, even, faster = priced
+        if plan == self._key(self.applied) or current <= best:
             self.replan_gain = 0.0
+            return None
+        if not faster:  # within the noise: no evidence either way, so the saving neither grows nor resets
             return None
         self.replan_gain += current - best
         cost = self.costs.of(self.level)
@@ -247,13 +272,15 @@ class MitigationLadder:
         return Decision(level, action, reason, self.ranks, plan=full)
 
     def _s2_still_pays(self) -> bool:
-        """Whether the speeds measured now still put S2's best plan beyond the even split's margin."""
+        """Whether the speeds measured now still make S2's best plan faster than the even split."""
         s = self.shape
         if self.counts_in_force is None or s.microbatch_seconds is None \
                 or len(s.microbatch_seconds) != len(self.counts_in_force):
             return False
         best = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches, s.fixed_seconds)
-        return best.before > best.makespan * (1.0 + self.MARGIN)
+        even = rebalance.even_split(s.total_microbatches, len(s.microbatch_seconds))
+        return self._faster(rebalance.unit_seconds(best.counts, s.microbatch_seconds, s.fixed_seconds),
+                            rebalance.unit_seconds(even, s.microbatch_seconds, s.fixed_seconds))
 
     @staticmethod
     def _key(plan: dict[str, object]) -> tuple[int, ...]:
@@ -261,33 +288,33 @@ class MitigationLadder:
         return tuple(int(v) for v in values)  # type: ignore[union-attr]
 
     def _price(self, level: MitigationLevel) -> Priced | None:
-        """(applied plan's seconds a step, best plan's, best plan, whether it is the even one),
-        from the shape measured now; None when the shape cannot price this rung."""
+        """(applied plan's seconds a step, best plan's, best plan, whether it is the even one,
+        whether it beats the applied plan beyond the noise), from the shape measured now; None
+        when the shape cannot price this rung. The best plan is the even split unless the
+        optimum beats the even split beyond the noise."""
         s, applied = self.shape, self._key(self.applied or {})
         if level is MitigationLevel.REBALANCE:
             if s.microbatch_seconds is None or len(s.microbatch_seconds) != len(applied):
                 return None
-            fixed = s.fixed_seconds
-            best = rebalance.rebalance_microbatches(s.microbatch_seconds, s.total_microbatches, fixed)
-            current = rebalance.step_seconds(applied, s.microbatch_seconds, fixed)
+            times, fixed = s.microbatch_seconds, s.fixed_seconds
+            best = tuple(rebalance.rebalance_microbatches(times, s.total_microbatches, fixed).counts)
             even = tuple(rebalance.even_split(s.total_microbatches, len(applied)))
-            even_time = rebalance.step_seconds(even, s.microbatch_seconds, s.fixed_seconds)
-            if even_time <= best.makespan * (1.0 + self.MARGIN):
-                return current, even_time, even, True
-            return current, best.makespan, tuple(best.counts), False
+            units = {plan: rebalance.unit_seconds(plan, times, fixed) for plan in (applied, even, best)}
+            chosen = best if self._faster(units[best], units[even]) else even
+            return (max(units[applied]), max(units[chosen]), chosen, chosen == even,
+                    self._faster(units[chosen], units[applied]))
         if s.layer_costs is None or s.stage_speeds is None or s.layer_seconds is None \
                 or len(s.stage_speeds) != len(applied) or sum(applied) != len(s.layer_costs):
             return None
-        plan = rebalance.resplit_stages(s.layer_costs, s.stage_speeds)
-        ends = [*plan.boundaries[1:], len(s.layer_costs)]
-        best = tuple(end - start for start, end in zip(plan.boundaries, ends, strict=True))
-        starts = [sum(applied[:i]) for i in range(len(applied))]
-        current = max(sum(s.layer_costs[a:a + n]) / speed
-                      for a, n, speed in zip(starts, applied, s.stage_speeds, strict=True))
+        split = rebalance.resplit_stages(s.layer_costs, s.stage_speeds)
+        ends = [*split.boundaries[1:], len(s.layer_costs)]
+        best = tuple(end - start for start, end in zip(split.boundaries, ends, strict=True))
         even = tuple(rebalance.even_split(len(s.layer_costs), len(applied)))
-        if plan.before <= plan.makespan * (1.0 + self.MARGIN):
-            return current * s.layer_seconds, plan.before * s.layer_seconds, even, True
-        return current * s.layer_seconds, plan.makespan * s.layer_seconds, best, False
+        layers, speeds = s.layer_costs, s.stage_speeds
+        units = {plan: rebalance.stage_seconds(plan, layers, speeds) for plan in (applied, even, best)}
+        chosen = best if self._faster(units[best], units[even]) else even
+        return (max(units[applied]) * s.layer_seconds, max(units[chosen]) * s.layer_seconds, chosen,
+                chosen == even, self._faster(units[chosen], units[applied]))
 
     def _even_plan(self, level: MitigationLevel) -> dict[str, object]:
         """The job's own plan, in the form of `build_plan`'s, priced on the current shape."""

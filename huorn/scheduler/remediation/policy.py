@@ -260,6 +260,7 @@ def build_pipeline_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | Non
     per_replica: dict[int, float] = {}  # slowest stage's seconds per micro-batch
     summed: dict[int, float] = {}  # all stages' seconds for one micro-batch
     splits, totals, worlds, ranks = set(), set(), set(), set()
+    noise = 0.0
     for snap in snapshots.values():
         pipeline = (snap.get("parameters") or {}).get("pipeline") or {}
         split = pipeline.get("stage_layers")
@@ -271,8 +272,11 @@ def build_pipeline_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | Non
         stage, replica = rank % len(split), rank // len(split)  # rank = replica × stages + stage
         compute = statistics.median(float(r["compute_seconds"]) for r in steps)
         per_layer[stage] = max(per_layer.get(stage, 0.0), max(compute, 1e-6) / split[stage])
-        seconds = _microbatch_seconds(snap, steps)
-        if seconds is not None:
+        series = _microbatch_series(snap, steps)
+        noise = max(noise, median_uncertainty([float(r["compute_seconds"]) for r in steps]))
+        if series is not None:
+            seconds = statistics.median(series)
+            noise = max(noise, median_uncertainty(series))
             per_replica[replica] = max(per_replica.get(replica, 0.0), seconds)
             summed[replica] = summed.get(replica, 0.0) + seconds
             totals.add(int(snap["parameters"]["micro_batches"]["total"]))
@@ -286,7 +290,7 @@ def build_pipeline_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | Non
     fastest = min(per_layer.values())
     shape = ladder.JobShape(layer_costs=[1.0] * sum(split),
                             stage_speeds=[fastest / per_layer[s] for s in range(len(split))],
-                            layer_seconds=fastest)
+                            layer_seconds=fastest, noise=noise)
     world = worlds.pop() if len(worlds) == 1 else 0
     if len(totals) == 1 and world and sorted(ranks) == list(range(world)):
         replicas = range(world // len(split))
@@ -297,16 +301,25 @@ def build_pipeline_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | Non
     return shape
 
 
-def _microbatch_seconds(snap: dict, steps: list[dict]) -> float | None:
-    """A rank's recent seconds per micro-batch: the runtime's own figure when it publishes one,
-    else compute over the micro-batches it holds; None when it reports no micro-batches."""
+def _microbatch_series(snap: dict, steps: list[dict]) -> list[float] | None:
+    """A rank's recent seconds per micro-batch, a figure a step: the runtime's own when it
+    publishes one, else compute over the micro-batches it holds; None when it reports no
+    micro-batches."""
     batches = (snap.get("parameters") or {}).get("micro_batches")
     if not batches or not batches.get("mine"):
         return None
     if all(r.get("microbatch_seconds") for r in steps):
-        return max(statistics.median(float(r["microbatch_seconds"]) for r in steps), 1e-6)
-    compute = statistics.median(float(r["compute_seconds"]) for r in steps)
-    return max(compute, 1e-6) / int(batches["mine"])
+        return [max(float(r["microbatch_seconds"]), 1e-6) for r in steps]
+    return [max(float(r["compute_seconds"]), 1e-6) / int(batches["mine"]) for r in steps]
+
+
+def median_uncertainty(values: list[float]) -> float:
+    """How far, relative to it, the median of one rank's recent figures may lie from the rank's
+    true figure: the robust spread (MAD scaled to a normal σ) through the median's standard error
+    (1.2533 σ / √n). The ladder compares plans only beyond it (ladder.MitigationLadder.delta)."""
+    centre = statistics.median(values)
+    deviation = statistics.median(abs(v - centre) for v in values)
+    return 1.2533 * 1.4826 * deviation / max(centre, 1e-9) / len(values) ** 0.5
 
 
 def build_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:
@@ -315,18 +328,20 @@ def build_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:
     None until every rank of one gang has published enough steps."""
     per_rank: dict[int, float] = {}
     totals, world = set(), set()
+    noise = 0.0
     for snap in snapshots.values():
         parameters = snap.get("parameters") or {}
         if parameters.get("pipeline"):
             return None  # S2's unit is the pipeline replica there: build_pipeline_shape
         steps = (snap.get("steps") or [])[-SHAPE_WINDOW:]
-        seconds = _microbatch_seconds(snap, steps) if len(steps) >= SHAPE_WINDOW else None
-        if seconds is None:
+        series = _microbatch_series(snap, steps) if len(steps) >= SHAPE_WINDOW else None
+        if series is None:
             return None
-        per_rank[int(snap["rank"])] = seconds
+        per_rank[int(snap["rank"])] = statistics.median(series)
+        noise = max(noise, median_uncertainty(series))
         totals.add(int(parameters["micro_batches"]["total"]))
         world.add(int(snap["world_size"]))
     if len(totals) != 1 or len(world) != 1 or sorted(per_rank) != list(range(world.pop())):
         return None
     return ladder.JobShape(microbatch_seconds=[per_rank[r] for r in sorted(per_rank)],
-                           total_microbatches=totals.pop())
+                           total_microbatches=totals.pop(), noise=noise)

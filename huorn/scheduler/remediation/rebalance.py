@@ -43,11 +43,49 @@ def even_split(total: int, ranks: int) -> list[int]:
     return [total // ranks + (1 if i < total % ranks else 0) for i in range(ranks)]
 
 
+def unit_seconds(counts: Sequence[int], times: Sequence[float],
+                 fixed: Sequence[float] | None = None) -> list[float]:
+    """Each rank's predicted seconds a step under `counts`: N_i·t_i + fixed_i."""
+    extra = fixed if fixed is not None else [0.0] * len(times)
+    return [float(c * t + f) for c, t, f in zip(counts, times, extra, strict=True)]
+
+
 def step_seconds(counts: Sequence[int], times: Sequence[float],
                  fixed: Sequence[float] | None = None) -> float:
     """The predicted step time of `counts`: the slowest rank's N_i·t_i + fixed_i."""
-    extra = fixed if fixed is not None else [0.0] * len(times)
-    return float(max(c * t + f for c, t, f in zip(counts, times, extra, strict=True)))
+    return max(unit_seconds(counts, times, fixed))
+
+
+def stage_seconds(layers: Sequence[int], layer_costs: Sequence[float],
+                  stage_speeds: Sequence[float]) -> list[float]:
+    """Each pipeline stage's time per micro-batch (in layer-cost units) when it holds `layers[s]`
+    consecutive layers."""
+    starts = [sum(layers[:s]) for s in range(len(layers))]
+    return [float(sum(layer_costs[a:a + n])) / speed
+            for a, n, speed in zip(starts, layers, stage_speeds, strict=True)]
+
+
+def worst_case_ratio(new: Sequence[float], old: Sequence[float], delta: float) -> float:
+    """The largest max(new)/max(old) when each unit's true seconds may lie anywhere within ±delta
+    (relative) of the measured ones, the same unit scaled alike under both plans.
+
+    Why this and not a margin on the ratio: a unit's speed scales its seconds alike under both
+    plans, so when one unit stays the slowest under both within the noise, their ratio is exact
+    and the noise must not hide it ([5, 3] against [4, 4] on equal ranks is 1.25× whatever their
+    speed, for any delta < 1/9). Only a change of the slowest unit needs the noise overcome.
+    The maximum has a closed form: for the unit j that is slowest under `new`, its seconds are
+    at their highest (the ratio never falls as they grow) and every other unit's at their lowest
+    (they appear only in the denominator)."""
+    if len(new) != len(old) or not new:
+        raise ValueError(f"plans must price the same units: {len(new)} against {len(old)}")
+    if not 0.0 <= delta < 1.0:
+        raise ValueError(f"delta={delta}: a relative error must lie in [0, 1)")
+    up, down = 1.0 + delta, 1.0 - delta
+    worst = 0.0
+    for j, seconds in enumerate(new):
+        others = max((b * down for k, b in enumerate(old) if k != j), default=0.0)
+        worst = max(worst, seconds * up / max(old[j] * up, others, 1e-12))
+    return worst
 
 
 def rebalance_microbatches(times: Sequence[float], total: int,
