@@ -206,3 +206,90 @@ def test_a_higher_priority_training_job_preempts_a_running_rl_job(
                            .startswith("waiting") and s, what="the RLJob waiting")
         assert waiting.get("restarts", 0) == 0 and waiting["phase"] == "Pending"
         assert [p.metadata.name for p in kube.pods(NS, "rl")] == []
+
+
+def rl_job(name: str, priority: int, gpus: int = 4) -> dict:
+    return {"apiVersion": f"{builders.GROUP}/{builders.VERSION}", "kind": "RLJob", "metadata": {"name": name},
+            "spec": {"virtualCluster": "solo", "priority": priority, "gpus": gpus,
+                     "resources": {"gpus": 2, "cpu": "2", "memory": "8Gi"},
+                     "roles": {"actorTrain": {"gpusPerReplica": 2}, "rollout": {"gpusPerReplica": 2}}}}
+
+
+def rl_pods(kube: builders.Kube, name: str) -> list[str]:
+    return sorted(p.metadata.name for p in kube.pods(NS, name))
+
+
+def test_a_waiting_rl_job_of_higher_priority_preempts_a_training_job(
+        cluster: EmulatedCluster, kube: builders.Kube) -> None:
+    """Before, a waiting RLJob preempted nobody. Now it is in the line: it stops a TrainingJob of
+    lower priority on its nodes (gracefully), gets the GPUs first, and the victim's next gang
+    steps back for it instead of taking them back."""
+    assert cluster.kmock is not None
+    kubelet = Kubelet(kube, cluster.kmock, NS)
+    solo_cluster(kube)
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        start(kube, "low", 10, gpus=4)
+        kubelet.hold(["low-trainer-0"])
+        kube.create_job(NS, rl_job("rl", 60), plural="rljobs")
+        wait_for(lambda: ("low-trainer-0", {}) in kubelet.deletes(), what="low's pod deleted, gracefully")
+        waiting = wait_for(lambda: (s := kube.job_status(NS, "rl", "rljobs")).get("message", "")
+                           .startswith("waiting") and "preempting team/low" in s["message"] and s,
+                           what="the RLJob says whom it preempts")
+        assert waiting["phase"] == "Pending" and rl_pods(kube, "rl") == []  # GPUs held while low checkpoints
+        low = kube.job_status(NS, "low")
+        assert low["decisions"][-1]["action"] == "replace" and low["preemptReplacements"] == 1
+        assert low["decisions"][-1]["reason"].startswith(
+            "preempted by team/rl (priority 60) to place its gang: priority 10 is lower")
+        assert any(e.reason == "Preempting" for e in kube.events(NS, "rl"))
+        kubelet.release(["low-trainer-0"])
+        wait_for(lambda: rl_pods(kube, "rl") == ["rl-ray-head-0", "rl-ray-worker-0", "rl-ray-worker-1"],
+                 what="the RL gang placed")
+        # low's new gang waits for room (4 GPUs, none free), its budget untouched
+        wait_for(lambda: kube.condition(NS, "low", "Reconciling").get("reason") in ("Unplaceable", "Queued"),
+                 what="low waiting")
+        assert trainers(kube, "low") == []
+
+
+def test_a_waiting_rl_job_keeps_its_place_in_line(kube: builders.Kube, operator) -> None:
+    """An RLJob and a TrainingJob wait behind a full cluster that they may not preempt. The RLJob
+    is first in line (higher priority) and needs all 4 GPUs; when they free, the smaller
+    TrainingJob behind it must not take 2 first (before, the RLJob was not in the line at all)."""
+    solo_cluster(kube)
+    start(kube, "first", 70, gpus=4)
+    kube.create_job(NS, rl_job("rl", 40), plural="rljobs")
+    kube.create_job(NS, make_job("small", 20, gpus=2))
+    wait_for(lambda: kube.condition(NS, "small", "Reconciling").get("reason") == "Unplaceable",
+             what="small waiting")
+    wait_for(lambda: kube.condition(NS, "rl", "Reconciling", "rljobs").get("reason") == "WaitingForGPUs",
+             what="rl waiting")
+    wait_for(lambda: (s := kube.get_vc("solo").get("status") or {}).get("waitingJobs") == 2
+             and s["waitingGPUs"] == 6, what="2 jobs and 6 GPUs waiting in solo's status")
+    kube.delete_job(NS, "first")
+    wait_for(lambda: len(rl_pods(kube, "rl")) == 3, what="the RL gang placed")
+    assert trainers(kube, "small") == []
+    wait_for(lambda: (s := kube.get_vc("solo").get("status") or {}).get("waitingJobs") == 1
+             and s["waitingGPUs"] == 2, what="small alone in line")
+
+
+def test_a_restarted_operator_keeps_a_waiting_rl_job_in_line(
+        cluster: EmulatedCluster, kube: builders.Kube) -> None:
+    """The RLJob's place in line is rebuilt from its status (WaitingForGPUs, no worker pods): the
+    new operator places it once its victim's pod is gone, and the victim's next gang, which would
+    fit as well, does not take the GPUs back."""
+    assert cluster.kmock is not None
+    kubelet = Kubelet(kube, cluster.kmock, NS)
+    solo_cluster(kube)
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        start(kube, "low", 10, gpus=4)
+        kubelet.hold(["low-trainer-0"])
+        kube.create_job(NS, rl_job("rl", 60), plural="rljobs")
+        wait_for(lambda: kube.job_status(NS, "low").get("preemptReplacements") == 1, what="low preempted")
+        wait_for(lambda: kube.condition(NS, "rl", "Reconciling", "rljobs").get("reason") == "WaitingForGPUs",
+                 what="rl waiting")
+    kubelet.release(["low-trainer-0"])  # no operator while low's pod checkpoints and exits
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        wait_for(lambda: len(rl_pods(kube, "rl")) == 3, what="the RL gang placed by the new operator")
+        wait_for(lambda: kube.condition(NS, "low", "Reconciling").get("reason") in ("Unplaceable", "Queued"),
+                 what="low waiting")
+        assert trainers(kube, "low") == []
+        assert kube.job_status(NS, "low")["preemptReplacements"] == 1  # stopped once, not twice

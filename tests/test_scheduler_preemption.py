@@ -130,3 +130,22 @@ def test_victims_are_eligible_sufficient_and_minimal(gpus: list[int], jobs: list
     assert fits_without(list(plan.victims))
     for v in plan.victims:
         assert not fits_without([w for w in plan.victims if w != v]), f"{v} was not needed"
+
+
+def test_a_gang_that_borrows_nothing_preempts_on_its_own_nodes() -> None:
+    """An RLJob's Ray workers never borrow: GPUs free on a lending cluster do not make them fit,
+    so a plan for such a gang stops a job on its own nodes where a borrowing gang needs nobody."""
+    nodes = [placement.NodeView("own", 4, 4, virtual_cluster="rl"),
+             placement.NodeView("lender", 4, 4, virtual_cluster="serve")]
+    lender = VirtualClusterView("serve", purpose="inference", lendable=True, max_gpus_lent=4)
+    snap = ClusterSnapshot(nodes, [VirtualClusterView("rl", max_gpus_borrowed=4), lender])
+    snap.assume("low", "rl", placement.Placement(["own"] * 4), gpus_per_replica=1)
+    snap.commit()
+    candidates = [Candidate("low", 10, started=100.0)]
+    assert isinstance(snap.place("rl", 2, 2), placement.Placement)
+    assert isinstance(snap.place("rl", 2, 2, borrow=False), placement.Unplaceable)
+    assert preemption.plan_preemption(snap, "rl", 2, 2, 50, candidates) == preemption.Plan(())
+    own = preemption.plan_preemption(snap, "rl", 2, 2, 50, candidates, borrow=False)
+    assert own is not None and own.victims == ("low",)
+    # and a gang that does not fit its own nodes even when they are empty preempts nobody
+    assert preemption.plan_preemption(snap, "rl", 3, 2, 50, candidates, borrow=False) is None

@@ -102,9 +102,10 @@ class Context:
     # its history is Prometheus's, read again at the first tick.
     boards: dict[str, Any] = field(default_factory=dict)
     # The order of admission, and the preemptions a reconcile decided for its handler to apply
-    # (huorn.scheduler.preemption.Plan, and who for) once the deciding job's lock is released.
+    # (huorn.scheduler.preemption.Plan, who for, and its kind) once the deciding job's lock is
+    # released.
     queue: queue.AdmissionQueue = field(default_factory=queue.AdmissionQueue)
-    preemptions: dict[tuple[str, str], tuple[Any, str]] = field(default_factory=dict)
+    preemptions: dict[tuple[str, str], tuple[Any, str, str]] = field(default_factory=dict)
     # Reconcile a job soon, from a task of its own (the handlers set it): a waiting job that can go
     # first, or that GPUs just freed for, should not wait for its resync timer.
     wake: Callable[[str, str], None] = field(default=lambda namespace, name: None)
@@ -140,7 +141,11 @@ class Context:
                 self.wake_rl(*key)
         waiting = [j for j in self.queue.waiting() if virtual_cluster in (None, j.virtual_cluster)]
         for job in waiting[:WAKE_LIMIT]:
-            self.wake(*job.key)
+            self.wake_queued(job)
+
+    def wake_queued(self, job: queue.QueuedJob) -> None:
+        """Reconcile a job of the line soon, by its kind (the line holds RLJobs too)."""
+        (self.wake_rl if job.kind == "RLJob" else self.wake)(*job.key)
 
     def forget_job(self, namespace: str, name: str) -> None:
         self._job_locks.pop((namespace, name), None)

@@ -202,6 +202,17 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
                 continue
             meta = body["metadata"]
             ctx.queue.record(queue.from_job(job, body, ctx.index.pods_of(meta["namespace"], meta["name"])))
+        for body in await ctx.client.list_custom(rljobs.PLURAL, None):
+            if (body.get("status") or {}).get("phase") in ("Succeeded", "Failed", "Suspended"):
+                continue
+            try:
+                rl_job = validation.load_job(body)
+                assert isinstance(rl_job, kinds.RLJob)
+                meta = body["metadata"]
+                ctx.queue.record(rljobs.entry_from_status(
+                    rl_job, body, ctx.index.pods_of(meta["namespace"], meta["name"])))
+            except (validation.InvalidSpec, ValueError):
+                continue
         ctx.wake = _waker(ctx)
         ctx.wake_serving = _waker(ctx, serving.PLURAL)
         ctx.wake_rl = _waker(ctx, rljobs.PLURAL)

@@ -92,12 +92,13 @@ async def shrink_gang(ctx: Context, namespace: str, name: str, replicas: list[st
 
 
 async def apply_planned(ctx: Context, namespace: str, name: str) -> list[str]:
-    """The preemptions a reconcile of `namespace/name` planned (huorn.operator.training); returns
-    the victims stopped. Runs outside the preemptor's lock: each victim takes its own."""
+    """The preemptions a reconcile of `namespace/name` (a TrainingJob or an RLJob) planned
+    (huorn.operator.training.plan_preemption); returns the victims stopped. Runs outside the
+    preemptor's lock: each victim takes its own."""
     planned = ctx.preemptions.pop((namespace, name), None)
     if planned is None:
         return []
-    plan, preemptor = planned
+    plan, preemptor, kind = planned
     stopped = []
     for victim, replicas in plan.shrinks:
         victim_ns, victim_name = victim.split("/", 1)
@@ -114,7 +115,8 @@ async def apply_planned(ctx: Context, namespace: str, name: str) -> list[str]:
             stopped.append(victim)
     if stopped:
         logger.info("%s/%s preempted %s", namespace, name, ", ".join(stopped))
-        body = await ctx.client.get_custom(training.PLURAL, namespace, name)
+        plural = rljobs.PLURAL if kind == rljobs.KIND else training.PLURAL
+        body = await ctx.client.get_custom(plural, namespace, name)
         if body is not None:
             ctx.post_event(body, "Normal", "Preempting",
                            f"stopping {', '.join(stopped)} (lower priority) to place this gang; it starts "

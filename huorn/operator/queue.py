@@ -1,5 +1,5 @@
-"""The order in which TrainingJobs get GPUs, and who a waiting job of higher priority may stop
-(a running TrainingJob or RLJob).
+"""The order in which TrainingJobs and RLJobs get GPUs, and who a waiting job of higher priority
+may stop (a running TrainingJob or RLJob).
 
 Each job's reconcile places its own gang, so without an order the GPUs that one job frees go to
 whichever reconcile runs next, not to the job that has waited longest or matters most. The queue
@@ -38,9 +38,10 @@ class QueuedJob:
     missing: int = 0  # replicas it could not place at its last reconcile; 0: not waiting
     min_replicas: int = 1
     elastic: bool = False  # elasticity.policy goodput: it may be shrunk to min_replicas
-    # An RLJob is recorded too, never waiting (it places itself, huorn.operator.rljobs): a gang a
-    # waiting TrainingJob of higher priority may stop, as any other.
+    # An RLJob is recorded too (huorn.operator.rljobs): a gang that others may stop, and, while
+    # its Ray workers wait, a job in line like any other, placed on its own nodes only.
     kind: str = "TrainingJob"
+    borrows: bool = True  # False: it never takes GPUs from other virtual clusters
 
     @property
     def key(self) -> tuple[str, str]:
@@ -107,7 +108,8 @@ class AdmissionQueue:
                 continue
             if not growth and not other.goes_before(job):
                 break
-            if isinstance(snap.place(other.virtual_cluster, other.missing, other.gpus), placement.Placement):
+            where = snap.place(other.virtual_cluster, other.missing, other.gpus, borrow=other.borrows)
+            if isinstance(where, placement.Placement):
                 return other
         return None
 

@@ -10,11 +10,12 @@ them, so the first reconcile inserts two vertices into the graph, with the reaso
 - **Placement.** All or nothing: every worker finds room on the virtual cluster's own nodes
   (best fit, fullest node first, as InferenceJob replicas are placed), or none is created and
   the job says what it waits for. Nothing is borrowed, so an RLJob is no victim of reclaim.
-- **Priority.** The admission queue records a running RLJob as a gang a waiting TrainingJob of
-  higher priority may stop (`preempt`), and a new gang steps back for a TrainingJob ahead in
-  line that fits. An RLJob never waits in that line itself: its placement ignores borrowed
-  GPUs, which the line's snapshot counts, so a TrainingJob stepping back for it could wait for
-  a placement that never comes.
+- **Priority.** An RLJob is in the TrainingJobs' line (huorn.operator.queue), as a gang of Ray
+  workers that borrows nothing (`borrows=False`: the line and preemption place it on its own
+  nodes only). A gang steps back for a job ahead of it in line that fits, and a job behind it
+  steps back for it; while it waits, it stops (`preempt`) or shrinks running gangs of lower
+  priority on its virtual cluster's nodes, TrainingJobs or RLJobs, by the rules of
+  huorn.scheduler.preemption; and a waiting job of higher priority may stop it.
 - **Suspend.** The head is stopped first, the workers once it has gone (`_suspend`).
 - **Failures.** A pod that ends while the controller runs is a gang failure: Ray's actors on a
   lost node are gone, so every pod of the gang is replaced (a new generation each) and the
@@ -35,7 +36,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from huorn.api import kinds, rl
@@ -46,7 +47,14 @@ from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import ExecutionMode, Graph, Instance, ResourceRequest, Vertex
 from huorn.operator import conditions, daemons, failures, index, queue, serving, validation
 from huorn.operator.context import Context
-from huorn.operator.training import REASON_LIMIT, build_decisions, iso_time, stall, write_status
+from huorn.operator.training import (
+    REASON_LIMIT,
+    build_decisions,
+    iso_time,
+    plan_preemption,
+    stall,
+    write_status,
+)
 
 PLURAL = "rljobs"
 KIND = "RLJob"
@@ -95,6 +103,27 @@ def fit_layout(graph: Graph, layout: rl.RayLayout) -> None:
     workers.min_replicas = workers.max_replicas = layout.workers
 
 
+def queue_entry(job: kinds.RLJob, meta: Mapping[str, Any], missing: int = 0) -> queue.QueuedJob:
+    """Its entry in the line: a gang of Ray workers that borrows nothing and never shrinks."""
+    layout = rl.ray_layout(job.spec)
+    return dataclasses.replace(queue.build_entry(job, meta, missing), kind=KIND,
+                               gpus=max(1, layout.gpus_per_worker), min_replicas=layout.workers,
+                               elastic=False, borrows=False)
+
+
+def entry_from_status(job: kinds.RLJob, body: Mapping[str, Any],
+                      pods: Iterable[index.PodRecord]) -> queue.QueuedJob:
+    """Its entry as its API object shows it, for a restarted operator's line: waiting with the
+    Ray workers that have no pod while its Reconciling condition says WaitingForGPUs."""
+    status = body.get("status") or {}
+    reconciling = next((c for c in status.get("conditions") or [] if c.get("type") == "Reconciling"), {})
+    missing = 0
+    if reconciling.get("status") == "True" and reconciling.get("reason") == "WaitingForGPUs":
+        present = sum(1 for p in pods if p.vertex == rlm.WORKER and p.holds_resources and not p.deleting)
+        missing = max(0, rl.ray_layout(job.spec).workers - present)
+    return queue_entry(job, body.get("metadata") or {}, missing)
+
+
 def gang(graph: Graph) -> list[Instance]:
     return [*graph.vertex(rlm.HEAD).instances, *graph.vertex(rlm.WORKER).instances]
 
@@ -113,10 +142,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     except (validation.InvalidSpec, ValueError) as exc:
         ctx.queue.forget(ns, name)
         return await stall(ctx, body, "InvalidSpec", str(exc), PLURAL, KIND)
-    # a gang that higher-priority TrainingJobs may stop (huorn.operator.queue); it never waits there
-    entry = dataclasses.replace(queue.build_entry(job, meta), kind=KIND, gpus=max(1, layout.gpus_per_worker),
-                                min_replicas=layout.workers, elastic=False)
-    ctx.queue.record(entry)
+    # in the line (huorn.operator.queue) on its own nodes; it keeps its place until it places
+    entry = queue_entry(job, meta)
+    known = ctx.queue.jobs.get(entry.key)
+    ctx.queue.record(dataclasses.replace(entry, missing=known.missing if known is not None else 0))
     ref = manifests.JobRef.from_body(body)
     base: dict[str, Any] = {"observedGeneration": meta.get("generation"),
                             "selector": f"{manifests.LABEL_JOB}={name}"}
@@ -128,6 +157,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         return str(old["phase"])
     vc = job.spec.virtual_cluster
     if vc_spec is None:
+        ctx.queue.record(entry)  # out of line: nothing to place it on
         message = f"virtual cluster {vc!r} does not exist; create it or fix spec.virtualCluster"
         return await _waiting(ctx, body, base, "VirtualClusterNotFound", message)
 
@@ -138,6 +168,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     if not graph.vertex(rlm.HEAD).active:
         stopping = [p for p in pods.values() if p.holds_resources]
         if stopping:
+            ctx.queue.record(entry)  # out of line until its old pods are gone
             message = (f"resuming: waiting for {len(stopping)} pod(s) stopped by the suspension to "
                        "checkpoint and exit")
             return await _waiting(ctx, body, base, "Resuming", message)
@@ -171,6 +202,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         backoff = failures.replacement_backoff(graph.log, now, ctx.settings.replacement_backoff_seconds,
                                                ctx.settings.replacement_backoff_max_seconds)
         if backoff.seconds > 0:
+            ctx.queue.record(entry)  # out of line until the back-off ends: others go meanwhile
             ctx.wake_rl_later(ns, name, backoff.seconds)
             message = (f"{what}; restarting the gang at {iso_time(now + backoff.seconds)}: back-off after "
                        f"{backoff.incidents} failure(s) in the last "
@@ -211,10 +243,12 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     spec = job.spec.to_wire()
     missing = [i for i in members if pod_of(i) is None]
     missing_workers = [i for i in missing if i.vertex == rlm.WORKER]
+    in_line = dataclasses.replace(entry, missing=len(missing_workers))
+    preempting = ""
     async with ctx.placement_lock:
-        # GPUs freed for a waiting TrainingJob that goes first (a preemption's, say) are its own
-        ahead = (ctx.queue.first_ahead_that_fits(entry, ctx.index.build_snapshot())
-                 if missing_workers else None)
+        # GPUs freed for a job that goes first (a preemption's, say) are its own
+        snap = ctx.index.build_snapshot()
+        ahead = ctx.queue.first_ahead_that_fits(in_line, snap) if missing_workers else None
         nodes = [] if ahead is not None else serving.choose_nodes(
             serving.free_gpus(ctx, vc), layout.gpus_per_worker, len(missing_workers))
         placed = ahead is None and len(nodes) == len(missing_workers)
@@ -225,6 +259,16 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                                                   nodes[missing_workers.index(i)], vc)
                         for i in missing]
             ctx.index.reserve(r for r in (index.build_pod_record(p) for p in new_pods) if r is not None)
+            was_waiting = ctx.queue.jobs[entry.key].missing
+            ctx.queue.record(entry)
+            if was_waiting:
+                ctx.wake_line(vc)  # the line moved: those that stepped back for it try again
+        else:
+            ctx.queue.record(in_line)
+            if ahead is None:
+                # stops or shrinks gangs of lower priority (applied by the handler, outside this
+                # job's lock); the message says so
+                preempting = plan_preemption(ctx, in_line, snap, len(missing_workers), "")
     if new_pods:
         await ctx.client.apply(rlm.build_rl_config_map(ref, spec))  # before any pod that reads it
         await ctx.client.apply(rlm.build_head_service(ref))
@@ -238,9 +282,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                    f"each on virtual cluster {vc!r} ({free} GPU(s) free on its nodes, none borrowed); "
                    "the gang starts when all of them fit")
         if ahead is not None:
-            ctx.wake(*ahead.key)
+            ctx.wake_queued(ahead)
             message += (f"; {ahead.binding} (priority {ahead.priority}) is ahead in line and fits now, "
                         "so it goes first")
+        message += preempting
         return await _waiting(ctx, body, {**base, "graph": serialise.to_status(graph),
                                           "decisions": build_decisions(graph)}, "WaitingForGPUs", message)
 

@@ -260,7 +260,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             ahead = ctx.queue.first_ahead_that_fits(queued, snap, growth=not below_minimum)
             if ahead is not None:
                 ctx.queue.record(in_line)
-                ctx.wake(*ahead.key)
+                ctx.wake_queued(ahead)
                 message = (f"queued behind {ahead.binding} (priority {ahead.priority}), which waited "
                            "first and fits in the free GPUs" if below_minimum else
                            f"growth waits: {ahead.binding} (priority {ahead.priority}) waits for GPUs and "
@@ -270,7 +270,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             if isinstance(where, placement.Unplaceable):
                 ctx.queue.record(in_line)
                 ctx.metrics.decisions.labels(KIND, "unplaceable").inc()
-                message = (_plan_preemption(ctx, queued, snap, len(missing), where.reason)
+                message = (plan_preemption(ctx, queued, snap, len(missing), where.reason)
                            if below_minimum else where.reason)
                 return await _waiting(ctx, body, base_status, phase, "Unplaceable", message)
             for instance, node in zip(missing, where.assignments, strict=True):
@@ -339,19 +339,20 @@ def restarts_used(graph: Graph, old: Mapping[str, Any]) -> int:
                - int(old.get("resplitReplacements") or 0) - int(old.get("preemptReplacements") or 0))
 
 
-def _plan_preemption(ctx: Context, job: queue.QueuedJob, snap: Any, replicas: int, why: str) -> str:
+def plan_preemption(ctx: Context, job: queue.QueuedJob, snap: Any, replicas: int, why: str) -> str:
     """Gangs of lower priority on the job's VirtualCluster's nodes that it may stop to start
     (huorn.scheduler.preemption); the handler applies them once this job's lock is released.
-    Returns the waiting message, which says what is being done about it."""
+    Returns the waiting message, which says what is being done about it. For a TrainingJob and
+    an RLJob alike (`job.kind`; an RLJob places `replicas` Ray workers on its own nodes)."""
     nodes = {n.name for n in ctx.index.members_of(job.virtual_cluster)}
     candidates, stopping = ctx.queue.candidates(p for p in ctx.index.pods.values() if p.node in nodes)
     plan = sched_preemption.plan_preemption(snap, job.virtual_cluster, replicas, job.gpus, job.priority,
-                                            candidates, stopping)
+                                            candidates, stopping, borrow=job.borrows)
     if plan is None:
         return why
     if not plan.victims and not plan.shrinks:
         return f"{why}; waiting for the pods of preempted jobs to checkpoint and exit"
-    ctx.preemptions[job.key] = (plan, f"{job.binding} (priority {job.priority})")
+    ctx.preemptions[job.key] = (plan, f"{job.binding} (priority {job.priority})", job.kind)
     if plan.shrinks:
         shrunk = ", ".join(f"{victim} by {len(replicas)}" for victim, replicas in plan.shrinks)
         return f"{why}; shrinking {shrunk} (lower priority, elastic) to make room"

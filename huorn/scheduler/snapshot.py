@@ -144,15 +144,16 @@ class ClusterSnapshot:
     # ----------------------------------------------------------------- deciding
     def place(
         self, vc: str, replicas: int, gpus_per_replica: int, cpu_milli_per_replica: int = 0,
-        node_selector: Mapping[str, str] | None = None, single_node: bool = False,
+        node_selector: Mapping[str, str] | None = None, single_node: bool = False, borrow: bool = True,
     ) -> placement.Placement | placement.Unplaceable:
-        """Where a gang of `vc` would go now, within every lending and borrowing limit."""
+        """Where a gang of `vc` would go now, within every lending and borrowing limit; without
+        `borrow`, on `vc`'s own nodes only (an RLJob's Ray cluster borrows nothing)."""
         if vc and vc not in self._vcs:
             raise ValueError(f"virtual_cluster {vc!r} is unknown; known: {sorted(self._vcs)}")
         return placement.place_gang(
             self.node_views(), replicas, gpus_per_replica, cpu_milli_per_replica,
             virtual_cluster=vc, node_selector=node_selector,
-            borrow_limit=self.borrow_left(vc) if vc else 0,
+            borrow_limit=self.borrow_left(vc) if vc and borrow else 0,
             lend_limits={name: self.lend_left(name) for name in self._vcs if name != vc},
             single_node=single_node,
         )
