@@ -1,7 +1,9 @@
 """The processes of an RLJob's pods (huorn.runtime.rl.node), for real on this machine: a worker
 waits for its head, and a head with one GPU worker runs a whole RL job whose model actors can
-only be placed on the worker (the head holds no GPU; the worker declares three to Ray, which on
-a CPU machine is only a resource count, so the actors compute on the CPU)."""
+only be placed on the worker (the head holds no GPU; the worker declares one to Ray, which on
+a CPU machine is only a resource count, so the actors compute on the CPU). The training actor,
+the rollout worker and the reference share that GPU: the first two are one colocation group,
+and the reference spec.roles leaves out joins the training actor's."""
 
 from __future__ import annotations
 
@@ -62,12 +64,15 @@ def _group_alive(pgid: int) -> bool:
 @pytest.mark.timeout(400)
 def test_a_head_and_a_gpu_worker_run_an_rl_job_with_its_actors_on_the_worker(tmp_path: Path) -> None:
     port = _free_port()
-    spec = {"virtualCluster": "x", "model": MODEL, "steps": 2, "gpus": 3,
+    spec = {"virtualCluster": "x", "model": MODEL, "steps": 2, "gpus": 1,
             "algorithm": {"name": "grpo", "groupSize": 2},
             "reward": {"type": "format", "dataset": "arithmetic-small"},
             "rollout": {"maxNewTokens": 4},
             "optimization": {"promptsPerStep": 2},
-            "roles": {"rollout": {"replicas": 1}, "reward": {"replicas": 1}}}
+            # the API counts one GPU: the group's largest role (the reward worker takes none)
+            "roles": {"actorTrain": {"colocationGroup": "policy"},
+                      "rollout": {"replicas": 1, "colocationGroup": "policy"},
+                      "reward": {"replicas": 1, "gpusPerReplica": 0}}}
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"jobName": "rl", "spec": spec, "runDir": str(tmp_path / "run"),
                                   "checkpointDir": str(tmp_path / "ckpt"), "evalPrompts": 2,
@@ -77,7 +82,7 @@ def test_a_head_and_a_gpu_worker_run_an_rl_job_with_its_actors_on_the_worker(tmp
     env.pop("RAY_ADDRESS", None)
     logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("worker", "head")}  # noqa: SIM115
     # The worker pod may start first: it waits for the head's GCS, then joins with its GPUs.
-    worker = subprocess.Popen(launcher.build_rl_worker_command(f"127.0.0.1:{port}", 3, 1), env=env,
+    worker = subprocess.Popen(launcher.build_rl_worker_command(f"127.0.0.1:{port}", 1, 1), env=env,
                               cwd=harness.REPO, stdout=logs["worker"], stderr=subprocess.STDOUT,
                               start_new_session=True)
     head = subprocess.Popen(launcher.build_rl_head_command(config, 2, port=port), env=env, cwd=harness.REPO,
@@ -95,7 +100,7 @@ def test_a_head_and_a_gpu_worker_run_an_rl_job_with_its_actors_on_the_worker(tmp
     events = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
     kinds = [e["event"] for e in events if e["event"] in ("start", "rl", "done")]
     assert kinds == ["start", "rl", "rl", "done"]
-    assert events[0]["reference"]  # GRPO's KL term: trainer, rollout and reference each took a "GPU"
+    assert events[0]["reference"]  # GRPO's KL term: trainer, rollout and reference shared one "GPU"
     # what `kubectl logs` of the head pod shows, one line a step
     assert head_log.count("huorn-rl rl: step=") == 2 and "huorn-rl done: step=2" in head_log
     # the head's Ray node went with the head: nothing of its process group is left, and no

@@ -21,6 +21,7 @@ machine.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -75,6 +76,32 @@ def check_runnable(spec: rl.RLJobSpec) -> algorithms.Settings:
     return settings
 
 
+def gpu_requests(roles: rl.Roles, reference: bool) -> dict[str, float]:
+    """Ray's `num_gpus` for one actor of each model role ("actorTrain", "rollout", "reference").
+
+    The roles of a colocation group share its GPUs, as ROLL colocates them (they take turns on
+    the same devices), so each asks its gpusPerReplica over the group's number of model roles.
+    That keeps the actors within what the API counted for the group, its largest member
+    (api.rl.count_gpus_needed): before, each took whole GPUs, and a colocated job that the API
+    accepted waited for GPUs its cluster did not have until the start timeout. A reference that
+    spec.roles leaves out (the API counts no GPU for it) shares the training actor's GPUs. Ray
+    takes fractions only up to 1, so a larger share is rounded down to whole GPUs: each actor
+    drives one device."""
+    model = {"actorTrain": roles.actor_train, "rollout": roles.rollout}
+    group = {name: role.colocation_group for name, role in model.items()}
+    if reference and roles.reference is not None:
+        model["reference"], group["reference"] = roles.reference, roles.reference.colocation_group
+    elif reference:
+        model["reference"] = rl.Role(gpus_per_replica=roles.actor_train.gpus_per_replica)
+        group["reference"] = group["actorTrain"] = roles.actor_train.colocation_group or "huorn-reference"
+    members = collections.Counter(g for g in group.values() if g is not None)
+    out = {}
+    for name, role in model.items():
+        share = role.gpus_per_replica / (members[group[name]] if group[name] is not None else 1)
+        out[name] = share if share <= 1 else float(int(share))
+    return out
+
+
 @contextlib.contextmanager
 def _environment(**values: str) -> Iterator[None]:
     """Set environment variables for the processes started in the block, then put them back."""
@@ -120,7 +147,7 @@ class Controller:
                 ray.init(address=address or "local", num_cpus=cfg.ray_cpus, include_dashboard=False,
                          log_to_driver=False, namespace=cfg.job_name,
                          runtime_env=None if address is None else {"env_vars": one_thread})
-        # The model roles take whole GPUs where the cluster has any. NB: the cluster's, not this
+        # The model roles take GPUs where the cluster has any (gpu_requests). NB: the cluster's, not this
         # process's: in a pod the controller runs on Ray's head node, which holds no GPU, while
         # the worker nodes hold them all (huorn.runtime.rl.node).
         gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
@@ -131,19 +158,22 @@ class Controller:
         reference = self.settings.kl_coefficient > 0
         # Actors share the cluster's CPUs: one each where there are enough, a fair fraction where
         # not (a laptop runs every role), so no actor waits for a CPU that never frees. The model
-        # roles take whole GPUs on a GPU machine; reward workers only check strings.
+        # roles take GPUs on a GPU machine (shared within a colocation group); reward workers
+        # only check strings.
         heavy = 1 + rollouts + int(reference)
         cpus = float(ray.cluster_resources().get("CPU", 1))
         share = min(1.0, cpus / (heavy + 0.25 * rewards))
 
-        def actor(cls: type, role: rl.Role) -> Any:
-            return ray.remote(cls).options(num_cpus=share, num_gpus=role.gpus_per_replica if gpu else 0)
+        requests = gpu_requests(roles, reference)
 
-        self.trainer = actor(workers.PolicyTrainer, roles.actor_train).remote(
+        def actor(cls: type, role: str) -> Any:
+            return ray.remote(cls).options(num_cpus=share, num_gpus=requests[role] if gpu else 0)
+
+        self.trainer = actor(workers.PolicyTrainer, "actorTrain").remote(
             wire, init, str(cfg.checkpoint_root), cfg.device)
-        self.rollouts = [actor(workers.RolloutWorker, roles.rollout).remote(wire, cfg.device)
+        self.rollouts = [actor(workers.RolloutWorker, "rollout").remote(wire, cfg.device)
                          for _ in range(rollouts)]
-        self.reference = (actor(workers.ReferenceWorker, roles.reference or rl.Role()).remote(
+        self.reference = (actor(workers.ReferenceWorker, "reference").remote(
             wire, init, cfg.device) if reference else None)
         self.rewards = [ray.remote(rewarding.RewardWorker).options(num_cpus=0.25 * share).remote(wire)
                         for _ in range(rewards)]
