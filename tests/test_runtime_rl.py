@@ -306,3 +306,36 @@ def test_progress_is_the_latest_state_of_the_step_log_over_http() -> None:
             urllib.request.urlopen(f"{url}/metrics", timeout=10)
     finally:
         server.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_async_generation_overlaps_the_next_rollout_with_the_update(tmp_path: Path) -> None:
+    """spec.rollout.asyncSteps 1: step t+1's responses are generated with step t's weights while
+    step t trains. Every step after the first lags one version; the loop waits only for what
+    outlasts the update; the run ends, checkpoints and evaluates as a synchronous one does."""
+    spec = {"virtualCluster": "x", "model": MODEL, "steps": 4,
+            "algorithm": {"name": "lite-ppo", "groupSize": 4},  # no KL, no dynamic sampling
+            "reward": {"type": "format", "dataset": "arithmetic-small"},
+            "rollout": {"maxNewTokens": 6, "asyncSteps": 1},
+            "optimization": {"learningRate": 1e-3, "promptsPerStep": 4, "miniBatches": 2},
+            "roles": {"rollout": {"replicas": 1}},
+            "checkpoint": {"path": "/checkpoints", "intervalSteps": 4}}
+    config = tmp_path / "rl.json"
+    config.write_text(json.dumps({"jobName": "rl", "spec": spec, "runDir": str(tmp_path / "run"),
+                                  "checkpointDir": str(tmp_path / "ckpt"), "evalPrompts": 4, "rayCpus": 2}))
+    env = harness.child_env()
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)],
+                          cwd=harness.REPO, env=env, capture_output=True, text=True, timeout=360)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [json.loads(line) for line in (tmp_path / "run" / controller.STEPS_FILE).read_text().splitlines()]
+    assert [e["event"] for e in events] == ["start", "eval", "rl", "rl", "rl", "rl", "checkpoint", "eval", "done"]
+    steps = [e for e in events if e["event"] == "rl"]
+    assert [e["step"] for e in steps] == [0, 1, 2, 3] and [e["policy_lag"] for e in steps] == [0, 1, 1, 1]
+    assert all(e["groups_trained"] == 4 and e["update_seconds"] > 0 for e in steps)
+    # the first step waited for all of its rollout; the others only for what outlasted an update
+    assert steps[0]["rollout_wait_seconds"] >= steps[0]["rollout_seconds"] * 0.99
+    for e in steps[1:]:
+        assert e["rollout_wait_seconds"] < e["rollout_seconds"], e
+    assert checkpoint.read_meta(checkpoint.find_latest(tmp_path / "ckpt"))["step"] == 4  # type: ignore[arg-type]

@@ -104,6 +104,11 @@ class RolloutSpec(ApiModel):
     max_new_tokens: int = Field(default=64, ge=1, le=1 << 20)
     temperature: float = Field(default=1.0, ge=0, le=10)
     top_p: float = Field(default=1.0, gt=0, le=1)
+    async_steps: int = Field(default=0, ge=0, le=1, description=(
+        "Policy versions a step's responses may lag the trained policy. 1 generates step t+1's "
+        "responses with step t's weights while step t trains (ROLL's async generation), so rollout "
+        "and update overlap; 0 alternates them. More than one step would need an off-policy "
+        "correction the trainer does not make."))
 
 
 @rules.attach(

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -41,6 +43,15 @@ from huorn.runtime.rl import algorithms, progress, rewarding, tasks, workers
 
 STEPS_FILE = "steps.jsonl"
 _SAMPLING_ROUNDS = 3  # DAPO's dynamic sampling: prompt batches drawn before training on what there is
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One step's scored groups and what their generation measured (`policy_lag`: versions
+    behind the policy they train)."""
+
+    items: list[dict[str, Any]]
+    stats: dict[str, Any]
 
 
 class RLRunConfig(base.ApiModel):
@@ -263,6 +274,33 @@ class Controller:
                  "groups_trained": len(kept)}
         return kept, stats
 
+    def timed_rollout(self, step: int, lag: int) -> Rollout:
+        started = time.monotonic()
+        items, stats = self.rollout_step(step)
+        return Rollout(items, {**stats, "rollout_seconds": time.monotonic() - started, "policy_lag": lag})
+
+    def train_step(self, step: int, rollout: Rollout, waited: float) -> None:
+        """One update from the step's responses; `waited`: seconds the loop stood still for them
+        (the whole rollout when it was not generated ahead, else what outlasted the last update)."""
+        started = time.monotonic()
+        items, stats = rollout.items, {**rollout.stats, "rollout_wait_seconds": waited}
+        if not items:  # every group alike through every round: nothing to learn from this step
+            self.log({"event": "rl", "step": step, **stats, "skipped": True})
+            return
+        rewards = torch.stack([item["rewards"] for item in items])
+        advantages = algorithms.advantages(rewards, self.settings)
+        references = (ray.get(self.reference.logprobs.remote(items)) if self.reference is not None
+                      else [None] * len(items))
+        batch = [{"prompt": item["prompt"], "tokens": item["tokens"], "mask": item["mask"],
+                  "advantages": advantages[k], "reference": references[k]}
+                 for k, item in enumerate(items)]
+        metrics = ray.get(self.trainer.update.remote(batch))
+        lengths = torch.cat([item["mask"].sum(dim=1) for item in items])
+        self.log({"event": "rl", "step": step, **stats, **metrics,
+                  "accuracy": float((rewards > 0.5).float().mean()),
+                  "response_length": float(lengths.float().mean()),
+                  "update_seconds": time.monotonic() - started})
+
     def evaluate(self, step: int) -> dict[str, Any] | None:
         """Greedy accuracy on held-out prompts, with the weights the rollout workers hold."""
         if not self.cfg.eval_prompts:
@@ -306,39 +344,44 @@ class Controller:
         # it, go. The next start resumes there, as the trainer of a TrainingJob does.
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._request_stop)
-        while step < total:
-            started = time.monotonic()
-            items, stats = self.rollout_step(step)
-            rolled = time.monotonic()
-            if not items:  # every group alike through every round: nothing to learn from this step
-                self.log({"event": "rl", "step": step, **stats, "skipped": True})
-            else:
-                rewards = torch.stack([item["rewards"] for item in items])
-                advantages = algorithms.advantages(rewards, self.settings)
-                references = (ray.get(self.reference.logprobs.remote(items)) if self.reference is not None
-                              else [None] * len(items))
-                batch = [{"prompt": item["prompt"], "tokens": item["tokens"], "mask": item["mask"],
-                          "advantages": advantages[k], "reference": references[k]}
-                         for k, item in enumerate(items)]
-                metrics = ray.get(self.trainer.update.remote(batch))
-                lengths = torch.cat([item["mask"].sum(dim=1) for item in items])
-                self.log({"event": "rl", "step": step, **stats, **metrics,
-                          "accuracy": float((rewards > 0.5).float().mean()),
-                          "response_length": float(lengths.float().mean()),
-                          "rollout_seconds": rolled - started, "update_seconds": time.monotonic() - rolled})
-            step += 1
-            if self.stop_signal is not None:
-                self.log({"event": "checkpoint", "step": step, "reason": self.stop_signal,
-                          "path": ray.get(self.trainer.save.remote(step, self.cfg.job_name))})
-                self.log({"event": "stopped", "step": step, "signal": self.stop_signal})
-                # 128 + the signal, as a shell reports it: a head pod stopped mid-run (a node
-                # drained) must not read as a controller that finished every step
-                return 128 + signal.Signals[self.stop_signal.upper()].value
-            self.sync_weights(step)
-            if (interval and step % interval == 0) or step == total:
-                reason = "final" if step == total else "interval"
-                self.log({"event": "checkpoint", "step": step, "reason": reason,
-                          "path": ray.get(self.trainer.save.remote(step, self.cfg.job_name))})
+        # spec.rollout.asyncSteps 1: the next step's responses are generated (with the weights
+        # rollout workers hold, one version behind) in a thread while this step trains; the
+        # weights are synced only once that generation is done, so a step's responses all come
+        # from one policy version and lag training by exactly one step
+        ahead = concurrent.futures.ThreadPoolExecutor(1, "rollout") if self.spec.rollout.async_steps else None
+        pending: concurrent.futures.Future[Rollout] | None = None
+        waited = 0.0  # seconds the step about to train waited for its responses after training ended
+        try:
+            while step < total:
+                started = time.monotonic()
+                if pending is not None:
+                    rollout = pending.result()
+                else:
+                    rollout = self.timed_rollout(step, lag=0)
+                    waited = time.monotonic() - started
+                pending = (ahead.submit(self.timed_rollout, step + 1, 1)
+                           if ahead is not None and step + 1 < total else None)
+                self.train_step(step, rollout, waited)
+                step += 1
+                if pending is not None:
+                    barrier = time.monotonic()
+                    concurrent.futures.wait([pending])  # before the weights move on
+                    waited = time.monotonic() - barrier
+                if self.stop_signal is not None:
+                    self.log({"event": "checkpoint", "step": step, "reason": self.stop_signal,
+                              "path": ray.get(self.trainer.save.remote(step, self.cfg.job_name))})
+                    self.log({"event": "stopped", "step": step, "signal": self.stop_signal})
+                    # 128 + the signal, as a shell reports it: a head pod stopped mid-run (a node
+                    # drained) must not read as a controller that finished every step
+                    return 128 + signal.Signals[self.stop_signal.upper()].value
+                self.sync_weights(step)
+                if (interval and step % interval == 0) or step == total:
+                    reason = "final" if step == total else "interval"
+                    self.log({"event": "checkpoint", "step": step, "reason": reason,
+                              "path": ray.get(self.trainer.save.remote(step, self.cfg.job_name))})
+        finally:
+            if ahead is not None:
+                ahead.shutdown(wait=True, cancel_futures=True)
         self.evaluate(step)
         self.log({"event": "done", "step": step})
         return 0

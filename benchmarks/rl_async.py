@@ -1,0 +1,126 @@
+"""RL with async generation against synchronous RL, side by side in one run: the same pretrained
+policy, algorithm (Lite PPO), prompts and seed, once with `spec.rollout.asyncSteps: 0` (rollout,
+then update, in turn: the baseline) and once with 1 (step t+1's responses generated with step t's
+weights while step t trains, ROLL's async generation). Each run is the real controller over a
+local Ray cluster of two CPUs: one rollout worker and the training actor, so on this 2-core VM the
+overlap has a core of its own to use, as a rollout GPU would beside a training GPU.
+
+    .venv/bin/python benchmarks/rl_async.py                  # ~10 min on the 2-core VM
+    .venv/bin/python benchmarks/rl_async.py --base-steps 100 --rl-steps 4 --eval-prompts 32  # smoke
+
+It reports wall seconds per RL step (from the step log's timestamps, so the overlap counts), how
+long each step stood waiting for its responses, and greedy accuracy on held-out prompts before
+and after, with the async/sync ratios; and plots reward and seconds per step
+(docs/figures/rl_async.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import matplotlib
+import rl_algorithms
+import trainer_runs
+from rich.progress import Progress
+
+matplotlib.use("Agg")
+from matplotlib import pyplot  # after choosing the headless backend
+
+MODES = {"sync": 0, "async": 1}
+
+
+def step_seconds(events: list[dict]) -> list[float]:
+    """Wall seconds of each RL step after the first: the gaps between their log records."""
+    times = [e["time"] for e in events if e["event"] == "rl"]
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def summarise(events: list[dict]) -> dict:
+    steps = [e for e in events if e["event"] == "rl"]
+    evals = [e for e in events if e["event"] == "eval"]
+    gaps = step_seconds(events)
+    last = steps[-10:]
+    return {
+        "seconds_per_step": round(statistics.mean(gaps), 3),
+        "seconds_per_step_median": round(statistics.median(gaps), 3),
+        "rollout_seconds": round(statistics.mean(e["rollout_seconds"] for e in steps), 3),
+        "update_seconds": round(statistics.mean(e.get("update_seconds", 0.0) for e in steps), 3),
+        "rollout_wait_seconds": round(statistics.mean(e["rollout_wait_seconds"] for e in steps[1:]), 3),
+        "accuracy_before": evals[0]["accuracy"], "accuracy_after": evals[-1]["accuracy"],
+        "train_reward_last_10": round(statistics.mean(e["reward_mean"] for e in last), 4),
+    }
+
+
+def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
+    figure, (left, right) = pyplot.subplots(1, 2, figsize=(11, 4.2))
+    for name, events in runs.items():
+        steps = [e for e in events if e["event"] == "rl"]
+        rewards = [e["reward_mean"] for e in steps]
+        smooth = [statistics.mean(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
+        left.plot([e["step"] for e in steps], smooth, label=name)
+        right.plot([e["step"] for e in steps[1:]], step_seconds(events), label=name)
+    left.set_xlabel("RL step")
+    left.set_ylabel("mean reward of the step's samples (5-step mean)")
+    right.set_xlabel("RL step")
+    right.set_ylabel("wall seconds per step")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    trainer_runs.save_figure(figure, title, path)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = trainer_runs.argument_parser(__doc__, "rl_async")
+    parser.add_argument("--base-steps", type=int, default=1500)
+    parser.add_argument("--rl-steps", type=int, default=40)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per RL step")
+    parser.add_argument("--group", type=int, default=8, help="responses per prompt")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--eval-prompts", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.model = {"layers": 4, "width": 96, "heads": 4, "context": 64}
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.perf_counter()
+    data_dir = trainer_runs.build_corpora(args.work)
+    runs: dict[str, list[dict]] = {}
+    with Progress() as progress:
+        base = trainer_runs.run_all({"base": rl_algorithms.base_spec(args)}, args.work, data_dir, progress, 1)
+        for name, lag in MODES.items():
+            spec = rl_algorithms.rl_spec(args, "lite-ppo", base["base"].checkpoint_root)
+            spec["rollout"]["asyncSteps"] = lag
+            spec["roles"] = {"rollout": {"replicas": 1}}  # scored in the controller: no reward worker
+            runs[name] = rl_algorithms.run_rl(name, spec, args, progress)
+    summary = {name: summarise(events) for name, events in runs.items()}
+    sync, fast = summary["sync"], summary["async"]
+    ratios = {
+        "async/sync seconds per step": round(fast["seconds_per_step"] / sync["seconds_per_step"], 3),
+        "sync/async steps per second": round(sync["seconds_per_step"] / fast["seconds_per_step"], 3),
+        "async/sync accuracy after": (round(fast["accuracy_after"] / sync["accuracy_after"], 3)
+                                      if sync["accuracy_after"] else None),
+    }
+    report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "summary": summary, "ratios": ratios, "seconds": round(time.perf_counter() - started, 1)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(runs, args.png, f"Lite PPO, {args.rl_steps} steps x {args.prompts} prompts x {args.group} samples; "
+         "sync: rollout then update; async: next rollout during the update")
+    for name, row in summary.items():
+        print(f"{name:6} {row['seconds_per_step']:.2f} s/step (rollout {row['rollout_seconds']:.2f} s, "
+              f"update {row['update_seconds']:.2f} s, waiting {row['rollout_wait_seconds']:.2f} s); accuracy "
+              f"{row['accuracy_before']:.3f} -> {row['accuracy_after']:.3f}")
+    print(json.dumps(ratios))
+    print(f"wrote {args.out} and {args.png} in {report['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
