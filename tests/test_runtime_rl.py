@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import runtime_harness as harness
@@ -329,8 +330,9 @@ def test_async_generation_overlaps_the_next_rollout_with_the_update(tmp_path: Pa
     done = subprocess.run([sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)],
                           cwd=harness.REPO, env=env, capture_output=True, text=True, timeout=360)
     assert done.returncode == 0, done.stderr[-3000:]
-    events = [json.loads(line) for line in (tmp_path / "run" / controller.STEPS_FILE).read_text().splitlines()]
-    assert [e["event"] for e in events] == ["start", "eval", "rl", "rl", "rl", "rl", "checkpoint", "eval", "done"]
+    lines = (tmp_path / "run" / controller.STEPS_FILE).read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    assert [e["event"] for e in events] == ["start", "eval", *["rl"] * 4, "checkpoint", "eval", "done"]
     steps = [e for e in events if e["event"] == "rl"]
     assert [e["step"] for e in steps] == [0, 1, 2, 3] and [e["policy_lag"] for e in steps] == [0, 1, 1, 1]
     assert all(e["groups_trained"] == 4 and e["update_seconds"] > 0 for e in steps)
@@ -339,3 +341,68 @@ def test_async_generation_overlaps_the_next_rollout_with_the_update(tmp_path: Pa
     for e in steps[1:]:
         assert e["rollout_wait_seconds"] < e["rollout_seconds"], e
     assert checkpoint.read_meta(checkpoint.find_latest(tmp_path / "ckpt"))["step"] == 4  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_rollout_workers_follow_the_config_file_between_steps(tmp_path: Path) -> None:
+    """spec.roles.rollout.replicas in the config file (a ConfigMap in a cluster) is read at every
+    step boundary: rollout workers are added, join once Ray has started them, and the surplus is
+    stopped, while the job goes on: no restart, every step once."""
+    spec = {"virtualCluster": "x", "model": MODEL, "steps": 500,
+            "algorithm": {"name": "lite-ppo", "groupSize": 2},
+            "reward": {"type": "format", "dataset": "arithmetic-small"},
+            "rollout": {"maxNewTokens": 4},
+            "optimization": {"learningRate": 1e-3, "promptsPerStep": 4},
+            "roles": {"rollout": {"replicas": 1}},
+            "checkpoint": {"path": "/checkpoints", "intervalSteps": 1000}}
+    config = tmp_path / "rl.json"
+    port = _free_port()
+
+    def write(replicas: int) -> None:
+        body = {**spec, "roles": {"rollout": {"replicas": replicas}}}
+        config.write_text(json.dumps({"jobName": "rl", "spec": body, "runDir": str(tmp_path / "run"),
+                                      "checkpointDir": str(tmp_path / "ckpt"), "evalPrompts": 0,
+                                      # room for two more workers: the first two actors take 2
+                                      "rayCpus": 4, "progressPort": port}))
+
+    write(1)
+    env = harness.child_env()
+    env.pop("RAY_ADDRESS", None)
+    log = tmp_path / "run" / controller.STEPS_FILE
+    process = subprocess.Popen([sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)],
+                               cwd=harness.REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+
+    def events() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    def wait_until(predicate: Any, what: str) -> None:
+        deadline = time.monotonic() + 180
+        while not predicate(events()):
+            assert process.poll() is None, process.stderr.read()[-3000:]  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.2)
+
+    try:
+        wait_until(lambda es: sum(e["event"] == "rl" for e in es) >= 2, "two steps")
+        write(3)
+        wait_until(lambda es: any(e.get("rollout_workers") == 3 for e in es), "three rollout workers")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/progress", timeout=10) as answer:
+            assert json.loads(answer.read())["rolloutWorkers"] == 3
+        write(1)
+        wait_until(lambda es: any(e.get("rollout_workers") == 1 for e in es
+                                  if e["event"] == "rl" and e["step"] > min(
+                                      x["step"] for x in es if x.get("rollout_workers") == 3)), "back to one")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if process.poll() is None:
+            process.kill()
+    seen = events()
+    scales = [(e["from"], e["to"]) for e in seen if e["event"] == "scale"]
+    assert scales[-1] == (3, 1) and any(to == 3 for _, to in scales), scales
+    assert all(b >= a for a, b in scales[:-1]), scales  # up (maybe through 2 as workers join), then down
+    steps = [e["step"] for e in seen if e["event"] == "rl"]
+    assert steps == list(range(len(steps)))  # one run, no restart, no step twice
+    assert sum(e["event"] == "start" for e in seen) == 1

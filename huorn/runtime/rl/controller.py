@@ -180,6 +180,10 @@ class Controller:
         def actor(cls: type, role: str) -> Any:
             return ray.remote(cls).options(num_cpus=share, num_gpus=requests[role] if gpu else 0)
 
+        self._new_rollout = lambda: actor(workers.RolloutWorker, "rollout").remote(wire, cfg.device)
+        self.starting: list[tuple[Any, Any]] = []  # rollout workers asked for, with their ready refs
+        self.config_path: Path | None = None  # re-read at step boundaries (main sets it)
+
         self.trainer = actor(workers.PolicyTrainer, "actorTrain").remote(
             wire, init, str(cfg.checkpoint_root), cfg.device)
         self.rollouts = [actor(workers.RolloutWorker, "rollout").remote(wire, cfg.device)
@@ -274,6 +278,46 @@ class Controller:
                  "groups_trained": len(kept)}
         return kept, stats
 
+    def rescale(self, step: int) -> None:
+        """Rollout workers as the config file asks now (`spec.roles.rollout.replicas`), at a step
+        boundary: in a cluster the file is the job's ConfigMap, which the kubelet refreshes in the
+        running head pod, so the operator scales rollout without restarting the gang. New workers
+        join once Ray has started them (a new Ray node may still be joining: the job goes on with
+        the workers it has meanwhile, and they get the weights at the next sync); surplus ones,
+        the newest first, are stopped. Other changes in the file wait for the next start."""
+        wanted = self._wanted_rollouts()
+        if wanted is None and not self.starting:
+            return
+        before = len(self.rollouts)
+        if wanted is not None:
+            have = len(self.rollouts) + len(self.starting)
+            for _ in range(wanted - have):
+                worker = self._new_rollout()
+                self.starting.append((worker, worker.__ray_ready__.remote()))
+            for _ in range(have - wanted):
+                worker, _ready = self.starting.pop() if self.starting else (self.rollouts.pop(), None)
+                ray.kill(worker)
+        if self.starting:
+            ready, _ = ray.wait([ref for _, ref in self.starting], num_returns=len(self.starting), timeout=0)
+            joined = [worker for worker, ref in self.starting if ref in ready]
+            self.starting = [(worker, ref) for worker, ref in self.starting if ref not in ready]
+            self.rollouts.extend(joined)
+        if len(self.rollouts) != before or (wanted is not None and self.starting):
+            self.log({"event": "scale", "step": step, "role": "rollout", "from": before,
+                      "to": len(self.rollouts), "starting": len(self.starting)})
+
+    def _wanted_rollouts(self) -> int | None:
+        """spec.roles.rollout.replicas in the config file when it differs from what runs or starts."""
+        if self.config_path is None:
+            return None
+        try:
+            spec = load_config(self.config_path).spec
+        except (OSError, ValueError) as error:  # a file being replaced, or a bad edit: keep what runs
+            print(f"huorn-rl: {self.config_path} unreadable, rollout unchanged: {error}", file=sys.stderr)
+            return None
+        wanted = max(1, spec.roles.rollout.replicas)
+        return None if wanted == len(self.rollouts) + len(self.starting) else wanted
+
     def timed_rollout(self, step: int, lag: int) -> Rollout:
         started = time.monotonic()
         items, stats = self.rollout_step(step)
@@ -296,7 +340,7 @@ class Controller:
                  for k, item in enumerate(items)]
         metrics = ray.get(self.trainer.update.remote(batch))
         lengths = torch.cat([item["mask"].sum(dim=1) for item in items])
-        self.log({"event": "rl", "step": step, **stats, **metrics,
+        self.log({"event": "rl", "step": step, **stats, **metrics, "rollout_workers": len(self.rollouts),
                   "accuracy": float((rewards > 0.5).float().mean()),
                   "response_length": float(lengths.float().mean()),
                   "update_seconds": time.monotonic() - started})
@@ -374,6 +418,7 @@ class Controller:
                     # 128 + the signal, as a shell reports it: a head pod stopped mid-run (a node
                     # drained) must not read as a controller that finished every step
                     return 128 + signal.Signals[self.stop_signal.upper()].value
+                self.rescale(step)
                 self.sync_weights(step)
                 if (interval and step % interval == 0) or step == total:
                     reason = "final" if step == total else "interval"
@@ -399,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         controller = Controller(cfg)
+        controller.config_path = args.config
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -30,6 +30,8 @@ class Progress:
                 self._state["step"] = int(event["step"]) + 1  # steps finished, as a checkpoint counts them
                 if event.get("reward_mean") is not None:
                     self._state["rewardMean"] = float(event["reward_mean"])
+                if event.get("rollout_workers") is not None:
+                    self._state["rolloutWorkers"] = int(event["rollout_workers"])
             elif kind == "eval":
                 self._state["evalAccuracy"] = float(event["accuracy"])
             elif kind == "checkpoint":
