@@ -360,3 +360,43 @@ def test_a_suspended_gang_keeps_its_workers_until_the_head_has_checkpointed(clus
     wait_for(lambda: {n for n, _ in kubelet.deletes() if "worker" in n} ==
              {"order-ray-worker-0", "order-ray-worker-1"}, what="the workers stopped after the head")
     wait_for(lambda: status(kube, "order").get("message", "").startswith("suspended: no pods"), what="done")
+
+
+def test_more_gpus_join_the_running_ray_cluster_and_rollout_scales_without_a_restart(
+    kube: builders.Kube, operator
+) -> None:
+    """Roles that scale on their own: raising spec.gpus with roles.rollout.replicas adds Ray
+    workers to the running cluster (the gang keeps running, nothing restarts) and writes the new
+    replicas into the ConfigMap, which the running controller re-reads at every step
+    (tests/test_runtime_rl.py runs that half). Lowering spec.gpus restarts the gang on fewer
+    workers: a Ray node cannot leave under running actors."""
+    kube.create_job(NS, rl_job("grow"), plural=RL)
+    first = ["grow-ray-head-0", "grow-ray-worker-0", "grow-ray-worker-1"]
+    wait_for(lambda: sorted(live_pods(kube, "grow")) == first, what="the gang")
+    run_all(kube, "grow")
+    wait_for(lambda: status(kube, "grow").get("phase") == "Running", what="Running")
+    patch = kube.custom.patch_namespaced_custom_object
+    patch(builders.GROUP, builders.VERSION, NS, RL, "grow",
+          {"spec": {"gpus": 6, "roles": {"rollout": {"replicas": 2}}}})
+    wait_for(lambda: sorted(live_pods(kube, "grow")) == [*first, "grow-ray-worker-2"], what="a third worker")
+    joining = wait_for(lambda: (s := status(kube, "grow")).get("observedGeneration") == 2 and s,
+                       what="the change seen")
+    assert joining["phase"] == "Running" and "1 more Ray worker(s) joining" in joining["message"]
+    resize = joining["decisions"][-1]
+    assert resize["action"] == "resize" and "adding 1 to the running Ray cluster" in resize["reason"]
+    assert not any(d["action"] == "replace" for d in joining["decisions"])
+    data = json.loads(kube.core.read_namespaced_config_map("grow-config", NS).data["config.json"])
+    assert data["spec"]["roles"]["rollout"]["replicas"] == 2 and data["spec"]["gpus"] == 6
+    run_all(kube, "grow")
+    wait_for(lambda: "3 GPU worker(s)" in status(kube, "grow").get("message", ""),
+             what="three workers running")
+    assert sorted(live_pods(kube, "grow")) == [*first, "grow-ray-worker-2"]  # none restarted
+
+    patch(builders.GROUP, builders.VERSION, NS, RL, "grow",
+          {"spec": {"gpus": 4, "roles": {"rollout": {"replicas": 1}}}})
+    second = ["grow-ray-head-0-g1", "grow-ray-worker-0-g1", "grow-ray-worker-1-g1"]
+    wait_for(lambda: sorted(live_pods(kube, "grow")) == second, what="the gang restarted on two workers")
+    after = status(kube, "grow")
+    assert after["restarts"] == 0
+    restarted = [d["reason"] for d in after["decisions"] if d["action"] == "replace"]
+    assert any("fewer than the 3 running" in reason for reason in restarted), restarted

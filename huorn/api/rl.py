@@ -259,6 +259,10 @@ class RLJobStatus(JobStatus):
                           "spec.remediation.maxRestarts.")
     start_time: str | None = None
     completion_time: str | None = None
+    rollout_workers: int | None = Field(default=None, ge=0, description="Rollout workers the controller "
+                                        "runs now (spec.roles.rollout.replicas, once started).")
+    config_hash: str | None = Field(default=None, description="The run config in the job's ConfigMap, "
+                                    "which the running controller re-reads at every step.")
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,18 @@ def entry_from_status(job: kinds.RLJob, body: Mapping[str, Any],
     return queue_entry(job, body.get("metadata") or {}, missing)
 
 
+def grow_workers(graph: Graph, layout: rl.RayLayout) -> None:
+    """More Ray workers for a running gang: they join its Ray cluster as they start, and the
+    controller places the rollout workers the spec now asks for on them. No restart."""
+    workers = graph.vertex(rlm.WORKER)
+    before = workers.replicas
+    workers.max_replicas = layout.workers
+    mutate.resize(graph, rlm.WORKER, layout.workers, reason=(
+        f"spec.gpus now makes {layout.workers} Ray worker(s) of {layout.gpus_per_worker} GPU(s): adding "
+        f"{layout.workers - before} to the running Ray cluster, which they join as they start (no restart)"))
+    workers.min_replicas = layout.workers
+
+
 def gang(graph: Graph) -> list[Instance]:
     return [*graph.vertex(rlm.HEAD).instances, *graph.vertex(rlm.WORKER).instances]
 
@@ -215,9 +227,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             mutate.replace_instance(graph, instance.name, reason=reason, counted=counted, failure=True)
         restarts += int(counted)
         ctx.post_event(body, "Warning", "GangRestarted", reason)
-    template = rlm.template_hash(job.spec.to_wire())
+    wire = job.spec.to_wire()
+    templates = {rlm.template_hash(wire), rlm.legacy_template_hash(wire)}
     live = [p for p in (pod_of(i) for i in members) if p is not None and p.holds_resources and not p.deleting]
-    if not ended and any(p.template != template for p in live):
+    if not ended and any(p.template not in templates for p in live):
         # Ray's nodes and the controller read the spec once, at their start: a changed spec
         # restarts the gang on it (from the last checkpoint), not counted against the budget.
         reason = ("the spec changed since this gang started (spec.* other than priority and "
@@ -226,8 +239,19 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             mutate.replace_instance(graph, instance.name, reason=reason, drain=True, counted=False)
         ctx.post_event(body, "Normal", "GangRestarted", reason)
         live = []
+    running_workers = graph.vertex(rlm.WORKER).replicas
+    if live and layout.workers < running_workers:
+        # A Ray node cannot leave under running actors (which node holds which is Ray's choice)
+        reason = (f"spec.gpus now makes {layout.workers} Ray worker(s), fewer than the {running_workers} "
+                  "running: restarting the whole gang on them, from the last checkpoint")
+        for instance in list(members):
+            mutate.replace_instance(graph, instance.name, reason=reason, drain=True, counted=False)
+        ctx.post_event(body, "Normal", "GangRestarted", reason)
+        live = []
     if not live:
         fit_layout(graph, layout)
+    elif layout.workers > running_workers:
+        grow_workers(graph, layout)
     base["restarts"] = restarts
     if graph.version != version:
         # Write-ahead: the mutation is in status before any pod is created or deleted for it.
@@ -240,15 +264,17 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     wanted = {manifests.pod_name(ref, i) for i in members}
     await _stop(ctx, [p for p in pods.values() if p.name not in wanted and not p.deleting])
 
-    spec = job.spec.to_wire()
+    spec = wire
     missing = [i for i in members if pod_of(i) is None]
     missing_workers = [i for i in missing if i.vertex == rlm.WORKER]
-    in_line = dataclasses.replace(entry, missing=len(missing_workers))
+    # workers added to a running gang: growth, which waits behind the whole line and stops nobody
+    growing = bool(live) and bool(missing_workers) and len(missing) == len(missing_workers)
+    in_line = dataclasses.replace(entry, missing=0 if growing else len(missing_workers))
     preempting = ""
     async with ctx.placement_lock:
         # GPUs freed for a job that goes first (a preemption's, say) are its own
         snap = ctx.index.build_snapshot()
-        ahead = ctx.queue.first_ahead_that_fits(in_line, snap) if missing_workers else None
+        ahead = ctx.queue.first_ahead_that_fits(in_line, snap, growth=growing) if missing_workers else None
         nodes = [] if ahead is not None else serving.choose_nodes(
             serving.free_gpus(ctx, vc), layout.gpus_per_worker, len(missing_workers))
         placed = ahead is None and len(nodes) == len(missing_workers)
@@ -265,16 +291,27 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                 ctx.wake_line(vc)  # the line moved: those that stepped back for it try again
         else:
             ctx.queue.record(in_line)
-            if ahead is None:
+            if ahead is None and not growing:
                 # stops or shrinks gangs of lower priority (applied by the handler, outside this
                 # job's lock); the message says so
                 preempting = plan_preemption(ctx, in_line, snap, len(missing_workers), "")
+    config = rlm.config_hash(ref, spec)
+    if new_pods or (live and old.get("configHash") != config):
+        # before any pod that reads it; a running controller re-reads it at every step
+        await ctx.client.apply(rlm.build_rl_config_map(ref, spec))
+        base["configHash"] = config
     if new_pods:
-        await ctx.client.apply(rlm.build_rl_config_map(ref, spec))  # before any pod that reads it
         await ctx.client.apply(rlm.build_head_service(ref))
         await asyncio.gather(*(ctx.client.apply(p) for p in new_pods))
+    growth = ""
     if placed:
         ctx.rl_waiting.pop((ns, name), None)
+    elif growing:
+        ctx.rl_waiting[(ns, name)] = vc  # GPUs freed on it wake this job (ctx.wake_line)
+        if ahead is not None:
+            ctx.wake_queued(ahead)
+        growth = (f"; {len(missing_workers)} more Ray worker(s) of {layout.gpus_per_worker} GPU(s) wait for "
+                  f"room on virtual cluster {vc!r}, after every job waiting in line")
     else:
         ctx.rl_waiting[(ns, name)] = vc  # GPUs freed on it wake this job (ctx.wake_line)
         free = sum(max(0, n) for n in serving.free_gpus(ctx, vc).values())
@@ -293,10 +330,16 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     running = sum(1 for p in live_pods if p is not None and p.phase == "Running")
     started = min((p.created for p in live_pods if p is not None and p.phase == "Running" and p.created),
                   default=0.0)
-    if running == len(members):
+    head_runs = live_pods[0] is not None and live_pods[0].phase == "Running"
+    if running == len(members) or (head_runs and old.get("phase") == "Running"):
+        # a running gang stays Running while workers added to it start (or wait for room)
         phase, reason = "Running", "ControllerRunning"
-        message = (f"the controller runs on a Ray cluster of {len(members) - 1} GPU worker(s)"
-                   if len(members) > 1 else "the controller runs, every actor on the head")
+        message = (f"the controller runs on a Ray cluster of {running - 1} GPU worker(s)"
+                   if running > 1 else "the controller runs, every actor on the head")
+        joining = len(members) - running - (len(missing_workers) if not placed else 0)
+        if joining:
+            message += f"; {joining} more Ray worker(s) joining as they start"
+        message += growth
     else:
         phase, reason = "Pending", "GangStarting"
         message = f"{running} of {len(members)} pod(s) of the Ray cluster running"
@@ -327,6 +370,8 @@ def progress_status(seen: Mapping[str, Any]) -> dict[str, Any]:
         status["meanReward"] = round(float(seen["rewardMean"]), 6)
     if seen.get("evalAccuracy") is not None:
         status["evalAccuracy"] = round(float(seen["evalAccuracy"]), 6)
+    if seen.get("rolloutWorkers") is not None:
+        status["rolloutWorkers"] = int(seen["rolloutWorkers"])
     if seen.get("lastCheckpoint"):
         status["lastCheckpoint"] = {"step": int(seen["lastCheckpoint"]["step"]),
                                     "path": str(seen["lastCheckpoint"].get("path", ""))}

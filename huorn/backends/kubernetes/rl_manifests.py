@@ -36,8 +36,27 @@ UNROLLED_FIELDS = frozenset({"priority", "remediation", "suspend"})
 
 
 def template_hash(spec: Mapping[str, Any]) -> str:
-    """What a gang was started from: a pod with another hash runs an old spec."""
+    """What a gang was started from: a pod with another hash runs an old spec. Two fields a
+    running gang follows are left out too: `gpus` (more Ray workers join the running cluster;
+    fewer restart it, which the operator decides itself) and `roles.rollout.replicas` (the
+    controller re-reads it from the ConfigMap at every step)."""
+    live = {k: v for k, v in spec.items() if k != "gpus"}
+    roles = dict(live.get("roles") or {})
+    if isinstance(roles.get("rollout"), Mapping):
+        roles["rollout"] = {k: v for k, v in roles["rollout"].items() if k != "replicas"}
+        live["roles"] = roles
+    return manifests.template_hash(live, UNROLLED_FIELDS)
+
+
+def legacy_template_hash(spec: Mapping[str, Any]) -> str:
+    """The hash of gangs started by an operator before `template_hash` left out what a running
+    gang follows: such a gang whose spec has not changed since is not restarted by an upgrade."""
     return manifests.template_hash(spec, UNROLLED_FIELDS)
+
+
+def config_hash(job: manifests.JobRef, spec: Mapping[str, Any]) -> str:
+    """What the job's ConfigMap holds: written again when this changes."""
+    return manifests.template_hash(build_rl_config(job, spec), frozenset())
 
 
 def head_service_name(job: manifests.JobRef) -> str:
