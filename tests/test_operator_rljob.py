@@ -7,11 +7,13 @@ line here and for real in tests/test_runtime_rl_node.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import kubernetes
 from kube import builders
+from kube import operator as operator_mod
 from kube.cluster import wait_for
 
 from huorn.runtime import launcher
@@ -400,3 +402,27 @@ def test_more_gpus_join_the_running_ray_cluster_and_rollout_scales_without_a_res
     assert after["restarts"] == 0
     restarted = [d["reason"] for d in after["decisions"] if d["action"] == "replace"]
     assert any("fewer than the 3 running" in reason for reason in restarted), restarted
+
+
+def test_a_worker_that_never_starts_is_replaced_alone(cluster, kube: builders.Kube) -> None:
+    """A Ray worker added to a running gang that stays Pending past trainer_start_seconds never
+    held an actor: it alone is replaced, and the controller, the head and the other workers go
+    on (before, any pod that ended or never started restarted the whole gang)."""
+    settings = dataclasses.replace(operator_mod.FAST, trainer_start_seconds=3.0)
+    with operator_mod.OperatorThread(cluster.api_client(), settings):
+        kube.create_job(NS, rl_job("slow"), plural=RL)
+        first = ["slow-ray-head-0", "slow-ray-worker-0", "slow-ray-worker-1"]
+        wait_for(lambda: sorted(live_pods(kube, "slow")) == first, what="the gang")
+        run_all(kube, "slow")
+        wait_for(lambda: status(kube, "slow").get("phase") == "Running", what="Running")
+        grow = {"spec": {"gpus": 6, "roles": {"rollout": {"replicas": 2}}}}
+        kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, RL, "slow", grow)
+        wait_for(lambda: "slow-ray-worker-2" in live_pods(kube, "slow"), what="a third worker")
+        # the kubelet never starts it
+        wait_for(lambda: sorted(live_pods(kube, "slow")) == [*first, "slow-ray-worker-2-g1"],
+                 what="the third worker replaced alone", timeout=30)
+        now = status(kube, "slow")
+        assert now["phase"] == "Running"
+        replaced = [d for d in now["decisions"] if d["action"] == "replace"]
+        assert len(replaced) == 1 and "only that Ray worker is replaced" in replaced[0]["reason"]
+        assert "did not start within 3 s" in replaced[0]["reason"]

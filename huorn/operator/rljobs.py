@@ -221,12 +221,23 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                        f"{failures.BACKOFF_WINDOW_SECONDS / 60:.0f} min")
             return await _waiting(ctx, body, base, "BackOff", message[:REASON_LIMIT])
         because = "" if counted else " (a failure spec.remediation.podFailurePolicy ignores: not counted)"
-        reason = (f"{what}; the Ray cluster's actors went with it: restarting the whole gang, which resumes "
-                  f"from the last checkpoint{because}")[:REASON_LIMIT]
-        for instance in list(members):
-            mutate.replace_instance(graph, instance.name, reason=reason, counted=counted, failure=True)
+        head_pod = pod_of(members[0])
+        if head_pod is not None and head_pod.phase == "Running" and all(
+                p.vertex == rlm.WORKER and p.holds_resources for p in ended):
+            # Ray workers that never started hold no actor (a growth's, say): the running
+            # controller goes on, and only they are replaced
+            reason = (f"{what}; no actor ran there, so only that Ray worker is replaced and the "
+                      f"controller goes on{because}")[:REASON_LIMIT]
+            for p in ended:
+                mutate.replace_instance(graph, p.instance, reason=reason, counted=counted, failure=True)
+            ctx.post_event(body, "Warning", "WorkerReplaced", reason)
+        else:
+            reason = (f"{what}; the Ray cluster's actors went with it: restarting the whole gang, which "
+                      f"resumes from the last checkpoint{because}")[:REASON_LIMIT]
+            for instance in list(members):
+                mutate.replace_instance(graph, instance.name, reason=reason, counted=counted, failure=True)
+            ctx.post_event(body, "Warning", "GangRestarted", reason)
         restarts += int(counted)
-        ctx.post_event(body, "Warning", "GangRestarted", reason)
     wire = job.spec.to_wire()
     templates = {rlm.template_hash(wire), rlm.legacy_template_hash(wire)}
     live = [p for p in (pod_of(i) for i in members) if p is not None and p.holds_resources and not p.deleting]
