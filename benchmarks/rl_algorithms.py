@@ -99,10 +99,12 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
     trainer_runs.save_figure(figure, title, path)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = trainer_runs.argument_parser(__doc__, "rl_algorithms")
+def parse_args(doc: str | None = __doc__, name: str = "rl_algorithms",
+               rl_steps: int = 60) -> argparse.Namespace:
+    """The RL benchmarks' arguments and policy (benchmarks/rl_async.py shares them)."""
+    parser = trainer_runs.argument_parser(doc, name)
     parser.add_argument("--base-steps", type=int, default=1500)
-    parser.add_argument("--rl-steps", type=int, default=60)
+    parser.add_argument("--rl-steps", type=int, default=rl_steps)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per RL step")
     parser.add_argument("--group", type=int, default=8, help="responses per prompt")
     parser.add_argument("--lr", type=float, default=1e-4)

@@ -16,7 +16,6 @@ and after, with the async/sync ratios; and plots reward and seconds per step
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import statistics
@@ -74,22 +73,8 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
     trainer_runs.save_figure(figure, title, path)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = trainer_runs.argument_parser(__doc__, "rl_async")
-    parser.add_argument("--base-steps", type=int, default=1500)
-    parser.add_argument("--rl-steps", type=int, default=40)
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per RL step")
-    parser.add_argument("--group", type=int, default=8, help="responses per prompt")
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--eval-prompts", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    args.model = {"layers": 4, "width": 96, "heads": 4, "context": 64}
-    return args
-
-
 def main() -> None:
-    args = parse_args()
+    args = rl_algorithms.parse_args(__doc__, "rl_async", rl_steps=40)
     started = time.perf_counter()
     data_dir = trainer_runs.build_corpora(args.work)
     runs: dict[str, list[dict]] = {}

@@ -10,9 +10,24 @@ from typing import Any
 import job_support
 
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
-from huorn.api.common import Remediation
+from huorn.api.common import MitigationLevel, Remediation
 from huorn.graph import compiler, model
-from huorn.scheduler.remediation import ladder, policy
+from huorn.scheduler.remediation import failslow, ladder, policy
+
+SLOW = failslow.SlowFinding("trainer-1", "compute", 40, 50, 7.0)
+LADDER_COSTS = ladder.LadderCosts(rebalance=1.0, resplit=2.0, restart=1000.0)
+
+
+def climb_to_s2(times: list[float], noise: float = 0.0) -> ladder.MitigationLadder:
+    """A ladder on S2 for ranks of `times` seconds per micro-batch (8 in all), rank 1 found slow."""
+    shape = ladder.JobShape(microbatch_seconds=times, total_microbatches=8, noise=noise)
+    lad = ladder.MitigationLadder(MitigationLevel.RESTART, LADDER_COSTS, shape)
+    lad.on_fail_slow(SLOW, [1])
+    decision = None
+    while decision is None:
+        decision = lad.on_step(2.0, 1.0)
+    assert decision.level is MitigationLevel.REBALANCE
+    return lad
 
 
 @dataclass

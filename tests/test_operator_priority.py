@@ -219,6 +219,14 @@ def rl_pods(kube: builders.Kube, name: str) -> list[str]:
     return sorted(p.metadata.name for p in kube.pods(NS, name))
 
 
+def low_running_then_rl(kube: builders.Kube, kubelet: Kubelet) -> None:
+    """low (priority 10) holds all 4 GPUs, its pod held by the kubelet while it checkpoints;
+    an RLJob of priority 60 needing 4 arrives."""
+    start(kube, "low", 10, gpus=4)
+    kubelet.hold(["low-trainer-0"])
+    kube.create_job(NS, rl_job("rl", 60), plural="rljobs")
+
+
 def test_a_waiting_rl_job_of_higher_priority_preempts_a_training_job(
         cluster: EmulatedCluster, kube: builders.Kube) -> None:
     """Before, a waiting RLJob preempted nobody. Now it is in the line: it stops a TrainingJob of
@@ -228,9 +236,7 @@ def test_a_waiting_rl_job_of_higher_priority_preempts_a_training_job(
     kubelet = Kubelet(kube, cluster.kmock, NS)
     solo_cluster(kube)
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
-        start(kube, "low", 10, gpus=4)
-        kubelet.hold(["low-trainer-0"])
-        kube.create_job(NS, rl_job("rl", 60), plural="rljobs")
+        low_running_then_rl(kube, kubelet)
         wait_for(lambda: ("low-trainer-0", {}) in kubelet.deletes(), what="low's pod deleted, gracefully")
         waiting = wait_for(lambda: (s := kube.job_status(NS, "rl", "rljobs")).get("message", "")
                            .startswith("waiting") and "preempting team/low" in s["message"] and s,
@@ -280,9 +286,7 @@ def test_a_restarted_operator_keeps_a_waiting_rl_job_in_line(
     kubelet = Kubelet(kube, cluster.kmock, NS)
     solo_cluster(kube)
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
-        start(kube, "low", 10, gpus=4)
-        kubelet.hold(["low-trainer-0"])
-        kube.create_job(NS, rl_job("rl", 60), plural="rljobs")
+        low_running_then_rl(kube, kubelet)
         wait_for(lambda: kube.job_status(NS, "low").get("preemptReplacements") == 1, what="low preempted")
         wait_for(lambda: kube.condition(NS, "rl", "Reconciling", "rljobs").get("reason") == "WaitingForGPUs",
                  what="rl waiting")

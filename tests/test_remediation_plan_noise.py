@@ -8,14 +8,13 @@ from __future__ import annotations
 import random
 
 import pytest
+import remediation_support
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from huorn.api.common import MitigationLevel
-from huorn.scheduler.remediation import failslow, ladder, policy, rebalance
+from huorn.scheduler.remediation import ladder, policy, rebalance
 
-SLOW = failslow.SlowFinding("trainer-1", "compute", 40, 50, 7.0)
-COSTS = ladder.LadderCosts(rebalance=1.0, resplit=2.0, restart=1000.0)
+SLOW = remediation_support.SLOW
 
 
 def test_the_same_slowest_unit_makes_the_ratio_exact_whatever_the_noise() -> None:
@@ -64,15 +63,7 @@ def test_a_delta_outside_zero_to_one_is_refused(delta: float) -> None:
         rebalance.worst_case_ratio([1.0], [1.0], delta)
 
 
-def on_s2(times: list[float], noise: float) -> ladder.MitigationLadder:
-    shape = ladder.JobShape(microbatch_seconds=times, total_microbatches=8, noise=noise)
-    lad = ladder.MitigationLadder(MitigationLevel.RESTART, COSTS, shape)
-    lad.on_fail_slow(SLOW, [1])
-    decision = None
-    while decision is None:
-        decision = lad.on_step(2.0, 1.0)
-    assert decision.level is MitigationLevel.REBALANCE
-    return lad
+on_s2 = remediation_support.climb_to_s2
 
 
 def run_steps(lad: ladder.MitigationLadder, shapes: list[list[float]], noise: float,

@@ -13,24 +13,13 @@ import remediation_support
 
 from huorn.api.common import MitigationLevel
 from huorn.backends.local import report
-from huorn.scheduler.remediation import failslow, ladder
+from huorn.scheduler.remediation import ladder
 
 # Measures wall-clock behaviour of real processes: runs alone (scripts/test's serial part).
 pytestmark = pytest.mark.serial
 
-SLOW = failslow.SlowFinding("trainer-1", "compute", 40, 50, 7.0)
-COSTS = ladder.LadderCosts(rebalance=1.0, resplit=2.0, restart=1000.0)
-
-
-def on_s2(times: list[float]) -> ladder.MitigationLadder:
-    lad = ladder.MitigationLadder(MitigationLevel.RESTART, COSTS,
-                                  ladder.JobShape(microbatch_seconds=times, total_microbatches=8))
-    lad.on_fail_slow(SLOW, [1])
-    decision = None
-    while decision is None:
-        decision = lad.on_step(2.0, 1.0)
-    assert decision.level is MitigationLevel.REBALANCE
-    return lad
+SLOW, COSTS = remediation_support.SLOW, remediation_support.LADDER_COSTS
+on_s2 = remediation_support.climb_to_s2
 
 
 def steps_until_decision(lad: ladder.MitigationLadder, limit: int = 100
