@@ -275,6 +275,14 @@ def test_the_controllers_progress_reaches_status_and_kubectl_get(cluster, kube: 
                              what="the checkpoint in status")
             assert saved["lastCheckpoint"] == {"step": 4, "path": "/checkpoints/prog/step-4"}
             assert saved["step"] == 4 and saved["progressPercent"] == 20
+            assert saved["controllerRestarts"] == 0
+            # the head ran its controller again on the same Ray cluster: in status at once, an Event
+            state.record({"event": "start", "resumed_from": 4, "attempt": 2})
+            again = wait_for(lambda: (s := status(kube, "prog")).get("controllerRestarts") == 1 and s,
+                             what="the controller's restart in status")
+            assert again["phase"] == "Running" and again.get("restarts", 0) == 0  # not a gang restart
+            wait_for(lambda: any(e.reason == "ControllerRestarted" for e in kube.events(NS, "prog")),
+                     what="a ControllerRestarted event")
             # what `kubectl get rlj` prints: the kind's printer columns read these fields
             from huorn.api import kinds
 

@@ -108,3 +108,54 @@ def test_a_head_and_a_gpu_worker_run_an_rl_job_with_its_actors_on_the_worker(tmp
     assert not _group_alive(head.pid)
     assert not Path("/tmp/ray/ray_current_cluster").exists() or \
         f":{port}" not in Path("/tmp/ray/ray_current_cluster").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_failed_controller_runs_again_on_the_same_ray_cluster(tmp_path: Path) -> None:
+    """A rollout worker's process SIGKILLed (what an OOM kill does) fails the controller; the
+    head runs it again on the Ray cluster it already has (spec.controllerRetries), from the last
+    checkpoint, and the run ends as an uninterrupted one would: exit 0, every step done."""
+    import psutil
+
+    port = _free_port()
+    spec = {"virtualCluster": "x", "model": MODEL, "steps": 30, "gpus": 0, "controllerRetries": 1,
+            "algorithm": {"name": "lite-ppo", "groupSize": 2},
+            "reward": {"type": "format", "dataset": "arithmetic-small"},
+            "rollout": {"maxNewTokens": 4}, "optimization": {"promptsPerStep": 2},
+            "roles": {"rollout": {"replicas": 1, "gpusPerReplica": 0},
+                      "actorTrain": {"gpusPerReplica": 0}},
+            "checkpoint": {"path": "/checkpoints", "intervalSteps": 2}}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"jobName": "rl", "spec": spec, "runDir": str(tmp_path / "run"),
+                                  "checkpointDir": str(tmp_path / "ckpt"), "evalPrompts": 0}))
+    env = harness.child_env(RAY_AUTH_MODE="disabled")  # as the operator's pods set it
+    env.pop("RAY_ADDRESS", None)
+    log = tmp_path / "run" / "steps.jsonl"
+    command = launcher.build_rl_head_command(config, 2, port=port)
+    with open(tmp_path / "head.log", "wb") as out:
+        head = subprocess.Popen(command, env=env, cwd=harness.REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while not log.exists() or log.read_text().count('"event": "checkpoint"') < 2:
+                assert head.poll() is None, (tmp_path / "head.log").read_text()[-4000:]
+                assert time.monotonic() < deadline, "no two checkpoints within 240 s"
+                time.sleep(0.2)
+            victims = [p for p in psutil.Process(head.pid).children(recursive=True)
+                       if "RolloutWorker" in " ".join(p.cmdline())]
+            assert victims, [p.cmdline() for p in psutil.Process(head.pid).children(recursive=True)]
+            for victim in victims:
+                victim.kill()
+            code = head.wait(timeout=300)
+        finally:
+            _stop(head)
+    head_log = (tmp_path / "head.log").read_text()
+    assert code == 0, head_log[-4000:]
+    assert "running it again on the same Ray cluster" in head_log and "retry 1 of 1" in head_log
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    starts = [e for e in events if e["event"] == "start"]
+    assert [s["attempt"] for s in starts] == [1, 2] and starts[1]["resumed_from"] >= 4
+    assert events[-1] == {**events[-1], "event": "done", "step": 30}
+    done = {e["step"] for e in events if e["event"] == "rl"}
+    assert done == set(range(30))  # every step, the ones after the last checkpoint done again

@@ -247,6 +247,11 @@ class RLJobSpec(JobCommon):
         "with suspend true waits without pods (Kueue's suspend).",
     )
     gpus: int | None = Field(default=None, ge=0, description="GPUs the job holds, shared by colocated roles.")
+    controller_retries: int = Field(default=2, ge=0, le=20, description=(
+        "Times the head pod reruns a controller that failed (an actor lost to an OOM kill, an "
+        "exception) on the same Ray cluster, resuming from the last checkpoint, before the pod fails "
+        "and the gang restarts. Not counted against remediation.maxRestarts; a lost pod still "
+        "restarts the gang."))
 
 
 class RLJobStatus(JobStatus):
@@ -263,6 +268,9 @@ class RLJobStatus(JobStatus):
                                         "runs now (spec.roles.rollout.replicas, once started).")
     config_hash: str | None = Field(default=None, description="The run config in the job's ConfigMap, "
                                     "which the running controller re-reads at every step.")
+    controller_restarts: int | None = Field(default=None, ge=0, description="Times the running gang's "
+                                            "head reran its controller on the same Ray cluster "
+                                            "(spec.controllerRetries).")
 
 
 @dataclass(frozen=True)

@@ -383,6 +383,8 @@ def progress_status(seen: Mapping[str, Any]) -> dict[str, Any]:
         status["evalAccuracy"] = round(float(seen["evalAccuracy"]), 6)
     if seen.get("rolloutWorkers") is not None:
         status["rolloutWorkers"] = int(seen["rolloutWorkers"])
+    if seen.get("attempt") is not None:
+        status["controllerRestarts"] = max(0, int(seen["attempt"]) - 1)
     if seen.get("lastCheckpoint"):
         status["lastCheckpoint"] = {"step": int(seen["lastCheckpoint"]["step"]),
                                     "path": str(seen["lastCheckpoint"].get("path", ""))}
@@ -411,11 +413,16 @@ async def tick(ctx: Context, namespace: str, name: str) -> dict[str, Any] | None
         return None  # starting, or gone: the reconcile judges the pod, not this poll
     patch = {k: v for k, v in progress_status(seen).items() if status.get(k) != v}
     now, key = time.time(), (namespace, name)
-    if not patch or ("lastCheckpoint" not in patch
-                     and now - ctx.rl_progress.get(key, 0.0) < ctx.settings.progress_seconds):
+    urgent = {"lastCheckpoint", "controllerRestarts"} & patch.keys()  # written at once
+    if not patch or (not urgent and now - ctx.rl_progress.get(key, 0.0) < ctx.settings.progress_seconds):
         return None
     await ctx.client.patch_status(PLURAL, namespace, name, patch)
     ctx.rl_progress[key] = now
+    if patch.get("controllerRestarts", 0) > int(status.get("controllerRestarts") or 0):
+        ctx.post_event(body, "Warning", "ControllerRestarted", (
+            f"the controller failed and the head ran it again on the same Ray cluster, from the last "
+            f"checkpoint (retry {patch['controllerRestarts']} of spec.controllerRetries; the pod's log says "
+            "why)"))
     return patch
 
 

@@ -31,8 +31,9 @@ WORKER = "ray-worker"
 START_TIMEOUT_SECONDS = 1800.0
 
 
-# Spec fields that no pod of a running gang reads: changing them restarts nothing.
-UNROLLED_FIELDS = frozenset({"priority", "remediation", "suspend"})
+# Spec fields that no pod of a running gang reads, or that the head re-reads from the ConfigMap
+# when it needs them (controllerRetries): changing them restarts nothing.
+UNROLLED_FIELDS = frozenset({"priority", "remediation", "suspend", "controllerRetries"})
 
 
 def template_hash(spec: Mapping[str, Any]) -> str:

@@ -376,6 +376,7 @@ class Controller:
         step = ray.get(self.trainer.resume.remote())
         total = self.spec.steps
         self.log({"event": "start", "resumed_from": step, "algorithm": self.spec.algorithm.name.value,
+                  "attempt": int(os.environ.get("HUORN_CONTROLLER_ATTEMPT", "1")),
                   "settings": {k: (v.value if hasattr(v, "value") else v)
                                for k, v in vars(self.settings).items()},
                   "rollout_workers": len(self.rollouts), "reward_workers": len(self.rewards),

@@ -14,12 +14,20 @@ comes up late costs time, not the run.
 
 The head's Ray node runs as `ray start --block` in a process group of its own, which the head
 ends whatever way the controller ends, so a head run on a workstation leaves nothing behind.
+
+A controller that fails (exit 1: an actor lost to an OOM kill, an exception; or killed) is run
+again on the same Ray cluster, up to the spec's `controllerRetries` (read from the config file
+each time, so the operator can change it), and resumes from the last checkpoint: the workers and
+their Ray nodes stay (KubeRay's users ask for retries that reuse the cluster). A refused config
+(exit 2) or a stop (SIGTERM/SIGINT, forwarded to the controller, which checkpoints) ends the pod
+with the controller's code, as does the last failure.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -87,17 +95,50 @@ def stop_group(process: subprocess.Popen, grace_s: float = 5.0) -> None:
             return
 
 
-def run_head(config: str, port: int, cpus: int, temp_dir: str | None = None) -> int:
-    from huorn.runtime.rl import controller  # torch and Ray's driver: the head's alone, not a worker's
+ATTEMPT_ENV = "HUORN_CONTROLLER_ATTEMPT"  # 1 for the first run of the controller in this pod
 
+
+def controller_retries(config: str) -> int:
+    """spec.controllerRetries of the config file as it reads now; 0 when it cannot be read."""
+    try:
+        with open(config) as handle:
+            return max(0, int(json.load(handle)["spec"].get("controllerRetries", 0)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def run_head(config: str, port: int, cpus: int, temp_dir: str | None = None) -> int:
     try:
         head = start_head(port, cpus, temp_dir or tempfile.mkdtemp(prefix="huorn-ray-"))
     except (TimeoutError, RuntimeError) as error:
         print(f"error: Ray's head node did not start: {error}", file=sys.stderr)
         return 1
-    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+    stopping: list[int] = []
+    child: list[subprocess.Popen] = []
+
+    def forward(signum: int, frame: object) -> None:
+        stopping.append(signum)
+        if child and child[-1].poll() is None:
+            child[-1].send_signal(signum)  # the controller ends its step and checkpoints
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
     try:
-        return controller.main(["--config", config])
+        attempt = 1
+        while True:
+            if stopping:  # stopped between two runs: nothing to checkpoint
+                return 128 + stopping[0]
+            env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}", ATTEMPT_ENV: str(attempt)}
+            child.append(subprocess.Popen([sys.executable, "-m", "huorn.runtime.rl.controller",
+                                           "--config", config], env=env))
+            code = child[-1].wait()
+            retries = controller_retries(config)
+            if code in (0, 2) or stopping or attempt > retries or head.poll() is not None:
+                return code if code >= 0 else 128 - code  # killed by a signal: 128 + its number
+            print(f"huorn-rl: the controller exited {code}; running it again on the same Ray cluster, from "
+                  f"the last checkpoint (retry {attempt} of {retries}, spec.controllerRetries)",
+                  file=sys.stderr, flush=True)
+            attempt += 1
     finally:
         stop_group(head)
 

@@ -26,6 +26,7 @@ class Progress:
         with self._lock:
             if kind == "start":
                 self._state["step"] = int(event.get("resumed_from", 0))
+                self._state["attempt"] = int(event.get("attempt", 1))  # the head's runs of the controller
             elif kind == "rl":
                 self._state["step"] = int(event["step"]) + 1  # steps finished, as a checkpoint counts them
                 if event.get("reward_mean") is not None:
