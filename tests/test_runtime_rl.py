@@ -292,17 +292,17 @@ def test_progress_is_the_latest_state_of_the_step_log_over_http() -> None:
     server = progress.ProgressServer(state, "127.0.0.1", 0)
     try:
         url = f"http://127.0.0.1:{server.port}"
-        state.record({"event": "start", "resumed_from": 4})
+        state.record({"event": "start", "resumed_from": 4, "attempt": 2})  # the head's second run
         with urllib.request.urlopen(f"{url}/progress", timeout=10) as answer:
-            assert json.loads(answer.read()) == {"job": "rl", "steps": 10, "step": 4}
+            assert json.loads(answer.read()) == {"job": "rl", "steps": 10, "step": 4, "attempt": 2}
         for record in ({"event": "rl", "step": 4, "reward_mean": 0.25}, {"event": "eval", "accuracy": 0.5},
-                       {"event": "rl", "step": 5, "reward_mean": 0.75},
+                       {"event": "rl", "step": 5, "reward_mean": 0.75, "rollout_workers": 2},
                        {"event": "checkpoint", "step": 6, "path": "/c/6"}, {"event": "done", "step": 6}):
             state.record(record)
         with urllib.request.urlopen(f"{url}/progress", timeout=10) as answer:
             assert json.loads(answer.read()) == {
-                "job": "rl", "steps": 10, "step": 6, "rewardMean": 0.75, "evalAccuracy": 0.5,
-                "lastCheckpoint": {"step": 6, "path": "/c/6"}, "done": True}
+                "job": "rl", "steps": 10, "step": 6, "attempt": 2, "rewardMean": 0.75, "evalAccuracy": 0.5,
+                "rolloutWorkers": 2, "lastCheckpoint": {"step": 6, "path": "/c/6"}, "done": True}
         with pytest.raises(urllib.error.HTTPError, match="404"):
             urllib.request.urlopen(f"{url}/metrics", timeout=10)
     finally:
