@@ -84,6 +84,8 @@ RL_JOB = Kind(
         PrinterColumn("Step", ".status.step", "integer"),
         PrinterColumn("Reward", ".status.meanReward", "number"),
         PrinterColumn("Progress", ".status.progressPercent", "integer"),
+        PrinterColumn("Rollout", ".status.rolloutWorkers", "integer", priority=1,
+                      description="Rollout workers the controller runs now"),
         PrinterColumn("Restarts", ".status.restarts", "integer", priority=1),
         *_JOB_COLUMNS[2:],
     ),
