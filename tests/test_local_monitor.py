@@ -215,6 +215,26 @@ def test_goodput_policy_runs_huorns_allocator_and_does_not_grow_a_job_about_to_f
     assert ending.last_decision is not None and ending.last_decision.replicas == 1
 
 
+def test_a_resize_in_place_is_priced_below_a_restart_so_a_short_job_still_grows() -> None:
+    """The quickstart on a quiet host: steps of 0.137 s at one replica, 300 in all (41 s of work).
+    A second replica saves about 20 s, which does not pay a 20 s restart from the checkpoint, but
+    does pay an in-place resize (allocator.IN_PLACE_RESIZE_SHARE of it, as the simulator prices
+    it). Before, the policy priced every resize as a restart and the main demo stayed at one
+    replica on a fast host (one run in five here)."""
+    from huorn.backends import goodput
+    from huorn.scheduler import allocator
+
+    quick = [{"step": s, "world_size": 1, "step_seconds": 0.137} for s in range(1, 6)]
+    restart = goodput.GoodputPolicy("quickstart", "local", slots=2, global_batch=16.0, total_steps=300)
+    assert restart.decide(build_graph(), observe_records(quick)) == []
+    assert restart.last_decision is not None and restart.last_decision.replicas == 1
+    in_place = goodput.GoodputPolicy("quickstart", "local", slots=2, global_batch=16.0, total_steps=300,
+                                     in_place=True)
+    (event,) = in_place.decide(build_graph(), observe_records(quick))
+    assert event.data["replicas"] == 2
+    assert 0 < allocator.IN_PLACE_RESIZE_SHARE < 1
+
+
 def test_goodput_policy_waits_for_samples_and_skips_restart_outliers() -> None:
     from huorn.backends import goodput
 

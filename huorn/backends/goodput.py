@@ -39,7 +39,12 @@ class GoodputPolicy:
     total_steps: int | None = None  # the job's optimizer steps: its remaining work, for the JCT terms
     decide_every_steps: int = 5
     min_samples: int = 3
-    restart_seconds: float = 20.0
+    restart_seconds: float = 20.0  # a restart of the gang from its checkpoint (torchrun's way)
+    # The trainer resizes in place (huorn.graph.jobs.resizes_in_place): a resize then costs
+    # allocator.IN_PLACE_RESIZE_SHARE of a restart, as the simulator prices it. Before, every
+    # resize was priced as a full restart: on a quiet host the quickstart's 300 steps of 0.137 s
+    # (41 s of work) did not pay 20 s for a second replica, and the main demo stayed at one.
+    in_place: bool = False
     clock: Callable[[], float] = time.time
     noise_scale: float = 0.0
     last_decision: allocator.Decision | None = None
@@ -83,7 +88,8 @@ class GoodputPolicy:
             noise_scale=self.noise_scale,
             base_batch=self.global_batch,
             max_local_batch=self.global_batch,
-            restart_seconds=self.restart_seconds,
+            restart_seconds=self.restart_seconds * (allocator.IN_PLACE_RESIZE_SHARE if self.in_place
+                                                    else 1.0),
             last_resize=self._last_resize,
             model_version=len(self.perf.samples),
             # samples left, in the unit of the performance model's throughput (samples per second)

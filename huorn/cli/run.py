@@ -23,7 +23,7 @@ from huorn.backends.local import backend as local_backend
 from huorn.backends.local import report
 from huorn.cli import graph as graph_cli
 from huorn.cli import live, run_rl, run_serve
-from huorn.graph import model, mutate
+from huorn.graph import jobs, model, mutate
 
 
 def parse_scale_at(values: list[str], trainer: model.Vertex) -> list[tuple[int, int]]:
@@ -56,6 +56,7 @@ def build_policies(
         goodput.GoodputPolicy(
             g.name, spec["virtualCluster"], slots, float(spec["optimization"]["globalBatch"]),
             total_steps=training.declared_steps(training.TrainingJobSpec.model_validate(spec)),
+            in_place=jobs.resizes_in_place(g.vertex("trainer")),
         )
     ]
 

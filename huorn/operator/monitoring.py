@@ -27,7 +27,7 @@ from huorn.api.common import ElasticityPolicy, MitigationLevel
 from huorn.api.training import declared_steps
 from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import manifests, observe
-from huorn.graph import model, mutate, serialise
+from huorn.graph import jobs, model, mutate, serialise
 from huorn.operator import conditions, cordon, daemons, estimates, evaluation, training, validation
 from huorn.operator.context import Context
 from huorn.scheduler.remediation import policy
@@ -185,6 +185,7 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
             trainer = graph.vertex("trainer")
             state.goodput.slots = count_slots(ctx, job.spec.virtual_cluster, trainer.replicas, gpus,
                                               (namespace, name))
+            state.goodput.in_place = jobs.resizes_in_place(trainer)  # a resize's price
         # The eval vertex's inputs for the shared managers: a checkpoint it was not handed yet,
         # and eval pods that ended (read under the lock, against the graph as it is now).
         pods = ctx.index.pods_of(namespace, name)

@@ -56,6 +56,13 @@ import numpy as np
 from huorn.scheduler import goodput, perfmodel, placement, snapshot
 
 PINNED_PRIORITY = 100
+# What a resize of a running job costs, as a share of its restart time, when the runtime resizes
+# in place (huorn.runtime.membership: the staying processes keep their state, only a joiner starts
+# up, and it does so while the gang trains). The largest ratio of training time lost in place to
+# that lost under Huorn's torchrun settings, measured for joins and graceful shrinks on CPU and on
+# two H200s (docs/benchmarks.md, "Elastic recovery of the runtime"), rounded up. The simulator and
+# the goodput policies of the local backend and the operator price resizes with it alike.
+IN_PLACE_RESIZE_SHARE = 0.6
 
 
 @dataclass

@@ -12,19 +12,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from huorn.scheduler import perfmodel
+from huorn.scheduler import allocator, perfmodel
 from huorn.sim import workload
 
 NOISE_GROWTH = 4.0  # the noise scale grows to (1 + this)× its start by the end of training [Pollux §2]
 MEASURE_SECONDS = 120.0  # a configuration reports a step time once it has run this long
 CHECKPOINT_EVERY = 600.0  # periodic checkpoint interval (seconds of progress)
 TELEMETRY_NOISE = 0.05  # log-normal σ of a reported step time
-# What a resize of a running job costs, as a share of its family's restart time, when the runtime
-# resizes in place (huorn.runtime.membership: the staying processes keep their state, only a
-# joiner starts up, and it does so while the gang trains). The largest ratio of training time lost
-# in place to that lost under Huorn's torchrun settings, measured for joins and graceful shrinks
-# on CPU and on two H200s (docs/benchmarks.md, "Elastic recovery of the runtime"), rounded up.
-IN_PLACE_RESIZE_SHARE = 0.6
+IN_PLACE_RESIZE_SHARE = allocator.IN_PLACE_RESIZE_SHARE  # the policies' price of an in-place resize
 
 
 @dataclass
