@@ -205,15 +205,6 @@ class MitigationLadder:
         """The relative error allowed to each unit's measured speed when plans are compared."""
         return min(self.MAX_DELTA, max(self.MIN_DELTA, self.shape.noise))
 
-    def _beats(self, even: bool, new: Sequence[float], old: Sequence[float]) -> bool:
-        """Whether the best plan's saving over the applied one counts this step. Leaving the even
-        split, or moving between fitted plans, needs the saving beyond the noise; the way back to
-        the even split (the job's own plan) needs only the measured saving, which still has to
-        pay the rung (ski-rental). Required both ways, a recovered rank at [5, 3] measured 5 %
-        slower than the other stayed there whenever the noise reached 8 % (the real-job test,
-        1 run in 3), since the worst case then puts the other rank's end of the noise first."""
-        return max(new) < max(old) if even else self._faster(new, old)
-
     def _faster(self, new: Sequence[float], old: Sequence[float]) -> bool:
         """Whether units taking `new` seconds beat `old` for any of their speeds within delta."""
         return rebalance.worst_case_ratio(new, old, self.delta()) < 1.0
@@ -311,7 +302,7 @@ class MitigationLadder:
             units = {plan: rebalance.unit_seconds(plan, times, fixed) for plan in (applied, even, best)}
             chosen = best if self._faster(units[best], units[even]) else even
             return (max(units[applied]), max(units[chosen]), chosen, chosen == even,
-                    self._beats(chosen == even, units[chosen], units[applied]))
+                    self._faster(units[chosen], units[applied]))
         if s.layer_costs is None or s.stage_speeds is None or s.layer_seconds is None \
                 or len(s.stage_speeds) != len(applied) or sum(applied) != len(s.layer_costs):
             return None
@@ -323,7 +314,7 @@ class MitigationLadder:
         units = {plan: rebalance.stage_seconds(plan, layers, speeds) for plan in (applied, even, best)}
         chosen = best if self._faster(units[best], units[even]) else even
         return (max(units[applied]) * s.layer_seconds, max(units[chosen]) * s.layer_seconds, chosen,
-                chosen == even, self._beats(chosen == even, units[chosen], units[applied]))
+                chosen == even, self._faster(units[chosen], units[applied]))
 
     def _even_plan(self, level: MitigationLevel) -> dict[str, object]:
         """The job's own plan, in the form of `build_plan`'s, priced on the current shape."""
