@@ -1,12 +1,14 @@
 """S2 re-planning under measurement noise: a fixed 10 % margin (the baseline, Huorn's rule until
 2026-12-04) against plans compared beyond the measured noise (`rebalance.worst_case_ratio` with
-the policy's own `median_uncertainty`), side by side on the same simulated runs.
+the policy's own `median_uncertainty`), judged on one 5-step window at a time (Huorn's rule on
+2026-12-04) and on the steps pooled since the plan settled (`policy.EVIDENCE_WINDOW`, the rule
+since), side by side on the same simulated runs.
 
 Each run is 2 ranks and 8 micro-batches a step for 600 steps; rank 1 is 3x slower from step
 150 to 400 (found at step 155, as the detector would), and every rank's measured seconds per
 micro-batch carry host-load noise: log-normal, correlated from step to step (AR(1), rho 0.8, as
 a busy neighbour lasts), of sigma 0.05 to 0.4. The real ladder (`huorn.scheduler.remediation.
-ladder`) decides from 5-step windows through the real policy's median and uncertainty, handed a
+ladder`) decides from each rank's recent steps through the real policy's median and uncertainty, handed a
 new shape every 5 steps (a monitor tick), the way `RemediationPolicy` feeds it; its plans apply
 from the next step. The baseline is the same ladder
 with the comparison swapped for the fixed margin, nothing else. Reported per noise level, over
@@ -41,7 +43,7 @@ from huorn.scheduler.remediation import failslow, ladder, policy, rebalance  # n
 
 STEPS, SLOW_FROM, SLOW_UNTIL, FOUND_AT, FACTOR = 600, 150, 400, 155, 3.0
 TICK = 5  # steps between the shapes handed to the ladder
-MICROBATCHES, WINDOW, RUNG_SECONDS, MICROBATCH_SECONDS = 8, policy.SHAPE_WINDOW, 2.0, 0.1
+MICROBATCHES, RUNG_SECONDS, MICROBATCH_SECONDS = 8, 2.0, 0.1
 
 
 class FixedMarginLadder(ladder.MitigationLadder):
@@ -68,7 +70,7 @@ def _oracle(truth: tuple[float, ...]) -> float:
     return _ORACLE[truth]
 
 
-def run(kind: type[ladder.MitigationLadder], sigma: float, seed: int) -> dict[str, float]:
+def run(kind: type[ladder.MitigationLadder], pooled: bool, sigma: float, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     lad = kind(MitigationLevel.REBALANCE, ladder.LadderCosts(rebalance=RUNG_SECONDS))
     counts = rebalance.even_split(MICROBATCHES, 2)
@@ -84,11 +86,15 @@ def run(kind: type[ladder.MitigationLadder], sigma: float, seed: int) -> dict[st
         oracle += _oracle(tuple(truth))
         for rank in range(2):  # what the rank measures: the truth under correlated host load
             noise[rank] = 0.8 * noise[rank] + math.sqrt(1 - 0.8 ** 2) * rng.gauss(0.0, sigma)
-            seen[rank] = [*seen[rank], truth[rank] * math.exp(noise[rank])][-WINDOW:]
-        if len(seen[0]) == WINDOW and step % TICK == 0:
+            seen[rank] = [*seen[rank], truth[rank] * math.exp(noise[rank])][-policy.EVIDENCE_WINDOW:]
+        if len(seen[0]) >= policy.SHAPE_WINDOW and step % TICK == 0:
+            # the policy's window: the steps since the plan settled, within its bounds
+            window = (min(policy.EVIDENCE_WINDOW, max(policy.SHAPE_WINDOW, lad.settled_steps()))
+                      if pooled else policy.SHAPE_WINDOW)
+            recent = [s[-window:] for s in seen]
             lad.shape = ladder.JobShape(
-                microbatch_seconds=[statistics.median(s) for s in seen], total_microbatches=MICROBATCHES,
-                noise=max(policy.median_uncertainty(s) for s in seen))
+                microbatch_seconds=[statistics.median(s) for s in recent], total_microbatches=MICROBATCHES,
+                noise=max(policy.median_uncertainty(s) for s in recent))
         if step == FOUND_AT:
             lad.on_fail_slow(failslow.SlowFinding("trainer-1", "compute", SLOW_FROM, FOUND_AT, FACTOR), [1])
         decision = lad.on_step(took, healthy)
@@ -109,16 +115,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "replan_noise.json")
     parser.add_argument("--png", type=Path, default=REPO / "docs" / "figures" / "replan_noise.png")
     args = parser.parse_args()
-    policies = {"fixed 10 % margin": FixedMarginLadder, "beyond measured noise": ladder.MitigationLadder}
+    policies = {"fixed 10 % margin": (FixedMarginLadder, False),
+                "beyond noise, 5-step windows": (ladder.MitigationLadder, False),
+                "beyond noise, pooled": (ladder.MitigationLadder, True)}
     rows: dict[str, dict[str, dict[str, float]]] = {}
     with Progress() as progress:
         task = progress.add_task("simulated runs", total=len(args.sigmas) * len(policies) * args.seeds)
         for sigma in args.sigmas:
             rows[str(sigma)] = {}
-            for name, kind in policies.items():
+            for name, (kind, pooled) in policies.items():
                 runs = []
                 for seed in range(args.seeds):
-                    runs.append(run(kind, sigma, seed))
+                    runs.append(run(kind, pooled, sigma, seed))
                     progress.advance(task)
                 total = statistics.mean(r["seconds"] + r["paid"] for r in runs)
                 oracle = statistics.mean(r["oracle"] for r in runs)
@@ -127,12 +135,13 @@ def main() -> None:
                     "seconds_with_replans": round(total, 2), "oracle_seconds": round(oracle, 2),
                     "over_oracle": round(total / oracle - 1.0, 4),
                     "ended_even": statistics.mean(r["restored"] for r in runs)}
-            fixed, noisy = rows[str(sigma)].values()
+            fixed, windowed, pooled = rows[str(sigma)].values()
+            plans, seconds = pooled["replans"], pooled["seconds_with_replans"]
             rows[str(sigma)]["ratios"] = {
-                "replans fixed/noise-aware": (round(fixed["replans"] / noisy["replans"], 2)
-                                              if noisy["replans"] else None),
-                "seconds noise-aware/fixed": round(noisy["seconds_with_replans"]
-                                                   / fixed["seconds_with_replans"], 4)}
+                "replans fixed/pooled": round(fixed["replans"] / plans, 2) if plans else None,
+                "replans windowed/pooled": round(windowed["replans"] / plans, 2) if plans else None,
+                "seconds pooled/fixed": round(seconds / fixed["seconds_with_replans"], 4),
+                "seconds pooled/windowed": round(seconds / windowed["seconds_with_replans"], 4)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": rows},
                                    indent=2) + "\n")

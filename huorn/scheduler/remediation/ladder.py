@@ -201,6 +201,14 @@ class MitigationLadder:
     MIN_DELTA = 0.05
     MAX_DELTA = 0.1
 
+    def settled_steps(self) -> int:
+        """Steps priced on the plan in force since its telemetry settled (0 without one): how far
+        back the policy may pool each rank's figures into one measured speed, so that the evidence
+        for or against the plan grows while it holds instead of being judged window by window."""
+        if self.level not in (MitigationLevel.REBALANCE, MitigationLevel.RESPLIT) or self.applied is None:
+            return 0
+        return max(0, self.steps_on_plan - self.SETTLE_STEPS)
+
     def delta(self) -> float:
         """The relative error allowed to each unit's measured speed when plans are compared."""
         return min(self.MAX_DELTA, max(self.MIN_DELTA, self.shape.noise))

@@ -47,6 +47,12 @@ from huorn.scheduler.remediation import failslow, hang, ladder, steptable
 
 HISTORY_STEPS = 1024  # per replica: enough for BOCD's segments, bounded for week-long jobs
 SHAPE_WINDOW = 5  # recent steps whose median compute time gives a rank's seconds per micro-batch
+# NB: while an S2/S3 plan holds, the window grows with the steps since its telemetry settled, up
+# to EVIDENCE_WINDOW: judged 5 steps at a time, a recovered rank left at [5, 3] and measured ~5 %
+# slower than its peer hid in one window's noise (up to 11 % on a loaded host), so the even split
+# never came back; pooled, the median's uncertainty falls as 1/√n. The cap bounds how long a
+# change in the speeds takes to move the median (half the window).
+EVIDENCE_WINDOW = 20
 
 
 class TelemetryObservation(Protocol):
@@ -135,7 +141,9 @@ class RemediationPolicy:
                 first = min(first, max(finding.onset_iteration, 0))
         latest = max((max(steps) for steps in self.history.values() if steps), default=-1)
         if self.shape_from_telemetry:
-            self.ladder.shape = build_pipeline_shape(snapshots) or build_shape(snapshots) or self.ladder.shape
+            window = min(EVIDENCE_WINDOW, max(SHAPE_WINDOW, self.ladder.settled_steps()))
+            self.ladder.shape = (build_pipeline_shape(snapshots, window) or build_shape(snapshots, window)
+                                 or self.ladder.shape)
         healthy = self._healthy_step_seconds()
         for step in range(first, latest + 1):
             seconds = max((h[step]["step_seconds"] for h in self.history.values() if step in h), default=None)
@@ -247,15 +255,15 @@ def build_resplit_events(graph: model.Graph, decision: ladder.Decision) -> list[
         "key": "stageLayers", "value": split, "reason": reason})]
 
 
-def build_pipeline_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:
+def build_pipeline_shape(snapshots: Mapping[str, dict], window: int = SHAPE_WINDOW) -> ladder.JobShape | None:
     """S3's and S2's inputs from a pipeline job's telemetry. S3: every layer costs the same (the
     decoder's blocks are identical), and a stage's speed is the fastest stage's seconds per layer
     over its own (its slowest replica's median compute time divided by the layers it holds).
     S2: a replica's seconds per micro-batch are its slowest stage's (module docstring), its fixed
     seconds a step one micro-batch through its other stages (the pipeline's fill and drain, which
     do not shrink with its count), with the step's micro-batches; only once every rank of the
-    gang reports them. None until every stage
-    has published enough steps."""
+    gang reports them. Each figure is the median of the last `window` steps. None until every
+    stage has published SHAPE_WINDOW steps."""
     per_layer: dict[int, float] = {}
     per_replica: dict[int, float] = {}  # slowest stage's seconds per micro-batch
     summed: dict[int, float] = {}  # all stages' seconds for one micro-batch
@@ -264,7 +272,7 @@ def build_pipeline_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | Non
     for snap in snapshots.values():
         pipeline = (snap.get("parameters") or {}).get("pipeline") or {}
         split = pipeline.get("stage_layers")
-        steps = (snap.get("steps") or [])[-SHAPE_WINDOW:]
+        steps = (snap.get("steps") or [])[-max(window, SHAPE_WINDOW):]
         if not split or len(steps) < SHAPE_WINDOW:
             return None
         splits.add(tuple(int(n) for n in split))
@@ -322,10 +330,11 @@ def median_uncertainty(values: list[float]) -> float:
     return 1.2533 * 1.4826 * deviation / max(centre, 1e-9) / len(values) ** 0.5
 
 
-def build_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:
+def build_shape(snapshots: Mapping[str, dict], window: int = SHAPE_WINDOW) -> ladder.JobShape | None:
     """S2's inputs from the ranks' telemetry: seconds per micro-batch by rank (the runtime's own
-    figure when it publishes one, else compute over micro-batches), and the step's micro-batches.
-    None until every rank of one gang has published enough steps."""
+    figure when it publishes one, else compute over micro-batches; the median of the last
+    `window` steps), and the step's micro-batches. None until every rank of one gang has published
+    SHAPE_WINDOW steps."""
     per_rank: dict[int, float] = {}
     totals, world = set(), set()
     noise = 0.0
@@ -333,7 +342,7 @@ def build_shape(snapshots: Mapping[str, dict]) -> ladder.JobShape | None:
         parameters = snap.get("parameters") or {}
         if parameters.get("pipeline"):
             return None  # S2's unit is the pipeline replica there: build_pipeline_shape
-        steps = (snap.get("steps") or [])[-SHAPE_WINDOW:]
+        steps = (snap.get("steps") or [])[-max(window, SHAPE_WINDOW):]
         series = _microbatch_series(snap, steps) if len(steps) >= SHAPE_WINDOW else None
         if series is None:
             return None
