@@ -6,23 +6,19 @@ to the noise would have kept a recovered rank at [5, 3], 25 % slower than even."
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import remediation_support
-import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from remediation_support import Seen
 
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
 from huorn.api.common import Remediation
-from huorn.graph import compiler
 from huorn.scheduler.remediation import ladder, policy, rebalance
 
 SLOW = remediation_support.SLOW
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
-GRAPH = compiler.compile(yaml.safe_load(QUICKSTART.read_text()))
+GRAPH, noisy_gang = remediation_support.GRAPH, remediation_support.noisy_gang
 
 
 def test_the_same_slowest_unit_makes_the_ratio_exact_whatever_the_noise() -> None:
@@ -132,25 +128,6 @@ def test_the_policy_measures_each_ranks_uncertainty() -> None:
     # MAD 0.05 of a median 0.4 → σ ≈ 0.185 relative; the median of 5: 1.2533 σ / √5 ≈ 0.104
     assert shape.noise == pytest.approx(1.2533 * 1.4826 * 0.05 / 0.4 / 5 ** 0.5)
     assert policy.build_shape({"a": steady, "b": {**steady, "rank": 1}}).noise == 0.0  # type: ignore[union-attr]
-
-
-def noisy_gang(last: int, counts: list[int], speeds: list[float], jitter: float, seed: int) -> dict:
-    """Two ranks' /telemetry after `last` steps: each step's compute is its counts × seconds per
-    micro-batch, times a log-normal jitter drawn from (seed, rank, step), so every tick sees
-    the same past."""
-    snaps = {}
-    for rank, (count, speed) in enumerate(zip(counts, speeds, strict=True)):
-        steps = []
-        for step in range(max(0, last - 255), last + 1):
-            noise = random.Random(f"{seed}-{rank}-{step}").lognormvariate(0.0, jitter)
-            compute = count * speed * noise
-            steps.append({"step": step, "step_seconds": 0.5 * noise, "compute_seconds": compute,
-                          "comm_seconds": 0.0})
-        snaps[f"trainer-{rank}"] = {
-            "rank": rank, "world_size": 2, "replica": f"trainer-{rank}", "heartbeat": 0.0,
-            "collective": {"entered": last, "completed": last, "in_flight": []},
-            "parameters": {"micro_batches": {"total": 8, "mine": count}}, "steps": steps}
-    return snaps
 
 
 def ticks_until_restored(monkeypatch: pytest.MonkeyPatch, window: int, seed: int) -> int | None:

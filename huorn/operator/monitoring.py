@@ -57,7 +57,10 @@ class JobPolicies:
         return [p for p in (self.remediation, self.goodput) if p is not None]
 
 
-def build_policies(job: Any, key: tuple[str, int]) -> JobPolicies:
+def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = None) -> JobPolicies:
+    """A job's policies; with its graph, the remediation ladder takes up an S2/S3 plan the trainers
+    hold (policy.RemediationPolicy.resume): a restarted operator, or one rebuilding them for an
+    edited spec, must still give the even split back once the slowdown ends."""
     spec = job.spec
     total = declared_steps(spec)
     grow = None
@@ -66,15 +69,20 @@ def build_policies(job: Any, key: tuple[str, int]) -> JobPolicies:
             job=job.metadata.name, virtual_cluster=spec.virtual_cluster, slots=0,
             global_batch=float(spec.optimization.global_batch), total_steps=total,
         )
-    return JobPolicies(key, policy.RemediationPolicy(spec.remediation), grow, total_steps=total)
+    remediation = policy.RemediationPolicy(spec.remediation)
+    trainer = graph.vertices.get("trainer") if graph is not None else None
+    if trainer is not None and remediation.resume(trainer.params):
+        logger.info("monitor %s: remediation resumes the plan in force (%s)", job.metadata.name,
+                    remediation.ladder.applied)
+    return JobPolicies(key, remediation, grow, total_steps=total)
 
 
-def _policies_for(ctx: Context, body: Mapping[str, Any], job: Any) -> JobPolicies:
+def _policies_for(ctx: Context, body: Mapping[str, Any], job: Any, graph: model.Graph) -> JobPolicies:
     meta = body["metadata"]
     key = (str(meta.get("uid", "")), int(meta.get("generation") or 0))
     found = ctx.monitors.get((meta["namespace"], meta["name"]))
     if found is None or found.key != key:
-        found = build_policies(job, key)
+        found = build_policies(job, key, graph)
         ctx.monitors[(meta["namespace"], meta["name"])] = found
     return found
 
@@ -160,9 +168,9 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
         job = validation.load_job(body)
     except validation.InvalidSpec:
         return []
-    state = _policies_for(ctx, body, job)
-    gpus = job.spec.resources.gpus
     observed = serialise.from_status(status["graph"])
+    state = _policies_for(ctx, body, job, observed)
+    gpus = job.spec.resources.gpus
     if polling:
         observation = await fetch_observation(ctx, body, observed, state, gpus)
     else:

@@ -132,6 +132,20 @@ class MitigationLadder:
             f"{finding.onset_iteration}; observing until the loss pays for the next rung", self.ranks,
         )
 
+    def resume(self, level: MitigationLevel, plan: dict[str, object],
+               counts_in_force: list[int] | None = None, ranks: Sequence[int] = ()) -> None:
+        """Take up an S2 or S3 plan found in force with no ladder behind it: a restarted operator,
+        or a policy rebuilt for an edited spec. Without this the new ladder sits at rest while the
+        trainer keeps counts fitted to a slowdown, and when the slowdown ends nothing restores the
+        even split: a fresh detector sees no change point in a balanced step time. The plan is
+        priced from here on like one this ladder applied; what was lost before is not known, so
+        the loss towards the next rung counts from here."""
+        self.level, self.ranks = MitigationLevel(level), tuple(ranks)
+        self._apply(plan)
+        if counts_in_force is not None:
+            self.counts_in_force = list(counts_in_force)
+        self.loss_since_rung = 0.0
+
     def on_step(self, step_seconds: float, healthy_seconds: float) -> Decision | None:
         """Account one step's loss; re-plan S2/S3 once a better plan has paid for it, or climb a
         rung once the loss since the last one pays for that."""

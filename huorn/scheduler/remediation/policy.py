@@ -43,7 +43,7 @@ from typing import Any, Protocol
 from huorn.api import base
 from huorn.api.common import MitigationLevel, Remediation
 from huorn.graph import managers, model
-from huorn.scheduler.remediation import failslow, hang, ladder, steptable
+from huorn.scheduler.remediation import failslow, hang, ladder, rebalance, steptable
 
 HISTORY_STEPS = 1024  # per replica: enough for BOCD's segments, bounded for week-long jobs
 SHAPE_WINDOW = 5  # recent steps whose median compute time gives a rank's seconds per micro-batch
@@ -75,6 +75,7 @@ class RemediationPolicy:
         self._handled_hangs: set[tuple[tuple[str, ...], int]] = set()
         self._slow_seen: set[tuple[str, int]] = set()
         self._last_step = -1
+        self._resumed = False  # a plan taken up from the graph: price it from the next step on
 
     def decide(self, graph: model.Graph, observation: TelemetryObservation) -> list[managers.Event]:
         snapshots = {k: v for k, v in observation.telemetry.items() if "collective" in v}
@@ -84,6 +85,24 @@ class RemediationPolicy:
         if self.remediation.fail_slow_detection and not events:
             events = self._decide_fail_slow(graph, snapshots)
         return events
+
+    def resume(self, trainer_params: Mapping[str, Any]) -> bool:
+        """Take up the S2 counts or S3 layer split that the trainer vertex holds, if they are not
+        the even split (ladder.MitigationLadder.resume says why); True if one was taken up. The
+        graph is the API's record of what the trainers run, so this is what an operator restarted
+        or handed an edited spec knows of the ladder it replaces."""
+        counts = _uneven(trainer_params.get("microbatches"))
+        layers = _uneven(trainer_params.get("stageLayers"))
+        if counts is None and layers is None:
+            return False
+        mitigation = trainer_params.get("mitigation") or {}
+        ranks = [int(r) for r in mitigation.get("ranks") or ()] if isinstance(mitigation, Mapping) else []
+        if layers is not None:
+            self.ladder.resume(MitigationLevel.RESPLIT, {"stageLayers": layers}, counts, ranks)
+        else:
+            self.ladder.resume(MitigationLevel.REBALANCE, {"microbatches": counts}, ranks=ranks)
+        self._resumed = True
+        return True
 
     # -- hangs -----------------------------------------------------------------------------------
     def _decide_hang(
@@ -139,7 +158,13 @@ class RemediationPolicy:
                 # were lost all the same, and a detector slowed by a noisy host must not also
                 # delay the mitigation by the loss it would have counted meanwhile
                 first = min(first, max(finding.onset_iteration, 0))
+            elif self.ladder.finding is None:
+                self.ladder.finding = finding  # a resumed plan's: its onset gives the healthy baseline
         latest = max((max(steps) for steps in self.history.values() if steps), default=-1)
+        if self._resumed:
+            # the steps before the resume ran on the plan too, but under speeds not measured now:
+            # pricing them with today's shape would credit a re-plan with savings nobody saw
+            self._resumed, first = False, max(first, latest + 1)
         if self.shape_from_telemetry:
             window = min(EVIDENCE_WINDOW, max(SHAPE_WINDOW, self.ladder.settled_steps()))
             self.ladder.shape = (build_pipeline_shape(snapshots, window) or build_shape(snapshots, window)
@@ -147,9 +172,11 @@ class RemediationPolicy:
         healthy = self._healthy_step_seconds()
         for step in range(first, latest + 1):
             seconds = max((h[step]["step_seconds"] for h in self.history.values() if step in h), default=None)
-            if seconds is None or healthy is None:
+            if seconds is None:
                 continue
-            decision = self.ladder.on_step(seconds, healthy)
+            # NB: without a healthy baseline (a resumed plan, no steps before the onset) nothing is
+            # counted as lost, but the plan in force is still priced against the speeds now
+            decision = self.ladder.on_step(seconds, seconds if healthy is None else healthy)
             if decision is not None:
                 self.decisions.append(decision)
                 worker = self.ladder.finding.worker if self.ladder.finding else failslow.JOB_WIDE
@@ -319,6 +346,14 @@ def _microbatch_series(snap: dict, steps: list[dict]) -> list[float] | None:
     if all(r.get("microbatch_seconds") for r in steps):
         return [max(float(r["microbatch_seconds"]), 1e-6) for r in steps]
     return [max(float(r["compute_seconds"]), 1e-6) / int(batches["mine"]) for r in steps]
+
+
+def _uneven(split: object) -> list[int] | None:
+    """A per-unit split (counts or layers) as ints, or None if absent or the even split."""
+    if not isinstance(split, list | tuple) or len(split) < 2:
+        return None
+    values = [int(n) for n in split]
+    return None if values == rebalance.even_split(sum(values), len(values)) else values
 
 
 def median_uncertainty(values: list[float]) -> float:
