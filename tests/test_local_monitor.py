@@ -235,6 +235,29 @@ def test_a_resize_in_place_is_priced_below_a_restart_so_a_short_job_still_grows(
     assert 0 < allocator.IN_PLACE_RESIZE_SHARE < 1
 
 
+@pytest.mark.parametrize(("ago", "grows"), [(60.0, False), (1000.0, True)])
+def test_no_regrowth_within_the_cooldown_of_a_shrink_the_graph_records(ago: float, grows: bool) -> None:
+    """The allocator's flap guard (no regrowth within cooldown_seconds of a shrink), fed from the
+    graph's log: the shrink may be anyone's (a reclaim here), and a policy built after it (a
+    restarted operator) must still see it. Before, the policy passed no direction, so the guard
+    never applied outside the simulator: the telemetry that grows this job grew it 60 s after a
+    reclaim had shrunk it."""
+    import time
+
+    from huorn.backends import goodput
+    from huorn.scheduler import allocator
+
+    g = build_graph()
+    g.clock = lambda: time.time() - ago
+    mutate.resize(g, "trainer", 2, reason="goodput allocator: grow to 2")
+    mutate.resize(g, "trainer", 1, reason="reclaim by inference: shrink to 1")
+    assert goodput.last_resize_of(g, "trainer") == (pytest.approx(time.time() - ago, abs=5), -1)
+    assert 60.0 < allocator.HUORN.cooldown_seconds < 1000.0
+    policy = goodput.GoodputPolicy("quickstart", "local", slots=2, global_batch=16.0)
+    events = policy.decide(g, observe_records(GROWING_RECORDS))
+    assert [e.data["replicas"] for e in events] == ([2] if grows else [])
+
+
 def test_goodput_policy_waits_for_samples_and_skips_restart_outliers() -> None:
     from huorn.backends import goodput
 

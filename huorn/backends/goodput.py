@@ -49,7 +49,6 @@ class GoodputPolicy:
     noise_scale: float = 0.0
     last_decision: allocator.Decision | None = None
     _last_step: int = 0
-    _last_resize: float = float("-inf")
     _times: dict[int, list[float]] = field(default_factory=dict)
 
     def learn(self, steps: list[dict]) -> None:
@@ -77,6 +76,7 @@ class GoodputPolicy:
         self._last_step = step
         v = graph.vertex(self.vertex)
         now = self.clock()
+        last_resize, last_direction = last_resize_of(graph, self.vertex)
         job = allocator.JobView(
             name=self.job,
             virtual_cluster=self.virtual_cluster,
@@ -90,7 +90,8 @@ class GoodputPolicy:
             max_local_batch=self.global_batch,
             restart_seconds=self.restart_seconds * (allocator.IN_PLACE_RESIZE_SHARE if self.in_place
                                                     else 1.0),
-            last_resize=self._last_resize,
+            last_resize=last_resize,
+            last_direction=last_direction,
             model_version=len(self.perf.samples),
             # samples left, in the unit of the performance model's throughput (samples per second)
             remaining_work=(max(self.total_steps - step, 0) * self.global_batch
@@ -104,7 +105,6 @@ class GoodputPolicy:
         self.last_decision = decision
         if decision.replicas == v.replicas or not v.min_replicas <= decision.replicas <= v.max_replicas:
             return []
-        self._last_resize = now
         reason = f"goodput allocator: {decision.action} to {decision.replicas} ({decision.reason})"
         return [
             managers.Event(
@@ -113,3 +113,19 @@ class GoodputPolicy:
                 {"replicas": decision.replicas, "reason": reason[:1000]},
             )
         ]
+
+
+def last_resize_of(graph: model.Graph, vertex: str) -> tuple[float, int]:
+    """When the vertex was last resized and which way (+1 grown, -1 shrunk), from the graph's
+    mutation log; (-inf, 0) if never. The allocator's cooldown needs both: no regrowth right after
+    a shrink, no voluntary shrink right after a growth. Read from the graph, not kept in the
+    policy, so it counts resizes that others made (a reclaim, a preemption) and survives a
+    restarted operator or a policy rebuilt for an edited spec. Before, the policy passed only the
+    time of its own last decision and no direction, so the cooldown the simulator's Huorn runs
+    never applied in a cluster or a local run."""
+    for m in reversed(graph.log):
+        if m.action == "resize" and m.target == vertex:
+            grew = int(m.detail.get("to", 0)) > int(m.detail.get("from", 0))
+            return m.time, 1 if grew else -1
+    return float("-inf"), 0
+
