@@ -7,6 +7,7 @@ model) at the loopback address the test reports as the pod's IP; the operator sc
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -126,6 +127,66 @@ def test_an_inference_job_scales_on_real_load_and_takes_back_lent_gpus(
         wait_for(lambda: list(servers(kube, "chat")) == ["server-0"], what="replica 1 deleted")
         assert status(kube, "chat")["desiredReplicas"] == 1
         assert scaled(kube, "batch", "ScaledUp") == []  # an idle job at its floor stays there
+
+
+def routed_to(kube: builders.Kube, name: str) -> str:
+    return kube.core.read_namespaced_service(name, NS).spec.selector["huorn.io/vertex"]
+
+
+def test_an_inference_job_scales_to_zero_and_a_held_request_wakes_a_replica(
+    cluster: EmulatedCluster, kube: builders.Kube, replicas: serving.Replicas, tmp_path: Path
+) -> None:
+    """minReplicas 0: the job starts with one replica and an activator beside it; a quiet window
+    takes it to zero, the Service then points at the activator, and a request sent meanwhile is
+    held, wakes a replica through the autoscaler, and is answered by it."""
+    settings = dataclasses.replace(operator_mod.FAST, autoscale_seconds=0.5, serve_port=replicas.port)
+    activator_ip = "127.0.0.6"
+    with operator_mod.OperatorThread(cluster.api_client(), settings):
+        kube.create_job(NS, serving.make_inference_job(
+            "chat", "serve", autoscaling={"minReplicas": 0, "maxReplicas": 2, "scaleDownDelaySeconds": 2,
+                                          "activationTimeoutSeconds": 120}), plural=IJ)
+        wait_for(lambda: len(servers(kube, "chat")) == 1 and kube.pods(NS, "chat", "activator"),
+                 what="one replica and the activator")
+        (pod,) = kube.pods(NS, "chat", "activator")
+        container = pod.spec.containers[0]
+        assert pod.metadata.name == "chat-activator" and "nvidia.com/gpu" not in container.resources.limits
+        assert container.command[-1] == "http://chat-replicas.team.svc:80"
+        assert routed_to(kube, "chat-replicas") == "server"
+        assert routed_to(kube, "chat") == "activator"  # no replica ready yet
+        activator = serving.Activator(tmp_path / "activator", activator_ip,
+                                      f"http://{IPS['server-0']}:{replicas.port}", port=replicas.port)
+        try:
+            run_pod(kube, pod, activator_ip)
+            replicas.start(IPS["server-0"])
+            run_pod(kube, servers(kube, "chat")["server-0"], IPS["server-0"])
+            wait_for(lambda: routed_to(kube, "chat") == "server", what="the Service on the replica")
+            assert status(kube, "chat")["routing"] == "replicas"
+
+            # quiet for the 2 s window: to zero, the Service back on the activator first
+            (down, *_) = wait_for(lambda: scaled(kube, "chat", "ScaledDown"), what="to zero", timeout=60)
+            assert "1 → 0" in down.message
+            wait_for(lambda: not servers(kube, "chat"), what="the replica deleted")
+            replicas.stop(IPS["server-0"])
+            assert routed_to(kube, "chat") == "activator"
+            wait_for(lambda: status(kube, "chat").get("message", "").startswith("scaled to zero"),
+                     what="status says scaled to zero")
+            now = status(kube, "chat")
+            assert now["phase"] == "Running" and now["desiredReplicas"] == 0 and now["routing"] == "activator"
+
+            # a request meanwhile: held, read by the autoscaler, a replica placed and started
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(serving.complete, activator.url)
+                (up, *_) = wait_for(lambda: scaled(kube, "chat", "ScaledUp"), what="woken from zero")
+                assert "held by the activator" in up.message and "0 → 1" in up.message
+                wait_for(lambda: "server-0" in servers(kube, "chat"), what="a replica placed")
+                assert not answer.done()
+                replicas.start(IPS["server-0"])
+                run_pod(kube, servers(kube, "chat")["server-0"], IPS["server-0"])
+                status_code, body = answer.result(timeout=120)
+            assert status_code == 200 and body["tokens"] > 0
+            wait_for(lambda: routed_to(kube, "chat") == "server", what="the Service on the replica again")
+        finally:
+            activator.close()
 
 
 def test_lost_replicas_are_replaced_and_a_spec_change_rolls_one_replica_at_a_time(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import prometheus_client
@@ -99,8 +100,8 @@ def test_a_fall_waits_for_the_whole_window_and_takes_its_highest_need() -> None:
     assert rec.replicas == 1 and "for 60 s: 4 → 1" in rec.reason
 
 
-def test_no_reading_keeps_the_replicas_inside_the_range_and_never_scales_to_zero() -> None:
-    scaler = autoscale.Autoscaler(rule(min_replicas=0, max_replicas=3, scale_down_delay_seconds=0))
+def test_no_reading_keeps_the_replicas_inside_the_range() -> None:
+    scaler = autoscale.Autoscaler(rule(min_replicas=1, max_replicas=3, scale_down_delay_seconds=0))
     assert scaler.recommend(0.0, 5, None).replicas == 3
     assert scaler.recommend(1.0, 0, None).replicas == 1
     assert scaler.recommend(2.0, 2, reading(in_flight=0.0, replicas=2)).replicas == 1
@@ -134,6 +135,25 @@ def test_the_forecast_floor_loads_replicas_before_the_rise_and_holds_them_throug
     assert capped.recommend(1.0, 2, reading(in_flight=0.1, replicas=2), coming).replicas == 3
 
 
+def test_scale_to_zero_needs_a_whole_quiet_window_and_held_requests_wake_it_at_once() -> None:
+    scaler = autoscale.Autoscaler(rule(min_replicas=0, max_replicas=8, scale_down_delay_seconds=60))
+    # any traffic at all rounds up to one replica: a trickle never scales to zero
+    assert scaler.recommend(0.0, 1, reading(in_flight=0.01)).replicas == 1
+    assert scaler.recommend(30.0, 1, reading(in_flight=0.0)).replicas == 1  # t=0's 1 still in the window
+    gone = scaler.recommend(61.0, 1, reading(in_flight=0.0))
+    assert gone.replicas == 0 and "1 → 0" in gone.reason
+    # at zero nothing is measured, and nothing held keeps it there
+    assert scaler.recommend(70.0, 0, None).replicas == 0
+    # the activator holds 5 requests: two slots a replica at 0.5 → 5 replicas, at most 4 at once
+    woken = scaler.recommend(131.0, 0, None, held=5)
+    assert woken.replicas == 4 and woken.reason == ("5 request(s) held by the activator with no replica: "
+                                                   "0 → 4 replica(s)")
+    assert scaler.recommend(132.0, 0, None, held=1).replicas == 1
+    # a standing tokens-per-second SLO keeps one replica whatever the load
+    tokens = autoscale.Autoscaler(rule(min_replicas=0, tokens_per_second=10.0, scale_down_delay_seconds=0))
+    assert tokens.recommend(0.0, 1, reading(in_flight=0.0, per_busy_second=100.0)).replicas == 1
+
+
 @given(st.integers(1, 20), st.lists(st.floats(0, 40), min_size=1, max_size=30), st.integers(0, 5),
        st.integers(1, 20))
 def test_recommendations_stay_in_range_and_never_fall_inside_the_window(
@@ -146,8 +166,14 @@ def test_recommendations_stay_in_range_and_never_fall_inside_the_window(
     current = min(low + span, max(low, 1, current))
     for step, busy in enumerate(loads):
         now = step * 10.0
-        rec = scaler.recommend(now, current, reading(in_flight=busy, replicas=current))
-        assert max(low, 1) <= rec.replicas <= low + span
+        if current:
+            rec = scaler.recommend(now, current, reading(in_flight=busy, replicas=current))
+        else:  # scaled to zero: the load is what the activator holds
+            rec = scaler.recommend(now, current, None, held=busy)
+            assert rec.replicas == (min(low + span, max(1, math.ceil(busy - 1e-9)), 4) if busy > 0 else 0)
+        assert low <= rec.replicas <= low + span
+        if rec.replicas == 0:  # only after a whole window in which nothing was in flight
+            assert now >= 25 and low == 0 and all(need == 0 for t, need in scaler.window if t >= now - 25)
         if rec.replicas < current:
             assert now >= 25  # no fall before a whole window was seen
             window = [need for t, need in scaler.window if t >= now - 25]

@@ -84,8 +84,9 @@ class Autoscaling(ApiModel):
     batch slots, with the SLO as floors (huorn.scheduler.autoscale, the HorizontalPodAutoscaler's
     rule)."""
 
-    min_replicas: int = Field(default=1, ge=0, le=4096, description="Replicas kept even when idle; 0 "
-                              "lets the cluster lend the first replica's GPUs only while none runs.")
+    min_replicas: int = Field(default=1, ge=0, le=4096, description="Replicas kept even when idle. 0 "
+                              "scales to zero after a whole scaleDownDelaySeconds without a request: an "
+                              "activator pod then holds requests and wakes a replica for them.")
     max_replicas: int = Field(default=1, ge=1, le=4096)
     target_utilization: float = Field(default=0.7, gt=0, le=1, description="Share of each replica's "
                                       "batch slots (serving.maxBatch) kept in use: requests in flight per "
@@ -94,6 +95,10 @@ class Autoscaling(ApiModel):
         default=300, ge=0, le=86400,
         description="A scale-down waits until the load of this whole window allows it; a rise is "
                     "applied at once.")
+    activation_timeout_seconds: float = Field(
+        default=600, ge=1, le=3600,
+        description="Scaled to zero: how long the activator holds a request while the first replica "
+                    "loads its model (then 503 with Retry-After). Allow the model's cold start.")
     forecast: ReplicaForecast | None = Field(
         default=None,
         description="Keep at least the replicas that the forecast peak request rate of the next 10 "
@@ -123,3 +128,6 @@ class InferenceJobStatus(JobStatus):
     desired_replicas: int | None = Field(default=None, description="Replicas the autoscaler asks for; "
                                          "their GPUs are what the virtual cluster keeps unlent.")
     ready_replicas: int | None = None
+    routing: Literal["replicas", "activator"] | None = Field(
+        default=None, description="Scale to zero: where the job's Service sends requests now, the ready "
+                                  "replicas or the activator that holds them while none is ready.")

@@ -48,6 +48,19 @@ def parse_metrics(text: str, now: float) -> autoscale.ReplicaSample | None:
     )
 
 
+def parse_held(text: str) -> float | None:
+    """Requests an activator (huorn.runtime.activator) holds for want of a replica; None when the
+    text is not an activator's."""
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "huorn_activator_held_requests":
+                    return sample.value
+    except (ValueError, KeyError):
+        return None
+    return None
+
+
 def fetch_text(url: str, timeout: float) -> str | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:

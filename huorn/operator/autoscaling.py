@@ -127,15 +127,21 @@ async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendat
         pod = ctx.index.pods.get((namespace, manifests.pod_name(ref, instance)))
         if pod is not None and serving.is_ready(pod) and pod.ip:
             targets[instance.name] = f"http://{pod.ip}:{ctx.settings.serve_port}/metrics"
+    activator = ctx.index.pods.get((namespace, manifests.activator_pod_name(ref)))
+    if job.spec.autoscaling.min_replicas == 0 and activator is not None and serving.is_ready(activator) \
+            and activator.ip:
+        targets[manifests.ACTIVATOR_VERTEX] = f"http://{activator.ip}:{ctx.settings.serve_port}/metrics"
     texts = await asyncio.to_thread(replica_metrics.fetch_all, targets, ctx.settings.serve_timeout_seconds)
     now = time.time()
+    activator_text = texts.pop(manifests.ACTIVATOR_VERTEX, None)
+    held = (replica_metrics.parse_held(activator_text) or 0.0) if activator_text is not None else 0.0
     parsed = {replica: replica_metrics.parse_metrics(text, now) for replica, text in texts.items()}
     samples = {replica: sample for replica, sample in parsed.items() if sample is not None}
     state = _state_for(ctx, body, job)
     reading = autoscale.read_load(state.last, samples)
     state.last = samples
     floor = await forecast_floor(ctx, body, state, job, now)
-    rec = state.scaler.recommend(now, server.replicas, reading, floor)
+    rec = state.scaler.recommend(now, server.replicas, reading, floor, held)
     load = _load_status(reading, job.spec.serving.max_batch)
     seen = state.board_state
     if seen is not None and seen.reading is not None:
@@ -143,7 +149,7 @@ async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendat
                                           status.get("forecast"))
     elif status.get("forecast") is not None:
         load["forecast"] = None  # the field was removed from the spec
-    target = min(server.max_replicas, max(server.min_replicas, 1, rec.replicas))
+    target = min(server.max_replicas, max(server.min_replicas, rec.replicas))
     if target == server.replicas:
         if load and any(status.get(k) != v for k, v in load.items()):
             await ctx.client.patch_status(serving.PLURAL, namespace, name, load)

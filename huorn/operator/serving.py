@@ -19,6 +19,12 @@ replicas it has, and a restarted operator carries on from status.
 - **Rolling update.** A spec change that a running replica cannot pick up (model, quantisation,
   image, resources, env: manifests.serve_template_hash) replaces the replicas one at a time, each
   only while every other replica is ready: capacity drops by at most one replica.
+- **Scale to zero** (`autoscaling.minReplicas: 0`). An activator pod runs beside the replicas
+  (huorn.runtime.activator) and a second Service, `<job>-replicas`, always selects the replicas.
+  The job's own Service selects the replicas while one is ready and the activator otherwise
+  (`status.routing`), switched before the last replica is deleted, so no request reaches a
+  replica on its way out. The activator holds what comes meanwhile; the autoscaler reads how
+  many it holds and asks for replicas.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from huorn.operator.context import Context
 from huorn.operator.training import build_decisions, stall, write_status
 
 PLURAL = "inferencejobs"
+ACTIVATOR, REPLICAS = "activator", "replicas"  # where the job's Service sends requests
 KIND = "InferenceJob"
 SERVER = "server"
 
@@ -63,7 +70,7 @@ def restore_graph(body: Mapping[str, Any], fresh: Graph) -> tuple[Graph, list[st
     graph.vertex("router").params = fresh.vertex("router").params
     low, high = spec_server.min_replicas, spec_server.max_replicas
     server.min_replicas, server.max_replicas = min(low, server.replicas), max(high, server.replicas)
-    inside = min(high, max(max(low, 1), server.replicas))
+    inside = min(high, max(low, server.replicas))  # 0 only when the spec allows scaling to zero
     made = []
     if inside != server.replicas:
         reason = (f"spec.autoscaling is now {low}..{high} replicas (was {before[0]}..{before[1]}): "
@@ -164,9 +171,23 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
 
     missing = [i for i in server.instances if pod_of(i) is None]
     gpus = job.spec.resources.gpus
+    to_zero = job.spec.autoscaling.min_replicas == 0
+    # the Service points at the activator whenever no replica that stays is ready
+    serving_ready = sum(1 for i in server.instances if (p := pod_of(i)) is not None and is_ready(p))
+    routing = ACTIVATOR if to_zero and serving_ready == 0 else REPLICAS
     writes: list[dict[str, Any]] = []
-    if missing or old.get("observedGeneration") != meta.get("generation"):
-        writes += [manifests.build_serve_config_map(ref, spec), manifests.build_serve_service(ref)]
+    if missing or old.get("observedGeneration") != meta.get("generation") \
+            or old.get("routing", REPLICAS) != routing:
+        writes += [manifests.build_serve_config_map(ref, spec),
+                   manifests.build_serve_service(ref, to_activator=routing == ACTIVATOR)]
+        if to_zero:
+            writes.append(manifests.build_replicas_service(ref))
+    activator = pods.get(manifests.activator_pod_name(ref))
+    if to_zero and activator is None:
+        writes.append(manifests.build_activator_pod(ref, spec))
+    elif to_zero and activator is not None and not activator.holds_resources and not activator.deleting:
+        # ended (evicted, its node gone): deleted now, a new one on the reconcile its going wakes
+        await ctx.client.delete("Pod", ns, activator.name)
     placed = 0
     async with ctx.placement_lock:
         nodes = choose_nodes(free_gpus(ctx, vc), gpus, len(missing)) if gpus else [""] * len(missing)
@@ -179,6 +200,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         await asyncio.gather(*(ctx.client.apply(w) for w in writes[1:]))
     await asyncio.gather(*(ctx.client.apply(p) for p in pods_new))
     wanted = {manifests.pod_name(ref, i) for i in server.instances}
+    if to_zero:
+        wanted.add(manifests.activator_pod_name(ref))
     await asyncio.gather(*(ctx.client.delete("Pod", ns, p.name)
                            for p in pods.values() if p.name not in wanted and not p.deleting))
 
@@ -190,6 +213,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     live = [pod_of(i) for i in server.instances]
     ready = sum(1 for p in live if p is not None and is_ready(p))
     running = sum(1 for p in live if p is not None and p.holds_resources) + placed
+    activator_ready = activator is not None and is_ready(activator)
     if unplaced:
         reason = "WaitingForGPUs"
         message = (f"{unplaced} of {server.replicas} replica(s) wait for {gpus} GPU(s) each on virtual "
@@ -197,9 +221,14 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                    "GPUs to free)")
     elif ready < server.replicas:
         reason, message = "ReplicasStarting", f"{ready} of {server.replicas} replica(s) ready"
+    elif server.replicas == 0 and not activator_ready:
+        reason, message = "ActivatorStarting", "scaled to zero; the activator is not ready yet"
+    elif server.replicas == 0:
+        reason, message = "ScaledToZero", "scaled to zero: the activator holds requests and wakes a replica"
     else:
         reason, message = "AllReplicasReady", f"{ready} replica(s) serving"
-    phase = "Running" if ready else "Pending"
+    serving_now = ready > 0 or (server.replicas == 0 and activator_ready)
+    phase = "Running" if serving_now else "Pending"
     status = {
         **base,
         "phase": phase,
@@ -211,10 +240,12 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         "decisions": build_decisions(graph),
         "conditions": conditions.build_conditions(
             old.get("conditions"), meta.get("generation"),
-            ready=(ready >= server.replicas, reason, message),
-            reconciling=(ready < server.replicas, reason, message) if ready < server.replicas else None,
+            ready=(ready >= server.replicas and serving_now, reason, message),
+            reconciling=(True, reason, message) if ready < server.replicas or not serving_now else None,
         ),
     }
+    if to_zero or "routing" in old:
+        status["routing"] = routing
     if unplaced and old.get("message") != message:
         ctx.post_event(body, "Normal", reason, message)
     await write_status(ctx, body, status, PLURAL)

@@ -181,6 +181,13 @@ def build_serve_command(config_path: Path | str, python: str = sys.executable) -
     return [python, "-m", "huorn.runtime.serve", "--config", str(config_path)]
 
 
+def build_activator_command(config_path: Path | str, upstream: str,
+                            python: str = sys.executable) -> list[str]:
+    """A scaled-to-zero InferenceJob's activator (huorn.runtime.activator): holds requests while
+    no replica is ready, forwarding them to `upstream` once one is."""
+    return [python, "-m", "huorn.runtime.activator", "--config", str(config_path), "--upstream", upstream]
+
+
 RAY_PORT = 6379  # Ray's GCS on an RLJob's head pod, behind the job's headless Service
 
 

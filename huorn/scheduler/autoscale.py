@@ -33,9 +33,12 @@ know how it behaves, and each part of it answers a known failure of simpler rule
   last `scaleDownDelaySeconds` agrees (its stabilisation window), so a replica that took minutes
   to load is not dropped in a lull between two bursts.
 
-Scale to zero is not offered: with no replica there is nothing to measure, and Huorn has no
-request-holding proxy to wake one. The autoscaler keeps at least one replica; `minReplicas: 0`
-only lets the cluster lend the first replica's GPUs while the job is parked at `maxReplicas`.
+- **Scale to zero** (`minReplicas: 0`). The fleet goes to zero only when every recommendation
+  of the window was zero, which takes a whole `scaleDownDelaySeconds` with no request in flight
+  at all (any traffic rounds up to one replica), no latency or token floor and no forecast that
+  needs one; `slo.tokensPerSecond` is a standing capacity and keeps one replica. At zero there
+  is nothing to measure: the activator (huorn.runtime.activator) holds the requests that come,
+  and the count it holds (`held`) asks for replicas at once, ceil(held / (slots × target)).
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ class ScalingRule:
 
     @property
     def floor(self) -> int:
-        return max(1, self.min_replicas)
+        return self.min_replicas
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,8 @@ class Autoscaler:
         return need, why
 
     def recommend(self, now: float, current: int, reading: LoadReading | None,
-                  forecast: ForecastFloor | None = None) -> Recommendation:
+                  forecast: ForecastFloor | None = None, held: float = 0.0) -> Recommendation:
+        """`held`: requests the activator holds for want of a replica (scaled to zero)."""
         rule = self.rule
         lo, hi = rule.floor, rule.max_replicas
         if self.started is None:
@@ -233,12 +237,20 @@ class Autoscaler:
         if inside != current:
             return Recommendation(inside, f"{current} replica(s) is outside {lo}..{hi} (spec.autoscaling): "
                                           f"{current} → {inside}")
+        if current == 0 and held > 0:
+            need = math.ceil(held / (rule.slots_per_replica * rule.target_utilization) - 1e-9)
+            step = min(hi, max(1, need, forecast.replicas if forecast is not None else 0), 4)
+            self.window.append((now, step))
+            return Recommendation(step, f"{held:.0f} request(s) held by the activator with no replica: "
+                                        f"0 → {step} replica(s)")
         if reading is None:
             # Nothing measured: the forecast may only raise the count, and is not a reading the
             # scale-down window could trust later.
             if forecast is not None and min(hi, forecast.replicas) > current:
                 step = min(hi, forecast.replicas, max(2 * current, current + 4))
                 return Recommendation(step, f"{forecast.reason}: {current} → {step} replica(s)")
+            if current == 0:
+                return Recommendation(0, "scaled to zero: no request held")
             return Recommendation(current, "no replica measured twice yet")
         need, why = self.raw(current, reading, forecast)
         need = min(hi, max(lo, need))

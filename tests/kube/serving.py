@@ -84,6 +84,16 @@ class Replicas:
                 raise AssertionError(f"replica at {ip} did not start: {log}")
             time.sleep(0.1)
 
+    def stop(self, ip: str) -> None:
+        """The replica at `ip` goes away, as its pod's container does when the pod is deleted."""
+        config = str(self.run_dir / ip / "config.json")
+        for process in list(self.processes):
+            if process.args[-1] == config:  # type: ignore[index]
+                process.send_signal(signal.SIGTERM)
+                process.wait(20)
+                self.processes.remove(process)
+        (self.run_dir / ip / "serve.json").unlink(missing_ok=True)
+
     def load(self, ip: str, clients: int = 3, max_tokens: int = 40) -> None:
         """`clients` loops each asking for completions back to back until `quiet`."""
         def client(index: int) -> None:
@@ -116,6 +126,48 @@ class Replicas:
                 process.wait(20)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+class Activator:
+    """A scaled-to-zero job's activator (`python -m huorn.runtime.activator`) in a process of its
+    own at `ip`, forwarding to `upstream`, as the operator's activator pod runs it."""
+
+    def __init__(self, run_dir: Path, ip: str, upstream: str, timeout_seconds: float = 60.0,
+                 port: int = 0) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        spec = make_inference_job("chat", "serve")["spec"]
+        spec["autoscaling"]["activationTimeoutSeconds"] = timeout_seconds
+        config = run_dir / "config.json"
+        config.write_text(json.dumps({"jobName": "chat", "host": ip, "port": port, "runDir": str(run_dir),
+                                      "spec": spec}))
+        with open(run_dir / "activator.log", "wb") as log:
+            self.process = subprocess.Popen(launcher.build_activator_command(config, upstream),
+                                            stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not (run_dir / "activator.json").exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                log = (run_dir / "activator.log").read_text()[-2000:]
+                raise AssertionError(f"activator did not start: {log}")
+            time.sleep(0.1)
+        self.url = f"http://{ip}:{json.loads((run_dir / 'activator.json').read_text())['port']}"
+
+    def close(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def complete(url: str, prompt: str = "Q: 1+1?\nA:", max_tokens: int = 8,
+             timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
+    """One completion, as a client of the job's Service would ask it."""
+    async def go() -> tuple[int, dict[str, Any]]:
+        request = {"prompt": prompt, "max_tokens": max_tokens}
+        async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=timeout)) as session, \
+                session.post("/v1/completions", json=request) as r:
+            return r.status, await r.json()
+    return asyncio.run(go())
 
 
 # ---------------------------------------------------------------- a borrower on the serving nodes

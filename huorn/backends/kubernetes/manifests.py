@@ -499,8 +499,57 @@ def build_serve_config_map(job: JobRef, spec: Mapping[str, Any]) -> dict[str, An
     }
 
 
-def build_serve_service(job: JobRef) -> dict[str, Any]:
-    return build_service(job, serve_service_name(job), "server", ("http", 80, SERVE_PORT), type="ClusterIP")
+def build_serve_service(job: JobRef, to_activator: bool = False) -> dict[str, Any]:
+    """The job's Service: its ready replicas, or (scaled to zero, none ready) the activator."""
+    return build_service(job, serve_service_name(job), ACTIVATOR_VERTEX if to_activator else "server",
+                         ("http", 80, SERVE_PORT), type="ClusterIP")
+
+
+# Scale to zero (autoscaling.minReplicas 0): an activator pod holds requests while no replica is
+# ready (huorn.runtime.activator), and forwards them through a second Service that always selects
+# the replicas; the job's own Service points at the activator only while no replica is ready.
+ACTIVATOR_VERTEX = "activator"
+
+
+def replicas_service_name(job: JobRef) -> str:
+    return f"{job.name}-replicas"
+
+
+def activator_pod_name(job: JobRef) -> str:
+    return f"{job.name}-activator"
+
+
+def build_replicas_service(job: JobRef) -> dict[str, Any]:
+    return build_service(job, replicas_service_name(job), "server", ("http", 80, SERVE_PORT),
+                         type="ClusterIP")
+
+
+def build_activator_pod(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The activator: CPU only, small, restarted in place by the kubelet if it crashes. It reads
+    the job's serving config (its port and activationTimeoutSeconds) and forwards to the replicas'
+    Service by its namespace-local name."""
+    mounts, volumes = config_and_run_volumes(job)
+    limits = {"cpu": "500m", "memory": "1Gi"}
+    upstream = f"http://{replicas_service_name(job)}.{job.namespace}.svc:80"
+    metadata = job_metadata(job, activator_pod_name(job), {LABEL_VERTEX: ACTIVATOR_VERTEX,
+                                                           LABEL_INSTANCE: f"{ACTIVATOR_VERTEX}-0"})
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": {
+        "restartPolicy": "Always",
+        "containers": [{
+            "name": ACTIVATOR_VERTEX,
+            "image": spec.get("image", "ghcr.io/huorn-io/huorn:0.1.0"),
+            "command": launcher.build_activator_command(f"{CONFIG_DIR}/{CONFIG_FILE}", upstream,
+                                                        python="python"),
+            "ports": [{"name": "http", "containerPort": SERVE_PORT}],
+            "resources": {"limits": limits, "requests": dict(limits)},
+            "volumeMounts": mounts,
+            "securityContext": security_context(),
+            "readinessProbe": {"httpGet": {"path": "/healthz", "port": SERVE_PORT}, "periodSeconds": 2},
+        }],
+        "volumes": volumes,
+        # SIGTERM: held requests are answered 503 as the server stops; they are retried by clients
+        "terminationGracePeriodSeconds": 10,
+    }}
 
 
 def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[str, Any],
