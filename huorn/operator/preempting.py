@@ -40,6 +40,9 @@ async def preempt_gang(ctx: Context, namespace: str, name: str, reason: str,
                     for i in list(graph.vertex("trainer").instances) if i.name in live]
         if not replaced:
             return False
+        if grace is not None:
+            for m in replaced:
+                m.detail[training.GRACE_KEY] = grace
         old = body.get("status") or {}
         await ctx.client.patch_status(training.PLURAL, namespace, name, {
             "graph": serialise.to_status(graph), "decisions": training.build_decisions(graph),
@@ -75,6 +78,8 @@ async def shrink_gang(ctx: Context, namespace: str, name: str, replicas: list[st
         m = mutate.resize(graph, "trainer", trainer.replicas - len(going), reason=reason, remove=going)
         if m is None:
             return False
+        if grace is not None:
+            m.detail[training.GRACE_KEY] = grace
         await ctx.client.patch_status(training.PLURAL, namespace, name, {
             "graph": serialise.to_status(graph), "decisions": training.build_decisions(graph),
             "targetReplicas": trainer.replicas,
