@@ -150,6 +150,30 @@ async def test_when_prometheus_fails_the_last_forecast_stays_and_one_warning_say
     assert "error" not in board.status_of(ctx, "serve")
 
 
+async def test_a_new_operator_starts_from_the_reading_in_status_until_prometheus_answers(prometheus) -> None:
+    """The operator's memory starts empty; the last reading is in status.forecast, written by the
+    operator before. It holds the reserve through an outage, and a fresh reading replaces it."""
+    ctx, events = make_ctx()
+    body = serving(prometheus.url)
+    body["status"] = {"forecast": {"requestsPerSecond": 50.0, "peakRequestsPerSecond": 55.0, "gpus": 6,
+                                   "historyBins": 73, "model": "fitted", "error": "an old error"}}
+    prometheus.fail = (503, "query timed out")
+    kept = await board.update(ctx, body, now=DAY0)
+    assert kept == forecast.BoardReading(rate=50.0, peak=55.0, gpus=6, bins=73, fitted=True)
+    assert ctx.index.forecast_demand["serve"] == 6
+    ((_, reason, message),) = events.events
+    assert reason == "ForecastUnavailable" and message.endswith("keeping the last forecast, 6 GPU(s)")
+    assert board.status_of(ctx, "serve") == {**body["status"]["forecast"], "error": message}
+    prometheus.fail = None
+    prometheus.rate = lambda t: 2.0
+    fresh = await board.update(ctx, body, now=DAY0 + 10)
+    assert fresh is not None and fresh.gpus == 2 and ctx.index.forecast_demand["serve"] == 2
+    # a status this operator cannot read is no reading: nothing is reserved from it
+    assert board.saved_reading({"gpus": 6}, "gpus") is None
+    unreadable = {"requestsPerSecond": 1, "peakRequestsPerSecond": "x", "gpus": 6}
+    assert board.saved_reading(unreadable, "gpus") is None
+
+
 async def test_a_forecast_spec_the_crd_would_refuse_is_reported_not_raised(prometheus) -> None:
     """An object from before the CRD carried the field's schema: the board says what is wrong
     and keeps the last reading, instead of failing the cluster's whole reconcile."""

@@ -123,3 +123,31 @@ def test_a_bad_forecast_is_refused_naming_its_field(field: str, value: object, w
         InferenceJobSpec.model_validate(spec["spec"])
     (error,) = err.value.errors()
     assert error["loc"] == ("autoscaling", "forecast", field) and words in error["msg"], error
+
+
+def test_a_restarted_operator_keeps_the_forecast_floor_while_prometheus_is_down(
+    cluster: EmulatedCluster, kube: builders.Kube, prometheus: prometheus_api.PrometheusApi
+) -> None:
+    """The board's reading lives in the operator's memory and in status.forecast. A new operator
+    that cannot read Prometheus starts from status: the floor of 3 replicas holds and the reading
+    stays in status, with the error. Before, it started from nothing, wrote `forecast: null` on
+    its first tick, and the floor was gone until Prometheus answered again."""
+    settings = dataclasses.replace(operator_mod.FAST, autoscale_seconds=0.5)
+    forecast = {"prometheusURL": prometheus.url, "requestsPerReplica": 10, "history": "6h",
+                "query": 'sum(rate(huorn_serve_requests_total{job="chat"}[5m]))'}
+    autoscaling = {"minReplicas": 1, "maxReplicas": 4, "forecast": forecast, "scaleDownDelaySeconds": 1}
+    with operator_mod.OperatorThread(cluster.api_client(), settings):
+        kube.create_job(NS, serving.make_inference_job("chat", "serve", autoscaling=autoscaling), plural=IJ)
+        wait_for(lambda: (status(kube).get("forecast") or {}).get("replicas") == 3, what="the forecast")
+        assert status(kube)["desiredReplicas"] == 3
+    prometheus.fail = (503, "storage unavailable")
+    with operator_mod.OperatorThread(cluster.api_client(), settings):
+        asked = len(prometheus.queries)
+        (warning,) = wait_for(lambda: events(kube, "ForecastUnavailable"), what="the warning")
+        assert warning.message.endswith("; keeping the last forecast, 3 replica(s)"), warning.message
+        wait_for(lambda: "storage unavailable" in (status(kube).get("forecast") or {}).get("error", ""),
+                 what="the error beside the kept reading")
+        # past the 1 s scale-down window: six more ticks, each asking Prometheus in vain
+        wait_for(lambda: len(prometheus.queries) >= asked + 6, what="six ticks without Prometheus")
+        kept = status(kube)
+        assert kept["forecast"]["replicas"] == 3 and kept["desiredReplicas"] == 3

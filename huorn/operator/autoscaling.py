@@ -73,6 +73,13 @@ def _state_for(ctx: Context, body: Mapping[str, Any], job: kinds.InferenceJob) -
         last = state.last if same else {}
         # the board too: its model is refitted only when its own settings change
         kept = state.board_state if same else None
+        source = job.spec.autoscaling.forecast
+        if kept is None and source is not None:
+            # A restarted operator starts from the reading its predecessor wrote to status: while
+            # Prometheus is down it stays the floor (and stays in status) instead of the fleet
+            # shrinking to the measured load and the first write erasing it.
+            kept = board.state_for(None, source.model_dump(by_alias=True))
+            kept.reading = board.saved_reading((body.get("status") or {}).get("forecast"), "replicas")
         state = ScalerState(key, autoscale.Autoscaler(build_rule(job)), last, kept)
         ctx.autoscalers[(meta["namespace"], meta["name"])] = state
     return state
@@ -147,7 +154,7 @@ async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendat
     if seen is not None and seen.reading is not None:
         load["forecast"] = board.clearing(board.reading_status(seen.reading, seen.error, "replicas"),
                                           status.get("forecast"))
-    elif status.get("forecast") is not None:
+    elif job.spec.autoscaling.forecast is None and status.get("forecast") is not None:
         load["forecast"] = None  # the field was removed from the spec
     target = min(server.max_replicas, max(server.min_replicas, rec.replicas))
     if target == server.replicas:

@@ -18,7 +18,9 @@ first tick.
 - A rate above the reserve is the "load jumped" case: the reading is never below the current
   rate, so the next tick (`OperatorSettings.vc_status_seconds`) reclaims for it.
 - When Prometheus cannot be read, the last reading stays in force (lending less is the safe side)
-  and the cluster gets a Warning Event `ForecastUnavailable` that names the field to check.
+  and the cluster gets a Warning Event `ForecastUnavailable` that names the field to check. The
+  last reading is also in the cluster's status.forecast, so a restarted operator starts from it
+  (`resume`) rather than from nothing while Prometheus is down.
 """
 
 from __future__ import annotations
@@ -135,6 +137,39 @@ def state_for(previous: BoardState | None, config: Mapping[str, Any]) -> BoardSt
     return BoardState(settings, reading=previous.reading if previous else None)
 
 
+def saved_reading(saved: Mapping[str, Any] | None, unit_field: str) -> forecast.BoardReading | None:
+    """The reading a previous operator wrote to status (`reading_status`), so that a restarted one
+    keeps it in force while Prometheus is down instead of reserving nothing and then erasing it;
+    None when status holds none, or one this version cannot read."""
+    if not isinstance(saved, Mapping):
+        return None
+    try:
+        return forecast.BoardReading(
+            rate=float(saved["requestsPerSecond"]), peak=float(saved["peakRequestsPerSecond"]),
+            gpus=max(0, int(saved[unit_field])), bins=max(0, int(saved.get("historyBins") or 0)),
+            fitted=saved.get("model") == "fitted")
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def resume(ctx: Context, vc_body: Mapping[str, Any]) -> BoardState | None:
+    """The cluster's board state, made from its status.forecast where this operator has none yet:
+    the operator's memory starts empty, and the reading must hold (in the index, for placement's
+    reserve and reclaim) until Prometheus gives a new one. None for a cluster without a board."""
+    name = vc_body["metadata"]["name"]
+    spec = vc_body.get("spec") or {}
+    config = (spec.get("lending") or {}).get("forecast")
+    if spec.get("purpose") != "inference" or not config:
+        return None
+    state: BoardState | None = ctx.boards.get(name)
+    if state is None:
+        state = ctx.boards[name] = state_for(None, config)
+        state.reading = saved_reading((vc_body.get("status") or {}).get("forecast"), "gpus")
+        if state.reading is not None:
+            ctx.index.forecast_demand[name] = state.reading.gpus
+    return state
+
+
 async def read(ctx: Context, body: Mapping[str, Any], state: BoardState, source: RateHistory | None,
                invalid: str, field: str, per_unit: float, headroom: float, unit: str,
                now: float) -> forecast.BoardReading | None:
@@ -187,7 +222,7 @@ async def update(ctx: Context, vc_body: Mapping[str, Any],
     except pydantic.ValidationError as err:
         # the CRD's schema refuses these; an object from before the CRD was updated may not
         spec_forecast, invalid = None, f"{FIELD} is invalid: {_first_error(err)}; fix the VirtualCluster"
-    state = ctx.boards[name] = state_for(ctx.boards.get(name), config)
+    state = ctx.boards[name] = state_for(resume(ctx, vc_body), config)
     per_gpu, headroom = (spec_forecast.requests_per_gpu, spec_forecast.headroom) if spec_forecast else (1, 0)
     reading = await read(ctx, vc_body, state, spec_forecast, invalid, FIELD, per_gpu, headroom, "GPU",
                          time.time() if now is None else now)

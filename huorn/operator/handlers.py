@@ -192,6 +192,11 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             ctx.index.observe_pod(pod)
         for vc in await ctx.client.list_custom("virtualclusters", None):
             ctx.index.vcs[vc["metadata"]["name"]] = dict(vc.get("spec") or {})
+            board.resume(ctx, vc)  # its last forecast, reserved until the board reads again
+        # What inference clusters keep unlent, before any placement: the watch replays the
+        # InferenceJobs too, but only once job handlers may already be placing borrowers.
+        for body in await ctx.client.list_custom(serving.PLURAL, None):
+            ctx.index.observe_inference_job(body)
         # The line too: the first job reconciled must not take GPUs a waiting one was promised.
         for body in await ctx.client.list_custom(training.PLURAL, None):
             if (body.get("status") or {}).get("phase") in ("Succeeded", "Failed", "Suspended"):
