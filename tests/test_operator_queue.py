@@ -76,4 +76,9 @@ def test_the_line_is_rebuilt_from_the_jobs_status_after_a_restart() -> None:
     one_left = index.PodRecord("team", "j-trainer-0", "j", "trainer", "trainer-0", "a0", 2, 0, "train")
     graph = {"vertices": [{"name": "trainer", "replicas": 4}]}
     assert entry(body("Queued", graph), [one_left]).missing == 3
+    # three of four running: at its minimum, it waits only to grow, which puts it in no line
+    running = [index.PodRecord("team", f"j-trainer-{i}", "j", "trainer", f"trainer-{i}", "a0", 2, 0, "train")
+               for i in range(3)]
+    assert entry(body("Unplaceable", graph), running).missing == 0
+    assert entry(body("Unplaceable", graph), running[:2]).missing == 2  # below it: all that is missing
     assert entry(body("Draining", graph)).missing == 0, "a job draining is not in line"

@@ -70,7 +70,10 @@ def build_entry(job: Any, meta: Mapping[str, Any], missing: int = 0) -> QueuedJo
 
 def from_job(job: Any, body: Mapping[str, Any], pods: Iterable[PodRecord]) -> QueuedJob:
     """A job's entry as its API object shows it (`job`: its validated model): in line with the
-    trainer replicas that have no pod when its Reconciling condition says it waits."""
+    trainer replicas that have no pod when its Reconciling condition says it waits, and only
+    while fewer than its minimum run, as the reconcile puts it in line. A running job that waits
+    only to grow is not in line: before, a restarted operator counted its growth as a waiting
+    gang, and jobs behind it stepped back for it until its first reconcile."""
     status = body.get("status") or {}
     missing = 0
     reconciling = next((c for c in status.get("conditions") or [] if c.get("type") == "Reconciling"), {})
@@ -79,8 +82,9 @@ def from_job(job: Any, body: Mapping[str, Any], pods: Iterable[PodRecord]) -> Qu
         # A gang never placed has no graph in status yet: it starts at minReplicas.
         trainer = next((v for v in graph.get("vertices") or [] if v.get("name") == "trainer"), {})
         replicas = int(trainer.get("replicas", job.spec.elasticity.min_replicas))
+        minimum = int(trainer.get("minReplicas", job.spec.elasticity.min_replicas))
         present = sum(1 for p in pods if p.vertex == "trainer" and p.holds_resources and not p.deleting)
-        missing = max(0, replicas - present)
+        missing = max(0, replicas - present) if present < minimum else 0
     return build_entry(job, body.get("metadata") or {}, missing)
 
 
