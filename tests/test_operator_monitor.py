@@ -9,6 +9,7 @@ pods exactly as in a cluster; the tests drive the ranks' sequence numbers and st
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -228,3 +229,23 @@ def watch_past_hang_timeout(op: operator_mod.OperatorThread) -> None:
 
     start = wait_for(lambda: polls() or None, what="the monitor polling")
     wait_for(lambda: polls() >= start + 10, what="10 monitor polls", timeout=60)
+
+
+def test_a_restarted_operator_finds_a_hang_that_began_before_it_at_its_first_polls(
+    cluster, kube: builders.Kube, ranks: Ranks
+) -> None:
+    """The ranks' telemetry says when their sequence numbers last changed, so a detector that
+    starts late times the stall from there. Before, a restarted operator timed it from its own
+    first poll, and a job hung before the restart waited a whole hangTimeout more."""
+    with start_operator(cluster, ranks.port):
+        kube.create_job(NS, builders.make_training_job(
+            "llm", "train", replicas=2, max_replicas=2, gpus=2, remediation={"hangTimeout": "3s"}))
+        run_with_ips(kube, "llm", 2)
+    hang_replica_1(ranks)  # with no operator watching
+    hung_at = time.time()
+    wait_for(lambda: time.time() - hung_at > 3.5, what="the hang outlasting hangTimeout")
+    with start_operator(cluster, ranks.port) as second:
+        wait_for(lambda: decisions(kube, "llm", "replace"), what="the S4 decision", timeout=60)
+        state = second.ctx.monitors[(NS, "llm")]
+        # 3 s of 0.3 s polls would be 10 polls from its own first one; the ranks' clock needs one
+        assert state.polls <= 3, state.polls

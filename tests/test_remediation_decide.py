@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -55,11 +56,30 @@ def test_progress_resets_the_stall_clock() -> None:
         assert det.observe([sample(0, t, t), sample(1, t, t)], now=float(t)) is None
 
 
+def test_a_detector_that_starts_late_times_the_stall_from_the_ranks_own_clock() -> None:
+    """A restarted operator's detector first sees a job already hung for 100 s: the ranks say when
+    their sequence numbers last changed, so it finds the hang on its first poll, not a whole
+    timeout later. Ranks that moved since are timed from the detector's own polls again."""
+    hung = [sample(0, 12, 10, moved_at=0.0), sample(1, 10, 10, moved_at=1.0), sample(2, 12, 10, moved_at=0.5)]
+    found = hang.HangDetector(timeout=30).observe(hung, now=101.0)
+    assert found is not None and found.culprits == (1,) and found.stalled_for == pytest.approx(100.0)
+    # without the ranks' clock (an older runtime) the stall is timed from the first poll
+    old = [dataclasses.replace(s, moved_at=None) for s in hung]
+    detector = hang.HangDetector(timeout=30)
+    assert detector.observe(old, now=101.0) is None and detector.observe(old, now=131.5) is not None
+    # a healthy job seen late: it moved just now, and a rank's clock ahead of ours counts as now
+    moving = hang.HangDetector(timeout=30)
+    assert moving.observe([sample(0, 5, 5, moved_at=100.5), sample(1, 5, 5, moved_at=140.0)], now=101) is None
+    assert moving.observe([sample(0, 6, 6), sample(1, 6, 6)], now=120) is None
+
+
 def test_runtime_telemetry_snapshot_is_read() -> None:
     snap = {"rank": 3, "heartbeat": 12.5, "collective": {"entered": 7, "completed": 6, "in_flight": []},
             "steps": [{"step": 4}]}
     s = hang.parse_runtime_telemetry(snap, observed_at=13.0)
-    assert (s.rank, s.seq_entered, s.seq_completed, s.step) == (3, 7, 6, 4)
+    assert (s.rank, s.seq_entered, s.seq_completed, s.step, s.moved_at) == (3, 7, 6, 4, None)
+    snap["collective"]["changed"] = 11.0  # type: ignore[index]
+    assert hang.parse_runtime_telemetry(snap, observed_at=13.0).moved_at == 11.0
     with pytest.raises(ValueError, match="telemetry snapshot"):
         hang.parse_runtime_telemetry({"rank": 1}, observed_at=0)
 

@@ -63,6 +63,7 @@ def test_telemetry_endpoint_shows_in_flight_collectives_and_recent_steps(
     tel, port = served
     done = tel.enter_collective("allreduce")
     tel.complete_collective(done)
+    before = time.time()
     stuck = tel.enter_collective("allreduce")
     for step in range(1, 5):
         tel.record_step(step, step_seconds=1.0, comm_seconds=2.0, loss=1.0, tokens_per_second=1.0,
@@ -72,6 +73,8 @@ def test_telemetry_endpoint_shows_in_flight_collectives_and_recent_steps(
     assert status == 200 and (view["rank"], view["world_size"], view["replica"]) == (1, 2, "r1")
     assert view["collective"]["entered"] == stuck and view["collective"]["completed"] == done
     assert [c["seq"] for c in view["collective"]["in_flight"]] == [stuck]
+    # when the sequence numbers last changed (the stuck entry): a late hang detector's clock
+    assert before <= view["collective"]["changed"] <= time.time()
     assert [s["step"] for s in view["steps"]] == [2, 3, 4]  # the last N (history=3)
     assert view["steps"][-1]["comm_seconds"] == 1.0 and view["steps"][-1]["compute_seconds"] == 0.0  # capped
     assert _get(port, "/nothing")[0] == 404 and _get(port, "/healthz") == (200, "ok\n")

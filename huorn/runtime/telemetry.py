@@ -63,6 +63,9 @@ class Telemetry:
         self._lock = threading.Lock()
         self._entered = 0
         self._completed = 0
+        # wall time of the last change of either sequence number: lets a hang detector that starts
+        # watching late (a restarted operator) time a stall from when it began, not from its start
+        self._changed = time.time()
         self._in_flight: dict[int, tuple[str, float]] = {}
         self._comm_seconds = 0.0
         self._steps: collections.deque[dict] = collections.deque(maxlen=history)
@@ -80,6 +83,7 @@ class Telemetry:
             self.rank, self.world_size = rank, world_size
             self._entered = self._completed = 0
             self._in_flight.clear()
+            self._changed = time.time()
         self.seq_entered.set(0)
         self.seq_completed.set(0)
         self.world_gauge.set(world_size)
@@ -92,6 +96,7 @@ class Telemetry:
             self._entered += 1
             seq = self._entered
             self._in_flight[seq] = (op, time.monotonic())
+            self._changed = time.time()
         self.seq_entered.set(seq)
         return seq
 
@@ -101,6 +106,7 @@ class Telemetry:
             duration = time.monotonic() - started
             self._completed = max(self._completed, seq)
             self._comm_seconds += duration
+            self._changed = time.time()
             completed = self._completed
         self.seq_completed.set(completed)
         self.collectives.labels(op=op).inc()
@@ -183,7 +189,7 @@ class Telemetry:
                 "job": self.job, "rank": self.rank, "world_size": self.world_size, "replica": self.replica,
                 "pid": os.getpid(), "heartbeat": self._last_heartbeat,
                 "collective": {"entered": self._entered, "completed": self._completed,
-                               "in_flight": in_flight},
+                               "in_flight": in_flight, "changed": self._changed},
                 "steps": list(self._steps),
                 "parameters": dict(self._parameters),
             }

@@ -33,6 +33,7 @@ class RankSample:
     step: int = 0
     waiting_on: int | None = None  # the peer this rank's open collective waits for, if known
     node: str | None = None
+    moved_at: float | None = None  # when its sequence numbers last changed, by the rank's clock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +81,12 @@ class HangDetector:
             return None
         for rank, s in by_rank.items():
             position = (s.seq_entered, s.seq_completed)
-            if self._position.get(rank) != position:
+            if rank not in self._position and s.moved_at is not None:
+                # first sight (a restarted operator, a new detector): the rank says how long it
+                # has been where it is, so a stall that began before is not timed afresh
+                self._position[rank] = position
+                self._moved_at[rank] = min(now, s.moved_at)
+            elif self._position.get(rank) != position:
                 self._position[rank] = position
                 self._moved_at[rank] = now
         stalled_for = now - max(self._moved_at[r] for r in by_rank)
@@ -166,6 +172,7 @@ def parse_runtime_telemetry(snapshot: dict, observed_at: float, node: str | None
             rank=int(snapshot["rank"]), seq_entered=int(collective["entered"]),
             seq_completed=int(collective["completed"]), heartbeat=float(snapshot["heartbeat"]),
             step=int(steps[-1]["step"]) if steps else 0, node=node,
+            moved_at=float(collective["changed"]) if collective.get("changed") is not None else None,
         )
     except (KeyError, TypeError, ValueError, IndexError) as error:
         raise ValueError(f"telemetry snapshot lacks a field the hang detector needs: {error!r}") from error
