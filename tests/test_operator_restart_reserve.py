@@ -8,7 +8,6 @@ lend them only where its demand leaves room.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +15,7 @@ import prometheus_api
 import pytest
 from kube import builders, serving
 from kube import operator as operator_mod
-from kube.cluster import EmulatedCluster, wait_for
+from kube.cluster import EmulatedCluster, hold_kopf_lists, wait_for
 
 pytest_plugins = ["kube.fixtures"]
 
@@ -48,25 +47,6 @@ def placement_outcome(kube: builders.Kube, job: str) -> list[Any]:
 def fill_training_cluster(kube: builders.Kube) -> None:
     kube.create_job(NS, builders.make_training_job("fill", "train", replicas=2, max_replicas=2, gpus=4))
     wait_for(lambda: len(kube.pods(NS, "fill", "trainer")) == 2, what="the filler's pods on a0, a1")
-
-
-def hold_kopf_lists(cluster: EmulatedCluster, plural: str, seconds: float = 3.0) -> list[Any]:
-    """Hold kopf's lists of `plural` (those that start its watch, and so its handlers) for
-    `seconds`, as a busy API server may, while the operator's own client is answered at once: what
-    a restarted operator needs before its first placement must not wait for a watch. Returns the
-    requests held."""
-    held: list[Any] = []
-
-    async def hold(request: Any) -> None:
-        agent = next((v for k, v in request.headers.items() if k.lower() == "user-agent"), "")
-        if agent.startswith("kopf/"):
-            held.append(request)
-            await asyncio.sleep(seconds)
-        raise NotImplementedError  # matched, answered by what comes next (the emulator); kept active
-
-    assert cluster.kmock is not None
-    cluster.kmock[f"list {plural}"] << hold
-    return held
 
 
 def test_a_restarted_operator_keeps_the_last_forecast_while_prometheus_is_down(

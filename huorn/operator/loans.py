@@ -87,6 +87,16 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
             continue
         job = validation.load_job(body)
         graph = serialise.from_status(body["status"]["graph"])
+        # Pods whose instance the graph no longer holds were given up by a decision already in
+        # status, their deletes still to come (an operator that died in between): debt being
+        # paid. Counted as lent, they made a restarted operator reclaim twice, and the job it
+        # could no longer shrink was preempted whole.
+        kept = {i.name for i in graph.vertex("trainer").instances}
+        going = [p for p in b.pods if p.instance not in kept]
+        wanted -= sum(p.gpus for p in going)
+        b.pods = [p for p in b.pods if p.instance in kept]
+        if not b.pods:
+            continue
         key = f"{b.namespace}/{b.job}"
         jobs[key] = (b, body, job)
         min_replicas = job.spec.elasticity.min_replicas
@@ -97,6 +107,8 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
             min_replicas=min_replicas, gpus_per_replica=job.spec.resources.gpus,
             priority=job.spec.priority,
         ))
+    if wanted <= 0 or not loans:
+        return []
     view = index.build_vc_view(name, spec)
     forecast_gpus = ctx.index.forecast_demand.get(name, 0)
     if forecast_gpus > ctx.index.floors_of(name):

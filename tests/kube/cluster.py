@@ -100,3 +100,22 @@ def wait_for(predicate: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT, wha
                 return last
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or predicate}: last={last!r}")
+
+
+def hold_kopf_lists(cluster: EmulatedCluster, plural: str, seconds: float = 3.0) -> list[Any]:
+    """Hold kopf's lists of `plural` (those that start its watch, and so its handlers) for
+    `seconds`, as a busy API server may, while the operator's own client is answered at once: what
+    a restarted operator needs before its first placement must not wait for a watch. Returns the
+    requests held."""
+    held: list[Any] = []
+
+    async def hold(request: Any) -> None:
+        agent = next((v for k, v in request.headers.items() if k.lower() == "user-agent"), "")
+        if agent.startswith("kopf/"):
+            held.append(request)
+            await asyncio.sleep(seconds)
+        raise NotImplementedError  # matched, answered by what comes next (the emulator); kept active
+
+    assert cluster.kmock is not None
+    cluster.kmock[f"list {plural}"] << hold
+    return held
