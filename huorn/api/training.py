@@ -459,6 +459,9 @@ class EvaluationResult(EvaluationSummary):
 
 class TrainingJobStatus(JobStatus):
     step: int = 0
+    spec_change_refused: str | None = Field(
+        default=None, description="Why an edit of the spec is not applied to the running gang (spec.model: "
+                                  "its checkpoints hold the architecture it started with), and what to do.")
     start_time: str | None = Field(default=None, description="When the gang was first placed, or placed "
                                    "again by a resume (RFC 3339); spec.activeDeadlineSeconds counts from "
                                    "here.")

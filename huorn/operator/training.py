@@ -42,6 +42,15 @@ KIND = "TrainingJob"
 DECISION_LIMIT = 32
 REASON_LIMIT = 1024  # a decision's reason (Decision.reason); a kubelet's waiting message has no bound
 RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers"})
+# Spec fields (wire names) a running gang follows without a restart: the scheduler's and the
+# monitor's, read from the job itself. Any other edit restarts the gang from its checkpoint on the
+# new spec (an uncounted drain of every trainer pod), except those in REFUSED_WHILE_RUNNING.
+LIVE_FIELDS = frozenset({"priority", "elasticity", "remediation", "suspend", "activeDeadlineSeconds",
+                         "ttlSecondsAfterFinished"})
+# NB: the checkpoints hold the architecture the gang started with: a gang restarted on another
+# would fail to load them, so such an edit is refused while the job runs (before, it went into
+# the ConfigMap at once, and the job failed at its next restart of any kind).
+REFUSED_WHILE_RUNNING = frozenset({"model"})
 
 
 def iso_time(seconds: float) -> str:
@@ -97,6 +106,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     trainer.min_replicas, trainer.max_replicas = spec_trainer.min_replicas, spec_trainer.max_replicas
     # Parameters the monitor set at run time (the mitigation rung) survive; the spec owns the rest.
     kept = {k: v for k, v in trainer.params.items() if k in RUNTIME_PARAMS}
+    in_force = trainer.params.get("spec") if old.get("graph") else None  # what the pods started from
     trainer.params, trainer.resources = {**spec_trainer.params, **kept}, spec_trainer.resources
     ref = manifests.JobRef.from_body(body)
     spec = body.get("spec") or {}
@@ -105,6 +115,26 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
 
     pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
     new: list[Mutation] = []
+    running = [p for p in pods.values() if p.vertex == "trainer" and p.holds_resources and not p.deleting]
+    changed = spec_changes(in_force, trainer.params["spec"]) if running else []
+    refused = [k for k in changed if k in REFUSED_WHILE_RUNNING]
+    if refused:
+        # the spec in force keeps the refused fields: the graph, the ConfigMap and any pod placed
+        # from here (a replacement, growth) carry what the gang started with
+        assert in_force is not None
+        kept_fields = {k: in_force[k] for k in refused if k in in_force}
+        trainer.params["spec"] = {**trainer.params["spec"], **kept_fields}
+        spec = {**spec, **kept_fields}
+        changed = [k for k in changed if k not in refused]
+        base_status["specChangeRefused"] = (
+            f"spec.{refused[0]} changed while the job runs and is not applied: the checkpoints hold the "
+            f"architecture the gang started with, which it keeps; revert spec.{refused[0]}, or train the "
+            "new one as a new TrainingJob (task.kind cpt with task.initCheckpoint set to this job's "
+            "checkpoint)")
+        if old.get("specChangeRefused") != base_status["specChangeRefused"]:
+            _event(ctx, body, "Warning", "SpecChangeRefused", base_status["specChangeRefused"])
+    elif old.get("specChangeRefused"):
+        base_status["specChangeRefused"] = None
     if job.spec.suspend and not _all_succeeded(ref, trainer, pods):
         return await _suspend(ctx, body, ref, graph, pods, base_status)
     if vc_spec is None:
@@ -237,6 +267,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             new.append(resized)
 
     new += _plan_resplit(graph, ref, pods, old, base_status)
+    if changed and not any(m.detail.get("drain") for m in new):
+        rolled = roll_for_spec(graph, ref, pods, changed)
+        if rolled:
+            _event(ctx, body, "Normal", "SpecChanged", rolled[0].reason)
+        new += rolled
     waiting = await _drain_replaced(ctx, body, ref, graph, spec, pods, new, base_status)
     if waiting is not None:
         return waiting
@@ -486,10 +521,40 @@ async def _drain_replaced(
         _event(ctx, body, "Normal", "Resplit",
                f"restarting {len(going)} trainer pods on stage layers {list(split.layers)} "
                f"from their checkpoint: {split.reason}"[:1024])
-    await asyncio.gather(*(ctx.client.delete("Pod", ref.namespace, p.name) for p in going if not p.deleting))
+    graces = deletion_graces(graph)
+    await asyncio.gather(*(ctx.client.delete("Pod", ref.namespace, p.name,
+                                             grace_seconds=graces.get(p.instance))
+                           for p in going if not p.deleting))
     message = (f"waiting for {len(going)} trainer pods to checkpoint and exit before their "
                f"successors start" + (f" on stage layers {list(split.layers)}" if split else ""))
     return await _waiting(ctx, body, base_status, "Remediating", "Draining", message, event="Normal")
+
+
+def spec_changes(in_force: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> list[str]:
+    """Top-level spec fields (wire names) that differ between the spec the gang runs and the
+    desired one, leaving out those a running gang follows live (LIVE_FIELDS)."""
+    if in_force is None:
+        return []
+    keys = (set(in_force) | set(desired)) - LIVE_FIELDS
+    return sorted(k for k in keys if in_force.get(k) != desired.get(k))
+
+
+def roll_for_spec(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, PodRecord],
+                  changed: list[str]) -> list[Mutation]:
+    """A spec edit the running processes cannot pick up: every live trainer is replaced with drain
+    (SIGTERM, one coordinated checkpoint, exit) and its successor starts on the new spec from that
+    checkpoint, the whole gang at once, since ranks of two specs cannot train together. Not
+    counted against spec.remediation.maxRestarts: it is the user's restart, not a failure."""
+    fields = ", ".join(f"spec.{k}" for k in changed)
+    out = []
+    for instance in list(graph.vertex("trainer").instances):
+        pod = pods.get(manifests.pod_name(ref, instance))
+        if pod is None or pod.deleting or not pod.holds_resources:
+            continue
+        out.append(mutate.replace_instance(
+            graph, instance.name, drain=True, counted=False,
+            reason=f"spec changed ({fields}): the gang restarts on the new spec from its checkpoint"))
+    return out
 
 
 def desired_replicas(job: Any, current: int) -> int:
