@@ -110,3 +110,18 @@ def test_an_edit_of_the_model_is_refused_while_the_job_runs(
         patch_spec(kube, {"model": {"width": width}})
         wait_for(lambda: "specChangeRefused" not in kube.job_status(NS, "llm"), what="the refusal cleared")
         assert not events(kube, "SpecChanged")
+
+
+def test_a_spec_written_by_an_older_operator_is_read_with_todays_defaults() -> None:
+    """An operator upgrade whose API adds a defaulted field must restart no gang: the spec in force
+    is read through today's model before it is compared."""
+    from huorn.api import training as training_api
+    from huorn.operator import training
+
+    body = builders.make_training_job("llm", "train")["spec"]
+    desired = training_api.TrainingJobSpec.model_validate(body).to_wire()
+    older = {k: v for k, v in desired.items() if k != "parallelism"}  # as if written before it existed
+    assert training.spec_changes(older, desired) == []
+    assert training.spec_changes(desired, {**desired, "image": "other:1"}) == ["image"]
+    assert training.spec_changes(desired, {**desired, "priority": 1}) == []  # live
+    assert training.spec_changes({"model": "not a model"}, desired) == []  # unreadable: nothing to roll

@@ -26,6 +26,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import pydantic
+
+from huorn.api import training as training_api
 from huorn.api.common import ElasticityPolicy, FailureAction
 from huorn.backends import monitor
 from huorn.backends.kubernetes import manifests, observe
@@ -532,9 +535,17 @@ async def _drain_replaced(
 
 def spec_changes(in_force: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> list[str]:
     """Top-level spec fields (wire names) that differ between the spec the gang runs and the
-    desired one, leaving out those a running gang follows live (LIVE_FIELDS)."""
+    desired one, leaving out those a running gang follows live (LIVE_FIELDS).
+
+    NB: the spec in force was written out by the operator version that placed the gang; read
+    through this version's model first, so that a default this version adds is no change (an
+    upgrade of the operator must restart no one)."""
     if in_force is None:
         return []
+    try:
+        in_force = training_api.TrainingJobSpec.model_validate(in_force).to_wire()
+    except pydantic.ValidationError:
+        return []  # a spec this version cannot read: nothing to compare, nothing to roll
     keys = (set(in_force) | set(desired)) - LIVE_FIELDS
     return sorted(k for k in keys if in_force.get(k) != desired.get(k))
 
