@@ -22,6 +22,19 @@ pytest_plugins = ["kube.fixtures"]
 NS = "team"
 
 
+def record_shrink_of_trainer_1(kube: builders.Kube, grace: int) -> None:
+    """What preempting.shrink_gang writes into the borrower's status before it deletes anything:
+    the state an operator that died right after leaves."""
+    g = serialise.from_status(kube.job_status(NS, "elastic")["graph"])
+    m = mutate.resize(g, "trainer", 1, remove=["trainer-1"], reason="reclaim: serve reclaims 2 GPU(s)")
+    assert m is not None
+    m.detail[training.GRACE_KEY] = grace
+    kube.custom.patch_namespaced_custom_object_status(
+        builders.GROUP, builders.VERSION, NS, "trainingjobs", "elastic",
+        {"status": {"graph": serialise.to_status(g), "decisions": training.build_decisions(g),
+                    "targetReplicas": 2}})
+
+
 def test_a_shrink_left_by_a_dead_operator_is_carried_out_with_the_lenders_grace(
         cluster: EmulatedCluster, kube: builders.Kube) -> None:
     assert cluster.kmock is not None
@@ -38,16 +51,7 @@ def test_a_shrink_left_by_a_dead_operator_is_carried_out_with_the_lenders_grace(
             {"spec": {"elasticity": {"minReplicas": 1}}})  # room to shrink
         wait_for(lambda: serialise.from_status(kube.job_status(NS, "elastic")["graph"]).vertex(
             "trainer").min_replicas == 1, what="the new minimum in the graph")
-    # what preempting.shrink_gang writes before it deletes anything, for a lender whose grace is 120 s
-    g = serialise.from_status(kube.job_status(NS, "elastic")["graph"])
-    m = mutate.resize(g, "trainer", 1, remove=["trainer-1"],
-                      reason="reclaim: serve reclaims 2 GPU(s) from team/elastic")
-    assert m is not None
-    m.detail[training.GRACE_KEY] = 120
-    kube.custom.patch_namespaced_custom_object_status(
-        builders.GROUP, builders.VERSION, NS, "trainingjobs", "elastic",
-        {"status": {"graph": serialise.to_status(g), "decisions": training.build_decisions(g),
-                    "targetReplicas": 2}})
+    record_shrink_of_trainer_1(kube, grace=120)
     kubelet.hold(["elastic-trainer-1"])
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
         wait_for(lambda: [d for d in kubelet.deletes() if d[0] == "elastic-trainer-1"], what="the delete")
@@ -79,14 +83,7 @@ def test_a_restarted_operator_does_not_reclaim_twice_what_a_recorded_shrink_give
     # serve now needs 6 of b0's 8 GPUs: 2 back, which the recorded shrink of trainer-1 gives
     kube.create_job(NS, serving.make_inference_job("chat", "serve", gpus=2, min_replicas=3, max_replicas=3),
                     plural="inferencejobs")
-    g = serialise.from_status(kube.job_status(NS, "elastic")["graph"])
-    m = mutate.resize(g, "trainer", 1, remove=["trainer-1"], reason="reclaim: serve reclaims 2 GPU(s)")
-    assert m is not None
-    m.detail[training.GRACE_KEY] = 45
-    kube.custom.patch_namespaced_custom_object_status(
-        builders.GROUP, builders.VERSION, NS, "trainingjobs", "elastic",
-        {"status": {"graph": serialise.to_status(g), "decisions": training.build_decisions(g),
-                    "targetReplicas": 2}})
+    record_shrink_of_trainer_1(kube, grace=45)
     held = hold_kopf_lists(cluster, "trainingjobs")
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST) as operator:
         wait_for(lambda: operator.ctx.index.demand_of("serve") == 6 and held, what="serve's demand known")

@@ -57,8 +57,7 @@ def start_running(kube: builders.Kube) -> None:
 
 def test_an_edit_the_gang_cannot_follow_live_restarts_it_on_the_new_spec_once(
         cluster: EmulatedCluster, kube: builders.Kube, tmp_path: Path) -> None:
-    assert cluster.kmock is not None
-    kubelet = Kubelet(kube, cluster.kmock, NS)
+    kubelet = Kubelet(kube, cluster.kmock, NS)  # type: ignore[arg-type]
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
         start_running(kube)
         # a field the scheduler reads: nothing happens to the pods
@@ -89,8 +88,7 @@ def test_an_edit_the_gang_cannot_follow_live_restarts_it_on_the_new_spec_once(
 
 def test_an_edit_of_the_model_is_refused_while_the_job_runs(
         cluster: EmulatedCluster, kube: builders.Kube, tmp_path: Path) -> None:
-    assert cluster.kmock is not None
-    kubelet = Kubelet(kube, cluster.kmock, NS)
+    kubelet = Kubelet(kube, cluster.kmock, NS)  # type: ignore[arg-type]
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
         start_running(kube)
         width = run_config_of(kube, tmp_path).spec.model.width

@@ -476,16 +476,9 @@ def _plan_resplit(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, PodRec
     split = manifests.stage_split(graph)
     if split is None or old.get("resplitVersion") == split.version:
         return []
-    layers = list(split.layers)
-    out = []
-    for instance in list(graph.vertex("trainer").instances):
-        pod = pods.get(manifests.pod_name(ref, instance))
-        if pod is None or pod.deleting or not pod.holds_resources:
-            continue
-        out.append(mutate.replace_instance(
-            graph, instance.name, drain=True,
-            reason=f"remediation S3: restart on stage layers {layers} from the last checkpoint "
-                   f"(set-param of graph version {split.version})"))
+    reason = (f"remediation S3: restart on stage layers {list(split.layers)} from the last checkpoint "
+              f"(set-param of graph version {split.version})")
+    out = drain_gang(graph, ref, pods, reason)
     base_status["resplitVersion"] = split.version
     base_status["resplitReplacements"] = int(old.get("resplitReplacements") or 0) + len(out)
     return out
@@ -557,14 +550,19 @@ def roll_for_spec(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, PodRec
     checkpoint, the whole gang at once, since ranks of two specs cannot train together. Not
     counted against spec.remediation.maxRestarts: it is the user's restart, not a failure."""
     fields = ", ".join(f"spec.{k}" for k in changed)
+    return drain_gang(graph, ref, pods, f"spec changed ({fields}): the gang restarts on the new spec from "
+                                        "its checkpoint", counted=False)
+
+
+def drain_gang(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, PodRecord], reason: str,
+               counted: bool = True) -> list[Mutation]:
+    """Every live trainer replaced with drain: the gang restarts together from one checkpoint."""
     out = []
     for instance in list(graph.vertex("trainer").instances):
         pod = pods.get(manifests.pod_name(ref, instance))
-        if pod is None or pod.deleting or not pod.holds_resources:
-            continue
-        out.append(mutate.replace_instance(
-            graph, instance.name, drain=True, counted=False,
-            reason=f"spec changed ({fields}): the gang restarts on the new spec from its checkpoint"))
+        if pod is not None and not pod.deleting and pod.holds_resources:
+            out.append(mutate.replace_instance(graph, instance.name, drain=True, counted=counted,
+                                               reason=reason))
     return out
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import aiohttp
 import prometheus_client
 from aiohttp import web
 
+from huorn.runtime import serve as serve_mod
 from huorn.runtime.serve import ServeConfig
 
 RETRY_SECONDS = 0.5  # between tries while no replica answers: well under a model's load time
@@ -106,21 +106,8 @@ class Activator:
 
 async def serve(cfg: ServeConfig, upstream: str) -> None:
     activator = Activator(upstream, cfg.spec.autoscaling.activation_timeout_seconds)
-    runner = web.AppRunner(activator.app())
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
-    await site.start()
-    port = runner.addresses[0][1]
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.run_dir / "activator.json").write_text(json.dumps({"host": cfg.host, "port": port,
-                                                            "upstream": upstream}))
-    print(f"activator for {cfg.job_name} on {cfg.host}:{port} → {upstream}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
+    await serve_mod.run_until_signal(activator.app(), cfg, "activator.json", {"upstream": upstream},
+                                     f"activator of {cfg.job_name} → {upstream}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -256,16 +256,22 @@ class Server:
 
 async def serve(cfg: ServeConfig) -> None:
     model, report = load_model(cfg)
-    server = Server(cfg, model)
-    runner = web.AppRunner(server.app())
+    await run_until_signal(Server(cfg, model).app(), cfg, "serve.json", report, f"serving {cfg.job_name}")
+
+
+async def run_until_signal(app: web.Application, cfg: ServeConfig, record: str, facts: dict,
+                           what: str) -> None:
+    """Serve `app` on the config's address until SIGTERM or SIGINT; the bound port (0 picks one)
+    goes into run_dir/`record` with `facts`, which is how a supervisor or a test finds it."""
+    runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "serve.json").write_text(json.dumps({**report, "port": port, "time": time.time()}))
-    print(f"huorn: serving {cfg.job_name} on {cfg.host}:{port}", file=sys.stderr, flush=True)
+    (run_dir / record).write_text(json.dumps({**facts, "port": port, "time": time.time()}))
+    print(f"huorn: {what} on {cfg.host}:{port}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
