@@ -4,7 +4,7 @@ A running process reads its spec once, at its start. So an edit the gang cannot 
 image, env, data, optimization, resources...) restarts the whole gang from its checkpoint on the
 new spec, an uncounted drain of every trainer pod; fields the scheduler and the monitor read
 (priority, elasticity, remediation, suspend, deadlines) change nothing in the pods; and an edit of
-spec.model is refused while the job runs, because its checkpoints hold the architecture the gang
+spec.model is refused once the job has started, because its checkpoints hold the architecture the gang
 started with. Before, every edit went into the ConfigMap at once and nothing else happened: the
 gang ran the old spec until some restart mixed in the new one, and a new model failed the job then.
 """
@@ -95,7 +95,7 @@ def test_an_edit_of_the_model_is_refused_while_the_job_runs(
         patch_spec(kube, {"model": {"width": width * 2}})
         (refused,) = wait_for(lambda: events(kube, "SpecChangeRefused"), what="the refusal")
         assert refused.type == "Warning"
-        assert refused.message.startswith("spec.model changed while the job runs")
+        assert refused.message.startswith("spec.model changed after the job started")
         assert "revert spec.model" in refused.message and "task.initCheckpoint" in refused.message
         assert kube.job_status(NS, "llm")["specChangeRefused"] == refused.message
         assert kubelet.deletes() == [] and run_config_of(kube, tmp_path).spec.model.width == width
@@ -108,6 +108,26 @@ def test_an_edit_of_the_model_is_refused_while_the_job_runs(
         patch_spec(kube, {"model": {"width": width}})
         wait_for(lambda: "specChangeRefused" not in kube.job_status(NS, "llm"), what="the refusal cleared")
         assert not events(kube, "SpecChanged")
+
+
+def test_an_edit_of_the_model_of_a_suspended_job_with_checkpoints_is_refused_too(
+        cluster: EmulatedCluster, kube: builders.Kube, tmp_path: Path) -> None:
+    """No pod runs, but the checkpoints on the volume hold the old architecture, and the resumed
+    gang would load them."""
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        start_running(kube)
+        width = run_config_of(kube, tmp_path).spec.model.width
+        kube.custom.patch_namespaced_custom_object_status(  # what the monitor recorded while it ran
+            builders.GROUP, builders.VERSION, NS, "trainingjobs", "llm",
+            {"status": {"lastCheckpoint": {"step": 40, "path": "/checkpoints/llm/step-00000040"}}})
+        patch_spec(kube, {"suspend": True})
+        wait_for(lambda: kube.job_status(NS, "llm").get("phase") == "Suspended", what="Suspended")
+        wait_for(lambda: not kube.pods(NS, "llm", "trainer"), what="no trainer pod")
+        patch_spec(kube, {"model": {"width": width * 2}})
+        wait_for(lambda: kube.job_status(NS, "llm").get("specChangeRefused"), what="the refusal")
+        patch_spec(kube, {"suspend": False})
+        wait_for(lambda: len(trainers(kube)) == 2, what="the resumed gang")
+        assert run_config_of(kube, tmp_path).spec.model.width == width
 
 
 def test_a_spec_written_by_an_older_operator_is_read_with_todays_defaults() -> None:

@@ -47,13 +47,15 @@ REASON_LIMIT = 1024  # a decision's reason (Decision.reason); a kubelet's waitin
 RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers"})
 # Spec fields (wire names) a running gang follows without a restart: the scheduler's and the
 # monitor's, read from the job itself. Any other edit restarts the gang from its checkpoint on the
-# new spec (an uncounted drain of every trainer pod), except those in REFUSED_WHILE_RUNNING.
+# new spec (an uncounted drain of every trainer pod), except those in REFUSED_ONCE_STARTED.
 LIVE_FIELDS = frozenset({"priority", "elasticity", "remediation", "suspend", "activeDeadlineSeconds",
                          "ttlSecondsAfterFinished"})
 # NB: the checkpoints hold the architecture the gang started with: a gang restarted on another
-# would fail to load them, so such an edit is refused while the job runs (before, it went into
-# the ConfigMap at once, and the job failed at its next restart of any kind).
-REFUSED_WHILE_RUNNING = frozenset({"model"})
+# would fail to load them, so such an edit is refused once the job has started (before, it went
+# into the ConfigMap at once, and the job failed at its next restart of any kind). "Started": a
+# trainer pod runs, or status records a start or a checkpoint (a preempted or suspended job keeps
+# its checkpoints while it has no pod).
+REFUSED_ONCE_STARTED = frozenset({"model"})
 
 
 def iso_time(seconds: float) -> str:
@@ -119,8 +121,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
     new: list[Mutation] = []
     running = [p for p in pods.values() if p.vertex == "trainer" and p.holds_resources and not p.deleting]
-    changed = spec_changes(in_force, trainer.params["spec"]) if running else []
-    refused = [k for k in changed if k in REFUSED_WHILE_RUNNING]
+    started = bool(running) or bool(old.get("startTime") or old.get("lastCheckpoint"))
+    changed = spec_changes(in_force, trainer.params["spec"]) if started else []
+    refused = [k for k in changed if k in REFUSED_ONCE_STARTED]
     if refused:
         # the spec in force keeps the refused fields: the graph, the ConfigMap and any pod placed
         # from here (a replacement, growth) carry what the gang started with
@@ -128,9 +131,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         kept_fields = {k: in_force[k] for k in refused if k in in_force}
         trainer.params["spec"] = {**trainer.params["spec"], **kept_fields}
         spec = {**spec, **kept_fields}
-        changed = [k for k in changed if k not in refused]
         base_status["specChangeRefused"] = (
-            f"spec.{refused[0]} changed while the job runs and is not applied: the checkpoints hold the "
+            f"spec.{refused[0]} changed after the job started and is not applied: the checkpoints hold the "
             f"architecture the gang started with, which it keeps; revert spec.{refused[0]}, or train the "
             "new one as a new TrainingJob (task.kind cpt with task.initCheckpoint set to this job's "
             "checkpoint)")
@@ -138,6 +140,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             _event(ctx, body, "Warning", "SpecChangeRefused", base_status["specChangeRefused"])
     elif old.get("specChangeRefused"):
         base_status["specChangeRefused"] = None
+    # only a running gang has processes to restart; without one the next gang starts on the spec
+    changed = [k for k in changed if k not in refused] if running else []
     if job.spec.suspend and not _all_succeeded(ref, trainer, pods):
         return await _suspend(ctx, body, ref, graph, pods, base_status)
     if vc_spec is None:
