@@ -217,6 +217,30 @@ def test_a_changed_spec_restarts_the_gang_on_it_and_a_priority_change_does_not(
     assert data["spec"]["steps"] == 40  # what the new controller reads
 
 
+def test_an_edit_of_the_model_is_refused_once_the_job_has_started(kube: builders.Kube, operator) -> None:
+    """Its checkpoints hold the architecture it started with: a gang restarted on another could
+    not resume from them. The gang, its config and its pods keep the model; reverted, the refusal
+    leaves status. Before, the edit restarted the gang on the new model."""
+    kube.create_job(NS, rl_job("cpt"), plural=RL)
+    wait_for(lambda: len(live_pods(kube, "cpt")) == 3, what="the gang")
+    run_all(kube, "cpt")
+    wait_for(lambda: status(kube, "cpt").get("phase") == "Running", what="Running")
+    first = sorted(live_pods(kube, "cpt"))
+    width = json.loads(kube.core.read_namespaced_config_map("cpt-config", NS).data["config.json"])[
+        "spec"]["model"]["width"]
+    patch = kube.custom.patch_namespaced_custom_object
+    patch(builders.GROUP, builders.VERSION, NS, RL, "cpt", {"spec": {"model": {"width": width * 2}}})
+    refused = wait_for(lambda: status(kube, "cpt").get("specChangeRefused"), what="the refusal")
+    assert refused.startswith("spec.model changed after the job started") and "revert spec.model" in refused
+    assert [e.reason for e in kube.events(NS, "cpt")].count("SpecChangeRefused") == 1
+    assert sorted(live_pods(kube, "cpt")) == first  # nothing restarted
+    data = json.loads(kube.core.read_namespaced_config_map("cpt-config", NS).data["config.json"])
+    assert data["spec"]["model"]["width"] == width
+    patch(builders.GROUP, builders.VERSION, NS, RL, "cpt", {"spec": {"model": {"width": width}}})
+    wait_for(lambda: "specChangeRefused" not in status(kube, "cpt"), what="the refusal cleared")
+    assert sorted(live_pods(kube, "cpt")) == first
+
+
 def test_a_restarted_operator_restarts_a_failed_gang_once(cluster, kube: builders.Kube) -> None:
     from kube import operator as operator_mod
 

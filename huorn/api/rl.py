@@ -256,6 +256,9 @@ class RLJobSpec(JobCommon):
 
 class RLJobStatus(JobStatus):
     step: int = Field(default=0, ge=0, description="RL steps done, resumed ones included.")
+    spec_change_refused: str | None = Field(
+        default=None, description="Why an edit of spec.model is not applied (the checkpoints hold the "
+                                  "architecture the job started with), and what to do.")
     mean_reward: float | None = Field(default=None, description="The last step's mean reward.")
     progress_percent: int | None = Field(default=None, ge=0, le=100, description="step / spec.steps.")
     eval_accuracy: float | None = Field(default=None, description="Greedy accuracy on held-out prompts, "

@@ -39,7 +39,10 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import pydantic
+
 from huorn.api import kinds, rl
+from huorn.api import training as training_api
 from huorn.api.common import FailureAction
 from huorn.backends.kubernetes import manifests, observe
 from huorn.backends.kubernetes import rl_manifests as rlm
@@ -84,6 +87,25 @@ def restore_graph(body: Mapping[str, Any], fresh: Graph, layout: rl.RayLayout) -
     mutate.insert_vertices(graph, build_ray_vertices(layout), [], reason=(
         f"placed as one Ray cluster: a head (the single controller, no GPU) and {shape}"))
     return graph
+
+
+def refused_model(job: kinds.RLJob, graph: Graph, old: Mapping[str, Any],
+                  pods: Mapping[str, index.PodRecord]) -> dict[str, Any] | None:
+    """The model the job started with, when spec.model now names another and the job has started
+    (a live pod, or a recorded checkpoint or step): its checkpoints hold that architecture, and a
+    gang restarted on another would fail to resume from them. None when the edit may go through.
+    The actor's vertex keeps the model it was compiled with (restore_graph keeps the graph)."""
+    actor = graph.vertices.get("actor-train")
+    in_force = actor.params.get("model") if actor is not None else None
+    started = any(p.holds_resources and not p.deleting for p in pods.values()) or bool(
+        old.get("lastCheckpoint") or old.get("step"))
+    if not isinstance(in_force, dict) or not started:
+        return None
+    try:
+        same = training_api.ModelSpec.model_validate(in_force) == job.spec.model
+    except pydantic.ValidationError:
+        return None
+    return None if same else dict(in_force)
 
 
 def fit_layout(graph: Graph, layout: rl.RayLayout) -> None:
@@ -175,6 +197,16 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
 
     graph = restore_graph(body, fresh, layout)
     version = graph.version
+    model_in_force = refused_model(job, graph, old, pods)
+    if model_in_force is not None:
+        base["specChangeRefused"] = (
+            "spec.model changed after the job started and is not applied: its checkpoints hold the "
+            "architecture it started with, which it keeps; revert spec.model, or train the new one as a "
+            "new RLJob (spec.initCheckpoint)")
+        if old.get("specChangeRefused") != base["specChangeRefused"]:
+            ctx.post_event(body, "Warning", "SpecChangeRefused", base["specChangeRefused"])
+    elif old.get("specChangeRefused"):
+        base["specChangeRefused"] = None
     if job.spec.suspend:
         return await _suspend(ctx, body, graph, pods, base)
     if not graph.vertex(rlm.HEAD).active:
@@ -239,6 +271,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             ctx.post_event(body, "Warning", "GangRestarted", reason)
         restarts += int(counted)
     wire = job.spec.to_wire()
+    if model_in_force is not None:
+        wire["model"] = model_in_force  # the gang, its config and its pods' templates keep it
     templates = {rlm.template_hash(wire), rlm.legacy_template_hash(wire)}
     live = [p for p in (pod_of(i) for i in members) if p is not None and p.holds_resources and not p.deleting]
     if not ended and any(p.template not in templates for p in live):
