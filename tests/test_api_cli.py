@@ -25,7 +25,7 @@ def test_valid_examples_print_ok_and_exit_0() -> None:
     code, out, err = _invoke(*[str(p) for p in sorted(EXAMPLES.glob("*.yaml"))])
     assert code == 0, err
     assert f"{EXAMPLES / 'quickstart.yaml'}: TrainingJob/quickstart: ok" in out.splitlines()
-    assert out.count(": ok") == 7 and err == ""
+    assert out.count(": ok") == 8 and err == ""
 
 
 def test_an_invalid_manifest_exits_2_naming_file_kind_name_and_field() -> None:
@@ -111,3 +111,22 @@ def test_the_installed_command_exits_2_on_invalid_input() -> None:
     result = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert result.stdout.endswith("TrainingJob/quickstart: ok\n") and "spec.parallelism.k: " in result.stderr
+
+
+def test_files_without_documents_unnamed_or_not_utf8_exit_2_naming_the_problem(tmp_path: Path) -> None:
+    """Each of these passed in silence (exit 0) or ended in a traceback."""
+    (tmp_path / "empty.yaml").write_text("# nothing here yet\n---\n")
+    code, out, err = _invoke(str(tmp_path / "empty.yaml"))
+    assert code == 2 and out == "" and "empty.yaml: no YAML documents to validate" in err
+    unnamed = build_manifest("TrainingJob")
+    del unnamed["metadata"]
+    (tmp_path / "unnamed.yaml").write_text(yaml.safe_dump(unnamed))
+    code, _, err = _invoke(str(tmp_path / "unnamed.yaml"))
+    assert code == 2 and "TrainingJob/<unnamed>: metadata.name: required field is missing; name the" in err
+    generated = build_manifest("TrainingJob") | {"metadata": {"generateName": "sweep-"}}
+    (tmp_path / "generated.yaml").write_text(yaml.safe_dump(generated))
+    assert _invoke(str(tmp_path / "generated.yaml"))[0] == 0
+    (tmp_path / "latin1.yaml").write_bytes("metadata: {name: caf\xe9}\n".encode("latin-1"))
+    result = CliRunner().invoke(main.app, ["validate", str(tmp_path / "latin1.yaml")])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert "latin1.yaml: not UTF-8 text (byte 20); save the manifest as UTF-8 YAML" in result.stderr

@@ -96,3 +96,21 @@ def test_bad_input_exits_2_and_names_the_option(tmp_path: Path, args: list[str],
     files["BAD"] = tmp_path / "bad.csv"
     code, _, err = run(*[str(files.get(a, a)) for a in args])
     assert code == 2 and message in err, err
+
+
+def test_files_and_output_directories_are_named_with_the_fix(tmp_path: Path) -> None:
+    """A short history named neither --qps nor the fix, a file not in UTF-8 only the codec, and an
+    --output-dir that is a file raised FileExistsError after the board had been fitted."""
+    qps = write_qps(tmp_path / "qps.csv", days=1)
+    short = write_qps(tmp_path / "short.csv", 0.1)
+    code, _, err = run("--qps", str(short), "--requests-per-gpu", "2")
+    assert code == 2 and err.startswith(f"error: --qps {short}: history has 28 bins;"), err
+    assert err.rstrip().endswith("bins of 5 minutes; give a longer history")
+    latin1 = tmp_path / "latin1.csv"
+    latin1.write_bytes(b"timestamp_anon,value\n0,caf\xe9\n")
+    code, _, err = run("--qps", str(latin1), "--requests-per-gpu", "2")
+    assert code == 2 and f"error: {latin1}: not UTF-8 text (invalid continuation byte); the QPS" in err
+    for bad in (qps, qps / "out"):
+        code, out, err = run("--qps", str(qps), "--requests-per-gpu", "2", "-d", str(bad))
+        assert code == 2 and out == "" and f"error: --output-dir {bad}: " in err, err
+        assert "give a directory you can write" in err

@@ -4,10 +4,13 @@ torchtitan. Listing help must stay cheap: it may not import torch, sklearn or ko
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 from typer.testing import CliRunner
 
 from huorn.cli import main
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 EXPECTED = {"crds", "detect", "forecast", "graph", "operator", "run", "schedule", "simulate", "validate"}
 
@@ -64,3 +67,62 @@ def test_operator_refuses_bad_flags_before_it_connects() -> None:
         result = CliRunner().invoke(main.app, ["operator", "--kubeconfig", "/nonexistent", *args])
         assert result.exit_code == 2, (args, result.output)
         assert field in result.output, (args, result.output)
+
+
+def test_graph_and_run_say_what_is_wrong_with_the_file(tmp_path: Path) -> None:
+    """One job per file: the message spoke of load_manifests (a Python function) behind an
+    `<unknown kind>/<unnamed>` that named nothing; a file not in UTF-8 raised a traceback."""
+    job = (EXAMPLES / "quickstart.yaml").read_text()
+    (tmp_path / "two.yaml").write_text(job + "---\n" + job)
+    (tmp_path / "none.yaml").write_text("---\n")
+    (tmp_path / "latin1.yaml").write_bytes(b"kind: caf\xe9\n")
+    for command in ("graph", "run"):
+        for name, message in (("two.yaml", "holds 2 YAML documents; give a file with exactly one job"),
+                              ("none.yaml", "holds no YAML document; give a file with exactly one job"),
+                              ("latin1.yaml", "not UTF-8 text (byte 9); save the manifest as UTF-8")):
+            result = CliRunner().invoke(main.app, [command, str(tmp_path / name)])
+            assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+            assert f"error: {tmp_path / name}: {message}" in result.stderr, (command, result.stderr)
+
+
+def test_output_paths_are_refused_before_any_work(tmp_path: Path) -> None:
+    """A path that cannot be written exits 2 naming the flag, and nothing is written; these
+    raised FileExistsError, IsADirectoryError or matplotlib's ValueError after the work."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    quickstart = str(EXAMPLES / "quickstart.yaml")
+    cases = [
+        (["graph", quickstart, "--output", str(tmp_path)], f"--output {tmp_path}: is a directory"),
+        (["graph", quickstart, "--output", str(a_file / "g.dot")],
+         f"--output {a_file / 'g.dot'}: {a_file} is a file, not a directory; give a file path"),
+        (["graph", quickstart, "-o", "png", "--output", str(tmp_path / "g.dot")],
+         "-o png writes a PNG; give a path ending in .png"),
+        (["schedule", "-o", "png", "--file", str(tmp_path / "s")], "give a path ending in .png"),
+        (["schedule", "-o", "png", "--file", str(a_file / "s.png")], f"--file {a_file / 's.png'}: "),
+        (["crds", "--output-dir", str(a_file)], f"--output-dir {a_file}: is a file, not a directory"),
+        (["run", quickstart, "--run-dir", str(a_file / "run")], f"--run-dir {a_file / 'run'}: {a_file} is"),
+    ]
+    for args, message in cases:
+        result = CliRunner().invoke(main.app, args)
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), (args, result.output)
+        assert message in result.stderr, (args, result.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+    target = tmp_path / "new" / "g.dot"  # a missing parent is made, as for -o png
+    result = CliRunner().invoke(main.app, ["graph", quickstart, "--output", str(target)])
+    assert result.exit_code == 0 and target.read_text().startswith("digraph")
+
+
+def test_detect_names_a_file_that_is_not_text(tmp_path: Path) -> None:
+    path = tmp_path / "steps.csv"
+    path.write_bytes(b"iteration,worker,time\n1,w\xff,1.0\n")
+    result = CliRunner().invoke(main.app, ["detect", str(path)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert f"error: {path}: not UTF-8 text (byte 25): expected a CSV with header" in result.stderr
+
+
+def test_operator_names_a_kubeconfig_that_is_not_there(tmp_path: Path) -> None:
+    """The client's "No configuration found; pass --kubeconfig" was no fix to someone who had."""
+    for path, message in ((tmp_path / "nope", "no such file"), (tmp_path, "is a directory")):
+        result = CliRunner().invoke(main.app, ["operator", "--kubeconfig", str(path)])
+        assert result.exit_code == 2
+        assert f"error: --kubeconfig {path}: {message}; give the path of a kubeconfig file" in result.stderr

@@ -86,3 +86,31 @@ def test_job_lengths_can_be_declared_wrong_or_not_at_all(tmp_path: Path) -> None
         args = ["simulate", "--policy", "huorn", flag, value, "--output", str(tmp_path)]
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2 and flag in result.output
+
+
+def test_bad_flags_and_paths_are_named_before_the_run(tmp_path: Path) -> None:
+    """SimConfig's own names (gpus, inference_share) are not the flags a user types; an --output
+    that is a file raised only after every policy had run; a trace not in UTF-8 named no file."""
+    pods = tmp_path / "pods.csv"
+    header = "name,num_gpu,gpu_milli,qos,creation_time,deletion_time\n"
+    pods.write_text(header + "".join(f"p{i},1,1000,BE,{60 * i},{60 * i + 3600}\n" for i in range(500)))
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,gpu\nn0,8\nn1,8\n")
+    qps = tmp_path / "qps.csv"
+    qps.write_text("timestamp_anon,value\n" + "".join(f"{300 * i},5\n" for i in range(10)))
+    base = ["simulate", "--trace", str(pods), "--nodes", str(nodes), "--qps", str(qps), "--policy", "fifo",
+            "--gpus", "16"]
+    for extra, message in ((["--gpus", "-8"], "error: --gpus must be ≥ 8, got -8"),
+                           (["--inference-share", "2"], "error: --inference-share must lie in (0, 1)"),
+                           (["--qps-start", "end"], "error: --qps-start must be middle or beginning"),
+                           (["--output", str(pods)], f"error: --output {pods}: is a file, not a directory"),
+                           (["--trace", str(tmp_path)], f"error: --trace {tmp_path}: is a directory")):
+        result = CliRunner().invoke(app, [*base, "--output", str(tmp_path / "out"), *extra])
+        assert result.exit_code == 2 and message in result.stderr, (extra, result.stderr)
+    result = CliRunner().invoke(app, [*base, "--output", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert f"error: {qps}: 10 bins of request rate are too few" in result.stderr, result.stderr
+    pods.write_bytes(header.encode() + b"p\xe9,1,1000,BE,0,10\n")
+    result = CliRunner().invoke(app, [*base, "--output", str(tmp_path / "out")])
+    assert result.exit_code == 2 and f"error: {pods}: not UTF-8 text" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()

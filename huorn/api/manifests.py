@@ -49,8 +49,11 @@ class ManifestError(ValueError):
         return f"{self.kind or '<unknown kind>'}/{self.name or '<unnamed>'}"
 
     def _render(self) -> str:
+        # NB: a file that cannot be read or parsed has no kind or name; `<unknown kind>/<unnamed>`
+        # in front of its error would only be noise.
         prefix = f"{self.source}: " if self.source else ""
-        return "\n".join(f"{prefix}{self.subject}: {error}" for error in self.errors)
+        subject = f"{self.subject}: " if self.kind or self.name else ""
+        return "\n".join(f"{prefix}{subject}{error}" for error in self.errors)
 
 
 def prune_nulls(value: Any) -> Any:
@@ -148,6 +151,9 @@ def read_documents(path: Path) -> Iterator[Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
         problem = FieldError("", f"cannot read the file: {error.strerror}")
+        raise ManifestError([problem], source=str(path)) from None
+    except UnicodeDecodeError as error:
+        problem = FieldError("", f"not UTF-8 text (byte {error.start}); save the manifest as UTF-8 YAML")
         raise ManifestError([problem], source=str(path)) from None
     try:
         documents = list(yaml.safe_load_all(text))

@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from huorn.api import crdgen
+from huorn.cli.output import check_writable
 
 EXIT_STALE = 1
 
@@ -31,5 +32,6 @@ def crds_command(
             raise typer.Exit(EXIT_STALE)
         typer.echo(f"{output_dir}: up to date")
         return
+    check_writable(output_dir, "--output-dir", directory=True)
     for path in crdgen.write_crds(output_dir):
         typer.echo(f"wrote {path}")

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from huorn.api.base import parse_duration
-from huorn.cli.output import OutputFormat, print_error, render_console, render_data
+from huorn.cli.output import OutputFormat, check_writable, print_error, render_console, render_data
 from huorn.scheduler import forecast
 
 EXIT_INVALID = 2
@@ -128,6 +128,8 @@ def forecast_command(
         fail(f"--headroom={headroom}: use 0 to 1")
     if not 0 < train_share < 1:
         fail(f"--train-share={train_share}: use a share between 0 and 1, such as 0.5")
+    if output_dir is not None:
+        check_writable(output_dir, "--output-dir", directory=True)
     config = forecast.ForecastConfig(quantile=quantile)
     with err.status("reading the history and fitting the board"):
         try:
@@ -135,12 +137,17 @@ def forecast_command(
                 times, rate = forecast.load_qps_series(qps, config.bin_seconds)
             else:
                 times, rate = read_prometheus(prometheus or "", query or "", history, config.bin_seconds)
-            evaluation = forecast.evaluate_board(times, rate, requests_per_gpu, headroom, config, train_share)
         except OSError as error:
             fail(f"cannot read {qps}: {error.strerror or error}")
             raise  # not reached: fail() exits
-        except ValueError as error:  # a malformed CSV, a short history, Prometheus's refusal
+        except ValueError as error:  # a malformed CSV, Prometheus's refusal
             fail(str(error))
+            raise
+        try:
+            evaluation = forecast.evaluate_board(times, rate, requests_per_gpu, headroom, config, train_share)
+        except ValueError as error:  # a short history: name where it came from, and the way out
+            source = f"--qps {qps}" if qps is not None else f"--prometheus {prometheus} --history {history}"
+            fail(f"{source}: {error} of {config.bin_seconds / 60:g} minutes; give a longer history")
             raise
     report = {"bins_fitted": len(rate) - len(evaluation.times) - config.horizon_bins,
               "bins_replayed": len(evaluation.times), "bin_seconds": config.bin_seconds,

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from huorn import graph
 from huorn.api import manifests
+from huorn.cli.output import check_png, check_writable
 from huorn.graph import model, render, serialise
 
 EXIT_INVALID = 2
@@ -36,11 +37,16 @@ def load_job(path: Path) -> BaseModel:
     """Read and validate a one-document manifest with the API's own loader (the same checks as
     `huorn validate` and admission), and insist on a kind that compiles into a graph."""
     try:
-        resource = manifests.load_manifest(path)
+        documents = list(manifests.read_documents(path))
+        if len(documents) != 1:
+            # NB: load_manifest's own message points Python callers at load_manifests; a CLI user
+            # needs to hear what to do with the file.
+            found = f"holds {len(documents)} YAML documents" if documents else "holds no YAML document"
+            raise ManifestError(f"{path}: {found}; give a file with exactly one job manifest "
+                                "(huorn validate checks files of several)")
+        resource = manifests.load_document(documents[0], origin=str(path))
     except manifests.ManifestError as error:
         raise ManifestError(str(error)) from error
-    except OSError as error:
-        raise ManifestError(f"{path}: cannot read it ({error.strerror})") from error
     if resource.kind not in graph.registered_kinds():
         raise ManifestError(
             f"{path}: kind: {resource.kind} has no execution graph; use one of {graph.registered_kinds()}"
@@ -72,6 +78,7 @@ def render_graph(g: model.Graph, fmt: GraphFormat, output: Path | None) -> Any:
     if output is None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
     else:
+        output.parent.mkdir(parents=True, exist_ok=True)  # as render_png does
         output.write_text(text)
         typer.echo(str(output))
     return text
@@ -88,4 +95,8 @@ def graph_command(
     except ManifestError as error:
         fail_invalid(error)
         return
+    if output is not None:
+        if output_format is GraphFormat.PNG:
+            check_png(output, "--output")
+        check_writable(output, "--output")
     render_graph(g, output_format, output)

@@ -83,10 +83,21 @@ def operator_command(
         replacement_backoff_max_seconds=2.0 if fast else 360.0,
         autoscale_seconds=autoscale_seconds,
     )
+    # NB: the kubernetes client says "No configuration found" for a path that does not exist, and
+    # "pass --kubeconfig" is no fix to someone who did; name the file, as kubectl does.
+    if kubeconfig and os.pathsep not in kubeconfig and not os.path.isfile(kubeconfig):
+        what = "is a directory" if os.path.isdir(kubeconfig) else "no such file"
+        typer.echo(f"error: --kubeconfig {kubeconfig}: {what}; give the path of a kubeconfig file", err=True)
+        raise typer.Exit(EXIT_USAGE)
     try:
         api = kube.build_api_client(kubeconfig, kube_context)
     except Exception as exc:
-        typer.echo(f"error: cannot load credentials ({exc}); pass --kubeconfig or run in a cluster", err=True)
+        if kubeconfig:
+            typer.echo(f"error: --kubeconfig {kubeconfig}: cannot load credentials ({exc}); give a valid "
+                       "kubeconfig file", err=True)
+        else:
+            typer.echo(f"error: cannot load credentials ({exc}); pass --kubeconfig or run in a cluster",
+                       err=True)
         raise typer.Exit(EXIT_USAGE) from None
     runner.run_operator(
         api, namespaces=namespace, peering=peering, priority=priority, settings=settings,

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -39,3 +41,40 @@ def print_error(message: str) -> None:
     file path split across lines can no longer be copied or grepped) and read `[...]` in it as
     markup, dropping part of the message."""
     typer.echo(f"error: {message}", err=True)
+
+
+def check_png(path: Path, flag: str) -> None:
+    """Exit 2 unless `path` ends in .png: matplotlib picks the format from the suffix, so `g.dot`
+    raised deep inside it, `g.svg` wrote an SVG and `g` wrote `g.png` while `g` was printed."""
+    if path.suffix.lower() != ".png":
+        print_error(f"{flag} {path}: -o png writes a PNG; give a path ending in .png")
+        raise typer.Exit(2)
+
+
+def check_writable(path: Path, flag: str, directory: bool = False) -> None:
+    """Exit 2 naming `flag` unless `path` (a file, or a directory when `directory`) can be written.
+
+    Commands call this before their work: a report that cannot be saved after minutes of
+    simulation loses all of it, and a traceback names neither the flag nor the fix. Nothing is
+    created here, so a refused run leaves nothing behind; missing parents are created on write.
+    """
+    reason = _unwritable(path, directory)
+    if reason is not None:
+        what = "a directory" if directory else "a file path"
+        print_error(f"{flag} {path}: {reason}; give {what} you can write")
+        raise typer.Exit(2)
+
+
+def _unwritable(path: Path, directory: bool) -> str | None:
+    if path.exists():
+        if path.is_dir() != directory:
+            return "is a directory" if path.is_dir() else "is a file, not a directory"
+        return None if os.access(path, os.W_OK) else "permission denied"
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{ancestor} is a file, not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot create it in {ancestor} (permission denied)"
+    return None

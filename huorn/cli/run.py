@@ -23,6 +23,7 @@ from huorn.backends.local import backend as local_backend
 from huorn.backends.local import report
 from huorn.cli import graph as graph_cli
 from huorn.cli import live, run_rl, run_serve
+from huorn.cli.output import check_writable
 from huorn.graph import jobs, model, mutate
 
 
@@ -63,6 +64,7 @@ def build_policies(
 
 def prepare_run_dir(run_dir: Path) -> Path | None:
     """Keep a previous run's directory by renaming it (its checkpoints may matter); return where."""
+    check_writable(run_dir, "--run-dir", directory=True)
     if not run_dir.exists() or not any(run_dir.iterdir()):
         run_dir.mkdir(parents=True, exist_ok=True)
         return None

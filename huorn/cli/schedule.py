@@ -59,6 +59,11 @@ def schedule_command(
     if output is Output.PNG:
         if file is None:
             _fail("-o png needs --file PATH (a PNG is not written to a terminal)")
+            return
+        from huorn.cli.output import check_png, check_writable
+
+        check_png(file, "--file")
+        check_writable(file, "--file")
         from huorn.runtime.pipeline import drawing
 
         typer.echo(str(drawing.draw_schedules([table], file)))

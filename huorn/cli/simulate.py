@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from huorn.cli.output import print_error
+from huorn.cli.output import check_writable, print_error
 from huorn.sim import engine, policies, report, run, workload
 
 DATA = Path("/work/shared/data")
@@ -53,15 +53,21 @@ def simulate(
             raise ValueError(f"-o {fmt!r} is unknown; use table, json or yaml")
         for flag, path in (("--trace", trace), ("--nodes", nodes), ("--qps", qps)):
             if not path.is_file():
-                raise ValueError(f"{flag} {path}: no such file")
+                raise ValueError(f"{flag} {path}: " + ("is a directory; give a CSV file" if path.is_dir()
+                                                       else "no such file"))
         if work_estimate_error < 0:
             raise ValueError(f"--work-estimate-error must be ≥ 0 (0: exact lengths), "
                              f"got {work_estimate_error}")
         if not 0 <= undeclared_share <= 1:
             raise ValueError(f"--undeclared-share must lie in [0, 1], got {undeclared_share}")
-        config = engine.SimConfig(gpus=gpus, seed=seed, inference_share=inference_share, load=load,
-                                  qps_start=qps_start, work_estimate_error=work_estimate_error,
-                                  undeclared_share=undeclared_share)
+        try:
+            config = engine.SimConfig(gpus=gpus, seed=seed, inference_share=inference_share, load=load,
+                                      qps_start=qps_start, work_estimate_error=work_estimate_error,
+                                      undeclared_share=undeclared_share)
+        except ValueError as exc:  # SimConfig names its fields ("inference_share"); users know flags
+            field, _, rest = str(exc).partition(" ")
+            raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+        check_writable(output, "--output", directory=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                       TimeElapsedColumn(), console=err) as bar:
             tasks = {n: bar.add_task(f"{n:>7}", total=1.0) for n in names}

@@ -83,13 +83,22 @@ def check_file(path: Path) -> list[Verdict]:
         if _is_foreign(document):
             verdicts.append(Verdict(str(path), kind, name, "skipped"))
             continue
+        errors = [] if name or not isinstance(metadata, dict | None) else _unnamed(metadata or {})
         try:
             manifests.load_document(document, origin=str(path))
         except manifests.ManifestError as error:
-            verdicts.append(Verdict(str(path), kind, name, "invalid", [asdict(e) for e in error.errors]))
-        else:
-            verdicts.append(Verdict(str(path), kind, name, "ok"))
+            errors += [asdict(e) for e in error.errors]
+        verdicts.append(Verdict(str(path), kind, name, "invalid" if errors else "ok", errors))
     return verdicts
+
+
+def _unnamed(metadata: dict[str, Any]) -> list[dict[str, str]]:
+    """The API server refuses an object with neither name nor generateName before any schema
+    applies, so the models (which the operator also uses on stored, named objects) never see it."""
+    if metadata.get("generateName"):
+        return []
+    fix = "name the resource (metadata.generateName instead works with kubectl create only)"
+    return [{"path": "metadata.name", "message": f"required field is missing; {fix}"}]
 
 
 def _print_text(verdicts: list[Verdict]) -> None:
@@ -132,6 +141,12 @@ def validate_command(
     files, verdicts = list_manifest_files(paths)
     for path in files:
         verdicts.extend(check_file(path))
+    if not verdicts:
+        # NB: as `kubectl apply` ("no objects passed to apply"): files of only comments or `---`
+        # would otherwise pass in silence, and a script would take them for checked manifests.
+        shown = " ".join(str(path) for path in paths)
+        typer.echo(f"error: {shown}: no YAML documents to validate; give files that hold manifests", err=True)
+        raise typer.Exit(EXIT_INVALID)
     if output is OutputFormat.TEXT:
         _print_text(verdicts)
     elif output is OutputFormat.TABLE:

@@ -36,18 +36,24 @@ def load_qps_series(path: str | Path, bin_seconds: float = 300.0) -> tuple[np.nd
     """
     times: list[float] = []
     values: list[float] = []
-    with Path(path).open(newline="") as fh:
+    with Path(path).open(newline="", encoding="utf-8") as fh:
         reader = csv.DictReader(fh)
-        missing = {"timestamp_anon", "value"} - set(reader.fieldnames or [])
-        if missing:
-            raise ValueError(f"{path}: column(s) {sorted(missing)} missing; the QPS trace needs "
-                             "timestamp_anon,value")
-        for line, row in enumerate(reader, start=2):
-            try:
-                times.append(float(row["timestamp_anon"]))
-                values.append(float(row["value"]))
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"{path}:{line}: timestamp_anon and value must be numbers ({err})") from None
+        try:
+            missing = {"timestamp_anon", "value"} - set(reader.fieldnames or [])
+            if missing:
+                raise ValueError(f"{path}: column(s) {sorted(missing)} missing; the QPS trace needs "
+                                 "timestamp_anon,value")
+            for line, row in enumerate(reader, start=2):
+                try:
+                    times.append(float(row["timestamp_anon"]))
+                    values.append(float(row["value"]))
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"{path}:{line}: timestamp_anon and value must be numbers "
+                                     f"({err})") from None
+        except UnicodeDecodeError as error:
+            # NB: no byte offset: error.start counts from the decoder's chunk, not the file's start.
+            raise ValueError(f"{path}: not UTF-8 text ({error.reason}); the QPS trace is a CSV with "
+                             "columns timestamp_anon,value") from None
     if not times:
         raise ValueError(f"{path}: no rows")
     t = np.asarray(times)

@@ -42,6 +42,10 @@ def _played_series(qps_csv: Path, stamp: tuple[int, int], start: str, board: for
         offset, fit = 0, slice(half, len(rate))
     else:
         raise ValueError(f"qps start {start!r} is unknown; use middle or beginning")
+    need = forecast.min_history_bins(board or forecast.ForecastConfig())
+    if fit.stop - (fit.start or 0) < need:  # the forecaster's own message names neither file nor fix
+        raise ValueError(f"{qps_csv}: {len(rate)} bins of request rate are too few: the board is fitted on "
+                         f"half of them and needs {need}; give a series of at least {2 * need} bins")
     board_model = forecast.LoadForecaster(board, seed=seed).fit(times[fit], rate[fit])
     peak = board_model.predict_series(times, rate)
     rate.setflags(write=False)

@@ -102,12 +102,18 @@ class Node:
 
 
 def _rows(path: Path, columns: tuple[str, ...]) -> list[dict[str, str]]:
-    with Path(path).open(newline="") as fh:
+    with Path(path).open(newline="", encoding="utf-8") as fh:
         reader = csv.DictReader(fh)
-        missing = [c for c in columns if c not in (reader.fieldnames or [])]
-        if missing:
-            raise TraceError(f"{path}: column {missing[0]!r} is missing; expected columns {list(columns)}")
-        return list(reader)
+        try:
+            missing = [c for c in columns if c not in (reader.fieldnames or [])]
+            if missing:
+                raise TraceError(f"{path}: column {missing[0]!r} is missing; "
+                                 f"expected columns {list(columns)}")
+            return list(reader)
+        except UnicodeDecodeError as error:
+            # NB: no byte offset: error.start counts from the decoder's chunk, not the file's start.
+            raise TraceError(f"{path}: not UTF-8 text ({error.reason}); expected a CSV with columns "
+                             f"{list(columns)}") from None
 
 
 def _int(path: Path, line: int, row: dict[str, str], column: str, default: int | None = None) -> int:

@@ -111,7 +111,12 @@ def parse_csv(text: str) -> StepTable:
 
 
 def read_csv(path: str | Path) -> StepTable:
-    return parse_csv(Path(path).read_text())
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise StepTableError(f"not UTF-8 text (byte {error.start}): expected a CSV with header "
+                             f"{','.join(REQUIRED)}") from None
+    return parse_csv(text)
 
 
 def format_csv(table: StepTable) -> str:
