@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from huorn.cli import main
@@ -126,3 +127,13 @@ def test_operator_names_a_kubeconfig_that_is_not_there(tmp_path: Path) -> None:
         result = CliRunner().invoke(main.app, ["operator", "--kubeconfig", str(path)])
         assert result.exit_code == 2
         assert f"error: --kubeconfig {path}: {message}; give the path of a kubeconfig file" in result.stderr
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--stages", "100000"], "--stages 100000 is more than a pipeline has (at most 128"),
+    (["--microbatches", "100000"], "--microbatches 100000 is more than this tool draws (at most 4096)"),
+])
+def test_schedule_sizes_past_a_real_pipeline_are_refused_not_computed_forever(
+        args: list[str], words: str) -> None:
+    result = CliRunner().invoke(main.app, ["schedule", *args])
+    assert result.exit_code == 2 and words in result.output, result.output

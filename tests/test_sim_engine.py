@@ -102,6 +102,21 @@ def test_bad_config_names_the_field() -> None:
         run.build_simulation(TRACE, NODES, QPS, "lottery", engine.SimConfig(gpus=64))
 
 
+@pytest.mark.timeout(120)
+def test_a_job_no_sampled_training_node_can_hold_is_left_out_and_the_run_ends() -> None:
+    """16 GPUs, seed 0, samples only 2-GPU training nodes, and the trace has a pod of 8 GPUs: no
+    policy can ever place it. Before, a static FIFO run never ended (the job stayed pending)."""
+    sim = run.build_simulation(TRACE, NODES, QPS, "fifo", engine.SimConfig(gpus=16, seed=0))
+    biggest = max(v.gpus_total for v in sim.snap.node_views() if v.virtual_cluster == "train")
+    assert sim.left_out and biggest < 8
+    assert all(js.job.family.gpus_per_replica <= biggest for js in sim.jobs)
+    sim.run()
+    assert all(js.status == "done" for js in sim.jobs)
+    assert run.report.summarise(sim, 0.0)["jobs_left_out"] == len(sim.left_out)
+    # the same trace on a cluster that holds it leaves nothing out
+    assert run.build_simulation(TRACE, NODES, QPS, "fifo", engine.SimConfig(gpus=128, seed=0)).left_out == []
+
+
 def test_at_1024_gpus_every_gpu_training_pod_of_the_trace_is_a_job() -> None:
     """1,024 GPUs is the whole trace, unsampled: the speed goal (under 60 s) is measured on it
     by benchmarks/scheduling_sim.py, not timed here."""

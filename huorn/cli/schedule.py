@@ -23,6 +23,9 @@ class Output(StrEnum):
     PNG = "png"
 
 
+MAX_STAGES, MAX_MICROBATCHES = 128, 4096
+
+
 def schedule_command(
     stages: int = typer.Option(4, "--stages", "-s", help="Pipeline stages."),
     microbatches: int = typer.Option(8, "--microbatches", "-m",
@@ -38,6 +41,14 @@ def schedule_command(
     and the step's makespan in unit times (forward 1, backward 2)."""
     from huorn.runtime.pipeline import schedules
 
+    # NB: the table grows as stages × micro-batches (and its check for deadlocks faster): bounds a
+    # pipeline can have (spec.parallelism.pipelineStages ≤ 128), not a run that never ends
+    if stages > MAX_STAGES:
+        _fail(f"--stages {stages} is more than a pipeline has (at most {MAX_STAGES}, as "
+              "spec.parallelism.pipelineStages)")
+    if microbatches > MAX_MICROBATCHES:
+        _fail(f"--microbatches {microbatches} is more than this tool draws (at most {MAX_MICROBATCHES}); "
+              "past that the bubble's share, (stages − 1) / (micro-batches + stages − 1), is at most 3 %")
     if name == "kfkb" and k < 1:
         _fail("--k must be >= 1 for kfkb (k = 1 is 1F1B)")
     if name != "kfkb" and k != 1:

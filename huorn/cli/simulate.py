@@ -79,6 +79,11 @@ def simulate(
         print_error(str(exc))
         raise typer.Exit(2) from None
     path = report.write_report(output, results, sims)
+    left_out = next(iter(sims.values())).left_out
+    if left_out:
+        err.print(f"note: {len(left_out)} job(s) of the trace fit no training node sampled for {gpus} GPUs "
+                  f"(seed {seed}) and were left out of every policy's run (jobs_left_out): "
+                  f"{', '.join(left_out[:5])}{' ...' if len(left_out) > 5 else ''}")
     err.print(f"wrote {path} and plots in {output}")
     full = {"policies": results, "huorn_vs_baselines": report.compare(results)}
     if fmt == "json":

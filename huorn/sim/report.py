@@ -45,6 +45,7 @@ def summarise(sim: engine.Simulation, wall_seconds: float) -> dict:
     t = sim.totals
     return {
         "jobs": len(jobs),
+        "jobs_left_out": len(sim.left_out),  # no training node of this cluster holds their pods
         "gpus": sim.config.gpus,
         "training_gpus": sim.train_gpus,
         "inference_gpus": sim.infer_gpus,
