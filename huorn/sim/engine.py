@@ -86,8 +86,10 @@ class Simulation:
         train_view = snapshot.VirtualClusterView(TRAIN, max_gpus_borrowed=self.infer_gpus if lends else 0)
         self.snap = snapshot.ClusterSnapshot(views, [train_view, self.infer_view])
         self.train_gpus = self.snap.capacity(TRAIN)
-        self.left_out = [j.name for j in jobs if not _fits(views, j)]
-        jobs = [j for j in jobs if j.name not in set(self.left_out)]
+        shape = {j.name: (j.requested_replicas, j.family.gpus_per_replica) for j in jobs}
+        fitting = {s for s in set(shape.values()) if _fits(views, *s)}  # one check per gang shape
+        self.left_out = [j.name for j in jobs if shape[j.name] not in fitting]
+        jobs = [j for j in jobs if shape[j.name] in fitting]
         if not jobs:
             raise ValueError(f"no job of the trace fits the {len(views)} node(s) sampled for --gpus "
                              f"{config.gpus} (seed {config.seed}); use more --gpus or another --seed")
@@ -231,15 +233,14 @@ class Simulation:
         self.totals.slo_served += requests * (1.0 if need <= avail else max(0, avail) / need)
 
 
-def _fits(views: list[placement.NodeView], job: workload.TrainingJob) -> bool:
-    """Whether the job's gang fits the empty training nodes at all. A small cluster can sample
+def _fits(views: list[placement.NodeView], replicas: int, gpus_per_replica: int) -> bool:
+    """Whether a gang of this shape fits the empty training nodes at all. A small cluster can sample
     only nodes smaller than one of the trace's pods (at 16 GPUs, seed 0: 2-GPU training nodes and
     an 8-GPU pod), and a job no policy can ever place would keep the simulation running forever:
     such jobs are left out of every policy's run alike (`Simulation.left_out`, in the report)."""
     train = [v for v in views if v.virtual_cluster == TRAIN]
     empty = snapshot.ClusterSnapshot(train, [snapshot.VirtualClusterView(TRAIN)])
-    where = empty.place(TRAIN, job.requested_replicas, job.family.gpus_per_replica)
-    return isinstance(where, placement.Placement)
+    return isinstance(empty.place(TRAIN, replicas, gpus_per_replica), placement.Placement)
 
 
 def _pick_inference_nodes(nodes: list[workload.Node], gpus: int) -> set[str]:
