@@ -149,6 +149,10 @@ def test_scale_to_zero_needs_a_whole_quiet_window_and_held_requests_wake_it_at_o
     assert woken.replicas == 4 and woken.reason == ("5 request(s) held by the activator with no replica: "
                                                    "0 → 4 replica(s)")
     assert scaler.recommend(132.0, 0, None, held=1).replicas == 1
+    # the first replicas still load and the activator holds more than they can take: more now
+    loading = scaler.recommend(133.0, 4, None, held=12)
+    assert loading.replicas == 8 and "4 replica(s) not ready yet: 4 → 8" in loading.reason
+    assert scaler.recommend(134.0, 4, None, held=3).replicas == 4  # the coming ones suffice
     # a standing tokens-per-second SLO keeps one replica whatever the load
     tokens = autoscale.Autoscaler(rule(min_replicas=0, tokens_per_second=10.0, scale_down_delay_seconds=0))
     assert tokens.recommend(0.0, 1, reading(in_flight=0.0, per_busy_second=100.0)).replicas == 1

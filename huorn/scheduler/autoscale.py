@@ -38,7 +38,8 @@ know how it behaves, and each part of it answers a known failure of simpler rule
   at all (any traffic rounds up to one replica), no latency or token floor and no forecast that
   needs one; `slo.tokensPerSecond` is a standing capacity and keeps one replica. At zero there
   is nothing to measure: the activator (huorn.runtime.activator) holds the requests that come,
-  and the count it holds (`held`) asks for replicas at once, ceil(held / (slots × target)).
+  and the count it holds (`held`) asks for replicas at once, ceil(held / (slots × target)); so
+  does a count beyond what the replicas still loading can take.
 """
 
 from __future__ import annotations
@@ -237,12 +238,17 @@ class Autoscaler:
         if inside != current:
             return Recommendation(inside, f"{current} replica(s) is outside {lo}..{hi} (spec.autoscaling): "
                                           f"{current} → {inside}")
-        if current == 0 and held > 0:
+        if reading is None and held > 0:
+            # No replica measured (none runs, or the first ones still load): what the activator
+            # holds is the load, and more of it than the replicas coming can take asks for more now
             need = math.ceil(held / (rule.slots_per_replica * rule.target_utilization) - 1e-9)
-            step = min(hi, max(1, need, forecast.replicas if forecast is not None else 0), 4)
-            self.window.append((now, step))
-            return Recommendation(step, f"{held:.0f} request(s) held by the activator with no replica: "
-                                        f"0 → {step} replica(s)")
+            need = max(1, need, forecast.replicas if forecast is not None else 0)
+            step = min(hi, need, max(2 * current, current + 4))
+            if step > current:
+                self.window.append((now, step))
+                ready = "no replica" if current == 0 else f"{current} replica(s) not ready yet"
+                return Recommendation(step, f"{held:.0f} request(s) held by the activator with {ready}: "
+                                            f"{current} → {step} replica(s)")
         if reading is None:
             # Nothing measured: the forecast may only raise the count, and is not a reading the
             # scale-down window could trust later.
