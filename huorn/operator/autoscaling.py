@@ -75,11 +75,7 @@ def _state_for(ctx: Context, body: Mapping[str, Any], job: kinds.InferenceJob) -
         kept = state.board_state if same else None
         source = job.spec.autoscaling.forecast
         if kept is None and source is not None:
-            # A restarted operator starts from the reading its predecessor wrote to status: while
-            # Prometheus is down it stays the floor (and stays in status) instead of the fleet
-            # shrinking to the measured load and the first write erasing it.
-            kept = board.state_for(None, source.model_dump(by_alias=True))
-            kept.reading = board.saved_reading((body.get("status") or {}).get("forecast"), "replicas")
+            kept = board.from_status(source.model_dump(by_alias=True), body.get("status"), "replicas")
         state = ScalerState(key, autoscale.Autoscaler(build_rule(job)), last, kept)
         ctx.autoscalers[(meta["namespace"], meta["name"])] = state
     return state

@@ -152,6 +152,15 @@ def saved_reading(saved: Mapping[str, Any] | None, unit_field: str) -> forecast.
         return None
 
 
+def from_status(config: Mapping[str, Any], status: Mapping[str, Any] | None, unit_field: str) -> BoardState:
+    """A new board state whose last reading is the one in `status.forecast`, written by the
+    operator before: a restarted one keeps it in force while Prometheus is down (a cluster's
+    reserve, a job's replica floor) instead of starting from nothing and erasing it."""
+    state = state_for(None, config)
+    state.reading = saved_reading((status or {}).get("forecast"), unit_field)
+    return state
+
+
 def resume(ctx: Context, vc_body: Mapping[str, Any]) -> BoardState | None:
     """The cluster's board state, made from its status.forecast where this operator has none yet:
     the operator's memory starts empty, and the reading must hold (in the index, for placement's
@@ -163,8 +172,7 @@ def resume(ctx: Context, vc_body: Mapping[str, Any]) -> BoardState | None:
         return None
     state: BoardState | None = ctx.boards.get(name)
     if state is None:
-        state = ctx.boards[name] = state_for(None, config)
-        state.reading = saved_reading((vc_body.get("status") or {}).get("forecast"), "gpus")
+        state = ctx.boards[name] = from_status(config, vc_body.get("status"), "gpus")
         if state.reading is not None:
             ctx.index.forecast_demand[name] = state.reading.gpus
     return state
