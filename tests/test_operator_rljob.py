@@ -137,12 +137,12 @@ def test_a_lost_worker_restarts_the_gang_and_a_refused_config_fails_the_job(
 
     # The controller of the new gang refuses its config: final, whatever budget is left.
     run_all(kube, "grpo")
-    refusal = ("Traceback is not printed\nerror: spec.roles.actorTrain.replicas: 2, but the RL runtime "
-               "trains with one actor; set it to 1")
+    refusal = ("Traceback is not printed\nerror: spec.algorithm.name: ppo needs a critic, which Huorn's "
+               "RL runtime does not train")
     end_pod(kube, "grpo-ray-head-0-g1", "Failed", 2, refusal)
     failed = wait_for(lambda: (s := status(kube, "grpo")).get("phase") == "Failed" and s, what="Failed")
     assert "exit code 2" in failed["message"] and "the runtime refused its config" in failed["message"]
-    assert "spec.roles.actorTrain.replicas: 2" in failed["message"]
+    assert "spec.algorithm.name: ppo needs a critic" in failed["message"]
     assert failed["restarts"] == 1
     assert kube.condition(NS, "grpo", "Stalled", RL)["status"] == "True"
     wait_for(lambda: list(live_pods(kube, "grpo")) == ["grpo-ray-head-0-g1"], what="the workers stopped")
@@ -283,13 +283,15 @@ def test_the_controllers_progress_reaches_status_and_kubectl_get(cluster, kube: 
             wait_for(lambda: len(live_pods(kube, "prog")) == 3, what="the gang")
             for record in ({"event": "start", "resumed_from": 0}, {"event": "eval", "accuracy": 0.25},
                            {"event": "rl", "step": 0, "reward_mean": 0.5},
-                           {"event": "rl", "step": 1, "reward_mean": 0.625}):
+                           {"event": "rl", "step": 1, "reward_mean": 0.625,
+                            "role_replicas": {"actorTrain": 2, "rollout": 1, "reference": 0, "reward": 0}}):
                 state.record(record)  # before the job runs: no poll sees half of them
             run_all(kube, "prog")
             kube.core.patch_namespaced_pod_status("prog-ray-head-0", NS, {"status": {"podIP": "127.0.0.6"}})
             wait_for(lambda: status(kube, "prog").get("phase") == "Running", what="Running")
             first = wait_for(lambda: (s := status(kube, "prog")).get("step") == 2 and s, what="step 2")
             assert (first["progressPercent"], first["meanReward"], first["evalAccuracy"]) == (10, 0.625, 0.25)
+            assert first["roleReplicas"] == {"actorTrain": 2, "rollout": 1, "reference": 0, "reward": 0}
             # More steps within progress_seconds wait; a new checkpoint is written at once, with them.
             state.record({"event": "rl", "step": 2, "reward_mean": 0.75})
             state.record({"event": "rl", "step": 3, "reward_mean": 0.75})
@@ -396,12 +398,12 @@ def test_a_suspended_gang_keeps_its_workers_until_the_head_has_checkpointed(clus
     wait_for(lambda: status(kube, "order").get("message", "").startswith("suspended: no pods"), what="done")
 
 
-def test_more_gpus_join_the_running_ray_cluster_and_rollout_scales_without_a_restart(
+def test_more_gpus_join_the_running_ray_cluster_and_roles_scale_without_a_restart(
     kube: builders.Kube, operator
 ) -> None:
-    """Roles that scale on their own: raising spec.gpus with roles.rollout.replicas adds Ray
-    workers to the running cluster (the gang keeps running, nothing restarts) and writes the new
-    replicas into the ConfigMap, which the running controller re-reads at every step
+    """Roles that scale on their own: raising spec.gpus with roles.*.replicas adds Ray workers to
+    the running cluster (the gang keeps running, nothing restarts) and writes the new replicas
+    into the ConfigMap, which the running controller re-reads at every step
     (tests/test_runtime_rl.py runs that half). Lowering spec.gpus restarts the gang on fewer
     workers: a Ray node cannot leave under running actors."""
     kube.create_job(NS, rl_job("grow"), plural=RL)
@@ -411,29 +413,31 @@ def test_more_gpus_join_the_running_ray_cluster_and_rollout_scales_without_a_res
     wait_for(lambda: status(kube, "grow").get("phase") == "Running", what="Running")
     patch = kube.custom.patch_namespaced_custom_object
     patch(builders.GROUP, builders.VERSION, NS, RL, "grow",
-          {"spec": {"gpus": 6, "roles": {"rollout": {"replicas": 2}}}})
-    wait_for(lambda: sorted(live_pods(kube, "grow")) == [*first, "grow-ray-worker-2"], what="a third worker")
+          {"spec": {"gpus": 8, "roles": {"actorTrain": {"replicas": 2}, "rollout": {"replicas": 2}}}})
+    more = ["grow-ray-worker-2", "grow-ray-worker-3"]
+    wait_for(lambda: sorted(live_pods(kube, "grow")) == [*first, *more], what="two more workers")
     joining = wait_for(lambda: (s := status(kube, "grow")).get("observedGeneration") == 2 and s,
                        what="the change seen")
-    assert joining["phase"] == "Running" and "1 more Ray worker(s) joining" in joining["message"]
+    assert joining["phase"] == "Running" and "2 more Ray worker(s) joining" in joining["message"]
     resize = joining["decisions"][-1]
-    assert resize["action"] == "resize" and "adding 1 to the running Ray cluster" in resize["reason"]
+    assert resize["action"] == "resize" and "adding 2 to the running Ray cluster" in resize["reason"]
     assert not any(d["action"] == "replace" for d in joining["decisions"])
     data = json.loads(kube.core.read_namespaced_config_map("grow-config", NS).data["config.json"])
-    assert data["spec"]["roles"]["rollout"]["replicas"] == 2 and data["spec"]["gpus"] == 6
+    roles = data["spec"]["roles"]
+    assert (roles["actorTrain"]["replicas"], roles["rollout"]["replicas"], data["spec"]["gpus"]) == (2, 2, 8)
     run_all(kube, "grow")
-    wait_for(lambda: "3 GPU worker(s)" in status(kube, "grow").get("message", ""),
-             what="three workers running")
-    assert sorted(live_pods(kube, "grow")) == [*first, "grow-ray-worker-2"]  # none restarted
+    wait_for(lambda: "4 GPU worker(s)" in status(kube, "grow").get("message", ""),
+             what="four workers running")
+    assert sorted(live_pods(kube, "grow")) == [*first, *more]  # none restarted
 
     patch(builders.GROUP, builders.VERSION, NS, RL, "grow",
-          {"spec": {"gpus": 4, "roles": {"rollout": {"replicas": 1}}}})
+          {"spec": {"gpus": 4, "roles": {"actorTrain": {"replicas": 1}, "rollout": {"replicas": 1}}}})
     second = ["grow-ray-head-0-g1", "grow-ray-worker-0-g1", "grow-ray-worker-1-g1"]
     wait_for(lambda: sorted(live_pods(kube, "grow")) == second, what="the gang restarted on two workers")
     after = status(kube, "grow")
     assert after["restarts"] == 0
     restarted = [d["reason"] for d in after["decisions"] if d["action"] == "replace"]
-    assert any("fewer than the 3 running" in reason for reason in restarted), restarted
+    assert any("fewer than the 4 running" in reason for reason in restarted), restarted
 
 
 def test_a_worker_that_never_starts_is_replaced_alone(cluster, kube: builders.Kube) -> None:

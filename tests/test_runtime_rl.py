@@ -345,28 +345,30 @@ def test_async_generation_overlaps_the_next_rollout_with_the_update(tmp_path: Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_rollout_workers_follow_the_config_file_between_steps(tmp_path: Path) -> None:
-    """spec.roles.rollout.replicas in the config file (a ConfigMap in a cluster) is read at every
-    step boundary: rollout workers are added, join once Ray has started them, and the surplus is
-    stopped, while the job goes on: no restart, every step once."""
+def test_every_role_follows_the_config_file_between_steps(tmp_path: Path) -> None:
+    """spec.roles.*.replicas in the config file (a ConfigMap in a cluster) is read at every step
+    boundary: rollout, reference and reward workers are added, join once Ray has started them,
+    and the surplus is stopped; training actors join the data-parallel group with its state and
+    leave it; the job goes on meanwhile: no restart, every step once."""
     spec = {"virtualCluster": "x", "model": MODEL, "steps": 500,
-            "algorithm": {"name": "lite-ppo", "groupSize": 2},
+            "algorithm": {"name": "grpo", "groupSize": 2},  # a KL term: reference workers
             "reward": {"type": "format", "dataset": "arithmetic-small"},
             "rollout": {"maxNewTokens": 4},
             "optimization": {"learningRate": 1e-3, "promptsPerStep": 4},
-            "roles": {"rollout": {"replicas": 1}},
             "checkpoint": {"path": "/checkpoints", "intervalSteps": 1000}}
     config = tmp_path / "rl.json"
     port = _free_port()
 
-    def write(replicas: int) -> None:
-        body = {**spec, "roles": {"rollout": {"replicas": replicas}}}
-        config.write_text(json.dumps({"jobName": "rl", "spec": body, "runDir": str(tmp_path / "run"),
+    def write(train: int, rollout: int, reference: int, reward: int) -> None:
+        roles = {"actorTrain": {"replicas": train}, "rollout": {"replicas": rollout},
+                 "reference": {"replicas": reference}, "reward": {"replicas": reward}}
+        config.write_text(json.dumps({"jobName": "rl", "spec": {**spec, "roles": roles},
+                                      "runDir": str(tmp_path / "run"),
                                       "checkpointDir": str(tmp_path / "ckpt"), "evalPrompts": 0,
-                                      # room for two more workers: the first two actors take 2
-                                      "rayCpus": 4, "progressPort": port}))
+                                      # logical CPUs: room for every actor asked for below
+                                      "rayCpus": 8, "progressPort": port}))
 
-    write(1)
+    write(1, 1, 1, 1)
     env = harness.child_env()
     env.pop("RAY_ADDRESS", None)
     log = tmp_path / "run" / controller.STEPS_FILE
@@ -384,25 +386,35 @@ def test_rollout_workers_follow_the_config_file_between_steps(tmp_path: Path) ->
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             time.sleep(0.2)
 
+    grown = {"actorTrain": 2, "rollout": 3, "reference": 2, "reward": 2}
+    small = {"actorTrain": 1, "rollout": 1, "reference": 1, "reward": 1}
     try:
         wait_until(lambda es: sum(e["event"] == "rl" for e in es) >= 2, "two steps")
-        write(3)
-        wait_until(lambda es: any(e.get("rollout_workers") == 3 for e in es), "three rollout workers")
+        write(*grown.values())
+        wait_until(lambda es: any(e.get("role_replicas") == grown for e in es), "every role grown")
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/progress", timeout=10) as answer:
-            assert json.loads(answer.read())["rolloutWorkers"] == 3
-        write(1)
-        wait_until(lambda es: any(e.get("rollout_workers") == 1 for e in es
-                                  if e["event"] == "rl" and e["step"] > min(
-                                      x["step"] for x in es if x.get("rollout_workers") == 3)), "back to one")
+            served = json.loads(answer.read())
+        assert served["rolloutWorkers"] == 3 and served["roleReplicas"] == grown
+        write(*small.values())
+        def shrunk(es: list[dict]) -> bool:
+            first = min(x["step"] for x in es if x.get("role_replicas") == grown)
+            return any(e.get("role_replicas") == small for e in es
+                       if e["event"] == "rl" and e["step"] > first)
+
+        wait_until(shrunk, "back to one")
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 128 + signal.SIGTERM
     finally:
         if process.poll() is None:
             process.kill()
     seen = events()
-    scales = [(e["from"], e["to"]) for e in seen if e["event"] == "scale"]
-    assert scales[-1] == (3, 1) and any(to == 3 for _, to in scales), scales
-    assert all(b >= a for a, b in scales[:-1]), scales  # up (maybe through 2 as workers join), then down
-    steps = [e["step"] for e in seen if e["event"] == "rl"]
-    assert steps == list(range(len(steps)))  # one run, no restart, no step twice
+    for role, most in grown.items():
+        scales = [(e["from"], e["to"]) for e in seen if e["event"] == "scale" and e["role"] == role]
+        assert scales[-1] == (most, 1) and any(to == most for _, to in scales), (role, scales)
+        assert all(b >= a for a, b in scales[:-1]), scales  # up (maybe in steps as actors join), then down
+    steps = [e for e in seen if e["event"] == "rl"]
+    assert [e["step"] for e in steps] == list(range(len(steps)))  # one run, no restart, no step twice
     assert sum(e["event"] == "start" for e in seen) == 1
+    # the update reports the group it ran on, and the loss stays finite through the hand-overs
+    assert {e["trainers"] for e in steps} == {1, 2}
+    assert all(math.isfinite(e["loss"]) for e in steps)

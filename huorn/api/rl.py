@@ -269,6 +269,9 @@ class RLJobStatus(JobStatus):
     completion_time: str | None = None
     rollout_workers: int | None = Field(default=None, ge=0, description="Rollout workers the controller "
                                         "runs now (spec.roles.rollout.replicas, once started).")
+    role_replicas: dict[str, Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, description="The actors each role ran the last step on (actorTrain, rollout, "
+                                  "reference, reward): spec.roles.*.replicas once Ray has started them.")
     config_hash: str | None = Field(default=None, description="The run config in the job's ConfigMap, "
                                     "which the running controller re-reads at every step.")
     controller_restarts: int | None = Field(default=None, ge=0, description="Times the running gang's "

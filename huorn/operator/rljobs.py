@@ -273,7 +273,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     wire = job.spec.to_wire()
     if model_in_force is not None:
         wire["model"] = model_in_force  # the gang, its config and its pods' templates keep it
-    templates = {rlm.template_hash(wire), rlm.legacy_template_hash(wire)}
+    templates = rlm.template_hashes(wire)
     live = [p for p in (pod_of(i) for i in members) if p is not None and p.holds_resources and not p.deleting]
     if not ended and any(p.template not in templates for p in live):
         # Ray's nodes and the controller read the spec once, at their start: a changed spec
@@ -417,6 +417,8 @@ def progress_status(seen: Mapping[str, Any]) -> dict[str, Any]:
         status["evalAccuracy"] = round(float(seen["evalAccuracy"]), 6)
     if seen.get("rolloutWorkers") is not None:
         status["rolloutWorkers"] = int(seen["rolloutWorkers"])
+    if isinstance(seen.get("roleReplicas"), Mapping):
+        status["roleReplicas"] = {str(k): int(v) for k, v in seen["roleReplicas"].items()}
     if seen.get("attempt") is not None:
         status["controllerRestarts"] = max(0, int(seen["attempt"]) - 1)
     if seen.get("lastCheckpoint"):

@@ -36,23 +36,32 @@ START_TIMEOUT_SECONDS = 1800.0
 UNROLLED_FIELDS = frozenset({"priority", "remediation", "suspend", "controllerRetries"})
 
 
-def template_hash(spec: Mapping[str, Any]) -> str:
-    """What a gang was started from: a pod with another hash runs an old spec. Two fields a
-    running gang follows are left out too: `gpus` (more Ray workers join the running cluster;
-    fewer restart it, which the operator decides itself) and `roles.rollout.replicas` (the
-    controller re-reads it from the ConfigMap at every step)."""
+# Roles whose replica count a running controller follows (it re-reads the ConfigMap at every
+# step: huorn.runtime.rl.pools), so a change of it restarts no pod.
+LIVE_ROLES = ("actorTrain", "rollout", "reference", "reward")
+
+
+def template_hash(spec: Mapping[str, Any], live_roles: tuple[str, ...] = LIVE_ROLES) -> str:
+    """What a gang was started from: a pod with another hash runs an old spec. Fields a running
+    gang follows are left out too: `gpus` (more Ray workers join the running cluster; fewer
+    restart it, which the operator decides itself) and the replicas of `live_roles`."""
     live = {k: v for k, v in spec.items() if k != "gpus"}
     roles = dict(live.get("roles") or {})
-    if isinstance(roles.get("rollout"), Mapping):
-        roles["rollout"] = {k: v for k, v in roles["rollout"].items() if k != "replicas"}
+    for role in live_roles:
+        if isinstance(roles.get(role), Mapping):
+            roles[role] = {k: v for k, v in roles[role].items() if k != "replicas"}
+    if roles:
         live["roles"] = roles
     return manifests.template_hash(live, UNROLLED_FIELDS)
 
 
-def legacy_template_hash(spec: Mapping[str, Any]) -> str:
-    """The hash of gangs started by an operator before `template_hash` left out what a running
-    gang follows: such a gang whose spec has not changed since is not restarted by an upgrade."""
-    return manifests.template_hash(spec, UNROLLED_FIELDS)
+def template_hashes(spec: Mapping[str, Any]) -> set[str]:
+    """Every hash a gang started from `spec` may carry, by the operator version that started it:
+    today's; before the training, reference and reward actors scaled live (rollout only); and
+    before any field was left out. A gang whose spec has not changed is not restarted by an
+    upgrade."""
+    return {template_hash(spec), template_hash(spec, ("rollout",)),
+            manifests.template_hash(spec, UNROLLED_FIELDS)}
 
 
 def config_hash(job: manifests.JobRef, spec: Mapping[str, Any]) -> str:

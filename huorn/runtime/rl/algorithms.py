@@ -113,34 +113,58 @@ class LossParts:
     clip_fraction: float  # of response tokens where the clip was active
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
-    """Σ_i Σ_t ℓ_it / Σ_i |o_i| (token), or the mean over sequences of Σ_t ℓ_it / |o_i| (sequence)."""
+@dataclass(frozen=True)
+class Totals:
+    """The denominators of a mini-batch split over data-parallel trainers: its response tokens
+    and its sequences, over every trainer's share. Each trainer divides its own share's sums by
+    them, so the gradients' sum over trainers is the gradient of the whole mini-batch's loss,
+    exactly as one trainer would take it, however the shares fall (an empty one included)."""
+
+    tokens: float
+    sequences: int
+
+    @staticmethod
+    def of(masks: list[torch.Tensor]) -> Totals:
+        return Totals(float(sum(float(m.sum()) for m in masks)), sum(int(m.shape[0]) for m in masks))
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str,
+              totals: Totals | None = None) -> torch.Tensor:
+    """Σ_i Σ_t ℓ_it / Σ_i |o_i| (token), or the mean over sequences of Σ_t ℓ_it / |o_i| (sequence);
+    with `totals`, this share's part of the whole mini-batch's value (its sums over the whole
+    mini-batch's tokens or sequences)."""
     if how == "token":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+        tokens = mask.sum().clamp(min=1) if totals is None else max(1.0, totals.tokens)
+        return (per_token * mask).sum() / tokens
     lengths = mask.sum(dim=1).clamp(min=1)
-    return ((per_token * mask).sum(dim=1) / lengths).mean()
+    if totals is None:
+        return ((per_token * mask).sum(dim=1) / lengths).mean()
+    return ((per_token * mask).sum(dim=1) / lengths).sum() / max(1, totals.sequences)
 
 
 def policy_loss(new: torch.Tensor, old: torch.Tensor, advantage: torch.Tensor, mask: torch.Tensor,
-                settings: Settings, reference: torch.Tensor | None = None) -> LossParts:
+                settings: Settings, reference: torch.Tensor | None = None, totals: Totals | None = None
+                ) -> LossParts:
     """The clipped surrogate, −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A) per token with
     ρ = π/π_old, aggregated as the settings say, plus β·KL to the reference when β > 0.
 
     new, old, reference: log-probabilities of the response tokens [B, T]; advantage [B]; mask
-    [B, T] is 1 on response tokens."""
+    [B, T] is 1 on response tokens. `totals`: these rows are one trainer's share of a mini-batch
+    (`Totals`); every value returned is then that share's part, and the parts add up."""
     mask = mask.float()
     ratio = torch.exp(new - old)
     a = advantage.unsqueeze(1)
     clipped = torch.clamp(ratio, 1 - settings.clip_low, 1 + settings.clip_high)
     per_token = -torch.minimum(ratio * a, clipped * a)
-    surrogate = aggregate(per_token, mask, settings.aggregation)
+    surrogate = aggregate(per_token, mask, settings.aggregation, totals)
     # Where the min took the clipped term: those tokens pass no gradient (PPO's clip fraction).
     was_clipped = (clipped * a < ratio * a - 1e-7).float()
-    clip_fraction = float((was_clipped * mask).sum() / mask.sum().clamp(min=1))
+    tokens = mask.sum().clamp(min=1) if totals is None else max(1.0, totals.tokens)
+    clip_fraction = float((was_clipped * mask).sum() / tokens)
     kl_value = torch.zeros((), dtype=new.dtype, device=new.device)
     if settings.kl_coefficient > 0:
         if reference is None:
             raise ValueError("a KL term needs the reference policy's log-probabilities")
-        kl_value = aggregate(k3(new, reference), mask, settings.aggregation)
+        kl_value = aggregate(k3(new, reference), mask, settings.aggregation, totals)
     total = surrogate + settings.kl_coefficient * kl_value
     return LossParts(total, float(surrogate.detach()), float(kl_value.detach()), clip_fraction)

@@ -39,7 +39,7 @@ import torch
 from pydantic import Field
 
 from huorn.api import base, rl
-from huorn.runtime.rl import algorithms, progress, rewarding, tasks, workers
+from huorn.runtime.rl import algorithms, pools, progress, rewarding, tasks, workers
 
 STEPS_FILE = "steps.jsonl"
 _SAMPLING_ROUNDS = 3  # DAPO's dynamic sampling: prompt batches drawn before training on what there is
@@ -80,11 +80,23 @@ def check_runnable(spec: rl.RLJobSpec) -> algorithms.Settings:
     algorithm otherwise. `huorn run` calls it before creating anything."""
     settings = algorithms.resolve(spec.algorithm)  # ppo needs a critic
     tasks.check_reward(spec.reward)
-    if spec.roles.actor_train.replicas != 1:
-        raise ValueError(f"spec.roles.actorTrain.replicas: {spec.roles.actor_train.replicas}, but the RL "
-                         "runtime trains with one actor (data-parallel training actors are not "
-                         "implemented); set it to 1")
+    if spec.roles.actor_train.replicas < 1:
+        raise ValueError("spec.roles.actorTrain.replicas: 0, but the policy needs a training actor; "
+                         "set it to 1 or more (they train data-parallel)")
     return settings
+
+
+def role_replicas(spec: rl.RLJobSpec, settings: algorithms.Settings) -> dict[str, int]:
+    """The actors each role runs: rollout at least one; a reference worker only for a KL term
+    (one where spec.roles leaves it out); reward workers only where spec.roles lists them
+    (without, the controller scores in its own process)."""
+    roles = spec.roles
+    reference = 0
+    if settings.kl_coefficient > 0:
+        reference = max(1, roles.reference.replicas) if roles.reference is not None else 1
+    reward = max(1, roles.reward.replicas) if roles.reward is not None else 0
+    return {"actorTrain": roles.actor_train.replicas, "rollout": max(1, roles.rollout.replicas),
+            "reference": reference, "reward": reward}
 
 
 def gpu_requests(roles: rl.Roles, reference: bool) -> dict[str, float]:
@@ -164,36 +176,35 @@ class Controller:
         gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         wire, roles = self.spec.to_wire(), self.spec.roles
         init = self.spec.init_checkpoint
-        rollouts = max(1, roles.rollout.replicas)
-        rewards = max(1, roles.reward.replicas) if roles.reward is not None else 0
-        reference = self.settings.kl_coefficient > 0
+        counts = role_replicas(self.spec, self.settings)
         # Actors share the cluster's CPUs: one each where there are enough, a fair fraction where
         # not (a laptop runs every role), so no actor waits for a CPU that never frees. The model
         # roles take GPUs on a GPU machine (shared within a colocation group); reward workers
-        # only check strings.
-        heavy = 1 + rollouts + int(reference)
+        # only check strings. Actors added at run time get the same share.
+        heavy = counts["actorTrain"] + counts["rollout"] + counts["reference"]
         cpus = float(ray.cluster_resources().get("CPU", 1))
-        share = min(1.0, cpus / (heavy + 0.25 * rewards))
+        share = min(1.0, cpus / (heavy + 0.25 * counts["reward"]))
 
-        requests = gpu_requests(roles, reference)
+        requests = gpu_requests(roles, counts["reference"] > 0)
 
         def actor(cls: type, role: str) -> Any:
             return ray.remote(cls).options(num_cpus=share, num_gpus=requests[role] if gpu else 0)
 
-        self._new_rollout = lambda: actor(workers.RolloutWorker, "rollout").remote(wire, cfg.device)
-        self.starting: list[tuple[Any, Any]] = []  # rollout workers asked for, with their ready refs
         self.config_path: Path | None = None  # re-read at step boundaries (main sets it)
-
-        self.trainer = actor(workers.PolicyTrainer, "actorTrain").remote(
-            wire, init, str(cfg.checkpoint_root), cfg.device)
-        self.rollouts = [actor(workers.RolloutWorker, "rollout").remote(wire, cfg.device)
-                         for _ in range(rollouts)]
-        self.reference = (actor(workers.ReferenceWorker, "reference").remote(
-            wire, init, cfg.device) if reference else None)
-        self.rewards = [ray.remote(rewarding.RewardWorker).options(num_cpus=0.25 * share).remote(wire)
-                        for _ in range(rewards)]
-        everyone = [self.trainer, *self.rollouts, *self.rewards]
-        everyone += [self.reference] if self.reference is not None else []
+        self.trainers = pools.TrainerGroup(
+            "actorTrain", lambda: actor(workers.PolicyTrainer, "actorTrain").remote(
+                wire, init, str(cfg.checkpoint_root), cfg.device), counts["actorTrain"])
+        self.rollouts = pools.ActorPool(
+            "rollout", lambda: actor(workers.RolloutWorker, "rollout").remote(wire, cfg.device),
+            counts["rollout"])
+        self.references = pools.ActorPool(
+            "reference", lambda: actor(workers.ReferenceWorker, "reference").remote(wire, init, cfg.device),
+            counts["reference"])
+        self.rewards = pools.ActorPool(
+            "reward", lambda: ray.remote(rewarding.RewardWorker).options(num_cpus=0.25 * share).remote(wire),
+            counts["reward"])
+        self.pools = (self.trainers, self.rollouts, self.references, self.rewards)
+        everyone = [a for pool in self.pools for a in pool.members]
         try:
             ray.get([a.__ray_ready__.remote() for a in everyone], timeout=cfg.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -204,6 +215,7 @@ class Controller:
         except ray.exceptions.RayError as error:  # an actor's constructor refused (a bad checkpoint)
             cause = getattr(error, "cause", None) or error
             raise ValueError(str(cause).strip().splitlines()[-1]) from None
+        self.trainers.form()
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def log(self, record: dict[str, Any]) -> None:
@@ -216,36 +228,27 @@ class Controller:
                              if k in record)
             print(f"huorn-rl {record['event']}: {shown}", flush=True)
 
-    def _deal(self, items: list[Any]) -> list[list[Any]]:
-        """Items split over the rollout workers in contiguous chunks, which keep prompts in order."""
-        n = len(self.rollouts)
-        size = -(-len(items) // n)
-        return [items[i * size:(i + 1) * size] for i in range(n)]
-
     # -- one step ------------------------------------------------------------------------------
     def sync_weights(self, version: int) -> None:
-        weights = self.trainer.weights.remote()  # an object ref: stored once, read by every worker
-        ray.get([worker.load.remote(weights, version) for worker in self.rollouts])
+        weights = self.trainers.weights()  # an object ref: stored once, read by every worker
+        ray.get([worker.load.remote(weights, version) for worker in self.rollouts.members])
 
     def generate(self, prompts: list[tasks.Prompt], seed: int, greedy: bool = False) -> list[dict[str, Any]]:
         pairs = [(p.text, p.answer) for p in prompts]
         futures = [worker.generate.remote(chunk, seed * 1000 + i, greedy)
-                   for i, (worker, chunk) in enumerate(zip(self.rollouts, self._deal(pairs), strict=True))
+                   for i, (worker, chunk) in enumerate(zip(self.rollouts.members, self.rollouts.deal(pairs),
+                                                            strict=True))
                    if chunk]
         return [item for chunk in ray.get(futures) for item in chunk]
 
     def score(self, items: list[dict[str, Any]]) -> list[list[float]]:
-        if not self.rewards:
+        if not self.rewards.members:
             reward = self.spec.reward
             return [[tasks.score(reward, tasks.Prompt(i["text"], i["answer"]), r) for r in i["responses"]]
                     for i in items]
-        chunks = [items[k::len(self.rewards)] for k in range(len(self.rewards))]
-        scored = ray.get([w.score.remote(c) for w, c in zip(self.rewards, chunks, strict=True) if c])
-        out: list[list[float]] = [[] for _ in items]
-        for k, chunk_scores in enumerate(scored):
-            for j, s in enumerate(chunk_scores):
-                out[k + j * len(self.rewards)] = s
-        return out
+        chunks = self.rewards.deal(items)
+        scored = ray.get([w.score.remote(c) for w, c in zip(self.rewards.members, chunks, strict=True) if c])
+        return [s for chunk_scores in scored for s in chunk_scores]
 
     def rollout_step(self, step: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """The step's groups with their rewards: `promptsPerStep` of them, informative ones only
@@ -279,44 +282,34 @@ class Controller:
         return kept, stats
 
     def rescale(self, step: int) -> None:
-        """Rollout workers as the config file asks now (`spec.roles.rollout.replicas`), at a step
-        boundary: in a cluster the file is the job's ConfigMap, which the kubelet refreshes in the
-        running head pod, so the operator scales rollout without restarting the gang. New workers
-        join once Ray has started them (a new Ray node may still be joining: the job goes on with
-        the workers it has meanwhile, and they get the weights at the next sync); surplus ones,
-        the newest first, are stopped. Other changes in the file wait for the next start."""
-        wanted = self._wanted_rollouts()
-        if wanted is None and not self.starting:
-            return
-        before = len(self.rollouts)
-        if wanted is not None:
-            have = len(self.rollouts) + len(self.starting)
-            for _ in range(wanted - have):
-                worker = self._new_rollout()
-                self.starting.append((worker, worker.__ray_ready__.remote()))
-            for _ in range(have - wanted):
-                worker, _ready = self.starting.pop() if self.starting else (self.rollouts.pop(), None)
-                ray.kill(worker)
-        if self.starting:
-            ready, _ = ray.wait([ref for _, ref in self.starting], num_returns=len(self.starting), timeout=0)
-            joined = [worker for worker, ref in self.starting if ref in ready]
-            self.starting = [(worker, ref) for worker, ref in self.starting if ref not in ready]
-            self.rollouts.extend(joined)
-        if len(self.rollouts) != before or (wanted is not None and self.starting):
-            self.log({"event": "scale", "step": step, "role": "rollout", "from": before,
-                      "to": len(self.rollouts), "starting": len(self.starting)})
+        """Each role's actors as the config file asks now (`spec.roles.*.replicas`), at a step
+        boundary, without a restart (huorn.runtime.rl.pools says how each role follows). Other
+        changes in the file wait for the next start."""
+        wanted = self._wanted_replicas()
+        for pool in self.pools:
+            before = len(pool.members)
+            if wanted is not None and wanted[pool.role] != pool.wanted:
+                pool.resize(wanted[pool.role])
+            pool.admit()
+            if len(pool.members) != before or (wanted is not None and wanted[pool.role] != before
+                                               and pool.starting):
+                self.log({"event": "scale", "step": step, "role": pool.role, "from": before,
+                          "to": len(pool.members), "starting": len(pool.starting)})
 
-    def _wanted_rollouts(self) -> int | None:
-        """spec.roles.rollout.replicas in the config file when it differs from what runs or starts."""
+    def _wanted_replicas(self) -> dict[str, int] | None:
+        """Each role's actors as the config file says now; None where it cannot be read."""
         if self.config_path is None:
             return None
         try:
             spec = load_config(self.config_path).spec
+            check_runnable(spec)
         except (OSError, ValueError) as error:  # a file being replaced, or a bad edit: keep what runs
-            print(f"huorn-rl: {self.config_path} unreadable, rollout unchanged: {error}", file=sys.stderr)
+            print(f"huorn-rl: {self.config_path} unusable, roles unchanged: {error}", file=sys.stderr)
             return None
-        wanted = max(1, spec.roles.rollout.replicas)
-        return None if wanted == len(self.rollouts) + len(self.starting) else wanted
+        return role_replicas(spec, self.settings)
+
+    def running_replicas(self) -> dict[str, int]:
+        return {pool.role: len(pool.members) for pool in self.pools}
 
     def timed_rollout(self, step: int, lag: int) -> Rollout:
         started = time.monotonic()
@@ -333,14 +326,18 @@ class Controller:
             return
         rewards = torch.stack([item["rewards"] for item in items])
         advantages = algorithms.advantages(rewards, self.settings)
-        references = (ray.get(self.reference.logprobs.remote(items)) if self.reference is not None
-                      else [None] * len(items))
+        references: list[Any] = [None] * len(items)
+        if self.references.members:
+            parts = ray.get([worker.logprobs.remote(chunk) for worker, chunk in
+                             zip(self.references.members, self.references.deal(items), strict=True) if chunk])
+            references = [r for part in parts for r in part]
         batch = [{"prompt": item["prompt"], "tokens": item["tokens"], "mask": item["mask"],
                   "advantages": advantages[k], "reference": references[k]}
                  for k, item in enumerate(items)]
-        metrics = ray.get(self.trainer.update.remote(batch))
+        metrics = self.trainers.update(batch)
         lengths = torch.cat([item["mask"].sum(dim=1) for item in items])
-        self.log({"event": "rl", "step": step, **stats, **metrics, "rollout_workers": len(self.rollouts),
+        self.log({"event": "rl", "step": step, **stats, **metrics,
+                  "rollout_workers": len(self.rollouts.members), "role_replicas": self.running_replicas(),
                   "accuracy": float((rewards > 0.5).float().mean()),
                   "response_length": float(lengths.float().mean()),
                   "update_seconds": time.monotonic() - started})
@@ -373,14 +370,14 @@ class Controller:
                 server.close()
 
     def _run(self) -> int:
-        step = ray.get(self.trainer.resume.remote())
+        step = self.trainers.resume()
         total = self.spec.steps
         self.log({"event": "start", "resumed_from": step, "algorithm": self.spec.algorithm.name.value,
                   "attempt": int(os.environ.get("HUORN_CONTROLLER_ATTEMPT", "1")),
                   "settings": {k: (v.value if hasattr(v, "value") else v)
                                for k, v in vars(self.settings).items()},
-                  "rollout_workers": len(self.rollouts), "reward_workers": len(self.rewards),
-                  "reference": self.reference is not None})
+                  "rollout_workers": len(self.rollouts.members), "reward_workers": len(self.rewards.members),
+                  "reference": bool(self.references.members), "role_replicas": self.running_replicas()})
         self.sync_weights(step)
         if step == 0:
             self.evaluate(0)
@@ -414,7 +411,7 @@ class Controller:
                     waited = time.monotonic() - barrier
                 if self.stop_signal is not None:
                     self.log({"event": "checkpoint", "step": step, "reason": self.stop_signal,
-                              "path": ray.get(self.trainer.save.remote(step, self.cfg.job_name))})
+                              "path": self.trainers.save(step, self.cfg.job_name)})
                     self.log({"event": "stopped", "step": step, "signal": self.stop_signal})
                     # 128 + the signal, as a shell reports it: a head pod stopped mid-run (a node
                     # drained) must not read as a controller that finished every step
@@ -424,7 +421,7 @@ class Controller:
                 if (interval and step % interval == 0) or step == total:
                     reason = "final" if step == total else "interval"
                     self.log({"event": "checkpoint", "step": step, "reason": reason,
-                              "path": ray.get(self.trainer.save.remote(step, self.cfg.job_name))})
+                              "path": self.trainers.save(step, self.cfg.job_name)})
         finally:
             if ahead is not None:
                 ahead.shutdown(wait=True, cancel_futures=True)

@@ -33,6 +33,8 @@ class Progress:
                     self._state["rewardMean"] = float(event["reward_mean"])
                 if event.get("rollout_workers") is not None:
                     self._state["rolloutWorkers"] = int(event["rollout_workers"])
+                if event.get("role_replicas") is not None:  # the actors each role ran the step on
+                    self._state["roleReplicas"] = {str(k): int(v) for k, v in event["role_replicas"].items()}
             elif kind == "eval":
                 self._state["evalAccuracy"] = float(event["accuracy"])
             elif kind == "checkpoint":

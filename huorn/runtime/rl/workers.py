@@ -4,6 +4,9 @@ directly.
 
 - PolicyTrainer (actor-train) holds the policy and its optimiser, recomputes the sampled
   responses' log-probabilities, applies the clipped-surrogate update and writes checkpoints.
+  Several are one data-parallel group (torch.distributed, gloo or NCCL): each takes its share of
+  every mini-batch and their gradients are summed, so the update is the one a single trainer
+  would make (`algorithms.Totals`); huorn.runtime.rl.pools forms and re-forms the group.
 - RolloutWorker (actor-infer) holds a copy of the policy, refreshed from the trainer's weights
   each step (one put into Ray's object store, read by every worker), and samples groups.
 - ReferenceWorker holds the frozen starting policy, for the KL term.
@@ -13,18 +16,22 @@ directly.
 
 from __future__ import annotations
 
+import datetime
 import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from huorn import models
 from huorn.api import rl, training
 from huorn.runtime import checkpoint
 from huorn.runtime import config as run_config
 from huorn.runtime.rl import algorithms, policy
+
+_GROUP_TIMEOUT = datetime.timedelta(seconds=300)  # a member that never joins or answers
 
 
 def _device(wanted: str) -> torch.device:
@@ -67,6 +74,46 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.learning_rate, betas=(0.9, 0.95),
                                            weight_decay=opt.weight_decay)
         self.root = Path(checkpoint_root)
+        self.rank, self.world = 0, 1
+        self._store: dist.TCPStore | None = None  # the group's store, held by its rank 0
+
+    # -- the data-parallel group ---------------------------------------------------------------
+    def host_group(self) -> tuple[str, int]:
+        """Where the group this trainer will lead (as rank 0) meets: its node's address and the
+        port of a store opened here on a free port (port 0: no race for a port picked earlier)."""
+        import ray  # in the actor's process, which Ray started: already imported there
+
+        host = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                    timeout=_GROUP_TIMEOUT)
+        return host, int(self._store.port)
+
+    def join_group(self, rank: int, world: int, host: str, port: int) -> int:
+        """Enter the group formed by `host_group`; each member calls it at once (it returns
+        when all have). The state must already be the group's (`load_state` for a joiner)."""
+        store = self._store if rank == 0 else dist.TCPStore(host, port, is_master=False,
+                                                            timeout=_GROUP_TIMEOUT)
+        assert store is not None, "rank 0 must call host_group first"
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world, timeout=_GROUP_TIMEOUT)
+        self.rank, self.world = rank, world
+        return rank
+
+    def leave_group(self) -> None:
+        """Out of the group (before it is formed again at another size); the state stays."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
+        self.rank, self.world = 0, 1
+
+    def state(self) -> dict[str, Any]:
+        """The policy and its optimiser, for a trainer that joins the group."""
+        return {"model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])  # moves the moments to the model's device
 
     def resume(self) -> int:
         """The step to start at: after the newest checkpoint of this run, or 0."""
@@ -87,40 +134,73 @@ class PolicyTrainer:
         from sampling, whose temperature and top-p make another distribution)."""
         opt = self.spec.optimization
         self.model.train()
-        with torch.no_grad():
-            old = [policy.response_logprobs(self.model, item["prompt"], item["tokens"]) for item in batch]
-        order = list(range(len(batch)))
         per_step = max(1, -(-len(batch) // opt.mini_batches))
-        totals = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0}
+        minibatches = [list(range(begin, min(begin + per_step, len(batch))))
+                       for begin in range(0, len(batch), per_step)]
+        shares = [share(chosen, self.rank, self.world) for chosen in minibatches]
+        with torch.no_grad():
+            old = {i: policy.response_logprobs(self.model, batch[i]["prompt"], batch[i]["tokens"])
+                   for mine in shares for i in mine}
+        sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0}
         updates = 0
         for _ in range(opt.update_epochs):
-            for begin in range(0, len(order), per_step):
-                chosen = order[begin:begin + per_step]
-                new = [policy.response_logprobs(self.model, batch[i]["prompt"], batch[i]["tokens"])
-                       for i in chosen]
-                parts = algorithms.policy_loss(
-                    _pad(new), _pad([old[i] for i in chosen]),
-                    torch.cat([batch[i]["advantages"] for i in chosen]).to(self.device),
-                    _pad([batch[i]["mask"] for i in chosen]).to(self.device), self.settings,
-                    _pad([batch[i]["reference"] for i in chosen]).to(self.device)
-                    if self.settings.kl_coefficient > 0 else None)
+            for chosen, mine in zip(minibatches, shares, strict=True):
+                # One trainer: its plain loss. A group: each member's part of the mini-batch's loss,
+                # whose gradients add up to the whole one's (even a member with no row takes part).
+                totals = algorithms.Totals.of([batch[i]["mask"] for i in chosen]) if self.world > 1 else None
                 self.optimizer.zero_grad(set_to_none=True)
-                parts.loss.backward()
+                values = torch.zeros(4, dtype=torch.float64, device=self.device)
+                if mine:
+                    new = [policy.response_logprobs(self.model, batch[i]["prompt"], batch[i]["tokens"])
+                           for i in mine]
+                    parts = algorithms.policy_loss(
+                        _pad(new), _pad([old[i] for i in mine]),
+                        torch.cat([batch[i]["advantages"] for i in mine]).to(self.device),
+                        _pad([batch[i]["mask"] for i in mine]).to(self.device), self.settings,
+                        _pad([batch[i]["reference"] for i in mine]).to(self.device)
+                        if self.settings.kl_coefficient > 0 else None, totals)
+                    parts.loss.backward()
+                    values += torch.tensor([float(parts.loss.detach()), parts.policy, parts.kl,
+                                            parts.clip_fraction], dtype=torch.float64, device=self.device)
+                if self.world > 1:
+                    self._sum_gradients()
+                    dist.all_reduce(values)
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
                 self.optimizer.step()
                 updates += 1
-                totals["loss"] += float(parts.loss.detach())
-                totals["policy_loss"] += parts.policy
-                totals["kl"] += parts.kl
-                totals["clip_fraction"] += parts.clip_fraction
-                totals["grad_norm"] += float(norm)
-        return {k: v / max(1, updates) for k, v in totals.items()} | {"updates": updates}
+                for key, value in zip(("loss", "policy_loss", "kl", "clip_fraction"), values.tolist(),
+                                      strict=True):
+                    sums[key] += value
+                sums["grad_norm"] += float(norm)
+        means = {k: v / max(1, updates) for k, v in sums.items()}
+        return means | {"updates": updates, "trainers": self.world}
+
+    def _sum_gradients(self) -> None:
+        """One all-reduce of every gradient, flattened (a parameter that got none counts zero).
+        Not DDP: its mean over members would weigh a short share like a full one, and it needs
+        a forward pass on every member, which one with no row of the mini-batch has not."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in params])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
 
     def save(self, step: int, job: str) -> str:
         path = checkpoint.save_checkpoint(self.root, step, self.model, self.optimizer,
                                           {"step": step, "job": job, "model": self.spec.model.to_wire()},
                                           rank=0, barrier=lambda: None)
         return str(path)
+
+
+def share(items: list[int], rank: int, world: int) -> list[int]:
+    """Member `rank`'s contiguous part of `items`: sizes differ by at most one, earlier members
+    take the larger parts."""
+    base, extra = divmod(len(items), world)
+    begin = rank * base + min(rank, extra)
+    return items[begin:begin + base + (1 if rank < extra else 0)]
 
 
 def _pad(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""Data-parallel training actors of an RLJob: the shares of a mini-batch give the whole one's
+loss and gradient, a group of trainers over a real local Ray cluster (gloo) updates exactly as one
+trainer does, and it grows and shrinks between steps without a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from huorn.api import rl
+from huorn.runtime.rl import algorithms, pools, workers
+
+MODEL = {"layers": 2, "width": 32, "heads": 2, "context": 64}
+SPEC = {"virtualCluster": "x", "model": MODEL, "algorithm": {"name": "grpo", "groupSize": 2},
+        "optimization": {"learningRate": 3e-3, "promptsPerStep": 3, "miniBatches": 2, "updateEpochs": 2}}
+
+
+def make_batch(seed: int, groups: int = 5) -> list[dict]:
+    """Groups of two responses of unequal lengths, some tokens masked, as the controller builds."""
+    g = torch.Generator().manual_seed(seed)
+    batch = []
+    for k in range(groups):
+        length = 3 + (k + seed) % 3
+        mask = torch.ones(2, length)
+        mask[1, -1] = 0
+        batch.append({"prompt": list(f"Q: What is {k} + {seed}?\nA:".encode()),
+                      "tokens": torch.randint(32, 120, (2, length), generator=g), "mask": mask,
+                      "advantages": torch.randn(2, generator=g),
+                      "reference": torch.randn(2, length, generator=g) * 0.1 - 4})
+    return batch
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_the_shares_of_a_mini_batch_add_up_to_the_whole(aggregation: str) -> None:
+    """Each share divides by the whole mini-batch's tokens or sequences: the parts' values and
+    gradients sum to the whole's, even with a share of one group and an empty one."""
+    spec = rl.AlgorithmSpec.model_validate({"name": "grpo", "lossAggregation": aggregation})
+    settings = algorithms.resolve(spec)
+    assert settings.aggregation == aggregation
+    g = torch.Generator().manual_seed(1)
+    rows, width = 6, 5
+    new = torch.randn(rows, width, generator=g, requires_grad=True)
+    old, reference = torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
+    advantage = torch.randn(rows, generator=g)
+    mask = (torch.rand(rows, width, generator=g) > 0.3).float()
+    mask[:, 0] = 1
+    whole = algorithms.policy_loss(new, old, advantage, mask, settings, reference)
+    whole.loss.backward()
+    want = new.grad.clone()
+    new.grad = None
+    totals = algorithms.Totals(float(mask.sum()), rows)
+    parts = []
+    for part in (slice(0, 1), slice(1, 6), slice(6, 6)):
+        if part.start == part.stop:
+            continue  # an empty share adds nothing
+        parts.append(algorithms.policy_loss(new[part], old[part], advantage[part], mask[part], settings,
+                                            reference[part], totals))
+        parts[-1].loss.backward()
+    assert sum(float(p.loss.detach()) for p in parts) == pytest.approx(float(whole.loss.detach()), rel=1e-6)
+    assert sum(p.kl for p in parts) == pytest.approx(whole.kl, rel=1e-6)
+    assert sum(p.clip_fraction for p in parts) == pytest.approx(whole.clip_fraction, rel=1e-6)
+    torch.testing.assert_close(new.grad, want, rtol=1e-5, atol=1e-7)
+
+
+def test_shares_cover_the_items_once_in_order_and_differ_by_at_most_one() -> None:
+    for n in range(0, 9):
+        for world in (1, 2, 3, 4):
+            parts = [workers.share(list(range(n)), r, world) for r in range(world)]
+            assert [i for p in parts for i in p] == list(range(n))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def _params(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.float() for k, v in state.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_trainer_group_updates_as_one_trainer_and_resizes_between_steps(tmp_path: Path) -> None:
+    """Two trainers (gloo) take one step's update as one trainer takes it; a third joins with
+    rank 0's policy and optimiser state, handed over through Ray's object store, and the next
+    update still matches; shrunk back to one, it goes on alike. No checkpoint is written."""
+    import ray
+
+    alone = workers.PolicyTrainer(SPEC, None, str(tmp_path / "alone"), "cpu")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="huorn-dp-test")
+    try:
+        group = pools.TrainerGroup("actorTrain", lambda: ray.remote(workers.PolicyTrainer).options(
+            num_cpus=0.5).remote(SPEC, None, str(tmp_path / "group"), "cpu"), 2)
+        ray.get([a.__ray_ready__.remote() for a in group.members])
+        group.form()
+
+        def check(step: int, size: int) -> None:
+            batch = make_batch(step)
+            want = alone.update(batch)
+            got = group.update(batch)
+            assert got["trainers"] == size and want["trainers"] == 1 and got["updates"] == want["updates"]
+            for key in ("loss", "policy_loss", "kl", "clip_fraction", "grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+            states = [_params(s) for s in ray.get([a.weights.remote() for a in group.members])]
+            mine = _params(alone.weights())
+            for name, value in mine.items():
+                torch.testing.assert_close(states[0][name], value, rtol=1e-4, atol=1e-5)
+                for other in states[1:]:  # every member holds the same bits
+                    assert torch.equal(other[name], states[0][name]), name
+
+        check(0, 2)
+        group.resize(3)
+        while len(group.members) < 3:
+            group.admit()
+        assert group.formed == 3
+        check(1, 3)
+        group.resize(1)
+        group.admit()
+        assert len(group.members) == 1 and group.formed == 1
+        check(2, 1)
+        assert not (tmp_path / "group").exists()  # every hand-over went through the object store
+    finally:
+        ray.shutdown()
