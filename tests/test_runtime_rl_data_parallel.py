@@ -81,7 +81,8 @@ def _params(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_a_trainer_group_updates_as_one_trainer_and_resizes_between_steps(tmp_path: Path) -> None:
     """Two trainers (gloo) take one step's update as one trainer takes it; a third joins with
     rank 0's policy and optimiser state, handed over through Ray's object store, and the next
-    update still matches; shrunk back to one, it goes on alike. No checkpoint is written."""
+    update still matches; shrunk back to one, it goes on alike. The hand-overs write no checkpoint;
+    the one rank 0 saves while the group is up, a new group resumes from."""
     import ray
 
     alone = workers.PolicyTrainer(SPEC, None, str(tmp_path / "alone"), "cpu")
@@ -107,6 +108,9 @@ def test_a_trainer_group_updates_as_one_trainer_and_resizes_between_steps(tmp_pa
                     assert torch.equal(other[name], states[0][name]), name
 
         check(0, 2)
+        # rank 0 alone writes the checkpoint while the group is up (no collective it would wait in)
+        saved = Path(group.save(1, "dp"))
+        at_save = ray.get(group.weights())
         group.resize(3)
         while len(group.members) < 3:
             group.admit()
@@ -116,6 +120,15 @@ def test_a_trainer_group_updates_as_one_trainer_and_resizes_between_steps(tmp_pa
         group.admit()
         assert len(group.members) == 1 and group.formed == 1
         check(2, 1)
-        assert not (tmp_path / "group").exists()  # every hand-over went through the object store
+        assert [p.name for p in (tmp_path / "group").iterdir() if p.name.startswith("step")] == [saved.name]
+
+        # A new group of two resumes from it: rank 0 reads it, the other takes its state.
+        again = pools.TrainerGroup("actorTrain", lambda: ray.remote(workers.PolicyTrainer).options(
+            num_cpus=0.5).remote(SPEC, None, str(tmp_path / "group"), "cpu"), 2)
+        again.form()
+        assert again.resume() == 1
+        for state in ray.get([a.weights.remote() for a in again.members]):
+            for name, value in at_save.items():
+                assert torch.equal(state[name], value), name
     finally:
         ray.shutdown()

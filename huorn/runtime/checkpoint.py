@@ -111,8 +111,12 @@ def build_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, flat: 
 
 
 def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    meta: dict, rank: int, barrier: callable, keep: int = 3, flat: bool = False) -> Path:
-    """Collective: every rank calls it with the same step. Returns the final directory."""
+                    meta: dict, rank: int, barrier: callable, keep: int = 3, flat: bool = False,
+                    local: bool = False) -> Path:
+    """Collective: every rank calls it with the same step. Returns the final directory.
+
+    `local`: this process alone writes its whole state, even where a process group is up (the
+    RL trainers' group, whose members hold the same state and whose rank 0 saves it)."""
     root = Path(root)
     final = root / checkpoint_name(step)
     scratch = root / f".tmp-{checkpoint_name(step)}"
@@ -121,7 +125,7 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: to
         shutil.rmtree(scratch, ignore_errors=True)
     barrier()
     dcp, _ = dcp_modules()
-    dcp.save(build_state(model, optimizer, flat), checkpoint_id=str(scratch))
+    dcp.save(build_state(model, optimizer, flat), checkpoint_id=str(scratch), no_dist=local)
     if rank == 0:
         _write_atomically(scratch / META, json.dumps({**meta, "step": step}, indent=2) + "\n")
     barrier()
@@ -140,20 +144,21 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: to
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                    flat: bool = False) -> dict:
+                    flat: bool = False, local: bool = False) -> dict:
     """Load into `model` (and `optimizer`) in place, at whatever world size is running now;
-    returns the checkpoint's huorn.json. Collective when a process group is initialised."""
+    returns the checkpoint's huorn.json. Collective when a process group is initialised, unless
+    `local` (this process alone reads it)."""
     path = Path(path)
     if not is_complete(path):
         raise ValueError(f"{path} is not a complete Huorn checkpoint (no .metadata or {META})")
     dcp, dcp_state = dcp_modules()
     if optimizer is None:
         state = {"model": dcp_state.get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), no_dist=local)
         dcp_state.set_model_state_dict(model, state["model"])
     else:
         state = build_state(model, optimizer, flat)
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), no_dist=local)
         dcp_state.set_state_dict(model, optimizer, model_state_dict=state["model"],
                                  optim_state_dict=state["optimizer"],
                                  options=dcp_state.StateDictOptions(flatten_optimizer_state_dict=flat))

@@ -104,11 +104,13 @@ class TrainerGroup(ActorPool):
             self.form(joiners)
 
     def resume(self) -> int:
-        """Every member loads the newest checkpoint (they must agree on its step)."""
-        steps = set(ray.get([actor.resume.remote() for actor in self.members]))
-        if len(steps) != 1:
-            raise RuntimeError(f"the training actors resumed at different steps {sorted(steps)}")
-        return steps.pop()
+        """Rank 0 loads the newest checkpoint and hands its state to the others, as to joiners:
+        only its node needs to see the checkpoint volume."""
+        step = ray.get(self.members[0].resume.remote())
+        if len(self.members) > 1:
+            state = self.members[0].state.remote()
+            ray.get([actor.load_state.remote(state) for actor in self.members[1:]])
+        return step
 
     def weights(self) -> Any:
         """Rank 0's weights, as an object ref that every rollout worker reads once."""

@@ -122,7 +122,7 @@ class PolicyTrainer:
             return 0
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            meta = checkpoint.load_checkpoint(latest, self.model, self.optimizer)
+            meta = checkpoint.load_checkpoint(latest, self.model, self.optimizer, local=True)
         return int(meta["step"])
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -191,7 +191,7 @@ class PolicyTrainer:
     def save(self, step: int, job: str) -> str:
         path = checkpoint.save_checkpoint(self.root, step, self.model, self.optimizer,
                                           {"step": step, "job": job, "model": self.spec.model.to_wire()},
-                                          rank=0, barrier=lambda: None)
+                                          rank=0, barrier=lambda: None, local=True)
         return str(path)
 
 
