@@ -4,7 +4,7 @@ algorithm (Lite PPO), prompts and seed, with `roles.actorTrain.replicas` 1 (the 
 controller over a local Ray cluster of two CPUs with one rollout worker, so on this 2-core VM the
 second trainer has a core to use while the update runs, as a second GPU would.
 
-    .venv/bin/python benchmarks/rl_data_parallel.py                  # ~8 min on the 2-core VM
+    .venv/bin/python benchmarks/rl_data_parallel.py                  # ~2.5 min on the 2-core VM
     .venv/bin/python benchmarks/rl_data_parallel.py --base-steps 100 --rl-steps 4 --eval-prompts 16  # smoke
 
 It reports the update's seconds a step (what a second trainer can shorten) and wall seconds per
