@@ -15,12 +15,14 @@ baseline and between the algorithms, and plots the training reward per step
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import matplotlib
@@ -115,16 +117,35 @@ def parse_args(doc: str | None = __doc__, name: str = "rl_algorithms",
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    started = time.perf_counter()
+def lite_ppo(args: argparse.Namespace, roles: dict, rollout: dict | None = None) -> Callable[[Path], dict]:
+    """A variant for `run_from_base`: Lite PPO with these roles (and rollout fields). Without a
+    reward role the controller scores in its own process."""
+    def build(init: Path) -> dict:
+        spec = rl_spec(args, "lite-ppo", init)
+        spec["rollout"].update(rollout or {})
+        spec["roles"] = roles
+        return spec
+    return build
+
+
+def run_from_base(args: argparse.Namespace, variants: Mapping[str, Callable[[Path], dict]]
+                  ) -> dict[str, list[dict]]:
+    """The base policy pretrained once by the real trainer, then one RL run per variant: each
+    builds its spec from the base's checkpoint root. Returns each run's step log."""
     data_dir = trainer_runs.build_corpora(args.work)
     runs: dict[str, list[dict]] = {}
     with Progress() as progress:
         base = trainer_runs.run_all({"base": base_spec(args)}, args.work, data_dir, progress, 1)["base"]
-        for algorithm in ALGORITHMS:
-            spec = rl_spec(args, algorithm, base.checkpoint_root)
-            runs[algorithm] = run_rl(algorithm, spec, args, progress)
+        for name, build in variants.items():
+            runs[name] = run_rl(name.replace(" ", "-"), build(base.checkpoint_root), args, progress)
+    return runs
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.perf_counter()
+    runs = run_from_base(args, {algorithm: functools.partial(rl_spec, args, algorithm)
+                                for algorithm in ALGORITHMS})
     summary = {}
     for name, events in runs.items():
         evals = [e for e in events if e["event"] == "eval"]

@@ -25,7 +25,6 @@ from pathlib import Path
 import matplotlib
 import rl_algorithms
 import trainer_runs
-from rich.progress import Progress
 
 matplotlib.use("Agg")
 from matplotlib import pyplot  # after choosing the headless backend
@@ -76,15 +75,9 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
 def main() -> None:
     args = rl_algorithms.parse_args(__doc__, "rl_async", rl_steps=40)
     started = time.perf_counter()
-    data_dir = trainer_runs.build_corpora(args.work)
-    runs: dict[str, list[dict]] = {}
-    with Progress() as progress:
-        base = trainer_runs.run_all({"base": rl_algorithms.base_spec(args)}, args.work, data_dir, progress, 1)
-        for name, lag in MODES.items():
-            spec = rl_algorithms.rl_spec(args, "lite-ppo", base["base"].checkpoint_root)
-            spec["rollout"]["asyncSteps"] = lag
-            spec["roles"] = {"rollout": {"replicas": 1}}  # scored in the controller: no reward worker
-            runs[name] = rl_algorithms.run_rl(name, spec, args, progress)
+    runs = rl_algorithms.run_from_base(args, {
+        name: rl_algorithms.lite_ppo(args, {"rollout": {"replicas": 1}}, {"asyncSteps": lag})
+        for name, lag in MODES.items()})
     summary = {name: summarise(events) for name, events in runs.items()}
     sync, fast = summary["sync"], summary["async"]
     ratios = {

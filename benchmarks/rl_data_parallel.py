@@ -25,7 +25,6 @@ import matplotlib
 import rl_algorithms
 import rl_async
 import trainer_runs
-from rich.progress import Progress
 
 matplotlib.use("Agg")
 from matplotlib import pyplot  # after choosing the headless backend
@@ -78,15 +77,10 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
 def main() -> None:
     args = rl_algorithms.parse_args(__doc__, "rl_data_parallel", rl_steps=20)
     started = time.perf_counter()
-    data_dir = trainer_runs.build_corpora(args.work)
-    runs: dict[str, list[dict]] = {}
-    with Progress() as progress:
-        base = trainer_runs.run_all({"base": rl_algorithms.base_spec(args)}, args.work, data_dir, progress, 1)
-        for name, trainers in TRAINERS.items():
-            spec = rl_algorithms.rl_spec(args, "lite-ppo", base["base"].checkpoint_root)
-            # scored in the controller: no reward worker; one rollout worker beside the trainers
-            spec["roles"] = {"actorTrain": {"replicas": trainers}, "rollout": {"replicas": 1}}
-            runs[name] = rl_algorithms.run_rl(name.replace(" ", "-"), spec, args, progress)
+    # one rollout worker beside the trainers
+    runs = rl_algorithms.run_from_base(args, {
+        name: rl_algorithms.lite_ppo(args, {"actorTrain": {"replicas": n}, "rollout": {"replicas": 1}})
+        for name, n in TRAINERS.items()})
     summary = {name: summarise(events) for name, events in runs.items()}
     one, two = summary["1 trainer"], summary["2 trainers"]
     ratios = {
