@@ -258,6 +258,13 @@ class ClusterIndex:
     def pods_of(self, namespace: str, job: str) -> list[PodRecord]:
         return [p for (ns, _), p in self.pods.items() if ns == namespace and p.job == job]
 
+    def creating(self, namespace: str, job: str) -> set[str]:
+        """Names of the job's pods that a placement reserved and whose arrival the watch has not
+        reported yet. A reconcile counts them as placed: before, one that ran in that window saw
+        its gang missing while the snapshot held its GPUs, found the cluster full, and preempted
+        another job for GPUs it already had."""
+        return {r.name for (ns, _), r in self.reservations.items() if ns == namespace and r.job == job}
+
     def virtual_cluster_of(self, node: NodeRecord) -> str:
         """The first virtual cluster (by name) whose members include the node; '' for none."""
         for name in sorted(self.vcs):

@@ -310,7 +310,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     await _stop(ctx, [p for p in pods.values() if p.name not in wanted and not p.deleting])
 
     spec = wire
-    missing = [i for i in members if pod_of(i) is None]
+    creating = ctx.index.creating(ns, name)  # placed, not yet seen by the watch
+    missing = [i for i in members if pod_of(i) is None and manifests.pod_name(ref, i) not in creating]
     missing_workers = [i for i in missing if i.vertex == rlm.WORKER]
     # workers added to a running gang: growth, which waits behind the whole line and stops nobody
     growing = bool(live) and bool(missing_workers) and len(missing) == len(missing_workers)
@@ -341,13 +342,18 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                 # job's lock); the message says so
                 preempting = plan_preemption(ctx, in_line, snap, len(missing_workers), "")
     config = rlm.config_hash(ref, spec)
-    if new_pods or (live and old.get("configHash") != config):
-        # before any pod that reads it; a running controller re-reads it at every step
-        await ctx.client.apply(rlm.build_rl_config_map(ref, spec))
-        base["configHash"] = config
-    if new_pods:
-        await ctx.client.apply(rlm.build_head_service(ref))
-        await asyncio.gather(*(ctx.client.apply(p) for p in new_pods))
+    try:
+        if new_pods or (live and old.get("configHash") != config):
+            # before any pod that reads it; a running controller re-reads it at every step
+            await ctx.client.apply(rlm.build_rl_config_map(ref, spec))
+            base["configHash"] = config
+        if new_pods:
+            await ctx.client.apply(rlm.build_head_service(ref))
+            await asyncio.gather(*(ctx.client.apply(p) for p in new_pods))
+    except BaseException:
+        # not created (or not known to be): the next reconcile finds them missing, not creating
+        ctx.index.release(r for r in (index.build_pod_record(p) for p in new_pods) if r is not None)
+        raise
     growth = ""
     if placed:
         ctx.rl_waiting.pop((ns, name), None)

@@ -169,7 +169,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             if m.version > version:
                 ctx.metrics.decisions.labels(KIND, m.action).inc()
 
-    missing = [i for i in server.instances if pod_of(i) is None]
+    creating = ctx.index.creating(ns, name)  # placed, not yet seen by the watch
+    missing = [i for i in server.instances
+               if pod_of(i) is None and manifests.pod_name(ref, i) not in creating]
     gpus = job.spec.resources.gpus
     to_zero = job.spec.autoscaling.min_replicas == 0
     # the Service points at the activator whenever no replica that stays is ready
@@ -195,10 +197,15 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                     for i, node in zip(missing, nodes, strict=False)]
         ctx.index.reserve(r for r in (index.build_pod_record(p) for p in pods_new) if r is not None)
         placed = len(pods_new)
-    if writes:
-        await ctx.client.apply(writes[0])  # the ConfigMap before any pod that reads it
-        await asyncio.gather(*(ctx.client.apply(w) for w in writes[1:]))
-    await asyncio.gather(*(ctx.client.apply(p) for p in pods_new))
+    try:
+        if writes:
+            await ctx.client.apply(writes[0])  # the ConfigMap before any pod that reads it
+            await asyncio.gather(*(ctx.client.apply(w) for w in writes[1:]))
+        await asyncio.gather(*(ctx.client.apply(p) for p in pods_new))
+    except BaseException:
+        # not created (or not known to be): the next reconcile finds them missing, not creating
+        ctx.index.release(r for r in (index.build_pod_record(p) for p in pods_new) if r is not None)
+        raise
     wanted = {manifests.pod_name(ref, i) for i in server.instances}
     if to_zero:
         wanted.add(manifests.activator_pod_name(ref))

@@ -284,7 +284,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         return waiting
 
     await cordon.ensure_cordoned(ctx, body, graph)
-    missing = [i for i in graph.vertex("trainer").instances if manifests.pod_name(ref, i) not in pods]
+    placed = set(pods) | ctx.index.creating(ns, name)
+    missing = [i for i in graph.vertex("trainer").instances if manifests.pod_name(ref, i) not in placed]
     reserved: list[PodRecord] = []
     assignments: dict[str, str] = {}
     # In line once it could not be placed, and only below its minimum (a new gang, a lost
