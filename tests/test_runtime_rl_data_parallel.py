@@ -132,3 +132,30 @@ def test_a_trainer_group_updates_as_one_trainer_and_resizes_between_steps(tmp_pa
                 assert torch.equal(state[name], value), name
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_lost_trainer_fails_the_update_at_once_and_stops_the_others(tmp_path: Path) -> None:
+    """A member that dies (its node gone) leaves the others in the update's all-reduce until the
+    group's 300 s timeout; the group finds it among the answers, stops the others and raises, so
+    the controller fails now and is run again from the last checkpoint."""
+    import time
+
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="huorn-dp-lost")
+    try:
+        group = pools.TrainerGroup("actorTrain", lambda: ray.remote(workers.PolicyTrainer).options(
+            num_cpus=0.5, max_restarts=0).remote(SPEC, None, str(tmp_path / "group"), "cpu"), 2)
+        group.form()
+        group.update(make_batch(0))
+        ray.kill(group.members[1])
+        started = time.monotonic()
+        with pytest.raises(ray.exceptions.RayActorError):
+            group.update(make_batch(1))
+        assert time.monotonic() - started < 60  # not the collective's 300 s
+        with pytest.raises(ray.exceptions.RayActorError):  # the survivor was stopped too
+            ray.get(group.members[0].weights.remote(), timeout=60)
+    finally:
+        ray.shutdown()

@@ -84,8 +84,8 @@ class TrainerGroup(ActorPool):
         if len(self.members) < 2:
             return
         host, port = ray.get(self.members[0].host_group.remote())
-        ray.get([actor.join_group.remote(rank, self.formed, host, port)
-                 for rank, actor in enumerate(self.members)])
+        self.gather([actor.join_group.remote(rank, self.formed, host, port)
+                     for rank, actor in enumerate(self.members)])
 
     def resize(self, replicas: int) -> None:
         """As ActorPool's, but members that stop leave the process group first, with the others:
@@ -120,7 +120,23 @@ class TrainerGroup(ActorPool):
         """One step's update: the batch goes into the object store once, each member takes its
         share; the members return the same (summed) metrics, rank 0's are kept."""
         ref = ray.put(batch)
-        return ray.get([actor.update.remote(ref) for actor in self.members])[0]
+        return self.gather([actor.update.remote(ref) for actor in self.members])[0]
+
+    def gather(self, refs: list[Any]) -> list[Any]:
+        """Every member's answer to a collective call. When one member fails (its actor died, its
+        node went, an exception), the others are stopped at once and the error raised: left
+        alone they would wait in the collective for the group's timeout (300 s) before the
+        controller could fail and be run again from the last checkpoint."""
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayError:
+                for actor in self.members:
+                    ray.kill(actor)
+                raise
+        return ray.get(refs)
 
     def save(self, step: int, job: str) -> str:
         return ray.get(self.members[0].save.remote(step, job))
