@@ -418,3 +418,23 @@ def test_every_role_follows_the_config_file_between_steps(tmp_path: Path) -> Non
     # the update reports the group it ran on, and the loss stays finite through the hand-overs
     assert {e["trainers"] for e in steps} == {1, 2}
     assert all(math.isfinite(e["loss"]) for e in steps)
+
+
+def test_a_prompts_samples_do_not_depend_on_the_worker_it_is_dealt_to() -> None:
+    """Each prompt is sampled from its own seed, so dealing the step's prompts to one rollout
+    worker or to three (as a live scale-up does) gives the same responses, in the same order."""
+    from huorn.runtime.rl import pools
+
+    spec = {"virtualCluster": "x", "model": MODEL, "algorithm": {"name": "grpo", "groupSize": 3},
+            "rollout": {"maxNewTokens": 5}}
+    worker = workers.RolloutWorker(spec, "cpu")
+    prompts = [(p.text, p.answer, 7 * 65_536 + k)
+               for k, p in enumerate(tasks.prompts("arithmetic-small", 0, 0, 5))]
+    alone = worker.generate(prompts)
+
+    chunks = pools.ActorPool("rollout", lambda: worker, 3).deal(prompts)  # the controller's dealing
+    assert [len(c) for c in chunks] == [2, 2, 1]
+    dealt = [item for chunk in chunks for item in worker.generate(chunk)]
+    assert [i["responses"] for i in dealt] == [i["responses"] for i in alone]
+    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(dealt, alone, strict=True))
+    assert len({tuple(i["responses"]) for i in alone}) > 1  # the prompts' seeds differ

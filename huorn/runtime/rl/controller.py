@@ -234,10 +234,11 @@ class Controller:
         ray.get([worker.load.remote(weights, version) for worker in self.rollouts.members])
 
     def generate(self, prompts: list[tasks.Prompt], seed: int, greedy: bool = False) -> list[dict[str, Any]]:
-        pairs = [(p.text, p.answer) for p in prompts]
-        futures = [worker.generate.remote(chunk, seed * 1000 + i, greedy)
-                   for i, (worker, chunk) in enumerate(zip(self.rollouts.members, self.rollouts.deal(pairs),
-                                                            strict=True))
+        # one seed a prompt (promptsPerStep is at most 65,536, so no two prompts of a run share
+        # one): the samples do not depend on how the prompts are dealt
+        seeded = [(p.text, p.answer, seed * 65_536 + k) for k, p in enumerate(prompts)]
+        futures = [worker.generate.remote(chunk, greedy)
+                   for worker, chunk in zip(self.rollouts.members, self.rollouts.deal(seeded), strict=True)
                    if chunk]
         return [item for chunk in ray.get(futures) for item in chunk]
 

@@ -17,6 +17,7 @@ follows without a restart:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -60,9 +61,11 @@ class ActorPool:
         self.members.extend(self.ready())
 
     def deal(self, items: list[Any]) -> list[list[Any]]:
-        """Items split over the members in contiguous chunks, which keep them in order."""
-        size = -(-len(items) // len(self.members))
-        return [items[i * size:(i + 1) * size] for i in range(len(self.members))]
+        """Items split over the members in contiguous chunks, which keep them in order; their
+        sizes differ by at most one (no member idles while another takes two more)."""
+        base, extra = divmod(len(items), len(self.members))
+        bounds = [k * base + min(k, extra) for k in range(len(self.members) + 1)]
+        return [items[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 class TrainerGroup(ActorPool):

@@ -222,13 +222,14 @@ class RolloutWorker:
         self.version = version
         return version
 
-    def generate(self, prompts: list[tuple[str, str]], seed: int, greedy: bool = False
-                 ) -> list[dict[str, Any]]:
+    def generate(self, prompts: list[tuple[str, str, int]], greedy: bool = False) -> list[dict[str, Any]]:
+        """Each prompt's group, sampled from its own seed (the third field): a prompt's responses
+        are the same whichever worker it is dealt to and however many there are."""
         rollout = self.spec.rollout
-        generator = torch.Generator(device=self.device).manual_seed(seed)
         group = 1 if greedy else self.spec.algorithm.group_size
         out = []
-        for text, answer in prompts:
+        for text, answer, seed in prompts:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
             prompt = list(text.encode("utf-8"))
             samples = policy.sample(self.model, prompt, group, rollout.max_new_tokens,
                                     0.0 if greedy else rollout.temperature, rollout.top_p, generator)
