@@ -2,6 +2,7 @@
 torchtitan. Listing help must stay cheap: it may not import torch, sklearn or kopf."""
 
 import importlib
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -122,11 +123,15 @@ def test_detect_names_a_file_that_is_not_text(tmp_path: Path) -> None:
 
 
 def test_operator_names_a_kubeconfig_that_is_not_there(tmp_path: Path) -> None:
-    """The client's "No configuration found; pass --kubeconfig" was no fix to someone who had."""
+    """The client's "No configuration found; pass --kubeconfig" was no fix to someone who had.
+    A refused command leaves the process's logging alone: it once put a handler on the runner's
+    captured stderr, and every later log line of the test process failed to write."""
+    handlers = list(logging.root.handlers)
     for path, message in ((tmp_path / "nope", "no such file"), (tmp_path, "is a directory")):
         result = CliRunner().invoke(main.app, ["operator", "--kubeconfig", str(path)])
         assert result.exit_code == 2
         assert f"error: --kubeconfig {path}: {message}; give the path of a kubeconfig file" in result.stderr
+    assert logging.root.handlers == handlers
 
 
 @pytest.mark.parametrize(("args", "words"), [

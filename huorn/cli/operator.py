@@ -67,11 +67,6 @@ def operator_command(
         typer.echo("error: --replacement-backoff-seconds must be in 0..360, got "
                    f"{replacement_backoff_seconds}", err=True)
         raise typer.Exit(EXIT_USAGE)
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        force=True,
-    )
     # Tests that kill and restart the operator shorten the backoffs the same way in every run.
     fast = os.environ.get("HUORN_OPERATOR_FAST") == "1"
     settings = context.OperatorSettings(
@@ -99,6 +94,13 @@ def operator_command(
             typer.echo(f"error: cannot load credentials ({exc}); pass --kubeconfig or run in a cluster",
                        err=True)
         raise typer.Exit(EXIT_USAGE) from None
+    # Only once every argument is known good: the handler goes on the root logger for the
+    # process (force: in place of any), which a refused command must leave as it found it.
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        force=True,
+    )
     runner.run_operator(
         api, namespaces=namespace, peering=peering, priority=priority, settings=settings,
         metrics_port=metrics_port or None,
