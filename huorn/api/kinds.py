@@ -84,6 +84,8 @@ RL_JOB = Kind(
         PrinterColumn("Step", ".status.step", "integer"),
         PrinterColumn("Reward", ".status.meanReward", "number"),
         PrinterColumn("Progress", ".status.progressPercent", "integer"),
+        PrinterColumn("Trainers", ".status.roleReplicas.actorTrain", "integer", priority=1,
+                      description="Training actors (one data-parallel group) of the last step"),
         PrinterColumn("Rollout", ".status.rolloutWorkers", "integer", priority=1,
                       description="Rollout workers the controller runs now"),
         PrinterColumn("Restarts", ".status.restarts", "integer", priority=1),
