@@ -13,6 +13,9 @@ from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
 from kube.kubelet import Kubelet
 
+from huorn.operator import index, preempting, runner, training
+from huorn.operator.context import Context
+
 pytest_plugins = ["kube.fixtures"]
 
 NS = "team"
@@ -331,3 +334,69 @@ async def test_a_gang_whose_pods_the_watch_has_not_reported_preempts_no_one(
     assert ctx.preemptions == {}
     assert kube.job_status(NS, "mid").get("preemptReplacements") is None
     assert trainers(kube, "high") == ["high-trainer-0"]
+
+
+async def direct_context(cluster: EmulatedCluster) -> Context:
+    """An operator's context with no operator running: nodes and VirtualClusters in its mirror,
+    pods only when a test reports them (`report_pods`), so a test replays a window between the
+    operator's own writes and their watch events deterministically."""
+    ctx = runner.build_context(cluster.api_client(), operator_mod.FAST)
+    ctx.post_event = lambda *args, **kwargs: None  # kopf's poster needs a running operator
+    for node in await ctx.client.list("Node", None, {}):
+        ctx.index.nodes[node["metadata"]["name"]] = index.build_node_record(node)
+    for vc in await ctx.client.list_custom("virtualclusters", None):
+        ctx.index.vcs[vc["metadata"]["name"]] = dict(vc.get("spec") or {})
+    return ctx
+
+
+async def report_pods(ctx: Context) -> None:
+    """What the pod watch would say by now: every pod as the API has it, and the gone ones gone."""
+    ctx.index.resync_pods(await ctx.client.list("Pod", NS, {}), ctx.index.observations)
+
+
+async def test_a_gang_shrunk_for_a_job_is_not_stopped_as_well_while_its_replicas_checkpoint(
+        cluster: EmulatedCluster, kube: builders.Kube) -> None:
+    """high shrinks `elastic` by the 2 GPUs it needs. Its next reconcile, while the 2 replicas
+    given up still checkpoint (deleting, their GPUs held), found the cluster as full as before and
+    `elastic` without surplus, and stopped `elastic` whole as well: pods being deleted now count as
+    gone when preemption plans, as a stopping gang's always did."""
+    assert cluster.kmock is not None
+    kubelet = Kubelet(kube, cluster.kmock, NS)
+    solo_cluster(kube)
+    ctx = await direct_context(cluster)
+
+    async def reconcile(name: str) -> str:
+        return await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, name))
+
+    body = builders.make_training_job("elastic", "solo", replicas=3, max_replicas=4, gpus=1, priority=10)
+    body["spec"]["elasticity"]["policy"] = "goodput"
+    kube.create_job(NS, body)
+    await reconcile("elastic")
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
+                                               "elastic", {"spec": {"elasticity": {"minReplicas": 1}}})
+    await reconcile("elastic")  # keeps its 3 replicas, 2 of them surplus now
+    kube.create_job(NS, make_job("fixed", 10, gpus=1))
+    await reconcile("fixed")
+    for name in ("elastic", "fixed"):
+        kube.run_all_pods(NS, name)
+    await report_pods(ctx)
+    kubelet.hold(trainers(kube, "elastic"))  # the replicas given up checkpoint for a while
+    kube.create_job(NS, make_job("high", 60))
+    assert await reconcile("high") == "Pending"
+    assert await preempting.apply_planned(ctx, NS, "high") == ["team/elastic (shrunk by 2)"]
+    # Before the watch reports the deletes: the same shrink is planned, and it finds nothing left to do.
+    await reconcile("high")
+    assert await preempting.apply_planned(ctx, NS, "high") == []
+    await report_pods(ctx)  # the 2 replicas deleting, still holding their GPUs
+    assert await reconcile("high") == "Pending"
+    assert ctx.preemptions == {}
+    assert "waiting for the pods of preempted jobs" in kube.condition(NS, "high", "Reconciling")["message"]
+    status = kube.job_status(NS, "elastic")
+    assert [d["action"] for d in status["decisions"]][-1] == "resize" and "preemptReplacements" not in status
+    assert kube.job_status(NS, "fixed").get("preemptReplacements") is None
+    kubelet.release(["elastic-trainer-1", "elastic-trainer-2"])
+    await report_pods(ctx)  # gone
+    assert await reconcile("high") == "Placing"
+    assert trainers(kube, "high") == ["high-trainer-0"]
+    assert trainers(kube, "elastic") == ["elastic-trainer-0"]
+    assert trainers(kube, "fixed") == ["fixed-trainer-0"]

@@ -279,12 +279,14 @@ class ClusterIndex:
     def members_of(self, vc: str) -> list[NodeRecord]:
         return [n for n in self.nodes.values() if self.virtual_cluster_of(n) == vc]
 
-    def _holders(self) -> list[PodRecord]:
-        held = [p for p in self.pods.values() if p.holds_resources and p.gpus]
+    def _holders(self, leaving: bool = True) -> list[PodRecord]:
+        held = [p for p in self.pods.values() if p.holds_resources and p.gpus and (leaving or not p.deleting)]
         return held + [r for r in self.reservations.values() if r.gpus]
 
-    def build_snapshot(self) -> snapshot.ClusterSnapshot:
-        """A scheduler snapshot with every pod and reservation already assumed, per job."""
+    def build_snapshot(self, leaving: bool = True) -> snapshot.ClusterSnapshot:
+        """A scheduler snapshot with every pod and reservation already assumed, per job. Without
+        `leaving`, pods being deleted are left out: the cluster as it will be once they are gone,
+        which is what preemption plans against (huorn.operator.training.plan_preemption)."""
         owner = {n.name: self.virtual_cluster_of(n) for n in self.nodes.values()}
         views = [
             placement.NodeView(
@@ -298,7 +300,7 @@ class ClusterIndex:
             for n in self.nodes.values()
         ]
         held: dict[str, int] = {}
-        for p in self._holders():  # what each cluster's own workloads hold on its own nodes
+        for p in self._holders(leaving):  # what each cluster's own workloads hold on its own nodes
             if p.node in owner and owner[p.node] == p.virtual_cluster:
                 held[p.virtual_cluster] = held.get(p.virtual_cluster, 0) + p.gpus
         vcs = [dataclasses.replace(build_vc_view(name, spec),
@@ -307,7 +309,7 @@ class ClusterIndex:
         snap = snapshot.ClusterSnapshot(views, vcs)
         by_job: dict[tuple[str, str, str], list[str]] = {}
         gpus_of: dict[tuple[str, str, str], int] = {}
-        for p in self._holders():
+        for p in self._holders(leaving):
             if p.node not in self.nodes:
                 continue
             key = (p.namespace, p.job, p.virtual_cluster if p.virtual_cluster in self.vcs else "")

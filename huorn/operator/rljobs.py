@@ -340,7 +340,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             if ahead is None and not growing:
                 # stops or shrinks gangs of lower priority (applied by the handler, outside this
                 # job's lock); the message says so
-                preempting = plan_preemption(ctx, in_line, snap, len(missing_workers), "")
+                preempting = plan_preemption(ctx, in_line, len(missing_workers), "")
     config = rlm.config_hash(ref, spec)
     try:
         if new_pods or (live and old.get("configHash") != config):

@@ -313,7 +313,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             if isinstance(where, placement.Unplaceable):
                 ctx.queue.record(in_line)
                 ctx.metrics.decisions.labels(KIND, "unplaceable").inc()
-                message = (plan_preemption(ctx, queued, snap, len(missing), where.reason)
+                message = (plan_preemption(ctx, queued, len(missing), where.reason)
                            if below_minimum else where.reason)
                 return await _waiting(ctx, body, base_status, phase, "Unplaceable", message)
             for instance, node in zip(missing, where.assignments, strict=True):
@@ -382,13 +382,20 @@ def restarts_used(graph: Graph, old: Mapping[str, Any]) -> int:
                - int(old.get("resplitReplacements") or 0) - int(old.get("preemptReplacements") or 0))
 
 
-def plan_preemption(ctx: Context, job: queue.QueuedJob, snap: Any, replicas: int, why: str) -> str:
+def plan_preemption(ctx: Context, job: queue.QueuedJob, replicas: int, why: str) -> str:
     """Gangs of lower priority on the job's VirtualCluster's nodes that it may stop to start
     (huorn.scheduler.preemption); the handler applies them once this job's lock is released.
     Returns the waiting message, which says what is being done about it. For a TrainingJob and
-    an RLJob alike (`job.kind`; an RLJob places `replicas` Ray workers on its own nodes)."""
+    an RLJob alike (`job.kind`; an RLJob places `replicas` Ray workers on its own nodes).
+
+    Planned on the cluster as it will be once the pods being deleted are gone: those of a gang
+    shrunk for this job (or anyone) are coming free as surely as a stopped gang's. Before, only
+    gangs stopping whole counted as gone; the next reconcile after a shrink, while the replicas
+    given up still checkpointed, found the cluster as full as before and the shrunk gang with no
+    surplus left, and stopped it (or another) whole as well."""
     nodes = {n.name for n in ctx.index.members_of(job.virtual_cluster)}
     candidates, stopping = ctx.queue.candidates(p for p in ctx.index.pods.values() if p.node in nodes)
+    snap = ctx.index.build_snapshot(leaving=False)
     plan = sched_preemption.plan_preemption(snap, job.virtual_cluster, replicas, job.gpus, job.priority,
                                             candidates, stopping, borrow=job.borrows)
     if plan is None:
