@@ -8,28 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from rl_batches import SPEC, make_batch
 
 from huorn.api import rl
 from huorn.runtime.rl import algorithms, pools, workers
-
-MODEL = {"layers": 2, "width": 32, "heads": 2, "context": 64}
-SPEC = {"virtualCluster": "x", "model": MODEL, "algorithm": {"name": "grpo", "groupSize": 2},
-        "optimization": {"learningRate": 3e-3, "promptsPerStep": 3, "miniBatches": 2, "updateEpochs": 2}}
-
-
-def make_batch(seed: int, groups: int = 5) -> list[dict]:
-    """Groups of two responses of unequal lengths, some tokens masked, as the controller builds."""
-    g = torch.Generator().manual_seed(seed)
-    batch = []
-    for k in range(groups):
-        length = 3 + (k + seed) % 3
-        mask = torch.ones(2, length)
-        mask[1, -1] = 0
-        batch.append({"prompt": list(f"Q: What is {k} + {seed}?\nA:".encode()),
-                      "tokens": torch.randint(32, 120, (2, length), generator=g), "mask": mask,
-                      "advantages": torch.randn(2, generator=g),
-                      "reference": torch.randn(2, length, generator=g) * 0.1 - 4})
-    return batch
 
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
@@ -159,3 +141,15 @@ def test_a_lost_trainer_fails_the_update_at_once_and_stops_the_others(tmp_path: 
             ray.get(group.members[0].weights.remote(), timeout=60)
     finally:
         ray.shutdown()
+
+
+def test_a_joiner_takes_a_copy_of_the_state_not_the_live_moments(tmp_path: Path) -> None:
+    """state() is a snapshot: a trainer that loads it and the one that gave it go on alike (it
+    once handed out the live Adam moments on CPU, which both then stepped)."""
+    giver = workers.PolicyTrainer(SPEC, None, str(tmp_path / "a"), "cpu")
+    giver.update(make_batch(0))
+    joiner = workers.PolicyTrainer(SPEC, None, str(tmp_path / "b"), "cpu")
+    joiner.load_state(giver.state())
+    assert giver.update(make_batch(1)) == joiner.update(make_batch(1))
+    for name, value in giver.weights().items():
+        assert torch.equal(joiner.weights()[name], value), name

@@ -78,12 +78,14 @@ class PolicyTrainer:
         self._store: dist.TCPStore | None = None  # the group's store, held by its rank 0
 
     # -- the data-parallel group ---------------------------------------------------------------
-    def host_group(self) -> tuple[str, int]:
-        """Where the group this trainer will lead (as rank 0) meets: its node's address and the
-        port of a store opened here on a free port (port 0: no race for a port picked earlier)."""
-        import ray  # in the actor's process, which Ray started: already imported there
+    def host_group(self, host: str | None = None) -> tuple[str, int]:
+        """Where the group this trainer will lead (as rank 0) meets: `host` (default: its Ray
+        node's address) and the port of a store opened here on a free port (port 0: no race for
+        a port picked earlier)."""
+        if host is None:
+            import ray  # in the actor's process, which Ray started: already imported there
 
-        host = ray.util.get_node_ip_address()
+            host = ray.util.get_node_ip_address()
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=_GROUP_TIMEOUT)
         return host, int(self._store.port)
@@ -107,9 +109,17 @@ class PolicyTrainer:
         self.rank, self.world = 0, 1
 
     def state(self) -> dict[str, Any]:
-        """The policy and its optimiser, for a trainer that joins the group."""
-        return {"model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-                "optimizer": self.optimizer.state_dict()}
+        """The policy and its optimiser, for a trainer that joins: copies on the CPU (Ray's object
+        store carries host memory; load_state puts each on the joiner's device). Copies even on
+        a CPU trainer, where `.cpu()` would alias: a joiner that received the live moments
+        through shared memory (or in one process) stepped them a second time."""
+        def snapshot(value: Any) -> Any:
+            return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+        optimizer = self.optimizer.state_dict()
+        moments = {i: {k: snapshot(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
+        return {"model": {k: snapshot(v) for k, v in self.model.state_dict().items()},
+                "optimizer": {**optimizer, "state": moments}}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])

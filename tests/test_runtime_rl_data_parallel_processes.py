@@ -1,0 +1,75 @@
+"""Data-parallel RL trainers as plain processes: two, each a PolicyTrainer, formed into one group
+as huorn.runtime.rl.pools forms it (without Ray, which the GPU machines do not carry), take an
+update as one trainer does, after the second joined with the first's state (its optimiser
+moments on the first's device). On two CUDA GPUs that is NCCL (the device tool's
+nvidia-h200-x2; not yet run: only one-GPU machines were lent on 2026-12-05); on CPU, gloo.
+tests/test_runtime_rl_data_parallel.py runs the group over a real Ray cluster."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+def _member(rank: int, device: str, root: str, queue: mp.Queue, out: mp.Queue) -> None:
+    from rl_batches import SPEC, make_batch
+
+    from huorn.runtime.rl import workers
+
+    trainer = workers.PolicyTrainer(SPEC, None, root, device)
+    if rank == 0:
+        trainer.update(make_batch(0))  # alone first: its optimiser moments now live on its GPU
+        host, port = trainer.host_group("127.0.0.1")
+        queue.put((host, port))
+        queue.put(trainer.state())  # what Ray's object store carries to a joiner
+    else:
+        host, port = queue.get(timeout=120)
+        trainer.load_state(queue.get(timeout=120))
+    trainer.join_group(rank, 2, host, port)
+    metrics = trainer.update(make_batch(1))
+    out.put((rank, metrics, {k: v.cpu() for k, v in trainer.weights().items()}))
+    trainer.leave_group()
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS]), "cpu"])
+def test_two_trainers_update_as_one_after_a_join(tmp_path: Path, device: str) -> None:
+    """cuda: NCCL on two GPUs; cpu: the same processes and hand-over over gloo (what CI runs)."""
+    from rl_batches import SPEC, make_batch
+
+    from huorn.runtime.rl import workers
+
+    context = mp.get_context("spawn")
+    queue, out = context.Queue(), context.Queue()
+    members = [context.Process(target=_member, args=(r, device, str(tmp_path), queue, out)) for r in (0, 1)]
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        for rank, p in enumerate(members):
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # one GPU each, as Ray gives an actor
+            p.start()
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+    answers = [out.get(timeout=300) for _ in members]
+    got = {rank: (metrics, weights) for rank, metrics, weights in answers}
+    for p in members:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    alone = workers.PolicyTrainer(SPEC, None, str(tmp_path / "alone"), device)
+    alone.update(make_batch(0))
+    want = alone.update(make_batch(1))
+    (m0, w0), (m1, w1) = got[0], got[1]
+    assert m0["trainers"] == m1["trainers"] == 2
+    for key in ("loss", "policy_loss", "kl", "clip_fraction", "grad_norm"):
+        assert m0[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    mine = {k: v.cpu() for k, v in alone.weights().items()}
+    for name, value in mine.items():
+        torch.testing.assert_close(w0[name], value, rtol=1e-3, atol=1e-4)
+        assert torch.equal(w0[name], w1[name]), name  # the members hold the same bits
