@@ -245,6 +245,71 @@ def test_an_eval_pod_that_never_starts_is_reported_and_does_not_stall_later_eval
         wait_for(lambda: eval_pods(kube, "llm") == ["llm-eval-0-s9"], what="the next eval")
 
 
+async def test_an_eval_started_again_never_takes_the_last_runs_pod_for_its_own(
+        cluster: EmulatedCluster, kube: builders.Kube, ranks: Ranks) -> None:
+    """A parked eval vertex started again gets the instance names of its last run, and its last
+    pod, finished and not yet seen deleting, was taken for the new run's: no pod was created for
+    the new checkpoint, and the next tick recorded the old result twice. Replayed by hand (the
+    monitor's ticks and the reconciles called directly, the pod watch's reports when the test
+    says): once for a checkpoint a tick hands before the watch has reported the old pod's delete,
+    once for the trainers' final checkpoint, which the reconcile right after the park hands."""
+    from huorn.operator import monitoring, runner, training
+
+    settings = dataclasses.replace(operator_mod.FAST, telemetry_port=ranks.port,
+                                   telemetry_timeout_seconds=1.0)
+    ctx = runner.build_context(cluster.api_client(), settings)
+    ctx.post_event = lambda *args, **kwargs: None  # kopf's poster needs a running operator
+    for node in await ctx.client.list("Node", None, {}):
+        ctx.index.nodes[node["metadata"]["name"]] = index.build_node_record(node)
+    for vc in await ctx.client.list_custom("virtualclusters", None):
+        ctx.index.vcs[vc["metadata"]["name"]] = dict(vc.get("spec") or {})
+
+    async def report_pods() -> None:  # what the pod watch would have said by now
+        ctx.index.resync_pods(await ctx.client.list("Pod", NS, {}), ctx.index.observations)
+
+    async def reconcile() -> str:
+        return await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "llm"))
+
+    async def evaluate(pod: str, step: int) -> None:
+        """The pod runs and ends with its result; the monitor's tick parks the vertex."""
+        kube.set_pod_phase(NS, pod, "Running")
+        finish(kube, pod, 0, result_message(step, 2.0))
+        await report_pods()
+        assert [m.action for m in await monitoring.tick_job(ctx, NS, "llm")] == ["deactivate"]
+
+    kube.create_job(NS, make_job("llm"))
+    await reconcile()
+    for pod in kube.pods(NS, "llm"):
+        ip = IPS.get(pod.metadata.labels["huorn.io/instance"], "127.0.0.9")
+        status = {"phase": "Running", "podIP": ip}
+        kube.core.patch_namespaced_pod_status(pod.metadata.name, NS, {"status": status})
+    await report_pods()
+    assert await reconcile() == "Running"
+    ranks.checkpoint(5)
+    await monitoring.tick_job(ctx, NS, "llm")
+    assert eval_pods(kube, "llm") == ["llm-eval-0-s5"]
+    await evaluate("llm-eval-0-s5", 5)  # its pod deleted; the watch has not said so yet
+    ranks.checkpoint(10)
+    for _ in range(2):  # ticks before it does: step 10 is handed once the old pod is seen going
+        await monitoring.tick_job(ctx, NS, "llm")
+    await report_pods()
+    await monitoring.tick_job(ctx, NS, "llm")
+    assert eval_pods(kube, "llm") == ["llm-eval-0-s10"]
+
+    for trainer in kube.pods(NS, "llm", "trainer"):
+        kube.set_pod_phase(NS, trainer.metadata.name, "Succeeded")
+    await evaluate("llm-eval-0-s10", 10)  # and the reconcile after it, the final checkpoint's turn
+    assert eval_pods(kube, "llm") == [] and kube.job_status(NS, "llm")["phase"] != "Succeeded"
+    await report_pods()
+    await reconcile()  # the old pod's DELETED event
+    assert eval_pods(kube, "llm") == ["llm-eval-0-s100"]
+    assert await monitoring.tick_job(ctx, NS, "llm") == []  # nothing of the old run to settle again
+    status = kube.job_status(NS, "llm")
+    assert status["evaluations"] == [{"step": 5, "phase": "Succeeded", "loss": 2.0},
+                                     {"step": 10, "phase": "Succeeded", "loss": 2.0}]
+    assert [d["action"] for d in status["decisions"]].count("replace") == 0
+
+
 # ---------------------------------------------------------------- the pieces, without a cluster
 def eval_graph(handed: dict[str, Any] | None) -> Any:
     graph = compiler.compile(make_job("llm") | {"metadata": {"name": "llm",

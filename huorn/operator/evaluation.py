@@ -69,6 +69,18 @@ def in_flight(graph: model.Graph) -> bool:
     return any(v.active and v.instances for v in eval_vertices(graph))
 
 
+def still_leaving(graph: model.Graph, pods: Iterable[PodRecord]) -> bool:
+    """A parked eval vertex whose last pod is not yet seen deleting (the decision that parked it
+    is in status, the pod's delete is this reconcile's or just made). Such a vertex is not started
+    again until that pod is: a vertex started again gets generation-0 instances, the very names
+    of its last run, and took that finished pod for the new run's. Before, no pod was created for
+    the new checkpoint (the trainers' final one, started by the reconcile right after the park),
+    and the next tick recorded the old pod's result a second time and replaced the instance."""
+    pods = list(pods)
+    return any(not v.active and any(p.vertex == v.name and not p.deleting for p in pods)
+               for v in eval_vertices(graph))
+
+
 def is_over(pod: PodRecord, now: float, start_seconds: float) -> bool:
     """The pod ended, or never started: still Pending `start_seconds` after its creation."""
     return pod.phase in TERMINAL_POD_PHASES or pod.never_started(now, start_seconds)

@@ -198,7 +198,8 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
         # and eval pods that ended (read under the lock, against the graph as it is now).
         pods = ctx.index.pods_of(namespace, name)
         observation.instances.update(evaluation.build_states(graph, pods, time.time(), start_seconds))
-        observation.checkpoint = evaluation.landed_checkpoint(graph, observation.telemetry)
+        if not evaluation.still_leaving(graph, pods):  # else handed at a later tick, once it is
+            observation.checkpoint = evaluation.landed_checkpoint(graph, observation.telemetry)
         # Without telemetry (only an eval pod ended) the policies have nothing to judge.
         policies = state.all() if observation.telemetry else []
         result = monitor.Monitor(graph, observe.ObservedBackend(observation), policies).tick()

@@ -232,15 +232,16 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
 
     trainer_pods = [pods.get(manifests.pod_name(ref, i)) for i in trainer.instances]
     finished = trainer_pods and all(p is not None and p.phase == "Succeeded" for p in trainer_pods)
-    if finished and not new and not evaluation.in_flight(graph):
+    last = evaluation.final_checkpoint(graph, job) if finished and not new else None
+    # The previous eval's pod goes first (evaluation.still_leaving): this reconcile deletes it.
+    leaving = last is not None and evaluation.still_leaving(graph, pods.values())
+    if last is not None and not leaving and not evaluation.in_flight(graph):
         # The last checkpoint is evaluated before the job is done, through the shared loop as any
         # other: the edge fires and the CheckpointEdgeManager activates the eval vertex.
-        last = evaluation.final_checkpoint(graph, job)
-        if last is not None:
-            observation = monitor.Observation(time=time.time(), checkpoint=last, finished=True)
-            new += monitor.Monitor(graph, observe.ObservedBackend(observation), []).tick().mutations
+        observation = monitor.Observation(time=time.time(), checkpoint=last, finished=True)
+        new += monitor.Monitor(graph, observe.ObservedBackend(observation), []).tick().mutations
     # An eval in flight finishes first (its result, or a re-run on a newer checkpoint, still counts).
-    if finished and not new and not evaluation.in_flight(graph):
+    if finished and not new and not leaving and not evaluation.in_flight(graph):
         status = {
             **base_status,
             "phase": "Succeeded",
