@@ -73,3 +73,27 @@ def test_two_trainers_update_as_one_after_a_join(tmp_path: Path, device: str) ->
     for name, value in mine.items():
         torch.testing.assert_close(w0[name], value, rtol=1e-3, atol=1e-4)
         assert torch.equal(w0[name], w1[name]), name  # the members hold the same bits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_joiner_takes_a_cpu_copy_and_goes_on_alike(tmp_path: Path) -> None:
+    """The hand-over of a CUDA trainer: state() holds CPU copies (what Ray's object store
+    carries), load_state puts them back on the GPU, and both trainers take the next update alike."""
+    from rl_batches import SPEC, make_batch
+
+    from huorn.runtime.rl import workers
+
+    giver = workers.PolicyTrainer(SPEC, None, str(tmp_path / "a"), "cuda")
+    giver.update(make_batch(0))
+    state = giver.state()
+    moments = [v for s in state["optimizer"]["state"].values() for v in s.values()
+               if isinstance(v, torch.Tensor)]
+    assert moments and all(v.device.type == "cpu" for v in moments)
+    joiner = workers.PolicyTrainer(SPEC, None, str(tmp_path / "b"), "cuda")
+    joiner.load_state(state)
+    assert all(v.device.type == "cuda" for s in joiner.optimizer.state.values()
+               for k, v in s.items() if k != "step")
+    want, got = giver.update(make_batch(1)), joiner.update(make_batch(1))
+    for key in ("loss", "policy_loss", "kl", "clip_fraction", "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
