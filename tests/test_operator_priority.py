@@ -400,3 +400,35 @@ async def test_a_gang_shrunk_for_a_job_is_not_stopped_as_well_while_its_replicas
     assert trainers(kube, "high") == ["high-trainer-0"]
     assert trainers(kube, "elastic") == ["elastic-trainer-0"]
     assert trainers(kube, "fixed") == ["fixed-trainer-0"]
+
+
+async def test_a_gang_stopped_after_a_reclaim_shrink_keeps_the_reclaims_grace(
+        cluster: EmulatedCluster, kube: builders.Kube) -> None:
+    """A lender reclaims a replica with its 120 s grace; before the watch reports that pod
+    deleting, a job of higher priority stops the gang. The stop deleted every trainer pod the
+    mirror showed live, the reclaimed one again with the pods' own 30 s, and a second DELETE with a
+    shorter grace cuts the first one short (its checkpoint time). It now deletes only the pods of
+    the replicas it replaces; the reclaimed pod's delete stays the reclaim's (and a reconcile that
+    repeats it uses the grace recorded with the decision)."""
+    assert cluster.kmock is not None
+    kubelet = Kubelet(kube, cluster.kmock, NS)
+    solo_cluster(kube)
+    ctx = await direct_context(cluster)
+    body = builders.make_training_job("elastic", "solo", replicas=3, max_replicas=4, gpus=1, priority=10)
+    body["spec"]["elasticity"]["policy"] = "goodput"
+    kube.create_job(NS, body)
+    await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "elastic"))
+    kube.run_all_pods(NS, "elastic")
+    await report_pods(ctx)
+    kubelet.hold(trainers(kube, "elastic"))
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
+                                               "elastic", {"spec": {"elasticity": {"minReplicas": 1}}})
+    await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "elastic"))
+    assert await preempting.shrink_gang(ctx, NS, "elastic", ["trainer-2"], "reclaim: serve needs 1 GPU",
+                                        grace=120)
+    assert await preempting.preempt_gang(ctx, NS, "elastic", "preempted by team/high (priority 60)")
+    graces = {}
+    for pod, params in kubelet.deletes():
+        graces.setdefault(pod, set()).add(params.get("gracePeriodSeconds"))
+    assert graces == {"elastic-trainer-2": {"120"}, "elastic-trainer-0": {None}, "elastic-trainer-1": {None}}
+    assert kube.job_status(NS, "elastic")["preemptReplacements"] == 2

@@ -34,8 +34,12 @@ async def preempt_gang(ctx: Context, namespace: str, name: str, reason: str,
         if body is None or not (body.get("status") or {}).get("graph"):
             return False
         graph = serialise.from_status(body["status"]["graph"])
+        # Only the pods of the replicas it replaces. A pod whose replica the graph already gave up
+        # (a reclaim's shrink) was deleted by that decision, with its grace, though the mirror may
+        # not show it deleting yet: a second DELETE with the pods' own 30 s cut that grace short.
+        kept = {i.name for i in graph.vertex("trainer").instances}
         live = {p.instance: p for p in ctx.index.pods_of(namespace, name)
-                if p.vertex == "trainer" and p.holds_resources and not p.deleting}
+                if p.vertex == "trainer" and p.holds_resources and not p.deleting and p.instance in kept}
         replaced = [mutate.replace_instance(graph, i.name, drain=True, reason=reason)
                     for i in list(graph.vertex("trainer").instances) if i.name in live]
         if not replaced:
