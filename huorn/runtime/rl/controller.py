@@ -288,12 +288,12 @@ class Controller:
         changes in the file wait for the next start."""
         wanted = self._wanted_replicas()
         for pool in self.pools:
-            before = len(pool.members)
+            before, asked = len(pool.members), pool.wanted
             if wanted is not None and wanted[pool.role] != pool.wanted:
                 pool.resize(wanted[pool.role])
             pool.admit()
-            if len(pool.members) != before or (wanted is not None and wanted[pool.role] != before
-                                               and pool.starting):
+            # a record when the role's actors or the ask changed, not at every step they start
+            if len(pool.members) != before or pool.wanted != asked:
                 self.log({"event": "scale", "step": step, "role": pool.role, "from": before,
                           "to": len(pool.members), "starting": len(pool.starting)})
 
