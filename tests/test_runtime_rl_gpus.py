@@ -4,11 +4,12 @@ job the API accepted waited for GPUs that were never there until its start timeo
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from huorn.api import rl
-from huorn.runtime.rl.controller import gpu_requests
+from huorn.runtime.rl.controller import check_trainers_on_gpus, gpu_requests
 
 
 def test_dedicated_roles_take_their_own_gpus() -> None:
@@ -41,10 +42,32 @@ ROLE = st.builds(rl.Role, replicas=st.integers(1, 4), gpus_per_replica=st.intege
 @given(ROLE, ROLE, st.one_of(st.none(), ROLE), st.booleans())
 def test_the_actors_never_ask_more_than_the_api_counted(train: rl.Role, rollout: rl.Role,
                                                         reference: rl.Role | None, kl: bool) -> None:
-    train = train.model_copy(update={"replicas": 1})  # the runtime trains with one actor
     roles = rl.Roles(actor_train=train, rollout=rollout, reference=reference)
     asked = gpu_requests(roles, reference=kl)
-    replicas = {"actorTrain": 1, "rollout": rollout.replicas, "reference": 1}  # one reference actor
+    # the actors each role runs (controller.role_replicas): trainers data-parallel, references as
+    # listed (one where spec.roles leaves the role out)
+    replicas = {"actorTrain": train.replicas, "rollout": rollout.replicas,
+                "reference": max(1, reference.replicas) if reference is not None else 1}
     total = sum(replicas[name] * gpus for name, gpus in asked.items())
     assert total <= rl.count_gpus_needed(roles) + 1e-9
     assert all(0 <= gpus <= 1 or gpus == int(gpus) for gpus in asked.values())  # what Ray accepts
+
+
+def test_data_parallel_trainers_never_share_a_gpu() -> None:
+    """NCCL refuses two members of a group on one GPU: trainers whose colocation group gives each
+    half a GPU are refused, naming the field and the fixes; whole GPUs each are fine."""
+    shared = rl.Roles(actor_train=rl.Role(replicas=2, colocation_group="g"),
+                      rollout=rl.Role(replicas=2, colocation_group="g"))
+    share = gpu_requests(shared, reference=False)["actorTrain"]
+    assert share == 0.5
+    with pytest.raises(ValueError, match=r"^spec\.roles\.actorTrain: 2 data-parallel trainers would get "
+                                         r"0\.5 GPU each .*colocation group of its own"):
+        check_trainers_on_gpus(2, share)
+    check_trainers_on_gpus(1, share)  # one trainer shares its GPU with the rollout worker, as before
+    check_trainers_on_gpus(4, gpu_requests(rl.Roles(actor_train=rl.Role(replicas=4)), False)["actorTrain"])
+    # a KL term with the reference left out: it shares the trainers' GPUs, so they get half each
+    unlisted = gpu_requests(rl.Roles(actor_train=rl.Role(replicas=2)), reference=True)["actorTrain"]
+    with pytest.raises(ValueError, match=r"list spec\.roles\.reference with GPUs of its own"):
+        check_trainers_on_gpus(2, unlisted)
+    listed = rl.Roles(actor_train=rl.Role(replicas=2), reference=rl.Role())
+    check_trainers_on_gpus(2, gpu_requests(listed, reference=True)["actorTrain"])

@@ -86,6 +86,19 @@ def check_runnable(spec: rl.RLJobSpec) -> algorithms.Settings:
     return settings
 
 
+def check_trainers_on_gpus(trainers: int, gpus_each: float) -> None:
+    """Data-parallel trainers on GPUs form an NCCL group, which refuses two members on one GPU.
+    Ray gives an actor a GPU of its own only when it asks a whole one; a colocation group's share
+    (gpu_requests) may put two trainers on one device. Refused before any actor starts."""
+    if trainers > 1 and gpus_each < 1:
+        raise ValueError(
+            f"spec.roles.actorTrain: {trainers} data-parallel trainers would get {gpus_each:g} GPU each "
+            "(their colocation group's share, or what a reference left out of spec.roles leaves them), "
+            "so two could land on one GPU, which NCCL refuses; give actorTrain a colocation group of its "
+            "own (and list spec.roles.reference with GPUs of its own), raise its gpusPerReplica so that "
+            "each trainer's share is a whole GPU, or train with one replica")
+
+
 def role_replicas(spec: rl.RLJobSpec, settings: algorithms.Settings) -> dict[str, int]:
     """The actors each role runs: rollout at least one; a reference worker only for a KL term
     (one where spec.roles leaves it out); reward workers only where spec.roles lists them
@@ -186,6 +199,8 @@ class Controller:
         share = min(1.0, cpus / (heavy + 0.25 * counts["reward"]))
 
         requests = gpu_requests(roles, counts["reference"] > 0)
+        self._trainer_gpus = requests["actorTrain"] if gpu else None
+        self.check_trainers(counts["actorTrain"])
 
         def actor(cls: type, role: str) -> Any:
             return ray.remote(cls).options(num_cpus=share, num_gpus=requests[role] if gpu else 0)
@@ -297,6 +312,10 @@ class Controller:
                 self.log({"event": "scale", "step": step, "role": pool.role, "from": before,
                           "to": len(pool.members), "starting": len(pool.starting)})
 
+    def check_trainers(self, trainers: int) -> None:
+        if self._trainer_gpus is not None:
+            check_trainers_on_gpus(trainers, self._trainer_gpus)
+
     def _wanted_replicas(self) -> dict[str, int] | None:
         """Each role's actors as the config file says now; None where it cannot be read."""
         if self.config_path is None:
@@ -304,10 +323,12 @@ class Controller:
         try:
             spec = load_config(self.config_path).spec
             check_runnable(spec)
+            wanted = role_replicas(spec, self.settings)
+            self.check_trainers(wanted["actorTrain"])  # the count it asks now, as at the start
         except (OSError, ValueError) as error:  # a file being replaced, or a bad edit: keep what runs
             print(f"huorn-rl: {self.config_path} unusable, roles unchanged: {error}", file=sys.stderr)
             return None
-        return role_replicas(spec, self.settings)
+        return wanted
 
     def running_replicas(self) -> dict[str, int]:
         return {pool.role: len(pool.members) for pool in self.pools}
