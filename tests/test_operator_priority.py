@@ -432,3 +432,34 @@ async def test_a_gang_stopped_after_a_reclaim_shrink_keeps_the_reclaims_grace(
         graces.setdefault(pod, set()).add(params.get("gracePeriodSeconds"))
     assert graces == {"elastic-trainer-2": {"120"}, "elastic-trainer-0": {None}, "elastic-trainer-1": {None}}
     assert kube.job_status(NS, "elastic")["preemptReplacements"] == 2
+
+
+async def test_a_suspend_right_after_a_reclaim_shrink_keeps_the_reclaims_grace(
+        cluster: EmulatedCluster, kube: builders.Kube) -> None:
+    """The same window for spec.suspend: it deletes every pod of the job, and the reclaimed one,
+    not yet seen deleting, went again with the pods' own 30 s; it now keeps the reclaim's 120 s."""
+    assert cluster.kmock is not None
+    kubelet = Kubelet(kube, cluster.kmock, NS)
+    solo_cluster(kube)
+    ctx = await direct_context(cluster)
+    body = builders.make_training_job("elastic", "solo", replicas=3, max_replicas=4, gpus=1, priority=10)
+    body["spec"]["elasticity"]["policy"] = "goodput"
+    kube.create_job(NS, body)
+    await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "elastic"))
+    kube.run_all_pods(NS, "elastic")
+    await report_pods(ctx)
+    kubelet.hold(trainers(kube, "elastic"))
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
+                                               "elastic", {"spec": {"elasticity": {"minReplicas": 1}}})
+    await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "elastic"))
+    assert await preempting.shrink_gang(ctx, NS, "elastic", ["trainer-2"], "reclaim: serve needs 1 GPU",
+                                        grace=120)
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
+                                               "elastic", {"spec": {"suspend": True}})
+    assert await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "elastic")) \
+        == "Suspended"
+    graces = {}
+    for pod, params in kubelet.deletes():
+        graces.setdefault(pod, set()).add(params.get("gracePeriodSeconds"))
+    assert graces == {"elastic-trainer-2": {"120"}, "elastic-trainer-0": {None}, "elastic-trainer-1": {None},
+                      "elastic-rendezvous-0": {None}}

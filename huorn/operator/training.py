@@ -447,8 +447,11 @@ async def _suspend(
         await write_status(ctx, body, {**base_status, **decided})
         ctx.metrics.decisions.labels(KIND, "suspend").inc()
         _event(ctx, body, "Normal", "Suspended", suspended.reason)
-    await asyncio.gather(*(ctx.client.delete("Pod", p.namespace, p.name) for p in pods.values()
-                           if p.holds_resources and not p.deleting))
+    # A pod a recorded decision gave up with a grace of its own (a reclaim's) keeps that grace:
+    # deleted again with the pod's own before the watch showed it going, it would be cut short.
+    graces = deletion_graces(graph)
+    await asyncio.gather(*(ctx.client.delete("Pod", p.namespace, p.name, grace_seconds=graces.get(p.instance))
+                           for p in pods.values() if p.holds_resources and not p.deleting))
     stopping = [p for p in pods.values() if p.holds_resources]
     checkpoint = (old.get("lastCheckpoint") or {}).get("step")
     if stopping:
