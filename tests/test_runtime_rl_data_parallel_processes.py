@@ -7,14 +7,28 @@ tests/test_runtime_rl_data_parallel.py runs the group over a real Ray cluster.""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+def _pack(value: object) -> bytes:
+    """Tensors as bytes through a queue: torch's own sharing of CPU tensors between processes
+    passes file descriptors that vanish with a member that has exited before they are read."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _member(rank: int, device: str, root: str, queue: mp.Queue, out: mp.Queue) -> None:
@@ -27,13 +41,13 @@ def _member(rank: int, device: str, root: str, queue: mp.Queue, out: mp.Queue) -
         trainer.update(make_batch(0))  # alone first: its optimiser moments now live on its GPU
         host, port = trainer.host_group("127.0.0.1")
         queue.put((host, port))
-        queue.put(trainer.state())  # what Ray's object store carries to a joiner
+        queue.put(_pack(trainer.state()))  # what Ray's object store carries to a joiner
     else:
         host, port = queue.get(timeout=120)
-        trainer.load_state(queue.get(timeout=120))
+        trainer.load_state(_unpack(queue.get(timeout=120)))
     trainer.join_group(rank, 2, host, port)
     metrics = trainer.update(make_batch(1))
-    out.put((rank, metrics, {k: v.cpu() for k, v in trainer.weights().items()}))
+    out.put((rank, metrics, _pack(trainer.weights())))
     trainer.leave_group()
 
 
@@ -58,7 +72,7 @@ def test_two_trainers_update_as_one_after_a_join(tmp_path: Path, device: str) ->
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
     answers = [out.get(timeout=300) for _ in members]
-    got = {rank: (metrics, weights) for rank, metrics, weights in answers}
+    got = {rank: (metrics, _unpack(weights)) for rank, metrics, weights in answers}
     for p in members:
         p.join(timeout=60)
         assert p.exitcode == 0
