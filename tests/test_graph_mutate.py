@@ -90,6 +90,26 @@ def test_shrink_removes_named_instances_and_regrow_reuses_free_ordinals() -> Non
         mutate.resize(g, "trainer", 2, reason="bad", remove=["trainer-9"])
 
 
+def test_a_replica_added_again_never_takes_a_name_a_shrink_gave_up() -> None:
+    """The pod of a replica a shrink removed may still be checkpointing when the job grows
+    again: the replica added on its ordinal takes the next generation, so the old pod is never
+    taken for the new replica's (its exit read as the new one failing), through a status round
+    trip too."""
+    g = build_graph()
+    mutate.resize(g, "trainer", 4, reason="grow")
+    mutate.resize(g, "trainer", 2, reason="reclaim", remove=["trainer-1", "trainer-2"])
+    g = serialise.from_status(serialise.to_status(g))
+    mutate.resize(g, "trainer", 3, reason="regrow")
+    assert [i.name for i in g.vertex("trainer").instances] == ["trainer-0", "trainer-1-g1", "trainer-3"]
+    mutate.resize(g, "trainer", 2, reason="reclaim", remove=["trainer-1-g1"])
+    mutate.resize(g, "trainer", 4, reason="regrow")
+    assert [i.name for i in g.vertex("trainer").instances] == [
+        "trainer-0", "trainer-1-g2", "trainer-2-g1", "trainer-3"]
+    assert g.vertex("trainer").retired == {}
+    back = serialise.from_status(serialise.to_status(g)).vertex("trainer")
+    assert [i.name for i in back.instances] == [i.name for i in g.vertex("trainer").instances]
+
+
 def test_insert_vertices_and_choose_branch() -> None:
     g = build_graph()
     fast = model.Vertex("distill-a", "distill", 1, 1, mode=model.ExecutionMode.ON_DEMAND, active=False)

@@ -178,10 +178,11 @@ def test_an_inference_job_scales_to_zero_and_a_held_request_wakes_a_replica(
                 answer = pool.submit(serving.complete, activator.url)
                 (up, *_) = wait_for(lambda: scaled(kube, "chat", "ScaledUp"), what="woken from zero")
                 assert "held by the activator" in up.message and "0 → 1" in up.message
-                wait_for(lambda: "server-0" in servers(kube, "chat"), what="a replica placed")
+                # a new name on ordinal 0: the old replica's pod may still have been going
+                wait_for(lambda: "server-0-g1" in servers(kube, "chat"), what="a replica placed")
                 assert not answer.done()
                 replicas.start(IPS["server-0"])
-                run_pod(kube, servers(kube, "chat")["server-0"], IPS["server-0"])
+                run_pod(kube, servers(kube, "chat")["server-0-g1"], IPS["server-0"])
                 status_code, body = answer.result(timeout=120)
             assert status_code == 200 and body["tokens"] > 0
             wait_for(lambda: routed_to(kube, "chat") == "server", what="the Service on the replica again")

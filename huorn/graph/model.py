@@ -77,6 +77,10 @@ class Vertex:
     instances: list[Instance] = field(default_factory=list)
     # An on-demand vertex waits inactive until an edge fires or a branch chooses it.
     active: bool = True
+    # Ordinal → the last generation a shrink removed. A replica added again on that ordinal takes
+    # the next generation, so its name is new: the old one's pod may still be checkpointing, and
+    # must never be taken for the new replica's (its exit read as the new one failing).
+    retired: dict[int, int] = field(default_factory=dict)
 
     @property
     def replicas(self) -> int:

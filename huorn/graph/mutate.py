@@ -45,7 +45,8 @@ def resize(
     if replicas > before:
         used = {i.ordinal for i in v.instances}
         free = (o for o in range(replicas + len(used)) if o not in used)
-        added = [Instance(vertex, next(free)) for _ in range(replicas - before)]
+        ordinals = [next(free) for _ in range(replicas - before)]
+        added = [Instance(vertex, o, v.retired.pop(o, -1) + 1) for o in ordinals]
         v.instances = sorted([*v.instances, *added], key=lambda i: i.ordinal)
         detail: dict[str, Any] = {"from": before, "to": replicas, "added": [i.name for i in added]}
     else:
@@ -60,6 +61,9 @@ def resize(
                 f"remove={names} must name exactly {before - replicas} current instances of {vertex!r}"
                 f" (it has {[i.name for i in v.instances]})"
             )
+        for i in v.instances:
+            if i.name in names:
+                v.retired[i.ordinal] = max(v.retired.get(i.ordinal, -1), i.generation)
         v.instances = [i for i in v.instances if i.name not in names]
         detail = {"from": before, "to": replicas, "removed": sorted(names)}
     return _record(graph, "resize", vertex, reason, detail)

@@ -87,6 +87,9 @@ def _vertex_to_wire(v: Vertex) -> dict[str, Any]:
         "resources": {"gpus": v.resources.gpus, "cpu": v.resources.cpu, "memory": v.resources.memory},
         "params": v.params,
         "instances": encode_instances(v.instances),
+        # "2,3g1": ordinal 2 retired at generation 0, ordinal 3 at 1 (the instances' own notation)
+        **({"retired": encode_instances([Instance(v.name, o, g) for o, g in v.retired.items()])}
+           if v.retired else {}),
     }
 
 
@@ -168,6 +171,8 @@ def from_status(data: dict[str, Any], clock: Callable[[], float] | None = None) 
                 params=w["params"],
                 instances=decode_instances(w["name"], w["instances"]),
                 active=w["active"],
+                # a status written before retired was kept has none: names may repeat, as then
+                retired={i.ordinal: i.generation for i in decode_instances(w["name"], w.get("retired", ""))},
             )
         graph.edges = [
             Edge(
