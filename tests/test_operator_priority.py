@@ -402,6 +402,37 @@ async def test_a_gang_shrunk_for_a_job_is_not_stopped_as_well_while_its_replicas
     assert trainers(kube, "fixed") == ["fixed-trainer-0"]
 
 
+async def shrunk_by_a_reclaim(cluster: EmulatedCluster, kube: builders.Kube) -> tuple[Context, Kubelet]:
+    """An elastic job of 3 running replicas (their pods held by the kubelet while they
+    checkpoint) that a lender's reclaim has just shrunk by trainer-2, with its 120 s grace; the
+    mirror has not seen that pod deleting. Reconciled by hand, with no watch."""
+    assert cluster.kmock is not None
+    kubelet = Kubelet(kube, cluster.kmock, NS)
+    solo_cluster(kube)
+    ctx = await direct_context(cluster)
+    body = builders.make_training_job("elastic", "solo", replicas=3, max_replicas=4, gpus=1, priority=10)
+    body["spec"]["elasticity"]["policy"] = "goodput"
+    kube.create_job(NS, body)
+    await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "elastic"))
+    kube.run_all_pods(NS, "elastic")
+    await report_pods(ctx)
+    kubelet.hold(trainers(kube, "elastic"))
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
+                                               "elastic", {"spec": {"elasticity": {"minReplicas": 1}}})
+    await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "elastic"))
+    assert await preempting.shrink_gang(ctx, NS, "elastic", ["trainer-2"], "reclaim: serve needs 1 GPU",
+                                        grace=120)
+    return ctx, kubelet
+
+
+def delete_graces(kubelet: Kubelet) -> dict[str, set[str | None]]:
+    """Pod → every gracePeriodSeconds its DELETEs asked (None: the pod's own)."""
+    graces: dict[str, set[str | None]] = {}
+    for pod, params in kubelet.deletes():
+        graces.setdefault(pod, set()).add(params.get("gracePeriodSeconds"))
+    return graces
+
+
 async def test_a_gang_stopped_after_a_reclaim_shrink_keeps_the_reclaims_grace(
         cluster: EmulatedCluster, kube: builders.Kube) -> None:
     """A lender reclaims a replica with its 120 s grace; before the watch reports that pod
@@ -410,26 +441,9 @@ async def test_a_gang_stopped_after_a_reclaim_shrink_keeps_the_reclaims_grace(
     shorter grace cuts the first one short (its checkpoint time). It now deletes only the pods of
     the replicas it replaces; the reclaimed pod's delete stays the reclaim's (and a reconcile that
     repeats it uses the grace recorded with the decision)."""
-    assert cluster.kmock is not None
-    kubelet = Kubelet(kube, cluster.kmock, NS)
-    solo_cluster(kube)
-    ctx = await direct_context(cluster)
-    body = builders.make_training_job("elastic", "solo", replicas=3, max_replicas=4, gpus=1, priority=10)
-    body["spec"]["elasticity"]["policy"] = "goodput"
-    kube.create_job(NS, body)
-    await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "elastic"))
-    kube.run_all_pods(NS, "elastic")
-    await report_pods(ctx)
-    kubelet.hold(trainers(kube, "elastic"))
-    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
-                                               "elastic", {"spec": {"elasticity": {"minReplicas": 1}}})
-    await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "elastic"))
-    assert await preempting.shrink_gang(ctx, NS, "elastic", ["trainer-2"], "reclaim: serve needs 1 GPU",
-                                        grace=120)
+    ctx, kubelet = await shrunk_by_a_reclaim(cluster, kube)
     assert await preempting.preempt_gang(ctx, NS, "elastic", "preempted by team/high (priority 60)")
-    graces = {}
-    for pod, params in kubelet.deletes():
-        graces.setdefault(pod, set()).add(params.get("gracePeriodSeconds"))
+    graces = delete_graces(kubelet)
     assert graces == {"elastic-trainer-2": {"120"}, "elastic-trainer-0": {None}, "elastic-trainer-1": {None}}
     assert kube.job_status(NS, "elastic")["preemptReplacements"] == 2
 
@@ -438,28 +452,11 @@ async def test_a_suspend_right_after_a_reclaim_shrink_keeps_the_reclaims_grace(
         cluster: EmulatedCluster, kube: builders.Kube) -> None:
     """The same window for spec.suspend: it deletes every pod of the job, and the reclaimed one,
     not yet seen deleting, went again with the pods' own 30 s; it now keeps the reclaim's 120 s."""
-    assert cluster.kmock is not None
-    kubelet = Kubelet(kube, cluster.kmock, NS)
-    solo_cluster(kube)
-    ctx = await direct_context(cluster)
-    body = builders.make_training_job("elastic", "solo", replicas=3, max_replicas=4, gpus=1, priority=10)
-    body["spec"]["elasticity"]["policy"] = "goodput"
-    kube.create_job(NS, body)
-    await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "elastic"))
-    kube.run_all_pods(NS, "elastic")
-    await report_pods(ctx)
-    kubelet.hold(trainers(kube, "elastic"))
-    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
-                                               "elastic", {"spec": {"elasticity": {"minReplicas": 1}}})
-    await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "elastic"))
-    assert await preempting.shrink_gang(ctx, NS, "elastic", ["trainer-2"], "reclaim: serve needs 1 GPU",
-                                        grace=120)
+    ctx, kubelet = await shrunk_by_a_reclaim(cluster, kube)
     kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
                                                "elastic", {"spec": {"suspend": True}})
     assert await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "elastic")) \
         == "Suspended"
-    graces = {}
-    for pod, params in kubelet.deletes():
-        graces.setdefault(pod, set()).add(params.get("gracePeriodSeconds"))
+    graces = delete_graces(kubelet)
     assert graces == {"elastic-trainer-2": {"120"}, "elastic-trainer-0": {None}, "elastic-trainer-1": {None},
                       "elastic-rendezvous-0": {None}}
