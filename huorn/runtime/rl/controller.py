@@ -307,10 +307,16 @@ class Controller:
             if wanted is not None and wanted[pool.role] != pool.wanted:
                 pool.resize(wanted[pool.role])
             pool.admit()
+            # actors that failed to start are dropped (pools.ActorPool.ready): asked again next time
+            failed, pool.failed = pool.failed, []
+            for reason in failed:
+                print(f"huorn-rl: a {pool.role} actor failed to start, asked again next step: {reason}",
+                      file=sys.stderr)
             # a record when the role's actors or the ask changed, not at every step they start
             if len(pool.members) != before or pool.wanted != asked:
                 self.log({"event": "scale", "step": step, "role": pool.role, "from": before,
-                          "to": len(pool.members), "starting": len(pool.starting)})
+                          "to": len(pool.members), "starting": len(pool.starting),
+                          **({"failed": failed} if failed else {})})
 
     def check_trainers(self, trainers: int) -> None:
         if self._trainer_gpus is not None:

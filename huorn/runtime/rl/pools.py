@@ -33,6 +33,7 @@ class ActorPool:
         self._new_actor = new_actor
         self.members: list[Any] = [new_actor() for _ in range(replicas)]
         self.starting: list[tuple[Any, Any]] = []
+        self.failed: list[str] = []  # why actors asked for never started, until the controller reads it
 
     @property
     def wanted(self) -> int:
@@ -49,11 +50,28 @@ class ActorPool:
             ray.kill(actor)
 
     def ready(self) -> list[Any]:
-        """The starting actors that Ray has started by now, out of `starting`."""
+        """The starting actors that Ray has started by now, out of `starting`.
+
+        One whose start failed (its node gone while it started, its constructor raising) is
+        dropped, with the reason in `failed`, and is asked for again at the next step boundary
+        (the pool then wants fewer than the config file says). Admitted, it failed the first
+        call the controller made of it, and so the whole job, to be run again from its last
+        checkpoint; a trainer took the group down with it (`gather` stops every member)."""
         if not self.starting:
             return []
         done, _ = ray.wait([ref for _, ref in self.starting], num_returns=len(self.starting), timeout=0)
-        up = [actor for actor, ref in self.starting if ref in done]
+        up = []
+        for actor, ref in self.starting:
+            if ref not in done:
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as error:
+                lines = str(getattr(error, "cause", None) or error).strip().splitlines()
+                self.failed.append(lines[-1] if lines else type(error).__name__)
+                ray.kill(actor)
+            else:
+                up.append(actor)
         self.starting = [(actor, ref) for actor, ref in self.starting if ref not in done]
         return up
 
