@@ -160,6 +160,36 @@ def test_the_controller_refuses_what_it_cannot_run_before_starting_ray(
     assert "spec.algorithm.name: ppo needs a critic" in capsys.readouterr().err
 
 
+def _spec(**roles: dict) -> rl.RLJobSpec:
+    return rl.RLJobSpec.model_validate({"virtualCluster": "x", "model": MODEL, "roles": roles})
+
+
+def test_a_role_of_zero_replicas_that_the_run_needs_is_refused_naming_the_field() -> None:
+    """A rollout, or a reference for a KL term, of 0 replicas ran one actor anyway: the API
+    counts no GPU for it, so on a GPU cluster it waited for one until the start timeout, whose
+    error told the user to lower the replicas they had set to 0. Refused now, before anything
+    starts (and, in the config file at run time, the roles are kept)."""
+    with pytest.raises(ValueError, match=r"^spec\.roles\.rollout\.replicas: 0, .*set it to 1 or more"):
+        controller.check_runnable(_spec(rollout={"replicas": 0}))
+    with pytest.raises(ValueError, match=r"^spec\.roles\.reference\.replicas: 0, but spec\.algorithm "
+                                         r"\(grpo\) has a KL term .*leave spec\.roles\.reference out"):
+        controller.check_runnable(_spec(reference={"replicas": 0}))
+    # without a KL term no reference runs, so 0 is what it runs
+    dapo = _spec(reference={"replicas": 0}).model_copy(update={"algorithm": rl.AlgorithmSpec(name="dapo")})
+    assert controller.role_replicas(dapo, controller.check_runnable(dapo))["reference"] == 0
+
+
+def test_the_roles_run_the_replicas_the_spec_asks() -> None:
+    grpo = _settings(name="grpo")
+    assert controller.role_replicas(_spec(), grpo) == {"actorTrain": 1, "rollout": 1, "reference": 1,
+                                                       "reward": 0}
+    spec = _spec(actorTrain={"replicas": 3}, rollout={"replicas": 2}, reference={"replicas": 2},
+                 reward={"replicas": 4})
+    assert controller.role_replicas(spec, grpo) == {"actorTrain": 3, "rollout": 2, "reference": 2,
+                                                    "reward": 4}
+    assert controller.role_replicas(spec, _settings(name="dapo"))["reference"] == 0  # no KL term
+
+
 def test_ray_cpus_for_a_running_cluster_is_refused_naming_both(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ray itself refuses num_cpus for a cluster it connects to, naming neither setting."""

@@ -80,9 +80,22 @@ def check_runnable(spec: rl.RLJobSpec) -> algorithms.Settings:
     algorithm otherwise. `huorn run` calls it before creating anything."""
     settings = algorithms.resolve(spec.algorithm)  # ppo needs a critic
     tasks.check_reward(spec.reward)
-    if spec.roles.actor_train.replicas < 1:
+    roles = spec.roles
+    if roles.actor_train.replicas < 1:
         raise ValueError("spec.roles.actorTrain.replicas: 0, but the policy needs a training actor; "
                          "set it to 1 or more (they train data-parallel)")
+    # NB: refused, not run as one: the API counts no GPU for a role of 0 replicas, so the one
+    # actor started anyway waited on a GPU cluster for a GPU that was never there until the
+    # start timeout (and was reported running where the spec says 0)
+    if roles.rollout.replicas < 1:
+        raise ValueError("spec.roles.rollout.replicas: 0, but the responses are sampled by rollout "
+                         "workers; set it to 1 or more")
+    if settings.kl_coefficient > 0 and roles.reference is not None and roles.reference.replicas < 1:
+        raise ValueError(
+            f"spec.roles.reference.replicas: 0, but spec.algorithm ({spec.algorithm.name.value}) has a KL "
+            f"term (klCoefficient {settings.kl_coefficient:g}), which needs the reference policy; set it "
+            "to 1 or more, leave spec.roles.reference out (one reference then shares the training "
+            "actors' GPUs), or set spec.algorithm.klCoefficient to 0")
     return settings
 
 
@@ -102,7 +115,9 @@ def check_trainers_on_gpus(trainers: int, gpus_each: float) -> None:
 def role_replicas(spec: rl.RLJobSpec, settings: algorithms.Settings) -> dict[str, int]:
     """The actors each role runs: rollout at least one; a reference worker only for a KL term
     (one where spec.roles leaves it out); reward workers only where spec.roles lists them
-    (without, the controller scores in its own process)."""
+    (without, the controller scores in its own process). check_runnable refuses a rollout, or a
+    reference for a KL term, of 0 replicas; the floors here keep a running job whole where the
+    file's algorithm has since dropped its KL term (a change that waits for the next start)."""
     roles = spec.roles
     reference = 0
     if settings.kl_coefficient > 0:
