@@ -188,6 +188,9 @@ def test_the_roles_run_the_replicas_the_spec_asks() -> None:
     assert controller.role_replicas(spec, grpo) == {"actorTrain": 3, "rollout": 2, "reference": 2,
                                                     "reward": 4}
     assert controller.role_replicas(spec, _settings(name="dapo"))["reference"] == 0  # no KL term
+    # reward 0 is no reward worker, scored in the controller as with no reward role (it ran one:
+    # a merge patch to 0, the way back from N without a null, kept a worker the spec did not ask)
+    assert controller.role_replicas(_spec(reward={"replicas": 0}), grpo)["reward"] == 0
 
 
 def test_ray_cpus_for_a_running_cluster_is_refused_naming_both(

@@ -114,15 +114,18 @@ def check_trainers_on_gpus(trainers: int, gpus_each: float) -> None:
 
 def role_replicas(spec: rl.RLJobSpec, settings: algorithms.Settings) -> dict[str, int]:
     """The actors each role runs: rollout at least one; a reference worker only for a KL term
-    (one where spec.roles leaves it out); reward workers only where spec.roles lists them
-    (without, the controller scores in its own process). check_runnable refuses a rollout, or a
-    reference for a KL term, of 0 replicas; the floors here keep a running job whole where the
-    file's algorithm has since dropped its KL term (a change that waits for the next start)."""
+    (one where spec.roles leaves it out); reward workers as spec.roles lists them (none where it
+    leaves the role out or asks 0: the controller scores in its own process). check_runnable
+    refuses a rollout, or a reference for a KL term, of 0 replicas; the floors here keep a
+    running job whole where the file's algorithm has since dropped its KL term (a change that
+    waits for the next start)."""
     roles = spec.roles
     reference = 0
     if settings.kl_coefficient > 0:
         reference = max(1, roles.reference.replicas) if roles.reference is not None else 1
-    reward = max(1, roles.reward.replicas) if roles.reward is not None else 0
+    # NB: replicas 0 is no reward worker (it was one): how a user goes back to inline scoring
+    # with a merge patch, which cannot drop the role from spec.roles without a null
+    reward = roles.reward.replicas if roles.reward is not None else 0
     return {"actorTrain": roles.actor_train.replicas, "rollout": max(1, roles.rollout.replicas),
             "reference": reference, "reward": reward}
 
