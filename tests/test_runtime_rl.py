@@ -193,6 +193,33 @@ def test_the_roles_run_the_replicas_the_spec_asks() -> None:
     assert controller.role_replicas(_spec(reward={"replicas": 0}), grpo)["reward"] == 0
 
 
+def test_actors_that_cannot_start_are_refused_naming_their_roles_and_ray_is_shut_down(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU actors on a cluster without GPUs never start: exit 2 after startTimeoutS naming each
+    role that did not start (spec.roles.<role>, how many of its actors did) and the fix. It named
+    only "the roles' N actors" and "spec.roles' replicas"; and a refused start left the Ray
+    cluster it had started (and its actors, still asking for GPUs) running in the caller."""
+    import ray
+
+    config = tmp_path / "rl.json"
+    config.write_text(json.dumps({"jobName": "rl", "runDir": str(tmp_path / "run"), "rayCpus": 2,
+                                  "device": "cuda", "startTimeoutS": 1, "evalPrompts": 0, "spec": {
+                                      "virtualCluster": "x", "model": MODEL,
+                                      "algorithm": {"name": "dapo"},  # no KL: no reference
+                                      "roles": {"rollout": {"replicas": 2}, "reward": {"replicas": 1}}}}))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    try:
+        assert controller.main(["--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert "spec.roles.actorTrain (0 of 1 started) and spec.roles.rollout (0 of 2 started) did " \
+               "not start within 1 s on a Ray cluster of 2 CPU and 0 GPU" in err, err
+        assert "reward" not in err  # its worker needs no GPU: it started
+        assert "lower those roles' replicas or gpusPerReplica, or give the cluster more" in err, err
+        assert not ray.is_initialized()
+    finally:
+        ray.shutdown()
+
+
 def test_ray_cpus_for_a_running_cluster_is_refused_naming_both(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ray itself refuses num_cpus for a cluster it connects to, naming neither setting."""

@@ -237,14 +237,22 @@ class Controller:
             "reward", lambda: ray.remote(rewarding.RewardWorker).options(num_cpus=0.25 * share).remote(wire),
             counts["reward"])
         self.pools = (self.trainers, self.rollouts, self.references, self.rewards)
-        everyone = [a for pool in self.pools for a in pool.members]
+        ready = {a.__ray_ready__.remote(): pool.role for pool in self.pools for a in pool.members}
         try:
-            ray.get([a.__ray_ready__.remote() for a in everyone], timeout=cfg.start_timeout_s)
+            ray.get(list(ready), timeout=cfg.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
+            # NB: each role that did not start, by its field: "the roles' N actors" left the user
+            # to guess which one asked for what the cluster lacks
+            done, _ = ray.wait(list(ready), num_returns=len(ready), timeout=0)
+            asked = collections.Counter(ready.values())
+            waiting = collections.Counter(role for ref, role in ready.items() if ref not in done)
+            named = " and ".join(f"spec.roles.{role} ({asked[role] - waiting[role]} of {asked[role]} started)"
+                                 for role in waiting)
+            have = ray.cluster_resources()
             raise ValueError(
-                f"the roles' {len(everyone)} actors did not start within {cfg.start_timeout_s:.0f} s on a "
-                f"Ray cluster of {ray.cluster_resources()}; lower spec.roles' replicas or gpusPerReplica, "
-                "or give the cluster more") from None
+                f"the actors of {named} did not start within {cfg.start_timeout_s:.0f} s on a Ray cluster "
+                f"of {have.get('CPU', 0):g} CPU and {have.get('GPU', 0):g} GPU; lower those roles' replicas "
+                "or gpusPerReplica, or give the cluster more") from None
         except ray.exceptions.RayError as error:  # an actor's constructor refused (a bad checkpoint)
             cause = getattr(error, "cause", None) or error
             raise ValueError(str(cause).strip().splitlines()[-1]) from None
@@ -491,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         controller.config_path = args.config
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
+        # a start refused once Ray was up (actors that cannot start): its actors, still asking
+        # for resources, and the cluster it started go now, as after a run, not with the process
+        ray.shutdown()
         return 2
     try:
         return controller.run()
