@@ -220,6 +220,30 @@ def test_actors_that_cannot_start_are_refused_naming_their_roles_and_ray_is_shut
         ray.shutdown()
 
 
+def test_a_bad_config_file_keeps_the_roles_and_says_so_once_not_at_every_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The controller re-reads its config file at every step boundary; an edit it refuses kept
+    the roles but printed its error again at every step (a line a step into the head pod's log
+    until someone fixed the ConfigMap). Once per edit now, and again if it goes bad again."""
+    config = tmp_path / "rl.json"
+
+    def write(rollout: int) -> None:
+        config.write_text(json.dumps({"jobName": "rl", "runDir": str(tmp_path / "run"), "spec": {
+            "virtualCluster": "x", "model": MODEL, "roles": {"rollout": {"replicas": rollout}}}}))
+
+    running = controller.Controller.__new__(controller.Controller)  # no Ray: only the file's part
+    running.config_path, running.settings, running._trainer_gpus = config, _settings(name="grpo"), None
+    write(0)
+    assert running._wanted_replicas() is None and running._wanted_replicas() is None
+    err = capsys.readouterr().err
+    assert err.count("unusable, roles unchanged: spec.roles.rollout.replicas: 0") == 1, err
+    write(2)
+    assert running._wanted_replicas() == {"actorTrain": 1, "rollout": 2, "reference": 1, "reward": 0}
+    write(0)
+    assert running._wanted_replicas() is None
+    assert capsys.readouterr().err.count("unusable") == 1
+
+
 def test_ray_cpus_for_a_running_cluster_is_refused_naming_both(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ray itself refuses num_cpus for a cluster it connects to, naming neither setting."""

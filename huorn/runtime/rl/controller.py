@@ -172,6 +172,8 @@ def _environment(**values: str) -> Iterator[None]:
 
 
 class Controller:
+    _config_error: str | None = None  # the config file's last refusal, printed once (_wanted_replicas)
+
     def __init__(self, cfg: RLRunConfig) -> None:
         address = os.environ.get("RAY_ADDRESS") or None
         if address and cfg.ray_cpus is not None:
@@ -358,8 +360,13 @@ class Controller:
             wanted = role_replicas(spec, self.settings)
             self.check_trainers(wanted["actorTrain"])  # the count it asks now, as at the start
         except (OSError, ValueError) as error:  # a file being replaced, or a bad edit: keep what runs
-            print(f"huorn-rl: {self.config_path} unusable, roles unchanged: {error}", file=sys.stderr)
+            # once an edit, not at every step boundary, which flooded the head pod's log with the
+            # same error until the ConfigMap was fixed
+            if str(error) != self._config_error:
+                print(f"huorn-rl: {self.config_path} unusable, roles unchanged: {error}", file=sys.stderr)
+            self._config_error = str(error)
             return None
+        self._config_error = None
         return wanted
 
     def running_replicas(self) -> dict[str, int]:
