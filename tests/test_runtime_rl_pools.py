@@ -44,7 +44,10 @@ def _trainer_class() -> type:
         def __init__(self, fail: bool = False) -> None:
             if fail:
                 raise RuntimeError("no room for the policy on this node")
-            self.value = 0
+            self.value, self.world = 0, 1
+
+        def size(self) -> int:  # the process group it is in (1: none)
+            return self.world
 
         def state(self) -> int:
             return self.value
@@ -53,12 +56,13 @@ def _trainer_class() -> type:
             self.value = value
 
         def leave_group(self) -> None:
-            pass
+            self.world = 1
 
         def host_group(self) -> tuple[str, int]:
             return "127.0.0.1", 1
 
         def join_group(self, rank: int, world: int, host: str, port: int) -> int:
+            self.world = world
             return rank
 
     return Trainer
@@ -106,3 +110,38 @@ def test_an_actor_that_fails_to_start_is_dropped_and_asked_for_again(cluster: No
     assert len(pool.members) == 2
     if group:
         assert pool.formed == 2
+
+
+def test_a_trainer_ray_never_starts_leaves_the_group_as_is_until_the_file_asks_fewer(cluster: None) -> None:
+    """Not a fix, the behaviour the controller relies on: a trainer that Ray cannot place (no
+    CPU or GPU for it) waits in `starting` while the group trains at its size; the file asking
+    fewer again stops it first (the group is not re-formed); shrinking to one while another
+    starts stops both and leaves no process group; growing again re-forms at the new size."""
+    cls = _trainer_class()
+    cpus = [0.1]
+
+    def new_actor() -> Any:
+        return ray.remote(cls).options(num_cpus=cpus[0]).remote()
+
+    group = pools.TrainerGroup("actorTrain", new_actor, 2)
+    ray.get([a.__ray_ready__.remote() for a in group.members])
+    group.form()
+    first = list(group.members)
+    cpus[0] = 64  # more than the cluster has: Ray never starts it
+    group.resize(3)
+    group.admit()
+    assert (len(group.members), len(group.starting), group.formed) == (2, 1, 2)
+    group.resize(2)  # the file asks 2 again before it started
+    group.admit()
+    assert (group.members, group.starting, group.formed) == (first, [], 2)
+    group.resize(3)
+    group.admit()
+    group.resize(1)  # to one while the third still starts: it and the newest member go
+    group.admit()
+    assert (group.members, group.starting, group.formed) == (first[:1], [], 1)
+    assert ray.get(first[0].size.remote()) == 1
+    cpus[0] = 0.1
+    group.resize(2)
+    _settle(group)
+    assert len(group.members) == 2 and group.members[0] == first[0] and group.formed == 2
+    assert ray.get([a.size.remote() for a in group.members]) == [2, 2]
