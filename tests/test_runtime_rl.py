@@ -244,6 +244,16 @@ def test_a_bad_config_file_keeps_the_roles_and_says_so_once_not_at_every_step(
     assert capsys.readouterr().err.count("unusable") == 1
 
 
+def test_an_init_checkpoint_that_is_not_there_is_refused_naming_the_field(tmp_path: Path) -> None:
+    """The trainers' and references' constructors read spec.initCheckpoint; a path holding no
+    checkpoint ended the start with "<path> holds no complete Huorn checkpoint", naming neither
+    the field nor what to do."""
+    model = training.ModelSpec.model_validate(MODEL)
+    with pytest.raises(ValueError, match=r"^spec\.initCheckpoint: .*nowhere holds no complete Huorn "
+                                         r"checkpoint.*; point it at .* or leave it out"):
+        workers.build_policy(model, str(tmp_path / "nowhere"), 0, torch.device("cpu"))
+
+
 def test_ray_cpus_for_a_running_cluster_is_refused_naming_both(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ray itself refuses num_cpus for a cluster it connects to, naming neither setting."""

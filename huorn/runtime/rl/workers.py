@@ -47,7 +47,12 @@ def build_policy(model_spec: training.ModelSpec, init: str | None, seed: int, de
     torch.manual_seed(seed)
     model = models.build_model(run_config.build_model_config(model_spec)).to(device)
     if init:
-        path = checkpoint.resolve(Path(init))
+        try:
+            path = checkpoint.resolve(Path(init))
+        except ValueError as error:  # NB: it named the path alone, not the field nor the fix
+            raise ValueError(f"spec.initCheckpoint: {error}; point it at a Huorn checkpoint (a step-* "
+                             "directory, or a root holding one) of spec.model's architecture, or leave "
+                             "it out to start from fresh weights") from None
         meta = checkpoint.read_meta(path)
         if meta.get("model") is not None and training.ModelSpec.model_validate(meta["model"]) != model_spec:
             raise ValueError(f"spec.initCheckpoint: {path} holds a model other than spec.model "
