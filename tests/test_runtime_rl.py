@@ -254,6 +254,38 @@ def test_an_init_checkpoint_that_is_not_there_is_refused_naming_the_field(tmp_pa
         workers.build_policy(model, str(tmp_path / "nowhere"), 0, torch.device("cpu"))
 
 
+def test_a_step_due_a_checkpoint_is_saved_before_the_roles_rescale(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rescale can fail (a trainer that joins dies before it has the group's state: the group
+    is stopped and the controller run again from the last checkpoint). The step's checkpoint was
+    written after the rescale, so such a failure at a step due one lost the step and every step
+    since the checkpoint before; it is written first now, and the rerun resumes there."""
+    import ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = controller.RLRunConfig.model_validate({
+        "jobName": "rl", "runDir": str(tmp_path / "run"), "checkpointDir": str(tmp_path / "ckpt"),
+        "rayCpus": 2, "evalPrompts": 0, "spec": {
+            "virtualCluster": "x", "model": MODEL, "steps": 3,
+            "algorithm": {"name": "lite-ppo", "groupSize": 2},
+            "reward": {"type": "format", "dataset": "arithmetic-small"}, "rollout": {"maxNewTokens": 3},
+            "optimization": {"promptsPerStep": 2}, "checkpoint": {"path": "/c", "intervalSteps": 2}}})
+
+    def rescale(step: int) -> None:
+        if step == 2:
+            raise RuntimeError("a joining trainer died")
+
+    try:
+        running = controller.Controller(cfg)
+        monkeypatch.setattr(running, "rescale", rescale)
+        with pytest.raises(RuntimeError, match="a joining trainer died"):
+            running.run()
+    finally:
+        ray.shutdown()
+    latest = checkpoint.find_latest(tmp_path / "ckpt")
+    assert latest is not None and checkpoint.read_meta(latest)["step"] == 2
+
+
 def test_ray_cpus_for_a_running_cluster_is_refused_naming_both(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ray itself refuses num_cpus for a cluster it connects to, naming neither setting."""

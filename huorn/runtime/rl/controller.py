@@ -477,12 +477,15 @@ class Controller:
                     # 128 + the signal, as a shell reports it: a head pod stopped mid-run (a node
                     # drained) must not read as a controller that finished every step
                     return 128 + signal.Signals[self.stop_signal.upper()].value
-                self.rescale(step)
-                self.sync_weights(step)
+                # the step's checkpoint before the rescale: a rescale that fails (a joining trainer
+                # lost before it has the group's state stops the group) must not lose a step that
+                # was due one, as it did when the save came after it
                 if (interval and step % interval == 0) or step == total:
                     reason = "final" if step == total else "interval"
                     self.log({"event": "checkpoint", "step": step, "reason": reason,
                               "path": self.trainers.save(step, self.cfg.job_name)})
+                self.rescale(step)
+                self.sync_weights(step)
         finally:
             if ahead is not None:
                 ahead.shutdown(wait=True, cancel_futures=True)
