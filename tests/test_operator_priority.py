@@ -309,15 +309,8 @@ async def test_a_gang_whose_pods_the_watch_has_not_reported_preempts_no_one(
     reserved in the mirror, so the cluster looked full to it; it found its own gang missing and
     preempted `mid` for GPUs it already had. Reconciled by hand here, with no watch at all: the
     reservation counts as the job's pod."""
-    from huorn.operator import index, runner, training
-
     solo_cluster(kube)
-    ctx = runner.build_context(cluster.api_client(), operator_mod.FAST)
-    ctx.post_event = lambda *args, **kwargs: None  # kopf's poster needs a running operator
-    for node in await ctx.client.list("Node", None, {}):
-        ctx.index.nodes[node["metadata"]["name"]] = index.build_node_record(node)
-    for vc in await ctx.client.list_custom("virtualclusters", None):
-        ctx.index.vcs[vc["metadata"]["name"]] = dict(vc.get("spec") or {})
+    ctx = await direct_context(cluster)
     kube.create_job(NS, make_job("mid", 30))
     kube.create_job(NS, make_job("high", 60))
 
