@@ -167,11 +167,8 @@ def main() -> None:
     for other in ("grpo", "dapo"):
         mine, theirs = summary["lite-ppo"]["accuracy_after"], summary[other]["accuracy_after"]
         ratios[f"lite-ppo/{other}"] = round(mine / theirs, 3) if theirs else None
-    report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "baseline_accuracy": baseline, "summary": summary, "ratios": ratios,
-              "seconds": round(time.perf_counter() - started, 1)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    report = trainer_runs.write_report(args, started, baseline_accuracy=baseline, summary=summary,
+                                       ratios=ratios)
     plot(runs, args.png, f"{args.model['layers']}x{args.model['width']} policy pretrained "
          f"{args.base_steps} steps on the math corpus; RL {args.rl_steps} steps x {args.prompts} prompts "
          f"x {args.group} samples")

@@ -62,13 +62,9 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
         smooth = [statistics.mean(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
         left.plot([e["step"] for e in steps], smooth, label=name)
         right.plot([e["step"] for e in steps[1:]], step_seconds(events), label=name)
-    left.set_xlabel("RL step")
     left.set_ylabel("mean reward of the step's samples (5-step mean)")
-    right.set_xlabel("RL step")
     right.set_ylabel("wall seconds per step")
-    for axis in (left, right):
-        axis.grid(alpha=0.3)
-        axis.legend()
+    trainer_runs.finish_axes((left, right), "RL step")
     trainer_runs.save_figure(figure, title, path)
 
 

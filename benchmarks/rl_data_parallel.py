@@ -67,10 +67,7 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
         right.plot([e["step"] for e in steps], [e["update_seconds"] for e in steps], label=name)
     left.set_ylabel("the step's loss")
     right.set_ylabel("update seconds")
-    for axis in (left, right):
-        axis.set_xlabel("RL step")
-        axis.grid(alpha=0.3)
-        axis.legend()
+    trainer_runs.finish_axes((left, right), "RL step")
     trainer_runs.save_figure(figure, title, path)
 
 
@@ -90,11 +87,7 @@ def main() -> None:
                                                   / two["seconds_per_step_median"], 3),
     }
     agree = agreement(runs["1 trainer"], runs["2 trainers"])
-    report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "summary": summary, "ratios": ratios, "agreement": agree,
-              "seconds": round(time.perf_counter() - started, 1)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    report = trainer_runs.write_report(args, started, summary=summary, ratios=ratios, agreement=agree)
     plot(runs, args.png, f"Lite PPO, {args.rl_steps} steps x {args.prompts} prompts x {args.group} samples, "
          "one training actor against two (gloo, CPU)")
     for name, row in summary.items():

@@ -4,13 +4,17 @@ a run config of its own, a progress bar per run, and a few at a time (one thread
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from rich.progress import Progress
 
@@ -71,6 +75,24 @@ def argument_parser(doc: str | None, name: str) -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / f"{name}.json")
     parser.add_argument("--png", type=Path, default=ROOT / "docs" / "figures" / f"{name}.png")
     return parser
+
+
+def finish_axes(axes: Iterable[Axes], xlabel: str) -> None:
+    """The panels of a figure that compares runs: one x label, a light grid, a legend each."""
+    for axis in axes:
+        axis.set_xlabel(xlabel)
+        axis.grid(alpha=0.3)
+        axis.legend()
+
+
+def write_report(args: argparse.Namespace, started: float, **fields: Any) -> dict[str, Any]:
+    """`args.out` as JSON: the arguments (paths as text), the benchmark's fields and its wall
+    seconds since `started` (time.perf_counter). Returns what was written."""
+    report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              **fields, "seconds": round(time.perf_counter() - started, 1)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 def save_figure(figure: Figure, title: str, path: Path) -> None:
