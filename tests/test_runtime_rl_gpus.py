@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from huorn.api import rl
-from huorn.runtime.rl.controller import check_trainers_on_gpus, gpu_requests
+from huorn.runtime.rl import algorithms
+from huorn.runtime.rl.controller import check_trainers_on_gpus, gpu_requests, idle_reference
 
 
 def test_dedicated_roles_take_their_own_gpus() -> None:
@@ -71,3 +72,17 @@ def test_data_parallel_trainers_never_share_a_gpu() -> None:
         check_trainers_on_gpus(2, unlisted)
     listed = rl.Roles(actor_train=rl.Role(replicas=2), reference=rl.Role())
     check_trainers_on_gpus(2, gpu_requests(listed, reference=True)["actorTrain"])
+
+
+def test_a_reference_no_algorithm_asks_is_named_with_its_idle_gpus() -> None:
+    """DAPO has no KL term: a reference listed with GPUs holds them for nothing, which the
+    controller says at its start (naming both fields and the fixes); GRPO's is used."""
+    spec = rl.RLJobSpec.model_validate({"virtualCluster": "x", "algorithm": {"name": "dapo"},
+                                        "roles": {"reference": {"replicas": 1, "gpusPerReplica": 2}}})
+    notice = idle_reference(spec, algorithms.resolve(spec.algorithm))
+    assert notice is not None
+    assert notice.startswith("spec.roles.reference asks 1 x 2 GPU(s), but spec.algorithm (dapo) has no "
+                             "KL term")
+    assert "leave spec.roles.reference out" in notice
+    grpo = spec.model_copy(update={"algorithm": rl.AlgorithmSpec(name=rl.Algorithm.GRPO)})
+    assert idle_reference(grpo, algorithms.resolve(grpo.algorithm)) is None

@@ -112,6 +112,19 @@ def check_trainers_on_gpus(trainers: int, gpus_each: float) -> None:
             "each trainer's share is a whole GPU, or train with one replica")
 
 
+def idle_reference(spec: rl.RLJobSpec, settings: algorithms.Settings) -> str | None:
+    """A notice when spec.roles lists a reference that the algorithm never asks (no KL term):
+    the API counted GPUs for it that no actor uses. Said, not refused: the job runs as asked."""
+    reference = spec.roles.reference
+    if reference is None or settings.kl_coefficient > 0:
+        return None
+    if reference.replicas * reference.gpus_per_replica == 0:
+        return None
+    return (f"spec.roles.reference asks {reference.replicas} x {reference.gpus_per_replica} GPU(s), but "
+            f"spec.algorithm ({spec.algorithm.name.value}) has no KL term, so no reference runs and the job "
+            "holds those GPUs unused; leave spec.roles.reference out, or set spec.algorithm.klCoefficient")
+
+
 def role_replicas(spec: rl.RLJobSpec, settings: algorithms.Settings) -> dict[str, int]:
     """The actors each role runs: rollout at least one; a reference worker only for a KL term
     (one where spec.roles leaves it out); reward workers as spec.roles lists them (none where it
@@ -210,6 +223,8 @@ class Controller:
         wire, roles = self.spec.to_wire(), self.spec.roles
         init = self.spec.init_checkpoint
         counts = role_replicas(self.spec, self.settings)
+        if (idle := idle_reference(self.spec, self.settings)) is not None:
+            print(f"huorn-rl: {idle}", file=sys.stderr)
         # Actors share the cluster's CPUs: one each where there are enough, a fair fraction where
         # not (a laptop runs every role), so no actor waits for a CPU that never frees. The model
         # roles take GPUs on a GPU machine (shared within a colocation group); reward workers
