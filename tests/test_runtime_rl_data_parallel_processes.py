@@ -2,7 +2,8 @@
 as huorn.runtime.rl.pools forms it (without Ray, which the GPU machines do not carry), take an
 update as one trainer does, after the second joined with the first's state (its optimiser
 moments on the first's device). On two CUDA GPUs that is NCCL (the device tool's
-nvidia-h200-x2; not yet run: only one-GPU machines were lent on 2026-12-05); on CPU, gloo.
+nvidia-h200-x2; not yet run: only one-GPU machines were lent on 2026-12-05, where the CUDA
+hand-over case below passed); on CPU, gloo.
 tests/test_runtime_rl_data_parallel.py runs the group over a real Ray cluster."""
 
 from __future__ import annotations
