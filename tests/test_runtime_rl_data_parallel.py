@@ -153,3 +153,33 @@ def test_a_joiner_takes_a_copy_of_the_state_not_the_live_moments(tmp_path: Path)
     assert giver.update(make_batch(1)) == joiner.update(make_batch(1))
     for name, value in giver.weights().items():
         assert torch.equal(joiner.weights()[name], value), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_only_rank_0_reads_the_init_checkpoint_and_the_group_starts_from_it(tmp_path: Path) -> None:
+    """The controller's trainers: only rank 0 is given spec.initCheckpoint, the other takes rank
+    0's state at the start (so its node needs no copy of the checkpoint): both hold its weights,
+    not the seed's fresh ones."""
+    import ray
+
+    from huorn.runtime.rl import controller
+
+    source = workers.PolicyTrainer(SPEC, None, str(tmp_path / "init"), "cpu")
+    source.update(make_batch(0))  # weights no fresh trainer of the seed has
+    source.save(1, "init")
+    cfg = controller.RLRunConfig.model_validate({
+        "jobName": "dp-init", "runDir": str(tmp_path / "run"), "checkpointDir": str(tmp_path / "ckpt"),
+        "evalPrompts": 0, "rayCpus": 2,
+        "spec": {**SPEC, "initCheckpoint": str(tmp_path / "init"), "algorithm": {"name": "lite-ppo"},
+                 "roles": {"actorTrain": {"replicas": 2}, "rollout": {"replicas": 1}}}})
+    try:
+        run = controller.Controller(cfg)
+        assert run.trainers.resume() == 0  # no checkpoint of its own yet: the init is the start
+        held = ray.get([a.weights.remote() for a in run.trainers.members])
+    finally:
+        ray.shutdown()
+    want = source.weights()
+    for weights in held:
+        for name, value in want.items():
+            assert torch.equal(weights[name], value), name

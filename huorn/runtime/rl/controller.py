@@ -25,6 +25,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -241,9 +242,17 @@ class Controller:
             return ray.remote(cls).options(num_cpus=share, num_gpus=requests[role] if gpu else 0)
 
         self.config_path: Path | None = None  # re-read at step boundaries (main sets it)
-        self.trainers = pools.TrainerGroup(
-            "actorTrain", lambda: actor(workers.PolicyTrainer, "actorTrain").remote(
-                wire, init, str(cfg.checkpoint_root), cfg.device), counts["actorTrain"])
+        made = itertools.count()
+
+        def new_trainer() -> Any:
+            # Only the first (rank 0: members keep their order, and shrinks stop the newest)
+            # reads spec.initCheckpoint; every other trainer takes rank 0's state, at the start
+            # (TrainerGroup.resume) or as a joiner, so its node needs no copy and loads nothing.
+            first = next(made) == 0
+            return actor(workers.PolicyTrainer, "actorTrain").remote(
+                wire, init if first else None, str(cfg.checkpoint_root), cfg.device)
+
+        self.trainers = pools.TrainerGroup("actorTrain", new_trainer, counts["actorTrain"])
         self.rollouts = pools.ActorPool(
             "rollout", lambda: actor(workers.RolloutWorker, "rollout").remote(wire, cfg.device),
             counts["rollout"])
