@@ -17,11 +17,12 @@ follows without a restart:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any
 
 import ray
+
+from huorn.runtime.rl import workers
 
 
 class ActorPool:
@@ -80,10 +81,9 @@ class ActorPool:
 
     def deal(self, items: list[Any]) -> list[list[Any]]:
         """Items split over the members in contiguous chunks, which keep them in order; their
-        sizes differ by at most one (no member idles while another takes two more)."""
-        base, extra = divmod(len(items), len(self.members))
-        bounds = [k * base + min(k, extra) for k in range(len(self.members) + 1)]
-        return [items[a:b] for a, b in itertools.pairwise(bounds)]
+        sizes differ by at most one (no member idles while another takes two more), as a
+        trainer's share of a mini-batch."""
+        return [workers.share(items, k, len(self.members)) for k in range(len(self.members))]
 
 
 class TrainerGroup(ActorPool):

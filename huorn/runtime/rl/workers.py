@@ -20,7 +20,7 @@ import datetime
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from huorn.runtime import checkpoint
 from huorn.runtime import config as run_config
 from huorn.runtime.rl import algorithms, policy
 
+T = TypeVar("T")
 _GROUP_TIMEOUT = datetime.timedelta(seconds=300)  # a member that never joins or answers
 
 
@@ -210,7 +211,7 @@ class PolicyTrainer:
         return str(path)
 
 
-def share(items: list[int], rank: int, world: int) -> list[int]:
+def share(items: list[T], rank: int, world: int) -> list[T]:
     """Member `rank`'s contiguous part of `items`: sizes differ by at most one, earlier members
     take the larger parts."""
     base, extra = divmod(len(items), world)
