@@ -231,6 +231,19 @@ def test_only_fields_a_running_replica_cannot_reread_roll_it() -> None:
     assert manifests.serve_template_hash({**spec, "autoscaling": {"maxReplicas": 9}, "priority": 7}) == same
     assert manifests.serve_template_hash({**spec, "model": {"checkpoint": "/b"}}) != same
     assert manifests.serve_template_hash({**spec, "image": "other:1"}) != same
+    assert manifests.serve_template_hash({**spec, "routing": {"policy": "prefix"}}) == same
+
+
+def test_an_operator_upgrade_that_adds_the_prefix_cache_rolls_no_replica() -> None:
+    before = {"model": {"checkpoint": "/a"}, "serving": {"maxBatch": 8, "maxTokens": 64}}
+    started_by_old_operator = manifests.serve_template_hash(before)
+    upgraded = {**before, "serving": {**before["serving"], "prefixCacheTokens": 8192},
+                "routing": {"policy": "service", "loadFactor": 1.25}}
+    assert started_by_old_operator in manifests.serve_template_hashes(upgraded)
+    assert manifests.serve_template_hash(upgraded) in manifests.serve_template_hashes(upgraded)
+    # a cache size the user set is a change a running replica cannot pick up: it rolls
+    resized = {**upgraded, "serving": {**before["serving"], "prefixCacheTokens": 1024}}
+    assert started_by_old_operator not in manifests.serve_template_hashes(resized)
 
 
 def test_best_fit_fills_the_fullest_node_first_and_stops_when_full() -> None:

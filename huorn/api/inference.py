@@ -22,6 +22,26 @@ class ServedModel(ApiModel):
 class ServingLimits(ApiModel):
     max_batch: int = Field(default=32, ge=1, le=4096)
     max_tokens: int = Field(default=2048, ge=1, le=1 << 22)
+    prefix_cache_tokens: int = Field(
+        default=8192, ge=0, le=1 << 24,
+        description="Prompt-prefix tokens whose K/V each replica keeps for reuse (blocks of 16, least "
+                    "recently used evicted): a prompt that starts like an earlier one is prefilled "
+                    "only from where it differs. 0 keeps none.")
+
+
+class Routing(ApiModel):
+    """How the job's Service spreads requests over the replicas."""
+
+    policy: Literal["service", "prefix"] = Field(
+        default="service",
+        description="`service`: the Service's own spreading (kube-proxy). `prefix`: a router pod sends "
+                    "each prompt to the replica that holds the most of its prefix in its cache, as "
+                    "long as that replica is not loaded past loadFactor × the mean.")
+    load_factor: float = Field(
+        default=1.25, ge=1, le=4,
+        description="With `prefix`: a replica takes a prompt for its cache only while its requests in "
+                    "flight stay within loadFactor × the replicas' mean (consistent hashing with "
+                    "bounded loads); 1 balances strictly, larger values favour the cache.")
 
 
 @rules.attach(
@@ -112,6 +132,7 @@ class InferenceJobSpec(JobCommon):
     # NB: the default carries a target, because an SLO without one is invalid.
     slo: Slo = Field(default_factory=lambda: Slo(p99_latency_ms=1000.0))
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+    routing: Routing = Field(default_factory=Routing)
 
 
 class ReplicaForecastReading(RateReading):
@@ -128,6 +149,7 @@ class InferenceJobStatus(JobStatus):
     desired_replicas: int | None = Field(default=None, description="Replicas the autoscaler asks for; "
                                          "their GPUs are what the virtual cluster keeps unlent.")
     ready_replicas: int | None = None
-    routing: Literal["replicas", "activator"] | None = Field(
-        default=None, description="Scale to zero: where the job's Service sends requests now, the ready "
-                                  "replicas or the activator that holds them while none is ready.")
+    routing: Literal["replicas", "activator", "router"] | None = Field(
+        default=None, description="Where the job's Service sends requests now: the ready replicas, the "
+                                  "activator that holds them while none is ready (scale to zero), or "
+                                  "the prefix router (spec.routing.policy prefix, once it is ready).")

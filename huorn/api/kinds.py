@@ -105,7 +105,7 @@ INFERENCE_JOB = Kind(
         PrinterColumn("P99ms", ".status.p99LatencyMs", "number"),
         PrinterColumn("Util", ".status.utilization", "number", priority=1),
         PrinterColumn("Routing", ".status.routing", priority=1,
-                      description="Scale to zero: replicas, or the activator that holds requests"),
+                      description="Where the Service sends requests: replicas, activator or router"),
         *_JOB_COLUMNS[2:],
     ),
     scale_spec_path=".spec.autoscaling.minReplicas",

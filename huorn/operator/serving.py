@@ -144,7 +144,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     version = graph.version
     pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
     server = graph.vertex(SERVER)
-    template = manifests.serve_template_hash(spec)
+    templates = manifests.serve_template_hashes(spec)
 
     def pod_of(instance: Instance) -> index.PodRecord | None:
         return pods.get(manifests.pod_name(ref, instance))
@@ -156,7 +156,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             why = pod.ended or code
             mutate.replace_instance(graph, instance.name, failure=True,
                                     reason=f"replica pod {pod.name} {pod.phase} ({why}): replaced")
-    _roll_one(graph, ref, pods, template)
+    _roll_one(graph, ref, pods, templates)
     if graph.version != version:
         # Write-ahead: the mutation is in status before any pod is created or deleted for it.
         status = {**base, "graph": serialise.to_status(graph), "decisions": build_decisions(graph),
@@ -263,12 +263,12 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
 
 
 def _roll_one(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, index.PodRecord],
-              template: str) -> None:
+              templates: set[str]) -> None:
     """Replace one replica started from an older spec, if every other replica is ready."""
     server = graph.vertex(SERVER)
     current = [(i, pods.get(manifests.pod_name(ref, i))) for i in server.instances]
     stale = [i for i, p in current
-             if p is not None and not p.deleting and p.template and p.template != template]
+             if p is not None and not p.deleting and p.template and p.template not in templates]
     if not stale:
         return
     target = stale[0]

@@ -4,14 +4,18 @@ behind an HTTP API, with requests batched and Prometheus metrics.
     python -m huorn.runtime.serve --config serve-config.json
 
 - `POST /v1/completions` {"prompt": str, "max_tokens": int, "temperature": float, "seed": int}
-  → {"text", "tokens", "queue_seconds", "seconds"}. Prompts are byte-tokenised, as in training.
+  → {"text", "tokens", "cached_tokens", "queue_seconds", "seconds"}. Prompts are byte-tokenised,
+  as in training; `cached_tokens` counts the prompt's tokens whose K/V the prefix cache gave.
 - `GET /healthz` is 200 once the model is loaded (a readiness probe), `GET /metrics` the
   Prometheus text: requests, generated tokens, seconds spent decoding (the busy fraction the
   operator's autoscaler reads), latency and batch-size histograms.
 
 Batching: requests wait in one queue; the model takes the oldest and, with it, every waiting
 request of the same prompt length, up to `serving.maxBatch`, and decodes them together with one
-KV cache (the decoder has no padding mask, so only equal lengths share a batch). Generation
+KV cache (the decoder has no padding mask, so only equal lengths share a batch). A batch skips
+the prefill of the leading blocks that every one of its prompts has in the prefix cache
+(`huorn.runtime.prefix_cache`, `serving.prefixCacheTokens`) and keeps its prompts' blocks there
+for the next ones. Generation
 runs in a worker thread, so the server keeps accepting while it decodes. A request asking for
 more than `serving.maxTokens` tokens in all, or past the model's context, is refused with 400
 naming the field.
@@ -36,7 +40,8 @@ from pydantic import Field
 
 from huorn import models
 from huorn.api import base, inference, training
-from huorn.runtime import checkpoint, glvq
+from huorn.models.cache import KVCache
+from huorn.runtime import checkpoint, glvq, prefix_cache
 from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler
 
@@ -127,6 +132,11 @@ class Metrics:
         # replica so overloaded that nothing completes would otherwise look idle).
         self.in_flight = prometheus_client.Gauge("huorn_serve_in_flight", "Requests accepted, not yet "
                                                  "answered.", registry=self.registry)
+        # Prompt tokens by where their K/V came from: the prefix cache's hit rate, and what a
+        # prefix router (huorn.runtime.router) buys.
+        self.prompt_tokens = prometheus_client.Counter(
+            "huorn_serve_prompt_tokens", "Prompt tokens, by source of their K/V (cache or prefill).",
+            ["source"], registry=self.registry)
         self.batch = prometheus_client.Histogram(
             "huorn_serve_batch_size", "Requests decoded together.", registry=self.registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
@@ -141,6 +151,7 @@ class Server:
         self.queue: list[Request] = []
         self.wake = asyncio.Event()
         self.metrics = Metrics()
+        self.prefixes = prefix_cache.PrefixCache(self.limits.prefix_cache_tokens)
 
     # -- HTTP ------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.Response:
@@ -168,12 +179,13 @@ class Server:
         self.wake.set()
         self.metrics.in_flight.inc()
         try:
-            text, count, queued, seconds = await item.done
+            text, count, cached, queued, seconds = await item.done
         finally:
             self.metrics.in_flight.dec()
         self.metrics.requests.labels("ok").inc()
         self.metrics.latency.observe(time.monotonic() - item.arrived)
-        return web.json_response({"text": text, "tokens": count, "queue_seconds": queued, "seconds": seconds})
+        return web.json_response({"text": text, "tokens": count, "cached_tokens": cached,
+                                  "queue_seconds": queued, "seconds": seconds})
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "queued": len(self.queue)})
@@ -190,7 +202,27 @@ class Server:
         self.queue = [r for r in self.queue if r not in batch]
         return batch
 
-    def generate(self, batch: list[Request]) -> list[tuple[str, int]]:
+    def prefill(self, batch: list[Request], prompt: torch.Tensor,
+                steps: int) -> tuple[KVCache, torch.Tensor, int]:
+        """The batch's cache after its prompts, the last position's logits, and how many prompt
+        tokens per row came from the prefix cache (the leading blocks every row has there)."""
+        names = [prefix_cache.block_hashes(r.tokens) for r in batch]
+        reused = min(prefix_cache.reusable_blocks(len(r.tokens), self.prefixes.match(n))
+                     for r, n in zip(batch, names, strict=True))
+        cache = self.model.build_cache(len(batch), prompt.shape[1] + steps)  # type: ignore[operator]
+        if reused:
+            for row, row_names in enumerate(names):
+                self.prefixes.load(cache, row, row_names[:reused])
+            cache.advance(reused * self.prefixes.block)
+        skipped = reused * self.prefixes.block
+        logits = self.model.forward_step(prompt[:, skipped:], cache, last_only=True)[:, -1].float()  # type: ignore[operator]
+        for row, row_names in enumerate(names):
+            self.prefixes.store(cache, row, row_names)
+        self.metrics.prompt_tokens.labels("cache").inc(skipped * len(batch))
+        self.metrics.prompt_tokens.labels("prefill").inc((prompt.shape[1] - skipped) * len(batch))
+        return cache, logits, skipped
+
+    def generate(self, batch: list[Request]) -> list[tuple[str, int, int]]:
         """One batch decoded together: each row samples at its own temperature and seed and
         stops (for the answer) at its own max_tokens."""
         device = next(self.model.parameters()).device
@@ -198,8 +230,7 @@ class Server:
         prompt = torch.tensor([r.tokens for r in batch], dtype=torch.long, device=device)
         generators = [torch.Generator(device=device).manual_seed(r.seed) for r in batch]
         with torch.no_grad():
-            cache = self.model.build_cache(len(batch), prompt.shape[1] + steps)  # type: ignore[operator]
-            logits = self.model.forward_step(prompt, cache, last_only=True)[:, -1].float()  # type: ignore[operator]
+            cache, logits, cached = self.prefill(batch, prompt, steps)
             out: list[list[int]] = [[] for _ in batch]
             for step in range(steps):
                 chosen = []
@@ -215,7 +246,7 @@ class Server:
                 if step + 1 < steps:
                     tokens = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
                     logits = self.model.forward_step(tokens, cache, last_only=True)[:, -1].float()  # type: ignore[operator]
-        return [(bytes(t).decode("utf-8", errors="replace"), len(t)) for t in out]
+        return [(bytes(t).decode("utf-8", errors="replace"), len(t), cached) for t in out]
 
     async def run_batches(self) -> None:
         while True:
@@ -234,9 +265,9 @@ class Server:
                     continue
                 seconds = time.monotonic() - started
                 self.metrics.busy.inc(seconds)
-                for r, (text, count) in zip(batch, answers, strict=True):
+                for r, (text, count, cached) in zip(batch, answers, strict=True):
                     self.metrics.tokens.inc(count)
-                    r.done.set_result((text, count, started - r.arrived, seconds))
+                    r.done.set_result((text, count, cached, started - r.arrived, seconds))
 
     def app(self) -> web.Application:
         app = web.Application()

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from huorn.api import inference
 from huorn.graph import jobs
 from huorn.graph.model import Graph, Instance
 from huorn.runtime import launcher
@@ -445,7 +446,7 @@ def config_and_run_volumes(job: JobRef) -> tuple[list[dict[str, Any]], list[dict
 SERVE_PORT = 8000
 ANNOTATION_TEMPLATE = "huorn.io/template"
 # Spec fields a running replica never rereads: changing them rolls no pod.
-UNROLLED_FIELDS = frozenset({"autoscaling", "slo", "priority", "elasticity", "remediation"})
+UNROLLED_FIELDS = frozenset({"autoscaling", "slo", "priority", "elasticity", "remediation", "routing"})
 
 
 def serve_service_name(job: JobRef) -> str:
@@ -468,6 +469,21 @@ def template_hash(spec: Mapping[str, Any], unrolled: frozenset[str]) -> str:
 def serve_template_hash(spec: Mapping[str, Any]) -> str:
     """What a replica was started from: a pod with another hash runs an old spec and is rolled."""
     return template_hash(spec, UNROLLED_FIELDS)
+
+
+PREFIX_CACHE_DEFAULT = inference.ServingLimits.model_fields["prefix_cache_tokens"].default
+
+
+def serve_template_hashes(spec: Mapping[str, Any]) -> set[str]:
+    """Every hash a replica started from `spec` may carry: today's, and, while the spec keeps the
+    prefix cache at its default, the one of the operators that had no prefix cache (a spec stored
+    by them has no such field). An upgrade of the operator rolls no replica; a replica started
+    before it serves without the cache until the spec changes."""
+    hashes = {serve_template_hash(spec)}
+    serving = dict(spec.get("serving") or {})
+    if serving.pop("prefixCacheTokens", PREFIX_CACHE_DEFAULT) == PREFIX_CACHE_DEFAULT:
+        hashes.add(serve_template_hash({**spec, "serving": serving}))
+    return hashes
 
 
 def _mount_checkpoints_read_only(checkpoint: Mapping[str, Any], mounts: list[dict[str, Any]],

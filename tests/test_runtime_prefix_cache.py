@@ -1,0 +1,159 @@
+"""The serving replica's prefix cache: a prompt that starts like an earlier one is prefilled only
+from where it differs, and answers exactly as a full prefill would, with every K/V layout (plain,
+FusedKV, FusedKV-lite, GQA, MoE); blocks are evicted least recently used, children before the
+preamble they hang off; the HTTP answer and the metrics say how many prompt tokens came from it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from huorn import models
+from huorn.api import inference, training
+from huorn.runtime import checkpoint, prefix_cache, serve
+from huorn.runtime import config as run_config
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+SYSTEM = "You are a careful assistant. Answer in one line.\n"  # 49 bytes: three whole blocks
+ARCHITECTURES = {
+    "plain": {"layers": 2, "width": 32, "heads": 2, "context": 128},
+    "fusedkv": {"layers": 4, "width": 32, "heads": 4, "kvHeads": 2, "context": 128, "kvSharing": "fusedkv"},
+    "fusedkv-lite": {"layers": 4, "width": 32, "heads": 2, "context": 128, "kvSharing": "fusedkv-lite"},
+    "moe": {"layers": 2, "width": 32, "heads": 2, "context": 128, "moe": {"experts": 4, "topK": 2}},
+}
+
+
+def _server(tmp_path: Path, architecture: dict, **serving: object) -> tuple[serve.Server, torch.nn.Module]:
+    spec = training.ModelSpec.model_validate(architecture)
+    torch.manual_seed(0)
+    model = models.build_model(run_config.build_model_config(spec))
+    checkpoint.save_checkpoint(tmp_path / "ckpt", 1, model, torch.optim.AdamW(model.parameters()),
+                               {"model": spec.to_wire()}, rank=0, barrier=lambda: None)
+    cfg = serve.ServeConfig.model_validate({
+        "jobName": "chat", "host": "127.0.0.1", "port": 0, "runDir": str(tmp_path / "run"),
+        "spec": {"virtualCluster": "x", "model": {"checkpoint": str(tmp_path / "ckpt"),
+                                                   "architecture": architecture},
+                 "serving": {"maxBatch": 8, "maxTokens": 128, **serving}}})
+    loaded, _ = serve.load_model(cfg)
+    return serve.Server(cfg, loaded), loaded
+
+
+def _ask(server: serve.Server, prompts: list[str], max_tokens: int = 5) -> list[tuple[str, int, int]]:
+    async def run() -> list[tuple[str, int, int]]:
+        batch = [serve.Request(list(p.encode()), max_tokens, 0.0, 0) for p in prompts]
+        return server.generate(batch)
+
+    return asyncio.run(run())
+
+
+def _greedy(model: torch.nn.Module, prompt: str, tokens: int = 5) -> str:
+    ids = torch.tensor([list(prompt.encode())])
+    return bytes(model.generate(ids, tokens)[0, ids.shape[1]:].tolist()).decode("utf-8", errors="replace")
+
+
+def test_block_names_are_shared_exactly_by_shared_whole_blocks() -> None:
+    a = prefix_cache.block_hashes(list(range(40)))
+    b = prefix_cache.block_hashes([*range(32), 99, *range(33, 40)])
+    c = prefix_cache.block_hashes([1000, *range(1, 40)])
+    assert len(a) == 2 and len(prefix_cache.block_hashes(list(range(15)))) == 0
+    assert a == b  # they differ only in the partial third block, which has no name
+    assert a[0] != c[0] and a[1] != c[1]  # a change in block 0 renames every block after it
+    assert prefix_cache.block_hashes(list(range(32)))[1] == a[1]
+    # the last token is always computed: a 32-token prompt may reuse one block, not two
+    assert prefix_cache.reusable_blocks(32, 2) == 1 and prefix_cache.reusable_blocks(33, 2) == 2
+
+
+@pytest.mark.parametrize("layout", sorted(ARCHITECTURES))
+def test_a_prompt_sharing_a_preamble_reuses_its_blocks_and_answers_as_a_full_prefill(
+        tmp_path: Path, layout: str) -> None:
+    server, model = _server(tmp_path, ARCHITECTURES[layout])
+    first, second = SYSTEM + "Q: What is 2 + 3?\nA:", SYSTEM + "Q: Who wrote it?\nA:"
+    [(text_1, _, cached_1)] = _ask(server, [first])
+    [(text_2, _, cached_2)] = _ask(server, [second])
+    assert cached_1 == 0 and cached_2 == 48  # SYSTEM's three whole blocks
+    assert text_1 == _greedy(model, first) and text_2 == _greedy(model, second)
+    # the same prompt again: all of its whole blocks but the one holding its last token
+    [(text_3, _, cached_3)] = _ask(server, [second])
+    assert text_3 == text_2 and cached_3 == 64
+
+
+def test_reused_prefill_logits_match_a_full_prefill(tmp_path: Path) -> None:
+    server, model = _server(tmp_path, ARCHITECTURES["fusedkv"])
+    prompt = SYSTEM + "Q: And the capital of France?\nA:"
+    _ask(server, [SYSTEM + "Q: something else entirely.....\nA:"])
+    ids = torch.tensor([list(prompt.encode())])
+
+    async def prefill() -> tuple[object, torch.Tensor, int]:
+        return server.prefill([serve.Request(ids[0].tolist(), 1, 0.0, 0)], ids, 1)
+
+    with torch.no_grad():
+        _, reused, skipped = asyncio.run(prefill())
+        full = model.forward_step(ids, model.build_cache(1, ids.shape[1] + 1), last_only=True)[:, -1].float()
+    assert skipped == 48
+    torch.testing.assert_close(reused, full, rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_reuses_only_the_blocks_every_row_has(tmp_path: Path) -> None:
+    server, model = _server(tmp_path, ARCHITECTURES["plain"])
+    _ask(server, [SYSTEM + "0123456789abcdef"])  # SYSTEM's blocks and one more
+    rows = [SYSTEM + "0123456789abcdXY", "Z" + SYSTEM[1:] + "0123456789abcdef"]
+    answers = _ask(server, rows)
+    assert [cached for _, _, cached in answers] == [0, 0]  # the second row shares nothing
+    assert [text for text, _, _ in answers] == [_greedy(model, p) for p in rows]
+    again = _ask(server, [SYSTEM + "0123456789abcdQQ", SYSTEM + "0123456789abcdef"])
+    assert [cached for _, _, cached in again] == [48, 48]  # both hold SYSTEM, only one the 4th block
+
+
+def test_eviction_is_least_recently_used_and_keeps_the_preamble_over_its_branches() -> None:
+    cache = prefix_cache.PrefixCache(capacity_tokens=48, block=16)  # three blocks
+    kv = models.cache.KVCache(1, 1, 1, 64, 4)
+    a, b, c = (prefix_cache.block_hashes(t, 16) for t in
+               ([*range(16), *range(100, 116)], [*range(16), *range(200, 216)], list(range(300, 316))))
+    cache.store(kv, 0, a)
+    cache.store(kv, 0, b)  # shares a's first block
+    assert len(cache) == 3
+    cache.store(kv, 0, c)
+    # the least recently used block was a's second: b's branch is newer and the shared first block
+    # was touched after each branch
+    assert cache.match(a) == 1 and cache.match(b) == 2 and cache.match(c) == 1
+    assert cache.stats.evicted_blocks == 1
+
+
+def test_a_cache_of_zero_tokens_keeps_nothing_and_a_negative_one_is_refused(tmp_path: Path) -> None:
+    server, _ = _server(tmp_path, ARCHITECTURES["plain"], prefixCacheTokens=0)
+    _ask(server, [SYSTEM + "Q: 1?\nA:"])
+    assert _ask(server, [SYSTEM + "Q: 2?\nA:"])[0][2] == 0 and len(server.prefixes) == 0
+    with pytest.raises(ValueError, match="prefixCacheTokens"):
+        inference.ServingLimits.model_validate({"prefixCacheTokens": -1})
+
+
+def test_the_answer_and_the_metrics_count_the_cached_tokens(tmp_path: Path) -> None:
+    server, _ = _server(tmp_path, ARCHITECTURES["plain"])
+
+    async def work() -> tuple[list[dict], str]:
+        runner = aiohttp.web.AppRunner(server.app())
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+                answers = []
+                for question in ("Q: 1 + 1?\nA:", "Q: 2 + 2?\nA:"):
+                    async with session.post("/v1/completions",
+                                            json={"prompt": SYSTEM + question, "max_tokens": 3}) as r:
+                        answers.append(await r.json())
+                async with session.get("/metrics") as r:
+                    return answers, await r.text()
+        finally:
+            await runner.cleanup()
+
+    answers, metrics = asyncio.run(work())
+    assert [a["cached_tokens"] for a in answers] == [0, 48]
+    prompt_tokens = 2 * len(SYSTEM + "Q: 1 + 1?\nA:")
+    assert 'huorn_serve_prompt_tokens_total{source="cache"} 48.0' in metrics
+    assert f'huorn_serve_prompt_tokens_total{{source="prefill"}} {prompt_tokens - 48}.0' in metrics
