@@ -16,6 +16,13 @@ replicas again and the activator is out of the path (Knative's activator does th
 - A request whose replica failed mid-answer (the connection dropped) is tried again: a completion
   has no side effect, so the cost of a retry is only the decode.
 - `GET /healthz` and `GET /metrics` are its own, never forwarded.
+
+With `spec.routing.policy: prefix` the same process is the job's router, in the path for good:
+given the replicas themselves (`--replicas-dns`, a headless Service, or `--replica` URLs) instead
+of one upstream, it sends each request to the replica that `huorn.runtime.router.PrefixRouter`
+chooses, and a request whose replica refuses the connection goes to the next choice at once. It
+holds requests only while no replica answers, and `huorn_activator_held_requests` counts only
+those: requests being answered are not held.
 """
 
 from __future__ import annotations
@@ -25,25 +32,36 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
 import prometheus_client
 from aiohttp import web
 
+from huorn.runtime import router as routing
 from huorn.runtime import serve as serve_mod
 from huorn.runtime.serve import ServeConfig
 
 RETRY_SECONDS = 0.5  # between tries while no replica answers: well under a model's load time
 CONNECT_SECONDS = 2.0  # a connection that takes longer is to a replica that is not there
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+RESOLVER = web.AppKey("resolver", asyncio.Task)
 
 
 class Activator:
-    def __init__(self, upstream: str, timeout_seconds: float) -> None:
-        self.upstream, self.timeout_seconds = upstream.rstrip("/"), timeout_seconds
+    """Forwards every request to `upstream`, or, given a `router` and the `resolver` of its
+    replicas, to the replica the router chooses."""
+
+    def __init__(self, upstream: str | None, timeout_seconds: float,
+                 router: routing.PrefixRouter | None = None,
+                 resolver: routing.Resolver | None = None) -> None:
+        if (upstream is None) == (router is None) or (router is None) != (resolver is None):
+            raise ValueError("give either an upstream, or a router with the resolver of its replicas")
+        self.upstream = upstream.rstrip("/") if upstream else None
+        self.timeout_seconds, self.router, self.resolver = timeout_seconds, router, resolver
         self.holding = 0
-        r = self.registry = prometheus_client.CollectorRegistry()
+        r = self.registry = router.registry if router is not None else prometheus_client.CollectorRegistry()
         self.held = prometheus_client.Gauge(
             "huorn_activator_held_requests", "Requests waiting for a replica to become ready", registry=r)
         self.requests = prometheus_client.Counter(
@@ -52,35 +70,72 @@ class Activator:
             "huorn_activator_hold_seconds", "Seconds a request waited for a replica", registry=r,
             buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, float("inf")))
 
+    def choose(self, body: bytes, path: str) -> str | None:
+        if self.router is None:
+            return self.upstream
+        tokens = routing.prompt_tokens(body) if path.startswith("/v1/completions") else None
+        choice = self.router.choose(tokens)
+        return choice.url if choice is not None else None
+
+    def finished(self, url: str, failed: bool) -> bool:
+        """Whether another replica may answer at once (else the request waits a retry period)."""
+        if self.router is None:
+            return False
+        self.router.finished(url, failed)
+        return failed and any(r.down_until <= time.monotonic() for r in self.router.replicas.values())
+
+    def hold(self, held: bool) -> None:
+        self.holding += 1 if held else -1
+        self.held.set(self.holding)
+
     async def forward(self, request: web.Request) -> web.Response:
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "accept")}
         session = request.app[SESSION]
         started = time.monotonic()
         deadline = started + self.timeout_seconds
-        self.holding += 1
-        self.held.set(self.holding)
+        waited = held = False
         try:
             while True:
-                try:
-                    async with session.request(request.method, self.upstream + request.rel_url.path_qs,
-                                               data=body, headers=headers) as answer:
-                        payload = await answer.read()
+                url = self.choose(body, request.rel_url.path)
+                again = False
+                if url is not None:
+                    if held:
+                        self.hold(held := False)
+                    try:
+                        async with session.request(request.method, url + request.rel_url.path_qs,
+                                                   data=body, headers=headers) as answer:
+                            payload = await answer.read()
+                        self.finished(url, failed=False)
                         self.requests.labels("forwarded").inc()
                         return web.Response(status=answer.status, body=payload,
                                             content_type=answer.content_type)
-                except (TimeoutError, aiohttp.ClientConnectionError):
-                    if time.monotonic() + RETRY_SECONDS > deadline:
-                        break
-                    await asyncio.sleep(RETRY_SECONDS)
+                    except (TimeoutError, aiohttp.ClientConnectionError):
+                        again = self.finished(url, failed=True)
+                if again:
+                    continue
+                if not held:
+                    self.hold(held := True)
+                    waited = True
+                if time.monotonic() + RETRY_SECONDS > deadline:
+                    break
+                await asyncio.sleep(RETRY_SECONDS)
         finally:
-            self.holding -= 1
-            self.held.set(self.holding)
-            self.hold_seconds.observe(time.monotonic() - started)
+            if held:
+                self.hold(False)
+            if waited:
+                self.hold_seconds.observe(time.monotonic() - started)
         self.requests.labels("timeout").inc()
         message = (f"no replica became ready within {self.timeout_seconds:g} s "
                    "(spec.autoscaling.activationTimeoutSeconds); try again")
         return web.json_response({"error": message}, status=503, headers={"Retry-After": "5"})
+
+    async def follow_replicas(self) -> None:
+        """Keep the router's replicas those the resolver gives now."""
+        assert self.router is not None and self.resolver is not None
+        while True:
+            self.router.set_replicas(await self.resolver())
+            await asyncio.sleep(routing.RESOLVE_SECONDS)
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "held": self.holding})
@@ -97,30 +152,52 @@ class Activator:
         async def session(app: web.Application):  # type: ignore[no-untyped-def]
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_SECONDS)
             app[SESSION] = aiohttp.ClientSession(timeout=timeout)
+            if self.router is not None:
+                assert self.resolver is not None
+                self.router.set_replicas(await self.resolver())  # before the first request
+                app[RESOLVER] = asyncio.create_task(self.follow_replicas())
             yield
+            if self.router is not None:
+                app[RESOLVER].cancel()
             await app[SESSION].close()
 
         app.cleanup_ctx.append(session)
         return app
 
 
-async def serve(cfg: ServeConfig, upstream: str) -> None:
-    activator = Activator(upstream, cfg.spec.autoscaling.activation_timeout_seconds)
-    await serve_mod.run_until_signal(activator.app(), cfg, "activator.json", {"upstream": upstream},
-                                     f"activator of {cfg.job_name} → {upstream}")
+async def serve(cfg: ServeConfig, upstream: str | None, replicas_dns: str | None = None,
+                replicas: Sequence[str] = ()) -> None:
+    timeout = cfg.spec.autoscaling.activation_timeout_seconds
+    if upstream is not None:
+        activator = Activator(upstream, timeout)
+        what, facts = f"activator of {cfg.job_name} → {upstream}", {"upstream": upstream}
+    else:
+        resolver = routing.dns_resolver(replicas_dns) if replicas_dns else routing.static_resolver(replicas)
+        router = routing.PrefixRouter(cfg.spec.serving.prefix_cache_tokens, cfg.spec.routing.load_factor)
+        activator = Activator(None, timeout, router, resolver)
+        source = replicas_dns or ", ".join(replicas)
+        what, facts = f"prefix router of {cfg.job_name} → {source}", {"replicas": source}
+    await serve_mod.run_until_signal(activator.app(), cfg, "activator.json", facts, what)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, required=True, help="the job's serving config (JSON)")
-    parser.add_argument("--upstream", required=True, help="URL of the Service of the ready replicas")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--upstream", help="URL of the Service of the ready replicas (activator only)")
+    where.add_argument("--replicas-dns", metavar="HOST:PORT",
+                       help="route by prompt prefix to the addresses of this headless Service's name")
+    where.add_argument("--replica", action="append", metavar="URL",
+                       help="route by prompt prefix to these replicas (repeat the flag)")
     args = parser.parse_args(argv)
     try:
         cfg = ServeConfig.model_validate(json.loads(args.config.read_text()))
+        if args.replicas_dns:
+            routing.dns_resolver(args.replicas_dns)  # refuses a malformed address before serving
     except (OSError, ValueError) as error:
         print(f"activator: {args.config}: {error}", file=sys.stderr)
         return 2
-    asyncio.run(serve(cfg, args.upstream))
+    asyncio.run(serve(cfg, args.upstream, args.replicas_dns, args.replica or ()))
     return 0
 
 

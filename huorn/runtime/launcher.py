@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,6 +187,17 @@ def build_activator_command(config_path: Path | str, upstream: str,
     """A scaled-to-zero InferenceJob's activator (huorn.runtime.activator): holds requests while
     no replica is ready, forwarding them to `upstream` once one is."""
     return [python, "-m", "huorn.runtime.activator", "--config", str(config_path), "--upstream", upstream]
+
+
+def build_router_command(config_path: Path | str, replicas_dns: str | None = None,
+                         replicas: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+    """An InferenceJob's prefix router (the activator process given the replicas themselves):
+    the addresses of a headless Service's name, or fixed replica URLs."""
+    where = (["--replicas-dns", replicas_dns] if replicas_dns
+             else [arg for url in replicas for arg in ("--replica", url)])
+    if not where:
+        raise ValueError("a router needs replicas: give replicas_dns or replicas")
+    return [python, "-m", "huorn.runtime.activator", "--config", str(config_path), *where]
 
 
 RAY_PORT = 6379  # Ray's GCS on an RLJob's head pod, behind the job's headless Service

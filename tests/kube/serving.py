@@ -130,19 +130,21 @@ class Replicas:
 
 class Activator:
     """A scaled-to-zero job's activator (`python -m huorn.runtime.activator`) in a process of its
-    own at `ip`, forwarding to `upstream`, as the operator's activator pod runs it."""
+    own at `ip`, forwarding to `upstream`, as the operator's activator pod runs it; given
+    `replicas` (URLs) instead, the job's prefix router."""
 
-    def __init__(self, run_dir: Path, ip: str, upstream: str, timeout_seconds: float = 60.0,
-                 port: int = 0) -> None:
+    def __init__(self, run_dir: Path, ip: str, upstream: str | None, timeout_seconds: float = 60.0,
+                 port: int = 0, replicas: tuple[str, ...] = (), **spec_fields: Any) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        spec = make_inference_job("chat", "serve")["spec"]
+        spec = make_inference_job("chat", "serve", **spec_fields)["spec"]
         spec["autoscaling"]["activationTimeoutSeconds"] = timeout_seconds
         config = run_dir / "config.json"
         config.write_text(json.dumps({"jobName": "chat", "host": ip, "port": port, "runDir": str(run_dir),
                                       "spec": spec}))
+        command = (launcher.build_activator_command(config, upstream) if upstream is not None
+                   else launcher.build_router_command(config, replicas=replicas))
         with open(run_dir / "activator.log", "wb") as log:
-            self.process = subprocess.Popen(launcher.build_activator_command(config, upstream),
-                                            stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not (run_dir / "activator.json").exists():
             if self.process.poll() is not None or time.monotonic() > deadline:
