@@ -271,3 +271,45 @@ def test_an_inference_job_converges_through_api_errors_and_a_restarted_operator_
         wait_for(lambda: second.ctx.metrics.value("huorn_inferencejob_replicas", ready) == 2,
                  what="the job resumed by the new operator")
         assert state() == before
+
+
+def test_prefix_routing_puts_the_router_in_front_once_ready_and_a_policy_change_replaces_it(
+    kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    """routing.policy prefix: a router pod finds the ready replicas through a headless Service;
+    the job's Service selects the replicas until the router is ready, then the router; a new
+    loadFactor replaces the router and no replica; back to `service`, the router goes and the
+    Service selects the replicas again."""
+    job = serving.make_inference_job("chat", "serve", min_replicas=2, max_replicas=2,
+                                     routing={"policy": "prefix"})
+    kube.create_job(NS, job, plural=IJ)
+    wait_for(lambda: len(servers(kube, "chat")) == 2 and kube.pods(NS, "chat", "activator"),
+             what="two replicas and the router")
+    (router,) = kube.pods(NS, "chat", "activator")
+    command = router.spec.containers[0].command
+    assert command[command.index("--replicas-dns") + 1] == f"chat-endpoints.{NS}.svc:{manifests.SERVE_PORT}"
+    endpoints = kube.core.read_namespaced_service("chat-endpoints", NS).spec
+    assert endpoints.cluster_ip == "None" and endpoints.selector["huorn.io/vertex"] == "server"
+    assert not endpoints.publish_not_ready_addresses
+    for pod in servers(kube, "chat").values():
+        run_pod(kube, pod)
+    wait_for(lambda: status(kube, "chat").get("readyReplicas") == 2, what="both ready")
+    assert routed_to(kube, "chat") == "server" and status(kube, "chat")["routing"] == "replicas"
+
+    run_pod(kube, router)
+    wait_for(lambda: routed_to(kube, "chat") == "activator", what="the Service on the router")
+    wait_for(lambda: status(kube, "chat").get("routing") == "router", what="status says router")
+
+    # a new loadFactor: the router is replaced (it reads it once), the replicas are not
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                               {"spec": {"routing": {"loadFactor": 2.0}}})
+    wait_for(lambda: routed_to(kube, "chat") == "server", what="the replicas again while it restarts")
+    wait_for(lambda: [p for p in kube.pods(NS, "chat", "activator") if not p.metadata.deletion_timestamp
+                      and p.metadata.uid != router.metadata.uid], what="a new router")
+    assert sorted(servers(kube, "chat")) == ["server-0", "server-1"]
+
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                               {"spec": {"routing": {"policy": "service"}}})
+    wait_for(lambda: not [p for p in kube.pods(NS, "chat", "activator") if not p.metadata.deletion_timestamp],
+             what="the router gone")
+    assert routed_to(kube, "chat") == "server" and sorted(servers(kube, "chat")) == ["server-0", "server-1"]

@@ -25,6 +25,13 @@ replicas it has, and a restarted operator carries on from status.
   (`status.routing`), switched before the last replica is deleted, so no request reaches a
   replica on its way out. The activator holds what comes meanwhile; the autoscaler reads how
   many it holds and asks for replicas.
+- **Prefix routing** (`routing.policy: prefix`). The activator pod runs as the job's router
+  (huorn.runtime.router) whatever minReplicas is, and finds the ready replicas through a headless
+  Service, `<job>-endpoints`. The job's Service selects the router once it is ready and the
+  replicas (or, scaled to zero, the activator) otherwise, so a router that crashes or restarts
+  costs the cache's hit rate, never an answer. The pod carries the hash of the settings it reads
+  at its start (manifests.front_template_hash) and is replaced when they change, a switch of
+  policy included.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from huorn.operator.context import Context
 from huorn.operator.training import build_decisions, stall, write_status
 
 PLURAL = "inferencejobs"
-ACTIVATOR, REPLICAS = "activator", "replicas"  # where the job's Service sends requests
+ACTIVATOR, REPLICAS, ROUTER = "activator", "replicas", "router"  # where the job's Service sends requests
 KIND = "InferenceJob"
 SERVER = "server"
 
@@ -174,21 +181,32 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                if pod_of(i) is None and manifests.pod_name(ref, i) not in creating]
     gpus = job.spec.resources.gpus
     to_zero = job.spec.autoscaling.min_replicas == 0
-    # the Service points at the activator whenever no replica that stays is ready
+    by_prefix = job.spec.routing.policy == "prefix"
+    front_wanted = to_zero or by_prefix  # the activator pod: it holds requests, or routes them
+    activator = pods.get(manifests.activator_pod_name(ref))
+    front_current = activator is not None and front_is_current(activator, spec)
+    # the Service points at the router once it is ready; else at the activator whenever no
+    # replica that stays is ready
     serving_ready = sum(1 for i in server.instances if (p := pod_of(i)) is not None and is_ready(p))
-    routing = ACTIVATOR if to_zero and serving_ready == 0 else REPLICAS
+    if by_prefix and front_current and activator is not None and is_ready(activator):
+        routing = ROUTER
+    else:
+        routing = ACTIVATOR if to_zero and serving_ready == 0 else REPLICAS
     writes: list[dict[str, Any]] = []
     if missing or old.get("observedGeneration") != meta.get("generation") \
             or old.get("routing", REPLICAS) != routing:
         writes += [manifests.build_serve_config_map(ref, spec),
-                   manifests.build_serve_service(ref, to_activator=routing == ACTIVATOR)]
-        if to_zero:
+                   manifests.build_serve_service(ref, to_activator=routing in (ACTIVATOR, ROUTER))]
+        if to_zero and not by_prefix:
             writes.append(manifests.build_replicas_service(ref))
-    activator = pods.get(manifests.activator_pod_name(ref))
-    if to_zero and activator is None:
+        if by_prefix:
+            writes.append(manifests.build_endpoints_service(ref))
+    if front_wanted and activator is None:
         writes.append(manifests.build_activator_pod(ref, spec))
-    elif to_zero and activator is not None and not activator.holds_resources and not activator.deleting:
-        # ended (evicted, its node gone): deleted now, a new one on the reconcile its going wakes
+    elif front_wanted and activator is not None and not activator.deleting \
+            and (not activator.holds_resources or not front_current):
+        # ended (evicted, its node gone), or started from other settings (the policy, the cache,
+        # the time-out): deleted now, a new one on the reconcile its going wakes
         await ctx.client.delete("Pod", ns, activator.name)
     placed = 0
     async with ctx.placement_lock:
@@ -207,7 +225,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         ctx.index.release(r for r in (index.build_pod_record(p) for p in pods_new) if r is not None)
         raise
     wanted = {manifests.pod_name(ref, i) for i in server.instances}
-    if to_zero:
+    if front_wanted:
         wanted.add(manifests.activator_pod_name(ref))
     await asyncio.gather(*(ctx.client.delete("Pod", ns, p.name)
                            for p in pods.values() if p.name not in wanted and not p.deleting))
@@ -251,7 +269,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             reconciling=(True, reason, message) if ready < server.replicas or not serving_now else None,
         ),
     }
-    if to_zero or "routing" in old:
+    if front_wanted or "routing" in old:
         status["routing"] = routing
     if unplaced and old.get("message") != message:
         ctx.post_event(body, "Normal", reason, message)
@@ -260,6 +278,13 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     ctx.metrics.inference_replicas.labels(ns, name, "desired").set(server.replicas)
     ctx.metrics.inference_replicas.labels(ns, name, "ready").set(ready)
     return phase
+
+
+def front_is_current(pod: index.PodRecord, spec: Mapping[str, Any]) -> bool:
+    """Whether the activator pod runs the settings the spec asks for now. A pod from before
+    the router (no hash) was a plain activator: current while the job does not route."""
+    return pod.template == manifests.front_template_hash(spec) or \
+        (not pod.template and not manifests.routes_by_prefix(spec))
 
 
 def _roll_one(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, index.PodRecord],

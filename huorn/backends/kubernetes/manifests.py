@@ -540,22 +540,57 @@ def build_replicas_service(job: JobRef) -> dict[str, Any]:
                          type="ClusterIP")
 
 
+# Prefix routing (routing.policy prefix): the activator pod is the job's router, in the path for
+# good. It finds the ready replicas as the addresses of a headless Service's name, and the job's
+# Service points at it once it is ready (at the replicas until then, and whenever it is not).
+def endpoints_service_name(job: JobRef) -> str:
+    return f"{job.name}-endpoints"
+
+
+def build_endpoints_service(job: JobRef) -> dict[str, Any]:
+    """Headless, ready replicas only: its name resolves to their pod IPs, one A record each."""
+    return build_service(job, endpoints_service_name(job), "server", ("http", SERVE_PORT, SERVE_PORT),
+                         clusterIP="None", publishNotReadyAddresses=False)
+
+
+def routes_by_prefix(spec: Mapping[str, Any]) -> bool:
+    return (spec.get("routing") or {}).get("policy") == "prefix"
+
+
+def front_template_hash(spec: Mapping[str, Any]) -> str:
+    """What the activator pod was started from: whether it routes, and the settings it reads
+    once at its start. A pod with another hash is replaced."""
+    autoscaling = spec.get("autoscaling") or {}
+    read = {"timeout": autoscaling.get("activationTimeoutSeconds")}
+    if routes_by_prefix(spec):
+        read |= {"routing": spec.get("routing"),
+                 "cache": (spec.get("serving") or {}).get("prefixCacheTokens", PREFIX_CACHE_DEFAULT)}
+    return template_hash(read, frozenset())
+
+
 def build_activator_pod(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
     """The activator: CPU only, small, restarted in place by the kubelet if it crashes. It reads
     the job's serving config (its port and activationTimeoutSeconds) and forwards to the replicas'
-    Service by its namespace-local name."""
+    Service by its namespace-local name; with prefix routing, to the replicas themselves."""
     mounts, volumes = config_and_run_volumes(job)
     limits = {"cpu": "500m", "memory": "1Gi"}
-    upstream = f"http://{replicas_service_name(job)}.{job.namespace}.svc:80"
+    config = f"{CONFIG_DIR}/{CONFIG_FILE}"
+    if routes_by_prefix(spec):
+        command = launcher.build_router_command(
+            config, replicas_dns=f"{endpoints_service_name(job)}.{job.namespace}.svc:{SERVE_PORT}",
+            python="python")
+    else:
+        upstream = f"http://{replicas_service_name(job)}.{job.namespace}.svc:80"
+        command = launcher.build_activator_command(config, upstream, python="python")
     metadata = job_metadata(job, activator_pod_name(job), {LABEL_VERTEX: ACTIVATOR_VERTEX,
                                                            LABEL_INSTANCE: f"{ACTIVATOR_VERTEX}-0"})
+    metadata["annotations"] = {ANNOTATION_TEMPLATE: front_template_hash(spec)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": {
         "restartPolicy": "Always",
         "containers": [{
             "name": ACTIVATOR_VERTEX,
             "image": spec.get("image", "ghcr.io/huorn-io/huorn:0.1.0"),
-            "command": launcher.build_activator_command(f"{CONFIG_DIR}/{CONFIG_FILE}", upstream,
-                                                        python="python"),
+            "command": command,
             "ports": [{"name": "http", "containerPort": SERVE_PORT}],
             "resources": {"limits": limits, "requests": dict(limits)},
             "volumeMounts": mounts,
