@@ -87,25 +87,27 @@ def test_reused_prefill_logits_match_a_full_prefill(tmp_path: Path) -> None:
     _ask(server, [SYSTEM + "Q: something else entirely.....\nA:"])
     ids = torch.tensor([list(prompt.encode())])
 
-    async def prefill() -> tuple[object, torch.Tensor, int]:
+    async def prefill() -> tuple[object, torch.Tensor, list[int]]:
         return server.prefill([serve.Request(ids[0].tolist(), 1, 0.0, 0)], ids, 1)
 
     with torch.no_grad():
         _, reused, skipped = asyncio.run(prefill())
         full = model.forward_step(ids, model.build_cache(1, ids.shape[1] + 1), last_only=True)[:, -1].float()
-    assert skipped == 48
+    assert skipped == [48]
     torch.testing.assert_close(reused, full, rtol=1e-4, atol=1e-5)
 
 
-def test_a_batch_reuses_only_the_blocks_every_row_has(tmp_path: Path) -> None:
-    server, model = _server(tmp_path, ARCHITECTURES["plain"])
-    _ask(server, [SYSTEM + "0123456789abcdef"])  # SYSTEM's blocks and one more
+def test_each_row_of_a_batch_reuses_its_own_blocks(tmp_path: Path) -> None:
+    server, model = _server(tmp_path, ARCHITECTURES["fusedkv"])
+    _ask(server, [SYSTEM + "0123456789abcdef"])  # 65 bytes: SYSTEM's three blocks and one more
     rows = [SYSTEM + "0123456789abcdXY", "Z" + SYSTEM[1:] + "0123456789abcdef"]
     answers = _ask(server, rows)
-    assert [cached for _, _, cached in answers] == [0, 0]  # the second row shares nothing
+    assert [cached for _, _, cached in answers] == [48, 0]  # the second row shares no whole block
     assert [text for text, _, _ in answers] == [_greedy(model, p) for p in rows]
-    again = _ask(server, [SYSTEM + "0123456789abcdQQ", SYSTEM + "0123456789abcdef"])
-    assert [cached for _, _, cached in again] == [48, 48]  # both hold SYSTEM, only one the 4th block
+    rows = [SYSTEM + "0123456789abcdQQ", SYSTEM + "0123456789abcdef", "Z" + SYSTEM[1:] + "0123456789abcdQQ"]
+    again = _ask(server, rows)
+    assert [cached for _, _, cached in again] == [48, 64, 48]
+    assert [text for text, _, _ in again] == [_greedy(model, p) for p in rows]
 
 
 def test_eviction_is_least_recently_used_and_keeps_the_preamble_over_its_branches() -> None:
