@@ -175,7 +175,8 @@ def compile_inference(job: kinds.InferenceJob) -> Graph:
             f"spec.autoscaling.minReplicas ({scale.min_replicas}) exceeds maxReplicas ({scale.max_replicas})"
         )
     graph.vertices["router"] = _vertex(
-        "router", "router", 1, 1, 1, resources=ROUTER_RESOURCES, params={"slo": spec.slo.to_wire()}
+        "router", "router", 1, 1, 1, resources=ROUTER_RESOURCES,
+        params={"slo": spec.slo.to_wire(), "routing": spec.routing.to_wire()},
     )
     graph.vertices["server"] = _vertex(
         "server",
