@@ -27,7 +27,7 @@ from huorn import models
 from huorn.api import training
 from huorn.backends.local import report
 from huorn.cli import main
-from huorn.runtime import checkpoint, steplog
+from huorn.runtime import checkpoint, serve, steplog
 from huorn.runtime import config as run_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -302,6 +302,55 @@ def test_huorn_run_serves_an_inference_job_until_told_to_stop(tmp_path: Path) ->
     outcome = result["outcome"]
     assert outcome.exit_code == 0, outcome.output
     assert json.loads(outcome.stdout.strip().splitlines()[0])["url"] == f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.slow
+def test_huorn_run_serves_replicas_behind_the_prefix_router(tmp_path: Path) -> None:
+    architecture = {"layers": 2, "width": 32, "heads": 2, "context": 128}
+    serve.save_untrained(tmp_path / "ckpt", training.ModelSpec.model_validate(architecture))
+    manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "InferenceJob", "metadata": {"name": "chat"},
+                "spec": {"virtualCluster": "local", "routing": {"policy": "prefix"},
+                         "model": {"checkpoint": str(tmp_path / "ckpt"), "architecture": architecture}}}
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    run_dir = tmp_path / "serving"
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(outcome=CliRunner().invoke(main.app, [
+        "run", str(path), "--run-dir", str(run_dir), "--port", "0", "--replicas", "2",
+        "--serve-seconds", "20", "--json"])))
+    thread.start()
+    ready = run_dir / "run" / "activator.json"
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert thread.is_alive() and time.monotonic() < deadline, result
+        time.sleep(0.1)
+    port = json.loads(ready.read_text())["port"]
+    preamble = "You are a careful assistant. Answer in one line, no more.\n"
+    cached = []
+    for question in ("Q: 1 + 1?\nA:", "Q: 2 + 2?\nA:"):
+        body = json.dumps({"prompt": preamble + question, "max_tokens": 2}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            cached.append(json.loads(response.read())["cached_tokens"])
+    assert cached == [0, 48]  # the second prompt went where the first one's preamble is cached
+    replicas = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("replica-"))
+    assert replicas == ["replica-0", "replica-1"]
+    thread.join(timeout=60)
+    outcome = result["outcome"]
+    assert outcome.exit_code == 0, outcome.output
+    shown = json.loads(outcome.stdout.strip().splitlines()[0])
+    assert shown["url"] == f"http://127.0.0.1:{port}" and shown["replicas"] == 2
+
+
+def test_several_local_replicas_without_prefix_routing_are_refused_naming_the_field(tmp_path: Path) -> None:
+    manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "InferenceJob", "metadata": {"name": "chat"},
+                "spec": {"virtualCluster": "local", "model": {"checkpoint": str(tmp_path / "none")}}}
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    outcome = CliRunner().invoke(main.app, ["run", str(path), "--run-dir", str(tmp_path / "r"),
+                                            "--replicas", "2"])
+    assert outcome.exit_code == 2 and "spec.routing.policy: prefix" in outcome.stderr
 
 
 def test_an_rl_job_the_runtime_cannot_run_is_refused_before_anything_starts(tmp_path: Path) -> None:

@@ -104,13 +104,16 @@ def run_command(
                                    help="InferenceJob: the port to serve on (0 picks a free one)."),
     serve_seconds: float | None = typer.Option(None, "--serve-seconds", min=1,
                                                help="InferenceJob: stop serving after this long."),
+    serve_replicas: int = typer.Option(1, "--replicas", min=1, max=64,
+                                       help="InferenceJob: replicas to serve, behind the prefix router "
+                                            "when more than one (spec.routing.policy: prefix)."),
     stall_timeout: float = typer.Option(
         600.0, "--stall-timeout", min=10, help="Give up when no step completes for this long (seconds)."
     ),
 ) -> None:
     """Run a job locally: a TrainingJob's rendezvous store and one torchrun agent per replica, as
-    processes; an RLJob's single controller over a local Ray cluster; one InferenceJob replica,
-    serving until Ctrl-C."""
+    processes; an RLJob's single controller over a local Ray cluster; InferenceJob replicas (one,
+    or --replicas behind the prefix router), serving until Ctrl-C."""
     try:
         job, g = graph_cli.compile_file(file)
         if isinstance(job, kinds.InferenceJob):
@@ -118,7 +121,8 @@ def run_command(
             kept = prepare_run_dir(directory)
             if kept is not None:
                 typer.echo(f"kept the previous run in {kept}", err=True)
-            raise typer.Exit(run_serve.run_serve(job, directory, serve_port, as_json, serve_seconds))
+            raise typer.Exit(run_serve.run_serve(job, directory, serve_port, as_json, serve_seconds,
+                                                 serve_replicas))
         if isinstance(job, kinds.RLJob):
             run_rl.check(file, job)
             directory = (run_dir or Path("runs") / g.name).resolve()

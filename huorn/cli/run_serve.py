@@ -1,8 +1,12 @@
-"""`huorn run` for an InferenceJob: one serving replica on this machine, until Ctrl-C.
+"""`huorn run` for an InferenceJob: serving replicas on this machine, until Ctrl-C.
 
-The replica is `python -m huorn.runtime.serve` in a process of its own (the CLI stays light,
-and Ctrl-C reaches the CLI alone, which stops the server with one SIGINT). It prints where the
-server listens once the model is loaded (and quantised, if the spec says so).
+Each replica is `python -m huorn.runtime.serve` in a process of its own (the CLI stays light,
+and Ctrl-C reaches the CLI alone, which stops the servers with one SIGINT each). One replica
+serves on `--port` itself. Several (`--replicas N`) each take a free port and the job's prefix
+router (`python -m huorn.runtime.activator --replica ...`, what `routing.policy: prefix` runs in
+a cluster) serves on `--port` in front of them: there is no Service here to spread requests, so
+several replicas need that policy. It prints where to send requests once every replica has
+loaded its model (and quantised it, if the spec says so).
 """
 
 from __future__ import annotations
@@ -18,39 +22,82 @@ import typer
 from huorn.api import kinds
 from huorn.runtime import launcher
 
+START_SECONDS = 600.0  # a replica that has not loaded its model by then is reported, and all stop
+
+
+def _start(command: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _write_config(path: Path, job: kinds.InferenceJob, port: int, run: Path) -> Path:
+    path.write_text(json.dumps({"jobName": job.metadata.name, "spec": job.spec.to_wire(),
+                                "host": "127.0.0.1", "port": port, "runDir": str(run)}, indent=1))
+    return path
+
 
 def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool,
-              duration: float | None = None) -> int:
+              duration: float | None = None, replicas: int = 1) -> int:
     """Serve until Ctrl-C (or `duration` seconds); the exit code huorn run gives."""
-    run = directory / "run"
-    config = directory / "serve-config.json"
-    config.write_text(json.dumps({"jobName": job.metadata.name, "spec": job.spec.to_wire(),
-                                  "host": "127.0.0.1", "port": port, "runDir": str(run)}, indent=1))
-    log = directory / "serve.log"
-    with open(log, "wb") as out:
-        command = launcher.build_serve_command(config)
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    ready = run / "serve.json"
+    if replicas > 1 and job.spec.routing.policy != "prefix":
+        typer.echo(f"error: --replicas {replicas}: several local replicas are served behind the prefix "
+                   "router (there is no Service here to spread requests); set spec.routing.policy: "
+                   "prefix, or serve one replica", err=True)
+        return 2
+    if replicas == 1:
+        servers = [(directory / "run", directory / "serve-config.json", directory / "serve.log", port)]
+    else:
+        servers = [(directory / f"replica-{i}" / "run", directory / f"replica-{i}" / "serve-config.json",
+                    directory / f"replica-{i}" / "serve.log", 0) for i in range(replicas)]
+    processes: list[tuple[subprocess.Popen, Path]] = []
+    for run, config, log, replica_port in servers:
+        config.parent.mkdir(parents=True, exist_ok=True)
+        _write_config(config, job, replica_port, run)
+        processes.append((_start(launcher.build_serve_command(config), log), log))
+    front: Path | None = None
     started = time.monotonic()
-    announced = False
+    announced = timed_out = False
     try:
-        while process.poll() is None:
-            if not announced and ready.exists():
-                info = json.loads(ready.read_text())
-                url = f"http://127.0.0.1:{info['port']}"
-                typer.echo(json.dumps({"url": url, **info}) if as_json else
-                           f"serving {job.metadata.name} at {url}/v1/completions "
-                           f"({info['quantization']}); Ctrl-C stops it")
-                announced = True
+        while all(p.poll() is None for p, _ in processes):
+            if not announced and all((run / "serve.json").exists() for run, *_ in servers):
+                infos = [json.loads((run / "serve.json").read_text()) for run, *_ in servers]
+                if replicas > 1 and front is None:
+                    urls = [f"http://127.0.0.1:{info['port']}" for info in infos]
+                    config = _write_config(directory / "router-config.json", job, port, directory / "run")
+                    processes.append((_start(launcher.build_router_command(config, replicas=urls),
+                                             directory / "router.log"), directory / "router.log"))
+                    front = directory / "run" / "activator.json"
+                if front is None or front.exists():
+                    listening = json.loads((front or servers[0][0] / "serve.json").read_text())["port"]
+                    url = f"http://127.0.0.1:{listening}"
+                    info = {**infos[0], "port": listening, "replicas": replicas}
+                    routed = f", {replicas} replicas behind the prefix router" if replicas > 1 else ""
+                    typer.echo(json.dumps({"url": url, **info}) if as_json else
+                               f"serving {job.metadata.name} at {url}/v1/completions "
+                               f"({info['quantization']}{routed}); Ctrl-C stops it")
+                    announced = True
+            if not announced and time.monotonic() - started > START_SECONDS:
+                typer.echo(f"error: not serving after {START_SECONDS:g} s; see the logs in {directory}",
+                           err=True)
+                timed_out = True
+                break
             if duration is not None and time.monotonic() - started > duration:
-                process.send_signal(signal.SIGTERM)
                 break
             time.sleep(0.2)
     except KeyboardInterrupt:
-        process.send_signal(signal.SIGINT)
-    code = process.wait()
-    if code == 2:
-        errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
-        typer.echo(errors[-1] if errors else f"the server refused the job; see {log}", err=True)
-        return 2
-    return 0 if code == 0 else 1
+        for process, _ in processes:
+            process.send_signal(signal.SIGINT)
+    for process, _ in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    codes = [(process.wait(), log) for process, log in processes]
+    for code, log in codes:
+        if code == 2:
+            lines = log.read_text().splitlines()
+            errors = [line for line in lines if line.startswith(("error:", "activator:"))]
+            typer.echo(errors[-1] if errors else f"the server refused the job; see {log}", err=True)
+            return 2
+    ended = [(code, log) for code, log in codes if code not in (0, -signal.SIGTERM, -signal.SIGINT)]
+    for code, log in ended:
+        typer.echo(f"error: {log.stem} exited with code {code}; see {log}", err=True)
+    return 0 if not ended and not timed_out else 1
