@@ -3,12 +3,16 @@ stand-alone rendezvous store, torchrun agents as "replicas", and readers of the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+
+import aiohttp
+from aiohttp import web
 
 from huorn.runtime import config as run_config
 from huorn.runtime import launcher, steplog
@@ -129,3 +133,18 @@ def loss_gaps_to_uninterrupted(tmp: Path, spec: dict, history: dict[int, dict],
     assert reference.wait(timeout=300) == 0, (tmp / "reference" / "train.log").read_text()[-3000:]
     reference = effective_steps(read_events(tmp / "reference" / "run"))
     return {s: abs(history[s]["loss"] - reference[s]["loss"]) for s in sorted(reference)}
+
+
+@contextlib.asynccontextmanager
+async def serving_app(app: web.Application) -> AsyncIterator[aiohttp.ClientSession]:
+    """`app` served on a free loopback port, and a client session to it, for as long as the block."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+            yield session
+    finally:
+        await runner.cleanup()

@@ -270,6 +270,28 @@ def test_other_kinds_are_refused_with_exit_2(tmp_path: Path) -> None:
     assert code == 2 and "VirtualCluster" in err and not run_dir.exists()
 
 
+def _serve_in_thread(path: Path, run_dir: Path, ready: Path,
+                     *options: str) -> tuple[threading.Thread, dict, int]:
+    """`huorn run` of an InferenceJob in a thread; returns once `ready` names the port it serves on."""
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(outcome=CliRunner().invoke(main.app, [
+        "run", str(path), "--run-dir", str(run_dir), "--port", "0", *options, "--json"])))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert thread.is_alive() and time.monotonic() < deadline, result
+        time.sleep(0.1)
+    return thread, result, json.loads(ready.read_text())["port"]
+
+
+def _complete(port: int, prompt: str) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": prompt, "max_tokens": 2}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
 @pytest.mark.slow
 def test_huorn_run_serves_an_inference_job_until_told_to_stop(tmp_path: Path) -> None:
     architecture = {"layers": 2, "width": 32, "heads": 2, "context": 64}
@@ -283,21 +305,9 @@ def test_huorn_run_serves_an_inference_job_until_told_to_stop(tmp_path: Path) ->
     path = tmp_path / "chat.yaml"
     path.write_text(yaml.safe_dump(manifest))
     run_dir = tmp_path / "serving"
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(outcome=CliRunner().invoke(main.app, [
-        "run", str(path), "--run-dir", str(run_dir), "--port", "0", "--serve-seconds", "10", "--json"])))
-    thread.start()
-    ready = run_dir / "run" / "serve.json"
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        assert thread.is_alive() and time.monotonic() < deadline, result
-        time.sleep(0.1)
-    port = json.loads(ready.read_text())["port"]
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
-                                     data=json.dumps({"prompt": "Q: 1 + 1?\nA:", "max_tokens": 2}).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        assert json.loads(response.read())["tokens"] == 2
+    thread, result, port = _serve_in_thread(path, run_dir, run_dir / "run" / "serve.json",
+                                            "--serve-seconds", "10")
+    assert _complete(port, "Q: 1 + 1?\nA:")["tokens"] == 2
     thread.join(timeout=60)
     outcome = result["outcome"]
     assert outcome.exit_code == 0, outcome.output
@@ -314,25 +324,10 @@ def test_huorn_run_serves_replicas_behind_the_prefix_router(tmp_path: Path) -> N
     path = tmp_path / "chat.yaml"
     path.write_text(yaml.safe_dump(manifest))
     run_dir = tmp_path / "serving"
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(outcome=CliRunner().invoke(main.app, [
-        "run", str(path), "--run-dir", str(run_dir), "--port", "0", "--replicas", "2",
-        "--serve-seconds", "20", "--json"])))
-    thread.start()
-    ready = run_dir / "run" / "activator.json"
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        assert thread.is_alive() and time.monotonic() < deadline, result
-        time.sleep(0.1)
-    port = json.loads(ready.read_text())["port"]
+    thread, result, port = _serve_in_thread(path, run_dir, run_dir / "run" / "activator.json",
+                                            "--replicas", "2", "--serve-seconds", "20")
     preamble = "You are a careful assistant. Answer in one line, no more.\n"
-    cached = []
-    for question in ("Q: 1 + 1?\nA:", "Q: 2 + 2?\nA:"):
-        body = json.dumps({"prompt": preamble + question, "max_tokens": 2}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=30) as response:
-            cached.append(json.loads(response.read())["cached_tokens"])
+    cached = [_complete(port, preamble + q)["cached_tokens"] for q in ("Q: 1 + 1?\nA:", "Q: 2 + 2?\nA:")]
     assert cached == [0, 48]  # the second prompt went where the first one's preamble is cached
     replicas = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("replica-"))
     assert replicas == ["replica-0", "replica-1"]

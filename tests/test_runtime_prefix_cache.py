@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import aiohttp
 import pytest
+import runtime_harness as harness
 import torch
 
 from huorn import models
@@ -137,22 +137,14 @@ def test_the_answer_and_the_metrics_count_the_cached_tokens(tmp_path: Path) -> N
     server, _ = _server(tmp_path, ARCHITECTURES["plain"])
 
     async def work() -> tuple[list[dict], str]:
-        runner = aiohttp.web.AppRunner(server.app())
-        await runner.setup()
-        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
-                answers = []
-                for question in ("Q: 1 + 1?\nA:", "Q: 2 + 2?\nA:"):
-                    async with session.post("/v1/completions",
-                                            json={"prompt": SYSTEM + question, "max_tokens": 3}) as r:
-                        answers.append(await r.json())
-                async with session.get("/metrics") as r:
-                    return answers, await r.text()
-        finally:
-            await runner.cleanup()
+        async with harness.serving_app(server.app()) as session:
+            answers = []
+            for question in ("Q: 1 + 1?\nA:", "Q: 2 + 2?\nA:"):
+                async with session.post("/v1/completions",
+                                        json={"prompt": SYSTEM + question, "max_tokens": 3}) as r:
+                    answers.append(await r.json())
+            async with session.get("/metrics") as r:
+                return answers, await r.text()
 
     answers, metrics = asyncio.run(work())
     assert [a["cached_tokens"] for a in answers] == [0, 48]

@@ -13,7 +13,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import aiohttp
 import pytest
 import runtime_harness as harness
 import torch
@@ -48,16 +47,8 @@ def _config(tmp_path: Path, **spec: object) -> serve.ServeConfig:
 async def _serving(cfg: serve.ServeConfig, client_work) -> object:
     model, report = serve.load_model(cfg)
     server = serve.Server(cfg, model)
-    runner = aiohttp.web.AppRunner(server.app())
-    await runner.setup()
-    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
-            return await client_work(session, server, report)
-    finally:
-        await runner.cleanup()
+    async with harness.serving_app(server.app()) as session:
+        return await client_work(session, server, report)
 
 
 def test_completions_equal_greedy_decoding_and_same_length_prompts_share_a_batch(tmp_path: Path) -> None:

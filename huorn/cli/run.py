@@ -76,7 +76,10 @@ def prepare_run_dir(run_dir: Path) -> Path | None:
 
 def run_command(
     file: Path = typer.Argument(..., help="A TrainingJob, RLJob or InferenceJob manifest (YAML)."),
-    replicas: int | None = typer.Option(None, "--replicas", help="Start with this many trainer replicas."),
+    replicas: int | None = typer.Option(
+        None, "--replicas", min=1,
+        help="Start with this many trainer replicas; an InferenceJob serves this many, behind its "
+             "prefix router when more than one (spec.routing.policy: prefix)."),
     steps: int | None = typer.Option(
         None, "--steps", min=1, help="Stop after this many steps (overrides spec)."
     ),
@@ -104,9 +107,6 @@ def run_command(
                                    help="InferenceJob: the port to serve on (0 picks a free one)."),
     serve_seconds: float | None = typer.Option(None, "--serve-seconds", min=1,
                                                help="InferenceJob: stop serving after this long."),
-    serve_replicas: int = typer.Option(1, "--replicas", min=1, max=64,
-                                       help="InferenceJob: replicas to serve, behind the prefix router "
-                                            "when more than one (spec.routing.policy: prefix)."),
     stall_timeout: float = typer.Option(
         600.0, "--stall-timeout", min=10, help="Give up when no step completes for this long (seconds)."
     ),
@@ -122,7 +122,7 @@ def run_command(
             if kept is not None:
                 typer.echo(f"kept the previous run in {kept}", err=True)
             raise typer.Exit(run_serve.run_serve(job, directory, serve_port, as_json, serve_seconds,
-                                                 serve_replicas))
+                                                 replicas or 1))
         if isinstance(job, kinds.RLJob):
             run_rl.check(file, job)
             directory = (run_dir or Path("runs") / g.name).resolve()
