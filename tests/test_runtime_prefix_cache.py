@@ -123,6 +123,7 @@ def test_eviction_is_least_recently_used_and_keeps_the_preamble_over_its_branche
     # was touched after each branch
     assert cache.match(a) == 1 and cache.match(b) == 2 and cache.match(c) == 1
     assert cache.stats.evicted_blocks == 1
+    assert cache.nbytes() == 3 * 2 * 16 * 4 * 4  # three blocks of K and V, 16 tokens × 4 floats
 
 
 def test_a_cache_of_zero_tokens_keeps_nothing_and_a_negative_one_is_refused(tmp_path: Path) -> None:
@@ -150,4 +151,6 @@ def test_the_answer_and_the_metrics_count_the_cached_tokens(tmp_path: Path) -> N
     assert [a["cached_tokens"] for a in answers] == [0, 48]
     prompt_tokens = 2 * len(SYSTEM + "Q: 1 + 1?\nA:")
     assert 'huorn_serve_prompt_tokens_total{source="cache"} 48.0' in metrics
+    assert f"huorn_serve_prefix_cache_bytes {float(server.prefixes.nbytes())}" in metrics
+    assert server.prefixes.nbytes() > 0
     assert f'huorn_serve_prompt_tokens_total{{source="prefill"}} {prompt_tokens - 48}.0' in metrics

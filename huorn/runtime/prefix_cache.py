@@ -57,6 +57,9 @@ class CachedBlock:
     keys: list[torch.Tensor]  # per owned layer, [kv_heads, BLOCK, head_dim]
     values: list[torch.Tensor]
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.keys, *self.values])
+
 
 @dataclass
 class PrefixStats:
@@ -67,6 +70,7 @@ class PrefixStats:
 
 class PrefixCache:
     def __init__(self, capacity_tokens: int, block: int = BLOCK) -> None:
+        self._bytes = 0
         if capacity_tokens < 0:
             raise ValueError(f"spec.serving.prefixCacheTokens: {capacity_tokens} is negative; give 0 "
                              "(no cache) or more")
@@ -108,11 +112,13 @@ class PrefixCache:
             if name in self.blocks:
                 continue
             span = slice(i * self.block, (i + 1) * self.block)
-            self.blocks[name] = CachedBlock([k[row, :, span].clone() for k in cache.keys],
-                                            [v[row, :, span].clone() for v in cache.values])
+            held = CachedBlock([k[row, :, span].clone() for k in cache.keys],
+                               [v[row, :, span].clone() for v in cache.values])
+            self.blocks[name] = held
+            self._bytes += held.nbytes()
         self.touch(names[: self.capacity_blocks])
         while len(self.blocks) > self.capacity_blocks:
-            self.blocks.popitem(last=False)
+            self._bytes -= self.blocks.popitem(last=False)[1].nbytes()
             self.stats.evicted_blocks += 1
 
     def touch(self, names: Sequence[bytes]) -> None:
@@ -121,4 +127,5 @@ class PrefixCache:
                 self.blocks.move_to_end(name)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for b in self.blocks.values() for t in [*b.keys, *b.values])
+        """K/V bytes held: 2 × owned layers × kv heads × head size × the dtype's bytes per token."""
+        return self._bytes

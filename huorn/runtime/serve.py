@@ -137,6 +137,13 @@ class Metrics:
         self.prompt_tokens = prometheus_client.Counter(
             "huorn_serve_prompt_tokens", "Prompt tokens, by source of their K/V (cache or prefill).",
             ["source"], registry=self.registry)
+        self.prefix_cache_bytes = prometheus_client.Gauge(
+            "huorn_serve_prefix_cache_bytes",
+            "Bytes of K/V the prefix cache holds (serving.prefixCacheTokens bounds it).",
+            registry=self.registry)
+        self.prefix_evictions = prometheus_client.Counter(
+            "huorn_serve_prefix_cache_evicted_blocks", "Blocks of 16 tokens evicted from the prefix cache.",
+            registry=self.registry)
         self.batch = prometheus_client.Histogram(
             "huorn_serve_batch_size", "Requests decoded together.", registry=self.registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
@@ -241,8 +248,11 @@ class Server:
                 mine[index, :, :length] = theirs
         else:
             cache.advance(length)
+        evicted = self.prefixes.stats.evicted_blocks
         for row, row_names in enumerate(names):
             self.prefixes.store(cache, row, row_names)
+        self.metrics.prefix_evictions.inc(self.prefixes.stats.evicted_blocks - evicted)
+        self.metrics.prefix_cache_bytes.set(self.prefixes.nbytes())
         self.metrics.prompt_tokens.labels("cache").inc(sum(reused))
         self.metrics.prompt_tokens.labels("prefill").inc(length * len(batch) - sum(reused))
         return cache, logits, reused
