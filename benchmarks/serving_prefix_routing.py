@@ -5,7 +5,9 @@ question, their popularity Zipf-distributed; together the preambles hold more to
 replica's prefix cache (`serving.prefixCacheTokens`) and fewer than all the replicas' caches.
 Real serving replicas (`python -m huorn.runtime.serve`, one process and one CPU thread each,
 standing in for one GPU each, their caches empty at the start of every policy) answer the same
-requests in the same order from a closed loop of clients. Policies:
+requests in the same order from a closed loop of clients. With `--turns T` every client holds
+conversations instead: each turn's prompt is the preamble, the earlier turns with their answers,
+and a new question, sent once the last answer is back. Policies:
 
 - `service-no-cache`: each request to a random replica (kube-proxy's spreading), no prefix cache;
 - `service`: the same spreading, each replica with its prefix cache;
@@ -18,6 +20,7 @@ the cache (the replicas' own `huorn_serve_prompt_tokens`), and how evenly the re
 loaded (the busiest replica's requests over the mean); and `prefix`'s ratios to `service`.
 
     .venv/bin/python benchmarks/serving_prefix_routing.py [--replicas 2] [--requests 480] [--clients 8]
+        [--turns 1] [--seed 0]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -53,9 +57,19 @@ WORDS = ("the", "model", "answers", "every", "question", "briefly", "and", "cite
 POLICIES = ("service-no-cache", "service", "prefix")
 
 
-def build_requests(args) -> list[str]:  # type: ignore[no-untyped-def]
-    """`--requests` prompts: a preamble drawn Zipf(1) from `--preambles`, then a question of one
-    of four lengths (so that batches of equal lengths can form, as in production traffic)."""
+@dataclass(frozen=True)
+class Session:
+    """One client's conversation: a preamble, then one question per turn; each turn's prompt is
+    the preamble, every earlier turn with its answer, and the new question."""
+
+    preamble: str
+    questions: tuple[str, ...]
+
+
+def build_sessions(args) -> list[Session]:  # type: ignore[no-untyped-def]
+    """Sessions whose preamble is drawn Zipf(1) from `--preambles`, each question one of four
+    lengths (so that batches of equal lengths can form, as in production traffic): `--requests`
+    sessions of one turn, or with `--turns` T > 1, `--requests` / T conversations of T turns."""
     rng = random.Random(args.seed)
 
     def text(length: int) -> str:
@@ -66,11 +80,9 @@ def build_requests(args) -> list[str]:  # type: ignore[no-untyped-def]
 
     preambles = [f"[tenant {i}] " + text(args.preamble_tokens - 12) + "\n" for i in range(args.preambles)]
     weights = [1 / (rank + 1) for rank in range(args.preambles)]
-    requests = []
-    for _ in range(args.requests):
-        preamble = rng.choices(preambles, weights)[0]
-        requests.append(preamble + "Q: " + text(rng.choice((24, 32, 40, 48))) + "\nA:")
-    return requests
+    return [Session(rng.choices(preambles, weights)[0],
+                    tuple(text(rng.choice((24, 32, 40, 48))) for _ in range(args.turns)))
+            for _ in range(args.requests // args.turns)]
 
 
 def start_router(work: Path, config: dict, urls: list[str]) -> tuple[subprocess.Popen, str]:
@@ -113,7 +125,8 @@ async def router_reasons(session: aiohttp.ClientSession, url: str) -> dict[str, 
             for sample in family.samples if sample.name == "huorn_router_choices_total"}
 
 
-async def run_policy(policy: str, requests: list[str], args, progress: Progress) -> dict:  # type: ignore[no-untyped-def]
+async def run_policy(policy: str, sessions: list[Session], args,  # type: ignore[no-untyped-def]
+                     progress: Progress) -> dict:
     cache_tokens = 0 if policy == "service-no-cache" else args.cache_tokens
     spec = {"virtualCluster": "bench", "model": {"checkpoint": str(args.work / "ckpt"),
                                                  "architecture": ARCHITECTURE},
@@ -129,22 +142,27 @@ async def run_policy(policy: str, requests: list[str], args, progress: Progress)
         router, front = start_router(args.work / policy / "router", config, urls)
     rng = random.Random(args.seed + 1)
     latencies: list[float] = []
-    task = progress.add_task(policy, total=len(requests))
-    queue = list(reversed(requests))
+    requests = sum(len(c.questions) for c in sessions)
+    task = progress.add_task(policy, total=requests)
+    queue = list(reversed(sessions))
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
             async def client() -> None:
                 while queue:
-                    prompt = queue.pop()
-                    url = front if router is not None else rng.choice(urls)
-                    started = time.monotonic()
-                    async with session.post(f"{url}/v1/completions",
-                                            json={"prompt": prompt, "max_tokens": args.max_tokens}) as r:
-                        body = await r.json()
-                        if r.status != 200:
-                            raise SystemExit(f"{policy}: HTTP {r.status}: {body}")
-                    latencies.append(time.monotonic() - started)
-                    progress.advance(task)
+                    conversation = queue.pop()
+                    history = conversation.preamble
+                    for question in conversation.questions:
+                        prompt = f"{history}Q: {question}\nA:"
+                        url = front if router is not None else rng.choice(urls)
+                        started = time.monotonic()
+                        async with session.post(f"{url}/v1/completions",
+                                                json={"prompt": prompt, "max_tokens": args.max_tokens}) as r:
+                            body = await r.json()
+                            if r.status != 200:
+                                raise SystemExit(f"{policy}: HTTP {r.status}: {body}")
+                        latencies.append(time.monotonic() - started)
+                        history = f"{prompt}{body['text']}\n"
+                        progress.advance(task)
 
             started = time.monotonic()
             await asyncio.gather(*(client() for _ in range(args.clients)))
@@ -160,7 +178,7 @@ async def run_policy(policy: str, requests: list[str], args, progress: Progress)
     prompt_tokens = cached + sum(r["prefill"] for r in per_replica)
     served = [r["requests"] for r in per_replica]
     lat = np.array(latencies)
-    return {"policy": policy, "requests_per_second": len(requests) / wall, "wall_seconds": wall,
+    return {"policy": policy, "requests_per_second": requests / wall, "wall_seconds": wall,
             "latency_mean_s": float(lat.mean()), "latency_p50_s": float(np.percentile(lat, 50)),
             "latency_p99_s": float(np.percentile(lat, 99)), "cached_token_share": cached / prompt_tokens,
             "requests_per_replica": served, "imbalance": max(served) / (sum(served) / len(served)),
@@ -186,8 +204,10 @@ def plot(results: list[dict], args) -> None:  # type: ignore[no-untyped-def]
     share.plot(names, [100 * r["cached_token_share"] for r in results], "o-", color="tab:orange")
     share.set_ylabel("prompt tokens from the cache (%)", color="tab:orange")
     share.set_ylim(0, 100)
+    turns = f", conversations of {args.turns} turns" if args.turns > 1 else ""
     save_figure(figure, f"{args.replicas} replicas, {args.preambles} preambles of {args.preamble_tokens} "
-                f"tokens, cache {args.cache_tokens} tokens per replica, {args.clients} clients", args.png)
+                f"tokens{turns}, cache {args.cache_tokens} tokens per replica, {args.clients} clients",
+                args.png)
 
 
 def main() -> int:
@@ -200,6 +220,8 @@ def main() -> int:
     parser.add_argument("--cache-tokens", type=int, default=None,
                         help="per replica; default: the preambles' tokens / replicas, rounded up to blocks")
     parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=1,
+                        help="turns per conversation: each prompt carries the earlier turns and answers")
     parser.add_argument("--load-factor", type=float, default=1.25)
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--seed", type=int, default=0)
@@ -213,11 +235,11 @@ def main() -> int:
         parser.error(f"--policies: unknown {sorted(unknown)}; choose from {', '.join(POLICIES)}")
     args.work.mkdir(parents=True, exist_ok=True)
     serve.save_untrained(args.work / "ckpt", training.ModelSpec.model_validate(ARCHITECTURE))
-    requests = build_requests(args)
+    sessions = build_sessions(args)
     results = []
     with Progress() as progress:
         for policy in policies:
-            results.append(asyncio.run(run_policy(policy, requests, args, progress)))
+            results.append(asyncio.run(run_policy(policy, sessions, args, progress)))
     by = {r["policy"]: r for r in results}
     report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "date": time.strftime("%Y-%m-%d"), "results": results}
