@@ -4,16 +4,21 @@ first replica that comes up; past activationTimeoutSeconds it answers 503 naming
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
+import runtime_harness as harness
+from aiohttp import web
 from kube import serving
 from kube.cluster import wait_for
 
 from huorn.backends import replica_metrics
+from huorn.runtime import activator, router
 
 REPLICA_IP, ACTIVATOR_IP = "127.0.0.2", "127.0.0.6"
 
@@ -59,3 +64,96 @@ def test_a_request_held_past_the_timeout_gets_503_naming_the_field(tmp_path: Pat
         assert 'huorn_activator_requests_total{outcome="timeout"} 1.0' in text
     finally:
         activator.close()
+
+
+# ------------------------------------------------------------------ in process
+async def _dropping_replica(delay: float) -> tuple[asyncio.Server, str, list[int]]:
+    """A replica that takes each connection and drops it after `delay` s without an answer (as a
+    Service without endpoints makes a connection hang until its time-out, or a replica dies)."""
+    taken: list[int] = []
+
+    async def take(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        taken.append(1)
+        await asyncio.sleep(delay)
+        writer.close()
+
+    server = await asyncio.start_server(take, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", taken
+
+
+async def test_a_held_request_counts_as_held_while_it_tries_the_upstream_again() -> None:
+    """The autoscaler wakes a replica from what the gauge reads: a request waiting for a replica
+    must read as held during its tries as well as between them."""
+    server, upstream, taken = await _dropping_replica(0.4)
+    front = activator.Activator(upstream, timeout_seconds=2.5)
+    async with server, harness.serving_app(front.app()) as session:
+        asking = asyncio.create_task(session.post("/v1/completions", json={"prompt": "Q?"}))
+        while not taken:
+            await asyncio.sleep(0.01)
+        readings = []
+        while not asking.done():
+            readings.append(front.holding)
+            await asyncio.sleep(0.05)
+        assert (await asking).status == 503
+    assert len(taken) >= 3 and set(readings) == {1}
+    assert front.holding == 0
+
+
+async def _replica(ip: str, answer: bytes | None) -> tuple[asyncio.Server, str]:
+    """A replica at `ip` that reads a request and sends `answer` raw, then hangs up (None: it
+    never answers)."""
+    async def take(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if answer is None:
+            await asyncio.sleep(3600)
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(take, ip, 0)
+    return server, f"http://{ip}:{server.sockets[0].getsockname()[1]}"
+
+
+def _router_front(urls: list[str]) -> activator.Activator:
+    return activator.Activator(None, 5.0, router.PrefixRouter(1024, 1.25), router.static_resolver(urls))
+
+
+async def test_an_answer_cut_short_is_tried_on_another_replica_and_no_count_in_flight_leaks() -> None:
+    """A replica that dies mid-answer (fewer bytes than its Content-Length): the request goes to
+    the next replica, as for a refused connection, and neither stays counted in flight."""
+    cut = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"te"
+    whole = b'{"text": "ok"}'
+    good = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(whole), whole)
+    (dying, first), (living, second) = await _replica("127.0.0.1", cut), await _replica("127.0.0.2", good)
+    front = _router_front([first, second])
+    async with dying, living, harness.serving_app(front.app()) as session:
+        # a prompt shorter than a block goes to the least loaded replica, ties by URL: the dying one
+        async with session.post("/v1/completions", json={"prompt": "Q?"}) as answer:
+            assert answer.status == 200 and await answer.json() == {"text": "ok"}
+        assert front.router is not None
+        assert {url: r.in_flight for url, r in front.router.replicas.items()} == {first: 0, second: 0}
+
+
+async def test_a_request_cancelled_mid_forward_is_no_longer_counted_in_flight() -> None:
+    """aiohttp cancels a handler whose client hung up (handler_cancellation) or as the server
+    stops: the replica it was sent to must not stay loaded by it in the router's eyes."""
+    silent, url = await _replica("127.0.0.1", None)
+    front = _router_front([url])
+    runner = web.AppRunner(front.app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    assert front.router is not None
+    try:
+        async with silent, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as session:
+            with pytest.raises(TimeoutError):
+                await session.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Q?"})
+        for _ in range(50):  # the cancellation reaches the handler once the loop notices the hang-up
+            if front.router.replicas[url].in_flight == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert front.router.replicas[url].in_flight == 0
+    finally:
+        await runner.cleanup()

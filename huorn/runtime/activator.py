@@ -13,8 +13,10 @@ replicas again and the activator is out of the path (Knative's activator does th
 
 - A request is answered with the replica's status and body. One held past the timeout gets 503
   with `Retry-After`, naming the field that sets the timeout.
-- A request whose replica failed mid-answer (the connection dropped) is tried again: a completion
-  has no side effect, so the cost of a retry is only the decode.
+- A request whose replica failed mid-answer (the connection dropped, or the answer was cut short)
+  is tried again: a completion has no side effect, so the cost of a retry is only the decode.
+- Every request the activator gets counts as held until it is answered, its tries included: the
+  Service sends here only while no replica is ready.
 - `GET /healthz` and `GET /metrics` are its own, never forwarded.
 
 With `spec.routing.policy: prefix` the same process is the job's router, in the path for good:
@@ -94,29 +96,48 @@ class Activator:
         session = request.app[SESSION]
         started = time.monotonic()
         deadline = started + self.timeout_seconds
-        waited = held = False
+        # An activator's upstream is a Service that no ready replica is behind (else the job's
+        # Service would not send here): each of its requests waits for a replica from arrival to
+        # answer, through its tries too, which can take CONNECT_SECONDS each against a Service
+        # with no endpoint. Counted off during a try, it would read 0 to the autoscaler most of
+        # the time and no replica would be woken. A router's requests wait only while no replica
+        # answers.
+        held = self.router is None
+        waited = False
+        if held:
+            self.hold(True)
         try:
             while True:
                 url = self.choose(body, request.rel_url.path)
                 again = False
                 if url is not None:
-                    if held:
+                    if held and self.router is not None:
                         self.hold(held := False)
+                    failed = True
                     try:
                         async with session.request(request.method, url + request.rel_url.path_qs,
                                                    data=body, headers=headers) as answer:
                             payload = await answer.read()
+                        failed = False
+                    except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
+                        pass  # refused, or dropped mid-answer: a completion is safe to try again
+                    except BaseException:
+                        # cancelled (the client went, the server stops) or a reply that is not
+                        # HTTP: the request is over for the replica either way, and its count
+                        # in flight must come down or it is shunned for good
+                        self.finished(url, failed=False)
+                        raise
+                    if not failed:
                         self.finished(url, failed=False)
                         self.requests.labels("forwarded").inc()
                         return web.Response(status=answer.status, body=payload,
                                             content_type=answer.content_type)
-                    except (TimeoutError, aiohttp.ClientConnectionError):
-                        again = self.finished(url, failed=True)
+                    again = self.finished(url, failed=True)
                 if again:
                     continue
                 if not held:
                     self.hold(held := True)
-                    waited = True
+                waited = True
                 if time.monotonic() + RETRY_SECONDS > deadline:
                     break
                 await asyncio.sleep(RETRY_SECONDS)
