@@ -7,6 +7,7 @@ goes on answering when one replica goes away."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import urllib.request
@@ -14,13 +15,14 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import prometheus_client
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kube import serving
 
 from huorn.api import inference
-from huorn.runtime import prefix_cache, router
+from huorn.runtime import activator, prefix_cache, router
 
 REPLICAS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
 PREAMBLES = [f"System prompt number {i}: be brief, be right, cite nothing.\n" for i in range(30)]
@@ -149,6 +151,56 @@ def test_bad_settings_are_refused_naming_the_field() -> None:
 def test_dns_gives_one_replica_per_address_and_none_for_an_unknown_name() -> None:
     assert "http://127.0.0.1:8000" in asyncio.run(router.dns_resolver("localhost:8000")())
     assert asyncio.run(router.dns_resolver("no-such-service.invalid:8000")()) == []
+
+
+
+def test_a_replica_that_leaves_and_comes_back_keeps_its_requests_in_flight() -> None:
+    """A readiness probe that flaps, or a short DNS answer, takes a replica out of the list for a
+    resolve or two while requests sent to it run on: back, it is still loaded by them."""
+    r = _router()
+    home = _send(r, PREAMBLES[2] + "Q?").url
+    r.set_replicas([u for u in REPLICAS if u != home])
+    r.set_replicas(REPLICAS)
+    assert r.replicas[home].in_flight == 1 and r.replicas[home].sent
+    r.set_replicas([u for u in REPLICAS if u != home])
+    r.finished(home, failed=False)  # ended while out of the list
+    r.set_replicas(REPLICAS)
+    assert r.replicas[home].in_flight == 0 and not r.retired
+
+
+def test_a_cache_smaller_than_a_block_claims_no_cached_prefix() -> None:
+    """prefixCacheTokens under 16 (or 0): replicas keep nothing, so no match is claimed."""
+    r = router.PrefixRouter(cache_tokens=8, load_factor=1.25)
+    r.set_replicas(REPLICAS)
+    prompt = PREAMBLES[0][:20]  # one whole block
+    for _ in range(2):
+        choice = _send(r, prompt)
+        r.finished(choice.url, failed=False)
+    assert choice.reason == "hash" and choice.matched_blocks == 0
+    assert 'huorn_router_matched_tokens_total 0.0' in prometheus_client.generate_latest(r.registry).decode()
+
+
+def test_a_body_the_router_cannot_read_goes_to_a_replica_to_refuse() -> None:
+    assert router.prompt_tokens(b'{"prompt": "\\ud800 lone surrogate"}') is None
+    assert router.prompt_tokens(b"[" * 100_000) is None
+    assert router.prompt_tokens(b'{"prompt": 3}') is None and router.prompt_tokens(b"not json") is None
+    assert router.prompt_tokens('{"prompt": "é"}'.encode()) == [0xC3, 0xA9]
+
+
+def test_replica_urls_are_checked_before_serving(tmp_path: Path) -> None:
+    for bad in ("127.0.0.1:8000", "http://127.0.0.1:8000/v1", "http://:8000", "http://h:port"):
+        with pytest.raises(ValueError, match="--replica"):
+            router.static_resolver([bad])
+    same = ["http://127.0.0.1:8000/", "http://127.0.0.1:8000", "http://[::1]:8000"]
+    assert asyncio.run(router.static_resolver(same)()) == ["http://127.0.0.1:8000", "http://[::1]:8000"]
+    config = tmp_path / "config.json"
+    spec = serving.make_inference_job("chat", "serve", routing={"policy": "prefix"})["spec"]
+    config.write_text(json.dumps({"jobName": "chat", "runDir": str(tmp_path), "spec": spec}))
+    assert activator.main(["--config", str(config), "--replica", "127.0.0.1:8000"]) == 2
+
+
+def test_dns_takes_an_ipv6_address_in_brackets() -> None:
+    assert asyncio.run(router.dns_resolver("[::1]:8000")()) == ["http://[::1]:8000"]
 
 
 # ------------------------------------------------------------------ real processes

@@ -213,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = ServeConfig.model_validate(json.loads(args.config.read_text()))
-        if args.replicas_dns:
-            routing.dns_resolver(args.replicas_dns)  # refuses a malformed address before serving
+        if args.replicas_dns:  # a malformed address is refused before serving
+            routing.dns_resolver(args.replicas_dns)
+        elif args.replica:
+            routing.static_resolver(args.replica)
     except (OSError, ValueError) as error:
         print(f"activator: {args.config}: {error}", file=sys.stderr)
         return 2

@@ -40,6 +40,7 @@ import json
 import math
 import socket
 import time
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -77,9 +78,10 @@ def prompt_tokens(body: bytes) -> list[int] | None:
     that is not a completion: the replica answers that one with its own error."""
     try:
         prompt = json.loads(body).get("prompt")
-    except (ValueError, AttributeError):
+        # NB: inside the try: a lone surrogate ("\\ud800") is valid JSON and no UTF-8
+        return list(prompt.encode("utf-8")) if isinstance(prompt, str) else None
+    except (ValueError, AttributeError, RecursionError):
         return None
-    return list(prompt.encode("utf-8")) if isinstance(prompt, str) else None
 
 
 class PrefixRouter:
@@ -87,8 +89,13 @@ class PrefixRouter:
         if load_factor < 1:
             raise ValueError(f"spec.routing.loadFactor: {load_factor} is below 1; give 1 or more")
         self.block, self.load_factor = block, load_factor
-        self.capacity_blocks = max(1, cache_tokens // block)
+        # what a replica keeps (prefix_cache.PrefixCache): with less than a block, nothing, and
+        # a match claimed would be a lie in huorn_router_matched_tokens
+        self.capacity_blocks = max(0, cache_tokens // block)
         self.replicas: dict[str, Replica] = {}
+        # replicas that left the list (a readiness probe flapped, a short DNS answer) with requests
+        # still in flight: their count stays right for when they come back, and until those end
+        self.retired: dict[str, Replica] = {}
         r = self.registry = prometheus_client.CollectorRegistry()  # the activator serves it
         self.choices = prometheus_client.Counter(
             "huorn_router_choices", "Requests routed, by why their replica was chosen.", ["reason"],
@@ -100,8 +107,11 @@ class PrefixRouter:
                                              registry=r)
 
     def set_replicas(self, urls: Sequence[str]) -> None:
-        """The replicas now: the ones that stay keep what they were sent and their load."""
-        self.replicas = {url: self.replicas.get(url) or Replica(url) for url in sorted(set(urls))}
+        """The replicas now: the ones that stay, or come back while requests sent to them are in
+        flight, keep what they were sent and their load."""
+        before = {**self.retired, **self.replicas}
+        self.replicas = {url: before.get(url) or Replica(url) for url in sorted(set(urls))}
+        self.retired = {url: r for url, r in before.items() if url not in self.replicas and r.in_flight}
         self.known.set(len(self.replicas))
 
     def choose(self, tokens: Sequence[int] | None, now: float | None = None) -> Choice | None:
@@ -153,10 +163,12 @@ class PrefixRouter:
     def finished(self, url: str, failed: bool, now: float | None = None) -> None:
         """The request sent to `url` is over; a failed connection leaves the replica out a while,
         and forgets what it was sent (a replica that restarts comes back with an empty cache)."""
-        replica = self.replicas.get(url)
+        replica = self.replicas.get(url) or self.retired.get(url)
         if replica is None:
             return
         replica.in_flight = max(0, replica.in_flight - 1)
+        if not replica.in_flight and self.retired.get(url) is replica:
+            del self.retired[url]
         if failed:
             replica.down_until = (time.monotonic() if now is None else now) + DOWN_SECONDS
             replica.sent.clear()
@@ -169,6 +181,8 @@ def dns_resolver(address: str) -> Resolver:
     """The replicas behind a headless Service, `host:port`: one URL per address its name resolves
     to (the ready pods); none while the name does not resolve (no pod ready yet)."""
     host, _, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 address, as in a URL
+        host = host[1:-1]
     if not host or not port.isdigit():
         raise ValueError(f"--replicas-dns: {address!r} is not host:port; give the headless Service's "
                          "name and the replicas' port, e.g. chat-endpoints.default.svc:8000")
@@ -184,7 +198,23 @@ def dns_resolver(address: str) -> Resolver:
     return resolve
 
 
+def is_base_url(url: str) -> bool:
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.path.strip("/") \
+        and not parts.query and not parts.fragment
+
+
 def static_resolver(urls: Sequence[str]) -> Resolver:
+    """Fixed replicas, refused at once unless each is a replica's base URL (a bad one would be
+    accepted and every request sent to it answered 500)."""
+    for url in urls:
+        if not is_base_url(url):
+            raise ValueError(f"--replica: {url!r} is not a replica's base URL; give "
+                             "http://HOST:PORT, e.g. http://127.0.0.1:8000")
     fixed = sorted({u.rstrip("/") for u in urls})
 
     async def resolve() -> list[str]:
