@@ -157,3 +157,21 @@ async def test_a_request_cancelled_mid_forward_is_no_longer_counted_in_flight() 
         assert front.router.replicas[url].in_flight == 0
     finally:
         await runner.cleanup()
+
+
+async def test_the_router_follows_its_replicas_past_a_failed_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(router, "RESOLVE_SECONDS", 0.01)
+    answers: list[object] = [RuntimeError("resolver broke"), ["http://10.0.0.2:8000"]]
+
+    async def resolve() -> list[str]:
+        answer = answers.pop(0) if answers else ["http://10.0.0.2:8000"]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+    front = activator.Activator(None, 5.0, router.PrefixRouter(1024, 1.25), resolve)
+    following = asyncio.create_task(front.follow_replicas())
+    await asyncio.sleep(0.2)
+    assert not following.done() and front.router is not None
+    following.cancel()
+    assert list(front.router.replicas) == ["http://10.0.0.2:8000"]

@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import random
+import socket
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -201,6 +202,30 @@ def test_replica_urls_are_checked_before_serving(tmp_path: Path) -> None:
 
 def test_dns_takes_an_ipv6_address_in_brackets() -> None:
     assert asyncio.run(router.dns_resolver("[::1]:8000")()) == ["http://[::1]:8000"]
+
+
+
+def test_a_failure_of_dns_itself_keeps_the_last_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DNS server restarting (EAI_AGAIN) says nothing of the replicas: forgetting them would
+    hold every request until the next resolve; a name that does not exist (no replica ready) is
+    the empty list."""
+    answers: list[object] = [[(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.1", 8000))],
+                             socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"),
+                             socket.gaierror(socket.EAI_NONAME, "Name or service not known")]
+
+    async def getaddrinfo(self: object, *args: object, **kwargs: object) -> object:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)
+    resolve = router.dns_resolver("chat-endpoints.team.svc:8000")
+
+    async def three() -> list[list[str]]:
+        return [await resolve() for _ in range(3)]
+
+    assert asyncio.run(three()) == [["http://10.0.0.1:8000"], ["http://10.0.0.1:8000"], []]
 
 
 # ------------------------------------------------------------------ real processes

@@ -155,8 +155,12 @@ class Activator:
         """Keep the router's replicas those the resolver gives now."""
         assert self.router is not None and self.resolver is not None
         while True:
-            self.router.set_replicas(await self.resolver())
             await asyncio.sleep(routing.RESOLVE_SECONDS)
+            try:
+                self.router.set_replicas(await self.resolver())
+            except Exception as error:  # a dead task would freeze the list for good
+                print(f"router: resolving the replicas failed, keeping the last list: {error!r}",
+                      file=sys.stderr, flush=True)
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "held": self.holding})

@@ -179,7 +179,7 @@ Resolver = Callable[[], Awaitable[list[str]]]
 
 def dns_resolver(address: str) -> Resolver:
     """The replicas behind a headless Service, `host:port`: one URL per address its name resolves
-    to (the ready pods); none while the name does not resolve (no pod ready yet)."""
+    to (the ready pods); none while the name does not exist (no pod ready yet)."""
     host, _, port = address.rpartition(":")
     if host.startswith("[") and host.endswith("]"):  # an IPv6 address, as in a URL
         host = host[1:-1]
@@ -187,13 +187,24 @@ def dns_resolver(address: str) -> Resolver:
         raise ValueError(f"--replicas-dns: {address!r} is not host:port; give the headless Service's "
                          "name and the replicas' port, e.g. chat-endpoints.default.svc:8000")
 
+    last: list[str] = []
+
     async def resolve() -> list[str]:
+        nonlocal last
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror as error:
+            # no such name is the answer while no replica is ready; a failure of DNS itself
+            # (a server restarting, a time-out) says nothing of the replicas: the last answer
+            # stands, rather than every request held until the next resolve
+            if error.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+                last = []
+            return list(last)
         except OSError:
-            return []
-        return sorted({f"http://[{i[4][0]}]:{port}" if i[0] == socket.AF_INET6 else f"http://{i[4][0]}:{port}"
+            return list(last)
+        last = sorted({f"http://[{i[4][0]}]:{port}" if i[0] == socket.AF_INET6 else f"http://{i[4][0]}:{port}"
                        for i in infos})
+        return list(last)
 
     return resolve
 
