@@ -154,3 +154,26 @@ def test_the_answer_and_the_metrics_count_the_cached_tokens(tmp_path: Path) -> N
     assert f"huorn_serve_prefix_cache_bytes {float(server.prefixes.nbytes())}" in metrics
     assert server.prefixes.nbytes() > 0
     assert f'huorn_serve_prompt_tokens_total{{source="prefill"}} {prompt_tokens - 48}.0' in metrics
+
+
+def test_one_request_cannot_fail_the_batch_it_shares(tmp_path: Path) -> None:
+    """A tiny temperature made the row's probabilities NaN, and the whole batch (other clients'
+    requests of the same prompt length) failed with it; NaN or Infinity are refused with 400."""
+    server, model = _server(tmp_path, ARCHITECTURES["plain"])
+    prompts = [SYSTEM + "Q: 1 + 1?\nA:", SYSTEM + "Q: 2 + 2?\nA:"]
+
+    async def work() -> tuple[list[tuple[str, int, int]], list[tuple[int, dict]]]:
+        batch = [serve.Request(list(prompts[0].encode()), 4, 0.0, 0),
+                 serve.Request(list(prompts[1].encode()), 4, 1e-45, 0)]
+        answers = server.generate(batch)
+        refused = []
+        async with harness.serving_app(server.app()) as session:
+            for body in ('{"prompt": "Q?", "temperature": NaN}', '{"prompt": "Q?", "max_tokens": Infinity}'):
+                async with session.post("/v1/completions", data=body) as r:
+                    refused.append((r.status, await r.json()))
+        return answers, refused
+
+    answers, refused = asyncio.run(work())
+    assert [text for text, _, _ in answers] == [_greedy(model, p, 4) for p in prompts]  # tiny: greedy
+    assert [status for status, _ in refused] == [400, 400]
+    assert "temperature" in refused[0][1]["error"]

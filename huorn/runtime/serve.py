@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import signal
 import sys
 import time
@@ -171,13 +172,13 @@ class Server:
             wanted = int(body.get("max_tokens", 16))
             temperature = float(body.get("temperature", 0.0))
             seed = int(body.get("seed", 0))
-            if wanted < 1 or temperature < 0:
-                raise ValueError("max_tokens must be ≥ 1 and temperature ≥ 0")
+            if wanted < 1 or not 0 <= temperature < math.inf:  # NaN too: it fails its whole batch
+                raise ValueError("max_tokens must be ≥ 1 and temperature a finite number ≥ 0")
             limit = min(self.limits.max_tokens, self.context)
             if len(tokens) + wanted > limit:
                 raise ValueError(f"max_tokens: prompt ({len(tokens)} tokens) + max_tokens ({wanted}) exceeds "
                                  f"{limit} (spec.serving.maxTokens and the model's context); ask for fewer")
-        except (KeyError, ValueError, TypeError, json.JSONDecodeError) as error:
+        except (KeyError, ValueError, TypeError, OverflowError, json.JSONDecodeError) as error:
             self.metrics.requests.labels("refused").inc()
             message = f"missing field {error}" if isinstance(error, KeyError) else str(error)
             return web.json_response({"error": message}, status=400)
@@ -271,7 +272,10 @@ class Server:
                 chosen = []
                 for row, request in enumerate(batch):
                     if request.temperature > 0:
-                        probs = torch.softmax(logits[row] / request.temperature, dim=-1)
+                        # the best logit subtracted first: a tiny temperature divides the rest
+                        # towards -inf, never inf - inf (NaN), which would fail the whole batch
+                        scaled = (logits[row] - logits[row].max()) / request.temperature
+                        probs = torch.softmax(scaled, dim=-1)
                         chosen.append(int(torch.multinomial(probs, 1, generator=generators[row])))
                     else:
                         chosen.append(int(logits[row].argmax()))
