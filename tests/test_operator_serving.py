@@ -20,6 +20,7 @@ from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
 
 from huorn.backends.kubernetes import manifests
+from huorn.graph.model import Instance
 from huorn.runtime import launcher, serve
 
 pytest_plugins = ["kube.fixtures"]
@@ -313,3 +314,14 @@ def test_prefix_routing_puts_the_router_in_front_once_ready_and_a_policy_change_
     wait_for(lambda: not [p for p in kube.pods(NS, "chat", "activator") if not p.metadata.deletion_timestamp],
              what="the router gone")
     assert routed_to(kube, "chat") == "server" and sorted(servers(kube, "chat")) == ["server-0", "server-1"]
+
+
+def test_the_router_pod_lets_what_it_forwards_finish_as_a_replica_does() -> None:
+    """A router replaced (a new loadFactor) is killed after its pod's grace: the answers it is
+    forwarding need as long as the replicas' own requests get."""
+    ref = manifests.JobRef("InferenceJob", "chat", NS, "uid")
+    spec = serving.make_inference_job("chat", "serve", routing={"policy": "prefix"})["spec"]
+    router = manifests.build_activator_pod(ref, spec)
+    replica = manifests.build_serve_pod(ref, Instance("server", 0), "b0", spec, "serve")
+    grace = "terminationGracePeriodSeconds"
+    assert router["spec"][grace] >= replica["spec"][grace]

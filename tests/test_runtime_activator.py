@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,3 +176,43 @@ async def test_the_router_follows_its_replicas_past_a_failed_resolve(monkeypatch
     assert not following.done() and front.router is not None
     following.cancel()
     assert list(front.router.replicas) == ["http://10.0.0.2:8000"]
+
+
+async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("replicas", [0, 1])
+async def test_as_it_stops_a_held_request_is_answered_503_and_a_forwarded_one_finishes(replicas: int) -> None:
+    """A replaced router (its loadFactor changed) gets SIGTERM, then SIGKILL after the pod's grace:
+    a request it holds must not wait for the kill (a reset, not an answer), and one a replica is
+    answering must get that answer."""
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(1.5)
+        return web.json_response({"text": "late"})
+
+    replica = web.Application()
+    replica.add_routes([web.post("/v1/completions", slow)])
+    replica_runner, replica_url = await _start(replica)
+    front = _router_front([replica_url][:replicas])
+    front.timeout_seconds = 30
+    runner, url = await _start(front.app())
+    try:
+        async with aiohttp.ClientSession() as session:
+            asking = asyncio.create_task(session.post(f"{url}/v1/completions", json={"prompt": "Q?"}))
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            await runner.cleanup()  # what SIGTERM does (serve.run_until_signal)
+            answer = await asking
+            assert time.monotonic() - started < 5
+            if replicas:
+                assert answer.status == 200 and await answer.json() == {"text": "late"}
+            else:
+                assert answer.status == 503 and "stopping" in (await answer.json())["error"]
+    finally:
+        await replica_runner.cleanup()
+

@@ -18,6 +18,8 @@ replicas again and the activator is out of the path (Knative's activator does th
 - Every request the activator gets counts as held until it is answered, its tries included: the
   Service sends here only while no replica is ready.
 - `GET /healthz` and `GET /metrics` are its own, never forwarded.
+- On SIGTERM (its pod replaced or deleted) the requests it holds are answered 503 with
+  `Retry-After` at once; those a replica is answering are let finish.
 
 With `spec.routing.policy: prefix` the same process is the job's router, in the path for good:
 given the replicas themselves (`--replicas-dns`, a headless Service, or `--replica` URLs) instead
@@ -63,6 +65,9 @@ class Activator:
         self.upstream = upstream.rstrip("/") if upstream else None
         self.timeout_seconds, self.router, self.resolver = timeout_seconds, router, resolver
         self.holding = 0
+        # Set as the server stops: requests answered by a replica are let finish (aiohttp waits for
+        # them), held ones are answered 503 at once rather than cut off by the pod's SIGKILL.
+        self.stopping = False
         r = self.registry = router.registry if router is not None else prometheus_client.CollectorRegistry()
         self.held = prometheus_client.Gauge(
             "huorn_activator_held_requests", "Requests waiting for a replica to become ready", registry=r)
@@ -138,7 +143,7 @@ class Activator:
                 if not held:
                     self.hold(held := True)
                 waited = True
-                if time.monotonic() + RETRY_SECONDS > deadline:
+                if self.stopping or time.monotonic() + RETRY_SECONDS > deadline:
                     break
                 await asyncio.sleep(RETRY_SECONDS)
         finally:
@@ -146,9 +151,13 @@ class Activator:
                 self.hold(False)
             if waited:
                 self.hold_seconds.observe(time.monotonic() - started)
-        self.requests.labels("timeout").inc()
-        message = (f"no replica became ready within {self.timeout_seconds:g} s "
-                   "(spec.autoscaling.activationTimeoutSeconds); try again")
+        if self.stopping:
+            self.requests.labels("stopping").inc()
+            message = "this activator is stopping (its pod is replaced or deleted); try again"
+        else:
+            self.requests.labels("timeout").inc()
+            message = (f"no replica became ready within {self.timeout_seconds:g} s "
+                       "(spec.autoscaling.activationTimeoutSeconds); try again")
         return web.json_response({"error": message}, status=503, headers={"Retry-After": "5"})
 
     async def follow_replicas(self) -> None:
@@ -186,7 +195,11 @@ class Activator:
                 app[RESOLVER].cancel()
             await app[SESSION].close()
 
+        async def stop(app: web.Application) -> None:
+            self.stopping = True
+
         app.cleanup_ctx.append(session)
+        app.on_shutdown.append(stop)
         return app
 
 

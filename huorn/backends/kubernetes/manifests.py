@@ -444,6 +444,7 @@ def config_and_run_volumes(job: JobRef) -> tuple[list[dict[str, Any]], list[dict
 # ready replicas: kube-proxy spreads the requests, and a replica leaves the rotation as soon as
 # its readiness probe (the model loaded) fails.
 SERVE_PORT = 8000
+SERVE_GRACE_SECONDS = 30  # a replica's requests in flight finish within it, and the router's
 ANNOTATION_TEMPLATE = "huorn.io/template"
 # Spec fields a running replica never rereads: changing them rolls no pod.
 UNROLLED_FIELDS = frozenset({"autoscaling", "slo", "priority", "elasticity", "remediation", "routing"})
@@ -598,8 +599,9 @@ def build_activator_pod(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
             "readinessProbe": {"httpGet": {"path": "/healthz", "port": SERVE_PORT}, "periodSeconds": 2},
         }],
         "volumes": volumes,
-        # SIGTERM: held requests are answered 503 as the server stops; they are retried by clients
-        "terminationGracePeriodSeconds": 10,
+        # SIGTERM: held requests are answered 503 at once (clients retry them); those it forwarded
+        # finish, in as long as a replica's own requests get, or a replacement would cut them off
+        "terminationGracePeriodSeconds": SERVE_GRACE_SECONDS,
     }}
 
 
@@ -647,7 +649,7 @@ def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[st
         ],
         "volumes": volumes,
         # SIGTERM stops accepting; requests in flight get this long to finish.
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": SERVE_GRACE_SECONDS,
     }
     if gpus and node:
         term = {"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "In", "values": [node]}]}
