@@ -325,3 +325,10 @@ def test_the_router_pod_lets_what_it_forwards_finish_as_a_replica_does() -> None
     replica = manifests.build_serve_pod(ref, Instance("server", 0), "b0", spec, "serve")
     grace = "terminationGracePeriodSeconds"
     assert router["spec"][grace] >= replica["spec"][grace]
+
+
+def test_a_new_image_replaces_the_router_as_it_rolls_the_replicas() -> None:
+    spec = serving.make_inference_job("chat", "serve", routing={"policy": "prefix"})["spec"]
+    newer = {**spec, "image": "ghcr.io/huorn-io/huorn:0.2.0"}
+    assert manifests.serve_template_hash(newer) != manifests.serve_template_hash(spec)
+    assert manifests.front_template_hash(newer) != manifests.front_template_hash(spec)

@@ -29,9 +29,9 @@ replicas it has, and a restarted operator carries on from status.
   (huorn.runtime.router) whatever minReplicas is, and finds the ready replicas through a headless
   Service, `<job>-endpoints`. The job's Service selects the router once it is ready and the
   replicas (or, scaled to zero, the activator) otherwise, so a router that crashes or restarts
-  costs the cache's hit rate, never an answer. The pod carries the hash of the settings it reads
-  at its start (manifests.front_template_hash) and is replaced when they change, a switch of
-  policy included.
+  costs the cache's hit rate, never an answer. The pod carries the hash of its image and of the
+  settings it reads at its start (manifests.front_template_hash) and is replaced when they
+  change, a switch of policy included.
 """
 
 from __future__ import annotations

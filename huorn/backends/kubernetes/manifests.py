@@ -559,10 +559,11 @@ def routes_by_prefix(spec: Mapping[str, Any]) -> bool:
 
 
 def front_template_hash(spec: Mapping[str, Any]) -> str:
-    """What the activator pod was started from: whether it routes, and the settings it reads
-    once at its start. A pod with another hash is replaced."""
+    """What the activator pod was started from: its image (a new one fixes or changes the
+    router's code as much as the replicas'), whether it routes, and the settings it reads once
+    at its start. A pod with another hash is replaced."""
     autoscaling = spec.get("autoscaling") or {}
-    read = {"timeout": autoscaling.get("activationTimeoutSeconds")}
+    read = {"image": spec.get("image"), "timeout": autoscaling.get("activationTimeoutSeconds")}
     if routes_by_prefix(spec):
         read |= {"routing": spec.get("routing"),
                  "cache": (spec.get("serving") or {}).get("prefixCacheTokens", PREFIX_CACHE_DEFAULT)}
