@@ -216,3 +216,19 @@ async def test_as_it_stops_a_held_request_is_answered_503_and_a_forwarded_one_fi
     finally:
         await replica_runner.cleanup()
 
+
+
+@pytest.mark.parametrize(("holds", "known", "ready"),
+                         [(False, [], False), (False, ["http://10.0.0.2:8000"], True), (True, [], True)])
+async def test_a_router_knowing_no_replica_is_ready_only_to_hold_for_a_scale_from_zero(
+        holds: bool, known: list[str], ready: bool) -> None:
+    """minReplicas ≥ 1: a router whose DNS lists no replica fails its readiness probe, so the
+    operator keeps the job's Service on the replicas; minReplicas 0: holding is its job."""
+    async def resolve() -> list[str]:
+        return list(known)
+
+    front = activator.Activator(None, 5.0, router.PrefixRouter(1024, 1.25), resolve,
+                                holds_without_replicas=holds)
+    async with harness.serving_app(front.app()) as session, session.get("/healthz") as answer:
+        body = await answer.json()
+    assert (answer.status == 200) == ready and body["ok"] == ready and body["replicas"] == len(known)

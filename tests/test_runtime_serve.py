@@ -13,6 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import pytest
 import runtime_harness as harness
 import torch
@@ -139,3 +140,43 @@ def test_the_server_process_writes_its_port_answers_and_stops_on_sigterm(tmp_pat
         assert json.loads(response.read())["tokens"] == 3
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
+
+
+def test_a_failed_batch_is_answered_500_and_counted_and_a_cancelled_request_stops_nothing(
+        tmp_path: Path) -> None:
+    _saved_model(tmp_path / "ckpt")
+
+    async def work(session, server, report):
+        real = server.generate
+        calls = 0
+
+        def generate(batch):
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("device lost")
+            return real(batch)
+
+        server.generate = generate
+        async with session.post("/v1/completions", json={"prompt": "Q: 1?\nA:", "max_tokens": 2}) as r:
+            failed = (r.status, await r.json())
+        # a request whose handler is gone (cancelled as the server stops) ahead of a live one: the
+        # batch answers the live one, and the batching task lives on
+        gone = serve.Request(list(b"Q: 2?\nA:"), 2, 0.0, 0)
+        gone.done.cancel()
+        server.queue.append(gone)
+        bound = aiohttp.ClientTimeout(total=60)  # a dead batching task would answer nothing
+        async with session.post("/v1/completions", json={"prompt": "Q: 3?\nA:", "max_tokens": 2},
+                                timeout=bound) as r:
+            answered = r.status
+        async with session.post("/v1/completions", json={"prompt": "Q: 44?\nA:", "max_tokens": 2},
+                                timeout=bound) as r:
+            after = r.status
+        async with session.get("/metrics") as r:
+            return failed, answered, after, await r.text()
+
+    (status, body), answered, after, metrics = asyncio.run(_serving(_config(tmp_path), work))
+    assert status == 500 and "device lost" in body["error"]
+    assert 'huorn_serve_requests_total{outcome="failed"} 1.0' in metrics
+    assert answered == 200 and after == 200
+    assert "huorn_serve_in_flight 0.0" in metrics

@@ -59,11 +59,17 @@ class Activator:
 
     def __init__(self, upstream: str | None, timeout_seconds: float,
                  router: routing.PrefixRouter | None = None,
-                 resolver: routing.Resolver | None = None) -> None:
+                 resolver: routing.Resolver | None = None, holds_without_replicas: bool = True) -> None:
+        """`holds_without_replicas`: whether a router knowing no replica is ready (to hold requests
+        while the job scales from zero); otherwise its /healthz fails until it knows one, and the
+        operator keeps the job's Service on the replicas themselves: a router whose DNS never
+        lists them (a wrong cluster domain, a network policy) then costs the cache, not every
+        request held until the time-out."""
         if (upstream is None) == (router is None) or (router is None) != (resolver is None):
             raise ValueError("give either an upstream, or a router with the resolver of its replicas")
         self.upstream = upstream.rstrip("/") if upstream else None
         self.timeout_seconds, self.router, self.resolver = timeout_seconds, router, resolver
+        self.holds_without_replicas = holds_without_replicas
         self.holding = 0
         # Set as the server stops: requests answered by a replica are let finish (aiohttp waits for
         # them), held ones are answered 503 at once rather than cut off by the pod's SIGKILL.
@@ -172,7 +178,12 @@ class Activator:
                       file=sys.stderr, flush=True)
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "held": self.holding})
+        known = len(self.router.replicas) if self.router is not None else None
+        ok = self.router is None or self.holds_without_replicas or bool(known)
+        body: dict = {"ok": ok, "held": self.holding}
+        if known is not None:
+            body["replicas"] = known
+        return web.json_response(body, status=200 if ok else 503)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=prometheus_client.generate_latest(self.registry),
@@ -212,7 +223,8 @@ async def serve(cfg: ServeConfig, upstream: str | None, replicas_dns: str | None
     else:
         resolver = routing.dns_resolver(replicas_dns) if replicas_dns else routing.static_resolver(replicas)
         router = routing.PrefixRouter(cfg.spec.serving.prefix_cache_tokens, cfg.spec.routing.load_factor)
-        activator = Activator(None, timeout, router, resolver)
+        activator = Activator(None, timeout, router, resolver,
+                              holds_without_replicas=cfg.spec.autoscaling.min_replicas == 0)
         source = replicas_dns or ", ".join(replicas)
         what, facts = f"prefix router of {cfg.job_name} → {source}", {"replicas": source}
     await serve_mod.run_until_signal(activator.app(), cfg, "activator.json", facts, what)

@@ -188,6 +188,9 @@ class Server:
         self.metrics.in_flight.inc()
         try:
             text, count, cached, queued, seconds = await item.done
+        except Exception as error:  # the batch failed: this request is answered, and counted
+            self.metrics.requests.labels("failed").inc()
+            return web.json_response({"error": f"generation failed: {error!r}"}, status=500)
         finally:
             self.metrics.in_flight.dec()
         self.metrics.requests.labels("ok").inc()
@@ -301,13 +304,15 @@ class Server:
                 except Exception as error:  # a failed batch answers its requests, and serving goes on
                     self.metrics.busy.inc(time.monotonic() - started)
                     for r in batch:
-                        r.done.set_exception(error)
+                        if not r.done.done():  # its handler was cancelled (the server stopping)
+                            r.done.set_exception(error)
                     continue
                 seconds = time.monotonic() - started
                 self.metrics.busy.inc(seconds)
                 for r, (text, count, cached) in zip(batch, answers, strict=True):
                     self.metrics.tokens.inc(count)
-                    r.done.set_result((text, count, cached, started - r.arrived, seconds))
+                    if not r.done.done():  # else setting it would raise and end the batching task
+                        r.done.set_result((text, count, cached, started - r.arrived, seconds))
 
     def app(self) -> web.Application:
         app = web.Application()
