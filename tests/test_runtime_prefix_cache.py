@@ -177,3 +177,31 @@ def test_one_request_cannot_fail_the_batch_it_shares(tmp_path: Path) -> None:
     assert [text for text, _, _ in answers] == [_greedy(model, p, 4) for p in prompts]  # tiny: greedy
     assert [status for status, _ in refused] == [400, 400]
     assert "temperature" in refused[0][1]["error"]
+
+
+def test_a_conversations_next_turn_finds_the_last_answer_cached(tmp_path: Path) -> None:
+    server, model = _server(tmp_path, ARCHITECTURES["fusedkv"])
+    first = list((SYSTEM + "Q: Name a river.\nA:").encode())  # 67 tokens
+
+    async def turn(tokens: list[int], max_tokens: int) -> tuple[list[int], int]:
+        [(_, _, cached)] = server.generate([serve.Request(tokens, max_tokens, 0.0, 0)])
+        return cached, model.generate(torch.tensor([tokens]), max_tokens)[0, len(tokens):].tolist()
+
+    # the first answer, 30 tokens: 29 of them fed back, so the prompt and answer hold 96 tokens of
+    # K/V, six whole blocks
+    cached, answer = asyncio.run(turn(first, 30))
+    assert cached == 0
+    second = first + answer + list(b"\nQ: And a lake?\nA:")
+    cached, _ = asyncio.run(turn(second, 3))
+    assert cached == 96  # the prompt's four whole blocks and the two the answer completed
+    # and what the turn answers is what a full prefill answers
+    [(text, _, _)] = _ask_tokens(server, second, 3)
+    assert text == bytes(model.generate(torch.tensor([second]), 3)[0, len(second):].tolist()).decode(
+        "utf-8", errors="replace")
+
+
+def _ask_tokens(server: serve.Server, tokens: list[int], max_tokens: int) -> list[tuple[str, int, int]]:
+    async def run() -> list[tuple[str, int, int]]:
+        return server.generate([serve.Request(tokens, max_tokens, 0.0, 0)])
+
+    return asyncio.run(run())

@@ -15,7 +15,8 @@ request of the same prompt length, up to `serving.maxBatch`, and decodes them to
 KV cache (the decoder has no padding mask, so only equal lengths share a batch). Each prompt of a
 batch skips the prefill of its leading blocks held in the prefix cache
 (`huorn.runtime.prefix_cache`, `serving.prefixCacheTokens`), and the batch keeps its prompts'
-blocks there for the next ones. Generation
+blocks there for the next ones, and the blocks its answers complete (a conversation's next turn
+carries them). Generation
 runs in a worker thread, so the server keeps accepting while it decodes. A request asking for
 more than `serving.maxTokens` tokens in all, or past the model's context, is refused with 400
 naming the field.
@@ -288,8 +289,22 @@ class Server:
                 if step + 1 < steps:
                     tokens = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
                     logits = self.model.forward_step(tokens, cache, last_only=True)[:, -1].float()  # type: ignore[operator]
+        self.keep_answers(batch, out, cache, steps - 1)
         return [(bytes(t).decode("utf-8", errors="replace"), len(t), skipped)
                 for t, skipped in zip(out, cached, strict=True)]
+
+    def keep_answers(self, batch: list[Request], out: list[list[int]], cache: KVCache, fed: int) -> None:
+        """Keep the blocks that each answer completes: a conversation's next turn is its prompt,
+        this answer and a new question, and finds all but the new question cached. The cache
+        holds K/V for the `fed` tokens decoded after the prompts (the last one sampled was never
+        fed back); each row's own answer may be shorter than the batch's longest."""
+        evicted = self.prefixes.stats.evicted_blocks
+        for row, request in enumerate(batch):
+            answered = request.tokens + out[row][:fed]
+            if len(answered) // self.prefixes.block > len(request.tokens) // self.prefixes.block:
+                self.prefixes.store(cache, row, prefix_cache.block_hashes(answered))
+        self.metrics.prefix_evictions.inc(self.prefixes.stats.evicted_blocks - evicted)
+        self.metrics.prefix_cache_bytes.set(self.prefixes.nbytes())
 
     async def run_batches(self) -> None:
         while True:
