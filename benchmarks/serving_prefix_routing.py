@@ -19,7 +19,7 @@ per policy: requests/s, latency (mean, p50, p99), the share of prompt tokens who
 the cache (the replicas' own `huorn_serve_prompt_tokens`), and how evenly the replicas were
 loaded (the busiest replica's requests over the mean); and `prefix`'s ratios to `service`.
 
-    .venv/bin/python benchmarks/serving_prefix_routing.py [--replicas 2] [--requests 480] [--clients 8]
+    .venv/bin/python benchmarks/serving_prefix_routing.py [--replicas 2] [--requests 1440] [--clients 8]
         [--turns 1] [--seed 0]
 """
 
@@ -213,7 +213,7 @@ def plot(results: list[dict], args) -> None:  # type: ignore[no-untyped-def]
 def main() -> int:
     parser = argument_parser(__doc__, "serving_prefix_routing")
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=480)
+    parser.add_argument("--requests", type=int, default=1440)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--preambles", type=int, default=12)
     parser.add_argument("--preamble-tokens", type=int, default=384)
