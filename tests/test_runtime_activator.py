@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import prometheus_client
 import pytest
 import runtime_harness as harness
 from aiohttp import web
@@ -232,3 +233,56 @@ async def test_a_router_knowing_no_replica_is_ready_only_to_hold_for_a_scale_fro
     async with harness.serving_app(front.app()) as session, session.get("/healthz") as answer:
         body = await answer.json()
     assert (answer.status == 200) == ready and body["ok"] == ready and body["replicas"] == len(known)
+
+
+async def test_a_streamed_answer_passes_through_the_router_as_it_comes() -> None:
+    """The replica sends its first event and waits until the client has read it: a router that
+    buffered the answer would never let it, and the request would time out."""
+    read_first = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"text": "a"}\n\n')
+        await asyncio.wait_for(read_first.wait(), 30)
+        await response.write(b'data: {"done": true}\n\ndata: [DONE]\n\n')
+        await response.write_eof()
+        return response
+
+    replica = web.Application()
+    replica.add_routes([web.post("/v1/completions", stream)])
+    runner, url = await _start(replica)
+    front = _router_front([url])
+    try:
+        async with harness.serving_app(front.app()) as session, \
+                session.post("/v1/completions", json={"prompt": "Q?", "stream": True}) as answer:
+            assert answer.headers["Content-Type"].startswith("text/event-stream")
+            first = await asyncio.wait_for(answer.content.readuntil(b"\n\n"), 30)
+            read_first.set()
+            rest = await asyncio.wait_for(answer.content.read(), 30)
+        assert first == b'data: {"text": "a"}\n\n' and rest.endswith(b"data: [DONE]\n\n")
+        assert front.router is not None and front.router.replicas[url].in_flight == 0
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_stream_cut_mid_answer_ends_with_an_error_event_not_a_second_answer() -> None:
+    """Part of the answer already reached the client: it cannot be tried again elsewhere."""
+    event = b'data: {"text": "a"}\n\n'
+    cut = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"%x\r\n%s\r\n" % (len(event), event))  # one chunk, then the replica hangs up
+    whole = b'{"text": "from the other replica"}'
+    good = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(whole), whole)
+    (dying, first), (living, second) = await _replica("127.0.0.1", cut), await _replica("127.0.0.2", good)
+    front = _router_front([first, second])
+    async with dying, living, harness.serving_app(front.app()) as session, \
+            session.post("/v1/completions", json={"prompt": "Q?", "stream": True}) as answer:
+        text = (await answer.content.read()).decode()
+    assert text.startswith('data: {"text": "a"}') and "stopped mid-answer" in text
+    assert "other replica" not in text
+    assert 'huorn_activator_requests_total{outcome="cut"} 1.0' in prometheus_text(front)
+
+
+def prometheus_text(front: activator.Activator) -> str:
+    return prometheus_client.generate_latest(front.registry).decode()

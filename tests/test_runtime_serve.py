@@ -180,3 +180,50 @@ def test_a_failed_batch_is_answered_500_and_counted_and_a_cancelled_request_stop
     assert 'huorn_serve_requests_total{outcome="failed"} 1.0' in metrics
     assert answered == 200 and after == 200
     assert "huorn_serve_in_flight 0.0" in metrics
+
+
+def test_a_streamed_answer_is_the_same_answer_a_token_at_a_time(tmp_path: Path) -> None:
+    _saved_model(tmp_path / "ckpt")
+    prompt = {"prompt": "Q: What is 1 + 2?\nA:", "max_tokens": 12}
+
+    async def work(session, server, report):
+        async with session.post("/v1/completions", json=prompt) as r:
+            whole = await r.json()
+        async with session.post("/v1/completions", json={**prompt, "stream": True}) as r:
+            kind = r.headers["Content-Type"]
+            events = [line[len("data: "):] for line in (await r.text()).split("\n\n") if line]
+        async with session.post("/v1/completions", json={**prompt, "stream": "yes"}) as r:
+            refused = (r.status, await r.json())
+        async with session.get("/metrics") as r:
+            return whole, kind, events, refused, await r.text()
+
+    whole, kind, events, refused, metrics = asyncio.run(_serving(_config(tmp_path), work))
+    assert kind.startswith("text/event-stream") and events[-1] == "[DONE]"
+    pieces = [json.loads(e) for e in events[:-1]]
+    *texts, done = pieces
+    assert len(texts) > 1  # more than one event: it streamed
+    assert "".join(t["text"] for t in texts) == whole["text"]
+    assert done["done"] is True and done["tokens"] == whole["tokens"] == 12
+    assert refused[0] == 400 and refused[1]["error"].startswith("stream:")
+    assert "huorn_serve_time_to_first_token_seconds_count 2.0" in metrics
+
+
+def test_a_model_with_more_tokens_than_bytes_answers_text(tmp_path: Path) -> None:
+    """Prompts are bytes: a model with a larger vocabulary chooses among the bytes only (an id
+    past 255 has no text, and failed the batch)."""
+    architecture = {**ARCHITECTURE, "vocabulary": 4096}
+    spec = training.ModelSpec.model_validate(architecture)
+    torch.manual_seed(0)
+    model = models.build_model(run_config.build_model_config(spec))
+    checkpoint.save_checkpoint(tmp_path / "ckpt", 1, model, torch.optim.AdamW(model.parameters()),
+                               {"model": spec.to_wire()}, rank=0, barrier=lambda: None)
+    cfg = _config(tmp_path)
+    cfg.spec.model.architecture = spec
+
+    async def work(session, server, report):
+        async with session.post("/v1/completions", json={"prompt": "Q: 1?\nA:", "max_tokens": 20,
+                                                         "temperature": 1.0}) as r:
+            return r.status, await r.json()
+
+    status, body = asyncio.run(_serving(cfg, work))
+    assert status == 200 and body["tokens"] == 20 and isinstance(body["text"], str)

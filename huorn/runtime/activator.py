@@ -101,7 +101,7 @@ class Activator:
         self.holding += 1 if held else -1
         self.held.set(self.holding)
 
-    async def forward(self, request: web.Request) -> web.Response:
+    async def forward(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "accept")}
         session = request.app[SESSION]
@@ -125,13 +125,29 @@ class Activator:
                     if held and self.router is not None:
                         self.hold(held := False)
                     failed = True
+                    streamed: web.StreamResponse | None = None
                     try:
                         async with session.request(request.method, url + request.rel_url.path_qs,
                                                    data=body, headers=headers) as answer:
-                            payload = await answer.read()
+                            if answer.content_type == "text/event-stream":
+                                # a streamed answer is passed on as it comes, a token at a time
+                                streamed = web.StreamResponse(status=answer.status, headers={
+                                    "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                                await streamed.prepare(request)
+                                async for chunk in answer.content.iter_any():
+                                    await streamed.write(chunk)
+                            else:
+                                payload = await answer.read()
                         failed = False
                     except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
-                        pass  # refused, or dropped mid-answer: a completion is safe to try again
+                        # refused, or dropped mid-answer: a completion is safe to try again, unless
+                        # part of a streamed answer already reached the client
+                        if streamed is not None:
+                            self.finished(url, failed=True)
+                            self.requests.labels("cut").inc()
+                            await streamed.write(b'data: {"error": "the replica stopped mid-answer; '
+                                                 b'try again"}\n\n')
+                            return streamed
                     except BaseException:
                         # cancelled (the client went, the server stops) or a reply that is not
                         # HTTP: the request is over for the replica either way, and its count
@@ -141,6 +157,9 @@ class Activator:
                     if not failed:
                         self.finished(url, failed=False)
                         self.requests.labels("forwarded").inc()
+                        if streamed is not None:
+                            await streamed.write_eof()
+                            return streamed
                         return web.Response(status=answer.status, body=payload,
                                             content_type=answer.content_type)
                     again = self.finished(url, failed=True)

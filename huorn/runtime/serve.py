@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import json
 import math
 import signal
@@ -45,7 +46,7 @@ from huorn.api import base, inference, training
 from huorn.models.cache import KVCache
 from huorn.runtime import checkpoint, glvq, prefix_cache
 from huorn.runtime import config as run_config
-from huorn.runtime.data import sampler
+from huorn.runtime.data import sampler, tokenizer
 
 CALIBRATION_SOURCES = ("general", "code", "math")
 BATCHER = web.AppKey("batcher", asyncio.Task)
@@ -114,6 +115,15 @@ class Request:
     seed: int
     arrived: float = field(default_factory=time.monotonic)
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    # With "stream": its tokens as they are chosen, then None; filled from the decoding thread.
+    stream: asyncio.Queue | None = None
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    first_token_at: float | None = None  # when its batch chose its first token
+
+
+def sse(event: dict) -> bytes:
+    """One server-sent event: a client reads `data:` lines until `data: [DONE]`."""
+    return f"data: {json.dumps(event)}\n\n".encode()
 
 
 class Metrics:
@@ -146,6 +156,10 @@ class Metrics:
         self.prefix_evictions = prometheus_client.Counter(
             "huorn_serve_prefix_cache_evicted_blocks", "Blocks of 16 tokens evicted from the prefix cache.",
             registry=self.registry)
+        self.first_token = prometheus_client.Histogram(
+            "huorn_serve_time_to_first_token_seconds", "Arrival to the first token chosen: queueing and "
+            "prefill, what a streaming client waits before it reads anything.", registry=self.registry,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.batch = prometheus_client.Histogram(
             "huorn_serve_batch_size", "Requests decoded together.", registry=self.registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
@@ -163,7 +177,7 @@ class Server:
         self.prefixes = prefix_cache.PrefixCache(self.limits.prefix_cache_tokens)
 
     # -- HTTP ------------------------------------------------------------------------------------
-    async def completions(self, request: web.Request) -> web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
             prompt = body["prompt"]
@@ -173,6 +187,9 @@ class Server:
             wanted = int(body.get("max_tokens", 16))
             temperature = float(body.get("temperature", 0.0))
             seed = int(body.get("seed", 0))
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise ValueError("stream: give true (server-sent events, a token at a time) or false")
             if wanted < 1 or not 0 <= temperature < math.inf:  # NaN too: it fails its whole batch
                 raise ValueError("max_tokens must be ≥ 1 and temperature a finite number ≥ 0")
             limit = min(self.limits.max_tokens, self.context)
@@ -183,21 +200,56 @@ class Server:
             self.metrics.requests.labels("refused").inc()
             message = f"missing field {error}" if isinstance(error, KeyError) else str(error)
             return web.json_response({"error": message}, status=400)
-        item = Request(tokens, wanted, temperature, seed)
+        item = Request(tokens, wanted, temperature, seed, stream=asyncio.Queue() if stream else None)
         self.queue.append(item)
         self.wake.set()
         self.metrics.in_flight.inc()
         try:
-            text, count, cached, queued, seconds = await item.done
-        except Exception as error:  # the batch failed: this request is answered, and counted
-            self.metrics.requests.labels("failed").inc()
-            return web.json_response({"error": f"generation failed: {error!r}"}, status=500)
+            if item.stream is not None:
+                return await self.stream_answer(request, item)
+            try:
+                text, count, cached, queued, seconds = await item.done
+            except Exception as error:  # the batch failed: this request is answered, and counted
+                self.metrics.requests.labels("failed").inc()
+                return web.json_response({"error": f"generation failed: {error!r}"}, status=500)
         finally:
             self.metrics.in_flight.dec()
-        self.metrics.requests.labels("ok").inc()
-        self.metrics.latency.observe(time.monotonic() - item.arrived)
+        self.answered(item)
         return web.json_response({"text": text, "tokens": count, "cached_tokens": cached,
                                   "queue_seconds": queued, "seconds": seconds})
+
+    def answered(self, item: Request) -> None:
+        self.metrics.requests.labels("ok").inc()
+        self.metrics.latency.observe(time.monotonic() - item.arrived)
+        if item.first_token_at is not None:
+            self.metrics.first_token.observe(item.first_token_at - item.arrived)
+
+    async def stream_answer(self, request: web.Request, item: Request) -> web.StreamResponse:
+        """Server-sent events: {"text"} as the tokens come (bytes held back until they complete a
+        UTF-8 character), then {"done", "tokens", "cached_tokens", "queue_seconds", "seconds"}
+        or {"error"}, then [DONE]."""
+        assert item.stream is not None
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while (token := await item.stream.get()) is not None:
+            if text := decoder.decode(bytes([token])):
+                await response.write(sse({"text": text}))
+        if text := decoder.decode(b"", final=True):
+            await response.write(sse({"text": text}))
+        try:
+            _, count, cached, queued, seconds = await item.done
+        except Exception as error:
+            self.metrics.requests.labels("failed").inc()
+            await response.write(sse({"error": f"generation failed: {error!r}"}))
+        else:
+            self.answered(item)
+            await response.write(sse({"done": True, "tokens": count, "cached_tokens": cached,
+                                      "queue_seconds": queued, "seconds": seconds}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "queued": len(self.queue)})
@@ -273,6 +325,9 @@ class Server:
             cache, logits, cached = self.prefill(batch, prompt, steps)
             out: list[list[int]] = [[] for _ in batch]
             for step in range(steps):
+                # the prompts are bytes (huorn.runtime.data.tokenizer): a model whose vocabulary
+                # is larger chooses among the bytes only, or its answer could not be text
+                logits = logits[:, : tokenizer.VOCABULARY]
                 chosen = []
                 for row, request in enumerate(batch):
                     if request.temperature > 0:
@@ -283,15 +338,20 @@ class Server:
                         chosen.append(int(torch.multinomial(probs, 1, generator=generators[row])))
                     else:
                         chosen.append(int(logits[row].argmax()))
+                now = time.monotonic()
                 for row, token in enumerate(chosen):
-                    if step < batch[row].max_tokens:
+                    request = batch[row]
+                    if step < request.max_tokens:
                         out[row].append(token)
+                        if request.stream is not None:
+                            request.loop.call_soon_threadsafe(request.stream.put_nowait, token)
+                    if step == 0:
+                        request.first_token_at = now
                 if step + 1 < steps:
                     tokens = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
                     logits = self.model.forward_step(tokens, cache, last_only=True)[:, -1].float()  # type: ignore[operator]
         self.keep_answers(batch, out, cache, steps - 1)
-        return [(bytes(t).decode("utf-8", errors="replace"), len(t), skipped)
-                for t, skipped in zip(out, cached, strict=True)]
+        return [(tokenizer.decode(t), len(t), skipped) for t, skipped in zip(out, cached, strict=True)]
 
     def keep_answers(self, batch: list[Request], out: list[list[int]], cache: KVCache, fed: int) -> None:
         """Keep the blocks that each answer completes: a conversation's next turn is its prompt,
@@ -321,6 +381,8 @@ class Server:
                     for r in batch:
                         if not r.done.done():  # its handler was cancelled (the server stopping)
                             r.done.set_exception(error)
+                        if r.stream is not None:
+                            r.stream.put_nowait(None)
                     continue
                 seconds = time.monotonic() - started
                 self.metrics.busy.inc(seconds)
@@ -328,6 +390,8 @@ class Server:
                     self.metrics.tokens.inc(count)
                     if not r.done.done():  # else setting it would raise and end the batching task
                         r.done.set_result((text, count, cached, started - r.arrived, seconds))
+                    if r.stream is not None:  # after every token: the loop runs callbacks in order
+                        r.stream.put_nowait(None)
 
     def app(self) -> web.Application:
         app = web.Application()
