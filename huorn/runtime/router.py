@@ -98,8 +98,8 @@ class PrefixRouter:
         self.retired: dict[str, Replica] = {}
         r = self.registry = prometheus_client.CollectorRegistry()  # the activator serves it
         self.choices = prometheus_client.Counter(
-            "huorn_router_choices", "Requests routed, by why their replica was chosen.", ["reason"],
-            registry=r)
+            "huorn_router_choices", "Replicas chosen, by why: each try of a request counts (one retried "
+            "after a refused connection or a cut answer counts twice).", ["reason"], registry=r)
         self.matched = prometheus_client.Counter(
             "huorn_router_matched_tokens", "Prompt tokens sent to a replica believed to hold them.",
             registry=r)
