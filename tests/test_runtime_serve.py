@@ -227,3 +227,36 @@ def test_a_model_with_more_tokens_than_bytes_answers_text(tmp_path: Path) -> Non
 
     status, body = asyncio.run(_serving(cfg, work))
     assert status == 200 and body["tokens"] == 20 and isinstance(body["text"], str)
+
+
+def test_answers_carry_openais_completion_fields_and_a_wrong_model_is_404(tmp_path: Path) -> None:
+    _saved_model(tmp_path / "ckpt")
+    prompt = {"model": "chat", "prompt": "Q: 1 + 1?\nA:", "max_tokens": 5}
+
+    async def work(session, server, report):
+        async with session.get("/v1/models") as r:
+            models_list = await r.json()
+        async with session.post("/v1/completions", json=prompt) as r:
+            answer = await r.json()
+        async with session.post("/v1/completions", json={**prompt, "stream": True}) as r:
+            events = [json.loads(line[len("data: "):]) for line in (await r.text()).split("\n\n")
+                      if line and line != "data: [DONE]"]
+        async with session.post("/v1/completions", json={**prompt, "model": "gpt-4"}) as r:
+            wrong = (r.status, await r.json())
+        return models_list, answer, events, wrong
+
+    models_list, answer, events, wrong = asyncio.run(_serving(_config(tmp_path), work))
+    assert [m["id"] for m in models_list["data"]] == ["chat"]
+    assert answer["object"] == "text_completion" and answer["model"] == "chat"
+    assert answer["id"].startswith("cmpl-")
+    choice = {"index": 0, "text": answer["text"], "logprobs": None, "finish_reason": "length"}
+    assert answer["choices"] == [choice]
+    prompt_tokens = len(prompt["prompt"].encode())
+    assert answer["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 5,
+                               "total_tokens": prompt_tokens + 5,
+                               "prompt_tokens_details": {"cached_tokens": 0}}
+    streamed = "".join(e["choices"][0]["text"] for e in events)
+    assert streamed == answer["text"] and len({e["id"] for e in events}) == 1
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 5
+    assert wrong[0] == 404 and "'chat'" in wrong[1]["error"] and "/v1/models" in wrong[1]["error"]

@@ -6,6 +6,9 @@ behind an HTTP API, with requests batched and Prometheus metrics.
 - `POST /v1/completions` {"prompt": str, "max_tokens": int, "temperature": float, "seed": int}
   → {"text", "tokens", "cached_tokens", "queue_seconds", "seconds"}. Prompts are byte-tokenised,
   as in training; `cached_tokens` counts the prompt's tokens whose K/V the prefix cache gave.
+- The answers also carry OpenAI's completions fields (`id`, `object`, `created`, `model`,
+  `choices`, `usage` with `prompt_tokens_details.cached_tokens`), so OpenAI and vLLM clients read
+  them; a request's `model`, when given, must be the job's name (`GET /v1/models`), else 404.
 - `GET /healthz` is 200 once the model is loaded (a readiness probe), `GET /metrics` the
   Prometheus text: requests, generated tokens, seconds spent decoding (the busy fraction the
   operator's autoscaler reads), latency and batch-size histograms.
@@ -32,6 +35,7 @@ import math
 import signal
 import sys
 import time
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +123,8 @@ class Request:
     stream: asyncio.Queue | None = None
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     first_token_at: float | None = None  # when its batch chose its first token
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
+    created: int = field(default_factory=lambda: int(time.time()))
 
 
 def sse(event: dict) -> bytes:
@@ -175,6 +181,7 @@ class Server:
         self.wake = asyncio.Event()
         self.metrics = Metrics()
         self.prefixes = prefix_cache.PrefixCache(self.limits.prefix_cache_tokens)
+        self.started = int(time.time())
 
     # -- HTTP ------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -187,6 +194,12 @@ class Server:
             wanted = int(body.get("max_tokens", 16))
             temperature = float(body.get("temperature", 0.0))
             seed = int(body.get("seed", 0))
+            model = body.get("model")
+            if model is not None and model != self.cfg.job_name:
+                self.metrics.requests.labels("refused").inc()
+                message = (f"model: this replica serves {self.cfg.job_name!r} (its InferenceJob's name), "
+                           f"not {model!r}; GET /v1/models lists it")
+                return web.json_response({"error": message}, status=404)
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise ValueError("stream: give true (server-sent events, a token at a time) or false")
@@ -215,8 +228,23 @@ class Server:
         finally:
             self.metrics.in_flight.dec()
         self.answered(item)
-        return web.json_response({"text": text, "tokens": count, "cached_tokens": cached,
-                                  "queue_seconds": queued, "seconds": seconds})
+        return web.json_response({**self.openai_fields(item, text, count, cached), "text": text,
+                                  "tokens": count, "cached_tokens": cached, "queue_seconds": queued,
+                                  "seconds": seconds})
+
+    def openai_fields(self, item: Request, text: str, count: int | None = None,
+                      cached: int | None = None) -> dict:
+        """The answer as OpenAI's completions API shapes it, beside Huorn's own fields, so the
+        clients and SDKs written for it (and for vLLM, which follows it) read it unchanged."""
+        fields: dict = {"id": item.id, "object": "text_completion", "created": item.created,
+                        "model": self.cfg.job_name,
+                        "choices": [{"index": 0, "text": text, "logprobs": None,
+                                     "finish_reason": "length" if count is not None else None}]}
+        if count is not None:
+            fields["usage"] = {"prompt_tokens": len(item.tokens), "completion_tokens": count,
+                               "total_tokens": len(item.tokens) + count,
+                               "prompt_tokens_details": {"cached_tokens": cached}}
+        return fields
 
     def answered(self, item: Request) -> None:
         self.metrics.requests.labels("ok").inc()
@@ -235,9 +263,9 @@ class Server:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         while (token := await item.stream.get()) is not None:
             if text := decoder.decode(bytes([token])):
-                await response.write(sse({"text": text}))
+                await response.write(sse({**self.openai_fields(item, text), "text": text}))
         if text := decoder.decode(b"", final=True):
-            await response.write(sse({"text": text}))
+            await response.write(sse({**self.openai_fields(item, text), "text": text}))
         try:
             _, count, cached, queued, seconds = await item.done
         except Exception as error:
@@ -245,11 +273,18 @@ class Server:
             await response.write(sse({"error": f"generation failed: {error!r}"}))
         else:
             self.answered(item)
-            await response.write(sse({"done": True, "tokens": count, "cached_tokens": cached,
-                                      "queue_seconds": queued, "seconds": seconds}))
+            await response.write(sse({**self.openai_fields(item, "", count, cached), "done": True,
+                                      "tokens": count, "cached_tokens": cached, "queue_seconds": queued,
+                                      "seconds": seconds}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        """OpenAI's model list: the one model this replica serves, by its job's name (what the
+        `model` field of a request may name)."""
+        return web.json_response({"object": "list", "data": [
+            {"id": self.cfg.job_name, "object": "model", "created": self.started, "owned_by": "huorn"}]})
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "queued": len(self.queue)})
@@ -396,7 +431,7 @@ class Server:
     def app(self) -> web.Application:
         app = web.Application()
         app.add_routes([web.post("/v1/completions", self.completions), web.get("/healthz", self.healthz),
-                        web.get("/metrics", self.metrics_text)])
+                        web.get("/metrics", self.metrics_text), web.get("/v1/models", self.models)])
 
         async def start_batching(app: web.Application) -> None:
             app[BATCHER] = asyncio.create_task(self.run_batches())
