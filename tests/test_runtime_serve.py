@@ -22,6 +22,7 @@ from huorn import models
 from huorn.api import training
 from huorn.runtime import checkpoint, serve
 from huorn.runtime import config as run_config
+from huorn.runtime.data import tokenizer
 
 ARCHITECTURE = {"layers": 2, "width": 32, "heads": 2, "context": 64}
 
@@ -260,3 +261,43 @@ def test_answers_carry_openais_completion_fields_and_a_wrong_model_is_404(tmp_pa
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["usage"]["completion_tokens"] == 5
     assert wrong[0] == 404 and "'chat'" in wrong[1]["error"] and "/v1/models" in wrong[1]["error"]
+
+
+def test_an_answer_ends_before_its_stop_sequence_streamed_or_not_and_decoding_stops_early(
+        tmp_path: Path) -> None:
+    model = _saved_model(tmp_path / "ckpt")
+    prompt = "Q: What is 1 + 2?\nA:"
+    greedy = model.generate(torch.tensor([list(prompt.encode())]), 24)[0, len(prompt.encode()):].tolist()
+    # a stop sequence the greedy answer holds: its first ASCII byte after the first token
+    at = next(i for i, t in enumerate(greedy) if i > 0 and t < 128)
+    stop = chr(greedy[at])
+    cut = greedy.index(greedy[at])  # where the answer first holds it
+    request = {"prompt": prompt, "max_tokens": 24, "stop": [stop, "\u00e9never"]}
+
+    async def work(session, server, report):
+        steps = 0
+        forward = server.model.forward_step
+
+        def counted(*args, **kwargs):
+            nonlocal steps
+            steps += 1
+            return forward(*args, **kwargs)
+
+        server.model.forward_step = counted
+        async with session.post("/v1/completions", json=request) as r:
+            whole = await r.json()
+        decoded = steps
+        async with session.post("/v1/completions", json={**request, "stream": True}) as r:
+            events = [json.loads(line[len("data: "):]) for line in (await r.text()).split("\n\n")
+                      if line and line != "data: [DONE]"]
+        async with session.post("/v1/completions", json={**request, "stop": ["a", "b", "c", "d", "e"]}) as r:
+            refused = (r.status, await r.json())
+        return whole, decoded, events, refused
+
+    whole, decoded, events, refused = asyncio.run(_serving(_config(tmp_path), work))
+    assert whole["tokens"] == cut and whole["text"] == tokenizer.decode(greedy[:cut])
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    assert decoded == 1 + cut  # the prefill, then one step per token up to the stop's: no more
+    assert "".join(e.get("text", "") for e in events) == whole["text"]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert refused[0] == 400 and refused[1]["error"].startswith("stop:")

@@ -3,7 +3,8 @@ behind an HTTP API, with requests batched and Prometheus metrics.
 
     python -m huorn.runtime.serve --config serve-config.json
 
-- `POST /v1/completions` {"prompt": str, "max_tokens": int, "temperature": float, "seed": int}
+- `POST /v1/completions` {"prompt": str, "max_tokens": int, "temperature": float, "seed": int,
+  "stop": str | [str], "stream": bool}
   → {"text", "tokens", "cached_tokens", "queue_seconds", "seconds"}. Prompts are byte-tokenised,
   as in training; `cached_tokens` counts the prompt's tokens whose K/V the prefix cache gave.
 - The answers also carry OpenAI's completions fields (`id`, `object`, `created`, `model`,
@@ -123,8 +124,43 @@ class Request:
     stream: asyncio.Queue | None = None
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     first_token_at: float | None = None  # when its batch chose its first token
+    stop: tuple[bytes, ...] = ()  # the answer ends before the first of these it would contain
+    finish_reason: str | None = None  # "stop" or "length", once decoded
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Answer:
+    """One row's answer as it is decoded: where it ends, and how much of it a stream has been
+    sent. A stream holds back the bytes that may yet turn out to begin a stop sequence."""
+
+    request: Request
+    tokens: list[int] = field(default_factory=list)
+    finished: str | None = None
+    streamed: int = 0
+
+    def add(self, token: int) -> None:
+        if self.finished:
+            return
+        self.tokens.append(token)
+        for stop in self.request.stop:  # a match ends at the newest byte, or was found before
+            if len(self.tokens) >= len(stop) and bytes(self.tokens[-len(stop):]) == stop:
+                del self.tokens[-len(stop):]
+                self.finished = "stop"
+                break
+        if not self.finished and len(self.tokens) >= self.request.max_tokens:
+            self.finished = "length"
+        self.flush()
+
+    def flush(self) -> None:
+        request = self.request
+        if request.stream is None:
+            return
+        held = 0 if self.finished else max((len(s) for s in request.stop), default=1) - 1
+        for token in self.tokens[self.streamed: len(self.tokens) - held]:
+            request.loop.call_soon_threadsafe(request.stream.put_nowait, token)
+        self.streamed = max(self.streamed, len(self.tokens) - held)
 
 
 def sse(event: dict) -> bytes:
@@ -200,6 +236,11 @@ class Server:
                 message = (f"model: this replica serves {self.cfg.job_name!r} (its InferenceJob's name), "
                            f"not {model!r}; GET /v1/models lists it")
                 return web.json_response({"error": message}, status=404)
+            stop = body.get("stop")
+            stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+            if not isinstance(stops, list) or len(stops) > 4 or \
+                    not all(isinstance(x, str) and 0 < len(x.encode()) <= 64 for x in stops):
+                raise ValueError("stop: give a string or a list of up to 4, each of 1-64 bytes")
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise ValueError("stream: give true (server-sent events, a token at a time) or false")
@@ -213,7 +254,8 @@ class Server:
             self.metrics.requests.labels("refused").inc()
             message = f"missing field {error}" if isinstance(error, KeyError) else str(error)
             return web.json_response({"error": message}, status=400)
-        item = Request(tokens, wanted, temperature, seed, stream=asyncio.Queue() if stream else None)
+        item = Request(tokens, wanted, temperature, seed, stream=asyncio.Queue() if stream else None,
+                       stop=tuple(x.encode() for x in stops))
         self.queue.append(item)
         self.wake.set()
         self.metrics.in_flight.inc()
@@ -239,7 +281,7 @@ class Server:
         fields: dict = {"id": item.id, "object": "text_completion", "created": item.created,
                         "model": self.cfg.job_name,
                         "choices": [{"index": 0, "text": text, "logprobs": None,
-                                     "finish_reason": "length" if count is not None else None}]}
+                                     "finish_reason": item.finish_reason if count is not None else None}]}
         if count is not None:
             fields["usage"] = {"prompt_tokens": len(item.tokens), "completion_tokens": count,
                                "total_tokens": len(item.tokens) + count,
@@ -358,7 +400,8 @@ class Server:
         generators = [torch.Generator(device=device).manual_seed(r.seed) for r in batch]
         with torch.no_grad():
             cache, logits, cached = self.prefill(batch, prompt, steps)
-            out: list[list[int]] = [[] for _ in batch]
+            answers = [Answer(r) for r in batch]
+            fed = 0  # tokens fed back after the prompts: their K/V is in the cache
             for step in range(steps):
                 # the prompts are bytes (huorn.runtime.data.tokenizer): a model whose vocabulary
                 # is larger chooses among the bytes only, or its answer could not be text
@@ -374,18 +417,19 @@ class Server:
                     else:
                         chosen.append(int(logits[row].argmax()))
                 now = time.monotonic()
-                for row, token in enumerate(chosen):
-                    request = batch[row]
-                    if step < request.max_tokens:
-                        out[row].append(token)
-                        if request.stream is not None:
-                            request.loop.call_soon_threadsafe(request.stream.put_nowait, token)
+                for answer, token in zip(answers, chosen, strict=True):
+                    answer.add(token)
                     if step == 0:
-                        request.first_token_at = now
-                if step + 1 < steps:
-                    tokens = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
-                    logits = self.model.forward_step(tokens, cache, last_only=True)[:, -1].float()  # type: ignore[operator]
-        self.keep_answers(batch, out, cache, steps - 1)
+                        answer.request.first_token_at = now
+                if all(a.finished for a in answers):  # every row at its stop or its max_tokens
+                    break
+                tokens = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
+                logits = self.model.forward_step(tokens, cache, last_only=True)[:, -1].float()  # type: ignore[operator]
+                fed += 1
+        for answer in answers:
+            answer.request.finish_reason = answer.finished
+        out = [a.tokens for a in answers]
+        self.keep_answers(batch, out, cache, fed)
         return [(tokenizer.decode(t), len(t), skipped) for t, skipped in zip(out, cached, strict=True)]
 
     def keep_answers(self, batch: list[Request], out: list[list[int]], cache: KVCache, fed: int) -> None:
