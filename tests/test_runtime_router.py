@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from kube import serving
 
 from huorn.api import inference
-from huorn.runtime import activator, prefix_cache, router
+from huorn.runtime import activator, chat, prefix_cache, router
 
 REPLICAS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
 PREAMBLES = [f"System prompt number {i}: be brief, be right, cite nothing.\n" for i in range(30)]
@@ -269,3 +269,16 @@ def test_the_router_sends_each_preamble_to_its_cache_and_survives_a_replica_goin
         assert all(status == 200 for status, _ in answers)
     finally:
         front.close()
+
+
+def test_a_chat_is_routed_by_the_prompt_its_replica_will_render() -> None:
+    messages = [{"role": "system", "content": PREAMBLES[0]}, {"role": "user", "content": "Hi?"}]
+    body = json.dumps({"messages": messages}).encode()
+    assert router.prompt_tokens(body, is_chat=True) == list(chat.render(messages).encode())
+    assert router.prompt_tokens(body) is None  # not a completion's body
+    bad = json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode()
+    assert router.prompt_tokens(bad, is_chat=True) is None  # the replica refuses it, naming the field
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content: give a string"):
+        chat.render([{"role": "user", "content": 3}])
+    with pytest.raises(ValueError, match=r"^messages: give a non-empty list"):
+        chat.render([])

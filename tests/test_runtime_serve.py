@@ -20,29 +20,34 @@ import torch
 
 from huorn import models
 from huorn.api import training
-from huorn.runtime import checkpoint, serve
+from huorn.runtime import chat, checkpoint, serve
 from huorn.runtime import config as run_config
 from huorn.runtime.data import tokenizer
 
 ARCHITECTURE = {"layers": 2, "width": 32, "heads": 2, "context": 64}
 
 
-def _saved_model(root: Path) -> torch.nn.Module:
-    spec = training.ModelSpec.model_validate(ARCHITECTURE)
+def _saved_model(root: Path, ascii_only: bool = False, **architecture: object) -> torch.nn.Module:
+    """`ascii_only`: a model that writes ASCII, as a trained one writes text (an untrained one's
+    bytes are seldom UTF-8, and a client sends back the text they decode to)."""
+    spec = training.ModelSpec.model_validate({**ARCHITECTURE, **architecture})
     torch.manual_seed(0)
     model = models.build_model(run_config.build_model_config(spec))
+    if ascii_only:
+        with torch.no_grad():
+            model.head.weight[128:] = 0
     optimizer = torch.optim.AdamW(model.parameters())
     checkpoint.save_checkpoint(root, 1, model, optimizer, {"model": spec.to_wire()}, rank=0,
                                barrier=lambda: None)
     return model.eval()
 
 
-def _config(tmp_path: Path, **spec: object) -> serve.ServeConfig:
+def _config(tmp_path: Path, architecture: dict | None = None, **spec: object) -> serve.ServeConfig:
     return serve.ServeConfig.model_validate({
         "jobName": "chat", "host": "127.0.0.1", "port": 0, "runDir": str(tmp_path / "run"),
         "dataDir": str(tmp_path / "data"), "quantizeSteps": 5, "calibrationBatches": 2,
         "spec": {"virtualCluster": "x", "model": {"checkpoint": str(tmp_path / "ckpt"),
-                                                   "architecture": ARCHITECTURE},
+                                                   "architecture": {**ARCHITECTURE, **(architecture or {})}},
                  "serving": {"maxBatch": 8, "maxTokens": 48}, **spec}})
 
 
@@ -301,3 +306,40 @@ def test_an_answer_ends_before_its_stop_sequence_streamed_or_not_and_decoding_st
     assert "".join(e.get("text", "") for e in events) == whole["text"]
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
     assert refused[0] == 400 and refused[1]["error"].startswith("stop:")
+
+
+def test_the_chat_api_answers_a_conversation_and_its_next_turn_finds_the_last_cached(tmp_path: Path) -> None:
+    model = _saved_model(tmp_path / "ckpt", ascii_only=True, context=256)
+    messages = [{"role": "system", "content": "Answer in one line."},
+                {"role": "user", "content": "What is the capital of France?"}]
+
+    async def work(session, server, report):
+        async with session.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8}) as r:
+            first = await r.json()
+        turn = [*messages, first["choices"][0]["message"], {"role": "user", "content": "And of Peru?"}]
+        async with session.post("/v1/chat/completions", json={"messages": turn, "max_tokens": 4,
+                                                              "stream": True}) as r:
+            events = [json.loads(line[len("data: "):]) for line in (await r.text()).split("\n\n")
+                      if line and line != "data: [DONE]"]
+        bad = [*messages, {"role": "robot", "content": "hi"}]
+        async with session.post("/v1/chat/completions", json={"messages": bad}) as r:
+            refused = (r.status, await r.json())
+        return first, turn, events, refused
+
+    cfg = _config(tmp_path, {"context": 256}, serving={"maxBatch": 8, "maxTokens": 256})
+    first, turn, events, refused = asyncio.run(_serving(cfg, work))
+    prompt = chat.render(messages)
+    assert prompt == "system: Answer in one line.\nuser: What is the capital of France?\nassistant: "
+    greedy = model.generate(torch.tensor([list(prompt.encode())]), 8)[0, len(prompt.encode()):].tolist()
+    assert first["object"] == "chat.completion" and first["id"].startswith("chatcmpl-")
+    assert first["choices"][0]["message"] == {"role": "assistant", "content": tokenizer.decode(greedy)}
+    assert first["choices"][0]["finish_reason"] == "length"
+    # the next turn: everything up to its new message was in the last prompt and answer
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert first["text"].isascii()
+    # the last prompt (76 bytes: four whole blocks) and 7 of its answer's 8 tokens (the last was
+    # never fed back): 83 bytes, five whole blocks
+    assert len(prompt) == 76
+    assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
+    assert events[-1]["usage"]["prompt_tokens"] == len(chat.render(turn).encode())
+    assert refused[0] == 400 and refused[1]["error"].startswith("messages[2].role: 'robot'")

@@ -86,7 +86,8 @@ class Activator:
     def choose(self, body: bytes, path: str) -> str | None:
         if self.router is None:
             return self.upstream
-        tokens = routing.prompt_tokens(body) if path.startswith("/v1/completions") else None
+        tokens = (routing.prompt_tokens(body) if path == "/v1/completions" else
+                  routing.prompt_tokens(body, is_chat=True) if path == "/v1/chat/completions" else None)
         choice = self.router.choose(tokens)
         return choice.url if choice is not None else None
 

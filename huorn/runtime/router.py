@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import prometheus_client
 
-from huorn.runtime import prefix_cache
+from huorn.runtime import chat, prefix_cache
 
 RESOLVE_SECONDS = 2.0  # how stale the replica list may be: about a readiness probe's period
 DOWN_SECONDS = 5.0  # a replica that refused a connection is not tried again for this long
@@ -73,11 +73,13 @@ def rendezvous_weight(key: bytes, url: str) -> int:
     return int.from_bytes(hashlib.blake2b(key + url.encode(), digest_size=8).digest(), "big")
 
 
-def prompt_tokens(body: bytes) -> list[int] | None:
-    """The prompt's tokens as the replica computes them (bytes of its UTF-8), or None for a body
-    that is not a completion: the replica answers that one with its own error."""
+def prompt_tokens(body: bytes, is_chat: bool = False) -> list[int] | None:
+    """The prompt's tokens as the replica computes them (bytes of its UTF-8; a chat's messages
+    through the replica's chat template), or None for a body that is not a completion: the
+    replica answers that one with its own error."""
     try:
-        prompt = json.loads(body).get("prompt")
+        request = json.loads(body)
+        prompt = chat.render(request.get("messages")) if is_chat else request.get("prompt")
         # NB: inside the try: a lone surrogate ("\\ud800") is valid JSON and no UTF-8
         return list(prompt.encode("utf-8")) if isinstance(prompt, str) else None
     except (ValueError, AttributeError, RecursionError):

@@ -49,7 +49,7 @@ from pydantic import Field
 from huorn import models
 from huorn.api import base, inference, training
 from huorn.models.cache import KVCache
-from huorn.runtime import checkpoint, glvq, prefix_cache
+from huorn.runtime import chat, checkpoint, glvq, prefix_cache
 from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler, tokenizer
 
@@ -126,6 +126,7 @@ class Request:
     first_token_at: float | None = None  # when its batch chose its first token
     stop: tuple[bytes, ...] = ()  # the answer ends before the first of these it would contain
     finish_reason: str | None = None  # "stop" or "length", once decoded
+    chat: bool = False  # asked through the chat API: answered in its shape
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -221,11 +222,22 @@ class Server:
 
     # -- HTTP ------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.complete(request, is_chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's chat API: the messages rendered by the chat template (huorn.runtime.chat),
+        the answer ended where the model would write the next turn."""
+        return await self.complete(request, is_chat=True)
+
+    async def complete(self, request: web.Request, is_chat: bool) -> web.StreamResponse:
         try:
             body = await request.json()
-            prompt = body["prompt"]
-            if not isinstance(prompt, str) or not prompt:
-                raise ValueError("prompt: give a non-empty string")
+            if is_chat:
+                prompt = chat.render(body.get("messages"))
+            else:
+                prompt = body["prompt"]
+                if not isinstance(prompt, str) or not prompt:
+                    raise ValueError("prompt: give a non-empty string")
             tokens = list(prompt.encode("utf-8"))
             wanted = int(body.get("max_tokens", 16))
             temperature = float(body.get("temperature", 0.0))
@@ -254,8 +266,9 @@ class Server:
             self.metrics.requests.labels("refused").inc()
             message = f"missing field {error}" if isinstance(error, KeyError) else str(error)
             return web.json_response({"error": message}, status=400)
+        stops += [s for s in chat.STOPS if is_chat and s not in stops]
         item = Request(tokens, wanted, temperature, seed, stream=asyncio.Queue() if stream else None,
-                       stop=tuple(x.encode() for x in stops))
+                       stop=tuple(x.encode() for x in stops), chat=is_chat)
         self.queue.append(item)
         self.wake.set()
         self.metrics.in_flight.inc()
@@ -278,10 +291,17 @@ class Server:
                       cached: int | None = None) -> dict:
         """The answer as OpenAI's completions API shapes it, beside Huorn's own fields, so the
         clients and SDKs written for it (and for vLLM, which follows it) read it unchanged."""
-        fields: dict = {"id": item.id, "object": "text_completion", "created": item.created,
-                        "model": self.cfg.job_name,
-                        "choices": [{"index": 0, "text": text, "logprobs": None,
-                                     "finish_reason": item.finish_reason if count is not None else None}]}
+        finish = item.finish_reason if count is not None else None
+        if item.chat:
+            chunk = item.stream is not None
+            content = {"delta" if chunk else "message": {"role": "assistant", "content": text}}
+            fields: dict = {"id": f"chat{item.id}", "object": "chat.completion.chunk" if chunk else
+                            "chat.completion", "created": item.created, "model": self.cfg.job_name,
+                            "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": finish}]}
+        else:
+            fields = {"id": item.id, "object": "text_completion", "created": item.created,
+                      "model": self.cfg.job_name,
+                      "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
         if count is not None:
             fields["usage"] = {"prompt_tokens": len(item.tokens), "completion_tokens": count,
                                "total_tokens": len(item.tokens) + count,
@@ -474,8 +494,10 @@ class Server:
 
     def app(self) -> web.Application:
         app = web.Application()
-        app.add_routes([web.post("/v1/completions", self.completions), web.get("/healthz", self.healthz),
-                        web.get("/metrics", self.metrics_text), web.get("/v1/models", self.models)])
+        app.add_routes([web.post("/v1/completions", self.completions),
+                        web.post("/v1/chat/completions", self.chat_completions),
+                        web.get("/healthz", self.healthz), web.get("/metrics", self.metrics_text),
+                        web.get("/v1/models", self.models)])
 
         async def start_batching(app: web.Application) -> None:
             app[BATCHER] = asyncio.create_task(self.run_batches())
