@@ -109,6 +109,8 @@ def test_an_inference_job_scales_on_real_load_and_takes_back_lent_gpus(
         now = wait_for(lambda: (s := status(kube, "chat")).get("requestsPerSecond", 0) > 0 and s,
                        what="the load in status")
         assert now["desiredReplicas"] == 2 and now["utilization"] > 0.25
+        # the load repeats three prompts: all but the first of each finds its whole block cached
+        assert 0 < now["cachedPromptShare"] < 1
         resizes = [d["reason"] for d in now["decisions"] if d["action"] == "resize"]
         assert resizes[-1].startswith("autoscaler: ")
         # The second replica's GPUs are on loan: the borrower gives back one replica of 2 GPUs.

@@ -206,6 +206,25 @@ def test_the_serving_runtimes_metrics_read_back_as_a_sample() -> None:
     assert replica_metrics.parse_metrics("some_other_metric 1\n", 0.0) is None
 
 
+def test_the_share_of_prompt_tokens_from_the_prefix_caches_is_read_over_the_interval() -> None:
+    def scraped(t: float, cache: float, prefill: float) -> autoscale.ReplicaSample:
+        metrics = serve.Metrics()
+        metrics.busy.inc(t)
+        metrics.prompt_tokens.labels("cache").inc(cache)
+        metrics.prompt_tokens.labels("prefill").inc(prefill)
+        got = replica_metrics.parse_metrics(prometheus_client.generate_latest(metrics.registry).decode(), t)
+        assert got is not None
+        return got
+
+    before = {"a": scraped(1.0, 100, 900), "b": scraped(1.0, 0, 0)}
+    after = {"a": scraped(2.0, 400, 1000), "b": scraped(2.0, 300, 200)}
+    got = autoscale.read_load(before, after)
+    # the interval's own tokens: a's 300 cached of 400, b's 300 of 500; not a's history before
+    assert got is not None and got.cached_prompt_share == pytest.approx(600 / 900)
+    idle = autoscale.read_load(after, {k: dataclasses.replace(v, time=3.0) for k, v in after.items()})
+    assert idle is not None and idle.cached_prompt_share is None  # no prompt: no share to report
+
+
 def test_a_replica_pod_is_pinned_probed_and_reads_its_config() -> None:
     ref = manifests.JobRef("InferenceJob", "chat", "team", "uid-1")
     spec = {"virtualCluster": "serve", "resources": {"gpus": 2}, "model": {"checkpoint": "/m/ckpt"},

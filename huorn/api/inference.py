@@ -144,6 +144,10 @@ class InferenceJobStatus(JobStatus):
     requests_per_second: float | None = None
     tokens_per_second: float | None = None
     utilization: float | None = Field(default=None, description="Share of the replicas' batch slots in use.")
+    cached_prompt_share: float | None = Field(
+        default=None, ge=0, le=1,
+        description="Share of the last interval's prompt tokens whose K/V the replicas' prefix caches "
+                    "gave (serving.prefixCacheTokens; routing.policy prefix raises it).")
     forecast: ReplicaForecastReading | None = Field(
         default=None, description="The prediction board's last reading, with spec.autoscaling.forecast.")
     desired_replicas: int | None = Field(default=None, description="Replicas the autoscaler asks for; "

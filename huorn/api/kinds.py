@@ -104,6 +104,8 @@ INFERENCE_JOB = Kind(
         PrinterColumn("RPS", ".status.requestsPerSecond", "number"),
         PrinterColumn("P99ms", ".status.p99LatencyMs", "number"),
         PrinterColumn("Util", ".status.utilization", "number", priority=1),
+        PrinterColumn("Cached", ".status.cachedPromptShare", "number", priority=1,
+                      description="Share of prompt tokens from the prefix caches"),
         PrinterColumn("Routing", ".status.routing", priority=1,
                       description="Where the Service sends requests: replicas, activator or router"),
         *_JOB_COLUMNS[2:],

@@ -2,7 +2,8 @@
 
 The serving runtime exports the counters the autoscaler's rule needs (huorn.scheduler.autoscale):
 completions answered, tokens generated, seconds spent decoding, and the latency histogram (whose
-sum gives the requests in flight). The
+sum gives the requests in flight); and the prompt tokens by where their K/V came from, which
+the job's status reports as its prefix cache's share. The
 operator reads them from each ready pod, a benchmark from local processes: one parser for both.
 """
 
@@ -33,6 +34,10 @@ def parse_metrics(text: str, now: float) -> autoscale.ReplicaSample | None:
                     values[sample.name] = sample.value
                 elif sample.name == "huorn_serve_request_seconds_bucket":
                     buckets.append((float(sample.labels["le"]), sample.value))
+                elif sample.name == "huorn_serve_prompt_tokens_total":
+                    values["prompt"] = values.get("prompt", 0.0) + sample.value
+                    if sample.labels.get("source") == "cache":
+                        values["cached"] = sample.value
     except (ValueError, KeyError):
         return None
     if "huorn_serve_busy_seconds_total" not in values:
@@ -45,6 +50,8 @@ def parse_metrics(text: str, now: float) -> autoscale.ReplicaSample | None:
         latency_seconds=values.get("huorn_serve_request_seconds_sum", 0.0),
         in_flight=values.get("huorn_serve_in_flight", 0.0),
         latency_buckets=tuple(sorted(buckets)),
+        prompt_tokens=values.get("prompt", 0.0),
+        cached_tokens=values.get("cached", 0.0),
     )
 
 

@@ -91,6 +91,8 @@ def _load_status(reading: autoscale.LoadReading | None, slots: int) -> dict[str,
     }
     if reading.p99_seconds is not None:
         out["p99LatencyMs"] = round(reading.p99_seconds * 1000, 1)
+    if reading.cached_prompt_share is not None:
+        out["cachedPromptShare"] = round(reading.cached_prompt_share, 3)
     return out
 
 

@@ -61,6 +61,8 @@ class ReplicaSample:
     latency_seconds: float = 0.0  # the latency histogram's sum: seconds of all requests answered
     in_flight: float = 0.0  # requests accepted and not yet answered, at the scrape
     latency_buckets: tuple[tuple[float, float], ...] = ()  # (upper bound, cumulative count), +Inf last
+    prompt_tokens: float = 0.0  # prompt tokens prefilled or taken from the prefix cache
+    cached_tokens: float = 0.0  # of those, taken from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,9 @@ class LoadReading:
     in_flight: float  # mean requests in flight over the fleet (queued or decoding)
     p99_seconds: float | None
     tokens_per_busy_second: float | None
+    # Share of the interval's prompt tokens whose K/V came from the replicas' prefix caches: what
+    # prefix routing and the cache's size buy (None: no prompt came)
+    cached_prompt_share: float | None = None
 
     def utilization(self, slots: int) -> float:
         """Share of the measured replicas' batch slots in use."""
@@ -133,6 +138,13 @@ def read_load(before: Mapping[str, ReplicaSample], after: Mapping[str, ReplicaSa
     p99 = histogram_quantile(0.99, buckets)
     made = sum(now.tokens - before[r].tokens for r, now in after.items()
                if r in before and now.time > before[r].time and now.tokens >= before[r].tokens)
+    prompts = cached = 0.0
+    for replica, now in after.items():
+        then = before.get(replica)
+        if then is not None and now.time > then.time and now.prompt_tokens >= then.prompt_tokens \
+                and now.cached_tokens >= then.cached_tokens:
+            prompts += now.prompt_tokens - then.prompt_tokens
+            cached += now.cached_tokens - then.cached_tokens
     return LoadReading(
         replicas=measured,
         requests_per_second=requests,
@@ -143,6 +155,7 @@ def read_load(before: Mapping[str, ReplicaSample], after: Mapping[str, ReplicaSa
         in_flight=max(in_flight, in_flight_now),
         p99_seconds=p99,
         tokens_per_busy_second=made / busy_seconds if busy_seconds > 0 and made > 0 else None,
+        cached_prompt_share=cached / prompts if prompts > 0 else None,
     )
 
 
