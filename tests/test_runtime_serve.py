@@ -343,3 +343,42 @@ def test_the_chat_api_answers_a_conversation_and_its_next_turn_finds_the_last_ca
     assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
     assert events[-1]["usage"]["prompt_tokens"] == len(chat.render(turn).encode())
     assert refused[0] == 400 and refused[1]["error"].startswith("messages[2].role: 'robot'")
+
+
+def test_a_stream_holds_back_only_bytes_that_may_begin_a_stop_and_the_earliest_stop_ends_the_answer() -> None:
+    """A stop's bytes are held until they either complete it or turn out to be text; the others
+    go at once. Of stops that end at the same byte the longest began first: the answer ends there,
+    whatever order the stops were given in."""
+    async def check() -> tuple[list[bytes], str | None, list[int]]:
+        request = serve.Request([1], 20, 0.0, 0, stream=asyncio.Queue(), stop=(b"\nuser:", b"b", b"ab"))
+        answer = serve.Answer(request)
+        sent = []
+        for piece in (b"xy\nu", b"z", b"a", b"b"):
+            for byte in piece:
+                answer.add(byte)
+            await asyncio.sleep(0)  # the tokens go through the loop, as from the decoding thread
+            sent.append(bytes(request.stream.get_nowait() for _ in range(request.stream.qsize())))
+        return sent, answer.finished, answer.tokens
+
+    sent, finished, tokens = asyncio.run(check())
+    assert sent == [b"xy", b"\nuz", b"", b""]
+    assert finished == "stop" and bytes(tokens) == b"xy\nuz"
+
+
+def test_a_streamed_chat_answer_is_the_answer_sent_whole(tmp_path: Path) -> None:
+    """A chat's stops are 8 bytes long: a stream that holds bytes back must send each once."""
+    _saved_model(tmp_path / "ckpt", ascii_only=True, context=256)
+    request = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24}
+
+    async def work(session, server, report):
+        async with session.post("/v1/chat/completions", json=request) as r:
+            whole = await r.json()
+        async with session.post("/v1/chat/completions", json={**request, "stream": True}) as r:
+            events = [json.loads(line[len("data: "):]) for line in (await r.text()).split("\n\n")
+                      if line and line != "data: [DONE]"]
+        return whole, events
+
+    cfg = _config(tmp_path, {"context": 256}, serving={"maxBatch": 8, "maxTokens": 256})
+    whole, events = asyncio.run(_serving(cfg, work))
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert streamed == whole["choices"][0]["message"]["content"] and whole["tokens"] > 8

@@ -134,7 +134,8 @@ class Request:
 @dataclass
 class Answer:
     """One row's answer as it is decoded: where it ends, and how much of it a stream has been
-    sent. A stream holds back the bytes that may yet turn out to begin a stop sequence."""
+    sent. A stream holds back only the newest bytes that may yet turn out to begin a stop
+    sequence; the others reach the client as they are chosen."""
 
     request: Request
     tokens: list[int] = field(default_factory=list)
@@ -145,23 +146,34 @@ class Answer:
         if self.finished:
             return
         self.tokens.append(token)
-        for stop in self.request.stop:  # a match ends at the newest byte, or was found before
-            if len(self.tokens) >= len(stop) and bytes(self.tokens[-len(stop):]) == stop:
-                del self.tokens[-len(stop):]
-                self.finished = "stop"
-                break
-        if not self.finished and len(self.tokens) >= self.request.max_tokens:
+        # every match ends at the newest byte (an earlier one would have ended the answer), so the
+        # longest starts first: the answer ends before it, whatever the order the stops came in
+        matched = [len(s) for s in self.request.stop if bytes(self.tokens[-len(s):]) == s]
+        if matched:
+            del self.tokens[-max(matched):]
+            self.finished = "stop"
+        elif len(self.tokens) >= self.request.max_tokens:
             self.finished = "length"
         self.flush()
+
+    def pending(self) -> int:
+        """How many of the newest bytes begin some stop sequence: a chat's stops are 8 bytes, and a
+        stream that held back that many regardless would reach its client 7 tokens late."""
+        stops = self.request.stop
+        for n in range(min(len(self.tokens), max((len(s) for s in stops), default=1) - 1), 0, -1):
+            tail = bytes(self.tokens[-n:])
+            if any(stop.startswith(tail) for stop in stops):
+                return n
+        return 0
 
     def flush(self) -> None:
         request = self.request
         if request.stream is None:
             return
-        held = 0 if self.finished else max((len(s) for s in request.stop), default=1) - 1
-        for token in self.tokens[self.streamed: len(self.tokens) - held]:
+        end = len(self.tokens) - (0 if self.finished else self.pending())
+        for token in self.tokens[self.streamed: end]:
             request.loop.call_soon_threadsafe(request.stream.put_nowait, token)
-        self.streamed = max(self.streamed, len(self.tokens) - held)
+        self.streamed = max(self.streamed, end)
 
 
 def sse(event: dict) -> bytes:
