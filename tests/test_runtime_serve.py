@@ -382,3 +382,50 @@ def test_a_streamed_chat_answer_is_the_answer_sent_whole(tmp_path: Path) -> None
     whole, events = asyncio.run(_serving(cfg, work))
     streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
     assert streamed == whole["choices"][0]["message"]["content"] and whole["tokens"] > 8
+
+
+def test_fields_left_null_take_their_defaults_and_a_body_or_field_of_the_wrong_kind_is_400_naming_it(
+        tmp_path: Path) -> None:
+    """Clients written for OpenAI send null for a field they leave to the server, and chat ones
+    max_completion_tokens (or no cap at all: the answer runs to its stop); a body that is not an
+    object is a client's error, not the server's."""
+    _saved_model(tmp_path / "ckpt")
+    messages = [{"role": "user", "content": "Hi?"}]
+    nulls = {"max_tokens": None, "temperature": None, "seed": None, "stop": None, "stream": None}
+    cases = [
+        ("/v1/completions", {"prompt": "Q: 1?\nA:", **nulls}, 200, "16 tokens"),
+        ("/v1/chat/completions", {"messages": messages, **nulls, "max_completion_tokens": 5}, 200,
+         "5 tokens"),
+        ("/v1/chat/completions", {"messages": messages, "max_tokens": 2, "max_completion_tokens": 5}, 200,
+         "5 tokens"),
+        ("/v1/chat/completions", {"messages": messages}, 200, "all that fits"),
+        ("/v1/chat/completions", [messages], 400, "the body:"),
+        ("/v1/completions", "Q: 1?", 400, "the body:"),
+        ("/v1/completions", {"prompt": "Q: 1?", "max_tokens": "12"}, 400, "max_tokens: give an integer"),
+        ("/v1/completions", {"prompt": "Q: 1?", "max_tokens": 2.5}, 400, "max_tokens: give an integer"),
+        ("/v1/completions", {"prompt": "Q: 1?", "seed": True}, 400, "seed: give an integer"),
+        ("/v1/completions", {"prompt": "Q: 1?", "temperature": "hot"}, 400, "temperature: give a number"),
+        ("/v1/completions", {"prompt": "Q: 1?", "temperature": -1}, 400, "temperature: give a finite"),
+        ("/v1/chat/completions", {"messages": messages, "max_completion_tokens": 0}, 400,
+         "max_completion_tokens: give 1 or more"),
+    ]
+
+    async def work(session, server, report):
+        answers = []
+        for path, body, _, _ in cases:
+            async with session.post(path, json=body) as r:
+                answers.append((r.status, await r.json()))
+        async with session.get("/metrics") as r:
+            return answers, await r.text()
+
+    answers, metrics = asyncio.run(_serving(_config(tmp_path), work))
+    for (path, body, status, what), (got, answer) in zip(cases, answers, strict=True):
+        assert got == status, (path, body, answer)
+        if status == 400:
+            assert answer["error"].startswith(what), (body, answer)
+    prompt = len(chat.render(messages).encode())
+    assert [a["usage"]["completion_tokens"] for _, a in answers[:3]] == [16, 5, 5]
+    assert answers[3][1]["usage"]["completion_tokens"] <= 48 - prompt  # spec.serving.maxTokens
+    assert answers[3][1]["choices"][0]["finish_reason"] == "stop" or \
+        answers[3][1]["usage"]["completion_tokens"] == 48 - prompt
+    assert 'huorn_serve_requests_total{outcome="refused"} 8.0' in metrics

@@ -40,6 +40,7 @@ import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import prometheus_client
 import torch
@@ -176,6 +177,17 @@ class Answer:
         self.streamed = max(self.streamed, end)
 
 
+def read_number(body: dict, name: str, kind: type[int] | type[float], default: float) -> Any:
+    """A numeric field, its default when absent or null (as OpenAI reads null); ValueError naming
+    it otherwise (int() would take "12", 1.5 or true and say nothing of which field was wrong)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        raise ValueError(f"{name}: give {'an integer' if kind is int else 'a number'}, not {value!r}")
+    return kind(value)
+
+
 def sse(event: dict) -> bytes:
     """One server-sent event: a client reads `data:` lines until `data: [DONE]`."""
     return f"data: {json.dumps(event)}\n\n".encode()
@@ -244,6 +256,8 @@ class Server:
     async def complete(self, request: web.Request, is_chat: bool) -> web.StreamResponse:
         try:
             body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("the body: give a JSON object of the request's fields")
             if is_chat:
                 prompt = chat.render(body.get("messages"))
             else:
@@ -251,9 +265,14 @@ class Server:
                 if not isinstance(prompt, str) or not prompt:
                     raise ValueError("prompt: give a non-empty string")
             tokens = list(prompt.encode("utf-8"))
-            wanted = int(body.get("max_tokens", 16))
-            temperature = float(body.get("temperature", 0.0))
-            seed = int(body.get("seed", 0))
+            limit = min(self.limits.max_tokens, self.context)
+            # OpenAI's chat API has no default cap (an answer runs to its end or the context, and
+            # SDKs send none), and names it max_completion_tokens now; its completions API's is 16
+            name = "max_completion_tokens" if is_chat and body.get("max_completion_tokens") is not None \
+                else "max_tokens"
+            wanted = read_number(body, name, int, max(1, limit - len(tokens)) if is_chat else 16)
+            temperature = read_number(body, "temperature", float, 0.0)
+            seed = read_number(body, "seed", int, 0)
             model = body.get("model")
             if model is not None and model != self.cfg.job_name:
                 self.metrics.requests.labels("refused").inc()
@@ -265,14 +284,16 @@ class Server:
             if not isinstance(stops, list) or len(stops) > 4 or \
                     not all(isinstance(x, str) and 0 < len(x.encode()) <= 64 for x in stops):
                 raise ValueError("stop: give a string or a list of up to 4, each of 1-64 bytes")
-            stream = body.get("stream", False)
+            stream = body.get("stream")
+            stream = False if stream is None else stream  # null is the default, as OpenAI reads it
             if not isinstance(stream, bool):
                 raise ValueError("stream: give true (server-sent events, a token at a time) or false")
-            if wanted < 1 or not 0 <= temperature < math.inf:  # NaN too: it fails its whole batch
-                raise ValueError("max_tokens must be ≥ 1 and temperature a finite number ≥ 0")
-            limit = min(self.limits.max_tokens, self.context)
+            if wanted < 1:
+                raise ValueError(f"{name}: give 1 or more")
+            if not 0 <= temperature < math.inf:  # NaN too: it fails its whole batch
+                raise ValueError("temperature: give a finite number ≥ 0")
             if len(tokens) + wanted > limit:
-                raise ValueError(f"max_tokens: prompt ({len(tokens)} tokens) + max_tokens ({wanted}) exceeds "
+                raise ValueError(f"{name}: prompt ({len(tokens)} tokens) + {name} ({wanted}) exceeds "
                                  f"{limit} (spec.serving.maxTokens and the model's context); ask for fewer")
         except (KeyError, ValueError, TypeError, OverflowError, json.JSONDecodeError) as error:
             self.metrics.requests.labels("refused").inc()
