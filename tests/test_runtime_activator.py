@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -279,7 +280,9 @@ async def test_a_stream_cut_mid_answer_ends_with_an_error_event_not_a_second_ans
     async with dying, living, harness.serving_app(front.app()) as session, \
             session.post("/v1/completions", json={"prompt": "Q?", "stream": True}) as answer:
         text = (await answer.content.read()).decode()
-    assert text.startswith('data: {"text": "a"}') and "stopped mid-answer" in text
+    assert text.startswith('data: {"text": "a"}')
+    last = json.loads(text.split("\n\n")[-2][len("data: "):])
+    assert "stopped mid-answer" in last["error"]["message"]  # where the openai SDK reads it
     assert "other replica" not in text
     assert 'huorn_activator_requests_total{outcome="cut"} 1.0' in prometheus_text(front)
 

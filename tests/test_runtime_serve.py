@@ -429,3 +429,33 @@ def test_fields_left_null_take_their_defaults_and_a_body_or_field_of_the_wrong_k
     assert answers[3][1]["choices"][0]["finish_reason"] == "stop" or \
         answers[3][1]["usage"]["completion_tokens"] == 48 - prompt
     assert 'huorn_serve_requests_total{outcome="refused"} 8.0' in metrics
+
+
+def test_a_chat_stream_names_its_role_once_and_a_failed_stream_ends_with_openais_error_shape(
+        tmp_path: Path) -> None:
+    """The openai SDK joins a stream's deltas field by field (a role in every chunk reads
+    "assistantassistant...") and raises an error event with its `error.message` (a bare string
+    reads "An error occurred during streaming")."""
+    _saved_model(tmp_path / "ckpt", ascii_only=True)
+    request = {"messages": [{"role": "user", "content": "Hi?"}], "max_tokens": 6, "stream": True}
+
+    async def work(session, server, report):
+        async def events() -> list[dict]:
+            async with session.post("/v1/chat/completions", json=request) as r:
+                return [json.loads(line[len("data: "):]) for line in (await r.text()).split("\n\n")
+                        if line and line != "data: [DONE]"]
+
+        answered = await events()
+
+        def generate(batch):
+            raise RuntimeError("device lost")
+
+        server.generate = generate
+        return answered, await events()
+
+    answered, failed = asyncio.run(_serving(_config(tmp_path), work))
+    deltas = [e["choices"][0]["delta"] for e in answered]
+    assert deltas[0]["role"] == "assistant" and not any("role" in d for d in deltas[1:])
+    assert answered[-1]["choices"][0]["finish_reason"] == "length"
+    assert failed[-1]["error"]["message"].startswith("generation failed: RuntimeError('device lost')")
+    assert failed[-1]["error"]["type"] == "server_error"

@@ -146,8 +146,8 @@ class Activator:
                         if streamed is not None:
                             self.finished(url, failed=True)
                             self.requests.labels("cut").inc()
-                            await streamed.write(b'data: {"error": "the replica stopped mid-answer; '
-                                                 b'try again"}\n\n')
+                            await streamed.write(serve_mod.sse(serve_mod.stream_error(
+                                "the replica stopped mid-answer; try again")))
                             return streamed
                     except BaseException:
                         # cancelled (the client went, the server stops) or a reply that is not

@@ -188,6 +188,12 @@ def read_number(body: dict, name: str, kind: type[int] | type[float], default: f
     return kind(value)
 
 
+def stream_error(message: str) -> dict:
+    """An error event in OpenAI's shape: the openai SDK raises it with `error.message`, and with
+    the plain string of an HTTP error body it would say only "An error occurred during streaming"."""
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+
+
 def sse(event: dict) -> bytes:
     """One server-sent event: a client reads `data:` lines until `data: [DONE]`."""
     return f"data: {json.dumps(event)}\n\n".encode()
@@ -321,13 +327,17 @@ class Server:
                                   "seconds": seconds})
 
     def openai_fields(self, item: Request, text: str, count: int | None = None,
-                      cached: int | None = None) -> dict:
+                      cached: int | None = None, first: bool = True) -> dict:
         """The answer as OpenAI's completions API shapes it, beside Huorn's own fields, so the
-        clients and SDKs written for it (and for vLLM, which follows it) read it unchanged."""
+        clients and SDKs written for it (and for vLLM, which follows it) read it unchanged.
+
+        A stream's role comes in its `first` chunk only: the openai SDK joins a stream's deltas
+        field by field, and a role in every chunk came out "assistantassistant..."."""
         finish = item.finish_reason if count is not None else None
         if item.chat:
             chunk = item.stream is not None
-            content = {"delta" if chunk else "message": {"role": "assistant", "content": text}}
+            message = {"role": "assistant", "content": text} if first else {"content": text}
+            content = {"delta" if chunk else "message": message}
             fields: dict = {"id": f"chat{item.id}", "object": "chat.completion.chunk" if chunk else
                             "chat.completion", "created": item.created, "model": self.cfg.job_name,
                             "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": finish}]}
@@ -356,19 +366,22 @@ class Server:
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        first = True
         while (token := await item.stream.get()) is not None:
             if text := decoder.decode(bytes([token])):
-                await response.write(sse({**self.openai_fields(item, text), "text": text}))
+                await response.write(sse({**self.openai_fields(item, text, first=first), "text": text}))
+                first = False
         if text := decoder.decode(b"", final=True):
-            await response.write(sse({**self.openai_fields(item, text), "text": text}))
+            await response.write(sse({**self.openai_fields(item, text, first=first), "text": text}))
+            first = False
         try:
             _, count, cached, queued, seconds = await item.done
         except Exception as error:
             self.metrics.requests.labels("failed").inc()
-            await response.write(sse({"error": f"generation failed: {error!r}"}))
+            await response.write(sse(stream_error(f"generation failed: {error!r}")))
         else:
             self.answered(item)
-            await response.write(sse({**self.openai_fields(item, "", count, cached), "done": True,
+            await response.write(sse({**self.openai_fields(item, "", count, cached, first), "done": True,
                                       "tokens": count, "cached_tokens": cached, "queue_seconds": queued,
                                       "seconds": seconds}))
         await response.write(b"data: [DONE]\n\n")
