@@ -315,6 +315,9 @@ def test_prefix_routing_puts_the_router_in_front_once_ready_and_a_policy_change_
                                                {"spec": {"routing": {"policy": "service"}}})
     wait_for(lambda: not [p for p in kube.pods(NS, "chat", "activator") if not p.metadata.deletion_timestamp],
              what="the router gone")
+    wait_for(lambda: "chat-endpoints" not in {s.metadata.name for s in
+                                              kube.core.list_namespaced_service(NS).items},
+             what="its headless Service gone")
     assert routed_to(kube, "chat") == "server" and sorted(servers(kube, "chat")) == ["server-0", "server-1"]
 
 
