@@ -459,3 +459,46 @@ def test_a_chat_stream_names_its_role_once_and_a_failed_stream_ends_with_openais
     assert answered[-1]["choices"][0]["finish_reason"] == "length"
     assert failed[-1]["error"]["message"].startswith("generation failed: RuntimeError('device lost')")
     assert failed[-1]["error"]["type"] == "server_error"
+
+
+def test_a_stream_whose_client_hangs_up_stops_decoding_and_is_counted_abandoned(tmp_path: Path) -> None:
+    """A chat UI's stop button closes the stream: the replica must not decode the rest of the
+    answer for no one, nor log a traceback, and its gauges must come back."""
+    _saved_model(tmp_path / "ckpt", context=256)
+    cfg = _config(tmp_path, {"context": 256}, serving={"maxBatch": 8, "maxTokens": 256})
+
+    async def work(session, server, report):
+        forward, steps = server.model.forward_step, []
+
+        def slow(*args, **kwargs):
+            time.sleep(0.005)  # a real model's step: the hang-up is seen long before 200 of them
+            steps.append(1)
+            return forward(*args, **kwargs)
+
+        server.model.forward_step = slow
+        real, decoded = server.generate, []
+
+        def generate(batch):
+            before = len(steps)
+            try:
+                return real(batch)
+            finally:
+                decoded.append(len(steps) - before)
+
+        server.generate = generate
+        async with aiohttp.ClientSession(str(session._base_url)) as other:
+            r = await other.post("/v1/completions", json={"prompt": "Q: 1?\nA:", "max_tokens": 200,
+                                                          "stream": True})
+            await r.content.readuntil(b"\n\n")
+            r.close()  # the client hangs up
+        async with session.post("/v1/completions", json={"prompt": "Q: 2?\nA:", "max_tokens": 2},
+                                timeout=aiohttp.ClientTimeout(total=60)) as r:
+            after = r.status
+        async with session.get("/metrics") as r:
+            return decoded, after, await r.text()
+
+    decoded, after, metrics = asyncio.run(_serving(cfg, work))
+    assert decoded[0] < 100 and after == 200
+    assert 'huorn_serve_requests_total{outcome="abandoned"} 1.0' in metrics
+    assert 'huorn_serve_requests_total{outcome="ok"} 1.0' in metrics
+    assert "huorn_serve_in_flight 0.0" in metrics

@@ -128,6 +128,8 @@ class Request:
     stop: tuple[bytes, ...] = ()  # the answer ends before the first of these it would contain
     finish_reason: str | None = None  # "stop" or "length", once decoded
     chat: bool = False  # asked through the chat API: answered in its shape
+    # Its client went (a streamed answer's connection closed): the batch stops choosing its tokens.
+    abandoned: bool = False
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -144,6 +146,8 @@ class Answer:
     streamed: int = 0
 
     def add(self, token: int) -> None:
+        if self.request.abandoned:  # nobody reads the rest: the batch may stop sooner
+            self.finished = self.finished or "abandoned"
         if self.finished:
             return
         self.tokens.append(token)
@@ -364,6 +368,21 @@ class Server:
         assert item.stream is not None
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
+        try:
+            await self.send_events(request, response, item)
+        except ConnectionResetError:
+            # the client hung up (a chat UI's stop button): the rest of its answer is decoded for
+            # no one, and a traceback per hang-up would be noise
+            item.abandoned = True
+            if item in self.queue:
+                self.queue.remove(item)
+            # its batch may yet fail: an exception nobody reads is logged as never retrieved
+            item.done.add_done_callback(lambda done: done.cancelled() or done.exception())
+            self.metrics.requests.labels("abandoned").inc()
+        return response
+
+    async def send_events(self, request: web.Request, response: web.StreamResponse, item: Request) -> None:
+        assert item.stream is not None
         await response.prepare(request)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         first = True
@@ -374,19 +393,23 @@ class Server:
         if text := decoder.decode(b"", final=True):
             await response.write(sse({**self.openai_fields(item, text, first=first), "text": text}))
             first = False
+        failed = False
         try:
             _, count, cached, queued, seconds = await item.done
         except Exception as error:
-            self.metrics.requests.labels("failed").inc()
+            failed = True
             await response.write(sse(stream_error(f"generation failed: {error!r}")))
         else:
-            self.answered(item)
             await response.write(sse({**self.openai_fields(item, "", count, cached, first), "done": True,
                                       "tokens": count, "cached_tokens": cached, "queue_seconds": queued,
                                       "seconds": seconds}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-        return response
+        # counted once the client has it all: a hang-up before counts as abandoned, not as both
+        if failed:
+            self.metrics.requests.labels("failed").inc()
+        else:
+            self.answered(item)
 
     async def models(self, request: web.Request) -> web.Response:
         """OpenAI's model list: the one model this replica serves, by its job's name (what the
