@@ -289,3 +289,61 @@ async def test_a_stream_cut_mid_answer_ends_with_an_error_event_not_a_second_ans
 
 def prometheus_text(front: activator.Activator) -> str:
     return prometheus_client.generate_latest(front.registry).decode()
+
+
+async def test_a_client_hanging_up_mid_stream_leaves_its_replica_well_and_closes_the_upstream() -> None:
+    """A closed client is, to aiohttp, a ClientConnectionError like a dropped replica: the stop
+    button of a chat UI must neither leave a well replica out nor forget what it holds, and the
+    replica must see the hang-up, to stop decoding."""
+    replica_saw_hang_up = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for _ in range(600):
+                await response.write(b'data: {"text": "a"}\n\n')
+                await asyncio.sleep(0.05)
+        except ConnectionResetError:
+            replica_saw_hang_up.set()
+        return response
+
+    replica = web.Application()
+    replica.add_routes([web.post("/v1/completions", stream)])
+    runner, url = await _start(replica)
+    front = _router_front([url])
+    prompt = {"prompt": "Q" * 40, "stream": True}  # two blocks: what the router remembers sending
+    try:
+        async with harness.serving_app(front.app()) as session:
+            answer = await session.post("/v1/completions", json=prompt)
+            await asyncio.wait_for(answer.content.readuntil(b"\n\n"), 30)
+            answer.close()  # the client hangs up
+            await asyncio.wait_for(replica_saw_hang_up.wait(), 30)
+            for _ in range(50):
+                if front.router is not None and front.router.replicas[url].in_flight == 0:
+                    break
+                await asyncio.sleep(0.1)
+        assert front.router is not None
+        assert front.router.replicas[url].in_flight == 0
+        assert front.router.replicas[url].down_until == 0 and front.router.replicas[url].sent
+        text = prometheus_text(front)
+        assert 'outcome="cut"' not in text
+        assert 'huorn_activator_requests_total{outcome="abandoned"} 1.0' in text
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_stream_whose_replica_dies_before_its_first_event_is_tried_on_another() -> None:
+    """The client has heard nothing yet (the request waited in the replica's queue): it can be
+    answered whole by the next replica rather than cut."""
+    dead = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    event = b'data: {"text": "from the other replica"}\n\ndata: [DONE]\n\n'
+    good = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+    (dying, first), (living, second) = await _replica("127.0.0.1", dead), await _replica("127.0.0.2", good)
+    front = _router_front([first, second])
+    async with dying, living, harness.serving_app(front.app()) as session, \
+            session.post("/v1/completions", json={"prompt": "Q?", "stream": True}) as answer:
+        text = (await answer.content.read()).decode()
+    assert text == event.decode()
+    assert 'outcome="cut"' not in prometheus_text(front)

@@ -36,7 +36,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -131,12 +131,19 @@ class Activator:
                         async with session.request(request.method, url + request.rel_url.path_qs,
                                                    data=body, headers=headers) as answer:
                             if answer.content_type == "text/event-stream":
-                                # a streamed answer is passed on as it comes, a token at a time
+                                # a streamed answer is passed on as it comes, a token at a time; the
+                                # client hears nothing until its first event, so a replica lost while
+                                # the request waits in its queue is one to try again, not a cut
+                                chunks = answer.content.iter_any()
+                                chunk = await anext(chunks, b"")
                                 streamed = web.StreamResponse(status=answer.status, headers={
                                     "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-                                await streamed.prepare(request)
-                                async for chunk in answer.content.iter_any():
-                                    await streamed.write(chunk)
+                                if not await self.pass_on(request, streamed, chunk, chunks):
+                                    # the client hung up: leaving the block closes the replica's
+                                    # connection, which ends its decoding; the replica is well
+                                    self.finished(url, failed=False)
+                                    self.requests.labels("abandoned").inc()
+                                    return streamed
                             else:
                                 payload = await answer.read()
                         failed = False
@@ -185,6 +192,24 @@ class Activator:
             message = (f"no replica became ready within {self.timeout_seconds:g} s "
                        "(spec.autoscaling.activationTimeoutSeconds); try again")
         return web.json_response({"error": message}, status=503, headers={"Retry-After": "5"})
+
+    async def pass_on(self, request: web.Request, streamed: web.StreamResponse, chunk: bytes,
+                      chunks: AsyncIterator[bytes]) -> bool:
+        """Send a replica's stream on to the client; False if the client hung up. Only the
+        client's side is caught here: a replica's failure reaches the caller, which cuts the
+        stream (aiohttp raises a closed client as a ClientConnectionError, as it does a replica
+        that dropped, and a client's stop button would leave a well replica out and forgotten)."""
+        try:
+            await streamed.prepare(request)
+            await streamed.write(chunk)
+        except ConnectionResetError:
+            return False
+        async for chunk in chunks:
+            try:
+                await streamed.write(chunk)
+            except ConnectionResetError:
+                return False
+        return True
 
     async def follow_replicas(self) -> None:
         """Keep the router's replicas those the resolver gives now."""
