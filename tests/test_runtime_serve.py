@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -502,3 +503,50 @@ def test_a_stream_whose_client_hangs_up_stops_decoding_and_is_counted_abandoned(
     assert 'huorn_serve_requests_total{outcome="abandoned"} 1.0' in metrics
     assert 'huorn_serve_requests_total{outcome="ok"} 1.0' in metrics
     assert "huorn_serve_in_flight 0.0" in metrics
+
+
+def test_a_row_is_answered_as_it_ends_not_when_its_batch_does(tmp_path: Path) -> None:
+    """A short answer (or one at its stop) batched with a long one: its client has it, and a
+    stream its [DONE], as soon as its own row ends."""
+    _saved_model(tmp_path / "ckpt", context=256)
+    cfg = _config(tmp_path, {"context": 256}, serving={"maxBatch": 8, "maxTokens": 256})
+
+    async def work(session, server, report):
+        forward = server.model.forward_step
+
+        def slow(*args, **kwargs):
+            time.sleep(0.005)  # 200 steps take a second or more
+            return forward(*args, **kwargs)
+
+        server.model.forward_step = slow
+        real, entered, gate = server.generate, asyncio.Event(), threading.Event()
+        loop = asyncio.get_running_loop()
+
+        def generate(batch):
+            if len(batch[0].tokens) == 1:  # a batch that holds the batcher until both are queued
+                loop.call_soon_threadsafe(entered.set)
+                gate.wait(60)
+            return real(batch)
+
+        server.generate = generate
+
+        async def ask(prompt: str, tokens: int, stream: bool) -> str:
+            async with session.post("/v1/completions", json={"prompt": prompt, "max_tokens": tokens,
+                                                              "stream": stream}) as r:
+                return await r.text()
+
+        held = asyncio.create_task(ask("Q", 1, False))
+        await asyncio.wait_for(entered.wait(), 60)
+        long = asyncio.create_task(ask("Q: 1?\nA:", 200, False))
+        short = asyncio.create_task(ask("Q: 2?\nA:", 2, True))
+        while len(server.queue) < 2:  # both in one batch: the same prompt length
+            await asyncio.sleep(0.01)
+        gate.set()
+        await held
+        text = await asyncio.wait_for(short, 60)
+        pending = not long.done()
+        await long
+        return text, pending
+
+    text, long_pending = asyncio.run(_serving(cfg, work))
+    assert text.endswith("data: [DONE]\n\n") and long_pending

@@ -482,7 +482,9 @@ class Server:
 
     def generate(self, batch: list[Request]) -> list[tuple[str, int, int]]:
         """One batch decoded together: each row samples at its own temperature and seed and
-        stops (for the answer) at its own max_tokens."""
+        stops (for the answer) at its own max_tokens or stop, and is answered then: a short
+        answer, or one at its stop, does not wait for the batch's longest."""
+        began = time.monotonic()
         device = next(self.model.parameters()).device
         steps = max(r.max_tokens for r in batch)
         prompt = torch.tensor([r.tokens for r in batch], dtype=torch.long, device=device)
@@ -506,10 +508,16 @@ class Server:
                     else:
                         chosen.append(int(logits[row].argmax()))
                 now = time.monotonic()
-                for answer, token in zip(answers, chosen, strict=True):
+                for row, (answer, token) in enumerate(zip(answers, chosen, strict=True)):
+                    ended = answer.finished
                     answer.add(token)
                     if step == 0:
                         answer.request.first_token_at = now
+                    if not ended and answer.finished not in (None, "abandoned"):
+                        answer.request.finish_reason = answer.finished
+                        result = (tokenizer.decode(answer.tokens), len(answer.tokens), cached[row],
+                                  began - answer.request.arrived, time.monotonic() - began)
+                        answer.request.loop.call_soon_threadsafe(self.answer, answer.request, result)
                 if all(a.finished for a in answers):  # every row at its stop or its max_tokens
                     break
                 tokens = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
@@ -534,6 +542,13 @@ class Server:
         self.metrics.prefix_evictions.inc(self.prefixes.stats.evicted_blocks - evicted)
         self.metrics.prefix_cache_bytes.set(self.prefixes.nbytes())
 
+    def answer(self, request: Request, result: tuple[str, int, int, float, float]) -> None:
+        """On the loop, after the tokens its decoding thread sent before (callbacks run in order)."""
+        if not request.done.done():  # its handler may have been cancelled
+            request.done.set_result(result)
+        if request.stream is not None:
+            request.stream.put_nowait(None)
+
     async def run_batches(self) -> None:
         while True:
             await self.wake.wait()
@@ -556,10 +571,8 @@ class Server:
                 self.metrics.busy.inc(seconds)
                 for r, (text, count, cached) in zip(batch, answers, strict=True):
                     self.metrics.tokens.inc(count)
-                    if not r.done.done():  # else setting it would raise and end the batching task
-                        r.done.set_result((text, count, cached, started - r.arrived, seconds))
-                    if r.stream is not None:  # after every token: the loop runs callbacks in order
-                        r.stream.put_nowait(None)
+                    if not r.done.done():  # answered as its row ended, or its handler was cancelled
+                        self.answer(r, (text, count, cached, started - r.arrived, seconds))
 
     def app(self) -> web.Application:
         app = web.Application()
