@@ -550,3 +550,19 @@ def test_a_row_is_answered_as_it_ends_not_when_its_batch_does(tmp_path: Path) ->
 
     text, long_pending = asyncio.run(_serving(cfg, work))
     assert text.endswith("data: [DONE]\n\n") and long_pending
+
+
+def test_a_chat_with_no_cap_ends_at_the_default_rather_than_the_whole_context(tmp_path: Path) -> None:
+    """No end-of-turn token: a chat that names no cap would otherwise decode to the context."""
+    _saved_model(tmp_path / "ckpt", context=512)
+    cfg = _config(tmp_path, {"context": 512}, serving={"maxBatch": 8, "maxTokens": 512})
+
+    async def work(session, server, report):
+        body = {"messages": [{"role": "user", "content": "Hi?"}]}
+        async with session.post("/v1/chat/completions", json=body) as r:
+            return await r.json()
+
+    answer = asyncio.run(_serving(cfg, work))
+    assert answer["usage"]["completion_tokens"] == serve.CHAT_DEFAULT_TOKENS or \
+        answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] <= serve.CHAT_DEFAULT_TOKENS

@@ -55,6 +55,7 @@ from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler, tokenizer
 
 CALIBRATION_SOURCES = ("general", "code", "math")
+CHAT_DEFAULT_TOKENS = 256  # a chat answer's cap when the request gives none
 BATCHER = web.AppKey("batcher", asyncio.Task)
 
 
@@ -276,11 +277,15 @@ class Server:
                     raise ValueError("prompt: give a non-empty string")
             tokens = list(prompt.encode("utf-8"))
             limit = min(self.limits.max_tokens, self.context)
-            # OpenAI's chat API has no default cap (an answer runs to its end or the context, and
-            # SDKs send none), and names it max_completion_tokens now; its completions API's is 16
+            # OpenAI's chat API has no default cap (an answer runs to its end-of-turn token or the
+            # context, and SDKs send none) and names it max_completion_tokens now; its completions
+            # API's is 16. These models have no end-of-turn token (an answer ends at a stop, which
+            # an untrained or plain-text model may never write): a chat with no cap gets
+            # CHAT_DEFAULT_TOKENS, or what fits, rather than the whole context every time
             name = "max_completion_tokens" if is_chat and body.get("max_completion_tokens") is not None \
                 else "max_tokens"
-            wanted = read_number(body, name, int, max(1, limit - len(tokens)) if is_chat else 16)
+            fits = max(1, limit - len(tokens))
+            wanted = read_number(body, name, int, min(CHAT_DEFAULT_TOKENS, fits) if is_chat else 16)
             temperature = read_number(body, "temperature", float, 0.0)
             seed = read_number(body, "seed", int, 0)
             model = body.get("model")
