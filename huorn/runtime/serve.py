@@ -548,8 +548,10 @@ class Server:
         self.metrics.prefix_cache_bytes.set(self.prefixes.nbytes())
 
     def answer(self, request: Request, result: tuple[str, int, int, float, float]) -> None:
-        """On the loop, after the tokens its decoding thread sent before (callbacks run in order)."""
+        """On the loop, after the tokens its decoding thread sent before (callbacks run in order).
+        Its tokens are counted here, before its client can read the answer and then /metrics."""
         if not request.done.done():  # its handler may have been cancelled
+            self.metrics.tokens.inc(result[1])
             request.done.set_result(result)
         if request.stream is not None:
             request.stream.put_nowait(None)
@@ -575,7 +577,6 @@ class Server:
                 seconds = time.monotonic() - started
                 self.metrics.busy.inc(seconds)
                 for r, (text, count, cached) in zip(batch, answers, strict=True):
-                    self.metrics.tokens.inc(count)
                     if not r.done.done():  # answered as its row ended, or its handler was cancelled
                         self.answer(r, (text, count, cached, started - r.arrived, seconds))
 
