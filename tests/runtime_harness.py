@@ -136,9 +136,11 @@ def loss_gaps_to_uninterrupted(tmp: Path, spec: dict, history: dict[int, dict],
 
 
 @contextlib.asynccontextmanager
-async def serving_app(app: web.Application) -> AsyncIterator[aiohttp.ClientSession]:
-    """`app` served on a free loopback port, and a client session to it, for as long as the block."""
-    runner = web.AppRunner(app)
+async def serving_app(app: web.Application,
+                      handler_cancellation: bool = False) -> AsyncIterator[aiohttp.ClientSession]:
+    """`app` served on a free loopback port, and a client session to it, for as long as the block;
+    `handler_cancellation` as the serving processes run (huorn.runtime.serve.run_until_signal)."""
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -55,7 +55,7 @@ def _config(tmp_path: Path, architecture: dict | None = None, **spec: object) ->
 async def _serving(cfg: serve.ServeConfig, client_work) -> object:
     model, report = serve.load_model(cfg)
     server = serve.Server(cfg, model)
-    async with harness.serving_app(server.app()) as session:
+    async with harness.serving_app(server.app(), handler_cancellation=True) as session:
         return await client_work(session, server, report)
 
 
@@ -566,3 +566,46 @@ def test_a_chat_with_no_cap_ends_at_the_default_rather_than_the_whole_context(tm
     assert answer["usage"]["completion_tokens"] == serve.CHAT_DEFAULT_TOKENS or \
         answer["choices"][0]["finish_reason"] == "stop"
     assert answer["usage"]["completion_tokens"] <= serve.CHAT_DEFAULT_TOKENS
+
+
+def test_a_plain_request_whose_client_gives_up_stops_decoding_and_is_counted_abandoned(
+        tmp_path: Path) -> None:
+    """A client's time-out, then its retry: under load, the decode it left is what the retry waits
+    behind. A closed connection cancels its handler (as the serving process runs it), and the row
+    stops choosing tokens."""
+    _saved_model(tmp_path / "ckpt", context=256)
+    cfg = _config(tmp_path, {"context": 256}, serving={"maxBatch": 8, "maxTokens": 256})
+
+    async def work(session, server, report):
+        forward, steps, decoded = server.model.forward_step, [], []
+
+        def slow(*args, **kwargs):
+            time.sleep(0.005)  # a real model's step
+            steps.append(1)
+            return forward(*args, **kwargs)
+
+        server.model.forward_step = slow
+        real = server.generate
+
+        def generate(batch):
+            before = len(steps)
+            try:
+                return real(batch)
+            finally:
+                decoded.append(len(steps) - before)
+
+        server.generate = generate
+        with pytest.raises(TimeoutError):
+            async with session.post("/v1/completions", json={"prompt": "Q: 1?\nA:", "max_tokens": 200},
+                                    timeout=aiohttp.ClientTimeout(total=0.2)) as r:
+                await r.read()
+        async with session.post("/v1/completions", json={"prompt": "Q: 2?\nA:", "max_tokens": 2},
+                                timeout=aiohttp.ClientTimeout(total=60)) as r:
+            after = r.status
+        async with session.get("/metrics") as r:
+            return decoded, after, await r.text()
+
+    decoded, after, metrics = asyncio.run(_serving(cfg, work))
+    assert decoded[0] < 150 and after == 200
+    assert 'huorn_serve_requests_total{outcome="abandoned"} 1.0' in metrics
+    assert "huorn_serve_in_flight 0.0" in metrics

@@ -254,6 +254,7 @@ class Server:
         self.metrics = Metrics()
         self.prefixes = prefix_cache.PrefixCache(self.limits.prefix_cache_tokens)
         self.started = int(time.time())
+        self.stopping = False  # handlers cancelled as the server stops are not abandoned
 
     # -- HTTP ------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -325,6 +326,13 @@ class Server:
                 return await self.stream_answer(request, item)
             try:
                 text, count, cached, queued, seconds = await item.done
+            except asyncio.CancelledError:
+                # the client hung up (its time-out, then a retry: under load, the decode it
+                # abandons is what the retry waits behind); run_until_signal's runner cancels
+                # the handler of a closed connection
+                if not self.stopping:
+                    self.abandon(item)
+                raise
             except Exception as error:  # the batch failed: this request is answered, and counted
                 self.metrics.requests.labels("failed").inc()
                 return web.json_response({"error": f"generation failed: {error!r}"}, status=500)
@@ -378,13 +386,22 @@ class Server:
         except ConnectionResetError:
             # the client hung up (a chat UI's stop button): the rest of its answer is decoded for
             # no one, and a traceback per hang-up would be noise
-            item.abandoned = True
-            if item in self.queue:
-                self.queue.remove(item)
-            # its batch may yet fail: an exception nobody reads is logged as never retrieved
-            item.done.add_done_callback(lambda done: done.cancelled() or done.exception())
-            self.metrics.requests.labels("abandoned").inc()
+            self.abandon(item)
+        except asyncio.CancelledError:  # the same, seen while it waited for its next token
+            if not self.stopping:
+                self.abandon(item)
+            raise
         return response
+
+    def abandon(self, item: Request) -> None:
+        """Nobody reads the rest of this answer: its row stops choosing tokens, or it leaves the
+        queue before it is decoded at all."""
+        item.abandoned = True
+        if item in self.queue:
+            self.queue.remove(item)
+        # its batch may yet fail: an exception nobody reads is logged as never retrieved
+        item.done.add_done_callback(lambda done: done.cancelled() or done.exception())
+        self.metrics.requests.labels("abandoned").inc()
 
     async def send_events(self, request: web.Request, response: web.StreamResponse, item: Request) -> None:
         assert item.stream is not None
@@ -590,10 +607,15 @@ class Server:
         async def start_batching(app: web.Application) -> None:
             app[BATCHER] = asyncio.create_task(self.run_batches())
 
+        async def stopping(app: web.Application) -> None:
+            # before the runner waits for the handlers and cancels what is left
+            self.stopping = True
+
         async def stop_batching(app: web.Application) -> None:
             app[BATCHER].cancel()
 
         app.on_startup.append(start_batching)
+        app.on_shutdown.append(stopping)
         app.on_cleanup.append(stop_batching)
         return app
 
@@ -607,7 +629,9 @@ async def run_until_signal(app: web.Application, cfg: ServeConfig, record: str, 
                            what: str) -> None:
     """Serve `app` on the config's address until SIGTERM or SIGINT; the bound port (0 picks one)
     goes into run_dir/`record` with `facts`, which is how a supervisor or a test finds it."""
-    runner = web.AppRunner(app)
+    # a closed connection cancels its handler: a client that gave up is not decoded for, and a
+    # router's forward that the client left closes its connection to the replica in turn
+    runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
