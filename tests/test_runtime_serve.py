@@ -462,36 +462,53 @@ def test_a_chat_stream_names_its_role_once_and_a_failed_stream_ends_with_openais
     assert failed[-1]["error"]["type"] == "server_error"
 
 
-def test_a_stream_whose_client_hangs_up_stops_decoding_and_is_counted_abandoned(tmp_path: Path) -> None:
-    """A chat UI's stop button closes the stream: the replica must not decode the rest of the
-    answer for no one, nor log a traceback, and its gauges must come back."""
+def _count_decode_steps(server: serve.Server) -> list[int]:
+    """Each batch's decoding steps, as generate() returns, at a real model's pace (5 ms a step:
+    a hang-up is seen long before 200 of them)."""
+    forward, steps, decoded = server.model.forward_step, [], []
+
+    def slow(*args, **kwargs):
+        time.sleep(0.005)
+        steps.append(1)
+        return forward(*args, **kwargs)
+
+    real = server.generate
+
+    def generate(batch):
+        before = len(steps)
+        try:
+            return real(batch)
+        finally:
+            decoded.append(len(steps) - before)
+
+    server.model.forward_step = slow
+    server.generate = generate
+    return decoded
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_request_whose_client_hangs_up_stops_decoding_and_is_counted_abandoned(
+        tmp_path: Path, streamed: bool) -> None:
+    """A chat UI's stop button closes a stream; a client's time-out closes a plain request before
+    its retry, which under load waits behind the decode it left. The replica must not decode the
+    rest for no one (a closed connection cancels its handler, as the serving process runs it),
+    nor log a traceback, and its gauges must come back."""
     _saved_model(tmp_path / "ckpt", context=256)
     cfg = _config(tmp_path, {"context": 256}, serving={"maxBatch": 8, "maxTokens": 256})
 
     async def work(session, server, report):
-        forward, steps = server.model.forward_step, []
-
-        def slow(*args, **kwargs):
-            time.sleep(0.005)  # a real model's step: the hang-up is seen long before 200 of them
-            steps.append(1)
-            return forward(*args, **kwargs)
-
-        server.model.forward_step = slow
-        real, decoded = server.generate, []
-
-        def generate(batch):
-            before = len(steps)
-            try:
-                return real(batch)
-            finally:
-                decoded.append(len(steps) - before)
-
-        server.generate = generate
-        async with aiohttp.ClientSession(str(session._base_url)) as other:
-            r = await other.post("/v1/completions", json={"prompt": "Q: 1?\nA:", "max_tokens": 200,
-                                                          "stream": True})
-            await r.content.readuntil(b"\n\n")
-            r.close()  # the client hangs up
+        decoded = _count_decode_steps(server)
+        if streamed:
+            async with aiohttp.ClientSession(str(session._base_url)) as other:
+                r = await other.post("/v1/completions", json={"prompt": "Q: 1?\nA:", "max_tokens": 200,
+                                                              "stream": True})
+                await r.content.readuntil(b"\n\n")
+                r.close()  # the client hangs up
+        else:
+            with pytest.raises(TimeoutError):
+                async with session.post("/v1/completions", json={"prompt": "Q: 1?\nA:", "max_tokens": 200},
+                                        timeout=aiohttp.ClientTimeout(total=0.2)) as r:
+                    await r.read()
         async with session.post("/v1/completions", json={"prompt": "Q: 2?\nA:", "max_tokens": 2},
                                 timeout=aiohttp.ClientTimeout(total=60)) as r:
             after = r.status
@@ -567,45 +584,3 @@ def test_a_chat_with_no_cap_ends_at_the_default_rather_than_the_whole_context(tm
         answer["choices"][0]["finish_reason"] == "stop"
     assert answer["usage"]["completion_tokens"] <= serve.CHAT_DEFAULT_TOKENS
 
-
-def test_a_plain_request_whose_client_gives_up_stops_decoding_and_is_counted_abandoned(
-        tmp_path: Path) -> None:
-    """A client's time-out, then its retry: under load, the decode it left is what the retry waits
-    behind. A closed connection cancels its handler (as the serving process runs it), and the row
-    stops choosing tokens."""
-    _saved_model(tmp_path / "ckpt", context=256)
-    cfg = _config(tmp_path, {"context": 256}, serving={"maxBatch": 8, "maxTokens": 256})
-
-    async def work(session, server, report):
-        forward, steps, decoded = server.model.forward_step, [], []
-
-        def slow(*args, **kwargs):
-            time.sleep(0.005)  # a real model's step
-            steps.append(1)
-            return forward(*args, **kwargs)
-
-        server.model.forward_step = slow
-        real = server.generate
-
-        def generate(batch):
-            before = len(steps)
-            try:
-                return real(batch)
-            finally:
-                decoded.append(len(steps) - before)
-
-        server.generate = generate
-        with pytest.raises(TimeoutError):
-            async with session.post("/v1/completions", json={"prompt": "Q: 1?\nA:", "max_tokens": 200},
-                                    timeout=aiohttp.ClientTimeout(total=0.2)) as r:
-                await r.read()
-        async with session.post("/v1/completions", json={"prompt": "Q: 2?\nA:", "max_tokens": 2},
-                                timeout=aiohttp.ClientTimeout(total=60)) as r:
-            after = r.status
-        async with session.get("/metrics") as r:
-            return decoded, after, await r.text()
-
-    decoded, after, metrics = asyncio.run(_serving(cfg, work))
-    assert decoded[0] < 150 and after == 200
-    assert 'huorn_serve_requests_total{outcome="abandoned"} 1.0' in metrics
-    assert "huorn_serve_in_flight 0.0" in metrics
