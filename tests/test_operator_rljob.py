@@ -95,7 +95,8 @@ def test_an_rl_job_is_one_ray_cluster_whose_controller_ends_the_job(kube: builde
     config = controller.RLRunConfig.model_validate(json.loads(data))
     assert config.spec.steps == 20 and config.checkpoint_root.as_posix() == "/checkpoints"
     assert config.ray_cpus is None  # the head's Ray cluster is sized by its pods, not the controller
-    assert status(kube, "dapo")["phase"] == "Pending"
+    # the pods are created before the status that reports them is written: wait for it
+    wait_for(lambda: status(kube, "dapo").get("phase") == "Pending", what="status Pending")
 
     run_all(kube, "dapo")
     now = wait_for(lambda: (s := status(kube, "dapo")).get("phase") == "Running" and s, what="Running")
