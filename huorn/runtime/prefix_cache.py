@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +44,17 @@ def block_hashes(tokens: Sequence[int], block: int = BLOCK) -> list[bytes]:
         parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
         names.append(parent)
     return names
+
+
+def leading(names: Sequence[bytes], held: Container[bytes]) -> int:
+    """How many of a prompt's block names, from its first, `held` has: a chain breaks at its
+    first miss (a later block's name says nothing once an earlier one differs)."""
+    count = 0
+    for name in names:
+        if name not in held:
+            break
+        count += 1
+    return count
 
 
 def reusable_blocks(prompt_length: int, matched: int, block: int = BLOCK) -> int:
@@ -84,12 +95,7 @@ class PrefixCache:
 
     def match(self, names: Sequence[bytes]) -> int:
         """Leading blocks of a prompt held here."""
-        count = 0
-        for name in names:
-            if name not in self.blocks:
-                break
-            count += 1
-        return count
+        return leading(names, self.blocks)
 
     def load(self, cache: KVCache, row: int, names: Sequence[bytes]) -> None:
         """Write the named blocks' K/V into the first positions of one row of `cache`; the caller

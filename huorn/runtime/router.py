@@ -134,11 +134,7 @@ class PrefixRouter:
         enough = min(len(names), MIN_MATCH_BLOCKS)
 
         def matched(r: Replica) -> int:
-            count = 0
-            for name in names:
-                if name not in r.sent:
-                    break
-                count += 1
+            count = prefix_cache.leading(names, r.sent)
             return count if count >= enough else 0
 
         def rank(r: Replica) -> tuple[int, int]:
