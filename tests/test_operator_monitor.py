@@ -83,7 +83,7 @@ def test_goodput_policy_grows_job_within_max_replicas(cluster, kube: builders.Ku
             resized = wait_for(lambda: decisions(kube, "grow", "resize"), what="a resize decision")
             wait_for(lambda: len(kube.pods(NS, "grow", "trainer")) == 2, what="a second trainer pod")
             assert "goodput allocator: grow to 2" in resized[-1]["reason"]
-            assert any(e.reason == "Resize" and "goodput" in e.message for e in kube.events(NS, "grow"))
+            wait_for(lambda: kube.has_event(NS, "grow", "Resize", contains="goodput"), what="Resize")
             # The allocator never goes past maxReplicas, and the reconcile keeps its choice.
             run_with_ips(kube, "grow", 2)
             assert kube.job_status(NS, "grow")["targetReplicas"] == 2
@@ -150,7 +150,7 @@ def test_max_mitigation_caps_the_ladder(cluster, kube: builders.Kube, ranks: Ran
         graph = kube.job_status(NS, "llm")["graph"]
         trainer = next(v for v in graph["vertices"] if v["name"] == "trainer")
         assert trainer["params"]["mitigation"]["action"] == "capped"
-        assert any(e.reason == "Remediation" and e.type == "Warning" for e in kube.events(NS, "llm"))
+        wait_for(lambda: kube.has_event(NS, "llm", "Remediation", kind="Warning"), what="Remediation")
         # Capped means nothing is replaced and no node is cordoned, however long the hang lasts.
         wait_for(lambda: kube.job_status(NS, "llm").get("phase") == "Running", what="still Running")
         assert decisions(kube, "llm", "replace") == []

@@ -66,7 +66,7 @@ def test_inference_demand_reclaims_lent_gpus_by_shrinking_the_borrower(kube: bui
     assert shrink["reason"].startswith("reclaim: serve reclaims 2 GPU(s)")
     assert "team/elastic gives back 2" in shrink["reason"]
     assert [p.metadata.name for p in kube.pods(NS, "elastic", "trainer")] == ["elastic-trainer-0"]
-    assert any(e.reason == "Reclaim" for e in kube.events(NS, "elastic"))
+    wait_for(lambda: kube.has_event(NS, "elastic", "Reclaim"), what="the Reclaim event")
     wait_for(lambda: kube.get_vc("serve").get("status", {}).get("lent") == 2, what="serve lends 2")
     wait_for(lambda: kube.get_vc("train").get("status", {}).get("borrowed") == 2, what="train borrows 2")
     # Paid back: later VC ticks reclaim nothing more.

@@ -64,7 +64,7 @@ def test_a_higher_priority_job_stops_the_lowest_gang_and_gets_its_gpus_first(
         assert low["decisions"][-1]["action"] == "replace"
         assert low["decisions"][-1]["reason"] == ("preempted by team/high (priority 60) to place its gang: "
                                                   "priority 10 is lower")
-        assert any(e.reason == "Preempted" for e in kube.events(NS, "low"))
+        wait_for(lambda: kube.has_event(NS, "low", "Preempted"), what="the Preempted event")
         wait_for(lambda: any(e.reason == "Preempting" and "team/low" in e.message
                              for e in kube.events(NS, "high")), what="high's Preempting event")
         # While low checkpoints, high waits for it and stops nobody else.
@@ -149,7 +149,7 @@ def test_an_elastic_gang_of_lower_priority_shrinks_instead_of_stopping(kube: bui
     assert status["decisions"][-1]["reason"] == ("shrunk by 2 for team/high (priority 60) to place its gang: "
                                                  "priority 10 is lower, and the job is elastic")
     assert status.get("preemptReplacements") is None and status["phase"] != "Failed"
-    assert any(e.reason == "Shrunk" for e in kube.events(NS, "elastic"))
+    wait_for(lambda: kube.has_event(NS, "elastic", "Shrunk"), what="the Shrunk event")
 
 
 def test_a_restarted_operator_finishes_a_preemption_and_stops_no_one_twice(
@@ -200,7 +200,7 @@ def test_a_higher_priority_training_job_preempts_a_running_rl_job(
         assert rl_status["decisions"][-1]["action"] == "replace"
         assert rl_status["decisions"][-1]["reason"].startswith(
             "preempted by team/high (priority 60) to place its gang: priority 10 is lower")
-        assert any(e.reason == "Preempted" for e in kube.events(NS, "rl"))
+        wait_for(lambda: kube.has_event(NS, "rl", "Preempted"), what="the Preempted event")
         assert trainers(kube, "high") == []  # the GPUs are still held while the gang checkpoints
         kubelet.release(first)
         wait_for(lambda: trainers(kube, "high") == ["high-trainer-0"], what="high placed")
@@ -249,7 +249,7 @@ def test_a_waiting_rl_job_of_higher_priority_preempts_a_training_job(
         assert low["decisions"][-1]["action"] == "replace" and low["preemptReplacements"] == 1
         assert low["decisions"][-1]["reason"].startswith(
             "preempted by team/rl (priority 60) to place its gang: priority 10 is lower")
-        assert any(e.reason == "Preempting" for e in kube.events(NS, "rl"))
+        wait_for(lambda: kube.has_event(NS, "rl", "Preempting"), what="the Preempting event")
         kubelet.release(["low-trainer-0"])
         wait_for(lambda: rl_pods(kube, "rl") == ["rl-ray-head-0", "rl-ray-worker-0", "rl-ray-worker-1"],
                  what="the RL gang placed")

@@ -113,6 +113,7 @@ def test_an_rl_job_is_one_ray_cluster_whose_controller_ends_the_job(kube: builde
     assert done["completionTime"] and done["replicas"] == 0
     assert kube.condition(NS, "dapo", "Ready", RL)["reason"] == "Completed"
     wait_for(lambda: list(live_pods(kube, "dapo")) == ["dapo-ray-head-0"], what="the workers stopped")
+    wait_for(lambda: kube.has_event(NS, "dapo", "Completed"), what="the Completed event")
     assert [e.reason for e in kube.events(NS, "dapo")].count("Completed") == 1
 
 
@@ -233,6 +234,7 @@ def test_an_edit_of_the_model_is_refused_once_the_job_has_started(kube: builders
     patch(builders.GROUP, builders.VERSION, NS, RL, "cpt", {"spec": {"model": {"width": width * 2}}})
     refused = wait_for(lambda: status(kube, "cpt").get("specChangeRefused"), what="the refusal")
     assert refused.startswith("spec.model changed after the job started") and "revert spec.model" in refused
+    wait_for(lambda: kube.has_event(NS, "cpt", "SpecChangeRefused"), what="the SpecChangeRefused event")
     assert [e.reason for e in kube.events(NS, "cpt")].count("SpecChangeRefused") == 1
     assert sorted(live_pods(kube, "cpt")) == first  # nothing restarted
     data = json.loads(kube.core.read_namespaced_config_map("cpt-config", NS).data["config.json"])
@@ -262,6 +264,7 @@ def test_a_restarted_operator_restarts_a_failed_gang_once(cluster, kube: builder
         wait_for(lambda: status(kube, "once").get("observedGeneration") == 2, what="a reconcile")
         assert sorted(live_pods(kube, "once")) == second
     assert status(kube, "once")["restarts"] == 1
+    wait_for(lambda: kube.has_event(NS, "once", "GangRestarted"), what="the GangRestarted event")
     assert len([e for e in kube.events(NS, "once") if e.reason == "GangRestarted"]) == 1
 
 
@@ -363,6 +366,8 @@ def test_suspend_stops_the_head_before_its_workers_and_resume_starts_a_new_gang(
     gone = wait_for(lambda: (s := status(kube, "paused")).get("message", "").startswith("suspended: no pods")
                     and s, what="every pod stopped")
     assert gone["replicas"] == 0 and live_pods(kube, "paused") == {}
+    wait_for(lambda: [e.reason for e in kube.events(NS, "paused")].count("Suspended") >= 2,
+             what="2 Suspended events")
     assert [e.reason for e in kube.events(NS, "paused")].count("Suspended") == 2
     wait_for(lambda: (kube.get_vc("train").get("status") or {}).get("allocated") == 0, what="GPUs freed")
 

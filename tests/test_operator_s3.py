@@ -96,7 +96,7 @@ def test_s3_split_reaches_the_config_and_the_gang_rolls_once(
         assert "waiting for 2 trainer pods to checkpoint and exit" in cond["message"]
         assert kube.job_status(NS, "pp")["phase"] == "Remediating"
         assert trainers(kube, "pp") == ["pp-trainer-0", "pp-trainer-1"]
-        assert any(e.reason == "Resplit" and "[3, 1]" in e.message for e in kube.events(NS, "pp"))
+        wait_for(lambda: kube.has_event(NS, "pp", "Resplit", contains="[3, 1]"), what="the Resplit event")
 
         # They exit: the successors start on the new split, on the GPUs just freed.
         kubelet.release(["pp-trainer-0", "pp-trainer-1"])
@@ -261,7 +261,7 @@ def test_s3_from_pipeline_telemetry_to_a_rolled_gang(cluster: EmulatedCluster, k
                        for r in settings_made)
             assert [d["action"] for d in status["decisions"]].count("replace") == 2
             assert status["resplitVersion"] > 0
-            assert any(e.reason == "Resplit" for e in kube.events(NS, "pp"))
+            wait_for(lambda: kube.has_event(NS, "pp", "Resplit"), what="the Resplit event")
             # The successors run (on the same addresses, resuming at step 51) and are polled; the
             # ticks over their telemetry decide nothing new.
             version = status["graph"]["version"]

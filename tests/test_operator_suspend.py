@@ -89,7 +89,7 @@ def test_suspend_checkpoints_frees_the_gpus_and_resume_restarts_at_the_same_size
         assert kube.condition(NS, "s", "Suspended")["status"] == "True"
         assert kube.condition(NS, "s", "Ready")["status"] == "False"
         assert vc_allocated(kube) == 4
-        assert any(e.reason == "Suspended" for e in kube.events(NS, "s"))
+        wait_for(lambda: kube.has_event(NS, "s", "Suspended"), what="the Suspended event")
 
         kubelet.release(["s-trainer-0", "s-trainer-1"])
         wait_for(lambda: names(kube, "s") == [], what="every pod gone")

@@ -180,3 +180,9 @@ class Kube:
             for e in self.core.list_namespaced_event(ns).items
             if e.involved_object is not None and e.involved_object.name == name
         ]
+
+    def has_event(self, ns: str, name: str, reason: str, contains: str = "", kind: str = "") -> bool:
+        """For `wait_for`: kopf posts events from a queue of its own, after the status patch that
+        a test usually waits for, so an event is read only once it has arrived."""
+        return any(e.reason == reason and contains in (e.message or "") and kind in (e.type or "")
+                   for e in self.events(ns, name))
