@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -80,6 +82,9 @@ def test_a_head_and_a_gpu_worker_run_an_rl_job_with_its_actors_on_the_worker(tmp
     # Ray's token authentication, as spec.env turns it on for every pod of a job: one token
     env = harness.child_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=uuid.uuid4().hex)
     env.pop("RAY_ADDRESS", None)
+    # where the head makes its Ray temp dir (short: Ray's socket paths must fit 107 bytes)
+    temp_root = Path(tempfile.mkdtemp(prefix="hr-"))
+    env["TMPDIR"] = str(temp_root)
     logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("worker", "head")}  # noqa: SIM115
     # The worker pod may start first: it waits for the head's GCS, then joins with its GPUs.
     worker = subprocess.Popen(launcher.build_rl_worker_command(f"127.0.0.1:{port}", 1, 1), env=env,
@@ -108,6 +113,30 @@ def test_a_head_and_a_gpu_worker_run_an_rl_job_with_its_actors_on_the_worker(tmp
     assert not _group_alive(head.pid)
     assert not Path("/tmp/ray/ray_current_cluster").exists() or \
         f":{port}" not in Path("/tmp/ray/ray_current_cluster").read_text()
+    # nor Ray's temp dir, once the job succeeded (each run left one under /tmp before)
+    leftover = [p for p in temp_root.iterdir() if p.name.startswith("huorn-ray-")]
+    shutil.rmtree(temp_root, ignore_errors=True)
+    assert leftover == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_failed_head_keeps_rays_temp_dir_and_names_it(tmp_path: Path) -> None:
+    """After a failure Ray's logs are what a user reads, so the temp dir stays, and is named."""
+    config = tmp_path / "config.json"  # a spec the controller refuses (exit 2) once Ray is up
+    config.write_text(json.dumps({"jobName": "rl", "spec": {"virtualCluster": "x", "steps": 0},
+                                  "runDir": str(tmp_path / "run"), "checkpointDir": str(tmp_path / "ckpt")}))
+    temp_root = Path(tempfile.mkdtemp(prefix="hr-"))
+    env = harness.child_env(RAY_AUTH_MODE="disabled", TMPDIR=str(temp_root))
+    env.pop("RAY_ADDRESS", None)
+    try:
+        done = subprocess.run(launcher.build_rl_head_command(config, 1, port=_free_port()), env=env,
+                              cwd=harness.REPO, capture_output=True, text=True, timeout=180)
+        kept = [p for p in temp_root.iterdir() if p.name.startswith("huorn-ray-")]
+    finally:
+        shutil.rmtree(temp_root, ignore_errors=True)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert len(kept) == 1 and f"Ray's logs are kept in {kept[0]}/session_latest/logs" in done.stderr
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -108,8 +109,26 @@ def controller_retries(config: str) -> int:
 
 
 def run_head(config: str, port: int, cpus: int, temp_dir: str | None = None) -> int:
+    """Ray's head node, then the controller on it (again, up to spec.controllerRetries). A temp
+    dir made here is removed once the job succeeded: each run otherwise left Ray's logs and
+    sockets behind under /tmp (hundreds of KB a run); after a failure it stays, and is named, for
+    its logs."""
+    own = temp_dir is None
+    temp = temp_dir or tempfile.mkdtemp(prefix="huorn-ray-")
+    code = 1
     try:
-        head = start_head(port, cpus, temp_dir or tempfile.mkdtemp(prefix="huorn-ray-"))
+        code = _run_head(config, port, cpus, temp)
+        return code
+    finally:
+        if own and code == 0:
+            shutil.rmtree(temp, ignore_errors=True)
+        elif own:
+            print(f"huorn-rl: Ray's logs are kept in {temp}/session_latest/logs", file=sys.stderr)
+
+
+def _run_head(config: str, port: int, cpus: int, temp_dir: str) -> int:
+    try:
+        head = start_head(port, cpus, temp_dir)
     except (TimeoutError, RuntimeError) as error:
         print(f"error: Ray's head node did not start: {error}", file=sys.stderr)
         return 1
