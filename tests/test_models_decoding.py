@@ -1,5 +1,7 @@
 """Cached incremental decoding must reproduce the full forward pass exactly (fp32, 1e-5), for
-every KV-sharing mode, with GQA and with MoE, and for pipeline-style slicing of the blocks."""
+every KV-sharing mode, with GQA and with MoE, and for pipeline-style slicing of the blocks; and so
+must continuous batching (a ragged cache: sequences of different lengths joining and leaving a
+running batch)."""
 
 from __future__ import annotations
 
@@ -152,3 +154,73 @@ def test_lite_upper_layers_need_only_k_of_layer_n_and_v_of_layer_1() -> None:
         x, _ = decoder.forward_blocks(x, 2, 4, models.SharedKV(k_last=shared.k_last, v_first=shared.v_first))
         staged, _ = decoder.forward_head(x)
     assert torch.allclose(staged, full, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("variant", ["dense", "gqa", "moe-prototypes"])
+def test_ragged_decoding_equals_each_sequences_full_forward(mode: str, variant: str) -> None:
+    """Four sequences of different prompt lengths: two start together, a third joins after 3
+    steps, the first leaves after 6 (the last row moves into its place) and a fourth joins in the
+    freed row, over stale K/V longer than its own. Every logit of every step equals the one the
+    full forward pass of that sequence alone gives."""
+    moe = models.MoEConfig(experts=6, prototypes=3) if variant == "moe-prototypes" else None
+    decoder = build_decoder(mode, moe=moe, kv_heads=2 if variant == "gqa" else None)
+    generator = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, 97, (1, n), generator=generator) for n in (40, 30, 36, 28)]
+    prompts = [13, 5, 9, 2]  # the rest of each sequence is fed a token a step
+    with torch.no_grad():
+        fulls = [decoder(seq)[0][0] for seq in sequences]
+        cache = models.RaggedKVCache(decoder.cfg.shared_layers, 1, decoder.cfg.n_kv_heads, 48,
+                                     decoder.cfg.head_dim)
+        rows: list[int] = []  # the sequence in each row in use
+        fed: dict[int, int] = {}  # tokens of each sequence in the cache
+
+        def join(seq: int) -> None:
+            plain = decoder.build_cache(1, prompts[seq])
+            logits = decoder.forward_step(sequences[seq][:, :prompts[seq]], plain)
+            assert (logits[0] - fulls[seq][:prompts[seq]]).abs().max() <= 1e-5
+            cache.grow(len(rows) + 1)
+            cache.place(len(rows), plain, 0, prompts[seq])
+            rows.append(seq)
+            cache.rows = len(rows)
+            fed[seq] = prompts[seq]
+
+        def leave(seq: int) -> None:
+            row, last = rows.index(seq), len(rows) - 1
+            if row != last:
+                cache.move(last, row)
+                rows[row] = rows[last]
+            rows.pop()
+            cache.rows = len(rows)
+
+        join(0)
+        join(1)
+        for step in range(16):
+            if step == 3:
+                join(2)
+            if step == 6:
+                leave(0)
+                join(3)
+            tokens = torch.cat([sequences[seq][:, fed[seq]:fed[seq] + 1] for seq in rows])
+            logits = decoder.forward_step(tokens, cache, last_only=True)[:, -1]
+            for row, seq in enumerate(rows):
+                assert (logits[row] - fulls[seq][fed[seq]]).abs().max() <= 1e-5, (step, seq)
+                fed[seq] += 1
+    assert cache.capacity == 3 and fed == {0: 19, 1: 21, 2: 22, 3: 12}
+
+
+def test_a_ragged_cache_refuses_what_it_cannot_hold() -> None:
+    decoder = build_decoder("none")
+    cfg = decoder.cfg
+    cache = models.RaggedKVCache(cfg.shared_layers, 2, cfg.n_kv_heads, 8, cfg.head_dim)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="no row in use"):
+            decoder.forward_step(torch.zeros(1, 1, dtype=torch.long), cache)
+        plain = decoder.build_cache(1, 8)
+        decoder.forward_step(torch.zeros(1, 8, dtype=torch.long), plain)
+        cache.place(0, plain, 0, 8)
+        cache.rows = 1
+        with pytest.raises(ValueError, match="one token per row"):
+            decoder.forward_step(torch.zeros(1, 2, dtype=torch.long), cache)
+        with pytest.raises(ValueError, match="9 tokens exceed max_length=8"):
+            decoder.forward_step(torch.zeros(1, 1, dtype=torch.long), cache)

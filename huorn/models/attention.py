@@ -80,7 +80,8 @@ class Attention(nn.Module):
         v = v_fuse[0].unsqueeze(1) * v_first + v_fuse[1].unsqueeze(1) * v_last
         return k, v
 
-    def attend_fused_one_query(self, q: torch.Tensor, shared: SharedKV) -> torch.Tensor:
+    def attend_fused_one_query(self, q: torch.Tensor, shared: SharedKV,
+                               key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """FusedKV attention of one new query per sequence without materialising K_i and V_i.
 
         NOTE: decoding is bound by memory traffic. Rebuilding K_i = a1 ⊙ K_1 + an ⊙ K_n over the
@@ -95,6 +96,8 @@ class Attention(nn.Module):
         v_fuse = self.v_fuse.to(q.dtype).unsqueeze(2)  # [2, kv, 1, D]
         scores = (qg * k_fuse[0]) @ shared.k_first.transpose(-1, -2)
         scores = scores + (qg * k_fuse[1]) @ shared.k_last.transpose(-1, -2)
+        if key_mask is not None:  # [B, 1, 1, S]: each row's own keys (a ragged cache)
+            scores = scores.masked_fill(~key_mask, float("-inf"))
         probs = torch.softmax(scores.float() / dim**0.5, dim=-1).to(q.dtype)  # [B, kv, group, S]
         out = v_fuse[0] * (probs @ shared.v_first) + v_fuse[1] * (probs @ shared.v_last)
         return out.view(batch, self.heads, 1, dim)
@@ -117,12 +120,15 @@ class Attention(nn.Module):
                 "run the lower half first (or receive their SharedKV from the previous pipeline stage)"
             )
         elif self.mode == "fusedkv" and q.shape[2] == 1 and not self.training:
-            return self.project_out(self.attend_fused_one_query(q, shared))
+            key_mask = cache.key_mask if cache is not None else None
+            return self.project_out(self.attend_fused_one_query(q, shared, key_mask))
         else:
             k, v = self.rebuild_kv(shared)
         queries, keys = q.shape[2], k.shape[2]
         mask = None
-        if queries > 1 and queries != keys:
+        if cache is not None and cache.key_mask is not None:  # rows of their own lengths, one query each
+            mask = cache.key_mask
+        elif queries > 1 and queries != keys:
             mask = build_causal_mask(queries, keys, q.device)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=queries > 1 and queries == keys,

@@ -8,7 +8,11 @@ without pickling modules or knowing which layer filled which slot.
 `KVCache` stores K and V only for the layers that own them (all layers in `none` mode, the lower
 half in the fused modes). The upper fused layers need nothing of their own: they rebuild K and V
 from the cached first and last lower layers at every step. That is where the 50% saving comes
-from, and `nbytes()` counts exactly these K/V tensors so the saving can be checked."""
+from, and `nbytes()` counts exactly these K/V tensors so the saving can be checked.
+
+`RaggedKVCache` gives each row a length of its own, for continuous batching: a server decodes
+whichever requests are in flight together, each at its own position, and a request joins or
+leaves between two steps instead of waiting for a whole batch to finish."""
 
 from __future__ import annotations
 
@@ -53,6 +57,9 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(owned_layers)]
         self.max_length = max_length
         self.length = 0
+        # [B, 1, 1, S] keys each row may attend to, for caches whose rows differ in length
+        # (RaggedKVCache); None: every row attends to the whole prefix
+        self.key_mask: torch.Tensor | None = None
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's k, v [B, kv_heads, t, D] of `layer`; return the views of the whole prefix."""
@@ -77,3 +84,92 @@ class KVCache:
     def used_nbytes(self) -> int:
         """Bytes of K and V for the tokens stored so far."""
         return self.nbytes() * self.length // max(self.max_length, 1)
+
+
+class RaggedKVCache(KVCache):
+    """A KV cache whose rows each have their own length (continuous batching).
+
+    The first `rows` rows are in use; a decoding step feeds one token to each of them, written at
+    that row's own position (`lengths`), rotated for it, and attending only to that row's keys
+    (`key_mask`). Rows are filled from a plain cache's prefill (`place`), moved down when one
+    leaves so that those in use stay the first ones (`move`: a step computes no free row), and
+    the batch grows by reallocation (`grow`). Positions past a row's length hold stale K/V of an
+    earlier occupant, which the mask hides."""
+
+    def __init__(self, owned_layers: int, batch: int, kv_heads: int, max_length: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__(owned_layers, batch, kv_heads, max_length, head_dim, dtype, device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.host_lengths = [0] * batch  # the same on the host: no device sync to read them
+        self.rows = 0
+        self._end = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[0] if self.keys else len(self.host_lengths)
+
+    def grow(self, batch: int) -> None:
+        """Room for `batch` rows; the rows held are kept."""
+        if batch <= self.capacity:
+            return
+        def wider(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros((batch, *t.shape[1:]))
+            out[: t.shape[0]] = t
+            return out
+        self.keys = [wider(t) for t in self.keys]
+        self.values = [wider(t) for t in self.values]
+        self.lengths = wider(self.lengths)
+        self.host_lengths += [0] * (batch - len(self.host_lengths))
+
+    def place(self, row: int, source: KVCache, source_row: int, length: int) -> None:
+        """Row `row` takes the first `length` positions of `source`'s row `source_row` (a prefill)."""
+        if length > self.max_length:
+            raise ValueError(f"RaggedKVCache: a row of {length} tokens exceeds max_length={self.max_length}")
+        for mine, theirs in zip([*self.keys, *self.values], [*source.keys, *source.values], strict=True):
+            mine[row, :, :length] = theirs[source_row, :, :length]
+        self.lengths[row] = length
+        self.host_lengths[row] = length
+
+    def move(self, source: int, target: int) -> None:
+        """Row `target` becomes a copy of row `source` (its K/V up to its length, and its length)."""
+        length = self.host_lengths[source]
+        for t in [*self.keys, *self.values]:
+            t[target, :, :length] = t[source, :, :length]
+        self.lengths[target] = length
+        self.host_lengths[target] = length
+
+    def begin_step(self) -> torch.Tensor:
+        """The positions of the tokens a decoding step feeds to the rows in use; sets the mask."""
+        n = self.rows
+        if n == 0:
+            raise ValueError("RaggedKVCache: no row in use; place a prefill first")
+        self._end = max(self.host_lengths[:n]) + 1
+        if self._end > self.max_length:
+            raise ValueError(f"KVCache: {self._end} tokens exceed max_length={self.max_length}; "
+                             "build a longer cache")
+        positions = self.lengths[:n]
+        keys = torch.arange(self._end, device=positions.device)
+        self.key_mask = (keys[None, :] <= positions[:, None])[:, None, None, :]
+        return positions
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.rows
+        if k.shape[0] != n or k.shape[2] != 1:
+            raise ValueError(f"RaggedKVCache: a step feeds one token to each of the {n} rows in use, "
+                             f"got K of shape {tuple(k.shape)}")
+        if layer >= len(self.keys):
+            raise IndexError(f"KVCache: layer {layer} has no slot; this cache holds {len(self.keys)} layers")
+        index = torch.arange(n, device=k.device)
+        positions = self.lengths[:n]
+        self.keys[layer][index, :, positions] = k[:, :, 0]
+        self.values[layer][index, :, positions] = v[:, :, 0]
+        return self.keys[layer][:n, :, : self._end], self.values[layer][:n, :, : self._end]
+
+    def advance(self, steps: int) -> None:
+        if steps != 1:
+            raise ValueError("RaggedKVCache: rows advance one token a step")
+        n = self.rows
+        self.lengths[:n] += 1
+        for row in range(n):
+            self.host_lengths[row] += 1
+        self.key_mask = None

@@ -17,7 +17,7 @@ from torch import nn
 from huorn.models import layers as model_layers
 from huorn.models import moe as model_moe
 from huorn.models.attention import Attention
-from huorn.models.cache import KVCache, SharedKV
+from huorn.models.cache import KVCache, RaggedKVCache, SharedKV
 from huorn.models.config import ModelConfig
 
 
@@ -63,7 +63,11 @@ class Decoder(nn.Module):
             nn.init.normal_(param, mean=0.0, std=std)
 
     # --- pieces of the forward pass, for pipeline stages -------------------------------------
-    def build_rope(self, start: int, length: int, device: torch.device) -> model_layers.Rope:
+    def build_rope(self, start: int | torch.Tensor, length: int, device: torch.device) -> model_layers.Rope:
+        """Tables for `length` positions from `start`, or, with one start per row (a ragged
+        cache's step), for one token per row at its own position."""
+        if isinstance(start, torch.Tensor):
+            return model_layers.build_rope_at(self.cfg.head_dim, start, self.cfg.rope_theta)
         return model_layers.build_rope(self.cfg.head_dim, length, self.cfg.rope_theta, start, device)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -72,9 +76,10 @@ class Decoder(nn.Module):
         return self.embed(tokens)
 
     def forward_blocks(self, x: torch.Tensor, start: int = 0, end: int | None = None,
-                       shared: SharedKV | None = None, position: int = 0,
+                       shared: SharedKV | None = None, position: int | torch.Tensor = 0,
                        cache: KVCache | None = None) -> tuple[torch.Tensor, SharedKV]:
-        """Run blocks start..end-1 on hidden states x [B, T, W] at absolute `position`."""
+        """Run blocks start..end-1 on hidden states x [B, T, W] at absolute `position` (one per
+        row, as a tensor, for a ragged cache's step of one token)."""
         end = self.cfg.layers if end is None else end
         if not 0 <= start <= end <= self.cfg.layers:
             raise ValueError(
@@ -130,7 +135,13 @@ class Decoder(nn.Module):
         One call with the whole prompt is the prefill; calls with t = 1 decode. `last_only`
         projects only the last position ([B, 1, V]): a 32k-token prompt's full logits would be
         larger than its KV cache."""
-        x, _ = self.forward_blocks(self.embed_tokens(tokens), position=cache.length, cache=cache)
+        position: int | torch.Tensor = cache.length
+        if isinstance(cache, RaggedKVCache):  # one token per row, each at its row's own position
+            if tokens.shape[1] != 1:
+                raise ValueError(f"forward_step: a ragged cache takes one token per row, "
+                                 f"got {tokens.shape[1]}")
+            position = cache.begin_step()
+        x, _ = self.forward_blocks(self.embed_tokens(tokens), position=position, cache=cache)
         cache.advance(tokens.shape[1])
         logits, _ = self.forward_head(x[:, -1:] if last_only else x)
         return logits

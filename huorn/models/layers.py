@@ -26,6 +26,16 @@ def build_rope(head_dim: int, length: int, theta: float, start: int = 0,
     return angles.cos(), angles.sin()
 
 
+def build_rope_at(head_dim: int, positions: torch.Tensor, theta: float) -> Rope:
+    """cos/sin [B, 1, 1, head_dim] for one token per row at each row's own position (a
+    continuously batched decoding step), broadcasting over a [B, H, 1, D] query or key."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    return angles.cos(), angles.sin()
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat([-second, first], dim=-1)
