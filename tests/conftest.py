@@ -11,17 +11,21 @@ from hypothesis import settings
 settings.register_profile("huorn", deadline=None)
 settings.load_profile("huorn")
 
-PHASES = ("all", "parallel", "serial")
-# How a module shows it holds tests of the serial part; the serial part imports no other module.
+PHASES = ("all", "parallel", "serial", "alone")
+# How a module shows it holds tests of the serial (or alone) part; those parts import no other module.
 SERIAL_MARK = "pytest.mark.serial"
+ALONE_MARK = "pytest.mark.alone"
+MODULE_MARKS = {"serial": SERIAL_MARK, "alone": ALONE_MARK}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--phase", choices=PHASES, default="all",
         help="which tests to run: those safe to run beside others (parallel), those that measure "
-             "wall-clock behaviour and must run alone (serial, marked `serial`), or all (default). "
-             "scripts/test runs `-n 2 --phase parallel`, then `--phase serial`.")
+             "wall-clock behaviour beside at most one other such test (serial, marked `serial`), "
+             "those that must have the machine to themselves (alone, marked `alone`), or all "
+             "(default). scripts/test runs `-n 2 --phase parallel`, `-n 2 --phase serial`, then "
+             "`--phase alone`.")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -29,11 +33,17 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     (torch, kopf, Ray's client, assertion rewriting) took the serial part 8-14 s before its first
     test. Text, not import, decides, so the parallel part checks (below) that no serial test sits
     in a module without the mark's text, where the serial part would never see it."""
-    if (config.getoption("--phase") == "serial" and collection_path.suffix == ".py"
-            and collection_path.name.startswith("test_")
-            and SERIAL_MARK not in collection_path.read_text(encoding="utf-8")):
+    mark = MODULE_MARKS.get(config.getoption("--phase"))
+    if (mark is not None and collection_path.suffix == ".py" and collection_path.name.startswith("test_")
+            and mark not in collection_path.read_text(encoding="utf-8")):
         return True
     return None
+
+
+def _phase_of(item: pytest.Item) -> str:
+    if item.get_closest_marker("alone") is not None:
+        return "alone"
+    return "serial" if item.get_closest_marker("serial") is not None else "parallel"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -43,12 +53,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     keep: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
     for item in items:
-        serial = item.get_closest_marker("serial") is not None
-        if serial and phase == "parallel" and SERIAL_MARK not in item.path.read_text(encoding="utf-8"):
-            raise pytest.UsageError(f"{item.nodeid} is marked serial without the text {SERIAL_MARK!r} in "
-                                    "its module, so `--phase serial` would not collect it; mark it "
-                                    "with @pytest.mark.serial or pytestmark = pytest.mark.serial")
-        (keep if serial == (phase == "serial") else dropped).append(item)
+        own = _phase_of(item)
+        mark = MODULE_MARKS.get(own)
+        if phase == "parallel" and mark is not None and mark not in item.path.read_text(encoding="utf-8"):
+            raise pytest.UsageError(f"{item.nodeid} is marked {own} without the text {mark!r} in its "
+                                    f"module, so `--phase {own}` would not collect it; mark it with "
+                                    f"@{mark} or pytestmark = {mark}")
+        (keep if own == phase else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep

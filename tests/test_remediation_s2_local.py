@@ -25,6 +25,7 @@ pytestmark = pytest.mark.serial
 STEPS, SLOW_FROM, SLOW_FACTOR = 80, 25, 4.0
 
 
+@pytest.mark.alone  # two ranks that fill the machine: a neighbour's load reads as fail-slow
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_slow_rank_leads_to_an_applied_s2_plan(tmp_path: Path) -> None:

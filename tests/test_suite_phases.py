@@ -1,6 +1,7 @@
-"""The split scripts/test relies on: `--phase parallel` runs everything but the serial tests,
-`--phase serial` runs those alone without importing the other modules, and a serial test the
-serial part could not see is refused rather than skipped by both parts."""
+"""The split scripts/test relies on: `--phase parallel` runs everything but the serial and alone
+tests, `--phase serial` the serial ones and `--phase alone` the alone ones, each without importing
+the other modules, and a marked test its part could not see is refused rather than skipped by
+every part."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ CONFTEST = Path(__file__).with_name("conftest.py")
 def suite(pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.makeconftest(CONFTEST.read_text())
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n"
-                     "markers =\n    serial: runs alone\n")
+                     "markers =\n    serial: beside one other\n    alone: by itself\n")
     pytester.makepyfile(
         test_plain="""
             from pathlib import Path
@@ -42,34 +43,52 @@ def suite(pytester: pytest.Pytester) -> pytest.Pytester:
 
             def test_beside():
                 assert True
+        """,
+        test_busy="""
+            import pytest
+            pytestmark = pytest.mark.serial
+
+            @pytest.mark.alone
+            def test_by_itself():
+                assert True
+
+            def test_busy_serial():
+                assert True
         """)
     return pytester
 
 
 def test_each_phase_runs_its_own_tests_and_serial_imports_no_other_module(suite: pytest.Pytester) -> None:
     parallel = suite.runpytest("--phase", "parallel", "-v", "-p", "no:cacheprovider")
-    parallel.assert_outcomes(passed=2, deselected=2)
+    parallel.assert_outcomes(passed=2, deselected=4)
     ran = {line.split(" PASSED")[0] for line in parallel.outlines if " PASSED" in line}
     assert ran == {"test_plain.py::test_plain", "test_mixed.py::test_beside"}
     (suite.path / "plain-imported").unlink()
 
     serial = suite.runpytest("--phase", "serial", "-v", "-p", "no:cacheprovider")
-    serial.assert_outcomes(passed=2, deselected=1)
+    serial.assert_outcomes(passed=3, deselected=2)
     assert {line.split(" PASSED")[0] for line in serial.outlines if " PASSED" in line} == {
-        "test_timed.py::test_timed", "test_mixed.py::test_alone"}
+        "test_timed.py::test_timed", "test_mixed.py::test_alone", "test_busy.py::test_busy_serial"}
+    assert not (suite.path / "plain-imported").exists()
+    alone = suite.runpytest("--phase", "alone", "-v", "-p", "no:cacheprovider")
+    alone.assert_outcomes(passed=1)  # the other modules are not even collected
+    assert [line.split(" PASSED")[0] for line in alone.outlines if " PASSED" in line] == [
+        "test_busy.py::test_by_itself"]
     assert not (suite.path / "plain-imported").exists()
     everything = suite.runpytest("-p", "no:cacheprovider")
-    everything.assert_outcomes(passed=4)
+    everything.assert_outcomes(passed=6)
 
 
-def test_a_serial_mark_the_serial_phase_would_not_see_is_refused(suite: pytest.Pytester) -> None:
-    suite.makepyfile(test_hidden="""
+@pytest.mark.parametrize("mark", ["serial", "alone"])
+def test_a_mark_its_phase_would_not_see_is_refused(suite: pytest.Pytester, mark: str) -> None:
+    head, tail = mark[:3], mark[3:]
+    suite.makepyfile(test_hidden=f"""
         import pytest
 
-        @getattr(pytest.mark, "ser" + "ial")
+        @getattr(pytest.mark, "{head}" + "{tail}")
         def test_hidden():
             assert True
     """)
     result = suite.runpytest("--phase", "parallel", "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*test_hidden.py::test_hidden is marked serial without the text*"])
+    result.stderr.fnmatch_lines([f"*test_hidden.py::test_hidden is marked {mark} without the text*"])
