@@ -21,7 +21,7 @@ import torch
 
 from huorn import models
 from huorn.api import training
-from huorn.runtime import chat, checkpoint, serve
+from huorn.runtime import chat, checkpoint, continuous_batching, serve
 from huorn.runtime import config as run_config
 from huorn.runtime.data import tokenizer
 
@@ -50,6 +50,12 @@ def _config(tmp_path: Path, architecture: dict | None = None, **spec: object) ->
         "spec": {"virtualCluster": "x", "model": {"checkpoint": str(tmp_path / "ckpt"),
                                                    "architecture": {**ARCHITECTURE, **(architecture or {})}},
                  "serving": {"maxBatch": 8, "maxTokens": 48}, **spec}})
+
+
+def _metric(text: str, name: str) -> float:
+    """One sample's value from the Prometheus text of /metrics."""
+    [value] = [float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == name]
+    return value
 
 
 async def _serving(cfg: serve.ServeConfig, client_work) -> object:
@@ -89,21 +95,30 @@ def test_completions_equal_greedy_decoding_and_same_length_prompts_share_a_batch
     assert "huorn_serve_generated_tokens_total 18.0" in metrics
 
 
-def test_the_batcher_takes_the_oldest_and_its_prompt_length_up_to_max_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_the_batcher_admits_the_oldest_into_free_rows_or_only_into_an_empty_batch(
+        tmp_path: Path, batching: str) -> None:
+    """Prompts of any lengths share the running batch; `continuous` fills its free rows before
+    each step, `static` waits for it to end."""
     _saved_model(tmp_path / "ckpt")
-    cfg = _config(tmp_path, serving={"maxBatch": 2, "maxTokens": 48})
+    cfg = _config(tmp_path, serving={"maxBatch": 3, "maxTokens": 48, "batching": batching})
 
     async def check() -> list[list[int]]:
         model, _ = serve.load_model(cfg)
         server = serve.Server(cfg, model)
-        lengths = [3, 5, 3, 3, 5]
-        server.queue = [serve.Request(list(range(n)), 1, 0.0, 0) for n in lengths]
-        taken = []
-        while server.queue:
-            taken.append([len(r.tokens) for r in server.take_batch()])
-        return taken
+        # the first wants one token: its row ends at the first step
+        server.queue = [serve.Request(list(range(n)), 1 if i == 0 else 4, 0.0, 0)
+                        for i, n in enumerate((3, 5, 4, 6, 5))]
+        first = server.admissions()
+        server.running.admit(first)
+        full = server.admissions()
+        answered, _ = server.running.step()
+        assert [len(r.tokens) for r, _ in answered] == [3] and len(server.running) == 2
+        third = server.admissions()
+        return [[len(r.tokens) for r in taken] for taken in (first, full, third)]
 
-    assert asyncio.run(check()) == [[3, 3], [5, 5], [3]]
+    expected = [[3, 5, 4], [], [6]] if batching == "continuous" else [[3, 5, 4], [], []]
+    assert asyncio.run(check()) == expected
 
 
 def test_a_glvq_model_is_quantised_at_load_and_answers(tmp_path: Path) -> None:
@@ -154,17 +169,17 @@ def test_a_failed_batch_is_answered_500_and_counted_and_a_cancelled_request_stop
     _saved_model(tmp_path / "ckpt")
 
     async def work(session, server, report):
-        real = server.generate
+        real = server.running.step
         calls = 0
 
-        def generate(batch):
+        def step():
             nonlocal calls
             calls += 1
             if calls == 1:
                 raise RuntimeError("device lost")
-            return real(batch)
+            return real()
 
-        server.generate = generate
+        server.running.step = step
         async with session.post("/v1/completions", json={"prompt": "Q: 1?\nA:", "max_tokens": 2}) as r:
             failed = (r.status, await r.json())
         # a request whose handler is gone (cancelled as the server stops) ahead of a live one: the
@@ -352,7 +367,7 @@ def test_a_stream_holds_back_only_bytes_that_may_begin_a_stop_and_the_earliest_s
     whatever order the stops were given in."""
     async def check() -> tuple[list[bytes], str | None, list[int]]:
         request = serve.Request([1], 20, 0.0, 0, stream=asyncio.Queue(), stop=(b"\nuser:", b"b", b"ab"))
-        answer = serve.Answer(request)
+        answer = continuous_batching.Answer(request)
         sent = []
         for piece in (b"xy\nu", b"z", b"a", b"b"):
             for byte in piece:
@@ -448,10 +463,10 @@ def test_a_chat_stream_names_its_role_once_and_a_failed_stream_ends_with_openais
 
         answered = await events()
 
-        def generate(batch):
+        def step():
             raise RuntimeError("device lost")
 
-        server.generate = generate
+        server.running.step = step
         return answered, await events()
 
     answered, failed = asyncio.run(_serving(_config(tmp_path), work))
@@ -463,27 +478,17 @@ def test_a_chat_stream_names_its_role_once_and_a_failed_stream_ends_with_openais
 
 
 def _count_decode_steps(server: serve.Server) -> list[int]:
-    """Each batch's decoding steps, as generate() returns, at a real model's pace (5 ms a step:
-    a hang-up is seen long before 200 of them)."""
-    forward, steps, decoded = server.model.forward_step, [], []
+    """The model's forward passes (prefills and decoding steps), at a real model's pace (5 ms a
+    step: a hang-up is seen long before 200 of them)."""
+    forward, steps = server.model.forward_step, []
 
     def slow(*args, **kwargs):
         time.sleep(0.005)
         steps.append(1)
         return forward(*args, **kwargs)
 
-    real = server.generate
-
-    def generate(batch):
-        before = len(steps)
-        try:
-            return real(batch)
-        finally:
-            decoded.append(len(steps) - before)
-
     server.model.forward_step = slow
-    server.generate = generate
-    return decoded
+    return steps
 
 
 @pytest.mark.parametrize("streamed", [True, False])
@@ -516,7 +521,7 @@ def test_a_request_whose_client_hangs_up_stops_decoding_and_is_counted_abandoned
             return decoded, after, await r.text()
 
     decoded, after, metrics = asyncio.run(_serving(cfg, work))
-    assert decoded[0] < 100 and after == 200
+    assert len(decoded) < 100 and after == 200  # 200 tokens asked for, then 2
     assert 'huorn_serve_requests_total{outcome="abandoned"} 1.0' in metrics
     assert 'huorn_serve_requests_total{outcome="ok"} 1.0' in metrics
     assert "huorn_serve_in_flight 0.0" in metrics
@@ -536,16 +541,16 @@ def test_a_row_is_answered_as_it_ends_not_when_its_batch_does(tmp_path: Path) ->
             return forward(*args, **kwargs)
 
         server.model.forward_step = slow
-        real, entered, gate = server.generate, asyncio.Event(), threading.Event()
+        real, entered, gate = server.decode, asyncio.Event(), threading.Event()
         loop = asyncio.get_running_loop()
 
-        def generate(batch):
-            if len(batch[0].tokens) == 1:  # a batch that holds the batcher until both are queued
+        def decode(admitted):
+            if admitted and len(admitted[0].tokens) == 1:  # holds the batcher until both are queued
                 loop.call_soon_threadsafe(entered.set)
                 gate.wait(60)
-            return real(batch)
+            return real(admitted)
 
-        server.generate = generate
+        server.decode = decode
 
         async def ask(prompt: str, tokens: int, stream: bool) -> str:
             async with session.post("/v1/completions", json={"prompt": prompt, "max_tokens": tokens,
@@ -556,7 +561,7 @@ def test_a_row_is_answered_as_it_ends_not_when_its_batch_does(tmp_path: Path) ->
         await asyncio.wait_for(entered.wait(), 60)
         long = asyncio.create_task(ask("Q: 1?\nA:", 200, False))
         short = asyncio.create_task(ask("Q: 2?\nA:", 2, True))
-        while len(server.queue) < 2:  # both in one batch: the same prompt length
+        while len(server.queue) < 2:  # both admitted together
             await asyncio.sleep(0.01)
         gate.set()
         await held
@@ -567,6 +572,46 @@ def test_a_row_is_answered_as_it_ends_not_when_its_batch_does(tmp_path: Path) ->
 
     text, long_pending = asyncio.run(_serving(cfg, work))
     assert text.endswith("data: [DONE]\n\n") and long_pending
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_a_request_arriving_mid_decode_joins_it_and_answers_as_greedy_decoding_alone(
+        tmp_path: Path, batching: str) -> None:
+    """A short request of another prompt length, sent while a long answer decodes: with
+    continuous batching it joins at the next step and is answered long before the long one ends,
+    both exactly as each decoded alone; with static batching it waits for the long one."""
+    model = _saved_model(tmp_path / "ckpt", context=256)
+    cfg = _config(tmp_path, {"context": 256}, serving={"maxBatch": 8, "maxTokens": 256, "batching": batching})
+    long_prompt, short_prompt = "Q: What is 1 + 2?\nA:", "Q: Hi?\nA:"
+
+    async def work(session, server, report):
+        steps = _count_decode_steps(server)  # 5 ms a forward pass: 150 steps take 0.75 s or more
+
+        async def ask(prompt: str, tokens: int) -> tuple[dict, int]:
+            async with session.post("/v1/completions", json={"prompt": prompt, "max_tokens": tokens}) as r:
+                return await r.json(), len(steps)
+
+        long = asyncio.create_task(ask(long_prompt, 150))
+        while len(steps) < 10:  # the long one is decoding
+            await asyncio.sleep(0.005)
+        short, at = await ask(short_prompt, 4)
+        (long_answer, long_at) = await long
+        async with session.get("/metrics") as r:
+            return long_answer, short, at, long_at, await r.text()
+
+    long_answer, short, short_at, long_at, metrics = asyncio.run(_serving(cfg, work))
+    for prompt, answer, tokens in ((long_prompt, long_answer, 150), (short_prompt, short, 4)):
+        ids = torch.tensor([list(prompt.encode())])
+        expected = model.generate(ids, tokens)[0, ids.shape[1]:].tolist()
+        assert answer["text"] == bytes(expected).decode("utf-8", errors="replace")
+    # rows decoded a step, summed over the steps: each step past one row is a step shared
+    shared = _metric(metrics, "huorn_serve_batch_size_sum") - _metric(metrics, "huorn_serve_batch_size_count")
+    if batching == "continuous":
+        assert short_at < 40 < long_at  # a prefill and 4 steps after it came, not after 150
+        assert shared == 4  # a step for each of its 4 tokens, beside the long one
+    else:
+        assert short_at > 150  # behind the whole long answer
+        assert short["queue_seconds"] > long_answer["seconds"] / 2 and shared == 0
 
 
 def test_a_chat_with_no_cap_ends_at_the_default_rather_than_the_whole_context(tmp_path: Path) -> None:

@@ -265,6 +265,20 @@ def test_an_operator_upgrade_that_adds_the_prefix_cache_rolls_no_replica() -> No
     assert started_by_old_operator not in manifests.serve_template_hashes(resized)
 
 
+def test_an_operator_upgrade_that_adds_continuous_batching_rolls_no_replica() -> None:
+    oldest = {"model": {"checkpoint": "/a"}, "serving": {"maxBatch": 8, "maxTokens": 64}}
+    with_cache = {**oldest, "serving": {**oldest["serving"], "prefixCacheTokens": 8192}}
+    upgraded = {**with_cache, "serving": {**with_cache["serving"], "batching": "continuous"}}
+    hashes = manifests.serve_template_hashes(upgraded)
+    assert {manifests.serve_template_hash(s) for s in (oldest, with_cache, upgraded)} <= hashes
+    # static batching, or a cache size, asked for: a running replica cannot pick either up
+    static = {**upgraded, "serving": {**upgraded["serving"], "batching": "static"}}
+    assert manifests.serve_template_hashes(static) == {manifests.serve_template_hash(static)}
+    resized = {**upgraded, "serving": {**upgraded["serving"], "prefixCacheTokens": 64}}
+    assert manifests.serve_template_hash(oldest) not in manifests.serve_template_hashes(resized)
+    assert manifests.serve_template_hash(with_cache) not in manifests.serve_template_hashes(resized)
+
+
 def test_best_fit_fills_the_fullest_node_first_and_stops_when_full() -> None:
     free = {"b0": 8, "b1": 2, "b2": 4}
     assert serving.choose_nodes(free, 2, 3) == ["b1", "b2", "b2"]

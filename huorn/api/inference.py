@@ -20,13 +20,19 @@ class ServedModel(ApiModel):
 
 
 class ServingLimits(ApiModel):
-    max_batch: int = Field(default=32, ge=1, le=4096)
+    max_batch: int = Field(default=32, ge=1, le=4096, description="Requests decoded together at most.")
     max_tokens: int = Field(default=2048, ge=1, le=1 << 22)
     prefix_cache_tokens: int = Field(
         default=8192, ge=0, le=1 << 24,
         description="Prompt-prefix tokens whose K/V each replica keeps for reuse (blocks of 16, least "
                     "recently used evicted): a prompt that starts like an earlier one is prefilled "
                     "only from where it differs. 0 keeps none.")
+    batching: Literal["continuous", "static"] = Field(
+        default="continuous",
+        description="`continuous`: a request joins the requests being decoded at the next step, and "
+                    "each leaves as its answer ends (iteration-level scheduling). `static`: a batch "
+                    "is decoded to its longest answer before the next one starts (request-level "
+                    "batching, for comparison).")
 
 
 class Routing(ApiModel):

@@ -129,6 +129,12 @@ class Decoder(nn.Module):
                        self.cfg.head_dim, dtype=dtype or self.head.weight.dtype,
                        device=device or self.head.weight.device)
 
+    def build_ragged_cache(self, batch: int, max_length: int | None = None) -> RaggedKVCache:
+        """A cache whose rows each have a length of their own (continuous batching)."""
+        cfg = self.cfg
+        return RaggedKVCache(cfg.shared_layers, batch, cfg.n_kv_heads, max_length or cfg.context,
+                             cfg.head_dim, dtype=self.head.weight.dtype, device=self.head.weight.device)
+
     def forward_step(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Logits [B, t, V] for t new tokens after the cache's prefix; appends their K/V.
 

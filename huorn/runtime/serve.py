@@ -36,9 +36,7 @@ import math
 import signal
 import sys
 import time
-import uuid
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +47,10 @@ from pydantic import Field
 
 from huorn import models
 from huorn.api import base, inference, training
-from huorn.models.cache import KVCache
-from huorn.runtime import chat, checkpoint, glvq, prefix_cache
+from huorn.runtime import chat, checkpoint, continuous_batching, glvq, prefix_cache
 from huorn.runtime import config as run_config
-from huorn.runtime.data import sampler, tokenizer
+from huorn.runtime.continuous_batching import Request, Result
+from huorn.runtime.data import sampler
 
 CALIBRATION_SOURCES = ("general", "code", "math")
 CHAT_DEFAULT_TOKENS = 256  # a chat answer's cap when the request gives none
@@ -112,74 +110,6 @@ def save_untrained(root: Path, architecture: training.ModelSpec, seed: int = 0) 
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return checkpoint.save_checkpoint(root, 1, model, torch.optim.AdamW(model.parameters()),
                                           {"model": architecture.to_wire()}, rank=0, barrier=lambda: None)
-
-
-@dataclass
-class Request:
-    tokens: list[int]
-    max_tokens: int
-    temperature: float
-    seed: int
-    arrived: float = field(default_factory=time.monotonic)
-    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    # With "stream": its tokens as they are chosen, then None; filled from the decoding thread.
-    stream: asyncio.Queue | None = None
-    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
-    first_token_at: float | None = None  # when its batch chose its first token
-    stop: tuple[bytes, ...] = ()  # the answer ends before the first of these it would contain
-    finish_reason: str | None = None  # "stop" or "length", once decoded
-    chat: bool = False  # asked through the chat API: answered in its shape
-    # Its client went (a streamed answer's connection closed): the batch stops choosing its tokens.
-    abandoned: bool = False
-    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
-    created: int = field(default_factory=lambda: int(time.time()))
-
-
-@dataclass
-class Answer:
-    """One row's answer as it is decoded: where it ends, and how much of it a stream has been
-    sent. A stream holds back only the newest bytes that may yet turn out to begin a stop
-    sequence; the others reach the client as they are chosen."""
-
-    request: Request
-    tokens: list[int] = field(default_factory=list)
-    finished: str | None = None
-    streamed: int = 0
-
-    def add(self, token: int) -> None:
-        if self.request.abandoned:  # nobody reads the rest: the batch may stop sooner
-            self.finished = self.finished or "abandoned"
-        if self.finished:
-            return
-        self.tokens.append(token)
-        # every match ends at the newest byte (an earlier one would have ended the answer), so the
-        # longest starts first: the answer ends before it, whatever the order the stops came in
-        matched = [len(s) for s in self.request.stop if bytes(self.tokens[-len(s):]) == s]
-        if matched:
-            del self.tokens[-max(matched):]
-            self.finished = "stop"
-        elif len(self.tokens) >= self.request.max_tokens:
-            self.finished = "length"
-        self.flush()
-
-    def pending(self) -> int:
-        """How many of the newest bytes begin some stop sequence: a chat's stops are 8 bytes, and a
-        stream that held back that many regardless would reach its client 7 tokens late."""
-        stops = self.request.stop
-        for n in range(min(len(self.tokens), max((len(s) for s in stops), default=1) - 1), 0, -1):
-            tail = bytes(self.tokens[-n:])
-            if any(stop.startswith(tail) for stop in stops):
-                return n
-        return 0
-
-    def flush(self) -> None:
-        request = self.request
-        if request.stream is None:
-            return
-        end = len(self.tokens) - (0 if self.finished else self.pending())
-        for token in self.tokens[self.streamed: end]:
-            request.loop.call_soon_threadsafe(request.stream.put_nowait, token)
-        self.streamed = max(self.streamed, end)
 
 
 def read_number(body: dict, name: str, kind: type[int] | type[float], default: float) -> Any:
@@ -253,6 +183,8 @@ class Server:
         self.wake = asyncio.Event()
         self.metrics = Metrics()
         self.prefixes = prefix_cache.PrefixCache(self.limits.prefix_cache_tokens)
+        self.running = continuous_batching.RunningBatch(model, self.prefixes,
+                                                        min(self.context, self.limits.max_tokens))
         self.started = int(time.time())
         self.stopping = False  # handlers cancelled as the server stops are not abandoned
 
@@ -447,124 +379,42 @@ class Server:
                             headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
     # -- batching --------------------------------------------------------------------------------
-    def take_batch(self) -> list[Request]:
-        """The oldest request and the waiting ones of its prompt length, up to maxBatch."""
-        first = self.queue[0]
-        batch = [r for r in self.queue if len(r.tokens) == len(first.tokens)][: self.limits.max_batch]
-        self.queue = [r for r in self.queue if r not in batch]
-        return batch
+    def admissions(self) -> list[Request]:
+        """The oldest waiting requests that join the running batch before its next step: as many
+        as it has free rows (`continuous`), or, with `static`, a whole batch once it is empty."""
+        free = self.limits.max_batch - len(self.running)
+        if self.limits.batching == "static" and len(self.running):
+            free = 0
+        taken, self.queue = self.queue[:free], self.queue[free:]
+        return taken
 
-    def prefill(self, batch: list[Request], prompt: torch.Tensor,
-                steps: int) -> tuple[KVCache, torch.Tensor, list[int]]:
-        """The batch's cache after its prompts, the last position's logits, and how many of each
-        row's prompt tokens came from the prefix cache.
-
-        Rows that can skip the same number of blocks are prefilled together; with more than one
-        such group (prompts of one length from different preambles), each group is prefilled in
-        a cache of its own and copied into the batch's, since one cache has one length for all
-        its rows. The copy moves bytes; the prefill it saves is compute."""
-        block = self.prefixes.block
-        names = [prefix_cache.block_hashes(r.tokens) for r in batch]
-        reused = [prefix_cache.reusable_blocks(len(r.tokens), self.prefixes.match(n)) * block
-                  for r, n in zip(batch, names, strict=True)]
-        length = prompt.shape[1]
-        cache = self.model.build_cache(len(batch), length + steps)  # type: ignore[operator]
-        groups: dict[int, list[int]] = {}
-        for row, skip in enumerate(reused):
-            groups.setdefault(skip, []).append(row)
-        logits = torch.empty(0)
-        for skip, rows in groups.items():
-            whole = len(groups) == 1
-            target = cache if whole else self.model.build_cache(len(rows), length)  # type: ignore[operator]
-            for slot, row in enumerate(rows):
-                if skip:
-                    self.prefixes.load(target, slot, names[row][: skip // block])
-            target.advance(skip)
-            out = self.model.forward_step(prompt[rows, skip:], target, last_only=True)[:, -1].float()  # type: ignore[operator]
-            if whole:
-                logits = out
+    def decode(self, admitted: list[Request]) -> None:
+        """In the decoding thread: admit, then steps until a waiting request could join (or, with
+        `static`, until the batch has ended); each answer handed to its loop as its row ends."""
+        if admitted:
+            stats = self.running.admit(admitted)
+            self.metrics.prompt_tokens.labels("cache").inc(stats.cached_tokens)
+            self.metrics.prompt_tokens.labels("prefill").inc(stats.prefilled_tokens)
+            self.metrics.prefix_evictions.inc(stats.evicted_blocks)
+        static = self.limits.batching == "static"
+        while len(self.running):
+            self.metrics.batch.observe(len(self.running))
+            answered, evicted = self.running.step()
+            self.metrics.prefix_evictions.inc(evicted)
+            for request, result in answered:
+                request.loop.call_soon_threadsafe(self.answer, request, result)
+            # NB: a plain read of the loop's list: a request appended after it waits one step
+            if not static and self.queue and len(self.running) < self.limits.max_batch:
                 break
-            if not logits.numel():
-                logits = out.new_empty(len(batch), out.shape[-1])
-            logits[rows] = out
-            index = torch.tensor(rows, device=prompt.device)
-            pairs = zip([*cache.keys, *cache.values], [*target.keys, *target.values], strict=True)
-            for mine, theirs in pairs:
-                mine[index, :, :length] = theirs
-        else:
-            cache.advance(length)
-        evicted = self.prefixes.stats.evicted_blocks
-        for row, row_names in enumerate(names):
-            self.prefixes.store(cache, row, row_names)
-        self.metrics.prefix_evictions.inc(self.prefixes.stats.evicted_blocks - evicted)
         self.metrics.prefix_cache_bytes.set(self.prefixes.nbytes())
-        self.metrics.prompt_tokens.labels("cache").inc(sum(reused))
-        self.metrics.prompt_tokens.labels("prefill").inc(length * len(batch) - sum(reused))
-        return cache, logits, reused
 
     def generate(self, batch: list[Request]) -> list[tuple[str, int, int]]:
-        """One batch decoded together: each row samples at its own temperature and seed and
-        stops (for the answer) at its own max_tokens or stop, and is answered then: a short
-        answer, or one at its stop, does not wait for the batch's longest."""
-        began = time.monotonic()
-        device = next(self.model.parameters()).device
-        steps = max(r.max_tokens for r in batch)
-        prompt = torch.tensor([r.tokens for r in batch], dtype=torch.long, device=device)
-        generators = [torch.Generator(device=device).manual_seed(r.seed) for r in batch]
-        with torch.no_grad():
-            cache, logits, cached = self.prefill(batch, prompt, steps)
-            answers = [Answer(r) for r in batch]
-            fed = 0  # tokens fed back after the prompts: their K/V is in the cache
-            for step in range(steps):
-                # the prompts are bytes (huorn.runtime.data.tokenizer): a model whose vocabulary
-                # is larger chooses among the bytes only, or its answer could not be text
-                logits = logits[:, : tokenizer.VOCABULARY]
-                chosen = []
-                for row, request in enumerate(batch):
-                    if request.temperature > 0:
-                        # the best logit subtracted first: a tiny temperature divides the rest
-                        # towards -inf, never inf - inf (NaN), which would fail the whole batch
-                        scaled = (logits[row] - logits[row].max()) / request.temperature
-                        probs = torch.softmax(scaled, dim=-1)
-                        chosen.append(int(torch.multinomial(probs, 1, generator=generators[row])))
-                    else:
-                        chosen.append(int(logits[row].argmax()))
-                now = time.monotonic()
-                for row, (answer, token) in enumerate(zip(answers, chosen, strict=True)):
-                    ended = answer.finished
-                    answer.add(token)
-                    if step == 0:
-                        answer.request.first_token_at = now
-                    if not ended and answer.finished not in (None, "abandoned"):
-                        answer.request.finish_reason = answer.finished
-                        result = (tokenizer.decode(answer.tokens), len(answer.tokens), cached[row],
-                                  began - answer.request.arrived, time.monotonic() - began)
-                        answer.request.loop.call_soon_threadsafe(self.answer, answer.request, result)
-                if all(a.finished for a in answers):  # every row at its stop or its max_tokens
-                    break
-                tokens = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
-                logits = self.model.forward_step(tokens, cache, last_only=True)[:, -1].float()  # type: ignore[operator]
-                fed += 1
-        for answer in answers:
-            answer.request.finish_reason = answer.finished
-        out = [a.tokens for a in answers]
-        self.keep_answers(batch, out, cache, fed)
-        return [(tokenizer.decode(t), len(t), skipped) for t, skipped in zip(out, cached, strict=True)]
+        """`batch` decoded together to its end, outside the serving loop: (text, tokens, cached
+        tokens) for each (tests and tools that drive the model directly)."""
+        results = self.running.run_to_end(batch)
+        return [(text, count, cached) for text, count, cached, _, _ in results]
 
-    def keep_answers(self, batch: list[Request], out: list[list[int]], cache: KVCache, fed: int) -> None:
-        """Keep the blocks that each answer completes: a conversation's next turn is its prompt,
-        this answer and a new question, and finds all but the new question cached. The cache
-        holds K/V for the `fed` tokens decoded after the prompts (the last one sampled was never
-        fed back); each row's own answer may be shorter than the batch's longest."""
-        evicted = self.prefixes.stats.evicted_blocks
-        for row, request in enumerate(batch):
-            answered = request.tokens + out[row][:fed]
-            if len(answered) // self.prefixes.block > len(request.tokens) // self.prefixes.block:
-                self.prefixes.store(cache, row, prefix_cache.block_hashes(answered))
-        self.metrics.prefix_evictions.inc(self.prefixes.stats.evicted_blocks - evicted)
-        self.metrics.prefix_cache_bytes.set(self.prefixes.nbytes())
-
-    def answer(self, request: Request, result: tuple[str, int, int, float, float]) -> None:
+    def answer(self, request: Request, result: Result) -> None:
         """On the loop, after the tokens its decoding thread sent before (callbacks run in order).
         Its tokens are counted here, before its client can read the answer and then /metrics."""
         if not request.done.done():  # its handler may have been cancelled
@@ -577,25 +427,20 @@ class Server:
         while True:
             await self.wake.wait()
             self.wake.clear()
-            while self.queue:
-                batch = self.take_batch()
+            while self.queue or len(self.running):
+                admitted = self.admissions()
                 started = time.monotonic()
-                self.metrics.batch.observe(len(batch))
                 try:
-                    answers = await asyncio.to_thread(self.generate, batch)
-                except Exception as error:  # a failed batch answers its requests, and serving goes on
-                    self.metrics.busy.inc(time.monotonic() - started)
-                    for r in batch:
+                    await asyncio.to_thread(self.decode, admitted)
+                except Exception as error:  # a failed step answers its requests, and serving goes on
+                    failed = self.running.clear()
+                    for r in [*failed, *(r for r in admitted if r not in failed)]:
                         if not r.done.done():  # its handler was cancelled (the server stopping)
                             r.done.set_exception(error)
                         if r.stream is not None:
                             r.stream.put_nowait(None)
-                    continue
-                seconds = time.monotonic() - started
-                self.metrics.busy.inc(seconds)
-                for r, (text, count, cached) in zip(batch, answers, strict=True):
-                    if not r.done.done():  # answered as its row ended, or its handler was cancelled
-                        self.answer(r, (text, count, cached, started - r.arrived, seconds))
+                finally:
+                    self.metrics.busy.inc(time.monotonic() - started)
 
     def app(self) -> web.Application:
         app = web.Application()

@@ -473,16 +473,22 @@ def serve_template_hash(spec: Mapping[str, Any]) -> str:
 
 
 PREFIX_CACHE_DEFAULT = inference.ServingLimits.model_fields["prefix_cache_tokens"].default
+# spec.serving's fields added after the first operators, newest first, with their defaults
+ADDED_SERVING_FIELDS = (("batching", inference.ServingLimits.model_fields["batching"].default),
+                        ("prefixCacheTokens", PREFIX_CACHE_DEFAULT))
 
 
 def serve_template_hashes(spec: Mapping[str, Any]) -> set[str]:
     """Every hash a replica started from `spec` may carry: today's, and, while the spec keeps the
-    prefix cache at its default, the one of the operators that had no prefix cache (a spec stored
-    by them has no such field). An upgrade of the operator rolls no replica; a replica started
-    before it serves without the cache until the spec changes."""
+    serving fields added since at their defaults, those of the operators that had none of them
+    (a spec stored by them has no such field): `batching` (continuous batching), then
+    `prefixCacheTokens` (the prefix cache) before it. An upgrade of the operator rolls no replica;
+    a replica started before it serves as it did until the spec changes."""
     hashes = {serve_template_hash(spec)}
     serving = dict(spec.get("serving") or {})
-    if serving.pop("prefixCacheTokens", PREFIX_CACHE_DEFAULT) == PREFIX_CACHE_DEFAULT:
+    for name, default in ADDED_SERVING_FIELDS:  # newest first: each older operator lacked it too
+        if serving.pop(name, default) != default:
+            break
         hashes.add(serve_template_hash({**spec, "serving": serving}))
     return hashes
 
