@@ -1,0 +1,221 @@
+"""Continuous batching against static batching, on a real request trace replayed open-loop.
+
+One real serving replica (`python -m huorn.runtime.serve`, one process and one CPU thread,
+standing in for one GPU) per policy, `serving.batching` set to:
+
+- `static`: the oldest waiting requests, up to `maxBatch`, are decoded until the longest of them
+  ends, then the next batch starts (request-level batching: what a server without iteration-level
+  scheduling does, and what Huorn did before, there only with prompts of one length);
+- `continuous`: a request joins the running batch at the next decoding step and leaves as its
+  own answer ends (Huorn's default).
+
+The requests are consecutive successful rows of `../shared/data/lora_request_trace.csv` (a
+production GenAI service, cluster-trace-v2026-GenAI), replayed at their recorded arrival times
+compressed to `--rate` requests/s on average (bursts kept). The trace's requests are text-to-image
+jobs, so a documented rule maps them onto completions: the prompt is `prompt_length` × 4 bytes
+(about 4 bytes a token; 8 to 512), and the answer's `max_tokens` is `exec_time_seconds` ×
+`--tokens-per-second` (2; 1 to 256), which keeps the trace's long tail of service demand: median
+46 tokens, a tenth over 100. The model is untrained and has no stop sequence, so every answer runs
+to its `max_tokens`, the same in both policies. The prefix cache is off, so only batching differs.
+
+Reported per policy and rate: requests/s and tokens/s completed, latency (mean, p50, p99), latency
+per output token (Orca's and vLLM's normalised latency), the mean time to first token (the
+replica's own histogram), the mean rows decoded a step; and `continuous`'s ratios to `static`.
+
+    .venv/bin/python benchmarks/serving_continuous_batching.py [--rates 4,8] [--requests 400]
+        [--max-batch 16] [--offset 0]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import datetime
+import random
+import sys
+import time
+
+import aiohttp
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter, ScalarFormatter
+from prometheus_client.parser import text_string_to_metric_families
+from rich.progress import Progress
+from serving_autoscale import Fleet
+from trainer_runs import ROOT, argument_parser, save_figure, write_report
+
+from huorn.api import training
+from huorn.runtime import serve
+
+ARCHITECTURE = {"layers": 4, "width": 256, "heads": 8, "context": 1024}
+TRACE = ROOT.parent / "shared" / "data" / "lora_request_trace.csv"
+POLICIES = ("static", "continuous")
+WORDS = ("the", "model", "answers", "every", "question", "briefly", "and", "cites", "documents", "it",
+         "was", "given", "about", "rivers", "lakes", "mountains", "a", "red", "fox", "at", "dawn")
+
+
+def load_trace(args) -> list[tuple[float, str, int]]:  # type: ignore[no-untyped-def]
+    """(arrival offset in seconds, prompt, max_tokens) for `--requests` consecutive successful
+    rows from `--offset`, their arrivals compressed to a mean of `--rate` per second later."""
+    if not TRACE.exists():
+        raise SystemExit(f"{TRACE}: the trace is not there; this benchmark replays it")
+    rows = []
+    with open(TRACE, newline="") as handle:
+        for row in csv.DictReader(handle):
+            if row["predict_status"] == "SUCCEED" and row["prompt_length"] and row["exec_time_seconds"]:
+                rows.append(row)
+    rows = sorted(rows, key=lambda r: r["gmt_create"])[args.offset: args.offset + args.requests]
+    if len(rows) < args.requests:
+        raise SystemExit(f"--offset {args.offset} --requests {args.requests}: the trace has "
+                         f"{len(rows)} there")
+    stamp = [datetime.datetime.fromisoformat(r["gmt_create"]).timestamp() for r in rows]
+    rng = random.Random(args.offset)
+    out = []
+    for row, at in zip(rows, stamp, strict=True):
+        length = min(512, max(8, round(float(row["prompt_length"]) * 4)))
+        text = ""
+        while len(text) < length:
+            text += rng.choice(WORDS) + " "
+        tokens = min(256, max(1, round(float(row["exec_time_seconds"]) * args.tokens_per_second)))
+        # the trace's clock has whole seconds: a second's arrivals are spread over it
+        out.append((at - stamp[0] + rng.random(), text[:length], tokens))
+    return sorted(out)
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("huorn_serve_time_to_first_token_seconds_sum",
+                               "huorn_serve_time_to_first_token_seconds_count",
+                               "huorn_serve_batch_size_sum", "huorn_serve_batch_size_count",
+                               "huorn_serve_busy_seconds_total"):
+                found[sample.name] = sample.value
+    return found
+
+
+async def run_policy(policy: str, rate: float, trace: list[tuple[float, str, int]], args,  # type: ignore[no-untyped-def]
+                     progress: Progress) -> dict:
+    spec = {"virtualCluster": "bench", "model": {"checkpoint": str(args.work / "ckpt"),
+                                                 "architecture": ARCHITECTURE},
+            "serving": {"maxBatch": args.max_batch, "maxTokens": 1024, "prefixCacheTokens": 0,
+                        "batching": policy}}
+    config = {"jobName": "bench", "host": "127.0.0.1", "port": 0, "device": "cpu", "spec": spec}
+    fleet = Fleet(args.work / f"{policy}-{rate}", config)
+    fleet.scale_to(1)
+    await fleet.wait_ready()
+    [url] = fleet.ready()
+    span = trace[-1][0] or 1.0
+    scale = (len(trace) / rate) / span  # the trace's seconds to this run's
+    latencies, per_token, tokens = [], [], 0
+    task = progress.add_task(f"{policy} at {rate:g}/s", total=len(trace))
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+            async def one(at: float, prompt: str, max_tokens: int, started: float) -> None:
+                nonlocal tokens
+                await asyncio.sleep(max(0.0, started + at * scale - time.monotonic()))
+                sent = time.monotonic()
+                async with session.post(f"{url}/v1/completions",
+                                        json={"prompt": prompt, "max_tokens": max_tokens}) as r:
+                    body = await r.json()
+                    if r.status != 200:
+                        raise SystemExit(f"{policy}: HTTP {r.status}: {body}")
+                latencies.append(time.monotonic() - sent)
+                per_token.append(latencies[-1] / body["tokens"])
+                tokens += body["tokens"]
+                progress.advance(task)
+
+            started = time.monotonic()
+            await asyncio.gather(*(one(at, p, n, started) for at, p, n in trace))
+            wall = time.monotonic() - started
+            metrics = await scrape(session, url)
+    finally:
+        fleet.close()
+    lat = np.array(latencies)
+    first = "huorn_serve_time_to_first_token_seconds"
+    return {"policy": policy, "rate": rate, "wall_seconds": wall,
+            "requests_per_second": len(trace) / wall, "tokens_per_second": tokens / wall,
+            "latency_mean_s": float(lat.mean()), "latency_p50_s": float(np.percentile(lat, 50)),
+            "latency_p99_s": float(np.percentile(lat, 99)),
+            "latency_per_token_mean_s": float(np.mean(per_token)),
+            "ttft_mean_s": metrics[f"{first}_sum"] / metrics[f"{first}_count"],
+            "rows_per_step": metrics["huorn_serve_batch_size_sum"] / metrics["huorn_serve_batch_size_count"],
+            "busy_share": metrics["huorn_serve_busy_seconds_total"] / wall, "latencies_s": latencies}
+
+
+def plot(results: list[dict], args) -> None:  # type: ignore[no-untyped-def]
+    figure = Figure(figsize=(9, 3.4))
+    cdf, bars = figure.subplots(1, 2)
+    for r in results:
+        lat = np.sort(np.array(r["latencies_s"])) * 1000
+        cdf.plot(lat, np.arange(1, len(lat) + 1) / len(lat), label=f"{r['policy']}, {r['rate']:g}/s")
+    cdf.set_xscale("log")
+    cdf.xaxis.set_major_formatter(ScalarFormatter())
+    cdf.xaxis.set_minor_formatter(NullFormatter())
+    cdf.set_xlabel("latency (ms)")
+    cdf.set_ylabel("share of requests")
+    cdf.legend(fontsize=8)
+    names = [f"{r['policy']}\n{r['rate']:g}/s" for r in results]
+    bars.bar(names, [r["tokens_per_second"] for r in results], color="tab:blue")
+    bars.set_ylabel("output tokens/s", color="tab:blue")
+    mean = bars.twinx()
+    mean.plot(names, [1000 * r["latency_per_token_mean_s"] for r in results], "o", color="tab:orange")
+    mean.set_ylabel("latency per output token (ms)", color="tab:orange")
+    mean.set_ylim(bottom=0)
+    save_figure(figure, f"one replica, {args.requests} requests of the GenAI trace, maxBatch "
+                f"{args.max_batch}", args.png)
+
+
+def main() -> int:
+    parser = argument_parser(__doc__, "serving_continuous_batching")
+    parser.add_argument("--rates", default="4,8", help="mean requests/s, comma-separated")
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--offset", type=int, default=0,
+                        help="the trace's first row (of the successful ones)")
+    parser.add_argument("--tokens-per-second", type=float, default=2.0,
+                        help="max_tokens per second of the trace's exec_time_seconds")
+    parser.add_argument("--max-batch", type=int, default=16)
+    args = parser.parse_args()
+    begun = time.perf_counter()
+    rates = [float(x) for x in args.rates.split(",")]
+    args.work.mkdir(parents=True, exist_ok=True)
+    serve.save_untrained(args.work / "ckpt", training.ModelSpec.model_validate(ARCHITECTURE))
+    trace = load_trace(args)
+    results = []
+    with Progress() as progress:
+        for rate in rates:
+            for policy in POLICIES:
+                results.append(asyncio.run(run_policy(policy, rate, trace, args, progress)))
+    ratios = {}
+    for rate in rates:
+        s, c = (next(r for r in results if r["policy"] == p and r["rate"] == rate) for p in POLICIES)
+        ratios[f"{rate:g}"] = {name: c[key] / s[key] for name, key in (
+            ("tokens_per_second", "tokens_per_second"), ("latency_mean", "latency_mean_s"),
+            ("latency_p99", "latency_p99_s"), ("latency_per_token", "latency_per_token_mean_s"),
+            ("ttft_mean", "ttft_mean_s"))}
+    demand = [n for _, _, n in trace]
+    write_report(args, begun, date=time.strftime("%Y-%m-%d"), trace=str(TRACE.name),
+                 max_tokens={"mean": float(np.mean(demand)), "p50": float(np.median(demand)),
+                             "p90": float(np.percentile(demand, 90)), "max": max(demand)},
+                 results=results, continuous_vs_static=ratios)
+    plot(results, args)
+    for r in results:
+        print(f"{r['policy']:>10} at {r['rate']:g}/s: {r['requests_per_second']:5.2f} req/s, "
+              f"{r['tokens_per_second']:6.1f} tok/s, mean {1000 * r['latency_mean_s']:6.0f} ms, "
+              f"p99 {1000 * r['latency_p99_s']:6.0f} ms, "
+              f"{1000 * r['latency_per_token_mean_s']:5.1f} ms/token, "
+              f"TTFT {1000 * r['ttft_mean_s']:6.0f} ms, {r['rows_per_step']:.1f} rows a step, "
+              f"busy {100 * r['busy_share']:.0f} %")
+    for rate, x in ratios.items():
+        print(f"continuous vs static at {rate}/s: tokens/s {x['tokens_per_second']:.2f}x, mean latency "
+              f"{x['latency_mean']:.2f}x, p99 {x['latency_p99']:.2f}x, "
+              f"per token {x['latency_per_token']:.2f}x, "
+              f"TTFT {x['ttft_mean']:.2f}x")
+    print(f"wrote {args.out} and {args.png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
