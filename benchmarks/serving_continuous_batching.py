@@ -157,12 +157,19 @@ def plot(results: list[dict], args) -> None:  # type: ignore[no-untyped-def]
     cdf.set_xlabel("latency (ms)")
     cdf.set_ylabel("share of requests")
     cdf.legend(fontsize=8)
-    names = [f"{r['policy']}\n{r['rate']:g}/s" for r in results]
-    bars.bar(names, [r["tokens_per_second"] for r in results], color="tab:blue")
-    bars.set_ylabel("output tokens/s", color="tab:blue")
+    rates = sorted({r["rate"] for r in results})
+    width = 0.38
     mean = bars.twinx()
-    mean.plot(names, [1000 * r["latency_per_token_mean_s"] for r in results], "o", color="tab:orange")
-    mean.set_ylabel("latency per output token (ms)", color="tab:orange")
+    for i, policy in enumerate(POLICIES):
+        mine = [next(r for r in results if r["policy"] == policy and r["rate"] == rate) for rate in rates]
+        x = np.arange(len(rates)) + (i - 0.5) * width
+        bars.bar(x, [r["tokens_per_second"] for r in mine], width, label=policy,
+                 color=("tab:gray", "tab:blue")[i])
+        mean.plot(x, [1000 * r["latency_per_token_mean_s"] for r in mine], "o", color="tab:orange")
+    bars.set_xticks(np.arange(len(rates)), [f"{rate:g} req/s" for rate in rates])
+    bars.set_ylabel("output tokens/s")
+    bars.legend(fontsize=8, loc="upper left")
+    mean.set_ylabel("latency per output token (ms, dots)", color="tab:orange")
     mean.set_ylim(bottom=0)
     save_figure(figure, f"one replica, {args.requests} requests of the GenAI trace, maxBatch "
                 f"{args.max_batch}", args.png)

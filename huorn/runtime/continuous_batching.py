@@ -128,10 +128,12 @@ class AdmitStats:
 
 
 class RunningBatch:
-    def __init__(self, model: torch.nn.Module, prefixes: prefix_cache.PrefixCache, max_length: int) -> None:
+    def __init__(self, model: torch.nn.Module, prefixes: prefix_cache.PrefixCache, max_length: int,
+                 max_rows: int = 1 << 12) -> None:
         self.model = model
         self.prefixes = prefixes
         self.max_length = max_length
+        self.max_rows = max_rows  # what the cache grows to by doubling (more only if admitted)
         self.device = next(model.parameters()).device
         self.rows: list[Row] = []
         self.cache: RaggedKVCache | None = None
@@ -145,7 +147,7 @@ class RunningBatch:
         if self.cache is None:
             self.cache = self.model.build_ragged_cache(max(1, rows), self.max_length)  # type: ignore[operator]
         if rows > self.cache.capacity:
-            self.cache.grow(max(rows, 2 * self.cache.capacity))
+            self.cache.grow(max(rows, min(2 * self.cache.capacity, self.max_rows)))
         return self.cache
 
     def admit(self, requests: Sequence[Request]) -> AdmitStats:

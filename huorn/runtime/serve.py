@@ -14,16 +14,16 @@ behind an HTTP API, with requests batched and Prometheus metrics.
   Prometheus text: requests, generated tokens, seconds spent decoding (the busy fraction the
   operator's autoscaler reads), latency and batch-size histograms.
 
-Batching: requests wait in one queue; the model takes the oldest and, with it, every waiting
-request of the same prompt length, up to `serving.maxBatch`, and decodes them together with one
-KV cache (the decoder has no padding mask, so only equal lengths share a batch). Each prompt of a
-batch skips the prefill of its leading blocks held in the prefix cache
-(`huorn.runtime.prefix_cache`, `serving.prefixCacheTokens`), and the batch keeps its prompts'
-blocks there for the next ones, and the blocks its answers complete (a conversation's next turn
-carries them). Generation
-runs in a worker thread, so the server keeps accepting while it decodes. A request asking for
-more than `serving.maxTokens` tokens in all, or past the model's context, is refused with 400
-naming the field.
+Batching (`huorn.runtime.continuous_batching`): requests wait in one queue; before every decoding
+step the oldest join the running batch, as many as it has free rows of `serving.maxBatch`, and each
+leaves as its own answer ends (continuous batching; `serving.batching: static` admits only into
+an empty batch). Prompts of any lengths share a step: each row has its own position in one
+ragged KV cache. Each prompt skips the prefill of its leading blocks held in the prefix cache
+(`huorn.runtime.prefix_cache`, `serving.prefixCacheTokens`), and keeps its prompt's blocks there
+for the next ones, and the blocks its answer completes (a conversation's next turn carries
+them). Generation runs in a worker thread, so the server keeps accepting while it decodes. A
+request asking for more than `serving.maxTokens` tokens in all, or past the model's context, is
+refused with 400 naming the field.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class Metrics:
             "prefill, what a streaming client waits before it reads anything.", registry=self.registry,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.batch = prometheus_client.Histogram(
-            "huorn_serve_batch_size", "Requests decoded together.", registry=self.registry,
+            "huorn_serve_batch_size", "Requests decoded together, observed at every decoding step.", registry=self.registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
 
 
@@ -183,8 +183,8 @@ class Server:
         self.wake = asyncio.Event()
         self.metrics = Metrics()
         self.prefixes = prefix_cache.PrefixCache(self.limits.prefix_cache_tokens)
-        self.running = continuous_batching.RunningBatch(model, self.prefixes,
-                                                        min(self.context, self.limits.max_tokens))
+        self.running = continuous_batching.RunningBatch(
+            model, self.prefixes, min(self.context, self.limits.max_tokens), self.limits.max_batch)
         self.started = int(time.time())
         self.stopping = False  # handlers cancelled as the server stops are not abandoned
 
