@@ -169,7 +169,8 @@ class Metrics:
             "prefill, what a streaming client waits before it reads anything.", registry=self.registry,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.batch = prometheus_client.Histogram(
-            "huorn_serve_batch_size", "Requests decoded together, observed at every decoding step.", registry=self.registry,
+            "huorn_serve_batch_size", "Requests decoded together, observed at every decoding step.",
+            registry=self.registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
 
 
