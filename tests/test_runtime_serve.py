@@ -373,7 +373,7 @@ def test_a_stream_holds_back_only_bytes_that_may_begin_a_stop_and_the_earliest_s
             for byte in piece:
                 answer.add(byte)
             await asyncio.sleep(0)  # the tokens go through the loop, as from the decoding thread
-            sent.append(bytes(request.stream.get_nowait() for _ in range(request.stream.qsize())))
+            sent.append(bytes(request.stream.get_nowait()[1] for _ in range(request.stream.qsize())))
         return sent, answer.finished, answer.tokens
 
     sent, finished, tokens = asyncio.run(check())
@@ -629,3 +629,59 @@ def test_a_chat_with_no_cap_ends_at_the_default_rather_than_the_whole_context(tm
         answer["choices"][0]["finish_reason"] == "stop"
     assert answer["usage"]["completion_tokens"] <= serve.CHAT_DEFAULT_TOKENS
 
+
+
+def test_nucleus_keeps_the_most_likely_tokens_whose_mass_first_reaches_top_p() -> None:
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
+    assert continuous_batching.nucleus(probs, 0.7).tolist() == pytest.approx([0.0, 0.5, 0.0, 0.3])
+    assert continuous_batching.nucleus(probs, 0.8).tolist() == pytest.approx([0.0, 0.5, 0.0, 0.3])
+    assert continuous_batching.nucleus(probs, 0.81).tolist() == pytest.approx([0.15, 0.5, 0.0, 0.3])
+    assert continuous_batching.nucleus(probs, 0.0).tolist() == pytest.approx([0.0, 0.5, 0.0, 0.0])
+
+
+def test_n_choices_are_the_answers_of_consecutive_seeds_and_top_p_narrows_sampling(tmp_path: Path) -> None:
+    """`n` choices (OpenAI's field) are decoded side by side from one prefill: choice i is what
+    one request with seed + i answers, streamed or not; usage counts the prompt once. A tiny
+    `top_p` leaves only the most likely token, so sampling at temperature 1 answers greedily."""
+    model = _saved_model(tmp_path / "ckpt")
+    prompt = "Q: What is 1 + 2?\nA:"
+    ask = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 5}
+
+    async def work(session, server, report):
+        async def post(body: dict) -> tuple[int, object]:
+            async with session.post("/v1/completions", json=body) as r:
+                return r.status, (await r.json() if not body.get("stream") else await r.text())
+
+        _, three = await post({**ask, "n": 3})
+        async with session.get("/metrics") as r:
+            prefilled = _metric(await r.text(), 'huorn_serve_prompt_tokens_total{source="prefill"}')
+        alone = [(await post({**ask, "seed": 5 + i}))[1] for i in range(3)]
+        _, streamed = await post({**ask, "n": 2, "stream": True})
+        _, nucleus = await post({**ask, "top_p": 1e-9})
+        refused = [await post({**ask, **bad}) for bad in ({"n": 0}, {"n": 9}, {"top_p": 1.5}, {"logprobs": 2},
+                                                          {"echo": True}, {"presence_penalty": 0.5})]
+        # what SDKs send when the caller sets nothing is not refused
+        unset = {"logprobs": None, "echo": False, "presence_penalty": 0, "best_of": 1}
+        _, defaults = await post({**ask, **unset})
+        return three, prefilled, alone, streamed, nucleus, refused, defaults
+
+    run = asyncio.run(_serving(_config(tmp_path), work))
+    three, prefilled, alone, streamed, nucleus, refused, defaults = run
+    texts = [c["text"] for c in three["choices"]]
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    assert texts == [a["text"] for a in alone] and len(set(texts)) > 1
+    assert three["usage"]["prompt_tokens"] == len(prompt) and three["usage"]["completion_tokens"] == 18
+    assert prefilled == len(prompt)  # one prefill for the three rows
+    events = [json.loads(e[len("data: "):]) for e in streamed.split("\n\n") if e and e != "data: [DONE]"]
+    for index in (0, 1):
+        mine = [e for e in events if e["choices"][0]["index"] == index]
+        assert "".join(e["choices"][0]["text"] for e in mine) == texts[index]
+        assert mine[-1]["choices"][0]["finish_reason"] == "length"
+    ids = torch.tensor([list(prompt.encode())])
+    greedy = model.generate(ids, 6)[0, ids.shape[1]:].tolist()
+    assert nucleus["text"] == bytes(greedy).decode("utf-8", errors="replace")
+    assert [status for status, _ in refused] == [400] * 6
+    assert [body["error"].split(":")[0] for _, body in refused] == [
+        "n", "n", "top_p", "logprobs", "echo", "presence_penalty"]
+    assert "spec.serving.maxBatch" in refused[1][1]["error"]
+    assert "not served by this replica" in refused[3][1]["error"] and defaults["text"] == alone[0]["text"]

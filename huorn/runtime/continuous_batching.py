@@ -54,6 +54,8 @@ class Request:
     chat: bool = False  # asked through the chat API: answered in its shape
     # Its client went (a streamed answer's connection closed): its row stops choosing tokens.
     abandoned: bool = False
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much probability
+    index: int = 0  # which of its HTTP request's `n` choices it is (their stream is shared)
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -101,8 +103,17 @@ class Answer:
             return
         end = len(self.tokens) - (0 if self.finished else self.pending())
         for token in self.tokens[self.streamed: end]:
-            request.loop.call_soon_threadsafe(request.stream.put_nowait, token)
+            request.loop.call_soon_threadsafe(request.stream.put_nowait, (request.index, token))
         self.streamed = max(self.streamed, end)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` kept on the most likely tokens whose mass first reaches top_p (the top one at
+    least), the rest zeroed: multinomial sampling renormalises (Holtzman et al., 2020)."""
+    ordered, order = probs.sort(descending=True)
+    keep = ordered.cumsum(0) - ordered < top_p
+    keep[0] = True
+    return torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
 
 
 @dataclass
@@ -168,21 +179,29 @@ class RunningBatch:
             groups.setdefault((len(request.tokens), reused[i]), []).append(i)
         evicted = self.prefixes.stats.evicted_blocks
         for (length, skip), members in groups.items():
-            prompt = torch.tensor([requests[i].tokens for i in members], dtype=torch.long, device=self.device)
-            own: KVCache = self.model.build_cache(len(members), length)  # type: ignore[operator]
-            for slot, i in enumerate(members):
+            # one prefill for each distinct prompt: a request's `n` choices share theirs
+            slots: dict[tuple[int, ...], int] = {}
+            for i in members:
+                slots.setdefault(tuple(requests[i].tokens), len(slots))
+            prompt = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+            own: KVCache = self.model.build_cache(len(slots), length)  # type: ignore[operator]
+            firsts = {slot: next(i for i in members if slots[tuple(requests[i].tokens)] == slot)
+                      for slot in range(len(slots))}
+            for slot, i in firsts.items():
                 if skip:
                     self.prefixes.load(own, slot, names[i][: skip // block])
             own.advance(skip)
             logits = self.model.forward_step(prompt[:, skip:], own, last_only=True)[:, -1].float()  # type: ignore[operator]
-            for slot, i in enumerate(members):
+            for slot, i in firsts.items():
                 self.prefixes.store(own, slot, names[i])
+            for i in members:
+                slot = slots[tuple(requests[i].tokens)]
                 cache.place(len(self.rows), own, slot, length)
                 generator = torch.Generator(device=self.device).manual_seed(requests[i].seed)
                 self.rows.append(Row(Answer(requests[i]), generator, reused[i], began, logits[slot]))
                 cache.rows = len(self.rows)
-            stats.prefilled_tokens += (length - skip) * len(members)
-            stats.cached_tokens += skip * len(members)
+            stats.prefilled_tokens += (length - skip) * len(slots)
+            stats.cached_tokens += skip * len(slots)
         stats.evicted_blocks = self.prefixes.stats.evicted_blocks - evicted
         return stats
 
@@ -191,11 +210,13 @@ class RunningBatch:
         logits = torch.stack([row.logits for row in self.rows])[:, : tokenizer.VOCABULARY]
         chosen = logits.argmax(dim=-1).tolist()
         for i, row in enumerate(self.rows):
-            temperature = row.answer.request.temperature
-            if temperature > 0:
+            request = row.answer.request
+            if request.temperature > 0:
                 # the best logit subtracted first: a tiny temperature divides the rest towards
                 # -inf, never inf - inf (NaN), which would fail the whole batch
-                probs = torch.softmax((logits[i] - logits[i].max()) / temperature, dim=-1)
+                probs = torch.softmax((logits[i] - logits[i].max()) / request.temperature, dim=-1)
+                if request.top_p < 1:
+                    probs = nucleus(probs, request.top_p)
                 chosen[i] = int(torch.multinomial(probs, 1, generator=row.generator))
         return chosen
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import codecs
+import dataclasses
 import json
 import math
 import signal
@@ -54,6 +55,14 @@ from huorn.runtime.data import sampler
 
 CALIBRATION_SOURCES = ("general", "code", "math")
 CHAT_DEFAULT_TOKENS = 256  # a chat answer's cap when the request gives none
+# OpenAI's fields this server does not honour, each with the values that ask for nothing (what
+# SDKs send by default): any other value is refused naming the field, never silently ignored
+NOT_SERVED: dict[str, tuple[object, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
+    "suffix": (None, ""),
+}
+SERVED = "model, prompt or messages, max_tokens, temperature, top_p, n, seed, stop, stream"
 BATCHER = web.AppKey("batcher", asyncio.Task)
 
 
@@ -209,6 +218,10 @@ class Server:
                 prompt = body["prompt"]
                 if not isinstance(prompt, str) or not prompt:
                     raise ValueError("prompt: give a non-empty string")
+            for name, nothing in NOT_SERVED.items():
+                if body.get(name) not in nothing:
+                    raise ValueError(f"{name}: not served by this replica (it serves {SERVED}); leave "
+                                     f"it out or set it to {nothing[-1]!r}")
             tokens = list(prompt.encode("utf-8"))
             limit = min(self.limits.max_tokens, self.context)
             # OpenAI's chat API has no default cap (an answer runs to its end-of-turn token or the
@@ -221,6 +234,8 @@ class Server:
             fits = max(1, limit - len(tokens))
             wanted = read_number(body, name, int, min(CHAT_DEFAULT_TOKENS, fits) if is_chat else 16)
             temperature = read_number(body, "temperature", float, 0.0)
+            top_p = read_number(body, "top_p", float, 1.0)
+            choices = read_number(body, "n", int, 1)
             seed = read_number(body, "seed", int, 0)
             model = body.get("model")
             if model is not None and model != self.cfg.job_name:
@@ -241,6 +256,11 @@ class Server:
                 raise ValueError(f"{name}: give 1 or more")
             if not 0 <= temperature < math.inf:  # NaN too: it fails its whole batch
                 raise ValueError("temperature: give a finite number ≥ 0")
+            if not 0 <= top_p <= 1:
+                raise ValueError("top_p: give a number from 0 to 1 (1 samples from every token)")
+            if not 1 <= choices <= self.limits.max_batch:
+                raise ValueError(f"n: give 1 to {self.limits.max_batch} (spec.serving.maxBatch: the "
+                                 "choices of one request are decoded side by side)")
             if len(tokens) + wanted > limit:
                 raise ValueError(f"{name}: prompt ({len(tokens)} tokens) + {name} ({wanted}) exceeds "
                                  f"{limit} (spec.serving.maxTokens and the model's context); ask for fewer")
@@ -249,32 +269,42 @@ class Server:
             message = f"missing field {error}" if isinstance(error, KeyError) else str(error)
             return web.json_response({"error": message}, status=400)
         stops += [s for s in chat.STOPS if is_chat and s not in stops]
-        item = Request(tokens, wanted, temperature, seed, stream=asyncio.Queue() if stream else None,
-                       stop=tuple(x.encode() for x in stops), chat=is_chat)
-        self.queue.append(item)
+        # `n` choices are `n` rows with seeds seed, seed + 1, ...; their stream is shared, each
+        # token tagged with its choice's index
+        shared = asyncio.Queue() if stream else None
+        first = Request(tokens, wanted, temperature, seed, stream=shared, top_p=top_p,
+                        stop=tuple(x.encode() for x in stops), chat=is_chat)
+        items = [first] + [dataclasses.replace(first, seed=seed + i, index=i, done=first.loop.create_future())
+                           for i in range(1, choices)]
+        self.queue.extend(items)
         self.wake.set()
         self.metrics.in_flight.inc()
         try:
-            if item.stream is not None:
-                return await self.stream_answer(request, item)
+            if shared is not None:
+                return await self.stream_answer(request, items)
             try:
-                text, count, cached, queued, seconds = await item.done
+                results = await asyncio.gather(*(item.done for item in items))
             except asyncio.CancelledError:
                 # the client hung up (its time-out, then a retry: under load, the decode it
                 # abandons is what the retry waits behind); run_until_signal's runner cancels
                 # the handler of a closed connection
                 if not self.stopping:
-                    self.abandon(item)
+                    self.abandon(items)
                 raise
             except Exception as error:  # the batch failed: this request is answered, and counted
                 self.metrics.requests.labels("failed").inc()
                 return web.json_response({"error": f"generation failed: {error!r}"}, status=500)
         finally:
             self.metrics.in_flight.dec()
-        self.answered(item)
-        return web.json_response({**self.openai_fields(item, text, count, cached), "text": text,
-                                  "tokens": count, "cached_tokens": cached, "queue_seconds": queued,
-                                  "seconds": seconds})
+        self.answered(items[0])
+        fields = self.openai_fields(items[0], *results[0][:3])
+        fields["choices"] = [self.openai_fields(item, *result[:3])["choices"][0]
+                             for item, result in zip(items, results, strict=True)]
+        fields["usage"] = self.usage(items[0], sum(r[1] for r in results), results[0][2])
+        # Huorn's own fields: the first choice's
+        text, count, cached, queued, seconds = results[0]
+        return web.json_response({**fields, "text": text, "tokens": count, "cached_tokens": cached,
+                                  "queue_seconds": queued, "seconds": seconds})
 
     def openai_fields(self, item: Request, text: str, count: int | None = None,
                       cached: int | None = None, first: bool = True) -> dict:
@@ -290,16 +320,23 @@ class Server:
             content = {"delta" if chunk else "message": message}
             fields: dict = {"id": f"chat{item.id}", "object": "chat.completion.chunk" if chunk else
                             "chat.completion", "created": item.created, "model": self.cfg.job_name,
-                            "choices": [{"index": 0, **content, "logprobs": None, "finish_reason": finish}]}
+                            "choices": [{"index": item.index, **content, "logprobs": None,
+                                         "finish_reason": finish}]}
         else:
             fields = {"id": item.id, "object": "text_completion", "created": item.created,
                       "model": self.cfg.job_name,
-                      "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                      "choices": [{"index": item.index, "text": text, "logprobs": None,
+                                   "finish_reason": finish}]}
         if count is not None:
-            fields["usage"] = {"prompt_tokens": len(item.tokens), "completion_tokens": count,
-                               "total_tokens": len(item.tokens) + count,
-                               "prompt_tokens_details": {"cached_tokens": cached}}
+            fields["usage"] = self.usage(item, count, cached)
         return fields
+
+    @staticmethod
+    def usage(item: Request, completion: int, cached: int | None) -> dict:
+        """OpenAI's `usage`: the prompt once, whatever `n`; completion tokens of every choice."""
+        return {"prompt_tokens": len(item.tokens), "completion_tokens": completion,
+                "total_tokens": len(item.tokens) + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def answered(self, item: Request) -> None:
         self.metrics.requests.labels("ok").inc()
@@ -307,64 +344,76 @@ class Server:
         if item.first_token_at is not None:
             self.metrics.first_token.observe(item.first_token_at - item.arrived)
 
-    async def stream_answer(self, request: web.Request, item: Request) -> web.StreamResponse:
+    async def stream_answer(self, request: web.Request, items: list[Request]) -> web.StreamResponse:
         """Server-sent events: {"text"} as the tokens come (bytes held back until they complete a
-        UTF-8 character), then {"done", "tokens", "cached_tokens", "queue_seconds", "seconds"}
-        or {"error"}, then [DONE]."""
-        assert item.stream is not None
+        UTF-8 character), each chunk naming its choice's index, then {"done", "tokens",
+        "cached_tokens", "queue_seconds", "seconds"} per choice, or {"error"}, then [DONE]."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         try:
-            await self.send_events(request, response, item)
+            await self.send_events(request, response, items)
         except ConnectionResetError:
             # the client hung up (a chat UI's stop button): the rest of its answer is decoded for
             # no one, and a traceback per hang-up would be noise
-            self.abandon(item)
+            self.abandon(items)
         except asyncio.CancelledError:  # the same, seen while it waited for its next token
             if not self.stopping:
-                self.abandon(item)
+                self.abandon(items)
             raise
         return response
 
-    def abandon(self, item: Request) -> None:
-        """Nobody reads the rest of this answer: its row stops choosing tokens, or it leaves the
-        queue before it is decoded at all."""
-        item.abandoned = True
-        if item in self.queue:
-            self.queue.remove(item)
-        # its batch may yet fail: an exception nobody reads is logged as never retrieved
-        item.done.add_done_callback(lambda done: done.cancelled() or done.exception())
+    def abandon(self, items: list[Request]) -> None:
+        """Nobody reads the rest of these answers (one request's choices): their rows stop
+        choosing tokens, or they leave the queue before they are decoded at all."""
+        for item in items:
+            item.abandoned = True
+            if item in self.queue:
+                self.queue.remove(item)
+            # its batch may yet fail: an exception nobody reads is logged as never retrieved
+            item.done.add_done_callback(lambda done: done.cancelled() or done.exception())
         self.metrics.requests.labels("abandoned").inc()
 
-    async def send_events(self, request: web.Request, response: web.StreamResponse, item: Request) -> None:
-        assert item.stream is not None
+    async def send_events(self, request: web.Request, response: web.StreamResponse,
+                          items: list[Request]) -> None:
+        stream = items[0].stream
+        assert stream is not None
         await response.prepare(request)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        first = True
-        while (token := await item.stream.get()) is not None:
-            if text := decoder.decode(bytes([token])):
-                await response.write(sse({**self.openai_fields(item, text, first=first), "text": text}))
-                first = False
-        if text := decoder.decode(b"", final=True):
-            await response.write(sse({**self.openai_fields(item, text, first=first), "text": text}))
-            first = False
+        decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in items]
+        first = [True] * len(items)
+        open_choices = len(items)
+
+        async def send(index: int, text: str) -> None:
+            chunk = self.openai_fields(items[index], text, first=first[index])
+            await response.write(sse({**chunk, "text": text}))
+            first[index] = False
+
+        while open_choices:
+            index, token = await stream.get()
+            if token is not None:
+                if text := decoders[index].decode(bytes([token])):
+                    await send(index, text)
+                continue
+            open_choices -= 1  # this choice has ended
+            if text := decoders[index].decode(b"", final=True):
+                await send(index, text)
         failed = False
-        try:
-            _, count, cached, queued, seconds = await item.done
-        except Exception as error:
-            failed = True
-            await response.write(sse(stream_error(f"generation failed: {error!r}")))
-        else:
-            await response.write(sse({**self.openai_fields(item, "", count, cached, first), "done": True,
-                                      "tokens": count, "cached_tokens": cached, "queue_seconds": queued,
-                                      "seconds": seconds}))
+        for item in items:
+            try:
+                _, count, cached, queued, seconds = await item.done
+            except Exception as error:
+                failed = True
+                await response.write(sse(stream_error(f"generation failed: {error!r}")))
+                break
+            await response.write(sse({**self.openai_fields(item, "", count, cached, first[item.index]),
+                                      "done": True, "tokens": count, "cached_tokens": cached,
+                                      "queue_seconds": queued, "seconds": seconds}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         # counted once the client has it all: a hang-up before counts as abandoned, not as both
         if failed:
             self.metrics.requests.labels("failed").inc()
         else:
-            self.answered(item)
+            self.answered(items[0])
 
     async def models(self, request: web.Request) -> web.Response:
         """OpenAI's model list: the one model this replica serves, by its job's name (what the
@@ -422,7 +471,7 @@ class Server:
             self.metrics.tokens.inc(result[1])
             request.done.set_result(result)
         if request.stream is not None:
-            request.stream.put_nowait(None)
+            request.stream.put_nowait((request.index, None))
 
     async def run_batches(self) -> None:
         while True:
@@ -439,7 +488,7 @@ class Server:
                         if not r.done.done():  # its handler was cancelled (the server stopping)
                             r.done.set_exception(error)
                         if r.stream is not None:
-                            r.stream.put_nowait(None)
+                            r.stream.put_nowait((r.index, None))
                 finally:
                     self.metrics.busy.inc(time.monotonic() - started)
 
