@@ -321,6 +321,59 @@ def test_prefix_routing_puts_the_router_in_front_once_ready_and_a_policy_change_
     assert routed_to(kube, "chat") == "server" and sorted(servers(kube, "chat")) == ["server-0", "server-1"]
 
 
+def test_two_front_pods_keep_the_router_in_front_through_a_pods_loss_and_roll_one_at_a_time(
+    kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    """routing.frontReplicas 2: two router pods that prefer different nodes; one lost, the Service
+    stays on the other while it is replaced; a new setting replaces them one at a time, the second
+    only once the first's successor is ready; back to one, the second goes."""
+    job = serving.make_inference_job("chat", "serve", min_replicas=2, max_replicas=2,
+                                     routing={"policy": "prefix", "frontReplicas": 2})
+    kube.create_job(NS, job, plural=IJ)
+
+    def fronts() -> dict[str, object]:
+        return {p.metadata.name: p for p in kube.pods(NS, "chat", "activator")
+                if not p.metadata.deletion_timestamp}
+
+    wait_for(lambda: len(servers(kube, "chat")) == 2 and len(fronts()) == 2, what="two replicas, two routers")
+    assert sorted(fronts()) == ["chat-activator", "chat-activator-1"]
+    for pod in fronts().values():
+        term = pod.spec.affinity.pod_anti_affinity.preferred_during_scheduling_ignored_during_execution[0]
+        assert term.pod_affinity_term.topology_key == "kubernetes.io/hostname"
+        assert term.pod_affinity_term.label_selector.match_labels["huorn.io/vertex"] == "activator"
+    for pod in [*servers(kube, "chat").values(), *fronts().values()]:
+        run_pod(kube, pod)
+    wait_for(lambda: status(kube, "chat").get("routing") == "router", what="the Service on the routers")
+
+    lost = fronts()["chat-activator-1"]
+    kube.core.delete_namespaced_pod("chat-activator-1", NS)
+    wait_for(lambda: (p := fronts().get("chat-activator-1")) is not None
+             and p.metadata.uid != lost.metadata.uid, what="the lost router replaced")
+    assert routed_to(kube, "chat") == "activator" and status(kube, "chat")["routing"] == "router"
+    run_pod(kube, fronts()["chat-activator-1"])
+
+    # a new loadFactor: one router at a time, and no replica
+    first = {name: p.metadata.uid for name, p in fronts().items()}
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                               {"spec": {"routing": {"loadFactor": 2.0}}})
+    uids = set(first.values())
+    wait_for(lambda: len(now := fronts()) == 2 and {p.metadata.uid for p in now.values()} != uids,
+             what="one router replaced")
+    now = fronts()
+    renewed = [name for name, pod in now.items() if pod.metadata.uid != first[name]]
+    assert len(renewed) == 1 and len(now) == 2  # the other one still serves
+    kept = next(name for name in now if name not in renewed)
+    assert now[kept].metadata.uid == first[kept]
+    run_pod(kube, now[renewed[0]])
+    wait_for(lambda: (p := fronts().get(kept)) is not None and p.metadata.uid != first[kept],
+             what="the second replaced once the first's successor was ready")
+    assert sorted(servers(kube, "chat")) == ["server-0", "server-1"]
+
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                               {"spec": {"routing": {"frontReplicas": 1}}})
+    wait_for(lambda: sorted(fronts()) == ["chat-activator"], what="back to one router")
+
+
 def test_the_router_pod_lets_what_it_forwards_finish_as_a_replica_does() -> None:
     """A router replaced (a new loadFactor) is killed after its pod's grace: the answers it is
     forwarding need as long as the replicas' own requests get."""

@@ -48,6 +48,12 @@ class Routing(ApiModel):
         description="With `prefix`: a replica takes a prompt for its cache only while its requests in "
                     "flight stay within loadFactor × the replicas' mean (consistent hashing with "
                     "bounded loads); 1 balances strictly, larger values favour the cache.")
+    front_replicas: int = Field(
+        default=1, ge=1, le=8,
+        description="Pods of the job's front, which every request passes while it runs: the router "
+                    "(policy prefix) and the activator (autoscaling.minReplicas 0). With 2 or more, "
+                    "requests keep flowing through one pod's loss, the pods prefer different nodes, "
+                    "and a new image or setting replaces them one at a time.")
 
 
 @rules.attach(

@@ -132,14 +132,18 @@ async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendat
         pod = ctx.index.pods.get((namespace, manifests.pod_name(ref, instance)))
         if pod is not None and serving.is_ready(pod) and pod.ip:
             targets[instance.name] = f"http://{pod.ip}:{ctx.settings.serve_port}/metrics"
-    activator = ctx.index.pods.get((namespace, manifests.activator_pod_name(ref)))
-    if job.spec.autoscaling.min_replicas == 0 and activator is not None and serving.is_ready(activator) \
-            and activator.ip:
-        targets[manifests.ACTIVATOR_VERTEX] = f"http://{activator.ip}:{ctx.settings.serve_port}/metrics"
+    fronts = []  # the activators' /metrics: the requests they hold, summed over the front pods
+    for i in range(job.spec.routing.front_replicas if job.spec.autoscaling.min_replicas == 0 else 0):
+        front = ctx.index.pods.get((namespace, manifests.activator_pod_name(ref, i)))
+        if front is not None and serving.is_ready(front) and front.ip:
+            fronts.append(f"{manifests.ACTIVATOR_VERTEX}-{i}")
+            targets[fronts[-1]] = f"http://{front.ip}:{ctx.settings.serve_port}/metrics"
     texts = await asyncio.to_thread(replica_metrics.fetch_all, targets, ctx.settings.serve_timeout_seconds)
     now = time.time()
-    activator_text = texts.pop(manifests.ACTIVATOR_VERTEX, None)
-    held = (replica_metrics.parse_held(activator_text) or 0.0) if activator_text is not None else 0.0
+    held = 0.0
+    for key in fronts:
+        text = texts.pop(key, None)
+        held += (replica_metrics.parse_held(text) or 0.0) if text is not None else 0.0
     parsed = {replica: replica_metrics.parse_metrics(text, now) for replica, text in texts.items()}
     samples = {replica: sample for replica, sample in parsed.items() if sample is not None}
     state = _state_for(ctx, body, job)

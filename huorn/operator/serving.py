@@ -32,6 +32,9 @@ replicas it has, and a restarted operator carries on from status.
   costs the cache's hit rate, never an answer. The pod carries the hash of its image and of the
   settings it reads at its start (manifests.front_template_hash) and is replaced when they
   change, a switch of policy included.
+- **Front pods** (`routing.frontReplicas`): the activator or router pods, as many as asked,
+  on different nodes where the scheduler can; a lost one is replaced while the others serve, and
+  stale ones are replaced one at a time, each once every other front pod is ready.
 """
 
 from __future__ import annotations
@@ -188,13 +191,13 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     gpus = job.spec.resources.gpus
     to_zero = job.spec.autoscaling.min_replicas == 0
     by_prefix = job.spec.routing.policy == "prefix"
-    front_wanted = to_zero or by_prefix  # the activator pod: it holds requests, or routes them
-    activator = pods.get(manifests.activator_pod_name(ref))
-    front_current = activator is not None and front_is_current(activator, spec)
-    # the Service points at the router once it is ready; else at the activator whenever no
-    # replica that stays is ready
+    front_wanted = to_zero or by_prefix  # the front pods: they hold requests, or route them
+    fronts = [pods.get(manifests.activator_pod_name(ref, i))
+              for i in range(job.spec.routing.front_replicas if front_wanted else 0)]
+    # the Service points at the routers once one that runs today's settings is ready; else at
+    # the activators whenever no replica that stays is ready
     serving_ready = sum(1 for i in server.instances if (p := pod_of(i)) is not None and is_ready(p))
-    if by_prefix and front_current and activator is not None and is_ready(activator):
+    if by_prefix and any(f is not None and front_is_current(f, spec) and is_ready(f) for f in fronts):
         routing = ROUTER
     else:
         routing = ACTIVATOR if to_zero and serving_ready == 0 else REPLICAS
@@ -207,13 +210,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             writes.append(manifests.build_replicas_service(ref))
         if by_prefix:
             writes.append(manifests.build_endpoints_service(ref))
-    if front_wanted and activator is None:
-        writes.append(manifests.build_activator_pod(ref, spec))
-    elif front_wanted and activator is not None and not activator.deleting \
-            and (not activator.holds_resources or not front_current):
-        # ended (evicted, its node gone), or started from other settings (the policy, the cache,
-        # the time-out): deleted now, a new one on the reconcile its going wakes
-        await ctx.client.delete("Pod", ns, activator.name)
+    writes += [manifests.build_activator_pod(ref, spec, i) for i, f in enumerate(fronts) if f is None]
+    for stale in _fronts_to_replace(fronts, spec):
+        # ended (evicted, its node gone), or started from other settings (the image, the policy,
+        # the cache, the time-out): deleted now, a new one on the reconcile its going wakes
+        await ctx.client.delete("Pod", ns, stale.name)
     placed = 0
     async with ctx.placement_lock:
         nodes = choose_nodes(free_gpus(ctx, vc), gpus, len(missing)) if gpus else [""] * len(missing)
@@ -231,8 +232,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         ctx.index.release(r for r in (index.build_pod_record(p) for p in pods_new) if r is not None)
         raise
     wanted = {manifests.pod_name(ref, i) for i in server.instances}
-    if front_wanted:
-        wanted.add(manifests.activator_pod_name(ref))
+    wanted |= {manifests.activator_pod_name(ref, i) for i in range(len(fronts))}
     await asyncio.gather(*(ctx.client.delete("Pod", ns, p.name)
                            for p in pods.values() if p.name not in wanted and not p.deleting))
 
@@ -244,7 +244,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     live = [pod_of(i) for i in server.instances]
     ready = sum(1 for p in live if p is not None and is_ready(p))
     running = sum(1 for p in live if p is not None and p.holds_resources) + placed
-    activator_ready = activator is not None and is_ready(activator)
+    activator_ready = any(f is not None and is_ready(f) for f in fronts)
     if unplaced:
         reason = "WaitingForGPUs"
         message = (f"{unplaced} of {server.replicas} replica(s) wait for {gpus} GPU(s) each on virtual "
@@ -284,6 +284,22 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     ctx.metrics.inference_replicas.labels(ns, name, "desired").set(server.replicas)
     ctx.metrics.inference_replicas.labels(ns, name, "ready").set(ready)
     return phase
+
+
+def _fronts_to_replace(fronts: list[index.PodRecord | None],
+                       spec: Mapping[str, Any]) -> list[index.PodRecord]:
+    """The front pods to delete now: every one that has ended, and one at a time of those that run
+    other settings, while each of the others is ready (a lone front pod is replaced at once: the
+    Service falls back to the replicas, or the clients retry, meanwhile)."""
+    live = [f for f in fronts if f is not None and not f.deleting]
+    ended = [f for f in live if not f.holds_resources]
+    stale = [f for f in live if f.holds_resources and not front_is_current(f, spec)]
+    if not stale:
+        return ended
+    others_serve = all(f is not None and not f.deleting and is_ready(f) for f in fronts if f is not stale[0])
+    if len(fronts) == 1 or (not ended and others_serve):
+        return [*ended, stale[0]]
+    return ended
 
 
 def front_is_current(pod: index.PodRecord, spec: Mapping[str, Any]) -> bool:

@@ -538,8 +538,10 @@ def replicas_service_name(job: JobRef) -> str:
     return f"{job.name}-replicas"
 
 
-def activator_pod_name(job: JobRef) -> str:
-    return f"{job.name}-activator"
+def activator_pod_name(job: JobRef, index: int = 0) -> str:
+    """The job's front pods (routing.frontReplicas): the first keeps the name it had when a job
+    had one, so that an operator upgrade replaces nothing."""
+    return f"{job.name}-activator" if index == 0 else f"{job.name}-activator-{index}"
 
 
 def build_replicas_service(job: JobRef) -> dict[str, Any]:
@@ -571,15 +573,19 @@ def front_template_hash(spec: Mapping[str, Any]) -> str:
     autoscaling = spec.get("autoscaling") or {}
     read = {"image": spec.get("image"), "timeout": autoscaling.get("activationTimeoutSeconds")}
     if routes_by_prefix(spec):
-        read |= {"routing": spec.get("routing"),
+        # the pods' count is not a setting of any one pod: changing it adds or removes pods
+        routing = {k: v for k, v in (spec.get("routing") or {}).items() if k != "frontReplicas"}
+        read |= {"routing": routing,
                  "cache": (spec.get("serving") or {}).get("prefixCacheTokens", PREFIX_CACHE_DEFAULT)}
     return template_hash(read, frozenset())
 
 
-def build_activator_pod(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The activator: CPU only, small, restarted in place by the kubelet if it crashes. It reads
-    the job's serving config (its port and activationTimeoutSeconds) and forwards to the replicas'
-    Service by its namespace-local name; with prefix routing, to the replicas themselves."""
+def build_activator_pod(job: JobRef, spec: Mapping[str, Any], index: int = 0) -> dict[str, Any]:
+    """One of the job's front pods (the activator, or the router): CPU only, small, restarted in
+    place by the kubelet if it crashes, and kept off the nodes of the job's other front pods when
+    the scheduler can (a node's loss then takes one of them). It reads the job's serving config
+    (its port and activationTimeoutSeconds) and forwards to the replicas' Service by its
+    namespace-local name; with prefix routing, to the replicas themselves."""
     mounts, volumes = config_and_run_volumes(job)
     limits = {"cpu": "500m", "memory": "1Gi"}
     config = f"{CONFIG_DIR}/{CONFIG_FILE}"
@@ -590,11 +596,15 @@ def build_activator_pod(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
     else:
         upstream = f"http://{replicas_service_name(job)}.{job.namespace}.svc:80"
         command = launcher.build_activator_command(config, upstream, python="python")
-    metadata = job_metadata(job, activator_pod_name(job), {LABEL_VERTEX: ACTIVATOR_VERTEX,
-                                                           LABEL_INSTANCE: f"{ACTIVATOR_VERTEX}-0"})
+    metadata = job_metadata(job, activator_pod_name(job, index),
+                            {LABEL_VERTEX: ACTIVATOR_VERTEX, LABEL_INSTANCE: f"{ACTIVATOR_VERTEX}-{index}"})
     metadata["annotations"] = {ANNOTATION_TEMPLATE: front_template_hash(spec)}
+    apart = {"weight": 100, "podAffinityTerm": {
+        "labelSelector": {"matchLabels": {LABEL_JOB: job.name, LABEL_VERTEX: ACTIVATOR_VERTEX}},
+        "topologyKey": "kubernetes.io/hostname"}}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": {
         "restartPolicy": "Always",
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [apart]}},
         "containers": [{
             "name": ACTIVATOR_VERTEX,
             "image": spec.get("image", "ghcr.io/huorn-io/huorn:0.1.0"),
