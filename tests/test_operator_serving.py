@@ -374,6 +374,26 @@ def test_two_front_pods_keep_the_router_in_front_through_a_pods_loss_and_roll_on
     wait_for(lambda: sorted(fronts()) == ["chat-activator"], what="back to one router")
 
 
+def test_leaving_scale_to_zero_removes_the_activator_and_its_replicas_service(
+    kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    """minReplicas 0 → 1: the activator and `<job>-replicas`, which only it used, go (the latter
+    was left behind before, until the job was deleted)."""
+    kube.create_job(NS, serving.make_inference_job("chat", "serve", min_replicas=0), plural=IJ)
+
+    def services() -> set[str]:
+        return {s.metadata.name for s in kube.core.list_namespaced_service(NS).items}
+
+    wait_for(lambda: "chat-replicas" in services() and kube.pods(NS, "chat", "activator"),
+             what="the activator and its Service")
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                               {"spec": {"autoscaling": {"minReplicas": 1}}})
+    wait_for(lambda: "chat-replicas" not in services(), what="`chat-replicas` deleted")
+    wait_for(lambda: not [p for p in kube.pods(NS, "chat", "activator") if not p.metadata.deletion_timestamp],
+             what="the activator gone")
+    assert "chat" in services() and routed_to(kube, "chat") == "server"
+
+
 def test_the_router_pod_lets_what_it_forwards_finish_as_a_replica_does() -> None:
     """A router replaced (a new loadFactor) is killed after its pod's grace: the answers it is
     forwarding need as long as the replicas' own requests get."""

@@ -151,11 +151,16 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         return await _report_waiting(ctx, body, base, "VirtualClusterNotFound", message)
 
     edited = old.get("observedGeneration") not in (None, meta.get("generation"))
-    if edited and job.spec.routing.policy != "prefix" and "routing" in old:
+    if edited and "routing" in old:
         # an edit of a job that had a router or an activator: the policy may have left prefix,
-        # and its headless Service goes with the router (a delete of nothing is a 404; a failed
-        # one fails the reconcile before any status write moves observedGeneration on)
-        await ctx.client.delete("Service", ns, manifests.endpoints_service_name(ref))
+        # and its headless Service goes with the router; minReplicas may have left 0, and the
+        # activator's `<job>-replicas` goes with the activator (a delete of nothing is a 404; a
+        # failed one fails the reconcile before any status write moves observedGeneration on)
+        by_prefix = job.spec.routing.policy == "prefix"
+        if not by_prefix:
+            await ctx.client.delete("Service", ns, manifests.endpoints_service_name(ref))
+        if by_prefix or job.spec.autoscaling.min_replicas > 0:
+            await ctx.client.delete("Service", ns, manifests.replicas_service_name(ref))
     graph, resized = restore_graph(body, fresh)
     version = graph.version
     pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
