@@ -685,3 +685,33 @@ def test_n_choices_are_the_answers_of_consecutive_seeds_and_top_p_narrows_sampli
         "n", "n", "top_p", "logprobs", "echo", "presence_penalty"]
     assert "spec.serving.maxBatch" in refused[1][1]["error"]
     assert "not served by this replica" in refused[3][1]["error"] and defaults["text"] == alone[0]["text"]
+
+
+def test_a_forward_pass_that_fails_after_a_row_ended_still_answers_that_row(tmp_path: Path) -> None:
+    """A step answers the rows that end, then feeds the others: a device error in that forward
+    pass fails the rows still decoding, and the answer already made reaches its client (it was
+    lost before: its client waited for ever)."""
+    _saved_model(tmp_path / "ckpt")
+    cfg = _config(tmp_path)
+
+    async def check() -> tuple[object, BaseException | None]:
+        model, _ = serve.load_model(cfg)
+        server = serve.Server(cfg, model)
+
+        def feed() -> None:
+            raise RuntimeError("device lost")
+
+        server.running.feed = feed
+        short, long = serve.Request(list(b"Q: 1?"), 1, 0.0, 0), serve.Request(list(b"Q: 22?"), 5, 0.0, 0)
+        server.queue = [short, long]
+        batcher = asyncio.create_task(server.run_batches())
+        server.wake.set()
+        try:
+            answered = await asyncio.wait_for(short.done, 30)
+            failed = await asyncio.wait_for(asyncio.gather(long.done, return_exceptions=True), 30)
+        finally:
+            batcher.cancel()
+        return answered, failed[0]
+
+    answered, failed = asyncio.run(check())
+    assert answered[1] == 1 and isinstance(failed, RuntimeError) and "device lost" in str(failed)

@@ -222,8 +222,9 @@ class RunningBatch:
 
     def step(self) -> tuple[list[tuple[Request, Result]], int]:
         """One token for every row; the rows that end leave (their answers returned, and the
-        blocks they complete kept in the prefix cache), the others' tokens are fed back. Returns
-        the answers and the prefix cache's evictions."""
+        blocks they complete kept in the prefix cache). Returns the answers and the prefix
+        cache's evictions; `feed` then gives the other rows their tokens. Two calls, so that
+        answers already made reach their clients even if the forward pass after them fails."""
         now = time.monotonic()
         chosen = self.choose()
         ended: list[int] = []
@@ -238,14 +239,18 @@ class RunningBatch:
         results = [self._finish(i, now) for i in ended]
         for i in reversed(ended):  # the last row moves into each freed one
             self._drop(i)
-        if self.rows:
-            assert self.cache is not None
-            fed = [[row.chosen[-1]] for row in self.rows]
-            tokens = torch.tensor(fed, dtype=torch.long, device=self.device)
-            logits = self.model.forward_step(tokens, self.cache, last_only=True)[:, -1].float()  # type: ignore[operator]
-            for i, row in enumerate(self.rows):
-                row.logits = logits[i]
         return results, self.prefixes.stats.evicted_blocks - evicted
+
+    def feed(self) -> None:
+        """The rows' last chosen tokens through the model: the logits their next ones come from."""
+        if not self.rows:
+            return
+        assert self.cache is not None
+        fed = [[row.chosen[-1]] for row in self.rows]
+        tokens = torch.tensor(fed, dtype=torch.long, device=self.device)
+        logits = self.model.forward_step(tokens, self.cache, last_only=True)[:, -1].float()  # type: ignore[operator]
+        for i, row in enumerate(self.rows):
+            row.logits = logits[i]
 
     def _finish(self, i: int, now: float) -> tuple[Request, Result]:
         """Row i's answer; the blocks it completes are kept, so that a conversation's next turn
@@ -290,4 +295,5 @@ class RunningBatch:
                 results[id(request)] = result
                 if on_answer is not None:
                     on_answer(request, result)
+            self.feed()
         return [results[id(r)] for r in requests]

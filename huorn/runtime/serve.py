@@ -453,6 +453,7 @@ class Server:
             self.metrics.prefix_evictions.inc(evicted)
             for request, result in answered:
                 request.loop.call_soon_threadsafe(self.answer, request, result)
+            self.running.feed()  # may fail: the answers above are made, and reach their clients
             # NB: a plain read of the loop's list: a request appended after it waits one step
             if not static and self.queue and len(self.running) < self.limits.max_batch:
                 break
