@@ -207,3 +207,17 @@ def _ask_tokens(server: serve.Server, tokens: list[int], max_tokens: int) -> lis
         return server.generate([serve.Request(tokens, max_tokens, 0.0, 0)])
 
     return asyncio.run(run())
+
+
+def test_a_prompt_admitted_beside_others_keeps_the_blocks_it_matched_when_their_stores_evict(
+        tmp_path: Path) -> None:
+    """Prompts admitted together are prefilled in groups (one prompt length and cached span
+    each): an earlier group's new blocks, stored into a full cache, evicted blocks that a later
+    group had matched but not loaded yet (its prefill then failed with a KeyError, and with it
+    every request of the step)."""
+    server, model = _server(tmp_path, ARCHITECTURES["plain"], prefixCacheTokens=48)  # three blocks
+    _ask(server, [SYSTEM + "Q: 1?\nA:"])  # SYSTEM's three blocks fill the cache
+    rows = ["X" * 40, SYSTEM + "Q: 2?\nA:"]  # the first brings two new blocks, the second reuses 48
+    answers = _ask(server, rows)
+    assert [cached for _, _, cached in answers] == [0, 48]
+    assert [text for text, _, _ in answers] == [_greedy(model, p) for p in rows]

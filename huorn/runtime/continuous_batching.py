@@ -178,6 +178,9 @@ class RunningBatch:
         for i, request in enumerate(requests):
             groups.setdefault((len(request.tokens), reused[i]), []).append(i)
         evicted = self.prefixes.stats.evicted_blocks
+        # the prompts' blocks are stored once every group has loaded the blocks it matched: an
+        # earlier group's store into a full cache would evict them before a later group's load
+        stores: list[tuple[int, list[bytes]]] = []  # (its row, its blocks' names)
         for (length, skip), members in groups.items():
             # one prefill for each distinct prompt: a request's `n` choices share theirs
             slots: dict[tuple[int, ...], int] = {}
@@ -192,16 +195,18 @@ class RunningBatch:
                     self.prefixes.load(own, slot, names[i][: skip // block])
             own.advance(skip)
             logits = self.model.forward_step(prompt[:, skip:], own, last_only=True)[:, -1].float()  # type: ignore[operator]
-            for slot, i in firsts.items():
-                self.prefixes.store(own, slot, names[i])
             for i in members:
                 slot = slots[tuple(requests[i].tokens)]
+                if firsts[slot] == i:
+                    stores.append((len(self.rows), names[i]))
                 cache.place(len(self.rows), own, slot, length)
                 generator = torch.Generator(device=self.device).manual_seed(requests[i].seed)
                 self.rows.append(Row(Answer(requests[i]), generator, reused[i], began, logits[slot]))
                 cache.rows = len(self.rows)
             stats.prefilled_tokens += (length - skip) * len(slots)
             stats.cached_tokens += skip * len(slots)
+        for row, row_names in stores:
+            self.prefixes.store(cache, row, row_names)
         stats.evicted_blocks = self.prefixes.stats.evicted_blocks - evicted
         return stats
 
