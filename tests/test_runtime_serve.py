@@ -715,3 +715,58 @@ def test_a_forward_pass_that_fails_after_a_row_ended_still_answers_that_row(tmp_
 
     answered, failed = asyncio.run(check())
     assert answered[1] == 1 and isinstance(failed, RuntimeError) and "device lost" in str(failed)
+
+
+def test_a_failed_step_ends_only_the_streams_of_the_rows_it_failed(tmp_path: Path) -> None:
+    """A streamed request of n = 2 whose choice 0 got the last free row and ended (its one token)
+    in a step whose forward pass then failed: choice 0 had its end already, and the failure must
+    not end it again, or the client's stream closed before choice 1 (still queued, decoded next)
+    sent a byte of its text."""
+    model = _saved_model(tmp_path / "ckpt", ascii_only=True)
+    cfg = _config(tmp_path, serving={"maxBatch": 2, "maxTokens": 48})
+    prompt = "Q: 1?\nA:"
+
+    async def work(session, server, report):
+        real_decode, real_feed = server.decode, server.running.feed
+        entered, gate, failed = asyncio.Event(), threading.Event(), []
+        loop = asyncio.get_running_loop()
+
+        def decode(admitted):
+            if admitted and admitted[0].tokens == [ord("Q")]:  # holds the batcher until all are queued
+                loop.call_soon_threadsafe(entered.set)
+                gate.wait(60)
+            return real_decode(admitted)
+
+        def feed() -> None:
+            if server.running.rows and not failed:  # the step that answered choice 0
+                failed.append(1)
+                raise RuntimeError("device lost")
+            real_feed()
+
+        server.decode, server.running.feed = decode, feed
+
+        async def post(body: dict) -> tuple[int, str]:
+            async with session.post("/v1/completions", json=body) as r:
+                return r.status, await r.text()
+
+        held = asyncio.create_task(post({"prompt": "Q", "max_tokens": 1}))
+        await asyncio.wait_for(entered.wait(), 60)
+        long = asyncio.create_task(post({"prompt": "Q: 22?\nA:", "max_tokens": 20}))
+        while len(server.queue) < 1:
+            await asyncio.sleep(0.01)
+        streamed = asyncio.create_task(post({"prompt": prompt, "max_tokens": 1, "n": 2, "stream": True}))
+        while len(server.queue) < 3:  # the long one and choice 0 fill both rows; choice 1 waits
+            await asyncio.sleep(0.01)
+        gate.set()
+        await held
+        return (await long)[0], await asyncio.wait_for(streamed, 60)
+
+    long_status, (status, text) = asyncio.run(_serving(cfg, work))
+    assert long_status == 500 and status == 200
+    events = [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
+    ids = torch.tensor([list(prompt.encode())])
+    expected = bytes(model.generate(ids, 1)[0, ids.shape[1]:].tolist()).decode()
+    for index in (0, 1):
+        mine = [e for e in events if e["choices"][0]["index"] == index]
+        assert "".join(e["choices"][0]["text"] for e in mine) == expected
+        assert mine[-1]["done"] is True

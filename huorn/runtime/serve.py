@@ -486,8 +486,12 @@ class Server:
                 except Exception as error:  # a failed step answers its requests, and serving goes on
                     failed = self.running.clear()
                     for r in [*failed, *(r for r in admitted if r not in failed)]:
-                        if not r.done.done():  # its handler was cancelled (the server stopping)
-                            r.done.set_exception(error)
+                        # done already: answered by a step before the failure (its stream has its
+                        # end, and a second one would close a shared stream before its other
+                        # choices), or its handler was cancelled (the server stopping)
+                        if r.done.done():
+                            continue
+                        r.done.set_exception(error)
                         if r.stream is not None:
                             r.stream.put_nowait((r.index, None))
                 finally:
