@@ -38,11 +38,10 @@ import time
 import aiohttp
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullFormatter, ScalarFormatter
 from prometheus_client.parser import text_string_to_metric_families
 from rich.progress import Progress
 from serving_autoscale import Fleet
-from trainer_runs import ROOT, argument_parser, save_figure, write_report
+from trainer_runs import ROOT, argument_parser, plot_latency_cdf, save_figure, write_report
 
 from huorn.api import training
 from huorn.runtime import serve
@@ -148,15 +147,7 @@ async def run_policy(policy: str, rate: float, trace: list[tuple[float, str, int
 def plot(results: list[dict], args) -> None:  # type: ignore[no-untyped-def]
     figure = Figure(figsize=(9, 3.4))
     cdf, bars = figure.subplots(1, 2)
-    for r in results:
-        lat = np.sort(np.array(r["latencies_s"])) * 1000
-        cdf.plot(lat, np.arange(1, len(lat) + 1) / len(lat), label=f"{r['policy']}, {r['rate']:g}/s")
-    cdf.set_xscale("log")
-    cdf.xaxis.set_major_formatter(ScalarFormatter())
-    cdf.xaxis.set_minor_formatter(NullFormatter())
-    cdf.set_xlabel("latency (ms)")
-    cdf.set_ylabel("share of requests")
-    cdf.legend(fontsize=8)
+    plot_latency_cdf(cdf, [(f"{r['policy']}, {r['rate']:g}/s", r["latencies_s"]) for r in results])
     rates = sorted({r["rate"] for r in results})
     width = 0.38
     mean = bars.twinx()

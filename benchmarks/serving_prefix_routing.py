@@ -40,11 +40,10 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullFormatter, ScalarFormatter
 from prometheus_client.parser import text_string_to_metric_families
 from rich.progress import Progress
 from serving_autoscale import Fleet
-from trainer_runs import ROOT, argument_parser, save_figure
+from trainer_runs import ROOT, argument_parser, plot_latency_cdf, save_figure
 
 from huorn.api import training
 from huorn.runtime import launcher, serve
@@ -188,15 +187,7 @@ async def run_policy(policy: str, sessions: list[Session], args,  # type: ignore
 def plot(results: list[dict], args) -> None:  # type: ignore[no-untyped-def]
     figure = Figure(figsize=(9, 3.4))
     cdf, bars = figure.subplots(1, 2)
-    for r in results:
-        lat = np.sort(np.array(r["latencies_s"])) * 1000
-        cdf.plot(lat, np.arange(1, len(lat) + 1) / len(lat), label=r["policy"])
-    cdf.set_xscale("log")
-    cdf.xaxis.set_major_formatter(ScalarFormatter())
-    cdf.xaxis.set_minor_formatter(NullFormatter())
-    cdf.set_xlabel("latency (ms)")
-    cdf.set_ylabel("share of requests")
-    cdf.legend(fontsize=8)
+    plot_latency_cdf(cdf, [(r["policy"], r["latencies_s"]) for r in results])
     names = [r["policy"] for r in results]
     bars.bar(names, [r["requests_per_second"] for r in results], color="tab:blue")
     bars.set_ylabel("requests/s", color="tab:blue")

@@ -16,6 +16,7 @@ from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter, ScalarFormatter
 from rich.progress import Progress
 
 from huorn.runtime import config as run_config
@@ -93,6 +94,20 @@ def write_report(args: argparse.Namespace, started: float, **fields: Any) -> dic
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def plot_latency_cdf(axis: Axes, curves: Iterable[tuple[str, list[float]]]) -> None:
+    """Each run's request latencies (seconds) as a CDF on a log axis of milliseconds: a serving
+    benchmark's tail is what a mean hides."""
+    for label, latencies in curves:
+        ms = sorted(1000 * x for x in latencies)
+        axis.plot(ms, [(i + 1) / len(ms) for i in range(len(ms))], label=label)
+    axis.set_xscale("log")
+    axis.xaxis.set_major_formatter(ScalarFormatter())
+    axis.xaxis.set_minor_formatter(NullFormatter())
+    axis.set_xlabel("latency (ms)")
+    axis.set_ylabel("share of requests")
+    axis.legend(fontsize=8)
 
 
 def save_figure(figure: Figure, title: str, path: Path) -> None:
