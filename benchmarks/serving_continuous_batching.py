@@ -21,9 +21,11 @@ to its `max_tokens`, the same in both policies. The prefix cache is off, so only
 Reported per policy and rate: requests/s and tokens/s completed, latency (mean, p50, p99), latency
 per output token (Orca's and vLLM's normalised latency), the mean time to first token (the
 replica's own histogram), the mean rows decoded a step; and `continuous`'s ratios to `static`.
+With `--stream` the answers are streamed, and the gaps between a request's events (inter-token
+latency, p50 and p99) and the time to its first event as the client sees it are reported too.
 
     .venv/bin/python benchmarks/serving_continuous_batching.py [--rates 4,8] [--requests 400]
-        [--max-batch 16] [--offset 0]
+        [--max-batch 16] [--offset 0] [--stream]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import datetime
+import json
 import random
 import sys
 import time
@@ -109,6 +112,8 @@ async def run_policy(policy: str, rate: float, trace: list[tuple[float, str, int
     span = trace[-1][0] or 1.0
     scale = (len(trace) / rate) / span  # the trace's seconds to this run's
     latencies, per_token, tokens = [], [], 0
+    first_seen: list[float] = []  # streamed: seconds to the first text event, as the client sees it
+    gaps: list[float] = []  # streamed: seconds between a request's consecutive events
     task = progress.add_task(f"{policy} at {rate:g}/s", total=len(trace))
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
@@ -116,11 +121,16 @@ async def run_policy(policy: str, rate: float, trace: list[tuple[float, str, int
                 nonlocal tokens
                 await asyncio.sleep(max(0.0, started + at * scale - time.monotonic()))
                 sent = time.monotonic()
-                async with session.post(f"{url}/v1/completions",
-                                        json={"prompt": prompt, "max_tokens": max_tokens}) as r:
-                    body = await r.json()
+                request = {"prompt": prompt, "max_tokens": max_tokens, "stream": args.stream}
+                async with session.post(f"{url}/v1/completions", json=request) as r:
                     if r.status != 200:
-                        raise SystemExit(f"{policy}: HTTP {r.status}: {body}")
+                        raise SystemExit(f"{policy}: HTTP {r.status}: {await r.text()}")
+                    if args.stream:
+                        body, arrivals = await read_stream(r)
+                        first_seen.append(arrivals[0] - sent)
+                        gaps.extend(np.diff(arrivals).tolist())
+                    else:
+                        body = await r.json()
                 latencies.append(time.monotonic() - sent)
                 per_token.append(latencies[-1] / body["tokens"])
                 tokens += body["tokens"]
@@ -141,7 +151,28 @@ async def run_policy(policy: str, rate: float, trace: list[tuple[float, str, int
             "latency_per_token_mean_s": float(np.mean(per_token)),
             "ttft_mean_s": metrics[f"{first}_sum"] / metrics[f"{first}_count"],
             "rows_per_step": metrics["huorn_serve_batch_size_sum"] / metrics["huorn_serve_batch_size_count"],
-            "busy_share": metrics["huorn_serve_busy_seconds_total"] / wall, "latencies_s": latencies}
+            "busy_share": metrics["huorn_serve_busy_seconds_total"] / wall, "latencies_s": latencies,
+            **({"ttft_client_mean_s": float(np.mean(first_seen)),
+                "ttft_client_p99_s": float(np.percentile(first_seen, 99)),
+                "inter_token_p50_s": float(np.percentile(gaps, 50)),
+                "inter_token_p99_s": float(np.percentile(gaps, 99)),
+                "inter_token_max_s": float(np.max(gaps))} if args.stream else {})}
+
+
+async def read_stream(response: aiohttp.ClientResponse) -> tuple[dict, list[float]]:
+    """A streamed answer's last event (its counts) and when each text event arrived. An event is
+    sent as its bytes complete a UTF-8 character, so a gap may span two tokens now and then,
+    alike for every policy."""
+    arrivals, last = [], {}
+    async for line in response.content:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        event = json.loads(line[len(b"data: "):])
+        if event.get("done"):
+            last = event
+        elif event.get("text"):
+            arrivals.append(time.monotonic())
+    return last, arrivals
 
 
 def plot(results: list[dict], args) -> None:  # type: ignore[no-untyped-def]
@@ -175,6 +206,8 @@ def main() -> int:
     parser.add_argument("--tokens-per-second", type=float, default=2.0,
                         help="max_tokens per second of the trace's exec_time_seconds")
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--stream", action="store_true",
+                        help="stream the answers; report the gaps between their tokens (inter-token latency)")
     args = parser.parse_args()
     begun = time.perf_counter()
     rates = [float(x) for x in args.rates.split(",")]
@@ -205,7 +238,9 @@ def main() -> int:
               f"p99 {1000 * r['latency_p99_s']:6.0f} ms, "
               f"{1000 * r['latency_per_token_mean_s']:5.1f} ms/token, "
               f"TTFT {1000 * r['ttft_mean_s']:6.0f} ms, {r['rows_per_step']:.1f} rows a step, "
-              f"busy {100 * r['busy_share']:.0f} %")
+              f"busy {100 * r['busy_share']:.0f} %"
+              + (f", inter-token p50 {1000 * r['inter_token_p50_s']:.1f} ms p99 "
+                 f"{1000 * r['inter_token_p99_s']:.1f} ms" if args.stream else ""))
     for rate, x in ratios.items():
         print(f"continuous vs static at {rate}/s: tokens/s {x['tokens_per_second']:.2f}x, mean latency "
               f"{x['latency_mean']:.2f}x, p99 {x['latency_p99']:.2f}x, "
