@@ -374,6 +374,35 @@ def test_two_front_pods_keep_the_router_in_front_through_a_pods_loss_and_roll_on
     wait_for(lambda: sorted(fronts()) == ["chat-activator"], what="back to one router")
 
 
+def test_front_pods_that_serve_no_one_are_replaced_at_once_by_a_new_image(
+    kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    """Two routers crash-looping on a broken image (running, never ready): the fixed image
+    replaces them without waiting for either to be ready, which they never will be (each waited
+    for the other, and the fix never reached them)."""
+    job = serving.make_inference_job("chat", "serve", min_replicas=1, max_replicas=1,
+                                     routing={"policy": "prefix", "frontReplicas": 2})
+    kube.create_job(NS, job, plural=IJ)
+
+    def fronts() -> dict[str, object]:
+        return {p.metadata.name: p for p in kube.pods(NS, "chat", "activator")
+                if not p.metadata.deletion_timestamp}
+
+    wait_for(lambda: len(servers(kube, "chat")) == 1 and len(fronts()) == 2, what="a replica, two routers")
+    for pod in servers(kube, "chat").values():
+        run_pod(kube, pod)
+    crashing = {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}]}}
+    for name in fronts():
+        kube.core.patch_namespaced_pod_status(name, NS, crashing)
+    wait_for(lambda: status(kube, "chat").get("readyReplicas") == 1, what="the replica ready")
+    broken = {name: p.metadata.uid for name, p in fronts().items()}
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                               {"spec": {"image": "ghcr.io/huorn-io/huorn:0.1.1"}})
+    wait_for(lambda: len(now := fronts()) == 2
+             and all(p.metadata.uid != broken[name] for name, p in now.items()),
+             what="both routers replaced")
+
+
 def test_leaving_scale_to_zero_removes_the_activator_and_its_replicas_service(
     kube: builders.Kube, operator: operator_mod.OperatorThread
 ) -> None:

@@ -34,7 +34,8 @@ replicas it has, and a restarted operator carries on from status.
   change, a switch of policy included.
 - **Front pods** (`routing.frontReplicas`): the activator or router pods, as many as asked,
   on different nodes where the scheduler can; a lost one is replaced while the others serve, and
-  stale ones are replaced one at a time, each once every other front pod is ready.
+  stale ones are replaced one at a time, each once every other front pod is ready (a stale one
+  that is not ready serves no one, and is replaced at once).
 """
 
 from __future__ import annotations
@@ -293,18 +294,23 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
 
 def _fronts_to_replace(fronts: list[index.PodRecord | None],
                        spec: Mapping[str, Any]) -> list[index.PodRecord]:
-    """The front pods to delete now: every one that has ended, and one at a time of those that run
-    other settings, while each of the others is ready (a lone front pod is replaced at once: the
-    Service falls back to the replicas, or the clients retry, meanwhile)."""
+    """The front pods to delete now: every one that has ended, every one that runs other settings
+    and is not ready (it serves no one: still starting, or crash-looping on the settings being
+    replaced, and it would never be ready for the others to wait on), and one at a time of those
+    that run other settings and serve, while each of the others is ready (a lone front pod is
+    replaced at once: the Service falls back to the replicas, or the clients retry, meanwhile)."""
     live = [f for f in fronts if f is not None and not f.deleting]
     ended = [f for f in live if not f.holds_resources]
     stale = [f for f in live if f.holds_resources and not front_is_current(f, spec)]
-    if not stale:
-        return ended
-    others_serve = all(f is not None and not f.deleting and is_ready(f) for f in fronts if f is not stale[0])
+    idle = [f for f in stale if not is_ready(f)]
+    serving_stale = [f for f in stale if is_ready(f)]
+    if not serving_stale:
+        return [*ended, *idle]
+    target = serving_stale[0]
+    others_serve = all(f is not None and not f.deleting and is_ready(f) for f in fronts if f is not target)
     if len(fronts) == 1 or (not ended and others_serve):
-        return [*ended, stale[0]]
-    return ended
+        return [*ended, *idle, target]
+    return [*ended, *idle]
 
 
 def front_is_current(pod: index.PodRecord, spec: Mapping[str, Any]) -> bool:
