@@ -230,6 +230,24 @@ def test_lost_replicas_are_replaced_and_a_spec_change_rolls_one_replica_at_a_tim
     assert sorted(servers(kube, "chat")) == ["server-0-g1", "server-1-g2"]
 
 
+def test_replicas_that_serve_no_one_are_rolled_without_waiting_for_the_others(
+    kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    """Two replicas crash-looping on a broken image (running, never ready): the fixed image rolls
+    them without waiting for the others to be ready, which they never will be (each waited for
+    the other, and the fix never reached them)."""
+    job = serving.make_inference_job("chat", "serve", min_replicas=2, max_replicas=2)
+    kube.create_job(NS, job, plural=IJ)
+    wait_for(lambda: len(servers(kube, "chat")) == 2, what="two replicas")
+    crashing = {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}]}}
+    for pod in servers(kube, "chat").values():
+        kube.core.patch_namespaced_pod_status(pod.metadata.name, NS, crashing)
+    wait_for(lambda: status(kube, "chat").get("replicas") == 2, what="both running")
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                               {"spec": {"image": "ghcr.io/huorn-io/huorn:0.1.1"}})
+    wait_for(lambda: sorted(servers(kube, "chat")) == ["server-0-g1", "server-1-g1"], what="both rolled")
+
+
 def test_an_inference_job_on_a_checkpoint_off_its_volume_is_refused_naming_the_field(
     kube: builders.Kube, operator: operator_mod.OperatorThread
 ) -> None:

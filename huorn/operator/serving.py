@@ -18,7 +18,8 @@ replicas it has, and a restarted operator carries on from status.
   Always), as in a Deployment.
 - **Rolling update.** A spec change that a running replica cannot pick up (model, quantisation,
   image, resources, env: manifests.serve_template_hash) replaces the replicas one at a time, each
-  only while every other replica is ready: capacity drops by at most one replica.
+  only while every other replica is ready: capacity drops by at most one replica. A replica of
+  the older spec that is not ready serves no one, and is replaced at once.
 - **Scale to zero** (`autoscaling.minReplicas: 0`). An activator pod runs beside the replicas
   (huorn.runtime.activator) and a second Service, `<job>-replicas`, always selects the replicas.
   The job's own Service selects the replicas while one is ready and the activator otherwise
@@ -322,14 +323,22 @@ def front_is_current(pod: index.PodRecord, spec: Mapping[str, Any]) -> bool:
 
 def _roll_one(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, index.PodRecord],
               templates: set[str]) -> None:
-    """Replace one replica started from an older spec, if every other replica is ready."""
+    """Replace the replicas started from an older spec that are not ready (they serve no one:
+    still loading, or crash-looping on the spec being replaced, and they would never be ready for
+    the others to wait on), else one that serves, if every other replica is ready."""
     server = graph.vertex(SERVER)
     current = [(i, pods.get(manifests.pod_name(ref, i))) for i in server.instances]
-    stale = [i for i, p in current
+    stale = [(i, p) for i, p in current
              if p is not None and not p.deleting and p.template and p.template not in templates]
-    if not stale:
+    idle = [i for i, p in stale if not is_ready(p)]
+    for instance in idle:
+        mutate.replace_instance(graph, instance.name, drain=True, counted=False,
+                                reason=f"rolling update: replica {instance.name} runs an older spec "
+                                       "(model, image, resources, quantisation or env changed) and "
+                                       "is not ready")
+    if idle or not stale:
         return
-    target = stale[0]
+    target = stale[0][0]
     others_ready = all(p is not None and is_ready(p) for i, p in current if i != target)
     if others_ready:
         mutate.replace_instance(graph, target.name, drain=True, counted=False,
