@@ -6,8 +6,11 @@ standing in for one GPU) per policy, `serving.batching` set to:
 - `static`: the oldest waiting requests, up to `maxBatch`, are decoded until the longest of them
   ends, then the next batch starts (request-level batching: what a server without iteration-level
   scheduling does, and what Huorn did before, there only with prompts of one length);
-- `continuous`: a request joins the running batch at the next decoding step and leaves as its
-  own answer ends (Huorn's default).
+- `continuous-whole`: a request joins the running batch at the next decoding step and leaves as
+  its own answer ends, its prompt prefilled whole before that step (`prefillChunkTokens: 0`);
+- `continuous`: the same with chunked prefill, at most 128 prompt tokens before each step
+  (`prefillChunkTokens`: its default, 2,048, is sized for a GPU; on this CPU a 128-token chunk
+  costs about one decoding step of 16 rows).
 
 The requests are consecutive successful rows of `../shared/data/lora_request_trace.csv` (a
 production GenAI service, cluster-trace-v2026-GenAI), replayed at their recorded arrival times
@@ -20,12 +23,12 @@ to its `max_tokens`, the same in both policies. The prefix cache is off, so only
 
 Reported per policy and rate: requests/s and tokens/s completed, latency (mean, p50, p99), latency
 per output token (Orca's and vLLM's normalised latency), the mean time to first token (the
-replica's own histogram), the mean rows decoded a step; and `continuous`'s ratios to `static`.
+replica's own histogram), the mean rows decoded a step; and each policy's ratios to `static`.
 With `--stream` the answers are streamed, and the gaps between a request's events (inter-token
 latency, p50 and p99) and the time to its first event as the client sees it are reported too.
 
     .venv/bin/python benchmarks/serving_continuous_batching.py [--rates 4,8] [--requests 400]
-        [--max-batch 16] [--offset 0] [--stream]
+        [--max-batch 16] [--offset 0] [--stream] [--policies static,continuous-whole,continuous]
 """
 
 from __future__ import annotations
@@ -51,7 +54,14 @@ from huorn.runtime import serve
 
 ARCHITECTURE = {"layers": 4, "width": 256, "heads": 8, "context": 1024}
 TRACE = ROOT.parent / "shared" / "data" / "lora_request_trace.csv"
-POLICIES = ("static", "continuous")
+# each policy's spec.serving: static batching; continuous batching with each joining prompt
+# prefilled whole; continuous batching with chunked prefill (Huorn's defaults)
+POLICIES = {"static": {"batching": "static", "prefillChunkTokens": 0},
+            "continuous-whole": {"batching": "continuous", "prefillChunkTokens": 0},
+            "continuous": {"batching": "continuous", "prefillChunkTokens": 128}}
+RATIOS = (("tokens_per_second", "tokens_per_second"), ("latency_mean", "latency_mean_s"),
+          ("latency_p99", "latency_p99_s"), ("latency_per_token", "latency_per_token_mean_s"),
+          ("ttft_mean", "ttft_mean_s"), ("inter_token_p99", "inter_token_p99_s"))
 WORDS = ("the", "model", "answers", "every", "question", "briefly", "and", "cites", "documents", "it",
          "was", "given", "about", "rivers", "lakes", "mountains", "a", "red", "fox", "at", "dawn")
 
@@ -103,7 +113,7 @@ async def run_policy(policy: str, rate: float, trace: list[tuple[float, str, int
     spec = {"virtualCluster": "bench", "model": {"checkpoint": str(args.work / "ckpt"),
                                                  "architecture": ARCHITECTURE},
             "serving": {"maxBatch": args.max_batch, "maxTokens": 1024, "prefixCacheTokens": 0,
-                        "batching": policy}}
+                        **POLICIES[policy]}}
     config = {"jobName": "bench", "host": "127.0.0.1", "port": 0, "device": "cpu", "spec": spec}
     fleet = Fleet(args.work / f"{policy}-{rate}", config)
     fleet.scale_to(1)
@@ -180,13 +190,14 @@ def plot(results: list[dict], args) -> None:  # type: ignore[no-untyped-def]
     cdf, bars = figure.subplots(1, 2)
     plot_latency_cdf(cdf, [(f"{r['policy']}, {r['rate']:g}/s", r["latencies_s"]) for r in results])
     rates = sorted({r["rate"] for r in results})
-    width = 0.38
+    ran = [p for p in POLICIES if any(r["policy"] == p for r in results)]
+    width = 0.8 / len(ran)
     mean = bars.twinx()
-    for i, policy in enumerate(POLICIES):
+    for i, policy in enumerate(ran):
         mine = [next(r for r in results if r["policy"] == policy and r["rate"] == rate) for rate in rates]
-        x = np.arange(len(rates)) + (i - 0.5) * width
+        x = np.arange(len(rates)) + (i - (len(ran) - 1) / 2) * width
         bars.bar(x, [r["tokens_per_second"] for r in mine], width, label=policy,
-                 color=("tab:gray", "tab:blue")[i])
+                 color=("tab:gray", "tab:cyan", "tab:blue")[i])
         mean.plot(x, [1000 * r["latency_per_token_mean_s"] for r in mine], "o", color="tab:orange")
     bars.set_xticks(np.arange(len(rates)), [f"{rate:g} req/s" for rate in rates])
     bars.set_ylabel("output tokens/s")
@@ -208,7 +219,11 @@ def main() -> int:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--stream", action="store_true",
                         help="stream the answers; report the gaps between their tokens (inter-token latency)")
+    parser.add_argument("--policies", default=",".join(POLICIES))
     args = parser.parse_args()
+    policies = args.policies.split(",")
+    if "static" not in policies or set(policies) - set(POLICIES):
+        parser.error(f"--policies: static and any of {', '.join(p for p in POLICIES if p != 'static')}")
     begun = time.perf_counter()
     rates = [float(x) for x in args.rates.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
@@ -217,23 +232,23 @@ def main() -> int:
     results = []
     with Progress() as progress:
         for rate in rates:
-            for policy in POLICIES:
+            for policy in policies:
                 results.append(asyncio.run(run_policy(policy, rate, trace, args, progress)))
-    ratios = {}
-    for rate in rates:
-        s, c = (next(r for r in results if r["policy"] == p and r["rate"] == rate) for p in POLICIES)
-        ratios[f"{rate:g}"] = {name: c[key] / s[key] for name, key in (
-            ("tokens_per_second", "tokens_per_second"), ("latency_mean", "latency_mean_s"),
-            ("latency_p99", "latency_p99_s"), ("latency_per_token", "latency_per_token_mean_s"),
-            ("ttft_mean", "ttft_mean_s"))}
+    ratios: dict[str, dict[str, dict[str, float]]] = {}  # policy -> rate -> metric: over static's
+    for policy in (p for p in policies if p != "static"):
+        for rate in rates:
+            base, mine = (next(r for r in results if r["policy"] == p and r["rate"] == rate)
+                          for p in ("static", policy))
+            ratios.setdefault(policy, {})[f"{rate:g}"] = {
+                name: mine[key] / base[key] for name, key in RATIOS if key in mine}
     demand = [n for _, _, n in trace]
     write_report(args, begun, date=time.strftime("%Y-%m-%d"), trace=str(TRACE.name),
                  max_tokens={"mean": float(np.mean(demand)), "p50": float(np.median(demand)),
                              "p90": float(np.percentile(demand, 90)), "max": max(demand)},
-                 results=results, continuous_vs_static=ratios)
+                 results=results, vs_static=ratios)
     plot(results, args)
     for r in results:
-        print(f"{r['policy']:>10} at {r['rate']:g}/s: {r['requests_per_second']:5.2f} req/s, "
+        print(f"{r['policy']:>16} at {r['rate']:g}/s: {r['requests_per_second']:5.2f} req/s, "
               f"{r['tokens_per_second']:6.1f} tok/s, mean {1000 * r['latency_mean_s']:6.0f} ms, "
               f"p99 {1000 * r['latency_p99_s']:6.0f} ms, "
               f"{1000 * r['latency_per_token_mean_s']:5.1f} ms/token, "
@@ -241,11 +256,9 @@ def main() -> int:
               f"busy {100 * r['busy_share']:.0f} %"
               + (f", inter-token p50 {1000 * r['inter_token_p50_s']:.1f} ms p99 "
                  f"{1000 * r['inter_token_p99_s']:.1f} ms" if args.stream else ""))
-    for rate, x in ratios.items():
-        print(f"continuous vs static at {rate}/s: tokens/s {x['tokens_per_second']:.2f}x, mean latency "
-              f"{x['latency_mean']:.2f}x, p99 {x['latency_p99']:.2f}x, "
-              f"per token {x['latency_per_token']:.2f}x, "
-              f"TTFT {x['ttft_mean']:.2f}x")
+    for policy, by_rate in ratios.items():
+        for rate, x in by_rate.items():
+            print(f"{policy} vs static at {rate}/s: " + ", ".join(f"{k} {v:.2f}x" for k, v in x.items()))
     print(f"wrote {args.out} and {args.png}", file=sys.stderr)
     return 0
 

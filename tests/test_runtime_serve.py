@@ -111,7 +111,8 @@ def test_the_batcher_admits_the_oldest_into_free_rows_or_only_into_an_empty_batc
                         for i, n in enumerate((3, 5, 4, 6, 5))]
         first = server.admissions()
         server.running.admit(first)
-        full = server.admissions()
+        full = server.admissions()  # their rows are promised while their prompts are prefilled
+        server.running.prefill()
         answered, _ = server.running.step()
         assert [len(r.tokens) for r, _ in answered] == [3] and len(server.running) == 2
         third = server.admissions()
@@ -770,3 +771,49 @@ def test_a_failed_step_ends_only_the_streams_of_the_rows_it_failed(tmp_path: Pat
         mine = [e for e in events if e["choices"][0]["index"] == index]
         assert "".join(e["choices"][0]["text"] for e in mine) == expected
         assert mine[-1]["done"] is True
+
+
+@pytest.mark.parametrize("chunk", [8, 0])
+def test_a_long_prompt_joining_is_prefilled_a_chunk_a_step_and_answers_stay_exact(
+        tmp_path: Path, chunk: int) -> None:
+    """Chunked prefill: a 40-token prompt joining a running answer is prefilled 8 tokens before
+    each decoding step, so the running answer gains a token between its chunks instead of waiting
+    for the whole prefill (chunk 0); both answers equal each one's greedy decoding alone."""
+    model = _saved_model(tmp_path / "ckpt")
+    cfg = _config(tmp_path, serving={"maxBatch": 8, "maxTokens": 64, "prefillChunkTokens": chunk})
+    running_prompt, joining_prompt = list(b"Q: 1?\nA:"), list(b"Q: what is the sum of 12 and 30?\nA: ok, ")
+
+    async def run() -> tuple[list[int], list[object]]:
+        loaded, _ = serve.load_model(cfg)
+        server = serve.Server(cfg, loaded)
+        batch, widths, forward = server.running, [], loaded.forward_step
+
+        def counted(tokens, cache, **kwargs):
+            widths.append(tokens.shape[1])
+            return forward(tokens, cache, **kwargs)
+
+        loaded.forward_step = counted
+        first, second = serve.Request(running_prompt, 20, 0.0, 0), serve.Request(joining_prompt, 5, 0.0, 0)
+        results: dict[int, object] = {}
+        batch.admit([first])
+        for step in range(40):
+            if step == 3:
+                widths.clear()
+                batch.admit([second])
+            batch.prefill(cfg.spec.serving.prefill_chunk_tokens)
+            if len(batch):
+                answered, _ = batch.step()
+                results.update({id(r): result for r, result in answered})
+                batch.feed()
+        return widths, [results[id(first)], results[id(second)]]
+
+    widths, (first, second) = asyncio.run(run())
+    assert len(joining_prompt) == 40
+    if chunk:
+        assert widths[:10] == [8, 1, 8, 1, 8, 1, 8, 1, 8, 1]  # a chunk, then the running row's step
+    else:
+        assert widths[:2] == [40, 1]
+    for prompt, (text, count, *_), tokens in ((running_prompt, first, 20), (joining_prompt, second, 5)):
+        ids = torch.tensor([prompt])
+        assert count == tokens
+        assert text == bytes(model.generate(ids, tokens)[0, len(prompt):].tolist()).decode("utf-8", "replace")

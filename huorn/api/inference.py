@@ -27,6 +27,13 @@ class ServingLimits(ApiModel):
         description="Prompt-prefix tokens whose K/V each replica keeps for reuse (blocks of 16, least "
                     "recently used evicted): a prompt that starts like an earlier one is prefilled "
                     "only from where it differs. 0 keeps none.")
+    prefill_chunk_tokens: int = Field(
+        default=2048, ge=0, le=1 << 20,
+        description="Prompt tokens prefilled before each decoding step at most (chunked prefill): a "
+                    "long prompt that joins holds the answers being decoded for a chunk a step, not "
+                    "for its whole prefill. Smaller values smooth the answers' token rate and delay "
+                    "long prompts' first tokens (on CPU, 64-256). 0 prefills each joining prompt "
+                    "whole at once.")
     batching: Literal["continuous", "static"] = Field(
         default="continuous",
         description="`continuous`: a request joins the requests being decoded at the next step, and "

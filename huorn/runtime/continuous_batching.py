@@ -7,9 +7,12 @@ longest answer before the next batch began: a request that arrived a step after 
 waited for all of it, and prompts of other lengths never shared a step. Here the running batch is
 one `RaggedKVCache` whose first `rows` rows are the requests in flight. A request is admitted
 between two steps (`admit`): its prompt is prefilled in a cache of its own (with the prompts of
-its length that skip as many cached blocks) and placed in a free row; a step (`step`) chooses a
-token for every row, answers the rows that end, and feeds the others' tokens back in one forward
-pass. A row that ends is replaced by the last one, so a step never computes a free row.
+its length that skip as many cached blocks), up to `serving.prefillChunkTokens` prompt tokens
+before each step (`prefill`, chunked prefill as Sarathi-Serve and vLLM do it: a long prompt
+holds the running answers for a chunk a step, not for its whole prefill), and placed in a free
+row once whole; a step (`step`) chooses a token for every row, answers the rows that end, and
+`feed` gives the others' tokens to the model in one forward pass. A row that ends is replaced by
+the last one, so a step never computes a free row.
 
 The server decides when to admit (`spec.serving.batching`): `continuous` fills free rows before
 every step, `static` only once the running batch is empty (request-level batching, kept for
@@ -138,6 +141,24 @@ class AdmitStats:
     evicted_blocks: int = 0
 
 
+@dataclass
+class Prefill:
+    """Distinct prompts of one length that skip as many cached blocks, prefilled together in a
+    cache of their own, a chunk at a time; the requests that share each (a request's `n`
+    choices share theirs)."""
+
+    prompts: torch.Tensor  # [distinct prompts, length]
+    cache: KVCache  # theirs: its length is how far the prefill has come
+    requests: list[tuple[Request, int, int]]  # (request, its prompt's slot, tokens from the prefix cache)
+    names: list[list[bytes]]  # each slot's block names, stored in the prefix cache once whole
+    began: float
+    logits: torch.Tensor | None = None  # [slots, V] after the last chunk
+
+    @property
+    def remaining(self) -> int:
+        return self.prompts.shape[1] - self.cache.length
+
+
 class RunningBatch:
     def __init__(self, model: torch.nn.Module, prefixes: prefix_cache.PrefixCache, max_length: int,
                  max_rows: int = 1 << 12) -> None:
@@ -147,10 +168,15 @@ class RunningBatch:
         self.max_rows = max_rows  # what the cache grows to by doubling (more only if admitted)
         self.device = next(model.parameters()).device
         self.rows: list[Row] = []
+        self.prefilling: list[Prefill] = []  # admitted, not yet whole, oldest first
         self.cache: RaggedKVCache | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def waiting(self) -> int:
+        """Requests admitted whose prompts are still being prefilled: rows promised to them."""
+        return sum(len(p.requests) for p in self.prefilling)
 
     def _room(self, rows: int) -> RaggedKVCache:
         """A cache for `rows` rows, grown by doubling (a replica serving one client at a time
@@ -162,14 +188,15 @@ class RunningBatch:
         return self.cache
 
     def admit(self, requests: Sequence[Request]) -> AdmitStats:
-        """Prefill `requests` and give each a row. Each prompt skips the prefill of its leading
-        blocks held in the prefix cache; prompts of one length that skip as many blocks are
-        prefilled together, each such group in a cache of its own, copied into its rows."""
+        """Take `requests` in: each prompt's leading blocks held in the prefix cache are loaded now
+        (every one before any prompt's blocks are stored, which could evict them from a full
+        cache), the rest is left to `prefill`. Prompts of one length that skip as many blocks are
+        prefilled together; identical prompts once."""
         began = time.monotonic()
         stats = AdmitStats()
         if not requests:
             return stats
-        cache = self._room(len(self.rows) + len(requests))
+        self._room(len(self.rows) + self.waiting() + len(requests))
         block = self.prefixes.block
         names = [prefix_cache.block_hashes(r.tokens) for r in requests]
         reused = [prefix_cache.reusable_blocks(len(r.tokens), self.prefixes.match(n)) * block
@@ -177,38 +204,53 @@ class RunningBatch:
         groups: dict[tuple[int, int], list[int]] = {}
         for i, request in enumerate(requests):
             groups.setdefault((len(request.tokens), reused[i]), []).append(i)
-        evicted = self.prefixes.stats.evicted_blocks
-        # the prompts' blocks are stored once every group has loaded the blocks it matched: an
-        # earlier group's store into a full cache would evict them before a later group's load
-        stores: list[tuple[int, list[bytes]]] = []  # (its row, its blocks' names)
         for (length, skip), members in groups.items():
-            # one prefill for each distinct prompt: a request's `n` choices share theirs
             slots: dict[tuple[int, ...], int] = {}
             for i in members:
                 slots.setdefault(tuple(requests[i].tokens), len(slots))
-            prompt = torch.tensor(list(slots), dtype=torch.long, device=self.device)
             own: KVCache = self.model.build_cache(len(slots), length)  # type: ignore[operator]
-            firsts = {slot: next(i for i in members if slots[tuple(requests[i].tokens)] == slot)
-                      for slot in range(len(slots))}
+            firsts = {slots[tuple(requests[i].tokens)]: i for i in reversed(members)}
             for slot, i in firsts.items():
                 if skip:
                     self.prefixes.load(own, slot, names[i][: skip // block])
             own.advance(skip)
-            logits = self.model.forward_step(prompt[:, skip:], own, last_only=True)[:, -1].float()  # type: ignore[operator]
-            for i in members:
-                slot = slots[tuple(requests[i].tokens)]
-                if firsts[slot] == i:
-                    stores.append((len(self.rows), names[i]))
-                cache.place(len(self.rows), own, slot, length)
-                generator = torch.Generator(device=self.device).manual_seed(requests[i].seed)
-                self.rows.append(Row(Answer(requests[i]), generator, reused[i], began, logits[slot]))
-                cache.rows = len(self.rows)
+            self.prefilling.append(Prefill(
+                torch.tensor(list(slots), dtype=torch.long, device=self.device), own,
+                [(requests[i], slots[tuple(requests[i].tokens)], reused[i]) for i in members],
+                [names[firsts[slot]] for slot in range(len(slots))], began))
             stats.prefilled_tokens += (length - skip) * len(slots)
             stats.cached_tokens += skip * len(slots)
-        for row, row_names in stores:
-            self.prefixes.store(cache, row, row_names)
-        stats.evicted_blocks = self.prefixes.stats.evicted_blocks - evicted
         return stats
+
+    def prefill(self, budget: int = 0) -> int:
+        """Prefill the admitted prompts, oldest first, up to `budget` prompt tokens (0: all of
+        them); the prompts made whole get their rows. Returns the prefix cache's evictions."""
+        spent, evicted = 0, self.prefixes.stats.evicted_blocks
+        while self.prefilling and (budget == 0 or spent < budget):
+            group = self.prefilling[0]
+            width = group.prompts.shape[0]
+            left = group.remaining
+            chunk = left if budget == 0 else min(left, max(1, (budget - spent) // width))
+            start = group.cache.length
+            group.logits = self.model.forward_step(  # type: ignore[operator]
+                group.prompts[:, start:start + chunk], group.cache, last_only=True)[:, -1].float()
+            spent += chunk * width
+            if group.remaining == 0:
+                self.prefilling.pop(0)
+                self._seat(group)
+        return self.prefixes.stats.evicted_blocks - evicted
+
+    def _seat(self, group: Prefill) -> None:
+        """A whole prefill's requests into rows; its prompts' blocks into the prefix cache."""
+        assert self.cache is not None and group.logits is not None
+        length = group.prompts.shape[1]
+        for request, slot, cached in group.requests:
+            self.cache.place(len(self.rows), group.cache, slot, length)
+            generator = torch.Generator(device=self.device).manual_seed(request.seed)
+            self.rows.append(Row(Answer(request), generator, cached, group.began, group.logits[slot]))
+            self.cache.rows = len(self.rows)
+        for slot, slot_names in enumerate(group.names):
+            self.prefixes.store(group.cache, slot, slot_names)
 
     def choose(self) -> list[int]:
         """Each row's next token, at its own temperature and seed."""
@@ -281,9 +323,10 @@ class RunningBatch:
         self.cache.rows = len(self.rows)
 
     def clear(self) -> list[Request]:
-        """Every row dropped (their step failed); returns their requests."""
+        """Every row and prefill dropped (their step failed); returns their requests."""
         requests = [row.answer.request for row in self.rows]
-        self.rows = []
+        requests += [request for group in self.prefilling for request, _, _ in group.requests]
+        self.rows, self.prefilling = [], []
         if self.cache is not None:
             self.cache.rows = 0
         return requests
@@ -293,6 +336,7 @@ class RunningBatch:
         """`requests` admitted and decoded until every row has ended (static batching's batch);
         their results in their order."""
         self.admit(requests)
+        self.prefill()
         results: dict[int, Result] = {}
         while self.rows:
             answered, _ = self.step()

@@ -432,8 +432,9 @@ class Server:
     def admissions(self) -> list[Request]:
         """The oldest waiting requests that join the running batch before its next step: as many
         as it has free rows (`continuous`), or, with `static`, a whole batch once it is empty."""
-        free = self.limits.max_batch - len(self.running)
-        if self.limits.batching == "static" and len(self.running):
+        busy = len(self.running) + self.running.waiting()
+        free = self.limits.max_batch - busy
+        if self.limits.batching == "static" and busy:
             free = 0
         taken, self.queue = self.queue[:free], self.queue[free:]
         return taken
@@ -447,15 +448,19 @@ class Server:
             self.metrics.prompt_tokens.labels("prefill").inc(stats.prefilled_tokens)
             self.metrics.prefix_evictions.inc(stats.evicted_blocks)
         static = self.limits.batching == "static"
-        while len(self.running):
-            self.metrics.batch.observe(len(self.running))
-            answered, evicted = self.running.step()
-            self.metrics.prefix_evictions.inc(evicted)
-            for request, result in answered:
-                request.loop.call_soon_threadsafe(self.answer, request, result)
-            self.running.feed()  # may fail: the answers above are made, and reach their clients
+        while len(self.running) or self.running.prefilling:
+            # up to a chunk of the admitted prompts first: a long one holds the rows a chunk a step
+            self.metrics.prefix_evictions.inc(self.running.prefill(self.limits.prefill_chunk_tokens))
+            if len(self.running):
+                self.metrics.batch.observe(len(self.running))
+                answered, evicted = self.running.step()
+                self.metrics.prefix_evictions.inc(evicted)
+                for request, result in answered:
+                    request.loop.call_soon_threadsafe(self.answer, request, result)
+                self.running.feed()  # may fail: the answers above are made, and reach their clients
             # NB: a plain read of the loop's list: a request appended after it waits one step
-            if not static and self.queue and len(self.running) < self.limits.max_batch:
+            busy = len(self.running) + self.running.waiting()
+            if not static and self.queue and busy < self.limits.max_batch:
                 break
         self.metrics.prefix_cache_bytes.set(self.prefixes.nbytes())
 
@@ -478,7 +483,7 @@ class Server:
         while True:
             await self.wake.wait()
             self.wake.clear()
-            while self.queue or len(self.running):
+            while self.queue or len(self.running) or self.running.prefilling:
                 admitted = self.admissions()
                 started = time.monotonic()
                 try:
