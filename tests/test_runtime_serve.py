@@ -542,16 +542,16 @@ def test_a_row_is_answered_as_it_ends_not_when_its_batch_does(tmp_path: Path) ->
             return forward(*args, **kwargs)
 
         server.model.forward_step = slow
-        real, entered, gate = server.decode, asyncio.Event(), threading.Event()
+        real, entered, gate = server.running.admit, asyncio.Event(), threading.Event()
         loop = asyncio.get_running_loop()
 
-        def decode(admitted):
+        def admit(admitted):
             if admitted and len(admitted[0].tokens) == 1:  # holds the batcher until both are queued
                 loop.call_soon_threadsafe(entered.set)
                 gate.wait(60)
             return real(admitted)
 
-        server.decode = decode
+        server.running.admit = admit
 
         async def ask(prompt: str, tokens: int, stream: bool) -> str:
             async with session.post("/v1/completions", json={"prompt": prompt, "max_tokens": tokens,
@@ -728,15 +728,15 @@ def test_a_failed_step_ends_only_the_streams_of_the_rows_it_failed(tmp_path: Pat
     prompt = "Q: 1?\nA:"
 
     async def work(session, server, report):
-        real_decode, real_feed = server.decode, server.running.feed
+        real_admit, real_feed = server.running.admit, server.running.feed
         entered, gate, failed = asyncio.Event(), threading.Event(), []
         loop = asyncio.get_running_loop()
 
-        def decode(admitted):
+        def admit(admitted):
             if admitted and admitted[0].tokens == [ord("Q")]:  # holds the batcher until all are queued
                 loop.call_soon_threadsafe(entered.set)
                 gate.wait(60)
-            return real_decode(admitted)
+            return real_admit(admitted)
 
         def feed() -> None:
             if server.running.rows and not failed:  # the step that answered choice 0
@@ -744,7 +744,7 @@ def test_a_failed_step_ends_only_the_streams_of_the_rows_it_failed(tmp_path: Pat
                 raise RuntimeError("device lost")
             real_feed()
 
-        server.decode, server.running.feed = decode, feed
+        server.running.admit, server.running.feed = admit, feed
 
         async def post(body: dict) -> tuple[int, str]:
             async with session.post("/v1/completions", json=body) as r:

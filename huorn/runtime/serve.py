@@ -36,6 +36,7 @@ import json
 import math
 import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -190,6 +191,9 @@ class Server:
         self.limits = cfg.spec.serving
         self.context = cfg.spec.model.architecture.context
         self.queue: list[Request] = []
+        # the handlers append to the queue, the decoding thread takes from it before every step
+        self.queue_lock = threading.Lock()
+        self.admitting: list[Request] = []  # taken from the queue, not yet the batch's
         self.wake = asyncio.Event()
         self.metrics = Metrics()
         self.prefixes = prefix_cache.PrefixCache(self.limits.prefix_cache_tokens)
@@ -276,7 +280,8 @@ class Server:
                         stop=tuple(x.encode() for x in stops), chat=is_chat)
         items = [first] + [dataclasses.replace(first, seed=seed + i, index=i, done=first.loop.create_future())
                            for i in range(1, choices)]
-        self.queue.extend(items)
+        with self.queue_lock:
+            self.queue.extend(items)
         self.wake.set()
         self.metrics.in_flight.inc()
         try:
@@ -367,8 +372,9 @@ class Server:
         choosing tokens, or they leave the queue before they are decoded at all."""
         for item in items:
             item.abandoned = True
-            if item in self.queue:
-                self.queue.remove(item)
+            with self.queue_lock:
+                if item in self.queue:
+                    self.queue.remove(item)
             # its batch may yet fail: an exception nobody reads is logged as never retrieved
             item.done.add_done_callback(lambda done: done.cancelled() or done.exception())
         self.metrics.requests.labels("abandoned").inc()
@@ -431,7 +437,8 @@ class Server:
     # -- batching --------------------------------------------------------------------------------
     def admissions(self) -> list[Request]:
         """The oldest waiting requests that join the running batch before its next step: as many
-        as it has free rows (`continuous`), or, with `static`, a whole batch once it is empty."""
+        as it has free rows (`continuous`), or, with `static`, a whole batch once it is empty.
+        The caller holds `queue_lock`."""
         busy = len(self.running) + self.running.waiting()
         free = self.limits.max_batch - busy
         if self.limits.batching == "static" and busy:
@@ -439,16 +446,24 @@ class Server:
         taken, self.queue = self.queue[:free], self.queue[free:]
         return taken
 
-    def decode(self, admitted: list[Request]) -> None:
-        """In the decoding thread: admit, then steps until a waiting request could join (or, with
-        `static`, until the batch has ended); each answer handed to its loop as its row ends."""
-        if admitted:
-            stats = self.running.admit(admitted)
-            self.metrics.prompt_tokens.labels("cache").inc(stats.cached_tokens)
-            self.metrics.prompt_tokens.labels("prefill").inc(stats.prefilled_tokens)
-            self.metrics.prefix_evictions.inc(stats.evicted_blocks)
-        static = self.limits.batching == "static"
-        while len(self.running) or self.running.prefilling:
+    def decode(self) -> None:
+        """The decoding thread's loop, until nothing is waiting or running: before every step the
+        waiting requests that fit join, up to a chunk of the joining prompts is prefilled, then a
+        step; each answer is handed to its loop as its row ends. It takes the requests itself (a
+        return to the event loop at each arrival, with every stream's events queued ahead of it,
+        held the running answers for tens of milliseconds)."""
+        while True:
+            started = time.monotonic()
+            with self.queue_lock:
+                self.admitting = self.admissions()
+            if self.admitting:
+                stats = self.running.admit(self.admitting)
+                self.metrics.prompt_tokens.labels("cache").inc(stats.cached_tokens)
+                self.metrics.prompt_tokens.labels("prefill").inc(stats.prefilled_tokens)
+                self.metrics.prefix_evictions.inc(stats.evicted_blocks)
+                self.admitting = []
+            if not (len(self.running) or self.running.prefilling):
+                break
             # up to a chunk of the admitted prompts first: a long one holds the rows a chunk a step
             self.metrics.prefix_evictions.inc(self.running.prefill(self.limits.prefill_chunk_tokens))
             if len(self.running):
@@ -458,10 +473,8 @@ class Server:
                 for request, result in answered:
                     request.loop.call_soon_threadsafe(self.answer, request, result)
                 self.running.feed()  # may fail: the answers above are made, and reach their clients
-            # NB: a plain read of the loop's list: a request appended after it waits one step
-            busy = len(self.running) + self.running.waiting()
-            if not static and self.queue and busy < self.limits.max_batch:
-                break
+            # counted as it goes: the autoscaler reads its rate while the loop runs for minutes
+            self.metrics.busy.inc(time.monotonic() - started)
         self.metrics.prefix_cache_bytes.set(self.prefixes.nbytes())
 
     def generate(self, batch: list[Request]) -> list[tuple[str, int, int]]:
@@ -484,13 +497,13 @@ class Server:
             await self.wake.wait()
             self.wake.clear()
             while self.queue or len(self.running) or self.running.prefilling:
-                admitted = self.admissions()
-                started = time.monotonic()
                 try:
-                    await asyncio.to_thread(self.decode, admitted)
+                    await asyncio.to_thread(self.decode)
                 except Exception as error:  # a failed step answers its requests, and serving goes on
                     failed = self.running.clear()
-                    for r in [*failed, *(r for r in admitted if r not in failed)]:
+                    failed += [r for r in self.admitting if r not in failed]
+                    self.admitting = []
+                    for r in failed:
                         # done already: answered by a step before the failure (its stream has its
                         # end, and a second one would close a shared stream before its other
                         # choices), or its handler was cancelled (the server stopping)
@@ -499,8 +512,6 @@ class Server:
                         r.done.set_exception(error)
                         if r.stream is not None:
                             r.stream.put_nowait((r.index, None))
-                finally:
-                    self.metrics.busy.inc(time.monotonic() - started)
 
     def app(self) -> web.Application:
         app = web.Application()
