@@ -61,7 +61,8 @@ POLICIES = {"static": {"batching": "static", "prefillChunkTokens": 0},
             "continuous": {"batching": "continuous", "prefillChunkTokens": 128}}
 RATIOS = (("tokens_per_second", "tokens_per_second"), ("latency_mean", "latency_mean_s"),
           ("latency_p99", "latency_p99_s"), ("latency_per_token", "latency_per_token_mean_s"),
-          ("ttft_mean", "ttft_mean_s"), ("inter_token_p99", "inter_token_p99_s"))
+          ("ttft_mean", "ttft_mean_s"), ("inter_token_p99", "inter_token_p99_s"),
+          ("inter_token_server_p99", "inter_token_server_p99_s"))
 WORDS = ("the", "model", "answers", "every", "question", "briefly", "and", "cites", "documents", "it",
          "was", "given", "about", "rivers", "lakes", "mountains", "a", "red", "fox", "at", "dawn")
 
@@ -94,17 +95,37 @@ def load_trace(args) -> list[tuple[float, str, int]]:  # type: ignore[no-untyped
     return sorted(out)
 
 
+def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """Prometheus's histogram_quantile: the q-quantile from cumulative (upper bound, count)
+    buckets, interpolated linearly within the bucket it falls in."""
+    total = buckets[-1][1]
+    rank, below, low = q * total, 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if upper == float("inf"):
+                return low
+            return low + (upper - low) * (rank - below) / max(count - below, 1e-12)
+        below, low = count, upper
+    return low
+
+
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     async with session.get(f"{url}/metrics") as r:
         text = await r.text()
     found: dict[str, float] = {}
+    gaps: list[tuple[float, float]] = []
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name == "huorn_serve_inter_token_seconds_bucket":
+                gaps.append((float(sample.labels["le"]), sample.value))
             if sample.name in ("huorn_serve_time_to_first_token_seconds_sum",
                                "huorn_serve_time_to_first_token_seconds_count",
                                "huorn_serve_batch_size_sum", "huorn_serve_batch_size_count",
                                "huorn_serve_busy_seconds_total"):
                 found[sample.name] = sample.value
+    gaps.sort()
+    found["inter_token_server_p50_s"] = histogram_quantile(gaps, 0.5)
+    found["inter_token_server_p99_s"] = histogram_quantile(gaps, 0.99)
     return found
 
 
@@ -162,6 +183,8 @@ async def run_policy(policy: str, rate: float, trace: list[tuple[float, str, int
             "ttft_mean_s": metrics[f"{first}_sum"] / metrics[f"{first}_count"],
             "rows_per_step": metrics["huorn_serve_batch_size_sum"] / metrics["huorn_serve_batch_size_count"],
             "busy_share": metrics["huorn_serve_busy_seconds_total"] / wall, "latencies_s": latencies,
+            "inter_token_server_p50_s": metrics["inter_token_server_p50_s"],
+            "inter_token_server_p99_s": metrics["inter_token_server_p99_s"],
             **({"ttft_client_mean_s": float(np.mean(first_seen)),
                 "ttft_client_p99_s": float(np.percentile(first_seen, 99)),
                 "inter_token_p50_s": float(np.percentile(gaps, 50)),
@@ -253,8 +276,10 @@ def main() -> int:
               f"p99 {1000 * r['latency_p99_s']:6.0f} ms, "
               f"{1000 * r['latency_per_token_mean_s']:5.1f} ms/token, "
               f"TTFT {1000 * r['ttft_mean_s']:6.0f} ms, {r['rows_per_step']:.1f} rows a step, "
-              f"busy {100 * r['busy_share']:.0f} %"
-              + (f", inter-token p50 {1000 * r['inter_token_p50_s']:.1f} ms p99 "
+              f"busy {100 * r['busy_share']:.0f} %, inter-token at the server p50 "
+              f"{1000 * r['inter_token_server_p50_s']:.1f} ms p99 "
+              f"{1000 * r['inter_token_server_p99_s']:.1f} ms"
+              + (f", at the client p50 {1000 * r['inter_token_p50_s']:.1f} ms p99 "
                  f"{1000 * r['inter_token_p99_s']:.1f} ms" if args.stream else ""))
     for policy, by_rate in ratios.items():
         for rate, x in by_rate.items():

@@ -130,6 +130,7 @@ class Row:
     logits: torch.Tensor  # [V] its next token's
     # every token chosen, stop sequences included: the cache holds K/V for all but the last
     chosen: list[int] = field(default_factory=list)
+    chosen_at: float = 0.0  # when its last token was chosen
 
 
 @dataclass
@@ -169,6 +170,9 @@ class RunningBatch:
         self.device = next(model.parameters()).device
         self.rows: list[Row] = []
         self.prefilling: list[Prefill] = []  # admitted, not yet whole, oldest first
+        # seconds between two tokens of one row, as chosen since the server last took them: what
+        # a streaming client waits between two events (the server's inter-token histogram)
+        self.token_gaps: list[float] = []
         self.cache: RaggedKVCache | None = None
 
     def __len__(self) -> int:
@@ -278,6 +282,9 @@ class RunningBatch:
         for i, (row, token) in enumerate(zip(self.rows, chosen, strict=True)):
             if not row.chosen:
                 row.answer.request.first_token_at = now
+            else:
+                self.token_gaps.append(now - row.chosen_at)
+            row.chosen_at = now
             row.chosen.append(token)
             row.answer.add(token)
             if row.answer.finished:
@@ -344,5 +351,6 @@ class RunningBatch:
                 results[id(request)] = result
                 if on_answer is not None:
                     on_answer(request, result)
+            self.token_gaps.clear()  # no server reads them here
             self.feed()
         return [results[id(r)] for r in requests]

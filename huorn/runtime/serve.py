@@ -178,6 +178,11 @@ class Metrics:
             "huorn_serve_time_to_first_token_seconds", "Arrival to the first token chosen: queueing and "
             "prefill, what a streaming client waits before it reads anything.", registry=self.registry,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.inter_token = prometheus_client.Histogram(
+            "huorn_serve_inter_token_seconds", "Between two tokens of one answer, as chosen: what a "
+            "streaming client waits between two events (decoding steps, and the prefills of prompts "
+            "joining between them).", registry=self.registry,
+            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5))
         self.batch = prometheus_client.Histogram(
             "huorn_serve_batch_size", "Requests decoded together, observed at every decoding step.",
             registry=self.registry,
@@ -472,6 +477,9 @@ class Server:
                 self.metrics.prefix_evictions.inc(evicted)
                 for request, result in answered:
                     request.loop.call_soon_threadsafe(self.answer, request, result)
+                for gap in self.running.token_gaps:
+                    self.metrics.inter_token.observe(gap)
+                self.running.token_gaps.clear()
                 self.running.feed()  # may fail: the answers above are made, and reach their clients
             # counted as it goes: the autoscaler reads its rate while the loop runs for minutes
             self.metrics.busy.inc(time.monotonic() - started)
