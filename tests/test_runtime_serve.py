@@ -605,6 +605,8 @@ def test_a_request_arriving_mid_decode_joins_it_and_answers_as_greedy_decoding_a
         ids = torch.tensor([list(prompt.encode())])
         expected = model.generate(ids, tokens)[0, ids.shape[1]:].tolist()
         assert answer["text"] == bytes(expected).decode("utf-8", errors="replace")
+    # a gap before each token but an answer's first: 149 and 3
+    assert _metric(metrics, "huorn_serve_inter_token_seconds_count") == 149 + 3
     # rows decoded a step, summed over the steps: each step past one row is a step shared
     shared = _metric(metrics, "huorn_serve_batch_size_sum") - _metric(metrics, "huorn_serve_batch_size_count")
     if batching == "continuous":

@@ -454,9 +454,10 @@ class Server:
     def decode(self) -> None:
         """The decoding thread's loop, until nothing is waiting or running: before every step the
         waiting requests that fit join, up to a chunk of the joining prompts is prefilled, then a
-        step; each answer is handed to its loop as its row ends. It takes the requests itself (a
-        return to the event loop at each arrival, with every stream's events queued ahead of it,
-        held the running answers for tens of milliseconds)."""
+        step; each answer is handed to its loop as its row ends. It takes the requests itself,
+        under `queue_lock`, rather than return to the event loop at each arrival: one thread
+        hand-off per busy period instead of one per request (measured on CPU, the gaps between
+        tokens did not change with it: they come from the prefills between the steps)."""
         while True:
             started = time.monotonic()
             with self.queue_lock:
