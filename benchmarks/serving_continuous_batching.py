@@ -209,8 +209,9 @@ async def read_stream(response: aiohttp.ClientResponse) -> tuple[dict, list[floa
 
 
 def plot(results: list[dict], args) -> None:  # type: ignore[no-untyped-def]
-    figure = Figure(figsize=(9, 3.4))
-    cdf, bars = figure.subplots(1, 2)
+    streamed = all("inter_token_server_p99_s" in r for r in results)
+    figure = Figure(figsize=(13.5 if streamed else 9, 3.4))
+    cdf, bars, *gaps = figure.subplots(1, 3 if streamed else 2)
     plot_latency_cdf(cdf, [(f"{r['policy']}, {r['rate']:g}/s", r["latencies_s"]) for r in results])
     rates = sorted({r["rate"] for r in results})
     ran = [p for p in POLICIES if any(r["policy"] == p for r in results)]
@@ -227,6 +228,15 @@ def plot(results: list[dict], args) -> None:  # type: ignore[no-untyped-def]
     bars.legend(fontsize=8, loc="upper left")
     mean.set_ylabel("latency per output token (ms, dots)", color="tab:orange")
     mean.set_ylim(bottom=0)
+    for axis in gaps:  # streamed: the gaps between an answer's tokens, at the replica
+        for i, policy in enumerate(ran):
+            mine = [next(r for r in results if r["policy"] == policy and r["rate"] == rate) for rate in rates]
+            x = np.arange(len(rates)) + (i - (len(ran) - 1) / 2) * width
+            axis.bar(x, [1000 * r["inter_token_server_p99_s"] for r in mine], width, label=policy,
+                     color=("tab:gray", "tab:cyan", "tab:blue")[i])
+        axis.set_xticks(np.arange(len(rates)), [f"{rate:g} req/s" for rate in rates])
+        axis.set_ylabel("inter-token latency p99 (ms)")
+        axis.legend(fontsize=8, loc="upper left")
     save_figure(figure, f"one replica, {args.requests} requests of the GenAI trace, maxBatch "
                 f"{args.max_batch}", args.png)
 
