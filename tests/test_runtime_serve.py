@@ -523,6 +523,8 @@ def test_a_request_whose_client_hangs_up_stops_decoding_and_is_counted_abandoned
 
     decoded, after, metrics = asyncio.run(_serving(cfg, work))
     assert len(decoded) < 100 and after == 200  # 200 tokens asked for, then 2
+    # what it decoded before its client went is counted, streamed or not
+    assert _metric(metrics, "huorn_serve_generated_tokens_total") > 2
     assert 'huorn_serve_requests_total{outcome="abandoned"} 1.0' in metrics
     assert 'huorn_serve_requests_total{outcome="ok"} 1.0' in metrics
     assert "huorn_serve_in_flight 0.0" in metrics

@@ -494,9 +494,11 @@ class Server:
 
     def answer(self, request: Request, result: Result) -> None:
         """On the loop, after the tokens its decoding thread sent before (callbacks run in order).
-        Its tokens are counted here, before its client can read the answer and then /metrics."""
+        Its tokens are counted here, before its client can read the answer and then /metrics,
+        whether or not anyone reads it: they were decoded (a plain request whose client hung up
+        has a cancelled future, and its tokens went uncounted while a stream's were counted)."""
+        self.metrics.tokens.inc(result[1])
         if not request.done.done():  # its handler may have been cancelled
-            self.metrics.tokens.inc(result[1])
             request.done.set_result(result)
         if request.stream is not None:
             request.stream.put_nowait((request.index, None))
