@@ -476,11 +476,12 @@ class Server:
                 self.metrics.batch.observe(len(self.running))
                 answered, evicted = self.running.step()
                 self.metrics.prefix_evictions.inc(evicted)
-                for request, result in answered:
-                    request.loop.call_soon_threadsafe(self.answer, request, result)
+                # before the answers go: a client that has its answer may read /metrics next
                 for gap in self.running.token_gaps:
                     self.metrics.inter_token.observe(gap)
                 self.running.token_gaps.clear()
+                for request, result in answered:
+                    request.loop.call_soon_threadsafe(self.answer, request, result)
                 self.running.feed()  # may fail: the answers above are made, and reach their clients
             # counted as it goes: the autoscaler reads its rate while the loop runs for minutes
             self.metrics.busy.inc(time.monotonic() - started)
