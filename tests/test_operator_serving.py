@@ -132,6 +132,11 @@ def test_an_inference_job_scales_on_real_load_and_takes_back_lent_gpus(
         assert scaled(kube, "batch", "ScaledUp") == []  # an idle job at its floor stays there
 
 
+def fronts(kube: builders.Kube, name: str) -> dict[str, object]:
+    """The job's front pods (routers, activators) that are not being deleted, by name."""
+    return {p.metadata.name: p for p in kube.pods(NS, name, "activator") if not p.metadata.deletion_timestamp}
+
+
 def routed_to(kube: builders.Kube, name: str) -> str:
     return kube.core.read_namespaced_service(name, NS).spec.selector["huorn.io/vertex"]
 
@@ -349,47 +354,44 @@ def test_two_front_pods_keep_the_router_in_front_through_a_pods_loss_and_roll_on
                                      routing={"policy": "prefix", "frontReplicas": 2})
     kube.create_job(NS, job, plural=IJ)
 
-    def fronts() -> dict[str, object]:
-        return {p.metadata.name: p for p in kube.pods(NS, "chat", "activator")
-                if not p.metadata.deletion_timestamp}
-
-    wait_for(lambda: len(servers(kube, "chat")) == 2 and len(fronts()) == 2, what="two replicas, two routers")
-    assert sorted(fronts()) == ["chat-activator", "chat-activator-1"]
-    for pod in fronts().values():
+    wait_for(lambda: len(servers(kube, "chat")) == 2 and len(fronts(kube, "chat")) == 2,
+             what="two replicas, two routers")
+    assert sorted(fronts(kube, "chat")) == ["chat-activator", "chat-activator-1"]
+    for pod in fronts(kube, "chat").values():
         term = pod.spec.affinity.pod_anti_affinity.preferred_during_scheduling_ignored_during_execution[0]
         assert term.pod_affinity_term.topology_key == "kubernetes.io/hostname"
         assert term.pod_affinity_term.label_selector.match_labels["huorn.io/vertex"] == "activator"
-    for pod in [*servers(kube, "chat").values(), *fronts().values()]:
+    for pod in [*servers(kube, "chat").values(), *fronts(kube, "chat").values()]:
         run_pod(kube, pod)
     wait_for(lambda: status(kube, "chat").get("routing") == "router", what="the Service on the routers")
 
-    lost = fronts()["chat-activator-1"]
+    lost = fronts(kube, "chat")["chat-activator-1"]
     kube.core.delete_namespaced_pod("chat-activator-1", NS)
-    wait_for(lambda: (p := fronts().get("chat-activator-1")) is not None
+    wait_for(lambda: (p := fronts(kube, "chat").get("chat-activator-1")) is not None
              and p.metadata.uid != lost.metadata.uid, what="the lost router replaced")
     assert routed_to(kube, "chat") == "activator" and status(kube, "chat")["routing"] == "router"
-    run_pod(kube, fronts()["chat-activator-1"])
+    run_pod(kube, fronts(kube, "chat")["chat-activator-1"])
 
     # a new loadFactor: one router at a time, and no replica
-    first = {name: p.metadata.uid for name, p in fronts().items()}
+    first = {name: p.metadata.uid for name, p in fronts(kube, "chat").items()}
     kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
                                                {"spec": {"routing": {"loadFactor": 2.0}}})
     uids = set(first.values())
-    wait_for(lambda: len(now := fronts()) == 2 and {p.metadata.uid for p in now.values()} != uids,
+    wait_for(lambda: len(now := fronts(kube, "chat")) == 2 and {p.metadata.uid for p in now.values()} != uids,
              what="one router replaced")
-    now = fronts()
+    now = fronts(kube, "chat")
     renewed = [name for name, pod in now.items() if pod.metadata.uid != first[name]]
     assert len(renewed) == 1 and len(now) == 2  # the other one still serves
     kept = next(name for name in now if name not in renewed)
     assert now[kept].metadata.uid == first[kept]
     run_pod(kube, now[renewed[0]])
-    wait_for(lambda: (p := fronts().get(kept)) is not None and p.metadata.uid != first[kept],
+    wait_for(lambda: (p := fronts(kube, "chat").get(kept)) is not None and p.metadata.uid != first[kept],
              what="the second replaced once the first's successor was ready")
     assert sorted(servers(kube, "chat")) == ["server-0", "server-1"]
 
     kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
                                                {"spec": {"routing": {"frontReplicas": 1}}})
-    wait_for(lambda: sorted(fronts()) == ["chat-activator"], what="back to one router")
+    wait_for(lambda: sorted(fronts(kube, "chat")) == ["chat-activator"], what="back to one router")
 
 
 def test_front_pods_that_serve_no_one_are_replaced_at_once_by_a_new_image(
@@ -402,21 +404,18 @@ def test_front_pods_that_serve_no_one_are_replaced_at_once_by_a_new_image(
                                      routing={"policy": "prefix", "frontReplicas": 2})
     kube.create_job(NS, job, plural=IJ)
 
-    def fronts() -> dict[str, object]:
-        return {p.metadata.name: p for p in kube.pods(NS, "chat", "activator")
-                if not p.metadata.deletion_timestamp}
-
-    wait_for(lambda: len(servers(kube, "chat")) == 1 and len(fronts()) == 2, what="a replica, two routers")
+    wait_for(lambda: len(servers(kube, "chat")) == 1 and len(fronts(kube, "chat")) == 2,
+             what="a replica, two routers")
     for pod in servers(kube, "chat").values():
         run_pod(kube, pod)
     crashing = {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}]}}
-    for name in fronts():
+    for name in fronts(kube, "chat"):
         kube.core.patch_namespaced_pod_status(name, NS, crashing)
     wait_for(lambda: status(kube, "chat").get("readyReplicas") == 1, what="the replica ready")
-    broken = {name: p.metadata.uid for name, p in fronts().items()}
+    broken = {name: p.metadata.uid for name, p in fronts(kube, "chat").items()}
     kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
                                                {"spec": {"image": "ghcr.io/huorn-io/huorn:0.1.1"}})
-    wait_for(lambda: len(now := fronts()) == 2
+    wait_for(lambda: len(now := fronts(kube, "chat")) == 2
              and all(p.metadata.uid != broken[name] for name, p in now.items()),
              what="both routers replaced")
 
