@@ -106,6 +106,7 @@ def test_the_batcher_admits_the_oldest_into_free_rows_or_only_into_an_empty_batc
     async def check() -> list[list[int]]:
         model, _ = serve.load_model(cfg)
         server = serve.Server(cfg, model)
+        assert server.running.cache is not None and server.running.cache.capacity == 3  # allocated whole
         # the first wants one token: its row ends at the first step
         server.queue = [serve.Request(list(range(n)), 1 if i == 0 else 4, 0.0, 0)
                         for i, n in enumerate((3, 5, 4, 6, 5))]

@@ -162,11 +162,14 @@ class Prefill:
 
 class RunningBatch:
     def __init__(self, model: torch.nn.Module, prefixes: prefix_cache.PrefixCache, max_length: int,
-                 max_rows: int = 1 << 12) -> None:
+                 max_rows: int | None = None) -> None:
+        """With `max_rows` (a server's maxBatch) the batch's whole KV cache is allocated now, as
+        vLLM and TGI allocate theirs at start: a replica whose batch does not fit fails before it
+        is ready, and the cache never grows mid-traffic (growing copies it, which held the
+        running answers for up to 420 ms on CPU). Without, it grows by doubling as rows join."""
         self.model = model
         self.prefixes = prefixes
         self.max_length = max_length
-        self.max_rows = max_rows  # what the cache grows to by doubling (more only if admitted)
         self.device = next(model.parameters()).device
         self.rows: list[Row] = []
         self.prefilling: list[Prefill] = []  # admitted, not yet whole, oldest first
@@ -174,6 +177,8 @@ class RunningBatch:
         # a streaming client waits between two events (the server's inter-token histogram)
         self.token_gaps: list[float] = []
         self.cache: RaggedKVCache | None = None
+        if max_rows is not None:
+            self._room(max_rows)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -183,12 +188,11 @@ class RunningBatch:
         return sum(len(p.requests) for p in self.prefilling)
 
     def _room(self, rows: int) -> RaggedKVCache:
-        """A cache for `rows` rows, grown by doubling (a replica serving one client at a time
-        keeps one row, not serving.maxBatch of them)."""
+        """A cache for at least `rows` rows (made, or grown by doubling)."""
         if self.cache is None:
             self.cache = self.model.build_ragged_cache(max(1, rows), self.max_length)  # type: ignore[operator]
         if rows > self.cache.capacity:
-            self.cache.grow(max(rows, min(2 * self.cache.capacity, self.max_rows)))
+            self.cache.grow(max(rows, 2 * self.cache.capacity))
         return self.cache
 
     def admit(self, requests: Sequence[Request]) -> AdmitStats:
