@@ -440,6 +440,24 @@ def test_leaving_scale_to_zero_removes_the_activator_and_its_replicas_service(
     assert "chat" in services() and routed_to(kube, "chat") == "server"
 
 
+def test_fewer_front_pods_keep_the_ready_one_until_a_kept_one_is_ready(
+    kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    """Scaled to zero, every request goes to a front pod: frontReplicas lowered from 2 to 1 while
+    the pod it keeps is not ready leaves the ready second one serving until the first is."""
+    job = serving.make_inference_job("chat", "serve", min_replicas=0, routing={"frontReplicas": 2})
+    kube.create_job(NS, job, plural=IJ)
+    wait_for(lambda: len(fronts(kube, "chat")) == 2, what="two activators")
+    run_pod(kube, fronts(kube, "chat")["chat-activator-1"])
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                               {"spec": {"routing": {"frontReplicas": 1}}})
+    wait_for(lambda: status(kube, "chat").get("observedGeneration") == 2, what="the edit reconciled")
+    assert sorted(fronts(kube, "chat")) == ["chat-activator", "chat-activator-1"]
+    run_pod(kube, fronts(kube, "chat")["chat-activator"])
+    wait_for(lambda: sorted(fronts(kube, "chat")) == ["chat-activator"],
+             what="the second gone once the first is ready")
+
+
 def test_the_router_pod_lets_what_it_forwards_finish_as_a_replica_does() -> None:
     """A router replaced (a new loadFactor) is killed after its pod's grace: the answers it is
     forwarding need as long as the replicas' own requests get."""

@@ -240,6 +240,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         raise
     wanted = {manifests.pod_name(ref, i) for i in server.instances}
     wanted |= {manifests.activator_pod_name(ref, i) for i in range(len(fronts))}
+    if fronts and not any(f is not None and is_ready(f) for f in fronts):
+        # frontReplicas lowered while none of the pods it keeps is ready: the ones beyond it
+        # stay until one is (scaled to zero, the Service sends every request to a front pod)
+        wanted |= {p.name for p in pods.values() if p.name.startswith(manifests.activator_pod_name(ref))}
     await asyncio.gather(*(ctx.client.delete("Pod", ns, p.name)
                            for p in pods.values() if p.name not in wanted and not p.deleting))
 
