@@ -250,7 +250,11 @@ def test_replicas_that_serve_no_one_are_rolled_without_waiting_for_the_others(
     wait_for(lambda: status(kube, "chat").get("replicas") == 2, what="both running")
     kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
                                                {"spec": {"image": "ghcr.io/huorn-io/huorn:0.1.1"}})
-    wait_for(lambda: sorted(servers(kube, "chat")) == ["server-0-g1", "server-1-g1"], what="both rolled")
+    rolled = wait_for(lambda: (now := servers(kube, "chat")) and sorted(now) == ["server-0-g1", "server-1-g1"]
+                      and now, what="both rolled")
+    assert all(p.spec.containers[0].image == "ghcr.io/huorn-io/huorn:0.1.1" for p in rolled.values())
+    reasons = [d["reason"] for d in status(kube, "chat")["decisions"] if d["action"] == "replace"]
+    assert len(reasons) == 2 and all(r.endswith("and is not ready") for r in reasons)
 
 
 def test_an_inference_job_on_a_checkpoint_off_its_volume_is_refused_naming_the_field(
@@ -415,9 +419,10 @@ def test_front_pods_that_serve_no_one_are_replaced_at_once_by_a_new_image(
     broken = {name: p.metadata.uid for name, p in fronts(kube, "chat").items()}
     kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
                                                {"spec": {"image": "ghcr.io/huorn-io/huorn:0.1.1"}})
-    wait_for(lambda: len(now := fronts(kube, "chat")) == 2
-             and all(p.metadata.uid != broken[name] for name, p in now.items()),
-             what="both routers replaced")
+    replaced = wait_for(lambda: len(now := fronts(kube, "chat")) == 2
+                        and all(p.metadata.uid != broken[name] for name, p in now.items()) and now,
+                        what="both routers replaced")
+    assert all(p.spec.containers[0].image == "ghcr.io/huorn-io/huorn:0.1.1" for p in replaced.values())
 
 
 def test_leaving_scale_to_zero_removes_the_activator_and_its_replicas_service(

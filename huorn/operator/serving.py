@@ -42,7 +42,7 @@ replicas it has, and a restarted operator carries on from status.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from huorn.api import kinds
@@ -297,25 +297,28 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     return phase
 
 
+def stale_to_replace(pods: Sequence[index.PodRecord | None],
+                     stale: Callable[[index.PodRecord], bool]) -> list[int]:
+    """A rolling replacement's next pods (their indices): every stale one that is not ready at
+    once (it serves no one: still starting, or crash-looping on the settings being replaced, and
+    it would never be ready for the others to wait on), else one stale one that serves, while
+    every other pod is ready (a lone pod is replaced at once)."""
+    old = {i: p for i, p in enumerate(pods) if p is not None and not p.deleting and stale(p)}
+    idle = [i for i, p in old.items() if not is_ready(p)]
+    if idle or not old:
+        return idle
+    target = next(iter(old))
+    others_ready = all(p is not None and is_ready(p) for i, p in enumerate(pods) if i != target)
+    return [target] if others_ready else []
+
+
 def _fronts_to_replace(fronts: list[index.PodRecord | None],
                        spec: Mapping[str, Any]) -> list[index.PodRecord]:
-    """The front pods to delete now: every one that has ended, every one that runs other settings
-    and is not ready (it serves no one: still starting, or crash-looping on the settings being
-    replaced, and it would never be ready for the others to wait on), and one at a time of those
-    that run other settings and serve, while each of the others is ready (a lone front pod is
-    replaced at once: the Service falls back to the replicas, or the clients retry, meanwhile)."""
-    live = [f for f in fronts if f is not None and not f.deleting]
-    ended = [f for f in live if not f.holds_resources]
-    stale = [f for f in live if f.holds_resources and not front_is_current(f, spec)]
-    idle = [f for f in stale if not is_ready(f)]
-    serving_stale = [f for f in stale if is_ready(f)]
-    if not serving_stale:
-        return [*ended, *idle]
-    target = serving_stale[0]
-    others_serve = all(f is not None and not f.deleting and is_ready(f) for f in fronts if f is not target)
-    if len(fronts) == 1 or (not ended and others_serve):
-        return [*ended, *idle, target]
-    return [*ended, *idle]
+    """The front pods to delete now: every one that has ended, and the stale ones (other
+    settings) a rolling replacement takes next (`stale_to_replace`)."""
+    ended = [f for f in fronts if f is not None and not f.deleting and not f.holds_resources]
+    rolled = stale_to_replace(fronts, lambda f: f.holds_resources and not front_is_current(f, spec))
+    return [*ended, *(f for i, f in enumerate(fronts) if i in rolled and f is not None)]
 
 
 def front_is_current(pod: index.PodRecord, spec: Mapping[str, Any]) -> bool:
@@ -327,27 +330,17 @@ def front_is_current(pod: index.PodRecord, spec: Mapping[str, Any]) -> bool:
 
 def _roll_one(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, index.PodRecord],
               templates: set[str]) -> None:
-    """Replace the replicas started from an older spec that are not ready (they serve no one:
-    still loading, or crash-looping on the spec being replaced, and they would never be ready for
-    the others to wait on), else one that serves, if every other replica is ready."""
+    """Replace the replicas started from an older spec that a rolling update takes next
+    (`stale_to_replace`)."""
     server = graph.vertex(SERVER)
-    current = [(i, pods.get(manifests.pod_name(ref, i))) for i in server.instances]
-    stale = [(i, p) for i, p in current
-             if p is not None and not p.deleting and p.template and p.template not in templates]
-    idle = [i for i, p in stale if not is_ready(p)]
-    for instance in idle:
-        mutate.replace_instance(graph, instance.name, drain=True, counted=False,
-                                reason=f"rolling update: replica {instance.name} runs an older spec "
-                                       "(model, image, resources, quantisation or env changed) and "
-                                       "is not ready")
-    if idle or not stale:
-        return
-    target = stale[0][0]
-    others_ready = all(p is not None and is_ready(p) for i, p in current if i != target)
-    if others_ready:
-        mutate.replace_instance(graph, target.name, drain=True, counted=False,
-                                reason=f"rolling update: replica {target.name} runs an older spec "
-                                       "(model, image, resources, quantisation or env changed)")
+    instances = list(server.instances)
+    current = [pods.get(manifests.pod_name(ref, i)) for i in instances]
+    for i in stale_to_replace(current, lambda p: bool(p.template) and p.template not in templates):
+        pod, name = current[i], instances[i].name
+        why = "" if pod is not None and is_ready(pod) else " and is not ready"
+        mutate.replace_instance(graph, name, drain=True, counted=False,
+                                reason=f"rolling update: replica {name} runs an older spec (model, image, "
+                                       f"resources, quantisation or env changed){why}")
 
 
 async def _report_waiting(ctx: Context, body: Mapping[str, Any], base: dict[str, Any], reason: str,
