@@ -114,7 +114,7 @@ def test_the_batcher_admits_the_oldest_into_free_rows_or_only_into_an_empty_batc
         server.running.admit(first)
         full = server.admissions()  # their rows are promised while their prompts are prefilled
         server.running.prefill()
-        answered, _ = server.running.step()
+        answered = server.running.step()
         assert [len(r.tokens) for r, _ in answered] == [3] and len(server.running) == 2
         third = server.admissions()
         return [[len(r.tokens) for r in taken] for taken in (first, full, third)]
@@ -807,7 +807,7 @@ def test_a_long_prompt_joining_is_prefilled_a_chunk_a_step_and_answers_stay_exac
                 batch.admit([second])
             batch.prefill(cfg.spec.serving.prefill_chunk_tokens)
             if len(batch):
-                answered, _ = batch.step()
+                answered = batch.step()
                 results.update({id(r): result for r, result in answered})
                 batch.feed()
         return widths, [results[id(first)], results[id(second)]]

@@ -139,7 +139,6 @@ class AdmitStats:
 
     cached_tokens: int = 0
     prefilled_tokens: int = 0
-    evicted_blocks: int = 0
 
 
 @dataclass
@@ -230,10 +229,10 @@ class RunningBatch:
             stats.cached_tokens += skip * len(slots)
         return stats
 
-    def prefill(self, budget: int = 0) -> int:
+    def prefill(self, budget: int = 0) -> None:
         """Prefill the admitted prompts, oldest first, up to `budget` prompt tokens (0: all of
-        them); the prompts made whole get their rows. Returns the prefix cache's evictions."""
-        spent, evicted = 0, self.prefixes.stats.evicted_blocks
+        them); the prompts made whole get their rows."""
+        spent = 0
         while self.prefilling and (budget == 0 or spent < budget):
             group = self.prefilling[0]
             width = group.prompts.shape[0]
@@ -246,7 +245,6 @@ class RunningBatch:
             if group.remaining == 0:
                 self.prefilling.pop(0)
                 self._seat(group)
-        return self.prefixes.stats.evicted_blocks - evicted
 
     def _seat(self, group: Prefill) -> None:
         """A whole prefill's requests into rows; its prompts' blocks into the prefix cache."""
@@ -275,11 +273,11 @@ class RunningBatch:
                 chosen[i] = int(torch.multinomial(probs, 1, generator=row.generator))
         return chosen
 
-    def step(self) -> tuple[list[tuple[Request, Result]], int]:
+    def step(self) -> list[tuple[Request, Result]]:
         """One token for every row; the rows that end leave (their answers returned, and the
-        blocks they complete kept in the prefix cache). Returns the answers and the prefix
-        cache's evictions; `feed` then gives the other rows their tokens. Two calls, so that
-        answers already made reach their clients even if the forward pass after them fails."""
+        blocks they complete kept in the prefix cache); `feed` then gives the other rows their
+        tokens. Two calls, so that answers already made reach their clients even if the forward
+        pass after them fails."""
         now = time.monotonic()
         chosen = self.choose()
         ended: list[int] = []
@@ -293,11 +291,10 @@ class RunningBatch:
             row.answer.add(token)
             if row.answer.finished:
                 ended.append(i)
-        evicted = self.prefixes.stats.evicted_blocks
         results = [self._finish(i, now) for i in ended]
         for i in reversed(ended):  # the last row moves into each freed one
             self._drop(i)
-        return results, self.prefixes.stats.evicted_blocks - evicted
+        return results
 
     def feed(self) -> None:
         """The rows' last chosen tokens through the model: the logits their next ones come from."""
@@ -350,7 +347,7 @@ class RunningBatch:
         self.prefill()
         results: dict[int, Result] = {}
         while self.rows:
-            answered, _ = self.step()
+            answered = self.step()
             for request, result in answered:
                 results[id(request)] = result
                 if on_answer is not None:

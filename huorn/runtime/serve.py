@@ -199,6 +199,7 @@ class Server:
         # the handlers append to the queue, the decoding thread takes from it before every step
         self.queue_lock = threading.Lock()
         self.admitting: list[Request] = []  # taken from the queue, not yet the batch's
+        self.evictions_counted = 0  # the prefix cache's evictions already in the metric
         self.wake = asyncio.Event()
         self.metrics = Metrics()
         self.prefixes = prefix_cache.PrefixCache(self.limits.prefix_cache_tokens)
@@ -466,26 +467,33 @@ class Server:
                 stats = self.running.admit(self.admitting)
                 self.metrics.prompt_tokens.labels("cache").inc(stats.cached_tokens)
                 self.metrics.prompt_tokens.labels("prefill").inc(stats.prefilled_tokens)
-                self.metrics.prefix_evictions.inc(stats.evicted_blocks)
                 self.admitting = []
             if not (len(self.running) or self.running.prefilling):
                 break
             # up to a chunk of the admitted prompts first: a long one holds the rows a chunk a step
-            self.metrics.prefix_evictions.inc(self.running.prefill(self.limits.prefill_chunk_tokens))
+            self.running.prefill(self.limits.prefill_chunk_tokens)
             if len(self.running):
                 self.metrics.batch.observe(len(self.running))
-                answered, evicted = self.running.step()
-                self.metrics.prefix_evictions.inc(evicted)
+                answered = self.running.step()
                 # before the answers go: a client that has its answer may read /metrics next
+                self.count_evictions()
                 for gap in self.running.token_gaps:
                     self.metrics.inter_token.observe(gap)
                 self.running.token_gaps.clear()
                 for request, result in answered:
                     request.loop.call_soon_threadsafe(self.answer, request, result)
                 self.running.feed()  # may fail: the answers above are made, and reach their clients
+            self.count_evictions()
             # counted as it goes: the autoscaler reads its rate while the loop runs for minutes
             self.metrics.busy.inc(time.monotonic() - started)
         self.metrics.prefix_cache_bytes.set(self.prefixes.nbytes())
+
+    def count_evictions(self) -> None:
+        """The prefix cache's evictions since the last count, into its counter: its stores happen
+        as prompts become whole and as answers end."""
+        evicted = self.prefixes.stats.evicted_blocks
+        self.metrics.prefix_evictions.inc(evicted - self.evictions_counted)
+        self.evictions_counted = evicted
 
     def generate(self, batch: list[Request]) -> list[tuple[str, int, int]]:
         """`batch` decoded together to its end, outside the serving loop: (text, tokens, cached
