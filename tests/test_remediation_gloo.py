@@ -51,6 +51,9 @@ def test_hung_rank_is_named_and_classified_within_ten_seconds(tmp_path: Path, fa
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+# four ranks on two cores: beside another serial test, rank 0's neighbour-made slowdown was found
+# as the straggler (CI, 2026-12-05); alone it takes 27 s
+@pytest.mark.alone
 def test_compute_straggler_is_detected_and_s2_recovers_most_of_the_loss(tmp_path: Path) -> None:
     result = gloo_job.run_straggler_scenario(tmp_path, startup_s=STARTUP_S)
     finding = result["finding"]
