@@ -29,10 +29,17 @@ latency, p50 and p99) and the time to its first event as the client sees it are 
 
     .venv/bin/python benchmarks/serving_continuous_batching.py [--rates 4,8] [--requests 400]
         [--max-batch 16] [--offset 0] [--stream] [--policies static,continuous-whole,continuous]
+        [--device cpu|cuda] [--architecture layers=4,width=256,heads=8,context=1024]
+        [--chunk 128] [--trace CSV]
+
+On a GPU (`--device cuda`) the replica serves in bf16 (`serve.serving_dtype`) and its one CPU
+thread only drives the GPU; a larger `--architecture` there makes a decoding step what it is in
+production, bound by reading the weights and the KV cache rather than by its rows.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import csv
 import datetime
@@ -40,6 +47,7 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -55,10 +63,10 @@ from huorn.runtime import serve
 ARCHITECTURE = {"layers": 4, "width": 256, "heads": 8, "context": 1024}
 TRACE = ROOT.parent / "shared" / "data" / "lora_request_trace.csv"
 # each policy's spec.serving: static batching; continuous batching with each joining prompt
-# prefilled whole; continuous batching with chunked prefill (Huorn's defaults)
+# prefilled whole; continuous batching with chunked prefill (`--chunk` tokens)
 POLICIES = {"static": {"batching": "static", "prefillChunkTokens": 0},
             "continuous-whole": {"batching": "continuous", "prefillChunkTokens": 0},
-            "continuous": {"batching": "continuous", "prefillChunkTokens": 128}}
+            "continuous": {"batching": "continuous"}}
 RATIOS = (("tokens_per_second", "tokens_per_second"), ("latency_mean", "latency_mean_s"),
           ("latency_p99", "latency_p99_s"), ("latency_per_token", "latency_per_token_mean_s"),
           ("ttft_mean", "ttft_mean_s"), ("inter_token_p99", "inter_token_p99_s"),
@@ -67,13 +75,24 @@ WORDS = ("the", "model", "answers", "every", "question", "briefly", "and", "cite
          "was", "given", "about", "rivers", "lakes", "mountains", "a", "red", "fox", "at", "dawn")
 
 
+def parse_architecture(text: str) -> dict[str, int]:
+    """`layers=24,width=1024,...` over the default architecture's fields."""
+    out = dict(ARCHITECTURE)
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        if name not in ARCHITECTURE or not value.isdigit():
+            raise argparse.ArgumentTypeError(f"{part!r}: give name=integer, names {', '.join(ARCHITECTURE)}")
+        out[name] = int(value)
+    return out
+
+
 def load_trace(args) -> list[tuple[float, str, int]]:  # type: ignore[no-untyped-def]
     """(arrival offset in seconds, prompt, max_tokens) for `--requests` consecutive successful
     rows from `--offset`, their arrivals compressed to a mean of `--rate` per second later."""
-    if not TRACE.exists():
-        raise SystemExit(f"{TRACE}: the trace is not there; this benchmark replays it")
+    if not args.trace.exists():
+        raise SystemExit(f"--trace {args.trace}: the trace is not there; this benchmark replays it")
     rows = []
-    with open(TRACE, newline="") as handle:
+    with open(args.trace, newline="") as handle:
         for row in csv.DictReader(handle):
             if row["predict_status"] == "SUCCEED" and row["prompt_length"] and row["exec_time_seconds"]:
                 rows.append(row)
@@ -131,11 +150,12 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
 
 async def run_policy(policy: str, rate: float, trace: list[tuple[float, str, int]], args,  # type: ignore[no-untyped-def]
                      progress: Progress) -> dict:
+    chunk = {"prefillChunkTokens": args.chunk} if policy == "continuous" else {}
     spec = {"virtualCluster": "bench", "model": {"checkpoint": str(args.work / "ckpt"),
-                                                 "architecture": ARCHITECTURE},
+                                                 "architecture": args.architecture},
             "serving": {"maxBatch": args.max_batch, "maxTokens": 1024, "prefixCacheTokens": 0,
-                        **POLICIES[policy]}}
-    config = {"jobName": "bench", "host": "127.0.0.1", "port": 0, "device": "cpu", "spec": spec}
+                        **POLICIES[policy], **chunk}}
+    config = {"jobName": "bench", "host": "127.0.0.1", "port": 0, "device": args.device, "spec": spec}
     fleet = Fleet(args.work / f"{policy}-{rate}", config)
     fleet.scale_to(1)
     await fleet.wait_ready()
@@ -237,8 +257,10 @@ def plot(results: list[dict], args) -> None:  # type: ignore[no-untyped-def]
         axis.set_xticks(np.arange(len(rates)), [f"{rate:g} req/s" for rate in rates])
         axis.set_ylabel("inter-token latency p99 (ms)")
         axis.legend(fontsize=8, loc="upper left")
-    save_figure(figure, f"one replica, {args.requests} requests of the GenAI trace, maxBatch "
-                f"{args.max_batch}", args.png)
+    shape = args.architecture
+    save_figure(figure, f"one {'GPU (bf16)' if args.device == 'cuda' else 'CPU'} replica, "
+                f"{shape['layers']} layers x {shape['width']}, {args.requests} requests of the GenAI "
+                f"trace, maxBatch {args.max_batch}", args.png)
 
 
 def main() -> int:
@@ -253,6 +275,13 @@ def main() -> int:
     parser.add_argument("--stream", action="store_true",
                         help="stream the answers; report the gaps between their tokens (inter-token latency)")
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--chunk", type=int, default=128,
+                        help="`continuous`'s prefillChunkTokens (on this CPU a 128-token chunk costs "
+                             "about one decoding step of 16 rows)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--architecture", type=parse_architecture, default=ARCHITECTURE,
+                        help="the served decoder, e.g. layers=24,width=1024,heads=16,context=1024")
+    parser.add_argument("--trace", type=Path, default=TRACE)
     args = parser.parse_args()
     policies = args.policies.split(",")
     if "static" not in policies or set(policies) - set(POLICIES):
@@ -260,7 +289,7 @@ def main() -> int:
     begun = time.perf_counter()
     rates = [float(x) for x in args.rates.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
-    serve.save_untrained(args.work / "ckpt", training.ModelSpec.model_validate(ARCHITECTURE))
+    serve.save_untrained(args.work / "ckpt", training.ModelSpec.model_validate(args.architecture))
     trace = load_trace(args)
     results = []
     with Progress() as progress:
@@ -275,7 +304,7 @@ def main() -> int:
             ratios.setdefault(policy, {})[f"{rate:g}"] = {
                 name: mine[key] / base[key] for name, key in RATIOS if key in mine}
     demand = [n for _, _, n in trace]
-    write_report(args, begun, date=time.strftime("%Y-%m-%d"), trace=str(TRACE.name),
+    write_report(args, begun, date=time.strftime("%Y-%m-%d"), trace=str(args.trace.name),
                  max_tokens={"mean": float(np.mean(demand)), "p50": float(np.median(demand)),
                              "p90": float(np.percentile(demand, 90)), "max": max(demand)},
                  results=results, vs_static=ratios)

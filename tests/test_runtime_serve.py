@@ -123,6 +123,40 @@ def test_the_batcher_admits_the_oldest_into_free_rows_or_only_into_an_empty_batc
     assert asyncio.run(check()) == expected
 
 
+def test_a_gpu_serves_in_bf16_and_the_batcher_carries_bf16_weights(tmp_path: Path) -> None:
+    """The GPU path's dtype on CPU (CI has no GPU): its KV cache takes the weights' dtype, its
+    logits are sampled in fp32, and its answers are the bf16 model's own greedy decoding."""
+    assert serve.serving_dtype(torch.device("cuda")) is torch.bfloat16
+    assert serve.serving_dtype(torch.device("cpu")) is torch.float32
+    _saved_model(tmp_path / "ckpt")
+    cfg = _config(tmp_path)
+    prompts = ["Q: What is 1 + 2?\nA:", "Q: Hi?\nA:"]
+
+    async def work(session, server, report):
+        async def ask(prompt: str) -> dict:
+            async with session.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5}) as r:
+                assert r.status == 200
+                return await r.json()
+
+        return report, server.running.cache.keys[0].dtype, await asyncio.gather(*(ask(p) for p in prompts))
+
+    model, report = serve.load_model(cfg)
+    assert report["dtype"] == "float32" and next(model.parameters()).dtype is torch.float32
+    bf16 = model.to(torch.bfloat16)
+
+    async def serving() -> tuple:
+        server = serve.Server(cfg, bf16)
+        async with harness.serving_app(server.app(), handler_cancellation=True) as session:
+            return await work(session, server, {})
+
+    _, cache_dtype, answers = asyncio.run(serving())
+    assert cache_dtype is torch.bfloat16
+    for prompt, answer in zip(prompts, answers, strict=True):
+        tokens = torch.tensor([list(prompt.encode())])
+        expected = bf16.generate(tokens, 5)[0, tokens.shape[1]:].tolist()
+        assert answer["text"] == bytes(expected).decode("utf-8", errors="replace")
+
+
 def test_a_glvq_model_is_quantised_at_load_and_answers(tmp_path: Path) -> None:
     _saved_model(tmp_path / "ckpt")
     cfg = _config(tmp_path, quantization={"method": "glvq", "bits": 4, "groupSize": 8})

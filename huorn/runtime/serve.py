@@ -108,7 +108,17 @@ def load_model(cfg: ServeConfig) -> tuple[torch.nn.Module, dict]:
         report |= {"bits": q.bits, "bits_per_weight": quantized["bits_per_weight"],
                    "quantize_seconds": time.monotonic() - started}
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
-    return model.to(device), report
+    dtype = serving_dtype(device)
+    report["dtype"] = str(dtype).removeprefix("torch.")
+    return model.to(device=device, dtype=dtype), report
+
+
+def serving_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on a GPU, as training computes there: a decoding step reads every weight and the
+    batch's whole KV cache, so half the bytes is nearly half the step, and the cache holds twice
+    the rows. fp32 on a CPU, whose bf16 matmuls are slower than its fp32 ones. Logits are
+    sampled in fp32 either way."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def save_untrained(root: Path, architecture: training.ModelSpec, seed: int = 0) -> Path:
