@@ -445,6 +445,40 @@ def test_leaving_scale_to_zero_removes_the_activator_and_its_replicas_service(
     assert "chat" in services() and routed_to(kube, "chat") == "server"
 
 
+def test_a_policy_switch_keeps_the_service_old_front_pods_read_until_the_last_is_replaced(
+    kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    """Scaled to zero with two activators, routing.policy service → prefix: the routers replace
+    them one at a time, and `<job>-replicas`, through which the activator still serving forwards
+    what it holds, stays until that one is replaced too (it was deleted at the edit)."""
+    job = serving.make_inference_job("chat", "serve", min_replicas=0, routing={"frontReplicas": 2})
+    kube.create_job(NS, job, plural=IJ)
+
+    def services() -> set[str]:
+        return {s.metadata.name for s in kube.core.list_namespaced_service(NS).items}
+
+    wait_for(lambda: len(fronts(kube, "chat")) == 2 and "chat-replicas" in services(), what="two activators")
+    assert status(kube, "chat")["frontServices"] == ["replicas"]
+    for pod in fronts(kube, "chat").values():
+        run_pod(kube, pod)
+    activators = {name: p.metadata.uid for name, p in fronts(kube, "chat").items()}
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                               {"spec": {"routing": {"policy": "prefix"}}})
+    wait_for(lambda: len(now := fronts(kube, "chat")) == 2
+             and sum(p.metadata.uid not in activators.values() for p in now.values()) == 1,
+             what="one activator replaced by a router")
+    wait_for(lambda: status(kube, "chat").get("observedGeneration") == 2, what="the edit reconciled")
+    assert {"chat-replicas", "chat-endpoints"} <= services()
+    assert status(kube, "chat")["frontServices"] == ["endpoints", "replicas"]
+    (router,) = [p for p in fronts(kube, "chat").values() if p.metadata.uid not in activators.values()]
+    run_pod(kube, router)
+    wait_for(lambda: all(p.metadata.uid not in activators.values() for p in fronts(kube, "chat").values())
+             and len(fronts(kube, "chat")) == 2, what="the second activator replaced")
+    wait_for(lambda: "chat-replicas" not in services(), what="`chat-replicas` gone with the last activator")
+    wait_for(lambda: status(kube, "chat").get("frontServices") == ["endpoints"], what="status forgets it")
+    assert "chat-endpoints" in services()
+
+
 def test_fewer_front_pods_keep_the_ready_one_until_a_kept_one_is_ready(
     kube: builders.Kube, operator: operator_mod.OperatorThread
 ) -> None:

@@ -172,6 +172,11 @@ class InferenceJobStatus(JobStatus):
     desired_replicas: int | None = Field(default=None, description="Replicas the autoscaler asks for; "
                                          "their GPUs are what the virtual cluster keeps unlent.")
     ready_replicas: int | None = None
+    front_services: list[Literal["endpoints", "replicas"]] | None = Field(
+        default=None, max_length=2,
+        description="The Services that front pods read which may exist now: `<job>-endpoints` (routers) "
+                    "and `<job>-replicas` (activators). One the spec no longer needs is deleted once no "
+                    "front pod of the earlier settings is left.")
     routing: Literal["replicas", "activator", "router"] | None = Field(
         default=None, description="Where the job's Service sends requests now: the ready replicas, the "
                                   "activator that holds them while none is ready (scale to zero), or "

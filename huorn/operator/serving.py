@@ -36,13 +36,15 @@ replicas it has, and a restarted operator carries on from status.
 - **Front pods** (`routing.frontReplicas`): the activator or router pods, as many as asked,
   on different nodes where the scheduler can; a lost one is replaced while the others serve, and
   stale ones are replaced one at a time, each once every other front pod is ready (a stale one
-  that is not ready serves no one, and is replaced at once).
+  that is not ready serves no one, and is replaced at once). The Service that front pods of
+  earlier settings read (`<job>-replicas`, `<job>-endpoints`) goes once the last of them has
+  (`status.frontServices`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from huorn.api import kinds
@@ -55,6 +57,7 @@ from huorn.operator.training import build_decisions, stall, write_status
 
 PLURAL = "inferencejobs"
 ACTIVATOR, REPLICAS, ROUTER = "activator", "replicas", "router"  # where the job's Service sends requests
+ENDPOINTS = "endpoints"  # with REPLICAS, the Services front pods read (status.frontServices)
 KIND = "InferenceJob"
 SERVER = "server"
 
@@ -152,17 +155,6 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         message = f"virtual cluster {vc!r} does not exist; create it or fix spec.virtualCluster"
         return await _report_waiting(ctx, body, base, "VirtualClusterNotFound", message)
 
-    edited = old.get("observedGeneration") not in (None, meta.get("generation"))
-    if edited and "routing" in old:
-        # an edit of a job that had a router or an activator: the policy may have left prefix,
-        # and its headless Service goes with the router; minReplicas may have left 0, and the
-        # activator's `<job>-replicas` goes with the activator (a delete of nothing is a 404; a
-        # failed one fails the reconcile before any status write moves observedGeneration on)
-        by_prefix = job.spec.routing.policy == "prefix"
-        if not by_prefix:
-            await ctx.client.delete("Service", ns, manifests.endpoints_service_name(ref))
-        if by_prefix or job.spec.autoscaling.min_replicas > 0:
-            await ctx.client.delete("Service", ns, manifests.replicas_service_name(ref))
     graph, resized = restore_graph(body, fresh)
     version = graph.version
     pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
@@ -218,6 +210,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         if by_prefix:
             writes.append(manifests.build_endpoints_service(ref))
     writes += [manifests.build_activator_pod(ref, spec, i) for i, f in enumerate(fronts) if f is None]
+    services = await _retire_front_services(ctx, ref, old, pods.values(), spec, to_zero, by_prefix)
     for stale in _fronts_to_replace(fronts, spec):
         # ended (evicted, its node gone), or started from other settings (the image, the policy,
         # the cache, the time-out): deleted now, a new one on the reconcile its going wakes
@@ -288,6 +281,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     }
     if front_wanted or "routing" in old:
         status["routing"] = routing
+    if services or "frontServices" in old:
+        status["frontServices"] = services
     if unplaced and old.get("message") != message:
         ctx.post_event(body, "Normal", reason, message)
     await write_status(ctx, body, status, PLURAL)
@@ -295,6 +290,41 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     ctx.metrics.inference_replicas.labels(ns, name, "desired").set(server.replicas)
     ctx.metrics.inference_replicas.labels(ns, name, "ready").set(ready)
     return phase
+
+
+def front_services(to_zero: bool, by_prefix: bool) -> set[str]:
+    """The Services the front pods read: a router finds the replicas through the headless
+    `<job>-endpoints`; an activator forwards to `<job>-replicas`, which selects them always."""
+    return {ENDPOINTS} if by_prefix else {REPLICAS} if to_zero else set()
+
+
+async def _retire_front_services(ctx: Context, ref: manifests.JobRef, old: Mapping[str, Any],
+                                 pods: Iterable[index.PodRecord], spec: Mapping[str, Any],
+                                 to_zero: bool, by_prefix: bool) -> list[str]:
+    """Delete the Services that front pods of earlier settings read once none of those pods is
+    left; returns the ones that may exist now (status.frontServices).
+
+    A switch of policy, or out of scale to zero, replaces the front pods one at a time: until
+    the last old one goes, it still forwards through its Service (with several front pods,
+    deleting that Service at the edit broke every request they took meanwhile). A job whose
+    status predates the field may have either. A delete of nothing is a 404; a failed one fails
+    the reconcile before the status write that forgets the Service."""
+    wanted = front_services(to_zero, by_prefix)
+    if "frontServices" in old:
+        had = set(old["frontServices"])
+    else:
+        had = {ENDPOINTS, REPLICAS} if "routing" in old else set()
+    retiring = had - wanted
+    prefix = manifests.activator_pod_name(ref)
+    # with no front pod wanted, every one left is on its way out, and reads a retiring Service
+    if retiring and not any(p.name.startswith(prefix) and not p.deleting
+                            and (not wanted or not front_is_current(p, spec)) for p in pods):
+        names = {ENDPOINTS: manifests.endpoints_service_name(ref),
+                 REPLICAS: manifests.replicas_service_name(ref)}
+        await asyncio.gather(*(ctx.client.delete("Service", ref.namespace, names[s])
+                               for s in sorted(retiring)))
+        retiring = set()
+    return sorted(wanted | retiring)
 
 
 def stale_to_replace(pods: Sequence[index.PodRecord | None],
