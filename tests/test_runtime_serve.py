@@ -671,6 +671,108 @@ def test_a_chat_with_no_cap_ends_at_the_default_rather_than_the_whole_context(tm
 
 
 
+def test_logprobs_are_the_models_own_distribution_streamed_or_not_in_both_apis(tmp_path: Path) -> None:
+    """`logprobs` (completions: N alternatives; chat: true with top_logprobs): each chosen token's
+    log-probability is log_softmax of the model's logits at its position (a full forward over the
+    prompt and answer), temperature aside; a stream's chunks carry the same numbers as the whole
+    answer, with offsets that continue across chunks; a stop sequence's tokens are not reported."""
+    model = _saved_model(tmp_path / "ckpt")
+    prompt = "Q: What is 1 + 2?\nA:"
+    ask = {"prompt": prompt, "max_tokens": 8, "logprobs": 3}
+    answer = model.generate(torch.tensor([list(prompt.encode())]), 8)[0, len(prompt.encode()):].tolist()
+    at = next(i for i, t in enumerate(answer) if i > 0 and t < 128)  # a stop the greedy answer holds
+
+    async def work(session, server, report):
+        async def post(path: str, body: dict) -> tuple[int, object]:
+            async with session.post(path, json=body) as r:
+                return r.status, (await r.text() if body.get("stream") else await r.json())
+
+        _, greedy = await post("/v1/completions", ask)
+        _, hot = await post("/v1/completions", {**ask, "temperature": 1.5, "seed": 3})
+        _, streamed = await post("/v1/completions", {**ask, "stream": True})
+        hi = {"messages": [{"role": "user", "content": "Hi?"}], "max_tokens": 5}
+        _, chatted = await post("/v1/chat/completions", {**hi, "logprobs": True, "top_logprobs": 2})
+        _, plain = await post("/v1/completions", {**ask, "logprobs": None})
+        _, stopped = await post("/v1/completions", {**ask, "stop": chr(answer[at])})
+        return greedy, hot, streamed, chatted, plain, stopped
+
+    greedy, hot, streamed, chatted, plain, stopped = asyncio.run(_serving(_config(tmp_path), work))
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["choices"][0]["logprobs"]["tokens"] == greedy["choices"][0]["logprobs"]["tokens"][:at]
+
+    def reference(text_tokens: list[int], answer: list[int]) -> torch.Tensor:
+        ids = torch.tensor([text_tokens + answer])
+        with torch.no_grad():
+            logits = model(ids)[0][0, len(text_tokens) - 1: -1, : tokenizer.VOCABULARY].float()
+        return torch.log_softmax(logits, dim=-1)
+
+    for answer in (greedy, hot):
+        got = answer["choices"][0]["logprobs"]
+        ids = [ord(t) if len(t) == 1 else int(t[-2:], 16) for t in got["tokens"]]  # "bytes:\\xNN"
+        assert bytes(ids).decode("utf-8", errors="replace") == answer["choices"][0]["text"]
+        assert len(ids) == answer["usage"]["completion_tokens"] == 8
+        want = reference(list(prompt.encode()), ids)
+        chosen = want.gather(1, torch.tensor(ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(got["token_logprobs"]), chosen, atol=1e-4)
+        for position, top in enumerate(got["top_logprobs"]):
+            best = want[position].topk(3)
+            expected = {serve.logprobs.token_text(int(t)): float(v) for v, t in zip(*best, strict=True)}
+            expected[got["tokens"][position]] = float(chosen[position])
+            assert top.keys() == expected.keys()
+            assert all(abs(top[k] - expected[k]) < 1e-4 for k in top)
+    # greedy: each chosen token is the likeliest, so it is one of the three
+    assert all(len(top) == 3 for top in greedy["choices"][0]["logprobs"]["top_logprobs"])
+    assert plain["choices"][0]["logprobs"] is None
+
+    events = [json.loads(e[len("data: "):]) for e in streamed.split("\n\n") if e and e != "data: [DONE]"]
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"] is not None]
+    whole = greedy["choices"][0]["logprobs"]
+    for name in ("tokens", "text_offset"):
+        assert [x for part in parts for x in part[name]] == whole[name]
+    assert [x for part in parts for x in part["token_logprobs"]] == pytest.approx(whole["token_logprobs"])
+
+    content = chatted["choices"][0]["logprobs"]["content"]
+    assert len(content) == chatted["usage"]["completion_tokens"]
+    assert bytes(b for item in content for b in item["bytes"]).decode("utf-8", errors="replace") == \
+        chatted["choices"][0]["message"]["content"]
+    assert all(len(item["top_logprobs"]) == 2 and item["logprob"] <= 0 for item in content)
+
+
+def test_logprobs_requests_out_of_range_are_refused_naming_the_field(tmp_path: Path) -> None:
+    _saved_model(tmp_path / "ckpt")
+    hi = {"messages": [{"role": "user", "content": "Hi?"}], "max_tokens": 2}
+    cases = [("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+             ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs"),
+             ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
+             ("/v1/chat/completions", {**hi, "top_logprobs": 2}, "top_logprobs"),
+             ("/v1/chat/completions", {**hi, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+             ("/v1/chat/completions", {**hi, "logprobs": "yes"}, "logprobs")]
+
+    async def work(session, server, report):
+        answers = []
+        for path, body, _ in cases:
+            async with session.post(path, json=body) as r:
+                answers.append((r.status, (await r.json())["error"]))
+        unasked = {"prompt": "x", "max_tokens": 2, "logprobs": False}
+        async with session.post("/v1/completions", json=unasked) as r:
+            answers.append((r.status, (await r.json())["choices"][0]["logprobs"]))
+        return answers
+
+    answers = asyncio.run(_serving(_config(tmp_path), work))
+    for (status, error), (_, _, field) in zip(answers, cases, strict=False):
+        assert status == 400 and error.split(":")[0] == field, error
+    assert answers[-1] == (200, None)  # false, as some clients send: none asked
+
+
+def test_completion_logprobs_show_partial_characters_as_bytes_and_offsets_by_character() -> None:
+    entries = [serve.logprobs.TokenLogprob(t, -0.5, ((t, -0.5),)) for t in "é a".encode()]
+    shaped = serve.logprobs.completion_logprobs(entries, offset=10)
+    assert shaped["tokens"] == ["bytes:\\xc3", "bytes:\\xa9", " ", "a"]
+    assert shaped["text_offset"] == [10, 10, 11, 12]  # é is one character of two bytes
+    chat_shaped = serve.logprobs.chat_logprobs(entries[:1])
+    assert chat_shaped["content"][0]["bytes"] == [0xC3]
+
+
 def test_nucleus_keeps_the_most_likely_tokens_whose_mass_first_reaches_top_p() -> None:
     probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
     assert continuous_batching.nucleus(probs, 0.7).tolist() == pytest.approx([0.0, 0.5, 0.0, 0.3])
@@ -698,7 +800,7 @@ def test_n_choices_are_the_answers_of_consecutive_seeds_and_top_p_narrows_sampli
         alone = [(await post({**ask, "seed": 5 + i}))[1] for i in range(3)]
         _, streamed = await post({**ask, "n": 2, "stream": True})
         _, nucleus = await post({**ask, "top_p": 1e-9})
-        refused = [await post({**ask, **bad}) for bad in ({"n": 0}, {"n": 9}, {"top_p": 1.5}, {"logprobs": 2},
+        refused = [await post({**ask, **bad}) for bad in ({"n": 0}, {"n": 9}, {"top_p": 1.5}, {"best_of": 2},
                                                           {"echo": True}, {"presence_penalty": 0.5})]
         # what SDKs send when the caller sets nothing is not refused
         unset = {"logprobs": None, "echo": False, "presence_penalty": 0, "best_of": 1}
@@ -722,7 +824,7 @@ def test_n_choices_are_the_answers_of_consecutive_seeds_and_top_p_narrows_sampli
     assert nucleus["text"] == bytes(greedy).decode("utf-8", errors="replace")
     assert [status for status, _ in refused] == [400] * 6
     assert [body["error"].split(":")[0] for _, body in refused] == [
-        "n", "n", "top_p", "logprobs", "echo", "presence_penalty"]
+        "n", "n", "top_p", "best_of", "echo", "presence_penalty"]
     assert "spec.serving.maxBatch" in refused[1][1]["error"]
     assert "not served by this replica" in refused[3][1]["error"] and defaults["text"] == alone[0]["text"]
 

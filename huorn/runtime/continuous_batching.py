@@ -35,6 +35,7 @@ import torch
 from huorn.models.cache import KVCache, RaggedKVCache
 from huorn.runtime import prefix_cache
 from huorn.runtime.data import tokenizer
+from huorn.runtime.logprobs import TokenLogprob, measure
 
 # (text, tokens, prompt tokens from the prefix cache, seconds queued, seconds decoding)
 Result = tuple[str, int, int, float, float]
@@ -59,6 +60,10 @@ class Request:
     abandoned: bool = False
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much probability
     index: int = 0  # which of its HTTP request's `n` choices it is (their stream is shared)
+    # With `logprobs`: how many likeliest alternatives to report beside each chosen token's
+    # log-probability (0 for none); its answer's are in `answer_logprobs` once decoded.
+    logprobs: int | None = None
+    answer_logprobs: list[TokenLogprob] | None = None
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -73,18 +78,22 @@ class Answer:
     tokens: list[int] = field(default_factory=list)
     finished: str | None = None
     streamed: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, if asked
 
-    def add(self, token: int) -> None:
+    def add(self, token: int, measured: TokenLogprob | None = None) -> None:
         if self.request.abandoned:  # nobody reads the rest: its row may leave the batch
             self.finished = self.finished or "abandoned"
         if self.finished:
             return
         self.tokens.append(token)
+        if measured is not None:
+            self.logprobs.append(measured)
         # every match ends at the newest byte (an earlier one would have ended the answer), so the
         # longest starts first: the answer ends before it, whatever the order the stops came in
         matched = [len(s) for s in self.request.stop if bytes(self.tokens[-len(s):]) == s]
         if matched:
             del self.tokens[-max(matched):]
+            del self.logprobs[len(self.tokens):]
             self.finished = "stop"
         elif len(self.tokens) >= self.request.max_tokens:
             self.finished = "length"
@@ -105,8 +114,9 @@ class Answer:
         if request.stream is None:
             return
         end = len(self.tokens) - (0 if self.finished else self.pending())
-        for token in self.tokens[self.streamed: end]:
-            request.loop.call_soon_threadsafe(request.stream.put_nowait, (request.index, token))
+        for i in range(self.streamed, end):
+            event = (request.index, self.tokens[i], self.logprobs[i] if self.logprobs else None)
+            request.loop.call_soon_threadsafe(request.stream.put_nowait, event)
         self.streamed = max(self.streamed, end)
 
 
@@ -258,8 +268,9 @@ class RunningBatch:
         for slot, slot_names in enumerate(group.names):
             self.prefixes.store(group.cache, slot, slot_names)
 
-    def choose(self) -> list[int]:
-        """Each row's next token, at its own temperature and seed."""
+    def choose(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Each row's next token, at its own temperature and seed; its log-probabilities for
+        the rows whose requests ask for them."""
         logits = torch.stack([row.logits for row in self.rows])[:, : tokenizer.VOCABULARY]
         chosen = logits.argmax(dim=-1).tolist()
         for i, row in enumerate(self.rows):
@@ -271,7 +282,14 @@ class RunningBatch:
                 if request.top_p < 1:
                     probs = nucleus(probs, request.top_p)
                 chosen[i] = int(torch.multinomial(probs, 1, generator=row.generator))
-        return chosen
+        measured: list[TokenLogprob | None] = [None] * len(self.rows)
+        asking = [i for i, row in enumerate(self.rows) if row.answer.request.logprobs is not None]
+        if asking:
+            found = measure(logits[asking], [chosen[i] for i in asking],
+                                     [self.rows[i].answer.request.logprobs or 0 for i in asking])
+            for i, entry in zip(asking, found, strict=True):
+                measured[i] = entry
+        return chosen, measured
 
     def step(self) -> list[tuple[Request, Result]]:
         """One token for every row; the rows that end leave (their answers returned, and the
@@ -279,7 +297,7 @@ class RunningBatch:
         tokens. Two calls, so that answers already made reach their clients even if the forward
         pass after them fails."""
         now = time.monotonic()
-        chosen = self.choose()
+        chosen, measured = self.choose()
         ended: list[int] = []
         for i, (row, token) in enumerate(zip(self.rows, chosen, strict=True)):
             if not row.chosen:
@@ -288,7 +306,7 @@ class RunningBatch:
                 self.token_gaps.append(now - row.chosen_at)
             row.chosen_at = now
             row.chosen.append(token)
-            row.answer.add(token)
+            row.answer.add(token, measured[i])
             if row.answer.finished:
                 ended.append(i)
         results = [self._finish(i, now) for i in ended]
@@ -313,6 +331,8 @@ class RunningBatch:
         row = self.rows[i]
         request = row.answer.request
         request.finish_reason = row.answer.finished
+        if request.logprobs is not None:
+            request.answer_logprobs = row.answer.logprobs
         answered = request.tokens + row.chosen[:-1]  # the last token chosen was never fed back
         if len(answered) // self.prefixes.block > len(request.tokens) // self.prefixes.block:
             assert self.cache is not None

@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,21 +50,23 @@ from pydantic import Field
 
 from huorn import models
 from huorn.api import base, inference, training
-from huorn.runtime import chat, checkpoint, continuous_batching, glvq, prefix_cache
+from huorn.runtime import chat, checkpoint, continuous_batching, glvq, logprobs, prefix_cache
 from huorn.runtime import config as run_config
 from huorn.runtime.continuous_batching import Request, Result
 from huorn.runtime.data import sampler
+from huorn.runtime.logprobs import TokenLogprob
 
 CALIBRATION_SOURCES = ("general", "code", "math")
 CHAT_DEFAULT_TOKENS = 256  # a chat answer's cap when the request gives none
 # OpenAI's fields this server does not honour, each with the values that ask for nothing (what
 # SDKs send by default): any other value is refused naming the field, never silently ignored
 NOT_SERVED: dict[str, tuple[object, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "echo": (None, False), "best_of": (None, 1),
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
     "suffix": (None, ""),
 }
-SERVED = "model, prompt or messages, max_tokens, temperature, top_p, n, seed, stop, stream"
+SERVED = ("model, prompt or messages, max_tokens, temperature, top_p, n, seed, stop, stream, logprobs "
+          "(and the chat API's top_logprobs)")
 BATCHER = web.AppKey("batcher", asyncio.Task)
 
 
@@ -141,6 +144,33 @@ def read_number(body: dict, name: str, kind: type[int] | type[float], default: f
     if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
         raise ValueError(f"{name}: give {'an integer' if kind is int else 'a number'}, not {value!r}")
     return kind(value)
+
+
+def read_logprobs(body: dict, is_chat: bool) -> int | None:
+    """How many alternatives to report beside each token's log-probability; None: none asked.
+    The chat API asks with `logprobs: true` and counts with `top_logprobs`; the completions API
+    counts with `logprobs` itself (false, as some clients send, is none)."""
+    if is_chat:
+        asked = body.get("logprobs")
+        if asked not in (None, True, False):
+            raise ValueError("logprobs: give true or false (top_logprobs says how many alternatives)")
+        top = read_number(body, "top_logprobs", int, 0)
+        if not 0 <= top <= logprobs.MAX_CHAT_ALTERNATIVES:
+            raise ValueError(f"top_logprobs: give 0 to {logprobs.MAX_CHAT_ALTERNATIVES}")
+        if top and not asked:
+            raise ValueError("top_logprobs: set logprobs to true with it")
+        return top if asked else None
+    if body.get("top_logprobs") is not None:
+        raise ValueError("top_logprobs: the chat API's field; the completions API counts with logprobs: N")
+    if body.get("logprobs") is False:
+        return None
+    count = read_number(body, "logprobs", int, -1)
+    if count == -1:
+        return None
+    if not 0 <= count <= logprobs.MAX_COMPLETION_ALTERNATIVES:
+        raise ValueError(f"logprobs: give 0 to {logprobs.MAX_COMPLETION_ALTERNATIVES} (the likeliest "
+                         "tokens reported beside each chosen one), or leave it out")
+    return count
 
 
 def stream_error(message: str) -> dict:
@@ -257,6 +287,7 @@ class Server:
             top_p = read_number(body, "top_p", float, 1.0)
             choices = read_number(body, "n", int, 1)
             seed = read_number(body, "seed", int, 0)
+            alternatives = read_logprobs(body, is_chat)
             model = body.get("model")
             if model is not None and model != self.cfg.job_name:
                 self.metrics.requests.labels("refused").inc()
@@ -293,7 +324,7 @@ class Server:
         # token tagged with its choice's index
         shared = asyncio.Queue() if stream else None
         first = Request(tokens, wanted, temperature, seed, stream=shared, top_p=top_p,
-                        stop=tuple(x.encode() for x in stops), chat=is_chat)
+                        stop=tuple(x.encode() for x in stops), chat=is_chat, logprobs=alternatives)
         items = [first] + [dataclasses.replace(first, seed=seed + i, index=i, done=first.loop.create_future())
                            for i in range(1, choices)]
         with self.queue_lock:
@@ -319,7 +350,7 @@ class Server:
             self.metrics.in_flight.dec()
         self.answered(items[0])
         fields = self.openai_fields(items[0], *results[0][:3])
-        fields["choices"] = [self.openai_fields(item, *result[:3])["choices"][0]
+        fields["choices"] = [self.openai_fields(item, *result[:3], entries=item.answer_logprobs)["choices"][0]
                              for item, result in zip(items, results, strict=True)]
         fields["usage"] = self.usage(items[0], sum(r[1] for r in results), results[0][2])
         # Huorn's own fields: the first choice's
@@ -328,25 +359,32 @@ class Server:
                                   "queue_seconds": queued, "seconds": seconds})
 
     def openai_fields(self, item: Request, text: str, count: int | None = None,
-                      cached: int | None = None, first: bool = True) -> dict:
+                      cached: int | None = None, first: bool = True,
+                      entries: Sequence[TokenLogprob] | None = None, offset: int = 0) -> dict:
         """The answer as OpenAI's completions API shapes it, beside Huorn's own fields, so the
         clients and SDKs written for it (and for vLLM, which follows it) read it unchanged.
+        `entries`: the log-probabilities of the text's tokens, where the request asked for them
+        (`offset`: the characters a stream sent before this chunk).
 
         A stream's role comes in its `first` chunk only: the openai SDK joins a stream's deltas
         field by field, and a role in every chunk came out "assistantassistant..."."""
         finish = item.finish_reason if count is not None else None
+        shaped = None
+        if item.logprobs is not None and entries is not None:
+            shaped = logprobs.chat_logprobs(entries) if item.chat else \
+                logprobs.completion_logprobs(entries, offset)
         if item.chat:
             chunk = item.stream is not None
             message = {"role": "assistant", "content": text} if first else {"content": text}
             content = {"delta" if chunk else "message": message}
             fields: dict = {"id": f"chat{item.id}", "object": "chat.completion.chunk" if chunk else
                             "chat.completion", "created": item.created, "model": self.cfg.job_name,
-                            "choices": [{"index": item.index, **content, "logprobs": None,
+                            "choices": [{"index": item.index, **content, "logprobs": shaped,
                                          "finish_reason": finish}]}
         else:
             fields = {"id": item.id, "object": "text_completion", "created": item.created,
                       "model": self.cfg.job_name,
-                      "choices": [{"index": item.index, "text": text, "logprobs": None,
+                      "choices": [{"index": item.index, "text": text, "logprobs": shaped,
                                    "finish_reason": finish}]}
         if count is not None:
             fields["usage"] = self.usage(item, count, cached)
@@ -403,15 +441,23 @@ class Server:
         decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in items]
         first = [True] * len(items)
         open_choices = len(items)
+        # each choice's log-probabilities of the tokens its next chunk holds, and the characters
+        # sent before it (a byte that begins a character waits for the rest)
+        measured: list[list[TokenLogprob]] = [[] for _ in items]
+        sent = [0] * len(items)
 
         async def send(index: int, text: str) -> None:
-            chunk = self.openai_fields(items[index], text, first=first[index])
+            chunk = self.openai_fields(items[index], text, first=first[index], entries=measured[index],
+                                       offset=sent[index])
             await response.write(sse({**chunk, "text": text}))
-            first[index] = False
+            first[index], measured[index] = False, []
+            sent[index] += len(text)
 
         while open_choices:
-            index, token = await stream.get()
+            index, token, entry = await stream.get()
             if token is not None:
+                if entry is not None:
+                    measured[index].append(entry)
                 if text := decoders[index].decode(bytes([token])):
                     await send(index, text)
                 continue
@@ -520,7 +566,7 @@ class Server:
         if not request.done.done():  # its handler may have been cancelled
             request.done.set_result(result)
         if request.stream is not None:
-            request.stream.put_nowait((request.index, None))
+            request.stream.put_nowait((request.index, None, None))
 
     async def run_batches(self) -> None:
         while True:
@@ -541,7 +587,7 @@ class Server:
                             continue
                         r.done.set_exception(error)
                         if r.stream is not None:
-                            r.stream.put_nowait((r.index, None))
+                            r.stream.put_nowait((r.index, None, None))
 
     def app(self) -> web.Application:
         app = web.Application()

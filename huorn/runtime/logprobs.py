@@ -1,0 +1,79 @@
+"""Log-probabilities of an answer's tokens, in the shapes of OpenAI's two APIs.
+
+Evaluation harnesses score answers with them, RL pipelines compare a policy's probabilities with
+the server's, and clients calibrate on them; a server that ignored `logprobs` would hand them an
+answer with nothing where they look. They are the model's own distribution over the next token
+(`log_softmax` of its logits over the byte vocabulary), before temperature or top_p reshape it
+for sampling, as vLLM reports them by default: the same answer has the same numbers however it
+was sampled.
+
+Tokens are bytes (huorn.runtime.data.tokenizer). A byte that is a character by itself (ASCII) is
+shown as that character; any other is part of a longer UTF-8 character and is shown as OpenAI
+shows such partial tokens, `bytes:\\xNN`, with its value in the chat API's `bytes` field.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# OpenAI's limits: the completions API's `logprobs` takes up to 5 alternatives, the chat API's
+# `top_logprobs` up to 20
+MAX_COMPLETION_ALTERNATIVES = 5
+MAX_CHAT_ALTERNATIVES = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One chosen token's log-probability and the most likely tokens at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token, log-probability), the likeliest first
+
+
+def measure(logits: torch.Tensor, chosen: Sequence[int], alternatives: Sequence[int]) -> list[TokenLogprob]:
+    """For each row of `logits` [rows, vocabulary] (fp32), its chosen token's log-probability and
+    its `alternatives[i]` likeliest tokens; one transfer from the device for the whole step."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    index = torch.tensor(list(chosen), dtype=torch.long, device=logits.device)[:, None]
+    picked = logprobs.gather(1, index)[:, 0].tolist()
+    k = max(alternatives, default=0)
+    top_values, top_tokens = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    values, tokens = top_values.tolist(), top_tokens.tolist()
+    return [TokenLogprob(token, logprob, tuple(zip(tokens[i][:n], values[i][:n], strict=True)))
+            for i, (token, logprob, n) in enumerate(zip(chosen, picked, alternatives, strict=True))]
+
+
+def token_text(token: int) -> str:
+    """A byte as the APIs show a token: the character, or `bytes:\\xNN` for part of one."""
+    return chr(token) if token < 0x80 else f"bytes:\\x{token:02x}"
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict:
+    """The completions API's `logprobs` object. `text_offset` counts the characters of the
+    answer's text before each token (from `offset`, where a stream's earlier chunks ended), as
+    its text is decoded: a token inside a multi-byte character shares that character's offset.
+    `top_logprobs` holds the alternatives asked for and the chosen token, as OpenAI and vLLM do."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, at = [], offset
+    for entry in entries:
+        offsets.append(at)
+        at += len(decoder.decode(bytes([entry.token])))
+    return {"tokens": [token_text(e.token) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{**{token_text(t): v for t, v in e.top}, token_text(e.token): e.logprob}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict:
+    """The chat API's `logprobs` object: `content`, one item per token."""
+    return {"content": [{"token": token_text(e.token), "logprob": e.logprob, "bytes": [e.token],
+                         "top_logprobs": [{"token": token_text(t), "logprob": v, "bytes": [t]}
+                                          for t, v in e.top]}
+                        for e in entries]}
+
