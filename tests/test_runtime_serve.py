@@ -157,6 +157,30 @@ def test_a_gpu_serves_in_bf16_and_the_batcher_carries_bf16_weights(tmp_path: Pat
         assert answer["text"] == bytes(expected).decode("utf-8", errors="replace")
 
 
+def test_decoding_records_no_autograd_graph(tmp_path: Path) -> None:
+    """With one, each step's write into the batch's KV cache chained its graph onto the cache's,
+    and every activation since the start stayed alive (a GPU replica ran out of memory in a
+    minute). The server's model asks for no gradients, and the batch decodes without them even
+    for a model that does."""
+    trainable = _saved_model(tmp_path / "ckpt")
+    cfg = _config(tmp_path)
+    loaded, _ = serve.load_model(cfg)
+    assert not any(p.requires_grad for p in loaded.parameters())
+    assert all(p.requires_grad for p in trainable.parameters())
+
+    async def serving() -> tuple[bool, bool]:
+        server = serve.Server(cfg, trainable)
+        async with harness.serving_app(server.app(), handler_cancellation=True) as session:
+            for prompt in ("Q: 1 + 1?\nA:", "Hello"):
+                async with session.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4}) as r:
+                    assert r.status == 200
+        cache = server.running.cache
+        return (any(t.requires_grad or t.grad_fn is not None for t in cache.keys + cache.values),
+                any(row.logits.requires_grad for row in server.running.rows))
+
+    assert asyncio.run(serving()) == (False, False)
+
+
 def test_a_glvq_model_is_quantised_at_load_and_answers(tmp_path: Path) -> None:
     _saved_model(tmp_path / "ckpt")
     cfg = _config(tmp_path, quantization={"method": "glvq", "bits": 4, "groupSize": 8})

@@ -14,6 +14,11 @@ row once whole; a step (`step`) chooses a token for every row, answers the rows 
 `feed` gives the others' tokens to the model in one forward pass. A row that ends is replaced by
 the last one, so a step never computes a free row.
 
+The model runs without autograd (`prefill` and `feed` under no_grad; the server's model has no
+parameter that asks for gradients): with it, every step's write into the batch's KV cache chained
+that step's graph onto the cache's, so every activation since the replica started stayed alive
+(a 368M-parameter model on a GPU ran out of its 80 GB within a minute of traffic).
+
 The server decides when to admit (`spec.serving.batching`): `continuous` fills free rows before
 every step, `static` only once the running batch is empty (request-level batching, kept for
 comparison: benchmarks/serving_continuous_batching.py).
@@ -239,6 +244,7 @@ class RunningBatch:
             stats.cached_tokens += skip * len(slots)
         return stats
 
+    @torch.no_grad()
     def prefill(self, budget: int = 0) -> None:
         """Prefill the admitted prompts, oldest first, up to `budget` prompt tokens (0: all of
         them); the prompts made whole get their rows."""
@@ -314,6 +320,7 @@ class RunningBatch:
             self._drop(i)
         return results
 
+    @torch.no_grad()
     def feed(self) -> None:
         """The rows' last chosen tokens through the model: the logits their next ones come from."""
         if not self.rows:

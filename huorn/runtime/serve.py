@@ -97,7 +97,7 @@ def load_model(cfg: ServeConfig) -> tuple[torch.nn.Module, dict]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         checkpoint.load_checkpoint(path, model, None)
-    model.eval()
+    model.eval().requires_grad_(False)  # served, never trained: no step records a graph
     report: dict = {"checkpoint": str(path), "step": meta.get("step"),
                     "quantization": spec.quantization.method}
     q = spec.quantization
