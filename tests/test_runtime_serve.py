@@ -822,10 +822,11 @@ def test_n_choices_are_the_answers_of_consecutive_seeds_and_top_p_narrows_sampli
         async with session.get("/metrics") as r:
             prefilled = _metric(await r.text(), 'huorn_serve_prompt_tokens_total{source="prefill"}')
         alone = [(await post({**ask, "seed": 5 + i}))[1] for i in range(3)]
-        _, streamed = await post({**ask, "n": 2, "stream": True})
+        _, streamed = await post({**ask, "n": 2, "stream": True, "stream_options": {"include_usage": True}})
         _, nucleus = await post({**ask, "top_p": 1e-9})
-        refused = [await post({**ask, **bad}) for bad in ({"n": 0}, {"n": 9}, {"top_p": 1.5}, {"best_of": 2},
-                                                          {"echo": True}, {"presence_penalty": 0.5})]
+        refused = [await post({**ask, **bad}) for bad in (
+            {"n": 0}, {"n": 9}, {"top_p": 1.5}, {"best_of": 2}, {"echo": True}, {"presence_penalty": 0.5},
+            {"stream_options": {"include_usage": True}}, {"stream": True, "stream_options": {"usage": 1}})]
         # what SDKs send when the caller sets nothing is not refused
         unset = {"logprobs": None, "echo": False, "presence_penalty": 0, "best_of": 1}
         _, defaults = await post({**ask, **unset})
@@ -839,16 +840,21 @@ def test_n_choices_are_the_answers_of_consecutive_seeds_and_top_p_narrows_sampli
     assert three["usage"]["prompt_tokens"] == len(prompt) and three["usage"]["completion_tokens"] == 18
     assert prefilled == len(prompt)  # one prefill for the three rows
     events = [json.loads(e[len("data: "):]) for e in streamed.split("\n\n") if e and e != "data: [DONE]"]
+    *events, usage = events  # include_usage: a last chunk with no choice, the whole request's usage
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == len(prompt)
+    assert (usage["usage"]["completion_tokens"], usage["usage"]["total_tokens"]) == (12, len(prompt) + 12)
     for index in (0, 1):
         mine = [e for e in events if e["choices"][0]["index"] == index]
         assert "".join(e["choices"][0]["text"] for e in mine) == texts[index]
         assert mine[-1]["choices"][0]["finish_reason"] == "length"
+        assert "usage" not in mine[-1]  # a choice's own count is not the request's
     ids = torch.tensor([list(prompt.encode())])
     greedy = model.generate(ids, 6)[0, ids.shape[1]:].tolist()
     assert nucleus["text"] == bytes(greedy).decode("utf-8", errors="replace")
-    assert [status for status, _ in refused] == [400] * 6
+    assert [status for status, _ in refused] == [400] * 8
+    refused = [(status, json.loads(body) if isinstance(body, str) else body) for status, body in refused]
     assert [body["error"].split(":")[0] for _, body in refused] == [
-        "n", "n", "top_p", "best_of", "echo", "presence_penalty"]
+        "n", "n", "top_p", "best_of", "echo", "presence_penalty", "stream_options", "stream_options"]
     assert "spec.serving.maxBatch" in refused[1][1]["error"]
     assert "not served by this replica" in refused[3][1]["error"] and defaults["text"] == alone[0]["text"]
 

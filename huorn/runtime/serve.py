@@ -173,6 +173,20 @@ def read_logprobs(body: dict, is_chat: bool) -> int | None:
     return count
 
 
+def read_stream_options(body: dict, stream: bool) -> bool:
+    """OpenAI's `stream_options.include_usage`: a last chunk with no choice and the request's
+    usage. Only with `stream`, as OpenAI has it."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise ValueError("stream_options: only with stream: true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+            options.get("include_usage") not in (None, True, False):
+        raise ValueError("stream_options: give {\"include_usage\": true or false}")
+    return bool(options.get("include_usage"))
+
+
 def stream_error(message: str) -> dict:
     """An error event in OpenAI's shape: the openai SDK raises it with `error.message`, and with
     the plain string of an HTTP error body it would say only "An error occurred during streaming"."""
@@ -303,6 +317,7 @@ class Server:
             stream = False if stream is None else stream  # null is the default, as OpenAI reads it
             if not isinstance(stream, bool):
                 raise ValueError("stream: give true (server-sent events, a token at a time) or false")
+            include_usage = read_stream_options(body, stream)
             if wanted < 1:
                 raise ValueError(f"{name}: give 1 or more")
             if not 0 <= temperature < math.inf:  # NaN too: it fails its whole batch
@@ -333,7 +348,7 @@ class Server:
         self.metrics.in_flight.inc()
         try:
             if shared is not None:
-                return await self.stream_answer(request, items)
+                return await self.stream_answer(request, items, include_usage)
             try:
                 results = await asyncio.gather(*(item.done for item in items))
             except asyncio.CancelledError:
@@ -403,14 +418,15 @@ class Server:
         if item.first_token_at is not None:
             self.metrics.first_token.observe(item.first_token_at - item.arrived)
 
-    async def stream_answer(self, request: web.Request, items: list[Request]) -> web.StreamResponse:
+    async def stream_answer(self, request: web.Request, items: list[Request],
+                            include_usage: bool = False) -> web.StreamResponse:
         """Server-sent events: {"text"} as the tokens come (bytes held back until they complete a
         UTF-8 character), each chunk naming its choice's index, then {"done", "tokens",
         "cached_tokens", "queue_seconds", "seconds"} per choice, or {"error"}, then [DONE]."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         try:
-            await self.send_events(request, response, items)
+            await self.send_events(request, response, items, include_usage)
         except ConnectionResetError:
             # the client hung up (a chat UI's stop button): the rest of its answer is decoded for
             # no one, and a traceback per hang-up would be noise
@@ -434,7 +450,7 @@ class Server:
         self.metrics.requests.labels("abandoned").inc()
 
     async def send_events(self, request: web.Request, response: web.StreamResponse,
-                          items: list[Request]) -> None:
+                          items: list[Request], include_usage: bool = False) -> None:
         stream = items[0].stream
         assert stream is not None
         await response.prepare(request)
@@ -465,6 +481,7 @@ class Server:
             if text := decoders[index].decode(b"", final=True):
                 await send(index, text)
         failed = False
+        totals: list[tuple[int, int]] = []  # each choice's tokens and prompt tokens from the cache
         for item in items:
             try:
                 _, count, cached, queued, seconds = await item.done
@@ -472,9 +489,16 @@ class Server:
                 failed = True
                 await response.write(sse(stream_error(f"generation failed: {error!r}")))
                 break
-            await response.write(sse({**self.openai_fields(item, "", count, cached, first[item.index]),
-                                      "done": True, "tokens": count, "cached_tokens": cached,
+            last = self.openai_fields(item, "", count, cached, first[item.index])
+            if len(items) > 1:  # a choice's own count is not the request's: the usage chunk has that
+                del last["usage"]
+            await response.write(sse({**last, "done": True, "tokens": count, "cached_tokens": cached,
                                       "queue_seconds": queued, "seconds": seconds}))
+            totals.append((count, cached))
+        if include_usage and not failed:
+            # OpenAI's usage chunk: no choice, the whole request's usage (the prompt counted once)
+            chunk = self.openai_fields(items[0], "", sum(c for c, _ in totals), totals[0][1])
+            await response.write(sse({**chunk, "choices": []}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         # counted once the client has it all: a hang-up before counts as abandoned, not as both
