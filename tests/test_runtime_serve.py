@@ -762,6 +762,28 @@ def test_logprobs_are_the_models_own_distribution_streamed_or_not_in_both_apis(t
     assert all(len(item["top_logprobs"]) == 2 and item["logprob"] <= 0 for item in content)
 
 
+def test_a_prompt_given_as_token_ids_is_answered_as_its_text_and_several_prompts_are_refused(
+        tmp_path: Path) -> None:
+    _saved_model(tmp_path / "ckpt")
+    text = "Q: é?\nA:"
+    bodies = [{"prompt": text}, {"prompt": list(text.encode())}, {"prompt": ["a", "b"]},
+              {"prompt": [[1, 2]]}, {"prompt": [300]}, {"prompt": []}, {"prompt": [True]}]
+
+    async def work(session, server, report):
+        answers = []
+        for body in bodies:
+            async with session.post("/v1/completions", json={**body, "max_tokens": 4}) as r:
+                answers.append((r.status, await r.json()))
+        return answers
+
+    (s1, as_text), (s2, as_ids), *refused = asyncio.run(_serving(_config(tmp_path), work))
+    assert (s1, s2) == (200, 200) and as_ids["text"] == as_text["text"]
+    assert as_ids["usage"]["prompt_tokens"] == len(text.encode())
+    assert [status for status, _ in refused] == [400] * 5
+    assert all(body["error"].startswith("prompt: ") for _, body in refused)
+    assert "one prompt per request" in refused[0][1]["error"] and "one prompt" in refused[1][1]["error"]
+
+
 def test_logprobs_requests_out_of_range_are_refused_naming_the_field(tmp_path: Path) -> None:
     _saved_model(tmp_path / "ckpt")
     hi = {"messages": [{"role": "user", "content": "Hi?"}], "max_tokens": 2}

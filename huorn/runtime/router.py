@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import prometheus_client
 
-from huorn.runtime import chat, prefix_cache
+from huorn.runtime import prefix_cache, prompt
 
 RESOLVE_SECONDS = 2.0  # how stale the replica list may be: about a readiness probe's period
 DOWN_SECONDS = 5.0  # a replica that refused a connection is not tried again for this long
@@ -79,10 +79,9 @@ def prompt_tokens(body: bytes, is_chat: bool = False) -> list[int] | None:
     replica answers that one with its own error."""
     try:
         request = json.loads(body)
-        prompt = chat.render(request.get("messages")) if is_chat else request.get("prompt")
         # NB: inside the try: a lone surrogate ("\\ud800") is valid JSON and no UTF-8
-        return list(prompt.encode("utf-8")) if isinstance(prompt, str) else None
-    except (ValueError, AttributeError, RecursionError):
+        return prompt.tokens_of(request, is_chat) if isinstance(request, dict) else None
+    except (ValueError, KeyError, AttributeError, RecursionError):
         return None
 
 

@@ -3,7 +3,7 @@ behind an HTTP API, with requests batched and Prometheus metrics.
 
     python -m huorn.runtime.serve --config serve-config.json
 
-- `POST /v1/completions` {"prompt": str, "max_tokens": int, "temperature": float, "seed": int,
+- `POST /v1/completions` {"prompt": str | [byte ids], "max_tokens": int, "temperature": float, "seed": int,
   "stop": str | [str], "stream": bool}
   → {"text", "tokens", "cached_tokens", "queue_seconds", "seconds"}. Prompts are byte-tokenised,
   as in training; `cached_tokens` counts the prompt's tokens whose K/V the prefix cache gave.
@@ -50,7 +50,7 @@ from pydantic import Field
 
 from huorn import models
 from huorn.api import base, inference, training
-from huorn.runtime import chat, checkpoint, continuous_batching, glvq, logprobs, prefix_cache
+from huorn.runtime import chat, checkpoint, continuous_batching, glvq, logprobs, prefix_cache, prompt
 from huorn.runtime import config as run_config
 from huorn.runtime.continuous_batching import Request, Result
 from huorn.runtime.data import sampler
@@ -276,17 +276,11 @@ class Server:
             body = await request.json()
             if not isinstance(body, dict):
                 raise ValueError("the body: give a JSON object of the request's fields")
-            if is_chat:
-                prompt = chat.render(body.get("messages"))
-            else:
-                prompt = body["prompt"]
-                if not isinstance(prompt, str) or not prompt:
-                    raise ValueError("prompt: give a non-empty string")
+            tokens = prompt.tokens_of(body, is_chat)
             for name, nothing in NOT_SERVED.items():
                 if body.get(name) not in nothing:
                     raise ValueError(f"{name}: not served by this replica (it serves {SERVED}); leave "
                                      f"it out or set it to {nothing[-1]!r}")
-            tokens = list(prompt.encode("utf-8"))
             limit = min(self.limits.max_tokens, self.context)
             # OpenAI's chat API has no default cap (an answer runs to its end-of-turn token or the
             # context, and SDKs send none) and names it max_completion_tokens now; its completions
