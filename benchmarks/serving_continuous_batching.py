@@ -291,41 +291,42 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     serve.save_untrained(args.work / "ckpt", training.ModelSpec.model_validate(args.architecture))
     trace = load_trace(args)
-    results = []
+    demand = [n for _, _, n in trace]
+    results: list[dict] = []
+    ratios: dict[str, dict[str, dict[str, float]]] = {}  # policy -> rate -> metric: over static's
     with Progress() as progress:
         for rate in rates:
             for policy in policies:
                 results.append(asyncio.run(run_policy(policy, rate, trace, args, progress)))
-    ratios: dict[str, dict[str, dict[str, float]]] = {}  # policy -> rate -> metric: over static's
-    for policy in (p for p in policies if p != "static"):
-        for rate in rates:
-            base, mine = (next(r for r in results if r["policy"] == p and r["rate"] == rate)
-                          for p in ("static", policy))
-            ratios.setdefault(policy, {})[f"{rate:g}"] = {
-                name: mine[key] / base[key] for name, key in RATIOS if key in mine}
-    demand = [n for _, _, n in trace]
-    write_report(args, begun, date=time.strftime("%Y-%m-%d"), trace=str(args.trace.name),
-                 max_tokens={"mean": float(np.mean(demand)), "p50": float(np.median(demand)),
-                             "p90": float(np.percentile(demand, 90)), "max": max(demand)},
-                 results=results, vs_static=ratios)
+                progress.console.print(summary(results[-1], args.stream))
+                if policy != "static":
+                    base = next(r for r in results if r["policy"] == "static" and r["rate"] == rate)
+                    ratios.setdefault(policy, {})[f"{rate:g}"] = {
+                        name: results[-1][key] / base[key] for name, key in RATIOS if key in results[-1]}
+                # after every run, so that a run cut short (a lease's time limit) keeps what it did
+                write_report(args, begun, date=time.strftime("%Y-%m-%d"), trace=str(args.trace.name),
+                             max_tokens={"mean": float(np.mean(demand)), "p50": float(np.median(demand)),
+                                         "p90": float(np.percentile(demand, 90)), "max": max(demand)},
+                             results=results, vs_static=ratios,
+                             complete=len(results) == len(rates) * len(policies))
     plot(results, args)
-    for r in results:
-        print(f"{r['policy']:>16} at {r['rate']:g}/s: {r['requests_per_second']:5.2f} req/s, "
-              f"{r['tokens_per_second']:6.1f} tok/s, mean {1000 * r['latency_mean_s']:6.0f} ms, "
-              f"p99 {1000 * r['latency_p99_s']:6.0f} ms, "
-              f"{1000 * r['latency_per_token_mean_s']:5.1f} ms/token, "
-              f"TTFT {1000 * r['ttft_mean_s']:6.0f} ms, {r['rows_per_step']:.1f} rows a step, "
-              f"busy {100 * r['busy_share']:.0f} %, inter-token at the server p50 "
-              f"{1000 * r['inter_token_server_p50_s']:.1f} ms p99 "
-              f"{1000 * r['inter_token_server_p99_s']:.1f} ms"
-              + (f", at the client p50 {1000 * r['inter_token_p50_s']:.1f} ms p99 "
-                 f"{1000 * r['inter_token_p99_s']:.1f} ms" if args.stream else ""))
     for policy, by_rate in ratios.items():
         for rate, x in by_rate.items():
             print(f"{policy} vs static at {rate}/s: " + ", ".join(f"{k} {v:.2f}x" for k, v in x.items()))
     print(f"wrote {args.out} and {args.png}", file=sys.stderr)
     return 0
 
+
+def summary(r: dict, stream: bool) -> str:
+    """One run's line, printed as it ends."""
+    return (f"{r['policy']:>16} at {r['rate']:g}/s: {r['requests_per_second']:5.2f} req/s, "
+            f"{r['tokens_per_second']:6.1f} tok/s, mean {1000 * r['latency_mean_s']:6.0f} ms, "
+            f"p99 {1000 * r['latency_p99_s']:6.0f} ms, {1000 * r['latency_per_token_mean_s']:5.1f} ms/token, "
+            f"TTFT {1000 * r['ttft_mean_s']:6.0f} ms, {r['rows_per_step']:.1f} rows a step, "
+            f"busy {100 * r['busy_share']:.0f} %, inter-token at the server p50 "
+            f"{1000 * r['inter_token_server_p50_s']:.1f} ms p99 {1000 * r['inter_token_server_p99_s']:.1f} ms"
+            + (f", at the client p50 {1000 * r['inter_token_p50_s']:.1f} ms p99 "
+               f"{1000 * r['inter_token_p99_s']:.1f} ms" if stream else ""))
 
 if __name__ == "__main__":
     sys.exit(main())
