@@ -479,6 +479,35 @@ def test_a_policy_switch_keeps_the_service_old_front_pods_read_until_the_last_is
     assert "chat-endpoints" in services()
 
 
+def test_a_status_from_before_front_services_retires_them_once_and_records_it(
+    kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    """A job whose status predates status.frontServices and that once had front pods (its
+    status names a routing) but wants none now: both Services it may have had are deleted once,
+    and the status says so (it said nothing, and every reconcile deleted them again)."""
+    deletes: list[str] = []
+    delete = operator.ctx.client.delete
+
+    async def counted(kind: str, namespace: str, name: str, *args: object, **kwargs: object) -> bool:
+        if kind == "Service":
+            deletes.append(name)
+        return await delete(kind, namespace, name, *args, **kwargs)
+
+    operator.ctx.client.delete = counted  # type: ignore[method-assign]
+    kube.create_job(NS, serving.make_inference_job("chat", "serve"), plural=IJ)
+    wait_for(lambda: status(kube, "chat").get("observedGeneration") == 1, what="the job reconciled")
+    assert "frontServices" not in status(kube, "chat") and not deletes
+    kube.custom.patch_namespaced_custom_object_status(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                                      {"status": {"routing": "replicas"}})
+    wait_for(lambda: len(deletes) >= 2, what="the Services it may have had deleted")
+    wait_for(lambda: status(kube, "chat").get("frontServices") == [], what="the retired Services recorded")
+    assert sorted(deletes) == ["chat-endpoints", "chat-replicas"]
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                               {"spec": {"priority": 60}})
+    wait_for(lambda: status(kube, "chat").get("observedGeneration") == 2, what="the edit reconciled")
+    assert sorted(deletes) == ["chat-endpoints", "chat-replicas"], "deleted again"
+
+
 def test_fewer_front_pods_keep_the_ready_one_until_a_kept_one_is_ready(
     kube: builders.Kube, operator: operator_mod.OperatorThread
 ) -> None:

@@ -281,7 +281,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     }
     if front_wanted or "routing" in old:
         status["routing"] = routing
-    if services or "frontServices" in old:
+    if services or "frontServices" in old or "routing" in old:
+        # a status from before the field that had front pods: its retired Services are recorded
+        # too, or every reconcile would delete them again
         status["frontServices"] = services
     if unplaced and old.get("message") != message:
         ctx.post_event(body, "Normal", reason, message)
