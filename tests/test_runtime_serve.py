@@ -881,6 +881,37 @@ def test_n_choices_are_the_answers_of_consecutive_seeds_and_top_p_narrows_sampli
     assert "not served by this replica" in refused[3][1]["error"] and defaults["text"] == alone[0]["text"]
 
 
+def test_with_include_usage_only_the_usage_chunk_carries_the_requests_usage(tmp_path: Path) -> None:
+    """stream_options.include_usage with one choice: the usage chunk is the one chunk with usage,
+    as OpenAI sends it (clients that add up the usage of every chunk, as LangChain's streamed
+    messages do, counted the request twice when the choice's last chunk carried it too); without
+    it, that last chunk keeps the request's usage."""
+    _saved_model(tmp_path / "ckpt")
+    completion = {"prompt": "Q: Hi?\nA:", "max_tokens": 4, "stream": True}
+    conversation = {"messages": [{"role": "user", "content": "Hi?"}], "max_tokens": 4, "stream": True}
+    usage = {"stream_options": {"include_usage": True}}
+
+    async def work(session, server, report):
+        streams = []
+        for path, body in (("/v1/completions", {**completion, **usage}),
+                           ("/v1/chat/completions", {**conversation, **usage}),
+                           ("/v1/completions", completion)):
+            async with session.post(path, json=body) as r:
+                text = await r.text()
+            streams.append([json.loads(e[len("data: "):]) for e in text.split("\n\n")
+                            if e and e != "data: [DONE]"])
+        return streams
+
+    *asked, unasked = asyncio.run(_serving(_config(tmp_path), work))
+    for events in asked:
+        with_usage = [e for e in events if e.get("usage") is not None]
+        assert with_usage == [events[-1]] and events[-1]["choices"] == []
+        assert events[-1]["usage"]["completion_tokens"] == 4
+    assert [e for e in unasked if e.get("usage") is not None] == [unasked[-1]]
+    assert unasked[-1]["choices"][0]["finish_reason"] == "length"
+    assert unasked[-1]["usage"]["completion_tokens"] == 4
+
+
 def test_a_forward_pass_that_fails_after_a_row_ended_still_answers_that_row(tmp_path: Path) -> None:
     """A step answers the rows that end, then feeds the others: a device error in that forward
     pass fails the rows still decoding, and the answer already made reaches its client (it was

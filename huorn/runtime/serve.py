@@ -484,7 +484,9 @@ class Server:
                 await response.write(sse(stream_error(f"generation failed: {error!r}")))
                 break
             last = self.openai_fields(item, "", count, cached, first[item.index])
-            if len(items) > 1:  # a choice's own count is not the request's: the usage chunk has that
+            # a choice's own count is not the request's, and with include_usage the usage chunk is
+            # the one chunk with usage (clients that add up every chunk's would count it twice)
+            if len(items) > 1 or include_usage:
                 del last["usage"]
             await response.write(sse({**last, "done": True, "tokens": count, "cached_tokens": cached,
                                       "queue_seconds": queued, "seconds": seconds}))
