@@ -762,6 +762,39 @@ def test_logprobs_are_the_models_own_distribution_streamed_or_not_in_both_apis(t
     assert all(len(item["top_logprobs"]) == 2 and item["logprob"] <= 0 for item in content)
 
 
+def test_streamed_text_offsets_are_the_whole_answers_when_a_chunk_begins_inside_a_character(
+        tmp_path: Path) -> None:
+    """An answer of bytes c3 e2 82 ac (a lone lead byte, then €): the chunk that shows the lead
+    byte's U+FFFD holds e2, whose character comes in the next chunk. Each token's text_offset is
+    the characters decoded before it, streamed or not (the next chunk counted 82 as a U+FFFD of
+    its own, and gave ac the offset 2)."""
+    _saved_model(tmp_path / "ckpt")
+    script = [0xC3, 0xE2, 0x82, 0xAC]
+
+    def scripted(self: continuous_batching.RunningBatch) -> tuple[list[int], list]:
+        logits = torch.stack([row.logits for row in self.rows])[:, : tokenizer.VOCABULARY]
+        chosen = [script[len(row.chosen)] for row in self.rows]
+        return chosen, continuous_batching.measure(logits, chosen, [1] * len(self.rows))
+
+    async def work(session, server, report):
+        server.running.choose = scripted.__get__(server.running)
+        ask = {"prompt": "Q: Hi?\nA:", "max_tokens": len(script), "logprobs": 1}
+        async with session.post("/v1/completions", json=ask) as r:
+            whole = await r.json()
+        async with session.post("/v1/completions", json={**ask, "stream": True}) as r:
+            events = [json.loads(e[len("data: "):]) for e in (await r.text()).split("\n\n")
+                      if e and e != "data: [DONE]"]
+        return whole, events
+
+    whole, events = asyncio.run(_serving(_config(tmp_path), work))
+    assert whole["choices"][0]["text"] == "\ufffd€"
+    assert whole["choices"][0]["logprobs"]["text_offset"] == [0, 0, 1, 1]
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"] is not None]
+    assert "".join(e["choices"][0]["text"] for e in events) == "\ufffd€"
+    assert [x for part in parts for x in part["tokens"]] == whole["choices"][0]["logprobs"]["tokens"]
+    assert [x for part in parts for x in part["text_offset"]] == [0, 0, 1, 1]
+
+
 def test_a_prompt_given_as_token_ids_is_answered_as_its_text_and_several_prompts_are_refused(
         tmp_path: Path) -> None:
     _saved_model(tmp_path / "ckpt")

@@ -53,16 +53,25 @@ def token_text(token: int) -> str:
     return chr(token) if token < 0x80 else f"bytes:\\x{token:02x}"
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict:
-    """The completions API's `logprobs` object. `text_offset` counts the characters of the
-    answer's text before each token (from `offset`, where a stream's earlier chunks ended), as
-    its text is decoded: a token inside a multi-byte character shares that character's offset.
-    `top_logprobs` holds the alternatives asked for and the chosen token, as OpenAI and vLLM do."""
+def text_offsets(entries: Sequence[TokenLogprob], offset: int = 0) -> list[int]:
+    """Each token's `text_offset`: the characters of the answer's text decoded before it (from
+    `offset`), as its text is decoded a byte at a time (a token inside a multi-byte character
+    shares that character's offset). A stream counts them as it decodes: a chunk may begin inside
+    a character, and decoded on its own it would count that character's bytes apart."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     offsets, at = [], offset
     for entry in entries:
         offsets.append(at)
         at += len(decoder.decode(bytes([entry.token])))
+    return offsets
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0,
+                        offsets: Sequence[int] | None = None) -> dict:
+    """The completions API's `logprobs` object; `text_offset` from `offsets` (a stream's, counted
+    across its chunks), else `text_offsets(entries, offset)`. `top_logprobs` holds the
+    alternatives asked for and the chosen token, as OpenAI and vLLM do."""
+    offsets = text_offsets(entries, offset) if offsets is None else list(offsets)
     return {"tokens": [token_text(e.token) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{**{token_text(t): v for t, v in e.top}, token_text(e.token): e.logprob}

@@ -369,11 +369,12 @@ class Server:
 
     def openai_fields(self, item: Request, text: str, count: int | None = None,
                       cached: int | None = None, first: bool = True,
-                      entries: Sequence[TokenLogprob] | None = None, offset: int = 0) -> dict:
+                      entries: Sequence[TokenLogprob] | None = None,
+                      offsets: Sequence[int] | None = None) -> dict:
         """The answer as OpenAI's completions API shapes it, beside Huorn's own fields, so the
         clients and SDKs written for it (and for vLLM, which follows it) read it unchanged.
         `entries`: the log-probabilities of the text's tokens, where the request asked for them
-        (`offset`: the characters a stream sent before this chunk).
+        (`offsets`: a stream's text_offset of each, counted across its chunks).
 
         A stream's role comes in its `first` chunk only: the openai SDK joins a stream's deltas
         field by field, and a role in every chunk came out "assistantassistant..."."""
@@ -381,7 +382,7 @@ class Server:
         shaped = None
         if item.logprobs is not None and entries is not None:
             shaped = logprobs.chat_logprobs(entries) if item.chat else \
-                logprobs.completion_logprobs(entries, offset)
+                logprobs.completion_logprobs(entries, offsets=offsets)
         if item.chat:
             chunk = item.stream is not None
             message = {"role": "assistant", "content": text} if first else {"content": text}
@@ -451,16 +452,18 @@ class Server:
         decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in items]
         first = [True] * len(items)
         open_choices = len(items)
-        # each choice's log-probabilities of the tokens its next chunk holds, and the characters
-        # sent before it (a byte that begins a character waits for the rest)
+        # each choice's log-probabilities of the tokens its next chunk holds (a byte that begins a
+        # character waits for the rest), and each one's text_offset: the characters its decoder
+        # gave before it, all of them sent (a chunk may begin inside a character)
         measured: list[list[TokenLogprob]] = [[] for _ in items]
+        offsets: list[list[int]] = [[] for _ in items]
         sent = [0] * len(items)
 
         async def send(index: int, text: str) -> None:
             chunk = self.openai_fields(items[index], text, first=first[index], entries=measured[index],
-                                       offset=sent[index])
+                                       offsets=offsets[index])
             await response.write(sse({**chunk, "text": text}))
-            first[index], measured[index] = False, []
+            first[index], measured[index], offsets[index] = False, [], []
             sent[index] += len(text)
 
         while open_choices:
@@ -468,6 +471,7 @@ class Server:
             if token is not None:
                 if entry is not None:
                     measured[index].append(entry)
+                    offsets[index].append(sent[index])
                 if text := decoders[index].decode(bytes([token])):
                     await send(index, text)
                 continue
