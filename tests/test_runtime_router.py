@@ -189,6 +189,7 @@ def test_a_body_the_router_cannot_read_goes_to_a_replica_to_refuse() -> None:
     # token ids, as the replica reads them; several prompts, or no object, place like a bad body
     assert router.prompt_tokens(b'{"prompt": [195, 169]}') == [0xC3, 0xA9]
     assert router.prompt_tokens(b'{"prompt": ["a", "b"]}') is None and router.prompt_tokens(b"[1]") is None
+    assert router.prompt_tokens(b'{"prompt": ["ab"]}') == [97, 98]  # a list of one prompt is that one
     assert router.prompt_tokens(b'{"max_tokens": 3}') is None
 
 

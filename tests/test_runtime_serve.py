@@ -21,7 +21,7 @@ import torch
 
 from huorn import models
 from huorn.api import training
-from huorn.runtime import chat, checkpoint, continuous_batching, serve
+from huorn.runtime import chat, checkpoint, continuous_batching, prefix_cache, serve
 from huorn.runtime import config as run_config
 from huorn.runtime.data import tokenizer
 
@@ -797,10 +797,14 @@ def test_streamed_text_offsets_are_the_whole_answers_when_a_chunk_begins_inside_
 
 def test_a_prompt_given_as_token_ids_is_answered_as_its_text_and_several_prompts_are_refused(
         tmp_path: Path) -> None:
+    """OpenAI's forms of one prompt (a string, its token ids, a list of either holding one, as
+    LangChain and evaluation harnesses send it) answer alike; several prompts are refused."""
     _saved_model(tmp_path / "ckpt")
     text = "Q: é?\nA:"
-    bodies = [{"prompt": text}, {"prompt": list(text.encode())}, {"prompt": ["a", "b"]},
-              {"prompt": [[1, 2]]}, {"prompt": [300]}, {"prompt": []}, {"prompt": [True]}]
+    ids = list(text.encode())
+    bodies = [{"prompt": text}, {"prompt": ids}, {"prompt": [text]}, {"prompt": [ids]},
+              {"prompt": ["a", "b"]}, {"prompt": [[1, 2], [3]]}, {"prompt": [300]}, {"prompt": []},
+              {"prompt": [True]}]
 
     async def work(session, server, report):
         answers = []
@@ -809,9 +813,11 @@ def test_a_prompt_given_as_token_ids_is_answered_as_its_text_and_several_prompts
                 answers.append((r.status, await r.json()))
         return answers
 
-    (s1, as_text), (s2, as_ids), *refused = asyncio.run(_serving(_config(tmp_path), work))
-    assert (s1, s2) == (200, 200) and as_ids["text"] == as_text["text"]
-    assert as_ids["usage"]["prompt_tokens"] == len(text.encode())
+    answers = asyncio.run(_serving(_config(tmp_path), work))
+    served, refused = answers[:4], answers[4:]
+    assert [status for status, _ in served] == [200] * 4
+    assert len({body["text"] for _, body in served}) == 1
+    assert all(body["usage"]["prompt_tokens"] == len(ids) for _, body in served)
     assert [status for status, _ in refused] == [400] * 5
     assert all(body["error"].startswith("prompt: ") for _, body in refused)
     assert "one prompt per request" in refused[0][1]["error"] and "one prompt" in refused[1][1]["error"]
@@ -850,6 +856,33 @@ def test_completion_logprobs_show_partial_characters_as_bytes_and_offsets_by_cha
     assert shaped["text_offset"] == [10, 10, 11, 12]  # é is one character of two bytes
     chat_shaped = serve.logprobs.chat_logprobs(entries[:1])
     assert chat_shaped["content"][0]["bytes"] == [0xC3]
+
+
+def test_requests_of_a_prefill_whose_seating_fails_partway_are_all_cleared_once(tmp_path: Path) -> None:
+    """Seating a whole prefill's requests in rows failed after the first: the others were in
+    neither the rows nor the prefills, `clear` missed them, and their answers never came."""
+    model = _saved_model(tmp_path / "ckpt")
+
+    async def run() -> tuple[list, list]:
+        batch = continuous_batching.RunningBatch(model, prefix_cache.PrefixCache(0), 64, max_rows=4)
+        requests = [continuous_batching.Request([1, 2, 3], 2, 0.0, i) for i in range(3)]  # one group
+        batch.admit(requests)
+        assert batch.cache is not None
+        place, calls = batch.cache.place, []
+
+        def failing(*args: object) -> None:
+            calls.append(args)
+            if len(calls) == 2:
+                raise RuntimeError("the device went away")
+            place(*args)
+
+        batch.cache.place = failing  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="went away"):
+            batch.prefill()
+        return requests, batch.clear()
+
+    requests, cleared = asyncio.run(run())
+    assert sorted(map(id, cleared)) == sorted(map(id, requests))
 
 
 def test_nucleus_keeps_the_most_likely_tokens_whose_mass_first_reaches_top_p() -> None:

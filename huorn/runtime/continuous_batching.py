@@ -259,8 +259,10 @@ class RunningBatch:
                 group.prompts[:, start:start + chunk], group.cache, last_only=True)[:, -1].float()
             spent += chunk * width
             if group.remaining == 0:
-                self.prefilling.pop(0)
+                # seated before it leaves `prefilling`: if seating fails partway, `clear` still
+                # finds the requests not yet in a row (and those in one only once)
                 self._seat(group)
+                self.prefilling.pop(0)
 
     def _seat(self, group: Prefill) -> None:
         """A whole prefill's requests into rows; its prompts' blocks into the prefix cache."""
@@ -360,7 +362,9 @@ class RunningBatch:
     def clear(self) -> list[Request]:
         """Every row and prefill dropped (their step failed); returns their requests."""
         requests = [row.answer.request for row in self.rows]
-        requests += [request for group in self.prefilling for request, _, _ in group.requests]
+        seated = {id(r) for r in requests}
+        requests += [request for group in self.prefilling for request, _, _ in group.requests
+                     if id(request) not in seated]
         self.rows, self.prefilling = [], []
         if self.cache is not None:
             self.cache.rows = 0
