@@ -52,6 +52,11 @@ def _config(tmp_path: Path, architecture: dict | None = None, **spec: object) ->
                  "serving": {"maxBatch": 8, "maxTokens": 48}, **spec}})
 
 
+def _sse_events(text: str) -> list[dict]:
+    """A server-sent-events body's JSON events, without the closing [DONE]."""
+    return [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
+
+
 def _metric(text: str, name: str) -> float:
     """One sample's value from the Prometheus text of /metrics."""
     [value] = [float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == name]
@@ -321,8 +326,7 @@ def test_answers_carry_openais_completion_fields_and_a_wrong_model_is_404(tmp_pa
         async with session.post("/v1/completions", json=prompt) as r:
             answer = await r.json()
         async with session.post("/v1/completions", json={**prompt, "stream": True}) as r:
-            events = [json.loads(line[len("data: "):]) for line in (await r.text()).split("\n\n")
-                      if line and line != "data: [DONE]"]
+            events = _sse_events(await r.text())
         async with session.post("/v1/completions", json={**prompt, "model": "gpt-4"}) as r:
             wrong = (r.status, await r.json())
         return models_list, answer, events, wrong
@@ -369,8 +373,7 @@ def test_an_answer_ends_before_its_stop_sequence_streamed_or_not_and_decoding_st
             whole = await r.json()
         decoded = steps
         async with session.post("/v1/completions", json={**request, "stream": True}) as r:
-            events = [json.loads(line[len("data: "):]) for line in (await r.text()).split("\n\n")
-                      if line and line != "data: [DONE]"]
+            events = _sse_events(await r.text())
         async with session.post("/v1/completions", json={**request, "stop": ["a", "b", "c", "d", "e"]}) as r:
             refused = (r.status, await r.json())
         return whole, decoded, events, refused
@@ -395,8 +398,7 @@ def test_the_chat_api_answers_a_conversation_and_its_next_turn_finds_the_last_ca
         turn = [*messages, first["choices"][0]["message"], {"role": "user", "content": "And of Peru?"}]
         async with session.post("/v1/chat/completions", json={"messages": turn, "max_tokens": 4,
                                                               "stream": True}) as r:
-            events = [json.loads(line[len("data: "):]) for line in (await r.text()).split("\n\n")
-                      if line and line != "data: [DONE]"]
+            events = _sse_events(await r.text())
         bad = [*messages, {"role": "robot", "content": "hi"}]
         async with session.post("/v1/chat/completions", json={"messages": bad}) as r:
             refused = (r.status, await r.json())
@@ -450,8 +452,7 @@ def test_a_streamed_chat_answer_is_the_answer_sent_whole(tmp_path: Path) -> None
         async with session.post("/v1/chat/completions", json=request) as r:
             whole = await r.json()
         async with session.post("/v1/chat/completions", json={**request, "stream": True}) as r:
-            events = [json.loads(line[len("data: "):]) for line in (await r.text()).split("\n\n")
-                      if line and line != "data: [DONE]"]
+            events = _sse_events(await r.text())
         return whole, events
 
     cfg = _config(tmp_path, {"context": 256}, serving={"maxBatch": 8, "maxTokens": 256})
@@ -518,8 +519,7 @@ def test_a_chat_stream_names_its_role_once_and_a_failed_stream_ends_with_openais
     async def work(session, server, report):
         async def events() -> list[dict]:
             async with session.post("/v1/chat/completions", json=request) as r:
-                return [json.loads(line[len("data: "):]) for line in (await r.text()).split("\n\n")
-                        if line and line != "data: [DONE]"]
+                return _sse_events(await r.text())
 
         answered = await events()
 
@@ -748,7 +748,7 @@ def test_logprobs_are_the_models_own_distribution_streamed_or_not_in_both_apis(t
     assert all(len(top) == 3 for top in greedy["choices"][0]["logprobs"]["top_logprobs"])
     assert plain["choices"][0]["logprobs"] is None
 
-    events = [json.loads(e[len("data: "):]) for e in streamed.split("\n\n") if e and e != "data: [DONE]"]
+    events = _sse_events(streamed)
     parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"] is not None]
     whole = greedy["choices"][0]["logprobs"]
     for name in ("tokens", "text_offset"):
@@ -782,8 +782,7 @@ def test_streamed_text_offsets_are_the_whole_answers_when_a_chunk_begins_inside_
         async with session.post("/v1/completions", json=ask) as r:
             whole = await r.json()
         async with session.post("/v1/completions", json={**ask, "stream": True}) as r:
-            events = [json.loads(e[len("data: "):]) for e in (await r.text()).split("\n\n")
-                      if e and e != "data: [DONE]"]
+            events = _sse_events(await r.text())
         return whole, events
 
     whole, events = asyncio.run(_serving(_config(tmp_path), work))
@@ -927,7 +926,7 @@ def test_n_choices_are_the_answers_of_consecutive_seeds_and_top_p_narrows_sampli
     assert texts == [a["text"] for a in alone] and len(set(texts)) > 1
     assert three["usage"]["prompt_tokens"] == len(prompt) and three["usage"]["completion_tokens"] == 18
     assert prefilled == len(prompt)  # one prefill for the three rows
-    events = [json.loads(e[len("data: "):]) for e in streamed.split("\n\n") if e and e != "data: [DONE]"]
+    events = _sse_events(streamed)
     *events, usage = events  # include_usage: a last chunk with no choice, the whole request's usage
     assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == len(prompt)
     assert (usage["usage"]["completion_tokens"], usage["usage"]["total_tokens"]) == (12, len(prompt) + 12)
@@ -964,8 +963,7 @@ def test_with_include_usage_only_the_usage_chunk_carries_the_requests_usage(tmp_
                            ("/v1/completions", completion)):
             async with session.post(path, json=body) as r:
                 text = await r.text()
-            streams.append([json.loads(e[len("data: "):]) for e in text.split("\n\n")
-                            if e and e != "data: [DONE]"])
+            streams.append(_sse_events(text))
         return streams
 
     *asked, unasked = asyncio.run(_serving(_config(tmp_path), work))
@@ -1054,7 +1052,7 @@ def test_a_failed_step_ends_only_the_streams_of_the_rows_it_failed(tmp_path: Pat
 
     long_status, (status, text) = asyncio.run(_serving(cfg, work))
     assert long_status == 500 and status == 200
-    events = [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
+    events = _sse_events(text)
     ids = torch.tensor([list(prompt.encode())])
     expected = bytes(model.generate(ids, 1)[0, ids.shape[1]:].tolist()).decode()
     for index in (0, 1):
