@@ -884,6 +884,31 @@ def test_requests_of_a_prefill_whose_seating_fails_partway_are_all_cleared_once(
     assert sorted(map(id, cleared)) == sorted(map(id, requests))
 
 
+def test_rows_sampled_together_draw_what_each_draws_alone() -> None:
+    """The batch's sampled rows share one softmax and one nucleus pass: each row's token is the
+    one its own temperature, top_p and seed give it alone, whatever its neighbours ask."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, 256) * 3
+    settings = [(1.0, 1.0, 5), (0.7, 0.9, 6), (1e-6, 1.0, 7), (2.0, 0.3, 8)]
+
+    async def requests() -> list:
+        return [continuous_batching.Request([1], 4, t, seed, top_p=p) for t, p, seed in settings]
+
+    batch = asyncio.run(requests())
+    for draw in range(3):  # the generators move on together
+        generators = [torch.Generator().manual_seed(seed * 100 + draw) for _, _, seed in settings]
+        together = continuous_batching.sample(logits, batch, generators)
+        alone = []
+        for row, (t, p, seed) in enumerate(settings):
+            probs = torch.softmax((logits[row] - logits[row].max()) / t, dim=-1)
+            if p < 1:
+                probs = continuous_batching.nucleus(probs, p)
+            generator = torch.Generator().manual_seed(seed * 100 + draw)
+            alone.append(int(torch.multinomial(probs, 1, generator=generator)))
+        assert together == alone
+    assert together[2] == int(logits[2].argmax())  # a tiny temperature is greedy
+
+
 def test_nucleus_keeps_the_most_likely_tokens_whose_mass_first_reaches_top_p() -> None:
     probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
     assert continuous_batching.nucleus(probs, 0.7).tolist() == pytest.approx([0.0, 0.5, 0.0, 0.3])

@@ -125,13 +125,32 @@ class Answer:
         self.streamed = max(self.streamed, end)
 
 
-def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """`probs` kept on the most likely tokens whose mass first reaches top_p (the top one at
-    least), the rest zeroed: multinomial sampling renormalises (Holtzman et al., 2020)."""
-    ordered, order = probs.sort(descending=True)
-    keep = ordered.cumsum(0) - ordered < top_p
-    keep[0] = True
-    return torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
+def nucleus(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """`probs` (a row, or rows with a `top_p` each as a [rows, 1] tensor) kept on the most likely
+    tokens whose mass first reaches top_p (the top one at least), the rest zeroed: multinomial
+    sampling renormalises (Holtzman et al., 2020)."""
+    ordered, order = probs.sort(dim=-1, descending=True)
+    keep = ordered.cumsum(-1) - ordered < top_p
+    keep[..., 0] = True
+    return torch.zeros_like(probs).scatter(-1, order, ordered * keep)
+
+
+def sample(logits: torch.Tensor, requests: Sequence[Request],
+           generators: Sequence[torch.Generator]) -> list[int]:
+    """One token for each row of `logits` at its request's temperature and top_p, drawn with
+    its own generator, on the CPU whatever the model's device. The rows' distributions are
+    computed together and cross to the host once: a row at a time cost a softmax, a sort and a
+    device sync per row per step (16 sampled rows: 0.76 ms a step against 0.35 ms, on CPU)."""
+    temperature = torch.tensor([r.temperature for r in requests], device=logits.device)[:, None]
+    # the best logit subtracted first: a tiny temperature divides the rest towards -inf, never
+    # inf - inf (NaN), which would fail the whole batch
+    probs = torch.softmax((logits - logits.max(dim=-1, keepdim=True).values) / temperature, dim=-1)
+    narrowed = [j for j, r in enumerate(requests) if r.top_p < 1]
+    if narrowed:
+        top_p = torch.tensor([requests[j].top_p for j in narrowed], device=logits.device)[:, None]
+        probs[narrowed] = nucleus(probs[narrowed], top_p)
+    probs = probs.cpu()
+    return [int(torch.multinomial(probs[j], 1, generator=g)) for j, g in enumerate(generators)]
 
 
 @dataclass
@@ -270,7 +289,7 @@ class RunningBatch:
         length = group.prompts.shape[1]
         for request, slot, cached in group.requests:
             self.cache.place(len(self.rows), group.cache, slot, length)
-            generator = torch.Generator(device=self.device).manual_seed(request.seed)
+            generator = torch.Generator().manual_seed(request.seed)  # sampling draws on the CPU
             self.rows.append(Row(Answer(request), generator, cached, group.began, group.logits[slot]))
             self.cache.rows = len(self.rows)
         for slot, slot_names in enumerate(group.names):
@@ -281,20 +300,17 @@ class RunningBatch:
         the rows whose requests ask for them."""
         logits = torch.stack([row.logits for row in self.rows])[:, : tokenizer.VOCABULARY]
         chosen = logits.argmax(dim=-1).tolist()
-        for i, row in enumerate(self.rows):
-            request = row.answer.request
-            if request.temperature > 0:
-                # the best logit subtracted first: a tiny temperature divides the rest towards
-                # -inf, never inf - inf (NaN), which would fail the whole batch
-                probs = torch.softmax((logits[i] - logits[i].max()) / request.temperature, dim=-1)
-                if request.top_p < 1:
-                    probs = nucleus(probs, request.top_p)
-                chosen[i] = int(torch.multinomial(probs, 1, generator=row.generator))
+        hot = [i for i, row in enumerate(self.rows) if row.answer.request.temperature > 0]
+        if hot:
+            drawn = sample(logits[hot], [self.rows[i].answer.request for i in hot],
+                           [self.rows[i].generator for i in hot])
+            for i, token in zip(hot, drawn, strict=True):
+                chosen[i] = token
         measured: list[TokenLogprob | None] = [None] * len(self.rows)
         asking = [i for i, row in enumerate(self.rows) if row.answer.request.logprobs is not None]
         if asking:
             found = measure(logits[asking], [chosen[i] for i in asking],
-                                     [self.rows[i].answer.request.logprobs or 0 for i in asking])
+                            [self.rows[i].answer.request.logprobs or 0 for i in asking])
             for i, entry in zip(asking, found, strict=True):
                 measured[i] = entry
         return chosen, measured
