@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from huorn.api import rl
 from huorn.runtime.rl import algorithms
-from huorn.runtime.rl.controller import check_trainers_on_gpus, gpu_requests, idle_reference
+from huorn.runtime.rl.controller import check_trainers_on_gpus, cpu_shares, gpu_requests, idle_reference
 
 
 def test_dedicated_roles_take_their_own_gpus() -> None:
@@ -86,3 +86,19 @@ def test_a_reference_no_algorithm_asks_is_named_with_its_idle_gpus() -> None:
     assert "leave spec.roles.reference out" in notice
     grpo = spec.model_copy(update={"algorithm": rl.AlgorithmSpec(name=rl.Algorithm.GRPO)})
     assert idle_reference(grpo, algorithms.resolve(grpo.algorithm)) is None
+
+
+def test_model_roles_share_the_cpus_of_the_gpu_nodes_they_can_run_on() -> None:
+    """A head of 2 CPUs and a GPU worker of 1: three colocated model actors asked 0.92 CPU each
+    (3 CPUs over 3.25 actors), and two never fitted on the worker; they now ask a third of its
+    CPU. Without GPUs, or where GPU nodes have CPUs to spare, the cluster-wide share is kept."""
+    counts = {"actorTrain": 1, "rollout": 1, "reference": 1, "reward": 1}
+    head = {"Alive": True, "Resources": {"CPU": 2.0}}
+    worker = {"Alive": True, "Resources": {"CPU": 1.0, "GPU": 1.0}}
+    gone = {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}}
+    share, on_gpu = cpu_shares([head, worker, gone], counts, gpu=True)
+    assert share == pytest.approx(3 / 3.25) and on_gpu == pytest.approx(1 / 3)
+    assert 3 * on_gpu <= worker["Resources"]["CPU"]
+    assert cpu_shares([head, worker], counts, gpu=False) == (pytest.approx(3 / 3.25),) * 2
+    big = {"Alive": True, "Resources": {"CPU": 16.0, "GPU": 1.0}}
+    assert cpu_shares([head, big], counts, gpu=True) == (1.0, 1.0)

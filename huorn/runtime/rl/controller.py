@@ -31,7 +31,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,27 @@ def role_replicas(spec: rl.RLJobSpec, settings: algorithms.Settings) -> dict[str
             "reference": reference, "reward": reward}
 
 
+def cpu_shares(nodes: Sequence[Mapping[str, Any]], counts: Mapping[str, int],
+               gpu: bool) -> tuple[float, float]:
+    """The CPUs each actor asks: (the cluster-wide share, that of a model role on a GPU node).
+
+    Actors share the CPUs: one each where there are enough, a fair fraction where not (a laptop
+    runs every role), so no actor waits for a CPU that never frees; actors added at run time get
+    the same share; a reward worker, which only checks strings, a quarter. Model roles that take
+    GPUs can only run on the nodes that have them, so their share is of those nodes' CPUs: from
+    the whole cluster's, a head of 2 CPUs and a GPU worker of 1 gave each of three colocated
+    actors 0.92 CPU, and two of them never fitted on the worker (found when the worker joined
+    before the controller looked; a later one hid it, the actors then running without GPUs)."""
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
+    heavy = counts["actorTrain"] + counts["rollout"] + counts["reference"]
+    cpus = sum(float(r.get("CPU", 0)) for r in alive) or 1.0
+    share = min(1.0, cpus / (heavy + 0.25 * counts["reward"]))
+    if not gpu:
+        return share, share
+    gpu_cpus = sum(float(r.get("CPU", 0)) for r in alive if r.get("GPU", 0) > 0)
+    return share, (min(share, gpu_cpus / heavy) if gpu_cpus > 0 else share)
+
+
 def gpu_requests(roles: rl.Roles, reference: bool) -> dict[str, float]:
     """Ray's `num_gpus` for one actor of each model role ("actorTrain", "rollout", "reference").
 
@@ -226,20 +247,16 @@ class Controller:
         counts = role_replicas(self.spec, self.settings)
         if (idle := idle_reference(self.spec, self.settings)) is not None:
             print(f"huorn-rl: {idle}", file=sys.stderr)
-        # Actors share the cluster's CPUs: one each where there are enough, a fair fraction where
-        # not (a laptop runs every role), so no actor waits for a CPU that never frees. The model
-        # roles take GPUs on a GPU machine (shared within a colocation group); reward workers
-        # only check strings. Actors added at run time get the same share.
-        heavy = counts["actorTrain"] + counts["rollout"] + counts["reference"]
-        cpus = float(ray.cluster_resources().get("CPU", 1))
-        share = min(1.0, cpus / (heavy + 0.25 * counts["reward"]))
-
+        # The model roles take GPUs on a GPU machine (shared within a colocation group), and
+        # their CPUs on the GPU nodes (cpu_shares).
         requests = gpu_requests(roles, counts["reference"] > 0)
         self._trainer_gpus = requests["actorTrain"] if gpu else None
         self.check_trainers(counts["actorTrain"])
+        share, gpu_share = cpu_shares(ray.nodes(), counts, gpu)
 
         def actor(cls: type, role: str) -> Any:
-            return ray.remote(cls).options(num_cpus=share, num_gpus=requests[role] if gpu else 0)
+            return ray.remote(cls).options(num_cpus=gpu_share if gpu else share,
+                                           num_gpus=requests[role] if gpu else 0)
 
         self.config_path: Path | None = None  # re-read at step boundaries (main sets it)
         made = itertools.count()
