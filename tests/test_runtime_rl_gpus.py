@@ -102,18 +102,3 @@ def test_model_roles_share_the_cpus_of_the_gpu_nodes_they_can_run_on() -> None:
     assert cpu_shares([head, worker], counts, gpu=False) == (pytest.approx(3 / 3.25),) * 2
     big = {"Alive": True, "Resources": {"CPU": 16.0, "GPU": 1.0}}
     assert cpu_shares([head, big], counts, gpu=True) == (1.0, 1.0)
-
-
-def test_the_controller_waits_for_the_gpus_its_worker_pods_bring(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read at once, a GPU worker that joined a moment after the head was left unused; the
-    controller now waits for the GPUs its pods bring, and names them if they never come."""
-    from huorn.runtime.rl import controller
-
-    joined = iter([{"CPU": 2.0}, {"CPU": 2.0}, {"CPU": 3.0, "GPU": 1.0}])
-    monkeypatch.setattr(controller.ray, "cluster_resources", lambda: next(joined))
-    controller.wait_for_gpus(1, timeout_s=5, poll_s=0)
-    assert next(joined, None) is None  # it looked until the worker had joined
-    monkeypatch.setattr(controller.ray, "cluster_resources", lambda: {"CPU": 2.0})
-    with pytest.raises(ValueError, match=r"holds 0 of the 2 GPUs .*spec\.gpus"):
-        controller.wait_for_gpus(2, timeout_s=0.05, poll_s=0.01)
-    controller.wait_for_gpus(0, timeout_s=0)  # a local run: nothing to wait for

@@ -21,7 +21,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from huorn.api import rl
 from huorn.backends.kubernetes import manifests
 from huorn.graph.model import Instance
 from huorn.runtime import launcher
@@ -85,20 +84,10 @@ def whole_cpus(quantity: object) -> int:
     return max(1, math.floor(value))
 
 
-def worker_gpus(spec: Mapping[str, Any]) -> int:
-    """The GPUs the job's Ray worker pods bring (api.rl.ray_layout), which the controller waits
-    for before it places the model roles; 0 for a spec the layout refuses (the operator reports
-    that one before any pod starts)."""
-    try:
-        return rl.ray_layout(rl.RLJobSpec.model_validate(spec)).gpus
-    except ValueError:
-        return 0
-
-
 def build_rl_config(job: manifests.JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
     """The controller's run config; it serves its progress where the operator polls it."""
     return {"jobName": job.name, "spec": dict(spec), "runDir": manifests.RUN_DIR,
-            "startTimeoutS": START_TIMEOUT_SECONDS, "waitGpus": worker_gpus(spec),
+            "startTimeoutS": START_TIMEOUT_SECONDS,
             "progressHost": "0.0.0.0", "progressPort": manifests.TELEMETRY_PORT}
 
 

@@ -65,9 +65,6 @@ class RLRunConfig(base.ApiModel):
                               "at the start and the end; 0: none.")
     start_timeout_s: float = Field(default=300.0, gt=0, description="How long the roles' actors may take "
                                    "to start (a role asking for more than the cluster has never does).")
-    wait_gpus: float = Field(default=0, ge=0, description="GPUs the job's Ray worker nodes bring (the "
-                             "operator's pods): the controller waits up to startTimeoutS for the cluster "
-                             "to hold them before it decides where the model roles run; 0: not waited for.")
     ray_cpus: int | None = Field(default=None, ge=1, description="CPUs of the local Ray cluster; default: "
                                  "this machine's. Not with RAY_ADDRESS (a running cluster has its own).")
     progress_host: str = Field(default="127.0.0.1", min_length=1, description="Where GET /progress listens.")
@@ -145,19 +142,6 @@ def role_replicas(spec: rl.RLJobSpec, settings: algorithms.Settings) -> dict[str
     reward = roles.reward.replicas if roles.reward is not None else 0
     return {"actorTrain": roles.actor_train.replicas, "rollout": max(1, roles.rollout.replicas),
             "reference": reference, "reward": reward}
-
-
-def wait_for_gpus(gpus: float, timeout_s: float, poll_s: float = 0.5) -> None:
-    """Until the Ray cluster holds `gpus` GPUs. The head starts beside its worker pods, not
-    after them: read at once, a GPU worker that joined a moment later was left unused, the model
-    roles running on the head's CPUs. ValueError naming what came after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while (have := float(ray.cluster_resources().get("GPU", 0))) < gpus:
-        if time.monotonic() >= deadline:
-            raise ValueError(f"the Ray cluster holds {have:g} of the {gpus:g} GPUs its worker pods bring "
-                             f"after {timeout_s:.0f} s (spec.gpus): are the worker pods running, and do "
-                             "their nodes have the GPUs?")
-        time.sleep(poll_s)
 
 
 def cpu_shares(nodes: Sequence[Mapping[str, Any]], counts: Mapping[str, int],
@@ -257,7 +241,6 @@ class Controller:
         # The model roles take GPUs where the cluster has any (gpu_requests). NB: the cluster's, not this
         # process's: in a pod the controller runs on Ray's head node, which holds no GPU, while
         # the worker nodes hold them all (huorn.runtime.rl.node).
-        wait_for_gpus(cfg.wait_gpus, cfg.start_timeout_s)
         gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         wire, roles = self.spec.to_wire(), self.spec.roles
         init = self.spec.init_checkpoint
