@@ -16,6 +16,7 @@ from kube import builders
 from kube import operator as operator_mod
 from kube.cluster import wait_for
 
+from huorn.backends.kubernetes import rl_manifests
 from huorn.runtime import launcher
 
 pytest_plugins = ["kube.fixtures"]
@@ -72,12 +73,17 @@ def test_an_rl_job_is_one_ray_cluster_whose_controller_ends_the_job(kube: builde
                                                                         python="python")
     assert "nvidia.com/gpu" not in head.containers[0].resources.limits and head.affinity is None
     assert head.restart_policy == "Never"
+    # its controller waits for the GPUs of the gang's two workers (an environment variable, which
+    # a controller of an older image ignores; a config field it would refuse)
+    head_env = {e.name: e.value for e in head.containers[0].env}
+    assert head_env[rl_manifests.WAIT_GPUS_ENV] == "4"
     # The workers: two GPUs each, pinned to the nodes Huorn chose, joining the head's Service.
     workers = [pods[f"dapo-ray-worker-{i}"] for i in (0, 1)]
     for worker in workers:
         assert worker.spec.containers[0].command == launcher.build_rl_worker_command(
             "dapo-ray.team.svc:6379", 2, 6, python="python")
         assert worker.spec.containers[0].resources.limits["nvidia.com/gpu"] == "2"
+        assert rl_manifests.WAIT_GPUS_ENV not in {e.name for e in worker.spec.containers[0].env}
         node = worker.metadata.annotations["huorn.io/node"]
         term = worker.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
         assert term.node_selector_terms[0].match_expressions[0].values == [node]

@@ -102,3 +102,29 @@ def test_model_roles_share_the_cpus_of_the_gpu_nodes_they_can_run_on() -> None:
     assert cpu_shares([head, worker], counts, gpu=False) == (pytest.approx(3 / 3.25),) * 2
     big = {"Alive": True, "Resources": {"CPU": 16.0, "GPU": 1.0}}
     assert cpu_shares([head, big], counts, gpu=True) == (1.0, 1.0)
+
+
+def test_a_head_pods_controller_waits_for_its_worker_pods_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read at once, a GPU worker that joined a moment after the head was left unused; the
+    controller now waits for the GPUs the operator says the pods bring, and names them if they
+    never come. Only a head pod's first run waits: a local run or a KubeRay cluster (no variable)
+    and a retry (the workers that are left) read the cluster as it is."""
+    from huorn.backends.kubernetes import rl_manifests
+    from huorn.runtime.rl import controller
+
+    assert rl_manifests.WAIT_GPUS_ENV == controller.WAIT_GPUS_ENV  # the operator's name is the runtime's
+    joined = iter([{"CPU": 2.0}, {"CPU": 2.0}, {"CPU": 3.0, "GPU": 1.0}])
+    monkeypatch.setattr(controller.ray, "cluster_resources", lambda: next(joined))
+    controller.wait_for_gpus(1, timeout_s=5, poll_s=0)
+    assert next(joined, None) is None  # it looked until the worker had joined
+    monkeypatch.setattr(controller.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    with pytest.raises(ValueError, match=r"holds 0 of the 2 GPUs .*spec\.gpus"):
+        controller.wait_for_gpus(2, timeout_s=0.05, poll_s=0.01)
+    controller.wait_for_gpus(0, timeout_s=0)  # nothing to wait for
+
+    wait = controller.gpus_to_wait_for
+    assert wait({}) == 0  # a local run, or a cluster joined through RAY_ADDRESS
+    assert wait({"HUORN_RL_WAIT_GPUS": "4"}) == 4
+    assert wait({"HUORN_RL_WAIT_GPUS": "4", "HUORN_CONTROLLER_ATTEMPT": "1"}) == 4
+    assert wait({"HUORN_RL_WAIT_GPUS": "4", "HUORN_CONTROLLER_ATTEMPT": "2"}) == 0  # a retry
+    assert wait({"HUORN_RL_WAIT_GPUS": "four"}) == 0

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import runtime_harness as harness
 
+from huorn.backends.kubernetes import rl_manifests
 from huorn.runtime import launcher
 from huorn.runtime.rl import node
 
@@ -86,12 +87,18 @@ def test_a_head_and_a_gpu_worker_run_an_rl_job_with_its_actors_on_the_worker(tmp
     temp_root = Path(tempfile.mkdtemp(prefix="hr-"))
     env["TMPDIR"] = str(temp_root)
     logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("worker", "head")}  # noqa: SIM115
-    # The worker pod may start first: it waits for the head's GCS, then joins with its GPUs.
+    # The head pod starts first, told by the operator that its worker pods bring one GPU; its
+    # controller waits for it. Read at once, it ran the model roles on the head's CPUs.
+    head = subprocess.Popen(launcher.build_rl_head_command(config, 2, port=port),
+                            env={**env, rl_manifests.WAIT_GPUS_ENV: "1"}, cwd=harness.REPO,
+                            stdout=logs["head"], stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while "waiting for the worker pods' GPUs: 0 of 1" not in (said := (tmp_path / "head.log").read_text()):
+        assert head.poll() is None and time.monotonic() < deadline, said[-3000:]
+        time.sleep(0.2)
     worker = subprocess.Popen(launcher.build_rl_worker_command(f"127.0.0.1:{port}", 1, 1), env=env,
                               cwd=harness.REPO, stdout=logs["worker"], stderr=subprocess.STDOUT,
                               start_new_session=True)
-    head = subprocess.Popen(launcher.build_rl_head_command(config, 2, port=port), env=env, cwd=harness.REPO,
-                            stdout=logs["head"], stderr=subprocess.STDOUT, start_new_session=True)
     try:
         code = head.wait(timeout=360)
         head_log = (tmp_path / "head.log").read_text()
@@ -106,6 +113,7 @@ def test_a_head_and_a_gpu_worker_run_an_rl_job_with_its_actors_on_the_worker(tmp
     kinds = [e["event"] for e in events if e["event"] in ("start", "rl", "done")]
     assert kinds == ["start", "rl", "rl", "done"]
     assert events[0]["reference"]  # GRPO's KL term: trainer, rollout and reference shared one "GPU"
+    assert events[0]["model_roles_on_gpus"]  # the worker that joined late is used
     # what `kubectl logs` of the head pod shows, one line a step
     assert head_log.count("huorn-rl rl: step=") == 2 and "huorn-rl done: step=2" in head_log
     # the head's Ray node went with the head: nothing of its process group is left, and no

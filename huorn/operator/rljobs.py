@@ -326,7 +326,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         placed = ahead is None and len(nodes) == len(missing_workers)
         new_pods = []
         if placed:
-            new_pods = [rlm.build_head_pod(ref, i, spec, vc) if i.vertex == rlm.HEAD
+            worker_gpus = layout.gpus_per_worker * sum(i.vertex == rlm.WORKER for i in members)
+            new_pods = [rlm.build_head_pod(ref, i, spec, vc, worker_gpus) if i.vertex == rlm.HEAD
                         else rlm.build_worker_pod(ref, i, spec, layout.gpus_per_worker,
                                                   nodes[missing_workers.index(i)], vc)
                         for i in missing]

@@ -27,6 +27,9 @@ from huorn.runtime import launcher
 
 HEAD = "ray-head"
 WORKER = "ray-worker"
+# The runtime's name for it (huorn.runtime.rl.controller.WAIT_GPUS_ENV), which this module does
+# not import: the controller imports Ray and torch.
+WAIT_GPUS_ENV = "HUORN_RL_WAIT_GPUS"
 # How long the controller waits for its actors; worker pods may wait for GPUs or images first.
 START_TIMEOUT_SECONDS = 1800.0
 
@@ -104,7 +107,8 @@ def build_head_service(job: manifests.JobRef) -> dict[str, Any]:
 
 
 def _pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any], command: list[str],
-         gpus: int, node: str, virtual_cluster: str) -> dict[str, Any]:
+         gpus: int, node: str, virtual_cluster: str,
+         extra_env: tuple[dict[str, str], ...] = ()) -> dict[str, Any]:
     resources = spec.get("resources", {})
     limits: dict[str, Any] = {"cpu": str(resources.get("cpu", "4")),
                               "memory": str(resources.get("memory", "16Gi"))}
@@ -127,7 +131,7 @@ def _pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any], com
            # generate for itself (~/.ray/auth_token): the job's nodes could never join. Off by
            # default, like the c10d store and NCCL of a TrainingJob; spec.env comes after, so
            # RAY_AUTH_MODE=token with one RAY_AUTH_TOKEN for every pod turns it back on.
-           {"name": "RAY_AUTH_MODE", "value": "disabled"},
+           {"name": "RAY_AUTH_MODE", "value": "disabled"}, *extra_env,
            *({"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", []))]
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -159,11 +163,14 @@ def _pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any], com
 
 
 def build_head_pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any],
-                   virtual_cluster: str) -> dict[str, Any]:
+                   virtual_cluster: str, worker_gpus: int = 0) -> dict[str, Any]:
+    """`worker_gpus`: those of the gang's worker pods, created with it, which its controller
+    waits for before it decides where the model roles run (controller.WAIT_GPUS_ENV)."""
     cpus = whole_cpus(spec.get("resources", {}).get("cpu", "4"))
     command = launcher.build_rl_head_command(f"{manifests.CONFIG_DIR}/{manifests.CONFIG_FILE}", cpus,
                                              python="python")
-    return _pod(job, instance, spec, command, 0, "", virtual_cluster)
+    wait = ({"name": WAIT_GPUS_ENV, "value": str(worker_gpus)},) if worker_gpus else ()
+    return _pod(job, instance, spec, command, 0, "", virtual_cluster, wait)
 
 
 def build_worker_pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any], gpus: int,

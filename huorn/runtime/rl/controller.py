@@ -43,6 +43,11 @@ from huorn.api import base, rl
 from huorn.runtime.rl import algorithms, pools, progress, rewarding, tasks, workers
 
 STEPS_FILE = "steps.jsonl"
+# Set by the operator on a head pod only: the GPUs its gang's worker pods bring. An environment
+# variable, not a config field: a controller of an older image re-reads the ConfigMap at every
+# step and refuses fields it does not know, and a local run or a cluster joined through
+# RAY_ADDRESS (KubeRay), which set none, wait for nothing.
+WAIT_GPUS_ENV = "HUORN_RL_WAIT_GPUS"
 _SAMPLING_ROUNDS = 3  # DAPO's dynamic sampling: prompt batches drawn before training on what there is
 
 
@@ -144,6 +149,36 @@ def role_replicas(spec: rl.RLJobSpec, settings: algorithms.Settings) -> dict[str
             "reference": reference, "reward": reward}
 
 
+def wait_for_gpus(gpus: float, timeout_s: float, poll_s: float = 0.5) -> None:
+    """Until the Ray cluster holds `gpus` GPUs. A head pod starts beside its worker pods, not
+    after them: read at once, a GPU worker that joined a moment later was left unused, the model
+    roles running on CPUs. ValueError naming what came, after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    said = False
+    while (have := float(ray.cluster_resources().get("GPU", 0))) < gpus:
+        if not said:  # what `kubectl logs` of a head pod shows while its workers start
+            print(f"huorn-rl: waiting for the worker pods' GPUs: {have:g} of {gpus:g} in the Ray cluster",
+                  file=sys.stderr, flush=True)
+            said = True
+        if time.monotonic() >= deadline:
+            raise ValueError(f"the Ray cluster holds {have:g} of the {gpus:g} GPUs its worker pods bring "
+                             f"after {timeout_s:.0f} s (spec.gpus): are the worker pods running, and do "
+                             "their nodes have the GPUs?")
+        time.sleep(poll_s)
+
+
+def gpus_to_wait_for(environ: Mapping[str, str]) -> float:
+    """The GPUs a head pod's controller waits for before it decides where the model roles run:
+    its first run only (a retry finds the workers that are left, which a shrink may have made
+    fewer), and 0 where the operator set none (a local run, a KubeRay cluster)."""
+    if environ.get("HUORN_CONTROLLER_ATTEMPT", "1") != "1":
+        return 0.0
+    try:
+        return max(0.0, float(environ.get(WAIT_GPUS_ENV, "0")))
+    except ValueError:
+        return 0.0
+
+
 def cpu_shares(nodes: Sequence[Mapping[str, Any]], counts: Mapping[str, int],
                gpu: bool) -> tuple[float, float]:
     """The CPUs each actor asks: (the cluster-wide share, that of a model role on a GPU node).
@@ -240,7 +275,9 @@ class Controller:
                          runtime_env=None if address is None else {"env_vars": one_thread})
         # The model roles take GPUs where the cluster has any (gpu_requests). NB: the cluster's, not this
         # process's: in a pod the controller runs on Ray's head node, which holds no GPU, while
-        # the worker nodes hold them all (huorn.runtime.rl.node).
+        # the worker nodes hold them all (huorn.runtime.rl.node), which may join a moment later.
+        if cfg.device != "cpu":
+            wait_for_gpus(gpus_to_wait_for(os.environ), cfg.start_timeout_s)
         gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         wire, roles = self.spec.to_wire(), self.spec.roles
         init = self.spec.init_checkpoint
@@ -479,7 +516,8 @@ class Controller:
                   "settings": {k: (v.value if hasattr(v, "value") else v)
                                for k, v in vars(self.settings).items()},
                   "rollout_workers": len(self.rollouts.members), "reward_workers": len(self.rewards.members),
-                  "reference": bool(self.references.members), "role_replicas": self.running_replicas()})
+                  "reference": bool(self.references.members), "role_replicas": self.running_replicas(),
+                  "model_roles_on_gpus": self._trainer_gpus is not None})
         self.sync_weights(step)
         if step == 0:
             self.evaluate(0)
