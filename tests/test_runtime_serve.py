@@ -24,6 +24,7 @@ from huorn.api import training
 from huorn.runtime import chat, checkpoint, continuous_batching, prefix_cache, serve
 from huorn.runtime import config as run_config
 from huorn.runtime.data import tokenizer
+from huorn.runtime.prompt import MAX_PROMPTS
 
 ARCHITECTURE = {"layers": 2, "width": 32, "heads": 2, "context": 64}
 
@@ -794,32 +795,156 @@ def test_streamed_text_offsets_are_the_whole_answers_when_a_chunk_begins_inside_
     assert [x for part in parts for x in part["text_offset"]] == [0, 0, 1, 1]
 
 
-def test_a_prompt_given_as_token_ids_is_answered_as_its_text_and_several_prompts_are_refused(
-        tmp_path: Path) -> None:
+def test_a_prompt_in_each_of_openais_forms_and_several_prompts_in_one_request(tmp_path: Path) -> None:
     """OpenAI's forms of one prompt (a string, its token ids, a list of either holding one, as
-    LangChain and evaluation harnesses send it) answer alike; several prompts are refused."""
+    LangChain sends it) answer alike; a list of several (evaluation harnesses batch theirs so) is
+    answered as choices in order, prompt i's `n` choices at i * n ... i * n + n - 1, each what that
+    prompt alone gets, its usage counting each prompt once; a bad one is refused naming its index."""
     _saved_model(tmp_path / "ckpt")
     text = "Q: é?\nA:"
     ids = list(text.encode())
+    others = ["Q: What is 1 + 2?\nA:", "Hi"]
     bodies = [{"prompt": text}, {"prompt": ids}, {"prompt": [text]}, {"prompt": [ids]},
-              {"prompt": ["a", "b"]}, {"prompt": [[1, 2], [3]]}, {"prompt": [300]}, {"prompt": []},
-              {"prompt": [True]}]
+              {"prompt": [300]}, {"prompt": []}, {"prompt": [True]}, {"prompt": ["a", ""]},
+              {"prompt": ["a", [1, 300]]}, {"prompt": ["a"] * (MAX_PROMPTS + 1)}]
+    hot = {"max_tokens": 4, "temperature": 1.0, "seed": 7}
 
     async def work(session, server, report):
-        answers = []
-        for body in bodies:
-            async with session.post("/v1/completions", json={**body, "max_tokens": 4}) as r:
-                answers.append((r.status, await r.json()))
-        return answers
+        async def post(body: dict) -> tuple[int, dict]:
+            async with session.post("/v1/completions", json=body) as r:
+                return r.status, (await r.text() if body.get("stream") else await r.json())
 
-    answers = asyncio.run(_serving(_config(tmp_path), work))
+        answers = [await post({**body, "max_tokens": 4}) for body in bodies]
+        alone = [(await post({"prompt": p, **hot, "n": 2}))[1] for p in [text, *others]]
+        _, batched = await post({"prompt": [ids, *others], **hot, "n": 2})
+        _, streamed = await post({"prompt": [text, *others], **hot, "n": 2, "stream": True,
+                                  "stream_options": {"include_usage": True}})
+        return answers, alone, batched, streamed
+
+    answers, alone, batched, streamed = asyncio.run(_serving(_config(tmp_path), work))
     served, refused = answers[:4], answers[4:]
     assert [status for status, _ in served] == [200] * 4
     assert len({body["text"] for _, body in served}) == 1
     assert all(body["usage"]["prompt_tokens"] == len(ids) for _, body in served)
-    assert [status for status, _ in refused] == [400] * 5
-    assert all(body["error"].startswith("prompt: ") for _, body in refused)
-    assert "one prompt per request" in refused[0][1]["error"] and "one prompt" in refused[1][1]["error"]
+    assert [status for status, _ in refused] == [400] * 6
+    errors = [body["error"] for _, body in refused]
+    assert [e.split(":")[0] for e in errors] == ["prompt"] * 3 + ["prompt[1]"] * 2 + ["prompt"]
+    assert "at most 2048" in errors[-1]
+
+    expected = [c["text"] for answer in alone for c in answer["choices"]]
+    assert [c["index"] for c in batched["choices"]] == list(range(6))
+    assert [c["text"] for c in batched["choices"]] == expected
+    assert batched["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert batched["usage"]["completion_tokens"] == 6 * 4
+    *events, usage = _sse_events(streamed)
+    for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert usage["usage"][name] == batched["usage"][name]
+    for index, want in enumerate(expected):
+        mine = [e for e in events if e["choices"][0]["index"] == index]
+        assert "".join(e["choices"][0]["text"] for e in mine) == want
+
+
+def _reference_logprobs(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """log_softmax over the bytes at every position of one full forward pass: row i is the
+    distribution of token i + 1."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]))[0][0, :, : tokenizer.VOCABULARY].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask_whole_chunked_cached_or_streamed(
+        tmp_path: Path) -> None:
+    """`echo` with `logprobs` (what lm-evaluation-harness sends to score a text: echo, logprobs 1,
+    max_tokens 1 or 0, temperature 0, its prompts batched): the text begins with the prompt's,
+    its log-probabilities with the prompt's, each the model's own (log_softmax of one full forward
+    pass), the first null; the same when the prompt's prefill is chunked, when its blocks are in
+    the prefix cache (a cached block has no logits: a scored prompt is prefilled whole), and when
+    streamed. max_tokens 0 answers nothing; echo without logprobs only prepends the text."""
+    model = _saved_model(tmp_path / "ckpt")
+    context, continuation = "Q: What is 1 + 2?\nA:", " 3"
+    text = context + continuation
+    ids = list(text.encode())
+    scored = {"prompt": [text, "Hi there"], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    serving = {"maxBatch": 8, "maxTokens": 48, "prefixCacheTokens": 256}
+
+    async def work(session, server, report):
+        async def post(body: dict) -> dict | str:
+            async with session.post("/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                return await r.text() if body.get("stream") else await r.json()
+
+        plain = await post({"prompt": text, "max_tokens": 3})  # its blocks now in the prefix cache
+        first = await post(scored)
+        nothing = await post({**scored, "max_tokens": 0, "logprobs": 3})
+        streamed = await post({**scored, "stream": True})
+        streamed_nothing = await post({**scored, "max_tokens": 0, "stream": True})
+        text_only = await post({"prompt": text, "echo": True, "max_tokens": 3})
+        return plain, first, nothing, streamed, streamed_nothing, text_only
+
+    results = {}
+    for chunk in (0, 8):
+        cfg = _config(tmp_path, serving={**serving, "prefillChunkTokens": chunk})
+        results[chunk] = asyncio.run(_serving(cfg, work))
+    plain, first, nothing, streamed, streamed_nothing, text_only = results[0]
+
+    want = _reference_logprobs(model, ids)
+    for answer in (first, results[8][1]):
+        choice = answer["choices"][0]
+        got = choice["logprobs"]
+        assert choice["text"].startswith(text) and len(got["tokens"]) == len(ids) + 1
+        assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+        chosen = want[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(got["token_logprobs"][1:len(ids)]), chosen, atol=1e-4)
+        assert got["text_offset"][:len(ids)] == list(range(len(ids)))  # ASCII: a character a byte
+        # what the harness computes: the continuation's log-likelihood, and whether it is greedy
+        ctxlen = len(context.encode())
+        harness_sum = sum(got["token_logprobs"][ctxlen:-1])
+        assert harness_sum == pytest.approx(float(chosen[ctxlen - 1:].sum()), abs=1e-4)
+        assert len(answer["choices"]) == 2 and answer["choices"][1]["text"].startswith("Hi there")
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # scored whole, not from the cache
+
+    choice = nothing["choices"][0]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    assert nothing["usage"]["completion_tokens"] == 0 and len(choice["logprobs"]["tokens"]) == len(ids)
+    # the 3 likeliest, and the prompt's own token where it is not one of them
+    assert all(len(top) in (3, 4) for top in choice["logprobs"]["top_logprobs"][1:])
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(first["choices"][0]["logprobs"]
+                                                                     ["token_logprobs"][1:len(ids)], abs=1e-6)
+
+    for body, whole in ((streamed, first), (streamed_nothing, nothing)):
+        events = [e for e in _sse_events(body) if e["choices"] and e["choices"][0]["index"] == 0]
+        assert "".join(e["choices"][0]["text"] for e in events) == whole["choices"][0]["text"]
+        parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"] is not None]
+        for name in ("tokens", "text_offset"):
+            assert [x for part in parts for x in part[name]] == \
+                whole["choices"][0]["logprobs"][name][:len(ids) + (whole is first)]
+        streamed_logprobs = [x for part in parts for x in part["token_logprobs"]]
+        assert streamed_logprobs[0] is None
+        whole_logprobs = whole["choices"][0]["logprobs"]["token_logprobs"]
+        assert streamed_logprobs[1:len(ids)] == pytest.approx(whole_logprobs[1:len(ids)], abs=1e-6)
+
+    assert text_only["choices"][0]["text"] == text + plain["choices"][0]["text"]
+    assert text_only["choices"][0]["logprobs"] is None and text_only["usage"]["completion_tokens"] == 3
+
+
+def test_echo_is_refused_where_it_cannot_be_served(tmp_path: Path) -> None:
+    _saved_model(tmp_path / "ckpt")
+    hi = {"messages": [{"role": "user", "content": "Hi?"}], "max_tokens": 2}
+    cases = [("/v1/chat/completions", {**hi, "echo": True}, "echo"),
+             ("/v1/completions", {"prompt": "x", "echo": 1}, "echo"),
+             ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens")]
+
+    async def work(session, server, report):
+        answers = []
+        for path, body, _ in cases:
+            async with session.post(path, json=body) as r:
+                answers.append((r.status, (await r.json())["error"]))
+        return answers
+
+    for (status, error), (_, _, field) in zip(asyncio.run(_serving(_config(tmp_path), work)), cases,
+                                               strict=True):
+        assert status == 400 and error.split(":")[0] == field, error
+    assert "0 only with echo" in error
 
 
 def test_logprobs_requests_out_of_range_are_refused_naming_the_field(tmp_path: Path) -> None:
@@ -850,9 +975,10 @@ def test_logprobs_requests_out_of_range_are_refused_naming_the_field(tmp_path: P
 
 def test_completion_logprobs_show_partial_characters_as_bytes_and_offsets_by_character() -> None:
     entries = [serve.logprobs.TokenLogprob(t, -0.5, ((t, -0.5),)) for t in "é a".encode()]
-    shaped = serve.logprobs.completion_logprobs(entries, offset=10)
+    shaped = serve.logprobs.completion_logprobs(entries)
     assert shaped["tokens"] == ["bytes:\\xc3", "bytes:\\xa9", " ", "a"]
-    assert shaped["text_offset"] == [10, 10, 11, 12]  # é is one character of two bytes
+    assert shaped["text_offset"] == [0, 0, 1, 2]  # é is one character of two bytes
+    assert serve.logprobs.text_offsets(entries, 10) == [10, 10, 11, 12]
     chat_shaped = serve.logprobs.chat_logprobs(entries[:1])
     assert chat_shaped["content"][0]["bytes"] == [0xC3]
 
@@ -937,7 +1063,7 @@ def test_n_choices_are_the_answers_of_consecutive_seeds_and_top_p_narrows_sampli
         _, streamed = await post({**ask, "n": 2, "stream": True, "stream_options": {"include_usage": True}})
         _, nucleus = await post({**ask, "top_p": 1e-9})
         refused = [await post({**ask, **bad}) for bad in (
-            {"n": 0}, {"n": 9}, {"top_p": 1.5}, {"best_of": 2}, {"echo": True}, {"presence_penalty": 0.5},
+            {"n": 0}, {"n": 9}, {"top_p": 1.5}, {"best_of": 2}, {"echo": "yes"}, {"presence_penalty": 0.5},
             {"stream_options": {"include_usage": True}}, {"stream": True, "stream_options": {"usage": 1}})]
         # what SDKs send when the caller sets nothing is not refused
         unset = {"logprobs": None, "echo": False, "presence_penalty": 0, "best_of": 1}

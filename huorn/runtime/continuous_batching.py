@@ -40,7 +40,7 @@ import torch
 from huorn.models.cache import KVCache, RaggedKVCache
 from huorn.runtime import prefix_cache
 from huorn.runtime.data import tokenizer
-from huorn.runtime.logprobs import TokenLogprob, measure
+from huorn.runtime.logprobs import TokenLogprob, measure, measure_prompt
 
 # (text, tokens, prompt tokens from the prefix cache, seconds queued, seconds decoding)
 Result = tuple[str, int, int, float, float]
@@ -69,6 +69,12 @@ class Request:
     # log-probability (0 for none); its answer's are in `answer_logprobs` once decoded.
     logprobs: int | None = None
     answer_logprobs: list[TokenLogprob] | None = None
+    # OpenAI's `echo`: the answer's text begins with the prompt's, and with `logprobs` its
+    # log-probabilities begin with the prompt's (`prompt_logprobs`, measured as it is prefilled;
+    # the first token has none). How evaluation harnesses score a text: echo, logprobs, and
+    # max_tokens 0 (no answer at all) or 1.
+    echo: bool = False
+    prompt_logprobs: list[TokenLogprob] | None = None
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -187,6 +193,10 @@ class Prefill:
     names: list[list[bytes]]  # each slot's block names, stored in the prefix cache once whole
     began: float
     logits: torch.Tensor | None = None  # [slots, V] after the last chunk
+    # echoed prompts' log-probabilities, measured chunk by chunk (their groups skip no cached
+    # block: a cached block has no logits), with this many alternatives; None: not asked
+    scores: list[list[TokenLogprob]] | None = None
+    alternatives: int = 0
 
     @property
     def remaining(self) -> int:
@@ -206,6 +216,9 @@ class RunningBatch:
         self.device = next(model.parameters()).device
         self.rows: list[Row] = []
         self.prefilling: list[Prefill] = []  # admitted, not yet whole, oldest first
+        # answered as their prefill ended (max_tokens 0: an echoed prompt scored, nothing
+        # decoded), not yet taken by `take_early`
+        self.early: list[tuple[Request, Result]] = []
         # seconds between two tokens of one row, as chosen since the server last took them: what
         # a streaming client waits between two events (the server's inter-token histogram)
         self.token_gaps: list[float] = []
@@ -240,12 +253,13 @@ class RunningBatch:
         self._room(len(self.rows) + self.waiting() + len(requests))
         block = self.prefixes.block
         names = [prefix_cache.block_hashes(r.tokens) for r in requests]
-        reused = [prefix_cache.reusable_blocks(len(r.tokens), self.prefixes.match(n)) * block
-                  for r, n in zip(requests, names, strict=True)]
-        groups: dict[tuple[int, int], list[int]] = {}
+        scored = [r.echo and r.logprobs is not None for r in requests]
+        reused = [0 if score else prefix_cache.reusable_blocks(len(r.tokens), self.prefixes.match(n)) * block
+                  for r, n, score in zip(requests, names, scored, strict=True)]
+        groups: dict[tuple[int, int, bool], list[int]] = {}
         for i, request in enumerate(requests):
-            groups.setdefault((len(request.tokens), reused[i]), []).append(i)
-        for (length, skip), members in groups.items():
+            groups.setdefault((len(request.tokens), reused[i], scored[i]), []).append(i)
+        for (length, skip, score), members in groups.items():
             slots: dict[tuple[int, ...], int] = {}
             for i in members:
                 slots.setdefault(tuple(requests[i].tokens), len(slots))
@@ -258,7 +272,9 @@ class RunningBatch:
             self.prefilling.append(Prefill(
                 torch.tensor(list(slots), dtype=torch.long, device=self.device), own,
                 [(requests[i], slots[tuple(requests[i].tokens)], reused[i]) for i in members],
-                [names[firsts[slot]] for slot in range(len(slots))], began))
+                [names[firsts[slot]] for slot in range(len(slots))], began,
+                scores=[[] for _ in slots] if score else None,
+                alternatives=max((requests[i].logprobs or 0 for i in members), default=0)))
             stats.prefilled_tokens += (length - skip) * len(slots)
             stats.cached_tokens += skip * len(slots)
         return stats
@@ -274,8 +290,14 @@ class RunningBatch:
             left = group.remaining
             chunk = left if budget == 0 else min(left, max(1, (budget - spent) // width))
             start = group.cache.length
-            group.logits = self.model.forward_step(  # type: ignore[operator]
-                group.prompts[:, start:start + chunk], group.cache, last_only=True)[:, -1].float()
+            out = self.model.forward_step(  # type: ignore[operator]
+                group.prompts[:, start:start + chunk], group.cache, last_only=group.scores is None)
+            if group.scores is not None:
+                measured = measure_prompt(out[..., : tokenizer.VOCABULARY].float(), group.prompts, start,
+                                          group.alternatives)
+                for slot, entries in enumerate(measured):
+                    group.scores[slot] += entries
+            group.logits = out[:, -1].float()
             spent += chunk * width
             if group.remaining == 0:
                 # seated before it leaves `prefilling`: if seating fails partway, `clear` still
@@ -288,12 +310,29 @@ class RunningBatch:
         assert self.cache is not None and group.logits is not None
         length = group.prompts.shape[1]
         for request, slot, cached in group.requests:
+            if group.scores is not None:
+                n = request.logprobs or 0
+                request.prompt_logprobs = [TokenLogprob(request.tokens[0], None, None)] + [
+                    TokenLogprob(e.token, e.logprob, (e.top or ())[:n]) for e in group.scores[slot]]
+            if request.max_tokens == 0:  # scored, not answered: no row
+                now = time.monotonic()
+                request.finish_reason = "length"
+                request.answer_logprobs = [] if request.logprobs is not None else None
+                text = tokenizer.decode(request.tokens) if request.echo else ""
+                seconds = (group.began - request.arrived, now - group.began)
+                self.early.append((request, (text, 0, cached, *seconds)))
+                continue
             self.cache.place(len(self.rows), group.cache, slot, length)
             generator = torch.Generator().manual_seed(request.seed)  # sampling draws on the CPU
             self.rows.append(Row(Answer(request), generator, cached, group.began, group.logits[slot]))
             self.cache.rows = len(self.rows)
         for slot, slot_names in enumerate(group.names):
             self.prefixes.store(group.cache, slot, slot_names)
+
+    def take_early(self) -> list[tuple[Request, Result]]:
+        """The requests answered as their prefill ended (`early`), once each."""
+        early, self.early = self.early, []
+        return early
 
     def choose(self) -> tuple[list[int], list[TokenLogprob | None]]:
         """Each row's next token, at its own temperature and seed; its log-probabilities for
@@ -363,7 +402,8 @@ class RunningBatch:
             assert self.cache is not None
             self.prefixes.store(self.cache, i, prefix_cache.block_hashes(answered))
         tokens = row.answer.tokens
-        return request, (tokenizer.decode(tokens), len(tokens), row.cached, row.began - request.arrived,
+        text = tokenizer.decode(request.tokens + tokens if request.echo else tokens)
+        return request, (text, len(tokens), row.cached, row.began - request.arrived,
                          now - row.began)
 
     def _drop(self, i: int) -> None:
@@ -381,7 +421,8 @@ class RunningBatch:
         seated = {id(r) for r in requests}
         requests += [request for group in self.prefilling for request, _, _ in group.requests
                      if id(request) not in seated]
-        self.rows, self.prefilling = [], []
+        requests += [request for request, _ in self.early]
+        self.rows, self.prefilling, self.early = [], [], []
         if self.cache is not None:
             self.cache.rows = 0
         return requests
@@ -393,6 +434,10 @@ class RunningBatch:
         self.admit(requests)
         self.prefill()
         results: dict[int, Result] = {}
+        for request, result in self.take_early():
+            results[id(request)] = result
+            if on_answer is not None:
+                on_answer(request, result)
         while self.rows:
             answered = self.step()
             for request, result in answered:

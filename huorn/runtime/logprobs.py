@@ -28,11 +28,12 @@ MAX_CHAT_ALTERNATIVES = 20
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One chosen token's log-probability and the most likely tokens at its position."""
+    """One chosen token's log-probability and the most likely tokens at its position. An echoed
+    prompt's first token has neither (nothing comes before it), as OpenAI shows it: null."""
 
     token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token, log-probability), the likeliest first
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] | None  # (token, log-probability), the likeliest first
 
 
 def measure(logits: torch.Tensor, chosen: Sequence[int], alternatives: Sequence[int]) -> list[TokenLogprob]:
@@ -46,6 +47,21 @@ def measure(logits: torch.Tensor, chosen: Sequence[int], alternatives: Sequence[
     values, tokens = top_values.tolist(), top_tokens.tolist()
     return [TokenLogprob(token, logprob, tuple(zip(tokens[i][:n], values[i][:n], strict=True)))
             for i, (token, logprob, n) in enumerate(zip(chosen, picked, alternatives, strict=True))]
+
+
+def measure_prompt(logits: torch.Tensor, prompts: torch.Tensor, start: int,
+                   alternatives: int) -> list[list[TokenLogprob]]:
+    """An echoed prompt's log-probabilities, a prefill chunk at a time: `logits` [slots, chunk,
+    vocabulary] (fp32) are those of positions start, start + 1, ... of `prompts` [slots, length],
+    each the distribution of the token after it; the last position's is the answer's first token's,
+    measured when it is chosen. Each slot's entries, in order."""
+    slots, length = prompts.shape
+    scored = min(logits.shape[1], length - 1 - start)  # positions whose next token is the prompt's
+    if scored <= 0:
+        return [[] for _ in range(slots)]
+    chosen = prompts[:, start + 1: start + 1 + scored].reshape(-1).tolist()
+    flat = measure(logits[:, :scored].reshape(slots * scored, -1), chosen, [alternatives] * len(chosen))
+    return [flat[i * scored:(i + 1) * scored] for i in range(slots)]
 
 
 def token_text(token: int) -> str:
@@ -66,23 +82,23 @@ def text_offsets(entries: Sequence[TokenLogprob], offset: int = 0) -> list[int]:
     return offsets
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0,
-                        offsets: Sequence[int] | None = None) -> dict:
+def completion_logprobs(entries: Sequence[TokenLogprob], offsets: Sequence[int] | None = None) -> dict:
     """The completions API's `logprobs` object; `text_offset` from `offsets` (a stream's, counted
-    across its chunks), else `text_offsets(entries, offset)`. `top_logprobs` holds the
-    alternatives asked for and the chosen token, as OpenAI and vLLM do."""
-    offsets = text_offsets(entries, offset) if offsets is None else list(offsets)
+    across its chunks), else counted from the text's start. `top_logprobs` holds the alternatives
+    asked for and the chosen token, as OpenAI and vLLM do; null for an echoed prompt's first."""
+    offsets = text_offsets(entries) if offsets is None else list(offsets)
     return {"tokens": [token_text(e.token) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{**{token_text(t): v for t, v in e.top}, token_text(e.token): e.logprob}
+            "top_logprobs": [None if e.top is None or e.logprob is None else
+                             {**{token_text(t): v for t, v in e.top}, token_text(e.token): e.logprob}
                              for e in entries],
             "text_offset": offsets}
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict:
-    """The chat API's `logprobs` object: `content`, one item per token."""
+    """The chat API's `logprobs` object: `content`, one item per token (never an echoed prompt's)."""
     return {"content": [{"token": token_text(e.token), "logprob": e.logprob, "bytes": [e.token],
                          "top_logprobs": [{"token": token_text(t), "logprob": v, "bytes": [t]}
-                                          for t, v in e.top]}
+                                          for t, v in e.top or ()]}
                         for e in entries]}
 

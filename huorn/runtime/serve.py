@@ -61,12 +61,12 @@ CHAT_DEFAULT_TOKENS = 256  # a chat answer's cap when the request gives none
 # OpenAI's fields this server does not honour, each with the values that ask for nothing (what
 # SDKs send by default): any other value is refused naming the field, never silently ignored
 NOT_SERVED: dict[str, tuple[object, ...]] = {
-    "echo": (None, False), "best_of": (None, 1),
+    "best_of": (None, 1),
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
     "suffix": (None, ""),
 }
-SERVED = ("model, prompt or messages, max_tokens, temperature, top_p, n, seed, stop, stream, logprobs "
-          "(and the chat API's top_logprobs)")
+SERVED = ("model, prompt (one or a list) or messages, max_tokens, temperature, top_p, n, seed, stop, "
+          "stream, stream_options, logprobs (and the chat API's top_logprobs), echo")
 BATCHER = web.AppKey("batcher", asyncio.Task)
 
 
@@ -173,6 +173,19 @@ def read_logprobs(body: dict, is_chat: bool) -> int | None:
     return count
 
 
+def read_echo(body: dict, is_chat: bool) -> bool:
+    """The completions API's `echo`: the prompt's text (and, with `logprobs`, its
+    log-probabilities) before the answer's."""
+    echo = body.get("echo")
+    if echo in (None, False):
+        return False
+    if is_chat:
+        raise ValueError("echo: the completions API's field; a chat's messages are the client's own")
+    if echo is not True:
+        raise ValueError(f"echo: give true or false, not {echo!r}")
+    return True
+
+
 def read_stream_options(body: dict, stream: bool) -> bool:
     """OpenAI's `stream_options.include_usage`: a last chunk with no choice and the request's
     usage. Only with `stream`, as OpenAI has it."""
@@ -185,6 +198,13 @@ def read_stream_options(body: dict, stream: bool) -> bool:
             options.get("include_usage") not in (None, True, False):
         raise ValueError("stream_options: give {\"include_usage\": true or false}")
     return bool(options.get("include_usage"))
+
+
+def echoed(item: Request) -> list[TokenLogprob] | None:
+    """The log-probabilities a choice reports: its prompt's first where it is echoed."""
+    if item.answer_logprobs is None or not item.echo:
+        return item.answer_logprobs
+    return (item.prompt_logprobs or []) + item.answer_logprobs
 
 
 def stream_error(message: str) -> dict:
@@ -276,7 +296,7 @@ class Server:
             body = await request.json()
             if not isinstance(body, dict):
                 raise ValueError("the body: give a JSON object of the request's fields")
-            tokens = prompt.tokens_of(body, is_chat)
+            prompts = prompt.prompts_of(body, is_chat)
             for name, nothing in NOT_SERVED.items():
                 if body.get(name) not in nothing:
                     raise ValueError(f"{name}: not served by this replica (it serves {SERVED}); leave "
@@ -289,13 +309,14 @@ class Server:
             # CHAT_DEFAULT_TOKENS, or what fits, rather than the whole context every time
             name = "max_completion_tokens" if is_chat and body.get("max_completion_tokens") is not None \
                 else "max_tokens"
-            fits = max(1, limit - len(tokens))
+            fits = max(1, limit - max(len(tokens) for tokens in prompts))
             wanted = read_number(body, name, int, min(CHAT_DEFAULT_TOKENS, fits) if is_chat else 16)
             temperature = read_number(body, "temperature", float, 0.0)
             top_p = read_number(body, "top_p", float, 1.0)
             choices = read_number(body, "n", int, 1)
             seed = read_number(body, "seed", int, 0)
             alternatives = read_logprobs(body, is_chat)
+            echo = read_echo(body, is_chat)
             model = body.get("model")
             if model is not None and model != self.cfg.job_name:
                 self.metrics.requests.labels("refused").inc()
@@ -312,8 +333,9 @@ class Server:
             if not isinstance(stream, bool):
                 raise ValueError("stream: give true (server-sent events, a token at a time) or false")
             include_usage = read_stream_options(body, stream)
-            if wanted < 1:
-                raise ValueError(f"{name}: give 1 or more")
+            if wanted < (0 if echo else 1):
+                raise ValueError(f"{name}: give 1 or more (0 only with echo: the prompt scored, nothing "
+                                 "answered)")
             if not 0 <= temperature < math.inf:  # NaN too: it fails its whole batch
                 raise ValueError("temperature: give a finite number ≥ 0")
             if not 0 <= top_p <= 1:
@@ -321,28 +343,33 @@ class Server:
             if not 1 <= choices <= self.limits.max_batch:
                 raise ValueError(f"n: give 1 to {self.limits.max_batch} (spec.serving.maxBatch: the "
                                  "choices of one request are decoded side by side)")
-            if len(tokens) + wanted > limit:
-                raise ValueError(f"{name}: prompt ({len(tokens)} tokens) + {name} ({wanted}) exceeds "
-                                 f"{limit} (spec.serving.maxTokens and the model's context); ask for fewer")
+            for i, tokens in enumerate(prompts):
+                if len(tokens) + wanted > limit:
+                    which = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+                    raise ValueError(f"{name}: {which} ({len(tokens)} tokens) + {name} ({wanted}) exceeds "
+                                     f"{limit} (spec.serving.maxTokens and the model's context); ask for "
+                                     "fewer")
         except (KeyError, ValueError, TypeError, OverflowError, json.JSONDecodeError) as error:
             self.metrics.requests.labels("refused").inc()
             message = f"missing field {error}" if isinstance(error, KeyError) else str(error)
             return web.json_response({"error": message}, status=400)
         stops += [s for s in chat.STOPS if is_chat and s not in stops]
-        # `n` choices are `n` rows with seeds seed, seed + 1, ...; their stream is shared, each
-        # token tagged with its choice's index
+        # `n` choices of each prompt are `n` rows with seeds seed, seed + 1, ...; choice j of
+        # prompt i has index i * n + j, as OpenAI numbers them; their stream is shared, each token
+        # tagged with its choice's index
         shared = asyncio.Queue() if stream else None
-        first = Request(tokens, wanted, temperature, seed, stream=shared, top_p=top_p,
-                        stop=tuple(x.encode() for x in stops), chat=is_chat, logprobs=alternatives)
-        items = [first] + [dataclasses.replace(first, seed=seed + i, index=i, done=first.loop.create_future())
-                           for i in range(1, choices)]
+        first = Request(prompts[0], wanted, temperature, seed, stream=shared, top_p=top_p,
+                        stop=tuple(x.encode() for x in stops), chat=is_chat, logprobs=alternatives, echo=echo)
+        items = [first] + [dataclasses.replace(first, tokens=prompts[i // choices], seed=seed + i % choices,
+                                               index=i, done=first.loop.create_future())
+                           for i in range(1, choices * len(prompts))]
         with self.queue_lock:
             self.queue.extend(items)
         self.wake.set()
         self.metrics.in_flight.inc()
         try:
             if shared is not None:
-                return await self.stream_answer(request, items, include_usage)
+                return await self.stream_answer(request, items, include_usage, choices)
             try:
                 results = await asyncio.gather(*(item.done for item in items))
             except asyncio.CancelledError:
@@ -359,9 +386,10 @@ class Server:
             self.metrics.in_flight.dec()
         self.answered(items[0])
         fields = self.openai_fields(items[0], *results[0][:3])
-        fields["choices"] = [self.openai_fields(item, *result[:3], entries=item.answer_logprobs)["choices"][0]
+        fields["choices"] = [self.openai_fields(item, *result[:3], entries=echoed(item))["choices"][0]
                              for item, result in zip(items, results, strict=True)]
-        fields["usage"] = self.usage(items[0], sum(r[1] for r in results), results[0][2])
+        fields["usage"] = self.usage(items[::choices], sum(r[1] for r in results),
+                                     sum(r[2] for r in results[::choices]))
         # Huorn's own fields: the first choice's
         text, count, cached, queued, seconds = results[0]
         return web.json_response({**fields, "text": text, "tokens": count, "cached_tokens": cached,
@@ -397,14 +425,16 @@ class Server:
                       "choices": [{"index": item.index, "text": text, "logprobs": shaped,
                                    "finish_reason": finish}]}
         if count is not None:
-            fields["usage"] = self.usage(item, count, cached)
+            fields["usage"] = self.usage([item], count, cached)
         return fields
 
     @staticmethod
-    def usage(item: Request, completion: int, cached: int | None) -> dict:
-        """OpenAI's `usage`: the prompt once, whatever `n`; completion tokens of every choice."""
-        return {"prompt_tokens": len(item.tokens), "completion_tokens": completion,
-                "total_tokens": len(item.tokens) + completion,
+    def usage(prompts: Sequence[Request], completion: int, cached: int | None) -> dict:
+        """OpenAI's `usage`: each prompt once (`prompts`: a request of each), whatever `n`;
+        completion tokens of every choice."""
+        prompt_tokens = sum(len(item.tokens) for item in prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def answered(self, item: Request) -> None:
@@ -414,14 +444,14 @@ class Server:
             self.metrics.first_token.observe(item.first_token_at - item.arrived)
 
     async def stream_answer(self, request: web.Request, items: list[Request],
-                            include_usage: bool = False) -> web.StreamResponse:
+                            include_usage: bool = False, choices: int = 1) -> web.StreamResponse:
         """Server-sent events: {"text"} as the tokens come (bytes held back until they complete a
         UTF-8 character), each chunk naming its choice's index, then {"done", "tokens",
         "cached_tokens", "queue_seconds", "seconds"} per choice, or {"error"}, then [DONE]."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         try:
-            await self.send_events(request, response, items, include_usage)
+            await self.send_events(request, response, items, include_usage, choices)
         except ConnectionResetError:
             # the client hung up (a chat UI's stop button): the rest of its answer is decoded for
             # no one, and a traceback per hang-up would be noise
@@ -445,7 +475,8 @@ class Server:
         self.metrics.requests.labels("abandoned").inc()
 
     async def send_events(self, request: web.Request, response: web.StreamResponse,
-                          items: list[Request], include_usage: bool = False) -> None:
+                          items: list[Request], include_usage: bool = False, choices: int = 1) -> None:
+        """`choices`: each prompt's `n` (items i * n ... i * n + n - 1 are prompt i's)."""
         stream = items[0].stream
         assert stream is not None
         await response.prepare(request)
@@ -458,6 +489,7 @@ class Server:
         measured: list[list[TokenLogprob]] = [[] for _ in items]
         offsets: list[list[int]] = [[] for _ in items]
         sent = [0] * len(items)
+        echoing = [item.echo for item in items]  # its prompt goes first, once it has been prefilled
 
         async def send(index: int, text: str) -> None:
             chunk = self.openai_fields(items[index], text, first=first[index], entries=measured[index],
@@ -466,8 +498,20 @@ class Server:
             first[index], measured[index], offsets[index] = False, [], []
             sent[index] += len(text)
 
+        async def echo(index: int) -> None:
+            """The prompt's text (and log-probabilities, measured as it was prefilled) before the
+            first token of the answer, or before its end where nothing is answered."""
+            item, echoing[index] = items[index], False
+            if item.prompt_logprobs is not None:
+                measured[index] += item.prompt_logprobs
+                offsets[index] += logprobs.text_offsets(item.prompt_logprobs, sent[index])
+            if text := decoders[index].decode(bytes(item.tokens)):
+                await send(index, text)
+
         while open_choices:
             index, token, entry = await stream.get()
+            if echoing[index]:
+                await echo(index)
             if token is not None:
                 if entry is not None:
                     measured[index].append(entry)
@@ -476,7 +520,7 @@ class Server:
                     await send(index, text)
                 continue
             open_choices -= 1  # this choice has ended
-            if text := decoders[index].decode(b"", final=True):
+            if (text := decoders[index].decode(b"", final=True)) or measured[index]:
                 await send(index, text)
         failed = False
         totals: list[tuple[int, int]] = []  # each choice's tokens and prompt tokens from the cache
@@ -496,8 +540,10 @@ class Server:
                                       "queue_seconds": queued, "seconds": seconds}))
             totals.append((count, cached))
         if include_usage and not failed:
-            # OpenAI's usage chunk: no choice, the whole request's usage (the prompt counted once)
-            chunk = self.openai_fields(items[0], "", sum(c for c, _ in totals), totals[0][1])
+            # OpenAI's usage chunk: no choice, the whole request's usage (each prompt counted once)
+            chunk = self.openai_fields(items[0], "", 0, 0)
+            chunk["usage"] = self.usage(items[::choices], sum(c for c, _ in totals),
+                                        sum(c for _, c in totals[::choices]))
             await response.write(sse({**chunk, "choices": []}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -552,16 +598,18 @@ class Server:
                 break
             # up to a chunk of the admitted prompts first: a long one holds the rows a chunk a step
             self.running.prefill(self.limits.prefill_chunk_tokens)
+            answered = self.running.take_early()  # scored prompts that ask for no answer
             if len(self.running):
                 self.metrics.batch.observe(len(self.running))
-                answered = self.running.step()
-                # before the answers go: a client that has its answer may read /metrics next
-                self.count_evictions()
+                answered += self.running.step()
                 for gap in self.running.token_gaps:
                     self.metrics.inter_token.observe(gap)
                 self.running.token_gaps.clear()
-                for request, result in answered:
-                    request.loop.call_soon_threadsafe(self.answer, request, result)
+            # before the answers go: a client that has its answer may read /metrics next
+            self.count_evictions()
+            for request, result in answered:
+                request.loop.call_soon_threadsafe(self.answer, request, result)
+            if len(self.running):
                 self.running.feed()  # may fail: the answers above are made, and reach their clients
             self.count_evictions()
             # counted as it goes: the autoscaler reads its rate while the loop runs for minutes
