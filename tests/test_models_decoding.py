@@ -224,3 +224,32 @@ def test_a_ragged_cache_refuses_what_it_cannot_hold() -> None:
             decoder.forward_step(torch.zeros(1, 2, dtype=torch.long), cache)
         with pytest.raises(ValueError, match="9 tokens exceed max_length=8"):
             decoder.forward_step(torch.zeros(1, 1, dtype=torch.long), cache)
+
+
+def test_attention_against_a_cache_never_asks_cudnn_whose_plans_are_built_per_shape(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoding meets a new shape at nearly every step (the keys grow, rows come and go), and
+    cuDNN's attention builds a plan per shape: on an H100 that was 40-50 ms of CPU in each step of
+    a 24-layer model whose kernels ran in 2.5 ms. Attention against a cache runs with cuDNN's
+    backend off; a forward pass without one (training: fixed shapes) keeps the default."""
+    from huorn.models import attention
+
+    seen: list[tuple[bool, bool]] = []  # (a cache given, cuDNN allowed) at each attention call
+    inner = attention.F.scaled_dot_product_attention
+
+    def recording(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen.append((q.shape[2] == 1, torch.backends.cuda.cudnn_sdp_enabled()))
+        return inner(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording)
+    decoder = build_decoder("none")
+    prompt = torch.randint(0, 97, (2, 6))
+    with torch.no_grad():
+        decoder(prompt)  # no cache
+        trained = list(seen)
+        seen.clear()
+        decoder.generate(prompt, 3)  # a prefill, then steps of one token, against a cache
+    assert trained and all(allowed for _, allowed in trained)
+    assert seen and not any(allowed for _, allowed in seen)
+    assert any(one for one, _ in seen)  # the decoding steps were among them
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # put back after each call

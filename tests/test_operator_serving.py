@@ -458,7 +458,8 @@ def test_a_policy_switch_keeps_the_service_old_front_pods_read_until_the_last_is
         return {s.metadata.name for s in kube.core.list_namespaced_service(NS).items}
 
     wait_for(lambda: len(fronts(kube, "chat")) == 2 and "chat-replicas" in services(), what="two activators")
-    assert status(kube, "chat")["frontServices"] == ["replicas"]
+    # the pods and Services are created before the status that records them is written: wait for it
+    wait_for(lambda: status(kube, "chat").get("frontServices") == ["replicas"], what="status records it")
     for pod in fronts(kube, "chat").values():
         run_pod(kube, pod)
     activators = {name: p.metadata.uid for name, p in fronts(kube, "chat").items()}
@@ -469,7 +470,8 @@ def test_a_policy_switch_keeps_the_service_old_front_pods_read_until_the_last_is
              what="one activator replaced by a router")
     wait_for(lambda: status(kube, "chat").get("observedGeneration") == 2, what="the edit reconciled")
     assert {"chat-replicas", "chat-endpoints"} <= services()
-    assert status(kube, "chat")["frontServices"] == ["endpoints", "replicas"]
+    wait_for(lambda: status(kube, "chat").get("frontServices") == ["endpoints", "replicas"],
+             what="status records both")
     (router,) = [p for p in fronts(kube, "chat").values() if p.metadata.uid not in activators.values()]
     run_pod(kube, router)
     wait_for(lambda: all(p.metadata.uid not in activators.values() for p in fronts(kube, "chat").values())

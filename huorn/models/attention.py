@@ -11,9 +11,12 @@ on relative position only. Values are not rotated and get one weight per channel
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from huorn.models import layers as model_layers
 from huorn.models.cache import KVCache, SharedKV
@@ -31,6 +34,15 @@ def build_causal_mask(queries: int, keys: int, device: torch.device) -> torch.Te
     q_pos = torch.arange(queries, device=device).unsqueeze(1) + offset
     k_pos = torch.arange(keys, device=device).unsqueeze(0)
     return k_pos <= q_pos
+
+
+# Attention against a KV cache (decoding, a prefill) meets a new shape at nearly every call: the
+# keys grow by one a step, and a running batch's rows come and go. cuDNN's attention, which
+# PyTorch prefers on Hopper, builds an execution plan per shape: on an H100 that cost 1.7-2.2 ms of
+# CPU a layer a step, 40-50 ms of a 24-layer model's decoding step whose kernels ran in 2.5 ms
+# (benchmarks/serving_decode_step.py). Those calls use the other kernels; training's fixed shapes
+# keep cuDNN's.
+SHAPE_CHANGING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class Attention(nn.Module):
@@ -130,10 +142,11 @@ class Attention(nn.Module):
             mask = cache.key_mask
         elif queries > 1 and queries != keys:
             mask = build_causal_mask(queries, keys, q.device)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=queries > 1 and queries == keys,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.kv_heads != self.heads,
-        )
+        with sdpa_kernel(SHAPE_CHANGING_BACKENDS) if cache is not None else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=queries > 1 and queries == keys,
+                dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.kv_heads != self.heads,
+            )
         return self.project_out(out)
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:

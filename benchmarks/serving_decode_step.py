@@ -1,0 +1,123 @@
+"""Where a serving replica's decoding step goes: the model's forward pass, choosing the tokens,
+and the bookkeeping around them, for a running batch of `--rows` rows.
+
+The continuous-batching benchmark measured 78-97 ms between two tokens of a 24-layer, width-1024
+model in bf16 on an H100 (benchmarks/serving_continuous_batching.py, docs/benchmarks.md), where a
+step that reads 0.7 GB of weights should take a few milliseconds. This splits the step, each part
+timed with the device synchronised around it, and prints torch.profiler's busiest operators, so
+the fix goes where the time is. No HTTP, no client: the `RunningBatch` the replica's decoding
+thread drives, on the model `serve.load_model` would build. With `--baseline` each row count
+runs twice: first with cuDNN's attention allowed for the decoding steps too (as before the fix in
+huorn/models/attention.py), then as Huorn runs them.
+
+    .venv/bin/python benchmarks/serving_decode_step.py [--device cpu|cuda] [--rows 8,24,64]
+        [--prompt 200] [--steps 30] [--architecture layers=4,width=256,heads=8,context=1024] [--baseline]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from serving_continuous_batching import ARCHITECTURE, parse_architecture
+from trainer_runs import argument_parser, write_report
+
+from huorn import models
+from huorn.api import training
+from huorn.models import attention
+from huorn.runtime import config as run_config
+from huorn.runtime import continuous_batching, prefix_cache, serve
+
+
+def timed(device: torch.device, work: Callable[[], object]) -> float:
+    """Seconds of `work`, the device synchronised before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    work()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+async def measure(args, rows: int, setting: str) -> dict:  # type: ignore[no-untyped-def]
+    device = torch.device(args.device)
+    spec = training.ModelSpec.model_validate(args.architecture)
+    torch.manual_seed(0)
+    model = models.build_model(run_config.build_model_config(spec)).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=serve.serving_dtype(device))
+    max_length = spec.context
+    running = continuous_batching.RunningBatch(model, prefix_cache.PrefixCache(0), max_length, rows)
+    generator = torch.Generator().manual_seed(rows)
+    requests = [continuous_batching.Request(
+        torch.randint(32, 127, (args.prompt,), generator=generator).tolist(), max_length - args.prompt,
+        0.0, i) for i in range(rows)]
+    running.admit(requests)
+    running.prefill()
+    for _ in range(3):  # warm-up: kernels chosen, allocator filled
+        running.step()
+        running.feed()
+    parts: dict[str, list[float]] = {"forward (feed)": [], "choose": [], "step bookkeeping": []}
+    for _ in range(args.steps):
+        choose = timed(device, running.choose)
+        step = timed(device, running.step)  # chooses again, then the answers' bookkeeping
+        parts["choose"].append(choose)
+        parts["step bookkeeping"].append(max(0.0, step - choose))
+        parts["forward (feed)"].append(timed(device, running.feed))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(5):
+            running.step()
+            running.feed()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    averages = profile.key_averages()
+    device_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    top = sorted(averages, key=lambda e: getattr(e, device_key, 0), reverse=True)[:12]
+    by_cpu = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    ms = {name: 1000 * sum(values) / len(values) for name, values in parts.items()}
+    shown = ", ".join(f"{name} {value:.2f} ms" for name, value in ms.items())
+    print(f"{setting}, {rows} rows: {shown}", flush=True)
+    print(averages.table(sort_by=device_key, row_limit=15), flush=True)
+    return {"setting": setting, "rows": rows, "ms_per_step": ms,
+            "top_by_device": [{"name": e.key, "calls": e.count, "ms": getattr(e, device_key, 0) / 1000 / 5}
+                              for e in top],
+            "top_by_cpu": [{"name": e.key, "calls": e.count, "ms": e.self_cpu_time_total / 1000 / 5}
+                           for e in by_cpu]}
+
+
+def main() -> int:
+    parser = argument_parser(__doc__, "serving_decode_step")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--rows", default="8,24,64", help="rows of the running batch, comma-separated")
+    parser.add_argument("--prompt", type=int, default=200, help="prompt tokens of every row")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--architecture", type=parse_architecture, default=ARCHITECTURE)
+    parser.add_argument("--baseline", action="store_true",
+                        help="also run each case with cuDNN's attention allowed in decoding (before the fix)")
+    args = parser.parse_args()
+    begun = time.perf_counter()
+    torch.set_num_threads(1)  # as the replica runs
+    huorn = list(attention.SHAPE_CHANGING_BACKENDS)
+    settings = {"cudnn allowed": [attention.SDPBackend.CUDNN_ATTENTION, *huorn], "huorn": huorn}
+    results = []
+    for rows in args.rows.split(","):
+        for setting, backends in settings.items():
+            if setting == "huorn" or args.baseline:
+                attention.SHAPE_CHANGING_BACKENDS[:] = backends
+                results.append(asyncio.run(measure(args, int(rows), setting)))
+    attention.SHAPE_CHANGING_BACKENDS[:] = huorn
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    write_report(args, begun, date=time.strftime("%Y-%m-%d"), device=args.device, device_name=name,
+                 results=results)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
