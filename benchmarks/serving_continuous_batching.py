@@ -10,7 +10,9 @@ standing in for one GPU) per policy, `serving.batching` set to:
   its own answer ends, its prompt prefilled whole before that step (`prefillChunkTokens: 0`);
 - `continuous`: the same with chunked prefill, at most 128 prompt tokens before each step
   (`prefillChunkTokens`: its default, 2,048, is sized for a GPU; on this CPU a 128-token chunk
-  costs about one decoding step of 16 rows).
+  costs about one decoding step of 16 rows);
+- `continuous-eager`: `continuous` with `cudaGraphs: false`: on a GPU its decoding steps are
+  launched kernel by kernel rather than replayed as CUDA graphs (the same as `continuous` on a CPU).
 
 The requests are consecutive successful rows of `../shared/data/lora_request_trace.csv` (a
 production GenAI service, cluster-trace-v2026-GenAI), replayed at their recorded arrival times
@@ -66,7 +68,10 @@ TRACE = ROOT.parent / "shared" / "data" / "lora_request_trace.csv"
 # prefilled whole; continuous batching with chunked prefill (`--chunk` tokens)
 POLICIES = {"static": {"batching": "static", "prefillChunkTokens": 0},
             "continuous-whole": {"batching": "continuous", "prefillChunkTokens": 0},
-            "continuous": {"batching": "continuous"}}
+            "continuous": {"batching": "continuous"},
+            # a GPU replica's steps without CUDA graphs (huorn.runtime.decode_graphs); on a CPU,
+            # which captures none, the same as `continuous`
+            "continuous-eager": {"batching": "continuous", "cudaGraphs": False}}
 RATIOS = (("tokens_per_second", "tokens_per_second"), ("latency_mean", "latency_mean_s"),
           ("latency_p99", "latency_p99_s"), ("latency_per_token", "latency_per_token_mean_s"),
           ("ttft_mean", "ttft_mean_s"), ("inter_token_p99", "inter_token_p99_s"),
@@ -150,7 +155,7 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
 
 async def run_policy(policy: str, rate: float, trace: list[tuple[float, str, int]], args,  # type: ignore[no-untyped-def]
                      progress: Progress) -> dict:
-    chunk = {"prefillChunkTokens": args.chunk} if policy == "continuous" else {}
+    chunk = {"prefillChunkTokens": args.chunk} if policy in ("continuous", "continuous-eager") else {}
     spec = {"virtualCluster": "bench", "model": {"checkpoint": str(args.work / "ckpt"),
                                                  "architecture": args.architecture},
             "serving": {"maxBatch": args.max_batch, "maxTokens": 1024, "prefixCacheTokens": 0,
@@ -246,7 +251,7 @@ def plot(results: list[dict], args) -> None:  # type: ignore[no-untyped-def]
         mine = [next(r for r in results if r["policy"] == policy and r["rate"] == rate) for rate in rates]
         x = np.arange(len(rates)) + (i - (len(ran) - 1) / 2) * width
         bars.bar(x, [r["tokens_per_second"] for r in mine], width, label=policy,
-                 color=("tab:gray", "tab:cyan", "tab:blue")[i])
+                 color=("tab:gray", "tab:cyan", "tab:blue", "tab:purple")[i])
         mean.plot(x, [1000 * r["latency_per_token_mean_s"] for r in mine], "o", color="tab:orange")
     bars.set_xticks(np.arange(len(rates)), [f"{rate:g} req/s" for rate in rates])
     bars.set_ylabel("output tokens/s")
@@ -258,7 +263,7 @@ def plot(results: list[dict], args) -> None:  # type: ignore[no-untyped-def]
             mine = [next(r for r in results if r["policy"] == policy and r["rate"] == rate) for rate in rates]
             x = np.arange(len(rates)) + (i - (len(ran) - 1) / 2) * width
             axis.bar(x, [1000 * r["inter_token_server_p99_s"] for r in mine], width, label=policy,
-                     color=("tab:gray", "tab:cyan", "tab:blue")[i])
+                     color=("tab:gray", "tab:cyan", "tab:blue", "tab:purple")[i])
         axis.set_xticks(np.arange(len(rates)), [f"{rate:g} req/s" for rate in rates])
         axis.set_ylabel("inter-token latency p99 (ms)")
         axis.legend(fontsize=8, loc="upper left")

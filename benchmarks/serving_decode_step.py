@@ -6,9 +6,10 @@ model in bf16 on an H100 (benchmarks/serving_continuous_batching.py, docs/benchm
 step that reads 0.7 GB of weights should take a few milliseconds. This splits the step, each part
 timed with the device synchronised around it, and prints torch.profiler's busiest operators, so
 the fix goes where the time is. No HTTP, no client: the `RunningBatch` the replica's decoding
-thread drives, on the model `serve.load_model` would build. With `--baseline` each row count
-runs twice: first with cuDNN's attention allowed for the decoding steps too (as before the fix in
-huorn/models/attention.py), then as Huorn runs them.
+thread drives, on the model `serve.load_model` would build. Each row count runs eagerly (each
+kernel launched from Python) and as Huorn runs it, replaying CUDA graphs
+(huorn.runtime.decode_graphs; on a CPU the same fixed-shape step, eagerly); with `--baseline`
+also eagerly with cuDNN's attention allowed (as before the fix in huorn/models/attention.py).
 
     .venv/bin/python benchmarks/serving_decode_step.py [--device cpu|cuda] [--rows 8,24,64]
         [--prompt 200] [--steps 30] [--architecture layers=4,width=256,heads=8,context=1024] [--baseline]
@@ -43,14 +44,15 @@ def timed(device: torch.device, work: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-async def measure(args, rows: int, setting: str) -> dict:  # type: ignore[no-untyped-def]
+async def measure(args, rows: int, setting: str, fixed_steps: bool | None) -> dict:  # type: ignore[no-untyped-def]
     device = torch.device(args.device)
     spec = training.ModelSpec.model_validate(args.architecture)
     torch.manual_seed(0)
     model = models.build_model(run_config.build_model_config(spec)).eval().requires_grad_(False)
     model = model.to(device=device, dtype=serve.serving_dtype(device))
     max_length = spec.context
-    running = continuous_batching.RunningBatch(model, prefix_cache.PrefixCache(0), max_length, rows)
+    running = continuous_batching.RunningBatch(model, prefix_cache.PrefixCache(0), max_length, rows,
+                                               fixed_steps=fixed_steps)
     generator = torch.Generator().manual_seed(rows)
     requests = [continuous_batching.Request(
         torch.randint(32, 127, (args.prompt,), generator=generator).tolist(), max_length - args.prompt,
@@ -84,7 +86,8 @@ async def measure(args, rows: int, setting: str) -> dict:  # type: ignore[no-unt
     shown = ", ".join(f"{name} {value:.2f} ms" for name, value in ms.items())
     print(f"{setting}, {rows} rows: {shown}", flush=True)
     print(averages.table(sort_by=device_key, row_limit=15), flush=True)
-    return {"setting": setting, "rows": rows, "ms_per_step": ms,
+    captured = running.graphs is not None and running.graphs.captured
+    return {"setting": setting, "rows": rows, "cuda_graphs": captured, "ms_per_step": ms,
             "top_by_device": [{"name": e.key, "calls": e.count, "ms": getattr(e, device_key, 0) / 1000 / 5}
                               for e in top],
             "top_by_cpu": [{"name": e.key, "calls": e.count, "ms": e.self_cpu_time_total / 1000 / 5}
@@ -104,13 +107,14 @@ def main() -> int:
     begun = time.perf_counter()
     torch.set_num_threads(1)  # as the replica runs
     huorn = list(attention.SHAPE_CHANGING_BACKENDS)
-    settings = {"cudnn allowed": [attention.SDPBackend.CUDNN_ATTENTION, *huorn], "huorn": huorn}
+    settings = {"eager, cudnn allowed": ([attention.SDPBackend.CUDNN_ATTENTION, *huorn], False),
+                "eager": (huorn, False), "huorn (cuda graphs)": (huorn, True)}
     results = []
     for rows in args.rows.split(","):
-        for setting, backends in settings.items():
-            if setting == "huorn" or args.baseline:
+        for setting, (backends, fixed_steps) in settings.items():
+            if setting != "eager, cudnn allowed" or args.baseline:
                 attention.SHAPE_CHANGING_BACKENDS[:] = backends
-                results.append(asyncio.run(measure(args, int(rows), setting)))
+                results.append(asyncio.run(measure(args, int(rows), setting, fixed_steps)))
     attention.SHAPE_CHANGING_BACKENDS[:] = huorn
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     write_report(args, begun, date=time.strftime("%Y-%m-%d"), device=args.device, device_name=name,

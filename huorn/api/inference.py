@@ -34,6 +34,12 @@ class ServingLimits(ApiModel):
                     "for its whole prefill. Smaller values smooth the answers' token rate and delay "
                     "long prompts' first tokens (on CPU, 64-256). 0 prefills each joining prompt "
                     "whole at once.")
+    cuda_graphs: bool = Field(
+        default=True,
+        description="On a GPU, capture the decoding step as CUDA graphs when the replica starts (one "
+                    "per bucket of rows, as vLLM does) and replay them: a step is hundreds of small "
+                    "kernels whose launches from Python cost several times what they compute. "
+                    "Dense models only (MoE routing is data-dependent); false decodes eagerly.")
     batching: Literal["continuous", "static"] = Field(
         default="continuous",
         description="`continuous`: a request joins the requests being decoded at the next step, and "

@@ -103,6 +103,10 @@ class RaggedKVCache(KVCache):
         self.host_lengths = [0] * batch  # the same on the host: no device sync to read them
         self.rows = 0
         self._end = 0
+        self._positions: torch.Tensor | None = None  # where this step's K/V go, one per row
+        # a fixed-shape step's rows (`begin_fixed_step`): free rows included, what a CUDA graph
+        # captures; None for a step over the rows in use
+        self.fixed_rows: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -147,20 +151,47 @@ class RaggedKVCache(KVCache):
         if self._end > self.max_length:
             raise ValueError(f"KVCache: {self._end} tokens exceed max_length={self.max_length}; "
                              "build a longer cache")
-        positions = self.lengths[:n]
+        positions = self._positions = self.lengths[:n]
         keys = torch.arange(self._end, device=positions.device)
         self.key_mask = (keys[None, :] <= positions[:, None])[:, None, None, :]
         return positions
 
+    def begin_fixed_step(self, rows: int) -> torch.Tensor:
+        """A decoding step over the first `rows` rows, free ones included, whose every shape is
+        fixed by `rows` and the cache's capacity (keys over the whole `max_length`, the mask hiding
+        the rest) and which reads no length on the host: what a CUDA graph captures and replays.
+        A free row computes a token nobody reads and writes its K/V where its length says (0 once
+        freed: `free`); the positions are clamped so that no write can fall outside the cache.
+        `end_fixed_step` after it; `advance` moves the rows in use only."""
+        if not 0 < rows <= self.capacity:
+            raise ValueError(f"RaggedKVCache: a fixed step of {rows} rows in a cache of {self.capacity}")
+        self.fixed_rows = rows
+        self._end = self.max_length
+        positions = self._positions = self.lengths[:rows].clamp(max=self.max_length - 1)
+        keys = torch.arange(self.max_length, device=positions.device)
+        self.key_mask = (keys[None, :] <= positions[:, None])[:, None, None, :]
+        return positions
+
+    def end_fixed_step(self) -> None:
+        self.fixed_rows = None
+        self.key_mask = None
+        self._positions = None
+
+    def free(self, row: int) -> None:
+        """Row `row` holds nobody now: its length goes to 0, so a fixed step's write there stays
+        inside the cache."""
+        self.lengths[row] = 0
+        self.host_lengths[row] = 0
+
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.rows
+        n = self.rows if self.fixed_rows is None else self.fixed_rows
         if k.shape[0] != n or k.shape[2] != 1:
             raise ValueError(f"RaggedKVCache: a step feeds one token to each of the {n} rows in use, "
                              f"got K of shape {tuple(k.shape)}")
         if layer >= len(self.keys):
             raise IndexError(f"KVCache: layer {layer} has no slot; this cache holds {len(self.keys)} layers")
         index = torch.arange(n, device=k.device)
-        positions = self.lengths[:n]
+        positions = self._positions if self._positions is not None else self.lengths[:n]
         self.keys[layer][index, :, positions] = k[:, :, 0]
         self.values[layer][index, :, positions] = v[:, :, 0]
         return self.keys[layer][:n, :, : self._end], self.values[layer][:n, :, : self._end]
@@ -173,3 +204,4 @@ class RaggedKVCache(KVCache):
         for row in range(n):
             self.host_lengths[row] += 1
         self.key_mask = None
+        self._positions = None

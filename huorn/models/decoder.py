@@ -152,6 +152,19 @@ class Decoder(nn.Module):
         logits, _ = self.forward_head(x[:, -1:] if last_only else x)
         return logits
 
+    def forward_fixed_step(self, tokens: torch.Tensor, cache: RaggedKVCache) -> torch.Tensor:
+        """Logits [rows, V] of one decoding step over the ragged cache's first `rows` rows
+        (tokens [rows, 1]), free rows included, with every shape fixed and no read of a length on
+        the host (RaggedKVCache.begin_fixed_step): what a CUDA graph captures. The cache is not
+        advanced: the caller advances the rows in use."""
+        positions = cache.begin_fixed_step(tokens.shape[0])
+        try:
+            x, _ = self.forward_blocks(self.embed_tokens(tokens), position=positions, cache=cache)
+        finally:
+            cache.end_fixed_step()
+        logits, _ = self.forward_head(x)
+        return logits[:, -1]
+
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, new_tokens: int, temperature: float = 0.0,
                  generator: torch.Generator | None = None, cache: KVCache | None = None) -> torch.Tensor:

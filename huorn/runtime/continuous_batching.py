@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from huorn.models.cache import KVCache, RaggedKVCache
-from huorn.runtime import prefix_cache
+from huorn.runtime import decode_graphs, prefix_cache
 from huorn.runtime.data import tokenizer
 from huorn.runtime.logprobs import TokenLogprob, measure, measure_prompt
 
@@ -205,11 +205,15 @@ class Prefill:
 
 class RunningBatch:
     def __init__(self, model: torch.nn.Module, prefixes: prefix_cache.PrefixCache, max_length: int,
-                 max_rows: int | None = None) -> None:
+                 max_rows: int | None = None, fixed_steps: bool | None = None) -> None:
         """With `max_rows` (a server's maxBatch) the batch's whole KV cache is allocated now, as
         vLLM and TGI allocate theirs at start: a replica whose batch does not fit fails before it
         is ready, and the cache never grows mid-traffic (growing copies it, which held the
-        running answers for up to 420 ms on CPU). Without, it grows by doubling as rows join."""
+        running answers for up to 420 ms on CPU). Without, it grows by doubling as rows join.
+
+        `fixed_steps` (with `max_rows`): decoding steps of fixed shapes, captured as CUDA graphs
+        where the model allows (huorn.runtime.decode_graphs); None: where it does, True: always
+        (eagerly where it does not), False: never."""
         self.model = model
         self.prefixes = prefixes
         self.max_length = max_length
@@ -223,8 +227,12 @@ class RunningBatch:
         # a streaming client waits between two events (the server's inter-token histogram)
         self.token_gaps: list[float] = []
         self.cache: RaggedKVCache | None = None
+        self.graphs: decode_graphs.DecodeGraphs | None = None
         if max_rows is not None:
-            self._room(max_rows)
+            cache = self._room(max_rows)
+            capturable = decode_graphs.capturable(model)
+            if fixed_steps or (fixed_steps is None and capturable):
+                self.graphs = decode_graphs.DecodeGraphs(model, cache, max_rows, capture=capturable)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -383,9 +391,12 @@ class RunningBatch:
         if not self.rows:
             return
         assert self.cache is not None
-        fed = [[row.chosen[-1]] for row in self.rows]
-        tokens = torch.tensor(fed, dtype=torch.long, device=self.device)
-        logits = self.model.forward_step(tokens, self.cache, last_only=True)[:, -1].float()  # type: ignore[operator]
+        if self.graphs is not None:
+            logits = self.graphs.run([row.chosen[-1] for row in self.rows])
+        else:
+            fed = [[row.chosen[-1]] for row in self.rows]
+            tokens = torch.tensor(fed, dtype=torch.long, device=self.device)
+            logits = self.model.forward_step(tokens, self.cache, last_only=True)[:, -1].float()  # type: ignore[operator]
         for i, row in enumerate(self.rows):
             row.logits = logits[i]
 
@@ -413,6 +424,7 @@ class RunningBatch:
             self.cache.move(last, i)
             self.rows[i] = self.rows[last]
         self.rows.pop()
+        self.cache.free(last)
         self.cache.rows = len(self.rows)
 
     def clear(self) -> list[Request]:
@@ -424,6 +436,8 @@ class RunningBatch:
         requests += [request for request, _ in self.early]
         self.rows, self.prefilling, self.early = [], [], []
         if self.cache is not None:
+            for row in range(self.cache.rows):
+                self.cache.free(row)
             self.cache.rows = 0
         return requests
 

@@ -278,7 +278,8 @@ class Server:
         self.metrics = Metrics()
         self.prefixes = prefix_cache.PrefixCache(self.limits.prefix_cache_tokens)
         self.running = continuous_batching.RunningBatch(
-            model, self.prefixes, min(self.context, self.limits.max_tokens), self.limits.max_batch)
+            model, self.prefixes, min(self.context, self.limits.max_tokens), self.limits.max_batch,
+            fixed_steps=None if self.limits.cuda_graphs else False)
         self.started = int(time.time())
         self.stopping = False  # handlers cancelled as the server stops are not abandoned
 
