@@ -18,6 +18,7 @@ import pytest
 from kube import builders, serving
 from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
+from kube.kubelet import Kubelet
 
 from huorn.backends.kubernetes import manifests
 from huorn.graph.model import Instance
@@ -443,6 +444,42 @@ def test_leaving_scale_to_zero_removes_the_activator_and_its_replicas_service(
     wait_for(lambda: not [p for p in kube.pods(NS, "chat", "activator") if not p.metadata.deletion_timestamp],
              what="the activator gone")
     assert "chat" in services() and routed_to(kube, "chat") == "server"
+
+
+def test_a_terminating_router_keeps_its_headless_service_until_it_is_gone(
+    cluster: EmulatedCluster, kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    """routing.policy prefix → service: the router is deleted, and while its grace runs it
+    still forwards the answers it holds and retries cut ones through `<job>-endpoints`. That
+    Service stays until the router pod is gone (it was deleted once the router was only
+    terminating, and those retries could no longer resolve a replica)."""
+    assert cluster.kmock is not None
+    kubelet = Kubelet(kube, cluster.kmock, NS)
+    job = serving.make_inference_job("chat", "serve", min_replicas=1, max_replicas=1,
+                                     routing={"policy": "prefix"})
+    kube.create_job(NS, job, plural=IJ)
+
+    def services() -> set[str]:
+        return {s.metadata.name for s in kube.core.list_namespaced_service(NS).items}
+
+    (router,) = wait_for(lambda: kube.pods(NS, "chat", "activator"), what="the router")
+    wait_for(lambda: "chat-endpoints" in services(), what="its headless Service")
+    kubelet.hold([router.metadata.name])  # its grace: the answers it holds finish
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                               {"spec": {"routing": {"policy": "service"}}})
+    wait_for(lambda: any(name == router.metadata.name for name, _ in kubelet.deletes()),
+             what="the router deleted")
+    wait_for(lambda: status(kube, "chat").get("observedGeneration") == 2, what="the edit reconciled")
+    # a reconcile while the router drains (an edit that changes no pod) must not take its Service
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                               {"spec": {"autoscaling": {"maxReplicas": 2}}})
+    wait_for(lambda: status(kube, "chat").get("observedGeneration") == 3, what="a reconcile while it drains")
+    assert [p.metadata.deletion_timestamp is not None for p in kube.pods(NS, "chat", "activator")] == [True]
+    assert status(kube, "chat").get("frontServices") == ["endpoints"]
+    assert "chat-endpoints" in services()
+    kubelet.release([router.metadata.name])
+    wait_for(lambda: "chat-endpoints" not in services(), what="the Service gone with the router")
+    wait_for(lambda: status(kube, "chat").get("frontServices") == [], what="status forgets it")
 
 
 def test_a_policy_switch_keeps_the_service_old_front_pods_read_until_the_last_is_replaced(

@@ -304,7 +304,7 @@ async def _retire_front_services(ctx: Context, ref: manifests.JobRef, old: Mappi
                                  pods: Iterable[index.PodRecord], spec: Mapping[str, Any],
                                  to_zero: bool, by_prefix: bool) -> list[str]:
     """Delete the Services that front pods of earlier settings read once none of those pods is
-    left; returns the ones that may exist now (status.frontServices).
+    left, terminating ones included; returns the ones that may exist now (status.frontServices).
 
     A switch of policy, or out of scale to zero, replaces the front pods one at a time: until
     the last old one goes, it still forwards through its Service (with several front pods,
@@ -318,9 +318,12 @@ async def _retire_front_services(ctx: Context, ref: manifests.JobRef, old: Mappi
         had = {ENDPOINTS, REPLICAS} if "routing" in old else set()
     retiring = had - wanted
     prefix = manifests.activator_pod_name(ref)
-    # with no front pod wanted, every one left is on its way out, and reads a retiring Service
-    if retiring and not any(p.name.startswith(prefix) and not p.deleting
-                            and (not wanted or not front_is_current(p, spec)) for p in pods):
+    # with no front pod wanted, every one left is on its way out, and reads a retiring Service;
+    # one terminating still does: through its grace it forwards the answers it holds and retries
+    # cut ones through the Service (deleted at its deletionTimestamp, those retries could not
+    # resolve a replica)
+    if retiring and not any(p.name.startswith(prefix) and (not wanted or not front_is_current(p, spec))
+                            for p in pods):
         names = {ENDPOINTS: manifests.endpoints_service_name(ref),
                  REPLICAS: manifests.replicas_service_name(ref)}
         await asyncio.gather(*(ctx.client.delete("Service", ref.namespace, names[s])
