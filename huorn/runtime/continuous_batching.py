@@ -183,16 +183,20 @@ class AdmitStats:
 
 @dataclass
 class Prefill:
-    """Distinct prompts of one length that skip as many cached blocks, prefilled together in a
-    cache of their own, a chunk at a time; the requests that share each (a request's `n`
-    choices share theirs)."""
+    """Distinct prompts that skip as many cached blocks, prefilled together in a cache of their
+    own, a chunk at a time; the requests that share each (a request's `n` choices share theirs).
+    Prompts of one length, or, padded (`RunningBatch`'s `pad_prefills`), of any: padding goes
+    after a prompt, where causal attention keeps it out of every real position, and only a
+    prompt's own positions leave this cache."""
 
-    prompts: torch.Tensor  # [distinct prompts, length]
+    prompts: torch.Tensor  # [distinct prompts, the longest's length], padded with 0
     cache: KVCache  # theirs: its length is how far the prefill has come
     requests: list[tuple[Request, int, int]]  # (request, its prompt's slot, tokens from the prefix cache)
     names: list[list[bytes]]  # each slot's block names, stored in the prefix cache once whole
     began: float
-    logits: torch.Tensor | None = None  # [slots, V] after the last chunk
+    lengths: list[int]  # each slot's own length
+    # each slot's next-token logits [V], from the chunk that holds its last position
+    logits: list[torch.Tensor | None] = field(default_factory=list)
     # echoed prompts' log-probabilities, measured chunk by chunk (their groups skip no cached
     # block: a cached block has no logits), with this many alternatives; None: not asked
     scores: list[list[TokenLogprob]] | None = None
@@ -205,7 +209,8 @@ class Prefill:
 
 class RunningBatch:
     def __init__(self, model: torch.nn.Module, prefixes: prefix_cache.PrefixCache, max_length: int,
-                 max_rows: int | None = None, fixed_steps: bool | None = None) -> None:
+                 max_rows: int | None = None, fixed_steps: bool | None = None,
+                 pad_prefills: bool | None = None) -> None:
         """With `max_rows` (a server's maxBatch) the batch's whole KV cache is allocated now, as
         vLLM and TGI allocate theirs at start: a replica whose batch does not fit fails before it
         is ready, and the cache never grows mid-traffic (growing copies it, which held the
@@ -213,11 +218,18 @@ class RunningBatch:
 
         `fixed_steps` (with `max_rows`): decoding steps of fixed shapes, captured as CUDA graphs
         where the model allows (huorn.runtime.decode_graphs); None: where it does, True: always
-        (eagerly where it does not), False: never."""
+        (eagerly where it does not), False: never.
+
+        `pad_prefills`: the joining prompts of different lengths are prefilled together, padded
+        to the longest, rather than one forward pass per length. On a GPU (the default there) a
+        forward pass costs its kernel launches more than its tokens, and one per length made
+        the prefills what bounded a replica whose steps replay as CUDA graphs; on a CPU (off by
+        default) the padding costs its tokens."""
         self.model = model
         self.prefixes = prefixes
         self.max_length = max_length
         self.device = next(model.parameters()).device
+        self.pad_prefills = self.device.type == "cuda" if pad_prefills is None else pad_prefills
         self.rows: list[Row] = []
         self.prefilling: list[Prefill] = []  # admitted, not yet whole, oldest first
         # answered as their prefill ended (max_tokens 0: an echoed prompt scored, nothing
@@ -252,8 +264,9 @@ class RunningBatch:
     def admit(self, requests: Sequence[Request]) -> AdmitStats:
         """Take `requests` in: each prompt's leading blocks held in the prefix cache are loaded now
         (every one before any prompt's blocks are stored, which could evict them from a full
-        cache), the rest is left to `prefill`. Prompts of one length that skip as many blocks are
-        prefilled together; identical prompts once."""
+        cache), the rest is left to `prefill`. Prompts that skip as many blocks are prefilled
+        together (of one length each, unless `pad_prefills`; echoed prompts scored, always);
+        identical prompts once."""
         began = time.monotonic()
         stats = AdmitStats()
         if not requests:
@@ -266,11 +279,16 @@ class RunningBatch:
                   for r, n, score in zip(requests, names, scored, strict=True)]
         groups: dict[tuple[int, int, bool], list[int]] = {}
         for i, request in enumerate(requests):
-            groups.setdefault((len(request.tokens), reused[i], scored[i]), []).append(i)
-        for (length, skip, score), members in groups.items():
+            # a scored prompt's log-probabilities are read at every position: never padded
+            shape = 0 if self.pad_prefills and not scored[i] else len(request.tokens)
+            groups.setdefault((shape, reused[i], scored[i]), []).append(i)
+        for (_, skip, score), members in groups.items():
             slots: dict[tuple[int, ...], int] = {}
             for i in members:
                 slots.setdefault(tuple(requests[i].tokens), len(slots))
+            lengths = [len(prompt) for prompt in slots]
+            length = max(lengths)
+            padded = [[*prompt, *[0] * (length - len(prompt))] for prompt in slots]
             own: KVCache = self.model.build_cache(len(slots), length)  # type: ignore[operator]
             firsts = {slots[tuple(requests[i].tokens)]: i for i in reversed(members)}
             for slot, i in firsts.items():
@@ -278,12 +296,12 @@ class RunningBatch:
                     self.prefixes.load(own, slot, names[i][: skip // block])
             own.advance(skip)
             self.prefilling.append(Prefill(
-                torch.tensor(list(slots), dtype=torch.long, device=self.device), own,
+                torch.tensor(padded, dtype=torch.long, device=self.device), own,
                 [(requests[i], slots[tuple(requests[i].tokens)], reused[i]) for i in members],
-                [names[firsts[slot]] for slot in range(len(slots))], began,
-                scores=[[] for _ in slots] if score else None,
+                [names[firsts[slot]] for slot in range(len(slots))], began, lengths,
+                [None] * len(slots), scores=[[] for _ in slots] if score else None,
                 alternatives=max((requests[i].logprobs or 0 for i in members), default=0)))
-            stats.prefilled_tokens += (length - skip) * len(slots)
+            stats.prefilled_tokens += sum(n - skip for n in lengths)
             stats.cached_tokens += skip * len(slots)
         return stats
 
@@ -298,14 +316,19 @@ class RunningBatch:
             left = group.remaining
             chunk = left if budget == 0 else min(left, max(1, (budget - spent) // width))
             start = group.cache.length
+            # every position's logits where a prompt is scored or one of them ends inside the
+            # chunk (padded prompts), else the last position's only
+            ending = [slot for slot, n in enumerate(group.lengths) if start < n <= start + chunk]
+            whole = group.scores is not None or any(group.lengths[slot] < start + chunk for slot in ending)
             out = self.model.forward_step(  # type: ignore[operator]
-                group.prompts[:, start:start + chunk], group.cache, last_only=group.scores is None)
+                group.prompts[:, start:start + chunk], group.cache, last_only=not whole)
             if group.scores is not None:
                 measured = measure_prompt(out[..., : tokenizer.VOCABULARY].float(), group.prompts, start,
                                           group.alternatives)
                 for slot, entries in enumerate(measured):
                     group.scores[slot] += entries
-            group.logits = out[:, -1].float()
+            for slot in ending:  # its last position's
+                group.logits[slot] = out[slot, group.lengths[slot] - 1 - start if whole else -1].float()
             spent += chunk * width
             if group.remaining == 0:
                 # seated before it leaves `prefilling`: if seating fails partway, `clear` still
@@ -315,9 +338,9 @@ class RunningBatch:
 
     def _seat(self, group: Prefill) -> None:
         """A whole prefill's requests into rows; its prompts' blocks into the prefix cache."""
-        assert self.cache is not None and group.logits is not None
-        length = group.prompts.shape[1]
+        assert self.cache is not None
         for request, slot, cached in group.requests:
+            length = group.lengths[slot]
             if group.scores is not None:
                 n = request.logprobs or 0
                 request.prompt_logprobs = [TokenLogprob(request.tokens[0], None, None)] + [
@@ -332,7 +355,9 @@ class RunningBatch:
                 continue
             self.cache.place(len(self.rows), group.cache, slot, length)
             generator = torch.Generator().manual_seed(request.seed)  # sampling draws on the CPU
-            self.rows.append(Row(Answer(request), generator, cached, group.began, group.logits[slot]))
+            logits = group.logits[slot]
+            assert logits is not None  # the prefill is whole: every slot's last position was in a chunk
+            self.rows.append(Row(Answer(request), generator, cached, group.began, logits))
             self.cache.rows = len(self.rows)
         for slot, slot_names in enumerate(group.names):
             self.prefixes.store(group.cache, slot, slot_names)
