@@ -150,3 +150,21 @@ async def serving_app(app: web.Application,
             yield session
     finally:
         await runner.cleanup()
+
+
+def serving_decoder(mode: str, context: int, layers: int = 4) -> object:
+    """A small byte-vocabulary decoder as a replica serves it (eval, no gradients), its FusedKV
+    fusion weights moved off their Lite init so that FusedKV is really fused."""
+    import torch
+
+    from huorn import models
+
+    torch.manual_seed(0)
+    cfg = models.ModelConfig(layers=layers, width=64, heads=4, kv_heads=2, vocabulary=256, context=context,
+                             kv_sharing=mode)
+    model = models.build_model(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("k_fuse", "v_fuse")):
+                param.uniform_(-1.0, 1.5)
+    return model

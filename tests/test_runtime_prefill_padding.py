@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import runtime_harness as harness
 import torch
 
 from huorn import models
@@ -18,15 +19,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def build(mode: str) -> models.Decoder:
-    torch.manual_seed(0)
-    cfg = models.ModelConfig(layers=4, width=64, heads=4, kv_heads=2, vocabulary=256, context=64,
-                             kv_sharing=mode)
-    model = models.build_model(cfg).eval().requires_grad_(False)
-    with torch.no_grad():  # fusion weights off their Lite init, so FusedKV is really fused
-        for name, param in model.named_parameters():
-            if name.endswith(("k_fuse", "v_fuse")):
-                param.uniform_(-1.0, 1.5)
-    return model
+    return harness.serving_decoder(mode, 64)  # type: ignore[return-value]
 
 
 def _run(model: models.Decoder, pad: bool, budget: int) -> tuple[list, list, int, int]:
