@@ -96,3 +96,22 @@ def test_a_fixed_step_never_writes_outside_the_cache() -> None:
     with torch.no_grad():
         logits = model.forward_fixed_step(torch.zeros(2, 1, dtype=torch.long), cache)
     assert logits.shape == (2, 256) and cache.fixed_rows is None and cache.key_mask is None
+
+
+def test_a_batch_grown_past_its_buckets_steps_eagerly() -> None:
+    """run_to_end with more requests than maxBatch grows the cache past the largest bucket: those
+    steps run over the rows in use (the bucket lookup raised StopIteration)."""
+    model = build("none")
+
+    async def run() -> tuple[list, list]:
+        requests = [continuous_batching.Request([65 + i, 66, 67], 4, 0.0, i) for i in range(3)]
+        def batch(fixed_steps: bool) -> continuous_batching.RunningBatch:
+            return continuous_batching.RunningBatch(model, prefix_cache.PrefixCache(0), CONTEXT, 2,
+                                                    fixed_steps=fixed_steps)
+
+        fixed, plain = batch(True), batch(False)
+        again = [continuous_batching.Request(list(r.tokens), 4, 0.0, r.seed) for r in requests]
+        return fixed.run_to_end(requests), plain.run_to_end(again)
+
+    fixed, plain = asyncio.run(run())
+    assert [text for text, *_ in fixed] == [text for text, *_ in plain]

@@ -927,6 +927,50 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask_whole_chunked_cached
     assert text_only["choices"][0]["logprobs"] is None and text_only["usage"]["completion_tokens"] == 3
 
 
+def test_a_scored_prompt_is_answered_even_when_the_step_after_its_prefill_fails(tmp_path: Path) -> None:
+    """max_tokens 0 with echo is answered as its prefill ends, taken out of the batch: if the
+    decoding step of that same iteration failed, it was in neither the rows nor the batch's early
+    answers, and its client waited for ever. Now it is answered before the step; the running
+    request fails with the step."""
+    _saved_model(tmp_path / "ckpt")
+
+    async def work(session, server, report):
+        running = server.running
+        take_early, step, took = running.take_early, running.step, []
+        queued = threading.Event()  # the scored request waits in the queue
+
+        def recording() -> list:
+            took.append(early := take_early())
+            return early
+
+        def failing() -> list:
+            queued.wait(10)  # the running request's first step waits for the scored one to queue
+            if took and took[-1]:  # the iteration that answered a scored prompt
+                raise RuntimeError("the device went away")
+            return step()
+
+        running.take_early, running.step = recording, failing
+
+        async def post(body: dict) -> tuple[int, dict]:
+            async with session.post("/v1/completions", json=body) as r:
+                return r.status, await r.json()
+
+        long = asyncio.create_task(post({"prompt": "Q: Hi?\nA:", "max_tokens": 20}))
+        while not len(running):  # decoding: its first step holds
+            await asyncio.sleep(0.01)
+        scored = asyncio.create_task(post({"prompt": "Q: Hi?", "echo": True, "logprobs": 1,
+                                           "max_tokens": 0}))
+        while not server.queue:
+            await asyncio.sleep(0.01)
+        queued.set()
+        return await asyncio.wait_for(scored, timeout=30), await asyncio.wait_for(long, timeout=30)
+
+    (status, scored), (long_status, failed) = asyncio.run(_serving(_config(tmp_path), work))
+    assert status == 200 and scored["choices"][0]["text"] == "Q: Hi?"
+    assert len(scored["choices"][0]["logprobs"]["tokens"]) == len("Q: Hi?")
+    assert long_status == 500 and "the device went away" in failed["error"]
+
+
 def test_echo_is_refused_where_it_cannot_be_served(tmp_path: Path) -> None:
     _saved_model(tmp_path / "ckpt")
     hi = {"messages": [{"role": "user", "content": "Hi?"}], "max_tokens": 2}

@@ -599,23 +599,28 @@ class Server:
                 break
             # up to a chunk of the admitted prompts first: a long one holds the rows a chunk a step
             self.running.prefill(self.limits.prefill_chunk_tokens)
-            answered = self.running.take_early()  # scored prompts that ask for no answer
+            # scored prompts that ask for no answer go before the step: taken out of the batch,
+            # they would be lost if it failed (no longer in `early` for `clear` to find)
+            self.deliver(self.running.take_early())
             if len(self.running):
                 self.metrics.batch.observe(len(self.running))
-                answered += self.running.step()
+                answered = self.running.step()
                 for gap in self.running.token_gaps:
                     self.metrics.inter_token.observe(gap)
                 self.running.token_gaps.clear()
-            # before the answers go: a client that has its answer may read /metrics next
-            self.count_evictions()
-            for request, result in answered:
-                request.loop.call_soon_threadsafe(self.answer, request, result)
-            if len(self.running):
+                self.deliver(answered)
                 self.running.feed()  # may fail: the answers above are made, and reach their clients
             self.count_evictions()
             # counted as it goes: the autoscaler reads its rate while the loop runs for minutes
             self.metrics.busy.inc(time.monotonic() - started)
         self.metrics.prefix_cache_bytes.set(self.prefixes.nbytes())
+
+    def deliver(self, answered: list[tuple[Request, Result]]) -> None:
+        """Answers to their loops, after the prefix cache's evictions are counted: a client that
+        has its answer may read /metrics next."""
+        self.count_evictions()
+        for request, result in answered:
+            request.loop.call_soon_threadsafe(self.answer, request, result)
 
     def count_evictions(self) -> None:
         """The prefix cache's evictions since the last count, into its counter: its stores happen
