@@ -4,7 +4,10 @@ the cluster mirror's GPU accounting, validation messages and kstatus conditions.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import random
+import time
+import types
 
 import kubernetes
 import pytest
@@ -308,3 +311,71 @@ def test_the_operator_starts_without_scikit_learn() -> None:
     probe = "import sys, huorn.cli.operator, huorn.operator.handlers; print('sklearn' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _front_pod(deleted: str | None, grace: int | None = None, kind: str = "InferenceJob") -> dict:
+    labels = {"huorn.io/job": "chat", "huorn.io/vertex": "activator", "huorn.io/instance": "activator-0",
+              "huorn.io/kind": kind}
+    meta: dict = {"namespace": "team", "name": "chat-activator-0", "labels": labels}
+    if deleted:
+        meta["deletionTimestamp"] = deleted
+        if grace is not None:
+            meta["deletionGracePeriodSeconds"] = grace
+    return {"metadata": meta, "spec": {"terminationGracePeriodSeconds": 90}, "status": {"phase": "Running"}}
+
+
+def test_a_terminating_pod_records_its_kind_and_when_its_grace_is_surely_over() -> None:
+    stamp = index.parse_time("2026-12-05T10:00:00Z")
+    record = index.build_pod_record(_front_pod("2026-12-05T10:00:00Z", grace=30))
+    assert record is not None and record.kind == "InferenceJob" and record.grace_ends == stamp + 30
+    assert not record.past_grace(stamp + 29) and record.past_grace(stamp + 31)
+    # no deletionGracePeriodSeconds (KMock sets none): the pod's own grace
+    assert index.build_pod_record(_front_pod("2026-12-05T10:00:00Z")).grace_ends == stamp + 90
+    running = index.build_pod_record(_front_pod(None, kind="RLJob"))
+    assert running.kind == "RLJob" and running.grace_ends == 0 and not running.past_grace(stamp + 10**6)
+
+
+def test_a_retiring_service_waits_for_a_terminating_front_pod_but_not_past_its_grace() -> None:
+    """routing.policy back to `service`: `<job>-endpoints` stays while the old router drains,
+    and goes once the router's grace is surely over, the pod still there (its node stopped
+    answering: it would stay until someone removed it, and the Service with it)."""
+    from huorn.operator import serving
+
+    ref = manifests.JobRef("InferenceJob", "chat", "team", "uid-1")
+    deleted: list[str] = []
+
+    class Client:
+        async def delete(self, kind: str, namespace: str, name: str) -> bool:
+            deleted.append(name)
+            return True
+
+    ctx = types.SimpleNamespace(client=Client())
+
+    def retire(stamp: str) -> list[str]:
+        pod = index.build_pod_record(_front_pod(stamp, grace=30))
+        return asyncio.run(serving._retire_front_services(  # type: ignore[arg-type]
+            ctx, ref, {"frontServices": ["endpoints"]}, [pod], {}, False, False))
+
+    recent = _iso(time.time() - 5)  # the operator reads the wall clock
+    assert retire(recent) == ["endpoints"] and deleted == []
+    long_ago = _iso(time.time() - 3600)
+    assert retire(long_ago) == [] and deleted == ["chat-endpoints"]
+
+
+def _iso(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC).isoformat()
+
+
+def test_a_resync_wakes_each_dropped_pods_job_by_its_kind() -> None:
+    """ctx.wake reconciles TrainingJobs: an InferenceJob woken through it was looked up as a
+    TrainingJob and left as it was."""
+    from huorn.operator import handlers
+
+    woken: list[tuple[str, str, str]] = []
+    ctx = types.SimpleNamespace(**{name: (lambda tag: lambda ns, job: woken.append((tag, ns, job)))(name)
+                                   for name in ("wake", "wake_serving", "wake_rl")})
+    pods = [index.build_pod_record(_front_pod(None, kind=kind)) for kind in ("InferenceJob", "RLJob")]
+    pods.append(index.build_pod_record(_pod_body("t0")))  # a trainer: no kind label, a TrainingJob
+    handlers.wake_jobs_of(ctx, pods)  # type: ignore[arg-type]
+    assert sorted(woken) == [("wake", "team", "j"), ("wake_rl", "team", "chat"),
+                             ("wake_serving", "team", "chat")]

@@ -13,7 +13,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import kopf
@@ -100,9 +100,17 @@ async def _resync_mirror(ctx: Context) -> None:
             continue
         logger.info("mirror resync dropped %d pods the watch missed: %s", len(dropped),
                     ", ".join(f"{p.namespace}/{p.name}" for p in dropped[:8]))
-        for job in sorted({p.job_key for p in dropped if p.job}):
-            ctx.wake(*job)
+        wake_jobs_of(ctx, dropped)
         ctx.wake_line()
+
+
+def wake_jobs_of(ctx: Context, pods: Iterable[index.PodRecord]) -> None:
+    """A reconcile of each pod's job, by the job's kind: ctx.wake reconciles TrainingJobs, and an
+    InferenceJob or RLJob woken through it was looked up as a TrainingJob, found absent, and left
+    as it was (a front pod's retiring Service stayed until something else touched the job)."""
+    wakers = {"InferenceJob": ctx.wake_serving, "RLJob": ctx.wake_rl}
+    for kind, job in sorted({(p.kind, p.job_key) for p in pods if p.job}):
+        wakers.get(kind, ctx.wake)(*job)
 
 
 def _waker(ctx: Context, plural: str = training.PLURAL) -> Callable[[str, str], None]:

@@ -50,6 +50,11 @@ class PodRecord:
     ended: str = ""  # why the kubelet ended the pod itself (Evicted, ...), with its message
     conditions: tuple[tuple[str, str], ...] = ()  # status.conditions as (type, status): DisruptionTarget
     template: str = ""  # a serving replica's spec hash (manifests.serve_template_hash): rolled when stale
+    kind: str = "TrainingJob"  # its job's kind (the huorn.io/kind label): which reconcile it wakes
+    # a terminating pod's end of grace at the latest (seconds since the epoch; 0: not terminating
+    # or unknown): its deletionTimestamp (the API's is the end of its grace; KMock's the request)
+    # plus the grace. A pod still there after it is on a node that no longer answers
+    grace_ends: float = 0.0
 
     def failure(self) -> str:
         """What a Failed pod ended with, as a person would want it in a decision."""
@@ -64,6 +69,11 @@ class PodRecord:
     @property
     def holds_resources(self) -> bool:
         return self.phase not in TERMINAL_POD_PHASES
+
+    def past_grace(self, now: float) -> bool:
+        """Terminating, and its grace surely over: a pod whose node stopped answering stays in
+        the API until someone removes it, and serves no one meanwhile."""
+        return self.deleting and 0 < self.grace_ends < now
 
     def never_started(self, now: float, limit_seconds: float) -> bool:
         """Still Pending `limit_seconds` after its creation (unschedulable, image not pulled): a
@@ -125,7 +135,22 @@ def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
         conditions=tuple((str(c.get("type")), str(c.get("status"))) for c in status.get("conditions") or []
                          if c.get("type")),
         template=annotations.get(manifests.ANNOTATION_TEMPLATE, ""),
+        kind=labels.get(manifests.LABEL_KIND, "TrainingJob"),
+        grace_ends=_grace_ends(meta, body.get("spec") or {}),
     )
+
+
+def _grace_ends(meta: Mapping[str, Any], spec: Mapping[str, Any]) -> float:
+    deleted = parse_time(meta.get("deletionTimestamp"))
+    if not deleted:
+        return 0.0
+    grace = meta.get("deletionGracePeriodSeconds")
+    if grace is None:
+        grace = spec.get("terminationGracePeriodSeconds", 30)
+    try:
+        return deleted + max(0.0, float(grace))
+    except (TypeError, ValueError):
+        return deleted + 30.0
 
 
 def parse_time(text: str | None) -> float:

@@ -44,6 +44,7 @@ replicas it has, and a restarted operator carries on from status.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -321,9 +322,11 @@ async def _retire_front_services(ctx: Context, ref: manifests.JobRef, old: Mappi
     # with no front pod wanted, every one left is on its way out, and reads a retiring Service;
     # one terminating still does: through its grace it forwards the answers it holds and retries
     # cut ones through the Service (deleted at its deletionTimestamp, those retries could not
-    # resolve a replica)
-    if retiring and not any(p.name.startswith(prefix) and (not wanted or not front_is_current(p, spec))
-                            for p in pods):
+    # resolve a replica). One past its grace serves no one (its node stopped answering), and
+    # would keep the Service until someone removed it; a resync's reconcile finds it past.
+    now = time.time()
+    if retiring and not any(p.name.startswith(prefix) and not p.past_grace(now)
+                            and (not wanted or not front_is_current(p, spec)) for p in pods):
         names = {ENDPOINTS: manifests.endpoints_service_name(ref),
                  REPLICAS: manifests.replicas_service_name(ref)}
         await asyncio.gather(*(ctx.client.delete("Service", ref.namespace, names[s])
