@@ -1108,6 +1108,7 @@ def test_n_choices_are_the_answers_of_consecutive_seeds_and_top_p_narrows_sampli
         _, nucleus = await post({**ask, "top_p": 1e-9})
         refused = [await post({**ask, **bad}) for bad in (
             {"n": 0}, {"n": 9}, {"top_p": 1.5}, {"best_of": 2}, {"echo": "yes"}, {"presence_penalty": 0.5},
+            {"seed": 2**64}, {"seed": 2**64 - 2, "n": 3},
             {"stream_options": {"include_usage": True}}, {"stream": True, "stream_options": {"usage": 1}})]
         # what SDKs send when the caller sets nothing is not refused
         unset = {"logprobs": None, "echo": False, "presence_penalty": 0, "best_of": 1}
@@ -1133,10 +1134,11 @@ def test_n_choices_are_the_answers_of_consecutive_seeds_and_top_p_narrows_sampli
     ids = torch.tensor([list(prompt.encode())])
     greedy = model.generate(ids, 6)[0, ids.shape[1]:].tolist()
     assert nucleus["text"] == bytes(greedy).decode("utf-8", errors="replace")
-    assert [status for status, _ in refused] == [400] * 8
+    assert [status for status, _ in refused] == [400] * 10
     refused = [(status, json.loads(body) if isinstance(body, str) else body) for status, body in refused]
     assert [body["error"].split(":")[0] for _, body in refused] == [
-        "n", "n", "top_p", "best_of", "echo", "presence_penalty", "stream_options", "stream_options"]
+        "n", "n", "top_p", "best_of", "echo", "presence_penalty", "seed", "seed", "stream_options",
+        "stream_options"]
     assert "spec.serving.maxBatch" in refused[1][1]["error"]
     assert "not served by this replica" in refused[3][1]["error"] and defaults["text"] == alone[0]["text"]
 
