@@ -22,6 +22,9 @@ pytestmark = pytest.mark.serial
 STEPS, SLOW_FROM, SLOW_MS = 50, 12, 25
 
 
+# four ranks that fill the machine: beside another serial test, a neighbour's load read as the
+# slow rank (both failed in the serial part on 2026-12-05, twice in two runs; alone, both pass)
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_slow_rank_of_a_pipeline_is_named_and_its_neighbour_is_not(tmp_path: Path) -> None:

@@ -27,6 +27,9 @@ pytestmark = pytest.mark.serial
 STEPS, SLOW_FROM, SLOW_MS = 70, 12, 25
 
 
+# four ranks that fill the machine: beside another serial test, a neighbour's load read as the
+# slow rank (both failed in the serial part on 2026-12-05, twice in two runs; alone, both pass)
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_slow_pipeline_replica_gets_fewer_micro_batches(tmp_path: Path) -> None:
