@@ -620,9 +620,13 @@ class Server:
         self.metrics.prefix_cache_bytes.set(self.prefixes.nbytes())
 
     def deliver(self, answered: list[tuple[Request, Result]]) -> None:
-        """Answers to their loops, after the prefix cache's evictions are counted: a client that
-        has its answer may read /metrics next."""
+        """Answers to their loops, after the prefix cache's evictions are counted and its size
+        set: a client that has its answer may read /metrics next (the size was set only once the
+        decoding loop ended, and a client quick enough read the one before its answer's blocks)."""
+        if not answered:
+            return
         self.count_evictions()
+        self.metrics.prefix_cache_bytes.set(self.prefixes.nbytes())
         for request, result in answered:
             request.loop.call_soon_threadsafe(self.answer, request, result)
 
