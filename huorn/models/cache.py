@@ -151,10 +151,7 @@ class RaggedKVCache(KVCache):
         if self._end > self.max_length:
             raise ValueError(f"KVCache: {self._end} tokens exceed max_length={self.max_length}; "
                              "build a longer cache")
-        positions = self._positions = self.lengths[:n]
-        keys = torch.arange(self._end, device=positions.device)
-        self.key_mask = (keys[None, :] <= positions[:, None])[:, None, None, :]
-        return positions
+        return self._aim(self.lengths[:n])
 
     def begin_fixed_step(self, rows: int) -> torch.Tensor:
         """A decoding step over the first `rows` rows, free ones included, whose every shape is
@@ -167,8 +164,12 @@ class RaggedKVCache(KVCache):
             raise ValueError(f"RaggedKVCache: a fixed step of {rows} rows in a cache of {self.capacity}")
         self.fixed_rows = rows
         self._end = self.max_length
-        positions = self._positions = self.lengths[:rows].clamp(max=self.max_length - 1)
-        keys = torch.arange(self.max_length, device=positions.device)
+        return self._aim(self.lengths[:rows].clamp(max=self.max_length - 1))
+
+    def _aim(self, positions: torch.Tensor) -> torch.Tensor:
+        """This step writes each row's K/V at its position and reads the keys up to it."""
+        self._positions = positions
+        keys = torch.arange(self._end, device=positions.device)
         self.key_mask = (keys[None, :] <= positions[:, None])[:, None, None, :]
         return positions
 
@@ -190,10 +191,11 @@ class RaggedKVCache(KVCache):
                              f"got K of shape {tuple(k.shape)}")
         if layer >= len(self.keys):
             raise IndexError(f"KVCache: layer {layer} has no slot; this cache holds {len(self.keys)} layers")
+        if self._positions is None:
+            raise RuntimeError("RaggedKVCache: begin_step or begin_fixed_step comes before a step's append")
         index = torch.arange(n, device=k.device)
-        positions = self._positions if self._positions is not None else self.lengths[:n]
-        self.keys[layer][index, :, positions] = k[:, :, 0]
-        self.values[layer][index, :, positions] = v[:, :, 0]
+        self.keys[layer][index, :, self._positions] = k[:, :, 0]
+        self.values[layer][index, :, self._positions] = v[:, :, 0]
         return self.keys[layer][:n, :, : self._end], self.values[layer][:n, :, : self._end]
 
     def advance(self, steps: int) -> None:

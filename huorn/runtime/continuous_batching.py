@@ -416,7 +416,8 @@ class RunningBatch:
         if not self.rows:
             return
         assert self.cache is not None
-        if self.graphs is not None:
+        # a batch grown past maxBatch (run_to_end) has no bucket: it steps eagerly over its rows
+        if self.graphs is not None and len(self.rows) <= self.graphs.buckets[-1]:
             logits = self.graphs.run([row.chosen[-1] for row in self.rows])
         else:
             fed = [[row.chosen[-1]] for row in self.rows]

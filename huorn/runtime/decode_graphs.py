@@ -83,13 +83,12 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def run(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Logits [n, V] (fp32, a copy) of one step feeding `tokens` to the cache's n rows in use;
-        the rows are advanced."""
+        """Logits [n, V] (fp32, a copy) of one step feeding `tokens` to the cache's n rows in use
+        (n at most the largest bucket); the rows are advanced."""
         n = len(tokens)
+        if n > self.buckets[-1]:
+            raise ValueError(f"DecodeGraphs: a step of {n} rows; the largest bucket is {self.buckets[-1]}")
         fed = torch.tensor(tokens, dtype=torch.long).view(n, 1)
-        if n > self.buckets[-1]:  # a batch grown past maxBatch (run_to_end): the eager step
-            step = self.model.forward_step(fed.to(self.device), self.cache, last_only=True)  # type: ignore[operator]
-            return step[:, -1].float()
         rows = next(b for b in self.buckets if b >= n)
         self.tokens[:n].copy_(fed, non_blocking=True)
         self.tokens[n:rows].zero_()
