@@ -12,7 +12,10 @@ standing in for one GPU) per policy, `serving.batching` set to:
   (`prefillChunkTokens`: its default, 2,048, is sized for a GPU; on this CPU a 128-token chunk
   costs about one decoding step of 16 rows);
 - `continuous-eager`: `continuous` with `cudaGraphs: false`: on a GPU its decoding steps are
-  launched kernel by kernel rather than replayed as CUDA graphs (the same as `continuous` on a CPU).
+  launched kernel by kernel rather than replayed as CUDA graphs (the same as `continuous` on a CPU);
+- `continuous-delayed[:F]`: `continuous` with `prefillDelayFactor` F (1 by default): while answers
+  decode, arrivals wait until the oldest has waited F times the last prefill's iteration, so that
+  they share one prefill.
 
 The requests are consecutive successful rows of `../shared/data/lora_request_trace.csv` (a
 production GenAI service, cluster-trace-v2026-GenAI), replayed at their recorded arrival times
@@ -71,7 +74,10 @@ POLICIES = {"static": {"batching": "static", "prefillChunkTokens": 0},
             "continuous": {"batching": "continuous"},
             # a GPU replica's steps without CUDA graphs (huorn.runtime.decode_graphs); on a CPU,
             # which captures none, the same as `continuous`
-            "continuous-eager": {"batching": "continuous", "cudaGraphs": False}}
+            "continuous-eager": {"batching": "continuous", "cudaGraphs": False},
+            # arrivals held while answers decode until they share a prefill (`prefillDelayFactor`,
+            # 1 unless the policy is named `continuous-delayed:F`)
+            "continuous-delayed": {"batching": "continuous", "prefillDelayFactor": 1.0}}
 RATIOS = (("tokens_per_second", "tokens_per_second"), ("latency_mean", "latency_mean_s"),
           ("latency_p99", "latency_p99_s"), ("latency_per_token", "latency_per_token_mean_s"),
           ("ttft_mean", "ttft_mean_s"), ("inter_token_p99", "inter_token_p99_s"),
@@ -155,11 +161,13 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
 
 async def run_policy(policy: str, rate: float, trace: list[tuple[float, str, int]], args,  # type: ignore[no-untyped-def]
                      progress: Progress) -> dict:
-    chunk = {"prefillChunkTokens": args.chunk} if policy in ("continuous", "continuous-eager") else {}
+    name, _, factor = policy.partition(":")
+    serving = {**POLICIES[name], **({"prefillDelayFactor": float(factor)} if factor else {})}
+    if name != "static" and "prefillChunkTokens" not in serving:
+        serving["prefillChunkTokens"] = args.chunk
     spec = {"virtualCluster": "bench", "model": {"checkpoint": str(args.work / "ckpt"),
                                                  "architecture": args.architecture},
-            "serving": {"maxBatch": args.max_batch, "maxTokens": 1024, "prefixCacheTokens": 0,
-                        **POLICIES[policy], **chunk}}
+            "serving": {"maxBatch": args.max_batch, "maxTokens": 1024, "prefixCacheTokens": 0, **serving}}
     config = {"jobName": "bench", "host": "127.0.0.1", "port": 0, "device": args.device, "spec": spec}
     fleet = Fleet(args.work / f"{policy}-{rate}", config)
     starting = time.monotonic()
@@ -294,8 +302,18 @@ def main() -> int:
     parser.add_argument("--trace", type=Path, default=TRACE)
     args = parser.parse_args()
     policies = args.policies.split(",")
-    if "static" not in policies or set(policies) - set(POLICIES):
-        parser.error(f"--policies: static and any of {', '.join(p for p in POLICIES if p != 'static')}")
+    def known(policy: str) -> bool:
+        name, colon, factor = policy.partition(":")
+        if not colon:
+            return name in POLICIES
+        try:
+            return name == "continuous-delayed" and float(factor) >= 0
+        except ValueError:
+            return False
+
+    if "static" not in policies or not all(known(p) for p in policies):
+        parser.error(f"--policies: static and any of {', '.join(p for p in POLICIES if p != 'static')} "
+                     "(continuous-delayed:F sets the delay factor F)")
     begun = time.perf_counter()
     rates = [float(x) for x in args.rates.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)

@@ -129,6 +129,52 @@ def test_the_batcher_admits_the_oldest_into_free_rows_or_only_into_an_empty_batc
     assert asyncio.run(check()) == expected
 
 
+def test_a_prefill_delay_holds_arrivals_until_they_have_waited_or_fill_the_free_rows(tmp_path: Path) -> None:
+    """`prefillDelayFactor`: while answers are decoded, an arrival waits until the oldest arrival
+    has waited factor × the last prefill's iteration, so that arrivals share a prefill; arrivals
+    that fill every free row, or an empty batch, are not held."""
+    _saved_model(tmp_path / "ckpt")
+    cfg = _config(tmp_path, serving={"maxBatch": 4, "maxTokens": 48, "prefillDelayFactor": 2.0})
+
+    async def check() -> None:
+        model, _ = serve.load_model(cfg)
+        server = serve.Server(cfg, model)
+        server.last_prefill_seconds = 0.5
+        first = serve.Request([1, 2, 3], 8, 0.0, 0)
+        server.queue = [first]
+        assert server.admissions(now=first.arrived) == [first]  # an empty batch: at once
+        server.running.admit([first])
+        server.running.prefill()
+        assert len(server.running) == 1  # decoding: three rows free
+        arrived = time.monotonic()
+        second = serve.Request([6], 8, 0.0, 0, arrived=arrived)
+        server.queue = [second]
+        assert server.admissions(now=arrived + 0.9) == []  # waited less than 2 × 0.5 s
+        assert server.queue == [second]  # held, not dropped
+        assert server.admissions(now=arrived + 1.1) == [second]
+        server.running.admit([second])
+        # two arrivals fill the two rows left: nothing is gained by holding them
+        both = [serve.Request([7], 8, 0.0, 0, arrived=arrived) for _ in range(2)]
+        server.queue = list(both)
+        assert server.admissions(now=arrived) == both
+
+    asyncio.run(check())
+
+
+def test_the_decoding_loop_measures_its_prefill_iterations(tmp_path: Path) -> None:
+    _saved_model(tmp_path / "ckpt")
+    cfg = _config(tmp_path, serving={"maxBatch": 4, "maxTokens": 48})
+
+    async def check() -> float:
+        model, _ = serve.load_model(cfg)
+        server = serve.Server(cfg, model)
+        server.queue = [serve.Request([1, 2, 3], 4, 0.0, 0)]
+        await asyncio.to_thread(server.decode)
+        return server.last_prefill_seconds
+
+    assert asyncio.run(check()) > 0
+
+
 def test_a_gpu_serves_in_bf16_and_the_batcher_carries_bf16_weights(tmp_path: Path) -> None:
     """The GPU path's dtype on CPU (CI has no GPU): its KV cache takes the weights' dtype, its
     logits are sampled in fp32, and its answers are the bf16 model's own greedy decoding."""

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from huorn.api import inference
 from huorn.backends import replica_metrics
 from huorn.backends.kubernetes import manifests
 from huorn.graph.model import Instance
@@ -277,6 +278,22 @@ def test_an_operator_upgrade_that_adds_continuous_batching_rolls_no_replica() ->
     resized = {**upgraded, "serving": {**upgraded["serving"], "prefixCacheTokens": 64}}
     assert manifests.serve_template_hash(oldest) not in manifests.serve_template_hashes(resized)
     assert manifests.serve_template_hash(with_cache) not in manifests.serve_template_hashes(resized)
+
+
+def test_every_serving_field_since_the_first_operator_rolls_no_replica_at_its_default() -> None:
+    """A field added to spec.serving is defaulted into every stored spec once the new CRD is
+    applied; unless it is in ADDED_SERVING_FIELDS, that changes every replica's hash and an
+    operator upgrade rolls them all (cudaGraphs was added without it)."""
+    first_operators = {"maxBatch", "maxTokens"}
+    fields = {f.alias or name for name, f in inference.ServingLimits.model_fields.items()}
+    added = [name for name, _ in manifests.ADDED_SERVING_FIELDS]
+    assert fields - first_operators == set(added)
+    oldest = {"model": {"checkpoint": "/a"}, "serving": {"maxBatch": 8, "maxTokens": 64}}
+    defaults = inference.ServingLimits().model_dump(by_alias=True)
+    upgraded = {**oldest, "serving": {**defaults, "maxBatch": 8, "maxTokens": 64}}
+    assert manifests.serve_template_hash(oldest) in manifests.serve_template_hashes(upgraded)
+    delayed = {**upgraded, "serving": {**upgraded["serving"], "prefillDelayFactor": 1.0}}
+    assert manifests.serve_template_hash(oldest) not in manifests.serve_template_hashes(delayed)
 
 
 def test_best_fit_fills_the_fullest_node_first_and_stops_when_full() -> None:

@@ -40,6 +40,15 @@ class ServingLimits(ApiModel):
                     "per bucket of rows, as vLLM does) and replay them: a step is hundreds of small "
                     "kernels whose launches from Python cost several times what they compute. "
                     "Dense models only (MoE routing is data-dependent); false decodes eagerly.")
+    prefill_delay_factor: float = Field(
+        default=0, ge=0, le=100,
+        description="With `continuous` batching: while answers are being decoded, requests that "
+                    "arrive join only once the oldest of them has waited this many times the last "
+                    "prefill's iteration (vLLM's scheduler delay factor), or once enough wait to fill "
+                    "every free row. Arrivals then share one prefill instead of each pausing the "
+                    "answers for its own: where prefills cost a fixed overhead (eager prefills beside "
+                    "CUDA-graphed steps) this raises throughput at the cost of first-token time. 0 "
+                    "admits at the next step.")
     batching: Literal["continuous", "static"] = Field(
         default="continuous",
         description="`continuous`: a request joins the requests being decoded at the next step, and "

@@ -280,6 +280,9 @@ class Server:
         self.running = continuous_batching.RunningBatch(
             model, self.prefixes, min(self.context, self.limits.max_tokens), self.limits.max_batch,
             fixed_steps=None if self.limits.cuda_graphs else False)
+        # the last iteration that prefilled, whole (prefill and step): what an arrival's own
+        # prefill would cost the answers being decoded (`prefillDelayFactor`)
+        self.last_prefill_seconds = 0.0
         self.started = int(time.time())
         self.stopping = False  # handlers cancelled as the server stops are not abandoned
 
@@ -572,14 +575,20 @@ class Server:
                             headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
     # -- batching --------------------------------------------------------------------------------
-    def admissions(self) -> list[Request]:
+    def admissions(self, now: float | None = None) -> list[Request]:
         """The oldest waiting requests that join the running batch before its next step: as many
         as it has free rows (`continuous`), or, with `static`, a whole batch once it is empty.
-        The caller holds `queue_lock`."""
+        With `prefillDelayFactor`, arrivals wait while answers are decoded until the oldest has
+        waited that many last prefills, unless they fill every free row. The caller holds
+        `queue_lock`."""
         busy = len(self.running) + self.running.waiting()
         free = self.limits.max_batch - busy
         if self.limits.batching == "static" and busy:
             free = 0
+        elif busy and self.queue and len(self.queue) < free and self.limits.prefill_delay_factor:
+            waited = (time.monotonic() if now is None else now) - self.queue[0].arrived
+            if waited < self.limits.prefill_delay_factor * self.last_prefill_seconds:
+                free = 0
         taken, self.queue = self.queue[:free], self.queue[free:]
         return taken
 
@@ -601,6 +610,7 @@ class Server:
                 self.admitting = []
             if not (len(self.running) or self.running.prefilling):
                 break
+            prefilled = bool(self.running.prefilling)
             # up to a chunk of the admitted prompts first: a long one holds the rows a chunk a step
             self.running.prefill(self.limits.prefill_chunk_tokens)
             # scored prompts that ask for no answer go before the step: taken out of the batch,
@@ -615,8 +625,11 @@ class Server:
                 self.deliver(answered)
                 self.running.feed()  # may fail: the answers above are made, and reach their clients
             self.count_evictions()
+            took = time.monotonic() - started
+            if prefilled:
+                self.last_prefill_seconds = took
             # counted as it goes: the autoscaler reads its rate while the loop runs for minutes
-            self.metrics.busy.inc(time.monotonic() - started)
+            self.metrics.busy.inc(took)
         self.metrics.prefix_cache_bytes.set(self.prefixes.nbytes())
 
     def deliver(self, answered: list[tuple[Request, Result]]) -> None:

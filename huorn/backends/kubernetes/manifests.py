@@ -475,7 +475,9 @@ def serve_template_hash(spec: Mapping[str, Any]) -> str:
 PREFIX_CACHE_DEFAULT = inference.ServingLimits.model_fields["prefix_cache_tokens"].default
 # spec.serving's fields added after the first operators, newest first, with their defaults
 _SERVING = inference.ServingLimits.model_fields
-ADDED_SERVING_FIELDS = (("prefillChunkTokens", _SERVING["prefill_chunk_tokens"].default),
+ADDED_SERVING_FIELDS = (("prefillDelayFactor", _SERVING["prefill_delay_factor"].default),
+                        ("cudaGraphs", _SERVING["cuda_graphs"].default),
+                        ("prefillChunkTokens", _SERVING["prefill_chunk_tokens"].default),
                         ("batching", _SERVING["batching"].default),
                         ("prefixCacheTokens", PREFIX_CACHE_DEFAULT))
 
