@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import signal
 import socket
 import subprocess
@@ -302,11 +303,16 @@ def test_ray_cpus_for_a_running_cluster_is_refused_naming_both(
 
 def test_the_roles_import_only_what_they_run() -> None:
     """Ray imports each actor's module in the actor's process, so its imports are the role's
-    start-up cost: a reward worker needs no torch, and a rollout worker no DCP (1.2-1.4 s of CPU)
-    until a checkpoint is saved or loaded."""
+    start-up cost: a reward worker needs no torch, nor do the groups it is sent (the whole items
+    were, whose tensors imported it at the first call), and a rollout worker no DCP (1.2-1.4 s
+    of CPU) until a checkpoint is saved or loaded."""
+    groups = workers.RolloutWorker({"virtualCluster": "x", "model": MODEL}, "cpu").generate(
+        [("Q: What is 2 + 3?\nA:", "5", 1)])
+    sent = pickle.dumps(controller.reward_inputs(groups))
     probe = (
-        "import sys, json\n"
+        "import sys, json, pickle\n"
         "from huorn.runtime.rl import rewarding\n"
+        f"rewarding.RewardWorker({{'virtualCluster': 'x'}}).score(pickle.loads({sent!r}))\n"
         "reward_torch = 'torch' in sys.modules\n"
         "from huorn.runtime.rl import workers\n"
         f"workers.RolloutWorker({{'virtualCluster': 'x', 'model': {MODEL!r}}}, 'cpu')\n"
@@ -368,9 +374,11 @@ def run_twice_on(tmp_path: Path, spec: dict, config: Path, env: dict[str, str]) 
     assert [e["step"] for e in events if e["event"] == "rl"] == [0, 1, 2]
 
     # A longer run resumes after step 3. SIGTERM mid-run (a pod being stopped): the step in
-    # flight ends, is saved as the newest checkpoint, and the run exits 0.
+    # flight ends, is saved as the newest checkpoint, and the run exits 0. On the default roles
+    # (one rollout worker, scored in the controller): what a resume reads is the checkpoint, not
+    # the roles, and each actor costs a process importing torch (the first run used five).
     port = _free_port()
-    config.write_text(json.dumps({"jobName": "rl", "spec": {**spec, "steps": 500},
+    config.write_text(json.dumps({"jobName": "rl", "spec": {**spec, "steps": 500, "roles": {}},
                                   "runDir": str(tmp_path / "run"), "checkpointDir": str(tmp_path / "ckpt"),
                                   "evalPrompts": 0, "progressPort": port}))
     log = tmp_path / "run" / controller.STEPS_FILE

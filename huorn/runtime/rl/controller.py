@@ -226,6 +226,13 @@ def gpu_requests(roles: rl.Roles, reference: bool) -> dict[str, float]:
     return out
 
 
+def reward_inputs(items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What a reward worker scores of each group: its strings. NB: not the whole item, whose
+    tensors, unpickled in the worker, imported torch there at its first call (2-3 s of CPU),
+    which its module (huorn.runtime.rl.rewarding) is kept free of."""
+    return [{"text": i["text"], "answer": i["answer"], "responses": i["responses"]} for i in items]
+
+
 @contextlib.contextmanager
 def _environment(**values: str) -> Iterator[None]:
     """Set environment variables for the processes started in the block, then put them back."""
@@ -368,7 +375,7 @@ class Controller:
             reward = self.spec.reward
             return [[tasks.score(reward, tasks.Prompt(i["text"], i["answer"]), r) for r in i["responses"]]
                     for i in items]
-        chunks = self.rewards.deal(items)
+        chunks = self.rewards.deal(reward_inputs(items))
         scored = ray.get([w.score.remote(c) for w, c in zip(self.rewards.members, chunks, strict=True) if c])
         return [s for chunk_scores in scored for s in chunk_scores]
 
