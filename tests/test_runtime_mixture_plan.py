@@ -76,7 +76,9 @@ def test_weights_give_the_domain_its_share_and_the_rest_its_listed_proportions()
     assert mixture_plan.share_weights(data, 0.4) == pytest.approx([0.4, 0.2, 0.4])
 
 
-def _planned_spec(steps: int = 12, probe_steps: int = 16) -> dict:
+def _planned_spec(steps: int = 4, probe_steps: int = 8) -> dict:
+    """Probes just long enough for two points each (8, the fit's minimum, from four probes); the
+    run's own steps only need to exist for a restart to find them done."""
     spec = harness.build_spec(steps=steps, interval_steps=None)
     spec["data"]["mixture"] = "auto"
     spec["data"]["plan"] = {"domain": "math", "probeSteps": probe_steps, "probeEvaluations": 2,
@@ -98,6 +100,7 @@ def test_the_digest_follows_what_probes_depend_on_and_not_the_run_length() -> No
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("single_thread")  # the probes run here too, as the ranks do: one thread
 def test_two_ranks_split_the_probes_and_agree_with_one_and_a_restart_reads_the_plan(
         tmp_path: Path, data_dir: Path) -> None:
     two = tmp_path / "two"
