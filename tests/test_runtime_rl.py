@@ -520,7 +520,9 @@ def test_every_role_follows_the_config_file_between_steps(tmp_path: Path) -> Non
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             time.sleep(0.2)
 
-    grown = {"actorTrain": 2, "rollout": 3, "reference": 2, "reward": 2}
+    # each role one actor more (each model actor a process importing torch): enough to grow,
+    # join and shrink; dealing a step over more workers is test_a_prompts_samples_do_not_...'s
+    grown = {"actorTrain": 2, "rollout": 2, "reference": 2, "reward": 2}
     small = {"actorTrain": 1, "rollout": 1, "reference": 1, "reward": 1}
     try:
         wait_until(lambda es: sum(e["event"] == "rl" for e in es) >= 2, "two steps")
@@ -528,7 +530,7 @@ def test_every_role_follows_the_config_file_between_steps(tmp_path: Path) -> Non
         wait_until(lambda es: any(e.get("role_replicas") == grown for e in es), "every role grown")
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/progress", timeout=10) as answer:
             served = json.loads(answer.read())
-        assert served["rolloutWorkers"] == 3 and served["roleReplicas"] == grown
+        assert served["rolloutWorkers"] == 2 and served["roleReplicas"] == grown
         write(*small.values())
         def shrunk(es: list[dict]) -> bool:
             first = min(x["step"] for x in es if x.get("role_replicas") == grown)
