@@ -13,6 +13,11 @@ also eagerly with cuDNN's attention allowed (as before the fix in huorn/models/a
 
     .venv/bin/python benchmarks/serving_decode_step.py [--device cpu|cuda] [--rows 8,24,64]
         [--prompt 200] [--steps 30] [--architecture layers=4,width=256,heads=8,context=1024] [--baseline]
+        [--joins 1,4,16] [--chunk 2048]
+
+With `--joins`, prompts joining the running batch are timed too, split into their admission, the
+prefill's forward passes (padded together on a GPU) and their seating in the batch's rows: what a
+continuous-batching replica pays whenever requests arrive.
 """
 
 from __future__ import annotations
@@ -51,8 +56,9 @@ async def measure(args, rows: int, setting: str, fixed_steps: bool | None) -> di
     model = models.build_model(run_config.build_model_config(spec)).eval().requires_grad_(False)
     model = model.to(device=device, dtype=serve.serving_dtype(device))
     max_length = spec.context
-    running = continuous_batching.RunningBatch(model, prefix_cache.PrefixCache(0), max_length, rows,
-                                               fixed_steps=fixed_steps)
+    joins = [int(k) for k in args.joins.split(",") if k]
+    running = continuous_batching.RunningBatch(model, prefix_cache.PrefixCache(0), max_length,
+                                               rows + max(joins, default=0), fixed_steps=fixed_steps)
     generator = torch.Generator().manual_seed(rows)
     requests = [continuous_batching.Request(
         torch.randint(32, 127, (args.prompt,), generator=generator).tolist(), max_length - args.prompt,
@@ -63,12 +69,35 @@ async def measure(args, rows: int, setting: str, fixed_steps: bool | None) -> di
         running.step()
         running.feed()
     parts: dict[str, list[float]] = {"forward (feed)": [], "choose": [], "step bookkeeping": []}
+    results_joins: list[dict] = []
     for _ in range(args.steps):
         choose = timed(device, running.choose)
         step = timed(device, running.step)  # chooses again, then the answers' bookkeeping
         parts["choose"].append(choose)
         parts["step bookkeeping"].append(max(0.0, step - choose))
         parts["forward (feed)"].append(timed(device, running.feed))
+    # prompts joining the running batch: admitted, prefilled padded together, seated in rows
+    seat = running._seat
+    seated: list[float] = []
+    running._seat = lambda group: seated.append(timed(device, lambda: seat(group)))  # type: ignore[method-assign]
+    for k in joins:
+        split: dict[str, list[float]] = {"admit": [], "prefill forward": [], "seat": []}
+        for trial in range(args.join_trials):
+            joining = [continuous_batching.Request(
+                torch.randint(32, 127, (max(8, args.prompt - 13 * (i + trial)),),
+                              generator=generator).tolist(), 8, 0.0, i) for i in range(k)]
+            split["admit"].append(timed(device, lambda joining=joining: running.admit(joining)))
+            seated.clear()
+            whole = timed(device, lambda: running.prefill(args.chunk))
+            split["seat"].append(sum(seated))
+            split["prefill forward"].append(whole - sum(seated))
+            while len(running.rows) > rows:  # back to the running batch alone
+                running._drop(len(running.rows) - 1)
+        ms = {name: 1000 * sorted(values)[len(values) // 2] for name, values in split.items()}
+        print(f"{setting}, {rows} rows, {k} joining: "
+              + ", ".join(f"{name} {value:.2f} ms" for name, value in ms.items()), flush=True)
+        results_joins.append({"joining": k, "ms_median": ms})
+    running._seat = seat  # type: ignore[method-assign]
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -88,6 +117,7 @@ async def measure(args, rows: int, setting: str, fixed_steps: bool | None) -> di
     print(averages.table(sort_by=device_key, row_limit=15), flush=True)
     captured = running.graphs is not None and running.graphs.captured
     return {"setting": setting, "rows": rows, "cuda_graphs": captured, "ms_per_step": ms,
+            "joins": results_joins,
             "top_by_device": [{"name": e.key, "calls": e.count, "ms": getattr(e, device_key, 0) / 1000 / 5}
                               for e in top],
             "top_by_cpu": [{"name": e.key, "calls": e.count, "ms": e.self_cpu_time_total / 1000 / 5}
@@ -101,6 +131,11 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=200, help="prompt tokens of every row")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--architecture", type=parse_architecture, default=ARCHITECTURE)
+    parser.add_argument("--joins", default="",
+                        help="also time prompts joining the running batch, this many at once (e.g. 1,4,16): "
+                             "their admission, their prefill's forward passes and their seating in rows")
+    parser.add_argument("--join-trials", type=int, default=5)
+    parser.add_argument("--chunk", type=int, default=2048, help="the joining prompts' prefillChunkTokens")
     parser.add_argument("--baseline", action="store_true",
                         help="also run each case with cuDNN's attention allowed in decoding (before the fix)")
     args = parser.parse_args()
