@@ -4,7 +4,9 @@ trainer does, and it grows and shrinks between steps without a checkpoint."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,13 +56,35 @@ def test_shares_cover_the_items_once_in_order_and_differ_by_at_most_one() -> Non
             assert max(map(len, parts)) - min(map(len, parts)) <= 1
 
 
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for the module's Ray tests: a start costs several seconds of CPU on
+    a small machine. Each test kills the actors it made (_kill), so the next finds its CPUs free."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="huorn-dp-test")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _kill(*groups: Any) -> None:
+    import ray
+
+    for group in groups:
+        for actor in [*group.members, *(actor for actor, _ in group.starting)]:
+            ray.kill(actor)
+
+
 def _params(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in state.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_trainer_group_updates_as_one_trainer_and_resizes_between_steps(tmp_path: Path) -> None:
+def test_a_trainer_group_updates_as_one_trainer_and_resizes_between_steps(
+        tmp_path: Path, ray_cluster: None) -> None:
     """Two trainers (gloo) take one step's update as one trainer takes it; a third joins with
     rank 0's policy and optimiser state, handed over through Ray's object store, and the next
     update still matches; shrunk back to one, it goes on alike. The hand-overs write no checkpoint;
@@ -68,10 +92,11 @@ def test_a_trainer_group_updates_as_one_trainer_and_resizes_between_steps(tmp_pa
     import ray
 
     alone = workers.PolicyTrainer(SPEC, None, str(tmp_path / "alone"), "cpu")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="huorn-dp-test")
+    groups: list[pools.TrainerGroup] = []
     try:
         group = pools.TrainerGroup("actorTrain", lambda: ray.remote(workers.PolicyTrainer).options(
             num_cpus=0.5).remote(SPEC, None, str(tmp_path / "group"), "cpu"), 2)
+        groups.append(group)
         ray.get([a.__ray_ready__.remote() for a in group.members])
         group.form()
 
@@ -104,21 +129,25 @@ def test_a_trainer_group_updates_as_one_trainer_and_resizes_between_steps(tmp_pa
         check(2, 1)
         assert [p.name for p in (tmp_path / "group").iterdir() if p.name.startswith("step")] == [saved.name]
 
-        # A new group of two resumes from it: rank 0 reads it, the other takes its state.
+        # A new group resumes from it: its rank 0 reads it. (One trainer, a process importing
+        # torch fewer: that the others then take rank 0's state is the same TrainerGroup.resume
+        # that test_only_rank_0_reads_the_init_checkpoint_and_the_group_starts_from_it runs.)
         again = pools.TrainerGroup("actorTrain", lambda: ray.remote(workers.PolicyTrainer).options(
-            num_cpus=0.5).remote(SPEC, None, str(tmp_path / "group"), "cpu"), 2)
+            num_cpus=0.5).remote(SPEC, None, str(tmp_path / "group"), "cpu"), 1)
+        groups.append(again)
         again.form()
         assert again.resume() == 1
         for state in ray.get([a.weights.remote() for a in again.members]):
             for name, value in at_save.items():
                 assert torch.equal(state[name], value), name
     finally:
-        ray.shutdown()
+        _kill(*groups)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_lost_trainer_fails_the_update_at_once_and_stops_the_others(tmp_path: Path) -> None:
+def test_a_lost_trainer_fails_the_update_at_once_and_stops_the_others(
+        tmp_path: Path, ray_cluster: None) -> None:
     """A member that dies (its node gone) leaves the others in the update's all-reduce until the
     group's 300 s timeout; the group finds it among the answers, stops the others and raises, so
     the controller fails now and is run again from the last checkpoint."""
@@ -126,10 +155,9 @@ def test_a_lost_trainer_fails_the_update_at_once_and_stops_the_others(tmp_path: 
 
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="huorn-dp-lost")
+    group = pools.TrainerGroup("actorTrain", lambda: ray.remote(workers.PolicyTrainer).options(
+        num_cpus=0.5, max_restarts=0).remote(SPEC, None, str(tmp_path / "group"), "cpu"), 2)
     try:
-        group = pools.TrainerGroup("actorTrain", lambda: ray.remote(workers.PolicyTrainer).options(
-            num_cpus=0.5, max_restarts=0).remote(SPEC, None, str(tmp_path / "group"), "cpu"), 2)
         group.form()
         group.update(make_batch(0))
         ray.kill(group.members[1])
@@ -140,7 +168,7 @@ def test_a_lost_trainer_fails_the_update_at_once_and_stops_the_others(tmp_path: 
         with pytest.raises(ray.exceptions.RayActorError):  # the survivor was stopped too
             ray.get(group.members[0].weights.remote(), timeout=60)
     finally:
-        ray.shutdown()
+        _kill(group)
 
 
 def test_a_joiner_takes_a_copy_of_the_state_not_the_live_moments(tmp_path: Path) -> None:
@@ -157,7 +185,8 @@ def test_a_joiner_takes_a_copy_of_the_state_not_the_live_moments(tmp_path: Path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_only_rank_0_reads_the_init_checkpoint_and_the_group_starts_from_it(tmp_path: Path) -> None:
+def test_only_rank_0_reads_the_init_checkpoint_and_the_group_starts_from_it(
+        tmp_path: Path, ray_cluster: None) -> None:
     """The controller's trainers: only rank 0 is given spec.initCheckpoint, the other takes rank
     0's state at the start (so its node needs no copy of the checkpoint): both hold its weights,
     not the seed's fresh ones."""
@@ -170,15 +199,15 @@ def test_only_rank_0_reads_the_init_checkpoint_and_the_group_starts_from_it(tmp_
     source.save(1, "init")
     cfg = controller.RLRunConfig.model_validate({
         "jobName": "dp-init", "runDir": str(tmp_path / "run"), "checkpointDir": str(tmp_path / "ckpt"),
-        "evalPrompts": 0, "rayCpus": 2,
+        "evalPrompts": 0,  # on the module's cluster (ray_cluster), of 2 CPUs
         "spec": {**SPEC, "initCheckpoint": str(tmp_path / "init"), "algorithm": {"name": "lite-ppo"},
                  "roles": {"actorTrain": {"replicas": 2}, "rollout": {"replicas": 1}}}})
+    run = controller.Controller(cfg)
     try:
-        run = controller.Controller(cfg)
         assert run.trainers.resume() == 0  # no checkpoint of its own yet: the init is the start
         held = ray.get([a.weights.remote() for a in run.trainers.members])
     finally:
-        ray.shutdown()
+        _kill(*run.pools)
     want = source.weights()
     for weights in held:
         for name, value in want.items():
