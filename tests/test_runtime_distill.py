@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import signal
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -81,10 +82,27 @@ def test_mixture_draws_follow_new_probabilities_and_one_source_alone(data_dir: P
 
 
 def _teacher_run(tmp: Path, data_dir: Path) -> Path:
-    """A short pretraining run whose checkpoint is the teacher."""
-    config = harness.write_config(tmp, data_dir, harness.build_spec(steps=30, interval_steps=None))
-    process = harness.start_trainer(config, tmp / "teacher.log")
-    assert process.wait(timeout=300) == 0, (tmp / "teacher.log").read_text()[-3000:]
+    """A short pretraining whose checkpoint is the teacher, here rather than in a trainer process:
+    what distillation reads is only the checkpoint, and a process costs a torch start-up."""
+    spec = harness.build_spec()
+    model_spec = training.ModelSpec.model_validate(spec["model"])
+    mixture = sampler.build_mixture([(s["name"], s["weight"], None) for s in spec["data"]["sources"]],
+                                    spec["data"]["seed"], model_spec.context, data_dir)
+    torch.manual_seed(spec["data"]["seed"])
+    model = models.build_model(run_config.build_model_config(model_spec))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.003, betas=(0.9, 0.95))
+    micro_batches = spec["optimization"]["globalBatch"] // spec["optimization"]["microBatch"]
+    for step in range(30):
+        for index in range(micro_batches):
+            tokens, targets = mixture.micro_batch(step, index, spec["optimization"]["microBatch"])
+            (model(tokens, targets)[1] / micro_batches).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():  # one process, no group, as a trainer alone saves
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        checkpoint.save_checkpoint(tmp / "ckpt", 30, model, optimizer, {"model": model_spec.to_wire()},
+                                   rank=0, barrier=lambda: None)
     return tmp / "ckpt"
 
 
@@ -131,6 +149,7 @@ def test_the_trainer_holds_the_api_rules_on_distillation(tmp_path: Path, data_di
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("single_thread")  # the teacher trains in this process
 def test_a_distilled_run_moves_its_mix_toward_its_gaps_and_resumes_with_the_same_mix(
         tmp_path: Path, data_dir: Path) -> None:
     (tmp_path / "teacher").mkdir()
