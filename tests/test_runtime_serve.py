@@ -1017,6 +1017,46 @@ def test_a_scored_prompt_is_answered_even_when_the_step_after_its_prefill_fails(
     assert long_status == 500 and "the device went away" in failed["error"]
 
 
+def test_a_scored_prompt_prefilled_before_another_prompts_failed_prefill_is_still_answered(
+        tmp_path: Path) -> None:
+    """Two groups join in one iteration: a scored prompt (echo, max_tokens 0), answered as its
+    prefill ends, and a plain one whose prefill then fails. The scored answer was computed: it is
+    delivered, not failed with the plain prompt's error."""
+    _saved_model(tmp_path / "ckpt")
+    cfg = _config(tmp_path)
+
+    async def check() -> tuple[object, BaseException | None]:
+        model, _ = serve.load_model(cfg)
+        server = serve.Server(cfg, model)
+        real = model.forward_step
+
+        def failing(tokens, cache, last_only=False):  # type: ignore[no-untyped-def]
+            if last_only and tokens.shape[1] > 1:  # the plain prompt's prefill (the scored one's is whole)
+                raise RuntimeError("the device went away")
+            return real(tokens, cache, last_only=last_only)
+
+        model.forward_step = failing
+        scored = serve.Request([5, 6, 7, 8], 0, 0.0, 0, echo=True, logprobs=1)
+        plain = serve.Request([9, 10, 11, 12, 13], 4, 0.0, 0)
+        server.queue = [scored, plain]
+        batching = asyncio.create_task(server.run_batches())
+        server.wake.set()
+        try:
+            answer = await asyncio.wait_for(scored.done, timeout=30)
+            failure = None
+            try:
+                await asyncio.wait_for(plain.done, timeout=30)
+            except RuntimeError as error:
+                failure = error
+            return answer, failure
+        finally:
+            batching.cancel()
+
+    answer, failure = asyncio.run(check())
+    assert isinstance(answer, tuple) and answer[1] == 0  # answered, no token decoded
+    assert failure is not None and "the device went away" in str(failure)
+
+
 def test_echo_is_refused_where_it_cannot_be_served(tmp_path: Path) -> None:
     _saved_model(tmp_path / "ckpt")
     hi = {"messages": [{"role": "user", "content": "Hi?"}], "max_tokens": 2}

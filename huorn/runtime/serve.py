@@ -675,6 +675,8 @@ class Server:
                 try:
                     await asyncio.to_thread(self.decode)
                 except Exception as error:  # a failed step answers its requests, and serving goes on
+                    # scored prompts answered by a prefill before the failure were computed: they go
+                    self.deliver(self.running.take_early())
                     failed = self.running.clear()
                     failed += [r for r in self.admitting if r not in failed]
                     self.admitting = []
