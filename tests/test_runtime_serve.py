@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pstats
 import signal
 import subprocess
 import sys
@@ -259,8 +260,10 @@ def test_the_server_process_writes_its_port_answers_and_stops_on_sigterm(tmp_pat
     _saved_model(tmp_path / "ckpt")
     config = tmp_path / "serve.json"
     config.write_text(_config(tmp_path).model_dump_json(by_alias=True))
+    # HUORN_SERVE_PROFILE: the decoding loop under cProfile, written as the replica stops
+    env = {**harness.child_env(), "HUORN_SERVE_PROFILE": str(tmp_path / "profile")}
     process = subprocess.Popen([sys.executable, "-m", "huorn.runtime.serve", "--config", str(config)],
-                               cwd=harness.REPO, env=harness.child_env(), stderr=subprocess.PIPE, text=True)
+                               cwd=harness.REPO, env=env, stderr=subprocess.PIPE, text=True)
     ready = tmp_path / "run" / "serve.json"
     deadline = time.monotonic() + 60
     while not ready.exists():
@@ -274,6 +277,11 @@ def test_the_server_process_writes_its_port_answers_and_stops_on_sigterm(tmp_pat
         assert json.loads(response.read())["tokens"] == 3
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
+    written = list((tmp_path / "profile").glob("decode-*.prof"))
+    assert len(written) == 1, process.stderr.read()[-2000:]
+    stats = pstats.Stats(str(written[0]))
+    profiled = {function for _, _, function in stats.stats}  # type: ignore[attr-defined]
+    assert {"_decode", "step", "feed"} <= profiled  # the decoding loop's own work was watched
 
 
 def test_a_failed_batch_is_answered_500_and_counted_and_a_cancelled_request_stops_nothing(

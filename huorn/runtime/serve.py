@@ -50,7 +50,16 @@ from pydantic import Field
 
 from huorn import models
 from huorn.api import base, inference, training
-from huorn.runtime import chat, checkpoint, continuous_batching, glvq, logprobs, prefix_cache, prompt
+from huorn.runtime import (
+    chat,
+    checkpoint,
+    continuous_batching,
+    glvq,
+    logprobs,
+    prefix_cache,
+    profiling,
+    prompt,
+)
 from huorn.runtime import config as run_config
 from huorn.runtime.continuous_batching import Request, Result
 from huorn.runtime.data import sampler
@@ -283,6 +292,7 @@ class Server:
         # the last iteration that prefilled, whole (prefill and step): what an arrival's own
         # prefill would cost the answers being decoded (`prefillDelayFactor`)
         self.last_prefill_seconds = 0.0
+        self.profile = profiling.DecodeProfile.from_env()  # HUORN_SERVE_PROFILE: off unless set
         self.started = int(time.time())
         self.stopping = False  # handlers cancelled as the server stops are not abandoned
 
@@ -599,6 +609,10 @@ class Server:
         under `queue_lock`, rather than return to the event loop at each arrival: one thread
         hand-off per busy period instead of one per request (measured on CPU, the gaps between
         tokens did not change with it: they come from the prefills between the steps)."""
+        with self.profile.decoding():
+            self._decode()
+
+    def _decode(self) -> None:
         while True:
             started = time.monotonic()
             with self.queue_lock:
@@ -706,6 +720,9 @@ class Server:
 
         async def stop_batching(app: web.Application) -> None:
             app[BATCHER].cancel()
+            written = self.profile.write()
+            if written is not None:
+                print(f"huorn: the decoding loop's profile is in {written}", file=sys.stderr, flush=True)
 
         app.on_startup.append(start_batching)
         app.on_shutdown.append(stopping)
