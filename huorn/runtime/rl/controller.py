@@ -267,19 +267,18 @@ class Controller:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not ray.is_initialized():
-            # Actors run one intra-op thread each. A cluster started here takes it from this
-            # process's environment when ray.init spawns the raylet, so its workers need no runtime
-            # environment: with one, Ray starts each actor in a fresh worker through setup_worker
-            # and leaves the workers it prestarted idle (the two-run RL test: 70 → 62 CPU-s). A
-            # cluster named by RAY_ADDRESS can be reached only through a runtime environment.
-            one_thread = {"OMP_NUM_THREADS": "1"}
-            with _environment(**one_thread):
+            # Actors run one intra-op thread each (workers._one_thread sets torch's). A cluster
+            # started here also takes OMP_NUM_THREADS=1 from this process's environment when
+            # ray.init spawns the raylet. NB: no runtime environment, for a named cluster either
+            # (it had one with OMP_NUM_THREADS): with one, Ray starts each actor in a fresh worker
+            # through setup_worker and leaves the workers it prestarted idle, about 2.4 CPU-s an
+            # actor (the two-run RL test: 82 → 66 CPU-s; a local cluster: 70 → 62 before).
+            with _environment(OMP_NUM_THREADS="1"):
                 # "local": a cluster of its own, even where an old `ray start` left its address
                 # in the temp dir (ray_current_cluster), which a plain ray.init() would try to
                 # join: long gone, it hung `huorn run` for minutes before failing
                 ray.init(address=address or "local", num_cpus=cfg.ray_cpus, include_dashboard=False,
-                         log_to_driver=False, namespace=cfg.job_name,
-                         runtime_env=None if address is None else {"env_vars": one_thread})
+                         log_to_driver=False, namespace=cfg.job_name)
         # The model roles take GPUs where the cluster has any (gpu_requests). NB: the cluster's, not this
         # process's: in a pod the controller runs on Ray's head node, which holds no GPU, while
         # the worker nodes hold them all (huorn.runtime.rl.node), which may join a moment later.

@@ -17,7 +17,6 @@ directly.
 from __future__ import annotations
 
 import datetime
-import os
 import warnings
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,7 +65,9 @@ def build_policy(model_spec: training.ModelSpec, init: str | None, seed: int, de
 
 def _one_thread() -> None:
     # Ray's worker processes would otherwise each start a thread per core and fight over them.
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    # One whatever the node's environment says: the controller no longer gives its actors a
+    # runtime environment with OMP_NUM_THREADS=1 (it started each in a fresh worker).
+    torch.set_num_threads(1)
 
 
 class PolicyTrainer:
