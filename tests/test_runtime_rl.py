@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 import signal
 import socket
@@ -14,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,41 @@ from huorn.runtime import config as run_config
 from huorn.runtime.rl import algorithms, controller, policy, progress, tasks, workers
 
 MODEL = {"layers": 2, "width": 32, "heads": 2, "context": 64}
+
+_HOLD_RAY = """
+import sys, ray
+started = ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+print(started.address_info["gcs_address"], flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[dict[str, str]]:
+    """A local Ray cluster of 2 CPUs that the module's controller runs share through RAY_ADDRESS,
+    as controllers do on a KubeRay cluster (a start and stop cost about 8 s of CPU here): the
+    variables that reach it. Held by a process of its own: controller.main, which other tests
+    here call in this process, shuts this process's Ray down. Each controller's actors end with
+    it, as a driver's do."""
+    # NB: the auth mode stated, for the cluster and its clients alike: left unset, a cluster
+    # started where ~/.ray/auth_token exists turns token auth on for itself alone
+    reach = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    env = harness.child_env(**reach)  # OMP_NUM_THREADS=1: the raylet's workers inherit it
+    env.pop("RAY_ADDRESS", None)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_RAY], cwd=harness.REPO, env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        address = holder.stdout.readline().strip()  # type: ignore[union-attr]
+        assert address and holder.poll() is None, "the Ray cluster's holder exited"
+        yield {**reach, "RAY_ADDRESS": address}
+    finally:
+        holder.stdin.close()  # type: ignore[union-attr]
+        try:
+            holder.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            holder.kill()
+            holder.wait()
 
 
 def _settings(**fields: object) -> algorithms.Settings:
@@ -256,17 +293,18 @@ def test_an_init_checkpoint_that_is_not_there_is_refused_naming_the_field(tmp_pa
 
 
 def test_a_step_due_a_checkpoint_is_saved_before_the_roles_rescale(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_cluster: dict[str, str]) -> None:
     """A rescale can fail (a trainer that joins dies before it has the group's state: the group
     is stopped and the controller run again from the last checkpoint). The step's checkpoint was
     written after the rescale, so such a failure at a step due one lost the step and every step
     since the checkpoint before; it is written first now, and the rerun resumes there."""
     import ray
 
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for name, value in ray_cluster.items():  # the controller connects; its actors go with it
+        monkeypatch.setenv(name, value)
     cfg = controller.RLRunConfig.model_validate({
         "jobName": "rl", "runDir": str(tmp_path / "run"), "checkpointDir": str(tmp_path / "ckpt"),
-        "rayCpus": 2, "evalPrompts": 0, "spec": {
+        "evalPrompts": 0, "spec": {
             "virtualCluster": "x", "model": MODEL, "steps": 3,
             "algorithm": {"name": "lite-ppo", "groupSize": 2},
             "reward": {"type": "format", "dataset": "arithmetic-small"}, "rollout": {"maxNewTokens": 3},
@@ -325,7 +363,8 @@ def test_the_roles_import_only_what_they_run() -> None:
 
 
 @pytest.mark.slow
-def test_a_controller_run_over_ray_logs_every_step_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+def test_a_controller_run_over_ray_logs_every_step_and_resumes_from_its_checkpoint(
+        tmp_path: Path, ray_cluster: dict[str, str]) -> None:
     spec = {"virtualCluster": "x", "model": MODEL, "steps": 3,
             "algorithm": {"name": "grpo", "groupSize": 4},  # GRPO: a KL term, so a reference worker
             "reward": {"type": "format", "dataset": "arithmetic-small"},
@@ -337,17 +376,9 @@ def test_a_controller_run_over_ray_logs_every_step_and_resumes_from_its_checkpoi
 
     # Both runs drive one running cluster, as controllers do on a KubeRay cluster: RAY_ADDRESS
     # names it (the controller then neither starts nor sizes one), and the restarted controller
-    # finds it again. `huorn run`'s RL test covers the controller starting its own. (No CPU is
-    # saved: 93 CPU-s against 84 with a cluster per run, since on a running cluster every actor
-    # starts in a fresh worker for its runtime environment.)
-    import ray
-
-    cluster = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="huorn-test")
-    env = {**harness.child_env(), "RAY_ADDRESS": cluster.address_info["gcs_address"]}
-    try:
-        run_twice_on(tmp_path, spec, config, env)
-    finally:
-        ray.shutdown()
+    # finds it again. `huorn run`'s RL test covers the controller starting its own. The module's
+    # cluster, shared with its other controller tests: one start instead of one each.
+    run_twice_on(tmp_path, spec, config, harness.child_env(**ray_cluster))
 
 
 def run_twice_on(tmp_path: Path, spec: dict, config: Path, env: dict[str, str]) -> None:
@@ -445,7 +476,8 @@ def test_progress_is_the_latest_state_of_the_step_log_over_http() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_async_generation_overlaps_the_next_rollout_with_the_update(tmp_path: Path) -> None:
+def test_async_generation_overlaps_the_next_rollout_with_the_update(
+        tmp_path: Path, ray_cluster: dict[str, str]) -> None:
     """spec.rollout.asyncSteps 1: step t+1's responses are generated with step t's weights while
     step t trains. Every step after the first lags one version; the loop waits only for what
     outlasts the update; the run ends, checkpoints and evaluates as a synchronous one does."""
@@ -458,9 +490,8 @@ def test_async_generation_overlaps_the_next_rollout_with_the_update(tmp_path: Pa
             "checkpoint": {"path": "/checkpoints", "intervalSteps": 4}}
     config = tmp_path / "rl.json"
     config.write_text(json.dumps({"jobName": "rl", "spec": spec, "runDir": str(tmp_path / "run"),
-                                  "checkpointDir": str(tmp_path / "ckpt"), "evalPrompts": 4, "rayCpus": 2}))
-    env = harness.child_env()
-    env.pop("RAY_ADDRESS", None)
+                                  "checkpointDir": str(tmp_path / "ckpt"), "evalPrompts": 4}))
+    env = harness.child_env(**ray_cluster)  # the module's cluster, of 2 CPUs
     done = subprocess.run([sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)],
                           cwd=harness.REPO, env=env, capture_output=True, text=True, timeout=360)
     assert done.returncode == 0, done.stderr[-3000:]
