@@ -294,6 +294,11 @@ def test_every_serving_field_since_the_first_operator_rolls_no_replica_at_its_de
     assert manifests.serve_template_hash(oldest) in manifests.serve_template_hashes(upgraded)
     delayed = {**upgraded, "serving": {**upgraded["serving"], "prefillDelayFactor": 1.0}}
     assert manifests.serve_template_hash(oldest) not in manifests.serve_template_hashes(delayed)
+    # a spec stored while prefillChunkTokens defaulted to 2048 carries it: still a default
+    stored_then = {**upgraded, "serving": {**upgraded["serving"], "prefillChunkTokens": 2048}}
+    assert manifests.serve_template_hash(oldest) in manifests.serve_template_hashes(stored_then)
+    chosen = {**upgraded, "serving": {**upgraded["serving"], "prefillChunkTokens": 512}}
+    assert manifests.serve_template_hash(oldest) not in manifests.serve_template_hashes(chosen)
 
 
 def test_best_fit_fills_the_fullest_node_first_and_stops_when_full() -> None:

@@ -28,12 +28,14 @@ class ServingLimits(ApiModel):
                     "recently used evicted): a prompt that starts like an earlier one is prefilled "
                     "only from where it differs. 0 keeps none.")
     prefill_chunk_tokens: int = Field(
-        default=2048, ge=0, le=1 << 20,
+        default=8192, ge=0, le=1 << 20,
         description="Prompt tokens prefilled before each decoding step at most (chunked prefill): a "
                     "long prompt that joins holds the answers being decoded for a chunk a step, not "
                     "for its whole prefill. Smaller values smooth the answers' token rate and delay "
-                    "long prompts' first tokens (on CPU, 64-256). 0 prefills each joining prompt "
-                    "whole at once.")
+                    "long prompts' first tokens. The default suits a GPU, where a prefill's forward "
+                    "pass costs its kernel launches more than its tokens, so every extra chunk costs "
+                    "a pass (vLLM's API server batches as many tokens); on a CPU, 64-256. 0 prefills "
+                    "each joining prompt whole at once.")
     cuda_graphs: bool = Field(
         default=True,
         description="On a GPU, capture the decoding step as CUDA graphs when the replica starts (one "

@@ -475,11 +475,14 @@ def serve_template_hash(spec: Mapping[str, Any]) -> str:
 PREFIX_CACHE_DEFAULT = inference.ServingLimits.model_fields["prefix_cache_tokens"].default
 # spec.serving's fields added after the first operators, newest first, with their defaults
 _SERVING = inference.ServingLimits.model_fields
-ADDED_SERVING_FIELDS = (("prefillDelayFactor", _SERVING["prefill_delay_factor"].default),
-                        ("cudaGraphs", _SERVING["cuda_graphs"].default),
-                        ("prefillChunkTokens", _SERVING["prefill_chunk_tokens"].default),
-                        ("batching", _SERVING["batching"].default),
-                        ("prefixCacheTokens", PREFIX_CACHE_DEFAULT))
+# (each with every default it has had: prefillChunkTokens was 2048 until 2026-12-05, and a spec
+# stored then carries it)
+ADDED_SERVING_FIELDS: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("prefillDelayFactor", (_SERVING["prefill_delay_factor"].default,)),
+    ("cudaGraphs", (_SERVING["cuda_graphs"].default,)),
+    ("prefillChunkTokens", (_SERVING["prefill_chunk_tokens"].default, 2048)),
+    ("batching", (_SERVING["batching"].default,)),
+    ("prefixCacheTokens", (PREFIX_CACHE_DEFAULT,)))
 
 
 def serve_template_hashes(spec: Mapping[str, Any]) -> set[str]:
@@ -490,8 +493,8 @@ def serve_template_hashes(spec: Mapping[str, Any]) -> set[str]:
     a replica started before it serves as it did until the spec changes."""
     hashes = {serve_template_hash(spec)}
     serving = dict(spec.get("serving") or {})
-    for name, default in ADDED_SERVING_FIELDS:  # newest first: each older operator lacked it too
-        if serving.pop(name, default) != default:
+    for name, defaults in ADDED_SERVING_FIELDS:  # newest first: each older operator lacked it too
+        if serving.pop(name, defaults[0]) not in defaults:
             break
         hashes.add(serve_template_hash({**spec, "serving": serving}))
     return hashes
