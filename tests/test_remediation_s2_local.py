@@ -42,7 +42,12 @@ def test_slow_rank_leads_to_an_applied_s2_plan(tmp_path: Path) -> None:
     assert run.finished, run.actions[-3000:]
     # S2, and maybe re-plans as the measured speeds move (the host's load moves them too: once,
     # with the neighbour test's load doubling every step from step 18, [6, 2] became [7, 1])
-    s2 = [d for d in remediation.decisions if d.level is MitigationLevel.REBALANCE]
+    # The decisions that change the counts: a start-up blip on a loaded host may be found first
+    # (once, the full suite's alone part on 2026-12-05: trainer-0 ×1.37 before the fault began),
+    # and S2 then rightly skips it, the even split being best for it: `skip-rebalance-microbatches`,
+    # which changes nothing (tests/test_remediation_s3_local.py accepts S3's the same way).
+    s2 = [d for d in remediation.decisions
+          if d.level is MitigationLevel.REBALANCE and not d.action.startswith("skip-")]
     actions = [d.action for d in s2]
     assert actions and actions[0] == "rebalance-microbatches", remediation.decisions
     assert set(actions[1:]) <= {"replan-microbatches"}, remediation.decisions
