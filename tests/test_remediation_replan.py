@@ -160,7 +160,11 @@ def test_s2_is_undone_on_a_real_job_once_the_slow_rank_recovers(tmp_path: Path) 
         run.remediation.decisions
     restore = actions.index("restore-even")
     assert set(actions[1:restore]) <= {"replan-microbatches"}, s2
-    assert s2[0].plan["microbatches"][1] < 4 and s2[restore].plan["microbatches"] == [4, 4]
+    # S2 answered the fault by giving rank 1 fewer micro-batches. A start-up blip on rank 0 may be
+    # answered first (CI, 2026-12-05: [3, 5] before the fault, then re-planned), so not necessarily
+    # by the first decision, but before the restore.
+    assert any(d.plan["microbatches"][1] < 4 for d in s2[:restore]), s2
+    assert s2[restore].plan["microbatches"] == [4, 4]
     records = report.read_records(run.run_dir)
     plans = [r for r in records if r.get("event") == "microbatch-plan"]
     # the trainers applied the plans in the order decided (a decision in the job's last steps

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -249,9 +250,11 @@ def test_actors_that_cannot_start_are_refused_naming_their_roles_and_ray_is_shut
     try:
         assert controller.main(["--config", str(config)]) == 2
         err = capsys.readouterr().err
-        assert "spec.roles.actorTrain (0 of 1 started) and spec.roles.rollout (0 of 2 started) did " \
-               "not start within 1 s on a Ray cluster of 2 CPU and 0 GPU" in err, err
-        assert "reward" not in err  # its worker needs no GPU: it started
+        # The reward worker needs no GPU, so it starts, but on a loaded host maybe not within the
+        # second (CI, 2026-12-05: its actor was not up after 1 s): then it is named the same way.
+        assert re.search(r"spec\.roles\.actorTrain \(0 of 1 started\) and spec\.roles\.rollout \(0 of 2 "
+                         r"started\)( and spec\.roles\.reward \(0 of 1 started\))? did not start within 1 s "
+                         r"on a Ray cluster of 2 CPU and 0 GPU", err), err
         assert "lower those roles' replicas or gpusPerReplica, or give the cluster more" in err, err
         assert not ray.is_initialized()
     finally:
