@@ -1,5 +1,7 @@
-"""Elastic recovery of the runtime: torchrun's default timeouts, Huorn's torchrun settings, and
-Huorn's in-place resizing (huorn.runtime.membership), side by side in one run.
+"""Elastic recovery of the runtime: torchrun's default timeouts, Huorn's torchrun settings with
+torchrun's own agent (each worker a fresh interpreter) and with Huorn's (workers forked from a warm
+interpreter, huorn.runtime.agent), and Huorn's in-place resizing (huorn.runtime.membership), side
+by side in one run.
 
 All three use the same real setup (stand-alone rendezvous store, one loopback address per
 replica, store sharing off: without these torchrun does not survive losing the rank-0 replica at
@@ -46,8 +48,10 @@ from huorn.runtime.data import build  # noqa: E402
 
 SETTINGS: dict[str, tuple[dict, bool]] = {  # name: (ElasticSettings overrides, in place)
     "torchrun defaults": ({"monitor_interval": 0.1, "last_call_timeout": 30, "keep_alive_interval": 5,
-                           "keep_alive_max_attempt": 3}, False),
-    "huorn torchrun": ({}, False),  # ElasticSettings' own defaults
+                           "keep_alive_max_attempt": 3, "fork_workers": False}, False),
+    # Huorn's timeouts, but torchrun's own agent: each worker (re)start is a fresh interpreter
+    "huorn torchrun, fresh workers": ({"fork_workers": False}, False),
+    "huorn torchrun": ({}, False),  # ElasticSettings' own defaults: workers fork (huorn.runtime.agent)
     "huorn in place": ({}, True),
 }
 

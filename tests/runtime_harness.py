@@ -59,7 +59,7 @@ def trainer_command(config: Path, nproc: int) -> list[str]:
     """The trainer under torchrun on `nproc` local ranks (no restarts), or alone for one."""
     if nproc == 1:
         return [sys.executable, "-m", "huorn.runtime.train", "--config", str(config)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    return [sys.executable, "-m", "huorn.runtime.agent", "--standalone", f"--nproc-per-node={nproc}",
             "--max-restarts=0", "-m", "huorn.runtime.train", "--config", str(config)]
 
 

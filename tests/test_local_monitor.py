@@ -101,7 +101,7 @@ def test_agent_command_follows_the_measured_recipe(tmp_path: Path, resize: str) 
     conf = next(a for a in argv if a.startswith("--rdzv-conf="))
     assert "is_host=false" in conf and "keep_alive_interval=1" in conf
     if resize == "restart":  # a torchrun agent with the trainer as its workers
-        assert argv[1:3] == ["-m", "torch.distributed.run"]
+        assert argv[1:3] == ["-m", "huorn.runtime.agent"]
         assert argv[-3:] == ["huorn.runtime.train", "--config", str(tmp_path / "c.json")]
     else:  # the trainer itself, in the same rendezvous
         assert argv[1:6] == ["-m", "huorn.runtime.train", "--config", str(tmp_path / "c.json"), "--in-place"]

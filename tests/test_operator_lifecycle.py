@@ -45,14 +45,14 @@ def test_create_makes_pinned_pods_service_and_config(kube: builders.Kube, operat
     trainer = pods[1]
     container = trainer.spec.containers[0]
     args = container.command
-    assert args[:3] == ["python", "-m", "torch.distributed.run"] and args[-4:] == [
+    assert args[:3] == ["python", "-m", "huorn.runtime.agent"] and args[-4:] == [
         "-m",
         "huorn.runtime.train",
         "--config",
         "/etc/huorn/config.json",
     ]
     # The same command the runtime's own launcher gives a local agent, with the pod's endpoint.
-    reference = launcher.build_torchrun_command(
+    reference = launcher.build_agent_command(
         "/etc/huorn/config.json",
         launcher.ElasticSettings(2, 4, "llm-rdzv.team.svc:29400", job["metadata"]["uid"], nproc_per_node=2),
         python="python",

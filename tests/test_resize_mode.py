@@ -97,7 +97,7 @@ def test_local_replica_in_place_is_the_trainer_with_the_agents_rendezvous_settin
     settings = launcher.ElasticSettings(min_nodes=1, max_nodes=3, rdzv_endpoint="127.0.0.1:29400",
                                         rdzv_id="job", local_addr="127.0.0.3", keep_alive_interval=2)
     assert argv == launcher.build_in_place_command(config, settings, python="py")
-    assert "torch.distributed.run" not in argv and "--in-place" in argv
+    assert "huorn.runtime.agent" not in argv and "--in-place" in argv
 
 
 @pytest.mark.parametrize(("shape", "resize", "nproc"), [
@@ -111,7 +111,7 @@ def test_local_replica_under_restart_is_a_torchrun_agent(tmp_path: Path, shape: 
     argv = commands.build_agent_command(config, vertex, "127.0.0.1:29400", "job", "127.0.0.3", python="py")
     settings = launcher.ElasticSettings(min_nodes=1, max_nodes=3, rdzv_endpoint="127.0.0.1:29400",
                                         rdzv_id="job", local_addr="127.0.0.3", nproc_per_node=nproc)
-    assert argv == launcher.build_torchrun_command(config, settings, python="py")
+    assert argv == launcher.build_agent_command(config, settings, python="py")
 
 
 def _pod_command(shape: str, resize: str | None = None) -> list[str]:
@@ -141,5 +141,5 @@ def test_trainer_pod_in_place_runs_the_trainer_itself() -> None:
     ("two GPUs per replica", None, 2),
 ])
 def test_trainer_pod_under_restart_runs_a_torchrun_agent(shape: str, resize: str | None, nproc: int) -> None:
-    expected = launcher.build_torchrun_command(CONFIG_IN_POD, _pod_settings(nproc), python="python")
+    expected = launcher.build_agent_command(CONFIG_IN_POD, _pod_settings(nproc), python="python")
     assert _pod_command(shape, resize) == expected

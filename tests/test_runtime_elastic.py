@@ -26,8 +26,8 @@ def _settings(port: int, replica: int, min_nodes: int = 2) -> launcher.ElasticSe
 
 
 def test_torchrun_command_carries_the_recovery_settings() -> None:
-    command = launcher.build_torchrun_command("/cfg.json", _settings(29400, 1), python="py")
-    assert command[:3] == ["py", "-m", "torch.distributed.run"]
+    command = launcher.build_agent_command("/cfg.json", _settings(29400, 1), python="py")
+    assert command[:3] == ["py", "-m", "huorn.runtime.agent"]
     assert "--nnodes=2:3" in command and "--rdzv-backend=c10d" in command
     assert "--rdzv-endpoint=127.0.0.1:29400" in command and "--local-addr=127.0.0.3" in command
     rdzv_conf = next(c for c in command if c.startswith("--rdzv-conf=")).removeprefix("--rdzv-conf=")

@@ -136,7 +136,7 @@ def _stalled(tmp: Path, rank: int, seconds: float = 2.0) -> dict:
 def test_injected_hangs_show_in_sequence_numbers_of_a_real_gang(tmp_path: Path) -> None:
     config = harness.write_config(tmp_path, harness.shared_data_dir(), harness.build_spec(steps=100_000),
                                   faults=[{"kind": "slow-compute", "ms": 30}])
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    command = [sys.executable, "-m", "huorn.runtime.agent", "--standalone", "--nproc-per-node=2",
                "--max-restarts=2", "-m", "huorn.runtime.train", "--config", str(config)]
     with open(tmp_path / "gang.log", "ab") as log:
         gang = subprocess.Popen(command, cwd=harness.REPO, stdout=log, stderr=subprocess.STDOUT,

@@ -51,6 +51,9 @@ class ElasticSettings:
     keep_alive_max_attempt: int = 3
     read_timeout: int = 60
     max_restarts: int = 100
+    # workers fork from the agent's warm interpreter (huorn.runtime.agent); False: torchrun's own
+    # agent, which starts each worker as a fresh interpreter (the benchmarks' baseline)
+    fork_workers: bool = True
     extra_rdzv_conf: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -82,11 +85,12 @@ def build_rdzv_conf(settings: ElasticSettings) -> str:
     return ",".join(f"{k}={v}" for k, v in rdzv_conf(settings).items())
 
 
-def build_torchrun_command(config_path: Path | str, settings: ElasticSettings,
-                           python: str = sys.executable) -> list[str]:
-    """argv of one torchrun agent (one replica) that runs the Huorn trainer on `config_path`."""
+def build_agent_command(config_path: Path | str, settings: ElasticSettings,
+                        python: str = sys.executable) -> list[str]:
+    """argv of one agent (one replica) that runs the Huorn trainer on `config_path`: torchrun's
+    command line, run by huorn.runtime.agent so that workers fork from a warm interpreter."""
     command = [
-        python, "-m", "torch.distributed.run",
+        python, "-m", "huorn.runtime.agent" if settings.fork_workers else "torch.distributed.run",
         f"--nnodes={settings.min_nodes}:{settings.max_nodes}",
         f"--nproc-per-node={settings.nproc_per_node}",
         "--rdzv-backend=c10d",
@@ -264,7 +268,7 @@ def start_agent(config_path: Path | str, settings: ElasticSettings, replica: str
                 env: dict[str, str] | None = None, in_place: bool = False) -> subprocess.Popen:
     """Start one replica in its own session, as a pod would be: a torchrun agent, or with
     `in_place` the trainer itself; stop it with kill_process_tree (hard) or SIGTERM (graceful)."""
-    build = build_in_place_command if in_place else build_torchrun_command
+    build = build_in_place_command if in_place else build_agent_command
     with open(log_path, "ab") as log:
         return subprocess.Popen(build(config_path, settings),
                                 env=build_agent_env(replica, env), stdout=log, stderr=subprocess.STDOUT,

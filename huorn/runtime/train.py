@@ -59,6 +59,17 @@ RESTART_EXIT = 3
 # An in-place replica that left on SIGTERM, as a shell reports a process SIGTERM ended: not 0, so
 # that a pod evicted by someone else than the operator ends Failed and is replaced.
 LEFT_EXIT = 143
+
+_terminated = False  # a SIGTERM reached this process's trainer (signals are the process's)
+
+
+def terminated() -> bool:
+    """Whether this process was told to stop by SIGTERM. A worker forked by huorn.runtime.agent
+    exits at once then: torch's worker wrapper would wait for its agent to collect a result, and an
+    agent that is stopping its workers never does (it kills them 30 s later)."""
+    return _terminated
+
+
 _STATS = ("loss_sum", "small_sq", "contributors", "stop", "checkpoint_due", "plan_changed", "joiners")
 # A step that fails this many times in a row with the same gang is a bug, not a lost peer.
 _MAX_RETRIES_PER_STEP = 3
@@ -629,6 +640,8 @@ class Trainer:
         self.microbatch_counts = counts
 
     def _request_stop(self, signum: int, frame: object) -> None:
+        global _terminated
+        _terminated = True
         self.stop_requested = True
         if self.gang is not None and not self.has_state:
             raise SystemExit(LEFT_EXIT)  # a joiner with nothing to hand over leaves at once

@@ -228,7 +228,7 @@ def _elastic_settings(job: JobRef, graph: Graph, nproc_per_node: int) -> launche
 
 def build_torchrun_args(job: JobRef, graph: Graph, nproc_per_node: int) -> list[str]:
     """The runtime launcher's own torchrun line (the one a local replica runs), for a pod."""
-    return launcher.build_torchrun_command(f"{CONFIG_DIR}/{CONFIG_FILE}",
+    return launcher.build_agent_command(f"{CONFIG_DIR}/{CONFIG_FILE}",
                                            _elastic_settings(job, graph, nproc_per_node), python="python")
 
 

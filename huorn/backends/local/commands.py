@@ -70,7 +70,7 @@ def build_agent_command(
     )
     if jobs.resizes_in_place(trainer):
         return launcher.build_in_place_command(config_path, settings, python)
-    return launcher.build_torchrun_command(config_path, settings, python)
+    return launcher.build_agent_command(config_path, settings, python)
 
 
 def build_agent_env(instance: str, extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -1,0 +1,103 @@
+"""A replica's elastic agent: torchrun's own agent, whose workers are forked from an interpreter
+that has already imported the trainer.
+
+`python -m huorn.runtime.agent` takes torchrun's command line unchanged, ending with the trainer
+(`-m huorn.runtime.train --config FILE`). What differs is how a worker starts. torchrun starts each
+worker as a fresh `python -m huorn.runtime.train`, which imports torch, Huorn and torch._dynamo
+(torch.optim imports it at the optimizer's first use): 6-7 s of CPU on a 2-core host before the
+worker's first step, paid again at every membership change, since torchrun restarts every worker
+of the gang then. This agent imports all of that once, and each (re)start forks a worker from it,
+through torch's elastic launcher with a function entrypoint and the `fork` start method.
+
+Forking is safe because the agent never computes: it has no OpenMP pool, no process group and no
+CUDA context when it forks. A forked probe checks the last (torch refuses CUDA in a child once the
+parent asked the CUDA runtime anything); where it fails, workers start as torchrun starts them. A
+worker inherits the agent's stdout and dies with it (torch sets the parent-death signal), and its
+exit code reaches the agent as before, so RESTART_EXIT still asks for a re-rendezvous. One
+difference is handled here: a worker that returns normally waits until its agent collects the
+result, which an agent stopping its workers never does, so a worker stopped by SIGTERM exits at
+once, with 143 as a shell would report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+
+TRAINER = "huorn.runtime.train"
+TERMINATED_EXIT = 143
+
+log = logging.getLogger(__name__)
+
+
+def _warm() -> None:
+    """Import what every worker needs, so that a forked worker starts with it."""
+    import torch._dynamo  # noqa: F401  torch.optim imports it at the optimizer's first use
+
+    from huorn.runtime import train  # noqa: F401
+
+
+def _fork_is_clean() -> bool:
+    """Whether a child forked now could use CUDA. torch poisons fork once this process has asked
+    the CUDA runtime anything (torch's own LaunchConfig asks whether CUDA is available; through
+    NVML, which main() selects, it does not). A forked probe asks torch itself, in ~10 ms."""
+    import torch
+
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def run_trainer(*argv: str) -> None:
+    """One worker: the trainer's main on its command line. Exit codes other than 0 leave through
+    SystemExit, which torch's worker wrapper lets through as the process's exit code."""
+    from huorn.runtime import train
+
+    code = train.main(list(argv))
+    if train.terminated():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or TERMINATED_EXIT)
+    if code:
+        raise SystemExit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.launcher.api import elastic_launch
+
+    args = torchrun.parse_args(argv)
+    if not args.module or args.training_script != TRAINER:
+        raise SystemExit(f"error: huorn.runtime.agent runs the Huorn trainer: end its command line with "
+                         f"`-m {TRAINER} --config FILE`, got {args.training_script!r}; for any other "
+                         f"script use torchrun (python -m torch.distributed.run)")
+    # torch's LaunchConfig asks whether CUDA is available; through NVML the answer does not poison
+    # fork (workers inherit the setting, which only changes how torch.cuda.is_available() asks)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    _warm()
+    forked = argparse.Namespace(**vars(args))
+    if forked.standalone:  # as torchrun.run does
+        forked.rdzv_backend, forked.rdzv_endpoint, forked.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    forked.start_method = "fork"
+    config, _, _ = torchrun.config_from_args(forked)
+    if not _fork_is_clean():
+        log.warning("CUDA was used in the agent, so a forked worker could not use it: starting "
+                    "workers as torchrun does, each a fresh interpreter")
+        record(torchrun.run)(args)
+        return
+    # what `python -u` gives torchrun's workers: their lines reach the log as they are written
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
+    record(elastic_launch(config=config, entrypoint=run_trainer))(*args.training_script_args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

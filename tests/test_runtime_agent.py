@@ -1,0 +1,64 @@
+"""huorn.runtime.agent: torchrun's elastic agent whose workers fork from a warm interpreter."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import runtime_harness as harness
+
+from huorn.runtime import agent, launcher
+
+
+def test_the_agent_runs_only_the_trainer_and_says_what_to_use_instead() -> None:
+    with pytest.raises(SystemExit) as refused:
+        agent.main(["--standalone", "--nproc-per-node=1", "train.py", "--config", "c.json"])
+    message = str(refused.value)
+    assert "-m huorn.runtime.train --config FILE" in message and "'train.py'" in message
+    assert "torchrun" in message
+
+
+def test_the_fork_probe_reports_a_child_that_could_not_use_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an H100 the first forked worker failed with "Cannot re-initialize CUDA in forked
+    subprocess": torch's LaunchConfig had asked the CUDA runtime whether CUDA is available. The
+    agent now asks through NVML and probes a fork first; a poisoned fork makes it start workers as
+    torchrun does. The probe is a real fork, asking torch in the child."""
+    import torch
+
+    assert agent._fork_is_clean()
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    assert not agent._fork_is_clean()
+
+
+@pytest.mark.slow
+def test_workers_fork_from_the_agent_and_a_sigterm_stops_them_at_once(tmp_path: Path) -> None:
+    """Two ranks: each worker is a fork of the agent (same command line, no fresh interpreter), and
+    a SIGTERM to the agent checkpoints and ends the gang well within torch's 30 s shutdown timeout.
+    A forked worker that returned normally waited for its agent to collect its result, which a
+    stopping agent never does: it was SIGKILLed after 30 s (a join took 40 s instead of 11)."""
+    spec = harness.build_spec(steps=10_000, interval_steps=None)
+    config = harness.write_config(tmp_path, harness.shared_data_dir(), spec,
+                                  faults=[{"kind": "slow-compute", "ms": 50}])
+    with open(tmp_path / "agent.log", "ab") as log:
+        gang = subprocess.Popen(harness.trainer_command(config, 2), cwd=harness.REPO, env=harness.child_env(),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        harness.wait_for(lambda: len(harness.steps_of(harness.read_events(tmp_path / "run"))) >= 3, 180,
+                         "three steps")
+        workers = psutil.Process(gang.pid).children()
+        assert len(workers) == 2 and all(w.cmdline() == psutil.Process(gang.pid).cmdline() for w in workers)
+        signalled = time.monotonic()
+        gang.send_signal(signal.SIGTERM)
+        gang.wait(timeout=60)
+        stopped_in = time.monotonic() - signalled
+    finally:
+        launcher.kill_process_tree(gang.pid)
+    assert stopped_in < 20, (stopped_in, (tmp_path / "agent.log").read_text()[-3000:])
+    events = harness.read_events(tmp_path / "run")
+    assert events[-1]["event"] == "checkpoint" and events[-1]["reason"] == "sigterm", events[-3:]
+    assert events[-1]["step"] == harness.steps_of(events)[-1]["step"]
+    assert not any(w.is_running() for w in workers)
