@@ -28,7 +28,6 @@ import sys
 import uuid
 
 TRAINER = "huorn.runtime.train"
-TERMINATED_EXIT = 143
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ def run_trainer(*argv: str) -> None:
     if train.terminated():
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code or TERMINATED_EXIT)
+        os._exit(code or train.LEFT_EXIT)  # 143, as a shell reports a process SIGTERM ended
     if code:
         raise SystemExit(code)
 
