@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +33,21 @@ def test_the_fork_probe_reports_a_child_that_could_not_use_cuda(monkeypatch: pyt
     assert agent._fork_is_clean()
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
     assert not agent._fork_is_clean()
+
+
+def test_a_worker_that_finished_ends_at_the_next_sigterm(tmp_path: Path) -> None:
+    """A forked worker whose trainer returned waits for its agent to collect the result; if the
+    agent is stopping the gang instead (a peer failed), its SIGTERM must end the worker, which the
+    trainer's own handler would only have noted (the agent SIGKILLs 30 s later). Run in a child,
+    a world of one training two steps."""
+    config = harness.write_config(tmp_path, harness.shared_data_dir(), harness.build_spec(steps=2))
+    probe = ("import signal, sys; from huorn.runtime import agent; "
+             "agent.run_trainer('--config', sys.argv[1]); "
+             "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)")
+    done = subprocess.run([sys.executable, "-c", probe, str(config)], cwd=harness.REPO,
+                          env=harness.child_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "True", done.stderr[-3000:]
+    assert harness.steps_of(harness.read_events(tmp_path / "run"))[-1]["step"] == 2
 
 
 @pytest.mark.slow

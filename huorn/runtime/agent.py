@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import uuid
 
@@ -60,6 +61,10 @@ def run_trainer(*argv: str) -> None:
     from huorn.runtime import train
 
     code = train.main(list(argv))
+    # Done: a SIGTERM from now on (an agent stopping its workers while this one waits for the
+    # result to be collected, say after a peer failed) ends the process at once, as it would have
+    # ended a process that had exited; the trainer's handler would only note it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if train.terminated():
         sys.stdout.flush()
         sys.stderr.flush()
