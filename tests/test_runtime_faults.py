@@ -97,6 +97,24 @@ def test_a_whole_step_factor_follows_the_last_steps_own_compute(tmp_path: Path) 
     assert 2 * 0.05 <= timed(slow.before_compute) < 2 * 0.05 + 0.08
 
 
+def test_an_overrunning_sleep_is_not_counted_as_the_ranks_compute(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loaded host overran a 40 ms sleep by 7 ms (the suite, 2026-12-05), and the injector had
+    counted only the 40 ms asked: the overrun became the rank's own compute, which the next step's
+    factor multiplied. Here every sleep overruns by 30 ms."""
+    real_sleep = time.sleep
+    monkeypatch.setattr(faults.time, "sleep", lambda seconds: real_sleep(seconds + 0.03))
+    slow = factor_injector(tmp_path, fromStep=1)
+    slow.after_step(0.02)
+    slow.step = 1
+    started = time.perf_counter()
+    slow.before_compute()  # asks for 2 × 20 ms, sleeps 70
+    slept = time.perf_counter() - started
+    assert slept >= 2 * 0.02 + 0.03
+    slow.after_step(0.05 + slept)
+    assert slow.last_compute_s == pytest.approx(0.05, abs=0.003)
+
+
 @pytest.mark.parametrize(("fault", "message"), [
     ({"factor": 2, "perLayer": True}, "not perLayer"),
     ({"factor": 2, "ms": 10}, "ms and factor exclude each other"),
