@@ -4,11 +4,12 @@ stand-alone rendezvous store, torchrun agents as "replicas", and readers of the 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -107,12 +108,39 @@ def shared_data_dir() -> Path:
     return directory
 
 
+PACE_MS = 100  # injected compute per step of a paced gang
+HELD_PACE_MS = 1500  # the same while a joining replica starts
+
+
+def _set_pace(run_dir: Path, ms: float) -> None:
+    """Every rank's injected compute per step, through the control file the trainers re-read at
+    each step (written whole, then renamed, so no trainer reads half of it)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    partial = run_dir / f"{run_config.FAULTS_FILE}.partial"
+    partial.write_text(json.dumps([{"kind": "slow-compute", "ms": ms}]))
+    os.replace(partial, run_dir / run_config.FAULTS_FILE)
+
+
 def start_paced_gang(tmp: Path, spec: dict) -> tuple[Path, subprocess.Popen, int]:
-    """The config of an elastic scenario, every step paced by 100 ms of injected compute so that
+    """The config of an elastic scenario, every step paced by PACE_MS of injected compute so that
     the scenario fits in the run on any machine, and its stand-alone store: (config, store, port)."""
-    config = write_config(tmp, shared_data_dir(), spec, faults=[{"kind": "slow-compute", "ms": 100}])
+    config = write_config(tmp, shared_data_dir(), spec)
+    _set_pace(tmp / "run", PACE_MS)
     store, port = start_store(tmp)
     return config, store, port
+
+
+@contextlib.contextmanager
+def held_back(run_dir: Path) -> Iterator[None]:
+    """A paced gang slowed to HELD_PACE_MS a step for the block: while a joining replica starts.
+    Its start is an interpreter importing torch, which on a loaded CI host took long enough for
+    the gang to finish all its steps before the join (the test then waited for steps at the new
+    size that could never come)."""
+    _set_pace(run_dir, HELD_PACE_MS)
+    try:
+        yield
+    finally:
+        _set_pace(run_dir, PACE_MS)
 
 
 def start_uninterrupted(tmp: Path, spec: dict) -> subprocess.Popen:

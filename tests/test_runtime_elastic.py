@@ -75,8 +75,10 @@ def test_a_joining_and_a_killed_replica_keep_the_run_exact(tmp_path: Path) -> No
         harness.wait_for(lambda: _last_step(run_dir) >= 8, 240, "8 steps at world size 2")
 
         joined_at = time.time()
-        agents[2] = harness.start_agent(config, _settings(port, 2), "r2", tmp_path / "agent2.log")
-        harness.wait_for(lambda: _first_step_after(run_dir, joined_at, 3), 240, "the third replica to join")
+        with harness.held_back(run_dir):
+            agents[2] = harness.start_agent(config, _settings(port, 2), "r2", tmp_path / "agent2.log")
+            harness.wait_for(lambda: _first_step_after(run_dir, joined_at, 3), 240,
+                             "the third replica to join")
         at_three = _last_step(run_dir)
         harness.wait_for(lambda: _last_step(run_dir) >= at_three + 8, 240, "8 steps at world size 3")
 

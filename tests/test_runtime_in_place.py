@@ -116,8 +116,9 @@ def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path
         start(1)
         harness.wait_for(lambda: steplog.last_step(run_dir) >= 8, 240, "8 steps at world size 2")
         joined_at = time.time()
-        start(2)
-        harness.wait_for(lambda: steplog.first_step_after(run_dir, joined_at, 3), 240, "the join")
+        with harness.held_back(run_dir):
+            start(2)
+            harness.wait_for(lambda: steplog.first_step_after(run_dir, joined_at, 3), 240, "the join")
         at_three = steplog.last_step(run_dir)
         harness.wait_for(lambda: steplog.last_step(run_dir) >= at_three + 6, 240, "6 steps at 3")
 
