@@ -226,10 +226,10 @@ def _elastic_settings(job: JobRef, graph: Graph, nproc_per_node: int) -> launche
     )
 
 
-def build_torchrun_args(job: JobRef, graph: Graph, nproc_per_node: int) -> list[str]:
-    """The runtime launcher's own torchrun line (the one a local replica runs), for a pod."""
+def build_agent_args(job: JobRef, graph: Graph, nproc_per_node: int) -> list[str]:
+    """The runtime launcher's own agent line (the one a local replica runs), for a pod."""
     return launcher.build_agent_command(f"{CONFIG_DIR}/{CONFIG_FILE}",
-                                           _elastic_settings(job, graph, nproc_per_node), python="python")
+                                        _elastic_settings(job, graph, nproc_per_node), python="python")
 
 
 def build_trainer_command(job: JobRef, graph: Graph, nproc_per_node: int) -> list[str]:
@@ -240,7 +240,7 @@ def build_trainer_command(job: JobRef, graph: Graph, nproc_per_node: int) -> lis
     if jobs.resizes_in_place(graph.vertex("trainer")):
         return launcher.build_in_place_command(f"{CONFIG_DIR}/{CONFIG_FILE}",
                                                _elastic_settings(job, graph, nproc_per_node), python="python")
-    return build_torchrun_args(job, graph, nproc_per_node)
+    return build_agent_args(job, graph, nproc_per_node)
 
 
 def security_context() -> dict[str, Any]:
