@@ -46,17 +46,7 @@ def _phase_of(item: pytest.Item) -> str:
     return "serial" if item.get_closest_marker("serial") is not None else "parallel"
 
 
-def _slow_modules_first(items: list[pytest.Item]) -> None:
-    """Modules holding `slow` scenarios first, each module kept whole (its module-scoped fixtures,
-    a Ray cluster, say, are set up once). xdist hands tests out in this order, so the long ones
-    are shared out between the workers while many short ones remain to even out the end; in
-    file order one worker could still be on a 60-90 s scenario while the other sat idle."""
-    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)  # stable: file order within each group
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _slow_modules_first(items)
     phase = config.getoption("--phase")
     if phase == "all":
         return
