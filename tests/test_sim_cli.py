@@ -113,4 +113,6 @@ def test_bad_flags_and_paths_are_named_before_the_run(tmp_path: Path) -> None:
     pods.write_bytes(header.encode() + b"p\xe9,1,1000,BE,0,10\n")
     result = CliRunner().invoke(app, [*base, "--output", str(tmp_path / "out")])
     assert result.exit_code == 2 and f"error: {pods}: not UTF-8 text" in result.stderr, result.stderr
+    # refused before any policy's progress bar was drawn (one at 0 % used to stand above the error)
+    assert result.stderr.startswith("error:"), result.stderr
     assert not (tmp_path / "out").exists()

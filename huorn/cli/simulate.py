@@ -68,11 +68,12 @@ def simulate(
             field, _, rest = str(exc).partition(" ")
             raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
         check_writable(output, "--output", directory=True)
+        with err.status(f"reading the trace and building {len(names)} simulation(s)"):
+            sims = run.build_simulations(trace, nodes, qps, names, config)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                       TimeElapsedColumn(), console=err) as bar:
             tasks = {n: bar.add_task(f"{n:>7}", total=1.0) for n in names}
-            results, sims = run.run_policies(trace, nodes, qps, names, config,
-                                             lambda n, f: bar.update(tasks[n], completed=f))
+            results = run.run_simulations(sims, lambda n, f: bar.update(tasks[n], completed=f))
             for n in names:
                 bar.update(tasks[n], completed=1.0)
     except (ValueError, workload.TraceError) as exc:

@@ -24,16 +24,28 @@ def build_simulation(trace: Path, nodes_csv: Path, qps: Path, policy: str, confi
     return engine.Simulation(jobs, nodes, load, spec, config)
 
 
+def build_simulations(trace: Path, nodes_csv: Path, qps: Path, names: list[str], config: engine.SimConfig
+                      ) -> dict[str, engine.Simulation]:
+    """Every policy's simulation, built before any runs: a bad input (a column missing from the
+    trace, too few request-rate bins) is refused before a progress bar is drawn or a policy has
+    spent its minutes."""
+    return {name: build_simulation(trace, nodes_csv, qps, name, config) for name in names}
+
+
+def run_simulations(sims: dict[str, engine.Simulation],
+                    progress: Callable[[str, float], None] | None = None) -> dict[str, dict]:
+    """Run the built simulations one after the other; each policy's summary, by name."""
+    results: dict[str, dict] = {}
+    for name, sim in sims.items():
+        start = time.perf_counter()
+        sim.run(None if progress is None else (lambda f, name=name: progress(name, f)))
+        results[name] = report.summarise(sim, time.perf_counter() - start)
+    return results
+
+
 def run_policies(
     trace: Path, nodes_csv: Path, qps: Path, names: list[str], config: engine.SimConfig,
     progress: Callable[[str, float], None] | None = None,
 ) -> tuple[dict[str, dict], dict[str, engine.Simulation]]:
-    results: dict[str, dict] = {}
-    sims: dict[str, engine.Simulation] = {}
-    for name in names:
-        sim = build_simulation(trace, nodes_csv, qps, name, config)
-        start = time.perf_counter()
-        sim.run(None if progress is None else (lambda f, name=name: progress(name, f)))
-        results[name] = report.summarise(sim, time.perf_counter() - start)
-        sims[name] = sim
-    return results, sims
+    sims = build_simulations(trace, nodes_csv, qps, names, config)
+    return run_simulations(sims, progress), sims
