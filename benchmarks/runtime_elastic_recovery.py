@@ -66,6 +66,15 @@ def _wait(predicate: Callable[[], object], timeout: float, what: str) -> object:
     raise RuntimeError(f"timed out waiting for {what}")
 
 
+def _ended_before(run_dir: Path, what: str, steps: int) -> bool:
+    """Never true: raises once the run has finished, since `what` can then never be seen (a
+    joiner still importing torch when the gang ran out of steps, on a slow host)."""
+    if any(e["event"] == "done" for e in steplog.read_events(run_dir)):
+        raise RuntimeError(f"the run finished all {steps} steps before the {what}: give it more "
+                           f"(--steps) or pace it slower (--pace-ms)")
+    return False
+
+
 def lost_seconds(steps: list[dict], at: float, done: float) -> float:
     """Wall time from `at` to `done` that did not turn into steps, at the run's median step time."""
     gaps = sorted(b["time"] - a["time"] for a, b in itertools.pairwise(steps))
@@ -148,7 +157,8 @@ def run_scenario(name: str, overrides: dict, in_place: bool, data_dir: Path, wor
             else:
                 victim = rank_owner(0)
                 launcher.kill_process_tree(agents[victim].pid)
-            done = _wait(lambda w=target_world, t=at: steplog.first_step_after(run_dir, t, w), 600, kind)
+            done = _wait(lambda w=target_world, t=at, k=kind: _ended_before(run_dir, k, args.steps)
+                         or steplog.first_step_after(run_dir, t, w), 600, kind)
             attempt = steplog.split_attempts(steplog.read_events(run_dir))[-1]
             events.append({"event": kind, "at": at - began, "seconds": done - at,
                            "lost_steps": max(0, step - attempt["start"]["resumed_from"])})
