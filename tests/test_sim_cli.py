@@ -58,6 +58,19 @@ def test_unknown_policy_exits_2(tmp_path: Path) -> None:
     assert "--policy 'lottery'" in result.output
 
 
+def test_the_table_keeps_every_name_and_number_whole(tmp_path: Path) -> None:
+    """A pipe gave rich 80 columns, and it cut metric names and numbers to "…"."""
+    result = CliRunner().invoke(app, ["simulate", "--gpus", "16", "--policy", "pollux-p-1-fair",
+                                      "--output", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "report.json").read_text())["policies"]["pollux-p-1-fair"]
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["METRIC", "POLLUX-P-1-FAIR"] and "…" not in result.stdout
+    rows = {line.split()[0]: line.split()[1] for line in lines[1:]}
+    assert rows["inference_slo_attainment"] == f"{report['inference_slo_attainment']:.4g}"
+    assert rows["jct_p99_s"] == f"{report['jct_p99_s']:.4g}"
+
+
 def test_yaml_output_and_single_policy(tmp_path: Path) -> None:
     import yaml
 

@@ -28,9 +28,9 @@ def render_data(data: dict[str, Any], output: OutputFormat) -> str:
     return yaml.safe_dump(data, sort_keys=False).rstrip()
 
 
-def render_console(*renderables: Any) -> str:
-    """Rich renderables (tables, lines) as plain text, 100 columns wide, for stdout."""
-    console = Console(width=100, file=io.StringIO())
+def render_console(*renderables: Any, width: int = 100) -> str:
+    """Rich renderables (tables, lines) as plain text, at most `width` columns, for stdout."""
+    console = Console(width=width, file=io.StringIO())
     for renderable in renderables:
         console.print(renderable)
     return console.file.getvalue().rstrip()  # type: ignore[attr-defined]

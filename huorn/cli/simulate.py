@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from huorn.cli.output import check_writable, print_error
+from huorn.cli.output import check_writable, print_error, render_console
 from huorn.sim import engine, policies, report, run, workload
 
 DATA = Path("/work/shared/data")
@@ -92,11 +92,12 @@ def simulate(
     elif fmt == "yaml":
         sys.stdout.write(yaml.safe_dump(full, sort_keys=True))
     else:
-        table = Table(title=f"{gpus} GPUs, seed {seed}")
-        table.add_column("metric")
-        for n in names:
-            table.add_column(n, justify="right")
+        # plain columns as kubectl prints them, never cut: six policies need ~130 columns, and
+        # rich at a pipe's 80 cut both the metric names and the numbers to "…"
+        table = Table("METRIC", *(n.upper() for n in names), box=None, pad_edge=False)
+        for column in table.columns[1:]:
+            column.justify = "right"
         for col in COLUMNS:
             table.add_row(col, *(f"{results[n][col]:.4g}" for n in names))
-        Console().print(table)
+        typer.echo(render_console(table, width=200))
 
