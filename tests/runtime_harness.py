@@ -4,7 +4,6 @@ stand-alone rendezvous store, torchrun agents as "replicas", and readers of the 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from huorn.backends.local import commands
 from huorn.runtime import config as run_config
 from huorn.runtime import launcher, steplog
 
@@ -115,10 +115,7 @@ HELD_PACE_MS = 1500  # the same while a joining replica starts
 def _set_pace(run_dir: Path, ms: float) -> None:
     """Every rank's injected compute per step, through the control file the trainers re-read at
     each step (written whole, then renamed, so no trainer reads half of it)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    partial = run_dir / f"{run_config.FAULTS_FILE}.partial"
-    partial.write_text(json.dumps([{"kind": "slow-compute", "ms": ms}]))
-    os.replace(partial, run_dir / run_config.FAULTS_FILE)
+    commands.write_json_atomically(run_dir / run_config.FAULTS_FILE, [{"kind": "slow-compute", "ms": ms}])
 
 
 def start_paced_gang(tmp: Path, spec: dict) -> tuple[Path, subprocess.Popen, int]:
