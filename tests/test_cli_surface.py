@@ -65,7 +65,8 @@ def test_operator_refuses_bad_flags_before_it_connects() -> None:
     for args, field in ((["-n", "a", "-A"], "--all-namespaces"),
                         (["--metrics-port", "70000"], "--metrics-port"),
                         (["--resync-seconds", "0"], "--resync-seconds"),
-                        (["--pod-start-seconds", "-1"], "--pod-start-seconds")):
+                        (["--pod-start-seconds", "-1"], "--pod-start-seconds"),
+                        (["--priority", "5"], "--peering")):
         result = CliRunner().invoke(main.app, ["operator", "--kubeconfig", "/nonexistent", *args])
         assert result.exit_code == 2, (args, result.output)
         assert field in result.output, (args, result.output)

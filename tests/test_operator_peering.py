@@ -4,6 +4,10 @@ kopf peering is leader election, not sharding: both operators announce themselve
 ClusterKopfPeering object, the one with the highest priority handles resources and the other
 pauses. When the leader stops, it withdraws from the peering object and the standby resumes,
 picking the job up from its status alone.
+
+Both operators start as the Helm chart starts its replicas: with the same flags and no
+`--priority`. kopf pauses every peer of the highest priority when several share it, so had they
+shared a default, neither would act.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ def test_only_the_leader_acts_and_the_standby_takes_over(
         "clusterkopfpeerings",
         {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "huorn"}},
     )
-    standby = OperatorThread(cluster.api_client(), peering="huorn", priority=1)
-    with standby, OperatorThread(cluster.api_client(), peering="huorn", priority=100) as leader:
+    first = OperatorThread(cluster.api_client(), peering="huorn")
+    with first, OperatorThread(cluster.api_client(), peering="huorn") as second:
         peers = wait_for(
             lambda: (
                 len(
@@ -49,16 +53,21 @@ def test_only_the_leader_acts_and_the_standby_takes_over(
             what="both operators announced",
         )
         assert peers
-        time.sleep(1.0)  # let the standby see the leader's higher priority and pause
+        status = kube.custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", "huorn")
+        priorities = [peer["priority"] for peer in status["status"].values()]
+        assert len(set(priorities)) == 2 and min(priorities) > 0, priorities
+        time.sleep(1.0)  # let the lower priority see the higher one and pause
         kube.create_job(NS, builders.make_training_job("ha", "train", replicas=1, gpus=1))
         wait_for(lambda: len(kube.pods(NS, "ha", "trainer")) == 1, what="the leader placed the job")
         kube.run_all_pods(NS, "ha")
         wait_for(lambda: kube.job_status(NS, "ha").get("phase") == "Running", what="Running")
-        wait_for(lambda: _reconciles(leader) >= 1, what="the leader's reconcile to finish")
-        assert _reconciles(standby) == 0, "the paused standby must not act"
+        wait_for(lambda: _reconciles(first) + _reconciles(second) >= 1, what="the leader's reconcile")
+        time.sleep(1.0)  # a standby that wrongly acted would have reconciled by now too
+        acted = [op for op in (first, second) if _reconciles(op) >= 1]
+        assert len(acted) == 1, "exactly one operator acts; the paused standby must not"
     # The leader has stopped (and withdrawn); only the standby is left, and it was stopped too by
     # the `with`. Start it again alone, as a restarted replica would be, and scale the job.
-    with OperatorThread(cluster.api_client(), peering="huorn", priority=1) as survivor:
+    with OperatorThread(cluster.api_client(), peering="huorn") as survivor:
         kube.scale(NS, "ha", 2)
         wait_for(lambda: len(kube.pods(NS, "ha", "trainer")) == 2, what="the survivor resized")
         wait_for(lambda: _reconciles(survivor) >= 1, what="the survivor's reconcile to finish")

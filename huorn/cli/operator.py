@@ -27,7 +27,9 @@ def operator_command(
     namespace: list[str] = typer.Option([], "--namespace", "-n", help="Serve only these namespaces."),
     all_namespaces: bool = typer.Option(False, "--all-namespaces", "-A", help="Serve every namespace."),
     peering: str | None = typer.Option(None, "--peering", help="kopf peering name for high availability."),
-    priority: int = typer.Option(0, "--priority", help="Peering priority; the highest one runs."),
+    priority: int | None = typer.Option(
+        None, "--priority",
+        help="Peering priority; the highest one acts. Default: a random one per replica."),
     metrics_port: int = typer.Option(8080, "--metrics-port", help="Prometheus /metrics port; 0 disables."),
     resync_seconds: float = typer.Option(30.0, "--resync-seconds", help="Re-reconcile every job this often."),
     pod_start_seconds: float = typer.Option(
@@ -50,6 +52,9 @@ def operator_command(
     """Run the Huorn operator until interrupted."""
     if namespace and all_namespaces:
         typer.echo("error: --namespace and --all-namespaces exclude each other; pick one", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    if priority is not None and peering is None:
+        typer.echo("error: --priority needs --peering NAME (a standalone operator has no peers)", err=True)
         raise typer.Exit(EXIT_USAGE)
     if not 0 <= metrics_port <= 65535:
         typer.echo(f"error: --metrics-port must be in 0..65535, got {metrics_port}", err=True)

@@ -6,6 +6,8 @@ directly and tests call it in a thread of their own, where kopf runs its own eve
 
 from __future__ import annotations
 
+import logging
+import secrets
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +18,12 @@ import prometheus_client as prom
 
 from huorn.backends.kubernetes import client as kube
 from huorn.operator import context, handlers
+
+logger = logging.getLogger(__name__)
+
+# kopf pauses *every* peer that shares the highest priority (it cannot tell which should lead),
+# so replicas started alike, as a Deployment starts them, must not all default to one value.
+PEERING_PRIORITY_RANGE = 1 << 30
 
 
 def build_connection(api: kubernetes.client.ApiClient) -> kopf.ConnectionInfo:
@@ -35,6 +43,16 @@ def build_connection(api: kubernetes.client.ApiClient) -> kopf.ConnectionInfo:
         password=config.password or None,
         default_namespace="default",
     )
+
+
+def peering_priority(priority: int | None) -> int:
+    """The given priority, or a random one for a replica that was given none.
+
+    Two replicas of one Deployment get the same flags; with one shared default kopf would pause
+    both and no operator would act. A draw from 2^30 values collides for two replicas about once
+    in a billion, and a collision still pauses rather than lets two operators act.
+    """
+    return priority if priority is not None else 1 + secrets.randbelow(PEERING_PRIORITY_RANGE)
 
 
 def post_event(body: Any, kind: str, reason: str, message: str) -> None:
@@ -59,15 +77,22 @@ def run_operator(
     *,
     namespaces: Sequence[str] = (),
     peering: str | None = None,
-    priority: int = 0,
+    priority: int | None = None,
     settings: context.OperatorSettings | None = None,
     metrics_port: int | None = None,
     stop_flag: threading.Event | None = None,
     ready_flag: threading.Event | None = None,
     ctx: context.Context | None = None,
 ) -> context.Context:
-    """Run until stopped; returns the context (its metrics and mirror) for inspection."""
+    """Run until stopped; returns the context (its metrics and mirror) for inspection.
+
+    With `peering`, the replica with the highest `priority` acts and the others wait; without a
+    priority each replica draws its own (`peering_priority`).
+    """
     ctx = ctx or build_context(api, settings)
+    if peering is not None:
+        priority = peering_priority(priority)
+        logger.info("peering %r at priority %d: the highest priority among the peers acts", peering, priority)
     if metrics_port is not None:
         prom.start_http_server(metrics_port, registry=ctx.metrics.registry)
     registry = kopf.OperatorRegistry()
@@ -77,7 +102,7 @@ def run_operator(
         memo=kopf.Memo(huorn=ctx),
         standalone=peering is None,
         peering_name=peering,
-        priority=priority,
+        priority=priority or 0,
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         stop_flag=stop_flag,

@@ -34,7 +34,7 @@ class OperatorThread:
 
     def __init__(
         self, api: kubernetes.client.ApiClient, settings: context.OperatorSettings = FAST,
-        peering: str | None = None, priority: int = 0,
+        peering: str | None = None, priority: int | None = None,
     ) -> None:
         self.ctx = runner.build_context(api, settings)
         self.peering, self.priority = peering, priority
