@@ -60,8 +60,8 @@ class Elasticity(ApiModel):
         description="How a TrainingJob's trainers live through a membership change. restart: a torchrun "
         "agent per replica, and every join, leave or failure restarts every worker from the last "
         "checkpoint. inPlace: each replica is one trainer process that joins the rendezvous itself, so "
-        "joins, graceful leaves and lost gloo peers keep the surviving processes and their in-memory "
-        "state (a lost NCCL peer still restarts from the last checkpoint); it needs one process per "
+        "joins, graceful leaves and lost peers (gloo reports them; on NCCL a heartbeat watch finds them and "
+        "aborts the groups) keep the surviving processes and their in-memory state; it needs one process per "
         "replica, i.e. parallelism.pipelineStages 1 and resources.gpus at most 1. auto: inPlace when a "
         "replica is one process, restart otherwise.",
     )
@@ -197,12 +197,17 @@ class EnvVar(ApiModel):
     value: str = Field(default="", max_length=32768)
 
 
+# The image a job's pods run when its spec names none: the release this API ships with. The
+# CRD carries it as the field's default, so the API server fills it in at admission.
+DEFAULT_IMAGE = "ghcr.io/huorn-io/huorn:0.1.0"
+
+
 class JobCommon(ApiModel):
     """Fields every job kind shares; the kinds subclass this."""
 
     virtual_cluster: DnsLabel = Field(description="The VirtualCluster whose GPUs this job uses.")
     image: str = Field(
-        default="ghcr.io/huorn-io/huorn:0.1.0", min_length=1, description="Container image of the pods."
+        default=DEFAULT_IMAGE, min_length=1, description="Container image of the pods."
     )
     priority: int = Field(
         default=50, ge=0, le=1000,

@@ -266,6 +266,18 @@ class BatchRule(StrEnum):
         detail=lambda o: f"{o.micro_batch} > {o.global_batch}",
         fix="lower microBatch or raise globalBatch",
     ),
+    rules.Rule(
+        # A trainer splits each rank's share of the global batch into whole micro-batches, so it
+        # refuses anything else at start; the API refuses it first, before a gang is placed.
+        # A microBatch above globalBatch is the rule above's to report, not this one's.
+        name="optimization-global-multiple-of-micro",
+        field="globalBatch",
+        cel="self.microBatch > self.globalBatch || self.globalBatch % self.microBatch == 0",
+        holds=lambda o: o.micro_batch > o.global_batch or o.global_batch % o.micro_batch == 0,
+        message="must be a multiple of microBatch",
+        detail=lambda o: f"{o.global_batch} % {o.micro_batch} = {o.global_batch % o.micro_batch}",
+        fix="make globalBatch a multiple of microBatch, or change microBatch",
+    ),
 )
 class Optimization(ApiModel):
     global_batch: int = Field(default=16, ge=1, le=1 << 24, description="Sequences per optimizer step.")

@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from huorn.api import common
 from huorn.backends.kubernetes import manifests
 from huorn.graph.model import Instance
 from huorn.runtime import launcher
@@ -137,7 +138,7 @@ def _pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any], com
         "restartPolicy": "Never",
         "containers": [{
             "name": instance.vertex,
-            "image": spec.get("image", "ghcr.io/huorn-io/huorn:0.1.0"),
+            "image": spec.get("image", common.DEFAULT_IMAGE),
             "command": command,
             "env": env,
             "ports": [{"name": "gcs", "containerPort": launcher.RAY_PORT},
