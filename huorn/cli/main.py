@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("run", "run_command", "Run a TrainingJob on this machine, elastically, with a report."),
     "operator": ("operator", "operator_command", "Start the Kubernetes operator."),
     "simulate": ("simulate", "simulate", "Compare scheduling policies on a cluster trace."),
-    "detect": ("detect", "detect_command", "Find hung and fail-slow workers in a step-time table."),
+    "detect": ("detect", "detect_command", "Find fail-slow workers in a step-time table."),
     "schedule": ("schedule", "schedule_command", "Print, check and draw a pipeline schedule table."),
     "forecast": ("forecast", "forecast_command", "Replay the prediction board over request-rate history."),
 }
