@@ -14,9 +14,9 @@ import argparse
 import json
 from pathlib import Path
 
-from huorn.sim import bounds, engine, run
+from huorn.sim import bounds, engine, run, shared_data
 
-DATA = Path("/work/shared/data")
+DATA = shared_data.shared_data_dir()
 CASES = "1024:0:0.8,1024:0:1.5,128:0:0.8,128:1:0.8,128:2:0.8,128:3:0.8,128:4:0.8,128:0:1.5"
 
 

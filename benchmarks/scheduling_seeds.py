@@ -15,9 +15,9 @@ import json
 import statistics
 from pathlib import Path
 
-from huorn.sim import engine, run
+from huorn.sim import engine, run, shared_data
 
-DATA = Path("/work/shared/data")
+DATA = shared_data.shared_data_dir()
 
 
 def main() -> None:

@@ -18,9 +18,9 @@ import json
 import time
 from pathlib import Path
 
-from huorn.sim import engine, report, run
+from huorn.sim import engine, report, run, shared_data
 
-DATA = Path("/work/shared/data")
+DATA = shared_data.shared_data_dir()
 
 
 def main() -> None:

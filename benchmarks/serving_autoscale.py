@@ -52,8 +52,9 @@ from huorn.api import training
 from huorn.backends import replica_metrics
 from huorn.runtime import launcher, serve
 from huorn.scheduler import autoscale, forecast
+from huorn.sim import shared_data
 
-DATA = ROOT.parent / "shared" / "data"
+DATA = shared_data.shared_data_dir()
 ARCHITECTURE = {"layers": 4, "width": 64, "heads": 4, "context": 128}
 MAX_BATCH = 16
 CLIENTS = 64  # the probe's closed loop: four prompt lengths × a full batch each

@@ -60,13 +60,14 @@ from matplotlib.figure import Figure
 from prometheus_client.parser import text_string_to_metric_families
 from rich.progress import Progress
 from serving_autoscale import Fleet
-from trainer_runs import ROOT, argument_parser, plot_latency_cdf, save_figure, write_report
+from trainer_runs import argument_parser, plot_latency_cdf, save_figure, write_report
 
 from huorn.api import training
 from huorn.runtime import serve
+from huorn.sim import shared_data
 
 ARCHITECTURE = {"layers": 4, "width": 256, "heads": 8, "context": 1024}
-TRACE = ROOT.parent / "shared" / "data" / "lora_request_trace.csv"
+TRACE = shared_data.shared_data_dir() / "lora_request_trace.csv"
 # each policy's spec.serving: static batching; continuous batching with each joining prompt
 # prefilled whole; continuous batching with chunked prefill (`--chunk` tokens)
 POLICIES = {"static": {"batching": "static", "prefillChunkTokens": 0},

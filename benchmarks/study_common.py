@@ -12,7 +12,9 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-DATA = Path("/work/shared/data")
+from huorn.sim import shared_data
+
+DATA = shared_data.shared_data_dir()
 TRACE = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv", DATA / "genai_qps.csv")
 POLLUXES = ("pollux", "pollux-p-1", "pollux-p-1-fair")  # the best of them per case is the baseline
 

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from huorn.scheduler import forecast, loaning, snapshot
+from huorn.sim import shared_data
 
-QPS = Path("/work/shared/data/genai_qps.csv")
+QPS = shared_data.shared_data_dir() / "genai_qps.csv"
 LENDER = snapshot.VirtualClusterView("infer", "inference", lendable=True, max_gpus_lent=64,
                                      reclaim_grace_seconds=30)
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from huorn.scheduler import allocator
-from huorn.sim import engine, policies, run
+from huorn.sim import engine, policies, run, shared_data
 
-DATA = Path("/work/shared/data")
+DATA = shared_data.shared_data_dir()
 TRACE = DATA / "openb_pod_list_default.csv"
 NODES = DATA / "openb_node_list_gpu_node.csv"
 QPS = DATA / "genai_qps.csv"

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from huorn.scheduler import forecast
-from huorn.sim import engine, inference, policies, run
+from huorn.sim import engine, inference, policies, run, shared_data
 
-DATA = Path("/work/shared/data")
+DATA = shared_data.shared_data_dir()
 TRACE = DATA / "openb_pod_list_default.csv"
 NODES = DATA / "openb_node_list_gpu_node.csv"
 QPS = DATA / "genai_qps.csv"

@@ -9,8 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from huorn.cli.main import app
+from huorn.sim import shared_data
 
-DATA = Path("/work/shared/data")
+DATA = shared_data.shared_data_dir()
 pytestmark = pytest.mark.skipif(not (DATA / "openb_pod_list_default.csv").exists(), reason="no shared trace")
 
 
@@ -129,3 +130,10 @@ def test_bad_flags_and_paths_are_named_before_the_run(tmp_path: Path) -> None:
     # refused before any policy's progress bar was drawn (one at 0 % used to stand above the error)
     assert result.stderr.startswith("error:"), result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_shared_data_directory_follows_huorn_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(shared_data.ENV, str(tmp_path))
+    assert shared_data.shared_data_dir() == tmp_path
+    monkeypatch.delenv(shared_data.ENV)
+    assert (shared_data.shared_data_dir() / "openb_pod_list_default.csv").is_file()

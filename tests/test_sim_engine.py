@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import pytest
 
 from huorn.scheduler import allocator
-from huorn.sim import engine, run, workload
+from huorn.sim import engine, run, shared_data, workload
 
-DATA = Path("/work/shared/data")
+DATA = shared_data.shared_data_dir()
 TRACE = DATA / "openb_pod_list_default.csv"
 NODES = DATA / "openb_node_list_gpu_node.csv"
 QPS = DATA / "genai_qps.csv"

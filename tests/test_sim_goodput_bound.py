@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from huorn.sim import bounds, engine, run, state, workload
+from huorn.sim import bounds, engine, run, shared_data, state, workload
 
-DATA = Path("/work/shared/data")
+DATA = shared_data.shared_data_dir()
 TRACE = DATA / "openb_pod_list_default.csv"
 NODES = DATA / "openb_node_list_gpu_node.csv"
 QPS = DATA / "genai_qps.csv"

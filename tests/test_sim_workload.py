@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from huorn.sim import inference, policies, state, workload
+from huorn.sim import inference, policies, shared_data, state, workload
+
+QPS = shared_data.shared_data_dir() / "genai_qps.csv"
 
 HEADER = ("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,"
           "creation_time,deletion_time,scheduled_time\n")
@@ -147,15 +149,15 @@ def test_malformed_rows_name_line_and_column(tmp_path: Path) -> None:
         workload.load_jobs(empty, 1024, 10, 0.8, seed=0)
 
 
-@pytest.mark.skipif(not Path("/work/shared/data/genai_qps.csv").exists(), reason="no shared QPS trace")
+@pytest.mark.skipif(not QPS.exists(), reason="no shared QPS trace")
 def test_inference_cluster_is_sized_for_its_peak() -> None:
-    load = inference.InferenceLoad(Path("/work/shared/data/genai_qps.csv"), 32)
+    load = inference.InferenceLoad(QPS, 32)
     assert load.need.max() == pytest.approx(0.9 * 32, abs=1)
     assert np.all(load.forecast_need >= load.need)
     assert load.need_at(0) == load.need[len(load.rate) // 2]
     assert load.bin_of(load.bin_seconds * len(load.rate)) == load.bin_of(0)  # wraps around
     with pytest.raises(ValueError, match="qps start"):
-        inference.InferenceLoad(Path("/work/shared/data/genai_qps.csv"), 32, start="noon")
+        inference.InferenceLoad(QPS, 32, start="noon")
 
 
 def test_a_qps_file_rewritten_in_place_is_read_again_and_shared_arrays_are_read_only(tmp_path: Path) -> None:

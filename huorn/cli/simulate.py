@@ -17,9 +17,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from huorn.cli.output import check_writable, print_error, render_console
-from huorn.sim import engine, policies, report, run, workload
+from huorn.sim import engine, policies, report, run, shared_data, workload
 
-DATA = Path("/work/shared/data")
+DATA = shared_data.shared_data_dir()
 COLUMNS = ("jct_mean_s", "jct_p50_s", "jct_p99_s", "makespan_s", "goodput_gpu_equiv", "job_goodput_vs_trace",
            "gpu_utilisation", "inference_slo_attainment", "preemptions", "gpu_hours_lost", "wall_seconds")
 
