@@ -267,8 +267,9 @@ class BatchRule(StrEnum):
         fix="lower microBatch or raise globalBatch",
     ),
     rules.Rule(
-        # A trainer splits each rank's share of the global batch into whole micro-batches, so it
-        # refuses anything else at start; the API refuses it first, before a gang is placed.
+        # A step's global batch is split into whole micro-batches, dealt round-robin to the ranks
+        # (runtime.batching), so a trainer refuses anything else at start; the API refuses it
+        # first, before a gang is placed.
         # A microBatch above globalBatch is the rule above's to report, not this one's.
         name="optimization-global-multiple-of-micro",
         field="globalBatch",
