@@ -132,7 +132,9 @@ def test_bad_flags_and_paths_are_named_before_the_run(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def test_the_shared_data_directory_follows_huorn_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_shared_data_directory_follows_huorn_data_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv(shared_data.ENV, str(tmp_path))
     assert shared_data.shared_data_dir() == tmp_path
     monkeypatch.delenv(shared_data.ENV)
