@@ -22,7 +22,7 @@ from kube.kubelet import Kubelet
 
 from huorn.backends.kubernetes import manifests
 from huorn.graph.model import Instance
-from huorn.runtime import launcher, serve
+from huorn.runtime import serve
 
 pytest_plugins = ["kube.fixtures"]
 
@@ -88,8 +88,8 @@ def test_an_inference_job_scales_on_real_load_and_takes_back_lent_gpus(
         pod = servers(kube, "chat")["server-0"]
         assert pod.metadata.annotations["huorn.io/node"] == "b0"
         assert pod.metadata.annotations["huorn.io/gpus"] == "2"
-        command = launcher.build_serve_command("/etc/huorn/config.json", "python")
-        assert pod.spec.containers[0].command == command
+        assert pod.spec.containers[0].command == [
+            "python", "-m", "huorn.runtime.serve", "--config", "/etc/huorn/config.json"]
         config = kube.core.read_namespaced_config_map("chat-config", NS).data["config.json"]
         served = serve.ServeConfig.model_validate(json.loads(config))  # what the replica will load
         assert served.port == manifests.SERVE_PORT and served.spec.autoscaling.max_replicas == 2

@@ -20,7 +20,6 @@ from huorn.graph import compiler
 from huorn.graph.model import Instance
 from huorn.operator import conditions, index, validation, virtualclusters
 from huorn.operator.context import Context
-from huorn.runtime import launcher
 
 
 def _api_error(status: int, retry_after: str | None = None) -> kubernetes.client.ApiException:
@@ -46,10 +45,20 @@ async def test_backoff_retries_429_and_5xx_with_full_jitter_in_fake_time(looptim
     policy = retry.RetryPolicy(attempts=5, base_delay=1.0, max_delay=8.0)
     call = Flaky(_api_error(429), _api_error(500), _api_error(503))
     assert await retry.call_with_retry(call, policy, rng=random.Random(7)) == "done"
-    expected_rng = random.Random(7)
-    expected = sum(policy.delay(attempt, expected_rng) for attempt in range(3))
+    # Full jitter, written out here rather than through policy.delay: uniform in [0, 1·2^attempt].
+    draws = random.Random(7)
+    expected = draws.uniform(0, 1) + draws.uniform(0, 2) + draws.uniform(0, 4)
     assert call.calls == 4
     assert float(looptime) == pytest.approx(expected, abs=1e-3)
+
+
+def test_a_full_jitter_delay_spans_zero_to_the_capped_exponential() -> None:
+    policy = retry.RetryPolicy(attempts=10, base_delay=0.5, max_delay=5.0)
+    rng = random.Random(3)
+    for attempt, cap in ((0, 0.5), (1, 1.0), (3, 4.0), (4, 5.0), (9, 5.0)):
+        delays = [policy.delay(attempt, rng) for _ in range(2000)]
+        assert all(0 <= d <= cap for d in delays), attempt
+        assert max(delays) > 0.95 * cap and min(delays) < 0.05 * cap, attempt
 
 
 @pytest.mark.looptime
@@ -98,11 +107,13 @@ def test_store_pod_runs_the_runtimes_store_on_the_service_port() -> None:
     body = _job()
     ref = manifests.JobRef.from_body(body)
     pod = manifests.build_store_pod(ref, Instance("rendezvous", 0), body["spec"])
-    expected = launcher.build_store_command("0.0.0.0", manifests.STORE_PORT, python="python")
-    assert pod["spec"]["containers"][0]["command"] == expected
+    assert pod["spec"]["containers"][0]["command"] == [
+        "python", "-m", "huorn.runtime.store", "--host", "0.0.0.0", "--port", "29400"]
     service = manifests.build_store_service(ref)
     assert service["spec"]["selector"] == {"huorn.io/job": "llm", "huorn.io/vertex": "rendezvous"}
-    assert manifests.rendezvous_endpoint(ref) == f"llm-rdzv.team.svc:{manifests.STORE_PORT}"
+    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(29400, 29400)]
+    assert service["spec"]["clusterIP"] == "None"  # headless: agents reach the store pod itself
+    assert manifests.rendezvous_endpoint(ref) == "llm-rdzv.team.svc:29400"
 
 
 @given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 5)), min_size=1, max_size=30, unique=True))

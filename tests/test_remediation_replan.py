@@ -177,6 +177,7 @@ def test_s2_is_undone_on_a_real_job_once_the_slow_rank_recovers(tmp_path: Path) 
     assert summary.last == steps_total and not summary.missing and summary.repeated == 0, summary
     restored_from = plans[restore]["from_step"]
     until = plans[restore + 1]["from_step"] if len(plans) > restore + 1 else steps_total + 1
+    assert restored_from < until <= steps_total + 1  # some step ran on the restored plan
     assert all(steps[s].get("microbatches") == [4, 4] for s in steps if restored_from <= s < until)
     # NB: no step-time assertion: on this shared 2-core box a tiny model's steps vary more
     # than the 12 ms that [7, 1] costs a recovered rank; benchmarks/ would be the place

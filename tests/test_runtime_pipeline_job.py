@@ -54,7 +54,9 @@ def losses(events: list[dict]) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[int, float]:
     """The plain trainer in a world of one: every micro-batch on one rank, no pipeline."""
-    return losses(run_job(tmp_path_factory.mktemp("ref"), data_dir, build_spec(), nproc=1))
+    steps = losses(run_job(tmp_path_factory.mktemp("ref"), data_dir, build_spec(), nproc=1))
+    assert sorted(steps) == list(range(1, STEPS + 1))  # every comparison against it covers the run
+    return steps
 
 
 @pytest.mark.slow

@@ -145,14 +145,18 @@ def test_sampled_log_probabilities_equal_the_teacher_forced_ones() -> None:
     samples = policy.sample(model, prompt, 4, 10, 1.0, 1.0, torch.Generator().manual_seed(1))
     forced = policy.response_logprobs(model.eval(), prompt, samples.tokens)
     assert torch.allclose(forced * samples.mask, samples.sampled_logprobs, atol=1e-4)
-    first = (samples.tokens == policy.NEWLINE).int().argmax(dim=1)
-    for row in range(4):  # the mask ends with the first newline, if one came
-        if (samples.tokens[row] == policy.NEWLINE).any():
-            assert samples.mask[row, : first[row] + 1].all() and not samples.mask[row, first[row] + 1:].any()
+    assert torch.equal(samples.mask, policy.response_mask(samples.tokens))
     # A top-p this small keeps only the most likely token: sampling becomes greedy.
     narrow = policy.sample(model, prompt, 2, 6, 1.0, 1e-6, torch.Generator().manual_seed(2))
     greedy = policy.sample(model, prompt, 2, 6, 0.0, 1.0, torch.Generator())
     assert torch.equal(narrow.tokens, greedy.tokens)
+
+
+def test_the_response_mask_ends_with_each_rows_first_newline() -> None:
+    n, a = policy.NEWLINE, ord("7")
+    tokens = torch.tensor([[a, n, a, a], [a, a, a, a], [n, a, n, a], [a, a, a, n]])
+    assert policy.response_mask(tokens).tolist() == [
+        [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
 
 
 def test_prompts_are_reproducible_and_rewards_check_the_first_line() -> None:

@@ -71,11 +71,17 @@ def sample(model: torch.nn.Module, prompt: list[int], group: int, max_new_tokens
             break
         logits = model.forward_step(token, cache, last_only=True)[:, -1].float()  # type: ignore[operator]
     out = torch.stack(tokens, dim=1).cpu()
-    # 1 up to and including each row's first newline.
-    newline = (out == NEWLINE).int()
-    before = newline.cumsum(dim=1) - newline
-    mask = (before == 0).float()
+    mask = response_mask(out)
     return Samples(prompt, out, mask, torch.stack(logprobs, dim=1).cpu() * mask)
+
+
+def response_mask(tokens: torch.Tensor) -> torch.Tensor:
+    """1 up to and including each row's first newline, 0 after it: a group is decoded together
+    until every row has ended its answer line, so a row that ended early goes on sampling tokens
+    that no reward reads and no loss may count."""
+    newline = (tokens == NEWLINE).int()
+    before = newline.cumsum(dim=1) - newline
+    return (before == 0).float()
 
 
 def response_logprobs(model: torch.nn.Module, prompt: list[int], responses: torch.Tensor) -> torch.Tensor:
