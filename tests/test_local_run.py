@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -341,11 +342,32 @@ def test_huorn_run_serves_replicas_behind_the_prefix_router(tmp_path: Path) -> N
 def test_several_local_replicas_without_prefix_routing_are_refused_naming_the_field(tmp_path: Path) -> None:
     manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "InferenceJob", "metadata": {"name": "chat"},
                 "spec": {"virtualCluster": "local", "model": {"checkpoint": str(tmp_path / "none")}}}
-    path = tmp_path / "chat.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    outcome = CliRunner().invoke(main.app, ["run", str(path), "--run-dir", str(tmp_path / "r"),
-                                            "--replicas", "2"])
-    assert outcome.exit_code == 2 and "spec.routing.policy: prefix" in outcome.stderr
+    code, err, run_dir = invoke_run(tmp_path, manifest, "--replicas", "2")
+    assert code == 2 and "spec.routing.policy: prefix" in err and not run_dir.exists()
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "InferenceJob", "metadata": {"name": "chat"},
+                "spec": {"virtualCluster": "local", "model": {"checkpoint": str(tmp_path / "none")}}}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err, run_dir = invoke_run(tmp_path, manifest, "--port", str(port))
+    assert code == 2 and f"--port {port}: cannot listen there" in err and "--port 0" in err
+    assert not run_dir.exists()
+
+
+def test_a_data_source_without_a_corpus_is_refused_naming_its_field_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    manifest = yaml.safe_load(QUICKSTART.read_text())
+    manifest["spec"]["data"]["sources"] = [{"name": "general"}, {"name": "mine", "path": str(tmp_path)}]
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    code, err, run_dir = invoke_run(tmp_path, manifest)
+    assert code == 2 and "spec.data.sources[1].path" in err and "train.bin" in err
+    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not run_dir.exists() and started == []
 
 
 def test_an_rl_job_the_runtime_cannot_run_is_refused_before_anything_starts(tmp_path: Path) -> None:

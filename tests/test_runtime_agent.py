@@ -23,6 +23,22 @@ def test_the_agent_runs_only_the_trainer_and_says_what_to_use_instead() -> None:
     assert "torchrun" in message
 
 
+def test_a_config_the_trainer_would_refuse_stops_the_agent_before_any_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker's refusal (exit 2) is a failure to torch's agent, which restarted the gang on it up
+    to --max-restarts (100) times, so the run only stalled; the agent refuses first, with 2."""
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # main() sets it; restored after
+    spec = harness.build_spec(steps=2)
+    spec["data"]["sources"] = [{"name": "general"}, {"name": "mine", "path": str(tmp_path)}]
+    config = harness.write_config(tmp_path, harness.shared_data_dir(), spec)
+    with pytest.raises(SystemExit) as refused:
+        agent.main(["--standalone", "--nproc-per-node=1", "-m", agent.TRAINER, "--config", str(config)])
+    assert refused.value.code == 2
+    error = capsys.readouterr().err
+    assert "error: spec.data.sources[1].path" in error and "train.bin" in error
+
+
 def test_the_fork_probe_reports_a_child_that_could_not_use_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an H100 the first forked worker failed with "Cannot re-initialize CUDA in forked
     subprocess": torch's LaunchConfig had asked the CUDA runtime whether CUDA is available. The

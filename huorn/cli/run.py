@@ -117,6 +117,9 @@ def run_command(
     try:
         job, g = graph_cli.compile_file(file)
         if isinstance(job, kinds.InferenceJob):
+            refused = run_serve.refusal(job, serve_port, replicas or 1)
+            if refused is not None:
+                raise graph_cli.ManifestError(refused)
             directory = (run_dir or Path("runs") / g.name).resolve()
             kept = prepare_run_dir(directory)
             if kept is not None:
@@ -138,6 +141,12 @@ def run_command(
                 f"{file}: spec.suspend is true, so the job is not to run; set it to false (or remove it)"
             )
         if isinstance(job, kinds.TrainingJob):
+            from huorn.runtime.data import sampler  # torch: only once a TrainingJob is to run
+
+            try:
+                sampler.check_sources([(s.name, s.path) for s in job.spec.data.sources])
+            except ValueError as error:
+                raise graph_cli.ManifestError(f"{file}: {error}") from None
             cluster_only = [f for f, v in (("activeDeadlineSeconds", job.spec.active_deadline_seconds),
                                            ("ttlSecondsAfterFinished", job.spec.ttl_seconds_after_finished))
                             if v is not None]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -36,14 +37,25 @@ def _write_config(path: Path, job: kinds.InferenceJob, port: int, run: Path) -> 
     return path
 
 
+def refusal(job: kinds.InferenceJob, port: int, replicas: int) -> str | None:
+    """What `huorn run` refuses before it keeps the previous run or starts anything."""
+    if replicas > 1 and job.spec.routing.policy != "prefix":
+        return (f"--replicas {replicas}: several local replicas are served behind the prefix router "
+                "(there is no Service here to spread requests); set spec.routing.policy: prefix, or "
+                "serve one replica")
+    if port:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError as error:
+                return f"--port {port}: cannot listen there ({error.strerror}); choose another, or --port 0"
+    return None
+
+
 def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool,
               duration: float | None = None, replicas: int = 1) -> int:
-    """Serve until Ctrl-C (or `duration` seconds); the exit code huorn run gives."""
-    if replicas > 1 and job.spec.routing.policy != "prefix":
-        typer.echo(f"error: --replicas {replicas}: several local replicas are served behind the prefix "
-                   "router (there is no Service here to spread requests); set spec.routing.policy: "
-                   "prefix, or serve one replica", err=True)
-        return 2
+    """Serve until Ctrl-C (or `duration` seconds); the exit code huorn run gives. The caller has
+    checked `refusal` first."""
     if replicas == 1:
         servers = [(directory / "run", directory / "serve-config.json", directory / "serve.log", port)]
     else:

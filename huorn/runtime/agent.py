@@ -73,6 +73,25 @@ def run_trainer(*argv: str) -> None:
         raise SystemExit(code)
 
 
+def _refusal(script_args: list[str]) -> str | None:
+    """What the trainer would refuse in its config, checked once here: a worker's refusal (exit 2)
+    is a failure to torch's agent, which would restart the gang on it up to --max-restarts times."""
+    from huorn.runtime import config as run_config
+    from huorn.runtime.data import sampler
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config", type=str)
+    known, _ = parser.parse_known_args(script_args)
+    if known.config is None:
+        return "the trainer needs --config FILE"
+    try:
+        cfg = run_config.load_run_config(known.config)
+        sampler.check_sources([(s.name, s.path) for s in cfg.spec.data.sources])
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -87,6 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     # fork (workers inherit the setting, which only changes how torch.cuda.is_available() asks)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     _warm()
+    refused = _refusal(list(args.training_script_args))
+    if refused is not None:
+        print(f"error: {refused}", file=sys.stderr, flush=True)
+        raise SystemExit(2)  # the trainer's own exit code for a refused config
     forked = argparse.Namespace(**vars(args))
     if forked.standalone:  # as torchrun.run does
         forked.rdzv_backend, forked.rdzv_endpoint, forked.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())

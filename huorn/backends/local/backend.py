@@ -311,8 +311,11 @@ class LocalBackend:
         if proc.role == "trainer" and code == CONFIG_REFUSED_EXIT:
             # A replacement would be refused the same way, and in place it would be at once, in
             # a loop: stop the run instead, as the operator fails the job.
+            errors = [line for line in proc.log_path.read_text(errors="replace").splitlines()
+                      if line.startswith("error:")]
+            why = f": {errors[-1].removeprefix('error:').strip()}" if errors else ""
             raise LocalBackendError(f"the trainer runtime refused its config (exit code {code} of "
-                                    f"{proc.name}); see {proc.log_path}")
+                                    f"{proc.name}){why}; see {proc.log_path}")
         reason = ""
         if proc.in_place:  # the root is the worker: no agent logs its death, its exit code says it
             if code is not None and code < 0 and code != -15:

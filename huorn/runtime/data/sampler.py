@@ -9,6 +9,7 @@ mixture weights (sampling with replacement, which makes "epoch" bookkeeping unne
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,20 +34,38 @@ def _load_tokens(path: Path) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-def open_source(name: str, weight: float, path: str | None = None, data_dir: Path | None = None) -> Source:
-    """A source from a built corpus directory (train.bin/val.bin): a shipped one by name, built on
-    first use, or any directory given as `path`."""
+def _source_problem(name: str, path: str | None) -> str | None:
+    """Why a source cannot be opened, or None: a path without a built corpus, or a name that is
+    neither a shipped corpus nor given a path."""
     if path:
         directory = Path(path)
         if not (directory / "train.bin").is_file() or not (directory / "val.bin").is_file():
-            raise ValueError(f"data source {name!r}: path {path!r} must be a directory holding train.bin "
-                             "and val.bin (uint8 byte tokens) as written by "
-                             "`python -m huorn.runtime.data.build`")
-    elif name in corpora.CORPORA:
-        directory = build.ensure_corpus(name, data_dir)
-    else:
-        raise ValueError(f"data source {name!r} is not a shipped corpus ({', '.join(corpora.CORPORA)}); "
-                         "set its path to a built corpus directory")
+            return (f"path {path!r} must be a directory holding train.bin and val.bin (uint8 byte "
+                    "tokens) as written by `python -m huorn.runtime.data.build`")
+        return None
+    if name not in corpora.CORPORA:
+        return (f"{name!r} is not a shipped corpus ({', '.join(corpora.CORPORA)}); set its path to a "
+                "built corpus directory")
+    return None
+
+
+def check_sources(sources: Sequence[tuple[str, str | None]]) -> None:
+    """Refuse a job's (name, path) sources before any process starts: a trainer would refuse them
+    only after its gang formed (and under torchrun, again at every restart)."""
+    for index, (name, path) in enumerate(sources):
+        problem = _source_problem(name, path)
+        if problem is not None:
+            field = f"spec.data.sources[{index}].{'path' if path else 'name'}"
+            raise ValueError(f"{field}: data source {name!r}: {problem}")
+
+
+def open_source(name: str, weight: float, path: str | None = None, data_dir: Path | None = None) -> Source:
+    """A source from a built corpus directory (train.bin/val.bin): a shipped one by name, built on
+    first use, or any directory given as `path`."""
+    problem = _source_problem(name, path)
+    if problem is not None:
+        raise ValueError(f"data source {name!r}: {problem}")
+    directory = Path(path) if path else build.ensure_corpus(name, data_dir)
     return Source(name, weight, _load_tokens(directory / "train.bin"), _load_tokens(directory / "val.bin"))
 
 
