@@ -3,6 +3,7 @@ Kubernetes schemas (kubernetes-validate) and against what the operator actually 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -109,14 +110,17 @@ def test_rendered_arguments_are_accepted_by_huorn_operator(variant: str) -> None
 
 def test_cluster_role_is_least_privilege_and_never_reads_secrets() -> None:
     rules = _one(_render({}), "ClusterRole")["rules"]
-    granted = {
-        (g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
-    }
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in rules:
+        for group, resource in ((g, r) for g in rule["apiGroups"] for r in rule["resources"]):
+            granted.setdefault((group, resource), set()).update(rule["verbs"])
     assert all("*" not in verbs for verbs in granted.values()) and all("*" not in k[1] for k in granted)
     assert not any(resource in ("secrets", "pods/exec") for _, resource in granted)
     assert granted[("", "pods")] == {"list", "watch", "create", "patch", "delete"}
     assert granted[("", "nodes")] == {"get", "list", "watch", "patch"}, "read; patched to cordon"
-    assert granted[("huorn.io", "trainingjobs")] == {"get", "list", "watch", "patch"}
+    # delete: a finished TrainingJob's spec.ttlSecondsAfterFinished (operator/training.py)
+    assert granted[("huorn.io", "trainingjobs")] == {"get", "list", "watch", "patch", "delete"}
+    assert granted[("huorn.io", "rljobs")] == {"get", "list", "watch", "patch"}
     assert ("kopf.dev", "clusterkopfpeerings") not in granted
     ha_rules = _one(_render(VARIANTS["ha"]), "ClusterRole")["rules"]
     assert any("clusterkopfpeerings" in r["resources"] for r in ha_rules)
@@ -132,9 +136,13 @@ def test_values_schema_and_guards_reject_bad_values_with_the_field() -> None:
         chart.render({"podStartSeconds": 0}, name="huorn", namespace="x")
     with pytest.raises(helm_python.HelmRenderError, match=r"peering\.enabled"):
         chart.render({"replicaCount": 3}, name="huorn", namespace="x")
+    with pytest.raises(helm_python.HelmRenderError, match="needs watchNamespaces empty"):
+        chart.render({**VARIANTS["ha"], "watchNamespaces": ["team-a"]}, name="huorn", namespace="x")
 
 
 def test_notes_say_how_to_use_it() -> None:
     files = helm_python.Chart.load(CHART).render({}, name="huorn", namespace="huorn-system")
     notes = next(text for path, text in files.items() if path.endswith("NOTES.txt"))
     assert "kubectl get trainingjobs" in notes and "all namespaces" in notes
+    named = re.findall(r"kubectl apply -f (\S+)", notes)
+    assert len(named) == 2 and all((ROOT / path).is_file() for path in named), named
