@@ -47,3 +47,16 @@ def test_malformed_csv_exits_2_and_names_the_column(tmp_path: Path) -> None:
     assert "column 'time'" in result.stderr and "line 3" in result.stderr
     missing = CliRunner().invoke(main.app, ["detect", str(tmp_path / "nope.csv")])
     assert missing.exit_code == 2 and "cannot read" in missing.stderr
+
+
+def test_a_header_with_a_bom_or_spaces_is_read_as_its_columns(tmp_path: Path) -> None:
+    """Excel's "CSV UTF-8" starts with a BOM, and "iteration, worker, time" is a common header:
+    both were refused, naming a column that looked present ('worker': value is empty)."""
+    header, *rows = write_trace(tmp_path / "s.csv", "gpu-1").read_text().splitlines()
+    assert header == "iteration,worker,time"
+    for spelled in ("\ufeff" + header, "iteration, worker, time"):
+        path = tmp_path / "steps.csv"
+        path.write_text("\n".join([spelled, *rows]) + "\n", encoding="utf-8")
+        result = CliRunner().invoke(main.app, ["detect", str(path), "--json"])
+        assert result.exit_code == 0, result.output
+        assert [f["worker"] for f in json.loads(result.stdout)["findings"]] == ["gpu-1"]

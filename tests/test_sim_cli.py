@@ -50,7 +50,11 @@ def test_malformed_trace_exits_2_naming_the_column(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["simulate", "--trace", str(bad), "--gpus", "16", "--policy", "fifo",
                                       "--output", str(tmp_path / "o")])
     assert result.exit_code == 2
-    assert f"error: {bad}:2: column 'num_gpu' must be a number, got 'one'\n" in result.output
+    assert f"error: {bad}:2: column 'num_gpu' must be a finite number, got 'one'\n" in result.output
+    bad.write_text("name,num_gpu,gpu_milli,qos,creation_time,deletion_time\np,inf,1000,BE,0,10\n")
+    result = CliRunner().invoke(app, ["simulate", "--trace", str(bad), "--gpus", "16", "--policy", "fifo",
+                                      "--output", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "column 'num_gpu' must be a finite number, got 'inf'" in result.output
 
 
 def test_unknown_policy_exits_2(tmp_path: Path) -> None:

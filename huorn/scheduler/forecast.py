@@ -36,9 +36,11 @@ def load_qps_series(path: str | Path, bin_seconds: float = 300.0) -> tuple[np.nd
     """
     times: list[float] = []
     values: list[float] = []
-    with Path(path).open(newline="", encoding="utf-8") as fh:
+    with Path(path).open(newline="", encoding="utf-8-sig") as fh:  # -sig: a BOM is no part of a name
         reader = csv.DictReader(fh)
         try:
+            if reader.fieldnames is not None:
+                reader.fieldnames = [name.strip() for name in reader.fieldnames]
             missing = {"timestamp_anon", "value"} - set(reader.fieldnames or [])
             if missing:
                 raise ValueError(f"{path}: column(s) {sorted(missing)} missing; the QPS trace needs "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import hashlib
+import io
 import math
 import statistics
 from dataclasses import dataclass
@@ -102,18 +103,20 @@ class Node:
 
 
 def _rows(path: Path, columns: tuple[str, ...]) -> list[dict[str, str]]:
-    with Path(path).open(newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
-        try:
-            missing = [c for c in columns if c not in (reader.fieldnames or [])]
-            if missing:
-                raise TraceError(f"{path}: column {missing[0]!r} is missing; "
-                                 f"expected columns {list(columns)}")
-            return list(reader)
-        except UnicodeDecodeError as error:
-            # NB: no byte offset: error.start counts from the decoder's chunk, not the file's start.
-            raise TraceError(f"{path}: not UTF-8 text ({error.reason}); expected a CSV with columns "
-                             f"{list(columns)}") from None
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")  # -sig: a BOM is no part of a column's name
+    except UnicodeDecodeError as error:
+        raise TraceError(f"{path}: not UTF-8 text (byte {error.start}); expected a CSV with columns "
+                         f"{list(columns)}") from None
+    except OSError as error:
+        raise TraceError(f"{path}: cannot read it ({error.strerror})") from None
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    if reader.fieldnames is not None:
+        reader.fieldnames = [name.strip() for name in reader.fieldnames]
+    missing = [c for c in columns if c not in (reader.fieldnames or [])]
+    if missing:
+        raise TraceError(f"{path}: column {missing[0]!r} is missing; expected columns {list(columns)}")
+    return list(reader)
 
 
 def _int(path: Path, line: int, row: dict[str, str], column: str, default: int | None = None) -> int:
@@ -122,8 +125,8 @@ def _int(path: Path, line: int, row: dict[str, str], column: str, default: int |
         return default
     try:
         return int(float(value))
-    except ValueError:
-        raise TraceError(f"{path}:{line}: column {column!r} must be a number, got {value!r}") from None
+    except (ValueError, OverflowError):  # OverflowError: inf or 1e400, which no count can be
+        raise TraceError(f"{path}:{line}: column {column!r} must be a finite number, got {value!r}") from None
 
 
 def load_nodes(path: Path, gpus: int, seed: int) -> list[Node]:

@@ -104,9 +104,11 @@ def build_table(rows: Iterable[Mapping[str, object]], columns: Iterable[str]) ->
 
 def parse_csv(text: str) -> StepTable:
     """Parse CSV text (header first) into a StepTable, refusing malformed input by column."""
-    reader = csv.DictReader(io.StringIO(text))
+    reader = csv.DictReader(io.StringIO(text.removeprefix("\ufeff")))  # a BOM: Excel's "CSV UTF-8"
     if reader.fieldnames is None:
         raise StepTableError(f"the file is empty: expected a header {','.join(REQUIRED)}")
+    # "iteration, worker, time" names the same columns as "iteration,worker,time"
+    reader.fieldnames = [name.strip() for name in reader.fieldnames]
     return build_table(reader, reader.fieldnames)
 
 
