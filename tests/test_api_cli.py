@@ -130,3 +130,15 @@ def test_files_without_documents_unnamed_or_not_utf8_exit_2_naming_the_problem(t
     result = CliRunner().invoke(main.app, ["validate", str(tmp_path / "latin1.yaml")])
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert "latin1.yaml: not UTF-8 text (byte 20); save the manifest as UTF-8 YAML" in result.stderr
+
+
+def test_a_key_yaml_reads_as_a_date_is_named_and_the_other_files_still_judged(tmp_path: Path) -> None:
+    """JSON keys are strings; an unquoted date key had crashed the run with a TypeError."""
+    dated = tmp_path / "a-dated.yaml"
+    dated.write_text(yaml.safe_dump(build_manifest("TrainingJob", name="a")).replace(
+        "metadata:\n", "metadata:\n  annotations:\n    2024-01-01: release\n", 1))
+    (tmp_path / "b-fine.yaml").write_text(yaml.safe_dump(build_manifest("TrainingJob", name="b")))
+    code, out, err = _invoke(str(tmp_path))
+    assert code == 2 and out.splitlines() == [f"{tmp_path / 'b-fine.yaml'}: TrainingJob/b: ok"]
+    assert "metadata.annotations: key 2024-01-01 is a YAML date" in err
+    assert 'quote it ("2024-01-01")' in err

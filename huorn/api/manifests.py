@@ -136,6 +136,12 @@ def load_document(source: Any, origin: str = "") -> kinds.Resource:
             [FieldError("kind", f"{kind!r} is not a Huorn kind; use one of {_KIND_NAMES}")],
             kind=kind, name=name, source=origin,
         )
+    bad_key = _non_string_key(body, "")
+    if bad_key is not None:
+        where, key = bad_key
+        problem = FieldError(where, f"key {key} is a YAML {type(key).__name__}, and keys must be "
+                                    f"strings; quote it (\"{key}\")")
+        raise ManifestError([problem], kind=kind, name=name, source=origin)
     try:
         # NB: strict JSON mode, because the API server is strict: it refuses "3" for an integer,
         # which pydantic's lax Python mode would quietly accept. default=str keeps YAML
@@ -143,6 +149,24 @@ def load_document(source: Any, origin: str = "") -> kinds.Resource:
         return model.model_validate_json(json.dumps(body, default=str), strict=True)
     except pydantic.ValidationError as error:
         raise ManifestError(describe_validation_error(error), kind=kind, name=name, source=origin) from None
+
+
+def _non_string_key(value: Any, where: str) -> tuple[str, Any] | None:
+    """The first mapping key that is not a string (YAML reads an unquoted 2024-01-01 as a date, 1
+    as an int): JSON, and so the API server, has string keys only. None when every key is one."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return where, key
+            found = _non_string_key(item, f"{where}.{key}" if where else key)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _non_string_key(item, f"{where}[{index}]")
+            if found is not None:
+                return found
+    return None
 
 
 def read_documents(path: Path) -> Iterator[Any]:
