@@ -66,7 +66,8 @@ def test_operator_refuses_bad_flags_before_it_connects() -> None:
                         (["--metrics-port", "70000"], "--metrics-port"),
                         (["--resync-seconds", "0"], "--resync-seconds"),
                         (["--pod-start-seconds", "-1"], "--pod-start-seconds"),
-                        (["--priority", "5"], "--peering")):
+                        (["--priority", "5"], "--peering"),
+                        (["--peering", "huorn", "-n", "a"], "-A")):
         result = CliRunner().invoke(main.app, ["operator", "--kubeconfig", "/nonexistent", *args])
         assert result.exit_code == 2, (args, result.output)
         assert field in result.output, (args, result.output)

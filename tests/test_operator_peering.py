@@ -12,6 +12,7 @@ shared a default, neither would act.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -64,6 +65,9 @@ def test_only_the_leader_acts_and_the_standby_takes_over(
         time.sleep(1.0)  # a standby that wrongly acted would have reconciled by now too
         acted = [op for op in (first, second) if _reconciles(op) >= 1]
         assert len(acted) == 1, "exactly one operator acts; the paused standby must not"
+        # What the work kopf does not pause (the mirror resync, woken reconciles) asks first.
+        standby = second if acted[0] is first else first
+        assert asyncio.run(acted[0].ctx.leads()) and not asyncio.run(standby.ctx.leads())
     # The leader has stopped (and withdrawn); only the standby is left, and it was stopped too by
     # the `with`. Start it again alone, as a restarted replica would be, and scale the job.
     with OperatorThread(cluster.api_client(), peering="huorn") as survivor:

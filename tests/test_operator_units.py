@@ -18,7 +18,7 @@ from huorn.api import training
 from huorn.backends.kubernetes import manifests, retry
 from huorn.graph import compiler
 from huorn.graph.model import Instance
-from huorn.operator import conditions, index, validation, virtualclusters
+from huorn.operator import conditions, handlers, index, leadership, validation, virtualclusters
 from huorn.operator.context import Context
 
 
@@ -390,3 +390,52 @@ def test_a_resync_wakes_each_dropped_pods_job_by_its_kind() -> None:
     handlers.wake_jobs_of(ctx, pods)  # type: ignore[arg-type]
     assert sorted(woken) == [("wake", "team", "j"), ("wake_rl", "team", "chat"),
                              ("wake_serving", "team", "chat")]
+
+
+def test_leadership_follows_kopfs_rule_over_the_peering_status() -> None:
+    now = datetime.datetime(2026, 12, 6, 12, 0, tzinfo=datetime.UTC)
+
+    def peer(priority: int, seconds_ago: float = 1, lifetime: int = 60) -> dict:
+        seen = now - datetime.timedelta(seconds=seconds_ago)
+        return {"priority": priority, "lifetime": lifetime, "lastseen": seen.isoformat()}
+
+    assert leadership.leads_in({"me": peer(5), "other": peer(3)}, "me", 5, now)
+    assert not leadership.leads_in({"me": peer(5), "other": peer(9)}, "me", 5, now)
+    assert not leadership.leads_in({"me": peer(5), "twin": peer(5)}, "me", 5, now), "kopf pauses both"
+    assert leadership.leads_in({"me": peer(5), "gone": peer(9, seconds_ago=61)}, "me", 5, now), "dead"
+    assert not leadership.leads_in({"other": peer(1)}, "me", 5, now), "not announced yet"
+    naive = {"me": peer(5), "other": {"priority": 9, "lastseen": "2026-12-06T11:59:59"}}
+    assert not leadership.leads_in(naive, "me", 5, now)
+
+
+async def test_a_wake_reconciles_only_in_a_served_namespace_and_only_when_leading() -> None:
+    """The wakes and the mirror's re-list run outside kopf's handlers, which the namespaces served
+    and the peering pause only filter; the startup listing holds every namespace's jobs."""
+
+    class Client:
+        def __init__(self) -> None:
+            self.reads: list[str] = []
+
+        async def get_custom(self, plural: str, namespace: str, name: str) -> None:
+            self.reads.append(f"{namespace}/{name}")  # absent: the reconcile ends here
+
+        async def get_peering(self, name: str) -> dict:
+            return {"status": {"them": {"priority": 9, "lifetime": 60,
+                                        "lastseen": datetime.datetime.now(datetime.UTC).isoformat()},
+                               "me": {"priority": 5, "lifetime": 60,
+                                      "lastseen": datetime.datetime.now(datetime.UTC).isoformat()}}}
+
+    client = Client()
+    ctx = Context(client=client, post_event=lambda *a: None,  # type: ignore[arg-type]
+                  namespaces=frozenset({"team"}))
+    wake = handlers._waker(ctx)
+    wake("other", "a")
+    wake("team", "b")
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert client.reads == ["team/b"]
+    ctx.leadership = leadership.Leadership("huorn", "me", 5)  # "them" outranks it: a standby
+    wake("team", "c")
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert client.reads == ["team/b"]

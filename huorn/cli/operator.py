@@ -53,6 +53,11 @@ def operator_command(
     if namespace and all_namespaces:
         typer.echo("error: --namespace and --all-namespaces exclude each other; pick one", err=True)
         raise typer.Exit(EXIT_USAGE)
+    if peering is not None and namespace:
+        typer.echo("error: --peering needs every namespace (-A): served namespace by namespace, kopf "
+                   "peers through a KopfPeering object in each, and each could elect another leader",
+                   err=True)
+        raise typer.Exit(EXIT_USAGE)
     if priority is not None and peering is None:
         typer.echo("error: --priority needs --peering NAME (a standalone operator has no peers)", err=True)
         raise typer.Exit(EXIT_USAGE)

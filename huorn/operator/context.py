@@ -14,6 +14,7 @@ from typing import Any
 from huorn.backends.kubernetes import client as kube
 from huorn.backends.kubernetes import retry
 from huorn.operator import index, metrics, queue
+from huorn.operator.leadership import Leadership
 
 EventPoster = Callable[[Mapping[str, Any], str, str, str], None]
 WAKE_LIMIT = 8  # waiting jobs woken at once, first in line first
@@ -125,6 +126,20 @@ class Context:
     rl_waiting: dict[tuple[str, str], str] = field(default_factory=dict)
     wake_rl: Callable[[str, str], None] = field(default=lambda namespace, name: None)
     wake_rl_later: Callable[[str, str, float], None] = field(default=lambda namespace, name, seconds: None)
+
+    # Set when peering: the background work kopf does not pause asks it first (None: standalone).
+    leadership: Leadership | None = None
+
+    # The namespaces this operator serves (`--namespace`); empty: all of them. The mirror still
+    # holds every namespace's Huorn pods, since they take GPUs on the same nodes.
+    namespaces: frozenset[str] = frozenset()
+
+    def serves(self, namespace: str) -> bool:
+        return not self.namespaces or namespace in self.namespaces
+
+    async def leads(self) -> bool:
+        """Whether this operator may act outside kopf's handlers: always when standalone."""
+        return self.leadership is None or await self.leadership.leads(self.client)
 
     def job_lock(self, namespace: str, name: str) -> asyncio.Lock:
         """One reconcile of a job at a time, whether kopf, a timer or a pod event started it."""

@@ -87,6 +87,8 @@ async def _resync_mirror(ctx: Context) -> None:
     while True:
         await asyncio.sleep(ctx.settings.mirror_resync_seconds)
         try:
+            if not await ctx.leads():
+                continue  # a standby's watches are paused: its mirror is stale, and it must not act
             mark = ctx.index.observations
             selector = {"app.kubernetes.io/managed-by": manifests.MANAGED_BY}
             listed = await ctx.client.list("Pod", None, selector)
@@ -122,7 +124,10 @@ def _waker(ctx: Context, plural: str = training.PLURAL) -> Callable[[str, str], 
 
     async def run(namespace: str, name: str) -> None:
         due.discard((namespace, name))
-        await _reconcile_job(ctx, plural, namespace, name)
+        # A job of a namespace another install serves is not this operator's to touch; a standby
+        # (or a leader demoted since the wake was asked) leaves it to the leader.
+        if ctx.serves(namespace) and await ctx.leads():
+            await _reconcile_job(ctx, plural, namespace, name)
 
     def wake(namespace: str, name: str) -> None:
         if (namespace, name) in due:
@@ -209,6 +214,8 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         for body in await ctx.client.list_custom(training.PLURAL, None):
             if (body.get("status") or {}).get("phase") in ("Succeeded", "Failed", "Suspended"):
                 continue
+            if not ctx.serves(body["metadata"]["namespace"]):
+                continue
             try:
                 job = validation.load_job(body)
             except validation.InvalidSpec:
@@ -217,6 +224,8 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             ctx.queue.record(queue.from_job(job, body, ctx.index.pods_of(meta["namespace"], meta["name"])))
         for body in await ctx.client.list_custom(rljobs.PLURAL, None):
             if (body.get("status") or {}).get("phase") in ("Succeeded", "Failed", "Suspended"):
+                continue
+            if not ctx.serves(body["metadata"]["namespace"]):
                 continue
             try:
                 rl_job = validation.load_job(body)

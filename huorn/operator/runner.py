@@ -7,7 +7,9 @@ directly and tests call it in a thread of their own, where kopf runs its own eve
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import socket
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +20,7 @@ import prometheus_client as prom
 
 from huorn.backends.kubernetes import client as kube
 from huorn.operator import context, handlers
+from huorn.operator.leadership import Leadership
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +93,15 @@ def run_operator(
     priority each replica draws its own (`peering_priority`).
     """
     ctx = ctx or build_context(api, settings)
+    ctx.namespaces = frozenset(namespaces)
+    identity = None
     if peering is not None:
         priority = peering_priority(priority)
-        logger.info("peering %r at priority %d: the highest priority among the peers acts", peering, priority)
+        # Our own name in the peering object, so that ctx.leads() can find this replica there.
+        identity = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
+        ctx.leadership = Leadership(peering, identity, priority)
+        logger.info("peering %r as %s at priority %d: the highest priority among the peers acts",
+                    peering, identity, priority)
     if metrics_port is not None:
         prom.start_http_server(metrics_port, registry=ctx.metrics.registry)
     registry = kopf.OperatorRegistry()
@@ -103,6 +112,7 @@ def run_operator(
         standalone=peering is None,
         peering_name=peering,
         priority=priority or 0,
+        identity=identity,
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         stop_flag=stop_flag,

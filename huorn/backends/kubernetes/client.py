@@ -167,6 +167,16 @@ class KubeClient:
         body = {"spec": {"unschedulable": True, "taints": [*taints, dict(taint)]}}
         return self._sanitize(await self._call(self.core.patch_node, name, body))
 
+    async def get_peering(self, name: str) -> dict[str, Any] | None:
+        """kopf's ClusterKopfPeering object (its status lists the peers), or None when absent."""
+        try:
+            return await self._call(self.custom.get_cluster_custom_object, "kopf.dev", "v1",
+                                    "clusterkopfpeerings", name)
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     # ------------------------------------------------------------------ Huorn's own kinds
     async def get_custom(self, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:
