@@ -201,6 +201,11 @@ def test_the_controller_refuses_what_it_cannot_run_before_starting_ray(
         "virtualCluster": "x", "model": MODEL, "algorithm": {"name": "ppo"}}}))
     assert controller.main(["--config", str(config)]) == 2
     assert "spec.algorithm.name: ppo needs a critic" in capsys.readouterr().err
+    assert controller.main(["--config", str(tmp_path / "missing.json")]) == 2
+    assert f"cannot read run config {tmp_path / 'missing.json'}" in capsys.readouterr().err
+    config.write_text("{not json")
+    assert controller.main(["--config", str(config)]) == 2
+    assert f"run config {config} is not valid JSON/YAML" in capsys.readouterr().err
 
 
 def _spec(**roles: dict) -> rl.RLJobSpec:

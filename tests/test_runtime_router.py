@@ -208,6 +208,22 @@ def test_replica_urls_are_checked_before_serving(tmp_path: Path) -> None:
     assert activator.main(["--config", str(config), "--replica", "127.0.0.1:8000"]) == 2
 
 
+def test_a_router_whose_port_is_taken_exits_2_naming_the_address(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = serving.make_inference_job("chat", "serve", routing={"policy": "prefix"})["spec"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "config.json"
+        config.write_text(json.dumps({"jobName": "chat", "runDir": str(tmp_path), "spec": spec,
+                                      "host": "127.0.0.1", "port": port}))
+        assert activator.main(["--config", str(config), "--replica", "http://127.0.0.1:1"]) == 2
+    error = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in error and "0 for a free one" in error
+
+
 def test_dns_takes_an_ipv6_address_in_brackets() -> None:
     assert asyncio.run(router.dns_resolver("[::1]:8000")()) == ["http://[::1]:8000"]
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -43,6 +42,7 @@ import aiohttp
 import prometheus_client
 from aiohttp import web
 
+from huorn.runtime import config as run_config
 from huorn.runtime import router as routing
 from huorn.runtime import serve as serve_mod
 from huorn.runtime.serve import ServeConfig
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="route by prompt prefix to these replicas (repeat the flag)")
     args = parser.parse_args(argv)
     try:
-        cfg = ServeConfig.model_validate(json.loads(args.config.read_text()))
+        cfg = run_config.read_config(args.config, ServeConfig, "serving config")
         if args.replicas_dns:  # a malformed address is refused before serving
             routing.dns_resolver(args.replicas_dns)
         elif args.replica:
@@ -294,7 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as error:
         print(f"activator: {args.config}: {error}", file=sys.stderr)
         return 2
-    asyncio.run(serve(cfg, args.upstream, args.replicas_dns, args.replica or ()))
+    try:
+        asyncio.run(serve(cfg, args.upstream, args.replicas_dns, args.replica or ()))
+    except ValueError as error:  # e.g. its port is taken
+        print(f"activator: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from huorn.api import base, training
 from huorn.models import config as model_config
@@ -23,6 +23,7 @@ FaultKind = Literal["slow-compute", "hang-compute", "hang-collective", "slow-com
 FAULTS_FILE = "faults.json"
 STEPS_FILE = "steps.jsonl"
 ENDPOINTS_DIR = "endpoints"
+ConfigModel = TypeVar("ConfigModel", bound=BaseModel)
 
 
 class Fault(base.ApiModel):
@@ -165,25 +166,33 @@ def build_model_config(spec: training.ModelSpec) -> model_config.ModelConfig:
         raise ValueError(f"spec.model.{error}") from error
 
 
-def load_run_config(path: Path) -> RunConfig:
-    """Read and validate a run config; errors name the file and the offending field."""
+def read_config(path: Path, model: type[ConfigModel], what: str = "run config") -> ConfigModel:
+    """Read and validate a process's config file (JSON, or YAML); every error is a ValueError that
+    names the file and, for a bad value, the field, which the entry points print with exit 2."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as error:
-        raise ValueError(f"cannot read run config {path}: {error.strerror}") from error
+        raise ValueError(f"cannot read {what} {path}: {error.strerror}") from error
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {error.start})") from error
     try:
         raw = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as error:
-        raise ValueError(f"run config {path} is not valid JSON/YAML: {error}") from error
+        raise ValueError(f"{what} {path} is not valid JSON/YAML: {error}") from error
     if not isinstance(raw, dict):
-        raise ValueError(f"run config {path} must be a mapping, got {type(raw).__name__}")
+        raise ValueError(f"{what} {path} must be a mapping, got {type(raw).__name__}")
     try:
-        return RunConfig.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as error:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in error.errors()
         )
-        raise ValueError(f"run config {path} is invalid: {problems}") from error
+        raise ValueError(f"{what} {path} is invalid: {problems}") from error
+
+
+def load_run_config(path: Path) -> RunConfig:
+    """Read and validate a run config; errors name the file and the offending field."""
+    return read_config(path, RunConfig)
 
 
 def write_run_config(config: RunConfig, path: Path) -> Path:

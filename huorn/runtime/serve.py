@@ -744,7 +744,12 @@ async def run_until_signal(app: web.Application, cfg: ServeConfig, record: str, 
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as error:  # the port is taken, or the address is not this host's
+        await runner.cleanup()
+        raise ValueError(f"cannot listen on {cfg.host}:{cfg.port} ({error.strerror}); choose another "
+                         "port, or 0 for a free one") from None
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -764,8 +769,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, required=True)
     args = parser.parse_args(argv)
     try:
-        cfg = ServeConfig.model_validate(json.loads(args.config.read_text()))
-    except (ValueError, OSError) as error:
+        cfg = run_config.read_config(args.config, ServeConfig, "serving config")
+    except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:

@@ -40,6 +40,7 @@ import torch
 from pydantic import Field
 
 from huorn.api import base, rl
+from huorn.runtime import config as run_config
 from huorn.runtime.rl import algorithms, pools, progress, rewarding, tasks, workers
 
 STEPS_FILE = "steps.jsonl"
@@ -580,7 +581,7 @@ class Controller:
 
 
 def load_config(path: Path) -> RLRunConfig:
-    return RLRunConfig.model_validate(json.loads(Path(path).read_text()))
+    return run_config.read_config(path, RLRunConfig)
 
 
 def main(argv: list[str] | None = None) -> int:
