@@ -3,6 +3,7 @@ torchtitan. Listing help must stay cheap: it may not import torch, sklearn or ko
 
 import importlib
 import logging
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,17 @@ def test_detect_names_a_file_that_is_not_text(tmp_path: Path) -> None:
     result = CliRunner().invoke(main.app, ["detect", str(path)])
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
     assert f"error: {path}: not UTF-8 text (byte 25): expected a CSV with header" in result.stderr
+
+
+def test_operator_refuses_a_metrics_port_in_use_before_it_connects() -> None:
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main.app, ["operator", "--kubeconfig", "/nonexistent",
+                                               "--metrics-port", str(port)])
+    assert result.exit_code == 2
+    assert f"error: --metrics-port {port}: cannot listen there" in result.stderr and "or 0" in result.stderr
 
 
 def test_operator_names_a_kubeconfig_that_is_not_there(tmp_path: Path) -> None:

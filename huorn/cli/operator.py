@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import typer
 
@@ -77,6 +78,17 @@ def operator_command(
         typer.echo("error: --replacement-backoff-seconds must be in 0..360, got "
                    f"{replacement_backoff_seconds}", err=True)
         raise typer.Exit(EXIT_USAGE)
+    if metrics_port:
+        # Checked here, before the credentials and the logging: the endpoint binds again at start
+        # (and still names the flag if the port was taken in between).
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("", metrics_port))
+            except OSError as error:
+                typer.echo(f"error: --metrics-port {metrics_port}: cannot listen there ({error.strerror}); "
+                           "choose another port, or 0 to turn the endpoint off", err=True)
+                raise typer.Exit(EXIT_USAGE) from None
     # Tests that kill and restart the operator shorten the backoffs the same way in every run.
     fast = os.environ.get("HUORN_OPERATOR_FAST") == "1"
     settings = context.OperatorSettings(
@@ -111,10 +123,15 @@ def operator_command(
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         force=True,
     )
-    runner.run_operator(
-        api, namespaces=namespace, peering=peering, priority=priority, settings=settings,
-        metrics_port=metrics_port or None,
-    )
+    try:
+        runner.run_operator(
+            api, namespaces=namespace, peering=peering, priority=priority, settings=settings,
+            metrics_port=metrics_port or None,
+        )
+    except runner.MetricsPortError as error:
+        typer.echo(f"error: --metrics-port {metrics_port}: {error}; choose another port, or 0 to "
+                   "turn the endpoint off", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
 
 
 if __name__ == "__main__":

@@ -48,6 +48,10 @@ def build_connection(api: kubernetes.client.ApiClient) -> kopf.ConnectionInfo:
     )
 
 
+class MetricsPortError(Exception):
+    """The metrics endpoint cannot listen: raised before kopf starts, so nothing has acted yet."""
+
+
 def peering_priority(priority: int | None) -> int:
     """The given priority, or a random one for a replica that was given none.
 
@@ -103,7 +107,10 @@ def run_operator(
         logger.info("peering %r as %s at priority %d: the highest priority among the peers acts",
                     peering, identity, priority)
     if metrics_port is not None:
-        prom.start_http_server(metrics_port, registry=ctx.metrics.registry)
+        try:
+            prom.start_http_server(metrics_port, registry=ctx.metrics.registry)
+        except OSError as error:
+            raise MetricsPortError(f"cannot listen on port {metrics_port} ({error.strerror})") from None
     registry = kopf.OperatorRegistry()
     handlers.register(registry, ctx.settings)
     kopf.run(
