@@ -105,6 +105,10 @@ def test_rendered_arguments_are_accepted_by_huorn_operator(variant: str) -> None
     assert params["namespace"] == values.get("watchNamespaces", [])
     assert params["peering"] == (values["peering"]["name"] if "peering" in values else None)
     assert params["metrics_port"] == values.get("metrics", {}).get("port", 8080)
+    assert params["health_port"] == 8081
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in (container["livenessProbe"], container["readinessProbe"]):
+        assert probe["httpGet"]["path"] == "/healthz" and ports[probe["httpGet"]["port"]] == 8081
     assert params["pod_start_seconds"] == values.get("podStartSeconds", 600)
 
 

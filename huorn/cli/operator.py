@@ -32,6 +32,10 @@ def operator_command(
         None, "--priority",
         help="Peering priority; the highest one acts. Default: a random one per replica."),
     metrics_port: int = typer.Option(8080, "--metrics-port", help="Prometheus /metrics port; 0 disables."),
+    health_port: int = typer.Option(
+        0, "--health-port",
+        help="Serve kopf's liveness endpoint, GET /healthz, on this port once the operator has "
+             "started (the Helm chart probes it); 0 disables."),
     resync_seconds: float = typer.Option(30.0, "--resync-seconds", help="Re-reconcile every job this often."),
     pod_start_seconds: float = typer.Option(
         600.0, "--pod-start-seconds",
@@ -62,8 +66,13 @@ def operator_command(
     if priority is not None and peering is None:
         typer.echo("error: --priority needs --peering NAME (a standalone operator has no peers)", err=True)
         raise typer.Exit(EXIT_USAGE)
-    if not 0 <= metrics_port <= 65535:
-        typer.echo(f"error: --metrics-port must be in 0..65535, got {metrics_port}", err=True)
+    for flag, port in (("--metrics-port", metrics_port), ("--health-port", health_port)):
+        if not 0 <= port <= 65535:
+            typer.echo(f"error: {flag} must be in 0..65535, got {port}", err=True)
+            raise typer.Exit(EXIT_USAGE)
+    if metrics_port and metrics_port == health_port:
+        typer.echo(f"error: --health-port {health_port} is --metrics-port too; give each its own port",
+                   err=True)
         raise typer.Exit(EXIT_USAGE)
     if resync_seconds <= 0:
         typer.echo(f"error: --resync-seconds must be > 0, got {resync_seconds}", err=True)
@@ -78,17 +87,18 @@ def operator_command(
         typer.echo("error: --replacement-backoff-seconds must be in 0..360, got "
                    f"{replacement_backoff_seconds}", err=True)
         raise typer.Exit(EXIT_USAGE)
-    if metrics_port:
-        # Checked here, before the credentials and the logging: the endpoint binds again at start
-        # (and still names the flag if the port was taken in between).
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(("", metrics_port))
-            except OSError as error:
-                typer.echo(f"error: --metrics-port {metrics_port}: cannot listen there ({error.strerror}); "
-                           "choose another port, or 0 to turn the endpoint off", err=True)
-                raise typer.Exit(EXIT_USAGE) from None
+    # Checked here, before the credentials and the logging: the endpoints bind again at start
+    # (and a metrics port taken in between is still named).
+    for flag, port in (("--metrics-port", metrics_port), ("--health-port", health_port)):
+        if port:
+            with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind(("", port))
+                except OSError as error:
+                    typer.echo(f"error: {flag} {port}: cannot listen there ({error.strerror}); choose "
+                               "another port, or 0 to turn the endpoint off", err=True)
+                    raise typer.Exit(EXIT_USAGE) from None
     # Tests that kill and restart the operator shorten the backoffs the same way in every run.
     fast = os.environ.get("HUORN_OPERATOR_FAST") == "1"
     settings = context.OperatorSettings(
@@ -126,7 +136,7 @@ def operator_command(
     try:
         runner.run_operator(
             api, namespaces=namespace, peering=peering, priority=priority, settings=settings,
-            metrics_port=metrics_port or None,
+            metrics_port=metrics_port or None, health_port=health_port or None,
         )
     except runner.MetricsPortError as error:
         typer.echo(f"error: --metrics-port {metrics_port}: {error}; choose another port, or 0 to "

@@ -87,6 +87,7 @@ def run_operator(
     priority: int | None = None,
     settings: context.OperatorSettings | None = None,
     metrics_port: int | None = None,
+    health_port: int | None = None,
     stop_flag: threading.Event | None = None,
     ready_flag: threading.Event | None = None,
     ctx: context.Context | None = None,
@@ -120,6 +121,9 @@ def run_operator(
         peering_name=peering,
         priority=priority or 0,
         identity=identity,
+        # served from kopf's own loop once the startup handlers are done, so a wedged loop or a
+        # startup stuck on the API fails it
+        liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None,
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         stop_flag=stop_flag,

@@ -34,10 +34,10 @@ class OperatorThread:
 
     def __init__(
         self, api: kubernetes.client.ApiClient, settings: context.OperatorSettings = FAST,
-        peering: str | None = None, priority: int | None = None,
+        peering: str | None = None, priority: int | None = None, health_port: int | None = None,
     ) -> None:
         self.ctx = runner.build_context(api, settings)
-        self.peering, self.priority = peering, priority
+        self.peering, self.priority, self.health_port = peering, priority, health_port
         self.api = api
         self.stop = threading.Event()
         self.ready = threading.Event()
@@ -48,7 +48,7 @@ class OperatorThread:
         try:
             runner.run_operator(
                 self.api, ctx=self.ctx, stop_flag=self.stop, ready_flag=self.ready,
-                peering=self.peering, priority=self.priority,
+                peering=self.peering, priority=self.priority, health_port=self.health_port,
             )
         except BaseException as exc:  # surfaced by __exit__
             self.error = exc
