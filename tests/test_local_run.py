@@ -346,6 +346,25 @@ def test_several_local_replicas_without_prefix_routing_are_refused_naming_the_fi
     assert code == 2 and "spec.routing.policy: prefix" in err and not run_dir.exists()
 
 
+def _chat(tmp_path: Path) -> dict:
+    return {"apiVersion": "huorn.io/v1alpha1", "kind": "InferenceJob", "metadata": {"name": "chat"},
+            "spec": {"virtualCluster": "local", "model": {"checkpoint": str(tmp_path / "none")}}}
+
+
+@pytest.mark.parametrize(("kind", "args", "message"), [
+    ("InferenceJob", ("--steps", "5"), "--steps applies to TrainingJob and RLJob only, not to this"),
+    ("RLJob", ("--port", "9000"), "--port applies to InferenceJob only, not to this job's kind, RLJob"),
+    ("TrainingJob", ("--serve-seconds", "5"), "--serve-seconds applies to InferenceJob only"),
+])
+def test_a_flag_the_kind_does_not_read_is_refused_not_ignored(
+    tmp_path: Path, kind: str, args: tuple[str, ...], message: str
+) -> None:
+    manifest = {"InferenceJob": _chat(tmp_path), "TrainingJob": None,
+                "RLJob": yaml.safe_load((ROOT / "examples" / "rl-job.yaml").read_text())}[kind]
+    code, err, run_dir = invoke_run(tmp_path, manifest, *args)
+    assert code == 2 and message in err and not run_dir.exists()
+
+
 def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
     manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "InferenceJob", "metadata": {"name": "chat"},
                 "spec": {"virtualCluster": "local", "model": {"checkpoint": str(tmp_path / "none")}}}

@@ -62,6 +62,28 @@ def build_policies(
     ]
 
 
+# The flags each kind reads (--run-dir, --json and --watch/--no-watch, a display preference: all
+# of them); any other is refused, since a flag silently ignored reads as one obeyed.
+FLAGS_BY_KIND: dict[str, frozenset[str]] = {
+    "TrainingJob": frozenset({"--replicas", "--steps", "--scale-at", "--interval", "--policy", "--slots",
+                              "--stall-timeout"}),
+    "RLJob": frozenset({"--steps"}),
+    "InferenceJob": frozenset({"--replicas", "--port", "--serve-seconds"}),
+}
+
+
+def refuse_other_kinds_flags(kind: str, given: dict[str, bool]) -> None:
+    """ManifestError naming the first given flag that `kind` does not read, and who reads it. A
+    kind huorn run does not run at all gets that error instead, later."""
+    if kind not in FLAGS_BY_KIND:
+        return
+    for flag, was_given in given.items():
+        if was_given and flag not in FLAGS_BY_KIND.get(kind, frozenset()):
+            readers = [k for k, flags in FLAGS_BY_KIND.items() if flag in flags]
+            raise graph_cli.ManifestError(f"{flag} applies to {' and '.join(readers)} only, not to this "
+                                          f"job's kind, {kind}")
+
+
 def prepare_run_dir(run_dir: Path) -> Path | None:
     """Keep a previous run's directory by renaming it (its checkpoints may matter); return where."""
     check_writable(run_dir, "--run-dir", directory=True)
@@ -116,6 +138,12 @@ def run_command(
     or --replicas behind the prefix router), serving until Ctrl-C."""
     try:
         job, g = graph_cli.compile_file(file)
+        refuse_other_kinds_flags(g.kind, {
+            "--replicas": replicas is not None, "--steps": steps is not None, "--scale-at": bool(scale_at),
+            "--interval": interval != 1.0, "--policy": policy is not None,
+            "--slots": slots is not None, "--port": serve_port != 8000,
+            "--serve-seconds": serve_seconds is not None, "--stall-timeout": stall_timeout != 600.0,
+        })
         if isinstance(job, kinds.InferenceJob):
             refused = run_serve.refusal(job, serve_port, replicas or 1)
             if refused is not None:
