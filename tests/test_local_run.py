@@ -28,6 +28,7 @@ from huorn import models
 from huorn.api import training
 from huorn.backends.local import report
 from huorn.cli import main
+from huorn.cli import run as run_cli
 from huorn.runtime import checkpoint, serve, steplog
 from huorn.runtime import config as run_config
 
@@ -428,3 +429,18 @@ def test_huorn_run_runs_an_rl_job_through_its_controller(tmp_path: Path,
     events = [json.loads(line) for line in (run_dir / "run" / "steps.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "rl"] == [0, 1]
     assert (run_dir / "checkpoints" / "latest").exists()
+
+
+def test_a_previous_run_is_kept_beside_and_two_in_one_second_do_not_collide(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(run_cli.time, "strftime", lambda _: "20261206-010203")
+    run_dir = tmp_path / "job"
+    assert run_cli.prepare_run_dir(run_dir) is None and run_dir.is_dir()  # a new one: just made
+    kept = []
+    for attempt in range(3):
+        (run_dir / "steps.jsonl").write_text(f"run {attempt}\n")
+        kept.append(run_cli.prepare_run_dir(run_dir))
+    assert [k.name for k in kept] == ["job-20261206-010203", "job-20261206-010203-1", "job-20261206-010203-2"]
+    assert [(k / "steps.jsonl").read_text() for k in kept] == ["run 0\n", "run 1\n", "run 2\n"]
+    assert list(run_dir.iterdir()) == []

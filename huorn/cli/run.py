@@ -90,9 +90,18 @@ def prepare_run_dir(run_dir: Path) -> Path | None:
     if not run_dir.exists() or not any(run_dir.iterdir()):
         run_dir.mkdir(parents=True, exist_ok=True)
         return None
-    kept = run_dir.with_name(f"{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.rename(kept)
-    run_dir.mkdir(parents=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    kept = run_dir.with_name(f"{run_dir.name}-{stamp}")
+    copy = 1
+    while kept.exists():  # two runs within a second
+        kept, copy = run_dir.with_name(f"{run_dir.name}-{stamp}-{copy}"), copy + 1
+    try:
+        run_dir.rename(kept)
+        run_dir.mkdir(parents=True)
+    except OSError as error:  # e.g. a mount point, or a read-only parent
+        typer.echo(f"error: --run-dir {run_dir} holds a previous run, which cannot be moved aside to "
+                   f"{kept.name} ({error.strerror}); empty it or choose another --run-dir", err=True)
+        raise typer.Exit(graph_cli.EXIT_INVALID) from None
     return kept
 
 
