@@ -137,7 +137,8 @@ class Fleet:
 
 async def ask(session: aiohttp.ClientSession, url: str, prompt: str, timeout: float) -> float:
     started = time.monotonic()
-    async with session.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 16},
+    request = {"prompt": prompt, "max_tokens": 16, "temperature": 0}  # greedy, as recorded runs decoded
+    async with session.post(f"{url}/v1/completions", json=request,
                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
         await r.read()
         if r.status != 200:

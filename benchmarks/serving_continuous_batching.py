@@ -191,7 +191,9 @@ async def run_policy(policy: str, rate: float, trace: list[tuple[float, str, int
                 nonlocal tokens
                 await asyncio.sleep(max(0.0, started + at * scale - time.monotonic()))
                 sent = time.monotonic()
-                request = {"prompt": prompt, "max_tokens": max_tokens, "stream": args.stream}
+                # greedy, as every recorded run decoded: the server's default samples (OpenAI's)
+                request = {"prompt": prompt, "max_tokens": max_tokens, "stream": args.stream,
+                           "temperature": 0}
                 async with session.post(f"{url}/v1/completions", json=request) as r:
                     if r.status != 200:
                         raise SystemExit(f"{policy}: HTTP {r.status}: {await r.text()}")

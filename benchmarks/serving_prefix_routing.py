@@ -155,7 +155,8 @@ async def run_policy(policy: str, sessions: list[Session], args,  # type: ignore
                         url = front if router is not None else rng.choice(urls)
                         started = time.monotonic()
                         async with session.post(f"{url}/v1/completions",
-                                                json={"prompt": prompt, "max_tokens": args.max_tokens}) as r:
+                                                json={"prompt": prompt, "max_tokens": args.max_tokens,
+                                                      "temperature": 0}) as r:
                             body = await r.json()
                             if r.status != 200:
                                 raise SystemExit(f"{policy}: HTTP {r.status}: {body}")

@@ -61,7 +61,7 @@ def test_a_request_held_past_the_timeout_gets_503_naming_the_field(tmp_path: Pat
     activator = serving.Activator(tmp_path / "activator", ACTIVATOR_IP, nowhere, timeout_seconds=2.0)
     try:
         status, body = serving.complete(activator.url, timeout=30)
-        assert status == 503 and "spec.autoscaling.activationTimeoutSeconds" in body["error"]
+        assert status == 503 and "spec.autoscaling.activationTimeoutSeconds" in body["error"]["message"]
         with urllib.request.urlopen(f"{activator.url}/metrics", timeout=5) as answer:
             text = answer.read().decode()
         assert 'huorn_activator_requests_total{outcome="timeout"} 1.0' in text
@@ -214,7 +214,7 @@ async def test_as_it_stops_a_held_request_is_answered_503_and_a_forwarded_one_fi
             if replicas:
                 assert answer.status == 200 and await answer.json() == {"text": "late"}
             else:
-                assert answer.status == 503 and "stopping" in (await answer.json())["error"]
+                assert answer.status == 503 and "stopping" in (await answer.json())["error"]["message"]
     finally:
         await replica_runner.cleanup()
 

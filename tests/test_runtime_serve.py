@@ -78,12 +78,14 @@ def test_completions_equal_greedy_decoding_and_same_length_prompts_share_a_batch
 
     async def work(session, server, report):
         async def ask(prompt: str) -> dict:
-            async with session.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6}) as r:
+            body = {"temperature": 0, "prompt": prompt, "max_tokens": 6}
+            async with session.post("/v1/completions", json=body) as r:
                 assert r.status == 200
                 return await r.json()
 
         answers = await asyncio.gather(*(ask(p) for p in prompts))
-        async with session.post("/v1/completions", json={"prompt": "x" * 40, "max_tokens": 10}) as r:
+        too_long = {"temperature": 0, "prompt": "x" * 40, "max_tokens": 10}
+        async with session.post("/v1/completions", json=too_long) as r:
             refused = (r.status, await r.json())
         async with session.get("/metrics") as r:
             metrics = await r.text()
@@ -95,8 +97,8 @@ def test_completions_equal_greedy_decoding_and_same_length_prompts_share_a_batch
         expected = model.generate(tokens, 6)[0, tokens.shape[1]:].tolist()
         assert answer["text"] == bytes(expected).decode("utf-8", errors="replace") and answer["tokens"] == 6
     status, error = refused
-    assert status == 400 and error["error"].startswith("max_tokens:")
-    assert "spec.serving.maxTokens" in error["error"]
+    assert status == 400 and error["error"]["message"].startswith("max_tokens:")
+    assert "spec.serving.maxTokens" in error["error"]["message"]
     assert 'huorn_serve_requests_total{outcome="ok"} 3.0' in metrics
     assert 'huorn_serve_requests_total{outcome="refused"} 1.0' in metrics
     assert "huorn_serve_generated_tokens_total 18.0" in metrics
@@ -187,7 +189,8 @@ def test_a_gpu_serves_in_bf16_and_the_batcher_carries_bf16_weights(tmp_path: Pat
 
     async def work(session, server, report):
         async def ask(prompt: str) -> dict:
-            async with session.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5}) as r:
+            body = {"temperature": 0, "prompt": prompt, "max_tokens": 5}
+            async with session.post("/v1/completions", json=body) as r:
                 assert r.status == 200
                 return await r.json()
 
@@ -318,7 +321,7 @@ def test_a_failed_batch_is_answered_500_and_counted_and_a_cancelled_request_stop
             return failed, answered, after, await r.text()
 
     (status, body), answered, after, metrics = asyncio.run(_serving(_config(tmp_path), work))
-    assert status == 500 and "device lost" in body["error"]
+    assert status == 500 and "device lost" in body["error"]["message"]
     assert 'huorn_serve_requests_total{outcome="failed"} 1.0' in metrics
     assert answered == 200 and after == 200
     assert "huorn_serve_in_flight 0.0" in metrics
@@ -326,7 +329,7 @@ def test_a_failed_batch_is_answered_500_and_counted_and_a_cancelled_request_stop
 
 def test_a_streamed_answer_is_the_same_answer_a_token_at_a_time(tmp_path: Path) -> None:
     _saved_model(tmp_path / "ckpt")
-    prompt = {"prompt": "Q: What is 1 + 2?\nA:", "max_tokens": 12}
+    prompt = {"temperature": 0, "prompt": "Q: What is 1 + 2?\nA:", "max_tokens": 12}
 
     async def work(session, server, report):
         async with session.post("/v1/completions", json=prompt) as r:
@@ -346,7 +349,7 @@ def test_a_streamed_answer_is_the_same_answer_a_token_at_a_time(tmp_path: Path) 
     assert len(texts) > 1  # more than one event: it streamed
     assert "".join(t["text"] for t in texts) == whole["text"]
     assert done["done"] is True and done["tokens"] == whole["tokens"] == 12
-    assert refused[0] == 400 and refused[1]["error"].startswith("stream:")
+    assert refused[0] == 400 and refused[1]["error"]["message"].startswith("stream:")
     assert "huorn_serve_time_to_first_token_seconds_count 2.0" in metrics
 
 
@@ -373,7 +376,7 @@ def test_a_model_with_more_tokens_than_bytes_answers_text(tmp_path: Path) -> Non
 
 def test_answers_carry_openais_completion_fields_and_a_wrong_model_is_404(tmp_path: Path) -> None:
     _saved_model(tmp_path / "ckpt")
-    prompt = {"model": "chat", "prompt": "Q: 1 + 1?\nA:", "max_tokens": 5}
+    prompt = {"model": "chat", "prompt": "Q: 1 + 1?\nA:", "max_tokens": 5, "temperature": 0}
 
     async def work(session, server, report):
         async with session.get("/v1/models") as r:
@@ -400,7 +403,9 @@ def test_answers_carry_openais_completion_fields_and_a_wrong_model_is_404(tmp_pa
     assert streamed == answer["text"] and len({e["id"] for e in events}) == 1
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["usage"]["completion_tokens"] == 5
-    assert wrong[0] == 404 and "'chat'" in wrong[1]["error"] and "/v1/models" in wrong[1]["error"]
+    message = wrong[1]["error"]["message"]
+    assert wrong[0] == 404 and "'chat'" in message and "/v1/models" in message
+    assert wrong[1]["error"]["code"] == "model_not_found" and wrong[1]["error"]["param"] == "model"
 
 
 def test_an_answer_ends_before_its_stop_sequence_streamed_or_not_and_decoding_stops_early(
@@ -412,7 +417,7 @@ def test_an_answer_ends_before_its_stop_sequence_streamed_or_not_and_decoding_st
     at = next(i for i, t in enumerate(greedy) if i > 0 and t < 128)
     stop = chr(greedy[at])
     cut = greedy.index(greedy[at])  # where the answer first holds it
-    request = {"prompt": prompt, "max_tokens": 24, "stop": [stop, "\u00e9never"]}
+    request = {"temperature": 0, "prompt": prompt, "max_tokens": 24, "stop": [stop, "\u00e9never"]}
 
     async def work(session, server, report):
         steps = 0
@@ -439,7 +444,7 @@ def test_an_answer_ends_before_its_stop_sequence_streamed_or_not_and_decoding_st
     assert decoded == 1 + cut  # the prefill, then one step per token up to the stop's: no more
     assert "".join(e.get("text", "") for e in events) == whole["text"]
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
-    assert refused[0] == 400 and refused[1]["error"].startswith("stop:")
+    assert refused[0] == 400 and refused[1]["error"]["message"].startswith("stop:")
 
 
 def test_the_chat_api_answers_a_conversation_and_its_next_turn_finds_the_last_cached(tmp_path: Path) -> None:
@@ -448,11 +453,12 @@ def test_the_chat_api_answers_a_conversation_and_its_next_turn_finds_the_last_ca
                 {"role": "user", "content": "What is the capital of France?"}]
 
     async def work(session, server, report):
-        async with session.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8}) as r:
+        first_turn = {"temperature": 0, "messages": messages, "max_tokens": 8}
+        async with session.post("/v1/chat/completions", json=first_turn) as r:
             first = await r.json()
         turn = [*messages, first["choices"][0]["message"], {"role": "user", "content": "And of Peru?"}]
-        async with session.post("/v1/chat/completions", json={"messages": turn, "max_tokens": 4,
-                                                              "stream": True}) as r:
+        next_turn = {"temperature": 0, "messages": turn, "max_tokens": 4, "stream": True}
+        async with session.post("/v1/chat/completions", json=next_turn) as r:
             events = _sse_events(await r.text())
         bad = [*messages, {"role": "robot", "content": "hi"}]
         async with session.post("/v1/chat/completions", json={"messages": bad}) as r:
@@ -475,7 +481,7 @@ def test_the_chat_api_answers_a_conversation_and_its_next_turn_finds_the_last_ca
     assert len(prompt) == 76
     assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
     assert events[-1]["usage"]["prompt_tokens"] == len(chat.render(turn).encode())
-    assert refused[0] == 400 and refused[1]["error"].startswith("messages[2].role: 'robot'")
+    assert refused[0] == 400 and refused[1]["error"]["message"].startswith("messages[2].role: 'robot'")
 
 
 def test_a_stream_holds_back_only_bytes_that_may_begin_a_stop_and_the_earliest_stop_ends_the_answer() -> None:
@@ -501,7 +507,8 @@ def test_a_stream_holds_back_only_bytes_that_may_begin_a_stop_and_the_earliest_s
 def test_a_streamed_chat_answer_is_the_answer_sent_whole(tmp_path: Path) -> None:
     """A chat's stops are 8 bytes long: a stream that holds bytes back must send each once."""
     _saved_model(tmp_path / "ckpt", ascii_only=True, context=256)
-    request = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24}
+    request = {"temperature": 0, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+               "max_tokens": 24}
 
     async def work(session, server, report):
         async with session.post("/v1/chat/completions", json=request) as r:
@@ -547,20 +554,29 @@ def test_fields_left_null_take_their_defaults_and_a_body_or_field_of_the_wrong_k
         for path, body, _, _ in cases:
             async with session.post(path, json=body) as r:
                 answers.append((r.status, await r.json()))
+        # bodies that no JSON object comes out of: nested past the parser's depth (a 500 once),
+        # and a charset no codec has
+        for data, kind in (("[" * 100_000, "application/json"),
+                           ('{"prompt": "x"}', "application/json; charset=bogus")):
+            async with session.post("/v1/completions", data=data, headers={"Content-Type": kind}) as r:
+                raw.append((r.status, await r.json()))
         async with session.get("/metrics") as r:
             return answers, await r.text()
 
+    raw: list[tuple[int, dict]] = []
     answers, metrics = asyncio.run(_serving(_config(tmp_path), work))
+    assert [status for status, _ in raw] == [400, 400], raw
+    assert raw[0][1]["error"]["message"] == "the body: JSON nested too deeply"
     for (path, body, status, what), (got, answer) in zip(cases, answers, strict=True):
         assert got == status, (path, body, answer)
         if status == 400:
-            assert answer["error"].startswith(what), (body, answer)
+            assert answer["error"]["message"].startswith(what), (body, answer)
     prompt = len(chat.render(messages).encode())
     assert [a["usage"]["completion_tokens"] for _, a in answers[:3]] == [16, 5, 5]
     assert answers[3][1]["usage"]["completion_tokens"] <= 48 - prompt  # spec.serving.maxTokens
     assert answers[3][1]["choices"][0]["finish_reason"] == "stop" or \
         answers[3][1]["usage"]["completion_tokens"] == 48 - prompt
-    assert 'huorn_serve_requests_total{outcome="refused"} 8.0' in metrics
+    assert 'huorn_serve_requests_total{outcome="refused"} 10.0' in metrics
 
 
 def test_a_chat_stream_names_its_role_once_and_a_failed_stream_ends_with_openais_error_shape(
@@ -705,7 +721,8 @@ def test_a_request_arriving_mid_decode_joins_it_and_answers_as_greedy_decoding_a
         steps = _count_decode_steps(server)  # 5 ms a forward pass: 150 steps take 0.75 s or more
 
         async def ask(prompt: str, tokens: int) -> tuple[dict, int]:
-            async with session.post("/v1/completions", json={"prompt": prompt, "max_tokens": tokens}) as r:
+            body = {"temperature": 0, "prompt": prompt, "max_tokens": tokens}
+            async with session.post("/v1/completions", json=body) as r:
                 return await r.json(), len(steps)
 
         long = asyncio.create_task(ask(long_prompt, 150))
@@ -757,7 +774,7 @@ def test_logprobs_are_the_models_own_distribution_streamed_or_not_in_both_apis(t
     answer, with offsets that continue across chunks; a stop sequence's tokens are not reported."""
     model = _saved_model(tmp_path / "ckpt")
     prompt = "Q: What is 1 + 2?\nA:"
-    ask = {"prompt": prompt, "max_tokens": 8, "logprobs": 3}
+    ask = {"temperature": 0, "prompt": prompt, "max_tokens": 8, "logprobs": 3}
     answer = model.generate(torch.tensor([list(prompt.encode())]), 8)[0, len(prompt.encode()):].tolist()
     at = next(i for i, t in enumerate(answer) if i > 0 and t < 128)  # a stop the greedy answer holds
 
@@ -769,7 +786,7 @@ def test_logprobs_are_the_models_own_distribution_streamed_or_not_in_both_apis(t
         _, greedy = await post("/v1/completions", ask)
         _, hot = await post("/v1/completions", {**ask, "temperature": 1.5, "seed": 3})
         _, streamed = await post("/v1/completions", {**ask, "stream": True})
-        hi = {"messages": [{"role": "user", "content": "Hi?"}], "max_tokens": 5}
+        hi = {"temperature": 0, "messages": [{"role": "user", "content": "Hi?"}], "max_tokens": 5}
         _, chatted = await post("/v1/chat/completions", {**hi, "logprobs": True, "top_logprobs": 2})
         _, plain = await post("/v1/completions", {**ask, "logprobs": None})
         _, stopped = await post("/v1/completions", {**ask, "stop": chr(answer[at])})
@@ -858,9 +875,8 @@ def test_a_prompt_in_each_of_openais_forms_and_several_prompts_in_one_request(tm
     text = "Q: é?\nA:"
     ids = list(text.encode())
     others = ["Q: What is 1 + 2?\nA:", "Hi"]
-    bodies = [{"prompt": text}, {"prompt": ids}, {"prompt": [text]}, {"prompt": [ids]},
-              {"prompt": [300]}, {"prompt": []}, {"prompt": [True]}, {"prompt": ["a", ""]},
-              {"prompt": ["a", [1, 300]]}, {"prompt": ["a"] * (MAX_PROMPTS + 1)}]
+    bodies = [{"temperature": 0, "prompt": p} for p in (
+        text, ids, [text], [ids], [300], [], [True], ["a", ""], ["a", [1, 300]], ["a"] * (MAX_PROMPTS + 1))]
     hot = {"max_tokens": 4, "temperature": 1.0, "seed": 7}
 
     async def work(session, server, report):
@@ -881,7 +897,7 @@ def test_a_prompt_in_each_of_openais_forms_and_several_prompts_in_one_request(tm
     assert len({body["text"] for _, body in served}) == 1
     assert all(body["usage"]["prompt_tokens"] == len(ids) for _, body in served)
     assert [status for status, _ in refused] == [400] * 6
-    errors = [body["error"] for _, body in refused]
+    errors = [body["error"]["message"] for _, body in refused]
     assert [e.split(":")[0] for e in errors] == ["prompt"] * 3 + ["prompt[1]"] * 2 + ["prompt"]
     assert "at most 2048" in errors[-1]
 
@@ -927,12 +943,13 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask_whole_chunked_cached
                 assert r.status == 200, await r.text()
                 return await r.text() if body.get("stream") else await r.json()
 
-        plain = await post({"prompt": text, "max_tokens": 3})  # its blocks now in the prefix cache
+        # its blocks now in the prefix cache
+        plain = await post({"temperature": 0, "prompt": text, "max_tokens": 3})
         first = await post(scored)
         nothing = await post({**scored, "max_tokens": 0, "logprobs": 3})
         streamed = await post({**scored, "stream": True})
         streamed_nothing = await post({**scored, "max_tokens": 0, "stream": True})
-        text_only = await post({"prompt": text, "echo": True, "max_tokens": 3})
+        text_only = await post({"temperature": 0, "prompt": text, "echo": True, "max_tokens": 3})
         return plain, first, nothing, streamed, streamed_nothing, text_only
 
     results = {}
@@ -1022,7 +1039,7 @@ def test_a_scored_prompt_is_answered_even_when_the_step_after_its_prefill_fails(
     (status, scored), (long_status, failed) = asyncio.run(_serving(_config(tmp_path), work))
     assert status == 200 and scored["choices"][0]["text"] == "Q: Hi?"
     assert len(scored["choices"][0]["logprobs"]["tokens"]) == len("Q: Hi?")
-    assert long_status == 500 and "the device went away" in failed["error"]
+    assert long_status == 500 and "the device went away" in failed["error"]["message"]
 
 
 def test_a_scored_prompt_prefilled_before_another_prompts_failed_prefill_is_still_answered(
@@ -1076,7 +1093,7 @@ def test_echo_is_refused_where_it_cannot_be_served(tmp_path: Path) -> None:
         answers = []
         for path, body, _ in cases:
             async with session.post(path, json=body) as r:
-                answers.append((r.status, (await r.json())["error"]))
+                answers.append((r.status, (await r.json())["error"]["message"]))
         return answers
 
     for (status, error), (_, _, field) in zip(asyncio.run(_serving(_config(tmp_path), work)), cases,
@@ -1099,7 +1116,7 @@ def test_logprobs_requests_out_of_range_are_refused_naming_the_field(tmp_path: P
         answers = []
         for path, body, _ in cases:
             async with session.post(path, json=body) as r:
-                answers.append((r.status, (await r.json())["error"]))
+                answers.append((r.status, (await r.json())["error"]["message"]))
         unasked = {"prompt": "x", "max_tokens": 2, "logprobs": False}
         async with session.post("/v1/completions", json=unasked) as r:
             answers.append((r.status, (await r.json())["choices"][0]["logprobs"]))
@@ -1203,9 +1220,11 @@ def test_n_choices_are_the_answers_of_consecutive_seeds_and_top_p_narrows_sampli
         refused = [await post({**ask, **bad}) for bad in (
             {"n": 0}, {"n": 9}, {"top_p": 1.5}, {"best_of": 2}, {"echo": "yes"}, {"presence_penalty": 0.5},
             {"seed": 2**64}, {"seed": 2**64 - 2, "n": 3},
-            {"stream_options": {"include_usage": True}}, {"stream": True, "stream_options": {"usage": 1}})]
+            {"stream_options": {"include_usage": True}}, {"stream": True, "stream_options": {"usage": 1}},
+            {"tools": [{"type": "function", "function": {"name": "add"}}]}, {"top_k": 40})]
         # what SDKs send when the caller sets nothing is not refused
-        unset = {"logprobs": None, "echo": False, "presence_penalty": 0, "best_of": 1}
+        unset = {"logprobs": None, "echo": False, "presence_penalty": 0, "best_of": 1, "tools": None,
+                 "response_format": {"type": "text"}, "top_k": -1}
         _, defaults = await post({**ask, **unset})
         return three, prefilled, alone, streamed, nucleus, refused, defaults
 
@@ -1228,13 +1247,16 @@ def test_n_choices_are_the_answers_of_consecutive_seeds_and_top_p_narrows_sampli
     ids = torch.tensor([list(prompt.encode())])
     greedy = model.generate(ids, 6)[0, ids.shape[1]:].tolist()
     assert nucleus["text"] == bytes(greedy).decode("utf-8", errors="replace")
-    assert [status for status, _ in refused] == [400] * 10
+    assert [status for status, _ in refused] == [400] * 12
     refused = [(status, json.loads(body) if isinstance(body, str) else body) for status, body in refused]
-    assert [body["error"].split(":")[0] for _, body in refused] == [
+    # OpenAI's error object: the field in `param`, which clients show beside the message
+    assert [body["error"]["param"] for _, body in refused] == [
         "n", "n", "top_p", "best_of", "echo", "presence_penalty", "seed", "seed", "stream_options",
-        "stream_options"]
-    assert "spec.serving.maxBatch" in refused[1][1]["error"]
-    assert "not served by this replica" in refused[3][1]["error"] and defaults["text"] == alone[0]["text"]
+        "stream_options", "tools", "top_k"]
+    assert {body["error"]["type"] for _, body in refused} == {"invalid_request_error"}
+    assert "spec.serving.maxBatch" in refused[1][1]["error"]["message"]
+    assert "not served by this replica" in refused[3][1]["error"]["message"]
+    assert defaults["text"] == alone[0]["text"]
 
 
 def test_with_include_usage_only_the_usage_chunk_carries_the_requests_usage(tmp_path: Path) -> None:
@@ -1329,12 +1351,13 @@ def test_a_failed_step_ends_only_the_streams_of_the_rows_it_failed(tmp_path: Pat
             async with session.post("/v1/completions", json=body) as r:
                 return r.status, await r.text()
 
-        held = asyncio.create_task(post({"prompt": "Q", "max_tokens": 1}))
+        held = asyncio.create_task(post({"temperature": 0, "prompt": "Q", "max_tokens": 1}))
         await asyncio.wait_for(entered.wait(), 60)
-        long = asyncio.create_task(post({"prompt": "Q: 22?\nA:", "max_tokens": 20}))
+        long = asyncio.create_task(post({"temperature": 0, "prompt": "Q: 22?\nA:", "max_tokens": 20}))
         while len(server.queue) < 1:
             await asyncio.sleep(0.01)
-        streamed = asyncio.create_task(post({"prompt": prompt, "max_tokens": 1, "n": 2, "stream": True}))
+        streamed = asyncio.create_task(post({"temperature": 0, "prompt": prompt, "max_tokens": 1, "n": 2,
+                                             "stream": True}))
         while len(server.queue) < 3:  # the long one and choice 0 fill both rows; choice 1 waits
             await asyncio.sleep(0.01)
         gate.set()
@@ -1396,3 +1419,27 @@ def test_a_long_prompt_joining_is_prefilled_a_chunk_a_step_and_answers_stay_exac
         ids = torch.tensor([prompt])
         assert count == tokens
         assert text == bytes(model.generate(ids, tokens)[0, len(prompt):].tolist()).decode("utf-8", "replace")
+
+
+def test_the_defaults_sample_as_openais_do_and_a_seed_repeats_an_answer(tmp_path: Path) -> None:
+    """OpenAI's temperature defaults to 1, and an unseeded request draws afresh: greedy with seed
+    0 had made `n` choices, and every "regenerate" of a chat UI, the same answer."""
+    _saved_model(tmp_path / "ckpt")
+    ask = {"prompt": "Q: What is 1 + 2?\nA:", "max_tokens": 12}
+
+    async def work(session, server, report):
+        async def post(body: dict) -> dict:
+            async with session.post("/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                return await r.json()
+
+        unseeded = [await post({**ask, "n": 4})]
+        unseeded += [await post(ask) for _ in range(3)]
+        seeded = [await post({**ask, "seed": 11}) for _ in range(2)]
+        return unseeded, seeded
+
+    unseeded, seeded = asyncio.run(_serving(_config(tmp_path), work))
+    choices = [c["text"] for c in unseeded[0]["choices"]]
+    assert len(set(choices)) > 1, choices  # 4 choices of 12 tokens from 256 bytes: never all equal
+    assert len({answer["text"] for answer in unseeded[1:]} | {choices[0]}) > 1
+    assert seeded[0]["text"] == seeded[1]["text"]

@@ -191,7 +191,7 @@ class Activator:
             self.requests.labels("timeout").inc()
             message = (f"no replica became ready within {self.timeout_seconds:g} s "
                        "(spec.autoscaling.activationTimeoutSeconds); try again")
-        return web.json_response({"error": message}, status=503, headers={"Retry-After": "5"})
+        return serve_mod.error_response(message, 503, headers={"Retry-After": "5"})
 
     async def pass_on(self, request: web.Request, streamed: web.StreamResponse, chunk: bytes,
                       chunks: AsyncIterator[bytes]) -> bool:

@@ -34,6 +34,8 @@ import codecs
 import dataclasses
 import json
 import math
+import re
+import secrets
 import signal
 import sys
 import threading
@@ -73,7 +75,17 @@ NOT_SERVED: dict[str, tuple[object, ...]] = {
     "best_of": (None, 1),
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
     "suffix": (None, ""),
+    # tool calling and structured output (LangChain's bind_tools, with_structured_output): a plain
+    # text answer to them reads as a final answer, or fails to parse
+    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    # vLLM's sampling extensions, which benchmark scripts send
+    "top_k": (None, -1, 0), "min_p": (None, 0), "repetition_penalty": (None, 1), "ignore_eos": (None, False),
 }
+# A field's name at the start of a refusal ("max_tokens: ...", "messages[2].role: ..."): OpenAI's
+# error.param, which clients show beside the message
+FIELD_PREFIX = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?(?:\.\w+(?:\[\d+\])?)*): ")
+MAX_BODY_BYTES = 64 << 20  # as the router: a batch of 2,048 prompts as token ids passes 1 MiB
 SERVED = ("model, prompt (one or a list) or messages, max_tokens, temperature, top_p, n, seed, stop, "
           "stream, stream_options, logprobs (and the chat API's top_logprobs), echo")
 BATCHER = web.AppKey("batcher", asyncio.Task)
@@ -216,10 +228,23 @@ def echoed(item: Request) -> list[TokenLogprob] | None:
     return (item.prompt_logprobs or []) + item.answer_logprobs
 
 
+def error_body(message: str, status: int = 500, code: str | None = None) -> dict:
+    """OpenAI's error body, {"error": {message, type, param, code}}: SDKs raise it with these
+    fields (a bare string leaves them None, and typed clients fail to decode it), and the openai
+    SDK reads a stream's error event the same way."""
+    field = FIELD_PREFIX.match(message)
+    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "param": field[1] if field else None, "code": code}}
+
+
+def error_response(message: str, status: int, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(message, status, code), status=status, headers=headers)
+
+
 def stream_error(message: str) -> dict:
-    """An error event in OpenAI's shape: the openai SDK raises it with `error.message`, and with
-    the plain string of an HTTP error body it would say only "An error occurred during streaming"."""
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+    """An error event mid-stream: the headers (200) are sent, so the error goes in the stream."""
+    return error_body(message, 500)
 
 
 def sse(event: dict) -> bytes:
@@ -325,10 +350,12 @@ class Server:
                 else "max_tokens"
             fits = max(1, limit - max(len(tokens) for tokens in prompts))
             wanted = read_number(body, name, int, min(CHAT_DEFAULT_TOKENS, fits) if is_chat else 16)
-            temperature = read_number(body, "temperature", float, 0.0)
+            # OpenAI's defaults: temperature 1, and a fresh draw unless a seed is given (greedy and
+            # seed 0 had made n choices, and every "regenerate", the same answer)
+            temperature = read_number(body, "temperature", float, 1.0)
             top_p = read_number(body, "top_p", float, 1.0)
             choices = read_number(body, "n", int, 1)
-            seed = read_number(body, "seed", int, 0)
+            seed = read_number(body, "seed", int, secrets.randbits(62))
             alternatives = read_logprobs(body, is_chat)
             echo = read_echo(body, is_chat)
             model = body.get("model")
@@ -336,7 +363,7 @@ class Server:
                 self.metrics.requests.labels("refused").inc()
                 message = (f"model: this replica serves {self.cfg.job_name!r} (its InferenceJob's name), "
                            f"not {model!r}; GET /v1/models lists it")
-                return web.json_response({"error": message}, status=404)
+                return error_response(message, 404, "model_not_found")
             stop = body.get("stop")
             stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
             if not isinstance(stops, list) or len(stops) > 4 or \
@@ -367,10 +394,18 @@ class Server:
                     raise ValueError(f"{name}: {which} ({len(tokens)} tokens) + {name} ({wanted}) exceeds "
                                      f"{limit} (spec.serving.maxTokens and the model's context); ask for "
                                      "fewer")
-        except (KeyError, ValueError, TypeError, OverflowError, json.JSONDecodeError) as error:
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.requests.labels("refused").inc()
+            return error_response(f"the body: larger than {MAX_BODY_BYTES >> 20} MiB; send fewer prompts "
+                                  "a request", 413)
+        except (KeyError, ValueError, TypeError, OverflowError, RecursionError, LookupError) as error:
+            # RecursionError: JSON nested past the parser's depth; LookupError: an unknown charset
+            # in Content-Type (json.JSONDecodeError and UnicodeDecodeError are ValueErrors)
             self.metrics.requests.labels("refused").inc()
             message = f"missing field {error}" if isinstance(error, KeyError) else str(error)
-            return web.json_response({"error": message}, status=400)
+            if isinstance(error, RecursionError):
+                message = "the body: JSON nested too deeply"
+            return error_response(message, 400)
         stops += [s for s in chat.STOPS if is_chat and s not in stops]
         # `n` choices of each prompt are `n` rows with seeds seed, seed + 1, ...; choice j of
         # prompt i has index i * n + j, as OpenAI numbers them; their stream is shared, each token
@@ -399,7 +434,7 @@ class Server:
                 raise
             except Exception as error:  # the batch failed: this request is answered, and counted
                 self.metrics.requests.labels("failed").inc()
-                return web.json_response({"error": f"generation failed: {error!r}"}, status=500)
+                return error_response(f"generation failed: {error!r}", 500)
         finally:
             self.metrics.in_flight.dec()
         self.answered(items[0])
@@ -705,7 +740,7 @@ class Server:
                             r.stream.put_nowait((r.index, None, None))
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/healthz", self.healthz), web.get("/metrics", self.metrics_text),
