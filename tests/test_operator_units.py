@@ -11,10 +11,12 @@ import types
 
 import kubernetes
 import pytest
+import urllib3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from huorn.api import training
+from huorn.backends.kubernetes import client as kube
 from huorn.backends.kubernetes import manifests, retry
 from huorn.graph import compiler
 from huorn.graph.model import Instance
@@ -79,6 +81,31 @@ async def test_refusals_are_not_retried(looptime, status: int, conflicts: bool, 
     with pytest.raises(kubernetes.client.ApiException):
         await retry.call_with_retry(call, policy)
     assert call.calls == calls
+
+
+@pytest.mark.looptime
+async def test_connection_errors_the_kubernetes_client_raises_are_retried(looptime) -> None:
+    """The client lets urllib3's errors through unwrapped, and they are no OSError: a reset or a
+    read timeout (the API server failing over) had ended the reconcile at once."""
+    policy = retry.RetryPolicy(attempts=4, base_delay=0.1, max_delay=0.5)
+    pool = urllib3.HTTPConnectionPool("api", 443)
+    call = Flaky(urllib3.exceptions.ProtocolError("Connection aborted."),
+                 urllib3.exceptions.ReadTimeoutError(pool, "/api/v1/pods", "Read timed out."),
+                 urllib3.exceptions.MaxRetryError(pool, "/api/v1/pods"))
+    assert await retry.call_with_retry(call, policy, rng=random.Random(1)) == "done"
+    assert call.calls == 4
+
+
+def test_every_api_call_has_a_deadline() -> None:
+    seen: dict = {}
+
+    def read_node(name: str, **kwargs: object) -> dict:
+        seen.update(kwargs)
+        return {"metadata": {"name": name}}
+
+    client = kube.KubeClient(kubernetes.client.ApiClient())
+    asyncio.run(client._call(read_node, "n1"))
+    assert seen["_request_timeout"] == kube.REQUEST_TIMEOUT and all(0 < t <= 60 for t in kube.REQUEST_TIMEOUT)
 
 
 def test_retry_policy_rejects_nonsense() -> None:
@@ -439,3 +466,55 @@ async def test_a_wake_reconciles_only_in_a_served_namespace_and_only_when_leadin
     for _ in range(5):
         await asyncio.sleep(0)
     assert client.reads == ["team/b"]
+
+
+def test_a_cordon_that_lost_a_race_reads_the_taints_again_and_keeps_the_other_controllers() -> None:
+    """The taint list is written whole: a taint the node controller added between the read and
+    the patch must make the patch fail (409 on its resourceVersion) and be read again, not erased."""
+    unreachable = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
+    node = {"metadata": {"name": "n1", "resourceVersion": "1"}, "spec": {"taints": []}}
+    patches: list[dict] = []
+
+    class Core:
+        def read_node(self, name: str, **_: object) -> dict:
+            return node
+
+        def patch_node(self, name: str, body: dict, **_: object) -> dict:
+            patches.append(body)
+            if body["metadata"]["resourceVersion"] != node["metadata"]["resourceVersion"]:
+                raise kubernetes.client.ApiException(status=409, reason="Conflict")
+            if len(patches) == 1:  # the node controller wins the race
+                node["spec"]["taints"] = [unreachable]
+                node["metadata"]["resourceVersion"] = "2"
+                raise kubernetes.client.ApiException(status=409, reason="Conflict")
+            node["spec"].update(body["spec"])
+            return node
+
+    client = kube.KubeClient(kubernetes.client.ApiClient())
+    client.core = Core()  # type: ignore[assignment]
+    cordon = {"key": "huorn.io/cordoned", "effect": "NoSchedule"}
+    done = asyncio.run(client.cordon_node("n1", cordon))
+    assert [p["metadata"]["resourceVersion"] for p in patches] == ["1", "2"]
+    assert done["spec"]["taints"] == [unreachable, cordon] and done["spec"]["unschedulable"] is True
+
+
+async def test_a_partly_failed_gang_create_keeps_the_created_pods_counted() -> None:
+    """One failed create of a concurrent gang write: the caller releases its reservations, so the
+    pods created beside it must already be in the mirror, or their GPUs look free to the next
+    placement until the watch reports them."""
+    body = _job()
+    ref = manifests.JobRef.from_body(body)
+    made = manifests.build_store_pod(ref, Instance("rendezvous", 0), body["spec"])
+    refused = {**made, "metadata": {**made["metadata"], "name": "llm-refused"}}
+
+    class Client:
+        async def apply(self, manifest: dict) -> dict:
+            if manifest["metadata"]["name"] == "llm-refused":
+                raise kubernetes.client.ApiException(status=500, reason="etcd leader changed")
+            return {**manifest, "kind": "Pod"}
+
+    ctx = Context(client=Client(), post_event=lambda *a: None)  # type: ignore[arg-type]
+    with pytest.raises(kubernetes.client.ApiException):
+        await ctx.apply_all([made, refused])
+    assert [name for _, name in ctx.index.pods] == [made["metadata"]["name"]]
+    assert await ctx.apply_all([made]) == [{**made, "kind": "Pod"}]

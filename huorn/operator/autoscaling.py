@@ -139,18 +139,21 @@ async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendat
             fronts.append(f"{manifests.ACTIVATOR_VERTEX}-{i}")
             targets[fronts[-1]] = f"http://{front.ip}:{ctx.settings.serve_port}/metrics"
     texts = await asyncio.to_thread(replica_metrics.fetch_all, targets, ctx.settings.serve_timeout_seconds)
-    now = time.time()
+    now = time.time()  # the forecast's clock: the request-rate history is dated
+    # Rates and the scale-down window run on the monotonic clock: a wall-clock step (NTP) larger
+    # than scaleDownDelaySeconds had emptied the window and scaled a loaded service down at once.
+    ticked = time.monotonic()
     held = 0.0
     for key in fronts:
         text = texts.pop(key, None)
         held += (replica_metrics.parse_held(text) or 0.0) if text is not None else 0.0
-    parsed = {replica: replica_metrics.parse_metrics(text, now) for replica, text in texts.items()}
+    parsed = {replica: replica_metrics.parse_metrics(text, ticked) for replica, text in texts.items()}
     samples = {replica: sample for replica, sample in parsed.items() if sample is not None}
     state = _state_for(ctx, body, job)
     reading = autoscale.read_load(state.last, samples)
     state.last = samples
     floor = await forecast_floor(ctx, body, state, job, now)
-    rec = state.scaler.recommend(now, server.replicas, reading, floor, held)
+    rec = state.scaler.recommend(ticked, server.replicas, reading, floor, held)
     load = _load_status(reading, job.spec.serving.max_batch)
     seen = state.board_state
     if seen is not None and seen.reading is not None:

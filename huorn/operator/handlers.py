@@ -47,10 +47,11 @@ def _ctx(memo: Any) -> Context:
 
 async def _reconcile_job(ctx: Context, plural: str, namespace: str, name: str) -> str | None:
     waited = time.perf_counter()
-    # Only a plan this reconcile makes is applied: one that a monitor tick's reconcile left may
-    # be stale by now.
-    ctx.preemptions.pop((namespace, name), None)
     async with ctx.job_lock(namespace, name):
+        # Only a plan this reconcile makes is applied: one that a monitor tick's reconcile left,
+        # while this one waited for the lock, may be stale by now (dropped under the lock, so no
+        # tick can leave one between the drop and the reconcile).
+        ctx.preemptions.pop((namespace, name), None)
         logger.debug("reconcile %s/%s after %.3fs in line", namespace, name, time.perf_counter() - waited)
         body = await ctx.client.get_custom(plural, namespace, name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):

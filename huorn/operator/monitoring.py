@@ -178,14 +178,17 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
     settling = evaluation.has_finished_pod(observed, ctx.index.pods_of(namespace, name), now, start_seconds)
     if not observation.telemetry and not settling:
         return []
-    if observation.telemetry:
-        state.polls += 1
-        await write_progress(ctx, namespace, name, state, observation)
     async with ctx.job_lock(namespace, name):
         # Decide against the graph as it is now: a reconcile may have mutated it while we polled.
         body = await ctx.client.get_custom(training.PLURAL, namespace, name)
         if body is None or (body.get("status") or {}).get("phase") not in ACTIVE_PHASES:
             return []
+        if observation.telemetry:
+            # Under the lock, against the phase just read: written after a reconcile marked the
+            # job Succeeded (progress 100, no time left), a poll from before it would leave its
+            # older progress and ETA there for good.
+            state.polls += 1
+            await write_progress(ctx, namespace, name, state, observation)
         graph = serialise.from_status(body["status"]["graph"])
         if observation.steps:
             state.last_step = int(observation.steps[-1]["step"])
@@ -210,10 +213,17 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
         when = conditions.now()
         results = [evaluation.build_result(p, when, why)
                    for p, why in evaluation.settled(observation.instances, graph, pods)]
-        await ctx.client.patch_status(training.PLURAL, namespace, name, {
-            "graph": serialise.to_status(graph), "decisions": training.build_decisions(graph),
-            **evaluation.build_status(body.get("status") or {}, results),
-        })
+        try:
+            await ctx.client.patch_status(training.PLURAL, namespace, name, {
+                "graph": serialise.to_status(graph), "decisions": training.build_decisions(graph),
+                **evaluation.build_status(body.get("status") or {}, results),
+            })
+        except Exception:
+            # The policies have already marked this decision made (a hang handled, a ladder rung
+            # taken); unwritten, it would never be made again. Drop them: the next tick rebuilds
+            # them from the graph in status, as a restarted operator does, and decides afresh.
+            ctx.monitors.pop((namespace, name), None)
+            raise
         for m in mutations:
             ctx.metrics.decisions.labels(training.KIND, m.action).inc()
             reason = _event_reason(m)
@@ -258,7 +268,8 @@ def build_progress(observation: monitor.Observation, total_steps: int | None = N
 async def write_progress(ctx: Context, namespace: str, name: str, state: JobPolicies,
                          observation: monitor.Observation) -> bool:
     """A merge patch of the progress fields, at most every `progress_seconds` (at once for a new
-    checkpoint). It touches no field the reconcile owns, so it needs no job lock.
+    checkpoint). The caller holds the job lock and has read an active phase: a finished job's
+    reconcile writes progressPercent 100 and no time left, which an older poll must not undo.
 
     A step seen too soon after the last write is kept, not dropped, and written once the period
     has passed: a run whose last steps come in one burst (it finished, or it paused for a resize)

@@ -226,8 +226,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     try:
         if writes:
             await ctx.client.apply(writes[0])  # the ConfigMap before any pod that reads it
-            await asyncio.gather(*(ctx.client.apply(w) for w in writes[1:]))
-        await asyncio.gather(*(ctx.client.apply(p) for p in pods_new))
+            await ctx.apply_all(writes[1:])
+        await ctx.apply_all(pods_new)
     except BaseException:
         # not created (or not known to be): the next reconcile finds them missing, not creating
         ctx.index.release(r for r in (index.build_pod_record(p) for p in pods_new) if r is not None)

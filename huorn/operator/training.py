@@ -221,6 +221,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     if mutate.UNCOUNTED_REPLACE in graph.action_counts:
         base_status["ignoredFailures"] = graph.action_counts[mutate.UNCOUNTED_REPLACE]
     if held:
+        # Out of line until the back-off ends, as an RLJob in back-off: a job behind it would
+        # otherwise step back for it ("ahead and fits") while it waits, and free GPUs stay idle.
+        ctx.queue.record(dataclasses.replace(queued, missing=0))
         ctx.wake_later(ns, name, backoff.seconds)
         more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
         # An absolute time, so the message (and its Event) stays the same until then.
@@ -629,7 +632,7 @@ async def _apply_children(
     # The ConfigMap goes first so that no pod ever starts without its config.
     if writes and writes[0]["kind"] == "ConfigMap":
         await ctx.client.apply(writes.pop(0))
-    written = await asyncio.gather(*(ctx.client.apply(w) for w in writes))
+    written = await ctx.apply_all(writes)
     for obj in written:
         # An eval pod is in the mirror at once: a reconcile right after this one (a newer
         # checkpoint handed to the vertex meanwhile) must not start a second one for the instance.

@@ -40,6 +40,12 @@ CORE_KINDS: dict[str, CoreKind] = {
 }
 
 
+# (connect, read) seconds for one API call: a list of a large cluster's pods takes seconds, not a
+# minute
+REQUEST_TIMEOUT = (5.0, 60.0)
+CORDON_ATTEMPTS = 5  # read-and-patch rounds a busy node's taint list may take
+
+
 def build_api_client(
     kubeconfig: str | None = None, context: str | None = None
 ) -> kubernetes.client.ApiClient:
@@ -91,6 +97,9 @@ class KubeClient:
         def count(_exc: BaseException, _attempt: int) -> None:
             self.retries += 1
 
+        # A half-open connection (an API server failed over) would block its thread, and the job
+        # lock the reconcile holds, forever: every call has a deadline, and its timeout is retried.
+        kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
         bound = functools.partial(fn, *args, **kwargs)
         return await retry.call_with_retry(lambda: asyncio.to_thread(bound), policy, on_retry=count)
 
@@ -154,18 +163,25 @@ class KubeClient:
     async def cordon_node(self, name: str, taint: Mapping[str, str]) -> dict[str, Any] | None:
         """Mark a node unschedulable and taint it; None when the node is gone. Repeatable.
 
-        The taint list is read and written whole (a merge patch replaces lists), and the patch
-        is retried on a 409, so a concurrent change of another taint is not lost.
+        The taint list is read and written whole (a merge patch replaces lists), so the patch
+        carries the resourceVersion it read: a taint another controller added meanwhile (the node
+        controller's unreachable, say) makes the server answer 409, and the read and the patch
+        are done again, rather than the write erasing that taint.
         """
-        try:
-            node = self._sanitize(await self._call(self.core.read_node, name))
-        except kubernetes.client.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        taints = [t for t in (node.get("spec") or {}).get("taints") or [] if t.get("key") != taint["key"]]
-        body = {"spec": {"unschedulable": True, "taints": [*taints, dict(taint)]}}
-        return self._sanitize(await self._call(self.core.patch_node, name, body))
+        for attempt in range(CORDON_ATTEMPTS):
+            try:
+                node = self._sanitize(await self._call(self.core.read_node, name))
+                others = (node.get("spec") or {}).get("taints") or []
+                taints = [t for t in others if t.get("key") != taint["key"]]
+                body = {"metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
+                        "spec": {"unschedulable": True, "taints": [*taints, dict(taint)]}}
+                return self._sanitize(await self._call(self.core.patch_node, name, body, conflicts=False))
+            except kubernetes.client.ApiException as exc:
+                if exc.status == 404:
+                    return None
+                if exc.status != 409 or attempt + 1 == CORDON_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
 
     async def get_peering(self, name: str) -> dict[str, Any] | None:
         """kopf's ClusterKopfPeering object (its status lists the peers), or None when absent."""

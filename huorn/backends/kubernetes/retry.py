@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import kubernetes
+import urllib3
 
 T = TypeVar("T")
 
@@ -46,8 +47,10 @@ def is_retriable(exc: BaseException, policy: RetryPolicy) -> bool:
         if exc.status == 409:
             return policy.retry_conflicts
         return exc.status in RETRIABLE or exc.status == 0
-    # urllib3 connection resets and timeouts: the server was slow or restarting.
-    return isinstance(exc, OSError | TimeoutError)
+    # Connection resets and timeouts: the server was slow or restarting. The kubernetes client lets
+    # urllib3's own errors through (MaxRetryError, ProtocolError, ReadTimeoutError), which are no
+    # OSError.
+    return isinstance(exc, OSError | TimeoutError | urllib3.exceptions.HTTPError)
 
 
 def retry_after(exc: BaseException) -> float | None:
