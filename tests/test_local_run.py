@@ -366,6 +366,12 @@ def test_a_flag_the_kind_does_not_read_is_refused_not_ignored(
     assert code == 2 and message in err and not run_dir.exists()
 
 
+def test_a_checkpoint_that_is_not_there_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    code, err, run_dir = invoke_run(tmp_path, _chat(tmp_path))
+    assert code == 2 and not run_dir.exists()
+    assert f"spec.model.checkpoint: {tmp_path / 'none'} holds no complete Huorn checkpoint" in err
+
+
 def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
     manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "InferenceJob", "metadata": {"name": "chat"},
                 "spec": {"virtualCluster": "local", "model": {"checkpoint": str(tmp_path / "none")}}}

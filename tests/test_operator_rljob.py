@@ -357,7 +357,9 @@ def test_suspend_stops_the_head_before_its_workers_and_resume_starts_a_new_gang(
     waiting = wait_for(lambda: (s := status(kube, "paused")).get("phase") == "Suspended" and s,
                        what="Suspended")
     assert "waits without pods" in waiting["decisions"][-1]["reason"] and kube.pods(NS, "paused") == []
-    assert kube.condition(NS, "paused", "Suspended", RL)["status"] == "True"
+    # The phase comes first, in the decision's write-ahead; the conditions in the write after it.
+    wait_for(lambda: kube.condition(NS, "paused", "Suspended", RL).get("status") == "True",
+             what="the Suspended condition")
     patch = kube.custom.patch_namespaced_custom_object
     patch(builders.GROUP, builders.VERSION, NS, RL, "paused", {"spec": {"suspend": False}})
     first = ["paused-ray-head-0", "paused-ray-worker-0", "paused-ray-worker-1"]

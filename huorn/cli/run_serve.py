@@ -49,6 +49,12 @@ def refusal(job: kinds.InferenceJob, port: int, replicas: int) -> str | None:
                 probe.bind(("127.0.0.1", port))
             except OSError as error:
                 return f"--port {port}: cannot listen there ({error.strerror}); choose another, or --port 0"
+    from huorn.runtime import checkpoint  # torch: only once an InferenceJob is to be served
+
+    try:  # what the server would find only once started, after the run dir was kept aside
+        checkpoint.resolve(Path(job.spec.model.checkpoint))
+    except ValueError as error:
+        return f"spec.model.checkpoint: {error}; train one first, or point it at one"
     return None
 
 

@@ -40,12 +40,12 @@ def _source_problem(name: str, path: str | None) -> str | None:
     if path:
         directory = Path(path)
         if not (directory / "train.bin").is_file() or not (directory / "val.bin").is_file():
-            return (f"path {path!r} must be a directory holding train.bin and val.bin (uint8 byte "
-                    "tokens) as written by `python -m huorn.runtime.data.build`")
+            return (f"has path {path!r}, which must be a directory holding train.bin and val.bin (uint8 "
+                    "byte tokens) as written by `python -m huorn.runtime.data.build`")
         return None
     if name not in corpora.CORPORA:
-        return (f"{name!r} is not a shipped corpus ({', '.join(corpora.CORPORA)}); set its path to a "
-                "built corpus directory")
+        return (f"is not a shipped corpus ({', '.join(corpora.CORPORA)}); set its path to a built "
+                "corpus directory")
     return None
 
 
@@ -56,7 +56,7 @@ def check_sources(sources: Sequence[tuple[str, str | None]]) -> None:
         problem = _source_problem(name, path)
         if problem is not None:
             field = f"spec.data.sources[{index}].{'path' if path else 'name'}"
-            raise ValueError(f"{field}: data source {name!r}: {problem}")
+            raise ValueError(f"{field}: data source {name!r} {problem}")
 
 
 def open_source(name: str, weight: float, path: str | None = None, data_dir: Path | None = None) -> Source:
@@ -64,7 +64,7 @@ def open_source(name: str, weight: float, path: str | None = None, data_dir: Pat
     first use, or any directory given as `path`."""
     problem = _source_problem(name, path)
     if problem is not None:
-        raise ValueError(f"data source {name!r}: {problem}")
+        raise ValueError(f"data source {name!r} {problem}")
     directory = Path(path) if path else build.ensure_corpus(name, data_dir)
     return Source(name, weight, _load_tokens(directory / "train.bin"), _load_tokens(directory / "val.bin"))
 
