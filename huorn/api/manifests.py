@@ -136,11 +136,11 @@ def load_document(source: Any, origin: str = "") -> kinds.Resource:
             [FieldError("kind", f"{kind!r} is not a Huorn kind; use one of {_KIND_NAMES}")],
             kind=kind, name=name, source=origin,
         )
-    bad_key = _non_string_key(body, "")
+    bad_key = _non_string_key(body)
     if bad_key is not None:
-        where, key = bad_key
-        problem = FieldError(where, f"key {key} is a YAML {type(key).__name__}, and keys must be "
-                                    f"strings; quote it (\"{key}\")")
+        loc, key = bad_key
+        message = f"key {key} is a YAML {type(key).__name__}, and keys must be strings; quote it (\"{key}\")"
+        problem = FieldError(format_location(loc), message)
         raise ManifestError([problem], kind=kind, name=name, source=origin)
     try:
         # NB: strict JSON mode, because the API server is strict: it refuses "3" for an integer,
@@ -151,19 +151,19 @@ def load_document(source: Any, origin: str = "") -> kinds.Resource:
         raise ManifestError(describe_validation_error(error), kind=kind, name=name, source=origin) from None
 
 
-def _non_string_key(value: Any, where: str) -> tuple[str, Any] | None:
+def _non_string_key(value: Any, loc: tuple[str | int, ...] = ()) -> tuple[tuple[str | int, ...], Any] | None:
     """The first mapping key that is not a string (YAML reads an unquoted 2024-01-01 as a date, 1
     as an int): JSON, and so the API server, has string keys only. None when every key is one."""
     if isinstance(value, Mapping):
         for key, item in value.items():
             if not isinstance(key, str):
-                return where, key
-            found = _non_string_key(item, f"{where}.{key}" if where else key)
+                return loc, key
+            found = _non_string_key(item, (*loc, key))
             if found is not None:
                 return found
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            found = _non_string_key(item, f"{where}[{index}]")
+            found = _non_string_key(item, (*loc, index))
             if found is not None:
                 return found
     return None

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 
 import typer
 
 from huorn.backends.kubernetes import client as kube
+from huorn.cli.output import cannot_listen
 from huorn.operator import context, runner
 
 EXIT_USAGE = 2
@@ -90,15 +90,11 @@ def operator_command(
     # Checked here, before the credentials and the logging: the endpoints bind again at start
     # (and a metrics port taken in between is still named).
     for flag, port in (("--metrics-port", metrics_port), ("--health-port", health_port)):
-        if port:
-            with socket.socket() as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    probe.bind(("", port))
-                except OSError as error:
-                    typer.echo(f"error: {flag} {port}: cannot listen there ({error.strerror}); choose "
-                               "another port, or 0 to turn the endpoint off", err=True)
-                    raise typer.Exit(EXIT_USAGE) from None
+        why = cannot_listen(port) if port else None
+        if why is not None:
+            typer.echo(f"error: {flag} {port}: cannot listen there ({why}); choose another port, or 0 to "
+                       "turn the endpoint off", err=True)
+            raise typer.Exit(EXIT_USAGE)
     # Tests that kill and restart the operator shorten the backoffs the same way in every run.
     fast = os.environ.get("HUORN_OPERATOR_FAST") == "1"
     settings = context.OperatorSettings(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,18 @@ def check_png(path: Path, flag: str) -> None:
     if path.suffix.lower() != ".png":
         print_error(f"{flag} {path}: -o png writes a PNG; give a path ending in .png")
         raise typer.Exit(2)
+
+
+def cannot_listen(port: int, host: str = "") -> str | None:
+    """Why `port` cannot be bound on `host` now (the OS's reason), or None: a flag's port is
+    checked before anything starts, and the process binds it again later."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            return error.strerror or str(error)
+    return None
 
 
 def check_writable(path: Path, flag: str, directory: bool = False) -> None:

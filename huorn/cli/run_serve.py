@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import typer
 
 from huorn.api import kinds
+from huorn.cli.output import cannot_listen
 from huorn.runtime import launcher
 
 START_SECONDS = 600.0  # a replica that has not loaded its model by then is reported, and all stop
@@ -43,12 +43,9 @@ def refusal(job: kinds.InferenceJob, port: int, replicas: int) -> str | None:
         return (f"--replicas {replicas}: several local replicas are served behind the prefix router "
                 "(there is no Service here to spread requests); set spec.routing.policy: prefix, or "
                 "serve one replica")
-    if port:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError as error:
-                return f"--port {port}: cannot listen there ({error.strerror}); choose another, or --port 0"
+    why = cannot_listen(port, "127.0.0.1") if port else None
+    if why is not None:
+        return f"--port {port}: cannot listen there ({why}); choose another, or --port 0"
     from huorn.runtime import checkpoint  # torch: only once an InferenceJob is to be served
 
     try:  # what the server would find only once started, after the run dir was kept aside
