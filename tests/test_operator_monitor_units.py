@@ -12,8 +12,8 @@ from kopf._cogs.aiokits import aioenums
 
 from huorn.api import kinds
 from huorn.backends import monitor
-from huorn.backends.kubernetes import observe
-from huorn.graph import compiler, mutate
+from huorn.backends.kubernetes import manifests, observe
+from huorn.graph import compiler, mutate, serialise
 from huorn.operator import context, cordon, index, loans, monitoring, queue, training
 from huorn.runtime import telemetry as runtime_telemetry
 from huorn.scheduler import loaning
@@ -185,3 +185,56 @@ async def test_a_step_seen_too_soon_is_written_once_its_period_has_passed() -> N
     assert client.patches[-1]["step"] == 6 and client.patches[-1]["loss"] == pytest.approx(1.4)
     assert not await monitoring.write_progress(ctx, "t", "llm", state, seen(170.0))  # written once
     assert len(client.patches) == 2
+
+
+async def test_a_poll_that_a_finished_reconcile_overtook_writes_no_progress(monkeypatch) -> None:
+    """The progress write is made under the job lock, against the phase read there: a poll begun
+    while the job ran, and answered after a reconcile marked it Succeeded (progress 100, no time
+    left), had written its older progress over that for good."""
+    job = {
+        "apiVersion": "huorn.io/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "llm", "namespace": "t", "uid": "u", "generation": 1},
+        "spec": {"virtualCluster": "train", "elasticity": {"minReplicas": 1, "maxReplicas": 1},
+                 "optimization": {"steps": 10}},
+    }
+    graph = compiler.compile(kinds.RESOURCE_MODELS["TrainingJob"].model_validate(job))
+    stored = {**job, "status": {"phase": "Running", "graph": serialise.to_status(graph)}}
+
+    class Client:
+        def __init__(self) -> None:
+            self.patches: list[dict] = []
+
+        async def get_custom(self, plural: str, namespace: str, name: str) -> dict:
+            return stored
+
+        async def patch_status(self, plural: str, namespace: str, name: str, patch: dict) -> None:
+            self.patches.append(patch)
+
+    client = Client()
+    ctx = context.Context(client=client, post_event=lambda *a: None)  # type: ignore[arg-type]
+    ref = manifests.JobRef.from_body(job)
+    trainer = graph.vertex("trainer").instances[0]
+    ctx.index.observe_pod({
+        "metadata": {"namespace": "t", "name": manifests.pod_name(ref, trainer),
+                     "labels": {"huorn.io/job": "llm", "huorn.io/vertex": "trainer",
+                                "huorn.io/instance": trainer.name}},
+        "spec": {"nodeName": "a0"}, "status": {"phase": "Running", "podIP": "10.0.0.7"}})
+    telemetry = {"r0": {"rank": 0, "parameters": {}}}
+
+    async def poll_overtaken(ctx, body, graph, state, gpus) -> monitor.Observation:
+        # the reconcile that saw the trainers finish ran while this poll waited for their answer
+        stored["status"] = {**stored["status"], "phase": "Succeeded", "progressPercent": 100}
+        return monitor.Observation(time=1.0, telemetry=telemetry, steps=[{"step": 9, "loss": 1.0}])
+
+    monkeypatch.setattr(monitoring, "fetch_observation", poll_overtaken)
+    assert await monitoring.tick_job(ctx, "t", "llm") == []
+    assert client.patches == []
+
+    stored["status"] = {**stored["status"], "phase": "Running"}  # the same poll, not overtaken
+    monkeypatch.setattr(monitoring, "fetch_observation", lambda *a: _observed(telemetry))
+    await monitoring.tick_job(ctx, "t", "llm")
+    assert [p.get("step") for p in client.patches][:1] == [9], "a poll of a running job is written"
+
+
+async def _observed(telemetry: dict) -> monitor.Observation:
+    return monitor.Observation(time=1.0, telemetry=telemetry, steps=[{"step": 9, "loss": 1.0}])

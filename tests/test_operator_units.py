@@ -518,3 +518,63 @@ async def test_a_partly_failed_gang_create_keeps_the_created_pods_counted() -> N
         await ctx.apply_all([made, refused])
     assert [name for _, name in ctx.index.pods] == [made["metadata"]["name"]]
     assert await ctx.apply_all([made]) == [{**made, "kind": "Pod"}]
+
+
+async def test_the_autoscalers_window_ignores_a_wall_clock_step(monkeypatch) -> None:
+    """The scale-down window runs on the monotonic clock: a wall-clock step (NTP) longer than
+    scaleDownDelaySeconds had emptied the window, so one quiet scrape scaled a loaded service
+    down at once."""
+    from huorn.backends import replica_metrics
+    from huorn.graph import mutate, serialise
+    from huorn.operator import autoscaling, serving
+
+    body = {"apiVersion": "huorn.io/v1alpha1", "kind": "InferenceJob",
+            "metadata": {"name": "chat", "namespace": "team", "uid": "u-2", "generation": 1},
+            "spec": {"virtualCluster": "serve", "resources": {"gpus": 1},
+                     "model": {"checkpoint": "/checkpoints/chat"}, "serving": {"maxBatch": 4},
+                     "autoscaling": {"minReplicas": 1, "maxReplicas": 2, "scaleDownDelaySeconds": 60}}}
+    graph = compiler.compile(validation.load_job(body))
+    mutate.resize(graph, serving.SERVER, 2, reason="two replicas run")
+    stored = {**body, "status": {"phase": "Running", "graph": serialise.to_status(graph)}}
+    patches: list[dict] = []
+
+    class Client:
+        async def get_custom(self, plural: str, namespace: str, name: str) -> dict:
+            return stored
+
+        async def patch_status(self, plural: str, namespace: str, name: str, patch: dict) -> None:
+            patches.append(patch)
+
+    ctx = Context(client=Client(), post_event=lambda *a: None)  # type: ignore[arg-type]
+    ref = manifests.JobRef.from_body(body)
+    for i, instance in enumerate(graph.vertex(serving.SERVER).instances):
+        ctx.index.observe_pod({
+            "metadata": {"namespace": "team", "name": manifests.pod_name(ref, instance),
+                         "labels": {"huorn.io/job": "chat", "huorn.io/vertex": serving.SERVER,
+                                    "huorn.io/instance": instance.name}},
+            "spec": {"nodeName": f"s{i}"}, "status": {"phase": "Running", "podIP": f"10.0.0.{i + 1}"}})
+    busy = {"seconds": 0.0}
+
+    def scrape(targets: dict, timeout: float) -> dict:
+        text = (f"huorn_serve_busy_seconds_total {busy['seconds']}\n"
+                'huorn_serve_requests_total{outcome="ok"} 0\n')
+        return {replica: text for replica in targets}
+
+    clock = {"wall": 1_800_000_000.0, "monotonic": 500.0}
+    monkeypatch.setattr(replica_metrics, "fetch_all", scrape)
+    monkeypatch.setattr(autoscaling.time, "time", lambda: clock["wall"])
+    monkeypatch.setattr(autoscaling.time, "monotonic", lambda: clock["monotonic"])
+
+    async def tick_after(seconds: float, busy_share: float, wall_step: float = 0.0) -> int:
+        clock["wall"] += seconds + wall_step
+        clock["monotonic"] += seconds
+        busy["seconds"] += busy_share * seconds
+        rec = await autoscaling.tick(ctx, "team", "chat")
+        assert rec is not None
+        return rec.replicas
+
+    await tick_after(10, 1.0)  # the first scrape: nothing measured yet
+    assert await tick_after(10, 1.0) == 2, "both replicas busy: the service keeps its two"
+    # ten seconds later by the monotonic clock, a day by the wall clock, and idle
+    assert await tick_after(10, 0.0, wall_step=86_400) == 2, "the busy reading is still in the window"
+    assert "desiredReplicas" not in [k for p in patches for k in p]

@@ -543,6 +543,9 @@ def test_fields_left_null_take_their_defaults_and_a_body_or_field_of_the_wrong_k
         ("/v1/completions", {"prompt": "Q: 1?", "max_tokens": "12"}, 400, "max_tokens: give an integer"),
         ("/v1/completions", {"prompt": "Q: 1?", "max_tokens": 2.5}, 400, "max_tokens: give an integer"),
         ("/v1/completions", {"prompt": "Q: 1?", "seed": True}, 400, "seed: give an integer"),
+        # an absurd n, no seed given: n is named, not the seed range it pushes the default out of
+        ("/v1/completions", {"prompt": "Q: 1?", "n": 2**70}, 400, "n: give 1 to"),
+        ("/v1/completions", {"prompt": "Q: 1?", "seed": 2**64}, 400, "seed: give an integer from"),
         ("/v1/completions", {"prompt": "Q: 1?", "temperature": "hot"}, 400, "temperature: give a number"),
         ("/v1/completions", {"prompt": "Q: 1?", "temperature": -1}, 400, "temperature: give a finite"),
         ("/v1/chat/completions", {"messages": messages, "max_completion_tokens": 0}, 400,
@@ -576,7 +579,7 @@ def test_fields_left_null_take_their_defaults_and_a_body_or_field_of_the_wrong_k
     assert answers[3][1]["usage"]["completion_tokens"] <= 48 - prompt  # spec.serving.maxTokens
     assert answers[3][1]["choices"][0]["finish_reason"] == "stop" or \
         answers[3][1]["usage"]["completion_tokens"] == 48 - prompt
-    assert 'huorn_serve_requests_total{outcome="refused"} 10.0' in metrics
+    assert 'huorn_serve_requests_total{outcome="refused"} 12.0' in metrics
 
 
 def test_a_chat_stream_names_its_role_once_and_a_failed_stream_ends_with_openais_error_shape(

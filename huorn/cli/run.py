@@ -75,10 +75,11 @@ FLAGS_BY_KIND: dict[str, frozenset[str]] = {
 def refuse_other_kinds_flags(kind: str, given: dict[str, bool]) -> None:
     """ManifestError naming the first given flag that `kind` does not read, and who reads it. A
     kind huorn run does not run at all gets that error instead, later."""
-    if kind not in FLAGS_BY_KIND:
+    reads = FLAGS_BY_KIND.get(kind)
+    if reads is None:
         return
     for flag, was_given in given.items():
-        if was_given and flag not in FLAGS_BY_KIND.get(kind, frozenset()):
+        if was_given and flag not in reads:
             readers = [k for k, flags in FLAGS_BY_KIND.items() if flag in flags]
             raise graph_cli.ManifestError(f"{flag} applies to {' and '.join(readers)} only, not to this "
                                           f"job's kind, {kind}")

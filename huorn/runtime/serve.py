@@ -381,13 +381,13 @@ class Server:
                 raise ValueError("temperature: give a finite number ≥ 0")
             if not 0 <= top_p <= 1:
                 raise ValueError("top_p: give a number from 0 to 1 (1 samples from every token)")
+            if not 1 <= choices <= self.limits.max_batch:
+                raise ValueError(f"n: give 1 to {self.limits.max_batch} (spec.serving.maxBatch: the "
+                                 "choices of one request are decoded side by side)")
             if not -(2**63) <= seed <= 2**64 - choices:
                 # each choice seeds a generator with seed + its index, which takes 64 bits: a
                 # larger one failed the whole prefill it joined, other requests' included
                 raise ValueError(f"seed: give an integer from -2^63 to 2^64 - n ({2**64 - choices})")
-            if not 1 <= choices <= self.limits.max_batch:
-                raise ValueError(f"n: give 1 to {self.limits.max_batch} (spec.serving.maxBatch: the "
-                                 "choices of one request are decoded side by side)")
             for i, tokens in enumerate(prompts):
                 if len(tokens) + wanted > limit:
                     which = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
