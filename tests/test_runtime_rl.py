@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -135,6 +136,28 @@ def test_the_kl_term_is_k3_to_the_reference() -> None:
 def test_overlong_shaping_is_zero_then_a_ramp_then_minus_one() -> None:
     penalty = algorithms.overlong_penalty(torch.tensor([10, 16, 18, 20, 21]), max_length=20, buffer=4)
     assert penalty.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
+
+
+def test_dynamic_sampling_drops_groups_by_their_scores_not_by_the_length_penalty() -> None:
+    """DAPO drops the groups that are all right or all wrong. An all-wrong group with one answer
+    in the overlong buffer differs only by its length penalty: kept, its std-normalised
+    advantages trained on length alone."""
+    spec = rl.RLJobSpec.model_validate({"virtualCluster": "x", "model": MODEL, "algorithm": {
+        "name": "dapo", "groupSize": 4, "overlongMaxLength": 8, "overlongBuffer": 4},
+        "optimization": {"promptsPerStep": 2}})
+    lengths = {0: [2, 2, 6, 2], 1: [2, 2, 2, 2]}  # prompt 0: one answer 2 tokens into the buffer
+    scores = {0: [0.0, 0.0, 0.0, 0.0], 1: [1.0, 0.0, 1.0, 0.0]}
+
+    def generate(prompts: list[tasks.Prompt], seed: int) -> list[dict]:
+        return [{"prompt": k, "mask": torch.tensor([[1.0] * n + [0.0] * (8 - n) for n in lengths[k % 2]])}
+                for k, _ in enumerate(prompts)]
+
+    run = types.SimpleNamespace(spec=spec, settings=algorithms.resolve(spec.algorithm), generate=generate,
+                                score=lambda items: [scores[item["prompt"] % 2] for item in items])
+    kept, stats = controller.Controller.rollout_step(run, 1)  # type: ignore[arg-type]
+    assert [item["prompt"] % 2 for item in kept] == [1, 1], "every all-wrong group is dropped"
+    assert stats["groups_dropped"] == 2 and stats["groups_drawn"] == 4  # two rounds of two
+    assert kept[0]["rewards"].tolist() == scores[1] and kept[0]["scores"].tolist() == scores[1]
 
 
 def test_sampled_log_probabilities_equal_the_teacher_forced_ones() -> None:

@@ -80,6 +80,17 @@ class Normalisation(StrEnum):
         detail=lambda a: f"buffer {a.overlong_buffer}, max length {a.overlong_max_length}",
         fix="set overlongMaxLength above overlongBuffer, or remove overlongBuffer",
     ),
+    rules.Rule(
+        name="algorithm-overlong-max-length",
+        field="overlongMaxLength",
+        cel="!has(self.overlongMaxLength) || has(self.overlongBuffer)",
+        holds=lambda a: a.overlong_max_length is None or a.overlong_buffer is not None,
+        message="needs overlongBuffer, the last tokens before it over which DAPO's penalty ramps to −1; "
+                "alone it would shape nothing",
+        detail=lambda a: f"max length {a.overlong_max_length}, no buffer",
+        fix="set overlongBuffer below overlongMaxLength (DAPO used 4096 of 20480), or remove "
+            "overlongMaxLength",
+    ),
 )
 class AlgorithmSpec(ApiModel):
     name: Algorithm = Algorithm.GRPO

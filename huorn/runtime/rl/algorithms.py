@@ -5,8 +5,9 @@ how advantages are normalised (mean over the prompt's group; std over the group,
 not at all), the clip range (DAPO's clip-higher widens only the upper bound), how per-token
 losses are aggregated (per sequence, then averaged; or over all tokens of the batch), the KL to
 the reference (k3 estimator) and DAPO's dynamic sampling and overlong shaping. The spec's
-algorithm fields override a preset only where the user set them, so `name: dapo` alone is DAPO
-as published.
+algorithm fields override a preset only where the user set them. `name: dapo` alone is DAPO
+without its overlong shaping, which needs a length the spec must give (`overlongMaxLength` and
+`overlongBuffer`: DAPO's 20480 and 4096 suit its 20k-token answers, not these).
 """
 
 from __future__ import annotations

@@ -393,12 +393,16 @@ class Controller:
             drawn += len(items)
             limit, buffer = self.settings.overlong_max_length, self.settings.overlong_buffer
             for item, scores in zip(items, self.score(items), strict=True):
-                rewards = torch.tensor(scores)
+                item["scores"] = torch.tensor(scores)
                 raw.extend(scores)
+                rewards = item["scores"]
                 if limit is not None and buffer is not None:
                     rewards = rewards + algorithms.overlong_penalty(item["mask"].sum(dim=1), limit, buffer)
                 item["rewards"] = rewards
-                informative = bool(algorithms.informative_groups(rewards[None])[0])
+                # DAPO drops the groups that are all right or all wrong, by the verifier's scores:
+                # an all-wrong group kept for one long answer's length penalty would train on
+                # length alone, at full size once the group's std normalised it
+                informative = bool(algorithms.informative_groups(item["scores"][None])[0])
                 if self.settings.dynamic_sampling and not informative:
                     dropped += 1
                     continue
@@ -484,7 +488,8 @@ class Controller:
         lengths = torch.cat([item["mask"].sum(dim=1) for item in items])
         self.log({"event": "rl", "step": step, **stats, **metrics,
                   "rollout_workers": len(self.rollouts.members), "role_replicas": self.running_replicas(),
-                  "accuracy": float((rewards > 0.5).float().mean()),
+                  # by the verifier's scores: a right answer in the overlong buffer is still right
+                  "accuracy": float((torch.stack([item["scores"] for item in items]) > 0.5).float().mean()),
                   "response_length": float(lengths.float().mean()),
                   "update_seconds": time.monotonic() - started})
 
