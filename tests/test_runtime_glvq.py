@@ -25,10 +25,27 @@ def test_the_baseline_is_round_to_nearest_per_row() -> None:
     w, x = torch.randn(16, 32), torch.randn(64, 32)
     layer, _ = glvq.quantize_linear(w, x, bits=3, d=8, learn=False)
     scales = w.abs().amax(dim=1, keepdim=True)
-    delta = 1 / (2**2 - 0.5)
-    manual = torch.clamp(torch.round(w / scales / delta), -4, 3) * delta * scales
+    delta = 1 / (2**2 - 0.5)  # 8 levels (z + 1/2)·δ, z in -4..3: ±δ/2 ... ±1
+    manual = (torch.clamp(torch.floor(w / scales / delta), -4, 3) + 0.5) * delta * scales
     assert torch.allclose(layer.decode(), manual, atol=2e-3 * float(scales.max()))
-    assert int(layer.codes.min()) >= -4 and int(layer.codes.max()) <= 3
+    assert int(layer.codes.min()) == -4 and int(layer.codes.max()) == 3, "every level is used"
+
+
+def test_each_rows_largest_weight_is_kept_and_one_bit_is_its_sign() -> None:
+    """The levels are symmetric and reach ±1: integer points with no half step had spent a level
+    (a row's largest weight fell to the level below it) and decoded every weight to 0 at 1 bit."""
+    torch.manual_seed(0)
+    w, x = torch.randn(16, 32), torch.randn(64, 32)
+    scales = w.abs().amax(dim=1)
+    biggest = w.abs().argmax(dim=1)
+    rows = torch.arange(16)
+    for bits in (1, 2, 3, 4):
+        decoded = glvq.quantize_linear(w, x, bits=bits, d=8, learn=False)[0].decode()
+        assert torch.allclose(decoded[rows, biggest], w[rows, biggest], rtol=2e-3), bits
+        levels = torch.unique((decoded / scales[:, None]).round(decimals=3))
+        assert len(levels) == 2**bits and torch.allclose(levels, -levels.flip(0)), (bits, levels)
+    one_bit = glvq.quantize_linear(w, x, bits=1, d=8, learn=False)[0].decode()
+    assert torch.allclose(one_bit, torch.sign(w) * scales[:, None], rtol=2e-3)
 
 
 def test_a_learned_lattice_beats_round_to_nearest_on_correlated_weights() -> None:

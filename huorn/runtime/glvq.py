@@ -3,9 +3,13 @@ per weight (arXiv 2510.20984; notes/papers.md).
 
 A row of W [out, in] is scaled by its largest magnitude, passed through a μ-law compander, and
 cut into vectors of d = groupSize weights. Every block of `rows_per_lattice` rows shares one
-generation matrix G (d × d): a vector v is stored as integer codes z = clamp(round(G⁻¹·c(v)))
-of `bits` bits each, and decoded as v̂ = e(G·z), e the compander's inverse (a small matrix-vector
-product per vector). G and μ start where plain round-to-nearest would be (G = δ·I, μ ≈ 0, the
+generation matrix G (d × d): a vector v is stored as integer codes z = clamp(⌊G⁻¹·c(v)⌋)
+of `bits` bits each, and decoded as v̂ = e(G·(z + ½)), e the compander's inverse (a small
+matrix-vector product per vector). The half step makes the 2^b levels of a code symmetric: at
+G = δ·I they are (z + ½)·δ, ±δ/2 … ±1 with δ = 1/(2^(b−1) − ½), so a row's largest weight (±1 once
+scaled) is kept exactly and 1 bit is a sign. Integer points with no offset had spent a level:
+their range was asymmetric, a row's largest weight fell to the level below, and at 1 bit every
+weight decoded to 0. G and μ start where plain round-to-nearest would be (G = δ·I, μ ≈ 0, the
 baseline) and are learned by Adam on ‖XWᵀ − XŴᵀ‖² over calibration inputs X of that layer,
 rounding with a straight-through gradient; the best iterate is kept, so a layer is never worse
 than round-to-nearest on its calibration data.
@@ -62,7 +66,7 @@ def _per_row_lattices(lattices: torch.Tensor, rows: int, rows_per_lattice: int) 
 def _decode(codes: torch.Tensor, lattices: torch.Tensor, scales: torch.Tensor, mu: torch.Tensor,
             rows_per_lattice: int) -> torch.Tensor:
     g = _per_row_lattices(lattices, codes.shape[0], rows_per_lattice)
-    points = torch.einsum("rij,rvj->rvi", g, codes)  # G·z for every vector of every row
+    points = torch.einsum("rij,rvj->rvi", g, codes + 0.5)  # G·(z + ½) for every vector of every row
     return (expand(points, mu) * scales[:, None, None]).reshape(codes.shape[0], -1)
 
 
@@ -73,7 +77,7 @@ def _encode(vectors: torch.Tensor, lattices: torch.Tensor, mu: torch.Tensor, row
     g = _per_row_lattices(lattices, vectors.shape[0], rows_per_lattice)
     real = torch.einsum("rij,rvj->rvi", torch.linalg.inv(g), compand(vectors, mu))
     low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    rounded = torch.clamp(torch.round(real), low, high)
+    rounded = torch.clamp(torch.floor(real), low, high)  # the nearest level (z + ½)
     if straight_through:
         rounded = real + (rounded - real).detach()
     return rounded
@@ -92,7 +96,7 @@ def quantize_linear(weight: torch.Tensor, inputs: torch.Tensor, bits: int, d: in
     scales = w.abs().amax(dim=1).clamp(min=1e-12)
     vectors = (w / scales[:, None]).reshape(out_features, in_features // d, d)
     blocks = math.ceil(out_features / rows_per_lattice)
-    delta = 1.0 / (2 ** (bits - 1) - 0.5)  # integer codes span [−1, 1] at G = δ·I
+    delta = 1.0 / (2 ** (bits - 1) - 0.5)  # the levels (z + ½)·δ span [−1, 1] at G = δ·I
     lattices = (delta * torch.eye(d)).repeat(blocks, 1, 1).contiguous()
     log_mu = torch.tensor(math.log(1e-3))
     target = x @ w.T
