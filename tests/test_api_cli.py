@@ -142,3 +142,17 @@ def test_a_key_yaml_reads_as_a_date_is_named_and_the_other_files_still_judged(tm
     assert code == 2 and out.splitlines() == [f"{tmp_path / 'b-fine.yaml'}: TrainingJob/b: ok"]
     assert "metadata.annotations: key 2024-01-01 is a YAML date" in err
     assert 'quote it ("2024-01-01")' in err
+
+
+def test_a_dash_reads_the_manifests_from_standard_input() -> None:
+    """As kubectl's `-f -`: `helm template ... | huorn validate -`."""
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"}}
+    text = yaml.safe_dump_all([build_manifest("TrainingJob", name="a"), service])
+    result = CliRunner().invoke(main.app, ["validate", "-"], input=text)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines() == ["-: TrainingJob/a: ok",
+                                          "-: Service/web: skipped (not a huorn.io resource)"]
+    inverted = {"elasticity": {"minReplicas": 3, "maxReplicas": 2}}
+    bad = yaml.safe_dump(build_manifest("TrainingJob", inverted, "b"))
+    result = CliRunner().invoke(main.app, ["validate", "-"], input=bad)
+    assert result.exit_code == 2 and result.stderr.startswith("-: TrainingJob/b: spec.elasticity.minReplicas")

@@ -117,6 +117,26 @@ def test_output_paths_are_refused_before_any_work(tmp_path: Path) -> None:
     assert result.exit_code == 0 and target.read_text().startswith("digraph")
 
 
+def test_output_given_a_format_name_or_a_contradicting_suffix_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """In kubectl `--output json` is the format; here graph and simulate read --output as the
+    path, so the habit wrote a file (or a directory) named json and exited 0, and DOT text went
+    into g.png."""
+    monkeypatch.chdir(tmp_path)
+    quickstart = str(EXAMPLES / "quickstart.yaml")
+    cases = [
+        (["graph", quickstart, "--output", "json"], "--output json: --output is the path to write; for the "
+                                                    "json format use -o json"),
+        (["graph", quickstart, "--output", "g.png"], "--output g.png: a .png path with -o dot; add -o png"),
+        (["simulate", "--output", "yaml"], "for the yaml format use -o yaml"),
+    ]
+    for args, message in cases:
+        result = CliRunner().invoke(main.app, args)
+        assert result.exit_code == 2 and message in result.stderr, (args, result.output)
+    assert list(tmp_path.iterdir()) == []
+    result = CliRunner().invoke(main.app, ["graph", quickstart, "--output", str(tmp_path / "json")])
+    assert result.exit_code == 0 and (tmp_path / "json").read_text().startswith("digraph")
+
+
 def test_detect_names_a_file_that_is_not_text(tmp_path: Path) -> None:
     path = tmp_path / "steps.csv"
     path.write_bytes(b"iteration,worker,time\n1,w\xff,1.0\n")
@@ -145,6 +165,9 @@ def test_operator_names_a_kubeconfig_that_is_not_there(tmp_path: Path) -> None:
         result = CliRunner().invoke(main.app, ["operator", "--kubeconfig", str(path)])
         assert result.exit_code == 2
         assert f"error: --kubeconfig {path}: {message}; give the path of a kubeconfig file" in result.stderr
+    # from the environment, as kubectl reads it: the error names where it came from, not a flag
+    result = CliRunner().invoke(main.app, ["operator"], env={"KUBECONFIG": str(tmp_path / "nope")})
+    assert result.exit_code == 2 and f"error: $KUBECONFIG {tmp_path / 'nope'}: no such file" in result.stderr
     assert logging.root.handlers == handlers
 
 

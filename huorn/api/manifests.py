@@ -9,6 +9,7 @@ and the cross-field rules of huorn.api.rules apply.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,10 +170,13 @@ def _non_string_key(value: Any, loc: tuple[str | int, ...] = ()) -> tuple[tuple[
     return None
 
 
+STDIN = Path("-")  # as kubectl's `-f -`: `helm template ... | huorn validate -`
+
+
 def read_documents(path: Path) -> Iterator[Any]:
-    """The YAML documents of a file, skipping empty ones (a trailing ``---``)."""
+    """The YAML documents of a file (`-`: standard input), skipping empty ones (a trailing ``---``)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = sys.stdin.buffer.read().decode("utf-8") if path == STDIN else path.read_text(encoding="utf-8")
     except OSError as error:
         problem = FieldError("", f"cannot read the file: {error.strerror}")
         raise ManifestError([problem], source=str(path)) from None

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from huorn import graph
 from huorn.api import manifests
-from huorn.cli.output import check_png, check_writable
+from huorn.cli.output import check_not_a_format, check_png, check_writable, print_error
 from huorn.graph import model, render, serialise
 
 EXIT_INVALID = 2
@@ -96,7 +96,12 @@ def graph_command(
         fail_invalid(error)
         return
     if output is not None:
+        check_not_a_format(output, tuple(f.value for f in GraphFormat))
         if output_format is GraphFormat.PNG:
             check_png(output, "--output")
+        elif output.suffix.lower() == ".png":  # DOT text in a file named g.png
+            print_error(f"--output {output}: a .png path with -o {output_format.value}; add -o png for "
+                        "a picture, or name the file for its format")
+            raise typer.Exit(2)
         check_writable(output, "--output")
     render_graph(g, output_format, output)

@@ -21,6 +21,7 @@ EXIT_USAGE = 2
 
 
 def operator_command(
+    ctx: typer.Context,
     kubeconfig: str | None = typer.Option(
         None, "--kubeconfig", envvar="KUBECONFIG", help="Kubeconfig file; in-cluster credentials when unset."
     ),
@@ -108,15 +109,19 @@ def operator_command(
     )
     # NB: the kubernetes client says "No configuration found" for a path that does not exist, and
     # "pass --kubeconfig" is no fix to someone who did; name the file, as kubectl does.
+    # Named as the user gave it: a path read from $KUBECONFIG is not fixed by a flag never passed.
+    # NB: by name: typer carries its own copy of click, whose ParameterSource is not click's
+    from_env = getattr(ctx.get_parameter_source("kubeconfig"), "name", "") == "ENVIRONMENT"
+    source = "$KUBECONFIG" if from_env else "--kubeconfig"
     if kubeconfig and os.pathsep not in kubeconfig and not os.path.isfile(kubeconfig):
         what = "is a directory" if os.path.isdir(kubeconfig) else "no such file"
-        typer.echo(f"error: --kubeconfig {kubeconfig}: {what}; give the path of a kubeconfig file", err=True)
+        typer.echo(f"error: {source} {kubeconfig}: {what}; give the path of a kubeconfig file", err=True)
         raise typer.Exit(EXIT_USAGE)
     try:
         api = kube.build_api_client(kubeconfig, kube_context)
     except Exception as exc:
         if kubeconfig:
-            typer.echo(f"error: --kubeconfig {kubeconfig}: cannot load credentials ({exc}); give a valid "
+            typer.echo(f"error: {source} {kubeconfig}: cannot load credentials ({exc}); give a valid "
                        "kubeconfig file", err=True)
         else:
             typer.echo(f"error: cannot load credentials ({exc}); pass --kubeconfig or run in a cluster",

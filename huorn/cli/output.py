@@ -52,6 +52,17 @@ def check_png(path: Path, flag: str) -> None:
         raise typer.Exit(2)
 
 
+def check_not_a_format(path: Path, formats: tuple[str, ...]) -> None:
+    """Exit 2 when --output names a format: in kubectl `--output json` is the format, and here
+    (graph, simulate) --output is where to write and -o/--output-format the format, so the habit
+    wrote a file or directory named `json` and exited 0."""
+    if not path.suffix and path.parent == Path(".") and path.name.lower() in formats:
+        print_error(f"--output {path}: --output is the path to write; for the {path.name} format use "
+                    f"-o {path.name.lower()} (for a path of that name, give its directory too: "
+                    f"--output $PWD/{path.name})")
+        raise typer.Exit(2)
+
+
 def cannot_listen(port: int, host: str = "") -> str | None:
     """Why `port` cannot be bound on `host` now (the OS's reason), or None: a flag's port is
     checked before anything starts, and the process binds it again later."""

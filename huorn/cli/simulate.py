@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from huorn.cli.output import check_writable, print_error, render_console
+from huorn.cli.output import check_not_a_format, check_writable, print_error, render_console
 from huorn.sim import engine, policies, report, run, shared_data, workload
 
 DATA = shared_data.shared_data_dir()
@@ -67,6 +67,7 @@ def simulate(
         except ValueError as exc:  # SimConfig names its fields ("inference_share"); users know flags
             field, _, rest = str(exc).partition(" ")
             raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+        check_not_a_format(output, ("table", "json", "yaml"))
         check_writable(output, "--output", directory=True)
         with err.status(f"reading the trace and building {len(names)} simulation(s)"):
             sims = run.build_simulations(trace, nodes, qps, names, config)

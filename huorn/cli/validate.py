@@ -48,7 +48,9 @@ def list_manifest_files(paths: list[Path]) -> tuple[list[Path], list[Verdict]]:
     files: list[Path] = []
     problems: list[Verdict] = []
     for path in paths:
-        if path.is_dir():
+        if path == manifests.STDIN:
+            files.append(path)
+        elif path.is_dir():
             found = sorted({*path.rglob("*.yaml"), *path.rglob("*.yml")})
             if not found:
                 problems.append(_path_problem(path, "no *.yaml files in this directory"))
@@ -132,7 +134,8 @@ def _print_table(verdicts: list[Verdict]) -> None:
 
 
 def validate_command(
-    paths: list[Path] = typer.Argument(..., help="Manifest files or directories (recursing into *.yaml)."),
+    paths: list[Path] = typer.Argument(
+        ..., help="Manifest files or directories (recursing into *.yaml); - reads standard input."),
     output: OutputFormat = typer.Option(
         OutputFormat.TEXT, "--output", "-o", help="text (one line per result), table, json or yaml."
     ),
