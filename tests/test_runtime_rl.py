@@ -4,6 +4,7 @@ local Ray cluster, resumed from its checkpoint."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -215,6 +216,31 @@ def test_an_update_raises_the_rewarded_response_and_lowers_the_other(tmp_path: P
     after = policy.response_logprobs(trainer.model.eval(), prompt, tokens).sum(dim=1)
     assert after[0] > before[0] and after[1] < before[1]
     assert metrics["updates"] == 1 and metrics["grad_norm"] > 0
+
+
+def test_an_moe_policys_update_scores_tokens_as_the_rollout_and_the_reference_do(tmp_path: Path) -> None:
+    """Experts with a tight capacity drop tokens in train mode only: the trainer's π_old then
+    differed from the reference's π_ref computed from the very same weights (eval mode), and the
+    KL term was not 0 before any step."""
+    moe = {**MODEL, "moe": {"experts": 4, "capacityFactor": 0.3}}
+    spec = {"virtualCluster": "x", "model": moe, "algorithm": {"name": "grpo", "groupSize": 2},
+            "optimization": {"learningRate": 1e-9, "promptsPerStep": 1}}
+    trainer = workers.PolicyTrainer(spec, None, str(tmp_path / "ckpt"), "cpu")
+    with torch.no_grad():  # experts that matter, as trained ones do (at init their branch is tiny)
+        for name, weight in trainer.model.named_parameters():
+            if "experts" in name:
+                weight.mul_(8.0)
+    reference = workers.ReferenceWorker.__new__(workers.ReferenceWorker)
+    reference.model = copy.deepcopy(trainer.model).eval()
+    prompt = list(b"Q: What is 2 + 3?\nA:")
+    tokens = torch.tensor([list(b" 5 and then 7\n"), list(b" 9 or maybe 8\n")])
+    item = {"prompt": prompt, "tokens": tokens, "mask": torch.ones(2, tokens.shape[1]),
+            "advantages": torch.tensor([1.0, -1.0])}
+    item["reference"] = reference.logprobs([item])[0]
+    dropped = policy.response_logprobs(copy.deepcopy(trainer.model).train(), prompt, tokens)
+    assert not torch.allclose(dropped, item["reference"], atol=0.1), "train mode drops tokens"
+    metrics = trainer.update([item])
+    assert metrics["kl"] < 1e-6  # 0.01 when the trainer scored in train mode
 
 
 def test_the_controller_refuses_what_it_cannot_run_before_starting_ray(

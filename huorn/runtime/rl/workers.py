@@ -150,7 +150,12 @@ class PolicyTrainer:
         log-probabilities, taken before any step, are π_old (recomputed here rather than trusted
         from sampling, whose temperature and top-p make another distribution)."""
         opt = self.spec.optimization
-        self.model.train()
+        # Eval mode, gradients on: π and π_old must be the distribution the rollout sampled and
+        # the reference scores, both in eval mode. In train mode an MoE policy dropped the tokens
+        # past each expert's capacity (capacityFactor), so π_old was another distribution and the
+        # KL to an identical reference was not 0 at the first step. (Dropout is a training
+        # regulariser RL does without, as its frameworks do.)
+        self.model.eval()
         per_step = max(1, -(-len(batch) // opt.mini_batches))
         minibatches = [list(range(begin, min(begin + per_step, len(batch))))
                        for begin in range(0, len(batch), per_step)]
