@@ -64,7 +64,8 @@ def main() -> None:
               f"window {cmp['saturated_goodput_vs_fifo']:.2f}×, arrival window "
               f"{cmp['goodput_vs_fifo']:.2f}×, "
               f"per job {cmp['job_goodput_vs_fifo']:.2f}×, per job with queueing "
-              f"{cmp['job_goodput_with_wait_vs_fifo']:.2f}×; "
+              f"{cmp['job_goodput_with_wait_vs_fifo']:.2f}×; saturated vs the best baseline "
+              f"({cmp['best_baseline_by_saturated_goodput']}) {cmp['saturated_goodput_vs_best']:.2f}×; "
               f"SLO {cmp['inference_slo_attainment']:.4f} (goal ≥ 0.99)", flush=True)
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))

@@ -26,7 +26,12 @@ def test_simulate_all_policies_writes_report_and_plots(tmp_path: Path) -> None:
         assert metrics["jobs"] > 0
         assert 0 <= metrics["inference_slo_attainment"] <= 1
         assert metrics["jct_p50_s"] <= metrics["jct_p99_s"]
-    assert "mean_jct_reduction_vs_best" in report["huorn_vs_baselines"]
+    compared = report["huorn_vs_baselines"]
+    assert "mean_jct_reduction_vs_best" in compared
+    best = compared["best_baseline_by_saturated_goodput"]
+    assert best != "huorn" and compared["saturated_goodput_vs_best"] == pytest.approx(
+        report["policies"]["huorn"]["goodput_saturated_gpu_equiv"]
+        / max(m["goodput_saturated_gpu_equiv"] for n, m in report["policies"].items() if n != "huorn"))
     assert report["config"]["gpus"] == 16 and report["config"]["seed"] == 2  # what was measured
     for png in ("metrics.png", "timeline.png", "jct_cdf.png"):
         assert (out / png).stat().st_size > 1000

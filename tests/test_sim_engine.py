@@ -84,6 +84,28 @@ def test_elastic_policies_beat_static_fifo() -> None:
     assert results["fifo"]["preemptions"] == 0
 
 
+def test_the_allocators_resizes_of_running_jobs_are_in_place_only_under_huorn(monkeypatch) -> None:
+    """The allocator's grows and shrinks go through the policy path, not sim.bind: they had paid a
+    full restart under Huorn too, so only reclaim shrinks were in place."""
+    from huorn.sim import state
+
+    calls: list[tuple[int, int, bool]] = []  # (replicas before, after, in place)
+    configure = state.JobState.configure
+
+    def record(self, replicas, nodes, local, now, restart, in_place=False):  # type: ignore[no-untyped-def]
+        calls.append((self.replicas, replicas, in_place))
+        configure(self, replicas, nodes, local, now, restart, in_place)
+
+    monkeypatch.setattr(state.JobState, "configure", record)
+    resizes: dict[str, list[bool]] = {}
+    for policy in ("huorn", "pollux"):
+        calls.clear()
+        run.run_policies(TRACE, NODES, QPS, [policy], engine.SimConfig(gpus=32, seed=3))
+        resizes[policy] = [in_place for before, after, in_place in calls if before and after != before]
+    assert len(resizes["huorn"]) > 10 and all(resizes["huorn"])
+    assert len(resizes["pollux"]) > 10 and not any(resizes["pollux"])
+
+
 def test_pinned_priority_constant_matches_the_api_convention() -> None:
     from huorn.api import common
 

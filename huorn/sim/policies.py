@@ -121,7 +121,10 @@ def react_to_load(sim: Simulation) -> None:
 
 
 def _kueue_evict(sim: Simulation, excess: int) -> None:
-    grace = sim.config.reclaim_grace_seconds
+    """Kueue evicts whole workloads, newest first; their pods are deleted. A trainer without
+    Huorn's runtime takes no checkpoint on SIGTERM: it exits at once, so its GPUs are back at once
+    and the work since its last checkpoint is lost. (Its GPUs had been held for the whole grace
+    period as well, a cost no runtime pays twice.)"""
     borrowers = sorted((js for js in sim.active() if js.status == "running" and js.on_lender),
                        key=lambda js: -js.admitted_at)  # one priority here: newest first
     for js in borrowers:
@@ -129,7 +132,6 @@ def _kueue_evict(sim: Simulation, excess: int) -> None:
             break
         gpus = js.on_lender * js.job.family.gpus_per_replica
         sim.unbind(js, requeue=True, lose_work=True)
-        sim.hold_returns(gpus, sim.now + grace)
         excess -= gpus
 
 
@@ -163,7 +165,11 @@ def _schedule_static(sim: Simulation) -> None:
         fam = js.job.family
         free = sim.snap.free(TRAIN) + min(sim.snap.borrow_left(TRAIN), sim.snap.lend_left(INFER))
         if free < fam.gpus_per_replica:
-            return
+            # Strict FIFO waits behind the head of the line; Kueue's default, BestEffortFIFO,
+            # lets a job that fits pass one that does not
+            if sim.spec.strict_fifo:
+                return
+            continue
         replicas = js.job.requested_replicas
         where = sim.snap.place(TRAIN, replicas, fam.gpus_per_replica)
         if isinstance(where, placement.Placement):
@@ -247,6 +253,9 @@ def _schedule_elastic(sim: Simulation, admission_only: bool = False) -> None:
             js.status, js.admitted_at = "running", sim.now
             js.started = sim.now if js.started is None else js.started
         local = d.local_batch or max(1.0, js.job.family.base_batch / d.replicas)
-        js.configure(d.replicas, where.nodes_spanned, local, sim.now, restart=True)
+        # A grow or shrink of a running job keeps its processes where the runtime can (Huorn's
+        # in-place resizing); a first start or one after preemption is a full restart either way
+        js.configure(d.replicas, where.nodes_spanned, local, sim.now, restart=True,
+                     in_place=sim.spec.in_place_resize)
         if d.action in ("grow", "shrink"):
             js.last_resize, js.last_direction = sim.now, 1 if d.action == "grow" else -1
