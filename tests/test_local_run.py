@@ -340,6 +340,34 @@ def test_huorn_run_serves_replicas_behind_the_prefix_router(tmp_path: Path) -> N
     assert shown["url"] == f"http://127.0.0.1:{port}" and shown["replicas"] == 2
 
 
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_to_huorn_run_stops_the_server_it_started(tmp_path: Path, stop: int) -> None:
+    """`kill`, `timeout` and a closed terminal stop huorn run as Ctrl-C does. Its server runs in a
+    session of its own (so that Ctrl-C reaches huorn run alone), and it had outlived a huorn run
+    that such a signal ended, still holding the port."""
+    architecture = {"layers": 1, "width": 32, "heads": 2, "context": 32}
+    serve.save_untrained(tmp_path / "ckpt", training.ModelSpec.model_validate(architecture))
+    manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "InferenceJob", "metadata": {"name": "chat"},
+                "spec": {"virtualCluster": "local",
+                         "model": {"checkpoint": str(tmp_path / "ckpt"), "architecture": architecture}}}
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    run_dir = tmp_path / "serving"
+    proc = subprocess.Popen([*HUORN, "run", str(path), "--run-dir", str(run_dir), "--port", "0", "--json"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: (run_dir / "run" / "serve.json").exists(), 120, proc)
+        port = json.loads((run_dir / "run" / "serve.json").read_text())["port"]
+        assert leftover_processes(run_dir), "the server runs"
+        proc.send_signal(stop)
+        assert proc.wait(timeout=60) == 0, proc.stdout.read().decode()[-2000:] if proc.stdout else ""
+        assert leftover_processes(run_dir) == []
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        stop_leftovers(proc, run_dir)
+
+
 def test_several_local_replicas_without_prefix_routing_are_refused_naming_the_field(tmp_path: Path) -> None:
     manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "InferenceJob", "metadata": {"name": "chat"},
                 "spec": {"virtualCluster": "local", "model": {"checkpoint": str(tmp_path / "none")}}}
@@ -435,6 +463,36 @@ def test_huorn_run_runs_an_rl_job_through_its_controller(tmp_path: Path,
     events = [json.loads(line) for line in (run_dir / "run" / "steps.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "rl"] == [0, 1]
     assert (run_dir / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_huorn_run_stops_an_rl_controller_after_saving_its_step(tmp_path: Path) -> None:
+    """The RL controller runs in a session of its own; a SIGTERM that ended huorn run left it (and
+    its Ray cluster) training with no one to stop it."""
+    manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "RLJob", "metadata": {"name": "tiny-rl"},
+                "spec": {"virtualCluster": "local",
+                         "model": {"layers": 2, "width": 32, "heads": 2, "context": 64},
+                         "algorithm": {"name": "lite-ppo", "groupSize": 4},
+                         "reward": {"type": "format", "dataset": "arithmetic-small"},
+                         "rollout": {"maxNewTokens": 6}, "optimization": {"promptsPerStep": 2},
+                         "steps": 500}}
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rt")}  # short: Ray's socket paths
+    proc = subprocess.Popen([*HUORN, "run", str(path), "--run-dir", str(run_dir), "--no-watch", "--json"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    steps = run_dir / "run" / "steps.jsonl"
+    try:
+        wait_for(lambda: steps.exists() and '"event": "rl"' in steps.read_text(), 180, proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=180) == 130
+        output = proc.stdout.read().decode() if proc.stdout else ""
+        assert json.loads(output.strip().splitlines()[-1])["outcome"] == "interrupted", output[-2000:]
+        assert leftover_processes(run_dir) == []
+        assert (run_dir / "checkpoints" / "latest").exists(), "the step in flight was saved"
+    finally:
+        stop_leftovers(proc, run_dir)
 
 
 def test_a_previous_run_is_kept_beside_and_two_in_one_second_do_not_collide(

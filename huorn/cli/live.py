@@ -27,7 +27,7 @@ class RunView:
         self.graph = graph
         self.total = total_steps or graph.vertex("trainer").params["spec"]["optimization"].get("steps")
         self.enabled = enabled
-        self.console = Console(stderr=not enabled)
+        self.console = Console(stderr=True)  # stdout stays for --json's one document
         self.step = 0
         self.loss: float | None = None
         self.tokens_per_second: float | None = None

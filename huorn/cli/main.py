@@ -20,8 +20,8 @@ from huorn import __version__
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "validate": ("validate", "validate_command", "Validate manifests offline; exit 2 if any is invalid."),
     "crds": ("crds", "crds_command", "Generate the CustomResourceDefinitions from the API models."),
-    "graph": ("graph", "graph_command", "Compile a manifest into its execution graph (DOT or PNG)."),
-    "run": ("run", "run_command", "Run a TrainingJob on this machine, elastically, with a report."),
+    "graph": ("graph", "graph_command", "Compile a manifest into its execution graph (DOT, PNG or JSON)."),
+    "run": ("run", "run_command", "Run a TrainingJob, RLJob or InferenceJob on this machine."),
     "operator": ("operator", "operator_command", "Start the Kubernetes operator."),
     "simulate": ("simulate", "simulate", "Compare scheduling policies on a cluster trace."),
     "detect": ("detect", "detect_command", "Find fail-slow workers in a step-time table."),

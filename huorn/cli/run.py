@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from huorn.backends.local import report
 from huorn.cli import graph as graph_cli
 from huorn.cli import live, run_rl, run_serve
 from huorn.cli.output import check_writable
+from huorn.cli.stopping import shielded, stop_signals
 from huorn.graph import jobs, model, mutate
 
 
@@ -162,16 +162,19 @@ def run_command(
             kept = prepare_run_dir(directory)
             if kept is not None:
                 typer.echo(f"kept the previous run in {kept}", err=True)
-            raise typer.Exit(run_serve.run_serve(job, directory, serve_port, as_json, serve_seconds,
-                                                 replicas or 1))
+            with stop_signals():
+                code = run_serve.run_serve(job, directory, serve_port, as_json, serve_seconds, replicas or 1)
+            raise typer.Exit(code)
         if isinstance(job, kinds.RLJob):
             run_rl.check(file, job)
             directory = (run_dir or Path("runs") / g.name).resolve()
             kept = prepare_run_dir(directory)
             if kept is not None:
                 typer.echo(f"kept the previous run in {kept}", err=True)
-            shown = sys.stdout.isatty() if watch is None else watch
-            raise typer.Exit(run_rl.run_rl(job, directory, steps, shown, as_json))
+            shown = sys.stderr.isatty() if watch is None else watch
+            with stop_signals():
+                code = run_rl.run_rl(job, directory, steps, shown, as_json)
+            raise typer.Exit(code)
         if g.kind != "TrainingJob":
             raise graph_cli.ManifestError(f"{file}: kind: huorn run does not run a {g.kind} locally")
         if isinstance(job, kinds.TrainingJob) and job.spec.suspend:
@@ -212,9 +215,10 @@ def run_command(
         typer.echo(f"kept the previous run in {kept}", err=True)
     backend = local_backend.LocalBackend(g, directory, local_backend.LocalSettings(step_limit=steps))
     policies = build_policies(g, plan, chosen, slots or os.cpu_count() or 1)
-    view = live.RunView(g, total_steps=steps, enabled=sys.stdout.isatty() if watch is None else watch)
+    view = live.RunView(g, total_steps=steps, enabled=sys.stderr.isatty() if watch is None else watch)
     loop = monitor.Monitor(g, backend, policies, on_tick=view.update)
-    outcome = _drive(loop, backend, view, interval, stall_timeout)
+    with stop_signals():
+        outcome = _drive(loop, backend, view, interval, stall_timeout)
     path = report.write_report(directory, g, outcome, "huorn run " + shlex.join(sys.argv[2:]))
     if as_json:
         steps = report.summarise_steps(
@@ -249,11 +253,8 @@ def _drive(
     interval: float,
     stall_timeout: float,
 ) -> str:
-    """Run the loop; Ctrl-C or SIGTERM stops the trainers with a checkpoint, then everything."""
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    # NB: a shell starts background jobs with SIGINT ignored, and Python then leaves it ignored;
-    # `huorn run` always treats Ctrl-C as "checkpoint and stop", so it installs the handler itself.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    """Run the loop; Ctrl-C, SIGTERM or SIGHUP (stop_signals, which the caller holds) stops the
+    trainers with a checkpoint, then everything."""
     last_progress = time.monotonic()
 
     def stalled(result: monitor.TickResult) -> bool:
@@ -275,15 +276,7 @@ def _drive(
     except local_backend.LocalBackendError as error:
         typer.echo(f"error: {error}", err=True)
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the checkpoint short
-        try:
+        with shielded():  # a second Ctrl-C must not cut the checkpoint short
             backend.stop(graceful=not outcome.startswith("finished"))
             view.update_final(backend.observe())
-        finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, previous)
     return outcome
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt

@@ -10,6 +10,7 @@ progress bar and ends with the held-out accuracy before and after.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,12 +18,17 @@ import time
 from pathlib import Path
 
 import typer
+from rich.console import Console
 from rich.progress import Progress
 
 from huorn.api import kinds
 from huorn.cli import graph as graph_cli
+from huorn.cli.stopping import shielded
 
 STEPS_FILE = "steps.jsonl"  # huorn.runtime.rl.controller's step log
+# How long a stopped controller may take to end its step, save it and stop its actors before its
+# whole session (the controller and the Ray processes it started) is killed.
+STOP_SECONDS = 300.0
 
 
 def _events(path: Path) -> list[dict]:
@@ -58,16 +64,29 @@ def run_rl(job: kinds.RLJob, directory: Path, steps: int | None, watch: bool, as
         # controller one SIGINT (it ends the step, saves it and shuts its Ray actors down).
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     interrupted = False
-    with Progress(disable=not watch) as progress:
+    # on stderr, so that --json on stdout stays one clean document
+    with Progress(console=Console(stderr=True), disable=not watch) as progress:
         task = progress.add_task(f"{job.metadata.name}: RL steps", total=total)
-        while process.poll() is None:
-            try:
-                time.sleep(0.5)
-            except KeyboardInterrupt:
-                interrupted = True
-                process.send_signal(signal.SIGINT)
-            done = sum(1 for e in _events(run / STEPS_FILE) if e.get("event") == "rl")
-            progress.update(task, completed=done)
+        try:
+            while process.poll() is None:
+                try:
+                    time.sleep(0.5)
+                except KeyboardInterrupt:  # Ctrl-C, or SIGTERM/SIGHUP (huorn.cli.stopping)
+                    interrupted = True
+                    process.send_signal(signal.SIGINT)
+                done = sum(1 for e in _events(run / STEPS_FILE) if e.get("event") == "rl")
+                progress.update(task, completed=done)
+        finally:
+            # An interrupt anywhere else in the loop: the controller, in a session of its own,
+            # must not outlive huorn run. It ends the step, saves it and stops its actors.
+            with shielded():
+                if process.poll() is None:
+                    process.send_signal(signal.SIGINT)
+                    try:
+                        process.wait(timeout=STOP_SECONDS)
+                    except subprocess.TimeoutExpired:  # its session: the controller and its Ray
+                        os.killpg(process.pid, signal.SIGKILL)
+                        process.wait()
     events = _events(run / STEPS_FILE)
     evals = [e for e in events if e.get("event") == "eval"]
     code = process.returncode

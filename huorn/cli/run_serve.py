@@ -21,6 +21,7 @@ import typer
 
 from huorn.api import kinds
 from huorn.cli.output import cannot_listen
+from huorn.cli.stopping import shielded
 from huorn.runtime import launcher
 
 START_SECONDS = 600.0  # a replica that has not loaded its model by then is reported, and all stop
@@ -65,14 +66,14 @@ def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool
         servers = [(directory / f"replica-{i}" / "run", directory / f"replica-{i}" / "serve-config.json",
                     directory / f"replica-{i}" / "serve.log", 0) for i in range(replicas)]
     processes: list[tuple[subprocess.Popen, Path]] = []
-    for run, config, log, replica_port in servers:
-        config.parent.mkdir(parents=True, exist_ok=True)
-        _write_config(config, job, replica_port, run)
-        processes.append((_start(launcher.build_serve_command(config), log), log))
     front: Path | None = None
     started = time.monotonic()
     announced = timed_out = False
     try:
+        for run, config, log, replica_port in servers:
+            config.parent.mkdir(parents=True, exist_ok=True)
+            _write_config(config, job, replica_port, run)
+            processes.append((_start(launcher.build_serve_command(config), log), log))
         while all(p.poll() is None for p, _ in processes):
             if not announced and all((run / "serve.json").exists() for run, *_ in servers):
                 infos = [json.loads((run / "serve.json").read_text()) for run, *_ in servers]
@@ -99,13 +100,16 @@ def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool
             if duration is not None and time.monotonic() - started > duration:
                 break
             time.sleep(0.2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM/SIGHUP (huorn.cli.run.stop_signals)
         for process, _ in processes:
             process.send_signal(signal.SIGINT)
-    for process, _ in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    codes = [(process.wait(), log) for process, log in processes]
+    finally:
+        # whatever ended the loop, no server outlives huorn run (they run in sessions of their own)
+        with shielded():
+            for process, _ in processes:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            codes = [(process.wait(), log) for process, log in processes]
     for code, log in codes:
         if code == 2:
             lines = log.read_text().splitlines()

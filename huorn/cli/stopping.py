@@ -1,0 +1,56 @@
+"""How `huorn run` stops: Ctrl-C, SIGTERM and SIGHUP all mean "stop cleanly", and the cleanup
+itself is not cut short by a second one.
+
+The processes a run starts live in sessions of their own, so that a terminal's Ctrl-C reaches
+`huorn run` alone and it decides the order of the stop (trainers checkpoint first, the store
+last). The price: a signal that ended `huorn run` outright (`kill`, `timeout`, a closed terminal
+or a lost ssh session) left them running, a server still holding --port. Signal handlers can
+only be set from the main thread; elsewhere (tests drive the CLI in threads) both are no-ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _install(handlers: dict[int, object]) -> dict[int, object] | None:
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return {number: signal.signal(number, handler) for number, handler in handlers.items()}  # type: ignore[arg-type]
+
+
+def _restore(previous: dict[int, object] | None) -> None:
+    for number, handler in (previous or {}).items():
+        signal.signal(number, handler)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """Every stop signal raises KeyboardInterrupt, as Ctrl-C does. NB: SIGINT too, explicitly: a
+    shell starts background jobs with SIGINT ignored, and Python leaves it ignored."""
+    previous = _install({signal.SIGINT: signal.default_int_handler, signal.SIGTERM: raise_interrupt,
+                         signal.SIGHUP: raise_interrupt})
+    try:
+        yield
+    finally:
+        _restore(previous)
+
+
+@contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """Stop signals ignored while a stop is carried out: a second Ctrl-C must not cut a
+    checkpoint short, nor leave a child unwaited for."""
+    previous = _install(dict.fromkeys(STOPS, signal.SIG_IGN))
+    try:
+        yield
+    finally:
+        _restore(previous)
