@@ -137,6 +137,28 @@ def test_output_given_a_format_name_or_a_contradicting_suffix_is_refused(tmp_pat
     assert result.exit_code == 0 and (tmp_path / "json").read_text().startswith("digraph")
 
 
+def test_flags_the_chosen_mode_does_not_read_are_refused_not_ignored(tmp_path: Path) -> None:
+    """Each of these had been accepted and silently dropped, the output not what was asked."""
+    steps = tmp_path / "steps.csv"
+    steps.write_text("iteration,worker,time\n0,a,0.1\n")
+    qps = tmp_path / "qps.csv"
+    qps.write_text("timestamp_anon,value\n0,1\n")
+    cases = [
+        (["detect", str(steps), "--json", "-o", "yaml"], "--json with -o yaml: choose one"),
+        (["forecast", "--qps", str(qps), "--requests-per-gpu", "1", "--query", "rate(x[5m])"],
+         "--query applies to --prometheus only, not to --qps"),
+        (["forecast", "--qps", str(qps), "--requests-per-gpu", "1", "--history", "2d"],
+         "--history applies to --prometheus only"),
+        (["schedule", "--file", str(tmp_path / "s.png")], "--file applies to -o png only"),
+        (["schedule", "-o", "png", "--file", str(tmp_path / "s.png"), "--lockstep"],
+         "--lockstep applies to -o table and -o json"),
+    ]
+    for args, message in cases:
+        result = CliRunner().invoke(main.app, args)
+        assert result.exit_code == 2 and message in result.stderr, (args, result.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qps.csv", "steps.csv"]
+
+
 def test_detect_names_a_file_that_is_not_text(tmp_path: Path) -> None:
     path = tmp_path / "steps.csv"
     path.write_bytes(b"iteration,worker,time\n1,w\xff,1.0\n")

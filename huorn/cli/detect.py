@@ -37,6 +37,9 @@ def detect_command(
 ) -> None:
     """Find fail-slow workers in a table of per-worker step times (FALCON: BOCD + validation)."""
     if as_json:
+        if output not in (OutputFormat.TABLE, OutputFormat.JSON):  # -o given, and not json
+            print_error(f"--json with -o {output.value}: choose one (--json is -o json)")
+            raise typer.Exit(EXIT_INVALID)
         output = OutputFormat.JSON
     if not 0 < min_shift < 10:
         print_error(f"--min-shift={min_shift}: use a fraction such as 0.10 for 10%")

@@ -120,6 +120,9 @@ def forecast_command(
         fail("give the history either as --qps FILE or as --prometheus URL --query PROMQL")
     if prometheus is not None and not query:
         fail("--prometheus needs --query, the PromQL that gives the request rate")
+    if qps is not None and (query is not None or history != "7d"):
+        # read only from Prometheus: with a CSV they were silently ignored
+        fail(f"{'--query' if query is not None else '--history'} applies to --prometheus only, not to --qps")
     if requests_per_gpu <= 0:
         fail(f"--requests-per-gpu={requests_per_gpu}: must be > 0")
     if not 0.5 <= quantile <= 0.99:

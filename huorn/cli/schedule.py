@@ -67,7 +67,13 @@ def schedule_command(
             exchanges = schedules.lockstep_exchanges(table)
         except schedules.ScheduleError as error:
             _fail(str(error))
+    if output is not Output.PNG and file is not None:
+        _fail(f"--file applies to -o png only (the drawing); -o {output.value} prints to stdout")
+        return
     if output is Output.PNG:
+        if lockstep:
+            _fail("--lockstep applies to -o table and -o json; the drawing shows the actions only")
+            return
         if file is None:
             _fail("-o png needs --file PATH (a PNG is not written to a terminal)")
             return
