@@ -12,6 +12,7 @@ loaded its model (and quantised it, if the spec says so).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -24,6 +25,7 @@ from huorn.cli.output import cannot_listen
 from huorn.cli.stopping import shielded
 from huorn.runtime import launcher
 
+STOP_SECONDS = 120.0  # for a server to finish what it serves once told to stop
 START_SECONDS = 600.0  # a replica that has not loaded its model by then is reported, and all stop
 
 
@@ -54,6 +56,16 @@ def refusal(job: kinds.InferenceJob, port: int, replicas: int) -> str | None:
     except ValueError as error:
         return f"spec.model.checkpoint: {error}; train one first, or point it at one"
     return None
+
+
+def _wait(process: subprocess.Popen) -> int:
+    """Its exit code, once it finished what it serves; its session is killed after STOP_SECONDS:
+    the stop is shielded from signals, so a server that hung would hang huorn run for good."""
+    try:
+        return process.wait(timeout=STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        return process.wait()
 
 
 def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool,
@@ -100,7 +112,7 @@ def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool
             if duration is not None and time.monotonic() - started > duration:
                 break
             time.sleep(0.2)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM/SIGHUP (huorn.cli.run.stop_signals)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM/SIGHUP (huorn.cli.stopping)
         for process, _ in processes:
             process.send_signal(signal.SIGINT)
     finally:
@@ -109,7 +121,7 @@ def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool
             for process, _ in processes:
                 if process.poll() is None:
                     process.send_signal(signal.SIGTERM)
-            codes = [(process.wait(), log) for process, log in processes]
+            codes = [(_wait(process), log) for process, log in processes]
     for code, log in codes:
         if code == 2:
             lines = log.read_text().splitlines()
