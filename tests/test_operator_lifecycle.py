@@ -40,7 +40,10 @@ def test_create_makes_pinned_pods_service_and_config(kube: builders.Kube, operat
     job = kube.get_job(NS, "llm")
     names = [p.metadata.name for p in pods]
     assert names == ["llm-rendezvous-0", "llm-trainer-0", "llm-trainer-1"]
-    assert kube.condition(NS, "llm", "Reconciling")["status"] == "True"
+    # The conditions come in the status write after the pods (the decision is written ahead of
+    # them): read at once, a loaded host once fell between the two.
+    wait_for(lambda: kube.condition(NS, "llm", "Reconciling").get("status") == "True",
+             what="the Reconciling condition")
 
     trainer = pods[1]
     container = trainer.spec.containers[0]
