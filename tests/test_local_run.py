@@ -435,6 +435,20 @@ def test_an_rl_job_the_runtime_cannot_run_is_refused_before_anything_starts(tmp_
     assert code == 2 and "spec.algorithm.name: ppo needs a critic" in err and not run_dir.exists()
 
 
+def _tiny_rl_job(tmp_path: Path, steps: int) -> Path:
+    """A small RLJob's manifest, written to tmp_path/rl.yaml: a step takes a second or two here."""
+    manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "RLJob", "metadata": {"name": "tiny-rl"},
+                "spec": {"virtualCluster": "local",
+                         "model": {"layers": 2, "width": 32, "heads": 2, "context": 64},
+                         "algorithm": {"name": "lite-ppo", "groupSize": 4},
+                         "reward": {"type": "format", "dataset": "arithmetic-small"},
+                         "rollout": {"maxNewTokens": 6}, "optimization": {"promptsPerStep": 2},
+                         "steps": steps}}
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
 @pytest.mark.slow
 def test_huorn_run_runs_an_rl_job_through_its_controller(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -444,15 +458,7 @@ def test_huorn_run_runs_an_rl_job_through_its_controller(tmp_path: Path,
     (ray_tmp / "ray").mkdir()
     (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
     monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
-    manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "RLJob", "metadata": {"name": "tiny-rl"},
-                "spec": {"virtualCluster": "local",
-                         "model": {"layers": 2, "width": 32, "heads": 2, "context": 64},
-                         "algorithm": {"name": "lite-ppo", "groupSize": 4},
-                         "reward": {"type": "format", "dataset": "arithmetic-small"},
-                         "rollout": {"maxNewTokens": 6}, "optimization": {"promptsPerStep": 2},
-                         "steps": 50}}
-    path = tmp_path / "rl.yaml"
-    path.write_text(yaml.safe_dump(manifest))
+    path = _tiny_rl_job(tmp_path, steps=50)
     run_dir = tmp_path / "run"
     result = CliRunner().invoke(main.app, ["run", str(path), "--run-dir", str(run_dir), "--steps", "2",
                                            "--no-watch", "--json"])
@@ -469,15 +475,7 @@ def test_huorn_run_runs_an_rl_job_through_its_controller(tmp_path: Path,
 def test_sigterm_to_huorn_run_stops_an_rl_controller_after_saving_its_step(tmp_path: Path) -> None:
     """The RL controller runs in a session of its own; a SIGTERM that ended huorn run left it (and
     its Ray cluster) training with no one to stop it."""
-    manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "RLJob", "metadata": {"name": "tiny-rl"},
-                "spec": {"virtualCluster": "local",
-                         "model": {"layers": 2, "width": 32, "heads": 2, "context": 64},
-                         "algorithm": {"name": "lite-ppo", "groupSize": 4},
-                         "reward": {"type": "format", "dataset": "arithmetic-small"},
-                         "rollout": {"maxNewTokens": 6}, "optimization": {"promptsPerStep": 2},
-                         "steps": 500}}
-    path = tmp_path / "rl.yaml"
-    path.write_text(yaml.safe_dump(manifest))
+    path = _tiny_rl_job(tmp_path, steps=500)
     run_dir = tmp_path / "run"
     env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rt")}  # short: Ray's socket paths
     proc = subprocess.Popen([*HUORN, "run", str(path), "--run-dir", str(run_dir), "--no-watch", "--json"],
