@@ -10,7 +10,6 @@ progress bar and ends with the held-out accuracy before and after.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from rich.progress import Progress
 
 from huorn.api import kinds
 from huorn.cli import graph as graph_cli
-from huorn.cli.stopping import shielded
+from huorn.cli.stopping import shielded, wait_or_kill
 
 STEPS_FILE = "steps.jsonl"  # huorn.runtime.rl.controller's step log
 # How long a stopped controller may take to end its step, save it and stop its actors before its
@@ -82,11 +81,7 @@ def run_rl(job: kinds.RLJob, directory: Path, steps: int | None, watch: bool, as
             with shielded():
                 if process.poll() is None:
                     process.send_signal(signal.SIGINT)
-                    try:
-                        process.wait(timeout=STOP_SECONDS)
-                    except subprocess.TimeoutExpired:  # its session: the controller and its Ray
-                        os.killpg(process.pid, signal.SIGKILL)
-                        process.wait()
+                    wait_or_kill(process, STOP_SECONDS)  # its session: the controller and its Ray
     events = _events(run / STEPS_FILE)
     evals = [e for e in events if e.get("event") == "eval"]
     code = process.returncode

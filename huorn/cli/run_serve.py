@@ -12,7 +12,6 @@ loaded its model (and quantised it, if the spec says so).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -22,7 +21,7 @@ import typer
 
 from huorn.api import kinds
 from huorn.cli.output import cannot_listen
-from huorn.cli.stopping import shielded
+from huorn.cli.stopping import shielded, wait_or_kill
 from huorn.runtime import launcher
 
 STOP_SECONDS = 120.0  # for a server to finish what it serves once told to stop
@@ -56,16 +55,6 @@ def refusal(job: kinds.InferenceJob, port: int, replicas: int) -> str | None:
     except ValueError as error:
         return f"spec.model.checkpoint: {error}; train one first, or point it at one"
     return None
-
-
-def _wait(process: subprocess.Popen) -> int:
-    """Its exit code, once it finished what it serves; its session is killed after STOP_SECONDS:
-    the stop is shielded from signals, so a server that hung would hang huorn run for good."""
-    try:
-        return process.wait(timeout=STOP_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        return process.wait()
 
 
 def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool,
@@ -121,7 +110,7 @@ def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool
             for process, _ in processes:
                 if process.poll() is None:
                     process.send_signal(signal.SIGTERM)
-            codes = [(_wait(process), log) for process, log in processes]
+            codes = [(wait_or_kill(process, STOP_SECONDS), log) for process, log in processes]
     for code, log in codes:
         if code == 2:
             lines = log.read_text().splitlines()

@@ -11,7 +11,9 @@ only be set from the main thread; elsewhere (tests drive the CLI in threads) bot
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 
@@ -54,3 +56,14 @@ def shielded() -> Iterator[None]:
         yield
     finally:
         _restore(previous)
+
+
+def wait_or_kill(process: subprocess.Popen, seconds: float) -> int:
+    """A stopped child's exit code once it has finished its stop; its whole session (it runs in one
+    of its own, with whatever it started) is killed after `seconds`: a stop is shielded from
+    signals, so a child that hung would otherwise hang huorn run for good."""
+    try:
+        return process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        return process.wait()
