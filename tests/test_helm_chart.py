@@ -110,6 +110,26 @@ def test_rendered_arguments_are_accepted_by_huorn_operator(variant: str) -> None
     for probe in (container["livenessProbe"], container["readinessProbe"]):
         assert probe["httpGet"]["path"] == "/healthz" and ports[probe["httpGet"]["port"]] == 8081
     assert params["pod_start_seconds"] == values.get("podStartSeconds", 600)
+    assert params["job_image"] == container["image"], "jobs run the operator's image by default"
+
+
+def test_jobs_are_pulled_from_the_operators_mirror_unless_told_otherwise() -> None:
+    """An air-gapped cluster mirrors the one image and sets image.repository; a job without
+    spec.image must come from the mirror too, not from the public registry."""
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+
+    def job_image(values: dict[str, Any]) -> str:
+        [container] = _one(_render(values), "Deployment")["spec"]["template"]["spec"]["containers"]
+        [arg] = [a for a in container["args"] if a.startswith("--job-image=")]
+        return arg.removeprefix("--job-image=")
+
+    assert job_image({}) == f"ghcr.io/huorn-io/huorn:{app_version}"
+    assert job_image({"image": {"repository": "registry.corp/huorn"}}) == f"registry.corp/huorn:{app_version}"
+    tagged = {"image": {"repository": "registry.corp/huorn", "tag": "0.1.1"}}
+    assert job_image(tagged) == "registry.corp/huorn:0.1.1"
+    assert job_image({"jobImage": "registry.corp/huorn-cuda:0.1.0"}) == "registry.corp/huorn-cuda:0.1.0"
+    with pytest.raises(helm_python.HelmValuesError, match="jobImage"):
+        helm_python.Chart.load(CHART).render({"jobImage": "two words"}, name="huorn", namespace="x")
 
 
 def test_cluster_role_is_least_privilege_and_never_reads_secrets() -> None:

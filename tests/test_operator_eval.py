@@ -372,6 +372,7 @@ def test_the_evaluators_termination_message_is_what_the_operator_records(tmp_pat
                           .read_text())["spec"]
     spec["model"].update({"layers": 2, "width": 32, "heads": 2, "context": 32})
     spec["checkpoint"] = {"path": str(tmp_path / "ck"), "volume": "ckpt"}
+    spec["image"] = "mirror.example/huorn:1"  # resolved already (huorn.operator.images.pin)
     ref = manifests.JobRef("TrainingJob", "llm", NS, "u1")
     config = manifests.build_run_config(ref, spec) | {"runDir": str(tmp_path / "run")}  # the emptyDir
     (tmp_path / "config.json").write_text(json.dumps(config))

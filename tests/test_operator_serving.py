@@ -569,7 +569,8 @@ def test_the_router_pod_lets_what_it_forwards_finish_as_a_replica_does() -> None
     """A router replaced (a new loadFactor) is killed after its pod's grace: the answers it is
     forwarding need as long as the replicas' own requests get."""
     ref = manifests.JobRef("InferenceJob", "chat", NS, "uid")
-    spec = serving.make_inference_job("chat", "serve", routing={"policy": "prefix"})["spec"]
+    spec = {**serving.make_inference_job("chat", "serve", routing={"policy": "prefix"})["spec"],
+            "image": "mirror.example/huorn:1"}  # resolved already (huorn.operator.images.pin)
     router = manifests.build_activator_pod(ref, spec)
     replica = manifests.build_serve_pod(ref, Instance("server", 0), "b0", spec, "serve")
     grace = "terminationGracePeriodSeconds"

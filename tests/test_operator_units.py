@@ -122,6 +122,7 @@ def _job(**spec: object) -> dict:
         "metadata": {"name": "llm", "namespace": "team", "uid": "u-1", "generation": 1},
         "spec": {
             "virtualCluster": "train",
+            "image": "mirror.example/huorn:1",  # resolved already (huorn.operator.images.pin)
             "elasticity": {"minReplicas": 2, "maxReplicas": 3},
             "optimization": {"steps": 5},
             **spec,

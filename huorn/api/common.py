@@ -197,8 +197,9 @@ class EnvVar(ApiModel):
     value: str = Field(default="", max_length=32768)
 
 
-# The image a job's pods run when its spec names none: the release this API ships with. The
-# CRD carries it as the field's default, so the API server fills it in at admission.
+# The operator's job image when `--job-image` is not given: the release this API ships with. A
+# job that names no image runs the operator's job image, pinned in status.image at its first
+# reconcile (huorn.operator.images); the Helm chart passes its own image, so a mirror is used.
 DEFAULT_IMAGE = "ghcr.io/huorn-io/huorn:0.1.0"
 
 
@@ -206,8 +207,10 @@ class JobCommon(ApiModel):
     """Fields every job kind shares; the kinds subclass this."""
 
     virtual_cluster: DnsLabel = Field(description="The VirtualCluster whose GPUs this job uses.")
-    image: str = Field(
-        default=DEFAULT_IMAGE, min_length=1, description="Container image of the pods."
+    image: str | None = Field(
+        default=None, min_length=1,
+        description="Container image of the pods. Unset: the operator's job image (the Helm chart's "
+                    "jobImage, by default its own image), kept in status.image for the job's life.",
     )
     priority: int = Field(
         default=50, ge=0, le=1000,
@@ -315,3 +318,7 @@ class JobStatus(ApiModel):
     last_checkpoint: LastCheckpoint | None = None
     decisions: list[Decision] = Field(default_factory=list, max_length=DECISION_HISTORY_LIMIT)
     message: str | None = None
+    image: str | None = Field(
+        default=None,
+        description="The image the pods run: spec.image, else the operator's job image when the job "
+                    "was first reconciled, which an operator upgrade leaves alone.")

@@ -58,6 +58,7 @@ _JOB_COLUMNS = (
     PrinterColumn("Replicas", ".status.replicas", "integer"),
     PrinterColumn("Ready", '.status.conditions[?(@.type=="Ready")].status'),
     PrinterColumn("VCluster", ".spec.virtualCluster", priority=1),
+    PrinterColumn("Image", ".status.image", priority=1, description="The image the job's pods run."),
     PrinterColumn("Age", ".metadata.creationTimestamp", "date"),
 )
 

@@ -13,6 +13,7 @@ import os
 
 import typer
 
+from huorn.api import common
 from huorn.backends.kubernetes import client as kube
 from huorn.cli.output import cannot_listen
 from huorn.operator import context, runner
@@ -50,6 +51,10 @@ def operator_command(
     autoscale_seconds: float = typer.Option(
         15.0, "--autoscale-seconds",
         help="How often each InferenceJob's ready replicas are scraped and its autoscaler consulted."),
+    job_image: str = typer.Option(
+        common.DEFAULT_IMAGE, "--job-image",
+        help="Image of the pods of a job whose spec names none; pinned in the job's status.image, so an "
+             "operator upgrade moves new jobs only. The Helm chart passes its own image."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     no_mirror: bool = typer.Option(
         False, "--no-mirror", hidden=True, help="Benchmark baseline: list pods on every reconcile."
@@ -88,6 +93,10 @@ def operator_command(
         typer.echo("error: --replacement-backoff-seconds must be in 0..360, got "
                    f"{replacement_backoff_seconds}", err=True)
         raise typer.Exit(EXIT_USAGE)
+    if not job_image or any(c.isspace() for c in job_image):
+        typer.echo(f"error: --job-image must be an image reference such as registry/huorn:0.1.0, got "
+                   f"{job_image!r}", err=True)
+        raise typer.Exit(EXIT_USAGE)
     # Checked here, before the credentials and the logging: the endpoints bind again at start
     # (and a metrics port taken in between is still named).
     for flag, port in (("--metrics-port", metrics_port), ("--health-port", health_port)):
@@ -105,7 +114,7 @@ def operator_command(
         trainer_start_seconds=pod_start_seconds, eval_start_seconds=pod_start_seconds,
         replacement_backoff_seconds=0.5 if fast else replacement_backoff_seconds,
         replacement_backoff_max_seconds=2.0 if fast else 360.0,
-        autoscale_seconds=autoscale_seconds,
+        autoscale_seconds=autoscale_seconds, job_image=job_image,
     )
     # NB: the kubernetes client says "No configuration found" for a path that does not exist, and
     # "pass --kubeconfig" is no fix to someone who did; name the file, as kubectl does.

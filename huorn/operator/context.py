@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from huorn.api import common
 from huorn.backends.kubernetes import client as kube
 from huorn.backends.kubernetes import retry
 from huorn.operator import index, metrics, queue
@@ -61,6 +62,9 @@ class OperatorSettings:
     autoscale_seconds: float = 15.0
     serve_port: int = 8000
     serve_timeout_seconds: float = 2.0
+    # The image of a job's pods when its spec names none (huorn.operator.images); the Helm chart
+    # passes its own image, so a registry mirror serves the jobs too.
+    job_image: str = common.DEFAULT_IMAGE
     retry: retry.RetryPolicy = field(default_factory=retry.RetryPolicy)
 
     def __post_init__(self) -> None:
@@ -80,6 +84,8 @@ class OperatorSettings:
         if self.autoscale_seconds <= 0 or self.serve_timeout_seconds <= 0:
             raise ValueError(f"autoscale_seconds and serve_timeout_seconds must be > 0, got "
                              f"{self.autoscale_seconds} and {self.serve_timeout_seconds}")
+        if not self.job_image or any(c.isspace() for c in self.job_image):
+            raise ValueError(f"job_image must be an image reference without spaces, got {self.job_image!r}")
         if not 0 < self.serve_port < 65536:
             raise ValueError(f"serve_port must be in 1..65535, got {self.serve_port}")
         if not 0 < self.telemetry_port < 65536:

@@ -48,7 +48,7 @@ from huorn.backends.kubernetes import manifests, observe
 from huorn.backends.kubernetes import rl_manifests as rlm
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import ExecutionMode, Graph, Instance, ResourceRequest, Vertex
-from huorn.operator import conditions, daemons, failures, index, queue, serving, validation
+from huorn.operator import conditions, daemons, failures, images, index, queue, serving, validation
 from huorn.operator.context import Context
 from huorn.operator.training import (
     REASON_LIMIT,
@@ -164,6 +164,7 @@ def gang(graph: Graph) -> list[Instance]:
 
 async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     """Bring one RLJob one step closer to a finished controller."""
+    body = await images.pin(ctx, PLURAL, body)  # before anything is built from the spec
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     old = body.get("status") or {}

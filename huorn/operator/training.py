@@ -34,7 +34,17 @@ from huorn.backends import monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import Graph, Mutation, Vertex
-from huorn.operator import conditions, cordon, estimates, evaluation, failures, index, queue, validation
+from huorn.operator import (
+    conditions,
+    cordon,
+    estimates,
+    evaluation,
+    failures,
+    images,
+    index,
+    queue,
+    validation,
+)
 from huorn.operator.context import Context
 from huorn.operator.index import PodRecord
 from huorn.scheduler import placement
@@ -87,6 +97,7 @@ def _event(ctx: Context, body: Mapping[str, Any], kind: str, reason: str, messag
 
 async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     """Bring one job one step closer to its spec; returns the phase written."""
+    body = await images.pin(ctx, PLURAL, body)  # before anything is built from the spec
     meta = body["metadata"]
     ns, name, generation = meta["namespace"], meta["name"], meta.get("generation")
     old = body.get("status") or {}

@@ -31,3 +31,12 @@ app.kubernetes.io/component: operator
 {{- default "default" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{- define "huorn.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* The pods of a job without spec.image run this: the operator's own image unless jobImage is set. */}}
+{{- define "huorn.jobImage" -}}
+{{ .Values.jobImage | default (include "huorn.image" .) }}
+{{- end -}}

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from huorn.api import common, inference
+from huorn.api import inference
 from huorn.graph import jobs
 from huorn.graph.model import Graph, Instance
 from huorn.runtime import launcher
@@ -316,7 +316,7 @@ def build_trainer_pod(
             "containers": [
                 {
                     "name": "trainer",
-                    "image": spec.get("image", common.DEFAULT_IMAGE),
+                    "image": spec["image"],
                     "command": build_trainer_command(job, graph, max(1, gpus)),
                     "env": env,
                     "ports": [{"name": "telemetry", "containerPort": TELEMETRY_PORT}],
@@ -346,7 +346,7 @@ def build_store_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any]) ->
             "containers": [
                 {
                     "name": "store",
-                    "image": spec.get("image", common.DEFAULT_IMAGE),
+                    "image": spec["image"],
                     "command": launcher.build_store_command("0.0.0.0", STORE_PORT, python="python"),
                     "ports": [{"name": "c10d", "containerPort": STORE_PORT}],
                     "resources": {
@@ -405,7 +405,7 @@ def build_eval_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any],
             "containers": [
                 {
                     "name": "eval",
-                    "image": spec.get("image", common.DEFAULT_IMAGE),
+                    "image": spec["image"],
                     "command": launcher.build_eval_command(f"{CONFIG_DIR}/{CONFIG_FILE}", target,
                                                            python="python", result_file=TERMINATION_LOG),
                     "env": env,
@@ -614,7 +614,7 @@ def build_activator_pod(job: JobRef, spec: Mapping[str, Any], index: int = 0) ->
         "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [apart]}},
         "containers": [{
             "name": ACTIVATOR_VERTEX,
-            "image": spec.get("image", common.DEFAULT_IMAGE),
+            "image": spec["image"],
             "command": command,
             "ports": [{"name": "http", "containerPort": SERVE_PORT}],
             "resources": {"limits": limits, "requests": dict(limits)},
@@ -657,7 +657,7 @@ def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[st
         "containers": [
             {
                 "name": "server",
-                "image": spec.get("image", common.DEFAULT_IMAGE),
+                "image": spec["image"],
                 "command": launcher.build_serve_command(f"{CONFIG_DIR}/{CONFIG_FILE}", python="python"),
                 "env": env,
                 "ports": [{"name": "http", "containerPort": SERVE_PORT}],

@@ -21,7 +21,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from huorn.api import common
 from huorn.backends.kubernetes import manifests
 from huorn.graph.model import Instance
 from huorn.runtime import launcher
@@ -138,7 +137,7 @@ def _pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any], com
         "restartPolicy": "Never",
         "containers": [{
             "name": instance.vertex,
-            "image": spec.get("image", common.DEFAULT_IMAGE),
+            "image": spec["image"],
             "command": command,
             "env": env,
             "ports": [{"name": "gcs", "containerPort": launcher.RAY_PORT},
