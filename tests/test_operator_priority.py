@@ -8,12 +8,14 @@ in line, not to whichever reconcile runs first.
 
 from __future__ import annotations
 
+import dataclasses
+
 from kube import builders
 from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
 from kube.kubelet import Kubelet
 
-from huorn.operator import index, preempting, runner, training
+from huorn.operator import context, index, preempting, runner, training
 from huorn.operator.context import Context
 
 pytest_plugins = ["kube.fixtures"]
@@ -329,11 +331,12 @@ async def test_a_gang_whose_pods_the_watch_has_not_reported_preempts_no_one(
     assert trainers(kube, "high") == ["high-trainer-0"]
 
 
-async def direct_context(cluster: EmulatedCluster) -> Context:
+async def direct_context(cluster: EmulatedCluster,
+                         settings: context.OperatorSettings = operator_mod.FAST) -> Context:
     """An operator's context with no operator running: nodes and VirtualClusters in its mirror,
     pods only when a test reports them (`report_pods`), so a test replays a window between the
     operator's own writes and their watch events deterministically."""
-    ctx = runner.build_context(cluster.api_client(), operator_mod.FAST)
+    ctx = runner.build_context(cluster.api_client(), settings)
     ctx.post_event = lambda *args, **kwargs: None  # kopf's poster needs a running operator
     for node in await ctx.client.list("Node", None, {}):
         ctx.index.nodes[node["metadata"]["name"]] = index.build_node_record(node)
@@ -453,3 +456,49 @@ async def test_a_suspend_right_after_a_reclaim_shrink_keeps_the_reclaims_grace(
     graces = delete_graces(kubelet)
     assert graces == {"elastic-trainer-2": {"120"}, "elastic-trainer-0": {None}, "elastic-trainer-1": {None},
                       "elastic-rendezvous-0": {None}}
+
+
+async def test_a_job_in_back_off_leaves_the_line_and_a_job_behind_it_takes_the_free_gpus(
+        cluster: EmulatedCluster, kube: builders.Kube) -> None:
+    """`gang` waits in line for a replica that does not fit; a pod's failure then puts it in
+    back-off. It must leave the line for the back-off: before, its entry kept the previous
+    reconcile's count of missing replicas, so `third`, behind it, stepped back for a job that was
+    not going to place, and the GPUs the failure freed stayed idle for the whole back-off."""
+    solo_cluster(kube)
+    # a back-off far longer than the test, whatever the host's load
+    ctx = await direct_context(cluster, dataclasses.replace(
+        operator_mod.FAST, replacement_backoff_seconds=300, replacement_backoff_max_seconds=360))
+
+    async def reconcile(name: str) -> str:
+        return await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, name))
+
+    async def kubelet_reports(pod: str, phase: str | None) -> None:
+        if phase is None:
+            kube.core.delete_namespaced_pod(pod, NS, grace_period_seconds=0)
+        else:
+            kube.set_pod_phase(NS, pod, phase, exit_code=1 if phase == "Failed" else None)
+        await report_pods(ctx)
+
+    kube.create_job(NS, builders.make_training_job("gang", "solo", replicas=2, max_replicas=2, priority=30))
+    await reconcile("gang")
+    kube.run_all_pods(NS, "gang")
+    await report_pods(ctx)
+    assert await reconcile("gang") == "Running"
+    await kubelet_reports("gang-trainer-0", "Failed")
+    await reconcile("gang")  # a first failure is replaced at once; the next within 10 min waits
+    assert trainers(kube, "gang") == ["gang-trainer-0-g1", "gang-trainer-1"]
+    await kubelet_reports("gang-trainer-0-g1", "Running")
+    await kubelet_reports("gang-trainer-0-g1", None)  # evicted and gone: no failure of the job's
+    kube.create_job(NS, make_job("other", 30))  # equal priority: never preempted for `gang`
+    assert await reconcile("other") == "Placing"  # onto the GPUs the eviction freed
+    await report_pods(ctx)
+    await reconcile("gang")
+    assert kube.condition(NS, "gang", "Reconciling")["reason"] == "Unplaceable"
+    assert ctx.queue.jobs[(NS, "gang")].missing == 1, "in line for its lost replica"
+    await kubelet_reports("gang-trainer-1", "Failed")
+    await reconcile("gang")  # the second failure within 10 minutes: back-off
+    assert kube.condition(NS, "gang", "Reconciling")["reason"] == "BackOff"
+    assert ctx.queue.jobs[(NS, "gang")].missing == 0, "out of line while it backs off"
+    kube.create_job(NS, make_job("third", 30))
+    assert await reconcile("third") == "Placing"  # behind `gang`, onto the GPUs the failure freed
+    assert trainers(kube, "third") == ["third-trainer-0"]
