@@ -170,3 +170,7 @@ def test_notes_say_how_to_use_it() -> None:
     assert "kubectl get trainingjobs" in notes and "all namespaces" in notes
     named = re.findall(r"kubectl apply -f (\S+)", notes)
     assert len(named) == 2 and all((ROOT / path).is_file() for path in named), named
+    # the commands find the example job where it is: its namespace (created first) and its name
+    meta = yaml.safe_load((ROOT / "examples" / "training-job.yaml").read_text())["metadata"]
+    assert f"kubectl create namespace {meta['namespace']}" in notes
+    assert f"-n {meta['namespace']} --for=condition=Ready trainingjob/{meta['name']}" in notes

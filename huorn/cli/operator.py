@@ -24,7 +24,8 @@ EXIT_USAGE = 2
 def operator_command(
     ctx: typer.Context,
     kubeconfig: str | None = typer.Option(
-        None, "--kubeconfig", envvar="KUBECONFIG", help="Kubeconfig file; in-cluster credentials when unset."
+        None, "--kubeconfig", envvar="KUBECONFIG",
+        help="Kubeconfig file; when unset, in-cluster credentials, else ~/.kube/config."
     ),
     kube_context: str | None = typer.Option(None, "--context", help="Kubeconfig context to use."),
     namespace: list[str] = typer.Option([], "--namespace", "-n", help="Serve only these namespaces."),

@@ -27,6 +27,7 @@ from huorn.operator import (
     index,
     loans,
     monitoring,
+    namesakes,
     preempting,
     queue,
     rljobs,
@@ -353,11 +354,12 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         ) -> None:
             ctx = _ctx(memo)
             async with ctx.job_lock(namespace, name):
-                deleted = await training.delete_children(ctx, namespace, name)
+                deleted = await training.delete_children(ctx, body)
             ctx.post_event(body, "Normal", "Deleted", f"deleted {deleted} child objects")
             ctx.metrics.record_phase(body["kind"], f"{namespace}/{name}", None)
             if body["kind"] == serving.KIND:
                 for state in ("desired", "ready"):
                     with contextlib.suppress(KeyError):  # never reconciled: no sample to drop
                         ctx.metrics.inference_replicas.remove(namespace, name, state)
-            ctx.forget_job(namespace, name)
+            if not namesakes.refused(body):  # what is kept under its name is its namesake's
+                ctx.forget_job(namespace, name)

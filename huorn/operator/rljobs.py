@@ -48,7 +48,17 @@ from huorn.backends.kubernetes import manifests, observe
 from huorn.backends.kubernetes import rl_manifests as rlm
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import ExecutionMode, Graph, Instance, ResourceRequest, Vertex
-from huorn.operator import conditions, daemons, failures, images, index, queue, serving, validation
+from huorn.operator import (
+    conditions,
+    daemons,
+    failures,
+    images,
+    index,
+    namesakes,
+    queue,
+    serving,
+    validation,
+)
 from huorn.operator.context import Context
 from huorn.operator.training import (
     REASON_LIMIT,
@@ -164,6 +174,8 @@ def gang(graph: Graph) -> list[Instance]:
 
 async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     """Bring one RLJob one step closer to a finished controller."""
+    if (taken := await namesakes.older_namesake(ctx, body)) is not None:
+        return await stall(ctx, body, namesakes.REASON, taken, PLURAL, KIND)
     body = await images.pin(ctx, PLURAL, body)  # before anything is built from the spec
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]

@@ -52,7 +52,7 @@ from huorn.api import kinds
 from huorn.backends.kubernetes import manifests
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import Graph, Instance
-from huorn.operator import conditions, images, index, validation
+from huorn.operator import conditions, images, index, namesakes, validation
 from huorn.operator.context import Context
 from huorn.operator.training import build_decisions, stall, write_status
 
@@ -135,6 +135,8 @@ def choose_nodes(free: dict[str, int], gpus: int, count: int) -> list[str]:
 
 async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     """Bring one InferenceJob one step closer to its spec and its autoscaler's replica count."""
+    if (taken := await namesakes.older_namesake(ctx, body)) is not None:
+        return await stall(ctx, body, namesakes.REASON, taken, PLURAL, KIND)
     body = await images.pin(ctx, PLURAL, body)  # before anything is built from the spec
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]

@@ -42,6 +42,7 @@ from huorn.operator import (
     failures,
     images,
     index,
+    namesakes,
     queue,
     validation,
 )
@@ -97,6 +98,8 @@ def _event(ctx: Context, body: Mapping[str, Any], kind: str, reason: str, messag
 
 async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     """Bring one job one step closer to its spec; returns the phase written."""
+    if (taken := await namesakes.older_namesake(ctx, body)) is not None:
+        return await stall(ctx, body, namesakes.REASON, taken)
     body = await images.pin(ctx, PLURAL, body)  # before anything is built from the spec
     meta = body["metadata"]
     ns, name, generation = meta["namespace"], meta["name"], meta.get("generation")
@@ -861,12 +864,17 @@ async def _clean_terminal(ctx: Context, body: Mapping[str, Any], phase: str) -> 
             await ctx.client.delete("Pod", pod.namespace, pod.name)
 
 
-async def delete_children(ctx: Context, namespace: str, name: str) -> int:
-    """Delete every child by label, from the API rather than the mirror; 404s count as done."""
+async def delete_children(ctx: Context, body: Mapping[str, Any]) -> int:
+    """Delete every child the job owns, found by label, from the API rather than the mirror; 404s
+    count as done. Only its own: a namesake of another kind (refused, namesakes) shares the label."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
     deleted = 0
     labels = {manifests.LABEL_JOB: name}
     for kind in ("Pod", "Service", "ConfigMap"):
         for obj in await ctx.client.list(kind, namespace, labels):
-            deleted += await ctx.client.delete(kind, namespace, obj["metadata"]["name"])
-    ctx.index.release([r for r in ctx.index.reservations.values() if r.job_key == (namespace, name)])
+            if namesakes.owns(body, obj):
+                deleted += await ctx.client.delete(kind, namespace, obj["metadata"]["name"])
+    if not namesakes.refused(body):  # else the reservations are its namesake's
+        ctx.index.release([r for r in ctx.index.reservations.values() if r.job_key == (namespace, name)])
     return deleted

@@ -106,9 +106,9 @@ class Kube:
     def delete_job(self, ns: str, name: str) -> None:
         self.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, "trainingjobs", name)
 
-    def job_exists(self, ns: str, name: str) -> bool:
+    def job_exists(self, ns: str, name: str, plural: str = "trainingjobs") -> bool:
         try:
-            self.get_job(ns, name)
+            self.get_job(ns, name, plural)
             return True
         except kubernetes.client.ApiException as exc:
             if exc.status == 404:
