@@ -24,7 +24,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="which tests to run: those safe to run beside others (parallel), those that measure "
              "wall-clock behaviour beside at most one other such test (serial, marked `serial`), "
              "those that must have the machine to themselves (alone, marked `alone`), or all "
-             "(default). scripts/test runs `-n 2 --phase parallel`, `-n 2 --phase serial`, then "
+             "(default). scripts/test runs `-n 3 --phase parallel`, `-n 2 --phase serial`, then "
              "`--phase alone`.")
 
 

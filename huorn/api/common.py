@@ -73,8 +73,8 @@ class Checkpoint(ApiModel):
     )
     path: str = Field(
         default="/checkpoints", min_length=1, max_length=4096,
-        description="Directory of the checkpoints: absolute in a pod; the local runner resolves a relative "
-        "path against its working directory.",
+        description="Directory of the checkpoints in the pods, on the volume. `huorn run` writes them under "
+        "its run directory instead.",
     )
     interval: Duration = Field(default="10m", description="Time between periodic checkpoints.")
     interval_steps: int | None = Field(

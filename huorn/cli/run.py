@@ -143,9 +143,10 @@ def run_command(
         600.0, "--stall-timeout", min=10, help="Give up when no step completes for this long (seconds)."
     ),
 ) -> None:
-    """Run a job locally: a TrainingJob's rendezvous store and one torchrun agent per replica, as
-    processes; an RLJob's single controller over a local Ray cluster; InferenceJob replicas (one,
-    or --replicas behind the prefix router), serving until Ctrl-C."""
+    """Run a job locally: a TrainingJob's rendezvous store and, per replica, one trainer process
+    (resize inPlace) or a torchrun agent (resize restart); an RLJob's single controller over a
+    local Ray cluster; InferenceJob replicas (one, or --replicas behind the prefix router),
+    serving until Ctrl-C."""
     try:
         job, g = graph_cli.compile_file(file)
         refuse_other_kinds_flags(g.kind, {
