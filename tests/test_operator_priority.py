@@ -15,7 +15,7 @@ from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
 from kube.kubelet import Kubelet
 
-from huorn.operator import context, index, preempting, runner, training
+from huorn.operator import preempting, training
 from huorn.operator.context import Context
 
 pytest_plugins = ["kube.fixtures"]
@@ -214,10 +214,7 @@ def test_a_higher_priority_training_job_preempts_a_running_rl_job(
 
 
 def rl_job(name: str, priority: int, gpus: int = 4) -> dict:
-    return {"apiVersion": f"{builders.GROUP}/{builders.VERSION}", "kind": "RLJob", "metadata": {"name": name},
-            "spec": {"virtualCluster": "solo", "priority": priority, "gpus": gpus,
-                     "resources": {"gpus": 2, "cpu": "2", "memory": "8Gi"},
-                     "roles": {"actorTrain": {"gpusPerReplica": 2}, "rollout": {"gpusPerReplica": 2}}}}
+    return builders.make_rl_job(name, "solo", priority=priority, gpus=gpus)
 
 
 def rl_pods(kube: builders.Kube, name: str) -> list[str]:
@@ -312,7 +309,7 @@ async def test_a_gang_whose_pods_the_watch_has_not_reported_preempts_no_one(
     preempted `mid` for GPUs it already had. Reconciled by hand here, with no watch at all: the
     reservation counts as the job's pod."""
     solo_cluster(kube)
-    ctx = await direct_context(cluster)
+    ctx = await operator_mod.direct_context(cluster.api_client())
     kube.create_job(NS, make_job("mid", 30))
     kube.create_job(NS, make_job("high", 60))
 
@@ -331,20 +328,6 @@ async def test_a_gang_whose_pods_the_watch_has_not_reported_preempts_no_one(
     assert trainers(kube, "high") == ["high-trainer-0"]
 
 
-async def direct_context(cluster: EmulatedCluster,
-                         settings: context.OperatorSettings = operator_mod.FAST) -> Context:
-    """An operator's context with no operator running: nodes and VirtualClusters in its mirror,
-    pods only when a test reports them (`report_pods`), so a test replays a window between the
-    operator's own writes and their watch events deterministically."""
-    ctx = runner.build_context(cluster.api_client(), settings)
-    ctx.post_event = lambda *args, **kwargs: None  # kopf's poster needs a running operator
-    for node in await ctx.client.list("Node", None, {}):
-        ctx.index.nodes[node["metadata"]["name"]] = index.build_node_record(node)
-    for vc in await ctx.client.list_custom("virtualclusters", None):
-        ctx.index.vcs[vc["metadata"]["name"]] = dict(vc.get("spec") or {})
-    return ctx
-
-
 async def report_pods(ctx: Context) -> None:
     """What the pod watch would say by now: every pod as the API has it, and the gone ones gone."""
     ctx.index.resync_pods(await ctx.client.list("Pod", NS, {}), ctx.index.observations)
@@ -359,7 +342,7 @@ async def test_a_gang_shrunk_for_a_job_is_not_stopped_as_well_while_its_replicas
     assert cluster.kmock is not None
     kubelet = Kubelet(kube, cluster.kmock, NS)
     solo_cluster(kube)
-    ctx = await direct_context(cluster)
+    ctx = await operator_mod.direct_context(cluster.api_client())
 
     async def reconcile(name: str) -> str:
         return await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, name))
@@ -405,7 +388,7 @@ async def shrunk_by_a_reclaim(cluster: EmulatedCluster, kube: builders.Kube) -> 
     assert cluster.kmock is not None
     kubelet = Kubelet(kube, cluster.kmock, NS)
     solo_cluster(kube)
-    ctx = await direct_context(cluster)
+    ctx = await operator_mod.direct_context(cluster.api_client())
     body = builders.make_training_job("elastic", "solo", replicas=3, max_replicas=4, gpus=1, priority=10)
     body["spec"]["elasticity"]["policy"] = "goodput"
     kube.create_job(NS, body)
@@ -466,7 +449,7 @@ async def test_a_job_in_back_off_leaves_the_line_and_a_job_behind_it_takes_the_f
     not going to place, and the GPUs the failure freed stayed idle for the whole back-off."""
     solo_cluster(kube)
     # a back-off far longer than the test, whatever the host's load
-    ctx = await direct_context(cluster, dataclasses.replace(
+    ctx = await operator_mod.direct_context(cluster.api_client(), dataclasses.replace(
         operator_mod.FAST, replacement_backoff_seconds=300, replacement_backoff_max_seconds=360))
 
     async def reconcile(name: str) -> str:

@@ -16,6 +16,7 @@ from kube import builders
 from kube import operator as operator_mod
 from kube.cluster import wait_for
 
+from huorn.api import training as training_api
 from huorn.backends.kubernetes import rl_manifests
 from huorn.runtime import launcher
 
@@ -27,16 +28,7 @@ RL = "rljobs"
 
 def rl_job(name: str, **spec: Any) -> dict[str, Any]:
     """Four GPUs on the "train" cluster (nodes a0, a1 of 4 each), in Ray workers of two."""
-    body: dict[str, Any] = {
-        "virtualCluster": "train", "gpus": 4,
-        "resources": {"gpus": 2, "cpu": "6", "memory": "8Gi"},
-        "roles": {"actorTrain": {"replicas": 1, "gpusPerReplica": 2},
-                  "rollout": {"replicas": 1, "gpusPerReplica": 2}},
-        "checkpoint": {"volume": "rl-ckpt", "path": "/checkpoints", "intervalSteps": 5},
-        "steps": 20,
-    }
-    body.update(spec)
-    return {"apiVersion": "huorn.io/v1alpha1", "kind": "RLJob", "metadata": {"name": name}, "spec": body}
+    return builders.make_rl_job(name, "train", **spec)
 
 
 def status(kube: builders.Kube, name: str) -> dict:
@@ -247,6 +239,29 @@ def test_an_edit_of_the_model_is_refused_once_the_job_has_started(kube: builders
     patch(builders.GROUP, builders.VERSION, NS, RL, "cpt", {"spec": {"model": {"width": width}}})
     wait_for(lambda: "specChangeRefused" not in status(kube, "cpt"), what="the refusal cleared")
     assert sorted(live_pods(kube, "cpt")) == first
+
+
+def test_a_model_edited_before_the_start_is_the_one_the_job_keeps(kube: builders.Kube, operator) -> None:
+    """The graph in status keeps the model a started job runs. One edited while the job waited
+    for GPUs is what its gang starts on, and what it keeps: before, the graph still held the
+    model of the first reconcile, so once the gang ran the edit was refused after the fact and
+    the gang restarted on a model it had never run."""
+    width = training_api.ModelSpec().width
+    kube.create_job(NS, rl_job("late", gpus=12), plural=RL)  # more than the cluster has: it waits
+    wait_for(lambda: status(kube, "late").get("graph"), what="waiting, its graph in status")
+    patch = kube.custom.patch_namespaced_custom_object
+    edit = {"spec": {"model": {"width": width * 2}, "gpus": 8}}
+    patch(builders.GROUP, builders.VERSION, NS, RL, "late", edit)
+    wait_for(lambda: len(live_pods(kube, "late")) == 5, what="the gang, placed on the edited spec")
+    run_all(kube, "late")
+    wait_for(lambda: status(kube, "late").get("phase") == "Running", what="Running")
+    first = sorted(live_pods(kube, "late"))
+    patch(builders.GROUP, builders.VERSION, NS, RL, "late", {"spec": {"priority": 70}})  # a reconcile more
+    wait_for(lambda: status(kube, "late").get("observedGeneration") == 3, what="the priority seen")
+    assert "specChangeRefused" not in status(kube, "late")
+    assert sorted(live_pods(kube, "late")) == first, "the gang was restarted"
+    data = json.loads(kube.core.read_namespaced_config_map("late-config", NS).data["config.json"])
+    assert data["spec"]["model"]["width"] == width * 2
 
 
 def test_a_restarted_operator_restarts_a_failed_gang_once(cluster, kube: builders.Kube) -> None:

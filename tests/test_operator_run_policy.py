@@ -12,6 +12,8 @@ from kube import builders
 from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
 
+from huorn.operator import rljobs, training
+
 pytest_plugins = ["kube.fixtures"]
 
 NS = "team"
@@ -91,3 +93,24 @@ def test_a_suspension_stops_the_deadline_clock_and_a_resume_starts_it_again(
     status = wait_for(lambda: (s := kube.job_status(NS, "paused")).get("phase") == "Failed" and s,
                       timeout=15, what="Failed 4 s after the resume")
     assert seconds(status["completionTime"]) - seconds(again) >= 3.0
+
+
+async def test_a_finished_job_stays_finished_when_its_virtual_cluster_turns_its_namespace_away(
+        cluster: EmulatedCluster, kube: builders.Kube) -> None:
+    """Validation against the cluster came before the finished-job check: a VirtualCluster that
+    stopped serving the job's namespace knocked a Succeeded job (and an RLJob) into Stalled, and
+    had it run again once the VirtualCluster was reverted. Reconciled by hand, after the change."""
+    patch = kube.custom.patch_namespaced_custom_object_status
+    kube.create_job(NS, builders.make_training_job("done", "train"))
+    patch(builders.GROUP, builders.VERSION, NS, "trainingjobs", "done", {"status": {"phase": "Succeeded"}})
+    kube.create_job(NS, builders.make_rl_job("rl-done", "train"), plural="rljobs")
+    patch(builders.GROUP, builders.VERSION, NS, "rljobs", "rl-done", {"status": {"phase": "Failed"}})
+    kube.custom.patch_cluster_custom_object(builders.GROUP, builders.VERSION, "virtualclusters", "train",
+                                            {"spec": {"namespaces": ["elsewhere"]}})
+    ctx = await operator_mod.direct_context(cluster.api_client())
+    assert "elsewhere" in ctx.index.vcs["train"]["namespaces"]
+    got = await training.reconcile(ctx, await ctx.client.get_custom("trainingjobs", NS, "done"))
+    assert got == "Succeeded" and kube.job_status(NS, "done")["phase"] == "Succeeded"
+    got = await rljobs.reconcile(ctx, await ctx.client.get_custom("rljobs", NS, "rl-done"))
+    assert got == "Failed" and kube.job_status(NS, "rl-done", "rljobs")["phase"] == "Failed"
+    assert kube.pods(NS, "done") == [] and kube.pods(NS, "rl-done") == []

@@ -32,7 +32,8 @@ async def older_namesake(ctx: Context, body: Mapping[str, Any]) -> str | None:
 
     Asked only until the job is first admitted (status.image pinned): after that it owns its
     children, and a namesake created later is the one refused."""
-    if (body.get("status") or {}).get("image"):
+    status = body.get("status") or {}
+    if status.get("image") or status.get("phase") in ("Succeeded", "Failed"):  # finished: ran already
         return None
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]

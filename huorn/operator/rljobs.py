@@ -118,6 +118,21 @@ def refused_model(job: kinds.RLJob, graph: Graph, old: Mapping[str, Any],
     return None if same else dict(in_force)
 
 
+def _model_follows_spec(job: kinds.RLJob, graph: Graph) -> bool:
+    """Set the actor vertex's model to the spec's (the caller has found that allowed); whether it
+    changed."""
+    actor = graph.vertices.get("actor-train")
+    if actor is None:
+        return False
+    try:
+        same = training_api.ModelSpec.model_validate(actor.params.get("model")) == job.spec.model
+    except pydantic.ValidationError:
+        same = False
+    if not same:
+        actor.params = {**actor.params, "model": job.spec.model.to_wire()}
+    return not same
+
+
 def fit_layout(graph: Graph, layout: rl.RayLayout) -> None:
     """Make the worker vertex the spec's layout. Only between gangs: the caller restarts a
     running gang whose spec changed before the pods of the new layout are made."""
@@ -180,6 +195,13 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     old = body.get("status") or {}
+    if old.get("phase") in ("Succeeded", "Failed"):
+        # Before validation: a finished job stays finished whatever its VirtualCluster or a newer
+        # operator's rules say of its spec now; a Stalled one would run again once they relent.
+        ctx.queue.forget(ns, name)
+        await _stop(ctx, [p for p in ctx.index.pods_of(ns, name) if p.holds_resources])
+        ctx.metrics.record_phase(KIND, f"{ns}/{name}", old["phase"])
+        return str(old["phase"])
     try:
         job, vc_spec = validation.load_job_on_cluster(body, ctx.index.vcs)
         assert isinstance(job, kinds.RLJob)
@@ -197,11 +219,6 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     base: dict[str, Any] = {"observedGeneration": meta.get("generation"),
                             "selector": f"{manifests.LABEL_JOB}={name}"}
     pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
-    if old.get("phase") in ("Succeeded", "Failed"):
-        ctx.queue.forget(ns, name)
-        await _stop(ctx, [p for p in pods.values() if p.holds_resources])
-        ctx.metrics.record_phase(KIND, f"{ns}/{name}", old["phase"])
-        return str(old["phase"])
     vc = job.spec.virtual_cluster
     if vc_spec is None:
         ctx.queue.record(entry)  # out of line: nothing to place it on
@@ -211,6 +228,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     graph = restore_graph(body, fresh, layout)
     version = graph.version
     model_in_force = refused_model(job, graph, old, pods)
+    if model_in_force is None and _model_follows_spec(job, graph):
+        # Not started yet: the gang will start on the spec's model, and the graph (what a started
+        # job keeps) says so before any pod exists; else an edit before the start was reverted
+        # once the job started, and its gang restarted on the model it had never run.
+        await ctx.client.patch_status(PLURAL, ns, name, {"graph": serialise.to_status(graph)})
     if model_in_force is not None:
         base["specChangeRefused"] = (
             "spec.model changed after the job started and is not applied: its checkpoints hold the "

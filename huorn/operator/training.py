@@ -104,17 +104,19 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     meta = body["metadata"]
     ns, name, generation = meta["namespace"], meta["name"], meta.get("generation")
     old = body.get("status") or {}
+    if old.get("phase") in ("Succeeded", "Failed"):
+        # Before validation: a finished job stays finished whatever its VirtualCluster or a newer
+        # operator's rules say of its spec now (the API server checked its TTL's type at admission).
+        ctx.queue.forget(ns, name)
+        await _clean_terminal(ctx, body, old["phase"])
+        await _expire_finished(ctx, body, (body.get("spec") or {}).get("ttlSecondsAfterFinished"))
+        return old["phase"]
     try:
         job, vc_spec = validation.load_job_on_cluster(body, ctx.index.vcs)
         validation.check_mounted_paths(job.spec)
     except validation.InvalidSpec as exc:
         ctx.queue.forget(ns, name)
         return await stall(ctx, body, "InvalidSpec", str(exc))
-    if old.get("phase") in ("Succeeded", "Failed"):
-        ctx.queue.forget(ns, name)
-        await _clean_terminal(ctx, body, old["phase"])
-        await _expire_finished(ctx, body, job.spec.ttl_seconds_after_finished)
-        return old["phase"]
     known = ctx.queue.jobs.get((ns, name))
     queued = queue.build_entry(job, meta, known.missing if known is not None else 0)
     ctx.queue.record(queued)

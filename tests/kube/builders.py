@@ -73,6 +73,20 @@ def make_training_job(
     }
 
 
+def make_rl_job(name: str, vc: str, **spec: Any) -> dict[str, Any]:
+    """Four GPUs, in Ray workers of two, for a trainer and a rollout worker of two GPUs each."""
+    body: dict[str, Any] = {
+        "virtualCluster": vc, "gpus": 4,
+        "resources": {"gpus": 2, "cpu": "6", "memory": "8Gi"},
+        "roles": {"actorTrain": {"replicas": 1, "gpusPerReplica": 2},
+                  "rollout": {"replicas": 1, "gpusPerReplica": 2}},
+        "checkpoint": {"volume": "rl-ckpt", "path": "/checkpoints", "intervalSteps": 5},
+        "steps": 20,
+    }
+    body.update(spec)
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RLJob", "metadata": {"name": name}, "spec": body}
+
+
 class Kube:
     """The calls tests make, through the official client, against the emulator or a real cluster."""
 

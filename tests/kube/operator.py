@@ -16,7 +16,7 @@ from pathlib import Path
 import kubernetes
 
 from huorn.backends.kubernetes import retry
-from huorn.operator import context, runner
+from huorn.operator import context, index, runner
 
 FAST = context.OperatorSettings(
     resync_seconds=2.0,
@@ -88,3 +88,17 @@ class OperatorProcess:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=30)
         self.proc = None
+
+
+async def direct_context(api: kubernetes.client.ApiClient,
+                         settings: context.OperatorSettings = FAST) -> context.Context:
+    """An operator's context with no operator running: nodes and VirtualClusters in its mirror,
+    pods only when a test reports them, so a test replays a window between the operator's own
+    writes and their watch events deterministically, reconciling by hand."""
+    ctx = runner.build_context(api, settings)
+    ctx.post_event = lambda *args, **kwargs: None  # kopf's poster needs a running operator
+    for node in await ctx.client.list("Node", None, {}):
+        ctx.index.nodes[node["metadata"]["name"]] = index.build_node_record(node)
+    for vc in await ctx.client.list_custom("virtualclusters", None):
+        ctx.index.vcs[vc["metadata"]["name"]] = dict(vc.get("spec") or {})
+    return ctx
