@@ -304,6 +304,23 @@ def test_an_inference_job_converges_through_api_errors_and_a_restarted_operator_
         assert state() == before
 
 
+def test_a_lower_max_replicas_keeps_the_replicas_that_serve(
+    kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    """Before, the replicas a lower spec.autoscaling.maxReplicas removed were the highest
+    ordinals, even when they were the only ones ready and a lower one was still loading."""
+    job = serving.make_inference_job("chat", "serve", min_replicas=3, max_replicas=3)
+    kube.create_job(NS, job, plural=IJ)
+    wait_for(lambda: len(servers(kube, "chat")) == 3, what="three replicas")
+    for instance in ("server-1", "server-2"):  # server-0 still loads its model
+        run_pod(kube, servers(kube, "chat")[instance])
+    wait_for(lambda: status(kube, "chat").get("readyReplicas") == 2, what="two ready")
+    kube.custom.patch_namespaced_custom_object(
+        builders.GROUP, builders.VERSION, NS, IJ, "chat", {"spec": {"autoscaling": {"minReplicas": 1,
+                                                                                   "maxReplicas": 2}}})
+    wait_for(lambda: sorted(servers(kube, "chat")) == ["server-1", "server-2"], what="the loading one gone")
+
+
 def test_prefix_routing_puts_the_router_in_front_once_ready_and_a_policy_change_replaces_it(
     kube: builders.Kube, operator: operator_mod.OperatorThread
 ) -> None:

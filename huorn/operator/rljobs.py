@@ -385,7 +385,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             base["configHash"] = config
         if new_pods:
             await ctx.client.apply(rlm.build_head_service(ref))
-            await asyncio.gather(*(ctx.client.apply(p) for p in new_pods))
+            await ctx.apply_all(new_pods)  # the created ones reach the mirror even if one fails
     except BaseException:
         # not created (or not known to be): the next reconcile finds them missing, not creating
         ctx.index.release(r for r in (index.build_pod_record(p) for p in new_pods) if r is not None)

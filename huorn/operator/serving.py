@@ -72,10 +72,12 @@ def is_ready(pod: index.PodRecord) -> bool:
     return not ready or ready[0] == "True"
 
 
-def restore_graph(body: Mapping[str, Any], fresh: Graph) -> tuple[Graph, list[str]]:
+def restore_graph(body: Mapping[str, Any], fresh: Graph,
+                  ready: Mapping[str, bool] | None = None) -> tuple[Graph, list[str]]:
     """The graph in status with the spec's bounds and parameters laid over it (the spec owns
     them; the instances are the job's history); a replica count the new bounds exclude is
-    resized into them. Returns the graph and the reasons of the mutations made."""
+    resized into them, keeping the `ready` replicas (by instance) first. Returns the graph and the
+    reasons of the mutations made."""
     old = (body.get("status") or {}).get("graph")
     if not old:
         return fresh, []
@@ -91,7 +93,7 @@ def restore_graph(body: Mapping[str, Any], fresh: Graph) -> tuple[Graph, list[st
     if inside != server.replicas:
         reason = (f"spec.autoscaling is now {low}..{high} replicas (was {before[0]}..{before[1]}): "
                   f"{server.replicas} → {inside}")
-        mutate.resize(graph, SERVER, inside, reason=reason, remove=shrink_order(graph, inside, {}))
+        mutate.resize(graph, SERVER, inside, reason=reason, remove=shrink_order(graph, inside, ready or {}))
         made.append(reason)
     server.min_replicas, server.max_replicas = low, high
     return graph, made
@@ -159,9 +161,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         message = f"virtual cluster {vc!r} does not exist; create it or fix spec.virtualCluster"
         return await _report_waiting(ctx, body, base, "VirtualClusterNotFound", message)
 
-    graph, resized = restore_graph(body, fresh)
-    version = graph.version
     pods = {p.name: p for p in ctx.index.pods_of(ns, name)}
+    # a lower maxReplicas keeps the replicas that serve, not the lowest ordinals
+    graph, resized = restore_graph(body, fresh, {p.instance: is_ready(p) for p in pods.values()
+                                                 if p.vertex == SERVER and not p.deleting})
+    version = graph.version
     server = graph.vertex(SERVER)
     templates = manifests.serve_template_hashes(spec)
 
