@@ -191,3 +191,25 @@ def test_the_forecast_request_rate_reclaims_without_any_inference_job(kube: buil
         prometheus.fail = None
         wait_for(lambda: "error" not in reading(), what="the error cleared in status")
         assert reading()["gpus"] == 6
+
+
+def test_a_borrower_whose_spec_no_longer_validates_is_still_reclaimed(kube: builders.Kube, operator) -> None:
+    """Its spec broken after it started (here minReplicas above maxReplicas; in a cluster, a rule
+    a newer operator added): the job is Stalled, its pods still hold the lender's GPUs. Before,
+    the lender's reclaim raised on it at every tick, and no reclaim of that lender ever ran."""
+    kube.custom.patch_cluster_custom_object(
+        builders.GROUP, builders.VERSION, "virtualclusters", "serve",
+        {"spec": {"purpose": "inference", "lending": {"lendable": True, "maxGPUsLent": 4,
+                                                        "reclaimGraceSeconds": 45,
+                                                        "reclaimPolicy": "Preempt"}}})
+    borrow_four_gpus_of_b0(kube)
+    kube.custom.patch_namespaced_custom_object(
+        builders.GROUP, builders.VERSION, NS, "trainingjobs", "elastic",
+        {"spec": {"elasticity": {"minReplicas": 3}}})
+    wait_for(lambda: kube.job_status(NS, "elastic").get("phase") == "Stalled", what="the borrower Stalled")
+    assert nodes_of(kube, "elastic") == ["b0", "b0"]
+    kube.custom.create_namespaced_custom_object(
+        builders.GROUP, builders.VERSION, NS, "inferencejobs", make_inference_job("chat", "serve", 3, 2))
+    wait_for(lambda: len(kube.pods(NS, "chat", "server")) == 3, what="the third replica, on GPUs taken back")
+    assert {p.metadata.annotations["huorn.io/node"] for p in kube.pods(NS, "chat", "server")} == {"b0"}
+    assert nodes_of(kube, "elastic") == [], "reclaimed as a fixed gang: stopped whole"

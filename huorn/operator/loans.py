@@ -26,6 +26,7 @@ Event instead, naming the job that keeps its GPUs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from huorn.graph import serialise
 from huorn.operator import board, index, preempting, training, validation
 from huorn.operator.context import Context
 from huorn.scheduler import loaning
+
+logger = logging.getLogger("huorn.operator.loans")
 
 
 @dataclass
@@ -85,7 +88,15 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
         body = await ctx.client.get_custom(training.PLURAL, b.namespace, b.job)
         if body is None or not (body.get("status") or {}).get("graph"):
             continue
-        job = validation.load_job(body)
+        try:
+            job = validation.load_job(body)
+        except validation.InvalidSpec as exc:
+            # A spec that no longer validates (a rule added since the job started): the job is
+            # Stalled, but its pods still hold the lender's GPUs. Reclaimed as a fixed gang, from
+            # what its pods say; raising here stopped every reclaim of this lender for good.
+            logger.warning("reclaim: %s/%s is invalid (%s): reclaimed as a fixed gang",
+                           b.namespace, b.job, exc)
+            job = None
         graph = serialise.from_status(body["status"]["graph"])
         # Pods whose instance the graph no longer holds were given up by a decision already in
         # status, their deletes still to come (an operator that died in between): debt being
@@ -99,13 +110,18 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
             continue
         key = f"{b.namespace}/{b.job}"
         jobs[key] = (b, body, job)
-        min_replicas = job.spec.elasticity.min_replicas
-        if job.spec.elasticity.policy != "goodput":
-            min_replicas = graph.vertex("trainer").replicas  # a fixed gang cannot shrink, only stop
+        replicas = graph.vertex("trainer").replicas
+        if job is None:
+            min_replicas, gpus = replicas, max(p.gpus for p in b.pods)
+            priority = int((body.get("spec") or {}).get("priority", 50))
+        else:
+            min_replicas, gpus, priority = (job.spec.elasticity.min_replicas, job.spec.resources.gpus,
+                                            job.spec.priority)
+            if job.spec.elasticity.policy != "goodput":
+                min_replicas = replicas  # a fixed gang cannot shrink, only stop
         loans.append(loaning.LoanView(
-            job=key, replicas_on_lender=len(b.pods), replicas_total=graph.vertex("trainer").replicas,
-            min_replicas=min_replicas, gpus_per_replica=job.spec.resources.gpus,
-            priority=job.spec.priority,
+            job=key, replicas_on_lender=len(b.pods), replicas_total=replicas,
+            min_replicas=min_replicas, gpus_per_replica=gpus, priority=priority,
         ))
     if wanted <= 0 or not loans:
         return []
