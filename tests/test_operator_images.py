@@ -16,6 +16,7 @@ from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
 from typer.testing import CliRunner
 
+from huorn.api import common
 from huorn.cli.main import app
 from huorn.operator import context, images
 
@@ -101,6 +102,9 @@ def test_an_operator_upgrade_rolls_no_inference_replica(
     ({}, {"image": "pinned:1"}, "pinned:1"),
     ({"image": "named:1"}, {"image": "pinned:1"}, "named:1"),
     ({"image": ""}, {"image": "pinned:1"}, ""),  # left for validation to refuse, naming spec.image
+    # placed by an operator from before pinning (created between the new CRDs and the new
+    # operator): it runs, and keeps, that operator's default, not the new --job-image
+    ({}, {"graph": {"version": 3}}, common.DEFAULT_IMAGE),
 ])
 def test_the_spec_wins_then_the_pinned_image_then_the_operators(spec: dict, status: dict, want: str) -> None:
     assert images.resolve({"spec": spec, "status": status}, "operator:1") == want

@@ -211,7 +211,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         # What inference clusters keep unlent, before any placement: the watch replays the
         # InferenceJobs too, but only once job handlers may already be placing borrowers.
         for body in await ctx.client.list_custom(serving.PLURAL, None):
-            ctx.index.observe_inference_job(body)
+            ctx.index.observe_inference_job(body, deleted=namesakes.refused(body))
         # The line too: the first job reconciled must not take GPUs a waiting one was promised.
         for body in await ctx.client.list_custom(training.PLURAL, None):
             if (body.get("status") or {}).get("phase") in ("Succeeded", "Failed", "Suspended"):
@@ -284,7 +284,8 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
     # a watch replays every object on start, so a restarted operator has it back before placing
     @kopf.on.event(GROUP, VERSION, "inferencejobs", registry=registry)
     async def inference_changed(type: str, body: Mapping[str, Any], memo: Any, **_: Any) -> None:
-        _ctx(memo).index.observe_inference_job(body, deleted=type == "DELETED")
+        # one refused for its name runs nothing, and reserves nothing (namesakes)
+        _ctx(memo).index.observe_inference_job(body, deleted=type == "DELETED" or namesakes.refused(body))
 
     @kopf.on.event(GROUP, VERSION, "virtualclusters", registry=registry)
     async def vc_changed(type: str, body: Mapping[str, Any], memo: Any, **_: Any) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from huorn.api import common
 from huorn.operator.context import Context
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -29,8 +30,14 @@ def resolve(body: Mapping[str, Any], job_image: str) -> str:
     named = (body.get("spec") or {}).get("image")
     if named is not None:  # "" too: validation refuses it, naming the field
         return str(named)
-    pinned = (body.get("status") or {}).get("image")
-    return str(pinned) if pinned else job_image
+    status = body.get("status") or {}
+    if status.get("image"):
+        return str(status["image"])
+    if status.get("graph"):
+        # Placed by an operator from before pinning (a job created between the new CRDs and the
+        # new operator, which the docs order): it ran that operator's default, which it keeps.
+        return common.DEFAULT_IMAGE
+    return job_image
 
 
 async def pin(ctx: Context, plural: str, body: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -43,8 +43,12 @@ async def older_namesake(ctx: Context, body: Mapping[str, Any]) -> str | None:
         other = await ctx.client.get_custom(other_kind.plural, namespace, name)
         if other is None or (other.get("metadata") or {}).get("uid") == meta.get("uid"):
             continue
-        if _seniority(other) < _seniority(body):
-            return (f"metadata.name {name!r} is taken in namespace {namespace!r} by the older "
+        # One already admitted owns the name, whatever the times (two created in one second
+        # could otherwise each pass: the first before the second existed, the second by kind
+        # order); between two not yet admitted, the older goes first.
+        admitted = bool((other.get("status") or {}).get("image"))
+        if admitted or _seniority(other) < _seniority(body):
+            return (f"metadata.name {name!r} is taken in namespace {namespace!r} by the "
                     f"{other_kind.kind} {name}: every Huorn job kind names its pods, Services and "
                     f"ConfigMap after the job, so two kinds cannot share a name; create this "
                     f"{body['kind']} again under another name, or delete the {other_kind.kind} (this "
