@@ -131,6 +131,10 @@ def test_scale_with_replicas_grows_batch_and_lr_by_the_square_root_rule() -> Non
     assert (base.global_batch, base.learning_rate) == (16, 1e-3)
     assert doubled.global_batch == 32 and doubled.learning_rate == pytest.approx(1e-3 * math.sqrt(2))
     assert doubled.micro_batches // 4 == base.micro_batches // 2  # the same work per replica
+    # replicas, not ranks: 2 pods of 8 GPUs (16 ranks) at minReplicas 2 are the base plan
+    at_minimum = batching.plan_batch(opt, 2, batching.replicas_in(16, 8))
+    assert (at_minimum.global_batch, at_minimum.learning_rate) == (16, 1e-3)
+    assert batching.replicas_in(6, 2) == 3 and batching.replicas_in(1, 1) == 1
 
 
 @given(step=st.integers(0, 999), schedule=st.sampled_from(list(training.LrSchedule)))

@@ -32,7 +32,16 @@ class BatchPlan:
     learning_rate: float  # peak learning rate for this world size
 
 
+def replicas_in(world_size: int, ranks_per_replica: int) -> int:
+    """Replicas (what elasticity.minReplicas counts: pods, or local agents) in a gang of
+    `world_size` ranks. Under torchrun a replica runs LOCAL_WORLD_SIZE ranks (one per GPU, or one
+    per pipeline stage); counted as ranks, a gang of 2 pods of 8 GPUs at minReplicas 2 took 8×
+    its global batch and √8× its learning rate."""
+    return max(1, world_size // max(1, ranks_per_replica))
+
+
 def plan_batch(optimization: training.Optimization, min_replicas: int, world_size: int) -> BatchPlan:
+    """`world_size` in replicas (replicas_in), as `min_replicas` is."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     micro = optimization.micro_batch

@@ -126,7 +126,7 @@ class Trainer:
         self.state_module: torch.nn.Module = self.model  # what checkpoints hold
         self.flat_checkpoint = False  # see checkpoint.build_state
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
-                                        self.data_parallel_size())
+                                        self.replicas())
         self.microbatch_counts: tuple[int, ...] | None = None  # S2 plan; None: even round-robin
         self.microbatch_seconds: float | None = None  # last step's compute per micro-batch (S2's input)
         self.step_waits: dict[str, float] = {}  # last step's waits by kind (a pipeline's receive, reduce)
@@ -171,6 +171,11 @@ class Trainer:
     def data_parallel_size(self) -> int:
         """Ranks that split the batch (all of them under DDP; a pipeline divides by its stages)."""
         return self.world
+
+    def replicas(self) -> int:
+        """Replicas in the gang, the unit of elasticity.minReplicas: torchrun runs
+        LOCAL_WORLD_SIZE ranks per replica (in place, a replica is this one process)."""
+        return batching.replicas_in(self.world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
     def build_parallel(self, use_cuda: bool) -> None:
         opt = self.spec.optimization
@@ -228,7 +233,7 @@ class Trainer:
         step = self.share_state(step)
         self.wrap_data_parallel()
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
-                                        self.data_parallel_size())
+                                        self.replicas())
         self.microbatch_counts = None  # a plan written for the old gang does not fit the new one
         self.write_endpoint()
         event = {"event": "regroup", "reason": reason, "resumed_from": step, "from_world_size": old_world,
