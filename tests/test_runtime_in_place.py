@@ -171,3 +171,47 @@ def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path
                                      f"regroups: {regroups}")
     print("\nregroup pauses: " + ", ".join(f"{r['reason']} {r['seconds']:.1f} s" for r in regroups)
           + f"; max |Δloss| vs uninterrupted: {worst:.2e}")
+
+
+@pytest.mark.slow
+def test_a_gang_re_forms_on_a_restarted_store_and_a_joiner_meets_it_there(tmp_path: Path) -> None:
+    """The store restarted in place (its container, behind the same Service) comes back empty and
+    never answers the gang's old connections. Before, the gang trained on blind, and a replica
+    that joined the new store formed a second gang beside it, the two writing and pruning one
+    checkpoint directory. Now the gang re-forms on the new store within a step, one process each,
+    and the joiner joins that gang."""
+    steps = 40
+    spec = harness.build_spec(steps=steps, interval_steps=5, min_replicas=1)
+    config, store, port = harness.start_paced_gang(tmp_path, spec)
+    run_dir = tmp_path / "run"
+    replicas: dict[int, subprocess.Popen] = {}
+
+    def start(replica: int) -> None:
+        replicas[replica] = launcher.start_agent(config, _settings(port, replica), f"r{replica}",
+                                                 tmp_path / f"r{replica}.log", env=harness.child_env(),
+                                                 in_place=True)
+
+    try:
+        start(0)
+        start(1)
+        harness.wait_for(lambda: steplog.last_step(run_dir) >= 6, 240, "6 steps at world size 2")
+        with harness.held_back(run_dir):
+            launcher.kill_process_tree(store.pid)
+            store, _ = launcher.start_store(tmp_path / "store-2", env=harness.child_env(), port=port)
+            harness.wait_for(lambda: any(r["reason"] == "store reconnected" for r in _regroups(run_dir)),
+                             120, "the gang re-formed on the new store")
+            start(2)
+            harness.wait_for(lambda: any(r["world_size"] == 3 for r in _regroups(run_dir)), 240,
+                             "the joiner in the same gang")
+        for replica, process in replicas.items():
+            assert process.wait(timeout=300) == 0, (tmp_path / f"r{replica}.log").read_text()[-3000:]
+    finally:
+        for process in replicas.values():
+            launcher.kill_process_tree(process.pid)
+        launcher.kill_process_tree(store.pid)
+
+    events = steplog.read_events(run_dir)
+    assert [e["event"] for e in events].count("start") == 1, "one gang, started once"
+    again = next(r for r in _regroups(run_dir) if r["reason"] == "store reconnected")
+    assert (again["from_world_size"], again["world_size"]) == (2, 2)
+    assert sorted(steplog.effective_steps(events)) == list(range(1, steps + 1)), "every step once"

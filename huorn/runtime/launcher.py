@@ -246,14 +246,15 @@ def kill_process_tree(pid: int, timeout: float = 10.0) -> list[int]:
 
 
 def start_store(directory: Path, host: str = "127.0.0.1", env: dict[str, str] | None = None,
-                timeout: float = 60.0) -> tuple[subprocess.Popen, int]:
-    """Start the stand-alone rendezvous store in its own session; returns it and its port."""
+                timeout: float = 60.0, port: int = 0) -> tuple[subprocess.Popen, int]:
+    """Start the stand-alone rendezvous store in its own session (on `port`, 0: a free one);
+    returns it and its port."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     port_file = directory / "store.port"
     port_file.unlink(missing_ok=True)
     with open(directory / "store.log", "ab") as log:
-        process = subprocess.Popen(build_store_command(host, 0, port_file), env=env, stdout=log,
+        process = subprocess.Popen(build_store_command(host, port, port_file), env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while not port_file.exists():

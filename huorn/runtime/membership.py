@@ -83,6 +83,12 @@ class Membership:
         store = dist.PrefixStore(f"huorn/peer-watch/{token}/", own)
         return PeerWatch(store, round_.rank, round_.world, on_lost, timeout_s=timeout_s).start()
 
+    def reconnected(self) -> Membership:
+        """This seat on new connections to the store, for a gang whose own broke (a store that
+        restarted never answers them again): the old handler's keep-alive stops first."""
+        self.leave()
+        return Membership(self.settings)
+
     def waiting(self) -> int:
         """Nodes in the wait list for the next round: replicas ready to join."""
         return self.handler.num_nodes_waiting()
@@ -111,3 +117,13 @@ def init_round_process_group(backend: str, round_: Round, timeout_s: float) -> N
     """The process group of one round, on the rendezvous store under the round's prefix."""
     dist.init_process_group(backend=backend, store=round_.store, rank=round_.rank,
                             world_size=round_.world, timeout=timedelta(seconds=timeout_s))
+
+
+def store_answers(endpoint: str, timeout_s: float = 5.0) -> bool:
+    """Whether the store at `endpoint` takes a new connection now."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    except Exception:  # DistNetworkError, timeouts: down (or not there yet)
+        return False
+    return True

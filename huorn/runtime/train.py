@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -71,6 +72,8 @@ def terminated() -> bool:
 
 
 _STATS = ("loss_sum", "small_sq", "contributors", "stop", "checkpoint_due", "plan_changed", "joiners")
+STORE_RECONNECT = -1  # count_joiners, on rank 0 alone: the summed flag stays below 0
+STORE_PROBE_S = 10.0
 # A step that fails this many times in a row with the same gang is a bug, not a lost peer.
 _MAX_RETRIES_PER_STEP = 3
 
@@ -123,6 +126,7 @@ class Trainer:
             self.rank, self.world = self.join_round()
         self.pending_save: str | None = None  # a checkpoint due at this step boundary, not yet taken
         self.store_unreachable = False
+        self.store_probed_at = -math.inf
         self.state_module: torch.nn.Module = self.model  # what checkpoints hold
         self.flat_checkpoint = False  # see checkpoint.build_state
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
@@ -546,6 +550,9 @@ class Trainer:
         if step == self.total_steps or (interval_steps and step % interval_steps == 0) \
                 or stats_by_name["checkpoint_due"] > 0:
             self.pending_save = "final" if step == self.total_steps else "periodic"
+        if self.gang is not None and step < self.total_steps and stats_by_name["joiners"] < 0:
+            self.gang, self.store_unreachable = self.gang.reconnected(), False
+            return self.regroup(step, "store reconnected"), None
         if self.gang is not None and step < self.total_steps and stats_by_name["joiners"] > 0:
             # The save waits for the new gang: a joiner learns of it with the state
             # (share_state), so every rank of the new gang takes it together.
@@ -554,12 +561,29 @@ class Trainer:
         return step, None
 
     def count_joiners(self) -> int:
-        """Replicas waiting to join. A store that does not answer means none: the gang trains on,
-        and a lost store shows where it matters, at the next regroup or the operator's look."""
+        """Replicas waiting to join; STORE_RECONNECT when this gang's connection to the store broke
+        while the store answers a new one. A store that does not answer means none: the gang
+        trains on, and a lost store shows where it matters, at the next regroup or the operator's
+        look.
+
+        A store restarted in place (its container, behind the same Service) answers new
+        connections, empty, but never the old ones again (c10d's client does not reconnect). A
+        replica that joined it then formed a gang of its own beside this one, and two gangs wrote
+        and pruned one checkpoint directory. This gang re-forms on it at once instead
+        (reconnect), so that a joiner meets it there."""
         assert self.gang is not None
         try:
             return self.gang.waiting()
         except Exception as error:  # RendezvousError, DistStoreError, timeouts
+            # a probe of a store that is down waits for its time-out: one every STORE_PROBE_S
+            probe = time.monotonic() - self.store_probed_at >= STORE_PROBE_S
+            if probe:
+                self.store_probed_at = time.monotonic()
+            if probe and membership.store_answers(self.gang.settings.rdzv_endpoint, timeout_s=2.0):
+                print(f"huorn: the rendezvous store dropped this gang's connection ({error}) but "
+                      "answers a new one (it restarted?): the gang re-forms on it", file=sys.stderr,
+                      flush=True)
+                return STORE_RECONNECT
             if not self.store_unreachable:
                 print(f"huorn: the rendezvous store does not answer ({error}); no resize until it does",
                       file=sys.stderr, flush=True)
