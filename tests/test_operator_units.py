@@ -15,7 +15,7 @@ import urllib3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from huorn.api import training
+from huorn.api import training, virtualcluster
 from huorn.backends.kubernetes import client as kube
 from huorn.backends.kubernetes import manifests, retry
 from huorn.graph import compiler
@@ -163,6 +163,10 @@ def test_trainer_pod_pins_the_node_and_mounts_config_and_checkpoints() -> None:
     assert term["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["node-7"]
     limits = pod["spec"]["containers"][0]["resources"]["limits"]
     assert manifests.GPU_RESOURCE not in limits, "a CPU-only replica asks for no GPU"
+    # torch's agent would SIGKILL its workers 30 s after SIGTERM whatever the deletion's grace
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    most = virtualcluster.Lending.model_fields["reclaim_grace_seconds"].metadata
+    assert int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) >= next(m.le for m in most if hasattr(m, "le"))
     # One process per replica, so `auto` resizes in place: the pod runs the trainer, no agent.
     command = pod["spec"]["containers"][0]["command"]
     assert command[:3] == ["python", "-m", "huorn.runtime.train"] and "--in-place" in command

@@ -82,6 +82,9 @@ class JobRef:
         }
 
 
+AGENT_SHUTDOWN_SECONDS = 86400  # the longest grace the operator deletes a trainer pod with
+
+
 def pod_name(job: JobRef, instance: Instance) -> str:
     return f"{job.name}-{instance.name}"
 
@@ -272,6 +275,10 @@ def build_trainer_pod(
         {"name": "HUORN_REPLICA", "value": instance.name},
         {"name": "HUORN_JOB", "value": job.name},
         {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
+        # torch's agent SIGKILLs its workers 30 s after its own SIGTERM by default, whatever grace
+        # the pod was deleted with (a reclaim's may be far longer): the kubelet's grace bounds
+        # the workers' checkpoint instead (a VirtualCluster's reclaimGraceSeconds is at most a day).
+        {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(AGENT_SHUTDOWN_SECONDS)},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": "OMP_NUM_THREADS", "value": "1"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
