@@ -155,6 +155,10 @@ def test_a_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path: Path,
     assert (tmp_path / "latest").read_text().strip() == first.name
     assert checkpoint.find_latest(tmp_path) == first
     assert (tmp_path / ".tmp-step-00000003").is_dir()  # the leftover that the next start removes
+    # ... or the next save, for a gang that resizes in place and never starts again
+    _save_single(tmp_path, 4)
+    assert not (tmp_path / ".tmp-step-00000003").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")) == []
 
 
 def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:

@@ -139,6 +139,10 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: to
         complete = sorted(p for p in root.iterdir() if _NAME.match(p.name) and is_complete(p))
         for old in complete[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+        # Leftovers of saves a lost peer interrupted: a gang that resizes in place never starts
+        # again to remove them (resume does), and each is a whole checkpoint's size. The gang's
+        # saves are collective, so none of them is being written now.
+        remove_stale_temporaries(root)
     barrier()
     return final
 
