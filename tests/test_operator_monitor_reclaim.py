@@ -41,12 +41,17 @@ def borrow_four_gpus_of_b0(kube: builders.Kube) -> None:
     serving.borrow_four_gpus_of_b0(kube, NS)
 
 
-def test_inference_demand_reclaims_lent_gpus_by_shrinking_the_borrower(kube: builders.Kube, operator) -> None:
+def lend_four_for_inference(kube: builders.Kube, reclaim_policy: str) -> None:
+    """The serving cluster made an inference one that lends 4 GPUs, reclaimed within 45 s."""
     kube.custom.patch_cluster_custom_object(
         builders.GROUP, builders.VERSION, "virtualclusters", "serve",
         {"spec": {"purpose": "inference", "lending": {"lendable": True, "maxGPUsLent": 4,
                                                         "reclaimGraceSeconds": 45,
-                                                        "reclaimPolicy": "Shrink"}}})
+                                                        "reclaimPolicy": reclaim_policy}}})
+
+
+def test_inference_demand_reclaims_lent_gpus_by_shrinking_the_borrower(kube: builders.Kube, operator) -> None:
+    lend_four_for_inference(kube, "Shrink")
     borrow_four_gpus_of_b0(kube)
 
     # At minReplicas nothing can be given back gracefully, and this lender does not preempt:
@@ -197,11 +202,7 @@ def test_a_borrower_whose_spec_no_longer_validates_is_still_reclaimed(kube: buil
     """Its spec broken after it started (here minReplicas above maxReplicas; in a cluster, a rule
     a newer operator added): the job is Stalled, its pods still hold the lender's GPUs. Before,
     the lender's reclaim raised on it at every tick, and no reclaim of that lender ever ran."""
-    kube.custom.patch_cluster_custom_object(
-        builders.GROUP, builders.VERSION, "virtualclusters", "serve",
-        {"spec": {"purpose": "inference", "lending": {"lendable": True, "maxGPUsLent": 4,
-                                                        "reclaimGraceSeconds": 45,
-                                                        "reclaimPolicy": "Preempt"}}})
+    lend_four_for_inference(kube, "Preempt")
     borrow_four_gpus_of_b0(kube)
     kube.custom.patch_namespaced_custom_object(
         builders.GROUP, builders.VERSION, NS, "trainingjobs", "elastic",

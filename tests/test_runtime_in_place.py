@@ -84,6 +84,12 @@ def test_a_leaver_stops_its_heartbeat_thread_before_it_exits() -> None:
     gang.close()
 
 
+def _start_replica(config: Path, port: int, replica: int, tmp_path: Path) -> subprocess.Popen:
+    """One in-place trainer, as its pod runs it, logging to r<replica>.log."""
+    return launcher.start_agent(config, _settings(port, replica), f"r{replica}", tmp_path / f"r{replica}.log",
+                                env=harness.child_env(), in_place=True)
+
+
 def _regroups(run_dir: Path) -> list[dict]:
     return [e for e in steplog.read_events(run_dir) if e["event"] == "regroup"]
 
@@ -104,9 +110,7 @@ def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path
     replicas: dict[int, subprocess.Popen] = {}
 
     def start(replica: int) -> None:
-        replicas[replica] = launcher.start_agent(config, _settings(port, replica), f"r{replica}",
-                                                 tmp_path / f"r{replica}.log", env=harness.child_env(),
-                                                 in_place=True)
+        replicas[replica] = _start_replica(config, port, replica, tmp_path)
 
     def log(replica: int) -> str:
         return (tmp_path / f"r{replica}.log").read_text()[-3000:]
@@ -187,9 +191,7 @@ def test_a_gang_re_forms_on_a_restarted_store_and_a_joiner_meets_it_there(tmp_pa
     replicas: dict[int, subprocess.Popen] = {}
 
     def start(replica: int) -> None:
-        replicas[replica] = launcher.start_agent(config, _settings(port, replica), f"r{replica}",
-                                                 tmp_path / f"r{replica}.log", env=harness.child_env(),
-                                                 in_place=True)
+        replicas[replica] = _start_replica(config, port, replica, tmp_path)
 
     try:
         start(0)
