@@ -4,6 +4,7 @@ different world size; plus the DDP comm hook checked against a single-process re
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -155,9 +156,14 @@ def test_a_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path: Path,
     assert (tmp_path / "latest").read_text().strip() == first.name
     assert checkpoint.find_latest(tmp_path) == first
     assert (tmp_path / ".tmp-step-00000003").is_dir()  # the leftover that the next start removes
-    # ... or the next save, for a gang that resizes in place and never starts again
+    # ... or the next save, for a gang that resizes in place and never starts again, once nothing
+    # has been written into it for STALE_TEMPORARY_S (a save in flight is spared)
     _save_single(tmp_path, 4)
-    assert not (tmp_path / ".tmp-step-00000003").exists()
+    assert (tmp_path / ".tmp-step-00000003").is_dir(), "written into just now"
+    old = time.time() - checkpoint.STALE_TEMPORARY_S - 1
+    for path in (tmp_path / ".tmp-step-00000003", *(tmp_path / ".tmp-step-00000003").rglob("*")):
+        os.utime(path, (old, old))
+    _save_single(tmp_path, 5)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")) == []
 
 

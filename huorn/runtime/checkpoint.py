@@ -16,10 +16,12 @@ size; under DDP the replicated tensors are de-duplicated on save.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -38,6 +40,8 @@ def dcp_modules() -> tuple[ModuleType, ModuleType]:
 
 _NAME = re.compile(r"^step-(\d{8})$")
 LATEST = "latest"
+# A temporary checkpoint nothing was written into for this long is a save that was interrupted.
+STALE_TEMPORARY_S = 600.0
 META = "huorn.json"
 
 
@@ -89,13 +93,27 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(scratch, path)
 
 
-def remove_stale_temporaries(root: Path) -> list[Path]:
-    """Delete leftovers of interrupted saves; call on one rank before any rank saves again."""
+def remove_stale_temporaries(root: Path, idle_s: float = 0.0) -> list[Path]:
+    """Delete leftovers of interrupted saves; call on one rank before any rank saves again.
+    With `idle_s`, only those nothing was written into for that long: a save still in flight
+    (another gang's, in the moments before two gangs on one store merge) is spared."""
     root = Path(root)
     stale = [p for p in root.glob(".tmp-step-*") if p.is_dir()] if root.is_dir() else []
+    if idle_s > 0:
+        now = time.time()
+        stale = [p for p in stale if now - _last_write(p) >= idle_s]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale
+
+
+def _last_write(path: Path) -> float:
+    """The newest modification time of a directory and the files in it."""
+    times = [path.stat().st_mtime]
+    for child in path.rglob("*"):
+        with contextlib.suppress(OSError):  # removed meanwhile
+            times.append(child.stat().st_mtime)
+    return max(times)
 
 
 def build_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, flat: bool = False) -> dict:
@@ -140,9 +158,8 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: to
         for old in complete[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         # Leftovers of saves a lost peer interrupted: a gang that resizes in place never starts
-        # again to remove them (resume does), and each is a whole checkpoint's size. The gang's
-        # saves are collective, so none of them is being written now.
-        remove_stale_temporaries(root)
+        # again to remove them (resume does), and each is a whole checkpoint's size.
+        remove_stale_temporaries(root, idle_s=STALE_TEMPORARY_S)
     barrier()
     return final
 

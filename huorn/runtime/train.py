@@ -73,7 +73,10 @@ def terminated() -> bool:
 
 _STATS = ("loss_sum", "small_sq", "contributors", "stop", "checkpoint_due", "plan_changed", "joiners")
 STORE_RECONNECT = -1  # count_joiners, on rank 0 alone: the summed flag stays below 0
-STORE_PROBE_S = 10.0
+# While the store does not answer, rank 0 probes it (the gang waiting in its all-reduce) at most
+# once in STORE_PROBE_S, for STORE_PROBE_TIMEOUT_S: about 3 % of the time, for as long as it is down.
+STORE_PROBE_S = 30.0
+STORE_PROBE_TIMEOUT_S = 1.0
 # A step that fails this many times in a row with the same gang is a bug, not a lost peer.
 _MAX_RETRIES_PER_STEP = 3
 
@@ -200,7 +203,18 @@ class Trainer:
     def join_round(self) -> tuple[int, int]:
         """Block until the gang's next rendezvous round forms, and make its process group."""
         assert self.gang is not None
-        round_ = self.gang.next_round()
+        try:
+            round_ = self.gang.next_round()
+        except Exception as error:  # RendezvousConnectionError, DistStoreError
+            # Whatever regroup this is (a leave, a lost peer, a join): a store that restarted
+            # answers new connections only.
+            endpoint = self.gang.settings.rdzv_endpoint
+            if not membership.store_answers(endpoint, timeout_s=STORE_PROBE_TIMEOUT_S):
+                raise
+            print(f"huorn: the rendezvous store dropped this member's connection ({error}); joining "
+                  "on a new one", file=sys.stderr, flush=True)
+            self.gang = self.gang.reconnected()
+            round_ = self.gang.next_round()
         membership.init_round_process_group(self.backend, round_, self.cfg.collective_timeout_s)
         if self.backend == "nccl":  # gloo raises on a lost peer itself (and cannot abort a wait)
             self.watch = self.gang.watch(round_, self._peer_lost, self.cfg.peer_timeout_s)
@@ -579,7 +593,8 @@ class Trainer:
             probe = time.monotonic() - self.store_probed_at >= STORE_PROBE_S
             if probe:
                 self.store_probed_at = time.monotonic()
-            if probe and membership.store_answers(self.gang.settings.rdzv_endpoint, timeout_s=2.0):
+            if probe and membership.store_answers(self.gang.settings.rdzv_endpoint,
+                                                  timeout_s=STORE_PROBE_TIMEOUT_S):
                 print(f"huorn: the rendezvous store dropped this gang's connection ({error}) but "
                       "answers a new one (it restarted?): the gang re-forms on it", file=sys.stderr,
                       flush=True)

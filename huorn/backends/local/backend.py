@@ -194,7 +194,8 @@ class LocalBackend:
     def _start_store(self, resource: desired.DesiredResource) -> str:
         port_file = self.run_dir / commands.STORE_PORT_FILE
         port_file.unlink(missing_ok=True)
-        argv = commands.build_store_command(self.settings.host, port_file, self.settings.python)
+        old_port = int(self.store_endpoint.rpartition(":")[2]) if self.store_endpoint else 0
+        argv = commands.build_store_command(self.settings.host, port_file, self.settings.python, old_port)
         instance = resource.name.removeprefix(f"{self.job}-")
         proc = processes.start_process(
             instance,

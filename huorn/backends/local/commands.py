@@ -38,8 +38,10 @@ def build_eval_command(config_path: Path, checkpoint: Path, python: str = sys.ex
     return launcher.build_eval_command(config_path, checkpoint, python)
 
 
-def build_store_command(host: str, port_file: Path, python: str = sys.executable) -> list[str]:
-    return launcher.build_store_command(host, 0, port_file, python)
+def build_store_command(host: str, port_file: Path, python: str = sys.executable, port: int = 0) -> list[str]:
+    """`port` 0: a free one; a store started again takes its old port, which the gang's
+    members hold (they re-form on it, huorn.runtime.train.Trainer.count_joiners)."""
+    return launcher.build_store_command(host, port, port_file, python)
 
 
 def build_agent_command(
