@@ -97,7 +97,9 @@ def test_an_edit_of_the_model_is_refused_while_the_job_runs(
         assert refused.type == "Warning"
         assert refused.message.startswith("spec.model changed after the job started")
         assert "revert spec.model" in refused.message and "task.initCheckpoint" in refused.message
-        assert kube.job_status(NS, "llm")["specChangeRefused"] == refused.message
+        # the Event goes out during the reconcile, the status with its write at the end
+        wait_for(lambda: kube.job_status(NS, "llm").get("specChangeRefused") == refused.message,
+                 what="the refusal in status")
         assert kubelet.deletes() == [] and run_config_of(kube, tmp_path).spec.model.width == width
         # a member replaced meanwhile starts on the architecture the gang runs
         kube.set_pod_phase(NS, "llm-trainer-1", "Failed", exit_code=1)

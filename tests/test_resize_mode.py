@@ -119,7 +119,8 @@ def _pod_command(shape: str, resize: str | None = None) -> list[str]:
     body["metadata"].update(namespace="team", uid="u-1")
     ref = k8s.JobRef.from_body(body)
     g = graph.compile(manifests.load_manifest(body))
-    pod = k8s.build_trainer_pod(ref, g, Instance("trainer", 0), "node-1", body["spec"], "vc")
+    spec = {**body["spec"], "image": "mirror.example/huorn:1"}  # resolved already (operator.images.pin)
+    pod = k8s.build_trainer_pod(ref, g, Instance("trainer", 0), "node-1", spec, "vc")
     return pod["spec"]["containers"][0]["command"]
 
 

@@ -229,13 +229,14 @@ def test_the_share_of_prompt_tokens_from_the_prefix_caches_is_read_over_the_inte
 def test_a_replica_pod_is_pinned_probed_and_reads_its_config() -> None:
     ref = manifests.JobRef("InferenceJob", "chat", "team", "uid-1")
     spec = {"virtualCluster": "serve", "resources": {"gpus": 2}, "model": {"checkpoint": "/m/ckpt"},
-            "checkpoint": {"volume": "models", "path": "/m"}}
+            "checkpoint": {"volume": "models", "path": "/m"},
+            "image": "mirror.example/huorn:1"}  # resolved already (operator.images.pin)
     pod = manifests.build_serve_pod(ref, Instance("server", 1, 2), "b0", spec, "serve")
     container = pod["spec"]["containers"][0]
     assert pod["metadata"]["name"] == "chat-server-1-g2"
     assert pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["b0"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2" and container["image"] == spec["image"]
     assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": manifests.SERVE_PORT}
     assert {"name": "checkpoints", "mountPath": "/m", "readOnly": True} in container["volumeMounts"]
     config = json.loads(manifests.build_serve_config_map(ref, spec)["data"]["config.json"])
