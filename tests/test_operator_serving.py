@@ -318,7 +318,9 @@ def test_a_lower_max_replicas_keeps_the_replicas_that_serve(
     kube.custom.patch_namespaced_custom_object(
         builders.GROUP, builders.VERSION, NS, IJ, "chat", {"spec": {"autoscaling": {"minReplicas": 1,
                                                                                    "maxReplicas": 2}}})
-    wait_for(lambda: sorted(servers(kube, "chat")) == ["server-1", "server-2"], what="the loading one gone")
+    kept = wait_for(lambda: len(servers(kube, "chat")) == 2 and sorted(servers(kube, "chat")),
+                    what="the shrink to two")
+    assert kept == ["server-1", "server-2"], "the replica still loading goes, the serving ones stay"
 
 
 def test_prefix_routing_puts_the_router_in_front_once_ready_and_a_policy_change_replaces_it(

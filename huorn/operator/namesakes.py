@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from huorn.api import kinds
+from huorn.operator import images
 from huorn.operator.context import Context
 from huorn.operator.index import parse_time
 
@@ -33,7 +34,7 @@ async def older_namesake(ctx: Context, body: Mapping[str, Any]) -> str | None:
     Asked only until the job is first admitted (status.image pinned): after that it owns its
     children, and a namesake created later is the one refused."""
     status = body.get("status") or {}
-    if status.get("image") or status.get("phase") in ("Succeeded", "Failed"):  # finished: ran already
+    if status.get("image") or status.get("phase") in images.TERMINAL_PHASES:  # finished: ran already
         return None
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]

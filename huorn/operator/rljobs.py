@@ -111,26 +111,27 @@ def refused_model(job: kinds.RLJob, graph: Graph, old: Mapping[str, Any],
         old.get("lastCheckpoint") or old.get("step"))
     if not isinstance(in_force, dict) or not started:
         return None
-    try:
-        same = training_api.ModelSpec.model_validate(in_force) == job.spec.model
-    except pydantic.ValidationError:
-        return None
-    return None if same else dict(in_force)
+    return dict(in_force) if _holds_spec_model(job, actor) is False else None
 
 
 def _model_follows_spec(job: kinds.RLJob, graph: Graph) -> bool:
     """Set the actor vertex's model to the spec's (the caller has found that allowed); whether it
     changed."""
     actor = graph.vertices.get("actor-train")
-    if actor is None:
+    if actor is None or _holds_spec_model(job, actor):
         return False
+    actor.params = {**actor.params, "model": job.spec.model.to_wire()}
+    return True
+
+
+def _holds_spec_model(job: kinds.RLJob, actor: Vertex | None) -> bool | None:
+    """Whether the actor vertex holds the spec's model; None when what it holds no longer reads as
+    a model (today's API refuses it)."""
     try:
-        same = training_api.ModelSpec.model_validate(actor.params.get("model")) == job.spec.model
+        return training_api.ModelSpec.model_validate((actor.params if actor else {}).get("model")) \
+            == job.spec.model
     except pydantic.ValidationError:
-        same = False
-    if not same:
-        actor.params = {**actor.params, "model": job.spec.model.to_wire()}
-    return not same
+        return None
 
 
 def fit_layout(graph: Graph, layout: rl.RayLayout) -> None:
