@@ -277,6 +277,13 @@ class Trainer:
         else:
             best, negative_rank = max(steps)
             source = -negative_rank
+            if held[self.rank] != best:
+                # The broadcast writes into this process's live tensors. Cut short (the source
+                # lost), they hold a mix of two steps, which must never be handed on as this
+                # step's state: the next round takes it from another member or the checkpoint.
+                # A member already at `best` receives the bytes it holds (the all-reduce gave
+                # every rank the same), so it keeps its claim.
+                self.has_state = False
             _, dcp_state = checkpoint.dcp_modules()  # on first use: a fresh gang never pays for it
             model_state, optim_state = dcp_state.get_state_dict(self.model, self.optimizer)
             tensors = [model_state[k] for k in sorted(model_state)]
