@@ -217,3 +217,43 @@ def test_a_gang_re_forms_on_a_restarted_store_and_a_joiner_meets_it_there(tmp_pa
     again = next(r for r in _regroups(run_dir) if r["reason"] == "store reconnected")
     assert (again["from_world_size"], again["world_size"]) == (2, 2)
     assert sorted(steplog.effective_steps(events)) == list(range(1, steps + 1)), "every step once"
+
+
+@pytest.mark.slow
+def test_a_plan_rejected_just_before_a_join_is_taken_by_the_gang_it_was_written_for(tmp_path: Path) -> None:
+    """The operator writes a micro-batch plan for the gang it is growing, and the plan can reach
+    the trainers a step before the joiner does: the old gang rejects it (one count per rank, and
+    it has fewer ranks). The new gang must read it again, not keep the old gang's verdict."""
+    from huorn.runtime import microbatches
+
+    spec = harness.build_spec(steps=30, interval_steps=10, min_replicas=1)
+    config, store, port = harness.start_paced_gang(tmp_path, spec)
+    run_dir = tmp_path / "run"
+    replicas: dict[int, subprocess.Popen] = {}
+
+    def plans(event: str) -> list[dict]:
+        return [e for e in steplog.read_events(run_dir) if e["event"] == event]
+
+    try:
+        replicas[0] = _start_replica(config, port, 0, tmp_path)
+        harness.wait_for(lambda: steplog.last_step(run_dir) >= 3, 240, "3 steps at world size 1")
+        with harness.held_back(run_dir):
+            microbatches.write_control_file(run_dir, [4, 2], "written for the gang of two", version=1)
+            harness.wait_for(lambda: plans("microbatch-plan-rejected"), 60, "the gang of one's rejection")
+            replicas[1] = _start_replica(config, port, 1, tmp_path)
+            harness.wait_for(lambda: any(r["world_size"] == 2 for r in _regroups(run_dir)), 240,
+                             "the join")
+            harness.wait_for(lambda: plans("microbatch-plan"), 60, "the plan taken by the gang of two")
+        for replica, process in replicas.items():
+            assert process.wait(timeout=300) == 0, (tmp_path / f"r{replica}.log").read_text()[-3000:]
+    finally:
+        for process in replicas.values():
+            launcher.kill_process_tree(process.pid)
+        launcher.kill_process_tree(store.pid)
+
+    taken = plans("microbatch-plan")
+    assert [p["counts"] for p in taken] == [[4, 2]]
+    joined = next(r for r in _regroups(run_dir) if r["world_size"] == 2)
+    assert taken[0]["step"] >= joined["resumed_from"]
+    after = [e for e in steplog.read_events(run_dir) if e["event"] == "step" and e["step"] > taken[0]["step"]]
+    assert after and all(e["microbatches"] == [4, 2] for e in after)

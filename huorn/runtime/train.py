@@ -291,7 +291,7 @@ class Trainer:
             for tensor in tensors:
                 comm.broadcast_tensor(tensor, source, self.device)
             loop = comm.broadcast_object(
-                {"noise": dataclasses.asdict(self.noise), "control_stamp": self.control_stamp,
+                {"noise": dataclasses.asdict(self.noise),
                  "param_groups": optim_state["param_groups"], "pending_save": self.pending_save,
                  "ddk": self.ddk.state() if self.ddk is not None else None}
                 if self.rank == source else None, self.hook_state, src=source)
@@ -301,10 +301,13 @@ class Trainer:
             dcp_state.set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
                                      optim_state_dict=optim_state)
             self.noise = noise_scale.NoiseScale(**loop["noise"])  # type: ignore[index]
-            self.control_stamp = loop["control_stamp"]  # type: ignore[index]
             self.restore_mixture(loop["ddk"])  # type: ignore[index]
             step = best
         self.has_state = True
+        # A new gang reads the control file afresh at its first step: the plan in force was
+        # dropped with the old gang (regroup), and a plan rejected just before the regroup was
+        # most often written for this very gang.
+        self.control_stamp = 0
         return step
 
     # -- bookkeeping ---------------------------------------------------------------------------
