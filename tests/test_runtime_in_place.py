@@ -257,3 +257,28 @@ def test_a_plan_rejected_just_before_a_join_is_taken_by_the_gang_it_was_written_
     assert taken[0]["step"] >= joined["resumed_from"]
     after = [e for e in steplog.read_events(run_dir) if e["event"] == "step" and e["step"] > taken[0]["step"]]
     assert after and all(e["microbatches"] == [4, 2] for e in after)
+
+
+def test_a_regroup_after_the_store_restarted_joins_on_a_new_connection(tmp_path: Path) -> None:
+    """Any regroup (a leave, a lost peer, a join) may be the first to meet a store that restarted
+    in place: the seat's old connection never answers again, and the regroup must form its round
+    on a new one rather than fail the replica."""
+    from huorn.runtime import membership
+
+    store, port = harness.start_store(tmp_path / "store-1")
+    try:
+        gang = membership.Membership(launcher.ElasticSettings(
+            min_nodes=1, max_nodes=1, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="restarted",
+            local_addr="127.0.0.1"))
+        first = gang.next_round()
+        assert (first.rank, first.world) == (0, 1)
+        launcher.kill_process_tree(store.pid)
+        store, _ = launcher.start_store(tmp_path / "store-2", env=harness.child_env(), port=port)
+        seat, again = membership.join_next_round(gang, probe_timeout_s=5.0)
+        assert seat is not gang, "formed on the broken connection"
+        assert (again.rank, again.world) == (0, 1)
+        again.store.set("written", b"on the new store")
+        assert again.store.get("written") == b"on the new store"
+        seat.close()
+    finally:
+        launcher.kill_process_tree(store.pid)

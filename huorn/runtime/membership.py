@@ -25,6 +25,7 @@ state of the last step they all finished.
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,6 +118,21 @@ def init_round_process_group(backend: str, round_: Round, timeout_s: float) -> N
     """The process group of one round, on the rendezvous store under the round's prefix."""
     dist.init_process_group(backend=backend, store=round_.store, rank=round_.rank,
                             world_size=round_.world, timeout=timedelta(seconds=timeout_s))
+
+
+def join_next_round(gang: Membership, probe_timeout_s: float) -> tuple[Membership, Round]:
+    """The gang's next round, on a new store connection where this seat's broke while the store
+    answers a new one (it restarted: c10d's client never reconnects), whatever regroup this is:
+    a leave, a lost peer or a join. Returns the seat the round was formed on, and the round."""
+    try:
+        return gang, gang.next_round()
+    except Exception as error:  # RendezvousConnectionError, DistStoreError
+        if not store_answers(gang.settings.rdzv_endpoint, timeout_s=probe_timeout_s):
+            raise
+        print(f"huorn: the rendezvous store dropped this member's connection ({error}); joining "
+              "on a new one", file=sys.stderr, flush=True)
+        gang = gang.reconnected()
+        return gang, gang.next_round()
 
 
 def store_answers(endpoint: str, timeout_s: float = 5.0) -> bool:

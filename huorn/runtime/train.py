@@ -203,18 +203,7 @@ class Trainer:
     def join_round(self) -> tuple[int, int]:
         """Block until the gang's next rendezvous round forms, and make its process group."""
         assert self.gang is not None
-        try:
-            round_ = self.gang.next_round()
-        except Exception as error:  # RendezvousConnectionError, DistStoreError
-            # Whatever regroup this is (a leave, a lost peer, a join): a store that restarted
-            # answers new connections only.
-            endpoint = self.gang.settings.rdzv_endpoint
-            if not membership.store_answers(endpoint, timeout_s=STORE_PROBE_TIMEOUT_S):
-                raise
-            print(f"huorn: the rendezvous store dropped this member's connection ({error}); joining "
-                  "on a new one", file=sys.stderr, flush=True)
-            self.gang = self.gang.reconnected()
-            round_ = self.gang.next_round()
+        self.gang, round_ = membership.join_next_round(self.gang, STORE_PROBE_TIMEOUT_S)
         membership.init_round_process_group(self.backend, round_, self.cfg.collective_timeout_s)
         if self.backend == "nccl":  # gloo raises on a lost peer itself (and cannot abort a wait)
             self.watch = self.gang.watch(round_, self._peer_lost, self.cfg.peer_timeout_s)
