@@ -119,6 +119,40 @@ def test_a_joining_and_a_killed_replica_keep_the_run_exact(tmp_path: Path) -> No
           f"lost steps: {killed_step - resumed}; max |Δloss| vs uninterrupted: {worst:.2e}")
 
 
+@pytest.mark.slow
+def test_a_peers_graceful_leave_spends_none_of_the_survivors_restarts(tmp_path: Path) -> None:
+    """The survivors of a leave exit RESTART_EXIT to re-rendezvous; torch's agent counts that as a
+    failure. With no restarts to spare, the survivor's agent then failed (its pod Failed on a
+    routine shrink). A leave is a membership change, like a join, and must cost nothing."""
+    import dataclasses
+    import signal
+
+    steps = 30
+    spec = harness.build_spec(steps=steps, interval_steps=5, min_replicas=1)
+    config, store, port = harness.start_paced_gang(tmp_path, spec)
+    run_dir = tmp_path / "run"
+    agents: dict[int, subprocess.Popen] = {}
+    try:
+        for replica in (0, 1):
+            settings = dataclasses.replace(_settings(port, replica, min_nodes=1), max_restarts=0)
+            log = tmp_path / f"agent{replica}.log"
+            agents[replica] = harness.start_agent(config, settings, f"r{replica}", log)
+        harness.wait_for(lambda: _last_step(run_dir) >= 4 and harness.split_attempts(
+            harness.read_events(run_dir))[-1]["start"]["world_size"] == 2, 240, "steps at world size 2")
+        agents[1].send_signal(signal.SIGTERM)
+        assert agents[1].wait(timeout=120) != 0  # a pod deleted by someone: see train.LEFT_EXIT
+        assert agents[0].wait(timeout=300) == 0, (tmp_path / "agent0.log").read_text()[-3000:]
+    finally:
+        for agent in agents.values():
+            launcher.kill_process_tree(agent.pid)
+        launcher.kill_process_tree(store.pid)
+
+    attempts = harness.split_attempts(harness.read_events(run_dir))
+    assert [a["start"]["world_size"] for a in attempts][-2:] == [2, 1]
+    assert attempts[-1]["start"]["resumed_from"] == attempts[-2]["steps"][-1]["step"], "nothing lost"
+    assert sorted(harness.effective_steps(harness.read_events(run_dir))) == list(range(1, steps + 1))
+
+
 def test_effective_history_drops_steps_lost_with_a_crash() -> None:
     def step(n: int, loss: float) -> dict:
         return {"event": "step", "step": n, "loss": loss}

@@ -55,6 +55,33 @@ def _fork_is_clean() -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
+def _count_leaves_as_membership_changes() -> None:
+    """Make the agents that elastic_launch builds refund the restart a peer's leave costs.
+
+    A replica that leaves gracefully (its pod deleted to shrink the gang) checkpoints with the
+    others, which then exit RESTART_EXIT to re-rendezvous without it. To torch's agent that exit is
+    a worker failure, and each one spends one of `--max-restarts`: a long job resized a hundred
+    times had its pods fail on the next leave, and a job at its restart budget failed on a
+    routine shrink. A join, the same change the other way round, costs none (torch: "membership
+    changes do not count as retries"); a leave now costs none either. Any other exit code, or a
+    mix, still counts."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher import api as launcher_api
+
+    from huorn.runtime import train
+
+    class MembershipAwareAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+            result = super()._monitor_workers(worker_group)
+            failures = result.failures.values() if result.state == WorkerState.FAILED else ()
+            if failures and all(f.exitcode == train.RESTART_EXIT for f in failures):
+                self._remaining_restarts += 1  # _invoke_run takes it back for the restart
+            return result
+
+    launcher_api.LocalElasticAgent = MembershipAwareAgent  # type: ignore[misc]
+
+
 def run_trainer(*argv: str) -> None:
     """One worker: the trainer's main on its command line. Exit codes other than 0 leave through
     SystemExit, which torch's worker wrapper lets through as the process's exit code."""
@@ -106,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     # fork (workers inherit the setting, which only changes how torch.cuda.is_available() asks)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     _warm()
+    _count_leaves_as_membership_changes()
     refused = _refusal(list(args.training_script_args))
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr, flush=True)
