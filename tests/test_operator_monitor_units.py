@@ -14,7 +14,7 @@ from huorn.api import kinds
 from huorn.backends import monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import compiler, mutate, serialise
-from huorn.operator import context, cordon, index, loans, monitoring, queue, training
+from huorn.operator import context, cordon, index, loans, monitoring, training
 from huorn.runtime import telemetry as runtime_telemetry
 from huorn.scheduler import loaning
 
@@ -102,20 +102,6 @@ def test_demand_counts_only_the_lenders_inference_jobs() -> None:
     for n, job in enumerate(jobs):
         cluster_index.observe_inference_job({"metadata": {"namespace": "team", "name": f"j{n}"}, **job})
     assert cluster_index.demand_of("serve") == 7
-
-
-def test_growth_leaves_the_gpus_that_jobs_waiting_in_line_need() -> None:
-    ctx = context.Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
-    ctx.index.nodes["a0"] = index.NodeRecord("a0", 8, {"pool": "a"})
-    ctx.index.vcs["train"] = {"members": {"nodeSelector": {"matchLabels": {"pool": "a"}}}}
-    assert monitoring.count_slots(ctx, "train", replicas=1, gpus=2, job=("team", "grower")) == 5
-    ctx.queue.record(queue.QueuedJob("team", "waiter", "train", 10, 0.0, gpus=3, missing=2))
-    ctx.queue.record(queue.QueuedJob("team", "elsewhere", "serve", 90, 0.0, gpus=8, missing=1))
-    ctx.queue.record(queue.QueuedJob("team", "placed", "train", 90, 0.0, gpus=8, missing=0))
-    # 8 free, 6 owed to the waiter: one more replica of 2 GPUs, whatever the priorities.
-    assert monitoring.count_slots(ctx, "train", replicas=1, gpus=2, job=("team", "grower")) == 2
-    # A job's own missing replicas are not owed to itself.
-    assert monitoring.count_slots(ctx, "train", replicas=1, gpus=3, job=("team", "waiter")) == 3
 
 
 def test_a_planned_preemption_becomes_a_shrink_only_when_a_shrink_covers_the_need() -> None:

@@ -28,6 +28,10 @@ class GoodputPolicy:
     slots: int  # replicas this backend can run at once
     global_batch: float
     vertex: str = "trainer"
+    # GPUs per replica, for the arbiter's placement (step records count replicas already: the
+    # operator's observation divides the ranks by the GPUs of a pod)
+    gpus_per_replica: int = 1
+    priority: int = 50  # among the other jobs an arbiter weighs it with
     perf: perfmodel.PerfModel = field(
         default_factory=lambda: perfmodel.PerfModel("transformer-tiny", params_b=0.001, gpu_type="cpu")
     )
@@ -46,7 +50,12 @@ class GoodputPolicy:
     # (41 s of work) did not pay 20 s for a second replica, and the main demo stayed at one.
     in_place: bool = False
     clock: Callable[[], float] = time.time
+    # Decides for the job among others: (this job's view, now) → its decision. The operator's
+    # runs the allocator over every elastic job of the cluster at once (huorn.operator.allocation);
+    # None: the job alone on `slots`, as a local run has it.
+    arbiter: Callable[[allocator.JobView, float], allocator.Decision] | None = None
     noise_scale: float = 0.0
+    view: allocator.JobView | None = None  # the job as the allocator last saw it (the arbiter's peers)
     last_decision: allocator.Decision | None = None
     _last_step: int = 0
     _times: dict[int, list[float]] = field(default_factory=dict)
@@ -81,7 +90,8 @@ class GoodputPolicy:
             name=self.job,
             virtual_cluster=self.virtual_cluster,
             perf=self.perf,
-            gpus_per_replica=1,
+            gpus_per_replica=self.gpus_per_replica,
+            priority=self.priority,
             min_replicas=v.min_replicas,
             max_replicas=v.max_replicas,
             replicas=v.replicas,
@@ -97,11 +107,15 @@ class GoodputPolicy:
             remaining_work=(max(self.total_steps - step, 0) * self.global_batch
                             if self.total_steps is not None else None),
         )
-        snap = snapshot.ClusterSnapshot(
-            [placement.NodeView("local", self.slots, self.slots, virtual_cluster=self.virtual_cluster)],
-            [snapshot.VirtualClusterView(self.virtual_cluster)],
-        )
-        (decision,) = self.decider.allocate(snap, [job], now)
+        self.view = job
+        if self.arbiter is not None:
+            decision = self.arbiter(job, now)
+        else:
+            snap = snapshot.ClusterSnapshot(
+                [placement.NodeView("local", self.slots, self.slots, virtual_cluster=self.virtual_cluster)],
+                [snapshot.VirtualClusterView(self.virtual_cluster)],
+            )
+            (decision,) = self.decider.allocate(snap, [job], now)
         self.last_decision = decision
         if decision.replicas == v.replicas or not v.min_replicas <= decision.replicas <= v.max_replicas:
             return []

@@ -105,6 +105,9 @@ class Context:
     # The monitor's per-job policies (detector history, learned perf model). Memory only: a
     # restarted operator relearns them, and every decision they took is already in status.
     monitors: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # The goodput allocator every monitor's decision comes from (huorn.operator.allocation), by
+    # the node size it predicts spans with; its tables are a cache of the monitors' models.
+    allocators: dict[int, Any] = field(default_factory=dict)
     # Each inference cluster's prediction board (huorn.operator.board.BoardState). Memory only:
     # its history is Prometheus's, read again at the first tick.
     boards: dict[str, Any] = field(default_factory=dict)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +28,18 @@ from huorn.api.training import declared_steps
 from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import jobs, model, mutate, serialise
-from huorn.operator import conditions, cordon, daemons, estimates, evaluation, training, validation
+from huorn.operator import (
+    allocation,
+    conditions,
+    cordon,
+    daemons,
+    estimates,
+    evaluation,
+    training,
+    validation,
+)
 from huorn.operator.context import Context
+from huorn.scheduler import allocator
 from huorn.scheduler.remediation import policy
 
 logger = logging.getLogger("huorn.operator.monitor")
@@ -57,10 +67,13 @@ class JobPolicies:
         return [p for p in (self.remediation, self.goodput) if p is not None]
 
 
-def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = None) -> JobPolicies:
+def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = None,
+                   arbiter: Callable[[allocator.JobView, float], allocator.Decision] | None = None
+                   ) -> JobPolicies:
     """A job's policies; with its graph, the remediation ladder takes up an S2/S3 plan the trainers
     hold (policy.RemediationPolicy.resume): a restarted operator, or one rebuilding them for an
-    edited spec, must still give the even split back once the slowdown ends."""
+    edited spec, must still give the even split back once the slowdown ends. `arbiter`: where the
+    goodput policy's decision comes from (allocation.arbiter_for: one allocation over every job)."""
     spec = job.spec
     total = declared_steps(spec)
     grow = None
@@ -68,6 +81,7 @@ def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = N
         grow = goodput.GoodputPolicy(
             job=job.metadata.name, virtual_cluster=spec.virtual_cluster, slots=0,
             global_batch=float(spec.optimization.global_batch), total_steps=total,
+            gpus_per_replica=spec.resources.gpus, priority=spec.priority, arbiter=arbiter,
         )
     remediation = policy.RemediationPolicy(spec.remediation)
     trainer = graph.vertices.get("trainer") if graph is not None else None
@@ -82,20 +96,9 @@ def _policies_for(ctx: Context, body: Mapping[str, Any], job: Any, graph: model.
     key = (str(meta.get("uid", "")), int(meta.get("generation") or 0))
     found = ctx.monitors.get((meta["namespace"], meta["name"]))
     if found is None or found.key != key:
-        found = build_policies(job, key, graph)
+        found = build_policies(job, key, graph, allocation.arbiter_for(ctx, meta["namespace"], meta["name"]))
         ctx.monitors[(meta["namespace"], meta["name"])] = found
     return found
-
-
-def count_slots(ctx: Context, virtual_cluster: str, replicas: int, gpus: int,
-                job: tuple[str, str] | None = None) -> int:
-    """Replicas the job could run now: its own plus what the free GPUs of its VC hold, less what
-    the jobs waiting in that VC's line need. Growth is an extra, and every waiting gang's minimum
-    comes before extras, as in the allocator's first pass."""
-    free = ctx.index.build_snapshot().free(virtual_cluster)
-    owed = sum(w.missing * w.gpus for w in ctx.queue.waiting()
-               if w.virtual_cluster == virtual_cluster and w.key != job)
-    return replicas + max(0, free - owed) // max(1, gpus)
 
 
 def record_ladder(graph: model.Graph, state: JobPolicies) -> list[model.Mutation]:
@@ -194,8 +197,6 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
             state.last_step = int(observation.steps[-1]["step"])
         if state.goodput is not None:
             trainer = graph.vertex("trainer")
-            state.goodput.slots = count_slots(ctx, job.spec.virtual_cluster, trainer.replicas, gpus,
-                                              (namespace, name))
             state.goodput.in_place = jobs.resizes_in_place(trainer)  # a resize's price
         # The eval vertex's inputs for the shared managers: a checkpoint it was not handed yet,
         # and eval pods that ended (read under the lock, against the graph as it is now).

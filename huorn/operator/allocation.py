@@ -1,0 +1,128 @@
+"""Goodput growth for every elastic job of the cluster at once: the allocator the simulator runs.
+
+Each TrainingJob's monitor used to run the allocator for its job alone, on the free GPUs of its own
+virtual cluster. Two goodput jobs in one cluster then raced: whichever monitor ticked first took
+every free GPU, however little they were worth to it and however much to the other, and none of
+what makes the allocator Huorn's (goodput per GPU across jobs, the JCT weights, admission by value,
+the borrowing and lending budgets) ever applied in a cluster.
+
+Now a monitor's decision is its job's part of one allocation over every job the operator watches
+with the goodput policy, on the cluster's real snapshot: the same `Allocator.allocate`, with the
+same settings (`allocator.HUORN`), as `huorn simulate`'s Huorn. Each monitor applies only its own
+job's part, so the jobs need no coordination beyond this process's memory: a peer's view is the
+one its own monitor built at its last decision, and every job's size and span is read from the
+pods, not from that view. A restarted operator simply has no peers until their monitors decide
+again, one period later.
+
+What others are owed comes first: the GPUs that gangs waiting in line still need (their missing
+replicas) are held back from growth, as the reconcile's admission order holds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+from huorn.operator import index
+from huorn.operator.context import Context
+from huorn.scheduler import allocator, placement, snapshot
+
+TRAINER = "trainer"
+WAITING = "waiting-in-line"  # the binding that holds what waiting gangs need, per virtual cluster
+OTHER_PODS = "other-pods"  # a job's pods that are not trainers (an eval): held, never decided on
+
+
+def job_key(namespace: str, name: str) -> str:
+    """The snapshot's name for a job (index.ClusterIndex.build_snapshot binds jobs under it)."""
+    return f"{namespace}/{name}"
+
+
+def rebind_trainers(snap: snapshot.ClusterSnapshot, key: str, pods: Iterable[index.PodRecord],
+                    gpus_per_replica: int) -> int:
+    """Bind a job's trainer pods as one replica each, and anything else it holds (an eval pod)
+    under a name of its own that no decision touches. The index binds one "replica" per GPU,
+    whatever the pod; the allocator reads a running gang's size and span from its binding.
+    Returns the trainer replicas bound."""
+    binding = snap.bindings().get(key)
+    if binding is None:
+        return 0
+    snap.forget(key)
+    trainers = [p for p in pods if p.vertex == TRAINER and p.node and p.gpus == gpus_per_replica
+                and p.holds_resources and p.node in binding.gpus_by_node]
+    if trainers:
+        snap.assume(key, binding.virtual_cluster, placement.Placement([p.node for p in trainers]),
+                    gpus_per_replica)
+    rest = dict(binding.gpus_by_node)
+    for p in trainers:
+        rest[p.node] -= gpus_per_replica
+    others = [node for node, gpus in sorted(rest.items()) for _ in range(gpus)]
+    if others:
+        snap.assume(f"{key}/{OTHER_PODS}", binding.virtual_cluster, placement.Placement(others), 1)
+    return len(trainers)
+
+
+def hold_for_waiting(snap: snapshot.ClusterSnapshot, owed: dict[str, int]) -> None:
+    """Take the GPUs each virtual cluster's waiting gangs still need off its own free GPUs: growth
+    is an extra, and every waiting gang's minimum comes before extras."""
+    for vc, gpus in sorted(owed.items()):
+        gpus = min(gpus, snap.free(vc))
+        if gpus <= 0 or vc not in {v.name for v in snap.virtual_clusters()}:
+            continue
+        where = snap.place(vc, gpus, 1, borrow=False)
+        if isinstance(where, placement.Placement):
+            snap.assume(f"{WAITING}/{vc}", vc, where, 1)
+
+
+def gpus_per_node(snap: snapshot.ClusterSnapshot) -> int:
+    """What a gang spans is predicted from the largest node (the allocator's table assumes perfect
+    packing onto nodes of this size)."""
+    return max((n.gpus_total for n in snap.node_views()), default=8) or 8
+
+
+def decide(decider: allocator.Allocator, snap: snapshot.ClusterSnapshot, me: allocator.JobView,
+           peers: list[allocator.JobView], now: float) -> allocator.Decision:
+    """`me`'s part of one allocation over `me` and its peers (views named by job_key, bound on
+    `snap` with their trainer replicas, their `replicas` what is bound)."""
+    jobs = [me] + [p for p in peers if p.name != me.name]
+    by_name = {d.job: d for d in decider.allocate(snap, jobs, now)}
+    return by_name[me.name]
+
+
+def with_size(view: allocator.JobView, name: str, replicas: int) -> allocator.JobView:
+    """A view under the snapshot's name for its job, at the size its pods have now: a peer's view
+    is from its monitor's last tick, and a reconcile may have grown or shrunk it since."""
+    return dataclasses.replace(view, name=name, replicas=replicas)
+
+
+def arbiter_for(ctx: Context, namespace: str, name: str
+                ) -> Callable[[allocator.JobView, float], allocator.Decision]:
+    """The job's GoodputPolicy.arbiter: its part of an allocation over every job whose monitor
+    has decided with the goodput policy, on the cluster as the index mirrors it now."""
+    me = (namespace, name)
+
+    def arbitrate(view: allocator.JobView, now: float) -> allocator.Decision:
+        snap = ctx.index.build_snapshot()
+        key = job_key(namespace, name)
+        rebind_trainers(snap, key, ctx.index.pods_of(namespace, name), view.gpus_per_replica)
+        mine = with_size(view, key, view.replicas)  # the graph's size: what a resize starts from
+        peers: list[allocator.JobView] = []
+        for (ns, job), state in sorted(ctx.monitors.items()):
+            seen = getattr(getattr(state, "goodput", None), "view", None)
+            if (ns, job) == me or seen is None:
+                continue
+            bound = rebind_trainers(snap, job_key(ns, job), ctx.index.pods_of(ns, job), seen.gpus_per_replica)
+            if bound:  # a job with no trainer running has nothing to decide
+                peers.append(with_size(seen, job_key(ns, job), bound))
+        owed: dict[str, int] = {}
+        for w in ctx.queue.waiting():
+            if w.key != me:
+                owed[w.virtual_cluster] = owed.get(w.virtual_cluster, 0) + w.missing * w.gpus
+        hold_for_waiting(snap, owed)
+        size = gpus_per_node(snap)
+        decider = ctx.allocators.get(size)
+        if decider is None:
+            decider = ctx.allocators[size] = allocator.Allocator(
+                dataclasses.replace(allocator.HUORN, gpus_per_node=size))
+        return dataclasses.replace(decide(decider, snap, mine, peers, now), job=view.name)
+
+    return arbitrate

@@ -1,0 +1,96 @@
+"""The operator's goodput decisions: one allocation over every elastic job it watches, on the
+cluster its index mirrors (huorn.operator.allocation), not each job alone on its free GPUs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from huorn.backends import goodput
+from huorn.operator import allocation, context, index, queue
+from huorn.scheduler import allocator, perfmodel
+
+SCALES_WELL = perfmodel.PolluxParams(0.01, 0.01, 0.01, 0.0005, 0.05, 0.002, 3.0)
+SCALES_BADLY = perfmodel.PolluxParams(0.01, 0.001, 0.3, 0.05, 1.0, 0.2, 1.0)
+
+
+def build_ctx(gpus: int = 8) -> context.Context:
+    ctx = context.Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
+    ctx.index.nodes["a0"] = index.NodeRecord("a0", gpus, {"pool": "a"})
+    ctx.index.vcs["train"] = {"members": {"nodeSelector": {"matchLabels": {"pool": "a"}}}}
+    return ctx
+
+
+def run_pods(ctx: context.Context, job: str, replicas: int, gpus: int = 1, vertex: str = "trainer") -> None:
+    for i in range(replicas):
+        name = f"{job}-{vertex}-{i}"
+        ctx.index.pods[("t", name)] = index.PodRecord("t", name, job, vertex, f"{vertex}-{i}", "a0", gpus, 0,
+                                                      "train", phase="Running")
+
+
+def watch(ctx: context.Context, job: str, params: perfmodel.PolluxParams, replicas: int,
+          gpus: int = 1, **kw: object) -> allocator.JobView:
+    """A running goodput job whose monitor has decided once: its view is what peers see."""
+    run_pods(ctx, job, replicas, gpus)
+    view = allocator.JobView(job, "train", perf=perfmodel.PerfModel("transformer", prior=params),
+                             gpus_per_replica=gpus, min_replicas=1, max_replicas=8, replicas=replicas,
+                             noise_scale=4096.0, base_batch=32.0, **kw)  # type: ignore[arg-type]
+    policy = goodput.GoodputPolicy(job=job, virtual_cluster="train", slots=0, global_batch=32.0)
+    policy.view = view
+    ctx.monitors[("t", job)] = SimpleNamespace(goodput=policy)
+    return view
+
+
+def test_free_gpus_go_to_the_job_that_gains_most_whichever_monitor_decides_first() -> None:
+    """Before, a monitor ran the allocator for its job alone: the poor scaler, ticking first,
+    took all six free GPUs."""
+    ctx = build_ctx()
+    poor, strong = watch(ctx, "poor", SCALES_BADLY, 1), watch(ctx, "strong", SCALES_WELL, 1)
+    first = allocation.arbiter_for(ctx, "t", "poor")(poor, 0.0)
+    second = allocation.arbiter_for(ctx, "t", "strong")(strong, 0.0)
+    assert (first.job, second.job) == ("poor", "strong")
+    assert second.replicas > first.replicas >= 1
+    assert first.replicas + second.replicas <= 8
+    # The same split, whichever asks: each monitor applies its part of one allocation.
+    reference = {d.job: d.replicas for d in allocator.Allocator(allocator.HUORN).allocate(
+        _bound(ctx), [_named(poor), _named(strong)], 0.0)}
+    assert (first.replicas, second.replicas) == (reference["t/poor"], reference["t/strong"])
+
+
+def _named(view: allocator.JobView) -> allocator.JobView:
+    return allocator.JobView(**{**vars(view), "name": allocation.job_key("t", view.name)})
+
+
+def _bound(ctx: context.Context) -> object:
+    snap = ctx.index.build_snapshot()
+    for (ns, job), state in ctx.monitors.items():
+        allocation.rebind_trainers(snap, allocation.job_key(ns, job), ctx.index.pods_of(ns, job),
+                                   state.goodput.view.gpus_per_replica)
+    return snap
+
+
+def test_growth_leaves_the_gpus_that_gangs_waiting_in_line_need() -> None:
+    ctx = build_ctx()
+    grower = watch(ctx, "grower", SCALES_WELL, 1)
+    decide = allocation.arbiter_for(ctx, "t", "grower")
+    assert decide(grower, 0.0).replicas > 3
+    ctx.queue.record(queue.QueuedJob("t", "waiter", "train", 10, 0.0, gpus=3, missing=2))
+    ctx.queue.record(queue.QueuedJob("t", "elsewhere", "serve", 90, 0.0, gpus=8, missing=1))
+    # 7 free, 6 owed to the waiter: one more replica at most, whatever the priorities.
+    assert decide(grower, 0.0).replicas <= 2
+    # A job's own missing replicas are not owed to itself.
+    ctx.queue.record(queue.QueuedJob("t", "grower", "train", 10, 0.0, gpus=1, missing=3))
+    ctx.queue.forget("t", "waiter")
+    assert decide(grower, 0.0).replicas > 3
+
+
+def test_a_gang_of_multi_gpu_pods_is_bound_one_replica_per_pod_and_its_eval_stays_held() -> None:
+    ctx = build_ctx()
+    view = watch(ctx, "wide", SCALES_WELL, 2, gpus=2)
+    run_pods(ctx, "wide", 1, gpus=1, vertex="eval")
+    snap = ctx.index.build_snapshot()
+    assert allocation.rebind_trainers(snap, "t/wide", ctx.index.pods_of("t", "wide"), 2) == 2
+    assert snap.bindings()["t/wide"].gpus_by_node == {"a0": 4}
+    assert snap.free("train") == 3, "the eval pod's GPU is still held"
+    decision = allocation.arbiter_for(ctx, "t", "wide")(view, 0.0)
+    assert decision.replicas in (2, 3), "3 free GPUs hold one more pod of 2, not three of 1"
+
