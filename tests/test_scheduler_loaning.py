@@ -70,6 +70,21 @@ def test_victims_minimise_lost_work_and_prefer_shrinking() -> None:
     assert at_min.lost_gpu_seconds == pytest.approx(3000 * 4 + 120 * 4)
 
 
+
+def test_a_shrink_is_priced_at_the_replicas_it_would_really_give_back() -> None:
+    """A big gang's average over its whole shrinkable amount is cheap, but asked for one GPU it
+    gives one replica, and its fifteen staying replicas each pay a restart."""
+    big = loaning.LoanView("big", 8, 16, 1, seconds_since_checkpoint=0, checkpoint_seconds=10,
+                           restart_seconds=60)
+    small = loaning.LoanView("small", 1, 2, 1, seconds_since_checkpoint=0, checkpoint_seconds=10,
+                             restart_seconds=61)
+    (reclaim,) = loaning.plan_reclaim(LENDER, 1, [big, small], now=0.0, why="jump")
+    assert (reclaim.job, reclaim.action, reclaim.replicas_released) == ("small", "shrink", 1)
+    assert reclaim.lost_gpu_seconds == pytest.approx(10 * 2 + 61 * 1)
+    # Asked for all eight, the big gang's shrink is the cheaper way after all.
+    plan = loaning.plan_reclaim(LENDER, 8, [big, small], now=0.0, why="jump")
+    assert [(r.job, r.action, r.gpus_released) for r in plan] == [("big", "shrink", 8)]
+
 @st.composite
 def loan_sets(draw: st.DrawFn) -> list[loaning.LoanView]:
     loans = []

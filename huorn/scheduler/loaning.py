@@ -76,43 +76,52 @@ def plan_reclaim(
     """Choose victims that give back at least `gpus_wanted` GPUs at the least lost work.
 
     Returns fewer GPUs than asked only when the loans cannot cover it (pinned borrowers); the
-    caller sees that from the sum. Greedy by lost GPU-seconds per GPU returned, which is optimal
-    when every option releases what it offers and close to it otherwise.
+    caller sees that from the sum. Greedy by lost GPU-seconds per GPU still wanted, each option
+    priced at the replicas it would release now.
     """
     if gpus_wanted <= 0:
         return []
     grace = lender.reclaim_grace_seconds
-    options: list[tuple[float, LoanView, bool]] = []
-    for loan in loans:
-        if loan.priority >= PINNED_PRIORITY or loan.replicas_on_lender <= 0:
-            continue
-        shrinkable = min(loan.replicas_on_lender, loan.replicas_total - loan.min_replicas)
-        if shrinkable > 0:
-            lost, _ = _lost(loan, shrinkable, False, grace)
-            options.append((lost / (shrinkable * loan.gpus_per_replica), loan, False))
-        lost, _ = _lost(loan, loan.replicas_on_lender, True, grace)
-        options.append((lost / (loan.replicas_on_lender * loan.gpus_per_replica), loan, True))
-    options.sort(key=lambda o: (o[0], o[1].job, o[2]))
+    candidates = [loan for loan in loans
+                  if loan.priority < PINNED_PRIORITY and loan.replicas_on_lender > 0]
     chosen: dict[str, Reclaim] = {}
     left = gpus_wanted
-    for _, loan, preempt in options:
-        if left <= 0:
-            break
-        earlier = chosen.get(loan.job)
-        if earlier is not None and not preempt:
-            continue
+    while left > 0:
+        # Each option is priced at the size it would really take now: a shrink releases only the
+        # replicas still wanted, and every replica that stays pays a restart. Ranked at the full
+        # shrinkable amount instead, a big gang's cheap average hid the price of the one replica
+        # it would actually give (16 replicas shrunk by one lose 1,060 GPU-s against 81 for a gang
+        # of two).
+        best: tuple[float, str, bool, int, float, bool] | None = None
+        for loan in candidates:
+            earlier = chosen.get(loan.job)
+            if earlier is not None and earlier.action == "preempt":
+                continue
+            shrinkable = min(loan.replicas_on_lender, loan.replicas_total - loan.min_replicas)
+            options = [(True, loan.replicas_on_lender)]
+            if earlier is None and shrinkable > 0:
+                options.append((False, min(shrinkable, math.ceil(left / loan.gpus_per_replica))))
+            for preempt, replicas in options:
+                lost, graceful = _lost(loan, replicas, preempt, grace)
+                gpus = replicas * loan.gpus_per_replica
+                more_lost = lost - (earlier.lost_gpu_seconds if earlier else 0.0)
+                more_gpus = gpus - (earlier.gpus_released if earlier else 0)
+                if more_gpus <= 0:
+                    continue
+                price = more_lost / min(more_gpus, left)
+                key = (price, loan.job, preempt, replicas, lost, graceful)
+                if best is None or key < best:
+                    best = key
+        if best is None:
+            break  # only pinned borrowers hold the rest
+        _, job, preempt, replicas, lost, graceful = best
+        earlier = chosen.get(job)
         if earlier is not None:
             left += earlier.gpus_released  # a shrink that was not enough becomes a preemption
-        if preempt:
-            replicas = loan.replicas_on_lender
-        else:
-            cap = min(loan.replicas_on_lender, loan.replicas_total - loan.min_replicas)
-            replicas = min(cap, math.ceil(left / loan.gpus_per_replica))
-        lost, graceful = _lost(loan, replicas, preempt, grace)
-        gpus = replicas * loan.gpus_per_replica
-        chosen[loan.job] = Reclaim(
-            loan.job, "preempt" if preempt else "shrink", replicas, gpus, now, now + grace, graceful, lost,
-            f"{lender.name} reclaims {gpus_wanted} GPU(s) ({why}); {loan.job} gives back {gpus} "
+        gpus = replicas * next(loan.gpus_per_replica for loan in candidates if loan.job == job)
+        chosen[job] = Reclaim(
+            job, "preempt" if preempt else "shrink", replicas, gpus, now, now + grace, graceful, lost,
+            f"{lender.name} reclaims {gpus_wanted} GPU(s) ({why}); {job} gives back {gpus} "
             f"losing {lost:.0f} GPU-s, the least of the borrowers")
         left -= gpus
     return list(chosen.values())
