@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 
@@ -134,7 +135,8 @@ def job_mixes(draw: st.DrawFn) -> tuple[snapshot.ClusterSnapshot, list[allocator
 CONFIGS = {"pollux-p1": allocator.AllocatorConfig(),
            "pollux-p-1": allocator.AllocatorConfig(fairness_p=-1.0),
            "pollux-p-1-fair": allocator.AllocatorConfig(fairness_p=-1.0, speedup_reference="fair_share"),
-           "huorn": allocator.HUORN}
+           "huorn": allocator.HUORN,
+           "huorn-keep-replicas": dataclasses.replace(allocator.HUORN, keep_replicas=True)}
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -431,3 +433,38 @@ def test_fair_share_reference_is_pollux_speedup_over_an_equal_share() -> None:
     assert split("fair_share", 16) == split("min", None)
     with pytest.raises(ValueError, match="speedup_reference"):
         allocator.AllocatorConfig(speedup_reference="median")
+
+
+KEEPING = dataclasses.replace(allocator.HUORN, keep_replicas=True)
+
+
+def _bind(snap: snapshot.ClusterSnapshot, job: allocator.JobView, nodes: list[str]) -> None:
+    from huorn.scheduler import placement
+
+    snap.assume(job.name, job.virtual_cluster, placement.Placement(nodes), job.gpus_per_replica)
+
+
+def test_keep_replicas_grows_a_gang_around_the_replicas_it_has() -> None:
+    """The operator keeps a gang's pods and places only the new ones, and a resize in place needs
+    the staying processes where they run; placed afresh, a grown gang could land elsewhere."""
+    snap = build_snapshot(train_nodes=3)
+    job = build_job("grower", replicas=2, max_replicas=8)
+    filler = build_job("filler", min_replicas=4, max_replicas=4, replicas=4, priority=100)
+    _bind(snap, job, ["t2", "t2"])
+    _bind(snap, filler, ["t0"] * 4)
+    decisions = allocator.Allocator(KEEPING).allocate(snap, [job, filler], 0.0)
+    grown = next(d for d in decisions if d.job == "grower")
+    assert grown.action == "grow" and grown.replicas > 2
+    assert grown.assignments.count("t2") >= 2, "its replicas stay on t2"
+    assert Counter(grown.assignments)["t2"] == min(8, grown.replicas), "new ones beside them first"
+
+
+def test_keep_replicas_shrinks_a_borrower_by_its_replicas_on_the_lender_first() -> None:
+    """maxReplicas lowered to 8 under a gang of 10, two of them on a lender: placed afresh, the
+    eight that stay were packed onto one empty node, moving all of them."""
+    snap = build_snapshot(train_nodes=3, infer_nodes=1, lend=8, borrow=8)
+    job = build_job("borrower", replicas=10, max_replicas=8, min_replicas=1)
+    _bind(snap, job, ["t0"] * 4 + ["t1"] * 4 + ["i0"] * 2)
+    (shrunk,) = allocator.Allocator(KEEPING).allocate(snap, [job], 0.0)
+    assert (shrunk.action, shrunk.replicas) == ("shrink", 8)
+    assert Counter(shrunk.assignments) == {"t0": 4, "t1": 4}, "the lender's replicas went, the others stayed"

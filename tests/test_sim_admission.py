@@ -36,26 +36,50 @@ def handed_over(policy: str, monkeypatch: pytest.MonkeyPatch) -> list[Call]:
     return calls
 
 
+def _minimum(view: allocator.JobView) -> int:
+    return view.min_replicas * view.gpus_per_replica
+
+
+def _passed_over_only_for_smaller_jobs(given: list[allocator.JobView], left_out: list[allocator.JobView],
+                                       key: object) -> int:
+    """Check the cut (policies._could_start): a job left out ahead of one handed over, in the
+    admission order `key`, needed more GPUs than that job (it did not fit the room left at its
+    turn, which can only shrink). Returns how many such pass-overs there were."""
+    order = sorted(given + left_out, key=key)  # type: ignore[arg-type]
+    handed = {v.name for v in given}
+    passed = 0
+    for i, job in enumerate(order):
+        if job.name in handed:
+            continue
+        for later in order[i + 1:]:
+            if later.name in handed:
+                assert _minimum(job) > _minimum(later), (job.name, later.name)
+                passed += 1
+    return passed
+
+
 def test_huorn_sees_the_shortest_pending_jobs_not_the_oldest(monkeypatch: pytest.MonkeyPatch) -> None:
-    cut = [c for c in handed_over("huorn", monkeypatch) if c[1]]
+    cut = [c for c in handed_over("huorn", monkeypatch) if c[1] and c[0]]
     assert len(cut) >= 20  # the queue was longer than the room often enough to matter
     late_but_short = 0
     for given, left_out in cut:
-        longest_given = max(v.remaining_work or 0.0 for v in given)
-        assert all((v.remaining_work or 0.0) >= longest_given for v in left_out)
+        _passed_over_only_for_smaller_jobs(given, left_out, lambda v: (v.remaining_work, v.submitted, v.name))
         late_but_short += max(v.submitted for v in given) > min(v.submitted for v in left_out)
     assert late_but_short >= 10  # arrival order would have handed over other jobs
 
 
 def test_pollux_still_sees_the_oldest_pending_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
-    cut = [c for c in handed_over("pollux", monkeypatch) if c[1]]
+    cut = [c for c in handed_over("pollux", monkeypatch) if c[1] and c[0]]
     assert cut
-    for given, left_out in cut:
-        assert max(v.submitted for v in given) <= min(v.submitted for v in left_out)
+    passed = sum(_passed_over_only_for_smaller_jobs(given, left_out, lambda v: (v.submitted, v.name))
+                 for given, left_out in cut)
+    # A small job behind big ones that do not fit now starts (the cut was the first room + 1 jobs:
+    # four 8-GPU jobs ahead of a 1-GPU job kept it waiting beside 3 idle GPUs; found by review).
+    assert passed > 0
 
 
 def test_srpt_admission_over_the_whole_queue_pays_at_high_load() -> None:
-    """128 GPUs, load 1.5: measured 1,816 s against 2,834 s for the best Pollux (p = -1, fair share)."""
+    """128 GPUs, load 1.5: measured 1,828 s against 2,834 s for the best Pollux (p = -1, fair share)."""
     results, _ = run.run_policies(TRACE, NODES, QPS, ["pollux-p-1-fair", "huorn"],
                                   engine.SimConfig(gpus=128, seed=0, load=1.5))
     assert results["huorn"]["jct_mean_s"] < 0.7 * results["pollux-p-1-fair"]["jct_mean_s"]

@@ -54,6 +54,7 @@ def test_thinner_reserve_lends_more_and_keeps_the_slo(monkeypatch: pytest.Monkey
     (old, old_lent), (new, new_lent) = out[0.95], out[policies.HUORN_BOARD_QUANTILE]
     assert new_lent > 1.3 * old_lent  # GPU-ticks lent in the first four hours
     assert new["jct_mean_s"] < 0.99 * old["jct_mean_s"]  # measured 1,637 s against 1,678 s
-    # measured 84.9 against 79.8 GPU-equivalents
-    assert new["goodput_saturated_gpu_equiv"] > 1.03 * old["goodput_saturated_gpu_equiv"]
+    # measured 76.1 against 75.1 GPU-equivalents (84.9 against 79.8 before 2026-12-06, when a
+    # victim's GPUs were lent again during its grace period and moved gangs resized in place)
+    assert new["goodput_saturated_gpu_equiv"] > 1.005 * old["goodput_saturated_gpu_equiv"]
     assert new["inference_slo_attainment"] >= 0.995  # measured 99.91 % (goal 99 %)

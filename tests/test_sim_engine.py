@@ -7,7 +7,7 @@ import csv
 import pytest
 
 from huorn.scheduler import allocator
-from huorn.sim import engine, run, shared_data, workload
+from huorn.sim import engine, policies, run, shared_data, workload
 
 DATA = shared_data.shared_data_dir()
 TRACE = DATA / "openb_pod_list_default.csv"
@@ -37,7 +37,10 @@ def check_invariants(sim: engine.Simulation) -> None:
             assert js.job.name not in bindings
     # Reclaimed GPUs come back within the lender's grace period, never later.
     grace = sim.config.reclaim_grace_seconds
-    assert all(t <= sim.now + grace + 1e-6 for t, _ in sim.returns)
+    assert all(t <= sim.now + grace + 1e-6 for t, _, _ in sim.returns)
+    # ... and are held until then: bound as the lender's own, so no gang is placed on them.
+    assert sum(sum(bindings[name].gpus_by_node.values()) for _, _, name in sim.returns) == \
+        sim.inflight_returns()
 
 
 @pytest.mark.parametrize("policy", ["fifo", "kueue", "pollux", "pollux-p-1", "pollux-p-1-fair", "huorn"])
@@ -52,6 +55,27 @@ def test_invariants_hold_at_every_tick(policy: str) -> None:
     assert all(js.status == "done" and js.finished >= js.job.arrival for js in sim.jobs)
     assert all(js.done == pytest.approx(js.job.work) for js in sim.jobs)
 
+
+def test_a_reclaimed_gpu_stays_held_until_its_victim_has_gone() -> None:
+    """A victim checkpoints in its grace period on the GPUs it gives back. Freed at once on the
+    snapshot, they were lent again in the same tick: two jobs on one GPU, and a lender's limit
+    exceeded."""
+    sim = run.build_simulation(TRACE, NODES, QPS, "huorn", engine.SimConfig(gpus=64, seed=1, load=1.2))
+
+    class Lent(Exception):
+        pass
+
+    def stop_at_a_loan(_: float) -> None:
+        if sim.snap.lent("infer") > 0:
+            raise Lent
+
+    with pytest.raises(Lent):
+        sim.run(stop_at_a_loan)
+    free, lent = sim.snap.free("infer"), sim.snap.lent("infer")
+    policies._huorn_reclaim(sim, lent, "test")
+    assert sim.snap.lent("infer") == 0
+    assert sim.inflight_returns() == lent
+    assert sim.snap.free("infer") == free, "the victims still hold what they give back"
 
 def test_wrong_declarations_never_push_loans_past_the_lenders_limit() -> None:
     """Regression: with declarations off by σ = 1 (the work-estimate study), a running job kept
@@ -84,25 +108,38 @@ def test_elastic_policies_beat_static_fifo() -> None:
     assert results["fifo"]["preemptions"] == 0
 
 
-def test_the_allocators_resizes_of_running_jobs_are_in_place_only_under_huorn(monkeypatch) -> None:
+def test_the_allocators_resizes_of_running_jobs_are_in_place_only_under_huorn_where_nodes_are_kept(
+        monkeypatch) -> None:
     """The allocator's grows and shrinks go through the policy path, not sim.bind: they had paid a
-    full restart under Huorn too, so only reclaim shrinks were in place."""
+    full restart under Huorn too, so only reclaim shrinks were in place. And only a resize that
+    leaves its staying replicas where they ran is in place: the allocator places a resized gang
+    afresh, and one it moved had been charged the in-place price too (found by review)."""
     from huorn.sim import state
 
     calls: list[tuple[int, int, bool]] = []  # (replicas before, after, in place)
-    configure = state.JobState.configure
+    moved: list[bool] = []
+    configure, keeps = state.JobState.configure, policies._keeps_nodes
 
     def record(self, replicas, nodes, local, now, restart, in_place=False):  # type: ignore[no-untyped-def]
         calls.append((self.replicas, replicas, in_place))
         configure(self, replicas, nodes, local, now, restart, in_place)
 
+    def judged(old: dict, new: dict, grew: bool) -> bool:
+        kept = keeps(old, new, grew)
+        moved.append(not kept)
+        return kept
+
     monkeypatch.setattr(state.JobState, "configure", record)
+    monkeypatch.setattr(policies, "_keeps_nodes", judged)
     resizes: dict[str, list[bool]] = {}
     for policy in ("huorn", "pollux"):
         calls.clear()
+        moved.clear()
         run.run_policies(TRACE, NODES, QPS, [policy], engine.SimConfig(gpus=32, seed=3))
         resizes[policy] = [in_place for before, after, in_place in calls if before and after != before]
-    assert len(resizes["huorn"]) > 10 and all(resizes["huorn"])
+        if policy == "huorn":
+            assert resizes["huorn"].count(False) == moved.count(True)
+    assert resizes["huorn"].count(True) > 10 and resizes["huorn"].count(False) > 10
     assert len(resizes["pollux"]) > 10 and not any(resizes["pollux"])
 
 

@@ -97,7 +97,10 @@ class Simulation:
         self.jobs = [state.JobState(j, belief=self._belief(j)) for j in ordered]
         self.by_name = {js.job.name: js for js in self.jobs}
         self.allocator = allocator.Allocator(spec.allocator)
-        self.returns: list[tuple[float, int]] = []  # (time, GPUs) reclaimed GPUs still held by training
+        # (time, GPUs, binding): reclaimed GPUs a victim still holds, bound on the snapshot
+        # until then under a name of their own
+        self.returns: list[tuple[float, int, str]] = []
+        self._held = 0
         self.totals = Totals()
         self.now = 0.0
         self.live: list[state.JobState] = []
@@ -117,7 +120,7 @@ class Simulation:
         return self.live
 
     def inflight_returns(self) -> int:
-        return sum(g for t, g in self.returns if t > self.now)
+        return sum(g for t, g, _ in self.returns if t > self.now)
 
     def infer_available(self) -> int:
         return self.infer_gpus - self.snap.lent(INFER) - self.inflight_returns()
@@ -144,9 +147,18 @@ class Simulation:
             js.preemptions += 1
             self.totals.preemptions += 1
 
-    def hold_returns(self, gpus: int, until: float) -> None:
-        if gpus > 0:
-            self.returns.append((until, gpus))
+    def hold_returns(self, gpus_on: list[str], until: float, job: str) -> None:
+        """Keep the GPUs of `gpus_on` (one node name per GPU) held by `job` until `until`, as the
+        lender's own (they lend nothing while held, and they are not free)."""
+        if not gpus_on:
+            return
+        if until <= self.now:
+            return
+        self._held += 1
+        name = f"returning:{job}:{self._held}"
+        self.snap.assume(name, INFER, placement.Placement(gpus_on), 1)
+        self.snap.commit()
+        self.returns.append((until, len(gpus_on), name))
 
     def set_lend_limit(self, gpus: int) -> None:
         self.snap.set_virtual_cluster(snapshot.VirtualClusterView(
@@ -168,7 +180,7 @@ class Simulation:
             fins = [max(js.synced, js.busy_until) + (js.job.work - js.done) / js.rate if js.rate > 0
                     else math.inf for js in running]
             t_fin = min(fins, default=math.inf)
-            t_ret = min((t for t, _ in self.returns if t > self.now), default=math.inf)
+            t_ret = min((t for t, _, _ in self.returns if t > self.now), default=math.inf)
             t_arr = arrivals[nxt] if nxt < total else math.inf
             t = min(t_fin, t_ret, t_arr, next_tick, next_bin)
             self._account(self.now, t, running)
@@ -187,7 +199,11 @@ class Simulation:
                     js.replicas, js.rate = 0, 0.0
                     self.allocator.forget_job(js.job.name)
                     finished, dirty, event = finished + 1, True, True
-            self.returns = [(rt, g) for rt, g in self.returns if rt > t]
+            for rt, _, held in self.returns:
+                if rt <= t:
+                    self.snap.forget(held)
+                    self.snap.commit()
+            self.returns = [r for r in self.returns if r[0] > t]
             if t >= next_bin:
                 next_bin = self.load.next_bin_time(t)
                 for js in running:
@@ -226,9 +242,10 @@ class Simulation:
         dt = t1 - t0
         self.totals.train_gpu_seconds += self._running_gpus * dt
         need = self.load.need_at(t0)
-        self.totals.infer_gpu_seconds += need * dt
-        requests = self.load.requests_per_second(t0) * dt
         avail = self.infer_available()
+        # inference uses what it needs of what it has: GPUs still on loan are training's
+        self.totals.infer_gpu_seconds += min(need, max(avail, 0)) * dt
+        requests = self.load.requests_per_second(t0) * dt
         self.totals.slo_requests += requests
         self.totals.slo_served += requests * (1.0 if need <= avail else max(0, avail) / need)
 

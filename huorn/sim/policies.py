@@ -6,7 +6,8 @@
   BestEffortFIFO order (a head that does not fit does not block the rest), and may borrow the
   inference cluster's unused quota. When the lender needs its quota back, borrowing workloads are
   evicted whole, lowest priority and most recently admitted first (Kueue's preemption order);
-  they stop at the end of the grace period and lose the work since their last periodic checkpoint.
+  they exit at once (no checkpoint on SIGTERM) and lose the work since their last periodic
+  checkpoint.
   Kueue has no performance model and no forecast: it reclaims when the need is already there.
 - pollux: the goodput allocator (AdaptDL's objective: speedup, batch size and learning rate chosen
   together) on the training cluster only, with a 10 % restart penalty and no priors: every job
@@ -144,18 +145,57 @@ def _huorn_reclaim(sim: Simulation, excess: int, why: str) -> None:
     for r in loaning.plan_reclaim(sim.infer_view, excess, loans, sim.now, why):
         js = sim.by_name[r.job]
         release = r.signal_at + (js.job.family.checkpoint_seconds if r.graceful else r.deadline - r.signal_at)
-        sim.hold_returns(r.gpus_released, min(release, r.deadline))
         keep = js.replicas - r.replicas_released
+        staying = _staying_replicas(sim, js, r.replicas_released)
+        leaving = _leaving_gpus(sim, js, staying)
         sim.unbind(js, requeue=r.action == "preempt", lose_work=not r.graceful)
+        # The victim holds those GPUs until it has gone: they go back to inference then, and no
+        # gang may be placed on them meanwhile (before, a gang placed in the same tick shared a
+        # GPU with the victim in its grace period).
+        sim.hold_returns(leaving, min(release, r.deadline), js.job.name)
         if r.action == "shrink":
-            where = sim.snap.place(TRAIN, keep, js.job.family.gpus_per_replica)
-            if isinstance(where, placement.Placement):
-                sim.bind(js, where, keep, js.local_batch, restart=True)
-                js.last_resize, js.last_direction = sim.now, -1
-            else:
-                js.sync(sim.now)
-                js.status, js.replicas, js.on_lender, js.rate = "pending", 0, 0, 0.0
-                sim.totals.preemptions += 1
+            # The replicas on the lender go and the others stay where they run (in place where
+            # the runtime resizes so), as the operator's shrink deletes only the lender's pods.
+            sim.bind(js, placement.Placement(staying), keep, js.local_batch, restart=True)
+            js.last_resize, js.last_direction = sim.now, -1
+
+
+def _could_start(pending: list[state.JobState], room: int) -> list[state.JobState]:
+    """The pending jobs, in admission order, that could get their minimum in `room` GPUs, each
+    taking its minimum from the room: the rest cannot start this cycle. A job whose minimum is
+    larger than what is left does not end the walk, since a smaller one behind it may fit. (The
+    cut was the first room + 1 jobs: four 8-GPU jobs ahead of a 1-GPU job kept it waiting beside
+    3 idle GPUs.)"""
+    out = []
+    for js in pending:
+        if room <= 0:
+            break
+        need = js.job.min_replicas * js.job.family.gpus_per_replica
+        if need <= room:
+            out.append(js)
+            room -= need
+    return out
+
+
+def _staying_replicas(sim: Simulation, js: state.JobState, released: int) -> list[str]:
+    """The nodes of a borrower's replicas that stay when `released` of them leave the lender."""
+    gpr = js.job.family.gpus_per_replica
+    nodes = [node for node, gpus in sorted(sim.snap.bindings()[js.job.name].gpus_by_node.items())
+             for _ in range(gpus // gpr)]
+    staying = list(nodes)
+    for node in [n for n in nodes if sim.node_vc[n] == INFER][:released]:
+        staying.remove(node)
+    return staying
+
+
+def _leaving_gpus(sim: Simulation, js: state.JobState, staying: list[str]) -> list[str]:
+    """One entry per GPU (its node) of the borrower's replicas that do not stay."""
+    gpr = js.job.family.gpus_per_replica
+    held = [node for node, gpus in sorted(sim.snap.bindings()[js.job.name].gpus_by_node.items())
+            for _ in range(gpus // gpr)]
+    for node in staying:
+        held.remove(node)
+    return [node for node in held for _ in range(gpr)]
 
 
 def _schedule_static(sim: Simulation) -> None:
@@ -225,11 +265,10 @@ def _schedule_elastic(sim: Simulation, admission_only: bool = False) -> None:
     # the first room + 1 in the allocator's own admission order (arrival order, or shortest
     # remaining time first, which needs every pending job's estimate to pick them).
     pending = [js for js in sim.active() if js.status == "pending"]
-    if sim.spec.allocator.pending_order == "remaining" and len(pending) > room + 1:
-        ranked = sorted(pending, key=lambda js: (_remaining_seconds(sim, js), js.job.arrival, js.job.name))
-        views = [job_view(js) for js in running + ranked[: room + 1]]
-    else:
-        views = [job_view(js) for js in running + pending[: room + 1]]
+    if sim.spec.allocator.pending_order == "remaining" and len(pending) > 1:
+        pending = sorted(pending, key=lambda js: (_remaining_seconds(sim, js), js.job.arrival, js.job.name))
+    views = [job_view(js) for js in running + _could_start(pending, room)]
+    before = {name: dict(b.gpus_by_node) for name, b in sim.snap.bindings().items()}
     # J for Pollux's fair-share speedup: every job waiting or running, not only those handed over.
     for d in sim.allocator.allocate(sim.snap, views, sim.now, cluster_jobs=len(sim.active())):
         js = sim.by_name[d.job]
@@ -254,8 +293,20 @@ def _schedule_elastic(sim: Simulation, admission_only: bool = False) -> None:
             js.started = sim.now if js.started is None else js.started
         local = d.local_batch or max(1.0, js.job.family.base_batch / d.replicas)
         # A grow or shrink of a running job keeps its processes where the runtime can (Huorn's
-        # in-place resizing); a first start or one after preemption is a full restart either way
+        # in-place resizing) and only where the replicas that stay keep their nodes, as the
+        # operator keeps a gang's pods and places only the new ones. The allocator places a
+        # resized gang afresh; a placement that moves a staying replica, or a move at the same
+        # size, is a restart. A first start or one after preemption is a full restart either way.
+        kept = d.action in ("grow", "shrink") and _keeps_nodes(
+            before.get(d.job, {}), where.gpus_by_node(js.job.family.gpus_per_replica), d.action == "grow")
         js.configure(d.replicas, where.nodes_spanned, local, sim.now, restart=True,
-                     in_place=sim.spec.in_place_resize)
+                     in_place=sim.spec.in_place_resize and kept)
         if d.action in ("grow", "shrink"):
             js.last_resize, js.last_direction = sim.now, 1 if d.action == "grow" else -1
+
+
+def _keeps_nodes(old: dict[str, int], new: dict[str, int], grew: bool) -> bool:
+    """Whether a resize from GPUs by node `old` to `new` leaves every staying replica where it
+    ran: a grow only adds, a shrink only removes."""
+    small, large = (old, new) if grew else (new, old)
+    return all(large.get(node, 0) >= gpus for node, gpus in small.items())
