@@ -114,3 +114,22 @@ def test_files_and_output_directories_are_named_with_the_fix(tmp_path: Path) -> 
         code, out, err = run("--qps", str(qps), "--requests-per-gpu", "2", "-d", str(bad))
         assert code == 2 and out == "" and f"error: --output-dir {bad}: " in err, err
         assert "give a directory you can write" in err
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    # float() reads these: a nan rate gave nonsense GPU counts, and exit 0
+    ("300,1,nan", "value is 'nan'; it must be a finite number"),
+    ("inf,1,5", "timestamp_anon is 'inf'; it must be a finite number"),
+    ("600,1,-3", "value is -3; a request rate must be ≥ 0"),
+    # milliseconds among seconds, or a typo: np.bincount allocated a bin per 5 minutes up to it
+    ("1e18,1,5", "timestamp_anon 1000000000000000000 lies 1.157e+13 days from timestamp_anon 0 (line 2)"),
+])
+def test_a_qps_file_with_a_value_that_is_no_rate_is_refused_at_its_line(
+    tmp_path: Path, row: str, message: str
+) -> None:
+    qps = write_qps(tmp_path / "qps.csv", days=1)
+    rows = qps.read_text().splitlines()
+    rows.insert(100, row)  # file line 101
+    qps.write_text("\n".join(rows) + "\n")
+    code, out, err = run("--qps", str(qps), "--requests-per-gpu", "2")
+    assert code == 2 and out == "" and f"error: {qps}:101: {message}" in err, err

@@ -3,6 +3,7 @@ torchtitan. Listing help must stay cheap: it may not import torch, sklearn or ko
 
 import importlib
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -201,3 +202,24 @@ def test_schedule_sizes_past_a_real_pipeline_are_refused_not_computed_forever(
         args: list[str], words: str) -> None:
     result = CliRunner().invoke(main.app, ["schedule", *args])
     assert result.exit_code == 2 and words in result.output, result.output
+
+
+def test_graph_where_it_cannot_write_exits_2_naming_the_path(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-o png` without --output writes into the current directory, which was never checked: a
+    read-only one ended in a PermissionError traceback. /proc refuses new files even to root, who
+    writes into a directory of mode 555 (that case runs only where the mode holds)."""
+    quickstart = str(EXAMPLES / "quickstart.yaml")
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    places = [Path("/proc")] + ([read_only] if not os.access(read_only, os.W_OK) else [])
+    for place in places:
+        monkeypatch.chdir(place)
+        result = CliRunner().invoke(main.app, ["graph", quickstart, "-o", "png"])
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), (place, result.output)
+        assert "error: -o png (no --output: the current directory) quickstart-graph.png: " in result.stderr
+        assert "give --output a" in result.stderr and result.stdout == ""
+    result = CliRunner().invoke(main.app, ["graph", quickstart, "-o", "json", "--output", "/proc/g.json"])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "error: --output /proc/g.json: " in result.stderr

@@ -3,6 +3,7 @@ the store as its own process, and killing whole trees including orphans."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -194,3 +195,35 @@ def test_replaced_instances_are_killed_at_once_unless_drained(tmp_path: Path) ->
         assert done[1].startswith("stopped quickstart-trainer-1 with SIGTERM")
     finally:
         backend.stop(graceful=False)
+
+
+def test_a_finished_eval_does_not_reach_the_process_that_got_its_pid(tmp_path: Path) -> None:
+    """A finished eval was never marked stopping: every tick walked the tree under its reaped pid,
+    and stop() killed that pid and all seen under it, whoever had them by then."""
+    backend = local_backend.LocalBackend(build_graph(), tmp_path)
+    done = processes.start_process("eval-0", "eval", "eval", [sys.executable, "-c", "pass"],
+                                   {"PATH": "/usr/bin:/bin"}, tmp_path / "logs" / "eval-0.log", tmp_path)
+    done.popen.wait(timeout=60)
+    # The kernel hands the reaped pid to an unrelated process, which has a child of its own.
+    stranger = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                                 "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+                                 "time.sleep(120)\n"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not psutil.Process(stranger.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (child,) = psutil.Process(stranger.pid).children()
+        done.popen.pid = stranger.pid  # how a reused pid looks from here
+        backend.processes = {"quickstart-eval-0": done}
+        for _ in range(2):
+            state = backend.observe().instances["eval-0"]
+            assert state.completed and not state.alive and not state.failed
+        assert done.known_pids == set()
+        backend.stop(graceful=False)
+        assert stranger.poll() is None and child.is_running()
+    finally:
+        if stranger.poll() is None:
+            for process in psutil.Process(stranger.pid).children():
+                process.kill()
+        stranger.kill()
+        stranger.wait(timeout=30)

@@ -271,3 +271,37 @@ def test_goodput_policy_waits_for_samples_and_skips_restart_outliers() -> None:
 
 def observe_records(records: list[dict]) -> monitor.Observation:
     return monitor.Observation(time=0.0, steps=records)
+
+
+def test_relative_spec_paths_are_made_absolute_against_where_huorn_run_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`huorn run` checks a relative source path from its own directory, but trainers and eval
+    processes run in the run directory: the runtime then refused the same path."""
+    from huorn.api import manifests
+    from huorn.runtime.data import sampler
+
+    corpus = tmp_path / "project" / "data" / "mine"
+    corpus.mkdir(parents=True)
+    for split in ("train.bin", "val.bin"):
+        (corpus / split).write_bytes(bytes(range(256)) * 4)
+    manifest = yaml.safe_load(QUICKSTART.read_text())
+    manifest["spec"]["data"]["sources"] = [{"name": "general"}, {"name": "mine", "path": "data/mine"}]
+    manifest["spec"]["task"] = {"kind": "cpt", "initCheckpoint": "../weights"}
+    trainer = graph.compile(manifests.load_manifest(manifest)).vertex("trainer")
+    run_dir = tmp_path / "project" / "runs" / "quickstart"
+    run_dir.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "project")  # where huorn run was started, and checked the sources
+    config = commands.build_run_config("quickstart", trainer, run_dir, run_dir / "ck", 7)
+    sources = [(s["name"], s.get("path")) for s in config["spec"]["data"]["sources"]]
+    assert sources == [("general", None), ("mine", str(corpus))]
+    assert config["spec"]["task"]["initCheckpoint"] == str(tmp_path / "project" / "../weights")
+    monkeypatch.chdir(run_dir)  # where the runtime runs: the same check passes there too
+    sampler.check_sources(sources)
+    assert trainer.params["spec"]["data"]["sources"][1]["path"] == "data/mine"  # the graph keeps its spec
+    distill = {"task": {"kind": "distill", "teacher": {"checkpoint": "teacher/ck", "temperature": 2.0}}}
+    assert commands.absolute_paths(distill, tmp_path)["task"]["teacher"] == {
+        "checkpoint": str(tmp_path / "teacher" / "ck"), "temperature": 2.0}
+    assert commands.absolute_paths(distill, tmp_path)["task"] is not distill["task"]
+    absolute = {"task": {"kind": "cpt", "initCheckpoint": "/ck"}}
+    assert commands.absolute_paths(absolute, tmp_path) == absolute

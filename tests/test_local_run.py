@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import typer
 import yaml
 from typer.testing import CliRunner
 
@@ -506,3 +507,177 @@ def test_a_previous_run_is_kept_beside_and_two_in_one_second_do_not_collide(
     assert [k.name for k in kept] == ["job-20261206-010203", "job-20261206-010203-1", "job-20261206-010203-2"]
     assert [(k / "steps.jsonl").read_text() for k in kept] == ["run 0\n", "run 1\n", "run 2\n"]
     assert list(run_dir.iterdir()) == []
+
+
+def _refusal_of(run_dir: Path, manifest: Path | None, capsys: pytest.CaptureFixture[str]) -> str:
+    """prepare_run_dir's stderr when it refuses `run_dir` (exit 2); fails the test when it does not."""
+    with pytest.raises(typer.Exit) as refused:
+        run_cli.prepare_run_dir(run_dir.resolve(), manifest)
+    assert refused.value.exit_code == 2
+    return capsys.readouterr().err
+
+
+def test_a_run_dir_that_holds_the_users_files_is_refused_not_moved_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A previous run is renamed aside; `--run-dir .` once renamed the working directory itself."""
+    project = tmp_path / "project"
+    (project / "sub").mkdir(parents=True)
+    manifest = project / "job.yaml"
+    manifest.write_text("kind: TrainingJob\n")
+    monkeypatch.chdir(project / "sub")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / ".bashrc").write_text("")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    cases = [
+        (Path("."), None, "the current directory"),
+        (Path(".."), None, "a directory above the current one"),
+        (tmp_path / "home", None, "your home directory"),
+        (project, None, "a directory above the current one"),
+        (tmp_path / "notes", None, "a directory of other files"),
+    ]
+    for run_dir, given, why in cases:
+        err = _refusal_of(run_dir, given, capsys)
+        assert f"error: --run-dir {run_dir.resolve()}: is {why}" in err, err
+    monkeypatch.chdir(tmp_path)  # the manifest's directory, neither the current one nor above it
+    err = _refusal_of(project, manifest, capsys)
+    assert f"is the directory that holds {manifest}" in err and "give a new or empty directory" in err
+    # nothing was moved: every directory still holds what it held
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "notes", "project"]
+    assert manifest.read_text() == "kind: TrainingJob\n" and (tmp_path / "notes" / "todo.txt").exists()
+
+
+def test_huorn_run_refuses_the_manifests_own_directory_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "job.yaml"
+    path.write_text(QUICKSTART.read_text())
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a backend was started")
+
+    monkeypatch.setattr(run_cli.local_backend, "LocalBackend", started)
+    result = CliRunner().invoke(main.app, ["run", "job.yaml", "--run-dir", ".", "--no-watch"])
+    assert result.exit_code == 2, result.output
+    assert f"--run-dir {tmp_path}: is the current directory" in result.stderr
+    assert path.exists() and [p.name for p in tmp_path.iterdir()] == ["job.yaml"]
+
+
+def test_goodput_prices_the_steps_the_run_stops_at() -> None:
+    """--steps stops the trainers; the allocator's remaining-work term read the spec's steps."""
+    from huorn.api import manifests
+    from huorn.graph import compile as compile_graph
+
+    g = compile_graph(manifests.load_manifest(QUICKSTART))
+    declared = yaml.safe_load(QUICKSTART.read_text())["spec"]["optimization"]["steps"]
+    assert declared != 10
+    (given,) = run_cli.build_policies(g, [], "goodput", 4, steps=10)
+    assert given.total_steps == 10  # type: ignore[attr-defined]
+    (default,) = run_cli.build_policies(g, [], "goodput", 4)
+    assert default.total_steps == declared  # type: ignore[attr-defined]
+
+
+# A stand-in for `python -m huorn.runtime.serve`: it takes its config's path, and MODE says when it
+# writes serve.json, the file huorn run polls for.
+STUB_SERVER = """
+import json, signal, sys, time
+from pathlib import Path
+run = Path(json.loads(Path(sys.argv[1]).read_text())["runDir"])
+run.mkdir(parents=True, exist_ok=True)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+if MODE == "in-two-writes":  # how the server wrote it before: created, then filled
+    (run / "serve.json").write_text('{"port": 123')
+    time.sleep(1.5)
+    (run / "serve.json").write_text(json.dumps({"port": 12345, "quantization": "none"}))
+time.sleep(60)
+"""
+
+
+def _stub_serving(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> object:
+    """An InferenceJob whose replica is STUB_SERVER in `mode`."""
+    from huorn.cli import graph as graph_cli
+    from huorn.cli import run_serve
+
+    code = f"MODE = {mode!r}\n{STUB_SERVER}"
+    monkeypatch.setattr(run_serve.launcher, "build_serve_command",
+                        lambda config, *_: [sys.executable, "-c", code, str(config)])
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(_chat(tmp_path)))
+    return graph_cli.load_job(path)
+
+
+def test_a_serve_json_caught_half_written_is_waited_for_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from huorn.cli import run_serve
+
+    job = _stub_serving(tmp_path, monkeypatch, "in-two-writes")
+    code = run_serve.run_serve(job, tmp_path / "run", 0, True, duration=3.0)  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["url"] == "http://127.0.0.1:12345"
+
+
+def test_serve_seconds_that_end_before_the_model_loaded_are_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing was served and no URL announced: exit 0 read as a run that served."""
+    from huorn.cli import run_serve
+
+    job = _stub_serving(tmp_path, monkeypatch, "never")
+    code = run_serve.run_serve(job, tmp_path / "run", 0, False, duration=1.0)  # type: ignore[arg-type]
+    captured = capsys.readouterr()
+    assert code == 1 and captured.out == ""
+    assert "error: --serve-seconds 1: the time ran out before the model had loaded" in captured.err
+
+
+def _stub_controller(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    from huorn.cli import run_rl
+
+    monkeypatch.setattr(run_rl, "controller_command", lambda config: [sys.executable, "-c", code])
+
+
+def test_a_refused_rl_job_says_why_on_stderr_with_json_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from huorn.cli import graph as graph_cli
+    from huorn.cli import run_rl
+
+    _stub_controller(monkeypatch, "print('error: spec.reward.dataset: no such set'); raise SystemExit(2)")
+    job = graph_cli.load_job(_tiny_rl_job(tmp_path, steps=5))
+    (tmp_path / "run").mkdir()
+    code = run_rl.run_rl(job, tmp_path / "run", None, False, True)  # type: ignore[arg-type]
+    captured = capsys.readouterr()
+    assert code == 2 and json.loads(captured.out)["outcome"] == "refused"
+    assert "error: spec.reward.dataset: no such set" in captured.err
+
+
+def test_a_ctrl_c_anywhere_in_the_rl_loop_stops_the_controller_and_summarises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Ctrl-C while the step log was read (not in the sleep) escaped with no summary."""
+    from huorn.cli import graph as graph_cli
+    from huorn.cli import run_rl
+
+    _stub_controller(monkeypatch, "import signal, sys, time\n"
+                                  "signal.signal(signal.SIGINT, lambda *_: sys.exit(0))\ntime.sleep(60)")
+    reads = []
+
+    def interrupted_read(path: Path) -> list[dict]:
+        reads.append(path)
+        if len(reads) == 1:
+            raise KeyboardInterrupt
+        return []
+
+    monkeypatch.setattr(run_rl, "_events", interrupted_read)
+    job = graph_cli.load_job(_tiny_rl_job(tmp_path, steps=5))
+    (tmp_path / "run").mkdir()
+    started = time.monotonic()
+    try:
+        code = run_rl.run_rl(job, tmp_path / "run", None, False, True)  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped run_rl: no summary, no exit code")
+    assert code == 130 and json.loads(capsys.readouterr().out)["outcome"] == "interrupted"
+    assert time.monotonic() - started < 30, "the controller was stopped by its SIGINT, not its timeout"

@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from huorn.api import files
 from huorn.api.base import parse_duration
 from huorn.cli.output import OutputFormat, check_writable, print_error, render_console, render_data
 from huorn.scheduler import forecast
@@ -41,9 +42,10 @@ def render(report: dict, output: OutputFormat) -> str:
 
 
 def write_outputs(evaluation: forecast.BoardEvaluation, report: dict, directory: Path) -> None:
+    """Each file is swapped in whole, so a replay cut short keeps the previous one's files."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "forecast.json").write_text(json.dumps(report, indent=2))
-    with (directory / "forecast.csv").open("w", newline="") as fh:
+    files.write_text_atomically(directory / "forecast.json", json.dumps(report, indent=2))
+    with files.replacing(directory / "forecast.csv") as scratch, scratch.open("w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["time", "rate", "forecast_peak", "need_gpus", "board_gpus", "persistence_gpus"])
         for row in zip(evaluation.times, evaluation.rate, evaluation.peak, evaluation.need,
@@ -74,7 +76,8 @@ def plot(evaluation: forecast.BoardEvaluation, path: Path) -> None:
     ax.set_title("prediction board, replayed (× = short)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with files.replacing(path) as scratch:
+        fig.savefig(scratch, dpi=110)
     plt.close(fig)
 
 

@@ -6,8 +6,10 @@ way (the field named, exit code 2) before anything is started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ import typer
 from pydantic import BaseModel
 
 from huorn import graph
-from huorn.api import manifests
+from huorn.api import files, manifests
 from huorn.cli.output import check_not_a_format, check_png, check_writable, print_error
 from huorn.graph import model, render, serialise
 
@@ -68,20 +70,41 @@ def fail_invalid(error: Exception) -> None:
     raise typer.Exit(EXIT_INVALID)
 
 
+def default_png(g: model.Graph) -> Path:
+    """Where -o png writes without --output: the current directory."""
+    return Path(f"{g.name}-graph.png")
+
+
 def render_graph(g: model.Graph, fmt: GraphFormat, output: Path | None) -> Any:
+    """Files are swapped in whole (huorn.api.files), so a failed write keeps a previous picture;
+    one that fails anyway (a disk filled, a directory made read-only since the check) exits 2
+    naming the path, as the check before it would have."""
     if fmt == GraphFormat.PNG:
-        target = output or Path(f"{g.name}-graph.png")
-        render.render_png(g, target)
+        target = output or default_png(g)
+        with _writing(target, output is not None), files.replacing(target) as scratch:
+            render.render_png(g, scratch)
         typer.echo(str(target))
         return target
     text = render.render_dot(g) if fmt == GraphFormat.DOT else json.dumps(serialise.to_status(g), indent=2)
     if output is None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
     else:
-        output.parent.mkdir(parents=True, exist_ok=True)  # as render_png does
-        output.write_text(text)
+        with _writing(output, True):
+            files.write_text_atomically(output, text)  # creates missing parents, as render_png does
         typer.echo(str(output))
     return text
+
+
+@contextlib.contextmanager
+def _writing(path: Path, given: bool) -> Iterator[None]:
+    """An OSError while writing `path` as exit 2 naming it, not a traceback."""
+    try:
+        yield
+    except OSError as error:
+        flag = "--output" if given else "-o png (no --output: the current directory)"
+        print_error(f"{flag} {path}: cannot write it ({error.strerror or error}); give --output a path "
+                    "you can write")
+        raise typer.Exit(EXIT_INVALID) from None
 
 
 def graph_command(
@@ -104,4 +127,7 @@ def graph_command(
                         "a picture, or name the file for its format")
             raise typer.Exit(2)
         check_writable(output, "--output")
+    elif output_format is GraphFormat.PNG:  # the current directory may be read-only
+        check_writable(default_png(g), "-o png (no --output: the current directory)",
+                       fix="give --output a .png path you can write")
     render_graph(g, output_format, output)

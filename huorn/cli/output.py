@@ -75,17 +75,18 @@ def cannot_listen(port: int, host: str = "") -> str | None:
     return None
 
 
-def check_writable(path: Path, flag: str, directory: bool = False) -> None:
+def check_writable(path: Path, flag: str, directory: bool = False, fix: str | None = None) -> None:
     """Exit 2 naming `flag` unless `path` (a file, or a directory when `directory`) can be written.
 
     Commands call this before their work: a report that cannot be saved after minutes of
     simulation loses all of it, and a traceback names neither the flag nor the fix. Nothing is
     created here, so a refused run leaves nothing behind; missing parents are created on write.
+    `fix` replaces the generic way out where the flag was not given (a default path).
     """
     reason = _unwritable(path, directory)
     if reason is not None:
         what = "a directory" if directory else "a file path"
-        print_error(f"{flag} {path}: {reason}; give {what} you can write")
+        print_error(f"{flag} {path}: {reason}; {fix or f'give {what} you can write'}")
         raise typer.Exit(2)
 
 

@@ -45,9 +45,11 @@ def parse_scale_at(values: list[str], trainer: model.Vertex) -> list[tuple[int, 
 
 
 def build_policies(
-    g: model.Graph, plan: list[tuple[int, int]], policy: str, slots: int
+    g: model.Graph, plan: list[tuple[int, int]], policy: str, slots: int, steps: int | None = None
 ) -> list[monitor.Policy]:
-    """--scale-at is an explicit plan and wins; otherwise goodput asks the allocator."""
+    """--scale-at is an explicit plan and wins; otherwise goodput asks the allocator. `steps`
+    (--steps) is where the trainers stop, so it is the job's length for the allocator's JCT terms
+    too: the spec's declared steps would price work that this run never does."""
     if plan:
         return [monitor.ScheduledResize("trainer", plan)]
     if policy != "goodput":
@@ -56,7 +58,8 @@ def build_policies(
     return [
         goodput.GoodputPolicy(
             g.name, spec["virtualCluster"], slots, float(spec["optimization"]["globalBatch"]),
-            total_steps=training.declared_steps(training.TrainingJobSpec.model_validate(spec)),
+            total_steps=steps if steps is not None
+            else training.declared_steps(training.TrainingJobSpec.model_validate(spec)),
             in_place=jobs.resizes_in_place(g.vertex("trainer")),
         )
     ]
@@ -85,9 +88,40 @@ def refuse_other_kinds_flags(kind: str, given: dict[str, bool]) -> None:
                                           f"job's kind, {kind}")
 
 
-def prepare_run_dir(run_dir: Path) -> Path | None:
-    """Keep a previous run's directory by renaming it (its checkpoints may matter); return where."""
+# Files that a run of each kind writes first into its run directory (TrainingJob: the backend's
+# action log, or at least the report; RLJob and InferenceJob: the config handed to the runtime).
+# A non-empty --run-dir with none of them is not a previous run, and is not moved aside.
+RUN_MARKERS = ("actions.jsonl", "steps.jsonl", "graph.json", "rl-config.json", "controller.log",
+               "serve-config.json", "serve.log", "replica-0/serve-config.json")
+
+
+def run_dir_refusal(run_dir: Path, manifest: Path | None = None) -> str | None:
+    """Why `run_dir` must not be a run directory, or None. A previous run there is renamed aside,
+    so `--run-dir .` (or `~`, `..`) once renamed the user's working directory, manifest and all."""
+    here, target = Path.cwd().resolve(), run_dir.resolve()
+    if target == here or target in here.parents:
+        what = "the current directory" if target == here else "a directory above the current one"
+    elif target == Path.home().resolve():
+        what = "your home directory"
+    elif manifest is not None and target in manifest.resolve().parents:
+        what = f"the directory that holds {manifest}"
+    elif target.is_dir() and any(target.iterdir()) and not any((target / m).exists() for m in RUN_MARKERS):
+        what = "a directory of other files (no previous Huorn run: none of steps.jsonl, actions.jsonl, "
+        what += "rl-config.json, serve-config.json)"
+    else:
+        return None
+    return (f"--run-dir {run_dir}: is {what}; a run directory is moved aside when it is used again, so "
+            f"give a new or empty directory of its own (default: runs/<job name>)")
+
+
+def prepare_run_dir(run_dir: Path, manifest: Path | None = None) -> Path | None:
+    """Keep a previous run's directory by renaming it (its checkpoints may matter); return where.
+    Exit 2 with nothing moved where run_dir_refusal objects."""
     check_writable(run_dir, "--run-dir", directory=True)
+    refused = run_dir_refusal(run_dir, manifest)
+    if refused is not None:
+        typer.echo(f"error: {refused}", err=True)
+        raise typer.Exit(graph_cli.EXIT_INVALID)
     if not run_dir.exists() or not any(run_dir.iterdir()):
         run_dir.mkdir(parents=True, exist_ok=True)
         return None
@@ -160,7 +194,7 @@ def run_command(
             if refused is not None:
                 raise graph_cli.ManifestError(refused)
             directory = (run_dir or Path("runs") / g.name).resolve()
-            kept = prepare_run_dir(directory)
+            kept = prepare_run_dir(directory, file)
             if kept is not None:
                 typer.echo(f"kept the previous run in {kept}", err=True)
             with stop_signals():
@@ -169,7 +203,7 @@ def run_command(
         if isinstance(job, kinds.RLJob):
             run_rl.check(file, job)
             directory = (run_dir or Path("runs") / g.name).resolve()
-            kept = prepare_run_dir(directory)
+            kept = prepare_run_dir(directory, file)
             if kept is not None:
                 typer.echo(f"kept the previous run in {kept}", err=True)
             shown = sys.stderr.isatty() if watch is None else watch
@@ -211,11 +245,11 @@ def run_command(
     if replicas is not None:
         mutate.resize(g, "trainer", replicas, reason=f"--replicas {replicas} on the command line")
     directory = (run_dir or Path("runs") / g.name).resolve()
-    kept = prepare_run_dir(directory)
+    kept = prepare_run_dir(directory, file)
     if kept is not None:
         typer.echo(f"kept the previous run in {kept}", err=True)
     backend = local_backend.LocalBackend(g, directory, local_backend.LocalSettings(step_limit=steps))
-    policies = build_policies(g, plan, chosen, slots or os.cpu_count() or 1)
+    policies = build_policies(g, plan, chosen, slots or os.cpu_count() or 1, steps)
     view = live.RunView(g, total_steps=steps, enabled=sys.stderr.isatty() if watch is None else watch)
     loop = monitor.Monitor(g, backend, policies, on_tick=view.update)
     with stop_signals():

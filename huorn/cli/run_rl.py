@@ -36,6 +36,11 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+def controller_command(config: Path) -> list[str]:
+    """The controller's command line (a function, so that a test can stand a stub in for Ray)."""
+    return [sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)]
+
+
 def check(file: Path, job: kinds.RLJob) -> None:
     """Refuse, before anything is created, what the RL runtime cannot run (exit 2)."""
     from huorn.runtime.rl import controller  # Ray and torch only for an RLJob
@@ -58,7 +63,7 @@ def run_rl(job: kinds.RLJob, directory: Path, steps: int | None, watch: bool, as
     log = directory / "controller.log"
     total = int(spec.get("steps", job.spec.steps))
     with open(log, "wb") as out:
-        command = [sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)]
+        command = controller_command(config)
         # A session of its own: a terminal's Ctrl-C reaches this process alone, which hands the
         # controller one SIGINT (it ends the step, saves it and shuts its Ray actors down).
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -68,13 +73,15 @@ def run_rl(job: kinds.RLJob, directory: Path, steps: int | None, watch: bool, as
         task = progress.add_task(f"{job.metadata.name}: RL steps", total=total)
         try:
             while process.poll() is None:
+                # The whole turn, not the sleep alone: a Ctrl-C lands wherever the loop is, and one
+                # that hit the step log's read escaped with no summary and no outcome.
                 try:
                     time.sleep(0.5)
+                    done = sum(1 for e in _events(run / STEPS_FILE) if e.get("event") == "rl")
+                    progress.update(task, completed=done)
                 except KeyboardInterrupt:  # Ctrl-C, or SIGTERM/SIGHUP (huorn.cli.stopping)
                     interrupted = True
                     process.send_signal(signal.SIGINT)
-                done = sum(1 for e in _events(run / STEPS_FILE) if e.get("event") == "rl")
-                progress.update(task, completed=done)
         finally:
             # An interrupt anywhere else in the loop: the controller, in a session of its own,
             # must not outlive huorn run. It ends the step, saves it and stops its actors.
@@ -87,7 +94,7 @@ def run_rl(job: kinds.RLJob, directory: Path, steps: int | None, watch: bool, as
     code = process.returncode
     outcome = ("interrupted" if interrupted else "finished" if code == 0
                else "refused" if code == 2 else f"failed (exit {code})")
-    if code == 2 and not as_json:
+    if code == 2:  # on stderr with --json too: the JSON summary says "refused", not why
         last = [line for line in log.read_text().splitlines() if line.startswith("error:")]
         typer.echo(last[-1] if last else f"the controller refused the job; see {log}", err=True)
     summary = {"outcome": outcome, "runDir": str(directory), "log": str(log),

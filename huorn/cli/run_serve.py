@@ -16,6 +16,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -37,6 +38,17 @@ def _write_config(path: Path, job: kinds.InferenceJob, port: int, run: Path) -> 
     path.write_text(json.dumps({"jobName": job.metadata.name, "spec": job.spec.to_wire(),
                                 "host": "127.0.0.1", "port": port, "runDir": str(run)}, indent=1))
     return path
+
+
+def _announcement(path: Path) -> dict[str, Any] | None:
+    """The facts a server or router wrote on listening, or None while it has not. A file being
+    written is taken for one not yet there: a server older than the atomic write wrote it in two
+    steps, and a poll in between read half a document."""
+    try:
+        facts = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return facts if isinstance(facts, dict) and "port" in facts else None
 
 
 def refusal(job: kinds.InferenceJob, port: int, replicas: int) -> str | None:
@@ -69,23 +81,25 @@ def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool
     processes: list[tuple[subprocess.Popen, Path]] = []
     front: Path | None = None
     started = time.monotonic()
-    announced = timed_out = False
+    announced = timed_out = cut_short = False
     try:
         for run, config, log, replica_port in servers:
             config.parent.mkdir(parents=True, exist_ok=True)
             _write_config(config, job, replica_port, run)
             processes.append((_start(launcher.build_serve_command(config), log), log))
         while all(p.poll() is None for p, _ in processes):
-            if not announced and all((run / "serve.json").exists() for run, *_ in servers):
-                infos = [json.loads((run / "serve.json").read_text()) for run, *_ in servers]
+            seen = [] if announced else [_announcement(run / "serve.json") for run, *_ in servers]
+            infos = [info for info in seen if info is not None]
+            if seen and len(infos) == len(servers):
                 if replicas > 1 and front is None:
                     urls = [f"http://127.0.0.1:{info['port']}" for info in infos]
                     config = _write_config(directory / "router-config.json", job, port, directory / "run")
                     processes.append((_start(launcher.build_router_command(config, replicas=urls),
                                              directory / "router.log"), directory / "router.log"))
                     front = directory / "run" / "activator.json"
-                if front is None or front.exists():
-                    listening = json.loads((front or servers[0][0] / "serve.json").read_text())["port"]
+                routed_by = _announcement(front) if front is not None else infos[0]
+                if routed_by is not None:
+                    listening = routed_by["port"]
                     url = f"http://127.0.0.1:{listening}"
                     info = {**infos[0], "port": listening, "replicas": replicas}
                     routed = f", {replicas} replicas behind the prefix router" if replicas > 1 else ""
@@ -99,6 +113,12 @@ def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool
                 timed_out = True
                 break
             if duration is not None and time.monotonic() - started > duration:
+                # ending before anything was served is no success: no URL was ever printed
+                cut_short = not announced
+                if cut_short:
+                    typer.echo(f"error: --serve-seconds {duration:g}: the time ran out before the model "
+                               f"had loaded, so nothing was served; give it longer (see the logs in "
+                               f"{directory})", err=True)
                 break
             time.sleep(0.2)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM/SIGHUP (huorn.cli.stopping)
@@ -120,4 +140,4 @@ def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool
     ended = [(code, log) for code, log in codes if code not in (0, -signal.SIGTERM, -signal.SIGINT)]
     for code, log in ended:
         typer.echo(f"error: {log.stem} exited with code {code}; see {log}", err=True)
-    return 0 if not ended and not timed_out else 1
+    return 0 if not ended and not timed_out and not cut_short else 1

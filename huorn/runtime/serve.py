@@ -51,7 +51,7 @@ from aiohttp import web
 from pydantic import Field
 
 from huorn import models
-from huorn.api import base, inference, training
+from huorn.api import base, files, inference, training
 from huorn.runtime import (
     chat,
     checkpoint,
@@ -788,7 +788,8 @@ async def run_until_signal(app: web.Application, cfg: ServeConfig, record: str, 
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / record).write_text(json.dumps({**facts, "port": port, "time": time.time()}))
+    # whole or not at all: huorn run polls for this file and reads it as soon as it exists
+    files.write_text_atomically(run_dir / record, json.dumps({**facts, "port": port, "time": time.time()}))
     print(f"huorn: {what} on {cfg.host}:{port}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -22,6 +22,9 @@ import numpy as np
 
 DAY = 86400.0
 EPS = 0.5  # requests per second; keeps the ratio of two near-idle rates finite
+# The longest history load_qps_series bins: the board fits on days to weeks, and a timestamp far
+# off (a typo, milliseconds among seconds) had np.bincount allocate one bin per 5 minutes up to it.
+MAX_HISTORY_DAYS = 366
 
 
 def _log_ratio(peak: float, level: float) -> float:
@@ -36,6 +39,7 @@ def load_qps_series(path: str | Path, bin_seconds: float = 300.0) -> tuple[np.nd
     """
     times: list[float] = []
     values: list[float] = []
+    lines: list[int] = []
     with Path(path).open(newline="", encoding="utf-8-sig") as fh:  # -sig: a BOM is no part of a name
         reader = csv.DictReader(fh)
         try:
@@ -47,11 +51,20 @@ def load_qps_series(path: str | Path, bin_seconds: float = 300.0) -> tuple[np.nd
                                  "timestamp_anon,value")
             for line, row in enumerate(reader, start=2):
                 try:
-                    times.append(float(row["timestamp_anon"]))
-                    values.append(float(row["value"]))
+                    stamp, value = float(row["timestamp_anon"]), float(row["value"])
                 except (TypeError, ValueError) as err:
                     raise ValueError(f"{path}:{line}: timestamp_anon and value must be numbers "
                                      f"({err})") from None
+                # float() reads nan and inf: a nan rate made every GPU count garbage, silently
+                for column, number in (("timestamp_anon", stamp), ("value", value)):
+                    if not math.isfinite(number):
+                        raise ValueError(f"{path}:{line}: {column} is {row[column].strip()!r}; it must be "
+                                         "a finite number")
+                if value < 0:
+                    raise ValueError(f"{path}:{line}: value is {value:g}; a request rate must be ≥ 0")
+                times.append(stamp)
+                values.append(value)
+                lines.append(line)
         except UnicodeDecodeError as error:
             # NB: no byte offset: error.start counts from the decoder's chunk, not the file's start.
             raise ValueError(f"{path}: not UTF-8 text ({error.reason}); the QPS trace is a CSV with "
@@ -59,11 +72,27 @@ def load_qps_series(path: str | Path, bin_seconds: float = 300.0) -> tuple[np.nd
     if not times:
         raise ValueError(f"{path}: no rows")
     t = np.asarray(times)
+    _check_span(path, t, lines)
     start = t.min()
     idx = ((t - start) // bin_seconds).astype(int)
     rate = np.bincount(idx, weights=np.asarray(values))
     return start + bin_seconds * np.arange(len(rate)), rate
 
+
+
+def _check_span(path: str | Path, t: np.ndarray, lines: list[int]) -> None:
+    """Refuse a history longer than MAX_HISTORY_DAYS, naming the row most likely wrong: of the
+    earliest and the latest, the one farther from the median."""
+    first, last = int(t.argmin()), int(t.argmax())
+    span = float(t[last] - t[first])
+    if span <= MAX_HISTORY_DAYS * DAY:
+        return
+    middle = float(np.median(t))
+    odd, other = (last, first) if t[last] - middle >= middle - t[first] else (first, last)
+    raise ValueError(f"{path}:{lines[odd]}: timestamp_anon {t[odd]:.0f} lies {span / DAY:.4g} days from "
+                     f"timestamp_anon {t[other]:.0f} (line {lines[other]}); the board reads at most "
+                     f"{MAX_HISTORY_DAYS} days of history (timestamps in seconds): fix the timestamp, or "
+                     "give the recent part of the history")
 
 
 # Huorn's board forecasts the 10-minute peak at the 0.9 quantile, not 0.95. What a miss costs sets

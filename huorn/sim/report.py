@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from huorn.api import files
 from huorn.sim import bounds, engine
 
 ORDER = ("fifo", "kueue", "pollux", "pollux-p-1", "pollux-p-1-fair", "huorn")
@@ -118,7 +119,8 @@ def write_report(out_dir: Path, results: dict[str, dict], sims: dict[str, engine
     if sims:  # the settings the figures came from: a report must say what it measured
         report["config"] = dataclasses.asdict(next(iter(sims.values())).config)
     path = out_dir / "report.json"
-    path.write_text(json.dumps(report, indent=2, sort_keys=True))
+    # whole or not at all: a simulation cut short must not truncate the previous report
+    files.write_text_atomically(path, json.dumps(report, indent=2, sort_keys=True))
     _plot(out_dir, results, sims)
     return path
 
@@ -145,7 +147,8 @@ def plot_metrics(out_dir: Path, results: dict[str, dict]) -> Path:
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     path = out_dir / "metrics.png"
-    fig.savefig(path, dpi=110)
+    with files.replacing(path) as scratch:
+        fig.savefig(scratch, dpi=110)
     plt.close(fig)
     return path
 
@@ -172,7 +175,8 @@ def _plot(out_dir: Path, results: dict[str, dict], sims: dict[str, engine.Simula
         ax.legend(loc="upper right", fontsize=7)
     axes[-1, 0].set_xlabel("hours")
     fig.tight_layout()
-    fig.savefig(out_dir / "timeline.png", dpi=110)
+    with files.replacing(out_dir / "timeline.png") as scratch:
+        fig.savefig(scratch, dpi=110)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -184,7 +188,8 @@ def _plot(out_dir: Path, results: dict[str, dict], sims: dict[str, engine.Simula
     ax.set_ylabel("CDF")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_dir / "jct_cdf.png", dpi=110)
+    with files.replacing(out_dir / "jct_cdf.png") as scratch:
+        fig.savefig(scratch, dpi=110)
     plt.close(fig)
 
 
@@ -217,5 +222,6 @@ def plot_goodput_sensitivity(rows: list[dict], path: Path, factor: str, xlabel: 
     axes[0, 0].set_ylabel("saturated goodput / FIFO")
     axes[0, -1].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with files.replacing(path) as scratch:
+        fig.savefig(scratch, dpi=110)
     plt.close(fig)

@@ -58,6 +58,9 @@ class LocalSettings:
     # overrides of huorn.runtime.launcher.ElasticSettings' rendezvous and restart knobs
     tuning: dict[str, Any] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
+    # what the spec's relative paths (data sources, checkpoints to start from) are relative to:
+    # the directory huorn run was started in, where it checked them; the runtime runs in run_dir
+    base_dir: Path = field(default_factory=Path.cwd)
 
 
 class LocalBackend:
@@ -222,7 +225,8 @@ class LocalBackend:
             raise LocalBackendError("a trainer must start after its rendezvous store; the graph has none")
         trainer = graph.vertex(resource.vertex)
         config = commands.build_run_config(
-            self.job, trainer, self.run_dir, self.checkpoint_dir, self.settings.step_limit
+            self.job, trainer, self.run_dir, self.checkpoint_dir, self.settings.step_limit,
+            self.settings.base_dir,
         )
         config_path = commands.write_json_atomically(self.run_dir / commands.CONFIG_FILE, config)
         address = commands.replica_address(resource.ordinal or 0)

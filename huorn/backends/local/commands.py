@@ -13,12 +13,12 @@ rendezvous round, which avoids the split-port hang.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from huorn.api import files
 from huorn.graph import jobs, model
 from huorn.runtime import launcher
 
@@ -82,13 +82,42 @@ def build_agent_env(instance: str, extra: dict[str, str] | None = None) -> dict[
     return env
 
 
+def absolute_paths(spec: dict[str, Any], base: Path) -> dict[str, Any]:
+    """`spec` (a TrainingJobSpec wire dict) with its relative filesystem paths made absolute
+    against `base`, the directory `huorn run` was started in. They were checked there (a source's
+    corpus, before anything started), but trainers and eval processes run in the run directory,
+    where the same relative path names something else or nothing, and the runtime then refused
+    its config after the gang had formed. `spec` itself is left as it was (it is the graph's)."""
+
+    def absolute(path: str) -> str:
+        return path if Path(path).is_absolute() else str(base / path)
+
+    out = dict(spec)
+    data = spec.get("data") or {}
+    if any(source.get("path") for source in data.get("sources", [])):
+        out["data"] = {**data, "sources": [
+            {**source, "path": absolute(source["path"])} if source.get("path") else source
+            for source in data["sources"]]}
+    task = dict(spec.get("task") or {})
+    if task.get("initCheckpoint"):
+        task["initCheckpoint"] = absolute(task["initCheckpoint"])
+    if (task.get("teacher") or {}).get("checkpoint"):
+        task["teacher"] = {**task["teacher"], "checkpoint": absolute(task["teacher"]["checkpoint"])}
+    if task:
+        out["task"] = task
+    return out
+
+
 def build_run_config(
-    job_name: str, trainer: model.Vertex, run_dir: Path, checkpoint_dir: Path, step_limit: int | None
+    job_name: str, trainer: model.Vertex, run_dir: Path, checkpoint_dir: Path, step_limit: int | None,
+    base_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """The runtime's resolved config (docs/runtime.md) for the trainer vertex as it is now."""
+    """The runtime's resolved config (docs/runtime.md) for the trainer vertex as it is now;
+    relative paths in the spec are made absolute against `base_dir` (default: the current
+    directory), since the runtime runs in `run_dir` (absolute_paths says why)."""
     config: dict[str, Any] = {
         "jobName": job_name,
-        "spec": jobs.build_training_spec(trainer),
+        "spec": absolute_paths(jobs.build_training_spec(trainer), base_dir or Path.cwd()),
         "runDir": str(run_dir),
         "checkpointDir": str(checkpoint_dir),
         "telemetryHost": "127.0.0.1",
@@ -103,8 +132,5 @@ def build_run_config(
 
 
 def write_json_atomically(path: Path, payload: Any) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_name(f".{path.name}.tmp")
-    scratch.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(scratch, path)
-    return path
+    """The runtime reads these files while they may be rewritten (huorn.api.files says why)."""
+    return files.write_text_atomically(path, json.dumps(payload, indent=2) + "\n")

@@ -4,6 +4,10 @@ A torchrun agent starts its workers in their own sessions, so killing the agent 
 worker running inside the collective (notes/torchrun-elastic.md). A replica is therefore stopped
 by walking its tree with psutil, and the pids seen under it are remembered, because once the
 agent is dead its orphans are re-parented to init and no tree walk finds them any more.
+
+Those processes are kept as psutil.Process objects, never as bare pids: an object remembers its
+process's start time and refuses to signal another process that got the same pid later. A
+finished eval's pid, reaped and then reused, was once walked every tick and killed by stop().
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ class ManagedProcess:
     popen: subprocess.Popen
     log_path: Path
     started_at: float
-    known_pids: set[int] = field(default_factory=set)
+    root: psutil.Process | None = None  # the root as it was started (None: gone before we looked)
+    known: dict[int, psutil.Process] = field(default_factory=dict)  # every process seen under it
     stopping: bool = False  # we asked it to stop, so its exit is not a failure
     log_offset: int = 0
     in_place: bool = False
@@ -40,16 +45,25 @@ class ManagedProcess:
     def pid(self) -> int:
         return self.popen.pid
 
+    @property
+    def known_pids(self) -> set[int]:
+        return set(self.known)
+
     def exit_code(self) -> int | None:
         return self.popen.poll()
 
     def remember_descendants(self) -> set[int]:
-        """Record the pids under the root now, so they can be killed after the root is gone."""
+        """Record the processes under the root now, so they can be killed after the root is gone.
+        Once the root has exited and been reaped its pid may be another process's, so nothing is
+        looked up by it any more: the orphans seen before are what remains to kill."""
+        if self.root is None or self.popen.poll() is not None:
+            return set()
         try:
-            children = psutil.Process(self.pid).children(recursive=True)
+            children = self.root.children(recursive=True)
         except psutil.NoSuchProcess:
             children = []
-        self.known_pids.update(c.pid for c in children)
+        for child in children:
+            self.known.setdefault(child.pid, child)
         return {c.pid for c in children}
 
     def read_new_log(self) -> str:
@@ -80,15 +94,20 @@ def start_process(
             cwd=cwd,
             start_new_session=True,
         )
-    return ManagedProcess(name, vertex, role, popen, log_path, time.time())
+    try:  # not reaped before we wait for it, so the pid is still this process's
+        root: psutil.Process | None = psutil.Process(popen.pid)
+    except psutil.NoSuchProcess:
+        root = None
+    return ManagedProcess(name, vertex, role, popen, log_path, time.time(), root)
 
 
-def _alive(pids: set[int]) -> list[psutil.Process]:
+def _alive(candidates: list[psutil.Process]) -> list[psutil.Process]:
+    """Those still running: is_running() compares start times, so a process whose pid now names
+    another one is not."""
     out = []
-    for pid in pids:
+    for process in candidates:
         try:
-            process = psutil.Process(pid)
-            if process.status() != psutil.STATUS_ZOMBIE:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
                 out.append(process)
         except psutil.NoSuchProcess:
             continue
@@ -96,10 +115,10 @@ def _alive(pids: set[int]) -> list[psutil.Process]:
 
 
 def kill_tree(proc: ManagedProcess, timeout: float = 10.0) -> list[int]:
-    """SIGKILL the root, every descendant and every pid ever seen under it; reap the root."""
+    """SIGKILL the root, every descendant and every process ever seen under it; reap the root."""
     proc.stopping = True
     proc.remember_descendants()
-    victims = _alive({*proc.known_pids, proc.pid})
+    victims = _alive([*proc.known.values(), *([proc.root] if proc.root is not None else [])])
     for victim in victims:
         try:
             victim.kill()

@@ -21,6 +21,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 
+from huorn.api import files
 from huorn.backends.local import commands
 from huorn.graph import model, render, serialise
 
@@ -97,7 +98,8 @@ def plot_loss(steps: list[dict[str, Any]], mutations: list[model.Mutation], path
     ax.set_title("Loss by step (dashed: graph mutations)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with files.replacing(path) as scratch:
+        fig.savefig(scratch, dpi=100)
     plt.close(fig)
     return path
 
@@ -120,7 +122,8 @@ def plot_throughput(steps: list[dict[str, Any]], mutations: list[model.Mutation]
     ax.set_title("Throughput and replicas over time (dashed: graph mutations)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with files.replacing(path) as scratch:
+        fig.savefig(scratch, dpi=100)
     plt.close(fig)
     return path
 
@@ -151,8 +154,12 @@ def write_report(run_dir: Path, graph: model.Graph, outcome: str, command: str =
     actions = read_records(run_dir, "actions.jsonl")
     summary = summarise_steps(steps)
     mutations = list(graph.log)
-    (run_dir / "graph.json").write_text(json.dumps(serialise.to_status(graph), indent=2) + "\n")
-    render.render_png(graph, run_dir / "graph.png")
+    # Each file is swapped in whole: a report rewritten over a previous one (or cut short) never
+    # leaves a half-written file where a whole one was.
+    status = json.dumps(serialise.to_status(graph), indent=2) + "\n"
+    files.write_text_atomically(run_dir / "graph.json", status)
+    with files.replacing(run_dir / "graph.png") as scratch:
+        render.render_png(graph, scratch)
     plot_loss(steps, mutations, run_dir / "loss.png")
     plot_throughput(steps, mutations, run_dir / "throughput.png")
     recovery = recovery_seconds(records, mutations)
@@ -228,7 +235,7 @@ def write_report(run_dir: Path, graph: model.Graph, outcome: str, command: str =
         "",
     ]
     path = run_dir / "report.md"
-    path.write_text("\n".join(lines))
+    files.write_text_atomically(path, "\n".join(lines))
     return path
 
 
