@@ -143,8 +143,8 @@ class AllocatorConfig:
     # that moved a staying replica a full restart). True: its replicas stay where they run, a grow
     # places only the new ones and a shrink removes some (those on a lender's nodes, then those
     # where the gang is thinnest), as the operator's reconcile keeps a gang's pods. Measured on
-    # 2026-12-06 (seed 0), True cost Huorn 9-12 % mean JCT and 25-31 % more restarts: shrinks of
-    # one replica whose GPUs a fragmented cluster could not use, regrown a cycle later
+    # 2026-12-06 (seed 0), True cost Huorn 8.6-12.1 % mean JCT and 24-38 % more restarts:
+    # shrinks of one replica whose GPUs a fragmented cluster could not use, regrown a cycle later
     # (docs/scheduling.md, "Resizes that keep their replicas"). Off in HUORN.
     keep_replicas: bool = False
 
