@@ -73,7 +73,8 @@ def test_slow_rank_leads_to_an_applied_s2_plan(tmp_path: Path) -> None:
     # against 6 × 1. NB: the ranks' compute, not the step's wall time, which the neighbour test's
     # load moved by more than S2's gain (once 2× from step 18 on, spikes of 1 s later): the
     # wall-clock gain is benchmarks/s2_local.py's (3.92×, docs/remediation.md). Measured 3.83 → 0.65.
-    history = remediation.history
+    # one history per rank, keyed `<agent>/<rank>`: each agent here runs one rank
+    history = {remediation.instance_of[key]: steps for key, steps in remediation.history.items()}
 
     def imbalance(step: int) -> float:
         return history["trainer-1"][step]["compute_seconds"] / history["trainer-0"][step]["compute_seconds"]

@@ -4,6 +4,8 @@ different world size; plus the DDP comm hook checked against a single-process re
 from __future__ import annotations
 
 import os
+import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -164,6 +166,7 @@ def test_a_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path: Path,
     for path in (tmp_path / ".tmp-step-00000003", *(tmp_path / ".tmp-step-00000003").rglob("*")):
         os.utime(path, (old, old))
     _save_single(tmp_path, 5)
+    checkpoint.wait_for_clean_up()  # rank 0 deletes in a thread
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")) == []
 
 
@@ -173,6 +176,39 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
         checkpoint.save_checkpoint(tmp_path, step, model, optimizer, {}, 0, lambda: None, keep=2)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004", "step-00000005"]
     assert checkpoint.read_meta(checkpoint.find_latest(tmp_path))["step"] == 5
+
+
+def test_old_checkpoints_are_deleted_off_the_saving_thread(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 deletes the checkpoints beyond `keep` while its peers wait in the save's last tracked
+    barrier. Deleted in line, a slow file system (a big checkpoint, many files) held it there past
+    hangTimeout, and the hang detector named rank 0 hung outside communication. The old one is
+    renamed away at once, so it is never picked up half deleted."""
+    model, optimizer = _fresh()
+    release, started, deleting = threading.Event(), threading.Event(), []
+    real_rmtree = shutil.rmtree
+
+    def slow_rmtree(path: object, *args: object, **kwargs: object) -> None:
+        # the old checkpoint, not the save's scratch nor the final name it clears before the rename
+        if Path(str(path)).name in ("step-00000001", ".tmp-step-00000001.old") and Path(str(path)).exists():
+            deleting.append(threading.current_thread() is threading.main_thread())
+            started.set()
+            release.wait(timeout=5)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", slow_rmtree)
+    checkpoint.save_checkpoint(tmp_path, 1, model, optimizer, {}, 0, lambda: None, keep=1)
+    newest = checkpoint.save_checkpoint(tmp_path, 2, model, optimizer, {}, 0, lambda: None, keep=1)
+    try:
+        assert started.wait(timeout=10)
+        assert deleting == [False], "the save deleted the old checkpoint itself"
+        assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002"]
+        assert checkpoint.find_latest(tmp_path) == newest
+    finally:
+        release.set()
+        checkpoint.wait_for_clean_up()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".latest")) == [
+        "latest", "step-00000002"]
 
 
 def test_resolve_accepts_a_checkpoint_or_a_root(tmp_path: Path) -> None:

@@ -136,7 +136,11 @@ class OnDemandManager:
         if newest is not None and used and any(u != newest for u in used):
             reason = (f"{event.target} finished on step {used[0].get('step') if used[0] else '?'}; "
                       f"the checkpoint of step {newest.get('step')} landed meanwhile: evaluate it too")
-            return [mutate.replace_instance(graph, i.name, reason=reason) for i in list(vertex.instances)]
+            # NB: a re-run is not a failure: counted, an eval slower than the checkpoint interval
+            # spent spec.remediation.maxRestarts on every checkpoint, and after three the first
+            # real pod failure failed the job
+            return [mutate.replace_instance(graph, i.name, reason=reason, counted=False)
+                    for i in list(vertex.instances)]
         return _done(
             mutate.set_active(graph, event.target, False, reason=event.data.get("reason") or "completed")
         )
@@ -149,8 +153,10 @@ class ParameterManager:
     def handle(self, graph: Graph, event: Event) -> list[Mutation]:
         if event.type != PARAMETER_DECISION:
             return []
+        # stamped: the backend delivers the value once per set-param, which it must still tell
+        # apart once the bounded log in status has dropped it
         return _done(mutate.set_param(graph, event.target, str(event.data["key"]), event.data["value"],
-                                      reason=str(event.data["reason"])))
+                                      reason=str(event.data["reason"]), stamp=True))
 
 
 class ManagerSet:

@@ -78,6 +78,10 @@ def find_instance(graph: Graph, name: str) -> tuple[Vertex, int]:
 
 
 UNCOUNTED_REPLACE = "replace-uncounted"  # action_counts key: replacements that spent no failure budget
+# action_counts key: failed pods replaced without spending the budget (a pod failure policy's Ignore).
+# NB: apart from UNCOUNTED_REPLACE, which also holds healthy pods moved on purpose (a spec change's
+# roll, an eval run again on a newer checkpoint), none of which is a failure
+IGNORED_FAILURE = "replace-ignored-failure"
 
 
 def replace_instance(graph: Graph, name: str, *, reason: str, drain: bool = False,
@@ -103,6 +107,8 @@ def replace_instance(graph: Graph, name: str, *, reason: str, drain: bool = Fals
     if not counted:
         detail["counted"] = False
         graph.action_counts[UNCOUNTED_REPLACE] = graph.action_counts.get(UNCOUNTED_REPLACE, 0) + 1
+        if failure:
+            graph.action_counts[IGNORED_FAILURE] = graph.action_counts.get(IGNORED_FAILURE, 0) + 1
     return _record(graph, "replace", v.name, reason, detail)
 
 
@@ -201,14 +207,47 @@ def choose_branch(graph: Graph, branch: str, option: str, *, reason: str) -> Mut
     return _record(graph, "choose", branch, reason, {"option": option})
 
 
-def set_param(graph: Graph, target: str, key: str, value: Any, *, reason: str) -> Mutation | None:
-    """Set a parameter of a vertex (by name) or an edge (by its `source->target:kind` key)."""
+# A params key: parameter → {"version", "reason"} of the set-param that set it, for parameters
+# set with `stamp` (a policy's run-time knob that a backend delivers once per decision).
+# NB: the log in status is bounded (serialise.to_status), and once the set-param fell out of it,
+# readers took the graph's version for the decision's: every later mutation made it look new, and
+# the operator rolled the whole gang for an S3 split again after each one.
+PARAM_STAMPS = "paramVersions"
+STAMP_REASON_LIMIT = 256  # as the log's reasons in status (serialise.REASON_LIMIT)
+
+
+def set_param(graph: Graph, target: str, key: str, value: Any, *, reason: str,
+              stamp: bool = False) -> Mutation | None:
+    """Set a parameter of a vertex (by name) or an edge (by its `source->target:kind` key).
+    `stamp` keeps the version and reason of this set-param beside the value (PARAM_STAMPS), where
+    they outlive the bounded log; without it a stamp from an earlier set-param of the key is
+    dropped, as it no longer describes the value."""
     params = _params_of(graph, target)
     if key in params and params[key] == value:
         return None
     old = copy.deepcopy(params.get(key))
     params[key] = value
-    return _record(graph, "set-param", target, reason, {"key": key, "old": old, "new": value})
+    mutation = _record(graph, "set-param", target, reason, {"key": key, "old": old, "new": value})
+    stamps = params.get(PARAM_STAMPS)
+    if stamp:
+        params[PARAM_STAMPS] = {**(stamps or {}), key: {"version": mutation.version,
+                                                        "reason": reason[:STAMP_REASON_LIMIT]}}
+    elif isinstance(stamps, dict) and key in stamps:
+        params[PARAM_STAMPS] = {k: v for k, v in stamps.items() if k != key}
+    return mutation
+
+
+def param_setting(graph: Graph, target: str, key: str) -> tuple[int, str] | None:
+    """(version, reason) of the set-param that gave `target` its current `key`: from the log while
+    it holds it, else from the stamp beside the value; None when neither knows."""
+    setting = next((m for m in reversed(graph.log) if m.action == "set-param" and m.target == target
+                    and m.detail.get("key") == key), None)
+    if setting is not None:
+        return setting.version, setting.reason
+    stamp = (_params_of(graph, target).get(PARAM_STAMPS) or {}).get(key)
+    if isinstance(stamp, dict) and "version" in stamp:
+        return int(stamp["version"]), str(stamp.get("reason", ""))
+    return None
 
 
 def _params_of(graph: Graph, target: str) -> dict[str, Any]:

@@ -105,8 +105,59 @@ def _edge_to_wire(e: Edge) -> dict[str, Any]:
     }
 
 
+# A cut detail keeps its scalars (a set-param's key, a shrink's graceSeconds, a replacement's
+# old and new names) and writes the instance lists the reconcile reads back in the instances'
+# compact notation, under these wire keys. NB: before, a detail over DETAIL_LIMIT became
+# {"truncated": true}, and a shrink of 30 replicas or more lost the names it removed with the grace
+# they are deleted with: a reconcile after a restart deleted them with the pods' own 30 s.
+COMPACT_LISTS = {"removed": "removedInstances", "added": "addedInstances"}
+SCALAR_LIMIT = 256
+
+
+def _cut_detail(target: str, detail: dict[str, Any]) -> dict[str, Any]:
+    cut: dict[str, Any] = {k: v for k, v in detail.items() if _is_small(v)}
+    for key, wire in COMPACT_LISTS.items():
+        names = detail.get(key)
+        compact = _compact_names(target, names) if isinstance(names, list) else None
+        if compact is not None:
+            cut[wire] = compact
+    cut["truncated"] = True
+    return cut
+
+
+def _is_small(value: Any) -> bool:
+    if isinstance(value, str):
+        return len(value) <= SCALAR_LIMIT
+    return value is None or isinstance(value, bool | int | float)
+
+
+def _compact_names(vertex: str, names: list[Any]) -> str | None:
+    """Instance names of `vertex` in the compact notation, or None unless they all are and read
+    back to the same names."""
+    pattern = re.compile(rf"{re.escape(vertex)}-(\d+)(?:-g(\d+))?")
+    instances = []
+    for name in names:
+        m = pattern.fullmatch(str(name))
+        if m is None:
+            return None
+        instances.append(Instance(vertex, int(m[1]), int(m[2] or 0)))
+    text = encode_instances(instances)
+    back = [i.name for i in decode_instances(vertex, text)]
+    return text if sorted(back) == sorted(str(n) for n in names) and len(back) == len(names) else None
+
+
+def _detail_from_wire(target: str, detail: dict[str, Any]) -> dict[str, Any]:
+    if not any(wire in detail for wire in COMPACT_LISTS.values()):
+        return detail
+    out = dict(detail)
+    for key, wire in COMPACT_LISTS.items():
+        if wire in out:
+            out[key] = sorted(i.name for i in decode_instances(target, str(out.pop(wire))))
+    return out
+
+
 def _mutation_to_wire(m: Mutation) -> dict[str, Any]:
-    detail = m.detail if measure(m.detail) <= DETAIL_LIMIT else {"truncated": True}
+    detail = m.detail if measure(m.detail) <= DETAIL_LIMIT else _cut_detail(m.target, m.detail)
     return {
         "version": m.version,
         "time": m.time,
@@ -188,7 +239,8 @@ def from_status(data: dict[str, Any], clock: Callable[[], float] | None = None) 
         ]
         graph.branches = {b["name"]: Branch(b["name"], b["options"], b["chosen"]) for b in data["branches"]}
         graph.log = [
-            Mutation(w["version"], w["time"], w["action"], w["target"], w["reason"], w["detail"])
+            Mutation(w["version"], w["time"], w["action"], w["target"], w["reason"],
+                     _detail_from_wire(w["target"], w["detail"]))
             for w in data["log"]
         ]
         graph.mutation_count = data["summary"]["mutations"]

@@ -107,8 +107,10 @@ def record_ladder(graph: model.Graph, state: JobPolicies) -> list[model.Mutation
     state.ladder_seen = len(state.remediation.decisions)
     out = []
     for d in fresh:
-        if d.level is MitigationLevel.RESTART and d.action != "capped":
+        if d.level is MitigationLevel.RESTART and d.action != "capped" and d.replaced:
             continue  # S4 is the InstanceManager's replace mutation
+        # NB: an S4 that replaced nothing (a job-wide slowdown names no pod) is recorded here: it
+        # used to leave no trace in status or Events
         value = {"level": d.level.value, "action": d.action, "ranks": list(d.ranks), "plan": dict(d.plan)}
         m = mutate.set_param(graph, "trainer", MITIGATION_PARAM, value,
                              reason=f"remediation {d.level.value} ({d.action}): {d.reason}")

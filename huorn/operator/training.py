@@ -55,7 +55,7 @@ PLURAL = "trainingjobs"
 KIND = "TrainingJob"
 DECISION_LIMIT = 32
 REASON_LIMIT = 1024  # a decision's reason (Decision.reason); a kubelet's waiting message has no bound
-RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers"})
+RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers", mutate.PARAM_STAMPS})
 # Spec fields (wire names) a running gang follows without a restart: the scheduler's and the
 # monitor's, read from the job itself. Any other edit restarts the gang from its checkpoint on the
 # new spec (an uncounted drain of every trainer pod), except those in REFUSED_ONCE_STARTED.
@@ -234,8 +234,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         new.append(mutate.replace_instance(graph, instance.name, reason=reason, counted=not ignored,
                                            failure=True))
     base_status["restartsUsed"] = restarts_used(graph, old)
-    if mutate.UNCOUNTED_REPLACE in graph.action_counts:
-        base_status["ignoredFailures"] = graph.action_counts[mutate.UNCOUNTED_REPLACE]
+    if (ignored := ignored_failures(graph)) is not None:
+        base_status["ignoredFailures"] = ignored
     if held:
         # Out of line until the back-off ends, as an RLJob in back-off: a job behind it would
         # otherwise step back for it ("ahead and fits") while it waits, and free GPUs stay idle.
@@ -400,6 +400,13 @@ def restarts_used(graph: Graph, old: Mapping[str, Any]) -> int:
     failures a pod failure policy ignores replace pods too, but none of them is the job failing."""
     return max(0, graph.action_counts.get("replace", 0) - graph.action_counts.get(mutate.UNCOUNTED_REPLACE, 0)
                - int(old.get("resplitReplacements") or 0) - int(old.get("preemptReplacements") or 0))
+
+
+def ignored_failures(graph: Graph) -> int | None:
+    """status.ignoredFailures: failed pods replaced under a pod failure policy's Ignore; None
+    before the first. Not every replacement that spends no budget: a spec change's roll or an eval
+    run again on a newer checkpoint replaces healthy pods, and neither is a failure."""
+    return graph.action_counts.get(mutate.IGNORED_FAILURE)
 
 
 def plan_preemption(ctx: Context, job: queue.QueuedJob, replicas: int, why: str) -> str:

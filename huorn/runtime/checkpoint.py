@@ -9,7 +9,10 @@ Layout under the checkpoint root:
 Every rank writes its shards into the temporary directory, a barrier makes sure all are done,
 and only then does rank 0 rename the directory and replace `latest` (write + fsync + rename).
 A crash at any point leaves either the previous `latest` or the new one, never a partial
-checkpoint behind the pointer. DCP stores the model and optimizer as a sharded state dict
+checkpoint behind the pointer. Older checkpoints beyond `keep` are renamed out of the way at once
+and deleted by a thread of rank 0's: deleted in line, a slow file system held rank 0 while its
+peers waited in the save's last tracked barrier, which the hang detector reads as rank 0 hung
+outside communication. DCP stores the model and optimizer as a sharded state dict
 keyed by fully qualified names, so a checkpoint written by N ranks loads at any other world
 size; under DDP the replicated tensors are de-duplicated on save.
 """
@@ -21,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -116,6 +120,40 @@ def _last_write(path: Path) -> float:
     return max(times)
 
 
+_clean_ups: list[threading.Thread] = []  # rank 0's deletions in flight (save_checkpoint)
+
+
+def wait_for_clean_up(timeout: float | None = None) -> None:
+    """Block until the deletions that earlier saves left to a thread are done (tests; a process
+    also waits for them at exit, as they are not daemons)."""
+    for thread in list(_clean_ups):
+        thread.join(timeout)
+
+
+def _clean_up_later(root: Path, old: list[Path]) -> None:
+    """Move `old` checkpoints out of the checkpoints' names (a rename is instant) and delete them,
+    and the leftovers of interrupted saves, in a thread. Renamed first, a checkpoint is never seen
+    half deleted, and one a killed process leaves behind is a temporary the next start removes."""
+    trash = []
+    for path in old:
+        target = root / f".tmp-{path.name}.old"
+        with contextlib.suppress(OSError):  # gone already: a peer process of another run, by hand
+            os.rename(path, target)
+            trash.append(target)
+
+    def remove() -> None:
+        for path in trash:
+            shutil.rmtree(path, ignore_errors=True)
+        # Leftovers of saves a lost peer interrupted: a gang that resizes in place never starts
+        # again to remove them (resume does), and each is a whole checkpoint's size.
+        remove_stale_temporaries(root, idle_s=STALE_TEMPORARY_S)
+
+    _clean_ups[:] = [t for t in _clean_ups if t.is_alive()]
+    thread = threading.Thread(target=remove, name="checkpoint-clean-up")
+    thread.start()
+    _clean_ups.append(thread)
+
+
 def build_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, flat: bool = False) -> dict:
     """Model and optimizer state in DCP's canonical (FQN-keyed, DDP-unwrapped) form.
 
@@ -155,11 +193,7 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: to
             os.rename(scratch, final)
         _write_atomically(root / LATEST, final.name + "\n")
         complete = sorted(p for p in root.iterdir() if _NAME.match(p.name) and is_complete(p))
-        for old in complete[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        # Leftovers of saves a lost peer interrupted: a gang that resizes in place never starts
-        # again to remove them (resume does), and each is a whole checkpoint's size.
-        remove_stale_temporaries(root, idle_s=STALE_TEMPORARY_S)
+        _clean_up_later(root, complete[:-keep])
     barrier()
     return final
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from huorn.api import inference
-from huorn.graph import jobs
+from huorn.graph import jobs, mutate
 from huorn.graph.model import Graph, Instance
 from huorn.runtime import launcher
 
@@ -139,15 +139,13 @@ class MicroBatchControl:
 
 def micro_batch_control(graph: Graph) -> MicroBatchControl | None:
     """The trainer's current `microbatches` parameter, with the reason and version of the
-    set-param that set it (the graph's version when the bounded log no longer holds it)."""
+    set-param that set it (mutate.param_setting: the log, else the stamp beside the value; the
+    graph's version only for a value set without one, whose set-param the log no longer holds)."""
     counts = graph.vertex("trainer").params.get("microbatches")
     if not counts:
         return None
-    setting = next((m for m in reversed(graph.log) if m.action == "set-param" and m.target == "trainer"
-                    and m.detail.get("key") == "microbatches"), None)
-    if setting is None:
-        return MicroBatchControl(tuple(int(c) for c in counts), "", graph.version)
-    return MicroBatchControl(tuple(int(c) for c in counts), setting.reason, setting.version)
+    version, reason = mutate.param_setting(graph, "trainer", "microbatches") or (graph.version, "")
+    return MicroBatchControl(tuple(int(c) for c in counts), reason, version)
 
 
 @dataclass(frozen=True)
@@ -161,15 +159,14 @@ class StageSplit:
 
 
 def stage_split(graph: Graph) -> StageSplit | None:
-    """The trainer's current `stageLayers` parameter with the set-param that set it (the graph's
-    version when the bounded log no longer holds it)."""
+    """The trainer's current `stageLayers` parameter with the set-param that set it (as for
+    `micro_batch_control`). A version that moved with every mutation would roll the gang again
+    each time (training._plan_resplit)."""
     layers = graph.vertex("trainer").params.get("stageLayers")
     if not layers:
         return None
-    setting = next((m for m in reversed(graph.log) if m.action == "set-param" and m.target == "trainer"
-                    and m.detail.get("key") == "stageLayers"), None)
-    version = setting.version if setting is not None else graph.version
-    return StageSplit(tuple(int(n) for n in layers), setting.reason if setting else "", version)
+    version, reason = mutate.param_setting(graph, "trainer", "stageLayers") or (graph.version, "")
+    return StageSplit(tuple(int(n) for n in layers), reason, version)
 
 
 def build_config_map(job: JobRef, spec: Mapping[str, Any],

@@ -10,6 +10,12 @@ rung, then "buy" it. That rule is 2-competitive against an oracle that knew the 
 A hang is different: the job makes no progress at all, and only S4 removes a stopped rank, so
 it goes straight to S4 (or to the cap, with the reason saying what was not allowed).
 
+S4 is the top rung, and it ends the incident: the slow or stopped pod is replaced and the gang
+restarts from its checkpoint, so the ladder starts afresh (any S2 counts or S3 split in force go
+back to even in the same decision). A capped hang changes nothing, and the ladder stays where it
+was. Before, the ladder stayed at S4 or at the cap for good: no later fail-slow was taken, S2's
+counts for the replaced pod stayed in force, and a restarted operator disagreed with it.
+
 A plan fitted to a slowdown is wrong once the slowdown changes. While S2 or S3 holds, every
 step prices the applied plan and the best plan for the speeds measured now; once the predicted
 seconds it would have saved pay for re-planning (the same rung's cost: ski-rental again), the
@@ -78,6 +84,9 @@ class Decision:
     ranks: tuple[int, ...] = ()
     nodes: tuple[str, ...] = ()
     plan: dict[str, object] = dataclasses.field(default_factory=dict)
+    # S4 only: the pods it replaces, set by the policy (none: a job-wide finding names no pod, and
+    # the decision itself is what the operator records)
+    replaced: tuple[str, ...] = ()
 
 
 def _index(level: MitigationLevel) -> int:
@@ -163,6 +172,8 @@ class MitigationLadder:
         plan = self.build_plan(target)
         reason = (f"lost {paid:.1f}s since {previous.value}"
                   f" ≥ {self.costs.of(target):.1f}s cost of {target.value} (ski-rental)")
+        if target is MitigationLevel.RESTART:
+            return self._restart(Decision(target, ACTIONS[target], reason, self.ranks, plan=plan))
         if target is MitigationLevel.REBALANCE and self.finding is not None \
                 and self.finding.replica is not None and not self.finding.link:
             # S2 plans from every replica's measured speed, not from this name; the name says
@@ -283,8 +294,7 @@ class MitigationLadder:
                     and self.shape.microbatch_seconds is not None:
                 full.update(self._even_plan(MitigationLevel.REBALANCE))
                 reason += "; S2's counts go back to the even split too"
-            self.level, self.finding, self.ranks, self.loss_since_rung = None, None, (), 0.0
-            self.applied, self.counts_in_force = None, None
+            self._reset()
         elif self.passed:  # the first plan of a rung passed earlier: the rung's own action
             action = ACTIONS[level]
             self._apply(full)
@@ -292,6 +302,31 @@ class MitigationLadder:
             action = "replan-microbatches" if level is MitigationLevel.REBALANCE else "replan-stages"
             self._apply(full)
         return Decision(level, action, reason, self.ranks, plan=full)
+
+    def _reset(self) -> None:
+        """Back at rest: no finding, no rung, no plan in force (the job's even split)."""
+        self.level, self.finding, self.ranks, self.loss_since_rung = None, None, (), 0.0
+        self.applied, self.counts_in_force, self.passed = None, None, False
+        self.steps_on_plan, self.replan_gain = 0, 0.0
+
+    def _restart(self, decision: Decision) -> Decision:
+        """S4 ends the incident: the pod is replaced and the gang restarts from its checkpoint.
+        An S2 count or S3 split in force was fitted to the pod that goes, so the decision also
+        takes them back to even (from the plans themselves: a resumed ladder may have no shape
+        yet), and the ladder comes to rest, where a later fail-slow starts from S1 again. A
+        restarted operator finds the even split in the trainer's params and agrees."""
+        plan = dict(decision.plan)
+        if self.counts_in_force is not None:
+            even = rebalance.even_split(sum(self.counts_in_force), len(self.counts_in_force))
+            if list(self.counts_in_force) != even:
+                plan["microbatches"] = even
+        layers = (self.applied or {}).get("stageLayers")
+        if isinstance(layers, list | tuple) and layers:
+            even = rebalance.even_split(sum(int(n) for n in layers), len(layers))
+            if [int(n) for n in layers] != even:
+                plan["stageLayers"] = even
+        self._reset()
+        return dataclasses.replace(decision, plan=plan)
 
     def _s2_still_pays(self) -> bool:
         """Whether the speeds measured now still make S2's best plan faster than the even split."""
@@ -372,16 +407,15 @@ class MitigationLadder:
         """A hang stops the job: only a restart helps, so take S4 now, or the cap if lower."""
         ranks = finding.culprits
         if _index(self.cap) < _index(MitigationLevel.RESTART):
-            self.level = self.cap
+            # nothing is done, so the ladder stays as it was (it used to move to the cap for good)
             return Decision(
                 self.cap, "capped",
                 f"{finding.kind} hang: {finding.reason}; restart needed but spec.remediation."
                 f"maxMitigation is {self.cap.value}: raise it to 'restart' to let Huorn recover",
                 ranks, finding.nodes,
             )
-        self.level, self.loss_since_rung = MitigationLevel.RESTART, 0.0
-        return Decision(
+        return self._restart(Decision(
             MitigationLevel.RESTART, ACTIONS[MitigationLevel.RESTART],
             f"{finding.kind} hang: {finding.reason}; lower rungs cannot move a stopped rank",
             ranks, finding.nodes, self.build_plan(MitigationLevel.RESTART),
-        )
+        ))

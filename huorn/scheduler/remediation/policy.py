@@ -26,9 +26,18 @@ A stage that is slow in every replica leaves the replicas equal: S2's best plan 
 split, the ladder passes it (`skip-rebalance-microbatches`), and S3, which moves layers in every
 replica at once, takes over.
 
-Fail-slow detection keeps one history per replica for DDP jobs, but one per rank for pipelined
-jobs: a pipelined pod runs several stages, and the pipeline detector must see each rank's compute
-and waits with its replica and stage to tell the rank that is slow from those that wait for it.
+Fail-slow detection keeps one history per rank, with the instance (pod, agent) that runs it: a
+DDP pod with several GPUs runs one rank on each, and a pipelined pod several stages. The pipeline
+detector must also see each rank's compute and waits with its replica and stage, to tell the
+rank that is slow from those that wait for it. A DDP finding names the rank's instance, the unit
+S4 replaces. A history whose instance is gone (replaced, removed) is dropped, as is one not
+served for STALE_STEPS steps (torchrun may give a pod other ranks after a restart): an old name
+must not count as a worker when the detector asks whether half of them slowed down.
+
+Each tick's step records ran before the tick's decision, so after a rung is taken the rest of
+them price nothing on it: a tick takes at most one rung above S1. A policy rebuilt for a running
+job (a restarted operator, an edited spec) replays the history the telemetry still holds, and
+it used to climb S1 → S2 → S4 in one tick on steps that ran before S2 existed.
 
 NB: a whole job that sits outside any collective for a while is what checkpointing, validation,
 start-up and rendezvous look like, so that case is recorded but never restarts anything.
@@ -36,6 +45,7 @@ start-up and rendezvous look like, so that case is recorded but never restarts a
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -45,7 +55,8 @@ from huorn.api.common import MitigationLevel, Remediation
 from huorn.graph import managers, model
 from huorn.scheduler.remediation import failslow, hang, ladder, rebalance, steptable
 
-HISTORY_STEPS = 1024  # per replica: enough for BOCD's segments, bounded for week-long jobs
+HISTORY_STEPS = 1024  # per rank: enough for BOCD's segments, bounded for week-long jobs
+STALE_STEPS = 50  # a rank's history not served while the job ran this many steps on is dropped
 SHAPE_WINDOW = 5  # recent steps whose median compute time gives a rank's seconds per micro-batch
 # NB: while an S2/S3 plan holds, the window grows with the steps since its telemetry settled, up
 # to EVIDENCE_WINDOW: judged 5 steps at a time, a recovered rank left at [5, 3] and measured ~5 %
@@ -70,7 +81,8 @@ class RemediationPolicy:
         self.ladder = ladder.MitigationLadder(remediation.max_mitigation, costs, shape)
         self.shape_from_telemetry = shape is None
         self.decisions: list[ladder.Decision] = []
-        self.history: dict[str, dict[int, dict]] = {}  # replica (pipelined: rank) → step → record
+        self.history: dict[str, dict[int, dict]] = {}  # rank's history key → step → record
+        self.instance_of: dict[str, str] = {}  # history key → the instance that runs its rank
         self.positions: dict[str, failslow.PipelineRank] = {}  # pipelined: history key → rank's place
         self._handled_hangs: set[tuple[tuple[str, ...], int]] = set()
         self._slow_seen: set[tuple[str, int]] = set()
@@ -119,6 +131,19 @@ class RemediationPolicy:
             replica_of[sample.rank] = replica
             samples.append(sample)
         finding = self.hang.observe(samples, now)
+        world = max((int(snap.get("world_size") or 0) for snap in snapshots.values()), default=0)
+        if finding is not None and not finding.culprits:
+            # Every rank inside one collective, none standing out: no rank to replace, but the job
+            # is hung, and that must show (it used to leave no trace until torch's watchdog). Only
+            # with every rank in view: a rank missing (its pod being replaced) would be the one
+            # that stands out, and the old telemetry of the others is no communicator's fault.
+            if len(samples) >= world and ((), finding.collective) not in self._handled_hangs:
+                self._handled_hangs.add(((), finding.collective))
+                self.decisions.append(ladder.Decision(
+                    MitigationLevel.OBSERVE, "suspect-communicator",
+                    f"{finding.kind} hang: {finding.reason}; no rank to replace, so nothing is restarted: "
+                    f"check the links and switches between {', '.join(sorted(set(replica_of.values())))}"))
+            return []
         if finding is None or not finding.culprits or len(finding.culprits) == len(samples):
             return []
         replicas = tuple(sorted({replica_of[r] for r in finding.culprits}))
@@ -126,24 +151,42 @@ class RemediationPolicy:
         if key in self._handled_hangs:
             return []
         self._handled_hangs.add(key)
-        decision = self.ladder.on_hang(finding)
+        return self._take(graph, self.ladder.on_hang(finding), replicas)
+
+    def _take(self, graph: model.Graph, decision: ladder.Decision,
+              replicas: tuple[str, ...]) -> list[managers.Event]:
+        """Keep a decision and return its events; an S4 decision keeps the pods it names. One that
+        names none (a job-wide slowdown) says so: the operator records it as it does a capped one,
+        where it used to record nothing. NB: a named pod that is gone already was replaced by an
+        earlier decision (a restarted operator reads the stale telemetry again): nothing new."""
+        events = self._events_for(graph, decision, replicas)
+        if decision.level is MitigationLevel.RESTART and decision.action != "capped":
+            decision = dataclasses.replace(decision, replaced=tuple(replicas))
+            if not replicas:
+                decision = dataclasses.replace(decision, reason=(
+                    f"{decision.reason}; it names no pod to replace (the slowdown is job-wide)"))
         self.decisions.append(decision)
-        return self._events_for(graph, decision, replicas)
+        return events
 
     # -- fail-slow -------------------------------------------------------------------------------
     def _decide_fail_slow(self, graph: model.Graph, snapshots: Mapping[str, dict]) -> list[managers.Event]:
+        served = set()
         for key, snap in snapshots.items():
-            steps = self.history.setdefault(self._history_key(key, snap), {})
+            served.add(history_key := self._history_key(key, snap))
+            steps = self.history.setdefault(history_key, {})
             for record in snap.get("steps") or []:
                 steps[int(record["step"])] = record
             for old in sorted(steps)[:-HISTORY_STEPS]:
                 del steps[old]
+        self._forget_gone(graph, served)
         if self.positions:
             pipeline_table = self.build_pipeline_table()
             found = failslow.detect_pipeline_fail_slow(pipeline_table) if pipeline_table else []
         else:
             table = self.build_table()
-            found = failslow.detect_fail_slow(table) if table else []
+            found = [f if f.worker == failslow.JOB_WIDE else
+                     dataclasses.replace(f, worker=self.instance_of.get(f.worker, f.worker))
+                     for f in (failslow.detect_fail_slow(table) if table else [])]
         if not any(self.history.values()):
             return []
         events: list[managers.Event] = []
@@ -156,8 +199,9 @@ class RemediationPolicy:
                 self.decisions.append(self.ladder.on_fail_slow(finding, _culprit_ranks(finding, found)))
                 # ski-rental's rent runs from the onset, not from the detection: the steps between
                 # were lost all the same, and a detector slowed by a noisy host must not also
-                # delay the mitigation by the loss it would have counted meanwhile
-                first = min(first, max(finding.onset_iteration, 0))
+                # delay the mitigation by the loss it would have counted meanwhile. Not from
+                # before it: a rebuilt policy (nothing priced yet) would count those steps' noise
+                first = max(finding.onset_iteration, 0)
             elif self.ladder.finding is None:
                 self.ladder.finding = finding  # a resumed plan's: its onset gives the healthy baseline
         latest = max((max(steps) for steps in self.history.values() if steps), default=-1)
@@ -176,27 +220,50 @@ class RemediationPolicy:
                 continue
             # NB: without a healthy baseline (a resumed plan, no steps before the onset) nothing is
             # counted as lost, but the plan in force is still priced against the speeds now
+            finding = self.ladder.finding  # S4 puts the ladder at rest: the culprit is named before
             decision = self.ladder.on_step(seconds, seconds if healthy is None else healthy)
             if decision is not None:
-                self.decisions.append(decision)
-                worker = self.ladder.finding.worker if self.ladder.finding else failslow.JOB_WIDE
-                events += self._events_for(graph, decision, () if worker == failslow.JOB_WIDE else (worker,))
-                if step <= self._last_step:
-                    break  # the rest of the replayed steps ran before this rung: they price nothing on it
+                worker = finding.worker if finding else failslow.JOB_WIDE
+                events += self._take(graph, decision, () if worker == failslow.JOB_WIDE else (worker,))
+                # NB: every step of this tick ran before this rung, the new ones too: they price
+                # nothing on it. Breaking only on steps already seen let a rebuilt policy (nothing
+                # seen yet) climb S1 → S2 → S4 in one tick on history from before S2 existed.
+                break
         self._last_step = max(self._last_step, latest)
         return events
 
+    def _forget_gone(self, graph: model.Graph, served: set[str]) -> None:
+        """Drop the histories of ranks not served this tick whose instance the graph no longer
+        runs, or which fell STALE_STEPS behind the job (module docstring)."""
+        live = set(graph.instance_names())
+        newest = {k: max(steps) for k, steps in self.history.items() if steps}
+        latest = max(newest.values(), default=-1)
+        for key in [k for k in self.history if k not in served]:
+            instance = self.instance_of.get(key, key)
+            if instance not in live or newest.get(key, -1) < latest - STALE_STEPS:
+                del self.history[key]
+                self.instance_of.pop(key, None)
+                self.positions.pop(key, None)
+
     def _history_key(self, key: str, snap: dict) -> str:
-        """A pipelined pod runs several stages, and one history per pod would interleave their
-        records (whichever rank was read last wins): there the history is per rank, with the
-        rank's place kept beside it. Elsewhere it stays per replica, the unit S4 replaces."""
+        """One history per rank, with the instance that runs it. A pod runs several ranks (one per
+        GPU; a pipelined pod several stages), and one history per pod interleaved their records:
+        whichever rank was read last won, so a DDP pod's slow GPU other than its last went unseen.
+        A pipelined rank's key is its rank, with its place kept beside it; a DDP rank's is
+        `<instance>/<rank>` (a pod given other ranks after a restart starts new histories)."""
+        instance = snap.get("replica") or key
+        if "rank" not in snap:
+            self.instance_of[instance] = instance
+            return instance  # a runtime without ranks: one history per instance
+        rank = int(snap["rank"])
         pipeline = (snap.get("parameters") or {}).get("pipeline") or {}
         stages = len(pipeline.get("stage_layers") or ()) or int(pipeline.get("stages") or 0)
-        if stages < 1 or "rank" not in snap:
-            return snap.get("replica") or key
-        rank = int(snap["rank"])  # rank = replica × stages + stage (runtime/pipeline/topology.py)
-        self.positions[str(rank)] = failslow.PipelineRank(snap.get("replica") or key, rank,
-                                                          rank // stages, rank % stages)
+        if stages < 1:
+            self.instance_of[history_key := f"{instance}/{rank}"] = instance
+            return history_key
+        # rank = replica × stages + stage (runtime/pipeline/topology.py)
+        self.positions[str(rank)] = failslow.PipelineRank(instance, rank, rank // stages, rank % stages)
+        self.instance_of[str(rank)] = instance
         return str(rank)
 
     def build_table(self) -> steptable.StepTable | None:
@@ -241,7 +308,7 @@ class RemediationPolicy:
                 events.append(managers.Event(managers.INSTANCE_FAILED, vertex, {
                     "instance": replica, "reason": f"remediation S4 ({decision.action}): {decision.reason}",
                 }))
-        return events
+        return events + build_restore_events(graph, decision)
 
 
 def _culprit_ranks(finding: failslow.SlowFinding, found: list[failslow.SlowFinding]) -> list[int]:
@@ -252,6 +319,25 @@ def _culprit_ranks(finding: failslow.SlowFinding, found: list[failslow.SlowFindi
     return sorted({f.rank for f in found if f.rank is not None and f.replica == finding.replica
                    and f.factor > 1 and f.kind == finding.kind
                    and abs(f.onset_iteration - finding.onset_iteration) <= failslow.ONSET_TOLERANCE})
+
+
+def build_restore_events(graph: model.Graph, decision: ladder.Decision) -> list[managers.Event]:
+    """S4's way back to the even split: S2's counts and S3's layers in force were fitted to the
+    pod S4 replaces (ladder.MitigationLadder._restart), and left in force they would hold the
+    healthy gang back with nothing left to restore them."""
+    out = []
+    for key, what in (("microbatches", "S2's micro-batch counts"), ("stageLayers", "S3's stage layers")):
+        if key not in decision.plan:
+            continue
+        trainers = [v for v in graph.vertices_with_role("trainer")
+                    if key == "microbatches" or int(v.params.get("pipelineStages", 1)) > 1]
+        value = [int(n) for n in decision.plan[key]]  # type: ignore[attr-defined]
+        if trainers:
+            out.append(managers.Event(managers.PARAMETER_DECISION, trainers[0].name, {
+                "key": key, "value": value,
+                "reason": f"remediation S4 ({decision.action}): {decision.reason}; {what} go back to the "
+                          f"even split {value}"}))
+    return out
 
 
 def build_rebalance_events(graph: model.Graph, decision: ladder.Decision) -> list[managers.Event]:
