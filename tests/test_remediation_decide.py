@@ -179,6 +179,25 @@ def test_hang_goes_straight_to_restart_unless_capped() -> None:
     assert capped.action == "capped" and "maxMitigation" in capped.reason
 
 
+
+def test_a_hang_elsewhere_keeps_the_plan_fitted_to_a_straggler() -> None:
+    """S2 holds counts fitted to slow rank 1 when rank 2 hangs: S4 replaces rank 2's pod, and
+    rank 1, which stays, keeps its counts (found by review: they went back to even, and the
+    straggler was never found again)."""
+    costs = ladder.LadderCosts(rebalance=10, resplit=50, restart=200)
+    shape = ladder.JobShape([2.0, 1.0, 1.0, 1.0], 32, [1.0] * 8, [0.5, 1, 1, 1])
+    lad = ladder.MitigationLadder(MitigationLevel.RESTART, costs, shape)
+    lad.on_fail_slow(SLOW, [1])
+    rebalanced = next(d for _ in range(400) if (d := lad.on_step(3.0, 2.0)) is not None)
+    assert rebalanced.level is MitigationLevel.REBALANCE
+    found = hang.HangFinding(hang.NON_COMMUNICATION, (2,), 11, 6.0, "rank 2 never entered", ("node-b",))
+    s4 = lad.on_hang(found)
+    assert s4.level is MitigationLevel.RESTART and "microbatches" not in s4.plan
+    assert lad.level is MitigationLevel.REBALANCE and lad.counts_in_force is not None
+    # The straggler's own hang ends its incident: back to even, the ladder at rest.
+    own = lad.on_hang(hang.HangFinding(hang.NON_COMMUNICATION, (1,), 12, 6.0, "rank 1 never entered"))
+    assert "microbatches" in own.plan and lad.level is None
+
 def test_c4p_reduces_the_max_uplink_load_against_ecmp_and_rank_order() -> None:
     labels = {f"n{i:02d}": {traffic.LEAF_LABEL: f"leaf-{i % 4}", traffic.SPINE_LABEL: "s0,s1,s2,s3"}
               for i in range(32)}

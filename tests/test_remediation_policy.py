@@ -252,6 +252,21 @@ def test_each_gpu_of_a_ddp_pod_has_its_own_history() -> None:
     assert "compute" in pol.decisions[0].reason and "on trainer-0 " in pol.decisions[0].reason
 
 
+
+def test_every_gpu_of_one_slow_pod_is_that_pod_not_half_of_the_job() -> None:
+    """Two pods of two GPUs, and both GPUs of trainer-0 slow down (its host did). Counted by
+    rank, two of four workers were half of the job, the finding was job-wide, and S4 had no pod
+    to replace; counted by pod it is trainer-0's (found by review)."""
+    graph = build_graph()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s", max_mitigation="observe"))
+    rng, history = np.random.default_rng(7), {}
+    pods = {0: "trainer-0", 1: "trainer-0", 2: "trainer-1", 3: "trainer-1"}
+    for step in range(120):
+        pol.decide(graph, Seen(float(step), straggler_snaps(history, step, pods,
+                                                             {0, 1} if step >= 50 else set(), rng)))
+    assert pol.decisions, "the slow pod was not found"
+    assert "on trainer-0 " in pol.decisions[0].reason and "*" not in pol.decisions[0].reason
+
 def test_a_replaced_pods_history_does_not_count_as_a_worker() -> None:
     """Half of the live pods slowing down together is job-wide. The history of a pod replaced
     earlier used to stay, and as a fifth worker it made two of four live pods less than half."""

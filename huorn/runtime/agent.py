@@ -76,7 +76,10 @@ def _count_leaves_as_membership_changes() -> None:
             result = super()._monitor_workers(worker_group)
             failures = result.failures.values() if result.state == WorkerState.FAILED else ()
             if failures and all(f.exitcode == train.RESTART_EXIT for f in failures):
-                self._remaining_restarts += 1  # _invoke_run takes it back for the restart
+                # _invoke_run takes one back for the restart. The budget grows with it, so the
+                # workers' TORCHELASTIC_RESTART_COUNT (budget less what remains) still counts it.
+                self._remaining_restarts += 1
+                worker_group.spec.max_restarts += 1
             return result
 
     launcher_api.LocalElasticAgent = MembershipAwareAgent  # type: ignore[misc]

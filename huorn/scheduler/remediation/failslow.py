@@ -110,13 +110,19 @@ def _changes(
     return [(int(iterations[c.onset]), int(iterations[c.detected_at]), c.factor) for c in found]
 
 
-def _merge_job_wide(found: list[SlowFinding], workers: int) -> list[SlowFinding]:
-    """Collapse shifts that hit at least half of the workers at once into one job-wide finding."""
-    if workers < 2:
+def _merge_job_wide(found: list[SlowFinding], workers: list[str],
+                    host_of: Mapping[str, str] | None = None) -> list[SlowFinding]:
+    """Collapse shifts that hit at least half of the hosts at once into one job-wide finding. A
+    host is what `host_of` maps a worker to (a pod running one rank per GPU), else the worker: all
+    the ranks of one slow pod are one host slowing down, not half of a two-pod job."""
+    host = (lambda w: host_of.get(w, w)) if host_of else (lambda w: w)
+    hosts = len({host(w) for w in workers})
+    if hosts < 2:
         return found
 
     def merge(group: list[SlowFinding]) -> SlowFinding | None:
-        if len({f.worker for f in group}) * 2 >= workers and len(group) >= 2:
+        slowed = len({host(f.worker) for f in group})
+        if slowed * 2 >= hosts and slowed >= 2:
             return SlowFinding(JOB_WIDE, "job-wide", *_group_span(group))
         return None
 
@@ -178,13 +184,16 @@ def _moves_iteration(series: np.ndarray, iterations: np.ndarray, finding: SlowFi
     return not math.isnan(rise) and abs(rise) >= min_shift * step_seconds
 
 
-def detect_fail_slow(table: StepTable, config: bocd.BocdConfig | None = None) -> list[SlowFinding]:
-    """Return the validated slowdowns (and recoveries) in the table, ordered by onset."""
+def detect_fail_slow(table: StepTable, config: bocd.BocdConfig | None = None,
+                     host_of: Mapping[str, str] | None = None) -> list[SlowFinding]:
+    """Return the validated slowdowns (and recoveries) in the table, ordered by onset.
+    `host_of`: the pod of each worker where a pod runs several (_merge_job_wide)."""
     config = config or bocd.BocdConfig()
     if table.compute is None or table.comm is None:
         found = [SlowFinding(w, "compute", *c) for w in table.workers
                  for c in _changes(table.iterations[w], table.times[w], config)]
-        return sorted(_merge_job_wide(found, len(table.workers)), key=lambda f: (f.onset_iteration, f.worker))
+        return sorted(_merge_job_wide(found, list(table.workers), host_of),
+                      key=lambda f: (f.onset_iteration, f.worker))
     step_seconds = float(np.median(_iteration_seconds(table)))
     compute = [f for w in table.workers
                for f in (SlowFinding(w, "compute", *c)
@@ -197,7 +206,7 @@ def detect_fail_slow(table: StepTable, config: bocd.BocdConfig | None = None) ->
     network = [f for f in (SlowFinding(JOB_WIDE, "communication", *c)
                            for c in _changes(iterations, comm, config))
                if _moves_iteration(comm, iterations, f, step_seconds, config.min_shift)]
-    found = _merge_job_wide(compute, len(table.workers)) + network
+    found = _merge_job_wide(compute, list(table.workers), host_of) + network
     return sorted(found, key=lambda f: (f.onset_iteration, f.worker))
 
 

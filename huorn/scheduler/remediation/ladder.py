@@ -414,8 +414,15 @@ class MitigationLadder:
                 f"maxMitigation is {self.cap.value}: raise it to 'restart' to let Huorn recover",
                 ranks, finding.nodes,
             )
-        return self._restart(Decision(
+        decision = Decision(
             MitigationLevel.RESTART, ACTIONS[MitigationLevel.RESTART],
             f"{finding.kind} hang: {finding.reason}; lower rungs cannot move a stopped rank",
             ranks, finding.nodes, self.build_plan(MitigationLevel.RESTART),
-        ))
+        )
+        if self.level is not None and self.ranks and ranks and not set(ranks) & set(self.ranks):
+            # Another rank's slowdown is being mitigated: its S2 counts or S3 split were fitted to
+            # that rank, which stays, so they stay in force and the ladder where it is. Put back
+            # to even, they left the straggler on the even split for good (its change point was
+            # already seen, so it was never found again).
+            return decision
+        return self._restart(decision)

@@ -30,9 +30,11 @@ Fail-slow detection keeps one history per rank, with the instance (pod, agent) t
 DDP pod with several GPUs runs one rank on each, and a pipelined pod several stages. The pipeline
 detector must also see each rank's compute and waits with its replica and stage, to tell the
 rank that is slow from those that wait for it. A DDP finding names the rank's instance, the unit
-S4 replaces. A history whose instance is gone (replaced, removed) is dropped, as is one not
-served for STALE_STEPS steps (torchrun may give a pod other ranks after a restart): an old name
-must not count as a worker when the detector asks whether half of them slowed down.
+S4 replaces, and the detector counts pods, not ranks, when it asks whether half of the workers
+slowed at once (all the GPUs of one slow host are that host, not half of a two-pod job). A
+history whose instance is gone (replaced, removed) is dropped, as is one whose instance serves
+other ranks now (torchrun may give a pod other ranks after a restart): an old name must not count
+as a worker.
 
 Each tick's step records ran before the tick's decision, so after a rung is taken the rest of
 them price nothing on it: a tick takes at most one rung above S1. A policy rebuilt for a running
@@ -56,7 +58,6 @@ from huorn.graph import managers, model
 from huorn.scheduler.remediation import failslow, hang, ladder, rebalance, steptable
 
 HISTORY_STEPS = 1024  # per rank: enough for BOCD's segments, bounded for week-long jobs
-STALE_STEPS = 50  # a rank's history not served while the job ran this many steps on is dropped
 SHAPE_WINDOW = 5  # recent steps whose median compute time gives a rank's seconds per micro-batch
 # NB: while an S2/S3 plan holds, the window grows with the steps since its telemetry settled, up
 # to EVIDENCE_WINDOW: judged 5 steps at a time, a recovered rank left at [5, 3] and measured ~5 %
@@ -186,7 +187,7 @@ class RemediationPolicy:
             table = self.build_table()
             found = [f if f.worker == failslow.JOB_WIDE else
                      dataclasses.replace(f, worker=self.instance_of.get(f.worker, f.worker))
-                     for f in (failslow.detect_fail_slow(table) if table else [])]
+                     for f in (failslow.detect_fail_slow(table, host_of=self.instance_of) if table else [])]
         if not any(self.history.values()):
             return []
         events: list[managers.Event] = []
@@ -234,13 +235,14 @@ class RemediationPolicy:
 
     def _forget_gone(self, graph: model.Graph, served: set[str]) -> None:
         """Drop the histories of ranks not served this tick whose instance the graph no longer
-        runs, or which fell STALE_STEPS behind the job (module docstring)."""
+        runs, or whose instance served other ranks this tick (torchrun gave the pod other ranks
+        after a restart). A rank that merely missed a poll keeps its history: dropped, it came
+        back with only what the telemetry still held, and its change-point baseline was lost."""
         live = set(graph.instance_names())
-        newest = {k: max(steps) for k, steps in self.history.items() if steps}
-        latest = max(newest.values(), default=-1)
+        serving = {self.instance_of.get(k, k) for k in served}
         for key in [k for k in self.history if k not in served]:
             instance = self.instance_of.get(key, key)
-            if instance not in live or newest.get(key, -1) < latest - STALE_STEPS:
+            if instance not in live or instance in serving:
                 del self.history[key]
                 self.instance_of.pop(key, None)
                 self.positions.pop(key, None)
