@@ -139,6 +139,7 @@ class Trainer:
         self.step_waits: dict[str, float] = {}  # last step's waits by kind (a pipeline's receive, reduce)
         self.step_links: dict[str, float] = {}  # last step's pipeline link figures (telemetry.record_step)
         self.control_stamp = 0
+        self.plan_rejected = False  # the control file's last plan did not fit (share_state)
         self.total_steps = cfg.total_steps()
         auto = self.spec.data.mixture == "auto"  # DDK sets the weights; every listed source takes part
         weights = [1.0 if auto else s.weight for s in self.spec.data.sources]
@@ -280,7 +281,8 @@ class Trainer:
             for tensor in tensors:
                 comm.broadcast_tensor(tensor, source, self.device)
             loop = comm.broadcast_object(
-                {"noise": dataclasses.asdict(self.noise),
+                {"noise": dataclasses.asdict(self.noise), "control_stamp": self.control_stamp,
+                 "plan_rejected": self.plan_rejected,
                  "param_groups": optim_state["param_groups"], "pending_save": self.pending_save,
                  "ddk": self.ddk.state() if self.ddk is not None else None}
                 if self.rank == source else None, self.hook_state, src=source)
@@ -290,13 +292,17 @@ class Trainer:
             dcp_state.set_state_dict(self.model, self.optimizer, model_state_dict=model_state,
                                      optim_state_dict=optim_state)
             self.noise = noise_scale.NoiseScale(**loop["noise"])  # type: ignore[index]
+            self.control_stamp = loop["control_stamp"]  # type: ignore[index]
+            self.plan_rejected = loop["plan_rejected"]  # type: ignore[index]
             self.restore_mixture(loop["ddk"])  # type: ignore[index]
             step = best
         self.has_state = True
-        # A new gang reads the control file afresh at its first step: the plan in force was
-        # dropped with the old gang (regroup), and a plan rejected just before the regroup was
-        # most often written for this very gang.
-        self.control_stamp = 0
+        if self.plan_rejected:
+            # A plan the old gang rejected just before the regroup was most often written for
+            # this very gang (the operator writes it for the gang it grows): read it again at the
+            # first step. A plan in force is not: its counts were fitted to ranks that a new round
+            # may have renumbered, so it waits for the operator's next plan.
+            self.control_stamp, self.plan_rejected = 0, False
         return step
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -676,11 +682,13 @@ class Trainer:
         """A DDP gang falls back to the even split: a plan that does not fit is most often one
         written for the gang before a resize."""
         self.microbatch_counts = None
+        self.plan_rejected = True
         self.log({"event": "microbatch-plan-rejected", "step": step, "counts": list(plan.counts),
                   "reason": problem})
 
     def use_microbatch_counts(self, counts: tuple[int, ...]) -> None:
         self.microbatch_counts = counts
+        self.plan_rejected = False
 
     def _request_stop(self, signum: int, frame: object) -> None:
         global _terminated
