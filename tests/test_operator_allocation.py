@@ -94,3 +94,48 @@ def test_a_gang_of_multi_gpu_pods_is_bound_one_replica_per_pod_and_its_eval_stay
     decision = allocation.arbiter_for(ctx, "t", "wide")(view, 0.0)
     assert decision.replicas in (2, 3), "3 free GPUs hold one more pod of 2, not three of 1"
 
+
+
+def test_growth_takes_only_the_gpus_free_now_not_those_a_peer_would_give_up() -> None:
+    """The joint allocation may shrink a poor scaler for a strong one, but the poor scaler's own
+    monitor gives the GPUs up; planned on them now, the growth would wait, unplaceable."""
+    ctx = build_ctx()
+    watch(ctx, "poor", SCALES_BADLY, 6)
+    strong = watch(ctx, "strong", SCALES_WELL, 2)
+    assert allocation.arbiter_for(ctx, "t", "strong")(strong, 0.0).replicas == 2
+
+
+def test_a_resize_in_flight_is_decided_from_the_replicas_that_run() -> None:
+    """Told to grow to 4 ten seconds ago, two pods run and two wait for GPUs a peer holds. Sized by
+    the graph, the cooldown forbade every size but 4, which did not fit, and the job was shrunk to
+    its minimum, below what ran (found by review)."""
+    ctx = build_ctx(gpus=4)
+    watch(ctx, "other", SCALES_WELL, 2, priority=100)
+    view = watch(ctx, "g", SCALES_WELL, 2, last_resize=-10.0, last_direction=1)
+    view = allocator.JobView(**{**vars(view), "replicas": 4, "max_replicas": 4})
+    assert allocation.arbiter_for(ctx, "t", "g")(view, 0.0).replicas >= 2
+
+
+def test_a_gpu_less_goodput_job_decides_alone_within_its_bounds() -> None:
+    """The quickstart's trainers use no GPU: a JobView of 0 GPUs a replica raised at every decision
+    and the monitor's whole tick failed (found by review)."""
+    from huorn.operator import monitoring, validation
+
+    body = {"apiVersion": "huorn.io/v1alpha1", "kind": "TrainingJob",
+            "metadata": {"name": "cpu", "namespace": "t"},
+            "spec": {"virtualCluster": "train", "resources": {"gpus": 0},
+                     "elasticity": {"minReplicas": 1, "maxReplicas": 3, "policy": "goodput"},
+                     "optimization": {"steps": 100, "globalBatch": 24, "microBatch": 4}}}
+    state = monitoring.build_policies(validation.load_job(body), ("uid", 1), None,
+                                      allocation.arbiter_for(build_ctx(), "t", "cpu"))
+    assert state.goodput is not None and state.goodput.arbiter is None
+    assert (state.goodput.slots, state.goodput.gpus_per_replica) == (3, 1)
+
+
+def test_a_rebuilt_policy_is_not_handed_the_old_policys_goodput_table() -> None:
+    """The arbiter's allocator caches tables by job and model version; a policy rebuilt for an
+    edited spec starts counting samples from 0 again, and its versions must not meet the old
+    one's (found by review)."""
+    old, new = (goodput.GoodputPolicy(job="j", virtual_cluster="train", slots=0, global_batch=32.0)
+                for _ in range(2))
+    assert old.model_version() != new.model_version()

@@ -11,6 +11,7 @@ decision code identical to a cluster's.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +20,12 @@ from dataclasses import dataclass, field
 from huorn.backends import monitor
 from huorn.graph import managers, model
 from huorn.scheduler import allocator, perfmodel, placement, snapshot
+
+# Each policy's models are numbered apart: an arbiter's allocator caches a job's goodput table by
+# its name and model version, and a policy rebuilt for an edited spec (its sample count back at 0)
+# would otherwise be handed the old policy's table, with the old replica bounds.
+_EPOCHS = itertools.count(1)
+EPOCH_STRIDE = 1 << 32
 
 
 @dataclass
@@ -59,6 +66,11 @@ class GoodputPolicy:
     last_decision: allocator.Decision | None = None
     _last_step: int = 0
     _times: dict[int, list[float]] = field(default_factory=dict)
+    _epoch: int = field(default_factory=lambda: next(_EPOCHS))
+
+    def model_version(self) -> int:
+        """Changes whenever the model learns, and differs from every other policy's."""
+        return self._epoch * EPOCH_STRIDE + len(self.perf.samples)
 
     def learn(self, steps: list[dict]) -> None:
         """Feed step records to the performance model, skipping outliers such as the first step
@@ -102,7 +114,7 @@ class GoodputPolicy:
                                                     else 1.0),
             last_resize=last_resize,
             last_direction=last_direction,
-            model_version=len(self.perf.samples),
+            model_version=self.model_version(),
             # samples left, in the unit of the performance model's throughput (samples per second)
             remaining_work=(max(self.total_steps - step, 0) * self.global_batch
                             if self.total_steps is not None else None),

@@ -47,8 +47,15 @@ def rebind_trainers(snap: snapshot.ClusterSnapshot, key: str, pods: Iterable[ind
     if binding is None:
         return 0
     snap.forget(key)
-    trainers = [p for p in pods if p.vertex == TRAINER and p.node and p.gpus == gpus_per_replica
-                and p.holds_resources and p.node in binding.gpus_by_node]
+    # A pod being deleted (a shrink, a drain) still holds its GPUs, but is no longer part of the
+    # gang: it stays held with the other pods.
+    held = dict(binding.gpus_by_node)
+    trainers = []
+    for p in pods:
+        if (p.vertex == TRAINER and p.node and p.gpus == gpus_per_replica and p.holds_resources
+                and not p.deleting and held.get(p.node, 0) >= gpus_per_replica):
+            held[p.node] -= gpus_per_replica
+            trainers.append(p)
     if trainers:
         snap.assume(key, binding.virtual_cluster, placement.Placement([p.node for p in trainers]),
                     gpus_per_replica)
@@ -100,29 +107,65 @@ def arbiter_for(ctx: Context, namespace: str, name: str
     has decided with the goodput policy, on the cluster as the index mirrors it now."""
     me = (namespace, name)
 
-    def arbitrate(view: allocator.JobView, now: float) -> allocator.Decision:
+    def cluster(gpus_per_replica: int) -> tuple[snapshot.ClusterSnapshot, int]:
+        """The snapshot with this job bound by its running trainers, and how many there are."""
         snap = ctx.index.build_snapshot()
-        key = job_key(namespace, name)
-        rebind_trainers(snap, key, ctx.index.pods_of(namespace, name), view.gpus_per_replica)
-        mine = with_size(view, key, view.replicas)  # the graph's size: what a resize starts from
+        running = rebind_trainers(snap, job_key(namespace, name), ctx.index.pods_of(namespace, name),
+                                  gpus_per_replica)
+        return snap, running
+
+    def arbitrate(view: allocator.JobView, now: float) -> allocator.Decision:
+        snap, running = cluster(view.gpus_per_replica)
+        if not running:
+            return _keep(view, "no trainer of it runs: nothing to decide from")
+        # Sized by what runs, as its peers are: a resize in flight (new pods not placed yet, old
+        # ones being deleted) is decided again from what the gang is, not from what it was told.
+        mine = with_size(view, job_key(namespace, name), running)
+        known = {v.name for v in snap.virtual_clusters()}
         peers: list[allocator.JobView] = []
         for (ns, job), state in sorted(ctx.monitors.items()):
             seen = getattr(getattr(state, "goodput", None), "view", None)
-            if (ns, job) == me or seen is None:
-                continue
+            if (ns, job) == me or seen is None or seen.virtual_cluster not in known:
+                continue  # a peer of a cluster the index does not hold has no budget to weigh
             bound = rebind_trainers(snap, job_key(ns, job), ctx.index.pods_of(ns, job), seen.gpus_per_replica)
             if bound:  # a job with no trainer running has nothing to decide
                 peers.append(with_size(seen, job_key(ns, job), bound))
-        owed: dict[str, int] = {}
-        for w in ctx.queue.waiting():
-            if w.key != me:
-                owed[w.virtual_cluster] = owed.get(w.virtual_cluster, 0) + w.missing * w.gpus
+        owed = _owed(ctx, me)
         hold_for_waiting(snap, owed)
         size = gpus_per_node(snap)
         decider = ctx.allocators.get(size)
         if decider is None:
             decider = ctx.allocators[size] = allocator.Allocator(
                 dataclasses.replace(allocator.HUORN, gpus_per_node=size))
-        return dataclasses.replace(decide(decider, snap, mine, peers, now), job=view.name)
+        decision = decide(decider, snap, mine, peers, now)
+        if decision.replicas > running:
+            # Grow only into GPUs free now: what a peer's part would give up is given up by the
+            # peer's own monitor, and a growth planned on it would wait, unplaceable, until then.
+            now_snap, _ = cluster(view.gpus_per_replica)
+            hold_for_waiting(now_snap, owed)
+            fits = _placeable(now_snap, mine, decision.replicas - running)
+            decision = dataclasses.replace(decision, replicas=running + fits)
+        return dataclasses.replace(decision, job=view.name)
 
     return arbitrate
+
+
+def _owed(ctx: Context, me: tuple[str, str]) -> dict[str, int]:
+    """GPUs each virtual cluster's waiting gangs still need, the job itself left out."""
+    owed: dict[str, int] = {}
+    for w in ctx.queue.waiting():
+        if w.key != me:
+            owed[w.virtual_cluster] = owed.get(w.virtual_cluster, 0) + w.missing * w.gpus
+    return owed
+
+
+def _placeable(snap: snapshot.ClusterSnapshot, job: allocator.JobView, extra: int) -> int:
+    """The most of `extra` new replicas of `job` that fit the snapshot as it is."""
+    for n in range(extra, 0, -1):
+        if isinstance(snap.place(job.virtual_cluster, n, job.gpus_per_replica), placement.Placement):
+            return n
+    return 0
+
+
+def _keep(view: allocator.JobView, why: str) -> allocator.Decision:
+    return allocator.Decision(view.name, "keep", view.replicas, view.replicas, reason=why)

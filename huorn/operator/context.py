@@ -188,6 +188,8 @@ class Context:
     def forget_job(self, namespace: str, name: str) -> None:
         self._job_locks.pop((namespace, name), None)
         self.monitors.pop((namespace, name), None)
+        for decider in self.allocators.values():  # its goodput tables (huorn.operator.allocation)
+            decider.forget_job(f"{namespace}/{name}")
         self.queue.forget(namespace, name)
         self.preemptions.pop((namespace, name), None)
         self.serving_waiting.pop((namespace, name), None)

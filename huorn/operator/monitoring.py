@@ -78,10 +78,13 @@ def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = N
     total = declared_steps(spec)
     grow = None
     if spec.elasticity.policy == ElasticityPolicy.GOODPUT:
+        gpus = spec.resources.gpus
         grow = goodput.GoodputPolicy(
-            job=job.metadata.name, virtual_cluster=spec.virtual_cluster, slots=0,
-            global_batch=float(spec.optimization.global_batch), total_steps=total,
-            gpus_per_replica=spec.resources.gpus, priority=spec.priority, arbiter=arbiter,
+            job=job.metadata.name, virtual_cluster=spec.virtual_cluster,
+            # A job of no GPUs competes for none: it grows within its own bounds, alone.
+            slots=spec.elasticity.max_replicas if not gpus else 0, gpus_per_replica=max(1, gpus),
+            arbiter=arbiter if gpus else None,
+            global_batch=float(spec.optimization.global_batch), total_steps=total, priority=spec.priority,
         )
     remediation = policy.RemediationPolicy(spec.remediation)
     trainer = graph.vertices.get("trainer") if graph is not None else None
