@@ -39,8 +39,8 @@ def check_invariants(sim: engine.Simulation) -> None:
     grace = sim.config.reclaim_grace_seconds
     assert all(t <= sim.now + grace + 1e-6 for t, _, _ in sim.returns)
     # ... and are held until then: bound as the lender's own, so no gang is placed on them.
-    assert sum(sum(bindings[name].gpus_by_node.values()) for _, _, name in sim.returns) == \
-        sim.inflight_returns()
+    assert sum(gpus for _, _, name in sim.returns for node, gpus in bindings[name].gpus_by_node.items()
+               if sim.node_vc[node] == "infer") == sim.inflight_returns()
 
 
 @pytest.mark.parametrize("policy", ["fifo", "kueue", "pollux", "pollux-p-1", "pollux-p-1-fair", "huorn"])
@@ -71,11 +71,40 @@ def test_a_reclaimed_gpu_stays_held_until_its_victim_has_gone() -> None:
 
     with pytest.raises(Lent):
         sim.run(stop_at_a_loan)
-    free, lent = sim.snap.free("infer"), sim.snap.lent("infer")
+    free, lent, free_train = sim.snap.free("infer"), sim.snap.lent("infer"), sim.snap.free("train")
     policies._huorn_reclaim(sim, lent, "test")
     assert sim.snap.lent("infer") == 0
     assert sim.inflight_returns() == lent
     assert sim.snap.free("infer") == free, "the victims still hold what they give back"
+    assert sim.snap.free("train") == free_train
+
+
+def test_a_preempted_borrower_holds_its_training_gpus_too_until_it_has_gone(monkeypatch) -> None:
+    """A victim preempted whole checkpoints on all of its GPUs, its own cluster's included; they
+    were free at once for another gang (found by review). The trace never preempts a borrower
+    with replicas on both sides, so the reclaim is made to."""
+    from huorn.scheduler import loaning
+
+    sim = run.build_simulation(TRACE, NODES, QPS, "huorn", engine.SimConfig(gpus=64, seed=1, load=1.2))
+
+    class Split(Exception):
+        pass
+
+    def stop_at_a_split_borrower(_: float) -> None:
+        if any(js.status == "running" and 0 < js.on_lender < js.replicas for js in sim.active()):
+            raise Split
+
+    with pytest.raises(Split):
+        sim.run(stop_at_a_split_borrower)
+    js = next(js for js in sim.active() if js.status == "running" and 0 < js.on_lender < js.replicas)
+    gpr = js.job.family.gpus_per_replica
+    victim = loaning.Reclaim(js.job.name, "preempt", js.on_lender, js.on_lender * gpr, sim.now, sim.now + 30,
+                             True, 0.0, "test")
+    monkeypatch.setattr(loaning, "plan_reclaim", lambda *_: [victim])
+    free_train = sim.snap.free("train")
+    policies._huorn_reclaim(sim, 1, "test")
+    assert js.status == "pending"
+    assert sim.snap.free("train") == free_train, "its training GPUs are still held"
 
 def test_wrong_declarations_never_push_loans_past_the_lenders_limit() -> None:
     """Regression: with declarations off by σ = 1 (the work-estimate study), a running job kept

@@ -148,17 +148,20 @@ class Simulation:
             self.totals.preemptions += 1
 
     def hold_returns(self, gpus_on: list[str], until: float, job: str) -> None:
-        """Keep the GPUs of `gpus_on` (one node name per GPU) held by `job` until `until`, as the
-        lender's own (they lend nothing while held, and they are not free)."""
-        if not gpus_on:
+        """Keep the GPUs of `gpus_on` (one node name per GPU) held by `job` until `until`, each as
+        its own cluster's (they lend nothing while held, and they are not free). Those on the
+        lender count as returns to inference."""
+        if not gpus_on or until <= self.now:
             return
-        if until <= self.now:
-            return
-        self._held += 1
-        name = f"returning:{job}:{self._held}"
-        self.snap.assume(name, INFER, placement.Placement(gpus_on), 1)
+        for vc in (INFER, TRAIN):
+            nodes = [n for n in gpus_on if self.node_vc[n] == vc]
+            if not nodes:
+                continue
+            self._held += 1
+            name = f"returning:{job}:{self._held}"
+            self.snap.assume(name, vc, placement.Placement(nodes), 1)
+            self.returns.append((until, len(nodes) if vc == INFER else 0, name))
         self.snap.commit()
-        self.returns.append((until, len(gpus_on), name))
 
     def set_lend_limit(self, gpus: int) -> None:
         self.snap.set_virtual_cluster(snapshot.VirtualClusterView(

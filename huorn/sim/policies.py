@@ -146,8 +146,8 @@ def _huorn_reclaim(sim: Simulation, excess: int, why: str) -> None:
         js = sim.by_name[r.job]
         release = r.signal_at + (js.job.family.checkpoint_seconds if r.graceful else r.deadline - r.signal_at)
         keep = js.replicas - r.replicas_released
-        staying = _staying_replicas(sim, js, r.replicas_released)
-        leaving = _leaving_gpus(sim, js, staying)
+        staying = _staying_replicas(sim, js, r.replicas_released) if r.action == "shrink" else []
+        leaving = _leaving_gpus(sim, js, staying)  # a preempted victim holds all of its GPUs
         sim.unbind(js, requeue=r.action == "preempt", lose_work=not r.graceful)
         # The victim holds those GPUs until it has gone: they go back to inference then, and no
         # gang may be placed on them meanwhile (before, a gang placed in the same tick shared a
