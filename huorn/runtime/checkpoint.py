@@ -106,20 +106,29 @@ def remove_stale_temporaries(root: Path, idle_s: float = 0.0) -> list[Path]:
     if idle_s > 0:
         now = time.time()
         stale = [p for p in stale if now - _last_write(p) >= idle_s]
+    else:  # no save is in flight: old checkpoints a clean-up thread did not finish go too
+        stale += [p for p in root.glob(f"{TRASH_PREFIX}*") if p.is_dir()] if root.is_dir() else []
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale
 
 
 def _last_write(path: Path) -> float:
-    """The newest modification time of a directory and the files in it."""
-    times = [path.stat().st_mtime]
-    for child in path.rglob("*"):
-        with contextlib.suppress(OSError):  # removed meanwhile
-            times.append(child.stat().st_mtime)
+    """The newest modification time of a directory and the files in it; a directory renamed or
+    removed meanwhile (a save that finished, another clean-up) counts as written now."""
+    try:
+        times = [path.stat().st_mtime]
+        for child in path.rglob("*"):
+            with contextlib.suppress(OSError):  # removed meanwhile
+                times.append(child.stat().st_mtime)
+    except OSError:
+        return time.time()
     return max(times)
 
 
+# Old checkpoints being deleted: out of the checkpoints' names, and out of the interrupted saves'
+# (.tmp-step-*), whose idle sweep would otherwise walk a directory another thread is deleting.
+TRASH_PREFIX = ".old-"
 _clean_ups: list[threading.Thread] = []  # rank 0's deletions in flight (save_checkpoint)
 
 
@@ -136,7 +145,7 @@ def _clean_up_later(root: Path, old: list[Path]) -> None:
     half deleted, and one a killed process leaves behind is a temporary the next start removes."""
     trash = []
     for path in old:
-        target = root / f".tmp-{path.name}.old"
+        target = root / f"{TRASH_PREFIX}{path.name}"
         with contextlib.suppress(OSError):  # gone already: a peer process of another run, by hand
             os.rename(path, target)
             trash.append(target)
