@@ -120,3 +120,15 @@ async def test_serve_json_is_never_seen_half_written(tmp_path: Path, monkeypatch
         stop.set()
         watcher.join()
     assert all("port" in json.loads(text) for text in seen), [text for text in seen if not text.endswith("}")]
+
+
+def test_a_rewritten_file_keeps_its_mode(tmp_path: Path) -> None:
+    """A rewrite in place keeps a file's permissions; the rename of a fresh scratch file had reset
+    a private report to the umask's (found by review)."""
+    from huorn.api import files
+
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    report.chmod(0o600)
+    files.write_text_atomically(report, '{"new": 1}')
+    assert report.read_text() == '{"new": 1}' and (report.stat().st_mode & 0o777) == 0o600

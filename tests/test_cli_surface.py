@@ -223,3 +223,4 @@ def test_graph_where_it_cannot_write_exits_2_naming_the_path(tmp_path: Path,
     result = CliRunner().invoke(main.app, ["graph", quickstart, "-o", "json", "--output", "/proc/g.json"])
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
     assert "error: --output /proc/g.json: " in result.stderr
+

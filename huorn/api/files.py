@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,8 @@ def replacing(path: Path) -> Iterator[Path]:
     """Yield a scratch path to write instead of `path`; on a clean exit it replaces `path`, on an
     exception it is removed and `path` keeps its previous content.
 
-    The scratch path keeps `path`'s suffix, since matplotlib picks a picture's format from it.
+    The scratch path keeps `path`'s suffix; pictures are saved with an explicit format all the
+    same, since matplotlib would add a suffix to a path without one and write elsewhere.
     A symlink is followed, so that the file it points to is replaced rather than the link. A path
     that exists but is no regular file (`/dev/stdout`, a FIFO) is written in place: renaming over
     it would replace the device or pipe itself."""
@@ -33,6 +35,8 @@ def replacing(path: Path) -> Iterator[Path]:
     scratch = target.with_name(f".{target.stem}.{os.getpid()}.tmp{target.suffix}")
     try:
         yield scratch
+        with contextlib.suppress(FileNotFoundError):  # the file keeps its mode, as a rewrite would
+            os.chmod(scratch, stat.S_IMODE(target.stat().st_mode))
         os.replace(scratch, target)
     finally:
         scratch.unlink(missing_ok=True)

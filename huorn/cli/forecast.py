@@ -77,7 +77,7 @@ def plot(evaluation: forecast.BoardEvaluation, path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     with files.replacing(path) as scratch:
-        fig.savefig(scratch, dpi=110)
+        fig.savefig(scratch, dpi=110, format="png")
     plt.close(fig)
 
 

@@ -172,7 +172,7 @@ def render_png(graph: Graph, path: Path, mutations: int = 12) -> Path:
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
     return path
 

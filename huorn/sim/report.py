@@ -148,7 +148,7 @@ def plot_metrics(out_dir: Path, results: dict[str, dict]) -> Path:
     fig.tight_layout()
     path = out_dir / "metrics.png"
     with files.replacing(path) as scratch:
-        fig.savefig(scratch, dpi=110)
+        fig.savefig(scratch, dpi=110, format="png")
     plt.close(fig)
     return path
 
@@ -176,7 +176,7 @@ def _plot(out_dir: Path, results: dict[str, dict], sims: dict[str, engine.Simula
     axes[-1, 0].set_xlabel("hours")
     fig.tight_layout()
     with files.replacing(out_dir / "timeline.png") as scratch:
-        fig.savefig(scratch, dpi=110)
+        fig.savefig(scratch, dpi=110, format="png")
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -189,7 +189,7 @@ def _plot(out_dir: Path, results: dict[str, dict], sims: dict[str, engine.Simula
     ax.legend()
     fig.tight_layout()
     with files.replacing(out_dir / "jct_cdf.png") as scratch:
-        fig.savefig(scratch, dpi=110)
+        fig.savefig(scratch, dpi=110, format="png")
     plt.close(fig)
 
 
@@ -223,5 +223,5 @@ def plot_goodput_sensitivity(rows: list[dict], path: Path, factor: str, xlabel: 
     axes[0, -1].legend(fontsize=8)
     fig.tight_layout()
     with files.replacing(path) as scratch:
-        fig.savefig(scratch, dpi=110)
+        fig.savefig(scratch, dpi=110, format="png")
     plt.close(fig)

@@ -99,7 +99,7 @@ def plot_loss(steps: list[dict[str, Any]], mutations: list[model.Mutation], path
     ax.grid(alpha=0.3)
     fig.tight_layout()
     with files.replacing(path) as scratch:
-        fig.savefig(scratch, dpi=100)
+        fig.savefig(scratch, dpi=100, format="png")
     plt.close(fig)
     return path
 
@@ -123,7 +123,7 @@ def plot_throughput(steps: list[dict[str, Any]], mutations: list[model.Mutation]
     ax.grid(alpha=0.3)
     fig.tight_layout()
     with files.replacing(path) as scratch:
-        fig.savefig(scratch, dpi=100)
+        fig.savefig(scratch, dpi=100, format="png")
     plt.close(fig)
     return path
 
