@@ -121,3 +121,26 @@ def test_a_split_rolled_once_is_not_rolled_again_after_its_set_param_left_the_lo
     # a value set without a stamp drops the stale one: its version is no longer the value's
     mutate.set_param(g, "trainer", "stageLayers", [1, 3], reason="by hand")
     assert manifests.stage_split(g).version == g.version
+
+
+def test_a_split_set_before_the_stamps_is_not_rolled_again_after_an_upgrade() -> None:
+    """An S3 split set by an operator from before the stamps, its set-param gone from the log:
+    read by the graph's version, which every mutation moves, it rolled the gang again after
+    each later decision (found by review)."""
+    from huorn.backends.kubernetes import manifests
+    from huorn.operator import index, training
+
+    g = build_graph()
+    g.vertex("trainer").params["stageLayers"] = [3, 1]  # as an old operator left it, unstamped
+    split = manifests.stage_split(g)
+    assert split is not None and split.version == manifests.UNKNOWN_VERSION
+    later = managers.Event(managers.PARAMETER_DECISION, "trainer", {"key": "lr", "value": 1, "reason": "x"})
+    managers.build_default_managers().dispatch(g, later)
+    assert manifests.stage_split(g).version == split.version
+    status = {"resplitVersion": 17}  # a roll the old operator made
+    ref = manifests.JobRef("TrainingJob", "demo", "t", "uid")
+    pods = {manifests.pod_name(ref, i): index.PodRecord("t", manifests.pod_name(ref, i), "demo", "trainer",
+                                                        i.name, "n0", 1, 0, "train", phase="Running")
+            for i in g.vertex("trainer").instances}
+    assert training._plan_resplit(g, ref, pods, status, {}) == []
+    assert training._plan_resplit(g, ref, pods, {}, {}), "a split never rolled is rolled once"

@@ -508,6 +508,14 @@ async def _suspend(
     return "Suspended"
 
 
+def _rolled(split: manifests.StageSplit, old: Mapping[str, Any]) -> bool:
+    """Whether the gang already runs `split`. One whose set-param is known by no version any more
+    (manifests.UNKNOWN_VERSION: an operator from before the stamps set it) was rolled if any
+    split was: the log it fell out of recorded a roll of it, or of the one before it."""
+    rolled = old.get("resplitVersion")
+    return rolled == split.version or (split.version == manifests.UNKNOWN_VERSION and rolled is not None)
+
+
 def _plan_resplit(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, PodRecord],
                   old: Mapping[str, Any], base_status: dict[str, Any]) -> list[Mutation]:
     """Remediation S3 in a cluster: a new `stageLayers` changes which layers every rank holds,
@@ -516,7 +524,7 @@ def _plan_resplit(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, PodRec
     status.resplitVersion, written in the same patch as these replacements, names the set-param
     that was rolled."""
     split = manifests.stage_split(graph)
-    if split is None or old.get("resplitVersion") == split.version:
+    if split is None or _rolled(split, old):
         return []
     reason = (f"remediation S3: restart on stage layers {list(split.layers)} from the last checkpoint "
               f"(set-param of graph version {split.version})")
@@ -554,7 +562,7 @@ async def _drain_replaced(
                 _event(ctx, body, "Normal", m.action.capitalize(), m.reason)
     split = manifests.stage_split(graph)
     control = manifests.micro_batch_control(graph)
-    if split is not None and old.get("resplitVersion") != split.version:
+    if split is not None and not _rolled(split, old):
         await ctx.client.apply(manifests.build_config_map(ref, spec, control, split))
         _event(ctx, body, "Normal", "Resplit",
                f"restarting {len(going)} trainer pods on stage layers {list(split.layers)} "

@@ -137,6 +137,12 @@ class MicroBatchControl:
     version: int
 
 
+# The version of a value whose set-param neither the log nor a stamp holds any more (one set by
+# an operator from before the stamps): a constant, not the graph's version, which every later
+# mutation moves, and which rolled an S3 split again after each of them.
+UNKNOWN_VERSION = -1
+
+
 def micro_batch_control(graph: Graph) -> MicroBatchControl | None:
     """The trainer's current `microbatches` parameter, with the reason and version of the
     set-param that set it (mutate.param_setting: the log, else the stamp beside the value; the
@@ -144,7 +150,7 @@ def micro_batch_control(graph: Graph) -> MicroBatchControl | None:
     counts = graph.vertex("trainer").params.get("microbatches")
     if not counts:
         return None
-    version, reason = mutate.param_setting(graph, "trainer", "microbatches") or (graph.version, "")
+    version, reason = mutate.param_setting(graph, "trainer", "microbatches") or (UNKNOWN_VERSION, "")
     return MicroBatchControl(tuple(int(c) for c in counts), reason, version)
 
 
@@ -165,7 +171,7 @@ def stage_split(graph: Graph) -> StageSplit | None:
     layers = graph.vertex("trainer").params.get("stageLayers")
     if not layers:
         return None
-    version, reason = mutate.param_setting(graph, "trainer", "stageLayers") or (graph.version, "")
+    version, reason = mutate.param_setting(graph, "trainer", "stageLayers") or (UNKNOWN_VERSION, "")
     return StageSplit(tuple(int(n) for n in layers), reason, version)
 
 
