@@ -29,8 +29,10 @@ def sample(t: float, busy: float, requests: float = 0.0, tokens: float = 0.0, la
 
 
 def reading(in_flight: float, replicas: int = 1, p99: float | None = None,
-            per_busy_second: float | None = None) -> autoscale.LoadReading:
-    return autoscale.LoadReading(replicas, 10.0, 100.0, 1.0, in_flight, p99, per_busy_second)
+            per_busy_second: float | None = None, requests: float | None = None) -> autoscale.LoadReading:
+    """A fleet with nothing in flight had no request either, unless `requests` says so."""
+    rate = (10.0 if in_flight > 0 else 0.0) if requests is None else requests
+    return autoscale.LoadReading(replicas, rate, 100.0, 1.0, in_flight, p99, per_busy_second)
 
 
 def rule(**kw: object) -> autoscale.ScalingRule:
@@ -158,6 +160,33 @@ def test_scale_to_zero_needs_a_whole_quiet_window_and_held_requests_wake_it_at_o
     tokens = autoscale.Autoscaler(rule(min_replicas=0, tokens_per_second=10.0, scale_down_delay_seconds=0))
     assert tokens.recommend(0.0, 1, reading(in_flight=0.0, per_busy_second=100.0)).replicas == 1
 
+
+
+def test_a_replica_woken_from_zero_stays_a_whole_delay_after_it_served() -> None:
+    """Woken by held requests, the replica answered them before its first scrape: the window
+    held only the wake-up, older than the delay, and the job went back to zero seconds after
+    serving, to cold-start again at the next request (found by review)."""
+    scaler = autoscale.Autoscaler(rule(min_replicas=0, max_replicas=4, scale_down_delay_seconds=60))
+    assert scaler.recommend(0.0, 0, None, held=1).replicas == 1
+    assert scaler.recommend(120.0, 1, None, held=0).replicas == 1  # a slow model load
+    assert scaler.recommend(135.0, 1, reading(in_flight=0.0)).replicas == 1
+    # a request answered between two scrapes is a request, though none was in flight at either
+    assert scaler.recommend(190.0, 1, reading(in_flight=0.0, requests=0.1)).replicas == 1
+    assert scaler.recommend(240.0, 1, reading(in_flight=0.0)).replicas == 1
+    assert scaler.recommend(251.0, 1, reading(in_flight=0.0)).replicas == 0
+
+
+def test_the_latency_guard_waits_for_the_replica_it_added() -> None:
+    """p99 above the SLO asked for one more replica at every tick, while the one added before
+    still loaded (p99 is measured on ready replicas only): a burst longer than a model load asked
+    for eight (found by review)."""
+    scaler = autoscale.Autoscaler(rule(max_replicas=8, slots_per_replica=32, p99_seconds=1.0))
+    current = 1
+    for tick in range(8):
+        current = scaler.recommend(15.0 * tick, current, reading(in_flight=1.0, replicas=1, p99=5.0)).replicas
+    assert current == 2
+    # once the added replica is measured and latency is still high, one more
+    assert scaler.recommend(200.0, 2, reading(in_flight=1.0, replicas=2, p99=5.0)).replicas == 3
 
 @given(st.integers(1, 20), st.lists(st.floats(0, 40), min_size=1, max_size=30), st.integers(0, 5),
        st.integers(1, 20))

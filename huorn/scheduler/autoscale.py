@@ -225,10 +225,21 @@ class Autoscaler:
         need = math.ceil(reading.in_flight / (rule.slots_per_replica * rule.target_utilization) - 1e-9)
         why = (f"{reading.in_flight:.1f} request(s) in flight on {reading.replicas} replica(s) of "
                f"{rule.slots_per_replica} slot(s) (target utilisation {rule.target_utilization:g})")
+        if reading.requests_per_second > 0 and need < 1:
+            # a request came: "scaled to zero after scaleDownDelaySeconds without a request"
+            need, why = 1, f"{reading.requests_per_second:.2g} request(s)/s"
         target, p99 = rule.p99_seconds, reading.p99_seconds
-        if target is not None and p99 is not None and p99 > target and current + 1 > need:
-            need = current + 1
-            why = f"p99 latency {p99 * 1000:.0f} ms is above the SLO's {target * 1000:.0f} ms"
+        if target is not None and p99 is not None and p99 > target:
+            late = f"p99 latency {p99 * 1000:.0f} ms is above the SLO's {target * 1000:.0f} ms"
+            if reading.replicas < current:
+                # A replica added is still loading (p99 is measured on ready replicas only): wait
+                # for it before adding another. Adding one a tick, a burst that outlasted a model
+                # load asked for a dozen replicas, all kept for scaleDownDelaySeconds.
+                if current > need:
+                    need = current
+                    why = f"{late}; {current - reading.replicas} replica(s) still starting"
+            elif current + 1 > need:
+                need, why = current + 1, late
         if rule.tokens_per_second is not None and reading.tokens_per_busy_second:
             per_replica = reading.tokens_per_busy_second * rule.target_utilization
             floor = math.ceil(rule.tokens_per_second / per_replica)
@@ -270,6 +281,11 @@ class Autoscaler:
                 return Recommendation(step, f"{forecast.reason}: {current} → {step} replica(s)")
             if current == 0:
                 return Recommendation(0, "scaled to zero: no request held")
+            # The replicas starting are still wanted: nothing measured says otherwise. Without
+            # this, a replica woken from zero that answered its held requests before its first
+            # scrape found only the wake-up in the window, older than the delay, and went back to
+            # zero seconds later.
+            self.window.append((now, current))
             return Recommendation(current, "no replica measured twice yet")
         need, why = self.raw(current, reading, forecast)
         need = min(hi, max(lo, need))
