@@ -601,3 +601,27 @@ def test_a_new_image_replaces_the_router_as_it_rolls_the_replicas() -> None:
     newer = {**spec, "image": "ghcr.io/huorn-io/huorn:0.2.0"}
     assert manifests.serve_template_hash(newer) != manifests.serve_template_hash(spec)
     assert manifests.front_template_hash(newer) != manifests.front_template_hash(spec)
+
+
+
+def _serve_container(**spec: object) -> tuple[dict, dict]:
+    ref = manifests.JobRef("InferenceJob", "chat", NS, "uid")
+    full = {**serving.make_inference_job("chat", "serve", **spec)["spec"], "image": "mirror.example/huorn:1"}
+    pod = manifests.build_serve_pod(ref, Instance("server", 0), "b0", full, "serve")
+    return pod, pod["spec"]["containers"][0]
+
+
+def test_a_replica_keeps_listening_while_it_leaves_and_loads_as_long_as_the_activator_waits() -> None:
+    """Found by review: SIGTERM closed the socket while kube-proxy still sent connections (no
+    preStop), the grace (30 s) was shorter than the server's drain (60 s), and the startup probe
+    killed any model load longer than 600 s, though activationTimeoutSeconds allows 3600."""
+    from huorn.api import inference
+
+    pod, server = _serve_container(autoscaling={"maxReplicas": 1, "activationTimeoutSeconds": 1800})
+    pause, drain = inference.SERVE_PRESTOP_SECONDS, inference.SERVE_DRAIN_SECONDS
+    assert server["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(pause)]
+    assert pod["spec"]["terminationGracePeriodSeconds"] > pause + drain
+    probe = server["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 1800
+    probe = _serve_container()[1]["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= inference.SERVE_STARTUP_SECONDS

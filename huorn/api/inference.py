@@ -161,6 +161,16 @@ class Autoscaling(ApiModel):
                     "minutes needs, as well as what the replicas measure now.")
 
 
+# A replica told to stop keeps listening this long (the pod's preStop), while the endpoints drop it
+# and kube-proxy stops sending it connections, then drains its requests in flight for at most
+# SERVE_DRAIN_SECONDS; the pod's grace period covers both.
+SERVE_PRESTOP_SECONDS = 5
+SERVE_DRAIN_SECONDS = 30
+# A replica loading its model is given at least this long, or the cold start the activator waits
+# for (autoscaling.activationTimeoutSeconds) where that is longer, before its startup probe fails.
+SERVE_STARTUP_SECONDS = 600
+
+
 class InferenceJobSpec(JobCommon):
     model: ServedModel
     serving: ServingLimits = Field(default_factory=ServingLimits)

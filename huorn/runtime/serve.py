@@ -776,7 +776,7 @@ async def run_until_signal(app: web.Application, cfg: ServeConfig, record: str, 
     goes into run_dir/`record` with `facts`, which is how a supervisor or a test finds it."""
     # a closed connection cancels its handler: a client that gave up is not decoded for, and a
     # router's forward that the client left closes its connection to the replica in turn
-    runner = web.AppRunner(app, handler_cancellation=True)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=inference.SERVE_DRAIN_SECONDS)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     try:
