@@ -1446,3 +1446,37 @@ def test_the_defaults_sample_as_openais_do_and_a_seed_repeats_an_answer(tmp_path
     assert len(set(choices)) > 1, choices  # 4 choices of 12 tokens from 256 bytes: never all equal
     assert len({answer["text"] for answer in unseeded[1:]} | {choices[0]}) > 1
     assert seeded[0]["text"] == seeded[1]["text"]
+
+
+
+def test_in_flight_counts_the_batch_rows_a_request_fills(tmp_path: Path) -> None:
+    """The autoscaler divides huorn_serve_in_flight by maxBatch rows: a request of four choices
+    of two prompts fills eight rows, and counted as one it read a full replica as nearly idle
+    (found by review)."""
+    _saved_model(tmp_path / "ckpt")
+    release = threading.Event()
+
+    async def work(session, server, report):
+        step = server.running.step
+
+        def held() -> object:
+            release.wait(timeout=30)
+            return step()
+
+        server.running.step = held
+        body = {"prompt": ["Q: 1?\nA:", "Q: 2?\nA:"], "n": 4, "max_tokens": 2}
+        answer = asyncio.ensure_future(session.post("/v1/completions", json=body))
+        rows = 0.0
+        for _ in range(200):
+            async with session.get("/metrics") as r:
+                rows = _metric(await r.text(), "huorn_serve_in_flight")
+            if rows:
+                break
+            await asyncio.sleep(0.05)
+        release.set()
+        async with await answer as r:
+            status = r.status
+        return rows, status
+
+    rows, status = asyncio.run(_serving(_config(tmp_path), work))
+    assert (rows, status) == (8.0, 200)

@@ -268,8 +268,9 @@ class Metrics:
                                               registry=self.registry)
         # Accepted and not yet answered: what the autoscaler reads when answers stop coming (a
         # replica so overloaded that nothing completes would otherwise look idle).
-        self.in_flight = prometheus_client.Gauge("huorn_serve_in_flight", "Requests accepted, not yet "
-                                                 "answered.", registry=self.registry)
+        self.in_flight = prometheus_client.Gauge(
+            "huorn_serve_in_flight", "Batch rows (prompts × choices) accepted, not yet answered.",
+            registry=self.registry)
         # Prompt tokens by where their K/V came from: the prefix cache's hit rate, and what a
         # prefix router (huorn.runtime.router) buys.
         self.prompt_tokens = prometheus_client.Counter(
@@ -419,7 +420,9 @@ class Server:
         with self.queue_lock:
             self.queue.extend(items)
         self.wake.set()
-        self.metrics.in_flight.inc()
+        # rows, not requests: the autoscaler divides it by maxBatch rows, and a request of `n`
+        # choices of several prompts fills as many rows (it read a full replica as nearly idle)
+        self.metrics.in_flight.inc(len(items))
         try:
             if shared is not None:
                 return await self.stream_answer(request, items, include_usage, choices)
@@ -436,7 +439,7 @@ class Server:
                 self.metrics.requests.labels("failed").inc()
                 return error_response(f"generation failed: {error!r}", 500)
         finally:
-            self.metrics.in_flight.dec()
+            self.metrics.in_flight.dec(len(items))
         self.answered(items[0])
         fields = self.openai_fields(items[0], *results[0][:3])
         fields["choices"] = [self.openai_fields(item, *result[:3], entries=echoed(item))["choices"][0]
