@@ -13,6 +13,8 @@ import pytest
 import typer
 import yaml
 
+from huorn.api import kinds
+from huorn.backends.kubernetes import manifests
 from huorn.cli import operator as operator_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +112,7 @@ def test_rendered_arguments_are_accepted_by_huorn_operator(variant: str) -> None
     for probe in (container["livenessProbe"], container["readinessProbe"]):
         assert probe["httpGet"]["path"] == "/healthz" and ports[probe["httpGet"]["port"]] == 8081
     assert params["pod_start_seconds"] == values.get("podStartSeconds", 600)
-    assert params["job_image"] == container["image"], "jobs run the operator's image by default"
+    assert params["job_image"] == container["image"] + "-cu126", "jobs run the operator's CUDA build"
 
 
 def test_jobs_are_pulled_from_the_operators_mirror_unless_told_otherwise() -> None:
@@ -123,10 +125,13 @@ def test_jobs_are_pulled_from_the_operators_mirror_unless_told_otherwise() -> No
         [arg] = [a for a in container["args"] if a.startswith("--job-image=")]
         return arg.removeprefix("--job-image=")
 
-    assert job_image({}) == f"ghcr.io/huorn-io/huorn:{app_version}"
-    assert job_image({"image": {"repository": "registry.corp/huorn"}}) == f"registry.corp/huorn:{app_version}"
+    assert job_image({}) == f"ghcr.io/huorn-io/huorn:{app_version}-cu126"
+    mirror = {"image": {"repository": "registry.corp/huorn"}}
+    assert job_image(mirror) == f"registry.corp/huorn:{app_version}-cu126"
     tagged = {"image": {"repository": "registry.corp/huorn", "tag": "0.1.1"}}
-    assert job_image(tagged) == "registry.corp/huorn:0.1.1"
+    assert job_image(tagged) == "registry.corp/huorn:0.1.1-cu126"
+    # GPU jobs need the CUDA build (their run config asks for cuda); "" for a CPU-only cluster
+    assert job_image({**tagged, "jobImageSuffix": ""}) == "registry.corp/huorn:0.1.1"
     assert job_image({"jobImage": "registry.corp/huorn-cuda:0.1.0"}) == "registry.corp/huorn-cuda:0.1.0"
     with pytest.raises(helm_python.HelmValuesError, match="jobImage"):
         helm_python.Chart.load(CHART).render({"jobImage": "two words"}, name="huorn", namespace="x")
@@ -146,6 +151,13 @@ def test_cluster_role_is_least_privilege_and_never_reads_secrets() -> None:
     assert granted[("huorn.io", "trainingjobs")] == {"get", "list", "watch", "patch", "delete"}
     assert granted[("huorn.io", "rljobs")] == {"get", "list", "watch", "patch"}
     assert ("kopf.dev", "clusterkopfpeerings") not in granted
+    # A child's ownerReference with blockOwnerDeletion is admitted by the
+    # OwnerReferencesPermissionEnforcement plugin (OpenShift's default) only from a client that may
+    # update the owner's finalizers: without it every pod, Service and ConfigMap is refused (403).
+    for kind in kinds.JOB_KINDS:
+        owner = manifests.JobRef(kind.kind, "job", "ns", "uid").owner_reference
+        if owner.get("blockOwnerDeletion"):
+            assert granted.get(("huorn.io", f"{kind.plural}/finalizers")) == {"update"}, kind.kind
     ha_rules = _one(_render(VARIANTS["ha"]), "ClusterRole")["rules"]
     assert any("clusterkopfpeerings" in r["resources"] for r in ha_rules)
 
@@ -174,3 +186,103 @@ def test_notes_say_how_to_use_it() -> None:
     meta = yaml.safe_load((ROOT / "examples" / "training-job.yaml").read_text())["metadata"]
     assert f"kubectl create namespace {meta['namespace']}" in notes
     assert f"-n {meta['namespace']} --for=condition=Ready trainingjob/{meta['name']}" in notes
+
+
+def test_chart_renders_as_a_subchart_with_helm_globals() -> None:
+    """A parent chart's values reach a subchart with `global` in them, which a schema closed to
+    unknown keys refused."""
+    docs = _render({"global": {"imageRegistry": "registry.corp", "imagePullSecrets": []}})
+    assert _one(docs, "Deployment")["spec"]["replicas"] == 1
+
+
+def test_the_cpu_limit_may_be_dropped_but_the_memory_limit_may_not() -> None:
+    [container] = _one(_render({"resources": {"limits": {"cpu": None}}}), "Deployment")["spec"]["template"][
+        "spec"]["containers"]
+    assert container["resources"]["limits"] == {"memory": "512Mi"}
+    with pytest.raises(helm_python.HelmValuesError, match="memory"):
+        helm_python.Chart.load(CHART).render(
+            {"resources": {"limits": {"memory": None}}}, name="huorn", namespace="x")
+
+
+@pytest.mark.parametrize("interval", ["30s", "1m30s", "1h", "2h30m", "1d", "500ms", "1w"])
+def test_service_monitor_takes_any_prometheus_duration(interval: str) -> None:
+    docs = _render({"metrics": {"serviceMonitor": {"enabled": True, "interval": interval}}})
+    [endpoint] = _one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["interval"] == interval
+
+
+@pytest.mark.parametrize("interval", ["", "30", "1.5m", "m", "30 s", "1m 30s"])
+def test_service_monitor_refuses_what_is_no_prometheus_duration(interval: str) -> None:
+    with pytest.raises(helm_python.HelmValuesError, match="interval"):
+        values = {"metrics": {"serviceMonitor": {"enabled": True, "interval": interval}}}
+        helm_python.Chart.load(CHART).render(values, name="huorn", namespace="x")
+
+
+def test_one_port_for_metrics_and_health_fails_rendering_naming_both() -> None:
+    """`huorn operator` exits 2 when --metrics-port is --health-port: the chart says so first,
+    instead of a Deployment whose pod crash-loops."""
+    with pytest.raises(helm_python.HelmRenderError, match=r"metrics\.port and health\.port are both 8081"):
+        helm_python.Chart.load(CHART).render({"metrics": {"port": 8081}}, name="huorn", namespace="x")
+    with pytest.raises(helm_python.HelmRenderError, match=r"metrics\.port and health\.port are both 9000"):
+        helm_python.Chart.load(CHART).render(
+            {"metrics": {"port": 9000}, "health": {"port": 9000}}, name="huorn", namespace="x")
+
+
+def test_an_existing_service_account_must_be_named() -> None:
+    """create=false with no name bound the ClusterRole to the namespace's default ServiceAccount,
+    so to every pod of that namespace that names none."""
+    with pytest.raises(helm_python.HelmRenderError, match=r"serviceAccount\.name"):
+        helm_python.Chart.load(CHART).render(
+            {"serviceAccount": {"create": False}}, name="huorn", namespace="x")
+    docs = _render({"serviceAccount": {"create": False, "name": "huorn-ops"}})
+    assert not [d for d in docs if d["kind"] == "ServiceAccount"]
+    [subject] = _one(docs, "ClusterRoleBinding")["subjects"]
+    assert subject == {"kind": "ServiceAccount", "name": "huorn-ops", "namespace": "huorn-system"}
+    assert _one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "huorn-ops"
+
+
+def test_a_startup_probe_holds_off_liveness_while_startup_lists_the_cluster() -> None:
+    """kopf answers /healthz only after the startup handlers listed every node, pod and job; the
+    liveness probe alone (30 s, then 3 × 20 s) restarted the operator mid-startup on a big cluster."""
+    [container] = _one(_render({}), "Deployment")["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    startup, liveness = container["startupProbe"], container["livenessProbe"]
+    assert startup["httpGet"]["path"] == "/healthz" and ports[startup["httpGet"]["port"]] == 8081
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "10 minutes by default"
+    liveness_window = liveness.get("initialDelaySeconds", 0) + liveness["periodSeconds"] * liveness[
+        "failureThreshold"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] > liveness_window
+    values = {"health": {"startupProbe": {"periodSeconds": 15, "failureThreshold": 120}}}
+    [container] = _one(_render(values), "Deployment")["spec"]["template"]["spec"]["containers"]
+    startup = container["startupProbe"]
+    assert (startup["periodSeconds"], startup["failureThreshold"]) == (15, 120)
+    with pytest.raises(helm_python.HelmValuesError, match="failureThreshold"):
+        helm_python.Chart.load(CHART).render(
+            {"health": {"startupProbe": {"failureThreshold": 0}}}, name="huorn", namespace="x")
+
+
+OPERATOR_DOCS = ROOT / "docs" / "operator.md"
+
+
+def test_the_documented_crd_upgrade_overrides_helms_field_manager() -> None:
+    """Helm created the CRDs (field manager `helm`): a server-side apply by kubectl without
+    --force-conflicts stops on a conflict for every field the new schema changes."""
+    texts = {path: path.read_text() for path in (OPERATOR_DOCS, ROOT / "README.md")}
+    applies = [(path.name, line) for path, text in texts.items() for line in
+               re.findall(r"kubectl apply[^`\n]*--server-side[^`\n]*", text)]
+    assert applies, "docs/operator.md documents the CRD upgrade"
+    assert all("--force-conflicts" in line for _, line in applies), applies
+
+
+def test_the_uninstall_docs_release_the_operators_finalizer() -> None:
+    """After `helm uninstall` a job keeps the operator's finalizer and hangs in Terminating, with
+    its namespace: the docs say to delete jobs first and how to drop the finalizer by hand."""
+    source = (ROOT / "huorn" / "operator" / "handlers.py").read_text()
+    [finalizer] = re.findall(r'settings\.persistence\.finalizer = "([^"]+)"', source)
+    text = OPERATOR_DOCS.read_text()
+    section = text[text.index("**Uninstall.**"):]
+    section = section[:section.index("\n## ")]
+    assert finalizer in section and "Terminating" in section
+    deletes = section.index("kubectl delete trainingjobs,rljobs,inferencejobs")
+    assert deletes < section.index("helm uninstall huorn"), "the jobs go while the operator still runs"
+    assert """--type=merge -p '{"metadata":{"finalizers":null}}'""" in section

@@ -175,6 +175,43 @@ def test_trainer_pod_pins_the_node_and_mounts_config_and_checkpoints() -> None:
     assert pod["metadata"]["ownerReferences"][0]["uid"] == "u-1"
 
 
+@pytest.mark.parametrize("resources", [{"gpus": 0}, {"gpus": 1}, {"gpus": 4}, None])
+def test_the_run_config_of_a_replica_with_gpus_demands_cuda(resources: dict | None) -> None:
+    """A replica given GPUs must train on them: with `device: auto` a trainer whose image has a
+    CPU-only torch trained on the CPU unnoticed. The run config says `cuda` exactly when the pod
+    asks for GPUs (a spec without resources asks for the default one), `auto` otherwise."""
+    from huorn.runtime import config as run_config
+
+    body = _job(**({"resources": resources} if resources is not None else {}))
+    ref = manifests.JobRef.from_body(body)
+    graph = compiler.compile(validation.load_job(body))
+    pod = manifests.build_trainer_pod(ref, graph, Instance("trainer", 0), "node-1", body["spec"], "train")
+    wants_gpus = manifests.GPU_RESOURCE in pod["spec"]["containers"][0]["resources"]["limits"]
+    assert wants_gpus is (resources is None or resources["gpus"] > 0)
+    cfg = run_config.RunConfig.model_validate(manifests.build_run_config(ref, body["spec"]))
+    assert cfg.device == ("cuda" if wants_gpus else "auto")
+    # ... and the ConfigMap the pods mount carries the same
+    config_map = manifests.build_config_map(ref, body["spec"])
+    mounted = run_config.RunConfig.model_validate_json(config_map["data"][manifests.CONFIG_FILE])
+    assert mounted.device == cfg.device
+
+
+def test_a_gpu_replica_whose_torch_has_no_cuda_fails_at_start(tmp_path) -> None:
+    """What `device: cuda` buys: the trainer refuses to start on a CPU-only torch."""
+    torch = pytest.importorskip("torch")
+    if torch.backends.cuda.is_built():
+        pytest.skip("this torch has CUDA: the CPU-only image is what is tested")
+    from huorn.runtime import config as run_config
+    from huorn.runtime import train
+
+    body = _job(resources={"gpus": 1})
+    config = manifests.build_run_config(manifests.JobRef.from_body(body), body["spec"])
+    cfg = run_config.RunConfig.model_validate(config | {"runDir": str(tmp_path / "run")})
+    with pytest.raises((AssertionError, AttributeError, RuntimeError)):
+        train.Trainer(cfg)
+    assert not (tmp_path / "run").exists(), "it failed before doing anything"
+
+
 def _pod(name: str, node: str, gpus: int, vc: str, phase: str = "Running") -> dict:
     return {
         "metadata": {

@@ -201,6 +201,8 @@ class EnvVar(ApiModel):
 # job that names no image runs the operator's job image, pinned in status.image at its first
 # reconcile (huorn.operator.images); the Helm chart passes its own image, so a mirror is used.
 DEFAULT_IMAGE = "ghcr.io/huorn-io/huorn:0.1.0"
+# Job pods' default (huorn operator --job-image): the image's CUDA build, which GPU jobs need
+DEFAULT_JOB_IMAGE = f"{DEFAULT_IMAGE}-cu126"
 
 
 class JobCommon(ApiModel):

@@ -53,9 +53,10 @@ def operator_command(
         15.0, "--autoscale-seconds",
         help="How often each InferenceJob's ready replicas are scraped and its autoscaler consulted."),
     job_image: str = typer.Option(
-        common.DEFAULT_IMAGE, "--job-image",
-        help="Image of the pods of a job whose spec names none; pinned in the job's status.image, so an "
-             "operator upgrade moves new jobs only. The Helm chart passes its own image."),
+        common.DEFAULT_JOB_IMAGE, "--job-image",
+        help="Image of the pods of a job whose spec names none (a CUDA build: GPU jobs need one); pinned "
+             "in the job's status.image, so an operator upgrade moves new jobs only. The Helm chart "
+             "passes its own image with jobImageSuffix."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     no_mirror: bool = typer.Option(
         False, "--no-mirror", hidden=True, help="Benchmark baseline: list pods on every reconcile."

@@ -27,8 +27,10 @@ app.kubernetes.io/component: operator
 {{- define "huorn.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "huorn.fullname" .) .Values.serviceAccount.name -}}
+{{- else if .Values.serviceAccount.name -}}
+{{- .Values.serviceAccount.name -}}
 {{- else -}}
-{{- default "default" .Values.serviceAccount.name -}}
+{{- fail "serviceAccount.create=false needs serviceAccount.name: the ServiceAccount the operator runs as, which must exist in the release's namespace (left empty, the ClusterRole would be bound to the namespace's default ServiceAccount, so to every pod there that names none)" -}}
 {{- end -}}
 {{- end -}}
 
@@ -36,7 +38,16 @@ app.kubernetes.io/component: operator
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 
-{{/* The pods of a job without spec.image run this: the operator's own image unless jobImage is set. */}}
+{{/* The pods of a job without spec.image run this: jobImage, else the operator's image with the
+     CUDA build's tag suffix (jobImageSuffix): GPU jobs need a torch built for CUDA, which runs
+     CPU jobs as well, while the operator itself needs none. */}}
 {{- define "huorn.jobImage" -}}
-{{ .Values.jobImage | default (include "huorn.image" .) }}
+{{ .Values.jobImage | default (printf "%s%s" (include "huorn.image" .) .Values.jobImageSuffix) }}
+{{- end -}}
+
+{{/* Guards on values that the schema alone cannot express (included by deployment.yaml). */}}
+{{- define "huorn.checkValues" -}}
+{{- if eq (int .Values.metrics.port) (int .Values.health.port) -}}
+{{- fail (printf "metrics.port and health.port are both %d: the operator serves /metrics and /healthz on separate ports (huorn operator exits 2 otherwise); give each its own" (int .Values.metrics.port)) -}}
+{{- end -}}
 {{- end -}}

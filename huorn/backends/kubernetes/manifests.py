@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,10 @@ def build_run_config(job: JobRef, spec: Mapping[str, Any],
     }
     if stage_layers:
         config["stageLayers"] = [int(n) for n in stage_layers]
+    # A pod with GPUs must train on them: "auto" would fall back to the CPU, unnoticed, in an
+    # image whose torch is a CPU-only build; "cuda" makes the trainer fail at start instead.
+    if int((spec.get("resources") or {}).get("gpus", 1)) > 0:
+        config["device"] = "cuda"
     return config
 
 
@@ -454,7 +459,8 @@ def config_and_run_volumes(job: JobRef) -> tuple[list[dict[str, Any]], list[dict
 # ready replicas: kube-proxy spreads the requests, and a replica leaves the rotation as soon as
 # its readiness probe (the model loaded) fails.
 SERVE_PORT = 8000
-SERVE_GRACE_SECONDS = 30  # a replica's requests in flight finish within it, and the router's
+# the preStop pause, the drain of the requests in flight, and a margin (api/inference.py)
+SERVE_GRACE_SECONDS = inference.SERVE_PRESTOP_SECONDS + inference.SERVE_DRAIN_SECONDS + 5
 ANNOTATION_TEMPLATE = "huorn.io/template"
 # Spec fields a running replica never rereads: changing them rolls no pod.
 UNROLLED_FIELDS = frozenset({"autoscaling", "slo", "priority", "elasticity", "remediation", "routing"})
@@ -631,12 +637,19 @@ def build_activator_pod(job: JobRef, spec: Mapping[str, Any], index: int = 0) ->
             "volumeMounts": mounts,
             "securityContext": security_context(),
             "readinessProbe": {"httpGet": {"path": "/healthz", "port": SERVE_PORT}, "periodSeconds": 2},
+            "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(inference.SERVE_PRESTOP_SECONDS)]}}},
         }],
         "volumes": volumes,
         # SIGTERM: held requests are answered 503 at once (clients retry them); those it forwarded
         # finish, in as long as a replica's own requests get, or a replacement would cut them off
         "terminationGracePeriodSeconds": SERVE_GRACE_SECONDS,
     }}
+
+
+def startup_seconds(spec: Mapping[str, Any]) -> float:
+    """How long a replica may load its model before its startup probe gives up on it."""
+    activation = float((spec.get("autoscaling") or {}).get("activationTimeoutSeconds") or 0)
+    return max(inference.SERVE_STARTUP_SECONDS, activation)
 
 
 def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[str, Any],
@@ -677,12 +690,17 @@ def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[st
                 # Loading (and GLVQ-quantising) a model takes a while: ready only once /healthz
                 # answers, which is after the model is in memory.
                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": SERVE_PORT}, "periodSeconds": 2},
+                # the model's cold start: what the activator is told to wait for, 600 s at least
                 "startupProbe": {"httpGet": {"path": "/healthz", "port": SERVE_PORT}, "periodSeconds": 5,
-                                 "failureThreshold": 120},
+                                 "failureThreshold": math.ceil(startup_seconds(spec) / 5)},
+                # Still listening while the endpoints drop the pod: SIGTERM at once closed the
+                # socket to connections kube-proxy was still sending.
+                "lifecycle": {"preStop": {"exec": {"command": [
+                    "sleep", str(inference.SERVE_PRESTOP_SECONDS)]}}},
             }
         ],
         "volumes": volumes,
-        # SIGTERM stops accepting; requests in flight get this long to finish.
+        # the preStop pause, then SIGTERM: the requests in flight get SERVE_DRAIN_SECONDS to finish
         "terminationGracePeriodSeconds": SERVE_GRACE_SECONDS,
     }
     if gpus and node:
