@@ -224,18 +224,3 @@ async def test_a_poll_that_a_finished_reconcile_overtook_writes_no_progress(monk
 
 async def _observed(telemetry: dict) -> monitor.Observation:
     return monitor.Observation(time=1.0, telemetry=telemetry, steps=[{"step": 9, "loss": 1.0}])
-
-
-def test_an_install_for_some_namespaces_reclaims_only_from_their_borrowers() -> None:
-    """VirtualClusters are cluster-wide, so every install reconciles them; one serving team-a
-    (watchNamespaces) had shrunk and preempted team-b's borrowers too (found by review)."""
-    ctx = context.Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
-    ctx.index.nodes["i0"] = index.NodeRecord("i0", 8, {"pool": "serve"})
-    ctx.index.vcs["serve"] = {"purpose": "inference",
-                              "members": {"nodeSelector": {"matchLabels": {"pool": "serve"}}}}
-    for ns in ("team-a", "team-b"):
-        ctx.index.pods[(ns, f"{ns}-trainer-0")] = index.PodRecord(
-            ns, f"{ns}-trainer-0", "llm", "trainer", "trainer-0", "i0", 2, 0, "train", phase="Running")
-    assert set(loans.find_borrowers(ctx, "serve")) == {("team-a", "llm"), ("team-b", "llm")}
-    ctx.namespaces = frozenset({"team-a"})
-    assert set(loans.find_borrowers(ctx, "serve")) == {("team-a", "llm")}

@@ -48,14 +48,12 @@ class Borrower:
 
 
 def find_borrowers(ctx: Context, vc: str) -> dict[tuple[str, str], Borrower]:
-    """Other clusters' live trainer pods on `vc`'s nodes; pods already being deleted are paid debt.
-    Only jobs of the namespaces this operator serves: VirtualClusters are cluster-wide, and an
-    install for one team (watchNamespaces) had shrunk and preempted another team's borrowers."""
+    """Other clusters' live trainer pods on `vc`'s nodes; pods already being deleted are paid debt."""
     members = {n.name for n in ctx.index.members_of(vc)}
     out: dict[tuple[str, str], Borrower] = {}
     for pod in ctx.index.pods.values():
         if (pod.node in members and pod.virtual_cluster not in ("", vc) and pod.vertex == "trainer"
-                and pod.holds_resources and not pod.deleting and pod.gpus and ctx.serves(pod.namespace)):
+                and pod.holds_resources and not pod.deleting and pod.gpus):
             out.setdefault(pod.job_key, Borrower(pod.namespace, pod.job)).pods.append(pod)
     return out
 
