@@ -31,6 +31,17 @@ def test_there_is_one_valid_example_per_kind_and_enough_invalid_ones() -> None:
     assert len(INVALID) >= 10
 
 
+
+@pytest.mark.parametrize("path", VALID, ids=[p.name for p in VALID])
+def test_an_example_with_gpus_runs_a_cuda_build(path: Path) -> None:
+    """A job with GPUs asks its trainers for cuda (a CPU-only torch refuses to start): the
+    TrainingJob example named the CPU build and crash-looped (found by review)."""
+    for document in yaml.safe_load_all(path.read_text()):
+        spec = document.get("spec") or {}
+        image = spec.get("image")
+        if image is not None and int((spec.get("resources") or {}).get("gpus", 1)) > 0:
+            assert image.endswith("-cu126"), f"{path.name}: {image} is not a CUDA build"
+
 @pytest.mark.parametrize("path", VALID, ids=[p.name for p in VALID])
 def test_valid_examples_load_and_pass_the_crd(path: Path) -> None:
     documents = list(yaml.safe_load_all(path.read_text()))
