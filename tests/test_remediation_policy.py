@@ -288,6 +288,27 @@ def test_a_replaced_pods_history_does_not_count_as_a_worker() -> None:
     assert "job-wide" in pol.decisions[0].reason and " on * " in pol.decisions[0].reason, pol.decisions
 
 
+
+def test_a_rank_whose_poll_timed_out_keeps_its_history_while_its_pods_other_ranks_answer() -> None:
+    """A slow rank is the one likeliest to miss a poll. Its pod's other rank answering, its
+    history was dropped as if torchrun had renumbered the pod, and its baseline was lost (found by
+    the final review)."""
+    graph = build_graph()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s", max_mitigation="observe"))
+    rng, history = np.random.default_rng(9), {}
+    pods = {0: "trainer-0", 1: "trainer-0", 2: "trainer-1", 3: "trainer-1"}
+    for step in range(20):
+        pol.decide(graph, Seen(float(step), straggler_snaps(history, step, pods, set(), rng)))
+    kept = len(pol.history["trainer-0/1"])
+    snaps = straggler_snaps(history, 20, pods, set(), rng)
+    del snaps["trainer-0/1"]  # its /telemetry timed out
+    pol.decide(graph, Seen(20.0, snaps))
+    assert len(pol.history["trainer-0/1"]) == kept
+    # renumbered (torchrun gave rank 1 to trainer-1 after a restart): the old history goes
+    renumbered = {0: "trainer-0", 1: "trainer-1"}
+    pol.decide(graph, Seen(21.0, straggler_snaps({}, 21, renumbered, set(), rng, world=4)))
+    assert "trainer-0/1" not in pol.history
+
 def test_a_hang_inside_one_collective_with_no_culprit_is_recorded_once() -> None:
     """Every rank entered collective #41 and none completed it, all heartbeats alive: no rank
     stands out, so nothing can be replaced, but the hang is recorded (once), where it used to

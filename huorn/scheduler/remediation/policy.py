@@ -235,14 +235,17 @@ class RemediationPolicy:
 
     def _forget_gone(self, graph: model.Graph, served: set[str]) -> None:
         """Drop the histories of ranks not served this tick whose instance the graph no longer
-        runs, or whose instance served other ranks this tick (torchrun gave the pod other ranks
-        after a restart). A rank that merely missed a poll keeps its history: dropped, it came
-        back with only what the telemetry still held, and its change-point baseline was lost."""
+        runs, or whose rank another instance runs now (torchrun renumbered the gang after a
+        restart). A rank that merely missed a poll, its pod's other ranks answering, keeps its
+        history: dropped, it came back with only what the telemetry still held, and its
+        change-point baseline was lost."""
         live = set(graph.instance_names())
-        serving = {self.instance_of.get(k, k) for k in served}
+        # rank → the instance that runs it this tick (DDP keys are "<instance>/<rank>")
+        ranks = {k.rpartition("/")[2]: self.instance_of.get(k, k) for k in served if "/" in k}
         for key in [k for k in self.history if k not in served]:
             instance = self.instance_of.get(key, key)
-            if instance not in live or instance in serving:
+            rank = key.rpartition("/")[2] if "/" in key else None
+            if instance not in live or (rank is not None and ranks.get(rank, instance) != instance):
                 del self.history[key]
                 self.instance_of.pop(key, None)
                 self.positions.pop(key, None)
