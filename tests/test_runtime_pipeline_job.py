@@ -153,6 +153,22 @@ def test_any_plan_covers_every_micro_batch_exactly_once(counts: list[int]) -> No
     assert [len(microbatches.assign(tuple(counts), total, world, r)) for r in range(world)] == counts
 
 
+
+def test_two_pods_copies_of_one_plan_read_as_the_same_plan(tmp_path: Path) -> None:
+    """Every pod mounts its own copy of the ConfigMap. Stamped by modification time, the new
+    rank 0 of a regrouped gang (another pod) read the plan in force as new, and applied it again
+    to renumbered ranks (found by the final review); a new plan still reads as new."""
+    import os
+
+    first, second = tmp_path / "pod-a", tmp_path / "pod-b"
+    for directory, mtime in ((first, 1_000_000), (second, 2_000_000)):
+        directory.mkdir()
+        path = microbatches.write_control_file(directory, [3, 1], "S2", 7)
+        os.utime(path, (mtime, mtime))
+    assert microbatches.read_control_file(first)[1] == microbatches.read_control_file(second)[1] > 0
+    microbatches.write_control_file(second, [2, 2], "S2 again", 8)
+    assert microbatches.read_control_file(first)[1] != microbatches.read_control_file(second)[1]
+
 def test_control_file_rejects_plans_that_do_not_fit_the_gang(tmp_path: Path) -> None:
     plan = microbatches.MicroBatchPlan((3, 1))
     assert microbatches.check_plan(plan, 2, 4) is None

@@ -24,6 +24,7 @@ replica run one table); it keeps the counts in force when it rejects a plan
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,12 +41,18 @@ class MicroBatchPlan:
 
 
 def read_control_file(run_dir: Path) -> tuple[MicroBatchPlan | None, int]:
-    """The plan in the control file and the file's modification stamp (0 when absent). A file
-    that is mid-write or malformed reads as None, so a writer can never crash the trainer."""
+    """The plan in the control file and a stamp of its content (0 when absent, -1 malformed). A
+    file that is mid-write or malformed reads as None, so a writer can never crash the trainer.
+
+    The stamp is of the content, not the file's modification time: every pod mounts its own copy
+    of the ConfigMap, with its own times, and after a regroup rank 0 may be another pod than the
+    one that read the plan in force; by time, it read that plan again and applied it to ranks the
+    new round had renumbered."""
     path = Path(run_dir) / CONTROL_FILE
     try:
-        stamp = path.stat().st_mtime_ns
-        raw = json.loads(path.read_text())
+        text = path.read_bytes()
+        stamp = zlib.crc32(text) | 1  # never 0 (absent)
+        raw = json.loads(text)
         counts = tuple(int(c) for c in raw["counts"])
         return MicroBatchPlan(counts, str(raw.get("reason", "")), int(raw.get("version", 0))), stamp
     except FileNotFoundError:
