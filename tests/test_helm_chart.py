@@ -132,6 +132,9 @@ def test_jobs_are_pulled_from_the_operators_mirror_unless_told_otherwise() -> No
     assert job_image(tagged) == "registry.corp/huorn:0.1.1-cu126"
     # GPU jobs need the CUDA build (their run config asks for cuda); "" for a CPU-only cluster
     assert job_image({**tagged, "jobImageSuffix": ""}) == "registry.corp/huorn:0.1.1"
+    # a tag that names the CUDA build already is not suffixed twice
+    cuda = {"image": {"repository": "registry.corp/huorn", "tag": "0.1.1-cu126"}}
+    assert job_image(cuda) == "registry.corp/huorn:0.1.1-cu126"
     assert job_image({"jobImage": "registry.corp/huorn-cuda:0.1.0"}) == "registry.corp/huorn-cuda:0.1.0"
     with pytest.raises(helm_python.HelmValuesError, match="jobImage"):
         helm_python.Chart.load(CHART).render({"jobImage": "two words"}, name="huorn", namespace="x")

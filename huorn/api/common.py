@@ -211,8 +211,9 @@ class JobCommon(ApiModel):
     virtual_cluster: DnsLabel = Field(description="The VirtualCluster whose GPUs this job uses.")
     image: str | None = Field(
         default=None, min_length=1,
-        description="Container image of the pods. Unset: the operator's job image (the Helm chart's "
-                    "jobImage, by default its own image), kept in status.image for the job's life.",
+        description="Container image of the pods (a CUDA build for a job with GPUs). Unset: the "
+                    "operator's job image (the Helm chart's jobImage, by default its own image's CUDA "
+                    "build), kept in status.image for the job's life.",
     )
     priority: int = Field(
         default=50, ge=0, le=1000,

@@ -64,7 +64,7 @@ class OperatorSettings:
     serve_timeout_seconds: float = 2.0
     # The image of a job's pods when its spec names none (huorn.operator.images); the Helm chart
     # passes its own image, so a registry mirror serves the jobs too.
-    job_image: str = common.DEFAULT_IMAGE
+    job_image: str = common.DEFAULT_JOB_IMAGE
     retry: retry.RetryPolicy = field(default_factory=retry.RetryPolicy)
 
     def __post_init__(self) -> None:

@@ -1,8 +1,9 @@
 """Which image a job's pods run, and why it never changes under a running job by itself.
 
 A job that names no `spec.image` runs the operator's job image (`--job-image`; the Helm chart
-passes its own `image.repository:tag` unless `jobImage` says otherwise), so a platform team that
-mirrors the operator's image into a private registry has its jobs pulled from there too. Before,
+passes its own `image.repository:tag` with the CUDA build's `jobImageSuffix` unless `jobImage` says
+otherwise), so a platform team that mirrors the operator's images into a private registry has its
+jobs pulled from there too. Before,
 the CRD defaulted the field to the public registry's image: every job in an air-gapped cluster
 sat in ImagePullBackOff until each manifest named the mirror.
 

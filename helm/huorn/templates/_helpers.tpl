@@ -42,7 +42,10 @@ app.kubernetes.io/component: operator
      CUDA build's tag suffix (jobImageSuffix): GPU jobs need a torch built for CUDA, which runs
      CPU jobs as well, while the operator itself needs none. */}}
 {{- define "huorn.jobImage" -}}
-{{ .Values.jobImage | default (printf "%s%s" (include "huorn.image" .) .Values.jobImageSuffix) }}
+{{- $image := include "huorn.image" . -}}
+{{- $suffix := .Values.jobImageSuffix | default "" -}}
+{{- if and $suffix (not (hasSuffix $suffix $image)) -}}{{- $image = printf "%s%s" $image $suffix -}}{{- end -}}
+{{ .Values.jobImage | default $image }}
 {{- end -}}
 
 {{/* Guards on values that the schema alone cannot express (included by deployment.yaml). */}}
