@@ -16,7 +16,7 @@ import dataclasses
 import json
 
 from rich.progress import track
-from study_common import POLLUXES, TRACE, arguments, case
+from study_common import POLLUXES, TRACE, arguments, case, write
 
 from huorn.sim import engine, policies, run
 
@@ -43,9 +43,7 @@ def main() -> None:
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(rows, indent=2))
-    print(f"wrote {args.output}")
+    write(rows, args.output)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,10 @@ def redraw(args: argparse.Namespace, plot: Callable[[list[dict], Path], None]) -
     return bool(args.plot_only)
 
 
-def write(rows: list[dict], output: Path, plot: Callable[[list[dict], Path], None]) -> None:
+def write(rows: list[dict], output: Path, plot: Callable[[list[dict], Path], None] | None = None) -> None:
+    """The rows as JSON, and the study's plot beside them where it has one."""
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(rows, indent=2))
-    plot(rows, output.with_suffix(".png"))
+    if plot is not None:
+        plot(rows, output.with_suffix(".png"))
+    print(f"wrote {output}")

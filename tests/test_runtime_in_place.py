@@ -99,6 +99,17 @@ def _resizes(run_dir: Path) -> list[dict]:
     return [r for r in _regroups(run_dir) if not steplog.missed_join(r)]
 
 
+def _each_exits_cleanly(replicas: dict[int, subprocess.Popen], tmp_path: Path) -> None:
+    for replica, process in replicas.items():
+        assert process.wait(timeout=300) == 0, (tmp_path / f"r{replica}.log").read_text()[-3000:]
+
+
+def _stop_all(replicas: dict[int, subprocess.Popen], store: subprocess.Popen) -> None:
+    """Whatever a scenario left running, the store last."""
+    for process in replicas.values():
+        launcher.kill_process_tree(process.pid)
+    launcher.kill_process_tree(store.pid)
+
 @pytest.mark.slow
 def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path) -> None:
     steps = 60
@@ -141,9 +152,7 @@ def test_join_leave_and_kill_keep_the_processes_and_the_run_exact(tmp_path: Path
         survivor = ({0, 2} - {victim}).pop()
         assert replicas[survivor].wait(timeout=300) == 0, log(survivor)
     finally:
-        for process in replicas.values():
-            launcher.kill_process_tree(process.pid)
-        launcher.kill_process_tree(store.pid)
+        _stop_all(replicas, store)
 
     events = steplog.read_events(run_dir)
     # No worker process was ever restarted: one gang start, then three in-place regroups, and the
@@ -205,12 +214,9 @@ def test_a_gang_re_forms_on_a_restarted_store_and_a_joiner_meets_it_there(tmp_pa
             start(2)
             harness.wait_for(lambda: any(r["world_size"] == 3 for r in _regroups(run_dir)), 240,
                              "the joiner in the same gang")
-        for replica, process in replicas.items():
-            assert process.wait(timeout=300) == 0, (tmp_path / f"r{replica}.log").read_text()[-3000:]
+        _each_exits_cleanly(replicas, tmp_path)
     finally:
-        for process in replicas.values():
-            launcher.kill_process_tree(process.pid)
-        launcher.kill_process_tree(store.pid)
+        _stop_all(replicas, store)
 
     events = steplog.read_events(run_dir)
     assert [e["event"] for e in events].count("start") == 1, "one gang, started once"
@@ -244,12 +250,9 @@ def test_a_plan_rejected_just_before_a_join_is_taken_by_the_gang_it_was_written_
             harness.wait_for(lambda: any(r["world_size"] == 2 for r in _regroups(run_dir)), 240,
                              "the join")
             harness.wait_for(lambda: plans("microbatch-plan"), 60, "the plan taken by the gang of two")
-        for replica, process in replicas.items():
-            assert process.wait(timeout=300) == 0, (tmp_path / f"r{replica}.log").read_text()[-3000:]
+        _each_exits_cleanly(replicas, tmp_path)
     finally:
-        for process in replicas.values():
-            launcher.kill_process_tree(process.pid)
-        launcher.kill_process_tree(store.pid)
+        _stop_all(replicas, store)
 
     taken = plans("microbatch-plan")
     assert [p["counts"] for p in taken] == [[4, 2]]
