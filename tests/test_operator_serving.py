@@ -625,3 +625,13 @@ def test_a_replica_keeps_listening_while_it_leaves_and_loads_as_long_as_the_acti
     assert probe["periodSeconds"] * probe["failureThreshold"] >= 1800
     probe = _serve_container()[1]["startupProbe"]
     assert probe["periodSeconds"] * probe["failureThreshold"] >= inference.SERVE_STARTUP_SECONDS
+
+
+def test_a_replica_with_gpus_is_told_to_serve_on_them() -> None:
+    """A replica with GPUs whose image had a CPU-only torch served on the CPU unnoticed, holding
+    GPUs it never used (found by the chart's review): its config now asks for cuda."""
+    ref = manifests.JobRef("InferenceJob", "chat", NS, "uid")
+    with_gpus = serving.make_inference_job("chat", "serve", gpus=2)["spec"]
+    assert manifests.build_serve_config(ref, with_gpus)["device"] == "cuda"
+    cpu_only = serving.make_inference_job("chat", "serve", gpus=0)["spec"]
+    assert "device" not in manifests.build_serve_config(ref, cpu_only)

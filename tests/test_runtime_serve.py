@@ -1480,3 +1480,12 @@ def test_in_flight_counts_the_batch_rows_a_request_fills(tmp_path: Path) -> None
 
     rows, status = asyncio.run(_serving(_config(tmp_path), work))
     assert (rows, status) == (8.0, 200)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+def test_a_replica_told_to_serve_on_cuda_refuses_a_torch_without_it(tmp_path: Path) -> None:
+    """Checked before the slow model load, with the fix in the message."""
+    _saved_model(tmp_path / "ckpt")
+    cfg = serve.ServeConfig.model_validate({**_config(tmp_path).model_dump(by_alias=True), "device": "cuda"})
+    with pytest.raises(ValueError, match=r"device cuda: .*CUDA build"):
+        serve.load_model(cfg)

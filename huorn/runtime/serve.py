@@ -107,6 +107,12 @@ class ServeConfig(base.ApiModel):
 def load_model(cfg: ServeConfig) -> tuple[torch.nn.Module, dict]:
     """The checkpoint in spec.model.checkpoint with spec.model.architecture, quantised as
     spec.quantization says; returns the model and what loading did."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        # Checked before the slow load: a replica with GPUs whose image has a CPU-only torch
+        # served on the CPU unnoticed, holding GPUs it never used.
+        raise ValueError("device cuda: this replica asks for GPUs, but its torch has no CUDA (a "
+                         "CPU-only build, or no GPU visible); run a CUDA build of the image "
+                         "(the chart's default job image, <tag>-cu126)")
     spec = cfg.spec
     path = checkpoint.resolve(Path(spec.model.checkpoint))
     meta = checkpoint.read_meta(path)

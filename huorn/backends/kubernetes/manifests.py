@@ -473,7 +473,12 @@ def serve_service_name(job: JobRef) -> str:
 def build_serve_config(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
     """huorn.runtime.serve.ServeConfig, camelCase on the wire: the replica listens on every
     address, on the port the Service targets."""
-    return {"jobName": job.name, "spec": dict(spec), "host": "0.0.0.0", "port": SERVE_PORT, "runDir": RUN_DIR}
+    config = {"jobName": job.name, "spec": dict(spec), "host": "0.0.0.0", "port": SERVE_PORT,
+              "runDir": RUN_DIR}
+    # as a trainer's (build_run_config): a replica with GPUs serves on them, or refuses to start
+    if int((spec.get("resources") or {}).get("gpus", 1)) > 0:
+        config["device"] = "cuda"
+    return config
 
 
 def template_hash(spec: Mapping[str, Any], unrolled: frozenset[str]) -> str:
