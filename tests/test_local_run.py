@@ -634,9 +634,9 @@ def test_serve_seconds_that_end_before_the_model_loaded_are_an_error(
 
 
 def _stub_controller(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
-    from huorn.cli import run_rl
+    from huorn.runtime import launcher
 
-    monkeypatch.setattr(run_rl, "controller_command", lambda config: [sys.executable, "-c", code])
+    monkeypatch.setattr(launcher, "build_rl_controller_command", lambda config: [sys.executable, "-c", code])
 
 
 def test_a_refused_rl_job_says_why_on_stderr_with_json_too(

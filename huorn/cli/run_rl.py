@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from rich.progress import Progress
 from huorn.api import kinds
 from huorn.cli import graph as graph_cli
 from huorn.cli.stopping import shielded, wait_or_kill
+from huorn.runtime import launcher
 
 STEPS_FILE = "steps.jsonl"  # huorn.runtime.rl.controller's step log
 # How long a stopped controller may take to end its step, save it and stop its actors before its
@@ -34,11 +34,6 @@ def _events(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
-def controller_command(config: Path) -> list[str]:
-    """The controller's command line (a function, so that a test can stand a stub in for Ray)."""
-    return [sys.executable, "-m", "huorn.runtime.rl.controller", "--config", str(config)]
 
 
 def check(file: Path, job: kinds.RLJob) -> None:
@@ -63,7 +58,7 @@ def run_rl(job: kinds.RLJob, directory: Path, steps: int | None, watch: bool, as
     log = directory / "controller.log"
     total = int(spec.get("steps", job.spec.steps))
     with open(log, "wb") as out:
-        command = controller_command(config)
+        command = launcher.build_rl_controller_command(config)
         # A session of its own: a terminal's Ctrl-C reaches this process alone, which hands the
         # controller one SIGINT (it ends the step, saves it and shuts its Ray actors down).
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -214,6 +214,12 @@ def build_rl_head_command(config_path: Path | str, cpus: int, port: int = RAY_PO
             "--port", str(port), "--cpus", str(cpus)]
 
 
+def build_rl_controller_command(config_path: Path | str, python: str = sys.executable) -> list[str]:
+    """An RLJob's single controller (huorn.runtime.rl.controller), on a Ray cluster that
+    RAY_ADDRESS names or on a local one: what the head node and `huorn run` start."""
+    return [python, "-m", "huorn.runtime.rl.controller", "--config", str(config_path)]
+
+
 def build_rl_worker_command(head_address: str, gpus: int, cpus: int,
                             python: str = sys.executable) -> list[str]:
     """One Ray worker node of an RLJob, joining the head at HOST:PORT with its pod's GPUs."""

@@ -37,6 +37,8 @@ import sys
 import tempfile
 import time
 
+from huorn.runtime import launcher
+
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]  # Ray's own CLI, from this interpreter's install
 _COMMON = ["--disable-usage-stats"]
 
@@ -148,8 +150,7 @@ def _run_head(config: str, port: int, cpus: int, temp_dir: str) -> int:
             if stopping:  # stopped between two runs: nothing to checkpoint
                 return 128 + stopping[0]
             env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}", ATTEMPT_ENV: str(attempt)}
-            child.append(subprocess.Popen([sys.executable, "-m", "huorn.runtime.rl.controller",
-                                           "--config", config], env=env))
+            child.append(subprocess.Popen(launcher.build_rl_controller_command(config), env=env))
             code = child[-1].wait()
             retries = controller_retries(config)
             if code in (0, 2) or stopping or attempt > retries or head.poll() is not None:
