@@ -508,7 +508,7 @@ class Allocator:
                 kept = snap.bindings()[job.name]
                 speed = self.at_span(job, want, len(kept.gpus_by_node))[0]
                 decisions.append(self._decision(
-                    job, "shrink", want, _assignments(kept, job.gpus_per_replica),
+                    job, "shrink", want, replica_nodes(kept, job.gpus_per_replica),
                     f"predicted speedup {speed:.2f}× at {want} replicas on {len(kept.gpus_by_node)} "
                     f"node(s), its other replicas where they run", nodes=len(kept.gpus_by_node)))
                 continue
@@ -562,7 +562,7 @@ class Allocator:
                 if stay >= best and (job.priority >= PINNED_PRIORITY
                                      or snap.limits_allow(job.virtual_cluster, old.gpus_by_node)):
                     with contextlib.suppress(ValueError):  # its GPUs went to a bigger gang first
-                        where = placement.Placement(_assignments(old, job.gpus_per_replica))
+                        where = placement.Placement(replica_nodes(old, job.gpus_per_replica))
                         snap.assume(job.name, job.virtual_cluster, where, job.gpus_per_replica)
                         decisions.append(self._keep(job, old, "a resize would land on a placement that "
                                                               "does not pay for its restart"))
@@ -617,7 +617,7 @@ class Allocator:
         restart, against staying. Keeps the job where no growth pays."""
         gpr = job.gpus_per_replica
         cost = 1.0 - self._penalty(job)
-        current = _assignments(old, gpr)
+        current = replica_nodes(old, gpr)
         stay = self.at_span(job, job.replicas, len(old.gpus_by_node))[0]
         best, chosen = stay, None
         free = {v.name: v.gpus_free for v in snap.node_views()}
@@ -659,7 +659,7 @@ class Allocator:
             f"its {job.replicas} replicas where they run", nodes=chosen.nodes_spanned)
 
     def _keep(self, job: JobView, binding: snapshot.Binding, why: str) -> Decision:
-        return self._decision(job, "keep", job.replicas, _assignments(binding, job.gpus_per_replica), why,
+        return self._decision(job, "keep", job.replicas, replica_nodes(binding, job.gpus_per_replica), why,
                               nodes=len(binding.gpus_by_node))
 
     def remaining_seconds(self, job: JobView) -> float:
@@ -751,5 +751,6 @@ def fitness(speedups: np.ndarray, p: float) -> float:
     return float(np.mean(s**p) ** (1.0 / p))
 
 
-def _assignments(binding: snapshot.Binding, gpus_per_replica: int) -> list[str]:
+def replica_nodes(binding: snapshot.Binding, gpus_per_replica: int) -> list[str]:
+    """The node of each replica a binding holds (replicas on one node adjacent)."""
     return [node for node, gpus in binding.gpus_by_node.items() for _ in range(gpus // gpus_per_replica)]

@@ -179,9 +179,7 @@ def _could_start(pending: list[state.JobState], room: int) -> list[state.JobStat
 
 def _staying_replicas(sim: Simulation, js: state.JobState, released: int) -> list[str]:
     """The nodes of a borrower's replicas that stay when `released` of them leave the lender."""
-    gpr = js.job.family.gpus_per_replica
-    nodes = [node for node, gpus in sorted(sim.snap.bindings()[js.job.name].gpus_by_node.items())
-             for _ in range(gpus // gpr)]
+    nodes = _replica_nodes(sim, js)
     staying = list(nodes)
     for node in [n for n in nodes if sim.node_vc[n] == INFER][:released]:
         staying.remove(node)
@@ -190,12 +188,15 @@ def _staying_replicas(sim: Simulation, js: state.JobState, released: int) -> lis
 
 def _leaving_gpus(sim: Simulation, js: state.JobState, staying: list[str]) -> list[str]:
     """One entry per GPU (its node) of the borrower's replicas that do not stay."""
-    gpr = js.job.family.gpus_per_replica
-    held = [node for node, gpus in sorted(sim.snap.bindings()[js.job.name].gpus_by_node.items())
-            for _ in range(gpus // gpr)]
+    held = _replica_nodes(sim, js)
     for node in staying:
         held.remove(node)
-    return [node for node in held for _ in range(gpr)]
+    return [node for node in held for _ in range(js.job.family.gpus_per_replica)]
+
+
+def _replica_nodes(sim: Simulation, js: state.JobState) -> list[str]:
+    """The node of each of the job's replicas, in node order."""
+    return sorted(allocator.replica_nodes(sim.snap.bindings()[js.job.name], js.job.family.gpus_per_replica))
 
 
 def _schedule_static(sim: Simulation) -> None:
