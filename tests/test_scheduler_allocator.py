@@ -212,6 +212,38 @@ def test_a_pinned_job_is_never_shrunk_onto_a_better_packed_smaller_gang() -> Non
     assert sizes[2]["j0"] >= 4 and sizes[2]["j1"] >= sizes[1]["j1"], sizes
 
 
+def test_a_pinned_job_that_cannot_grow_keeps_its_loan_within_the_lenders_limit() -> None:
+    """Regression (found by the property test above): two pinned jobs changed size in one cycle.
+    j1, placed first as the bigger gang, moved onto the lender's node into the room that j5's
+    loan was counted in (j5 had been released up front); j5, unable to grow, then fell back on
+    its old GPUs there, and the lender had 5 GPUs out against a limit of 3. Pinned jobs are now
+    placed before the others, each released only at its turn."""
+    snap = build_snapshot(train_nodes=2, infer_nodes=1, lend=2, borrow=3)
+    jobs = [build_job("j0", min_replicas=1, max_replicas=3, gpus_per_replica=2, priority=100,
+                      noise_scale=0.0),
+            build_job("j1", SCALES_BADLY, min_replicas=3, max_replicas=4, priority=100, submitted=1.0,
+                      noise_scale=0.0),
+            build_job("j2", min_replicas=1, max_replicas=3, gpus_per_replica=2, priority=100, submitted=2.0,
+                      noise_scale=0.0),
+            build_job("j5", SCALES_BADLY, min_replicas=2, max_replicas=3, priority=100, submitted=3.0,
+                      noise_scale=102.0)]
+    alloc = allocator.Allocator(allocator.HUORN)
+    sizes: list[dict[str, int]] = []
+    for cycle, limit in enumerate([2, 0, 3]):
+        lent_before = snap.lent("infer")
+        snap.set_virtual_cluster(snapshot.VirtualClusterView(
+            "infer", purpose="inference", lendable=limit > 0, max_gpus_lent=limit))
+        got = {d.job: d.replicas for d in alloc.allocate(snap, jobs, float(cycle * 1000))}
+        sizes.append(got)
+        assert snap.lent("infer") <= max(limit, lent_before), (cycle, snap.bindings())
+        if cycle == 1:  # the case: j5 runs on loan when the lender reopens with room for 3
+            assert snap.bindings()["j5"].gpus_by_node == {"i0": 2}
+        for job in jobs:
+            job.replicas, job.last_resize = got[job.name], float(cycle * 1000)
+            job.noise_scale, job.model_version = job.noise_scale * 2, job.model_version + 1
+    assert all(sizes[2][j] >= sizes[1][j] > 0 for j in sizes[1]), sizes  # pinned: none shrunk
+
+
 def test_cooldown_blocks_reversals_but_not_the_next_step() -> None:
     alloc = allocator.Allocator(allocator.AllocatorConfig(cooldown_seconds=300))
     snap = build_snapshot()

@@ -487,18 +487,28 @@ class Allocator:
         decisions: list[Decision] = []
         # Release first what shrinks or stops, so the GPUs are there for the jobs that grow.
         shrunk: set[str] = set()
+        deferred: set[str] = set()  # released at their turn below
         for job in jobs:
             if job.name in bound and target[job.name] != job.replicas:
                 grows = target[job.name] > job.replicas
                 if self.config.keep_replicas and (grows or self._keeps(job, keepable)):
                     continue  # grows around the replicas it has (_grow_in_place), or keeps them
+                if grows and job.priority >= PINNED_PRIORITY:
+                    # A pinned job falls back on its old GPUs if it cannot grow: another job may not
+                    # take them, nor the lender's room they are counted in, before its turn.
+                    deferred.add(job.name)
+                    continue
                 snap.forget(job.name)
                 if (self.config.keep_replicas and target[job.name]
                         and self._shrink_in_place(snap, job, bound[job.name], target[job.name])):
                     shrunk.add(job.name)
-        # Keepers need no placement; then the rest by priority and size (big gangs first).
+        # Keepers need no placement; then running pinned jobs, so that no other job's gang takes a
+        # pinned job's old GPUs or the lender's room they are counted in (it was then preempted,
+        # or kept on top of the other's loan, over the lender's limit: found by the property test);
+        # then the rest by priority and size (big gangs first).
         changing = sorted((j for j in jobs if not (j.name in bound and target[j.name] == j.replicas)),
-                          key=lambda j: (-j.priority, -target[j.name] * j.gpus_per_replica, j.submitted))
+                          key=lambda j: (not (j.name in bound and j.priority >= PINNED_PRIORITY), -j.priority,
+                                         -target[j.name] * j.gpus_per_replica, j.submitted))
         for job in jobs:
             if job.name in bound and target[job.name] == job.replicas:
                 decisions.append(self._keep(job, bound[job.name], "size unchanged"))
@@ -519,6 +529,8 @@ class Allocator:
             if self.config.keep_replicas and job.name in bound and want > job.replicas:
                 decisions.append(self._grow_in_place(snap, job, bound[job.name], want))
                 continue
+            if job.name in deferred:
+                snap.forget(job.name)
             placed: placement.Placement | None = None
             reason = ""
             best = -1.0
@@ -551,16 +563,17 @@ class Allocator:
                     placed, want, best = where, a, speed
                 if where.nodes_spanned <= self.ideal_nodes(job, a):
                     break
-            if running and self.config.placement_aware and (job.replicas <= target[job.name]
-                                                              or job.name in keepable):
+            pinned = running and job.priority >= PINNED_PRIORITY
+            if running and ((self.config.placement_aware and (job.replicas <= target[job.name]
+                                                               or job.name in keepable))
+                            or (pinned and placed is None)):  # never preempted for want of room
                 old = bound[job.name]
                 stay = self.at_span(job, job.replicas, len(old.gpus_by_node))[0]
                 # Its old GPUs on a lender's nodes count against that lender's limit again: a
                 # gang placed since it was lifted off may have taken the room (the limit was
                 # exceeded by 7 GPUs, and an inference SLO missed, before this check). A pinned
                 # job keeps what it holds, as in _budgets.
-                if stay >= best and (job.priority >= PINNED_PRIORITY
-                                     or snap.limits_allow(job.virtual_cluster, old.gpus_by_node)):
+                if stay >= best and (pinned or snap.limits_allow(job.virtual_cluster, old.gpus_by_node)):
                     with contextlib.suppress(ValueError):  # its GPUs went to a bigger gang first
                         where = placement.Placement(replica_nodes(old, job.gpus_per_replica))
                         snap.assume(job.name, job.virtual_cluster, where, job.gpus_per_replica)
