@@ -3,9 +3,10 @@
 beside the allocator as benchmarked (a resized gang placed afresh, a full restart where a staying
 replica moved), in one run.
 
-Why: the operator's reconcile keeps a resized gang's pods and places only the new ones; the
-simulator's Huorn re-packs a resized gang where the allocator placed it. This study measures how
-far apart the two are (docs/scheduling.md, caveats, "Resizes that keep their replicas").
+Why: until 2026-12-06 the operator's reconcile kept a resized gang's pods and placed only the new
+ones, while the simulator's Huorn re-packs a resized gang where the allocator placed it. This study
+measured how far apart the two were, which is why the operator now moves a resized gang to the
+allocator's placement (docs/scheduling.md, caveats, "Resizes that keep their replicas").
 
     .venv/bin/python benchmarks/scheduling_keep_replicas.py [--cases 128:0:0.8,...]
 """

@@ -86,7 +86,7 @@ def test_shrink_removes_named_instances_and_regrow_reuses_free_ordinals() -> Non
     assert [i.name for i in g.vertex("trainer").instances] == ["trainer-0", "trainer-3"]
     mutate.resize(g, "trainer", 3, reason="regrow")
     assert [i.ordinal for i in g.vertex("trainer").instances] == [0, 1, 3]
-    with pytest.raises(ValueError, match="must name exactly"):
+    with pytest.raises(ValueError, match="must name at least"):
         mutate.resize(g, "trainer", 2, reason="bad", remove=["trainer-9"])
 
 
@@ -294,3 +294,25 @@ def test_store_failure_replaces_store_and_every_trainer_that_joined_it() -> None
     assert "rendezvous-0-g1" in done[1].reason
     # The store is broken; the trainers are healthy and only move, so backends drain them.
     assert [m.detail.get("drain", False) for m in done] == [False, True, True]
+
+
+def test_a_grow_can_replace_replicas_and_says_where_the_new_ones_go() -> None:
+    """The goodput allocator moves a resized gang: the replicas off its placement leave, new ones
+    take their place on the nodes it chose, and the status log keeps those nodes for the reconcile
+    (a restarted operator places them there too)."""
+    g = build_graph()
+    mutate.resize(g, "trainer", 2, reason="grow")
+    m = mutate.resize(g, "trainer", 3, reason="grow and move", remove=["trainer-0"], nodes=["b", "b"])
+    assert m is not None and m.detail["from"] == 2 and m.detail["to"] == 3
+    assert m.detail["removed"] == ["trainer-0"]
+    assert m.detail["nodes"] == {"trainer-0-g1": "b", "trainer-2": "b"}  # a new generation on ordinal 0
+    assert [i.name for i in g.vertex("trainer").instances] == ["trainer-0-g1", "trainer-1", "trainer-2"]
+    back = serialise.from_status(serialise.to_status(g))
+    assert back.log[-1].detail["nodes"] == m.detail["nodes"]
+    with pytest.raises(ValueError, match="one node for each of the 1 new"):
+        mutate.resize(g, "trainer", 4, reason="bad", nodes=["b", "c"])
+    with pytest.raises(ValueError, match="distinct"):
+        mutate.resize(g, "trainer", 3, reason="bad", remove=["trainer-1", "trainer-1"])
+    # a move at the same size is a mutation; the same size with nothing removed is none
+    assert mutate.resize(g, "trainer", 3, reason="move", remove=["trainer-1"], nodes=["c"]) is not None
+    assert mutate.resize(g, "trainer", 3, reason="noop") is None

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from huorn import graph
 from huorn.backends import goodput
+from huorn.graph import mutate
 from huorn.operator import allocation, context, index, queue
-from huorn.scheduler import allocator, perfmodel
+from huorn.scheduler import allocator, perfmodel, placement
 
 SCALES_WELL = perfmodel.PolluxParams(0.01, 0.01, 0.01, 0.0005, 0.05, 0.002, 3.0)
 SCALES_BADLY = perfmodel.PolluxParams(0.01, 0.001, 0.3, 0.05, 1.0, 0.2, 1.0)
@@ -139,3 +141,31 @@ def test_a_rebuilt_policy_is_not_handed_the_old_policys_goodput_table() -> None:
     old, new = (goodput.GoodputPolicy(job="j", virtual_cluster="train", slots=0, global_batch=32.0)
                 for _ in range(2))
     assert old.model_version() != new.model_version()
+
+
+def test_new_replicas_go_where_the_allocator_placed_them_while_that_room_is_free() -> None:
+    ctx = build_ctx()
+    ctx.index.nodes["a1"] = index.NodeRecord("a1", 8, {"pool": "a"})
+    snap = ctx.index.build_snapshot()
+    # the hinted node is free: the hinted instances go there, the others where the gang fits
+    where = allocation.place_missing(snap, "train", ["trainer-0-g1", "trainer-2"], 2, {"trainer-2": "a1"})
+    assert isinstance(where, placement.Placement) and where.assignments[1] == "a1"
+    # stale (a peer has not yet given up what the allocator counted on): placed afresh
+    run_pods(ctx, "peer", 4, gpus=2)  # all of a0
+    snap = ctx.index.build_snapshot()
+    where = allocation.place_missing(snap, "train", ["trainer-2", "trainer-3"], 2,
+                                     {"trainer-2": "a0", "trainer-3": "a0"})
+    assert isinstance(where, placement.Placement) and where.assignments == ["a1", "a1"]
+
+
+def test_the_goodput_policy_moves_a_gang_only_where_it_knows_every_replica_s_node() -> None:
+    spec = {"virtualCluster": "train", "elasticity": {"minReplicas": 1, "maxReplicas": 4}}
+    g = graph.compile({"apiVersion": "huorn.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "j"},
+                       "spec": spec})
+    v = g.vertex("trainer")
+    mutate.resize(g, "trainer", 2, reason="start")
+    decision = allocator.Decision("t/j", "grow", 3, 2, assignments=["a1", "a1", "a1"])
+    assert goodput.repack(v, decision, {"trainer-0": "a0", "trainer-1": "a1"}) == {
+        "remove": ["trainer-0"], "nodes": ["a1", "a1"]}
+    assert goodput.repack(v, decision, {"trainer-0": "a0"}) == {}  # trainer-1 not placed yet
+    assert goodput.repack(v, decision, {}) == {}  # one host: nothing to move

@@ -56,6 +56,12 @@ def decisions(kube: builders.Kube, name: str, action: str) -> list[dict]:
     return [d for d in kube.job_status(NS, name).get("decisions") or [] if d["action"] == action]
 
 
+def pinned_node(pod: object) -> str:
+    """The node the operator placed a pod on (its required node affinity on the hostname)."""
+    required = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution  # type: ignore[attr-defined]
+    return str(required.node_selector_terms[0].match_expressions[0].values[0])
+
+
 def is_cordoned(node: object) -> object:
     spec = getattr(node, "spec", None)
     return node if spec is not None and spec.unschedulable else None
@@ -88,6 +94,42 @@ def test_goodput_policy_grows_job_within_max_replicas(cluster, kube: builders.Ku
             run_with_ips(kube, "grow", 2)
             assert kube.job_status(NS, "grow")["targetReplicas"] == 2
             assert len(decisions(kube, "grow", "resize")) == 1
+    finally:
+        grower.close()
+
+
+def test_a_grown_gang_moves_to_where_the_allocator_placed_it(cluster, kube: builders.Kube) -> None:
+    """The allocator prices a gang at the span of its own placement; the reconcile used to keep
+    the running pods and put the new ones wherever they fitted. Here the grower's first replica
+    shares a node with a filler, so one more replica beside it would span both nodes of the pool,
+    while the allocator placed the gang of two on the empty node: the pod on the shared node goes,
+    and both replicas run on the other one."""
+    grower = Ranks("grow", gpus_per_replica=2)
+    try:
+        with start_operator(cluster, grower.port):
+            filler = builders.make_training_job("fill", "train", replicas=1, max_replicas=1, gpus=2)
+            kube.create_job(NS, filler)
+            wait_for(lambda: kube.pods(NS, "fill", "trainer"), what="the filler placed")
+            kube.create_job(NS, builders.make_training_job(
+                "grow", "train", replicas=1, max_replicas=2, gpus=2,
+                elasticity={"minReplicas": 1, "maxReplicas": 2, "policy": "goodput"},
+            ))
+            run_with_ips(kube, "grow", 1)
+            (shared,) = {pinned_node(p) for p in kube.pods(NS, "fill", "trainer")}
+            assert [pinned_node(p) for p in kube.pods(NS, "grow", "trainer")] == [shared]  # the case
+            for step in range(1, 13):
+                grower.by_replica["trainer-0"].record_step(step, 0.8 + 0.01 * (step % 3), 0.1, 3.0,
+                                                           1000.0, 40.0)
+            resized = wait_for(lambda: decisions(kube, "grow", "resize"), what="a resize decision")
+            assert "goodput allocator: grow to 2" in resized[-1]["reason"]
+
+            def placed() -> list[str] | None:
+                pods = [p for p in kube.pods(NS, "grow", "trainer") if not p.metadata.deletion_timestamp]
+                nodes = sorted(pinned_node(p) for p in pods)
+                return nodes if len(nodes) == 2 else None
+
+            nodes = wait_for(placed, what="two trainer pods")
+            assert len(set(nodes)) == 1 and shared not in nodes, nodes
     finally:
         grower.close()
 

@@ -176,3 +176,41 @@ def test_single_node_may_borrow_a_whole_lender_node_within_the_limits() -> None:
     mixed = build_nodes(8, 3, vc="train", prefix="t") + build_nodes(8, vc="infer", prefix="i")
     own = placement.place_gang(mixed, 3, 1, single_node=True, **limits)  # type: ignore[arg-type]
     assert isinstance(own, Placement) and own.assignments == ["t1"] * 3  # tightest own node first
+
+
+def test_a_resized_gang_keeps_every_replica_the_new_placement_has_room_for() -> None:
+    running = {"trainer-0": "a", "trainer-1": "a", "trainer-2": "b"}
+    # grow 3 → 4 onto b and c: both replicas on a leave (a has none in the new gang), b's stays
+    assert placement.match_replicas(running, ["b", "b", "c", "c"]) == (["trainer-0", "trainer-1"],
+                                                                        ["b", "c", "c"])
+    # a grow where the gang runs: nothing leaves
+    assert placement.match_replicas(running, ["a", "a", "b", "b"]) == ([], ["b"])
+    # a shrink by one of a's replicas: the later name goes, nothing new
+    assert placement.match_replicas(running, ["a", "b"]) == (["trainer-1"], [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from([f"r{i}" for i in range(8)]), st.sampled_from("abcd"), max_size=8),
+       st.lists(st.sampled_from("abcd"), max_size=10))
+def test_matching_a_gang_to_its_placement_gives_that_placement(running: dict[str, str], target: list[str]
+                                                                ) -> None:
+    leaving, new_nodes = placement.match_replicas(running, target)
+    staying = [node for name, node in running.items() if name not in leaving]
+    assert Counter(staying + new_nodes) == Counter(target)
+    # no node both loses a replica and gains one, and nothing leaves that the placement could keep
+    assert not {running[name] for name in leaving} & set(new_nodes)
+    assert len(leaving) == len(running) - sum((Counter(running.values()) & Counter(target)).values())
+
+
+def test_place_at_takes_the_named_nodes_only_while_free_and_within_the_limits() -> None:
+    snap = snapshot.ClusterSnapshot(
+        [NodeView("t0", 4, 4, virtual_cluster="train"), NodeView("i0", 8, 8, virtual_cluster="infer"),
+         NodeView("t1", 4, 4, virtual_cluster="train", cordoned=True)],
+        [snapshot.VirtualClusterView("train", max_gpus_borrowed=8),
+         snapshot.VirtualClusterView("infer", purpose="inference", lendable=True, max_gpus_lent=2)])
+    assert snap.place_at("train", ["t0", "t0", "i0"], 2) == Placement(["t0", "t0", "i0"])
+    assert snap.place_at("train", ["t0", "t0"], 2) == Placement(["t0", "t0"])
+    assert isinstance(snap.place_at("train", ["t0"] * 3, 2), Unplaceable)  # 6 GPUs on a node of 4
+    assert "limits" in snap.place_at("train", ["i0", "i0"], 2).reason  # type: ignore[union-attr]
+    assert "cordoned" in snap.place_at("train", ["t1"], 1).reason  # type: ignore[union-attr]
+    assert "gone" in snap.place_at("train", ["x9"], 1).reason  # type: ignore[union-attr]

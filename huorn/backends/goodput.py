@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from huorn.backends import monitor
 from huorn.graph import managers, model
@@ -132,13 +133,23 @@ class GoodputPolicy:
         if decision.replicas == v.replicas or not v.min_replicas <= decision.replicas <= v.max_replicas:
             return []
         reason = f"goodput allocator: {decision.action} to {decision.replicas} ({decision.reason})"
-        return [
-            managers.Event(
-                managers.SCHEDULER_DECISION,
-                self.vertex,
-                {"replicas": decision.replicas, "reason": reason[:1000]},
-            )
-        ]
+        data: dict[str, Any] = {"replicas": decision.replicas, "reason": reason[:1000]}
+        data.update(repack(v, decision, observation.nodes))
+        return [managers.Event(managers.SCHEDULER_DECISION, self.vertex, data)]
+
+
+def repack(vertex: model.Vertex, decision: allocator.Decision, nodes: dict[str, str]) -> dict[str, Any]:
+    """The resize's `remove` and `nodes`, so that the gang lands where the allocator placed it:
+    the allocator priced the new size at its placement's span (and the simulator's Huorn runs
+    there). Kept where they run, the replicas of a cluster's gang grew across ever more nodes and
+    shrank by replicas whose GPUs no gang could use: 8.6-12.1 % more mean JCT in the simulator
+    (docs/scheduling.md, "Resizes that keep their replicas"). Nothing when the backend did not say
+    where every instance runs (one host), or the decision names no nodes."""
+    running = {i.name: nodes[i.name] for i in vertex.instances if i.name in nodes}
+    if len(running) != len(vertex.instances) or len(decision.assignments) != decision.replicas:
+        return {}
+    leaving, new_nodes = placement.match_replicas(running, decision.assignments)
+    return {"remove": leaving, "nodes": new_nodes}
 
 
 def last_resize_of(graph: model.Graph, vertex: str) -> tuple[float, int]:

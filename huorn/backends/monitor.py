@@ -37,6 +37,9 @@ class Observation:
     telemetry: dict[str, dict[str, Any]] = field(default_factory=dict)  # replica → /telemetry
     checkpoint: dict[str, Any] | None = None  # a checkpoint that landed since the last look
     finished: bool = False  # the workload completed (every trainer exited cleanly)
+    # instance → the node it runs on, where a backend has several (a cluster): the goodput
+    # policy moves a resized gang to where the allocator placed it. Empty on one host.
+    nodes: dict[str, str] = field(default_factory=dict)
 
     @property
     def last_step(self) -> int | None:

@@ -15,7 +15,7 @@ from huorn.graph import mutate
 from huorn.graph.model import Graph, Mutation
 
 # Event types the built-in managers understand.
-SCHEDULER_DECISION = "scheduler.decision"  # data: replicas, reason, [remove]
+SCHEDULER_DECISION = "scheduler.decision"  # data: replicas, reason, [remove], [nodes]
 INSTANCE_FAILED = "instance.failed"  # data: instance, reason
 EDGE_FIRED = "edge.fired"  # data: step, path (a checkpoint edge fires when a checkpoint lands)
 VERTEX_COMPLETED = "vertex.completed"  # data: reason
@@ -51,6 +51,7 @@ class TrainerManager:
                 int(event.data["replicas"]),
                 reason=reason,
                 remove=event.data.get("remove"),
+                nodes=event.data.get("nodes"),
             )
         )
 

@@ -26,12 +26,17 @@ def _record(graph: Graph, action: str, target: str, reason: str, detail: dict[st
 
 
 def resize(
-    graph: Graph, vertex: str, replicas: int, *, reason: str, remove: list[str] | None = None
+    graph: Graph, vertex: str, replicas: int, *, reason: str, remove: list[str] | None = None,
+    nodes: list[str] | None = None,
 ) -> Mutation | None:
-    """Set a vertex's replica count; None when it already has that many (no version bump).
+    """Set a vertex's replica count; None when it already has that many and none is replaced.
 
-    `remove` names the instances to drop when shrinking (a reclaim picks the cheapest workers to
-    lose); without it the highest ordinals go, which keeps ordinals dense for the survivors.
+    `remove` names the instances that go (a reclaim picks the cheapest workers to lose; the
+    goodput allocator, those that are not where it placed the gang); without it a shrink drops
+    the highest ordinals, which keeps ordinals dense for the survivors. A grow, or a resize to the
+    same size, may remove some too: new instances take their place, so a gang can move while it
+    resizes. `nodes`, one per new instance, is where the scheduler placed them; the reconcile
+    places them there while the GPUs are still free.
     """
     v = graph.vertex(vertex)
     if not v.min_replicas <= replicas <= v.max_replicas:
@@ -40,32 +45,35 @@ def resize(
             f"[{v.min_replicas}, {v.max_replicas}] (elasticity.minReplicas..maxReplicas)"
         )
     before = v.replicas
-    if replicas == before:
-        return None
-    if replicas > before:
-        used = {i.ordinal for i in v.instances}
-        free = (o for o in range(replicas + len(used)) if o not in used)
-        ordinals = [next(free) for _ in range(replicas - before)]
-        added = [Instance(vertex, o, v.retired.pop(o, -1) + 1) for o in ordinals]
-        v.instances = sorted([*v.instances, *added], key=lambda i: i.ordinal)
-        detail: dict[str, Any] = {"from": before, "to": replicas, "added": [i.name for i in added]}
-    else:
-        names = (
-            remove
-            if remove is not None
-            else [i.name for i in sorted(v.instances, key=lambda i: i.ordinal)][replicas:]
+    if remove is None:
+        remove = [i.name for i in sorted(v.instances, key=lambda i: i.ordinal)][replicas:]
+    unknown = set(remove) - {i.name for i in v.instances}
+    if unknown or len(set(remove)) != len(remove) or len(remove) < before - replicas:
+        raise ValueError(
+            f"remove={remove} must name at least {max(before - replicas, 0)} distinct current instances "
+            f"of {vertex!r} (it has {[i.name for i in v.instances]})"
         )
-        unknown = set(names) - {i.name for i in v.instances}
-        if unknown or len(names) != before - replicas:
-            raise ValueError(
-                f"remove={names} must name exactly {before - replicas} current instances of {vertex!r}"
-                f" (it has {[i.name for i in v.instances]})"
-            )
-        for i in v.instances:
-            if i.name in names:
-                v.retired[i.ordinal] = max(v.retired.get(i.ordinal, -1), i.generation)
-        v.instances = [i for i in v.instances if i.name not in names]
-        detail = {"from": before, "to": replicas, "removed": sorted(names)}
+    adding = replicas - (before - len(remove))
+    if nodes is not None and len(nodes) != adding:
+        raise ValueError(f"nodes={nodes} must name one node for each of the {adding} new instances "
+                         f"of {vertex!r}")
+    if replicas == before and not remove:
+        return None
+    for i in v.instances:
+        if i.name in remove:
+            v.retired[i.ordinal] = max(v.retired.get(i.ordinal, -1), i.generation)
+    v.instances = [i for i in v.instances if i.name not in remove]
+    used = {i.ordinal for i in v.instances}
+    free = (o for o in range(replicas + len(used)) if o not in used)
+    added = [Instance(vertex, o, v.retired.pop(o, -1) + 1) for o in (next(free) for _ in range(adding))]
+    v.instances = sorted([*v.instances, *added], key=lambda i: i.ordinal)
+    detail: dict[str, Any] = {"from": before, "to": replicas}
+    if added:
+        detail["added"] = [i.name for i in added]
+    if remove:
+        detail["removed"] = sorted(remove)
+    if nodes:
+        detail["nodes"] = {i.name: node for i, node in zip(added, nodes, strict=True)}
     return _record(graph, "resize", vertex, reason, detail)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
+from huorn.graph import model
 from huorn.operator import index
 from huorn.operator.context import Context
 from huorn.scheduler import allocator, placement, snapshot
@@ -78,6 +79,39 @@ def hold_for_waiting(snap: snapshot.ClusterSnapshot, owed: dict[str, int]) -> No
         where = snap.place(vc, gpus, 1, borrow=False)
         if isinstance(where, placement.Placement):
             snap.assume(f"{WAITING}/{vc}", vc, where, 1)
+
+
+def placement_hints(graph: model.Graph, vertex: str = TRAINER) -> dict[str, str]:
+    """Instance → the node the goodput allocator placed it on, from the resizes that added it
+    (write-ahead in status, so a restarted operator places it there too)."""
+    hints: dict[str, str] = {}
+    for m in graph.log:
+        if m.action == "resize" and m.target == vertex:
+            hints.update(m.detail.get("nodes") or {})
+    return hints
+
+
+def place_missing(snap: snapshot.ClusterSnapshot, vc: str, missing: list[str], gpus_per_replica: int,
+                  hints: dict[str, str]) -> placement.Placement | placement.Unplaceable:
+    """Nodes for the missing instances (in their order): where the allocator placed them while
+    those GPUs are still free and the limits allow them, the others where the gang fits now.
+    A hint can be stale (a peer the allocator counted on shrinking has not yet, a node was
+    cordoned): then every missing instance is placed afresh, as before hints existed."""
+    hinted = [name for name in missing if name in hints]
+    if hinted:
+        at = snap.place_at(vc, [hints[name] for name in hinted], gpus_per_replica)
+        rest = [name for name in missing if name not in hints]
+        if isinstance(at, placement.Placement) and not rest:
+            return at
+        if isinstance(at, placement.Placement):
+            with snap.simulate():
+                snap.assume(f"{vc}/hinted", vc, at, gpus_per_replica)
+                where = snap.place(vc, len(rest), gpus_per_replica)
+            if isinstance(where, placement.Placement):
+                nodes = dict(zip(hinted, at.assignments, strict=True))
+                nodes.update(zip(rest, where.assignments, strict=True))
+                return placement.Placement([nodes[name] for name in missing])
+    return snap.place(vc, len(missing), gpus_per_replica)
 
 
 def gpus_per_node(snap: snapshot.ClusterSnapshot) -> int:

@@ -35,6 +35,7 @@ from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import compiler, mutate, serialise
 from huorn.graph.model import Graph, Mutation, Vertex
 from huorn.operator import (
+    allocation,
     conditions,
     cordon,
     estimates,
@@ -329,7 +330,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                            f"growth waits: {ahead.binding} (priority {ahead.priority}) waits for GPUs and "
                            "fits in the free ones, and growth comes after the line")
                 return await _waiting(ctx, body, base_status, phase, "Queued", message, event="Normal")
-            where = snap.place(job.spec.virtual_cluster, len(missing), gpus)
+            where = allocation.place_missing(snap, job.spec.virtual_cluster, [i.name for i in missing], gpus,
+                                             allocation.placement_hints(graph))
             if isinstance(where, placement.Unplaceable):
                 ctx.queue.record(in_line)
                 ctx.metrics.decisions.labels(KIND, "unplaceable").inc()

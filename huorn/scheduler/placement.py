@@ -14,7 +14,8 @@ the borrower's borrowing limit and each lender's lending limit.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -184,6 +185,29 @@ def place_gang(
             borrow_limit, lendable_gpus, cpu_milli_per_replica,
         )
     )
+
+
+def match_replicas(running: Mapping[str, str], target: Sequence[str]) -> tuple[list[str], list[str]]:
+    """How a running gang becomes the gang the allocator placed: (the replicas that leave, the
+    nodes of the new ones). `running` maps each replica to its node; `target` has one node per
+    replica of the new gang. As many replicas as possible stay where they run: a replica only
+    leaves a node where the new gang has fewer, so no node both loses and gains one. Which of a
+    node's replicas leave goes by name (the later ones), so a decision taken again after a
+    restart names the same ones."""
+    room = Counter(target)
+    leaving: list[str] = []
+    for name in sorted(running):
+        node = running[name]
+        if room[node] > 0:
+            room[node] -= 1
+        else:
+            leaving.append(name)
+    new_nodes: list[str] = []
+    for node in target:
+        if room[node] > 0:
+            room[node] -= 1
+            new_nodes.append(node)
+    return leaving, new_nodes
 
 
 def _expand(chosen: list[tuple[str, int]]) -> list[str]:

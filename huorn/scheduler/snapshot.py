@@ -158,6 +158,24 @@ class ClusterSnapshot:
             single_node=single_node,
         )
 
+    def place_at(self, vc: str, nodes: list[str], gpus_per_replica: int
+                 ) -> placement.Placement | placement.Unplaceable:
+        """Replicas of `vc` on these nodes (one per entry), if the GPUs are free there now and
+        every lending and borrowing limit allows them: where a decision taken on an earlier
+        snapshot said they should go (the cluster may have moved since)."""
+        where = placement.Placement(list(nodes))
+        need = where.gpus_by_node(gpus_per_replica)
+        for node, gpus in sorted(need.items()):
+            if node not in self._nodes:
+                return placement.Unplaceable(f"node {node} is gone")
+            view = self._nodes[node]
+            if view.cordoned or self._free[node] < gpus:
+                return placement.Unplaceable(f"node {node}: {gpus} GPUs wanted, {self._free[node]} free"
+                                             + (" (cordoned)" if view.cordoned else ""))
+        if not self.limits_allow(vc, need):
+            return placement.Unplaceable(f"the lending or borrowing limits no longer allow {need}")
+        return where
+
     def assume(
         self, job: str, vc: str, where: placement.Placement, gpus_per_replica: int,
         cpu_milli_per_replica: int = 0,
