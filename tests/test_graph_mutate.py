@@ -305,7 +305,8 @@ def test_a_grow_can_replace_replicas_and_says_where_the_new_ones_go() -> None:
     m = mutate.resize(g, "trainer", 3, reason="grow and move", remove=["trainer-0"], nodes=["b", "b"])
     assert m is not None and m.detail["from"] == 2 and m.detail["to"] == 3
     assert m.detail["removed"] == ["trainer-0"]
-    assert m.detail["nodes"] == {"trainer-0-g1": "b", "trainer-2": "b"}  # a new generation on ordinal 0
+    assert m.detail["added"] == ["trainer-0-g1", "trainer-2"]  # a new generation on ordinal 0
+    assert mutate.decode_nodes(m.detail["nodes"]) == ["b", "b"]
     assert [i.name for i in g.vertex("trainer").instances] == ["trainer-0-g1", "trainer-1", "trainer-2"]
     back = serialise.from_status(serialise.to_status(g))
     assert back.log[-1].detail["nodes"] == m.detail["nodes"]
@@ -316,3 +317,16 @@ def test_a_grow_can_replace_replicas_and_says_where_the_new_ones_go() -> None:
     # a move at the same size is a mutation; the same size with nothing removed is none
     assert mutate.resize(g, "trainer", 3, reason="move", remove=["trainer-1"], nodes=["c"]) is not None
     assert mutate.resize(g, "trainer", 3, reason="noop") is None
+
+
+def test_where_new_instances_go_survives_the_status_log_cutting_a_long_detail() -> None:
+    """A detail over the log's limit keeps only its scalars and the instance lists: the nodes of
+    a big move (GKE-long node names) are one scalar, so the reconcile still has them."""
+    g = build_graph(hi=64)
+    names = [f"gke-prod-a100-pool-7f3c9e2a-{i:04d}" for i in range(12)]
+    nodes = [names[i % 12] for i in range(40)]
+    m = mutate.resize(g, "trainer", 40, reason="grow", nodes=nodes[1:])
+    assert m is not None and serialise.measure(m.detail) > serialise.DETAIL_LIMIT
+    back = serialise.from_status(serialise.to_status(g)).log[-1].detail
+    assert back.get("truncated") and sorted(mutate.decode_nodes(back["nodes"])) == sorted(nodes[1:])
+    assert len(back["added"]) == 39

@@ -169,3 +169,20 @@ def test_the_goodput_policy_moves_a_gang_only_where_it_knows_every_replica_s_nod
         "remove": ["trainer-0"], "nodes": ["a1", "a1"]}
     assert goodput.repack(v, decision, {"trainer-0": "a0"}) == {}  # trainer-1 not placed yet
     assert goodput.repack(v, decision, {}) == {}  # one host: nothing to move
+
+
+def test_a_move_onto_gpus_that_are_not_free_now_is_left_a_plain_resize() -> None:
+    """The allocation may place a moved gang on GPUs a peer is yet to give up; the move would
+    then delete the replicas it replaces and leave the job waiting for the new ones."""
+    ctx = build_ctx(gpus=4)
+    ctx.index.nodes["a1"] = index.NodeRecord("a1", 4, {"pool": "a"})
+    run_pods(ctx, "mover", 1, gpus=2)  # on a0
+    view = allocator.JobView("mover", "train", gpus_per_replica=2, max_replicas=2, replicas=1)
+    move = allocator.Decision("t/mover", "grow", 2, 1, assignments=["a1", "a1"])
+    pods = ctx.index.pods_of("t", "mover")
+    assert allocation._movable(ctx.index.build_snapshot(), view, move, pods)
+    ctx.index.pods[("t", "peer")] = index.PodRecord("t", "peer", "peer", "trainer", "trainer-0", "a1", 2, 0,
+                                                    "train", phase="Running")
+    assert not allocation._movable(ctx.index.build_snapshot(), view, move, pods)  # a1 half taken
+    beside = allocator.Decision("t/mover", "grow", 2, 1, assignments=["a0", "a1"])
+    assert allocation._movable(ctx.index.build_snapshot(), view, beside, pods)  # nothing leaves

@@ -134,6 +134,38 @@ def test_a_grown_gang_moves_to_where_the_allocator_placed_it(cluster, kube: buil
         grower.close()
 
 
+def test_replicas_a_move_removed_go_while_their_successors_wait_for_gpus(cluster,
+                                                                         kube: builders.Kube) -> None:
+    """A move decided on GPUs that are gone by the reconcile (a race the arbiter's check cannot
+    close): the replica it removed is deleted while the new ones wait, as a shrink's would be.
+    Kept, it ran outside the graph: unseen by the monitor, the loans and the preemptions."""
+    with start_operator(cluster, 9):  # no telemetry: the monitor never decides here
+        elastic = {"minReplicas": 1, "maxReplicas": 2}  # goodput (the default): the count stands
+        kube.create_job(NS, builders.make_training_job("mover", "train", gpus=4, elasticity=elastic))
+        run_with_ips(kube, "mover", 1)
+        (home,) = [pinned_node(p) for p in kube.pods(NS, "mover", "trainer")]
+        other = "a1" if home == "a0" else "a0"
+        kube.create_job(NS, builders.make_training_job("fill", "train", replicas=1, max_replicas=1, gpus=4))
+        wait_for(lambda: [pinned_node(p) for p in kube.pods(NS, "fill", "trainer")] == [other], what="filler")
+        # the move, as the monitor writes it: off `home`, two replicas onto `other`, which is full
+        g = serialise.from_status(kube.job_status(NS, "mover")["graph"])
+        mutate.resize(g, "trainer", 2, reason="goodput allocator: grow to 2 (a test's move)",
+                      remove=["trainer-0"], nodes=[other, other])
+        kube.custom.patch_namespaced_custom_object_status(
+            builders.GROUP, builders.VERSION, NS, "trainingjobs", "mover",
+            {"status": {"graph": serialise.to_status(g)}})
+        waiting = wait_for(lambda: "needs 8 GPUs" in (m := kube.job_status(NS, "mover").get("message") or "")
+                           and m, what="the new replicas waiting for GPUs")
+        assert "borrowing" in waiting or "lend" in waiting
+        def instances() -> list[str]:
+            return sorted(p.metadata.labels["huorn.io/instance"] for p in kube.pods(NS, "mover", "trainer")
+                          if not p.metadata.deletion_timestamp)
+
+        wait_for(lambda: "trainer-0" not in instances(), what="the removed replica deleted")
+        # its GPUs freed, the gang of two fits (home, and 4 borrowed): placed wherever it fits
+        wait_for(lambda: instances() == ["trainer-0-g1", "trainer-1"], what="the new replicas placed")
+
+
 def test_training_progress_and_the_last_checkpoint_reach_status(cluster, kube: builders.Kube,
                                                                 ranks: Ranks) -> None:
     """What `kubectl get tj` prints (Step, Loss) comes from the ranks' telemetry, and a landed

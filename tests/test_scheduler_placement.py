@@ -185,8 +185,9 @@ def test_a_resized_gang_keeps_every_replica_the_new_placement_has_room_for() -> 
                                                                         ["b", "c", "c"])
     # a grow where the gang runs: nothing leaves
     assert placement.match_replicas(running, ["a", "a", "b", "b"]) == ([], ["b"])
-    # a shrink by one of a's replicas: the later name goes, nothing new
+    # a shrink by one of a's replicas: the later name goes (by number: trainer-10 after trainer-2)
     assert placement.match_replicas(running, ["a", "b"]) == (["trainer-1"], [])
+    assert placement.match_replicas({"trainer-10": "a", "trainer-2": "a"}, ["a"]) == (["trainer-10"], [])
 
 
 @settings(max_examples=200, deadline=None)

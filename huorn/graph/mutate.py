@@ -73,8 +73,27 @@ def resize(
     if remove:
         detail["removed"] = sorted(remove)
     if nodes:
-        detail["nodes"] = {i.name: node for i, node in zip(added, nodes, strict=True)}
+        detail["nodes"] = encode_nodes(nodes)
     return _record(graph, "resize", vertex, reason, detail)
+
+
+def encode_nodes(nodes: list[str]) -> str:
+    """The new instances' nodes as one short string, "a1:2,b0:1" (node names hold neither ":"
+    nor ","): a scalar, so the status log keeps it when it cuts a long detail down to its
+    scalars. The new instances are interchangeable, so how many go on each node is all a
+    reconcile needs (decode_nodes hands them out in the order of `added`)."""
+    counts: dict[str, int] = {}
+    for node in nodes:
+        counts[node] = counts.get(node, 0) + 1
+    return ",".join(f"{node}:{n}" for node, n in counts.items())
+
+
+def decode_nodes(text: str) -> list[str]:
+    out: list[str] = []
+    for part in filter(None, str(text).split(",")):
+        node, _, n = part.rpartition(":")
+        out += [node] * int(n)
+    return out
 
 
 def find_instance(graph: Graph, name: str) -> tuple[Vertex, int]:

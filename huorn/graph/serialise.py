@@ -112,10 +112,14 @@ def _edge_to_wire(e: Edge) -> dict[str, Any]:
 # they are deleted with: a reconcile after a restart deleted them with the pods' own 30 s.
 COMPACT_LISTS = {"removed": "removedInstances", "added": "addedInstances"}
 SCALAR_LIMIT = 256
+# Scalars the reconcile reads back that may run longer: where a resize's new instances go
+# (mutate.encode_nodes: a dozen GKE-long node names is over 400 characters). Dropped past this.
+LONG_SCALARS = {"nodes": DETAIL_LIMIT}
 
 
 def _cut_detail(target: str, detail: dict[str, Any]) -> dict[str, Any]:
-    cut: dict[str, Any] = {k: v for k, v in detail.items() if _is_small(v)}
+    cut: dict[str, Any] = {k: v for k, v in detail.items() if _is_small(v) or (
+        isinstance(v, str) and len(v) <= LONG_SCALARS.get(k, 0))}
     for key, wire in COMPACT_LISTS.items():
         names = detail.get(key)
         compact = _compact_names(target, names) if isinstance(names, list) else None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
-from huorn.graph import model
+from huorn.graph import model, mutate
 from huorn.operator import index
 from huorn.operator.context import Context
 from huorn.scheduler import allocator, placement, snapshot
@@ -86,8 +86,9 @@ def placement_hints(graph: model.Graph, vertex: str = TRAINER) -> dict[str, str]
     (write-ahead in status, so a restarted operator places it there too)."""
     hints: dict[str, str] = {}
     for m in graph.log:
-        if m.action == "resize" and m.target == vertex:
-            hints.update(m.detail.get("nodes") or {})
+        if m.action == "resize" and m.target == vertex and m.detail.get("nodes"):
+            added = sorted(m.detail.get("added") or [])
+            hints.update(zip(added, mutate.decode_nodes(m.detail["nodes"]), strict=False))
     return hints
 
 
@@ -172,13 +173,16 @@ def arbiter_for(ctx: Context, namespace: str, name: str
             decider = ctx.allocators[size] = allocator.Allocator(
                 dataclasses.replace(allocator.HUORN, gpus_per_node=size))
         decision = decide(decider, snap, mine, peers, now)
+        now_snap, _ = cluster(view.gpus_per_replica)
+        hold_for_waiting(now_snap, owed)
         if decision.replicas > running:
             # Grow only into GPUs free now: what a peer's part would give up is given up by the
             # peer's own monitor, and a growth planned on it would wait, unplaceable, until then.
-            now_snap, _ = cluster(view.gpus_per_replica)
-            hold_for_waiting(now_snap, owed)
             fits = _placeable(now_snap, mine, decision.replicas - running)
-            decision = dataclasses.replace(decision, replicas=running + fits)
+            if fits < decision.replicas - running:  # a plain grow, placed where it fits
+                decision = dataclasses.replace(decision, replicas=running + fits, assignments=[])
+        if not _movable(now_snap, mine, decision, ctx.index.pods_of(namespace, name)):
+            decision = dataclasses.replace(decision, assignments=[])
         return dataclasses.replace(decision, job=view.name)
 
     return arbitrate
@@ -199,6 +203,24 @@ def _placeable(snap: snapshot.ClusterSnapshot, job: allocator.JobView, extra: in
         if isinstance(snap.place(job.virtual_cluster, n, job.gpus_per_replica), placement.Placement):
             return n
     return 0
+
+
+def _movable(snap: snapshot.ClusterSnapshot, job: allocator.JobView, decision: allocator.Decision,
+             pods: Iterable[index.PodRecord]) -> bool:
+    """Whether the replicas a move to the decision's nodes adds fit there now, beside the pods
+    that run (the goodput policy then moves the gang: backends.goodput.repack). A move placed on
+    GPUs a peer has not given up yet would delete the replicas it replaces and leave the job
+    waiting for the new ones: without the nodes, the resize keeps every replica and places the
+    new ones where they fit."""
+    if not decision.assignments:
+        return True
+    running = {p.instance: p.node for p in pods if p.vertex == TRAINER and p.node and not p.deleting
+               and p.holds_resources}
+    leaving, new_nodes = placement.match_replicas(running, decision.assignments)
+    if not leaving or not new_nodes:
+        return True  # it only grows beside its replicas, or only shrinks
+    where = snap.place_at(job.virtual_cluster, new_nodes, job.gpus_per_replica)
+    return isinstance(where, placement.Placement)
 
 
 def _keep(view: allocator.JobView, why: str) -> allocator.Decision:

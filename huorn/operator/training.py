@@ -322,6 +322,14 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             snap = ctx.index.build_snapshot()
             phase = old.get("phase") if old.get("phase") in ("Running", "Resizing") else "Pending"
             ahead = ctx.queue.first_ahead_that_fits(queued, snap, growth=not below_minimum)
+            hints = allocation.placement_hints(graph)
+            where = None if ahead is not None else allocation.place_missing(
+                snap, job.spec.virtual_cluster, [i.name for i in missing], gpus, hints)
+            if not isinstance(where, placement.Placement):
+                # Replicas a resize in status removed (a move to the allocator's nodes) go now, as a
+                # shrink's do: kept while the new ones wait, they ran outside the graph, unseen by
+                # the monitor, the loans and the preemptions.
+                await _delete_removed(ctx, ref, graph, pods, unwritten=new)
             if ahead is not None:
                 ctx.queue.record(in_line)
                 ctx.wake_queued(ahead)
@@ -330,9 +338,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                            f"growth waits: {ahead.binding} (priority {ahead.priority}) waits for GPUs and "
                            "fits in the free ones, and growth comes after the line")
                 return await _waiting(ctx, body, base_status, phase, "Queued", message, event="Normal")
-            where = allocation.place_missing(snap, job.spec.virtual_cluster, [i.name for i in missing], gpus,
-                                             allocation.placement_hints(graph))
-            if isinstance(where, placement.Unplaceable):
+            if not isinstance(where, placement.Placement):
+                assert where is not None
                 ctx.queue.record(in_line)
                 ctx.metrics.decisions.labels(KIND, "unplaceable").inc()
                 message = (plan_preemption(ctx, queued, len(missing), where.reason)
@@ -678,6 +685,21 @@ async def _apply_children(
     await asyncio.gather(*(
         ctx.client.delete("Pod", ref.namespace, pod.name, grace_seconds=graces.get(pod.instance))
         for pod in pods.values() if pod.name not in wanted and not pod.deleting
+    ))
+
+
+async def _delete_removed(ctx: Context, ref: manifests.JobRef, graph: Graph,
+                          pods: Mapping[str, PodRecord], unwritten: list[Mutation]) -> None:
+    """Delete the trainer pods that mutations already in status removed from the graph, with
+    the grace they set; those of `unwritten` ones wait for their decision's write-ahead."""
+    wanted = {manifests.pod_name(ref, i) for i in graph.vertex("trainer").instances}
+    held = {str(n) for m in unwritten
+            for n in [*m.detail.get("removed", ()), *([m.detail["old"]] if "old" in m.detail else [])]}
+    graces = deletion_graces(graph)
+    await asyncio.gather(*(
+        ctx.client.delete("Pod", ref.namespace, pod.name, grace_seconds=graces.get(pod.instance))
+        for pod in pods.values() if pod.vertex == "trainer" and pod.name not in wanted
+        and pod.instance not in held and not pod.deleting
     ))
 
 

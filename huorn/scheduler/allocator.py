@@ -503,12 +503,13 @@ class Allocator:
                 if (self.config.keep_replicas and target[job.name]
                         and self._shrink_in_place(snap, job, bound[job.name], target[job.name])):
                     shrunk.add(job.name)
-        # Keepers need no placement; then running pinned jobs, so that no other job's gang takes a
-        # pinned job's old GPUs or the lender's room they are counted in (it was then preempted,
-        # or kept on top of the other's loan, over the lender's limit: found by the property test);
-        # then the rest by priority and size (big gangs first).
+        # Keepers need no placement; then the rest by priority, running pinned jobs first within
+        # theirs, and size (big gangs first). A pinned job that grows stays bound until its turn
+        # (deferred above), so no gang placed before it takes its old GPUs or the lender's room
+        # they are counted in (it was then preempted, or kept on top of the other's loan, over
+        # the lender's limit: found by the property test).
         changing = sorted((j for j in jobs if not (j.name in bound and target[j.name] == j.replicas)),
-                          key=lambda j: (not (j.name in bound and j.priority >= PINNED_PRIORITY), -j.priority,
+                          key=lambda j: (-j.priority, not (j.name in bound and j.priority >= PINNED_PRIORITY),
                                          -target[j.name] * j.gpus_per_replica, j.submitted))
         for job in jobs:
             if job.name in bound and target[job.name] == job.replicas:
@@ -578,8 +579,11 @@ class Allocator:
                     with contextlib.suppress(ValueError):  # its GPUs went to a bigger gang first
                         where = placement.Placement(replica_nodes(old, job.gpus_per_replica))
                         snap.assume(job.name, job.virtual_cluster, where, job.gpus_per_replica)
-                        decisions.append(self._keep(job, old, "a resize would land on a placement that "
-                                                              "does not pay for its restart"))
+                        why = ("a resize would land on a placement that does not pay for its restart"
+                               if placed is not None else
+                               f"pinned (priority ≥ {PINNED_PRIORITY}): kept where it runs, as it cannot "
+                               f"grow ({reason or 'no room'})")
+                        decisions.append(self._keep(job, old, why))
                         continue
             if placed is not None:
                 snap.assume(job.name, job.virtual_cluster, placed, job.gpus_per_replica)

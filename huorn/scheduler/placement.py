@@ -14,6 +14,7 @@ the borrower's borrowing limit and each lender's lending limit.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -196,7 +197,7 @@ def match_replicas(running: Mapping[str, str], target: Sequence[str]) -> tuple[l
     restart names the same ones."""
     room = Counter(target)
     leaving: list[str] = []
-    for name in sorted(running):
+    for name in sorted(running, key=_natural):
         node = running[name]
         if room[node] > 0:
             room[node] -= 1
@@ -208,6 +209,11 @@ def match_replicas(running: Mapping[str, str], target: Sequence[str]) -> tuple[l
             room[node] -= 1
             new_nodes.append(node)
     return leaving, new_nodes
+
+
+def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
+    """trainer-2 before trainer-10 (and trainer-1-g1 after trainer-1): numbers as numbers."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name))
 
 
 def _expand(chosen: list[tuple[str, int]]) -> list[str]:
