@@ -225,8 +225,10 @@ def test_lost_replicas_are_replaced_and_a_spec_change_rolls_one_replica_at_a_tim
     config = json.loads(kube.core.read_namespaced_config_map("chat-config", NS).data["config.json"])
     assert config["spec"]["model"]["checkpoint"] == "/checkpoints/v2"
     run_pod(kube, servers(kube, "chat")["server-0-g1"])
+    wait_for(lambda: "server-1-g2" in servers(kube, "chat"), what="the second rolled")
+    run_pod(kube, servers(kube, "chat")["server-1-g2"])
     wait_for(lambda: sorted(servers(kube, "chat")) == ["server-0-g1", "server-1-g2"],
-             what="the second rolled")
+             what="the second's predecessor gone once it is ready")
     rolls = [d for d in status(kube, "chat")["decisions"] if d["reason"].startswith("rolling update")]
     assert len(rolls) == 2
     # Scaling bounds are not a rolled field: a new maxReplicas restarts nothing.
@@ -234,6 +236,32 @@ def test_lost_replicas_are_replaced_and_a_spec_change_rolls_one_replica_at_a_tim
         builders.GROUP, builders.VERSION, NS, IJ, "chat", {"spec": {"autoscaling": {"maxReplicas": 4}}})
     wait_for(lambda: status(kube, "chat").get("observedGeneration") == 3, what="the new bounds seen")
     assert sorted(servers(kube, "chat")) == ["server-0-g1", "server-1-g2"]
+
+
+def test_a_one_replica_job_keeps_serving_through_a_rolling_update(
+    kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    """Make before break: the replica a rolling update replaces serves until its successor is
+    ready. Before, it was deleted as its successor was created, and a one-replica job answered
+    nothing for a whole model load at every update. Where the successor finds no GPUs, the old
+    replica goes first (the update goes on, one replica down)."""
+    kube.create_job(NS, serving.make_inference_job("chat", "serve", gpus=4), plural=IJ)
+    wait_for(lambda: len(servers(kube, "chat")) == 1, what="one replica")
+    run_pod(kube, servers(kube, "chat")["server-0"])
+    wait_for(lambda: status(kube, "chat").get("readyReplicas") == 1, what="ready")
+    update = {"spec": {"model": {"checkpoint": "/checkpoints/v2"}}}
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat", update)
+    wait_for(lambda: "server-0-g1" in servers(kube, "chat"), what="the successor placed")
+    assert "server-0" in servers(kube, "chat")  # the old replica still serves
+    run_pod(kube, servers(kube, "chat")["server-0-g1"])
+    wait_for(lambda: sorted(servers(kube, "chat")) == ["server-0-g1"], what="the old replica gone once")
+    # No room for a successor beside it (8 GPUs, 4 each, and a filler of 4): the old one goes first.
+    kube.create_job(NS, serving.make_inference_job("fill", "serve", gpus=4), plural=IJ)
+    wait_for(lambda: len(servers(kube, "fill")) == 1, what="the filler placed")
+    update = {"spec": {"model": {"checkpoint": "/checkpoints/v3"}}}
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat", update)
+    wait_for(lambda: "server-0-g1" not in servers(kube, "chat"), what="the old replica deleted")
+    wait_for(lambda: "server-0-g2" in servers(kube, "chat"), what="its successor placed on its GPUs")
 
 
 def test_replicas_that_serve_no_one_are_rolled_without_waiting_for_the_others(

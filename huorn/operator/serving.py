@@ -18,8 +18,10 @@ replicas it has, and a restarted operator carries on from status.
   Always), as in a Deployment.
 - **Rolling update.** A spec change that a running replica cannot pick up (model, quantisation,
   image, resources, env: manifests.serve_template_hash) replaces the replicas one at a time, each
-  only while every other replica is ready: capacity drops by at most one replica. A replica of
-  the older spec that is not ready serves no one, and is replaced at once.
+  only while every other replica is ready, and the one replaced serves until its successor is
+  ready (`surging`): capacity never drops where there are GPUs for one more replica, and by at
+  most one where there are not. A replica of the older spec that is not ready serves no one, and
+  is replaced at once.
 - **Scale to zero** (`autoscaling.minReplicas: 0`). An activator pod runs beside the replicas
   (huorn.runtime.activator) and a second Service, `<job>-replicas`, always selects the replicas.
   The job's own Service selects the replicas while one is ready and the activator otherwise
@@ -240,6 +242,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         ctx.index.release(r for r in (index.build_pod_record(p) for p in pods_new) if r is not None)
         raise
     wanted = {manifests.pod_name(ref, i) for i in server.instances}
+    wanted |= surging(graph, ref, pods.values(), creating | {p["metadata"]["name"] for p in pods_new})
     wanted |= {manifests.activator_pod_name(ref, i) for i in range(len(fronts))}
     if fronts and not any(f is not None and is_ready(f) for f in fronts):
         # frontReplicas lowered while none of the pods it keeps is ready: the ones beyond it
@@ -300,6 +303,37 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     ctx.metrics.inference_replicas.labels(ns, name, "desired").set(server.replicas)
     ctx.metrics.inference_replicas.labels(ns, name, "ready").set(ready)
     return phase
+
+
+def surging(graph: Graph, ref: manifests.JobRef, pods: Iterable[index.PodRecord],
+            placed: set[str]) -> set[str]:
+    """The pods of replicas a rolling update replaced that keep serving until their successor is
+    ready (make before break): each successor is placed beside the pod it replaces while there
+    are GPUs for it. Before, the replaced pod was deleted as its successor was created, and a
+    one-replica job served no one for a model load at every update.
+
+    Only while the successor is placed (`placed`: pod names created, or being created) and not
+    ready yet, and the old pod still serves: a successor that finds no GPUs does not hold its
+    predecessor, whose GPUs it then waits for (the update goes on, one replica down, as before).
+    A successor replaced in turn (it failed) or scaled away no longer holds it either."""
+    live = {i.name: i for i in graph.vertex(SERVER).instances}
+    by_instance = {p.instance: p for p in pods if p.vertex == SERVER and not p.deleting}
+    keep: set[str] = set()
+    for m in graph.log:
+        rolled = m.action == "replace" and m.target == SERVER and m.detail.get("drain")
+        if not rolled or m.detail.get("failure"):
+            continue  # not a rolling update's replacement
+        old, new = by_instance.get(str(m.detail["old"])), live.get(str(m.detail["new"]))
+        if old is None or not is_ready(old) or new is None:
+            continue
+        successor = by_instance.get(new.name)
+        if successor is None:
+            waiting = manifests.pod_name(ref, new) in placed
+        else:
+            waiting = successor.holds_resources and not is_ready(successor)
+        if waiting:
+            keep.add(old.name)
+    return keep
 
 
 def front_services(to_zero: bool, by_prefix: bool) -> set[str]:
