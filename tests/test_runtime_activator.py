@@ -138,6 +138,20 @@ async def test_an_answer_cut_short_is_tried_on_another_replica_and_no_count_in_f
         assert {url: r.in_flight for url, r in front.router.replicas.items()} == {first: 0, second: 0}
 
 
+async def test_a_full_replicas_429_reaches_the_client_with_its_retry_after() -> None:
+    """Before, the router passed the status and body on but not Retry-After, and a client's SDK
+    retried an overloaded replica at once."""
+    body = b'{"error": {"message": "overloaded", "code": "rate_limit_exceeded"}}'
+    full = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    replica, url = await _replica("127.0.0.1", full)
+    front = _router_front([url])
+    async with replica, harness.serving_app(front.app()) as session:
+        answer = await session.post("/v1/completions", json={"prompt": "Q?"})
+        assert answer.status == 429 and answer.headers.get("Retry-After") == "1"
+        assert (await answer.json())["error"]["code"] == "rate_limit_exceeded"
+
+
 async def test_a_request_cancelled_mid_forward_is_no_longer_counted_in_flight() -> None:
     """aiohttp cancels a handler whose client hung up (handler_cancellation) or as the server
     stops: the replica it was sent to must not stay loaded by it in the router's eyes."""

@@ -1489,3 +1489,33 @@ def test_a_replica_told_to_serve_on_cuda_refuses_a_torch_without_it(tmp_path: Pa
     cfg = serve.ServeConfig.model_validate({**_config(tmp_path).model_dump(by_alias=True), "device": "cuda"})
     with pytest.raises(ValueError, match=r"device cuda: .*CUDA build"):
         serve.load_model(cfg)
+
+
+def test_a_request_past_a_full_queue_is_answered_429_with_retry_after_and_counted(tmp_path: Path) -> None:
+    """Under overload a replica's queue only grew, and every client timed out in it; now a
+    request that would queue past spec.serving.maxQueued rows is refused at once, in OpenAI's
+    shape, with a Retry-After that the SDKs honour, and one finding the queue empty is taken."""
+    _saved_model(tmp_path / "ckpt")
+    cfg = _config(tmp_path, serving={"maxBatch": 8, "maxTokens": 48, "maxQueued": 3})
+
+    async def work(session, server, report):
+        # rows already waiting (the decoding thread is not told: they stay queued)
+        with server.queue_lock:
+            server.queue.extend([object()] * 2)  # type: ignore[list-item]
+        # queued behind them, it would wait for ever (the decoding thread cannot take them)
+        async with session.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2},
+                                timeout=aiohttp.ClientTimeout(total=10)) as r:
+            refused = r.status, r.headers.get("Retry-After"), await r.json()
+        with server.queue_lock:
+            server.queue.clear()
+        async with session.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "n": 5}) as r:
+            taken = r.status  # more rows than the bound, into an empty queue
+        async with session.get("/metrics") as r:
+            return refused, taken, await r.text()
+
+    (status, retry, body), taken, metrics = asyncio.run(_serving(cfg, work))
+    assert status == 429 and retry == "1"
+    assert body["error"]["code"] == "rate_limit_exceeded" and "maxQueued 3" in body["error"]["message"]
+    assert taken == 200
+    assert 'huorn_serve_requests_total{outcome="overloaded"} 1.0' in metrics
+    assert "huorn_serve_in_flight 0.0" in metrics

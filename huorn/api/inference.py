@@ -22,6 +22,14 @@ class ServedModel(ApiModel):
 class ServingLimits(ApiModel):
     max_batch: int = Field(default=32, ge=1, le=4096, description="Requests decoded together at most.")
     max_tokens: int = Field(default=2048, ge=1, le=1 << 22)
+    max_queued: int = Field(
+        default=1024, ge=0, le=1 << 20,
+        description="Rows (a request's prompts × n) waiting for a place in the batch at most, per "
+                    "replica. A request that would queue past it is answered 429 with Retry-After (as "
+                    "TGI's max_concurrent_requests does), and OpenAI's SDKs retry it after that: under "
+                    "overload, clients back off instead of timing out in a queue that only grows, "
+                    "and retry on a replica that is not full. A request finding the queue empty is "
+                    "always taken. 0: no bound.")
     prefix_cache_tokens: int = Field(
         default=8192, ge=0, le=1 << 24,
         description="Prompt-prefix tokens whose K/V each replica keeps for reuse (blocks of 16, least "

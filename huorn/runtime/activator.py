@@ -168,8 +168,11 @@ class Activator:
                         if streamed is not None:
                             await streamed.write_eof()
                             return streamed
+                        # a replica's Retry-After (its queue is full: 429) reaches the client,
+                        # whose SDK waits that long before it retries
+                        kept = {k: answer.headers[k] for k in ("Retry-After",) if k in answer.headers}
                         return web.Response(status=answer.status, body=payload,
-                                            content_type=answer.content_type)
+                                            content_type=answer.content_type, headers=kept)
                     again = self.finished(url, failed=True)
                 if again:
                     continue

@@ -89,6 +89,9 @@ MAX_BODY_BYTES = 64 << 20  # as the router: a batch of 2,048 prompts as token id
 SERVED = ("model, prompt (one or a list) or messages, max_tokens, temperature, top_p, n, seed, stop, "
           "stream, stream_options, logprobs (and the chat API's top_logprobs), echo")
 BATCHER = web.AppKey("batcher", asyncio.Task)
+# What a replica whose queue is full asks a client to wait (Retry-After): a hint, about one
+# batch of short answers; OpenAI's SDKs wait at least this long before they retry.
+RETRY_AFTER_SECONDS = 1
 
 
 class ServeConfig(base.ApiModel):
@@ -424,7 +427,16 @@ class Server:
                                                index=i, done=first.loop.create_future())
                            for i in range(1, choices * len(prompts))]
         with self.queue_lock:
-            self.queue.extend(items)
+            bound = self.limits.max_queued
+            full = bool(bound and self.queue and len(self.queue) + len(items) > bound)
+            if not full:
+                self.queue.extend(items)
+        if full:
+            self.metrics.requests.labels("overloaded").inc()
+            return error_response(f"overloaded: {len(self.queue)} rows wait for this replica's batch "
+                                  f"(spec.serving.maxQueued {self.limits.max_queued}); retry after "
+                                  f"{RETRY_AFTER_SECONDS} s", 429, "rate_limit_exceeded",
+                                  headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         self.wake.set()
         # rows, not requests: the autoscaler divides it by maxBatch rows, and a request of `n`
         # choices of several prompts fills as many rows (it read a full replica as nearly idle)
