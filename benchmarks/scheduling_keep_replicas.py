@@ -13,15 +13,44 @@ allocator's placement (docs/scheduling.md, caveats, "Resizes that keep their rep
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections import Counter
+from collections.abc import Iterator
 
 from rich.progress import track
 from study_common import POLLUXES, TRACE, arguments, case, write
 
+from huorn.scheduler import allocator
 from huorn.sim import engine, policies, run
 
 KEEPING = "huorn+keep-replicas"
+
+
+@contextlib.contextmanager
+def counting_resizes(configs: dict[allocator.AllocatorConfig, str]) -> Iterator[dict[str, Counter]]:
+    """Count the grows (and the nodes each grown gang spans) and shrinks each allocator decides,
+    by wrapping `Allocator.allocate`: why keeping replicas costs what it does. What the allocator
+    decides is unchanged, only counted."""
+    counts: dict[str, Counter] = {name: Counter() for name in configs.values()}
+    original = allocator.Allocator.allocate
+
+    def allocate(self: allocator.Allocator, *args: object, **kwargs: object) -> list[allocator.Decision]:
+        decisions = original(self, *args, **kwargs)  # type: ignore[arg-type]
+        name = configs.get(self.config)
+        for d in decisions if name is not None else []:
+            if d.action in ("grow", "shrink"):
+                counts[name][d.action + "s"] += 1
+            if d.action == "grow":
+                counts[name]["grown_spans"] += len(set(d.assignments))
+        return decisions
+
+    allocator.Allocator.allocate = allocate  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        allocator.Allocator.allocate = original  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -31,14 +60,19 @@ def main() -> None:
         huorn, name=KEEPING, allocator=dataclasses.replace(huorn.allocator, keep_replicas=True))
     rows = []
     for gpus, seed, load in track([case(c) for c in args.cases.split(",")], description="cases"):
-        results, _ = run.run_policies(*TRACE, [*POLLUXES, "huorn", KEEPING],
-                                      engine.SimConfig(gpus=gpus, seed=seed, load=load))
+        configs = {policies.POLICIES[k].allocator: k for k in ("huorn", KEEPING)}
+        with counting_resizes(configs) as counts:
+            results, _ = run.run_policies(*TRACE, [*POLLUXES, "huorn", KEEPING],
+                                          engine.SimConfig(gpus=gpus, seed=seed, load=load))
         best = min(results[p]["jct_mean_s"] for p in POLLUXES)
         row = {
             "gpus": gpus, "seed": seed, "load": load, "best_pollux_jct_mean_s": best,
             "policies": {k: {"jct_mean_s": results[k]["jct_mean_s"], "restarts": results[k]["restarts"],
                              "preemptions": results[k]["preemptions"],
-                             "jct_reduction_vs_best_pollux": 1 - results[k]["jct_mean_s"] / best}
+                             "jct_reduction_vs_best_pollux": 1 - results[k]["jct_mean_s"] / best,
+                             "grows": counts[k]["grows"], "shrinks": counts[k]["shrinks"],
+                             "mean_nodes_of_a_grown_gang": counts[k]["grown_spans"]
+                             / max(1, counts[k]["grows"])}
                          for k in ("huorn", KEEPING)},
             "keep_replicas_jct_cost": results[KEEPING]["jct_mean_s"] / results["huorn"]["jct_mean_s"] - 1,
         }
