@@ -477,7 +477,8 @@ def test_leaving_scale_to_zero_removes_the_activator_and_its_replicas_service(
     kube: builders.Kube, operator: operator_mod.OperatorThread
 ) -> None:
     """minReplicas 0 → 1: the activator and `<job>-replicas`, which only it used, go (the latter
-    was left behind before, until the job was deleted)."""
+    was left behind before, until the job was deleted), but only once the new replica is ready:
+    they went at the edit, and nothing answered while the replica loaded its model."""
     kube.create_job(NS, serving.make_inference_job("chat", "serve", min_replicas=0), plural=IJ)
 
     def services() -> set[str]:
@@ -487,6 +488,12 @@ def test_leaving_scale_to_zero_removes_the_activator_and_its_replicas_service(
              what="the activator and its Service")
     kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
                                                {"spec": {"autoscaling": {"minReplicas": 1}}})
+    wait_for(lambda: "server-0" in servers(kube, "chat"), what="the replica placed")
+    wait_for(lambda: status(kube, "chat").get("observedGeneration") == 2, what="the edit reconciled")
+    # loading: the activator holds what comes, and the job's Service stays on it
+    assert fronts(kube, "chat") and routed_to(kube, "chat") == "activator"
+    assert "chat-replicas" in services()
+    run_pod(kube, servers(kube, "chat")["server-0"])
     wait_for(lambda: "chat-replicas" not in services(), what="`chat-replicas` deleted")
     wait_for(lambda: not [p for p in kube.pods(NS, "chat", "activator") if not p.metadata.deletion_timestamp],
              what="the activator gone")

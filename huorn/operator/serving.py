@@ -200,16 +200,23 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     gpus = job.spec.resources.gpus
     to_zero = job.spec.autoscaling.min_replicas == 0
     by_prefix = job.spec.routing.policy == "prefix"
-    front_wanted = to_zero or by_prefix  # the front pods: they hold requests, or route them
+    serving_ready = sum(1 for i in server.instances if (p := pod_of(i)) is not None and is_ready(p))
+    # Leaving scale to zero (minReplicas raised from 0) with no replica ready yet: the activators
+    # stay, and the Service on them, until one is. Before, they went at the edit and the Service
+    # turned to replicas still loading: nothing answered for a whole model load, and what the
+    # activators held was refused as they stopped.
+    bridging = not to_zero and not by_prefix and serving_ready == 0 and any(
+        p.name.startswith(manifests.activator_pod_name(ref)) and p.holds_resources and not p.deleting
+        for p in pods.values())
+    front_wanted = to_zero or by_prefix or bridging  # the front pods: they hold requests, or route them
     fronts = [pods.get(manifests.activator_pod_name(ref, i))
               for i in range(job.spec.routing.front_replicas if front_wanted else 0)]
     # the Service points at the routers once one that runs today's settings is ready; else at
     # the activators whenever no replica that stays is ready
-    serving_ready = sum(1 for i in server.instances if (p := pod_of(i)) is not None and is_ready(p))
     if by_prefix and any(f is not None and front_is_current(f, spec) and is_ready(f) for f in fronts):
         routing = ROUTER
     else:
-        routing = ACTIVATOR if to_zero and serving_ready == 0 else REPLICAS
+        routing = ACTIVATOR if (to_zero or bridging) and serving_ready == 0 else REPLICAS
     writes: list[dict[str, Any]] = []
     if missing or old.get("observedGeneration") != meta.get("generation") \
             or old.get("routing", REPLICAS) != routing:
