@@ -264,6 +264,24 @@ def test_a_one_replica_job_keeps_serving_through_a_rolling_update(
     wait_for(lambda: "server-0-g2" in servers(kube, "chat"), what="its successor placed on its GPUs")
 
 
+def test_a_replica_that_never_starts_is_replaced(cluster: EmulatedCluster, kube: builders.Kube) -> None:
+    """A replica pod Pending for good (its image not pulled) held its GPUs and the job's capacity
+    while serving no one, and was never placed again; past --pod-start-seconds it is replaced
+    like a failed one, naming why."""
+    settings = dataclasses.replace(operator_mod.FAST, trainer_start_seconds=3.0)
+    with operator_mod.OperatorThread(cluster.api_client(), settings):
+        kube.create_job(NS, serving.make_inference_job("chat", "serve"), plural=IJ)
+        (pod,) = wait_for(lambda: list(servers(kube, "chat").values()), what="the replica")
+        waiting = {"phase": "Pending", "containerStatuses": [
+            {"name": "server", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
+             "state": {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}}]}
+        kube.core.patch_namespaced_pod_status(pod.metadata.name, NS, {"status": waiting})
+        wait_for(lambda: sorted(servers(kube, "chat")) == ["server-0-g1"], what="the replica replaced")
+        (replaced,) = [d for d in status(kube, "chat")["decisions"] if d["action"] == "replace"]
+        why = "replica pod chat-server-0 did not start within 3 s (ImagePullBackOff"
+        assert replaced["reason"].startswith(why)
+
+
 def test_replicas_that_serve_no_one_are_rolled_without_waiting_for_the_others(
     kube: builders.Kube, operator: operator_mod.OperatorThread
 ) -> None:

@@ -13,9 +13,9 @@ replicas it has, and a restarted operator carries on from status.
   (`status.desiredReplicas × resources.gpus`, index.ClusterIndex.demand_of), so the cluster's
   next tick reclaims lent GPUs for it (huorn.operator.loans), and the borrower's pods going away
   wake this job at once.
-- **Lost pods.** A replica pod that ended (evicted, its node gone) is replaced with a new
-  generation; a crashed server inside a live pod is the kubelet's to restart (restartPolicy
-  Always), as in a Deployment.
+- **Lost pods.** A replica pod that ended (evicted, its node gone), or is still Pending
+  `--pod-start-seconds` after its creation, is replaced with a new generation; a crashed server
+  inside a live pod is the kubelet's to restart (restartPolicy Always), as in a Deployment.
 - **Rolling update.** A spec change that a running replica cannot pick up (model, quantisation,
   image, resources, env: manifests.serve_template_hash) replaces the replicas one at a time, each
   only while every other replica is ready, and the one replaced serves until its successor is
@@ -174,6 +174,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     def pod_of(instance: Instance) -> index.PodRecord | None:
         return pods.get(manifests.pod_name(ref, instance))
 
+    now, start_seconds = time.time(), ctx.settings.trainer_start_seconds
     for instance in list(server.instances):
         pod = pod_of(instance)
         if pod is not None and not pod.deleting and not pod.holds_resources:
@@ -181,6 +182,12 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             why = pod.ended or code
             mutate.replace_instance(graph, instance.name, failure=True,
                                     reason=f"replica pod {pod.name} {pod.phase} ({why}): replaced")
+        elif pod is not None and not pod.deleting and pod.never_started(now, start_seconds):
+            # Pending for good (its image not pulled, its node gone before it started): it held
+            # its GPUs and the job's capacity while serving no one, and was never placed again.
+            mutate.replace_instance(graph, instance.name, failure=True, reason=(
+                f"replica pod {pod.name} did not start within {start_seconds:.0f} s "
+                f"({pod.not_started_reason()}; --pod-start-seconds): replaced"))
     _roll_one(graph, ref, pods, templates)
     if graph.version != version:
         # Write-ahead: the mutation is in status before any pod is created or deleted for it.
