@@ -5,6 +5,7 @@ job the API accepted waited for GPUs that were never there until its start timeo
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -128,3 +129,25 @@ def test_a_head_pods_controller_waits_for_its_worker_pods_gpus(monkeypatch: pyte
     assert wait({"HUORN_RL_WAIT_GPUS": "4", "HUORN_CONTROLLER_ATTEMPT": "1"}) == 4
     assert wait({"HUORN_RL_WAIT_GPUS": "4", "HUORN_CONTROLLER_ATTEMPT": "2"}) == 0  # a retry
     assert wait({"HUORN_RL_WAIT_GPUS": "four"}) == 0
+
+
+def test_a_role_given_gpus_whose_torch_has_no_cuda_fails_at_its_start_naming_the_fix() -> None:
+    """The model roles were told the config's device ("auto" in a pod), and an actor whose torch
+    was a CPU-only build trained on the CPU unnoticed while Ray held its GPUs for it."""
+    from kube import builders
+
+    from huorn.backends.kubernetes import manifests, rl_manifests
+    from huorn.runtime.rl import workers
+
+    ref = manifests.JobRef("RLJob", "rl", "t", "uid")
+    with_gpus = builders.make_rl_job("rl", "train")["spec"]
+    assert rl_manifests.build_rl_config(ref, with_gpus)["device"] == "cuda"
+    cpu_only = {**with_gpus, "gpus": 0, "resources": {"gpus": 0},
+                "roles": {"actorTrain": {"replicas": 1, "gpusPerReplica": 0},
+                          "rollout": {"replicas": 1, "gpusPerReplica": 0}}}
+    assert "device" not in rl_manifests.build_rl_config(ref, cpu_only)  # "auto": the CPU
+    if torch.cuda.is_available():
+        pytest.skip("this machine's torch has CUDA: the failure cannot happen here")
+    with pytest.raises(ValueError, match=r"given GPUs, but its torch has no CUDA.*-cu126"):
+        workers._device("cuda")
+    assert workers._device("cpu") == torch.device("cpu")

@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from huorn.api import rl
 from huorn.backends.kubernetes import manifests
 from huorn.graph.model import Instance
 from huorn.runtime import launcher
@@ -89,9 +90,15 @@ def whole_cpus(quantity: object) -> int:
 
 def build_rl_config(job: manifests.JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
     """The controller's run config; it serves its progress where the operator polls it."""
-    return {"jobName": job.name, "spec": dict(spec), "runDir": manifests.RUN_DIR,
-            "startTimeoutS": START_TIMEOUT_SECONDS,
-            "progressHost": "0.0.0.0", "progressPort": manifests.TELEMETRY_PORT}
+    config = {"jobName": job.name, "spec": dict(spec), "runDir": manifests.RUN_DIR,
+              "startTimeoutS": START_TIMEOUT_SECONDS,
+              "progressHost": "0.0.0.0", "progressPort": manifests.TELEMETRY_PORT}
+    # As a trainer's (manifests.build_run_config): a job with GPUs runs its model roles on them,
+    # or they refuse to start (huorn.runtime.rl.workers._device); "auto" fell back to the CPU,
+    # unnoticed, in an image whose torch is a CPU-only build, while Ray held the GPUs for them.
+    if rl.ray_layout(rl.RLJobSpec.model_validate(spec)).gpus > 0:
+        config["device"] = "cuda"
+    return config
 
 
 def build_rl_config_map(job: manifests.JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:

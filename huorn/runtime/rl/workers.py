@@ -35,6 +35,13 @@ _GROUP_TIMEOUT = datetime.timedelta(seconds=300)  # a member that never joins or
 
 
 def _device(wanted: str) -> torch.device:
+    if wanted == "cuda" and not torch.cuda.is_available():
+        # Before the model is built: a role Ray gave GPUs to, whose torch is a CPU-only build,
+        # trained on the CPU unnoticed while holding them (the controller asks for "cuda" for
+        # every role it gives GPUs, whatever the config's device says).
+        raise ValueError("device cuda: this RL role was given GPUs, but its torch has no CUDA (a "
+                         "CPU-only build, or no GPU visible); run a CUDA build of the image (the "
+                         "chart's default job image, <tag>-cu126)")
     if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")
     return torch.device("cpu")
