@@ -499,6 +499,7 @@ _SERVING = inference.ServingLimits.model_fields
 # (each with every default it has had: prefillChunkTokens was 2048 until 2026-12-05, and a spec
 # stored then carries it)
 ADDED_SERVING_FIELDS: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("maxQueued", (_SERVING["max_queued"].default,)),
     ("prefillDelayFactor", (_SERVING["prefill_delay_factor"].default,)),
     ("cudaGraphs", (_SERVING["cuda_graphs"].default,)),
     ("prefillChunkTokens", (_SERVING["prefill_chunk_tokens"].default, 2048)),
