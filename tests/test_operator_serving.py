@@ -253,15 +253,22 @@ def test_a_one_replica_job_keeps_serving_through_a_rolling_update(
     kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat", update)
     wait_for(lambda: "server-0-g1" in servers(kube, "chat"), what="the successor placed")
     assert "server-0" in servers(kube, "chat")  # the old replica still serves
-    run_pod(kube, servers(kube, "chat")["server-0-g1"])
-    wait_for(lambda: sorted(servers(kube, "chat")) == ["server-0-g1"], what="the old replica gone once")
+    wait_for(lambda: status(kube, "chat").get("readyReplicas") == 1, what="counted as serving")
+    # A second edit while the successor loads replaces it at once (it serves no one): the old
+    # replica waits for the end of the line, not for the successor it was first given.
+    update = {"spec": {"model": {"checkpoint": "/checkpoints/v2b"}}}
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat", update)
+    wait_for(lambda: "server-0-g2" in servers(kube, "chat"), what="the successor's successor placed")
+    assert "server-0" in servers(kube, "chat") and "server-0-g1" not in servers(kube, "chat")
+    run_pod(kube, servers(kube, "chat")["server-0-g2"])
+    wait_for(lambda: sorted(servers(kube, "chat")) == ["server-0-g2"], what="the old replica gone once")
     # No room for a successor beside it (8 GPUs, 4 each, and a filler of 4): the old one goes first.
     kube.create_job(NS, serving.make_inference_job("fill", "serve", gpus=4), plural=IJ)
     wait_for(lambda: len(servers(kube, "fill")) == 1, what="the filler placed")
     update = {"spec": {"model": {"checkpoint": "/checkpoints/v3"}}}
     kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat", update)
-    wait_for(lambda: "server-0-g1" not in servers(kube, "chat"), what="the old replica deleted")
-    wait_for(lambda: "server-0-g2" in servers(kube, "chat"), what="its successor placed on its GPUs")
+    wait_for(lambda: "server-0-g2" not in servers(kube, "chat"), what="the old replica deleted")
+    wait_for(lambda: "server-0-g3" in servers(kube, "chat"), what="its successor placed on its GPUs")
 
 
 def test_a_replica_that_never_starts_is_replaced(cluster: EmulatedCluster, kube: builders.Kube) -> None:

@@ -207,14 +207,19 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     gpus = job.spec.resources.gpus
     to_zero = job.spec.autoscaling.min_replicas == 0
     by_prefix = job.spec.routing.policy == "prefix"
+    # the replicas a rolling update is replacing serve until their successors are ready
+    coming = creating | {manifests.pod_name(ref, i) for i in missing}
     serving_ready = sum(1 for i in server.instances if (p := pod_of(i)) is not None and is_ready(p))
+    serving_ready += len(surging(graph, ref, pods.values(), coming))
     # Leaving scale to zero (minReplicas raised from 0) with no replica ready yet: the activators
     # stay, and the Service on them, until one is. Before, they went at the edit and the Service
     # turned to replicas still loading: nothing answered for a whole model load, and what the
     # activators held was refused as they stopped.
-    bridging = not to_zero and not by_prefix and serving_ready == 0 and any(
-        p.name.startswith(manifests.activator_pod_name(ref)) and p.holds_resources and not p.deleting
-        for p in pods.values())
+    # (only out of scale to zero: the job's Service was on the activators, which forward through
+    # `<job>-replicas`; a router left by a switch from prefix routing has no such Service)
+    bridging = (not to_zero and not by_prefix and serving_ready == 0 and old.get("routing") == ACTIVATOR
+                and any(p.name.startswith(manifests.activator_pod_name(ref)) and p.holds_resources
+                        and not p.deleting for p in pods.values()))
     front_wanted = to_zero or by_prefix or bridging  # the front pods: they hold requests, or route them
     fronts = [pods.get(manifests.activator_pod_name(ref, i))
               for i in range(job.spec.routing.front_replicas if front_wanted else 0)]
@@ -256,7 +261,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         ctx.index.release(r for r in (index.build_pod_record(p) for p in pods_new) if r is not None)
         raise
     wanted = {manifests.pod_name(ref, i) for i in server.instances}
-    wanted |= surging(graph, ref, pods.values(), creating | {p["metadata"]["name"] for p in pods_new})
+    surge = surging(graph, ref, pods.values(), creating | {p["metadata"]["name"] for p in pods_new})
+    wanted |= surge
     wanted |= {manifests.activator_pod_name(ref, i) for i in range(len(fronts))}
     if fronts and not any(f is not None and is_ready(f) for f in fronts):
         # frontReplicas lowered while none of the pods it keeps is ready: the ones beyond it
@@ -271,7 +277,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     else:
         ctx.serving_waiting.pop((ns, name), None)
     live = [pod_of(i) for i in server.instances]
-    ready = sum(1 for p in live if p is not None and is_ready(p))
+    ready = sum(1 for p in live if p is not None and is_ready(p)) + len(surge)
     running = sum(1 for p in live if p is not None and p.holds_resources) + placed
     activator_ready = any(f is not None and is_ready(f) for f in fronts)
     if unplaced:
@@ -326,23 +332,37 @@ def surging(graph: Graph, ref: manifests.JobRef, pods: Iterable[index.PodRecord]
     are GPUs for it. Before, the replaced pod was deleted as its successor was created, and a
     one-replica job served no one for a model load at every update.
 
-    Only while the successor is placed (`placed`: pod names created, or being created) and not
-    ready yet, and the old pod still serves: a successor that finds no GPUs does not hold its
-    predecessor, whose GPUs it then waits for (the update goes on, one replica down, as before).
-    A successor replaced in turn (it failed) or scaled away no longer holds it either."""
+    Only while the successor (the last of its line, if it was replaced in turn) is placed
+    (`placed`: pod names created, or being created) and not ready yet, and the old pod still
+    serves: a successor that finds no GPUs does not hold its predecessor, whose GPUs it then
+    waits for (the update goes on, one replica down, as before), nor does one scaled away."""
     live = {i.name: i for i in graph.vertex(SERVER).instances}
-    by_instance = {p.instance: p for p in pods if p.vertex == SERVER and not p.deleting}
+    pods = [p for p in pods if p.vertex == SERVER]
+    by_instance = {p.instance: p for p in pods if not p.deleting}
+    holding = {p.instance for p in pods if p.holds_resources}  # terminating ones too
+    # every replacement, a rolling one or of a successor that failed or never started: the old
+    # replica waits for the end of its chain, not only for its first successor (that one's
+    # failure, or a second edit replacing it while it loaded, deleted the last serving pod)
+    successor_of = {str(m.detail["old"]): str(m.detail["new"]) for m in graph.log
+                    if m.action == "replace" and m.target == SERVER and "old" in m.detail}
     keep: set[str] = set()
     for m in graph.log:
         rolled = m.action == "replace" and m.target == SERVER and m.detail.get("drain")
         if not rolled or m.detail.get("failure"):
             continue  # not a rolling update's replacement
-        old, new = by_instance.get(str(m.detail["old"])), live.get(str(m.detail["new"]))
+        old, name = by_instance.get(str(m.detail["old"])), str(m.detail["new"])
+        seen = {name}
+        while name not in live and successor_of.get(name) not in (None, *seen):
+            name = successor_of[name]
+            seen.add(name)
+        new = live.get(name)
         if old is None or not is_ready(old) or new is None:
             continue
         successor = by_instance.get(new.name)
         if successor is None:
-            waiting = manifests.pod_name(ref, new) in placed
+            # not placed: for want of GPUs, unless a successor it replaced still holds some
+            # (the one a second edit replaced as it loaded), which it takes once that one is gone
+            waiting = manifests.pod_name(ref, new) in placed or bool(holding & (seen - {name}))
         else:
             waiting = successor.holds_resources and not is_ready(successor)
         if waiting:
