@@ -186,3 +186,19 @@ def test_a_move_onto_gpus_that_are_not_free_now_is_left_a_plain_resize() -> None
     assert not allocation._movable(ctx.index.build_snapshot(), view, move, pods)  # a1 half taken
     beside = allocator.Decision("t/mover", "grow", 2, 1, assignments=["a0", "a1"])
     assert allocation._movable(ctx.index.build_snapshot(), view, beside, pods)  # nothing leaves
+
+
+def test_a_move_whose_nodes_the_status_log_would_drop_is_left_a_plain_resize() -> None:
+    """Past 512 characters of node names the log keeps the replicas a move removes but not where
+    the new ones go: the gang would restart to land wherever it fits."""
+    ctx = build_ctx(gpus=1)
+    names = [f"gke-prod-a100-pool-7f3c9e2a-{i:04d}" for i in range(16)]
+    for name in names:
+        ctx.index.nodes[name] = index.NodeRecord(name, 1, {"pool": "a"})
+    run_pods(ctx, "mover", 1)  # on a0
+    view = allocator.JobView("mover", "train", max_replicas=16, replicas=1)
+    pods = ctx.index.pods_of("t", "mover")
+    few = allocator.Decision("t/mover", "grow", 4, 1, assignments=names[:4])
+    many = allocator.Decision("t/mover", "grow", 16, 1, assignments=names)
+    assert allocation._movable(ctx.index.build_snapshot(), view, few, pods)
+    assert not allocation._movable(ctx.index.build_snapshot(), view, many, pods)

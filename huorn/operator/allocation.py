@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
-from huorn.graph import model, mutate
+from huorn.graph import model, mutate, serialise
 from huorn.operator import index
 from huorn.operator.context import Context
 from huorn.scheduler import allocator, placement, snapshot
@@ -219,6 +219,8 @@ def _movable(snap: snapshot.ClusterSnapshot, job: allocator.JobView, decision: a
     leaving, new_nodes = placement.match_replicas(running, decision.assignments)
     if not leaving or not new_nodes:
         return True  # it only grows beside its replicas, or only shrinks
+    if len(mutate.encode_nodes(new_nodes)) > serialise.LONG_SCALARS["nodes"]:
+        return False  # the status log would drop where the new ones go: a restart for no packing
     where = snap.place_at(job.virtual_cluster, new_nodes, job.gpus_per_replica)
     return isinstance(where, placement.Placement)
 
