@@ -254,6 +254,13 @@ def test_a_one_replica_job_keeps_serving_through_a_rolling_update(
     wait_for(lambda: "server-0-g1" in servers(kube, "chat"), what="the successor placed")
     assert "server-0" in servers(kube, "chat")  # the old replica still serves
     wait_for(lambda: status(kube, "chat").get("readyReplicas") == 1, what="counted as serving")
+    def reconciling() -> dict:
+        return kube.condition(NS, "chat", "Reconciling", IJ)
+
+    rolling = wait_for(lambda: reconciling().get("reason") == "RollingUpdate" and reconciling(),
+                       what="the rollout in the conditions")
+    assert rolling["status"] == "True" and "1 of an older spec" in rolling["message"]
+    assert kube.condition(NS, "chat", "Ready", IJ).get("status") == "True"  # it answers meanwhile
     # A second edit while the successor loads replaces it at once (it serves no one): the old
     # replica waits for the end of the line, not for the successor it was first given.
     update = {"spec": {"model": {"checkpoint": "/checkpoints/v2b"}}}

@@ -137,7 +137,7 @@ def test_a_role_given_gpus_whose_torch_has_no_cuda_fails_at_its_start_naming_the
     from kube import builders
 
     from huorn.backends.kubernetes import manifests, rl_manifests
-    from huorn.runtime.rl import workers
+    from huorn.runtime.rl import controller, workers
 
     ref = manifests.JobRef("RLJob", "rl", "t", "uid")
     with_gpus = builders.make_rl_job("rl", "train")["spec"]
@@ -146,6 +146,10 @@ def test_a_role_given_gpus_whose_torch_has_no_cuda_fails_at_its_start_naming_the
                 "roles": {"actorTrain": {"replicas": 1, "gpusPerReplica": 0},
                           "rollout": {"replicas": 1, "gpusPerReplica": 0}}}
     assert "device" not in rl_manifests.build_rl_config(ref, cpu_only)  # "auto": the CPU
+    # within a GPU job, a role of no GPUs runs on the CPU (Ray shows its actor none)
+    requests = {"actorTrain": 1.0, "rollout": 0.0}
+    assert controller.role_device("cuda", requests, "actorTrain") == "cuda"
+    assert controller.role_device("cuda", requests, "rollout") == "cpu"
     if torch.cuda.is_available():
         pytest.skip("this machine's torch has CUDA: the failure cannot happen here")
     with pytest.raises(ValueError, match=r"given GPUs, but its torch has no CUDA.*-cu126"):

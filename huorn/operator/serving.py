@@ -291,6 +291,12 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         reason, message = "ActivatorStarting", "scaled to zero; the activator is not ready yet"
     elif server.replicas == 0:
         reason, message = "ScaledToZero", "scaled to zero: the activator holds requests and wakes a replica"
+    elif surge:
+        # serving, but not on the spec asked for: Ready (it answers), and Reconciling names who
+        # it waits for, as a Deployment's Available and Progressing tell a rollout apart
+        reason, message = "RollingUpdate", (
+            f"{ready} replica(s) serving; {len(surge)} of an older spec serve until their successors "
+            "are ready")
     else:
         reason, message = "AllReplicasReady", f"{ready} replica(s) serving"
     serving_now = ready > 0 or (server.replicas == 0 and activator_ready)
@@ -307,7 +313,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         "conditions": conditions.build_conditions(
             old.get("conditions"), meta.get("generation"),
             ready=(ready >= server.replicas and serving_now, reason, message),
-            reconciling=(True, reason, message) if ready < server.replicas or not serving_now else None,
+            reconciling=(True, reason, message) if ready < server.replicas or not serving_now or surge
+            else None,
         ),
     }
     if front_wanted or "routing" in old:
@@ -339,7 +346,10 @@ def surging(graph: Graph, ref: manifests.JobRef, pods: Iterable[index.PodRecord]
     live = {i.name: i for i in graph.vertex(SERVER).instances}
     pods = [p for p in pods if p.vertex == SERVER]
     by_instance = {p.instance: p for p in pods if not p.deleting}
-    holding = {p.instance for p in pods if p.holds_resources}  # terminating ones too
+    now = time.time()
+    # terminating ones too, but not one past its grace (its node stopped answering: it may never
+    # go, and waiting for its GPUs would stall the update for good)
+    holding = {p.instance for p in pods if p.holds_resources and not p.past_grace(now)}
     # every replacement, a rolling one or of a successor that failed or never started: the old
     # replica waits for the end of its chain, not only for its first successor (that one's
     # failure, or a second edit replacing it while it loaded, deleted the last serving pod)

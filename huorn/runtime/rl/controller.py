@@ -201,6 +201,13 @@ def cpu_shares(nodes: Sequence[Mapping[str, Any]], counts: Mapping[str, int],
     return share, (min(share, gpu_cpus / heavy) if gpu_cpus > 0 else share)
 
 
+def role_device(device: str, requests: dict[str, float], role: str) -> str:
+    """The run config's device for a model role Ray gives GPUs, the CPU for one it gives none: a
+    job's `cuda` (a pod of a GPU job) made a role of `gpusPerReplica: 0` refuse to start, its
+    actor seeing no GPU."""
+    return device if requests.get(role, 0) > 0 else "cpu"
+
+
 def gpu_requests(roles: rl.Roles, reference: bool) -> dict[str, float]:
     """Ray's `num_gpus` for one actor of each model role ("actorTrain", "rollout", "reference").
 
@@ -311,14 +318,17 @@ class Controller:
             # (TrainerGroup.resume) or as a joiner, so its node needs no copy and loads nothing.
             first = next(made) == 0
             return actor(workers.PolicyTrainer, "actorTrain").remote(
-                wire, init if first else None, str(cfg.checkpoint_root), cfg.device)
+                wire, init if first else None, str(cfg.checkpoint_root),
+                role_device(cfg.device, requests, "actorTrain"))
 
         self.trainers = pools.TrainerGroup("actorTrain", new_trainer, counts["actorTrain"])
         self.rollouts = pools.ActorPool(
-            "rollout", lambda: actor(workers.RolloutWorker, "rollout").remote(wire, cfg.device),
+            "rollout", lambda: actor(workers.RolloutWorker, "rollout").remote(
+                wire, role_device(cfg.device, requests, "rollout")),
             counts["rollout"])
         self.references = pools.ActorPool(
-            "reference", lambda: actor(workers.ReferenceWorker, "reference").remote(wire, init, cfg.device),
+            "reference", lambda: actor(workers.ReferenceWorker, "reference").remote(
+                wire, init, role_device(cfg.device, requests, "reference")),
             counts["reference"])
         self.rewards = pools.ActorPool(
             "reward", lambda: ray.remote(rewarding.RewardWorker).options(num_cpus=0.25 * share).remote(wire),

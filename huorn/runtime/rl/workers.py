@@ -37,8 +37,8 @@ _GROUP_TIMEOUT = datetime.timedelta(seconds=300)  # a member that never joins or
 def _device(wanted: str) -> torch.device:
     if wanted == "cuda" and not torch.cuda.is_available():
         # Before the model is built: a role Ray gave GPUs to, whose torch is a CPU-only build,
-        # trained on the CPU unnoticed while holding them (the controller asks for "cuda" for
-        # every role it gives GPUs, whatever the config's device says).
+        # trained on the CPU unnoticed while holding them (a GPU job's config asks for "cuda",
+        # which the controller passes to the roles it gives GPUs: controller.role_device).
         raise ValueError("device cuda: this RL role was given GPUs, but its torch has no CUDA (a "
                          "CPU-only build, or no GPU visible); run a CUDA build of the image (the "
                          "chart's default job image, <tag>-cu126)")
