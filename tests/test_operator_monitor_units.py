@@ -102,6 +102,11 @@ def test_demand_counts_only_the_lenders_inference_jobs() -> None:
     for n, job in enumerate(jobs):
         cluster_index.observe_inference_job({"metadata": {"namespace": "team", "name": f"j{n}"}, **job})
     assert cluster_index.demand_of("serve") == 7
+    # a replica a rolling update keeps beside its successor holds its GPUs: it is demand too
+    rolling = {"spec": {"virtualCluster": "serve", "resources": {"gpus": 2}},
+               "status": {"desiredReplicas": 1, "surgingReplicas": 1}}
+    cluster_index.observe_inference_job({"metadata": {"namespace": "team", "name": "rolling"}, **rolling})
+    assert cluster_index.demand_of("serve") == 7 + 4
 
 
 def test_a_planned_preemption_becomes_a_shrink_only_when_a_shrink_covers_the_need() -> None:

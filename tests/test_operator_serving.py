@@ -261,6 +261,7 @@ def test_a_one_replica_job_keeps_serving_through_a_rolling_update(
                        what="the rollout in the conditions")
     assert rolling["status"] == "True" and "1 of an older spec" in rolling["message"]
     assert kube.condition(NS, "chat", "Ready", IJ).get("status") == "True"  # it answers meanwhile
+    assert status(kube, "chat")["surgingReplicas"] == 1  # its GPUs in the cluster's demand
     # A second edit while the successor loads replaces it at once (it serves no one): the old
     # replica waits for the end of the line, not for the successor it was first given.
     update = {"spec": {"model": {"checkpoint": "/checkpoints/v2b"}}}
@@ -269,6 +270,7 @@ def test_a_one_replica_job_keeps_serving_through_a_rolling_update(
     assert "server-0" in servers(kube, "chat") and "server-0-g1" not in servers(kube, "chat")
     run_pod(kube, servers(kube, "chat")["server-0-g2"])
     wait_for(lambda: sorted(servers(kube, "chat")) == ["server-0-g2"], what="the old replica gone once")
+    wait_for(lambda: status(kube, "chat").get("surgingReplicas") == 0, what="its GPUs out of the demand")
     # No room for a successor beside it (8 GPUs, 4 each, and a filler of 4): the old one goes first.
     kube.create_job(NS, serving.make_inference_job("fill", "serve", gpus=4), plural=IJ)
     wait_for(lambda: len(servers(kube, "fill")) == 1, what="the filler placed")

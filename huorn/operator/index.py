@@ -221,6 +221,9 @@ class ClusterIndex:
             desired = (body.get("status") or {}).get("desiredReplicas")
             floor = max(1, int((spec.get("autoscaling") or {}).get("minReplicas", 1)))
             replicas = int(desired) if desired is not None else floor
+            # and those a rolling update keeps serving beside their successors (serving.surging):
+            # their GPUs are held, and another job's waiting replica must still be reclaimed for
+            replicas += int((body.get("status") or {}).get("surgingReplicas") or 0)
             gpus = int((spec.get("resources") or {}).get("gpus", 1))
         except (TypeError, ValueError):
             self.inference_demand.pop(key, None)  # invalid: its reconcile reports it, it holds nothing

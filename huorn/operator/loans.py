@@ -1,7 +1,8 @@
 """Getting lent GPUs back: an inference VirtualCluster's demand shrinks the training jobs on its nodes.
 
 Demand is what the lender's InferenceJobs need now: their autoscalers' replica counts
-(`status.desiredReplicas × resources.gpus`, `minReplicas` before the first count), or the
+(`status.desiredReplicas × resources.gpus`, `minReplicas` before the first count, plus the
+replicas a rolling update keeps serving beside their successors, `status.surgingReplicas`), or the
 prediction board's forecast where that is more. Whatever the lender's own workloads cannot get from its free
 GPUs is reclaimed from borrowers, up to what it has out on loan. The victims are chosen by
 `huorn.scheduler.loaning.plan_reclaim` (least lost work, FaPES); the operator only applies them.

@@ -317,6 +317,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             else None,
         ),
     }
+    if surge or old.get("surgingReplicas"):
+        status["surgingReplicas"] = len(surge)  # in the cluster's demand (index.observe_inference_job)
     if front_wanted or "routing" in old:
         status["routing"] = routing
     if services or "frontServices" in old or "routing" in old:
