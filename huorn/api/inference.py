@@ -28,8 +28,8 @@ class ServingLimits(ApiModel):
                     "replica. A request that would queue past it is answered 429 with Retry-After (as "
                     "TGI's max_concurrent_requests does), and OpenAI's SDKs retry it after that: under "
                     "overload, clients back off instead of timing out in a queue that only grows, "
-                    "and retry on a replica that is not full. A request finding the queue empty is "
-                    "always taken. 0: no bound.")
+                    "and a retry through the Service may reach a replica that is not full. A request "
+                    "finding the queue empty is always taken. 0: no bound.")
     prefix_cache_tokens: int = Field(
         default=8192, ge=0, le=1 << 24,
         description="Prompt-prefix tokens whose K/V each replica keeps for reuse (blocks of 16, least "
