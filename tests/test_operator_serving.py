@@ -704,3 +704,28 @@ def test_a_replica_with_gpus_is_told_to_serve_on_them() -> None:
     assert manifests.build_serve_config(ref, with_gpus)["device"] == "cuda"
     cpu_only = serving.make_inference_job("chat", "serve", gpus=0)["spec"]
     assert "device" not in manifests.build_serve_config(ref, cpu_only)
+
+
+def test_one_successor_keeps_one_replica_of_an_older_spec_serving() -> None:
+    """Chain server-0 → g1 → g2, an edit landing in the reconcile that first saw g1 ready, before
+    server-0 was deleted: both server-0 and g1 serve and both were kept for g2 (readyReplicas 2
+    against 1 desired). Only g1, the newest that serves, is kept now."""
+    from huorn.graph import compiler, mutate
+    from huorn.operator import index, validation
+    from huorn.operator import serving as serving_op
+
+    job = validation.load_job(serving.make_inference_job("chat", "serve"))
+    graph = compiler.compile(job)
+    mutate.replace_instance(graph, "server-0", reason="rolling update", drain=True, counted=False)
+    mutate.replace_instance(graph, "server-0-g1", reason="rolling update", drain=True, counted=False)
+    ref = manifests.JobRef("InferenceJob", "chat", NS, "uid")
+
+    def pod(instance: str, ready: bool) -> index.PodRecord:
+        return index.PodRecord(NS, f"chat-{instance}", "chat", "server", instance, "b0", 2, 0, "serve",
+                               phase="Running", conditions=(("Ready", "True" if ready else "False"),))
+
+    pods = [pod("server-0", True), pod("server-0-g1", True), pod("server-0-g2", False)]
+    assert serving_op.surging(graph, ref, pods, set()) == {"chat-server-0-g1"}
+    # g1 not ready yet (still loading when the edit came): server-0 is the one that serves
+    pods[1] = pod("server-0-g1", False)
+    assert serving_op.surging(graph, ref, pods, set()) == {"chat-server-0"}

@@ -370,6 +370,8 @@ def surging(graph: Graph, ref: manifests.JobRef, pods: Iterable[index.PodRecord]
         new = live.get(name)
         if old is None or not is_ready(old) or new is None:
             continue
+        if any((mid := by_instance.get(n)) is not None and is_ready(mid) for n in seen - {name}):
+            continue  # a successor between them serves, and is itself kept for the newest one
         successor = by_instance.get(new.name)
         if successor is None:
             # not placed: for want of GPUs, unless a successor it replaced still holds some
