@@ -205,7 +205,13 @@ class InferenceJobStatus(JobStatus):
     forecast: ReplicaForecastReading | None = Field(
         default=None, description="The prediction board's last reading, with spec.autoscaling.forecast.")
     desired_replicas: int | None = Field(default=None, description="Replicas the autoscaler asks for; "
-                                         "their GPUs are what the virtual cluster keeps unlent.")
+                                         "their GPUs, with surgingReplicas', are what the virtual cluster "
+                                         "keeps unlent.")
+    surging_replicas: int | None = Field(
+        default=None, ge=0,
+        description="Replicas of an older spec a rolling update keeps serving until their successors "
+                    "are ready (make before break); counted in readyReplicas and in the GPUs the "
+                    "virtual cluster keeps unlent.")
     ready_replicas: int | None = None
     front_services: list[Literal["endpoints", "replicas"]] | None = Field(
         default=None, max_length=2,

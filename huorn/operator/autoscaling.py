@@ -126,12 +126,21 @@ async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendat
         return None
     assert isinstance(job, kinds.InferenceJob)
     ref = manifests.JobRef.from_body(body)
-    server = serialise.from_status(status["graph"]).vertex(serving.SERVER)
+    observed = serialise.from_status(status["graph"])
+    server = observed.vertex(serving.SERVER)
     targets = {}
     for instance in server.instances:
         pod = ctx.index.pods.get((namespace, manifests.pod_name(ref, instance)))
         if pod is not None and serving.is_ready(pod) and pod.ip:
             targets[instance.name] = f"http://{pod.ip}:{ctx.settings.serve_port}/metrics"
+    # The replicas a rolling update keeps serving beside their successors take their share of the
+    # traffic: unscraped, that share was missing from the load, and a rollout longer than
+    # scaleDownDelaySeconds scaled the job down under the same traffic.
+    for kept in serving.surging(observed, ref, ctx.index.pods_of(namespace, name),
+                                ctx.index.creating(namespace, name)):
+        pod = ctx.index.pods.get((namespace, kept))
+        if pod is not None and serving.is_ready(pod) and pod.ip:
+            targets[pod.instance] = f"http://{pod.ip}:{ctx.settings.serve_port}/metrics"
     fronts = []  # the activators' /metrics: the requests they hold, summed over the front pods
     for i in range(job.spec.routing.front_replicas if job.spec.autoscaling.min_replicas == 0 else 0):
         front = ctx.index.pods.get((namespace, manifests.activator_pod_name(ref, i)))

@@ -199,7 +199,8 @@ class ClusterIndex:
     vcs: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> spec (wire form)
     pods: dict[tuple[str, str], PodRecord] = field(default_factory=dict)
     reservations: dict[tuple[str, str], PodRecord] = field(default_factory=dict)
-    # InferenceJobs' GPUs (desired replicas × GPUs each), by job: what their cluster keeps unlent
+    # InferenceJobs' GPUs ((desired + surging replicas) × GPUs each), by job: what their cluster
+    # keeps unlent
     inference_demand: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
     # The prediction board's GPUs by inference cluster (huorn.operator.board), where it has one
     forecast_demand: dict[str, int] = field(default_factory=dict)

@@ -10,7 +10,8 @@ replicas it has, and a restarted operator carries on from status.
 - **Placement.** A replica asking for GPUs goes on one node of the job's virtual cluster, the
   fullest one it fits on (best fit keeps whole nodes free for training gangs), pinned there like
   a trainer. A replica that finds no room waits; its GPUs are already in the cluster's demand
-  (`status.desiredReplicas × resources.gpus`, index.ClusterIndex.demand_of), so the cluster's
+  (`status.desiredReplicas × resources.gpus`, with the replicas a rolling update keeps:
+  index.ClusterIndex.demand_of), so the cluster's
   next tick reclaims lent GPUs for it (huorn.operator.loans), and the borrower's pods going away
   wake this job at once.
 - **Lost pods.** A replica pod that ended (evicted, its node gone), or is still Pending

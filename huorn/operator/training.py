@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import datetime
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import pydantic
@@ -325,11 +325,12 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             hints = allocation.placement_hints(graph)
             where = None if ahead is not None else allocation.place_missing(
                 snap, job.spec.virtual_cluster, [i.name for i in missing], gpus, hints)
+            freeing = 0
             if not isinstance(where, placement.Placement):
                 # Replicas a resize in status removed (a move to the allocator's nodes) go now, as a
                 # shrink's do: kept while the new ones wait, they ran outside the graph, unseen by
                 # the monitor, the loans and the preemptions.
-                await _delete_removed(ctx, ref, graph, pods, unwritten=new)
+                freeing = await _delete_removed(ctx, ref, graph, pods, unwritten=new)
             if ahead is not None:
                 ctx.queue.record(in_line)
                 ctx.wake_queued(ahead)
@@ -342,8 +343,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                 assert where is not None
                 ctx.queue.record(in_line)
                 ctx.metrics.decisions.labels(KIND, "unplaceable").inc()
+                # (not for the GPUs of its own pods it just deleted: the mirror still counts them
+                # held, and lower-priority gangs would be stopped for what it is freeing itself)
                 message = (plan_preemption(ctx, queued, len(missing), where.reason)
-                           if below_minimum else where.reason)
+                           if below_minimum and not freeing else where.reason)
                 return await _waiting(ctx, body, base_status, phase, "Unplaceable", message)
             for instance, node in zip(missing, where.assignments, strict=True):
                 assignments[instance.name] = node
@@ -484,9 +487,7 @@ async def _suspend(
         _event(ctx, body, "Normal", "Suspended", suspended.reason)
     # A pod a recorded decision gave up with a grace of its own (a reclaim's) keeps that grace:
     # deleted again with the pod's own before the watch showed it going, it would be cut short.
-    graces = deletion_graces(graph)
-    await asyncio.gather(*(ctx.client.delete("Pod", p.namespace, p.name, grace_seconds=graces.get(p.instance))
-                           for p in pods.values() if p.holds_resources and not p.deleting))
+    await _delete_pods(ctx, graph, [p for p in pods.values() if p.holds_resources])
     stopping = [p for p in pods.values() if p.holds_resources]
     checkpoint = (old.get("lastCheckpoint") or {}).get("step")
     if stopping:
@@ -576,10 +577,7 @@ async def _drain_replaced(
         _event(ctx, body, "Normal", "Resplit",
                f"restarting {len(going)} trainer pods on stage layers {list(split.layers)} "
                f"from their checkpoint: {split.reason}"[:1024])
-    graces = deletion_graces(graph)
-    await asyncio.gather(*(ctx.client.delete("Pod", ref.namespace, p.name,
-                                             grace_seconds=graces.get(p.instance))
-                           for p in going if not p.deleting))
+    await _delete_pods(ctx, graph, going)
     message = (f"waiting for {len(going)} trainer pods to checkpoint and exit before their "
                f"successors start" + (f" on stage layers {list(split.layers)}" if split else ""))
     return await _waiting(ctx, body, base_status, "Remediating", "Draining", message, event="Normal")
@@ -681,26 +679,29 @@ async def _apply_children(
             ctx.index.observe_pod(obj)
     wanted = {manifests.pod_name(ref, i) for v in graph.vertices.values() for i in v.instances}
     wanted |= evaluation.wanted_pods(graph, pods.values())
-    graces = deletion_graces(graph)
-    await asyncio.gather(*(
-        ctx.client.delete("Pod", ref.namespace, pod.name, grace_seconds=graces.get(pod.instance))
-        for pod in pods.values() if pod.name not in wanted and not pod.deleting
-    ))
+    await _delete_pods(ctx, graph, [p for p in pods.values() if p.name not in wanted])
 
 
 async def _delete_removed(ctx: Context, ref: manifests.JobRef, graph: Graph,
-                          pods: Mapping[str, PodRecord], unwritten: list[Mutation]) -> None:
+                          pods: Mapping[str, PodRecord], unwritten: list[Mutation]) -> int:
     """Delete the trainer pods that mutations already in status removed from the graph, with
-    the grace they set; those of `unwritten` ones wait for their decision's write-ahead."""
+    the grace they set; those of `unwritten` ones wait for their decision's write-ahead.
+    Returns how many it deleted."""
     wanted = {manifests.pod_name(ref, i) for i in graph.vertex("trainer").instances}
     held = {str(n) for m in unwritten
             for n in [*m.detail.get("removed", ()), *([m.detail["old"]] if "old" in m.detail else [])]}
+    going = [p for p in pods.values() if p.vertex == "trainer" and p.name not in wanted
+             and p.instance not in held and not p.deleting]
+    await _delete_pods(ctx, graph, going)
+    return len(going)
+
+
+async def _delete_pods(ctx: Context, graph: Graph, pods: Iterable[PodRecord]) -> None:
+    """Delete these pods (those not already terminating) at once, each with the grace the
+    decision that removed it set (deletion_graces), else its own."""
     graces = deletion_graces(graph)
-    await asyncio.gather(*(
-        ctx.client.delete("Pod", ref.namespace, pod.name, grace_seconds=graces.get(pod.instance))
-        for pod in pods.values() if pod.vertex == "trainer" and pod.name not in wanted
-        and pod.instance not in held and not pod.deleting
-    ))
+    await asyncio.gather(*(ctx.client.delete("Pod", p.namespace, p.name, grace_seconds=graces.get(p.instance))
+                           for p in pods if not p.deleting))
 
 
 # A mutation's detail key for the grace its pods are deleted with (a lender's reclaimGraceSeconds,
