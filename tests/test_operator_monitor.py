@@ -145,7 +145,9 @@ def test_replicas_a_move_removed_go_while_their_successors_wait_for_gpus(cluster
         run_with_ips(kube, "mover", 1)
         (home,) = [pinned_node(p) for p in kube.pods(NS, "mover", "trainer")]
         other = "a1" if home == "a0" else "a0"
-        kube.create_job(NS, builders.make_training_job("fill", "train", replicas=1, max_replicas=1, gpus=4))
+        # of a lower priority: it may be stopped for the mover, but not for GPUs the mover frees itself
+        filler = builders.make_training_job("fill", "train", replicas=1, max_replicas=1, gpus=4, priority=10)
+        kube.create_job(NS, filler)
         wait_for(lambda: [pinned_node(p) for p in kube.pods(NS, "fill", "trainer")] == [other], what="filler")
         # the move, as the monitor writes it: off `home`, two replicas onto `other`, which is full
 
@@ -175,6 +177,10 @@ def test_replicas_a_move_removed_go_while_their_successors_wait_for_gpus(cluster
         wait_for(lambda: "trainer-0" not in instances(), what="the removed replica deleted")
         # its GPUs freed, the gang of two fits (home, and 4 borrowed): placed wherever it fits
         wait_for(lambda: instances() == ["trainer-0-g1", "trainer-1"], what="the new replicas placed")
+        # the removed replica's GPUs were the mover's own: no gang was stopped for them
+        assert [p.metadata.deletion_timestamp for p in kube.pods(NS, "fill", "trainer")] == [None]
+        assert not [d for d in kube.job_status(NS, "fill").get("decisions") or [] if d["action"] != "resize"
+                    and "preempt" in d["reason"]]
 
 
 def test_training_progress_and_the_last_checkpoint_reach_status(cluster, kube: builders.Kube,
