@@ -729,3 +729,36 @@ def test_one_successor_keeps_one_replica_of_an_older_spec_serving() -> None:
     # g1 not ready yet (still loading when the edit came): server-0 is the one that serves
     pods[1] = pod("server-0-g1", False)
     assert serving_op.surging(graph, ref, pods, set()) == {"chat-server-0"}
+
+
+async def test_the_autoscaler_reads_the_replica_a_rollout_keeps_serving(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replica a rolling update keeps beside its loading successor takes its share of the
+    traffic: the autoscaler scraped only the graph's instances, so that share went unmeasured and
+    a rollout longer than scaleDownDelaySeconds scaled the job down under the same load."""
+    from huorn.graph import compiler, mutate, serialise
+    from huorn.operator import autoscaling, context, index, validation
+
+    body = serving.make_inference_job("chat", "serve")
+    body["metadata"].update({"namespace": NS, "uid": "u1", "generation": 2})
+    graph = compiler.compile(validation.load_job(body))
+    mutate.replace_instance(graph, "server-0", reason="rolling update", drain=True, counted=False)
+    body["status"] = {"phase": "Running", "graph": serialise.to_status(graph)}
+
+    class Api:
+        async def get_custom(self, plural: str, namespace: str, name: str) -> dict:
+            return body
+
+        async def patch_status(self, *args: object) -> None:
+            return None
+
+    ctx = context.Context(client=Api(), post_event=lambda *_: None)  # type: ignore[arg-type]
+    for instance, ready, ip in (("server-0", True, "10.0.0.1"), ("server-0-g1", False, "10.0.0.2")):
+        ctx.index.pods[(NS, f"chat-{instance}")] = index.PodRecord(
+            NS, f"chat-{instance}", "chat", "server", instance, "b0", 2, 0, "serve", phase="Running",
+            ip=ip, conditions=(("Ready", "True" if ready else "False"),))
+    scraped: list[dict[str, str]] = []
+    monkeypatch.setattr(autoscaling.replica_metrics, "fetch_all",
+                        lambda targets, timeout: scraped.append(dict(targets)) or {})
+    await autoscaling.tick(ctx, NS, "chat")
+    assert scraped == [{"server-0": f"http://10.0.0.1:{ctx.settings.serve_port}/metrics"}]
