@@ -688,8 +688,7 @@ async def _delete_removed(ctx: Context, ref: manifests.JobRef, graph: Graph,
     the grace they set; those of `unwritten` ones wait for their decision's write-ahead.
     Returns how many it deleted."""
     wanted = {manifests.pod_name(ref, i) for i in graph.vertex("trainer").instances}
-    held = {str(n) for m in unwritten
-            for n in [*m.detail.get("removed", ()), *([m.detail["old"]] if "old" in m.detail else [])]}
+    held = {name for m in unwritten for name in removed_by(m)}
     going = [p for p in pods.values() if p.vertex == "trainer" and p.name not in wanted
              and p.instance not in held and not p.deleting]
     await _delete_pods(ctx, graph, going)
@@ -712,6 +711,12 @@ async def _delete_pods(ctx: Context, graph: Graph, pods: Iterable[PodRecord]) ->
 GRACE_KEY = "graceSeconds"
 
 
+def removed_by(m: Mutation) -> list[str]:
+    """The instances a decision took out of the graph: a resize's removed ones, a replacement's
+    old one."""
+    return [str(n) for n in [*m.detail.get("removed", ()), *([m.detail["old"]] if "old" in m.detail else [])]]
+
+
 def deletion_graces(graph: Graph) -> dict[str, int]:
     """Instance → the grace its pod is deleted with, where the decision that removed it set one;
     other pods keep their own terminationGracePeriodSeconds."""
@@ -720,8 +725,8 @@ def deletion_graces(graph: Graph) -> dict[str, int]:
         grace = m.detail.get(GRACE_KEY)
         if grace is None:
             continue
-        for name in [*m.detail.get("removed", ()), *([m.detail["old"]] if "old" in m.detail else [])]:
-            graces[str(name)] = int(grace)
+        for name in removed_by(m):
+            graces[name] = int(grace)
     return graces
 
 
