@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pstats
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import aiohttp
 import pytest
 import runtime_harness as harness
 import torch
+from aiohttp import web
 
 from huorn import models
 from huorn.api import training
@@ -285,6 +287,54 @@ def test_the_server_process_writes_its_port_answers_and_stops_on_sigterm(tmp_pat
     stats = pstats.Stats(str(written[0]))
     profiled = {function for _, _, function in stats.stats}  # type: ignore[attr-defined]
     assert {"_decode", "step", "feed"} <= profiled  # the decoding loop's own work was watched
+
+
+def test_at_sigterm_a_replica_stops_taking_connections_and_answers_the_request_in_flight(
+        tmp_path: Path) -> None:
+    """The drain a replica's grace period is sized for (inference.SERVE_DRAIN_SECONDS, after the
+    preStop pause): SIGTERM closes the listening socket, so a new connection is refused, while
+    the request already being answered is still answered in full before the process exits."""
+    cfg = _config(tmp_path)
+
+    async def scenario() -> None:
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def slow(request: web.Request) -> web.Response:
+            started.set()
+            await release.wait()
+            return web.json_response({"answer": 42})
+
+        app = web.Application()
+        app.router.add_get("/slow", slow)
+        serving = asyncio.create_task(serve.run_until_signal(app, cfg, "drain.json", {}, "drain test"))
+        record = Path(cfg.run_dir) / "drain.json"
+        for _ in range(500):
+            if record.exists():
+                break
+            await asyncio.sleep(0.01)
+        port = json.loads(record.read_text())["port"]
+        async with aiohttp.ClientSession() as session:
+            answer = asyncio.create_task(session.get(f"http://127.0.0.1:{port}/slow"))
+            await asyncio.wait_for(started.wait(), 10)
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler run_until_signal installed takes it
+            refused = False
+            for _ in range(500):
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", port)
+                except ConnectionRefusedError:
+                    refused = True
+                    break
+                writer.close()
+                await asyncio.sleep(0.01)
+            assert refused, "the replica kept listening after SIGTERM"
+            await asyncio.sleep(1.0)  # a drain of a second or more: the answer is still awaited
+            assert not answer.done(), "the request in flight was cut at SIGTERM"
+            release.set()
+            response = await asyncio.wait_for(answer, 10)
+            assert response.status == 200 and await response.json() == {"answer": 42}
+        await asyncio.wait_for(serving, 10)
+
+    asyncio.run(scenario())
 
 
 def test_a_failed_batch_is_answered_500_and_counted_and_a_cancelled_request_stops_nothing(
