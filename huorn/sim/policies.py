@@ -63,6 +63,9 @@ class PolicySpec:
 
 
 HUORN_BOARD_QUANTILE = forecast.HUORN_QUANTILE  # why 0.9: huorn.scheduler.forecast
+# Whether a resize leaves the staying replicas where they ran: the test the allocator prices a
+# placement by is the one that decides the pause the simulator charges.
+_keeps_nodes = allocator.keeps_nodes
 
 
 POLICIES: dict[str, PolicySpec] = {
@@ -222,9 +225,10 @@ def _schedule_static(sim: Simulation) -> None:
 def job_view(js: state.JobState) -> allocator.JobView:
     """What the allocator sees of a job: its own model and the runtime's reports, never the truth.
 
-    Its restart charge is the family's full restart time even where the runtime resizes in
-    place: told the cheaper price, Huorn's allocator resized more and lost mean JCT (128 GPUs,
-    seed 0, middle: 960 restarts and 1,636 s against 915 and 1,598 s; docs/scheduling.md)."""
+    Its restart time is the family's full one; the allocator charges the in-place share of it only
+    to a placement that keeps the staying replicas where they run (AllocatorConfig.in_place_share).
+    Told the cheaper price for every resize, Huorn's allocator resized more and lost mean JCT
+    (128 GPUs, seed 0, middle: 960 restarts and 1,636 s against 915 and 1,598 s; docs/scheduling.md)."""
     fam = js.job.family
     return allocator.JobView(
         js.job.name, TRAIN, js.belief, fam.gpus_per_replica, js.job.min_replicas, js.job.max_replicas,
@@ -305,9 +309,3 @@ def _schedule_elastic(sim: Simulation, admission_only: bool = False) -> None:
         if d.action in ("grow", "shrink"):
             js.last_resize, js.last_direction = sim.now, 1 if d.action == "grow" else -1
 
-
-def _keeps_nodes(old: dict[str, int], new: dict[str, int], grew: bool) -> bool:
-    """Whether a resize from GPUs by node `old` to `new` leaves every staying replica where it
-    ran: a grow only adds, a shrink only removes."""
-    small, large = (old, new) if grew else (new, old)
-    return all(large.get(node, 0) >= gpus for node, gpus in small.items())
