@@ -198,7 +198,8 @@ def test_goodput_policy_asks_the_allocator_and_respects_slots() -> None:
 
 def test_goodput_policy_runs_huorns_allocator_and_does_not_grow_a_job_about_to_finish() -> None:
     """The local backend and the operator decide with the allocator the simulator's Huorn runs
-    (allocator.HUORN). Given the job's steps, a restart that the remaining time cannot pay back
+    (allocator.HUORN, its greedy pricing a resize in place at the in-place share: HUORN_RUNTIME).
+    Given the job's steps, a restart that the remaining time cannot pay back
     is not taken: the same telemetry that grows a job at step 8 of 1,000 leaves it alone at step
     8 of 10."""
     from huorn.backends import goodput
@@ -206,7 +207,8 @@ def test_goodput_policy_runs_huorns_allocator_and_does_not_grow_a_job_about_to_f
 
     records = GROWING_RECORDS
     long = goodput.GoodputPolicy("quickstart", "local", slots=2, global_batch=16.0, total_steps=1000)
-    assert long.decider.config == dataclasses.replace(allocator.HUORN, gpus_per_node=1 << 10)
+    assert long.decider.config == dataclasses.replace(allocator.HUORN, gpus_per_node=1 << 10,
+                                                      greedy_in_place=True)
     (event,) = long.decide(build_graph(), observe_records(records))
     assert event.data["replicas"] == 2
     ending = goodput.GoodputPolicy("quickstart", "local", slots=2, global_batch=16.0, total_steps=10,

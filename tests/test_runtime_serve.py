@@ -309,14 +309,17 @@ def test_at_sigterm_a_replica_stops_taking_connections_and_answers_the_request_i
         serving = asyncio.create_task(serve.run_until_signal(app, cfg, "drain.json", {}, "drain test"))
         record = Path(cfg.run_dir) / "drain.json"
         for _ in range(500):
-            if record.exists():
+            if record.exists() or serving.done():
                 break
             await asyncio.sleep(0.01)
+        assert not serving.done(), serving.exception()
         port = json.loads(record.read_text())["port"]
         async with aiohttp.ClientSession() as session:
             answer = asyncio.create_task(session.get(f"http://127.0.0.1:{port}/slow"))
             await asyncio.wait_for(started.wait(), 10)
-            os.kill(os.getpid(), signal.SIGTERM)  # the handler run_until_signal installed takes it
+            # the handler run_until_signal installed takes it; without one it would end pytest
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+            os.kill(os.getpid(), signal.SIGTERM)
             refused = False
             for _ in range(500):
                 try:

@@ -502,14 +502,16 @@ def test_keep_replicas_shrinks_a_borrower_by_its_replicas_on_the_lender_first() 
     assert Counter(shrunk.assignments) == {"t0": 4, "t1": 4}, "the lender's replicas went, the others stayed"
 
 
-def _grow_across_nodes(in_place_share: float, runs_on: str) -> allocator.Decision:
+def _grow_across_nodes(in_place_share: float, runs_on: str, resizes_in_place: bool = True
+                       ) -> allocator.Decision:
     """A job at 2 replicas on one 2-GPU node whose table wants 4; the 4 span two nodes, which
     costs it most of the gain the table (perfect packing) promised."""
     crosses_badly = perfmodel.PolluxParams(0.01, 0.01, 0.01, 0.0005, 2.0, 0.002, 3.0)
     snap = snapshot.ClusterSnapshot([NodeView(f"n{i}", 2, 2, virtual_cluster="train") for i in range(4)],
                                     [snapshot.VirtualClusterView("train")])
     alloc = allocator.Allocator(allocator.AllocatorConfig(in_place_share=in_place_share))
-    job = build_job("j", crosses_badly, max_replicas=4, restart_seconds=560.0, replicas=2)
+    job = build_job("j", crosses_badly, max_replicas=4, restart_seconds=560.0, replicas=2,
+                    resizes_in_place=resizes_in_place)
     snap.assume("j", "train", snapshot.placement.Placement([runs_on, runs_on]), 1)
     return alloc.allocate(snap, [job], 10_000.0)[0]
 
@@ -518,10 +520,13 @@ def test_a_placement_that_resizes_in_place_is_charged_the_in_place_share_of_a_re
     """4 replicas on two nodes are 1.47× the 2 on one: not worth a full restart (0.36 of the
     horizon with the margin), worth the in-place share of one (0.24). Only a placement that keeps
     the staying replicas where they run is in place: placed afresh on other nodes, the same gang
-    restarts, and the job stays."""
+    restarts, and the job stays. So does a job whose runtime restarts to resize (several
+    processes a replica, or resize mode restart): it is never charged the in-place share."""
     grown = _grow_across_nodes(allocator.IN_PLACE_RESIZE_SHARE, runs_on="n0")
     assert grown.action == "grow" and sorted(grown.assignments) == ["n0", "n0", "n1", "n1"]
     assert _grow_across_nodes(1.0, runs_on="n0").action == "keep"
+    assert _grow_across_nodes(allocator.IN_PLACE_RESIZE_SHARE, runs_on="n0", resizes_in_place=False
+                              ).action == "keep"
     moved = _grow_across_nodes(allocator.IN_PLACE_RESIZE_SHARE, runs_on="n3")
     assert moved.action == "keep" and moved.assignments == ["n3", "n3"]
     assert allocator.HUORN.in_place_share == allocator.IN_PLACE_RESIZE_SHARE

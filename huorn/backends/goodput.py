@@ -46,14 +46,15 @@ class GoodputPolicy:
     # the allocator Huorn runs everywhere (the simulator's "huorn" policy too); one local "node"
     decider: allocator.Allocator = field(
         default_factory=lambda: allocator.Allocator(
-            dataclasses.replace(allocator.HUORN, gpus_per_node=1 << 10))
+            dataclasses.replace(allocator.HUORN_RUNTIME, gpus_per_node=1 << 10))
     )
     total_steps: int | None = None  # the job's optimizer steps: its remaining work, for the JCT terms
     decide_every_steps: int = 5
     min_samples: int = 3
     restart_seconds: float = 20.0  # a restart of the gang from its checkpoint (torchrun's way)
-    # The trainer resizes in place (huorn.graph.jobs.resizes_in_place): a resize then costs
-    # allocator.IN_PLACE_RESIZE_SHARE of a restart, as the simulator prices it. Before, every
+    # The trainer resizes in place (huorn.graph.jobs.resizes_in_place): a resize that keeps the
+    # staying replicas where they run then costs allocator.IN_PLACE_RESIZE_SHARE of a restart, as
+    # the simulator charges it, and HUORN_RUNTIME's greedy prices every resize so. Before, every
     # resize was priced as a full restart: on a quiet host the quickstart's 300 steps of 0.137 s
     # (41 s of work) did not pay 20 s for a second replica, and the main demo stayed at one.
     in_place: bool = False
@@ -111,8 +112,8 @@ class GoodputPolicy:
             noise_scale=self.noise_scale,
             base_batch=self.global_batch,
             max_local_batch=self.global_batch,
-            restart_seconds=self.restart_seconds * (allocator.IN_PLACE_RESIZE_SHARE if self.in_place
-                                                    else 1.0),
+            restart_seconds=self.restart_seconds,
+            resizes_in_place=self.in_place,
             last_resize=last_resize,
             last_direction=last_direction,
             model_version=self.model_version(),

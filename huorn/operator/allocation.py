@@ -8,7 +8,8 @@ the borrowing and lending budgets) ever applied in a cluster.
 
 Now a monitor's decision is its job's part of one allocation over every job the operator watches
 with the goodput policy, on the cluster's real snapshot: the same `Allocator.allocate`, with the
-same settings (`allocator.HUORN`), as `huorn simulate`'s Huorn. Each monitor applies only its own
+settings of `huorn simulate`'s Huorn (`allocator.HUORN_RUNTIME`: `allocator.HUORN`, its greedy
+charging a resize in place the in-place share of a restart). Each monitor applies only its own
 job's part, so the jobs need no coordination beyond this process's memory: a peer's view is the
 one its own monitor built at its last decision, and every job's size and span is read from the
 pods, not from that view. A restarted operator simply has no peers until their monitors decide
@@ -171,7 +172,7 @@ def arbiter_for(ctx: Context, namespace: str, name: str
         decider = ctx.allocators.get(size)
         if decider is None:
             decider = ctx.allocators[size] = allocator.Allocator(
-                dataclasses.replace(allocator.HUORN, gpus_per_node=size))
+                dataclasses.replace(allocator.HUORN_RUNTIME, gpus_per_node=size))
         decision = decide(decider, snap, mine, peers, now)
         now_snap, _ = cluster(view.gpus_per_replica)
         hold_for_waiting(now_snap, owed)

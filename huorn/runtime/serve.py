@@ -807,15 +807,16 @@ async def run_until_signal(app: web.Application, cfg: ServeConfig, record: str, 
         raise ValueError(f"cannot listen on {cfg.host}:{cfg.port} ({error.strerror}); choose another "
                          "port, or 0 for a free one") from None
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    # before the record: whoever reads it may stop the server at once, and is then answered
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     # whole or not at all: huorn run polls for this file and reads it as soon as it exists
     files.write_text_atomically(run_dir / record, json.dumps({**facts, "port": port, "time": time.time()}))
     print(f"huorn: {what} on {cfg.host}:{port}", file=sys.stderr, flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
     await stop.wait()
     await runner.cleanup()
 

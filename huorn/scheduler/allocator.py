@@ -46,6 +46,7 @@ tearing running jobs down for every arrival paid restarts that the arrivals did 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import math
@@ -88,6 +89,10 @@ class JobView:
     # Work left, in base-batch samples (the spec's steps or tokens less the reported progress);
     # None when unknown. Only read when AllocatorConfig.jct_weight > 0.
     remaining_work: float | None = None
+    # Its runtime resizes the gang without restarting it (one process per replica, resize mode
+    # in place: huorn.graph.jobs.resizes_in_place), so a resize that keeps the staying replicas
+    # where they run costs AllocatorConfig.in_place_share of restart_seconds, not all of it.
+    resizes_in_place: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -149,13 +154,17 @@ class AllocatorConfig:
     # (docs/scheduling.md, "Resizes that keep their replicas"). Off in HUORN.
     keep_replicas: bool = False
     # What a placement that resizes a running job in place is charged, as a share of its restart:
-    # one whose staying replicas keep their nodes, of a job of one-process replicas (the runtime
-    # resizes such a gang without restarting it: IN_PLACE_RESIZE_SHARE). A placement that moves a
-    # staying replica, or a move at the same size, is a full restart. 1: every resize is priced as
-    # a restart (Pollux: AdaptDL restarts on every reallocation). The greedy's values still charge
-    # a full restart, as it cannot know where a resize will land: charged the cheaper price there,
-    # Huorn resized more and lost mean JCT (docs/scheduling.md, "Allocator", item 9).
+    # one whose staying replicas keep their nodes, of a job whose runtime resizes in place
+    # (JobView.resizes_in_place; IN_PLACE_RESIZE_SHARE). A placement that moves a staying
+    # replica, or a move at the same size, is a full restart. 1: every resize is priced as a
+    # restart (Pollux: AdaptDL restarts on every reallocation).
     in_place_share: float = 1.0
+    # Whether the greedy's values charge such a job the in-place share too. The greedy cannot know
+    # where a resize will land; in the simulator, charged the cheaper price there, Huorn resized
+    # more and lost mean JCT (docs/scheduling.md, "Allocator", item 9), so HUORN charges a full
+    # restart. A local run and the operator do charge the in-place share (HUORN_RUNTIME): a short
+    # job, such as the quickstart's 41 s of work, would never grow for a 20 s restart.
+    greedy_in_place: bool = False
 
     def __post_init__(self) -> None:
         if self.pending_order not in ("submitted", "remaining"):
@@ -185,6 +194,9 @@ class AllocatorConfig:
 HUORN = AllocatorConfig(horizon_seconds=3600.0, jct_weight=0.35, restart_over_remaining=True,
                         pending_order="remaining", protect_finishing_restarts=16.0, admission="value",
                         in_place_share=IN_PLACE_RESIZE_SHARE)
+# What a local run and the operator's goodput jobs run: HUORN, with the greedy charging a resize
+# in place its in-place share too (greedy_in_place says why).
+HUORN_RUNTIME = dataclasses.replace(HUORN, greedy_in_place=True)
 
 
 @dataclass(frozen=True)
@@ -440,7 +452,7 @@ class Allocator:
             weight = 1.0
         v *= weight
         if job.replicas:
-            penalty = self._penalty(job)
+            penalty = self._penalty(job, in_place=self.config.greedy_in_place)
             cur = min(job.replicas, len(v) - 1)
             keep = v[cur]
             if self.config.placement_aware and job.name in bound:
@@ -736,7 +748,7 @@ class Allocator:
         """What a resize costs a running job, as a share of its goodput over the planning horizon:
         its restart (or, in place, the in-place share of one) plus the hysteresis margin."""
         restart = job.restart_seconds
-        if in_place and job.gpus_per_replica == 1:
+        if in_place and job.resizes_in_place:
             restart *= self.config.in_place_share
         horizon = self.config.horizon_seconds
         if self.config.restart_over_remaining and job.replicas:

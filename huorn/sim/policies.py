@@ -222,10 +222,11 @@ def _schedule_static(sim: Simulation) -> None:
             return
 
 
-def job_view(js: state.JobState) -> allocator.JobView:
+def job_view(js: state.JobState, in_place_resize: bool = False) -> allocator.JobView:
     """What the allocator sees of a job: its own model and the runtime's reports, never the truth.
 
-    Its restart time is the family's full one; the allocator charges the in-place share of it only
+    Its restart time is the family's full one; where the policy resizes in place (one process per
+    replica, as JobState.resize_seconds has it), the allocator charges the in-place share of it
     to a placement that keeps the staying replicas where they run (AllocatorConfig.in_place_share).
     Told the cheaper price for every resize, Huorn's allocator resized more and lost mean JCT
     (128 GPUs, seed 0, middle: 960 restarts and 1,636 s against 915 and 1,598 s; docs/scheduling.md)."""
@@ -236,7 +237,8 @@ def job_view(js: state.JobState) -> allocator.JobView:
         max_local_batch=fam.max_local_batch, restart_seconds=fam.restart_seconds,
         last_resize=js.last_resize, last_direction=js.last_direction, submitted=js.job.arrival,
         model_version=js.model_version * 1000 + int(4 * math.log1p(js.noise_scale)),
-        remaining_work=_declared_remaining(js))
+        remaining_work=_declared_remaining(js),
+        resizes_in_place=in_place_resize and fam.gpus_per_replica == 1)  # as JobState.resize_seconds
 
 
 def _declared_remaining(js: state.JobState) -> float | None:
@@ -272,7 +274,7 @@ def _schedule_elastic(sim: Simulation, admission_only: bool = False) -> None:
     pending = [js for js in sim.active() if js.status == "pending"]
     if sim.spec.allocator.pending_order == "remaining" and len(pending) > 1:
         pending = sorted(pending, key=lambda js: (_remaining_seconds(sim, js), js.job.arrival, js.job.name))
-    views = [job_view(js) for js in running + _could_start(pending, room)]
+    views = [job_view(js, sim.spec.in_place_resize) for js in running + _could_start(pending, room)]
     before = {name: dict(b.gpus_by_node) for name, b in sim.snap.bindings().items()}
     # J for Pollux's fair-share speedup: every job waiting or running, not only those handed over.
     for d in sim.allocator.allocate(sim.snap, views, sim.now, cluster_jobs=len(sim.active())):
