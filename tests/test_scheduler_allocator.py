@@ -519,16 +519,19 @@ def _grow_across_nodes(in_place_share: float, runs_on: str, resizes_in_place: bo
 def test_a_placement_that_resizes_in_place_is_charged_the_in_place_share_of_a_restart() -> None:
     """4 replicas on two nodes are 1.47× the 2 on one: not worth a full restart (0.36 of the
     horizon with the margin), worth the in-place share of one (0.24). Only a placement that keeps
-    the staying replicas where they run is in place: placed afresh on other nodes, the same gang
-    restarts, and the job stays. So does a job whose runtime restarts to resize (several
-    processes a replica, or resize mode restart): it is never charged the in-place share."""
+    the staying replicas where they run is in place. Placed afresh, the gang of a job on n3 lands
+    on n0 and n1 (the search knows nothing of where the job runs), a restart that does not pay;
+    the same size around its replicas, n3 and one more node, does. A job whose runtime restarts to
+    resize (several processes a replica, or resize mode restart) is never charged the in-place
+    share, and stays."""
     grown = _grow_across_nodes(allocator.IN_PLACE_RESIZE_SHARE, runs_on="n0")
     assert grown.action == "grow" and sorted(grown.assignments) == ["n0", "n0", "n1", "n1"]
     assert _grow_across_nodes(1.0, runs_on="n0").action == "keep"
     assert _grow_across_nodes(allocator.IN_PLACE_RESIZE_SHARE, runs_on="n0", resizes_in_place=False
                               ).action == "keep"
-    moved = _grow_across_nodes(allocator.IN_PLACE_RESIZE_SHARE, runs_on="n3")
-    assert moved.action == "keep" and moved.assignments == ["n3", "n3"]
+    around = _grow_across_nodes(allocator.IN_PLACE_RESIZE_SHARE, runs_on="n3")
+    assert around.action == "grow" and around.assignments.count("n3") == 2 and len(set(around.assignments)) == 2
+    assert _grow_across_nodes(1.0, runs_on="n3").action == "keep"
     assert allocator.HUORN.in_place_share == allocator.IN_PLACE_RESIZE_SHARE
     with pytest.raises(ValueError, match="in_place_share"):
         allocator.AllocatorConfig(in_place_share=1.5)

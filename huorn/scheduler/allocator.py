@@ -593,6 +593,16 @@ class Allocator:
                         grew=a > job.replicas):
                     cost = in_place
                 speed = self.at_span(job, a, where.nodes_spanned)[0] * cost
+                if (running and a != job.replicas and cost != in_place and job.resizes_in_place
+                        and self.config.in_place_share < 1):
+                    # The gang placed afresh moves a staying replica (the placement search does
+                    # not know where the job runs); the same size around its replicas is resized
+                    # in place, and may be worth more even where it spans more nodes.
+                    anchored = self._anchored(snap, job, bound[job.name], a)
+                    if anchored is not None:
+                        around = self.at_span(job, a, anchored.nodes_spanned)[0] * in_place
+                        if around > speed:
+                            where, speed = anchored, around
                 if speed > best:
                     placed, want, best = where, a, speed
                 if where.nodes_spanned <= self.ideal_nodes(job, a):
@@ -640,21 +650,64 @@ class Allocator:
         its spec no longer allows it (maxReplicas lowered below it)."""
         return job.name in keepable and job.replicas <= job.max_replicas
 
-    def _shrink_in_place(self, snap: snapshot.ClusterSnapshot, job: JobView, old: snapshot.Binding,
-                         want: int) -> bool:
-        """Bind `want` of the job's replicas where they run (its binding already forgotten): the
-        ones on other clusters' nodes go first, then those where the gang is thinnest, so the
-        smaller gang spans no more nodes. False, binding nothing, where what stays would break a
-        lending limit lowered since (the job is then placed afresh)."""
-        gpr = job.gpus_per_replica
-        count = {node: gpus // gpr for node, gpus in old.gpus_by_node.items()}
+    def _anchored(self, snap: snapshot.ClusterSnapshot, job: JobView, old: snapshot.Binding,
+                  replicas: int) -> placement.Placement | None:
+        """The running job at `replicas` with every staying replica where it runs (its binding
+        lifted off): a shrink keeps the replicas `_kept_replicas` names, a grow adds the new ones
+        beside the gang on its own cluster's nodes first, then wherever they fit. None where a
+        gang placed since took GPUs it holds, or the lending limits forbid it."""
+        gpr, vc = job.gpus_per_replica, job.virtual_cluster
+        free = {view.name: view.gpus_free for view in snap.node_views()}
+        if replicas < job.replicas:
+            where = self._kept_replicas(snap, job, old, replicas)
+            need = where.gpus_by_node(gpr)
+            taken = any(free.get(node, 0) < gpus for node, gpus in need.items())
+            return None if taken or not snap.limits_allow(vc, need) else where
+        if any(free.get(node, 0) < gpus for node, gpus in old.gpus_by_node.items()):
+            return None
+        current = replica_nodes(old, gpr)
+        extra = replicas - job.replicas
+        beside: list[str] = []
+        for node in sorted(old.gpus_by_node, key=lambda n: (-old.gpus_by_node[n], n)):
+            if not snap.foreign_gpus(vc, {node: 1}):  # more on a lender's node: placed, in its room
+                room = (free[node] - old.gpus_by_node[node]) // gpr
+                beside += [node] * max(0, min(room, extra - len(beside)))
+        added: list[str] = []
+        with snap.simulate():
+            try:
+                snap.assume(f"{job.name}/anchored", vc, placement.Placement(current + beside), gpr)
+            except ValueError:  # a node's GPUs gone in between: nothing to anchor to
+                return None
+            if len(beside) < extra:
+                rest = snap.place(vc, extra - len(beside), gpr)
+                if not isinstance(rest, placement.Placement):
+                    return None
+                added = rest.assignments
+        merged = placement.Placement(sorted(current + beside + added))
+        return merged if snap.limits_allow(vc, merged.gpus_by_node(gpr)) else None
+
+    @staticmethod
+    def _kept_replicas(snap: snapshot.ClusterSnapshot, job: JobView, old: snapshot.Binding,
+                       want: int) -> placement.Placement:
+        """Which `want` of a running job's replicas stay in a shrink: the ones on other clusters'
+        nodes leave first, then those where the gang is thinnest, so the smaller gang spans no
+        more nodes."""
+        count = {node: gpus // job.gpus_per_replica for node, gpus in old.gpus_by_node.items()}
         lent = {node for node in count if snap.foreign_gpus(job.virtual_cluster, {node: 1})}
         drop = job.replicas - want
         for node in sorted(count, key=lambda n: (n not in lent, count[n], n)):  # leaves first
             take = min(drop, count[node])
             count[node] -= take
             drop -= take
-        where = placement.Placement([node for node, n in sorted(count.items()) for _ in range(n)])
+        return placement.Placement([node for node, n in sorted(count.items()) for _ in range(n)])
+
+    def _shrink_in_place(self, snap: snapshot.ClusterSnapshot, job: JobView, old: snapshot.Binding,
+                         want: int) -> bool:
+        """Bind `want` of the job's replicas where they run (its binding already forgotten; which
+        stay: _kept_replicas). False, binding nothing, where what stays would break a lending limit
+        lowered since (the job is then placed afresh)."""
+        gpr = job.gpus_per_replica
+        where = self._kept_replicas(snap, job, old, want)
         if not snap.limits_allow(job.virtual_cluster, where.gpus_by_node(gpr)):
             return False
         snap.assume(job.name, job.virtual_cluster, where, gpr)
