@@ -128,7 +128,8 @@ def job_mixes(draw: st.DrawFn) -> tuple[snapshot.ClusterSnapshot, list[allocator
             max_replicas=lo + draw(st.integers(0, 12)), gpus_per_replica=draw(st.sampled_from([1, 2, 4])),
             priority=draw(st.sampled_from([10, 50, 100])), submitted=float(i),
             noise_scale=draw(st.floats(0, 10000)),
-            remaining_work=draw(st.one_of(st.none(), st.floats(0, 1e6)))))
+            remaining_work=draw(st.one_of(st.none(), st.floats(0, 1e6))),
+            resizes_in_place=draw(st.booleans())))  # priced in place, and tried around its replicas
     return snap, jobs, lend, borrow
 
 
@@ -136,6 +137,7 @@ CONFIGS = {"pollux-p1": allocator.AllocatorConfig(),
            "pollux-p-1": allocator.AllocatorConfig(fairness_p=-1.0),
            "pollux-p-1-fair": allocator.AllocatorConfig(fairness_p=-1.0, speedup_reference="fair_share"),
            "huorn": allocator.HUORN,
+           "huorn-runtime": allocator.HUORN_RUNTIME,
            "huorn-keep-replicas": dataclasses.replace(allocator.HUORN, keep_replicas=True)}
 
 
@@ -530,7 +532,8 @@ def test_a_placement_that_resizes_in_place_is_charged_the_in_place_share_of_a_re
     assert _grow_across_nodes(allocator.IN_PLACE_RESIZE_SHARE, runs_on="n0", resizes_in_place=False
                               ).action == "keep"
     around = _grow_across_nodes(allocator.IN_PLACE_RESIZE_SHARE, runs_on="n3")
-    assert around.action == "grow" and around.assignments.count("n3") == 2 and len(set(around.assignments)) == 2
+    assert around.action == "grow" and around.assignments.count("n3") == 2
+    assert len(set(around.assignments)) == 2
     assert _grow_across_nodes(1.0, runs_on="n3").action == "keep"
     assert allocator.HUORN.in_place_share == allocator.IN_PLACE_RESIZE_SHARE
     with pytest.raises(ValueError, match="in_place_share"):
