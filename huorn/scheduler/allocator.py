@@ -149,7 +149,7 @@ class AllocatorConfig:
     # places only the new ones and a shrink removes some (those on a lender's nodes, then those
     # where the gang is thinnest), as the operator's reconcile kept a gang's pods until it learned
     # to move a resized gang to the allocator's placement (backends.goodput.repack). Measured on
-    # 2026-12-06 (seed 0), True cost Huorn 7.5-9.4 % mean JCT and 31-38 % more restarts:
+    # 2026-12-06 (seed 0), True cost Huorn 8.4-9.6 % mean JCT and 33-40 % more restarts:
     # shrinks of one replica whose GPUs a fragmented cluster could not use, regrown a cycle later
     # (docs/scheduling.md, "Resizes that keep their replicas"). Off in HUORN.
     keep_replicas: bool = False
