@@ -538,3 +538,18 @@ def test_a_placement_that_resizes_in_place_is_charged_the_in_place_share_of_a_re
     assert allocator.HUORN.in_place_share == allocator.IN_PLACE_RESIZE_SHARE
     with pytest.raises(ValueError, match="in_place_share"):
         allocator.AllocatorConfig(in_place_share=1.5)
+
+
+def test_a_resize_around_a_gangs_replicas_adds_none_on_a_cordoned_node() -> None:
+    """A node cordoned under a running gang (remediation, a drain) has room left: growing the gang
+    around its replicas put the new ones there, which the operator's placement then refused. The
+    gang placed afresh leaves the node instead."""
+    snap = snapshot.ClusterSnapshot([NodeView("n0", 4, 4, virtual_cluster="train", cordoned=True),
+                                     NodeView("n1", 4, 4, virtual_cluster="train")],
+                                    [snapshot.VirtualClusterView("train")])
+    alloc = allocator.Allocator(allocator.AllocatorConfig(in_place_share=allocator.IN_PLACE_RESIZE_SHARE,
+                                                          gpus_per_node=4))
+    job = build_job("j", max_replicas=4, restart_seconds=60.0, replicas=2, resizes_in_place=True)
+    snap.assume("j", "train", snapshot.placement.Placement(["n0", "n0"]), 1)
+    (decision,) = alloc.allocate(snap, [job], 10_000.0)
+    assert decision.replicas > 2 and decision.assignments.count("n0") <= 2

@@ -165,6 +165,10 @@ class AllocatorConfig:
     # restart. A local run and the operator do charge the in-place share (HUORN_RUNTIME): a short
     # job, such as the quickstart's 41 s of work, would never grow for a 20 s restart.
     greedy_in_place: bool = False
+    # Whether a running job's resize is also placed around its replicas (Allocator._anchored) and
+    # kept where, priced in place, it beats the gang placed afresh. Only matters with
+    # in_place_share < 1; off, whether a resize keeps its replicas is the placement's tie-break.
+    resize_around_replicas: bool = True
 
     def __post_init__(self) -> None:
         if self.pending_order not in ("submitted", "remaining"):
@@ -188,8 +192,9 @@ class AllocatorConfig:
 # horizon and the job's remaining time, pending jobs shortest first, jobs within sixteen restarts of
 # finishing not shrunk to admit others, a pending job admitted when its first GPUs are worth more
 # than a running job's extras, and a placement that resizes in place charged the in-place share of
-# a restart (docs/scheduling.md, "Allocator"; the three numbers chosen on seeds 0-9, checked on
-# held-out seeds 10-19). The JCT terms need a job's remaining work (JobView.remaining_work);
+# a restart, tried around the gang's replicas (docs/scheduling.md, "Allocator", item 9: the two
+# numbers chosen on seeds 0-9, with seeds 10-19 held out from that choice). The JCT terms need a
+# job's remaining work (JobView.remaining_work);
 # without it they fall back to the neutral rule for that job.
 HUORN = AllocatorConfig(horizon_seconds=3600.0, jct_weight=0.35, restart_over_remaining=True,
                         pending_order="remaining", protect_finishing_restarts=16.0, admission="value",
@@ -594,7 +599,7 @@ class Allocator:
                     cost = in_place
                 speed = self.at_span(job, a, where.nodes_spanned)[0] * cost
                 if (running and a != job.replicas and cost != in_place and job.resizes_in_place
-                        and self.config.in_place_share < 1):
+                        and self.config.in_place_share < 1 and self.config.resize_around_replicas):
                     # The gang placed afresh moves a staying replica (the placement search does
                     # not know where the job runs); the same size around its replicas is resized
                     # in place, and may be worth more even where it spans more nodes.
@@ -605,6 +610,8 @@ class Allocator:
                             where, speed = anchored, around
                 if speed > best:
                     placed, want, best = where, a, speed
+                # (where the gang around the replicas won and spans more, smaller sizes are
+                # still tried: the best so far does not pack as the table assumed)
                 if where.nodes_spanned <= self.ideal_nodes(job, a):
                     break
             pinned = running and job.priority >= PINNED_PRIORITY
@@ -655,9 +662,13 @@ class Allocator:
         """The running job at `replicas` with every staying replica where it runs (its binding
         lifted off): a shrink keeps the replicas `_kept_replicas` names, a grow adds the new ones
         beside the gang on its own cluster's nodes first, then wherever they fit. None where a
-        gang placed since took GPUs it holds, or the lending limits forbid it."""
+        gang placed since took GPUs it holds, one of its nodes is cordoned, or the lending limits
+        forbid it."""
         gpr, vc = job.gpus_per_replica, job.virtual_cluster
-        free = {view.name: view.gpus_free for view in snap.node_views()}
+        views = snap.node_views()
+        free = {view.name: view.gpus_free for view in views}
+        if any(view.cordoned for view in views if view.name in old.gpus_by_node):
+            return None  # a node being drained: the gang placed afresh leaves it
         if replicas < job.replicas:
             where = self._kept_replicas(snap, job, old, replicas)
             need = where.gpus_by_node(gpr)
@@ -723,10 +734,13 @@ class Allocator:
         current = replica_nodes(old, gpr)
         stay = self.at_span(job, job.replicas, len(old.gpus_by_node))[0]
         best, chosen = stay, None
-        free = {v.name: v.gpus_free for v in snap.node_views()}
-        # more on a lender's node needs the lender's room: left to the placement
+        views = snap.node_views()
+        free = {v.name: v.gpus_free for v in views}
+        cordoned = {v.name for v in views if v.cordoned}
+        # more on a lender's node needs the lender's room: left to the placement; none on a node
+        # being drained
         own = [node for node in sorted(old.gpus_by_node, key=lambda n: (-old.gpus_by_node[n], n))
-               if not snap.foreign_gpus(job.virtual_cluster, {node: 1})]
+               if not snap.foreign_gpus(job.virtual_cluster, {node: 1}) and node not in cordoned]
         for a in range(want, job.replicas, -1):
             extra = a - job.replicas
             beside: list[str] = []
