@@ -553,3 +553,31 @@ def test_a_resize_around_a_gangs_replicas_adds_none_on_a_cordoned_node() -> None
     snap.assume("j", "train", snapshot.placement.Placement(["n0", "n0"]), 1)
     (decision,) = alloc.allocate(snap, [job], 10_000.0)
     assert decision.replicas > 2 and decision.assignments.count("n0") <= 2
+
+
+def _shrink_beside_a_grower(around: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """Job a (scales badly) shrinks while b (scales well) grows and an urgent job is admitted, on
+    three 2-GPU nodes; a's GPUs by node before and after. Found by a search over small clusters."""
+    snap = snapshot.ClusterSnapshot([NodeView(f"n{i}", 2, 2, virtual_cluster="train") for i in range(3)],
+                                    [snapshot.VirtualClusterView("train")])
+    alloc = allocator.Allocator(dataclasses.replace(allocator.HUORN, resize_around_replicas=around,
+                                                    gpus_per_node=2))
+    a = build_job("a", SCALES_BADLY, max_replicas=6, restart_seconds=30.0, replicas=2, resizes_in_place=True,
+                  remaining_work=1e7)
+    b = build_job("b", max_replicas=6, restart_seconds=30.0, replicas=3, resizes_in_place=True,
+                  remaining_work=1e7)
+    old = snap.assume("a", "train", snapshot.placement.Placement(["n1", "n2"]), 1)
+    snap.assume("b", "train", snapshot.placement.Placement(["n0", "n1", "n2"]), 1)
+    urgent = build_job("u", min_replicas=1, max_replicas=1, priority=90, remaining_work=1e5)
+    decisions = {d.job: d for d in alloc.allocate(snap, [a, b, urgent], 10_000.0)}
+    assert decisions["a"].action == "shrink" and decisions["u"].action == "admit"
+    return dict(old.gpus_by_node), snap.bindings()["a"].gpus_by_node
+
+
+def test_a_shrink_keeps_replicas_where_they_run_when_that_is_worth_more() -> None:
+    """Placed afresh, the shrunk gang lands on a node it did not use (a restart); tried around its
+    replicas, it keeps one where it runs and is resized in place."""
+    old, new = _shrink_beside_a_grower(around=True)
+    assert allocator.keeps_nodes(old, new, grew=False)
+    old, new = _shrink_beside_a_grower(around=False)
+    assert not allocator.keeps_nodes(old, new, grew=False)
