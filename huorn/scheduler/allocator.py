@@ -194,8 +194,8 @@ class AllocatorConfig:
 # than a running job's extras, and a placement that resizes in place charged the in-place share of
 # a restart, tried around the gang's replicas (docs/scheduling.md, "Allocator", item 9: the two
 # numbers chosen on seeds 0-9, with seeds 10-19 held out from that choice). The JCT terms need a
-# job's remaining work (JobView.remaining_work);
-# without it they fall back to the neutral rule for that job.
+# job's remaining work (JobView.remaining_work); without it they fall back to the neutral rule for
+# that job.
 HUORN = AllocatorConfig(horizon_seconds=3600.0, jct_weight=0.35, restart_over_remaining=True,
                         pending_order="remaining", protect_finishing_restarts=16.0, admission="value",
                         in_place_share=IN_PLACE_RESIZE_SHARE)
@@ -676,26 +676,42 @@ class Allocator:
             return None if taken or not snap.limits_allow(vc, need) else where
         if any(free.get(node, 0) < gpus for node, gpus in old.gpus_by_node.items()):
             return None
-        current = replica_nodes(old, gpr)
-        extra = replicas - job.replicas
+        added = self._new_replicas_beside(snap, job, old, replicas - job.replicas, lifted=True)
+        if added is None:
+            return None
+        merged = placement.Placement(sorted(replica_nodes(old, gpr) + added))
+        return merged if snap.limits_allow(vc, merged.gpus_by_node(gpr)) else None
+
+    @staticmethod
+    def _new_replicas_beside(snap: snapshot.ClusterSnapshot, job: JobView, old: snapshot.Binding, extra: int,
+                             lifted: bool) -> list[str] | None:
+        """The nodes of `extra` new replicas of a running gang: on the gang's own nodes first, most
+        of its replicas first (more on a lender's node needs the lender's room, and none goes on a
+        cordoned node: both are left to the placement), then wherever the rest fit. `lifted`: the
+        gang's binding is off the snapshot, so its own GPUs count as free there and are held for
+        it. None where the new replicas do not fit."""
+        gpr, vc = job.gpus_per_replica, job.virtual_cluster
+        views = snap.node_views()
+        held = old.gpus_by_node if lifted else {}
+        free = {v.name: v.gpus_free - held.get(v.name, 0) for v in views}
+        cordoned = {v.name for v in views if v.cordoned}
         beside: list[str] = []
         for node in sorted(old.gpus_by_node, key=lambda n: (-old.gpus_by_node[n], n)):
-            if not snap.foreign_gpus(vc, {node: 1}):  # more on a lender's node: placed, in its room
-                room = (free[node] - old.gpus_by_node[node]) // gpr
-                beside += [node] * max(0, min(room, extra - len(beside)))
-        added: list[str] = []
+            if not snap.foreign_gpus(vc, {node: 1}) and node not in cordoned:
+                beside += [node] * max(0, min(free[node] // gpr, extra - len(beside)))
+        if not lifted and len(beside) == extra:
+            return beside
         with snap.simulate():
             try:
-                snap.assume(f"{job.name}/anchored", vc, placement.Placement(current + beside), gpr)
-            except ValueError:  # a node's GPUs gone in between: nothing to anchor to
+                ours = replica_nodes(old, gpr) + beside if lifted else beside
+                if ours:
+                    snap.assume(f"{job.name}/beside", vc, placement.Placement(ours), gpr)
+            except ValueError:  # a node's GPUs gone in between: nothing to add beside
                 return None
-            if len(beside) < extra:
-                rest = snap.place(vc, extra - len(beside), gpr)
-                if not isinstance(rest, placement.Placement):
-                    return None
-                added = rest.assignments
-        merged = placement.Placement(sorted(current + beside + added))
-        return merged if snap.limits_allow(vc, merged.gpus_by_node(gpr)) else None
+            if len(beside) == extra:
+                return beside
+            rest = snap.place(vc, extra - len(beside), gpr)
+        return beside + rest.assignments if isinstance(rest, placement.Placement) else None
 
     @staticmethod
     def _kept_replicas(snap: snapshot.ClusterSnapshot, job: JobView, old: snapshot.Binding,
@@ -734,30 +750,10 @@ class Allocator:
         current = replica_nodes(old, gpr)
         stay = self.at_span(job, job.replicas, len(old.gpus_by_node))[0]
         best, chosen = stay, None
-        views = snap.node_views()
-        free = {v.name: v.gpus_free for v in views}
-        cordoned = {v.name for v in views if v.cordoned}
-        # more on a lender's node needs the lender's room: left to the placement; none on a node
-        # being drained
-        own = [node for node in sorted(old.gpus_by_node, key=lambda n: (-old.gpus_by_node[n], n))
-               if not snap.foreign_gpus(job.virtual_cluster, {node: 1}) and node not in cordoned]
         for a in range(want, job.replicas, -1):
-            extra = a - job.replicas
-            beside: list[str] = []
-            for node in own:
-                beside += [node] * min(free[node] // gpr, extra - len(beside))
-            rest = extra - len(beside)
-            if rest:
-                with snap.simulate():
-                    if beside:
-                        near = placement.Placement(beside)
-                        snap.assume(f"{job.name}/beside", job.virtual_cluster, near, gpr)
-                    where = snap.place(job.virtual_cluster, rest, gpr)
-                if not isinstance(where, placement.Placement):
-                    continue
-                added = beside + where.assignments
-            else:
-                added = beside
+            added = self._new_replicas_beside(snap, job, old, a - job.replicas, lifted=False)
+            if added is None:
+                continue
             merged = placement.Placement(sorted(current + added))
             speed = self.at_span(job, a, merged.nodes_spanned)[0] * cost
             if speed > best:
