@@ -8,10 +8,13 @@ pods exactly as in a cluster; the tests drive the ranks' sequence numbers and st
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
 import time
 from collections.abc import Iterator
 
+import kmock
 import pytest
 from kube import builders
 from kube import operator as operator_mod
@@ -181,6 +184,58 @@ def test_replicas_a_move_removed_go_while_their_successors_wait_for_gpus(cluster
         assert [p.metadata.deletion_timestamp for p in kube.pods(NS, "fill", "trainer")] == [None]
         assert not [d for d in kube.job_status(NS, "fill").get("decisions") or [] if d["action"] != "resize"
                     and "preempt" in d["reason"]]
+
+
+def test_another_job_is_placed_while_a_removed_replica_s_delete_waits_on_the_api(
+        cluster, kube: builders.Kube) -> None:
+    """Every job's placement takes the operator's placement lock. The delete of a replica a move
+    removed used to be awaited under it, so while the API server held that delete (throttling,
+    a slow etcd), no job anywhere could be placed. Here the delete is held until a job on another
+    virtual cluster has its pod: it must not wait for it."""
+    release = threading.Event()
+    held: list[str] = []
+
+    async def hold(request: kmock.Request) -> None:
+        if request.name == "mover-trainer-0":
+            held.append(request.name)
+            for _ in range(600):  # at most 30 s, released by the test
+                if release.is_set():
+                    break
+                await asyncio.sleep(0.05)
+        raise NotImplementedError  # answered by the emulator
+
+    assert cluster.kmock is not None
+    cluster.kmock["delete", kmock.resource("", "v1", "pods")] << hold
+    try:
+        with start_operator(cluster, 9):  # no telemetry: the monitor never decides here
+            elastic = {"minReplicas": 1, "maxReplicas": 2}
+            kube.create_job(NS, builders.make_training_job("mover", "train", gpus=4, elasticity=elastic))
+            run_with_ips(kube, "mover", 1)
+            (home,) = [pinned_node(p) for p in kube.pods(NS, "mover", "trainer")]
+            other = "a1" if home == "a0" else "a0"
+            filler = builders.make_training_job("fill", "train", replicas=1, max_replicas=1, gpus=4,
+                                                priority=10)
+            kube.create_job(NS, filler)
+            wait_for(lambda: [pinned_node(p) for p in kube.pods(NS, "fill", "trainer")] == [other],
+                     what="filler")
+            g = serialise.from_status(kube.job_status(NS, "mover")["graph"])
+            mutate.resize(g, "trainer", 2, reason="goodput allocator: grow to 2 (a test's move)",
+                          remove=["trainer-0"], nodes=[other, other])
+            kube.custom.patch_namespaced_custom_object_status(
+                builders.GROUP, builders.VERSION, NS, "trainingjobs", "mover",
+                {"status": {"graph": serialise.to_status(g)}})
+            wait_for(lambda: held, what="the removed replica's delete reaching the API")
+            kube.create_job(NS, builders.make_training_job("elsewhere", "serve", replicas=1,
+                                                           max_replicas=1, gpus=4))
+            # (the hold lasts up to 30 s: with the delete awaited under the lock this times out)
+            wait_for(lambda: kube.pods(NS, "elsewhere", "trainer"), timeout=10.0,
+                     what="a job on another cluster placed while the delete is held")
+            release.set()
+            wait_for(lambda: all(p.metadata.labels["huorn.io/instance"] != "trainer-0"
+                                 for p in kube.pods(NS, "mover", "trainer")),
+                     what="the removed replica deleted once the API answers")
+    finally:
+        release.set()
 
 
 def test_training_progress_and_the_last_checkpoint_reach_status(cluster, kube: builders.Kube,

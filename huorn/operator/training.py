@@ -314,9 +314,13 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     # that has not tried yet is not in line, so a burst of new jobs places as fast as before.
     below_minimum = len(graph.vertex("trainer").instances) - len(missing) < trainer.min_replicas
     in_line = dataclasses.replace(queued, missing=len(missing) if below_minimum else 0)
+    going: list[PodRecord] = []  # pods of replicas a resize in status removed, deleted unlocked
+    wait: tuple[str, str, str, str] | None = None  # phase, reason, message, event: not placed
     if not missing:
         ctx.queue.record(dataclasses.replace(queued, missing=0))
     else:
+        # Only the snapshot, the line and the reservation under the lock, no API call: every
+        # job's placement waits on it, and a write retried through 429s would stall them all.
         async with ctx.placement_lock:
             gpus = job.spec.resources.gpus
             snap = ctx.index.build_snapshot()
@@ -325,52 +329,56 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             hints = allocation.placement_hints(graph)
             where = None if ahead is not None else allocation.place_missing(
                 snap, job.spec.virtual_cluster, [i.name for i in missing], gpus, hints)
-            freeing = 0
             if not isinstance(where, placement.Placement):
                 # Replicas a resize in status removed (a move to the allocator's nodes) go now, as a
                 # shrink's do: kept while the new ones wait, they ran outside the graph, unseen by
                 # the monitor, the loans and the preemptions.
-                freeing = await _delete_removed(ctx, ref, graph, pods, unwritten=new)
-            if ahead is not None:
+                going = _removed_pods(ref, graph, pods, unwritten=new)
                 ctx.queue.record(in_line)
+            if ahead is not None:
                 ctx.wake_queued(ahead)
                 message = (f"queued behind {ahead.binding} (priority {ahead.priority}), which waited "
                            "first and fits in the free GPUs" if below_minimum else
                            f"growth waits: {ahead.binding} (priority {ahead.priority}) waits for GPUs and "
                            "fits in the free ones, and growth comes after the line")
-                return await _waiting(ctx, body, base_status, phase, "Queued", message, event="Normal")
-            if not isinstance(where, placement.Placement):
+                wait = (phase, "Queued", message, "Normal")
+            elif not isinstance(where, placement.Placement):
                 assert where is not None
-                ctx.queue.record(in_line)
                 ctx.metrics.decisions.labels(KIND, "unplaceable").inc()
-                # (not for the GPUs of its own pods it just deleted: the mirror still counts them
+                # (not for the GPUs of its own pods it is deleting: the mirror still counts them
                 # held, and lower-priority gangs would be stopped for what it is freeing itself)
                 message = (plan_preemption(ctx, queued, len(missing), where.reason)
-                           if below_minimum and not freeing else where.reason)
-                return await _waiting(ctx, body, base_status, phase, "Unplaceable", message)
-            for instance, node in zip(missing, where.assignments, strict=True):
-                assignments[instance.name] = node
-                reserved.append(
-                    PodRecord(
-                        namespace=ns,
-                        name=manifests.pod_name(ref, instance),
-                        job=name,
-                        vertex="trainer",
-                        instance=instance.name,
-                        node=node,
-                        gpus=gpus,
-                        cpu_milli=0,
-                        virtual_cluster=job.spec.virtual_cluster,
+                           if below_minimum and not going else where.reason)
+                wait = (phase, "Unplaceable", message, "Warning")
+            else:
+                for instance, node in zip(missing, where.assignments, strict=True):
+                    assignments[instance.name] = node
+                    reserved.append(
+                        PodRecord(
+                            namespace=ns,
+                            name=manifests.pod_name(ref, instance),
+                            job=name,
+                            vertex="trainer",
+                            instance=instance.name,
+                            node=node,
+                            gpus=gpus,
+                            cpu_milli=0,
+                            virtual_cluster=job.spec.virtual_cluster,
+                        )
                     )
-                )
-            ctx.index.reserve(reserved)
-            if not base_status.get("startTime", old.get("startTime")):
-                # In the write-ahead patch below; a resume cleared it, so its clock starts again.
-                base_status["startTime"] = iso_time(time.time())
-            ctx.queue.record(dataclasses.replace(queued, missing=0))
-            if queued.missing:
-                # The line moved: those that stepped back behind this job try again now.
-                ctx.wake_line(queued.virtual_cluster)
+                ctx.index.reserve(reserved)
+                if not base_status.get("startTime", old.get("startTime")):
+                    # In the write-ahead patch below; a resume cleared it, so its clock starts again.
+                    base_status["startTime"] = iso_time(time.time())
+                ctx.queue.record(dataclasses.replace(queued, missing=0))
+                if queued.missing:
+                    # The line moved: those that stepped back behind this job try again now.
+                    ctx.wake_line(queued.virtual_cluster)
+    if going:
+        await _delete_pods(ctx, graph, going)
+    if wait is not None:
+        phase, reason, message, event = wait
+        return await _waiting(ctx, body, base_status, phase, reason, message, event=event)
 
     # Write-ahead: the decision is in status before any pod changes.
     try:
@@ -682,17 +690,14 @@ async def _apply_children(
     await _delete_pods(ctx, graph, [p for p in pods.values() if p.name not in wanted])
 
 
-async def _delete_removed(ctx: Context, ref: manifests.JobRef, graph: Graph,
-                          pods: Mapping[str, PodRecord], unwritten: list[Mutation]) -> int:
-    """Delete the trainer pods that mutations already in status removed from the graph, with
-    the grace they set; those of `unwritten` ones wait for their decision's write-ahead.
-    Returns how many it deleted."""
+def _removed_pods(ref: manifests.JobRef, graph: Graph, pods: Mapping[str, PodRecord],
+                  unwritten: list[Mutation]) -> list[PodRecord]:
+    """The trainer pods that mutations already in status removed from the graph, to delete (with
+    the grace they set); those of `unwritten` ones wait for their decision's write-ahead."""
     wanted = {manifests.pod_name(ref, i) for i in graph.vertex("trainer").instances}
     held = {name for m in unwritten for name in removed_by(m)}
-    going = [p for p in pods.values() if p.vertex == "trainer" and p.name not in wanted
-             and p.instance not in held and not p.deleting]
-    await _delete_pods(ctx, graph, going)
-    return len(going)
+    return [p for p in pods.values() if p.vertex == "trainer" and p.name not in wanted
+            and p.instance not in held and not p.deleting]
 
 
 async def _delete_pods(ctx: Context, graph: Graph, pods: Iterable[PodRecord]) -> None:
