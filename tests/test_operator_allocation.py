@@ -3,6 +3,7 @@ cluster its index mirrors (huorn.operator.allocation), not each job alone on its
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 from huorn import graph
@@ -169,6 +170,29 @@ def test_the_goodput_policy_moves_a_gang_only_where_it_knows_every_replica_s_nod
         "remove": ["trainer-0"], "nodes": ["a1", "a1"]}
     assert goodput.repack(v, decision, {"trainer-0": "a0"}) == {}  # trainer-1 not placed yet
     assert goodput.repack(v, decision, {}) == {}  # one host: nothing to move
+
+
+def test_a_gang_with_a_failed_replica_is_resized_in_place_not_moved() -> None:
+    """The monitor's map of where replicas run (what the move keeps) and `_movable`'s (whether
+    the move fits) are one: a Failed pod not yet deleted had been running to the one and gone to
+    the other, so the fit was checked for another move than the one written. Such a gang is not
+    moved: its failed replica's successor goes wherever it fits."""
+    ctx = build_ctx(gpus=4)
+    ctx.index.nodes["a1"] = index.NodeRecord("a1", 4, {"pool": "a"})
+    run_pods(ctx, "mover", 2, gpus=2)  # both on a0
+    ctx.index.pods[("t", "mover-trainer-1")] = dataclasses.replace(
+        ctx.index.pods[("t", "mover-trainer-1")], phase="Failed")
+    spec = {"virtualCluster": "train", "elasticity": {"minReplicas": 1, "maxReplicas": 4}}
+    g = graph.compile({"apiVersion": "huorn.io/v1alpha1", "kind": "TrainingJob",
+                       "metadata": {"name": "mover"}, "spec": spec})
+    mutate.resize(g, "trainer", 2, reason="start")
+    nodes = allocation.trainer_nodes(ctx.index.pods_of("t", "mover"))
+    assert nodes == {"trainer-0": "a0"}
+    move = allocator.Decision("t/mover", "grow", 3, 2, assignments=["a1", "a1", "a0"])
+    assert goodput.repack(g.vertex("trainer"), move, nodes) == {}
+    running = {"trainer-0": "a0", "trainer-1": "a0"}
+    assert goodput.repack(g.vertex("trainer"), move, running) == {"remove": ["trainer-1"],
+                                                                  "nodes": ["a1", "a1"]}
 
 
 def test_a_move_onto_gpus_that_are_not_free_now_is_left_a_plain_resize() -> None:

@@ -206,6 +206,16 @@ def _placeable(snap: snapshot.ClusterSnapshot, job: allocator.JobView, extra: in
     return 0
 
 
+def trainer_nodes(pods: Iterable[index.PodRecord]) -> dict[str, str]:
+    """Instance → node of the trainers that hold their GPUs. One map for the monitor's repack
+    (which replicas a move keeps) and `_movable` (whether the move fits): a failed pod not yet
+    deleted had counted as running in the one and not in the other, so the fit was checked for a
+    different move than the one written. A gang with a failed replica is not moved: its
+    replacement is placed wherever it fits, and the resize keeps the others where they run."""
+    return {p.instance: p.node for p in pods if p.vertex == TRAINER and p.node and not p.deleting
+            and p.holds_resources}
+
+
 def _movable(snap: snapshot.ClusterSnapshot, job: allocator.JobView, decision: allocator.Decision,
              pods: Iterable[index.PodRecord]) -> bool:
     """Whether the replicas a move to the decision's nodes adds fit there now, beside the pods
@@ -215,8 +225,7 @@ def _movable(snap: snapshot.ClusterSnapshot, job: allocator.JobView, decision: a
     new ones where they fit."""
     if not decision.assignments:
         return True
-    running = {p.instance: p.node for p in pods if p.vertex == TRAINER and p.node and not p.deleting
-               and p.holds_resources}
+    running = trainer_nodes(pods)
     leaving, new_nodes = placement.match_replicas(running, decision.assignments)
     if not leaving or not new_nodes:
         return True  # it only grows beside its replicas, or only shrinks

@@ -207,8 +207,7 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
         # and eval pods that ended (read under the lock, against the graph as it is now).
         pods = ctx.index.pods_of(namespace, name)
         # Where each trainer runs: the goodput policy moves a resized gang to the allocator's nodes.
-        observation.nodes.update({p.instance: p.node for p in pods
-                                  if p.vertex == "trainer" and p.node and not p.deleting})
+        observation.nodes.update(allocation.trainer_nodes(pods))
         observation.instances.update(evaluation.build_states(graph, pods, time.time(), start_seconds))
         if not evaluation.still_leaving(graph, pods):  # else handed at a later tick, once it is
             observation.checkpoint = evaluation.landed_checkpoint(graph, observation.telemetry)
