@@ -11,7 +11,8 @@ import yaml
 from pydantic import ValidationError
 
 from huorn.api.training import TrainingJobStatus
-from huorn.operator import evaluation
+from huorn.api.virtualcluster import VirtualClusterStatus
+from huorn.operator import context, evaluation, index, virtualclusters
 
 
 def entry(step: int, phase: str = "Succeeded", **extra: object) -> dict:
@@ -51,3 +52,18 @@ def test_the_crd_describes_the_new_status_fields() -> None:
     last = status["lastEvaluation"]["properties"]
     assert last["phase"]["enum"] == ["Succeeded", "Failed"]
     assert status["evaluations"]["maxItems"] == evaluation.HISTORY
+
+
+def test_every_virtual_cluster_status_key_the_operator_writes_is_declared_in_the_crd() -> None:
+    """The operator wrote `waitingGPUs` while the model (so the CRD and `kubectl explain`) named
+    it `waitingGpus`: a cluster stored both, the declared one always 0. Every key the
+    VirtualCluster reconcile writes must be a declared status property."""
+    ctx = context.Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
+    ctx.index.nodes["a0"] = index.NodeRecord("a0", 8, {"pool": "a"})
+    ctx.index.vcs["train"] = {"members": {"nodeSelector": {"matchLabels": {"pool": "a"}}}}
+    usage = virtualclusters.compute_usage(ctx, "train")
+    crd = yaml.safe_load(Path("crds/virtualclusters.huorn.io.yaml").read_text())
+    declared = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert set(usage) <= set(declared), sorted(set(usage) - set(declared))
+    parsed = VirtualClusterStatus.model_validate(usage | {"waitingGPUs": 6})
+    assert parsed.waiting_gpus == 6 and not parsed.model_extra

@@ -109,7 +109,8 @@ class VirtualClusterStatus(ApiModel):
     borrowed: int = 0
     waiting_jobs: int = Field(default=0, description="TrainingJobs of this cluster waiting in line for GPUs "
                               "(Kueue's pendingWorkloads).")
-    waiting_gpus: int = Field(default=0, description="GPUs those waiting jobs need to start.")
+    waiting_gpus: int = Field(default=0, alias="waitingGPUs",
+                              description="GPUs those waiting jobs need to start.")
     forecast: ForecastReading | None = Field(
         default=None, description="The prediction board's last reading (inference clusters with "
                                   "lending.forecast).")
