@@ -240,17 +240,20 @@ def test_another_job_is_placed_while_a_removed_replica_s_delete_waits_on_the_api
 
 def test_training_progress_and_the_last_checkpoint_reach_status(cluster, kube: builders.Kube,
                                                                 ranks: Ranks) -> None:
-    """What `kubectl get tj` prints (Step, Loss) comes from the ranks' telemetry, and a landed
-    checkpoint reaches status.lastCheckpoint at once, even between progress writes."""
+    """What `kubectl get tj` prints (Step, Loss; Batch with -o wide) comes from the ranks'
+    telemetry, and a landed checkpoint reaches status.lastCheckpoint at once, even between
+    progress writes."""
     for step in range(1, 8):  # all before the pods run: the first poll sees all seven
         for replica in IPS:
-            ranks.by_replica[replica].record_step(step, 0.5, 0.1, 3.0 - 0.1 * step, 2000.0 + step, None)
+            ranks.by_replica[replica].record_step(step, 0.5, 0.1, 3.0 - 0.1 * step, 2000.0 + step, None,
+                                                  global_batch=48 + step, learning_rate=0.001 * step)
     with start_operator(cluster, ranks.port, progress_seconds=3600.0):
         kube.create_job(NS, builders.make_training_job("llm", "train", replicas=2, max_replicas=2, gpus=2))
         run_with_ips(kube, "llm", 2)
         status = wait_for(lambda: (s := kube.job_status(NS, "llm")).get("step") == 7 and s,
                           what="status.step 7")
         assert status["loss"] == pytest.approx(2.3) and status["tokensPerSecond"] == pytest.approx(2007.0)
+        assert (status["batchSize"], status["learningRate"]) == (55, pytest.approx(0.007))
         # 7 of the 100 declared steps; the first write's rate is the step's own 0.5 s: 93 × 0.5 s.
         assert (status["progressPercent"], status["estimatedRemainingSeconds"]) == (7, 46)
         assert status["estimatedRemaining"] == "46s"

@@ -147,6 +147,12 @@ def test_injected_hangs_show_in_sequence_numbers_of_a_real_gang(tmp_path: Path) 
                          "three steps")
         view = _telemetry(tmp_path, 0)
         assert view["world_size"] == 2 and view["steps"][-1]["comm_seconds"] >= 0
+        # the batch and rate each step trained with, as its log line says (status.batchSize, learningRate)
+        logged = {e["step"]: e for e in harness.steps_of(harness.read_events(tmp_path / "run"))}
+        started = next(e for e in harness.read_events(tmp_path / "run") if e.get("event") == "start")
+        seen = [s for s in view["steps"] if s["step"] in logged]
+        assert seen and all(s["global_batch"] == started["global_batch"] > 0 for s in seen)
+        assert all(s["learning_rate"] == logged[s["step"]]["lr"] > 0 for s in seen)
         # Two ranks give two batch sizes, so the gradient noise scale gets a value.
         noise = harness.wait_for(lambda: [s["gradient_noise_scale"] for s in _telemetry(tmp_path, 0)["steps"]
                                           if s["gradient_noise_scale"]], 120, "a gradient noise scale")

@@ -72,6 +72,8 @@ TRAINING_JOB = Kind(
         PrinterColumn("Progress", ".status.progressPercent", "integer"),
         PrinterColumn("ETA", ".status.estimatedRemaining"),
         PrinterColumn("Restarts", ".status.restartsUsed", "integer", priority=1),
+        PrinterColumn("Batch", ".status.batchSize", "integer", priority=1,
+                      description="The global batch of the newest step (the goodput rule's)."),
         *_JOB_COLUMNS[2:],
     ),
     scale_spec_path=".spec.elasticity.minReplicas",

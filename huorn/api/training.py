@@ -509,5 +509,9 @@ class TrainingJobStatus(JobStatus):
     estimated_remaining: str | None = Field(
         default=None, max_length=16, description="estimatedRemainingSeconds for people ('1h05m'): the "
         "ETA column of `kubectl get tj`.")
-    batch_size: int | None = None
-    learning_rate: float | None = None
+    batch_size: int | None = Field(
+        default=None, ge=1, description="The global batch the newest step trained with: the "
+        "optimization.batchRule's for the gang's size (the goodput allocator chooses both).")
+    learning_rate: float | None = Field(
+        default=None, ge=0, description="The learning rate of that step: scaled with the batch by "
+        "the rule, then warmed up and scheduled.")

@@ -249,7 +249,8 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
 
 def build_progress(observation: monitor.Observation, total_steps: int | None = None,
                    since: tuple[float, int] | None = None) -> dict[str, Any]:
-    """status.step, loss, tokensPerSecond (from the newest step record), progressPercent and the
+    """status.step, loss, tokensPerSecond, batchSize and learningRate (from the newest step
+    record), progressPercent and the
     ETA (against the declared `total_steps`; `since`: time and step of the previous write) and
     lastCheckpoint (from the lowest rank's telemetry), what `kubectl get trainingjobs` prints;
     {} when nothing new."""
@@ -261,6 +262,11 @@ def build_progress(observation: monitor.Observation, total_steps: int | None = N
             progress["loss"] = round(float(last["loss"]), 6)
         if last.get("tokens_per_second") is not None:
             progress["tokensPerSecond"] = round(float(last["tokens_per_second"]), 1)
+        # what the step trained with: the batch and rate the goodput rule set for the gang's size
+        if last.get("global_batch") is not None:
+            progress["batchSize"] = int(last["global_batch"])
+        if last.get("learning_rate") is not None:
+            progress["learningRate"] = float(f"{float(last['learning_rate']):.6g}")
         seconds = last.get("step_seconds")
         step_seconds = float(seconds) if seconds is not None else None
         progress |= estimates.estimate_progress(progress["step"], total_steps, observation.time, since,

@@ -141,7 +141,8 @@ class Telemetry:
                     tokens_per_second: float, noise_scale: float | None,
                     microbatch_seconds: float | None = None,
                     waits: Mapping[str, float] | None = None,
-                    links: Mapping[str, float] | None = None) -> None:
+                    links: Mapping[str, float] | None = None,
+                    global_batch: int | None = None, learning_rate: float | None = None) -> None:
         """`microbatch_seconds`: compute seconds of one of this rank's micro-batches (forward and
         backward, collectives excluded). S2 plans from it: the step's compute also holds work
         that does not scale with the micro-batches (the optimizer step), which would make a
@@ -152,7 +153,9 @@ class Telemetry:
         link. `links`: a pipeline stage's outgoing links, seconds per message and messages
         (`send_link_*` to the next stage, `grad_link_*` to the previous); they run beside compute,
         so they are not part of `comm_seconds`. Behind a slow link every stage waits longer, but
-        only that link's messages take longer: they say which link it is."""
+        only that link's messages take longer: they say which link it is. `global_batch` and
+        `learning_rate`: what the step trained with, the batch the goodput allocator's rule set
+        for this many replicas and its scaled, scheduled rate (status.batchSize, learningRate)."""
         comm = min(comm_seconds, step_seconds)
         record = {
             "step": step, "time": time.time(), "step_seconds": step_seconds,
@@ -161,6 +164,10 @@ class Telemetry:
         }
         if microbatch_seconds is not None:
             record["microbatch_seconds"] = microbatch_seconds
+        if global_batch is not None:
+            record["global_batch"] = global_batch
+        if learning_rate is not None:
+            record["learning_rate"] = learning_rate
         record.update(waits or {})
         record.update(links or {})
         with self._lock:

@@ -540,7 +540,8 @@ class Trainer:
         self.injector.after_step(elapsed - comm_s)
         self.telemetry.record_step(step, elapsed, comm_s, loss, tokens_per_s, noise,
                                    microbatch_seconds=self.microbatch_seconds, waits=self.step_waits,
-                                   links=self.step_links)
+                                   links=self.step_links, global_batch=self.plan.global_batch,
+                                   learning_rate=lr)
         record = {"event": "step", "step": step, "loss": loss, "world_size": self.world, "lr": lr,
                   "tokens_per_second": tokens_per_s, "step_seconds": elapsed, "comm_seconds": comm_s,
                   "gradient_noise_scale": noise, **extra}
