@@ -3,7 +3,9 @@ Kubernetes schemas (kubernetes-validate) and against what the operator actually 
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,39 @@ def _render(values: dict[str, Any]) -> list[dict[str, Any]]:
 def _one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     [doc] = [d for d in docs if d["kind"] == kind]
     return doc
+
+
+def _value_paths(values: dict[str, Any], schema: dict[str, Any], prefix: tuple[str, ...] = ()):
+    """Every key that values.yaml sets, down through the chart's own objects (those whose schema
+    is closed to other keys); free-form maps (resources, nodeSelector, ...) are the user's."""
+    for key, value in values.items():
+        path = (*prefix, key)
+        yield path
+        schema_of_key = schema["properties"][key]
+        if isinstance(value, dict) and schema_of_key.get("additionalProperties") is False:
+            yield from _value_paths(value, schema_of_key, path)
+
+
+VALUE_PATHS = list(_value_paths(
+    yaml.safe_load((CHART / "values.yaml").read_text()),
+    json.loads((CHART / "values.schema.json").read_text()),
+))
+
+
+def _chart_without(tmp_path: Path, path: tuple[str, ...], schema: bool = True) -> Path:
+    """A copy of the chart whose values.yaml lacks `path`: what `helm upgrade --reuse-values`
+    hands the templates when the release was installed from a chart without that value (Helm
+    takes the old chart's values.yaml with the release's own overrides)."""
+    chart = Path(shutil.copytree(CHART, tmp_path / "huorn"))
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    parent = values
+    for key in path[:-1]:
+        parent = parent[key]
+    del parent[path[-1]]
+    (chart / "values.yaml").write_text(yaml.safe_dump(values))
+    if not schema:
+        (chart / "values.schema.json").unlink()
+    return chart
 
 
 def test_chart_lints_clean_in_strict_mode() -> None:
@@ -177,6 +212,33 @@ def test_values_schema_and_guards_reject_bad_values_with_the_field() -> None:
         chart.render({"replicaCount": 3}, name="huorn", namespace="x")
     with pytest.raises(helm_python.HelmRenderError, match="needs watchNamespaces empty"):
         chart.render({**VARIANTS["ha"], "watchNamespaces": ["team-a"]}, name="huorn", namespace="x")
+
+
+@pytest.mark.parametrize("path", VALUE_PATHS, ids=".".join)
+def test_a_value_missing_after_reuse_values_from_an_older_chart_is_refused_by_name(
+        tmp_path: Path, path: tuple[str, ...]) -> None:
+    """`helm upgrade --reuse-values` from a chart older than a value renders without it: a missing
+    jobImageSuffix silently ran GPU jobs on the CPU image, a missing autoscaleSeconds rendered
+    `--autoscale-seconds=` and the operator exited 2. The schema requires every value that
+    values.yaml sets, so Helm refuses the upgrade and names the value instead."""
+    chart = helm_python.Chart.load(_chart_without(tmp_path, path))
+    with pytest.raises(helm_python.HelmValuesError, match=f"missing property '{path[-1]}'"):
+        chart.render({}, name="huorn", namespace="huorn-system")
+
+
+@pytest.mark.parametrize("path", [
+    ("jobImageSuffix",), ("resyncSeconds",), ("podStartSeconds",), ("replacementBackoffSeconds",),
+    ("autoscaleSeconds",), ("health", "port"), ("metrics", "port"),
+], ids=".".join)
+def test_a_flag_whose_value_is_missing_fails_rendering_even_without_the_schema(
+        tmp_path: Path, path: tuple[str, ...]) -> None:
+    """`helm --skip-schema-validation` bypasses the schema's required values: the templates refuse
+    on their own rather than render an empty flag (`--autoscale-seconds=`, which the operator
+    refuses at start) or drop the CUDA suffix from the job image."""
+    chart = helm_python.Chart.load(_chart_without(tmp_path, path, schema=False))
+    with pytest.raises(helm_python.HelmRenderError, match=rf"{re.escape('.'.join(path))} is unset.*"
+                                                          r"--reset-then-reuse-values"):
+        chart.render({}, name="huorn", namespace="huorn-system")
 
 
 def test_notes_say_how_to_use_it() -> None:

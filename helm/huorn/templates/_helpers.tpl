@@ -43,13 +43,26 @@ app.kubernetes.io/component: operator
      CPU jobs as well, while the operator itself needs none. */}}
 {{- define "huorn.jobImage" -}}
 {{- $image := include "huorn.image" . -}}
-{{- $suffix := .Values.jobImageSuffix | default "" -}}
+{{- $suffix := .Values.jobImageSuffix -}}
 {{- if and $suffix (not (hasSuffix $suffix $image)) -}}{{- $image = printf "%s%s" $image $suffix -}}{{- end -}}
 {{ .Values.jobImage | default $image }}
 {{- end -}}
 
 {{/* Guards on values that the schema alone cannot express (included by deployment.yaml). */}}
 {{- define "huorn.checkValues" -}}
+{{- /* The schema requires these already; without it (helm --skip-schema-validation) a value
+     missing after `helm upgrade --reuse-values` from an older chart rendered `--autoscale-seconds=`
+     (the operator exits 2) or silently ran GPU jobs on the CPU image (no jobImageSuffix). */ -}}
+{{- range $key := list "jobImageSuffix" "resyncSeconds" "podStartSeconds" "replacementBackoffSeconds" "autoscaleSeconds" -}}
+{{- if not (hasKey $.Values $key) -}}
+{{- fail (printf "%s is unset: an upgrade with --reuse-values from an older chart keeps that chart's values, without the ones added since; upgrade with -f your-values.yaml or --reset-then-reuse-values" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- range $key := list "health" "metrics" -}}
+{{- if not (hasKey (index $.Values $key | default dict) "port") -}}
+{{- fail (printf "%s.port is unset: an upgrade with --reuse-values from an older chart keeps that chart's values, without the ones added since; upgrade with -f your-values.yaml or --reset-then-reuse-values" $key) -}}
+{{- end -}}
+{{- end -}}
 {{- if eq (int .Values.metrics.port) (int .Values.health.port) -}}
 {{- fail (printf "metrics.port and health.port are both %d: the operator serves /metrics and /healthz on separate ports (huorn operator exits 2 otherwise); give each its own" (int .Values.metrics.port)) -}}
 {{- end -}}
