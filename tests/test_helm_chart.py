@@ -36,9 +36,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _render(values: dict[str, Any]) -> list[dict[str, Any]]:
+def _render(values: dict[str, Any], namespace: str = "huorn-system") -> list[dict[str, Any]]:
     chart = helm_python.Chart.load(CHART)
-    files = chart.render(values, name="huorn", namespace="huorn-system")
+    files = chart.render(values, name="huorn", namespace=namespace)
     docs = []
     for path, text in files.items():
         if path.endswith(".yaml"):
@@ -304,6 +304,50 @@ def test_an_existing_service_account_must_be_named() -> None:
     [subject] = _one(docs, "ClusterRoleBinding")["subjects"]
     assert subject == {"kind": "ServiceAccount", "name": "huorn-ops", "namespace": "huorn-system"}
     assert _one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "huorn-ops"
+
+
+CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
+
+
+def test_installs_of_one_release_name_in_two_namespaces_share_no_cluster_scoped_object() -> None:
+    """docs/operator.md runs one install per set of namespaces; the ClusterRole and its binding
+    were named after the release alone, so `helm install huorn -n team-b` failed on the objects
+    that team-a's `huorn` owned (or, adopted, rebound them to team-b's ServiceAccount)."""
+    names = {}
+    for namespace in ("team-a", "team-b"):
+        docs = _render({"watchNamespaces": [namespace]}, namespace)
+        names[namespace] = {(d["kind"], d["metadata"]["name"]) for d in docs if d["kind"] in CLUSTER_SCOPED}
+        binding = _one(docs, "ClusterRoleBinding")
+        assert binding["roleRef"]["name"] == _one(docs, "ClusterRole")["metadata"]["name"]
+        assert binding["subjects"][0]["namespace"] == namespace
+    assert names["team-a"] and not names["team-a"] & names["team-b"], names
+    # cut to 63 characters, names that differ only past the cut still differ
+    long_names = set()
+    for namespace in ("a" * 60 + "-one", "a" * 60 + "-two"):
+        docs = _render({"fullnameOverride": "f" * 63}, namespace)
+        for doc in (d for d in docs if d["kind"] in CLUSTER_SCOPED):
+            assert len(doc["metadata"]["name"]) <= 63, doc["metadata"]["name"]
+            long_names.add(doc["metadata"]["name"])
+    assert len(long_names) == 2, long_names
+
+
+def test_name_overrides_rename_the_release_objects() -> None:
+    """nameOverride and fullnameOverride are every chart's way to fit a naming scheme; the schema,
+    closed to unknown keys, refused both."""
+    docs = _render({"fullnameOverride": "gpu-operator"})
+    assert _one(docs, "Deployment")["metadata"]["name"] == "gpu-operator"
+    assert _one(docs, "ServiceAccount")["metadata"]["name"] == "gpu-operator"
+    assert _one(docs, "Service")["metadata"]["name"] == "gpu-operator-metrics"
+    assert _one(docs, "ClusterRole")["metadata"]["name"] == "gpu-operator-huorn-system"
+    docs = _render({"nameOverride": "trainer"})
+    deployment = _one(docs, "Deployment")
+    assert deployment["metadata"]["name"] == "huorn-trainer"
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels["app.kubernetes.io/name"] == "trainer"
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert _one(docs, "Service")["spec"]["selector"].items() <= pod_labels.items()
+    with pytest.raises(helm_python.HelmValuesError, match="fullnameOverride"):
+        helm_python.Chart.load(CHART).render({"fullnameOverride": "Not A Name"}, name="huorn", namespace="x")
 
 
 def test_a_startup_probe_holds_off_liveness_while_startup_lists_the_cluster() -> None:

@@ -1,13 +1,33 @@
 {{- define "huorn.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The name of the release's namespaced objects. */}}
 {{- define "huorn.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The name of a cluster-scoped object of the release: (list . suffix). Releases of one name in
+     two namespaces (one install per set of namespaces, docs/operator.md) must not share a
+     ClusterRole or ClusterRoleBinding, so the name carries the release's namespace; a name over
+     63 characters is cut and made unique again by a hash of the whole. */}}
+{{- define "huorn.clusterName" -}}
+{{- $ctx := index . 0 -}}
+{{- $suffix := index . 1 -}}
+{{- $base := printf "%s-%s" (include "huorn.fullname" $ctx) $ctx.Release.Namespace -}}
+{{- if gt (len (printf "%s%s" $base $suffix)) 63 -}}
+{{- $base = printf "%s-%s" ($base | trunc (int (sub 54 (len $suffix))) | trimSuffix "-") (sha256sum $base | trunc 8) -}}
+{{- end -}}
+{{- printf "%s%s" $base $suffix -}}
 {{- end -}}
 
 {{- define "huorn.labels" -}}
