@@ -33,6 +33,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "metrics": {"port": 9090, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
         "podStartSeconds": 1800,
     },
+    # OpenShift's restricted-v2 SCC assigns the UID and groups from the namespace's range
+    "platform-uid": {"podSecurityContext": {"runAsUser": None, "runAsGroup": None, "fsGroup": None}},
 }
 
 
@@ -121,6 +123,7 @@ def test_deployment_runs_non_root_read_only_with_limits() -> None:
     pod = deployment["spec"]["template"]["spec"]
     [container] = pod["containers"]
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     security = container["securityContext"]
     assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
     assert security["capabilities"]["drop"] == ["ALL"]
@@ -198,6 +201,26 @@ def test_cluster_role_is_least_privilege_and_never_reads_secrets() -> None:
             assert granted.get(("huorn.io", f"{kind.plural}/finalizers")) == {"update"}, kind.kind
     ha_rules = _one(_render(VARIANTS["ha"]), "ClusterRole")["rules"]
     assert any("clusterkopfpeerings" in r["resources"] for r in ha_rules)
+
+
+def test_the_platform_may_assign_the_operators_uid_and_groups() -> None:
+    """The pod's runAsUser, runAsGroup and fsGroup (10001) were fixed in the template and the
+    schema refused any override, while OpenShift's restricted-v2 SCC refuses a UID outside the
+    namespace's range: its users null them and the platform picks them, the rest of the hardening
+    staying as it is (Pod Security "restricted")."""
+    pod = _one(_render(VARIANTS["platform-uid"]), "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    [container] = pod["containers"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    pod = _one(_render({"podSecurityContext": {"runAsUser": 1000680000, "fsGroup": 1000680000}}),
+               "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsUser"] == pod["securityContext"]["fsGroup"] == 1000680000
+    with pytest.raises(helm_python.HelmValuesError, match="runAsUser"):
+        helm_python.Chart.load(CHART).render(
+            {"podSecurityContext": {"runAsUser": "root"}}, name="huorn", namespace="x")
 
 
 def test_values_schema_and_guards_reject_bad_values_with_the_field() -> None:
