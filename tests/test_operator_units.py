@@ -354,6 +354,39 @@ def test_kubeclient_apply_is_create_or_patch(tmp_path) -> None:
     assert (gone, again, left) == (True, False, [])
 
 
+def test_a_pod_create_that_meets_409_keeps_the_existing_pod_as_it_is(tmp_path) -> None:
+    """A reconcile whose mirror missed a pod (a create that landed while every retry failed, or
+    a pod created just before) creates it again, elsewhere. A pod cannot move: the existing one is
+    returned untouched, so the mirror records the node it runs on. Its metadata used to be patched
+    with the new placement's annotations, and every mirror counted its GPUs on the wrong node."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from kube import serving as serving_jobs
+    from kube.cluster import EmulatedCluster
+
+    from huorn.backends.kubernetes import client as kube
+    from huorn.graph.model import Instance
+
+    ref = manifests.JobRef("InferenceJob", "chat", "team", "uid")
+    spec = {**serving_jobs.make_inference_job("chat", "serve")["spec"], "image": "mirror.example/huorn:1"}
+    with EmulatedCluster(tmp_path) as cluster:
+        client = kube.KubeClient(cluster.api_client())
+
+        async def scenario() -> tuple[dict, dict]:
+            replica = Instance("server", 0)
+            first = await client.apply(manifests.build_serve_pod(ref, replica, "b0", spec, "serve"))
+            again = await client.apply(manifests.build_serve_pod(ref, replica, "b1", spec, "serve"))
+            return first, again
+
+        first, again = asyncio.run(scenario())
+    assert index.build_pod_record(first).node == "b0"
+    assert again["kind"] == "Pod" and again["metadata"]["uid"] == first["metadata"]["uid"]
+    assert index.build_pod_record(again).node == "b0", "the mirror records where it runs"
+    assert again["metadata"]["annotations"][manifests.ANNOTATION_NODE] == "b0"
+
+
 def _pod_body(name: str, phase: str = "Running") -> dict:
     labels = {"huorn.io/job": "j", "huorn.io/vertex": "trainer", "huorn.io/instance": name}
     return {"metadata": {"namespace": "team", "name": name, "labels": labels},

@@ -33,7 +33,7 @@ class CoreKind:
 
 
 CORE_KINDS: dict[str, CoreKind] = {
-    "Pod": CoreKind("pods", patchable=("metadata",)),
+    "Pod": CoreKind("pods", patchable=()),  # never patched: `apply` returns the existing one
     "Service": CoreKind("services", patchable=("metadata", "spec")),
     "ConfigMap": CoreKind("configmaps", patchable=("metadata", "data")),
     "Node": CoreKind("nodes", namespaced=False),
@@ -108,7 +108,8 @@ class KubeClient:
 
     # ------------------------------------------------------------------ core objects
     async def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Create the object, or patch the mutable parts of the one that exists."""
+        """Create the object, or patch the mutable parts of the one that exists (a Pod that exists
+        is returned unchanged)."""
         kind = CORE_KINDS[manifest["kind"]]
         ns = manifest["metadata"].get("namespace")
         name = manifest["metadata"]["name"]
@@ -119,6 +120,19 @@ class KubeClient:
         except kubernetes.client.ApiException as exc:
             if exc.status != 409:
                 raise
+        if manifest["kind"] == "Pod":
+            # A pod cannot move, and its annotations say where it was placed and from which
+            # template: the one that exists (a create retried after it landed, or one the mirror
+            # had not seen yet) is returned as it is, so the mirror records its real node. Patched
+            # with this manifest's metadata, it claimed the node this placement chose while running
+            # on another, and every mirror counted its GPUs there.
+            # (read by a list of that one name: the ClusterRole grants pods list, not get)
+            found = await self._call(self.core.list_namespaced_pod, ns,
+                                     field_selector=f"metadata.name={name}")
+            live = [p for p in self._sanitize(found).get("items", []) if p["metadata"]["name"] == name]
+            if not live:  # deleted since the 409: the next reconcile finds it missing
+                raise kubernetes.client.ApiException(status=409, reason=f"pod {ns}/{name} existed, then went")
+            return {"apiVersion": "v1", "kind": "Pod", **live[0]}
         patch_body = {k: manifest[k] for k in kind.patchable if k in manifest}
         if manifest["kind"] == "Service":
             # clusterIP is immutable once allocated; the headless "None" is set at create.
