@@ -53,6 +53,25 @@ def _one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return doc
 
 
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def _operator_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The operator's own ClusterRole (the others are the tenants', aggregated into the default
+    roles, which the operator's must never be)."""
+    [role] = [d for d in docs if d["kind"] == "ClusterRole" and not any(
+        label.startswith(AGGREGATE) for label in d["metadata"].get("labels", {}))]
+    return role
+
+
+def _granted(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for group, resource in ((g, r) for g in rule["apiGroups"] for r in rule["resources"]):
+            granted.setdefault((group, resource), set()).update(rule["verbs"])
+    return granted
+
+
 def _value_paths(values: dict[str, Any], schema: dict[str, Any], prefix: tuple[str, ...] = ()):
     """Every key that values.yaml sets, down through the chart's own objects (those whose schema
     is closed to other keys); free-form maps (resources, nodeSelector, ...) are the user's."""
@@ -179,11 +198,7 @@ def test_jobs_are_pulled_from_the_operators_mirror_unless_told_otherwise() -> No
 
 
 def test_cluster_role_is_least_privilege_and_never_reads_secrets() -> None:
-    rules = _one(_render({}), "ClusterRole")["rules"]
-    granted: dict[tuple[str, str], set[str]] = {}
-    for rule in rules:
-        for group, resource in ((g, r) for g in rule["apiGroups"] for r in rule["resources"]):
-            granted.setdefault((group, resource), set()).update(rule["verbs"])
+    granted = _granted(_operator_role(_render({})))
     assert all("*" not in verbs for verbs in granted.values()) and all("*" not in k[1] for k in granted)
     assert not any(resource in ("secrets", "pods/exec") for _, resource in granted)
     assert granted[("", "pods")] == {"list", "watch", "create", "patch", "delete"}
@@ -199,7 +214,7 @@ def test_cluster_role_is_least_privilege_and_never_reads_secrets() -> None:
         owner = manifests.JobRef(kind.kind, "job", "ns", "uid").owner_reference
         if owner.get("blockOwnerDeletion"):
             assert granted.get(("huorn.io", f"{kind.plural}/finalizers")) == {"update"}, kind.kind
-    ha_rules = _one(_render(VARIANTS["ha"]), "ClusterRole")["rules"]
+    ha_rules = _operator_role(_render(VARIANTS["ha"]))["rules"]
     assert any("clusterkopfpeerings" in r["resources"] for r in ha_rules)
 
 
@@ -221,6 +236,41 @@ def test_the_platform_may_assign_the_operators_uid_and_groups() -> None:
     with pytest.raises(helm_python.HelmValuesError, match="runAsUser"):
         helm_python.Chart.load(CHART).render(
             {"podSecurityContext": {"runAsUser": "root"}}, name="huorn", namespace="x")
+
+
+def test_the_default_edit_admin_and_view_roles_carry_the_job_kinds() -> None:
+    """Without them a namespace's `edit` or `admin` could not create a TrainingJob, nor `view`
+    list one, until a cluster admin wrote roles by hand. Job authors get the jobs, their /scale
+    (kubectl scale) and their /status to read; VirtualClusters, the GPU quotas between teams,
+    only to read: writing them stays with cluster admins, as status stays the operator's."""
+    docs = _render({})
+    roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
+    edit, view = roles.pop("huorn-huorn-system-edit"), roles.pop("huorn-huorn-system-view")
+    operator_role = _operator_role(docs)["metadata"]["name"]
+    assert list(roles) == [operator_role], "the operator's own rights aggregate nowhere"
+
+    def aggregated_to(role: dict[str, Any]) -> set[str]:
+        labels = role["metadata"]["labels"].items()
+        return {k.removeprefix(AGGREGATE) for k, v in labels if k.startswith(AGGREGATE) and v == "true"}
+
+    assert aggregated_to(edit) == {"edit", "admin"}, "view must not gain write verbs"
+    assert aggregated_to(view) == {"view", "edit", "admin"}
+    read, write = {"get", "list", "watch"}, {"create", "update", "patch", "delete", "deletecollection"}
+    expected_edit: dict[tuple[str, str], set[str]] = {("huorn.io", "virtualclusters"): read}
+    expected_view: dict[tuple[str, str], set[str]] = {("huorn.io", "virtualclusters"): read,
+                                                      ("huorn.io", "virtualclusters/status"): {"get"}}
+    for kind in kinds.JOB_KINDS:
+        expected_edit[("huorn.io", kind.plural)] = read | write
+        expected_view[("huorn.io", kind.plural)] = read
+        for expected in (expected_edit, expected_view):
+            expected[("huorn.io", f"{kind.plural}/status")] = {"get"}
+        if kind.scale_spec_path:  # the CRD's scale subresource
+            expected_edit[("huorn.io", f"{kind.plural}/scale")] = {"get", "update", "patch"}
+            expected_view[("huorn.io", f"{kind.plural}/scale")] = {"get"}
+    assert _granted(edit) == expected_edit
+    assert _granted(view) == expected_view
+    off = _render({"rbac": {"aggregateToDefaultRoles": False}})
+    assert [d["metadata"]["name"] for d in off if d["kind"] == "ClusterRole"] == ["huorn-huorn-system"]
 
 
 def test_values_schema_and_guards_reject_bad_values_with_the_field() -> None:
@@ -341,17 +391,16 @@ def test_installs_of_one_release_name_in_two_namespaces_share_no_cluster_scoped_
         docs = _render({"watchNamespaces": [namespace]}, namespace)
         names[namespace] = {(d["kind"], d["metadata"]["name"]) for d in docs if d["kind"] in CLUSTER_SCOPED}
         binding = _one(docs, "ClusterRoleBinding")
-        assert binding["roleRef"]["name"] == _one(docs, "ClusterRole")["metadata"]["name"]
+        assert binding["roleRef"]["name"] == _operator_role(docs)["metadata"]["name"]
         assert binding["subjects"][0]["namespace"] == namespace
     assert names["team-a"] and not names["team-a"] & names["team-b"], names
     # cut to 63 characters, names that differ only past the cut still differ
-    long_names = set()
+    long_names = []
     for namespace in ("a" * 60 + "-one", "a" * 60 + "-two"):
         docs = _render({"fullnameOverride": "f" * 63}, namespace)
-        for doc in (d for d in docs if d["kind"] in CLUSTER_SCOPED):
-            assert len(doc["metadata"]["name"]) <= 63, doc["metadata"]["name"]
-            long_names.add(doc["metadata"]["name"])
-    assert len(long_names) == 2, long_names
+        long_names.append({(d["kind"], d["metadata"]["name"]) for d in docs if d["kind"] in CLUSTER_SCOPED})
+        assert all(len(name) <= 63 for _, name in long_names[-1]), long_names[-1]
+    assert not long_names[0] & long_names[1], long_names
 
 
 def test_name_overrides_rename_the_release_objects() -> None:
@@ -361,7 +410,7 @@ def test_name_overrides_rename_the_release_objects() -> None:
     assert _one(docs, "Deployment")["metadata"]["name"] == "gpu-operator"
     assert _one(docs, "ServiceAccount")["metadata"]["name"] == "gpu-operator"
     assert _one(docs, "Service")["metadata"]["name"] == "gpu-operator-metrics"
-    assert _one(docs, "ClusterRole")["metadata"]["name"] == "gpu-operator-huorn-system"
+    assert _operator_role(docs)["metadata"]["name"] == "gpu-operator-huorn-system"
     docs = _render({"nameOverride": "trainer"})
     deployment = _one(docs, "Deployment")
     assert deployment["metadata"]["name"] == "huorn-trainer"
