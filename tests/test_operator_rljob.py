@@ -490,3 +490,59 @@ def test_a_worker_that_never_starts_is_replaced_alone(cluster, kube: builders.Ku
         replaced = [d for d in now["decisions"] if d["action"] == "replace"]
         assert len(replaced) == 1 and "only that Ray worker is replaced" in replaced[0]["reason"]
         assert "did not start within 3 s" in replaced[0]["reason"]
+
+
+def test_a_progress_poll_from_before_the_end_does_not_overwrite_succeeded(cluster,
+                                                                           kube: builders.Kube) -> None:
+    """The progress poll reads the job Running, then waits on the head's /progress; the reconcile
+    may mark it Succeeded (step and progress at their end) meanwhile. Written after that, the older
+    reading stayed for good: nothing rewrites a finished RLJob. The head here is a real HTTP server
+    that, asked for its progress, lets the job finish first (the write the reconcile makes), then
+    answers with step 19 of 20."""
+    import http.server
+    import threading
+
+    from huorn.api import rl as rl_api
+    from huorn.backends.kubernetes import client as kube_client
+    from huorn.backends.kubernetes import manifests
+    from huorn.graph import compiler, serialise
+    from huorn.operator import context, index, rljobs, validation
+
+    kube.create_job(NS, rl_job("race"), plural=RL)
+    body = kube.get_job(NS, "race", RL)
+    job = validation.load_job(body)
+    graph = rljobs.restore_graph(body, compiler.compile(job), rl_api.ray_layout(job.spec))
+    running = {"phase": "Running", "graph": serialise.to_status(graph), "step": 10, "progressPercent": 50}
+    kube.custom.patch_namespaced_custom_object_status(builders.GROUP, builders.VERSION, NS, RL, "race",
+                                                      {"status": running})
+
+    class Head(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            done = {"phase": "Succeeded", "step": 20, "progressPercent": 100}
+            kube.custom.patch_namespaced_custom_object_status(builders.GROUP, builders.VERSION, NS, RL,
+                                                              "race", {"status": done})
+            answer = json.dumps({"step": 19, "steps": 20}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.7", 0), Head)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        settings = dataclasses.replace(operator_mod.FAST, telemetry_port=server.server_address[1])
+        ctx = context.Context(client=kube_client.KubeClient(cluster.api_client()), post_event=lambda *_: None,
+                              settings=settings)
+        ref = manifests.JobRef.from_body(body)
+        head = manifests.pod_name(ref, graph.vertex(rl_manifests.HEAD).instances[0])
+        ctx.index.pods[(NS, head)] = index.PodRecord(NS, head, "race", rl_manifests.HEAD, "ray-head-0", "a0",
+                                                     0, 0, "train", phase="Running", ip="127.0.0.7")
+        assert cluster.call(rljobs.tick(ctx, NS, "race")) is None  # nothing written
+    finally:
+        server.shutdown()
+        server.server_close()
+    done = status(kube, "race")
+    assert (done["phase"], done["step"], done["progressPercent"]) == ("Succeeded", 20, 100)

@@ -490,12 +490,20 @@ async def tick(ctx: Context, namespace: str, name: str) -> dict[str, Any] | None
     seen = await asyncio.to_thread(observe.fetch_snapshot, url, ctx.settings.telemetry_timeout_seconds)
     if seen is None:
         return None  # starting, or gone: the reconcile judges the pod, not this poll
-    patch = {k: v for k, v in progress_status(seen).items() if status.get(k) != v}
-    now, key = time.time(), (namespace, name)
-    urgent = {"lastCheckpoint", "controllerRestarts"} & patch.keys()  # written at once
-    if not patch or (not urgent and now - ctx.rl_progress.get(key, 0.0) < ctx.settings.progress_seconds):
-        return None
-    await ctx.client.patch_status(PLURAL, namespace, name, patch)
+    async with ctx.job_lock(namespace, name):
+        # Under the lock, against the phase read now: a reconcile that marked the job Succeeded
+        # (step and progress at their end) while this poll waited on the head must not be undone
+        # by the older reading, which no later write would correct.
+        body = await ctx.client.get_custom(PLURAL, namespace, name)
+        status = (body or {}).get("status") or {}
+        if body is None or status.get("phase") != "Running":
+            return None
+        patch = {k: v for k, v in progress_status(seen).items() if status.get(k) != v}
+        now, key = time.time(), (namespace, name)
+        urgent = {"lastCheckpoint", "controllerRestarts"} & patch.keys()  # written at once
+        if not patch or (not urgent and now - ctx.rl_progress.get(key, 0.0) < ctx.settings.progress_seconds):
+            return None
+        await ctx.client.patch_status(PLURAL, namespace, name, patch)
     ctx.rl_progress[key] = now
     if patch.get("controllerRestarts", 0) > int(status.get("controllerRestarts") or 0):
         ctx.post_event(body, "Warning", "ControllerRestarted", (
