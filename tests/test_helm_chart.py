@@ -455,6 +455,23 @@ def test_the_documented_crd_upgrade_overrides_helms_field_manager() -> None:
     assert all("--force-conflicts" in line for _, line in applies), applies
 
 
+def test_every_documented_helm_command_names_the_namespace_and_an_upgrade_keeps_the_values() -> None:
+    """The HA steps said `helm upgrade huorn helm/huorn --set replicaCount=2 ...`: run as written,
+    it upgraded a release `huorn` in the current namespace (not huorn-system's) and, with no
+    values given, put every earlier setting back to the chart's default. `--reuse-values` is no
+    better: an older release's values lack those added since, which the schema refuses."""
+    texts = {path: path.read_text() for path in (*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md")}
+    commands = [(path.relative_to(ROOT), m.group(0)) for path, text in texts.items() for m in
+                re.finditer(r"helm (install|upgrade|uninstall) [^\s`]+( [^\s`]+)?[^`\n]*", text)]
+    upgrades = [(path, line) for path, line in commands if line.startswith("helm upgrade")]
+    assert upgrades, "docs/operator.md documents the upgrade"
+    for path, line in commands:
+        assert re.search(r" (-n|--namespace)[ =]\S", line), f"{path}: {line}"
+    for path, line in upgrades:
+        assert re.search(r" (-f|--values)[ =]\S| --reset-then-reuse-values", line), f"{path}: {line}"
+        assert " --reuse-values" not in line, f"{path}: {line}"
+
+
 def test_the_uninstall_docs_release_the_operators_finalizer() -> None:
     """After `helm uninstall` a job keeps the operator's finalizer and hangs in Terminating, with
     its namespace: the docs say to delete jobs first and how to drop the finalizer by hand."""
