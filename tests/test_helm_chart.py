@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,12 @@ import kubernetes_validate
 import pytest
 import typer
 import yaml
+from typer.testing import CliRunner
 
 from huorn.api import kinds
 from huorn.backends.kubernetes import manifests
 from huorn.cli import operator as operator_cli
+from huorn.operator import runner
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "huorn"
@@ -154,11 +157,7 @@ def test_deployment_runs_non_root_read_only_with_limits() -> None:
 def test_rendered_arguments_are_accepted_by_huorn_operator(variant: str) -> None:
     [container] = _one(_render(VARIANTS[variant]), "Deployment")["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["python", "-m", "huorn.cli.operator"]
-    app = typer.Typer()
-    app.command()(operator_cli.operator_command)
-    command = typer.main.get_command(app)
-    context = command.make_context("huorn-operator", list(container["args"]))  # parses, runs nothing
-    params = context.params
+    params = _operator_params(container)
     values = VARIANTS[variant]
     assert params["all_namespaces"] is not bool(values.get("watchNamespaces"))
     assert params["namespace"] == values.get("watchNamespaces", [])
@@ -170,6 +169,52 @@ def test_rendered_arguments_are_accepted_by_huorn_operator(variant: str) -> None
         assert probe["httpGet"]["path"] == "/healthz" and ports[probe["httpGet"]["port"]] == 8081
     assert params["pod_start_seconds"] == values.get("podStartSeconds", 600)
     assert params["job_image"] == container["image"] + "-cu126", "jobs run the operator's CUDA build"
+
+
+def _operator_app() -> typer.Typer:
+    app = typer.Typer()
+    app.command()(operator_cli.operator_command)
+    return app
+
+
+def _operator_params(container: dict[str, Any]) -> dict[str, Any]:
+    """The container's arguments as `huorn operator` parses them (it runs nothing)."""
+    command = typer.main.get_command(_operator_app())
+    return command.make_context("huorn-operator", list(container["args"])).params
+
+
+def test_the_health_endpoint_listens_on_ipv6_where_the_chart_says_so() -> None:
+    """kopf's liveness endpoint was bound on http://0.0.0.0:PORT, IPv4 only: on an IPv6-only
+    cluster the kubelet probes the pod's IPv6 address, the startup probe never passed, and the
+    operator was restarted forever. health.address reaches --health-address, and the URL kopf
+    binds brackets an IPv6 address."""
+    for address, url in (("0.0.0.0", "http://0.0.0.0:8081/healthz"), ("::", "http://[::]:8081/healthz"),
+                         ("fd00:0:0::a", "http://[fd00::a]:8081/healthz")):
+        values = {} if address == "0.0.0.0" else {"health": {"address": address}}
+        [container] = _one(_render(values), "Deployment")["spec"]["template"]["spec"]["containers"]
+        params = _operator_params(container)
+        assert params["health_address"] == address  # "::" survives YAML: unquoted it read as a mapping
+        endpoint = runner.liveness_endpoint(params["health_address"], params["health_port"])
+        assert endpoint == url
+        # kopf binds the URL's hostname (kopf/_core/engines/probing.py)
+        assert urllib.parse.urlsplit(endpoint).hostname == str(urllib.parse.urlsplit(url).hostname)
+    chart = helm_python.Chart.load(CHART)
+    for address in ("localhost", "[::]", "", "10.0.0"):
+        with pytest.raises(helm_python.HelmValuesError, match="address"):
+            chart.render({"health": {"address": address}}, name="huorn", namespace="x")
+
+
+@pytest.mark.parametrize("address", ["localhost", "[::]", "10.0.0", ""])
+def test_huorn_operator_refuses_a_health_address_that_is_no_ip_naming_the_flag(address: str) -> None:
+    """kopf would fail on it only once started (a host name is resolved, brackets are no IP),
+    after the credentials and the logging; the flag is checked with the others."""
+    result = CliRunner().invoke(_operator_app(), ["--kubeconfig", "/nonexistent", "--health-port", "8081",
+                                                  "--health-address", address])
+    assert result.exit_code == 2
+    assert ("error: --health-address must be an IP address such as 0.0.0.0 (IPv4) or :: (IPv6), "
+            f"got {address!r}") in result.stderr
+    with pytest.raises(ValueError):
+        runner.liveness_endpoint(address, 8081)
 
 
 def test_jobs_are_pulled_from_the_operators_mirror_unless_told_otherwise() -> None:

@@ -8,8 +8,10 @@ without it the operator runs standalone and assumes it is alone.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 
 import typer
 
@@ -39,6 +41,11 @@ def operator_command(
         0, "--health-port",
         help="Serve kopf's liveness endpoint, GET /healthz, on this port once the operator has "
              "started (the Helm chart probes it); 0 disables."),
+    health_address: str = typer.Option(
+        runner.DEFAULT_HEALTH_ADDRESS, "--health-address",
+        help="IP address the health endpoint listens on: 0.0.0.0 (every IPv4 address) or :: (every "
+             "IPv6 address) for a cluster whose pods' primary address is IPv6 (IPv6-only, or "
+             "dual-stack with IPv6 first)."),
     resync_seconds: float = typer.Option(30.0, "--resync-seconds", help="Re-reconcile every job this often."),
     pod_start_seconds: float = typer.Option(
         600.0, "--pod-start-seconds",
@@ -78,6 +85,12 @@ def operator_command(
         if not 0 <= port <= 65535:
             typer.echo(f"error: {flag} must be in 0..65535, got {port}", err=True)
             raise typer.Exit(EXIT_USAGE)
+    try:
+        health_ip = ipaddress.ip_address(health_address)
+    except ValueError:
+        typer.echo(f"error: --health-address must be an IP address such as 0.0.0.0 (IPv4) or :: (IPv6), "
+                   f"got {health_address!r}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
     if metrics_port and metrics_port == health_port:
         typer.echo(f"error: --health-port {health_port} is --metrics-port too; give each its own port",
                    err=True)
@@ -101,11 +114,14 @@ def operator_command(
         raise typer.Exit(EXIT_USAGE)
     # Checked here, before the credentials and the logging: the endpoints bind again at start
     # (and a metrics port taken in between is still named).
-    for flag, port in (("--metrics-port", metrics_port), ("--health-port", health_port)):
-        why = cannot_listen(port) if port else None
+    endpoints = (("--metrics-port", metrics_port, None), ("--health-port", health_port, health_ip))
+    for flag, port, address in endpoints:
+        why = _cannot_listen_on(address, port) if port else None
         if why is not None:
-            typer.echo(f"error: {flag} {port}: cannot listen there ({why}); choose another port, or 0 to "
-                       "turn the endpoint off", err=True)
+            where = f" on --health-address {address}" if address is not None else ""
+            fix = " (or another --health-address)" if address is not None else ""
+            typer.echo(f"error: {flag} {port}: cannot listen there{where} ({why}); choose another port{fix}, "
+                       "or 0 to turn the endpoint off", err=True)
             raise typer.Exit(EXIT_USAGE)
     # Tests that kill and restart the operator shorten the backoffs the same way in every run.
     fast = os.environ.get("HUORN_OPERATOR_FAST") == "1"
@@ -149,11 +165,25 @@ def operator_command(
         runner.run_operator(
             api, namespaces=namespace, peering=peering, priority=priority, settings=settings,
             metrics_port=metrics_port or None, health_port=health_port or None,
+            health_address=health_address,
         )
     except runner.MetricsPortError as error:
         typer.echo(f"error: --metrics-port {metrics_port}: {error}; choose another port, or 0 to "
                    "turn the endpoint off", err=True)
         raise typer.Exit(EXIT_USAGE) from None
+
+
+def _cannot_listen_on(address: ipaddress.IPv4Address | ipaddress.IPv6Address | None, port: int) -> str | None:
+    """Why `port` cannot be bound on `address` (None: every IPv4 address) now, or None."""
+    if address is None or address.version == 4:
+        return cannot_listen(port, str(address or ""))
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((str(address), port))
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ directly and tests call it in a thread of their own, where kopf runs its own eve
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import secrets
@@ -52,6 +53,21 @@ class MetricsPortError(Exception):
     """The metrics endpoint cannot listen: raised before kopf starts, so nothing has acted yet."""
 
 
+DEFAULT_HEALTH_ADDRESS = "0.0.0.0"
+
+
+def liveness_endpoint(address: str, port: int) -> str:
+    """kopf's liveness URL on `address` (an IPv4 or IPv6 address, no host name), port `port`.
+
+    kopf binds the URL's host: 0.0.0.0 serves IPv4 only, so on an IPv6-only cluster (or one whose
+    pods' primary address is IPv6) the kubelet's probes never reached it; `::` serves IPv6. An
+    IPv6 address goes in brackets, as a URL needs. A non-IP raises ValueError.
+    """
+    ip = ipaddress.ip_address(address)
+    host = f"[{ip.compressed}]" if ip.version == 6 else ip.compressed
+    return f"http://{host}:{port}/healthz"
+
+
 def peering_priority(priority: int | None) -> int:
     """The given priority, or a random one for a replica that was given none.
 
@@ -88,6 +104,7 @@ def run_operator(
     settings: context.OperatorSettings | None = None,
     metrics_port: int | None = None,
     health_port: int | None = None,
+    health_address: str = DEFAULT_HEALTH_ADDRESS,
     stop_flag: threading.Event | None = None,
     ready_flag: threading.Event | None = None,
     ctx: context.Context | None = None,
@@ -97,6 +114,8 @@ def run_operator(
     With `peering`, the replica with the highest `priority` acts and the others wait; without a
     priority each replica draws its own (`peering_priority`).
     """
+    # before anything starts: a bad address raises ValueError here
+    endpoint = liveness_endpoint(health_address, health_port) if health_port else None
     ctx = ctx or build_context(api, settings)
     ctx.namespaces = frozenset(namespaces)
     identity = None
@@ -123,7 +142,7 @@ def run_operator(
         identity=identity,
         # served from kopf's own loop once the startup handlers are done, so a wedged loop or a
         # startup stuck on the API fails it
-        liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None,
+        liveness_endpoint=endpoint,
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         stop_flag=stop_flag,
