@@ -3,9 +3,11 @@ Kubernetes schemas (kubernetes-validate) and against what the operator actually 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
+import tomllib
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
+import huorn
 from huorn.api import kinds
 from huorn.backends.kubernetes import manifests
 from huorn.cli import operator as operator_cli
@@ -125,6 +128,27 @@ def test_every_rendered_manifest_passes_the_kubernetes_schema(variant: str) -> N
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
         checked += 1
     assert checked >= 5  # ServiceAccount, ClusterRole, ClusterRoleBinding, Deployment, Service
+
+
+# The chart version whose values.schema.json this is, and a digest of that schema: a change to
+# the values (a new one, a rename, a new requirement) is a new chart version. Bump Chart.yaml's
+# `version` (minor while 0.x: most such changes break --reuse-values or an old values file) and
+# record the new digest here.
+CHART_VALUES = ("0.2.0", "519efd948d682249")
+
+
+def test_the_chart_version_moves_with_its_values_and_the_app_version_is_the_packages() -> None:
+    """The chart stayed 0.1.0 through many incompatible changes to its values, so `helm list` and
+    the helm.sh/chart label could not tell a release of one from another. appVersion is the
+    operator's version, the default image tag, which must be the package's own."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    digest = hashlib.sha256(json.dumps(schema, sort_keys=True).encode()).hexdigest()[:16]
+    assert (chart["version"], digest) == CHART_VALUES, (
+        "values.schema.json changed: bump Chart.yaml's version and record it with the new digest in "
+        f"CHART_VALUES ({digest})")
+    package = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert chart["appVersion"] == package == huorn.__version__
 
 
 def test_chart_crds_equal_the_generated_crds() -> None:
