@@ -7,7 +7,7 @@ also call directly.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +142,14 @@ class Context:
     # The namespaces this operator serves (`--namespace`); empty: all of them. The mirror still
     # holds every namespace's Huorn pods, since they take GPUs on the same nodes.
     namespaces: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.index.served = self.namespaces
+
+    def serve_only(self, namespaces: Iterable[str]) -> None:
+        """Serve these namespaces (none: all), and lend only what this install can reclaim
+        (index.ClusterIndex.lends_here)."""
+        self.namespaces = self.index.served = frozenset(namespaces)
 
     def serves(self, namespace: str) -> bool:
         return not self.namespaces or namespace in self.namespaces

@@ -211,7 +211,10 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         # What inference clusters keep unlent, before any placement: the watch replays the
         # InferenceJobs too, but only once job handlers may already be placing borrowers.
         for body in await ctx.client.list_custom(serving.PLURAL, None):
-            ctx.index.observe_inference_job(body, deleted=namesakes.refused(body))
+            # only those it serves: the watch keeps no other namespace's current, and a cluster
+            # lends here only where every namespace that may use it is served (lends_here)
+            if ctx.serves(body["metadata"]["namespace"]):
+                ctx.index.observe_inference_job(body, deleted=namesakes.refused(body))
         # The line too: the first job reconciled must not take GPUs a waiting one was promised.
         for body in await ctx.client.list_custom(training.PLURAL, None):
             if (body.get("status") or {}).get("phase") in ("Succeeded", "Failed", "Suspended"):

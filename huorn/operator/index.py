@@ -207,6 +207,21 @@ class ClusterIndex:
     # When each pod record was last written, in observations (see resync_pods)
     seen: dict[tuple[str, str], int] = field(default_factory=dict)
     observations: int = 0
+    # The namespaces the operator serves (`--namespace`; empty: all), set with Context.serve_only
+    served: frozenset[str] = frozenset()
+
+    def lends_here(self, vc: str) -> bool:
+        """Whether this install may place borrowers on `vc`'s GPUs: where it serves every
+        namespace that may use it (spec.namespaces; empty means all, so only an install that
+        serves all of them). Another install's jobs there (its InferenceJobs, say) would need
+        GPUs back that this one never hears of in time: its watches see only its own
+        namespaces. The install that does serve them lends and reclaims; a borrower placed
+        here would be shrunk or stopped by an install that does not serve it, racing this one's
+        reconciles of it."""
+        if not self.served:
+            return True
+        allowed = (self.vcs.get(vc) or {}).get("namespaces") or []
+        return bool(allowed) and set(allowed) <= self.served
 
     # ----------------------------------------------------------------- updates from watches
     def observe_inference_job(self, body: Mapping[str, Any], deleted: bool = False) -> None:
@@ -333,7 +348,8 @@ class ClusterIndex:
             if p.node in owner and owner[p.node] == p.virtual_cluster:
                 held[p.virtual_cluster] = held.get(p.virtual_cluster, 0) + p.gpus
         vcs = [dataclasses.replace(build_vc_view(name, spec),
-                                   reserved_gpus=max(0, self.demand_of(name) - held.get(name, 0)))
+                                   reserved_gpus=max(0, self.demand_of(name) - held.get(name, 0)),
+                                   **({} if self.lends_here(name) else {"lendable": False}))
                for name, spec in self.vcs.items()]
         snap = snapshot.ClusterSnapshot(views, vcs)
         by_job: dict[tuple[str, str, str], list[str]] = {}

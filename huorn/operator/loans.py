@@ -22,6 +22,10 @@ gang goes, and its successors are placed again all or none, never on GPUs the le
 for its demand (`index.build_snapshot`). These replacements do not spend the job's restart
 budget (`status.preemptReplacements`). With `reclaimPolicy: Shrink` the lender gets a Warning
 Event instead, naming the job that keeps its GPUs.
+
+With several installs, each serving its own namespaces, only the install that lends a cluster
+(`index.ClusterIndex.lends_here`) reclaims for it, and it writes no decision into a borrower it does
+not serve: that borrower's pods on the lender are deleted with the lender's grace (`release_pods`).
 """
 
 from __future__ import annotations
@@ -74,8 +78,8 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
     """Reclaim what an inference VirtualCluster needs back; returns the reclaims applied."""
     name = vc_body["metadata"]["name"]
     spec = vc_body.get("spec") or {}
-    if spec.get("purpose") != "inference":
-        return []
+    if spec.get("purpose") != "inference" or not ctx.index.lends_here(name):
+        return []  # not lent by this install: the one serving all its namespaces reclaims
     borrowers = find_borrowers(ctx, name)
     if not borrowers:
         return []
@@ -177,10 +181,30 @@ async def shrink_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: 
     """Shrink a borrower by its pods on the lender's nodes, newest instances first (they have
     done the least since the gang last (re)started), with the lender's grace."""
     victims = sorted((p.instance for p in b.pods), reverse=True)
+    if not ctx.serves(b.namespace):
+        return await release_pods(ctx, b, victims[:r.replicas_released], grace)
     return await preempting.shrink_gang(ctx, b.namespace, b.job, victims, f"reclaim: {r.reason}", grace,
                                         count=r.replicas_released)
 
 
 async def preempt_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: int) -> bool:
     """Stop a borrower that cannot shrink, with the lender's grace (huorn.operator.preempting)."""
+    if not ctx.serves(b.namespace):
+        return await release_pods(ctx, b, [p.instance for p in b.pods], grace)
     return await preempting.preempt_gang(ctx, b.namespace, b.job, f"preempted: {r.reason}", grace)
+
+
+async def release_pods(ctx: Context, b: Borrower, instances: list[str], grace: int) -> bool:
+    """A borrower of a namespace another install serves (placed before that install stopped
+    borrowing here, or by one that serves every namespace): its pods on the lender are deleted
+    with the lender's grace (SIGTERM, a checkpoint), and nothing else. Its graph is its own
+    install's to change: a decision written here raced that install's reconciles, which wrote
+    their older graph back over it. The owner sees the pods go as it sees a lost node, and
+    places their successors where it may: never on this lender, which lends it nothing."""
+    going = [p for p in b.pods if p.instance in instances]
+    for pod in going:
+        await ctx.client.delete("Pod", pod.namespace, pod.name, grace_seconds=grace)
+    if going:
+        logger.info("reclaim: deleted %d pod(s) of %s/%s, which another install serves", len(going),
+                    b.namespace, b.job)
+    return bool(going)

@@ -117,7 +117,7 @@ def run_operator(
     # before anything starts: a bad address raises ValueError here
     endpoint = liveness_endpoint(health_address, health_port) if health_port else None
     ctx = ctx or build_context(api, settings)
-    ctx.namespaces = frozenset(namespaces)
+    ctx.serve_only(namespaces)
     identity = None
     if peering is not None:
         priority = peering_priority(priority)

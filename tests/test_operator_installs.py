@@ -1,0 +1,100 @@
+"""Several installs of Huorn on one cluster, each serving its own namespaces (`watchNamespaces`).
+
+Each install's watches see only its namespaces, while VirtualClusters and nodes are shared. A
+cluster lends only through the install that serves every namespace that may use it, so the
+install that places a borrower is the one that hears its lender's InferenceJobs and reclaims; and
+a reclaim never writes the graph of a job another install serves, whose own reconciles would write
+their older graph back over it.
+"""
+
+from __future__ import annotations
+
+from kube import builders
+from kube.cluster import wait_for
+
+from huorn.backends.kubernetes import client as kube_client
+from huorn.backends.kubernetes import manifests
+from huorn.graph import compiler, mutate, serialise
+from huorn.operator import allocation, context, index, loans, validation
+from huorn.scheduler import placement
+
+pytest_plugins = ["kube.fixtures"]
+
+POOL_A = {"members": {"nodeSelector": {"matchLabels": {"pool": "a"}}}, "borrowing": {"maxGPUsBorrowed": 8}}
+LENDS = {"lendable": True, "maxGPUsLent": 8, "reclaimGraceSeconds": 45}
+
+
+def serving_cluster(namespaces: list[str] | None) -> dict:
+    spec = {"members": {"nodeSelector": {"matchLabels": {"pool": "b"}}}, "purpose": "inference",
+            "lending": LENDS}
+    return spec | ({"namespaces": namespaces} if namespaces else {})
+
+
+def build_ctx(served: set[str], client: kube_client.KubeClient | None = None,
+              serve_namespaces: list[str] | None = None) -> context.Context:
+    ctx = context.Context(client=client, post_event=lambda *_: None,  # type: ignore[arg-type]
+                          namespaces=frozenset(served))
+    ctx.index.nodes["a0"] = index.NodeRecord("a0", 4, {"pool": "a"})
+    ctx.index.nodes["b0"] = index.NodeRecord("b0", 8, {"pool": "b"})
+    ctx.index.vcs["train"] = POOL_A
+    ctx.index.vcs["serve"] = serving_cluster(serve_namespaces)
+    return ctx
+
+
+def test_a_cluster_lends_only_through_an_install_that_serves_every_namespace_that_may_use_it() -> None:
+    assert build_ctx(set()).index.build_snapshot().lend_left("serve") == 8  # one install: all
+    # "serve" admits every namespace: an install of "team" alone would never hear of the
+    # InferenceJobs of the others, so it does not lend it to its jobs
+    partial = build_ctx({"team"})
+    assert not partial.index.lends_here("serve")
+    assert partial.index.build_snapshot().lend_left("serve") == 0
+    gang = ["trainer-0", "trainer-1"]
+    where = allocation.place_missing(partial.index.build_snapshot(), "train", gang, 4, {})
+    assert not isinstance(where, placement.Placement)  # a0's 4 GPUs only: the gang of 8 waits
+    assert build_ctx({"team"}, serve_namespaces=["team"]).index.build_snapshot().lend_left("serve") == 8
+    assert build_ctx({"team", "serving"}, serve_namespaces=["team", "serving"]).index.lends_here("serve")
+    assert not build_ctx({"team"}, serve_namespaces=["team", "serving"]).index.lends_here("serve")
+    fitted = allocation.place_missing(build_ctx(set()).index.build_snapshot(), "train",
+                                      ["trainer-0", "trainer-1"], 4, {})
+    assert isinstance(fitted, placement.Placement) and sorted(fitted.assignments) == ["a0", "b0"]
+
+
+def test_a_borrower_another_install_serves_gives_back_its_pods_but_its_graph_is_left_alone(
+        cluster, kube: builders.Kube) -> None:
+    """The install serving the lender's namespace reclaims from a borrower of "team", which it
+    does not serve (placed before the other install stopped borrowing there, say): the pod on the
+    lender goes with the lender's grace; its job's status, the other install's to write, does not
+    change. The reclaim used to shrink it through a reconcile of its own, racing the owner's."""
+    body = builders.make_training_job("elastic", "train", replicas=2, max_replicas=2, gpus=4,
+                                      elasticity={"minReplicas": 1, "maxReplicas": 2})
+    kube.create_job("team", body)
+    body = kube.get_job("team", "elastic")
+    graph = compiler.compile(validation.load_job(body))
+    mutate.resize(graph, "trainer", 2, reason="start")
+    status = {"phase": "Running", "graph": serialise.to_status(graph), "decisions": []}
+    kube.custom.patch_namespaced_custom_object_status(builders.GROUP, builders.VERSION, "team",
+                                                      "trainingjobs", "elastic", {"status": status})
+    before = kube.job_status("team", "elastic")
+    ctx = build_ctx({"serving"}, kube_client.KubeClient(cluster.api_client()), serve_namespaces=["serving"])
+    for instance in ("trainer-0", "trainer-1"):
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": f"elastic-{instance}", "namespace": "team",
+                            "labels": {manifests.LABEL_JOB: "elastic", manifests.LABEL_VERTEX: "trainer",
+                                       manifests.LABEL_INSTANCE: instance},
+                            "annotations": {manifests.ANNOTATION_NODE: "b0", manifests.ANNOTATION_GPUS: "4",
+                                            manifests.ANNOTATION_VC: "train"}},
+               "spec": {"containers": [{"name": "trainer", "image": "x"}]}}
+        kube.core.create_namespaced_pod("team", pod)
+        ctx.index.observe_pod({**pod, "status": {"phase": "Running"}})  # as the watch reports it
+    # the lender's InferenceJob, in the namespace this install serves, needs 4 of b0's 8 GPUs
+    ctx.index.observe_inference_job({"metadata": {"namespace": "serving", "name": "chat"},
+                                     "spec": {"virtualCluster": "serve", "resources": {"gpus": 4},
+                                              "autoscaling": {"minReplicas": 1}}})
+    vc_body = {"metadata": {"name": "serve"}, "spec": ctx.index.vcs["serve"]}
+    (applied,) = cluster.call(loans.reclaim(ctx, vc_body))
+    assert applied.replicas_released == 1 and applied.job == "team/elastic"
+    wait_for(lambda: [p.metadata.name for p in kube.pods("team", "elastic")
+                      if not p.metadata.deletion_timestamp] == ["elastic-trainer-0"],
+             what="the newest replica's pod deleted")
+    after = kube.job_status("team", "elastic")
+    assert after["graph"] == before["graph"] and after.get("decisions") == []
