@@ -1569,6 +1569,7 @@ def test_a_request_past_a_full_queue_is_answered_429_with_retry_after_and_counte
     (status, retry, body), taken, metrics = asyncio.run(_serving(cfg, work))
     assert status == 429 and retry == "1"
     assert body["error"]["code"] == "rate_limit_exceeded" and "maxQueued 3" in body["error"]["message"]
+    assert body["error"]["type"] == "rate_limit_exceeded"  # a client retries it, unlike an invalid request
     assert taken == 200
     assert 'huorn_serve_requests_total{outcome="overloaded"} 1.0' in metrics
     assert "huorn_serve_in_flight 0.0" in metrics

@@ -242,8 +242,11 @@ def error_body(message: str, status: int = 500, code: str | None = None) -> dict
     fields (a bare string leaves them None, and typed clients fail to decode it), and the openai
     SDK reads a stream's error event the same way."""
     field = FIELD_PREFIX.match(message)
-    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                      "param": field[1] if field else None, "code": code}}
+    # a 429 is no fault of the request: OpenAI types it apart, and clients that branch on the
+    # type (retry a rate limit, never an invalid request) must not read it as one
+    kind = ("server_error" if status >= 500 else "rate_limit_exceeded" if status == 429
+            else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": field[1] if field else None, "code": code}}
 
 
 def error_response(message: str, status: int, code: str | None = None,
