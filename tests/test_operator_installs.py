@@ -15,7 +15,7 @@ from kube.cluster import wait_for
 from huorn.backends.kubernetes import client as kube_client
 from huorn.backends.kubernetes import manifests
 from huorn.graph import compiler, mutate, serialise
-from huorn.operator import allocation, context, index, loans, validation
+from huorn.operator import allocation, context, index, loans, validation, virtualclusters
 from huorn.scheduler import placement
 
 pytest_plugins = ["kube.fixtures"]
@@ -46,14 +46,14 @@ def test_a_cluster_lends_only_through_an_install_that_serves_every_namespace_tha
     # "serve" admits every namespace: an install of "team" alone would never hear of the
     # InferenceJobs of the others, so it does not lend it to its jobs
     partial = build_ctx({"team"})
-    assert not partial.index.lends_here("serve")
+    assert not partial.index.serves_all_of("serve")
     assert partial.index.build_snapshot().lend_left("serve") == 0
     gang = ["trainer-0", "trainer-1"]
     where = allocation.place_missing(partial.index.build_snapshot(), "train", gang, 4, {})
     assert not isinstance(where, placement.Placement)  # a0's 4 GPUs only: the gang of 8 waits
     assert build_ctx({"team"}, serve_namespaces=["team"]).index.build_snapshot().lend_left("serve") == 8
-    assert build_ctx({"team", "serving"}, serve_namespaces=["team", "serving"]).index.lends_here("serve")
-    assert not build_ctx({"team"}, serve_namespaces=["team", "serving"]).index.lends_here("serve")
+    assert build_ctx({"team", "serving"}, serve_namespaces=["team", "serving"]).index.serves_all_of("serve")
+    assert not build_ctx({"team"}, serve_namespaces=["team", "serving"]).index.serves_all_of("serve")
     fitted = allocation.place_missing(build_ctx(set()).index.build_snapshot(), "train",
                                       ["trainer-0", "trainer-1"], 4, {})
     assert isinstance(fitted, placement.Placement) and sorted(fitted.assignments) == ["a0", "b0"]
@@ -98,3 +98,21 @@ def test_a_borrower_another_install_serves_gives_back_its_pods_but_its_graph_is_
              what="the newest replica's pod deleted")
     after = kube.job_status("team", "elastic")
     assert after["graph"] == before["graph"] and after.get("decisions") == []
+
+
+def test_only_an_install_that_serves_all_of_a_cluster_writes_its_waiting_line(cluster,
+                                                                              kube: builders.Kube) -> None:
+    """Each install knows only its own jobs waiting in line: two that both wrote a cluster's
+    waitingJobs flipped it between their two counts at every tick."""
+    kube.custom.patch_cluster_custom_object(builders.GROUP, builders.VERSION, "virtualclusters", "serve",
+                                            {"spec": {"namespaces": ["serving"]}})  # the fixture's, b0
+    kube.custom.patch_cluster_custom_object_status(builders.GROUP, builders.VERSION, "virtualclusters",
+                                                   "serve", {"status": {"waitingJobs": 3, "waitingGPUs": 12}})
+    client = kube_client.KubeClient(cluster.api_client())
+    for served, expected in (({"team"}, (3, 12)), ({"serving"}, (0, 0))):
+        ctx = build_ctx(served, client, serve_namespaces=["serving"])
+        body = kube.get_vc("serve")
+        cluster.call(virtualclusters.reconcile(ctx, body))
+        status = kube.get_vc("serve")["status"]
+        assert (status["waitingJobs"], status["waitingGPUs"]) == expected, served
+        assert status["capacity"] == 8  # the rest of the usage, every install's alike

@@ -148,7 +148,7 @@ class Context:
 
     def serve_only(self, namespaces: Iterable[str]) -> None:
         """Serve these namespaces (none: all), and lend only what this install can reclaim
-        (index.ClusterIndex.lends_here)."""
+        (index.ClusterIndex.serves_all_of)."""
         self.namespaces = self.index.served = frozenset(namespaces)
 
     def serves(self, namespace: str) -> bool:

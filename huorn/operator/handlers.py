@@ -212,7 +212,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         # InferenceJobs too, but only once job handlers may already be placing borrowers.
         for body in await ctx.client.list_custom(serving.PLURAL, None):
             # only those it serves: the watch keeps no other namespace's current, and a cluster
-            # lends here only where every namespace that may use it is served (lends_here)
+            # lends here only where every namespace that may use it is served (serves_all_of)
             if ctx.serves(body["metadata"]["namespace"]):
                 ctx.index.observe_inference_job(body, deleted=namesakes.refused(body))
         # The line too: the first job reconciled must not take GPUs a waiting one was promised.

@@ -210,14 +210,14 @@ class ClusterIndex:
     # The namespaces the operator serves (`--namespace`; empty: all), set with Context.serve_only
     served: frozenset[str] = frozenset()
 
-    def lends_here(self, vc: str) -> bool:
-        """Whether this install may place borrowers on `vc`'s GPUs: where it serves every
-        namespace that may use it (spec.namespaces; empty means all, so only an install that
-        serves all of them). Another install's jobs there (its InferenceJobs, say) would need
-        GPUs back that this one never hears of in time: its watches see only its own
-        namespaces. The install that does serve them lends and reclaims; a borrower placed
-        here would be shrunk or stopped by an install that does not serve it, racing this one's
-        reconciles of it."""
+    def serves_all_of(self, vc: str) -> bool:
+        """Whether this install serves every namespace that may use `vc` (spec.namespaces; empty
+        means all, so only an install that serves all of them): only then does it see all of
+        the cluster's jobs. Only then may it place borrowers on `vc`'s GPUs: another install's
+        jobs there (its InferenceJobs, say) would need GPUs back that this one never hears of
+        in time, its watches seeing only its own namespaces, and a borrower placed here would be
+        shrunk or stopped by an install that does not serve it, racing this one's reconciles of
+        it. And only then does it write the cluster's waiting line into its status."""
         if not self.served:
             return True
         allowed = (self.vcs.get(vc) or {}).get("namespaces") or []
@@ -349,7 +349,7 @@ class ClusterIndex:
                 held[p.virtual_cluster] = held.get(p.virtual_cluster, 0) + p.gpus
         vcs = [dataclasses.replace(build_vc_view(name, spec),
                                    reserved_gpus=max(0, self.demand_of(name) - held.get(name, 0)),
-                                   **({} if self.lends_here(name) else {"lendable": False}))
+                                   **({} if self.serves_all_of(name) else {"lendable": False}))
                for name, spec in self.vcs.items()]
         snap = snapshot.ClusterSnapshot(views, vcs)
         by_job: dict[tuple[str, str, str], list[str]] = {}

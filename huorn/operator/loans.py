@@ -24,7 +24,7 @@ budget (`status.preemptReplacements`). With `reclaimPolicy: Shrink` the lender g
 Event instead, naming the job that keeps its GPUs.
 
 With several installs, each serving its own namespaces, only the install that lends a cluster
-(`index.ClusterIndex.lends_here`) reclaims for it, and it writes no decision into a borrower it does
+(`index.ClusterIndex.serves_all_of`) reclaims for it, and it writes no decision into a borrower it does
 not serve: that borrower's pods on the lender are deleted with the lender's grace (`release_pods`).
 """
 
@@ -78,7 +78,7 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
     """Reclaim what an inference VirtualCluster needs back; returns the reclaims applied."""
     name = vc_body["metadata"]["name"]
     spec = vc_body.get("spec") or {}
-    if spec.get("purpose") != "inference" or not ctx.index.lends_here(name):
+    if spec.get("purpose") != "inference" or not ctx.index.serves_all_of(name):
         return []  # not lent by this install: the one serving all its namespaces reclaims
     borrowers = find_borrowers(ctx, name)
     if not borrowers:

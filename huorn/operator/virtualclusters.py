@@ -55,8 +55,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
     usage = compute_usage(ctx, name)
     old = body.get("status") or {}
     message = f"{usage['nodes']} nodes, {usage['capacity']} GPUs, {usage['allocated']} allocated"
+    # The line is each install's own: one that does not serve every namespace of the cluster
+    # knows part of it, and two such would write their parts over each other at every tick.
+    line = set() if ctx.index.serves_all_of(name) else {"waitingJobs", "waitingGPUs"}
     status: dict[str, Any] = {
-        **usage,
+        **{k: v for k, v in usage.items() if k not in line},
         "observedGeneration": meta.get("generation"),
         "conditions": conditions.build_conditions(
             old.get("conditions"), meta.get("generation"), ready=(True, "Tracking", message)
