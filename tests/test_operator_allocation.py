@@ -226,3 +226,22 @@ def test_a_move_whose_nodes_the_status_log_would_drop_is_left_a_plain_resize() -
     many = allocator.Decision("t/mover", "grow", 16, 1, assignments=names)
     assert allocation._movable(ctx.index.build_snapshot(), view, few, pods)
     assert not allocation._movable(ctx.index.build_snapshot(), view, many, pods)
+
+
+def test_a_peer_is_weighed_with_its_own_resize_mode(monkeypatch) -> None:
+    """A peer's view is its monitor's, re-bound by the arbiter at the size its pods have now.
+    Whether it resizes in place sets the price of its resizes (0.6 of a restart, or a whole one),
+    so the re-bound view must keep it: lost, every peer would be priced as restarting to resize."""
+    ctx = build_ctx()
+    watch(ctx, "mover", SCALES_WELL, 1, resizes_in_place=True)
+    other = watch(ctx, "other", SCALES_BADLY, 1)
+    weighed: list[dict[str, bool]] = []
+    real = allocation.decide
+
+    def recording(decider, snap, me, peers, now):  # the real allocation, its inputs noted
+        weighed.append({v.name: v.resizes_in_place for v in [me, *peers]})
+        return real(decider, snap, me, peers, now)
+
+    monkeypatch.setattr(allocation, "decide", recording)
+    allocation.arbiter_for(ctx, "t", "other")(other, 0.0)
+    assert weighed == [{"t/other": False, "t/mover": True}]
