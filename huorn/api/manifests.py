@@ -184,10 +184,81 @@ def read_documents(path: Path) -> Iterator[Any]:
         problem = FieldError("", f"not UTF-8 text (byte {error.start}); save the manifest as UTF-8 YAML")
         raise ManifestError([problem], source=str(path)) from None
     try:
-        documents = list(yaml.safe_load_all(text))
+        documents = _parse_yaml(text)
     except yaml.YAMLError as error:
         raise ManifestError([FieldError("", f"not valid YAML: {error}")], source=str(path)) from None
+    except _UnsafeYaml as error:
+        raise ManifestError([error.problem], source=str(path)) from None
     yield from (doc for doc in documents if doc is not None)
+
+
+# How many values a document may hold once its aliases are expanded. A manifest holds thousands
+# (the API server stores at most 1.5 MB of JSON, fewer than a million values); a 467-byte file of
+# nested anchors ("billion laughs") held 10^8, and took minutes and gigabytes to refuse.
+MAX_EXPANDED_VALUES = 1_000_000
+
+
+class _UnsafeYaml(Exception):
+    """A document that parses but that no manifest reader should build: `problem` says why."""
+
+    def __init__(self, problem: FieldError) -> None:
+        super().__init__(str(problem))
+        self.problem = problem
+
+
+def _parse_yaml(text: str) -> list[Any]:
+    """yaml.safe_load_all, with each document's node graph checked before it is built."""
+    loader = yaml.SafeLoader(text)
+    try:
+        documents = []
+        while loader.check_node():
+            node = loader.get_node()
+            _check_aliases(node)
+            documents.append(loader.construct_document(node))
+        return documents
+    finally:
+        loader.dispose()
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _check_aliases(root: yaml.Node) -> None:
+    """Refuse an alias inside the value it names (`a: &a [*a]`, a value without end, which every
+    reader after PyYAML recursed into until it crashed) and a document whose aliases expand it past
+    MAX_EXPANDED_VALUES. An alias is the node it names, so both show in the node graph: a cycle,
+    and a size counted once per node (sizes memoised) but summed once per use."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack = [(root, _children(root), 0)]
+    open_nodes.add(id(root))
+    while stack:
+        node, children, index = stack[-1]
+        if index < len(children):
+            stack[-1] = (node, children, index + 1)
+            child = children[index]
+            if id(child) in open_nodes:
+                line = child.start_mark.line + 1
+                raise _UnsafeYaml(FieldError("", (
+                    f"line {line}: the value anchored there holds an alias to itself, so it never ends; "
+                    "write the value out instead of aliasing it inside itself")))
+            if id(child) not in sizes:
+                open_nodes.add(id(child))
+                stack.append((child, _children(child), 0))
+            continue
+        stack.pop()
+        open_nodes.discard(id(node))
+        sizes[id(node)] = 1 + sum(sizes[id(child)] for child in children)
+        if sizes[id(node)] > MAX_EXPANDED_VALUES:
+            what = "the document" if node is root else f"line {node.start_mark.line + 1}: the value there"
+            raise _UnsafeYaml(FieldError("", (
+                f"{what} holds more than {MAX_EXPANDED_VALUES:,} values once its aliases (*name) are "
+                "expanded, far more than any manifest; write the values out instead of aliasing them")))
 
 
 def load_manifests(path: Path) -> list[kinds.Resource | ManifestError]:
