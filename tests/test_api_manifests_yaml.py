@@ -67,3 +67,28 @@ def test_every_command_that_reads_a_manifest_exits_2_on_hostile_aliases(command:
         assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
         assert words in result.stderr and "write the value" in result.stderr, result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_field_given_twice_is_refused_naming_its_path_and_lines(tmp_path: Path) -> None:
+    """PyYAML kept the last `steps:` in silence, so `huorn validate` passed a file that kubectl
+    apply's strict field validation refuses, and `huorn run` ran the second value. A key given
+    again after a merge (`<<: *base`) still overrides the merged one, as YAML means."""
+    text = QUICKSTART.read_text().replace("    steps: 300\n", "    steps: 300\n    steps: 5\n", 1)
+    lines = text.splitlines()
+    line = lines.index("    steps: 5") + 1
+    (tmp_path / "dup.yaml").write_text(text)
+    expected = (f"spec.optimization.steps: duplicate field (line {line}; first given on line {line - 1}); "
+                "keep one of the two, as kubectl apply refuses a field given twice")
+    for command in ("validate", "graph", "run"):
+        extra = ["--run-dir", str(tmp_path / "run")] if command == "run" else []
+        result = CliRunner().invoke(main.app, [command, str(tmp_path / "dup.yaml"), *extra])
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+        assert expected in result.stderr, (command, result.stderr)
+    assert not (tmp_path / "run").exists()
+    nested = "a: [{name: x}, {name: y, name: z}]\n"
+    assert _refusal(tmp_path, nested).endswith("m.yaml: a[1].name: duplicate field (line 1; first given on "
+                                               "line 1); keep one of the two, as kubectl apply refuses a "
+                                               "field given twice")
+    (tmp_path / "merged.yaml").write_text("base: &base {a: 1, b: 2}\nc: {<<: *base, b: 3}\n")
+    [merged] = manifests.read_documents(tmp_path / "merged.yaml")
+    assert merged["c"] == {"a": 1, "b": 3}

@@ -214,6 +214,7 @@ def _parse_yaml(text: str) -> list[Any]:
         while loader.check_node():
             node = loader.get_node()
             _check_aliases(node)
+            _check_duplicate_keys(node)
             documents.append(loader.construct_document(node))
         return documents
     finally:
@@ -259,6 +260,43 @@ def _check_aliases(root: yaml.Node) -> None:
             raise _UnsafeYaml(FieldError("", (
                 f"{what} holds more than {MAX_EXPANDED_VALUES:,} values once its aliases (*name) are "
                 "expanded, far more than any manifest; write the values out instead of aliasing them")))
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _check_duplicate_keys(root: yaml.Node) -> None:
+    """Refuse a mapping that gives a key twice. YAML readers keep the last one (PyYAML) or refuse
+    it (kubectl apply's strict field validation), so a file that `huorn validate` passed was then
+    refused by the cluster, or ran with a value its author had meant to replace. A key given
+    again after a merge (`<<: *base`) overrides the merged one, as YAML means it to."""
+    visited: set[int] = set()
+    stack: list[tuple[yaml.Node, tuple[str | int, ...]]] = [(root, ())]
+    while stack:
+        node, loc = stack.pop()
+        if id(node) in visited:  # an alias: its value was checked where it was anchored
+            continue
+        visited.add(id(node))
+        children: list[tuple[yaml.Node, tuple[str | int, ...]]] = []
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], yaml.Node] = {}
+            for key, value in node.value:
+                if key.tag == _MERGE_TAG:
+                    children.append((value, loc))
+                    continue
+                if not isinstance(key, yaml.ScalarNode):
+                    continue  # a complex key, which the API refuses anyway (keys are strings)
+                earlier = first.setdefault((key.tag, key.value), key)
+                if earlier is not key:
+                    where = format_location((*loc, key.value))
+                    raise _UnsafeYaml(FieldError(where, (
+                        f"duplicate field (line {key.start_mark.line + 1}; first given on line "
+                        f"{earlier.start_mark.line + 1}); keep one of the two, as kubectl apply "
+                        "refuses a field given twice")))
+                children.append((value, (*loc, key.value)))
+        elif isinstance(node, yaml.SequenceNode):
+            children = [(child, (*loc, index)) for index, child in enumerate(node.value)]
+        stack.extend(reversed(children))  # so the first duplicate in the file is the one named
 
 
 def load_manifests(path: Path) -> list[kinds.Resource | ManifestError]:
