@@ -92,3 +92,15 @@ def test_a_field_given_twice_is_refused_naming_its_path_and_lines(tmp_path: Path
     (tmp_path / "merged.yaml").write_text("base: &base {a: 1, b: 2}\nc: {<<: *base, b: 3}\n")
     [merged] = manifests.read_documents(tmp_path / "merged.yaml")
     assert merged["c"] == {"a": 1, "b": 3}
+
+
+def test_a_document_nested_past_a_hundred_levels_is_refused_not_a_traceback(tmp_path: Path) -> None:
+    """`a: [[[[...]]]]`, 3,000 deep: PyYAML's parser recursed until Python's stack ran out; 300
+    deep, pydantic refused the JSON quoting the whole document."""
+    for depth, line in ((3000, ""), (300, "line 1: ")):
+        message = _refusal(tmp_path, "a: " + "[" * depth + "]" * depth + "\n")
+        assert message.endswith(f"m.yaml: {line}nested more than 100 levels deep, far deeper than any "
+                                "manifest; flatten the document"), message
+    shallow = "a: " + "[" * 50 + "]" * 50 + "\n"
+    (tmp_path / "shallow.yaml").write_text(shallow)
+    assert list(manifests.read_documents(tmp_path / "shallow.yaml")) == [yaml.safe_load(shallow)]

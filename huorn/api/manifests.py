@@ -198,6 +198,18 @@ def read_documents(path: Path) -> Iterator[Any]:
 MAX_EXPANDED_VALUES = 1_000_000
 
 
+# How deep a document may nest. A manifest nests a dozen levels; past a few hundred PyYAML's parser
+# ran out of stack (a RecursionError traceback), and from 200 pydantic refused the JSON with the
+# whole document quoted in its message.
+MAX_DEPTH = 100
+
+
+def _too_deep(line: int | None = None) -> FieldError:
+    where = f"line {line}: " if line is not None else ""
+    return FieldError("", f"{where}nested more than {MAX_DEPTH} levels deep, far deeper than any manifest; "
+                          "flatten the document")
+
+
 class _UnsafeYaml(Exception):
     """A document that parses but that no manifest reader should build: `problem` says why."""
 
@@ -217,6 +229,8 @@ def _parse_yaml(text: str) -> list[Any]:
             _check_duplicate_keys(node)
             documents.append(loader.construct_document(node))
         return documents
+    except RecursionError:  # PyYAML's parser recurses once per level, and runs out past hundreds
+        raise _UnsafeYaml(_too_deep()) from None
     finally:
         loader.dispose()
 
@@ -231,9 +245,10 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
 
 def _check_aliases(root: yaml.Node) -> None:
     """Refuse an alias inside the value it names (`a: &a [*a]`, a value without end, which every
-    reader after PyYAML recursed into until it crashed) and a document whose aliases expand it past
-    MAX_EXPANDED_VALUES. An alias is the node it names, so both show in the node graph: a cycle,
-    and a size counted once per node (sizes memoised) but summed once per use."""
+    reader after PyYAML recursed into until it crashed), a document whose aliases expand it past
+    MAX_EXPANDED_VALUES, and one nested past MAX_DEPTH. An alias is the node it names, so the first
+    two show in the node graph: a cycle, and a size counted once per node (sizes memoised) but
+    summed once per use."""
     sizes: dict[int, int] = {}
     open_nodes: set[int] = set()
     stack = [(root, _children(root), 0)]
@@ -249,6 +264,8 @@ def _check_aliases(root: yaml.Node) -> None:
                     f"line {line}: the value anchored there holds an alias to itself, so it never ends; "
                     "write the value out instead of aliasing it inside itself")))
             if id(child) not in sizes:
+                if len(stack) >= MAX_DEPTH:
+                    raise _UnsafeYaml(_too_deep(child.start_mark.line + 1))
                 open_nodes.add(id(child))
                 stack.append((child, _children(child), 0))
             continue
