@@ -85,7 +85,10 @@ def check_file(path: Path) -> list[Verdict]:
         if _is_foreign(document):
             verdicts.append(Verdict(str(path), kind, name, "skipped"))
             continue
-        errors = [] if name or not isinstance(metadata, dict | None) else _unnamed(metadata or {})
+        # NB: a list or a scalar is no object at all: "must be a mapping" is its whole error, and a
+        # missing metadata.name in front of it sent the user looking for a field it cannot have
+        named = name or not isinstance(document, dict) or not isinstance(metadata, dict | None)
+        errors = [] if named else _unnamed(metadata or {})
         try:
             manifests.load_document(document, origin=str(path))
         except manifests.ManifestError as error:
