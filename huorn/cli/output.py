@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import socket
 from enum import StrEnum
@@ -42,6 +43,34 @@ def print_error(message: str) -> None:
     file path split across lines can no longer be copied or grepped) and read `[...]` in it as
     markup, dropping part of the message."""
     typer.echo(f"error: {message}", err=True)
+
+
+def check_number(flag: str, value: float | None, low: float | None = None, high: float | None = None, *,
+                 above: bool = False, below: bool = False, fix: str = "") -> None:
+    """Exit 2 naming `flag` unless `value` (None: not given) is a finite number from `low` to
+    `high` (`above`/`below`: strictly). Every float flag comes through here before its command
+    starts anything: NaN passes any comparison-based check (nan <= 0 is False), so
+    --work-estimate-error nan hung the simulator and --requests-per-gpu nan printed nonsense with
+    exit 0, and --interval inf passed --interval's minimum to overflow sleep() once the trainers ran."""
+    if value is None:
+        return
+    fits = math.isfinite(value)
+    if fits and low is not None:
+        fits = value > low if above else value >= low
+    if fits and high is not None:
+        fits = value < high if below else value <= high
+    if fits:
+        return
+    if low is not None and high is not None:
+        wanted = f"must lie in {'(' if above else '['}{low:g}, {high:g}{')' if below else ']'}"
+    elif low is not None:
+        wanted = f"must be a finite number {'>' if above else '≥'} {low:g}"
+    elif high is not None:
+        wanted = f"must be a finite number {'<' if below else '≤'} {high:g}"
+    else:
+        wanted = "must be a finite number"
+    print_error(f"{flag} {wanted}, got {value:g}" + (f"; {fix}" if fix else ""))
+    raise typer.Exit(2)
 
 
 def check_png(path: Path, flag: str) -> None:

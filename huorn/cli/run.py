@@ -22,9 +22,13 @@ from huorn.backends.local import backend as local_backend
 from huorn.backends.local import report
 from huorn.cli import graph as graph_cli
 from huorn.cli import live, run_rl, run_serve
-from huorn.cli.output import check_writable
+from huorn.cli.output import check_number, check_writable
 from huorn.cli.stopping import shielded, stop_signals
 from huorn.graph import jobs, model, mutate
+
+# --interval: the monitor loop sleeps this long between ticks, so an hour is already a run that
+# nobody watches; inf overflowed sleep() after the trainers had started.
+MIN_INTERVAL, MAX_INTERVAL = 0.1, 3600.0
 
 
 def parse_scale_at(values: list[str], trainer: model.Vertex) -> list[tuple[int, int]]:
@@ -156,7 +160,8 @@ def run_command(
     watch: bool | None = typer.Option(
         None, "--watch/--no-watch", help="Live progress (default: on a terminal)."
     ),
-    interval: float = typer.Option(1.0, "--interval", min=0.1, help="Seconds between monitor ticks."),
+    interval: float = typer.Option(
+        1.0, "--interval", help=f"Seconds between monitor ticks ({MIN_INTERVAL:g} to {MAX_INTERVAL:g})."),
     policy: str | None = typer.Option(
         None, "--policy", help="goodput or fixed (default: spec.elasticity.policy); --scale-at overrides it."
     ),
@@ -171,16 +176,21 @@ def run_command(
     ),
     serve_port: int = typer.Option(8000, "--port", min=0, max=65535,
                                    help="InferenceJob: the port to serve on (0 picks a free one)."),
-    serve_seconds: float | None = typer.Option(None, "--serve-seconds", min=1,
-                                               help="InferenceJob: stop serving after this long."),
+    serve_seconds: float | None = typer.Option(None, "--serve-seconds",
+                                               help="InferenceJob: stop serving after this long (≥ 1)."),
     stall_timeout: float = typer.Option(
-        600.0, "--stall-timeout", min=10, help="Give up when no step completes for this long (seconds)."
+        600.0, "--stall-timeout", help="Give up when no step completes for this long (seconds, ≥ 10)."
     ),
 ) -> None:
     """Run a job locally: a TrainingJob's rendezvous store and, per replica, one trainer process
     (resize inPlace) or a torchrun agent (resize restart); an RLJob's single controller over a
     local Ray cluster; InferenceJob replicas (one, or --replicas behind the prefix router),
     serving until Ctrl-C."""
+    # Before the manifest, and so before any process or directory: --interval inf had passed its
+    # minimum (inf ≥ 0.1) and overflowed sleep() once the trainers ran, leaving a half-written run.
+    check_number("--interval", interval, MIN_INTERVAL, MAX_INTERVAL)
+    check_number("--serve-seconds", serve_seconds, 1)
+    check_number("--stall-timeout", stall_timeout, 10)
     try:
         job, g = graph_cli.compile_file(file)
         refuse_other_kinds_flags(g.kind, {
