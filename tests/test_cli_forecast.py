@@ -80,9 +80,9 @@ def test_the_history_can_come_from_prometheus() -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--requests-per-gpu", "2"], "either as --qps FILE or as --prometheus URL --query PROMQL"),
     (["--prometheus", "http://p:9090", "--requests-per-gpu", "2"], "--prometheus needs --query"),
-    (["--qps", "QPS", "--requests-per-gpu", "0"], "--requests-per-gpu=0.0: must be > 0"),
-    (["--qps", "QPS", "--requests-per-gpu", "2", "--quantile", "0.3"], "use 0.5 to 0.99"),
-    (["--qps", "QPS", "--requests-per-gpu", "2", "--train-share", "1"], "--train-share=1.0: use a share"),
+    (["--qps", "QPS", "--requests-per-gpu", "0"], "--requests-per-gpu must be a finite number > 0, got 0"),
+    (["--qps", "QPS", "--requests-per-gpu", "2", "--quantile", "0.3"], "must lie in [0.5, 0.99], got 0.3"),
+    (["--qps", "QPS", "--requests-per-gpu", "2", "--train-share", "1"], "--train-share must lie in (0, 1)"),
     (["--qps", "SHORT", "--requests-per-gpu", "2"], "needs at least 36 bins"),
     (["--qps", "BAD", "--requests-per-gpu", "2"], "timestamp_anon,value"),
     (["--qps", "MISSING", "--requests-per-gpu", "2"], "cannot read"),

@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from huorn.cli.output import OutputFormat, print_error, render_console, render_data
+from huorn.cli.output import OutputFormat, check_number, print_error, render_console, render_data
 from huorn.scheduler.remediation import bocd, failslow, steptable
 
 EXIT_INVALID = 2
@@ -41,9 +41,8 @@ def detect_command(
             print_error(f"--json with -o {output.value}: choose one (--json is -o json)")
             raise typer.Exit(EXIT_INVALID)
         output = OutputFormat.JSON
-    if not 0 < min_shift < 10:
-        print_error(f"--min-shift={min_shift}: use a fraction such as 0.10 for 10%")
-        raise typer.Exit(EXIT_INVALID)
+    check_number("--min-shift", min_shift, 0, 10, above=True, below=True,
+                 fix="use a fraction, such as 0.10 for 10%")
     try:
         table = steptable.read_csv(steptimes)
     except OSError as error:

@@ -23,7 +23,14 @@ from rich.table import Table
 
 from huorn.api import files
 from huorn.api.base import parse_duration
-from huorn.cli.output import OutputFormat, check_writable, print_error, render_console, render_data
+from huorn.cli.output import (
+    OutputFormat,
+    check_number,
+    check_writable,
+    print_error,
+    render_console,
+    render_data,
+)
 from huorn.scheduler import forecast
 
 EXIT_INVALID = 2
@@ -126,14 +133,10 @@ def forecast_command(
     if qps is not None and (query is not None or history != "7d"):
         # read only from Prometheus: with a CSV they were silently ignored
         fail(f"{'--query' if query is not None else '--history'} applies to --prometheus only, not to --qps")
-    if requests_per_gpu <= 0:
-        fail(f"--requests-per-gpu={requests_per_gpu}: must be > 0")
-    if not 0.5 <= quantile <= 0.99:
-        fail(f"--quantile={quantile}: use 0.5 to 0.99, as lending.forecast.quantile")
-    if not 0 <= headroom <= 1:
-        fail(f"--headroom={headroom}: use 0 to 1")
-    if not 0 < train_share < 1:
-        fail(f"--train-share={train_share}: use a share between 0 and 1, such as 0.5")
+    check_number("--requests-per-gpu", requests_per_gpu, 0, above=True)
+    check_number("--quantile", quantile, 0.5, 0.99, fix="as lending.forecast.quantile")
+    check_number("--headroom", headroom, 0, 1)
+    check_number("--train-share", train_share, 0, 1, above=True, below=True, fix="use a share such as 0.5")
     if output_dir is not None:
         check_writable(output_dir, "--output-dir", directory=True)
     config = forecast.ForecastConfig(quantile=quantile)

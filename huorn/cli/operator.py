@@ -17,7 +17,7 @@ import typer
 
 from huorn.api import common
 from huorn.backends.kubernetes import client as kube
-from huorn.cli.output import cannot_listen
+from huorn.cli.output import cannot_listen, check_number
 from huorn.operator import context, runner
 
 EXIT_USAGE = 2
@@ -95,19 +95,10 @@ def operator_command(
         typer.echo(f"error: --health-port {health_port} is --metrics-port too; give each its own port",
                    err=True)
         raise typer.Exit(EXIT_USAGE)
-    if resync_seconds <= 0:
-        typer.echo(f"error: --resync-seconds must be > 0, got {resync_seconds}", err=True)
-        raise typer.Exit(EXIT_USAGE)
-    if autoscale_seconds <= 0:
-        typer.echo(f"error: --autoscale-seconds must be > 0, got {autoscale_seconds}", err=True)
-        raise typer.Exit(EXIT_USAGE)
-    if pod_start_seconds <= 0:
-        typer.echo(f"error: --pod-start-seconds must be > 0, got {pod_start_seconds}", err=True)
-        raise typer.Exit(EXIT_USAGE)
-    if not 0 <= replacement_backoff_seconds <= 360:
-        typer.echo("error: --replacement-backoff-seconds must be in 0..360, got "
-                   f"{replacement_backoff_seconds}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+    for flag, seconds in (("--resync-seconds", resync_seconds), ("--autoscale-seconds", autoscale_seconds),
+                          ("--pod-start-seconds", pod_start_seconds)):
+        check_number(flag, seconds, 0, above=True)
+    check_number("--replacement-backoff-seconds", replacement_backoff_seconds, 0, 360)
     if not job_image or any(c.isspace() for c in job_image):
         typer.echo(f"error: --job-image must be an image reference such as registry/huorn:0.1.0, got "
                    f"{job_image!r}", err=True)

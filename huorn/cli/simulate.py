@@ -16,12 +16,16 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from huorn.cli.output import check_not_a_format, check_writable, print_error, render_console
+from huorn.cli.output import check_not_a_format, check_number, check_writable, print_error, render_console
 from huorn.sim import engine, policies, report, run, shared_data, workload
 
 DATA = shared_data.shared_data_dir()
 COLUMNS = ("jct_mean_s", "jct_p50_s", "jct_p99_s", "makespan_s", "goodput_gpu_equiv", "job_goodput_vs_trace",
            "gpu_utilisation", "inference_slo_attainment", "preemptions", "gpu_hours_lost", "wall_seconds")
+
+# σ of log(declared / true length): 10 is already a factor of e^10 at one σ, and past about 100
+# workload.declared_factor's exp() overflows (it draws up to 7 σ).
+MAX_WORK_ESTIMATE_ERROR = 10.0
 
 
 def simulate(
@@ -45,6 +49,11 @@ def simulate(
 ) -> None:
     """Simulate the policies on the trace; writes DIR/report.json and PNG plots."""
     err = Console(stderr=True)
+    check_number("--load", load, 0, above=True)
+    check_number("--inference-share", inference_share, 0, 1, above=True, below=True)
+    check_number("--work-estimate-error", work_estimate_error, 0, MAX_WORK_ESTIMATE_ERROR,
+                 fix="σ of log(declared / true length): 0 is exact, 1 already off by a factor e")
+    check_number("--undeclared-share", undeclared_share, 0, 1)
     names = list(policies.POLICIES) if policy == "all" else [policy]
     try:
         if policy != "all" and policy not in policies.POLICIES:
@@ -55,11 +64,6 @@ def simulate(
             if not path.is_file():
                 raise ValueError(f"{flag} {path}: " + ("is a directory; give a CSV file" if path.is_dir()
                                                        else "no such file"))
-        if work_estimate_error < 0:
-            raise ValueError(f"--work-estimate-error must be ≥ 0 (0: exact lengths), "
-                             f"got {work_estimate_error}")
-        if not 0 <= undeclared_share <= 1:
-            raise ValueError(f"--undeclared-share must lie in [0, 1], got {undeclared_share}")
         try:
             config = engine.SimConfig(gpus=gpus, seed=seed, inference_share=inference_share, load=load,
                                       qps_start=qps_start, work_estimate_error=work_estimate_error,
