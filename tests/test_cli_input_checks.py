@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 import typing
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from huorn.cli import main
+from huorn.sim import workload
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
@@ -92,3 +94,35 @@ def test_every_float_flag_refuses_nan_and_infinity_naming_the_flag(
     assert result.stderr.startswith(f"error: {flag} must "), result.stderr
     assert result.stderr.splitlines()[0].endswith(f"got {value}") or f"got {value};" in result.stderr
     assert not out.exists()
+
+
+def test_simulate_refuses_a_load_the_trace_cannot_offer_naming_the_most_it_can(tmp_path: Path) -> None:
+    """Compressing arrivals offers more load only up to a bound; past it the bisection returned its
+    upper end, so --load 50 ran at the trace's most while report.json said 50. The most it names
+    is a load the trace does reach; the default load out of a small trace's reach is noted."""
+    pods = tmp_path / "pods.csv"
+    pods.write_text("name,num_gpu,gpu_milli,qos,creation_time,deletion_time\n"
+                    + "".join(f"p{i},1,1000,BE,{60 * i},{60 * i + 3600}\n" for i in range(500)))
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,gpu\nn0,8\nn1,8\n")
+    qps = tmp_path / "qps.csv"
+    qps.write_text("timestamp_anon,value\n" + "".join(f"{300 * i},5\n" for i in range(10)))  # too few
+    out = tmp_path / "out"
+    args = ["simulate", "--trace", str(pods), "--nodes", str(nodes), "--qps", str(qps), "--gpus", "16",
+            "--policy", "fifo", "--output", str(out)]
+    result = _invoke(*args, "--load", "50")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    match = re.fullmatch(rf"error: --load 50: {re.escape(str(pods))} offers a training load of at most (\S+) "
+                         r"on 8 training GPUs \(every arrival at once\); give --load (\S+) or less\n",
+                         result.stderr)
+    assert match and match[1] == match[2], result.stderr
+    assert not out.exists()
+    most = float(match[1])
+    jobs = workload.load_jobs(pods, 16, 8, most, seed=0)
+    window = max(j.arrival for j in jobs)
+    offered = sum(min(j.duration, window - j.arrival) * j.requested_gpus for j in jobs) / (8 * window)
+    assert offered == pytest.approx(most, rel=0.02)
+    result = _invoke(*args)  # the default 0.8, then the QPS series is refused
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"note: {pods} offers a training load of at most {match[1]} on 8 "
+                                    "training GPUs, less than the default --load 0.8; simulating at that\n")

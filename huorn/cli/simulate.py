@@ -7,6 +7,7 @@ progress goes to stderr through rich, so stdout carries only the result (table, 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -28,7 +29,26 @@ COLUMNS = ("jct_mean_s", "jct_p50_s", "jct_p99_s", "makespan_s", "goodput_gpu_eq
 MAX_WORK_ESTIMATE_ERROR = 10.0
 
 
+def _check_load(ctx: typer.Context, trace: Path, config: engine.SimConfig) -> None:
+    """Refuse a --load the trace cannot offer (ValueError): past it the simulator ran at the most
+    the trace offers while report.json recorded the load asked. Not given, the default is only
+    noted as out of reach, since a small trace then runs at its most, as it always did."""
+    # NB: as run.build_simulation splits the cluster: the inference share, at least one 8-GPU node
+    train_gpus = config.gpus - max(8, round(config.gpus * config.inference_share))
+    most = workload.most_offered_load(trace, config.gpus, train_gpus, config.seed)
+    if most >= config.load:
+        return
+    shown = math.floor(most * 100) / 100  # rounded down, so that the load it suggests is accepted
+    offers = f"{trace} offers a training load of at most {shown:.2f} on {train_gpus} training GPUs"
+    # NB: by name: typer carries its own copy of click, whose ParameterSource is not click's
+    if getattr(ctx.get_parameter_source("load"), "name", "") != "DEFAULT":
+        raise ValueError(f"--load {config.load:g}: {offers} (every arrival at once); give --load "
+                         f"{shown:.2f} or less")
+    typer.echo(f"note: {offers}, less than the default --load {config.load:g}; simulating at that", err=True)
+
+
 def simulate(
+    ctx: typer.Context,
     trace: Path = typer.Option(DATA / "openb_pod_list_default.csv", "--trace", help="OpenB pod list CSV."),
     nodes: Path = typer.Option(DATA / "openb_node_list_gpu_node.csv", "--nodes", help="OpenB node list CSV."),
     qps: Path = typer.Option(DATA / "genai_qps.csv", "--qps", help="Inference request-rate CSV."),
@@ -73,6 +93,7 @@ def simulate(
             raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
         check_not_a_format(output, ("table", "json", "yaml"))
         check_writable(output, "--output", directory=True)
+        _check_load(ctx, trace, config)
         with err.status(f"reading the trace and building {len(names)} simulation(s)"):
             sims = run.build_simulations(trace, nodes, qps, names, config)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),

@@ -28,6 +28,7 @@ import hashlib
 import io
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,11 +166,17 @@ def _family_of(name: str, gpus: int) -> Family:
     return FAMILIES[MIX[-1][0]]
 
 
-def _compression(raw: list[tuple[int, int, int, str]], train_gpus: int, load: float) -> float:
-    """The factor that makes the offered load over the arrival window equal `load`.
+# The most that _compression compresses arrivals by. Compressing more offers more load, but only up
+# to a bound (every arrival at once, each job counted over a window that shrinks with them), so a
+# load above what this factor offers is not reached: most_offered_load says how much is.
+MAX_COMPRESSION = 1e5
+
+
+def _offered_load(raw: list[tuple[int, int, int, str]], train_gpus: int) -> Callable[[float], float]:
+    """The offered load over the arrival window, as a function of the compression factor.
 
     Offered load counts each job's GPU-seconds only up to the window's end, since a 20-hour job
-    arriving at the end of a 6-hour window does not load that window; bisection on the factor.
+    arriving at the end of a 6-hour window does not load that window.
     """
     arrive = np.array([a for a, _, _, _ in raw], dtype=float)
     arrive -= arrive[0]
@@ -181,7 +188,14 @@ def _compression(raw: list[tuple[int, int, int, str]], train_gpus: int, load: fl
         window = span / c
         return float(np.sum(gpus * np.minimum(dur, window - arrive / c)) / (train_gpus * window))
 
-    lo, hi = 1.0, 1e5
+    return offered
+
+
+def _compression(raw: list[tuple[int, int, int, str]], train_gpus: int, load: float) -> float:
+    """The factor that makes the offered load over the arrival window equal `load` (bisection), or
+    MAX_COMPRESSION where the trace cannot offer that much."""
+    offered = _offered_load(raw, train_gpus)
+    lo, hi = 1.0, MAX_COMPRESSION
     if offered(lo) >= load:
         return lo
     for _ in range(60):
@@ -205,23 +219,8 @@ def declared_factor(name: str, seed: int, error: float, undeclared_share: float)
     return math.exp(error * statistics.NormalDist().inv_cdf(u))
 
 
-def load_jobs(path: Path, gpus: int, train_gpus: int, load: float, seed: int,
-              elastic_range: int = 1, restart_cost: float = 1.0, work_estimate_error: float = 0.0,
-              undeclared_share: float = 0.0) -> list[TrainingJob]:
-    """Training jobs from an OpenB-format pod list, sampled and time-compressed for `gpus` GPUs.
-    `elastic_range` multiplies every family's elastic range and the 64-replica cap (1: the
-    documented rule), and `restart_cost` every family's restart time (1: the catalogue's); both
-    exist only for sensitivity studies of what bounds goodput. `work_estimate_error` and
-    `undeclared_share` make the declared totals wrong or absent (`declared_factor`), for the
-    study of how much of the JCT gain survives that; 0 and 0 are exact declarations."""
-    if elastic_range < 1:
-        raise ValueError(f"elastic_range must be >= 1, got {elastic_range}")
-    if restart_cost < 0:
-        raise ValueError(f"restart_cost must be >= 0, got {restart_cost}")
-    if work_estimate_error < 0:
-        raise ValueError(f"work_estimate_error must be >= 0, got {work_estimate_error}")
-    if not 0 <= undeclared_share <= 1:
-        raise ValueError(f"undeclared_share must lie in [0, 1], got {undeclared_share}")
+def _training_pods(path: Path, gpus: int, seed: int) -> list[tuple[int, int, int, str]]:
+    """(creation time, duration, GPUs, name) of the training pods kept for `gpus` GPUs, by arrival."""
     rows = _rows(path, POD_COLUMNS)
     rng = np.random.default_rng(seed)
     keep = min(1.0, gpus / FULL_TRACE_GPUS)
@@ -241,6 +240,34 @@ def load_jobs(path: Path, gpus: int, train_gpus: int, load: float, seed: int,
     if not raw:
         raise TraceError(f"{path}: no training pods (qos BE or Burstable with num_gpu ≥ 1) to simulate")
     raw.sort()
+    return raw
+
+
+def most_offered_load(path: Path, gpus: int, train_gpus: int, seed: int) -> float:
+    """The most training load that load_jobs can offer from this trace for `gpus` GPUs, of which
+    `train_gpus` train (the same jobs: same seed). load_jobs runs a larger `load` at this one, so a
+    caller that takes the load from a user refuses a larger one (huorn simulate --load)."""
+    return _offered_load(_training_pods(path, gpus, seed), train_gpus)(MAX_COMPRESSION)
+
+
+def load_jobs(path: Path, gpus: int, train_gpus: int, load: float, seed: int,
+              elastic_range: int = 1, restart_cost: float = 1.0, work_estimate_error: float = 0.0,
+              undeclared_share: float = 0.0) -> list[TrainingJob]:
+    """Training jobs from an OpenB-format pod list, sampled and time-compressed for `gpus` GPUs.
+    `elastic_range` multiplies every family's elastic range and the 64-replica cap (1: the
+    documented rule), and `restart_cost` every family's restart time (1: the catalogue's); both
+    exist only for sensitivity studies of what bounds goodput. `work_estimate_error` and
+    `undeclared_share` make the declared totals wrong or absent (`declared_factor`), for the
+    study of how much of the JCT gain survives that; 0 and 0 are exact declarations."""
+    if elastic_range < 1:
+        raise ValueError(f"elastic_range must be >= 1, got {elastic_range}")
+    if restart_cost < 0:
+        raise ValueError(f"restart_cost must be >= 0, got {restart_cost}")
+    if work_estimate_error < 0:
+        raise ValueError(f"work_estimate_error must be >= 0, got {work_estimate_error}")
+    if not 0 <= undeclared_share <= 1:
+        raise ValueError(f"undeclared_share must lie in [0, 1], got {undeclared_share}")
+    raw = _training_pods(path, gpus, seed)
     compress = _compression(raw, train_gpus, load)
     start = raw[0][0]
     jobs = []
