@@ -361,3 +361,43 @@ async def test_a_stream_whose_replica_dies_before_its_first_event_is_tried_on_an
         text = (await answer.content.read()).decode()
     assert text == event.decode()
     assert 'outcome="cut"' not in prometheus_text(front)
+
+
+async def test_the_router_lets_every_request_through_to_its_replicas_past_a_hundred_at_once() -> None:
+    """aiohttp's default connector holds at most 100 connections in all: the 101st request waited
+    inside the router, out of the replicas' queues and of every count the autoscaler reads. The
+    replicas answer only once all 150 are inside them, so one kept back hangs the lot."""
+    clients, inside, all_in = 150, [0], asyncio.Event()
+
+    async def barrier(request: web.Request) -> web.Response:
+        await request.read()
+        inside[0] += 1
+        if inside[0] >= clients:
+            all_in.set()
+        await all_in.wait()
+        return web.json_response({"text": "ok"})
+
+    runners = []
+    for _ in range(2):
+        replica = web.Application()
+        replica.add_routes([web.post("/v1/completions", barrier)])
+        runners.append(await _start(replica))
+    front = _router_front([url for _, url in runners])
+    runner, url = await _start(front.app())
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            async def ask(i: int) -> int:
+                async with session.post(f"{url}/v1/completions", json={"prompt": f"q{i}"}) as answer:
+                    return answer.status
+
+            asking = asyncio.gather(*(ask(i) for i in range(clients)))
+            try:
+                statuses = await asyncio.wait_for(asking, 30)
+            except TimeoutError:
+                pytest.fail(f"only {inside[0]} of {clients} requests reached the replicas")
+        assert statuses == [200] * clients
+    finally:
+        all_in.set()  # let any handler still waiting finish, so the servers stop at once
+        await runner.cleanup()
+        for replica_runner, _ in runners:
+            await replica_runner.cleanup()

@@ -244,7 +244,11 @@ class Activator:
 
         async def session(app: web.Application):  # type: ignore[no-untyped-def]
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_SECONDS)
-            app[SESSION] = aiohttp.ClientSession(timeout=timeout)
+            # aiohttp's default connector keeps at most 100 connections in all and makes the rest
+            # wait for one, unseen: in the router, out of the replicas' queues (whose 429 is the
+            # back-pressure) and of every count the autoscaler reads. Idle ones are still kept.
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+            app[SESSION] = aiohttp.ClientSession(connector=connector, timeout=timeout)
             if self.router is not None:
                 assert self.resolver is not None
                 self.router.set_replicas(await self.resolver())  # before the first request
