@@ -224,3 +224,18 @@ def test_graph_where_it_cannot_write_exits_2_naming_the_path(tmp_path: Path,
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
     assert "error: --output /proc/g.json: " in result.stderr
 
+
+
+def test_every_subcommands_help_shows_its_flags_whole_at_80_columns() -> None:
+    """Subcommand help was drawn in rich's boxes, which cut `--replacement-backoff-seconds` to
+    `--replacement-backoff-seco…` at 80 columns: a flag that cannot be copied or grepped. The top
+    level's help was already plain."""
+    for name in EXPECTED:
+        result = CliRunner().invoke(main.app, [name, "--help"], terminal_width=80)
+        assert result.exit_code == 0, (name, result.output)
+        assert "…" not in result.output and "╭" not in result.output, (name, result.output)
+    result = CliRunner().invoke(main.app, ["operator", "--help"], terminal_width=80)
+    assert "  --replacement-backoff-seconds <float>\n" in result.output, result.output
+    entrypoint = subprocess.run([sys.executable, "-m", "huorn.cli.operator", "--help"], capture_output=True,
+                                text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+    assert entrypoint.returncode == 0 and "  --replacement-backoff-seconds <float>\n" in entrypoint.stdout

@@ -41,7 +41,9 @@ class LazyGroup(typer.core.TyperGroup):
             return super().get_command(ctx, cmd_name)
         module_name, function_name, short_help = COMMANDS[cmd_name]
         module = importlib.import_module(f"huorn.cli.{module_name}")
-        single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+        # NB: plain help, as the top level's: rich's boxes cut long flags at 80 columns
+        # (`--replacement-backoff-seco…`), so the flag shown could not be copied or grepped
+        single = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
         single.command(cmd_name, short_help=short_help)(getattr(module, function_name))
         return typer.main.get_command(single)
 

@@ -179,5 +179,8 @@ def _cannot_listen_on(address: ipaddress.IPv4Address | ipaddress.IPv6Address | N
 
 if __name__ == "__main__":
     # `python -m huorn.cli.operator` starts without importing every other subcommand (and torch),
-    # which is what a container entrypoint and the kill-and-restart tests want.
-    typer.run(operator_command)
+    # which is what a container entrypoint and the kill-and-restart tests want. Plain help, as
+    # `huorn operator --help` (typer.run's rich boxes cut long flags at 80 columns).
+    entrypoint = typer.Typer(add_completion=False, rich_markup_mode=None)
+    entrypoint.command()(operator_command)
+    entrypoint()
