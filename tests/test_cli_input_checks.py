@@ -126,3 +126,17 @@ def test_simulate_refuses_a_load_the_trace_cannot_offer_naming_the_most_it_can(t
     assert result.exit_code == 2
     assert result.stderr.startswith(f"note: {pods} offers a training load of at most {match[1]} on 8 "
                                     "training GPUs, less than the default --load 0.8; simulating at that\n")
+
+
+def test_detect_reads_the_step_table_from_standard_input_given_a_dash(tmp_path: Path) -> None:
+    """`huorn validate -`, `graph -` and `run -` read standard input, as kubectl's `-f -`; detect
+    looked for a file named "-" and said it could not be read."""
+    rows = "".join(f"{i},w{w},{2.0 if w == 2 and i > 20 else 1.0}\n" for i in range(1, 41) for w in range(4))
+    table = tmp_path / "steps.csv"
+    table.write_text("iteration,worker,time\n" + rows)
+    from_file = _invoke("detect", str(table), "-o", "json")
+    from_stdin = _invoke("detect", "-", "-o", "json", stdin=table.read_text())
+    assert from_stdin.exit_code == 0, from_stdin.output
+    assert from_stdin.stdout == from_file.stdout and '"worker": "w2"' in from_stdin.stdout
+    result = _invoke("detect", "-", stdin="x,y\n")
+    assert result.exit_code == 2 and result.stderr.startswith("error: -: missing column(s) 'iteration'")

@@ -8,6 +8,7 @@ with the column and line named on stderr.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -17,6 +18,15 @@ from huorn.cli.output import OutputFormat, check_number, print_error, render_con
 from huorn.scheduler.remediation import bocd, failslow, steptable
 
 EXIT_INVALID = 2
+STDIN = Path("-")
+
+
+def _read_stdin() -> str:
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as error:  # as steptable.read_csv says it of a file
+        raise steptable.StepTableError(f"not UTF-8 text (byte {error.start}): expected a CSV with header "
+                                       f"{','.join(steptable.REQUIRED)}") from None
 
 
 def render_findings(findings: list[failslow.SlowFinding], output: OutputFormat) -> str:
@@ -30,7 +40,8 @@ def render_findings(findings: list[failslow.SlowFinding], output: OutputFormat) 
 
 
 def detect_command(
-    steptimes: Path = typer.Argument(..., help="CSV with columns iteration,worker,time[,compute,comm]."),
+    steptimes: Path = typer.Argument(
+        ..., help="CSV with columns iteration,worker,time[,compute,comm]; - reads standard input."),
     output: OutputFormat = typer.Option(OutputFormat.TABLE, "--output", "-o", help="table, json or yaml."),
     as_json: bool = typer.Option(False, "--json", help="Same as -o json."),
     min_shift: float = typer.Option(0.10, "--min-shift", help="Smallest slowdown kept (0.10 = 10%)."),
@@ -44,7 +55,8 @@ def detect_command(
     check_number("--min-shift", min_shift, 0, 10, above=True, below=True,
                  fix="use a fraction, such as 0.10 for 10%")
     try:
-        table = steptable.read_csv(steptimes)
+        # NB: `-` as for validate, graph and run (`... | huorn detect -`); it was a file named "-"
+        table = steptable.parse_csv(_read_stdin()) if steptimes == STDIN else steptable.read_csv(steptimes)
     except OSError as error:
         print_error(f"cannot read {steptimes}: {error.strerror or error}")
         raise typer.Exit(EXIT_INVALID) from None
