@@ -170,7 +170,8 @@ inference_specs = some(
     serving=some(maxBatch=pick(1, 64, bad=(0, 4097)), maxTokens=pick(1, 2048, bad=(0,))),
     quantization=some(method=pick("none", "glvq", bad=("int4",)), bits=pick(1, 4, 8, bad=(0, 9)),
                       groupSize=pick(2, 8, bad=(1,))),
-    slo=some(p99LatencyMs=pick(1, 250.5, bad=(-1, 0)), tokensPerSecond=pick(10, 2000.0, bad=(0,))),
+    slo=some(p99TimeToFirstTokenMs=pick(1, 250.5, bad=(-1, 0)), p99LatencyMs=pick(1, 250.5, bad=(-1, 0)),
+             tokensPerSecond=pick(10, 2000.0, bad=(0,))),
     autoscaling=some(minReplicas=pick(0, 1, 2, 3, bad=(-1,)), maxReplicas=pick(1, 2, 3, bad=(0, 4097))),
 )
 
@@ -226,7 +227,7 @@ rl_focus = some(
 inference_focus = some(
     always={**JOB_REQUIRED, "model": st.just({"checkpoint": "/c"})},
     quantization=some(method=only(["none", "glvq"]), bits=only([2, 4])),
-    slo=some(p99LatencyMs=only([100]), tokensPerSecond=only([10])),
+    slo=some(p99TimeToFirstTokenMs=only([100]), p99LatencyMs=only([100]), tokensPerSecond=only([10])),
     autoscaling=some(minReplicas=only([0, 1, 2]), maxReplicas=only([1, 2])),
 )
 

@@ -138,7 +138,7 @@ def test_defaults_from_factories_reach_the_crd() -> None:
                                              "resize": "auto"}
     assert spec["optimization"]["default"]["steps"] == 100
     assert openapi_schema("InferenceJob")["properties"]["spec"]["properties"]["slo"]["default"] == {
-        "p99LatencyMs": 1000.0
+        "p99TimeToFirstTokenMs": 1000.0
     }
 
 

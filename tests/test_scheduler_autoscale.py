@@ -335,3 +335,72 @@ def test_best_fit_fills_the_fullest_node_first_and_stops_when_full() -> None:
     free = {"b0": 8, "b1": 2, "b2": 4}
     assert serving.choose_nodes(free, 2, 3) == ["b1", "b2", "b2"]
     assert serving.choose_nodes({"b0": 1}, 2, 2) == []
+
+
+def test_rows_in_flight_are_read_from_their_area_not_from_answers_that_ended() -> None:
+    """Eight rows in flight all the time, answers of 60 s, scrapes 15 s apart: eight answers end
+    in an interval. Little's law on the latency sum charged their whole 480 s to those 15 s and
+    read 32 rows in flight; the area under the replica's in-flight gauge reads 8."""
+    before = {"a": dataclasses.replace(sample(0, busy=0, latency=0), in_flight=8, row_seconds=1000.0)}
+    after = {"a": dataclasses.replace(sample(15, busy=15, requests=8, latency=480), in_flight=8,
+                                      row_seconds=1000.0 + 8 * 15)}
+    assert autoscale.read_load(before, after).in_flight == pytest.approx(8)
+    old = {"a": dataclasses.replace(before["a"], row_seconds=None)}  # a replica of an older version
+    assert autoscale.read_load(old, after).in_flight == pytest.approx(32)
+
+
+def test_a_replica_integrates_its_rows_in_flight_over_time() -> None:
+    now = [0.0]
+    area = serve.RowSeconds(clock=lambda: now[0])
+    area.change(2)
+    now[0] = 1.0
+    area.change(3)  # 5 rows from t=1
+    now[0] = 3.0
+    area.change(-2)  # 3 rows from t=3
+    now[0] = 4.0
+    assert area.total() == pytest.approx(2 * 1 + 5 * 2 + 3 * 1)  # the open interval counted too
+    metrics = serve.Metrics()
+    metrics.rows_in_flight(4)
+    text = prometheus_client.generate_latest(metrics.registry).decode()
+    parsed = replica_metrics.parse_metrics(text, 10.0)
+    assert parsed is not None and parsed.in_flight == 4 and parsed.row_seconds is not None
+    assert parsed.row_seconds >= 0
+
+
+def test_the_default_slo_is_on_the_first_token_which_more_replicas_shorten() -> None:
+    """Adding replicas cannot shorten an answer whose length max_tokens sets: a whole-answer
+    p99 of 1 s (the old default) pushed a lightly loaded job with default-length chats to its
+    maxReplicas, one replica a tick. The default now bounds the time to the first token, which
+    queueing lengthens and more replicas shorten."""
+    spec = inference.InferenceJobSpec.model_validate(
+        {"virtualCluster": "serve", "model": {"checkpoint": "/c"}, "autoscaling": {"maxReplicas": 8}})
+    job_rule = autoscaling_rule(spec)
+    assert (job_rule.ttft_p99_seconds, job_rule.p99_seconds) == (1.0, None)
+    scaler = autoscale.Autoscaler(job_rule)
+    long_answers = dataclasses.replace(reading(in_flight=0.2, p99=2.5), ttft_p99_seconds=0.05)
+    assert scaler.recommend(0.0, 1, long_answers).replicas == 1
+    queued = dataclasses.replace(reading(in_flight=0.2, p99=2.5), ttft_p99_seconds=1.5)
+    grown = autoscale.Autoscaler(job_rule).recommend(0.0, 1, queued)
+    assert grown.replicas == 2
+    assert "p99 time to first token 1500 ms is above the SLO's 1000 ms" in grown.reason
+
+
+def test_a_replica_s_time_to_first_token_reaches_the_reading() -> None:
+    metrics = serve.Metrics()
+    for seconds in [0.02] * 98 + [2.0, 2.0]:
+        metrics.first_token.observe(seconds)
+    def scrape(registry: prometheus_client.CollectorRegistry, now: float) -> autoscale.ReplicaSample | None:
+        return replica_metrics.parse_metrics(prometheus_client.generate_latest(registry).decode(), now)
+
+    before, after = scrape(serve.Metrics().registry, 0), scrape(metrics.registry, 10)
+    assert before is not None and after is not None
+    assert 1.0 < autoscale.read_load({"a": before}, {"a": after}).ttft_p99_seconds <= 2.5
+
+
+def autoscaling_rule(spec: inference.InferenceJobSpec) -> autoscale.ScalingRule:
+    from huorn.api import kinds
+    from huorn.operator import autoscaling
+
+    job = kinds.InferenceJob.model_validate({"apiVersion": "huorn.io/v1alpha1", "kind": "InferenceJob",
+                                             "metadata": {"name": "chat"}, "spec": spec.to_wire()})
+    return autoscaling.build_rule(job)

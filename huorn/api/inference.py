@@ -109,14 +109,23 @@ class Quantization(ApiModel):
     rules.Rule(
         name="slo-needs-target",
         field="",
-        cel="has(self.p99LatencyMs) || has(self.tokensPerSecond)",
-        holds=lambda s: s.p99_latency_ms is not None or s.tokens_per_second is not None,
+        cel="has(self.p99TimeToFirstTokenMs) || has(self.p99LatencyMs) || has(self.tokensPerSecond)",
+        holds=lambda s: (s.p99_time_to_first_token_ms is not None or s.p99_latency_ms is not None
+                         or s.tokens_per_second is not None),
         message="needs at least one target",
-        fix="set p99LatencyMs or tokensPerSecond (or both)",
+        fix="set p99TimeToFirstTokenMs, p99LatencyMs or tokensPerSecond",
     ),
 )
 class Slo(ApiModel):
-    p99_latency_ms: float | None = Field(default=None, gt=0, alias="p99LatencyMs")
+    p99_time_to_first_token_ms: float | None = Field(
+        default=None, gt=0, alias="p99TimeToFirstTokenMs",
+        description="p99 from a request's arrival to its first token (queueing and prefill): what a "
+        "streaming client waits, and what more replicas shorten. The default target (1000).")
+    p99_latency_ms: float | None = Field(
+        default=None, gt=0, alias="p99LatencyMs",
+        description="p99 from arrival to the whole answer. Its length is set by max_tokens, which "
+        "no replica count shortens: a target below one answer's duration keeps the job at "
+        "maxReplicas.")
     tokens_per_second: float | None = Field(default=None, gt=0)
 
 
@@ -184,7 +193,7 @@ class InferenceJobSpec(JobCommon):
     serving: ServingLimits = Field(default_factory=ServingLimits)
     quantization: Quantization = Field(default_factory=Quantization)
     # NB: the default carries a target, because an SLO without one is invalid.
-    slo: Slo = Field(default_factory=lambda: Slo(p99_latency_ms=1000.0))
+    slo: Slo = Field(default_factory=lambda: Slo(p99_time_to_first_token_ms=1000.0))
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     routing: Routing = Field(default_factory=Routing)
 
@@ -195,6 +204,7 @@ class ReplicaForecastReading(RateReading):
 
 class InferenceJobStatus(JobStatus):
     p99_latency_ms: float | None = Field(default=None, alias="p99LatencyMs")
+    p99_time_to_first_token_ms: float | None = Field(default=None, alias="p99TimeToFirstTokenMs")
     requests_per_second: float | None = None
     tokens_per_second: float | None = None
     utilization: float | None = Field(default=None, description="Share of the replicas' batch slots in use.")

@@ -1,9 +1,9 @@
 """A serving replica's load, read from its own Prometheus text (`/metrics`).
 
 The serving runtime exports the counters the autoscaler's rule needs (huorn.scheduler.autoscale):
-completions answered, tokens generated, seconds spent decoding, and the latency histogram (whose
-sum gives the requests in flight); and the prompt tokens by where their K/V came from, which
-the job's status reports as its prefix cache's share. The
+completions answered, tokens generated, seconds spent decoding, the rows in flight integrated
+over time (whose rate is the mean in flight), and the latency histograms; and the prompt tokens
+by where their K/V came from, which the job's status reports as its prefix cache's share. The
 operator reads them from each ready pod, a benchmark from local processes: one parser for both.
 """
 
@@ -24,16 +24,20 @@ def parse_metrics(text: str, now: float) -> autoscale.ReplicaSample | None:
     Huorn serving replica, or a version without the busy counter)."""
     values: dict[str, float] = {}
     buckets: list[tuple[float, float]] = []
+    first: list[tuple[float, float]] = []
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "huorn_serve_requests_total" and sample.labels.get("outcome") == "ok":
                     values["requests"] = sample.value
                 elif sample.name in ("huorn_serve_generated_tokens_total", "huorn_serve_busy_seconds_total",
-                                     "huorn_serve_request_seconds_sum", "huorn_serve_in_flight"):
+                                     "huorn_serve_request_seconds_sum", "huorn_serve_in_flight",
+                                     "huorn_serve_in_flight_row_seconds_total"):
                     values[sample.name] = sample.value
                 elif sample.name == "huorn_serve_request_seconds_bucket":
                     buckets.append((float(sample.labels["le"]), sample.value))
+                elif sample.name == "huorn_serve_time_to_first_token_seconds_bucket":
+                    first.append((float(sample.labels["le"]), sample.value))
                 elif sample.name == "huorn_serve_prompt_tokens_total":
                     values["prompt"] = values.get("prompt", 0.0) + sample.value
                     if sample.labels.get("source") == "cache":
@@ -52,6 +56,8 @@ def parse_metrics(text: str, now: float) -> autoscale.ReplicaSample | None:
         latency_buckets=tuple(sorted(buckets)),
         prompt_tokens=values.get("prompt", 0.0),
         cached_tokens=values.get("cached", 0.0),
+        row_seconds=values.get("huorn_serve_in_flight_row_seconds_total"),
+        ttft_buckets=tuple(sorted(first)),
     )
 
 

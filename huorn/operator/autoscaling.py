@@ -50,13 +50,14 @@ class ScalerState:
 
 def build_rule(job: kinds.InferenceJob) -> autoscale.ScalingRule:
     spec = job.spec
-    p99 = spec.slo.p99_latency_ms
+    p99, first = spec.slo.p99_latency_ms, spec.slo.p99_time_to_first_token_ms
     return autoscale.ScalingRule(
         min_replicas=spec.autoscaling.min_replicas,
         max_replicas=spec.autoscaling.max_replicas,
         slots_per_replica=spec.serving.max_batch,
         target_utilization=spec.autoscaling.target_utilization,
         p99_seconds=p99 / 1000 if p99 is not None else None,
+        ttft_p99_seconds=first / 1000 if first is not None else None,
         tokens_per_second=spec.slo.tokens_per_second,
         scale_down_delay_seconds=spec.autoscaling.scale_down_delay_seconds,
     )
@@ -91,6 +92,8 @@ def _load_status(reading: autoscale.LoadReading | None, slots: int) -> dict[str,
     }
     if reading.p99_seconds is not None:
         out["p99LatencyMs"] = round(reading.p99_seconds * 1000, 1)
+    if reading.ttft_p99_seconds is not None:
+        out["p99TimeToFirstTokenMs"] = round(reading.ttft_p99_seconds * 1000, 1)
     if reading.cached_prompt_share is not None:
         out["cachedPromptShare"] = round(reading.cached_prompt_share, 3)
     return out

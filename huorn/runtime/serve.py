@@ -41,13 +41,14 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import prometheus_client
 import torch
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily
 from pydantic import Field
 
 from huorn import models
@@ -264,6 +265,36 @@ def sse(event: dict) -> bytes:
     return f"data: {json.dumps(event)}\n\n".encode()
 
 
+class RowSeconds:
+    """The area under the in-flight gauge: rows in flight integrated over time, exported as a
+    counter. Its rate over any interval is exactly the mean number of rows in flight then, which
+    the autoscaler divides by the batch's rows. Little's law on the latency histogram's sum gave
+    that mean only for answers much shorter than the scrape interval: it charged each request's
+    whole duration to the interval it ended in, so waves of 25 s answers read 20-23 rows in
+    flight where 8 were, and the job grew to twice the replicas it needed."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.rows = 0.0
+        self.area = 0.0
+        self.since = clock()
+
+    def change(self, rows: float) -> None:
+        with self.lock:
+            now = self.clock()
+            self.area += self.rows * (now - self.since)
+            self.rows, self.since = self.rows + rows, now
+
+    def total(self) -> float:
+        with self.lock:
+            return self.area + self.rows * (self.clock() - self.since)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("huorn_serve_in_flight_row_seconds", "Rows in flight integrated over "
+                                  "time: its rate is the mean of huorn_serve_in_flight.", value=self.total())
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = prometheus_client.CollectorRegistry()
@@ -283,6 +314,8 @@ class Metrics:
         self.in_flight = prometheus_client.Gauge(
             "huorn_serve_in_flight", "Batch rows (prompts × choices) accepted, not yet answered.",
             registry=self.registry)
+        self.row_seconds = RowSeconds()
+        self.registry.register(self.row_seconds)
         # Prompt tokens by where their K/V came from: the prefix cache's hit rate, and what a
         # prefix router (huorn.runtime.router) buys.
         self.prompt_tokens = prometheus_client.Counter(
@@ -308,6 +341,11 @@ class Metrics:
             "huorn_serve_batch_size", "Requests decoded together, observed at every decoding step.",
             registry=self.registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+
+    def rows_in_flight(self, rows: int) -> None:
+        """Rows accepted (positive) or answered (negative): the gauge and its area together."""
+        self.in_flight.inc(rows)
+        self.row_seconds.change(rows)
 
 
 class Server:
@@ -443,7 +481,7 @@ class Server:
         self.wake.set()
         # rows, not requests: the autoscaler divides it by maxBatch rows, and a request of `n`
         # choices of several prompts fills as many rows (it read a full replica as nearly idle)
-        self.metrics.in_flight.inc(len(items))
+        self.metrics.rows_in_flight(len(items))
         try:
             if shared is not None:
                 return await self.stream_answer(request, items, include_usage, choices)
@@ -460,7 +498,7 @@ class Server:
                 self.metrics.requests.labels("failed").inc()
                 return error_response(f"generation failed: {error!r}", 500)
         finally:
-            self.metrics.in_flight.dec(len(items))
+            self.metrics.rows_in_flight(-len(items))
         self.answered(items[0])
         fields = self.openai_fields(items[0], *results[0][:3])
         fields["choices"] = [self.openai_fields(item, *result[:3], entries=echoed(item))["choices"][0]

@@ -5,10 +5,12 @@ on, its requests in flight against its batch slots (Knative's concurrency target
 KServe users scale vLLM on), with the job's SLO as two further floors; platform teams already
 know how it behaves, and each part of it answers a known failure of simpler rules:
 
-- **Slot utilisation.** Requests in flight per replica come from the latency histogram's sum:
-  the seconds of all requests answered in an interval, divided by the interval, is the mean
-  number in flight (Little's law); or from the replica's count of requests not yet answered,
-  where that is more (answers that stop coming would otherwise read as no load). The fleet needs
+- **Slot utilisation.** Rows in flight per replica come from the area under its in-flight
+  gauge (`huorn_serve_in_flight_row_seconds_total`): its growth over an interval, divided by the
+  interval, is the mean number in flight then; or from the count not yet answered at the scrape,
+  where that is more. (A replica too old to export the area is read by Little's law on its
+  latency histogram's sum, which charges each request's whole duration to the interval it ends
+  in: for answers longer than the interval it reads two to four times the load.) The fleet needs
   ceil(in flight / (serving.maxBatch × targetUtilization)) replicas, so that each would fill
   that share of its batch, with room left for a burst while new replicas load. A replica's
   busy fraction (seconds decoding per second) is no measure of its capacity when it batches:
@@ -63,6 +65,9 @@ class ReplicaSample:
     latency_buckets: tuple[tuple[float, float], ...] = ()  # (upper bound, cumulative count), +Inf last
     prompt_tokens: float = 0.0  # prompt tokens prefilled or taken from the prefix cache
     cached_tokens: float = 0.0  # of those, taken from the prefix cache
+    # rows in flight integrated over time (None from a replica of a version without it)
+    row_seconds: float | None = None
+    ttft_buckets: tuple[tuple[float, float], ...] = ()  # time to first token, as latency_buckets
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class LoadReading:
     # Share of the interval's prompt tokens whose K/V came from the replicas' prefix caches: what
     # prefix routing and the cache's size buy (None: no prompt came)
     cached_prompt_share: float | None = None
+    ttft_p99_seconds: float | None = None  # arrival to first token
 
     def utilization(self, slots: int) -> float:
         """Share of the measured replicas' batch slots in use."""
@@ -112,6 +118,7 @@ def read_load(before: Mapping[str, ReplicaSample], after: Mapping[str, ReplicaSa
     can be read twice yet."""
     requests = tokens = busy = busy_seconds = in_flight = in_flight_now = 0.0
     merged: dict[float, float] = {}
+    first: dict[float, float] = {}
     measured = 0
     for replica, now in after.items():
         then = before.get(replica)
@@ -127,11 +134,17 @@ def read_load(before: Mapping[str, ReplicaSample], after: Mapping[str, ReplicaSa
         tokens += deltas[1] / elapsed
         busy += min(1.0, deltas[2] / elapsed)
         busy_seconds += deltas[2]
-        in_flight += deltas[3] / elapsed
+        area = (now.row_seconds, then.row_seconds)
+        if area[0] is not None and area[1] is not None and area[0] >= area[1]:
+            in_flight += (area[0] - area[1]) / elapsed  # the interval's exact mean
+        else:  # Little's law, exact only for answers much shorter than the interval
+            in_flight += deltas[3] / elapsed
         in_flight_now += now.in_flight
-        old = dict(then.latency_buckets)
-        for bound, count in now.latency_buckets:
-            merged[bound] = merged.get(bound, 0.0) + max(0.0, count - old.get(bound, 0.0))
+        for into, was, is_now in ((merged, then.latency_buckets, now.latency_buckets),
+                                  (first, then.ttft_buckets, now.ttft_buckets)):
+            old = dict(was)
+            for bound, count in is_now:
+                into[bound] = into.get(bound, 0.0) + max(0.0, count - old.get(bound, 0.0))
     if not measured:
         return None
     buckets = sorted(merged.items())
@@ -156,6 +169,7 @@ def read_load(before: Mapping[str, ReplicaSample], after: Mapping[str, ReplicaSa
         p99_seconds=p99,
         tokens_per_busy_second=made / busy_seconds if busy_seconds > 0 and made > 0 else None,
         cached_prompt_share=cached / prompts if prompts > 0 else None,
+        ttft_p99_seconds=histogram_quantile(0.99, sorted(first.items())),
     )
 
 
@@ -167,7 +181,8 @@ class ScalingRule:
     max_replicas: int
     slots_per_replica: int = 1  # serving.maxBatch: requests a replica decodes together
     target_utilization: float = 0.7
-    p99_seconds: float | None = None
+    p99_seconds: float | None = None  # the whole answer's
+    ttft_p99_seconds: float | None = None  # to the first token's
     tokens_per_second: float | None = None
     scale_down_delay_seconds: float = 300.0
 
@@ -228,9 +243,12 @@ class Autoscaler:
         if reading.requests_per_second > 0 and need < 1:
             # a request came: "scaled to zero after scaleDownDelaySeconds without a request"
             need, why = 1, f"{reading.requests_per_second:.2g} request(s)/s"
-        target, p99 = rule.p99_seconds, reading.p99_seconds
-        if target is not None and p99 is not None and p99 > target:
-            late = f"p99 latency {p99 * 1000:.0f} ms is above the SLO's {target * 1000:.0f} ms"
+        targets = (("p99 time to first token", rule.ttft_p99_seconds, reading.ttft_p99_seconds),
+                   ("p99 latency", rule.p99_seconds, reading.p99_seconds))
+        late = "; ".join(f"{what} {p99 * 1000:.0f} ms is above the SLO's {target * 1000:.0f} ms"
+                         for what, target, p99 in targets
+                         if target is not None and p99 is not None and p99 > target)
+        if late:
             if reading.replicas < current:
                 # A replica added is still loading (p99 is measured on ready replicas only): wait
                 # for it before adding another. Adding one a tick, a burst that outlasted a model
