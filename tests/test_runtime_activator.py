@@ -38,6 +38,11 @@ def held(url: str) -> float | None:
         return replica_metrics.parse_held(answer.read().decode())
 
 
+def model_ids(url: str) -> list[str]:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as answer:
+        return [model["id"] for model in json.loads(answer.read())["data"]]
+
+
 def test_a_request_is_held_until_a_replica_serves_it(tmp_path: Path, replicas: serving.Replicas) -> None:
     activator = serving.Activator(tmp_path / "activator", ACTIVATOR_IP, f"http://{REPLICA_IP}:{replicas.port}")
     try:
@@ -52,6 +57,8 @@ def test_a_request_is_held_until_a_replica_serves_it(tmp_path: Path, replicas: s
         assert held(activator.url) == 0
         # with a replica up the activator forwards at once
         assert serving.complete(activator.url, timeout=30)[0] == 200
+        # it answers /v1/models itself: the name a request's `model` must give, as the replica has it
+        assert model_ids(activator.url) == model_ids(f"http://{REPLICA_IP}:{replicas.port}") == ["chat"]
     finally:
         activator.close()
 
@@ -88,7 +95,7 @@ async def test_a_held_request_counts_as_held_while_it_tries_the_upstream_again()
     """The autoscaler wakes a replica from what the gauge reads: a request waiting for a replica
     must read as held during its tries as well as between them."""
     server, upstream, taken = await _dropping_replica(0.4)
-    front = activator.Activator(upstream, timeout_seconds=2.5)
+    front = activator.Activator(upstream, timeout_seconds=2.5, model="chat")
     async with server, harness.serving_app(front.app()) as session:
         asking = asyncio.create_task(session.post("/v1/completions", json={"prompt": "Q?"}))
         while not taken:
@@ -118,7 +125,8 @@ async def _replica(ip: str, answer: bytes | None) -> tuple[asyncio.Server, str]:
 
 
 def _router_front(urls: list[str]) -> activator.Activator:
-    return activator.Activator(None, 5.0, router.PrefixRouter(1024, 1.25), router.static_resolver(urls))
+    return activator.Activator(None, 5.0, router.PrefixRouter(1024, 1.25), router.static_resolver(urls),
+                               model="chat")
 
 
 async def test_an_answer_cut_short_is_tried_on_another_replica_and_no_count_in_flight_leaks() -> None:
@@ -186,7 +194,7 @@ async def test_the_router_follows_its_replicas_past_a_failed_resolve(monkeypatch
             raise answer
         return answer  # type: ignore[return-value]
 
-    front = activator.Activator(None, 5.0, router.PrefixRouter(1024, 1.25), resolve)
+    front = activator.Activator(None, 5.0, router.PrefixRouter(1024, 1.25), resolve, model="chat")
     following = asyncio.create_task(front.follow_replicas())
     await asyncio.sleep(0.2)
     assert not following.done() and front.router is not None
@@ -244,7 +252,7 @@ async def test_a_router_knowing_no_replica_is_ready_only_to_hold_for_a_scale_fro
         return list(known)
 
     front = activator.Activator(None, 5.0, router.PrefixRouter(1024, 1.25), resolve,
-                                holds_without_replicas=holds)
+                                holds_without_replicas=holds, model="chat")
     async with harness.serving_app(front.app()) as session, session.get("/healthz") as answer:
         body = await answer.json()
     assert (answer.status == 200) == ready and body["ok"] == ready and body["replicas"] == len(known)
@@ -401,3 +409,27 @@ async def test_the_router_lets_every_request_through_to_its_replicas_past_a_hund
         await runner.cleanup()
         for replica_runner, _ in runners:
             await replica_runner.cleanup()
+
+
+@pytest.mark.parametrize("front_kind", ["activator", "router"])
+async def test_at_zero_replicas_the_model_list_is_answered_at_once_without_waking_a_replica(
+        front_kind: str) -> None:
+    """UIs and health checks poll /v1/models: forwarded, each poll was held, read by the autoscaler
+    as demand (a cold start that takes GPUs back) and answered 503 only at the activation timeout."""
+    server, upstream, taken = await _dropping_replica(0.4)  # no replica: connections go nowhere
+
+    async def no_replicas() -> list[str]:
+        return []
+
+    front = (activator.Activator(upstream, 5.0, model="chat") if front_kind == "activator" else
+             activator.Activator(None, 5.0, router.PrefixRouter(1024, 1.25), no_replicas, model="chat"))
+    async with server, harness.serving_app(front.app()) as session, \
+            session.get("/v1/models", timeout=aiohttp.ClientTimeout(total=1)) as answer:
+        assert answer.status == 200
+        body = await answer.json()
+    assert body["object"] == "list" and [(m["id"], m["object"], m["owned_by"]) for m in body["data"]] == [
+        ("chat", "model", "huorn")]
+    text = prometheus_text(front)
+    # a held request always leaves a sample of how long it waited
+    assert "huorn_activator_held_requests 0.0" in text and "huorn_activator_hold_seconds_count 0.0" in text
+    assert not taken

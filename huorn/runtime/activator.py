@@ -17,7 +17,8 @@ replicas again and the activator is out of the path (Knative's activator does th
   is tried again: a completion has no side effect, so the cost of a retry is only the decode.
 - Every request the activator gets counts as held until it is answered, its tries included: the
   Service sends here only while no replica is ready.
-- `GET /healthz` and `GET /metrics` are its own, never forwarded.
+- `GET /healthz` and `GET /metrics` are its own, never forwarded; so is `GET /v1/models`, which
+  UIs and health checks poll: it names the job (as a replica does) without holding or waking.
 - On SIGTERM (its pod replaced or deleted) the requests it holds are answered 503 with
   `Retry-After` at once; those a replica is answering are let finish.
 
@@ -59,8 +60,10 @@ class Activator:
 
     def __init__(self, upstream: str | None, timeout_seconds: float,
                  router: routing.PrefixRouter | None = None,
-                 resolver: routing.Resolver | None = None, holds_without_replicas: bool = True) -> None:
-        """`holds_without_replicas`: whether a router knowing no replica is ready (to hold requests
+                 resolver: routing.Resolver | None = None, holds_without_replicas: bool = True, *,
+                 model: str) -> None:
+        """`model`: the name `GET /v1/models` gives, the job's, as its replicas give it.
+        `holds_without_replicas`: whether a router knowing no replica is ready (to hold requests
         while the job scales from zero); otherwise its /healthz fails until it knows one, and the
         operator keeps the job's Service on the replicas themselves: a router whose DNS never
         lists them (a wrong cluster domain, a network policy) then costs the cache, not every
@@ -70,6 +73,7 @@ class Activator:
         self.upstream = upstream.rstrip("/") if upstream else None
         self.timeout_seconds, self.router, self.resolver = timeout_seconds, router, resolver
         self.holds_without_replicas = holds_without_replicas
+        self.model, self.started = model, int(time.time())
         self.holding = 0
         # Set as the server stops: requests answered by a replica are let finish (aiohttp waits for
         # them), held ones are answered 503 at once rather than cut off by the pod's SIGKILL.
@@ -233,6 +237,13 @@ class Activator:
             body["replicas"] = known
         return web.json_response(body, status=200 if ok else 503)
 
+    async def models(self, request: web.Request) -> web.Response:
+        """OpenAI's model list, answered here whether or not a replica is ready: the id is the
+        job's name either way, and forwarded at zero replicas a poll would be held, wake a
+        replica (a cold start that takes GPUs back) and wait out the activation timeout."""
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": self.started, "owned_by": "huorn"}]})
+
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=prometheus_client.generate_latest(self.registry),
                             content_type="text/plain", charset="utf-8")
@@ -240,7 +251,7 @@ class Activator:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
         app.add_routes([web.get("/healthz", self.healthz), web.get("/metrics", self.metrics_text),
-                        web.route("*", "/{tail:.*}", self.forward)])
+                        web.get("/v1/models", self.models), web.route("*", "/{tail:.*}", self.forward)])
 
         async def session(app: web.Application):  # type: ignore[no-untyped-def]
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_SECONDS)
@@ -270,13 +281,14 @@ async def serve(cfg: ServeConfig, upstream: str | None, replicas_dns: str | None
                 replicas: Sequence[str] = ()) -> None:
     timeout = cfg.spec.autoscaling.activation_timeout_seconds
     if upstream is not None:
-        activator = Activator(upstream, timeout)
+        activator = Activator(upstream, timeout, model=cfg.job_name)
         what, facts = f"activator of {cfg.job_name} → {upstream}", {"upstream": upstream}
     else:
         resolver = routing.dns_resolver(replicas_dns) if replicas_dns else routing.static_resolver(replicas)
         router = routing.PrefixRouter(cfg.spec.serving.prefix_cache_tokens, cfg.spec.routing.load_factor)
         activator = Activator(None, timeout, router, resolver,
-                              holds_without_replicas=cfg.spec.autoscaling.min_replicas == 0)
+                              holds_without_replicas=cfg.spec.autoscaling.min_replicas == 0,
+                              model=cfg.job_name)
         source = replicas_dns or ", ".join(replicas)
         what, facts = f"prefix router of {cfg.job_name} → {source}", {"replicas": source}
     await serve_mod.run_until_signal(activator.app(), cfg, "activator.json", facts, what)
