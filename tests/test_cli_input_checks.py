@@ -140,3 +140,25 @@ def test_detect_reads_the_step_table_from_standard_input_given_a_dash(tmp_path: 
     assert from_stdin.stdout == from_file.stdout and '"worker": "w2"' in from_stdin.stdout
     result = _invoke("detect", "-", stdin="x,y\n")
     assert result.exit_code == 2 and result.stderr.startswith("error: -: missing column(s) 'iteration'")
+
+
+def test_crds_check_names_a_directory_or_files_that_are_not_there_not_stale_ones(tmp_path: Path) -> None:
+    """`huorn crds --check -d nope` said each of the four CRDs was "out of date": a mistyped
+    directory read as a stale checkout. It is bad input (exit 2); a file that is not there is
+    called missing, one that differs out of date (exit 1 both)."""
+    result = _invoke("crds", "--check", "-d", str(tmp_path / "nope"))
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    nope = tmp_path / "nope"
+    assert result.stderr == (f"error: --output-dir {nope}: no such directory; give the directory that holds "
+                             f"the CRDs, or run `huorn crds --output-dir {nope}` to write them\n")
+    assert not nope.exists()
+    crds = tmp_path / "crds"
+    assert _invoke("crds", "-d", str(crds)).exit_code == 0
+    (crds / "rljobs.huorn.io.yaml").unlink()
+    (crds / "trainingjobs.huorn.io.yaml").write_text("edited by hand\n")
+    result = _invoke("crds", "--check", "-d", str(crds))
+    assert result.exit_code == 1
+    assert sorted(result.stderr.splitlines()) == sorted([
+        f"{crds / 'rljobs.huorn.io.yaml'}: missing",
+        f"{crds / 'trainingjobs.huorn.io.yaml'}: out of date",
+        f"{crds}: 1 missing, 1 out of date; run `huorn crds --output-dir {crds}`"])

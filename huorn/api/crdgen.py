@@ -173,9 +173,17 @@ def write_crds(output_dir: Path) -> list[Path]:
 
 def list_stale_crds(output_dir: Path) -> list[str]:
     """Names of the CRD files under output_dir that are missing or differ from the models."""
-    stale = []
+    return list(describe_stale_crds(output_dir))
+
+
+def describe_stale_crds(output_dir: Path) -> dict[str, str]:
+    """Each CRD file under output_dir that does not match the models, and how: "missing" or
+    "out of date" (a missing file called out of date sent users looking for a stale one)."""
+    stale = {}
     for name, text in render_crds().items():
         path = output_dir / name
-        if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            stale.append(name)
+        if not path.is_file():
+            stale[name] = "missing"
+        elif path.read_text(encoding="utf-8") != text:
+            stale[name] = "out of date"
     return stale
