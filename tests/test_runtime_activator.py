@@ -433,3 +433,8 @@ async def test_at_zero_replicas_the_model_list_is_answered_at_once_without_wakin
     # a held request always leaves a sample of how long it waited
     assert "huorn_activator_held_requests 0.0" in text and "huorn_activator_hold_seconds_count 0.0" in text
     assert not taken
+    # nor does a path no replica serves wait for one: it is refused at once
+    async with server, harness.serving_app(front.app()) as session, \
+            session.get("/", timeout=aiohttp.ClientTimeout(total=1)) as answer:
+        assert answer.status == 404 and (await answer.json())["error"]["code"] == "not_found"
+    assert "huorn_activator_held_requests 0.0" in prometheus_text(front) and not taken

@@ -244,14 +244,24 @@ class Activator:
         return web.json_response({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": self.started, "owned_by": "huorn"}]})
 
+    async def not_served(self, request: web.Request) -> web.Response:
+        return serve_mod.error_response(
+            f"{request.method} {request.rel_url.path} is not served: a replica answers POST "
+            "/v1/completions and /v1/chat/completions, and GET /v1/models", 404, "not_found")
+
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=prometheus_client.generate_latest(self.registry),
                             content_type="text/plain", charset="utf-8")
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
+        # Only what a replica answers (serve.Server.app) is held and forwarded: any other path
+        # held at zero replicas woke one, a cold start that takes GPUs back, for a 404.
         app.add_routes([web.get("/healthz", self.healthz), web.get("/metrics", self.metrics_text),
-                        web.get("/v1/models", self.models), web.route("*", "/{tail:.*}", self.forward)])
+                        web.get("/v1/models", self.models),
+                        web.post("/v1/completions", self.forward),
+                        web.post("/v1/chat/completions", self.forward),
+                        web.route("*", "/{tail:.*}", self.not_served)])
 
         async def session(app: web.Application):  # type: ignore[no-untyped-def]
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_SECONDS)
