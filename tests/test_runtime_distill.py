@@ -29,16 +29,24 @@ def data_dir() -> Path:
     return harness.shared_data_dir()
 
 
-def test_kl_is_the_student_to_teacher_divergence_of_the_softened_distributions() -> None:
+def test_kl_is_the_student_to_teacher_divergence_of_the_softened_distributions_times_t_squared() -> None:
+    """Times T², as Hinton et al. scale it: softening shrinks the gradient by about 1/T², and
+    unscaled a temperature of 4 cut the distillation signal 36-fold."""
     torch.manual_seed(0)
     student, teacher = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
-    for temperature in (1.0, 2.0):
+    for temperature in (1.0, 2.0, 4.0):
         log_s = F.log_softmax(student / temperature, -1)
         log_t = F.log_softmax(teacher / temperature, -1)
         # torch's kl_div(input, target) is KL(target ‖ input): the reference of KL(student ‖ teacher)
-        reference = F.kl_div(log_t, log_s, log_target=True, reduction="sum") / 10
+        reference = temperature ** 2 * F.kl_div(log_t, log_s, log_target=True, reduction="sum") / 10
         assert float(distill.kl_divergence(student, teacher, temperature)) == pytest.approx(float(reference),
                                                                                            rel=1e-5)
+    norms = []
+    for temperature in (1.0, 4.0):
+        s = student.clone().requires_grad_(True)
+        distill.kl_divergence(s, teacher, temperature).backward()
+        norms.append(float(s.grad.norm()))
+    assert 0.5 < norms[1] / norms[0] < 2.0, norms  # the signal keeps its size as T changes
     assert float(distill.kl_divergence(student, student, 1.0)) == pytest.approx(0.0, abs=1e-6)
 
 
