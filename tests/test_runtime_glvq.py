@@ -62,10 +62,13 @@ def test_a_learned_lattice_beats_round_to_nearest_on_correlated_weights() -> Non
         assert learned["error_after"] < 0.97 * rtn["error_after"], (bits, learned, rtn)
 
 
-def test_stored_bits_count_codes_lattices_scales_and_mu() -> None:
+def test_stored_bits_count_codes_scales_and_only_a_learned_lattice_and_mu() -> None:
     w, x = torch.randn(128, 64), torch.randn(32, 64)
     layer, _ = glvq.quantize_linear(w, x, bits=2, d=8, rows_per_lattice=64, steps=2)
     assert layer.stored_bits() == 128 * 64 * 2 + 16 * (2 * 64 + 128 + 1)
+    # round-to-nearest's G = δ·I and μ follow from the bits: nothing of them is stored
+    rtn, _ = glvq.quantize_linear(w, x, bits=2, d=8, rows_per_lattice=64, learn=False)
+    assert rtn.stored_bits() == 128 * 64 * 2 + 16 * 128
     with pytest.raises(ValueError, match=r"^spec\.quantization\.groupSize: 7 does not divide"):
         glvq.quantize_linear(w, x, bits=2, d=7)
 
