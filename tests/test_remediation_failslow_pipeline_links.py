@@ -153,7 +153,9 @@ def test_the_policy_reads_the_links_and_its_decision_names_the_slow_one() -> Non
         pol.decide(graph, seen)
     built = pol.build_pipeline_table()
     assert built is not None
-    assert sorted(built.send_link) == ["0", "1", "3", "4"] and sorted(built.grad_link) == ["1", "2", "4", "5"]
+    rank = {w: p.rank for w, p in built.ranks.items()}  # a history is its pod's and rank's
+    assert sorted(rank[w] for w in built.send_link) == [0, 1, 3, 4]
+    assert sorted(rank[w] for w in built.grad_link) == [1, 2, 4, 5]
     assert [d.level for d in pol.decisions] == [MitigationLevel.OBSERVE], pol.decisions
     assert "fail-slow (communication) on the forward link (activations) from stage 1 to stage 2 of " \
            "pipeline replica 1" in pol.decisions[0].reason, pol.decisions[0]

@@ -240,7 +240,7 @@ class RemediationPolicy:
         history: dropped, it came back with only what the telemetry still held, and its
         change-point baseline was lost."""
         live = set(graph.instance_names())
-        # rank → the instance that runs it this tick (DDP keys are "<instance>/<rank>")
+        # rank → the instance that runs it this tick (keys with ranks are "<instance>/<rank>")
         ranks = {k.rpartition("/")[2]: self.instance_of.get(k, k) for k in served if "/" in k}
         for key in [k for k in self.history if k not in served]:
             instance = self.instance_of.get(key, key)
@@ -254,22 +254,24 @@ class RemediationPolicy:
         """One history per rank, with the instance that runs it. A pod runs several ranks (one per
         GPU; a pipelined pod several stages), and one history per pod interleaved their records:
         whichever rank was read last won, so a DDP pod's slow GPU other than its last went unseen.
-        A pipelined rank's key is its rank, with its place kept beside it; a DDP rank's is
-        `<instance>/<rank>` (a pod given other ranks after a restart starts new histories)."""
+        Every rank's key is `<instance>/<rank>`, a pipelined rank's with its place kept beside it:
+        a pod given other ranks after a restart, or a replacement that runs the ranks of the pod
+        it replaced, starts new histories. NB: a pipelined rank was keyed by its rank alone, so
+        after S4 the replaced pod's slow steps became its replacement's: the old slowdown was
+        found again on the new pod, priced from its old onset, and S4 replaced the replacement
+        again and again (each time cordoning a node) while a later straggler went unreplaced."""
         instance = snap.get("replica") or key
         if "rank" not in snap:
             self.instance_of[instance] = instance
             return instance  # a runtime without ranks: one history per instance
         rank = int(snap["rank"])
+        self.instance_of[history_key := f"{instance}/{rank}"] = instance
         pipeline = (snap.get("parameters") or {}).get("pipeline") or {}
         stages = len(pipeline.get("stage_layers") or ()) or int(pipeline.get("stages") or 0)
-        if stages < 1:
-            self.instance_of[history_key := f"{instance}/{rank}"] = instance
-            return history_key
-        # rank = replica × stages + stage (runtime/pipeline/topology.py)
-        self.positions[str(rank)] = failslow.PipelineRank(instance, rank, rank // stages, rank % stages)
-        self.instance_of[str(rank)] = instance
-        return str(rank)
+        if stages >= 1:
+            # rank = replica × stages + stage (runtime/pipeline/topology.py)
+            self.positions[history_key] = failslow.PipelineRank(instance, rank, rank // stages, rank % stages)
+        return history_key
 
     def build_table(self) -> steptable.StepTable | None:
         """The replicas' recent steps as the detector's generic table (compute/comm split)."""

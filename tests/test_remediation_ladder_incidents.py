@@ -1,0 +1,94 @@
+"""The ladder across incidents: what one slowdown, recovery or S4 leaves behind must not decide
+the next one (findings of a review that replayed whole jobs through the policy)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from remediation_support import Seen
+
+import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
+from huorn.api.common import Remediation
+from huorn.graph import compiler, managers, model
+from huorn.scheduler.remediation import ladder, policy
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
+
+
+def build_graph(replicas: int = 2) -> model.Graph:
+    manifest = yaml.safe_load(QUICKSTART.read_text())
+    manifest["spec"]["elasticity"].update(minReplicas=replicas, maxReplicas=replicas)
+    return compiler.compile(manifest)
+
+
+class Gang:
+    """A simulated gang under the policy, one tick a step: each rank's runtime serves its last 256
+    step records, an S4 replacement takes the new pod's place in the gang, which restarts from
+    its checkpoint `rewind` steps back (the new pod's runtime serves nothing before it)."""
+
+    def __init__(self, graph: model.Graph, pol: policy.RemediationPolicy, pods: dict[int, str],
+                 seed: int, rewind: int = 5, extra: Callable[[int], dict[str, Any]] | None = None) -> None:
+        self.graph, self.pol, self.pods, self.rewind = graph, pol, dict(pods), rewind
+        self.managers = managers.build_default_managers()
+        self.rng = np.random.default_rng(seed)
+        self.served: dict[int, list[dict]] = {r: [] for r in pods}
+        self.extra = extra or (lambda rank: {})
+        self.replaced: list[str] = []
+        self.step = 0
+
+    def run(self, until: int, factor: Callable[[int, str, int], float]) -> None:
+        """Steps until `until`; `factor(rank, pod, step)` scales a rank's compute."""
+        while self.step < until and len(self.replaced) < 5:  # a runaway S4 loop ends the run
+            computes = {r: 0.04 * np.exp(self.rng.normal(0, 0.02)) * factor(r, self.pods[r], self.step)
+                        for r in self.pods}
+            for r, compute in computes.items():
+                self.served[r].append({"step": self.step, "step_seconds": max(computes.values()) + 0.01,
+                                       "compute_seconds": compute,
+                                       "comm_seconds": max(computes.values()) - compute + 0.01})
+            snaps = {f"{pod}/{r}": {"job": "q", "rank": r, "world_size": len(self.pods), "replica": pod,
+                                    "heartbeat": float(self.step), "steps": self.served[r][-256:],
+                                    "collective": {"entered": 3 * self.step, "completed": 3 * self.step,
+                                                   "in_flight": []}, **self.extra(r)}
+                     for r, pod in self.pods.items()}
+            events = self.pol.decide(self.graph, Seen(float(self.step), snaps))
+            self.step += 1
+            for event in events:
+                for mutation in self.managers.dispatch(self.graph, event):
+                    if mutation.action == "replace":
+                        self._replace(mutation.detail["old"], mutation.detail["new"])
+
+    def _replace(self, old: str, new: str) -> None:
+        self.replaced.append(old)
+        self.step -= self.rewind + 1
+        for r, pod in list(self.pods.items()):
+            if pod == old:
+                self.pods[r], self.served[r] = new, []
+            else:
+                self.served[r] = [x for x in self.served[r] if x["step"] < self.step]
+
+
+def pipelined(rank: int) -> dict[str, Any]:
+    return {"parameters": {"pipeline": {"stages": 2}}}
+
+
+def test_after_s4_a_pipelined_ranks_old_steps_are_not_its_replacements() -> None:
+    """2 stages × 2 replicas, a pod per replica. Rank 2 (trainer-1) computes 2× slower from step
+    50 until S4 replaces its pod; rank 0 (trainer-0) from step 160. A pipelined rank's history
+    was keyed by its rank alone, so the replacement inherited trainer-1's slow steps: S4 replaced
+    trainer-1-g1, -g2, ... from the old onset, each a cordoned node, and trainer-0 never."""
+    graph = build_graph()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), ladder.LadderCosts(restart=3.0))
+    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-0", 2: "trainer-1", 3: "trainer-1"}, seed=2,
+                extra=pipelined)
+
+    def factor(rank: int, pod: str, step: int) -> float:
+        slow = (rank == 2 and pod == "trainer-1" and step >= 50) or (rank == 0 and step >= 160)
+        return 2.0 if slow else 1.0
+
+    gang.run(260, factor)
+    assert gang.replaced == ["trainer-1", "trainer-0"], pol.decisions
+    assert not [d for d in pol.decisions if "trainer-1-g1" in d.reason], pol.decisions
