@@ -176,6 +176,39 @@ def test_sampled_log_probabilities_equal_the_teacher_forced_ones() -> None:
     assert torch.equal(narrow.tokens, greedy.tokens)
 
 
+def test_the_trainer_and_the_reference_score_the_temperature_that_sampled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At temperature 0.7 the trainer's π_old (and the reference's π_ref) are the log-probabilities
+    the tokens were sampled with. They scored the plain logits: 0.39-2.06 times the sampling
+    probability on a peaked policy's tokens."""
+    spec = {"virtualCluster": "x", "model": MODEL, "algorithm": {"name": "grpo", "groupSize": 8},
+            "rollout": {"maxNewTokens": 6, "temperature": 0.7, "topP": 1.0},
+            "optimization": {"learningRate": 1e-9, "promptsPerStep": 1}}
+    trainer = workers.PolicyTrainer(spec, None, str(tmp_path / "ckpt"), "cpu")
+    with torch.no_grad():  # a peakier policy, as a trained one is
+        for weight in trainer.model.parameters():
+            weight.mul_(3.0)
+    reference = workers.ReferenceWorker(spec, None, "cpu")
+    reference.model.load_state_dict(trainer.model.state_dict())
+    prompt = list(b"Q: What is 2 + 3?\nA:")
+    samples = policy.sample(trainer.model, prompt, 8, 6, 0.7, 1.0, torch.Generator().manual_seed(0))
+    item = {"prompt": prompt, "tokens": samples.tokens, "mask": samples.mask,
+            "advantages": torch.linspace(-1, 1, 8)}
+    item["reference"] = reference.logprobs([item])[0]
+    seen: dict[str, torch.Tensor] = {}
+    loss = algorithms.policy_loss
+
+    def spy(new: torch.Tensor, old: torch.Tensor, *args: Any, **kwargs: Any) -> algorithms.LossParts:
+        seen.setdefault("old", old.clone())
+        return loss(new, old, *args, **kwargs)
+
+    monkeypatch.setattr(algorithms, "policy_loss", spy)
+    metrics = trainer.update([item])
+    assert torch.allclose(seen["old"] * samples.mask, samples.sampled_logprobs, atol=1e-4)
+    assert torch.allclose(item["reference"] * samples.mask, samples.sampled_logprobs, atol=1e-4)
+    assert metrics["kl"] < 1e-6
+
+
 def test_the_response_mask_ends_with_each_rows_first_newline() -> None:
     n, a = policy.NEWLINE, ord("7")
     tokens = torch.tensor([[a, n, a, a], [a, a, a, a], [n, a, n, a], [a, a, a, n]])
@@ -247,7 +280,7 @@ def test_an_moe_policys_update_scores_tokens_as_the_rollout_and_the_reference_do
             if "experts" in name:
                 weight.mul_(8.0)
     reference = workers.ReferenceWorker.__new__(workers.ReferenceWorker)
-    reference.model = copy.deepcopy(trainer.model).eval()
+    reference.spec, reference.model = trainer.spec, copy.deepcopy(trainer.model).eval()
     prompt = list(b"Q: What is 2 + 3?\nA:")
     tokens = torch.tensor([list(b" 5 and then 7\n"), list(b" 9 or maybe 8\n")])
     item = {"prompt": prompt, "tokens": tokens, "mask": torch.ones(2, tokens.shape[1]),

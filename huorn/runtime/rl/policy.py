@@ -1,8 +1,18 @@
 """Sampling responses from the decoder, and the log-probabilities of given responses.
 
 Both paths must agree: the trainer recomputes the sampled tokens' log-probabilities with a full
-forward pass (teacher forcing) to form PPO's ratio, and a test checks that at temperature 1
-they equal the ones seen while sampling with the KV cache.
+forward pass (teacher forcing) to form PPO's ratio, and tests check that they equal the ones
+seen while sampling with the KV cache, at temperature 1 and below it.
+
+Both score softmax(logits / T), the distribution sampling draws from (as verl does; plain logits
+at T = 0, which samples greedily). Before, the trainer and the reference scored the plain
+logits while the rollout sampled at T: at T = 0.7 the trainer's π_old was 0.39-2.06 times the
+probability each token was sampled with, so PPO's ratio and clip were taken against another
+policy than the one that sampled. Top-p is left out of the scoring, as verl leaves it: the
+truncated distribution gives the tokens outside the nucleus probability 0 (log-probability
+-inf, no gradient to learn from), and the nucleus moves with the weights. Below topP 1 the
+samples are therefore drawn from a slightly narrower distribution than the one trained, a bias
+that grows as topP falls; topP 1 (the default) has none.
 """
 
 from __future__ import annotations
@@ -84,13 +94,21 @@ def response_mask(tokens: torch.Tensor) -> torch.Tensor:
     return (before == 0).float()
 
 
-def response_logprobs(model: torch.nn.Module, prompt: list[int], responses: torch.Tensor) -> torch.Tensor:
-    """log π(o_t | prompt, o_<t) of each response token [G, T], by one teacher-forced forward
-    pass; differentiable when the model is in training mode with grad enabled."""
+def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The logits of the distribution sampled at `temperature` and scored for training: divided
+    by it, unchanged at 0 (greedy)."""
+    return logits / temperature if temperature > 0 else logits
+
+
+def response_logprobs(model: torch.nn.Module, prompt: list[int], responses: torch.Tensor,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """log π(o_t | prompt, o_<t) of each response token [G, T] under softmax(logits / T), by one
+    teacher-forced forward pass; differentiable when the model is in training mode with grad
+    enabled."""
     device = next(model.parameters()).device
     prefix = torch.tensor([prompt] * responses.shape[0], dtype=torch.long, device=device)
     full = torch.cat([prefix, responses.to(device)], dim=1)
     logits, _ = model(full[:, :-1])
     start = len(prompt) - 1  # the logit at position i predicts token i + 1
-    picked = F.log_softmax(logits[:, start:].float(), dim=-1)
+    picked = F.log_softmax(scale(logits[:, start:].float(), temperature), dim=-1)
     return picked.gather(-1, full[:, len(prompt):].unsqueeze(-1))[..., 0]

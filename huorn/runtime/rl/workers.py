@@ -154,9 +154,10 @@ class PolicyTrainer:
 
     def update(self, batch: list[dict[str, Any]]) -> dict[str, float]:
         """updateEpochs passes over the batch in miniBatches optimiser steps. The first pass's
-        log-probabilities, taken before any step, are π_old (recomputed here rather than trusted
-        from sampling, whose temperature and top-p make another distribution)."""
+        log-probabilities, taken before any step, are π_old (recomputed here, at the rollout's
+        temperature as π is: policy.response_logprobs)."""
         opt = self.spec.optimization
+        temperature = self.spec.rollout.temperature
         # Eval mode, gradients on: π and π_old must be the distribution the rollout sampled and
         # the reference scores, both in eval mode. In train mode an MoE policy dropped the tokens
         # past each expert's capacity (capacityFactor), so π_old was another distribution and the
@@ -168,7 +169,8 @@ class PolicyTrainer:
                        for begin in range(0, len(batch), per_step)]
         shares = [share(chosen, self.rank, self.world) for chosen in minibatches]
         with torch.no_grad():
-            old = {i: policy.response_logprobs(self.model, batch[i]["prompt"], batch[i]["tokens"])
+            old = {i: policy.response_logprobs(self.model, batch[i]["prompt"], batch[i]["tokens"],
+                                               temperature)
                    for mine in shares for i in mine}
         sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0}
         updates = 0
@@ -180,7 +182,8 @@ class PolicyTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 values = torch.zeros(4, dtype=torch.float64, device=self.device)
                 if mine:
-                    new = [policy.response_logprobs(self.model, batch[i]["prompt"], batch[i]["tokens"])
+                    new = [policy.response_logprobs(self.model, batch[i]["prompt"], batch[i]["tokens"],
+                                                    temperature)
                            for i in mine]
                     parts = algorithms.policy_loss(
                         _pad(new), _pad([old[i] for i in mine]),
@@ -276,4 +279,7 @@ class ReferenceWorker:
 
     @torch.no_grad()
     def logprobs(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
-        return [policy.response_logprobs(self.model, item["prompt"], item["tokens"]).cpu() for item in items]
+        """π_ref of each group's responses, at the rollout's temperature as the trainer's π."""
+        temperature = self.spec.rollout.temperature
+        return [policy.response_logprobs(self.model, item["prompt"], item["tokens"], temperature).cpu()
+                for item in items]
