@@ -170,6 +170,10 @@ def test_sampled_log_probabilities_equal_the_teacher_forced_ones() -> None:
     forced = policy.response_logprobs(model.eval(), prompt, samples.tokens)
     assert torch.allclose(forced * samples.mask, samples.sampled_logprobs, atol=1e-4)
     assert torch.equal(samples.mask, policy.response_mask(samples.tokens))
+    # Below top-p 1 they are still the full distribution's, the one the trainer scores.
+    nucleus = policy.sample(model, prompt, 4, 10, 1.0, 0.5, torch.Generator().manual_seed(1))
+    forced = policy.response_logprobs(model, prompt, nucleus.tokens)
+    assert torch.allclose(forced * nucleus.mask, nucleus.sampled_logprobs, atol=1e-4)
     # A top-p this small keeps only the most likely token: sampling becomes greedy.
     narrow = policy.sample(model, prompt, 2, 6, 1.0, 1e-6, torch.Generator().manual_seed(2))
     greedy = policy.sample(model, prompt, 2, 6, 0.0, 1.0, torch.Generator())
@@ -207,6 +211,51 @@ def test_the_trainer_and_the_reference_score_the_temperature_that_sampled(
     assert torch.allclose(seen["old"] * samples.mask, samples.sampled_logprobs, atol=1e-4)
     assert torch.allclose(item["reference"] * samples.mask, samples.sampled_logprobs, atol=1e-4)
     assert metrics["kl"] < 1e-6
+
+
+def test_a_lagged_batchs_pi_old_is_the_policy_that_sampled_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """asyncSteps 1: step t+1's groups are sampled with θ_t and trained after step t's update, at
+    θ_{t+1}. Their π_old must be π_{θ_t}, the rollout model's; the trainer recomputed it with
+    θ_{t+1}, so the ratio at the first optimiser step was exactly 1 whatever the lag. Through
+    the controller's train_step, its trainer in this process."""
+    spec = {"virtualCluster": "x", "model": MODEL, "algorithm": {"name": "lite-ppo", "groupSize": 8},
+            "rollout": {"maxNewTokens": 6, "asyncSteps": 1, "temperature": 0.8},
+            "optimization": {"learningRate": 1e-2, "promptsPerStep": 1, "miniBatches": 1}}
+    trainer = workers.PolicyTrainer(spec, None, str(tmp_path / "ckpt"), "cpu")
+    rollout = workers.RolloutWorker(spec, "cpu")
+    rollout.load(trainer.weights(), 0)
+    running = controller.Controller.__new__(controller.Controller)  # no Ray: the trainer in process
+    running.settings, running.trainers = trainer.settings, types.SimpleNamespace(update=trainer.update)
+    running.references = running.rollouts = types.SimpleNamespace(members=[])
+    running.pools = ()
+    running.log = lambda record: None  # type: ignore[method-assign]
+    seen: list[torch.Tensor] = []
+    loss = algorithms.policy_loss
+
+    def spy(new: torch.Tensor, old: torch.Tensor, *args: Any, **kwargs: Any) -> algorithms.LossParts:
+        seen.append(old.clone())
+        return loss(new, old, *args, **kwargs)
+
+    monkeypatch.setattr(algorithms, "policy_loss", spy)
+
+    def rollout_of(text: str, answer: str, seed: int) -> controller.Rollout:
+        items = rollout.generate([(text, answer, seed)])
+        for item in items:  # rewards that differ within the group: advantages that move the policy
+            item["scores"] = item["rewards"] = torch.tensor([1.0, 0.0] * 4)
+        return controller.Rollout(items, {})
+
+    step0 = rollout_of("Q: What is 2 + 3?\nA:", "5", 1)  # both sampled by θ_0, as asyncSteps 1 does
+    step1 = rollout_of("Q: What is 7 + 1?\nA:", "8", 2)
+    running.train_step(0, step0, 0.0)  # θ_0 → θ_1
+    item = step1.items[0]
+    mask = item["mask"]
+    sampler = policy.response_logprobs(rollout.model.eval(), item["prompt"], item["tokens"], 0.8) * mask
+    trained = policy.response_logprobs(trainer.model.eval(), item["prompt"], item["tokens"], 0.8) * mask
+    assert not torch.allclose(sampler, trained, atol=1e-2), "the update moved the policy"
+    running.train_step(1, step1, 0.0)  # trained at θ_1, sampled by θ_0
+    assert torch.allclose(seen[-1] * mask, sampler, atol=1e-5)
+    assert torch.allclose(item["logprobs"], sampler, atol=1e-5)
 
 
 def test_the_response_mask_ends_with_each_rows_first_newline() -> None:

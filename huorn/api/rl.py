@@ -118,8 +118,9 @@ class RolloutSpec(ApiModel):
     async_steps: int = Field(default=0, ge=0, le=1, description=(
         "Policy versions a step's responses may lag the trained policy. 1 generates step t+1's "
         "responses with step t's weights while step t trains (ROLL's async generation), so rollout "
-        "and update overlap; 0 alternates them. More than one step would need an off-policy "
-        "correction the trainer does not make."))
+        "and update overlap, and PPO's ratio is taken against the log-probabilities they were "
+        "sampled with; 0 alternates them. More is not run: the controller generates one step "
+        "ahead, and a clip measured from an older sampling policy leaves the update less room."))
 
 
 @rules.attach(

@@ -234,6 +234,20 @@ def gpu_requests(roles: rl.Roles, reference: bool) -> dict[str, float]:
     return out
 
 
+def training_batch(items: Sequence[Mapping[str, Any]], advantages: torch.Tensor, references: Sequence[Any],
+                   version: int) -> list[dict[str, Any]]:
+    """What the trainer gets of each group, holding weights `version` (the step it trains). A
+    group sampled by an older version (asyncSteps 1: the one before) carries the rollout's
+    sampling log-probabilities as `behaviour`, its π_old: PPO's ratio and clip are then against
+    the policy that sampled it. Recomputed by the trainer, π_old was the trained policy itself,
+    the ratio exactly 1 at the first optimiser step whatever the lag. A group sampled by the
+    trainer's own weights gets none: the trainer recomputes π_old, the same policy."""
+    return [{"prompt": item["prompt"], "tokens": item["tokens"], "mask": item["mask"],
+             "advantages": advantages[k], "reference": references[k],
+             "behaviour": item["logprobs"] if item["version"] < version else None}
+            for k, item in enumerate(items)]
+
+
 def reward_inputs(items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """What a reward worker scores of each group: its strings. NB: not the whole item, whose
     tensors, unpickled in the worker, imported torch there at its first call (2-3 s of CPU),
@@ -491,10 +505,7 @@ class Controller:
             parts = ray.get([worker.logprobs.remote(chunk) for worker, chunk in
                              zip(self.references.members, self.references.deal(items), strict=True) if chunk])
             references = [r for part in parts for r in part]
-        batch = [{"prompt": item["prompt"], "tokens": item["tokens"], "mask": item["mask"],
-                  "advantages": advantages[k], "reference": references[k]}
-                 for k, item in enumerate(items)]
-        metrics = self.trainers.update(batch)
+        metrics = self.trainers.update(training_batch(items, advantages, references, version=step))
         lengths = torch.cat([item["mask"].sum(dim=1) for item in items])
         self.log({"event": "rl", "step": step, **stats, **metrics,
                   "rollout_workers": len(self.rollouts.members), "role_replicas": self.running_replicas(),

@@ -35,7 +35,9 @@ class Samples:
     prompt: list[int]
     tokens: torch.Tensor
     mask: torch.Tensor
-    sampled_logprobs: torch.Tensor  # [G, T] under the sampling distribution (temperature, top-p)
+    # [G, T], 0 past the mask: log-probabilities of the chosen tokens under softmax(logits / T),
+    # the distribution the trainer scores (top-p left out, as it leaves it out: module doc)
+    sampled_logprobs: torch.Tensor
 
     def texts(self) -> list[str]:
         out = []
@@ -68,14 +70,14 @@ def sample(model: torch.nn.Module, prompt: list[int], group: int, max_new_tokens
     tokens, logprobs = [], []
     finished = torch.zeros(group, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
+        scored = F.log_softmax(scale(logits, temperature), dim=-1)
         if temperature > 0:
-            scaled = F.log_softmax(_top_p(logits / temperature, top_p), dim=-1)
-            token = torch.multinomial(scaled.exp(), 1, generator=generator)
+            nucleus = scored if top_p >= 1.0 else F.log_softmax(_top_p(scored, top_p), dim=-1)
+            token = torch.multinomial(nucleus.exp(), 1, generator=generator)
         else:
-            scaled = F.log_softmax(logits, dim=-1)
-            token = scaled.argmax(dim=-1, keepdim=True)
+            token = scored.argmax(dim=-1, keepdim=True)
         tokens.append(token[:, 0])
-        logprobs.append(scaled.gather(-1, token)[:, 0])
+        logprobs.append(scored.gather(-1, token)[:, 0])
         finished |= token[:, 0] == NEWLINE
         if finished.all() or step + 1 == max_new_tokens:
             break

@@ -3,7 +3,8 @@ actors (so each runs in a process of its own, placed by Ray) and that tests can 
 directly.
 
 - PolicyTrainer (actor-train) holds the policy and its optimiser, recomputes the sampled
-  responses' log-probabilities, applies the clipped-surrogate update and writes checkpoints.
+  responses' log-probabilities (π_old: the rollout's own for responses sampled by older
+  weights), applies the clipped-surrogate update and writes checkpoints.
   Several are one data-parallel group (torch.distributed, gloo or NCCL): each takes its share of
   every mini-batch and their gradients are summed, so the update is the one a single trainer
   would make (`algorithms.Totals`); huorn.runtime.rl.pools forms and re-forms the group.
@@ -153,9 +154,11 @@ class PolicyTrainer:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def update(self, batch: list[dict[str, Any]]) -> dict[str, float]:
-        """updateEpochs passes over the batch in miniBatches optimiser steps. The first pass's
-        log-probabilities, taken before any step, are π_old (recomputed here, at the rollout's
-        temperature as π is: policy.response_logprobs)."""
+        """updateEpochs passes over the batch in miniBatches optimiser steps. π_old is the policy
+        that sampled each group: an item's `behaviour` log-probabilities where the controller
+        gives them (a group sampled by older weights than these: asyncSteps 1), else the
+        log-probabilities recomputed here before any step (the same weights that sampled), at
+        the rollout's temperature as π is (policy.response_logprobs)."""
         opt = self.spec.optimization
         temperature = self.spec.rollout.temperature
         # Eval mode, gradients on: π and π_old must be the distribution the rollout sampled and
@@ -168,10 +171,7 @@ class PolicyTrainer:
         minibatches = [list(range(begin, min(begin + per_step, len(batch))))
                        for begin in range(0, len(batch), per_step)]
         shares = [share(chosen, self.rank, self.world) for chosen in minibatches]
-        with torch.no_grad():
-            old = {i: policy.response_logprobs(self.model, batch[i]["prompt"], batch[i]["tokens"],
-                                               temperature)
-                   for mine in shares for i in mine}
+        old = {i: self._old(batch[i], temperature) for mine in shares for i in mine}
         sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0}
         updates = 0
         for _ in range(opt.update_epochs):
@@ -206,6 +206,12 @@ class PolicyTrainer:
                 sums["grad_norm"] += float(norm)
         means = {k: v / max(1, updates) for k, v in sums.items()}
         return means | {"updates": updates, "trainers": self.world}
+
+    @torch.no_grad()
+    def _old(self, item: dict[str, Any], temperature: float) -> torch.Tensor:
+        if item.get("behaviour") is not None:
+            return item["behaviour"].to(self.device)
+        return policy.response_logprobs(self.model, item["prompt"], item["tokens"], temperature)
 
     def _sum_gradients(self) -> None:
         """One all-reduce of every gradient, flattened (a parameter that got none counts zero).
@@ -265,8 +271,11 @@ class RolloutWorker:
             prompt = list(text.encode("utf-8"))
             samples = policy.sample(self.model, prompt, group, rollout.max_new_tokens,
                                     0.0 if greedy else rollout.temperature, rollout.top_p, generator)
+            # the sampling log-probabilities and the weights' version: π_old of a group the
+            # trainer gets after its weights have moved on (controller.training_batch)
             out.append({"prompt": prompt, "text": text, "answer": answer, "tokens": samples.tokens,
-                        "mask": samples.mask, "responses": samples.texts(), "version": self.version})
+                        "mask": samples.mask, "responses": samples.texts(), "version": self.version,
+                        "logprobs": samples.sampled_logprobs})
         return out
 
 
