@@ -92,3 +92,38 @@ def test_after_s4_a_pipelined_ranks_old_steps_are_not_its_replacements() -> None
     gang.run(260, factor)
     assert gang.replaced == ["trainer-1", "trainer-0"], pol.decisions
     assert not [d for d in pol.decisions if "trainer-1-g1" in d.reason], pol.decisions
+
+
+def test_a_slowdown_that_recovered_at_s1_does_not_take_the_next_stragglers_s4() -> None:
+    """trainer-1 is 1.5× slow for 30 steps (a loss well under S4's price) and recovers; trainer-0
+    slows 3× from step 150 for good. The ladder ignored recoveries and took new findings only at
+    rest, so it sat at S1 on trainer-1's finding, trainer-0's loss paid for S4 under that name,
+    and S4 replaced trainer-1, which had recovered 90 steps before."""
+    graph = build_graph()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), ladder.LadderCosts(restart=2.5))
+    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=1)
+
+    def factor(rank: int, pod: str, step: int) -> float:
+        if rank == 1 and 30 <= step < 60:
+            return 1.5
+        return 3.0 if rank == 0 and step >= 150 else 1.0
+
+    gang.run(220, factor)
+    assert gang.replaced == ["trainer-0"], pol.decisions
+
+
+def test_a_new_straggler_takes_the_place_of_a_milder_one_observed_at_s1() -> None:
+    """trainer-1 stays 1.3× slow from step 30, too mild for its loss to have paid for S4 by step
+    150, when trainer-0 slows 3×. The new finding was dropped while the ladder sat at S1, and S4,
+    paid for by trainer-0's loss, replaced trainer-1."""
+    graph = build_graph()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), ladder.LadderCosts(restart=2.5))
+    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=1)
+
+    def factor(rank: int, pod: str, step: int) -> float:
+        if rank == 1 and step >= 30:
+            return 1.3
+        return 3.0 if rank == 0 and step >= 150 else 1.0
+
+    gang.run(220, factor)
+    assert gang.replaced == ["trainer-0"], pol.decisions

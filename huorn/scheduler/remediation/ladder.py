@@ -14,7 +14,10 @@ S4 is the top rung, and it ends the incident: the slow or stopped pod is replace
 restarts from its checkpoint, so the ladder starts afresh (any S2 counts or S3 split in force go
 back to even in the same decision). A capped hang changes nothing, and the ladder stays where it
 was. Before, the ladder stayed at S4 or at the cap for good: no later fail-slow was taken, S2's
-counts for the replaced pod stayed in force, and a restarted operator disagreed with it.
+counts for the replaced pod stayed in force, and a restarted operator disagreed with it. An
+incident with nothing of the ladder's in force (S1, a passed rung) ends with its recovery, or
+gives way to a later slowdown elsewhere (`on_recovery`, `supersedes`): the ladder sat at S1 for
+good before, and a later straggler's S4 replaced the pod that had recovered.
 
 A plan fitted to a slowdown is wrong once the slowdown changes. While S2 or S3 holds, every
 step prices the applied plan and the best plan for the speeds measured now; once the predicted
@@ -132,14 +135,60 @@ class MitigationLadder:
         return None
 
     def on_fail_slow(self, finding: failslow.SlowFinding, ranks: Sequence[int]) -> Decision:
-        """A validated slowdown: start observing it (S1). Losses count from here."""
+        """A validated slowdown: start observing it (S1). Losses count from here. One that
+        supersedes the ladder's finding (`supersedes`) starts afresh from S1 too, and says so."""
+        before = self.finding if self.level is not None else None
+        self._reset()
         self.finding, self.ranks = finding, tuple(ranks)
         self.level, self.loss_since_rung = MitigationLevel.OBSERVE, 0.0
+        instead = "" if before is None else (
+            f"; it takes the place of the fail-slow on {before.where()} since step {before.onset_iteration}")
         return Decision(
             MitigationLevel.OBSERVE, ACTIONS[MitigationLevel.OBSERVE],
             f"fail-slow ({finding.kind}) on {finding.where()} ×{finding.factor:.2f} since step "
-            f"{finding.onset_iteration}; observing until the loss pays for the next rung", self.ranks,
+            f"{finding.onset_iteration}; observing until the loss pays for the next rung{instead}",
+            self.ranks,
         )
+
+    def holds_no_plan(self) -> bool:
+        """Whether nothing of the ladder's own is in force: it observes (S1), or it passed a rung
+        and the even split is all that holds (no S2 counts kept under a passed S3)."""
+        if self.level is MitigationLevel.OBSERVE:
+            return True
+        counts = self.counts_in_force
+        return self.level is not None and self.passed and (
+            counts is None or list(counts) == rebalance.even_split(sum(counts), len(counts)))
+
+    def on_recovery(self, finding: failslow.SlowFinding) -> Decision | None:
+        """A validated recovery (factor < 1): if it is where the ladder's slowdown was, after it
+        began, and nothing of the ladder's is in force, the slowdown is over and the ladder comes
+        to rest (a decision that says so); else None. An S2 or S3 plan in force is left to its
+        re-planning, which restores the even split once that pays.
+        NB: recoveries were ignored, and the ladder took new findings only at rest, so it sat at
+        S1 for good after a short slowdown: a later straggler elsewhere climbed it under the old
+        finding, and S4 replaced the pod that had recovered long before."""
+        current = self.finding
+        if current is None or finding.factor >= 1 or not self.holds_no_plan() \
+                or finding.onset_iteration <= current.onset_iteration \
+                or (finding.where(), finding.kind) != (current.where(), current.kind):
+            return None
+        ranks = self.ranks
+        self._reset()
+        return Decision(
+            MitigationLevel.OBSERVE, "recovered",
+            f"fail-slow ({current.kind}) on {current.where()} since step {current.onset_iteration} is "
+            f"over: ×{finding.factor:.2f} from step {finding.onset_iteration}; nothing was in force, "
+            "so the ladder comes to rest", ranks)
+
+    def supersedes(self, finding: failslow.SlowFinding) -> bool:
+        """Whether a new slowdown takes the place of the one the ladder observes: elsewhere, begun
+        well after it (not the same event seen a tick later), with nothing of the ladder's in force.
+        The old one's loss has not paid for the next rung, so it is the cheaper; kept, the next
+        rung would be taken on its name (S4 replacing a pod that may have recovered unseen)."""
+        current = self.finding
+        return (current is not None and finding.factor > 1 and self.holds_no_plan()
+                and finding.onset_iteration > current.onset_iteration + failslow.ONSET_TOLERANCE
+                and finding.where() != current.where())
 
     def resume(self, level: MitigationLevel, plan: dict[str, object],
                counts_in_force: list[int] | None = None, ranks: Sequence[int] = ()) -> None:

@@ -193,10 +193,16 @@ class RemediationPolicy:
         events: list[managers.Event] = []
         first = self._last_step + 1
         for finding in found:
-            if finding.factor <= 1 or (finding.where(), finding.onset_iteration) in self._slow_seen:
+            if (finding.where(), finding.onset_iteration) in self._slow_seen:
+                continue
+            if finding.factor <= 1:
+                # the ladder's slowdown is over: at S1 (or a passed rung) nothing else would end it
+                if (recovered := self.ladder.on_recovery(finding)) is not None:
+                    self._slow_seen.add((finding.where(), finding.onset_iteration))
+                    self.decisions.append(recovered)
                 continue
             self._slow_seen.add((finding.where(), finding.onset_iteration))
-            if self.ladder.level is None:
+            if self.ladder.level is None or self.ladder.supersedes(finding):
                 self.decisions.append(self.ladder.on_fail_slow(finding, _culprit_ranks(finding, found)))
                 # ski-rental's rent runs from the onset, not from the detection: the steps between
                 # were lost all the same, and a detector slowed by a noisy host must not also
