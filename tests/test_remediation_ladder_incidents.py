@@ -12,7 +12,7 @@ import yaml
 from remediation_support import Seen
 
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
-from huorn.api.common import Remediation
+from huorn.api.common import MitigationLevel, Remediation
 from huorn.graph import compiler, managers, model
 from huorn.scheduler.remediation import ladder, policy
 
@@ -40,9 +40,10 @@ class Gang:
         self.replaced: list[str] = []
         self.step = 0
 
-    def run(self, until: int, factor: Callable[[int, str, int], float]) -> None:
-        """Steps until `until`; `factor(rank, pod, step)` scales a rank's compute."""
-        while self.step < until and len(self.replaced) < 5:  # a runaway S4 loop ends the run
+    def run(self, until: int, factor: Callable[[int, str, int], float], replacements: int = 5) -> None:
+        """Steps until `until`, or until S4 made `replacements` (a runaway S4 loop ends the run);
+        `factor(rank, pod, step)` scales a rank's compute."""
+        while self.step < until and len(self.replaced) < replacements:
             computes = {r: 0.04 * np.exp(self.rng.normal(0, 0.02)) * factor(r, self.pods[r], self.step)
                         for r in self.pods}
             for r, compute in computes.items():
@@ -127,3 +128,64 @@ def test_a_new_straggler_takes_the_place_of_a_milder_one_observed_at_s1() -> Non
 
     gang.run(220, factor)
     assert gang.replaced == ["trainer-0"], pol.decisions
+
+
+def slow_one_then_the_other(rank: int, pod: str, step: int) -> float:
+    """trainer-1 computes 2× slower from step 50 until S4 replaces it, trainer-0 from step 170."""
+    return 2.0 if (pod == "trainer-1" and step >= 50) or (rank == 0 and step >= 170) else 1.0
+
+
+def test_after_s4_nothing_is_decided_until_a_new_slowdown_begins() -> None:
+    """S4 drops the replaced pod's history, and the survivor's waits for it (which the per-step
+    minimum of communication time over ranks used to exclude) then set that minimum: the old
+    slowdown came back as a job-wide communication finding from its old onset, and climbed to an
+    S4 that named no pod."""
+    graph = build_graph()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), ladder.LadderCosts(restart=2.0))
+    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=4)
+    gang.run(250, slow_one_then_the_other)
+    assert gang.replaced == ["trainer-1", "trainer-0"], pol.decisions
+    assert [(d.level, d.replaced) for d in pol.decisions] == [
+        (MitigationLevel.OBSERVE, ()), (MitigationLevel.RESTART, ("trainer-1",)),
+        (MitigationLevel.OBSERVE, ()), (MitigationLevel.RESTART, ("trainer-0",))], pol.decisions
+
+
+def test_a_policy_rebuilt_after_s4_does_not_find_the_old_slowdown_in_the_replayed_history() -> None:
+    """An operator restarted after S4 builds a new policy, which replays the 256 steps the
+    telemetry still holds; only the graph tells it that S4 already ended the slowdown in them."""
+    graph = build_graph()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), ladder.LadderCosts(restart=2.0))
+    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=4)
+    gang.run(250, slow_one_then_the_other, replacements=1)
+    assert gang.replaced == ["trainer-1"], pol.decisions
+    gang.pol = rebuilt = policy.RemediationPolicy(Remediation(hang_timeout="30s"),
+                                                  ladder.LadderCosts(restart=2.0))
+    assert not rebuilt.resume(graph.vertex("trainer").params)
+    gang.run(250, slow_one_then_the_other)
+    assert gang.replaced == ["trainer-1", "trainer-0"], rebuilt.decisions
+    assert [(d.level, d.replaced) for d in rebuilt.decisions] == [
+        (MitigationLevel.OBSERVE, ()), (MitigationLevel.RESTART, ("trainer-0",))], rebuilt.decisions
+
+
+def test_a_policy_rebuilt_after_a_job_wide_s4_does_not_take_it_again() -> None:
+    """A job-wide S4 replaces no pod; the operator records it in the trainer's `mitigation`
+    parameter, and that is where a rebuilt policy learns of it. Before, the replay found the
+    same job-wide slowdown and climbed to another S4 after every operator restart."""
+    from huorn.operator import monitoring
+
+    graph = build_graph()
+    costs = ladder.LadderCosts(restart=2.0)
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), costs)
+    state = monitoring.JobPolicies(("uid", 1), pol, None)
+    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=5)
+
+    def every(rank: int, pod: str, step: int) -> float:
+        return 2.0 if step >= 50 else 1.0
+
+    while not pol.decisions or pol.decisions[-1].level is not MitigationLevel.RESTART:
+        gang.run(gang.step + 1, every)
+        monitoring.record_ladder(graph, state)
+    assert pol.decisions[-1].replaced == () and gang.replaced == []
+    gang.pol = rebuilt = policy.RemediationPolicy(Remediation(hang_timeout="30s"), costs)
+    gang.run(gang.step + 40, every)
+    assert rebuilt.decisions == []

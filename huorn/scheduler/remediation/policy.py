@@ -48,6 +48,7 @@ start-up and rendezvous look like, so that case is recorded but never restarts a
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -65,6 +66,8 @@ SHAPE_WINDOW = 5  # recent steps whose median compute time gives a rank's second
 # never came back; pooled, the median's uncertainty falls as 1/√n. The cap bounds how long a
 # change in the speeds takes to move the median (half the window).
 EVIDENCE_WINDOW = 20
+# how an S4's replacement names the step it was taken at (RemediationPolicy._events_for)
+S4_AT_STEP = re.compile(r"remediation S4 \([^)]*\) at step (\d+)")
 
 
 class TelemetryObservation(Protocol):
@@ -88,6 +91,7 @@ class RemediationPolicy:
         self._handled_hangs: set[tuple[tuple[str, ...], int]] = set()
         self._slow_seen: set[tuple[str, int]] = set()
         self._last_step = -1
+        self._restart_step = -1  # the step of the last S4 this policy took (last_restart_step)
         self._resumed = False  # a plan taken up from the graph: price it from the next step on
 
     def decide(self, graph: model.Graph, observation: TelemetryObservation) -> list[managers.Event]:
@@ -132,6 +136,7 @@ class RemediationPolicy:
             replica_of[sample.rank] = replica
             samples.append(sample)
         finding = self.hang.observe(samples, now)
+        step = max((sample.step for sample in samples), default=-1)
         world = max((int(snap.get("world_size") or 0) for snap in snapshots.values()), default=0)
         if finding is not None and not finding.culprits:
             # Every rank inside one collective, none standing out: no rank to replace, but the job
@@ -152,20 +157,23 @@ class RemediationPolicy:
         if key in self._handled_hangs:
             return []
         self._handled_hangs.add(key)
-        return self._take(graph, self.ladder.on_hang(finding), replicas)
+        return self._take(graph, self.ladder.on_hang(finding), replicas, step)
 
     def _take(self, graph: model.Graph, decision: ladder.Decision,
-              replicas: tuple[str, ...]) -> list[managers.Event]:
-        """Keep a decision and return its events; an S4 decision keeps the pods it names. One that
+              replicas: tuple[str, ...], step: int) -> list[managers.Event]:
+        """Keep a decision and return its events; an S4 decision keeps the pods it names and the
+        step it was taken at (`atStep` in its plan, `at step` in its events' reasons). One that
         names none (a job-wide slowdown) says so: the operator records it as it does a capped one,
         where it used to record nothing. NB: a named pod that is gone already was replaced by an
         earlier decision (a restarted operator reads the stale telemetry again): nothing new."""
-        events = self._events_for(graph, decision, replicas)
         if decision.level is MitigationLevel.RESTART and decision.action != "capped":
-            decision = dataclasses.replace(decision, replaced=tuple(replicas))
+            self._restart_step = step
+            decision = dataclasses.replace(decision, replaced=tuple(replicas),
+                                           plan={**decision.plan, "atStep": step})
             if not replicas:
                 decision = dataclasses.replace(decision, reason=(
                     f"{decision.reason}; it names no pod to replace (the slowdown is job-wide)"))
+        events = self._events_for(graph, decision, replicas)
         self.decisions.append(decision)
         return events
 
@@ -180,6 +188,12 @@ class RemediationPolicy:
             for old in sorted(steps)[:-HISTORY_STEPS]:
                 del steps[old]
         self._forget_gone(graph, served)
+        # NB: a slowdown that began before the last S4 is that S4's: its pod is gone (or, job-wide,
+        # nothing could be replaced). Found again, because the replaced pod's history went and the
+        # survivors' waits for it now set the per-step minimum of communication, or because a
+        # rebuilt policy replays the telemetry's 256 steps, it climbed the ladder once more from
+        # its old onset, up to an S4 that named no pod.
+        restarted = max(self._restart_step, last_restart_step(graph))
         if self.positions:
             pipeline_table = self.build_pipeline_table()
             found = failslow.detect_pipeline_fail_slow(pipeline_table) if pipeline_table else []
@@ -193,7 +207,8 @@ class RemediationPolicy:
         events: list[managers.Event] = []
         first = self._last_step + 1
         for finding in found:
-            if (finding.where(), finding.onset_iteration) in self._slow_seen:
+            if (finding.where(), finding.onset_iteration) in self._slow_seen \
+                    or finding.onset_iteration < restarted:
                 continue
             if finding.factor <= 1:
                 # the ladder's slowdown is over: at S1 (or a passed rung) nothing else would end it
@@ -231,7 +246,7 @@ class RemediationPolicy:
             decision = self.ladder.on_step(seconds, seconds if healthy is None else healthy)
             if decision is not None:
                 worker = finding.worker if finding else failslow.JOB_WIDE
-                events += self._take(graph, decision, () if worker == failslow.JOB_WIDE else (worker,))
+                events += self._take(graph, decision, () if worker == failslow.JOB_WIDE else (worker,), step)
                 # NB: every step of this tick ran before this rung, the new ones too: they price
                 # nothing on it. Breaking only on steps already seen let a rebuilt policy (nothing
                 # seen yet) climb S1 → S2 → S4 in one tick on history from before S2 existed.
@@ -319,9 +334,28 @@ class RemediationPolicy:
                            if any(i.name == replica for i in v.instances)), None)
             if vertex is not None and replica in live:
                 events.append(managers.Event(managers.INSTANCE_FAILED, vertex, {
-                    "instance": replica, "reason": f"remediation S4 ({decision.action}): {decision.reason}",
+                    "instance": replica, "reason": f"remediation S4 ({decision.action}) at step "
+                                                   f"{decision.plan.get('atStep')}: {decision.reason}",
                 }))
         return events + build_restore_events(graph, decision)
+
+
+def last_restart_step(graph: model.Graph) -> int:
+    """The latest step at which the graph records an S4 (-1 if none): from its replacements'
+    reasons, or, for an S4 that replaced no pod, from the trainer's `mitigation` parameter, where
+    the operator records it. A rebuilt policy (a restarted operator, an edited spec) learns from
+    it which findings that S4 already ended, as the operator's reconcile learns from its status
+    stamps (controlVersion, resplitVersion, cordonedVersion) what it already did."""
+    steps = [int(m[1]) for mutation in graph.log
+             if mutation.action == "replace" and (m := S4_AT_STEP.match(mutation.reason))]
+    for trainer in graph.vertices_with_role("trainer"):
+        mitigation = trainer.params.get("mitigation")
+        if not isinstance(mitigation, Mapping) or mitigation.get("level") != MitigationLevel.RESTART.value:
+            continue
+        plan = mitigation.get("plan")
+        if isinstance(plan, Mapping) and isinstance(plan.get("atStep"), int):
+            steps.append(int(plan["atStep"]))
+    return max(steps, default=-1)
 
 
 def _culprit_ranks(finding: failslow.SlowFinding, found: list[failslow.SlowFinding]) -> list[int]:
