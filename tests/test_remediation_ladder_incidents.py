@@ -189,3 +189,47 @@ def test_a_policy_rebuilt_after_a_job_wide_s4_does_not_take_it_again() -> None:
     gang.pol = rebuilt = policy.RemediationPolicy(Remediation(hang_timeout="30s"), costs)
     gang.run(gang.step + 40, every)
     assert rebuilt.decisions == []
+
+
+def test_a_hang_on_another_pod_keeps_a_ddp_stragglers_s2_counts() -> None:
+    """Four DDP pods; trainer-1 is 2× slow per micro-batch from step 40 and S2 moves work off
+    it; at step 110 trainer-2 hangs outside the next all-reduce, and S4 replaces it. The ladder
+    kept the counts only if it knew the straggler's ranks, which the policy gives no DDP
+    finding, so S4 put them back to even and left the straggler there for good."""
+    graph = build_graph(replicas=4)
+    mgrs = managers.build_default_managers()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="3s"),
+                                   ladder.LadderCosts(rebalance=0.5, restart=1000.0))
+    rng = np.random.default_rng(3)
+    pods = {r: f"trainer-{r}" for r in range(4)}
+    served: dict[int, list[dict]] = {r: [] for r in pods}
+    counts, seq, replaced = [4] * 4, 0, []
+    for step in range(120):
+        hung = step >= 110
+        if not hung:
+            seq += 3
+            per_mb = [0.02 * np.exp(rng.normal(0, 0.02)) * (2.0 if r == 1 and step >= 40 else 1.0)
+                      for r in pods]
+            computes = [per_mb[r] * counts[r] for r in pods]
+            for r in pods:
+                served[r].append({"step": step, "step_seconds": max(computes) + 0.02,
+                                  "compute_seconds": computes[r], "microbatch_seconds": per_mb[r],
+                                  "comm_seconds": max(computes) - computes[r] + 0.02})
+        snaps = {}
+        for r, pod in pods.items():
+            entered = seq - 1 if hung and r == 2 else seq  # trainer-2 never enters the next one
+            completed = entered if r == 2 or not hung else seq - 1
+            snaps[pod] = {"rank": r, "world_size": 4, "replica": pod, "heartbeat": float(step),
+                          "steps": served[r][-256:],
+                          "parameters": {"micro_batches": {"total": 16, "mine": counts[r]}},
+                          "collective": {"entered": entered, "completed": completed, "in_flight": []}}
+        for event in pol.decide(graph, Seen(float(step), snaps)):
+            for mutation in mgrs.dispatch(graph, event):
+                if mutation.action == "set-param" and mutation.detail["key"] == "microbatches":
+                    counts = list(mutation.detail["new"])
+                if mutation.action == "replace":
+                    replaced.append(mutation.detail["old"])
+    assert replaced == ["trainer-2"], pol.decisions
+    assert counts != [4] * 4 and counts[1] == min(counts), pol.decisions
+    assert graph.vertex("trainer").params["microbatches"] == counts
+    assert pol.ladder.level is MitigationLevel.REBALANCE and pol.ladder.counts_in_force == counts

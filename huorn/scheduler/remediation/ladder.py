@@ -452,8 +452,9 @@ class MitigationLadder:
             return {"cordon": True, "replacePods": True, "restartFromCheckpoint": True}
         return {}
 
-    def on_hang(self, finding: hang.HangFinding) -> Decision:
-        """A hang stops the job: only a restart helps, so take S4 now, or the cap if lower."""
+    def on_hang(self, finding: hang.HangFinding, pods: Sequence[str] = ()) -> Decision:
+        """A hang stops the job: only a restart helps, so take S4 now, or the cap if lower.
+        `pods`: those that run the hang's culprits, which S4 replaces."""
         ranks = finding.culprits
         if _index(self.cap) < _index(MitigationLevel.RESTART):
             # nothing is done, so the ladder stays as it was (it used to move to the cap for good)
@@ -468,10 +469,22 @@ class MitigationLadder:
             f"{finding.kind} hang: {finding.reason}; lower rungs cannot move a stopped rank",
             ranks, finding.nodes, self.build_plan(MitigationLevel.RESTART),
         )
-        if self.level is not None and self.ranks and ranks and not set(ranks) & set(self.ranks):
+        if self.level is not None and self._elsewhere(ranks, pods):
             # Another rank's slowdown is being mitigated: its S2 counts or S3 split were fitted to
             # that rank, which stays, so they stay in force and the ladder where it is. Put back
             # to even, they left the straggler on the even split for good (its change point was
             # already seen, so it was never found again).
             return decision
         return self._restart(decision)
+
+    def _elsewhere(self, ranks: Sequence[int], pods: Sequence[str]) -> bool:
+        """Whether a hang's culprits are clear of the slowdown the ladder mitigates: the pod its
+        finding names is not among the hang's, and none of its ranks is a culprit, as far as each
+        is known (a DDP finding names a pod and no ranks, a resumed plan ranks and no finding).
+        NB: ranks alone were compared, so in a DDP job a hang on another pod put a straggler's S2
+        counts back to even: the policy gives a DDP finding no ranks."""
+        held = self.finding.worker if self.finding is not None else failslow.JOB_WIDE
+        by_pod = None if held == failslow.JOB_WIDE or not pods else held not in pods
+        by_rank = None if not (self.ranks and ranks) else not set(ranks) & set(self.ranks)
+        known = [clear for clear in (by_pod, by_rank) if clear is not None]
+        return bool(known) and all(known)

@@ -157,7 +157,7 @@ class RemediationPolicy:
         if key in self._handled_hangs:
             return []
         self._handled_hangs.add(key)
-        return self._take(graph, self.ladder.on_hang(finding), replicas, step)
+        return self._take(graph, self.ladder.on_hang(finding, replicas), replicas, step)
 
     def _take(self, graph: model.Graph, decision: ladder.Decision,
               replicas: tuple[str, ...], step: int) -> list[managers.Event]:
