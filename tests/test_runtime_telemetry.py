@@ -18,8 +18,8 @@ import prometheus_client
 import pytest
 import runtime_harness as harness
 
+from huorn.runtime import comm, faults, launcher, telemetry
 from huorn.runtime import config as run_config
-from huorn.runtime import faults, launcher, telemetry
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -78,6 +78,54 @@ def test_telemetry_endpoint_shows_in_flight_collectives_and_recent_steps(
     assert [s["step"] for s in view["steps"]] == [2, 3, 4]  # the last N (history=3)
     assert view["steps"][-1]["comm_seconds"] == 1.0 and view["steps"][-1]["compute_seconds"] == 0.0  # capped
     assert _get(port, "/nothing")[0] == 404 and _get(port, "/healthz") == (200, "ok\n")
+
+
+def test_a_wait_on_a_known_peer_is_served_as_waiting_on() -> None:
+    """A pipeline stage's receive names the neighbour it waits for; the oldest such wait is what
+    the rank waits on. Its seconds stay out of the step's communication time when the caller
+    counts them itself."""
+    tel = telemetry.Telemetry("job", rank=3, world_size=4, replica="r1")
+    reduce = tel.enter_collective("grad-allreduce")
+    receive = tel.enter_collective("recv-activations", peer=2)
+    tel.enter_collective("send-drain", peer=1)
+    view = tel.snapshot()["collective"]
+    assert [(f["op"], f.get("peer")) for f in view["in_flight"]] == [
+        ("grad-allreduce", None), ("recv-activations", 2), ("send-drain", 1)]
+    assert view["waiting_on"] == 2
+    tel.complete_collective(receive, count_seconds=False)
+    tel.complete_collective(reduce, count_seconds=False)
+    assert tel.snapshot()["collective"]["waiting_on"] == 1 and tel.take_comm_seconds() == 0.0
+    assert telemetry.Telemetry("job", 0, 1, None).snapshot()["collective"]["waiting_on"] is None
+
+
+def test_the_step_ledger_pads_every_phase_to_its_allotment() -> None:
+    """Stages issue different numbers of operations; padded to one allotment per phase, every
+    rank's sequence numbers agree at phase ends, which the hang detector's comparison needs."""
+    ranks = [telemetry.Telemetry("job", rank, 2, None) for rank in range(2)]
+    ledgers = [comm.StepLedger(t) for t in ranks]
+    for ledger, operations in zip(ledgers, (1, 4), strict=True):
+        ledger.begin(4)
+        for _ in range(operations):
+            ledger.run("recv-gradients", 1, lambda: None)
+        ledger.end()
+        ledger.once("grad-allreduce", None, lambda: None)
+    assert [(t.snapshot()["collective"]["entered"], t.snapshot()["collective"]["completed"]) for t in ranks] \
+        == [(5, 5), (5, 5)]
+    ledgers[0].begin(1)
+    ledgers[0].run("recv-gradients", 1, lambda: None)
+    with pytest.raises(RuntimeError, match="allotted 1"):
+        ledgers[0].run("recv-gradients", 1, lambda: None)
+    # a wait that fails still completes its operation: nothing is left in flight
+    with pytest.raises(ValueError):
+        ledgers[1].once("grad-allreduce", None, _raise)
+    assert ranks[1].snapshot()["collective"]["in_flight"] == []
+    calls: list[int] = []
+    comm.StepLedger(None).once("grad-allreduce", None, lambda: calls.append(1))  # no telemetry: just runs
+    assert calls == [1]
+
+
+def _raise() -> None:
+    raise ValueError("peer lost")
 
 
 def test_endpoint_file_tells_a_supervisor_where_to_look(tmp_path: Path) -> None:

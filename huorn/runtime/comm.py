@@ -7,12 +7,17 @@ in the whole global batch, so the sum is the exact global-batch mean even when r
 unequal numbers of micro-batches (which happens whenever the world size does not divide them).
 The hook also records squared gradient norms before and after the reduction, the two inputs of
 the gradient noise scale.
+
+A pipeline stage's traffic (receives from its neighbours, waiting for its sends to deliver, the
+data-parallel gradient all-reduce) bypasses these wrappers, on paths the executor owns; it counts
+through a `StepLedger` instead, with the neighbour it waits for named.
 """
 
 # NB: no `from __future__ import annotations` here: DDP inspects the hook's annotations at
 # registration and refuses a bucket annotated with the string "dist.GradBucket".
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -110,6 +115,58 @@ def broadcast_tensor(tensor: torch.Tensor, src: int, device: torch.device) -> No
     staged = tensor.to(device)
     dist.broadcast(staged, src=src)
     tensor.copy_(staged)
+
+
+class StepLedger:
+    """Telemetry accounting for a pipeline stage's blocking operations.
+
+    Each operation (`run`) enters a collective sequence number before it blocks and completes it
+    after, naming the `peer` it waits for when there is one, so a stage stuck on a hung
+    neighbour shows `entered > completed` and `waiting_on` in `/telemetry`. Its wait is not
+    added to the step's communication seconds: the executor measures those itself (receive,
+    send and reduce waits apart, which the fail-slow detector needs).
+
+    NB: the hang detector compares sequence numbers across ranks, but stages do not issue the
+    same operations (a middle stage receives from both sides, an end stage from one; S2 gives
+    replicas unequal tables). So every stage counts at most `allotment` operations in a phase
+    (`begin`) and pads to it when the phase ends (`end`): at phase boundaries every rank's
+    numbers agree, as in a DDP gang. Without telemetry (benchmarks, tests) it counts nothing."""
+
+    def __init__(self, tel: telemetry.Telemetry | None) -> None:
+        self.telemetry = tel
+        self._allotment = 0
+        self._used = 0
+
+    def begin(self, allotment: int) -> None:
+        self._allotment, self._used = allotment, 0
+
+    def run(self, op: str, peer: int | None, action: Callable[[], object]) -> None:
+        """Call `action` (a blocking wait) as one counted operation."""
+        tel = self.telemetry
+        if tel is None:
+            action()
+            return
+        if self._used >= self._allotment:
+            raise RuntimeError(f"{op}: operation {self._used + 1} of a phase allotted {self._allotment}; "
+                               "the ranks' collective sequence numbers would drift apart")
+        self._used += 1
+        seq = tel.enter_collective(op, peer)
+        try:
+            action()
+        finally:
+            tel.complete_collective(seq, count_seconds=False)
+
+    def once(self, op: str, peer: int | None, action: Callable[[], object]) -> None:
+        """A phase of one operation that every rank runs (a collective)."""
+        self.begin(1)
+        self.run(op, peer, action)
+        self.end()
+
+    def end(self) -> None:
+        """Pad this phase's count to its allotment."""
+        if self.telemetry is not None:
+            self.telemetry.skip_collectives(self._allotment - self._used)
+        self._allotment = self._used = 0
 
 
 def init_process_group(backend: str, timeout_s: float) -> tuple[int, int, int]:

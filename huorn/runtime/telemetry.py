@@ -7,6 +7,13 @@ every rank enters collective k together, so a rank whose `entered` stops while i
 `entered > completed` is the one hung outside collectives, and a rank stuck with
 `entered > completed` alone is hung inside one (C4's classification).
 
+A pipeline stage's receives from its neighbours, its sends' delivery and its data-parallel
+gradient all-reduce count here too (`huorn.runtime.comm.StepLedger`): a stage blocked on a hung
+neighbour then sits at `entered > completed`, and the operation in flight names the neighbour
+(`peer`, and `waiting_on` for the oldest such operation). Stages receive different numbers of
+messages, so the ledger pads every rank's count to the same total per step: the numbers stay one
+timeline across stages and replicas, which the comparison above needs.
+
 The server runs in a daemon thread and reads state under a lock, so it keeps answering while
 the training thread is blocked, which is exactly when a detector needs it.
 """
@@ -66,7 +73,8 @@ class Telemetry:
         # wall time of the last change of either sequence number: lets a hang detector that starts
         # watching late (a restarted operator) time a stall from when it began, not from its start
         self._changed = time.time()
-        self._in_flight: dict[int, tuple[str, float]] = {}
+        self._in_flight: dict[int, tuple[str, float, int | None]] = {}  # seq -> (op, started, peer)
+        self._op_metrics: dict[str, tuple] = {}  # op -> its counter and histogram children
         self._comm_seconds = 0.0
         self._steps: collections.deque[dict] = collections.deque(maxlen=history)
         self._parameters: dict[str, object] = {}
@@ -91,27 +99,50 @@ class Telemetry:
                         "pid": str(os.getpid())})
 
     # -- collectives -------------------------------------------------------------------------
-    def enter_collective(self, op: str) -> int:
+    def enter_collective(self, op: str, peer: int | None = None) -> int:
+        """`peer`: the rank this operation waits for, where one is known (a point-to-point
+        receive); `/telemetry` serves the oldest as `waiting_on`."""
         with self._lock:
             self._entered += 1
             seq = self._entered
-            self._in_flight[seq] = (op, time.monotonic())
+            self._in_flight[seq] = (op, time.monotonic(), peer)
             self._changed = time.time()
         self.seq_entered.set(seq)
         return seq
 
-    def complete_collective(self, seq: int) -> float:
+    def complete_collective(self, seq: int, count_seconds: bool = True) -> float:
+        """`count_seconds=False` for an operation whose wait the caller already adds to the step's
+        communication time itself (a pipeline stage's receive and reduce waits)."""
         with self._lock:
-            op, started = self._in_flight.pop(seq)
+            op, started, _ = self._in_flight.pop(seq)
             duration = time.monotonic() - started
             self._completed = max(self._completed, seq)
-            self._comm_seconds += duration
+            if count_seconds:
+                self._comm_seconds += duration
             self._changed = time.time()
             completed = self._completed
         self.seq_completed.set(completed)
-        self.collectives.labels(op=op).inc()
-        self.collective_seconds.labels(op=op).observe(duration)
+        metrics = self._op_metrics.get(op)
+        if metrics is None:  # labels() costs a lookup under a lock; a pipeline pays it per message
+            metrics = self._op_metrics[op] = (self.collectives.labels(op=op),
+                                              self.collective_seconds.labels(op=op))
+        metrics[0].inc()
+        metrics[1].observe(duration)
         return duration
+
+    def skip_collectives(self, count: int) -> None:
+        """Count `count` sequence numbers as entered and completed without an operation: a
+        pipeline stage pads its step's operations to the number every stage is allotted
+        (`comm.StepLedger`), so that all ranks' numbers agree again at the step's end."""
+        if count <= 0:
+            return
+        with self._lock:
+            self._entered += count
+            self._completed += count
+            self._changed = time.time()
+            entered, completed = self._entered, self._completed
+        self.seq_entered.set(entered)
+        self.seq_completed.set(completed)
 
     def add_comm_seconds(self, seconds: float) -> None:
         """Waiting outside the wrapped collectives (a pipeline stage blocked on its neighbour's
@@ -190,13 +221,14 @@ class Telemetry:
         """What `/telemetry` serves."""
         now = time.monotonic()
         with self._lock:
-            in_flight = [{"seq": s, "op": op, "seconds": now - t}
-                         for s, (op, t) in sorted(self._in_flight.items())]
+            in_flight = [{"seq": s, "op": op, "seconds": now - t, **({"peer": p} if p is not None else {})}
+                         for s, (op, t, p) in sorted(self._in_flight.items())]
+            waiting_on = next((f["peer"] for f in in_flight if "peer" in f), None)
             return {
                 "job": self.job, "rank": self.rank, "world_size": self.world_size, "replica": self.replica,
                 "pid": os.getpid(), "heartbeat": self._last_heartbeat,
                 "collective": {"entered": self._entered, "completed": self._completed,
-                               "in_flight": in_flight, "changed": self._changed},
+                               "in_flight": in_flight, "waiting_on": waiting_on, "changed": self._changed},
                 "steps": list(self._steps),
                 "parameters": dict(self._parameters),
             }

@@ -15,6 +15,16 @@ torch.distributed.pipelining does. On NVLink, where a message takes tens of micr
 that keeps NCCL kernels from running beside the GEMMs; on a slow link it exposes every
 transfer, which is why the planner chooses the mode from measured step times.
 
+Every wait that blocks on another rank (a receive, a lockstep exchange, draining the links at
+the step's end, the data-parallel gradient all-reduce) counts on the rank's telemetry as one
+collective operation through `ledger` (`comm.StepLedger`), naming the neighbour it waits for:
+a stage blocked on a hung neighbour shows an operation in flight, as a DDP rank blocked in its
+gradient all-reduce does, and the hang detector can tell who stopped the job. The ledger pads
+each step's count to `2M + 2` (M: the step's micro-batches) on every stage, so that all ranks'
+sequence numbers agree at step boundaries. On NCCL a receive's or a link's wait does not block
+the host (the stream waits), so there they are not counted one by one (a few µs each, on a host
+that launches the kernels) and the padding alone moves the count.
+
 Saved-activation bytes are metered (autograd saved-tensor hooks, a Python call per saved
 tensor) on the first step of each table only: a table's peak does not change from step to
 step, and the hooks cost 6–26% of a step on two H200s, where the host launches the kernels.
@@ -46,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from huorn.runtime import comm as comm_accounting
 from huorn.runtime.pipeline import contention, graphs, memory, schedules
 from huorn.runtime.pipeline import topology as pp_topology
 
@@ -94,9 +105,12 @@ class StageExecutor:
     def __init__(self, module: nn.Module, topology: pp_topology.PipelineTopology,
                  groups: pp_topology.PipelineGroups, loss_fn: LossFn, device: torch.device,
                  throttle: contention.Throttle | None = None, cuda_graphs: bool = False,
-                 max_graph_slots: int = 8) -> None:
+                 max_graph_slots: int = 8, ledger: comm_accounting.StepLedger | None = None) -> None:
         self.module, self.topology, self.groups, self.loss_fn = module, topology, groups, loss_fn
         self.device = device
+        # counts blocking waits on the rank's telemetry (module docstring); none without one
+        self.ledger = ledger or comm_accounting.StepLedger(None)
+        self._host_waits = device.type != "cuda"  # whether a wait on a message blocks the host
         self.throttle = throttle or contention.Throttle()
         self.meter = memory.SavedTensorMeter(module.parameters())
         self.input_layout: _Layout | None = None
@@ -156,7 +170,8 @@ class StageExecutor:
             if first_inputs is None:
                 raise ValueError("negotiate_shapes: stage 0 needs one micro-batch of inputs")
             inputs = [t.to(self.device, copy=True) for t in first_inputs]
-        else:
+        self.ledger.begin(2)  # a layout from the previous stage, one to the next: at most two
+        if not self.topology.is_first:
             self.input_layout = self._receive_layout()
             # views of one flat buffer, as received: a saved view keeps the whole buffer alive
             flat = torch.zeros(self.input_layout.numel, dtype=self.input_layout.dtype, device=self.device)
@@ -181,6 +196,7 @@ class StageExecutor:
                                  f"got {sorted(map(str, dtypes))}; cast them in the stage module")
             self.output_layout = _Layout(tuple(tuple(t.shape) for t in outputs), outputs[0].dtype)
             self._send_layout(self.output_layout)
+        self.ledger.end()
         if self.cuda_graphs:
             self._set_up_graphs(inputs, target if self.topology.is_last else None)
         self.negotiated = True
@@ -227,11 +243,13 @@ class StageExecutor:
             raise ValueError(f"stage outputs too many tensors/dims for the {HEADER_SLOTS}-slot header")
         header = torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=self.device)
         header[: len(values)] = torch.tensor(values, dtype=torch.int64)
-        dist.send(header, dst=self._next, group=self.groups.to_next)
+        self.ledger.run("send-layout", self._next,
+                        lambda: dist.send(header, dst=self._next, group=self.groups.to_next))
 
     def _receive_layout(self) -> _Layout:
         header = torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        dist.recv(header, src=self._previous, group=self.groups.from_previous)
+        self.ledger.run("recv-layout", self._previous,
+                        lambda: dist.recv(header, src=self._previous, group=self.groups.from_previous))
         values = header.tolist()
         dtype, count, position, shapes = _DTYPES[values[0]], values[1], 2, []
         for _ in range(count):
@@ -271,6 +289,8 @@ class StageExecutor:
         # capturing comes first: it waits for the device, so no receive may be posted yet
         graphed = self.cuda_graphs and not metering and self._graphs_ready(schedule)
         started = time.perf_counter()
+        # at most M receives from each neighbour and a drain per link, or 2M + 1 exchanges
+        self.ledger.begin(2 * weigh + 2)
         ahead = self.post_receives_ahead and not lockstep
         pending_inputs = {m: self._post_receive(m, forward=True) for m in range(count)
                           } if ahead and not self.topology.is_first else {}
@@ -301,7 +321,7 @@ class StageExecutor:
                         buffer = inbox.pop(("F", m))
                     else:
                         pending = pending_inputs.pop(m, None) or self._post_receive(m, forward=True)
-                        buffer = self._wait(pending)
+                        buffer = self._wait(pending, "recv-activations", self._previous)
                     received = self._unpack(buffer, self.input_layout)
                     wait_s += time.perf_counter() - tick
                     for tensor in received:
@@ -340,7 +360,7 @@ class StageExecutor:
                         buffer = inbox.pop(("B", m))
                     else:
                         pending = pending_grads.pop(m, None) or self._post_receive(m, forward=False)
-                        buffer = self._wait(pending)
+                        buffer = self._wait(pending, "recv-gradients", self._next)
                     grads = list(self._unpack(buffer, self.output_layout))
                     wait_s += time.perf_counter() - tick
                 # the loss and aux losses start their backward at 1/M rather than being divided
@@ -367,8 +387,11 @@ class StageExecutor:
                                    f"{sorted(inbox)} unused; the exchanges do not match {schedule.name}")
         tick = time.perf_counter()
         for link in (self.send_link, self.grad_link):
-            if link is not None:
+            if link is not None and self._host_waits:
+                self.ledger.run("send-drain", link.peer, link.drain)
+            elif link is not None:
                 link.drain()
+        self.ledger.end()
         send_wait_s = time.perf_counter() - tick
         tick = time.perf_counter()
         self._average_gradients(summed=total_microbatches is not None)
@@ -438,8 +461,10 @@ class StageExecutor:
         else:
             if delay > 0:
                 time.sleep(delay)
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            works = dist.batch_isend_irecv(ops)
+            peers = {t.peer for t in transfers}
+            peer = self.topology.global_rank(replica, peers.pop()) if len(peers) == 1 else None
+            self.ledger.run("exchange", peer, lambda: [work.wait() for work in works])
         return time.perf_counter() - tick
 
     def _post_receive(self, microbatch: int, forward: bool) -> tuple[torch.Tensor, dist.Work]:
@@ -449,10 +474,12 @@ class StageExecutor:
         group = self.groups.from_previous if forward else self.groups.from_next
         return buffer, dist.irecv(buffer, src=peer, group=group, tag=microbatch)
 
-    @staticmethod
-    def _wait(pending: tuple[torch.Tensor, dist.Work]) -> torch.Tensor:
+    def _wait(self, pending: tuple[torch.Tensor, dist.Work], op: str, peer: int | None) -> torch.Tensor:
         buffer, work = pending
-        work.wait()
+        if self._host_waits:
+            self.ledger.run(op, peer, work.wait)
+        else:
+            work.wait()
         return buffer
 
     def _scale(self, count: int, like: torch.Tensor) -> torch.Tensor:
@@ -489,7 +516,7 @@ class StageExecutor:
             return
         params = [p for p in self.module.parameters() if p.grad is not None]
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=group)
+        self.ledger.once("grad-allreduce", None, lambda: dist.all_reduce(flat, group=group))
         if not summed:
             flat /= self.topology.replicas
         offset = 0

@@ -75,9 +75,12 @@ class PipelineTrainer(train.Trainer):
         self.flat_checkpoint = True
         # on GPUs the stages replay CUDA graphs: eager stages were bound by the host launching
         # kernels (docs/pipeline.md); an MoE stage, or one that fails to capture, runs eagerly
+        # its receives, link drains and gradient all-reduce count on this rank's telemetry, so
+        # a stage blocked on a hung neighbour shows a wait in flight that names the neighbour
         self.stage_executor = executor.StageExecutor(self.stage, self.topology, groups,
                                                      split.compute_decoder_loss, self.device,
-                                                     cuda_graphs=use_cuda)
+                                                     cuda_graphs=use_cuda,
+                                                     ledger=comm.StepLedger(self.telemetry))
         opt = self.spec.optimization
         self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=opt.learning_rate,
                                            betas=(0.9, 0.95), weight_decay=opt.weight_decay)
@@ -85,10 +88,10 @@ class PipelineTrainer(train.Trainer):
         # NB: messages move over overlapped links. Lockstep exchanges (comm "lockstep"/"auto")
         # measured 0.98–0.99× overlap on 2×H200, and probing them cost adaptive k up to 8% at
         # 0–40% contention there (docs/benchmarks.md), so a TrainingJob does not turn them on.
-        comm = "overlap"
+        messages = "overlap"
         self.pipeline_plan = training.PipelinePlan(
             microbatches=self.plan.micro_batches // replicas, schedule=schedule,
-            k=par.k if schedule == "kfkb" else 1, replan_every=self.cfg.pipeline_replan_every, comm=comm)
+            k=par.k if schedule == "kfkb" else 1, replan_every=self.cfg.pipeline_replan_every, comm=messages)
         self.loop = training.PipelineTraining(
             stage=self.stage_executor, optimizer=self.optimizer, batches=self.build_batches,
             plan=self.pipeline_plan,

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from huorn.runtime import comm
 from huorn.runtime.pipeline import contention, executor, memory, schedules
 
 Batch = tuple[Sequence[Sequence[torch.Tensor]] | None, Sequence[torch.Tensor] | None]
@@ -152,7 +153,7 @@ class PipelineTraining:
         if self.before_update is not None:
             self.before_update()
         self.optimizer.step()
-        loss, slowest = _reduce_step(stats, runner.device, topo.replicas, weight)
+        loss, slowest = _reduce_step(stats, runner.device, topo.replicas, weight, runner.ledger)
         self.window.append(stats)
         stats.seconds = slowest
         report = StepReport(
@@ -209,16 +210,18 @@ def check_counts(counts: Sequence[int], replicas: int, total: int) -> str | None
 
 
 def _reduce_step(stats: executor.StepStats, device: torch.device, replicas: int,
-                 weight: float | None = None) -> tuple[float, float]:
+                 weight: float | None = None, ledger: comm.StepLedger | None = None) -> tuple[float, float]:
     """The step's loss and the slowest rank's step time, in two one-number all-reduces. A
     last stage's loss is its replica's mean; the step's is the mean over all micro-batches: the
-    replicas' average for equal counts, else each weighted by its share (`weight`)."""
+    replicas' average for equal counts, else each weighted by its share (`weight`). Both count
+    on the rank's telemetry through `ledger`, as every collective does."""
+    ledger = ledger or comm.StepLedger(None)
     loss = torch.tensor([stats.loss or 0.0], dtype=torch.float64, device=device)
     if weight is not None:
         loss *= weight
     seconds = torch.tensor([stats.seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(loss)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    ledger.once("step-loss", None, lambda: dist.all_reduce(loss))
+    ledger.once("step-seconds", None, lambda: dist.all_reduce(seconds, op=dist.ReduceOp.MAX))
     return float(loss[0]) / (replicas if weight is None else 1.0), float(seconds[0])
 
 
@@ -243,7 +246,7 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
         float(plan.microbatches if own_microbatches is None else own_microbatches),
     ], dtype=torch.float64, device=runner.device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
+    runner.ledger.once("replan-gather", None, lambda: dist.all_gather(gathered, mine))
     rows = [g.tolist() for g in gathered]
     stages = topo.stages
     counts = [int(rows[r * stages][7]) for r in range(topo.replicas)]  # replica-major ranks
@@ -283,7 +286,7 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
         chosen[0] = int(result.k) if result.k != current else k
         chosen[1] = modes.index(result.comm)
         decision = result.to_dict()
-    dist.broadcast(chosen, src=0)
+    runner.ledger.once("replan-broadcast", 0, lambda: dist.broadcast(chosen, src=0))
     return int(chosen[0]), modes[int(chosen[1])], decision
 
 
