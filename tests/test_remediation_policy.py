@@ -64,13 +64,28 @@ def test_capped_ladder_records_the_hang_but_changes_nothing() -> None:
     assert pol.decisions[-1].action == "capped" and "maxMitigation" in pol.decisions[-1].reason
 
 
-def test_a_whole_job_outside_collectives_is_never_restarted() -> None:
-    """Checkpointing, validation and start-up look like this."""
+def test_a_whole_job_outside_collectives_is_recorded_once_and_never_restarted() -> None:
+    """Checkpointing, validation and rendezvous look like this, so nothing is restarted; but the
+    docs said it was recorded and it was dropped, though it is all that shows of a pipelined job
+    stopped in a point-to-point send or receive, which the collective counts leave out."""
     graph = build_graph()
     pol = policy.RemediationPolicy(Remediation(hang_timeout="2s"))
     events = [e for t in range(100, 130) for e in pol.decide(graph, Seen(
         float(t), {"a": snapshot(0, "trainer-0", 40, 40, t), "b": snapshot(1, "trainer-1", 40, 40, t)}))]
-    assert events == [] and pol.decisions == []
+    assert events == []
+    assert [(d.level, d.action, d.ranks) for d in pol.decisions] == [
+        (MitigationLevel.OBSERVE, "stalled-outside-collectives", ())], pol.decisions
+    assert "trainer-0, trainer-1" in pol.decisions[0].reason and pol.ladder.level is None
+    # start-up (no rank has published a step: loading a model may outlast the timeout), or a rank
+    # out of view (a gang mid-restart): nothing is recorded
+    for partial in ({"a": snapshot(0, "trainer-0", 0, 0, 0.0), "b": snapshot(1, "trainer-1", 0, 0, 0.0)},
+                    {"a": snapshot(0, "trainer-0", 40, 40, 0.0)}):
+        quiet = policy.RemediationPolicy(Remediation(hang_timeout="2s"))
+        for t in range(100, 130):
+            snaps = {k: {**v, "heartbeat": float(t), "steps": [] if len(partial) == 2 else v["steps"]}
+                     for k, v in partial.items()}
+            assert quiet.decide(graph, Seen(float(t), snaps)) == []
+        assert quiet.decisions == []
 
 
 def test_fail_slow_climbs_the_ladder_to_restart_of_the_slow_replica() -> None:

@@ -42,7 +42,8 @@ job (a restarted operator, an edited spec) replays the history the telemetry sti
 it used to climb S1 → S2 → S4 in one tick on steps that ran before S2 existed.
 
 NB: a whole job that sits outside any collective for a while is what checkpointing, validation,
-start-up and rendezvous look like, so that case is recorded but never restarts anything.
+start-up and rendezvous look like, so that case is recorded (after start-up, with every rank in
+view) but never restarts anything.
 """
 
 from __future__ import annotations
@@ -150,7 +151,10 @@ class RemediationPolicy:
                     f"{finding.kind} hang: {finding.reason}; no rank to replace, so nothing is restarted: "
                     f"check the links and switches between {', '.join(sorted(set(replica_of.values())))}"))
             return []
-        if finding is None or not finding.culprits or len(finding.culprits) == len(samples):
+        if finding is not None and len(finding.culprits) == len(samples):
+            self._record_outside(finding, snapshots, replica_of, world)
+            return []
+        if finding is None or not finding.culprits:
             return []
         replicas = tuple(sorted({replica_of[r] for r in finding.culprits}))
         key = (replicas, finding.collective)
@@ -158,6 +162,27 @@ class RemediationPolicy:
             return []
         self._handled_hangs.add(key)
         return self._take(graph, self.ladder.on_hang(finding, replicas), replicas, step)
+
+    def _record_outside(self, finding: hang.HangFinding, snapshots: Mapping[str, dict],
+                        replica_of: Mapping[int, str], world: int) -> None:
+        """Every rank stalled outside any collective: what checkpointing, validation and
+        rendezvous look like, so nothing is restarted, but it is recorded (once per collective),
+        as the docs always said and the policy did not: it is also all that shows of a pipelined
+        job stopped in a point-to-point send or receive, which the collective counts leave out.
+        Not before any rank published a step (start-up: loading a model may outlast the timeout)
+        and only with every rank in view (a gang mid-restart is outside collectives too). The
+        decision names no ranks: it blames none, and a plan's ranks must not be overwritten."""
+        key = ((failslow.JOB_WIDE,), finding.collective)
+        if key in self._handled_hangs or len(replica_of) < world \
+                or not any(snap.get("steps") for snap in snapshots.values()):
+            return
+        self._handled_hangs.add(key)
+        self.decisions.append(ladder.Decision(
+            MitigationLevel.OBSERVE, "stalled-outside-collectives",
+            f"{finding.kind} stall: {finding.reason}; nothing is restarted, as checkpointing, validation "
+            "and rendezvous look the same (so does a pipelined job stopped in a point-to-point send or "
+            "receive, which the collective counts leave out): if it lasts, check "
+            f"{', '.join(sorted(set(replica_of.values())))}"))
 
     def _take(self, graph: model.Graph, decision: ladder.Decision,
               replicas: tuple[str, ...], step: int) -> list[managers.Event]:
