@@ -25,7 +25,7 @@ import pytest
 import remediation_support
 
 from huorn.api.common import MitigationLevel
-from huorn.scheduler.remediation import failslow, ladder
+from huorn.scheduler.remediation import failslow, ladder, policy
 
 # Measures wall-clock behaviour of real processes: runs alone (scripts/test's serial part).
 pytestmark = pytest.mark.serial
@@ -67,7 +67,7 @@ def test_a_slow_link_of_a_three_stage_pipeline_is_named(
     # stages' compute, which on a shared CPU grows with the machine's load (0.014 to 0.056 s a step
     # over 35 runs on a 2-core box), so its growth ranged from 0.071 s to -0.075 s (a loaded host,
     # the suite's parallel part at 780 s instead of 550) behind the same 20 ms link.
-    history = run.remediation.history
+    history = by_rank(run.remediation)
 
     def median(rank: str, key: str, after: bool) -> float:
         return statistics.median(r[key] for s, r in history[rank].items()
@@ -79,8 +79,8 @@ def test_a_slow_link_of_a_three_stage_pipeline_is_named(
     assert median(quiet[0], f"{quiet[1]}_seconds_per_message", True) < slow_ms / 2000
     table = run.remediation.build_pipeline_table()
     assert table is not None
-    first = [str(3 * r) for r in range(replicas)]
-    last = [str(3 * r + 2) for r in range(replicas)]
+    first = [w for w, p in table.ranks.items() if p.stage == 0]
+    last = [w for w, p in table.ranks.items() if p.stage == 2]
     assert sorted(table.send_link) == sorted(set(table.ranks) - set(last))
     assert sorted(table.grad_link) == sorted(set(table.ranks) - set(first))
 
@@ -102,7 +102,7 @@ def test_a_slow_link_of_a_three_stage_pipeline_is_named(
     assert named is not None and (named.kind, named.where()) == ("communication", where), named
     early = failslow.build_pipeline_table(
         {w: sorted((s, r) for s, r in h.items() if s <= named.detected_iteration + 8)
-         for w, h in history.items()},
+         for w, h in run.remediation.history.items()},
         run.remediation.positions)
     assert early is not None
     found = failslow.detect_pipeline_fail_slow(early)  # the link's onset is within 3 steps too
@@ -120,13 +120,19 @@ def test_a_slow_link_of_a_three_stage_pipeline_is_named(
     # is tested on built tables, tests/test_remediation_failslow_pipeline_links.py.
 
 
+def by_rank(remediation: policy.RemediationPolicy) -> dict[str, dict[int, dict]]:
+    """Each rank's history by its rank (the policy keys them `<pod>/<rank>`)."""
+    return {str(p.rank): remediation.history[w] for w, p in remediation.positions.items()
+            if w in remediation.history}
+
+
 def explain(run: remediation_support.RemediatedRun, rank: int, tmp_path: Path) -> str:
     """What a failure needs to be diagnosed after the fact: the run is gone by then, and this test
     fails rarely (about 1 run in 10-25 of the full suite on a 2-core box), so the offline verdict
     on the whole run, the steps each rank's history lacks, and the slowed rank's link series go
     into the failure message (pytest.fail does not shorten it), and every rank's history into a
     JSON file beside the run."""
-    history = run.remediation.history
+    history = by_rank(run.remediation)
     dump = tmp_path / "history.json"
     steps = {w: {str(s): r for s, r in h.items()} for w, h in history.items()}
     dump.write_text(json.dumps(steps, default=str))
