@@ -80,6 +80,10 @@ def test_runtime_telemetry_snapshot_is_read() -> None:
     assert (s.rank, s.seq_entered, s.seq_completed, s.step, s.moved_at) == (3, 7, 6, 4, None)
     snap["collective"]["changed"] = 11.0  # type: ignore[index]
     assert hang.parse_runtime_telemetry(snap, observed_at=13.0).moved_at == 11.0
+    assert hang.parse_runtime_telemetry(snap, observed_at=13.0).waiting_on is None
+    # a pipeline stage's receive names its neighbour: what the wait-for chain follows
+    snap["collective"]["waiting_on"] = 2  # type: ignore[index]
+    assert hang.parse_runtime_telemetry(snap, observed_at=13.0).waiting_on == 2
     with pytest.raises(ValueError, match="telemetry snapshot"):
         hang.parse_runtime_telemetry({"rank": 1}, observed_at=0)
 

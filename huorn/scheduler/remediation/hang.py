@@ -173,6 +173,9 @@ def parse_runtime_telemetry(snapshot: dict, observed_at: float, node: str | None
             seq_completed=int(collective["completed"]), heartbeat=float(snapshot["heartbeat"]),
             step=int(steps[-1]["step"]) if steps else 0, node=node,
             moved_at=float(collective["changed"]) if collective.get("changed") is not None else None,
+            # the peer of its oldest open operation (a pipeline stage's receive names its
+            # neighbour): where every rank waits inside one, the chain of these finds the sink
+            waiting_on=int(collective["waiting_on"]) if collective.get("waiting_on") is not None else None,
         )
     except (KeyError, TypeError, ValueError, IndexError) as error:
         raise ValueError(f"telemetry snapshot lacks a field the hang detector needs: {error!r}") from error
