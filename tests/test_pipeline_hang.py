@@ -9,6 +9,7 @@ replicas every rank sat at entered == completed, and no hang was ever found (a D
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from huorn.graph import compiler
 from huorn.runtime import comm, microbatches, telemetry
 from huorn.runtime.pipeline import executor, launch, training
 from huorn.runtime.pipeline import topology as pp_topology
-from huorn.scheduler.remediation import policy
+from huorn.scheduler.remediation import hang, policy
 
 WIDTH, SIZE = 8, 2
 # (label, counts per replica or None, schedule, k, comm): a middle stage receives from both sides
@@ -142,3 +143,54 @@ def test_a_rank_hung_in_compute_leaves_its_pipeline_peers_waiting_in_flight_and_
     found = remediation.decisions[0]
     assert f"rank(s) [{HUNG}] never entered" in found.reason, found
     assert found.replaced == (pod,), found
+
+
+def stalled_stage_worker(rank: int, world: int, hung: int) -> tuple[int, int, int | None, float]:
+    """GPipe over 2 stages; in step 1 the last stage sleeps in its third loss (a compute hang).
+    Returns the rank's (entered, completed, waiting_on) two seconds into that step, and its clock."""
+    topo = pp_topology.PipelineTopology(stages=2, replicas=1, rank=rank)
+    groups = pp_topology.build_groups(topo)
+    tel = telemetry.Telemetry("job", rank, world, None)
+    module = workers.build_mlp_stages(2, WIDTH, 1)[topo.stage]
+    calls = {"n": 0, "step": 0}
+
+    def loss(outputs: Any, target: Any) -> Any:
+        calls["n"] += 1
+        if rank == hung and calls["step"] == 1 and calls["n"] == 3:
+            time.sleep(4.0)
+        return workers.mse_loss(outputs, target)
+
+    runner = executor.StageExecutor(module, topo, groups, loss, torch.device("cpu"),
+                                    ledger=comm.StepLedger(tel))
+    plan = training.PipelinePlan(microbatches=4, schedule="gpipe", k=1, comm="overlap")
+
+    def batches(step: int) -> training.Batch:
+        inputs, targets = workers.make_mlp_batch(step, 4, SIZE, WIDTH)
+        return [[x] for x in inputs], list(targets)
+
+    loop = training.PipelineTraining(stage=runner, optimizer=torch.optim.SGD(module.parameters(), lr=0.0),
+                                     batches=batches, plan=plan)
+    loop.run_step(0)
+    seen: dict[str, Any] = {}
+    calls["step"], calls["n"] = 1, 0
+    timer = threading.Timer(2.0, lambda: seen.setdefault("view", tel.snapshot()["collective"]))
+    timer.start()
+    loop.run_step(1)
+    timer.join()
+    runner.close()
+    view = seen["view"]
+    return view["entered"], view["completed"], view["waiting_on"], time.time()
+
+
+@pytest.mark.timeout(120)
+def test_a_gpipe_stage_hung_in_compute_mid_step_is_named_though_its_count_is_ahead() -> None:
+    """Mid-step GPipe stages have counted different numbers of operations: the hung last stage
+    has run all its forwards' receives ahead of stage 0, which waits on it for gradients. The
+    detector must follow stage 0's wait-for edge to the hung stage, not blame the lower count."""
+    out = launch.run_workers(stalled_stage_worker, 2, "gloo", (1,))
+    now = max(o[3] for o in out)
+    samples = [hang.RankSample(rank=r, seq_entered=e, seq_completed=c, heartbeat=now, waiting_on=w)
+               for r, (e, c, w, _) in enumerate(out)]
+    assert samples[0].seq_entered < samples[1].seq_entered, samples
+    found = hang.classify_stall(samples, 30.0, now, 15.0)
+    assert (found.kind, found.culprits) == (hang.NON_COMMUNICATION, (1,)), (found, samples)

@@ -50,6 +50,20 @@ def test_everyone_inside_names_the_frozen_rank_or_the_wait_chain() -> None:
     assert found.kind == hang.COMMUNICATION and found.culprits == ()
 
 
+def test_a_lagging_stage_waiting_on_a_peer_outside_any_operation_names_that_peer() -> None:
+    """Mid-step, a pipeline's stages have counted different numbers of operations (padding aligns
+    them only at step ends): with the last stage hung in compute, stage 0 lags at #15 inside a
+    receive from it while the hung stage sits at #17 outside any operation. The lowest count is
+    the healthy waiter; the wait-for edge names the culprit."""
+    snapshot = [sample(0, 15, 14, waiting_on=1), sample(1, 17, 17, node="n1")]
+    found = hang.classify_stall(snapshot, 30.0, now=100, heartbeat_timeout=15)
+    assert (found.kind, found.culprits, found.nodes) == (hang.NON_COMMUNICATION, (1,), ("n1",))
+    assert "rank(s) [1] never entered" in found.reason
+    # without the edge the lowest count is still read as stuck inside communication
+    blind = [sample(0, 15, 14), sample(1, 17, 17)]
+    assert hang.classify_stall(blind, 30.0, now=100, heartbeat_timeout=15).culprits == (0,)
+
+
 def test_progress_resets_the_stall_clock() -> None:
     det = hang.HangDetector(timeout=5)
     for t in range(0, 30):

@@ -63,6 +63,20 @@ def _follow_wait_chain(samples: dict[int, RankSample]) -> list[int]:
     return sorted(sinks)
 
 
+def _outside_ends(by_rank: dict[int, RankSample], starts: list[int], inside: set[int]) -> list[int]:
+    """Ranks outside any operation that the wait-for chains from `starts` (ranks inside one) end at."""
+    ends: set[int] = set()
+    for start in starts:
+        seen = [start]
+        peer = by_rank[start].waiting_on
+        while peer is not None and peer in by_rank and peer not in seen and peer in inside:
+            seen.append(peer)
+            peer = by_rank[peer].waiting_on
+        if peer is not None and peer in by_rank and peer not in inside:
+            ends.add(peer)
+    return sorted(ends)
+
+
 class HangDetector:
     """Remembers when each rank last moved, and judges a stall once it lasts `timeout` seconds."""
 
@@ -104,6 +118,8 @@ def classify_stall(
     so healthy ranks run ahead to later sequence numbers while the culprit's stays behind. The
     lowest `entered` is therefore the culprit; whether it sits inside its collective
     (entered > completed) or outside (entered == completed) tells the two hang classes apart.
+    Pipeline stages count different numbers of operations mid-step, so a lagging rank whose open
+    receive names a peer outside any operation points at that peer instead.
     """
     by_rank = {s.rank: s for s in samples}
     k_max = max(s.seq_entered for s in by_rank.values())
@@ -119,6 +135,21 @@ def classify_stall(
 
     if k_min < k_max:
         lagging = sorted(r for r, s in by_rank.items() if s.seq_entered == k_min)
+        # A pipeline's stages count different numbers of operations mid-step (padding aligns
+        # the counts only at step ends), so the lowest count need not be the culprit: a
+        # lagging stage inside a receive that names its peer waits on that peer, and a chain
+        # that ends at a rank outside any operation names a rank hung outside communication.
+        blocked_by = _outside_ends(by_rank, [r for r in lagging if r in inside], inside)
+        if blocked_by:
+            waiters = sorted(r for r in lagging if r in inside)
+            return HangFinding(
+                NON_COMMUNICATION, tuple(blocked_by), by_rank[blocked_by[0]].seq_entered + 1,
+                stalled_for,
+                f"rank(s) {waiters} wait inside operation #{k_min} on rank(s) {blocked_by}, outside any "
+                f"operation: rank(s) {blocked_by} never entered its next one in {stalled_for:.1f}s "
+                f"({alive(blocked_by)})",
+                nodes_of(blocked_by),
+            )
         if set(lagging) <= inside:
             return HangFinding(
                 COMMUNICATION, tuple(lagging), k_min, stalled_for,
