@@ -9,13 +9,14 @@ their older graph back over it.
 
 from __future__ import annotations
 
+import kmock
 from kube import builders
 from kube.cluster import wait_for
 
 from huorn.backends.kubernetes import client as kube_client
 from huorn.backends.kubernetes import manifests
 from huorn.graph import compiler, mutate, serialise
-from huorn.operator import allocation, context, index, loans, validation, virtualclusters
+from huorn.operator import allocation, context, index, loans, training, validation, virtualclusters
 from huorn.scheduler import placement
 
 pytest_plugins = ["kube.fixtures"]
@@ -91,8 +92,18 @@ def test_a_borrower_another_install_serves_gives_back_its_pods_but_its_graph_is_
                                      "spec": {"virtualCluster": "serve", "resources": {"gpus": 4},
                                               "autoscaling": {"minReplicas": 1}}})
     vc_body = {"metadata": {"name": "serve"}, "spec": ctx.index.vcs["serve"]}
+    marked: list[tuple[str, dict]] = []
+
+    async def note(request: kmock.Request) -> None:
+        marked.append((request.name, (request.data or {}).get("metadata", {}).get("annotations", {})))
+        raise NotImplementedError  # answered by the emulator
+
+    assert cluster.kmock is not None
+    cluster.kmock["patch", kmock.resource("", "v1", "pods")] << note
     (applied,) = cluster.call(loans.reclaim(ctx, vc_body))
     assert applied.replicas_released == 1 and applied.job == "team/elastic"
+    # marked before it goes, so that its owner replaces it as a preemption, not a failure
+    assert marked == [("elastic-trainer-1", {manifests.ANNOTATION_RECLAIMED: "serve"})]
     wait_for(lambda: [p.metadata.name for p in kube.pods("team", "elastic")
                       if not p.metadata.deletion_timestamp] == ["elastic-trainer-0"],
              what="the newest replica's pod deleted")
@@ -116,3 +127,65 @@ def test_only_an_install_that_serves_all_of_a_cluster_writes_its_waiting_line(cl
         status = kube.get_vc("serve")["status"]
         assert (status["waitingJobs"], status["waitingGPUs"]) == expected, served
         assert status["capacity"] == 8  # the rest of the usage, every install's alike
+
+
+def test_the_owner_replaces_a_pod_another_install_reclaimed_without_spending_its_restarts(
+        cluster, kube: builders.Kube) -> None:
+    """The reclaimed trainer exits 143 on SIGTERM and its pod ends Failed: replaced as any failed
+    pod, it spent one of maxRestarts (3 by default) per reclaim, and the fourth failed the job."""
+    body = builders.make_training_job("elastic", "train", replicas=2, max_replicas=2, gpus=2,
+                                      elasticity={"minReplicas": 2, "maxReplicas": 2})
+    kube.create_job("team", body)
+    ctx = build_ctx({"team"}, kube_client.KubeClient(cluster.api_client()), serve_namespaces=["serving"])
+    cluster.call(training.reconcile(ctx, kube.get_job("team", "elastic")))  # places the gang
+    trainers = wait_for(lambda: len(kube.pods("team", "elastic", "trainer")) == 2
+                        and kube.pods("team", "elastic", "trainer"), what="the gang")
+    for pod in kube.pods("team", "elastic"):
+        ctx.index.observe_pod(kube.api.sanitize_for_serialization(pod) | {"status": {"phase": "Running"}})
+    victim = kube.api.sanitize_for_serialization(trainers[-1])
+    victim["metadata"].setdefault("annotations", {})[manifests.ANNOTATION_RECLAIMED] = "serve"
+    victim["status"] = {"phase": "Failed", "containerStatuses": [
+        {"name": "trainer", "ready": False, "restartCount": 0, "image": "x", "imageID": "x",
+         "state": {"terminated": {"exitCode": 143, "reason": "Error"}}}]}
+    ctx.index.observe_pod(victim)  # as the watch reports it once the trainer has exited
+    cluster.call(training.reconcile(ctx, kube.get_job("team", "elastic")))
+    status = kube.job_status("team", "elastic")
+    (replaced,) = [d for d in status["decisions"] if d["action"] == "replace"]
+    assert "virtual cluster serve reclaimed its GPUs" in replaced["reason"]
+    assert status.get("restartsUsed", 0) == 0 and status.get("phase") != "Failed"
+
+
+def test_an_install_that_no_longer_lends_a_cluster_gives_back_its_borrowers_there(
+        cluster, kube: builders.Kube) -> None:
+    """"serve" admits every namespace and this install serves only "team": it lends it nothing.
+    Its borrower there, placed before (when it served every namespace, say), is one that no
+    install would ever reclaim for a demand it sees, so this install gives it back itself."""
+    body = builders.make_training_job("elastic", "train", replicas=2, max_replicas=2, gpus=4,
+                                      elasticity={"minReplicas": 1, "maxReplicas": 2})
+    kube.create_job("team", body)
+    body = kube.get_job("team", "elastic")
+    graph = compiler.compile(validation.load_job(body))
+    mutate.resize(graph, "trainer", 2, reason="start")
+    running = {"phase": "Running", "graph": serialise.to_status(graph)}
+    kube.custom.patch_namespaced_custom_object_status(builders.GROUP, builders.VERSION, "team",
+                                                      "trainingjobs", "elastic", {"status": running})
+    ctx = build_ctx({"team"}, kube_client.KubeClient(cluster.api_client()))  # serve: every namespace
+    for instance, node in (("trainer-0", "a0"), ("trainer-1", "b0")):
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": f"elastic-{instance}", "namespace": "team",
+                            "labels": {manifests.LABEL_JOB: "elastic", manifests.LABEL_VERTEX: "trainer",
+                                       manifests.LABEL_INSTANCE: instance},
+                            "annotations": {manifests.ANNOTATION_NODE: node, manifests.ANNOTATION_GPUS: "4",
+                                            manifests.ANNOTATION_VC: "train"}},
+               "spec": {"containers": [{"name": "trainer", "image": "x"}]}}
+        kube.core.create_namespaced_pod("team", pod)
+        ctx.index.observe_pod({**pod, "status": {"phase": "Running"}})
+    assert not ctx.index.serves_all_of("serve") and ctx.index.demand_of("serve") == 0
+    vc_body = {"metadata": {"name": "serve"}, "spec": ctx.index.vcs["serve"]}
+    (applied,) = cluster.call(loans.reclaim(ctx, vc_body))
+    assert applied.job == "team/elastic" and applied.gpus_released == 4
+    decisions = kube.job_status("team", "elastic")["decisions"]
+    (shrink,) = [d for d in decisions if d["reason"].startswith("reclaim")]
+    assert shrink["action"] == "resize" and "does not serve every namespace serve admits" in shrink["reason"]
+    assert "elastic-trainer-1" not in [p.metadata.name for p in kube.pods("team", "elastic", "trainer")
+                                       if not p.metadata.deletion_timestamp]  # the replica on the lender

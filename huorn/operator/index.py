@@ -50,6 +50,7 @@ class PodRecord:
     ended: str = ""  # why the kubelet ended the pod itself (Evicted, ...), with its message
     conditions: tuple[tuple[str, str], ...] = ()  # status.conditions as (type, status): DisruptionTarget
     template: str = ""  # a serving replica's spec hash (manifests.serve_template_hash): rolled when stale
+    reclaimed_by: str = ""  # the lender whose reclaim deleted it, for a job another install serves
     kind: str = "TrainingJob"  # its job's kind (the huorn.io/kind label): which reconcile it wakes
     # a terminating pod's end of grace at the latest (seconds since the epoch; 0: not terminating
     # or unknown): its deletionTimestamp (the API's is the end of its grace; KMock's the request)
@@ -135,6 +136,7 @@ def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
         conditions=tuple((str(c.get("type")), str(c.get("status"))) for c in status.get("conditions") or []
                          if c.get("type")),
         template=annotations.get(manifests.ANNOTATION_TEMPLATE, ""),
+        reclaimed_by=annotations.get(manifests.ANNOTATION_RECLAIMED, ""),
         kind=labels.get(manifests.LABEL_KIND, "TrainingJob"),
         grace_ends=_grace_ends(meta, body.get("spec") or {}),
     )

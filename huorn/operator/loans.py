@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from huorn.backends.kubernetes import manifests
 from huorn.graph import serialise
 from huorn.operator import board, index, preempting, training, validation
 from huorn.operator.context import Context
@@ -78,13 +79,20 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
     """Reclaim what an inference VirtualCluster needs back; returns the reclaims applied."""
     name = vc_body["metadata"]["name"]
     spec = vc_body.get("spec") or {}
-    if spec.get("purpose") != "inference" or not ctx.index.serves_all_of(name):
-        return []  # not lent by this install: the one serving all its namespaces reclaims
+    if spec.get("purpose") != "inference":
+        return []
     borrowers = find_borrowers(ctx, name)
+    lends = ctx.index.serves_all_of(name)
+    if not lends:
+        # Not lent by this install (the one serving all its namespaces reclaims, where there is
+        # one): its own borrowers there were placed before it stopped lending, and no install
+        # may ever reclaim them for a demand it does not see. They all give their GPUs back.
+        borrowers = {k: b for k, b in borrowers.items() if ctx.serves(b.namespace)}
     if not borrowers:
         return []
     demand = ctx.index.demand_of(name)  # the InferenceJobs' floors, or the board's forecast
-    wanted = count_wanted(ctx, name, demand, borrowers)
+    wanted = (count_wanted(ctx, name, demand, borrowers) if lends
+              else sum(p.gpus for b in borrowers.values() for p in b.pods))
     if wanted <= 0:
         return []
     jobs: dict[str, tuple[Borrower, Mapping[str, Any], Any]] = {}
@@ -132,7 +140,10 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
         return []
     view = index.build_vc_view(name, spec)
     forecast_gpus = ctx.index.forecast_demand.get(name, 0)
-    if forecast_gpus > ctx.index.floors_of(name):
+    if not lends:
+        why = (f"this install does not serve every namespace {name} admits (spec.namespaces), so it "
+               "lends it nothing and its borrowers there give their GPUs back")
+    elif forecast_gpus > ctx.index.floors_of(name):
         why = f"its forecast request rate needs {forecast_gpus} GPU(s) ({board.FIELD})"
     else:
         why = f"its InferenceJobs need {demand} GPU(s)"
@@ -151,11 +162,11 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
                                "(at minReplicas, or elasticity.policy fixed), and lending.reclaimPolicy "
                                "is Shrink")
                 continue
-            if await preempt_borrower(ctx, b, r, int(view.reclaim_grace_seconds)):
+            if await preempt_borrower(ctx, b, r, int(view.reclaim_grace_seconds), name):
                 ctx.post_event(vc_body, "Normal", "Reclaimed", f"{r.reason} (preempted)")
                 applied.append(r)
             continue
-        if await shrink_borrower(ctx, b, r, int(view.reclaim_grace_seconds)):
+        if await shrink_borrower(ctx, b, r, int(view.reclaim_grace_seconds), name):
             ctx.post_event(vc_body, "Normal", "Reclaimed", r.reason)
             applied.append(r)
     return applied
@@ -177,24 +188,24 @@ def as_shrink(r: loaning.Reclaim, loan: loaning.LoanView, wanted: int) -> loanin
                                reason=reason + " (a shrink instead of the planned preemption)")
 
 
-async def shrink_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: int) -> bool:
+async def shrink_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: int, vc: str) -> bool:
     """Shrink a borrower by its pods on the lender's nodes, newest instances first (they have
     done the least since the gang last (re)started), with the lender's grace."""
     victims = sorted((p.instance for p in b.pods), reverse=True)
     if not ctx.serves(b.namespace):
-        return await release_pods(ctx, b, victims[:r.replicas_released], grace)
+        return await release_pods(ctx, b, victims[:r.replicas_released], grace, vc)
     return await preempting.shrink_gang(ctx, b.namespace, b.job, victims, f"reclaim: {r.reason}", grace,
                                         count=r.replicas_released)
 
 
-async def preempt_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: int) -> bool:
+async def preempt_borrower(ctx: Context, b: Borrower, r: loaning.Reclaim, grace: int, vc: str) -> bool:
     """Stop a borrower that cannot shrink, with the lender's grace (huorn.operator.preempting)."""
     if not ctx.serves(b.namespace):
-        return await release_pods(ctx, b, [p.instance for p in b.pods], grace)
+        return await release_pods(ctx, b, [p.instance for p in b.pods], grace, vc)
     return await preempting.preempt_gang(ctx, b.namespace, b.job, f"preempted: {r.reason}", grace)
 
 
-async def release_pods(ctx: Context, b: Borrower, instances: list[str], grace: int) -> bool:
+async def release_pods(ctx: Context, b: Borrower, instances: list[str], grace: int, vc: str) -> bool:
     """A borrower of a namespace another install serves (placed before that install stopped
     borrowing here, or by one that serves every namespace): its pods on the lender are deleted
     with the lender's grace (SIGTERM, a checkpoint), and nothing else. Its graph is its own
@@ -203,6 +214,9 @@ async def release_pods(ctx: Context, b: Borrower, instances: list[str], grace: i
     places their successors where it may: never on this lender, which lends it nothing."""
     going = [p for p in b.pods if p.instance in instances]
     for pod in going:
+        # marked first: the owner replaces a pod that ends Failed (SIGTERM's exit 143) and would
+        # count it against the job's restart budget; marked, it replaces it as a preemption
+        await ctx.client.annotate("Pod", pod.namespace, pod.name, {manifests.ANNOTATION_RECLAIMED: vc})
         await ctx.client.delete("Pod", pod.namespace, pod.name, grace_seconds=grace)
     if going:
         logger.info("reclaim: deleted %d pod(s) of %s/%s, which another install serves", len(going),

@@ -211,6 +211,14 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             continue
         what = (f"pod {pod.name} did not start within {start_seconds:.0f} s ({pod.not_started_reason()})"
                 if stuck else f"pod {pod.name} {pod.failure()}")
+        if pod.reclaimed_by and not stuck:
+            # deleted by the reclaim of a lender another install lends (operator.loans): the
+            # lender's, not the job's failure, so neither the budget nor the back-off counts it
+            why = (f"{what}: virtual cluster {pod.reclaimed_by} reclaimed its GPUs; replacing it, not "
+                   "counted against spec.remediation.maxRestarts")
+            new.append(mutate.replace_instance(graph, instance.name, reason=why[:REASON_LIMIT],
+                                               counted=False))
+            continue
         verdict = failures.judge(pod, job.spec.remediation.pod_failure_policy, never_started=stuck)
         allowed = job.spec.remediation.max_mitigation.value == "restart"
         # An S3 roll or a preemption replaces healthy pods on purpose, and a failure the

@@ -140,6 +140,17 @@ class KubeClient:
         patch = getattr(self.core, f"patch_namespaced_{_snake(manifest['kind'])}")
         return self._sanitize(await self._call(patch, name, ns, patch_body))
 
+    async def annotate(self, kind: str, namespace: str, name: str, annotations: Mapping[str, str]) -> bool:
+        """Merge these annotations into the object's; False when it is gone."""
+        fn = getattr(self.core, f"patch_namespaced_{_snake(kind)}")
+        try:
+            await self._call(fn, name, namespace, {"metadata": {"annotations": dict(annotations)}})
+            return True
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
     async def delete(self, kind: str, namespace: str, name: str, grace_seconds: int | None = None) -> bool:
         """Delete if present; True when this call deleted it, False when it was already gone.
 

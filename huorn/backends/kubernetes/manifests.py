@@ -38,6 +38,9 @@ ANNOTATION_VC = "huorn.io/virtual-cluster"
 # On an eval pod: the checkpoint its edge handed it (JSON), which the monitor compares with the
 # newest one when the pod ends (re-run on a newer checkpoint, as the OnDemandManager decides).
 ANNOTATION_CHECKPOINT = "huorn.io/checkpoint"
+# On a trainer pod a lender's reclaim deleted for a job another install serves (operator.loans):
+# the lender. Its owner replaces it as a preemption, not a failure of the job's.
+ANNOTATION_RECLAIMED = "huorn.io/reclaimed-by"
 TERMINATION_LOG = "/dev/termination-log"
 GPU_RESOURCE = "nvidia.com/gpu"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
