@@ -218,6 +218,8 @@ def test_the_health_endpoint_listens_on_ipv6_where_the_chart_says_so() -> None:
         [container] = _one(_render(values), "Deployment")["spec"]["template"]["spec"]["containers"]
         params = _operator_params(container)
         assert params["health_address"] == address  # "::" survives YAML: unquoted it read as a mapping
+        # the default is not passed: an older image cached under the same tag refuses the flag
+        assert any(a.startswith("--health-address") for a in container["args"]) is (address != "0.0.0.0")
         endpoint = runner.liveness_endpoint(params["health_address"], params["health_port"])
         assert endpoint == url
         # kopf binds the URL's hostname (kopf/_core/engines/probing.py)
