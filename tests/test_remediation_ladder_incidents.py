@@ -191,6 +191,45 @@ def test_a_policy_rebuilt_after_a_job_wide_s4_does_not_take_it_again() -> None:
     assert rebuilt.decisions == []
 
 
+def test_a_job_wide_s4_outlives_the_records_the_operator_writes_after_it() -> None:
+    """After a job-wide S4 the whole job stops outside collectives (a checkpoint longer than
+    hangTimeout): the policy records that, and the operator used to write it over the trainer's
+    `mitigation` parameter, the only place the S4's step lived. A rebuilt policy then took the
+    old slowdown's S1 → S4 again. No-op records go into the log only, and every later rung keeps
+    the S4's step."""
+    from huorn.operator import monitoring
+
+    graph = build_graph()
+    costs = ladder.LadderCosts(restart=2.0)
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), costs)
+    state = monitoring.JobPolicies(("uid", 1), pol, None)
+    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=5)
+
+    def every(rank: int, pod: str, step: int) -> float:
+        return 2.0 if step >= 50 else 1.0
+
+    while not pol.decisions or pol.decisions[-1].level is not MitigationLevel.RESTART:
+        gang.run(gang.step + 1, every)
+        monitoring.record_ladder(graph, state)
+    at = pol.decisions[-1].plan["atStep"]
+    snaps = {f"{pod}/{r}": {"job": "q", "rank": r, "world_size": 2, "replica": pod, "heartbeat": 0.0,
+                            "steps": gang.served[r][-256:],
+                            "collective": {"entered": 7, "completed": 7, "in_flight": [], "changed": 1000.0}}
+             for r, pod in gang.pods.items()}
+    for t in range(1000, 1040):
+        for snap in snaps.values():
+            snap["heartbeat"] = float(t)
+        pol.decide(graph, Seen(float(t), snaps))
+    recorded = monitoring.record_ladder(graph, state)
+    assert pol.decisions[-1].action == "stalled-outside-collectives"
+    assert recorded and all(m.detail.get("key") == monitoring.MITIGATION_PARAM for m in recorded)
+    assert graph.vertex("trainer").params["mitigation"]["plan"]["atStep"] == at
+    assert policy.last_restart_step(graph) == at
+    gang.pol = rebuilt = policy.RemediationPolicy(Remediation(hang_timeout="30s"), costs)
+    gang.run(gang.step + 40, every)
+    assert rebuilt.decisions == []
+
+
 def test_a_hang_on_another_pod_keeps_a_ddp_stragglers_s2_counts() -> None:
     """Four DDP pods; trainer-1 is 2× slow per micro-batch from step 40 and S2 moves work off
     it; at step 110 trainer-2 hangs outside the next all-reduce, and S4 replaces it. The ladder

@@ -11,7 +11,9 @@ finishes; never the same decision twice.
 Ladder decisions that have no pod action yet (S1-S3, and a hang capped by maxMitigation) become
 `set-param` mutations of the trainer's `mitigation` parameter. That keeps them in the same
 bounded history as resizes and replacements, and a decision re-derived after a restart sets the
-same value, which `mutate.set_param` records as no change: exactly once again.
+same value, which `mutate.set_param` records as no change: exactly once again. Records that
+change nothing in force (NO_OP_ACTIONS) are log-only `note` mutations, and every value written
+after a job-wide S4 carries its step (`restartedAtStep`), so no later record erases either.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from huorn.scheduler.remediation import policy
 
 logger = logging.getLogger("huorn.operator.monitor")
 MITIGATION_PARAM = "mitigation"
+# ladder records that change nothing in force: they go into the log, not into `mitigation`
+NO_OP_ACTIONS = frozenset({"stalled-outside-collectives", "recovered"})
 ACTIVE_PHASES = frozenset({"Running", "Resizing"})
 
 
@@ -112,11 +116,23 @@ def record_ladder(graph: model.Graph, state: JobPolicies) -> list[model.Mutation
     for d in fresh:
         if d.level is MitigationLevel.RESTART and d.action != "capped" and d.replaced:
             continue  # S4 is the InstanceManager's replace mutation
+        reason = f"remediation {d.level.value} ({d.action}): {d.reason}"
+        if d.action in NO_OP_ACTIONS:
+            # NB: these change nothing in force. Written into `mitigation` they overwrote the rung
+            # in force, and with it the ranks a resumed S2 plan needs and a job-wide S4's step: a
+            # rebuilt policy then took the old slowdown's S1 → S4 again. They go into the log only.
+            out.append(mutate._record(graph, "note", "trainer", reason, {"key": MITIGATION_PARAM}))
+            continue
         # NB: an S4 that replaced nothing (a job-wide slowdown names no pod) is recorded here: it
-        # used to leave no trace in status or Events
+        # used to leave no trace in status or Events. Its step rides along in every later value
+        # (`restartedAtStep`), so a later rung cannot erase which findings that S4 ended.
         value = {"level": d.level.value, "action": d.action, "ranks": list(d.ranks), "plan": dict(d.plan)}
-        m = mutate.set_param(graph, "trainer", MITIGATION_PARAM, value,
-                             reason=f"remediation {d.level.value} ({d.action}): {d.reason}")
+        restarted = policy.last_restart_step(graph)
+        if d.level is MitigationLevel.RESTART and isinstance(d.plan.get("atStep"), int):
+            restarted = max(restarted, int(d.plan["atStep"]))
+        if restarted >= 0:
+            value["restartedAtStep"] = restarted
+        m = mutate.set_param(graph, "trainer", MITIGATION_PARAM, value, reason=reason)
         if m is not None:
             out.append(m)
     return out

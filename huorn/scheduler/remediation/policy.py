@@ -368,14 +368,19 @@ class RemediationPolicy:
 def last_restart_step(graph: model.Graph) -> int:
     """The latest step at which the graph records an S4 (-1 if none): from its replacements'
     reasons, or, for an S4 that replaced no pod, from the trainer's `mitigation` parameter, where
-    the operator records it. A rebuilt policy (a restarted operator, an edited spec) learns from
-    it which findings that S4 already ended, as the operator's reconcile learns from its status
-    stamps (controlVersion, resplitVersion, cordonedVersion) what it already did."""
+    the operator records it (`plan.atStep`, and `restartedAtStep` in every later rung's value).
+    A rebuilt policy (a restarted operator, an edited spec) learns from it which findings that S4
+    already ended, as the operator's reconcile learns from its status stamps (controlVersion,
+    resplitVersion, cordonedVersion) what it already did."""
     steps = [int(m[1]) for mutation in graph.log
              if mutation.action == "replace" and (m := S4_AT_STEP.match(mutation.reason))]
     for trainer in graph.vertices_with_role("trainer"):
         mitigation = trainer.params.get("mitigation")
-        if not isinstance(mitigation, Mapping) or mitigation.get("level") != MitigationLevel.RESTART.value:
+        if not isinstance(mitigation, Mapping):
+            continue
+        if isinstance(mitigation.get("restartedAtStep"), int):  # kept by every rung after the S4
+            steps.append(int(mitigation["restartedAtStep"]))
+        if mitigation.get("level") != MitigationLevel.RESTART.value:
             continue
         plan = mitigation.get("plan")
         if isinstance(plan, Mapping) and isinstance(plan.get("atStep"), int):
