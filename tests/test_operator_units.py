@@ -383,6 +383,17 @@ def test_a_pod_create_that_meets_409_keeps_the_existing_pod_as_it_is(tmp_path) -
         first, again = asyncio.run(scenario())
     assert index.build_pod_record(first).node == "b0"
     assert again["kind"] == "Pod" and again["metadata"]["uid"] == first["metadata"]["uid"]
+    # through the operator's own writer, the mirror that missed it records it where it runs
+    (tmp_path / "again").mkdir()
+    with EmulatedCluster(tmp_path / "again") as cluster:
+        ctx = Context(client=kube.KubeClient(cluster.api_client()), post_event=lambda *_: None)
+        replica = Instance("server", 0)
+        asyncio.run(ctx.client.apply(manifests.build_serve_pod(ref, replica, "b0", spec, "serve")))
+        moved = manifests.build_serve_pod(ref, replica, "b1", spec, "serve")
+        ctx.index.reserve([index.build_pod_record(moved)])
+        asyncio.run(ctx.apply_all([moved]))
+    record = ctx.index.pods[("team", moved["metadata"]["name"])]
+    assert record.node == "b0" and not ctx.index.reservations
     assert index.build_pod_record(again).node == "b0", "the mirror records where it runs"
     assert again["metadata"]["annotations"][manifests.ANNOTATION_NODE] == "b0"
 

@@ -164,11 +164,16 @@ class Context:
         caller then releases its placement's reservations, and the GPUs of pods that exist must
         not look free until the watch reports them."""
         results = await asyncio.gather(*(self.client.apply(w) for w in writes), return_exceptions=True)
+        for obj in results:
+            # A pod the mirror has not seen yet goes in now, as the API answered it: one that
+            # existed already (a create met 409) is returned as it runs, on its own node, where the
+            # reservation of this placement said another. One the watch has reported is newer there.
+            if isinstance(obj, dict) and obj.get("kind", "Pod") == "Pod":
+                meta = obj.get("metadata") or {}
+                if (meta.get("namespace"), meta.get("name")) not in self.index.pods:
+                    self.index.observe_pod(obj)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
-            for obj in results:
-                if isinstance(obj, dict) and obj.get("kind", "Pod") == "Pod":
-                    self.index.observe_pod(obj)
             raise failed[0]
         return [r for r in results if isinstance(r, dict)]
 
