@@ -272,3 +272,26 @@ def test_a_hang_on_another_pod_keeps_a_ddp_stragglers_s2_counts() -> None:
     assert counts != [4] * 4 and counts[1] == min(counts), pol.decisions
     assert graph.vertex("trainer").params["microbatches"] == counts
     assert pol.ladder.level is MitigationLevel.REBALANCE and pol.ladder.counts_in_force == counts
+
+
+def test_a_survivors_slowdown_that_begins_in_the_steps_re_run_after_s4_is_decided() -> None:
+    """trainer-1 is 2× slow from step 50 and S4 replaces it at step 100; the gang resumes from
+    its checkpoint 30 steps back, and trainer-0 slows 3× two steps into the re-run. Its onset
+    (72) precedes the S4's step, and the cutoff meant for the old slowdown ignored it for good;
+    it now applies only to findings on the replaced pod and job-wide ones."""
+    graph = build_graph()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), ladder.LadderCosts(restart=2.0))
+    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=4, rewind=30)
+    resumed: dict[str, int] = {}
+
+    def factor(rank: int, pod: str, step: int) -> float:
+        if pod == "trainer-1" and step >= 50:
+            return 2.0
+        if gang.replaced and rank == 0:
+            resumed.setdefault("at", step)
+            return 3.0 if step >= resumed["at"] + 2 else 1.0
+        return 1.0
+
+    gang.run(400, factor)
+    assert resumed["at"] < 100
+    assert gang.replaced == ["trainer-1", "trainer-0"], pol.decisions

@@ -93,6 +93,7 @@ class RemediationPolicy:
         self._slow_seen: set[tuple[str, int]] = set()
         self._last_step = -1
         self._restart_step = -1  # the step of the last S4 this policy took (last_restart_step)
+        self._replaced: set[str] = set()  # the pods its S4s replaced (replaced_pods)
         self._resumed = False  # a plan taken up from the graph: price it from the next step on
 
     def decide(self, graph: model.Graph, observation: TelemetryObservation) -> list[managers.Event]:
@@ -193,6 +194,7 @@ class RemediationPolicy:
         earlier decision (a restarted operator reads the stale telemetry again): nothing new."""
         if decision.level is MitigationLevel.RESTART and decision.action != "capped":
             self._restart_step = step
+            self._replaced.update(replicas)
             decision = dataclasses.replace(decision, replaced=tuple(replicas),
                                            plan={**decision.plan, "atStep": step})
             if not replicas:
@@ -218,7 +220,11 @@ class RemediationPolicy:
         # survivors' waits for it now set the per-step minimum of communication, or because a
         # rebuilt policy replays the telemetry's 256 steps, it climbed the ladder once more from
         # its old onset, up to an S4 that named no pod.
+        # NB: only findings the S4 could have ended: on a pod it replaced, or job-wide. The gang
+        # resumes from its checkpoint, steps before the S4's (95 or 70 after an S4 at 100), and a
+        # survivor's slowdown that begins in the steps it re-runs was ignored for good.
         restarted = max(self._restart_step, last_restart_step(graph))
+        replaced = self._replaced | replaced_pods(graph)
         if self.positions:
             pipeline_table = self.build_pipeline_table()
             found = failslow.detect_pipeline_fail_slow(pipeline_table) if pipeline_table else []
@@ -233,7 +239,8 @@ class RemediationPolicy:
         first = self._last_step + 1
         for finding in found:
             if (finding.where(), finding.onset_iteration) in self._slow_seen \
-                    or finding.onset_iteration < restarted:
+                    or (finding.onset_iteration < restarted
+                        and (finding.worker == failslow.JOB_WIDE or finding.worker in replaced)):
                 continue
             if finding.factor <= 1:
                 # the ladder's slowdown is over: at S1 (or a passed rung) nothing else would end it
@@ -386,6 +393,12 @@ def last_restart_step(graph: model.Graph) -> int:
         if isinstance(plan, Mapping) and isinstance(plan.get("atStep"), int):
             steps.append(int(plan["atStep"]))
     return max(steps, default=-1)
+
+
+def replaced_pods(graph: model.Graph) -> set[str]:
+    """The pods the graph's log records an S4 replacement of (what `last_restart_step` reads)."""
+    return {str(mutation.detail.get("old")) for mutation in graph.log
+            if mutation.action == "replace" and S4_AT_STEP.match(mutation.reason)}
 
 
 def _culprit_ranks(finding: failslow.SlowFinding, found: list[failslow.SlowFinding]) -> list[int]:
