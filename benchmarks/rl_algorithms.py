@@ -153,6 +153,7 @@ def main() -> None:
         last = steps[-10:]
         summary[name] = {
             "accuracy_before": evals[0]["accuracy"], "accuracy_after": evals[-1]["accuracy"],
+            "eval_prompts": evals[-1]["prompts"],
             "train_reward_first_10": round(sum(e["reward_mean"] for e in steps[:10]) / len(steps[:10]), 4),
             "train_reward_last_10": round(sum(e["reward_mean"] for e in last) / len(last), 4),
             "seconds_per_step": round(sum(e.get("rollout_seconds", 0) + e.get("update_seconds", 0)

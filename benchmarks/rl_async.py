@@ -50,7 +50,10 @@ def summarise(events: list[dict]) -> dict:
         "update_seconds": round(statistics.mean(e.get("update_seconds", 0.0) for e in steps), 3),
         "rollout_wait_seconds": round(statistics.mean(e["rollout_wait_seconds"] for e in steps[1:]), 3),
         "accuracy_before": evals[0]["accuracy"], "accuracy_after": evals[-1]["accuracy"],
+        "eval_prompts": evals[-1]["prompts"],
         "train_reward_last_10": round(statistics.mean(e["reward_mean"] for e in last), 4),
+        # an async step's ratio is against the policy that sampled, one update behind
+        "mean_clip_fraction": round(statistics.mean(e.get("clip_fraction", 0.0) for e in steps), 5),
     }
 
 
