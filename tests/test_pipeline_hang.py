@@ -33,7 +33,7 @@ WIDTH, SIZE = 8, 2
 # (label, counts per replica or None, schedule, k, comm): a middle stage receives from both sides
 # and an end stage from one, S2 gives replicas unequal tables, lockstep batches the messages
 CASES = [("even", None, "1f1b", 1, "overlap"), ("1-3", (1, 3), "kfkb", 2, "overlap"),
-         ("3-1", (3, 1), "gpipe", 1, "lockstep")]
+         ("3-1", (3, 1), "gpipe", 1, "lockstep"), ("even-lockstep", None, "gpipe", 1, "lockstep")]
 
 
 def ledger_worker(rank: int, world: int, stages: int) -> list[tuple[str, int, int]]:
