@@ -229,3 +229,13 @@ async def test_a_poll_that_a_finished_reconcile_overtook_writes_no_progress(monk
 
 async def _observed(telemetry: dict) -> monitor.Observation:
     return monitor.Observation(time=1.0, telemetry=telemetry, steps=[{"step": 9, "loss": 1.0}])
+
+
+def test_a_ladder_record_that_only_observes_is_a_remediation_event_as_its_plans_are() -> None:
+    """A stall outside collectives or a recovery is written as a note (it must not overwrite the
+    plan's parameter); its Event still says Remediation, as a plan's does, not a bare 'Note'."""
+    g = compiler.compile({"apiVersion": "huorn.io/v1alpha1", "kind": "TrainingJob",
+                          "metadata": {"name": "j"}, "spec": {"virtualCluster": "train"}})
+    seen = mutate.note(g, "trainer", "stalled outside collectives", {"key": monitoring.MITIGATION_PARAM})
+    assert monitoring._event_reason(seen) == "Remediation"
+    assert g.log[-1] is seen and g.action_counts["note"] == 1

@@ -14,6 +14,13 @@ from typing import Any
 from huorn.graph.model import Edge, ExecutionMode, Graph, Instance, Mutation, Vertex, build_instances
 
 
+def note(graph: Graph, target: str, reason: str, detail: dict[str, Any] | None = None) -> Mutation:
+    """A decision that changes nothing in the graph (a remediation that only observes: a stall
+    outside collectives, a recovery), kept in the log and so in status.decisions. Written as a
+    parameter, it overwrote the one a decision that did change something had left there."""
+    return _record(graph, "note", target, reason, dict(detail or {}))
+
+
 def _record(graph: Graph, action: str, target: str, reason: str, detail: dict[str, Any]) -> Mutation:
     if not reason.strip():
         raise ValueError(f"a {action} of {target!r} needs a reason: say why, it goes into status and Events")

@@ -121,7 +121,7 @@ def record_ladder(graph: model.Graph, state: JobPolicies) -> list[model.Mutation
             # NB: these change nothing in force. Written into `mitigation` they overwrote the rung
             # in force, and with it the ranks a resumed S2 plan needs and a job-wide S4's step: a
             # rebuilt policy then took the old slowdown's S1 → S4 again. They go into the log only.
-            out.append(mutate._record(graph, "note", "trainer", reason, {"key": MITIGATION_PARAM}))
+            out.append(mutate.note(graph, "trainer", reason, {"key": MITIGATION_PARAM}))
             continue
         # NB: an S4 that replaced nothing (a job-wide slowdown names no pod) is recorded here: it
         # used to leave no trace in status or Events. Its step rides along in every later value
@@ -328,8 +328,8 @@ async def write_progress(ctx: Context, namespace: str, name: str, state: JobPoli
 
 
 def _event_reason(m: model.Mutation) -> str:
-    if m.action == "set-param" and m.detail.get("key") == MITIGATION_PARAM:
-        return "Remediation"
+    if m.action in ("set-param", "note") and m.detail.get("key") == MITIGATION_PARAM:
+        return "Remediation"  # a ladder's record, whether it changed the plan or only observed
     if m.action == "replace" and cordon.DETAIL_KEY in m.detail:
         return "Remediate"
     return m.action.capitalize()
