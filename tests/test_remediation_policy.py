@@ -67,7 +67,7 @@ def test_capped_ladder_records_the_hang_but_changes_nothing() -> None:
 def test_a_whole_job_outside_collectives_is_recorded_once_and_never_restarted() -> None:
     """Checkpointing, validation and rendezvous look like this, so nothing is restarted; but the
     docs said it was recorded and it was dropped, though it is all that shows of a pipelined job
-    stopped in a point-to-point send or receive, which the collective counts leave out."""
+    on NCCL stopped in a point-to-point send or receive, which only CPU runs count."""
     graph = build_graph()
     pol = policy.RemediationPolicy(Remediation(hang_timeout="2s"))
     events = [e for t in range(100, 130) for e in pol.decide(graph, Seen(

@@ -27,7 +27,7 @@ class TeacherRef(ApiModel):
                             "of a checkpoint root with a `latest`). In a pod it must lie on the job's "
                             "checkpoint volume, under spec.checkpoint.path.")
     temperature: float = Field(default=1.0, gt=0, le=100)
-    kl_weight: float = Field(default=0.2, ge=0, le=100, description="γ in CE + γ·KL (DDK).")
+    kl_weight: float = Field(default=0.2, ge=0, le=100, description="γ in CE + γ·T²·KL (DDK).")
     reweight_steps: int = Field(default=1000, ge=1, le=10_000_000, description="K: with data.mixture auto, "
                                 "the source weights are recomputed from the student's and teacher's "
                                 "per-source validation losses every K steps (DDK).")

@@ -9,7 +9,7 @@ With per-source validation losses ℓ_S,i (student) and ℓ_T,i (teacher), ratio
 - every K steps: ψ_i = r_i · exp(ratio_i), then r ← α·ψ/Σψ + (1 − α)/N, so no source ever
   drops below (1 − α)/N (the smoothing keeps a source from starving once it has caught up).
 
-The loss is CE + γ·KL(student ‖ teacher) at temperature T. The teacher is any Huorn checkpoint
+The loss is CE + γ·T²·KL(student ‖ teacher) at temperature T. The teacher is any Huorn checkpoint
 (its huorn.json names its architecture), frozen, with the student's vocabulary.
 
 The weights are part of the training state: checkpoints and the in-place state hand-over carry

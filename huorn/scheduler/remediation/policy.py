@@ -168,8 +168,8 @@ class RemediationPolicy:
                         replica_of: Mapping[int, str], world: int) -> None:
         """Every rank stalled outside any collective: what checkpointing, validation and
         rendezvous look like, so nothing is restarted, but it is recorded (once per collective),
-        as the docs always said and the policy did not: it is also all that shows of a pipelined
-        job stopped in a point-to-point send or receive, which the collective counts leave out.
+        as the docs always said and the policy did not. (A pipeline stage's receives are counted
+        on CPU, so a stage blocked on a hung neighbour is inside one; on NCCL they are not.)
         Not before any rank published a step (start-up: loading a model may outlast the timeout)
         and only with every rank in view (a gang mid-restart is outside collectives too). The
         decision names no ranks: it blames none, and a plan's ranks must not be overwritten."""
@@ -181,8 +181,8 @@ class RemediationPolicy:
         self.decisions.append(ladder.Decision(
             MitigationLevel.OBSERVE, "stalled-outside-collectives",
             f"{finding.kind} stall: {finding.reason}; nothing is restarted, as checkpointing, validation "
-            "and rendezvous look the same (so does a pipelined job stopped in a point-to-point send or "
-            "receive, which the collective counts leave out): if it lasts, check "
+            "and rendezvous look the same (so does a pipelined job on NCCL stopped in a point-to-point "
+            "send or receive, which only CPU runs count): if it lasts, check "
             f"{', '.join(sorted(set(replica_of.values())))}"))
 
     def _take(self, graph: model.Graph, decision: ladder.Decision,
