@@ -13,7 +13,7 @@ from typing import Any
 
 from huorn.api import common
 from huorn.backends.kubernetes import client as kube
-from huorn.backends.kubernetes import retry
+from huorn.backends.kubernetes import manifests, retry
 from huorn.operator import index, metrics, queue
 from huorn.operator.leadership import Leadership
 
@@ -164,15 +164,18 @@ class Context:
         caller then releases its placement's reservations, and the GPUs of pods that exist must
         not look free until the watch reports them."""
         results = await asyncio.gather(*(self.client.apply(w) for w in writes), return_exceptions=True)
-        for obj in results:
-            # A pod the mirror has not seen yet goes in now, as the API answered it: one that
-            # existed already (a create met 409) is returned as it runs, on its own node, where the
-            # reservation of this placement said another. One the watch has reported is newer there.
-            if isinstance(obj, dict) and obj.get("kind", "Pod") == "Pod":
-                meta = obj.get("metadata") or {}
-                if (meta.get("namespace"), meta.get("name")) not in self.index.pods:
-                    self.index.observe_pod(obj)
         failed = [r for r in results if isinstance(r, BaseException)]
+        for wrote, obj in zip(writes, results, strict=True):
+            if not (isinstance(obj, dict) and obj.get("kind", "Pod") == "Pod"):
+                continue
+            # A pod that existed already (a create met 409) comes back as it runs, on its own node,
+            # where this placement's reservation says another: it goes into the mirror now, unless
+            # the watch has reported it (newer). Created ones wait for the watch, as the
+            # reservation stands for them until then; on a failed batch they go in too.
+            meta = obj.get("metadata") or {}
+            elsewhere = _node_of(obj) != _node_of(wrote)
+            if (failed or elsewhere) and (meta.get("namespace"), meta.get("name")) not in self.index.pods:
+                self.index.observe_pod(obj)
         if failed:
             raise failed[0]
         return [r for r in results if isinstance(r, dict)]
@@ -209,3 +212,8 @@ class Context:
         self.autoscalers.pop((namespace, name), None)
         self.rl_progress.pop((namespace, name), None)
         self.rl_waiting.pop((namespace, name), None)
+
+
+def _node_of(pod: Mapping[str, Any]) -> str:
+    """The node a pod was placed on, as the operator annotates it."""
+    return str(((pod.get("metadata") or {}).get("annotations") or {}).get(manifests.ANNOTATION_NODE, ""))
