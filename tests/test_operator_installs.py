@@ -42,6 +42,18 @@ def build_ctx(served: set[str], client: kube_client.KubeClient | None = None,
     return ctx
 
 
+def running_borrower(kube: builders.Kube) -> None:
+    """team/elastic, two replicas of 4 GPUs running as its status records (its pods are the
+    test's to place)."""
+    kube.create_job("team", builders.make_training_job("elastic", "train", replicas=2, max_replicas=2, gpus=4,
+                                                       elasticity={"minReplicas": 1, "maxReplicas": 2}))
+    graph = compiler.compile(validation.load_job(kube.get_job("team", "elastic")))
+    mutate.resize(graph, "trainer", 2, reason="start")
+    status = {"phase": "Running", "graph": serialise.to_status(graph), "decisions": []}
+    kube.custom.patch_namespaced_custom_object_status(builders.GROUP, builders.VERSION, "team",
+                                                      "trainingjobs", "elastic", {"status": status})
+
+
 def test_a_cluster_lends_only_through_an_install_that_serves_every_namespace_that_may_use_it() -> None:
     assert build_ctx(set()).index.build_snapshot().lend_left("serve") == 8  # one install: all
     # "serve" admits every namespace: an install of "team" alone would never hear of the
@@ -66,15 +78,7 @@ def test_a_borrower_another_install_serves_gives_back_its_pods_but_its_graph_is_
     does not serve (placed before the other install stopped borrowing there, say): the pod on the
     lender goes with the lender's grace; its job's status, the other install's to write, does not
     change. The reclaim used to shrink it through a reconcile of its own, racing the owner's."""
-    body = builders.make_training_job("elastic", "train", replicas=2, max_replicas=2, gpus=4,
-                                      elasticity={"minReplicas": 1, "maxReplicas": 2})
-    kube.create_job("team", body)
-    body = kube.get_job("team", "elastic")
-    graph = compiler.compile(validation.load_job(body))
-    mutate.resize(graph, "trainer", 2, reason="start")
-    status = {"phase": "Running", "graph": serialise.to_status(graph), "decisions": []}
-    kube.custom.patch_namespaced_custom_object_status(builders.GROUP, builders.VERSION, "team",
-                                                      "trainingjobs", "elastic", {"status": status})
+    running_borrower(kube)
     before = kube.job_status("team", "elastic")
     ctx = build_ctx({"serving"}, kube_client.KubeClient(cluster.api_client()), serve_namespaces=["serving"])
     for instance in ("trainer-0", "trainer-1"):
@@ -160,15 +164,7 @@ def test_an_install_that_no_longer_lends_a_cluster_gives_back_its_borrowers_ther
     """"serve" admits every namespace and this install serves only "team": it lends it nothing.
     Its borrower there, placed before (when it served every namespace, say), is one that no
     install would ever reclaim for a demand it sees, so this install gives it back itself."""
-    body = builders.make_training_job("elastic", "train", replicas=2, max_replicas=2, gpus=4,
-                                      elasticity={"minReplicas": 1, "maxReplicas": 2})
-    kube.create_job("team", body)
-    body = kube.get_job("team", "elastic")
-    graph = compiler.compile(validation.load_job(body))
-    mutate.resize(graph, "trainer", 2, reason="start")
-    running = {"phase": "Running", "graph": serialise.to_status(graph)}
-    kube.custom.patch_namespaced_custom_object_status(builders.GROUP, builders.VERSION, "team",
-                                                      "trainingjobs", "elastic", {"status": running})
+    running_borrower(kube)
     ctx = build_ctx({"team"}, kube_client.KubeClient(cluster.api_client()))  # serve: every namespace
     for instance, node in (("trainer-0", "a0"), ("trainer-1", "b0")):
         pod = {"apiVersion": "v1", "kind": "Pod",

@@ -167,10 +167,13 @@ def test_a_policy_rebuilt_after_s4_does_not_find_the_old_slowdown_in_the_replaye
         (MitigationLevel.OBSERVE, ()), (MitigationLevel.RESTART, ("trainer-0",))], rebuilt.decisions
 
 
-def test_a_policy_rebuilt_after_a_job_wide_s4_does_not_take_it_again() -> None:
-    """A job-wide S4 replaces no pod; the operator records it in the trainer's `mitigation`
-    parameter, and that is where a rebuilt policy learns of it. Before, the replay found the
-    same job-wide slowdown and climbed to another S4 after every operator restart."""
+def _every_rank_twice_as_slow_from_step_50(rank: int, pod: str, step: int) -> float:
+    return 2.0 if step >= 50 else 1.0
+
+
+def _after_a_job_wide_s4() -> tuple[Any, ladder.LadderCosts, policy.RemediationPolicy, Gang, Any, Any]:
+    """A two-pod job slowed as a whole from step 50, run with the operator's records until the
+    ladder takes its S4 (which, job-wide, replaces no pod)."""
     from huorn.operator import monitoring
 
     graph = build_graph()
@@ -178,13 +181,18 @@ def test_a_policy_rebuilt_after_a_job_wide_s4_does_not_take_it_again() -> None:
     pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), costs)
     state = monitoring.JobPolicies(("uid", 1), pol, None)
     gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=5)
-
-    def every(rank: int, pod: str, step: int) -> float:
-        return 2.0 if step >= 50 else 1.0
-
+    every = _every_rank_twice_as_slow_from_step_50
     while not pol.decisions or pol.decisions[-1].level is not MitigationLevel.RESTART:
         gang.run(gang.step + 1, every)
         monitoring.record_ladder(graph, state)
+    return graph, costs, pol, gang, every, state
+
+
+def test_a_policy_rebuilt_after_a_job_wide_s4_does_not_take_it_again() -> None:
+    """A job-wide S4 replaces no pod; the operator records it in the trainer's `mitigation`
+    parameter, and that is where a rebuilt policy learns of it. Before, the replay found the
+    same job-wide slowdown and climbed to another S4 after every operator restart."""
+    _, costs, pol, gang, every, _ = _after_a_job_wide_s4()
     assert pol.decisions[-1].replaced == () and gang.replaced == []
     gang.pol = rebuilt = policy.RemediationPolicy(Remediation(hang_timeout="30s"), costs)
     gang.run(gang.step + 40, every)
@@ -199,18 +207,7 @@ def test_a_job_wide_s4_outlives_the_records_the_operator_writes_after_it() -> No
     the S4's step."""
     from huorn.operator import monitoring
 
-    graph = build_graph()
-    costs = ladder.LadderCosts(restart=2.0)
-    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), costs)
-    state = monitoring.JobPolicies(("uid", 1), pol, None)
-    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=5)
-
-    def every(rank: int, pod: str, step: int) -> float:
-        return 2.0 if step >= 50 else 1.0
-
-    while not pol.decisions or pol.decisions[-1].level is not MitigationLevel.RESTART:
-        gang.run(gang.step + 1, every)
-        monitoring.record_ladder(graph, state)
+    graph, costs, pol, gang, every, state = _after_a_job_wide_s4()
     at = pol.decisions[-1].plan["atStep"]
     snaps = {f"{pod}/{r}": {"job": "q", "rank": r, "world_size": 2, "replica": pod, "heartbeat": 0.0,
                             "steps": gang.served[r][-256:],
