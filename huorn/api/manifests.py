@@ -34,6 +34,11 @@ class FieldError:
         return f"{self.path}: {self.message}" if self.path else self.message
 
 
+def subject(kind: str, name: str) -> str:
+    """``Kind/name`` as kubectl prints it, with placeholders when either is unknown."""
+    return f"{kind or '<unknown kind>'}/{name or '<unnamed>'}"
+
+
 class ManifestError(ValueError):
     """A manifest that Huorn refuses. ``errors`` lists every field at fault."""
 
@@ -46,8 +51,7 @@ class ManifestError(ValueError):
 
     @property
     def subject(self) -> str:
-        """``Kind/name`` as kubectl prints it, with placeholders when either is unknown."""
-        return f"{self.kind or '<unknown kind>'}/{self.name or '<unnamed>'}"
+        return subject(self.kind, self.name)
 
     def _render(self) -> str:
         # NB: a file that cannot be read or parsed has no kind or name; `<unknown kind>/<unnamed>`

@@ -108,7 +108,7 @@ def _unnamed(metadata: dict[str, Any]) -> list[dict[str, str]]:
 
 def _print_text(verdicts: list[Verdict]) -> None:
     for v in verdicts:
-        subject = f"{v.kind or '<unknown kind>'}/{v.name or '<unnamed>'}"
+        subject = manifests.subject(v.kind, v.name)
         if v.status == "ok":
             typer.echo(f"{v.file}: {subject}: ok")
         elif v.status == "skipped":
