@@ -57,7 +57,6 @@ class Request:
     # With "stream": its tokens as they are chosen, then None; filled from the decoding thread.
     stream: asyncio.Queue | None = None
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
-    first_token_at: float | None = None  # when its first token was chosen
     stop: tuple[bytes, ...] = ()  # the answer ends before the first of these it would contain
     finish_reason: str | None = None  # "stop" or "length", once decoded
     chat: bool = False  # asked through the chat API: answered in its shape
@@ -238,6 +237,10 @@ class RunningBatch:
         # seconds between two tokens of one row, as chosen since the server last took them: what
         # a streaming client waits between two events (the server's inter-token histogram)
         self.token_gaps: list[float] = []
+        # seconds from arrival to each row's first token, as chosen since the server last took
+        # them: read then, not when the answer ends, so a guard on time to first token sees a slow
+        # start as it happens rather than an answer's length later
+        self.first_token_waits: list[float] = []
         self.cache: RaggedKVCache | None = None
         self.graphs: decode_graphs.DecodeGraphs | None = None
         if max_rows is not None:
@@ -397,7 +400,7 @@ class RunningBatch:
         ended: list[int] = []
         for i, (row, token) in enumerate(zip(self.rows, chosen, strict=True)):
             if not row.chosen:
-                row.answer.request.first_token_at = now
+                self.first_token_waits.append(now - row.answer.request.arrived)
             else:
                 self.token_gaps.append(now - row.chosen_at)
             row.chosen_at = now
@@ -485,5 +488,6 @@ class RunningBatch:
                 if on_answer is not None:
                     on_answer(request, result)
             self.token_gaps.clear()  # no server reads them here
+            self.first_token_waits.clear()
             self.feed()
         return [results[id(r)] for r in requests]

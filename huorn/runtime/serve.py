@@ -555,8 +555,6 @@ class Server:
     def answered(self, item: Request) -> None:
         self.metrics.requests.labels("ok").inc()
         self.metrics.latency.observe(time.monotonic() - item.arrived)
-        if item.first_token_at is not None:
-            self.metrics.first_token.observe(item.first_token_at - item.arrived)
 
     async def stream_answer(self, request: web.Request, items: list[Request],
                             include_usage: bool = False, choices: int = 1) -> web.StreamResponse:
@@ -733,6 +731,9 @@ class Server:
                 for gap in self.running.token_gaps:
                     self.metrics.inter_token.observe(gap)
                 self.running.token_gaps.clear()
+                for wait in self.running.first_token_waits:
+                    self.metrics.first_token.observe(wait)
+                self.running.first_token_waits.clear()
                 self.deliver(answered)
                 self.running.feed()  # may fail: the answers above are made, and reach their clients
             self.count_evictions()
