@@ -4,6 +4,7 @@ Kubernetes schemas (kubernetes-validate) and against what the operator actually 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import re
 import shutil
@@ -17,6 +18,8 @@ import kubernetes_validate
 import pytest
 import typer
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import huorn
@@ -134,7 +137,7 @@ def test_every_rendered_manifest_passes_the_kubernetes_schema(variant: str) -> N
 # the values (a new one, a rename, a new requirement) is a new chart version. Bump Chart.yaml's
 # `version` (minor while 0.x: most such changes break --reuse-values or an old values file) and
 # record the new digest here.
-CHART_VALUES = ("0.2.0", "519efd948d682249")
+CHART_VALUES = ("0.2.1", "b56e709da4acc19c")
 
 
 def test_the_chart_version_moves_with_its_values_and_the_app_version_is_the_packages() -> None:
@@ -225,9 +228,27 @@ def test_the_health_endpoint_listens_on_ipv6_where_the_chart_says_so() -> None:
         # kopf binds the URL's hostname (kopf/_core/engines/probing.py)
         assert urllib.parse.urlsplit(endpoint).hostname == str(urllib.parse.urlsplit(url).hostname)
     chart = helm_python.Chart.load(CHART)
-    for address in ("localhost", "[::]", "", "10.0.0"):
+    # ":" and "1:2" passed the 0.2.0 schema (any hex, dots and a colon) and crash-looped the operator
+    for address in ("localhost", "[::]", "", "10.0.0", ":", "1:2", "1::2::3", "::ffff:1.2.3.256"):
         with pytest.raises(helm_python.HelmValuesError, match="address"):
             chart.render({"health": {"address": address}}, name="huorn", namespace="x")
+
+
+@settings(max_examples=300)
+@given(st.one_of(st.ip_addresses().map(str), st.ip_addresses(v=6).map(lambda a: a.exploded),
+                 st.text(alphabet="0123456789abcdefABCDEF:.", max_size=40)))
+def test_the_schema_admits_as_health_address_exactly_what_huorn_operator_accepts(address: str) -> None:
+    """The schema refuses at `helm install` what `huorn operator --health-address` would refuse
+    once started (a crash loop), and admits every address the operator binds: its pattern is
+    RFC 3986's IPv6address and dotted-quad IPv4, checked against Python's parser."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    pattern = schema["properties"]["health"]["properties"]["address"]["pattern"]
+    try:
+        ipaddress.ip_address(address)
+        accepted = True
+    except ValueError:
+        accepted = False
+    assert bool(re.search(pattern, address)) is accepted
 
 
 @pytest.mark.parametrize("address", ["localhost", "[::]", "10.0.0", ""])
