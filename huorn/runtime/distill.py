@@ -86,14 +86,16 @@ def kl_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
 
 
 def mean_loss(model: torch.nn.Module, mixture: sampler.Mixture, batches: int, sequences: int,
-              device: torch.device | None = None) -> float:
-    """Mean cross-entropy over `batches` fixed validation batches (the model in eval mode)."""
+              device: torch.device | None = None, part: str = "val") -> float:
+    """Mean cross-entropy over `batches` fixed validation batches (the model in eval mode), of
+    the held-out part the evaluation reads ("val") or of the one that steers training ("steer":
+    DDK's and D-CPT's measurements, so that no choice is made on the evaluation's windows)."""
     was_training = model.training
     model.eval()
     total = 0.0
     with torch.no_grad():
         for index in range(batches):
-            tokens, targets = mixture.validation_batch(index, sequences)
+            tokens, targets = mixture.validation_batch(index, sequences, part)
             if device is not None:
                 tokens, targets = tokens.to(device), targets.to(device)
             total += float(model(tokens, targets)[1])
@@ -102,9 +104,10 @@ def mean_loss(model: torch.nn.Module, mixture: sampler.Mixture, batches: int, se
 
 
 def source_losses(model: torch.nn.Module, mixture: sampler.Mixture, batches: int, sequences: int,
-                  device: torch.device | None = None) -> list[float]:
-    """Each source's own validation loss, in the mixture's source order."""
-    return [mean_loss(model, mixture.only(i), batches, sequences, device)
+                  device: torch.device | None = None, part: str = "val") -> list[float]:
+    """Each source's own validation loss (of held-out `part`, as `mean_loss`), in the mixture's
+    source order."""
+    return [mean_loss(model, mixture.only(i), batches, sequences, device, part)
             for i in range(len(mixture.sources))]
 
 

@@ -267,7 +267,8 @@ def run_probe(cfg: run_config.RunConfig, share: float, device: torch.device) -> 
                    lambda step, start=mark, length=cooldown: peak * (1 - (1 - LR_FLOOR) * (step - start + 1)
                                                                     / length), opt, device)
         batches = cfg.validation_batches
-        losses = {i: distill.mean_loss(measured, everything.only(i), batches, opt.micro_batch, device)
+        losses = {i: distill.mean_loss(measured, everything.only(i), batches, opt.micro_batch, device,
+                                       part="steer")
                   for i in [domain, *(i for i, _ in general)]}
         points.append({
             "tokens": float((mark + cooldown) * opt.global_batch * spec.model.context),

@@ -20,6 +20,17 @@ from huorn.runtime.data import build, corpora
 
 # The validation set is drawn with this pseudo-step, which training (steps >= 0) never reaches.
 _VALIDATION_STEP = 2**62
+# The held-out tokens past this share steer training (DDK's reweighting, D-CPT's probes); the
+# evaluation (validation loss, the evaluator) reads only the tokens before it. One split served
+# both, so the weights were chosen on the very windows the evaluation then reported: a choice
+# made on the test set.
+_EVALUATION_SHARE = 0.8
+
+
+def held_out_part(tokens: np.ndarray, part: str) -> np.ndarray:
+    """The evaluation ("val") or steering ("steer") part of a source's held-out tokens."""
+    cut = int(len(tokens) * _EVALUATION_SHARE)
+    return tokens[:cut] if part == "val" else tokens[cut:]
 
 
 @dataclass(frozen=True)
@@ -77,9 +88,11 @@ class Mixture:
         if not active:
             raise ValueError("data.sources: every weight is 0; give at least one source a positive weight")
         for source in active:
-            if len(source.train) <= context + 1 or len(source.val) <= context + 1:
+            if len(source.train) <= context + 1 or len(held_out_part(source.val, "val")) <= context + 1:
                 raise ValueError(f"data source {source.name!r} is shorter than model.context+1 "
-                                 f"({context + 1} tokens); lower model.context or use a larger corpus")
+                                 f"({context + 1} tokens; the evaluation reads the first "
+                                 f"{_EVALUATION_SHARE:.0%} of val.bin); lower model.context or use a "
+                                 "larger corpus")
         self.sources = active
         self.seed = seed
         self.context = context
@@ -106,7 +119,13 @@ class Mixture:
         uniform = rng.random(sequences)
         rows = np.empty((sequences, self.context + 1), dtype=np.int64)
         for row, (source_index, u) in enumerate(zip(choice, uniform, strict=True)):
-            tokens = getattr(self.sources[source_index], split)
+            source = self.sources[source_index]
+            tokens = source.train if split == "train" else held_out_part(source.val, split)
+            if len(tokens) <= self.context + 1:  # only the steering part can be: __init__ checked
+                raise ValueError(f"data source {source.name!r}: the held-out tokens that steer DDK and "
+                                 f"D-CPT (the last {1 - _EVALUATION_SHARE:.0%} of val.bin, {len(tokens)} "
+                                 f"tokens) are no longer than model.context+1 ({self.context + 1}); "
+                                 "lower model.context or give the source a larger val.bin")
             start = int(u * (len(tokens) - self.context - 1))
             rows[row] = tokens[start : start + self.context + 1]
         data = torch.from_numpy(rows)
@@ -118,9 +137,13 @@ class Mixture:
             raise ValueError(f"step and micro-batch index must be non-negative, got {step}, {index}")
         return self._draw(step, index, sequences, "train")
 
-    def validation_batch(self, index: int, sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A fixed validation batch from the held-out documents, the same for every run with this seed."""
-        return self._draw(_VALIDATION_STEP, index, sequences, "val")
+    def validation_batch(self, index: int, sequences: int,
+                         part: str = "val") -> tuple[torch.Tensor, torch.Tensor]:
+        """A fixed validation batch from the held-out documents, the same for every run with this
+        seed: from the evaluation part ("val"), or from the part that steers training ("steer")."""
+        if part not in ("val", "steer"):
+            raise ValueError(f"part: 'val' or 'steer', got {part!r}")
+        return self._draw(_VALIDATION_STEP, index, sequences, part)
 
 
 def assign_micro_batches(total: int, world_size: int, rank: int) -> list[int]:
