@@ -29,12 +29,12 @@ COLUMNS = ("jct_mean_s", "jct_p50_s", "jct_p99_s", "makespan_s", "goodput_gpu_eq
 MAX_WORK_ESTIMATE_ERROR = 10.0
 
 
-def _check_load(ctx: typer.Context, trace: Path, config: engine.SimConfig) -> None:
+def _check_load(ctx: typer.Context, trace: Path, config: engine.SimConfig, train_gpus: int) -> None:
     """Refuse a --load the trace cannot offer (ValueError): past it the simulator ran at the most
     the trace offers while report.json recorded the load asked. Not given, the default is only
-    noted as out of reach, since a small trace then runs at its most, as it always did."""
-    # NB: as run.build_simulation splits the cluster: the inference share, at least one 8-GPU node
-    train_gpus = config.gpus - max(8, round(config.gpus * config.inference_share))
+    noted as out of reach, since a small trace then runs at its most, as it always did.
+    `train_gpus` is what the node split really leaves to train (run.split_cluster), the GPUs the
+    load is compressed for."""
     most = workload.most_offered_load(trace, config.gpus, train_gpus, config.seed)
     if most >= config.load:
         return
@@ -93,9 +93,13 @@ def simulate(
             raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
         check_not_a_format(output, ("table", "json", "yaml"))
         check_writable(output, "--output", directory=True)
-        _check_load(ctx, trace, config)
+        # the node list first: its errors (too few GPUs for --gpus) come before any note on the load
+        split = run.split_cluster(nodes, config)
+        _check_load(ctx, trace, config, split.train_gpus)
         with err.status(f"reading the trace and building {len(names)} simulation(s)"):
             sims = run.build_simulations(trace, nodes, qps, names, config)
+        if (note := split.note(config)) is not None:  # once the inputs are known good, as a run's note
+            typer.echo(f"note: {note}", err=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                       TimeElapsedColumn(), console=err) as bar:
             tasks = {n: bar.add_task(f"{n:>7}", total=1.0) for n in names}

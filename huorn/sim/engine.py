@@ -40,6 +40,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.gpus < 8:
             raise ValueError(f"gpus must be ≥ 8, got {self.gpus}")
+        if self.seed < 0:  # numpy's own message ("expected non-negative integer") names no field
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if not 0 < self.inference_share < 1:
             raise ValueError(f"inference_share must lie in (0, 1), got {self.inference_share}")
         if not self.load > 0:
@@ -76,6 +78,9 @@ class Simulation:
         self.rng = np.random.default_rng(config.seed)
         infer_names = _pick_inference_nodes(nodes, load.gpus)
         self.infer_gpus = sum(n.gpus for n in nodes if n.name in infer_names)
+        if self.infer_gpus != load.gpus:  # the load would be sized for a cluster it does not have
+            raise ValueError(f"the inference load is sized for {load.gpus} GPUs, but whole nodes give the "
+                             f"inference cluster {self.infer_gpus}; size it with split_cluster")
         self.node_vc = {n.name: INFER if n.name in infer_names else TRAIN for n in nodes}
         views = [placement.NodeView(n.name, n.gpus, n.gpus, virtual_cluster=self.node_vc[n.name])
                  for n in nodes]
@@ -261,6 +266,53 @@ def _fits(views: list[placement.NodeView], replicas: int, gpus_per_replica: int)
     train = [v for v in views if v.virtual_cluster == TRAIN]
     empty = snapshot.ClusterSnapshot(train, [snapshot.VirtualClusterView(TRAIN)])
     return isinstance(empty.place(TRAIN, replicas, gpus_per_replica), placement.Placement)
+
+
+MIN_INFERENCE_GPUS = 8  # one whole 8-GPU node: an inference replica is big
+
+
+@dataclass(frozen=True)
+class Split:
+    """The sampled nodes shared between the two virtual clusters. The inference cluster takes whole
+    nodes, so it can hold more GPUs than `--inference-share` asks; the inference load and the
+    training load are both sized for what each cluster really holds (`infer_gpus`, `train_gpus`).
+    They were sized for the share asked: at 100 GPUs the 32 inference GPUs served a load sized for
+    25, and the training load was compressed for 75 GPUs where 68 train (found by review)."""
+
+    inference: frozenset[str]
+    infer_gpus: int
+    train_gpus: int
+    asked: int  # the GPUs the share asks for, rounded, at least MIN_INFERENCE_GPUS
+
+    def note(self, config: SimConfig) -> str | None:
+        """What a user who gave `--inference-share` should know: the split is not what it asked."""
+        share = round(config.gpus * config.inference_share)
+        pct = 100 * self.infer_gpus / config.gpus
+        real = f"{self.infer_gpus} GPUs ({pct:.0f} %), training {self.train_gpus}"
+        if share < MIN_INFERENCE_GPUS:
+            return (f"--inference-share {config.inference_share:g} asks {share} of {config.gpus} GPUs, fewer "
+                    f"than the inference cluster's least (one {MIN_INFERENCE_GPUS}-GPU node): inference gets "
+                    f"{real}; both loads are sized for that")
+        if self.infer_gpus != self.asked:
+            return (f"--inference-share {config.inference_share:g} asks {self.asked} of {config.gpus} GPUs; "
+                    f"the inference cluster takes whole nodes, so it gets {real}; both loads are sized for "
+                    "that")
+        return None
+
+
+def split_cluster(nodes: list[workload.Node], config: SimConfig) -> Split:
+    """Which nodes serve inference (whole nodes, biggest first, until the share is reached), and
+    the GPUs left to train. ValueError, naming the flags, when none are left to train."""
+    asked = max(MIN_INFERENCE_GPUS, round(config.gpus * config.inference_share))
+    names = _pick_inference_nodes(nodes, asked)
+    infer = sum(n.gpus for n in nodes if n.name in names)
+    train = sum(n.gpus for n in nodes if n.name not in names)
+    if train < 1:
+        raise ValueError(
+            f"--gpus {config.gpus} with --inference-share {config.inference_share:g}: the inference cluster "
+            f"takes all {infer} GPUs (whole nodes, at least {MIN_INFERENCE_GPUS}), leaving none to train; "
+            "give more --gpus or a smaller --inference-share")
+    return Split(frozenset(names), infer, train, asked)
 
 
 def _pick_inference_nodes(nodes: list[workload.Node], gpus: int) -> set[str]:

@@ -14,14 +14,20 @@ def build_simulation(trace: Path, nodes_csv: Path, qps: Path, policy: str, confi
     if policy not in policies.POLICIES:
         raise ValueError(f"policy {policy!r} is unknown; use one of {sorted(policies.POLICIES)} or all")
     nodes = workload.load_nodes(nodes_csv, config.gpus, config.seed)
-    infer_gpus = max(8, round(config.gpus * config.inference_share))
-    train_gpus = config.gpus - infer_gpus
-    jobs = workload.load_jobs(trace, config.gpus, train_gpus, config.load, config.seed,
+    split = engine.split_cluster(nodes, config)  # both loads sized for the GPUs each cluster holds
+    jobs = workload.load_jobs(trace, config.gpus, split.train_gpus, config.load, config.seed,
                               config.elastic_range, config.restart_cost, config.work_estimate_error,
                               config.undeclared_share)
     spec = policies.POLICIES[policy]
-    load = inference.InferenceLoad(qps, infer_gpus, config.seed, config.qps_start, board=spec.board)
+    load = inference.InferenceLoad(qps, split.infer_gpus, config.seed, config.qps_start, board=spec.board)
     return engine.Simulation(jobs, nodes, load, spec, config)
+
+
+def split_cluster(nodes_csv: Path, config: engine.SimConfig) -> engine.Split:
+    """The inference/training split build_simulation will use: read the node list, pick the
+    inference nodes. A caller checks the node list and the training load against it before
+    building (huorn simulate)."""
+    return engine.split_cluster(workload.load_nodes(nodes_csv, config.gpus, config.seed), config)
 
 
 def build_simulations(trace: Path, nodes_csv: Path, qps: Path, names: list[str], config: engine.SimConfig

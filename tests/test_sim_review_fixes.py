@@ -1,0 +1,97 @@
+"""The simulator's fixes from the review of 2026-12-06: the cluster split the loads are sized for,
+the GPU-hours a policy loses, the work series goodput is read from, and what bad input is told."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from huorn.cli.main import app
+from huorn.sim import engine, inference, policies, run, shared_data, workload
+
+DATA = shared_data.shared_data_dir()
+TRACE = DATA / "openb_pod_list_default.csv"
+NODES = DATA / "openb_node_list_gpu_node.csv"
+QPS = DATA / "genai_qps.csv"
+pytestmark = pytest.mark.skipif(not TRACE.exists(), reason="shared OpenB trace not present")
+POD_HEADER = "name,num_gpu,gpu_milli,qos,creation_time,deletion_time\n"
+
+
+def _simulate(*args: str, output: Path) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["simulate", "--policy", "fifo", *args, "--output", str(output)])
+    return result.exit_code, result.stderr
+
+
+# ---------------------------------------------------------------- the split the loads are sized for
+
+def test_both_loads_are_sized_for_the_gpus_each_cluster_really_holds() -> None:
+    """At 100 GPUs a 25 % share asks 25 GPUs and whole nodes give inference 32: the inference load
+    was sized for 25 and the training load compressed for 75 GPUs while 68 trained."""
+    config = engine.SimConfig(gpus=100, seed=0)
+    sim = run.build_simulation(TRACE, NODES, QPS, "huorn", config)
+    assert sim.infer_gpus > round(100 * config.inference_share), "the case must overshoot the share"
+    assert sim.load.gpus == sim.infer_gpus
+    assert sim.infer_gpus + sim.train_gpus == 100
+    jobs = workload.load_jobs(TRACE, 100, sim.train_gpus, config.load, config.seed)
+    assert {js.job.name: js.job.arrival for js in sim.jobs} == {
+        j.name: j.arrival for j in jobs if j.name in sim.by_name}
+    # and a load sized for another cluster is refused, not silently run on this one
+    nodes = workload.load_nodes(NODES, 100, 0)
+    wrong = inference.InferenceLoad(QPS, 25, 0)
+    with pytest.raises(ValueError, match="sized for 25 GPUs"):
+        engine.Simulation(jobs, nodes, wrong, policies.POLICIES["huorn"], config)
+
+
+def test_a_share_the_split_overrides_is_noted(tmp_path: Path) -> None:
+    """The 8-GPU least silently overrode --inference-share 0.01 at 16 GPUs (inference 50 %)."""
+    code, err = _simulate("--gpus", "16", "--inference-share", "0.01", output=tmp_path)
+    assert code == 0, err
+    assert "note: --inference-share 0.01 asks 0 of 16 GPUs" in err and "inference gets 8 GPUs (50 %)" in err
+
+
+@pytest.mark.parametrize("args", [("--gpus", "8"), ("--gpus", "16", "--inference-share", "0.99")])
+def test_a_split_that_leaves_nothing_to_train_is_refused_naming_the_flags(tmp_path: Path,
+                                                                         args: tuple[str, ...]) -> None:
+    """It leaked numpy's divide-by-zero warning and advised more GPUs or another seed."""
+    code, err = _simulate(*args, output=tmp_path)
+    assert code == 2
+    assert err.startswith(f"error: --gpus {args[1]} with --inference-share ")
+    assert "leaving none to train" in err
+    assert "RuntimeWarning" not in err
+
+
+def test_a_negative_seed_is_named(tmp_path: Path) -> None:
+    code, err = _simulate("--seed", "-1", output=tmp_path)
+    assert code == 2 and err.startswith("error: --seed must be >= 0, got -1"), err
+
+
+def test_the_node_list_is_read_before_the_load_is_judged(tmp_path: Path) -> None:
+    """--gpus 100000 printed a note on the load before the node list's real error."""
+    code, err = _simulate("--gpus", "100000", output=tmp_path)
+    assert code == 2 and err.startswith(f"error: {NODES}: holds "), err
+
+
+# ---------------------------------------------------------------- trace errors
+
+def test_a_trace_whose_training_pods_sampling_keeps_none_says_so(tmp_path: Path) -> None:
+    pods = tmp_path / "pods.csv"
+    pods.write_text(POD_HEADER + "p1,1,1000,BE,0,100\n")
+    code, err = _simulate("--trace", str(pods), "--gpus", "16", output=tmp_path / "o")
+    assert code == 2
+    assert f"error: {pods}: 1 training pod(s), none kept by sampling at --gpus 16" in err, err
+    assert "use --gpus 1024 or a larger trace" in err
+
+
+def test_repeated_pod_and_node_names_are_refused_with_file_line_and_column(tmp_path: Path) -> None:
+    pods = tmp_path / "pods.csv"
+    pods.write_text(POD_HEADER + "p0,1,1000,LS,0,50\np1,1,1000,BE,0,100\np1,1,1000,BE,10,300\n")
+    with pytest.raises(workload.TraceError) as caught:
+        workload.load_jobs(pods, 1024, 768, 0.8, 0)
+    assert str(caught.value) == f"{pods}:4: column 'name' value 'p1' repeats line 3; names must be unique"
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,gpu\nn0,8\nn1,8\nn0,8\n")
+    with pytest.raises(workload.TraceError) as caught:
+        workload.load_nodes(nodes, 16, 0)
+    assert str(caught.value) == f"{nodes}:4: column 'sn' value 'n0' repeats line 2; names must be unique"
