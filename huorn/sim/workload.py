@@ -130,9 +130,22 @@ def _int(path: Path, line: int, row: dict[str, str], column: str, default: int |
         raise TraceError(f"{path}:{line}: column {column!r} must be a finite number, got {value!r}") from None
 
 
+def _unique(path: Path, rows: list[dict[str, str]], column: str) -> None:
+    """Refuse a name that repeats: the simulator keys jobs and nodes by name, and a repeat ended
+    in an internal error that named no file, line or column."""
+    first: dict[str, int] = {}
+    for i, r in enumerate(rows):
+        name = r[column]
+        if name in first:
+            raise TraceError(f"{path}:{i + 2}: column {column!r} value {name!r} repeats line {first[name]}; "
+                             "names must be unique")
+        first[name] = i + 2
+
+
 def load_nodes(path: Path, gpus: int, seed: int) -> list[Node]:
     """Nodes drawn from the node list until they hold exactly `gpus` GPUs (the last one trimmed)."""
     rows = _rows(path, NODE_COLUMNS)
+    _unique(path, rows, "sn")
     nodes = [Node(r["sn"], _int(path, i + 2, r, "gpu"), r.get("model", "")) for i, r in enumerate(rows)]
     nodes = [n for n in nodes if n.gpus > 0]
     order = np.random.default_rng(seed).permutation(len(nodes))
@@ -178,6 +191,8 @@ def _offered_load(raw: list[tuple[int, int, int, str]], train_gpus: int) -> Call
     Offered load counts each job's GPU-seconds only up to the window's end, since a 20-hour job
     arriving at the end of a 6-hour window does not load that window.
     """
+    if train_gpus < 1:  # a load per training GPU of none is a division by zero (engine.split_cluster)
+        raise ValueError(f"train_gpus must be >= 1, got {train_gpus}")
     arrive = np.array([a for a, _, _, _ in raw], dtype=float)
     arrive -= arrive[0]
     dur = np.array([d for _, d, _, _ in raw], dtype=float)
@@ -222,14 +237,17 @@ def declared_factor(name: str, seed: int, error: float, undeclared_share: float)
 def _training_pods(path: Path, gpus: int, seed: int) -> list[tuple[int, int, int, str]]:
     """(creation time, duration, GPUs, name) of the training pods kept for `gpus` GPUs, by arrival."""
     rows = _rows(path, POD_COLUMNS)
+    _unique(path, rows, "name")
     rng = np.random.default_rng(seed)
     keep = min(1.0, gpus / FULL_TRACE_GPUS)
     raw = []
+    training = 0  # before sampling: a small trace can have some and keep none
     for i, r in enumerate(rows):
         line = i + 2
         n_gpu = _int(path, line, r, "num_gpu")
         if r["qos"] not in ("BE", "Burstable") or n_gpu < 1:
             continue
+        training += 1
         if rng.random() >= keep:
             continue
         created = _int(path, line, r, "creation_time")
@@ -237,8 +255,12 @@ def _training_pods(path: Path, gpus: int, seed: int) -> list[tuple[int, int, int
         if deleted < created:
             raise TraceError(f"{path}:{line}: column 'deletion_time' ({deleted}) is before creation_time")
         raw.append((created, max(1, deleted - created), n_gpu, r["name"]))
-    if not raw:
+    if not training:
         raise TraceError(f"{path}: no training pods (qos BE or Burstable with num_gpu ≥ 1) to simulate")
+    if not raw:
+        raise TraceError(f"{path}: {training} training pod(s), none kept by sampling at --gpus {gpus} "
+                         f"(each kept with probability {gpus}/{FULL_TRACE_GPUS}); use --gpus "
+                         f"{FULL_TRACE_GPUS} or a larger trace")
     raw.sort()
     return raw
 
