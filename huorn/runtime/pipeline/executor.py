@@ -165,7 +165,9 @@ class StageExecutor:
 
         Stage 0 passes a real micro-batch, the last stage a real target; the others build
         zeros of the announced shapes. The same forward measures the saved-activation bytes
-        per micro-batch (loss included on the last stage) for the memory model."""
+        per micro-batch (loss included on the last stage) for the memory model; a stage whose
+        saved bytes depend on the data (MoE routing, which zeros would skew) is measured at its
+        worst case (`memory.measure_microbatch_bytes`)."""
         if self.topology.is_first:
             if first_inputs is None:
                 raise ValueError("negotiate_shapes: stage 0 needs one micro-batch of inputs")

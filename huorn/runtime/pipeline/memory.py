@@ -4,6 +4,9 @@ the tensors autograd actually saves.
 Prediction: a stage holds one set of saved activations per micro-batch whose forward has run
 and whose backward has not, so its peak is `count_in_flight(stage) × bytes per micro-batch`.
 kFkB multiplies the 1F1B in-flight count by k, which is the whole memory cost of a larger k.
+Bytes per micro-batch are measured on one micro-batch; where they depend on the data (MoE
+routing) the measurement takes the worst case (`measure_microbatch_bytes`), because the
+planner holds the prediction against a memory limit.
 
 Measurement: `SavedTensorMeter` hooks autograd's saved-tensor packing, so it counts exactly
 what the backward pass will need (not parameters, not receive buffers), and a weak finalizer
@@ -12,6 +15,7 @@ and GPU, where `torch.cuda.max_memory_allocated` would also count workspace and 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
@@ -100,10 +104,14 @@ def measure_microbatch_bytes(module: nn.Module, inputs: Sequence[torch.Tensor],
     including what `loss` saves on the last stage.
 
     The memory model's per-micro-batch size, measured once per stage rather than derived from
-    the architecture, so it stays right for any stage module the executor is given."""
+    the architecture, so it stays right for any stage module the executor is given. A module
+    whose saved bytes depend on the data (MoE routing) may expose `pipeline_memory_bound()`, a
+    context manager under which one forward saves the most any input of these shapes would
+    (`split.DecoderStage`): the prediction is then an upper bound, which a memory limit needs."""
     meter = SavedTensorMeter(module.parameters())
     prepared = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-    with meter.hooks():
+    bound = getattr(module, "pipeline_memory_bound", None)
+    with bound() if bound is not None else contextlib.nullcontext(), meter.hooks():
         outputs = module(*prepared)
         if loss is not None:
             outputs = loss(outputs if isinstance(outputs, tuple) else (outputs,))

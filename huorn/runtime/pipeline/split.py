@@ -11,6 +11,8 @@ The math stays in huorn.models; this module only decides where to cut."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 
 import torch
@@ -81,6 +83,44 @@ class DecoderStage(nn.Module):
         losses = [b.ffn.aux_loss for b in self.blocks
                   if isinstance(b.ffn, model_moe.MoE) and b.ffn.aux_loss is not None]
         return torch.stack(losses).sum() if losses and self.training else None
+
+    @contextlib.contextmanager
+    def pipeline_memory_bound(self) -> Iterator[None]:
+        """Route every MoE layer's tokens evenly while the memory model measures a micro-batch.
+
+        What an MoE layer saves for backward grows with the assignments its experts keep, which
+        depends on the data: zero hidden states (what a later stage measures before any real
+        activation arrives) send every token to one expert per group, and capacity drops most
+        of them; real data keeps more. A memory limit needs the worst case, and the most a layer
+        can keep is min(N · slots, E · capacity). Even routing reaches it exactly, whatever the
+        data, so the measured bytes bound every micro-batch of the same shape."""
+        handles = [block.ffn.router.register_forward_hook(_even_routing(block.ffn.moe))
+                   for block in self.blocks if isinstance(block.ffn, model_moe.MoE)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _even_routing(moe: model_moe.MoEConfig) -> Callable[[nn.Module, object, torch.Tensor], torch.Tensor]:
+    """A router forward hook that replaces the logits' values (not their graph) with ones that
+    deal the tokens' assignments round-robin over the experts: with prototypes, token i takes
+    local expert i mod E/k of every group; with plain top-k, experts (i·top_k + j) mod E."""
+
+    def hook(module: nn.Module, args: object, logits: torch.Tensor) -> torch.Tensor:
+        tokens, experts = logits.shape
+        row = torch.arange(tokens, device=logits.device)
+        if moe.prototypes > 1:
+            per_group = experts // moe.prototypes
+            offsets = torch.arange(moe.prototypes, device=logits.device) * per_group
+            chosen = (row % per_group).unsqueeze(1) + offsets
+        else:
+            chosen = (row.unsqueeze(1) * moe.top_k + torch.arange(moe.top_k, device=logits.device)) % experts
+        target = torch.zeros_like(logits).scatter_(1, chosen, 10.0)
+        return logits + (target - logits).detach()
+
+    return hook
 
 
 def bounds_from_layers(stage_layers: list[int], layers: int, stages: int) -> list[tuple[int, int]]:
