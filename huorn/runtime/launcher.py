@@ -22,11 +22,14 @@ attempts) and `last_call_timeout` (how long a round waits for latecomers once mi
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -235,6 +238,47 @@ def replica_address(index: int) -> str:
     return f"127.0.0.{index + 2}"
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _find_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up here, in the parent: a forked child about to exec must not load libraries.
+_PRCTL = _find_prctl()
+
+
+def dies_with_parent(death_signal: signal.Signals = signal.SIGTERM) -> Callable[[], None] | None:
+    """A preexec_fn that has the kernel send `death_signal` to the child when this process dies.
+
+    Processes started in sessions of their own get no signal from a terminal and, when their
+    parent was SIGKILLed (an OOM kill, `timeout -s KILL`), none from it either: the rendezvous
+    store served forever and the trainers trained on with nobody to stop them. SIGTERM is what
+    the parent would have sent: trainers checkpoint at an agreed step, an agent stops its workers,
+    the store exits.
+
+    The kernel sends it when the *thread* that forked exits, so it is set only from the main
+    thread (a worker thread's end would stop the child with the run still going); from another
+    thread, and off Linux, this returns None and the child outlives a killed parent as before.
+    A parent that died between the fork and the prctl call is caught by comparing getppid()."""
+    if _PRCTL is None or threading.current_thread() is not threading.main_thread():
+        return None
+    prctl, parent, number = _PRCTL, os.getpid(), int(death_signal)
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, number, 0, 0, 0)
+        if os.getppid() != parent:  # already gone: the signal would never come
+            os._exit(128 + number)
+
+    return preexec
+
+
 def kill_process_tree(pid: int, timeout: float = 10.0) -> list[int]:
     """SIGKILL `pid` and every descendant, children first gathered so none escapes by re-parenting.
     Killing only a torchrun agent leaves its worker running in its own session, still in the
@@ -253,15 +297,16 @@ def kill_process_tree(pid: int, timeout: float = 10.0) -> list[int]:
 
 def start_store(directory: Path, host: str = "127.0.0.1", env: dict[str, str] | None = None,
                 timeout: float = 60.0, port: int = 0) -> tuple[subprocess.Popen, int]:
-    """Start the stand-alone rendezvous store in its own session (on `port`, 0: a free one);
-    returns it and its port."""
+    """Start the stand-alone rendezvous store in its own session (on `port`, 0: a free one),
+    ending with this process (dies_with_parent); returns it and its port."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     port_file = directory / "store.port"
     port_file.unlink(missing_ok=True)
     with open(directory / "store.log", "ab") as log:
         process = subprocess.Popen(build_store_command(host, port, port_file), env=env, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+                                   stderr=subprocess.STDOUT, start_new_session=True,
+                                   preexec_fn=dies_with_parent())
     deadline = time.monotonic() + timeout
     while not port_file.exists():
         if process.poll() is not None or time.monotonic() > deadline:
@@ -274,9 +319,10 @@ def start_store(directory: Path, host: str = "127.0.0.1", env: dict[str, str] | 
 def start_agent(config_path: Path | str, settings: ElasticSettings, replica: str, log_path: Path | str,
                 env: dict[str, str] | None = None, in_place: bool = False) -> subprocess.Popen:
     """Start one replica in its own session, as a pod would be: a torchrun agent, or with
-    `in_place` the trainer itself; stop it with kill_process_tree (hard) or SIGTERM (graceful)."""
+    `in_place` the trainer itself; stop it with kill_process_tree (hard) or SIGTERM (graceful).
+    It gets SIGTERM if this process dies (dies_with_parent)."""
     build = build_in_place_command if in_place else build_agent_command
     with open(log_path, "ab") as log:
         return subprocess.Popen(build(config_path, settings),
                                 env=build_agent_env(replica, env), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=dies_with_parent())

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from huorn.runtime import launcher
+
 
 @dataclass
 class ManagedProcess:
@@ -82,7 +84,10 @@ def start_process(
     name: str, vertex: str, role: str, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path
 ) -> ManagedProcess:
     """Start `argv` in a new session with stdout and stderr appended to `log_path`. The new
-    session keeps a Ctrl-C at the terminal away from it: `huorn run` decides how it stops."""
+    session keeps a Ctrl-C at the terminal away from it: `huorn run` decides how it stops. If
+    this process dies without stopping it (SIGKILL, an OOM kill), the kernel sends it SIGTERM
+    (launcher.dies_with_parent): a store once served on, holding its port, and trainers trained
+    on unsupervised."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
@@ -93,6 +98,7 @@ def start_process(
             env=env,
             cwd=cwd,
             start_new_session=True,
+            preexec_fn=launcher.dies_with_parent(),
         )
     try:  # not reaped before we wait for it, so the pid is still this process's
         root: psutil.Process | None = psutil.Process(popen.pid)
