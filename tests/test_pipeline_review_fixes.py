@@ -76,6 +76,16 @@ def ranks() -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
+def test_a_pipelined_moe_step_reports_the_unpipelined_loss(ranks: list[dict[str, Any]]) -> None:
+    """Decoder.forward's training loss is CE plus the weighted balancing losses of every block;
+    the pipelined step's reported loss must be the same number (it was CE alone: 3.47 vs 4.08)."""
+    want, _ = workers.single_process_reference(MOE, MICROBATCHES)
+    losses = {result["moe"]["loss"] for result in ranks}
+    assert len(losses) == 1  # every rank reports the all-reduced step loss
+    assert losses.pop() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.slow
 def test_moe_stages_activation_peak_never_exceeds_the_prediction(ranks: list[dict[str, Any]]) -> None:
     for result in ranks:
         moe = result["moe"]

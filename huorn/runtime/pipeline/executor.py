@@ -78,6 +78,10 @@ class StepStats:
     grad_link: contention.LinkStats | None  # gradients sent back (this stage to the previous)
     peak_saved_bytes: int
     executed: list[str] = field(default_factory=list)  # the actions run, in order
+    # this stage's MoE balancing losses (weighted, summed over its blocks), mean over the step's
+    # micro-batches: the non-pipelined trainer reports CE plus these, so the step's reported
+    # loss adds every stage's (training._reduce_step); 0.0 on a stage without them
+    aux_loss: float = 0.0
     comm: str = "overlap"  # how messages moved: links in the background, or lockstep exchanges
     graphed: bool = False  # forwards and backwards replayed as CUDA graphs (graphs.py)
     # host seconds in the data-parallel gradient all-reduce: with replicas, a fast replica waits
@@ -304,6 +308,7 @@ class StageExecutor:
         timer = _Timer(self.device)
         stored: dict[int, tuple[list[torch.Tensor], tuple[torch.Tensor, ...], int]] = {}
         losses: list[torch.Tensor] = []
+        aux_losses: list[torch.Tensor] = []
         executed: list[str] = []
         wait_s = 0.0
         for position, action in enumerate(schedule.table[stage]):
@@ -346,6 +351,7 @@ class StageExecutor:
                         aux = _aux_loss(self.module)
                         if aux is not None:
                             outputs = (*outputs, aux)
+                            aux_losses.append(aux.detach())
                 stored[m] = (received, outputs, slot)
                 if self.send_link is not None:
                     payload = self._pack(outputs[: len(self.output_layout.shapes)])  # type: ignore[union-attr]
@@ -405,6 +411,7 @@ class StageExecutor:
         forward_s, backward_s = timer.means()
         return StepStats(
             loss=float(torch.stack(losses).sum()) / count if losses else None,
+            aux_loss=float(torch.stack(aux_losses).sum()) / count if aux_losses else 0.0,
             seconds=time.perf_counter() - started, forward_s=forward_s, backward_s=backward_s,
             recv_wait_s=wait_s + exchange_s, comm="lockstep" if lockstep else "overlap",
             send_link=self.send_link.take_stats() if self.send_link else None,

@@ -213,10 +213,11 @@ def _reduce_step(stats: executor.StepStats, device: torch.device, replicas: int,
                  weight: float | None = None, ledger: comm.StepLedger | None = None) -> tuple[float, float]:
     """The step's loss and the slowest rank's step time, in two one-number all-reduces. A
     last stage's loss is its replica's mean; the step's is the mean over all micro-batches: the
-    replicas' average for equal counts, else each weighted by its share (`weight`). Both count
-    on the rank's telemetry through `ledger`, as every collective does."""
+    replicas' average for equal counts, else each weighted by its share (`weight`). Every stage
+    adds its MoE balancing losses (`StepStats.aux_loss`), as the non-pipelined trainer's loss
+    includes them. Both count on the rank's telemetry through `ledger`, as every collective does."""
     ledger = ledger or comm.StepLedger(None)
-    loss = torch.tensor([stats.loss or 0.0], dtype=torch.float64, device=device)
+    loss = torch.tensor([(stats.loss or 0.0) + stats.aux_loss], dtype=torch.float64, device=device)
     if weight is not None:
         loss *= weight
     seconds = torch.tensor([stats.seconds], dtype=torch.float64, device=device)
