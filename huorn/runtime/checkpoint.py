@@ -15,6 +15,13 @@ peers waited in the save's last tracked barrier, which the hang detector reads a
 outside communication. DCP stores the model and optimizer as a sharded state dict
 keyed by fully qualified names, so a checkpoint written by N ranks loads at any other world
 size; under DDP the replicated tensors are de-duplicated on save.
+
+An evaluator reading a checkpoint pins it (`pinned`): a `.pin-step-N.<token>` file beside it that
+pruning respects. The two sides follow one protocol, so that neither can miss the other: the
+evaluator creates its pin and only then checks the checkpoint is neither gone nor marked for
+pruning; the pruner creates a `.prune-step-N.<token>` mark and only then checks for pins, renaming
+the checkpoint away only when it found none. A pin whose owner stopped refreshing it (a killed
+evaluator) expires, so it never keeps a checkpoint for long.
 """
 
 from __future__ import annotations
@@ -24,8 +31,12 @@ import json
 import os
 import re
 import shutil
+import socket
 import threading
 import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -51,6 +62,11 @@ META = "huorn.json"
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def is_step_name(name: str) -> bool:
+    """A trainer's checkpoint directory's name (step-NNNNNNNN), the only ones pruning removes."""
+    return bool(_NAME.match(name))
 
 
 def is_complete(path: Path) -> bool:
@@ -108,6 +124,13 @@ def remove_stale_temporaries(root: Path, idle_s: float = 0.0) -> list[Path]:
         stale = [p for p in stale if now - _last_write(p) >= idle_s]
     else:  # no save is in flight: old checkpoints a clean-up thread did not finish go too
         stale += [p for p in root.glob(f"{TRASH_PREFIX}*") if p.is_dir()] if root.is_dir() else []
+        # and the marks of a pruner that was killed before it removed them, and expired pins
+        now = time.time()
+        for mark in root.glob(f"{PRUNE_PREFIX}*") if root.is_dir() else []:
+            mark.unlink(missing_ok=True)
+        for pin in root.glob(f"{PIN_PREFIX}*") if root.is_dir() else []:
+            if not _pin_is_live(pin, now):
+                pin.unlink(missing_ok=True)
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale
@@ -139,16 +162,167 @@ def wait_for_clean_up(timeout: float | None = None) -> None:
         thread.join(timeout)
 
 
+# Pins: an evaluator's claim on a checkpoint it reads, which pruning respects.
+PIN_PREFIX = ".pin-"
+PRUNE_PREFIX = ".prune-"  # a pruner's mark: this checkpoint is about to be renamed away
+# A pin not refreshed for this long belongs to an evaluator that died without removing it.
+PIN_TTL_S = 600.0
+PIN_REFRESH_S = 60.0
+# The longest a holder refreshes its pin: a hung evaluator does not keep a checkpoint for ever.
+PIN_HOLD_LIMIT_S = 6 * 3600.0
+
+
+def _pin_is_live(pin: Path, now: float) -> bool:
+    """Fresh, and where its owner ran on this host, owned by a live process. A pin whose content
+    cannot be read yet (being written) counts as live: it is one the moment it exists."""
+    try:
+        if now - pin.stat().st_mtime >= PIN_TTL_S:
+            return False
+    except OSError:  # removed meanwhile
+        return False
+    try:
+        owner = json.loads(pin.read_text())
+        host, pid = str(owner["host"]), int(owner["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    return host != socket.gethostname() or _process_alive(pid)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):  # someone else's, or not a pid we can ask
+        return True
+    return True
+
+
+def live_pins(root: Path, name: str) -> list[Path]:
+    """The live pins on checkpoint `name` under `root`; expired ones found on the way are removed."""
+    now, live = time.time(), []
+    for pin in Path(root).glob(f"{PIN_PREFIX}{name}.*"):
+        if _pin_is_live(pin, now):
+            live.append(pin)
+        else:
+            pin.unlink(missing_ok=True)
+    return live
+
+
+def pin_checkpoint(path: Path) -> Path | None:
+    """Pin the checkpoint at `path`; the pin file, or None when the checkpoint is gone or being
+    pruned (the caller picks another). Raises OSError where the root is not writable (a read-only
+    mount). The pin is created before the checks: a pruner that marked the checkpoint after they
+    passed finds the pin when it looks for pins, which it does after marking."""
+    path = Path(path)
+    pin = path.parent / f"{PIN_PREFIX}{path.name}.{uuid.uuid4().hex}"
+    owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()})
+    try:
+        with open(pin, "x") as handle:
+            handle.write(owner)
+    except OSError:
+        pin.unlink(missing_ok=True)  # a pin half written (a full disk) would hold until it expired
+        raise
+    if any(path.parent.glob(f"{PRUNE_PREFIX}{path.name}.*")) or not is_complete(path):
+        pin.unlink(missing_ok=True)
+        return None
+    return pin
+
+
+def _refresh_pin(pin: Path, stop: threading.Event) -> None:
+    started = time.monotonic()
+    while not stop.wait(PIN_REFRESH_S) and time.monotonic() - started < PIN_HOLD_LIMIT_S:
+        with contextlib.suppress(OSError):
+            os.utime(pin)
+
+
+@dataclass(frozen=True)
+class Held:
+    """What `pinned` holds: `path`, the checkpoint to read; `pin`, None where none could be
+    written (a read-only mount: the reader must cope with the checkpoint vanishing); `requested`,
+    what the caller asked for, which differs from `path` where that was pruned first."""
+
+    path: Path
+    pin: Path | None
+    requested: Path
+
+    @property
+    def fell_back(self) -> bool:
+        return is_step_name(self.requested.name) and self.path != self.requested
+
+
+def _choose(requested: Path) -> Path:
+    """`requested` when complete; for a step directory that is not (pruned before its reader
+    came), the newest complete checkpoint beside it; for a root, its newest."""
+    if is_complete(requested):
+        return requested
+    if _NAME.match(requested.name):
+        newest = find_latest(requested.parent)
+        if newest is None:
+            raise ValueError(f"{requested} is gone or incomplete, and {requested.parent} holds no complete "
+                             f"Huorn checkpoint to evaluate instead")
+        return newest
+    return resolve(requested)
+
+
+@contextlib.contextmanager
+def pinned(requested: Path, attempts: int = 5) -> Iterator[Held]:
+    """The checkpoint at `requested` (a step directory, or a root: its newest), pinned so that no
+    save prunes it while the block runs. A step directory pruned (or being pruned) before the pin
+    is replaced by the newest complete checkpoint beside it, which no pruning touches until
+    newer ones exist. The pin is refreshed every PIN_REFRESH_S while held, and removed after."""
+    requested = Path(requested)
+    path, pin = _choose(requested), None
+    for _ in range(attempts):
+        if not _NAME.match(path.name):
+            break  # not one of the trainer's step directories: nothing prunes it
+        try:
+            pin = pin_checkpoint(path)
+        except OSError:
+            break  # read-only: held without a pin
+        if pin is not None:
+            break
+        path = _choose(path.parent)
+    else:
+        raise ValueError(f"could not pin a checkpoint under {path.parent} in {attempts} attempts: each was "
+                         f"pruned first (saves faster than a pin takes?)")
+    stop = threading.Event()
+    if pin is not None:
+        threading.Thread(target=_refresh_pin, args=(pin, stop), name="checkpoint-pin", daemon=True).start()
+    try:
+        yield Held(path, pin, requested)
+    finally:
+        stop.set()
+        if pin is not None:
+            pin.unlink(missing_ok=True)
+
+
+def _prune(root: Path, path: Path) -> Path | None:
+    """Rename `path` out of the checkpoints' names unless a reader pinned it; the new name, or
+    None when it was spared or gone. The mark goes down before the pins are read: a reader that
+    pins after this read sees the mark and goes elsewhere."""
+    if live_pins(root, path.name):
+        return None
+    mark = root / f"{PRUNE_PREFIX}{path.name}.{uuid.uuid4().hex}"
+    target = root / f"{TRASH_PREFIX}{path.name}"
+    try:
+        mark.touch(exist_ok=False)
+        if live_pins(root, path.name):
+            return None
+        os.rename(path, target)
+        return target
+    except OSError:  # gone already: a peer process of another run, by hand
+        return None
+    finally:
+        mark.unlink(missing_ok=True)
+
+
 def _clean_up_later(root: Path, old: list[Path]) -> None:
     """Move `old` checkpoints out of the checkpoints' names (a rename is instant) and delete them,
     and the leftovers of interrupted saves, in a thread. Renamed first, a checkpoint is never seen
-    half deleted, and one a killed process leaves behind is a temporary the next start removes."""
-    trash = []
-    for path in old:
-        target = root / f"{TRASH_PREFIX}{path.name}"
-        with contextlib.suppress(OSError):  # gone already: a peer process of another run, by hand
-            os.rename(path, target)
-            trash.append(target)
+    half deleted, and one a killed process leaves behind is a temporary the next start removes.
+    A checkpoint an evaluator pinned is kept until a later save finds it unpinned."""
+    trash = [target for target in (_prune(root, path) for path in old) if target is not None]
 
     def remove() -> None:
         for path in trash:

@@ -9,6 +9,10 @@ separately and of the job's mixture. The per-source numbers are what a mixture c
 continual-pre-training run is judged by; the mixture's is comparable with the trainer's own
 `validation_loss` (same batches for the same seed).
 
+While it reads the checkpoint it pins it (checkpoint.pinned), so the trainer's pruning of old
+checkpoints spares it; one pruned before the eval got to it is replaced by the newest, and the
+result names both (`checkpoint`, and `requested`, the one it was handed).
+
 The result goes to `<runDir>/evals/eval-<step>.json` (atomically) and, as one `eval` record, to
 the step log, where `huorn run`'s report and the monitor read it. In a pod, `--result-file
 /dev/termination-log` also writes a compact copy (at most `RESULT_FILE_LIMIT` bytes) where the
@@ -40,6 +44,8 @@ EVAL_EVENT = "eval"
 # The kubelet keeps at most 4096 bytes of a termination message; past that it truncates, which
 # would leave the operator unparseable JSON.
 RESULT_FILE_LIMIT = 4096
+# Reads of an unpinned checkpoint (a read-only mount) that may each find it pruned under them.
+LOAD_ATTEMPTS = 3
 
 
 def evaluate(cfg: run_config.RunConfig, checkpoint_path: Path, batches: int,
@@ -50,10 +56,7 @@ def evaluate(cfg: run_config.RunConfig, checkpoint_path: Path, batches: int,
     spec = cfg.spec
     torch.manual_seed(spec.data.seed)
     model = models.build_model(run_config.build_model_config(spec.model))
-    path = checkpoint.resolve(Path(checkpoint_path))
-    with warnings.catch_warnings():  # one process with no group is the point; DCP warns about it
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        meta = checkpoint.load_checkpoint(path, model, None)
+    path, meta = load_pinned(Path(checkpoint_path), model)
     model.eval()
     sequences = sequences or spec.optimization.micro_batch
     # With mixture auto: the D-CPT plan's weights once made, else every listed source evenly
@@ -65,6 +68,8 @@ def evaluate(cfg: run_config.RunConfig, checkpoint_path: Path, batches: int,
     started = time.perf_counter()
     result: dict = {"step": int(meta.get("step", -1)), "checkpoint": str(path), "batches": batches,
                     "sequences": sequences, "sources": {}}
+    if path != Path(checkpoint_path) and checkpoint.is_step_name(Path(checkpoint_path).name):
+        result["requested"] = str(checkpoint_path)  # pruned before it could be read: a newer one was
     with torch.no_grad():
         result["loss"] = distill.mean_loss(model, mixture, batches, sequences)
         losses = distill.source_losses(model, mixture, batches, sequences)
@@ -72,6 +77,33 @@ def evaluate(cfg: run_config.RunConfig, checkpoint_path: Path, batches: int,
     result["perplexity"] = math.exp(min(result["loss"], 50.0))
     result["seconds"] = time.perf_counter() - started
     return result
+
+
+def load_pinned(requested: Path, model: torch.nn.Module, attempts: int = LOAD_ATTEMPTS) -> tuple[Path, dict]:
+    """Load the checkpoint at `requested` into `model` while it is pinned against pruning; the
+    path read and its metadata. The trainer keeps only its newest few checkpoints, and the one an
+    eval was handed may be pruned before the eval gets to it: the newest one is read instead (and
+    named on stderr). Where no pin can be written (a read-only mount), a checkpoint pruned while
+    it is read is noticed by its absence afterwards, and the newest is read instead."""
+    dcp, _ = checkpoint.dcp_modules()
+    # DCP's CheckpointException (a file gone mid-read, among others) is a BaseException
+    failures = (Exception, dcp.CheckpointException)
+    for attempt in range(attempts):
+        with checkpoint.pinned(requested) as held:
+            if held.fell_back:
+                print(f"evaluate: {requested} was pruned before it could be read; evaluating "
+                      f"{held.path}, the newest", file=sys.stderr)
+            try:
+                with warnings.catch_warnings():  # one process with no group is the point; DCP warns
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    return held.path, checkpoint.load_checkpoint(held.path, model, None)
+            except failures:
+                if held.pin is not None or checkpoint.is_complete(held.path) or attempt == attempts - 1:
+                    raise  # not a checkpoint pruned under an unpinned reader: a real failure
+                print(f"evaluate: {held.path} was pruned while it was read (no pin: the checkpoint "
+                      f"directory is not writable here); reading the newest", file=sys.stderr)
+                requested = held.path
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def write_result(run_dir: Path, result: dict) -> Path:
