@@ -421,14 +421,26 @@ class TrainingJobSpec(JobCommon):
 
 def declared_steps(spec: TrainingJobSpec) -> int:
     """Optimizer steps of the whole run as the spec declares them: `steps`, or `tokens` over the
-    tokens of one step (globalBatch × context), rounded up. The runtime's learning-rate schedule
-    spans exactly these, and the scheduler's JCT terms read them as the job's length (a job
-    declared in tokens once counted as undeclared there)."""
+    tokens of one step at the spec's globalBatch (globalBatch × context), rounded up. The
+    scheduler's JCT terms and the operator's progress read them as the job's length (a job
+    declared in tokens once counted as undeclared there). Under a token budget they are exact
+    only while the global batch is the spec's: the trainer stops on the tokens it trained
+    (token_budget), so a batch grown by `scale-with-replicas` ends it in fewer steps."""
     opt = spec.optimization
     if opt.steps is not None:
         return int(opt.steps)
     assert opt.tokens is not None  # the optimization-steps-or-tokens rule
     return max(1, math.ceil(opt.tokens / (opt.global_batch * spec.model.context)))
+
+
+def token_budget(spec: TrainingJobSpec) -> int | None:
+    """The tokens that end the run when they, not steps, are its budget (`steps` wins when both
+    are set, as in declared_steps); None for a budget in steps. A step's tokens are its global
+    batch × context, and the global batch may change during the run (batchRule
+    scale-with-replicas, an edited globalBatch), so only the tokens trained so far tell how far
+    such a run is."""
+    opt = spec.optimization
+    return int(opt.tokens) if opt.steps is None and opt.tokens is not None else None
 
 
 def is_one_process_per_replica(pipeline_stages: int, gpus: int) -> bool:

@@ -14,6 +14,12 @@ Two rules, chosen by spec.optimization.batchRule:
   function of (seed, s, index).
 - `goodput` is decided by the scheduler, which writes a new globalBatch/learningRate into the
   spec; the trainer treats it as `fixed-global` for the values it is given.
+
+A budget in `tokens` (Budget) ends the run once the tokens trained reach it and schedules the
+learning rate by those tokens, because the global batch, and so a step's tokens, may change
+during the run: with the world under `scale-with-replicas`, and at a restart on an edited
+globalBatch. A step count fixed from the spec's globalBatch trained a gang at W × minReplicas
+replicas W times the budget, and warmed up and decayed W times faster per token.
 """
 
 from __future__ import annotations
@@ -54,9 +60,10 @@ def plan_batch(optimization: training.Optimization, min_replicas: int, world_siz
     return BatchPlan(optimization.global_batch, micro, base_micro_batches, optimization.learning_rate)
 
 
-def learning_rate(step: int, total_steps: int, peak: float, warmup_steps: int,
+def learning_rate(step: float, total_steps: float, peak: float, warmup_steps: int,
                   schedule: training.LrSchedule) -> float:
-    """Linear warm-up to `peak`, then constant, cosine or linear decay to 10% of peak at the end."""
+    """Linear warm-up to `peak`, then constant, cosine or linear decay to 10% of peak at the end.
+    `step` and `total_steps` may be fractional: Budget passes tokens in steps of the spec's batch."""
     if warmup_steps and step < warmup_steps:
         return peak * (step + 1) / warmup_steps
     if schedule == training.LrSchedule.CONSTANT or total_steps <= warmup_steps:
@@ -66,3 +73,47 @@ def learning_rate(step: int, total_steps: int, peak: float, warmup_steps: int,
     if schedule == training.LrSchedule.LINEAR:
         return peak - (peak - floor) * progress
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """When a run ends and where its learning-rate schedule stands, from the steps and the
+    tokens trained so far (both survive checkpoints and resizes; the trainer keeps them with
+    its state).
+
+    In steps: the run ends after `steps` and the schedule counts steps, whatever the batch. In
+    tokens: the run ends at the first step boundary with at least `tokens` trained (so it
+    overshoots by less than one step's tokens), and the schedule counts tokens in units of
+    `step_tokens`, the spec's globalBatch × context. warmupSteps then means that many steps
+    at the spec's globalBatch, and the learning rate at a given token count is the same at
+    any world size (up to the batch rule's peak, lr·sqrt(B(W)/B) under scale-with-replicas)."""
+
+    steps: int | None  # the run ends after this many optimizer steps
+    tokens: int | None  # or once this many tokens are trained (exactly one of the two is set)
+    step_tokens: int  # tokens of one step at the spec's globalBatch: the schedule's unit in tokens
+
+    @classmethod
+    def of(cls, spec: training.TrainingJobSpec, step_limit: int | None = None) -> Budget:
+        """`step_limit` (the run config's stepLimit) overrides the spec's steps or tokens."""
+        tokens = training.token_budget(spec) if step_limit is None else None
+        steps = step_limit if step_limit is not None else (
+            None if tokens is not None else training.declared_steps(spec))
+        return cls(steps, tokens, spec.optimization.global_batch * spec.model.context)
+
+    def reached(self, step: int, tokens: int) -> bool:
+        """Whether a run `step` steps and `tokens` tokens in has trained all it should."""
+        if self.tokens is not None:
+            return tokens >= self.tokens
+        assert self.steps is not None
+        return step >= self.steps
+
+    def learning_rate(self, step: int, tokens: int, peak: float,
+                      optimization: training.Optimization) -> float:
+        """The rate of the step that starts `step` steps and `tokens` tokens in; `peak`: the
+        batch rule's for the gang's size (plan_batch)."""
+        warmup, schedule = optimization.warmup_steps, optimization.schedule
+        if self.tokens is None:
+            assert self.steps is not None
+            return learning_rate(step, self.steps, peak, warmup, schedule)
+        return learning_rate(tokens / self.step_tokens, self.tokens / self.step_tokens, peak, warmup,
+                             schedule)

@@ -38,6 +38,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from torch.nn.parallel import DistributedDataParallel
 
 from huorn import models
+from huorn.api import training
 from huorn.runtime import (
     batching,
     checkpoint,
@@ -140,7 +141,10 @@ class Trainer:
         self.step_links: dict[str, float] = {}  # last step's pipeline link figures (telemetry.record_step)
         self.control_stamp = 0
         self.plan_rejected = False  # the control file's last plan did not fit (share_state)
-        self.total_steps = cfg.total_steps()
+        # steps, or tokens: the global batch (a step's tokens) may change with the world and at a
+        # restart on an edited spec, so a token budget counts the tokens trained (self.tokens)
+        self.budget = batching.Budget.of(self.spec, cfg.step_limit)
+        self.tokens = 0  # tokens trained by this process's state: it travels with the step
         auto = self.spec.data.mixture == "auto"  # DDK sets the weights; every listed source takes part
         weights = [1.0 if auto else s.weight for s in self.spec.data.sources]
         # D-CPT probes before the first step (or a plan an earlier start made); every rank draws
@@ -282,7 +286,7 @@ class Trainer:
                 comm.broadcast_tensor(tensor, source, self.device)
             loop = comm.broadcast_object(
                 {"noise": dataclasses.asdict(self.noise), "control_stamp": self.control_stamp,
-                 "plan_rejected": self.plan_rejected,
+                 "plan_rejected": self.plan_rejected, "tokens": self.tokens,
                  "param_groups": optim_state["param_groups"], "pending_save": self.pending_save,
                  "ddk": self.ddk.state() if self.ddk is not None else None}
                 if self.rank == source else None, self.hook_state, src=source)
@@ -294,6 +298,7 @@ class Trainer:
             self.noise = noise_scale.NoiseScale(**loop["noise"])  # type: ignore[index]
             self.control_stamp = loop["control_stamp"]  # type: ignore[index]
             self.plan_rejected = loop["plan_rejected"]  # type: ignore[index]
+            self.tokens = loop["tokens"]  # type: ignore[index]
             self.restore_mixture(loop["ddk"])  # type: ignore[index]
             step = best
         self.has_state = True
@@ -341,12 +346,14 @@ class Trainer:
             meta = checkpoint.load_checkpoint(Path(latest), self.state_module, self.optimizer,
                                               self.flat_checkpoint)
             self.restore_mixture(meta.get("ddk"))
+            self.tokens = tokens_in(meta, self.spec)
             return int(meta["step"])
         if self.spec.task.init_checkpoint:
             # Continual pre-training starts from another run's weights, with a fresh optimizer
             # and step 0; once this run has its own checkpoint, that one wins on restart.
             source = checkpoint.resolve(Path(self.spec.task.init_checkpoint))
             checkpoint.load_checkpoint(source, self.state_module, None)
+        self.tokens = 0
         return 0
 
     def save(self, step: int, reason: str) -> None:
@@ -354,7 +361,8 @@ class Trainer:
         path = checkpoint.save_checkpoint(
             self.cfg.checkpoint_root, step, self.state_module, self.optimizer,
             {"world_size": self.world, "job": self.cfg.job_name, "seed": self.spec.data.seed,
-             "global_batch": self.plan.global_batch, "model": self.spec.model.to_wire(),
+             "global_batch": self.plan.global_batch, "tokens": self.tokens,
+             "model": self.spec.model.to_wire(),
              **({"ddk": self.ddk.state()} if self.ddk is not None else {})},
             self.rank, lambda: comm.barrier(self.hook_state), keep=self.cfg.keep_checkpoints,
             flat=self.flat_checkpoint)
@@ -485,7 +493,7 @@ class Trainer:
         signal.signal(signal.SIGTERM, self._request_stop)
         self.last_checkpoint_time = time.monotonic()
         failures: tuple[int, int] = (-1, 0)  # (step, failures in a row at it)
-        while step < self.total_steps:
+        while not self.budget.reached(step, self.tokens):
             if self.gang is None:
                 step, code = self.advance(step)
             else:
@@ -502,7 +510,7 @@ class Trainer:
                     step, code = self.recover(error), None
             if code is not None:
                 return code
-        self.log({"event": "done", "step": step})
+        self.log({"event": "done", "step": step, "tokens": self.tokens})
         if self.watch is not None:
             self.watch.stop()
         if self.gang is not None and self.rank == 0:
@@ -521,8 +529,7 @@ class Trainer:
         self.injector.refresh()
         self.telemetry.take_comm_seconds()
         self.injector.before_compute()
-        lr = batching.learning_rate(step, self.total_steps, self.plan.learning_rate,
-                                    self.spec.optimization.warmup_steps, self.spec.optimization.schedule)
+        lr = self.budget.learning_rate(step, self.tokens, self.plan.learning_rate, self.spec.optimization)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         interval_s = self.cfg.checkpoint_interval_s()
@@ -533,9 +540,11 @@ class Trainer:
         loss, noise, extra, flags = self.train_step(step, flags)
         stats_by_name = dict(zip(_STATS[3:], flags, strict=True))
         step += 1
-        self.state_step = step
+        step_tokens = self.plan.global_batch * self.spec.model.context
+        self.state_step, self.tokens = step, self.tokens + step_tokens
+        finished = self.budget.reached(step, self.tokens)
         elapsed = time.perf_counter() - started
-        tokens_per_s = self.plan.global_batch * self.spec.model.context / elapsed
+        tokens_per_s = step_tokens / elapsed
         comm_s = self.telemetry.take_comm_seconds()
         self.injector.after_step(elapsed - comm_s)
         self.telemetry.record_step(step, elapsed, comm_s, loss, tokens_per_s, noise,
@@ -543,6 +552,7 @@ class Trainer:
                                    links=self.step_links, global_batch=self.plan.global_batch,
                                    learning_rate=lr)
         record = {"event": "step", "step": step, "loss": loss, "world_size": self.world, "lr": lr,
+                  "global_batch": self.plan.global_batch, "tokens": self.tokens,
                   "tokens_per_second": tokens_per_s, "step_seconds": elapsed, "comm_seconds": comm_s,
                   "gradient_noise_scale": noise, **extra}
         if self.microbatch_counts is not None:
@@ -564,16 +574,16 @@ class Trainer:
                 return step, 0 if self.gang is None else LEFT_EXIT
             if self.gang is None:
                 return step, RESTART_EXIT
-            if step < self.total_steps:
+            if not finished:
                 return self.regroup(step, "leave"), None
         interval_steps = self.spec.checkpoint.interval_steps
-        if step == self.total_steps or (interval_steps and step % interval_steps == 0) \
+        if finished or (interval_steps and step % interval_steps == 0) \
                 or stats_by_name["checkpoint_due"] > 0:
-            self.pending_save = "final" if step == self.total_steps else "periodic"
-        if self.gang is not None and step < self.total_steps and stats_by_name["joiners"] < 0:
+            self.pending_save = "final" if finished else "periodic"
+        if self.gang is not None and not finished and stats_by_name["joiners"] < 0:
             self.gang, self.store_unreachable = self.gang.reconnected(), False
             return self.regroup(step, "store reconnected"), None
-        if self.gang is not None and step < self.total_steps and stats_by_name["joiners"] > 0:
+        if self.gang is not None and not finished and stats_by_name["joiners"] > 0:
             # The save waits for the new gang: a joiner learns of it with the state
             # (share_state), so every rank of the new gang takes it together.
             return self.regroup(step, "join"), None
@@ -718,6 +728,15 @@ class Trainer:
         self.telemetry.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def tokens_in(meta: dict, spec: training.TrainingJobSpec) -> int:
+    """Tokens trained by a checkpoint's state. One saved before they were recorded counts its
+    steps at the global batch it was saved with: exact unless the batch changed before it."""
+    if meta.get("tokens") is not None:
+        return int(meta["tokens"])
+    batch = int(meta.get("global_batch") or spec.optimization.global_batch)
+    return int(meta["step"]) * batch * spec.model.context
 
 
 def _flatten_optimizer_state(optim_state: dict) -> list[tuple[str, torch.Tensor]]:
