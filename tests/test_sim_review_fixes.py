@@ -21,7 +21,7 @@ POD_HEADER = "name,num_gpu,gpu_milli,qos,creation_time,deletion_time\n"
 
 def _simulate(*args: str, output: Path) -> tuple[int, str]:
     result = CliRunner().invoke(app, ["simulate", "--policy", "fifo", *args, "--output", str(output)])
-    return result.exit_code, result.stderr
+    return result.exit_code, result.stderr + result.stdout
 
 
 # ---------------------------------------------------------------- the split the loads are sized for
@@ -49,6 +49,7 @@ def test_a_share_the_split_overrides_is_noted(tmp_path: Path) -> None:
     code, err = _simulate("--gpus", "16", "--inference-share", "0.01", output=tmp_path)
     assert code == 0, err
     assert "note: --inference-share 0.01 asks 0 of 16 GPUs" in err and "inference gets 8 GPUs (50 %)" in err
+    assert "\ngpu_hours_lost_total " in err  # every cause of GPU-hours lost, not rolled-back work alone
 
 
 @pytest.mark.parametrize("args", [("--gpus", "8"), ("--gpus", "16", "--inference-share", "0.99")])
@@ -95,3 +96,39 @@ def test_repeated_pod_and_node_names_are_refused_with_file_line_and_column(tmp_p
     with pytest.raises(workload.TraceError) as caught:
         workload.load_nodes(nodes, 16, 0)
     assert str(caught.value) == f"{nodes}:4: column 'sn' value 'n0' repeats line 2; names must be unique"
+
+
+# ---------------------------------------------------------------- GPU-hours lost, by cause
+
+def test_a_pause_cut_short_by_another_restart_counts_only_the_time_it_held() -> None:
+    """Restart pauses are GPU-hours without progress; gpu_hours_lost counted only rolled-back
+    work, so Huorn, whose victims checkpoint, always showed 0."""
+    from huorn.sim import state
+
+    fam = workload.FAMILIES["cnn"]
+    job = workload.TrainingJob("j", 0.0, 1, fam, fam.params, fam.noise_scale, 1, 8, 1, 1e9, 3600.0)
+    js = state.JobState(job)
+    js.status = "running"
+    js.configure(2, 1, 64.0, 0.0, restart=True)  # first start: 2 GPUs paused for 40 s
+    js.sync(10.0)
+    js.configure(4, 1, 32.0, 10.0, restart=True)  # cut short after 10 s: 4 GPUs paused for 40 s
+    js.sync(1000.0)
+    assert js.start_gpu_seconds == pytest.approx(2 * 10.0)
+    assert js.restart_gpu_seconds == pytest.approx(4 * fam.restart_seconds)
+    assert js.gpu_seconds == pytest.approx(2 * 10.0 + 4 * 990.0)
+
+
+def test_the_report_counts_restart_pauses_and_reclaim_holds_beside_rolled_back_work() -> None:
+    config = engine.SimConfig(gpus=64, seed=1, load=1.2)
+    results, sims = run.run_policies(TRACE, NODES, QPS, ["kueue", "huorn"], config)
+    for name, r in results.items():
+        parts = ("gpu_hours_lost", "gpu_hours_starting", "gpu_hours_restarting", "gpu_hours_reclaim_held")
+        assert r["gpu_hours_lost_total"] == pytest.approx(sum(r[p] for p in parts))
+        assert r["gpu_hours_starting"] > 0 and r["gpu_hours_restarting"] > 0, name
+        # a pause holds GPUs: no job pauses longer than it holds them
+        assert all(js.start_gpu_seconds + js.restart_gpu_seconds <= js.gpu_seconds + 1e-6
+                   for js in sims[name].jobs)
+    huorn = results["huorn"]
+    assert huorn["preemptions"] > 0 and huorn["gpu_hours_reclaim_held"] > 0
+    assert huorn["gpu_hours_lost_total"] > huorn["gpu_hours_lost"]
+    assert results["kueue"]["gpu_hours_reclaim_held"] == 0  # its victims exit at once

@@ -22,7 +22,8 @@ from huorn.sim import engine, policies, report, run, shared_data, workload
 
 DATA = shared_data.shared_data_dir()
 COLUMNS = ("jct_mean_s", "jct_p50_s", "jct_p99_s", "makespan_s", "goodput_gpu_equiv", "job_goodput_vs_trace",
-           "gpu_utilisation", "inference_slo_attainment", "preemptions", "gpu_hours_lost", "wall_seconds")
+           "gpu_utilisation", "inference_slo_attainment", "preemptions", "gpu_hours_lost_total",
+           "gpu_hours_lost", "wall_seconds")
 
 # σ of log(declared / true length): 10 is already a factor of e^10 at one σ, and past about 100
 # workload.declared_factor's exp() overflows (it draws up to 7 σ).

@@ -64,7 +64,10 @@ class Totals:
     slo_served: float = 0.0
     train_gpu_seconds: float = 0.0
     infer_gpu_seconds: float = 0.0
-    lost_gpu_seconds: float = 0.0
+    lost_gpu_seconds: float = 0.0  # what work rolled back to its last checkpoint had cost
+    # GPUs a reclaim's victim still holds (its checkpoint write and exit) after the signal: they
+    # train nothing and serve nothing until they are back
+    reclaim_held_gpu_seconds: float = 0.0
     preemptions: int = 0
     series: list[tuple[float, int, int, int, int, float]] = field(default_factory=list)
     series_work: list[tuple[float, float]] = field(default_factory=list)  # (t, trace GPU-s done)
@@ -158,6 +161,7 @@ class Simulation:
         lender count as returns to inference."""
         if not gpus_on or until <= self.now:
             return
+        self.totals.reclaim_held_gpu_seconds += len(gpus_on) * (until - self.now)
         for vc in (INFER, TRAIN):
             nodes = [n for n in gpus_on if self.node_vc[n] == vc]
             if not nodes:

@@ -35,6 +35,10 @@ COLOURS = {"fifo": "#888888", "kueue": "#66aa99", "pollux": "#6699cc", "pollux-p
            "pollux-p-1-fair": "#223377", "huorn": "#dd6633"}
 
 
+# The causes gpu_hours_lost_total adds up, bottom to top in the plot's stacked bar
+LOST_PARTS = ("gpu_hours_lost", "gpu_hours_starting", "gpu_hours_restarting", "gpu_hours_reclaim_held")
+
+
 def summarise(sim: engine.Simulation, wall_seconds: float) -> dict:
     jobs = sim.jobs
     jct = np.array([js.finished - js.job.arrival for js in jobs])
@@ -64,7 +68,16 @@ def summarise(sim: engine.Simulation, wall_seconds: float) -> dict:
         "gpu_utilisation": (t.train_gpu_seconds + t.infer_gpu_seconds) / (sim.config.gpus * makespan),
         "inference_slo_attainment": t.slo_served / t.slo_requests if t.slo_requests else 1.0,
         "preemptions": t.preemptions,
+        # GPU-hours that made no progress kept, by cause (docs/scheduling.md, "Metrics"): work
+        # rolled back to a checkpoint (evictions, ungraceful reclaims), restart pauses (first
+        # starts apart from every later one) and a reclaim victim's GPUs held until it has gone.
+        # gpu_hours_lost is the first only; the total is what the table and the plot show.
         "gpu_hours_lost": t.lost_gpu_seconds / 3600,
+        "gpu_hours_starting": sum(js.start_gpu_seconds for js in jobs) / 3600,
+        "gpu_hours_restarting": sum(js.restart_gpu_seconds for js in jobs) / 3600,
+        "gpu_hours_reclaim_held": t.reclaim_held_gpu_seconds / 3600,
+        "gpu_hours_lost_total": (t.lost_gpu_seconds + t.reclaim_held_gpu_seconds
+                                 + sum(js.start_gpu_seconds + js.restart_gpu_seconds for js in jobs)) / 3600,
         "restarts": int(sum(js.restarts for js in jobs)),
         "wall_seconds": wall_seconds,
     }
@@ -133,12 +146,24 @@ def plot_metrics(out_dir: Path, results: dict[str, dict]) -> Path:
     from matplotlib import pyplot as plt
 
     names = sorted(results, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
-    keys = ("jct_mean_s", "jct_p99_s", "goodput_gpu_equiv", "inference_slo_attainment", "gpu_hours_lost")
-    labels = ("mean JCT (s)", "p99 JCT (s)", "goodput (GPU-equiv.)", "inference SLO", "GPU-hours lost")
+    keys = ("jct_mean_s", "jct_p99_s", "goodput_gpu_equiv", "inference_slo_attainment",
+            "gpu_hours_lost_total")
+    labels = ("mean JCT (s)", "p99 JCT (s)", "goodput (GPU-equiv.)", "inference SLO",
+              "GPU-hours lost: rolled back,\nstarting, restarting, reclaim held")
     fig, axes = plt.subplots(1, len(keys), figsize=(19, 3.8))
     for ax, key, label in zip(axes, keys, labels, strict=True):
         values = [results[n][key] for n in names]
-        bars = ax.bar(names, values, color=[COLOURS.get(n, "#444") for n in names])
+        if key == "gpu_hours_lost_total":
+            # stacked by cause, so that no cause hides: rolled-back work alone showed Huorn at 0
+            bottom = np.zeros(len(names))
+            for part, shade in zip(LOST_PARTS, (1.0, 0.35, 0.7, 0.5), strict=True):
+                heights = np.array([results[n][part] for n in names])
+                ax.bar(names, heights, bottom=bottom, color=[COLOURS.get(n, "#444") for n in names],
+                       alpha=shade, edgecolor="black", linewidth=0.3)
+                bottom += heights
+            bars = ax.bar(names, [0.0] * len(names), bottom=bottom)
+        else:
+            bars = ax.bar(names, values, color=[COLOURS.get(n, "#444") for n in names])
         ax.bar_label(bars, labels=[f"{v:.4g}" for v in values], fontsize=7)
         if key == "inference_slo_attainment":
             # The interesting differences are in the third decimal; a 0..1 axis would hide them.

@@ -45,6 +45,11 @@ class JobState:
     model_version: int = 0
     reported: set[tuple[int, int, float]] = field(default_factory=set)
     gpu_seconds: float = 0.0
+    # GPU-seconds held while paused for a restart: the first start's, and every later one's
+    # (resizes, restarts after preemption, a reclaim's shrink). Held, they make no progress.
+    start_gpu_seconds: float = 0.0
+    restart_gpu_seconds: float = 0.0
+    first_pause: bool = False  # the pause until busy_until is the job's first start
     restarts: int = 0
     preemptions: int = 0
     synced: float = 0.0  # progress is accounted up to this time; it is linear in between
@@ -87,6 +92,7 @@ class JobState:
         self.config_since = now
         if restart:
             self.busy_until = now + pause
+            self.first_pause = self.restarts == 0
             self.restarts += 1
         self.refresh_rate()
 
@@ -109,6 +115,12 @@ class JobState:
             start = max(self.synced, self.busy_until)
             if t > start:
                 self.done = min(self.job.work, self.done + self.rate * (t - start))
+            if start > self.synced:  # paused from synced until min(t, busy_until)
+                paused = self.gpus * (min(t, start) - self.synced)
+                if self.first_pause:
+                    self.start_gpu_seconds += paused
+                else:
+                    self.restart_gpu_seconds += paused
             if t - self.last_checkpoint >= CHECKPOINT_EVERY:
                 self.done_at_checkpoint, self.last_checkpoint = self.done, t
         self.synced = max(self.synced, t)
@@ -134,7 +146,8 @@ class JobState:
         return True
 
     def lose_since_checkpoint(self) -> float:
-        """Roll back to the last checkpoint; returns the GPU-seconds that work had cost."""
+        """Roll back to the last checkpoint; returns the GPU-seconds that work had cost (at the
+        current rate and size: the progress time rolled back, not the pauses, counted apart)."""
         lost = self.done - self.done_at_checkpoint
         self.done = self.done_at_checkpoint
         return lost / self.rate * self.gpus if self.rate > 0 else 0.0
