@@ -14,10 +14,13 @@ from typing import Any
 import pipeline_workers as workers
 import pytest
 import torch
+from remediation_support import Seen
+from test_remediation_s2_units import build_graph
 
 from huorn import models
 from huorn.runtime.pipeline import executor, launch, memory, schedules, split, training
 from huorn.runtime.pipeline import topology as pp_topology
+from huorn.scheduler import pipeline_k
 
 STAGES, MICROBATCHES = 3, 8
 # zero hidden states route every token to expert 0 of each group: the measurement on them kept
@@ -91,3 +94,21 @@ def test_moe_stages_activation_peak_never_exceeds_the_prediction(ranks: list[dic
         moe = result["moe"]
         assert moe["peak"] <= moe["predicted"], (
             f"stage {moe['stage']}: measured {moe['peak']} B > predicted {moe['predicted']} B")
+
+
+def k_decision(step: int, previous: int, k: int) -> dict[str, Any]:
+    return {"step": step, "k": k, "previous_k": previous, "changed": k != previous, "reason": "numbers"}
+
+
+def test_a_decision_that_keeps_the_starting_k_records_nothing() -> None:
+    """With adaptiveK unset the job runs its starting k = 1: a first "keep k=1" is no change
+    (it was logged as a set-param 'k=1 -> k=1'), a later k the policy had not seen is."""
+    graph, policy = build_graph(), pipeline_k.KDecisionPolicy()
+    kept = {"event": "step", "step": 5, "k_decision": k_decision(5, 1, 1)}
+    assert policy.decide(graph, Seen(steps=[kept])) == []
+    telemetry = {"x": {"rank": 0, "parameters": {"pipeline": {"decision": k_decision(5, 1, 1)}}}}
+    assert policy.decide(graph, Seen(telemetry=telemetry)) == []
+    # a monitor that missed the switch itself still records the k in force
+    missed = {"event": "step", "step": 10, "k_decision": k_decision(10, 2, 2)}
+    events = policy.decide(graph, Seen(steps=[missed]))
+    assert [e.data["value"] for e in events] == [2]

@@ -3,9 +3,10 @@
 The k of a `schedule: auto` pipeline is chosen inside the gang (rank 0 runs the planner every
 few steps and broadcasts k; docs/pipeline.md says why the choice stays in the runtime), and the
 trainer publishes each choice with its reason in its step log (`k_decision`) and under
-`/telemetry` -> `parameters.pipeline`. This policy turns a new k into a set-param of the trainer
-vertex's `adaptiveK` with the planner's reason, so status and Events show when and why k
-changed. It records, it never commands: the key is not the spec's `k` (which must stay 1 with
+`/telemetry` -> `parameters.pipeline`. This policy turns a new k (one other than `adaptiveK`, or
+than the starting k = 1 while `adaptiveK` is unset) into a set-param of the trainer vertex's
+`adaptiveK` with the planner's reason, so status and Events show when and why k changed, and
+only then. It records, it never commands: the key is not the spec's `k` (which must stay 1 with
 schedule auto), so a restart keeps `auto`.
 """
 
@@ -16,6 +17,9 @@ from typing import Any, Protocol
 from huorn.graph import managers, model
 
 PARAM = "adaptiveK"
+# the k a `schedule: auto` job starts at (huorn.runtime.pipeline.job), which an unset adaptiveK
+# stands for: a first decision that keeps it is no change to record
+START_K = 1
 
 
 class StepObservation(Protocol):
@@ -34,7 +38,7 @@ class KDecisionPolicy:
         decisions += [(s.get("parameters") or {}).get("pipeline", {}).get("decision")
                       for s in observation.telemetry.values() if s.get("rank") == 0]
         latest = max((d for d in decisions if d), key=lambda d: d["step"], default=None)
-        if latest is None or trainer.params.get(PARAM) == latest["k"]:
+        if latest is None or trainer.params.get(PARAM, START_K) == latest["k"]:
             return []
         reason = (f"adaptive k at step {latest['step']}: k={latest['previous_k']} -> "
                   f"k={latest['k']}: {latest['reason']}")
