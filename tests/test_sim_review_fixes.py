@@ -3,6 +3,7 @@ the GPU-hours a policy loses, the work series goodput is read from, and what bad
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,19 @@ def test_the_report_counts_restart_pauses_and_reclaim_holds_beside_rolled_back_w
     assert huorn["preemptions"] > 0 and huorn["gpu_hours_reclaim_held"] > 0
     assert huorn["gpu_hours_lost_total"] > huorn["gpu_hours_lost"]
     assert results["kueue"]["gpu_hours_reclaim_held"] == 0  # its victims exit at once
+
+
+# ---------------------------------------------------------------- the work series goodput reads
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fifos_work_series_never_falls_and_ends_at_the_whole_trace(seed: int) -> None:
+    """A job ending exactly on a tick was counted twice in that tick's sample (done, and still
+    live), so FIFO's work series rose and fell back (128 GPUs, seed 1, t = 41,520 s); and no
+    sample came after the last tick. FIFO never loses work, so its series can only rise."""
+    sim = run.build_simulation(TRACE, NODES, QPS, "fifo", engine.SimConfig(gpus=128, seed=seed))
+    sim.run()
+    work = [w for _, w in sim.totals.series_work]
+    assert all(b >= a - 1e-6 for a, b in itertools.pairwise(work))
+    assert any(js.finished % sim.config.tick_seconds == 0 for js in sim.jobs), "a job must end on a tick"
+    total = sum(js.job.requested_gpus * js.job.duration for js in sim.jobs)
+    assert sim.totals.series_work[-1] == (max(js.finished for js in sim.jobs), pytest.approx(total))

@@ -237,7 +237,9 @@ class Simulation:
                 self.totals.series.append((t, sum(js.gpus for js in running), self.snap.lent(INFER),
                                            self.load.need_at(t), self.infer_available(),
                                            sum(js.rate > 0 for js in running)))
-                live_work = sum(js.reference_gpu_seconds for js in self.live if js.done > 0)
+                # a job that ended at t is in finished_work already, and still in self.live
+                live_work = sum(js.reference_gpu_seconds for js in self.live
+                                if js.done > 0 and js.status != "done")
                 self.totals.series_work.append((t, self.totals.finished_work + live_work))
                 if progress is not None:
                     progress(finished / total)
@@ -246,6 +248,10 @@ class Simulation:
             self.live = [js for js in self.live if js.status != "done"]
             running = [js for js in self.live if js.status == "running"]
             self._running_gpus = sum(js.gpus for js in running)
+        # the last job ends after the last tick: without this sample the series stopped short of
+        # the trace's whole work, and goodput over a window past the last tick missed the rest
+        if not self.totals.series_work or self.totals.series_work[-1][0] < self.now:
+            self.totals.series_work.append((self.now, self.totals.finished_work))
         return self.jobs
 
     def _account(self, t0: float, t1: float, running: list[state.JobState]) -> None:
