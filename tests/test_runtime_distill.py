@@ -186,6 +186,16 @@ def test_a_distilled_run_moves_its_mix_toward_its_gaps_and_resumes_with_the_same
     assert all(r > 1.0 for r in ddk[0]["ratios"])
     assert ddk[1]["teacher_losses"] == ddk[0]["teacher_losses"]
     assert ddk[0]["sources"] == ["general", "code", "math"]
+    # measured on the held-out part that steers, never on the windows the evaluation reports
+    cfg = run_config.load_run_config(config)
+    mixture = sampler.build_mixture([(s.name, s.weight, s.path) for s in cfg.spec.data.sources],
+                                    cfg.spec.data.seed, cfg.spec.model.context, cfg.data_dir)
+    fixed = distill.load_teacher(str(teacher), cfg.spec.model, torch.device("cpu")).model
+    sequences = cfg.spec.optimization.micro_batch
+    steering = distill.source_losses(fixed, mixture, cfg.validation_batches, sequences, part="steer")
+    evaluation = distill.source_losses(fixed, mixture, cfg.validation_batches, sequences)
+    assert ddk[0]["teacher_losses"] == pytest.approx(steering, rel=1e-4)
+    assert ddk[0]["teacher_losses"] != pytest.approx(evaluation, rel=1e-4)
     steps = harness.steps_of(events)
     assert steps[-1]["loss"] < steps[0]["loss"]
 

@@ -429,9 +429,9 @@ class Trainer:
             batches, sequences = self.cfg.validation_batches, self.plan.micro_batch
             if self.teacher_losses is None:
                 self.teacher_losses = distill.source_losses(self.teacher, self.validation_mixture, batches,
-                                                            sequences, self.device)
+                                                            sequences, self.device, part="steer")
             student = distill.source_losses(self.model, self.validation_mixture, batches, sequences,
-                                            self.device)
+                                            self.device, part="steer")
             measured = {"student_losses": student, "teacher_losses": self.teacher_losses,
                         "ratios": [s / t for s, t in zip(student, self.teacher_losses, strict=True)]}
         measured = comm.broadcast_object(measured, self.hook_state)
