@@ -149,3 +149,69 @@ def test_fifos_work_series_never_falls_and_ends_at_the_whole_trace(seed: int) ->
     assert any(js.finished % sim.config.tick_seconds == 0 for js in sim.jobs), "a job must end on a tick"
     total = sum(js.job.requested_gpus * js.job.duration for js in sim.jobs)
     assert sim.totals.series_work[-1] == (max(js.finished for js in sim.jobs), pytest.approx(total))
+
+
+# ---------------------------------------------------------------- a reclaim's victim
+
+def _run_until_a_split_borrower(sim: engine.Simulation) -> None:
+    """Run until a job has replicas on both clusters (a reclaim can shrink it)."""
+
+    class Split(Exception):
+        pass
+
+    def stop(_: float) -> None:
+        if any(js.status == "running" and 0 < js.on_lender < js.replicas for js in sim.active()):
+            raise Split
+
+    with pytest.raises(Split):
+        sim.run(stop)
+
+
+def test_a_reclaims_shrink_keeps_the_global_batch_at_least_the_base_batch(monkeypatch) -> None:
+    """The staying replicas kept their local batch, so the global batch fell below the base batch
+    (statistical efficiency above 1, which flatters) until the next cycle picked it again."""
+    from huorn.scheduler import loaning
+
+    sim = run.build_simulation(TRACE, NODES, QPS, "huorn", engine.SimConfig(gpus=64, seed=1, load=1.2))
+    _run_until_a_split_borrower(sim)
+    js = next(js for js in sim.active() if js.status == "running" and 0 < js.on_lender < js.replicas)
+    base = js.job.family.base_batch
+    js.local_batch = max(1.0, base / js.replicas)  # the allocator's default: the base batch in all
+    gpus = js.on_lender * js.job.family.gpus_per_replica
+    shrink = loaning.Reclaim(js.job.name, "shrink", js.on_lender, gpus, sim.now, sim.now + 30, True, 0.0, "t")
+    monkeypatch.setattr(loaning, "plan_reclaim", lambda *_: [shrink])
+    policies._huorn_reclaim(sim, 1, "test")
+    assert js.status == "running" and js.on_lender == 0
+    assert js.replicas * js.local_batch >= base - 1e-9
+
+
+def test_a_victims_returned_gpus_are_offered_to_pending_jobs_when_they_come_back(monkeypatch) -> None:
+    """The engine freed a victim's held GPUs without marking the schedule as needing a run: they
+    idled until something else changed (Huorn runs its full cycle every fifth tick)."""
+    sim = run.build_simulation(TRACE, NODES, QPS, "huorn", engine.SimConfig(gpus=64, seed=1, load=1.2))
+    returned: list[float] = []  # when a victim's GPUs came back while jobs were pending
+    offered: set[float] = set()  # when the policy was asked to place pending jobs
+    forget, schedule, admit = sim.snap.forget, policies.schedule, policies.admit
+
+    def pending() -> bool:
+        return any(js.status == "pending" for js in sim.active())
+
+    def record_forget(name: str) -> None:
+        if name.startswith("returning:") and pending():
+            returned.append(sim.now)
+        forget(name)
+
+    def record(call):  # type: ignore[no-untyped-def]
+        def wrapped(s: engine.Simulation) -> None:
+            if pending():
+                offered.add(s.now)
+            call(s)
+        return wrapped
+
+    monkeypatch.setattr(sim.snap, "forget", record_forget)
+    monkeypatch.setattr(policies, "schedule", record(schedule))
+    monkeypatch.setattr(policies, "admit", record(admit))
+    sim.run()
+    assert len(returned) >= 3
+    late = [t for t in returned if t not in offered]
+    assert not late, f"{len(late)} of {len(returned)} returns left pending jobs waiting, e.g. at {late[:3]}"

@@ -212,9 +212,10 @@ class Simulation:
                     self.allocator.forget_job(js.job.name)
                     finished, dirty, event = finished + 1, True, True
             for rt, _, held in self.returns:
-                if rt <= t:
+                if rt <= t:  # a victim has gone: its GPUs are free, as after a completion
                     self.snap.forget(held)
                     self.snap.commit()
+                    dirty, event = True, True
             self.returns = [r for r in self.returns if r[0] > t]
             if t >= next_bin:
                 next_bin = self.load.next_bin_time(t)

@@ -159,7 +159,11 @@ def _huorn_reclaim(sim: Simulation, excess: int, why: str) -> None:
         if r.action == "shrink":
             # The replicas on the lender go and the others stay where they run (in place where
             # the runtime resizes so), as the operator's shrink deletes only the lender's pods.
-            sim.bind(js, placement.Placement(staying), keep, js.local_batch, restart=True)
+            # The staying replicas' local batch rises where the old one would take the global
+            # batch below the base batch (which no policy's allocator chooses); the next cycle
+            # picks the batch again. It had kept the old one, below the base until then.
+            local = max(js.local_batch, js.job.family.base_batch / keep)
+            sim.bind(js, placement.Placement(staying), keep, local, restart=True)
             js.last_resize, js.last_direction = sim.now, -1
 
 
