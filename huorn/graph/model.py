@@ -77,9 +77,10 @@ class Vertex:
     instances: list[Instance] = field(default_factory=list)
     # An on-demand vertex waits inactive until an edge fires or a branch chooses it.
     active: bool = True
-    # Ordinal → the last generation a shrink removed. A replica added again on that ordinal takes
-    # the next generation, so its name is new: the old one's pod may still be checkpointing, and
-    # must never be taken for the new replica's (its exit read as the new one failing).
+    # Ordinal → the last generation removed there (a shrink, a park, a branch not taken). A
+    # replica added again on that ordinal takes the next generation, so its name is new: the old
+    # one's pod may still be checkpointing (or an eval's still be reporting), and must never be
+    # taken for the new replica's (its exit read as the new one failing).
     retired: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -161,5 +162,15 @@ class Graph:
         return [i.name for v in self.vertices.values() if v.active for i in v.instances]
 
 
-def build_instances(vertex: str, count: int) -> list[Instance]:
-    return [Instance(vertex, ordinal) for ordinal in range(count)]
+def build_instances(vertex: str, count: int, retired: dict[int, int] | None = None) -> list[Instance]:
+    """Ordinals 0..count-1, each at the generation after the one `retired` records for it (which
+    gives those entries up: the new instances are what a later retirement records)."""
+    retired = {} if retired is None else retired
+    return [Instance(vertex, ordinal, retired.pop(ordinal, -1) + 1) for ordinal in range(count)]
+
+
+def retire_instances(vertex: Vertex) -> None:
+    """Drop every instance of `vertex`, recording each name as used (Vertex.retired)."""
+    for i in vertex.instances:
+        vertex.retired[i.ordinal] = max(vertex.retired.get(i.ordinal, -1), i.generation)
+    vertex.instances = []

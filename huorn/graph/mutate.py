@@ -11,7 +11,16 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from huorn.graph.model import Edge, ExecutionMode, Graph, Instance, Mutation, Vertex, build_instances
+from huorn.graph.model import (
+    Edge,
+    ExecutionMode,
+    Graph,
+    Instance,
+    Mutation,
+    Vertex,
+    build_instances,
+    retire_instances,
+)
 
 
 def note(graph: Graph, target: str, reason: str, detail: dict[str, Any] | None = None) -> Mutation:
@@ -160,7 +169,7 @@ def insert_vertices(graph: Graph, vertices: list[Vertex], edges: list[Edge], *, 
                 )
     for v in vertices:
         if not v.instances and v.active:
-            v.instances = build_instances(v.name, v.min_replicas)
+            v.instances = build_instances(v.name, v.min_replicas, v.retired)
         graph.vertices[v.name] = v
     graph.edges.extend(edges)
     detail = {"vertices": [v.name for v in vertices], "edges": [e.key for e in edges]}
@@ -174,9 +183,9 @@ def set_active(graph: Graph, vertex: str, active: bool, *, reason: str) -> Mutat
         return None
     v.active = active
     if active and not v.instances:
-        v.instances = build_instances(v.name, max(v.min_replicas, 1))
+        v.instances = build_instances(v.name, max(v.min_replicas, 1), v.retired)
     if not active:
-        v.instances = []
+        retire_instances(v)  # the next activation's instances get new names (eval-0-g1, ...)
     return _record(graph, "activate" if active else "deactivate", vertex, reason, {})
 
 
@@ -212,7 +221,7 @@ def resume(graph: Graph, vertices: list[str], *, reason: str) -> Mutation | None
     for v in parked:
         v.active = True
         if not v.instances:
-            v.instances = build_instances(v.name, max(v.min_replicas, 1))
+            v.instances = build_instances(v.name, max(v.min_replicas, 1), v.retired)
     detail = {"vertices": [v.name for v in parked], "replicas": {v.name: v.replicas for v in parked}}
     return _record(graph, "resume", ",".join(vertices), reason, detail)
 
@@ -235,9 +244,9 @@ def choose_branch(graph: Graph, branch: str, option: str, *, reason: str) -> Mut
             v = graph.vertex(vertex)
             v.active = name == option
             if v.active and not v.instances:
-                v.instances = build_instances(vertex, max(v.min_replicas, 1))
+                v.instances = build_instances(vertex, max(v.min_replicas, 1), v.retired)
             if not v.active:
-                v.instances = []
+                retire_instances(v)
     return _record(graph, "choose", branch, reason, {"option": option})
 
 
