@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from huorn import graph
-from huorn.graph import desired, model, mutate
+from huorn.graph import desired, managers, model, mutate
 
 
 def build_training(name: str = "demo", lo: int = 1, hi: int = 2, **extra: object) -> dict:
@@ -122,6 +122,23 @@ def test_waiting_vertex_has_no_desired_resources_until_activated() -> None:
     assert not [r for r in desired.build_desired(g) if r.vertex == "eval"]
     mutate.set_active(g, "eval", True, reason="checkpoint landed")
     assert [r.name for r in desired.build_desired(g) if r.vertex == "eval"] == ["demo-eval-0"]
+
+
+def test_an_eval_handed_a_checkpoint_reads_the_trainers_volume_and_has_none_of_its_own() -> None:
+    """The checkpoint an edge hands the eval is a `checkpoint` parameter too; taken for a
+    checkpoint spec, it made a volume `<job>-eval-checkpoints` that nothing wrote into (review:
+    `huorn run` logged "created volume quickstart-eval-checkpoints", and left it empty)."""
+    g = graph.compile(build_training(metadata={"annotations": {"huorn.io/eval": "true"}}))
+    handed = {"vertex": "trainer", "step": 25, "path": "/ckpt/step-00000025"}
+    edge = managers.Event(managers.EDGE_FIRED, "trainer->eval:checkpoint", handed)
+    managers.build_default_managers().dispatch(g, edge)
+    assert g.vertex("eval").params["checkpoint"] == handed and g.vertex("eval").active
+    wanted = desired.build_desired(g)
+    assert [r.name for r in wanted if r.kind == "volume"] == ["demo-trainer-checkpoints"]
+    ev = next(r for r in wanted if r.kind == "instance" and r.vertex == "eval")
+    assert ev.depends_on == ("demo-trainer-checkpoints",)
+    assert desired.writes_checkpoints(g.vertex("trainer"))
+    assert not desired.writes_checkpoints(g.vertex("eval"))
 
 
 def test_producers_are_created_before_consumers_whatever_their_names() -> None:

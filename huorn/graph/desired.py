@@ -52,9 +52,18 @@ def _serves_network(graph: Graph, vertex: str) -> bool:
     return any(e.transport == Transport.NETWORK for e in graph.edges_from(vertex))
 
 
+def writes_checkpoints(v: Vertex) -> bool:
+    """Whether the vertex checkpoints itself: its `checkpoint` parameter is a checkpoint spec
+    (path, interval, ...). A checkpoint edge's consumer (the eval) has a `checkpoint` parameter
+    too, the checkpoint it was handed, which names its step; that one it reads from the producer's
+    volume, and taken for a spec it got a volume of its own that nothing ever wrote into."""
+    own = v.params.get("checkpoint")
+    return isinstance(own, dict) and "step" not in own
+
+
 def _volumes_of(graph: Graph, v: Vertex) -> list[str]:
     names = []
-    if "checkpoint" in v.params:
+    if writes_checkpoints(v):
         names.append(volume_name(graph, v.name, "checkpoints"))
     for e in graph.edges_to(v.name):
         if e.transport == Transport.CHECKPOINT_FILE:
