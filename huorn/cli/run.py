@@ -317,11 +317,31 @@ def _drive(
                 "finished" if result.observation.finished else f"stalled (no step for {stall_timeout:.0f} s)"
             )
     except KeyboardInterrupt:
-        outcome = "interrupted (checkpointed and stopped)"
+        outcome = "interrupted"
     except local_backend.LocalBackendError as error:
         typer.echo(f"error: {error}", err=True)
     finally:
         with shielded():  # a second Ctrl-C must not cut the checkpoint short
             backend.stop(graceful=not outcome.startswith("finished"))
             view.update_final(backend.observe())
-    return outcome
+    return stop_outcome(backend.run_dir) if outcome == "interrupted" else outcome
+
+
+def stop_outcome(run_dir: Path) -> str:
+    """How an interrupted run ended, as its step log tells it once everything has stopped. It
+    said "checkpointed" on faith: a stop checkpoint that a slow step pushed past a grace period
+    was SIGKILLed unwritten, and the steps since the last checkpoint were lost without a word."""
+    last = saved = None
+    for record in report.read_records(run_dir):
+        if record.get("event") == "step":
+            last = int(record["step"])
+        elif record.get("event") == "checkpoint":
+            saved = max(int(record["step"]), saved or 0)
+    if last is None:
+        return "interrupted (stopped before the first step)"
+    if saved is not None and saved >= last:
+        return "interrupted (checkpointed and stopped)"
+    first_lost = 1 if saved is None else saved + 1
+    kept = "no checkpoint was written" if saved is None else f"the last checkpoint is step {saved}"
+    lost = f"step {last} is" if first_lost == last else f"steps {first_lost}-{last} are"
+    return f"interrupted (stopped without a stop checkpoint: {kept}, so {lost} lost)"

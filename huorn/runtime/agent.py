@@ -56,7 +56,9 @@ def _fork_is_clean() -> bool:
 
 
 def _count_leaves_as_membership_changes() -> None:
-    """Make the agents that elastic_launch builds refund the restart a peer's leave costs.
+    """Make the agents that elastic_launch builds refund the restart a peer's leave costs, and
+    give workers the whole shutdown timeout (`--shutdown-timeout`, else
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s) whichever way they are stopped.
 
     A replica that leaves gracefully (its pod deleted to shrink the gang) checkpoints with the
     others, which then exit RESTART_EXIT to re-rendezvous without it. To torch's agent that exit is
@@ -72,6 +74,13 @@ def _count_leaves_as_membership_changes() -> None:
     from huorn.runtime import train
 
     class MembershipAwareAgent(LocalElasticAgent):
+        def _stop_workers(self, worker_group: WorkerGroup) -> None:
+            # torch's own calls _shutdown() with its default of 30 s, whatever --shutdown-timeout
+            # says: a join (restart mode) SIGKILLed workers whose stop step and checkpoint took
+            # longer, and the gang resumed from an older checkpoint. The stop a signal starts
+            # already honours it; every stop now does.
+            self._shutdown(timeout=self._shutdown_timeout)
+
         def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
             result = super()._monitor_workers(worker_group)
             failures = result.failures.values() if result.state == WorkerState.FAILED else ()

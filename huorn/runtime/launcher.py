@@ -54,6 +54,10 @@ class ElasticSettings:
     keep_alive_max_attempt: int = 3
     read_timeout: int = 60
     max_restarts: int = 100
+    # seconds an agent gives its workers to stop (their agreed stop step and checkpoint) before
+    # it SIGKILLs them, on a join as on its own SIGTERM; None: torch's, TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+    # or 30 s. Set it below whatever grace the agent itself is given (a pod's, the local backend's).
+    shutdown_timeout: int | None = None
     # workers fork from the agent's warm interpreter (huorn.runtime.agent); False: torchrun's own
     # agent, which starts each worker as a fresh interpreter (the benchmarks' baseline)
     fork_workers: bool = True
@@ -64,6 +68,8 @@ class ElasticSettings:
             raise ValueError(f"min_nodes ({self.min_nodes}) must be >= 1 and <= max_nodes ({self.max_nodes})")
         if self.nproc_per_node < 1:
             raise ValueError(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if self.shutdown_timeout is not None and self.shutdown_timeout < 1:
+            raise ValueError(f"shutdown_timeout must be >= 1 second, got {self.shutdown_timeout}")
         if ":" not in self.rdzv_endpoint:
             raise ValueError(f"rdzv_endpoint {self.rdzv_endpoint!r} must be HOST:PORT of the rendezvous "
                              "store")
@@ -105,6 +111,8 @@ def build_agent_command(config_path: Path | str, settings: ElasticSettings,
     ]
     if settings.local_addr:
         command.append(f"--local-addr={settings.local_addr}")
+    if settings.shutdown_timeout is not None:
+        command.append(f"--shutdown-timeout={settings.shutdown_timeout}")
     return [*command, "-m", "huorn.runtime.train", "--config", str(config_path)]
 
 

@@ -237,7 +237,9 @@ class LocalBackend:
             self.store_endpoint,
             self.job,
             address,
-            self.settings.tuning,
+            # the agent stops its workers within this backend's grace, not torch's 30 s
+            {"shutdown_timeout": commands.agent_shutdown_timeout(self.settings.stop_grace_s),
+             **self.settings.tuning},
             self.settings.python,
         )
         instance = resource.name.removeprefix(f"{self.job}-")

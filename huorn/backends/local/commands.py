@@ -29,6 +29,18 @@ STORE_PORT_FILE = "store.port"
 MICROBATCHES_FILE = "microbatches.json"  # huorn.runtime.microbatches.CONTROL_FILE: S2 counts
 
 
+# What an agent keeps of the backend's stop grace for itself: once its workers are gone it still
+# has to exit before the backend SIGKILLs its tree.
+AGENT_STOP_MARGIN_S = 10.0
+
+
+def agent_shutdown_timeout(stop_grace_s: float) -> int:
+    """Seconds a torchrun agent gives its workers to stop (torch's own default is 30 s, which cut
+    a slow step's agreed checkpoint short while the backend would have waited `stop_grace_s`):
+    the backend's grace less a margin (at most a quarter of it) for the agent's own exit."""
+    return max(1, int(stop_grace_s - min(AGENT_STOP_MARGIN_S, stop_grace_s / 4)))
+
+
 def replica_address(ordinal: int) -> str:
     """Each replica looks like its own host to the rendezvous, as pods do."""
     return launcher.replica_address(ordinal % 250)
