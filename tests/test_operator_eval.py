@@ -169,11 +169,11 @@ def test_checkpoints_run_one_eval_pod_at_a_time_and_results_reach_status(
 
         # The trainers' final checkpoint (step 100, which the monitor never saw: they exited right
         # after saving it) is evaluated before the job is done, from the checkpoint root.
-        wait_for(lambda: eval_pods(kube, "llm") == ["llm-eval-0-s100"], what="the final eval")
-        final = kube.core.read_namespaced_pod("llm-eval-0-s100", NS).spec.containers[0]
+        wait_for(lambda: eval_pods(kube, "llm") == ["llm-eval-0-g2-s100"], what="the final eval")
+        final = kube.core.read_namespaced_pod("llm-eval-0-g2-s100", NS).spec.containers[0]
         assert final.command[final.command.index("--checkpoint") + 1] == "/checkpoints"
         assert kube.job_status(NS, "llm")["phase"] != "Succeeded"
-        finish(kube, "llm-eval-0-s100", 0, result_message(100, 1.25))
+        finish(kube, "llm-eval-0-g2-s100", 0, result_message(100, 1.25))
         wait_for(lambda: kube.job_status(NS, "llm").get("phase") == "Succeeded", what="Succeeded")
         status = kube.job_status(NS, "llm")
         assert status["evaluations"] == [{"step": 5, "phase": "Succeeded", "loss": 2.5},
@@ -242,7 +242,7 @@ def test_an_eval_pod_that_never_starts_is_reported_and_does_not_stall_later_eval
         wait_for(lambda: eval_pods(kube, "llm") == [], what="the stuck pod deleted, the vertex parked")
         assert eval_vertex(kube, "llm")["active"] is False
         ranks.checkpoint(9)  # the next checkpoint is evaluated as usual
-        wait_for(lambda: eval_pods(kube, "llm") == ["llm-eval-0-s9"], what="the next eval")
+        wait_for(lambda: eval_pods(kube, "llm") == ["llm-eval-0-g1-s9"], what="the next eval")
 
 
 async def test_an_eval_started_again_never_takes_the_last_runs_pod_for_its_own(
@@ -294,15 +294,15 @@ async def test_an_eval_started_again_never_takes_the_last_runs_pod_for_its_own(
         await monitoring.tick_job(ctx, NS, "llm")
     await report_pods()
     await monitoring.tick_job(ctx, NS, "llm")
-    assert eval_pods(kube, "llm") == ["llm-eval-0-s10"]
+    assert eval_pods(kube, "llm") == ["llm-eval-0-g1-s10"]
 
     for trainer in kube.pods(NS, "llm", "trainer"):
         kube.set_pod_phase(NS, trainer.metadata.name, "Succeeded")
-    await evaluate("llm-eval-0-s10", 10)  # and the reconcile after it, the final checkpoint's turn
+    await evaluate("llm-eval-0-g1-s10", 10)  # and the reconcile after it, the final checkpoint's turn
     assert eval_pods(kube, "llm") == [] and kube.job_status(NS, "llm")["phase"] != "Succeeded"
     await report_pods()
     await reconcile()  # the old pod's DELETED event
-    assert eval_pods(kube, "llm") == ["llm-eval-0-s100"]
+    assert eval_pods(kube, "llm") == ["llm-eval-0-g2-s100"]
     assert await monitoring.tick_job(ctx, NS, "llm") == []  # nothing of the old run to settle again
     status = kube.job_status(NS, "llm")
     assert status["evaluations"] == [{"step": 5, "phase": "Succeeded", "loss": 2.0},
