@@ -19,6 +19,7 @@ from test_remediation_s2_units import build_graph
 
 from huorn import models
 from huorn.runtime.pipeline import executor, launch, memory, schedules, split, training
+from huorn.runtime.pipeline import planner as pipeline_planner
 from huorn.runtime.pipeline import topology as pp_topology
 from huorn.scheduler import pipeline_k
 
@@ -69,8 +70,37 @@ def test_an_moe_stage_measured_on_zeros_bounds_its_forwards_on_real_activations(
     assert max(real) <= bound, (real, bound)
 
 
+def mlp_loop(rank: int, plan: training.PipelinePlan, groups: pp_topology.PipelineGroups,
+             build: Any) -> tuple[executor.StageExecutor, training.PipelineTraining]:
+    topo = pp_topology.PipelineTopology(stages=STAGES, replicas=1, rank=rank)
+    module = workers.build_mlp_stages(STAGES, 16, 2)[topo.stage]
+    runner = executor.StageExecutor(module, topo, groups, workers.mse_loss, torch.device("cpu"))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
+
+    def batches(step: int) -> training.Batch:
+        inputs, targets = workers.make_mlp_batch(step, MICROBATCHES, 4, 16)
+        return [[x] for x in inputs], targets
+
+    return runner, build(runner, optimizer, batches)
+
+
+def outside_candidates_run(rank: int) -> dict[str, Any]:
+    """Running k=1 with candidates (2, 3, 4) and a planner that switches only for a 99% gain:
+    the running k's own table must be among what the planner weighs."""
+    topo = pp_topology.PipelineTopology(stages=STAGES, replicas=1, rank=rank)
+    groups = pp_topology.build_groups(topo)
+    plan = training.PipelinePlan(microbatches=MICROBATCHES, schedule="auto", k=1, candidates=(2, 3, 4),
+                                 replan_every=2)
+    runner, loop = mlp_loop(rank, plan, groups, lambda runner, optimizer, batches: training.PipelineTraining(
+        stage=runner, optimizer=optimizer, batches=batches, plan=plan,
+        planner=pipeline_planner.AdaptiveKPlanner(min_gain=0.99)))
+    reports = [loop.run_step(step) for step in range(2)]
+    runner.close()
+    return {"decision": reports[-1].decision, "k": loop.k}
+
+
 def review_worker(rank: int, world: int) -> dict[str, Any]:
-    return {"moe": moe_step(rank, world)}
+    return {"moe": moe_step(rank, world), "outside": outside_candidates_run(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +142,27 @@ def test_a_decision_that_keeps_the_starting_k_records_nothing() -> None:
     missed = {"event": "step", "step": 10, "k_decision": k_decision(10, 2, 2)}
     events = policy.decide(graph, Seen(steps=[missed]))
     assert [e.data["value"] for e in events] == [2]
+
+
+@pytest.mark.slow
+def test_a_running_k_outside_the_candidates_keeps_its_hysteresis(ranks: list[dict[str, Any]]) -> None:
+    run = ranks[0]["outside"]
+    decision = run["decision"]
+    assert 1 in decision["predicted_step_s"], decision["reason"]
+    assert (decision["k"], run["k"]) == (1, 1), decision["reason"]
+    assert "exceeds the memory limit" not in decision["reason"]
+
+
+def plain(stages: int, ks: Sequence[int] = (1, 2, 3, 4)) -> tuple[dict[int, Any], dict[int, tuple[int, ...]]]:
+    tables = schedules.build_candidates(stages, MICROBATCHES, ks)
+    return ({k: t.to_plain() for k, t in tables.items()},
+            {k: memory.predict_peak_bytes(t, [100] * stages) for k, t in tables.items()})
+
+
+def test_a_running_k_that_is_no_candidate_is_named_as_such() -> None:
+    candidates, peaks = plain(2, (2, 3, 4))
+    decision = pipeline_planner.AdaptiveKPlanner().decide(
+        step=5, current_k=1, forward_s=[1.0, 1.0], backward_s=[2.0, 2.0], link_forward_s=[0.0],
+        link_backward_s=[0.0], measured_step_s=1.0, candidates=candidates, peak_bytes=peaks)
+    assert "exceeds the memory limit" not in decision.reason
+    assert "the running k=1 is not among the candidates [2, 3, 4]" in decision.reason

@@ -244,6 +244,9 @@ class AdaptiveKPlanner:
             blocked = sorted(set(predicted) - set(feasible))
             head += (f"; memory limit {self.memory_limit_bytes} B rules out k={blocked}" if blocked
                      else f"; all k fit in {self.memory_limit_bytes} B")
+        if current not in predicted:
+            return (f"{head}; the running k={current} is not among the candidates "
+                    f"{sorted(predicted)}: switch to k={chosen}")
         if not current_ok:
             return f"{head}; k={current} exceeds the memory limit, switch to k={chosen}"
         if chosen != current:

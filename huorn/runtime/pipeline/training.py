@@ -266,14 +266,17 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
     chosen = torch.tensor([k, modes.index(comm)], dtype=torch.int64, device=runner.device)
     if dist.get_rank() == 0:
         tables = schedules.build_candidates(stages, longest, plan.candidates)
+        # the k the critical table runs (k above its micro-batches runs as one group), which must
+        # be a candidate: else the planner can neither price it nor hold it against hysteresis
+        current = min(k, longest)
+        if current not in tables:
+            tables[current] = schedules.build_schedule("kfkb", stages, longest, current)
         bytes_per_stage = [int(w[5]) for w in worst]
         peak_bytes = {c: memory.predict_peak_bytes(t, bytes_per_stage) for c, t in tables.items()}
         if not even:  # each replica's own table; the worst replica per stage
             peak_bytes = {c: tuple(max(per) for per in zip(*(
                 memory.predict_peak_bytes(schedules.build_schedule("kfkb", stages, m, c), bytes_per_stage)
                 for m in set(counts)), strict=True)) for c in tables}
-        # with unequal counts the critical table may be shorter than k: ask about the k it runs
-        current = k if even else min(k, longest)
         result = planner.decide(
             step=step, current_k=current, forward_s=[w[0] for w in worst], backward_s=[w[1] for w in worst],
             link_forward_s=[worst[s][2] for s in range(stages - 1)],
