@@ -159,6 +159,33 @@ def plain(stages: int, ks: Sequence[int] = (1, 2, 3, 4)) -> tuple[dict[int, Any]
             {k: memory.predict_peak_bytes(t, [100] * stages) for k, t in tables.items()})
 
 
+def window(planner: pipeline_planner.AdaptiveKPlanner, step: int, k: int, measured: float,
+           link: float = 0.01) -> pipeline_planner.KDecision:
+    candidates, peaks = plain(2)
+    return planner.decide(step=step, current_k=k, forward_s=[0.01, 0.01], backward_s=[0.02, 0.02],
+                          link_forward_s=[link], link_backward_s=[link], measured_step_s=measured,
+                          candidates=candidates, peak_bytes=peaks)
+
+
+def test_a_switch_that_measures_slower_is_undone_at_the_same_figures() -> None:
+    """The replay predicts k=2 faster; the window at k=2 measures 20% slower than k=1's under
+    the same link figures, so the planner goes back, and stays back while the figures stay."""
+    planner = pipeline_planner.AdaptiveKPlanner()
+    first = window(planner, 5, 1, 0.35)
+    assert first.k == 2 and first.changed
+    back = window(planner, 10, 2, 0.42)
+    assert (back.k, back.changed) == (1, True), back.reason
+    assert back.measured_k_s == {1: 0.35, 2: 0.42}
+    assert "k=1 measured 17% faster than k=2: switch" in back.reason
+    # k=3 and k=4 are untried and replayed as fast as k=2 was: k=2's miss holds for them too
+    assert back.expected_step_s[3] == pytest.approx(0.42) and back.expected_step_s[4] == pytest.approx(0.42)
+    stay = window(planner, 15, 1, 0.35)
+    assert (stay.k, stay.changed) == (1, False), stay.reason
+    # a link twice as slow: the old windows no longer speak for their k, the replay decides
+    moved = window(planner, 20, 1, 0.50, link=0.02)
+    assert moved.measured_k_s == {1: 0.50} and moved.k > 1, moved.reason
+
+
 def test_a_running_k_that_is_no_candidate_is_named_as_such() -> None:
     candidates, peaks = plain(2, (2, 3, 4))
     decision = pipeline_planner.AdaptiveKPlanner().decide(

@@ -82,6 +82,7 @@ class StepStats:
     # micro-batches: the non-pipelined trainer reports CE plus these, so the step's reported
     # loss adds every stage's (training._reduce_step); 0.0 on a stage without them
     aux_loss: float = 0.0
+    metered: bool = False  # the table's first step: saved tensors were metered, at a cost in time
     comm: str = "overlap"  # how messages moved: links in the background, or lockstep exchanges
     graphed: bool = False  # forwards and backwards replayed as CUDA graphs (graphs.py)
     # host seconds in the data-parallel gradient all-reduce: with replicas, a fast replica waits
@@ -417,7 +418,7 @@ class StageExecutor:
             send_link=self.send_link.take_stats() if self.send_link else None,
             grad_link=self.grad_link.take_stats() if self.grad_link else None,
             peak_saved_bytes=self.measured_peaks[table_key], executed=executed, graphed=graphed,
-            reduce_wait_s=reduce_wait_s, send_wait_s=send_wait_s,
+            reduce_wait_s=reduce_wait_s, send_wait_s=send_wait_s, metered=metering,
         )
 
     def _graphs_ready(self, schedule: schedules.Schedule) -> bool:

@@ -13,6 +13,14 @@ backward come from each stage's timers and link seconds from the link threads' o
 over the last window of steps, and `model_scale` (measured ÷ predicted step time of the
 running k) reports how well the replay matches reality.
 
+A measurement beats a prediction. The planner keeps each k's last measured window with the
+link and compute figures it ran under; while the figures of the window at hand match those
+(within `match_tolerance`), that k's measured step time stands in for its prediction. So a
+switch that measures slower than the k it left is undone at the next decision (the replay,
+scaled on the running k alone, would keep predicting the switch a gain), and the planner does
+not switch back again while the figures stay; once they move, the old measurement no longer
+speaks for that k and the replay decides again.
+
 The planner also chooses how messages move (`comm`). "overlap" sends from links in the
 background and "lockstep" batches each action's sends and the next receive into one exchange
 that compute waits for (executor docstring). The replay cannot price what lockstep avoids:
@@ -100,24 +108,57 @@ class KDecision:
     link_backward_s: tuple[float, ...] = ()
     previous_comm: str = "overlap"
     comm: str = "overlap"
+    # step seconds measured at k (this window's for the running k, earlier windows' at the same
+    # figures for others): where present, the choice used these instead of predicted_step_s
+    measured_k_s: dict[int, float] = field(default_factory=dict)
+    # what the choice compared: measured_k_s where present, else the replay scaled by the nearest
+    # measured k's measured ÷ predicted (AdaptiveKPlanner._expect)
+    expected_step_s: dict[int, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class _Window:
+    """One overlap window's measured step seconds at a k, and the figures it ran under."""
+
+    seconds: float
+    compute_s: tuple[float, ...]  # F+B per stage
+    link_s: tuple[float, ...]  # seconds per message, forward links then backward links
+
+    def matches(self, other: _Window, tolerance: float) -> bool:
+        """Same conditions: every stage's F+B and every link within `tolerance` of each other.
+        A link under 5% of the slowest F+B hides behind compute either way, so below that
+        link figures count as equal."""
+        if len(self.compute_s) != len(other.compute_s) or len(self.link_s) != len(other.link_s):
+            return False
+        floor = 0.05 * max(*self.compute_s, *other.compute_s)
+
+        def close(a: float, b: float, least: float = 0.0) -> bool:
+            return abs(a - b) <= tolerance * max(a, b, least)
+
+        return (all(close(a, b) for a, b in zip(self.compute_s, other.compute_s, strict=True))
+                and all(close(a, b, floor) for a, b in zip(self.link_s, other.link_s, strict=True)))
+
+
 class AdaptiveKPlanner:
     """Re-chooses k among `candidates` each time `decide` is called (the runtime calls it every
     `replan_every` steps with that window's averages). It switches only when the best feasible
-    k is predicted at least `min_gain` faster than the running one, so measurement noise does
-    not make k flap, and always leaves a k whose predicted memory exceeds the limit."""
+    k is expected at least `min_gain` faster than the running one, so measurement noise does
+    not make k flap, and always leaves a k whose predicted memory exceeds a limit. Expected is
+    measured where a window at that k ran under the same figures, else predicted (module
+    docstring)."""
 
     def __init__(self, memory_limit_bytes: int | None = None, min_gain: float = 0.05, *,
                  lockstep: bool = False, lockstep_link_fraction: float = 0.05,
-                 reprobe_every: int = 6) -> None:
+                 reprobe_every: int = 6, match_tolerance: float = 0.2) -> None:
         if memory_limit_bytes is not None and memory_limit_bytes <= 0:
             raise ValueError(f"memory_limit_bytes must be > 0 or None, got {memory_limit_bytes}")
         if not 0.0 <= min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+        if not 0.0 <= match_tolerance < 1.0:
+            raise ValueError(f"match_tolerance must be in [0, 1), got {match_tolerance}")
         if not 0.0 <= lockstep_link_fraction < 1.0:
             raise ValueError(f"lockstep_link_fraction must be in [0, 1), got {lockstep_link_fraction}")
         if reprobe_every < 1:
@@ -127,8 +168,10 @@ class AdaptiveKPlanner:
         self.lockstep = lockstep
         self.lockstep_link_fraction = lockstep_link_fraction
         self.reprobe_every = reprobe_every
+        self.match_tolerance = match_tolerance
         self.history: list[KDecision] = []
         self._measured: dict[tuple[str, int], float] = {}  # (comm, k) -> last window's step seconds
+        self._windows: dict[int, _Window] = {}  # k -> its last overlap window
         self._windows_in_comm = 0
         self._probing = False
 
@@ -153,30 +196,55 @@ class AdaptiveKPlanner:
             feasible = (min(candidates, key=lambda k: worst[k]),)
         predicted = {k: predict_step_seconds(candidates[k], forward_s, backward_s, link_forward_s,
                                              link_backward_s) for k in sorted(candidates)}
-        scale = measured_step_s / predicted[current_k] if predicted.get(current_k) else 1.0
-        best = min(feasible, key=lambda k: (predicted[k], k))
+        known = current_k in predicted
+        scale = measured_step_s / predicted[current_k] if known and predicted[current_k] else 1.0
+        window = _Window(measured_step_s, tuple(f + b for f, b in zip(forward_s, backward_s, strict=True)),
+                         (*link_forward_s, *link_backward_s))
+        measured = {k: w.seconds for k, w in self._windows.items()
+                    if k in predicted and k != current_k and w.matches(window, self.match_tolerance)}
+        if known:
+            measured[current_k] = measured_step_s
+        self._windows[current_k] = window
+        expected = self._expect(predicted, measured)
+        best = min(feasible, key=lambda k: (expected[k], k))
         current_ok = current_k in feasible
-        gain = 1.0 - predicted[best] / predicted[current_k] if current_k in predicted else 1.0
+        gain = 1.0 - expected[best] / expected[current_k] if known and expected[current_k] else 1.0
         switch = best != current_k and (not current_ok or gain >= self.min_gain)
         chosen = best if switch else current_k
-        reason = self._explain(current_k, best, chosen, predicted, worst, feasible, gain, forward_s,
-                               backward_s, link_forward_s, link_backward_s, current_ok)
+        reason = self._explain(current_k, best, chosen, predicted, measured, expected, scale, feasible, gain,
+                               forward_s, backward_s, link_forward_s, link_backward_s)
         decision = KDecision(
             step=step, previous_k=current_k, k=chosen, changed=chosen != current_k, reason=reason,
             predicted_step_s={k: v * scale for k, v in predicted.items()}, peak_bytes=worst,
             feasible=feasible, measured_step_s=measured_step_s, model_scale=scale,
             forward_s=tuple(forward_s), backward_s=tuple(backward_s),
             link_forward_s=tuple(link_forward_s), link_backward_s=tuple(link_backward_s),
+            measured_k_s=measured, expected_step_s=expected,
         )
         decision = self._maybe_probe_lockstep(decision, lockstep_ok or {})
         self.history.append(decision)
         return decision
 
+    @staticmethod
+    def _expect(predicted: Mapping[int, float], measured: Mapping[int, float]) -> dict[int, float]:
+        """Each k's expected step seconds: measured where a window at k matched, else its replay
+        scaled by measured ÷ predicted of the nearest measured k (the larger ratio on a tie). A
+        k that measured slower than the replay said makes its neighbours' predictions no more
+        trustworthy, so an untried k next to it is not chosen on the replay's word alone."""
+        ratios = {k: v / predicted[k] for k, v in measured.items() if predicted[k] > 0}
+        expected = dict(measured)
+        for k, value in predicted.items():
+            if k not in expected:
+                nearest = min(ratios, key=lambda m: (abs(m - k), -ratios[m]), default=None)
+                expected[k] = value * (ratios[nearest] if nearest is not None else 1.0)
+        return expected
+
     def _maybe_probe_lockstep(self, decision: KDecision, lockstep_ok: Mapping[int, bool]) -> KDecision:
         """After an overlap window that keeps k: try (or return to) lockstep when the link is
         too fast for overlap to matter."""
         k = decision.k
-        self._measured[("overlap", k)] = decision.measured_step_s
+        # the window ran the previous k: a switch's window is no figure for the k it switches to
+        self._measured[("overlap", decision.previous_k)] = decision.measured_step_s
         self._windows_in_comm += 1
         if not self.lockstep or decision.changed or not lockstep_ok.get(k, False):
             return decision
@@ -231,15 +299,26 @@ class AdaptiveKPlanner:
         return decision
 
     def _explain(self, current: int, best: int, chosen: int, predicted: Mapping[int, float],
-                 worst: Mapping[int, int], feasible: Sequence[int], gain: float, forward_s: Sequence[float],
-                 backward_s: Sequence[float], link_forward_s: Sequence[float],
-                 link_backward_s: Sequence[float], current_ok: bool) -> str:
+                 measured: Mapping[int, float], expected: Mapping[int, float], scale: float,
+                 feasible: Sequence[int], gain: float,
+                 forward_s: Sequence[float], backward_s: Sequence[float], link_forward_s: Sequence[float],
+                 link_backward_s: Sequence[float]) -> str:
         compute = max(f + b for f, b in zip(forward_s, backward_s, strict=True))
         link = max([*link_forward_s, *link_backward_s], default=0.0)
         ratio = link / compute if compute else 0.0
         table = ", ".join(f"k={k}: {predicted[k] * 1e3:.1f} ms" for k in sorted(predicted))
         head = (f"link {link * 1e3:.2f} ms/message = {ratio:.2f}× the slowest stage's F+B "
                 f"({compute * 1e3:.2f} ms); predicted step {table}")
+        earlier = {k: v for k, v in measured.items() if k != current}
+        if earlier:
+            head += "; measured at the same figures " + ", ".join(
+                f"k={k}: {v * 1e3:.1f} ms" for k, v in sorted(earlier.items()))
+            head += f" (k={current} now: {measured[current] * 1e3:.1f} ms)" if current in measured else ""
+            rescaled = {k: v for k, v in expected.items()
+                        if k not in measured and abs(v - predicted[k] * scale) > 1e-9 * max(v, 1e-12)}
+            if rescaled:
+                head += "; expected, scaled as the nearest measured k " + ", ".join(
+                    f"k={k}: {v * 1e3:.1f} ms" for k, v in sorted(rescaled.items()))
         if self.memory_limit_bytes is not None:
             blocked = sorted(set(predicted) - set(feasible))
             head += (f"; memory limit {self.memory_limit_bytes} B rules out k={blocked}" if blocked
@@ -247,10 +326,12 @@ class AdaptiveKPlanner:
         if current not in predicted:
             return (f"{head}; the running k={current} is not among the candidates "
                     f"{sorted(predicted)}: switch to k={chosen}")
-        if not current_ok:
+        if current not in feasible:
             return f"{head}; k={current} exceeds the memory limit, switch to k={chosen}"
+        how = "measured" if best in earlier else "is"  # measured at the same figures, or predicted
         if chosen != current:
-            return f"{head}; k={chosen} is {gain:.0%} faster than k={current}: switch"
+            return f"{head}; k={chosen} {how} {gain:.0%} faster than k={current}: switch"
         if best != current:
-            return f"{head}; k={best} only {gain:.0%} faster (< {self.min_gain:.0%}): keep k={current}"
+            return (f"{head}; k={best} {how} only {gain:.0%} faster (< {self.min_gain:.0%}): "
+                    f"keep k={current}")
         return f"{head}; k={current} is already the fastest: keep"

@@ -238,12 +238,14 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
         # wait for a peer still starting; a GC pause) would otherwise move k for a whole window.
         return statistics.median(values) if values else 0.0
 
+    # a first step of a table is metered (slower, executor docstring): its time speaks for no k
+    timed = [s for s in window if not s.metered] or window
     mine = torch.tensor([
         float(topo.stage),
         typical([s.forward_s for s in window]), typical([s.backward_s for s in window]),
         typical([s.send_link.seconds_per_message for s in window if s.send_link]),
         typical([s.grad_link.seconds_per_message for s in window if s.grad_link]),
-        typical([s.seconds for s in window]), float(runner.microbatch_bytes),
+        typical([s.seconds for s in timed]), float(runner.microbatch_bytes),
         float(plan.microbatches if own_microbatches is None else own_microbatches),
     ], dtype=torch.float64, device=runner.device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
