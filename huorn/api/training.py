@@ -513,11 +513,14 @@ class TrainingJobStatus(JobStatus):
     loss: float | None = None
     tokens_per_second: float | None = None
     progress_percent: int | None = Field(
-        default=None, ge=0, le=100, description="Steps done of those the spec declares "
-        "(optimization.steps, or tokens over globalBatch × context).")
+        default=None, ge=0, le=100, description="Percent of the budget the spec declares that "
+        "is trained: steps done of optimization.steps, or tokens trained of optimization.tokens "
+        "(each step's global batch × context, which batchRule scale-with-replicas grows with the "
+        "gang).")
     estimated_remaining_seconds: int | None = Field(
-        default=None, ge=0, description="The declared steps left at the rate seen since the previous "
-        "progress write (resize and restart pauses included); absent while no rate is known.")
+        default=None, ge=0, description="The steps or tokens of the budget left, at the rate seen "
+        "since the previous progress write (resize and restart pauses included); absent while no "
+        "rate is known.")
     estimated_remaining: str | None = Field(
         default=None, max_length=16, description="estimatedRemainingSeconds for people ('1h05m'): the "
         "ETA column of `kubectl get tj`.")

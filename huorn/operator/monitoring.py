@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from huorn.api.common import ElasticityPolicy, MitigationLevel
-from huorn.api.training import declared_steps
+from huorn.api.training import declared_steps, token_budget
 from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import jobs, model, mutate, serialise
@@ -62,10 +62,14 @@ class JobPolicies:
     ladder_seen: int = 0
     polls: int = 0  # ticks that read some telemetry: how long the job has been watched
     progress_written: float = float("-inf")  # time of the last status.step/loss write
-    progress_step: int | None = None  # status.step in that write: the rate behind the ETA
+    # what that write measured progress by: (unit, steps or tokens done): the rate behind the ETA
+    progress_done: tuple[str, int] | None = None
     total_steps: int | None = None  # what the spec declares (steps, or tokens as steps)
+    # the spec's budget in tokens (training.token_budget): progress counts the tokens trained
+    tokens: int | None = None
     checkpoint_written: int | None = None  # step of the last status.lastCheckpoint written
     progress_pending: dict[str, Any] | None = None  # the newest step's fields, not written yet
+    pending_done: tuple[str, int] | None = None  # and what they measured progress by
 
     def all(self) -> list[monitor.Policy]:
         return [p for p in (self.remediation, self.goodput) if p is not None]
@@ -95,7 +99,7 @@ def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = N
     if trainer is not None and remediation.resume(trainer.params):
         logger.info("monitor %s: remediation resumes the plan in force (%s)", job.metadata.name,
                     remediation.ladder.applied)
-    return JobPolicies(key, remediation, grow, total_steps=total)
+    return JobPolicies(key, remediation, grow, total_steps=total, tokens=token_budget(spec))
 
 
 def _policies_for(ctx: Context, body: Mapping[str, Any], job: Any, graph: model.Graph) -> JobPolicies:
@@ -263,13 +267,31 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
     return mutations
 
 
+def progress_measure(record: Mapping[str, Any], total_steps: int | None, tokens: int | None
+                     ) -> tuple[str, int, int | None, float | None]:
+    """What a step record says of the run's progress: (unit, done, total, seconds per unit).
+
+    A budget in tokens is measured in the tokens trained: under `scale-with-replicas` a step
+    above minReplicas trains more than globalBatch × context, so the steps the spec's batch makes
+    of the budget are more than the run takes, and a count of them ended the job short of 100 %
+    with an ETA too long by the batch's growth. A record without `tokens` (a trainer from before
+    they were reported) is measured in steps, as it was."""
+    if tokens is not None and record.get("tokens") is not None:
+        rate = record.get("tokens_per_second")
+        unit_seconds = 1.0 / float(rate) if rate is not None and float(rate) > 0 else None
+        return "tokens", int(record["tokens"]), tokens, unit_seconds
+    seconds = record.get("step_seconds")
+    return "steps", int(record["step"]), total_steps, float(seconds) if seconds is not None else None
+
+
 def build_progress(observation: monitor.Observation, total_steps: int | None = None,
-                   since: tuple[float, int] | None = None) -> dict[str, Any]:
+                   since: tuple[float, tuple[str, int]] | None = None, tokens: int | None = None
+                   ) -> dict[str, Any]:
     """status.step, loss, tokensPerSecond, batchSize and learningRate (from the newest step
-    record), progressPercent and the
-    ETA (against the declared `total_steps`; `since`: time and step of the previous write) and
-    lastCheckpoint (from the lowest rank's telemetry), what `kubectl get trainingjobs` prints;
-    {} when nothing new."""
+    record), progressPercent and the ETA (against the declared `total_steps`, or the budget in
+    `tokens` by the tokens trained: progress_measure; `since`: time and measure of the previous
+    write) and lastCheckpoint (from the lowest rank's telemetry), what `kubectl get
+    trainingjobs` prints; {} when nothing new."""
     progress: dict[str, Any] = {}
     if observation.steps:
         last = observation.steps[-1]
@@ -283,10 +305,11 @@ def build_progress(observation: monitor.Observation, total_steps: int | None = N
             progress["batchSize"] = int(last["global_batch"])
         if last.get("learning_rate") is not None:
             progress["learningRate"] = float(f"{float(last['learning_rate']):.6g}")
-        seconds = last.get("step_seconds")
-        step_seconds = float(seconds) if seconds is not None else None
-        progress |= estimates.estimate_progress(progress["step"], total_steps, observation.time, since,
-                                                step_seconds)
+        unit, done, total, unit_seconds = progress_measure(last, total_steps, tokens)
+        before = since if since is not None and since[1][0] == unit else None  # the same unit only
+        progress |= estimates.estimate_progress(
+            done, total, observation.time, None if before is None else (before[0], before[1][1]),
+            unit_seconds)
     if observation.telemetry:
         first = min(observation.telemetry.values(), key=lambda s: int(s.get("rank", 1 << 30)))
         landed = (first.get("parameters") or {}).get("checkpoint")
@@ -304,10 +327,12 @@ async def write_progress(ctx: Context, namespace: str, name: str, state: JobPoli
     A step seen too soon after the last write is kept, not dropped, and written once the period
     has passed: a run whose last steps come in one burst (it finished, or it paused for a resize)
     would otherwise leave status.step behind until a step that may never come."""
-    since = None if state.progress_step is None else (state.progress_written, state.progress_step)
-    progress = build_progress(observation, state.total_steps, since)
+    since = None if state.progress_done is None else (state.progress_written, state.progress_done)
+    progress = build_progress(observation, state.total_steps, since, state.tokens)
     if "step" in progress:
         state.progress_pending = {k: v for k, v in progress.items() if k != "lastCheckpoint"}
+        unit, done, _, _ = progress_measure(observation.steps[-1], state.total_steps, state.tokens)
+        state.pending_done = (unit, done)
     landed = progress.get("lastCheckpoint")
     checkpoint = (landed or {}).get("step")
     fresh_checkpoint = checkpoint is not None and checkpoint != state.checkpoint_written
@@ -320,8 +345,9 @@ async def write_progress(ctx: Context, namespace: str, name: str, state: JobPoli
     await ctx.client.patch_status(training.PLURAL, namespace, name, patch)
     if due:
         state.progress_written = observation.time
-        state.progress_step = patch.get("step", state.progress_step)
-        state.progress_pending = None
+        if state.progress_pending is not None:
+            state.progress_done = state.pending_done
+        state.progress_pending = state.pending_done = None
     if checkpoint is not None:
         state.checkpoint_written = checkpoint
     return True

@@ -173,7 +173,8 @@ class Telemetry:
                     microbatch_seconds: float | None = None,
                     waits: Mapping[str, float] | None = None,
                     links: Mapping[str, float] | None = None,
-                    global_batch: int | None = None, learning_rate: float | None = None) -> None:
+                    global_batch: int | None = None, learning_rate: float | None = None,
+                    tokens: int | None = None) -> None:
         """`microbatch_seconds`: compute seconds of one of this rank's micro-batches (forward and
         backward, collectives excluded). S2 plans from it: the step's compute also holds work
         that does not scale with the micro-batches (the optimizer step), which would make a
@@ -186,7 +187,11 @@ class Telemetry:
         so they are not part of `comm_seconds`. Behind a slow link every stage waits longer, but
         only that link's messages take longer: they say which link it is. `global_batch` and
         `learning_rate`: what the step trained with, the batch the goodput allocator's rule set
-        for this many replicas and its scaled, scheduled rate (status.batchSize, learningRate)."""
+        for this many replicas and its scaled, scheduled rate (status.batchSize, learningRate).
+        `tokens`: tokens trained by the run so far, this step's included. The batch, and so a
+        step's tokens, changes with the world under `scale-with-replicas`, so a run with a budget
+        in tokens ends after fewer steps than the spec's globalBatch makes of it: the operator
+        measures progress, the final step and the work left by this count, not by steps."""
         comm = min(comm_seconds, step_seconds)
         record = {
             "step": step, "time": time.time(), "step_seconds": step_seconds,
@@ -199,6 +204,8 @@ class Telemetry:
             record["global_batch"] = global_batch
         if learning_rate is not None:
             record["learning_rate"] = learning_rate
+        if tokens is not None:
+            record["tokens"] = tokens
         record.update(waits or {})
         record.update(links or {})
         with self._lock:

@@ -550,7 +550,7 @@ class Trainer:
         self.telemetry.record_step(step, elapsed, comm_s, loss, tokens_per_s, noise,
                                    microbatch_seconds=self.microbatch_seconds, waits=self.step_waits,
                                    links=self.step_links, global_batch=self.plan.global_batch,
-                                   learning_rate=lr)
+                                   learning_rate=lr, tokens=self.tokens)
         record = {"event": "step", "step": step, "loss": loss, "world_size": self.world, "lr": lr,
                   "global_batch": self.plan.global_batch, "tokens": self.tokens,
                   "tokens_per_second": tokens_per_s, "step_seconds": elapsed, "comm_seconds": comm_s,

@@ -1,0 +1,132 @@
+"""Readers of a run's progress under a budget in `optimization.tokens` (commit 63da27b made the
+trainer end such a run on the tokens it trained): with batchRule scale-with-replicas a gang above
+minReplicas trains more than globalBatch × context a step, so it ends in fewer steps than the
+spec's globalBatch makes of the budget. Progress, the ETA, the final checkpoint, the goodput
+model's work left and D-CPT's run length read the tokens trained, not those steps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import runtime_harness as harness
+
+from huorn.api import kinds
+from huorn.backends import monitor
+from huorn.operator import context, monitoring
+from huorn.runtime import telemetry as runtime_telemetry
+
+CONTEXT = 128
+BATCH = 16  # the spec's globalBatch, at minReplicas 1
+STEP_TOKENS = BATCH * CONTEXT
+BUDGET = 100 * STEP_TOKENS  # 100 steps at the spec's batch; 50 at a world of 2
+
+
+def build_job(tokens: int | None = BUDGET, steps: int | None = None) -> object:
+    body = {
+        "apiVersion": "huorn.io/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "llm", "namespace": "t"},
+        "spec": {"virtualCluster": "train",
+                 "elasticity": {"minReplicas": 1, "maxReplicas": 4},
+                 "model": {"layers": 2, "width": 32, "heads": 2, "context": CONTEXT},
+                 "optimization": {"globalBatch": BATCH, "microBatch": 4, "batchRule": "scale-with-replicas",
+                                  **({"tokens": tokens} if tokens is not None else {}),
+                                  **({"steps": steps} if steps is not None else {})}},
+    }
+    return kinds.RESOURCE_MODELS["TrainingJob"].model_validate(body)
+
+
+def steps_at_world(world: int, first: int, last: int, step_seconds: float = 1.0) -> list[dict]:
+    """Step records as a gang of `world` replicas publishes them (runtime.telemetry.record_step),
+    from a run that trained at that world since its first step."""
+    tel = runtime_telemetry.Telemetry("llm", 0, world, "trainer-0", history=1000)
+    for step in range(first, last + 1):
+        tel.record_step(step, step_seconds, 0.1, 2.0, world * STEP_TOKENS / step_seconds, None,
+                        global_batch=world * BATCH, tokens=step * world * STEP_TOKENS)
+    return tel.snapshot()["steps"]
+
+
+class RecordingClient:
+    def __init__(self) -> None:
+        self.patches: list[dict] = []
+
+    async def patch_status(self, plural: str, namespace: str, name: str, patch: dict) -> None:
+        self.patches.append(patch)
+
+
+@pytest.mark.looptime
+async def test_progress_and_eta_count_the_tokens_trained_at_a_grown_batch() -> None:
+    """World 2 under scale-with-replicas: 32 sequences a step, so the budget of 100 steps of 16
+    takes 50. Before, step 25 read 25 % (it is half the budget) and the ETA counted 80 steps left
+    after step 20 where 30 are; the job succeeded from 50 %."""
+    client = RecordingClient()
+    ctx = type("Ctx", (), {"client": client, "settings": context.OperatorSettings(progress_seconds=10.0)})()
+    state = monitoring.build_policies(build_job(), ("uid", 1))
+    records = steps_at_world(2, 1, 50)
+    assert records[24]["tokens"] == 50 * STEP_TOKENS, "telemetry carries the tokens trained"
+
+    assert await monitoring.write_progress(ctx, "t", "llm", state,
+                                           monitor.Observation(time=100.0, steps=records[:10]))
+    assert client.patches[-1]["progressPercent"] == 20  # 10 steps of 32 of 100 of 16
+    # 10 steps of 32 sequences in the 10 s since the first write
+    assert await monitoring.write_progress(ctx, "t", "llm", state,
+                                           monitor.Observation(time=110.0, steps=records[10:20]))
+    written = client.patches[-1]
+    assert written["step"] == 20 and written["progressPercent"] == 40
+    assert written["estimatedRemainingSeconds"] == 30  # 30 steps of 32 left, one a second
+    assert await monitoring.write_progress(ctx, "t", "llm", state,
+                                           monitor.Observation(time=140.0, steps=records[20:50]))
+    last = client.patches[-1]
+    assert last["progressPercent"] == 100 and last["estimatedRemainingSeconds"] == 0
+
+
+def test_before_a_second_write_the_eta_is_the_newest_steps_tokens_per_second() -> None:
+    records = steps_at_world(4, 1, 10, step_seconds=2.0)  # 64 sequences a step: 25 steps in all
+    progress = monitoring.build_progress(monitor.Observation(time=50.0, steps=records), total_steps=100,
+                                         tokens=BUDGET)
+    assert progress["progressPercent"] == 40
+    assert progress["estimatedRemainingSeconds"] == 30  # 15 steps of 2 s
+
+
+def test_a_budget_in_steps_and_a_record_without_tokens_count_steps() -> None:
+    by_steps = monitoring.build_policies(build_job(tokens=None, steps=100), ("uid", 1))
+    assert by_steps.tokens is None
+    records = steps_at_world(2, 1, 25)
+    progress = monitoring.build_progress(monitor.Observation(time=1.0, steps=records), 100, None,
+                                         by_steps.tokens)
+    assert progress["progressPercent"] == 25  # steps are the budget, whatever their batch
+    # a trainer from before the tokens were published: steps of the spec's batch, as before
+    old = [{k: v for k, v in r.items() if k != "tokens"} for r in records]
+    progress = monitoring.build_progress(monitor.Observation(time=1.0, steps=old), 100, None, BUDGET)
+    assert progress["progressPercent"] == 25
+
+
+_RUN = """
+import json, os, sys
+from pathlib import Path
+from huorn.runtime import config, train
+
+trainer = train.Trainer(config.load_run_config(Path(sys.argv[1])))
+code = trainer.run()
+print(json.dumps([{k: s.get(k) for k in ("step", "tokens", "global_batch")}
+                  for s in trainer.telemetry.snapshot()["steps"]]), flush=True)
+os._exit(code)
+"""
+
+
+def test_the_trainer_publishes_the_tokens_it_trained_in_telemetry(tmp_path: Path) -> None:
+    """A real trainer (one process, CPU, 3 steps): /telemetry's step records carry the count the
+    trainer ends on, which the operator reads (before, only its own step log had it)."""
+    context_ = 32  # harness.build_spec's
+    spec = harness.build_spec(steps=None, interval_steps=None, global_batch=4, micro_batch=2,
+                              tokens=3 * 4 * context_)
+    del spec["optimization"]["steps"]
+    config = harness.write_config(tmp_path, harness.shared_data_dir(), spec)
+    done = subprocess.run([sys.executable, "-c", _RUN, str(config)], cwd=harness.REPO,
+                          env=harness.child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = json.loads(done.stdout.strip().splitlines()[-1])
+    assert records == [{"step": s, "tokens": s * 4 * context_, "global_batch": 4} for s in (1, 2, 3)]
