@@ -4,7 +4,9 @@ A stop is one agreed step and one collective checkpoint. torch's agent SIGKILLs 
 after its SIGTERM, and when a join restarts them (restart mode) it used 30 s whatever its
 --shutdown-timeout said; the local backend never set one. A step plus a checkpoint longer than
 that lost every step since the last checkpoint, and `huorn run` still printed "interrupted
-(checkpointed and stopped)"."""
+(checkpointed and stopped)".
+
+Also here, one more thing `huorn run` said nothing about: a --scale-at past the run's last step."""
 
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ from types import SimpleNamespace
 import pytest
 import runtime_harness as harness
 import yaml
+from typer.testing import CliRunner
 
 from huorn import graph
 from huorn.api import manifests
 from huorn.backends.local import backend as local_backend
 from huorn.backends.local import commands, processes, report
+from huorn.cli import main
 from huorn.cli import run as run_cli
 from huorn.graph import desired, model
 from huorn.runtime import agent, launcher
@@ -179,3 +183,20 @@ def test_an_agent_stops_its_workers_within_the_grace_it_was_given(tmp_path: Path
     assert not [e for e in events if e.get("event") == "checkpoint"]
     assert run_cli.stop_outcome(run_dir) == (
         "interrupted (stopped without a stop checkpoint: no checkpoint was written, so steps 1-3 are lost)")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--steps", "3", "--scale-at", "10:2"), "--scale-at 10:2: step 10 is not before the run's last step, 3 "
+                                             "(--steps 3)"),
+    (("--steps", "12", "--scale-at", "4:2", "--scale-at", "12:1"), "--scale-at 12:1: step 12 is not before"),
+    (("--scale-at", "300:2"), "the run's last step, 300 (spec.optimization.steps 300)"),
+])
+def test_a_scale_at_the_run_never_reaches_is_refused_naming_both(
+    tmp_path: Path, args: tuple[str, ...], message: str
+) -> None:
+    """`--steps 3 --scale-at 10:2` ran three steps at one replica and said nothing of the resize."""
+    run_dir = tmp_path / "never"
+    result = CliRunner().invoke(main.app, ["run", str(QUICKSTART), "--run-dir", str(run_dir), "--no-watch",
+                                           *args])
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+    assert "--steps" in result.stderr and not run_dir.exists()

@@ -31,7 +31,11 @@ from huorn.graph import jobs, model, mutate
 MIN_INTERVAL, MAX_INTERVAL = 0.1, 3600.0
 
 
-def parse_scale_at(values: list[str], trainer: model.Vertex) -> list[tuple[int, int]]:
+def parse_scale_at(values: list[str], trainer: model.Vertex, last_step: int | None = None,
+                   last_from: str = "--steps") -> list[tuple[int, int]]:
+    """--scale-at as (step, replicas). A STEP at or after `last_step` (where the trainers stop,
+    `last_from` saying who set it) is refused: the run ended first and the resize was silently
+    never made."""
     plan = []
     for value in values:
         step, _, replicas = value.partition(":")
@@ -43,6 +47,12 @@ def parse_scale_at(values: list[str], trainer: model.Vertex) -> list[tuple[int, 
             raise graph_cli.ManifestError(
                 f"--scale-at {value}: {replicas} replicas is outside spec.elasticity "
                 f"{trainer.min_replicas}..{trainer.max_replicas}"
+            )
+        if last_step is not None and int(step) >= last_step:
+            raise graph_cli.ManifestError(
+                f"--scale-at {value}: step {step} is not before the run's last step, {last_step} "
+                f"({last_from}), so the resize would never happen; give a STEP below {last_step} "
+                f"or run longer with --steps"
             )
         plan.append((int(step), int(replicas)))
     return plan
@@ -240,7 +250,14 @@ def run_command(
                 typer.echo(f"note: spec.{' and spec.'.join(cluster_only)} apply in a cluster (the operator); "
                            "huorn run does not enforce them (--stall-timeout bounds a stuck run)", err=True)
         trainer = g.vertex("trainer")
-        plan = parse_scale_at(scale_at, trainer)
+        if steps is not None:
+            last_step, last_from = steps, f"--steps {steps}"
+        else:
+            declared = training.TrainingJobSpec.model_validate(trainer.params["spec"])
+            last_step = training.declared_steps(declared)
+            last_from = (f"spec.optimization.steps {last_step}" if declared.optimization.steps is not None
+                         else f"spec.optimization.tokens, {last_step} steps")
+        plan = parse_scale_at(scale_at, trainer, last_step, last_from)
         chosen = policy or trainer.params["policy"]
         if chosen not in ("goodput", "fixed"):
             raise graph_cli.ManifestError(f"--policy {chosen!r}: use goodput or fixed")
