@@ -8,7 +8,9 @@ One 3-rank gloo world (spawned once for the module) runs the multi-process cases
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pipeline_workers as workers
@@ -18,7 +20,7 @@ from remediation_support import Seen
 from test_remediation_s2_units import build_graph
 
 from huorn import models
-from huorn.runtime.pipeline import executor, launch, memory, schedules, split, training
+from huorn.runtime.pipeline import executor, job, launch, memory, schedules, split, training
 from huorn.runtime.pipeline import planner as pipeline_planner
 from huorn.runtime.pipeline import topology as pp_topology
 from huorn.scheduler import pipeline_k
@@ -70,6 +72,25 @@ def test_an_moe_stage_measured_on_zeros_bounds_its_forwards_on_real_activations(
     assert max(real) <= bound, (real, bound)
 
 
+class SlowLinkPlanner(pipeline_planner.AdaptiveKPlanner):
+    """The adaptive planner fed fixed figures (F 1 s, B 2 s, every link 2 s a message), under
+    which the replay predicts kFkB with k >= 3 fastest (40 s against k=2's 42 s and 1F1B's
+    54 s), whatever the host measured; `free` records what it would choose without limits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.free: list[int] = []
+
+    def decide(self, **kwargs: Any) -> pipeline_planner.KDecision:
+        stages = len(kwargs["forward_s"])
+        kwargs |= {"forward_s": [1.0] * stages, "backward_s": [2.0] * stages,
+                   "link_forward_s": [2.0] * (stages - 1), "link_backward_s": [2.0] * (stages - 1)}
+        unlimited = {key: value for key, value in kwargs.items() if key != "memory_limits"}
+        free = pipeline_planner.AdaptiveKPlanner().decide(**unlimited).predicted_step_s
+        self.free.append(min(free, key=lambda k: (free[k], k)))
+        return super().decide(**kwargs)
+
+
 def mlp_loop(rank: int, plan: training.PipelinePlan, groups: pp_topology.PipelineGroups,
              build: Any) -> tuple[executor.StageExecutor, training.PipelineTraining]:
     topo = pp_topology.PipelineTopology(stages=STAGES, replicas=1, rank=rank)
@@ -82,6 +103,27 @@ def mlp_loop(rank: int, plan: training.PipelinePlan, groups: pp_topology.Pipelin
         return [[x] for x in inputs], targets
 
     return runner, build(runner, optimizer, batches)
+
+
+def budget_run(rank: int) -> dict[str, Any]:
+    """A TrainingJob's loop (job.build_loop) on a 3-stage MLP whose devices, as
+    `memory.activation_budget` reads them, hold 6.5 micro-batches of saved activations: stage 0
+    holds 6 at k=2 and 8 at k >= 3, so only k <= 2 fits."""
+    topo = pp_topology.PipelineTopology(stages=STAGES, replicas=1, rank=rank)
+    groups = pp_topology.build_groups(topo)
+    plan = training.PipelinePlan(microbatches=MICROBATCHES, schedule="auto", k=1, replan_every=2)
+    runner, loop = mlp_loop(rank, plan, groups, lambda runner, optimizer, batches: job.build_loop(
+        runner, optimizer, batches, plan, lambda: None, "1Ti"))
+    planner = loop.planner = SlowLinkPlanner()
+    loop.run_step(0)  # negotiates: bytes per micro-batch are known from here
+    limit = int(6.5 * runner.microbatch_bytes)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    available = int(limit * ranks / (1 - memory.HEADROOM_FRACTION)) + ranks
+    memory._host_available_bytes = lambda: available  # the host as the budget reads it
+    reports = [loop.run_step(step) for step in range(1, 4)]
+    runner.close()
+    return {"limit": limit, "decisions": [r.decision for r in reports if r.decision], "free": planner.free,
+            "ks": [r.k for r in reports]}
 
 
 def outside_candidates_run(rank: int) -> dict[str, Any]:
@@ -100,7 +142,7 @@ def outside_candidates_run(rank: int) -> dict[str, Any]:
 
 
 def review_worker(rank: int, world: int) -> dict[str, Any]:
-    return {"moe": moe_step(rank, world), "outside": outside_candidates_run(rank)}
+    return {"moe": moe_step(rank, world), "budget": budget_run(rank), "outside": outside_candidates_run(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +187,20 @@ def test_a_decision_that_keeps_the_starting_k_records_nothing() -> None:
 
 
 @pytest.mark.slow
+def test_a_jobs_adaptive_k_never_picks_a_k_its_devices_cannot_hold(ranks: list[dict[str, Any]]) -> None:
+    run = ranks[0]["budget"]
+    assert run["decisions"], "the loop replans every 2 steps"
+    assert all(k >= 3 for k in run["free"]), run["free"]  # without limits the replay wants k >= 3
+    limits = [r["budget"]["limit"] for r in ranks]
+    for decision in run["decisions"]:
+        assert decision["k"] <= 2 and decision["feasible"] == (1, 2), decision["reason"]
+        # every stage's own room reached the planner (the budget floors to whole bytes)
+        assert all(abs(got - want) <= 1 for got, want in zip(decision["memory_limits"], limits, strict=True))
+        assert "rules out k=[3, 4]" in decision["reason"]
+    assert all(k <= 2 for r in ranks for k in r["budget"]["ks"])
+
+
+@pytest.mark.slow
 def test_a_running_k_outside_the_candidates_keeps_its_hysteresis(ranks: list[dict[str, Any]]) -> None:
     run = ranks[0]["outside"]
     decision = run["decision"]
@@ -153,10 +209,41 @@ def test_a_running_k_outside_the_candidates_keeps_its_hysteresis(ranks: list[dic
     assert "exceeds the memory limit" not in decision["reason"]
 
 
+def test_a_jobs_auto_loop_has_a_memory_budget_from_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """job.build_loop gives `schedule: auto` a budget (the planner had no limit at all: every k
+    fitted, 948 GiB predicted once); on CPU it is this rank's share of available memory."""
+    stage = SimpleNamespace(device=torch.device("cpu"))
+    plan = training.PipelinePlan(microbatches=MICROBATCHES, schedule="auto")
+    loop = job.build_loop(stage, None, lambda step: (None, None), plan, lambda: None, "1Ti")  # type: ignore[arg-type]
+    assert loop.memory_budget is not None
+    monkeypatch.setattr(memory, "_host_available_bytes", lambda: 10 * 2**30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert loop.memory_budget(0) == int((1 - memory.HEADROOM_FRACTION) * 5 * 2**30)
+    # a small pod: its limit, not the host's memory, bounds the share
+    small = job.build_loop(stage, None, lambda step: (None, None), plan, lambda: None, "2Gi")  # type: ignore[arg-type]
+    assert small.memory_budget is not None and small.memory_budget(0) < 2**30
+    fixed = training.PipelinePlan(microbatches=MICROBATCHES, schedule="1f1b")
+    unplanned = job.build_loop(stage, None, lambda step: (None, None), fixed, lambda: None, "1Ti")  # type: ignore[arg-type]
+    assert unplanned.memory_budget is None
+
+
 def plain(stages: int, ks: Sequence[int] = (1, 2, 3, 4)) -> tuple[dict[int, Any], dict[int, tuple[int, ...]]]:
     tables = schedules.build_candidates(stages, MICROBATCHES, ks)
     return ({k: t.to_plain() for k, t in tables.items()},
             {k: memory.predict_peak_bytes(t, [100] * stages) for k, t in tables.items()})
+
+
+def test_per_stage_memory_limits_rule_out_what_one_stage_cannot_hold() -> None:
+    candidates, peaks = plain(3)  # stage 0 holds 3, 6, 8, 8 micro-batches of 100 B at k = 1..4
+    args: dict[str, Any] = dict(step=5, current_k=1, forward_s=[1.0] * 3, backward_s=[2.0] * 3,
+                                link_forward_s=[2.0] * 2, link_backward_s=[2.0] * 2, measured_step_s=54.0,
+                                candidates=candidates, peak_bytes=peaks)
+    assert pipeline_planner.AdaptiveKPlanner().decide(**args).k == 3
+    decision = pipeline_planner.AdaptiveKPlanner().decide(**args, memory_limits=[650, None, 10_000])
+    assert (decision.k, decision.feasible) == (2, (1, 2))
+    assert "memory limit [650, -, 10000] B per stage rules out k=[3, 4]" in decision.reason
+    with pytest.raises(ValueError, match="memory_limits: need one value"):
+        pipeline_planner.AdaptiveKPlanner().decide(**args, memory_limits=[650])
 
 
 def window(planner: pipeline_planner.AdaptiveKPlanner, step: int, k: int, measured: float,

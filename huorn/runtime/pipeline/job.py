@@ -30,13 +30,16 @@ pipeline replicas (multiples of `stages` ranks), and M must stay divisible by th
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from huorn.api import base
 from huorn.runtime import comm, microbatches, train
-from huorn.runtime.pipeline import executor, planner, split, topology, training
+from huorn.runtime.pipeline import executor, memory, planner, split, topology, training
 
 
 class StageState(nn.Module):
@@ -92,11 +95,8 @@ class PipelineTrainer(train.Trainer):
         self.pipeline_plan = training.PipelinePlan(
             microbatches=self.plan.micro_batches // replicas, schedule=schedule,
             k=par.k if schedule == "kfkb" else 1, replan_every=self.cfg.pipeline_replan_every, comm=messages)
-        self.loop = training.PipelineTraining(
-            stage=self.stage_executor, optimizer=self.optimizer, batches=self.build_batches,
-            plan=self.pipeline_plan,
-            planner=planner.AdaptiveKPlanner() if schedule == "auto" else None,
-            before_update=self.clip_gradients)
+        self.loop = build_loop(self.stage_executor, self.optimizer, self.build_batches, self.pipeline_plan,
+                               self.clip_gradients, self.spec.resources.memory)
         self.last_k_decision: dict | None = None
         self.stage_layers = [end - start for start, end in ((s.start, s.end) for s in stages)]
         self.telemetry.set_parameter("pipeline", {
@@ -189,6 +189,21 @@ class PipelineTrainer(train.Trainer):
     def close(self) -> None:
         self.stage_executor.close()
         super().close()
+
+
+def build_loop(stage: executor.StageExecutor, optimizer: torch.optim.Optimizer,
+               batches: Callable[[int], training.Batch], plan: training.PipelinePlan,
+               before_update: Callable[[], None], pod_memory: str) -> training.PipelineTraining:
+    """The trainer's loop. With `schedule: auto` the planner's memory limit is each stage's
+    device (`memory.activation_budget`, asked at every replan; `pod_memory` is the replica's
+    `resources.memory`, the pod's limit on CPU): without one, every candidate k fitted, even
+    where 4× 1F1B's activations could not."""
+    auto = plan.schedule == "auto"
+    budget = functools.partial(memory.activation_budget, device=stage.device,
+                               pod_memory_bytes=base.parse_quantity(pod_memory))
+    return training.PipelineTraining(stage=stage, optimizer=optimizer, batches=batches, plan=plan,
+                                     planner=planner.AdaptiveKPlanner() if auto else None,
+                                     memory_budget=budget if auto else None, before_update=before_update)
 
 
 def batching_indices(micro_batches: int, topo: topology.PipelineTopology,

@@ -16,13 +16,19 @@ and GPU, where `torch.cuda.max_memory_allocated` would also count workspace and 
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
+import psutil
 import torch
 from torch import nn
 
 from huorn.runtime.pipeline import schedules
+
+# Memory a budget leaves to everything the model does not count: allocator fragmentation,
+# receive buffers posted ahead, a temporary larger than the measured step's (a tenth).
+HEADROOM_FRACTION = 0.1
 
 
 def predict_peak_bytes(schedule: schedules.Schedule, bytes_per_microbatch: Sequence[int]) -> tuple[int, ...]:
@@ -118,3 +124,36 @@ def measure_microbatch_bytes(module: nn.Module, inputs: Sequence[torch.Tensor],
     measured = meter.peak_bytes
     del outputs
     return measured
+
+
+def activation_budget(saved_peak_bytes: int, device: torch.device, pod_memory_bytes: float | None = None,
+                      local_ranks: int | None = None) -> int:
+    """Bytes of saved activations this rank has room for at a step's peak: the memory limit the
+    planner holds each stage's predicted peak against. Call it after a step, with the saved
+    peak that step measured.
+
+    On CUDA: what torch can hold (driver-free memory plus its own cache, less HEADROOM_FRACTION
+    of the device) minus what is not saved activations at the run's peak (peak allocated minus
+    the saved peak: weights, gradients, optimizer state, temporaries; all alike for every k).
+    On CPU: this rank's share of the host's available memory (activations are freed after the
+    step, so available counts them back) and, with `pod_memory_bytes` (the replica's pod limit,
+    `resources.memory`, which the host's figures do not show), the share of the pod not yet in
+    this process's resident set, each less HEADROOM_FRACTION. The host's ranks share it:
+    `local_ranks`, else torchrun's LOCAL_WORLD_SIZE."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        usable = free + torch.cuda.memory_reserved(device) - HEADROOM_FRACTION * total
+        other = torch.cuda.max_memory_allocated(device) - saved_peak_bytes
+        return max(0, int(usable - other))
+    ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if ranks < 1:
+        raise ValueError(f"local_ranks must be >= 1, got {ranks}")
+    usable = (1.0 - HEADROOM_FRACTION) * _host_available_bytes() / ranks
+    if pod_memory_bytes is not None:
+        resident = psutil.Process().memory_info().rss
+        usable = min(usable, (1.0 - HEADROOM_FRACTION) * pod_memory_bytes / ranks - resident)
+    return max(0, int(usable))
+
+
+def _host_available_bytes() -> int:
+    return int(psutil.virtual_memory().available)

@@ -21,6 +21,10 @@ scaled on the running k alone, would keep predicting the switch a gain), and the
 not switch back again while the figures stay; once they move, the old measurement no longer
 speaks for that k and the replay decides again.
 
+Memory: `memory_limit_bytes` (one figure for every stage) and, per call, `memory_limits` (one
+per stage, what each stage's device has room for: `memory.activation_budget`) both bound the
+predicted peak of every stage; a k that passes neither is not chosen.
+
 The planner also chooses how messages move (`comm`). "overlap" sends from links in the
 background and "lockstep" batches each action's sends and the next receive into one exchange
 that compute waits for (executor docstring). The replay cannot price what lockstep avoids:
@@ -114,6 +118,7 @@ class KDecision:
     # what the choice compared: measured_k_s where present, else the replay scaled by the nearest
     # measured k's measured ÷ predicted (AdaptiveKPlanner._expect)
     expected_step_s: dict[int, float] = field(default_factory=dict)
+    memory_limits: tuple[int | None, ...] = ()  # per stage, as given to decide (none: not given)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -178,9 +183,12 @@ class AdaptiveKPlanner:
     def decide(self, *, step: int, current_k: int, forward_s: Sequence[float], backward_s: Sequence[float],
                link_forward_s: Sequence[float], link_backward_s: Sequence[float], measured_step_s: float,
                candidates: Mapping[int, PlainTable], peak_bytes: Mapping[int, Sequence[int]],
-               comm: str = "overlap", lockstep_ok: Mapping[int, bool] | None = None) -> KDecision:
+               comm: str = "overlap", lockstep_ok: Mapping[int, bool] | None = None,
+               memory_limits: Sequence[int | None] | None = None) -> KDecision:
         """`comm` is how the window ran; `lockstep_ok[k]` says whether k's table has lockstep
-        exchanges (`schedules.lockstep_exchanges`); lockstep is only tried where it does."""
+        exchanges (`schedules.lockstep_exchanges`); lockstep is only tried where it does.
+        `memory_limits[s]` is what stage s has room for (None: no figure), on top of
+        `memory_limit_bytes`."""
         if comm not in ("overlap", "lockstep"):
             raise ValueError(f"comm must be 'overlap' or 'lockstep', got {comm!r}")
         if comm == "lockstep":
@@ -189,11 +197,16 @@ class AdaptiveKPlanner:
             raise ValueError("candidates: give at least one k with its table")
         if set(peak_bytes) != set(candidates):
             raise ValueError(f"peak_bytes must cover the same k as candidates: {sorted(candidates)}")
+        stages = len(forward_s)
+        if memory_limits is not None and len(memory_limits) != stages:
+            raise ValueError(f"memory_limits: need one value (or None) per stage ({stages}), "
+                             f"got {len(memory_limits)}")
+        limits = self._stage_limits(stages, memory_limits)
         worst = {k: max(peak_bytes[k]) for k in candidates}
-        limit = self.memory_limit_bytes
-        feasible = tuple(sorted(k for k in candidates if limit is None or worst[k] <= limit))
+        feasible = tuple(sorted(k for k in candidates if all(
+            limit is None or peak <= limit for peak, limit in zip(peak_bytes[k], limits, strict=True))))
         if not feasible:
-            feasible = (min(candidates, key=lambda k: worst[k]),)
+            feasible = (min(candidates, key=lambda k: (worst[k], k)),)
         predicted = {k: predict_step_seconds(candidates[k], forward_s, backward_s, link_forward_s,
                                              link_backward_s) for k in sorted(candidates)}
         known = current_k in predicted
@@ -212,7 +225,7 @@ class AdaptiveKPlanner:
         switch = best != current_k and (not current_ok or gain >= self.min_gain)
         chosen = best if switch else current_k
         reason = self._explain(current_k, best, chosen, predicted, measured, expected, scale, feasible, gain,
-                               forward_s, backward_s, link_forward_s, link_backward_s)
+                               forward_s, backward_s, link_forward_s, link_backward_s, limits)
         decision = KDecision(
             step=step, previous_k=current_k, k=chosen, changed=chosen != current_k, reason=reason,
             predicted_step_s={k: v * scale for k, v in predicted.items()}, peak_bytes=worst,
@@ -220,6 +233,7 @@ class AdaptiveKPlanner:
             forward_s=tuple(forward_s), backward_s=tuple(backward_s),
             link_forward_s=tuple(link_forward_s), link_backward_s=tuple(link_backward_s),
             measured_k_s=measured, expected_step_s=expected,
+            memory_limits=tuple(memory_limits) if memory_limits is not None else (),
         )
         decision = self._maybe_probe_lockstep(decision, lockstep_ok or {})
         self.history.append(decision)
@@ -238,6 +252,12 @@ class AdaptiveKPlanner:
                 nearest = min(ratios, key=lambda m: (abs(m - k), -ratios[m]), default=None)
                 expected[k] = value * (ratios[nearest] if nearest is not None else 1.0)
         return expected
+
+    def _stage_limits(self, stages: int, memory_limits: Sequence[int | None] | None) -> list[int | None]:
+        """Each stage's bound: the smaller of the fixed limit and the stage's own figure."""
+        own = list(memory_limits) if memory_limits is not None else [None] * stages
+        fixed = self.memory_limit_bytes
+        return [fixed if limit is None else limit if fixed is None else min(fixed, limit) for limit in own]
 
     def _maybe_probe_lockstep(self, decision: KDecision, lockstep_ok: Mapping[int, bool]) -> KDecision:
         """After an overlap window that keeps k: try (or return to) lockstep when the link is
@@ -302,7 +322,7 @@ class AdaptiveKPlanner:
                  measured: Mapping[int, float], expected: Mapping[int, float], scale: float,
                  feasible: Sequence[int], gain: float,
                  forward_s: Sequence[float], backward_s: Sequence[float], link_forward_s: Sequence[float],
-                 link_backward_s: Sequence[float]) -> str:
+                 link_backward_s: Sequence[float], limits: Sequence[int | None]) -> str:
         compute = max(f + b for f, b in zip(forward_s, backward_s, strict=True))
         link = max([*link_forward_s, *link_backward_s], default=0.0)
         ratio = link / compute if compute else 0.0
@@ -319,10 +339,13 @@ class AdaptiveKPlanner:
             if rescaled:
                 head += "; expected, scaled as the nearest measured k " + ", ".join(
                     f"k={k}: {v * 1e3:.1f} ms" for k, v in sorted(rescaled.items()))
-        if self.memory_limit_bytes is not None:
+        known = [limit for limit in limits if limit is not None]
+        if known:
             blocked = sorted(set(predicted) - set(feasible))
-            head += (f"; memory limit {self.memory_limit_bytes} B rules out k={blocked}" if blocked
-                     else f"; all k fit in {self.memory_limit_bytes} B")
+            per_stage = ", ".join("-" if limit is None else str(limit) for limit in limits)
+            bound = f"{known[0]} B" if len(set(limits)) == 1 else f"[{per_stage}] B per stage"
+            head += (f"; memory limit {bound} rules out k={blocked}" if blocked
+                     else f"; all k fit in {bound}")
         if current not in predicted:
             return (f"{head}; the running k={current} is not among the candidates "
                     f"{sorted(predicted)}: switch to k={chosen}")

@@ -37,10 +37,13 @@ Batch = tuple[Sequence[Sequence[torch.Tensor]] | None, Sequence[torch.Tensor] | 
 
 
 class KPlanner(Protocol):
+    """`memory_limits` is passed only by a loop with a `memory_budget`."""
+
     def decide(self, *, step: int, current_k: int, forward_s: Sequence[float], backward_s: Sequence[float],
                link_forward_s: Sequence[float], link_backward_s: Sequence[float], measured_step_s: float,
                candidates: Mapping[int, Any], peak_bytes: Mapping[int, Sequence[int]],
-               comm: str = ..., lockstep_ok: Mapping[int, bool] | None = ...) -> Any: ...
+               comm: str = ..., lockstep_ok: Mapping[int, bool] | None = ...,
+               memory_limits: Sequence[int | None] | None = ...) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -96,19 +99,28 @@ class StepReport:
 class PipelineTraining:
     """The step-by-step form of the loop, for a caller that owns the loop itself (the trainer
     sets the learning rate, clips gradients, checkpoints and agrees on stopping between steps).
-    `before_update()` runs after the step's backward passes and before `optimizer.step()`."""
+    `before_update()` runs after the step's backward passes and before `optimizer.step()`.
+
+    `memory_budget(saved_peak_bytes)`, when given, says how many bytes of saved activations
+    this rank has room for at a step's peak, from the peak the last step measured
+    (`memory.activation_budget` reads the device). Every rank asks it at each replan and the
+    planner gets one limit per stage (the tightest replica's), so adaptive k never picks a table
+    whose predicted peak a stage's device cannot hold. Without it the planner knows only its
+    own `memory_limit_bytes`."""
 
     def __init__(self, *, stage: executor.StageExecutor, optimizer: torch.optim.Optimizer,
                  batches: Callable[[int], Batch], plan: PipelinePlan, planner: KPlanner | None = None,
                  contention_level: Callable[[int], float] | None = None,
                  before_step: Callable[[int], None] | None = None,
-                 before_update: Callable[[], None] | None = None) -> None:
+                 before_update: Callable[[], None] | None = None,
+                 memory_budget: Callable[[int], int | None] | None = None) -> None:
         if plan.schedule == "auto" and planner is None:
             raise ValueError("schedule 'auto' needs a planner: pass "
                              "huorn.runtime.pipeline.planner.AdaptiveKPlanner()")
         self.runner, self.optimizer, self.batches, self.plan = stage, optimizer, batches, plan
         self.planner, self.contention_level = planner, contention_level
         self.before_step, self.before_update = before_step, before_update
+        self.memory_budget = memory_budget
         self.k = plan.k if plan.schedule in ("kfkb", "auto") else 1
         self.comm = "lockstep" if plan.comm == "lockstep" else "overlap"
         self.window: list[executor.StepStats] = []
@@ -169,7 +181,7 @@ class PipelineTraining:
         self.steps_done += 1
         if plan.schedule == "auto" and self.steps_done % plan.replan_every == 0:
             self.k, self.comm, report.decision = _replan(runner, self.planner, self.window, step,  # type: ignore[arg-type]
-                                                         self.k, self.comm, plan, mine)
+                                                         self.k, self.comm, plan, mine, self.memory_budget)
             self.window = []
         return report
 
@@ -180,14 +192,16 @@ def run_pipeline_training(
     contention_level: Callable[[int], float] | None = None,
     on_step: Callable[[StepReport], None] | None = None, start_step: int = 0,
     before_step: Callable[[int], None] | None = None,
+    memory_budget: Callable[[int], int | None] | None = None,
 ) -> list[StepReport]:
     """Train `steps` steps. `batches(step)` gives (micro-batch inputs, micro-batch targets):
     inputs are read on stage 0 and targets on the last stage (others may return None).
     With schedule `auto` a planner is required. `before_step(step)` runs on every rank before
     each step's clock starts (a barrier there makes step times start together, as the
-    benchmarks do). Returns this rank's reports."""
+    benchmarks do). `memory_budget` as in PipelineTraining. Returns this rank's reports."""
     loop = PipelineTraining(stage=stage, optimizer=optimizer, batches=batches, plan=plan, planner=planner,
-                            contention_level=contention_level, before_step=before_step)
+                            contention_level=contention_level, before_step=before_step,
+                            memory_budget=memory_budget)
     reports = []
     for step in range(start_step, start_step + steps):
         report = loop.run_step(step)
@@ -227,10 +241,11 @@ def _reduce_step(stats: executor.StepStats, device: torch.device, replicas: int,
 
 
 def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[executor.StepStats], step: int,
-            k: int, comm: str, plan: PipelinePlan, own_microbatches: int | None = None
-            ) -> tuple[int, str, dict | None]:
+            k: int, comm: str, plan: PipelinePlan, own_microbatches: int | None = None,
+            memory_budget: Callable[[int], int | None] | None = None) -> tuple[int, str, dict | None]:
     """Gather window averages from every rank, let rank 0 decide, broadcast k and the mode.
-    `own_microbatches` is this replica's table length (module docstring for unequal counts)."""
+    `own_microbatches` is this replica's table length (module docstring for unequal counts);
+    `memory_budget` gives this rank's room for saved activations (PipelineTraining)."""
     topo = runner.topology
 
     def typical(values: list[float]) -> float:
@@ -238,6 +253,7 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
         # wait for a peer still starting; a GC pause) would otherwise move k for a whole window.
         return statistics.median(values) if values else 0.0
 
+    budget = memory_budget(window[-1].peak_saved_bytes) if memory_budget is not None and window else None
     # a first step of a table is metered (slower, executor docstring): its time speaks for no k
     timed = [s for s in window if not s.metered] or window
     mine = torch.tensor([
@@ -247,6 +263,7 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
         typical([s.grad_link.seconds_per_message for s in window if s.grad_link]),
         typical([s.seconds for s in timed]), float(runner.microbatch_bytes),
         float(plan.microbatches if own_microbatches is None else own_microbatches),
+        -1.0 if budget is None else float(budget),
     ], dtype=torch.float64, device=runner.device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     runner.ledger.once("replan-gather", None, lambda: dist.all_gather(gathered, mine))
@@ -255,6 +272,12 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
     counts = [int(rows[r * stages][7]) for r in range(topo.replicas)]  # replica-major ranks
     even = len(set(counts)) == 1
     longest = plan.microbatches
+    # each stage's room, the tightest replica's (every replica runs the stage's share of memory)
+    limits: list[int | None] = [None] * stages
+    for row in rows:
+        stage = int(row[0])
+        if row[8] >= 0:
+            limits[stage] = int(row[8]) if limits[stage] is None else min(limits[stage], int(row[8]))
     if not even:  # the critical replica's rows only (module docstring)
         critical = max(range(topo.replicas), key=lambda r: counts[r] * max(
             row[1] + row[2] for row in rows[r * stages:(r + 1) * stages]))
@@ -279,6 +302,7 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
             peak_bytes = {c: tuple(max(per) for per in zip(*(
                 memory.predict_peak_bytes(schedules.build_schedule("kfkb", stages, m, c), bytes_per_stage)
                 for m in set(counts)), strict=True)) for c in tables}
+        budgeted = {"memory_limits": limits} if memory_budget is not None else {}
         result = planner.decide(
             step=step, current_k=current, forward_s=[w[0] for w in worst], backward_s=[w[1] for w in worst],
             link_forward_s=[worst[s][2] for s in range(stages - 1)],
@@ -288,6 +312,7 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
             peak_bytes=peak_bytes,
             comm=comm,
             lockstep_ok={c: _has_lockstep(t) for c, t in tables.items()} if plan.comm == "auto" else {},
+            **budgeted,
         )
         chosen[0] = int(result.k) if result.k != current else k
         chosen[1] = modes.index(result.comm)
