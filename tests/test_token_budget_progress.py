@@ -6,6 +6,7 @@ model's work left and D-CPT's run length read the tokens trained, not those step
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -13,9 +14,12 @@ from pathlib import Path
 
 import pytest
 import runtime_harness as harness
+from rich.console import Console
 
-from huorn.api import kinds
+from huorn import graph
+from huorn.api import kinds, manifests, training
 from huorn.backends import monitor
+from huorn.cli import live
 from huorn.operator import context, monitoring
 from huorn.runtime import telemetry as runtime_telemetry
 
@@ -23,6 +27,7 @@ CONTEXT = 128
 BATCH = 16  # the spec's globalBatch, at minReplicas 1
 STEP_TOKENS = BATCH * CONTEXT
 BUDGET = 100 * STEP_TOKENS  # 100 steps at the spec's batch; 50 at a world of 2
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 
 
 def build_job(tokens: int | None = BUDGET, steps: int | None = None) -> object:
@@ -130,3 +135,28 @@ def test_the_trainer_publishes_the_tokens_it_trained_in_telemetry(tmp_path: Path
     assert done.returncode == 0, done.stderr[-3000:]
     records = json.loads(done.stdout.strip().splitlines()[-1])
     assert records == [{"step": s, "tokens": s * 4 * context_, "global_batch": 4} for s in (1, 2, 3)]
+
+
+def quickstart_by_tokens(tokens: int = BUDGET) -> object:
+    """examples/quickstart.yaml (context 128, globalBatch 16, 1-2 replicas) with its 300 steps
+    made a budget of `tokens` under scale-with-replicas."""
+    resource = manifests.load_manifest(QUICKSTART)
+    resource.spec.optimization.tokens = tokens
+    resource.spec.optimization.steps = None
+    resource.spec.optimization.batch_rule = training.BatchRule.SCALE_WITH_REPLICAS
+    return graph.compile(resource)
+
+
+def test_the_live_view_shows_a_token_budget_by_the_tokens_trained() -> None:
+    """Before, `huorn run` of a budget in tokens printed 'step 20/?' and a full bar from the first
+    step; at world 2 the run ends at step 50, which no step total of the spec's batch says."""
+    view = live.RunView(quickstart_by_tokens(), total_steps=None, enabled=False)
+    buffer = io.StringIO()
+    view.console = Console(file=buffer, width=200)
+    seen = monitor.Observation(time=0.0, steps=[{**r, "world_size": 2} for r in steps_at_world(2, 1, 20)])
+    view.update(monitor.TickResult(seen, [], [], []))
+    assert buffer.getvalue().splitlines()[-1].startswith("step 20 (tokens 81,920/204,800, 40%)  loss")
+    assert view.progress() == (BUDGET, 40 * STEP_TOKENS)
+    limited = live.RunView(quickstart_by_tokens(), total_steps=30, enabled=False)  # --steps wins
+    limited.update(monitor.TickResult(seen, [], [], []))
+    assert limited.summary_line().startswith("step 20/30  loss") and limited.progress() == (30, 20)

@@ -16,6 +16,7 @@ from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
+from huorn.api import training
 from huorn.backends import monitor
 from huorn.graph import model
 
@@ -24,8 +25,15 @@ PLAIN_EVERY_STEPS = 10
 
 class RunView:
     def __init__(self, graph: model.Graph, total_steps: int | None, enabled: bool) -> None:
+        """`total_steps`: where the trainers stop when a step limit (--steps) overrides the spec's
+        budget. Without one, a budget in `optimization.tokens` is shown as tokens trained: the
+        trainer ends on them, and a batch grown by `scale-with-replicas` ends it in fewer steps
+        than the spec's globalBatch makes of them, so no step count is its end."""
         self.graph = graph
-        self.total = total_steps or graph.vertex("trainer").params["spec"]["optimization"].get("steps")
+        spec = training.TrainingJobSpec.model_validate(graph.vertex("trainer").params["spec"])
+        self.token_budget = training.token_budget(spec) if total_steps is None else None
+        self.total = total_steps or (None if self.token_budget is not None else training.declared_steps(spec))
+        self.tokens: int | None = None  # trained so far, as the newest step record says
         self.enabled = enabled
         self.console = Console(stderr=True)  # stdout stays for --json's one document
         self.step = 0
@@ -65,6 +73,8 @@ class RunView:
             self.loss = float(record["loss"])
             self.tokens_per_second = float(record["tokens_per_second"])
             self.world_size = int(record["world_size"])
+            if record.get("tokens") is not None:
+                self.tokens = int(record["tokens"])
         self.ranks = result.observation.telemetry
         for mutation in result.mutations:
             self._event(f"v{mutation.version} {mutation.action} {mutation.target}: {mutation.reason}")
@@ -91,9 +101,25 @@ class RunView:
         loss = f"{self.loss:.4f}" if self.loss is not None else "-"
         tps = f"{self.tokens_per_second:,.0f}" if self.tokens_per_second is not None else "-"
         return (
-            f"step {self.step}/{self.total or '?'}  loss {loss}  tokens/s {tps}  "
+            f"step {self.describe_steps()}  loss {loss}  tokens/s {tps}  "
             f"replicas {self.world_size}  graph v{self.graph.version}"
         )
+
+    def describe_steps(self) -> str:
+        """'12/30' against a budget in steps; '12 (tokens 24,576/204,800, 12%)' against one in
+        tokens, whose step count is not known ahead."""
+        if self.token_budget is None:
+            return f"{self.step}/{self.total or '?'}"
+        if self.tokens is None:
+            return f"{self.step} (tokens ?/{self.token_budget:,})"
+        share = min(100, 100 * self.tokens // self.token_budget)
+        return f"{self.step} (tokens {self.tokens:,}/{self.token_budget:,}, {share}%)"
+
+    def progress(self) -> tuple[float, float]:
+        """The bar's (total, completed): steps, or tokens for a budget in tokens."""
+        if self.token_budget is not None:
+            return float(self.token_budget), float(self.tokens or 0)
+        return float(self.total or max(self.step, 1)), float(self.step)
 
     def describe_ranks(self) -> str:
         """One word per rank from its /telemetry: heartbeat age and the last collective entered
@@ -113,7 +139,8 @@ class RunView:
     def render(self) -> Group:
         table = Table.grid(padding=(0, 2))
         table.add_row("job", f"{self.graph.kind} {self.graph.name}  (graph v{self.graph.version})")
-        table.add_row("step", f"{self.step} / {self.total or '?'}")
+        table.add_row("step", f"{self.step} / {self.total or '?'}" if self.token_budget is None
+                      else self.describe_steps())
         table.add_row("loss", f"{self.loss:.4f}" if self.loss is not None else "-")
         table.add_row("tokens/s", f"{self.tokens_per_second:,.0f}" if self.tokens_per_second else "-")
         table.add_row(
@@ -124,5 +151,6 @@ class RunView:
         events = Table.grid()
         for line in self.events:
             events.add_row(line)
-        bar = ProgressBar(total=float(self.total or max(self.step, 1)), completed=float(self.step), width=50)
+        total, completed = self.progress()
+        bar = ProgressBar(total=total, completed=completed, width=50)
         return Group(bar, table, "latest events:", events)
