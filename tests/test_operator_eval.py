@@ -353,12 +353,14 @@ def test_results_are_bounded_and_failures_say_why() -> None:
 
 
 def test_the_final_step_is_the_trainers_total_steps() -> None:
-    by_tokens = make_job("llm")
-    by_tokens["spec"]["optimization"] = {"tokens": 10_000, "globalBatch": 48, "microBatch": 4}
-    job = validation.load_job(by_tokens | {"metadata": {"name": "llm", "namespace": NS}})
+    """A budget in steps; one in tokens has no final step the operator could know
+    (tests/test_token_budget_progress.py)."""
+    by_steps = make_job("llm")
+    by_steps["spec"]["optimization"] = {"steps": 2, "globalBatch": 48, "microBatch": 4}
+    job = validation.load_job(by_steps | {"metadata": {"name": "llm", "namespace": NS}})
     ref = manifests.JobRef("TrainingJob", "llm", NS, "u1")
-    cfg = run_config.RunConfig.model_validate(manifests.build_run_config(ref, by_tokens["spec"]))
-    assert evaluation.final_step(job) == cfg.total_steps() == 2  # ceil(10,000 / (48 × 128))
+    cfg = run_config.RunConfig.model_validate(manifests.build_run_config(ref, by_steps["spec"]))
+    assert evaluation.final_step(job) == cfg.total_steps() == 2
     graph = eval_graph({"vertex": "trainer", "step": 2, "path": "/c/2"})
     assert evaluation.final_checkpoint(graph, job) is None
     graph = eval_graph({"vertex": "trainer", "step": 1, "path": "/c/1"})

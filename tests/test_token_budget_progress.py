@@ -19,8 +19,12 @@ from rich.console import Console
 from huorn import graph
 from huorn.api import kinds, manifests, training
 from huorn.backends import monitor
+from huorn.backends.kubernetes import manifests as kube_manifests
+from huorn.backends.kubernetes import observe
 from huorn.cli import live
-from huorn.operator import context, monitoring
+from huorn.graph import compiler, model
+from huorn.operator import context, evaluation, monitoring
+from huorn.operator.index import PodRecord
 from huorn.runtime import telemetry as runtime_telemetry
 
 CONTEXT = 128
@@ -116,15 +120,18 @@ from huorn.runtime import config, train
 
 trainer = train.Trainer(config.load_run_config(Path(sys.argv[1])))
 code = trainer.run()
-print(json.dumps([{k: s.get(k) for k in ("step", "tokens", "global_batch")}
-                  for s in trainer.telemetry.snapshot()["steps"]]), flush=True)
+snapshot = trainer.telemetry.snapshot()
+print(json.dumps({"steps": [{k: s.get(k) for k in ("step", "tokens", "global_batch")}
+                            for s in snapshot["steps"]],
+                  "checkpoint": snapshot["parameters"].get("checkpoint")}), flush=True)
 os._exit(code)
 """
 
 
 def test_the_trainer_publishes_the_tokens_it_trained_in_telemetry(tmp_path: Path) -> None:
-    """A real trainer (one process, CPU, 3 steps): /telemetry's step records carry the count the
-    trainer ends on, which the operator reads (before, only its own step log had it)."""
+    """A real trainer (one process, CPU, 3 steps): /telemetry's step records and its last
+    checkpoint carry the count the trainer ends on, which the operator reads for progress and to
+    tell the final checkpoint (before, only the trainer's own step log and checkpoints had it)."""
     context_ = 32  # harness.build_spec's
     spec = harness.build_spec(steps=None, interval_steps=None, global_batch=4, micro_batch=2,
                               tokens=3 * 4 * context_)
@@ -133,8 +140,10 @@ def test_the_trainer_publishes_the_tokens_it_trained_in_telemetry(tmp_path: Path
     done = subprocess.run([sys.executable, "-c", _RUN, str(config)], cwd=harness.REPO,
                           env=harness.child_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    records = json.loads(done.stdout.strip().splitlines()[-1])
-    assert records == [{"step": s, "tokens": s * 4 * context_, "global_batch": 4} for s in (1, 2, 3)]
+    published = json.loads(done.stdout.strip().splitlines()[-1])
+    assert published["steps"] == [{"step": s, "tokens": s * 4 * context_, "global_batch": 4}
+                                  for s in (1, 2, 3)]
+    assert (published["checkpoint"]["step"], published["checkpoint"]["tokens"]) == (3, 3 * 4 * context_)
 
 
 def quickstart_by_tokens(tokens: int = BUDGET) -> object:
@@ -160,3 +169,88 @@ def test_the_live_view_shows_a_token_budget_by_the_tokens_trained() -> None:
     limited = live.RunView(quickstart_by_tokens(), total_steps=30, enabled=False)  # --steps wins
     limited.update(monitor.TickResult(seen, [], [], []))
     assert limited.summary_line().startswith("step 20/30  loss") and limited.progress() == (30, 20)
+
+
+def eval_job(tokens: int | None = BUDGET, steps: int | None = None) -> tuple[object, model.Graph]:
+    """A job of build_job with an eval vertex (huorn.io/eval), and its graph."""
+    job = build_job(tokens, steps)
+    job.metadata.annotations = {"huorn.io/eval": "true"}  # type: ignore[attr-defined]
+    return job, compiler.compile(job)
+
+
+def handed(graph: model.Graph) -> dict | None:
+    return graph.vertex("eval").params.get("checkpoint")
+
+
+def hand_final(graph: model.Graph, job: object) -> dict | None:
+    """What the reconcile does once every trainer pod succeeded (operator.training.reconcile)."""
+    last = evaluation.final_checkpoint(graph, job)
+    if last is not None:
+        observation = monitor.Observation(time=0.0, checkpoint=last, finished=True)
+        monitor.Monitor(graph, observe.ObservedBackend(observation), []).tick()
+    return last
+
+
+def published(step: int, tokens: int | None) -> dict:
+    """/telemetry of rank 0 with the checkpoint the trainer published last."""
+    checkpoint = {"step": step, "path": f"/c/{step}", **({"tokens": tokens} if tokens is not None else {})}
+    return {"trainer-0": {"rank": 0, "parameters": {"checkpoint": checkpoint}}}
+
+
+def test_the_final_checkpoint_seen_at_a_grown_batch_is_not_evaluated_again() -> None:
+    """World 2: the run ends at step 50 with the budget trained, and the monitor saw that
+    checkpoint land. Before, the final step was the declared 100, so the reconcile handed a
+    'step 100' the run never reached and the same checkpoint was evaluated a second time."""
+    job, graph = eval_job()
+    landed = evaluation.landed_checkpoint(graph, published(50, BUDGET))
+    assert landed is not None
+    seen = monitor.Observation(time=0.0, checkpoint=landed)
+    monitor.Monitor(graph, observe.ObservedBackend(seen), []).tick()
+    assert handed(graph) == landed
+    assert evaluation.final_checkpoint(graph, job) is None
+    assert landed == {"vertex": "trainer", "step": 50, "path": "/c/50", "tokens": BUDGET}
+
+
+def test_an_unseen_final_checkpoint_of_a_token_budget_is_handed_once_as_final() -> None:
+    """The trainers exited right after their final save, before a poll: the last checkpoint the
+    monitor saw holds less than the budget. Its step is not known here, so it is handed as the
+    final one, evaluated once (pod `-latest`), and not again."""
+    job, graph = eval_job()
+    assert evaluation.landed_checkpoint(graph, published(40, 80 * STEP_TOKENS)) is not None
+    graph.vertex("eval").params["checkpoint"] = {"vertex": "trainer", "step": 40, "path": "/c/40",
+                                                 "tokens": 80 * STEP_TOKENS}
+    last = hand_final(graph, job)
+    assert last == {"vertex": "trainer", "step": None, "path": None, "final": True}
+    assert handed(graph) == last and graph.vertex("eval").active
+    ref = kube_manifests.JobRef("TrainingJob", "llm", "t", "u1")
+    instance = graph.vertex("eval").instances[0]
+    assert kube_manifests.eval_pod_name(ref, instance, last).endswith("-latest")
+    assert hand_final(graph, job) is None, "handed once"
+    assert evaluation.landed_checkpoint(graph, published(50, BUDGET)) is None, "nothing is newer"
+
+
+def test_a_final_step_past_the_declared_steps_is_still_evaluated() -> None:
+    """globalBatch edited smaller mid-run: the run passes the 100 steps the spec's (new) batch
+    makes of the budget before it has trained it. Before, a periodic checkpoint at step 110 read
+    as the final one, and the real final checkpoint was never evaluated."""
+    job, graph = eval_job()
+    graph.vertex("eval").params["checkpoint"] = {"vertex": "trainer", "step": 110, "path": "/c/110",
+                                                 "tokens": 90 * STEP_TOKENS}
+    assert hand_final(graph, job) == {"vertex": "trainer", "step": None, "path": None, "final": True}
+
+
+def test_a_budget_in_steps_still_names_its_final_step() -> None:
+    job, graph = eval_job(tokens=None, steps=30)
+    assert evaluation.final_step(job) == 30
+    graph.vertex("eval").params["checkpoint"] = {"vertex": "trainer", "step": 25, "path": "/c/25"}
+    assert hand_final(graph, job) == {"vertex": "trainer", "step": 30, "path": None}
+    assert hand_final(graph, job) is None
+
+
+def test_a_failed_final_eval_of_unknown_step_is_reported() -> None:
+    pod = PodRecord("t", "llm-eval-0-latest", "llm", "eval", "eval-0", "", 0, 0, "", phase="Failed",
+                    exit_code=1, message="error: no checkpoint", input={"vertex": "trainer", "step": None,
+                                                                        "path": None, "final": True})
+    entry = evaluation.build_result(pod, "t")
+    assert entry["step"] == -1 and entry["phase"] == "Failed"
+    assert evaluation.describe(entry).startswith("evaluation of the checkpoint of the last step failed")

@@ -4,8 +4,8 @@ Nothing here decides when an eval runs. The monitor tick hands the shared loop t
 the local backend's managers do the rest exactly as in `huorn run`:
 
 - a checkpoint the trainers published in `/telemetry` that the eval vertex has not been handed
-  yet becomes `Observation.checkpoint`; the CheckpointEdgeManager sets the vertex's `checkpoint`
-  parameter and activates it;
+  yet becomes `Observation.checkpoint` (its step, path and the tokens trained into it); the
+  CheckpointEdgeManager sets the vertex's `checkpoint` parameter and activates it;
 - an eval pod that ended becomes a completed `InstanceState` whose `input` is the checkpoint the
   pod was started on (its `huorn.io/checkpoint` annotation); the OnDemandManager parks the vertex
   again, or replaces the instance when a newer checkpoint landed meanwhile.
@@ -23,7 +23,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from huorn.api.training import declared_steps
+from huorn.api.training import declared_steps, token_budget
 from huorn.backends import monitor
 from huorn.backends.kubernetes import manifests
 from huorn.graph import model
@@ -144,34 +144,60 @@ def landed_checkpoint(graph: model.Graph, telemetry: Mapping[str, Mapping[str, A
     landed = (first.get("parameters") or {}).get("checkpoint")
     if not isinstance(landed, dict) or landed.get("step") is None:
         return None
-    data = {"vertex": "trainer", "step": int(landed["step"]), "path": landed.get("path")}
+    data: dict[str, Any] = {"vertex": "trainer", "step": int(landed["step"]), "path": landed.get("path")}
+    if landed.get("tokens") is not None:
+        data["tokens"] = int(landed["tokens"])  # what final_checkpoint tells the last one by
     for edge in graph.edges_from("trainer"):
         if edge.kind != "checkpoint" or edge.target not in graph.vertices:
             continue
         handed = graph.vertices[edge.target].params.get("checkpoint") or {}
+        if handed.get("final"):
+            continue  # the trainers' last: nothing they publish is newer
         if handed.get("step") is None or int(handed["step"]) < data["step"]:
             return data
     return None
 
 
-def final_step(job: Any) -> int:
-    """The step of the trainers' last checkpoint: they always save at their last step, the
-    declared steps for a pod (no stepLimit)."""
-    return declared_steps(job.spec)
+def final_step(job: Any) -> int | None:
+    """The step of the trainers' last checkpoint, where the spec tells it: they always save at
+    their last step, the declared steps for a pod (no stepLimit). None for a budget in tokens:
+    the trainers end at the first step with the budget trained, and a batch grown by
+    `scale-with-replicas` (or an edited globalBatch) takes fewer steps (or more) than the spec's
+    globalBatch makes of it, so only the trainers know that step."""
+    return declared_steps(job.spec) if token_budget(job.spec) is None else None
+
+
+def is_final(checkpoint: Mapping[str, Any], job: Any) -> bool:
+    """Whether a checkpoint handed to the eval vertex is the trainers' last: the one
+    final_checkpoint hands, one of the final step, or, for a budget in tokens, one that holds
+    the budget (`tokens`, which the trainers publish with each checkpoint)."""
+    if checkpoint.get("final"):
+        return True
+    budget, step = token_budget(job.spec), final_step(job)
+    if budget is not None:
+        return checkpoint.get("tokens") is not None and int(checkpoint["tokens"]) >= budget
+    return checkpoint.get("step") is not None and step is not None and int(checkpoint["step"]) >= step
 
 
 def final_checkpoint(graph: model.Graph, job: Any) -> dict[str, Any] | None:
     """When every trainer pod succeeded: the last checkpoint, as a checkpoint edge carries it, if
     the eval vertex was not handed it (the monitor polls every few seconds, and a trainer exits
     right after its final save, so its telemetry may never have shown it). No path: the pod gets
-    the checkpoint root, whose newest complete checkpoint the evaluator picks."""
+    the checkpoint root, whose newest complete checkpoint the evaluator picks.
+
+    Under a budget in tokens the step is not known here (final_step), so the checkpoint is
+    handed as `final` with no step: the pod is named `-latest`, and its result carries the step
+    the evaluator found. Before, it was handed as the declared steps, a step such a run never
+    reaches once its batch grew: a final checkpoint the monitor had seen was evaluated twice, and
+    one past the declared steps (a batch edited smaller) not at all."""
     step = final_step(job)
     for edge in graph.edges_from("trainer"):
         if edge.kind != "checkpoint" or edge.target not in graph.vertices:
             continue
         handed = graph.vertices[edge.target].params.get("checkpoint") or {}
-        if handed.get("step") is None or int(handed["step"]) < step:
-            return {"vertex": "trainer", "step": step, "path": None}
+        if not is_final(handed, job):
+            return ({"vertex": "trainer", "step": step, "path": None} if step is not None
+                    else {"vertex": "trainer", "step": None, "path": None, "final": True})
     return None
 
 
@@ -179,10 +205,12 @@ def build_result(pod: PodRecord, when: str, why: str | None = None) -> dict[str,
     """One bounded status entry for a finished eval pod (`why`: the failure, if known already)."""
     result = parse_result(pod)
     why = failure(pod) if why is None else why
+    # None: a failed final eval of a budget in tokens, whose step only the evaluator would know
+    step = (result or {}).get("step", (pod.input or {}).get("step"))
     entry: dict[str, Any] = {
         "pod": pod.name,
         "phase": "Failed" if why else "Succeeded",
-        "step": int((result or {}).get("step", (pod.input or {}).get("step", -1))),
+        "step": -1 if step is None else int(step),
         "checkpoint": str((result or {}).get("checkpoint") or (pod.input or {}).get("path") or ""),
         "time": when,
     }
@@ -224,7 +252,8 @@ def build_status(old: Mapping[str, Any], results: list[dict[str, Any]]) -> dict[
 def describe(entry: Mapping[str, Any]) -> str:
     """The Event's message for one result."""
     if entry["phase"] != "Succeeded":
-        return f"evaluation of the checkpoint of step {entry['step']} failed: {entry.get('message', '')}"
+        which = f"step {entry['step']}" if entry["step"] >= 0 else "the last step"
+        return f"evaluation of the checkpoint of {which} failed: {entry.get('message', '')}"
     sources = ", ".join(f"{k} {v:.4f}" for k, v in entry.get("sources", {}).items())
     return (f"checkpoint of step {entry['step']}: loss {entry['loss']:.4f}"
             + (f" ({sources})" if sources else ""))

@@ -369,9 +369,10 @@ class Trainer:
         self.last_checkpoint_time = time.monotonic()
         self.log({"event": "checkpoint", "step": step, "reason": reason, "path": str(path),
                   "seconds": time.monotonic() - started})
-        # the operator copies it to status.lastCheckpoint
+        # the operator copies it to status.lastCheckpoint; the tokens tell it the final one of a
+        # budget in tokens (huorn.operator.evaluation.is_final)
         self.telemetry.set_parameter("checkpoint", {
-            "step": step, "path": str(path),
+            "step": step, "path": str(path), "tokens": self.tokens,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
     # -- one step --------------------------------------------------------------------------------
