@@ -18,7 +18,8 @@ from rich.console import Console
 
 from huorn import graph
 from huorn.api import kinds, manifests, training
-from huorn.backends import monitor
+from huorn.api.common import ElasticityPolicy
+from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import manifests as kube_manifests
 from huorn.backends.kubernetes import observe
 from huorn.cli import live
@@ -26,6 +27,7 @@ from huorn.graph import compiler, model
 from huorn.operator import context, evaluation, monitoring
 from huorn.operator.index import PodRecord
 from huorn.runtime import telemetry as runtime_telemetry
+from huorn.scheduler import telemetry as scheduler_telemetry
 
 CONTEXT = 128
 BATCH = 16  # the spec's globalBatch, at minReplicas 1
@@ -254,3 +256,49 @@ def test_a_failed_final_eval_of_unknown_step_is_reported() -> None:
     entry = evaluation.build_result(pod, "t")
     assert entry["step"] == -1 and entry["phase"] == "Failed"
     assert evaluation.describe(entry).startswith("evaluation of the checkpoint of the last step failed")
+
+
+def goodput_policy() -> tuple[goodput.GoodputPolicy, model.Graph]:
+    """The operator's goodput policy of build_job (policy goodput, no GPUs: it decides alone)."""
+    job = build_job()
+    job.spec.elasticity.policy = ElasticityPolicy.GOODPUT  # type: ignore[attr-defined]
+    policy = monitoring.build_policies(job, ("uid", 1)).goodput
+    assert policy is not None
+    return policy, compiler.compile(job)
+
+
+def test_the_goodput_model_learns_each_step_at_the_batch_it_trained() -> None:
+    """Two replicas under scale-with-replicas compute 16 sequences each (32 in all). Before, the
+    samples said 8 (the spec's 16 ÷ 2): the model put a grown gang's step time at half its work."""
+    policy, _ = goodput_policy()
+    policy.learn([{**r, "world_size": 2} for r in steps_at_world(2, 1, 4)])
+    assert [(s.replicas, s.local_batch) for s in policy.perf.samples] == [(2, 16.0)] * 4
+
+
+def test_the_work_left_of_a_token_budget_is_the_tokens_not_trained_in_samples() -> None:
+    """Step 20 at two replicas has trained 40 steps of the spec's batch: 60 × 16 samples are left
+    (30 steps of 32). Before, 80 declared steps × 16 were: a third more work than there is, which
+    the allocator's JCT terms weigh."""
+    policy, graph = goodput_policy()
+    policy.decide(graph, monitor.Observation(time=0.0, steps=[{**r, "world_size": 2}
+                                                               for r in steps_at_world(2, 1, 20)]))
+    assert policy.view is not None and policy.view.remaining_work == 60 * BATCH
+    # a budget in steps (or a trainer that reports no tokens) counts steps of globalBatch, as before
+    by_steps = goodput.GoodputPolicy("llm", "train", slots=4, global_batch=BATCH, total_steps=100)
+    by_steps.learn(steps_at_world(2, 1, 20))
+    assert by_steps.remaining_work(20) == 80 * BATCH
+
+
+def test_the_step_log_takes_the_batch_of_a_regroup_not_only_of_a_start() -> None:
+    """An in-place resize logs `regroup` with the new gang's batch, and no `start`. Before, the
+    steps after it were counted at the start's batch over the new world (8 a replica, not 16)."""
+    events = [{"event": "start", "world_size": 1, "global_batch": 16}]
+    events += [{"event": "step", "world_size": 1, "step_seconds": 1.0} for _ in range(4)]
+    events += [{"event": "regroup", "world_size": 2, "global_batch": 32}]
+    events += [{"event": "step", "world_size": 2, "step_seconds": 1.1} for _ in range(4)]
+    samples = scheduler_telemetry.samples_from_step_events(events)
+    assert [(s.replicas, s.local_batch) for s in samples] == [(1, 16.0), (2, 16.0)]
+    # a step record's own global_batch (the trainer logs it since 63da27b) wins
+    events[-1] = {**events[-1], "global_batch": 48}
+    samples = scheduler_telemetry.samples_from_step_events(events)
+    assert [(s.replicas, s.local_batch) for s in samples] == [(1, 16.0), (2, 16.0), (2, 24.0)]

@@ -49,6 +49,12 @@ class GoodputPolicy:
             dataclasses.replace(allocator.HUORN_RUNTIME, gpus_per_node=1 << 10))
     )
     total_steps: int | None = None  # the job's optimizer steps: its remaining work, for the JCT terms
+    # A budget in tokens (training.token_budget) and the model's context: the work left is then the
+    # tokens not trained yet (the step records' `tokens`), in samples of `context` tokens. The
+    # trainer ends such a run on them, in fewer steps than total_steps once scale-with-replicas
+    # grows the batch, so steps left × globalBatch overstated it by the batch's growth.
+    tokens: int | None = None
+    context: int | None = None
     decide_every_steps: int = 5
     min_samples: int = 3
     restart_seconds: float = 20.0  # a restart of the gang from its checkpoint (torchrun's way)
@@ -67,7 +73,8 @@ class GoodputPolicy:
     view: allocator.JobView | None = None  # the job as the allocator last saw it (the arbiter's peers)
     last_decision: allocator.Decision | None = None
     _last_step: int = 0
-    _times: dict[int, list[float]] = field(default_factory=dict)
+    _trained: int | None = None  # tokens trained, as the newest step record with them says
+    _times: dict[tuple[int, float], list[float]] = field(default_factory=dict)
     _epoch: int = field(default_factory=lambda: next(_EPOCHS))
 
     def model_version(self) -> int:
@@ -76,16 +83,25 @@ class GoodputPolicy:
 
     def learn(self, steps: list[dict]) -> None:
         """Feed step records to the performance model, skipping outliers such as the first step
-        after a restart (it pays for warm-up, not for the configuration)."""
+        after a restart (it pays for warm-up, not for the configuration).
+
+        A sample's local batch is the step's own global batch (the record's `global_batch`) over
+        its replicas: under batchRule scale-with-replicas the batch grows with the gang, and the
+        spec's globalBatch ÷ replicas put the step times of a grown gang at a local batch it never
+        ran (at 2 replicas of globalBatch 16, 8 a replica where each computed 16), so the model
+        saw a larger gang as slower per sample than it is."""
         for record in steps:
+            if record.get("tokens") is not None:
+                self._trained = int(record["tokens"])
             world, seconds = int(record.get("world_size", 0)), float(record.get("step_seconds") or 0.0)
             if world < 1 or seconds <= 0:
                 continue
-            seen = self._times.setdefault(world, [])
+            local = float(record.get("global_batch") or self.global_batch) / world
+            seen = self._times.setdefault((world, local), [])
             if len(seen) >= 3 and seconds > 3 * statistics.median(seen):
                 continue
             seen.append(seconds)
-            self.perf.observe(perfmodel.Sample(world, 1, self.global_batch / world, seconds))
+            self.perf.observe(perfmodel.Sample(world, 1, local, seconds))
             if record.get("gradient_noise_scale"):
                 self.noise_scale = float(record["gradient_noise_scale"])
 
@@ -117,9 +133,7 @@ class GoodputPolicy:
             last_resize=last_resize,
             last_direction=last_direction,
             model_version=self.model_version(),
-            # samples left, in the unit of the performance model's throughput (samples per second)
-            remaining_work=(max(self.total_steps - step, 0) * self.global_batch
-                            if self.total_steps is not None else None),
+            remaining_work=self.remaining_work(step),
         )
         self.view = job
         if self.arbiter is not None:
@@ -137,6 +151,17 @@ class GoodputPolicy:
         data: dict[str, Any] = {"replicas": decision.replicas, "reason": reason[:1000]}
         data.update(repack(v, decision, observation.nodes))
         return [managers.Event(managers.SCHEDULER_DECISION, self.vertex, data)]
+
+    def remaining_work(self, step: int) -> float | None:
+        """Samples left, in the unit of the performance model's throughput (samples per second):
+        the tokens of a budget in tokens not trained yet over the context, or the steps left of
+        the spec's globalBatch; None when the job's length is unknown. A trainer that reports no
+        tokens (an image from before) is counted in steps, as it was."""
+        if self.tokens is not None and self.context and self._trained is not None:
+            return max(self.tokens - self._trained, 0) / self.context
+        if self.total_steps is None:
+            return None
+        return max(self.total_steps - step, 0) * self.global_batch
 
 
 def repack(vertex: model.Vertex, decision: allocator.Decision, nodes: dict[str, str]) -> dict[str, Any]:

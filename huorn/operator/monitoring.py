@@ -93,6 +93,7 @@ def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = N
             slots=spec.elasticity.max_replicas if not gpus else 0, gpus_per_replica=max(1, gpus),
             arbiter=arbiter if gpus else None,
             global_batch=float(spec.optimization.global_batch), total_steps=total, priority=spec.priority,
+            tokens=token_budget(spec), context=spec.model.context,
         )
     remediation = policy.RemediationPolicy(spec.remediation)
     trainer = graph.vertices.get("trainer") if graph is not None else None

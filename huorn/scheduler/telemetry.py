@@ -1,11 +1,12 @@
 """Turn the runtime's step log into what the scheduler learns from: perf samples and noise scale.
 
 The runtime (huorn/runtime) appends one JSON object per event to `steps.jsonl`: `start` (with the
-gang's world size and global batch), then `step` lines with `step_seconds` and, when it has
-enough history, `gradient_noise_scale`. The scheduler may not import the runtime (the layers point
-the other way), so this module reads the plain dicts. One sample per configuration, its median
-step time: a median shrugs off the first steps after a restart (compilation, cold caches) and a
-noisy neighbour, which a mean would fold into the curve.
+gang's world size and global batch), then `step` lines with `step_seconds`, the step's
+`global_batch` and, when it has enough history, `gradient_noise_scale`; an in-place resize logs
+`regroup` with the new gang's world size and global batch, and no `start`. The scheduler may not
+import the runtime (the layers point the other way), so this module reads the plain dicts. One
+sample per configuration, its median step time: a median shrugs off the first steps after a
+restart (compilation, cold caches) and a noisy neighbour, which a mean would fold into the curve.
 """
 
 from __future__ import annotations
@@ -18,21 +19,27 @@ from huorn.scheduler import perfmodel
 
 def samples_from_step_events(events: Iterable[dict], nodes: int = 1, skip_first: int = 2
                              ) -> list[perfmodel.Sample]:
-    """Median step time per (world size, local batch) seen in the log; `nodes` the gang spanned."""
+    """Median step time per (world size, local batch) seen in the log; `nodes` the gang spanned.
+
+    A step's batch is its own `global_batch`, else the last `start`'s or `regroup`'s: under
+    batchRule scale-with-replicas it grows with the gang, and read from the `start` alone the
+    steps after an in-place resize counted the old gang's batch over the new world. The first
+    `skip_first` steps after either are left out (warm-up, a new process group)."""
     per_config: dict[tuple[int, float], list[float]] = {}
     global_batch: float | None = None
     since_start = 0
     for event in events:
         kind = event.get("event")
-        if kind == "start":
+        if kind in ("start", "regroup") and event.get("global_batch") is not None:
             global_batch = float(event["global_batch"])
             since_start = 0
-        elif kind == "step" and global_batch is not None:
+        elif kind == "step" and (global_batch is not None or event.get("global_batch") is not None):
             since_start += 1
             if since_start <= skip_first or not event.get("step_seconds"):
                 continue
             world = int(event["world_size"])
-            per_config.setdefault((world, global_batch / world), []).append(float(event["step_seconds"]))
+            batch = float(event.get("global_batch") or global_batch or 0)
+            per_config.setdefault((world, batch / world), []).append(float(event["step_seconds"]))
     return [perfmodel.Sample(world, min(nodes, world), local, statistics.median(times))
             for (world, local), times in sorted(per_config.items())]
 
