@@ -341,11 +341,13 @@ def test_huorn_run_serves_replicas_behind_the_prefix_router(tmp_path: Path) -> N
     assert shown["url"] == f"http://127.0.0.1:{port}" and shown["replicas"] == 2
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL],
+                         ids=["SIGTERM", "SIGHUP", "SIGKILL"])
 def test_a_stop_signal_to_huorn_run_stops_the_server_it_started(tmp_path: Path, stop: int) -> None:
     """`kill`, `timeout` and a closed terminal stop huorn run as Ctrl-C does. Its server runs in a
     session of its own (so that Ctrl-C reaches huorn run alone), and it had outlived a huorn run
-    that such a signal ended, still holding the port."""
+    that such a signal ended, still holding the port. A SIGKILLed huorn run (an OOM kill) stops
+    nothing itself: the kernel sends the server SIGTERM (launcher.dies_with_parent)."""
     architecture = {"layers": 1, "width": 32, "heads": 2, "context": 32}
     serve.save_untrained(tmp_path / "ckpt", training.ModelSpec.model_validate(architecture))
     manifest = {"apiVersion": "huorn.io/v1alpha1", "kind": "InferenceJob", "metadata": {"name": "chat"},
@@ -361,8 +363,11 @@ def test_a_stop_signal_to_huorn_run_stops_the_server_it_started(tmp_path: Path, 
         port = json.loads((run_dir / "run" / "serve.json").read_text())["port"]
         assert leftover_processes(run_dir), "the server runs"
         proc.send_signal(stop)
-        assert proc.wait(timeout=60) == 0, proc.stdout.read().decode()[-2000:] if proc.stdout else ""
-        assert leftover_processes(run_dir) == []
+        code = proc.wait(timeout=60)
+        assert code == (-stop if stop == signal.SIGKILL else 0), \
+            proc.stdout.read().decode()[-2000:] if proc.stdout else ""
+        _, alive = psutil.wait_procs(leftover_processes(run_dir), timeout=30)
+        assert alive == []
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:
@@ -473,9 +478,11 @@ def test_huorn_run_runs_an_rl_job_through_its_controller(tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_sigterm_to_huorn_run_stops_an_rl_controller_after_saving_its_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_stop_of_huorn_run_stops_an_rl_controller_after_saving_its_step(tmp_path: Path, stop: int) -> None:
     """The RL controller runs in a session of its own; a SIGTERM that ended huorn run left it (and
-    its Ray cluster) training with no one to stop it."""
+    its Ray cluster) training with no one to stop it. A SIGKILLed huorn run stops nothing itself:
+    the kernel sends the controller SIGTERM (launcher.dies_with_parent)."""
     path = _tiny_rl_job(tmp_path, steps=500)
     run_dir = tmp_path / "run"
     env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="rt")}  # short: Ray's socket paths
@@ -484,11 +491,16 @@ def test_sigterm_to_huorn_run_stops_an_rl_controller_after_saving_its_step(tmp_p
     steps = run_dir / "run" / "steps.jsonl"
     try:
         wait_for(lambda: steps.exists() and '"event": "rl"' in steps.read_text(), 180, proc)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=180) == 130
-        output = proc.stdout.read().decode() if proc.stdout else ""
-        assert json.loads(output.strip().splitlines()[-1])["outcome"] == "interrupted", output[-2000:]
-        assert leftover_processes(run_dir) == []
+        proc.send_signal(stop)
+        if stop == signal.SIGKILL:
+            assert proc.wait(timeout=30) == -stop
+            _, alive = psutil.wait_procs(leftover_processes(run_dir), timeout=180)
+            assert alive == []
+        else:
+            assert proc.wait(timeout=180) == 130
+            output = proc.stdout.read().decode() if proc.stdout else ""
+            assert json.loads(output.strip().splitlines()[-1])["outcome"] == "interrupted", output[-2000:]
+            assert leftover_processes(run_dir) == []
         assert (run_dir / "checkpoints" / "latest").exists(), "the step in flight was saved"
     finally:
         stop_leftovers(proc, run_dir)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from rich.progress import Progress
 
 from huorn.api import kinds
 from huorn.cli import graph as graph_cli
-from huorn.cli.stopping import shielded, wait_or_kill
+from huorn.cli.stopping import shielded, start_in_own_session, wait_or_kill
 from huorn.runtime import launcher
 
 STEPS_FILE = "steps.jsonl"  # huorn.runtime.rl.controller's step log
@@ -57,11 +56,10 @@ def run_rl(job: kinds.RLJob, directory: Path, steps: int | None, watch: bool, as
                                   "checkpointDir": str(directory / "checkpoints")}, indent=1))
     log = directory / "controller.log"
     total = int(spec.get("steps", job.spec.steps))
-    with open(log, "wb") as out:
-        command = launcher.build_rl_controller_command(config)
-        # A session of its own: a terminal's Ctrl-C reaches this process alone, which hands the
-        # controller one SIGINT (it ends the step, saves it and shuts its Ray actors down).
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    # A Ctrl-C reaches this process alone, which hands the controller one SIGINT (it ends the
+    # step, saves it and shuts its Ray actors down); a SIGKILL of this process, SIGTERM, taken
+    # the same way.
+    process = start_in_own_session(launcher.build_rl_controller_command(config), log)
     interrupted = False
     # on stderr, so that --json on stdout stays one clean document
     with Progress(console=Console(stderr=True), disable=not watch) as progress:

@@ -22,16 +22,11 @@ import typer
 
 from huorn.api import kinds
 from huorn.cli.output import cannot_listen
-from huorn.cli.stopping import shielded, wait_or_kill
+from huorn.cli.stopping import shielded, start_in_own_session, wait_or_kill
 from huorn.runtime import launcher
 
 STOP_SECONDS = 120.0  # for a server to finish what it serves once told to stop
 START_SECONDS = 600.0  # a replica that has not loaded its model by then is reported, and all stop
-
-
-def _start(command: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "wb") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _write_config(path: Path, job: kinds.InferenceJob, port: int, run: Path) -> Path:
@@ -86,7 +81,7 @@ def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool
         for run, config, log, replica_port in servers:
             config.parent.mkdir(parents=True, exist_ok=True)
             _write_config(config, job, replica_port, run)
-            processes.append((_start(launcher.build_serve_command(config), log), log))
+            processes.append((start_in_own_session(launcher.build_serve_command(config), log), log))
         while all(p.poll() is None for p, _ in processes):
             seen = [] if announced else [_announcement(run / "serve.json") for run, *_ in servers]
             infos = [info for info in seen if info is not None]
@@ -94,8 +89,9 @@ def run_serve(job: kinds.InferenceJob, directory: Path, port: int, as_json: bool
                 if replicas > 1 and front is None:
                     urls = [f"http://127.0.0.1:{info['port']}" for info in infos]
                     config = _write_config(directory / "router-config.json", job, port, directory / "run")
-                    processes.append((_start(launcher.build_router_command(config, replicas=urls),
-                                             directory / "router.log"), directory / "router.log"))
+                    router = launcher.build_router_command(config, replicas=urls)
+                    processes.append((start_in_own_session(router, directory / "router.log"),
+                                      directory / "router.log"))
                     front = directory / "run" / "activator.json"
                 routed_by = _announcement(front) if front is not None else infos[0]
                 if routed_by is not None:

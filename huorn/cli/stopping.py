@@ -16,6 +16,9 @@ import signal
 import subprocess
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+
+from huorn.runtime import launcher
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -67,3 +70,13 @@ def wait_or_kill(process: subprocess.Popen, seconds: float) -> int:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         return process.wait()
+
+
+def start_in_own_session(command: list[str], log: Path) -> subprocess.Popen:
+    """`command` in a session of its own (a terminal's Ctrl-C reaches `huorn run` alone, which
+    stops it in order), its output into `log`; and should `huorn run` be SIGKILLed (an OOM kill,
+    `timeout -s KILL`), the kernel sends it SIGTERM: a server left behind held its port, and an
+    RL controller trained on with its Ray cluster, with nobody to stop them."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=launcher.dies_with_parent())
