@@ -149,7 +149,7 @@ def plot_metrics(out_dir: Path, results: dict[str, dict]) -> Path:
     keys = ("jct_mean_s", "jct_p99_s", "goodput_gpu_equiv", "inference_slo_attainment",
             "gpu_hours_lost_total")
     labels = ("mean JCT (s)", "p99 JCT (s)", "goodput (GPU-equiv.)", "inference SLO",
-              "GPU-hours lost: rolled back,\nstarting, restarting, reclaim held")
+              "GPU-hours lost (stacked: rolled back,\nstarting, restarting, reclaim held)")
     fig, axes = plt.subplots(1, len(keys), figsize=(19, 3.8))
     for ax, key, label in zip(axes, keys, labels, strict=True):
         values = [results[n][key] for n in names]
@@ -162,13 +162,14 @@ def plot_metrics(out_dir: Path, results: dict[str, dict]) -> Path:
                        alpha=shade, edgecolor="black", linewidth=0.3)
                 bottom += heights
             bars = ax.bar(names, [0.0] * len(names), bottom=bottom)
+            ax.set_ylim(0, max(max(values) * 1.15, 1e-9))  # room for the totals' labels
         else:
             bars = ax.bar(names, values, color=[COLOURS.get(n, "#444") for n in names])
         ax.bar_label(bars, labels=[f"{v:.4g}" for v in values], fontsize=7)
         if key == "inference_slo_attainment":
             # The interesting differences are in the third decimal; a 0..1 axis would hide them.
             ax.set_ylim(min(0.99, min(values) - 0.001), 1.0005)
-        ax.set_title(label)
+        ax.set_title(label, fontsize=9 if "\n" in label else None)
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     path = out_dir / "metrics.png"
