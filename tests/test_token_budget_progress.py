@@ -26,6 +26,8 @@ from huorn.cli import live
 from huorn.graph import compiler, model
 from huorn.operator import context, evaluation, monitoring
 from huorn.operator.index import PodRecord
+from huorn.runtime import config as run_config
+from huorn.runtime import mixture_plan
 from huorn.runtime import telemetry as runtime_telemetry
 from huorn.scheduler import telemetry as scheduler_telemetry
 
@@ -302,3 +304,21 @@ def test_the_step_log_takes_the_batch_of_a_regroup_not_only_of_a_start() -> None
     events[-1] = {**events[-1], "global_batch": 48}
     samples = scheduler_telemetry.samples_from_step_events(events)
     assert [(s.replicas, s.local_batch) for s in samples] == [(1, 16.0), (2, 16.0), (2, 24.0)]
+
+
+def _run_config(tmp_path: Path, steps: int | None = None, step_limit: int | None = None,
+                tokens: int | None = None) -> object:
+    spec = harness.build_spec(steps=steps, global_batch=4, micro_batch=2, tokens=tokens)
+    spec["optimization"] = {k: v for k, v in spec["optimization"].items() if v is not None}
+    fields = {} if step_limit is None else {"stepLimit": step_limit}
+    return run_config.load_run_config(harness.write_config(tmp_path, tmp_path / "data", spec, **fields))
+
+
+def test_dcpt_chooses_at_the_tokens_of_the_budget(tmp_path: Path) -> None:
+    """D-CPT's D is the run's tokens. A budget in tokens is what the trainer trains (at any
+    batch); before, it was rounded up to whole steps of globalBatch: 1,000 tokens at 4 × 32 a
+    step were taken for 8 steps, 1,024."""
+    assert mixture_plan.run_tokens(_run_config(tmp_path, tokens=1_000)) == 1_000
+    # a budget in steps, or a step limit over either, is its steps of globalBatch × context
+    assert mixture_plan.run_tokens(_run_config(tmp_path, steps=5)) == 5 * 4 * 32
+    assert mixture_plan.run_tokens(_run_config(tmp_path, step_limit=3, tokens=1_000)) == 3 * 4 * 32

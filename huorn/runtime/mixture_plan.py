@@ -37,7 +37,7 @@ import torch
 
 from huorn import models
 from huorn.api import training
-from huorn.runtime import checkpoint, distill
+from huorn.runtime import batching, checkpoint, distill
 from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler
 
@@ -346,8 +346,15 @@ def plan_mixture(cfg: run_config.RunConfig, rank: int, world: int, device: torch
 
 
 def run_tokens(cfg: run_config.RunConfig) -> float:
-    """Tokens of the whole run: the D at which the laws choose."""
-    return float(cfg.total_steps() * cfg.spec.optimization.global_batch * cfg.spec.model.context)
+    """Tokens of the whole run: the D at which the laws choose. A budget in tokens is that budget,
+    which the trainer trains whatever the batch does (batching.Budget); one in steps (or a
+    stepLimit) is its steps × globalBatch × context. Before, a budget in tokens was rounded up to
+    whole steps of globalBatch, up to one step's tokens more than the run trains."""
+    budget = batching.Budget.of(cfg.spec, cfg.step_limit)
+    if budget.tokens is not None:
+        return float(budget.tokens)
+    assert budget.steps is not None
+    return float(budget.steps * budget.step_tokens)
 
 
 def planned_weights(cfg: run_config.RunConfig) -> list[float] | None:
