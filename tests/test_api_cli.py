@@ -156,3 +156,27 @@ def test_a_dash_reads_the_manifests_from_standard_input() -> None:
     bad = yaml.safe_dump(build_manifest("TrainingJob", inverted, "b"))
     result = CliRunner().invoke(main.app, ["validate", "-"], input=bad)
     assert result.exit_code == 2 and result.stderr.startswith("-: TrainingJob/b: spec.elasticity.minReplicas")
+
+
+def test_what_the_operator_would_stall_as_invalid_spec_is_refused_naming_the_field(tmp_path: Path) -> None:
+    """`huorn validate` said ok to specs the operator then Stalled as InvalidSpec: the checks of a
+    spec alone that only the operator made (checkpoints off the job's volume, a role larger than
+    its Ray worker pod) run here too."""
+    training = yaml.safe_load((EXAMPLES / "training-job.yaml").read_text())
+    training["spec"]["task"]["teacher"]["checkpoint"] = "/models/teacher-1b"
+    rl_job = yaml.safe_load((EXAMPLES / "rl-job.yaml").read_text())
+    rl_job["spec"]["roles"]["rollout"] = {"replicas": 1, "gpusPerReplica": 6}  # 8 GPUs still, pods of 4
+    serving = yaml.safe_load((EXAMPLES / "inference-job.yaml").read_text())
+    serving["spec"]["checkpoint"] = {"volume": "models", "path": "/models"}
+    path = tmp_path / "jobs.yaml"
+    path.write_text(yaml.safe_dump_all([training, rl_job, serving]))
+    code, out, err = _invoke(str(path))
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith(f"{path}: TrainingJob/moe-distill: spec.task.teacher.checkpoint: "
+                               "'/models/teacher-1b' is not on the checkpoint volume 'research-checkpoints'")
+    assert lines[1].startswith(f"{path}: RLJob/dapo-math: spec.roles.rollout.gpusPerReplica: 6 exceeds "
+                               "spec.resources.gpus (4)")
+    assert lines[2].startswith(f"{path}: InferenceJob/chat: spec.model.checkpoint: '/checkpoints/")
+    assert "copy the checkpoint onto that volume" in lines[2]

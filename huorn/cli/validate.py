@@ -21,6 +21,7 @@ import typer
 import yaml
 
 from huorn.api import base, manifests
+from huorn.operator import validation
 
 EXIT_INVALID = 2
 
@@ -90,11 +91,24 @@ def check_file(path: Path) -> list[Verdict]:
         named = name or not isinstance(document, dict) or not isinstance(metadata, dict | None)
         errors = [] if named else _unnamed(metadata or {})
         try:
-            manifests.load_document(document, origin=str(path))
+            resource = manifests.load_document(document, origin=str(path))
         except manifests.ManifestError as error:
             errors += [asdict(e) for e in error.errors]
+        else:
+            errors += _operator_refusals(resource)
         verdicts.append(Verdict(str(path), kind, name, "invalid" if errors else "ok", errors))
     return verdicts
+
+
+def _operator_refusals(resource: Any) -> list[dict[str, str]]:
+    """What the operator would refuse in this spec alone (it Stalls the job as InvalidSpec), as
+    the schema's errors are given: the field, then the message naming the fix."""
+    try:
+        validation.check_spec_alone(resource)
+    except validation.InvalidSpec as refusal:
+        field, _, message = str(refusal).partition(": ")
+        return [{"path": field, "message": message}] if message else [{"path": "", "message": field}]
+    return []
 
 
 def _unnamed(metadata: dict[str, Any]) -> list[dict[str, str]]:

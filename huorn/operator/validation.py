@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
-from huorn.api import kinds, manifests, training
+from huorn.api import kinds, manifests, rl, training
 from huorn.api.common import Checkpoint
 
 
@@ -59,6 +59,22 @@ def check_namespace(namespace: str, vc_name: str, vc_spec: Mapping[str, Any]) ->
             f"not {namespace!r}; "
             "use another virtual cluster or add the namespace to its spec.namespaces"
         )
+
+
+def check_spec_alone(job: kinds.Resource) -> None:
+    """Every check the operator makes of a job's spec alone, before it looks at the cluster.
+    `huorn validate` runs them too: it had called specs ok that the operator then Stalled as
+    InvalidSpec (a teacher off the checkpoint volume, a role larger than its Ray worker pod)."""
+    if isinstance(job, kinds.TrainingJob):
+        check_mounted_paths(job.spec)
+    elif isinstance(job, kinds.RLJob):
+        check_on_volume(job.spec.checkpoint, [("spec.initCheckpoint", job.spec.init_checkpoint)])
+        try:
+            rl.ray_layout(job.spec)
+        except ValueError as exc:
+            raise InvalidSpec(str(exc)) from None
+    elif isinstance(job, kinds.InferenceJob):
+        check_on_volume(job.spec.checkpoint, [("spec.model.checkpoint", job.spec.model.checkpoint)])
 
 
 def check_mounted_paths(spec: training.TrainingJobSpec) -> None:
