@@ -175,23 +175,74 @@ def _parse_input(text: str | None) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+# What Huorn's pods tolerate (huorn.backends.kubernetes.manifests renders it into every pod it
+# makes); a node with a NoSchedule or NoExecute taint outside it takes none of them.
+POD_TOLERATIONS: tuple[Mapping[str, str], ...] = (
+    {"key": manifests.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},
+)
+BLOCKING_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
+
+
+def tolerated(taint: Mapping[str, Any], tolerations: Iterable[Mapping[str, Any]] = POD_TOLERATIONS) -> bool:
+    """Whether a toleration matches the taint, by Kubernetes' rule: the effect is the taint's or
+    empty, and the key matches (an empty key with Exists matches every key), with the value too
+    under Equal."""
+    for t in tolerations:
+        if t.get("effect") and t.get("effect") != taint.get("effect"):
+            continue
+        if t.get("key") and t.get("key") != taint.get("key"):
+            continue
+        if not t.get("key") and t.get("operator") != "Exists":
+            continue
+        if t.get("operator", "Equal") == "Exists" or (t.get("value") or "") == (taint.get("value") or ""):
+            return True
+    return False
+
+
 @dataclass
 class NodeRecord:
     name: str
     gpus: int
     labels: dict[str, str]
+    # Whether new pods must not go there: cordoned (spec.unschedulable), not Ready, or tainted
+    # NoSchedule/NoExecute with a taint Huorn's pods do not tolerate. Every reader (placement,
+    # a serving cluster's free GPUs, reclaim's capacity) asks the same thing, so it is one flag;
+    # the pods already there stay counted as holding their GPUs.
     unschedulable: bool = False
+    unavailable: str = ""  # why, for status and messages: "cordoned", "not Ready (Unknown)", a taint
+
+    @property
+    def why(self) -> str:
+        return self.unavailable or ("cordoned" if self.unschedulable else "")
+
+
+def _unavailable(spec: Mapping[str, Any], status: Mapping[str, Any]) -> str:
+    """Why no new pod may go to the node, '' when one may. A node without a Ready condition (one
+    registered a moment ago, or one a test builds) counts as Ready: the kubelet reports the
+    condition, and only a report of anything but True says the node does not run pods."""
+    if spec.get("unschedulable"):
+        return "cordoned"
+    for c in status.get("conditions") or []:
+        if c.get("type") == "Ready" and c.get("status") != "True":
+            reason = ": ".join(str(v) for v in (c.get("status"), c.get("reason")) if v)
+            return f"not Ready ({reason or 'no status'})"
+    for taint in spec.get("taints") or []:
+        if taint.get("effect") in BLOCKING_EFFECTS and not tolerated(taint):
+            return f"taint {taint.get('key')}:{taint.get('effect')}"
+    return ""
 
 
 def build_node_record(body: Mapping[str, Any]) -> NodeRecord:
     meta = body.get("metadata") or {}
     status = body.get("status") or {}
     allocatable = status.get("allocatable") or status.get("capacity") or {}
+    why = _unavailable(body.get("spec") or {}, status)
     return NodeRecord(
         name=meta["name"],
         gpus=int(allocatable.get(manifests.GPU_RESOURCE, 0) or 0),
         labels=dict(meta.get("labels") or {}),
-        unschedulable=bool((body.get("spec") or {}).get("unschedulable")),
+        unschedulable=bool(why),
+        unavailable=why,
     )
 
 
@@ -342,6 +393,7 @@ class ClusterIndex:
                 labels=n.labels,
                 virtual_cluster=owner[n.name],
                 cordoned=n.unschedulable,
+                unavailable=n.why,
             )
             for n in self.nodes.values()
         ]

@@ -48,6 +48,20 @@ def compute_usage(ctx: Context, vc: str) -> dict[str, int]:
     }
 
 
+def unavailable_note(ctx: Context, vc: str) -> str:
+    """'' when every member node takes new pods; else how many GPUs do and which nodes do not,
+    and why (cordoned, not Ready, a taint Huorn's pods do not tolerate: index.build_node_record).
+    `capacity` counts those nodes' GPUs still, and `allocated` the pods that run there."""
+    members = ctx.index.members_of(vc)
+    down = sorted((n.name, n.why) for n in members if n.unschedulable)
+    if not down:
+        return ""
+    schedulable = sum(n.gpus for n in members if not n.unschedulable)
+    shown = ", ".join(f"{node} ({why})" for node, why in down[:5])
+    more = f" and {len(down) - 5} more" if len(down) > 5 else ""
+    return f"; {schedulable} GPUs take new pods, {len(down)} node(s) take none: {shown}{more}"
+
+
 async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
     meta = body["metadata"]
     name = meta["name"]
@@ -55,6 +69,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
     usage = compute_usage(ctx, name)
     old = body.get("status") or {}
     message = f"{usage['nodes']} nodes, {usage['capacity']} GPUs, {usage['allocated']} allocated"
+    message += unavailable_note(ctx, name)
     # The line is each install's own: one that does not serve every namespace of the cluster
     # knows part of it, and two such would write their parts over each other at every tick.
     line = set() if ctx.index.serves_all_of(name) else {"waitingJobs", "waitingGPUs"}

@@ -29,7 +29,8 @@ class NodeView:
     gpus_free: int
     labels: Mapping[str, str] = field(default_factory=dict)
     virtual_cluster: str = ""
-    cordoned: bool = False
+    cordoned: bool = False  # takes no new pods: cordoned, not Ready, or tainted (see `unavailable`)
+    unavailable: str = ""  # why it takes none, when not simply cordoned: "not Ready (Unknown)", a taint
     cpu_free_milli: int | None = None  # None: CPU is not a constraint on this node
     gpu_type: str = ""
 
@@ -130,13 +131,17 @@ def place_gang(
     foreign: dict[str, list[tuple[str, int]]] = {}
     foreign_free: dict[str, int] = {}  # free GPUs on other clusters' nodes: a lending limit lends no more
     cordoned = 0
+    down: list[str] = []  # "node: why" of nodes taking no pods for another reason than a cordon
     own_free = 0
     largest_own = 0
     for node in nodes:
         if not _fits_selector(node, node_selector):
             continue
         if node.cordoned:
-            cordoned += 1
+            if node.unavailable and node.unavailable != "cordoned":
+                down.append(f"{node.name}: {node.unavailable}")
+            else:
+                cordoned += 1
             continue
         slots = _replica_slots(node, gpus_per_replica, cpu_milli_per_replica)
         if not virtual_cluster or node.virtual_cluster == virtual_cluster:
@@ -183,7 +188,7 @@ def place_gang(
     return Unplaceable(
         _explain(
             need, gpus_per_replica, virtual_cluster, own_free, own_slots, largest_own, cordoned,
-            borrow_limit, lendable_gpus, cpu_milli_per_replica,
+            borrow_limit, lendable_gpus, cpu_milli_per_replica, down,
         )
     )
 
@@ -222,7 +227,7 @@ def _expand(chosen: list[tuple[str, int]]) -> list[str]:
 
 def _explain(
     need: int, per: int, vc: str, own_free: int, own_slots: int, largest: int, cordoned: int,
-    borrow_limit: int, lendable: int, cpu_milli: int,
+    borrow_limit: int, lendable: int, cpu_milli: int, down: Sequence[str] = (),
 ) -> str:
     where = f"in virtual cluster {vc}" if vc else "in the cluster"
     parts = [f"needs {need} GPUs ({need // per if per else 0} replicas × {per}) {where}, {own_free} free"]
@@ -234,6 +239,9 @@ def _explain(
             parts.append(f"but no node has {per} free GPUs in one piece (largest {largest})")
     if cordoned:
         parts.append(f"{cordoned} node(s) cordoned")
+    if down:
+        shown = ", ".join(down[:3]) + (f" and {len(down) - 3} more" if len(down) > 3 else "")
+        parts.append(f"{len(down)} node(s) taking no new pods ({shown})")
     if vc:
         parts.append(f"borrowing limit {borrow_limit}, lendable by other virtual clusters {lendable}")
     return "; ".join(parts)

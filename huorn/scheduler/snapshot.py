@@ -92,7 +92,7 @@ class ClusterSnapshot:
         return dict(self._bindings)
 
     def capacity(self, vc: str) -> int:
-        """GPUs on the member nodes of `vc` that are not cordoned."""
+        """GPUs on the member nodes of `vc` that take new pods (not cordoned, Ready, untainted)."""
         return sum(n.gpus_total for n in self._nodes.values() if n.virtual_cluster == vc and not n.cordoned)
 
     def free(self, vc: str | None = None) -> int:
@@ -170,8 +170,8 @@ class ClusterSnapshot:
                 return placement.Unplaceable(f"node {node} is gone")
             view = self._nodes[node]
             if view.cordoned or self._free[node] < gpus:
-                return placement.Unplaceable(f"node {node}: {gpus} GPUs wanted, {self._free[node]} free"
-                                             + (" (cordoned)" if view.cordoned else ""))
+                why = f" ({view.unavailable or 'cordoned'})" if view.cordoned else ""
+                return placement.Unplaceable(f"node {node}: {gpus} GPUs wanted, {self._free[node]} free{why}")
         if not self.limits_allow(vc, need):
             return placement.Unplaceable(f"the lending or borrowing limits no longer allow {need}")
         return where

@@ -1,0 +1,101 @@
+"""Which nodes and GPUs placement may use: nodes that take no new pods (not Ready, tainted), GPUs
+other controllers' pods hold, and nodes that two VirtualClusters' selectors both match.
+
+The unit tests read the operator's mirror (huorn.operator.index) directly; the others run real
+kopf against the KMock emulator, as tests/test_operator_lifecycle.py does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kube import builders
+from kube import operator as operator_mod
+from kube.cluster import EmulatedCluster, wait_for
+
+from huorn.operator import context, index
+from huorn.scheduler import placement
+
+pytest_plugins = ["kube.fixtures"]
+
+NS = "team"
+UNREACHABLE = {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"}
+
+
+def _node(name: str, gpus: int, *, ready: str | None = None, taints: list[dict[str, str]] | None = None,
+          **labels: str) -> dict[str, Any]:
+    body = builders.make_node(name, gpus, **labels)
+    if taints is not None:
+        body["spec"] = {"taints": taints}
+    if ready is not None:
+        body["status"]["conditions"] = [{"type": "Ready", "status": ready, "reason": "NodeStatusUnknown"}]
+    return body
+
+
+def _pinned_node(pod: Any) -> str:
+    terms = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+    return str(terms.node_selector_terms[0].match_expressions[0].values[0])
+
+
+# ---------------------------------------------------------------- 1. nodes that take no new pods
+def test_node_not_ready_or_tainted_takes_no_new_pods() -> None:
+    """Before, only spec.unschedulable kept a node out of placement."""
+    assert index.build_node_record(_node("n", 4)).unschedulable is False
+    unknown = index.build_node_record(_node("n", 4, ready="Unknown"))
+    assert unknown.unschedulable and unknown.why == "not Ready (Unknown: NodeStatusUnknown)"
+    tainted = index.build_node_record(_node("n", 4, taints=[UNREACHABLE]))
+    assert tainted.unschedulable and tainted.why == "taint node.kubernetes.io/unreachable:NoSchedule"
+    no_execute = index.build_node_record(_node("n", 4, taints=[{"key": "maint", "effect": "NoExecute"}]))
+    assert no_execute.unschedulable
+    # What Huorn's pods tolerate, and a mere preference, leave the node usable.
+    for taint in ({"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
+                  {"key": "spot", "effect": "PreferNoSchedule"}):
+        assert not index.build_node_record(_node("n", 4, taints=[taint])).unschedulable, taint
+    # A NoExecute taint on the GPU key is not tolerated: the pods tolerate NoSchedule only.
+    gpu_execute = {"key": "nvidia.com/gpu", "effect": "NoExecute"}
+    assert index.build_node_record(_node("n", 4, taints=[gpu_execute])).unschedulable
+    assert index.build_node_record(_node("n", 4, ready="True")).unschedulable is False
+
+
+def test_snapshot_places_nothing_on_a_node_not_ready_but_counts_its_pods() -> None:
+    ctx = context.Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
+    ctx.index.nodes["a0"] = index.build_node_record(_node("a0", 4, ready="Unknown", pool="a"))
+    ctx.index.nodes["a1"] = index.build_node_record(_node("a1", 4, pool="a"))
+    ctx.index.vcs["train"] = {"members": {"nodeSelector": {"matchLabels": {"pool": "a"}}}}
+    ctx.index.pods[(NS, "old-trainer-0")] = index.PodRecord(
+        NS, "old-trainer-0", "old", "trainer", "trainer-0", "a0", 2, 0, "train", phase="Running")
+    snap = ctx.index.build_snapshot()
+    assert snap.capacity("train") == 4 and snap.free("train") == 4
+    where = snap.place("train", 1, 4)
+    assert isinstance(where, placement.Placement) and where.assignments == ["a1"]
+    blocked = snap.place("train", 2, 4)
+    assert isinstance(blocked, placement.Unplaceable)
+    assert "a0: not Ready (Unknown: NodeStatusUnknown)" in blocked.reason, blocked.reason
+    assert isinstance(snap.place_at("train", ["a0"], 1), placement.Unplaceable)
+
+
+def test_operator_keeps_new_pods_off_an_unreachable_node(cluster: EmulatedCluster) -> None:
+    """The reviewer's case: a0 Ready=Unknown and tainted unreachable sorts first and has room;
+    the trainer went there, and was put back there at each replacement until the job failed."""
+    kube = builders.Kube(cluster.api_client())
+    kube.create_node(_node("a0", 4, ready="Unknown", taints=[UNREACHABLE], pool="a"))
+    kube.create_node(_node("a1", 4, pool="a"))
+    kube.create_vc(builders.make_virtual_cluster("train", pool="a"))
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        kube.create_job(NS, builders.make_training_job("llm", "train", replicas=1, max_replicas=1, gpus=4))
+        pods = wait_for(lambda: kube.pods(NS, "llm", "trainer"), what="a trainer pod")
+        assert [_pinned_node(p) for p in pods] == ["a1"]
+        # What the pods tolerate is what the mirror assumes they tolerate.
+        for pod in pods:
+            for t in pod.spec.tolerations or []:
+                assert index.tolerated({"key": t.key, "value": t.value, "effect": t.effect}), t
+        ready = wait_for(lambda: _vc_ready(kube, "train"), what="the cluster's Ready condition")
+        assert ready["message"].startswith(
+            "2 nodes, 8 GPUs, 4 allocated; 4 GPUs take new pods, "
+            "1 node(s) take none: a0 (not Ready (Unknown: NodeStatusUnknown))"), ready
+
+
+def _vc_ready(kube: builders.Kube, vc: str) -> dict[str, Any] | None:
+    status = kube.get_vc(vc).get("status") or {}
+    ready = [c for c in status.get("conditions") or [] if c["type"] == "Ready"]
+    return ready[0] if ready and "allocated" in ready[0]["message"] and status.get("allocated") else None
