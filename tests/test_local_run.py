@@ -590,6 +590,24 @@ def test_goodput_prices_the_steps_the_run_stops_at() -> None:
     assert given.total_steps == 10  # type: ignore[attr-defined]
     (default,) = run_cli.build_policies(g, [], "goodput", 4)
     assert default.total_steps == declared  # type: ignore[attr-defined]
+    assert given.tokens is None and default.tokens is None  # type: ignore[attr-defined]
+
+
+def test_goodput_prices_a_token_budget_by_the_tokens_left() -> None:
+    """Under a `tokens` budget the batch may grow with the world (scale-with-replicas), so the
+    allocator's work left is the tokens not trained, in samples of the model's context; it was
+    priced in steps of the spec's globalBatch."""
+    from huorn.api import manifests
+    from huorn.graph import compile as compile_graph
+
+    manifest = yaml.safe_load(QUICKSTART.read_text())
+    manifest["spec"]["optimization"].pop("steps")
+    manifest["spec"]["optimization"]["tokens"] = 204_800
+    (policy,) = run_cli.build_policies(compile_graph(manifests.load_manifest(manifest)), [], "goodput", 4)
+    assert (policy.tokens, policy.context) == (204_800, manifest["spec"]["model"]["context"])  # type: ignore[attr-defined]
+    (capped,) = run_cli.build_policies(compile_graph(manifests.load_manifest(manifest)), [], "goodput", 4,
+                                       steps=10)
+    assert capped.tokens is None and capped.total_steps == 10  # type: ignore[attr-defined]
 
 
 # A stand-in for `python -m huorn.runtime.serve`: it takes its config's path, and MODE says when it

@@ -68,13 +68,15 @@ def build_policies(
         return [monitor.ScheduledResize("trainer", plan)]
     if policy != "goodput":
         return []
-    spec = g.vertex("trainer").params["spec"]
+    spec = training.TrainingJobSpec.model_validate(g.vertex("trainer").params["spec"])
     return [
         goodput.GoodputPolicy(
-            g.name, spec["virtualCluster"], slots, float(spec["optimization"]["globalBatch"]),
-            total_steps=steps if steps is not None
-            else training.declared_steps(training.TrainingJobSpec.model_validate(spec)),
+            g.name, spec.virtual_cluster, slots, float(spec.optimization.global_batch),
+            total_steps=steps if steps is not None else training.declared_steps(spec),
             in_place=jobs.resizes_in_place(g.vertex("trainer")),
+            # a budget in tokens: the work left is the tokens not trained yet, whatever the batch
+            # grew to (scale-with-replicas); --steps overrides it, as it does in the trainers
+            tokens=training.token_budget(spec) if steps is None else None, context=spec.model.context,
         )
     ]
 
