@@ -340,8 +340,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             if not isinstance(where, placement.Placement):
                 # Replicas a resize in status removed (a move to the allocator's nodes) go now, as a
                 # shrink's do: kept while the new ones wait, they ran outside the graph, unseen by
-                # the monitor, the loans and the preemptions.
-                going = _removed_pods(ref, graph, pods, unwritten=new)
+                # the monitor, the loans and the preemptions. So do the pods this reconcile
+                # replaces (one that never started still holds its GPUs here): their decisions are
+                # written below before they go, else a gang that fills its cluster could never
+                # place a successor while its stuck pod holds the GPUs, and would wait forever.
+                going = _removed_pods(ref, graph, pods, unwritten=[m for m in new if m.action != "replace"])
                 ctx.queue.record(in_line)
             if ahead is not None:
                 ctx.wake_queued(ahead)
@@ -382,11 +385,23 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                 if queued.missing:
                     # The line moved: those that stepped back behind this job try again now.
                     ctx.wake_line(queued.virtual_cluster)
-    if going:
-        await _delete_pods(ctx, graph, going)
     if wait is not None:
         phase, reason, message, event = wait
-        return await _waiting(ctx, body, base_status, phase, reason, message, event=event)
+        replaced = [m for m in new if m.action == "replace"]
+        if replaced:
+            # Write-ahead, in the waiting status itself: the replacements (and whatever else this
+            # reconcile decided) are recorded, so the budget is spent once and the pods they
+            # replace can go; their successors are placed once the GPUs are free.
+            base_status.update(graph=serialise.to_status(graph), decisions=build_decisions(graph),
+                               targetReplicas=desired)
+            message = (f"{message}; replacing {len(replaced)} trainer pod(s), whose successors are placed "
+                       "once the pods they replace are gone")[:REASON_LIMIT]
+        waited = await _waiting(ctx, body, base_status, phase, reason, message, event=event)
+        for m in new if replaced else []:
+            ctx.metrics.decisions.labels(KIND, m.action).inc()
+            _event(ctx, body, "Normal", m.action.capitalize(), m.reason)
+        await _delete_pods(ctx, graph, going)  # (set only where placement failed, so wait is)
+        return waited
 
     # Write-ahead: the decision is in status before any pod changes.
     try:
