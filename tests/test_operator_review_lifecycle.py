@@ -51,7 +51,8 @@ def test_a_never_started_pod_of_a_gang_that_fills_its_cluster_is_replaced_then_f
         _hold_pending(kube, "llm-trainer-0-g1")
         status = wait_for(lambda: (s := kube.job_status(NS, "llm")).get("phase") == "Failed" and s,
                           what="Failed once the budget is spent", timeout=30)
-        assert "llm-trainer-0-g1 did not start within 2 s (ErrImagePull: manifest unknown)" in status["message"]
-        assert "replacement budget of 1 used up" in status["message"]
+        why = status["message"]
+        assert "llm-trainer-0-g1 did not start within 2 s (ErrImagePull: manifest unknown)" in why
+        assert "replacement budget of 1 used up" in why
         assert status["restartsUsed"] == 1 and [d["action"] for d in status["decisions"]] == ["replace"]
         wait_for(lambda: kube.pods(NS, "llm", "trainer") == [], what="the GPUs given back")
