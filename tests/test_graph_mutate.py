@@ -169,6 +169,7 @@ def test_a_checkpoint_landing_during_an_eval_runs_it_again_on_the_newer_one() ->
     again = ms.dispatch(g, managers.Event(managers.VERTEX_COMPLETED, "eval",
                                           {"reason": "done", "inputs": [first]}))
     assert [m.action for m in again] == ["replace"] and "step 50 landed meanwhile" in again[0].reason
+    assert "finished on the checkpoint of step 40" in again[0].reason
     assert g.vertex("eval").active and g.vertex("eval").instances[0].generation == 1
     parked = ms.dispatch(g, managers.Event(managers.VERTEX_COMPLETED, "eval", {
         "reason": "done", "inputs": [{"step": 50, "path": "/ckpt/step-50"}]}))
@@ -330,3 +331,17 @@ def test_where_new_instances_go_survives_the_status_log_cutting_a_long_detail() 
     back = serialise.from_status(serialise.to_status(g)).log[-1].detail
     assert back.get("truncated") and sorted(mutate.decode_nodes(back["nodes"])) == sorted(nodes[1:])
     assert len(back["added"]) == 39
+
+
+def test_a_final_checkpoint_handed_without_its_step_is_named_as_the_final_one() -> None:
+    """A token budget's last checkpoint may be handed before its step is known (the trainers
+    exited): the reasons said "step None"."""
+    g = build_graph(eval_vertex=True)
+    ms = managers.build_default_managers()
+    final = {"step": None, "final": True, "path": "/ckpt"}
+    done = ms.dispatch(g, managers.Event(managers.EDGE_FIRED, "trainer->eval:checkpoint", dict(final)))
+    assert [m.reason for m in done] == ["the final checkpoint landed on trainer->eval:checkpoint",
+                                        "checkpoint edge from trainer fired: the final checkpoint"]
+    again = ms.dispatch(g, managers.Event(managers.VERTEX_COMPLETED, "eval", {
+        "reason": "done", "inputs": [{"step": 40, "path": "/ckpt/step-40"}]}))
+    assert "the final checkpoint landed meanwhile" in again[0].reason and "None" not in again[0].reason

@@ -421,11 +421,11 @@ class TrainingJobSpec(JobCommon):
 
 def declared_steps(spec: TrainingJobSpec) -> int:
     """Optimizer steps of the whole run as the spec declares them: `steps`, or `tokens` over the
-    tokens of one step at the spec's globalBatch (globalBatch × context), rounded up. The
-    scheduler's JCT terms and the operator's progress read them as the job's length (a job
-    declared in tokens once counted as undeclared there). Under a token budget they are exact
-    only while the global batch is the spec's: the trainer stops on the tokens it trained
-    (token_budget), so a batch grown by `scale-with-replicas` ends it in fewer steps."""
+    tokens of one step at the spec's globalBatch (globalBatch × context), rounded up: the job's
+    length where steps must stand for it (the allocator's JCT terms). Under a token budget they
+    are exact only while the global batch is the spec's: the trainer stops on the tokens it
+    trained (token_budget), so a batch grown by `scale-with-replicas` ends it in fewer steps,
+    and the operator's progress and the work left read the tokens instead."""
     opt = spec.optimization
     if opt.steps is not None:
         return int(opt.steps)

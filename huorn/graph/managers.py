@@ -97,6 +97,14 @@ class RendezvousManager:
         return out
 
 
+def _checkpoint_name(handed: dict) -> str:
+    """A handed checkpoint as a reason names it: by its step, or as the final one, which a token
+    budget's run hands before its step is known ({"step": None, "final": True})."""
+    if handed.get("step") is not None:
+        return f"the checkpoint of step {handed['step']}"
+    return "the final checkpoint" if handed.get("final") else "a checkpoint"
+
+
 class CheckpointEdgeManager:
     """Starts the consumer of a checkpoint edge (an eval) when the producer writes a checkpoint,
     and hands it the checkpoint's step and path as parameters."""
@@ -105,19 +113,20 @@ class CheckpointEdgeManager:
         edge = next((e for e in graph.edges if e.key == event.target), None)
         if event.type != EDGE_FIRED or edge is None:
             return []
-        step = event.data.get("step")
+        which = _checkpoint_name(event.data)
         out = _done(
             mutate.set_param(
                 graph,
                 edge.target,
                 "checkpoint",
                 dict(event.data),
-                reason=f"checkpoint of step {step} landed on {edge.key}",
+                reason=f"{which} landed on {edge.key}",
             )
         )
         return out + _done(
             mutate.set_active(
-                graph, edge.target, True, reason=f"{edge.kind} edge from {edge.source} fired at step {step}"
+                graph, edge.target, True,
+                reason=f"{edge.kind} edge from {edge.source} fired: {which}"
             )
         )
 
@@ -135,8 +144,8 @@ class OnDemandManager:
         newest = vertex.params.get("checkpoint")
         used = event.data.get("inputs") or []
         if newest is not None and used and any(u != newest for u in used):
-            reason = (f"{event.target} finished on step {used[0].get('step') if used[0] else '?'}; "
-                      f"the checkpoint of step {newest.get('step')} landed meanwhile: evaluate it too")
+            reason = (f"{event.target} finished on {_checkpoint_name(used[0] or {})}; "
+                      f"{_checkpoint_name(newest)} landed meanwhile: evaluate it too")
             # NB: a re-run is not a failure: counted, an eval slower than the checkpoint interval
             # spent spec.remediation.maxRestarts on every checkpoint, and after three the first
             # real pod failure failed the job
