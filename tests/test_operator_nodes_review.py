@@ -7,6 +7,7 @@ kopf against the KMock emulator, as tests/test_operator_lifecycle.py does.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kube import builders
@@ -99,3 +100,62 @@ def _vc_ready(kube: builders.Kube, vc: str) -> dict[str, Any] | None:
     status = kube.get_vc(vc).get("status") or {}
     ready = [c for c in status.get("conditions") or [] if c["type"] == "Ready"]
     return ready[0] if ready and "allocated" in ready[0]["message"] and status.get("allocated") else None
+
+
+# ---------------------------------------------------------------- 3. overlapping members
+def _vc(name: str, created: str, pool: str = "a") -> dict[str, Any]:
+    body = builders.make_virtual_cluster(name, pool=pool)
+    body["metadata"]["creationTimestamp"] = created
+    return body
+
+
+def test_the_oldest_cluster_owns_a_node_two_select() -> None:
+    """Before, the first by name did: team-a, created later, took team-b's nodes."""
+    idx = index.ClusterIndex()
+    for name in ("a0", "a1"):
+        idx.nodes[name] = index.build_node_record(_node(name, 4, pool="a"))
+    idx.observe_vc(_vc("team-b", "2026-01-01T10:00:00Z"))
+    idx.observe_vc(_vc("team-a", "2026-01-01T10:05:00Z"))
+    assert [n.name for n in idx.members_of("team-b")] == ["a0", "a1"] and idx.members_of("team-a") == []
+    assert idx.claimed_from("team-a") == {"team-b": ["a0", "a1"]} and idx.claimed_from("team-b") == {}
+    assert idx.claimants(idx.nodes["a0"]) == ["team-b", "team-a"]
+    # The same second: by name, as before.
+    idx.observe_vc(_vc("team-a", "2026-01-01T10:00:00Z"))
+    assert [n.name for n in idx.members_of("team-a")] == ["a0", "a1"]
+    idx.forget_vc("team-a")
+    assert [n.name for n in idx.members_of("team-b")] == ["a0", "a1"] and "team-a" not in idx.vc_created
+
+
+def test_a_younger_overlapping_cluster_is_not_ready_and_warned(cluster: EmulatedCluster) -> None:
+    """The reviewer's case: team-b (older) and team-a both select pool a; team-a took both nodes
+    by name, and team-b reported 0 nodes, 0 GPUs and Ready=True."""
+    kube = builders.Kube(cluster.api_client())
+    kube.create_node(builders.make_node("a0", 4, pool="a"))
+    kube.create_node(builders.make_node("a1", 4, pool="a"))
+    kube.create_vc(builders.make_virtual_cluster("team-b", pool="a"))
+    # creationTimestamp has whole seconds: team-a must be created in a later one to be younger
+    born = kube.get_vc("team-b")["metadata"]["creationTimestamp"]
+    wait_for(lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) > born, what="the next second")
+    kube.create_vc(builders.make_virtual_cluster("team-a", pool="a"))
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        kube.create_job(NS, builders.make_training_job("bjob", "team-b", replicas=2, max_replicas=2, gpus=4))
+        pods = wait_for(lambda: len(found := kube.pods(NS, "bjob", "trainer")) == 2 and found,
+                        what="team-b's job placed on its nodes")
+        assert sorted(_pinned_node(p) for p in pods) == ["a0", "a1"]
+        loser = wait_for(lambda: _ready_of(kube, "team-a", "NodesClaimed"), what="team-a NodesClaimed")
+        assert loser["status"] == "False"
+        assert loser["message"].startswith("2 node(s) it selects belong to the older virtual cluster "
+                                           "team-b (a0, a1)"), loser
+        winner = wait_for(lambda: _ready_of(kube, "team-b", "Tracking"), what="team-b Ready")
+        assert winner["status"] == "True"
+        capacity = [kube.get_vc(vc)["status"]["capacity"] for vc in ("team-b", "team-a")]
+        assert capacity == [8, 0]
+        warned = wait_for(lambda: [e for ns in ("default", NS) for e in kube.events(ns, "team-a")
+                                   if e.reason == "NodesClaimed"], what="a NodesClaimed event")
+        assert warned[0].type == "Warning" and "team-b (a0, a1)" in warned[0].message
+
+
+def _ready_of(kube: builders.Kube, vc: str, reason: str) -> dict[str, Any] | None:
+    status = kube.get_vc(vc).get("status") or {}
+    ready = [c for c in status.get("conditions") or [] if c["type"] == "Ready" and c["reason"] == reason]
+    return ready[0] if ready else None

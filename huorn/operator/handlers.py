@@ -206,7 +206,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         for pod in await ctx.client.list("Pod", None, {"app.kubernetes.io/managed-by": manifests.MANAGED_BY}):
             ctx.index.observe_pod(pod)
         for vc in await ctx.client.list_custom("virtualclusters", None):
-            ctx.index.vcs[vc["metadata"]["name"]] = dict(vc.get("spec") or {})
+            ctx.index.observe_vc(vc)
             board.resume(ctx, vc)  # its last forecast, reserved until the board reads again
         # What inference clusters keep unlent, before any placement: the watch replays the
         # InferenceJobs too, but only once job handlers may already be placing borrowers.
@@ -297,7 +297,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             virtualclusters.forget(ctx, body["metadata"]["name"])
             board.forget(ctx, body["metadata"]["name"])
         else:
-            ctx.index.vcs[body["metadata"]["name"]] = dict(body.get("spec") or {})
+            ctx.index.observe_vc(body)
 
     @kopf.on.resume(GROUP, VERSION, "virtualclusters", registry=registry)
     @kopf.on.create(GROUP, VERSION, "virtualclusters", registry=registry)

@@ -250,6 +250,8 @@ def build_node_record(body: Mapping[str, Any]) -> NodeRecord:
 class ClusterIndex:
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     vcs: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> spec (wire form)
+    # name -> metadata.creationTimestamp (seconds): the oldest cluster owns a node two select
+    vc_created: dict[str, float] = field(default_factory=dict)
     pods: dict[tuple[str, str], PodRecord] = field(default_factory=dict)
     reservations: dict[tuple[str, str], PodRecord] = field(default_factory=dict)
     # InferenceJobs' GPUs ((desired + surging replicas) × GPUs each), by job: what their cluster
@@ -277,6 +279,15 @@ class ClusterIndex:
         return bool(allowed) and set(allowed) <= self.served
 
     # ----------------------------------------------------------------- updates from watches
+    def observe_vc(self, body: Mapping[str, Any]) -> None:
+        meta = body.get("metadata") or {}
+        self.vcs[meta["name"]] = dict(body.get("spec") or {})
+        self.vc_created[meta["name"]] = parse_time(meta.get("creationTimestamp"))
+
+    def forget_vc(self, name: str) -> None:
+        self.vcs.pop(name, None)
+        self.vc_created.pop(name, None)
+
     def observe_inference_job(self, body: Mapping[str, Any], deleted: bool = False) -> None:
         meta = body.get("metadata") or {}
         key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
@@ -362,16 +373,41 @@ class ClusterIndex:
         another job for GPUs it already had."""
         return {r.name for (ns, _), r in self.reservations.items() if ns == namespace and r.job == job}
 
+    def _by_age(self) -> list[str]:
+        """Virtual clusters oldest first (ties, and clusters of unknown age last, by name)."""
+        return sorted(self.vcs, key=lambda name: (self.vc_created.get(name) or float("inf"), name))
+
+    def _selects(self, vc: str, node: NodeRecord) -> bool:
+        members = self.vcs[vc].get("members") or {}
+        if node.name in (members.get("nodes") or []):
+            return True
+        selector = ((members.get("nodeSelector") or {}).get("matchLabels")) or None
+        return bool(selector) and all(node.labels.get(k) == v for k, v in selector.items())
+
+    def claimants(self, node: NodeRecord) -> list[str]:
+        """Every virtual cluster that lists the node or selects it, its owner first."""
+        return [vc for vc in self._by_age() if self._selects(vc, node)]
+
     def virtual_cluster_of(self, node: NodeRecord) -> str:
-        """The first virtual cluster (by name) whose members include the node; '' for none."""
-        for name in sorted(self.vcs):
-            members = self.vcs[name].get("members") or {}
-            if node.name in (members.get("nodes") or []):
-                return name
-            selector = ((members.get("nodeSelector") or {}).get("matchLabels")) or None
-            if selector and all(node.labels.get(k) == v for k, v in selector.items()):
-                return name
+        """The oldest virtual cluster (by metadata.creationTimestamp, ties by name) that lists
+        the node or selects it; '' for none. By age, not by name: before, a cluster created
+        later with a name sorting first took the nodes of a running one."""
+        for vc in self._by_age():
+            if self._selects(vc, node):
+                return vc
         return ""
+
+    def claimed_from(self, vc: str) -> dict[str, list[str]]:
+        """The nodes `vc` lists or selects that an older cluster owns, by that cluster."""
+        lost: dict[str, list[str]] = {}
+        if vc not in self.vcs:
+            return lost
+        for node in sorted(self.nodes.values(), key=lambda n: n.name):
+            if self._selects(vc, node):
+                owner = self.virtual_cluster_of(node)
+                if owner != vc:
+                    lost.setdefault(owner, []).append(node.name)
+        return lost
 
     def members_of(self, vc: str) -> list[NodeRecord]:
         return [n for n in self.nodes.values() if self.virtual_cluster_of(n) == vc]

@@ -1,9 +1,12 @@
 """The VirtualCluster controller: member nodes and GPU accounting in status.
 
-A node belongs to the first virtual cluster (by name) that lists it or whose selector matches
-it, so two overlapping selectors never count one GPU twice. Lending is counted per GPU, as the
-scheduler's snapshot counts it: a pod of a job of cluster A on a node of cluster B adds its
-GPUs to B's `lent` and to A's `borrowed`.
+A node belongs to the oldest virtual cluster (by creation time, ties by name) that lists it or
+whose selector matches it, so two overlapping selectors never count one GPU twice, and a cluster
+created later never takes the nodes of a running one; a cluster that loses nodes that way is
+Ready=False (reason NodesClaimed), with a Warning event naming the owner and the nodes.
+
+Lending is counted per GPU, as the scheduler's snapshot counts it: a pod of a job of cluster A
+on a node of cluster B adds its GPUs to B's `lent` and to A's `borrowed`.
 """
 
 from __future__ import annotations
@@ -62,14 +65,38 @@ def unavailable_note(ctx: Context, vc: str) -> str:
     return f"; {schedulable} GPUs take new pods, {len(down)} node(s) take none: {shown}{more}"
 
 
+def claimed_note(ctx: Context, vc: str) -> str:
+    """'' unless an older cluster owns nodes that `vc` lists or selects too: a node belongs to one
+    cluster only (the oldest, index.ClusterIndex.virtual_cluster_of), and a cluster left with
+    fewer nodes than its spec names must say so rather than report itself Ready."""
+    lost = ctx.index.claimed_from(vc)
+    if not lost:
+        return ""
+    parts = []
+    for owner, nodes in sorted(lost.items()):
+        shown = ", ".join(nodes[:8]) + (f" and {len(nodes) - 8} more" if len(nodes) > 8 else "")
+        parts.append(f"{len(nodes)} node(s) it selects belong to the older virtual cluster {owner} "
+                     f"({shown})")
+    return "; ".join(parts) + "; make the members of the two clusters disjoint"
+
+
 async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
     meta = body["metadata"]
     name = meta["name"]
-    ctx.index.vcs[name] = dict(body.get("spec") or {})
+    ctx.index.observe_vc(body)
     usage = compute_usage(ctx, name)
     old = body.get("status") or {}
     message = f"{usage['nodes']} nodes, {usage['capacity']} GPUs, {usage['allocated']} allocated"
     message += unavailable_note(ctx, name)
+    ready = (True, "Tracking", message)
+    claimed = claimed_note(ctx, name)
+    if claimed:
+        ready = (False, "NodesClaimed", f"{claimed}; {message}")
+        before = [c for c in old.get("conditions") or [] if c.get("type") == conditions.READY]
+        # once per change of what is claimed, not at every status tick
+        if not before or before[0].get("reason") != "NodesClaimed" or not str(
+                before[0].get("message") or "").startswith(claimed):
+            ctx.post_event(body, "Warning", "NodesClaimed", claimed)
     # The line is each install's own: one that does not serve every namespace of the cluster
     # knows part of it, and two such would write their parts over each other at every tick.
     line = set() if ctx.index.serves_all_of(name) else {"waitingJobs", "waitingGPUs"}
@@ -77,7 +104,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
         **{k: v for k, v in usage.items() if k not in line},
         "observedGeneration": meta.get("generation"),
         "conditions": conditions.build_conditions(
-            old.get("conditions"), meta.get("generation"), ready=(True, "Tracking", message)
+            old.get("conditions"), meta.get("generation"), ready=ready
         ),
     }
     reading = board.status_of(ctx, name)
@@ -98,7 +125,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
 
 
 def forget(ctx: Context, name: str) -> None:
-    ctx.index.vcs.pop(name, None)
+    ctx.index.forget_vc(name)
     for state in ("capacity", "allocated", "lent", "borrowed", "waiting", "forecast"):
         with contextlib.suppress(KeyError):
             ctx.metrics.vc_gpus.remove(name, state)
