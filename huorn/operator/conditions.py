@@ -8,6 +8,12 @@ condition's lastTransitionTime changes only when its status does, as metav1.Cond
 A job that was ever suspended has a fourth, Suspended, as Kubernetes Jobs and JobSets do: it is
 written from the first suspension on (so `kubectl wait --for=condition=Suspended` works), and
 turns False with reason Resumed when the job runs again.
+
+A finished TrainingJob or RLJob has a terminal condition, as a Kubernetes Job has `Complete` or
+`Failed`: `Succeeded` (named as the phase is) or `Failed`, status True, written with the phase and
+kept as it is from then on; before the end neither is there. So CI can `kubectl wait
+--for=condition=Succeeded` (or Failed) on either kind. A finished job is not Ready: Ready=False
+with reason Succeeded, or with the failure's reason. An InferenceJob has no end, so neither.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ READY = "Ready"
 RECONCILING = "Reconciling"
 STALLED = "Stalled"
 SUSPENDED = "Suspended"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+TERMINAL = (SUCCEEDED, FAILED)
 
 
 def now() -> str:
@@ -34,14 +43,24 @@ def build_conditions(
     reconciling: tuple[bool, str, str] | None = None,
     stalled: tuple[bool, str, str] | None = None,
     suspended: tuple[bool, str, str] | None = None,
+    terminal: tuple[str, str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """The three conditions, and Suspended once there was one; each tuple is (status, reason,
-    message). Absent means False."""
+    """The three conditions, Suspended once there was one, and the terminal one once the job
+    ended; each tuple is (status, reason, message), absent means False. `terminal` is (SUCCEEDED
+    or FAILED, reason, message), its status True: a job ends once, so a terminal condition
+    already True is kept as it was (its time too), whatever `terminal` says."""
+    if terminal is not None and terminal[0] not in TERMINAL:
+        raise ValueError(f"terminal: {terminal[0]!r} is not one of {TERMINAL}")
     before = {c.get("type"): c for c in previous or []}
     out = []
     kinds = [(READY, ready), (RECONCILING, reconciling), (STALLED, stalled)]
     if suspended is not None or SUSPENDED in before:
         kinds.append((SUSPENDED, suspended if suspended is not None else (False, "Resumed", "")))
+    ended = next((kind for kind in TERMINAL if (before.get(kind) or {}).get("status") == "True"), None)
+    if ended is not None:
+        kinds.append((ended, (True, before[ended].get("reason", ""), before[ended].get("message", ""))))
+    elif terminal is not None:
+        kinds.append((terminal[0], (True, terminal[1], terminal[2])))
     for kind, value in kinds:
         status, reason, message = value if value is not None else (False, "AsExpected", "")
         text = "True" if status else "False"

@@ -24,7 +24,8 @@ them, so the first reconcile inserts two vertices into the graph, with the reaso
   the controller refusing its config and fails the job) and spends one of
   spec.remediation.maxRestarts unless a rule ignores it; restarts back off as Kubernetes Job's.
 - **The end.** The head pod's exit code is the controller's: Succeeded ends the job and stops
-  the workers; a refusal or a spent budget fails it, naming the pod and why.
+  the workers; a refusal or a spent budget fails it, naming the pod and why. Either end writes
+  its terminal condition (Succeeded or Failed, huorn.operator.conditions), as a TrainingJob's.
 
 Every decision is a graph mutation written to status before any pod is created or deleted for
 it, so a restarted operator neither restarts a gang twice nor loses a restart.
@@ -618,7 +619,8 @@ async def _finish(ctx: Context, body: Mapping[str, Any], graph: Graph, base: dic
               "completionTime": old.get("completionTime") or iso_time(time.time()),
               "graph": serialise.to_status(graph), "decisions": build_decisions(graph),
               "conditions": conditions.build_conditions(
-                  old.get("conditions"), meta.get("generation"), ready=(True, "Completed", message))}
+                  old.get("conditions"), meta.get("generation"), ready=(False, "Succeeded", message),
+                  terminal=(conditions.SUCCEEDED, "Succeeded", message))}
     if old.get("phase") != "Succeeded":
         ctx.post_event(body, "Normal", "Completed", message)
     await write_status(ctx, body, status, PLURAL)
@@ -635,7 +637,8 @@ async def _fail(ctx: Context, body: Mapping[str, Any], graph: Graph, base: dict[
               "graph": serialise.to_status(graph), "decisions": build_decisions(graph),
               "conditions": conditions.build_conditions(
                   old.get("conditions"), meta.get("generation"),
-                  ready=(False, reason, why), stalled=(True, reason, why))}
+                  ready=(False, reason, why), stalled=(True, reason, why),
+                  terminal=(conditions.FAILED, reason, why))}
     if old.get("phase") != "Failed":
         ctx.post_event(body, "Warning", reason, why)
         ctx.metrics.decisions.labels(KIND, "fail").inc()

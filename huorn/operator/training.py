@@ -280,7 +280,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             "estimatedRemaining": estimates.human_seconds(0),
             "graph": serialise.to_status(graph),
             "conditions": conditions.build_conditions(
-                old.get("conditions"), generation, ready=(False, "Succeeded", "training finished")
+                old.get("conditions"), generation, ready=(False, "Succeeded", "training finished"),
+                terminal=(conditions.SUCCEEDED, "Succeeded", "training finished"),
             ),
         }
         await write_status(ctx, body, status)
@@ -887,6 +888,7 @@ async def _fail(
             base_status["observedGeneration"],
             ready=(False, reason, why),
             stalled=(True, reason, why),
+            terminal=(conditions.FAILED, reason, why),
         ),
     }
     await write_status(ctx, body, status)
