@@ -5,8 +5,10 @@ is first written into the job's status as a graph mutation (a write-ahead log), 
 are pods created or deleted; a restarted operator reads the graph back from status, finds the
 decision already taken, and finishes applying it under the same deterministic pod names, so
 nothing is decided twice and no pod is created twice. Placement is all or none: if any replica
-of the gang cannot be placed, no mutation is written and no pod is created, and the job says why
-in its Reconciling condition.
+of the gang cannot be placed, no pod is created, and the job says why in its Reconciling
+condition. No mutation is written then either, but for a pod replacement: the pod it replaces
+(one that never started still holds its GPUs) can only go once the decision is recorded, and in
+a gang that fills its cluster its successor can only go where it was.
 
 Restart rules for a failed trainer pod: spec.remediation.podFailurePolicy first (Kubernetes
 Job's rules; huorn.operator.failures), then exit code 2 (the runtime refused its config) fails
