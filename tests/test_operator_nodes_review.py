@@ -159,3 +159,68 @@ def _ready_of(kube: builders.Kube, vc: str, reason: str) -> dict[str, Any] | Non
     status = kube.get_vc(vc).get("status") or {}
     ready = [c for c in status.get("conditions") or [] if c["type"] == "Ready" and c["reason"] == reason]
     return ready[0] if ready else None
+
+
+# ---------------------------------------------------------------- 2. other controllers' GPUs
+def _foreign_pod(name: str, node: str, gpus: int, phase: str = "Running") -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS},
+            "spec": {"nodeName": node, "containers": [
+                {"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]},
+            "status": {"phase": phase}}
+
+
+def test_gpus_of_other_controllers_pods_are_not_free() -> None:
+    idx = index.ClusterIndex()
+    for name in ("a0", "a1"):
+        idx.nodes[name] = index.build_node_record(_node(name, 4, pool="a"))
+    idx.observe_vc(_vc("train", "2026-01-01T10:00:00Z"))
+    assert idx.observe_foreign_pod(_foreign_pod("kueue-0", "a0", 3)) is False
+    snap = idx.build_snapshot()
+    assert snap.free("train") == 5
+    assert isinstance(snap.place("train", 2, 4), placement.Unplaceable)
+    # A Huorn pod placed there before (the overlap this used to allow) stays bound to its job.
+    idx.pods[(NS, "old-trainer-0")] = index.PodRecord(NS, "old-trainer-0", "old", "trainer", "trainer-0",
+                                                      "a0", 2, 0, "train", phase="Running")
+    snap = idx.build_snapshot()
+    assert snap.free("train") == 4 and "t/old" not in snap.bindings() and f"{NS}/old" in snap.bindings()
+    # An ended or deleted pod gives them back; one not bound to a node, or without GPUs, holds none.
+    assert idx.observe_foreign_pod(_foreign_pod("kueue-0", "a0", 3, phase="Succeeded")) is True
+    idx.observe_foreign_pod(_foreign_pod("pending", "", 4))
+    idx.observe_foreign_pod(_foreign_pod("cpu-only", "a1", 0))
+    assert idx.foreign == {}
+    # init containers count when they ask for more than the containers together
+    spec = {"containers": [{"resources": {"requests": {"nvidia.com/gpu": "1"}}}],
+            "initContainers": [{"resources": {"limits": {"nvidia.com/gpu": "2"}}}]}
+    assert index.requested_gpus(spec) == 2
+
+
+def test_operator_places_around_pods_of_another_controller(cluster: EmulatedCluster) -> None:
+    """The reviewer's case: a Kueue job's pod holds a0's 4 GPUs; Huorn placed its gang there."""
+    kube = builders.Kube(cluster.api_client())
+    for node in ("a0", "a1", "a2"):
+        kube.create_node(builders.make_node(node, 4, pool="a"))
+    kube.create_vc(builders.make_virtual_cluster("train", pool="a"))
+    kube.core.create_namespaced_pod(NS, _foreign_pod("kueue-job-0", "a0", 4))
+    kube.core.patch_namespaced_pod_status("kueue-job-0", NS, {"status": {"phase": "Running"}})
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        kube.create_job(NS, builders.make_training_job("llm", "train", replicas=1, max_replicas=1, gpus=4))
+        pods = wait_for(lambda: kube.pods(NS, "llm", "trainer"), what="llm's trainer")
+        (taken,) = [_pinned_node(p) for p in pods]
+        assert taken in ("a1", "a2")
+        # The watch, not only the startup listing: another one fills the last node.
+        last = "a2" if taken == "a1" else "a1"
+        kube.core.create_namespaced_pod(NS, _foreign_pod("kueue-job-1", last, 4))
+        ready = wait_for(lambda: _allocated(kube, "train", 12), what="the cluster's status")
+        assert "(8 by pods Huorn does not manage)" in ready["message"], ready
+        kube.create_job(NS, builders.make_training_job("next", "train", replicas=1, max_replicas=1, gpus=4))
+        wait_for(lambda: "needs 4 GPUs" in str(kube.job_status(NS, "next").get("message")),
+                 what="next waiting")
+        assert kube.pods(NS, "next", "trainer") == []
+        kube.core.delete_namespaced_pod("kueue-job-0", NS)
+        nxt = wait_for(lambda: kube.pods(NS, "next", "trainer"), what="next's trainer, once a0 is free")
+        assert [_pinned_node(p) for p in nxt] == ["a0"]
+
+
+def _allocated(kube: builders.Kube, vc: str, gpus: int) -> dict[str, Any] | None:
+    ready = _ready_of(kube, vc, "Tracking")
+    return ready if ready and f"{gpus} allocated" in ready["message"] else None

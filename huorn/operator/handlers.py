@@ -203,8 +203,12 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         # restart see every GPU already taken (the watches replay them too, but later).
         for node in await ctx.client.list("Node", None, {}):
             ctx.index.nodes[node["metadata"]["name"]] = index.build_node_record(node)
-        for pod in await ctx.client.list("Pod", None, {"app.kubernetes.io/managed-by": manifests.MANAGED_BY}):
-            ctx.index.observe_pod(pod)
+        # Every pod, once: Huorn's, and the GPUs other controllers' pods hold (pod_changed and
+        # foreign_pod_changed keep both current); one listing, as kopf's own pod watch makes.
+        for pod in await ctx.client.list("Pod", None, {}):
+            ns = (pod.get("metadata") or {}).get("namespace", "")
+            if ctx.index.observe_pod(pod) is None and ctx.serves(ns):
+                ctx.index.observe_foreign_pod(pod)
         for vc in await ctx.client.list_custom("virtualclusters", None):
             ctx.index.observe_vc(vc)
             board.resume(ctx, vc)  # its last forecast, reserved until the board reads again
@@ -281,6 +285,16 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         if kind in kinds.KINDS:
             await _reconcile_job(ctx, kinds.KINDS[kind].plural, record.namespace, record.job)
         if record.gpus and (type == "DELETED" or not record.holds_resources):
+            ctx.wake_line()
+
+    # Pods of other controllers (Kueue, notebooks) hold GPUs of nodes Huorn places on. kopf opens
+    # one watch per resource whatever its handlers' label filters (no server-side selector is
+    # set), so pod_changed's watch already streams every pod: this handler adds no API load,
+    # only a dict update per event. A namespaced install sees only its namespaces' pods.
+    @kopf.on.event("", "v1", "pods", labels={manifests.LABEL_JOB: kopf.ABSENT}, registry=registry)
+    async def foreign_pod_changed(type: str, body: Mapping[str, Any], memo: Any, **_: Any) -> None:
+        ctx = _ctx(memo)
+        if ctx.index.observe_foreign_pod(body, deleted=type == "DELETED"):
             ctx.wake_line()
 
     # InferenceJobs' replicas keep their cluster's GPUs from being lent (index.build_snapshot);

@@ -142,6 +142,24 @@ def build_pod_record(body: Mapping[str, Any]) -> PodRecord | None:
     )
 
 
+def requested_gpus(spec: Mapping[str, Any]) -> int:
+    """The GPUs a pod's spec takes from its node, as the kubelet counts them: its containers' sum,
+    or its largest init container if that is more. A request or, without one, the limit (an
+    extended resource's request defaults to its limit)."""
+    def of(container: Mapping[str, Any]) -> int:
+        resources = container.get("resources") or {}
+        for part in ("requests", "limits"):
+            value = (resources.get(part) or {}).get(manifests.GPU_RESOURCE)
+            if value is not None:
+                try:
+                    return max(0, int(base.parse_quantity(str(value))))
+                except (TypeError, ValueError):
+                    return 0
+        return 0
+    running = sum(of(c) for c in spec.get("containers") or [])
+    return max([running, *(of(c) for c in spec.get("initContainers") or [])])
+
+
 def _grace_ends(meta: Mapping[str, Any], spec: Mapping[str, Any]) -> float:
     deleted = parse_time(meta.get("deletionTimestamp"))
     if not deleted:
@@ -259,6 +277,9 @@ class ClusterIndex:
     inference_demand: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
     # The prediction board's GPUs by inference cluster (huorn.operator.board), where it has one
     forecast_demand: dict[str, int] = field(default_factory=dict)
+    # GPUs that pods of other controllers (Kueue, notebooks, a DaemonSet) hold on a node, by pod:
+    # (node, GPUs) of each one bound to a node, not ended, that requests any (observe_foreign_pod)
+    foreign: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
     # When each pod record was last written, in observations (see resync_pods)
     seen: dict[tuple[str, str], int] = field(default_factory=dict)
     observations: int = 0
@@ -333,6 +354,38 @@ class ClusterIndex:
             self.pods[key] = record
             self.seen[key] = self.observations
         return record
+
+    def observe_foreign_pod(self, body: Mapping[str, Any], deleted: bool = False) -> bool:
+        """Record the GPUs a pod Huorn does not manage holds on its node; returns whether it
+        gave GPUs back (deleted, or ended), which may let a waiting job start."""
+        meta = body.get("metadata") or {}
+        if manifests.LABEL_JOB in (meta.get("labels") or {}):
+            return False
+        key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
+        spec = body.get("spec") or {}
+        node, gpus = str(spec.get("nodeName") or ""), requested_gpus(spec)
+        phase = (body.get("status") or {}).get("phase", "Pending")
+        if deleted or not node or not gpus or phase in TERMINAL_POD_PHASES:
+            return self.foreign.pop(key, None) is not None
+        self.foreign[key] = (node, gpus)
+        return False
+
+    def foreign_gpus(self) -> dict[str, int]:
+        """GPUs other controllers' pods hold, by node."""
+        held: dict[str, int] = {}
+        for node, gpus in self.foreign.values():
+            held[node] = held.get(node, 0) + gpus
+        return held
+
+    def held_by_others(self, leaving: bool = True) -> dict[str, int]:
+        """Other controllers' GPUs by node, within what Huorn's own pods there leave: a node whose
+        pods of both kinds add up to more than it has (one placed before this was counted) keeps
+        every Huorn pod bound to its job in a snapshot, and simply shows nothing free."""
+        ours: dict[str, int] = {}
+        for p in self._holders(leaving):
+            ours[p.node] = ours.get(p.node, 0) + p.gpus
+        return {node: min(gpus, max(0, self.nodes[node].gpus - ours.get(node, 0)))
+                for node, gpus in self.foreign_gpus().items() if node in self.nodes}
 
     def resync_pods(self, listed: Iterable[Mapping[str, Any]], mark: int) -> list[PodRecord]:
         """Bring the mirror in line with a list of every Huorn pod that began when
@@ -421,11 +474,12 @@ class ClusterIndex:
         `leaving`, pods being deleted are left out: the cluster as it will be once they are gone,
         which is what preemption plans against (huorn.operator.training.plan_preemption)."""
         owner = {n.name: self.virtual_cluster_of(n) for n in self.nodes.values()}
+        others = self.held_by_others(leaving)
         views = [
             placement.NodeView(
                 name=n.name,
                 gpus_total=n.gpus,
-                gpus_free=n.gpus,
+                gpus_free=n.gpus - others.get(n.name, 0),
                 labels=n.labels,
                 virtual_cluster=owner[n.name],
                 cordoned=n.unschedulable,

@@ -39,6 +39,9 @@ def compute_usage(ctx: Context, vc: str) -> dict[str, int]:
             and ctx.index.virtual_cluster_of(ctx.index.nodes[pod.node]) not in ("", vc)
         ):
             borrowed += pod.gpus
+    # GPUs other controllers' pods hold there (index.ClusterIndex.observe_foreign_pod) are allocated too
+    others = ctx.index.held_by_others()
+    allocated += sum(others.get(n, 0) for n in members)
     waiting = [j for j in ctx.queue.waiting() if j.virtual_cluster == vc]
     return {
         "nodes": len(members),
@@ -87,6 +90,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
     usage = compute_usage(ctx, name)
     old = body.get("status") or {}
     message = f"{usage['nodes']} nodes, {usage['capacity']} GPUs, {usage['allocated']} allocated"
+    members = {n.name for n in ctx.index.members_of(name)}
+    others = sum(gpus for node, gpus in ctx.index.held_by_others().items() if node in members)
+    if others:
+        message += f" ({others} by pods Huorn does not manage)"
     message += unavailable_note(ctx, name)
     ready = (True, "Tracking", message)
     claimed = claimed_note(ctx, name)
