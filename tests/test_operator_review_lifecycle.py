@@ -48,6 +48,9 @@ def test_a_never_started_pod_of_a_gang_that_fills_its_cluster_is_replaced_then_f
         assert "pod llm-trainer-0 did not start within 2 s (ErrImagePull: manifest unknown)" in (
             status["decisions"][0]["reason"])
         assert status["restartsUsed"] == 1
+        # while its own pod went, the job said so, not that its gang cannot fit
+        said = "the successors are placed once the pods they replace are gone (now: needs 4 GPUs"
+        wait_for(lambda: kube.has_event(NS, "llm", "Replacing", said), what="the Replacing event")
         _hold_pending(kube, "llm-trainer-0-g1")
         status = wait_for(lambda: (s := kube.job_status(NS, "llm")).get("phase") == "Failed" and s,
                           what="Failed once the budget is spent", timeout=30)

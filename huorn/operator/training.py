@@ -397,8 +397,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             # replace can go; their successors are placed once the GPUs are free.
             base_status.update(graph=serialise.to_status(graph), decisions=build_decisions(graph),
                                targetReplicas=desired)
-            message = (f"{message}; replacing {len(replaced)} trainer pod(s), whose successors are placed "
-                       "once the pods they replace are gone")[:REASON_LIMIT]
+            # not Unplaceable: the GPUs it waits for may be those of the pods it replaces
+            reason, event = "Replacing", "Normal"
+            message = (f"replacing {len(replaced)} pod(s): the successors are placed once the pods they "
+                       f"replace are gone (now: {message})")[:REASON_LIMIT]
         waited = await _waiting(ctx, body, base_status, phase, reason, message, event=event)
         for m in new if replaced else []:
             ctx.metrics.decisions.labels(KIND, m.action).inc()
