@@ -86,22 +86,29 @@ model_specs = some(
     ),
 )
 
-common_fields = dict(
-    priority=pick(0, 50, 1000, bad=(-1, 1001)),
+# The fields every job kind has (JobBasics), and those only TrainingJob and RLJob have
+# (JobCommon): an InferenceJob given priority, elasticity or remediation is refused, which
+# test_api_fields_per_kind checks; generating them for it would only make refusals.
+basic_fields = dict(
     resources=some(gpus=pick(0, 1, 16, bad=(-1, 17)), cpu=QUANTITIES, memory=QUANTITIES),
+    checkpoint=some(volume=pick("ckpt", bad=("Bad",)), path=pick("/c", "./c", bad=("",)), interval=DURATIONS,
+                    intervalSteps=pick(1, 25, bad=(0,))),
+    env=st.lists(some(required={"name": pick("A", "NCCL_DEBUG", bad=("1BAD",))}, value=pick("", "x")),
+                 max_size=2),
+)
+
+gang_fields = dict(
+    basic_fields,
+    priority=pick(0, 50, 1000, bad=(-1, 1001)),
     elasticity=some(
         minReplicas=pick(1, 2, 3, bad=(0, 4097)),
         maxReplicas=pick(1, 2, 3, 4096, bad=(0, 4097)),
         policy=pick("goodput", "fixed", bad=("elastic",)),
     ),
-    checkpoint=some(volume=pick("ckpt", bad=("Bad",)), path=pick("/c", "./c", bad=("",)), interval=DURATIONS,
-                    intervalSteps=pick(1, 25, bad=(0,))),
     remediation=some(hangTimeout=DURATIONS, failSlowDetection=pick(True, False, bad=("yes",)),
                      maxMitigation=pick("observe", "restart", bad=("reboot",)),
                      maxRestarts=pick(0, 3, 1000, bad=(-1, 1001)),
                      podFailurePolicy=some(required={"rules": st.lists(FAILURE_RULES, max_size=3)})),
-    env=st.lists(some(required={"name": pick("A", "NCCL_DEBUG", bad=("1BAD",))}, value=pick("", "x")),
-                 max_size=2),
 )
 
 # Always present and good: their bad values are the schema's business, tested on the examples.
@@ -109,7 +116,7 @@ JOB_REQUIRED = {"virtualCluster": st.just("local")}
 
 training_specs = some(
     always=JOB_REQUIRED,
-    **common_fields,
+    **gang_fields,
     task=some(kind=pick("pretrain", "cpt", "distill", bad=("finetune",)),
               teacher=some(required={"checkpoint": pick("/t", "s3://t", bad=("",))}),
               initCheckpoint=pick("/c", "gs://c", bad=("",))),
@@ -140,7 +147,7 @@ role_specs = some(
 
 rl_specs = some(
     always=JOB_REQUIRED,
-    **common_fields,
+    **gang_fields,
     model=model_specs,
     gpus=pick(0, 2, 4, 6, 8, bad=(-1,)),
     roles=some(actorTrain=role_specs, rollout=role_specs, reference=role_specs, reward=role_specs,
@@ -166,7 +173,7 @@ inference_specs = some(
         **JOB_REQUIRED,
         "model": st.fixed_dictionaries({"checkpoint": st.just("/c")}, optional={"architecture": model_specs}),
     },
-    **common_fields,
+    **basic_fields,
     serving=some(maxBatch=pick(1, 64, bad=(0, 4097)), maxTokens=pick(1, 2048, bad=(0,))),
     quantization=some(method=pick("none", "glvq", bad=("int4",)), bits=pick(1, 4, 8, bad=(0, 9)),
                       groupSize=pick(2, 8, bad=(1,))),

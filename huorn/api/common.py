@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -205,16 +205,50 @@ DEFAULT_IMAGE = "ghcr.io/huorn-io/huorn:0.1.0"
 DEFAULT_JOB_IMAGE = f"{DEFAULT_IMAGE}-cu126"
 
 
-class JobCommon(ApiModel):
-    """Fields every job kind shares; the kinds subclass this."""
+# Fields that JobBasics and JobCommon both declare, defined once: one description, one set of
+# bounds.
+def _virtual_cluster_field() -> Any:
+    return Field(description="The VirtualCluster whose GPUs this job uses.")
 
-    virtual_cluster: DnsLabel = Field(description="The VirtualCluster whose GPUs this job uses.")
-    image: str | None = Field(
+
+def _image_field() -> Any:
+    return Field(
         default=None, min_length=1,
         description="Container image of the pods (a CUDA build for a job with GPUs). Unset: the "
                     "operator's job image (the Helm chart's jobImage, by default its own image's CUDA "
                     "build), kept in status.image for the job's life.",
     )
+
+
+def _env_field() -> Any:
+    return Field(default_factory=list, max_length=128, description="Environment overrides.")
+
+
+class JobBasics(ApiModel):
+    """Fields every job kind has; an InferenceJob has only these of the shared ones.
+
+    An InferenceJob scales by `autoscaling` and waits in no line, so priority, elasticity and
+    remediation (JobCommon's) were accepted and then ignored. A kind that has no use for a field
+    does not have it: the CRD and `huorn validate` refuse it as an unknown field."""
+
+    virtual_cluster: DnsLabel = _virtual_cluster_field()
+    image: str | None = _image_field()
+    resources: Resources = Field(default_factory=Resources)
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    env: list[EnvVar] = _env_field()
+
+
+class JobCommon(ApiModel):
+    """JobBasics' fields and those of the gangs that wait in line for GPUs (TrainingJob, RLJob):
+    priority (queue order, preemption) and remediation (restart budget, podFailurePolicy).
+    elasticity is a TrainingJob's; an RLJob has it too because its entry in the line is built by
+    the same code (huorn.operator.queue.build_entry), which reads it before overriding it.
+
+    Declared apart from JobBasics, not derived from it: a subclass's fields come after its base's,
+    and the CRDs keep the order they have always had (priority after image)."""
+
+    virtual_cluster: DnsLabel = _virtual_cluster_field()
+    image: str | None = _image_field()
     priority: int = Field(
         default=50, ge=0, le=1000,
         description="Higher wins. Jobs at 100 or above are never preempted (the KAI convention).",
@@ -223,7 +257,7 @@ class JobCommon(ApiModel):
     elasticity: Elasticity = Field(default_factory=Elasticity)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     remediation: Remediation = Field(default_factory=Remediation)
-    env: list[EnvVar] = Field(default_factory=list, max_length=128, description="Environment overrides.")
+    env: list[EnvVar] = _env_field()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from huorn.api import rules
 from huorn.api.base import ApiModel
-from huorn.api.common import JobCommon, JobStatus, RateHistory, RateReading
+from huorn.api.common import JobBasics, JobStatus, RateHistory, RateReading
 from huorn.api.training import ModelSpec
 
 
@@ -188,7 +188,7 @@ SERVE_DRAIN_SECONDS = 30
 SERVE_STARTUP_SECONDS = 600
 
 
-class InferenceJobSpec(JobCommon):
+class InferenceJobSpec(JobBasics):
     model: ServedModel
     serving: ServingLimits = Field(default_factory=ServingLimits)
     quantization: Quantization = Field(default_factory=Quantization)
