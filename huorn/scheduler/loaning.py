@@ -13,7 +13,12 @@ lender's reclaim grace) is killed. Victims are chosen to minimise lost work, mea
 restart of the replicas that keep running; one that cannot also loses everything since its last
 checkpoint. Shrinking an elastic job that stays above its minimum is preferred to preempting a
 job, because a preempted job loses its whole restart and its place, which this cost counts.
-Jobs of priority ≥ 100 are never victims.
+
+A borrower's priority does not protect it: a lender always gets its own GPUs back. Priority ≥ 100
+pins a job within its own cluster's quota (the allocator never shrinks it, preemption never stops
+it), not on GPUs it borrowed, as Kueue's reclaimWithinCohort takes back nominal quota whatever the
+borrower's priority. Before, a pinned borrower was never a victim, and since a tenant who may
+edit a job may set its priority, any job could keep a lender's GPUs for good.
 """
 
 from __future__ import annotations
@@ -22,8 +27,6 @@ import math
 from dataclasses import dataclass
 
 from huorn.scheduler import snapshot
-
-PINNED_PRIORITY = 100
 
 
 @dataclass(frozen=True)
@@ -75,15 +78,15 @@ def plan_reclaim(
 ) -> list[Reclaim]:
     """Choose victims that give back at least `gpus_wanted` GPUs at the least lost work.
 
-    Returns fewer GPUs than asked only when the loans cannot cover it (pinned borrowers); the
-    caller sees that from the sum. Greedy by lost GPU-seconds per GPU still wanted, each option
-    priced at the replicas it would release now.
+    Returns fewer GPUs than asked only when the loans cannot cover it; the caller sees that from
+    the sum. Every borrower is a candidate, whatever its priority (see the module's docstring).
+    Greedy by lost GPU-seconds per GPU still wanted, each option priced at the replicas it would
+    release now.
     """
     if gpus_wanted <= 0:
         return []
     grace = lender.reclaim_grace_seconds
-    candidates = [loan for loan in loans
-                  if loan.priority < PINNED_PRIORITY and loan.replicas_on_lender > 0]
+    candidates = [loan for loan in loans if loan.replicas_on_lender > 0]
     chosen: dict[str, Reclaim] = {}
     left = gpus_wanted
     while left > 0:
@@ -113,7 +116,7 @@ def plan_reclaim(
                 if best is None or key < best:
                     best = key
         if best is None:
-            break  # only pinned borrowers hold the rest
+            break  # the loans hold no more
         _, job, preempt, replicas, lost, graceful = best
         earlier = chosen.get(job)
         if earlier is not None:
