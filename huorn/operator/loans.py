@@ -39,7 +39,7 @@ from typing import Any
 
 from huorn.backends.kubernetes import manifests
 from huorn.graph import serialise
-from huorn.operator import board, index, preempting, training, validation
+from huorn.operator import board, index, preempting, queue, rljobs, training, validation
 from huorn.operator.context import Context
 from huorn.scheduler import loaning
 
@@ -75,12 +75,71 @@ def count_wanted(ctx: Context, vc: str, demand: int, borrowers: Mapping[Any, Bor
     return max(0, min(lent, (demand - own) - (capacity - used)))
 
 
+def line_wanted(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]
+                ) -> tuple[int, int, list[queue.QueuedJob]]:
+    """A training lender's line: what its own jobs in line (huorn.operator.queue: gangs below
+    their minimum) need, the part of it that its free GPUs cannot give (up to what it has out on
+    loan: the debt due), and those jobs.
+
+    Jobs are taken first in line first, each only while the GPUs reclaim could give (free + lent)
+    still hold it: a gang larger than all of that would not be placed after a reclaim either, and
+    reclaiming for it would only stop borrowers for GPUs that then sit idle."""
+    members = ctx.index.members_of(vc)
+    capacity = sum(n.gpus for n in members if not n.unschedulable)
+    names = {n.name for n in members}
+    used = sum(p.gpus for p in ctx.index.pods.values()
+               if p.node in names and p.holds_resources and not p.deleting)
+    free = max(0, capacity - used)
+    lent = sum(p.gpus for b in borrowers.values() for p in b.pods)
+    room, need, jobs = free + lent, 0, []
+    for job in ctx.queue.waiting():
+        gpus = job.missing * job.gpus
+        if job.virtual_cluster != vc or gpus > room - need:
+            continue
+        need += gpus
+        jobs.append(job)
+    return need, max(0, min(lent, need - free)), jobs
+
+
+def line_reserve_key(vc: str) -> tuple[str, str]:
+    """The index's demand entry that holds a training lender's line (no InferenceJob has an empty
+    namespace, so it never meets one)."""
+    return ("", f"{vc} (its jobs in line)")
+
+
+def reserve_for_line(ctx: Context, vc: str, need: int) -> None:
+    """Keep `need` GPUs of a training lender unlent while its own jobs wait for them, as an
+    inference cluster keeps its InferenceJobs' demand: placement's snapshot never lends a
+    cluster's reserve (`index.build_snapshot`, reserved = demand − what its own pods hold).
+
+    Without it a reclaim went round in circles: the preempted borrower's successors, reconciled
+    the moment its old pods were gone, took the freed GPUs back before the lender's job was
+    placed, and the next tick reclaimed them again (6 preemptions in 60 s, none placing the
+    lender's job). The entry counts what the cluster's own pods hold now plus the line's need,
+    so the reserve is the need; once the line's jobs are placed their pods hold it and the
+    reserve is 0, and the next tick drops the entry."""
+    key = line_reserve_key(vc)
+    ctx.index.inference_demand.pop(key, None)
+    if need <= 0:
+        return
+    names = {n.name for n in ctx.index.members_of(vc)}
+    holders = [p for p in ctx.index.pods.values() if p.holds_resources]
+    holders += list(ctx.index.reservations.values())
+    held = sum(p.gpus for p in holders if p.node in names and p.virtual_cluster == vc)
+    others = ctx.index.floors_of(vc)  # InferenceJobs of this cluster, if it has any
+    ctx.index.inference_demand[key] = (vc, need + max(0, held - others))
+
+
 async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Reclaim]:
-    """Reclaim what an inference VirtualCluster needs back; returns the reclaims applied."""
+    """Reclaim what a lender needs back; returns the reclaims applied.
+
+    An inference cluster needs back what its InferenceJobs' replicas (or its forecast) need; a
+    training cluster, what its own jobs waiting in line need (`line_wanted`). Before, only an
+    inference cluster ever reclaimed, so a training cluster that lent had its own jobs wait for as
+    long as the borrowers ran."""
     name = vc_body["metadata"]["name"]
     spec = vc_body.get("spec") or {}
-    if spec.get("purpose") != "inference":
-        return []
+    inference = spec.get("purpose") == "inference"
     borrowers = find_borrowers(ctx, name)
     lends = ctx.index.serves_all_of(name)
     if not lends:
@@ -88,18 +147,29 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
         # one): its own borrowers there were placed before it stopped lending, and no install
         # may ever reclaim them for a demand it does not see. They all give their GPUs back.
         borrowers = {k: b for k, b in borrowers.items() if ctx.serves(b.namespace)}
+    line: list[queue.QueuedJob] = []
+    need = 0
+    if lends and not inference:
+        need, wanted, line = line_wanted(ctx, name, borrowers)
+    reserve_for_line(ctx, name, need)
     if not borrowers:
         return []
-    demand = ctx.index.demand_of(name)  # the InferenceJobs' floors, or the board's forecast
-    wanted = (count_wanted(ctx, name, demand, borrowers) if lends
-              else sum(p.gpus for b in borrowers.values() for p in b.pods))
+    if not lends:
+        wanted = sum(p.gpus for b in borrowers.values() for p in b.pods)
+    elif inference:
+        demand = ctx.index.demand_of(name)  # the InferenceJobs' floors, or the board's forecast
+        wanted = count_wanted(ctx, name, demand, borrowers)
     if wanted <= 0:
         return []
+    asked = wanted
+    blocked: list[str] = []  # why GPUs still lent could not be reclaimed this pass
     jobs: dict[str, tuple[Borrower, Mapping[str, Any], Any]] = {}
     loans = []
     for b in borrowers.values():
         body = await ctx.client.get_custom(training.PLURAL, b.namespace, b.job)
         if body is None or not (body.get("status") or {}).get("graph"):
+            blocked.append(f"{b.namespace}/{b.job} holds {sum(p.gpus for p in b.pods)} lent GPU(s) but "
+                           "its TrainingJob or its graph in status cannot be read yet")
             continue
         try:
             job = validation.load_job(body)
@@ -136,25 +206,27 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
             job=key, replicas_on_lender=len(b.pods), replicas_total=replicas,
             min_replicas=min_replicas, gpus_per_replica=gpus, priority=priority,
         ))
-    if wanted <= 0 or not loans:
-        return []
     view = index.build_vc_view(name, spec)
     forecast_gpus = ctx.index.forecast_demand.get(name, 0)
     if not lends:
         why = (f"this install does not serve every namespace {name} admits (spec.namespaces), so it "
                "lends it nothing and its borrowers there give their GPUs back")
+    elif not inference:
+        more = f" and {len(line) - 5} more" if len(line) > 5 else ""
+        shown = ", ".join(j.binding for j in line[:5]) + more
+        why = (f"its own jobs in line need {sum(j.missing * j.gpus for j in line)} GPU(s) ({shown}) "
+               "that its free GPUs cannot give")
     elif forecast_gpus > ctx.index.floors_of(name):
         why = f"its forecast request rate needs {forecast_gpus} GPU(s) ({board.FIELD})"
     else:
-        why = f"its InferenceJobs need {demand} GPU(s)"
-    plan = loaning.plan_reclaim(view, wanted, loans, time.time(), why)
+        why = f"its InferenceJobs need {ctx.index.demand_of(name)} GPU(s)"
+    plan = loaning.plan_reclaim(view, wanted, loans, time.time(), why) if wanted > 0 and loans else []
     applied = []
     left = wanted
     by_job = {loan.job: loan for loan in loans}
     for planned in plan:
         b, body, _ = jobs[planned.job]
         r = as_shrink(planned, by_job[planned.job], left)
-        left -= r.gpus_released
         if r.action != "shrink":
             if (spec.get("lending") or {}).get("reclaimPolicy", "Preempt") != "Preempt":
                 ctx.post_event(vc_body, "Warning", "ReclaimBlocked",
@@ -165,11 +237,38 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
             if await preempt_borrower(ctx, b, r, int(view.reclaim_grace_seconds), name):
                 ctx.post_event(vc_body, "Normal", "Reclaimed", f"{r.reason} (preempted)")
                 applied.append(r)
+                left -= r.gpus_released
+            else:
+                blocked.append(f"{r.job} could not be preempted (no live trainer pod left to stop)")
             continue
         if await shrink_borrower(ctx, b, r, int(view.reclaim_grace_seconds), name):
             ctx.post_event(vc_body, "Normal", "Reclaimed", r.reason)
             applied.append(r)
+            left -= r.gpus_released
+        else:
+            blocked.append(f"{r.job} could not be shrunk (its replicas on {name} are already going)")
+    if left > 0 and blocked:
+        ctx.post_event(vc_body, "Warning", "ReclaimBlocked",
+                       f"{name} reclaims {asked} GPU(s) ({why}), {left} of them not this pass: "
+                       f"{'; '.join(blocked)}"[:1024])
+    if applied and line:
+        await tell_the_line(ctx, name, line, sum(r.gpus_released for r in applied), asked)
     return applied
+
+
+async def tell_the_line(ctx: Context, vc: str, line: list[queue.QueuedJob], released: int,
+                        asked: int) -> None:
+    """A Normal Event `Reclaiming` on each job the reclaim is for: its waiting message counts only
+    free and lendable GPUs, and without this nothing said that its cluster's GPUs were lent out
+    and are coming back."""
+    for job in line:
+        plural = rljobs.PLURAL if job.kind == rljobs.KIND else training.PLURAL
+        body = await ctx.client.get_custom(plural, job.namespace, job.name)
+        if body is not None:
+            ctx.post_event(body, "Normal", "Reclaiming",
+                           f"{vc} had lent {asked} GPU(s) this job's line needs to other virtual clusters; "
+                           f"{released} are being reclaimed (the borrowers checkpoint within "
+                           "lending.reclaimGraceSeconds), and the job is placed once they are free")
 
 
 def as_shrink(r: loaning.Reclaim, loan: loaning.LoanView, wanted: int) -> loaning.Reclaim:
