@@ -108,7 +108,9 @@ def test_an_rl_job_is_one_ray_cluster_whose_controller_ends_the_job(kube: builde
     end_pod(kube, "dapo-ray-head-0", "Succeeded", 0)
     done = wait_for(lambda: (s := status(kube, "dapo")).get("phase") == "Succeeded" and s, what="Succeeded")
     assert done["completionTime"] and done["replicas"] == 0
-    assert kube.condition(NS, "dapo", "Ready", RL)["reason"] == "Completed"
+    ready = kube.condition(NS, "dapo", "Ready", RL)
+    assert (ready["status"], ready["reason"]) == ("False", "Succeeded")  # as a TrainingJob's
+    assert kube.condition(NS, "dapo", "Succeeded", RL)["status"] == "True"
     wait_for(lambda: list(live_pods(kube, "dapo")) == ["dapo-ray-head-0"], what="the workers stopped")
     wait_for(lambda: kube.has_event(NS, "dapo", "Completed"), what="the Completed event")
     assert [e.reason for e in kube.events(NS, "dapo")].count("Completed") == 1
