@@ -630,7 +630,7 @@ def test_a_status_from_before_front_services_retires_them_once_and_records_it(
     wait_for(lambda: status(kube, "chat").get("frontServices") == [], what="the retired Services recorded")
     assert sorted(deletes) == ["chat-endpoints", "chat-replicas"]
     kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
-                                               {"spec": {"priority": 60}})
+                                               {"spec": {"slo": {"p99TimeToFirstTokenMs": 900}}})
     wait_for(lambda: status(kube, "chat").get("observedGeneration") == 2, what="the edit reconciled")
     assert sorted(deletes) == ["chat-endpoints", "chat-replicas"], "deleted again"
 

@@ -39,7 +39,6 @@ def make_inference_job(name: str, vc: str, *, checkpoint_path: str = "/checkpoin
         "metadata": {"name": name},
         "spec": {
             "virtualCluster": vc,
-            "priority": 50,
             "resources": {"gpus": gpus, "cpu": "2", "memory": "4Gi"},
             "model": {"checkpoint": checkpoint_path, "architecture": ARCHITECTURE},
             "serving": {"maxBatch": 8, "maxTokens": 128},
