@@ -23,7 +23,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "inference-job.yaml
 def make_inference_job(name: str, vc: str, replicas: int, gpus: int) -> dict:
     body = yaml.safe_load(EXAMPLE.read_text())
     body["metadata"] = {"name": name}
-    body["spec"].update(virtualCluster=vc, priority=50)
+    body["spec"]["virtualCluster"] = vc
     body["spec"]["resources"]["gpus"] = gpus
     body["spec"]["autoscaling"] = {"minReplicas": replicas, "maxReplicas": replicas}
     return body

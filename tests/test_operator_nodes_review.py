@@ -8,13 +8,14 @@ kopf against the KMock emulator, as tests/test_operator_lifecycle.py does.
 from __future__ import annotations
 
 import time
+import types
 from typing import Any
 
 from kube import builders
 from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
 
-from huorn.operator import context, index
+from huorn.operator import context, index, serving
 from huorn.scheduler import placement
 
 pytest_plugins = ["kube.fixtures"]
@@ -224,3 +225,16 @@ def test_operator_places_around_pods_of_another_controller(cluster: EmulatedClus
 def _allocated(kube: builders.Kube, vc: str, gpus: int) -> dict[str, Any] | None:
     ready = _ready_of(kube, vc, "Tracking")
     return ready if ready and f"{gpus} allocated" in ready["message"] else None
+
+
+def test_a_serving_replica_is_not_placed_on_gpus_another_controllers_pod_holds() -> None:
+    """InferenceJob replicas are placed from serving.free_gpus, not the snapshot: it counted only
+    Huorn's pods, and a replica went to a node whose GPUs a Kueue job's pod held (Pending)."""
+    idx = index.ClusterIndex()
+    for name in ("a0", "a1"):
+        idx.nodes[name] = index.build_node_record(_node(name, 4, pool="a"))
+    idx.observe_vc(_vc("train", "2026-01-01T10:00:00Z"))
+    idx.observe_foreign_pod(_foreign_pod("kueue-0", "a0", 3))
+    ctx = types.SimpleNamespace(index=idx)
+    assert serving.free_gpus(ctx, "train") == {"a0": 1, "a1": 4}  # type: ignore[arg-type]
+    assert serving.choose_nodes(serving.free_gpus(ctx, "train"), 2, 2) == ["a1", "a1"]  # type: ignore[arg-type]

@@ -115,12 +115,16 @@ def shrink_order(graph: Graph, replicas: int, ready: Mapping[str, bool]) -> list
 
 def free_gpus(ctx: Context, vc: str) -> dict[str, int]:
     """GPUs free now on each schedulable member node of `vc`: its GPUs less what pods (deleting
-    ones too, until they are gone) and this operator's reservations hold there."""
+    ones too, until they are gone), this operator's reservations and other controllers' pods
+    hold there (a replica was bound to GPUs another controller's pod held, and stayed Pending)."""
     free = {n.name: n.gpus for n in ctx.index.members_of(vc) if not n.unschedulable}
     holders = [*ctx.index.pods.values(), *ctx.index.reservations.values()]
     for pod in holders:
         if pod.node in free and pod.holds_resources and pod.gpus:
             free[pod.node] -= pod.gpus
+    for node, gpus in ctx.index.held_by_others().items():
+        if node in free:
+            free[node] -= gpus
     return free
 
 
