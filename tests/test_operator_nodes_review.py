@@ -15,7 +15,7 @@ from kube import builders
 from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, wait_for
 
-from huorn.operator import context, index, serving
+from huorn.operator import context, index, loans, serving
 from huorn.scheduler import placement
 
 pytest_plugins = ["kube.fixtures"]
@@ -238,3 +238,24 @@ def test_a_serving_replica_is_not_placed_on_gpus_another_controllers_pod_holds()
     ctx = types.SimpleNamespace(index=idx)
     assert serving.free_gpus(ctx, "train") == {"a0": 1, "a1": 4}  # type: ignore[arg-type]
     assert serving.choose_nodes(serving.free_gpus(ctx, "train"), 2, 2) == ["a1", "a1"]  # type: ignore[arg-type]
+
+
+def test_a_lender_counts_free_only_what_nodes_taking_pods_have_left() -> None:
+    """What a lender reclaims is what its demand needs beyond its free GPUs. Pods on a node that
+    takes no new pods were counted as using capacity that node no longer adds, and other
+    controllers' pods as using nothing: it read 4 free GPUs here where 7 are."""
+    idx = index.ClusterIndex()
+    idx.nodes["a0"] = index.build_node_record(_node("a0", 4, pool="a"))
+    idx.nodes["a1"] = index.build_node_record(_node("a1", 4, pool="a", ready="False"))
+    idx.nodes["a2"] = index.build_node_record(_node("a2", 4, pool="a"))
+    idx.observe_vc(_vc("train", "2026-01-01T10:00:00Z"))
+    idx.pods[(NS, "old-trainer-0")] = index.PodRecord(NS, "old-trainer-0", "old", "trainer", "trainer-0",
+                                                      "a1", 4, 0, "train", phase="Running")
+    idx.observe_foreign_pod(_foreign_pod("kueue-0", "a0", 1))
+    ctx = types.SimpleNamespace(index=idx)
+    assert loans.free_gpus(ctx, "train") == 7  # type: ignore[arg-type]
+    # and a training lender's line keeps its need unlent in placement's snapshot
+    idx.line_reserve["train"] = 3
+    assert idx.build_snapshot().virtual_cluster("train").reserved_gpus == 3
+    idx.forget_vc("train")
+    assert idx.line_reserve == {}

@@ -277,6 +277,8 @@ class ClusterIndex:
     inference_demand: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
     # The prediction board's GPUs by inference cluster (huorn.operator.board), where it has one
     forecast_demand: dict[str, int] = field(default_factory=dict)
+    # GPUs a training lender keeps unlent while its own jobs wait for them (loans.reserve_for_line)
+    line_reserve: dict[str, int] = field(default_factory=dict)
     # GPUs that pods of other controllers (Kueue, notebooks, a DaemonSet) hold on a node, by pod:
     # (node, GPUs) of each one bound to a node, not ended, that requests any (observe_foreign_pod)
     foreign: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
@@ -308,6 +310,7 @@ class ClusterIndex:
     def forget_vc(self, name: str) -> None:
         self.vcs.pop(name, None)
         self.vc_created.pop(name, None)
+        self.line_reserve.pop(name, None)
 
     def observe_inference_job(self, body: Mapping[str, Any], deleted: bool = False) -> None:
         meta = body.get("metadata") or {}
@@ -492,7 +495,8 @@ class ClusterIndex:
             if p.node in owner and owner[p.node] == p.virtual_cluster:
                 held[p.virtual_cluster] = held.get(p.virtual_cluster, 0) + p.gpus
         vcs = [dataclasses.replace(build_vc_view(name, spec),
-                                   reserved_gpus=max(0, self.demand_of(name) - held.get(name, 0)),
+                                   reserved_gpus=max(0, self.demand_of(name) - held.get(name, 0))
+                                   + self.line_reserve.get(name, 0),
                                    **({} if self.serves_all_of(name) else {"lendable": False}))
                for name, spec in self.vcs.items()]
         snap = snapshot.ClusterSnapshot(views, vcs)

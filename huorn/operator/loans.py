@@ -64,15 +64,24 @@ def find_borrowers(ctx: Context, vc: str) -> dict[tuple[str, str], Borrower]:
     return out
 
 
+def free_gpus(ctx: Context, vc: str) -> int:
+    """GPUs free on `vc`'s member nodes that take new pods: their GPUs less what live Huorn pods
+    and other controllers' pods hold there. Pods on a node taking no new pods (cordoned, not
+    Ready, tainted) hold GPUs that node's capacity no longer counts: counted as used, they made
+    a lender read fewer free GPUs than it had and reclaim more than it needed."""
+    schedulable = {n.name: n.gpus for n in ctx.index.members_of(vc) if not n.unschedulable}
+    used = sum(p.gpus for p in ctx.index.pods.values()
+               if p.node in schedulable and p.holds_resources and not p.deleting)
+    used += sum(gpus for node, gpus in ctx.index.held_by_others().items() if node in schedulable)
+    return max(0, sum(schedulable.values()) - used)
+
+
 def count_wanted(ctx: Context, vc: str, demand: int, borrowers: Mapping[Any, Borrower]) -> int:
-    members = ctx.index.members_of(vc)
-    capacity = sum(n.gpus for n in members if not n.unschedulable)
-    names = {n.name for n in members}
-    live = [p for p in ctx.index.pods.values() if p.node in names and p.holds_resources and not p.deleting]
-    used = sum(p.gpus for p in live)
-    own = sum(p.gpus for p in live if p.virtual_cluster == vc)  # demand already met by its own pods
+    names = {n.name for n in ctx.index.members_of(vc)}
+    own = sum(p.gpus for p in ctx.index.pods.values()  # demand already met by its own pods
+              if p.node in names and p.holds_resources and not p.deleting and p.virtual_cluster == vc)
     lent = sum(p.gpus for b in borrowers.values() for p in b.pods)
-    return max(0, min(lent, (demand - own) - (capacity - used)))
+    return max(0, min(lent, (demand - own) - free_gpus(ctx, vc)))
 
 
 def line_wanted(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]
@@ -84,12 +93,7 @@ def line_wanted(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]
     Jobs are taken first in line first, each only while the GPUs reclaim could give (free + lent)
     still hold it: a gang larger than all of that would not be placed after a reclaim either, and
     reclaiming for it would only stop borrowers for GPUs that then sit idle."""
-    members = ctx.index.members_of(vc)
-    capacity = sum(n.gpus for n in members if not n.unschedulable)
-    names = {n.name for n in members}
-    used = sum(p.gpus for p in ctx.index.pods.values()
-               if p.node in names and p.holds_resources and not p.deleting)
-    free = max(0, capacity - used)
+    free = free_gpus(ctx, vc)
     lent = sum(p.gpus for b in borrowers.values() for p in b.pods)
     room, need, jobs = free + lent, 0, []
     for job in ctx.queue.waiting():
@@ -101,33 +105,19 @@ def line_wanted(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]
     return need, max(0, min(lent, need - free)), jobs
 
 
-def line_reserve_key(vc: str) -> tuple[str, str]:
-    """The index's demand entry that holds a training lender's line (no InferenceJob has an empty
-    namespace, so it never meets one)."""
-    return ("", f"{vc} (its jobs in line)")
-
-
 def reserve_for_line(ctx: Context, vc: str, need: int) -> None:
     """Keep `need` GPUs of a training lender unlent while its own jobs wait for them, as an
     inference cluster keeps its InferenceJobs' demand: placement's snapshot never lends a
-    cluster's reserve (`index.build_snapshot`, reserved = demand − what its own pods hold).
+    cluster's reserve (`index.build_snapshot`).
 
     Without it a reclaim went round in circles: the preempted borrower's successors, reconciled
     the moment its old pods were gone, took the freed GPUs back before the lender's job was
     placed, and the next tick reclaimed them again (6 preemptions in 60 s, none placing the
-    lender's job). The entry counts what the cluster's own pods hold now plus the line's need,
-    so the reserve is the need; once the line's jobs are placed their pods hold it and the
-    reserve is 0, and the next tick drops the entry."""
-    key = line_reserve_key(vc)
-    ctx.index.inference_demand.pop(key, None)
-    if need <= 0:
-        return
-    names = {n.name for n in ctx.index.members_of(vc)}
-    holders = [p for p in ctx.index.pods.values() if p.holds_resources]
-    holders += list(ctx.index.reservations.values())
-    held = sum(p.gpus for p in holders if p.node in names and p.virtual_cluster == vc)
-    others = ctx.index.floors_of(vc)  # InferenceJobs of this cluster, if it has any
-    ctx.index.inference_demand[key] = (vc, need + max(0, held - others))
+    lender's job). Once the line's jobs are placed the need is 0, and the next tick drops it."""
+    if need > 0:
+        ctx.index.line_reserve[vc] = need
+    else:
+        ctx.index.line_reserve.pop(vc, None)
 
 
 async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Reclaim]:
