@@ -490,9 +490,10 @@ class Allocator:
     @staticmethod
     def _budgets(snap: snapshot.ClusterSnapshot, running: list[JobView]
                  ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-        # Pinned jobs are never shrunk and never reclaimed (loaning.PINNED_PRIORITY): what they
-        # hold on a lender stays theirs when the lender lowers its limit below it. Without this the
-        # lowered limit preempted another pinned job, one that held no lent GPU at all.
+        # Pinned jobs are never shrunk by the allocator (PINNED_PRIORITY): what they hold on a
+        # lender stays theirs when the lender lowers its limit below it. Without this the lowered
+        # limit preempted another pinned job, one that held no lent GPU at all. (A lender that
+        # needs its GPUs for its own work still reclaims them: loaning.plan_reclaim.)
         bound = snap.bindings()
         pinned_lent: dict[str, int] = {}
         pinned_borrowed: dict[str, int] = {}
