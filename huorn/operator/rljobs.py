@@ -207,7 +207,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     try:
         job, vc_spec = validation.load_job_on_cluster(body, ctx.index.vcs)
         assert isinstance(job, kinds.RLJob)
-        validation.check_on_volume(job.spec.checkpoint, [("spec.initCheckpoint", job.spec.init_checkpoint)])
+        validation.check_spec_alone(job)  # the checks `huorn validate` also makes
         layout = rl.ray_layout(job.spec)
         fresh = compiler.compile(job)
     except (validation.InvalidSpec, ValueError) as exc:

@@ -153,8 +153,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     try:
         job, vc_spec = validation.load_job_on_cluster(body, ctx.index.vcs)
         assert isinstance(job, kinds.InferenceJob)
-        served = [("spec.model.checkpoint", job.spec.model.checkpoint)]
-        validation.check_on_volume(job.spec.checkpoint, served)
+        validation.check_spec_alone(job)  # the checks `huorn validate` also makes
         fresh = compiler.compile(job)
     except (validation.InvalidSpec, ValueError) as exc:
         ctx.serving_waiting.pop((ns, name), None)

@@ -116,7 +116,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         return old["phase"]
     try:
         job, vc_spec = validation.load_job_on_cluster(body, ctx.index.vcs)
-        validation.check_mounted_paths(job.spec)
+        validation.check_spec_alone(job)  # the checks `huorn validate` also makes
     except validation.InvalidSpec as exc:
         ctx.queue.forget(ns, name)
         return await stall(ctx, body, "InvalidSpec", str(exc))
