@@ -136,3 +136,22 @@ def test_a_lenders_reserve_is_never_lent() -> None:
     assert isinstance(snap(6).place("train", 2, 2), placement.Unplaceable)
     assert isinstance(snap(6).place("train", 1, 2), placement.Placement)
     assert snap(9).lend_left("serve") == 0
+
+
+def test_a_lenders_own_gang_that_cannot_place_is_told_its_gpus_are_lent() -> None:
+    """"0 free" on a cluster whose GPUs were all lent out said nothing of the loan: the waiting
+    message names it, and only where there is one."""
+    from huorn.scheduler import placement, snapshot
+
+    nodes = [placement.NodeView("t0", 8, 8, virtual_cluster="team")]
+    snap = snapshot.ClusterSnapshot(nodes, [
+        snapshot.VirtualClusterView("team", lendable=True, max_gpus_lent=8),
+        snapshot.VirtualClusterView("guest", max_gpus_borrowed=8)])
+    assert isinstance(snap.place("team", 4, 2), placement.Placement)
+    assert "lent" not in snap.place("team", 5, 2).reason  # type: ignore[union-attr]
+    snap.assume("guest/borrower", "guest", snap.place("guest", 4, 2), 2)  # type: ignore[arg-type]
+    waiting = snap.place("team", 1, 2)
+    assert isinstance(waiting, placement.Unplaceable)
+    assert waiting.reason.startswith("needs 2 GPUs (1 replicas × 2) in virtual cluster team, 0 free")
+    assert waiting.reason.endswith("; 8 of its own GPUs are lent to other virtual clusters (a lender "
+                                   "reclaims them for its jobs)")

@@ -150,13 +150,19 @@ class ClusterSnapshot:
         `borrow`, on `vc`'s own nodes only (an RLJob's Ray cluster borrows nothing)."""
         if vc and vc not in self._vcs:
             raise ValueError(f"virtual_cluster {vc!r} is unknown; known: {sorted(self._vcs)}")
-        return placement.place_gang(
+        found = placement.place_gang(
             self.node_views(), replicas, gpus_per_replica, cpu_milli_per_replica,
             virtual_cluster=vc, node_selector=node_selector,
             borrow_limit=self.borrow_left(vc) if vc and borrow else 0,
             lend_limits={name: self.lend_left(name) for name in self._vcs if name != vc},
             single_node=single_node,
         )
+        if isinstance(found, placement.Unplaceable) and vc and self._lent[vc]:
+            # "0 free" on a cluster of 8 GPUs, with no word that they were lent out, sent users
+            # looking for what else held them
+            return placement.Unplaceable(f"{found.reason}; {self._lent[vc]} of its own GPUs are lent to "
+                                         "other virtual clusters (a lender reclaims them for its jobs)")
+        return found
 
     def place_at(self, vc: str, nodes: list[str], gpus_per_replica: int
                  ) -> placement.Placement | placement.Unplaceable:
