@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -85,6 +87,35 @@ read_events = steplog.read_events
 steps_of = steplog.steps_of
 split_attempts = steplog.split_attempts
 effective_steps = steplog.effective_steps
+
+
+def run_members(script: str, config: Path, world: int = 2, timeout: float = 120) -> list[tuple[str, str]]:
+    """`python -c script CONFIG` as ranks 0..world-1 of one process group (env:// on a free
+    port, as a pod's in-place trainers form theirs); each rank's (stdout, stderr) once all end."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    members = [
+        subprocess.Popen([sys.executable, "-c", script, str(config)], cwd=REPO, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=child_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+        for rank in range(world)
+    ]
+    try:
+        return [member.communicate(timeout=timeout) for member in members]
+    finally:
+        for member in members:
+            member.kill()
+
+
+def sigterm_and_time(process: subprocess.Popen, timeout: float = 60) -> float:
+    """Seconds from a SIGTERM to `process` until it has exited (a gang's agent: how long its
+    stop took)."""
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=timeout)
+    return time.monotonic() - signalled
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, period: float = 0.2) -> object:

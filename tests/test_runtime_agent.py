@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -83,10 +81,7 @@ def test_workers_fork_from_the_agent_and_a_sigterm_stops_them_at_once(tmp_path: 
                          "three steps")
         workers = psutil.Process(gang.pid).children()
         assert len(workers) == 2 and all(w.cmdline() == psutil.Process(gang.pid).cmdline() for w in workers)
-        signalled = time.monotonic()
-        gang.send_signal(signal.SIGTERM)
-        gang.wait(timeout=60)
-        stopped_in = time.monotonic() - signalled
+        stopped_in = harness.sigterm_and_time(gang)
     finally:
         launcher.kill_process_tree(gang.pid)
     assert stopped_in < 20, (stopped_in, (tmp_path / "agent.log").read_text()[-3000:])

@@ -4,9 +4,6 @@ mix of two steps in its live tensors, and must not offer that mix to the next ro
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import runtime_harness as harness
@@ -41,27 +38,9 @@ os._exit(0)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_a_receiver_cut_off_mid_broadcast_gives_up_its_claim_to_state(tmp_path: Path) -> None:
     config = harness.write_config(tmp_path, harness.shared_data_dir(), collectiveTimeoutS=30)
-    port = str(_free_port())
-    members = [
-        subprocess.Popen([sys.executable, "-c", _MEMBER, str(config)], cwd=harness.REPO, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=harness.child_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
-                                               MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-        for rank in (0, 1)
-    ]
-    try:
-        outputs = [member.communicate(timeout=120) for member in members]
-    finally:
-        for member in members:
-            member.kill()
+    outputs = harness.run_members(_MEMBER, config)
     assert outputs[0][0] == "", outputs[0][1][-2000:]  # the source died inside the broadcast
     lines = outputs[1][0].strip().splitlines()
     assert lines, outputs[1][1][-2000:]

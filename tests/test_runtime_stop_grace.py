@@ -168,10 +168,7 @@ def test_an_agent_stops_its_workers_within_the_grace_it_was_given(tmp_path: Path
     try:
         harness.wait_for(lambda: len(harness.steps_of(harness.read_events(run_dir))) >= 3, 180, "three steps")
         time.sleep(1.0)  # inside step 4's 8 s
-        signalled = time.monotonic()
-        gang.send_signal(signal.SIGTERM)
-        gang.wait(timeout=60)
-        stopped_in = time.monotonic() - signalled
+        stopped_in = harness.sigterm_and_time(gang)
     finally:
         launcher.kill_process_tree(gang.pid)
         launcher.kill_process_tree(store.pid)

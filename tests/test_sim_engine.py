@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 
 import pytest
+import sim_support
 
 from huorn.scheduler import allocator
 from huorn.sim import engine, policies, run, shared_data, workload
@@ -85,18 +86,7 @@ def test_a_preempted_borrower_holds_its_training_gpus_too_until_it_has_gone(monk
     with replicas on both sides, so the reclaim is made to."""
     from huorn.scheduler import loaning
 
-    sim = run.build_simulation(TRACE, NODES, QPS, "huorn", engine.SimConfig(gpus=64, seed=1, load=1.2))
-
-    class Split(Exception):
-        pass
-
-    def stop_at_a_split_borrower(_: float) -> None:
-        if any(js.status == "running" and 0 < js.on_lender < js.replicas for js in sim.active()):
-            raise Split
-
-    with pytest.raises(Split):
-        sim.run(stop_at_a_split_borrower)
-    js = next(js for js in sim.active() if js.status == "running" and 0 < js.on_lender < js.replicas)
+    sim, js = sim_support.split_borrower()
     gpr = js.job.family.gpus_per_replica
     victim = loaning.Reclaim(js.job.name, "preempt", js.on_lender, js.on_lender * gpr, sim.now, sim.now + 30,
                              True, 0.0, "test")

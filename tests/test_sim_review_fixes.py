@@ -7,6 +7,7 @@ import itertools
 from pathlib import Path
 
 import pytest
+import sim_support
 from typer.testing import CliRunner
 
 from huorn.cli.main import app
@@ -153,28 +154,12 @@ def test_fifos_work_series_never_falls_and_ends_at_the_whole_trace(seed: int) ->
 
 # ---------------------------------------------------------------- a reclaim's victim
 
-def _run_until_a_split_borrower(sim: engine.Simulation) -> None:
-    """Run until a job has replicas on both clusters (a reclaim can shrink it)."""
-
-    class Split(Exception):
-        pass
-
-    def stop(_: float) -> None:
-        if any(js.status == "running" and 0 < js.on_lender < js.replicas for js in sim.active()):
-            raise Split
-
-    with pytest.raises(Split):
-        sim.run(stop)
-
-
 def test_a_reclaims_shrink_keeps_the_global_batch_at_least_the_base_batch(monkeypatch) -> None:
     """The staying replicas kept their local batch, so the global batch fell below the base batch
     (statistical efficiency above 1, which flatters) until the next cycle picked it again."""
     from huorn.scheduler import loaning
 
-    sim = run.build_simulation(TRACE, NODES, QPS, "huorn", engine.SimConfig(gpus=64, seed=1, load=1.2))
-    _run_until_a_split_borrower(sim)
-    js = next(js for js in sim.active() if js.status == "running" and 0 < js.on_lender < js.replicas)
+    sim, js = sim_support.split_borrower()
     base = js.job.family.base_batch
     js.local_batch = max(1.0, base / js.replicas)  # the allocator's default: the base batch in all
     gpus = js.on_lender * js.job.family.gpus_per_replica

@@ -183,28 +183,10 @@ os._exit(0)
 def test_a_replica_joining_in_place_takes_the_tokens_trained_with_the_state(tmp_path: Path) -> None:
     """Before, the state handed over in place carried the step alone; the joiner's own count
     then restarted from its start value and the two ranks disagreed on when the budget ends."""
-    import socket
-    import subprocess
-    import sys
-
     spec = harness.build_spec(steps=None, tokens=10**6)
     del spec["optimization"]["steps"]
     config = harness.write_config(tmp_path, harness.shared_data_dir(), spec, collectiveTimeoutS=30)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
-    members = [
-        subprocess.Popen([sys.executable, "-c", _MEMBER, str(config)], cwd=harness.REPO, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=harness.child_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
-                                               MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-        for rank in (0, 1)
-    ]
-    try:
-        outputs = [member.communicate(timeout=120) for member in members]
-    finally:
-        for member in members:
-            member.kill()
+    outputs = harness.run_members(_MEMBER, config)
     results = []
     for out, err in outputs:
         lines = out.strip().splitlines()
