@@ -87,7 +87,7 @@ model_specs = some(
 )
 
 # The fields every job kind has (JobBasics), and those only TrainingJob and RLJob have
-# (JobCommon): an InferenceJob given priority, elasticity or remediation is refused, which
+# (JobCommon): an InferenceJob given priority or remediation is refused, which
 # test_api_fields_per_kind checks; generating them for it would only make refusals.
 basic_fields = dict(
     resources=some(gpus=pick(0, 1, 16, bad=(-1, 17)), cpu=QUANTITIES, memory=QUANTITIES),
@@ -100,11 +100,6 @@ basic_fields = dict(
 gang_fields = dict(
     basic_fields,
     priority=pick(0, 50, 1000, bad=(-1, 1001)),
-    elasticity=some(
-        minReplicas=pick(1, 2, 3, bad=(0, 4097)),
-        maxReplicas=pick(1, 2, 3, 4096, bad=(0, 4097)),
-        policy=pick("goodput", "fixed", bad=("elastic",)),
-    ),
     remediation=some(hangTimeout=DURATIONS, failSlowDetection=pick(True, False, bad=("yes",)),
                      maxMitigation=pick("observe", "restart", bad=("reboot",)),
                      maxRestarts=pick(0, 3, 1000, bad=(-1, 1001)),
@@ -117,6 +112,12 @@ JOB_REQUIRED = {"virtualCluster": st.just("local")}
 training_specs = some(
     always=JOB_REQUIRED,
     **gang_fields,
+    # A TrainingJob's only (an RLJob refuses it, test_api_fields_per_kind).
+    elasticity=some(
+        minReplicas=pick(1, 2, 3, bad=(0, 4097)),
+        maxReplicas=pick(1, 2, 3, 4096, bad=(0, 4097)),
+        policy=pick("goodput", "fixed", bad=("elastic",)),
+    ),
     task=some(kind=pick("pretrain", "cpt", "distill", bad=("finetune",)),
               teacher=some(required={"checkpoint": pick("/t", "s3://t", bad=("",))}),
               initCheckpoint=pick("/c", "gs://c", bad=("",))),

@@ -16,26 +16,32 @@ import yaml
 from api_support import build_manifest, crd_errors, openapi_schema
 from typer.testing import CliRunner
 
-from huorn.api import inference, rl, training
+from huorn.api import inference, manifests, rl, training
 from huorn.api.base import ApiModel
+from huorn.backends.kubernetes import rl_manifests as rlm
 from huorn.cli import main
+from huorn.operator import queue
 
 BASIC = ["virtualCluster", "image", "resources", "checkpoint", "env"]
 # The order the CRDs have always had: priority after image, and so on.
 GANG = ["virtualCluster", "image", "priority", "resources", "elasticity", "checkpoint", "remediation", "env"]
+# An RLJob's: a TrainingJob's without elasticity, in the same order.
+RL_GANG = [f for f in GANG if f != "elasticity"]
 
 SPECS: dict[str, type[ApiModel]] = {
     "TrainingJob": training.TrainingJobSpec,
     "RLJob": rl.RLJobSpec,
     "InferenceJob": inference.InferenceJobSpec,
 }
-SHARED = {"TrainingJob": GANG, "RLJob": GANG, "InferenceJob": BASIC}
+SHARED = {"TrainingJob": GANG, "RLJob": RL_GANG, "InferenceJob": BASIC}
 
 # Fields a kind does not have, with a value that would be valid where the field exists.
 REFUSED = [
     ("InferenceJob", "priority", 100),
     ("InferenceJob", "elasticity", {"minReplicas": 1, "maxReplicas": 2}),
     ("InferenceJob", "remediation", {"maxRestarts": 5}),
+    # Its Ray workers follow gpus and its roles; its entry in the line replaced what was read.
+    ("RLJob", "elasticity", {"minReplicas": 1, "maxReplicas": 2}),
 ]
 
 
@@ -59,6 +65,35 @@ def test_an_inference_job_has_no_priority_elasticity_or_remediation() -> None:
     spec = set(_crd_fields("InferenceJob"))
     assert spec.isdisjoint({"priority", "elasticity", "remediation"})
     assert {"autoscaling", "slo", "serving", "model"} <= spec
+
+
+def test_only_a_training_job_has_elasticity() -> None:
+    assert [kind for kind in SPECS if "elasticity" in _crd_fields(kind)] == ["TrainingJob"]
+
+
+def test_a_queue_entry_needs_no_elasticity() -> None:
+    """The line's entry builder read spec.elasticity of every kind; an RLJob has none now, and
+    rljobs.queue_entry sets its own bounds over the builder's."""
+    job = manifests.load_manifest(build_manifest("RLJob", {"priority": 70}))
+    entry = queue.build_entry(job, {"namespace": "ns", "name": "rl"}, missing=2)
+    assert (entry.priority, entry.min_replicas, entry.elastic, entry.missing) == (70, 1, False, 2)
+    trained = manifests.load_manifest(build_manifest(
+        "TrainingJob", {"elasticity": {"minReplicas": 2, "maxReplicas": 4, "policy": "goodput"}}))
+    entry = queue.build_entry(trained, {"namespace": "ns", "name": "tj"})
+    assert (entry.min_replicas, entry.elastic) == (2, True)
+
+
+def test_a_running_rl_gang_keeps_its_pods_when_elasticity_is_pruned() -> None:
+    """Every RLJob stored before held spec.elasticity (the CRD defaulted it) and its pods' hash
+    covered it; the API server now reads it back without it. The gang is not restarted for that."""
+    now = manifests.load_manifest(build_manifest("RLJob", {"gpus": 2})).spec.to_wire()
+    assert "elasticity" not in now
+    before = {**now, "elasticity": {"minReplicas": 1, "maxReplicas": 1, "policy": "goodput",
+                                    "resize": "auto"}}
+    assert rlm.template_hash(before) in rlm.template_hashes(now)
+    assert rlm.template_hash(now) in rlm.template_hashes(now)
+    # a spec changed otherwise still restarts it
+    assert rlm.template_hash({**before, "steps": 7}) not in rlm.template_hashes(now)
 
 
 @pytest.mark.parametrize("field", BASIC)
@@ -92,8 +127,10 @@ def test_huorn_validate_refuses_a_field_the_kind_does_not_have(
 def test_the_kinds_that_read_the_field_still_accept_it(
     kind: str, field: str, value: Any, tmp_path: Path
 ) -> None:
-    """The refusal is the kind's, not the value's: TrainingJob and RLJob take the same value."""
-    for reader in ("TrainingJob", "RLJob"):
+    """The refusal is the kind's, not the value's: the kinds that have the field take the value."""
+    readers = [k for k in SPECS if field in SHARED[k]]
+    assert readers
+    for reader in readers:
         manifest = build_manifest(reader, {field: value})
         assert crd_errors(reader, manifest) == []
         result = CliRunner().invoke(main.app, ["validate", str(_write(tmp_path, manifest))])

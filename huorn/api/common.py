@@ -205,8 +205,8 @@ DEFAULT_IMAGE = "ghcr.io/huorn-io/huorn:0.1.0"
 DEFAULT_JOB_IMAGE = f"{DEFAULT_IMAGE}-cu126"
 
 
-# Fields that JobBasics and JobCommon both declare, defined once: one description, one set of
-# bounds.
+# Fields that JobBasics, JobCommon and ElasticJobCommon all declare, defined once: one
+# description, one set of bounds.
 def _virtual_cluster_field() -> Any:
     return Field(description="The VirtualCluster whose GPUs this job uses.")
 
@@ -238,21 +238,41 @@ class JobBasics(ApiModel):
     env: list[EnvVar] = _env_field()
 
 
+def _priority_field() -> Any:
+    return Field(
+        default=50, ge=0, le=1000,
+        description="Higher wins. Jobs at 100 or above are never preempted (the KAI convention).",
+    )
+
+
 class JobCommon(ApiModel):
     """JobBasics' fields and those of the gangs that wait in line for GPUs (TrainingJob, RLJob):
-    priority (queue order, preemption) and remediation (restart budget, podFailurePolicy).
-    elasticity is a TrainingJob's; an RLJob has it too because its entry in the line is built by
-    the same code (huorn.operator.queue.build_entry), which reads it before overriding it.
+    priority (queue order, preemption) and remediation (restart budget, podFailurePolicy). An
+    RLJob's spec is this; a TrainingJob's adds elasticity (ElasticJobCommon).
 
     Declared apart from JobBasics, not derived from it: a subclass's fields come after its base's,
     and the CRDs keep the order they have always had (priority after image)."""
 
     virtual_cluster: DnsLabel = _virtual_cluster_field()
     image: str | None = _image_field()
-    priority: int = Field(
-        default=50, ge=0, le=1000,
-        description="Higher wins. Jobs at 100 or above are never preempted (the KAI convention).",
-    )
+    priority: int = _priority_field()
+    resources: Resources = Field(default_factory=Resources)
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    remediation: Remediation = Field(default_factory=Remediation)
+    env: list[EnvVar] = _env_field()
+
+
+class ElasticJobCommon(ApiModel):
+    """JobCommon's fields and elasticity, a TrainingJob's: the replica bounds and policy its
+    trainers resize within. An RLJob had it too, accepted and ignored (its Ray workers follow
+    `gpus` and its roles, and its entry in the line replaced what was read from it); the CRD and
+    `huorn validate` now refuse it there as an unknown field.
+
+    Declared apart for the CRD's field order (elasticity between resources and checkpoint)."""
+
+    virtual_cluster: DnsLabel = _virtual_cluster_field()
+    image: str | None = _image_field()
+    priority: int = _priority_field()
     resources: Resources = Field(default_factory=Resources)
     elasticity: Elasticity = Field(default_factory=Elasticity)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from huorn.api import rules
 from huorn.api.base import ApiModel, DnsLabel
-from huorn.api.common import JobCommon, JobStatus, ResizeMode
+from huorn.api.common import ElasticJobCommon, JobStatus, ResizeMode
 
 
 class TaskKind(StrEnum):
@@ -391,7 +391,7 @@ class Parallelism(ApiModel):
         fix="set mixture: auto, or remove data.plan",
     ),
 )
-class TrainingJobSpec(JobCommon):
+class TrainingJobSpec(ElasticJobCommon):
     task: Task = Field(default_factory=Task)
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)

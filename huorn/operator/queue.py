@@ -61,11 +61,15 @@ GANG_VERTICES = frozenset({"trainer", "ray-worker"})  # the pods that hold a gan
 
 
 def build_entry(job: Any, meta: Mapping[str, Any], missing: int = 0) -> QueuedJob:
-    """A job's entry from its validated model and its metadata."""
+    """A job's entry from its validated model and its metadata. A kind without elasticity (an
+    RLJob) is a fixed gang of at least one replica here; its caller sets its own bounds."""
     spec = job.spec
+    elasticity = getattr(spec, "elasticity", None)
+    min_replicas = elasticity.min_replicas if elasticity is not None else 1
+    elastic = elasticity is not None and elasticity.policy.value == "goodput"
     return QueuedJob(str(meta.get("namespace", "")), str(meta.get("name", "")), spec.virtual_cluster,
                      spec.priority, parse_time(meta.get("creationTimestamp")), spec.resources.gpus, missing,
-                     spec.elasticity.min_replicas, spec.elasticity.policy.value == "goodput")
+                     min_replicas, elastic)
 
 
 def from_job(job: Any, body: Mapping[str, Any], pods: Iterable[PodRecord]) -> QueuedJob:

@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from huorn.api import rl
+from huorn.api import common, rl
 from huorn.backends.kubernetes import manifests
 from huorn.graph.model import Instance
 from huorn.runtime import launcher
@@ -59,13 +59,19 @@ def template_hash(spec: Mapping[str, Any], live_roles: tuple[str, ...] = LIVE_RO
     return manifests.template_hash(live, UNROLLED_FIELDS)
 
 
+# What the RLJob CRD defaulted spec.elasticity to while an RLJob had it (stored in every RLJob
+# of that time, pruned on read since): pods started then hashed it.
+FORMER_ELASTICITY = common.Elasticity().to_wire()
+
+
 def template_hashes(spec: Mapping[str, Any]) -> set[str]:
     """Every hash a gang started from `spec` may carry, by the operator version that started it:
     today's; before the training, reference and reward actors scaled live (rollout only); and
-    before any field was left out. A gang whose spec has not changed is not restarted by an
-    upgrade."""
-    return {template_hash(spec), template_hash(spec, ("rollout",)),
-            manifests.template_hash(spec, UNROLLED_FIELDS)}
+    before any field was left out. Each also as it was while an RLJob had `elasticity`, at its
+    default. A gang whose spec has not changed is not restarted by an upgrade."""
+    specs = [spec] if "elasticity" in spec else [spec, {**spec, "elasticity": FORMER_ELASTICITY}]
+    return {h for s in specs for h in (template_hash(s), template_hash(s, ("rollout",)),
+                                       manifests.template_hash(s, UNROLLED_FIELDS))}
 
 
 def config_hash(job: manifests.JobRef, spec: Mapping[str, Any]) -> str:
