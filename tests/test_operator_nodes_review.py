@@ -7,6 +7,7 @@ kopf against the KMock emulator, as tests/test_operator_lifecycle.py does.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import types
 from typing import Any
@@ -259,3 +260,33 @@ def test_a_lender_counts_free_only_what_nodes_taking_pods_have_left() -> None:
     assert idx.build_snapshot().virtual_cluster("train").reserved_gpus == 3
     idx.forget_vc("train")
     assert idx.line_reserve == {}
+
+
+def test_a_lender_counts_other_controllers_gpus_beside_huorn_pods_being_deleted() -> None:
+    """The pods being deleted are left out of a lender's use; capping other controllers' GPUs by
+    what those same pods leave on the node under-counted them while they terminated."""
+    idx = index.ClusterIndex()
+    idx.nodes["a0"] = index.build_node_record(_node("a0", 4, pool="a"))
+    idx.observe_vc(_vc("train", "2026-01-01T10:00:00Z"))
+    idx.pods[(NS, "old-trainer-0")] = index.PodRecord(NS, "old-trainer-0", "old", "trainer", "trainer-0",
+                                                      "a0", 3, 0, "train", phase="Running", deleting=True)
+    idx.observe_foreign_pod(_foreign_pod("kueue-0", "a0", 2))
+    assert loans.free_gpus(types.SimpleNamespace(index=idx), "train") == 2  # type: ignore[arg-type]
+
+
+def test_a_node_back_to_ready_wakes_the_line_before_its_resync(cluster: EmulatedCluster) -> None:
+    """A job waiting only for a not-Ready node placed at its resync timer (a minute and more in a
+    cluster): the node's return wakes the line, as GPUs freed by a job do."""
+    kube = builders.Kube(cluster.api_client())
+    kube.create_node(_node("a0", 4, ready="Unknown", taints=[UNREACHABLE], pool="a"))
+    kube.create_vc(builders.make_virtual_cluster("train", pool="a"))
+    slow = dataclasses.replace(operator_mod.FAST, resync_seconds=120.0, mirror_resync_seconds=120.0)
+    with operator_mod.OperatorThread(cluster.api_client(), slow):
+        kube.create_job(NS, builders.make_training_job("llm", "train", replicas=1, max_replicas=1, gpus=4))
+        wait_for(lambda: (kube.job_status(NS, "llm") or {}).get("phase") == "Pending", what="llm waiting")
+        assert kube.pods(NS, "llm", "trainer") == []
+        kube.core.patch_node("a0", {"spec": {"taints": []}})
+        kube.core.patch_node_status("a0", {"status": {"conditions": [
+            {"type": "Ready", "status": "True", "reason": "KubeletReady"}]}})
+        pods = wait_for(lambda: kube.pods(NS, "llm", "trainer"), timeout=20, what="llm placed on a0")
+        assert [_pinned_node(p) for p in pods] == ["a0"]

@@ -269,8 +269,13 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         name = body["metadata"]["name"]
         if type == "DELETED":
             ctx.index.nodes.pop(name, None)
-        else:
-            ctx.index.nodes[name] = index.build_node_record(body)
+            return
+        before = ctx.index.nodes.get(name)
+        record = ctx.index.nodes[name] = index.build_node_record(body)
+        if not record.unschedulable and (before is None or before.unschedulable or record.gpus > before.gpus):
+            # a node back to Ready, uncordoned or untainted (or new, or with more GPUs): jobs in
+            # line try it now; they had waited for their resync timer
+            ctx.wake_line()
 
     @kopf.on.event("", "v1", "pods", labels={manifests.LABEL_JOB: kopf.PRESENT}, registry=registry)
     async def pod_changed(type: str, body: Mapping[str, Any], memo: Any, **_: Any) -> None:

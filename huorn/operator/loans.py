@@ -72,7 +72,8 @@ def free_gpus(ctx: Context, vc: str) -> int:
     schedulable = {n.name: n.gpus for n in ctx.index.members_of(vc) if not n.unschedulable}
     used = sum(p.gpus for p in ctx.index.pods.values()
                if p.node in schedulable and p.holds_resources and not p.deleting)
-    used += sum(gpus for node, gpus in ctx.index.held_by_others().items() if node in schedulable)
+    # capped by the Huorn pods counted here, which leave out those being deleted
+    used += sum(gpus for node, gpus in ctx.index.held_by_others(leaving=False).items() if node in schedulable)
     return max(0, sum(schedulable.values()) - used)
 
 
