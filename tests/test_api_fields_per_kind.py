@@ -22,9 +22,11 @@ from huorn.backends.kubernetes import rl_manifests as rlm
 from huorn.cli import main
 from huorn.operator import queue
 
-BASIC = ["virtualCluster", "image", "resources", "checkpoint", "env"]
+BASIC = ["virtualCluster", "image", "resources", "checkpoint", "env", "imagePullSecrets",
+         "serviceAccountName"]
 # The order the CRDs have always had: priority after image, and so on.
-GANG = ["virtualCluster", "image", "priority", "resources", "elasticity", "checkpoint", "remediation", "env"]
+GANG = ["virtualCluster", "image", "priority", "resources", "elasticity", "checkpoint", "remediation", "env",
+        "imagePullSecrets", "serviceAccountName"]
 # An RLJob's: a TrainingJob's without elasticity, in the same order.
 RL_GANG = [f for f in GANG if f != "elasticity"]
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, WithJsonSchema
 
 from huorn.api import rules
 from huorn.api.base import ApiModel, DnsLabel, Duration, Quantity
@@ -192,9 +193,77 @@ class Remediation(ApiModel):
     )
 
 
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+def _check_dns_subdomain(text: str) -> str:
+    if len(text) > 253 or not re.fullmatch(DNS_SUBDOMAIN_PATTERN, text):
+        raise ValueError(
+            f"{text!r} is not a DNS subdomain (the name of a Secret, ConfigMap or ServiceAccount): use "
+            "at most 253 lowercase letters, digits, '-' and '.', starting and ending with a letter or digit"
+        )
+    return text
+
+
+# What Kubernetes names Secrets, ConfigMaps and ServiceAccounts by (RFC 1123 subdomain).
+DnsSubdomain = Annotated[
+    str,
+    AfterValidator(_check_dns_subdomain),
+    WithJsonSchema({"type": "string", "pattern": DNS_SUBDOMAIN_PATTERN, "maxLength": 253}),
+]
+
+
+class KeyRef(ApiModel):
+    """One key of a Secret or ConfigMap in the job's namespace (Kubernetes' SecretKeySelector,
+    ConfigMapKeySelector): the kubelet reads it when it starts the container, so the operator
+    needs no access to it."""
+
+    name: DnsSubdomain = Field(description="The Secret's or ConfigMap's name, in the job's namespace.")
+    key: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+                     description="The key whose value the variable gets.")
+    optional: bool = Field(
+        default=False,
+        description="true: a missing object or key leaves the variable unset; false: the pod does not "
+                    "start (CreateContainerConfigError) until it exists.")
+
+
+@rules.attach(
+    rules.Rule(
+        name="env-source-one-ref",
+        field="",
+        cel="has(self.secretKeyRef) != has(self.configMapKeyRef)",
+        holds=lambda s: (s.secret_key_ref is None) != (s.config_map_key_ref is None),
+        message="valueFrom needs exactly one of secretKeyRef and configMapKeyRef",
+        fix="keep one of them; a second variable can read the other",
+    ),
+)
+class EnvVarSource(ApiModel):
+    secret_key_ref: KeyRef | None = Field(default=None, description="A key of a Secret.")
+    config_map_key_ref: KeyRef | None = Field(default=None, description="A key of a ConfigMap.")
+
+
+@rules.attach(
+    rules.Rule(
+        name="env-value-or-value-from",
+        field="valueFrom",
+        cel="!has(self.valueFrom) || self.value == ''",
+        holds=lambda e: e.value_from is None or e.value == "",
+        message="must not be set with a non-empty value: a variable takes its value from one place",
+        fix="remove value, or remove valueFrom",
+    ),
+)
 class EnvVar(ApiModel):
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=256)
     value: str = Field(default="", max_length=32768)
+    value_from: EnvVarSource | None = Field(
+        default=None,
+        description="The value from a key of a Secret (secretKeyRef) or ConfigMap (configMapKeyRef) in "
+                    "the job's namespace, e.g. an HF_TOKEN or WANDB_API_KEY, instead of value.")
+
+
+class LocalObjectReference(ApiModel):
+    name: DnsSubdomain = Field(description="A Secret of type kubernetes.io/dockerconfigjson in the job's "
+                                           "namespace.")
 
 
 # The operator's job image when `--job-image` is not given: the release this API ships with. A
@@ -221,7 +290,24 @@ def _image_field() -> Any:
 
 
 def _env_field() -> Any:
-    return Field(default_factory=list, max_length=128, description="Environment overrides.")
+    return Field(default_factory=list, max_length=128,
+                 description="Environment overrides of every container of the job's pods that runs its "
+                             "code: a value, or a key of a Secret or ConfigMap (valueFrom).")
+
+
+# Unset (None, not an empty list): a job that sets neither renders pods, and pod template hashes,
+# exactly as before these fields existed, so an operator upgrade rolls nothing.
+def _image_pull_secrets_field() -> Any:
+    return Field(default=None, max_length=32,
+                 description="Secrets that hold the credentials of a private registry, for every pod of "
+                             "the job (the pod's imagePullSecrets).")
+
+
+def _service_account_field() -> Any:
+    return Field(default=None,
+                 description="The ServiceAccount every pod of the job runs as, in the job's namespace "
+                             "(e.g. one bound to a cloud identity for object storage). Unset: the "
+                             "namespace's default.")
 
 
 class JobBasics(ApiModel):
@@ -236,6 +322,8 @@ class JobBasics(ApiModel):
     resources: Resources = Field(default_factory=Resources)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     env: list[EnvVar] = _env_field()
+    image_pull_secrets: list[LocalObjectReference] | None = _image_pull_secrets_field()
+    service_account_name: DnsSubdomain | None = _service_account_field()
 
 
 def _priority_field() -> Any:
@@ -260,6 +348,8 @@ class JobCommon(ApiModel):
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     remediation: Remediation = Field(default_factory=Remediation)
     env: list[EnvVar] = _env_field()
+    image_pull_secrets: list[LocalObjectReference] | None = _image_pull_secrets_field()
+    service_account_name: DnsSubdomain | None = _service_account_field()
 
 
 class ElasticJobCommon(ApiModel):
@@ -278,6 +368,8 @@ class ElasticJobCommon(ApiModel):
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     remediation: Remediation = Field(default_factory=Remediation)
     env: list[EnvVar] = _env_field()
+    image_pull_secrets: list[LocalObjectReference] | None = _image_pull_secrets_field()
+    service_account_name: DnsSubdomain | None = _service_account_field()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -293,7 +293,7 @@ def build_trainer_pod(
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": "OMP_NUM_THREADS", "value": "1"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        *({"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", [])),
+        *spec_env(spec),
     ]
     mounts, volumes = config_and_run_volumes(job)
     checkpoint = spec.get("checkpoint", {})
@@ -345,6 +345,7 @@ def build_trainer_pod(
             ],
             "volumes": volumes,
             "terminationGracePeriodSeconds": 30,
+            **pod_access(spec),
         },
     }
 
@@ -375,6 +376,7 @@ def build_store_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any]) ->
                     "securityContext": security_context(),
                 }
             ],
+            **pod_access(spec),
         },
     }
 
@@ -438,8 +440,27 @@ def build_eval_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any],
             ],
             "volumes": volumes,
             "terminationGracePeriodSeconds": 30,
+            **pod_access(spec),
         },
     }
+
+
+def spec_env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """spec.env as a container's: a value, or a Secret's or ConfigMap's key (valueFrom), which
+    the kubelet reads as it starts the container; the operator never sees it."""
+    return [{"name": e["name"], "valueFrom": dict(e["valueFrom"])} if e.get("valueFrom")
+            else {"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", [])]
+
+
+def pod_access(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The pod spec's serviceAccountName and imagePullSecrets, as the job sets them; nothing
+    for a job that sets neither, so its pods are those of the operators before these fields."""
+    out: dict[str, Any] = {}
+    if spec.get("serviceAccountName"):
+        out["serviceAccountName"] = spec["serviceAccountName"]
+    if spec.get("imagePullSecrets"):
+        out["imagePullSecrets"] = [{"name": s["name"]} for s in spec["imagePullSecrets"]]
+    return out
 
 
 def config_and_run_volumes(job: JobRef) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -541,7 +562,7 @@ def _replica_env(job: JobRef, instance: Instance, spec: Mapping[str, Any]) -> li
         {"name": "HUORN_REPLICA", "value": instance.name},
         {"name": "HUORN_JOB", "value": job.name},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
-        *({"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", [])),
+        *spec_env(spec),
     ]
 
 
@@ -604,6 +625,7 @@ def front_template_hash(spec: Mapping[str, Any]) -> str:
     at its start. A pod with another hash is replaced."""
     autoscaling = spec.get("autoscaling") or {}
     read = {"image": spec.get("image"), "timeout": autoscaling.get("activationTimeoutSeconds")}
+    read |= pod_access(spec)  # nothing for a job that sets neither: its hash is as before
     if routes_by_prefix(spec):
         # the pods' count is not a setting of any one pod: changing it adds or removes pods
         routing = {k: v for k, v in (spec.get("routing") or {}).items() if k != "frontReplicas"}
@@ -652,6 +674,7 @@ def build_activator_pod(job: JobRef, spec: Mapping[str, Any], index: int = 0) ->
         # SIGTERM: held requests are answered 503 at once (clients retry them); those it forwarded
         # finish, in as long as a replica's own requests get, or a replacement would cut them off
         "terminationGracePeriodSeconds": SERVE_GRACE_SECONDS,
+        **pod_access(spec),
     }}
 
 
@@ -711,6 +734,7 @@ def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[st
         "volumes": volumes,
         # the preStop pause, then SIGTERM: the requests in flight get SERVE_DRAIN_SECONDS to finish
         "terminationGracePeriodSeconds": SERVE_GRACE_SECONDS,
+        **pod_access(spec),
     }
     if gpus and node:
         term = {"matchExpressions": [{"key": HOSTNAME_LABEL, "operator": "In", "values": [node]}]}

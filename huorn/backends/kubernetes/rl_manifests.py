@@ -145,7 +145,7 @@ def _pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any], com
            # default, like the c10d store and NCCL of a TrainingJob; spec.env comes after, so
            # RAY_AUTH_MODE=token with one RAY_AUTH_TOKEN for every pod turns it back on.
            {"name": "RAY_AUTH_MODE", "value": "disabled"}, *extra_env,
-           *({"name": e["name"], "value": e.get("value", "")} for e in spec.get("env", []))]
+           *manifests.spec_env(spec)]
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "containers": [{
@@ -165,6 +165,7 @@ def _pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any], com
         "volumes": volumes,
         # SIGTERM: the controller finishes its step and checkpoints it (huorn.runtime.rl.controller)
         "terminationGracePeriodSeconds": 120,
+        **manifests.pod_access(spec),
     }
     if gpus and node:
         term = {"matchExpressions": [{"key": manifests.HOSTNAME_LABEL, "operator": "In", "values": [node]}]}
