@@ -86,6 +86,12 @@ model_specs = some(
     ),
 )
 
+SUBDOMAINS = pick("hf-token", "a.b", "x", bad=("Bad_Name", "-a", "a.", ""))
+# A Secret's or ConfigMap's key: value and valueFrom together, and both refs or none, are the
+# env rules' business.
+KEY_REFS = some(required={"name": SUBDOMAINS, "key": pick("token", ".env", "a_b", bad=("a/b", ""))},
+                optional=pick(True, False, bad=("yes",)))
+
 # The fields every job kind has (JobBasics), and those only TrainingJob and RLJob have
 # (JobCommon): an InferenceJob given priority or remediation is refused, which
 # test_api_fields_per_kind checks; generating them for it would only make refusals.
@@ -93,8 +99,11 @@ basic_fields = dict(
     resources=some(gpus=pick(0, 1, 16, bad=(-1, 17)), cpu=QUANTITIES, memory=QUANTITIES),
     checkpoint=some(volume=pick("ckpt", bad=("Bad",)), path=pick("/c", "./c", bad=("",)), interval=DURATIONS,
                     intervalSteps=pick(1, 25, bad=(0,))),
-    env=st.lists(some(required={"name": pick("A", "NCCL_DEBUG", bad=("1BAD",))}, value=pick("", "x")),
+    env=st.lists(some(required={"name": pick("A", "NCCL_DEBUG", bad=("1BAD",))}, value=pick("", "x"),
+                      valueFrom=some(secretKeyRef=KEY_REFS, configMapKeyRef=KEY_REFS)),
                  max_size=2),
+    imagePullSecrets=st.lists(some(required={"name": SUBDOMAINS}), max_size=2),
+    serviceAccountName=SUBDOMAINS,
 )
 
 gang_fields = dict(
