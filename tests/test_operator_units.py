@@ -8,6 +8,7 @@ import datetime
 import random
 import time
 import types
+from pathlib import Path
 
 import kubernetes
 import pytest
@@ -664,3 +665,26 @@ async def test_the_autoscalers_window_ignores_a_wall_clock_step(monkeypatch) -> 
     # ten seconds later by the monotonic clock, a day by the wall clock, and idle
     assert await tick_after(10, 0.0, wall_step=86_400) == 2, "the busy reading is still in the window"
     assert "desiredReplicas" not in [k for p in patches for k in p]
+
+
+def test_a_stored_job_with_fields_its_kind_no_longer_has_still_loads() -> None:
+    """The CRDs before 2026-12-06 defaulted `priority: 50` (and elasticity, remediation) into
+    every InferenceJob, elasticity into every RLJob. Helm never upgrades CRDs: an operator
+    upgraded first read them back and Stalled each stored job as InvalidSpec."""
+    import yaml
+
+    from huorn.api import kinds as api_kinds
+    from huorn.api import manifests as api_manifests
+
+    root = Path(__file__).resolve().parents[1] / "examples"
+    stored = yaml.safe_load((root / "inference-job.yaml").read_text())
+    stored["metadata"]["namespace"] = "team"
+    stored["spec"].update(priority=50, elasticity={"minReplicas": 1, "maxReplicas": 1},
+                          remediation={"maxRestarts": 3})
+    assert isinstance(validation.load_job(stored), api_kinds.InferenceJob)
+    rl_job = yaml.safe_load((root / "rl-job.yaml").read_text())
+    rl_job["spec"]["elasticity"] = {"minReplicas": 1, "maxReplicas": 1, "policy": "fixed"}
+    assert isinstance(validation.load_job(rl_job), api_kinds.RLJob)
+    # what a user applies is still judged as the API server with the new CRDs judges it
+    with pytest.raises(api_manifests.ManifestError, match=r"spec\.priority"):
+        api_manifests.load_manifest(stored)

@@ -20,6 +20,13 @@ class InvalidSpec(ValueError):
     """A spec the operator refuses; the message names the field and how to fix it."""
 
 
+# Fields the CRDs before 2026-12-06 gave (and defaulted into) kinds that never read them. The
+# API server prunes them from stored objects once the new CRDs are applied; an operator upgraded
+# first (Helm never upgrades CRDs) would otherwise Stall every stored InferenceJob (its CRD wrote
+# `priority: 50` into each) and RLJob as InvalidSpec.
+RETIRED_FIELDS = {"InferenceJob": ("priority", "elasticity", "remediation"), "RLJob": ("elasticity",)}
+
+
 def load_job(body: Mapping[str, Any]) -> kinds.Resource:
     """The validated resource, through the API's own loader (the rules the CRD's CEL holds, with
     the same messages as `huorn validate`); InvalidSpec naming every field at fault otherwise.
@@ -28,6 +35,9 @@ def load_job(body: Mapping[str, Any]) -> kinds.Resource:
     (resourceVersion, managedFields, kopf's progress in status) is not the user's input.
     """
     manifest = {k: body[k] for k in ("apiVersion", "kind", "spec") if k in body}
+    retired = RETIRED_FIELDS.get(str(body.get("kind")), ())
+    if retired and isinstance(manifest.get("spec"), Mapping):
+        manifest["spec"] = {k: v for k, v in manifest["spec"].items() if k not in retired}
     manifest["metadata"] = {
         k: v
         for k, v in (body.get("metadata") or {}).items()
