@@ -144,6 +144,10 @@ def activation_budget(saved_peak_bytes: int, device: torch.device, pod_memory_by
         free, total = torch.cuda.mem_get_info(device)
         usable = free + torch.cuda.memory_reserved(device) - HEADROOM_FRACTION * total
         other = torch.cuda.max_memory_allocated(device) - saved_peak_bytes
+        # The next call's peak is then its own window's: the process's peak ever held what a
+        # larger k's activations (or D-CPT's probes, or a first step's copies) once took, and
+        # after a step down to k=1 the budget stayed that much smaller, ruling out the k it ran.
+        torch.cuda.reset_peak_memory_stats(device)
         return max(0, int(usable - other))
     ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if ranks < 1:
