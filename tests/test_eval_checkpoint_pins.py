@@ -163,10 +163,16 @@ def test_a_held_pin_is_refreshed_and_a_starts_sweep_removes_expired_ones(
         assert checkpoint.live_pins(tmp_path, old.name) == [held.pin], "not refreshed while held"
     expired = write_pin(tmp_path, old.name, "another-pod", 3, age_s=checkpoint.PIN_TTL_S + 1)
     fresh = write_pin(tmp_path, old.name, "another-pod", 4)
-    (tmp_path / f"{checkpoint.PRUNE_PREFIX}{old.name}.x").touch()  # a pruner killed mid-way
+    killed = tmp_path / f"{checkpoint.PRUNE_PREFIX}{old.name}.x"  # a pruner killed mid-way
+    killed.touch()
+    stale = time.time() - checkpoint.STALE_MARK_SECONDS - 1
+    os.utime(killed, (stale, stale))
+    # and one at work now: another gang's pruner in the moments before two gangs merge
+    working = tmp_path / f"{checkpoint.PRUNE_PREFIX}{old.name}.y"
+    working.touch()
     checkpoint.remove_stale_temporaries(tmp_path)
     assert not expired.exists() and fresh.exists()
-    assert not list(tmp_path.glob(f"{checkpoint.PRUNE_PREFIX}*"))
+    assert not killed.exists() and working.exists()
 
 
 def test_an_eval_of_a_pruned_checkpoint_evaluates_the_newest_and_says_so(tmp_path: Path, capsys) -> None:

@@ -113,6 +113,9 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(scratch, path)
 
 
+STALE_MARK_SECONDS = 30.0  # a pruner marks, checks for pins and renames within milliseconds
+
+
 def remove_stale_temporaries(root: Path, idle_s: float = 0.0) -> list[Path]:
     """Delete leftovers of interrupted saves; call on one rank before any rank saves again.
     With `idle_s`, only those nothing was written into for that long: a save still in flight
@@ -124,10 +127,15 @@ def remove_stale_temporaries(root: Path, idle_s: float = 0.0) -> list[Path]:
         stale = [p for p in stale if now - _last_write(p) >= idle_s]
     else:  # no save is in flight: old checkpoints a clean-up thread did not finish go too
         stale += [p for p in root.glob(f"{TRASH_PREFIX}*") if p.is_dir()] if root.is_dir() else []
-        # and the marks of a pruner that was killed before it removed them, and expired pins
+        # and the marks of a pruner that was killed before it removed them, and expired pins;
+        # a mark younger than STALE_MARK_SECONDS may be another gang's pruner at work (the
+        # moments before two gangs on one store merge): removed, an eval could pin the
+        # checkpoint past it and lose it to the rename
         now = time.time()
         for mark in root.glob(f"{PRUNE_PREFIX}*") if root.is_dir() else []:
-            mark.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                if now - mark.stat().st_mtime >= STALE_MARK_SECONDS:
+                    mark.unlink(missing_ok=True)
         for pin in root.glob(f"{PIN_PREFIX}*") if root.is_dir() else []:
             if not _pin_is_live(pin, now):
                 pin.unlink(missing_ok=True)
