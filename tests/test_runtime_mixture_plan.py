@@ -4,6 +4,7 @@ same points, a restart reads the plan instead of probing again)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -147,3 +148,23 @@ def test_two_ranks_split_the_probes_and_agree_with_one_and_a_restart_reads_the_p
     assert "D-CPT probe" not in (two / "again.log").read_text()
     plans = [json.loads(p.read_text()) for p in directory.glob("plan-*.json")]
     assert len(plans) == 1 and plans[0]["share"] == event["share"]
+
+
+def test_a_run_resumed_across_the_exact_token_naming_takes_the_plan_it_trained_with(tmp_path: Path) -> None:
+    """A budget in tokens names its plan by those tokens since f637dd3; it was named by them
+    rounded up to whole steps of globalBatch. A resumed run missed its plan and fitted again from
+    the probes, which could change its mixture mid-run."""
+    spec = _planned_spec()
+    del spec["optimization"]["steps"]
+    spec["optimization"]["tokens"] = 1000  # not whole steps of globalBatch × context
+    cfg = run_config.load_run_config(harness.write_config(tmp_path, harness.shared_data_dir(), spec))
+    step_tokens = spec["optimization"]["globalBatch"] * spec["model"]["context"]
+    rounded = -(-1000 // step_tokens) * step_tokens
+    assert rounded != 1000 and mixture_plan.run_tokens(cfg) == 1000
+    assert mixture_plan.planned_weights(cfg) is None
+    old = mixture_plan.Plan(0.3, [0.5, 0.2, 0.3], rounded, {}, 0.9, 0.9, {}, {}, [], 1.0)
+    directory = mixture_plan.plan_directory(cfg)
+    directory.mkdir(parents=True)
+    (directory / f"plan-{rounded}.json").write_text(json.dumps(dataclasses.asdict(old)))
+    assert mixture_plan.planned_weights(cfg) == [0.5, 0.2, 0.3]
+    assert mixture_plan.plan_mixture(cfg, 0, 1, torch.device("cpu")) == old  # no probe ran

@@ -318,8 +318,8 @@ def plan_mixture(cfg: run_config.RunConfig, rank: int, world: int, device: torch
     directory = plan_directory(cfg)
     tokens = run_tokens(cfg)
     plan_file = directory / f"plan-{tokens:.0f}.json"  # the probes serve any length; the choice not
-    if plan_file.exists():
-        return Plan.read(plan_file)
+    if (made := _made_plan(cfg)) is not None:
+        return Plan.read(made)
     directory.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     files = [directory / f"probe-{index}.json" for index in range(len(plan.probe_ratios))]
@@ -357,7 +357,20 @@ def run_tokens(cfg: run_config.RunConfig) -> float:
     return float(budget.steps * budget.step_tokens)
 
 
+def _made_plan(cfg: run_config.RunConfig) -> Path | None:
+    """The plan an earlier start made for this run, if one did. A budget in tokens was once
+    named by its tokens rounded up to whole steps of globalBatch (before f637dd3): a run resumed
+    across that change takes the plan it trained with rather than fitting again, which could
+    change its mixture mid-run."""
+    budget = batching.Budget.of(cfg.spec, cfg.step_limit)
+    names = [run_tokens(cfg)]
+    if budget.tokens is not None:
+        names.append(float(math.ceil(budget.tokens / budget.step_tokens) * budget.step_tokens))
+    directory = plan_directory(cfg)
+    return next((path for tokens in names if (path := directory / f"plan-{tokens:.0f}.json").exists()), None)
+
+
 def planned_weights(cfg: run_config.RunConfig) -> list[float] | None:
     """The weights an earlier start planned for this spec, if it did (the evaluator's mixture)."""
-    path = plan_directory(cfg) / f"plan-{run_tokens(cfg):.0f}.json"
-    return Plan.read(path).weights if cfg.spec.data.plan is not None and path.exists() else None
+    made = _made_plan(cfg) if cfg.spec.data.plan is not None else None
+    return Plan.read(made).weights if made is not None else None
