@@ -20,7 +20,7 @@ from api_support import build_manifest, crd_errors, openapi_schema
 from typer.testing import CliRunner
 
 from huorn import graph
-from huorn.api import common, manifests
+from huorn.api import base, manifests
 from huorn.backends.kubernetes import manifests as k8s
 from huorn.backends.kubernetes import rl_manifests as rlm
 from huorn.cli import main
@@ -150,7 +150,7 @@ NOT_SUBDOMAIN = ("is not a DNS subdomain (the name of a Secret, ConfigMap or Ser
 ONE_REF = ("valueFrom needs exactly one of secretKeyRef and configMapKeyRef; keep one of them; a second "
            "variable can read the other")
 ONE_REF_CEL = ".spec.env[0].valueFrom: has(self.secretKeyRef) != has(self.configMapKeyRef) -> False"
-PATTERN = repr(common.DNS_SUBDOMAIN_PATTERN)
+PATTERN = repr(base.DNS_SUBDOMAIN_PATTERN)
 # (patch, huorn validate's path and message, the CRD's error as the API server's schema gives it)
 REFUSED = [
     ({"env": [{"name": "TOKEN", "value": "x", "valueFrom": {"secretKeyRef": {"name": "a", "key": "k"}}}]},

@@ -34,6 +34,7 @@ QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"
 DURATION_PATTERN = r"^([0-9]+(ms|s|m|h))+$"
 # DNS-1123 label, used for names that become parts of Kubernetes object names.
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 _QUANTITY_SUFFIX = {
     "": 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
@@ -78,13 +79,18 @@ def _check_duration(text: str) -> str:
     return text
 
 
-def _check_dns_label(text: str) -> str:
-    if len(text) > 63 or not re.fullmatch(DNS_LABEL_PATTERN, text):
-        raise ValueError(
-            f"{text!r} is not a DNS label: use at most 63 lowercase letters, digits and '-', "
-            "starting and ending with a letter or digit"
-        )
-    return text
+def _kubernetes_name(pattern: str, limit: int, what: str, allowed: str) -> Any:
+    """A string type of Kubernetes' names (RFC 1123): the pattern and length in the CRD, and in
+    Python an error that says what the name is and what it may hold."""
+
+    def check(text: str) -> str:
+        if len(text) > limit or not re.fullmatch(pattern, text):
+            raise ValueError(f"{text!r} is not {what}: use at most {limit} {allowed}, starting and "
+                             "ending with a letter or digit")
+        return text
+
+    return Annotated[str, AfterValidator(check),
+                     WithJsonSchema({"type": "string", "pattern": pattern, "maxLength": limit})]
 
 
 # The JSON schemas below are what the CRD gets; the validators give the clearer Python errors.
@@ -102,11 +108,11 @@ Quantity = Annotated[
 Duration = Annotated[
     str, AfterValidator(_check_duration), WithJsonSchema({"type": "string", "pattern": DURATION_PATTERN})
 ]
-DnsLabel = Annotated[
-    str,
-    AfterValidator(_check_dns_label),
-    WithJsonSchema({"type": "string", "pattern": DNS_LABEL_PATTERN, "maxLength": 63}),
-]
+DnsLabel = _kubernetes_name(DNS_LABEL_PATTERN, 63, "a DNS label", "lowercase letters, digits and '-'")
+# What Kubernetes names Secrets, ConfigMaps and ServiceAccounts by (RFC 1123 subdomain).
+DnsSubdomain = _kubernetes_name(
+    DNS_SUBDOMAIN_PATTERN, 253, "a DNS subdomain (the name of a Secret, ConfigMap or ServiceAccount)",
+    "lowercase letters, digits, '-' and '.'")
 
 
 def _dump_default(annotation: Any, value: Any) -> Any:

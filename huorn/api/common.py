@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, WithJsonSchema
+from pydantic import Field
 
 from huorn.api import rules
-from huorn.api.base import ApiModel, DnsLabel, Duration, Quantity
+from huorn.api.base import ApiModel, DnsLabel, DnsSubdomain, Duration, Quantity
 
 
 class ElasticityPolicy(StrEnum):
@@ -191,26 +190,6 @@ class Remediation(ApiModel):
         "the job at once on an exit code that means the failure is final, or replace an evicted pod "
         "(DisruptionTarget) without spending maxRestarts. Rules are tried in order; the first match decides.",
     )
-
-
-DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-
-
-def _check_dns_subdomain(text: str) -> str:
-    if len(text) > 253 or not re.fullmatch(DNS_SUBDOMAIN_PATTERN, text):
-        raise ValueError(
-            f"{text!r} is not a DNS subdomain (the name of a Secret, ConfigMap or ServiceAccount): use "
-            "at most 253 lowercase letters, digits, '-' and '.', starting and ending with a letter or digit"
-        )
-    return text
-
-
-# What Kubernetes names Secrets, ConfigMaps and ServiceAccounts by (RFC 1123 subdomain).
-DnsSubdomain = Annotated[
-    str,
-    AfterValidator(_check_dns_subdomain),
-    WithJsonSchema({"type": "string", "pattern": DNS_SUBDOMAIN_PATTERN, "maxLength": 253}),
-]
 
 
 class KeyRef(ApiModel):
