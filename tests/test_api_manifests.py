@@ -204,3 +204,19 @@ def test_duration_pattern_and_parser_agree(parts: list[tuple[int, str]]) -> None
     assert re.fullmatch(base.DURATION_PATTERN, text)
     unit_seconds = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3}
     assert base.parse_duration(text) == pytest.approx(sum(n * unit_seconds[u] for n, u in parts))
+
+
+def test_a_scalar_where_an_object_belongs_is_told_the_object_s_fields() -> None:
+    """`imagePullSecrets: [regcred]` (as Pod specs are often misremembered) said only that an
+    object was wanted; the message names its fields, and the fix when there is one field."""
+    manifest = build_manifest("InferenceJob", {"imagePullSecrets": ["regcred"]})
+    with pytest.raises(manifests.ManifestError) as caught:
+        manifests.load_manifest(manifest)
+    (error,) = caught.value.errors
+    assert (error.path, error.message) == (
+        "spec.imagePullSecrets[0]",
+        "Input should be an object (got 'regcred'); give an object with name, as {name: 'regcred'}")
+    training = build_manifest("TrainingJob", {"elasticity": 3})
+    with pytest.raises(manifests.ManifestError, match=r"spec\.elasticity: .*\(got 3\); give an object with "
+                                                      r"minReplicas, maxReplicas, policy, resize$"):
+        manifests.load_manifest(training)

@@ -172,7 +172,8 @@ REFUSED = [
      ("spec.imagePullSecrets[0].name", f"'Registry' {NOT_SUBDOMAIN}"),
      f"spec.imagePullSecrets.0.name: 'Registry' does not match {PATTERN}"),
     ({"imagePullSecrets": ["registry-creds"]},
-     ("spec.imagePullSecrets[0]", "Input should be an object (got 'registry-creds')"),
+     ("spec.imagePullSecrets[0]", "Input should be an object (got 'registry-creds'); give an object with "
+                                  "name, as {name: 'registry-creds'}"),
      "spec.imagePullSecrets.0: 'registry-creds' is not of type 'object'"),
     ({"serviceAccountName": "-runner"},
      ("spec.serviceAccountName", f"'-runner' {NOT_SUBDOMAIN}"),

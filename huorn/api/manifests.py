@@ -96,7 +96,29 @@ def _describe(error: Mapping[str, Any]) -> FieldError:
     message = str(error["msg"]).removeprefix("Value error, ")
     if "input" in error and kind not in ("value_error",) and not isinstance(error["input"], dict | list):
         message += f" (got {error['input']!r})"
+        shape = _object_shape(str((error.get("ctx") or {}).get("class_name", "")))
+        if kind == "model_type" and shape:
+            # `imagePullSecrets: [regcred]`, as `kubectl create secret` users write it, said only
+            # that an object was wanted, not which one
+            message += f"; give an object with {shape}"
+            if "," not in shape:
+                message += f", as {{{shape}: {error['input']!r}}}"
     return FieldError(path, message)
+
+
+def _object_shape(class_name: str) -> str:
+    """The wire names of an API model's required fields (all its fields when none is required),
+    found by its class name as pydantic reports it; "" for a class that is not Huorn's."""
+    pending: list[type[base.ApiModel]] = [base.ApiModel]
+    while pending:
+        model = pending.pop()
+        if model.__name__ == class_name and model is not base.ApiModel:
+            fields = model.model_fields
+            names = [f.alias or n for n, f in fields.items() if f.is_required()] or \
+                [f.alias or n for n, f in fields.items()]
+            return ", ".join(names)
+        pending.extend(model.__subclasses__())
+    return ""
 
 
 def describe_validation_error(error: pydantic.ValidationError) -> list[FieldError]:
