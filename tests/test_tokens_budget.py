@@ -124,6 +124,53 @@ def test_a_checkpoint_from_before_tokens_were_recorded_counts_its_steps_at_its_b
     assert train.tokens_in({"step": 7}, spec) == 7 * BATCH * CONTEXT
 
 
+def _goodput_spec(global_batch: int) -> training.TrainingJobSpec:
+    """The reviewer's run: warmupSteps 100 at globalBatch 64, a budget of 1000 such steps; the
+    scheduler (batchRule goodput) or a user may rewrite globalBatch between starts."""
+    return _spec(BATCH_64_TOKENS * 1000, rule="goodput", globalBatch=global_batch, microBatch=8,
+                 warmupSteps=100)
+
+
+BATCH_64_TOKENS = 64 * CONTEXT  # one step's tokens at the first start's globalBatch
+
+
+def test_a_warm_up_resumed_on_an_edited_batch_keeps_its_place_from_the_checkpoint_meta() -> None:
+    """Started at B=64, checkpointed at step 80, restarted on B=256: the budget built from the
+    edited spec and the checkpoint's meta gives the rate of the unedited run at every token
+    count (warm-up and decay). Before, the unit was re-read from the spec at the restart: 80·64/256
+    = 20 steps into the warm-up, the rate fell from 0.81 to 0.21 of peak."""
+    first = batching.Budget.of(_goodput_spec(64))
+    meta = {"step": 80, "global_batch": 64, "tokens": 80 * BATCH_64_TOKENS, **first.meta()}
+    assert json.loads(json.dumps(meta)) == meta  # what huorn.json keeps
+    edited = _goodput_spec(256)
+    resumed = batching.Budget.of(edited).resumed(meta)
+    tokens = train.tokens_in(meta, edited)
+    assert resumed.learning_rate(80, tokens, 1.0, edited.optimization) == pytest.approx(0.81, rel=1e-12)
+    for trained in [tokens + i * 256 * CONTEXT for i in range(0, 260, 7)]:  # to the budget's end
+        assert resumed.learning_rate(80, trained, 1.0, edited.optimization) == pytest.approx(
+            first.learning_rate(80, trained, 1.0, edited.optimization), rel=1e-12), trained
+    # and the run ends at the same tokens
+    assert resumed.tokens == first.tokens
+
+
+def test_checkpoint_meta_from_before_the_unit_was_kept_schedules_by_the_specs_batch() -> None:
+    """A checkpoint written before the unit was stored has no value: the budget stays the one of
+    the spec at hand (the behaviour before), here 20 steps of 256 into the warm-up."""
+    edited = _goodput_spec(256)
+    old_meta = {"step": 80, "global_batch": 64, "tokens": 80 * BATCH_64_TOKENS}
+    resumed = batching.Budget.of(edited).resumed(old_meta)
+    assert resumed == batching.Budget.of(edited)
+    assert resumed.step_tokens == 256 * CONTEXT
+    assert resumed.learning_rate(80, 80 * BATCH_64_TOKENS, 1.0, edited.optimization) == \
+        pytest.approx(0.21, rel=1e-12)
+
+
+@pytest.mark.parametrize("stored", [0, -128, "8192", 1.5, True])
+def test_a_damaged_schedule_unit_in_checkpoint_meta_is_refused_by_name(stored: object) -> None:
+    with pytest.raises(ValueError, match=batching.Budget.META_KEY):
+        batching.Budget.of(_goodput_spec(256)).resumed({batching.Budget.META_KEY: stored})
+
+
 def test_a_token_budget_resumed_on_a_doubled_batch_stops_at_its_tokens(tmp_path: Path) -> None:
     """A real trainer (one process, CPU): 3 steps at globalBatch 4, checkpoint, then a restart on
     globalBatch 8 (what a resize under scale-with-replicas, or an edited spec, does). The tokens
@@ -153,36 +200,48 @@ def test_a_token_budget_resumed_on_a_doubled_batch_stops_at_its_tokens(tmp_path:
     assert [s["tokens"] for a in attempts for s in a["steps"]] == [128, 256, 384, 640, 896, 1152]
     latest = checkpoint.find_latest(tmp_path / "ckpt")
     assert latest is not None and checkpoint.read_meta(latest)["tokens"] == 1152
+    # the schedule's unit the first start fixed (globalBatch 4 × context) is kept in the meta
+    assert checkpoint.read_meta(latest)[batching.Budget.META_KEY] == 4 * context
     # the rate of the first step after the restart is the schedule's at the 384 tokens trained,
-    # in units of the spec's (new) globalBatch × context: 1.5 of warmupSteps' 3
+    # in units of the first start's globalBatch × context: 3 steps, the warm-up's end (before,
+    # the new globalBatch's: 1.5 of warmupSteps' 3, 0.83 of the rate)
     spec = training.TrainingJobSpec.model_validate(second)
-    expected = batching.learning_rate(384 / (8 * context), budget / (8 * context), 0.003, 3,
+    expected = batching.learning_rate(384 / (4 * context), budget / (4 * context), 0.003, 3,
                                       spec.optimization.schedule)
     assert attempts[1]["steps"][0]["lr"] == pytest.approx(expected, rel=1e-9)
+    unedited = batching.Budget.of(training.TrainingJobSpec.model_validate(first))
+    assert [s["lr"] for s in attempts[1]["steps"]] == pytest.approx(
+        [unedited.learning_rate(0, s["tokens"] - 8 * context, 0.003, spec.optimization)
+         for s in attempts[1]["steps"]], rel=1e-9)
 
 
 # One member of a world of two (gloo, no torchrun), as an in-place resize from one replica to two
 # forms it: rank 0 holds the gang's state at step 5 after 5 steps of 16 and 5 of 32 sequences;
-# rank 1 joins holding nothing.
+# rank 1 joins holding nothing. Rank 0's run first started at globalBatch 4 (its schedule's unit
+# 4 × context); the joiner's spec says another globalBatch (goodput, or an edit).
 _MEMBER = """
-import json, os, sys
+import dataclasses, json, os, sys
 from pathlib import Path
 from huorn.runtime import config, train
 
 trainer = train.Trainer(config.load_run_config(Path(sys.argv[1])))
 if trainer.rank == 0:
     trainer.has_state, held, trainer.tokens = True, 10, (5 * 16 + 5 * 32) * 32
+    trainer.budget = dataclasses.replace(trainer.budget, step_tokens=4 * 32)
 else:
     held = 0
 step = trainer.share_state(held)
-print(json.dumps({"step": step, "tokens": trainer.tokens}), flush=True)
+print(json.dumps({"step": step, "tokens": trainer.tokens, "unit": trainer.budget.step_tokens}),
+      flush=True)
 os._exit(0)
 """
 
 
 def test_a_replica_joining_in_place_takes_the_tokens_trained_with_the_state(tmp_path: Path) -> None:
     """Before, the state handed over in place carried the step alone; the joiner's own count
-    then restarted from its start value and the two ranks disagreed on when the budget ends."""
+    then restarted from its start value and the two ranks disagreed on when the budget ends. The
+    schedule's unit comes with it: before, the joiner took its own spec's, and the two ranks set
+    different learning rates at the same step."""
     spec = harness.build_spec(steps=None, tokens=10**6)
     del spec["optimization"]["steps"]
     config = harness.write_config(tmp_path, harness.shared_data_dir(), spec, collectiveTimeoutS=30)
@@ -192,4 +251,5 @@ def test_a_replica_joining_in_place_takes_the_tokens_trained_with_the_state(tmp_
         lines = out.strip().splitlines()
         assert lines, err[-2000:]
         results.append(json.loads(lines[-1]))
-    assert results == [{"step": 10, "tokens": 240 * 32}] * 2
+    assert spec["optimization"]["globalBatch"] != 4
+    assert results == [{"step": 10, "tokens": 240 * 32, "unit": 4 * 32}] * 2

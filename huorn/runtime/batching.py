@@ -24,8 +24,11 @@ replicas W times the budget, and warmed up and decayed W times faster per token.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from huorn.api import training
 
@@ -84,13 +87,23 @@ class Budget:
     In steps: the run ends after `steps` and the schedule counts steps, whatever the batch. In
     tokens: the run ends at the first step boundary with at least `tokens` trained (so it
     overshoots by less than one step's tokens), and the schedule counts tokens in units of
-    `step_tokens`, the spec's globalBatch × context. warmupSteps then means that many steps
-    at the spec's globalBatch, and the learning rate at a given token count is the same at
-    any world size (up to the batch rule's peak, lr·sqrt(B(W)/B) under scale-with-replicas)."""
+    `step_tokens`, the spec's globalBatch × context at the run's first start. warmupSteps then
+    means that many steps at that globalBatch, and the learning rate at a given token count is the same at
+    any world size (up to the batch rule's peak, lr·sqrt(B(W)/B) under scale-with-replicas).
+
+    The unit is fixed at the run's first start and kept with the state (`meta`, `resumed`):
+    under batchRule goodput the scheduler rewrites globalBatch, and a user may edit it, and a
+    unit re-read at a restart would move the run's place in its warm-up (warmupSteps 100 at
+    B=64, resumed at step 80 on B=256: 80·64/256 = 20 steps in, the rate from 0.81 to 0.21 of
+    peak)."""
+
+    META_KEY: ClassVar[str] = "schedule_step_tokens"
 
     steps: int | None  # the run ends after this many optimizer steps
     tokens: int | None  # or once this many tokens are trained (exactly one of the two is set)
-    step_tokens: int  # tokens of one step at the spec's globalBatch: the schedule's unit in tokens
+    # tokens of one step at the spec's globalBatch when the run first started: the schedule's
+    # unit in tokens, kept in checkpoint meta and in the in-place hand-over (resumed, META_KEY)
+    step_tokens: int
 
     @classmethod
     def of(cls, spec: training.TrainingJobSpec, step_limit: int | None = None) -> Budget:
@@ -99,6 +112,24 @@ class Budget:
         steps = step_limit if step_limit is not None else (
             None if tokens is not None else training.declared_steps(spec))
         return cls(steps, tokens, spec.optimization.global_batch * spec.model.context)
+
+    def meta(self) -> dict[str, int]:
+        """What a checkpoint's meta (and the in-place hand-over) keeps of the budget."""
+        return {self.META_KEY: self.step_tokens}
+
+    def resumed(self, meta: Mapping[str, object]) -> Budget:
+        """This budget with the schedule's unit the run's first start fixed, read from `meta`
+        (a checkpoint's, or the state handed over in place). Meta written before the unit was
+        kept has none: the unit stays the spec's globalBatch × context, as it was then."""
+        stored = meta.get(self.META_KEY)
+        if stored is None:
+            return self
+        if isinstance(stored, bool) or not isinstance(stored, int) or stored <= 0:
+            raise ValueError(f"checkpoint meta {self.META_KEY} must be a positive integer (tokens of "
+                             f"one step at the run's first globalBatch), got {stored!r}: the "
+                             "checkpoint's huorn.json was damaged; restore it, or remove the key to "
+                             "schedule in steps of the spec's globalBatch × context")
+        return dataclasses.replace(self, step_tokens=stored)
 
     def reached(self, step: int, tokens: int) -> bool:
         """Whether a run `step` steps and `tokens` tokens in has trained all it should."""

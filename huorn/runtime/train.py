@@ -286,7 +286,7 @@ class Trainer:
                 comm.broadcast_tensor(tensor, source, self.device)
             loop = comm.broadcast_object(
                 {"noise": dataclasses.asdict(self.noise), "control_stamp": self.control_stamp,
-                 "plan_rejected": self.plan_rejected, "tokens": self.tokens,
+                 "plan_rejected": self.plan_rejected, "tokens": self.tokens, "budget": self.budget.meta(),
                  "param_groups": optim_state["param_groups"], "pending_save": self.pending_save,
                  "ddk": self.ddk.state() if self.ddk is not None else None}
                 if self.rank == source else None, self.hook_state, src=source)
@@ -299,6 +299,9 @@ class Trainer:
             self.control_stamp = loop["control_stamp"]  # type: ignore[index]
             self.plan_rejected = loop["plan_rejected"]  # type: ignore[index]
             self.tokens = loop["tokens"]  # type: ignore[index]
+            # a joiner's spec may carry another globalBatch (goodput, an edit): the gang keeps
+            # the schedule's unit of the run's first start
+            self.budget = self.budget.resumed(loop["budget"])  # type: ignore[index]
             self.restore_mixture(loop["ddk"])  # type: ignore[index]
             step = best
         self.has_state = True
@@ -347,6 +350,8 @@ class Trainer:
                                               self.flat_checkpoint)
             self.restore_mixture(meta.get("ddk"))
             self.tokens = tokens_in(meta, self.spec)
+            # the schedule's unit the run's first start fixed, not the (maybe edited) spec's
+            self.budget = batching.Budget.of(self.spec, self.cfg.step_limit).resumed(meta)
             return int(meta["step"])
         if self.spec.task.init_checkpoint:
             # Continual pre-training starts from another run's weights, with a fresh optimizer
@@ -354,6 +359,7 @@ class Trainer:
             source = checkpoint.resolve(Path(self.spec.task.init_checkpoint))
             checkpoint.load_checkpoint(source, self.state_module, None)
         self.tokens = 0
+        self.budget = batching.Budget.of(self.spec, self.cfg.step_limit)  # the run's first start
         return 0
 
     def save(self, step: int, reason: str) -> None:
@@ -361,7 +367,7 @@ class Trainer:
         path = checkpoint.save_checkpoint(
             self.cfg.checkpoint_root, step, self.state_module, self.optimizer,
             {"world_size": self.world, "job": self.cfg.job_name, "seed": self.spec.data.seed,
-             "global_batch": self.plan.global_batch, "tokens": self.tokens,
+             "global_batch": self.plan.global_batch, "tokens": self.tokens, **self.budget.meta(),
              "model": self.spec.model.to_wire(),
              **({"ddk": self.ddk.state()} if self.ddk is not None else {})},
             self.rank, lambda: comm.barrier(self.hook_state), keep=self.cfg.keep_checkpoints,
