@@ -14,6 +14,9 @@ A finished TrainingJob or RLJob has a terminal condition, as a Kubernetes Job ha
 kept as it is from then on; before the end neither is there. So CI can `kubectl wait
 --for=condition=Succeeded` (or Failed) on either kind. A finished job is not Ready: Ready=False
 with reason Succeeded, or with the failure's reason. An InferenceJob has no end, so neither.
+
+A job that finished under an operator older than the terminal conditions has none, and `kubectl
+wait` would wait on it forever; the first reconcile of it adds one (late_terminal), once.
 """
 
 from __future__ import annotations
@@ -77,6 +80,32 @@ def build_conditions(
             }
         )
     return out
+
+
+def late_terminal(status: Mapping[str, Any], generation: int | None) -> list[dict[str, Any]] | None:
+    """The conditions of a job that finished before its operator wrote terminal conditions: the
+    terminal one from status.phase, Ready False with its reason, the others as they were. None when
+    there is nothing to add (not finished, or a terminal condition already True), so that a
+    finished job's status is written once and then never again."""
+    phase = status.get("phase")
+    previous = status.get("conditions") or []
+    if phase not in TERMINAL or any(is_true(previous, kind) for kind in TERMINAL):
+        return None
+    before = {c.get("type"): c for c in previous}
+    ready = before.get(READY) or {}
+    message = ready.get("message") or status.get("message") or ""
+    if phase == SUCCEEDED:
+        reason = SUCCEEDED
+    else:  # the failure's reason, as the operator that failed it wrote it on Ready
+        reason = (ready.get("status") == "False" and ready.get("reason")) or FAILED
+
+    def kept(kind: str) -> tuple[bool, str, str] | None:
+        c = before.get(kind)
+        return None if c is None else (c.get("status") == "True", c.get("reason", ""), c.get("message", ""))
+
+    return build_conditions(previous, generation, ready=(False, reason, message),
+                            reconciling=kept(RECONCILING), stalled=kept(STALLED), suspended=kept(SUSPENDED),
+                            terminal=(phase, reason, message))
 
 
 def is_true(conditions: list[Mapping[str, Any]] | None, kind: str) -> bool:

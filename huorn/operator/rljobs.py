@@ -67,6 +67,7 @@ from huorn.operator.training import (
     iso_time,
     plan_preemption,
     stall,
+    write_late_terminal,
     write_status,
 )
 
@@ -201,6 +202,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         # Before validation: a finished job stays finished whatever its VirtualCluster or a newer
         # operator's rules say of its spec now; a Stalled one would run again once they relent.
         ctx.queue.forget(ns, name)
+        await write_late_terminal(ctx, body, PLURAL)
         await _stop(ctx, [p for p in ctx.index.pods_of(ns, name) if p.holds_resources])
         ctx.metrics.record_phase(KIND, f"{ns}/{name}", old["phase"])
         return str(old["phase"])

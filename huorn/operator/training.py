@@ -95,6 +95,15 @@ async def write_status(ctx: Context, body: Mapping[str, Any], status: dict[str, 
     await ctx.client.patch_status(plural, meta["namespace"], meta["name"], status)
 
 
+async def write_late_terminal(ctx: Context, body: Mapping[str, Any], plural: str = PLURAL) -> None:
+    """A job that finished under an older operator gets its terminal condition (and Ready False)
+    here, once; only the conditions are written, the rest of a finished job's status is its own."""
+    old = body.get("status") or {}
+    late = conditions.late_terminal(old, body["metadata"].get("generation"))
+    if late is not None:
+        await write_status(ctx, body, {"conditions": late}, plural)
+
+
 def _event(ctx: Context, body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
     ctx.post_event(body, kind, reason, message)
 
@@ -111,6 +120,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         # Before validation: a finished job stays finished whatever its VirtualCluster or a newer
         # operator's rules say of its spec now (the API server checked its TTL's type at admission).
         ctx.queue.forget(ns, name)
+        await write_late_terminal(ctx, body)
         await _clean_terminal(ctx, body, old["phase"])
         await _expire_finished(ctx, body, (body.get("spec") or {}).get("ttlSecondsAfterFinished"))
         return old["phase"]
