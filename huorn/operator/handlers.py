@@ -40,6 +40,9 @@ from huorn.operator.context import Context
 
 GROUP, VERSION = base.GROUP, base.VERSION
 logger = logging.getLogger("huorn.operator")
+# Objects a LIST response carries (its `limit`): the start-up list and the foreign resync list
+# every pod of the cluster, which in one response could take much of the operator's memory.
+LIST_PAGE = 500
 
 
 def _ctx(memo: Any) -> Context:
@@ -205,7 +208,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             ctx.index.nodes[node["metadata"]["name"]] = index.build_node_record(node)
         # Every pod, once: Huorn's, and the GPUs other controllers' pods hold (pod_changed and
         # foreign_pod_changed keep both current); one listing, as kopf's own pod watch makes.
-        for pod in await ctx.client.list("Pod", None, {}):
+        for pod in await ctx.client.list("Pod", None, {}, page_size=LIST_PAGE):
             ns = (pod.get("metadata") or {}).get("namespace", "")
             if ctx.index.observe_pod(pod) is None and ctx.serves(ns):
                 ctx.index.observe_foreign_pod(pod)

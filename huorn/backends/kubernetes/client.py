@@ -167,23 +167,37 @@ class KubeClient:
                 return False
             raise
 
-    async def list(self, kind: str, namespace: str | None, labels: Mapping[str, str]) -> list[dict[str, Any]]:
-        """Objects of `kind` whose labels match; None lists every namespace."""
+    async def list(self, kind: str, namespace: str | None, labels: Mapping[str, str],
+                   page_size: int | None = None) -> list[dict[str, Any]]:
+        """Objects of `kind` whose labels match; None lists every namespace.
+
+        `page_size` asks the server for that many objects a response (`limit`, then `continue`
+        until the server gives no token): a list of every pod of a large cluster in one response
+        would be held whole, and its deserialised copy beside it, in the operator's memory.
+        A server that ignores `limit` answers everything at once with no token, which ends it.
+        """
+        if page_size is not None and page_size <= 0:
+            raise ValueError(f"page_size must be a positive number of objects or None, got {page_size}")
         snake = _snake(kind)
         spec = CORE_KINDS[kind]
         selector = selector_string(labels)
         if not spec.namespaced:
-            result = await self._call(getattr(self.core, f"list_{snake}"), label_selector=selector)
+            fn, args = getattr(self.core, f"list_{snake}"), ()
         elif namespace is None:
-            result = await self._call(
-                getattr(self.core, f"list_{snake}_for_all_namespaces"), label_selector=selector
-            )
+            fn, args = getattr(self.core, f"list_{snake}_for_all_namespaces"), ()
         else:
-            result = await self._call(
-                getattr(self.core, f"list_namespaced_{snake}"), namespace, label_selector=selector
-            )
-        items = self._sanitize(result).get("items", [])
-        return [i for i in items if match_labels(i, labels)]
+            fn, args = getattr(self.core, f"list_namespaced_{snake}"), (namespace,)
+        items: list[dict[str, Any]] = []
+        token: str | None = None
+        while True:
+            extra: dict[str, Any] = {} if page_size is None else {"limit": page_size}
+            if token:
+                extra["_continue"] = token
+            page = self._sanitize(await self._call(fn, *args, label_selector=selector, **extra))
+            items += [i for i in page.get("items") or [] if match_labels(i, labels)]
+            token = (page.get("metadata") or {}).get("continue") if page_size is not None else None
+            if not token:
+                return items
 
     async def cordon_node(self, name: str, taint: Mapping[str, str]) -> dict[str, Any] | None:
         """Mark a node unschedulable and taint it; None when the node is gone. Repeatable.
