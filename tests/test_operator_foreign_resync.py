@@ -1,4 +1,10 @@
-"""The paginated list of every pod (the operator's start-up list)."""
+"""Other controllers' GPUs after a missed deletion, and the paginated list of every pod.
+
+A watch that reconnects does not report pods deleted while it was away: before, such a pod's GPUs
+stayed counted as held (index.ClusterIndex.foreign) until the operator restarted. The operator
+now lists every pod again every `foreign_resync_seconds` (handlers.resync_foreign), a page at a
+time, as the start-up list does.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from kube import builders
 from kube.cluster import EmulatedCluster
 
 from huorn.backends.kubernetes import client as client_mod
+from huorn.operator import context, handlers, index
 
 pytest_plugins = ["kube.fixtures"]
 
@@ -24,6 +31,76 @@ def _pod(name: str, node: str, gpus: int, phase: str = "Running", ns: str = NS) 
             "requests": {"nvidia.com/gpu": str(gpus)}, "limits": {"nvidia.com/gpu": str(gpus)}}}]},
         "status": {"phase": phase},
     }
+
+
+def test_resync_drops_a_pod_the_watch_missed_the_deletion_of() -> None:
+    idx = index.ClusterIndex()
+    idx.observe_foreign_pod(_pod("gone", "a0", 4))
+    idx.observe_foreign_pod(_pod("stays", "a1", 2))
+    mark = idx.observations
+    # The list began at `mark`; "gone" was deleted while the watch was away, so it is absent.
+    dropped = idx.resync_foreign([_pod("stays", "a1", 2), _pod("new", "a0", 1)], mark)
+    assert dropped == [(NS, "gone")]
+    assert idx.foreign == {(NS, "stays"): ("a1", 2), (NS, "new"): ("a0", 1)}
+    assert idx.foreign_gpus() == {"a1": 2, "a0": 1}
+    # A pod the list shows ended (its end missed too) gives its GPUs back as well.
+    assert idx.resync_foreign([_pod("stays", "a1", 2, phase="Failed"), _pod("new", "a0", 1)],
+                              idx.observations) == [(NS, "stays")]
+    assert idx.foreign == {(NS, "new"): ("a0", 1)}
+
+
+def test_resync_keeps_what_the_watch_wrote_after_the_list_began() -> None:
+    idx = index.ClusterIndex()
+    idx.observe_foreign_pod(_pod("old", "a0", 1))
+    idx.observe_foreign_pod(_pod("ending", "a1", 2))
+    mark = idx.observations
+    # While the list ran: a pod was created (not in the list) and one the list shows running ended.
+    idx.observe_foreign_pod(_pod("created", "a0", 3))
+    idx.observe_foreign_pod(_pod("ending", "a1", 2), deleted=True)
+    listed = [_pod("old", "a0", 1), _pod("ending", "a1", 2)]
+    assert idx.resync_foreign(listed, mark) == []
+    assert idx.foreign == {(NS, "old"): ("a0", 1), (NS, "created"): ("a0", 3)}
+    # Only marks newer than the list are kept; the next list, which lacks "created", is newer.
+    assert set(idx.foreign_seen) == {(NS, "created"), (NS, "ending")}
+    assert idx.resync_foreign([_pod("old", "a0", 1)], idx.observations) == [(NS, "created")]
+    assert idx.foreign_seen == {}
+
+
+class _PagingClient:
+    def __init__(self, pods: list[dict[str, Any]]) -> None:
+        self.pods = pods
+        self.pages = 0
+
+    async def list(self, kind: str, namespace: str | None, labels: Any,
+                   page_size: int | None = None) -> list[dict[str, Any]]:
+        assert (kind, namespace, dict(labels), page_size) == ("Pod", None, {}, handlers.LIST_PAGE)
+        self.pages += 1
+        return self.pods
+
+
+@pytest.mark.looptime
+async def test_periodic_resync_drops_the_missed_pod_and_wakes_the_line(looptime: Any) -> None:
+    listing = _PagingClient([_pod("stays", "a1", 2), _pod("elsewhere", "a0", 8, ns="other")])
+    ctx = context.Context(client=listing, post_event=lambda *_: None)  # type: ignore[arg-type]
+    ctx.serve_only([NS])
+    woken: list[str | None] = []
+    ctx.wake_line = lambda vc=None: woken.append(vc)  # type: ignore[method-assign]
+    ctx.index.observe_foreign_pod(_pod("gone", "a0", 4))
+    ctx.index.observe_foreign_pod(_pod("stays", "a1", 2))
+    ctx.settings = context.OperatorSettings(foreign_resync_seconds=600.0)
+    task = asyncio.create_task(handlers._resync_foreign_loop(ctx))
+    while listing.pages < 2:
+        await asyncio.sleep(1.0)
+    task.cancel()
+    assert float(looptime) == pytest.approx(1200.0), "one list each foreign_resync_seconds"
+    # A namespace the install does not serve stays out, as its watch would keep it out.
+    assert ctx.index.foreign == {(NS, "stays"): ("a1", 2)}
+    assert woken == [None]  # the first round freed GPUs; the second found nothing to drop
+
+
+def test_foreign_resync_seconds_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="foreign_resync_seconds must be > 0, got 0"):
+        context.OperatorSettings(foreign_resync_seconds=0)
 
 
 class _PagingCore:

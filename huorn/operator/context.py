@@ -36,6 +36,10 @@ class OperatorSettings:
     # gap of a watch that expired and was listed again) has no DELETED event, and would otherwise
     # hold its GPUs in the mirror for ever.
     mirror_resync_seconds: float = 60.0
+    # Other controllers' pods (the GPUs they hold, index.ClusterIndex.foreign) are listed again
+    # this often, for the same reason; listing every pod of the cluster costs more than listing
+    # Huorn's, so less often.
+    foreign_resync_seconds: float = 600.0
     api_threads: int = 32  # API calls in flight at once
     monitor_seconds: float = 5.0  # how often each running job's pods are polled for telemetry
     telemetry_port: int = 9400  # the runtime's /telemetry port in every trainer pod
@@ -70,6 +74,8 @@ class OperatorSettings:
     def __post_init__(self) -> None:
         if self.resync_seconds <= 0 or self.vc_status_seconds <= 0 or self.mirror_resync_seconds <= 0:
             raise ValueError("resync_seconds, vc_status_seconds and mirror_resync_seconds must be > 0")
+        if not self.foreign_resync_seconds > 0:
+            raise ValueError(f"foreign_resync_seconds must be > 0, got {self.foreign_resync_seconds}")
         if self.monitor_seconds <= 0 or self.telemetry_timeout_seconds <= 0 or self.progress_seconds <= 0:
             raise ValueError("monitor_seconds, telemetry_timeout_seconds and progress_seconds must be > 0")
         if self.forecast_timeout_seconds <= 0:

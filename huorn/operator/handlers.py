@@ -111,6 +111,34 @@ async def _resync_mirror(ctx: Context) -> None:
         ctx.wake_line()
 
 
+async def resync_foreign(ctx: Context) -> list[tuple[str, str]]:
+    """List every pod again and bring the GPUs other controllers' pods hold in line with it
+    (index.ClusterIndex.resync_foreign): a watch that reconnects does not report the pods
+    deleted while it was away. Returns the pods whose GPUs it dropped; the line is woken then."""
+    mark = ctx.index.observations
+    pods = await ctx.client.list("Pod", None, {}, page_size=LIST_PAGE)
+    served = (p for p in pods if ctx.serves((p.get("metadata") or {}).get("namespace", "")))
+    dropped = ctx.index.resync_foreign(served, mark)
+    if dropped:
+        logger.info("foreign resync dropped %d pods' GPUs the watch missed the end of: %s", len(dropped),
+                    ", ".join(f"{ns}/{name}" for ns, name in dropped[:8]))
+        ctx.wake_line()
+    return dropped
+
+
+async def _resync_foreign_loop(ctx: Context) -> None:
+    """resync_foreign every `foreign_resync_seconds`, by the leader only (a standby's mirror is stale)."""
+    while True:
+        await asyncio.sleep(ctx.settings.foreign_resync_seconds)
+        try:
+            if await ctx.leads():
+                await resync_foreign(ctx)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("foreign resync failed; next try in %.0fs", ctx.settings.foreign_resync_seconds)
+
+
 def wake_jobs_of(ctx: Context, pods: Iterable[index.PodRecord]) -> None:
     """A reconcile of each pod's job, by the job's kind: ctx.wake reconciles TrainingJobs, and an
     InferenceJob or RLJob woken through it was looked up as a TrainingJob, found absent, and left
@@ -255,12 +283,15 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         if ctx.settings.mirror:
             memo.huorn_mirror_resync = asyncio.get_running_loop().create_task(
                 _resync_mirror(ctx), name="mirror resync")
+        memo.huorn_foreign_resync = asyncio.get_running_loop().create_task(
+            _resync_foreign_loop(ctx), name="foreign resync")
 
     @kopf.on.cleanup(registry=registry)
     async def stop_background(memo: Any, **_: Any) -> None:
-        task = getattr(memo, "huorn_mirror_resync", None)
-        if task is not None:
-            task.cancel()
+        for name in ("huorn_mirror_resync", "huorn_foreign_resync"):
+            task = getattr(memo, name, None)
+            if task is not None:
+                task.cancel()
 
     @kopf.on.login(registry=registry)
     def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:

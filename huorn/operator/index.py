@@ -282,6 +282,9 @@ class ClusterIndex:
     # GPUs that pods of other controllers (Kueue, notebooks, a DaemonSet) hold on a node, by pod:
     # (node, GPUs) of each one bound to a node, not ended, that requests any (observe_foreign_pod)
     foreign: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
+    # When the watch last wrote each foreign record, in observations, its end included (a key
+    # with no record): resync_foreign keeps what the watch wrote after its list began
+    foreign_seen: dict[tuple[str, str], int] = field(default_factory=dict)
     # When each pod record was last written, in observations (see resync_pods)
     seen: dict[tuple[str, str], int] = field(default_factory=dict)
     observations: int = 0
@@ -367,11 +370,46 @@ class ClusterIndex:
         key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
         spec = body.get("spec") or {}
         node, gpus = str(spec.get("nodeName") or ""), requested_gpus(spec)
+        if not gpus:
+            return self.foreign.pop(key, None) is not None  # a pod's requests never change
+        self.observations += 1
+        self.foreign_seen[key] = self.observations  # its end too, so a list older than it can't undo it
         phase = (body.get("status") or {}).get("phase", "Pending")
-        if deleted or not node or not gpus or phase in TERMINAL_POD_PHASES:
+        if deleted or not node or phase in TERMINAL_POD_PHASES:
             return self.foreign.pop(key, None) is not None
         self.foreign[key] = (node, gpus)
         return False
+
+    def resync_foreign(self, listed: Iterable[Mapping[str, Any]], mark: int) -> list[tuple[str, str]]:
+        """Bring the foreign records in line with a list of every pod (those of the namespaces
+        served) that began when `observations` was `mark`; returns the keys whose GPUs it
+        dropped. A watch that reconnects reports no pod deleted while it was away, so without
+        this such a pod's GPUs stayed taken until the operator restarted. What the watch wrote
+        after the list began (a record, or a pod's end) is newer than the list and stays."""
+        listed_keys, dropped = set(), []
+        for body in listed:
+            meta = body.get("metadata") or {}
+            if manifests.LABEL_JOB in (meta.get("labels") or {}):
+                continue
+            key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
+            listed_keys.add(key)
+            if self.foreign_seen.get(key, -1) > mark:
+                continue
+            spec = body.get("spec") or {}
+            node, gpus = str(spec.get("nodeName") or ""), requested_gpus(spec)
+            phase = (body.get("status") or {}).get("phase", "Pending")
+            if node and gpus and phase not in TERMINAL_POD_PHASES:
+                self.foreign[key] = (node, gpus)
+            elif self.foreign.pop(key, None) is not None:
+                dropped.append(key)  # ended, the watch having missed it
+        gone = [key for key in self.foreign
+                if key not in listed_keys and self.foreign_seen.get(key, -1) <= mark]
+        for key in gone:
+            self.foreign.pop(key)
+        dropped += gone
+        # What the watch wrote before the list is what the list now says: only newer marks matter
+        self.foreign_seen = {key: seen for key, seen in self.foreign_seen.items() if seen > mark}
+        return dropped
 
     def foreign_gpus(self) -> dict[str, int]:
         """GPUs other controllers' pods hold, by node."""
