@@ -486,10 +486,7 @@ class ClusterIndex:
         """The oldest virtual cluster (by metadata.creationTimestamp, ties by name) that lists
         the node or selects it; '' for none. By age, not by name: before, a cluster created
         later with a name sorting first took the nodes of a running one."""
-        for vc in self._by_age():
-            if self._selects(vc, node):
-                return vc
-        return ""
+        return next(iter(self.claimants(node)), "")
 
     def claimed_from(self, vc: str) -> dict[str, list[str]]:
         """The nodes `vc` lists or selects that an older cluster owns, by that cluster."""

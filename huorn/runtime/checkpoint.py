@@ -264,7 +264,7 @@ def _choose(requested: Path) -> Path:
     came), the newest complete checkpoint beside it; for a root, its newest."""
     if is_complete(requested):
         return requested
-    if _NAME.match(requested.name):
+    if is_step_name(requested.name):
         newest = find_latest(requested.parent)
         if newest is None:
             raise ValueError(f"{requested} is gone or incomplete, and {requested.parent} holds no complete "
@@ -282,7 +282,7 @@ def pinned(requested: Path, attempts: int = 5) -> Iterator[Held]:
     requested = Path(requested)
     path, pin = _choose(requested), None
     for _ in range(attempts):
-        if not _NAME.match(path.name):
+        if not is_step_name(path.name):
             break  # not one of the trainer's step directories: nothing prunes it
         try:
             pin = pin_checkpoint(path)
