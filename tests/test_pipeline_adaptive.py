@@ -12,8 +12,14 @@ import torch
 
 from huorn.runtime.pipeline import launch
 
-# Measures wall-clock behaviour of real processes: runs alone (scripts/test's serial part).
+# Measures wall-clock behaviour of real processes: runs beside at most one other such test
+# (scripts/test's serial part); the tests that read the calm link run by themselves (below).
 pytestmark = pytest.mark.serial
+# The calm window's claim (k stays 1) holds only on a calm box: in CI's serial part, beside another
+# test's ranks, the calm link read 2.19 ms a message against the F+B's 8.25 ms (0.26x, what the
+# scan above finds 9-13 % gain at) and the planner rightly switched to k=2 at step 3 (2026-12-06).
+# Alone these three tests take 8 s; the link reads 0.1-0.6 ms even beside two busy cores.
+READS_THE_CALM_LINK = pytest.mark.alone
 
 STAGES, WIDTH, DEPTH, MICROBATCHES, SIZE = 2, 384, 10, 8, 64
 BURST_S = 0.0025  # the calm runs' burst (no contention: never waited for)
@@ -23,10 +29,12 @@ LEVELS = [0.0] * 4 + [0.8] * 8
 # alone: a fixed 2.5 ms burst predicted k>1 15 % faster on an idle 2-core box and 7 % beside
 # another test, whose load made the F+B 1.7× longer. Scanned on the idle box, the gain at step 7
 # was 9-13 % at 0.25, 18-20 % at 0.35-0.7; under the suite's parallel part 20 % at 0.5, 9 % at 1.0
-# and 2-6 % at 2-3. The calm link's noise predicts k>1 at most 4-7 % faster; the 10 % switching
-# margin sits between the two.
+# and 2-6 % at 2-3. The calm link's noise predicted k>1 4-7 % faster on the idle box, but up to
+# 9 % alone and 13 % in CI's serial part later (2026-12-07: a calm gloo message read 0.1-2.2 ms,
+# the link thread's wait for the GIL and a core included), while the contended steps predict
+# 20-23 %: the 15 % switching margin sits between the two.
 DELAY_PER_MICROBATCH = 0.5
-MIN_GAIN = 0.10
+MIN_GAIN = 0.15
 REPLAN_EVERY = 4  # decisions after step 3 (a calm window), 7 and 11 (contended)
 
 
@@ -42,6 +50,7 @@ def decisions(run: list[dict]) -> dict[int, dict]:
 
 
 @pytest.mark.slow
+@READS_THE_CALM_LINK
 def test_k_rises_when_the_link_is_preempted_and_the_numbers_say_why(run: list[dict]) -> None:
     made = decisions(run)
     for step, decision in made.items():
@@ -68,14 +77,18 @@ def test_k_rises_when_the_link_is_preempted_and_the_numbers_say_why(run: list[di
 
 
 @pytest.mark.slow
+@READS_THE_CALM_LINK
 def test_larger_k_is_really_faster_under_contention(run: list[dict]) -> None:
     reports = run[0]["reports"]
     one = [r.seconds for r in reports if r.contention == 0.8 and r.k == 1][1:]  # skip the switch-in step
     more = [r.seconds for r in reports if r.contention == 0.8 and r.k > 1]
+    ran = [(r.contention, r.k) for r in reports]
+    assert one and more, f"needs contended steps at k=1 and at k>1; ran (contention, k) {ran}"
     assert sum(more) / len(more) < sum(one) / len(one), (one, more)
 
 
 @pytest.mark.slow
+@READS_THE_CALM_LINK
 def test_switching_k_loses_and_repeats_no_micro_batch(run: list[dict]) -> None:
     for rank in run:
         for report in rank["reports"]:
