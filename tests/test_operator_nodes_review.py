@@ -290,3 +290,101 @@ def test_a_node_back_to_ready_wakes_the_line_before_its_resync(cluster: Emulated
             {"type": "Ready", "status": "True", "reason": "KubeletReady"}]}})
         pods = wait_for(lambda: kube.pods(NS, "llm", "trainer"), timeout=20, what="llm placed on a0")
         assert [_pinned_node(p) for p in pods] == ["a0"]
+
+
+# ---------------------------------------------------------------- 4. taints a cluster tolerates
+DEDICATED = {"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}
+TOLERATE_DEDICATED = {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}
+
+
+def _tolerating(name: str, created: str, tolerations: list[dict[str, Any]]) -> dict[str, Any]:
+    body = _vc(name, created)
+    body["spec"]["members"]["tolerations"] = tolerations
+    return body
+
+
+def test_a_cluster_that_tolerates_its_nodes_taint_places_there() -> None:
+    """A GPU pool tainted dedicated=gpu:NoSchedule took no Huorn pod at all: nothing let a
+    platform team say its pods may go there."""
+    idx = index.ClusterIndex()
+    idx.observe_node(_node("a0", 4, taints=[DEDICATED], pool="a"))
+    idx.observe_node(_node("b0", 4, taints=[DEDICATED], pool="b"))
+    assert idx.nodes["a0"].why == "taint dedicated:NoSchedule"  # no cluster yet
+    assert idx.observe_vc(_vc("team-a", "2026-01-01T10:00:00Z")) == []
+    assert idx.nodes["a0"].unschedulable and idx.tolerations_on("a0") == []
+    # The cluster names the taint: its node opens, and only its own (b0 is no member).
+    assert idx.observe_vc(_tolerating("team-a", "2026-01-01T10:00:00Z", [TOLERATE_DEDICATED])) == ["a0"]
+    assert not idx.nodes["a0"].unschedulable and idx.nodes["b0"].unschedulable
+    assert idx.tolerations_on("a0") == [TOLERATE_DEDICATED] and idx.tolerations_on("b0") == []
+    snap = idx.build_snapshot()
+    assert isinstance(snap.place("team-a", 1, 4), placement.Placement)
+    # A node seen again (a watch event) is judged with its owner's tolerations, not without.
+    assert not idx.observe_node(_node("a0", 4, taints=[DEDICATED], pool="a")).unschedulable
+    # Another value, or another effect, is another taint.
+    other = {"key": "dedicated", "value": "infer", "effect": "NoSchedule"}
+    assert idx.observe_node(_node("a0", 4, taints=[other], pool="a")).why == "taint dedicated:NoSchedule"
+    execute = {"key": "dedicated", "value": "gpu", "effect": "NoExecute"}
+    assert idx.observe_node(_node("a0", 4, taints=[execute], pool="a")).unschedulable
+    # Cordoned or not Ready: no toleration helps.
+    down = idx.observe_node(_node("a0", 4, ready="False", taints=[DEDICATED], pool="a"))
+    assert down.why.startswith("not Ready")
+    record = idx.observe_node(_node("a0", 4, taints=[DEDICATED], pool="a"))
+    record.cordon()
+    assert record.why == "cordoned"
+
+
+def test_the_owners_tolerations_decide_and_follow_the_node_to_a_new_owner() -> None:
+    """A younger cluster that also selects the node does not open it for the owner's pods; once
+    the owner is gone, the node is judged by its new owner's tolerations."""
+    idx = index.ClusterIndex()
+    idx.observe_node(_node("a0", 4, taints=[DEDICATED], pool="a"))
+    idx.observe_vc(_vc("owner", "2026-01-01T10:00:00Z"))
+    assert idx.observe_vc(_tolerating("younger", "2026-01-01T10:05:00Z", [{"operator": "Exists"}])) == []
+    assert idx.nodes["a0"].unschedulable and idx.tolerations_on("a0") == []
+    assert idx.forget_vc("owner") == ["a0"]
+    assert idx.tolerations_on("a0") == [{"operator": "Exists"}] and not idx.nodes["a0"].unschedulable
+
+
+def test_pods_carry_the_tolerations_of_the_node_they_are_pinned_to() -> None:
+    from huorn.backends.kubernetes import manifests
+
+    # none named: the list every pod had before (pods stay byte-identical across the upgrade)
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    assert manifests.pod_tolerations() == [gpu]
+    stored = {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule", "extra": 1}
+    everything = {"operator": "Exists", "key": "", "value": "", "effect": ""}
+    assert manifests.pod_tolerations([stored, dict(manifests.GPU_TOLERATION), everything]) == [
+        dict(manifests.GPU_TOLERATION), TOLERATE_DEDICATED, {"operator": "Exists"}]
+    # what the pod carries is what the mirror judged the node by
+    assert index.tolerated(DEDICATED, manifests.pod_tolerations([stored]))
+    assert not index.tolerated(DEDICATED, manifests.pod_tolerations())
+
+
+def test_operator_places_on_tainted_nodes_once_the_cluster_tolerates_them(cluster: EmulatedCluster) -> None:
+    """A pool tainted dedicated=gpu:NoSchedule: the job waits and the cluster says why; once the
+    cluster names the toleration, the waiting job is placed there at once (the change wakes the
+    line) and its pod tolerates the taint, as the kube-scheduler will require."""
+    kube = builders.Kube(cluster.api_client())
+    kube.create_node(_node("a0", 4, taints=[DEDICATED], pool="a"))
+    kube.create_vc(builders.make_virtual_cluster("train", pool="a"))
+    slow = dataclasses.replace(operator_mod.FAST, resync_seconds=120.0, mirror_resync_seconds=120.0)
+    with operator_mod.OperatorThread(cluster.api_client(), slow):
+        kube.create_job(NS, builders.make_training_job("llm", "train", replicas=1, max_replicas=1, gpus=4))
+        waiting = wait_for(lambda: (c := kube.condition(NS, "llm", "Reconciling"))
+                           .get("reason") == "Unplaceable" and c, what="the job waiting")
+        assert "a0: taint dedicated:NoSchedule" in waiting["message"], waiting
+        assert kube.pods(NS, "llm", "trainer") == []
+        conditions = lambda: (kube.get_vc("train").get("status") or {}).get("conditions") or []  # noqa: E731
+        ready = wait_for(lambda: next((c for c in conditions() if c["type"] == "Ready"
+                                       and "take none" in c["message"]), None), what="the cluster's note")
+        assert ready["message"].endswith(
+            "1 node(s) take none: a0 (taint dedicated:NoSchedule); Huorn's pods tolerate a taint the "
+            "cluster lists in spec.members.tolerations"), ready
+        kube.custom.patch_cluster_custom_object(builders.GROUP, builders.VERSION, "virtualclusters", "train",
+                                                {"spec": {"members": {"tolerations": [TOLERATE_DEDICATED]}}})
+        pods = wait_for(lambda: kube.pods(NS, "llm", "trainer"), timeout=20, what="llm placed on a0")
+        assert [_pinned_node(p) for p in pods] == ["a0"]
+        tolerations = [{"key": t.key, "operator": t.operator, "value": t.value, "effect": t.effect}
+                       for t in pods[0].spec.tolerations]
+        assert tolerations == [{"key": "nvidia.com/gpu", "operator": "Exists", "value": None,
+                                "effect": "NoSchedule"}, TOLERATE_DEDICATED]

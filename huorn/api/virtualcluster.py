@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, WithJsonSchema
 
 from huorn.api import rules
 from huorn.api.base import ApiModel, DnsLabel
@@ -13,6 +14,72 @@ from huorn.api.common import CONDITION_LIMIT, Condition, RateHistory, RateReadin
 
 class LabelSelector(ApiModel):
     match_labels: dict[str, str] = Field(default_factory=dict)
+
+
+# A taint's key is a label key: an optional DNS-subdomain prefix and '/', then a name of at most
+# 63 characters; its value a label value. Empty is allowed for both (Exists, and Equal to "").
+TAINT_KEY_PATTERN = (r"^(([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+TAINT_VALUE_PATTERN = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
+
+
+def _label_text(pattern: str, limit: int, what: str) -> Any:
+    """A string the CRD checks by `pattern`, with a Python error that says what it may hold."""
+
+    def check(text: str) -> str:
+        if len(text) > limit or not re.fullmatch(pattern, text):
+            raise ValueError(f"{text!r} is not {what}")
+        return text
+
+    return Annotated[str, AfterValidator(check),
+                     WithJsonSchema({"type": "string", "pattern": pattern, "maxLength": limit})]
+
+
+TaintKey = _label_text(TAINT_KEY_PATTERN, 317, "a taint key: a name of at most 63 letters, digits, '-', "
+                       "'_' and '.' (starting and ending with a letter or digit), with an optional DNS "
+                       "prefix and '/', as in node.example.com/dedicated")
+TaintValue = _label_text(TAINT_VALUE_PATTERN, 63, "a taint value: at most 63 letters, digits, '-', '_' "
+                         "and '.', starting and ending with a letter or digit")
+
+
+@rules.attach(
+    rules.Rule(
+        name="toleration-exists-no-value",
+        field="value",
+        cel="self.operator != 'Exists' || !has(self.value) || self.value == ''",
+        holds=lambda t: t.operator != "Exists" or t.value == "",
+        message="must be empty with operator Exists, which matches every value of the key",
+        detail=lambda t: f"value {t.value!r}",
+        fix="remove value, or set operator: Equal",
+    ),
+    rules.Rule(
+        name="toleration-empty-key-exists",
+        field="operator",
+        cel="(has(self.key) && self.key != '') || self.operator == 'Exists'",
+        holds=lambda t: t.key != "" or t.operator == "Exists",
+        message="must be Exists when key is empty (tolerate every taint)",
+        fix="set key to the taint's key, or operator: Exists",
+    ),
+    rules.Rule(
+        name="toleration-seconds-no-execute",
+        field="tolerationSeconds",
+        cel="!has(self.tolerationSeconds) || self.effect == 'NoExecute'",
+        holds=lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
+        message="applies only to effect NoExecute (how long a running pod stays once the taint comes)",
+        detail=lambda t: f"effect {t.effect!r}",
+        fix="set effect: NoExecute, or remove tolerationSeconds",
+    ),
+)
+class Toleration(ApiModel):
+    """A pod toleration, as Kubernetes writes it into a pod (core/v1 Toleration)."""
+
+    key: TaintKey = Field(default="", description="The taint's key; empty with operator Exists "
+                                                   "tolerates every taint.")
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: TaintValue = ""
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] = Field(
+        default="", description="The taint's effect; empty tolerates every effect.")
+    toleration_seconds: int | None = Field(default=None, ge=0, le=31536000)
 
 
 @rules.attach(
@@ -28,6 +95,12 @@ class LabelSelector(ApiModel):
 class Members(ApiModel):
     node_selector: LabelSelector | None = None
     nodes: list[str] | None = Field(default=None, max_length=10000)
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32,
+        description="Taints of the member nodes that Huorn's pods tolerate there (as a Kueue "
+                    "ResourceFlavor's tolerations): every pod Huorn places on a member node carries "
+                    "them, a borrower's too, and a node whose NoSchedule or NoExecute taints they "
+                    "cover takes new pods. Huorn's pods always tolerate nvidia.com/gpu:NoSchedule.")
 
 
 class LoadForecast(RateHistory):

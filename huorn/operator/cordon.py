@@ -43,7 +43,7 @@ async def ensure_cordoned(ctx: Context, body: Mapping[str, Any], graph: model.Gr
         if record is not None:
             # The node watch will say the same shortly; placement in this very reconcile must
             # already avoid the node.
-            record.unschedulable = True
+            record.cordon()
         if node not in nodes:
             nodes.append(node)
             ctx.post_event(body, "Warning", "Cordoned",

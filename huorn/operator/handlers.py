@@ -233,7 +233,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         # Fill the mirror before any job handler runs, so that the first placements after a
         # restart see every GPU already taken (the watches replay them too, but later).
         for node in await ctx.client.list("Node", None, {}):
-            ctx.index.nodes[node["metadata"]["name"]] = index.build_node_record(node)
+            ctx.index.observe_node(node)  # judged again once the clusters below are known
         # Every pod, once: Huorn's, and the GPUs other controllers' pods hold (pod_changed and
         # foreign_pod_changed keep both current); one listing, as kopf's own pod watch makes.
         for pod in await ctx.client.list("Pod", None, {}, page_size=LIST_PAGE):
@@ -305,7 +305,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             ctx.index.nodes.pop(name, None)
             return
         before = ctx.index.nodes.get(name)
-        record = ctx.index.nodes[name] = index.build_node_record(body)
+        record = ctx.index.observe_node(body)
         if not record.unschedulable and (before is None or before.unschedulable or record.gpus > before.gpus):
             # a node back to Ready, uncordoned or untainted (or new, or with more GPUs): jobs in
             # line try it now; they had waited for their resync timer
@@ -347,10 +347,14 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
     async def vc_changed(type: str, body: Mapping[str, Any], memo: Any, **_: Any) -> None:
         ctx = _ctx(memo)
         if type == "DELETED":
-            virtualclusters.forget(ctx, body["metadata"]["name"])
+            opened = virtualclusters.forget(ctx, body["metadata"]["name"])
             board.forget(ctx, body["metadata"]["name"])
         else:
-            ctx.index.observe_vc(body)
+            opened = ctx.index.observe_vc(body)
+        if opened:
+            # nodes that take new pods since this change (members.tolerations now cover their
+            # taints, or a node changed owner): jobs in line try them now, not at their resync
+            ctx.wake_line()
 
     @kopf.on.resume(GROUP, VERSION, "virtualclusters", registry=registry)
     @kopf.on.create(GROUP, VERSION, "virtualclusters", registry=registry)

@@ -194,10 +194,9 @@ def _parse_input(text: str | None) -> dict[str, Any] | None:
 
 
 # What Huorn's pods tolerate (huorn.backends.kubernetes.manifests renders it into every pod it
-# makes); a node with a NoSchedule or NoExecute taint outside it takes none of them.
-POD_TOLERATIONS: tuple[Mapping[str, str], ...] = (
-    {"key": manifests.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},
-)
+# pins to a node, with the node's cluster's members.tolerations); a node with a NoSchedule or
+# NoExecute taint outside them takes none of them.
+POD_TOLERATIONS: tuple[Mapping[str, str], ...] = (manifests.GPU_TOLERATION,)
 BLOCKING_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
 
 
@@ -228,40 +227,59 @@ class NodeRecord:
     # the pods already there stay counted as holding their GPUs.
     unschedulable: bool = False
     unavailable: str = ""  # why, for status and messages: "cordoned", "not Ready (Unknown)", a taint
+    # What no toleration helps with ("cordoned", "not Ready (...)"), and the NoSchedule/NoExecute
+    # taints the node lists: with its owner's tolerations (VirtualCluster members.tolerations),
+    # they decide the two fields above (judge), again whenever the owner or its tolerations change.
+    down: str = ""
+    taints: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def why(self) -> str:
         return self.unavailable or ("cordoned" if self.unschedulable else "")
 
+    def judge(self, tolerations: Iterable[Mapping[str, Any]] = ()) -> None:
+        """Whether new pods may go there, for pods that carry `tolerations` beside Huorn's own."""
+        tolerations = (*POD_TOLERATIONS, *tolerations)
+        blocking = next((t for t in self.taints if not tolerated(t, tolerations)), None)
+        why = self.down or (f"taint {blocking.get('key')}:{blocking.get('effect')}" if blocking else "")
+        self.unschedulable, self.unavailable = bool(why), why
 
-def _unavailable(spec: Mapping[str, Any], status: Mapping[str, Any]) -> str:
-    """Why no new pod may go to the node, '' when one may. A node without a Ready condition (one
-    registered a moment ago, or one a test builds) counts as Ready: the kubelet reports the
-    condition, and only a report of anything but True says the node does not run pods."""
+    def cordon(self) -> None:
+        """What the node watch will say shortly after Huorn cordons it (huorn.operator.cordon)."""
+        self.down = "cordoned"
+        self.judge()
+
+
+def _down(spec: Mapping[str, Any], status: Mapping[str, Any]) -> str:
+    """Why no new pod may go to the node whatever it tolerates, '' when none. A node without a
+    Ready condition (one registered a moment ago, or one a test builds) counts as Ready: the
+    kubelet reports the condition, and only a report of anything but True says the node does
+    not run pods."""
     if spec.get("unschedulable"):
         return "cordoned"
     for c in status.get("conditions") or []:
         if c.get("type") == "Ready" and c.get("status") != "True":
             reason = ": ".join(str(v) for v in (c.get("status"), c.get("reason")) if v)
             return f"not Ready ({reason or 'no status'})"
-    for taint in spec.get("taints") or []:
-        if taint.get("effect") in BLOCKING_EFFECTS and not tolerated(taint):
-            return f"taint {taint.get('key')}:{taint.get('effect')}"
     return ""
 
 
-def build_node_record(body: Mapping[str, Any]) -> NodeRecord:
+def build_node_record(body: Mapping[str, Any], tolerations: Iterable[Mapping[str, Any]] = ()) -> NodeRecord:
+    """The node as placement sees it, judged for pods that carry `tolerations` beside Huorn's own
+    (ClusterIndex.observe_node passes those of the node's owner)."""
     meta = body.get("metadata") or {}
     status = body.get("status") or {}
+    spec = body.get("spec") or {}
     allocatable = status.get("allocatable") or status.get("capacity") or {}
-    why = _unavailable(body.get("spec") or {}, status)
-    return NodeRecord(
+    record = NodeRecord(
         name=meta["name"],
         gpus=int(allocatable.get(manifests.GPU_RESOURCE, 0) or 0),
         labels=dict(meta.get("labels") or {}),
-        unschedulable=bool(why),
-        unavailable=why,
+        down=_down(spec, status),
+        taints=tuple(dict(t) for t in spec.get("taints") or [] if t.get("effect") in BLOCKING_EFFECTS),
     )
+    record.judge(tolerations)
+    return record
 
 
 @dataclass
@@ -305,15 +323,42 @@ class ClusterIndex:
         return bool(allowed) and set(allowed) <= self.served
 
     # ----------------------------------------------------------------- updates from watches
-    def observe_vc(self, body: Mapping[str, Any]) -> None:
+    def observe_node(self, body: Mapping[str, Any]) -> NodeRecord:
+        """Record the node, judged for the pods its owner's tolerations let go there."""
+        record = build_node_record(body)
+        record.judge(self.tolerations_on(record))
+        self.nodes[record.name] = record
+        return record
+
+    def observe_vc(self, body: Mapping[str, Any]) -> list[str]:
+        """Record the cluster; returns the nodes that take new pods now and did not before (its
+        tolerations, or the nodes it selects, changed)."""
         meta = body.get("metadata") or {}
         self.vcs[meta["name"]] = dict(body.get("spec") or {})
         self.vc_created[meta["name"]] = parse_time(meta.get("creationTimestamp"))
+        return self._judge_nodes()
 
-    def forget_vc(self, name: str) -> None:
+    def forget_vc(self, name: str) -> list[str]:
         self.vcs.pop(name, None)
         self.vc_created.pop(name, None)
         self.line_reserve.pop(name, None)
+        return self._judge_nodes()
+
+    def tolerations_on(self, node: NodeRecord | str) -> list[dict[str, Any]]:
+        """The tolerations Huorn's pods carry on `node` beside their own: its owner's
+        members.tolerations (a borrower's pods on a lent node too); [] for a node no cluster owns."""
+        record = self.nodes.get(node) if isinstance(node, str) else node
+        owner = self.virtual_cluster_of(record) if record is not None else ""
+        return [dict(t) for t in ((self.vcs.get(owner) or {}).get("members") or {}).get("tolerations") or []]
+
+    def _judge_nodes(self) -> list[str]:
+        opened = []
+        for record in self.nodes.values():
+            before = record.unschedulable
+            record.judge(self.tolerations_on(record))
+            if before and not record.unschedulable:
+                opened.append(record.name)
+        return opened
 
     def observe_inference_job(self, body: Mapping[str, Any], deleted: bool = False) -> None:
         meta = body.get("metadata") or {}

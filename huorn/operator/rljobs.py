@@ -366,9 +366,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         new_pods = []
         if placed:
             worker_gpus = layout.gpus_per_worker * sum(i.vertex == rlm.WORKER for i in members)
+            worker_node = dict(zip(missing_workers, nodes, strict=True))
             new_pods = [rlm.build_head_pod(ref, i, spec, vc, worker_gpus) if i.vertex == rlm.HEAD
-                        else rlm.build_worker_pod(ref, i, spec, layout.gpus_per_worker,
-                                                  nodes[missing_workers.index(i)], vc)
+                        else rlm.build_worker_pod(ref, i, spec, layout.gpus_per_worker, worker_node[i], vc,
+                                                  ctx.index.tolerations_on(worker_node[i]))
                         for i in missing]
             ctx.index.reserve(r for r in (index.build_pod_record(p) for p in new_pods) if r is not None)
             was_waiting = ctx.queue.jobs[entry.key].missing

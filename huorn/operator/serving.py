@@ -251,7 +251,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     placed = 0
     async with ctx.placement_lock:
         nodes = choose_nodes(free_gpus(ctx, vc), gpus, len(missing)) if gpus else [""] * len(missing)
-        pods_new = [manifests.build_serve_pod(ref, i, node, spec, vc)
+        pods_new = [manifests.build_serve_pod(ref, i, node, spec, vc, ctx.index.tolerations_on(node))
                     for i, node in zip(missing, nodes, strict=False)]
         ctx.index.reserve(r for r in (index.build_pod_record(p) for p in pods_new) if r is not None)
         placed = len(pods_new)

@@ -710,7 +710,8 @@ async def _apply_children(
     for instance in graph.vertex("trainer").instances:
         node = assignments.get(instance.name)
         if node is not None:
-            writes.append(manifests.build_trainer_pod(ref, graph, instance, node, spec, vc))
+            writes.append(manifests.build_trainer_pod(ref, graph, instance, node, spec, vc,
+                                                      ctx.index.tolerations_on(node)))
     writes += evaluation.build_pods(ref, graph, spec, pods.values())
     # Independent objects, written concurrently: a gang of 64 pods is one round trip deep, not 64.
     # The ConfigMap goes first so that no pod ever starts without its config.

@@ -65,7 +65,9 @@ def unavailable_note(ctx: Context, vc: str) -> str:
     schedulable = sum(n.gpus for n in members if not n.unschedulable)
     shown = ", ".join(f"{node} ({why})" for node, why in down[:5])
     more = f" and {len(down) - 5} more" if len(down) > 5 else ""
-    return f"; {schedulable} GPUs take new pods, {len(down)} node(s) take none: {shown}{more}"
+    hint = ("; Huorn's pods tolerate a taint the cluster lists in spec.members.tolerations"
+            if any(why.startswith("taint ") for _, why in down) else "")
+    return f"; {schedulable} GPUs take new pods, {len(down)} node(s) take none: {shown}{more}{hint}"
 
 
 def claimed_note(ctx: Context, vc: str) -> str:
@@ -131,10 +133,12 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
     return usage
 
 
-def forget(ctx: Context, name: str) -> None:
-    ctx.index.forget_vc(name)
+def forget(ctx: Context, name: str) -> list[str]:
+    """Drop the cluster; returns the nodes that take new pods now (index.ClusterIndex.forget_vc)."""
+    opened = ctx.index.forget_vc(name)
     for state in ("capacity", "allocated", "lent", "borrowed", "waiting", "forecast"):
         with contextlib.suppress(KeyError):
             ctx.metrics.vc_gpus.remove(name, state)
     with contextlib.suppress(KeyError):
         ctx.metrics.vc_waiting_jobs.remove(name)
+    return opened

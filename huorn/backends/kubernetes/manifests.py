@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,6 +257,24 @@ def build_trainer_command(job: JobRef, graph: Graph, nproc_per_node: int) -> lis
     return build_agent_args(job, graph, nproc_per_node)
 
 
+# What every pod Huorn pins to a GPU node tolerates (the device plugin's usual taint).
+GPU_TOLERATION: Mapping[str, str] = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+TOLERATION_FIELDS = ("key", "operator", "value", "effect", "tolerationSeconds")
+
+
+def pod_tolerations(extra: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Huorn's own toleration, then `extra`: those of the node's VirtualCluster (its
+    members.tolerations, huorn.operator.index.ClusterIndex.tolerations_on), as a pod writes
+    them. With none, the list every pod had before clusters could name any, so that pods of
+    clusters that name none stay byte-identical across the upgrade."""
+    own = [dict(GPU_TOLERATION)]
+    for t in extra:
+        written = {k: t[k] for k in TOLERATION_FIELDS if t.get(k) not in (None, "")}
+        if written not in own:
+            own.append(written)
+    return own
+
+
 def security_context() -> dict[str, Any]:
     return {
         "runAsNonRoot": True,
@@ -273,8 +291,10 @@ def build_trainer_pod(
     node: str,
     spec: Mapping[str, Any],
     virtual_cluster: str,
+    tolerations: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """One trainer replica, pinned to `node`."""
+    """One trainer replica, pinned to `node`, tolerating its taints that `tolerations` (the
+    node's cluster's) cover."""
     resources = spec.get("resources", {})
     gpus = int(resources.get("gpus", 1))
     cpu = str(resources.get("cpu", "4"))
@@ -330,7 +350,7 @@ def build_trainer_pod(
                     }
                 }
             },
-            "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+            "tolerations": pod_tolerations(tolerations),
             "containers": [
                 {
                     "name": "trainer",
@@ -685,10 +705,11 @@ def startup_seconds(spec: Mapping[str, Any]) -> float:
 
 
 def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[str, Any],
-                    virtual_cluster: str) -> dict[str, Any]:
+                    virtual_cluster: str, tolerations: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """One serving replica, pinned to `node` when it asks for GPUs (the default scheduler places
-    a CPU replica). restartPolicy Always: a crashed server is restarted in place by the kubelet,
-    as a Deployment's would be; the operator replaces a pod only when the pod itself is lost."""
+    a CPU replica), tolerating what `tolerations` (the node's cluster's) cover. restartPolicy
+    Always: a crashed server is restarted in place by the kubelet, as a Deployment's would be;
+    the operator replaces a pod only when the pod itself is lost."""
     resources = spec.get("resources", {})
     gpus = int(resources.get("gpus", 1))
     limits: dict[str, Any] = {"cpu": str(resources.get("cpu", "4")),
@@ -708,7 +729,7 @@ def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[st
     }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Always",
-        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "tolerations": pod_tolerations(tolerations),
         "containers": [
             {
                 "name": "server",

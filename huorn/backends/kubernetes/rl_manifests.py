@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from huorn.api import common, rl
@@ -121,7 +121,8 @@ def build_head_service(job: manifests.JobRef) -> dict[str, Any]:
 
 def _pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any], command: list[str],
          gpus: int, node: str, virtual_cluster: str,
-         extra_env: tuple[dict[str, str], ...] = ()) -> dict[str, Any]:
+         extra_env: tuple[dict[str, str], ...] = (),
+         tolerations: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     resources = spec.get("resources", {})
     limits: dict[str, Any] = {"cpu": str(resources.get("cpu", "4")),
                               "memory": str(resources.get("memory", "16Gi"))}
@@ -171,8 +172,7 @@ def _pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any], com
         term = {"matchExpressions": [{"key": manifests.HOSTNAME_LABEL, "operator": "In", "values": [node]}]}
         pod_spec["affinity"] = {"nodeAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
-        pod_spec["tolerations"] = [{"key": manifests.GPU_RESOURCE, "operator": "Exists",
-                                    "effect": "NoSchedule"}]
+        pod_spec["tolerations"] = manifests.pod_tolerations(tolerations)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 
 
@@ -188,7 +188,9 @@ def build_head_pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str,
 
 
 def build_worker_pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any], gpus: int,
-                     node: str, virtual_cluster: str) -> dict[str, Any]:
+                     node: str, virtual_cluster: str,
+                     tolerations: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """A Ray worker pinned to `node`, tolerating what `tolerations` (the node's cluster's) cover."""
     cpus = whole_cpus(spec.get("resources", {}).get("cpu", "4"))
     command = launcher.build_rl_worker_command(head_address(job), gpus, cpus, python="python")
-    return _pod(job, instance, spec, command, gpus, node, virtual_cluster)
+    return _pod(job, instance, spec, command, gpus, node, virtual_cluster, tolerations=tolerations)
