@@ -115,14 +115,19 @@ def test_freed_gpus_go_to_the_first_job_in_line(kube: builders.Kube, operator) -
     for name in ("big", "small"):
         wait_for(lambda n=name: kube.condition(NS, n, "Reconciling").get("reason") == "Unplaceable",
                  what=f"{name} waiting")
-    # The line is in the VirtualCluster's status (`kubectl get vc` prints Waiting).
-    wait_for(lambda: (s := kube.get_vc("solo").get("status") or {}).get("waitingJobs") == 2
-             and s["waitingGPUs"] == 6, what="2 jobs and 6 GPUs waiting in solo's status")
+    # The line is in the VirtualCluster's status (`kubectl get vc` prints Waiting), in order.
+    status = wait_for(lambda: (s := kube.get_vc("solo").get("status") or {}).get("waitingJobs") == 2
+                      and s["waitingGPUs"] == 6 and s, what="2 jobs and 6 GPUs waiting in solo's status")
+    assert status["line"] == [
+        {"position": 1, "job": f"{NS}/big", "kind": "TrainingJob", "priority": 40, "gpus": 4},
+        {"position": 2, "job": f"{NS}/small", "kind": "TrainingJob", "priority": 20, "gpus": 2}]
     kube.delete_job(NS, "first")
     wait_for(lambda: trainers(kube, "big") == ["big-trainer-0"], what="big placed")
     assert trainers(kube, "small") == []
-    wait_for(lambda: (s := kube.get_vc("solo").get("status") or {}).get("waitingJobs") == 1
-             and s["waitingGPUs"] == 2, what="small alone in line")
+    status = wait_for(lambda: (s := kube.get_vc("solo").get("status") or {}).get("waitingJobs") == 1
+                      and s["waitingGPUs"] == 2 and s, what="small alone in line")
+    assert status["line"] == [
+        {"position": 1, "job": f"{NS}/small", "kind": "TrainingJob", "priority": 20, "gpus": 2}]
     reason = wait_for(lambda: (c := kube.condition(NS, "small", "Reconciling")).get("reason") in (
         "Queued", "Unplaceable") and c, what="small still waiting")
     assert reason["status"] == "True"
@@ -270,8 +275,10 @@ def test_a_waiting_rl_job_keeps_its_place_in_line(kube: builders.Kube, operator)
              what="small waiting")
     wait_for(lambda: kube.condition(NS, "rl", "Reconciling", "rljobs").get("reason") == "WaitingForGPUs",
              what="rl waiting")
-    wait_for(lambda: (s := kube.get_vc("solo").get("status") or {}).get("waitingJobs") == 2
-             and s["waitingGPUs"] == 6, what="2 jobs and 6 GPUs waiting in solo's status")
+    status = wait_for(lambda: (s := kube.get_vc("solo").get("status") or {}).get("waitingJobs") == 2
+                      and s["waitingGPUs"] == 6 and s, what="2 jobs and 6 GPUs waiting in solo's status")
+    assert [(e["job"], e["kind"]) for e in status["line"]] == [
+        (f"{NS}/rl", "RLJob"), (f"{NS}/small", "TrainingJob")]
     kube.delete_job(NS, "first")
     wait_for(lambda: len(rl_pods(kube, "rl")) == 3, what="the RL gang placed")
     assert trainers(kube, "small") == []

@@ -126,9 +126,11 @@ VIRTUAL_CLUSTER = Kind(
         PrinterColumn("Lent", ".status.lent", "integer"),
         PrinterColumn("Borrowed", ".status.borrowed", "integer"),
         PrinterColumn("Waiting", ".status.waitingJobs", "integer",
-                      description="TrainingJobs waiting in line for this cluster's GPUs"),
+                      description="TrainingJobs and RLJobs waiting in line for this cluster's GPUs"),
         PrinterColumn("Forecast", ".status.forecast.gpus", "integer", priority=1,
                       description="GPUs the forecast request rate needs (lending.forecast)"),
+        PrinterColumn("Next", ".status.line[0].job", priority=1,
+                      description="The job first in line for this cluster's GPUs (status.line)"),
         PrinterColumn("Age", ".metadata.creationTimestamp", "date"),
     ),
 )

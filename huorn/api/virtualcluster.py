@@ -170,6 +170,20 @@ class ForecastReading(RateReading):
     gpus: int = Field(ge=0, description="GPUs that peak needs: what this cluster keeps unlent.")
 
 
+LINE_SHOWN = 20  # entries of status.line: the head of the line, which moves next
+
+
+class LineEntry(ApiModel):
+    """One job of a cluster's waiting line, in the order it gets GPUs (Kueue's visibility API
+    lists a ClusterQueue's pending workloads so: position, priority)."""
+
+    position: int = Field(ge=1, description="1 for the job that gets GPUs first.")
+    job: str = Field(description="namespace/name.")
+    kind: Literal["TrainingJob", "RLJob"] = "TrainingJob"
+    priority: int
+    gpus: int = Field(ge=0, description="GPUs it waits for to start.")
+
+
 class VirtualClusterStatus(ApiModel):
     model_config = ApiModel.model_config | {"extra": "allow"}
 
@@ -180,10 +194,14 @@ class VirtualClusterStatus(ApiModel):
     allocated: int = 0
     lent: int = 0
     borrowed: int = 0
-    waiting_jobs: int = Field(default=0, description="TrainingJobs of this cluster waiting in line for GPUs "
+    waiting_jobs: int = Field(default=0, description="TrainingJobs and RLJobs of this cluster waiting in line for GPUs "
                               "(Kueue's pendingWorkloads).")
     waiting_gpus: int = Field(default=0, alias="waitingGPUs",
                               description="GPUs those waiting jobs need to start.")
+    line: list[LineEntry] = Field(
+        default_factory=list, max_length=LINE_SHOWN,
+        description=f"The first {LINE_SHOWN} jobs waiting in line for this cluster's GPUs, in the order "
+                    "they get them: priority, then creation time.")
     forecast: ForecastReading | None = Field(
         default=None, description="The prediction board's last reading (inference clusters with "
                                   "lending.forecast).")

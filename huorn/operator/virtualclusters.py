@@ -15,13 +15,14 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
+from huorn.api import virtualcluster
 from huorn.operator import board, conditions
 from huorn.operator.context import Context
 
 PLURAL = "virtualclusters"
 
 
-def compute_usage(ctx: Context, vc: str) -> dict[str, int]:
+def compute_usage(ctx: Context, vc: str) -> dict[str, Any]:
     members = {n.name: n for n in ctx.index.members_of(vc)}
     allocated = lent = borrowed = 0
     holders = [p for p in ctx.index.pods.values() if p.holds_resources and p.gpus]
@@ -51,6 +52,8 @@ def compute_usage(ctx: Context, vc: str) -> dict[str, int]:
         "borrowed": borrowed,
         "waitingJobs": len(waiting),
         "waitingGPUs": sum(j.missing * j.gpus for j in waiting),
+        "line": [{"position": i, "job": j.binding, "kind": j.kind, "priority": j.priority,
+                  "gpus": j.missing * j.gpus} for i, j in enumerate(waiting[:virtualcluster.LINE_SHOWN], 1)],
     }
 
 
@@ -85,7 +88,7 @@ def claimed_note(ctx: Context, vc: str) -> str:
     return "; ".join(parts) + "; make the members of the two clusters disjoint"
 
 
-async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
+async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, Any]:
     meta = body["metadata"]
     name = meta["name"]
     ctx.index.observe_vc(body)
@@ -108,9 +111,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, int]:
             ctx.post_event(body, "Warning", "NodesClaimed", claimed)
     # The line is each install's own: one that does not serve every namespace of the cluster
     # knows part of it, and two such would write their parts over each other at every tick.
-    line = set() if ctx.index.serves_all_of(name) else {"waitingJobs", "waitingGPUs"}
+    partial = set() if ctx.index.serves_all_of(name) else {"waitingJobs", "waitingGPUs", "line"}
     status: dict[str, Any] = {
-        **{k: v for k, v in usage.items() if k not in line},
+        **{k: v for k, v in usage.items() if k not in partial},
         "observedGeneration": meta.get("generation"),
         "conditions": conditions.build_conditions(
             old.get("conditions"), meta.get("generation"), ready=ready
