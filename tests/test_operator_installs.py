@@ -121,15 +121,17 @@ def test_only_an_install_that_serves_all_of_a_cluster_writes_its_waiting_line(cl
     waitingJobs flipped it between their two counts at every tick."""
     kube.custom.patch_cluster_custom_object(builders.GROUP, builders.VERSION, "virtualclusters", "serve",
                                             {"spec": {"namespaces": ["serving"]}})  # the fixture's, b0
+    head = {"position": 1, "job": "serving/big", "kind": "TrainingJob", "priority": 50, "gpus": 4}
     kube.custom.patch_cluster_custom_object_status(builders.GROUP, builders.VERSION, "virtualclusters",
-                                                   "serve", {"status": {"waitingJobs": 3, "waitingGPUs": 12}})
+                                                   "serve", {"status": {"waitingJobs": 3, "waitingGPUs": 12,
+                                                                        "line": [head]}})
     client = kube_client.KubeClient(cluster.api_client())
-    for served, expected in (({"team"}, (3, 12)), ({"serving"}, (0, 0))):
+    for served, expected in (({"team"}, (3, 12, [head])), ({"serving"}, (0, 0, []))):
         ctx = build_ctx(served, client, serve_namespaces=["serving"])
         body = kube.get_vc("serve")
         cluster.call(virtualclusters.reconcile(ctx, body))
         status = kube.get_vc("serve")["status"]
-        assert (status["waitingJobs"], status["waitingGPUs"]) == expected, served
+        assert (status["waitingJobs"], status["waitingGPUs"], status.get("line")) == expected, served
         assert status["capacity"] == 8  # the rest of the usage, every install's alike
 
 
