@@ -194,8 +194,8 @@ class VirtualClusterStatus(ApiModel):
     allocated: int = 0
     lent: int = 0
     borrowed: int = 0
-    waiting_jobs: int = Field(default=0, description="TrainingJobs and RLJobs of this cluster waiting in line for GPUs "
-                              "(Kueue's pendingWorkloads).")
+    waiting_jobs: int = Field(default=0, description="TrainingJobs and RLJobs of this cluster waiting in "
+                              "line for GPUs (Kueue's pendingWorkloads).")
     waiting_gpus: int = Field(default=0, alias="waitingGPUs",
                               description="GPUs those waiting jobs need to start.")
     line: list[LineEntry] = Field(
