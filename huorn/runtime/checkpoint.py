@@ -404,8 +404,23 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         dcp_state.set_model_state_dict(model, state["model"])
     else:
         state = build_state(model, optimizer, flat)
+        # The optimizer's moments come from the checkpoint; its hyper-parameters (param_groups)
+        # stay the running optimizer's, which the spec set: the learning rate is set every step
+        # anyway, an edited weightDecay applies on resume, and a checkpoint written while every
+        # parameter sat in one group (before huorn.models.decay exempted gains and fusion
+        # weights) loads into the two groups now, where DCP would miss the second one's keys.
+        running = _pop_param_groups(state["optimizer"], flat)
         dcp.load(state, checkpoint_id=str(path), no_dist=local)
+        state["optimizer"].update(running)
         dcp_state.set_state_dict(model, optimizer, model_state_dict=state["model"],
                                  optim_state_dict=state["optimizer"],
                                  options=dcp_state.StateDictOptions(flatten_optimizer_state_dict=flat))
     return read_meta(path)
+
+
+def _pop_param_groups(optim_state: dict, flat: bool) -> dict:
+    """Take the hyper-parameters out of an optimizer state dict (nested: its `param_groups` list;
+    flat: the `param_groups.<fqn>.<name>` keys); returns them."""
+    if not flat:
+        return {"param_groups": optim_state.pop("param_groups")}
+    return {k: optim_state.pop(k) for k in [k for k in optim_state if k.startswith("param_groups.")]}

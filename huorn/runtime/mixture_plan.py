@@ -37,6 +37,7 @@ import torch
 
 from huorn import models
 from huorn.api import training
+from huorn.models import decay
 from huorn.runtime import batching, checkpoint, distill
 from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler
@@ -243,8 +244,7 @@ def run_probe(cfg: run_config.RunConfig, share: float, device: torch.device) -> 
     general_total = sum(w for _, w in general)
     model = _starting_model(cfg, device)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.learning_rate, betas=(0.9, 0.95),
-                                  weight_decay=opt.weight_decay)
+    optimizer = decay.adamw(model, opt.learning_rate, opt.weight_decay)
     peak, warmup = opt.learning_rate, min(opt.warmup_steps, plan.probe_steps // 10)
     decays = opt.schedule != training.LrSchedule.CONSTANT
     evaluations = plan.probe_evaluations
@@ -260,8 +260,7 @@ def run_probe(cfg: run_config.RunConfig, share: float, device: torch.device) -> 
         if cooldown:
             measured = copy.deepcopy(model)
             optimizer_state = copy.deepcopy(optimizer.state_dict())
-            branch = torch.optim.AdamW(measured.parameters(), lr=peak, betas=(0.9, 0.95),
-                                       weight_decay=opt.weight_decay)
+            branch = decay.adamw(measured, peak, opt.weight_decay)
             branch.load_state_dict(optimizer_state)
             _train(measured, branch, mixture, range(mark, mark + cooldown),
                    lambda step, start=mark, length=cooldown: peak * (1 - (1 - LR_FLOOR) * (step - start + 1)

@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from huorn import models
 from huorn.api import training
+from huorn.models import decay
 from huorn.runtime import (
     batching,
     checkpoint,
@@ -191,8 +192,7 @@ class Trainer:
 
     def build_parallel(self, use_cuda: bool) -> None:
         opt = self.spec.optimization
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.learning_rate,
-                                           betas=(0.9, 0.95), weight_decay=opt.weight_decay)
+        self.optimizer = decay.adamw(self.model, opt.learning_rate, opt.weight_decay)
         if self.gang is None:  # in place, DDP comes after the state is shared (run, regroup)
             self.wrap_data_parallel()
 

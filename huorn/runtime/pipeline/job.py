@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from huorn.api import base
+from huorn.models import decay
 from huorn.runtime import comm, microbatches, train
 from huorn.runtime.pipeline import executor, memory, planner, split, topology, training
 
@@ -85,8 +86,7 @@ class PipelineTrainer(train.Trainer):
                                                      cuda_graphs=use_cuda,
                                                      ledger=comm.StepLedger(self.telemetry))
         opt = self.spec.optimization
-        self.optimizer = torch.optim.AdamW(self.stage.parameters(), lr=opt.learning_rate,
-                                           betas=(0.9, 0.95), weight_decay=opt.weight_decay)
+        self.optimizer = decay.adamw(self.stage, opt.learning_rate, opt.weight_decay)
         schedule = par.schedule.value
         # NB: messages move over overlapped links. Lockstep exchanges (comm "lockstep"/"auto")
         # measured 0.98–0.99× overlap on 2×H200, and probing them cost adaptive k up to 8% at

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from huorn import models
 from huorn.api import rl, training
+from huorn.models import decay
 from huorn.runtime import checkpoint
 from huorn.runtime import config as run_config
 from huorn.runtime.rl import algorithms, policy
@@ -86,8 +87,7 @@ class PolicyTrainer:
         self.device = _device(device)
         opt = self.spec.optimization
         self.model = build_policy(self.spec.model, init, opt.seed, self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.learning_rate, betas=(0.9, 0.95),
-                                           weight_decay=opt.weight_decay)
+        self.optimizer = decay.adamw(self.model, opt.learning_rate, opt.weight_decay)
         self.root = Path(checkpoint_root)
         self.rank, self.world = 0, 1
         self._store: dist.TCPStore | None = None  # the group's store, held by its rank 0
