@@ -18,7 +18,7 @@ pytestmark = pytest.mark.serial
 # The calm window's claim (k stays 1) holds only on a calm box: in CI's serial part, beside another
 # test's ranks, the calm link read 2.19 ms a message against the F+B's 8.25 ms (0.26x, what the
 # scan above finds 9-13 % gain at) and the planner rightly switched to k=2 at step 3 (2026-12-06).
-# Alone these three tests take 8 s; the link reads 0.1-0.6 ms even beside two busy cores.
+# Alone these three tests take 8 s.
 READS_THE_CALM_LINK = pytest.mark.alone
 
 STAGES, WIDTH, DEPTH, MICROBATCHES, SIZE = 2, 384, 10, 8, 64
@@ -30,9 +30,10 @@ LEVELS = [0.0] * 4 + [0.8] * 8
 # another test, whose load made the F+B 1.7× longer. Scanned on the idle box, the gain at step 7
 # was 9-13 % at 0.25, 18-20 % at 0.35-0.7; under the suite's parallel part 20 % at 0.5, 9 % at 1.0
 # and 2-6 % at 2-3. The calm link's noise predicted k>1 4-7 % faster on the idle box, but up to
-# 9 % alone and 13 % in CI's serial part later (2026-12-07: a calm gloo message read 0.1-2.2 ms,
-# the link thread's wait for the GIL and a core included), while the contended steps predict
-# 20-23 %: the 15 % switching margin sits between the two.
+# 9 % alone and 13 % in CI's serial part later (2026-12-07: the planner read a link's mean
+# message, and one message of a step's eight often waited 2-8 ms; it reads the median message
+# now, contention.LinkStats.typical_s), while the contended steps predict 20-23 %: the 15 %
+# switching margin sits between the two.
 DELAY_PER_MICROBATCH = 0.5
 MIN_GAIN = 0.15
 REPLAN_EVERY = 4  # decisions after step 3 (a calm window), 7 and 11 (contended)
@@ -60,9 +61,11 @@ def test_k_rises_when_the_link_is_preempted_and_the_numbers_say_why(run: list[di
     assert contended["previous_k"] == 1 and contended["k"] > 1, contended["reason"]
     # why: the measured seconds per message grew by the throttle's queueing delay ...
     assert contended["link_forward_s"][0] >= 4 * run[0]["burst_s"] * 0.9
-    # (the calm link's own seconds per message move with the host's load, so the contended link
-    # is a few times it, not a fixed five: 5.7 against 1.8 ms once)
-    assert contended["link_forward_s"][0] > 2 * calm["link_forward_s"][0]
+    # ... and is more than the calm link's. (Not a fixed multiple: with two busy stages on two
+    # cores, a calm message waits for its sender's gloo thread to get a core, which read 0.1 ms
+    # in most runs and 1.5-2 ms in one run of three, every message of it, against 2.6-2.9 ms
+    # contended; 2x failed so, 2026-12-07.)
+    assert contended["link_forward_s"][0] > calm["link_forward_s"][0]
     # ... which the replay charges to 1F1B once per micro-batch and to kFkB once per group
     predicted = contended["predicted_step_s"]
     # (by at least the planner's switching margin, MIN_GAIN)

@@ -259,8 +259,8 @@ def _replan(runner: executor.StageExecutor, planner: KPlanner, window: list[exec
     mine = torch.tensor([
         float(topo.stage),
         typical([s.forward_s for s in window]), typical([s.backward_s for s in window]),
-        typical([s.send_link.seconds_per_message for s in window if s.send_link]),
-        typical([s.grad_link.seconds_per_message for s in window if s.grad_link]),
+        typical([s.send_link.typical_s for s in window if s.send_link]),
+        typical([s.grad_link.typical_s for s in window if s.grad_link]),
         typical([s.seconds for s in timed]), float(runner.microbatch_bytes),
         float(plan.microbatches if own_microbatches is None else own_microbatches),
         -1.0 if budget is None else float(budget),
