@@ -133,6 +133,40 @@ def test_list_pages_through_every_item() -> None:
         asyncio.run(kube.list("Pod", None, {}, page_size=0))
 
 
+class _ExpiringCore(_PagingCore):
+    """Its first continue token has expired by the time it is used (410 Gone), once."""
+
+    def __init__(self, total: int) -> None:
+        super().__init__(total)
+        self.expired = False
+
+    def list_pod_for_all_namespaces(self, **kwargs: Any) -> dict[str, Any]:
+        if kwargs.get("_continue") and not self.expired:
+            self.expired = True
+            self.calls.append(kwargs)
+            raise kubernetes.client.ApiException(status=410, reason="Expired")
+        return super().list_pod_for_all_namespaces(**kwargs)
+
+
+def test_an_expired_continue_token_starts_the_list_over_in_one_response() -> None:
+    """Before, the 410 went up to the caller: the operator's start-up listing failed, and a
+    resync waited for its next period (ten minutes)."""
+    kube = client_mod.KubeClient(kubernetes.client.ApiClient())
+    core = kube.core = _ExpiringCore(5)  # type: ignore[assignment]
+    pods = asyncio.run(kube.list("Pod", None, {}, page_size=2))
+    assert [p["metadata"]["name"] for p in pods] == [f"p{i}" for i in range(5)]  # none twice
+    assert [(c.get("limit"), c.get("_continue")) for c in core.calls] == [(2, None), (2, "2"), (None, None)]
+    # A 410 on a first page (no token of ours expired) is the caller's to see.
+    kube.core = _GoneCore()  # type: ignore[assignment]
+    with pytest.raises(kubernetes.client.ApiException):
+        asyncio.run(kube.list("Pod", None, {}, page_size=2))
+
+
+class _GoneCore:
+    def list_pod_for_all_namespaces(self, **kwargs: Any) -> dict[str, Any]:
+        raise kubernetes.client.ApiException(status=410, reason="Gone")
+
+
 def test_list_ends_when_the_server_ignores_limit(cluster: EmulatedCluster) -> None:
     """KMock answers every object at once with no continue token: the loop must still end."""
     k = builders.Kube(cluster.api_client())

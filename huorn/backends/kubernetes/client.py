@@ -175,6 +175,10 @@ class KubeClient:
         until the server gives no token): a list of every pod of a large cluster in one response
         would be held whole, and its deserialised copy beside it, in the operator's memory.
         A server that ignores `limit` answers everything at once with no token, which ends it.
+        A continue token the server no longer honours (410 Gone: etcd compacted past the list's
+        resourceVersion, about 5 minutes on a default cluster) starts the list over in one
+        response, as client-go's pager does (FullListIfExpired): pages already read may be
+        stale by then, and a second paged pass could expire the same way.
         """
         if page_size is not None and page_size <= 0:
             raise ValueError(f"page_size must be a positive number of objects or None, got {page_size}")
@@ -193,7 +197,13 @@ class KubeClient:
             extra: dict[str, Any] = {} if page_size is None else {"limit": page_size}
             if token:
                 extra["_continue"] = token
-            page = self._sanitize(await self._call(fn, *args, label_selector=selector, **extra))
+            try:
+                page = self._sanitize(await self._call(fn, *args, label_selector=selector, **extra))
+            except kubernetes.client.ApiException as exc:
+                if exc.status != 410 or not token:
+                    raise
+                items, token, page_size = [], None, None
+                continue
             items += [i for i in page.get("items") or [] if match_labels(i, labels)]
             token = (page.get("metadata") or {}).get("continue") if page_size is not None else None
             if not token:
