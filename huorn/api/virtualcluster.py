@@ -61,6 +61,15 @@ TaintValue = _label_text(TAINT_VALUE_PATTERN, 63, "a taint value: at most 63 let
         fix="set key to the taint's key, or operator: Exists",
     ),
     rules.Rule(
+        name="toleration-key-prefix",
+        field="key",
+        cel="!self.key.contains('/') || self.key.matches('^[^/]{1,253}/')",
+        holds=lambda t: "/" not in t.key or len(t.key.split("/", 1)[0]) <= 253,
+        message="has a prefix (before '/') longer than 253 characters, which Kubernetes refuses in a pod",
+        detail=lambda t: f"{len(t.key.split('/', 1)[0])} characters",
+        fix="shorten the key's prefix to a DNS subdomain of at most 253 characters",
+    ),
+    rules.Rule(
         name="toleration-seconds-no-execute",
         field="tolerationSeconds",
         cel="!has(self.tolerationSeconds) || self.effect == 'NoExecute'",

@@ -330,6 +330,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     missing = [i for i in graph.vertex("trainer").instances if manifests.pod_name(ref, i) not in placed]
     reserved: list[PodRecord] = []
     assignments: dict[str, str] = {}
+    tolerations: dict[str, list[dict[str, Any]]] = {}  # by node, read with the placement
     # In line once it could not be placed, and only below its minimum (a new gang, a lost
     # member): growth is an extra, which comes after every waiting gang and stops no one. A job
     # that has not tried yet is not in line, so a burst of new jobs places as fast as before.
@@ -377,6 +378,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             else:
                 for instance, node in zip(missing, where.assignments, strict=True):
                     assignments[instance.name] = node
+                    tolerations.setdefault(node, ctx.index.tolerations_on(node))
                     reserved.append(
                         PodRecord(
                             namespace=ns,
@@ -443,7 +445,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             _event(ctx, body, "Normal", "Placed", f"placed {len(assignments)} trainer replicas: {nodes}")
         control = manifests.micro_batch_control(graph)
         await _apply_children(ctx, body, ref, graph, spec, assignments, job.spec.virtual_cluster, pods,
-                              control)
+                              control, tolerations)
         if control is not None:
             base_status["controlVersion"] = control.version  # only once the ConfigMap has it
     except BaseException:
@@ -695,8 +697,12 @@ async def _apply_children(
     assignments: Mapping[str, str],
     vc: str,
     pods: Mapping[str, PodRecord],
-    control: manifests.MicroBatchControl | None = None,
+    control: manifests.MicroBatchControl | None,
+    tolerations: Mapping[str, list[dict[str, Any]]],
 ) -> None:
+    """Write the job's children; `tolerations`: each assigned node's, read where it was placed
+    (under the placement lock), since a cluster edit between there and here would pin a pod to
+    a node it does not tolerate."""
     old = body.get("status") or {}
     fresh_spec = old.get("observedGeneration") != (body.get("metadata") or {}).get("generation")
     fresh_control = control is not None and old.get("controlVersion") != control.version
@@ -711,7 +717,7 @@ async def _apply_children(
         node = assignments.get(instance.name)
         if node is not None:
             writes.append(manifests.build_trainer_pod(ref, graph, instance, node, spec, vc,
-                                                      ctx.index.tolerations_on(node)))
+                                                      tolerations[node]))
     writes += evaluation.build_pods(ref, graph, spec, pods.values())
     # Independent objects, written concurrently: a gang of 64 pods is one round trip deep, not 64.
     # The ConfigMap goes first so that no pod ever starts without its config.

@@ -16,7 +16,7 @@ from pathlib import Path
 import kubernetes
 
 from huorn.backends.kubernetes import retry
-from huorn.operator import context, index, runner
+from huorn.operator import context, runner
 
 FAST = context.OperatorSettings(
     resync_seconds=2.0,
@@ -98,7 +98,7 @@ async def direct_context(api: kubernetes.client.ApiClient,
     ctx = runner.build_context(api, settings)
     ctx.post_event = lambda *args, **kwargs: None  # kopf's poster needs a running operator
     for node in await ctx.client.list("Node", None, {}):
-        ctx.index.nodes[node["metadata"]["name"]] = index.build_node_record(node)
+        ctx.index.observe_node(node)
     for vc in await ctx.client.list_custom("virtualclusters", None):
-        ctx.index.vcs[vc["metadata"]["name"]] = dict(vc.get("spec") or {})
+        ctx.index.observe_vc(vc)  # and the nodes judged with their owners' tolerations, as at start-up
     return ctx

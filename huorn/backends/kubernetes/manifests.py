@@ -260,16 +260,44 @@ def build_trainer_command(job: JobRef, graph: Graph, nproc_per_node: int) -> lis
 # What every pod Huorn pins to a GPU node tolerates (the device plugin's usual taint).
 GPU_TOLERATION: Mapping[str, str] = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 TOLERATION_FIELDS = ("key", "operator", "value", "effect", "tolerationSeconds")
+# The node lifecycle controller's taints on a lost node. Kubernetes' DefaultTolerationSeconds
+# admission gives a pod these two for 300 s unless one of its tolerations already matches them.
+NODE_LOST_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+NODE_LOST_SECONDS = 300
+
+
+def toleration_matches(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+    """Kubernetes' rule (Toleration.ToleratesTaint): the effect is the taint's or empty, and the
+    key matches (an empty key with Exists matches every key), with the value too under Equal."""
+    t = toleration
+    if t.get("effect") and t.get("effect") != taint.get("effect"):
+        return False
+    if t.get("key") and t.get("key") != taint.get("key"):
+        return False
+    if not t.get("key") and t.get("operator") != "Exists":
+        return False
+    return t.get("operator", "Equal") == "Exists" or (t.get("value") or "") == (taint.get("value") or "")
 
 
 def pod_tolerations(extra: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
     """Huorn's own toleration, then `extra`: those of the node's VirtualCluster (its
     members.tolerations, huorn.operator.index.ClusterIndex.tolerations_on), as a pod writes
     them. With none, the list every pod had before clusters could name any, so that pods of
-    clusters that name none stay byte-identical across the upgrade."""
-    own = [dict(GPU_TOLERATION)]
-    for t in extra:
-        written = {k: t[k] for k in TOLERATION_FIELDS if t.get(k) not in (None, "")}
+    clusters that name none stay byte-identical across the upgrade.
+
+    A cluster toleration of every key (`operator: Exists` with no key) also matches a lost
+    node's NoExecute taints: the admission then gives the pod no 300 s, and the taint manager,
+    which reads each taint's first matching toleration, would leave it Running on a dead node
+    for ever, never replaced. Those two go first then, with Kubernetes' own 300 s. A cluster
+    that names one of them by its key keeps what it wrote."""
+    cluster = [{k: t[k] for k in TOLERATION_FIELDS if t.get(k) not in (None, "")} for t in extra]
+    lost = [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": NODE_LOST_SECONDS}
+            for key in NODE_LOST_TAINTS
+            if any(not t.get("key") and toleration_matches(t, {"key": key, "effect": "NoExecute"})
+                   for t in cluster)
+            and not any(t.get("key") == key for t in cluster)]
+    own = [dict(GPU_TOLERATION), *lost]
+    for written in cluster:
         if written not in own:
             own.append(written)
     return own
