@@ -182,7 +182,7 @@ def link_worker(rank: int, world: int, level: float, burst_s: float, messages: i
         stats = link.take_stats()
         link.close()
         return {"kind": type(link).__name__, "messages": stats.messages, "nbytes": stats.nbytes,
-                "seconds_per_message": stats.seconds_per_message}
+                "seconds_per_message": stats.seconds_per_message, "host_timed": stats.host_timed}
     # every receive posted before the first send can start, so the sender never waits for us
     # and its seconds per message are its own delay and transfer
     buffers = [torch.empty(1024, device=device) for _ in range(messages)]

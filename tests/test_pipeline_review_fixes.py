@@ -141,8 +141,23 @@ def outside_candidates_run(rank: int) -> dict[str, Any]:
     return {"decision": reports[-1].decision, "k": loop.k}
 
 
+def fixed_schedule_run(rank: int) -> int:
+    """Steps of a fixed schedule (the API's default, 1f1b), which never replans: how many steps'
+    stats the loop still holds after them."""
+    topo = pp_topology.PipelineTopology(stages=STAGES, replicas=1, rank=rank)
+    plan = training.PipelinePlan(microbatches=MICROBATCHES, schedule="1f1b")
+    runner, loop = mlp_loop(rank, plan, pp_topology.build_groups(topo),
+                            lambda runner, optimizer, batches: training.PipelineTraining(
+                                stage=runner, optimizer=optimizer, batches=batches, plan=plan))
+    for step in range(5):
+        loop.run_step(step)
+    runner.close()
+    return len(loop.window)
+
+
 def review_worker(rank: int, world: int) -> dict[str, Any]:
-    return {"moe": moe_step(rank, world), "budget": budget_run(rank), "outside": outside_candidates_run(rank)}
+    return {"moe": moe_step(rank, world), "budget": budget_run(rank), "outside": outside_candidates_run(rank),
+            "fixed_window": fixed_schedule_run(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -280,3 +295,11 @@ def test_a_running_k_that_is_no_candidate_is_named_as_such() -> None:
         link_backward_s=[0.0], measured_step_s=1.0, candidates=candidates, peak_bytes=peaks)
     assert "exceeds the memory limit" not in decision.reason
     assert "the running k=1 is not among the candidates [2, 3, 4]" in decision.reason
+
+
+@pytest.mark.slow
+def test_a_fixed_schedule_keeps_no_window_of_steps(ranks: list[dict[str, Any]]) -> None:
+    """Found by review: only a replan (schedule auto) cleared the window, so under a fixed schedule
+    every step's stats (its executed actions, each link message's seconds) stayed for the life of
+    the process: about 12 KB a step on a middle stage of 64 micro-batches."""
+    assert [result["fixed_window"] for result in ranks] == [0] * STAGES

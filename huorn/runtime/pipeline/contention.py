@@ -77,6 +77,7 @@ class LinkStats:
     nbytes: int = 0
     seconds: float = 0.0
     samples: list[float] = field(default_factory=list)  # each message's seconds, in order
+    host_timed: bool = False  # timed by a host thread's clock (LinkSender), not CUDA events
 
     def record(self, nbytes: int, seconds: float) -> None:
         self.messages += 1
@@ -91,11 +92,15 @@ class LinkStats:
 
     @property
     def typical_s(self) -> float:
-        """The median message's seconds, what the k planner prices the link at. On a CPU box one
-        message of a step's eight often waits 2-8 ms for its receiver's process or the GIL while
-        the others take 0.1-0.2 ms (measured, 2 gloo stages): the mean read a calm link as a
-        preempted one, 5-10x its usual time, and predicted kFkB gains where there were none."""
-        return statistics.median(self.samples) if self.samples else self.seconds_per_message
+        """What the k planner prices a message at. A host thread's clock: the median message. On
+        a CPU box one message of a step's eight often waits 2-8 ms for a thread to get a core
+        while the others take 0.1-0.2 ms (measured, 2 gloo stages): the mean read a calm link
+        as a preempted one and predicted kFkB gains where there were none. CUDA events have no
+        such noise, and there the mean stays: contention that holds fewer than half of a step's
+        messages is still contention, which a median would price as a calm link."""
+        if self.host_timed and self.samples:
+            return statistics.median(self.samples)
+        return self.seconds_per_message
 
 
 @dataclass
@@ -116,7 +121,7 @@ class LinkSender:
         self.peer, self.group, self.throttle, self.device = peer, group, throttle, device
         self.extra_s = 0.0  # per message, on top of the throttle's delay (module docstring)
         self._queue: queue.Queue[_Item | None] = queue.Queue()
-        self._stats = LinkStats()
+        self._stats = LinkStats(host_timed=True)
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, name=f"huorn-link-to-{peer}", daemon=True)
@@ -138,7 +143,7 @@ class LinkSender:
 
     def take_stats(self) -> LinkStats:
         with self._lock:
-            stats, self._stats = self._stats, LinkStats()
+            stats, self._stats = self._stats, LinkStats(host_timed=True)
         return stats
 
     def close(self) -> None:

@@ -166,7 +166,8 @@ class PipelineTraining:
             self.before_update()
         self.optimizer.step()
         loss, slowest = _reduce_step(stats, runner.device, topo.replicas, weight, runner.ledger)
-        self.window.append(stats)
+        if plan.schedule == "auto":  # only a replan reads (and clears) the window
+            self.window.append(stats)
         stats.seconds = slowest
         report = StepReport(
             step=step, schedule=schedule.name, k=schedule.k, loss=loss, seconds=slowest,
