@@ -25,6 +25,7 @@ import torch
 from rich.progress import Progress
 
 from huorn import models
+from huorn.models import decay
 
 matplotlib.use("Agg")
 from matplotlib import pyplot  # after choosing the headless backend
@@ -111,7 +112,9 @@ def run_seed(
     for mode, cfg in configs.items():
         torch.manual_seed(seed)
         model = models.build_model(cfg)
-        trained[mode] = (model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
+        # the trainers' AdamW (no decay on norm gains and FusedKV's fusion weights), with this
+        # benchmark's own betas, those of its first runs
+        trained[mode] = (model, decay.adamw(model, args.lr, 0.1, betas=(0.9, 0.999)))
     curves: dict[str, dict[str, list]] = {m: {"step": [], "val": [], "train": []} for m in configs}
     rng = np.random.default_rng(seed)
     task = progress.add_task(f"seed {seed}", total=args.steps)
