@@ -412,8 +412,25 @@ def test_a_toleration_of_every_taint_keeps_kubernetes_300_s_on_a_lost_node() -> 
         dict(manifests.GPU_TOLERATION), {"operator": "Exists", "effect": "NoSchedule"}]
     named = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
              "tolerationSeconds": 60}
-    carried = manifests.pod_tolerations([named, {"operator": "Exists"}])
-    assert [_first_match(t, carried).get("tolerationSeconds") for t in LOST] == [300, 60]
+    # the cluster's own seconds for a key it names, in whichever order it lists them (found by a
+    # second review: a wildcard listed first had matched first, and the pods stayed for ever)
+    for listed in ([named, {"operator": "Exists"}], [{"operator": "Exists"}, named]):
+        carried = manifests.pod_tolerations(listed)
+        assert [_first_match(t, carried).get("tolerationSeconds") for t in LOST] == [300, 60], listed
+    # a key named with another effect does not match the NoExecute taint: the wildcard would
+    not_ready_no_schedule = {"key": "node.kubernetes.io/not-ready", "operator": "Exists",
+                             "effect": "NoSchedule"}
+    carried = manifests.pod_tolerations([not_ready_no_schedule, {"operator": "Exists"}])
+    assert [_first_match(t, carried).get("tolerationSeconds") for t in LOST] == [300, 300]
+    # a key-less toleration with seconds already bounds the stay: nothing in front of it
+    bounded = {"operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 60}
+    carried = manifests.pod_tolerations([bounded])
+    assert carried == [dict(manifests.GPU_TOLERATION), bounded]
+    assert [_first_match(t, carried).get("tolerationSeconds") for t in LOST] == [60, 60]
+    # and the mirror keeps a node with a lost taint (Ready still True for a moment) out, whatever the order
+    for listed in ([{"operator": "Exists"}, named], [not_ready_no_schedule, {"operator": "Exists"}]):
+        for taint in LOST:
+            assert not index.tolerated(taint, manifests.pod_tolerations(listed)), (listed, taint)
 
 
 def test_a_no_execute_taint_tolerated_for_a_while_takes_no_new_pods() -> None:

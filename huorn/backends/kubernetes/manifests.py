@@ -288,14 +288,19 @@ def pod_tolerations(extra: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, A
     A cluster toleration of every key (`operator: Exists` with no key) also matches a lost
     node's NoExecute taints: the admission then gives the pod no 300 s, and the taint manager,
     which reads each taint's first matching toleration, would leave it Running on a dead node
-    for ever, never replaced. Those two go first then, with Kubernetes' own 300 s. A cluster
-    that names one of them by its key keeps what it wrote."""
+    for ever, never replaced. Where such a toleration, without seconds, is a lost taint's first
+    match, the pod carries one for that taint in front of it: the cluster's own for that key
+    (with its seconds) if it lists one further on, else Kubernetes' 300 s."""
     cluster = [{k: t[k] for k in TOLERATION_FIELDS if t.get(k) not in (None, "")} for t in extra]
-    lost = [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": NODE_LOST_SECONDS}
-            for key in NODE_LOST_TAINTS
-            if any(not t.get("key") and toleration_matches(t, {"key": key, "effect": "NoExecute"})
-                   for t in cluster)
-            and not any(t.get("key") == key for t in cluster)]
+    lost = []
+    for key in NODE_LOST_TAINTS:
+        taint = {"key": key, "effect": "NoExecute"}
+        matching = [t for t in cluster if toleration_matches(t, taint)]
+        if matching and not matching[0].get("key") and "tolerationSeconds" not in matching[0]:
+            named = next((t for t in matching if t.get("key")), None)
+            lost.append(dict(named) if named is not None else {"key": key, "operator": "Exists",
+                                                                "effect": "NoExecute",
+                                                                "tolerationSeconds": NODE_LOST_SECONDS})
     own = [dict(GPU_TOLERATION), *lost]
     for written in cluster:
         if written not in own:
