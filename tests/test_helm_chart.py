@@ -32,14 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "huorn"
 KUBE_VERSION = "1.33"
 # Kinds outside the core Kubernetes schemas: the Prometheus operator's and kopf's own CRDs.
-NOT_IN_KUBERNETES = {"ServiceMonitor", "ClusterKopfPeering"}
+NOT_IN_KUBERNETES = {"ServiceMonitor", "PrometheusRule", "ClusterKopfPeering"}
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "ha": {"replicaCount": 2, "peering": {"enabled": True, "name": "huorn"}},
     "namespaced-monitored": {
         "watchNamespaces": ["team-a", "team-b"],
         "logLevel": "debug",
-        "metrics": {"port": 9090, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+        "metrics": {"port": 9090, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+                    "prometheusRule": {"enabled": True, "labels": {"release": "prom"}}},
         "podStartSeconds": 1800,
     },
     # OpenShift's restricted-v2 SCC assigns the UID and groups from the namespace's range
@@ -137,7 +138,7 @@ def test_every_rendered_manifest_passes_the_kubernetes_schema(variant: str) -> N
 # the values (a new one, a rename, a new requirement) is a new chart version. Bump Chart.yaml's
 # `version` (minor while 0.x: most such changes break --reuse-values or an old values file) and
 # record the new digest here.
-CHART_VALUES = ("0.3.1", "b56e709da4acc19c")
+CHART_VALUES = ("0.4.0", "579e4610eb809438")
 
 
 def test_the_chart_version_moves_with_its_values_and_the_app_version_is_the_packages() -> None:
