@@ -68,6 +68,9 @@ def test_only_the_leader_acts_and_the_standby_takes_over(
         # What the work kopf does not pause (the mirror resync, woken reconciles) asks first.
         standby = second if acted[0] is first else first
         assert asyncio.run(acted[0].ctx.leads()) and not asyncio.run(standby.ctx.leads())
+        # and so says huorn_leader, which the chart's alerts read the other gauges through
+        leader = [op.ctx.metrics.value("huorn_leader") for op in (acted[0], standby)]
+        assert leader == [1, 0]
     # The leader has stopped (and withdrawn); only the standby is left, and it was stopped too by
     # the `with`. Start it again alone, as a restarted replica would be, and scale the job.
     with OperatorThread(cluster.api_client(), peering="huorn") as survivor:

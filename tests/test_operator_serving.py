@@ -762,3 +762,26 @@ async def test_the_autoscaler_reads_the_replica_a_rollout_keeps_serving(
                         lambda targets, timeout: scraped.append(dict(targets)) or {})
     await autoscaling.tick(ctx, NS, "chat")
     assert scraped == [{"server-0": f"http://10.0.0.1:{ctx.settings.serve_port}/metrics"}]
+
+
+def test_a_job_whose_cluster_is_gone_drops_its_replica_gauges_and_the_cluster_counts_unusable_gpus(
+    kube: builders.Kube, operator: operator_mod.OperatorThread
+) -> None:
+    """Found by review of the chart's alerts: a job that stopped being reconciled to the end (its
+    cluster gone, or Stalled) kept its last desired/ready counts, which an alert reads as a job
+    short of replicas for ever. And HuornLineWaitsOnUnusableNodes reads the GPUs of member nodes
+    that take no new pods, per cluster."""
+    job = serving.make_inference_job("chat", "serve", min_replicas=1, max_replicas=1)
+    kube.create_job(NS, job, plural=IJ)
+    desired = {"namespace": NS, "job": "chat", "state": "desired"}
+    wait_for(lambda: operator.ctx.metrics.value("huorn_inferencejob_replicas", desired) == 1,
+             what="the replica counted")
+    unusable = {"virtual_cluster": "serve", "state": "unschedulable"}
+    assert operator.ctx.metrics.registry.get_sample_value("huorn_virtualcluster_gpus", unusable) == 0
+    kube.core.patch_node("b0", {"spec": {"taints": [{"key": "maint", "effect": "NoSchedule"}]}})
+    wait_for(lambda: operator.ctx.metrics.value("huorn_virtualcluster_gpus", unusable) == 8,
+             what="b0's 8 GPUs counted as taking no pods")
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
+                                               {"spec": {"virtualCluster": "gone"}})
+    wait_for(lambda: operator.ctx.metrics.registry.get_sample_value("huorn_inferencejob_replicas", desired)
+             is None, what="the gone cluster's job's gauges dropped")

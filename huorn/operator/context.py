@@ -161,8 +161,11 @@ class Context:
         return not self.namespaces or namespace in self.namespaces
 
     async def leads(self) -> bool:
-        """Whether this operator may act outside kopf's handlers: always when standalone."""
-        return self.leadership is None or await self.leadership.leads(self.client)
+        """Whether this operator may act outside kopf's handlers: always when standalone. The
+        answer is also `huorn_leader`, read every mirror resync at least (handlers._resync_mirror)."""
+        leads = self.leadership is None or await self.leadership.leads(self.client)
+        self.metrics.leader.set(1 if leads else 0)
+        return leads
 
     async def apply_all(self, writes: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Write independent objects concurrently (a gang of 64 pods is one round trip deep). If

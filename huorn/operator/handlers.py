@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -419,8 +418,6 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             ctx.post_event(body, "Normal", "Deleted", f"deleted {deleted} child objects")
             ctx.metrics.record_phase(body["kind"], f"{namespace}/{name}", None)
             if body["kind"] == serving.KIND:
-                for state in ("desired", "ready"):
-                    with contextlib.suppress(KeyError):  # never reconciled: no sample to drop
-                        ctx.metrics.inference_replicas.remove(namespace, name, state)
+                ctx.metrics.forget_inference_job(namespace, name)
             if not namesakes.refused(body):  # what is kept under its name is its namesake's
                 ctx.forget_job(namespace, name)

@@ -6,6 +6,7 @@ process and read exact values, and keeps the runtime's metrics out of the operat
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import prometheus_client as prom
@@ -36,8 +37,9 @@ class OperatorMetrics:
         self.vc_gpus = prom.Gauge(
             "huorn_virtualcluster_gpus",
             "GPUs of a virtual cluster by state (capacity, allocated, lent, borrowed; waiting: what its "
-            "jobs waiting in line need; forecast: what the prediction board reserves, inference "
-            "clusters with lending.forecast only).",
+            "jobs waiting in line need; unschedulable: those of member nodes that take no new pods; "
+            "forecast: what the prediction board reserves, inference clusters with lending.forecast "
+            "only).",
             ["virtual_cluster", "state"],
             registry=r,
         )
@@ -55,7 +57,20 @@ class OperatorMetrics:
         self.api_retries = prom.Gauge(
             "huorn_api_retries", "API writes retried after 409/429/5xx.", registry=r
         )
+        # kopf pauses a standby's handlers, so its other gauges stay at what it last set while it
+        # led: alerts read them only where this is 1 (helm/huorn/templates/prometheusrule.yaml)
+        self.leader = prom.Gauge(
+            "huorn_leader", "1 on the operator that acts (it leads its kopf peering, or runs alone), "
+            "0 on a standby, whose other gauges are frozen.", registry=r)
+        self.leader.set(1)
         self._phases: dict[tuple[str, str, str], str] = {}
+
+    def forget_inference_job(self, namespace: str, name: str) -> None:
+        """Drop a job's replica gauges: one no longer reconciled to the end (deleted, Stalled, its
+        cluster gone) would keep its last counts, which an alert reads as a job short of replicas."""
+        for state in ("desired", "ready"):
+            with contextlib.suppress(KeyError):  # never counted: no sample to drop
+                self.inference_replicas.remove(namespace, name, state)
 
     def record_phase(self, kind: str, key: str, phase: str | None) -> None:
         """Move one job between phase gauges; None forgets it (deleted)."""

@@ -157,6 +157,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         fresh = compiler.compile(job)
     except (validation.InvalidSpec, ValueError) as exc:
         ctx.serving_waiting.pop((ns, name), None)
+        ctx.metrics.forget_inference_job(ns, name)
         return await stall(ctx, body, "InvalidSpec", str(exc), PLURAL, KIND)
     vc = job.spec.virtual_cluster
     ref = manifests.JobRef.from_body(body)
@@ -165,6 +166,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     base = {"observedGeneration": meta.get("generation"), "selector": selector}
     if vc_spec is None:
         message = f"virtual cluster {vc!r} does not exist; create it or fix spec.virtualCluster"
+        ctx.metrics.forget_inference_job(ns, name)
         return await _report_waiting(ctx, body, base, "VirtualClusterNotFound", message)
 
     pods = {p.name: p for p in ctx.index.pods_of(ns, name)}

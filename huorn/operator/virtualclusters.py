@@ -95,7 +95,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, Any]:
     usage = compute_usage(ctx, name)
     old = body.get("status") or {}
     message = f"{usage['nodes']} nodes, {usage['capacity']} GPUs, {usage['allocated']} allocated"
-    members = {n.name for n in ctx.index.members_of(name)}
+    member_nodes = ctx.index.members_of(name)
+    members = {n.name for n in member_nodes}
     others = sum(gpus for node, gpus in ctx.index.held_by_others().items() if node in members)
     if others:
         message += f" ({others} by pods Huorn does not manage)"
@@ -129,6 +130,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, Any]:
             ctx.metrics.vc_gpus.remove(name, "forecast")
     for state in ("capacity", "allocated", "lent", "borrowed"):
         ctx.metrics.vc_gpus.labels(name, state).set(usage[state])
+    unschedulable = sum(n.gpus for n in member_nodes if n.unschedulable)
+    ctx.metrics.vc_gpus.labels(name, "unschedulable").set(unschedulable)
     ctx.metrics.vc_gpus.labels(name, "waiting").set(usage["waitingGPUs"])
     ctx.metrics.vc_waiting_jobs.labels(name).set(usage["waitingJobs"])
     if conditions.strip_times({**old, **status}) != conditions.strip_times(old):
@@ -139,7 +142,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, Any]:
 def forget(ctx: Context, name: str) -> list[str]:
     """Drop the cluster; returns the nodes that take new pods now (index.ClusterIndex.forget_vc)."""
     opened = ctx.index.forget_vc(name)
-    for state in ("capacity", "allocated", "lent", "borrowed", "waiting", "forecast"):
+    for state in ("capacity", "allocated", "lent", "borrowed", "waiting", "unschedulable", "forecast"):
         with contextlib.suppress(KeyError):
             ctx.metrics.vc_gpus.remove(name, state)
     with contextlib.suppress(KeyError):
