@@ -67,3 +67,34 @@ def test_every_virtual_cluster_status_key_the_operator_writes_is_declared_in_the
     assert set(usage) <= set(declared), sorted(set(usage) - set(declared))
     parsed = VirtualClusterStatus.model_validate(usage | {"waitingGPUs": 6})
     assert parsed.waiting_gpus == 6 and not parsed.model_extra
+
+
+class _Recorder:
+    """The client calls a VirtualCluster's reconcile makes: its status patches, recorded."""
+
+    def __init__(self) -> None:
+        self.patches: list[dict] = []
+
+    async def patch_status(self, plural: str, namespace: str | None, name: str, status: dict) -> dict:
+        self.patches.append(status)
+        return {}
+
+
+def test_a_crd_that_prunes_the_line_does_not_make_every_tick_write() -> None:
+    """Found by the final review: with the operator upgraded before its CRDs, the old CRD prunes
+    status.line, the stored status never has it, and every tick wrote the status again."""
+    import asyncio
+
+    client = _Recorder()
+    ctx = context.Context(client=client, post_event=lambda *_: None)  # type: ignore[arg-type]
+    ctx.index.nodes["a0"] = index.NodeRecord("a0", 8, {"pool": "a"})
+    body = {"metadata": {"name": "train", "generation": 1},
+            "spec": {"members": {"nodeSelector": {"matchLabels": {"pool": "a"}}}}}
+    asyncio.run(virtualclusters.reconcile(ctx, body))
+    assert len(client.patches) == 1 and client.patches[0]["line"] == []
+    stored = {k: v for k, v in client.patches[0].items() if k != "line"}  # what the old CRD keeps
+    asyncio.run(virtualclusters.reconcile(ctx, {**body, "status": stored}))
+    assert len(client.patches) == 1, client.patches[1:]
+    # with the new CRD the line is stored, and compared as any other field
+    asyncio.run(virtualclusters.reconcile(ctx, {**body, "status": client.patches[0]}))
+    assert len(client.patches) == 1

@@ -79,14 +79,16 @@ def _check_duration(text: str) -> str:
     return text
 
 
-def _kubernetes_name(pattern: str, limit: int, what: str, allowed: str) -> Any:
-    """A string type of Kubernetes' names (RFC 1123): the pattern and length in the CRD, and in
-    Python an error that says what the name is and what it may hold."""
+def kubernetes_string(pattern: str, limit: int, what: str, allowed: str | None = None) -> Any:
+    """A string type of Kubernetes' names and keys (RFC 1123 names, label keys and values): the
+    pattern and length in the CRD, and in Python an error that says what the string is and what
+    it may hold (`what` alone says it when `allowed` is None)."""
 
     def check(text: str) -> str:
         if len(text) > limit or not re.fullmatch(pattern, text):
-            raise ValueError(f"{text!r} is not {what}: use at most {limit} {allowed}, starting and "
-                             "ending with a letter or digit")
+            hint = "" if allowed is None else (f": use at most {limit} {allowed}, starting and ending "
+                                               "with a letter or digit")
+            raise ValueError(f"{text!r} is not {what}{hint}")
         return text
 
     return Annotated[str, AfterValidator(check),
@@ -108,9 +110,9 @@ Quantity = Annotated[
 Duration = Annotated[
     str, AfterValidator(_check_duration), WithJsonSchema({"type": "string", "pattern": DURATION_PATTERN})
 ]
-DnsLabel = _kubernetes_name(DNS_LABEL_PATTERN, 63, "a DNS label", "lowercase letters, digits and '-'")
+DnsLabel = kubernetes_string(DNS_LABEL_PATTERN, 63, "a DNS label", "lowercase letters, digits and '-'")
 # What Kubernetes names Secrets, ConfigMaps and ServiceAccounts by (RFC 1123 subdomain).
-DnsSubdomain = _kubernetes_name(
+DnsSubdomain = kubernetes_string(
     DNS_SUBDOMAIN_PATTERN, 253, "a DNS subdomain (the name of a Secret, ConfigMap or ServiceAccount)",
     "lowercase letters, digits, '-' and '.'")
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import re
-from typing import Annotated, Any, Literal
+from typing import Literal
 
-from pydantic import AfterValidator, Field, WithJsonSchema
+from pydantic import Field
 
-from huorn.api import rules
+from huorn.api import base, rules
 from huorn.api.base import ApiModel, DnsLabel
 from huorn.api.common import CONDITION_LIMIT, Condition, RateHistory, RateReading
 
@@ -23,23 +22,13 @@ TAINT_KEY_PATTERN = (r"^(([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-
 TAINT_VALUE_PATTERN = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
 
 
-def _label_text(pattern: str, limit: int, what: str) -> Any:
-    """A string the CRD checks by `pattern`, with a Python error that says what it may hold."""
-
-    def check(text: str) -> str:
-        if len(text) > limit or not re.fullmatch(pattern, text):
-            raise ValueError(f"{text!r} is not {what}")
-        return text
-
-    return Annotated[str, AfterValidator(check),
-                     WithJsonSchema({"type": "string", "pattern": pattern, "maxLength": limit})]
-
-
-TaintKey = _label_text(TAINT_KEY_PATTERN, 317, "a taint key: a name of at most 63 letters, digits, '-', "
-                       "'_' and '.' (starting and ending with a letter or digit), with an optional DNS "
-                       "prefix and '/', as in node.example.com/dedicated")
-TaintValue = _label_text(TAINT_VALUE_PATTERN, 63, "a taint value: at most 63 letters, digits, '-', '_' "
-                         "and '.', starting and ending with a letter or digit")
+TaintKey = base.kubernetes_string(
+    TAINT_KEY_PATTERN, 317, "a taint key: a name of at most 63 letters, digits, '-', '_' and '.' "
+    "(starting and ending with a letter or digit), with an optional DNS prefix and '/', as in "
+    "node.example.com/dedicated")
+TaintValue = base.kubernetes_string(
+    TAINT_VALUE_PATTERN, 63, "a taint value: at most 63 letters, digits, '-', '_' and '.', starting "
+    "and ending with a letter or digit")
 
 
 @rules.attach(

@@ -240,8 +240,10 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             if ctx.index.observe_pod(pod) is None and ctx.serves(ns):
                 ctx.index.observe_foreign_pod(pod)
         for vc in await ctx.client.list_custom("virtualclusters", None):
-            ctx.index.observe_vc(vc)
+            ctx.index.observe_vc(vc, judge=False)
             board.resume(ctx, vc)  # its last forecast, reserved until the board reads again
+        ctx.index.judge_nodes()  # once all clusters are known: each node by its owner's tolerations
+        await ctx.leads()  # huorn_leader from the start, not from the first mirror resync
         # What inference clusters keep unlent, before any placement: the watch replays the
         # InferenceJobs too, but only once job handlers may already be placing borrowers.
         for body in await ctx.client.list_custom(serving.PLURAL, None):

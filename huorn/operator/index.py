@@ -259,9 +259,9 @@ def _down(spec: Mapping[str, Any], status: Mapping[str, Any]) -> str:
     return ""
 
 
-def build_node_record(body: Mapping[str, Any], tolerations: Iterable[Mapping[str, Any]] = ()) -> NodeRecord:
-    """The node as placement sees it, judged for pods that carry `tolerations` beside Huorn's own
-    (ClusterIndex.observe_node passes those of the node's owner)."""
+def build_node_record(body: Mapping[str, Any]) -> NodeRecord:
+    """The node as placement sees it, judged for pods that carry Huorn's own tolerations alone
+    (ClusterIndex.observe_node judges it again with its owner's)."""
     meta = body.get("metadata") or {}
     status = body.get("status") or {}
     spec = body.get("spec") or {}
@@ -273,7 +273,7 @@ def build_node_record(body: Mapping[str, Any], tolerations: Iterable[Mapping[str
         down=_down(spec, status),
         taints=tuple(dict(t) for t in spec.get("taints") or [] if t.get("effect") in BLOCKING_EFFECTS),
     )
-    record.judge(tolerations)
+    record.judge()
     return record
 
 
@@ -325,9 +325,10 @@ class ClusterIndex:
         self.nodes[record.name] = record
         return record
 
-    def observe_vc(self, body: Mapping[str, Any]) -> list[str]:
+    def observe_vc(self, body: Mapping[str, Any], judge: bool = True) -> list[str]:
         """Record the cluster; returns the nodes that take new pods now and did not before (its
-        tolerations, or the nodes it selects, changed)."""
+        tolerations, or the nodes it selects, changed). Without `judge` the caller judges the
+        nodes once after recording several (judge_nodes), as the operator's start-up does."""
         meta = body.get("metadata") or {}
         spec, created = dict(body.get("spec") or {}), parse_time(meta.get("creationTimestamp"))
         if self.vcs.get(meta["name"]) == spec and self.vc_created.get(meta["name"]) == created:
@@ -335,13 +336,13 @@ class ClusterIndex:
             # each of them cost 143 ms at 4,000 nodes and 50 clusters
             return []
         self.vcs[meta["name"]], self.vc_created[meta["name"]] = spec, created
-        return self._judge_nodes()
+        return self.judge_nodes() if judge else []
 
     def forget_vc(self, name: str) -> list[str]:
         self.vcs.pop(name, None)
         self.vc_created.pop(name, None)
         self.line_reserve.pop(name, None)
-        return self._judge_nodes()
+        return self.judge_nodes()
 
     def tolerations_on(self, node: NodeRecord | str) -> list[dict[str, Any]]:
         """The tolerations Huorn's pods carry on `node` beside their own: its owner's
@@ -350,11 +351,16 @@ class ClusterIndex:
         owner = self.virtual_cluster_of(record) if record is not None else ""
         return [dict(t) for t in ((self.vcs.get(owner) or {}).get("members") or {}).get("tolerations") or []]
 
-    def _judge_nodes(self) -> list[str]:
+    def judge_nodes(self) -> list[str]:
+        """Judge every node with its owner's tolerations; returns those that take new pods now
+        and did not before. The clusters are ordered once, not once a node (4,000 nodes and 50
+        clusters took 143 ms so)."""
+        order = self._by_age()
         opened = []
         for record in self.nodes.values():
+            owner = next((vc for vc in order if self._selects(vc, record)), "")
             before = record.unschedulable
-            record.judge(self.tolerations_on(record))
+            record.judge(((self.vcs.get(owner) or {}).get("members") or {}).get("tolerations") or [])
             if before and not record.unschedulable:
                 opened.append(record.name)
         return opened

@@ -44,7 +44,8 @@ class OperatorMetrics:
             registry=r,
         )
         self.vc_waiting_jobs = prom.Gauge(
-            "huorn_virtualcluster_waiting_jobs", "TrainingJobs waiting in line for a virtual cluster's GPUs.",
+            "huorn_virtualcluster_waiting_jobs",
+            "TrainingJobs and RLJobs waiting in line for a virtual cluster's GPUs.",
             ["virtual_cluster"], registry=r,
         )
         self.decisions = prom.Counter(

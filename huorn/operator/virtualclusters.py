@@ -134,7 +134,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> dict[str, Any]:
     ctx.metrics.vc_gpus.labels(name, "unschedulable").set(unschedulable)
     ctx.metrics.vc_gpus.labels(name, "waiting").set(usage["waitingGPUs"])
     ctx.metrics.vc_waiting_jobs.labels(name).set(usage["waitingJobs"])
-    if conditions.strip_times({**old, **status}) != conditions.strip_times(old):
+    # A CRD older than the operator prunes `line` (docs/operator.md, upgrades): compared while the
+    # stored status has none, it would differ at every tick and be written again each time.
+    compared = status if "line" in old else {k: v for k, v in status.items() if k != "line"}
+    if conditions.strip_times({**old, **compared}) != conditions.strip_times(old):
         await ctx.client.patch_status(PLURAL, None, name, status)
     return usage
 
