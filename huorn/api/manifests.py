@@ -39,6 +39,12 @@ def subject(kind: str, name: str) -> str:
     return f"{kind or '<unknown kind>'}/{name or '<unnamed>'}"
 
 
+def heading(source: str, kind: str, name: str) -> str:
+    """``source: Kind/name``, what each message about a manifest starts with. A file that cannot
+    be read or parsed has no kind or name: `<unknown kind>/<unnamed>` would only be noise there."""
+    return ": ".join([*([source] if source else []), *([subject(kind, name)] if kind or name else [])])
+
+
 class ManifestError(ValueError):
     """A manifest that Huorn refuses. ``errors`` lists every field at fault."""
 
@@ -54,11 +60,8 @@ class ManifestError(ValueError):
         return subject(self.kind, self.name)
 
     def _render(self) -> str:
-        # NB: a file that cannot be read or parsed has no kind or name; `<unknown kind>/<unnamed>`
-        # in front of its error would only be noise.
-        prefix = f"{self.source}: " if self.source else ""
-        subject = f"{self.subject}: " if self.kind or self.name else ""
-        return "\n".join(f"{prefix}{subject}{error}" for error in self.errors)
+        head = heading(self.source, self.kind, self.name)
+        return "\n".join(f"{head}: {error}" if head else str(error) for error in self.errors)
 
 
 def prune_nulls(value: Any) -> Any:

@@ -128,10 +128,9 @@ def _print_text(verdicts: list[Verdict]) -> None:
         elif v.status == "skipped":
             typer.echo(f"{v.file}: {subject}: skipped (not a {base.GROUP} resource)")
         else:
-            where = f"{v.file}: {subject}" if v.kind or v.name else v.file
+            where = manifests.heading(v.file, v.kind, v.name)
             for error in v.errors:
-                text = f"{error['path']}: {error['message']}" if error["path"] else error["message"]
-                typer.echo(f"{where}: {text}", err=True)
+                typer.echo(f"{where}: {manifests.FieldError(**error)}", err=True)
 
 
 def _print_table(verdicts: list[Verdict]) -> None:
