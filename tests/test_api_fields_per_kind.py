@@ -23,10 +23,10 @@ from huorn.cli import main
 from huorn.operator import queue
 
 BASIC = ["virtualCluster", "image", "resources", "checkpoint", "env", "imagePullSecrets",
-         "serviceAccountName"]
+         "serviceAccountName", "podMetadata"]
 # The order the CRDs have always had: priority after image, and so on.
 GANG = ["virtualCluster", "image", "priority", "resources", "elasticity", "checkpoint", "remediation", "env",
-        "imagePullSecrets", "serviceAccountName"]
+        "imagePullSecrets", "serviceAccountName", "podMetadata"]
 # An RLJob's: a TrainingJob's without elasticity, in the same order.
 RL_GANG = [f for f in GANG if f != "elasticity"]
 

@@ -352,6 +352,8 @@ def test_delete_removes_every_child(kube: builders.Kube, operator) -> None:
         ({"elasticity": {"minReplicas": 5, "maxReplicas": 2}}, "spec.elasticity.minReplicas"),
         ({"task": {"kind": "distill"}}, "spec.task.teacher"),
         ({"remediation": {"maxRestarts": -1}}, "spec.remediation.maxRestarts"),
+        # the model alone judges a map's keys (the CRD cannot): the operator Stalls it before any pod
+        ({"podMetadata": {"labels": {"huorn.io/job": "other"}}}, "spec.podMetadata.labels"),
     ],
 )
 def test_invalid_spec_stalls_naming_the_field_and_creates_nothing(
@@ -386,6 +388,21 @@ def test_unplaceable_gang_creates_nothing_and_says_why(kube: builders.Kube, oper
     _running(kube, "huge", 3)
     wait_for(lambda: (kube.get_vc("train").get("status") or {}).get("borrowed") == 4, what="borrowed 4")
     wait_for(lambda: (kube.get_vc("serve").get("status") or {}).get("lent") == 4, what="lent 4")
+
+
+def test_pod_metadata_reaches_every_pod_of_the_job_under_huorns_own(kube: builders.Kube, operator) -> None:
+    metadata = {"labels": {"team": "nlp", "app.kubernetes.io/part-of": "llm"},
+                "annotations": {"sidecar.istio.io/inject": "false"}}
+    kube.create_job(NS, builders.make_training_job("labelled", "train", podMetadata=metadata))
+    _running(kube, "labelled", 2)
+    pods = kube.pods(NS, "labelled")
+    assert {p.metadata.labels["huorn.io/vertex"] for p in pods} == {"trainer", "rendezvous"}
+    for pod in pods:
+        labels = pod.metadata.labels
+        assert labels["team"] == "nlp" and labels["app.kubernetes.io/part-of"] == "llm"
+        assert labels["huorn.io/job"] == "labelled"
+        assert pod.metadata.annotations["sidecar.istio.io/inject"] == "false"
+    assert all(p.metadata.annotations["huorn.io/node"] for p in kube.pods(NS, "labelled", "trainer"))
 
 
 def test_an_invalid_inference_job_is_stalled_and_nothing_is_created(kube: builders.Kube, operator) -> None:

@@ -5,7 +5,12 @@ images in private registries. spec.env took only name/value, and no pod could se
 imagePullSecrets or serviceAccountName. Every job kind now has `env[].valueFrom`
 (secretKeyRef, configMapKeyRef), `imagePullSecrets` and `serviceAccountName`, rendered into
 each of its pods; a job that sets none of them renders the same pods as before, byte for byte,
-so an operator upgrade rolls no serving replica and restarts no RL gang."""
+so an operator upgrade rolls no serving replica and restarts no RL gang.
+
+`podMetadata` (labels and annotations) came after, for what platform teams put on pods: a
+mesh's sidecar switch, cost labels, what NetworkPolicies select. Huorn's own keys are refused
+by the model (the CRD cannot check a map's keys within the API server's CEL cost budget) and
+win over a job's in every pod whatever a stored spec holds."""
 
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ SETTINGS = {
     "env": [{"name": "NCCL_DEBUG", "value": "INFO"}, SECRET_ENV, CONFIG_ENV],
     "imagePullSecrets": [{"name": "registry-creds"}, {"name": "mirror.pull"}],
     "serviceAccountName": "trainer.workload-identity",
+    "podMetadata": {"labels": {"team": "nlp", "example.com/cost-centre": "r-42", "empty": ""},
+                    "annotations": {"sidecar.istio.io/inject": "false", "example.com/note": "a b: c"}},
 }
 # What the pods get: optional is written out (false, Kubernetes' default) where it was left out.
 RENDERED_ENV = [
@@ -122,6 +129,39 @@ def test_every_pod_of_the_kind_gets_the_settings(kind: str) -> None:
             assert not any(e["name"] in {"HF_TOKEN", "WANDB_PROJECT"} for e in env), role
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_pod_of_the_kind_carries_the_pod_metadata_under_huorns_own(kind: str) -> None:
+    plain = render(kind, PLAIN)
+    for role, pod in render(kind, SETTINGS).items():
+        meta, before = pod["metadata"], plain[role]["metadata"]
+        assert meta["labels"] == {**SETTINGS["podMetadata"]["labels"], **before["labels"]}, role
+        # the spec's hash is Huorn's annotation too, and differs with the spec
+        own = {k: v for k, v in before["annotations"].items() if k != k8s.ANNOTATION_TEMPLATE}
+        assert {k: v for k, v in meta["annotations"].items() if k != k8s.ANNOTATION_TEMPLATE} == \
+            {**SETTINGS["podMetadata"]["annotations"], **own}, role
+        template = k8s.ANNOTATION_TEMPLATE
+        assert (template in meta["annotations"]) == (template in before["annotations"]), role
+        assert meta["labels"][k8s.LABEL_JOB] == "job", role
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "huorn", role
+
+
+def test_huorns_own_keys_win_over_a_stored_spec_that_holds_them() -> None:
+    """The model refuses them, but a spec may reach the operator another way (a CRD applied
+    without the operator's validation in front): the pods stay findable by their selectors."""
+    body = build_manifest("TrainingJob", {}, name="job")
+    body["metadata"].update(namespace="team", uid="u-1")
+    spec = {**manifests.load_manifest(body).spec.to_wire(), "image": IMAGE,
+            "podMetadata": {
+                "labels": {k8s.LABEL_JOB: "other", "app.kubernetes.io/managed-by": "me", "a": "b"},
+                "annotations": {k8s.ANNOTATION_NODE: "node-9", "c": "d"}}}
+    pod = k8s.build_trainer_pod(k8s.JobRef.from_body(body), graph.compile(manifests.load_manifest(body)),
+                                Instance("trainer", 0), "node-1", spec, "vc")
+    assert pod["metadata"]["labels"][k8s.LABEL_JOB] == "job"
+    assert pod["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "huorn"
+    assert pod["metadata"]["annotations"][k8s.ANNOTATION_NODE] == "node-1"
+    assert pod["metadata"]["labels"]["a"] == "b" and pod["metadata"]["annotations"]["c"] == "d"
+
+
 def test_changing_the_settings_rolls_serving_pods_and_restarts_an_rl_gang() -> None:
     """The new settings are read at a pod's start: a running pod with other ones is replaced."""
     plain = manifests.load_manifest(build_manifest("InferenceJob", PLAIN)).spec.to_wire()
@@ -178,6 +218,17 @@ REFUSED = [
     ({"serviceAccountName": "-runner"},
      ("spec.serviceAccountName", f"'-runner' {NOT_SUBDOMAIN}"),
      f"spec.serviceAccountName: '-runner' does not match {PATTERN}"),
+    ({"podMetadata": {"labels": {"team": "-nlp"}}},
+     ("spec.podMetadata.labels.team", "'-nlp' is not a label value: at most 63 letters, digits, '-', '_' and "
+                                      "'.', starting and ending with a letter or digit, or empty"),
+     f"spec.podMetadata.labels.team: '-nlp' does not match {base.LABEL_VALUE_PATTERN!r}"),
+    ({"podMetadata": {"labels": {f"l{i}": "x" for i in range(33)}}},
+     ("spec.podMetadata.labels", "Dictionary should have at most 32 items after validation, not more"),
+     f"spec.podMetadata.labels: { {f'l{i}': 'x' for i in range(33)}!r} has too many properties"),
+    ({"podMetadata": {"annotations": {"note": "x" * 7681}}},
+     ("spec.podMetadata.annotations.note", "String should have at most 7680 characters (got "
+                                           f"{repr('x' * 7681)[:40]}… (7681 characters))"),
+     f"spec.podMetadata.annotations.note: {'x' * 7681!r} is too long"),
 ]
 
 
@@ -195,6 +246,55 @@ def test_huorn_validate_refuses_naming_the_field(kind: str, patch: dict[str, Any
 def test_the_crd_refuses_naming_the_field(kind: str, patch: dict[str, Any], validate: tuple[str, str],
                                           crd: str) -> None:
     assert crd_errors(kind, build_manifest(kind, patch)) == [crd]
+
+
+NOT_A_KEY = ("is not a label or annotation key: use a name of at most 63 letters, digits, '-', '_' and '.' "
+             "(starting and ending with a letter or digit), with an optional DNS prefix and '/', as in "
+             "example.com/team")
+HUORNS = "whose keys Huorn sets on its pods; use a key of your own domain"
+# Refused by the model alone: the CRD cannot check a map's keys (docs/api.md, "Known differences")
+KEYS_REFUSED = [
+    ({"labels": {"Bad Key": "x"}}, "labels", f"key 'Bad Key' {NOT_A_KEY}"),
+    ({"labels": {"a/b/c": "x"}}, "labels", f"key 'a/b/c' {NOT_A_KEY}"),
+    ({"annotations": {"x" * 64: "x"}}, "annotations", f"key '{'x' * 64}' {NOT_A_KEY}"),
+    ({"annotations": {"Example.com/x": "x"}}, "annotations", f"key 'Example.com/x' {NOT_A_KEY}"),
+    ({"annotations": {f"{'a' * 254}/x": "x"}}, "annotations", f"key '{'a' * 254}/x' {NOT_A_KEY}"),
+    ({"labels": {"huorn.io/job": "mine"}}, "labels", f"key 'huorn.io/job' is in huorn.io, {HUORNS}"),
+    ({"annotations": {"team.huorn.io/x": "y"}}, "annotations",
+     f"key 'team.huorn.io/x' is in huorn.io, {HUORNS}"),
+    ({"labels": {"app.kubernetes.io/managed-by": "argo"}}, "labels",
+     "key 'app.kubernetes.io/managed-by' is a label Huorn sets on its pods and finds them by; use a key of "
+     "your own"),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("metadata", "field", "message"), KEYS_REFUSED)
+def test_a_bad_or_reserved_key_is_refused_by_the_model_naming_the_map(kind: str, metadata: dict[str, Any],
+                                                                       field: str, message: str) -> None:
+    manifest = build_manifest(kind, {"podMetadata": metadata})
+    with pytest.raises(manifests.ManifestError) as caught:
+        manifests.load_manifest(manifest)
+    assert [(e.path, e.message) for e in caught.value.errors] == [(f"spec.podMetadata.{field}", message)]
+    assert crd_errors(kind, manifest) == []  # the known difference: the operator Stalls it as InvalidSpec
+
+
+def test_keys_huorn_does_not_own_pass() -> None:
+    good = {"labels": {"a": "", "example.com/team": "nlp", "app.kubernetes.io/part-of": "x", "x" * 63: "y"},
+            "annotations": {"app.kubernetes.io/managed-by": "argo", f"{'a' * 253}/x": "z",
+                            "huorn.iox/y": "1"}}
+    job = manifests.load_manifest(build_manifest("TrainingJob", {"podMetadata": good}))
+    assert job.spec.to_wire()["podMetadata"] == good
+
+
+def test_annotations_over_a_pods_room_are_refused_in_bytes() -> None:
+    """Within the CRD's counts and lengths, values in another script can still exceed the 256 KiB
+    Kubernetes allows a pod's annotations: the model counts bytes."""
+    wide = {f"k{i}": "é" * 7680 for i in range(32)}
+    with pytest.raises(manifests.ManifestError) as caught:
+        manifests.load_manifest(build_manifest("InferenceJob", {"podMetadata": {"annotations": wide}}))
+    (error,) = caught.value.errors
+    assert error.path == "spec.podMetadata" and "bytes of keys and values, over the 256000" in error.message
 
 
 def test_the_crd_reports_a_value_with_value_from_at_value_from() -> None:

@@ -35,6 +35,13 @@ DURATION_PATTERN = r"^([0-9]+(ms|s|m|h))+$"
 # DNS-1123 label, used for names that become parts of Kubernetes object names.
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# A label key (also a taint's and an annotation's): an optional DNS-subdomain prefix and '/', then
+# a name of at most 63 characters; a label value (also a taint's). Empty is allowed for both here
+# (a toleration's Exists has no key); the places that need a key say so.
+LABEL_KEY_PATTERN = (r"^(([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+LABEL_VALUE_PATTERN = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
+LABEL_KEY_LIMIT = 317  # a 253-character prefix, '/', a 63-character name
 
 _QUANTITY_SUFFIX = {
     "": 1.0, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,

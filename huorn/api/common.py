@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, model_validator
 
 from huorn.api import rules
-from huorn.api.base import ApiModel, DnsLabel, DnsSubdomain, Duration, Quantity
+from huorn.api.base import (
+    LABEL_KEY_LIMIT,
+    LABEL_KEY_PATTERN,
+    LABEL_VALUE_PATTERN,
+    ApiModel,
+    DnsLabel,
+    DnsSubdomain,
+    Duration,
+    Quantity,
+    kubernetes_string,
+)
 
 
 class ElasticityPolicy(StrEnum):
@@ -245,6 +256,76 @@ class LocalObjectReference(ApiModel):
                                            "namespace.")
 
 
+# Keys of a pod's labels and annotations that Huorn writes itself: the operator finds its pods by
+# labels (app.kubernetes.io/managed-by in every list, huorn.io/job per job) and reads its own
+# annotations back (huorn.io/node, huorn.io/gpus, huorn.io/template), so a job may not set them.
+RESERVED_KEY_DOMAIN = "huorn.io"
+RESERVED_LABELS = frozenset({"app.kubernetes.io/managed-by"})
+
+
+def _check_annotation_key(key: str) -> str:
+    """A key as Kubernetes takes it for a label or an annotation, and none of Huorn's domain.
+
+    Checked here, not in the CRD: a CEL rule over a map's keys has no length bound the API
+    server's cost estimate could use (docs/api.md, "Known differences from a real API server")."""
+    if not key or len(key) > LABEL_KEY_LIMIT or not re.fullmatch(LABEL_KEY_PATTERN, key) \
+            or len(key.rpartition("/")[0]) > 253:
+        raise ValueError(
+            f"key {key!r} is not a label or annotation key: use a name of at most 63 letters, digits, "
+            "'-', '_' and '.' (starting and ending with a letter or digit), with an optional DNS prefix "
+            "and '/', as in example.com/team")
+    prefix = key.rpartition("/")[0]
+    if prefix == RESERVED_KEY_DOMAIN or prefix.endswith("." + RESERVED_KEY_DOMAIN):
+        raise ValueError(f"key {key!r} is in {RESERVED_KEY_DOMAIN}, whose keys Huorn sets on its pods; use "
+                         "a key of your own domain")
+    return key
+
+
+def _check_label_key(key: str) -> str:
+    _check_annotation_key(key)
+    if key in RESERVED_LABELS:
+        raise ValueError(f"key {key!r} is a label Huorn sets on its pods and finds them by; use a key of "
+                         "your own")
+    return key
+
+
+AnnotationKey = Annotated[str, AfterValidator(_check_annotation_key)]
+LabelKey = Annotated[str, AfterValidator(_check_label_key)]
+LabelValue = kubernetes_string(
+    LABEL_VALUE_PATTERN, 63,
+    "a label value: at most 63 letters, digits, '-', '_' and '.', starting and ending with a letter or "
+    "digit, or empty")
+# Kubernetes refuses a pod whose annotations (keys and values) exceed 256 KiB in all. These bounds
+# keep a job's own under it with room for Huorn's: 32 × (317 + 7,680) characters is 255,904 bytes
+# of ASCII; a value in another script takes up to 4 bytes a character, which only the model counts.
+ANNOTATION_LIMIT = 32
+ANNOTATION_VALUE_LIMIT = 7680
+ANNOTATIONS_BYTES = 256 * 1024 - 6 * 1024
+
+
+class PodMetadata(ApiModel):
+    """Labels and annotations for every pod the job creates, as a Deployment's template carries
+    them: a service mesh's injector, a cost report, a NetworkPolicy or a log pipeline select pods
+    by them, and read them when the pod is created."""
+
+    labels: dict[LabelKey, LabelValue] | None = Field(
+        default=None, max_length=32,
+        description="Labels of every pod of the job (at most 32), e.g. team: nlp. Keys under huorn.io/ "
+                    "and app.kubernetes.io/managed-by are Huorn's own.")
+    annotations: dict[AnnotationKey, Annotated[str, Field(max_length=ANNOTATION_VALUE_LIMIT)]] | None = Field(
+        default=None, max_length=ANNOTATION_LIMIT,
+        description="Annotations of every pod of the job (at most 32, values up to 7,680 characters), "
+                    "e.g. sidecar.istio.io/inject: \"false\". Keys under huorn.io/ are Huorn's own.")
+
+    @model_validator(mode="after")
+    def _annotations_fit(self) -> PodMetadata:
+        size = sum(len(k.encode()) + len(v.encode()) for k, v in (self.annotations or {}).items())
+        if size > ANNOTATIONS_BYTES:
+            raise ValueError(f"annotations: {size} bytes of keys and values, over the {ANNOTATIONS_BYTES} a "
+                             "pod can carry beside Huorn's own; shorten or remove some")
+        return self
+
+
 # The operator's job image when `--job-image` is not given: the release this API ships with. A
 # job that names no image runs the operator's job image, pinned in status.image at its first
 # reconcile (huorn.operator.images); the Helm chart passes its own image, so a mirror is used.
@@ -282,6 +363,11 @@ def _image_pull_secrets_field() -> Any:
                              "the job (the pod's imagePullSecrets).")
 
 
+def _pod_metadata_field() -> Any:
+    return Field(default=None,
+                 description="Labels and annotations of every pod of the job. Unset: Huorn's own alone.")
+
+
 def _service_account_field() -> Any:
     return Field(default=None,
                  description="The ServiceAccount every pod of the job runs as, in the job's namespace "
@@ -303,6 +389,7 @@ class JobBasics(ApiModel):
     env: list[EnvVar] = _env_field()
     image_pull_secrets: list[LocalObjectReference] | None = _image_pull_secrets_field()
     service_account_name: DnsSubdomain | None = _service_account_field()
+    pod_metadata: PodMetadata | None = _pod_metadata_field()
 
 
 def _priority_field() -> Any:
@@ -329,6 +416,7 @@ class JobCommon(ApiModel):
     env: list[EnvVar] = _env_field()
     image_pull_secrets: list[LocalObjectReference] | None = _image_pull_secrets_field()
     service_account_name: DnsSubdomain | None = _service_account_field()
+    pod_metadata: PodMetadata | None = _pod_metadata_field()
 
 
 class ElasticJobCommon(ApiModel):
@@ -349,6 +437,7 @@ class ElasticJobCommon(ApiModel):
     env: list[EnvVar] = _env_field()
     image_pull_secrets: list[LocalObjectReference] | None = _image_pull_secrets_field()
     service_account_name: DnsSubdomain | None = _service_account_field()
+    pod_metadata: PodMetadata | None = _pod_metadata_field()
 
 
 # ---------------------------------------------------------------------------------------------

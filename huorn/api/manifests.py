@@ -84,8 +84,21 @@ def format_location(loc: tuple[str | int, ...]) -> str:
     return text
 
 
+def _shown(value: Any) -> str:
+    """A bad value as an error quotes it: a long one (an annotation of kilobytes) by its length,
+    so the line still reads as one field's error."""
+    text = repr(value)
+    if isinstance(value, str) and len(text) > 80:
+        return f"{text[:40]}… ({len(value)} characters)"
+    return text
+
+
 def _describe(error: Mapping[str, Any]) -> FieldError:
     loc = tuple(error["loc"])
+    if loc[-1:] == ("[key]",):
+        # a map's key (spec.podMetadata.labels): the error names the map, and its message the
+        # key, as the API server reports a pod's bad label key at metadata.labels
+        loc = loc[:-2]
     kind = error["type"]
     if kind == rules.RULE_ERROR_TYPE:
         ctx = error["ctx"]
@@ -98,7 +111,7 @@ def _describe(error: Mapping[str, Any]) -> FieldError:
         return FieldError(path, "required field is missing")
     message = str(error["msg"]).removeprefix("Value error, ")
     if "input" in error and kind not in ("value_error",) and not isinstance(error["input"], dict | list):
-        message += f" (got {error['input']!r})"
+        message += f" (got {_shown(error['input'])})"
         shape = _object_shape(str((error.get("ctx") or {}).get("class_name", "")))
         if kind == "model_type" and shape:
             # `imagePullSecrets: [regcred]`, as `kubectl create secret` users write it, said only

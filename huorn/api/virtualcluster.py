@@ -15,20 +15,15 @@ class LabelSelector(ApiModel):
     match_labels: dict[str, str] = Field(default_factory=dict)
 
 
-# A taint's key is a label key: an optional DNS-subdomain prefix and '/', then a name of at most
-# 63 characters; its value a label value. Empty is allowed for both (Exists, and Equal to "").
-TAINT_KEY_PATTERN = (r"^(([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
-TAINT_VALUE_PATTERN = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
-
-
+# A taint's key is a label key, its value a label value; empty is allowed for both (Exists, and
+# Equal to "").
 TaintKey = base.kubernetes_string(
-    TAINT_KEY_PATTERN, 317, "a taint key: a name of at most 63 letters, digits, '-', '_' and '.' "
-    "(starting and ending with a letter or digit), with an optional DNS prefix and '/', as in "
-    "node.example.com/dedicated")
+    base.LABEL_KEY_PATTERN, base.LABEL_KEY_LIMIT,
+    "a taint key: a name of at most 63 letters, digits, '-', '_' and '.' (starting and ending with a "
+    "letter or digit), with an optional DNS prefix and '/', as in node.example.com/dedicated")
 TaintValue = base.kubernetes_string(
-    TAINT_VALUE_PATTERN, 63, "a taint value: at most 63 letters, digits, '-', '_' and '.', starting "
-    "and ending with a letter or digit")
+    base.LABEL_VALUE_PATTERN, 63,
+    "a taint value: at most 63 letters, digits, '-', '_' and '.', starting and ending with a letter or digit")
 
 
 @rules.attach(

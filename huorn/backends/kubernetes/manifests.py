@@ -114,6 +114,18 @@ def job_metadata(job: JobRef, name: str, extra_labels: Mapping[str, str] | None 
     }
 
 
+def pod_metadata(job: JobRef, name: str, spec: Mapping[str, Any], extra_labels: Mapping[str, str],
+                 annotations: Mapping[str, str]) -> dict[str, Any]:
+    """A pod's metadata: the job's spec.podMetadata under Huorn's own labels and annotations,
+    which win. The model refuses a job's key among them; winning here too keeps the operator's
+    selectors (app.kubernetes.io/managed-by, huorn.io/job) whole whatever a stored spec holds."""
+    metadata = job_metadata(job, name, extra_labels)
+    own = spec.get("podMetadata") or {}
+    metadata["labels"] = {**(own.get("labels") or {}), **metadata["labels"]}
+    metadata["annotations"] = {**(own.get("annotations") or {}), **annotations}
+    return metadata
+
+
 def build_run_config(job: JobRef, spec: Mapping[str, Any],
                      stage_layers: list[int] | None = None) -> dict[str, Any]:
     """The runtime's resolved config (huorn.runtime.config.RunConfig, camelCase on the wire);
@@ -353,14 +365,10 @@ def build_trainer_pod(
     if checkpoint.get("volume"):
         mounts.append({"name": "checkpoints", "mountPath": checkpoint.get("path", "/checkpoints")})
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint["volume"]}})
-    metadata = job_metadata(
-        job, pod_name(job, instance), {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name}
-    )
-    metadata["annotations"] = {
-        ANNOTATION_NODE: node,
-        ANNOTATION_GPUS: str(gpus),
-        ANNOTATION_VC: virtual_cluster,
-    }
+    metadata = pod_metadata(job, pod_name(job, instance), spec,
+                            {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name},
+                            {ANNOTATION_NODE: node, ANNOTATION_GPUS: str(gpus),
+                             ANNOTATION_VC: virtual_cluster})
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -405,10 +413,9 @@ def build_trainer_pod(
 
 def build_store_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any]) -> dict[str, Any]:
     """The rendezvous vertex: no GPU, so the default scheduler may put it on any node."""
-    metadata = job_metadata(
-        job, pod_name(job, instance), {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name}
-    )
-    metadata["annotations"] = {ANNOTATION_GPUS: "0"}
+    metadata = pod_metadata(job, pod_name(job, instance), spec,
+                            {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name},
+                            {ANNOTATION_GPUS: "0"})
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -463,12 +470,10 @@ def build_eval_pod(job: JobRef, instance: Instance, spec: Mapping[str, Any],
     mounts, volumes = config_and_run_volumes(job)
     _mount_checkpoints_read_only(ckpt, mounts, volumes)
     env = _replica_env(job, instance, spec)
-    metadata = job_metadata(job, eval_pod_name(job, instance, checkpoint),
-                         {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name})
-    metadata["annotations"] = {
-        ANNOTATION_GPUS: "0",
-        ANNOTATION_CHECKPOINT: json.dumps(dict(checkpoint or {}), sort_keys=True),
-    }
+    metadata = pod_metadata(job, eval_pod_name(job, instance, checkpoint), spec,
+                            {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name},
+                            {ANNOTATION_GPUS: "0",
+                             ANNOTATION_CHECKPOINT: json.dumps(dict(checkpoint or {}), sort_keys=True)})
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -679,6 +684,8 @@ def front_template_hash(spec: Mapping[str, Any]) -> str:
     autoscaling = spec.get("autoscaling") or {}
     read = {"image": spec.get("image"), "timeout": autoscaling.get("activationTimeoutSeconds")}
     read |= pod_access(spec)  # nothing for a job that sets neither: its hash is as before
+    if spec.get("podMetadata"):  # labels and annotations are read at a pod's creation, as the rest
+        read["podMetadata"] = spec["podMetadata"]
     if routes_by_prefix(spec):
         # the pods' count is not a setting of any one pod: changing it adds or removes pods
         routing = {k: v for k, v in (spec.get("routing") or {}).items() if k != "frontReplicas"}
@@ -703,9 +710,9 @@ def build_activator_pod(job: JobRef, spec: Mapping[str, Any], index: int = 0) ->
     else:
         upstream = f"http://{replicas_service_name(job)}.{job.namespace}.svc:80"
         command = launcher.build_activator_command(config, upstream, python="python")
-    metadata = job_metadata(job, activator_pod_name(job, index),
-                            {LABEL_VERTEX: ACTIVATOR_VERTEX, LABEL_INSTANCE: f"{ACTIVATOR_VERTEX}-{index}"})
-    metadata["annotations"] = {ANNOTATION_TEMPLATE: front_template_hash(spec)}
+    metadata = pod_metadata(job, activator_pod_name(job, index), spec,
+                            {LABEL_VERTEX: ACTIVATOR_VERTEX, LABEL_INSTANCE: f"{ACTIVATOR_VERTEX}-{index}"},
+                            {ANNOTATION_TEMPLATE: front_template_hash(spec)})
     apart = {"weight": 100, "podAffinityTerm": {
         "labelSelector": {"matchLabels": {LABEL_JOB: job.name, LABEL_VERTEX: ACTIVATOR_VERTEX}},
         "topologyKey": "kubernetes.io/hostname"}}
@@ -752,14 +759,10 @@ def build_serve_pod(job: JobRef, instance: Instance, node: str, spec: Mapping[st
     mounts, volumes = config_and_run_volumes(job)
     _mount_checkpoints_read_only(spec.get("checkpoint", {}), mounts, volumes)
     env = _replica_env(job, instance, spec)
-    metadata = job_metadata(job, pod_name(job, instance),
-                         {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name})
-    metadata["annotations"] = {
-        ANNOTATION_NODE: node,
-        ANNOTATION_GPUS: str(gpus),
-        ANNOTATION_VC: virtual_cluster,
-        ANNOTATION_TEMPLATE: serve_template_hash(spec),
-    }
+    metadata = pod_metadata(job, pod_name(job, instance), spec,
+                            {LABEL_VERTEX: instance.vertex, LABEL_INSTANCE: instance.name},
+                            {ANNOTATION_NODE: node, ANNOTATION_GPUS: str(gpus),
+                             ANNOTATION_VC: virtual_cluster, ANNOTATION_TEMPLATE: serve_template_hash(spec)})
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Always",
         "tolerations": pod_tolerations(tolerations),

@@ -133,12 +133,12 @@ def _pod(job: manifests.JobRef, instance: Instance, spec: Mapping[str, Any], com
     if checkpoint.get("volume"):  # read-write: the training actor saves there, the head reads it back
         mounts.append({"name": "checkpoints", "mountPath": checkpoint.get("path", "/checkpoints")})
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint["volume"]}})
-    metadata = manifests.job_metadata(job, manifests.pod_name(job, instance),
+    metadata = manifests.pod_metadata(job, manifests.pod_name(job, instance), spec,
                                       {manifests.LABEL_VERTEX: instance.vertex,
-                                       manifests.LABEL_INSTANCE: instance.name})
-    metadata["annotations"] = {manifests.ANNOTATION_NODE: node, manifests.ANNOTATION_GPUS: str(gpus),
-                               manifests.ANNOTATION_VC: virtual_cluster,
-                               manifests.ANNOTATION_TEMPLATE: template_hash(spec)}
+                                       manifests.LABEL_INSTANCE: instance.name},
+                                      {manifests.ANNOTATION_NODE: node, manifests.ANNOTATION_GPUS: str(gpus),
+                                       manifests.ANNOTATION_VC: virtual_cluster,
+                                       manifests.ANNOTATION_TEMPLATE: template_hash(spec)})
     env = [{"name": "HUORN_JOB", "value": job.name}, {"name": "HUORN_REPLICA", "value": instance.name},
            {"name": "PYTHONUNBUFFERED", "value": "1"}, {"name": "OMP_NUM_THREADS", "value": "1"},
            # Ray 2.60 turns token authentication on for `ray start`, with a token each node would
