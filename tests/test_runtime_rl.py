@@ -25,9 +25,10 @@ from typing import Any
 import pytest
 import runtime_harness as harness
 import torch
+from api_support import admit, build_manifest, crd_errors
 
 from huorn import models
-from huorn.api import rl, training
+from huorn.api import manifests, rl, training
 from huorn.runtime import checkpoint
 from huorn.runtime import config as run_config
 from huorn.runtime.rl import algorithms, controller, policy, progress, tasks, workers
@@ -87,6 +88,54 @@ def test_each_algorithm_is_its_papers_preset_and_set_fields_override_it() -> Non
     assert not _settings(name="dapo", dynamicSampling=False).dynamic_sampling
     with pytest.raises(ValueError, match=r"^spec\.algorithm\.name: ppo needs a critic"):
         _settings(name="ppo")
+
+
+PRESETS = {
+    "grpo": (rl.Normalisation.GROUP, 0.2, 0.2, "sequence", 0.04, False),
+    "dapo": (rl.Normalisation.GROUP, 0.2, 0.28, "token", 0.0, True),
+    "lite-ppo": (rl.Normalisation.BATCH, 0.2, 0.2, "token", 0.0, False),
+}
+
+
+def _choices(settings: algorithms.Settings) -> tuple[object, ...]:
+    return (settings.std, settings.clip_low, settings.clip_high, settings.aggregation,
+            settings.kl_coefficient, settings.dynamic_sampling)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_spec_keeps_its_preset_through_the_wire_the_cli_and_the_trainer(name: str, tmp_path: Path) -> None:
+    """The spec's wire form (what `huorn run` writes into the controller's config, what the API
+    server stores with the CRD's defaults, what the controller hands its trainers) had every
+    algorithm field written out at the old defaults, and `resolve` took each as the user's: GRPO
+    trained with no KL, DAPO without clip-higher, token loss or dynamic sampling, Lite PPO with
+    group std and per-sequence loss."""
+    partial = {"virtualCluster": "x", "model": MODEL, "algorithm": {"name": name, "groupSize": 2},
+               "optimization": {"promptsPerStep": 1}}
+    job = manifests.load_manifest({"apiVersion": "huorn.io/v1alpha1", "kind": "RLJob",
+                                   "metadata": {"name": "rl", "namespace": "d"}, "spec": partial})
+    wire = job.spec.to_wire()
+    assert _choices(algorithms.resolve(rl.RLJobSpec.model_validate(wire).algorithm)) == PRESETS[name]
+    stored = admit("RLJob", build_manifest("RLJob", partial))  # the CRD's defaults applied
+    from_server = rl.RLJobSpec.model_validate(stored["spec"]).algorithm
+    assert _choices(algorithms.resolve(from_server)) == PRESETS[name]
+    trainer = workers.PolicyTrainer(wire, None, str(tmp_path / "ckpt"), "cpu")
+    assert _choices(trainer.settings) == PRESETS[name]
+
+
+def test_a_dapo_clip_low_is_judged_against_dapos_clip_high() -> None:
+    """clipLow 0.25 under DAPO (clip-higher 0.28) was refused as above the field's old default 0.2."""
+    assert _settings(name="dapo", clipLow=0.25).clip_low == 0.25
+    for spec in ({"name": "dapo", "clipLow": 0.3}, {"name": "grpo", "clipLow": 0.25},
+                 {"name": "lite-ppo", "clipHigh": 0.1}):
+        manifest = build_manifest("RLJob", {"algorithm": spec})
+        with pytest.raises(manifests.ManifestError, match=r"spec\.algorithm\.clipHigh: must be ≥ clipLow"):
+            manifests.load_manifest(manifest)
+        assert crd_errors("RLJob", manifest), spec
+    for spec in ({"name": "dapo", "clipLow": 0.25}, {"name": "grpo", "clipHigh": 0.3},
+                 {"name": "grpo", "clipLow": 0.1, "clipHigh": 0.15}):
+        manifest = build_manifest("RLJob", {"algorithm": spec})
+        manifests.load_manifest(manifest)
+        assert crd_errors("RLJob", manifest) == [], spec
 
 
 def test_advantages_normalise_by_group_or_batch() -> None:
@@ -211,6 +260,22 @@ def test_the_trainer_and_the_reference_score_the_temperature_that_sampled(
     assert torch.allclose(seen["old"] * samples.mask, samples.sampled_logprobs, atol=1e-4)
     assert torch.allclose(item["reference"] * samples.mask, samples.sampled_logprobs, atol=1e-4)
     assert metrics["kl"] < 1e-6
+
+
+@pytest.mark.parametrize(("groups", "mini_batches", "steps"), [(4, 3, 3), (5, 2, 2), (2, 3, 2), (7, 7, 7)])
+def test_a_pass_takes_mini_batches_optimiser_steps(tmp_path: Path, groups: int, mini_batches: int,
+                                                   steps: int) -> None:
+    """Chunks of ceil(groups / miniBatches) made fewer steps than asked: 4 groups in 3 gave 2."""
+    spec = {"virtualCluster": "x", "model": MODEL, "algorithm": {"name": "lite-ppo", "groupSize": 2},
+            "rollout": {"maxNewTokens": 4},
+            "optimization": {"promptsPerStep": 8, "miniBatches": mini_batches, "updateEpochs": 2}}
+    trainer = workers.PolicyTrainer(spec, None, str(tmp_path / "ckpt"), "cpu")
+    rollout = workers.RolloutWorker(spec, "cpu")
+    rollout.load(trainer.weights(), 0)
+    batch = rollout.generate([(f"Q: What is {i} + 1?\nA:", str(i + 1), i) for i in range(groups)])
+    for item in batch:
+        item["advantages"] = torch.tensor([1.0, -1.0])
+    assert trainer.update(batch)["updates"] == 2 * steps
 
 
 def test_a_lagged_batchs_pi_old_is_the_policy_that_sampled_it(

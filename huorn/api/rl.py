@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -57,14 +57,51 @@ class Normalisation(StrEnum):
     NONE = "none"
 
 
+# Each algorithm is a preset of these choices (notes/papers.md; "Tricks or Traps?", DAPO, GRPO);
+# a field the spec sets overrides its preset. Unset fields have no default in the CRD or the
+# model: a default written into every stored spec would be indistinguishable from the user's
+# choice, and every algorithm would train as the defaults (as it did until 2026-12-07).
+ALGORITHM_PRESETS: dict[Algorithm, dict[str, Any]] = {
+    # GRPO (DeepSeekMath): group-normalised advantages, per-sequence mean, a KL to the reference.
+    Algorithm.GRPO: {"advantage_mean": Normalisation.GROUP, "advantage_std": Normalisation.GROUP,
+                     "clip_low": 0.2, "clip_high": 0.2, "loss_aggregation": "sequence",
+                     "kl_coefficient": 0.04, "dynamic_sampling": False},
+    # DAPO: clip-higher, token-level loss, dynamic sampling, no KL.
+    Algorithm.DAPO: {"advantage_mean": Normalisation.GROUP, "advantage_std": Normalisation.GROUP,
+                     "clip_low": 0.2, "clip_high": 0.28, "loss_aggregation": "token",
+                     "kl_coefficient": 0.0, "dynamic_sampling": True},
+    # Lite PPO: group mean, batch std, token-level loss, plain clip, no KL.
+    Algorithm.LITE_PPO: {"advantage_mean": Normalisation.GROUP, "advantage_std": Normalisation.BATCH,
+                         "clip_low": 0.2, "clip_high": 0.2, "loss_aggregation": "token",
+                         "kl_coefficient": 0.0, "dynamic_sampling": False},
+}
+PRESET_FIELDS = ("advantage_mean", "advantage_std", "clip_low", "clip_high", "loss_aggregation",
+                 "kl_coefficient", "dynamic_sampling")
+
+
+def algorithm_choices(spec: AlgorithmSpec) -> dict[str, Any]:
+    """The preset of spec.name with the fields the spec sets on top (PPO, which the runtime
+    refuses, judged against GRPO's)."""
+    preset = ALGORITHM_PRESETS.get(spec.name, ALGORITHM_PRESETS[Algorithm.GRPO])
+    return {**preset, **{f: v for f in PRESET_FIELDS if (v := getattr(spec, f)) is not None}}
+
+
+def _clips(spec: AlgorithmSpec) -> tuple[float, float]:
+    choices = algorithm_choices(spec)
+    return float(choices["clip_low"]), float(choices["clip_high"])
+
+
 @rules.attach(
     rules.Rule(
         name="algorithm-clip-high-ge-low",
         field="clipHigh",
-        cel="self.clipHigh >= self.clipLow",
-        holds=lambda a: a.clip_high >= a.clip_low,
-        message="must be ≥ clipLow, as DAPO's clip-higher only widens the upper bound",
-        detail=lambda a: f"{a.clip_high} < {a.clip_low}",
+        # an unset side is its algorithm's preset: 0.2 low everywhere, 0.28 high for DAPO
+        cel="(has(self.clipHigh) ? self.clipHigh : (self.name == 'dapo' ? 0.28 : 0.2)) >= "
+            "(has(self.clipLow) ? self.clipLow : 0.2)",
+        holds=lambda a: _clips(a)[1] >= _clips(a)[0],
+        message="must be ≥ clipLow (unset, each is its algorithm's: 0.2, and DAPO's clipHigh 0.28), as "
+                "DAPO's clip-higher only widens the upper bound",
+        detail=lambda a: f"{_clips(a)[1]} < {_clips(a)[0]}",
         fix="raise clipHigh to at least clipLow",
     ),
     rules.Rule(
@@ -93,15 +130,28 @@ class Normalisation(StrEnum):
     ),
 )
 class AlgorithmSpec(ApiModel):
+    """The RL objective: `name` picks a preset (ALGORITHM_PRESETS) and each field set here
+    overrides it."""
+
     name: Algorithm = Algorithm.GRPO
     group_size: int = Field(default=8, ge=1, le=1024, description="Responses sampled per prompt.")
-    clip_low: float = Field(default=0.2, gt=0, lt=1)
-    clip_high: float = Field(default=0.2, gt=0, lt=10)
-    kl_coefficient: float = Field(default=0.0, ge=0, le=10)
-    advantage_mean: Normalisation = Normalisation.GROUP
-    advantage_std: Normalisation = Normalisation.GROUP
-    loss_aggregation: Literal["token", "sequence"] = "sequence"
-    dynamic_sampling: bool = False
+    clip_low: float | None = Field(default=None, gt=0, lt=1, description=(
+        "PPO's lower clip ε_low. Unset: the algorithm's, 0.2."))
+    clip_high: float | None = Field(default=None, gt=0, lt=10, description=(
+        "PPO's upper clip ε_high. Unset: the algorithm's, 0.2 (DAPO's clip-higher: 0.28)."))
+    kl_coefficient: float | None = Field(default=None, ge=0, le=10, description=(
+        "Weight of the k3 KL to the reference policy. Unset: the algorithm's, 0.04 for GRPO, 0 for "
+        "DAPO and Lite PPO."))
+    advantage_mean: Normalisation | None = Field(default=None, description=(
+        "What rewards are centred on. Unset: the algorithm's, group."))
+    advantage_std: Normalisation | None = Field(default=None, description=(
+        "What rewards are scaled by. Unset: the algorithm's, group (Lite PPO: batch)."))
+    loss_aggregation: Literal["token", "sequence"] | None = Field(default=None, description=(
+        "Per-token losses averaged over every token of the batch, or per sequence first. Unset: the "
+        "algorithm's, sequence for GRPO, token for DAPO and Lite PPO."))
+    dynamic_sampling: bool | None = Field(default=None, description=(
+        "Drop groups whose responses all scored alike and draw more prompts. Unset: the algorithm's, "
+        "on for DAPO only."))
     overlong_max_length: int | None = Field(default=None, ge=1, description="L_max of DAPO shaping.")
     overlong_buffer: int | None = Field(default=None, ge=1, description="L_cache of DAPO shaping.")
 

@@ -4,10 +4,12 @@ Each algorithm is a preset of a few choices (notes/papers.md; "Tricks or Traps?"
 how advantages are normalised (mean over the prompt's group; std over the group, the batch or
 not at all), the clip range (DAPO's clip-higher widens only the upper bound), how per-token
 losses are aggregated (per sequence, then averaged; or over all tokens of the batch), the KL to
-the reference (k3 estimator) and DAPO's dynamic sampling and overlong shaping. The spec's
-algorithm fields override a preset only where the user set them. `name: dapo` alone is DAPO
-without its overlong shaping, which needs a length the spec must give (`overlongMaxLength` and
-`overlongBuffer`: DAPO's 20480 and 4096 suit its 20k-token answers, not these).
+the reference (k3 estimator) and DAPO's dynamic sampling and overlong shaping. The presets are
+the API's (huorn.api.rl.ALGORITHM_PRESETS); the spec's algorithm fields override one only where
+they are set, and have no defaults, so a spec that went through the wire keeps its preset.
+`name: dapo` alone is DAPO without its overlong shaping, which needs a length the spec must give
+(`overlongMaxLength` and `overlongBuffer`: DAPO's 20480 and 4096 suit its 20k-token answers, not
+these).
 """
 
 from __future__ import annotations
@@ -36,32 +38,16 @@ class Settings:
     overlong_buffer: int | None
 
 
-_PRESETS: dict[rl.Algorithm, dict[str, object]] = {
-    # GRPO (DeepSeekMath): group-normalised advantages, per-sequence mean, a KL to the reference.
-    rl.Algorithm.GRPO: {"advantage_mean": rl.Normalisation.GROUP, "advantage_std": rl.Normalisation.GROUP,
-                        "clip_low": 0.2, "clip_high": 0.2, "loss_aggregation": "sequence",
-                        "kl_coefficient": 0.04, "dynamic_sampling": False},
-    # DAPO: clip-higher, token-level loss, dynamic sampling, no KL.
-    rl.Algorithm.DAPO: {"advantage_mean": rl.Normalisation.GROUP, "advantage_std": rl.Normalisation.GROUP,
-                        "clip_low": 0.2, "clip_high": 0.28, "loss_aggregation": "token",
-                        "kl_coefficient": 0.0, "dynamic_sampling": True},
-    # Lite PPO: group mean, batch std, token-level loss, plain clip, no KL.
-    rl.Algorithm.LITE_PPO: {"advantage_mean": rl.Normalisation.GROUP, "advantage_std": rl.Normalisation.BATCH,
-                            "clip_low": 0.2, "clip_high": 0.2, "loss_aggregation": "token",
-                            "kl_coefficient": 0.0, "dynamic_sampling": False},
-}
-
-
 def resolve(spec: rl.AlgorithmSpec) -> Settings:
-    """The preset of spec.name with the fields the user set on top."""
-    if spec.name not in _PRESETS:
+    """The preset of spec.name with the fields the spec sets on top (rl.algorithm_choices)."""
+    if spec.name not in rl.ALGORITHM_PRESETS:
         raise ValueError(f"spec.algorithm.name: {spec.name.value} needs a critic, which Huorn's RL runtime "
                          "does not run; use grpo, dapo or lite-ppo")
-    values = {**_PRESETS[spec.name], **{f: getattr(spec, f) for f in spec.model_fields_set if f != "name"}}
+    values = rl.algorithm_choices(spec)
     return Settings(
         mean=rl.Normalisation(values["advantage_mean"]), std=rl.Normalisation(values["advantage_std"]),
-        clip_low=float(values["clip_low"]), clip_high=float(values["clip_high"]),  # type: ignore[arg-type]
-        aggregation=str(values["loss_aggregation"]), kl_coefficient=float(values["kl_coefficient"]),  # type: ignore[arg-type]
+        clip_low=float(values["clip_low"]), clip_high=float(values["clip_high"]),
+        aggregation=str(values["loss_aggregation"]), kl_coefficient=float(values["kl_coefficient"]),
         dynamic_sampling=bool(values["dynamic_sampling"]),
         overlong_max_length=spec.overlong_max_length, overlong_buffer=spec.overlong_buffer)
 

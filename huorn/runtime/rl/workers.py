@@ -167,9 +167,11 @@ class PolicyTrainer:
         # KL to an identical reference was not 0 at the first step. (Dropout is a training
         # regulariser RL does without, as its frameworks do.)
         self.model.eval()
-        per_step = max(1, -(-len(batch) // opt.mini_batches))
-        minibatches = [list(range(begin, min(begin + per_step, len(batch))))
-                       for begin in range(0, len(batch), per_step)]
+        # miniBatches optimiser steps a pass, sizes differing by at most one: ceil-sized chunks gave
+        # fewer steps than asked (4 prompts in 3 made 2 of 2), and fewer again as dynamic sampling
+        # dropped groups
+        count = min(opt.mini_batches, len(batch))
+        minibatches = [share(list(range(len(batch))), k, count) for k in range(count)]
         shares = [share(chosen, self.rank, self.world) for chosen in minibatches]
         old = {i: self._old(batch[i], temperature) for mine in shares for i in mine}
         sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0}
