@@ -429,6 +429,28 @@ def test_a_model_with_more_tokens_than_bytes_answers_text(tmp_path: Path) -> Non
     assert status == 200 and body["tokens"] == 20 and isinstance(body["text"], str)
 
 
+def test_a_byte_beyond_a_small_vocabulary_is_refused_and_fails_no_other_request(tmp_path: Path) -> None:
+    """A model of 128 tokens (the API allows 2 up) has no embedding for 'é''s bytes: its
+    IndexError failed every request of the batch the prompt joined."""
+    _saved_model(tmp_path / "ckpt", vocabulary=128)
+    cfg = _config(tmp_path, {"vocabulary": 128})
+
+    async def work(session, server, report):
+        async def ask(body: dict) -> tuple[int, dict]:
+            async with session.post("/v1/completions", json=body) as r:
+                return r.status, await r.json()
+
+        plain = ask({"prompt": "Q: 1?\nA:", "max_tokens": 30, "temperature": 0})
+        return await asyncio.gather(plain, ask({"prompt": "café", "max_tokens": 4}),
+                                    ask({"prompt": ["ok", [65, 200]], "max_tokens": 4}))
+
+    (ok, answer), (refused, error), (second, listed) = asyncio.run(_serving(cfg, work))
+    assert ok == 200 and answer["tokens"] == 30
+    assert refused == 400 and error["error"]["message"].startswith(
+        "prompt: byte 195 is beyond the model's vocabulary of 128 tokens")
+    assert second == 400 and listed["error"]["message"].startswith("prompt[1]: byte 200")
+
+
 def test_answers_carry_openais_completion_fields_and_a_wrong_model_is_404(tmp_path: Path) -> None:
     _saved_model(tmp_path / "ckpt")
     prompt = {"model": "chat", "prompt": "Q: 1 + 1?\nA:", "max_tokens": 5, "temperature": 0}
@@ -716,6 +738,38 @@ def test_a_request_whose_client_hangs_up_stops_decoding_and_is_counted_abandoned
     assert 'huorn_serve_requests_total{outcome="abandoned"} 1.0' in metrics
     assert 'huorn_serve_requests_total{outcome="ok"} 1.0' in metrics
     assert "huorn_serve_in_flight 0.0" in metrics
+
+
+def test_past_the_drain_the_decoding_thread_stops_and_the_queue_is_dropped(tmp_path: Path) -> None:
+    """At the drain's end the runner cancels the handlers still waiting and runs on_cleanup. The
+    decoding thread went on decoding every queued request for no one, and the process waited for
+    it: 32 cut requests decoded, the pod exiting 21 s after SIGTERM instead of 4 (a reviewer's run
+    with a 2 s drain)."""
+    _saved_model(tmp_path / "ckpt", context=256)
+    cfg = _config(tmp_path, {"context": 256}, serving={"maxBatch": 1, "maxTokens": 256})
+
+    async def check() -> tuple[int, int, int, list[serve.Request]]:
+        model, _ = serve.load_model(cfg)
+        server = serve.Server(cfg, model)
+        steps = _count_decode_steps(server)
+        app = server.app()
+        app.freeze()  # as the runner does
+        await app.startup()
+        requests = [serve.Request([1, 2, 3], 200, 0.0, 0) for _ in range(5)]
+        with server.queue_lock:
+            server.queue.extend(requests)
+        server.wake.set()
+        while not steps:
+            await asyncio.sleep(0.01)
+        await app.shutdown()
+        await app.cleanup()  # the drain is over: the handlers are gone
+        at_cleanup = len(steps)
+        await asyncio.sleep(0.3)  # 60 steps' time at 5 ms a step
+        return at_cleanup, len(steps), len(server.queue), requests
+
+    at_cleanup, later, queued, requests = asyncio.run(check())
+    assert later - at_cleanup <= 1 and queued == 0  # the step in flight at most
+    assert not any(r.done.done() for r in requests[1:])  # never decoded
 
 
 def test_a_row_is_answered_as_it_ends_not_when_its_batch_does(tmp_path: Path) -> None:
@@ -1246,6 +1300,24 @@ def test_rows_sampled_together_draw_what_each_draws_alone() -> None:
             alone.append(int(torch.multinomial(probs, 1, generator=generator)))
         assert together == alone
     assert together[2] == int(logits[2].argmax())  # a tiny temperature is greedy
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-46, 5e-324])
+def test_a_temperature_below_float32s_range_is_greedy_and_fails_no_row(temperature: float) -> None:
+    """Below about 7e-46 a temperature was 0 in the float32 tensor, the best logit's 0 / 0 a
+    NaN, and multinomial's error failed every request of the batch: any client could send it."""
+    torch.manual_seed(2)
+    logits = torch.randn(2, 256) * 3
+
+    async def requests() -> list:
+        return [continuous_batching.Request([1], 4, t, 3) for t in (temperature, 1.0)]
+
+    generators = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    drawn = continuous_batching.sample(logits, asyncio.run(requests()), generators)
+    assert drawn[0] == int(logits[0].argmax())
+    model = models.build_model(run_config.build_model_config(training.ModelSpec.model_validate(ARCHITECTURE)))
+    prompt = torch.tensor([[1, 2, 3]])
+    assert torch.equal(model.generate(prompt, 3, temperature=temperature), model.generate(prompt, 3))
 
 
 def test_nucleus_keeps_the_most_likely_tokens_whose_mass_first_reaches_top_p() -> None:

@@ -174,7 +174,10 @@ class Decoder(nn.Module):
         out = [prompt]
         for step in range(new_tokens):
             if temperature > 0:
-                probs = F.softmax(logits.float() / temperature, dim=-1)
+                # the best logit first, as serving's sampler: a tiny temperature divides the rest
+                # towards -inf, never inf - inf (NaN)
+                shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+                probs = F.softmax(shifted / max(temperature, torch.finfo(torch.float32).tiny), dim=-1)
                 token = torch.multinomial(probs, 1, generator=generator)
             else:
                 token = logits.argmax(dim=-1, keepdim=True)

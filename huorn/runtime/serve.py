@@ -371,6 +371,10 @@ class Server:
         self.profile = profiling.DecodeProfile.from_env()  # HUORN_SERVE_PROFILE: off unless set
         self.started = int(time.time())
         self.stopping = False  # handlers cancelled as the server stops are not abandoned
+        # the drain is over (on_cleanup): what is still queued or decoding is nobody's answer, and
+        # the decoding thread ends at its next step rather than decode it all while the process
+        # waits for it (the pod holding its GPU to the end of its grace, and past it)
+        self.closed = False
 
     # -- HTTP ------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -439,9 +443,17 @@ class Server:
                 # each choice seeds a generator with seed + its index, which takes 64 bits: a
                 # larger one failed the whole prefill it joined, other requests' included
                 raise ValueError(f"seed: give an integer from -2^63 to 2^64 - n ({2**64 - choices})")
+            vocabulary = self.cfg.spec.model.architecture.vocabulary
             for i, tokens in enumerate(prompts):
+                which = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+                if max(tokens) >= vocabulary:
+                    # a model of fewer tokens than bytes (the API allows 2 up) has no embedding for
+                    # it: the IndexError had failed every request of the batch it joined
+                    field = "messages" if is_chat else which
+                    raise ValueError(f"{field}: byte {max(tokens)} is beyond the model's vocabulary of "
+                                     f"{vocabulary} tokens (spec.model.architecture.vocabulary); send "
+                                     f"text of bytes below {vocabulary} (ASCII is below 128)")
                 if len(tokens) + wanted > limit:
-                    which = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
                     raise ValueError(f"{name}: {which} ({len(tokens)} tokens) + {name} ({wanted}) exceeds "
                                      f"{limit} (spec.serving.maxTokens and the model's context); ask for "
                                      "fewer")
@@ -708,7 +720,7 @@ class Server:
             self._decode()
 
     def _decode(self) -> None:
-        while True:
+        while not self.closed:
             started = time.monotonic()
             with self.queue_lock:
                 self.admitting = self.admissions()
@@ -817,6 +829,10 @@ class Server:
             self.stopping = True
 
         async def stop_batching(app: web.Application) -> None:
+            # the handlers still waiting were cancelled at the drain's end: their requests go
+            self.closed = True
+            with self.queue_lock:
+                self.queue.clear()
             app[BATCHER].cancel()
             written = self.profile.write()
             if written is not None:
