@@ -45,6 +45,24 @@ def test_directories_recurse_and_one_bad_file_fails_the_run() -> None:
     assert len(err.strip().splitlines()) >= len(list((EXAMPLES / "invalid").glob("*.yaml")))
 
 
+def test_a_huorn_kind_with_a_mistyped_group_is_invalid_and_another_groups_kind_is_skipped(
+        tmp_path: Path) -> None:
+    """`huron.io/v1alpha1` was skipped as "not a huorn.io resource" with exit 0, a CI gate's false
+    pass for a manifest kubectl then refuses; SageMaker's TrainingJob is not ours to judge."""
+    typos = ["huron.io/v1alpha1", "Huorn.io/v1alpha1", "huorn/v1alpha1", "v1alpha1", "hourn.io/v1alpha1"]
+    documents = [{**build_manifest("TrainingJob", name=f"t{i}"), "apiVersion": av}
+                 for i, av in enumerate(typos)]
+    sagemaker = {**build_manifest("TrainingJob", name="sm"), "apiVersion": "sagemaker.aws.amazon.com/v1"}
+    path = tmp_path / "jobs.yaml"
+    path.write_text(yaml.safe_dump_all([*documents, sagemaker]))
+    code, out, err = _invoke(str(path))
+    assert code == 2
+    must = "apiVersion: must be huorn.io/v1alpha1"
+    assert err.splitlines() == [f"{path}: TrainingJob/t{i}: {must} (got {av!r})"
+                                for i, av in enumerate(typos)]
+    assert out.splitlines() == [f"{path}: TrainingJob/sm: skipped (not a huorn.io resource)"]
+
+
 def test_multi_document_files_and_foreign_documents(tmp_path: Path) -> None:
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"}}
     path = tmp_path / "stack.yml"

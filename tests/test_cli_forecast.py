@@ -61,6 +61,19 @@ def test_the_board_covers_far_more_of_the_next_need_than_persistence(tmp_path: P
     assert code == 0 and "430 bins replayed after fitting on 432" in table and "persistence" in table
 
 
+def test_dash_reads_the_history_from_standard_input(tmp_path: Path) -> None:
+    """As validate, graph, run and detect read `-`; forecast said "cannot read -"."""
+    qps = write_qps(tmp_path / "qps.csv", days=2)
+    from_file = run("--qps", str(qps), "--requests-per-gpu", "2", "-o", "json")
+    result = CliRunner().invoke(main.app, ["forecast", "--qps", "-", "--requests-per-gpu", "2", "-o", "json"],
+                                input="\ufeff" + qps.read_text())
+    assert from_file[0] == result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout) == json.loads(from_file[1])
+    bad = CliRunner().invoke(main.app, ["forecast", "--qps", "-", "--requests-per-gpu", "2"],
+                             input="timestamp_anon,value\n0,x\n")
+    assert bad.exit_code == 2 and "-:2: timestamp_anon and value must be numbers" in bad.stderr
+
+
 def test_the_history_can_come_from_prometheus() -> None:
     with prometheus_api.serve() as prometheus:
         prometheus.rate = diurnal

@@ -30,6 +30,7 @@ from huorn.backends.kubernetes import manifests as k8s
 from huorn.backends.kubernetes import rl_manifests as rlm
 from huorn.cli import main
 from huorn.graph.model import Instance
+from huorn.operator import training as training_op
 
 KINDS = ("TrainingJob", "RLJob", "InferenceJob")
 IMAGE = "mirror.example/huorn:1"  # resolved already (huorn.operator.images.pin)
@@ -95,9 +96,18 @@ BEFORE = {
 }
 
 
+# An RLJob as the API server stored it before 2026-12-07: the CRD wrote the algorithm fields'
+# defaults of then into it (they have none now, so that `name` picks its preset). A stored RLJob
+# keeps them, and so its gang's hash.
+STORED_RL = {**PLAIN, "algorithm": {"name": "grpo", "groupSize": 8, "clipLow": 0.2, "clipHigh": 0.2,
+                                    "klCoefficient": 0.0, "advantageMean": "group", "advantageStd": "group",
+                                    "lossAggregation": "sequence", "dynamicSampling": False}}
+BEFORE_FIELDS = {"TrainingJob": PLAIN, "RLJob": STORED_RL, "InferenceJob": PLAIN}
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_job_without_the_new_fields_renders_the_pods_it_rendered_before(kind: str) -> None:
-    assert digests(kind, PLAIN) == BEFORE[kind]
+    assert digests(kind, BEFORE_FIELDS[kind]) == BEFORE[kind]
     for role, pod in render(kind, PLAIN).items():
         assert "serviceAccountName" not in pod["spec"] and "imagePullSecrets" not in pod["spec"], role
 
@@ -108,7 +118,7 @@ def test_serving_template_hashes_do_not_change_for_a_job_without_the_new_fields(
     assert "imagePullSecrets" not in spec and "serviceAccountName" not in spec
     assert all("valueFrom" not in e for e in spec["env"])
     assert (k8s.serve_template_hash(spec), k8s.front_template_hash(spec)) == SERVING_HASHES_BEFORE
-    assert rlm.template_hash(manifests.load_manifest(build_manifest("RLJob", PLAIN)).spec.to_wire()) == \
+    assert rlm.template_hash(manifests.load_manifest(build_manifest("RLJob", STORED_RL)).spec.to_wire()) == \
         RL_HASH_BEFORE
 
 
@@ -223,7 +233,7 @@ REFUSED = [
                                       "'.', starting and ending with a letter or digit, or empty"),
      f"spec.podMetadata.labels.team: '-nlp' does not match {base.LABEL_VALUE_PATTERN!r}"),
     ({"podMetadata": {"labels": {f"l{i}": "x" for i in range(33)}}},
-     ("spec.podMetadata.labels", "Dictionary should have at most 32 items after validation, not more"),
+     ("spec.podMetadata.labels", "33 labels: at most 32; remove some"),
      f"spec.podMetadata.labels: { {f'l{i}': 'x' for i in range(33)}!r} has too many properties"),
     ({"podMetadata": {"annotations": {"note": "x" * 7681}}},
      ("spec.podMetadata.annotations.note", "String should have at most 7680 characters (got "
@@ -248,20 +258,24 @@ def test_the_crd_refuses_naming_the_field(kind: str, patch: dict[str, Any], vali
     assert crd_errors(kind, build_manifest(kind, patch)) == [crd]
 
 
-NOT_A_KEY = ("is not a label or annotation key: use a name of at most 63 letters, digits, '-', '_' and '.' "
-             "(starting and ending with a letter or digit), with an optional DNS prefix and '/', as in "
-             "example.com/team")
+NOT_A_KEY = ("key: use a name of at most 63 letters, digits, '-', '_' and '.' (starting and ending with a "
+             "letter or digit), with an optional DNS prefix and '/', as in example.com/team")
 HUORNS = "whose keys Huorn sets on its pods; use a key of your own domain"
+LONG_PREFIX = f"{'a' * 254}/x"
 # Refused by the model alone: the CRD cannot check a map's keys (docs/api.md, "Known differences")
 KEYS_REFUSED = [
-    ({"labels": {"Bad Key": "x"}}, "labels", f"key 'Bad Key' {NOT_A_KEY}"),
-    ({"labels": {"a/b/c": "x"}}, "labels", f"key 'a/b/c' {NOT_A_KEY}"),
-    ({"annotations": {"x" * 64: "x"}}, "annotations", f"key '{'x' * 64}' {NOT_A_KEY}"),
-    ({"annotations": {"Example.com/x": "x"}}, "annotations", f"key 'Example.com/x' {NOT_A_KEY}"),
-    ({"annotations": {f"{'a' * 254}/x": "x"}}, "annotations", f"key '{'a' * 254}/x' {NOT_A_KEY}"),
+    ({"labels": {"Bad Key": "x"}}, "labels", f"key 'Bad Key' is not a label {NOT_A_KEY}"),
+    ({"labels": {"a/b/c": "x"}}, "labels", f"key 'a/b/c' is not a label {NOT_A_KEY}"),
+    # a label's prefix is lowercase; an annotation's is judged lowercased, as Kubernetes does
+    ({"labels": {"Example.com/x": "x"}}, "labels", f"key 'Example.com/x' is not a label {NOT_A_KEY}"),
+    ({"annotations": {"x" * 64: "x"}}, "annotations", f"key '{'x' * 64}' is not an annotation {NOT_A_KEY}"),
+    ({"annotations": {LONG_PREFIX: "x"}}, "annotations",
+     f"key {repr(LONG_PREFIX)[:40]}… (256 characters): its prefix (before '/') has 254 characters; a DNS "
+     "prefix has at most 253"),
     ({"labels": {"huorn.io/job": "mine"}}, "labels", f"key 'huorn.io/job' is in huorn.io, {HUORNS}"),
     ({"annotations": {"team.huorn.io/x": "y"}}, "annotations",
      f"key 'team.huorn.io/x' is in huorn.io, {HUORNS}"),
+    ({"annotations": {"Huorn.IO/x": "y"}}, "annotations", f"key 'Huorn.IO/x' is in huorn.io, {HUORNS}"),
     ({"labels": {"app.kubernetes.io/managed-by": "argo"}}, "labels",
      "key 'app.kubernetes.io/managed-by' is a label Huorn sets on its pods and finds them by; use a key of "
      "your own"),
@@ -282,9 +296,28 @@ def test_a_bad_or_reserved_key_is_refused_by_the_model_naming_the_map(kind: str,
 def test_keys_huorn_does_not_own_pass() -> None:
     good = {"labels": {"a": "", "example.com/team": "nlp", "app.kubernetes.io/part-of": "x", "x" * 63: "y"},
             "annotations": {"app.kubernetes.io/managed-by": "argo", f"{'a' * 253}/x": "z",
-                            "huorn.iox/y": "1"}}
+                            "huorn.iox/y": "1", "Example.com/Note": "kept as written"}}
     job = manifests.load_manifest(build_manifest("TrainingJob", {"podMetadata": good}))
     assert job.spec.to_wire()["podMetadata"] == good
+
+
+@pytest.mark.parametrize("empty", [{}, {"labels": {}}, {"labels": {}, "annotations": {}}])
+def test_an_empty_pod_metadata_rolls_no_pod_and_restarts_no_gang(empty: dict[str, Any]) -> None:
+    """A wrapper chart's empty default renders the pods no podMetadata does: it had changed the
+    serving, front and RL hashes, so an upgrade that added it rolled every replica."""
+    def wire(kind: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return manifests.load_manifest(build_manifest(kind, patch)).spec.to_wire()
+
+    plain, with_empty = wire("InferenceJob", {}), wire("InferenceJob", {"podMetadata": empty})
+    assert k8s.serve_template_hash(with_empty) == k8s.serve_template_hash(plain)
+    assert k8s.front_template_hash(with_empty) == k8s.front_template_hash(plain)
+    assert rlm.template_hash(wire("RLJob", {"podMetadata": empty})) in rlm.template_hashes(wire("RLJob", {}))
+    trained = wire("TrainingJob", {})
+    assert training_op.spec_changes(trained, wire("TrainingJob", {"podMetadata": empty})) == []
+    labelled = wire("TrainingJob", {"podMetadata": {**empty, "labels": {"team": "nlp"}}})
+    assert training_op.spec_changes(trained, labelled) == ["podMetadata"]
+    for role, pod in render("InferenceJob", {"podMetadata": empty}).items():
+        assert pod == render("InferenceJob", {})[role], role
 
 
 def test_annotations_over_a_pods_room_are_refused_in_bytes() -> None:

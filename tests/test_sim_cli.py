@@ -93,6 +93,17 @@ def test_yaml_output_and_single_policy(tmp_path: Path) -> None:
     assert doc["huorn_vs_baselines"] == {}  # nothing to compare without huorn
 
 
+def test_stderr_not_a_terminal_gets_plain_lines_and_no_bar(tmp_path: Path) -> None:
+    """Written through rich, a path holding `[bold]` lost it as markup and a long one was wrapped
+    at 80 columns, and a redirected stderr got the bar's last frame."""
+    out = tmp_path / ("sim[bold]x-" + "long" * 20)
+    result = CliRunner().invoke(app, ["simulate", "--gpus", "16", "--policy", "kueue", "--output", str(out),
+                                      "-o", "json"])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out / 'report.json'} and plots in {out}\n" in result.stderr
+    assert "━" not in result.stderr and "0:00:" not in result.stderr
+
+
 def test_job_lengths_can_be_declared_wrong_or_not_at_all(tmp_path: Path) -> None:
     """What Huorn's JCT terms read, made wrong or absent; the baselines read no declaration."""
     def run(*extra: str) -> dict:

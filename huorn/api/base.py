@@ -50,11 +50,20 @@ _QUANTITY_SUFFIX = {
 _DURATION_UNIT = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+def shown(value: Any) -> str:
+    """A bad value as an error quotes it: a long one (a label value of a megabyte) by its start and
+    length, so the line still reads as one field's error."""
+    text = repr(value)
+    if isinstance(value, str) and len(text) > 80:
+        return f"{text[:40]}… ({len(value)} characters)"
+    return text
+
+
 def parse_quantity(text: str) -> float:
     """Return a quantity in base units (cores for CPU, bytes for memory)."""
     match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)", text)
     if not match or match.group(2) not in _QUANTITY_SUFFIX:
-        raise ValueError(f"{text!r} is not a resource quantity such as '4', '500m' or '16Gi'")
+        raise ValueError(f"{shown(text)} is not a resource quantity such as '4', '500m' or '16Gi'")
     return float(match.group(1)) * _QUANTITY_SUFFIX[match.group(2)]
 
 
@@ -62,7 +71,7 @@ def parse_duration(text: str) -> float:
     """Return a duration in seconds."""
     parts = re.findall(r"([0-9]+)(ms|s|m|h)", text)
     if not parts or "".join(n + u for n, u in parts) != text:
-        raise ValueError(f"{text!r} is not a duration such as '30s', '5m' or '1h30m'")
+        raise ValueError(f"{shown(text)} is not a duration such as '30s', '5m' or '1h30m'")
     return sum(int(n) * _DURATION_UNIT[u] for n, u in parts)
 
 
@@ -95,7 +104,7 @@ def kubernetes_string(pattern: str, limit: int, what: str, allowed: str | None =
         if len(text) > limit or not re.fullmatch(pattern, text):
             hint = "" if allowed is None else (f": use at most {limit} {allowed}, starting and ending "
                                                "with a letter or digit")
-            raise ValueError(f"{text!r} is not {what}{hint}")
+            raise ValueError(f"{shown(text)} is not {what}{hint}")
         return text
 
     return Annotated[str, AfterValidator(check),

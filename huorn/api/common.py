@@ -6,7 +6,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from huorn.api import rules
 from huorn.api.base import (
@@ -19,6 +19,7 @@ from huorn.api.base import (
     Duration,
     Quantity,
     kubernetes_string,
+    shown,
 )
 
 
@@ -263,30 +264,51 @@ RESERVED_KEY_DOMAIN = "huorn.io"
 RESERVED_LABELS = frozenset({"app.kubernetes.io/managed-by"})
 
 
-def _check_annotation_key(key: str) -> str:
-    """A key as Kubernetes takes it for a label or an annotation, and none of Huorn's domain.
+def _check_key(key: str, lowered: bool) -> str:
+    """A key as Kubernetes takes it for a label (IsQualifiedName) or, `lowered`, an annotation
+    (IsQualifiedName of the lowercased key: `Example.com/x` is a valid annotation key), and none of
+    Huorn's domain.
 
     Checked here, not in the CRD: a CEL rule over a map's keys has no length bound the API
     server's cost estimate could use (docs/api.md, "Known differences from a real API server")."""
-    if not key or len(key) > LABEL_KEY_LIMIT or not re.fullmatch(LABEL_KEY_PATTERN, key) \
-            or len(key.rpartition("/")[0]) > 253:
+    judged = key.lower() if lowered else key
+    prefix = judged.rpartition("/")[0]
+    if len(prefix) > 253:
+        raise ValueError(f"key {shown(key)}: its prefix (before '/') has {len(prefix)} characters; a DNS "
+                         "prefix has at most 253")
+    if not judged or len(judged) > LABEL_KEY_LIMIT or not re.fullmatch(LABEL_KEY_PATTERN, judged):
         raise ValueError(
-            f"key {key!r} is not a label or annotation key: use a name of at most 63 letters, digits, "
-            "'-', '_' and '.' (starting and ending with a letter or digit), with an optional DNS prefix "
-            "and '/', as in example.com/team")
-    prefix = key.rpartition("/")[0]
-    if prefix == RESERVED_KEY_DOMAIN or prefix.endswith("." + RESERVED_KEY_DOMAIN):
-        raise ValueError(f"key {key!r} is in {RESERVED_KEY_DOMAIN}, whose keys Huorn sets on its pods; use "
-                         "a key of your own domain")
+            f"key {shown(key)} is not {'an annotation' if lowered else 'a label'} key: use "
+            "a name of at most 63 letters, digits, '-', '_' and '.' (starting and ending with a letter or "
+            "digit), with an optional DNS prefix and '/', as in example.com/team")
+    if prefix.lower() == RESERVED_KEY_DOMAIN or prefix.lower().endswith("." + RESERVED_KEY_DOMAIN):
+        raise ValueError(f"key {shown(key)} is in {RESERVED_KEY_DOMAIN}, whose keys Huorn sets on its pods; "
+                         "use a key of your own domain")
     return key
 
 
+def _check_annotation_key(key: str) -> str:
+    return _check_key(key, lowered=True)
+
+
 def _check_label_key(key: str) -> str:
-    _check_annotation_key(key)
+    _check_key(key, lowered=False)
     if key in RESERVED_LABELS:
         raise ValueError(f"key {key!r} is a label Huorn sets on its pods and finds them by; use a key of "
                          "your own")
     return key
+
+
+def _at_most(limit: int, what: str) -> Any:
+    """A map's count, said as kubectl says it, before pydantic's "Dictionary should have at most
+    32 items after validation, not more"."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, dict) and len(value) > limit:
+            raise ValueError(f"{len(value)} {what}: at most {limit}; remove some")
+        return value
+
+    return BeforeValidator(check)
 
 
 AnnotationKey = Annotated[str, AfterValidator(_check_annotation_key)]
@@ -301,6 +323,7 @@ LabelValue = kubernetes_string(
 ANNOTATION_LIMIT = 32
 ANNOTATION_VALUE_LIMIT = 7680
 ANNOTATIONS_BYTES = 256 * 1024 - 6 * 1024
+AnnotationValue = Annotated[str, Field(max_length=ANNOTATION_VALUE_LIMIT)]
 
 
 class PodMetadata(ApiModel):
@@ -308,11 +331,12 @@ class PodMetadata(ApiModel):
     them: a service mesh's injector, a cost report, a NetworkPolicy or a log pipeline select pods
     by them, and read them when the pod is created."""
 
-    labels: dict[LabelKey, LabelValue] | None = Field(
+    labels: Annotated[dict[LabelKey, LabelValue] | None, _at_most(32, "labels")] = Field(
         default=None, max_length=32,
         description="Labels of every pod of the job (at most 32), e.g. team: nlp. Keys under huorn.io/ "
                     "and app.kubernetes.io/managed-by are Huorn's own.")
-    annotations: dict[AnnotationKey, Annotated[str, Field(max_length=ANNOTATION_VALUE_LIMIT)]] | None = Field(
+    annotations: Annotated[dict[AnnotationKey, AnnotationValue] | None,
+                           _at_most(ANNOTATION_LIMIT, "annotations")] = Field(
         default=None, max_length=ANNOTATION_LIMIT,
         description="Annotations of every pod of the job (at most 32, values up to 7,680 characters), "
                     "e.g. sidecar.istio.io/inject: \"false\". Keys under huorn.io/ are Huorn's own.")

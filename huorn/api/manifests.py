@@ -84,15 +84,6 @@ def format_location(loc: tuple[str | int, ...]) -> str:
     return text
 
 
-def _shown(value: Any) -> str:
-    """A bad value as an error quotes it: a long one (an annotation of kilobytes) by its length,
-    so the line still reads as one field's error."""
-    text = repr(value)
-    if isinstance(value, str) and len(text) > 80:
-        return f"{text[:40]}… ({len(value)} characters)"
-    return text
-
-
 def _describe(error: Mapping[str, Any]) -> FieldError:
     loc = tuple(error["loc"])
     if loc[-1:] == ("[key]",):
@@ -111,7 +102,16 @@ def _describe(error: Mapping[str, Any]) -> FieldError:
         return FieldError(path, "required field is missing")
     message = str(error["msg"]).removeprefix("Value error, ")
     if "input" in error and kind not in ("value_error",) and not isinstance(error["input"], dict | list):
-        message += f" (got {_shown(error['input'])})"
+        given = error["input"]
+        # YAML's types, which the file shows and pydantic's words do not: `inject: false` read as a
+        # boolean where a string is wanted said "(got False)", found nowhere in the file
+        if kind == "string_type" and isinstance(given, bool | int | float):
+            what = "a YAML boolean" if isinstance(given, bool) else "a YAML number"
+            message += f" (got {_as_yaml(given)}, {what}); quote it: \"{_as_yaml(given)}\""
+        elif kind in ("int_type", "float_type", "bool_type") and isinstance(given, str):
+            message += f" (got {_as_yaml(given)}, a YAML string); remove the quotes"
+        else:
+            message += f" (got {_as_yaml(given)})"
         shape = _object_shape(str((error.get("ctx") or {}).get("class_name", "")))
         if kind == "model_type" and shape:
             # `imagePullSecrets: [regcred]`, as `kubectl create secret` users write it, said only
@@ -120,6 +120,13 @@ def _describe(error: Mapping[str, Any]) -> FieldError:
             if "," not in shape:
                 message += f", as {{{shape}: {error['input']!r}}}"
     return FieldError(path, message)
+
+
+def _as_yaml(value: Any) -> str:
+    """A scalar as the manifest spells it (false, 8080, 'text'), long text cut to its length."""
+    if isinstance(value, bool) or value is None:
+        return yaml.safe_dump(value).split("\n")[0]
+    return base.shown(value)
 
 
 def _object_shape(class_name: str) -> str:

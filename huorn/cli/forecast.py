@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -143,7 +144,9 @@ def forecast_command(
     with err.status("reading the history and fitting the board"):
         try:
             if qps is not None:
-                times, rate = forecast.load_qps_series(qps, config.bin_seconds)
+                # `-` is standard input, as validate, graph, run and detect read it
+                source = sys.stdin if str(qps) == "-" else qps
+                times, rate = forecast.load_qps_series(source, config.bin_seconds)
             else:
                 times, rate = read_prometheus(prometheus or "", query or "", history, config.bin_seconds)
         except OSError as error:

@@ -101,8 +101,9 @@ def simulate(
             sims = run.build_simulations(trace, nodes, qps, names, config)
         if (note := split.note(config)) is not None:  # once the inputs are known good, as a run's note
             typer.echo(f"note: {note}", err=True)
+        # a bar only on a terminal: piped or redirected stderr gets no frames, as kubectl's
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                      TimeElapsedColumn(), console=err) as bar:
+                      TimeElapsedColumn(), console=err, disable=not err.is_terminal) as bar:
             tasks = {n: bar.add_task(f"{n:>7}", total=1.0) for n in names}
             results = run.run_simulations(sims, lambda n, f: bar.update(tasks[n], completed=f))
             for n in names:
@@ -112,11 +113,13 @@ def simulate(
         raise typer.Exit(2) from None
     path = report.write_report(output, results, sims)
     left_out = next(iter(sims.values())).left_out
+    # plain lines, not rich's: a path or a job name holding [bold] is no markup, and a long line
+    # is not wrapped at the terminal's width
     if left_out:
-        err.print(f"note: {len(left_out)} job(s) of the trace fit no training node sampled for {gpus} GPUs "
-                  f"(seed {seed}) and were left out of every policy's run (jobs_left_out): "
-                  f"{', '.join(left_out[:5])}{' ...' if len(left_out) > 5 else ''}")
-    err.print(f"wrote {path} and plots in {output}")
+        typer.echo(f"note: {len(left_out)} job(s) of the trace fit no training node sampled for {gpus} GPUs "
+                   f"(seed {seed}) and were left out of every policy's run (jobs_left_out): "
+                   f"{', '.join(left_out[:5])}{' ...' if len(left_out) > 5 else ''}", err=True)
+    typer.echo(f"wrote {path} and plots in {output}", err=True)
     full = {"policies": results, "huorn_vs_baselines": report.compare(results)}
     if fmt == "json":
         sys.stdout.write(json.dumps(full, indent=2, sort_keys=True) + "\n")

@@ -8,6 +8,7 @@ whole deployment directory can be checked; a huorn.io document of the wrong vers
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -20,7 +21,7 @@ import rich.table
 import typer
 import yaml
 
-from huorn.api import base, manifests
+from huorn.api import base, kinds, manifests
 from huorn.operator import validation
 
 EXIT_INVALID = 2
@@ -68,8 +69,19 @@ def _path_problem(path: Path, message: str) -> Verdict:
 
 
 def _is_foreign(document: Any) -> bool:
+    """Another API group's document, which is not ours to judge. A Huorn kind whose group is
+    nearly ours (`huron.io`, `Huorn.io`, `huorn`, none at all) is a typo, not a foreign object:
+    skipping it passed a manifest `kubectl apply` then refuses ("no matches for kind"). A kind
+    of ours in a group unlike ours (SageMaker's TrainingJob) stays foreign."""
     api_version = document.get("apiVersion") if isinstance(document, dict) else None
-    return isinstance(api_version, str) and api_version.split("/")[0] != base.GROUP
+    if not isinstance(api_version, str):
+        return False
+    group = api_version.split("/")[0] if "/" in api_version else ""
+    if group == base.GROUP:
+        return False
+    # a typo of ours: load_document names apiVersion and what it must be
+    nearly_ours = not group or difflib.SequenceMatcher(None, group.lower(), base.GROUP).ratio() >= 0.75
+    return not (document.get("kind") in kinds.KINDS and nearly_ours)
 
 
 def check_file(path: Path) -> list[Verdict]:

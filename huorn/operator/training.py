@@ -644,8 +644,12 @@ def spec_changes(in_force: Mapping[str, Any] | None, desired: Mapping[str, Any])
         in_force = training_api.TrainingJobSpec.model_validate(in_force).to_wire()
     except pydantic.ValidationError:
         return []  # a spec this version cannot read: nothing to compare, nothing to roll
-    keys = (set(in_force) | set(desired)) - LIVE_FIELDS
-    return sorted(k for k in keys if in_force.get(k) != desired.get(k))
+    keys = (set(in_force) | set(desired)) - LIVE_FIELDS - {"podMetadata"}
+    changed = [k for k in keys if in_force.get(k) != desired.get(k)]
+    # an empty podMetadata (or empty maps in it) renders the pods none does: no restart for it
+    if manifests.job_pod_metadata(in_force) != manifests.job_pod_metadata(desired):
+        changed.append("podMetadata")
+    return sorted(changed)
 
 
 def roll_for_spec(graph: Graph, ref: manifests.JobRef, pods: Mapping[str, PodRecord],

@@ -17,6 +17,7 @@ import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -31,44 +32,51 @@ def _log_ratio(peak: float, level: float) -> float:
     return math.log((peak + EPS) / (level + EPS))
 
 
-def load_qps_series(path: str | Path, bin_seconds: float = 300.0) -> tuple[np.ndarray, np.ndarray]:
-    """Cluster request rate per bin from the GenAI QPS trace (sum over containers).
+def load_qps_series(path: str | Path | TextIO, bin_seconds: float = 300.0) -> tuple[np.ndarray, np.ndarray]:
+    """Cluster request rate per bin from the GenAI QPS trace (sum over containers), from a path or
+    an open text stream (a CLI's standard input, named `-` in errors).
 
     Each container reports its rate about once per five minutes, so summing the reports in a bin
     of that length gives the service's total rate. Returns (bin start times, rate).
     """
+    if not isinstance(path, str | Path):
+        return _read_qps(path, bin_seconds, "-")
+    with Path(path).open(newline="", encoding="utf-8-sig") as fh:  # -sig: a BOM is no part of a name
+        return _read_qps(fh, bin_seconds, path)
+
+
+def _read_qps(fh: TextIO, bin_seconds: float, path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     times: list[float] = []
     values: list[float] = []
     lines: list[int] = []
-    with Path(path).open(newline="", encoding="utf-8-sig") as fh:  # -sig: a BOM is no part of a name
-        reader = csv.DictReader(fh)
-        try:
-            if reader.fieldnames is not None:
-                reader.fieldnames = [name.strip() for name in reader.fieldnames]
-            missing = {"timestamp_anon", "value"} - set(reader.fieldnames or [])
-            if missing:
-                raise ValueError(f"{path}: column(s) {sorted(missing)} missing; the QPS trace needs "
-                                 "timestamp_anon,value")
-            for line, row in enumerate(reader, start=2):
-                try:
-                    stamp, value = float(row["timestamp_anon"]), float(row["value"])
-                except (TypeError, ValueError) as err:
-                    raise ValueError(f"{path}:{line}: timestamp_anon and value must be numbers "
-                                     f"({err})") from None
-                # float() reads nan and inf: a nan rate made every GPU count garbage, silently
-                for column, number in (("timestamp_anon", stamp), ("value", value)):
-                    if not math.isfinite(number):
-                        raise ValueError(f"{path}:{line}: {column} is {row[column].strip()!r}; it must be "
-                                         "a finite number")
-                if value < 0:
-                    raise ValueError(f"{path}:{line}: value is {value:g}; a request rate must be ≥ 0")
-                times.append(stamp)
-                values.append(value)
-                lines.append(line)
-        except UnicodeDecodeError as error:
-            # NB: no byte offset: error.start counts from the decoder's chunk, not the file's start.
-            raise ValueError(f"{path}: not UTF-8 text ({error.reason}); the QPS trace is a CSV with "
-                             "columns timestamp_anon,value") from None
+    reader = csv.DictReader(fh)
+    try:
+        if reader.fieldnames is not None:
+            reader.fieldnames = [name.strip().lstrip("\ufeff") for name in reader.fieldnames]
+        missing = {"timestamp_anon", "value"} - set(reader.fieldnames or [])
+        if missing:
+            raise ValueError(f"{path}: column(s) {sorted(missing)} missing; the QPS trace needs "
+                             "timestamp_anon,value")
+        for line, row in enumerate(reader, start=2):
+            try:
+                stamp, value = float(row["timestamp_anon"]), float(row["value"])
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"{path}:{line}: timestamp_anon and value must be numbers "
+                                 f"({err})") from None
+            # float() reads nan and inf: a nan rate made every GPU count garbage, silently
+            for column, number in (("timestamp_anon", stamp), ("value", value)):
+                if not math.isfinite(number):
+                    raise ValueError(f"{path}:{line}: {column} is {row[column].strip()!r}; it must be "
+                                     "a finite number")
+            if value < 0:
+                raise ValueError(f"{path}:{line}: value is {value:g}; a request rate must be ≥ 0")
+            times.append(stamp)
+            values.append(value)
+            lines.append(line)
+    except UnicodeDecodeError as error:
+        # NB: no byte offset: error.start counts from the decoder's chunk, not the file's start.
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason}); the QPS trace is a CSV with "
+                         "columns timestamp_anon,value") from None
     if not times:
         raise ValueError(f"{path}: no rows")
     t = np.asarray(times)

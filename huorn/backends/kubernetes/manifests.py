@@ -114,13 +114,20 @@ def job_metadata(job: JobRef, name: str, extra_labels: Mapping[str, str] | None 
     }
 
 
+def job_pod_metadata(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """spec.podMetadata as it bears on pods: its non-empty maps. `podMetadata: {}` or `labels: {}`
+    (a wrapper chart's empty default) render the same pods as no podMetadata, and must neither
+    roll a serving replica nor restart a gang."""
+    return {k: dict(v) for k, v in (spec.get("podMetadata") or {}).items() if v}
+
+
 def pod_metadata(job: JobRef, name: str, spec: Mapping[str, Any], extra_labels: Mapping[str, str],
                  annotations: Mapping[str, str]) -> dict[str, Any]:
     """A pod's metadata: the job's spec.podMetadata under Huorn's own labels and annotations,
     which win. The model refuses a job's key among them; winning here too keeps the operator's
     selectors (app.kubernetes.io/managed-by, huorn.io/job) whole whatever a stored spec holds."""
     metadata = job_metadata(job, name, extra_labels)
-    own = spec.get("podMetadata") or {}
+    own = job_pod_metadata(spec)
     metadata["labels"] = {**(own.get("labels") or {}), **metadata["labels"]}
     metadata["annotations"] = {**(own.get("annotations") or {}), **annotations}
     return metadata
@@ -566,7 +573,9 @@ def build_serve_config(job: JobRef, spec: Mapping[str, Any]) -> dict[str, Any]:
 def template_hash(spec: Mapping[str, Any], unrolled: frozenset[str]) -> str:
     """What a pod was started from, less the spec fields no running pod reads: a pod with
     another hash runs an old spec."""
-    kept = {k: v for k, v in spec.items() if k not in unrolled}
+    kept = {k: v for k, v in spec.items() if k not in unrolled and k != "podMetadata"}
+    if "podMetadata" not in unrolled and (metadata := job_pod_metadata(spec)):
+        kept["podMetadata"] = metadata
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -684,8 +693,8 @@ def front_template_hash(spec: Mapping[str, Any]) -> str:
     autoscaling = spec.get("autoscaling") or {}
     read = {"image": spec.get("image"), "timeout": autoscaling.get("activationTimeoutSeconds")}
     read |= pod_access(spec)  # nothing for a job that sets neither: its hash is as before
-    if spec.get("podMetadata"):  # labels and annotations are read at a pod's creation, as the rest
-        read["podMetadata"] = spec["podMetadata"]
+    if metadata := job_pod_metadata(spec):  # labels and annotations are read at a pod's creation
+        read["podMetadata"] = metadata
     if routes_by_prefix(spec):
         # the pods' count is not a setting of any one pod: changing it adds or removes pods
         routing = {k: v for k, v in (spec.get("routing") or {}).items() if k != "frontReplicas"}
