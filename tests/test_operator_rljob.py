@@ -470,6 +470,30 @@ def test_more_gpus_join_the_running_ray_cluster_and_roles_scale_without_a_restar
     assert any("fewer than the 4 running" in reason for reason in restarted), restarted
 
 
+def test_taking_back_a_growth_that_never_started_restarts_nothing(kube: builders.Kube, operator) -> None:
+    """More spec.gpus than the cluster has free: the growth's workers wait. Lowering spec.gpus
+    back counted them as running and restarted the whole gang from its checkpoint ("fewer than
+    the 6 running" with 2 running); they never started, so they go alone."""
+    kube.create_job(NS, rl_job("grow"), plural=RL)
+    first = ["grow-ray-head-0", "grow-ray-worker-0", "grow-ray-worker-1"]
+    wait_for(lambda: sorted(live_pods(kube, "grow")) == first, what="the gang")
+    run_all(kube, "grow")
+    wait_for(lambda: status(kube, "grow").get("phase") == "Running", what="Running")
+    patch = kube.custom.patch_namespaced_custom_object
+    # 12 GPUs: four more workers of two on a cluster of 8 (borrowing 4), 4 of them taken: they wait
+    patch(builders.GROUP, builders.VERSION, NS, RL, "grow",
+          {"spec": {"gpus": 12, "roles": {"rollout": {"replicas": 5}}}})
+    wait_for(lambda: status(kube, "grow").get("observedGeneration") == 2, what="the growth seen")
+    assert sorted(live_pods(kube, "grow")) == first  # no growth worker placed
+    patch(builders.GROUP, builders.VERSION, NS, RL, "grow",
+          {"spec": {"gpus": 4, "roles": {"rollout": {"replicas": 1}}}})
+    taken_back = wait_for(lambda: (s := status(kube, "grow")).get("observedGeneration") == 3
+                          and s["decisions"][-1]["action"] == "resize" and s, what="the growth taken back")
+    assert "never started" in taken_back["decisions"][-1]["reason"]
+    assert not any(d["action"] == "replace" for d in taken_back["decisions"])
+    assert sorted(live_pods(kube, "grow")) == first and taken_back["phase"] == "Running"
+
+
 def test_a_worker_that_never_starts_is_replaced_alone(cluster, kube: builders.Kube) -> None:
     """A Ray worker added to a running gang that stays Pending past trainer_start_seconds never
     held an actor: it alone is replaced, and the controller, the head and the other workers go

@@ -785,3 +785,62 @@ def test_a_job_whose_cluster_is_gone_drops_its_replica_gauges_and_the_cluster_co
                                                {"spec": {"virtualCluster": "gone"}})
     wait_for(lambda: operator.ctx.metrics.registry.get_sample_value("huorn_inferencejob_replicas", desired)
              is None, what="the gone cluster's job's gauges dropped")
+
+
+def _not_ready(kube: builders.Kube, pod: object, ip: str) -> None:
+    """Running, its readiness probe failing: a model still loading, a router knowing no replica."""
+    body = {"status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "False"}]}}
+    kube.core.patch_namespaced_pod_status(pod.metadata.name, NS, body)
+
+
+def test_a_readiness_change_without_a_phase_change_is_seen_at_once(
+    cluster: EmulatedCluster, kube: builders.Kube
+) -> None:
+    """A replica is Running long before its model loads and it turns Ready; only a change of phase
+    woke its job, so readyReplicas, a rollout's next step and an unready replica's traffic all
+    waited for the resync (here a minute)."""
+    settings = dataclasses.replace(operator_mod.FAST, resync_seconds=60.0)
+    with operator_mod.OperatorThread(cluster.api_client(), settings):
+        kube.create_job(NS, serving.make_inference_job("chat", "serve", gpus=4), plural=IJ)
+        (pod,) = wait_for(lambda: kube.pods(NS, "chat", "server"), what="the replica")
+        _not_ready(kube, pod, IPS["server-0"])
+        wait_for(lambda: status(kube, "chat").get("replicas") == 1, what="the replica running, loading")
+        assert status(kube, "chat").get("readyReplicas", 0) == 0
+        run_pod(kube, pod, IPS["server-0"])
+        wait_for(lambda: status(kube, "chat").get("readyReplicas") == 1, what="ready, seen", timeout=15)
+        _not_ready(kube, pod, IPS["server-0"])
+        wait_for(lambda: status(kube, "chat").get("readyReplicas") == 0, what="unready, seen", timeout=15)
+
+
+def test_no_scale_to_zero_while_no_front_pod_is_ready_to_hold_requests(
+    cluster: EmulatedCluster, kube: builders.Kube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At zero replicas only a ready activator (or router) answers and wakes the job: with none
+    ready the last replica went, the Service pointed at a pod that was not ready, and nothing
+    scaled the job up again (the held requests are read from ready front pods)."""
+    from huorn.operator import autoscaling
+
+    idle = "# TYPE huorn_serve_busy_seconds_total counter\nhuorn_serve_busy_seconds_total 0\n"
+    ticks: list[int] = []
+
+    def fetch_all(targets: dict, timeout: float) -> dict:
+        ticks.append(1)
+        return {k: idle for k in targets if not k.startswith("activator")}
+
+    monkeypatch.setattr(autoscaling.replica_metrics, "fetch_all", fetch_all)
+    settings = dataclasses.replace(operator_mod.FAST, autoscale_seconds=0.5)
+    with operator_mod.OperatorThread(cluster.api_client(), settings):
+        kube.create_job(NS, serving.make_inference_job(
+            "chat", "serve", autoscaling={"minReplicas": 0, "maxReplicas": 1, "scaleDownDelaySeconds": 1}),
+            plural=IJ)
+        wait_for(lambda: servers(kube, "chat") and kube.pods(NS, "chat", "activator"), what="the pods")
+        run_pod(kube, servers(kube, "chat")["server-0"], IPS["server-0"])
+        (front,) = kube.pods(NS, "chat", "activator")
+        _not_ready(kube, front, "127.0.0.6")
+        wait_for(lambda: status(kube, "chat").get("readyReplicas") == 1, what="the replica ready")
+        counted = len(ticks)
+        wait_for(lambda: len(ticks) >= counted + 8, what="8 idle ticks, past the scale-down delay")
+        assert list(servers(kube, "chat")) == ["server-0"] and not scaled(kube, "chat", "ScaledDown")
+        run_pod(kube, front, "127.0.0.6")  # the activator ready: now the quiet job may go to zero
+        (down, *_) = wait_for(lambda: scaled(kube, "chat", "ScaledDown"), what="to zero")
+        assert "1 → 0" in down.message

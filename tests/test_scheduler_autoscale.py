@@ -284,6 +284,24 @@ def test_only_fields_a_running_replica_cannot_reread_roll_it() -> None:
     assert manifests.serve_template_hash({**spec, "routing": {"policy": "prefix"}}) == same
 
 
+def test_a_longer_activation_timeout_reaches_the_replicas_startup_probe_and_a_router_its_holding() -> None:
+    """activationTimeoutSeconds feeds a replica's startup probe once above the default load limit,
+    and `autoscaling` was left out of the hash whole: running replicas kept the shorter probe.
+    A prefix router reads minReplicas 0 (hold requests while no replica is known) at its start:
+    one started at minReplicas 1 was kept at 0, unready at zero replicas, for good."""
+    spec = {"model": {"checkpoint": "/a"}, "autoscaling": {"activationTimeoutSeconds": 120}}
+    same = manifests.serve_template_hash(spec)
+    assert manifests.serve_template_hash({**spec, "autoscaling": {"activationTimeoutSeconds": 60}}) == same
+    longer = {**spec, "autoscaling": {"activationTimeoutSeconds": 3000}}
+    assert manifests.startup_seconds(longer) == 3000 and manifests.serve_template_hash(longer) != same
+    assert same == manifests.serve_template_hash({"model": {"checkpoint": "/a"}})  # as before the change
+    routed = {**spec, "routing": {"policy": "prefix"}, "autoscaling": {"minReplicas": 1}}
+    to_zero = {**routed, "autoscaling": {"minReplicas": 0}}
+    assert manifests.front_template_hash(to_zero) != manifests.front_template_hash(routed)
+    assert manifests.front_template_hash({**routed, "autoscaling": {"minReplicas": 2}}) == \
+        manifests.front_template_hash(routed)
+
+
 def test_an_operator_upgrade_that_adds_the_prefix_cache_rolls_no_replica() -> None:
     before = {"model": {"checkpoint": "/a"}, "serving": {"maxBatch": 8, "maxTokens": 64}}
     started_by_old_operator = manifests.serve_template_hash(before)

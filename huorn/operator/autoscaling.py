@@ -174,6 +174,12 @@ async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendat
     elif job.spec.autoscaling.forecast is None and status.get("forecast") is not None:
         load["forecast"] = None  # the field was removed from the spec
     target = min(server.max_replicas, max(server.min_replicas, rec.replicas))
+    why = rec.reason
+    if target == 0 and not fronts and server.max_replicas > 0:
+        # no front pod is ready to hold a request and wake the job: at zero replicas nothing would
+        # answer, and nothing would scale it up again (the held requests are read from ready
+        # front pods); the last replica stays until one is ready
+        target, why = 1, "no activator or router is ready to hold requests: one replica stays"
     if target == server.replicas:
         if load and any(status.get(k) != v for k, v in load.items()):
             await ctx.client.patch_status(serving.PLURAL, namespace, name, load)
@@ -188,14 +194,14 @@ async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendat
             return rec  # the job changed meanwhile (a spec edit, a replacement): next tick decides
         ready = {i.name: serving.is_ready(p) for i in graph.vertex(serving.SERVER).instances
                  if (p := ctx.index.pods.get((namespace, manifests.pod_name(ref, i)))) is not None}
-        mutate.resize(graph, serving.SERVER, target, reason=f"autoscaler: {rec.reason}",
+        mutate.resize(graph, serving.SERVER, target, reason=f"autoscaler: {why}",
                       remove=serving.shrink_order(graph, target, ready))
         patch = {**load, "graph": serialise.to_status(graph), "decisions": build_decisions(graph),
                  "desiredReplicas": target}
         await ctx.client.patch_status(serving.PLURAL, namespace, name, patch)
         ctx.index.observe_inference_job({**fresh, "status": {**fresh["status"], **patch}})
     event = "ScaledUp" if target > before else "ScaledDown"
-    ctx.post_event(body, "Normal", event, f"autoscaler: {rec.reason}")
+    ctx.post_event(body, "Normal", event, f"autoscaler: {why}")
     ctx.metrics.decisions.labels(serving.KIND, "resize").inc()
     ctx.wake_serving(namespace, name)
     return rec

@@ -317,7 +317,13 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         ctx = _ctx(memo)
         before = ctx.index.pods.get((body["metadata"].get("namespace", ""), body["metadata"]["name"]))
         record = ctx.index.observe_pod(body, deleted=type == "DELETED")
-        if record is None or (before is not None and before.phase == record.phase and type != "DELETED"):
+        # a readiness change is news too: a replica Running since its start turns Ready once its
+        # model loads (a rollout's next step, the job's readyReplicas), and unready when it fails
+        # its probe; only a change of phase had woken the job, and these waited for the resync
+        if record is None:
+            return
+        if before is not None and type != "DELETED" and \
+                (before.phase, before.ready_condition) == (record.phase, record.ready_condition):
             return
         if before is None and type != "DELETED" and record.phase == "Pending":
             return  # a pod this operator just created: the reconcile that created it reports it

@@ -71,6 +71,12 @@ class PodRecord:
     def holds_resources(self) -> bool:
         return self.phase not in TERMINAL_POD_PHASES
 
+    @property
+    def ready_condition(self) -> str:
+        """The kubelet's Ready condition ("True", "False", "Unknown"; "" when it has none): a
+        serving replica is Running long before its model has loaded and it turns Ready."""
+        return next((status for kind, status in self.conditions if kind == "Ready"), "")
+
     def past_grace(self, now: float) -> bool:
         """Terminating, and its grace surely over: a pod whose node stopped answering stays in
         the API until someone removes it, and serves no one meanwhile."""

@@ -186,6 +186,17 @@ def grow_workers(graph: Graph, layout: rl.RayLayout) -> None:
     workers.min_replicas = layout.workers
 
 
+def shrink_unstarted(graph: Graph, layout: rl.RayLayout, names: list[str]) -> None:
+    """Fewer Ray workers for a running gang, when those that go never started: a smaller spec.gpus
+    that takes back a growth still waiting for GPUs. No restart."""
+    workers = graph.vertex(rlm.WORKER)
+    workers.min_replicas = layout.workers
+    mutate.resize(graph, rlm.WORKER, layout.workers, remove=names, reason=(
+        f"spec.gpus now makes {layout.workers} Ray worker(s): the {len(names)} that never started "
+        "(they waited for GPUs) go, and the running gang goes on (no restart)"))
+    workers.max_replicas = layout.workers
+
+
 def gang(graph: Graph) -> list[Instance]:
     return [*graph.vertex(rlm.HEAD).instances, *graph.vertex(rlm.WORKER).instances]
 
@@ -325,8 +336,17 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         live = []
     running_workers = graph.vertex(rlm.WORKER).replicas
     if live and layout.workers < running_workers:
+        started = {p.instance for p in live if p.vertex == rlm.WORKER}
+        unplaced = [i.name for i in graph.vertex(rlm.WORKER).instances if i.name not in started]
+        if running_workers - len(unplaced) <= layout.workers:
+            # what goes is a growth that never started (its workers waited for GPUs): no actor
+            # ran there, so they go and the gang runs on (it had restarted whole, from its checkpoint)
+            shrink_unstarted(graph, layout, unplaced[:running_workers - layout.workers])
+            running_workers = layout.workers
+    if live and layout.workers < running_workers:
         # A Ray node cannot leave under running actors (which node holds which is Ray's choice)
-        reason = (f"spec.gpus now makes {layout.workers} Ray worker(s), fewer than the {running_workers} "
+        running = sum(1 for p in live if p.vertex == rlm.WORKER)
+        reason = (f"spec.gpus now makes {layout.workers} Ray worker(s), fewer than the {running} "
                   "running: restarting the whole gang on them, from the last checkpoint")
         for instance in list(members):
             mutate.replace_instance(graph, instance.name, reason=reason, drain=True, counted=False)

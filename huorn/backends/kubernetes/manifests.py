@@ -580,7 +580,12 @@ def template_hash(spec: Mapping[str, Any], unrolled: frozenset[str]) -> str:
 
 
 def serve_template_hash(spec: Mapping[str, Any]) -> str:
-    """What a replica was started from: a pod with another hash runs an old spec and is rolled."""
+    """What a replica was started from: a pod with another hash runs an old spec and is rolled.
+    `autoscaling` is no setting of a replica, except activationTimeoutSeconds above the default
+    load limit, which its startup probe waits (startup_seconds): a longer one must reach the
+    running replicas, whose next container restart would kill a slower load."""
+    if (startup := startup_seconds(spec)) != inference.SERVE_STARTUP_SECONDS:
+        return template_hash({**spec, "startupSeconds": startup}, UNROLLED_FIELDS)
     return template_hash(spec, UNROLLED_FIELDS)
 
 
@@ -700,6 +705,12 @@ def front_template_hash(spec: Mapping[str, Any]) -> str:
         routing = {k: v for k, v in (spec.get("routing") or {}).items() if k != "frontReplicas"}
         read |= {"routing": routing,
                  "cache": (spec.get("serving") or {}).get("prefixCacheTokens", PREFIX_CACHE_DEFAULT)}
+        if autoscaling.get("minReplicas") == 0:
+            # a router holds requests while it knows no replica only when the job scales to zero,
+            # read at its start: one started at minReplicas 1 stayed unready at zero replicas, the
+            # Service had no endpoint, and nothing woke the job again (the key only when 0: the
+            # routers of jobs that never scale to zero keep their hash across the upgrade)
+            read["holds"] = True
     return template_hash(read, frozenset())
 
 
