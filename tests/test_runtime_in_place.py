@@ -285,3 +285,68 @@ def test_a_regroup_after_the_store_restarted_joins_on_a_new_connection(tmp_path:
         seat.close()
     finally:
         launcher.kill_process_tree(store.pid)
+
+
+def test_a_save_a_lost_peer_cut_short_stays_due_for_the_next_round() -> None:
+    """take_pending_save cleared the flag before the save: a peer lost inside it (gloo's
+    RuntimeError) dropped the save, the final one too, and the survivor ended at an older
+    checkpoint with exit 0 (a reviewer's run: step-20 newest of 30). Now it stays due, and the
+    next round (share_state hands it on) takes it."""
+    saved: list[tuple[int, str]] = []
+
+    class Gang:
+        pending_save: str | None = "final"
+        failing = True
+
+        def save(self, step: int, reason: str) -> None:
+            if self.failing:
+                raise RuntimeError("[gloo] Connection closed by peer")
+            saved.append((step, reason))
+
+    gang = Gang()
+    with pytest.raises(RuntimeError):
+        train.Trainer.take_pending_save(gang, 30)  # type: ignore[arg-type]
+    assert gang.pending_save == "final" and saved == []
+    gang.failing = False
+    train.Trainer.take_pending_save(gang, 30)  # type: ignore[arg-type]
+    assert gang.pending_save is None and saved == [(30, "final")]
+
+
+@pytest.mark.slow
+def test_a_joiner_that_becomes_rank_0_logs_the_regroup_and_keeps_the_gangs_checkpoint_clock(
+        tmp_path: Path) -> None:
+    """c10d numbers a round's ranks by address: r0 (127.0.0.2) joining r1 (127.0.0.3) is rank 0
+    of the new round, and only rank 0 logs and times checkpoints. The joiner logged `start`
+    alone (no regroup: the members are not rank 0) and started the checkpoint interval over at
+    the join (a reviewer's run: 16.4 s between checkpoints of a 10 s interval)."""
+    interval = 15.0
+    spec = harness.build_spec(steps=1000, interval_steps=None, min_replicas=1)
+    spec["checkpoint"]["interval"] = f"{interval:g}s"
+    config, store, port = harness.start_paced_gang(tmp_path, spec)
+    run_dir = tmp_path / "run"
+    replicas: dict[int, subprocess.Popen] = {}
+
+    def checkpoints() -> list[float]:
+        return [e["time"] for e in steplog.read_events(run_dir) if e["event"] == "checkpoint"]
+
+    def at_two() -> list[dict]:
+        return [e for e in steplog.read_events(run_dir) if e["event"] == "step" and e["world_size"] == 2]
+
+    try:
+        replicas[1] = _start_replica(config, port, 1, tmp_path)
+        harness.wait_for(lambda: len(checkpoints()) >= 1, 240, "r1's first checkpoint")
+        time.sleep(3)  # the join well inside the interval: its clock must not start over there
+        replicas[0] = _start_replica(config, port, 0, tmp_path)
+        harness.wait_for(at_two, 240, "steps at world size 2")
+        first_at_two = at_two()[0]["time"]
+        harness.wait_for(lambda: any(t > first_at_two for t in checkpoints()), 240,
+                         "a checkpoint after the join")
+    finally:
+        _stop_all(replicas, store)
+    joins = [r for r in _regroups(run_dir) if r["world_size"] == 2]
+    assert [(r["reason"], r["from_world_size"]) for r in joins] == [("join", 1)], "the join, logged once"
+    before = max(t for t in checkpoints() if t < first_at_two)
+    after = min(t for t in checkpoints() if t > first_at_two)
+    # due at the gang's last checkpoint + the interval (or at once, if that passed during the
+    # join), not at the join + the interval; 2.5 s for the step in flight and the save
+    assert after - before < max(interval, first_at_two - before) + 2.5, (before, first_at_two, after)

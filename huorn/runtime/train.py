@@ -130,6 +130,12 @@ class Trainer:
             signal.signal(signal.SIGTERM, self._request_stop)
             self.rank, self.world = self.join_round()
         self.pending_save: str | None = None  # a checkpoint due at this step boundary, not yet taken
+        # when the last checkpoint was written (monotonic), which decides a time-based one; None
+        # until the loop starts. A joiner takes its gang's (share_state): rank 0 decides, and a
+        # joiner that became rank 0 had started the interval over at each join
+        self.last_checkpoint_time: float | None = None
+        self.world_before_round: int | None = None  # the gang's size before this round formed
+        self.joined_a_gang = False  # this process's state came from a running gang's member
         self.store_unreachable = False
         self.store_probed_at = -math.inf
         self.state_module: torch.nn.Module = self.model  # what checkpoints hold
@@ -233,6 +239,7 @@ class Trainer:
         from the newest state any member holds. Returns the step to continue from."""
         started = time.monotonic()
         old_world = self.world
+        self.world_before_round = old_world
         self._release_group_holders()  # a late alarm must not abort the next round's group
         with contextlib.suppress(Exception):  # a group with a dead peer may refuse to close cleanly
             dist.destroy_process_group()
@@ -288,7 +295,10 @@ class Trainer:
                 {"noise": dataclasses.asdict(self.noise), "control_stamp": self.control_stamp,
                  "plan_rejected": self.plan_rejected, "tokens": self.tokens, "budget": self.budget.meta(),
                  "param_groups": optim_state["param_groups"], "pending_save": self.pending_save,
-                 "ddk": self.ddk.state() if self.ddk is not None else None}
+                 "ddk": self.ddk.state() if self.ddk is not None else None,
+                 "checkpoint_age": None if self.last_checkpoint_time is None
+                 else time.monotonic() - self.last_checkpoint_time,
+                 "world_before": self.world_before_round}
                 if self.rank == source else None, self.hook_state, src=source)
             self._raise_if_peer_lost()  # a member lost mid-broadcast: what arrived may be partial
             self.pending_save = loop["pending_save"]  # type: ignore[index]
@@ -303,6 +313,10 @@ class Trainer:
             # the schedule's unit of the run's first start
             self.budget = self.budget.resumed(loop["budget"])  # type: ignore[index]
             self.restore_mixture(loop["ddk"])  # type: ignore[index]
+            if loop.get("checkpoint_age") is not None:  # type: ignore[union-attr]
+                self.last_checkpoint_time = time.monotonic() - loop["checkpoint_age"]  # type: ignore[index]
+            self.world_before_round = loop.get("world_before")  # type: ignore[union-attr]
+            self.joined_a_gang = True
             step = best
         self.has_state = True
         if self.plan_rejected:
@@ -497,8 +511,15 @@ class Trainer:
                       "sources": [s.name for s in self.spec.data.sources], "tokens": plan.tokens,
                       "choice": plan.choice, "domain_r2": plan.domain_r2, "general_r2": plan.general_r2,
                       "probes": len(plan.probes), "seconds": plan.seconds})
+        if self.joined_a_gang and self.world_before_round is not None:
+            # the gang's members log nothing of a join when the joiner is rank 0 (c10d numbers
+            # ranks by address, and a replacement often sorts first): it logs the regroup for them
+            self.log({"event": "regroup", "reason": "join", "resumed_from": step,
+                      "from_world_size": self.world_before_round, "world_size": self.world,
+                      "global_batch": self.plan.global_batch})
         signal.signal(signal.SIGTERM, self._request_stop)
-        self.last_checkpoint_time = time.monotonic()
+        if self.last_checkpoint_time is None:  # a joiner keeps its gang's clock
+            self.last_checkpoint_time = time.monotonic()
         failures: tuple[int, int] = (-1, 0)  # (step, failures in a row at it)
         while not self.budget.reached(step, self.tokens):
             if self.gang is None:
@@ -629,9 +650,12 @@ class Trainer:
             return 0
 
     def take_pending_save(self, step: int) -> None:
+        """The save its gang had due, cleared once written: a peer lost inside it leaves it due,
+        and the next round takes it (share_state hands it on). Cleared first, a lost peer had
+        dropped it, the final one too, and the survivors ended with an older checkpoint, exit 0."""
         if self.pending_save is not None:
-            reason, self.pending_save = self.pending_save, None
-            self.save(step, reason)
+            self.save(step, self.pending_save)
+            self.pending_save = None
 
     def recover(self, error: Exception) -> int:
         """A collective failed: a peer died or hung. Form the next round with the ranks still
