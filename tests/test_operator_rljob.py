@@ -428,6 +428,16 @@ def test_a_suspended_gang_keeps_its_workers_until_the_head_has_checkpointed(clus
     wait_for(lambda: status(kube, "order").get("message", "").startswith("suspended: no pods"), what="done")
 
 
+def _running_gang(kube: builders.Kube, name: str) -> list[str]:
+    """A four-GPU RLJob created and Running: its head and two workers, by pod name."""
+    kube.create_job(NS, rl_job(name), plural=RL)
+    first = [f"{name}-ray-head-0", f"{name}-ray-worker-0", f"{name}-ray-worker-1"]
+    wait_for(lambda: sorted(live_pods(kube, name)) == first, what="the gang")
+    run_all(kube, name)
+    wait_for(lambda: status(kube, name).get("phase") == "Running", what="Running")
+    return first
+
+
 def test_more_gpus_join_the_running_ray_cluster_and_roles_scale_without_a_restart(
     kube: builders.Kube, operator
 ) -> None:
@@ -436,11 +446,7 @@ def test_more_gpus_join_the_running_ray_cluster_and_roles_scale_without_a_restar
     into the ConfigMap, which the running controller re-reads at every step
     (tests/test_runtime_rl.py runs that half). Lowering spec.gpus restarts the gang on fewer
     workers: a Ray node cannot leave under running actors."""
-    kube.create_job(NS, rl_job("grow"), plural=RL)
-    first = ["grow-ray-head-0", "grow-ray-worker-0", "grow-ray-worker-1"]
-    wait_for(lambda: sorted(live_pods(kube, "grow")) == first, what="the gang")
-    run_all(kube, "grow")
-    wait_for(lambda: status(kube, "grow").get("phase") == "Running", what="Running")
+    first = _running_gang(kube, "grow")
     patch = kube.custom.patch_namespaced_custom_object
     patch(builders.GROUP, builders.VERSION, NS, RL, "grow",
           {"spec": {"gpus": 8, "roles": {"actorTrain": {"replicas": 2}, "rollout": {"replicas": 2}}}})
@@ -474,11 +480,7 @@ def test_taking_back_a_growth_that_never_started_restarts_nothing(kube: builders
     """More spec.gpus than the cluster has free: the growth's workers wait. Lowering spec.gpus
     back counted them as running and restarted the whole gang from its checkpoint ("fewer than
     the 6 running" with 2 running); they never started, so they go alone."""
-    kube.create_job(NS, rl_job("grow"), plural=RL)
-    first = ["grow-ray-head-0", "grow-ray-worker-0", "grow-ray-worker-1"]
-    wait_for(lambda: sorted(live_pods(kube, "grow")) == first, what="the gang")
-    run_all(kube, "grow")
-    wait_for(lambda: status(kube, "grow").get("phase") == "Running", what="Running")
+    first = _running_gang(kube, "grow")
     patch = kube.custom.patch_namespaced_custom_object
     # 12 GPUs: four more workers of two on a cluster of 8 (borrowing 4), 4 of them taken: they wait
     patch(builders.GROUP, builders.VERSION, NS, RL, "grow",
