@@ -3,7 +3,9 @@ that spawned processes can import them by name."""
 
 from __future__ import annotations
 
+import datetime
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -254,3 +256,19 @@ def unequal_counts_worker(rank: int, world: int, cfg: models.ModelConfig, stages
             "grads": {names[id(p)]: p.grad.clone() for p in stage.parameters() if p.grad is not None},
         }
     return results
+
+
+def silent_peer_worker(rank: int, world: int, timeout_s: float, silent_s: float) -> tuple[str, float]:
+    """Two stages: the last waits for an activation the first never sends (a hung stage). Returns
+    how the wait ended and how long it took, on the receiving rank."""
+    topo = pp_topology.PipelineTopology(stages=2, replicas=1, rank=rank)
+    groups = pp_topology.build_groups(topo, timeout=datetime.timedelta(seconds=timeout_s))
+    if rank == 0:
+        time.sleep(silent_s)
+        return "silent", 0.0
+    started = time.monotonic()
+    try:
+        dist.recv(torch.zeros(4), src=0, group=groups.from_previous)
+    except RuntimeError as error:
+        return f"raised: {error}"[:200], time.monotonic() - started
+    return "received", time.monotonic() - started

@@ -194,3 +194,13 @@ def test_a_gpipe_stage_hung_in_compute_mid_step_is_named_though_its_count_is_ahe
     assert samples[0].seq_entered < samples[1].seq_entered, samples
     found = hang.classify_stall(samples, 30.0, now, 15.0)
     assert (found.kind, found.culprits) == (hang.NON_COMMUNICATION, (1,)), (found, samples)
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_waiting_on_a_hung_peer_gives_up_at_the_collective_timeout() -> None:
+    """The pipeline's groups took torch's default timeout (30 minutes on gloo, 10 on NCCL), not
+    the trainer's collectiveTimeoutS: a hung stage held its neighbours that long, where a DDP
+    job failed in 120 s. Here 2 s, the peer silent for 12 (its exit would end the wait too)."""
+    ranks = launch.run_workers(workers.silent_peer_worker, 2, "gloo", (2.0, 12.0), timeout_s=60.0)
+    outcome, waited = ranks[1]
+    assert outcome.startswith("raised") and waited < 8, ranks[1]

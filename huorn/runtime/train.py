@@ -106,7 +106,7 @@ class Trainer:
         # that resizes in place does this slow part while the gang still trains.
         torch.manual_seed(self.spec.data.seed)
         self.model_cfg = run_config.build_model_config(self.spec.model)
-        self.model = models.build_model(self.model_cfg).to(self.device)
+        self.model = models.build_model(self.model_cfg).to(self.model_device())
         # Distillation's teacher is read before the gang forms too: alone, DCP needs no other
         # process, so an in-place replica joining a running gang loads it without them.
         teacher = self.spec.task.teacher
@@ -186,6 +186,11 @@ class Trainer:
         self.autocast = (
             (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_cuda else contextlib.nullcontext)
         self.build_parallel(use_cuda)
+
+    def model_device(self) -> torch.device:
+        """Where the whole decoder is built: this rank's device under DDP, which trains all of it
+        (a pipeline builds it on the host and moves only its stage)."""
+        return self.device
 
     def data_parallel_size(self) -> int:
         """Ranks that split the batch (all of them under DDP; a pipeline divides by its stages)."""

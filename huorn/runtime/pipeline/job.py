@@ -30,6 +30,7 @@ pipeline replicas (multiples of `stages` ranks), and M must stay divisible by th
 
 from __future__ import annotations
 
+import datetime
 import functools
 import math
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from huorn import models
 from huorn.api import base
 from huorn.models import decay
 from huorn.runtime import comm, microbatches, train
@@ -57,6 +59,12 @@ class StageState(nn.Module):
 
 
 class PipelineTrainer(train.Trainer):
+    def model_device(self) -> torch.device:
+        """The host: only this rank's stage goes to its device (build_parallel). Built on the GPU,
+        every stage held the whole decoder's weights there, (S − 1)/S of them for nothing, and a
+        model that needs a pipeline to fit could not start."""
+        return torch.device("cpu")
+
     def data_parallel_size(self) -> int:
         stages = self.spec.parallelism.pipeline_stages
         if self.world % stages:
@@ -72,9 +80,12 @@ class PipelineTrainer(train.Trainer):
                              f"{replicas} pipeline replicas; make globalBatch / microBatch a multiple of "
                              "the replicas")
         self.topology = topology.PipelineTopology(par.pipeline_stages, replicas, self.rank)
-        groups = topology.build_groups(self.topology)
+        groups = topology.build_groups(self.topology,
+                                       timeout=datetime.timedelta(seconds=self.cfg.collective_timeout_s))
         stages = split.split_decoder(self.model, par.pipeline_stages, self.cfg.stage_layers)
         self.stage = stages[self.topology.stage]
+        release_other_stages(self.model, self.stage)
+        self.stage.to(self.device)
         self.state_module = StageState(self.stage)
         self.flat_checkpoint = True
         # on GPUs the stages replay CUDA graphs: eager stages were bound by the host launching
@@ -204,6 +215,20 @@ def build_loop(stage: executor.StageExecutor, optimizer: torch.optim.Optimizer,
     return training.PipelineTraining(stage=stage, optimizer=optimizer, batches=batches, plan=plan,
                                      planner=planner.AdaptiveKPlanner() if auto else None,
                                      memory_budget=budget if auto else None, before_update=before_update)
+
+
+def release_other_stages(decoder: models.Decoder, mine: split.DecoderStage) -> None:
+    """Free the weights of the decoder's modules this rank's stage does not run (to the meta
+    device: shapes kept, storage gone). The rank keeps only its own stage's; the others' hosts
+    hold theirs, and a checkpoint holds each stage's apart (StageState)."""
+    for index, layer in enumerate(decoder.layers):
+        if not mine.start <= index < mine.end:
+            layer.to("meta")
+    if not mine.first:
+        decoder.embed.to("meta")
+    if not mine.last:
+        decoder.norm.to("meta")
+        decoder.head.to("meta")
 
 
 def batching_indices(micro_batches: int, topo: topology.PipelineTopology,

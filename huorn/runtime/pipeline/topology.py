@@ -18,6 +18,7 @@ before its upper one) and so cannot wait in a cycle."""
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -75,8 +76,14 @@ class PipelineGroups:
 
 
 def build_groups(topology: PipelineTopology, *, p2p_max_ctas: int | None = None,
-                 p2p_high_priority: bool = False) -> PipelineGroups:
+                 p2p_high_priority: bool = False,
+                 timeout: datetime.timedelta | None = None) -> PipelineGroups:
     """Create every group in the same order on every rank (dist.new_group is collective).
+
+    `timeout` bounds each of the groups' operations, as the trainer's collectiveTimeoutS bounds
+    the default group's: torch gives a new group its backend's default instead (30 minutes on
+    gloo, 10 on NCCL), and every send, receive and data-parallel all-reduce of a pipeline runs on
+    these groups, so a hung stage held its neighbours that long where a DDP job failed in 120 s.
 
     On NCCL, `p2p_max_ctas` caps the thread blocks of the pipeline edges' communicators and
     `p2p_high_priority` puts their streams ahead of compute. NB: a send or receive kernel
@@ -93,8 +100,8 @@ def build_groups(topology: PipelineTopology, *, p2p_max_ctas: int | None = None,
     for replica in range(topology.replicas):
         for stage in range(topology.stages - 1):
             low, high = topology.global_rank(replica, stage), topology.global_rank(replica, stage + 1)
-            forward = dist.new_group([low, high], pg_options=options)
-            backward = dist.new_group([low, high], pg_options=options)
+            forward = dist.new_group([low, high], pg_options=options, timeout=timeout)
+            backward = dist.new_group([low, high], pg_options=options, timeout=timeout)
             if me == low:
                 mine.to_next, mine.from_next = forward, backward
             elif me == high:
@@ -107,14 +114,14 @@ def build_groups(topology: PipelineTopology, *, p2p_max_ctas: int | None = None,
         # a lockstep exchange batches operations towards both neighbours into one NCCL group
         for replica in range(topology.replicas):
             members = [topology.global_rank(replica, stage) for stage in range(topology.stages)]
-            group = dist.new_group(members, pg_options=options)
+            group = dist.new_group(members, pg_options=options, timeout=timeout)
             if me in members:
                 mine.pipeline = group
                 _connect_both_ways(group, topology, me)
     if topology.replicas > 1:
         for stage in range(topology.stages):
             members = [topology.global_rank(r, stage) for r in range(topology.replicas)]
-            group = dist.new_group(members)
+            group = dist.new_group(members, timeout=timeout)
             if me in members:
                 mine.data_parallel = group
                 dist.all_reduce(torch.zeros(1, device=_device()), group=group)
