@@ -168,3 +168,48 @@ def test_a_run_resumed_across_the_exact_token_naming_takes_the_plan_it_trained_w
     (directory / f"plan-{rounded}.json").write_text(json.dumps(dataclasses.asdict(old)))
     assert mixture_plan.planned_weights(cfg) == [0.5, 0.2, 0.3]
     assert mixture_plan.plan_mixture(cfg, 0, 1, torch.device("cpu")) == old  # no probe ran
+
+
+def _checkpoint_with_plan(root: Path, step: int, plan: mixture_plan.Plan | None) -> None:
+    """A complete checkpoint directory as the trainer writes one, its huorn.json carrying `plan`."""
+    directory = root / f"step-{step:08d}"
+    directory.mkdir(parents=True)
+    (directory / ".metadata").write_bytes(b"")
+    meta = {"step": step, **({mixture_plan.CHECKPOINT_KEY: dataclasses.asdict(plan)} if plan else {})}
+    (directory / "huorn.json").write_text(json.dumps(meta))
+
+
+def test_a_resumed_run_keeps_the_plan_its_checkpoint_trained_with_whatever_its_budget(tmp_path: Path) -> None:
+    """The plan files are named after the run's tokens and the optimisation, so a resumed run
+    whose budget was extended fitted again and changed its mixture mid-run (0.85 → 0.83 → 0.80
+    over two edits, a reviewer's run); an optimiser edit re-ran every probe."""
+    spec = _planned_spec(steps=40)
+    cfg = run_config.load_run_config(harness.write_config(tmp_path, harness.shared_data_dir(), spec))
+    trained = mixture_plan.Plan(0.85, [0.1, 0.05, 0.85], 1e4, {}, 0.9, 0.9, {}, {}, [], 1.0)
+    _checkpoint_with_plan(Path(cfg.checkpoint_root), 4, trained)
+    assert mixture_plan.plan_mixture(cfg, 0, 1, torch.device("cpu")) == trained  # no probe ran
+    assert mixture_plan.planned_weights(cfg) == [0.1, 0.05, 0.85]
+    assert not mixture_plan.plan_directory(cfg).exists()
+
+
+def test_a_cpt_runs_probes_that_do_not_split_evenly_over_its_ranks(tmp_path: Path, data_dir: Path) -> None:
+    """Each probe of a cpt run loaded the base checkpoint collectively, on a rank that ran it
+    alone while the other polled for its results: 5 probes on 2 ranks (or a restart that found
+    some done) waited out collectiveTimeoutS, and again at every restart."""
+    base = tmp_path / "base"
+    base.mkdir()
+    config = harness.write_config(base, data_dir, harness.build_spec(steps=2, interval_steps=None))
+    assert harness.start_trainer(config, base / "train.log").wait(timeout=120) == 0, \
+        (base / "train.log").read_text()[-2000:]
+    cpt = tmp_path / "cpt"
+    cpt.mkdir()
+    spec = _planned_spec(steps=2)
+    spec["data"]["plan"]["probeRatios"] = [0.2, 0.35, 0.5, 0.65, 0.8]  # 5 on 2 ranks: rank 0 runs 3
+    spec["task"] = {"kind": "cpt", "initCheckpoint": str(base / "ckpt")}
+    config = harness.write_config(cpt, data_dir, spec, collectiveTimeoutS=20)
+    log = cpt / "train.log"
+    with open(log, "wb") as out:
+        code = subprocess.run(harness.trainer_command(config, 2), cwd=harness.REPO, env=harness.child_env(),
+                              stdout=out, stderr=subprocess.STDOUT, timeout=300).returncode
+    assert code == 0, log.read_text()[-3000:]
+    assert len(list(mixture_plan.plan_directory(run_config.load_run_config(config)).glob("plan-*.json"))) == 1

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ import torch
 from huorn import models
 from huorn.api import training
 from huorn.models import decay
-from huorn.runtime import batching, checkpoint, distill
+from huorn.runtime import batching, checkpoint, distill, init_weights
 from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler
 
@@ -204,10 +203,12 @@ def _starting_model(cfg: run_config.RunConfig, device: torch.device) -> torch.nn
     torch.manual_seed(spec.data.seed)
     model = models.build_model(run_config.build_model_config(spec.model)).to(device)
     if spec.task.init_checkpoint:
-        source = checkpoint.resolve(Path(spec.task.init_checkpoint))
-        with warnings.catch_warnings():  # one process, no group: what DCP warns about is the point
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            checkpoint.load_checkpoint(source, model, None)
+        source = init_weights.starting_checkpoint(spec.task.init_checkpoint, spec.model)
+        # `local`: each rank runs its own probes, while the process group is up. A collective
+        # load waited for a rank that was polling for the other probes' results: with probes
+        # that do not split evenly over the ranks (5 on 2, or a restart that found some done)
+        # the gang deadlocked until collectiveTimeoutS, and again on every restart
+        checkpoint.load_checkpoint(source, model, None, local=True)
     return model
 
 
@@ -309,8 +310,15 @@ def build_plan(data: training.DataSpec, probes: list[dict[str, Any]], tokens: fl
 
 def plan_mixture(cfg: run_config.RunConfig, rank: int, world: int, device: torch.device,
                  progress: Callable[[str], None] = lambda _: None) -> Plan:
-    """The run's plan: read if an earlier start made it, else probed (this rank's share of the
-    probes), fitted by rank 0 and read by the others."""
+    """The run's plan: the one its newest checkpoint trained with; else one an earlier start made;
+    else probed (this rank's share of the probes), fitted by rank 0 and read by the others.
+
+    The checkpoint's first: the plan files are named after the run's tokens and the spec's
+    optimisation, so a resumed run whose budget or optimiser was edited fitted again and changed
+    its mixture mid-run (0.85 → 0.83 → 0.80 over two budget edits). A run plans once, at its
+    start; resumed, it keeps its mixture, as DDK keeps its weights."""
+    if (trained := _checkpointed_plan(cfg)) is not None:
+        return trained
     spec = cfg.spec
     plan = spec.data.plan
     assert plan is not None
@@ -356,6 +364,19 @@ def run_tokens(cfg: run_config.RunConfig) -> float:
     return float(budget.steps * budget.step_tokens)
 
 
+CHECKPOINT_KEY = "mixture_plan"  # the plan in a checkpoint's huorn.json
+
+
+def _checkpointed_plan(cfg: run_config.RunConfig) -> Plan | None:
+    """The plan the run's newest checkpoint was trained with (every rank reads the same shared
+    directory, and nothing writes it before the gang's first step)."""
+    latest = checkpoint.find_latest(cfg.checkpoint_root)
+    if latest is None:
+        return None
+    recorded = checkpoint.read_meta(latest).get(CHECKPOINT_KEY)
+    return Plan(**recorded) if recorded is not None else None
+
+
 def _made_plan(cfg: run_config.RunConfig) -> Path | None:
     """The plan an earlier start made for this run, if one did. A budget in tokens was once
     named by its tokens rounded up to whole steps of globalBatch (before f637dd3): a run resumed
@@ -370,6 +391,11 @@ def _made_plan(cfg: run_config.RunConfig) -> Path | None:
 
 
 def planned_weights(cfg: run_config.RunConfig) -> list[float] | None:
-    """The weights an earlier start planned for this spec, if it did (the evaluator's mixture)."""
-    made = _made_plan(cfg) if cfg.spec.data.plan is not None else None
+    """The weights the run trains with, if it planned them (the evaluator's mixture): its newest
+    checkpoint's, else the plan an earlier start made for this spec."""
+    if cfg.spec.data.plan is None:
+        return None
+    if (trained := _checkpointed_plan(cfg)) is not None:
+        return trained.weights
+    made = _made_plan(cfg)
     return Plan.read(made).weights if made is not None else None

@@ -46,6 +46,7 @@ from huorn.runtime import (
     comm,
     distill,
     faults,
+    init_weights,
     launcher,
     membership,
     microbatches,
@@ -112,6 +113,9 @@ class Trainer:
         teacher = self.spec.task.teacher
         self.teacher = (distill.load_teacher(teacher.checkpoint, self.spec.model, self.device).model
                         if teacher is not None else None)
+        # checked here, where a ValueError ends the process with 2 and the field's name
+        start = self.spec.task.init_checkpoint
+        self.init_source = init_weights.starting_checkpoint(start, self.spec.model) if start else None
         self.has_state = False  # in-place mode: this process holds the gang's training state
         self.watch: PeerWatch | None = None  # in place: the heartbeats of this round's members
         self.peer_lost: list[int] | None = None  # ranks the watch found dead; the groups are aborted
@@ -372,11 +376,10 @@ class Trainer:
             # the schedule's unit the run's first start fixed, not the (maybe edited) spec's
             self.budget = batching.Budget.of(self.spec, self.cfg.step_limit).resumed(meta)
             return int(meta["step"])
-        if self.spec.task.init_checkpoint:
+        if self.init_source is not None:
             # Continual pre-training starts from another run's weights, with a fresh optimizer
             # and step 0; once this run has its own checkpoint, that one wins on restart.
-            source = checkpoint.resolve(Path(self.spec.task.init_checkpoint))
-            checkpoint.load_checkpoint(source, self.state_module, None)
+            checkpoint.load_checkpoint(self.init_source, self.state_module, None)
         self.tokens = 0
         self.budget = batching.Budget.of(self.spec, self.cfg.step_limit)  # the run's first start
         return 0
@@ -388,7 +391,9 @@ class Trainer:
             {"world_size": self.world, "job": self.cfg.job_name, "seed": self.spec.data.seed,
              "global_batch": self.plan.global_batch, "tokens": self.tokens, **self.budget.meta(),
              "model": self.spec.model.to_wire(),
-             **({"ddk": self.ddk.state()} if self.ddk is not None else {})},
+             **({"ddk": self.ddk.state()} if self.ddk is not None else {}),
+             **({mixture_plan.CHECKPOINT_KEY: dataclasses.asdict(self.mixture_plan)}
+                if self.mixture_plan is not None else {})},
             self.rank, lambda: comm.barrier(self.hook_state), keep=self.cfg.keep_checkpoints,
             flat=self.flat_checkpoint)
         self.last_checkpoint_time = time.monotonic()

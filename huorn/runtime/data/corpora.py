@@ -70,11 +70,14 @@ def _docstrings(source: str) -> list[str]:
 
 
 def iter_general() -> Iterator[tuple[str, bytes]]:
+    seen: set[str] = set()  # a docstring repeated in another module (asyncio's) is kept once
     for path in _stdlib_sources():
         try:
             docs = _docstrings(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError):
             continue
+        docs = [d for d in docs if d not in seen]
+        seen.update(docs)
         if docs:
             yield f"docstrings/{path.parent.name}/{path.name}", "\n\n".join(docs).encode("utf-8")
     for root in _site_packages():
