@@ -15,17 +15,29 @@ policies, one after the other, on the same arrivals:
   the prediction board (huorn.scheduler.forecast, the operator's model and quantile) forecasts the
   next two bins' peak from the bins before the current one, and ⌈peak / (a replica's probed
   capacity × the target utilisation)⌉ replicas are kept. The board is fitted on the trace's bins
-  after the replayed stretch (held out: the stretch itself is never in the fit); the operator
-  fits on the last 24 h, which a 22-hour trace does not have before the stretch.
+  after the replayed stretch (held out: neither the stretch nor its warm-up is in the fit); the
+  operator fits on the last 24 h, which a 22-hour trace does not have before the stretch.
 
 A probe first measures one replica under a closed loop of 64 clients: its capacity (the trace is
 scaled so its peak is `--peak-load` × the static-peak fleet's capacity) and its mean latency
 there (the SLO on p99 is `--slo-factor` × that). Reported per policy: the share of requests
 within the SLO, the share of one-second windows whose p99 is within it, latency percentiles,
-and replica-seconds (a replica counts from its start, loading included, to its stop); and
+and replica-seconds over the measured stretch (a replica counts from its start, loading included,
+to its stop; not the drain of the requests still in flight after the last bin); and
 Huorn's ratios to both baselines.
 
+A stretch that begins in the busy period starts every policy there cold unless told otherwise:
+the static ones at their full count, the elastic ones at one replica under hundreds of requests a
+second, whose backlog times out while the others load and then spoils the windows of the whole
+start. That measures a cold start, which a fleet that has been serving all day never has.
+`--warmup-bins N` replays the N bins before the stretch first (same scale, same open-loop
+arrivals) and runs on into it without a pause, so each policy meets the stretch with the fleet,
+the autoscaler's window and the requests in flight that the load before it left; only what
+arrives from the stretch's start counts, and replica-seconds from that instant. 0 (the default)
+is the cold start of the recorded runs.
+
     .venv/bin/python benchmarks/serving_autoscale.py [--bins 40:132] [--bin-seconds 1.5] [--max-replicas N]
+        [--warmup-bins N]
 """
 
 from __future__ import annotations
@@ -80,6 +92,11 @@ class Fleet:
     counter: int = 0
     replica_seconds: float = 0.0
     last: float = field(default_factory=time.monotonic)
+    # Replica-seconds outside [counted_from, counted_until] are not counted: the warm-up's fleet
+    # and the drain of the requests in flight after the last bin (up to the timeout) are not the
+    # measured stretch's cost. A tick that straddles either end counts only its part inside.
+    counted_from: float = -math.inf
+    counted_until: float = math.inf
 
     def start(self) -> None:
         name = f"serve-{self.counter}"
@@ -111,7 +128,8 @@ class Fleet:
 
     def tick(self) -> None:
         now = time.monotonic()
-        self.replica_seconds += len(self.replicas) * (now - self.last)
+        inside = min(now, self.counted_until) - max(self.last, self.counted_from)
+        self.replica_seconds += len(self.replicas) * max(0.0, inside)
         self.last = now
         for r in self.replicas:
             if r.port is None and (r.run_dir / "serve.json").exists():
@@ -173,7 +191,9 @@ async def probe(fleet: Fleet, seconds: float) -> dict:
 
 async def run_policy(policy: str, fleet: Fleet, rates: list[float], bin_seconds: float, slo_s: float,
                      static: int, high: int, args, progress: Progress,
-                     floors: list[autoscale.ForecastFloor] | None = None) -> dict:
+                     floors: list[autoscale.ForecastFloor] | None = None, warmup: int = 0) -> dict:
+    """`rates` (and `floors`) run over the warm-up's `warmup` bins, then the measured stretch's.
+    Times in the result are from the measured start, so the warm-up's are negative."""
     rng = random.Random(args.seed)
     rule = autoscale.ScalingRule(min_replicas=1, max_replicas=high, slots_per_replica=MAX_BATCH,
                                  target_utilization=args.target,
@@ -182,19 +202,23 @@ async def run_policy(policy: str, fleet: Fleet, rates: list[float], bin_seconds:
     elastic = policy.startswith("huorn")
     fleet.scale_to(static if not elastic else 1)
     await fleet.wait_ready()
-    latencies: list[tuple[float, float | None]] = []  # (arrival, latency or None for a failure)
+    latencies: list[tuple[float, float | None]] = []  # (arrival, latency or None for a failure), measured
     timeline: list[tuple[float, int, int, float]] = []
     pending: set[asyncio.Task] = set()
     turn = 0
     start = time.monotonic()
+    measured_start = start + warmup * bin_seconds
+    fleet.counted_from, fleet.counted_until = measured_start, start + len(rates) * bin_seconds
     task = progress.add_task(policy, total=len(rates))
     stop = asyncio.Event()
 
-    async def one(session: aiohttp.ClientSession, url: str, prompt: str, at: float) -> None:
+    async def one(session: aiohttp.ClientSession, url: str, prompt: str, at: float, measured: bool) -> None:
         try:
-            latencies.append((at, await ask(session, url, prompt, args.timeout)))
+            latency: float | None = await ask(session, url, prompt, args.timeout)
         except (TimeoutError, aiohttp.ClientError, RuntimeError):
-            latencies.append((at, None))
+            latency = None
+        if measured:  # a warm-up request still loads the fleet, but is not the stretch's to count
+            latencies.append((at, latency))
 
     async def control(session: aiohttp.ClientSession) -> None:
         last: dict[str, autoscale.ReplicaSample] = {}
@@ -218,7 +242,8 @@ async def run_policy(policy: str, fleet: Fleet, rates: list[float], bin_seconds:
     async def watch() -> None:
         while not stop.is_set():
             fleet.tick()
-            timeline.append((time.monotonic() - start, len(fleet.replicas), len(fleet.ready()), current))
+            timeline.append((time.monotonic() - measured_start, len(fleet.replicas), len(fleet.ready()),
+                             current))
             await asyncio.sleep(0.2)
 
     current, current_bin = 0.0, 0
@@ -229,6 +254,7 @@ async def run_policy(policy: str, fleet: Fleet, rates: list[float], bin_seconds:
             helpers.append(asyncio.create_task(control(session)))
         for b, rate in enumerate(rates):
             current, current_bin = rate, b
+            measured = b >= warmup  # by bin, not by time: a timer may wake a little before it is due
             bin_end = start + (b + 1) * bin_seconds
             t = time.monotonic()
             while rate > 0:
@@ -238,11 +264,12 @@ async def run_policy(policy: str, fleet: Fleet, rates: list[float], bin_seconds:
                 await asyncio.sleep(max(0.0, t - time.monotonic()))
                 urls = fleet.ready()
                 if not urls:
-                    latencies.append((t - start, None))
+                    if measured:
+                        latencies.append((t - measured_start, None))
                     continue
                 turn += 1
                 job = asyncio.create_task(one(session, urls[turn % len(urls)], PROMPTS[rng.randrange(4)],
-                                              t - start))
+                                              t - measured_start, measured))
                 pending.add(job)
                 job.add_done_callback(pending.discard)
             await asyncio.sleep(max(0.0, bin_end - time.monotonic()))
@@ -254,13 +281,14 @@ async def run_policy(policy: str, fleet: Fleet, rates: list[float], bin_seconds:
     fleet.tick()
     used = fleet.replica_seconds
     fleet.close()
-    return summarise(policy, latencies, timeline, used, slo_s, len(rates) * bin_seconds)
+    return summarise(policy, latencies, timeline, used, slo_s, (len(rates) - warmup) * bin_seconds)
 
 
 def forecast_floors(times: np.ndarray, series: np.ndarray, lo: int, hi: int, scale: float,
-                    per_replica: float) -> tuple[list[autoscale.ForecastFloor], dict]:
-    """The board's floor for each replayed bin b: the peak of bins b..b+1 forecast at the end of
-    bin b-1 (what is known when b starts), in the replay's requests/s. Fitted on bins [hi:]."""
+                    per_replica: float, warmup: int = 0) -> tuple[list[autoscale.ForecastFloor], dict]:
+    """The board's floor for each replayed bin b, the warm-up's (lo - warmup ..) included: the
+    peak of bins b..b+1 forecast at the end of bin b-1 (what is known when b starts), in the
+    replay's requests/s. Fitted on bins [hi:], after every replayed one; coverage is the stretch's."""
     config = forecast.ForecastConfig(quantile=forecast.HUORN_QUANTILE)
     if len(series) - hi < forecast.min_history_bins(config):
         raise SystemExit(f"--bins ends at {hi}: the board is fitted on the bins after the stretch and needs "
@@ -268,12 +296,15 @@ def forecast_floors(times: np.ndarray, series: np.ndarray, lo: int, hi: int, sca
     model = forecast.LoadForecaster(config).fit(times[hi:], series[hi:])
     peaks = model.predict_series(times, series) * scale
     floors = []
-    for b in range(hi - lo):
-        peak = float(peaks[lo + b - 1]) if lo + b >= 1 else float(series[lo] * scale)
+    first = lo - warmup
+    for b in range(hi - first):
+        # bin 0 has no bin before it: its own rate stands in
+        peak = float(peaks[first + b - 1]) if first + b >= 1 else float(series[first] * scale)
         replicas = max(1, math.ceil(peak / per_replica - 1e-9))
         floors.append(autoscale.ForecastFloor(replicas, peak, per_replica))
     coming = [max(series[lo + b: lo + b + 2]) * scale for b in range(hi - lo)]
-    covered = float(np.mean([f.peak_requests_per_second >= c for f, c in zip(floors, coming, strict=True)]))
+    covered = float(np.mean([f.peak_requests_per_second >= c
+                             for f, c in zip(floors[warmup:], coming, strict=True)]))
     return floors, {"board_coverage": covered, "board_fit_bins": len(series) - hi}
 
 
@@ -311,7 +342,11 @@ def plot(results: dict, meta: dict, path: Path) -> None:
     twin.plot([p[0] for p in first["timeline"]], [p[3] for p in first["timeline"]], color="grey", alpha=0.5)
     twin.set_ylabel("offered requests/s (grey)")
     top.set_ylabel("replicas")
-    top.set_xlabel("seconds into the replay")
+    if meta.get("warmup_bins"):
+        top.axvline(0.0, color="black", linestyle=":", label="measured start")
+        top.set_xlabel(f"seconds from the measured start (the {meta['warmup_bins']} warm-up bins before 0)")
+    else:
+        top.set_xlabel("seconds into the replay")
     top.legend(fontsize=7, loc="upper left")
     for policy, r in results.items():
         lat = r["latency_values"]
@@ -330,6 +365,10 @@ def main() -> int:
     parser.add_argument("--qps", type=Path, default=DATA / "genai_qps.csv")
     parser.add_argument("--bins", default="40:132", help="5-minute bins of the trace to replay, start:end")
     parser.add_argument("--bin-seconds", type=float, default=1.5)
+    parser.add_argument("--warmup-bins", type=int, default=0,
+                        help="replay this many bins before --bins first, unmeasured, so that every "
+                             "policy meets the stretch warm rather than at its starting count (an "
+                             "elastic one at 1 replica in the busy period); 0: a cold start")
     parser.add_argument("--max-replicas", type=int, default=max(2, min(6, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--peak-load", type=float, default=0.6,
                         help="the trace's peak as a share of the static-peak fleet's capacity")
@@ -348,6 +387,12 @@ def main() -> int:
         parser.error(f"--policies: {sorted(unknown) or 'static-peak is missing'}; choose among static-mean, "
                      "static-peak, huorn, huorn-predictive, with static-peak (the ratios' baseline)")
     lo, hi = (int(x) for x in args.bins.split(":"))
+    if args.warmup_bins < 0:
+        parser.error(f"--warmup-bins {args.warmup_bins}: a count of bins, 0 or more")
+    if lo - args.warmup_bins < 0:
+        parser.error(f"--warmup-bins {args.warmup_bins}: the warm-up would replay bins "
+                     f"{lo - args.warmup_bins}..{lo - 1}, and the trace starts at bin 0; with --bins "
+                     f"{args.bins} at most {max(0, lo)}")
     times, series = forecast.load_qps_series(args.qps)
     trace = series[lo:hi]
     if not len(trace) or trace.max() <= 0:
@@ -358,8 +403,8 @@ def main() -> int:
               "spec": {"virtualCluster": "serve", "model": {"checkpoint": str(checkpoint_dir),
                                                             "architecture": ARCHITECTURE},
                        "serving": {"maxBatch": MAX_BATCH, "maxTokens": 128}}}
-    out: dict = {"bins": args.bins, "bin_seconds": args.bin_seconds, "max_replicas": args.max_replicas,
-                 "cpu_count": os.cpu_count()}
+    out: dict = {"bins": args.bins, "warmup_bins": args.warmup_bins, "bin_seconds": args.bin_seconds,
+                 "max_replicas": args.max_replicas, "cpu_count": os.cpu_count()}
 
     async def everything() -> dict:
         measured = await probe(Fleet(args.work / "probe", config), 4.0)
@@ -367,12 +412,16 @@ def main() -> int:
         static_peak = args.max_replicas
         peak_rps = args.peak_load * capacity * static_peak
         rates = [float(r) / float(trace.max()) * peak_rps for r in trace]
+        # the same scale as the stretch: a warm-up above its peak loads past --peak-load
+        warm = [float(r) / float(trace.max()) * peak_rps for r in series[lo - args.warmup_bins: lo]]
         static_mean = max(1, math.ceil(np.mean(rates) / (capacity * args.target)))
         slo_s = args.slo_factor * measured["batch_latency_s"]
         out.update(measured, slo_s=slo_s, peak_rps=peak_rps, mean_rps=float(np.mean(rates)),
                    static_mean=static_mean, static_peak=static_peak)
+        if warm:
+            out.update(warmup_peak_rps=max(warm), warmup_mean_rps=float(np.mean(warm)))
         floors, board = forecast_floors(times, series, lo, hi, peak_rps / float(trace.max()),
-                                        capacity * args.target)
+                                        capacity * args.target, args.warmup_bins)
         out.update(board)
         results = {}
         counts = {"static-mean": static_mean, "static-peak": static_peak, "huorn": 1, "huorn-predictive": 1}
@@ -380,8 +429,8 @@ def main() -> int:
             for policy in args.policies.split(","):
                 fleet = Fleet(args.work / policy, config)
                 results[policy] = await run_policy(
-                    policy, fleet, rates, args.bin_seconds, slo_s, counts[policy], static_peak, args,
-                    progress, floors if policy == "huorn-predictive" else None)
+                    policy, fleet, warm + rates, args.bin_seconds, slo_s, counts[policy], static_peak, args,
+                    progress, floors if policy == "huorn-predictive" else None, args.warmup_bins)
         return results
 
     results = asyncio.run(everything())
