@@ -198,3 +198,37 @@ def test_what_the_operator_would_stall_as_invalid_spec_is_refused_naming_the_fie
                                "spec.resources.gpus (4)")
     assert lines[2].startswith(f"{path}: InferenceJob/chat: spec.model.checkpoint: '/checkpoints/")
     assert "copy the checkpoint onto that volume" in lines[2]
+
+
+def test_a_kl_term_with_no_reference_replica_is_refused_before_the_gang(tmp_path: Path) -> None:
+    """GRPO's preset has a KL term (0.04) since the algorithm fields lost their defaults, which had
+    written klCoefficient 0: `reference.replicas: 0` under it passed validate and the operator,
+    and the controller refused it only at its start, its gang placed."""
+    rl_job = yaml.safe_load((EXAMPLES / "rl-job.yaml").read_text())
+    rl_job["spec"]["algorithm"] = {"name": "grpo"}
+    rl_job["spec"]["roles"]["reference"] = {"replicas": 0}
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(rl_job))
+    code, _, err = _invoke(str(path))
+    assert code == 2 and "spec.roles.reference.replicas: 0, but spec.algorithm (grpo) has a KL term " \
+        "(klCoefficient 0.04)" in err
+    rl_job["spec"]["algorithm"] = {"name": "grpo", "klCoefficient": 0}
+    path.write_text(yaml.safe_dump(rl_job))
+    assert _invoke(str(path))[0] == 0
+
+
+def test_remove_the_quotes_is_said_only_where_it_is_the_fix() -> None:
+    from huorn.api import manifests
+
+    def message(spec: dict) -> str:
+        try:
+            manifests.load_manifest(build_manifest("TrainingJob", spec))
+        except manifests.ManifestError as error:
+            return error.errors[0].message
+        raise AssertionError("accepted")
+
+    assert message({"priority": "4"}).endswith("(got '4', a YAML string); remove the quotes")
+    assert message({"suspend": "true"}).endswith("(got 'true', a YAML string); remove the quotes")
+    assert message({"suspend": "maybe"}).endswith("(got 'maybe')")
+    assert message({"priority": "abc"}).endswith("(got 'abc')")
+    assert message({"priority": "true"}).endswith("(got 'true')")  # unquoted, a boolean: not an integer

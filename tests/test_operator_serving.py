@@ -844,3 +844,9 @@ def test_no_scale_to_zero_while_no_front_pod_is_ready_to_hold_requests(
         run_pod(kube, front, "127.0.0.6")  # the activator ready: now the quiet job may go to zero
         (down, *_) = wait_for(lambda: scaled(kube, "chat", "ScaledDown"), what="to zero")
         assert "1 → 0" in down.message
+        wait_for(lambda: not servers(kube, "chat"), what="the replica gone")
+        # at zero, a front pod restarting (or rolled) is no reason to start a GPU replica
+        _not_ready(kube, front, "127.0.0.6")
+        counted = len(ticks)
+        wait_for(lambda: len(ticks) >= counted + 6, what="6 ticks with the activator unready")
+        assert not servers(kube, "chat") and not scaled(kube, "chat", "ScaledUp")

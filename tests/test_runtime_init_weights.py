@@ -72,3 +72,18 @@ def test_the_trainer_exits_2_naming_the_field_instead_of_a_load_traceback(tmp_pa
     text = log.read_text()
     assert code != 0, text[-2000:]
     assert "error: spec.task.initCheckpoint:" in text and "another architecture" in text, text[-2000:]
+
+
+def test_a_run_with_its_own_checkpoint_resumes_though_the_base_is_gone(tmp_path: Path) -> None:
+    """The check ran at every start: a cpt run whose base checkpoint was pruned since (the base run
+    keeps 3) exited 2 at every restart instead of resuming from its own checkpoint."""
+    spec = harness.build_spec(steps=2, interval_steps=None)
+    config = harness.write_config(tmp_path, harness.shared_data_dir(), spec)
+    assert harness.start_trainer(config, tmp_path / "first.log").wait(timeout=120) == 0
+    spec = harness.build_spec(steps=3, interval_steps=None)
+    spec["task"] = {"kind": "cpt", "initCheckpoint": str(tmp_path / "base-pruned")}
+    config = harness.write_config(tmp_path, harness.shared_data_dir(), spec)
+    process = harness.start_trainer(config, tmp_path / "again.log")
+    assert process.wait(timeout=120) == 0, (tmp_path / "again.log").read_text()[-2000:]
+    starts = [e for e in harness.read_events(tmp_path / "run") if e["event"] == "start"]
+    assert starts[-1]["resumed_from"] == 2

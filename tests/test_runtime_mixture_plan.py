@@ -175,7 +175,9 @@ def _checkpoint_with_plan(root: Path, step: int, plan: mixture_plan.Plan | None)
     directory = root / f"step-{step:08d}"
     directory.mkdir(parents=True)
     (directory / ".metadata").write_bytes(b"")
-    meta = {"step": step, **({mixture_plan.CHECKPOINT_KEY: dataclasses.asdict(plan)} if plan else {})}
+    record = {"plan": dataclasses.asdict(plan), "sources": ["general", "code", "math"], "domain": "math"} \
+        if plan else None
+    meta = {"step": step, **({mixture_plan.CHECKPOINT_KEY: record} if record else {})}
     (directory / "huorn.json").write_text(json.dumps(meta))
 
 
@@ -190,6 +192,18 @@ def test_a_resumed_run_keeps_the_plan_its_checkpoint_trained_with_whatever_its_b
     assert mixture_plan.plan_mixture(cfg, 0, 1, torch.device("cpu")) == trained  # no probe ran
     assert mixture_plan.planned_weights(cfg) == [0.1, 0.05, 0.85]
     assert not mixture_plan.plan_directory(cfg).exists()
+    # its weights are by position: sources reordered, dropped, or another domain, and they are not
+    # this run's (a reviewer's reorder trained math at 0.1 and code at 0.85)
+    edits = ({"sources": ["math", "general", "code"]}, {"sources": ["general", "math"]}, {"domain": "code"})
+    for edit in edits:
+        other = json.loads(json.dumps(spec))
+        if "sources" in edit:
+            other["data"]["sources"] = [s for name in edit["sources"] for s in spec["data"]["sources"]
+                                        if s["name"] == name]
+        if "domain" in edit:
+            other["data"]["plan"]["domain"] = edit["domain"]
+        edited = run_config.load_run_config(harness.write_config(tmp_path, harness.shared_data_dir(), other))
+        assert mixture_plan._checkpointed_plan(edited) is None, edit
 
 
 def test_a_cpt_runs_probes_that_do_not_split_evenly_over_its_ranks(tmp_path: Path, data_dir: Path) -> None:

@@ -108,7 +108,8 @@ def _describe(error: Mapping[str, Any]) -> FieldError:
         if kind == "string_type" and isinstance(given, bool | int | float):
             what = "a YAML boolean" if isinstance(given, bool) else "a YAML number"
             message += f" (got {_as_yaml(given)}, {what}); quote it: \"{_as_yaml(given)}\""
-        elif kind in ("int_type", "float_type", "bool_type") and isinstance(given, str):
+        elif kind in ("int_type", "float_type", "bool_type") and isinstance(given, str) \
+                and _unquoted_fits(given, kind):
             message += f" (got {_as_yaml(given)}, a YAML string); remove the quotes"
         else:
             message += f" (got {_as_yaml(given)})"
@@ -120,6 +121,17 @@ def _describe(error: Mapping[str, Any]) -> FieldError:
             if "," not in shape:
                 message += f", as {{{shape}: {error['input']!r}}}"
     return FieldError(path, message)
+
+
+def _unquoted_fits(text: str, kind: str) -> bool:
+    """Whether `text` without its quotes is what the field wants (an integer, a number, a
+    boolean): only then is "remove the quotes" the fix ("maybe" for a boolean is not)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    wanted = {"int_type": int, "float_type": int | float, "bool_type": bool}[kind]
+    return isinstance(value, wanted) and (kind == "bool_type" or not isinstance(value, bool))
 
 
 def _as_yaml(value: Any) -> str:

@@ -175,10 +175,11 @@ async def tick(ctx: Context, namespace: str, name: str) -> autoscale.Recommendat
         load["forecast"] = None  # the field was removed from the spec
     target = min(server.max_replicas, max(server.min_replicas, rec.replicas))
     why = rec.reason
-    if target == 0 and not fronts and server.max_replicas > 0:
+    if target == 0 and not fronts and server.replicas > 0:
         # no front pod is ready to hold a request and wake the job: at zero replicas nothing would
         # answer, and nothing would scale it up again (the held requests are read from ready
-        # front pods); the last replica stays until one is ready
+        # front pods); the last replica stays until one is ready. A job at zero already stays
+        # there: a front pod restarting or rolled is no reason to start a GPU replica
         target, why = 1, "no activator or router is ready to hold requests: one replica stays"
     if target == server.replicas:
         if load and any(status.get(k) != v for k, v in load.items()):

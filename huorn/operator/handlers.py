@@ -322,8 +322,10 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         # its probe; only a change of phase had woken the job, and these waited for the resync
         if record is None:
             return
-        if before is not None and type != "DELETED" and \
-                (before.phase, before.ready_condition) == (record.phase, record.ready_condition):
+        # readiness counts only while Running: a kubelet reports Ready=False on a Pending pod
+        # pulling its image, which changes nothing a reconcile reads
+        if before is not None and type != "DELETED" and before.phase == record.phase and \
+                (record.phase != "Running" or before.ready_condition == record.ready_condition):
             return
         if before is None and type != "DELETED" and record.phase == "Pending":
             return  # a pod this operator just created: the reconcile that created it reports it

@@ -367,14 +367,28 @@ def run_tokens(cfg: run_config.RunConfig) -> float:
 CHECKPOINT_KEY = "mixture_plan"  # the plan in a checkpoint's huorn.json
 
 
+def checkpoint_record(plan: Plan, data: training.DataSpec) -> dict[str, Any]:
+    """What a checkpoint keeps of the plan: the plan, and the sources and domain its weights are
+    for (by position), which an edit of spec.data may change."""
+    assert data.plan is not None
+    return {"plan": asdict(plan), "sources": [s.name for s in data.sources], "domain": data.plan.domain}
+
+
 def _checkpointed_plan(cfg: run_config.RunConfig) -> Plan | None:
-    """The plan the run's newest checkpoint was trained with (every rank reads the same shared
-    directory, and nothing writes it before the gang's first step)."""
+    """The plan the run's newest checkpoint was trained with, while spec.data lists the same
+    sources in the same order with the same domain (every rank reads the same shared directory,
+    and nothing writes it before the gang's first step). With other sources its weights belong
+    to other positions (a source dropped had failed the trainer, a reorder trained the wrong
+    ones), so the run plans for its new data instead."""
     latest = checkpoint.find_latest(cfg.checkpoint_root)
     if latest is None:
         return None
     recorded = checkpoint.read_meta(latest).get(CHECKPOINT_KEY)
-    return Plan(**recorded) if recorded is not None else None
+    data = cfg.spec.data
+    if recorded is None or data.plan is None or recorded.get("sources") != [s.name for s in data.sources] \
+            or recorded.get("domain") != data.plan.domain:
+        return None
+    return Plan(**recorded["plan"])
 
 
 def _made_plan(cfg: run_config.RunConfig) -> Path | None:

@@ -113,9 +113,12 @@ class Trainer:
         teacher = self.spec.task.teacher
         self.teacher = (distill.load_teacher(teacher.checkpoint, self.spec.model, self.device).model
                         if teacher is not None else None)
-        # checked here, where a ValueError ends the process with 2 and the field's name
+        # checked here, where a ValueError ends the process with 2 and the field's name; only for
+        # a run that has no checkpoint of its own yet: one that has resumes from it and never
+        # reads the base weights again (the base run may have pruned them since)
         start = self.spec.task.init_checkpoint
-        self.init_source = init_weights.starting_checkpoint(start, self.spec.model) if start else None
+        fresh = bool(start) and checkpoint.find_latest(cfg.checkpoint_root) is None
+        self.init_source = init_weights.starting_checkpoint(start, self.spec.model) if fresh else None
         self.has_state = False  # in-place mode: this process holds the gang's training state
         self.watch: PeerWatch | None = None  # in place: the heartbeats of this round's members
         self.peer_lost: list[int] | None = None  # ranks the watch found dead; the groups are aborted
@@ -139,6 +142,7 @@ class Trainer:
         # joiner that became rank 0 had started the interval over at each join
         self.last_checkpoint_time: float | None = None
         self.world_before_round: int | None = None  # the gang's size before this round formed
+        self.round_reason = "join"  # why the gang's members formed this round (a regroup's reason)
         self.joined_a_gang = False  # this process's state came from a running gang's member
         self.store_unreachable = False
         self.store_probed_at = -math.inf
@@ -248,7 +252,7 @@ class Trainer:
         from the newest state any member holds. Returns the step to continue from."""
         started = time.monotonic()
         old_world = self.world
-        self.world_before_round = old_world
+        self.world_before_round, self.round_reason = old_world, reason
         self._release_group_holders()  # a late alarm must not abort the next round's group
         with contextlib.suppress(Exception):  # a group with a dead peer may refuse to close cleanly
             dist.destroy_process_group()
@@ -307,7 +311,7 @@ class Trainer:
                  "ddk": self.ddk.state() if self.ddk is not None else None,
                  "checkpoint_age": None if self.last_checkpoint_time is None
                  else time.monotonic() - self.last_checkpoint_time,
-                 "world_before": self.world_before_round}
+                 "world_before": self.world_before_round, "round_reason": self.round_reason}
                 if self.rank == source else None, self.hook_state, src=source)
             self._raise_if_peer_lost()  # a member lost mid-broadcast: what arrived may be partial
             self.pending_save = loop["pending_save"]  # type: ignore[index]
@@ -325,6 +329,7 @@ class Trainer:
             if loop.get("checkpoint_age") is not None:  # type: ignore[union-attr]
                 self.last_checkpoint_time = time.monotonic() - loop["checkpoint_age"]  # type: ignore[index]
             self.world_before_round = loop.get("world_before")  # type: ignore[union-attr]
+            self.round_reason = loop.get("round_reason", "join")  # type: ignore[union-attr]
             self.joined_a_gang = True
             step = best
         self.has_state = True
@@ -376,10 +381,12 @@ class Trainer:
             # the schedule's unit the run's first start fixed, not the (maybe edited) spec's
             self.budget = batching.Budget.of(self.spec, self.cfg.step_limit).resumed(meta)
             return int(meta["step"])
-        if self.init_source is not None:
+        if self.spec.task.init_checkpoint:
             # Continual pre-training starts from another run's weights, with a fresh optimizer
             # and step 0; once this run has its own checkpoint, that one wins on restart.
-            checkpoint.load_checkpoint(self.init_source, self.state_module, None)
+            source = self.init_source or init_weights.starting_checkpoint(self.spec.task.init_checkpoint,
+                                                                          self.spec.model)
+            checkpoint.load_checkpoint(source, self.state_module, None)
         self.tokens = 0
         self.budget = batching.Budget.of(self.spec, self.cfg.step_limit)  # the run's first start
         return 0
@@ -392,7 +399,8 @@ class Trainer:
              "global_batch": self.plan.global_batch, "tokens": self.tokens, **self.budget.meta(),
              "model": self.spec.model.to_wire(),
              **({"ddk": self.ddk.state()} if self.ddk is not None else {}),
-             **({mixture_plan.CHECKPOINT_KEY: dataclasses.asdict(self.mixture_plan)}
+             **({mixture_plan.CHECKPOINT_KEY:
+                 mixture_plan.checkpoint_record(self.mixture_plan, self.spec.data)}
                 if self.mixture_plan is not None else {})},
             self.rank, lambda: comm.barrier(self.hook_state), keep=self.cfg.keep_checkpoints,
             flat=self.flat_checkpoint)
@@ -524,7 +532,9 @@ class Trainer:
         if self.joined_a_gang and self.world_before_round is not None:
             # the gang's members log nothing of a join when the joiner is rank 0 (c10d numbers
             # ranks by address, and a replacement often sorts first): it logs the regroup for them
-            self.log({"event": "regroup", "reason": "join", "resumed_from": step,
+            # the members' reason: a replacement joining a round its peers formed for a lost peer
+            # logs that round's "peer-lost", not a join (which a reader may take for a missed one)
+            self.log({"event": "regroup", "reason": self.round_reason, "resumed_from": step,
                       "from_world_size": self.world_before_round, "world_size": self.world,
                       "global_batch": self.plan.global_batch})
         signal.signal(signal.SIGTERM, self._request_stop)
