@@ -25,11 +25,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from pydantic import ValidationError
 
 from huorn import models
 from huorn.api import training
-from huorn.runtime import checkpoint
+from huorn.runtime import checkpoint, init_weights
 from huorn.runtime import config as run_config
 from huorn.runtime.data import sampler
 
@@ -46,18 +45,7 @@ class Teacher:
 def load_teacher(location: str, student: training.ModelSpec, device: torch.device) -> Teacher:
     """The frozen teacher. Call it before the process group forms: DCP then reads the checkpoint
     in this process alone, so an in-place replica joining a running gang needs nobody else."""
-    try:
-        path = checkpoint.resolve(Path(location))
-    except ValueError as error:
-        raise ValueError(f"{FIELD}: {error}; point it at the teacher run's checkpoint root") from None
-    meta = checkpoint.read_meta(path)
-    if "model" not in meta:
-        raise ValueError(f"{FIELD}: {path}/{checkpoint.META} names no model; it was not written by a "
-                         "Huorn trainer, so its architecture is unknown")
-    try:
-        spec = training.ModelSpec.model_validate(meta["model"])
-    except ValidationError as error:
-        raise ValueError(f"{FIELD}: the model in {path}/{checkpoint.META} is invalid: {error}") from None
+    path, spec = init_weights.saved_model(location, FIELD, "teacher")
     if spec.vocabulary != student.vocabulary:
         raise ValueError(f"{FIELD}: the teacher's vocabulary ({spec.vocabulary}) differs from "
                          f"spec.model.vocabulary ({student.vocabulary}); distillation compares next-token "
