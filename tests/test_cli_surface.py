@@ -36,6 +36,15 @@ def test_every_command_resolves_to_a_callable_with_help() -> None:
         assert "Usage:" in result.output
 
 
+def test_options_name_what_they_take_not_their_python_type() -> None:
+    """kubectl's help says `--namespace NAMESPACE`, `--replicas N`; ours said `<list[str]>` and
+    `<int range>`, the annotation of the function behind the flag."""
+    for name in EXPECTED:
+        output = CliRunner().invoke(main.app, [name, "--help"]).output
+        options = [line for line in output.splitlines() if line.lstrip().startswith("-")]
+        assert not [line for line in options if "range>" in line or "list[" in line], (name, options)
+
+
 def test_unknown_command_exits_2() -> None:
     result = CliRunner().invoke(main.app, ["frobnicate"])
     assert result.exit_code == 2

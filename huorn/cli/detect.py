@@ -41,7 +41,8 @@ def render_findings(findings: list[failslow.SlowFinding], output: OutputFormat) 
 
 def detect_command(
     steptimes: Path = typer.Argument(
-        ..., help="CSV with columns iteration,worker,time[,compute,comm]; - reads standard input."),
+        ..., metavar="STEPTIMES",
+        help="CSV with columns iteration,worker,time[,compute,comm]; - reads standard input."),
     output: OutputFormat = typer.Option(OutputFormat.TABLE, "--output", "-o", help="table, json or yaml."),
     as_json: bool = typer.Option(False, "--json", help="Same as -o json."),
     min_shift: float = typer.Option(0.10, "--min-shift", help="Smallest slowdown kept (0.10 = 10%)."),

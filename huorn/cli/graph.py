@@ -108,7 +108,8 @@ def _writing(path: Path, given: bool) -> Iterator[None]:
 
 
 def graph_command(
-    file: Path = typer.Argument(..., help="A TrainingJob, RLJob or InferenceJob manifest (YAML)."),
+    file: Path = typer.Argument(..., metavar="FILE",
+                                help="A TrainingJob, RLJob or InferenceJob manifest (YAML)."),
     output_format: GraphFormat = typer.Option(GraphFormat.DOT, "-o", "--output-format", help="dot|png|json."),
     output: Path | None = typer.Option(None, "--output", help="Write here instead of stdout (png: a file)."),
 ) -> None:

@@ -30,7 +30,8 @@ def operator_command(
         help="Kubeconfig file; when unset, in-cluster credentials, else ~/.kube/config."
     ),
     kube_context: str | None = typer.Option(None, "--context", help="Kubeconfig context to use."),
-    namespace: list[str] = typer.Option([], "--namespace", "-n", help="Serve only these namespaces."),
+    namespace: list[str] = typer.Option([], "--namespace", "-n", metavar="NAMESPACE",
+                                        help="Serve only this namespace; repeat for more."),
     all_namespaces: bool = typer.Option(False, "--all-namespaces", "-A", help="Serve every namespace."),
     peering: str | None = typer.Option(None, "--peering", help="kopf peering name for high availability."),
     priority: int | None = typer.Option(

@@ -157,17 +157,19 @@ def prepare_run_dir(run_dir: Path, manifest: Path | None = None) -> Path | None:
 
 
 def run_command(
-    file: Path = typer.Argument(..., help="A TrainingJob, RLJob or InferenceJob manifest (YAML)."),
+    file: Path = typer.Argument(..., metavar="FILE",
+                                help="A TrainingJob, RLJob or InferenceJob manifest (YAML)."),
     replicas: int | None = typer.Option(
-        None, "--replicas", min=1,
+        None, "--replicas", min=1, metavar="N",
         help="Start with this many trainer replicas; an InferenceJob serves this many, behind its "
              "prefix router when more than one (spec.routing.policy: prefix)."),
     steps: int | None = typer.Option(
-        None, "--steps", min=1, help="Stop after this many steps (overrides spec)."
+        None, "--steps", min=1, metavar="N", help="Stop after this many steps (overrides spec)."
     ),
     run_dir: Path | None = typer.Option(None, "--run-dir", help="Where logs, checkpoints and the report go."),
     scale_at: list[str] = typer.Option(
-        [], "--scale-at", help="STEP:REPLICAS, resize when training reaches STEP."
+        [], "--scale-at", metavar="STEP:REPLICAS", help="Resize to REPLICAS when training reaches STEP; "
+        "repeat for more."
     ),
     watch: bool | None = typer.Option(
         None, "--watch/--no-watch", help="Live progress (default: on a terminal)."
@@ -181,12 +183,13 @@ def run_command(
         None,
         "--slots",
         min=1,
+        metavar="N",
         help="Replicas this machine can run at once, for goodput (default: CPU count).",
     ),
     as_json: bool = typer.Option(
         False, "--json", help="Print a JSON summary at the end instead of a sentence."
     ),
-    serve_port: int = typer.Option(8000, "--port", min=0, max=65535,
+    serve_port: int = typer.Option(8000, "--port", min=0, max=65535, metavar="PORT",
                                    help="InferenceJob: the port to serve on (0 picks a free one)."),
     serve_seconds: float | None = typer.Option(None, "--serve-seconds",
                                                help="InferenceJob: stop serving after this long (≥ 1)."),

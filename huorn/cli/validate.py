@@ -163,7 +163,8 @@ def _print_table(verdicts: list[Verdict]) -> None:
 
 def validate_command(
     paths: list[Path] = typer.Argument(
-        ..., help="Manifest files or directories (recursing into *.yaml); - reads standard input."),
+        ..., metavar="FILE",
+        help="Manifest files or directories (recursing into *.yaml); - reads standard input."),
     output: OutputFormat = typer.Option(
         OutputFormat.TEXT, "--output", "-o", help="text (one line per result), table, json or yaml."
     ),
