@@ -86,6 +86,20 @@ def algorithm_choices(spec: AlgorithmSpec) -> dict[str, Any]:
     return {**preset, **{f: v for f in PRESET_FIELDS if (v := getattr(spec, f)) is not None}}
 
 
+def reference_for_kl_problem(spec: RLJobSpec) -> str | None:
+    """Why the spec cannot run its KL term, or None: the term needs the reference policy, and a
+    reference role of 0 replicas has none. GRPO's preset has one (0.04). The operator and
+    `huorn validate` refuse it before any pod, the controller at its start."""
+    kl = float(algorithm_choices(spec.algorithm)["kl_coefficient"])
+    reference = spec.roles.reference
+    if kl > 0 and reference is not None and reference.replicas < 1:
+        return (f"spec.roles.reference.replicas: 0, but spec.algorithm ({spec.algorithm.name.value}) has a "
+                f"KL term (klCoefficient {kl:g}), which needs the reference policy; set it to 1 or more, "
+                "leave spec.roles.reference out (one reference then shares the training actors' GPUs), or "
+                "set spec.algorithm.klCoefficient to 0")
+    return None
+
+
 def _clips(spec: AlgorithmSpec) -> tuple[float, float]:
     choices = algorithm_choices(spec)
     return float(choices["clip_low"]), float(choices["clip_high"])

@@ -83,23 +83,10 @@ def check_spec_alone(job: kinds.Resource) -> None:
             rl.ray_layout(job.spec)
         except ValueError as exc:
             raise InvalidSpec(str(exc)) from None
-        check_reference_for_kl(job.spec)
+        if (problem := rl.reference_for_kl_problem(job.spec)) is not None:
+            raise InvalidSpec(problem)
     elif isinstance(job, kinds.InferenceJob):
         check_on_volume(job.spec.checkpoint, [("spec.model.checkpoint", job.spec.model.checkpoint)])
-
-
-def check_reference_for_kl(spec: rl.RLJobSpec) -> None:
-    """A KL term needs the reference policy: a reference role of 0 replicas with one was accepted
-    here and refused by the controller at its start (its gang placed first). GRPO's preset has
-    one (0.04) since its fields lost their defaults, which had written klCoefficient 0."""
-    kl = float(rl.algorithm_choices(spec.algorithm)["kl_coefficient"])
-    reference = spec.roles.reference
-    if kl > 0 and reference is not None and reference.replicas < 1:
-        raise InvalidSpec(
-            f"spec.roles.reference.replicas: 0, but spec.algorithm ({spec.algorithm.name.value}) has a KL "
-            f"term (klCoefficient {kl:g}), which needs the reference policy; set it to 1 or more, leave "
-            "spec.roles.reference out (one reference then shares the training actors' GPUs), or set "
-            "spec.algorithm.klCoefficient to 0")
 
 
 def check_mounted_paths(spec: training.TrainingJobSpec) -> None:

@@ -141,9 +141,10 @@ class Trainer:
         # until the loop starts. A joiner takes its gang's (share_state): rank 0 decides, and a
         # joiner that became rank 0 had started the interval over at each join
         self.last_checkpoint_time: float | None = None
-        self.world_before_round: int | None = None  # the gang's size before this round formed
+        # the gang's size before this round formed: set only by a regroup, or with the state a
+        # member hands a joiner (share_state), so a process that joined a running gang has it
+        self.world_before_round: int | None = None
         self.round_reason = "join"  # why the gang's members formed this round (a regroup's reason)
-        self.joined_a_gang = False  # this process's state came from a running gang's member
         self.store_unreachable = False
         self.store_probed_at = -math.inf
         self.state_module: torch.nn.Module = self.model  # what checkpoints hold
@@ -330,7 +331,6 @@ class Trainer:
                 self.last_checkpoint_time = time.monotonic() - loop["checkpoint_age"]  # type: ignore[index]
             self.world_before_round = loop.get("world_before")  # type: ignore[union-attr]
             self.round_reason = loop.get("round_reason", "join")  # type: ignore[union-attr]
-            self.joined_a_gang = True
             step = best
         self.has_state = True
         if self.plan_rejected:
@@ -529,7 +529,7 @@ class Trainer:
                       "sources": [s.name for s in self.spec.data.sources], "tokens": plan.tokens,
                       "choice": plan.choice, "domain_r2": plan.domain_r2, "general_r2": plan.general_r2,
                       "probes": len(plan.probes), "seconds": plan.seconds})
-        if self.joined_a_gang and self.world_before_round is not None:
+        if self.gang is not None and self.world_before_round is not None:
             # the gang's members log nothing of a join when the joiner is rank 0 (c10d numbers
             # ranks by address, and a replacement often sorts first): it logs the regroup for them
             # the members' reason: a replacement joining a round its peers formed for a lost peer

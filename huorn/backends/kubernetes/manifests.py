@@ -698,8 +698,7 @@ def front_template_hash(spec: Mapping[str, Any]) -> str:
     autoscaling = spec.get("autoscaling") or {}
     read = {"image": spec.get("image"), "timeout": autoscaling.get("activationTimeoutSeconds")}
     read |= pod_access(spec)  # nothing for a job that sets neither: its hash is as before
-    if metadata := job_pod_metadata(spec):  # labels and annotations are read at a pod's creation
-        read["podMetadata"] = metadata
+    read["podMetadata"] = spec.get("podMetadata")  # read at a pod's creation; template_hash drops it empty
     if routes_by_prefix(spec):
         # the pods' count is not a setting of any one pod: changing it adds or removes pods
         routing = {k: v for k, v in (spec.get("routing") or {}).items() if k != "frontReplicas"}

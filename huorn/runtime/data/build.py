@@ -42,13 +42,13 @@ _LICENCE_NAMES = ("LICENSE", "LICENCE", "COPYING", "NOTICE")
 _TRAIN_ONLY_STDLIB = ("encodings",)
 
 
-def split_key(name: str, payload: bytes) -> bytes | None:
+def split_key(name: str, digest: bytes) -> bytes | None:
     """What decides a document's split: the standard-library file it comes from, which the code
     corpus holds whole and the general one as its docstrings, so that both corpora hold out the
-    same files; any other document's bytes, so that copies fall on one side; None for a family of
-    near-copies, which only trains. By name, a held-out general document was in code's training
-    data verbatim, copies split apart, and 97 % of the windows DDK and D-CPT steer by (and a
-    third of those the evaluation reads) were in the training data."""
+    same files; any other document's bytes (`digest`, their SHA-256), so that copies fall on one
+    side; None for a family of near-copies, which only trains. By name, a held-out general
+    document was in code's training data verbatim, copies split apart, and 97 % of the windows
+    DDK and D-CPT steer by (and a third of those the evaluation reads) were in the training data."""
     if name.startswith("stdlib/"):  # stdlib/<file>:<dir>
         file, _, directory = name.removeprefix("stdlib/").rpartition(":")
         return None if directory in _TRAIN_ONLY_STDLIB else f"stdlib:{directory}/{file}".encode()
@@ -58,7 +58,7 @@ def split_key(name: str, payload: bytes) -> bytes | None:
     parts = name.split("/")
     if any(part.upper().startswith(_LICENCE_NAMES) or part.lower() == "licenses" for part in parts):
         return None
-    return hashlib.sha256(payload).digest()
+    return digest
 
 
 def _is_validation(key: bytes | None) -> bool:
@@ -89,7 +89,7 @@ def _write_corpus(corpus: str, max_bytes: int, target: Path) -> dict:
         if digest in seen:
             continue
         seen.add(digest)
-        split = "val" if _is_validation(split_key(name, payload)) else "train"
+        split = "val" if _is_validation(split_key(name, digest)) else "train"
         budget = val_budget if split == "val" else max_bytes
         if sizes[split] >= budget:
             if sizes["train"] >= max_bytes and sizes["val"] >= val_budget:

@@ -97,12 +97,8 @@ def check_runnable(spec: rl.RLJobSpec) -> algorithms.Settings:
     if roles.rollout.replicas < 1:
         raise ValueError("spec.roles.rollout.replicas: 0, but the responses are sampled by rollout "
                          "workers; set it to 1 or more")
-    if settings.kl_coefficient > 0 and roles.reference is not None and roles.reference.replicas < 1:
-        raise ValueError(
-            f"spec.roles.reference.replicas: 0, but spec.algorithm ({spec.algorithm.name.value}) has a KL "
-            f"term (klCoefficient {settings.kl_coefficient:g}), which needs the reference policy; set it "
-            "to 1 or more, leave spec.roles.reference out (one reference then shares the training "
-            "actors' GPUs), or set spec.algorithm.klCoefficient to 0")
+    if (problem := rl.reference_for_kl_problem(spec)) is not None:
+        raise ValueError(problem)
     return settings
 
 
