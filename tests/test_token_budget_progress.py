@@ -274,7 +274,7 @@ def test_the_goodput_model_learns_each_step_at_the_batch_it_trained() -> None:
     samples said 8 (the spec's 16 ÷ 2): the model put a grown gang's step time at half its work."""
     policy, _ = goodput_policy()
     policy.learn([{**r, "world_size": 2} for r in steps_at_world(2, 1, 4)])
-    assert [(s.replicas, s.local_batch) for s in policy.perf.samples] == [(2, 16.0)] * 4
+    assert [(s.replicas, s.local_batch) for s in policy.perf.samples] == [(2, 16.0)]
 
 
 def test_the_work_left_of_a_token_budget_is_the_tokens_not_trained_in_samples() -> None:

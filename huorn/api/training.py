@@ -245,7 +245,8 @@ class BatchRule(StrEnum):
 
     FIXED_GLOBAL = "fixed-global"  # keep the global batch, adjust gradient accumulation
     SCALE_WITH_REPLICAS = "scale-with-replicas"  # batch ∝ replicas, lr by the square-root rule
-    GOODPUT = "goodput"  # the scheduler picks batch and lr together (AdaScale)
+    # the allocator's batch and lr (AdaScale); not delivered to trainers yet: runs as FIXED_GLOBAL
+    GOODPUT = "goodput"
 
 
 @rules.attach(
@@ -417,6 +418,21 @@ class TrainingJobSpec(ElasticJobCommon):
         "after status.completionTime; unset keeps it. Under GitOps that re-applies deleted "
         "objects, leave it unset: a re-applied job would run again.",
     )
+
+
+def approximate_parameters(model: ModelSpec) -> int:
+    """The decoder's parameters, to the few per cent that set a performance prior's scale
+    (huorn.models counts them exactly, but importing torch is not the control plane's to do):
+    per layer the attention's four projections (K and V at the GQA width) and the SwiGLU's
+    three (width × 8/3, in multiples of 8), an MoE layer's once per expert plus its router; the
+    embedding and the output head once each."""
+    head = model.width // model.heads
+    kv = head * (model.kv_heads or model.heads)
+    attention = 2 * model.width * model.width + 2 * model.width * kv
+    ffn = 3 * model.width * max(8, math.ceil(8 / 3 * model.width / 8) * 8)
+    if model.moe is not None:
+        ffn = ffn * model.moe.experts + model.width * model.moe.experts
+    return model.layers * (attention + ffn) + 2 * model.vocabulary * model.width
 
 
 def declared_steps(spec: TrainingJobSpec) -> int:

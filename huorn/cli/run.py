@@ -77,6 +77,8 @@ def build_policies(
             # a budget in tokens: the work left is the tokens not trained yet, whatever the batch
             # grew to (scale-with-replicas); --steps overrides it, as it does in the trainers
             tokens=training.token_budget(spec) if steps is None else None, context=spec.model.context,
+            batch_rule=goodput.batch_rule_priced(spec.optimization.batch_rule),
+            perf=goodput.prior_model(spec),
         )
     ]
 

@@ -94,6 +94,8 @@ def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = N
             arbiter=arbiter if gpus else None,
             global_batch=float(spec.optimization.global_batch), total_steps=total, priority=spec.priority,
             tokens=token_budget(spec), context=spec.model.context,
+            batch_rule=goodput.batch_rule_priced(spec.optimization.batch_rule),
+            perf=goodput.prior_model(spec),
         )
     remediation = policy.RemediationPolicy(spec.remediation)
     trainer = graph.vertices.get("trainer") if graph is not None else None

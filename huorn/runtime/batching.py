@@ -12,8 +12,8 @@ Two rules, chosen by spec.optimization.batchRule:
   variance of the update per sample constant for Adam-type optimisers (Malladi et al. 2022;
   Krizhevsky 2014 for SGD). The data of step s then has more micro-batches, still a pure
   function of (seed, s, index).
-- `goodput` is decided by the scheduler, which writes a new globalBatch/learningRate into the
-  spec; the trainer treats it as `fixed-global` for the values it is given.
+- `goodput` is meant for the allocator's own batch and learning rate; no backend delivers them
+  to a trainer yet, so the trainer runs it as `fixed-global` (and the allocator prices it so).
 
 A budget in `tokens` (Budget) ends the run once the tokens trained reach it and schedules the
 learning rate by those tokens, because the global batch, and so a step's tokens, may change
@@ -92,10 +92,9 @@ class Budget:
     any world size (up to the batch rule's peak, lr·sqrt(B(W)/B) under scale-with-replicas).
 
     The unit is fixed at the run's first start and kept with the state (`meta`, `resumed`):
-    under batchRule goodput the scheduler rewrites globalBatch, and a user may edit it, and a
-    unit re-read at a restart would move the run's place in its warm-up (warmupSteps 100 at
-    B=64, resumed at step 80 on B=256: 80·64/256 = 20 steps in, the rate from 0.81 to 0.21 of
-    peak)."""
+    a user may edit globalBatch, and a unit re-read at a restart would move the run's place in
+    its warm-up (warmupSteps 100 at B=64, resumed at step 80 on B=256: 80·64/256 = 20 steps in,
+    the rate from 0.81 to 0.21 of peak)."""
 
     META_KEY: ClassVar[str] = "schedule_step_tokens"
 

@@ -188,13 +188,15 @@ class Telemetry:
         only that link's messages take longer: they say which link it is. `global_batch` and
         `learning_rate`: what the step trained with, the batch the goodput allocator's rule set
         for this many replicas and its scaled, scheduled rate (status.batchSize, learningRate).
-        `tokens`: tokens trained by the run so far, this step's included. The batch, and so a
+        `world_size`: the ranks of the gang that took the step (the record outlives an in-place
+        resize until the monitor reads it). `tokens`: tokens trained by the run so far, this
+        step's included. The batch, and so a
         step's tokens, changes with the world under `scale-with-replicas`, so a run with a budget
         in tokens ends after fewer steps than the spec's globalBatch makes of it: the operator
         measures progress, the final step and the work left by this count, not by steps."""
         comm = min(comm_seconds, step_seconds)
         record = {
-            "step": step, "time": time.time(), "step_seconds": step_seconds,
+            "step": step, "time": time.time(), "world_size": self.world_size, "step_seconds": step_seconds,
             "compute_seconds": step_seconds - comm, "comm_seconds": comm, "loss": loss,
             "tokens_per_second": tokens_per_second, "gradient_noise_scale": noise_scale,
         }

@@ -194,12 +194,24 @@ class PerfModel:
 
     # ------------------------------------------------------------------ learning
     def observe(self, sample: Sample) -> None:
+        self._check(sample)
+        self.samples.append(sample)
+
+    def set_samples(self, samples: list[Sample]) -> None:
+        """Replace what the model learns from (a caller that keeps one median per configuration);
+        the next prediction refits."""
+        for sample in samples:
+            self._check(sample)
+        self.samples = list(samples)
+        self._fitted_on = -1
+
+    @staticmethod
+    def _check(sample: Sample) -> None:
         if sample.replicas < 1 or sample.nodes < 1 or sample.nodes > sample.replicas:
             raise ValueError(f"sample: need 1 ≤ nodes ≤ replicas, got replicas={sample.replicas} "
                              f"nodes={sample.nodes}")
-        if not (sample.step_time > 0 and sample.local_batch > 0):
-            raise ValueError(f"sample: step_time and local_batch must be > 0, got {sample}")
-        self.samples.append(sample)
+        if not (0 < sample.step_time < math.inf and 0 < sample.local_batch < math.inf):
+            raise ValueError(f"sample: step_time and local_batch must be finite and > 0, got {sample}")
 
     def configs_seen(self) -> int:
         return len({(s.replicas, s.nodes, s.local_batch) for s in self.samples})

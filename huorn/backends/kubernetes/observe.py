@@ -64,15 +64,18 @@ def build_observation(
     Every rank logs the same global steps, so one rank's history is the job's; the lowest rank
     answers most often (rank 0 is the checkpoint writer). `world_size` in a step record is the
     replica count, the unit the goodput allocator hands out, so the gang's ranks are divided by
-    the GPUs of one pod.
+    the GPUs of one pod: the ranks of the gang that took the step, which the record carries (the
+    telemetry's buffer outlives an in-place resize, and the snapshot's world then put the steps
+    before it at the new size), else the snapshot's (a trainer from before records kept it).
     """
     steps: list[dict[str, Any]] = []
     if snapshots:
         first = min(snapshots.values(), key=lambda s: int(s.get("rank", 1 << 30)))
-        replicas = max(1, int(first.get("world_size", 1)) // max(1, gpus_per_replica))
+        per_pod = max(1, gpus_per_replica)
         for record in first.get("steps") or []:
             if int(record.get("step", -1)) > after_step:
-                steps.append({**record, "world_size": replicas})
+                ranks = int(record.get("world_size") or first.get("world_size") or 1)
+                steps.append({**record, "world_size": max(1, ranks // per_pod)})
     return monitor.Observation(time=now, telemetry=dict(snapshots), steps=steps)
 
 
