@@ -141,6 +141,9 @@ class Context:
     rl_waiting: dict[tuple[str, str], str] = field(default_factory=dict)
     wake_rl: Callable[[str, str], None] = field(default=lambda namespace, name: None)
     wake_rl_later: Callable[[str, str, float], None] = field(default=lambda namespace, name, seconds: None)
+    # The last ReclaimBlocked message of each lender (huorn.operator.loans): posted once per
+    # change, not at every tick (360 identical Events an hour for as long as a borrower ran).
+    reclaim_blocked: dict[str, str] = field(default_factory=dict)
 
     # Set when peering: the background work kopf does not pause asks it first (None: standalone).
     leadership: Leadership | None = None

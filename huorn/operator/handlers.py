@@ -276,6 +276,14 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
                     rl_job, body, ctx.index.pods_of(meta["namespace"], meta["name"])))
             except (validation.InvalidSpec, ValueError):
                 continue
+        # And what each training lender keeps unlent for its line (loans.reserve_for_line), as
+        # an inference cluster keeps its demand: kept in memory only, it was lost at a restart,
+        # and a preempted borrower's successors took the GPUs back before the lender's first
+        # tick, to be preempted again.
+        for name, spec in ctx.index.vcs.items():
+            if spec.get("purpose", "training") != "inference" and ctx.index.serves_all_of(name):
+                need, _, _ = loans.line_wanted(ctx, name, loans.find_borrowers(ctx, name))
+                loans.reserve_for_line(ctx, name, need)
         ctx.wake = _waker(ctx)
         ctx.wake_serving = _waker(ctx, serving.PLURAL)
         ctx.wake_rl = _waker(ctx, rljobs.PLURAL)

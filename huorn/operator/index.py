@@ -376,7 +376,12 @@ class ClusterIndex:
         meta = body.get("metadata") or {}
         key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
         spec = body.get("spec") or {}
-        if deleted or not spec.get("virtualCluster"):
+        # A job the operator refuses (Stalled: an invalid spec, a namesake) or will refuse (its
+        # namespace is not one the cluster admits) places no replica: counted as demand, it made
+        # its cluster preempt other teams' borrowers, and lend nothing, for replicas that never come.
+        admits = (self.vcs.get(str(spec.get("virtualCluster"))) or {}).get("namespaces") or []
+        if (deleted or not spec.get("virtualCluster") or (admits and key[0] not in admits)
+                or (body.get("status") or {}).get("phase") == "Stalled"):
             self.inference_demand.pop(key, None)
             return
         try:
@@ -604,7 +609,10 @@ class ClusterIndex:
         for p in self._holders(leaving):
             if p.node not in self.nodes:
                 continue
-            key = (p.namespace, p.job, p.virtual_cluster if p.virtual_cluster in self.vcs else "")
+            # A pod keeps its cluster's name after that VirtualCluster is deleted: bound with none,
+            # its GPUs on another cluster's node were no longer lent, and that lender then lent
+            # them again past its maxGPUsLent while the pod still ran (snapshot.ClusterSnapshot._apply).
+            key = (p.namespace, p.job, p.virtual_cluster)
             by_job.setdefault(key, []).extend([p.node] * p.gpus)
             gpus_of[key] = 1
         for (ns, job, vc), gpu_nodes in by_job.items():

@@ -30,6 +30,7 @@ not serve: that borrower's pods on the lender are deleted with the lender's grac
 
 from __future__ import annotations
 
+import calendar
 import dataclasses
 import logging
 import time
@@ -41,7 +42,7 @@ from huorn.backends.kubernetes import manifests
 from huorn.graph import serialise
 from huorn.operator import board, index, preempting, queue, rljobs, training, validation
 from huorn.operator.context import Context
-from huorn.scheduler import loaning
+from huorn.scheduler import allocator, loaning
 
 logger = logging.getLogger("huorn.operator.loans")
 
@@ -83,6 +84,41 @@ def count_wanted(ctx: Context, vc: str, demand: int, borrowers: Mapping[Any, Bor
               if p.node in names and p.holds_resources and not p.deleting and p.virtual_cluster == vc)
     lent = sum(p.gpus for b in borrowers.values() for p in b.pods)
     return max(0, min(lent, (demand - own) - free_gpus(ctx, vc)))
+
+
+def over_limit(vc_spec: Mapping[str, Any], borrowers: Mapping[Any, Borrower], loans: list[loaning.LoanView]
+               ) -> tuple[int, int]:
+    """GPUs out on loan beyond what the lender's spec.lending allows now (maxGPUsLent, or 0 when
+    not lendable), counting only what borrowers below PINNED_PRIORITY hold (a pinned job's lent
+    GPUs stay in the budget when the limit drops, as the allocator keeps them); and the limit.
+    Before, only a demand reclaimed: a lender that lowered maxGPUsLent, or stopped lending, kept
+    every loan for as long as the borrowers ran, and nothing said so."""
+    allowed = lending_allowed(vc_spec)
+    lent = sum(p.gpus for b in borrowers.values() for p in b.pods)
+    unpinned = sum(loan.replicas_on_lender * loan.gpus_per_replica for loan in loans
+                   if loan.priority < allocator.PINNED_PRIORITY)
+    return max(0, min(unpinned, lent - allowed)), allowed
+
+
+def lending_allowed(vc_spec: Mapping[str, Any]) -> int:
+    """GPUs the lender's spec lets it have out on loan: maxGPUsLent, or 0 when not lendable."""
+    view = index.build_vc_view("", vc_spec)
+    return view.max_gpus_lent if view.lendable else 0
+
+
+def checkpoint_age(body: Mapping[str, Any], now: float) -> float:
+    """Seconds since the job's last checkpoint landed (status.lastCheckpoint.time), else since it
+    was placed (status.startTime): the work a victim that cannot checkpoint within the grace
+    loses. Every borrower was priced at 0 s, so below a 10 s grace the victim was the first by
+    name, whatever its checkpoint's age (one 55 minutes old stopped before one 5 s old)."""
+    status = body.get("status") or {}
+    for stamp in ((status.get("lastCheckpoint") or {}).get("time"), status.get("startTime")):
+        try:
+            then = calendar.timegm(time.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ"))
+        except ValueError:
+            continue
+        return max(0.0, now - then)
+    return 0.0
 
 
 def line_wanted(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]
@@ -150,12 +186,15 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
     elif inference:
         demand = ctx.index.demand_of(name)  # the InferenceJobs' floors, or the board's forecast
         wanted = count_wanted(ctx, name, demand, borrowers)
-    if wanted <= 0:
+    if wanted <= 0 and not (lends and sum(p.gpus for b in borrowers.values() for p in b.pods)
+                            > lending_allowed(spec)):
+        ctx.reclaim_blocked.pop(name, None)
         return []
     asked = wanted
     blocked: list[str] = []  # why GPUs still lent could not be reclaimed this pass
     jobs: dict[str, tuple[Borrower, Mapping[str, Any], Any]] = {}
     loans = []
+    now = time.time()
     for b in borrowers.values():
         body = await ctx.client.get_custom(training.PLURAL, b.namespace, b.job)
         if body is None or not (body.get("status") or {}).get("graph"):
@@ -196,10 +235,18 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
         loans.append(loaning.LoanView(
             job=key, replicas_on_lender=len(b.pods), replicas_total=replicas,
             min_replicas=min_replicas, gpus_per_replica=gpus, priority=priority,
+            seconds_since_checkpoint=checkpoint_age(body, now),
         ))
     view = index.build_vc_view(name, spec)
     forecast_gpus = ctx.index.forecast_demand.get(name, 0)
-    if not lends:
+    over, allowed = over_limit(spec, borrowers, loans) if lends else (0, 0)
+    if over > max(wanted, 0):
+        # the limit alone asks: never a pinned job's GPUs (over_limit left them out)
+        loans = [loan for loan in loans if loan.priority < allocator.PINNED_PRIORITY]
+        wanted = asked = over
+        why = (f"it lends more GPUs than spec.lending allows now ({allowed}: maxGPUsLent, or 0 with "
+               "lendable false)")
+    elif not lends:
         why = (f"this install does not serve every namespace {name} admits (spec.namespaces), so it "
                "lends it nothing and its borrowers there give their GPUs back")
     elif not inference:
@@ -211,7 +258,7 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
         why = f"its forecast request rate needs {forecast_gpus} GPU(s) ({board.FIELD})"
     else:
         why = f"its InferenceJobs need {ctx.index.demand_of(name)} GPU(s)"
-    plan = loaning.plan_reclaim(view, wanted, loans, time.time(), why) if wanted > 0 and loans else []
+    plan = loaning.plan_reclaim(view, wanted, loans, now, why) if wanted > 0 and loans else []
     applied = []
     left = wanted
     by_job = {loan.job: loan for loan in loans}
@@ -220,10 +267,9 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
         r = as_shrink(planned, by_job[planned.job], left)
         if r.action != "shrink":
             if (spec.get("lending") or {}).get("reclaimPolicy", "Preempt") != "Preempt":
-                ctx.post_event(vc_body, "Warning", "ReclaimBlocked",
-                               f"{why}; {r.job} holds {r.gpus_released} lent GPU(s) but cannot shrink "
-                               "(at minReplicas, or elasticity.policy fixed), and lending.reclaimPolicy "
-                               "is Shrink")
+                blocked.append(f"{r.job} holds {r.gpus_released} lent GPU(s) but cannot shrink (at "
+                               "minReplicas, or elasticity.policy fixed), and lending.reclaimPolicy is "
+                               "Shrink")
                 continue
             if await preempt_borrower(ctx, b, r, int(view.reclaim_grace_seconds), name):
                 ctx.post_event(vc_body, "Normal", "Reclaimed", f"{r.reason} (preempted)")
@@ -239,9 +285,13 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
         else:
             blocked.append(f"{r.job} could not be shrunk (its replicas on {name} are already going)")
     if left > 0 and blocked:
-        ctx.post_event(vc_body, "Warning", "ReclaimBlocked",
-                       f"{name} reclaims {asked} GPU(s) ({why}), {left} of them not this pass: "
-                       f"{'; '.join(blocked)}"[:1024])
+        message = (f"{name} reclaims {asked} GPU(s) ({why}), {left} of them not this pass: "
+                   f"{'; '.join(blocked)}"[:1024])
+        if ctx.reclaim_blocked.get(name) != message:
+            ctx.post_event(vc_body, "Warning", "ReclaimBlocked", message)
+        ctx.reclaim_blocked[name] = message
+    else:
+        ctx.reclaim_blocked.pop(name, None)
     if applied and line:
         await tell_the_line(ctx, name, line, sum(r.gpus_released for r in applied), asked)
     return applied

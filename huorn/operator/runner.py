@@ -6,6 +6,7 @@ directly and tests call it in a thread of their own, where kopf runs its own eve
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import os
@@ -78,8 +79,30 @@ def peering_priority(priority: int | None) -> int:
     return priority if priority is not None else 1 + secrets.randbelow(PEERING_PRIORITY_RANGE)
 
 
-def post_event(body: Any, kind: str, reason: str, message: str) -> None:
-    kopf.event(body, type=kind, reason=reason, message=message[:1024])
+def event_poster(client: kube.KubeClient) -> context.EventPoster:
+    """Events through kopf's queue inside a kopf handler, and through the API client outside
+    one: kopf keeps its queue only in each object's task, and a reconcile that a background
+    resync woke (handlers._resync_mirror) raised LookupError at its first Event and died there,
+    after writing its placement and before creating its pods."""
+    background: set[asyncio.Task[None]] = set()
+
+    def post(body: Any, kind: str, reason: str, message: str) -> None:
+        try:
+            kopf.event(body, type=kind, reason=reason, message=message[:1024])
+            return
+        except LookupError:
+            pass
+        task = asyncio.get_running_loop().create_task(
+            client.create_event(body, kind, reason, message, component="huorn"), name=f"event {reason}")
+        background.add(task)
+        task.add_done_callback(lambda done: (background.discard(done), _log_failure(done, reason)))
+
+    return post
+
+
+def _log_failure(task: asyncio.Task[None], reason: str) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("event %s could not be written: %s", reason, task.exception())
 
 
 def build_context(
@@ -87,9 +110,10 @@ def build_context(
     settings: context.OperatorSettings | None = None,
 ) -> context.Context:
     settings = settings or context.OperatorSettings()
+    client = kube.KubeClient(api, settings.retry)
     return context.Context(
-        client=kube.KubeClient(api, settings.retry),
-        post_event=post_event,
+        client=client,
+        post_event=event_poster(client),
         settings=settings,
         connection=build_connection(api),
     )

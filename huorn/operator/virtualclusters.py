@@ -6,7 +6,9 @@ created later never takes the nodes of a running one; a cluster that loses nodes
 Ready=False (reason NodesClaimed), with a Warning event naming the owner and the nodes.
 
 Lending is counted per GPU, as the scheduler's snapshot counts it: a pod of a job of cluster A
-on a node of cluster B adds its GPUs to B's `lent` and to A's `borrowed`.
+on a node of cluster B adds its GPUs to B's `lent` and to A's `borrowed`. Once A is deleted its
+pods still run, so they stay in B's `lent` (and against B's maxGPUsLent) with no `borrowed` to
+match them, until they are gone.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ def compute_usage(ctx: Context, vc: str) -> dict[str, Any]:
         on_member = pod.node in members
         if on_member:
             allocated += pod.gpus
-            if pod.virtual_cluster != vc and pod.virtual_cluster in ctx.index.vcs:
+            # whether or not the borrower's VirtualCluster still exists: its pods hold the GPUs
+            # all the same, and the scheduler counts them against maxGPUsLent
+            if pod.virtual_cluster not in ("", vc):
                 lent += pod.gpus
         elif (
             pod.virtual_cluster == vc

@@ -7,7 +7,9 @@ lets the allocator and the simulator try thousands of candidate allocations per 
 
 Lending is accounted per GPU: a replica of a job of virtual cluster A placed on a node of B adds
 its GPUs to A's `borrowed` and to B's `lent`, and both are held to the limits of the VirtualCluster
-spec (maxGPUsBorrowed, maxGPUsLent).
+spec (maxGPUsBorrowed, maxGPUsLent). A job of a cluster the snapshot does not hold (its
+VirtualCluster was deleted while its pods run) borrows for no one, but B has lent those GPUs all
+the same: they count in B's `lent`, against B's maxGPUsLent, until the pods are gone.
 """
 
 from __future__ import annotations
@@ -186,7 +188,9 @@ class ClusterSnapshot:
         self, job: str, vc: str, where: placement.Placement, gpus_per_replica: int,
         cpu_milli_per_replica: int = 0,
     ) -> Binding:
-        """Take the GPUs of `where` for `job`; raises if the job is already bound or they are gone."""
+        """Take the GPUs of `where` for `job`; raises if the job is already bound or they are gone.
+        `vc` need not be among the snapshot's clusters: pods of a deleted VirtualCluster run on,
+        and what they hold on other clusters' nodes stays lent (module docstring)."""
         if job in self._bindings:
             raise ValueError(f"job {job!r} is already bound; forget it before binding it again")
         cpu: dict[str, int] = {}
@@ -241,6 +245,8 @@ class ClusterSnapshot:
                 self._cpu[node] = cpu + sign * binding.cpu_by_node.get(node, 0)
             self._stale.add(node)
             owner = self._nodes[node].virtual_cluster
-            if owner and binding.virtual_cluster and owner != binding.virtual_cluster:
+            vc = binding.virtual_cluster
+            if owner and vc and owner != vc:
                 self._lent[owner] -= sign * gpus
-                self._borrowed[binding.virtual_cluster] -= sign * gpus
+                if vc in self._borrowed:  # a deleted borrower has no budget left to charge
+                    self._borrowed[vc] -= sign * gpus

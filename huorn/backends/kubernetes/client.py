@@ -14,6 +14,7 @@ never blocks on the network.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -139,6 +140,25 @@ class KubeClient:
             patch_body["spec"] = {k: v for k, v in manifest["spec"].items() if k != "clusterIP"}
         patch = getattr(self.core, f"patch_namespaced_{_snake(manifest['kind'])}")
         return self._sanitize(await self._call(patch, name, ns, patch_body))
+
+    async def create_event(self, involved: Mapping[str, Any], kind: str, reason: str, message: str,
+                           component: str) -> None:
+        """A core/v1 Event about `involved` (an object's body), as kopf.event writes one: for the
+        code that runs outside a kopf handler, where kopf has no event queue to post to."""
+        meta = involved.get("metadata") or {}
+        namespace = meta.get("namespace") or "default"
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"namespace": namespace, "generateName": "huorn-event-"},
+            "involvedObject": {"apiVersion": involved.get("apiVersion"), "kind": involved.get("kind"),
+                               "name": meta.get("name"), "namespace": meta.get("namespace"),
+                               "uid": meta.get("uid")},
+            "type": kind, "reason": reason, "message": message[:1024],
+            "source": {"component": component}, "reportingComponent": component,
+            "firstTimestamp": now, "lastTimestamp": now, "eventTime": None, "count": 1,
+        }
+        await self._call(self.core.create_namespaced_event, namespace, event, conflicts=False)
 
     async def annotate(self, kind: str, namespace: str, name: str, annotations: Mapping[str, str]) -> bool:
         """Merge these annotations into the object's; False when it is gone."""

@@ -1,0 +1,198 @@
+"""Review fixes to the loan and reclaim path (2026-12-07): what counts as a lender's demand, what
+a lowered lending limit does, how often a blocked reclaim is reported, which victim loses least,
+and Events from code that runs outside a kopf handler.
+
+Real kopf against KMock, as tests/test_lending_review_fixes.py: time is real, waits poll for what
+the operator has written; a check that something did not happen waits out a few of the
+VirtualCluster's 1 s ticks first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from kube import builders, serving
+from kube import operator as operator_mod
+from kube.cluster import EmulatedCluster, hold_kopf_lists, wait_for
+from kube.kubelet import Kubelet
+
+from huorn.backends.kubernetes import client as kube_client
+from huorn.operator import index, loans, runner
+from huorn.scheduler import loaning
+
+pytest_plugins = ["kube.fixtures"]
+
+NS = "team"
+TICKS = 4.0  # seconds: four of the VirtualCluster's ticks (vc_status_seconds 1 under FAST)
+
+
+def serve_lends(kube: builders.Kube, **lending: object) -> None:
+    kube.custom.patch_cluster_custom_object(
+        builders.GROUP, builders.VERSION, "virtualclusters", "serve",
+        {"spec": {"purpose": "inference",
+                  "lending": {"lendable": True, "maxGPUsLent": 4, "reclaimGraceSeconds": 5, **lending}}})
+
+
+def serve_events(kube: builders.Kube, reason: str) -> list:
+    return [e for e in kube.events("default", "serve") + kube.events(NS, "serve") if e.reason == reason]
+
+
+def test_an_inference_job_its_cluster_refuses_is_no_demand(kube: builders.Kube, operator) -> None:
+    """`serve` admits only the namespace `serving`; an InferenceJob of `team` asks it for 4 × 2
+    GPUs. The operator Stalls it, and before, its demand still preempted the borrower of `serve`'s
+    GPUs for replicas that never came."""
+    serve_lends(kube)
+    kube.custom.patch_cluster_custom_object(builders.GROUP, builders.VERSION, "virtualclusters", "serve",
+                                            {"spec": {"namespaces": ["serving"]}})
+    serving.borrow_four_gpus_of_b0(kube, NS)
+    wait_for(lambda: kube.job_status(NS, "elastic").get("phase") == "Running", what="the borrower running")
+    kube.create_job(NS, serving.make_inference_job("rogue", "serve", gpus=2, min_replicas=4, max_replicas=4),
+                    plural="inferencejobs")
+    wait_for(lambda: kube.job_status(NS, "rogue", plural="inferencejobs").get("phase") == "Stalled",
+             what="the refused InferenceJob Stalled")
+    time.sleep(TICKS)
+    assert not kube.job_status(NS, "elastic").get("preemptReplacements")
+    assert serving.nodes_of(kube, NS, "elastic") == ["b0", "b0"]
+    assert kube.get_vc("serve")["status"].get("lent") == 4
+
+
+def test_the_index_counts_no_demand_for_a_stalled_or_unadmitted_job() -> None:
+    idx = index.ClusterIndex()
+    idx.vcs["serve"] = {"purpose": "inference", "namespaces": ["serving"]}
+    idx.vcs["open"] = {"purpose": "inference"}
+
+    def job(ns: str, vc: str, phase: str | None = None) -> dict:
+        return {"metadata": {"namespace": ns, "name": "chat"},
+                "spec": {"virtualCluster": vc, "resources": {"gpus": 2}, "autoscaling": {"minReplicas": 3}},
+                "status": {"phase": phase} if phase else {}}
+
+    idx.observe_inference_job(job("serving", "serve"))
+    assert idx.floors_of("serve") == 6
+    idx.observe_inference_job(job("serving", "serve", phase="Stalled"))
+    assert idx.floors_of("serve") == 0
+    idx.observe_inference_job(job("team", "serve"))
+    assert idx.floors_of("serve") == 0
+    idx.observe_inference_job(job("team", "open"))
+    assert idx.floors_of("open") == 6
+
+
+def test_a_lender_that_stops_lending_gets_its_gpus_back(kube: builders.Kube, operator) -> None:
+    """The serving team sets lendable false: what is out on loan comes back (the borrower, at its
+    minimum and fixed on b0, is preempted and waits at home). Before, nothing was reclaimed and
+    nothing said so."""
+    serve_lends(kube)
+    serving.borrow_four_gpus_of_b0(kube, NS)
+    kube.custom.patch_cluster_custom_object(builders.GROUP, builders.VERSION, "virtualclusters", "serve",
+                                            {"spec": {"lending": {"lendable": False, "maxGPUsLent": 0}}})
+    wait_for(lambda: kube.get_vc("serve").get("status", {}).get("lent") == 0, timeout=60,
+             what="serve lends nothing")
+    reclaimed = serve_events(kube, "Reclaimed")
+    assert reclaimed and "more GPUs than spec.lending allows now (0" in reclaimed[0].message
+
+
+def test_over_limit_leaves_a_pinned_borrowers_gpus_in_the_budget() -> None:
+    borrowers = {("t", "a"): loans.Borrower("t", "a"), ("t", "b"): loans.Borrower("t", "b")}
+    borrowers[("t", "a")].pods = [index.PodRecord("t", "a-0", "a", "trainer", "a-0", "b0", 2, 0, "train")] * 2
+    borrowers[("t", "b")].pods = [index.PodRecord("t", "b-0", "b", "trainer", "b-0", "b0", 2, 0, "train")] * 2
+    views = [loaning.LoanView("t/a", 2, 2, 1, 2, priority=50),
+             loaning.LoanView("t/b", 2, 2, 2, 2, priority=100)]
+    spec = {"lending": {"lendable": True, "maxGPUsLent": 2}}
+    assert loans.over_limit(spec, borrowers, views) == (4, 2)  # 8 lent, 2 allowed, only a's 4 unpinned
+    assert loans.over_limit({"lending": {"lendable": False, "maxGPUsLent": 8}}, borrowers, views)[1] == 0
+    assert loans.over_limit({"lending": {"lendable": True, "maxGPUsLent": 8}}, borrowers, views) == (0, 8)
+
+
+def test_a_blocked_reclaim_is_reported_once_per_change(kube: builders.Kube, operator) -> None:
+    """reclaimPolicy Shrink and a borrower at its minimum: nothing can be reclaimed, which one
+    Warning says. Before, a new Event object every tick: 360 an hour at the default 10 s."""
+    serve_lends(kube, reclaimPolicy="Shrink")
+    serving.borrow_four_gpus_of_b0(kube, NS)
+    kube.create_job(NS, serving.make_inference_job("chat", "serve", gpus=2, min_replicas=3, max_replicas=3),
+                    plural="inferencejobs")
+    wait_for(lambda: serve_events(kube, "ReclaimBlocked"), what="the blocked reclaim reported")
+    time.sleep(TICKS)
+    assert len(serve_events(kube, "ReclaimBlocked")) == 1
+
+
+def test_the_victim_is_the_borrower_that_loses_least_by_its_checkpoints_age() -> None:
+    """Below a grace a checkpoint takes, a victim loses the work since its last checkpoint. The
+    operator priced every borrower at 0 s since, so the first by name went: here `a`, whose
+    checkpoint was 55 minutes old, rather than `b`, checkpointed 5 s ago."""
+    now = time.time()
+    stamp = lambda ago: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now - ago))  # noqa: E731
+    old = {"status": {"lastCheckpoint": {"step": 9, "time": stamp(3300)}, "startTime": stamp(7200)}}
+    fresh = {"status": {"lastCheckpoint": {"step": 9, "time": stamp(5)}, "startTime": stamp(7200)}}
+    never = {"status": {"startTime": stamp(600)}}
+    assert loans.checkpoint_age(old, now) == pytest.approx(3300, abs=2)
+    assert loans.checkpoint_age(never, now) == pytest.approx(600, abs=2)
+    assert loans.checkpoint_age({"status": {}}, now) == 0.0
+    lending = {"lendable": True, "maxGPUsLent": 8, "reclaimGraceSeconds": 5}
+    view = index.build_vc_view("serve", {"purpose": "inference", "lending": lending})
+    offered = [loaning.LoanView(job, 1, 1, 1, 2, seconds_since_checkpoint=loans.checkpoint_age(body, now))
+               for job, body in (("team/a", old), ("team/b", fresh))]
+    (victim,) = loaning.plan_reclaim(view, 2, offered, now, "demand")
+    assert victim.job == "team/b"
+
+
+def test_an_event_outside_a_kopf_handler_is_written_through_the_api(cluster: EmulatedCluster,
+                                                                     kube: builders.Kube) -> None:
+    """A reconcile that a background resync woke has no kopf event queue: its first Event raised
+    LookupError and the reconcile died between its placement and its pods."""
+    vc = kube.get_vc("serve")
+    api = cluster.api_client()
+
+    async def outside_kopf() -> None:
+        post = runner.event_poster(kube_client.KubeClient(api))
+        post(vc, "Warning", "ReclaimBlocked", "written from a background task")
+        await asyncio.sleep(0)
+        for _ in range(50):
+            if serve_events(kube, "ReclaimBlocked"):
+                return
+            await asyncio.sleep(0.1)
+
+    asyncio.run(outside_kopf())
+    (event,) = serve_events(kube, "ReclaimBlocked")
+    assert event.message == "written from a background task" and event.type == "Warning"
+    assert event.involved_object.kind == "VirtualCluster"
+    assert event.involved_object.uid == vc["metadata"]["uid"]
+
+
+def test_a_restarted_operator_keeps_a_training_lenders_line_reserve(cluster: EmulatedCluster) -> None:
+    """A borrower of `lender`'s 8 GPUs is preempted for the lender's own job, and its old pods
+    checkpoint while the operator restarts. The new operator must keep the 4 GPUs the lender's
+    job waits for unlent from its start, before the lender's first tick (its VirtualCluster
+    watch held here, as a busy API server may): the reserve lived only in memory, and the
+    borrower's successors took the GPUs back, to be preempted again."""
+    kube = builders.Kube(cluster.api_client())
+    kube.create_node(builders.make_node("a0", 4, pool="a"))
+    kube.create_node(builders.make_node("a1", 4, pool="a"))
+    kube.create_node(builders.make_node("b0", 0, pool="b"))
+    lender = builders.make_virtual_cluster("lender", pool="a", lend=8)
+    lender["spec"]["lending"]["reclaimGraceSeconds"] = 20
+    kube.create_vc(lender)
+    kube.create_vc(builders.make_virtual_cluster("borrower", pool="b", borrow=8))
+    kubelet = Kubelet(kube, cluster.kmock, NS)
+
+    def live(job: str) -> list[str]:
+        return sorted(p.metadata.name for p in kube.pods(NS, job, "trainer")
+                      if not p.metadata.deletion_timestamp)
+
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST) as first:
+        kube.create_job(NS, builders.make_training_job("guest", "borrower", replicas=2, max_replicas=2,
+                                                       gpus=4))
+        wait_for(lambda: len(live("guest")) == 2, what="the guest on the lender's nodes")
+        kube.run_all_pods(NS, "guest")
+        old = live("guest")
+        kubelet.hold(old)  # they checkpoint for a while
+        kube.create_job(NS, builders.make_training_job("owner", "lender", replicas=1, max_replicas=1, gpus=4))
+        wait_for(lambda: kube.job_status(NS, "guest").get("preemptReplacements") == 2,
+                 what="the guest preempted")
+        wait_for(lambda: first.ctx.index.line_reserve.get("lender") == 4, what="the first operator's reserve")
+    hold_kopf_lists(cluster, "virtualclusters", seconds=6)
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST) as second:
+        assert second.ctx.index.line_reserve.get("lender") == 4
+        kubelet.release(old)
+        wait_for(lambda: live("owner"), timeout=60, what="the lender's own job placed")
+        assert kube.job_status(NS, "guest").get("preemptReplacements") == 2
