@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 from kube import builders, serving
 from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, hold_kopf_lists, wait_for
@@ -25,6 +27,7 @@ from huorn.scheduler import loaning
 pytest_plugins = ["kube.fixtures"]
 
 NS = "team"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "inference-job.yaml"
 TICKS = 4.0  # seconds: four of the VirtualCluster's ticks (vc_status_seconds 1 under FAST)
 
 
@@ -196,3 +199,44 @@ def test_a_restarted_operator_keeps_a_training_lenders_line_reserve(cluster: Emu
         kubelet.release(old)
         wait_for(lambda: live("owner"), timeout=60, what="the lender's own job placed")
         assert kube.job_status(NS, "guest").get("preemptReplacements") == 2
+
+
+def other_controllers_pod(name: str, node: str, gpus: int) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS},
+            "spec": {"nodeName": node, "containers": [
+                {"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]}}
+
+
+def test_a_replica_that_needs_a_whole_node_gets_one_back(cluster: EmulatedCluster) -> None:
+    """`serve`'s two 4-GPU nodes each hold one 1-GPU pod of a borrower (placed while another
+    controller's pods filled the rest); a replica of 4 GPUs then waits. 6 GPUs are free in total,
+    so a reclaim counted in total wanted nothing and the replica waited for good: now the GPU on
+    one node comes back (the borrower, a fixed gang, is stopped), and the replica is placed there."""
+    kube = builders.Kube(cluster.api_client())
+    kube.create_node(builders.make_node("a0", 0, pool="a"))
+    kube.create_node(builders.make_node("b0", 4, pool="b"))
+    kube.create_node(builders.make_node("b1", 4, pool="b"))
+    kube.create_vc(builders.make_virtual_cluster("train", pool="a", borrow=8))
+    serve = builders.make_virtual_cluster("serve", pool="b", lend=8)
+    serve["spec"]["purpose"] = "inference"
+    serve["spec"]["lending"]["reclaimGraceSeconds"] = 5
+    kube.create_vc(serve)
+    for node in ("b0", "b1"):
+        kube.core.create_namespaced_pod(NS, other_controllers_pod(f"x-{node}", node, 3))
+        kube.core.patch_namespaced_pod_status(f"x-{node}", NS, {"status": {"phase": "Running"}})
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        kube.create_job(NS, builders.make_training_job("guest", "train", replicas=2, max_replicas=2, gpus=1))
+        wait_for(lambda: len(kube.pods(NS, "guest", "trainer")) == 2, what="the guest on b0 and b1")
+        kube.run_all_pods(NS, "guest")
+        assert serving.nodes_of(kube, NS, "guest") == ["b0", "b1"]
+        for node in ("b0", "b1"):
+            kube.core.delete_namespaced_pod(f"x-{node}", NS)
+        body = yaml.safe_load(EXAMPLE.read_text())
+        body["metadata"] = {"name": "chat"}
+        body["spec"]["virtualCluster"] = "serve"
+        body["spec"]["resources"]["gpus"] = 4
+        body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 1}
+        kube.create_job(NS, body, plural="inferencejobs")
+        wait_for(lambda: kube.pods(NS, "chat", "server"), timeout=60, what="the replica of 4 GPUs placed")
+        (reclaimed, *_) = wait_for(lambda: serve_events(kube, "Reclaimed"), what="the reclaim's Event")
+        assert "need GPUs back on b0, each replica whole on one node" in reclaimed.message

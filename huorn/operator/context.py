@@ -131,6 +131,9 @@ class Context:
     # their virtual cluster: GPUs freed there wake them before the training line.
     wake_serving: Callable[[str, str], None] = field(default=lambda namespace, name: None)
     serving_waiting: dict[tuple[str, str], str] = field(default_factory=dict)
+    # And what each waits for: (virtual cluster, GPUs of one replica, replicas unplaced), which a
+    # lender's reclaim fits node by node (huorn.operator.loans.node_shortfall).
+    serving_unplaced: dict[tuple[str, str], tuple[str, int, int]] = field(default_factory=dict)
     # Each InferenceJob's autoscaler (huorn.operator.autoscaling.ScalerState). Memory only: a
     # restarted operator keeps the replicas in status until its window has filled again.
     autoscalers: dict[tuple[str, str], Any] = field(default_factory=dict)
@@ -221,6 +224,7 @@ class Context:
         self.queue.forget(namespace, name)
         self.preemptions.pop((namespace, name), None)
         self.serving_waiting.pop((namespace, name), None)
+        self.serving_unplaced.pop((namespace, name), None)
         self.autoscalers.pop((namespace, name), None)
         self.rl_progress.pop((namespace, name), None)
         self.rl_waiting.pop((namespace, name), None)

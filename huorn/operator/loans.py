@@ -86,6 +86,62 @@ def count_wanted(ctx: Context, vc: str, demand: int, borrowers: Mapping[Any, Bor
     return max(0, min(lent, (demand - own) - free_gpus(ctx, vc)))
 
 
+def node_shortfall(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]) -> tuple[int, set[str]]:
+    """GPUs to reclaim so that the serving replicas waiting on `vc` (ctx.serving_unplaced) fit,
+    each whole on one node as serving places them, and the nodes to reclaim them on.
+
+    count_wanted judges GPUs in total: with a borrower's pod on each of two 4-GPU nodes, 6 free
+    GPUs covered a replica of 4 that no node could hold, nothing was reclaimed, and the replica
+    waited for good. Here each waiting replica, largest first, takes the fullest node it fits
+    (serving.choose_nodes' best fit), else the node where reclaiming costs the fewest GPUs: its
+    free GPUs (counting pods being deleted as gone, as free_gpus does) plus what borrowers
+    hold there must hold it, or no reclaim can place it."""
+    waiting = sorted((gpus for cluster, gpus, count in ctx.serving_unplaced.values()
+                      if cluster == vc and gpus > 0 for _ in range(count)), reverse=True)
+    if not waiting:
+        return 0, set()
+    free = {n.name: n.gpus for n in ctx.index.members_of(vc) if not n.unschedulable}
+    holders = [*ctx.index.pods.values(), *ctx.index.reservations.values()]
+    for pod in holders:
+        if pod.node in free and pod.holds_resources and not pod.deleting and pod.gpus:
+            free[pod.node] -= pod.gpus
+    for node, gpus in ctx.index.held_by_others(leaving=False).items():
+        if node in free:
+            free[node] -= gpus
+    lent_on: dict[str, int] = {}
+    for b in borrowers.values():
+        for pod in b.pods:
+            if pod.node in free:
+                lent_on[pod.node] = lent_on.get(pod.node, 0) + pod.gpus
+    need, nodes = 0, set()
+    for gpus in waiting:
+        fits = sorted((left, name) for name, left in free.items() if left >= gpus)
+        if fits:
+            free[fits[0][1]] -= gpus
+            continue
+        options = sorted((gpus - max(left, 0), name) for name, left in free.items()
+                         if max(left, 0) + lent_on.get(name, 0) >= gpus)
+        if not options:
+            continue  # no reclaim on one node can hold it
+        take, name = options[0]
+        need += take
+        nodes.add(name)
+        lent_on[name] -= take
+        free[name] = 0
+    return need, nodes
+
+
+def on_nodes(borrowers: Mapping[Any, Borrower], nodes: set[str]) -> dict[Any, Borrower]:
+    """The borrowers with pods on `nodes`, each with those pods only: a reclaim that must free
+    GPUs on given nodes shrinks, and prices, only what runs there."""
+    out = {}
+    for key, b in borrowers.items():
+        there = [p for p in b.pods if p.node in nodes]
+        if there:
+            out[key] = Borrower(b.namespace, b.job, there)
+    return out
+
+
 def over_limit(vc_spec: Mapping[str, Any], borrowers: Mapping[Any, Borrower], loans: list[loaning.LoanView]
                ) -> tuple[int, int]:
     """GPUs out on loan beyond what the lender's spec.lending allows now (maxGPUsLent, or 0 when
@@ -176,6 +232,7 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
         borrowers = {k: b for k, b in borrowers.items() if ctx.serves(b.namespace)}
     line: list[queue.QueuedJob] = []
     need = 0
+    targeted: list[str] = []  # the nodes a reclaim for whole serving replicas frees GPUs on
     if lends and not inference:
         need, wanted, line = line_wanted(ctx, name, borrowers)
     reserve_for_line(ctx, name, need)
@@ -186,6 +243,12 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
     elif inference:
         demand = ctx.index.demand_of(name)  # the InferenceJobs' floors, or the board's forecast
         wanted = count_wanted(ctx, name, demand, borrowers)
+        short, nodes = node_shortfall(ctx, name, borrowers)
+        lent = sum(p.gpus for b in borrowers.values() for p in b.pods)
+        if short > wanted and lent <= lending_allowed(spec):
+            # the waiting replicas fit only where GPUs come back on the right nodes (not when the
+            # lender is over its limit: that reclaim takes back more, wherever it is)
+            wanted, borrowers, targeted = short, on_nodes(borrowers, nodes), sorted(nodes)
     if wanted <= 0 and not (lends and sum(p.gpus for b in borrowers.values() for p in b.pods)
                             > lending_allowed(spec)):
         ctx.reclaim_blocked.pop(name, None)
@@ -256,6 +319,9 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
                "that its free GPUs cannot give")
     elif forecast_gpus > ctx.index.floors_of(name):
         why = f"its forecast request rate needs {forecast_gpus} GPU(s) ({board.FIELD})"
+    elif targeted:
+        why = (f"its InferenceJobs' waiting replicas need GPUs back on {', '.join(targeted)}, each "
+               "replica whole on one node")
     else:
         why = f"its InferenceJobs need {ctx.index.demand_of(name)} GPU(s)"
     plan = loaning.plan_reclaim(view, wanted, loans, now, why) if wanted > 0 and loans else []

@@ -157,6 +157,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         fresh = compiler.compile(job)
     except (validation.InvalidSpec, ValueError) as exc:
         ctx.serving_waiting.pop((ns, name), None)
+        ctx.serving_unplaced.pop((ns, name), None)
         ctx.metrics.forget_inference_job(ns, name)
         return await stall(ctx, body, "InvalidSpec", str(exc), PLURAL, KIND)
     vc = job.spec.virtual_cluster
@@ -280,8 +281,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     unplaced = len(missing) - placed
     if unplaced:
         ctx.serving_waiting[(ns, name)] = vc
+        ctx.serving_unplaced[(ns, name)] = (vc, gpus, unplaced)
     else:
         ctx.serving_waiting.pop((ns, name), None)
+        ctx.serving_unplaced.pop((ns, name), None)
     live = [pod_of(i) for i in server.instances]
     ready = sum(1 for p in live if p is not None and is_ready(p)) + len(surge)
     running = sum(1 for p in live if p is not None and p.holds_resources) + placed
