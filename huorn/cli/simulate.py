@@ -30,13 +30,14 @@ COLUMNS = ("jct_mean_s", "jct_p50_s", "jct_p99_s", "makespan_s", "goodput_gpu_eq
 MAX_WORK_ESTIMATE_ERROR = 10.0
 
 
-def _check_load(ctx: typer.Context, trace: Path, config: engine.SimConfig, train_gpus: int) -> None:
+def _check_load(ctx: typer.Context, trace: Path, sample: workload.Sample, config: engine.SimConfig,
+                train_gpus: int) -> None:
     """Refuse a --load the trace cannot offer (ValueError): past it the simulator ran at the most
     the trace offers while report.json recorded the load asked. Not given, the default is only
     noted as out of reach, since a small trace then runs at its most, as it always did.
     `train_gpus` is what the node split really leaves to train (run.split_cluster), the GPUs the
     load is compressed for."""
-    most = workload.most_offered_load(trace, config.gpus, train_gpus, config.seed)
+    most = sample.offered_load(train_gpus, workload.MAX_COMPRESSION)
     if most >= config.load:
         return
     shown = math.floor(most * 100) / 100  # rounded down, so that the load it suggests is accepted
@@ -46,6 +47,17 @@ def _check_load(ctx: typer.Context, trace: Path, config: engine.SimConfig, train
         raise ValueError(f"--load {config.load:g}: {offers} (every arrival at once); give --load "
                          f"{shown:.2f} or less")
     typer.echo(f"note: {offers}, less than the default --load {config.load:g}; simulating at that", err=True)
+
+
+def _sampling_note(sample: workload.Sample, gpus: int) -> str:
+    """How many training pods the N/1024 rule kept: it applies to any trace, and a user's own
+    trace lost most of its pods at --gpus 64 without a word."""
+    if sample.keep >= 1:
+        return (f"kept {len(sample.pods)} of {sample.training} training pods (probability 1: every pod "
+                f"at --gpus {workload.FULL_TRACE_GPUS} or more)")
+    return (f"kept {len(sample.pods)} of {sample.training} training pods (probability {gpus}/"
+            f"{workload.FULL_TRACE_GPUS} = {sample.keep:.3g} each at --gpus {gpus}; all at --gpus "
+            f"{workload.FULL_TRACE_GPUS})")
 
 
 def simulate(
@@ -96,11 +108,19 @@ def simulate(
         check_writable(output, "--output", directory=True)
         # the node list first: its errors (too few GPUs for --gpus) come before any note on the load
         split = run.split_cluster(nodes, config)
-        _check_load(ctx, trace, config, split.train_gpus)
+        # the pods build_simulations samples (same trace, --gpus and seed), read once more to say
+        # how many were kept and what load the compression really offers
+        sample = workload.sample_training_pods(trace, gpus, seed)
+        _check_load(ctx, trace, sample, config, split.train_gpus)
         with err.status(f"reading the trace and building {len(names)} simulation(s)"):
             sims = run.build_simulations(trace, nodes, qps, names, config)
         if (note := split.note(config)) is not None:  # once the inputs are known good, as a run's note
             typer.echo(f"note: {note}", err=True)
+        typer.echo(f"note: {_sampling_note(sample, gpus)}", err=True)
+        compression = sample.compression(split.train_gpus, load)
+        inputs = {"offered_load_simulated": sample.offered_load(split.train_gpus, compression),
+                  "arrival_compression": compression, "training_pods_in_trace": sample.training,
+                  "training_pods_kept": len(sample.pods)}
         # a bar only on a terminal: piped or redirected stderr gets no frames, as kubectl's
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                       TimeElapsedColumn(), console=err, disable=not err.is_terminal) as bar:
@@ -111,7 +131,7 @@ def simulate(
     except (ValueError, workload.TraceError) as exc:
         print_error(str(exc))
         raise typer.Exit(2) from None
-    path = report.write_report(output, results, sims)
+    path = report.write_report(output, results, sims, inputs)
     left_out = next(iter(sims.values())).left_out
     # plain lines, not rich's: a path or a job name holding [bold] is no markup, and a long line
     # is not wrapped at the terminal's width
@@ -119,6 +139,9 @@ def simulate(
         typer.echo(f"note: {len(left_out)} job(s) of the trace fit no training node sampled for {gpus} GPUs "
                    f"(seed {seed}) and were left out of every policy's run (jobs_left_out): "
                    f"{', '.join(left_out[:5])}{' ...' if len(left_out) > 5 else ''}", err=True)
+    for n in names:
+        if (why := results[n].get("goodput_gpu_equiv_null_reason")) is not None:
+            typer.echo(f"note: {n}: goodput_gpu_equiv is null (n/a): {why}", err=True)
     typer.echo(f"wrote {path} and plots in {output}", err=True)
     full = {"policies": results, "huorn_vs_baselines": report.compare(results)}
     if fmt == "json":
@@ -132,6 +155,8 @@ def simulate(
         for column in table.columns[1:]:
             column.justify = "right"
         for col in COLUMNS:
-            table.add_row(col, *(f"{results[n][col]:.4g}" for n in names))
+            # null (goodput over an arrival window too short to read) shows as n/a, not a number
+            table.add_row(col, *("n/a" if results[n][col] is None else f"{results[n][col]:.4g}"
+                                 for n in names))
         typer.echo(render_console(table, width=200))
 

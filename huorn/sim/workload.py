@@ -5,14 +5,19 @@ Rules (each a documented choice, see docs/scheduling.md):
 - Training jobs are the pods with qos BE or Burstable and num_gpu ≥ 1 (as the trace README
   suggests); LS and Guaranteed pods are services, whose role the inference virtual cluster and the
   GenAI QPS series play. Pods with num_gpu = 0 use no GPU and are left out. A pod with a shared GPU
-  (gpu_milli < 1000) asks for one whole GPU, since Huorn schedules whole devices.
+  (num_gpu = 1, gpu_milli < 1000) asks for one whole GPU, since Huorn schedules whole devices, so
+  gpu_milli is never read and not required. num_gpu is a whole count (a share goes in gpu_milli),
+  and a pod of 8 GPUs or more asks for whole 8-GPU replicas.
+- Times are in seconds. Every training pod needs both times; one that ran more than a year, or
+  training arrivals spread over more than five years, is refused as a trace in milliseconds or
+  nanoseconds (every row is checked before sampling, so a bad row fails at any cluster size).
 - A job's work is what its pod did in the trace: duration (deletion − creation) at its requested
   GPUs, run at the family's base batch. Every policy has to do the same work.
 - Scaling to N GPUs: nodes are drawn (seeded) from the node list until they hold N GPUs; training
-  pods are kept with probability N/1024 (all of them at 1,024 GPUs). Arrivals are compressed by
-  one factor so that the offered training load equals `load` × the training GPUs: the trace spans
-  40 days of a 6,000-GPU cluster, which at 1,024 GPUs would leave the GPUs nearly idle and every
-  policy equal.
+  pods are kept with probability N/1024 (all of them at 1,024 GPUs; `Sample` says how many).
+  Arrivals are compressed by one factor so that the offered training load equals `load` × the
+  training GPUs: the trace spans 40 days of a 6,000-GPU cluster, which at 1,024 GPUs would leave
+  the GPUs nearly idle and every policy equal.
 - The catalogue assigns each job a model family by a hash of its name (so the rule is stable
   across seeds and subsets): 8-GPU pods are large language models (8 GPUs per replica); others are
   CNN 35 %, transformer 35 %, recommender 15 %, MoE 10 %, and the CPU-measured tiny transformer 5 %.
@@ -28,6 +33,7 @@ import hashlib
 import io
 import math
 import statistics
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +42,20 @@ import numpy as np
 
 from huorn.scheduler import perfmodel
 
-POD_COLUMNS = ("name", "num_gpu", "gpu_milli", "qos", "creation_time", "deletion_time")
+# gpu_milli is not among them: a shared GPU counts as one whole GPU, so nothing reads it
+POD_COLUMNS = ("name", "num_gpu", "qos", "creation_time", "deletion_time")
 NODE_COLUMNS = ("sn", "gpu")
 FULL_TRACE_GPUS = 1024
+TRAINING_QOS = ("BE", "Burstable")
+
+# Times must be in seconds. The OpenB trace's longest training pod ran 19.6 days and its training
+# arrivals span 40 days; a pod longer than a year, or arrivals spread over more than five years,
+# is what a trace in milliseconds or nanoseconds looks like. Such a trace ran on 60-second ticks
+# for hours or without end, or gave JCTs a thousand times too long.
+YEAR_SECONDS = 365 * 86400
+MAX_POD_SECONDS = YEAR_SECONDS
+MAX_SPAN_SECONDS = 5 * YEAR_SECONDS
+SECONDS_FIX = "times must be in seconds (divide milliseconds by 1e3, nanoseconds by 1e9)"
 
 
 class TraceError(ValueError):
@@ -111,23 +128,34 @@ def _rows(path: Path, columns: tuple[str, ...]) -> list[dict[str, str]]:
                          f"{list(columns)}") from None
     except OSError as error:
         raise TraceError(f"{path}: cannot read it ({error.strerror})") from None
-    reader = csv.DictReader(io.StringIO(text, newline=""))
+    # Values are stripped as names are: with ", " between values, "BE" read as " BE", no pod was
+    # training and the trace was refused as having no training pods.
+    reader = csv.DictReader(io.StringIO(text, newline=""), skipinitialspace=True)
     if reader.fieldnames is not None:
         reader.fieldnames = [name.strip() for name in reader.fieldnames]
     missing = [c for c in columns if c not in (reader.fieldnames or [])]
     if missing:
         raise TraceError(f"{path}: column {missing[0]!r} is missing; expected columns {list(columns)}")
-    return list(reader)
+    # a row longer than the header keeps its surplus as a list under None: no value of ours
+    return [{k: v.strip() if isinstance(v, str) else v for k, v in row.items()} for row in reader]
 
 
-def _int(path: Path, line: int, row: dict[str, str], column: str, default: int | None = None) -> int:
+def _int(path: Path, line: int, row: dict[str, str], column: str) -> int:
     value = (row.get(column) or "").strip()
-    if not value and default is not None:
-        return default
     try:
         return int(float(value))
     except (ValueError, OverflowError):  # OverflowError: inf or 1e400, which no count can be
         raise TraceError(f"{path}:{line}: column {column!r} must be a finite number, got {value!r}") from None
+
+
+def _gpu_count(path: Path, line: int, row: dict[str, str]) -> int:
+    """num_gpu, a whole count: int(float()) made 0.5 a pod with no GPU and 1.5 a 1-GPU pod."""
+    n = _int(path, line, row, "num_gpu")
+    value = row["num_gpu"]
+    if float(value) != n:  # finite: _int refused the rest
+        raise TraceError(f"{path}:{line}: column 'num_gpu' must be a whole number of GPUs, got {value!r}; "
+                         "a fraction of a GPU goes in gpu_milli with num_gpu=1 (e.g. 500 for half)")
+    return n
 
 
 def _unique(path: Path, rows: list[dict[str, str]], column: str) -> None:
@@ -234,42 +262,101 @@ def declared_factor(name: str, seed: int, error: float, undeclared_share: float)
     return math.exp(error * statistics.NormalDist().inv_cdf(u))
 
 
-def _training_pods(path: Path, gpus: int, seed: int) -> list[tuple[int, int, int, str]]:
-    """(creation time, duration, GPUs, name) of the training pods kept for `gpus` GPUs, by arrival."""
+@dataclass(frozen=True)
+class Sample:
+    """The training pods kept for a cluster size: `pods` are (creation time, duration, GPUs, name)
+    by arrival, `training` the trace's training pods before sampling, each kept with probability
+    `keep`. A caller tells the user how many were kept (huorn simulate), since the N/1024 rule
+    applies to any trace."""
+
+    pods: list[tuple[int, int, int, str]]
+    training: int
+    keep: float
+
+    def compression(self, train_gpus: int, load: float) -> float:
+        """The factor load_jobs compresses arrivals by for `load` on `train_gpus` training GPUs."""
+        return _compression(self.pods, train_gpus, load)
+
+    def offered_load(self, train_gpus: int, compression: float) -> float:
+        """The training load offered over the arrival window once compressed by `compression`."""
+        return _offered_load(self.pods, train_gpus)(compression)
+
+
+def _pod_times(path: Path, line: int, row: dict[str, str]) -> tuple[int, int]:
+    """A training pod's creation time and duration, checked: an empty deletion_time made a silent
+    1-second job, and times in milliseconds or nanoseconds ran for hours (MAX_POD_SECONDS)."""
+    created = _int(path, line, row, "creation_time")
+    if not row.get("deletion_time"):
+        raise TraceError(f"{path}:{line}: column 'deletion_time' is empty; a training pod needs the time "
+                         "it ended (seconds, as creation_time) for its duration: fill it in or drop the row")
+    deleted = _int(path, line, row, "deletion_time")
+    if deleted < created:
+        raise TraceError(f"{path}:{line}: column 'deletion_time' ({deleted}) is before creation_time")
+    if (ran := deleted - created) > MAX_POD_SECONDS:
+        raise TraceError(f"{path}:{line}: column 'deletion_time' ({deleted}) is {ran:.4g} after "
+                         f"creation_time, {ran / YEAR_SECONDS:.3g} years if in seconds; "
+                         f"{SECONDS_FIX}. A training pod longer than a year is refused")
+    return created, max(1, deleted - created)
+
+
+def _no_training_pods(path: Path, rows: list[dict[str, str]]) -> TraceError:
+    """The error for a trace with no training pod, showing the qos values it holds: "be" or
+    " BE" looked like a trace of services only."""
+    seen = Counter(r["qos"] for r in rows)
+    shown = ", ".join(f"{q!r} ({n})" for q, n in seen.most_common(8)) + (" ..." if len(seen) > 8 else "")
+    return TraceError(f"{path}: no training pods (qos BE or Burstable, as written, with num_gpu ≥ 1) to "
+                      f"simulate; column 'qos' holds {shown or 'no rows'}")
+
+
+def sample_training_pods(path: Path, gpus: int, seed: int) -> Sample:
+    """The training pods kept for `gpus` GPUs. Every training row is checked before its sampling
+    draw (a bad row failed only at a size that kept it), with one draw per training row as ever,
+    so the same seed keeps the same pods."""
     rows = _rows(path, POD_COLUMNS)
     _unique(path, rows, "name")
     rng = np.random.default_rng(seed)
     keep = min(1.0, gpus / FULL_TRACE_GPUS)
+    per_replica = FAMILIES["llm"].gpus_per_replica
     raw = []
     training = 0  # before sampling: a small trace can have some and keep none
+    first = last = (0, 0)  # (creation time, line) of the earliest and the latest training arrival
     for i, r in enumerate(rows):
         line = i + 2
-        n_gpu = _int(path, line, r, "num_gpu")
-        if r["qos"] not in ("BE", "Burstable") or n_gpu < 1:
+        n_gpu = _gpu_count(path, line, r)
+        if r["qos"] not in TRAINING_QOS or n_gpu < 1:
             continue
+        if n_gpu >= per_replica and n_gpu % per_replica:
+            raise TraceError(f"{path}:{line}: column 'num_gpu' is {n_gpu}: a pod of {per_replica} GPUs or "
+                             f"more runs as {per_replica}-GPU replicas (an LLM), and {n_gpu} is not a whole "
+                             f"number of them; give a multiple of {per_replica}")
+        created, duration = _pod_times(path, line, r)
+        if not training or created < first[0]:
+            first = (created, line)
+        if not training or created > last[0]:
+            last = (created, line)
         training += 1
         if rng.random() >= keep:
             continue
-        created = _int(path, line, r, "creation_time")
-        deleted = _int(path, line, r, "deletion_time", default=created + 1)
-        if deleted < created:
-            raise TraceError(f"{path}:{line}: column 'deletion_time' ({deleted}) is before creation_time")
-        raw.append((created, max(1, deleted - created), n_gpu, r["name"]))
+        raw.append((created, duration, n_gpu, r["name"]))
     if not training:
-        raise TraceError(f"{path}: no training pods (qos BE or Burstable with num_gpu ≥ 1) to simulate")
+        raise _no_training_pods(path, rows)
+    if (span := last[0] - first[0]) > MAX_SPAN_SECONDS:
+        raise TraceError(f"{path}:{last[1]}: column 'creation_time' ({last[0]}) is {span:.4g} after "
+                         f"line {first[1]}'s, {span / YEAR_SECONDS:.3g} years if in seconds; "
+                         f"{SECONDS_FIX}. Training arrivals spread over more than five years are refused")
     if not raw:
         raise TraceError(f"{path}: {training} training pod(s), none kept by sampling at --gpus {gpus} "
                          f"(each kept with probability {gpus}/{FULL_TRACE_GPUS}); use --gpus "
                          f"{FULL_TRACE_GPUS} or a larger trace")
     raw.sort()
-    return raw
+    return Sample(raw, training, keep)
 
 
 def most_offered_load(path: Path, gpus: int, train_gpus: int, seed: int) -> float:
     """The most training load that load_jobs can offer from this trace for `gpus` GPUs, of which
     `train_gpus` train (the same jobs: same seed). load_jobs runs a larger `load` at this one, so a
     caller that takes the load from a user refuses a larger one (huorn simulate --load)."""
-    return _offered_load(_training_pods(path, gpus, seed), train_gpus)(MAX_COMPRESSION)
+    return sample_training_pods(path, gpus, seed).offered_load(train_gpus, MAX_COMPRESSION)
 
 
 def load_jobs(path: Path, gpus: int, train_gpus: int, load: float, seed: int,
@@ -289,8 +376,9 @@ def load_jobs(path: Path, gpus: int, train_gpus: int, load: float, seed: int,
         raise ValueError(f"work_estimate_error must be >= 0, got {work_estimate_error}")
     if not 0 <= undeclared_share <= 1:
         raise ValueError(f"undeclared_share must lie in [0, 1], got {undeclared_share}")
-    raw = _training_pods(path, gpus, seed)
-    compress = _compression(raw, train_gpus, load)
+    sample = sample_training_pods(path, gpus, seed)
+    raw = sample.pods
+    compress = sample.compression(train_gpus, load)
     start = raw[0][0]
     jobs = []
     for created, duration, n_gpu, name in raw:
