@@ -61,11 +61,7 @@ def test_each_replica_count_is_priced_at_the_batch_its_rule_runs(rule: str) -> N
     assert eight.throughput == pytest.approx(expected, rel=0.05)
 
 
-def test_the_batch_rule_priced_is_the_one_the_trainer_runs() -> None:
-    assert goodput.batch_rule_priced(training.BatchRule.FIXED_GLOBAL) == "fixed-global"
-    assert goodput.batch_rule_priced(training.BatchRule.SCALE_WITH_REPLICAS) == "scale-with-replicas"
-    # no backend hands the allocator's batch to a trainer: batchRule goodput trains at globalBatch
-    assert goodput.batch_rule_priced(training.BatchRule.GOODPUT) == "fixed-global"
+def test_a_batch_rule_the_allocator_does_not_know_is_refused() -> None:
     with pytest.raises(ValueError, match="batch_rule 'adaptive'"):
         allocator.JobView("j", "vc", batch_rule="adaptive")
 

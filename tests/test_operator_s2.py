@@ -14,7 +14,7 @@ from kube.cluster import EmulatedCluster, wait_for
 from huorn.backends.kubernetes import manifests
 from huorn.graph import mutate, serialise
 from huorn.operator import training
-from huorn.runtime import microbatches
+from huorn.runtime import batch_control, microbatches
 
 pytest_plugins = ["kube.fixtures"]
 
@@ -89,3 +89,30 @@ def test_the_config_map_key_is_the_trainers_control_file(tmp_path: Path) -> None
     (tmp_path / manifests.MICROBATCHES_KEY).write_text(data[manifests.MICROBATCHES_KEY])
     plan, stamp = microbatches.read_control_file(tmp_path)
     assert plan == microbatches.MicroBatchPlan((5, 3), "S2", 7) and stamp > 0
+
+
+def test_the_goodput_batch_reaches_the_config_map_beside_the_counts(cluster, kube: builders.Kube) -> None:
+    """batchRule goodput: the monitor's `batch` set-param reaches the pods as the ConfigMap's
+    batch.json, with S2's counts kept beside it, and status.controlVersion follows the newer."""
+    assert manifests.BATCH_KEY == batch_control.CONTROL_FILE
+    with start(cluster):
+        kube.create_job(NS, builders.make_training_job("llm", "train", replicas=2, max_replicas=2, gpus=2))
+        wait_for(lambda: len(kube.pods(NS, "llm", "trainer")) == 2, what="2 trainer pods")
+        kube.run_all_pods(NS, "llm")
+        wait_for(lambda: kube.job_status(NS, "llm").get("phase") == "Running", what="Running")
+        counts = decide_s2(kube, "llm", [5, 3], "remediation S2: rank 1 is 1.7× slower")
+        wait_for(lambda: kube.job_status(NS, "llm").get("controlVersion") == counts, what="the counts")
+        g = serialise.from_status(kube.job_status(NS, "llm")["graph"])
+        m = mutate.set_param(g, "trainer", "batch", 64, reason="goodput allocator: 16 -> 64", stamp=True)
+        assert m is not None
+        kube.custom.patch_namespaced_custom_object_status(
+            builders.GROUP, builders.VERSION, NS, "trainingjobs", "llm",
+            {"status": {"graph": serialise.to_status(g), "decisions": training.build_decisions(g)}})
+        delivered = wait_for(lambda: (config_map(kube, "llm").data or {}).get(manifests.BATCH_KEY),
+                             what="the batch in the ConfigMap")
+        assert json.loads(delivered) == {"globalBatch": 64, "reason": "goodput allocator: 16 -> 64",
+                                         "version": m.version}
+        wait_for(lambda: kube.job_status(NS, "llm").get("controlVersion") == m.version, what="controlVersion")
+        assert json.loads(config_map(kube, "llm").data[manifests.MICROBATCHES_KEY])["counts"] == [5, 3]
+        names = [p.metadata.name for p in kube.pods(NS, "llm", "trainer")]
+        assert names == ["llm-trainer-0", "llm-trainer-1"]  # no pod replaced for it

@@ -245,8 +245,7 @@ class BatchRule(StrEnum):
 
     FIXED_GLOBAL = "fixed-global"  # keep the global batch, adjust gradient accumulation
     SCALE_WITH_REPLICAS = "scale-with-replicas"  # batch ∝ replicas, lr by the square-root rule
-    # the allocator's batch and lr (AdaScale); not delivered to trainers yet: runs as FIXED_GLOBAL
-    GOODPUT = "goodput"
+    GOODPUT = "goodput"  # the allocator picks the batch with the replicas (AdaScale progress)
 
 
 @rules.attach(
@@ -451,12 +450,18 @@ def declared_steps(spec: TrainingJobSpec) -> int:
 
 def token_budget(spec: TrainingJobSpec) -> int | None:
     """The tokens that end the run when they, not steps, are its budget (`steps` wins when both
-    are set, as in declared_steps); None for a budget in steps. A step's tokens are its global
-    batch × context, and the global batch may change during the run (batchRule
-    scale-with-replicas, an edited globalBatch), so only the tokens trained so far tell how far
-    such a run is."""
+    are set, as in declared_steps); None for a budget in steps, except under batchRule goodput,
+    where `steps` are counted as tokens of globalBatch. A step's tokens are its global batch ×
+    context, and the global batch may change during the run (batchRule scale-with-replicas or
+    goodput, an edited globalBatch), so only the tokens trained so far tell how far such a run is."""
     opt = spec.optimization
-    return int(opt.tokens) if opt.steps is None and opt.tokens is not None else None
+    if opt.steps is None and opt.tokens is not None:
+        return int(opt.tokens)
+    if opt.batch_rule == BatchRule.GOODPUT and opt.steps is not None:
+        # the allocator changes the batch and AdaScale counts each step's progress in steps of
+        # globalBatch: `steps` of it are as many tokens of it (huorn.runtime.batching)
+        return int(opt.steps) * opt.global_batch * spec.model.context
+    return None
 
 
 def is_one_process_per_replica(pipeline_stages: int, gpus: int) -> bool:

@@ -76,6 +76,12 @@ class GoodputPolicy:
     # What the trainer does with its batch as the gang resizes (allocator.BATCH_RULES; the spec's
     # optimization.batchRule, see batch_rule_priced): the allocator prices the job at that batch.
     batch_rule: str = "fixed-global"
+    micro_batch: int = 1  # the spec's microBatch: a chosen global batch is whole micro-batches
+    # batchRule goodput: how far the allocator may grow a replica's batch over globalBatch (the
+    # trainer accumulates micro-batches, so memory does not bound it; the statistical efficiency
+    # and this cap do). The other rules' replicas never run more than globalBatch.
+    max_batch_scale: float = 8.0
+    batch_cooldown_seconds: float = 300.0  # between two changes of the batch (batch_event)
     # Step times kept per configuration (replicas, nodes, local batch): the model fits their
     # median. One sample per step, kept for good, refitted on every decision inside the operator's
     # event loop: 0.8 s a decision at 5,000 steps, 3.3 s at 20,000, for five configurations.
@@ -166,7 +172,8 @@ class GoodputPolicy:
             replicas=v.replicas,
             noise_scale=self.noise_scale,
             base_batch=self.global_batch,
-            max_local_batch=self.global_batch,
+            max_local_batch=self.global_batch * (self.max_batch_scale if self.batch_rule == "goodput"
+                                                 else 1.0),
             restart_seconds=self.restart_seconds,
             resizes_in_place=self.in_place,
             batch_rule=self.batch_rule,
@@ -185,12 +192,36 @@ class GoodputPolicy:
             )
             (decision,) = self.decider.allocate(snap, [job], now)
         self.last_decision = decision
-        if decision.replicas == v.replicas or not v.min_replicas <= decision.replicas <= v.max_replicas:
+        if not v.min_replicas <= decision.replicas <= v.max_replicas:
             return []
-        reason = f"goodput allocator: {decision.action} to {decision.replicas} ({decision.reason})"
-        data: dict[str, Any] = {"replicas": decision.replicas, "reason": reason[:1000]}
-        data.update(repack(v, decision, observation.nodes))
-        return [managers.Event(managers.SCHEDULER_DECISION, self.vertex, data)]
+        events = []
+        if decision.replicas != v.replicas:
+            reason = f"goodput allocator: {decision.action} to {decision.replicas} ({decision.reason})"
+            data: dict[str, Any] = {"replicas": decision.replicas, "reason": reason[:1000]}
+            data.update(repack(v, decision, observation.nodes))
+            events.append(managers.Event(managers.SCHEDULER_DECISION, self.vertex, data))
+        batch = self.batch_event(graph, decision, now)
+        return events + ([batch] if batch is not None else [])
+
+    def batch_event(self, graph: model.Graph, decision: allocator.Decision, now: float
+                    ) -> managers.Event | None:
+        """batchRule goodput: the allocator's global batch for its replicas, in whole
+        micro-batches and never below the spec's globalBatch, as a `batch` parameter the backend
+        hands to the running gang (huorn.runtime.batch_control). Not within `batch_cooldown_seconds`
+        of the last change: the noise scale the choice rests on moves step by step, and a batch
+        that flapped between two neighbours would move the learning rate with it."""
+        if self.batch_rule != "goodput" or decision.global_batch is None:
+            return None
+        micro = max(1, self.micro_batch)
+        chosen = max(int(self.global_batch), int(decision.global_batch) // micro * micro)
+        current = int(graph.vertex(self.vertex).params.get("batch") or self.global_batch)
+        if chosen == current or now - last_batch_change(graph, self.vertex) < self.batch_cooldown_seconds:
+            return None
+        scale = math.sqrt(chosen / self.global_batch)
+        reason = (f"goodput allocator: global batch {current} -> {chosen} at {decision.replicas} replicas "
+                  f"(noise scale {self.noise_scale:.3g}; peak learning rate x{scale:.3g})")
+        return managers.Event(managers.PARAMETER_DECISION, self.vertex,
+                              {"key": "batch", "value": chosen, "reason": reason})
 
     def remaining_work(self, step: int) -> float | None:
         """Samples left, in the unit of the performance model's throughput (samples per second):
@@ -213,13 +244,15 @@ def _positive(value: object) -> float | None:
     return number if math.isfinite(number) and number > 0 else None
 
 
-def batch_rule_priced(rule: training.BatchRule) -> str:
-    """The batch the allocator prices a job at (allocator.BATCH_RULES), for its spec's
-    optimization.batchRule: the batch its trainer will run. batchRule goodput's trainer keeps the
-    spec's global batch (huorn.runtime.batching): no backend hands the allocator's batch to it, so
-    it is priced as fixed-global."""
+def batch_rule_priced(spec: training.TrainingJobSpec) -> str:
+    """The batch the allocator prices a job at (allocator.BATCH_RULES): the batch its trainer
+    will run. batchRule goodput takes the allocator's (batch_event) except in a pipelined job,
+    whose schedules are built for its micro-batches: it keeps globalBatch, as fixed-global."""
+    rule = spec.optimization.batch_rule
     if rule == training.BatchRule.SCALE_WITH_REPLICAS:
         return "scale-with-replicas"
+    if rule == training.BatchRule.GOODPUT and spec.parallelism.pipeline_stages == 1:
+        return "goodput"
     return "fixed-global"
 
 
@@ -248,6 +281,15 @@ def repack(vertex: model.Vertex, decision: allocator.Decision, nodes: dict[str, 
         return {}
     leaving, new_nodes = placement.match_replicas(running, decision.assignments)
     return {"remove": leaving, "nodes": new_nodes}
+
+
+def last_batch_change(graph: model.Graph, vertex: str) -> float:
+    """When the vertex's `batch` was last set (the graph's log, so a restarted operator keeps
+    the cooldown); -inf if never or no longer in the bounded log."""
+    for m in reversed(graph.log):
+        if m.action == "set-param" and m.target == vertex and m.detail.get("key") == "batch":
+            return m.time
+    return float("-inf")
 
 
 def last_resize_of(graph: model.Graph, vertex: str) -> tuple[float, int]:

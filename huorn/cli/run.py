@@ -77,7 +77,7 @@ def build_policies(
             # a budget in tokens: the work left is the tokens not trained yet, whatever the batch
             # grew to (scale-with-replicas); --steps overrides it, as it does in the trainers
             tokens=training.token_budget(spec) if steps is None else None, context=spec.model.context,
-            batch_rule=goodput.batch_rule_priced(spec.optimization.batch_rule),
+            batch_rule=goodput.batch_rule_priced(spec), micro_batch=spec.optimization.micro_batch,
             perf=goodput.prior_model(spec),
         )
     ]

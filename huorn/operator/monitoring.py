@@ -94,7 +94,7 @@ def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = N
             arbiter=arbiter if gpus else None,
             global_batch=float(spec.optimization.global_batch), total_steps=total, priority=spec.priority,
             tokens=token_budget(spec), context=spec.model.context,
-            batch_rule=goodput.batch_rule_priced(spec.optimization.batch_rule),
+            batch_rule=goodput.batch_rule_priced(spec), micro_batch=spec.optimization.micro_batch,
             perf=goodput.prior_model(spec),
         )
     remediation = policy.RemediationPolicy(spec.remediation)

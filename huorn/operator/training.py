@@ -58,7 +58,7 @@ PLURAL = "trainingjobs"
 KIND = "TrainingJob"
 DECISION_LIMIT = 32
 REASON_LIMIT = 1024  # a decision's reason (Decision.reason); a kubelet's waiting message has no bound
-RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers", mutate.PARAM_STAMPS})
+RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers", "batch", mutate.PARAM_STAMPS})
 # Spec fields (wire names) a running gang follows without a restart: the scheduler's and the
 # monitor's, read from the job itself. Any other edit restarts the gang from its checkpoint on the
 # new spec (an uncounted drain of every trainer pod), except those in REFUSED_ONCE_STARTED.
@@ -443,11 +443,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             chosen = list(assignments.values())
             nodes = ", ".join(f"{n}×{chosen.count(n)}" for n in sorted(set(chosen)))
             _event(ctx, body, "Normal", "Placed", f"placed {len(assignments)} trainer replicas: {nodes}")
-        control = manifests.micro_batch_control(graph)
+        control, batch = manifests.micro_batch_control(graph), manifests.batch_control(graph)
         await _apply_children(ctx, body, ref, graph, spec, assignments, job.spec.virtual_cluster, pods,
-                              control, tolerations)
-        if control is not None:
-            base_status["controlVersion"] = control.version  # only once the ConfigMap has it
+                              control, tolerations, batch)
+        if (version := manifests.control_version(control, batch)) is not None:
+            base_status["controlVersion"] = version  # only once the ConfigMap has it
     except BaseException:
         ctx.index.release(reserved)
         raise
@@ -621,7 +621,8 @@ async def _drain_replaced(
     split = manifests.stage_split(graph)
     control = manifests.micro_batch_control(graph)
     if split is not None and not _rolled(split, old):
-        await ctx.client.apply(manifests.build_config_map(ref, spec, control, split))
+        await ctx.client.apply(manifests.build_config_map(ref, spec, control, split,
+                                                          manifests.batch_control(graph)))
         _event(ctx, body, "Normal", "Resplit",
                f"restarting {len(going)} trainer pods on stage layers {list(split.layers)} "
                f"from their checkpoint: {split.reason}"[:1024])
@@ -703,17 +704,20 @@ async def _apply_children(
     pods: Mapping[str, PodRecord],
     control: manifests.MicroBatchControl | None,
     tolerations: Mapping[str, list[dict[str, Any]]],
+    batch: manifests.BatchControl | None = None,
 ) -> None:
     """Write the job's children; `tolerations`: each assigned node's, read where it was placed
     (under the placement lock), since a cluster edit between there and here would pin a pod to
     a node it does not tolerate."""
     old = body.get("status") or {}
     fresh_spec = old.get("observedGeneration") != (body.get("metadata") or {}).get("generation")
-    fresh_control = control is not None and old.get("controlVersion") != control.version
+    version = manifests.control_version(control, batch)
+    fresh_control = version is not None and old.get("controlVersion") != version
     writes = []
     if assignments or fresh_spec or fresh_control:
         split = manifests.stage_split(graph)
-        writes += [manifests.build_config_map(ref, spec, control, split), manifests.build_store_service(ref)]
+        writes += [manifests.build_config_map(ref, spec, control, split, batch),
+                   manifests.build_store_service(ref)]
     for instance in graph.vertex("rendezvous").instances:
         if manifests.pod_name(ref, instance) not in pods:
             writes.append(manifests.build_store_pod(ref, instance, spec))

@@ -12,8 +12,14 @@ Two rules, chosen by spec.optimization.batchRule:
   variance of the update per sample constant for Adam-type optimisers (Malladi et al. 2022;
   Krizhevsky 2014 for SGD). The data of step s then has more micro-batches, still a pure
   function of (seed, s, index).
-- `goodput` is meant for the allocator's own batch and learning rate; no backend delivers them
-  to a trainer yet, so the trainer runs it as `fixed-global` (and the allocator prices it so).
+- `goodput`: the allocator chooses the global batch M (at least globalBatch = M0, whole
+  micro-batches) with the replicas, and the control plane hands it to the running gang through
+  the run directory's `batch.json` (huorn.runtime.batch_control), applied at a step boundary.
+  The learning rate follows the square-root rule as above, lr(M) = lr·sqrt(M/M0), and progress
+  follows AdaScale: a step at M counts as r = (M/M0)·(φ+M0)/(φ+M) steps of M0 (φ the gradient
+  noise scale the trainer measures; r = 1 before it has one), so a budget in steps is one in
+  tokens of M0 (training.token_budget) that each step advances by r·M0·context, and the
+  learning-rate schedule runs on that count. Until the first batch.json the trainer runs M0.
 
 A budget in `tokens` (Budget) ends the run once the tokens trained reach it and schedules the
 learning rate by those tokens, because the global batch, and so a step's tokens, may change
@@ -49,18 +55,39 @@ def replicas_in(world_size: int, ranks_per_replica: int) -> int:
     return max(1, world_size // max(1, ranks_per_replica))
 
 
-def plan_batch(optimization: training.Optimization, min_replicas: int, world_size: int) -> BatchPlan:
-    """`world_size` in replicas (replicas_in), as `min_replicas` is."""
+def plan_batch(optimization: training.Optimization, min_replicas: int, world_size: int,
+               chosen: int | None = None) -> BatchPlan:
+    """`world_size` in replicas (replicas_in), as `min_replicas` is; `chosen`: the allocator's
+    global batch under batchRule goodput (ignored under the other rules, and None: M0)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     micro = optimization.micro_batch
     base_micro_batches = optimization.global_batch // micro
+    if optimization.batch_rule == training.BatchRule.GOODPUT and chosen is not None:
+        micro_batches = max(base_micro_batches, int(chosen) // micro)
+        peak = optimization.learning_rate * math.sqrt(micro_batches / base_micro_batches)
+        return BatchPlan(micro_batches * micro, micro, micro_batches, peak)
     if optimization.batch_rule == training.BatchRule.SCALE_WITH_REPLICAS:
         micro_batches = max(1, round(base_micro_batches * world_size / max(min_replicas, 1)))
         scale = micro_batches / base_micro_batches
         peak = optimization.learning_rate * math.sqrt(scale)
         return BatchPlan(micro_batches * micro, micro, micro_batches, peak)
     return BatchPlan(optimization.global_batch, micro, base_micro_batches, optimization.learning_rate)
+
+
+def progress_tokens(optimization: training.Optimization, context: int, global_batch: int,
+                    noise_scale: float | None) -> int:
+    """The tokens one step at `global_batch` adds to the run's count (Budget, `tokens`): its
+    own under fixed-global and scale-with-replicas; under goodput, AdaScale's r steps of the
+    spec's globalBatch M0, r = (M/M0)·(φ+M0)/(φ+M), so a larger batch counts for the progress it
+    makes, not for the samples it reads (r = 1 without a noise scale yet: never more than M0's)."""
+    base = optimization.global_batch
+    if optimization.batch_rule != training.BatchRule.GOODPUT or global_batch <= base:
+        return global_batch * context
+    gain = 1.0
+    if noise_scale is not None and math.isfinite(noise_scale) and noise_scale > 0:
+        gain = global_batch / base * (noise_scale + base) / (noise_scale + global_batch)
+    return round(gain * base * context)
 
 
 def learning_rate(step: float, total_steps: float, peak: float, warmup_steps: int,

@@ -41,6 +41,7 @@ from huorn import models
 from huorn.api import training
 from huorn.models import decay
 from huorn.runtime import (
+    batch_control,
     batching,
     checkpoint,
     comm,
@@ -149,8 +150,13 @@ class Trainer:
         self.store_probed_at = -math.inf
         self.state_module: torch.nn.Module = self.model  # what checkpoints hold
         self.flat_checkpoint = False  # see checkpoint.build_state
+        # batchRule goodput: the allocator's global batch in force (batch_control), and the stamp
+        # of the control file it came from; None: the spec's globalBatch
+        self.chosen_batch: int | None = None
+        self.batch_stamp = 0
+        self.last_noise: float | None = None  # the newest gradient noise scale (AdaScale's gain)
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
-                                        self.replicas())
+                                        self.replicas(), self.chosen_batch)
         self.microbatch_counts: tuple[int, ...] | None = None  # S2 plan; None: even round-robin
         self.microbatch_seconds: float | None = None  # last step's compute per micro-batch (S2's input)
         self.step_waits: dict[str, float] = {}  # last step's waits by kind (a pipeline's receive, reduce)
@@ -266,7 +272,7 @@ class Trainer:
         step = self.share_state(step)
         self.wrap_data_parallel()
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
-                                        self.replicas())
+                                        self.replicas(), self.chosen_batch)
         self.microbatch_counts = None  # a plan written for the old gang does not fit the new one
         self.write_endpoint()
         event = {"event": "regroup", "reason": reason, "resumed_from": step, "from_world_size": old_world,
@@ -312,7 +318,9 @@ class Trainer:
                  "ddk": self.ddk.state() if self.ddk is not None else None,
                  "checkpoint_age": None if self.last_checkpoint_time is None
                  else time.monotonic() - self.last_checkpoint_time,
-                 "world_before": self.world_before_round, "round_reason": self.round_reason}
+                 "world_before": self.world_before_round, "round_reason": self.round_reason,
+                 "chosen_batch": self.chosen_batch, "batch_stamp": self.batch_stamp,
+                 "last_noise": self.last_noise}
                 if self.rank == source else None, self.hook_state, src=source)
             self._raise_if_peer_lost()  # a member lost mid-broadcast: what arrived may be partial
             self.pending_save = loop["pending_save"]  # type: ignore[index]
@@ -331,6 +339,10 @@ class Trainer:
                 self.last_checkpoint_time = time.monotonic() - loop["checkpoint_age"]  # type: ignore[index]
             self.world_before_round = loop.get("world_before")  # type: ignore[union-attr]
             self.round_reason = loop.get("round_reason", "join")  # type: ignore[union-attr]
+            # the gang's batch (goodput): a joiner trains the same step as its members
+            self.chosen_batch = loop.get("chosen_batch")  # type: ignore[union-attr]
+            self.batch_stamp = loop.get("batch_stamp", 0)  # type: ignore[union-attr]
+            self.last_noise = loop.get("last_noise")  # type: ignore[union-attr]
             step = best
         self.has_state = True
         if self.plan_rejected:
@@ -589,7 +601,10 @@ class Trainer:
         stats_by_name = dict(zip(_STATS[3:], flags, strict=True))
         step += 1
         step_tokens = self.plan.global_batch * self.spec.model.context
-        self.state_step, self.tokens = step, self.tokens + step_tokens
+        self.last_noise = noise if noise is not None else self.last_noise
+        progress = batching.progress_tokens(self.spec.optimization, self.spec.model.context,
+                                            self.plan.global_batch, self.last_noise)
+        self.state_step, self.tokens = step, self.tokens + progress
         finished = self.budget.reached(step, self.tokens)
         elapsed = time.perf_counter() - started
         tokens_per_s = step_tokens / elapsed
@@ -710,18 +725,37 @@ class Trainer:
         return values[0] / self.plan.micro_batches, noise, {}, values[3:]
 
     # -- remediation S2 --------------------------------------------------------------------------
+    # batchRule goodput: the allocator's batch arrives through the same boundary (batch_control);
+    # a pipelined gang keeps its batch (its schedules are built for its micro-batches), and the
+    # allocator prices it so
+    takes_batch_choice = True
+
     def poll_control_file(self) -> float:
-        """1.0 on rank 0 when the control file changed since it was last applied."""
+        """1.0 on rank 0 when a control file (S2's counts, goodput's batch) changed since it was
+        last applied."""
         if self.rank != 0:
             return 0.0
         _, stamp = microbatches.read_control_file(self.control_dir)
-        return float(stamp > 0 and stamp != self.control_stamp)
+        return float((stamp > 0 and stamp != self.control_stamp) or self.batch_changed())
+
+    def batch_changed(self) -> bool:
+        if not self.takes_batch_choice or self.spec.optimization.batch_rule != training.BatchRule.GOODPUT:
+            return False
+        _, stamp = batch_control.read_control_file(self.control_dir)
+        return stamp > 0 and stamp != self.batch_stamp
 
     def apply_control_file(self, step: int) -> None:
-        """Collective: rank 0's reading of the file reaches every rank, which switch together
-        from the next step on."""
+        """Collective: rank 0's reading of the files reaches every rank, which switch together
+        from the next step on: the batch first, then S2's counts, which must fit its micro-batches."""
+        batch = (batch_control.read_control_file(self.control_dir) if self.rank == 0 and self.batch_changed()
+                 else (None, 0))
         reading = microbatches.read_control_file(self.control_dir) if self.rank == 0 else (None, 0)
-        plan, stamp = comm.broadcast_object(reading, self.hook_state)  # type: ignore[misc]
+        (choice, batch_stamp), (plan, stamp) = comm.broadcast_object(  # type: ignore[misc]
+            (batch, reading), self.hook_state)
+        if choice is not None:
+            self.use_batch_choice(step, choice, batch_stamp)
+        if stamp == self.control_stamp:
+            return  # S2's counts unchanged: only the batch was
         self.control_stamp = stamp
         if plan is None:
             return
@@ -735,6 +769,25 @@ class Trainer:
             "from_step": step + 1})
         self.log({"event": "microbatch-plan", "step": step, "from_step": step + 1,
                   "counts": list(plan.counts), "reason": plan.reason, "version": plan.version})
+
+    def use_batch_choice(self, step: int, choice: batch_control.BatchChoice, stamp: int) -> None:
+        """The allocator's global batch from the next step on, and the square-root rule's rate
+        (batching.plan_batch); an S2 plan written for the old batch no longer fits its
+        micro-batches, and the even split applies until the next."""
+        self.batch_stamp = stamp
+        before = self.plan.global_batch
+        self.chosen_batch = choice.global_batch
+        self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
+                                        self.replicas(), self.chosen_batch)
+        if self.plan.global_batch != before:
+            self.microbatch_counts = None
+        self.telemetry.set_parameter("batch", {
+            "global_batch": self.plan.global_batch, "reason": choice.reason, "version": choice.version,
+            "from_step": step + 1})
+        self.log({"event": "batch", "step": step, "from_step": step + 1, "from_global_batch": before,
+                  "global_batch": self.plan.global_batch, "asked": choice.global_batch,
+                  "peak_learning_rate": self.plan.learning_rate, "reason": choice.reason,
+                  "version": choice.version})
 
     def check_microbatch_plan(self, plan: microbatches.MicroBatchPlan) -> str | None:
         """Why `plan` does not fit this gang (one count per data-parallel rank), or None."""

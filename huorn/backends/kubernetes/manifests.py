@@ -48,6 +48,8 @@ CONFIG_DIR = "/etc/huorn"
 CONFIG_FILE = "config.json"
 # huorn.runtime.microbatches.CONTROL_FILE, as a key of the job's ConfigMap (remediation S2's counts)
 MICROBATCHES_KEY = "microbatches.json"
+# huorn.runtime.batch_control.CONTROL_FILE: the goodput allocator's global batch (batchRule goodput)
+BATCH_KEY = "batch.json"
 RUN_DIR = "/var/run/huorn"
 STORE_PORT = 29400
 TELEMETRY_PORT = 9400
@@ -182,6 +184,33 @@ def micro_batch_control(graph: Graph) -> MicroBatchControl | None:
 
 
 @dataclass(frozen=True)
+class BatchControl:
+    """The goodput allocator's global batch for the trainers (the trainer vertex's `batch`
+    parameter), with the set-param that chose it."""
+
+    global_batch: int
+    reason: str
+    version: int
+
+
+def batch_control(graph: Graph) -> BatchControl | None:
+    """The trainer's current `batch` parameter with the set-param that set it (as for
+    `micro_batch_control`); None while the allocator has chosen none (the spec's globalBatch)."""
+    batch = graph.vertex("trainer").params.get("batch")
+    if not batch:
+        return None
+    version, reason = mutate.param_setting(graph, "trainer", "batch") or (UNKNOWN_VERSION, "")
+    return BatchControl(int(batch), reason, version)
+
+
+def control_version(control: MicroBatchControl | None, batch: BatchControl | None) -> int | None:
+    """The newest set-param of what the ConfigMap carries at run time (S2's counts, the batch):
+    status.controlVersion, so the ConfigMap is written again once either changes."""
+    versions = [c.version for c in (control, batch) if c is not None]
+    return max(versions) if versions else None
+
+
+@dataclass(frozen=True)
 class StageSplit:
     """Remediation S3's layers per pipeline stage; `version` is the graph version of the
     set-param that chose them, which status.resplitVersion records once the gang was rolled."""
@@ -204,8 +233,10 @@ def stage_split(graph: Graph) -> StageSplit | None:
 
 def build_config_map(job: JobRef, spec: Mapping[str, Any],
                      control: MicroBatchControl | None = None,
-                     split: StageSplit | None = None) -> dict[str, Any]:
-    """The run config, and S2's counts when there are any. NB: the pods mount this ConfigMap
+                     split: StageSplit | None = None,
+                     batch: BatchControl | None = None) -> dict[str, Any]:
+    """The run config, S2's counts and the goodput allocator's batch when there are any. NB: the
+    pods mount this ConfigMap
     as a volume (no subPath), so the kubelet swaps in an update atomically within its sync
     period (about a minute), and the trainer applies it at the next step boundary: that is how
     a rebalance reaches a running gang without a restart. S3's split is part of the run config,
@@ -215,6 +246,9 @@ def build_config_map(job: JobRef, spec: Mapping[str, Any],
     if control is not None:
         data[MICROBATCHES_KEY] = json.dumps(
             {"counts": list(control.counts), "reason": control.reason, "version": control.version}) + "\n"
+    if batch is not None:
+        data[BATCH_KEY] = json.dumps(
+            {"globalBatch": batch.global_batch, "reason": batch.reason, "version": batch.version}) + "\n"
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

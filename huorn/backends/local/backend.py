@@ -102,7 +102,7 @@ class LocalBackend:
         for m in graph.log:
             if m.version > self._applied_version and m.action == "replace" and not m.detail.get("drain"):
                 self._reported_failures.add(f"{self.job}-{m.detail['old']}")
-        delivered = self._deliver_microbatches(graph)
+        delivered = self._deliver_microbatches(graph) + self._deliver_batch(graph)
         restart = self._restart_for_resplit(graph, want, delete)
         self._applied_version = graph.version
         done = self._delete_all(delete + restart)
@@ -131,6 +131,20 @@ class LocalBackend:
         commands.write_json_atomically(self.run_dir / commands.MICROBATCHES_FILE,
                                        {"counts": counts, "reason": m.reason, "version": m.version})
         return [f"wrote micro-batch counts {counts} to {commands.MICROBATCHES_FILE} ({m.reason})"]
+
+    def _deliver_batch(self, graph: model.Graph) -> list[str]:
+        """batchRule goodput: the newest set-param of a trainer's `batch` since the last apply goes
+        to the run directory's batch.json, which the trainer applies at a step boundary."""
+        latest = [m for m in graph.log if m.version > self._applied_version and m.action == "set-param"
+                  and m.detail.get("key") == "batch" and m.target in graph.vertices
+                  and graph.vertices[m.target].role == "trainer"]
+        if not latest:
+            return []
+        m = latest[-1]
+        batch = int(m.detail["new"])
+        commands.write_json_atomically(self.run_dir / commands.BATCH_FILE,
+                                       {"globalBatch": batch, "reason": m.reason, "version": m.version})
+        return [f"wrote global batch {batch} to {commands.BATCH_FILE} ({m.reason})"]
 
     def _restart_for_resplit(self, graph: model.Graph, want: list[desired.DesiredResource],
                              delete: list[desired.DesiredResource]) -> list[desired.DesiredResource]:

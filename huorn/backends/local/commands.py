@@ -27,6 +27,7 @@ ENDPOINTS_DIR = "endpoints"
 CONFIG_FILE = "config.json"
 STORE_PORT_FILE = "store.port"
 MICROBATCHES_FILE = "microbatches.json"  # huorn.runtime.microbatches.CONTROL_FILE: S2 counts
+BATCH_FILE = "batch.json"  # huorn.runtime.batch_control.CONTROL_FILE: the goodput allocator's batch
 
 
 # What an agent keeps of the backend's stop grace for itself: once its workers are gone it still

@@ -59,6 +59,10 @@ class StageState(nn.Module):
 
 
 class PipelineTrainer(train.Trainer):
+    # its kFkB schedules are built for its micro-batches: batchRule goodput keeps globalBatch here,
+    # and the allocator prices a pipelined job so (backends.goodput.batch_rule_priced)
+    takes_batch_choice = False
+
     def model_device(self) -> torch.device:
         """The host: only this rank's stage goes to its device (build_parallel). Built on the GPU,
         every stage held the whole decoder's weights there, (S − 1)/S of them for nothing, and a
