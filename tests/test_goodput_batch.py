@@ -62,6 +62,8 @@ def test_progress_counts_a_larger_batch_at_its_adascale_gain() -> None:
     assert batching.progress_tokens(opt, 64, 16, 48.0) == 16 * 64
     assert batching.progress_tokens(opt, 64, 64, 1e12) == pytest.approx(64 * 64, rel=1e-6)  # r → M/M0
     assert batching.progress_tokens(optimization("fixed-global"), 64, 64, 48.0) == 64 * 64  # tokens read
+    # a budget the user gave in tokens counts the tokens read: 1.75x its budget otherwise
+    assert batching.progress_tokens(optimization(steps=None, tokens=10**6), 64, 64, 48.0) == 64 * 64
 
 
 def test_a_budget_in_steps_is_one_in_tokens_of_global_batch_under_goodput() -> None:
@@ -193,3 +195,22 @@ def test_a_running_trainer_takes_the_batch_at_a_step_boundary(tmp_path: Path) ->
     assert steps[-1]["tokens"] >= budget > steps[-2]["tokens"]
     (done,) = [e for e in events if e["event"] == "done"]
     assert done["tokens"] == steps[-1]["tokens"]
+
+
+def test_a_lagging_copy_of_an_older_batch_is_not_taken_back(tmp_path: Path) -> None:
+    """Each pod's mounted ConfigMap updates on its own schedule: after a regroup, a new rank 0
+    whose copy still holds version 7 must not take it over the version 12 in force."""
+    from types import SimpleNamespace
+
+    from huorn.runtime import train
+
+    (tmp_path / batch_control.CONTROL_FILE).write_text(
+        json.dumps({"globalBatch": 32, "reason": "old", "version": 7}))
+    gang = SimpleNamespace(takes_batch_choice=True, spec=spec_of("goodput"), control_dir=tmp_path,
+                           batch_stamp=12345, batch_version=12)
+    assert not train.Trainer.batch_changed(gang)  # type: ignore[arg-type]
+    (tmp_path / batch_control.CONTROL_FILE).write_text(
+        json.dumps({"globalBatch": 64, "reason": "new", "version": 13}))
+    assert train.Trainer.batch_changed(gang)  # type: ignore[arg-type]
+    gang.spec = spec_of("fixed-global")  # the rule edited away: the file is not read
+    assert not train.Trainer.batch_changed(gang)  # type: ignore[arg-type]

@@ -240,3 +240,44 @@ def test_a_replica_that_needs_a_whole_node_gets_one_back(cluster: EmulatedCluste
         wait_for(lambda: kube.pods(NS, "chat", "server"), timeout=60, what="the replica of 4 GPUs placed")
         (reclaimed, *_) = wait_for(lambda: serve_events(kube, "Reclaimed"), what="the reclaim's Event")
         assert "need GPUs back on b0, each replica whole on one node" in reclaimed.message
+
+
+def test_a_replica_no_longer_asked_of_a_lender_is_not_reclaimed_for(cluster: EmulatedCluster) -> None:
+    """A replica of 4 waits on `serve` (reclaimPolicy Shrink: its fixed borrower cannot give
+    way), then its InferenceJob is moved to a cluster that does not exist. When `serve` allows
+    preemption, it must not stop the borrower for that replica: the wait it recorded stayed, and
+    the node-by-node reclaim preempted the borrower for a replica that would never come."""
+    kube = builders.Kube(cluster.api_client())
+    kube.create_node(builders.make_node("a0", 0, pool="a"))
+    kube.create_node(builders.make_node("b0", 4, pool="b"))
+    kube.create_node(builders.make_node("b1", 4, pool="b"))
+    kube.create_vc(builders.make_virtual_cluster("train", pool="a", borrow=8))
+    serve = builders.make_virtual_cluster("serve", pool="b", lend=8)
+    serve["spec"]["purpose"] = "inference"
+    serve["spec"]["lending"].update(reclaimGraceSeconds=1, reclaimPolicy="Shrink")
+    kube.create_vc(serve)
+    for node in ("b0", "b1"):
+        kube.core.create_namespaced_pod(NS, other_controllers_pod(f"x-{node}", node, 3))
+        kube.core.patch_namespaced_pod_status(f"x-{node}", NS, {"status": {"phase": "Running"}})
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST) as op:
+        kube.create_job(NS, builders.make_training_job("guest", "train", replicas=2, max_replicas=2, gpus=1))
+        wait_for(lambda: len(kube.pods(NS, "guest", "trainer")) == 2, what="the guest on b0 and b1")
+        kube.run_all_pods(NS, "guest")
+        for node in ("b0", "b1"):
+            kube.core.delete_namespaced_pod(f"x-{node}", NS)
+        body = yaml.safe_load(EXAMPLE.read_text())
+        body["metadata"] = {"name": "chat"}
+        body["spec"]["virtualCluster"] = "serve"
+        body["spec"]["resources"]["gpus"] = 4
+        body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 1}
+        kube.create_job(NS, body, plural="inferencejobs")
+        wait_for(lambda: op.ctx.serving_unplaced.get((NS, "chat")), what="the replica waiting on serve")
+        kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "inferencejobs",
+                                                   "chat", {"spec": {"virtualCluster": "nowhere"}})
+        wait_for(lambda: "does not exist" in (kube.job_status(NS, "chat", plural="inferencejobs")
+                                              .get("message") or ""), what="chat pointed at no cluster")
+        kube.custom.patch_cluster_custom_object(builders.GROUP, builders.VERSION, "virtualclusters", "serve",
+                                                {"spec": {"lending": {"reclaimPolicy": "Preempt"}}})
+        time.sleep(TICKS)
+        assert not serve_events(kube, "Reclaimed")
+        assert not kube.job_status(NS, "guest").get("preemptReplacements")

@@ -350,3 +350,41 @@ def test_a_joiner_that_becomes_rank_0_logs_the_regroup_and_keeps_the_gangs_check
     # due at the gang's last checkpoint + the interval (or at once, if that passed during the
     # join), not at the join + the interval; 2.5 s for the step in flight and the save
     assert after - before < max(interval, first_at_two - before) + 2.5, (before, first_at_two, after)
+
+
+@pytest.mark.slow
+def test_a_joiner_trains_the_gangs_goodput_batch(tmp_path: Path) -> None:
+    """batchRule goodput: a gang of one takes the allocator's batch of 8 (globalBatch 4), then a
+    replica joins in place. The joiner must plan its steps from the gang's batch: it planned
+    them at start, for globalBatch, and trained 2 micro-batches where the gang split 4 (a
+    micro-batch never trained, another progress count), reached the budget later than rank 0,
+    and the gang hung on its last collective until the 120 s timeout."""
+    from huorn.runtime import batch_control
+
+    spec = harness.build_spec(steps=40, interval_steps=None, global_batch=4, micro_batch=2, min_replicas=1,
+                              max_replicas=3, batchRule="goodput", warmupSteps=0, schedule="constant")
+    config, store, port = harness.start_paced_gang(tmp_path, spec)
+    run_dir = tmp_path / "run"
+    replicas: dict[int, subprocess.Popen] = {}
+    try:
+        replicas[0] = _start_replica(config, port, 0, tmp_path)
+        harness.wait_for(lambda: steplog.last_step(run_dir) >= 2, 240, "2 steps at globalBatch")
+        (run_dir / batch_control.CONTROL_FILE).write_text(
+            json.dumps({"globalBatch": 8, "reason": "test", "version": 1}))
+        harness.wait_for(lambda: steplog.last_step(run_dir) >= 6, 240, "steps at the batch of 8")
+        joined = time.time()
+        with harness.held_back(run_dir):
+            replicas[1] = _start_replica(config, port, 1, tmp_path)
+            harness.wait_for(lambda: steplog.first_step_after(run_dir, joined, 2), 240, "the join")
+        _each_exits_cleanly(replicas, tmp_path)
+    finally:
+        _stop_all(replicas, store)
+    events = steplog.read_events(run_dir)
+    assert [r["reason"] for r in _regroups(run_dir)] == ["join"]
+    join = _regroups(run_dir)[0]
+    assert (join["world_size"], join["global_batch"]) == (2, 8)
+    after = [e for e in events if e["event"] == "step" and e["step"] > join["resumed_from"]]
+    assert after and {(e["world_size"], e["global_batch"]) for e in after} == {(2, 8)}
+    for replica in (0, 1):
+        log = (tmp_path / f"r{replica}.log").read_text()
+        assert "collective failed" not in log, log[-2000:]

@@ -96,8 +96,12 @@ def node_shortfall(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]) -> 
     (serving.choose_nodes' best fit), else the node where reclaiming costs the fewest GPUs: its
     free GPUs (counting pods being deleted as gone, as free_gpus does) plus what borrowers
     hold there must hold it, or no reclaim can place it."""
-    waiting = sorted((gpus for cluster, gpus, count in ctx.serving_unplaced.values()
-                      if cluster == vc and gpus > 0 for _ in range(count)), reverse=True)
+    # only jobs the index still counts as this cluster's demand (a job moved or refused since
+    # its last reconcile waits here for nothing)
+    waiting = sorted((gpus for key, (cluster, gpus, count) in ctx.serving_unplaced.items()
+                      if cluster == vc and gpus > 0
+                      and ctx.index.inference_demand.get(key, ("", 0))[0] == vc
+                      for _ in range(count)), reverse=True)
     if not waiting:
         return 0, set()
     free = {n.name: n.gpus for n in ctx.index.members_of(vc) if not n.unschedulable}

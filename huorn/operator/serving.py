@@ -142,9 +142,19 @@ def choose_nodes(free: dict[str, int], gpus: int, count: int) -> list[str]:
     return chosen
 
 
+def _not_waiting(ctx: Context, body: Mapping[str, Any]) -> None:
+    """A job that places no replica now (refused, or its cluster gone) waits for no GPUs: a
+    replica it waited for before stayed in ctx.serving_unplaced, and the old cluster's reclaim
+    (loans.node_shortfall) stopped borrowers for it."""
+    meta = body["metadata"]
+    ctx.serving_waiting.pop((meta["namespace"], meta["name"]), None)
+    ctx.serving_unplaced.pop((meta["namespace"], meta["name"]), None)
+
+
 async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     """Bring one InferenceJob one step closer to its spec and its autoscaler's replica count."""
     if (taken := await namesakes.older_namesake(ctx, body)) is not None:
+        _not_waiting(ctx, body)
         return await stall(ctx, body, namesakes.REASON, taken, PLURAL, KIND)
     body = await images.pin(ctx, PLURAL, body)  # before anything is built from the spec
     meta = body["metadata"]
@@ -156,8 +166,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         validation.check_spec_alone(job)  # the checks `huorn validate` also makes
         fresh = compiler.compile(job)
     except (validation.InvalidSpec, ValueError) as exc:
-        ctx.serving_waiting.pop((ns, name), None)
-        ctx.serving_unplaced.pop((ns, name), None)
+        _not_waiting(ctx, body)
         ctx.metrics.forget_inference_job(ns, name)
         return await stall(ctx, body, "InvalidSpec", str(exc), PLURAL, KIND)
     vc = job.spec.virtual_cluster
@@ -167,6 +176,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     base = {"observedGeneration": meta.get("generation"), "selector": selector}
     if vc_spec is None:
         message = f"virtual cluster {vc!r} does not exist; create it or fix spec.virtualCluster"
+        _not_waiting(ctx, body)
         ctx.metrics.forget_inference_job(ns, name)
         return await _report_waiting(ctx, body, base, "VirtualClusterNotFound", message)
 

@@ -78,12 +78,14 @@ def plan_batch(optimization: training.Optimization, min_replicas: int, world_siz
 def progress_tokens(optimization: training.Optimization, context: int, global_batch: int,
                     noise_scale: float | None) -> int:
     """The tokens one step at `global_batch` adds to the run's count (Budget, `tokens`): its
-    own under fixed-global and scale-with-replicas; under goodput, AdaScale's r steps of the
-    spec's globalBatch M0, r = (M/M0)·(φ+M0)/(φ+M), so a larger batch counts for the progress it
-    makes, not for the samples it reads (r = 1 without a noise scale yet: never more than M0's)."""
+    own under fixed-global and scale-with-replicas, and for a budget given in tokens; under
+    goodput with a budget in steps, AdaScale's r steps of the spec's globalBatch M0,
+    r = (M/M0)·(φ+M0)/(φ+M), so a larger batch counts for the progress it makes, not for the
+    samples it reads (r = 1 without a noise scale yet: never more than M0's)."""
     base = optimization.global_batch
-    if optimization.batch_rule != training.BatchRule.GOODPUT or global_batch <= base:
-        return global_batch * context
+    if (optimization.batch_rule != training.BatchRule.GOODPUT or optimization.steps is None
+            or global_batch <= base):
+        return global_batch * context  # a budget the user gave in tokens counts tokens read
     gain = 1.0
     if noise_scale is not None and math.isfinite(noise_scale) and noise_scale > 0:
         gain = global_batch / base * (noise_scale + base) / (noise_scale + global_batch)

@@ -154,6 +154,7 @@ class Trainer:
         # of the control file it came from; None: the spec's globalBatch
         self.chosen_batch: int | None = None
         self.batch_stamp = 0
+        self.batch_version = -1  # the set-param version of the batch in force (older files are stale)
         self.last_noise: float | None = None  # the newest gradient noise scale (AdaScale's gain)
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
                                         self.replicas(), self.chosen_batch)
@@ -271,8 +272,6 @@ class Trainer:
         self.injector.rank = self.rank
         step = self.share_state(step)
         self.wrap_data_parallel()
-        self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
-                                        self.replicas(), self.chosen_batch)
         self.microbatch_counts = None  # a plan written for the old gang does not fit the new one
         self.write_endpoint()
         event = {"event": "regroup", "reason": reason, "resumed_from": step, "from_world_size": old_world,
@@ -295,6 +294,9 @@ class Trainer:
         steps = [(s, -r) for r, s in enumerate(held) if s is not None]
         if not steps:
             step = self.resume()
+            # no member's batch either: rank 0 reads batch.json again at the first boundary, so
+            # every rank takes the same one (a process that lost its state may hold an older one)
+            self.chosen_batch, self.batch_stamp, self.batch_version = None, 0, -1
         else:
             best, negative_rank = max(steps)
             source = -negative_rank
@@ -320,7 +322,7 @@ class Trainer:
                  else time.monotonic() - self.last_checkpoint_time,
                  "world_before": self.world_before_round, "round_reason": self.round_reason,
                  "chosen_batch": self.chosen_batch, "batch_stamp": self.batch_stamp,
-                 "last_noise": self.last_noise}
+                 "batch_version": self.batch_version, "last_noise": self.last_noise}
                 if self.rank == source else None, self.hook_state, src=source)
             self._raise_if_peer_lost()  # a member lost mid-broadcast: what arrived may be partial
             self.pending_save = loop["pending_save"]  # type: ignore[index]
@@ -342,9 +344,16 @@ class Trainer:
             # the gang's batch (goodput): a joiner trains the same step as its members
             self.chosen_batch = loop.get("chosen_batch")  # type: ignore[union-attr]
             self.batch_stamp = loop.get("batch_stamp", 0)  # type: ignore[union-attr]
+            self.batch_version = loop.get("batch_version", -1)  # type: ignore[union-attr]
             self.last_noise = loop.get("last_noise")  # type: ignore[union-attr]
             step = best
         self.has_state = True
+        # Every rank plans the step from the gang's batch: a joiner built its plan at start, for
+        # globalBatch, and trained it beside members at the allocator's (other micro-batches,
+        # other weights, another progress count: it reached the budget later, and the gang hung
+        # on its last collective until the timeout).
+        self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
+                                        self.replicas(), self.chosen_batch)
         if self.plan_rejected:
             # A plan the old gang rejected just before the regroup was most often written for
             # this very gang (the operator writes it for the gang it grows): read it again at the
@@ -741,8 +750,11 @@ class Trainer:
     def batch_changed(self) -> bool:
         if not self.takes_batch_choice or self.spec.optimization.batch_rule != training.BatchRule.GOODPUT:
             return False
-        _, stamp = batch_control.read_control_file(self.control_dir)
-        return stamp > 0 and stamp != self.batch_stamp
+        choice, stamp = batch_control.read_control_file(self.control_dir)
+        # by version too: each pod's mounted copy of the ConfigMap updates on its own schedule, and
+        # a new rank 0 whose copy lags would take the older batch back
+        return (choice is not None and stamp != self.batch_stamp
+                and choice.version >= self.batch_version)
 
     def apply_control_file(self, step: int) -> None:
         """Collective: rank 0's reading of the files reaches every rank, which switch together
@@ -774,7 +786,7 @@ class Trainer:
         """The allocator's global batch from the next step on, and the square-root rule's rate
         (batching.plan_batch); an S2 plan written for the old batch no longer fits its
         micro-batches, and the even split applies until the next."""
-        self.batch_stamp = stamp
+        self.batch_stamp, self.batch_version = stamp, choice.version
         before = self.plan.global_batch
         self.chosen_batch = choice.global_batch
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
