@@ -281,3 +281,33 @@ def test_a_replica_no_longer_asked_of_a_lender_is_not_reclaimed_for(cluster: Emu
         time.sleep(TICKS)
         assert not serve_events(kube, "Reclaimed")
         assert not kube.job_status(NS, "guest").get("preemptReplacements")
+
+
+def test_a_training_lenders_gang_gets_a_whole_node_back(cluster: EmulatedCluster) -> None:
+    """The same fragmentation for a training lender's own job in line: a replica of 4 GPUs, and a
+    borrower's 1-GPU pod on each of the lender's two 4-GPU nodes. line_wanted counted 6 free GPUs
+    against 4 wanted and reclaimed nothing, for good."""
+    kube = builders.Kube(cluster.api_client())
+    kube.create_node(builders.make_node("a0", 4, pool="a"))
+    kube.create_node(builders.make_node("a1", 4, pool="a"))
+    kube.create_node(builders.make_node("b0", 0, pool="b"))
+    lender = builders.make_virtual_cluster("lender", pool="a", lend=8)
+    lender["spec"]["lending"]["reclaimGraceSeconds"] = 1
+    kube.create_vc(lender)
+    kube.create_vc(builders.make_virtual_cluster("borrower", pool="b", borrow=8))
+    for node in ("a0", "a1"):
+        kube.core.create_namespaced_pod(NS, other_controllers_pod(f"x-{node}", node, 3))
+        kube.core.patch_namespaced_pod_status(f"x-{node}", NS, {"status": {"phase": "Running"}})
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        kube.create_job(NS, builders.make_training_job("guest", "borrower", replicas=2, max_replicas=2,
+                                                       gpus=1))
+        wait_for(lambda: len(kube.pods(NS, "guest", "trainer")) == 2, what="the guest on a0 and a1")
+        kube.run_all_pods(NS, "guest")
+        assert serving.nodes_of(kube, NS, "guest") == ["a0", "a1"]
+        for node in ("a0", "a1"):
+            kube.core.delete_namespaced_pod(f"x-{node}", NS)
+        kube.create_job(NS, builders.make_training_job("owner", "lender", replicas=1, max_replicas=1, gpus=4))
+        wait_for(lambda: kube.pods(NS, "owner", "trainer"), timeout=60, what="the lender's gang of 4 placed")
+        (reclaimed, *_) = wait_for(lambda: [e for e in kube.events("default", "lender")
+                                            if e.reason == "Reclaimed"], what="the reclaim's Event")
+        assert "each replica whole on one node" in reclaimed.message

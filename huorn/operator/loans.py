@@ -86,22 +86,28 @@ def count_wanted(ctx: Context, vc: str, demand: int, borrowers: Mapping[Any, Bor
     return max(0, min(lent, (demand - own) - free_gpus(ctx, vc)))
 
 
-def node_shortfall(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]) -> tuple[int, set[str]]:
-    """GPUs to reclaim so that the serving replicas waiting on `vc` (ctx.serving_unplaced) fit,
-    each whole on one node as serving places them, and the nodes to reclaim them on.
+def serving_replicas_waiting(ctx: Context, vc: str) -> list[int]:
+    """The GPUs of each serving replica waiting on `vc` (ctx.serving_unplaced), of the jobs the
+    index still counts as its demand (a job moved or refused since its last reconcile waits
+    here for nothing)."""
+    return [gpus for key, (cluster, gpus, count) in ctx.serving_unplaced.items()
+            if cluster == vc and gpus > 0 and ctx.index.inference_demand.get(key, ("", 0))[0] == vc
+            for _ in range(count)]
 
-    count_wanted judges GPUs in total: with a borrower's pod on each of two 4-GPU nodes, 6 free
-    GPUs covered a replica of 4 that no node could hold, nothing was reclaimed, and the replica
-    waited for good. Here each waiting replica, largest first, takes the fullest node it fits
-    (serving.choose_nodes' best fit), else the node where reclaiming costs the fewest GPUs: its
-    free GPUs (counting pods being deleted as gone, as free_gpus does) plus what borrowers
-    hold there must hold it, or no reclaim can place it."""
-    # only jobs the index still counts as this cluster's demand (a job moved or refused since
-    # its last reconcile waits here for nothing)
-    waiting = sorted((gpus for key, (cluster, gpus, count) in ctx.serving_unplaced.items()
-                      if cluster == vc and gpus > 0
-                      and ctx.index.inference_demand.get(key, ("", 0))[0] == vc
-                      for _ in range(count)), reverse=True)
+
+def node_shortfall(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower], replicas: list[int]
+                   ) -> tuple[int, set[str]]:
+    """GPUs to reclaim so that the waiting replicas of `vc`'s own jobs (`replicas`: the GPUs of
+    each, all on one node, as serving and gang placement put a replica) fit, and the nodes to
+    reclaim them on.
+
+    count_wanted and line_wanted judge GPUs in total: with a borrower's pod on each of two 4-GPU
+    nodes, 6 free GPUs covered a replica of 4 that no node could hold, nothing was reclaimed,
+    and the replica waited for good. Here each waiting replica, largest first, takes the fullest
+    node it fits (serving.choose_nodes' best fit), else the node where reclaiming costs the
+    fewest GPUs: its free GPUs (counting pods being deleted as gone, as free_gpus does) plus what
+    borrowers hold there must hold it, or no reclaim can place it."""
+    waiting = sorted((gpus for gpus in replicas if gpus > 0), reverse=True)
     if not waiting:
         return 0, set()
     free = {n.name: n.gpus for n in ctx.index.members_of(vc) if not n.unschedulable}
@@ -244,10 +250,14 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
         return []
     if not lends:
         wanted = sum(p.gpus for b in borrowers.values() for p in b.pods)
-    elif inference:
-        demand = ctx.index.demand_of(name)  # the InferenceJobs' floors, or the board's forecast
-        wanted = count_wanted(ctx, name, demand, borrowers)
-        short, nodes = node_shortfall(ctx, name, borrowers)
+    else:
+        if inference:
+            demand = ctx.index.demand_of(name)  # the InferenceJobs' floors, or the board's forecast
+            wanted = count_wanted(ctx, name, demand, borrowers)
+            waiting = serving_replicas_waiting(ctx, name)
+        else:  # the line's gangs, each replica whole on one node too
+            waiting = [job.gpus for job in line for _ in range(job.missing)]
+        short, nodes = node_shortfall(ctx, name, borrowers, waiting)
         lent = sum(p.gpus for b in borrowers.values() for p in b.pods)
         if short > wanted and lent <= lending_allowed(spec):
             # the waiting replicas fit only where GPUs come back on the right nodes (not when the
@@ -319,8 +329,9 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
     elif not inference:
         more = f" and {len(line) - 5} more" if len(line) > 5 else ""
         shown = ", ".join(j.binding for j in line[:5]) + more
+        where = f" on {', '.join(targeted)}, each replica whole on one node" if targeted else ""
         why = (f"its own jobs in line need {sum(j.missing * j.gpus for j in line)} GPU(s) ({shown}) "
-               "that its free GPUs cannot give")
+               f"that its free GPUs cannot give{where}")
     elif forecast_gpus > ctx.index.floors_of(name):
         why = f"its forecast request rate needs {forecast_gpus} GPU(s) ({board.FIELD})"
     elif targeted:
