@@ -19,6 +19,7 @@ from kube import builders, serving
 from kube import operator as operator_mod
 from kube.cluster import EmulatedCluster, hold_kopf_lists, wait_for
 from kube.kubelet import Kubelet
+from test_lending_review_fixes import training_lender
 
 from huorn.backends.kubernetes import client as kube_client
 from huorn.operator import index, loans, runner
@@ -168,14 +169,7 @@ def test_a_restarted_operator_keeps_a_training_lenders_line_reserve(cluster: Emu
     job waits for unlent from its start, before the lender's first tick (its VirtualCluster
     watch held here, as a busy API server may): the reserve lived only in memory, and the
     borrower's successors took the GPUs back, to be preempted again."""
-    kube = builders.Kube(cluster.api_client())
-    kube.create_node(builders.make_node("a0", 4, pool="a"))
-    kube.create_node(builders.make_node("a1", 4, pool="a"))
-    kube.create_node(builders.make_node("b0", 0, pool="b"))
-    lender = builders.make_virtual_cluster("lender", pool="a", lend=8)
-    lender["spec"]["lending"]["reclaimGraceSeconds"] = 20
-    kube.create_vc(lender)
-    kube.create_vc(builders.make_virtual_cluster("borrower", pool="b", borrow=8))
+    kube = training_lender(cluster)
     kubelet = Kubelet(kube, cluster.kmock, NS)
 
     def live(job: str) -> list[str]:
@@ -207,36 +201,54 @@ def other_controllers_pod(name: str, node: str, gpus: int) -> dict:
                 {"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]}}
 
 
+def fragmented(cluster: EmulatedCluster, lender: str, borrower: str, **lending: object) -> builders.Kube:
+    """`lender` owns two 4-GPU nodes (pool b, or pool a for a training lender) and lends all 8;
+    `borrower` has none. Another controller's pods hold 3 GPUs of each for now, so a 2 × 1-GPU
+    borrower created next takes one GPU on each node (the caller deletes x-<node> after)."""
+    kube = builders.Kube(cluster.api_client())
+    home, own = ("b", "a") if lender == "serve" else ("a", "b")
+    kube.create_node(builders.make_node(f"{own}0", 0, pool=own))
+    for node in (f"{home}0", f"{home}1"):
+        kube.create_node(builders.make_node(node, 4, pool=home))
+    vc = builders.make_virtual_cluster(lender, pool=home, lend=8)
+    if lender == "serve":
+        vc["spec"]["purpose"] = "inference"
+    vc["spec"]["lending"].update(reclaimGraceSeconds=1, **lending)
+    kube.create_vc(vc)
+    kube.create_vc(builders.make_virtual_cluster(borrower, pool=own, borrow=8))
+    for node in (f"{home}0", f"{home}1"):
+        kube.core.create_namespaced_pod(NS, other_controllers_pod(f"x-{node}", node, 3))
+        kube.core.patch_namespaced_pod_status(f"x-{node}", NS, {"status": {"phase": "Running"}})
+    return kube
+
+
+def borrow_one_gpu_of_each(kube: builders.Kube, borrower: str, nodes: list[str]) -> None:
+    kube.create_job(NS, builders.make_training_job("guest", borrower, replicas=2, max_replicas=2, gpus=1))
+    wait_for(lambda: len(kube.pods(NS, "guest", "trainer")) == 2, what="the guest on both nodes")
+    kube.run_all_pods(NS, "guest")
+    assert serving.nodes_of(kube, NS, "guest") == nodes
+    for node in nodes:
+        kube.core.delete_namespaced_pod(f"x-{node}", NS)
+
+
+def chat(gpus: int) -> dict:
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["metadata"] = {"name": "chat"}
+    body["spec"]["virtualCluster"] = "serve"
+    body["spec"]["resources"]["gpus"] = gpus
+    body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 1}
+    return body
+
+
 def test_a_replica_that_needs_a_whole_node_gets_one_back(cluster: EmulatedCluster) -> None:
     """`serve`'s two 4-GPU nodes each hold one 1-GPU pod of a borrower (placed while another
     controller's pods filled the rest); a replica of 4 GPUs then waits. 6 GPUs are free in total,
     so a reclaim counted in total wanted nothing and the replica waited for good: now the GPU on
     one node comes back (the borrower, a fixed gang, is stopped), and the replica is placed there."""
-    kube = builders.Kube(cluster.api_client())
-    kube.create_node(builders.make_node("a0", 0, pool="a"))
-    kube.create_node(builders.make_node("b0", 4, pool="b"))
-    kube.create_node(builders.make_node("b1", 4, pool="b"))
-    kube.create_vc(builders.make_virtual_cluster("train", pool="a", borrow=8))
-    serve = builders.make_virtual_cluster("serve", pool="b", lend=8)
-    serve["spec"]["purpose"] = "inference"
-    serve["spec"]["lending"]["reclaimGraceSeconds"] = 5
-    kube.create_vc(serve)
-    for node in ("b0", "b1"):
-        kube.core.create_namespaced_pod(NS, other_controllers_pod(f"x-{node}", node, 3))
-        kube.core.patch_namespaced_pod_status(f"x-{node}", NS, {"status": {"phase": "Running"}})
+    kube = fragmented(cluster, "serve", "train")
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
-        kube.create_job(NS, builders.make_training_job("guest", "train", replicas=2, max_replicas=2, gpus=1))
-        wait_for(lambda: len(kube.pods(NS, "guest", "trainer")) == 2, what="the guest on b0 and b1")
-        kube.run_all_pods(NS, "guest")
-        assert serving.nodes_of(kube, NS, "guest") == ["b0", "b1"]
-        for node in ("b0", "b1"):
-            kube.core.delete_namespaced_pod(f"x-{node}", NS)
-        body = yaml.safe_load(EXAMPLE.read_text())
-        body["metadata"] = {"name": "chat"}
-        body["spec"]["virtualCluster"] = "serve"
-        body["spec"]["resources"]["gpus"] = 4
-        body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 1}
-        kube.create_job(NS, body, plural="inferencejobs")
+        borrow_one_gpu_of_each(kube, "train", ["b0", "b1"])
+        kube.create_job(NS, chat(gpus=4), plural="inferencejobs")
         wait_for(lambda: kube.pods(NS, "chat", "server"), timeout=60, what="the replica of 4 GPUs placed")
         (reclaimed, *_) = wait_for(lambda: serve_events(kube, "Reclaimed"), what="the reclaim's Event")
         assert "need GPUs back on b0, each replica whole on one node" in reclaimed.message
@@ -247,30 +259,10 @@ def test_a_replica_no_longer_asked_of_a_lender_is_not_reclaimed_for(cluster: Emu
     way), then its InferenceJob is moved to a cluster that does not exist. When `serve` allows
     preemption, it must not stop the borrower for that replica: the wait it recorded stayed, and
     the node-by-node reclaim preempted the borrower for a replica that would never come."""
-    kube = builders.Kube(cluster.api_client())
-    kube.create_node(builders.make_node("a0", 0, pool="a"))
-    kube.create_node(builders.make_node("b0", 4, pool="b"))
-    kube.create_node(builders.make_node("b1", 4, pool="b"))
-    kube.create_vc(builders.make_virtual_cluster("train", pool="a", borrow=8))
-    serve = builders.make_virtual_cluster("serve", pool="b", lend=8)
-    serve["spec"]["purpose"] = "inference"
-    serve["spec"]["lending"].update(reclaimGraceSeconds=1, reclaimPolicy="Shrink")
-    kube.create_vc(serve)
-    for node in ("b0", "b1"):
-        kube.core.create_namespaced_pod(NS, other_controllers_pod(f"x-{node}", node, 3))
-        kube.core.patch_namespaced_pod_status(f"x-{node}", NS, {"status": {"phase": "Running"}})
+    kube = fragmented(cluster, "serve", "train", reclaimPolicy="Shrink")
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST) as op:
-        kube.create_job(NS, builders.make_training_job("guest", "train", replicas=2, max_replicas=2, gpus=1))
-        wait_for(lambda: len(kube.pods(NS, "guest", "trainer")) == 2, what="the guest on b0 and b1")
-        kube.run_all_pods(NS, "guest")
-        for node in ("b0", "b1"):
-            kube.core.delete_namespaced_pod(f"x-{node}", NS)
-        body = yaml.safe_load(EXAMPLE.read_text())
-        body["metadata"] = {"name": "chat"}
-        body["spec"]["virtualCluster"] = "serve"
-        body["spec"]["resources"]["gpus"] = 4
-        body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 1}
-        kube.create_job(NS, body, plural="inferencejobs")
+        borrow_one_gpu_of_each(kube, "train", ["b0", "b1"])
+        kube.create_job(NS, chat(gpus=4), plural="inferencejobs")
         wait_for(lambda: op.ctx.serving_unplaced.get((NS, "chat")), what="the replica waiting on serve")
         kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "inferencejobs",
                                                    "chat", {"spec": {"virtualCluster": "nowhere"}})
@@ -287,25 +279,9 @@ def test_a_training_lenders_gang_gets_a_whole_node_back(cluster: EmulatedCluster
     """The same fragmentation for a training lender's own job in line: a replica of 4 GPUs, and a
     borrower's 1-GPU pod on each of the lender's two 4-GPU nodes. line_wanted counted 6 free GPUs
     against 4 wanted and reclaimed nothing, for good."""
-    kube = builders.Kube(cluster.api_client())
-    kube.create_node(builders.make_node("a0", 4, pool="a"))
-    kube.create_node(builders.make_node("a1", 4, pool="a"))
-    kube.create_node(builders.make_node("b0", 0, pool="b"))
-    lender = builders.make_virtual_cluster("lender", pool="a", lend=8)
-    lender["spec"]["lending"]["reclaimGraceSeconds"] = 1
-    kube.create_vc(lender)
-    kube.create_vc(builders.make_virtual_cluster("borrower", pool="b", borrow=8))
-    for node in ("a0", "a1"):
-        kube.core.create_namespaced_pod(NS, other_controllers_pod(f"x-{node}", node, 3))
-        kube.core.patch_namespaced_pod_status(f"x-{node}", NS, {"status": {"phase": "Running"}})
+    kube = fragmented(cluster, "lender", "borrower")
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
-        kube.create_job(NS, builders.make_training_job("guest", "borrower", replicas=2, max_replicas=2,
-                                                       gpus=1))
-        wait_for(lambda: len(kube.pods(NS, "guest", "trainer")) == 2, what="the guest on a0 and a1")
-        kube.run_all_pods(NS, "guest")
-        assert serving.nodes_of(kube, NS, "guest") == ["a0", "a1"]
-        for node in ("a0", "a1"):
-            kube.core.delete_namespaced_pod(f"x-{node}", NS)
+        borrow_one_gpu_of_each(kube, "borrower", ["a0", "a1"])
         kube.create_job(NS, builders.make_training_job("owner", "lender", replicas=1, max_replicas=1, gpus=4))
         wait_for(lambda: kube.pods(NS, "owner", "trainer"), timeout=60, what="the lender's gang of 4 placed")
         (reclaimed, *_) = wait_for(lambda: [e for e in kube.events("default", "lender")

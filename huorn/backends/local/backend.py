@@ -121,26 +121,27 @@ class LocalBackend:
         """Remediation S2: the newest set-param of a trainer's `microbatches` since the last apply
         goes to the run directory's control file, which the trainer applies at a step boundary
         (the running gang is not restarted)."""
-        latest = [m for m in graph.log if m.version > self._applied_version and m.action == "set-param"
-                  and m.detail.get("key") == "microbatches" and m.target in graph.vertices
-                  and graph.vertices[m.target].role == "trainer"]
-        if not latest:
+        m = self._newest_trainer_setting(graph, "microbatches")
+        if m is None:
             return []
-        m = latest[-1]
         counts = [int(c) for c in m.detail["new"]]
         commands.write_json_atomically(self.run_dir / commands.MICROBATCHES_FILE,
                                        {"counts": counts, "reason": m.reason, "version": m.version})
         return [f"wrote micro-batch counts {counts} to {commands.MICROBATCHES_FILE} ({m.reason})"]
 
+    def _newest_trainer_setting(self, graph: model.Graph, key: str) -> model.Mutation | None:
+        """The newest set-param of a trainer vertex's `key` since the last apply, if any."""
+        latest = [m for m in graph.log if m.version > self._applied_version and m.action == "set-param"
+                  and m.detail.get("key") == key and m.target in graph.vertices
+                  and graph.vertices[m.target].role == "trainer"]
+        return latest[-1] if latest else None
+
     def _deliver_batch(self, graph: model.Graph) -> list[str]:
         """batchRule goodput: the newest set-param of a trainer's `batch` since the last apply goes
         to the run directory's batch.json, which the trainer applies at a step boundary."""
-        latest = [m for m in graph.log if m.version > self._applied_version and m.action == "set-param"
-                  and m.detail.get("key") == "batch" and m.target in graph.vertices
-                  and graph.vertices[m.target].role == "trainer"]
-        if not latest:
+        m = self._newest_trainer_setting(graph, "batch")
+        if m is None:
             return []
-        m = latest[-1]
         batch = int(m.detail["new"])
         commands.write_json_atomically(self.run_dir / commands.BATCH_FILE,
                                        {"globalBatch": batch, "reason": m.reason, "version": m.version})
