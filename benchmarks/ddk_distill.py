@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -54,22 +51,17 @@ def spec(args: argparse.Namespace, *, teacher: Path | None, steps: int, model: d
 
 
 def train(name: str, body: dict, out: Path, data_dir: Path, progress: Progress) -> run_config.RunConfig:
+    """One trainer from scratch (trainer_runs.start_trainer clears its folder: this script once
+    kept its own copy that did not, and a second run resumed the first one's final checkpoints,
+    trained nothing, and scored the old models)."""
     directory = out / name
-    config = run_config.RunConfig.model_validate({
-        "jobName": name, "spec": body, "runDir": str(directory / "run"),
-        "checkpointDir": str(directory / "ckpt"), "dataDir": str(data_dir), "telemetryHost": "127.0.0.1",
-        "validationBatches": 4})
-    path = run_config.write_run_config(config, directory / "config.json")
+    config, process = trainer_runs.start_trainer(name, body, out, data_dir)
     steps_file = directory / "run" / run_config.STEPS_FILE
     task = progress.add_task(name, total=body["optimization"]["steps"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    with open(directory / "train.log", "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "huorn.runtime.train", "--config", str(path)],
-                                   cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        while process.poll() is None:
-            time.sleep(0.5)
-            done = steps_file.read_text().count('"event": "step"') if steps_file.exists() else 0
-            progress.update(task, completed=done)
+    while process.poll() is None:
+        time.sleep(0.5)
+        done = steps_file.read_text().count('"event": "step"') if steps_file.exists() else 0
+        progress.update(task, completed=done)
     if process.returncode != 0:
         raise SystemExit(f"{name} failed; see {directory / 'train.log'}")
     progress.update(task, completed=body["optimization"]["steps"])
