@@ -75,7 +75,10 @@ def score(config: run_config.RunConfig, batches: int) -> dict[str, float]:
     scored = config.model_copy(update={"spec": type(config.spec).model_validate(body)})
     sources = evaluate.evaluate(scored, latest, batches)["sources"]
     general = sum(w * sources[s] for s, w in GENERAL.items()) / sum(GENERAL.values())
-    return {"domain": sources[DOMAIN], "general": general, **{s: sources[s] for s in sources}}
+    # each source's own loss under its own key, and "general" the 2:1 mix of the general corpora:
+    # spread last, the general corpus's own loss once overwrote the mix every figure reads
+    return {**{f"source/{s}": loss for s, loss in sources.items()}, "domain": sources[DOMAIN],
+            "general": general}
 
 
 def plot(sweep: dict[float, dict], planned: dict, baseline: dict, plan: mixture_plan.Plan,
