@@ -182,3 +182,20 @@ def test_a_job_on_gpus_starts_from_its_familys_prior_at_its_size() -> None:
 def build_graph() -> model.Graph:
     """The quickstart's graph (elastic 1..2)."""
     return graph.compile(manifests.load_manifest(yaml.safe_load(QUICKSTART.read_text())))
+
+
+def test_a_prior_far_from_the_measurements_is_anchored_to_their_level() -> None:
+    """A 4-layer test model priced as a GPU job: its family prior says microseconds a step, the
+    trainers measure about a second. Unanchored, the prior outweighed the measurements in the
+    MAP fit, which then predicted one throughput at every batch size (the allocator saw no gain
+    in a larger batch); anchored, the fit keeps the measurements."""
+    tiny_gpu = perfmodel.scale_prior("transformer", 1e-4, "H200")
+    samples = [perfmodel.Sample(2, 1, local, 0.95 + 0.002 * local) for local in (24.0, 48.0, 96.0)]
+    errors = {}
+    for anchored in (False, True):
+        model = perfmodel.PerfModel("transformer", prior=tiny_gpu, anchor_prior=anchored)
+        model.set_samples(samples)
+        predicted = model.predict_many(np.full(3, 2.0), np.ones(3), np.array([24.0, 48.0, 96.0]))
+        measured = np.array([2 * s.local_batch / s.step_time for s in samples])
+        errors[anchored] = float(np.max(np.abs(predicted / measured - 1)))
+    assert errors[True] < 0.1 < 0.4 < errors[False]

@@ -397,3 +397,44 @@ def test_a_restarted_operator_finds_a_hang_that_began_before_it_at_its_first_pol
         state = second.ctx.monitors[(NS, "llm")]
         # 3 s of 0.3 s polls would be 10 polls from its own first one; the ranks' clock needs one
         assert state.polls <= 3, state.polls
+
+
+def test_a_goodput_batch_rule_job_gets_the_allocators_batch_in_its_config_map(
+        cluster, kube: builders.Kube) -> None:
+    """batchRule goodput through the operator: the monitor learns from the trainers' telemetry that
+    a larger batch costs little (a step is mostly fixed cost) and loses nothing statistically (a
+    large noise scale), and hands the gang the allocator's batch: a `batch` set-param in the graph,
+    written to the job's ConfigMap as batch.json, with no pod replaced."""
+    import json
+
+    from huorn.backends.kubernetes import manifests
+
+    ranks = Ranks("gb", gpus_per_replica=2)
+    try:
+        with start_operator(cluster, ranks.port):
+            # two replicas, as the ranks' telemetry reports (2 × 2 GPUs), held there
+            kube.create_job(NS, builders.make_training_job(
+                "gb", "train", replicas=2, max_replicas=2, gpus=2,
+                elasticity={"minReplicas": 2, "maxReplicas": 2, "policy": "goodput"},
+                optimization={"steps": 100_000, "globalBatch": 48, "microBatch": 4,
+                              "batchRule": "goodput"}))
+            run_with_ips(kube, "gb", 2)
+            pods = [p.metadata.name for p in kube.pods(NS, "gb", "trainer")]
+            step = 0
+            for batch in (48, 96, 192):
+                for _ in range(5):
+                    step += 1
+                    ranks.by_replica["trainer-0"].record_step(step, 0.95 + 0.001 * batch, 0.1, 3.0,
+                                                              1000.0, 1e5, global_batch=batch)
+            (setting,) = wait_for(lambda: [d for d in kube.job_status(NS, "gb").get("decisions") or []
+                                           if d["action"] == "set-param"], what="the batch decision")
+            assert "goodput allocator: global batch 48 ->" in setting["reason"]
+            ref = manifests.JobRef.from_body(kube.get_job(NS, "gb"))
+            name = manifests.config_map_name(ref)
+            delivered = wait_for(lambda: (kube.core.read_namespaced_config_map(name, NS).data or {})
+                                 .get(manifests.BATCH_KEY), what="batch.json in the ConfigMap")
+            chosen = json.loads(delivered)["globalBatch"]
+            assert chosen == 2 * 8 * 48  # the cap: 8 × globalBatch a replica, nearly free here
+            assert [p.metadata.name for p in kube.pods(NS, "gb", "trainer")] == pods
+    finally:
+        ranks.close()

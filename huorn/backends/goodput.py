@@ -261,12 +261,14 @@ def prior_model(spec: training.TrainingJobSpec) -> perfmodel.PerfModel:
     its size (transformer, or moe), on an H200, the GPU the family priors are set at; a job of
     no GPUs takes the prior measured on CPU with the shipped tiny models. Every job started from
     that CPU prior, so a cold 7B job on GPUs was priced as scaling almost linearly (7.9× at 8
-    replicas, 3.1× on its family's prior) until measurements at several sizes pinned it down."""
+    replicas, 3.1× on its family's prior) until measurements at several sizes pinned it down.
+    The prior is anchored to the measured level (PerfModel.anchor_prior): its shape is the
+    family's, its level only a guess."""
     if not spec.resources.gpus:
-        return perfmodel.PerfModel("transformer-tiny", params_b=0.001, gpu_type="cpu")
+        return perfmodel.PerfModel("transformer-tiny", params_b=0.001, gpu_type="cpu", anchor_prior=True)
     family = "moe" if spec.model.moe is not None else "transformer"
     return perfmodel.PerfModel(family, params_b=training.approximate_parameters(spec.model) / 1e9,
-                               gpu_type="H200")
+                               gpu_type="H200", anchor_prior=True)
 
 
 def repack(vertex: model.Vertex, decision: allocator.Decision, nodes: dict[str, str]) -> dict[str, Any]:
