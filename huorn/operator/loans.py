@@ -89,10 +89,19 @@ def count_wanted(ctx: Context, vc: str, demand: int, borrowers: Mapping[Any, Bor
 def serving_replicas_waiting(ctx: Context, vc: str) -> list[int]:
     """The GPUs of each serving replica waiting on `vc` (ctx.serving_unplaced), of the jobs the
     index still counts as its demand (a job moved or refused since its last reconcile waits
-    here for nothing)."""
-    return [gpus for key, (cluster, gpus, count) in ctx.serving_unplaced.items()
-            if cluster == vc and gpus > 0 and ctx.index.inference_demand.get(key, ("", 0))[0] == vc
-            for _ in range(count)]
+    here for nothing), and no more than that demand still lacks: a replica placed since the
+    job's last reconcile (its pod or reservation already holds GPUs) was counted waiting and
+    held GPUs at once, and a borrower was stopped for it."""
+    out = []
+    for key, (cluster, gpus, count) in ctx.serving_unplaced.items():
+        demand_vc, demand = ctx.index.inference_demand.get(key, ("", 0))
+        if cluster != vc or gpus <= 0 or demand_vc != vc:
+            continue
+        holders = [*ctx.index.pods_of(*key), *(r for (ns, _), r in ctx.index.reservations.items()
+                                              if ns == key[0] and r.job == key[1])]
+        held = sum(p.gpus for p in holders if p.holds_resources and not p.deleting)
+        out += [gpus] * min(count, max(0, demand - held) // gpus)
+    return out
 
 
 def node_shortfall(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower], replicas: list[int]
