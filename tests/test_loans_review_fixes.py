@@ -287,3 +287,29 @@ def test_a_training_lenders_gang_gets_a_whole_node_back(cluster: EmulatedCluster
         (reclaimed, *_) = wait_for(lambda: [e for e in kube.events("default", "lender")
                                             if e.reason == "Reclaimed"], what="the reclaim's Event")
         assert "each replica whole on one node" in reclaimed.message
+
+
+def test_the_replicas_counted_waiting_are_what_the_demand_still_lacks() -> None:
+    """The node-by-node reclaim counts an InferenceJob's waiting replicas from its last reconcile,
+    capped by what its demand still lacks: a replica placed since holds its GPUs already (one run
+    in three of a restart test preempted a borrower for it). Counted in replicas, not GPUs: while
+    `resources.gpus` rolls from 8 to 4, the old 8-GPU replicas held more than their share of the
+    demand, and the rolled replica's successor was hidden."""
+    from huorn.operator import context
+
+    def pod(name: str, gpus: int, deleting: bool = False) -> index.PodRecord:
+        return index.PodRecord("ns", name, "chat", "server", name, "n0", gpus, 0, "serve", phase="Running",
+                               deleting=deleting)
+
+    def waiting(pods: list[index.PodRecord], replicas: int, unplaced: int) -> list[int]:
+        ctx = context.Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
+        for p in pods:
+            ctx.index.pods[("ns", p.name)] = p
+        ctx.index.inference_demand[("ns", "chat")] = ("serve", replicas * 4)
+        ctx.serving_unplaced[("ns", "chat")] = ("serve", 4, unplaced)
+        return loans.serving_replicas_waiting(ctx, "serve")
+
+    assert waiting([pod("a", 4), pod("b", 4)], replicas=3, unplaced=1) == [4]
+    assert waiting([pod("a", 4), pod("b", 4), pod("c", 4)], replicas=3, unplaced=1) == []  # placed since
+    assert waiting([pod("a", 8, deleting=True), pod("b", 8)], replicas=2, unplaced=1) == [4]  # the roll
+    assert waiting([pod("a", 8), pod("b", 8), pod("a2", 4)], replicas=3 + 1, unplaced=1) == [4]  # surging

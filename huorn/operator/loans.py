@@ -40,7 +40,7 @@ from typing import Any
 
 from huorn.backends.kubernetes import manifests
 from huorn.graph import serialise
-from huorn.operator import board, index, preempting, queue, rljobs, training, validation
+from huorn.operator import board, index, preempting, queue, rljobs, serving, training, validation
 from huorn.operator.context import Context
 from huorn.scheduler import allocator, loaning
 
@@ -89,9 +89,11 @@ def count_wanted(ctx: Context, vc: str, demand: int, borrowers: Mapping[Any, Bor
 def serving_replicas_waiting(ctx: Context, vc: str) -> list[int]:
     """The GPUs of each serving replica waiting on `vc` (ctx.serving_unplaced), of the jobs the
     index still counts as its demand (a job moved or refused since its last reconcile waits
-    here for nothing), and no more than that demand still lacks: a replica placed since the
-    job's last reconcile (its pod or reservation already holds GPUs) was counted waiting and
-    held GPUs at once, and a borrower was stopped for it."""
+    here for nothing), and no more replicas than that demand still lacks: a replica placed since
+    the job's last reconcile (its pod or reservation already holds GPUs) was counted waiting and
+    held at once, and a borrower was stopped for it. Counted in replicas, not GPUs: while a
+    smaller `resources.gpus` rolls, the old replicas hold more GPUs than the demand's share, and
+    a count in GPUs hid the rolled replica's successor."""
     out = []
     for key, (cluster, gpus, count) in ctx.serving_unplaced.items():
         demand_vc, demand = ctx.index.inference_demand.get(key, ("", 0))
@@ -99,8 +101,8 @@ def serving_replicas_waiting(ctx: Context, vc: str) -> list[int]:
             continue
         holders = [*ctx.index.pods_of(*key), *(r for (ns, _), r in ctx.index.reservations.items()
                                               if ns == key[0] and r.job == key[1])]
-        held = sum(p.gpus for p in holders if p.holds_resources and not p.deleting)
-        out += [gpus] * min(count, max(0, demand - held) // gpus)
+        held = sum(1 for p in holders if p.vertex == serving.SERVER and p.holds_resources and not p.deleting)
+        out += [gpus] * min(count, max(0, demand // gpus - held))
     return out
 
 
