@@ -65,6 +65,11 @@ def find_borrowers(ctx: Context, vc: str) -> dict[tuple[str, str], Borrower]:
     return out
 
 
+def lent_by(borrowers: Mapping[Any, Borrower]) -> int:
+    """GPUs the borrowers' pods hold on the lender's nodes."""
+    return sum(p.gpus for b in borrowers.values() for p in b.pods)
+
+
 def free_gpus(ctx: Context, vc: str) -> int:
     """GPUs free on `vc`'s member nodes that take new pods: their GPUs less what live Huorn pods
     and other controllers' pods hold there. Pods on a node taking no new pods (cordoned, not
@@ -82,7 +87,7 @@ def count_wanted(ctx: Context, vc: str, demand: int, borrowers: Mapping[Any, Bor
     names = {n.name for n in ctx.index.members_of(vc)}
     own = sum(p.gpus for p in ctx.index.pods.values()  # demand already met by its own pods
               if p.node in names and p.holds_resources and not p.deleting and p.virtual_cluster == vc)
-    lent = sum(p.gpus for b in borrowers.values() for p in b.pods)
+    lent = lent_by(borrowers)
     return max(0, min(lent, (demand - own) - free_gpus(ctx, vc)))
 
 
@@ -171,7 +176,7 @@ def over_limit(vc_spec: Mapping[str, Any], borrowers: Mapping[Any, Borrower], lo
     Before, only a demand reclaimed: a lender that lowered maxGPUsLent, or stopped lending, kept
     every loan for as long as the borrowers ran, and nothing said so."""
     allowed = lending_allowed(vc_spec)
-    lent = sum(p.gpus for b in borrowers.values() for p in b.pods)
+    lent = lent_by(borrowers)
     unpinned = sum(loan.replicas_on_lender * loan.gpus_per_replica for loan in loans
                    if loan.priority < allocator.PINNED_PRIORITY)
     return max(0, min(unpinned, lent - allowed)), allowed
@@ -208,7 +213,7 @@ def line_wanted(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]
     still hold it: a gang larger than all of that would not be placed after a reclaim either, and
     reclaiming for it would only stop borrowers for GPUs that then sit idle."""
     free = free_gpus(ctx, vc)
-    lent = sum(p.gpus for b in borrowers.values() for p in b.pods)
+    lent = lent_by(borrowers)
     room, need, jobs = free + lent, 0, []
     for job in ctx.queue.waiting():
         gpus = job.missing * job.gpus
@@ -259,8 +264,9 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
     reserve_for_line(ctx, name, need)
     if not borrowers:
         return []
+    lent = lent_by(borrowers)
     if not lends:
-        wanted = sum(p.gpus for b in borrowers.values() for p in b.pods)
+        wanted = lent
     else:
         if inference:
             demand = ctx.index.demand_of(name)  # the InferenceJobs' floors, or the board's forecast
@@ -269,13 +275,11 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
         else:  # the line's gangs, each replica whole on one node too
             waiting = [job.gpus for job in line for _ in range(job.missing)]
         short, nodes = node_shortfall(ctx, name, borrowers, waiting)
-        lent = sum(p.gpus for b in borrowers.values() for p in b.pods)
         if short > wanted and lent <= lending_allowed(spec):
             # the waiting replicas fit only where GPUs come back on the right nodes (not when the
             # lender is over its limit: that reclaim takes back more, wherever it is)
             wanted, borrowers, targeted = short, on_nodes(borrowers, nodes), sorted(nodes)
-    if wanted <= 0 and not (lends and sum(p.gpus for b in borrowers.values() for p in b.pods)
-                            > lending_allowed(spec)):
+    if wanted <= 0 and not (lends and lent > lending_allowed(spec)):
         ctx.reclaim_blocked.pop(name, None)
         return []
     asked = wanted
