@@ -130,3 +130,26 @@ def test_batched_jacobian_is_scipys_two_point_jacobian_bit_for_bit() -> None:
                                  bounds=(lo, hi))
         got = perfmodel._fit_jacobian(x, data, lo, hi)
         assert np.array_equal(want, got), trial
+
+
+def test_the_allocators_grid_reads_the_corrected_model() -> None:
+    """`predict_many` is what the allocator prices every size with: it must be the model `predict`
+    reports (and the held-out error above is stated for), correction included, in any shape."""
+    model = perfmodel.PerfModel("transformer-tiny", gpu_type="cpu")
+    samples = load_samples()
+    for s in samples:
+        model.observe(s)
+    model.fit()
+    assert model._residual is not None
+    r = np.array([[s.replicas for s in samples]] * 2, dtype=float)
+    n = np.array([[s.nodes for s in samples]] * 2, dtype=float)
+    b = np.array([[s.local_batch for s in samples]] * 2, dtype=float)
+    many = model.predict_many(r, n, b)
+    assert many.shape == r.shape
+    one = np.array([model.predict(s.replicas, s.nodes, s.local_batch).throughput for s in samples])
+    np.testing.assert_allclose(many[0], one, rtol=1e-12)
+    np.testing.assert_allclose(many[1], one, rtol=1e-12)
+    # and the corrected curve is nearer the measurements than the parametric part alone
+    measured = np.array([s.replicas * s.local_batch / s.step_time for s in samples])
+    parametric = r[0] * b[0] / perfmodel.predict_step_time(model.params, r[0], n[0], b[0])
+    assert np.mean(np.abs(np.log(one / measured))) < np.mean(np.abs(np.log(parametric / measured)))
