@@ -256,19 +256,23 @@ def batch_rule_priced(spec: training.TrainingJobSpec) -> str:
     return "fixed-global"
 
 
-def prior_model(spec: training.TrainingJobSpec) -> perfmodel.PerfModel:
+def prior_model(spec: training.TrainingJobSpec, gpu_type: str = "") -> perfmodel.PerfModel:
     """A job's performance model before its first step: the prior of its model family scaled to
-    its size (transformer, or moe), on an H200, the GPU the family priors are set at; a job of
-    no GPUs takes the prior measured on CPU with the shipped tiny models. Every job started from
-    that CPU prior, so a cold 7B job on GPUs was priced as scaling almost linearly (7.9× at 8
-    replicas, 3.1× on its family's prior) until measurements at several sizes pinned it down.
-    The prior is anchored to the measured level (PerfModel.anchor_prior): its shape is the
-    family's, its level only a guess."""
+    its size (transformer, or moe) and to `gpu_type` (a `perfmodel.GPU_SPEED` key: the operator
+    reads it from its cluster's nodes, `huorn run` from the CUDA device; "" for an H200, the GPU
+    the family priors are set at); a job of no GPUs takes the prior measured on CPU with the
+    shipped tiny models. Every job started from that CPU prior, so a cold 7B job on GPUs was
+    priced as scaling almost linearly (7.9× at 8 replicas, 3.1× on its family's prior) until
+    measurements at several sizes pinned it down. The prior is anchored to the measured level
+    (PerfModel.anchor_prior): its shape is the family's, its level only a guess. The GPU type
+    moves the shape too: on a slower GPU compute weighs more against the gradient exchange, and
+    a job scales further (a 7B transformer's prior, 8 replicas of local batch 8 on one node:
+    4.3× one replica's throughput on an H200, 6.5× on an A100)."""
     if not spec.resources.gpus:
         return perfmodel.PerfModel("transformer-tiny", params_b=0.001, gpu_type="cpu", anchor_prior=True)
     family = "moe" if spec.model.moe is not None else "transformer"
     return perfmodel.PerfModel(family, params_b=training.approximate_parameters(spec.model) / 1e9,
-                               gpu_type="H200", anchor_prior=True)
+                               gpu_type=gpu_type, anchor_prior=True)
 
 
 def repack(vertex: model.Vertex, decision: allocator.Decision, nodes: dict[str, str]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from huorn.cli import live, run_rl, run_serve
 from huorn.cli.output import check_number, check_writable
 from huorn.cli.stopping import shielded, stop_signals
 from huorn.graph import jobs, model, mutate
+from huorn.scheduler import perfmodel
 
 # --interval: the monitor loop sleeps this long between ticks, so an hour is already a run that
 # nobody watches; inf overflowed sleep() after the trainers had started.
@@ -78,9 +79,19 @@ def build_policies(
             # grew to (scale-with-replicas); --steps overrides it, as it does in the trainers
             tokens=training.token_budget(spec) if steps is None else None, context=spec.model.context,
             batch_rule=goodput.batch_rule_priced(spec), micro_batch=spec.optimization.micro_batch,
-            perf=goodput.prior_model(spec),
+            perf=goodput.prior_model(spec, local_gpu_type() if spec.resources.gpus else ""),
         )
     ]
+
+
+def local_gpu_type() -> str:
+    """This machine's GPU type (perfmodel.gpu_type_of of CUDA's device name), which a GPU job's
+    performance-model prior is scaled to; "" without CUDA or for a GPU no prior knows."""
+    import torch  # NB: here, not at the top: a CPU run never pays for it in the CLI process
+
+    if not torch.cuda.is_available():
+        return ""
+    return perfmodel.gpu_type_of(torch.cuda.get_device_name(0))
 
 
 # The flags each kind reads (--run-dir, --json and --watch/--no-watch, a display preference: all

@@ -21,9 +21,11 @@ from typing import Any
 
 from huorn.api import base
 from huorn.backends.kubernetes import manifests
-from huorn.scheduler import placement, snapshot
+from huorn.scheduler import perfmodel, placement, snapshot
 
 TERMINAL_POD_PHASES = frozenset({"Succeeded", "Failed"})
+# NVIDIA GPU feature discovery's label (GPU operator, or the device plugin's GFD): the product name
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 
 
 @dataclass(frozen=True)
@@ -571,6 +573,17 @@ class ClusterIndex:
     def members_of(self, vc: str) -> list[NodeRecord]:
         owners = self.owners()
         return [n for n in self.nodes.values() if owners[n.name] == vc]
+
+    def gpu_type(self, vc: str) -> str:
+        """The GPU type (a `perfmodel.GPU_SPEED` key) of most of `vc`'s GPUs, read from GPU feature
+        discovery's product label; "" where no member node names a known one (the performance
+        model's prior then assumes an H200)."""
+        counts: dict[str, int] = {}
+        for node in self.members_of(vc):
+            kind = perfmodel.gpu_type_of(node.labels.get(GPU_PRODUCT_LABEL, ""))
+            if kind and node.gpus:
+                counts[kind] = counts.get(kind, 0) + node.gpus
+        return max(sorted(counts), key=lambda k: counts[k], default="")
 
     def _holders(self, leaving: bool = True) -> list[PodRecord]:
         held = [p for p in self.pods.values() if p.holds_resources and p.gpus and (leaving or not p.deleting)]

@@ -76,12 +76,14 @@ class JobPolicies:
 
 
 def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = None,
-                   arbiter: Callable[[allocator.JobView, float], allocator.Decision] | None = None
-                   ) -> JobPolicies:
+                   arbiter: Callable[[allocator.JobView, float], allocator.Decision] | None = None,
+                   gpu_type: str = "") -> JobPolicies:
     """A job's policies; with its graph, the remediation ladder takes up an S2/S3 plan the trainers
     hold (policy.RemediationPolicy.resume): a restarted operator, or one rebuilding them for an
     edited spec, must still give the even split back once the slowdown ends. `arbiter`: where the
-    goodput policy's decision comes from (allocation.arbiter_for: one allocation over every job)."""
+    goodput policy's decision comes from (allocation.arbiter_for: one allocation over every job).
+    `gpu_type`: its cluster's GPUs (index.gpu_type), which the performance model's prior is
+    scaled to."""
     spec = job.spec
     total = declared_steps(spec)
     grow = None
@@ -95,7 +97,7 @@ def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = N
             global_batch=float(spec.optimization.global_batch), total_steps=total, priority=spec.priority,
             tokens=token_budget(spec), context=spec.model.context,
             batch_rule=goodput.batch_rule_priced(spec), micro_batch=spec.optimization.micro_batch,
-            perf=goodput.prior_model(spec),
+            perf=goodput.prior_model(spec, gpu_type),
         )
     remediation = policy.RemediationPolicy(spec.remediation)
     trainer = graph.vertices.get("trainer") if graph is not None else None
@@ -110,7 +112,8 @@ def _policies_for(ctx: Context, body: Mapping[str, Any], job: Any, graph: model.
     key = (str(meta.get("uid", "")), int(meta.get("generation") or 0))
     found = ctx.monitors.get((meta["namespace"], meta["name"]))
     if found is None or found.key != key:
-        found = build_policies(job, key, graph, allocation.arbiter_for(ctx, meta["namespace"], meta["name"]))
+        found = build_policies(job, key, graph, allocation.arbiter_for(ctx, meta["namespace"], meta["name"]),
+                               ctx.index.gpu_type(job.spec.virtual_cluster))
         ctx.monitors[(meta["namespace"], meta["name"])] = found
     return found
 

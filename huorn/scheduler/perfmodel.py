@@ -78,13 +78,35 @@ FAMILY_PRIORS: dict[str, PolluxParams] = {
     "cnn": PolluxParams(0.01, 0.002, 0.02, 0.002, 0.08, 0.008, 3.0),
     "recommender": PolluxParams(0.01, 0.0005, 0.03, 0.003, 0.15, 0.015, 1.5),
 }
-# Relative compute speed of the GPU types in the OpenB trace and Huorn's own targets.
+# Relative compute speed of the GPU types in the OpenB trace and Huorn's own targets. [inferred]
+# The data-centre types past the OpenB trace's (B200 … A40) from their dense bf16 throughput
+# against the H100's, at the H100's 0.9: like the family priors, a start for the fit, which the
+# measurements then set.
 GPU_SPEED: dict[str, float] = {
     "H200": 1.0, "H100": 0.9, "A100": 0.45, "A10": 0.15, "V100M32": 0.2, "V100M16": 0.2, "V100": 0.2,
     "G2": 0.25, "G3": 0.3, "T4": 0.08, "P100": 0.1, "cpu": 1.0, "": 1.0,
+    "B200": 2.0, "H800": 0.9, "A800": 0.45, "H20": 0.15, "L40S": 0.33, "L40": 0.16, "L4": 0.11, "A40": 0.14,
 }
+# The words of a product name that name a type (whole words: "A10" is not "A100").
+_PRODUCT_TOKENS = ("B200", "H200", "H100", "H800", "H20", "A100", "A800", "A10", "A40", "L40S", "L40", "L4",
+                   "V100", "T4", "P100")
+_PRODUCT_ALIASES = {"GH200": "H200", "GH100": "H100", "A10G": "A10", "A100X": "A100"}  # variants of one chip
+
+
 PRIOR_LOG_STD = 1.0  # a family prior is right within a factor e≈2.7 (one sigma)
 MEASUREMENT_LOG_STD = 0.1  # a median step time is right within about 10 % (one sigma)
+
+
+def gpu_type_of(product: str) -> str:
+    """The `GPU_SPEED` key of a GPU product name, "" when none matches.
+
+    Names come from NVIDIA GPU feature discovery's `nvidia.com/gpu.product` node label
+    ("NVIDIA-H100-80GB-HBM3", "Tesla-V100-SXM2-16GB") or from the CUDA driver ("NVIDIA H100 80GB
+    HBM3"): the type is the first whole token that names one, so "NVIDIA-A10" is an A10 and
+    "NVIDIA-A100-SXM4-80GB" an A100."""
+    words = product.upper().replace("_", "-").replace(" ", "-").split("-")
+    tokens = {_PRODUCT_ALIASES.get(w, w) for w in words}
+    return next((known for known in _PRODUCT_TOKENS if known in tokens), "")
 
 
 def scale_prior(family: str, params_b: float, gpu_type: str) -> PolluxParams:
