@@ -13,10 +13,13 @@ from typing import Any
 
 import kubernetes
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kube import builders
 from kube.cluster import EmulatedCluster
 
 from huorn.backends.kubernetes import client as client_mod
+from huorn.backends.kubernetes import manifests
 from huorn.operator import context, handlers, index
 
 pytest_plugins = ["kube.fixtures"]
@@ -72,10 +75,11 @@ class _PagingClient:
         self.pages = 0
 
     async def list(self, kind: str, namespace: str | None, labels: Any,
-                   page_size: int | None = None) -> list[dict[str, Any]]:
+                   page_size: int | None = None, keep: Any = None) -> list[dict[str, Any]]:
         assert (kind, namespace, dict(labels), page_size) == ("Pod", None, {}, handlers.LIST_PAGE)
+        assert keep is index.slim_pod
         self.pages += 1
-        return self.pods
+        return [keep(p) for p in self.pods]
 
 
 @pytest.mark.looptime
@@ -177,3 +181,63 @@ def test_list_ends_when_the_server_ignores_limit(cluster: EmulatedCluster) -> No
     pods = asyncio.run(kube.list("Pod", None, {}, page_size=1))
     assert sorted(p["metadata"]["name"] for p in pods) == ["p0", "p1", "p2"]
 
+
+
+def test_a_list_keeps_each_object_as_reduced_while_its_page_arrives() -> None:
+    """Paged but kept whole, a list of every pod held every body until the caller was done."""
+    kube = client_mod.KubeClient(kubernetes.client.ApiClient())
+    core = kube.core = _PagingCore(5)  # type: ignore[assignment]
+    seen: list[int] = []
+
+    def keep(body: dict[str, Any]) -> dict[str, Any]:
+        seen.append(len(core.calls))  # the page this object came in
+        return {"name": body["metadata"]["name"]}
+
+    listed = asyncio.run(kube.list("Pod", None, {}, page_size=2, keep=keep))
+    assert listed == [{"name": f"p{i}"} for i in range(5)]
+    assert seen == [1, 1, 2, 2, 3]  # each page's objects reduced before the next page is asked for
+
+
+_GPU_COUNTS = st.sampled_from([None, "0", "1", "2", "8", "500m", "x"])
+
+
+@st.composite
+def _any_pod(draw: st.DrawFn) -> dict[str, Any]:
+    def container() -> dict[str, Any]:
+        resources = {part: {"nvidia.com/gpu": value, "cpu": "1"}
+                     for part in ("requests", "limits") if (value := draw(_GPU_COUNTS)) is not None}
+        return {"name": "c", "image": "x", "env": [{"name": "A", "value": "b"}], "resources": resources}
+
+    labels = {"app": "x", **({manifests.LABEL_JOB: "j"} if draw(st.booleans()) else {})}
+    body: dict[str, Any] = {
+        "metadata": {"namespace": draw(st.sampled_from([NS, "other"])), "name": f"p{draw(st.integers(0, 5))}",
+                     "labels": labels, "annotations": {"note": "y" * 100}},
+        "spec": {"containers": [container() for _ in range(draw(st.integers(0, 3)))],
+                 "initContainers": [container() for _ in range(draw(st.integers(0, 2)))]},
+    }
+    if draw(st.booleans()):
+        body["spec"]["nodeName"] = draw(st.sampled_from(["a0", "a1", ""]))
+    if draw(st.booleans()):
+        body["status"] = {"phase": draw(st.sampled_from(["Pending", "Running", "Succeeded", "Failed"])),
+                          "conditions": [{"type": "Ready", "status": "True"}]}
+    return body
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_any_pod(), max_size=8), st.lists(_any_pod(), max_size=8))
+def test_a_slim_pod_is_mirrored_as_its_whole_body(watched: list[dict[str, Any]],
+                                                  listed: list[dict[str, Any]]) -> None:
+    """What the start-up list and the foreign resync keep of a pod changes nothing the mirror
+    records: the same GPUs held by other controllers, the same pods dropped."""
+    whole, slim = index.ClusterIndex(), index.ClusterIndex()
+    for body in watched:
+        whole.observe_foreign_pod(body)
+        slim.observe_foreign_pod(index.slim_pod(body))
+    assert slim.foreign == whole.foreign
+    mark = whole.observations
+    dropped = whole.resync_foreign(listed, mark)
+    assert slim.resync_foreign([index.slim_pod(b) for b in listed], mark) == dropped
+    assert slim.foreign == whole.foreign
+    for body in listed:
+        if manifests.LABEL_JOB in body["metadata"]["labels"]:
+            assert index.slim_pod(body) is body  # observe_pod reads Huorn's pods whole

@@ -115,7 +115,7 @@ async def resync_foreign(ctx: Context) -> list[tuple[str, str]]:
     (index.ClusterIndex.resync_foreign): a watch that reconnects does not report the pods
     deleted while it was away. Returns the pods whose GPUs it dropped; the line is woken then."""
     mark = ctx.index.observations
-    pods = await ctx.client.list("Pod", None, {}, page_size=LIST_PAGE)
+    pods = await ctx.client.list("Pod", None, {}, page_size=LIST_PAGE, keep=index.slim_pod)
     served = (p for p in pods if ctx.serves((p.get("metadata") or {}).get("namespace", "")))
     dropped = ctx.index.resync_foreign(served, mark)
     if dropped:
@@ -235,7 +235,7 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             ctx.index.observe_node(node)  # judged again once the clusters below are known
         # Every pod, once: Huorn's, and the GPUs other controllers' pods hold (pod_changed and
         # foreign_pod_changed keep both current); one listing, as kopf's own pod watch makes.
-        for pod in await ctx.client.list("Pod", None, {}, page_size=LIST_PAGE):
+        for pod in await ctx.client.list("Pod", None, {}, page_size=LIST_PAGE, keep=index.slim_pod):
             ns = (pod.get("metadata") or {}).get("namespace", "")
             if ctx.index.observe_pod(pod) is None and ctx.serves(ns):
                 ctx.index.observe_foreign_pod(pod)

@@ -168,6 +168,26 @@ def requested_gpus(spec: Mapping[str, Any]) -> int:
     return max([running, *(of(c) for c in spec.get("initContainers") or [])])
 
 
+def slim_pod(body: dict[str, Any]) -> dict[str, Any]:
+    """A listed pod reduced to what the mirror reads of it: a Huorn pod whole (observe_pod reads
+    most of it); any other pod its namespace and name, and, if it requests GPUs, their count,
+    its node and its phase, which is all observe_foreign_pod and resync_foreign read. The lists
+    of every pod (at start-up, and every foreign_resync_seconds) keep these, not the bodies."""
+    meta = body.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if manifests.LABEL_JOB in labels:
+        return body
+    slim: dict[str, Any] = {"metadata": {"namespace": meta.get("namespace", ""),
+                                         "name": meta.get("name", "")}}
+    spec = body.get("spec") or {}
+    gpus = requested_gpus(spec)
+    if gpus:
+        slim["spec"] = {"nodeName": spec.get("nodeName") or "",
+                        "containers": [{"resources": {"requests": {manifests.GPU_RESOURCE: str(gpus)}}}]}
+        slim["status"] = {"phase": (body.get("status") or {}).get("phase", "Pending")}
+    return slim
+
+
 def _grace_ends(meta: Mapping[str, Any], spec: Mapping[str, Any]) -> float:
     deleted = parse_time(meta.get("deletionTimestamp"))
     if not deleted:

@@ -188,8 +188,13 @@ class KubeClient:
             raise
 
     async def list(self, kind: str, namespace: str | None, labels: Mapping[str, str],
-                   page_size: int | None = None) -> list[dict[str, Any]]:
+                   page_size: int | None = None,
+                   keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """Objects of `kind` whose labels match; None lists every namespace.
+
+        `keep` reduces each object as its page arrives, to what the caller reads of it: paged
+        but kept whole, a list of every pod still held every body at once until the caller was
+        done with it (a 5 KiB pod in JSON is about 32 KiB of Python dicts: 625 MiB for 20,000).
 
         `page_size` asks the server for that many objects a response (`limit`, then `continue`
         until the server gives no token): a list of every pod of a large cluster in one response
@@ -224,7 +229,8 @@ class KubeClient:
                     raise
                 items, token, page_size = [], None, None
                 continue
-            items += [i for i in page.get("items") or [] if match_labels(i, labels)]
+            matched = [i for i in page.get("items") or [] if match_labels(i, labels)]
+            items += matched if keep is None else [keep(i) for i in matched]
             token = (page.get("metadata") or {}).get("continue") if page_size is not None else None
             if not token:
                 return items
