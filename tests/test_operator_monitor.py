@@ -126,13 +126,14 @@ def test_a_grown_gang_moves_to_where_the_allocator_placed_it(cluster, kube: buil
             resized = wait_for(lambda: decisions(kube, "grow", "resize"), what="a resize decision")
             assert "goodput allocator: grow to 2" in resized[-1]["reason"]
 
-            def placed() -> list[str] | None:
+            def moved() -> list[str] | None:
+                # NB: the state it ends in, not the first with two pods: the first successor may be
+                # created on the empty node before the replica on the shared one is marked deleted
                 pods = [p for p in kube.pods(NS, "grow", "trainer") if not p.metadata.deletion_timestamp]
                 nodes = sorted(pinned_node(p) for p in pods)
-                return nodes if len(nodes) == 2 else None
+                return nodes if len(nodes) == 2 and len(set(nodes)) == 1 and shared not in nodes else None
 
-            nodes = wait_for(placed, what="two trainer pods")
-            assert len(set(nodes)) == 1 and shared not in nodes, nodes
+            wait_for(moved, what="both trainer pods on the node the allocator chose, none on the shared one")
     finally:
         grower.close()
 
