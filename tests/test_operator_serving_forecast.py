@@ -89,8 +89,9 @@ def test_the_forecast_raises_an_idle_job_and_reclaims_lent_gpus_before_the_load_
         prometheus.fail = (503, "query timed out")
         (warning,) = wait_for(lambda: events(kube, "ForecastUnavailable"), what="the warning")
         assert warning.type == "Warning"
-        assert warning.message == ("Prometheus answered 503 to spec.autoscaling.forecast.query: query timed "
-                                   "out; fix the query; keeping the last forecast, 3 replica(s)")
+        assert warning.message == ("Prometheus at spec.autoscaling.forecast.prometheusURL is unavailable "
+                                   "(503: query timed out); reading it again at the next tick; keeping the "
+                                   "last forecast, 3 replica(s)")
         wait_for(lambda: (status(kube).get("forecast") or {}).get("error") == warning.message,
                  what="the error in status")
         assert status(kube)["desiredReplicas"] == 3 and len(events(kube, "ForecastUnavailable")) == 1

@@ -26,6 +26,7 @@ first tick.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import math
 import time
@@ -46,6 +47,10 @@ from huorn.operator.context import Context
 from huorn.scheduler import forecast
 
 FIELD = "spec.lending.forecast"
+# Prometheus refuses a query_range of more than 11,000 points: at 5-minute bins, 916 hours
+MAX_HISTORY_HOURS = 900
+# A trailing gap longer than this many bins is read as no requests, not as the last rate held
+MAX_FILLED_BINS = 2
 
 
 class ForecastUnavailable(Exception):
@@ -67,8 +72,8 @@ def fetch_rate_history(url: str, query: str, start: float, end: float, step: flo
                        timeout: float, field: str = FIELD) -> tuple[np.ndarray, np.ndarray]:
     """The query's value every `step` back from `end` to `start` (Prometheus `query_range`),
     summed over series, on a regular grid whose last point is `end`: the rate now. A bin
-    without a sample takes the one before it (a scrape missed), and bins before the first
-    sample are dropped."""
+    without a sample takes the one before it (a scrape missed), but for a trailing gap of more
+    than MAX_FILLED_BINS, which is no requests; bins before the first sample are dropped."""
     start = end - step * math.floor((end - start) / step + 1e-9)
     params = urllib.parse.urlencode({"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}",
                                      "step": f"{step:g}"})
@@ -77,10 +82,17 @@ def fetch_rate_history(url: str, query: str, start: float, end: float, step: flo
         with urllib.request.urlopen(target, timeout=timeout) as response:
             body = json.loads(response.read())
     except urllib.error.HTTPError as err:
-        detail = _prometheus_error(err.read())
+        raise ForecastUnavailable(_http_error(err, field)) from None
+    except http.client.InvalidURL as err:
+        # NB: before OSError and HTTPException: the CRD's pattern let a port like :9090x through,
+        # and this escaped every handler, failing the cluster's whole tick (its reclaim too)
         raise ForecastUnavailable(
-            f"Prometheus answered {err.code} to {field}.query: {detail or err.reason}; fix the query"
-        ) from None
+            f"{field}.prometheusURL {url} is not a valid URL ({err}); give the Prometheus HTTP API's "
+            "base URL, e.g. http://prometheus.monitoring:9090") from None
+    except http.client.HTTPException as err:
+        raise ForecastUnavailable(
+            f"{field}.prometheusURL {url} did not answer HTTP ({type(err).__name__}: {err}); point it "
+            "at the Prometheus HTTP API's base URL, e.g. http://prometheus.monitoring:9090") from None
     except (OSError, urllib.error.URLError) as err:
         raise ForecastUnavailable(
             f"cannot reach Prometheus at {field}.prometheusURL {url}: {err}; check the URL and that "
@@ -93,6 +105,23 @@ def fetch_rate_history(url: str, query: str, start: float, end: float, step: flo
         detail = body.get("error") if isinstance(body, dict) else None
         raise ForecastUnavailable(f"Prometheus refused {field}.query: {detail or body!r}; fix the query")
     return _to_grid(body.get("data") or {}, query, start, end, step, field)
+
+
+def _http_error(err: urllib.error.HTTPError, field: str) -> str:
+    """What an HTTP error answer from Prometheus means, and which field or party can fix it: a
+    query Prometheus refuses is the query's fault, a range it refuses the history's, a refused
+    login the operator's access, and an overloaded or failing server no one's in the spec."""
+    detail = _prometheus_error(err.read()) or str(err.reason)
+    if err.code in (401, 403):
+        return (f"Prometheus refused the operator's request ({err.code}: {detail}); let the operator "
+                f"read {field}.prometheusURL without credentials, or point it at an endpoint that does")
+    if err.code == 429 or err.code >= 500:
+        return (f"Prometheus at {field}.prometheusURL is unavailable ({err.code}: {detail}); reading it "
+                "again at the next tick")
+    if "resolution" in detail or "points" in detail:
+        return (f"Prometheus answered {err.code}: {detail}; shorten {field}.history (at most "
+                f"{MAX_HISTORY_HOURS} hours at the board's 5-minute bins)")
+    return f"Prometheus answered {err.code} to {field}.query: {detail}; fix the query"
 
 
 def _prometheus_error(raw: bytes) -> str | None:
@@ -122,6 +151,12 @@ def _to_grid(data: Mapping[str, Any], query: str, start: float, end: float,
         raise ForecastUnavailable(f"{field}.query {query!r} returned no samples over the history; "
                                   "check the metric's name and labels")
     total, grid = total[seen[0]:], grid[seen[0]:]
+    # NB: a trailing gap is not a missed scrape: `sum(rate(...))` returns no series once no pod
+    # exports the counter (the serving pods scaled to zero), and the last rate held for good
+    # kept the cluster from lending again; beyond MAX_FILLED_BINS it is no requests
+    last = int(np.flatnonzero(~np.isnan(total))[-1])
+    if len(total) - 1 - last > MAX_FILLED_BINS:
+        total[last + 1:] = 0.0
     for i in range(1, len(total)):
         if math.isnan(total[i]):
             total[i] = total[i - 1]
@@ -197,7 +232,8 @@ async def read(ctx: Context, body: Mapping[str, Any], state: BoardState, source:
         if len(rate) >= forecast.min_history_bins(board_config) and now - state.fitted_at >= step:
             state.model = await asyncio.to_thread(forecast.LoadForecaster(board_config).fit, times, rate)
             state.fitted_at = now
-        reading = forecast.read_board(times, rate, per_unit, headroom, state.model)
+        # NB: in a thread, as the fit: its features span the whole history (tens of ms a week)
+        reading = await asyncio.to_thread(forecast.read_board, times, rate, per_unit, headroom, state.model)
     except (ForecastUnavailable, ValueError) as err:
         message = str(err)
         if state.reading is not None:

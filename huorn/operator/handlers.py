@@ -383,7 +383,14 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
         if fresh is not None:
             # The board first, so that reclaim and placement's reserve use this tick's forecast;
             # reclaim next, so the status written last already counts the loans given back.
-            await board.update(ctx, fresh)
+            try:
+                await board.update(ctx, fresh)
+            except Exception:
+                # NB: reclaim must not depend on the board: an error it did not foresee (a bad
+                # URL once) failed the whole tick, and nothing was reclaimed for the cluster's
+                # own InferenceJobs either; the last forecast stays in force in the index
+                logger.exception("virtual cluster %s: the prediction board failed; reclaiming on the "
+                                 "last forecast", fresh["metadata"]["name"])
             await loans.reclaim(ctx, fresh)
             await virtualclusters.reconcile(ctx, fresh)
 

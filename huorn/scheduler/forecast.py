@@ -26,6 +26,7 @@ EPS = 0.5  # requests per second; keeps the ratio of two near-idle rates finite
 # The longest history load_qps_series bins: the board fits on days to weeks, and a timestamp far
 # off (a typo, milliseconds among seconds) had np.bincount allocate one bin per 5 minutes up to it.
 MAX_HISTORY_DAYS = 366
+MAX_GPUS = 1_000_000  # the most a reading asks for: more than any cluster has, and far from int64's end
 
 
 def _log_ratio(peak: float, level: float) -> float:
@@ -162,7 +163,13 @@ class LoadForecaster:
         """Upper-quantile peak rate over the `horizon_bins` after bin `end`, never below the current rate."""
         if not self._fitted:
             raise ValueError("forecaster is not fitted; call fit() with request-rate history first")
-        return float(self.predict_series(times[: end + 1], rate[: end + 1])[-1])
+        # NB: the features of bin `end` alone: predict_series built them for every bin of the
+        # history to keep the last (136 ms on the operator's event loop at 30 days)
+        lags = self.config.lags
+        x = _features(times, rate, end, lags)[None, :]
+        level = rate[max(0, end - lags + 1): end + 1].max()
+        peak = (level + EPS) * math.exp(float(self._model.predict(x)[0])) - EPS
+        return float(max(peak, float(rate[end])))
 
     def predict_series(self, times: np.ndarray, rate: np.ndarray) -> np.ndarray:
         """Forecast made at every bin (vectorised, for the simulator and the evaluation)."""
@@ -179,7 +186,9 @@ def gpus_needed(rate: float | np.ndarray, rate_per_gpu: float, headroom: float =
     """GPUs that serve `rate` within SLO with `headroom` spare (the board's answer)."""
     if rate_per_gpu <= 0:
         raise ValueError(f"rate_per_gpu must be > 0, got {rate_per_gpu}")
-    return np.ceil(np.asarray(rate) * (1 + headroom) / rate_per_gpu).astype(int)
+    # NB: clipped before the cast: past 2^63 it wrapped to a negative count, which reserved nothing
+    needed = np.ceil(np.asarray(rate, dtype=float) * (1 + headroom) / rate_per_gpu)
+    return np.clip(np.nan_to_num(needed, nan=MAX_GPUS, posinf=MAX_GPUS), 0, MAX_GPUS).astype(int)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,140 @@
+"""What a review of the prediction board found: answers from Prometheus (or from something that is
+not Prometheus) that escaped the board and failed the cluster's whole tick, a rate series that
+vanished and was held for good, a forecast too large for an int64, and error messages that sent
+the user to the wrong field. Prometheus is tests/prometheus_api.py, a real HTTP server."""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import prometheus_api
+import pytest
+
+from huorn.api.virtualcluster import ForecastReading
+from huorn.operator import board
+from huorn.operator.context import Context
+from huorn.scheduler import forecast
+from huorn.sim import shared_data
+
+DAY0 = 19676 * 86400.0
+
+
+@pytest.fixture()
+def prometheus() -> Iterator[prometheus_api.PrometheusApi]:
+    with prometheus_api.serve() as api:
+        yield api
+
+
+def serving(url: str) -> dict[str, Any]:
+    spec = {"prometheusURL": url, "query": "sum(rate(requests_total[5m]))", "requestsPerGPU": 1.0,
+            "headroom": 0.0}
+    return {"metadata": {"name": "serve"},
+            "spec": {"purpose": "inference", "members": {"nodes": ["b0"]},
+                     "lending": {"lendable": True, "maxGPUsLent": 8, "forecast": spec}}}
+
+
+def test_a_url_with_a_port_that_is_no_number_is_named_not_raised() -> None:
+    """http.client.InvalidURL escaped the board: the tick failed and nothing was reclaimed."""
+    with pytest.raises(board.ForecastUnavailable, match=r"spec\.lending\.forecast\.prometheusURL "
+                                                         r"http://127\.0\.0\.1:9090x is not a valid URL"):
+        board.fetch_rate_history("http://127.0.0.1:9090x", "q", DAY0, DAY0 + 600, 300, 1.0)
+
+
+@pytest.fixture()
+def not_http() -> Iterator[str]:
+    """A port that speaks another protocol: it greets with a banner and closes."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def greet() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.recv(4096)
+            conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+            conn.close()
+
+    threading.Thread(target=greet, daemon=True).start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+
+
+def test_a_server_that_does_not_speak_http_is_named_not_raised(not_http: str) -> None:
+    """http.client.BadStatusLine escaped the board as InvalidURL did."""
+    with pytest.raises(board.ForecastUnavailable, match="did not answer HTTP"):
+        board.fetch_rate_history(not_http, "q", DAY0, DAY0 + 600, 300, 2.0)
+
+
+async def test_the_board_keeps_its_last_reading_when_the_url_is_not_http(not_http: str,
+                                                                         prometheus) -> None:
+    events: list[tuple[str, str, str]] = []
+    ctx = Context(client=None, post_event=lambda _b, *e: events.append(e))  # type: ignore[arg-type]
+    prometheus.rate = lambda t: 3.0
+    first = await board.update(ctx, serving(prometheus.url), now=DAY0)
+    assert first is not None and first.gpus == 3
+    again = await board.update(ctx, serving(not_http), now=DAY0 + 10)
+    assert again == first and ctx.index.forecast_demand["serve"] == 3
+    assert [(kind, reason) for kind, reason, _ in events] == [("Warning", "ForecastUnavailable")]
+
+
+@pytest.mark.parametrize(("code", "message", "words"), [
+    (503, "service unavailable", ["spec.lending.forecast.prometheusURL is unavailable (503",
+                                  "at the next tick"]),
+    (429, "too many requests", ["is unavailable (429"]),
+    (401, "unauthorized", ["refused the operator's request (401", "prometheusURL"]),
+    (400, "exceeded maximum resolution of 11,000 points per timeseries. Try decreasing the query "
+          "resolution (?step=XX)", ["shorten spec.lending.forecast.history", "900 hours"]),
+    (400, "parse error at char 5", ["to spec.lending.forecast.query", "fix the query"]),
+])
+def test_each_http_error_names_who_can_fix_it(prometheus, code: int, message: str, words: list[str]) -> None:
+    """Every error answer said "fix the query": a 503 sent users to rewrite a correct query."""
+    prometheus.fail = (code, message)
+    with pytest.raises(board.ForecastUnavailable) as err:
+        board.fetch_rate_history(prometheus.url, "q", DAY0, DAY0 + 600, 300, 2.0)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    if code != 400 or "parse" not in message:
+        assert "fix the query" not in str(err.value)
+
+
+def test_a_series_gone_for_longer_than_a_missed_scrape_is_no_load(prometheus) -> None:
+    """`sum(rate(...))` has no series once no pod exports it: the last rate was held for good, and
+    a cluster whose serving scaled to zero never lent again."""
+    prometheus.rate = lambda t: 80.0 if t <= DAY0 else None
+    _, rate = board.fetch_rate_history(prometheus.url, "q", DAY0 - 3600, DAY0 + 6 * 3600, 300, 2.0)
+    assert rate[:13].tolist() == [80.0] * 13 and rate[13:].tolist() == [0.0] * (len(rate) - 13)
+    # a missed scrape or two at the end is still the rate before it
+    prometheus.rate = lambda t: 80.0 if t <= DAY0 else None
+    _, rate = board.fetch_rate_history(prometheus.url, "q", DAY0 - 3600, DAY0 + 600, 300, 2.0)
+    assert rate.tolist() == [80.0] * 15
+
+
+async def test_a_peak_beyond_any_cluster_reserves_the_most_not_a_negative_count(prometheus) -> None:
+    """Cast to int64 past 2^63, the count wrapped to -2^63: nothing was reserved, and the status
+    write was refused by the CRD's minimum."""
+    assert forecast.gpus_needed(2e16, 0.002) == forecast.MAX_GPUS
+    assert forecast.gpus_needed(np.array([1.5, np.inf]), 1.0, 0.0).tolist() == [2, forecast.MAX_GPUS]
+    ctx = Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
+    prometheus.rate = lambda t: 2e16
+    reading = await board.update(ctx, serving(prometheus.url), now=DAY0)
+    assert reading is not None and reading.gpus == forecast.MAX_GPUS
+    assert ctx.index.forecast_demand["serve"] == forecast.MAX_GPUS
+    assert ForecastReading.model_validate(board.status_of(ctx, "serve")).gpus == forecast.MAX_GPUS
+
+
+def test_a_reading_at_one_bin_is_the_series_forecast_at_that_bin() -> None:
+    """predict_peak builds the last bin's features alone (it built every bin's, on the event
+    loop, to keep one): the same forecast, at every bin of a real day."""
+    times, rate = forecast.load_qps_series(shared_data.shared_data_dir() / "genai_qps.csv")
+    model = forecast.LoadForecaster().fit(times[:150], rate[:150])
+    series = model.predict_series(times, rate)
+    for end in range(0, len(rate), 7):
+        assert model.predict_peak(times, rate, end) == pytest.approx(series[end], rel=1e-12), end
+    assert math.isfinite(series[-1])
