@@ -430,6 +430,24 @@ class ClusterIndex:
         rate is idle)."""
         return max(self.floors_of(vc), self.forecast_demand.get(vc, 0))
 
+    def unmet_demand(self, vc: str, own: int, others: int) -> int:
+        """GPUs `vc`'s demand still lacks: `own` is what its own Huorn pods hold on its nodes,
+        `others` what other controllers' pods hold there (others_held). Its InferenceJobs'
+        floors are met by their pods alone; the forecast counts the whole service's load, so
+        the pods of a serving stack Huorn does not run (vLLM, Triton) meet it too: counted only
+        as taken, their GPUs were reserved a second time, nothing was lent, and a rising
+        forecast reclaimed what they already served."""
+        return max(0, self.floors_of(vc) - own, self.forecast_demand.get(vc, 0) - own - others)
+
+    def others_held(self, leaving: bool = True) -> dict[str, int]:
+        """GPUs other controllers' pods hold on each cluster's own nodes (held_by_others)."""
+        owner = self.owners()
+        out: dict[str, int] = {}
+        for node, gpus in self.held_by_others(leaving).items():
+            if owner.get(node):
+                out[owner[node]] = out.get(owner[node], 0) + gpus
+        return out
+
     def observe_pod(self, body: Mapping[str, Any], deleted: bool = False) -> PodRecord | None:
         record = build_pod_record(body)
         if record is None:
@@ -631,8 +649,10 @@ class ClusterIndex:
         for p in self._holders(leaving):  # what each cluster's own workloads hold on its own nodes
             if p.node in owner and owner[p.node] == p.virtual_cluster:
                 held[p.virtual_cluster] = held.get(p.virtual_cluster, 0) + p.gpus
+        others = self.others_held(leaving)
         vcs = [dataclasses.replace(build_vc_view(name, spec),
-                                   reserved_gpus=max(0, self.demand_of(name) - held.get(name, 0))
+                                   reserved_gpus=self.unmet_demand(name, held.get(name, 0),
+                                                                   others.get(name, 0))
                                    + self.line_reserve.get(name, 0),
                                    **({} if self.serves_all_of(name) else {"lendable": False}))
                for name, spec in self.vcs.items()]

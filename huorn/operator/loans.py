@@ -83,12 +83,15 @@ def free_gpus(ctx: Context, vc: str) -> int:
     return max(0, sum(schedulable.values()) - used)
 
 
-def count_wanted(ctx: Context, vc: str, demand: int, borrowers: Mapping[Any, Borrower]) -> int:
+def count_wanted(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]) -> int:
+    """GPUs an inference cluster takes back: what its demand lacks (index.unmet_demand) beyond
+    its free GPUs, at most what it has lent."""
     names = {n.name for n in ctx.index.members_of(vc)}
     own = sum(p.gpus for p in ctx.index.pods.values()  # demand already met by its own pods
               if p.node in names and p.holds_resources and not p.deleting and p.virtual_cluster == vc)
+    others = ctx.index.others_held(leaving=False).get(vc, 0)
     lent = lent_by(borrowers)
-    return max(0, min(lent, (demand - own) - free_gpus(ctx, vc)))
+    return max(0, min(lent, ctx.index.unmet_demand(vc, own, others) - free_gpus(ctx, vc)))
 
 
 def serving_replicas_waiting(ctx: Context, vc: str) -> list[int]:
@@ -269,8 +272,7 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
         wanted = lent
     else:
         if inference:
-            demand = ctx.index.demand_of(name)  # the InferenceJobs' floors, or the board's forecast
-            wanted = count_wanted(ctx, name, demand, borrowers)
+            wanted = count_wanted(ctx, name, borrowers)  # the InferenceJobs' floors, or the forecast
             waiting = serving_replicas_waiting(ctx, name)
         else:  # the line's gangs, each replica whole on one node too
             waiting = [job.gpus for job in line for _ in range(job.missing)]
