@@ -33,6 +33,7 @@ class Case:
 
 
 _SOURCES = [{"name": "general"}, {"name": "math"}]
+_FORECAST = {"prometheusURL": "http://prometheus:9090", "query": "sum(rate(r[5m]))", "requestsPerGPU": 4}
 
 
 def _failure_rule(matcher: dict[str, Any]) -> dict[str, Any]:
@@ -186,6 +187,14 @@ CASES = [
              "prometheusURL": "http://prometheus:9090", "query": "sum(rate(r[5m]))", "requestsPerGPU": 4}}},
          {"purpose": "training", "lending": {"forecast": {
              "prometheusURL": "http://prometheus:9090", "query": "sum(rate(r[5m]))", "requestsPerGPU": 4}}}),
+    Case("rate-history-bounds", "VirtualCluster", "spec.lending.forecast",
+         {"purpose": "inference", "lending": {"forecast": {**_FORECAST, "history": "90m"}}},
+         {"purpose": "inference", "lending": {"forecast": {**_FORECAST, "history": "1000h"}}}),
+    Case("forecast-history-covers-grace", "VirtualCluster", "spec",
+         {"purpose": "inference", "lending": {"reclaimGraceSeconds": 86400,
+                                              "forecast": {**_FORECAST, "history": "1525m"}}},
+         {"purpose": "inference", "lending": {"reclaimGraceSeconds": 86400,
+                                              "forecast": {**_FORECAST, "history": "1524m"}}}),
 ]
 
 RULES = {rule.name: rule for _, rule in kinds.RULES}

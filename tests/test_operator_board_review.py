@@ -138,3 +138,44 @@ def test_a_reading_at_one_bin_is_the_series_forecast_at_that_bin() -> None:
     for end in range(0, len(rate), 7):
         assert model.predict_peak(times, rate, end) == pytest.approx(series[end], rel=1e-12), end
     assert math.isfinite(series[-1])
+
+
+def test_the_apis_board_constants_are_the_forecasters() -> None:
+    """The API's rules check a history against the board's time base, kept in huorn.api.common
+    (the API imports nothing above it): they must be the forecaster's own."""
+    from huorn.api import common
+
+    config = forecast.ForecastConfig()
+    assert (config.horizon_bins, config.bin_seconds) == (common.BOARD_HORIZON_BINS, common.BOARD_BIN_SECONDS)
+    for grace in (0, 30, 290, 291, 1800, 86400):
+        h = common.board_horizon_bins(grace)
+        assert h * 300 >= grace + common.RECLAIM_TICK_SECONDS and h >= 2
+        assert common.board_history_seconds(grace) == forecast.min_history_bins(
+            forecast.ForecastConfig(horizon_bins=h)) * config.bin_seconds
+    assert common.board_history_seconds(30) == 90 * 60  # MIN_HISTORY, 90m
+
+
+def diurnal(t: float) -> float:
+    """10 requests/s at midnight, 100 at noon."""
+    return 55.0 - 45.0 * math.cos(2 * math.pi * (t % 86400) / 86400)
+
+
+async def test_a_long_reclaim_grace_reserves_as_far_ahead_as_the_grace(prometheus) -> None:
+    """The board looked 10 minutes ahead whatever the grace: with a 30-minute grace, a victim asked
+    back at the forecast's horizon kept its GPUs 20 minutes past it. On the morning ramp, a 30 s
+    grace reserves for the next 10 minutes' peak and a 30-minute one for the next 35 minutes'."""
+    prometheus.rate = diurnal
+    now = DAY0 + 3 * 86400 + 6 * 3600
+    readings = {}
+    for grace in (30, 1800):
+        ctx = Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
+        body = serving(prometheus.url)
+        body["spec"]["lending"]["reclaimGraceSeconds"] = grace
+        body["spec"]["lending"]["forecast"]["history"] = "72h"
+        readings[grace] = await board.update(ctx, body, now=now)
+        assert ctx.boards["serve"].model is not None
+        assert ctx.boards["serve"].model.config.horizon_bins == (2 if grace == 30 else 7)
+    in_10, in_35 = diurnal(now + 600), diurnal(now + 2100)  # 57.0 and 61.9 requests/s
+    assert readings[30] is not None and readings[30].peak == pytest.approx(in_10, rel=0.02)
+    assert readings[1800] is not None and readings[1800].peak == pytest.approx(in_35, rel=0.02)
+    assert readings[1800].gpus >= math.ceil(0.98 * in_35) > readings[30].gpus

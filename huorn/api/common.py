@@ -19,6 +19,7 @@ from huorn.api.base import (
     Duration,
     Quantity,
     kubernetes_string,
+    parse_duration,
     shown,
 )
 
@@ -468,6 +469,44 @@ class ElasticJobCommon(ApiModel):
 # Status
 
 
+# The prediction board's time base (huorn.scheduler.forecast.ForecastConfig: 5-minute bins, the
+# peak of the next two forecast from six lags, fitted once it has ten more bins than that), here
+# because the API's rules check a history against it.
+BOARD_BIN_SECONDS = 300
+BOARD_HORIZON_BINS = 2
+BOARD_BINS_BEYOND_HORIZON = 16
+RECLAIM_TICK_SECONDS = 10  # how often the operator reclaims (OperatorSettings.vc_status_seconds)
+MIN_HISTORY = "90m"  # the 18 bins the board fits on at its shortest horizon
+MAX_HISTORY = "900h"  # Prometheus answers at most 11,000 points a query_range: 916 hours of 5-minute bins
+
+
+def board_horizon_bins(grace_seconds: int) -> int:
+    """Bins the board looks ahead for an inference cluster, so that GPUs it asks back come back
+    before they are needed: a victim may keep them for the lender's reclaim grace after the tick
+    that asks. Two (10 minutes) cover the default 30 s grace; a grace of 30 minutes needs seven
+    (35 minutes): with two, a victim signalled at the horizon held its GPUs 20 minutes past it."""
+    return max(BOARD_HORIZON_BINS, -(-(grace_seconds + RECLAIM_TICK_SECONDS) // BOARD_BIN_SECONDS))
+
+
+def board_history_seconds(grace_seconds: int) -> int:
+    """The shortest history the board can fit on at `board_horizon_bins(grace_seconds)`."""
+    return (BOARD_BINS_BEYOND_HORIZON + board_horizon_bins(grace_seconds)) * BOARD_BIN_SECONDS
+
+
+@rules.attach(
+    rules.Rule(
+        name="rate-history-bounds",
+        field="history",
+        cel=f"!has(self.history) || (duration(self.history) >= duration('{MIN_HISTORY}') && "
+            f"duration(self.history) <= duration('{MAX_HISTORY}'))",
+        holds=lambda h: parse_duration(MIN_HISTORY) <= parse_duration(h.history)
+        <= parse_duration(MAX_HISTORY),
+        message=f"must lie between {MIN_HISTORY} (the 18 five-minute bins the board fits on) and "
+                f"{MAX_HISTORY} (Prometheus answers at most 11,000 points a query)",
+        detail=lambda h: h.history,
+        fix=f"set history between {MIN_HISTORY} and {MAX_HISTORY}; 24h (the default) fits a daily cycle",
+    ),
+)
 class RateHistory(ApiModel):
     """Where a request rate's history comes from, for the prediction board (huorn.scheduler.forecast).
 
@@ -477,7 +516,9 @@ class RateHistory(ApiModel):
     """
 
     prometheus_url: str = Field(
-        alias="prometheusURL", pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048,
+        # NB: the port a number: a port like :9090x passed, and the board's URL parser raised
+        alias="prometheusURL", pattern=r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?(/\S*)?$",
+        max_length=2048,
         description="Base URL of the Prometheus HTTP API, e.g. http://prometheus.monitoring:9090.")
     query: str = Field(
         min_length=1, max_length=4096,

@@ -8,7 +8,13 @@ from pydantic import Field
 
 from huorn.api import base, rules
 from huorn.api.base import ApiModel, DnsLabel
-from huorn.api.common import CONDITION_LIMIT, Condition, RateHistory, RateReading
+from huorn.api.common import (
+    CONDITION_LIMIT,
+    Condition,
+    RateHistory,
+    RateReading,
+    board_history_seconds,
+)
 
 
 class LabelSelector(ApiModel):
@@ -100,7 +106,8 @@ class LoadForecast(RateHistory):
     """Where an inference cluster's request rate comes from, and what one GPU of it serves.
 
     The cluster keeps unlent, or reclaims ahead of time, the GPUs that the forecast peak of the
-    next 10 minutes needs; a rate above that reserve is reclaimed for at once.
+    next 10 minutes needs (of the reclaim grace and 10 s where that is longer); a rate above that
+    reserve is reclaimed for at once.
     """
 
     requests_per_gpu: float = Field(
@@ -138,6 +145,24 @@ class Borrowing(ApiModel):
     max_gpus_borrowed: int = Field(default=0, ge=0, alias="maxGPUsBorrowed")
 
 
+_GRACE = "(has(self.lending.reclaimGraceSeconds) ? self.lending.reclaimGraceSeconds : 30)"
+_HORIZON = f"(({_GRACE} + 309) / 300 > 2 ? ({_GRACE} + 309) / 300 : 2)"
+_HISTORY_COVERS_GRACE = (
+    "!has(self.lending) || !has(self.lending.forecast) || "
+    "duration(has(self.lending.forecast.history) ? self.lending.forecast.history : '24h') >= "
+    f"duration(string((16 + {_HORIZON}) * 300) + 's')")
+
+
+def _history_covers_grace(spec: VirtualClusterSpec) -> bool:
+    forecast = spec.lending.forecast
+    return forecast is None or (
+        base.parse_duration(forecast.history) >= board_history_seconds(spec.lending.reclaim_grace_seconds))
+
+
+def _history_needed(spec: VirtualClusterSpec) -> str:
+    return f"{board_history_seconds(spec.lending.reclaim_grace_seconds) // 60}m"
+
+
 @rules.attach(
     rules.Rule(
         name="forecast-needs-inference",
@@ -147,6 +172,21 @@ class Borrowing(ApiModel):
         message="is read only by an inference virtual cluster",
         detail=lambda spec: f"purpose {spec.purpose}",
         fix="set purpose: inference, or remove lending.forecast",
+    ),
+    rules.Rule(
+        name="forecast-history-covers-grace",
+        field="lending.forecast.history",
+        # NB: the arithmetic of common.board_history_seconds, with the API's defaults (grace 30 s,
+        # history 24h); tests/test_api_agreement.py evaluates this string against it
+        cel=_HISTORY_COVERS_GRACE,
+        holds=_history_covers_grace,
+        message="must hold enough bins to fit the board for a horizon that covers "
+                "lending.reclaimGraceSeconds (a victim keeps its GPUs that long after the tick that "
+                "asks them back)",
+        detail=lambda spec: f"history {spec.lending.forecast.history if spec.lending.forecast else ''}, "
+                            f"at least {_history_needed(spec)} for a grace of "
+                            f"{spec.lending.reclaim_grace_seconds}s",
+        fix="lengthen lending.forecast.history, or shorten lending.reclaimGraceSeconds",
     ),
 )
 class VirtualClusterSpec(ApiModel):

@@ -5,7 +5,8 @@ and an InferenceJob's `autoscaling.forecast` (a floor of its replicas, huorn.ope
 Both read Prometheus and fit the model the same way, through `read`.
 
 An inference cluster with `lending.forecast` keeps unlent (and reclaims ahead of time) the GPUs
-that the forecast peak of its request rate over the next 10 minutes needs, not only its
+that the forecast peak of its request rate over the next 10 minutes needs (or over its reclaim
+grace and a tick, where that is longer: `common.board_horizon_bins`), not only its
 InferenceJobs' floors: FaPES's board, with the same model as the simulator
 (`huorn.scheduler.forecast`). The rate's history comes from Prometheus, which the serving stack
 already feeds: one `query_range` at the board's 5-minute bins. Prometheus keeps the history, so
@@ -41,7 +42,7 @@ import numpy as np
 import pydantic
 
 from huorn.api.base import parse_duration
-from huorn.api.common import RateHistory
+from huorn.api.common import BOARD_HORIZON_BINS, RateHistory, board_horizon_bins
 from huorn.api.virtualcluster import LoadForecast
 from huorn.operator.context import Context
 from huorn.scheduler import forecast
@@ -163,10 +164,12 @@ def _to_grid(data: Mapping[str, Any], query: str, start: float, end: float,
     return grid, np.maximum(total, 0.0)
 
 
-def state_for(previous: BoardState | None, config: Mapping[str, Any]) -> BoardState:
+def state_for(previous: BoardState | None, config: Mapping[str, Any],
+              horizon_bins: int = BOARD_HORIZON_BINS) -> BoardState:
     """The board state for these forecast settings: `previous` while they are the same; for new
-    settings a new model, with the last reading kept in force until one is read."""
-    settings = tuple(config.get(key) for key in ("prometheusURL", "query", "quantile", "history"))
+    settings (a horizon too: a new reclaim grace) a new model, with the last reading kept in
+    force until one is read."""
+    settings = (*(config.get(key) for key in ("prometheusURL", "query", "quantile", "history")), horizon_bins)
     if previous is not None and previous.settings == settings:
         return previous
     return BoardState(settings, reading=previous.reading if previous else None)
@@ -215,7 +218,7 @@ def resume(ctx: Context, vc_body: Mapping[str, Any]) -> BoardState | None:
 
 async def read(ctx: Context, body: Mapping[str, Any], state: BoardState, source: RateHistory | None,
                invalid: str, field: str, per_unit: float, headroom: float, unit: str,
-               now: float) -> forecast.BoardReading | None:
+               now: float, horizon_bins: int = BOARD_HORIZON_BINS) -> forecast.BoardReading | None:
     """One reading of the board: the history up to now from Prometheus, the model refitted at most
     once a bin, the peak in units of `per_unit` requests/s (a GPU's or a replica's). When it cannot
     be read, the last reading stays in force and one Warning Event (per distinct cause) on `body`
@@ -223,7 +226,7 @@ async def read(ctx: Context, body: Mapping[str, Any], state: BoardState, source:
     try:
         if source is None:
             raise ForecastUnavailable(invalid)
-        board_config = forecast.ForecastConfig(quantile=source.quantile)
+        board_config = forecast.ForecastConfig(quantile=source.quantile, horizon_bins=horizon_bins)
         step = board_config.bin_seconds
         # bins that end now, so that the last one is the rate now: a jump is seen at this tick
         times, rate = await asyncio.to_thread(
@@ -266,10 +269,14 @@ async def update(ctx: Context, vc_body: Mapping[str, Any],
     except pydantic.ValidationError as err:
         # the CRD's schema refuses these; an object from before the CRD was updated may not
         spec_forecast, invalid = None, f"{FIELD} is invalid: {_first_error(err)}; fix the VirtualCluster"
-    state = ctx.boards[name] = state_for(resume(ctx, vc_body), config)
+    # far enough ahead that GPUs asked back come back before they are needed: a victim may keep
+    # them for the cluster's reclaim grace (the API's rules check the history covers it)
+    grace = (spec.get("lending") or {}).get("reclaimGraceSeconds", 30)
+    horizon = board_horizon_bins(int(grace) if isinstance(grace, int | float) else 30)
+    state = ctx.boards[name] = state_for(resume(ctx, vc_body), config, horizon)
     per_gpu, headroom = (spec_forecast.requests_per_gpu, spec_forecast.headroom) if spec_forecast else (1, 0)
     reading = await read(ctx, vc_body, state, spec_forecast, invalid, FIELD, per_gpu, headroom, "GPU",
-                         time.time() if now is None else now)
+                         time.time() if now is None else now, horizon)
     if reading is not None and state.error is None:
         ctx.index.forecast_demand[name] = reading.gpus
     return reading
