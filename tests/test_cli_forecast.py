@@ -26,7 +26,7 @@ def write_qps(path: Path, days: float, containers: int = 3) -> Path:
     """Each container reports its share of the rate every 5 minutes, as in the GenAI trace."""
     with path.open("w", newline="") as fh:
         writer = csv.writer(fh)
-        writer.writerow(["timestamp_anon", "container", "value"])
+        writer.writerow(["timestamp_anon", "container_ip", "value"])
         for i in range(int(days * DAY / 300)):
             for c in range(containers):
                 writer.writerow([i * 300 + 7 * c, c, diurnal(i * 300) / containers])
