@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from huorn.scheduler import allocator, goodput, perfmodel, snapshot
-from huorn.scheduler.placement import NodeView
+from huorn.scheduler.placement import NodeView, Placement
 
 SCALES_WELL = perfmodel.PolluxParams(0.01, 0.01, 0.01, 0.0005, 0.05, 0.002, 3.0)
 SCALES_BADLY = perfmodel.PolluxParams(0.01, 0.001, 0.3, 0.05, 1.0, 0.2, 1.0)
@@ -22,12 +22,14 @@ def build_perf(params: perfmodel.PolluxParams) -> perfmodel.PerfModel:
     return perfmodel.PerfModel("transformer", prior=params)
 
 
-def build_snapshot(train_nodes: int = 2, infer_nodes: int = 0, lend: int = 0, borrow: int = 0
-                   ) -> snapshot.ClusterSnapshot:
+def build_snapshot(train_nodes: int = 2, infer_nodes: int = 0, lend: int = 0, borrow: int = 0,
+                   lendable: bool | None = None) -> snapshot.ClusterSnapshot:
+    """`lendable` defaults to `lend > 0`; given, it is the flag whatever the limit."""
     nodes = [NodeView(f"t{i}", 8, 8, virtual_cluster="train") for i in range(train_nodes)]
     nodes += [NodeView(f"i{i}", 8, 8, virtual_cluster="infer") for i in range(infer_nodes)]
+    lendable = lend > 0 if lendable is None else lendable
     vcs = [snapshot.VirtualClusterView("train", max_gpus_borrowed=borrow),
-           snapshot.VirtualClusterView("infer", purpose="inference", lendable=lend > 0, max_gpus_lent=lend)]
+           snapshot.VirtualClusterView("infer", purpose="inference", lendable=lendable, max_gpus_lent=lend)]
     return snapshot.ClusterSnapshot(nodes, vcs)
 
 
@@ -119,7 +121,9 @@ def test_adascale_gain_matches_efficiency() -> None:
 def job_mixes(draw: st.DrawFn) -> tuple[snapshot.ClusterSnapshot, list[allocator.JobView], int, int]:
     lend = draw(st.integers(0, 16))
     borrow = draw(st.integers(0, 16))
-    snap = build_snapshot(draw(st.integers(1, 3)), draw(st.integers(0, 2)), lend, borrow)
+    # lendable apart from the limit: a closed lender with maxGPUsLent > 0 must lend nothing
+    snap = build_snapshot(draw(st.integers(1, 3)), draw(st.integers(0, 2)), lend, borrow,
+                          lendable=draw(st.booleans()))
     jobs = []
     for i in range(draw(st.integers(1, 8))):
         lo = draw(st.integers(1, 4))
@@ -143,21 +147,29 @@ CONFIGS = {"pollux-p1": allocator.AllocatorConfig(),
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 @settings(max_examples=60, deadline=None)
-@given(job_mixes(), st.lists(st.integers(0, 16), min_size=2, max_size=2))
+@given(job_mixes(), st.lists(st.integers(0, 16), min_size=2, max_size=2),
+       st.lists(st.booleans(), min_size=2, max_size=2))
 def test_invariants_hold_over_successive_cycles(config: allocator.AllocatorConfig, case: tuple,
-                                                later_lends: list[int]) -> None:
+                                                later_lends: list[int], later_lendable: list[bool]) -> None:
     """Between cycles the lender's limit moves, as the loaning board moves it: the allocator may
     leave a borrower above a lowered limit (reclaiming it is the board's job, with a grace
-    period), but it never adds GPUs on loan beyond the limit."""
+    period), but it never adds GPUs on loan beyond the limit, and a lender not lendable lends
+    nothing new whatever its maxGPUsLent (both were passed by a snapshot that ignored the flag)."""
     snap, jobs, lend, borrow = case
     alloc = allocator.Allocator(config)
     pinned_at: dict[str, int] = {}
-    for cycle, limit in enumerate([lend, *later_lends]):
+    lendables = [snap.virtual_cluster("infer").lendable, *later_lendable]
+    for cycle, (limit, lendable) in enumerate(zip([lend, *later_lends], lendables, strict=True)):
         lent_before = snap.lent("infer")
+        held_before = {name: b.gpus_by_node for name, b in snap.bindings().items()}
         snap.set_virtual_cluster(snapshot.VirtualClusterView(
-            "infer", purpose="inference", lendable=limit > 0, max_gpus_lent=limit))
+            "infer", purpose="inference", lendable=lendable, max_gpus_lent=limit))
+        allowed = limit if lendable else 0
         decisions = alloc.allocate(snap, jobs, float(cycle * 1000))
         bindings = snap.bindings()
+        newly_lent = sum(max(0, gpus - held_before.get(name, {}).get(node, 0))
+                         for name, b in bindings.items() for node, gpus in b.gpus_by_node.items()
+                         if node.startswith("i"))
         by_job = {d.job: d for d in decisions}
         assert set(by_job) == {j.name for j in jobs}
         for job in jobs:
@@ -173,7 +185,9 @@ def test_invariants_hold_over_successive_cycles(config: allocator.AllocatorConfi
                 assert d.replicas >= pinned_at[job.name]
         assert all(n.gpus_free >= 0 for n in snap.node_views())
         assert snap.borrowed("train") <= borrow
-        assert snap.lent("infer") <= max(limit, lent_before)
+        assert snap.lent("infer") <= max(allowed, lent_before)
+        if newly_lent:  # a loan kept above a lowered limit is allowed only if nothing new went out
+            assert snap.lent("infer") <= allowed, (cycle, bindings)
         per_node = Counter[str]()
         for b in bindings.values():
             per_node.update(b.gpus_by_node)
@@ -244,6 +258,29 @@ def test_a_pinned_job_that_cannot_grow_keeps_its_loan_within_the_lenders_limit()
             job.replicas, job.last_resize = got[job.name], float(cycle * 1000)
             job.noise_scale, job.model_version = job.noise_scale * 2, job.model_version + 1
     assert all(sizes[2][j] >= sizes[1][j] > 0 for j in sizes[1]), sizes  # pinned: none shrunk
+
+
+@pytest.mark.parametrize("config", ["pollux-p1", "huorn", "huorn-runtime"])
+def test_a_borrower_kept_at_its_size_goes_back_on_loan_only_within_the_lenders_limit(config: str) -> None:
+    """The lender lowers its limit to the 4 GPUs a borrower holds; lifted off for the cycle, the
+    borrower leaves that room to a higher-priority gang, which fragmentation sends whole onto the
+    lender's node. The borrower, whose grow does not pay, must not fall back on its old GPUs there
+    (a keep without the lending-limit check put 7 GPUs out against the limit of 4)."""
+    snap = build_snapshot(train_nodes=2, infer_nodes=1, lend=8, borrow=16)
+    fill = [build_job(f"f{i}", min_replicas=6, max_replicas=6, priority=100, replicas=6, submitted=float(i))
+            for i in range(2)]  # pinned at their size: 2 GPUs left on each training node
+    borrower = build_job("k", min_replicas=1, max_replicas=8, priority=10, replicas=4, submitted=2.0,
+                         noise_scale=0.0)
+    gang = build_job("g", min_replicas=3, max_replicas=3, priority=50, submitted=3.0)
+    for job, node in ((fill[0], "t0"), (fill[1], "t1"), (borrower, "i0")):
+        snap.assume(job.name, "train", Placement([node] * job.replicas), 1)
+    snap.set_virtual_cluster(snapshot.VirtualClusterView("infer", purpose="inference", lendable=True,
+                                                         max_gpus_lent=4))
+    got = {d.job: d for d in allocator.Allocator(CONFIGS[config]).allocate(
+        snap, [*fill, borrower, gang], 0.0)}
+    assert got["g"].action == "admit" and snap.bindings()["g"].gpus_by_node == {"i0": 3}  # the case
+    assert snap.lent("infer") <= 4, {name: dict(b.gpus_by_node) for name, b in snap.bindings().items()}
+    assert got["k"].replicas >= 1  # moved, not preempted: the training nodes had room for it
 
 
 def test_cooldown_blocks_reversals_but_not_the_next_step() -> None:

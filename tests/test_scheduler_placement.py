@@ -118,20 +118,22 @@ def test_placement_is_all_or_none_within_capacity_and_minimal(case: tuple[list[N
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 6), st.sampled_from([1, 2, 4]), st.sampled_from(["a", "b"])),
                 min_size=1, max_size=15),
-       st.integers(0, 16), st.integers(0, 16))
+       st.integers(0, 16), st.integers(0, 16), st.booleans())
 def test_snapshot_never_breaks_lend_or_borrow_limits(
-    jobs: list[tuple[int, int, str]], lend_b: int, borrow_a: int
+    jobs: list[tuple[int, int, str]], lend_b: int, borrow_a: int, lendable_b: bool
 ) -> None:
+    """`lendable` is drawn apart from the limit: a cluster marked not lendable, whatever its
+    maxGPUsLent, lends nothing (a snapshot that read the limit alone passed)."""
     nodes = build_nodes(8, 8, vc="a", prefix="a") + build_nodes(8, 8, 8, vc="b", prefix="b")
     vcs = [snapshot.VirtualClusterView("a", max_gpus_borrowed=borrow_a),
-           snapshot.VirtualClusterView("b", lendable=True, max_gpus_lent=lend_b)]
+           snapshot.VirtualClusterView("b", lendable=lendable_b, max_gpus_lent=lend_b)]
     snap = snapshot.ClusterSnapshot(nodes, vcs)
     for i, (replicas, per, vc) in enumerate(jobs):
         where = snap.place(vc, replicas, per)
         if isinstance(where, Placement):
             snap.assume(f"j{i}", vc, where, per)
         assert snap.borrowed("a") <= borrow_a
-        assert snap.lent("b") <= lend_b
+        assert snap.lent("b") <= (lend_b if lendable_b else 0)
         assert snap.lent("a") == 0  # a does not lend
         assert all(n.gpus_free >= 0 for n in snap.node_views())
     used = sum(sum(b.gpus_by_node.values()) for b in snap.bindings().values())
