@@ -35,9 +35,9 @@ def test_huorn_board_reserves_less_on_the_busy_day_and_still_covers_most_next_bi
     assert np.all(huorn.forecast_need >= huorn.need)  # never below what is needed now
     above_default = np.mean(default.forecast_need[held] - default.need[held])
     above_huorn = np.mean(huorn.forecast_need[held] - huorn.need[held])
-    assert above_huorn < 0.5 * above_default  # measured 2.4 GPUs against 8.4
+    assert above_huorn < 0.5 * above_default  # measured 2.9 GPUs against 6.2 (2.4 against 8.4 summed)
     covered = np.mean(huorn.forecast_need[held] >= huorn.need[held + 1])
-    assert covered >= 0.65  # measured 0.72 (0.95 board: 0.94); misses are reclaimed at once
+    assert covered >= 0.65  # measured 0.87 (0.95 board: 0.95); misses are reclaimed at once
 
 
 def test_thinner_reserve_lends_more_and_keeps_the_slo(monkeypatch: pytest.MonkeyPatch) -> None:
