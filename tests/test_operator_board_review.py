@@ -91,7 +91,7 @@ async def test_the_board_keeps_its_last_reading_when_the_url_is_not_http(not_htt
     (429, "too many requests", ["is unavailable (429"]),
     (401, "unauthorized", ["refused the operator's request (401", "prometheusURL"]),
     (400, "exceeded maximum resolution of 11,000 points per timeseries. Try decreasing the query "
-          "resolution (?step=XX)", ["shorten spec.lending.forecast.history", "900 hours"]),
+          "resolution (?step=XX)", ["shorten spec.lending.forecast.history", "at most 900h"]),
     (400, "parse error at char 5", ["to spec.lending.forecast.query", "fix the query"]),
 ])
 def test_each_http_error_names_who_can_fix_it(prometheus, code: int, message: str, words: list[str]) -> None:

@@ -42,14 +42,12 @@ import numpy as np
 import pydantic
 
 from huorn.api.base import parse_duration
-from huorn.api.common import BOARD_HORIZON_BINS, RateHistory, board_horizon_bins
-from huorn.api.virtualcluster import LoadForecast
+from huorn.api.common import BOARD_HORIZON_BINS, MAX_HISTORY, RateHistory, board_horizon_bins
+from huorn.api.virtualcluster import Lending, LoadForecast
 from huorn.operator.context import Context
 from huorn.scheduler import forecast
 
 FIELD = "spec.lending.forecast"
-# Prometheus refuses a query_range of more than 11,000 points: at 5-minute bins, 916 hours
-MAX_HISTORY_HOURS = 900
 # A trailing gap longer than this many bins is read as no requests, not as the last rate held
 MAX_FILLED_BINS = 2
 
@@ -120,8 +118,9 @@ def _http_error(err: urllib.error.HTTPError, field: str) -> str:
         return (f"Prometheus at {field}.prometheusURL is unavailable ({err.code}: {detail}); reading it "
                 "again at the next tick")
     if "resolution" in detail or "points" in detail:
+        # NB: Prometheus answers at most 11,000 points a query_range: the API's MAX_HISTORY
         return (f"Prometheus answered {err.code}: {detail}; shorten {field}.history (at most "
-                f"{MAX_HISTORY_HOURS} hours at the board's 5-minute bins)")
+                f"{MAX_HISTORY} at the board's 5-minute bins)")
     return f"Prometheus answered {err.code} to {field}.query: {detail}; fix the query"
 
 
@@ -271,8 +270,9 @@ async def update(ctx: Context, vc_body: Mapping[str, Any],
         spec_forecast, invalid = None, f"{FIELD} is invalid: {_first_error(err)}; fix the VirtualCluster"
     # far enough ahead that GPUs asked back come back before they are needed: a victim may keep
     # them for the cluster's reclaim grace (the API's rules check the history covers it)
-    grace = (spec.get("lending") or {}).get("reclaimGraceSeconds", 30)
-    horizon = board_horizon_bins(int(grace) if isinstance(grace, int | float) else 30)
+    default_grace = int(Lending.model_fields["reclaim_grace_seconds"].default)
+    grace = (spec.get("lending") or {}).get("reclaimGraceSeconds", default_grace)
+    horizon = board_horizon_bins(int(grace) if isinstance(grace, int | float) else default_grace)
     state = ctx.boards[name] = state_for(resume(ctx, vc_body), config, horizon)
     per_gpu, headroom = (spec_forecast.requests_per_gpu, spec_forecast.headroom) if spec_forecast else (1, 0)
     reading = await read(ctx, vc_body, state, spec_forecast, invalid, FIELD, per_gpu, headroom, "GPU",
