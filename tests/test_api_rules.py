@@ -277,3 +277,23 @@ def test_count_gpus_needed_counts_each_group_once_at_its_largest() -> None:
         "reward": {"replicas": 2},
     })
     assert rl.count_gpus_needed(roles) == 8 + 3 + 2
+
+
+_GRACES = [None, 0, 30, 290, 291, 1800, 81590, 81591, 86400]
+_HISTORIES = [None, "89m", "90m", "1h30m", "1524m", "1525m", "24h", "900h", "901h"]
+
+
+@pytest.mark.parametrize("grace", _GRACES)
+def test_the_forecast_history_rules_agree_in_cel_and_pydantic_at_their_edges(grace: int | None) -> None:
+    """Both rules on an inference cluster's forecast are arithmetic on durations, with defaults
+    for omitted fields: the CEL the API server runs and the model must agree at every edge."""
+    for history in _HISTORIES:
+        forecast = {**_FORECAST, **({"history": history} if history is not None else {})}
+        lending = {"forecast": forecast, **({"reclaimGraceSeconds": grace} if grace is not None else {})}
+        manifest = build_manifest("VirtualCluster", {"purpose": "inference", "lending": lending})
+        try:
+            manifests.load_manifest(manifest)
+            model_ok = True
+        except manifests.ManifestError:
+            model_ok = False
+        assert (crd_errors("VirtualCluster", manifest) == []) is model_ok, (grace, history)

@@ -38,6 +38,8 @@ pytest_plugins = ["kube.fixtures"]
     ("NVIDIA-L4", "L4"),
     ("NVIDIA-B200", "B200"),
     ("NVIDIA-GeForce-RTX-4090", ""),            # no prior knows it: the H200's is assumed
+    ("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", ""),   # a MIG slice is not an A100's speed
+    ("NVIDIA-H100-80GB-HBM3-SHARED", ""),       # nor a time-shared replica an H100's
     ("", ""),
 ])
 def test_product_names_map_to_the_priors_gpu_types(product: str, kind: str) -> None:

@@ -67,6 +67,34 @@ def not_http() -> Iterator[str]:
     server.close()
 
 
+@pytest.fixture()
+def hangs_up() -> Iterator[str]:
+    """A server that reads the request and closes without an answer (a Prometheus restarting)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.recv(4096)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+
+
+def test_a_dropped_connection_is_not_blamed_on_the_url(hangs_up: str) -> None:
+    with pytest.raises(board.ForecastUnavailable) as err:
+        board.fetch_rate_history(hangs_up, "q", DAY0, DAY0 + 600, 300, 2.0)
+    assert "dropped the connection" in str(err.value) and "next tick" in str(err.value)
+    assert "base URL" not in str(err.value)
+
+
 def test_a_server_that_does_not_speak_http_is_named_not_raised(not_http: str) -> None:
     """http.client.BadStatusLine escaped the board as InvalidURL did."""
     with pytest.raises(board.ForecastUnavailable, match="did not answer HTTP"):
@@ -114,6 +142,22 @@ def test_a_series_gone_for_longer_than_a_missed_scrape_is_no_load(prometheus) ->
     prometheus.rate = lambda t: 80.0 if t <= DAY0 else None
     _, rate = board.fetch_rate_history(prometheus.url, "q", DAY0 - 3600, DAY0 + 600, 300, 2.0)
     assert rate.tolist() == [80.0] * 15
+    # and once the service wakes, the gap inside the history stays no load: held, it taught the
+    # model a plateau that never was and reserved the old peak at the first sample after it
+    prometheus.rate = lambda t: 80.0 if t <= DAY0 else (1.0 if t >= DAY0 + 4 * 3600 else None)
+    _, rate = board.fetch_rate_history(prometheus.url, "q", DAY0 - 3600, DAY0 + 4 * 3600, 300, 2.0)
+    assert rate[:13].tolist() == [80.0] * 13 and rate[13:-1].tolist() == [0.0] * 47 and rate[-1] == 1.0
+    # a short gap inside it is still a missed scrape
+    prometheus.rate = lambda t: None if DAY0 < t <= DAY0 + 600 else 80.0
+    _, rate = board.fetch_rate_history(prometheus.url, "q", DAY0 - 3600, DAY0 + 3600, 300, 2.0)
+    assert rate.tolist() == [80.0] * 25
+
+
+async def test_a_service_that_wakes_from_zero_reserves_for_its_rate_now_not_its_old_peak(prometheus) -> None:
+    ctx = Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
+    prometheus.rate = lambda t: 80.0 if t <= DAY0 else (1.0 if t >= DAY0 + 4 * 3600 else None)
+    reading = await board.update(ctx, serving(prometheus.url), now=DAY0 + 4 * 3600)
+    assert reading is not None and reading.rate == 1.0 and reading.gpus <= 2
 
 
 async def test_a_peak_beyond_any_cluster_reserves_the_most_not_a_negative_count(prometheus) -> None:
@@ -179,3 +223,20 @@ async def test_a_long_reclaim_grace_reserves_as_far_ahead_as_the_grace(prometheu
     assert readings[30] is not None and readings[30].peak == pytest.approx(in_10, rel=0.02)
     assert readings[1800] is not None and readings[1800].peak == pytest.approx(in_35, rel=0.02)
     assert readings[1800].gpus >= math.ceil(0.98 * in_35) > readings[30].gpus
+
+
+async def test_a_history_too_short_to_ever_fit_says_so_once(prometheus) -> None:
+    """A stored cluster whose history cannot hold the bins its grace's horizon needs (the API
+    refuses it now; objects from before keep theirs), or an InferenceJob's short history, read
+    the rate now for good: that was silent."""
+    events: list[tuple[str, str, str]] = []
+    ctx = Context(client=None, post_event=lambda _b, *e: events.append(e))  # type: ignore[arg-type]
+    prometheus.rate = lambda t: 5.0
+    body = serving(prometheus.url)
+    body["spec"]["lending"]["reclaimGraceSeconds"] = 1800  # 7 bins ahead: 23 bins, 115 minutes
+    body["spec"]["lending"]["forecast"]["history"] = "90m"
+    for tick in range(3):
+        reading = await board.update(ctx, body, now=DAY0 + 3 * 86400 + 10 * tick)
+        assert reading is not None and not reading.fitted and reading.gpus == 5
+    assert [(kind, reason) for kind, reason, _ in events] == [("Warning", "ForecastHistoryShort")]
+    assert "spec.lending.forecast.history 90m" in events[0][2] and "115m" in events[0][2]

@@ -19,7 +19,6 @@ from huorn.api.base import (
     Duration,
     Quantity,
     kubernetes_string,
-    parse_duration,
     shown,
 )
 
@@ -493,20 +492,6 @@ def board_history_seconds(grace_seconds: int) -> int:
     return (BOARD_BINS_BEYOND_HORIZON + board_horizon_bins(grace_seconds)) * BOARD_BIN_SECONDS
 
 
-@rules.attach(
-    rules.Rule(
-        name="rate-history-bounds",
-        field="history",
-        cel=f"!has(self.history) || (duration(self.history) >= duration('{MIN_HISTORY}') && "
-            f"duration(self.history) <= duration('{MAX_HISTORY}'))",
-        holds=lambda h: parse_duration(MIN_HISTORY) <= parse_duration(h.history)
-        <= parse_duration(MAX_HISTORY),
-        message=f"must lie between {MIN_HISTORY} (the 18 five-minute bins the board fits on) and "
-                f"{MAX_HISTORY} (Prometheus answers at most 11,000 points a query)",
-        detail=lambda h: h.history,
-        fix=f"set history between {MIN_HISTORY} and {MAX_HISTORY}; 24h (the default) fits a daily cycle",
-    ),
-)
 class RateHistory(ApiModel):
     """Where a request rate's history comes from, for the prediction board (huorn.scheduler.forecast).
 

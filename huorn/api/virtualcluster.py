@@ -10,6 +10,8 @@ from huorn.api import base, rules
 from huorn.api.base import ApiModel, DnsLabel
 from huorn.api.common import (
     CONDITION_LIMIT,
+    MAX_HISTORY,
+    MIN_HISTORY,
     Condition,
     RateHistory,
     RateReading,
@@ -102,6 +104,20 @@ class Members(ApiModel):
                     "cover takes new pods. Huorn's pods always tolerate nvidia.com/gpu:NoSchedule.")
 
 
+@rules.attach(
+    rules.Rule(
+        name="rate-history-bounds",
+        field="history",
+        cel=f"!has(self.history) || (duration(self.history) >= duration('{MIN_HISTORY}') && "
+            f"duration(self.history) <= duration('{MAX_HISTORY}'))",
+        holds=lambda h: base.parse_duration(MIN_HISTORY) <= base.parse_duration(h.history)
+        <= base.parse_duration(MAX_HISTORY),
+        message=f"must lie between {MIN_HISTORY} (the 18 five-minute bins the board fits on) and "
+                f"{MAX_HISTORY} (Prometheus answers at most 11,000 points a query)",
+        detail=lambda h: h.history,
+        fix=f"set history between {MIN_HISTORY} and {MAX_HISTORY}; 24h (the default) fits a daily cycle",
+    ),
+)
 class LoadForecast(RateHistory):
     """Where an inference cluster's request rate comes from, and what one GPU of it serves.
 
@@ -177,7 +193,7 @@ def _history_needed(spec: VirtualClusterSpec) -> str:
         name="forecast-history-covers-grace",
         field="lending.forecast.history",
         # NB: the arithmetic of common.board_history_seconds, with the API's defaults (grace 30 s,
-        # history 24h); tests/test_api_agreement.py evaluates this string against it
+        # history 24h); tests/test_api_rules.py checks this string against the model at its edges
         cel=_HISTORY_COVERS_GRACE,
         holds=_history_covers_grace,
         message="must hold enough bins to fit the board for a horizon that covers "

@@ -5,7 +5,8 @@ would have reserved: how often it covers the next 10 minutes' need, how many GPU
 do so, and how that compares with reserving the rate now (persistence, what a reactive lender
 does). This fits the board on the first part of the history and replays it over the rest with
 exactly the operator's model (`huorn.scheduler.forecast`). The history comes from a CSV in the
-GenAI QPS format (`timestamp_anon,value`, summed per 5-minute bin) or from Prometheus, with the
+GenAI QPS format (`timestamp_anon,value[,container_ip,request_type]`: per 5-minute bin, each
+series' mean summed over series) or from Prometheus, with the
 query and URL the VirtualCluster would carry. Exit code 2 means bad input, named on stderr.
 """
 

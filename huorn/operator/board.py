@@ -48,7 +48,7 @@ from huorn.operator.context import Context
 from huorn.scheduler import forecast
 
 FIELD = "spec.lending.forecast"
-# A trailing gap longer than this many bins is read as no requests, not as the last rate held
+# A gap longer than this many bins is read as no requests, not as the last rate held
 MAX_FILLED_BINS = 2
 
 
@@ -65,14 +65,15 @@ class BoardState:
     fitted_at: float = -math.inf
     reading: forecast.BoardReading | None = None
     error: str | None = None
+    short: str | None = None  # why the history can never fit the board, once said
 
 
 def fetch_rate_history(url: str, query: str, start: float, end: float, step: float,
                        timeout: float, field: str = FIELD) -> tuple[np.ndarray, np.ndarray]:
     """The query's value every `step` back from `end` to `start` (Prometheus `query_range`),
     summed over series, on a regular grid whose last point is `end`: the rate now. A bin
-    without a sample takes the one before it (a scrape missed), but for a trailing gap of more
-    than MAX_FILLED_BINS, which is no requests; bins before the first sample are dropped."""
+    without a sample takes the one before it (a scrape missed), but in a gap of more than
+    MAX_FILLED_BINS, which is no requests; bins before the first sample are dropped."""
     start = end - step * math.floor((end - start) / step + 1e-9)
     params = urllib.parse.urlencode({"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}",
                                      "step": f"{step:g}"})
@@ -88,6 +89,12 @@ def fetch_rate_history(url: str, query: str, start: float, end: float, step: flo
         raise ForecastUnavailable(
             f"{field}.prometheusURL {url} is not a valid URL ({err}); give the Prometheus HTTP API's "
             "base URL, e.g. http://prometheus.monitoring:9090") from None
+    except ConnectionError as err:
+        # NB: before HTTPException: RemoteDisconnected is both, and a Prometheus restarting
+        # mid-request is not a wrong URL
+        raise ForecastUnavailable(
+            f"Prometheus at {field}.prometheusURL {url} dropped the connection ({err}); reading it "
+            "again at the next tick") from None
     except http.client.HTTPException as err:
         raise ForecastUnavailable(
             f"{field}.prometheusURL {url} did not answer HTTP ({type(err).__name__}: {err}); point it "
@@ -151,15 +158,20 @@ def _to_grid(data: Mapping[str, Any], query: str, start: float, end: float,
         raise ForecastUnavailable(f"{field}.query {query!r} returned no samples over the history; "
                                   "check the metric's name and labels")
     total, grid = total[seen[0]:], grid[seen[0]:]
-    # NB: a trailing gap is not a missed scrape: `sum(rate(...))` returns no series once no pod
-    # exports the counter (the serving pods scaled to zero), and the last rate held for good
-    # kept the cluster from lending again; beyond MAX_FILLED_BINS it is no requests
-    last = int(np.flatnonzero(~np.isnan(total))[-1])
-    if len(total) - 1 - last > MAX_FILLED_BINS:
-        total[last + 1:] = 0.0
-    for i in range(1, len(total)):
-        if math.isnan(total[i]):
-            total[i] = total[i - 1]
+    # NB: a long gap is not a missed scrape: `sum(rate(...))` returns no series once no pod
+    # exports the counter (the serving pods scaled to zero). Held, the last rate kept the
+    # cluster from lending while asleep; held inside the history once the service woke, it
+    # taught the model a plateau that never was and reserved the old peak at the first sample
+    i = 1
+    while i < len(total):
+        if not math.isnan(total[i]):
+            i += 1
+            continue
+        end = i
+        while end < len(total) and math.isnan(total[end]):
+            end += 1
+        total[i:end] = total[i - 1] if end - i <= MAX_FILLED_BINS else 0.0
+        i = end
     return grid, np.maximum(total, 0.0)
 
 
@@ -227,6 +239,7 @@ async def read(ctx: Context, body: Mapping[str, Any], state: BoardState, source:
             raise ForecastUnavailable(invalid)
         board_config = forecast.ForecastConfig(quantile=source.quantile, horizon_bins=horizon_bins)
         step = board_config.bin_seconds
+        _warn_if_short(ctx, body, state, source, field, forecast.min_history_bins(board_config) * step)
         # bins that end now, so that the last one is the rate now: a jump is seen at this tick
         times, rate = await asyncio.to_thread(
             fetch_rate_history, source.prometheus_url, source.query, now - parse_duration(source.history),
@@ -250,6 +263,24 @@ async def read(ctx: Context, body: Mapping[str, Any], state: BoardState, source:
                        f"{reading.peak:.3g} requests/s")
     state.error, state.reading = None, reading
     return reading
+
+
+def _warn_if_short(ctx: Context, body: Mapping[str, Any], state: BoardState, source: RateHistory,
+                   field: str, needed_seconds: float) -> None:
+    """One Warning when the history can never hold the bins the board fits on: it then reads the
+    rate now only, for good. The API refuses such an inference cluster's forecast now, but an
+    InferenceJob's autoscaling.forecast takes any history (a serving job is not stalled for
+    it), and objects stored before the rule kept theirs; both were reactive with no word."""
+    history = parse_duration(source.history)
+    if history >= needed_seconds:
+        state.short = None
+        return
+    message = (f"{field}.history {source.history} holds fewer bins than the board fits on "
+               f"({needed_seconds / 60:.0f}m for its horizon): it reserves for the rate now only; "
+               f"lengthen {field}.history")
+    if message != state.short:
+        ctx.post_event(body, "Warning", "ForecastHistoryShort", message)
+    state.short = message
 
 
 async def update(ctx: Context, vc_body: Mapping[str, Any],

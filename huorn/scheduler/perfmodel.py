@@ -105,6 +105,10 @@ def gpu_type_of(product: str) -> str:
     HBM3"): the type is the first whole token that names one, so "NVIDIA-A10" is an A10 and
     "NVIDIA-A100-SXM4-80GB" an A100."""
     words = product.upper().replace("_", "-").replace(" ", "-").split("-")
+    if "MIG" in words or "SHARED" in words:
+        # a MIG slice or a time-shared GPU (GFD's mig.strategy=mixed/single, sharing suffixes):
+        # the node counts slices, each a fraction of the chip no prior knows
+        return ""
     tokens = {_PRODUCT_ALIASES.get(w, w) for w in words}
     return next((known for known in _PRODUCT_TOKENS if known in tokens), "")
 
