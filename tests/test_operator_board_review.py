@@ -240,3 +240,21 @@ async def test_a_history_too_short_to_ever_fit_says_so_once(prometheus) -> None:
         assert reading is not None and not reading.fitted and reading.gpus == 5
     assert [(kind, reason) for kind, reason, _ in events] == [("Warning", "ForecastHistoryShort")]
     assert "spec.lending.forecast.history 90m" in events[0][2] and "115m" in events[0][2]
+
+
+async def test_a_forecast_beyond_the_clusters_gpus_warns_once_a_time(prometheus) -> None:
+    """Lending nothing and reclaiming everything still leaves inference short at such a peak:
+    only more nodes, or a truer requestsPerGPU, change it. That was silent."""
+    from kube import builders
+
+    events: list[tuple[str, str, str]] = []
+    ctx = Context(client=None, post_event=lambda _b, *e: events.append(e))  # type: ignore[arg-type]
+    ctx.index.observe_vc(builders.make_virtual_cluster("serve", pool="b"))
+    ctx.index.observe_node(builders.make_node("b0", 8, pool="b"))
+    body = serving(prometheus.url)
+    for tick, rate in enumerate((20.0, 20.0, 5.0, 12.0)):
+        prometheus.rate = lambda t, r=rate: r
+        await board.update(ctx, body, now=DAY0 + 10 * tick)
+    warned = [m for _, reason, m in events if reason == "ForecastAboveCapacity"]
+    assert len(warned) == 2  # at 20, once; not at 5; again at 12
+    assert "needs 20 GPU(s), and the cluster's nodes have 8" in warned[0] and "requestsPerGPU" in warned[0]

@@ -66,6 +66,7 @@ class BoardState:
     reading: forecast.BoardReading | None = None
     error: str | None = None
     short: str | None = None  # why the history can never fit the board, once said
+    beyond: bool = False  # whether the reading needs more GPUs than the cluster has, once said
 
 
 def fetch_rate_history(url: str, query: str, start: float, end: float, step: float,
@@ -310,7 +311,23 @@ async def update(ctx: Context, vc_body: Mapping[str, Any],
                          time.time() if now is None else now, horizon)
     if reading is not None and state.error is None:
         ctx.index.forecast_demand[name] = reading.gpus
+        _warn_if_beyond(ctx, vc_body, state, reading)
     return reading
+
+
+def _warn_if_beyond(ctx: Context, body: Mapping[str, Any], state: BoardState,
+                    reading: forecast.BoardReading) -> None:
+    """One Warning when the forecast peak needs more GPUs than the cluster has: lending nothing
+    and reclaiming everything still leaves inference short at that peak, which only more nodes
+    (or a truer requestsPerGPU) can change. Said again after the reading comes back within."""
+    capacity = sum(n.gpus for n in ctx.index.members_of(body["metadata"]["name"]))
+    beyond = 0 < capacity < reading.gpus  # none known: its nodes not seen yet, nothing to compare
+    if beyond and not state.beyond:
+        ctx.post_event(body, "Warning", "ForecastAboveCapacity",
+                       f"the forecast peak of {reading.peak:.3g} requests/s needs {reading.gpus} GPU(s), and "
+                       f"the cluster's nodes have {capacity}: inference will be short at that peak; add "
+                       f"nodes to spec.members, or check {FIELD}.requestsPerGPU")
+    state.beyond = beyond
 
 
 def reading_status(reading: forecast.BoardReading, error: str | None, unit_field: str) -> dict[str, Any]:
