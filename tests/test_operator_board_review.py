@@ -5,6 +5,7 @@ the user to the wrong field. Prometheus is tests/prometheus_api.py, a real HTTP 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 import threading
@@ -45,31 +46,9 @@ def test_a_url_with_a_port_that_is_no_number_is_named_not_raised() -> None:
         board.fetch_rate_history("http://127.0.0.1:9090x", "q", DAY0, DAY0 + 600, 300, 1.0)
 
 
-@pytest.fixture()
-def not_http() -> Iterator[str]:
-    """A port that speaks another protocol: it greets with a banner and closes."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-
-    def greet() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            conn.recv(4096)
-            conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
-            conn.close()
-
-    threading.Thread(target=greet, daemon=True).start()
-    yield f"http://127.0.0.1:{server.getsockname()[1]}"
-    server.close()
-
-
-@pytest.fixture()
-def hangs_up() -> Iterator[str]:
-    """A server that reads the request and closes without an answer (a Prometheus restarting)."""
+@contextlib.contextmanager
+def raw_server(reply: bytes) -> Iterator[str]:
+    """A port that reads each request, answers `reply` (raw bytes, no HTTP) and closes."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
@@ -81,11 +60,29 @@ def hangs_up() -> Iterator[str]:
             except OSError:
                 return
             conn.recv(4096)
+            if reply:
+                conn.sendall(reply)
             conn.close()
 
     threading.Thread(target=serve, daemon=True).start()
-    yield f"http://127.0.0.1:{server.getsockname()[1]}"
-    server.close()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+
+
+@pytest.fixture()
+def not_http() -> Iterator[str]:
+    """A port that speaks another protocol: it greets with a banner and closes."""
+    with raw_server(b"SSH-2.0-OpenSSH_9.6\r\n") as url:
+        yield url
+
+
+@pytest.fixture()
+def hangs_up() -> Iterator[str]:
+    """A server that reads the request and closes without an answer (a Prometheus restarting)."""
+    with raw_server(b"") as url:
+        yield url
 
 
 def test_a_dropped_connection_is_not_blamed_on_the_url(hangs_up: str) -> None:
