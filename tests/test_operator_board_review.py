@@ -10,11 +10,11 @@ import math
 import socket
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import prometheus_api
 import pytest
+from test_operator_board import DAY0, diurnal, serving
 
 from huorn.api.virtualcluster import ForecastReading
 from huorn.operator import board
@@ -22,21 +22,11 @@ from huorn.operator.context import Context
 from huorn.scheduler import forecast
 from huorn.sim import shared_data
 
-DAY0 = 19676 * 86400.0
-
 
 @pytest.fixture()
 def prometheus() -> Iterator[prometheus_api.PrometheusApi]:
     with prometheus_api.serve() as api:
         yield api
-
-
-def serving(url: str) -> dict[str, Any]:
-    spec = {"prometheusURL": url, "query": "sum(rate(requests_total[5m]))", "requestsPerGPU": 1.0,
-            "headroom": 0.0}
-    return {"metadata": {"name": "serve"},
-            "spec": {"purpose": "inference", "members": {"nodes": ["b0"]},
-                     "lending": {"lendable": True, "maxGPUsLent": 8, "forecast": spec}}}
 
 
 def test_a_url_with_a_port_that_is_no_number_is_named_not_raised() -> None:
@@ -194,11 +184,6 @@ def test_the_apis_board_constants_are_the_forecasters() -> None:
         assert common.board_history_seconds(grace) == forecast.min_history_bins(
             forecast.ForecastConfig(horizon_bins=h)) * config.bin_seconds
     assert common.board_history_seconds(30) == 90 * 60  # MIN_HISTORY, 90m
-
-
-def diurnal(t: float) -> float:
-    """10 requests/s at midnight, 100 at noon."""
-    return 55.0 - 45.0 * math.cos(2 * math.pi * (t % 86400) / 86400)
 
 
 async def test_a_long_reclaim_grace_reserves_as_far_ahead_as_the_grace(prometheus) -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import kmock
 import pytest
@@ -59,6 +60,17 @@ def decisions(kube: builders.Kube, name: str, action: str) -> list[dict]:
     return [d for d in kube.job_status(NS, name).get("decisions") or [] if d["action"] == action]
 
 
+def start_goodput_job(kube: builders.Kube, name: str, replicas: int, max_replicas: int,
+                      min_replicas: int = 1, **spec: Any) -> None:
+    """A goodput TrainingJob of 2-GPU replicas on "train", run until its trainers have the
+    addresses the test's Ranks serve their telemetry on."""
+    kube.create_job(NS, builders.make_training_job(
+        name, "train", replicas=replicas, max_replicas=max_replicas, gpus=2,
+        elasticity={"minReplicas": min_replicas, "maxReplicas": max_replicas, "policy": "goodput"},
+        **spec))
+    run_with_ips(kube, name, replicas)
+
+
 def pinned_node(pod: object) -> str:
     """The node the operator placed a pod on (its required node affinity on the hostname)."""
     required = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution  # type: ignore[attr-defined]
@@ -81,11 +93,7 @@ def test_goodput_policy_grows_job_within_max_replicas(cluster, kube: builders.Ku
     grower = Ranks("grow", gpus_per_replica=2)
     try:
         with start_operator(cluster, grower.port):
-            kube.create_job(NS, builders.make_training_job(
-                "grow", "train", replicas=1, max_replicas=2, gpus=2,
-                elasticity={"minReplicas": 1, "maxReplicas": 2, "policy": "goodput"},
-            ))
-            run_with_ips(kube, "grow", 1)
+            start_goodput_job(kube, "grow", replicas=1, max_replicas=2)
             for step in range(1, 13):  # one replica, steady steps, a known noise scale
                 grower.by_replica["trainer-0"].record_step(step, 0.8 + 0.01 * (step % 3), 0.1, 3.0,
                                                            1000.0, 40.0)
@@ -113,11 +121,7 @@ def test_a_grown_gang_moves_to_where_the_allocator_placed_it(cluster, kube: buil
             filler = builders.make_training_job("fill", "train", replicas=1, max_replicas=1, gpus=2)
             kube.create_job(NS, filler)
             wait_for(lambda: kube.pods(NS, "fill", "trainer"), what="the filler placed")
-            kube.create_job(NS, builders.make_training_job(
-                "grow", "train", replicas=1, max_replicas=2, gpus=2,
-                elasticity={"minReplicas": 1, "maxReplicas": 2, "policy": "goodput"},
-            ))
-            run_with_ips(kube, "grow", 1)
+            start_goodput_job(kube, "grow", replicas=1, max_replicas=2)
             (shared,) = {pinned_node(p) for p in kube.pods(NS, "fill", "trainer")}
             assert [pinned_node(p) for p in kube.pods(NS, "grow", "trainer")] == [shared]  # the case
             for step in range(1, 13):
@@ -414,12 +418,9 @@ def test_a_goodput_batch_rule_job_gets_the_allocators_batch_in_its_config_map(
     try:
         with start_operator(cluster, ranks.port):
             # two replicas, as the ranks' telemetry reports (2 × 2 GPUs), held there
-            kube.create_job(NS, builders.make_training_job(
-                "gb", "train", replicas=2, max_replicas=2, gpus=2,
-                elasticity={"minReplicas": 2, "maxReplicas": 2, "policy": "goodput"},
-                optimization={"steps": 100_000, "globalBatch": 48, "microBatch": 4,
-                              "batchRule": "goodput"}))
-            run_with_ips(kube, "gb", 2)
+            start_goodput_job(kube, "gb", replicas=2, max_replicas=2, min_replicas=2,
+                              optimization={"steps": 100_000, "globalBatch": 48, "microBatch": 4,
+                                            "batchRule": "goodput"})
             pods = [p.metadata.name for p in kube.pods(NS, "gb", "trainer")]
             step = 0
             for batch in (48, 96, 192):

@@ -9,9 +9,13 @@ from pydantic import Field
 from huorn.api import base, rules
 from huorn.api.base import ApiModel, DnsLabel
 from huorn.api.common import (
+    BOARD_BIN_SECONDS,
+    BOARD_BINS_BEYOND_HORIZON,
+    BOARD_HORIZON_BINS,
     CONDITION_LIMIT,
     MAX_HISTORY,
     MIN_HISTORY,
+    RECLAIM_TICK_SECONDS,
     Condition,
     RateHistory,
     RateReading,
@@ -161,12 +165,16 @@ class Borrowing(ApiModel):
     max_gpus_borrowed: int = Field(default=0, ge=0, alias="maxGPUsBorrowed")
 
 
-_GRACE = "(has(self.lending.reclaimGraceSeconds) ? self.lending.reclaimGraceSeconds : 30)"
-_HORIZON = f"(({_GRACE} + 309) / 300 > 2 ? ({_GRACE} + 309) / 300 : 2)"
+# common.board_history_seconds in CEL, from the same constants and the API's defaults
+_GRACE = ("(has(self.lending.reclaimGraceSeconds) ? self.lending.reclaimGraceSeconds : "
+          f"{Lending.model_fields['reclaim_grace_seconds'].default})")
+_AHEAD = f"({_GRACE} + {RECLAIM_TICK_SECONDS + BOARD_BIN_SECONDS - 1}) / {BOARD_BIN_SECONDS}"
+_HORIZON = f"({_AHEAD} > {BOARD_HORIZON_BINS} ? {_AHEAD} : {BOARD_HORIZON_BINS})"
 _HISTORY_COVERS_GRACE = (
     "!has(self.lending) || !has(self.lending.forecast) || "
-    "duration(has(self.lending.forecast.history) ? self.lending.forecast.history : '24h') >= "
-    f"duration(string((16 + {_HORIZON}) * 300) + 's')")
+    "duration(has(self.lending.forecast.history) ? self.lending.forecast.history : "
+    f"'{RateHistory.model_fields['history'].default}') >= "
+    f"duration(string(({BOARD_BINS_BEYOND_HORIZON} + {_HORIZON}) * {BOARD_BIN_SECONDS}) + 's')")
 
 
 def _history_covers_grace(spec: VirtualClusterSpec) -> bool:

@@ -174,25 +174,23 @@ class LoadForecaster:
 
     def predict_peak(self, times: np.ndarray, rate: np.ndarray, end: int) -> float:
         """Upper-quantile peak rate over the `horizon_bins` after bin `end`, never below the current rate."""
-        if not self._fitted:
-            raise ValueError("forecaster is not fitted; call fit() with request-rate history first")
-        # NB: the features of bin `end` alone: predict_series built them for every bin of the
+        # NB: the features of bin `end` alone: the series built them for every bin of the
         # history to keep the last (136 ms on the operator's event loop at 30 days)
-        lags = self.config.lags
-        x = _features(times, rate, end, lags)[None, :]
-        level = rate[max(0, end - lags + 1): end + 1].max()
-        peak = (level + EPS) * math.exp(float(self._model.predict(x)[0])) - EPS
-        return float(max(peak, float(rate[end])))
+        return float(self._peaks(times, rate, np.array([end]))[0])
 
     def predict_series(self, times: np.ndarray, rate: np.ndarray) -> np.ndarray:
         """Forecast made at every bin (vectorised, for the simulator and the evaluation)."""
+        return self._peaks(times, rate, np.arange(len(rate)))
+
+    def _peaks(self, times: np.ndarray, rate: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """The forecast made at each bin of `ends`, from the history up to it."""
         if not self._fitted:
             raise ValueError("forecaster is not fitted; call fit() with request-rate history first")
         lags = self.config.lags
-        x = np.stack([_features(times, rate, e, lags) for e in range(len(rate))])
-        level = np.array([rate[max(0, e - lags + 1): e + 1].max() for e in range(len(rate))])
+        x = np.stack([_features(times, rate, e, lags) for e in ends])
+        level = np.array([rate[max(0, e - lags + 1): e + 1].max() for e in ends])
         peak = (level + EPS) * np.exp(self._model.predict(x)) - EPS
-        return np.maximum(peak, rate)
+        return np.maximum(peak, rate[ends])
 
 
 def gpus_needed(rate: float | np.ndarray, rate_per_gpu: float, headroom: float = 0.1) -> np.ndarray:
