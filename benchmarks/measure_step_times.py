@@ -5,7 +5,21 @@ DistributedDataParallel in real processes, times a window of steps after warm-up
 median step time. The CSV it writes (tests/data/ddp_step_times.csv) is the telemetry the perf model
 is fitted on in tests/test_scheduler_perfmodel.py; held-out configurations check its predictions.
 
+One core per replica stands in for one GPU per replica, so a host needs at least as many cores
+as the largest world: the 2-core VM measures 1 and 2 replicas (and the two share its cores), a
+16-core host up to 12 with cores to spare for the rest of the machine. The second file, of whole
+replica counts held out, is what tells whether the fit extrapolates to a larger gang, which is
+what the allocator asks of it.
+
     .venv/bin/python benchmarks/measure_step_times.py --output tests/data/ddp_step_times.csv
+    python3 benchmarks/measure_step_times.py --worlds 1,2,3,4,6,8,12 \\
+        --output benchmarks/results/ddp_step_times_16core/run1.csv    # a 16-core host; and again
+    .venv/bin/python benchmarks/measure_step_times.py \\
+        --median-of benchmarks/results/ddp_step_times_16core/*.csv \\
+        --output tests/data/ddp_step_times_16core.csv
+
+The median of several runs: on a host whose cores are shared with other tenants one run of a
+configuration came out up to 1.65 times another (the 16-core host of 2026-12-07, five runs).
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rich.progress import Progress
 from torch import nn
 
 WIDTH = 128
@@ -65,21 +80,39 @@ def run_worker(
 
 
 def measure(worlds: list[int], batches: list[int], steps: int) -> list[tuple[int, int, float]]:
+    cores = os.cpu_count() or 1
+    if max(worlds) > cores:
+        raise SystemExit(f"--worlds: {max(worlds)} replicas need as many cores, this host has {cores}; "
+                         "measure fewer replicas here, or on a larger host")
     ctx = mp.get_context("spawn")
     rows: list[tuple[int, int, float]] = []
-    for world in worlds:
-        queue = ctx.Queue()
-        with tempfile.TemporaryDirectory() as tmp:
-            init_file = os.path.join(tmp, "rdzv")
-            procs = [ctx.Process(target=run_worker, args=(r, world, init_file, batches, steps, queue))
-                     for r in range(world)]
-            for p in procs:
-                p.start()
-            for _ in batches:
-                rows.append(queue.get(timeout=600))
-            for p in procs:
-                p.join(timeout=120)
+    with Progress() as progress:
+        task = progress.add_task("configurations", total=len(worlds) * len(batches))
+        for world in worlds:
+            queue = ctx.Queue()
+            with tempfile.TemporaryDirectory() as tmp:
+                init_file = os.path.join(tmp, "rdzv")
+                procs = [ctx.Process(target=run_worker, args=(r, world, init_file, batches, steps, queue))
+                         for r in range(world)]
+                for p in procs:
+                    p.start()
+                for _ in batches:
+                    rows.append(queue.get(timeout=600))
+                    progress.advance(task)
+                for p in procs:
+                    p.join(timeout=120)
     return rows
+
+
+def median_of(paths: list[Path]) -> list[tuple[int, int, float]]:
+    """Each configuration's median step time over several runs' CSVs (same columns as written)."""
+    times: dict[tuple[int, int], list[float]] = {}
+    for path in paths:
+        with path.open(newline="") as fh:
+            for row in csv.DictReader(fh):
+                times.setdefault((int(row["replicas"]), int(row["local_batch"])), []).append(
+                    float(row["step_time_s"]))
+    return [(world, batch, statistics.median(seconds)) for (world, batch), seconds in times.items()]
 
 
 def main() -> None:
@@ -88,9 +121,14 @@ def main() -> None:
     parser.add_argument("--worlds", default="1,2")
     parser.add_argument("--batches", default="2,4,6,8,12,16,24,32")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--median-of", type=Path, nargs="+", metavar="CSV",
+                        help="measure nothing: write each configuration's median over these runs")
     args = parser.parse_args()
-    rows = measure([int(w) for w in args.worlds.split(",")], [int(b) for b in args.batches.split(",")],
-                   args.steps)
+    if args.median_of:
+        rows = median_of(args.median_of)
+    else:
+        rows = measure([int(w) for w in args.worlds.split(",")], [int(b) for b in args.batches.split(",")],
+                       args.steps)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with args.output.open("w", newline="") as fh:
         writer = csv.writer(fh)
