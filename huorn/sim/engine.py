@@ -117,10 +117,7 @@ class Simulation:
     def _belief(self, job: workload.TrainingJob) -> perfmodel.PerfModel | None:
         if not self.spec.elastic:
             return None
-        if self.spec.family_priors:
-            fam = workload.PRIOR_FAMILY.get(job.family.name, job.family.name)
-            return perfmodel.PerfModel(fam, prior=workload.FAMILIES[fam].params)
-        return perfmodel.PerfModel("transformer", prior=workload.FAMILIES["transformer"].params)
+        return initial_belief(job, self.spec.priors)
 
     # ------------------------------------------------------------------ bookkeeping used by policies
     def active(self) -> list[state.JobState]:
@@ -267,6 +264,42 @@ class Simulation:
         requests = self.load.requests_per_second(t0) * dt
         self.totals.slo_requests += requests
         self.totals.slo_served += requests * (1.0 if need <= avail else max(0, avail) / need)
+
+
+PRIORS = ("generic", "operator", "family")
+
+
+def operator_prior_family(job: workload.TrainingJob) -> str:
+    """The prior family Huorn's operator would start this job from. The operator's own mapping is
+    huorn/backends/goodput.py `prior_model`: "moe" when the spec's model is MoE, otherwise
+    "transformer" (its CPU-only "transformer-tiny" is for jobs of no GPUs, and every simulated job
+    has GPUs). huorn.sim may not import huorn.backends (the layers contract in pyproject.toml), so
+    the mapping is repeated here: change both together. Until the review of 2026-12-07 the
+    simulator's Huorn started each job from its own family's curve (a cnn job from cnn's), the
+    centre of the distribution the true curves are drawn from, which no operator can pick."""
+    return "moe" if job.family.name == "moe" else "transformer"
+
+
+def initial_belief(job: workload.TrainingJob, priors: str) -> perfmodel.PerfModel:
+    """A job's performance model before its first measurement, by PolicySpec.priors.
+
+    - "generic": the transformer curve for every job, unanchored (Pollux: AdaptDL starts every job
+      from one generic model and learns its own from telemetry);
+    - "operator": what Huorn's operator picks (`operator_prior_family`), anchored to the measured
+      level as prior_model anchors it (PerfModel.anchor_prior): the family gives the shape, the
+      measurements the level. The catalogue's family curve stands for the operator's prior scaled
+      to the model's size, which the simulator's jobs do not have;
+    - "family": the job's own family curve (an LLM job's is the transformer's, as
+      workload.PRIOR_FAMILY says), unanchored: a study's upper end, what no scheduler knows."""
+    if priors == "generic":
+        return perfmodel.PerfModel("transformer", prior=workload.FAMILIES["transformer"].params)
+    if priors == "operator":
+        fam = operator_prior_family(job)
+        return perfmodel.PerfModel(fam, prior=workload.FAMILIES[fam].params, anchor_prior=True)
+    if priors == "family":
+        fam = workload.PRIOR_FAMILY.get(job.family.name, job.family.name)
+        return perfmodel.PerfModel(fam, prior=workload.FAMILIES[fam].params)
+    raise ValueError(f"priors {priors!r} is unknown; use one of {PRIORS}")
 
 
 def _fits(views: list[placement.NodeView], replicas: int, gpus_per_replica: int) -> bool:

@@ -19,7 +19,8 @@
   rather than to the job's minimum size: the paper's default as written. All three run, and the
   best per case is the baseline Huorn is measured against, so no choice of Pollux's knobs flatters
   Huorn.
-- huorn: the same allocator with family priors, the restart-cost hysteresis and cooldown, the
+- huorn: the same allocator with the priors its operator picks (moe for an MoE model, otherwise
+  transformer, anchored to the measured level), the restart-cost hysteresis and cooldown, the
   JCT-aware terms (remaining-time weights, restarts charged over the remaining time, shortest-
   remaining admission over the whole queue, admission by value, jobs near their end kept whole)
   and admission between ticks, plus loaning: the inference cluster lends what its forecast peak
@@ -47,7 +48,13 @@ class PolicySpec:
     elastic: bool
     loaning: str  # none | kueue | huorn
     strict_fifo: bool = False
-    family_priors: bool = False
+    # Where each job's performance model starts (engine.initial_belief): "generic" (one
+    # transformer curve for every job, unanchored: AdaptDL has no catalogue), "operator" (what
+    # Huorn's operator can pick, huorn/backends/goodput.py prior_model: moe for an MoE model,
+    # otherwise transformer, anchored to the measured level) or "family" (the job's own family
+    # curve, the centre of the distribution its true curve is drawn from: a study's upper end,
+    # not something a scheduler in a cluster has).
+    priors: str = "generic"
     # Admit pending jobs into free GPUs as soon as they arrive or GPUs free up, instead of at the
     # next scheduling tick, as Huorn's kopf handlers do. Pollux allocates on its 60 s cycle only.
     # Tried for fifo and kueue too: FIFO got worse (head-of-line blocking), Kueue barely moved, so
@@ -80,7 +87,7 @@ POLICIES: dict[str, PolicySpec] = {
                                       horizon_seconds=math.inf, hysteresis=0.10, cooldown_seconds=0.0,
                                       fairness_p=-1.0, speedup_reference="fair_share")),
     # Huorn's production allocator and board (huorn.scheduler.allocator.HUORN, forecast.HUORN_QUANTILE)
-    "huorn": PolicySpec("huorn", elastic=True, loaning="huorn", family_priors=True, event_admission=True,
+    "huorn": PolicySpec("huorn", elastic=True, loaning="huorn", priors="operator", event_admission=True,
                         allocator=allocator.HUORN, in_place_resize=True,
                         board=forecast.ForecastConfig(quantile=HUORN_BOARD_QUANTILE)),
 }
