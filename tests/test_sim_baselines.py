@@ -1,13 +1,17 @@
 """The simulator's baselines and Huorn as faithful as the review of 2026-12-07 asked: Huorn starts
-each job from the prior its operator would pick, not from the job's own family curve."""
+each job from the prior its operator would pick, not from the job's own family curve; Pollux also
+runs as AdaptDL is deployed (admission on arrival), and the best Pollux is taken over all six forms."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 
-from huorn.sim import engine, policies, run, shared_data, workload
+from huorn.scheduler import placement
+from huorn.sim import engine, policies, report, run, shared_data, workload
 
 DATA = shared_data.shared_data_dir()
 TRACE = DATA / "openb_pod_list_default.csv"
@@ -59,3 +63,95 @@ def test_an_unknown_prior_kind_is_refused_by_name() -> None:
     job = run.build_simulation(TRACE, NODES, QPS, "pollux", engine.SimConfig(gpus=32, seed=1)).jobs[0].job
     with pytest.raises(ValueError, match="priors 'catalogue' is unknown"):
         engine.initial_belief(job, "catalogue")
+
+
+# ---------------------------------------------------------------- AdaptDL's admission on arrival
+
+ARRIVAL_FORMS = ("pollux-arrival", "pollux-p-1-arrival", "pollux-p-1-fair-arrival")
+
+
+def _binds(policy: str, monkeypatch: pytest.MonkeyPatch, config: engine.SimConfig) -> tuple[
+        engine.Simulation, list[tuple[float, str, int, list[str], str | None]]]:
+    """Run `policy`; every bind: (time, job, replicas, the nodes of its replicas, the first
+    training node by name that had room for the job's minimum just before)."""
+    sim = run.build_simulation(TRACE, NODES, QPS, policy, config)
+    seen: list[tuple[float, str, int, list[str], str | None]] = []
+    real = engine.Simulation.bind
+
+    def spy(self: engine.Simulation, js, where, replicas, local, restart):  # type: ignore[no-untyped-def]
+        gpr = js.job.family.gpus_per_replica
+        first = next((n for n in self.train_nodes if isinstance(
+            self.snap.place_at("train", [n] * js.job.min_replicas, gpr), placement.Placement)), None)
+        seen.append((self.now, js.job.name, replicas, list(where.assignments), first))
+        return real(self, js, where, replicas, local, restart)
+
+    monkeypatch.setattr(engine.Simulation, "bind", spy)
+    sim.run()
+    return sim, seen
+
+
+@pytest.mark.parametrize("policy", ARRIVAL_FORMS)
+def test_a_pollux_arrival_form_admits_an_arriving_job_at_once_at_its_minimum_on_one_node(
+        policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AdaptDL's allocate_job: on arrival, min replicas on the first node with room; between ticks
+    nothing else is bound, and a completion admits nothing (only the job that arrives just then)."""
+    config = engine.SimConfig(gpus=128, seed=0)
+    sim, binds = _binds(policy, monkeypatch, config)
+    jobs = sim.by_name
+    off_tick = [b for b in binds if b[0] % config.tick_seconds]
+    assert len(off_tick) > 20  # the trace's arrivals mostly fall between ticks
+    for now, name, replicas, nodes, first in off_tick:
+        job = jobs[name].job
+        assert now == job.arrival, (name, now)  # only on its own arrival: never on a completion
+        assert replicas == job.min_replicas and len(set(nodes)) == 1
+        assert sim.node_vc[nodes[0]] == "train" and nodes[0] == first  # no loaning; first by name
+    # and it starts before the tick after its arrival, where the plain form waits for the tick
+    started = [jobs[name] for _, name, *_ in off_tick]
+    assert all(js.started == js.job.arrival for js in started)
+
+
+def test_the_plain_pollux_forms_still_start_jobs_on_ticks_only() -> None:
+    config = engine.SimConfig(gpus=32, seed=1)
+    _, sims = run.run_policies(TRACE, NODES, QPS, ["pollux-p-1", "pollux-p-1-fair"], config)
+    for sim in sims.values():
+        assert all(js.started % config.tick_seconds == 0 for js in sim.jobs), sim.spec.name
+
+
+def test_a_job_pending_when_another_completes_waits_for_the_tick_under_an_arrival_form(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A completion between ticks frees GPUs; AdaptDL admits nothing then (ADDED events only)."""
+    config = engine.SimConfig(gpus=128, seed=0, load=1.5)
+    sim, binds = _binds("pollux-arrival", monkeypatch, config)
+    completions = {js.finished for js in sim.jobs if js.finished % config.tick_seconds}
+    arrivals = {js.job.arrival for js in sim.jobs}
+    assert completions - arrivals  # completions fall between ticks, apart from arrivals
+    assert not [b for b in binds if b[0] in completions - arrivals]
+
+
+def test_six_pollux_forms_and_the_best_pollux_is_taken_over_all_of_them() -> None:
+    assert ("pollux", "pollux-p-1", "pollux-p-1-fair", *ARRIVAL_FORMS) == policies.POLLUX_FORMS
+    for name in ARRIVAL_FORMS:
+        plain = policies.POLICIES[name.removesuffix("-arrival")]
+        assert policies.POLICIES[name] == dataclasses.replace(plain, name=name, arrival_admission=True)
+    results = {name: {"jct_mean_s": 100.0 + i} for i, name in enumerate(policies.POLLUX_FORMS)}
+    results["pollux-p-1-fair-arrival"]["jct_mean_s"] = 50.0
+    assert report.best_pollux(results) == "pollux-p-1-fair-arrival"
+    del results["pollux-arrival"]
+    with pytest.raises(KeyError, match="pollux-arrival"):
+        report.best_pollux(results)
+    suffixed = {f"{k}+x": {"jct_mean_s": 1.0 if k == "pollux-p-1" else 2.0} for k in policies.POLLUX_FORMS}
+    assert report.best_pollux(suffixed, suffix="+x") == "pollux-p-1+x"
+
+
+def test_the_benchmarks_take_the_best_pollux_over_all_six_forms() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import scheduling_huorn_settings
+    import study_common
+
+    assert study_common.POLLUXES == policies.POLLUX_FORMS
+    assert scheduling_huorn_settings.POLLUXES == policies.POLLUX_FORMS
+    assert ("fifo", "kueue", *policies.POLLUX_FORMS, "huorn") == report.ORDER
+    compared = report.compare({"huorn": {"jct_mean_s": 80.0, "inference_slo_attainment": 1.0},
+                               **{k: {"jct_mean_s": 100.0 if k != "pollux-arrival" else 90.0}
+                                  for k in policies.POLLUX_FORMS}})
+    assert compared["best_baseline_by_mean_jct"] == "pollux-arrival"

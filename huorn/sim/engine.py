@@ -85,6 +85,8 @@ class Simulation:
             raise ValueError(f"the inference load is sized for {load.gpus} GPUs, but whole nodes give the "
                              f"inference cluster {self.infer_gpus}; size it with split_cluster")
         self.node_vc = {n.name: INFER if n.name in infer_names else TRAIN for n in nodes}
+        # the training nodes by name: the order AdaptDL's arrival admission tries them in
+        self.train_nodes = sorted(n.name for n in nodes if n.name not in infer_names)
         views = [placement.NodeView(n.name, n.gpus, n.gpus, virtual_cluster=self.node_vc[n.name])
                  for n in nodes]
         lends = spec.loaning != "none"
@@ -195,6 +197,7 @@ class Simulation:
             self._account(self.now, t, running)
             self.now = t
             event = False  # an arrival or a completion: what event-driven admission reacts to
+            first_arrival = nxt
             while nxt < total and arrivals[nxt] <= t:
                 self.jobs[nxt].status = "pending"
                 self.live.append(self.jobs[nxt])
@@ -221,6 +224,8 @@ class Simulation:
                 dirty = True
                 policies.react_to_load(self)
             admit = self.spec.event_admission and event and t < next_tick
+            # AdaptDL's admission reacts to arrivals only; at a tick the cycle sees them anyway
+            admit_arrived = self.spec.arrival_admission and nxt > first_arrival and t < next_tick
             if t >= next_tick:
                 next_tick = t + self.config.tick_seconds
                 for js in running:
@@ -243,6 +248,8 @@ class Simulation:
                     progress(finished / total)
             if admit and any(js.status == "pending" for js in self.live):
                 policies.admit(self)  # dirty stays set: the next tick still runs the full cycle
+            if admit_arrived:
+                policies.admit_arrivals(self, self.jobs[first_arrival:nxt])
             self.live = [js for js in self.live if js.status != "done"]
             running = [js for js in self.live if js.status == "running"]
             self._running_gpus = sum(js.gpus for js in running)

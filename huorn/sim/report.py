@@ -33,11 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from huorn.api import files
-from huorn.sim import bounds, engine
+from huorn.sim import bounds, engine, policies
 
-ORDER = ("fifo", "kueue", "pollux", "pollux-p-1", "pollux-p-1-fair", "huorn")
+ORDER = ("fifo", "kueue", *policies.POLLUX_FORMS, "huorn")
 COLOURS = {"fifo": "#888888", "kueue": "#66aa99", "pollux": "#6699cc", "pollux-p-1": "#3355aa",
-           "pollux-p-1-fair": "#223377", "huorn": "#dd6633"}
+           "pollux-p-1-fair": "#223377", "pollux-arrival": "#88aadd", "pollux-p-1-arrival": "#5577bb",
+           "pollux-p-1-fair-arrival": "#445599", "huorn": "#dd6633"}
 
 
 # The causes gpu_hours_lost_total adds up, bottom to top in the plot's stacked bar
@@ -110,6 +111,18 @@ def _work_done_by(sim: engine.Simulation, when: float) -> float:
     times = np.array([s[0] for s in series])
     work = np.array([s[1] for s in series])
     return float(np.interp(when, times, work))
+
+
+def best_pollux(results: dict[str, dict], key: str = "jct_mean_s", suffix: str = "") -> str:
+    """The Pollux form (of policies.POLLUX_FORMS, each name with `suffix`, for a study's variants
+    of them) with the least `key`: the baseline Huorn is measured against. Every form must be in
+    `results`: a benchmark that ran fewer would take its "best Pollux" over fewer forms and flatter
+    Huorn, as the three plain forms did before AdaptDL's admission on arrival was modelled."""
+    names = [f"{form}{suffix}" for form in policies.POLLUX_FORMS]
+    missing = [n for n in names if n not in results]
+    if missing:
+        raise KeyError(f"the best Pollux is taken over all {len(names)} forms; missing {missing}")
+    return min(names, key=lambda n: results[n][key])
 
 
 def compare(results: dict[str, dict]) -> dict:
