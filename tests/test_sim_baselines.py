@@ -155,3 +155,28 @@ def test_the_benchmarks_take_the_best_pollux_over_all_six_forms() -> None:
                                **{k: {"jct_mean_s": 100.0 if k != "pollux-arrival" else 90.0}
                                   for k in policies.POLLUX_FORMS}})
     assert compared["best_baseline_by_mean_jct"] == "pollux-arrival"
+
+
+# ---------------------------------------------------------------- the borrowing study (finding 1)
+
+def test_the_borrowing_study_compares_huorn_with_the_best_pollux_with_and_without_loaning() -> None:
+    """benchmarks/scheduling_pollux_borrowing.py: each Pollux form also borrows as Kueue lends,
+    Huorn also runs without loaning, and each margin is taken over all six forms of its kind."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import scheduling_pollux_borrowing as study
+
+    for form in policies.POLLUX_FORMS:
+        spec = policies.POLICIES[f"{form}{study.LOAN}"]
+        assert spec == dataclasses.replace(policies.POLICIES[form], name=spec.name, loaning="kueue")
+    assert policies.POLICIES[study.NOLOAN].loaning == "none"
+    assert study._seeds("0-2,7") == [0, 1, 2, 7]
+    row = study._one((1, 32, 0.8, "middle"))
+    jct = {name: p["jct_mean_s"] for name, p in row["policies"].items()}
+    assert row["best_pollux"] in policies.POLLUX_FORMS
+    assert jct[row["best_pollux"]] == min(jct[f] for f in policies.POLLUX_FORMS)
+    assert jct[row["best_pollux_borrowing"]] == min(jct[f"{f}{study.LOAN}"] for f in policies.POLLUX_FORMS)
+    assert row["huorn_vs_best_pollux"] == pytest.approx(1 - jct["huorn"] / jct[row["best_pollux"]])
+    assert row["huorn_noloan_vs_best_pollux"] == pytest.approx(
+        1 - jct[study.NOLOAN] / jct[row["best_pollux"]])
+    assert row["huorn_vs_best_pollux_borrowing"] == pytest.approx(
+        1 - jct["huorn"] / jct[row["best_pollux_borrowing"]])
