@@ -180,3 +180,24 @@ def test_the_borrowing_study_compares_huorn_with_the_best_pollux_with_and_withou
         1 - jct[study.NOLOAN] / jct[row["best_pollux"]])
     assert row["huorn_vs_best_pollux_borrowing"] == pytest.approx(
         1 - jct["huorn"] / jct[row["best_pollux_borrowing"]])
+
+
+# ---------------------------------------------------------------- saturated goodput per GPU in use
+
+def test_saturated_goodput_per_gpu_in_use_divides_by_the_gpus_each_policy_held() -> None:
+    """The saturated window is not saturated for FIFO (the review's sat.py: 51.5 of 96 training
+    GPUs in use on average over it at 128 GPUs, seed 0); per GPU in use says how fast the GPUs a
+    policy did use turned into progress, borrowed ones included."""
+    results, sims = run.run_policies(TRACE, NODES, QPS, ["fifo", "huorn"], engine.SimConfig(gpus=128, seed=0))
+    fifo, huorn = results["fifo"], results["huorn"]
+    assert fifo["saturated_mean_gpus_in_use"] == pytest.approx(51.5, abs=1.0)
+    assert fifo["saturated_mean_gpus_in_use"] < fifo["training_gpus"]
+    for r in (fifo, huorn):
+        assert 0 < r["saturated_mean_gpus_in_use"] <= r["training_gpus"] + r["inference_gpus"]
+        assert r["goodput_saturated_per_gpu_in_use"] == pytest.approx(
+            r["goodput_saturated_gpu_equiv"] / r["saturated_mean_gpus_in_use"])
+    # FIFO runs every job at its trace size and base batch: one GPU in use is one GPU-equivalent
+    assert fifo["goodput_saturated_per_gpu_in_use"] == pytest.approx(1.0, abs=0.05)
+    # the per-tick series of GPU-seconds ends with the run's total
+    for sim in sims.values():
+        assert sim.totals.series_gpu_seconds[-1][1] == pytest.approx(sim.totals.train_gpu_seconds)

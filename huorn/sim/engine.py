@@ -4,7 +4,9 @@ Events are arrivals, completions, scheduling ticks (60 s, Pollux's interval), QP
 the return of reclaimed GPUs. Between events every running job progresses at its true rate, so
 completions land at their exact time; the scheduler runs on ticks only, and only on ticks where
 something changed (or every fifth tick for the elastic policies, whose noise scales drift). The
-engine owns the ClusterSnapshot that the policies decide against; policies never see the truth.
+engine owns the ClusterSnapshot that the policies decide against. Policies never see a job's true
+step-time curve, only telemetry samples of it; they do read its true gradient noise scale, Huorn and
+Pollux alike (state.py's docstring).
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class Totals:
     preemptions: int = 0
     series: list[tuple[float, int, int, int, int, float]] = field(default_factory=list)
     series_work: list[tuple[float, float]] = field(default_factory=list)  # (t, trace GPU-s done)
+    # (t, train_gpu_seconds so far): the GPUs running jobs held, borrowed ones and restart pauses
+    # included, sampled with series_work; the report's mean GPUs in use over a window
+    series_gpu_seconds: list[tuple[float, float]] = field(default_factory=list)
     finished_work: float = 0.0
 
 
@@ -244,6 +249,7 @@ class Simulation:
                 live_work = sum(js.reference_gpu_seconds for js in self.live
                                 if js.done > 0 and js.status != "done")
                 self.totals.series_work.append((t, self.totals.finished_work + live_work))
+                self.totals.series_gpu_seconds.append((t, self.totals.train_gpu_seconds))
                 if progress is not None:
                     progress(finished / total)
             if admit and any(js.status == "pending" for js in self.live):
@@ -257,6 +263,7 @@ class Simulation:
         # the trace's whole work, and goodput over a window past the last tick missed the rest
         if not self.totals.series_work or self.totals.series_work[-1][0] < self.now:
             self.totals.series_work.append((self.now, self.totals.finished_work))
+            self.totals.series_gpu_seconds.append((self.now, self.totals.train_gpu_seconds))
         return self.jobs
 
     def _account(self, t0: float, t1: float, running: list[state.JobState]) -> None:

@@ -279,7 +279,9 @@ def _schedule_static(sim: Simulation) -> None:
 
 
 def job_view(js: state.JobState, in_place_resize: bool = False) -> allocator.JobView:
-    """What the allocator sees of a job: its own model and the runtime's reports, never the truth.
+    """What the allocator sees of a job: its own model and the runtime's reports, never its true
+    step-time curve. The noise scale is the true one (JobState.noise_scale), as if the runtime
+    measured it exactly: every elastic policy, Huorn and Pollux alike, reads the same value.
 
     Its restart time is the family's full one; where the policy resizes in place (one process per
     replica, as JobState.resize_seconds has it), the allocator charges the in-place share of it
