@@ -35,7 +35,7 @@ def main() -> None:
         config = engine.SimConfig(gpus=gpus, seed=seed, load=load, elastic_range=factor)
         results, sims = run.run_policies(*TRACE, ["fifo", *POLLUXES, "huorn"], config)
         fifo = results["fifo"]["goodput_saturated_gpu_equiv"]
-        best = min(POLLUXES, key=lambda k: results[k]["jct_mean_s"])
+        best = report.best_pollux(results)
         huorn = results["huorn"]
         row = {
             "gpus": gpus, "seed": seed, "load": load, "elastic_range": factor,

@@ -23,7 +23,7 @@ from rich.progress import track
 from study_common import POLLUXES, TRACE, arguments, case, write
 
 from huorn.scheduler import allocator
-from huorn.sim import engine, policies, run
+from huorn.sim import engine, policies, report, run
 
 KEEPING = "huorn+keep-replicas"
 
@@ -64,7 +64,7 @@ def main() -> None:
         with counting_resizes(configs) as counts:
             results, _ = run.run_policies(*TRACE, [*POLLUXES, "huorn", KEEPING],
                                           engine.SimConfig(gpus=gpus, seed=seed, load=load))
-        best = min(results[p]["jct_mean_s"] for p in POLLUXES)
+        best = results[report.best_pollux(results)]["jct_mean_s"]
         row = {
             "gpus": gpus, "seed": seed, "load": load, "best_pollux_jct_mean_s": best,
             "policies": {k: {"jct_mean_s": results[k]["jct_mean_s"], "restarts": results[k]["restarts"],

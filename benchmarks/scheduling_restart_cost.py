@@ -45,7 +45,7 @@ def main() -> None:
         variants = list(FEWER_RESIZES) if cost == 1.0 and gpus <= 128 else []
         results, sims = run.run_policies(*TRACE, ["fifo", *POLLUXES, "huorn", *variants], config)
         fifo = results["fifo"]["goodput_saturated_gpu_equiv"]
-        best = min(POLLUXES, key=lambda k: results[k]["jct_mean_s"])
+        best = report.best_pollux(results)
         row = {
             "gpus": gpus, "seed": seed, "load": load, "restart_cost": cost,
             "bound_vs_fifo": bounds.saturated_goodput_bound(sims["fifo"]) / fifo,

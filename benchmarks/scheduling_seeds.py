@@ -2,8 +2,9 @@
 
 One seed picks the nodes, the sampled tasks, the per-job curves and the telemetry noise; the
 spread across seeds says how much of a single run's margin is luck. Pollux runs at both fairness
-exponents (p = 1 and the paper's p = -1, the latter also with the paper's fair-share speedup), and
-Huorn's margin is taken against the best of the three per seed, as in benchmarks/scheduling_sim.py.
+exponents (p = 1 and the paper's p = -1, the latter also with the paper's fair-share speedup), each
+also with AdaptDL's admission on arrival, and Huorn's margin is taken against the best of the six
+per seed, as in benchmarks/scheduling_sim.py.
 
     .venv/bin/python benchmarks/scheduling_seeds.py --seeds 0,1,2,3,4
 """
@@ -15,7 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
-from huorn.sim import engine, run, shared_data
+from huorn.sim import engine, policies, report, run, shared_data
 
 DATA = shared_data.shared_data_dir()
 
@@ -32,10 +33,9 @@ def main() -> None:
         trace = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv",
                  DATA / "genai_qps.csv")
         config = engine.SimConfig(gpus=args.gpus, seed=seed, load=args.load)
-        polluxes = ("pollux", "pollux-p-1", "pollux-p-1-fair")
-        results, _ = run.run_policies(*trace, ["fifo", *polluxes, "huorn"], config)
+        results, _ = run.run_policies(*trace, ["fifo", *policies.POLLUX_FORMS, "huorn"], config)
         h, p, f = results["huorn"], results["pollux"], results["fifo"]
-        best = min(polluxes, key=lambda k: results[k]["jct_mean_s"])
+        best = report.best_pollux(results)
         row = {
             "seed": seed,
             "jct_mean_s": {k: v["jct_mean_s"] for k, v in results.items()},

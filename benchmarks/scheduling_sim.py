@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/scheduling_sim.py --output benchmarks/results/scheduling_sim
 
 Baselines (static gang FIFO, Kueue-style borrowing with preemption, Pollux at its fairness exponent
-p = 1, at the paper's p = -1, and at p = -1 with the paper's fair-share speedup) and Huorn run in the
-same simulator on the same scaled trace; the best baseline per case is the best of all five. The
+p = 1, at the paper's p = -1, and at p = -1 with the paper's fair-share speedup, each of the three
+also with AdaptDL's admission on arrival) and Huorn run in the same simulator on the same scaled
+trace; the best baseline per case is the best of all eight. The
 script prints the issue's goals next to what was measured: Huorn's mean JCT ≥ 25 % below the best
 baseline, goodput ≥ 1.8× static FIFO (every goodput measure of huorn/sim/report.py), inference
 SLO ≥ 99 %, and the whole trace at 1,024 GPUs in < 60 s (CPU and wall seconds per policy). Each
@@ -41,7 +42,7 @@ def main() -> None:
         results: dict[str, dict] = {}
         sims: dict[str, engine.Simulation] = {}
         cpu: dict[str, float] = {}
-        for name in ("fifo", "kueue", "pollux", "pollux-p-1", "pollux-p-1-fair", "huorn"):
+        for name in report.ORDER:  # fifo, kueue, the six Pollux forms, huorn
             start = time.process_time()
             trace = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv",
                      DATA / "genai_qps.csv")
@@ -50,7 +51,7 @@ def main() -> None:
             results.update(r)
             sims.update(s)
             results[name]["cpu_seconds"] = cpu[name]
-            print(f"{tag} {name:>15}: mean JCT {r[name]['jct_mean_s']:8.0f} s  p99 "
+            print(f"{tag} {name:>23}: mean JCT {r[name]['jct_mean_s']:8.0f} s  p99 "
                   f"{r[name]['jct_p99_s']:8.0f} s  goodput {r[name]['goodput_gpu_equiv']:7.1f}  saturated "
                   f"{r[name]['goodput_saturated_gpu_equiv']:7.1f}  SLO "
                   f"{r[name]['inference_slo_attainment']:.4f}  preemptions {r[name]['preemptions']:4d}  "

@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.progress import track
 from study_common import POLLUXES, TRACE, arguments, case, redraw, write
 
-from huorn.sim import engine, run
+from huorn.sim import engine, report, run
 
 # (work_estimate_error, undeclared_share): exact, three error levels, half and all undeclared.
 VARIANTS = ((0.0, 0.0), (0.25, 0.0), (0.5, 0.0), (1.0, 0.0), (0.0, 0.5), (0.0, 1.0))
@@ -37,7 +37,7 @@ def main() -> None:
     for gpus, seed, load in track([case(c) for c in args.cases.split(",")], description="cases"):
         config = engine.SimConfig(gpus=gpus, seed=seed, load=load)
         baselines, _ = run.run_policies(*TRACE, ["fifo", *POLLUXES], config)
-        best = min(POLLUXES, key=lambda k: baselines[k]["jct_mean_s"])
+        best = report.best_pollux(baselines)
         best_jct = baselines[best]["jct_mean_s"]
         fifo_goodput = baselines["fifo"]["goodput_saturated_gpu_equiv"]
         for error, undeclared in VARIANTS:

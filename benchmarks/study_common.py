@@ -12,11 +12,13 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from huorn.sim import shared_data
+from huorn.sim import policies, shared_data
 
 DATA = shared_data.shared_data_dir()
 TRACE = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv", DATA / "genai_qps.csv")
-POLLUXES = ("pollux", "pollux-p-1", "pollux-p-1-fair")  # the best of them per case is the baseline
+# Every Pollux form (three objectives, each with and without AdaptDL's admission on arrival): the
+# best of them per case is the baseline (report.best_pollux)
+POLLUXES = policies.POLLUX_FORMS
 
 
 def arguments(doc: str, cases: str, output: str) -> argparse.ArgumentParser:

@@ -21,7 +21,9 @@ def test_simulate_all_policies_writes_report_and_plots(tmp_path: Path) -> None:
                                       "--output", str(out), "-o", "json"])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
-    assert set(report["policies"]) == {"fifo", "kueue", "pollux", "pollux-p-1", "pollux-p-1-fair", "huorn"}
+    assert set(report["policies"]) == {"fifo", "kueue", "pollux", "pollux-p-1", "pollux-p-1-fair",
+                                       "pollux-arrival", "pollux-p-1-arrival", "pollux-p-1-fair-arrival",
+                                       "huorn"}
     for metrics in report["policies"].values():
         assert metrics["jobs"] > 0
         assert 0 <= metrics["inference_slo_attainment"] <= 1

@@ -67,7 +67,8 @@ def simulate(
     qps: Path = typer.Option(DATA / "genai_qps.csv", "--qps", help="Inference request-rate CSV."),
     gpus: int = typer.Option(128, "--gpus", help="Cluster size; the trace is scaled to it."),
     policy: str = typer.Option("all", "--policy", help="all, or one of: fifo, kueue, pollux, pollux-p-1, "
-                                                        "pollux-p-1-fair, huorn."),
+                                                        "pollux-p-1-fair, each of those three with "
+                                                        "-arrival (AdaptDL's admission on arrival), huorn."),
     seed: int = typer.Option(0, "--seed", help="Seeds node choice, task sampling and telemetry noise."),
     load: float = typer.Option(0.8, "--load", help="Offered training load over the arrival window."),
     inference_share: float = typer.Option(0.25, "--inference-share", help="Share of GPUs for inference."),

@@ -4,7 +4,9 @@ Events are arrivals, completions, scheduling ticks (60 s, Pollux's interval), QP
 the return of reclaimed GPUs. Between events every running job progresses at its true rate, so
 completions land at their exact time; the scheduler runs on ticks only, and only on ticks where
 something changed (or every fifth tick for the elastic policies, whose noise scales drift). The
-engine owns the ClusterSnapshot that the policies decide against; policies never see the truth.
+engine owns the ClusterSnapshot that the policies decide against. Policies never see a job's true
+step-time curve, only telemetry samples of it; they do read its true gradient noise scale, Huorn and
+Pollux alike (state.py's docstring).
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class Totals:
     preemptions: int = 0
     series: list[tuple[float, int, int, int, int, float]] = field(default_factory=list)
     series_work: list[tuple[float, float]] = field(default_factory=list)  # (t, trace GPU-s done)
+    # (t, train_gpu_seconds so far): the GPUs running jobs held, borrowed ones and restart pauses
+    # included, sampled with series_work; the report's mean GPUs in use over a window
+    series_gpu_seconds: list[tuple[float, float]] = field(default_factory=list)
     finished_work: float = 0.0
 
 
@@ -85,6 +90,8 @@ class Simulation:
             raise ValueError(f"the inference load is sized for {load.gpus} GPUs, but whole nodes give the "
                              f"inference cluster {self.infer_gpus}; size it with split_cluster")
         self.node_vc = {n.name: INFER if n.name in infer_names else TRAIN for n in nodes}
+        # the training nodes by name: the order AdaptDL's arrival admission tries them in
+        self.train_nodes = sorted(n.name for n in nodes if n.name not in infer_names)
         views = [placement.NodeView(n.name, n.gpus, n.gpus, virtual_cluster=self.node_vc[n.name])
                  for n in nodes]
         lends = spec.loaning != "none"
@@ -117,10 +124,7 @@ class Simulation:
     def _belief(self, job: workload.TrainingJob) -> perfmodel.PerfModel | None:
         if not self.spec.elastic:
             return None
-        if self.spec.family_priors:
-            fam = workload.PRIOR_FAMILY.get(job.family.name, job.family.name)
-            return perfmodel.PerfModel(fam, prior=workload.FAMILIES[fam].params)
-        return perfmodel.PerfModel("transformer", prior=workload.FAMILIES["transformer"].params)
+        return initial_belief(job, self.spec.priors)
 
     # ------------------------------------------------------------------ bookkeeping used by policies
     def active(self) -> list[state.JobState]:
@@ -198,6 +202,7 @@ class Simulation:
             self._account(self.now, t, running)
             self.now = t
             event = False  # an arrival or a completion: what event-driven admission reacts to
+            first_arrival = nxt
             while nxt < total and arrivals[nxt] <= t:
                 self.jobs[nxt].status = "pending"
                 self.live.append(self.jobs[nxt])
@@ -224,6 +229,8 @@ class Simulation:
                 dirty = True
                 policies.react_to_load(self)
             admit = self.spec.event_admission and event and t < next_tick
+            # AdaptDL's admission reacts to arrivals only; at a tick the cycle sees them anyway
+            admit_arrived = self.spec.arrival_admission and nxt > first_arrival and t < next_tick
             if t >= next_tick:
                 next_tick = t + self.config.tick_seconds
                 for js in running:
@@ -242,10 +249,13 @@ class Simulation:
                 live_work = sum(js.reference_gpu_seconds for js in self.live
                                 if js.done > 0 and js.status != "done")
                 self.totals.series_work.append((t, self.totals.finished_work + live_work))
+                self.totals.series_gpu_seconds.append((t, self.totals.train_gpu_seconds))
                 if progress is not None:
                     progress(finished / total)
             if admit and any(js.status == "pending" for js in self.live):
                 policies.admit(self)  # dirty stays set: the next tick still runs the full cycle
+            if admit_arrived:
+                policies.admit_arrivals(self, self.jobs[first_arrival:nxt])
             self.live = [js for js in self.live if js.status != "done"]
             running = [js for js in self.live if js.status == "running"]
             self._running_gpus = sum(js.gpus for js in running)
@@ -253,6 +263,7 @@ class Simulation:
         # the trace's whole work, and goodput over a window past the last tick missed the rest
         if not self.totals.series_work or self.totals.series_work[-1][0] < self.now:
             self.totals.series_work.append((self.now, self.totals.finished_work))
+            self.totals.series_gpu_seconds.append((self.now, self.totals.train_gpu_seconds))
         return self.jobs
 
     def _account(self, t0: float, t1: float, running: list[state.JobState]) -> None:
@@ -267,6 +278,42 @@ class Simulation:
         requests = self.load.requests_per_second(t0) * dt
         self.totals.slo_requests += requests
         self.totals.slo_served += requests * (1.0 if need <= avail else max(0, avail) / need)
+
+
+PRIORS = ("generic", "operator", "family")
+
+
+def operator_prior_family(job: workload.TrainingJob) -> str:
+    """The prior family Huorn's operator would start this job from. The operator's own mapping is
+    huorn/backends/goodput.py `prior_model`: "moe" when the spec's model is MoE, otherwise
+    "transformer" (its CPU-only "transformer-tiny" is for jobs of no GPUs, and every simulated job
+    has GPUs). huorn.sim may not import huorn.backends (the layers contract in pyproject.toml), so
+    the mapping is repeated here: change both together. Until the review of 2026-12-07 the
+    simulator's Huorn started each job from its own family's curve (a cnn job from cnn's), the
+    centre of the distribution the true curves are drawn from, which no operator can pick."""
+    return "moe" if job.family.name == "moe" else "transformer"
+
+
+def initial_belief(job: workload.TrainingJob, priors: str) -> perfmodel.PerfModel:
+    """A job's performance model before its first measurement, by PolicySpec.priors.
+
+    - "generic": the transformer curve for every job, unanchored (Pollux: AdaptDL starts every job
+      from one generic model and learns its own from telemetry);
+    - "operator": what Huorn's operator picks (`operator_prior_family`), anchored to the measured
+      level as prior_model anchors it (PerfModel.anchor_prior): the family gives the shape, the
+      measurements the level. The catalogue's family curve stands for the operator's prior scaled
+      to the model's size, which the simulator's jobs do not have;
+    - "family": the job's own family curve (an LLM job's is the transformer's, as
+      workload.PRIOR_FAMILY says), unanchored: a study's upper end, what no scheduler knows."""
+    if priors == "generic":
+        return perfmodel.PerfModel("transformer", prior=workload.FAMILIES["transformer"].params)
+    if priors == "operator":
+        fam = operator_prior_family(job)
+        return perfmodel.PerfModel(fam, prior=workload.FAMILIES[fam].params, anchor_prior=True)
+    if priors == "family":
+        fam = workload.PRIOR_FAMILY.get(job.family.name, job.family.name)
+        return perfmodel.PerfModel(fam, prior=workload.FAMILIES[fam].params)
+    raise ValueError(f"priors {priors!r} is unknown; use one of {PRIORS}")
 
 
 def _fits(views: list[placement.NodeView], replicas: int, gpus_per_replica: int) -> bool:

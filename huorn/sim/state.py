@@ -1,8 +1,10 @@
 """What the simulator tracks per job, and the truth it measures policies against.
 
-The truth (a job's real Pollux curve, its real noise scale) lives here and never reaches a policy:
-policies see only their own performance model, fed by the telemetry samples the engine reports,
-as the operator would.
+The truth (a job's real Pollux curve, its real noise scale) lives here. A policy's step times
+come only from its own performance model, fed by the telemetry samples the engine reports, as the
+operator's would. The gradient noise scale is the exception: every elastic policy, Huorn and
+Pollux alike, reads the true one (`JobState.noise_scale`, passed on by policies.job_view), as if
+the runtime measured it without error. It favours neither, since both get the same value.
 """
 
 from __future__ import annotations
