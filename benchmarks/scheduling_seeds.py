@@ -7,6 +7,7 @@ also with AdaptDL's admission on arrival, and Huorn's margin is taken against th
 per seed, as in benchmarks/scheduling_sim.py.
 
     .venv/bin/python benchmarks/scheduling_seeds.py --seeds 0,1,2,3,4
+    python3 benchmarks/scheduling_seeds.py --seeds 10,11,12,13,14 --jobs 5     # seeds at once
 """
 
 from __future__ import annotations
@@ -14,11 +15,41 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from rich.progress import track
 
 from huorn.sim import engine, policies, report, run, shared_data
 
 DATA = shared_data.shared_data_dir()
+
+
+def run_seed(seed: int, gpus: int, load: float) -> dict:
+    """One seed's row: FIFO, the six Pollux forms and Huorn on the same sample."""
+    trace = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv",
+             DATA / "genai_qps.csv")
+    config = engine.SimConfig(gpus=gpus, seed=seed, load=load)
+    results, _ = run.run_policies(*trace, ["fifo", *policies.POLLUX_FORMS, "huorn"], config)
+    h, p, f = results["huorn"], results["pollux"], results["fifo"]
+    best = report.best_pollux(results)
+    row = {
+        "seed": seed,
+        "jct_mean_s": {k: v["jct_mean_s"] for k, v in results.items()},
+        "best_pollux": best,
+        "jct_reduction_vs_best_pollux": 1 - h["jct_mean_s"] / results[best]["jct_mean_s"],
+        "jct_reduction_vs_pollux": 1 - h["jct_mean_s"] / p["jct_mean_s"],
+        "jct_reduction_vs_pollux_p_minus_1": 1 - h["jct_mean_s"] / results["pollux-p-1"]["jct_mean_s"],
+        "jct_reduction_vs_pollux_p_minus_1_fair": (1 - h["jct_mean_s"]
+                                                   / results["pollux-p-1-fair"]["jct_mean_s"]),
+        "goodput_vs_fifo": h["goodput_gpu_equiv"] / f["goodput_gpu_equiv"],
+        "job_goodput_vs_fifo": h["job_goodput_vs_trace"] / f["job_goodput_vs_trace"],
+        "saturated_goodput_vs_fifo": h["goodput_saturated_gpu_equiv"] / f["goodput_saturated_gpu_equiv"],
+        "job_goodput_with_wait_vs_fifo": (h["job_goodput_with_wait_vs_trace"]
+                                          / f["job_goodput_with_wait_vs_trace"]),
+        "slo": h["inference_slo_attainment"],
+    }
+    return row
 
 
 def main() -> None:
@@ -27,32 +58,15 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=128)
     parser.add_argument("--load", type=float, default=0.8)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/scheduling_sim/seeds.json"))
+    parser.add_argument("--jobs", type=int, default=1, help="seeds run at once, one process each")
     args = parser.parse_args()
-    rows = []
-    for seed in (int(s) for s in args.seeds.split(",")):
-        trace = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv",
-                 DATA / "genai_qps.csv")
-        config = engine.SimConfig(gpus=args.gpus, seed=seed, load=args.load)
-        results, _ = run.run_policies(*trace, ["fifo", *policies.POLLUX_FORMS, "huorn"], config)
-        h, p, f = results["huorn"], results["pollux"], results["fifo"]
-        best = report.best_pollux(results)
-        row = {
-            "seed": seed,
-            "jct_mean_s": {k: v["jct_mean_s"] for k, v in results.items()},
-            "best_pollux": best,
-            "jct_reduction_vs_best_pollux": 1 - h["jct_mean_s"] / results[best]["jct_mean_s"],
-            "jct_reduction_vs_pollux": 1 - h["jct_mean_s"] / p["jct_mean_s"],
-            "jct_reduction_vs_pollux_p_minus_1": 1 - h["jct_mean_s"] / results["pollux-p-1"]["jct_mean_s"],
-            "jct_reduction_vs_pollux_p_minus_1_fair": (1 - h["jct_mean_s"]
-                                                       / results["pollux-p-1-fair"]["jct_mean_s"]),
-            "goodput_vs_fifo": h["goodput_gpu_equiv"] / f["goodput_gpu_equiv"],
-            "job_goodput_vs_fifo": h["job_goodput_vs_trace"] / f["job_goodput_vs_trace"],
-            "saturated_goodput_vs_fifo": h["goodput_saturated_gpu_equiv"] / f["goodput_saturated_gpu_equiv"],
-            "job_goodput_with_wait_vs_fifo": (h["job_goodput_with_wait_vs_trace"]
-                                              / f["job_goodput_with_wait_vs_trace"]),
-            "slo": h["inference_slo_attainment"],
-        }
-        rows.append(row)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        rows = list(track(pool.map(run_seed, seeds, [args.gpus] * len(seeds), [args.load] * len(seeds)),
+                          total=len(seeds), description="seeds"))
+    for row in rows:
         print(json.dumps(row), flush=True)
     keys = ("jct_reduction_vs_best_pollux", "jct_reduction_vs_pollux", "jct_reduction_vs_pollux_p_minus_1",
             "jct_reduction_vs_pollux_p_minus_1_fair", "goodput_vs_fifo", "saturated_goodput_vs_fifo",
