@@ -19,6 +19,7 @@ from huorn.api import kinds, manifests, training
 from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import observe
 from huorn.graph import model
+from huorn.operator import allocation, index
 from huorn.runtime import telemetry as runtime_telemetry
 from huorn.scheduler import allocator, perfmodel
 
@@ -122,11 +123,54 @@ def test_samples_carry_the_span_of_the_trainers_and_a_window_across_a_change_is_
     p.learn(records(4, range(8, 12), 0.9), nodes=2)  # read across the move: which span ran them?
     p.learn(records(4, range(12, 16), 0.8), nodes=2)
     assert samples(p) == [(4, 1, 4.0, 0.3), (4, 2, 4.0, 0.8)]
-    # through decide: the span is the trainers' nodes in the observation
+    # through decide: the span is the nodes of the gang's replicas in the observation
     q = policy()
-    nodes = {"j-trainer-0": "a", "j-trainer-1": "b", "j-trainer-2": "b", "j-trainer-3": "a"}
-    q.decide(build_graph(), monitor.Observation(time=0.0, steps=records(4, range(1, 8), 0.8), nodes=nodes))
+    pods = [pod(0, "a"), pod(1, "b"), pod(2, "b"), pod(3, "a")]
+    q.decide(build_graph(), poll(pods, records(4, range(1, 8), 0.8)))
     assert [s.nodes for s in q.perf.samples] == [2]
+
+
+def pod(i: int, node: str, phase: str = "Running", deleting: bool = False) -> index.PodRecord:
+    return index.PodRecord("ns", f"j-trainer-{i}", "j", "trainer", f"j-trainer-{i}", node, 1, 1000, "vc",
+                           phase=phase, deleting=deleting, ip=f"10.0.0.{i}")
+
+
+def poll(pods: list[index.PodRecord], steps: list[dict]) -> monitor.Observation:
+    """What the operator's monitor reads of the pods (monitoring.fetch_observation, tick_job): the
+    telemetry of every running trainer not being deleted, each saying the world of its gang, and
+    where every trainer holding its GPUs is placed."""
+    world = steps[-1]["world_size"]
+    polled = [p for p in pods if p.phase == "Running" and not p.deleting]
+    snapshots = {p.instance: {"rank": rank, "world_size": world, "steps": steps}
+                 for rank, p in enumerate(polled)}
+    observation = observe.build_observation(0.0, snapshots, after_step=0, gpus_per_replica=1)
+    observation.nodes.update(allocation.trainer_nodes(pods))
+    return observation
+
+
+def test_a_gang_is_learned_at_its_own_span_while_a_resize_is_in_flight() -> None:
+    """A grow places its new pods at once and the old gang trains on while they start; a shrink's
+    leaving pods drop out of the span while the old gang still steps. The span of the trainer
+    pods put the old gang's steps at 2 nodes (grow) and at 1 (shrink), gangs that never ran
+    there: the inter-node cost vanished from the model, and it priced spreading a gang as cheap."""
+    g, grow = build_graph(), policy()
+    two = [pod(0, "a"), pod(1, "a")]
+    grow.decide(g, poll(two, records(2, range(1, 11), 0.25)))
+    growing = [*two, pod(2, "b", "Pending"), pod(3, "b", "Pending")]
+    for first, last in ((11, 16), (16, 26), (26, 36)):
+        grow.decide(g, poll(growing, records(2, range(first, last), 0.25)))
+    assert samples(grow) == [(2, 1, 8.0, 0.25)]
+    shrink = policy()
+    four = [pod(0, "a"), pod(1, "a"), pod(2, "b"), pod(3, "b")]
+    shrink.decide(g, poll(four, records(4, range(1, 11), 0.6)))
+    leaving = [*four[:2], pod(2, "b", deleting=True), pod(3, "b", deleting=True)]
+    for first, last in ((11, 14), (14, 20)):
+        shrink.decide(g, poll(leaving, records(4, range(first, last), 0.6)))
+    assert samples(shrink) == [(4, 2, 4.0, 0.6)]
+    # once the grown gang answers whole, its steps are learned at its span
+    grown = [*two, pod(2, "b"), pod(3, "b")]
+    grow.decide(g, poll(grown, records(4, range(36, 46), 0.5)))
+    assert samples(grow) == [(2, 1, 8.0, 0.25), (4, 2, 4.0, 0.5)]
 
 
 def test_a_step_taken_before_an_in_place_resize_keeps_its_own_world() -> None:

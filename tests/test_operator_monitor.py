@@ -90,7 +90,7 @@ def hang_replica_1(ranks: Ranks) -> None:
 
 
 def test_goodput_policy_grows_job_within_max_replicas(cluster, kube: builders.Kube) -> None:
-    grower = Ranks("grow", gpus_per_replica=2)
+    grower = Ranks("grow", gpus_per_replica=2, replicas=1)
     try:
         with start_operator(cluster, grower.port):
             start_goodput_job(kube, "grow", replicas=1, max_replicas=2)
@@ -115,7 +115,7 @@ def test_a_grown_gang_moves_to_where_the_allocator_placed_it(cluster, kube: buil
     shares a node with a filler, so one more replica beside it would span both nodes of the pool,
     while the allocator placed the gang of two on the empty node: the pod on the shared node goes,
     and both replicas run on the other one."""
-    grower = Ranks("grow", gpus_per_replica=2)
+    grower = Ranks("grow", gpus_per_replica=2, replicas=1)
     try:
         with start_operator(cluster, grower.port):
             filler = builders.make_training_job("fill", "train", replicas=1, max_replicas=1, gpus=2)

@@ -16,7 +16,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +39,9 @@ class GoodputPolicy:
     slots: int  # replicas this backend can run at once
     global_batch: float
     vertex: str = "trainer"
-    # GPUs per replica, for the arbiter's placement (step records count replicas already: the
-    # operator's observation divides the ranks by the GPUs of a pod)
+    # GPUs per replica, for the arbiter's placement and to count the replicas of a gang from its
+    # ranks' telemetry (step records count replicas already: the operator's observation divides
+    # the ranks by the GPUs of a pod)
     gpus_per_replica: int = 1
     priority: int = 50  # among the other jobs an arbiter weighs it with
     perf: perfmodel.PerfModel = field(
@@ -97,7 +98,9 @@ class GoodputPolicy:
     _times: dict[tuple[int, int, float], collections.deque[float]] = field(default_factory=dict)
     _config: tuple[int, int, float] | None = None  # the newest record's configuration
     _since_change: int = 0  # records of that configuration in a row
-    _span: int | None = None  # the trainers' nodes at the previous observation
+    # The nodes each gang spanned when last seen whole, by its replicas: records of a gang read
+    # after it moved to another span at the same size are left out (which span ran them?).
+    _spans: dict[int, int] = field(default_factory=dict)
     _learned: int = 0  # step records the model has learned from
     _epoch: int = field(default_factory=lambda: next(_EPOCHS))
 
@@ -105,17 +108,19 @@ class GoodputPolicy:
         """Changes whenever the model learns, and differs from every other policy's."""
         return self._epoch * EPOCH_STRIDE + self._learned
 
-    def learn(self, steps: list[dict], nodes: int = 1) -> None:
+    def learn(self, steps: list[dict], nodes: int | Mapping[int, int] = 1) -> None:
         """Feed step records to the performance model: the median step time of each
         configuration, over its last `window` steps, less the first `skip_after_change` steps of
         each run of one configuration.
 
         A record's replicas are its own `world_size` (the operator's observation converts each
         record's ranks): steps taken before an in-place resize and read after it were learned at
-        the new size, and made the grow look worthless for good. Its nodes are the trainers' span
-        when the records were read (`nodes`); records read across a change of span are left out,
-        since nothing says which span ran them (all were one node, so a gang across nodes was
-        fitted to the intra-node terms and the model ranked spreading it above packing it).
+        the new size, and made the grow look worthless for good. Its nodes are those of the gang
+        that took it (`nodes`: gang_spans' replicas → nodes, or one span for every gang, as on one
+        host); a record whose gang was not seen whole is left out, and so are the records of a
+        gang read after it moved to another span at the same size, since nothing says which span
+        ran them (all were one node, so a gang across nodes was fitted to the intra-node terms
+        and the model ranked spreading it above packing it).
 
         A sample's local batch is the step's own global batch (the record's `global_batch`) over
         its replicas: under batchRule scale-with-replicas the batch grows with the gang, and the
@@ -123,9 +128,9 @@ class GoodputPolicy:
         ran (at 2 replicas of globalBatch 16, 8 a replica where each computed 16), so the model
         saw a larger gang as slower per sample than it is. A step time or noise scale that is not
         a finite positive number is skipped: one infinite step time made every later fit fail."""
-        nodes = max(1, nodes)
-        span_changed = self._span is not None and nodes != self._span
-        self._span = nodes
+        spans = _spans_by_world(nodes, steps)
+        moved = {w for w, n in spans.items() if self._spans.get(w, n) != n}
+        self._spans.update(spans)
         learned = False
         for record in steps:
             if record.get("tokens") is not None:
@@ -134,14 +139,14 @@ class GoodputPolicy:
             if noise is not None:
                 self.noise_scale = noise
             world, seconds = int(record.get("world_size") or 0), _positive(record.get("step_seconds"))
-            if world < 1 or seconds is None:
+            if world < 1 or seconds is None or world not in spans:
                 continue
             local = float(record.get("global_batch") or self.global_batch) / world
-            config = (world, min(nodes, world), local)
+            config = (world, spans[world], local)
             if config != self._config:
                 self._config, self._since_change = config, 0
             self._since_change += 1
-            if span_changed or self._since_change <= self.skip_after_change:
+            if world in moved or self._since_change <= self.skip_after_change:
                 continue
             self._times.setdefault(config, collections.deque(maxlen=self.window)).append(seconds)
             self._learned += 1
@@ -151,7 +156,8 @@ class GoodputPolicy:
                                    for (w, n, b), times in sorted(self._times.items())])
 
     def decide(self, graph: model.Graph, observation: monitor.Observation) -> list[managers.Event]:
-        self.learn(observation.steps, len(set(observation.nodes.values())) or 1)
+        spans = gang_spans(observation, self.gpus_per_replica)
+        self.learn(observation.steps, 1 if spans is None else spans)
         step = observation.last_step
         if step is None or self._learned < self.min_samples:
             return []
@@ -233,6 +239,37 @@ class GoodputPolicy:
         if self.total_steps is None:
             return None
         return max(self.total_steps - step, 0) * self.global_batch
+
+
+def gang_spans(observation: monitor.Observation, ranks_per_replica: int) -> dict[int, int] | None:
+    """The nodes of each gang whose every replica answered, by the gang's replicas; None where
+    the backend names no nodes (one host: every gang spans one). A gang is the replicas whose
+    telemetry says its world: the span of all trainer pods counted a grow's new pods from the
+    moment they were placed, and dropped a shrink's leaving ones as they were deleted, while
+    the old gang still trained, so its steps were learned at a span it never ran on and the
+    inter-node cost vanished from the model. A gang missing a replica (one not started, not
+    answering, or leaving) is left out: nothing says where its steps ran."""
+    if not observation.nodes:
+        return None
+    members: dict[int, set[str]] = {}
+    for key, snap in observation.telemetry.items():
+        ranks = int(snap.get("world_size") or 0)
+        if ranks > 0:  # `<replica>/<local rank>` for a pod's other ranks: the pod is the replica
+            members.setdefault(max(1, ranks // max(1, ranks_per_replica)), set()).add(key.split("/")[0])
+    spans = {}
+    for world, replicas in members.items():
+        where = {observation.nodes.get(r) for r in replicas}
+        if len(replicas) == world and None not in where:
+            spans[world] = len(where)
+    return spans
+
+
+def _spans_by_world(nodes: int | Mapping[int, int], steps: list[dict]) -> dict[int, int]:
+    """learn()'s `nodes` as replicas → nodes for the records' worlds; one span is every gang's."""
+    if not isinstance(nodes, int):
+        return dict(nodes)
+    worlds = {int(r.get("world_size") or 0) for r in steps}
+    return {w: min(max(1, nodes), w) for w in worlds if w >= 1}
 
 
 def _positive(value: object) -> float | None:
