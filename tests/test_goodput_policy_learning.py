@@ -7,9 +7,11 @@ configuration (replicas, nodes, batch) and the pricing to the batch the trainer 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
+import job_support
 import numpy as np
 import pytest
 import yaml
@@ -18,6 +20,8 @@ from huorn import graph
 from huorn.api import kinds, manifests, training
 from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import observe
+from huorn.backends.local import backend as local_backend
+from huorn.backends.local import commands
 from huorn.graph import model
 from huorn.operator import allocation, index
 from huorn.runtime import telemetry as runtime_telemetry
@@ -243,3 +247,21 @@ def test_a_prior_far_from_the_measurements_is_anchored_to_their_level() -> None:
         measured = np.array([2 * s.local_batch / s.step_time for s in samples])
         errors[anchored] = float(np.max(np.abs(predicted / measured - 1)))
     assert errors[True] < 0.1 < 0.4 < errors[False]
+
+
+def test_a_pipelined_local_job_is_learned_at_its_replicas(tmp_path: Path) -> None:
+    """A local replica runs a rank per pipeline stage and the runtime logs the gang's ranks; the
+    local backend handed them on as replicas, so a 2-stage job's steps were learned at twice its
+    replicas and half their local batch, and its 2 replicas priced at 1.54× one replica's
+    throughput where they ran 1.11×."""
+    manifest = job_support.tiny_job(replicas=1, steps=40, micro_batch=2, parallelism={"pipelineStages": 2})
+    manifest["spec"]["elasticity"].update(maxReplicas=2, policy="goodput")
+    backend = local_backend.LocalBackend(graph.compile(manifest), tmp_path)
+    logged = [{"event": "step", "step": s, "world_size": 2 * replicas, "step_seconds": seconds,
+               "global_batch": 16} for replicas, seconds, steps in ((1, 0.148, range(1, 11)),
+                                                                     (2, 0.134, range(11, 21)))
+              for s in steps]
+    (tmp_path / commands.STEPS_FILE).write_text("".join(json.dumps(r) + "\n" for r in logged))
+    p = policy()
+    p.learn(backend.observe().steps)
+    assert samples(p) == [(1, 1, 16.0, 0.148), (2, 1, 8.0, 0.134)]
