@@ -212,7 +212,7 @@ def test_a_job_on_gpus_starts_from_its_familys_prior_at_its_size() -> None:
     dense = goodput.prior_model(training_spec(gpus=8))
     params = training.approximate_parameters(training_spec(8).model)
     assert 6.0e9 < params < 7.5e9
-    assert dense.prior == perfmodel.scale_prior("transformer", params / 1e9, "H200")
+    assert dense.prior == perfmodel.scale_prior("transformer", params / 1e9, "H200", gpus=8)
     moe = goodput.prior_model(training_spec(gpus=8, moe=True))
     assert moe.prior.gamma == perfmodel.FAMILY_PRIORS["moe"].gamma
     assert goodput.prior_model(training_spec(gpus=0)).prior == perfmodel.FAMILY_PRIORS["transformer-tiny"]
@@ -225,6 +225,25 @@ def test_a_job_on_gpus_starts_from_its_familys_prior_at_its_size() -> None:
                            / m.predict_many(np.array([1.0]), np.array([1.0]), np.array([4.0]))[0])
                for name, m in (("tiny", tiny), ("family", dense))}
     assert speedup["family"] < 0.6 * speedup["tiny"]
+
+
+def test_a_replica_of_several_gpus_starts_from_a_prior_that_computes_on_all_of_them() -> None:
+    """A pod runs a rank per GPU and its local batch is the pod's: 8 GPUs compute it about 8×
+    faster, and the gradient exchange between pods is no smaller. The prior priced an 8-GPU
+    replica as one GPU, so a cold 7B job of 8-GPU replicas was sped up 4.9× by 8 of them (the
+    one-GPU curve) where its exchange then dominates."""
+    one, eight = (goodput.prior_model(training_spec(gpus=g), "H100") for g in (1, 8))
+    assert (eight.prior.a_c, eight.prior.b_c) == pytest.approx((one.prior.a_c / 8, one.prior.b_c / 8))
+    assert eight.prior.alpha_inter == one.prior.alpha_inter and eight.prior.beta_intra == one.prior.beta_intra
+    speedups = {}
+    for gpus, cold in ((1, one), (8, eight)):
+        # one measurement at one replica: the anchored prior keeps its shape, at the measured level
+        measured = float(perfmodel.predict_step_time(cold.prior, 1, 1, 512.0))
+        cold.set_samples([perfmodel.Sample(1, 1, 512.0, measured)])
+        job = allocator.JobView("j", "vc", perf=cold, gpus_per_replica=gpus, min_replicas=1, max_replicas=8,
+                                base_batch=512.0, max_local_batch=512.0, batch_rule="fixed-global")
+        speedups[gpus] = allocator.Allocator(allocator.AllocatorConfig(gpus_per_node=8)).table(job).speedup[8]
+    assert speedups[1] > 4.0 and speedups[8] < 1.0, speedups
 
 
 def build_graph() -> model.Graph:

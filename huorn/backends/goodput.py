@@ -304,12 +304,15 @@ def prior_model(spec: training.TrainingJobSpec, gpu_type: str = "") -> perfmodel
     (PerfModel.anchor_prior): its shape is the family's, its level only a guess. The GPU type
     moves the shape too: on a slower GPU compute weighs more against the gradient exchange, and
     a job scales further (a 7B transformer's prior, 8 replicas of local batch 8 on one node:
-    4.3× one replica's throughput on an H200, 6.5× on an A100)."""
+    4.3× one replica's throughput on an H200, 6.5× on an A100). A replica of several GPUs
+    computes its batch on all of them (perfmodel.scale_prior's `gpus`): priced as one GPU, it
+    scaled as far as a one-GPU replica, where its exchange weighs `gpus` times more."""
     if not spec.resources.gpus:
         return perfmodel.PerfModel("transformer-tiny", params_b=0.001, gpu_type="cpu", anchor_prior=True)
     family = "moe" if spec.model.moe is not None else "transformer"
-    return perfmodel.PerfModel(family, params_b=training.approximate_parameters(spec.model) / 1e9,
-                               gpu_type=gpu_type, anchor_prior=True)
+    prior = perfmodel.scale_prior(family, training.approximate_parameters(spec.model) / 1e9, gpu_type,
+                                  gpus=spec.resources.gpus)
+    return perfmodel.PerfModel(family, prior=prior, anchor_prior=True)
 
 
 def repack(vertex: model.Vertex, decision: allocator.Decision, nodes: dict[str, str]) -> dict[str, Any]:
