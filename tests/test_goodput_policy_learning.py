@@ -25,7 +25,7 @@ from huorn.backends.local import commands
 from huorn.graph import model
 from huorn.operator import allocation, index
 from huorn.runtime import telemetry as runtime_telemetry
-from huorn.scheduler import allocator, perfmodel
+from huorn.scheduler import allocator, perfmodel, placement, snapshot
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 # A job whose network makes replicas cheap within a node and dear across nodes (Pollux's form).
@@ -284,3 +284,24 @@ def test_a_pipelined_local_job_is_learned_at_its_replicas(tmp_path: Path) -> Non
     p = policy()
     p.learn(backend.observe().steps)
     assert samples(p) == [(1, 1, 16.0, 0.148), (2, 1, 8.0, 0.134)]
+
+
+def test_a_noise_scale_read_from_steps_left_out_still_reaches_the_allocators_table() -> None:
+    """The allocator caches a job's goodput table by its model version, which counted only the
+    steps learned: the noise scale of steps left out (here the first two at a new batch) reached
+    the job's view, and the cached table, built at the old one, kept the batch it had chosen (16
+    where the new noise scale makes 128 nearly free)."""
+    g = build_graph()
+    p = goodput.GoodputPolicy("j", "vc", slots=2, global_batch=16.0, batch_rule="goodput",
+                              perf=perfmodel.PerfModel("transformer-tiny", params_b=0.001, gpu_type="cpu",
+                                                       anchor_prior=True))
+    p.decide(g, monitor.Observation(time=0.0, steps=records(1, range(1, 11), 0.26, gradient_noise_scale=1.0)))
+    before, first = p.model_version(), p.last_decision
+    assert first is not None and first.global_batch == 16.0
+    skipped = records(1, range(19, 21), 0.4, gradient_noise_scale=5000.0, global_batch=32)
+    p.decide(g, monitor.Observation(time=1.0, steps=skipped))
+    assert p.model_version() != before and p.view is not None and p.view.noise_scale == 5000.0
+    local = snapshot.ClusterSnapshot([placement.NodeView("local", 2, 2, virtual_cluster="vc")],
+                                     [snapshot.VirtualClusterView("vc")])
+    (fresh,) = allocator.Allocator(p.decider.config).allocate(local, [p.view], 1.0)
+    assert p.last_decision is not None and p.last_decision.global_batch == fresh.global_batch > 16.0

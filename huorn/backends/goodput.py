@@ -102,11 +102,18 @@ class GoodputPolicy:
     # after it moved to another span at the same size are left out (which span ran them?).
     _spans: dict[int, int] = field(default_factory=dict)
     _learned: int = 0  # step records the model has learned from
+    # Changes of the noise scale: the allocator's goodput table is built at one, and records left
+    # out of the model still bring a new one (model_version).
+    _noise_changes: int = 0
     _epoch: int = field(default_factory=lambda: next(_EPOCHS))
 
     def model_version(self) -> int:
-        """Changes whenever the model learns, and differs from every other policy's."""
-        return self._epoch * EPOCH_STRIDE + self._learned
+        """Changes whenever the model learns or the noise scale changes, and differs from every
+        other policy's. The allocator keeps a job's goodput table while its version stands, and
+        the table holds the noise scale it was built at: counting the steps learned alone, a noise
+        scale read from steps left out (warm-up, a gang not seen whole) reached the job's view and
+        not its table, which kept the batch the old noise scale had chosen."""
+        return self._epoch * EPOCH_STRIDE + self._learned + self._noise_changes
 
     def learn(self, steps: list[dict], nodes: int | Mapping[int, int] = 1) -> None:
         """Feed step records to the performance model: the median step time of each
@@ -136,8 +143,8 @@ class GoodputPolicy:
             if record.get("tokens") is not None:
                 self._trained = int(record["tokens"])
             noise = _positive(record.get("gradient_noise_scale"))
-            if noise is not None:
-                self.noise_scale = noise
+            if noise is not None and noise != self.noise_scale:
+                self.noise_scale, self._noise_changes = noise, self._noise_changes + 1
             world, seconds = int(record.get("world_size") or 0), _positive(record.get("step_seconds"))
             if world < 1 or seconds is None or world not in spans:
                 continue
