@@ -7,6 +7,7 @@ configuration (replicas, nodes, batch) and the pricing to the batch the trainer 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -305,3 +306,37 @@ def test_a_noise_scale_read_from_steps_left_out_still_reaches_the_allocators_tab
                                      [snapshot.VirtualClusterView("vc")])
     (fresh,) = allocator.Allocator(p.decider.config).allocate(local, [p.view], 1.0)
     assert p.last_decision is not None and p.last_decision.global_batch == fresh.global_batch > 16.0
+
+
+def test_a_step_is_priced_and_learned_at_its_slowest_ranks_whole_micro_batches() -> None:
+    """examples/training-job.yaml: globalBatch 512 in micro-batches of 8, 4 to 16 replicas. The
+    runtime deals the 64 micro-batches round-robin and the step waits for the rank with the most:
+    5 of them (40 samples) at 13, 14 and 15 replicas alike. Priced at 512 / replicas, 15 looked
+    7 % faster than 13 where it ran 1.5 % slower, and the allocator took 15 GPUs for 13's work."""
+    micro, params = 8, perfmodel.PolluxParams(0.05, 0.004, 0.05, 0.004, 0.2, 0.02, 2.0)
+
+    def step(replicas: int, local: float) -> float:
+        return float(perfmodel.predict_step_time(params, replicas, 1, local))
+
+    def runtime_step(replicas: int) -> float:
+        return step(replicas, math.ceil(512 / micro / replicas) * micro)
+
+    job = allocator.JobView("j", "vc", perf=perfmodel.PerfModel("transformer", prior=params),
+                            min_replicas=4, max_replicas=16, base_batch=512.0, max_local_batch=512.0,
+                            batch_rule="fixed-global", micro_batch=micro)
+    decider = allocator.Allocator(allocator.AllocatorConfig(gpus_per_node=16))
+    speedup = decider.table(job).speedup
+    for replicas in range(4, 17):
+        assert speedup[replicas] == pytest.approx(runtime_step(4) / runtime_step(replicas), rel=1e-6)
+    one_node = snapshot.ClusterSnapshot([placement.NodeView("n0", 16, 15, virtual_cluster="vc")],
+                                        [snapshot.VirtualClusterView("vc")])
+    (decision,) = decider.allocate(one_node, [job], 0.0)
+    assert decision.replicas == 13
+    # a job of no micro-batch size (the simulator's) is priced at the even split, as before
+    even = decider.table(dataclasses.replace(job, name="even", micro_batch=None)).speedup
+    assert even[15] == pytest.approx(step(4, 128.0) / step(15, 512 / 15), rel=1e-6)
+    assert even[15] > even[13]
+    # and a sample is learned at the local batch its step time is that of
+    p = goodput.GoodputPolicy("j", "vc", slots=16, global_batch=512.0, micro_batch=micro)
+    p.learn([{"step": s, "world_size": 13, "step_seconds": 0.5, "global_batch": 512} for s in range(1, 6)])
+    assert samples(p) == [(13, 1, 40.0, 0.5)]
