@@ -7,9 +7,12 @@ configuration (replicas, nodes, batch) and the pricing to the batch the trainer 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from pathlib import Path
 
+import job_support
 import numpy as np
 import pytest
 import yaml
@@ -18,9 +21,12 @@ from huorn import graph
 from huorn.api import kinds, manifests, training
 from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import observe
+from huorn.backends.local import backend as local_backend
+from huorn.backends.local import commands
 from huorn.graph import model
+from huorn.operator import allocation, index
 from huorn.runtime import telemetry as runtime_telemetry
-from huorn.scheduler import allocator, perfmodel
+from huorn.scheduler import allocator, perfmodel, placement, snapshot
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 # A job whose network makes replicas cheap within a node and dear across nodes (Pollux's form).
@@ -122,11 +128,54 @@ def test_samples_carry_the_span_of_the_trainers_and_a_window_across_a_change_is_
     p.learn(records(4, range(8, 12), 0.9), nodes=2)  # read across the move: which span ran them?
     p.learn(records(4, range(12, 16), 0.8), nodes=2)
     assert samples(p) == [(4, 1, 4.0, 0.3), (4, 2, 4.0, 0.8)]
-    # through decide: the span is the trainers' nodes in the observation
+    # through decide: the span is the nodes of the gang's replicas in the observation
     q = policy()
-    nodes = {"j-trainer-0": "a", "j-trainer-1": "b", "j-trainer-2": "b", "j-trainer-3": "a"}
-    q.decide(build_graph(), monitor.Observation(time=0.0, steps=records(4, range(1, 8), 0.8), nodes=nodes))
+    pods = [pod(0, "a"), pod(1, "b"), pod(2, "b"), pod(3, "a")]
+    q.decide(build_graph(), poll(pods, records(4, range(1, 8), 0.8)))
     assert [s.nodes for s in q.perf.samples] == [2]
+
+
+def pod(i: int, node: str, phase: str = "Running", deleting: bool = False) -> index.PodRecord:
+    return index.PodRecord("ns", f"j-trainer-{i}", "j", "trainer", f"j-trainer-{i}", node, 1, 1000, "vc",
+                           phase=phase, deleting=deleting, ip=f"10.0.0.{i}")
+
+
+def poll(pods: list[index.PodRecord], steps: list[dict]) -> monitor.Observation:
+    """What the operator's monitor reads of the pods (monitoring.fetch_observation, tick_job): the
+    telemetry of every running trainer not being deleted, each saying the world of its gang, and
+    where every trainer holding its GPUs is placed."""
+    world = steps[-1]["world_size"]
+    polled = [p for p in pods if p.phase == "Running" and not p.deleting]
+    snapshots = {p.instance: {"rank": rank, "world_size": world, "steps": steps}
+                 for rank, p in enumerate(polled)}
+    observation = observe.build_observation(0.0, snapshots, after_step=0, gpus_per_replica=1)
+    observation.nodes.update(allocation.trainer_nodes(pods))
+    return observation
+
+
+def test_a_gang_is_learned_at_its_own_span_while_a_resize_is_in_flight() -> None:
+    """A grow places its new pods at once and the old gang trains on while they start; a shrink's
+    leaving pods drop out of the span while the old gang still steps. The span of the trainer
+    pods put the old gang's steps at 2 nodes (grow) and at 1 (shrink), gangs that never ran
+    there: the inter-node cost vanished from the model, and it priced spreading a gang as cheap."""
+    g, grow = build_graph(), policy()
+    two = [pod(0, "a"), pod(1, "a")]
+    grow.decide(g, poll(two, records(2, range(1, 11), 0.25)))
+    growing = [*two, pod(2, "b", "Pending"), pod(3, "b", "Pending")]
+    for first, last in ((11, 16), (16, 26), (26, 36)):
+        grow.decide(g, poll(growing, records(2, range(first, last), 0.25)))
+    assert samples(grow) == [(2, 1, 8.0, 0.25)]
+    shrink = policy()
+    four = [pod(0, "a"), pod(1, "a"), pod(2, "b"), pod(3, "b")]
+    shrink.decide(g, poll(four, records(4, range(1, 11), 0.6)))
+    leaving = [*four[:2], pod(2, "b", deleting=True), pod(3, "b", deleting=True)]
+    for first, last in ((11, 14), (14, 20)):
+        shrink.decide(g, poll(leaving, records(4, range(first, last), 0.6)))
+    assert samples(shrink) == [(4, 2, 4.0, 0.6)]
+    # once the grown gang answers whole, its steps are learned at its span
+    grown = [*two, pod(2, "b"), pod(3, "b")]
+    grow.decide(g, poll(grown, records(4, range(36, 46), 0.5)))
+    assert samples(grow) == [(2, 1, 8.0, 0.25), (4, 2, 4.0, 0.5)]
 
 
 def test_a_step_taken_before_an_in_place_resize_keeps_its_own_world() -> None:
@@ -164,7 +213,7 @@ def test_a_job_on_gpus_starts_from_its_familys_prior_at_its_size() -> None:
     dense = goodput.prior_model(training_spec(gpus=8))
     params = training.approximate_parameters(training_spec(8).model)
     assert 6.0e9 < params < 7.5e9
-    assert dense.prior == perfmodel.scale_prior("transformer", params / 1e9, "H200")
+    assert dense.prior == perfmodel.scale_prior("transformer", params / 1e9, "H200", gpus=8)
     moe = goodput.prior_model(training_spec(gpus=8, moe=True))
     assert moe.prior.gamma == perfmodel.FAMILY_PRIORS["moe"].gamma
     assert goodput.prior_model(training_spec(gpus=0)).prior == perfmodel.FAMILY_PRIORS["transformer-tiny"]
@@ -177,6 +226,25 @@ def test_a_job_on_gpus_starts_from_its_familys_prior_at_its_size() -> None:
                            / m.predict_many(np.array([1.0]), np.array([1.0]), np.array([4.0]))[0])
                for name, m in (("tiny", tiny), ("family", dense))}
     assert speedup["family"] < 0.6 * speedup["tiny"]
+
+
+def test_a_replica_of_several_gpus_starts_from_a_prior_that_computes_on_all_of_them() -> None:
+    """A pod runs a rank per GPU and its local batch is the pod's: 8 GPUs compute it about 8×
+    faster, and the gradient exchange between pods is no smaller. The prior priced an 8-GPU
+    replica as one GPU, so a cold 7B job of 8-GPU replicas was sped up 4.9× by 8 of them (the
+    one-GPU curve) where its exchange then dominates."""
+    one, eight = (goodput.prior_model(training_spec(gpus=g), "H100") for g in (1, 8))
+    assert (eight.prior.a_c, eight.prior.b_c) == pytest.approx((one.prior.a_c / 8, one.prior.b_c / 8))
+    assert eight.prior.alpha_inter == one.prior.alpha_inter and eight.prior.beta_intra == one.prior.beta_intra
+    speedups = {}
+    for gpus, cold in ((1, one), (8, eight)):
+        # one measurement at one replica: the anchored prior keeps its shape, at the measured level
+        measured = float(perfmodel.predict_step_time(cold.prior, 1, 1, 512.0))
+        cold.set_samples([perfmodel.Sample(1, 1, 512.0, measured)])
+        job = allocator.JobView("j", "vc", perf=cold, gpus_per_replica=gpus, min_replicas=1, max_replicas=8,
+                                base_batch=512.0, max_local_batch=512.0, batch_rule="fixed-global")
+        speedups[gpus] = allocator.Allocator(allocator.AllocatorConfig(gpus_per_node=8)).table(job).speedup[8]
+    assert speedups[1] > 4.0 and speedups[8] < 1.0, speedups
 
 
 def build_graph() -> model.Graph:
@@ -199,3 +267,76 @@ def test_a_prior_far_from_the_measurements_is_anchored_to_their_level() -> None:
         measured = np.array([2 * s.local_batch / s.step_time for s in samples])
         errors[anchored] = float(np.max(np.abs(predicted / measured - 1)))
     assert errors[True] < 0.1 < 0.4 < errors[False]
+
+
+def test_a_pipelined_local_job_is_learned_at_its_replicas(tmp_path: Path) -> None:
+    """A local replica runs a rank per pipeline stage and the runtime logs the gang's ranks; the
+    local backend handed them on as replicas, so a 2-stage job's steps were learned at twice its
+    replicas and half their local batch, and its 2 replicas priced at 1.54× one replica's
+    throughput where they ran 1.11×."""
+    manifest = job_support.tiny_job(replicas=1, steps=40, micro_batch=2, parallelism={"pipelineStages": 2})
+    manifest["spec"]["elasticity"].update(maxReplicas=2, policy="goodput")
+    backend = local_backend.LocalBackend(graph.compile(manifest), tmp_path)
+    logged = [{"event": "step", "step": s, "world_size": 2 * replicas, "step_seconds": seconds,
+               "global_batch": 16} for replicas, seconds, steps in ((1, 0.148, range(1, 11)),
+                                                                     (2, 0.134, range(11, 21)))
+              for s in steps]
+    (tmp_path / commands.STEPS_FILE).write_text("".join(json.dumps(r) + "\n" for r in logged))
+    p = policy()
+    p.learn(backend.observe().steps)
+    assert samples(p) == [(1, 1, 16.0, 0.148), (2, 1, 8.0, 0.134)]
+
+
+def test_a_noise_scale_read_from_steps_left_out_still_reaches_the_allocators_table() -> None:
+    """The allocator caches a job's goodput table by its model version, which counted only the
+    steps learned: the noise scale of steps left out (here the first two at a new batch) reached
+    the job's view, and the cached table, built at the old one, kept the batch it had chosen (16
+    where the new noise scale makes 128 nearly free)."""
+    g = build_graph()
+    p = goodput.GoodputPolicy("j", "vc", slots=2, global_batch=16.0, batch_rule="goodput",
+                              perf=perfmodel.PerfModel("transformer-tiny", params_b=0.001, gpu_type="cpu",
+                                                       anchor_prior=True))
+    p.decide(g, monitor.Observation(time=0.0, steps=records(1, range(1, 11), 0.26, gradient_noise_scale=1.0)))
+    before, first = p.model_version(), p.last_decision
+    assert first is not None and first.global_batch == 16.0
+    skipped = records(1, range(19, 21), 0.4, gradient_noise_scale=5000.0, global_batch=32)
+    p.decide(g, monitor.Observation(time=1.0, steps=skipped))
+    assert p.model_version() != before and p.view is not None and p.view.noise_scale == 5000.0
+    local = snapshot.ClusterSnapshot([placement.NodeView("local", 2, 2, virtual_cluster="vc")],
+                                     [snapshot.VirtualClusterView("vc")])
+    (fresh,) = allocator.Allocator(p.decider.config).allocate(local, [p.view], 1.0)
+    assert p.last_decision is not None and p.last_decision.global_batch == fresh.global_batch > 16.0
+
+
+def test_a_step_is_priced_and_learned_at_its_slowest_ranks_whole_micro_batches() -> None:
+    """examples/training-job.yaml: globalBatch 512 in micro-batches of 8, 4 to 16 replicas. The
+    runtime deals the 64 micro-batches round-robin and the step waits for the rank with the most:
+    5 of them (40 samples) at 13, 14 and 15 replicas alike. Priced at 512 / replicas, 15 looked
+    7 % faster than 13 where it ran 1.5 % slower, and the allocator took 15 GPUs for 13's work."""
+    micro, params = 8, perfmodel.PolluxParams(0.05, 0.004, 0.05, 0.004, 0.2, 0.02, 2.0)
+
+    def step(replicas: int, local: float) -> float:
+        return float(perfmodel.predict_step_time(params, replicas, 1, local))
+
+    def runtime_step(replicas: int) -> float:
+        return step(replicas, math.ceil(512 / micro / replicas) * micro)
+
+    job = allocator.JobView("j", "vc", perf=perfmodel.PerfModel("transformer", prior=params),
+                            min_replicas=4, max_replicas=16, base_batch=512.0, max_local_batch=512.0,
+                            batch_rule="fixed-global", micro_batch=micro)
+    decider = allocator.Allocator(allocator.AllocatorConfig(gpus_per_node=16))
+    speedup = decider.table(job).speedup
+    for replicas in range(4, 17):
+        assert speedup[replicas] == pytest.approx(runtime_step(4) / runtime_step(replicas), rel=1e-6)
+    one_node = snapshot.ClusterSnapshot([placement.NodeView("n0", 16, 15, virtual_cluster="vc")],
+                                        [snapshot.VirtualClusterView("vc")])
+    (decision,) = decider.allocate(one_node, [job], 0.0)
+    assert decision.replicas == 13
+    # a job of no micro-batch size (the simulator's) is priced at the even split, as before
+    even = decider.table(dataclasses.replace(job, name="even", micro_batch=None)).speedup
+    assert even[15] == pytest.approx(step(4, 128.0) / step(15, 512 / 15), rel=1e-6)
+    assert even[15] > even[13]
+    # and a sample is learned at the local batch its step time is that of
+    p = goodput.GoodputPolicy("j", "vc", slots=16, global_batch=512.0, micro_batch=micro)
+    p.learn([{"step": s, "world_size": 13, "step_seconds": 0.5, "global_batch": 512} for s in range(1, 6)])
+    assert samples(p) == [(13, 1, 40.0, 0.5)]

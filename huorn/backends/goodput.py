@@ -16,7 +16,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +39,9 @@ class GoodputPolicy:
     slots: int  # replicas this backend can run at once
     global_batch: float
     vertex: str = "trainer"
-    # GPUs per replica, for the arbiter's placement (step records count replicas already: the
-    # operator's observation divides the ranks by the GPUs of a pod)
+    # GPUs per replica, for the arbiter's placement and to count the replicas of a gang from its
+    # ranks' telemetry (step records count replicas already: the operator's observation divides
+    # the ranks by the GPUs of a pod)
     gpus_per_replica: int = 1
     priority: int = 50  # among the other jobs an arbiter weighs it with
     perf: perfmodel.PerfModel = field(
@@ -76,7 +77,9 @@ class GoodputPolicy:
     # What the trainer does with its batch as the gang resizes (allocator.BATCH_RULES; the spec's
     # optimization.batchRule, see batch_rule_priced): the allocator prices the job at that batch.
     batch_rule: str = "fixed-global"
-    micro_batch: int = 1  # the spec's microBatch: a chosen global batch is whole micro-batches
+    # The spec's microBatch: a chosen global batch is whole micro-batches, and a step is priced
+    # and learned at its slowest rank's share of them (step_local_batch, JobView.micro_batch).
+    micro_batch: int = 1
     # batchRule goodput: how far the allocator may grow a replica's batch over globalBatch (the
     # trainer accumulates micro-batches, so memory does not bound it; the statistical efficiency
     # and this cap do). The other rules' replicas never run more than globalBatch.
@@ -97,51 +100,63 @@ class GoodputPolicy:
     _times: dict[tuple[int, int, float], collections.deque[float]] = field(default_factory=dict)
     _config: tuple[int, int, float] | None = None  # the newest record's configuration
     _since_change: int = 0  # records of that configuration in a row
-    _span: int | None = None  # the trainers' nodes at the previous observation
+    # The nodes each gang spanned when last seen whole, by its replicas: records of a gang read
+    # after it moved to another span at the same size are left out (which span ran them?).
+    _spans: dict[int, int] = field(default_factory=dict)
     _learned: int = 0  # step records the model has learned from
+    # Changes of the noise scale: the allocator's goodput table is built at one, and records left
+    # out of the model still bring a new one (model_version).
+    _noise_changes: int = 0
     _epoch: int = field(default_factory=lambda: next(_EPOCHS))
 
     def model_version(self) -> int:
-        """Changes whenever the model learns, and differs from every other policy's."""
-        return self._epoch * EPOCH_STRIDE + self._learned
+        """Changes whenever the model learns or the noise scale changes, and differs from every
+        other policy's. The allocator keeps a job's goodput table while its version stands, and
+        the table holds the noise scale it was built at: counting the steps learned alone, a noise
+        scale read from steps left out (warm-up, a gang not seen whole) reached the job's view and
+        not its table, which kept the batch the old noise scale had chosen."""
+        return self._epoch * EPOCH_STRIDE + self._learned + self._noise_changes
 
-    def learn(self, steps: list[dict], nodes: int = 1) -> None:
+    def learn(self, steps: list[dict], nodes: int | Mapping[int, int] = 1) -> None:
         """Feed step records to the performance model: the median step time of each
         configuration, over its last `window` steps, less the first `skip_after_change` steps of
         each run of one configuration.
 
         A record's replicas are its own `world_size` (the operator's observation converts each
         record's ranks): steps taken before an in-place resize and read after it were learned at
-        the new size, and made the grow look worthless for good. Its nodes are the trainers' span
-        when the records were read (`nodes`); records read across a change of span are left out,
-        since nothing says which span ran them (all were one node, so a gang across nodes was
-        fitted to the intra-node terms and the model ranked spreading it above packing it).
+        the new size, and made the grow look worthless for good. Its nodes are those of the gang
+        that took it (`nodes`: gang_spans' replicas → nodes, or one span for every gang, as on one
+        host); a record whose gang was not seen whole is left out, and so are the records of a
+        gang read after it moved to another span at the same size, since nothing says which span
+        ran them (all were one node, so a gang across nodes was fitted to the intra-node terms
+        and the model ranked spreading it above packing it).
 
         A sample's local batch is the step's own global batch (the record's `global_batch`) over
         its replicas: under batchRule scale-with-replicas the batch grows with the gang, and the
         spec's globalBatch ÷ replicas put the step times of a grown gang at a local batch it never
         ran (at 2 replicas of globalBatch 16, 8 a replica where each computed 16), so the model
-        saw a larger gang as slower per sample than it is. A step time or noise scale that is not
+        saw a larger gang as slower per sample than it is; it is then that of the slowest rank,
+        whole micro-batches (step_local_batch). A step time or noise scale that is not
         a finite positive number is skipped: one infinite step time made every later fit fail."""
-        nodes = max(1, nodes)
-        span_changed = self._span is not None and nodes != self._span
-        self._span = nodes
+        spans = _spans_by_world(nodes, steps)
+        moved = {w for w, n in spans.items() if self._spans.get(w, n) != n}
+        self._spans.update(spans)
         learned = False
         for record in steps:
             if record.get("tokens") is not None:
                 self._trained = int(record["tokens"])
             noise = _positive(record.get("gradient_noise_scale"))
-            if noise is not None:
-                self.noise_scale = noise
+            if noise is not None and noise != self.noise_scale:
+                self.noise_scale, self._noise_changes = noise, self._noise_changes + 1
             world, seconds = int(record.get("world_size") or 0), _positive(record.get("step_seconds"))
-            if world < 1 or seconds is None:
+            if world < 1 or seconds is None or world not in spans:
                 continue
-            local = float(record.get("global_batch") or self.global_batch) / world
-            config = (world, min(nodes, world), local)
+            local = self.step_local_batch(float(record.get("global_batch") or self.global_batch), world)
+            config = (world, spans[world], local)
             if config != self._config:
                 self._config, self._since_change = config, 0
             self._since_change += 1
-            if span_changed or self._since_change <= self.skip_after_change:
+            if world in moved or self._since_change <= self.skip_after_change:
                 continue
             self._times.setdefault(config, collections.deque(maxlen=self.window)).append(seconds)
             self._learned += 1
@@ -150,8 +165,15 @@ class GoodputPolicy:
             self.perf.set_samples([perfmodel.Sample(w, n, b, statistics.median(times))
                                    for (w, n, b), times in sorted(self._times.items())])
 
+    def step_local_batch(self, global_batch: float, world: int) -> float:
+        """The local batch a step's time is that of: its slowest rank's whole micro-batches
+        (allocator.slowest_local_batch), the configuration the allocator prices. At M / world,
+        13 replicas of a 512 batch in micro-batches of 8 put the time of 40 samples at 39.4."""
+        return float(allocator.slowest_local_batch(global_batch / world, max(1, self.micro_batch)))
+
     def decide(self, graph: model.Graph, observation: monitor.Observation) -> list[managers.Event]:
-        self.learn(observation.steps, len(set(observation.nodes.values())) or 1)
+        spans = gang_spans(observation, self.gpus_per_replica)
+        self.learn(observation.steps, 1 if spans is None else spans)
         step = observation.last_step
         if step is None or self._learned < self.min_samples:
             return []
@@ -177,6 +199,7 @@ class GoodputPolicy:
             restart_seconds=self.restart_seconds,
             resizes_in_place=self.in_place,
             batch_rule=self.batch_rule,
+            micro_batch=max(1, self.micro_batch),
             last_resize=last_resize,
             last_direction=last_direction,
             model_version=self.model_version(),
@@ -235,6 +258,37 @@ class GoodputPolicy:
         return max(self.total_steps - step, 0) * self.global_batch
 
 
+def gang_spans(observation: monitor.Observation, ranks_per_replica: int) -> dict[int, int] | None:
+    """The nodes of each gang whose every replica answered, by the gang's replicas; None where
+    the backend names no nodes (one host: every gang spans one). A gang is the replicas whose
+    telemetry says its world: the span of all trainer pods counted a grow's new pods from the
+    moment they were placed, and dropped a shrink's leaving ones as they were deleted, while
+    the old gang still trained, so its steps were learned at a span it never ran on and the
+    inter-node cost vanished from the model. A gang missing a replica (one not started, not
+    answering, or leaving) is left out: nothing says where its steps ran."""
+    if not observation.nodes:
+        return None
+    members: dict[int, set[str]] = {}
+    for key, snap in observation.telemetry.items():
+        ranks = int(snap.get("world_size") or 0)
+        if ranks > 0:  # `<replica>/<local rank>` for a pod's other ranks: the pod is the replica
+            members.setdefault(max(1, ranks // max(1, ranks_per_replica)), set()).add(key.split("/")[0])
+    spans = {}
+    for world, replicas in members.items():
+        where = {observation.nodes.get(r) for r in replicas}
+        if len(replicas) == world and None not in where:
+            spans[world] = len(where)
+    return spans
+
+
+def _spans_by_world(nodes: int | Mapping[int, int], steps: list[dict]) -> dict[int, int]:
+    """learn()'s `nodes` as replicas → nodes for the records' worlds; one span is every gang's."""
+    if not isinstance(nodes, int):
+        return dict(nodes)
+    worlds = {int(r.get("world_size") or 0) for r in steps}
+    return {w: min(max(1, nodes), w) for w in worlds if w >= 1}
+
+
 def _positive(value: object) -> float | None:
     """`value` as a finite number above 0, else None (absent, NaN, infinite, 0 or below)."""
     try:
@@ -267,12 +321,15 @@ def prior_model(spec: training.TrainingJobSpec, gpu_type: str = "") -> perfmodel
     (PerfModel.anchor_prior): its shape is the family's, its level only a guess. The GPU type
     moves the shape too: on a slower GPU compute weighs more against the gradient exchange, and
     a job scales further (a 7B transformer's prior, 8 replicas of local batch 8 on one node:
-    4.3× one replica's throughput on an H200, 6.5× on an A100)."""
+    4.3× one replica's throughput on an H200, 6.5× on an A100). A replica of several GPUs
+    computes its batch on all of them (perfmodel.scale_prior's `gpus`): priced as one GPU, it
+    scaled as far as a one-GPU replica, where its exchange weighs `gpus` times more."""
     if not spec.resources.gpus:
         return perfmodel.PerfModel("transformer-tiny", params_b=0.001, gpu_type="cpu", anchor_prior=True)
     family = "moe" if spec.model.moe is not None else "transformer"
-    return perfmodel.PerfModel(family, params_b=training.approximate_parameters(spec.model) / 1e9,
-                               gpu_type=gpu_type, anchor_prior=True)
+    prior = perfmodel.scale_prior(family, training.approximate_parameters(spec.model) / 1e9, gpu_type,
+                                  gpus=spec.resources.gpus)
+    return perfmodel.PerfModel(family, prior=prior, anchor_prior=True)
 
 
 def repack(vertex: model.Vertex, decision: allocator.Decision, nodes: dict[str, str]) -> dict[str, Any]:

@@ -12,8 +12,10 @@ IPS = {"trainer-0": "127.0.0.2", "trainer-1": "127.0.0.3"}
 
 
 class Ranks:
-    def __init__(self, job: str, gpus_per_replica: int = 1) -> None:
-        world = len(IPS) * gpus_per_replica
+    def __init__(self, job: str, gpus_per_replica: int = 1, replicas: int | None = None) -> None:
+        # `replicas`: the gang the ranks say they are in (every replica by default). A job started
+        # smaller must say so: the goodput policy learns a step only from a gang that answers whole.
+        world = (len(IPS) if replicas is None else replicas) * gpus_per_replica
         self.by_replica: dict[str, runtime_telemetry.Telemetry] = {}
         self.port = 0
         for rank, (replica, ip) in enumerate(IPS.items()):

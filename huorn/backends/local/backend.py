@@ -44,6 +44,16 @@ def _killed(pid: int, instance: str, code: int) -> str:
     return f"worker pid {pid} of {instance} was killed by {_SIGNALS.get(code, code)}"
 
 
+def replica_record(record: dict[str, Any], ranks_per_replica: int) -> dict[str, Any]:
+    """A step record whose `world_size` counts replicas, as the operator's observation does
+    (kubernetes.observe.build_observation): the goodput policy learned a 2-stage job's steps at
+    twice its replicas and half their local batch, and priced its 2 replicas at 1.54× one
+    replica's throughput where they ran 1.11×."""
+    if not record.get("world_size"):
+        return record
+    return {**record, "world_size": max(1, int(record["world_size"]) // ranks_per_replica)}
+
+
 class LocalBackendError(RuntimeError):
     """Something on this machine prevented the graph from being materialised."""
 
@@ -85,6 +95,10 @@ class LocalBackend:
         self._current: list[desired.DesiredResource] = []
         self._inputs: dict[str, dict[str, Any] | None] = {}  # on-demand instance → its checkpoint
         self._applied_version = 0
+        # A replica runs one rank per pipeline stage (commands.build_agent_command), and the
+        # runtime logs the gang's ranks; the monitor and its policies count replicas.
+        trainer = graph.vertices.get("trainer")
+        self.ranks_per_replica = max(1, int(trainer.params.get("pipelineStages", 1))) if trainer else 1
 
     # -- paths -----------------------------------------------------------------------------------
     def volume_path(self, name: str) -> Path:
@@ -306,7 +320,8 @@ class LocalBackend:
         for key, proc in self.processes.items():
             observation.instances[proc.name] = self._instance_state(key, proc)
         records = self._read_new_records()
-        observation.steps = [r for r in records if r.get("event") == "step"]
+        observation.steps = [replica_record(r, self.ranks_per_replica) for r in records
+                             if r.get("event") == "step"]
         checkpoints = [r for r in records if r.get("event") == "checkpoint"]
         if checkpoints:
             observation.checkpoint = {
