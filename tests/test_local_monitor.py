@@ -7,6 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import job_support
 import pytest
 import yaml
 
@@ -154,6 +155,24 @@ def test_report_is_written_from_run_files(tmp_path: Path) -> None:
     for picture in ("loss.png", "throughput.png", "graph.png"):
         assert (tmp_path / picture).read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "graph.json").read_text())["summary"]["mutations"] == 1
+
+
+def test_the_report_of_a_pipelined_run_counts_replicas_not_ranks(tmp_path: Path) -> None:
+    """A 2-stage replica runs 2 ranks and the step log's `world_size` counts the gang's ranks; the
+    report showed a run at 1 then 2 replicas as "Replicas over the run: 2, 4" and filed its
+    throughput under 2 and 4 replicas."""
+    manifest = job_support.tiny_job(replicas=1, steps=20, micro_batch=2, parallelism={"pipelineStages": 2})
+    manifest["spec"]["elasticity"].update(maxReplicas=2)
+    records = [{"event": "step", "step": s, "loss": 1.0, "world_size": ranks, "tokens_per_second": tps,
+                "time": 100.0 + s} for ranks, tps, steps in ((2, 1000.0, range(1, 11)),
+                                                             (4, 1800.0, range(11, 21))) for s in steps]
+    (tmp_path / commands.STEPS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    g = graph.compile(manifest)
+    text = report.write_report(tmp_path, g, "finished").read_text()
+    assert "- Replicas over the run (in order): 1, 2" in text
+    assert "| 1 | 10 | 1000 |" in text and "| 2 | 10 | 1800 |" in text and "| 4 |" not in text
+    steps = report.replica_steps(report.read_records(tmp_path), g)  # what `huorn run --json` says
+    assert report.summarise_steps(steps).world_sizes == [1, 2]
 
 
 def test_recovery_counts_an_in_place_regroup_as_the_gang_stepping_again() -> None:

@@ -43,3 +43,18 @@ def test_noise_scale_is_read_from_the_log() -> None:
     scale = telemetry.noise_scale_from_step_events(events, window=5)
     assert scale == pytest.approx(sum(reported[-5:]) / 5)
     assert telemetry.noise_scale_from_step_events(events[:3]) is None
+
+
+def test_a_pipelined_job_is_sampled_at_its_replicas_not_its_ranks() -> None:
+    """A 2-stage replica runs 2 ranks and the runtime logs the gang's ranks as `world_size`; read
+    as replicas, 1 and 2 replicas of global batch 16 were sampled at (2, 8.0) and (4, 4.0)."""
+    events: list[dict] = []
+    for replicas, seconds in ((1, 0.148), (2, 0.134)):
+        events.append({"event": "start", "world_size": 2 * replicas, "global_batch": 16})
+        events += [{"event": "step", "world_size": 2 * replicas, "step_seconds": seconds}] * 6
+    samples = telemetry.samples_from_step_events(events, ranks_per_replica=2)
+    assert [(s.replicas, s.nodes, s.local_batch, s.step_time) for s in samples] == [
+        (1, 1, 16.0, 0.148), (2, 1, 8.0, 0.134)]
+    # one rank a replica (the default) reads the log as it always did
+    assert [(s.replicas, s.local_batch) for s in telemetry.samples_from_step_events(events)] == [
+        (2, 8.0), (4, 4.0)]

@@ -301,9 +301,7 @@ def run_command(
         outcome = _drive(loop, backend, view, interval, stall_timeout)
     path = report.write_report(directory, g, outcome, "huorn run " + shlex.join(sys.argv[2:]))
     if as_json:
-        steps = report.summarise_steps(
-            [r for r in report.read_records(directory) if r.get("event") == "step"]
-        )
+        steps = report.summarise_steps(report.replica_steps(report.read_records(directory), g))
         typer.echo(
             json.dumps(
                 {

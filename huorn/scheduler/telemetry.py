@@ -17,9 +17,15 @@ from collections.abc import Iterable
 from huorn.scheduler import perfmodel
 
 
-def samples_from_step_events(events: Iterable[dict], nodes: int = 1, skip_first: int = 2
-                             ) -> list[perfmodel.Sample]:
-    """Median step time per (world size, local batch) seen in the log; `nodes` the gang spanned.
+def samples_from_step_events(events: Iterable[dict], nodes: int = 1, skip_first: int = 2,
+                             ranks_per_replica: int = 1) -> list[perfmodel.Sample]:
+    """Median step time per (replicas, local batch) seen in the log; `nodes` the gang spanned.
+
+    The log's `world_size` counts the gang's ranks and a sample counts replicas, the unit the
+    allocator hands out, so it is divided by `ranks_per_replica`: the pipeline stages of a local
+    replica, the GPUs of a pod (as backends.local.backend.replica_record and
+    backends.kubernetes.observe.build_observation do). Read as replicas, a 2-stage job's log was
+    learned at twice its replicas and half their local batch.
 
     A step's batch is its own `global_batch`, else the last `start`'s or `regroup`'s: under
     batchRule scale-with-replicas it grows with the gang, and read from the `start` alone the
@@ -37,7 +43,7 @@ def samples_from_step_events(events: Iterable[dict], nodes: int = 1, skip_first:
             since_start += 1
             if since_start <= skip_first or not event.get("step_seconds"):
                 continue
-            world = int(event["world_size"])
+            world = max(1, int(event["world_size"]) // max(1, ranks_per_replica))
             batch = float(event.get("global_batch") or global_batch or 0)
             per_config.setdefault((world, batch / world), []).append(float(event["step_seconds"]))
     return [perfmodel.Sample(world, min(nodes, world), local, statistics.median(times))

@@ -54,6 +54,13 @@ def replica_record(record: dict[str, Any], ranks_per_replica: int) -> dict[str, 
     return {**record, "world_size": max(1, int(record["world_size"]) // ranks_per_replica)}
 
 
+def ranks_per_replica(graph: model.Graph) -> int:
+    """The ranks one local replica runs, the unit of the step log's `world_size`: one per pipeline
+    stage (commands.build_agent_command starts nproc_per_node = pipelineStages)."""
+    trainer = graph.vertices.get("trainer")
+    return max(1, int(trainer.params.get("pipelineStages", 1))) if trainer else 1
+
+
 class LocalBackendError(RuntimeError):
     """Something on this machine prevented the graph from being materialised."""
 
@@ -97,8 +104,7 @@ class LocalBackend:
         self._applied_version = 0
         # A replica runs one rank per pipeline stage (commands.build_agent_command), and the
         # runtime logs the gang's ranks; the monitor and its policies count replicas.
-        trainer = graph.vertices.get("trainer")
-        self.ranks_per_replica = max(1, int(trainer.params.get("pipelineStages", 1))) if trainer else 1
+        self.ranks_per_replica = ranks_per_replica(graph)
 
     # -- paths -----------------------------------------------------------------------------------
     def volume_path(self, name: str) -> Path:

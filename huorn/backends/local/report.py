@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from huorn.api import files
-from huorn.backends.local import commands
+from huorn.backends.local import backend, commands
 from huorn.graph import model, render, serialise
 
 
@@ -45,6 +45,14 @@ def read_records(run_dir: Path, name: str = commands.STEPS_FILE) -> list[dict[st
         except ValueError:
             continue
     return out
+
+
+def replica_steps(records: list[dict[str, Any]], graph: model.Graph) -> list[dict[str, Any]]:
+    """The step records, each `world_size` in replicas (backend.replica_record): the runtime logs
+    the gang's ranks, and a pipelined replica runs one a stage, so a 2-stage run at 1 then 2
+    replicas was reported as "Replicas over the run: 2, 4", and its throughput filed by ranks."""
+    per_replica = backend.ranks_per_replica(graph)
+    return [backend.replica_record(r, per_replica) for r in records if r.get("event") == "step"]
 
 
 def summarise_steps(steps: list[dict[str, Any]]) -> StepSummary:
@@ -113,7 +121,7 @@ def plot_throughput(steps: list[dict[str, Any]], mutations: list[model.Mutation]
     ax.set_ylabel("tokens / s", color="tab:blue")
     twin = ax.twinx()
     twin.step(times, [r["world_size"] for r in steps], where="post", color="tab:green", lw=1.5)
-    twin.set_ylabel("replicas (world size)", color="tab:green")
+    twin.set_ylabel("replicas", color="tab:green")
     twin.set_ylim(0, max([r["world_size"] for r in steps], default=1) + 1)
     marks = {}
     for m in mutations:
@@ -149,7 +157,7 @@ def write_report(run_dir: Path, graph: model.Graph, outcome: str, command: str =
     """Write report.md, loss.png, throughput.png, graph.png and graph.json into `run_dir`."""
     run_dir = Path(run_dir)
     records = read_records(run_dir)
-    steps = [r for r in records if r.get("event") == "step"]
+    steps = replica_steps(records, graph)
     checkpoints = [r for r in records if r.get("event") == "checkpoint"]
     actions = read_records(run_dir, "actions.jsonl")
     summary = summarise_steps(steps)
@@ -172,7 +180,7 @@ def write_report(run_dir: Path, graph: model.Graph, outcome: str, command: str =
         f"- Steps: {summary.last} (last loss {final.get('loss', float('nan')):.4f})"
         if steps
         else "- Steps: none",
-        f"- Replicas over the run (world sizes in order): {', '.join(map(str, summary.world_sizes)) or '-'}",
+        f"- Replicas over the run (in order): {', '.join(map(str, summary.world_sizes)) or '-'}",
         f"- Graph version: {graph.version}, mutations: {graph.mutation_count}",
         f"- Checkpoints written: {len(checkpoints)}"
         + (f" (last at step {checkpoints[-1]['step']})" if checkpoints else ""),
