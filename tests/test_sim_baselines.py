@@ -143,8 +143,25 @@ def test_six_pollux_forms_and_the_best_pollux_is_taken_over_all_of_them() -> Non
     assert report.best_pollux(suffixed, suffix="+x") == "pollux-p-1+x"
 
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+REGISTERING = ("scheduling_huorn_settings", "scheduling_pollux_borrowing", "study_common")
+
+
+@pytest.fixture
+def benchmark_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The study modules register their variants in policies.POLICIES when imported. Each test
+    that imports one gets its own copy of the registry, and imports the module afresh into it, so
+    the variants never reach the other tests of the worker: test_sim_board checks every registered
+    policy's board, and `huorn simulate --policy all` runs every registered policy (both failed
+    after these tests ran in the same worker)."""
+    monkeypatch.setattr(policies, "POLICIES", dict(policies.POLICIES))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    for name in REGISTERING:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+@pytest.mark.usefixtures("benchmark_modules")
 def test_the_benchmarks_take_the_best_pollux_over_all_six_forms() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import scheduling_huorn_settings
     import study_common
 
@@ -159,10 +176,10 @@ def test_the_benchmarks_take_the_best_pollux_over_all_six_forms() -> None:
 
 # ---------------------------------------------------------------- the borrowing study (finding 1)
 
+@pytest.mark.usefixtures("benchmark_modules")
 def test_the_borrowing_study_compares_huorn_with_the_best_pollux_with_and_without_loaning() -> None:
     """benchmarks/scheduling_pollux_borrowing.py: each Pollux form also borrows as Kueue lends,
     Huorn also runs without loaning, and each margin is taken over all six forms of its kind."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import scheduling_pollux_borrowing as study
 
     for form in policies.POLLUX_FORMS:
@@ -201,3 +218,9 @@ def test_saturated_goodput_per_gpu_in_use_divides_by_the_gpus_each_policy_held()
     # the per-tick series of GPU-seconds ends with the run's total
     for sim in sims.values():
         assert sim.totals.series_gpu_seconds[-1][1] == pytest.approx(sim.totals.train_gpu_seconds)
+
+
+def test_no_study_variant_is_left_registered_by_the_tests_before() -> None:
+    """Runs after the tests above that import study modules (file order, where one worker runs
+    them all): the registry holds the simulator's own policies only."""
+    assert set(policies.POLICIES) == set(report.ORDER)
