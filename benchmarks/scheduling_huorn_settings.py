@@ -16,20 +16,15 @@ as the baseline of each seed, in one run.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
-from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
-from rich.progress import track
+from study_common import TRACE, run_seeds, seed_list, seed_study_arguments
 
 from huorn.scheduler import allocator
-from huorn.sim import engine, policies, report, run, shared_data
+from huorn.sim import engine, policies, report, run
 
-DATA = shared_data.shared_data_dir()
-TRACE = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv", DATA / "genai_qps.csv")
 POLLUXES = policies.POLLUX_FORMS  # the best of them per seed is the baseline (report.best_pollux)
 # Each step on top of the ones before; the last is allocator.HUORN as committed.
 BEFORE = dataclasses.replace(allocator.HUORN, in_place_share=1.0, protect_finishing_restarts=5.0,
@@ -58,15 +53,6 @@ def _register() -> None:
 _register()
 
 
-def _seeds(text: str) -> list[int]:
-    """Seeds as ranges and single ones, "0-9,12,20-29"; "none" is no seed."""
-    seeds: list[int] = []
-    for part in filter(None, text.replace("none", "").split(",")):
-        first, _, last = part.partition("-")
-        seeds += range(int(first), int(last or first) + 1)
-    return seeds
-
-
 def _one(task: tuple[int, int, float, str]) -> dict:
     seed, gpus, load, qps_start = task
     config = engine.SimConfig(gpus=gpus, seed=seed, load=load, qps_start=qps_start)
@@ -85,20 +71,11 @@ def _one(task: tuple[int, int, float, str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="0-19", help="ranges and seeds: 0-19, or 0,3,20-29")
+    parser = seed_study_arguments(__doc__, "0-19", "huorn_settings.json")
     parser.add_argument("--tuned", default="0-9", help="the seeds the settings were chosen on, or none")
-    parser.add_argument("--gpus", type=int, default=128)
-    parser.add_argument("--load", type=float, default=0.8)
-    parser.add_argument("--qps-start", default="middle", choices=("middle", "beginning"))
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--output", type=Path,
-                        default=Path("benchmarks/results/scheduling_sim/huorn_settings.json"))
     args = parser.parse_args()
-    seeds, tuned = _seeds(args.seeds), set(_seeds(args.tuned))
-    tasks = [(seed, args.gpus, args.load, args.qps_start) for seed in seeds]
-    with ProcessPoolExecutor(args.workers) as pool:
-        runs = list(track(pool.map(_one, tasks), total=len(tasks), description="seeds"))
+    seeds, tuned = seed_list(args.seeds), set(seed_list(args.tuned))
+    runs = run_seeds(_one, args, seeds)
     groups = {"tuned": [r for r in runs if r["seed"] in tuned],
               "held_out": [r for r in runs if r["seed"] not in tuned], "all": runs}
     summary = {name: {step: statistics.fmean(r["huorn"][step]["jct_reduction_vs_best_pollux"] for r in rows)

@@ -28,15 +28,11 @@ stay as they are.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
-from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
-from rich.progress import track
-from study_common import TRACE
+from study_common import TRACE, run_seeds, seed_list, seed_study_arguments
 
 from huorn.sim import engine, policies, report, run
 
@@ -54,15 +50,6 @@ def _register() -> None:
 
 
 _register()
-
-
-def _seeds(text: str) -> list[int]:
-    """Seeds as ranges and single ones, "0-9,12,20-29"."""
-    seeds: list[int] = []
-    for part in filter(None, text.split(",")):
-        first, _, last = part.partition("-")
-        seeds += range(int(first), int(last or first) + 1)
-    return seeds
 
 
 def _one(task: tuple[int, int, float, str]) -> dict:
@@ -86,18 +73,8 @@ def _one(task: tuple[int, int, float, str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="0-4", help="ranges and seeds: 0-4, or 0,3,20-29")
-    parser.add_argument("--gpus", type=int, default=128)
-    parser.add_argument("--load", type=float, default=0.8)
-    parser.add_argument("--qps-start", default="middle", choices=("middle", "beginning"))
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--output", type=Path,
-                        default=Path("benchmarks/results/scheduling_sim/pollux_borrowing.json"))
-    args = parser.parse_args()
-    tasks = [(seed, args.gpus, args.load, args.qps_start) for seed in _seeds(args.seeds)]
-    with ProcessPoolExecutor(args.workers) as pool:
-        runs = list(track(pool.map(_one, tasks), total=len(tasks), description="seeds"))
+    args = seed_study_arguments(__doc__, "0-4", "pollux_borrowing.json").parse_args()
+    runs = run_seeds(_one, args, seed_list(args.seeds))
     summary = {key: {"mean": statistics.fmean(r[key] for r in runs), "min": min(r[key] for r in runs),
                      "max": max(r[key] for r in runs)} for key in MARGINS}
     print(f"Huorn's mean JCT below the best Pollux, {args.gpus} GPUs, load {args.load:g}, {args.qps_start}:")

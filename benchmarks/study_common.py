@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from rich.progress import track
 
 from huorn.sim import policies, shared_data
 
@@ -28,6 +31,36 @@ def arguments(doc: str, cases: str, output: str) -> argparse.ArgumentParser:
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/scheduling_sim") / output)
     parser.add_argument("--plot-only", action="store_true", help="redraw the plot from --output's JSON")
     return parser
+
+
+def seed_list(text: str) -> list[int]:
+    """Seeds as ranges and single ones, "0-9,12,20-29"; "none" is no seed (a run of only the
+    other seed set)."""
+    found: list[int] = []
+    for part in filter(None, text.replace("none", "").split(",")):
+        first, _, last = part.partition("-")
+        found += range(int(first), int(last or first) + 1)
+    return found
+
+
+def seed_study_arguments(doc: str, seeds: str, output: str) -> argparse.ArgumentParser:
+    """The options of a study over many seeds of one case (the settings and borrowing studies)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--seeds", default=seeds, help=f"ranges and seeds: {seeds}, or 0,3,20-29")
+    parser.add_argument("--gpus", type=int, default=128)
+    parser.add_argument("--load", type=float, default=0.8)
+    parser.add_argument("--qps-start", default="middle", choices=("middle", "beginning"))
+    parser.add_argument("--workers", type=int, default=2, help="seeds run at once, one process each")
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/scheduling_sim") / output)
+    return parser
+
+
+def run_seeds(one: Callable[[tuple[int, int, float, str]], dict], args: argparse.Namespace,
+              seeds: list[int]) -> list[dict]:
+    """`one((seed, gpus, load, qps_start))` for every seed, `args.workers` at a time, in order."""
+    tasks = [(seed, args.gpus, args.load, args.qps_start) for seed in seeds]
+    with ProcessPoolExecutor(args.workers) as pool:
+        return list(track(pool.map(one, tasks), total=len(tasks), description="seeds"))
 
 
 def case(text: str) -> tuple[int, int, float]:

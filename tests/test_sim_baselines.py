@@ -186,7 +186,7 @@ def test_the_borrowing_study_compares_huorn_with_the_best_pollux_with_and_withou
         spec = policies.POLICIES[f"{form}{study.LOAN}"]
         assert spec == dataclasses.replace(policies.POLICIES[form], name=spec.name, loaning="kueue")
     assert policies.POLICIES[study.NOLOAN].loaning == "none"
-    assert study._seeds("0-2,7") == [0, 1, 2, 7]
+    assert study.seed_list("0-2,7") == [0, 1, 2, 7] and study.seed_list("none") == []
     row = study._one((1, 32, 0.8, "middle"))
     jct = {name: p["jct_mean_s"] for name, p in row["policies"].items()}
     assert row["best_pollux"] in policies.POLLUX_FORMS
