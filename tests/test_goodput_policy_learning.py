@@ -23,9 +23,11 @@ from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import observe
 from huorn.backends.local import backend as local_backend
 from huorn.backends.local import commands
+from huorn.cli import run as cli_run
 from huorn.graph import model
-from huorn.operator import allocation, index
+from huorn.operator import allocation, index, monitoring
 from huorn.runtime import telemetry as runtime_telemetry
+from huorn.runtime.data import sampler
 from huorn.scheduler import allocator, perfmodel, placement, snapshot
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
@@ -340,3 +342,46 @@ def test_a_step_is_priced_and_learned_at_its_slowest_ranks_whole_micro_batches()
     p = goodput.GoodputPolicy("j", "vc", slots=16, global_batch=512.0, micro_batch=micro)
     p.learn([{"step": s, "world_size": 13, "step_seconds": 0.5, "global_batch": 512} for s in range(1, 6)])
     assert samples(p) == [(13, 1, 40.0, 0.5)]
+
+
+def goodput_job(gpus: int, stages: int = 1) -> object:
+    """A TrainingJob of 8-GPU-style pods under the goodput policy, as the operator reads it."""
+    body = {"apiVersion": "huorn.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "pods"},
+            "spec": {"virtualCluster": "train", "resources": {"gpus": gpus},
+                     "parallelism": {"pipelineStages": stages},
+                     "model": {"layers": 8, "width": 512, "heads": 8, "vocabulary": 32000, "context": 512},
+                     "elasticity": {"minReplicas": 2, "maxReplicas": 8, "policy": "goodput"},
+                     "optimization": {"steps": 100, "globalBatch": 512, "microBatch": 8}}}
+    return kinds.RESOURCE_MODELS["TrainingJob"].model_validate(body)
+
+
+def test_a_pods_slowest_share_is_counted_over_every_rank_of_the_gang() -> None:
+    """A pod of 8 GPUs runs 8 ranks, and the runtime deals the micro-batches over all of the
+    gang's ranks: 5 and 6 pods (512 in micro-batches of 8) each run 128 samples a pod, as 4 do.
+    Rounded per pod, they were priced and learned at 104 and 88, so the model saw them faster
+    than they ran and filed their step times under batches they never ran (a final review)."""
+    policy = monitoring.build_policies(goodput_job(gpus=8), ("default", 1)).goodput
+    assert policy is not None and policy.data_ranks_per_replica == 8
+    for pods in range(2, 9):
+        ranks = pods * 8
+        slowest = max(len(sampler.assign_micro_batches(512 // 8, ranks, r)) for r in range(ranks)) * 8
+        assert policy.step_local_batch(512.0, pods) == slowest * 8, pods  # a pod: 8 such ranks
+    assert policy.step_local_batch(512.0, 5) == policy.step_local_batch(512.0, 4) == 128.0
+    # two pipeline stages a pod of 8 GPUs: 4 data-parallel ranks
+    piped = monitoring.build_policies(goodput_job(gpus=8, stages=2), ("default", 1)).goodput
+    assert piped is not None and piped.data_ranks_per_replica == 4
+
+
+def test_huorn_run_prices_a_replica_as_the_one_rank_it_starts() -> None:
+    """`huorn run` starts one data-parallel rank a replica whatever resources.gpus asks for a pod;
+    its prior divided compute by the spec's GPUs, so a manifest of 8-GPU pods run locally started
+    with compute 8 times too short against the exchange."""
+    priors = []
+    for gpus in (1, 8):
+        manifest = job_support.tiny_job(replicas=1, steps=40, micro_batch=2,
+                                        resources={"gpus": gpus, "cpu": 8})
+        manifest["spec"]["elasticity"].update(maxReplicas=4, policy="goodput")
+        (policy,) = cli_run.build_policies(graph.compile(manifest), [], "goodput", slots=4)
+        assert isinstance(policy, goodput.GoodputPolicy) and policy.data_ranks_per_replica == 1
+        priors.append(policy.perf.prior)
+    assert priors[0] == priors[1]

@@ -80,6 +80,12 @@ class GoodputPolicy:
     # The spec's microBatch: a chosen global batch is whole micro-batches, and a step is priced
     # and learned at its slowest rank's share of them (step_local_batch, JobView.micro_batch).
     micro_batch: int = 1
+    # The data-parallel ranks of one replica: a pod of 8 GPUs runs 8, and the runtime deals the
+    # micro-batches over every rank of the gang, so a replica's slowest share comes in units of
+    # micro_batch × this. Counted per replica, 5 and 6 pods of 8 GPUs (512 in micro-batches of 8)
+    # were priced at 104 and 88 samples a pod where each ran 128, as 4 pods do. Locally a replica
+    # is one data-parallel rank (its processes, if several, are pipeline stages).
+    data_ranks_per_replica: int = 1
     # batchRule goodput: how far the allocator may grow a replica's batch over globalBatch (the
     # trainer accumulates micro-batches, so memory does not bound it; the statistical efficiency
     # and this cap do). The other rules' replicas never run more than globalBatch.
@@ -169,7 +175,11 @@ class GoodputPolicy:
         """The local batch a step's time is that of: its slowest rank's whole micro-batches
         (allocator.slowest_local_batch), the configuration the allocator prices. At M / world,
         13 replicas of a 512 batch in micro-batches of 8 put the time of 40 samples at 39.4."""
-        return float(allocator.slowest_local_batch(global_batch / world, max(1, self.micro_batch)))
+        return float(allocator.slowest_local_batch(global_batch / world, self.replica_micro_batch()))
+
+    def replica_micro_batch(self) -> int:
+        """The unit a replica's slowest share comes in: a micro-batch on each of its ranks."""
+        return max(1, self.micro_batch) * max(1, self.data_ranks_per_replica)
 
     def decide(self, graph: model.Graph, observation: monitor.Observation) -> list[managers.Event]:
         spans = gang_spans(observation, self.gpus_per_replica)
@@ -199,7 +209,7 @@ class GoodputPolicy:
             restart_seconds=self.restart_seconds,
             resizes_in_place=self.in_place,
             batch_rule=self.batch_rule,
-            micro_batch=max(1, self.micro_batch),
+            micro_batch=self.replica_micro_batch(),
             last_resize=last_resize,
             last_direction=last_direction,
             model_version=self.model_version(),
@@ -310,7 +320,8 @@ def batch_rule_priced(spec: training.TrainingJobSpec) -> str:
     return "fixed-global"
 
 
-def prior_model(spec: training.TrainingJobSpec, gpu_type: str = "") -> perfmodel.PerfModel:
+def prior_model(spec: training.TrainingJobSpec, gpu_type: str = "", gpus_per_replica: int | None = None
+                ) -> perfmodel.PerfModel:
     """A job's performance model before its first step: the prior of its model family scaled to
     its size (transformer, or moe) and to `gpu_type` (a `perfmodel.GPU_SPEED` key: the operator
     reads it from its cluster's nodes, `huorn run` from the CUDA device; "" for an H200, the GPU
@@ -323,12 +334,15 @@ def prior_model(spec: training.TrainingJobSpec, gpu_type: str = "") -> perfmodel
     a job scales further (a 7B transformer's prior, 8 replicas of local batch 8 on one node:
     4.3× one replica's throughput on an H200, 6.5× on an A100). A replica of several GPUs
     computes its batch on all of them (perfmodel.scale_prior's `gpus`): priced as one GPU, it
-    scaled as far as a one-GPU replica, where its exchange weighs `gpus` times more."""
+    scaled as far as a one-GPU replica, where its exchange weighs `gpus` times more.
+    `gpus_per_replica`: the GPUs a replica really computes on, the spec's `resources.gpus` in a
+    cluster (a rank per GPU); `huorn run` starts one rank a replica whatever the spec asks, and
+    passes 1."""
     if not spec.resources.gpus:
         return perfmodel.PerfModel("transformer-tiny", params_b=0.001, gpu_type="cpu", anchor_prior=True)
     family = "moe" if spec.model.moe is not None else "transformer"
     prior = perfmodel.scale_prior(family, training.approximate_parameters(spec.model) / 1e9, gpu_type,
-                                  gpus=spec.resources.gpus)
+                                  gpus=spec.resources.gpus if gpus_per_replica is None else gpus_per_replica)
     return perfmodel.PerfModel(family, prior=prior, anchor_prior=True)
 
 

@@ -79,7 +79,10 @@ def build_policies(
             # grew to (scale-with-replicas); --steps overrides it, as it does in the trainers
             tokens=training.token_budget(spec) if steps is None else None, context=spec.model.context,
             batch_rule=goodput.batch_rule_priced(spec), micro_batch=spec.optimization.micro_batch,
-            perf=goodput.prior_model(spec, local_gpu_type() if spec.resources.gpus else ""),
+            # a local replica is one data-parallel rank (one process, or a pipeline's stages),
+            # whatever resources.gpus asks for a pod
+            perf=goodput.prior_model(spec, local_gpu_type() if spec.resources.gpus else "",
+                                     gpus_per_replica=1),
         )
     ]
 

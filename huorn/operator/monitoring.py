@@ -97,6 +97,8 @@ def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = N
             global_batch=float(spec.optimization.global_batch), total_steps=total, priority=spec.priority,
             tokens=token_budget(spec), context=spec.model.context,
             batch_rule=goodput.batch_rule_priced(spec), micro_batch=spec.optimization.micro_batch,
+            # a rank per GPU, of which each pipeline's stages make one data-parallel rank
+            data_ranks_per_replica=max(1, gpus // spec.parallelism.pipeline_stages),
             perf=goodput.prior_model(spec, gpu_type),
         )
     remediation = policy.RemediationPolicy(spec.remediation)

@@ -99,10 +99,12 @@ class JobView:
     # looked 7.2× faster at 8 replicas where it ran 1.4× (the batch was never delivered), and took
     # GPUs from jobs that would gain from them.
     batch_rule: str = "goodput"
-    # The spec's microBatch. The runtime deals a step's micro-batches round-robin and the step
-    # waits for the rank with the most, ceil(M / microBatch / replicas) of them (docs/runtime.md,
-    # "What happens on a resize"): a replica count that does not divide them runs no faster than
-    # the next one down that gives the slowest rank as many. Priced at M / replicas, 15 replicas
+    # A replica's share of micro-batches comes in units of this: the spec's microBatch times the
+    # data-parallel ranks of one replica (a pod of 8 GPUs: 8). The runtime deals a step's
+    # micro-batches round-robin over every rank and the step waits for the rank with the most,
+    # ceil(M / microBatch / ranks) of them (docs/runtime.md, "What happens on a resize"): a
+    # replica count that does not divide them runs no faster than the next one down that gives
+    # the slowest rank as many. Priced at M / replicas, 15 replicas
     # of a 512 batch in micro-batches of 8 looked 7 % faster than 13, where they ran 1.5 % slower.
     # None: the batch is priced as if split evenly (the simulator's jobs).
     micro_batch: int | None = None
