@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from rich.progress import track
@@ -63,11 +63,17 @@ def main() -> None:
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     seeds = [int(s) for s in args.seeds.split(",")]
+    rows = []
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        rows = list(track(pool.map(run_seed, seeds, [args.gpus] * len(seeds), [args.load] * len(seeds)),
-                          total=len(seeds), description="seeds"))
-    for row in rows:
-        print(json.dumps(row), flush=True)
+        futures = [pool.submit(run_seed, seed, args.gpus, args.load) for seed in seeds]
+        try:
+            for future in track(as_completed(futures), total=len(futures), description="seeds"):
+                rows.append(future.result())
+                print(json.dumps(rows[-1]), flush=True)  # as each seed ends: kept if a later one fails
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+    rows.sort(key=lambda row: seeds.index(row["seed"]))
     keys = ("jct_reduction_vs_best_pollux", "jct_reduction_vs_pollux", "jct_reduction_vs_pollux_p_minus_1",
             "jct_reduction_vs_pollux_p_minus_1_fair", "goodput_vs_fifo", "saturated_goodput_vs_fifo",
             "job_goodput_vs_fifo", "job_goodput_with_wait_vs_fifo", "slo")

@@ -80,13 +80,24 @@ def main() -> None:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     cases = [(int(g), q, float(load)) for load in args.loads.split(",") for q in args.qps_start.split(",")
              for g in args.sizes.split(",")]
+    for gpus, qps_start, load in cases:  # a bad case is refused before any case has run
+        try:
+            engine.SimConfig(gpus=gpus, seed=args.seed, qps_start=qps_start, load=load)
+        except ValueError as error:
+            parser.error(str(error))
     entries: dict[str, dict] = {}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futures = [pool.submit(run_case, case, args.seed, args.output) for case in cases]
-        for future in track(as_completed(futures), total=len(futures), description="cases"):
-            key, entry, lines = future.result()
-            entries[key] = entry
-            print("\n".join(lines), flush=True)
+        try:
+            for future in track(as_completed(futures), total=len(futures), description="cases"):
+                key, entry, lines = future.result()
+                entries[key] = entry
+                print("\n".join(lines), flush=True)
+        except BaseException:
+            # stop at the first failure, as one case after another did: the queued cases would
+            # otherwise run on, rewriting their reports with no summary.json written after them
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     args.output.mkdir(parents=True, exist_ok=True)
     summary = {key: entries[key] for key in sorted(entries)}
     (args.output / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))

@@ -60,7 +60,11 @@ def run_seeds(one: Callable[[tuple[int, int, float, str]], dict], args: argparse
     """`one((seed, gpus, load, qps_start))` for every seed, `args.workers` at a time, in order."""
     tasks = [(seed, args.gpus, args.load, args.qps_start) for seed in seeds]
     with ProcessPoolExecutor(args.workers) as pool:
-        return list(track(pool.map(one, tasks), total=len(tasks), description="seeds"))
+        try:
+            return list(track(pool.map(one, tasks), total=len(tasks), description="seeds"))
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)  # the first failure ends the study
+            raise
 
 
 def case(text: str) -> tuple[int, int, float]:
