@@ -19,18 +19,15 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from rich.progress import track
+from study_common import TRACE
 
-from huorn.sim import engine, policies, report, run, shared_data
-
-DATA = shared_data.shared_data_dir()
+from huorn.sim import engine, policies, report, run
 
 
 def run_seed(seed: int, gpus: int, load: float) -> dict:
     """One seed's row: FIFO, the six Pollux forms and Huorn on the same sample."""
-    trace = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv",
-             DATA / "genai_qps.csv")
     config = engine.SimConfig(gpus=gpus, seed=seed, load=load)
-    results, _ = run.run_policies(*trace, ["fifo", *policies.POLLUX_FORMS, "huorn"], config)
+    results, _ = run.run_policies(*TRACE, ["fifo", *policies.POLLUX_FORMS, "huorn"], config)
     h, p, f = results["huorn"], results["pollux"], results["fifo"]
     best = report.best_pollux(results)
     row = {

@@ -22,10 +22,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from rich.progress import track
+from study_common import TRACE
 
-from huorn.sim import engine, report, run, shared_data
-
-DATA = shared_data.shared_data_dir()
+from huorn.sim import engine, report, run
 
 
 def run_case(case: tuple[int, str, float], seed: int, output: Path) -> tuple[str, dict, list[str]]:
@@ -40,9 +39,7 @@ def run_case(case: tuple[int, str, float], seed: int, output: Path) -> tuple[str
     lines: list[str] = []
     for name in report.ORDER:  # fifo, kueue, the six Pollux forms, huorn
         start = time.process_time()
-        trace = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv",
-                 DATA / "genai_qps.csv")
-        r, s = run.run_policies(*trace, [name], config)
+        r, s = run.run_policies(*TRACE, [name], config)
         cpu = time.process_time() - start
         results.update(r)
         sims.update(s)

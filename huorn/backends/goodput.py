@@ -23,7 +23,7 @@ from typing import Any
 from huorn.api import training
 from huorn.backends import monitor
 from huorn.graph import managers, model
-from huorn.scheduler import allocator, perfmodel, placement, snapshot
+from huorn.scheduler import allocator, perfmodel, placement, snapshot, telemetry
 
 # Each policy's models are numbered apart: an arbiter's allocator caches a job's goodput table by
 # its name and model version, and a policy rebuilt for an edited spec (its sample count back at 0)
@@ -282,7 +282,7 @@ def gang_spans(observation: monitor.Observation, ranks_per_replica: int) -> dict
     for key, snap in observation.telemetry.items():
         ranks = int(snap.get("world_size") or 0)
         if ranks > 0:  # `<replica>/<local rank>` for a pod's other ranks: the pod is the replica
-            members.setdefault(max(1, ranks // max(1, ranks_per_replica)), set()).add(key.split("/")[0])
+            members.setdefault(telemetry.replicas_of(ranks, ranks_per_replica), set()).add(key.split("/")[0])
     spans = {}
     for world, replicas in members.items():
         where = {observation.nodes.get(r) for r in replicas}
@@ -340,7 +340,7 @@ def prior_model(spec: training.TrainingJobSpec, gpu_type: str = "", gpus_per_rep
     passes 1."""
     if not spec.resources.gpus:
         return perfmodel.PerfModel("transformer-tiny", params_b=0.001, gpu_type="cpu", anchor_prior=True)
-    family = "moe" if spec.model.moe is not None else "transformer"
+    family = perfmodel.runtime_prior_family(spec.model.moe is not None)
     prior = perfmodel.scale_prior(family, training.approximate_parameters(spec.model) / 1e9, gpu_type,
                                   gpus=spec.resources.gpus if gpus_per_replica is None else gpus_per_replica)
     return perfmodel.PerfModel(family, prior=prior, anchor_prior=True)

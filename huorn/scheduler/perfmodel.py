@@ -113,6 +113,13 @@ def gpu_type_of(product: str) -> str:
     return next((known for known in _PRODUCT_TOKENS if known in tokens), "")
 
 
+def runtime_prior_family(moe: bool) -> str:
+    """The family prior a GPU job of Huorn's runtime starts from: its decoder is a transformer,
+    with or without experts. One place for the operator's and `huorn run`'s prior
+    (backends.goodput.prior_model) and the simulator's Huorn, which must pick as they do."""
+    return "moe" if moe else "transformer"
+
+
 def scale_prior(family: str, params_b: float, gpu_type: str, gpus: int = 1) -> PolluxParams:
     """The family prior for a model of `params_b` billion parameters on `gpu_type`, for a replica
     of `gpus` GPUs.

@@ -17,6 +17,13 @@ from collections.abc import Iterable
 from huorn.scheduler import perfmodel
 
 
+def replicas_of(ranks: int, ranks_per_replica: int) -> int:
+    """The replicas (pods, or local agents) of a gang of `ranks`: the step log's `world_size`
+    counts ranks, the allocator hands out replicas. The control plane's twin of the runtime's
+    batching.replicas_in, which the import layers keep out of its reach."""
+    return max(1, ranks // max(1, ranks_per_replica))
+
+
 def samples_from_step_events(events: Iterable[dict], nodes: int = 1, skip_first: int = 2,
                              ranks_per_replica: int = 1) -> list[perfmodel.Sample]:
     """Median step time per (replicas, local batch) seen in the log; `nodes` the gang spanned.
@@ -43,7 +50,7 @@ def samples_from_step_events(events: Iterable[dict], nodes: int = 1, skip_first:
             since_start += 1
             if since_start <= skip_first or not event.get("step_seconds"):
                 continue
-            world = max(1, int(event["world_size"]) // max(1, ranks_per_replica))
+            world = replicas_of(int(event["world_size"]), ranks_per_replica)
             batch = float(event.get("global_batch") or global_batch or 0)
             per_config.setdefault((world, batch / world), []).append(float(event["step_seconds"]))
     return [perfmodel.Sample(world, min(nodes, world), local, statistics.median(times))

@@ -284,14 +284,12 @@ PRIORS = ("generic", "operator", "family")
 
 
 def operator_prior_family(job: workload.TrainingJob) -> str:
-    """The prior family Huorn's operator would start this job from. The operator's own mapping is
-    huorn/backends/goodput.py `prior_model`: "moe" when the spec's model is MoE, otherwise
-    "transformer" (its CPU-only "transformer-tiny" is for jobs of no GPUs, and every simulated job
-    has GPUs). huorn.sim may not import huorn.backends (the layers contract in pyproject.toml), so
-    the mapping is repeated here: change both together. Until the review of 2026-12-07 the
-    simulator's Huorn started each job from its own family's curve (a cnn job from cnn's), the
-    centre of the distribution the true curves are drawn from, which no operator can pick."""
-    return "moe" if job.family.name == "moe" else "transformer"
+    """The prior family Huorn's operator would start this job from (perfmodel.runtime_prior_family,
+    which its `prior_model` uses too): its `moe` jobs are MoE models, every other family a dense
+    decoder as far as the operator can tell. Until the review of 2026-12-07 the simulator's Huorn
+    started each job from its own family's curve (a cnn job from cnn's), the centre of the
+    distribution the true curves are drawn from, which no operator can pick."""
+    return perfmodel.runtime_prior_family(job.family.name == "moe")
 
 
 def initial_belief(job: workload.TrainingJob, priors: str) -> perfmodel.PerfModel:

@@ -75,6 +75,7 @@ def summarise(sim: engine.Simulation, wall_seconds: float) -> dict:
     makespan = max(js.finished for js in jobs) - min(js.job.arrival for js in jobs)
     start, saturated = bounds.saturated_window(sim)
     t = sim.totals
+    saturated_goodput = _work_done_by(sim, start + saturated) / saturated
     return {
         "jobs": len(jobs),
         "jobs_left_out": len(sim.left_out),  # no training node of this cluster holds their pods
@@ -86,8 +87,8 @@ def summarise(sim: engine.Simulation, wall_seconds: float) -> dict:
         "jct_p99_s": float(np.percentile(jct, 99)),
         "makespan_s": float(makespan),
         **_arrival_window_goodput(sim, last_arrival),
-        "goodput_saturated_gpu_equiv": _work_done_by(sim, start + saturated) / saturated,
-        **_saturated_per_gpu_in_use(sim, start, saturated),
+        "goodput_saturated_gpu_equiv": saturated_goodput,
+        **_saturated_per_gpu_in_use(sim, start, saturated, saturated_goodput),
         "saturated_window_s": saturated,
         "job_goodput_with_wait_vs_trace": float(np.mean([
             js.job.duration / max(js.finished - js.job.arrival, 1e-9) for js in jobs])),
@@ -111,15 +112,14 @@ def summarise(sim: engine.Simulation, wall_seconds: float) -> dict:
     }
 
 
-def _saturated_per_gpu_in_use(sim: engine.Simulation, start: float, window: float) -> dict:
+def _saturated_per_gpu_in_use(sim: engine.Simulation, start: float, window: float, goodput: float) -> dict:
     """Saturated-window goodput per GPU in use, and the mean GPUs in use over the window: a policy
     that leaves GPUs idle (FIFO behind a gang that does not fit) scores low per cluster but not
     per GPU it runs. The GPUs are the running jobs' (borrowed ones included), read from the same
-    per-tick series as the work; None where no GPU was in use."""
+    per-tick series as the work; `goodput` is the window's; None where no GPU was in use."""
     held = _series_at(sim.totals.series_gpu_seconds, start + window) - _series_at(
         sim.totals.series_gpu_seconds, start)
     gpus = held / window
-    goodput = _work_done_by(sim, start + window) / window
     return {"saturated_mean_gpus_in_use": gpus,
             "goodput_saturated_per_gpu_in_use": goodput / gpus if gpus > 0 else None}
 
@@ -133,12 +133,7 @@ def _series_at(series: list[tuple[float, float]], when: float) -> float:
 
 def _work_done_by(sim: engine.Simulation, when: float) -> float:
     """Trace GPU-seconds of work done by `when`, interpolated from the per-tick series."""
-    series = sim.totals.series_work
-    if not series:
-        return 0.0
-    times = np.array([s[0] for s in series])
-    work = np.array([s[1] for s in series])
-    return float(np.interp(when, times, work))
+    return _series_at(sim.totals.series_work, when)
 
 
 def best_pollux(results: dict[str, dict], key: str = "jct_mean_s", suffix: str = "") -> str:

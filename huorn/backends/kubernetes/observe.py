@@ -20,6 +20,7 @@ from typing import Any
 
 from huorn.backends import fetch, monitor
 from huorn.graph import model
+from huorn.scheduler import telemetry
 
 
 def fetch_snapshot(url: str, timeout: float) -> dict[str, Any] | None:
@@ -71,11 +72,10 @@ def build_observation(
     steps: list[dict[str, Any]] = []
     if snapshots:
         first = min(snapshots.values(), key=lambda s: int(s.get("rank", 1 << 30)))
-        per_pod = max(1, gpus_per_replica)
         for record in first.get("steps") or []:
             if int(record.get("step", -1)) > after_step:
                 ranks = int(record.get("world_size") or first.get("world_size") or 1)
-                steps.append({**record, "world_size": max(1, ranks // per_pod)})
+                steps.append({**record, "world_size": telemetry.replicas_of(ranks, gpus_per_replica)})
     return monitor.Observation(time=now, telemetry=dict(snapshots), steps=steps)
 
 

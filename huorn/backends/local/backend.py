@@ -30,6 +30,7 @@ from typing import Any
 from huorn.backends import monitor
 from huorn.backends.local import commands, processes
 from huorn.graph import desired, jobs, model
+from huorn.scheduler import telemetry
 
 # torchrun's agent logs each failed worker as "failed (exitcode: -9) local_rank: 0 (pid: 123)".
 # A negative exit code is a signal; SIGTERM (-15) is how agents and Huorn stop workers on purpose.
@@ -51,7 +52,7 @@ def replica_record(record: dict[str, Any], ranks_per_replica: int) -> dict[str, 
     replica's throughput where they ran 1.11×."""
     if not record.get("world_size"):
         return record
-    return {**record, "world_size": max(1, int(record["world_size"]) // ranks_per_replica)}
+    return {**record, "world_size": telemetry.replicas_of(int(record["world_size"]), ranks_per_replica)}
 
 
 def ranks_per_replica(graph: model.Graph) -> int:
