@@ -372,6 +372,20 @@ def test_a_pods_slowest_share_is_counted_over_every_rank_of_the_gang() -> None:
     assert piped is not None and piped.data_ranks_per_replica == 4
 
 
+def test_a_cpu_pod_of_a_pipeline_is_one_replica_of_a_process_per_stage() -> None:
+    """A pod without GPUs runs a process per pipeline stage, as a local replica does; its gang's
+    ranks were counted by the pod's GPUs (none, so one), a gang of 3 such pods read as 6 replicas
+    of which only 3 answered, and no span of it was ever learned."""
+    policy = monitoring.build_policies(goodput_job(gpus=0, stages=2), ("default", 1)).goodput
+    assert policy is not None and (policy.ranks_per_replica, policy.data_ranks_per_replica) == (2, 1)
+    pods = {f"trainer-{i}": f"node-{i // 2}" for i in range(3)}
+    telemetry = {f"{pod}{suffix}": {"world_size": 6} for pod in pods for suffix in ("", "/1")}
+    seen = monitor.Observation(time=0.0, telemetry=telemetry, nodes=pods)
+    assert goodput.gang_spans(seen, policy.ranks_per_replica) == {3: 2}
+    gpu_pods = monitoring.build_policies(goodput_job(gpus=8, stages=2), ("default", 1)).goodput
+    assert gpu_pods is not None and gpu_pods.ranks_per_replica == 8
+
+
 def test_huorn_run_prices_a_replica_as_the_one_rank_it_starts() -> None:
     """`huorn run` starts one data-parallel rank a replica whatever resources.gpus asks for a pod;
     its prior divided compute by the spec's GPUs, so a manifest of 8-GPU pods run locally started

@@ -354,6 +354,8 @@ def test_delete_removes_every_child(kube: builders.Kube, operator) -> None:
         ({"remediation": {"maxRestarts": -1}}, "spec.remediation.maxRestarts"),
         # the model alone judges a map's keys (the CRD cannot): the operator Stalls it before any pod
         ({"podMetadata": {"labels": {"huorn.io/job": "other"}}}, "spec.podMetadata.labels"),
+        # a local run takes it (a process per stage); pods of 3 GPUs cannot hold 2-stage pipelines
+        ({"gpus": 3, "parallelism": {"pipelineStages": 2}, "model": {"layers": 4}}, "spec.resources.gpus"),
     ],
 )
 def test_invalid_spec_stalls_naming_the_field_and_creates_nothing(

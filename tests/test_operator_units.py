@@ -301,6 +301,30 @@ def test_checkpoints_a_pod_reads_must_be_on_its_checkpoint_volume() -> None:
         validation.check_mounted_paths(spec("teacher/step-100"))  # relative: the pod's cwd is not the volume
 
 
+@pytest.mark.parametrize(("gpus", "stages", "refused"), [
+    (1, 2, True), (4, 3, True), (6, 4, True),  # a pod would hold part of a pipeline
+    (0, 2, False), (2, 2, False), (8, 4, False), (3, 1, False),
+])
+def test_a_pod_whose_gpus_do_not_hold_whole_pipelines_is_refused_naming_the_fix(
+        gpus: int, stages: int, refused: bool) -> None:
+    """A pod runs a process per GPU and each pipeline lies inside one replica, so 1 GPU with 2
+    stages, which a local run accepts (it starts a process per stage), cannot run in a cluster:
+    its gang failed only in the trainers, after placement (world size not a multiple of the
+    stages). The operator and `huorn validate` refuse it before anything is created."""
+    job = validation.load_job(_job(resources={"gpus": gpus}, parallelism={"pipelineStages": stages},
+                                   model={"layers": 8}))
+    if not refused:
+        validation.check_spec_alone(job)
+        return
+    with pytest.raises(validation.InvalidSpec) as caught:
+        validation.check_spec_alone(job)
+    message = str(caught.value)
+    assert message.startswith(f"spec.resources.gpus: a pod runs one pipeline stage on each of its GPUs, so "
+                              f"its {gpus} GPU(s) must be a multiple of spec.parallelism.pipelineStages "
+                              f"({stages})")
+    assert str(list(range(stages, 17, stages))) in message and f"a divisor of {gpus}" in message
+
+
 def test_conditions_keep_transition_time_until_status_changes() -> None:
     first = conditions.build_conditions(
         None, 1, ready=(False, "Placing", "0/2"), reconciling=(True, "Placing", "")

@@ -27,6 +27,8 @@ SHAPES = {
     "two pipeline stages": ({"resources": {"gpus": 1}, "parallelism": {"pipelineStages": 2}},
                             ResizeMode.RESTART),
     "two GPUs per replica": ({"resources": {"gpus": 2}}, ResizeMode.RESTART),
+    "two pipeline stages on CPU": ({"resources": {"gpus": 0}, "parallelism": {"pipelineStages": 2}},
+                                   ResizeMode.RESTART),
 }
 
 
@@ -140,6 +142,9 @@ def test_trainer_pod_in_place_runs_the_trainer_itself() -> None:
 @pytest.mark.parametrize(("shape", "resize", "nproc"), [
     ("one GPU, DDP", "restart", 1),
     ("two GPUs per replica", None, 2),
+    # a pod without GPUs runs a process per stage, as a local replica does: it had run one, half
+    # a pipeline per pod, and a gang of an odd number of pods could not form its pipelines
+    ("two pipeline stages on CPU", None, 2),
 ])
 def test_trainer_pod_under_restart_runs_a_torchrun_agent(shape: str, resize: str | None, nproc: int) -> None:
     expected = launcher.build_agent_command(CONFIG_IN_POD, _pod_settings(nproc), python="python")

@@ -41,10 +41,13 @@ class ResizeMode(StrEnum):
     RESTART = "restart"
 
 
+MAX_GPUS_PER_REPLICA = 16
+
+
 class Resources(ApiModel):
     """What one replica asks for. GPUs are whole devices; shared GPUs are not scheduled by Huorn."""
 
-    gpus: int = Field(default=1, ge=0, le=16, description="Whole GPUs per replica.")
+    gpus: int = Field(default=1, ge=0, le=MAX_GPUS_PER_REPLICA, description="Whole GPUs per replica.")
     cpu: Quantity = Field(default="4", description="CPU per replica, e.g. '4' or '500m'.")
     memory: Quantity = Field(default="16Gi", description="Memory per replica, e.g. '16Gi'.")
 

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from huorn.api import rules
 from huorn.api.base import ApiModel, DnsLabel
-from huorn.api.common import ElasticJobCommon, JobStatus, ResizeMode
+from huorn.api.common import MAX_GPUS_PER_REPLICA, ElasticJobCommon, JobStatus, ResizeMode
 
 
 class TaskKind(StrEnum):
@@ -464,10 +464,33 @@ def token_budget(spec: TrainingJobSpec) -> int | None:
     return None
 
 
+def processes_per_replica(pipeline_stages: int, gpus: int) -> int:
+    """Trainer processes (ranks) in one replica: one per GPU of a pod, or, in a replica without
+    GPUs, one per pipeline stage, as a local replica runs them. Each pipeline lies inside one
+    replica, so a pod's GPUs hold whole pipelines (`gpu_pipeline_problem`); a CPU pod of a 2-stage
+    job ran one process, which left half a pipeline in each pod and a gang of an odd number of pods
+    that could not start."""
+    return gpus if gpus > 0 else pipeline_stages
+
+
+def gpu_pipeline_problem(spec: TrainingJobSpec) -> str | None:
+    """Why a pod's GPUs cannot hold whole pipelines (None when they can). Not a CRD rule: a local
+    run starts one process per stage whatever `gpus` says (the field's default is 1), so
+    `huorn run` accepts what a cluster cannot place; the operator and `huorn validate` refuse it."""
+    gpus, stages = spec.resources.gpus, spec.parallelism.pipeline_stages
+    if gpus == 0 or gpus % stages == 0:
+        return None
+    fits = list(range(stages, MAX_GPUS_PER_REPLICA + 1, stages))
+    gpus_fix = f"set gpus to one of {fits}" if fits else f"use at most {MAX_GPUS_PER_REPLICA} stages"
+    return (f"spec.resources.gpus: a pod runs one pipeline stage on each of its GPUs, so its {gpus} "
+            f"GPU(s) must be a multiple of spec.parallelism.pipelineStages ({stages}); {gpus_fix}, "
+            f"or set pipelineStages to a divisor of {gpus}")
+
+
 def is_one_process_per_replica(pipeline_stages: int, gpus: int) -> bool:
-    """Whether a trainer replica runs as a single process: a pipeline runs one process per stage,
-    and a pod runs one per GPU (a CPU-only replica is one process too). In-place resizing
-    (huorn.runtime.membership) carries exactly one process's state across a membership change."""
+    """Whether a trainer replica runs as a single process, locally (a process per stage) and in a
+    pod (a process per GPU) alike. In-place resizing (huorn.runtime.membership) carries exactly
+    one process's state across a membership change."""
     return pipeline_stages == 1 and gpus <= 1
 
 

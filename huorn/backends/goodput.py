@@ -39,10 +39,14 @@ class GoodputPolicy:
     slots: int  # replicas this backend can run at once
     global_batch: float
     vertex: str = "trainer"
-    # GPUs per replica, for the arbiter's placement and to count the replicas of a gang from its
-    # ranks' telemetry (step records count replicas already: the operator's observation divides
-    # the ranks by the GPUs of a pod)
+    # GPUs per replica, for the arbiter's placement
     gpus_per_replica: int = 1
+    # The processes of one replica (training.processes_per_replica: a pod's GPUs, or a CPU
+    # replica's pipeline stages), to count the replicas of a gang from its ranks' telemetry (step
+    # records count replicas already: the operator's observation divides the ranks by it). Read
+    # as the GPUs, a CPU pod of a 2-stage pipeline looked like two replicas, and no gang's span
+    # was ever learned.
+    ranks_per_replica: int = 1
     priority: int = 50  # among the other jobs an arbiter weighs it with
     perf: perfmodel.PerfModel = field(
         default_factory=lambda: perfmodel.PerfModel("transformer-tiny", params_b=0.001, gpu_type="cpu")
@@ -182,7 +186,7 @@ class GoodputPolicy:
         return max(1, self.micro_batch) * max(1, self.data_ranks_per_replica)
 
     def decide(self, graph: model.Graph, observation: monitor.Observation) -> list[managers.Event]:
-        spans = gang_spans(observation, self.gpus_per_replica)
+        spans = gang_spans(observation, self.ranks_per_replica)
         self.learn(observation.steps, 1 if spans is None else spans)
         step = observation.last_step
         if step is None or self._learned < self.min_samples:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from huorn.api.common import ElasticityPolicy, MitigationLevel
-from huorn.api.training import declared_steps, token_budget
+from huorn.api.training import TrainingJobSpec, declared_steps, processes_per_replica, token_budget
 from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import jobs, model, mutate, serialise
@@ -97,8 +97,9 @@ def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = N
             global_batch=float(spec.optimization.global_batch), total_steps=total, priority=spec.priority,
             tokens=token_budget(spec), context=spec.model.context,
             batch_rule=goodput.batch_rule_priced(spec), micro_batch=spec.optimization.micro_batch,
-            # a rank per GPU, of which each pipeline's stages make one data-parallel rank
-            data_ranks_per_replica=max(1, gpus // spec.parallelism.pipeline_stages),
+            ranks_per_replica=ranks_per_replica(spec),
+            # each pipeline's stages make one data-parallel rank
+            data_ranks_per_replica=ranks_per_replica(spec) // spec.parallelism.pipeline_stages,
             perf=goodput.prior_model(spec, gpu_type),
         )
     remediation = policy.RemediationPolicy(spec.remediation)
@@ -162,8 +163,14 @@ def mark_cordons(ctx: Context, namespace: str, job: str, mutations: list[model.M
             m.detail[cordon.DETAIL_KEY] = pod.node
 
 
+def ranks_per_replica(spec: TrainingJobSpec) -> int:
+    """The trainer processes of one pod (training.processes_per_replica), each with its own
+    telemetry port, and the unit a step log's world size is divided by to count replicas."""
+    return processes_per_replica(spec.parallelism.pipeline_stages, spec.resources.gpus)
+
+
 async def fetch_observation(
-    ctx: Context, body: Mapping[str, Any], graph: model.Graph, state: JobPolicies, gpus: int
+    ctx: Context, body: Mapping[str, Any], graph: model.Graph, state: JobPolicies, ranks: int
 ) -> monitor.Observation:
     meta = body["metadata"]
     ref = manifests.JobRef.from_body(body)
@@ -173,12 +180,12 @@ async def fetch_observation(
         pod = pods.get(manifests.pod_name(ref, instance))
         if pod is not None and pod.phase == "Running" and pod.ip and not pod.deleting:
             ips[instance.name] = pod.ip
-    # A pod runs one rank per GPU (torchrun --nproc-per-node), each on its own telemetry port.
-    targets = observe.build_targets(ips, ctx.settings.telemetry_port, max(1, gpus))
+    # A pod runs `ranks` processes (torchrun --nproc-per-node), each on its own telemetry port.
+    targets = observe.build_targets(ips, ctx.settings.telemetry_port, ranks)
     snapshots = await asyncio.to_thread(
         observe.fetch_snapshots, targets, ctx.settings.telemetry_timeout_seconds
     )
-    return observe.build_observation(time.time(), snapshots, state.last_step, gpus)
+    return observe.build_observation(time.time(), snapshots, state.last_step, ranks)
 
 
 async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutation]:
@@ -206,9 +213,8 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
         return []
     observed = serialise.from_status(status["graph"])
     state = _policies_for(ctx, body, job, observed)
-    gpus = job.spec.resources.gpus
     if polling:
-        observation = await fetch_observation(ctx, body, observed, state, gpus)
+        observation = await fetch_observation(ctx, body, observed, state, ranks_per_replica(job.spec))
     else:
         observation = monitor.Observation(time=time.time())
     settling = evaluation.has_finished_pod(observed, ctx.index.pods_of(namespace, name), now, start_seconds)

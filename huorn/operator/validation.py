@@ -77,6 +77,8 @@ def check_spec_alone(job: kinds.Resource) -> None:
     InvalidSpec (a teacher off the checkpoint volume, a role larger than its Ray worker pod)."""
     if isinstance(job, kinds.TrainingJob):
         check_mounted_paths(job.spec)
+        if (problem := training.gpu_pipeline_problem(job.spec)) is not None:
+            raise InvalidSpec(problem)
     elif isinstance(job, kinds.RLJob):
         check_on_volume(job.spec.checkpoint, [("spec.initCheckpoint", job.spec.init_checkpoint)])
         try:

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from huorn.api import inference
+from huorn.api import inference, training
 from huorn.graph import jobs, mutate
 from huorn.graph.model import Graph, Instance
 from huorn.runtime import launcher
@@ -383,6 +383,8 @@ def build_trainer_pod(
     node's cluster's) cover."""
     resources = spec.get("resources", {})
     gpus = int(resources.get("gpus", 1))
+    processes = training.processes_per_replica(int((spec.get("parallelism") or {}).get("pipelineStages", 1)),
+                                               gpus)
     cpu = str(resources.get("cpu", "4"))
     memory = str(resources.get("memory", "16Gi"))
     limits: dict[str, Any] = {"cpu": cpu, "memory": memory}
@@ -437,7 +439,7 @@ def build_trainer_pod(
                 {
                     "name": "trainer",
                     "image": spec["image"],
-                    "command": build_trainer_command(job, graph, max(1, gpus)),
+                    "command": build_trainer_command(job, graph, processes),
                     "env": env,
                     "ports": [{"name": "telemetry", "containerPort": TELEMETRY_PORT}],
                     "resources": {"limits": limits, "requests": dict(limits)},
