@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from huorn.backends import goodput
 from huorn.scheduler import perfmodel, telemetry
 
 # Rank 0's steps.jsonl from `benchmarks/local_elastic.py` (the huorn run: 1 worker, then resized
@@ -58,3 +59,17 @@ def test_a_pipelined_job_is_sampled_at_its_replicas_not_its_ranks() -> None:
     # one rank a replica (the default) reads the log as it always did
     assert [(s.replicas, s.local_batch) for s in telemetry.samples_from_step_events(events)] == [
         (2, 8.0), (4, 4.0)]
+
+
+def test_a_step_is_sampled_at_the_slowest_replicas_whole_micro_batches() -> None:
+    """The runtime deals whole micro-batches and a step waits for the replica with the most: 13
+    replicas of a 512 batch in micro-batches of 8 each wait for 40 samples, the local batch the
+    goodput policy learns at and the allocator prices. This reader took 512 / 13 = 39.4."""
+    events = [{"event": "start", "world_size": 13, "global_batch": 512}]
+    events += [{"event": "step", "world_size": 13, "step_seconds": 0.5}] * 5
+    (even,) = telemetry.samples_from_step_events(events)
+    assert even.local_batch == pytest.approx(512 / 13)
+    (whole,) = telemetry.samples_from_step_events(events, micro_batch=8)
+    assert (whole.replicas, whole.local_batch, whole.step_time) == (13, 40.0, 0.5)
+    policy = goodput.GoodputPolicy("j", "vc", slots=16, global_batch=512.0, micro_batch=8)
+    assert policy.step_local_batch(512.0, 13) == whole.local_batch

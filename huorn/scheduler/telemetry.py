@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 
-from huorn.scheduler import perfmodel
+from huorn.scheduler import allocator, perfmodel
 
 
 def replicas_of(ranks: int, ranks_per_replica: int) -> int:
@@ -25,7 +25,8 @@ def replicas_of(ranks: int, ranks_per_replica: int) -> int:
 
 
 def samples_from_step_events(events: Iterable[dict], nodes: int = 1, skip_first: int = 2,
-                             ranks_per_replica: int = 1) -> list[perfmodel.Sample]:
+                             ranks_per_replica: int = 1, micro_batch: int | None = None
+                             ) -> list[perfmodel.Sample]:
     """Median step time per (replicas, local batch) seen in the log; `nodes` the gang spanned.
 
     The log's `world_size` counts the gang's ranks and a sample counts replicas, the unit the
@@ -37,7 +38,13 @@ def samples_from_step_events(events: Iterable[dict], nodes: int = 1, skip_first:
     A step's batch is its own `global_batch`, else the last `start`'s or `regroup`'s: under
     batchRule scale-with-replicas it grows with the gang, and read from the `start` alone the
     steps after an in-place resize counted the old gang's batch over the new world. The first
-    `skip_first` steps after either are left out (warm-up, a new process group)."""
+    `skip_first` steps after either are left out (warm-up, a new process group).
+
+    `micro_batch`: the unit a replica's share of a step comes in (microBatch × its data-parallel
+    ranks, allocator.JobView.micro_batch). The step waits for the replica with the most whole
+    micro-batches, so a sample's local batch is that replica's (allocator.slowest_local_batch), the
+    batch the allocator prices and the goodput policies learn at; 13 replicas of 512 in
+    micro-batches of 8 ran 40 samples each, not 39.4. None: the even split M / replicas."""
     per_config: dict[tuple[int, float], list[float]] = {}
     global_batch: float | None = None
     since_start = 0
@@ -51,8 +58,10 @@ def samples_from_step_events(events: Iterable[dict], nodes: int = 1, skip_first:
             if since_start <= skip_first or not event.get("step_seconds"):
                 continue
             world = replicas_of(int(event["world_size"]), ranks_per_replica)
-            batch = float(event.get("global_batch") or global_batch or 0)
-            per_config.setdefault((world, batch / world), []).append(float(event["step_seconds"]))
+            local = float(event.get("global_batch") or global_batch or 0) / world
+            if micro_batch is not None:
+                local = float(allocator.slowest_local_batch(local, micro_batch))
+            per_config.setdefault((world, local), []).append(float(event["step_seconds"]))
     return [perfmodel.Sample(world, min(nodes, world), local, statistics.median(times))
             for (world, local), times in sorted(per_config.items())]
 
