@@ -61,6 +61,9 @@ def test_a_clusters_gpu_type_is_that_of_most_of_its_gpus() -> None:
         idx.observe_node(_node(name, gpus, product))
     assert idx.gpu_type("train") == "A100"  # 16 A100s against 8 H100s; unlabelled nodes name none
     assert idx.gpu_type("elsewhere") == ""
+    # a job that selects the H100s is priced at them, whatever most of its cluster's GPUs are
+    assert idx.gpu_type("train", {index.GPU_PRODUCT_LABEL: "NVIDIA-H100-80GB-HBM3"}) == "H100"
+    assert idx.gpu_type("train", {"pool": "a"}) == "A100"
     bare = index.ClusterIndex()
     bare.observe_vc(builders.make_virtual_cluster("train", pool="a"))
     bare.observe_node(_node("u0", 8, None))

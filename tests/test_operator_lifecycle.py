@@ -392,6 +392,30 @@ def test_unplaceable_gang_creates_nothing_and_says_why(kube: builders.Kube, oper
     wait_for(lambda: (kube.get_vc("serve").get("status") or {}).get("lent") == 4, what="lent 4")
 
 
+def test_a_node_selector_places_the_gang_on_its_nodes_and_waits_naming_it(
+        kube: builders.Kube, operator) -> None:
+    """Pool a's a0 and a1 have 4 GPUs each: a gang that selects a1 goes there whole, though
+    a0 packs as well; a second one that selects a1 waits while a0 stays free, and its message
+    says the count is of the selected nodes."""
+    kube.create_job(NS, builders.make_training_job("on-a1", "train", replicas=2, gpus=2,
+                                                   nodeSelector={"kubernetes.io/hostname": "a1"}))
+    _running(kube, "on-a1", 2)
+    assert {p.spec.node_name or p.metadata.annotations["huorn.io/node"]
+            for p in kube.pods(NS, "on-a1", "trainer")} == {"a1"}
+    kube.create_job(NS, builders.make_training_job("also-a1", "train", replicas=1, gpus=2,
+                                                   nodeSelector={"kubernetes.io/hostname": "a1"}))
+    cond = wait_for(
+        lambda: (c := kube.condition(NS, "also-a1", "Reconciling")).get("reason") == "Unplaceable" and c
+    )
+    assert ("in virtual cluster train on nodes labelled kubernetes.io/hostname=a1 (spec.nodeSelector), "
+            "0 free") in cond["message"]
+    assert kube.pods(NS, "also-a1") == []
+    # without it the same gang starts at once, on a0
+    kube.create_job(NS, builders.make_training_job("anywhere", "train", replicas=1, gpus=2))
+    _running(kube, "anywhere", 1)
+    assert kube.pods(NS, "also-a1") == []
+
+
 def test_pod_metadata_reaches_every_pod_of_the_job_under_huorns_own(kube: builders.Kube, operator) -> None:
     metadata = {"labels": {"team": "nlp", "app.kubernetes.io/part-of": "llm"},
                 "annotations": {"sidecar.istio.io/inject": "false"}}

@@ -144,4 +144,6 @@ def test_a_spec_written_by_an_older_operator_is_read_with_todays_defaults() -> N
     assert training.spec_changes(older, desired) == []
     assert training.spec_changes(desired, {**desired, "image": "other:1"}) == ["image"]
     assert training.spec_changes(desired, {**desired, "priority": 1}) == []  # live
+    # where new replicas go: those placed before stay, and nothing restarts
+    assert training.spec_changes(desired, {**desired, "nodeSelector": {"gpu": "h100"}}) == []
     assert training.spec_changes({"model": "not a model"}, desired) == []  # unreadable: nothing to roll

@@ -25,8 +25,11 @@ def build_perf(params: perfmodel.PolluxParams) -> perfmodel.PerfModel:
 def build_snapshot(train_nodes: int = 2, infer_nodes: int = 0, lend: int = 0, borrow: int = 0,
                    lendable: bool | None = None) -> snapshot.ClusterSnapshot:
     """`lendable` defaults to `lend > 0`; given, it is the flag whatever the limit."""
-    nodes = [NodeView(f"t{i}", 8, 8, virtual_cluster="train") for i in range(train_nodes)]
-    nodes += [NodeView(f"i{i}", 8, 8, virtual_cluster="infer") for i in range(infer_nodes)]
+    # GPU products alternate on the training nodes (t0 h100, t1 t4, ...), for jobs that select one
+    nodes = [NodeView(f"t{i}", 8, 8, virtual_cluster="train", labels={"gpu": ("h100", "t4")[i % 2]})
+             for i in range(train_nodes)]
+    nodes += [NodeView(f"i{i}", 8, 8, virtual_cluster="infer", labels={"gpu": "h100"})
+              for i in range(infer_nodes)]
     lendable = lend > 0 if lendable is None else lendable
     vcs = [snapshot.VirtualClusterView("train", max_gpus_borrowed=borrow),
            snapshot.VirtualClusterView("infer", purpose="inference", lendable=lendable, max_gpus_lent=lend)]
@@ -133,7 +136,8 @@ def job_mixes(draw: st.DrawFn) -> tuple[snapshot.ClusterSnapshot, list[allocator
             priority=draw(st.sampled_from([10, 50, 100])), submitted=float(i),
             noise_scale=draw(st.floats(0, 10000)),
             remaining_work=draw(st.one_of(st.none(), st.floats(0, 1e6))),
-            resizes_in_place=draw(st.booleans())))  # priced in place, and tried around its replicas
+            resizes_in_place=draw(st.booleans()),  # priced in place, and tried around its replicas
+            node_selector=draw(st.sampled_from([None, None, {"gpu": "h100"}, {"gpu": "t4"}]))))
     return snap, jobs, lend, borrow
 
 
@@ -179,6 +183,9 @@ def test_invariants_hold_over_successive_cycles(config: allocator.AllocatorConfi
                 used = sum(bindings[job.name].gpus_by_node.values())
                 assert used == d.replicas * job.gpus_per_replica
                 assert len(d.assignments) == d.replicas
+                labels = {n.name: n.labels for n in snap.node_views()}
+                for node in bindings[job.name].gpus_by_node:  # only on the nodes it selects
+                    assert all(labels[node].get(k) == v for k, v in (job.node_selector or {}).items())
             else:
                 assert job.name not in bindings
             if job.name in pinned_at:
@@ -203,6 +210,23 @@ def test_invariants_hold_over_successive_cycles(config: allocator.AllocatorConfi
         for job in jobs:
             job.noise_scale = float(np.clip(job.noise_scale * 2, 0, 1e5))
             job.model_version += 1
+
+
+def test_a_job_with_a_node_selector_runs_on_its_nodes_and_is_offered_no_more_than_they_hold() -> None:
+    """t0 has h100s, t1 t4s. A job that scales well and selects h100 gets t0 whole; the greedy
+    offered it more, which placement then cut to t0's 8, and the GPUs it had been counted on
+    went unused that cycle. Capped at what its nodes hold, the other job gets t1."""
+    def run(**good: object) -> dict[str, allocator.Decision]:
+        jobs = [build_job("good", **good), build_job("bad", SCALES_BADLY)]
+        return {d.job: d for d in allocator.Allocator().allocate(build_snapshot(), jobs, 0)}
+
+    free = run()
+    assert free["good"].replicas > 8  # it would take more than one node
+    got = run(node_selector={"gpu": "h100"})
+    assert got["good"].replicas == 8 and set(got["good"].assignments) == {"t0"}
+    assert set(got["bad"].assignments) == {"t1"}
+    assert got["bad"].replicas == run(max_replicas=8)["bad"].replicas > free["bad"].replicas
+    assert allocator.selected_slots(build_snapshot(), build_job("x", node_selector={"gpu": "a100"})) == 0
 
 
 def test_a_pinned_job_is_never_shrunk_onto_a_better_packed_smaller_gang() -> None:

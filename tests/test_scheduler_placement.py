@@ -217,3 +217,14 @@ def test_place_at_takes_the_named_nodes_only_while_free_and_within_the_limits() 
     assert "limits" in snap.place_at("train", ["i0", "i0"], 2).reason  # type: ignore[union-attr]
     assert "cordoned" in snap.place_at("train", ["t1"], 1).reason  # type: ignore[union-attr]
     assert "gone" in snap.place_at("train", ["x9"], 1).reason  # type: ignore[union-attr]
+
+
+def test_a_gang_with_a_node_selector_goes_on_its_nodes_and_the_reason_counts_only_those() -> None:
+    nodes = [NodeView("h0", 8, 8, labels={"gpu": "h100"}, virtual_cluster="a"),
+             NodeView("t0", 8, 8, labels={"gpu": "t4"}, virtual_cluster="a")]
+    where = placement.place_gang(nodes, 2, 4, virtual_cluster="a", node_selector={"gpu": "t4"})
+    assert isinstance(where, Placement) and where.assignments == ["t0", "t0"]
+    refused = placement.place_gang(nodes, 3, 4, virtual_cluster="a", node_selector={"gpu": "t4"})
+    assert isinstance(refused, Unplaceable)
+    assert refused.reason.startswith("needs 12 GPUs (3 replicas × 4) in virtual cluster a on nodes labelled "
+                                     "gpu=t4 (spec.nodeSelector), 8 free")

@@ -149,3 +149,21 @@ def test_a_gang_that_borrows_nothing_preempts_on_its_own_nodes() -> None:
     assert own is not None and own.victims == ("low",)
     # and a gang that does not fit its own nodes even when they are empty preempts nobody
     assert preemption.plan_preemption(snap, "rl", 3, 2, 50, candidates, borrow=False) is None
+
+
+def test_a_gang_with_a_node_selector_stops_only_what_frees_its_nodes() -> None:
+    """Nodes h (H100) and t (T4) are full, h with the newer low job, t with the newest: a gang
+    that selects the H100s is helped by stopping only the job on h, and by nothing if no such
+    node would do."""
+    nodes = [placement.NodeView("h", 4, 4, labels={"gpu": "h100"}, virtual_cluster="train"),
+             placement.NodeView("t", 4, 4, labels={"gpu": "t4"}, virtual_cluster="train")]
+    snap = ClusterSnapshot(nodes, [VirtualClusterView("train")])
+    snap.assume("on-h", "train", placement.Placement(["h"] * 4), gpus_per_replica=1)
+    snap.assume("on-t", "train", placement.Placement(["t"] * 4), gpus_per_replica=1)
+    snap.commit()
+    candidates = [Candidate("on-h", 10, started=100.0), Candidate("on-t", 10, started=200.0)]
+    assert preemption.plan_preemption(snap, "train", 2, 2, 50, candidates).victims == ("on-t",)
+    plan = preemption.plan_preemption(snap, "train", 2, 2, 50, candidates, node_selector={"gpu": "h100"})
+    assert plan is not None and plan.victims == ("on-h",)
+    nowhere = {"gpu": "a100"}
+    assert preemption.plan_preemption(snap, "train", 1, 2, 50, candidates, node_selector=nowhere) is None

@@ -274,6 +274,16 @@ def _check_key(key: str, lowered: bool) -> str:
 
     Checked here, not in the CRD: a CEL rule over a map's keys has no length bound the API
     server's cost estimate could use (docs/api.md, "Known differences from a real API server")."""
+    prefix = _check_key_syntax(key, lowered)
+    if prefix.lower() == RESERVED_KEY_DOMAIN or prefix.lower().endswith("." + RESERVED_KEY_DOMAIN):
+        raise ValueError(f"key {shown(key)} is in {RESERVED_KEY_DOMAIN}, whose keys Huorn sets on its pods; "
+                         "use a key of your own domain")
+    return key
+
+
+def _check_key_syntax(key: str, lowered: bool) -> str:
+    """The key's DNS prefix (before '/'), once its syntax is that of a label (or, `lowered`, an
+    annotation) key."""
     judged = key.lower() if lowered else key
     prefix = judged.rpartition("/")[0]
     if len(prefix) > 253:
@@ -284,10 +294,7 @@ def _check_key(key: str, lowered: bool) -> str:
             f"key {shown(key)} is not {'an annotation' if lowered else 'a label'} key: use "
             "a name of at most 63 letters, digits, '-', '_' and '.' (starting and ending with a letter or "
             "digit), with an optional DNS prefix and '/', as in example.com/team")
-    if prefix.lower() == RESERVED_KEY_DOMAIN or prefix.lower().endswith("." + RESERVED_KEY_DOMAIN):
-        raise ValueError(f"key {shown(key)} is in {RESERVED_KEY_DOMAIN}, whose keys Huorn sets on its pods; "
-                         "use a key of your own domain")
-    return key
+    return prefix
 
 
 def _check_annotation_key(key: str) -> str:
@@ -314,8 +321,16 @@ def _at_most(limit: int, what: str) -> Any:
     return BeforeValidator(check)
 
 
+def _check_node_label_key(key: str) -> str:
+    """A node's label key, which may be Kubernetes' or a device plugin's own
+    (kubernetes.io/hostname, nvidia.com/gpu.product): its syntax alone is judged."""
+    _check_key_syntax(key, lowered=False)
+    return key
+
+
 AnnotationKey = Annotated[str, AfterValidator(_check_annotation_key)]
 LabelKey = Annotated[str, AfterValidator(_check_label_key)]
+NodeLabelKey = Annotated[str, AfterValidator(_check_node_label_key)]
 LabelValue = kubernetes_string(
     LABEL_VALUE_PATTERN, 63,
     "a label value: at most 63 letters, digits, '-', '_' and '.', starting and ending with a letter or "
@@ -402,6 +417,18 @@ def _service_account_field() -> Any:
                              "namespace's default.")
 
 
+def _node_selector_field() -> Any:
+    return Field(
+        default=None, max_length=16,
+        description="Labels a node must carry for the job's pods to be placed on it, among its virtual "
+                    "cluster's nodes and those it borrows (e.g. nvidia.com/gpu.product: "
+                    "NVIDIA-H100-80GB-HBM3 on a cluster of mixed GPUs). Replicas placed before an edit stay "
+                    "where they run. Unset: any node of the virtual cluster.")
+
+
+NodeSelector = Annotated[dict[NodeLabelKey, LabelValue] | None, _at_most(16, "node selector labels")]
+
+
 class JobBasics(ApiModel):
     """Fields every job kind has; an InferenceJob has only these of the shared ones.
 
@@ -465,6 +492,7 @@ class ElasticJobCommon(ApiModel):
     image_pull_secrets: list[LocalObjectReference] | None = _image_pull_secrets_field()
     service_account_name: DnsSubdomain | None = _service_account_field()
     pod_metadata: PodMetadata | None = _pod_metadata_field()
+    node_selector: NodeSelector = _node_selector_field()
 
 
 # ---------------------------------------------------------------------------------------------

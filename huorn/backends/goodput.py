@@ -90,6 +90,8 @@ class GoodputPolicy:
     # were priced at 104 and 88 samples a pod where each ran 128, as 4 pods do. Locally a replica
     # is one data-parallel rank (its processes, if several, are pipeline stages).
     data_ranks_per_replica: int = 1
+    # The spec's nodeSelector: the allocator places the job's gangs on such nodes only.
+    node_selector: Mapping[str, str] | None = None
     # batchRule goodput: how far the allocator may grow a replica's batch over globalBatch (the
     # trainer accumulates micro-batches, so memory does not bound it; the statistical efficiency
     # and this cap do). The other rules' replicas never run more than globalBatch.
@@ -214,6 +216,7 @@ class GoodputPolicy:
             resizes_in_place=self.in_place,
             batch_rule=self.batch_rule,
             micro_batch=self.replica_micro_batch(),
+            node_selector=self.node_selector,
             last_resize=last_resize,
             last_direction=last_direction,
             model_version=self.model_version(),

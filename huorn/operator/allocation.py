@@ -22,7 +22,7 @@ replicas) are held back from growth, as the reconcile's admission order holds th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from huorn.graph import model, mutate, serialise
 from huorn.operator import index
@@ -70,16 +70,27 @@ def rebind_trainers(snap: snapshot.ClusterSnapshot, key: str, pods: Iterable[ind
     return len(trainers)
 
 
-def hold_for_waiting(snap: snapshot.ClusterSnapshot, owed: dict[str, int]) -> None:
+Owed = dict[tuple[str, tuple[tuple[str, str], ...]], int]  # (vc, nodeSelector's items) → GPUs
+
+
+def hold_for_waiting(snap: snapshot.ClusterSnapshot, owed: Owed) -> None:
     """Take the GPUs each virtual cluster's waiting gangs still need off its own free GPUs: growth
-    is an extra, and every waiting gang's minimum comes before extras."""
-    for vc, gpus in sorted(owed.items()):
-        gpus = min(gpus, snap.free(vc))
-        if gpus <= 0 or vc not in {v.name for v in snap.virtual_clusters()}:
+    is an extra, and every waiting gang's minimum comes before extras. Those of gangs with a
+    nodeSelector are held on the nodes they admit: held anywhere, they left the selected nodes
+    free for growth and the waiting gang short."""
+    for (vc, selector), gpus in sorted(owed.items()):
+        if vc not in {v.name for v in snap.virtual_clusters()}:
             continue
-        where = snap.place(vc, gpus, 1, borrow=False)
+        labels = dict(selector) or None
+        room = sum(v.gpus_free for v in snap.node_views()
+                   if v.virtual_cluster == vc and not v.cordoned and placement.fits_selector(v, labels))
+        gpus = min(gpus, room)
+        if gpus <= 0:
+            continue
+        where = snap.place(vc, gpus, 1, borrow=False, node_selector=labels)
         if isinstance(where, placement.Placement):
-            snap.assume(f"{WAITING}/{vc}", vc, where, 1)
+            key = f"{WAITING}/{vc}" + "".join(f"/{k}={v}" for k, v in selector)
+            snap.assume(key, vc, where, 1)
 
 
 def placement_hints(graph: model.Graph, vertex: str = TRAINER) -> dict[str, str]:
@@ -94,12 +105,17 @@ def placement_hints(graph: model.Graph, vertex: str = TRAINER) -> dict[str, str]
 
 
 def place_missing(snap: snapshot.ClusterSnapshot, vc: str, missing: list[str], gpus_per_replica: int,
-                  hints: dict[str, str]) -> placement.Placement | placement.Unplaceable:
+                  hints: dict[str, str], node_selector: Mapping[str, str] | None = None
+                  ) -> placement.Placement | placement.Unplaceable:
     """Nodes for the missing instances (in their order): where the allocator placed them while
-    those GPUs are still free and the limits allow them, the others where the gang fits now.
-    A hint can be stale (a peer the allocator counted on shrinking has not yet, a node was
-    cordoned): then every missing instance is placed afresh, as before hints existed."""
+    those GPUs are still free and the limits allow them, the others where the gang fits now, on
+    nodes with the job's `node_selector` labels. A hint can be stale (a peer the allocator
+    counted on shrinking has not yet, a node was cordoned, the selector was edited since): then
+    every missing instance is placed afresh, as before hints existed."""
     hinted = [name for name in missing if name in hints]
+    admitted = {v.name for v in snap.node_views() if placement.fits_selector(v, node_selector)}
+    if any(hints[name] not in admitted for name in hinted):
+        hinted = []
     if hinted:
         at = snap.place_at(vc, [hints[name] for name in hinted], gpus_per_replica)
         rest = [name for name in missing if name not in hints]
@@ -108,12 +124,12 @@ def place_missing(snap: snapshot.ClusterSnapshot, vc: str, missing: list[str], g
         if isinstance(at, placement.Placement):
             with snap.simulate():
                 snap.assume(f"{vc}/hinted", vc, at, gpus_per_replica)
-                where = snap.place(vc, len(rest), gpus_per_replica)
+                where = snap.place(vc, len(rest), gpus_per_replica, node_selector=node_selector)
             if isinstance(where, placement.Placement):
                 nodes = dict(zip(hinted, at.assignments, strict=True))
                 nodes.update(zip(rest, where.assignments, strict=True))
                 return placement.Placement([nodes[name] for name in missing])
-    return snap.place(vc, len(missing), gpus_per_replica)
+    return snap.place(vc, len(missing), gpus_per_replica, node_selector=node_selector)
 
 
 def gpus_per_node(snap: snapshot.ClusterSnapshot) -> int:
@@ -189,19 +205,22 @@ def arbiter_for(ctx: Context, namespace: str, name: str
     return arbitrate
 
 
-def _owed(ctx: Context, me: tuple[str, str]) -> dict[str, int]:
-    """GPUs each virtual cluster's waiting gangs still need, the job itself left out."""
-    owed: dict[str, int] = {}
+def _owed(ctx: Context, me: tuple[str, str]) -> Owed:
+    """GPUs each virtual cluster's waiting gangs still need, by the nodes they may use, the job
+    itself left out."""
+    owed: Owed = {}
     for w in ctx.queue.waiting():
         if w.key != me:
-            owed[w.virtual_cluster] = owed.get(w.virtual_cluster, 0) + w.missing * w.gpus
+            where = (w.virtual_cluster, tuple(sorted((w.node_selector or {}).items())))
+            owed[where] = owed.get(where, 0) + w.missing * w.gpus
     return owed
 
 
 def _placeable(snap: snapshot.ClusterSnapshot, job: allocator.JobView, extra: int) -> int:
     """The most of `extra` new replicas of `job` that fit the snapshot as it is."""
     for n in range(extra, 0, -1):
-        if isinstance(snap.place(job.virtual_cluster, n, job.gpus_per_replica), placement.Placement):
+        where = snap.place(job.virtual_cluster, n, job.gpus_per_replica, node_selector=job.node_selector)
+        if isinstance(where, placement.Placement):
             return n
     return 0
 

@@ -612,12 +612,16 @@ class ClusterIndex:
         owners = self.owners()
         return [n for n in self.nodes.values() if owners[n.name] == vc]
 
-    def gpu_type(self, vc: str) -> str:
+    def gpu_type(self, vc: str, node_selector: Mapping[str, str] | None = None) -> str:
         """The GPU type (a `perfmodel.GPU_SPEED` key) of most of `vc`'s GPUs, read from GPU feature
         discovery's product label; "" where no member node names a known one (the performance
-        model's prior then assumes an H200)."""
+        model's prior then assumes an H200). With a job's `node_selector`, of the nodes it
+        admits: a job that selects one product on a cluster of mixed GPUs is priced at it."""
         counts: dict[str, int] = {}
+        selector = node_selector or {}
         for node in self.members_of(vc):
+            if any(node.labels.get(k) != v for k, v in selector.items()):
+                continue
             kind = perfmodel.gpu_type_of(node.labels.get(GPU_PRODUCT_LABEL, ""))
             if kind and node.gpus:
                 counts[kind] = counts.get(kind, 0) + node.gpus

@@ -98,6 +98,7 @@ def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = N
             tokens=token_budget(spec), context=spec.model.context,
             batch_rule=goodput.batch_rule_priced(spec), micro_batch=spec.optimization.micro_batch,
             ranks_per_replica=ranks_per_replica(spec),
+            node_selector=spec.node_selector,
             # each pipeline's stages make one data-parallel rank
             data_ranks_per_replica=ranks_per_replica(spec) // spec.parallelism.pipeline_stages,
             perf=goodput.prior_model(spec, gpu_type),
@@ -116,7 +117,7 @@ def _policies_for(ctx: Context, body: Mapping[str, Any], job: Any, graph: model.
     found = ctx.monitors.get((meta["namespace"], meta["name"]))
     if found is None or found.key != key:
         found = build_policies(job, key, graph, allocation.arbiter_for(ctx, meta["namespace"], meta["name"]),
-                               ctx.index.gpu_type(job.spec.virtual_cluster))
+                               ctx.index.gpu_type(job.spec.virtual_cluster, job.spec.node_selector))
         ctx.monitors[(meta["namespace"], meta["name"])] = found
     return found
 

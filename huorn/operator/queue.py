@@ -42,6 +42,7 @@ class QueuedJob:
     # its Ray workers wait, a job in line like any other, placed on its own nodes only.
     kind: str = "TrainingJob"
     borrows: bool = True  # False: it never takes GPUs from other virtual clusters
+    node_selector: Mapping[str, str] | None = None  # its spec's: placed on such nodes only
 
     @property
     def key(self) -> tuple[str, str]:
@@ -69,7 +70,7 @@ def build_entry(job: Any, meta: Mapping[str, Any], missing: int = 0) -> QueuedJo
     elastic = elasticity is not None and elasticity.policy.value == "goodput"
     return QueuedJob(str(meta.get("namespace", "")), str(meta.get("name", "")), spec.virtual_cluster,
                      spec.priority, parse_time(meta.get("creationTimestamp")), spec.resources.gpus, missing,
-                     min_replicas, elastic)
+                     min_replicas, elastic, node_selector=getattr(spec, "node_selector", None))
 
 
 def from_job(job: Any, body: Mapping[str, Any], pods: Iterable[PodRecord]) -> QueuedJob:
@@ -116,7 +117,8 @@ class AdmissionQueue:
                 continue
             if not growth and not other.goes_before(job):
                 break
-            where = snap.place(other.virtual_cluster, other.missing, other.gpus, borrow=other.borrows)
+            where = snap.place(other.virtual_cluster, other.missing, other.gpus, borrow=other.borrows,
+                               node_selector=other.node_selector)
             if isinstance(where, placement.Placement):
                 return other
         return None

@@ -62,8 +62,9 @@ RUNTIME_PARAMS = frozenset({"mitigation", "microbatches", "stageLayers", "batch"
 # Spec fields (wire names) a running gang follows without a restart: the scheduler's and the
 # monitor's, read from the job itself. Any other edit restarts the gang from its checkpoint on the
 # new spec (an uncounted drain of every trainer pod), except those in REFUSED_ONCE_STARTED.
+# nodeSelector: where replicas placed from now on go; those placed before stay where they run.
 LIVE_FIELDS = frozenset({"priority", "elasticity", "remediation", "suspend", "activeDeadlineSeconds",
-                         "ttlSecondsAfterFinished"})
+                         "ttlSecondsAfterFinished", "nodeSelector"})
 # NB: the checkpoints hold the architecture the gang started with: a gang restarted on another
 # would fail to load them, so such an edit is refused once the job has started (before, it went
 # into the ConfigMap at once, and the job failed at its next restart of any kind). "Started": a
@@ -350,7 +351,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
             ahead = ctx.queue.first_ahead_that_fits(queued, snap, growth=not below_minimum)
             hints = allocation.placement_hints(graph)
             where = None if ahead is not None else allocation.place_missing(
-                snap, job.spec.virtual_cluster, [i.name for i in missing], gpus, hints)
+                snap, job.spec.virtual_cluster, [i.name for i in missing], gpus, hints,
+                job.spec.node_selector)
             if not isinstance(where, placement.Placement):
                 # Replicas a resize in status removed (a move to the allocator's nodes) go now, as a
                 # shrink's do: kept while the new ones wait, they ran outside the graph, unseen by
@@ -480,11 +482,15 @@ def plan_preemption(ctx: Context, job: queue.QueuedJob, replicas: int, why: str)
     gangs stopping whole counted as gone; the next reconcile after a shrink, while the replicas
     given up still checkpointed, found the cluster as full as before and the shrunk gang with no
     surplus left, and stopped it (or another) whole as well."""
-    nodes = {n.name for n in ctx.index.members_of(job.virtual_cluster)}
+    # only the gangs on nodes it may use: stopping one elsewhere (a job with a nodeSelector on a
+    # cluster of mixed GPUs) frees nothing it can take
+    nodes = {n.name for n in ctx.index.members_of(job.virtual_cluster)
+             if all(n.labels.get(k) == v for k, v in (job.node_selector or {}).items())}
     candidates, stopping = ctx.queue.candidates(p for p in ctx.index.pods.values() if p.node in nodes)
     snap = ctx.index.build_snapshot(leaving=False)
     plan = sched_preemption.plan_preemption(snap, job.virtual_cluster, replicas, job.gpus, job.priority,
-                                            candidates, stopping, borrow=job.borrows)
+                                            candidates, stopping, borrow=job.borrows,
+                                            node_selector=job.node_selector)
     if plan is None:
         return why
     if not plan.victims and not plan.shrinks:

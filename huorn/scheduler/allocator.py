@@ -50,6 +50,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -108,6 +109,9 @@ class JobView:
     # of a 512 batch in micro-batches of 8 looked 7 % faster than 13, where they ran 1.5 % slower.
     # None: the batch is priced as if split evenly (the simulator's jobs).
     micro_batch: int | None = None
+    # The labels its nodes must carry (the spec's nodeSelector): every gang of it is placed on
+    # such nodes only, and it is offered no more replicas than they hold.
+    node_selector: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -152,6 +156,13 @@ def slowest_local_batch(local: np.ndarray | float, micro_batch: int) -> np.ndarr
     when `local` is M / replicas in floating point."""
     per_rank = np.ceil(np.asarray(local, dtype=float) / micro_batch - 1e-9)
     return np.maximum(per_rank, 1.0) * micro_batch
+
+
+def selected_slots(snap: snapshot.ClusterSnapshot, job: JobView) -> int:
+    """The replicas of `job` that the nodes its node_selector admits hold, empty and in service
+    (its own cluster's and any it may borrow from): a bound on its size, not a placement."""
+    return sum(view.gpus_total // job.gpus_per_replica for view in snap.node_views()
+               if not view.cordoned and placement.fits_selector(view, job.node_selector))
 
 
 # The runtime's batch rules (huorn.api.training.BatchRule's values): `goodput`, the allocator
@@ -418,6 +429,10 @@ class Allocator:
         values = {j.name: fitness_terms(self._values(j, now, bound) / self._reference(j, share, own, lend,
                                                                                        borrow),
                                         self.config.fairness_p) for j in jobs}
+        for j in jobs:
+            if j.node_selector:
+                # no size beyond what its nodes hold: the GPUs would go unused this cycle
+                values[j.name] = values[j.name][: selected_slots(snap, j) + 1]
 
         def take(job: JobView, gpus: int, commit: bool) -> bool:
             vc = job.virtual_cluster
@@ -638,7 +653,8 @@ class Allocator:
             # is not an option for it, and if no size from its own up fits, it keeps its GPUs.
             floor = job.replicas if running and job.priority >= PINNED_PRIORITY else job.min_replicas
             for a in range(want, floor - 1, -1) if want else []:
-                where = snap.place(job.virtual_cluster, a, job.gpus_per_replica)
+                where = snap.place(job.virtual_cluster, a, job.gpus_per_replica,
+                                   node_selector=job.node_selector)
                 if not isinstance(where, placement.Placement):
                     reason = where.reason
                     continue
@@ -651,7 +667,8 @@ class Allocator:
                 if where.nodes_spanned > 1 and self.ideal_nodes(job, a) == 1:
                     # Own-cluster-first spread the gang; one whole node (a lender's, if the
                     # lending limits allow) may hold it instead.
-                    whole = snap.place(job.virtual_cluster, a, job.gpus_per_replica, single_node=True)
+                    whole = snap.place(job.virtual_cluster, a, job.gpus_per_replica,
+                                       node_selector=job.node_selector, single_node=True)
                     if isinstance(whole, placement.Placement):
                         where = whole
                 cost = moved
@@ -758,8 +775,9 @@ class Allocator:
         free = {v.name: v.gpus_free - held.get(v.name, 0) for v in views}
         cordoned = {v.name for v in views if v.cordoned}
         beside: list[str] = []
+        admitted = {v.name for v in views if placement.fits_selector(v, job.node_selector)}
         for node in sorted(old.gpus_by_node, key=lambda n: (-old.gpus_by_node[n], n)):
-            if not snap.foreign_gpus(vc, {node: 1}) and node not in cordoned:
+            if not snap.foreign_gpus(vc, {node: 1}) and node not in cordoned and node in admitted:
                 beside += [node] * max(0, min(free[node] // gpr, extra - len(beside)))
         if not lifted and len(beside) == extra:
             return beside
@@ -772,7 +790,7 @@ class Allocator:
                 return None
             if len(beside) == extra:
                 return beside
-            rest = snap.place(vc, extra - len(beside), gpr)
+            rest = snap.place(vc, extra - len(beside), gpr, node_selector=job.node_selector)
         return beside + rest.assignments if isinstance(rest, placement.Placement) else None
 
     @staticmethod

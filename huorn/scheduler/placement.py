@@ -67,7 +67,8 @@ class Unplaceable:
     reason: str
 
 
-def _fits_selector(node: NodeView, selector: Mapping[str, str] | None) -> bool:
+def fits_selector(node: NodeView, selector: Mapping[str, str] | None) -> bool:
+    """Whether the node carries every label of a job's nodeSelector (None or empty: any node)."""
     return not selector or all(node.labels.get(k) == v for k, v in selector.items())
 
 
@@ -135,7 +136,7 @@ def place_gang(
     own_free = 0
     largest_own = 0
     for node in nodes:
-        if not _fits_selector(node, node_selector):
+        if not fits_selector(node, node_selector):
             continue
         if node.cordoned:
             if node.unavailable and node.unavailable != "cordoned":
@@ -188,7 +189,7 @@ def place_gang(
     return Unplaceable(
         _explain(
             need, gpus_per_replica, virtual_cluster, own_free, own_slots, largest_own, cordoned,
-            borrow_limit, lendable_gpus, cpu_milli_per_replica, down,
+            borrow_limit, lendable_gpus, cpu_milli_per_replica, down, node_selector,
         )
     )
 
@@ -228,8 +229,14 @@ def _expand(chosen: list[tuple[str, int]]) -> list[str]:
 def _explain(
     need: int, per: int, vc: str, own_free: int, own_slots: int, largest: int, cordoned: int,
     borrow_limit: int, lendable: int, cpu_milli: int, down: Sequence[str] = (),
+    selector: Mapping[str, str] | None = None,
 ) -> str:
     where = f"in virtual cluster {vc}" if vc else "in the cluster"
+    if selector:
+        # the counts below are of these nodes only: "0 free" in a cluster with free GPUs elsewhere
+        # must say why those do not count
+        labels = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+        where += f" on nodes labelled {labels} (spec.nodeSelector)"
     parts = [f"needs {need} GPUs ({need // per if per else 0} replicas × {per}) {where}, {own_free} free"]
     if own_slots * per < own_free:
         # Some free GPUs cannot hold a replica: say whether CPU or fragmentation is to blame.

@@ -23,7 +23,7 @@ Pure: a `ClusterSnapshot` and plain values in, names out; the snapshot is left a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from huorn.scheduler import placement
@@ -55,17 +55,20 @@ def is_preemptible(victim_priority: int, preemptor_priority: int) -> bool:
     return victim_priority < preemptor_priority and victim_priority < PINNED_PRIORITY
 
 
-def _fits(snap: ClusterSnapshot, vc: str, replicas: int, gpus: int, borrow: bool = True) -> bool:
-    return isinstance(snap.place(vc, replicas, gpus, borrow=borrow), placement.Placement)
+def _fits(snap: ClusterSnapshot, vc: str, replicas: int, gpus: int, borrow: bool = True,
+          node_selector: Mapping[str, str] | None = None) -> bool:
+    return isinstance(snap.place(vc, replicas, gpus, node_selector=node_selector, borrow=borrow),
+                      placement.Placement)
 
 
 def plan_preemption(
     snap: ClusterSnapshot, vc: str, replicas: int, gpus_per_replica: int, priority: int,
     candidates: Iterable[Candidate], stopping: Iterable[str] = (), borrow: bool = True,
+    node_selector: Mapping[str, str] | None = None,
 ) -> Plan | None:
     """The fewest victims, by the rules above, after which `replicas × gpus_per_replica` of
-    cluster `vc` can be placed (without `borrow`, on its own nodes); None when no set of
-    eligible victims is enough."""
+    cluster `vc` can be placed (without `borrow`, on its own nodes; with `node_selector`, on the
+    nodes that carry its labels); None when no set of eligible victims is enough."""
     bound = set(snap.bindings())
     order = sorted((c for c in candidates if c.job in bound and is_preemptible(c.priority, priority)),
                    key=lambda c: (c.priority, -c.started, c.job))
@@ -73,16 +76,16 @@ def plan_preemption(
         for job in stopping:
             if job in bound:
                 snap.forget(job)
-        if _fits(snap, vc, replicas, gpus_per_replica, borrow):
+        if _fits(snap, vc, replicas, gpus_per_replica, borrow, node_selector):
             return Plan(())
-        shrinks = _plan_shrinks(snap, vc, replicas, gpus_per_replica, order, borrow)
+        shrinks = _plan_shrinks(snap, vc, replicas, gpus_per_replica, order, borrow, node_selector)
         if shrinks is not None:
             return Plan((), shrinks)
         taken: list[Candidate] = []
         for c in order:
             snap.forget(c.job)
             taken.append(c)
-            if _fits(snap, vc, replicas, gpus_per_replica, borrow):
+            if _fits(snap, vc, replicas, gpus_per_replica, borrow, node_selector):
                 break
         else:
             return None
@@ -94,14 +97,14 @@ def plan_preemption(
             for job in [*stopping, *(v.job for v in trial)]:
                 if job in bound:
                     snap.forget(job)
-            if _fits(snap, vc, replicas, gpus_per_replica, borrow):
+            if _fits(snap, vc, replicas, gpus_per_replica, borrow, node_selector):
                 needed = trial
     return Plan(tuple(v.job for v in needed))
 
 
 def _plan_shrinks(
     snap: ClusterSnapshot, vc: str, replicas: int, gpus_per_replica: int, order: list[Candidate],
-    borrow: bool = True,
+    borrow: bool = True, node_selector: Mapping[str, str] | None = None,
 ) -> tuple[tuple[str, tuple[str, ...]], ...] | None:
     """Surplus replicas given up one at a time, in victim order, until the gang fits; None when
     all of them are not enough. Leaves `snap` as it found it."""
@@ -119,6 +122,6 @@ def _plan_shrinks(
                 if nodes:
                     snap.assume(c.job, binding.virtual_cluster, placement.Placement(nodes), 1)
                 given.setdefault(c.job, []).append(replica)
-                if _fits(snap, vc, replicas, gpus_per_replica, borrow):
+                if _fits(snap, vc, replicas, gpus_per_replica, borrow, node_selector):
                     return tuple((job, tuple(names)) for job, names in given.items())
     return None
