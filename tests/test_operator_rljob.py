@@ -196,6 +196,30 @@ def test_an_rl_job_waits_for_all_its_gpus_and_a_bad_layout_is_refused(kube: buil
         assert error.status == 404
 
 
+def test_ray_workers_go_on_the_selected_nodes_and_an_edit_of_the_selector_restarts_nothing(
+        kube: builders.Kube, operator) -> None:
+    """The gang's two workers of 2 GPUs go on a1, which it selects; a second such gang waits for
+    a1 while a0 is free, and says so. A new selector moves no running worker."""
+    kube.create_job(NS, rl_job("on-a1", nodeSelector={"kubernetes.io/hostname": "a1"}), plural=RL)
+    wait_for(lambda: len(live_pods(kube, "on-a1")) == 3, what="the gang")
+    workers = [p for p in live_pods(kube, "on-a1").values()
+               if p.metadata.labels["huorn.io/vertex"] == "ray-worker"]
+    assert {p.metadata.annotations["huorn.io/node"] for p in workers} == {"a1"}
+    run_all(kube, "on-a1")
+    wait_for(lambda: status(kube, "on-a1").get("phase") == "Running", what="Running")
+    kube.create_job(NS, rl_job("also-a1", nodeSelector={"kubernetes.io/hostname": "a1"}), plural=RL)
+    waiting = wait_for(lambda: (m := status(kube, "also-a1").get("message", "")).startswith("waiting") and m,
+                       what="WaitingForGPUs")
+    assert ("(0 GPU(s) free on its nodes labelled kubernetes.io/hostname=a1 (spec.nodeSelector), none "
+            "borrowed)") in waiting
+    assert kube.pods(NS, "also-a1") == []
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, RL, "on-a1",
+                                               {"spec": {"nodeSelector": {"kubernetes.io/hostname": "a0"}}})
+    wait_for(lambda: status(kube, "on-a1").get("observedGeneration") == 2, what="the edit seen")
+    assert sorted(live_pods(kube, "on-a1")) == ["on-a1-ray-head-0", "on-a1-ray-worker-0",
+                                               "on-a1-ray-worker-1"]
+
+
 def test_a_changed_spec_restarts_the_gang_on_it_and_a_priority_change_does_not(
     kube: builders.Kube, operator
 ) -> None:

@@ -420,10 +420,10 @@ def _service_account_field() -> Any:
 def _node_selector_field() -> Any:
     return Field(
         default=None, max_length=16,
-        description="Labels a node must carry for the job's pods to be placed on it, among its virtual "
-                    "cluster's nodes and those it borrows (e.g. nvidia.com/gpu.product: "
-                    "NVIDIA-H100-80GB-HBM3 on a cluster of mixed GPUs). Replicas placed before an edit stay "
-                    "where they run. Unset: any node of the virtual cluster.")
+        description="Labels a node must carry for the job's GPU pods (trainers, Ray workers) to be "
+                    "placed on it, among its virtual cluster's nodes and those it borrows (e.g. "
+                    "nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3 on a cluster of mixed GPUs). Pods placed "
+                    "before an edit stay where they run. Unset: any node of the virtual cluster.")
 
 
 NodeSelector = Annotated[dict[NodeLabelKey, LabelValue] | None, _at_most(16, "node selector labels")]
@@ -471,6 +471,7 @@ class JobCommon(ApiModel):
     image_pull_secrets: list[LocalObjectReference] | None = _image_pull_secrets_field()
     service_account_name: DnsSubdomain | None = _service_account_field()
     pod_metadata: PodMetadata | None = _pod_metadata_field()
+    node_selector: NodeSelector = _node_selector_field()
 
 
 class ElasticJobCommon(ApiModel):

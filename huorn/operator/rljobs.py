@@ -381,7 +381,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         snap = ctx.index.build_snapshot()
         ahead = ctx.queue.first_ahead_that_fits(in_line, snap, growth=growing) if missing_workers else None
         nodes = [] if ahead is not None else serving.choose_nodes(
-            serving.free_gpus(ctx, vc), layout.gpus_per_worker, len(missing_workers))
+            serving.free_gpus(ctx, vc, job.spec.node_selector), layout.gpus_per_worker, len(missing_workers))
         placed = ahead is None and len(nodes) == len(missing_workers)
         new_pods = []
         if placed:
@@ -426,9 +426,12 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                   f"room on virtual cluster {vc!r}, after every job waiting in line")
     else:
         ctx.rl_waiting[(ns, name)] = vc  # GPUs freed on it wake this job (ctx.wake_line)
-        free = sum(max(0, n) for n in serving.free_gpus(ctx, vc).values())
+        selector = job.spec.node_selector
+        free = sum(max(0, n) for n in serving.free_gpus(ctx, vc, selector).values())
+        which = ("its nodes" if not selector else "its nodes labelled "
+                 + ",".join(f"{k}={v}" for k, v in sorted(selector.items())) + " (spec.nodeSelector)")
         message = (f"waiting for {len(missing_workers)} Ray worker(s) of {layout.gpus_per_worker} GPU(s) "
-                   f"each on virtual cluster {vc!r} ({free} GPU(s) free on its nodes, none borrowed); "
+                   f"each on virtual cluster {vc!r} ({free} GPU(s) free on {which}, none borrowed); "
                    "the gang starts when all of them fit")
         if ahead is not None:
             ctx.wake_queued(ahead)

@@ -113,11 +113,14 @@ def shrink_order(graph: Graph, replicas: int, ready: Mapping[str, bool]) -> list
     return [i.name for i in order[:drop]]
 
 
-def free_gpus(ctx: Context, vc: str) -> dict[str, int]:
-    """GPUs free now on each schedulable member node of `vc`: its GPUs less what pods (deleting
-    ones too, until they are gone), this operator's reservations and other controllers' pods
-    hold there (a replica was bound to GPUs another controller's pod held, and stayed Pending)."""
-    free = {n.name: n.gpus for n in ctx.index.members_of(vc) if not n.unschedulable}
+def free_gpus(ctx: Context, vc: str, node_selector: Mapping[str, str] | None = None) -> dict[str, int]:
+    """GPUs free now on each schedulable member node of `vc` (of those with every label of
+    `node_selector`, an RLJob's): its GPUs less what pods (deleting ones too, until they are
+    gone), this operator's reservations and other controllers' pods hold there (a replica was
+    bound to GPUs another controller's pod held, and stayed Pending)."""
+    selector = node_selector or {}
+    free = {n.name: n.gpus for n in ctx.index.members_of(vc)
+            if not n.unschedulable and all(n.labels.get(k) == v for k, v in selector.items())}
     holders = [*ctx.index.pods.values(), *ctx.index.reservations.values()]
     for pod in holders:
         if pod.node in free and pod.holds_resources and pod.gpus:

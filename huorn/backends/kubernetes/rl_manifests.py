@@ -37,7 +37,8 @@ START_TIMEOUT_SECONDS = 1800.0
 
 # Spec fields that no pod of a running gang reads, or that the head re-reads from the ConfigMap
 # when it needs them (controllerRetries): changing them restarts nothing.
-UNROLLED_FIELDS = frozenset({"priority", "remediation", "suspend", "controllerRetries"})
+# nodeSelector: where workers placed from now on go; those placed before stay where they run.
+UNROLLED_FIELDS = frozenset({"priority", "remediation", "suspend", "controllerRetries", "nodeSelector"})
 
 
 # Roles whose replica count a running controller follows (it re-reads the ConfigMap at every
