@@ -313,3 +313,23 @@ def test_the_replicas_counted_waiting_are_what_the_demand_still_lacks() -> None:
     assert waiting([pod("a", 4), pod("b", 4), pod("c", 4)], replicas=3, unplaced=1) == []  # placed since
     assert waiting([pod("a", 8, deleting=True), pod("b", 8)], replicas=2, unplaced=1) == [4]  # the roll
     assert waiting([pod("a", 8), pod("b", 8), pod("a2", 4)], replicas=3 + 1, unplaced=1) == [4]  # surging
+
+
+def test_a_reclaim_for_a_gang_with_a_node_selector_frees_gpus_on_the_nodes_it_selects() -> None:
+    """h0 (H100s) holds 3 lent GPUs and 1 free, t0 (T4s) 2 and 2: a waiting replica of 4 GPUs is
+    cheapest to fit on t0, but one that selects the H100s fits on h0 only. Counted on any node,
+    its reclaim freed 2 GPUs on t0, where it could not go, and it went on waiting."""
+    from huorn.operator import context
+
+    ctx = context.Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
+    ctx.index.observe_vc(builders.make_virtual_cluster("train", pool="a"))
+    ctx.index.observe_node(builders.make_node("h0", 4, pool="a", gpu="h100"))
+    ctx.index.observe_node(builders.make_node("t0", 4, pool="a", gpu="t4"))
+    pods = [index.PodRecord("other", f"b-trainer-{i}", "b", "trainer", f"trainer-{i}", node, 1, 0, "research",
+                            phase="Running") for i, node in enumerate(["h0"] * 3 + ["t0"] * 2)]
+    for p in pods:
+        ctx.index.pods[(p.namespace, p.name)] = p
+    borrowers = {("other", "b"): loans.Borrower("other", "b", pods)}
+    assert loans.node_shortfall(ctx, "train", borrowers, [(4, None)]) == (2, {"t0"})
+    assert loans.node_shortfall(ctx, "train", borrowers, [(4, {"gpu": "h100"})]) == (3, {"h0"})
+    assert loans.node_shortfall(ctx, "train", borrowers, [(4, {"gpu": "a100"})]) == (0, set())

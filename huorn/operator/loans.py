@@ -114,11 +114,17 @@ def serving_replicas_waiting(ctx: Context, vc: str) -> list[int]:
     return out
 
 
-def node_shortfall(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower], replicas: list[int]
+# A replica waiting for GPUs on one node: its GPUs, and its job's nodeSelector (None: any node).
+WaitingReplica = tuple[int, Mapping[str, str] | None]
+
+
+def node_shortfall(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower], replicas: list[WaitingReplica]
                    ) -> tuple[int, set[str]]:
     """GPUs to reclaim so that the waiting replicas of `vc`'s own jobs (`replicas`: the GPUs of
-    each, all on one node, as serving and gang placement put a replica) fit, and the nodes to
-    reclaim them on.
+    each, all on one node, as serving and gang placement put a replica, and the labels that node
+    must carry) fit, and the nodes to reclaim them on. A replica of a job with a nodeSelector is
+    fitted on the nodes it selects only: counted on any node, a reclaim freed GPUs where it
+    could not go.
 
     count_wanted and line_wanted judge GPUs in total: with a borrower's pod on each of two 4-GPU
     nodes, 6 free GPUs covered a replica of 4 that no node could hold, nothing was reclaimed,
@@ -126,9 +132,11 @@ def node_shortfall(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower], rep
     node it fits (serving.choose_nodes' best fit), else the node where reclaiming costs the
     fewest GPUs: its free GPUs (counting pods being deleted as gone, as free_gpus does) plus what
     borrowers hold there must hold it, or no reclaim can place it."""
-    waiting = sorted((gpus for gpus in replicas if gpus > 0), reverse=True)
+    waiting = sorted(((gpus, selector or {}) for gpus, selector in replicas if gpus > 0),
+                     key=lambda r: -r[0])
     if not waiting:
         return 0, set()
+    labels = {n.name: n.labels for n in ctx.index.members_of(vc)}
     free = {n.name: n.gpus for n in ctx.index.members_of(vc) if not n.unschedulable}
     holders = [*ctx.index.pods.values(), *ctx.index.reservations.values()]
     for pod in holders:
@@ -143,12 +151,14 @@ def node_shortfall(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower], rep
             if pod.node in free:
                 lent_on[pod.node] = lent_on.get(pod.node, 0) + pod.gpus
     need, nodes = 0, set()
-    for gpus in waiting:
-        fits = sorted((left, name) for name, left in free.items() if left >= gpus)
+    for gpus, selector in waiting:
+        usable = {name: left for name, left in free.items()
+                  if all(labels[name].get(k) == v for k, v in selector.items())}
+        fits = sorted((left, name) for name, left in usable.items() if left >= gpus)
         if fits:
             free[fits[0][1]] -= gpus
             continue
-        options = sorted((gpus - max(left, 0), name) for name, left in free.items()
+        options = sorted((gpus - max(left, 0), name) for name, left in usable.items()
                          if max(left, 0) + lent_on.get(name, 0) >= gpus)
         if not options:
             continue  # no reclaim on one node can hold it
@@ -273,9 +283,9 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
     else:
         if inference:
             wanted = count_wanted(ctx, name, borrowers)  # the InferenceJobs' floors, or the forecast
-            waiting = serving_replicas_waiting(ctx, name)
-        else:  # the line's gangs, each replica whole on one node too
-            waiting = [job.gpus for job in line for _ in range(job.missing)]
+            waiting: list[WaitingReplica] = [(gpus, None) for gpus in serving_replicas_waiting(ctx, name)]
+        else:  # the line's gangs, each replica whole on one node too, on the nodes it selects
+            waiting = [(job.gpus, job.node_selector) for job in line for _ in range(job.missing)]
         short, nodes = node_shortfall(ctx, name, borrowers, waiting)
         if short > wanted and lent <= lending_allowed(spec):
             # the waiting replicas fit only where GPUs come back on the right nodes (not when the
