@@ -301,18 +301,19 @@ def test_the_replicas_counted_waiting_are_what_the_demand_still_lacks() -> None:
         return index.PodRecord("ns", name, "chat", "server", name, "n0", gpus, 0, "serve", phase="Running",
                                deleting=deleting)
 
-    def waiting(pods: list[index.PodRecord], replicas: int, unplaced: int) -> list[int]:
+    def waiting(pods: list[index.PodRecord], replicas: int, unplaced: int) -> list[loans.WaitingReplica]:
         ctx = context.Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
         for p in pods:
             ctx.index.pods[("ns", p.name)] = p
         ctx.index.inference_demand[("ns", "chat")] = ("serve", replicas * 4)
-        ctx.serving_unplaced[("ns", "chat")] = ("serve", 4, unplaced)
+        ctx.serving_unplaced[("ns", "chat")] = ("serve", 4, unplaced, {"gpu": "l4"})
         return loans.serving_replicas_waiting(ctx, "serve")
 
-    assert waiting([pod("a", 4), pod("b", 4)], replicas=3, unplaced=1) == [4]
+    one = [(4, {"gpu": "l4"})]  # each with its job's nodeSelector, for node_shortfall
+    assert waiting([pod("a", 4), pod("b", 4)], replicas=3, unplaced=1) == one
     assert waiting([pod("a", 4), pod("b", 4), pod("c", 4)], replicas=3, unplaced=1) == []  # placed since
-    assert waiting([pod("a", 8, deleting=True), pod("b", 8)], replicas=2, unplaced=1) == [4]  # the roll
-    assert waiting([pod("a", 8), pod("b", 8), pod("a2", 4)], replicas=3 + 1, unplaced=1) == [4]  # surging
+    assert waiting([pod("a", 8, deleting=True), pod("b", 8)], replicas=2, unplaced=1) == one  # the roll
+    assert waiting([pod("a", 8), pod("b", 8), pod("a2", 4)], replicas=3 + 1, unplaced=1) == one  # surging
 
 
 def test_a_reclaim_for_a_gang_with_a_node_selector_frees_gpus_on_the_nodes_it_selects() -> None:

@@ -133,7 +133,9 @@ class Context:
     serving_waiting: dict[tuple[str, str], str] = field(default_factory=dict)
     # And what each waits for: (virtual cluster, GPUs of one replica, replicas unplaced), which a
     # lender's reclaim fits node by node (huorn.operator.loans.node_shortfall).
-    serving_unplaced: dict[tuple[str, str], tuple[str, int, int]] = field(default_factory=dict)
+    # (vc, GPUs a replica, replicas, the job's nodeSelector)
+    serving_unplaced: dict[tuple[str, str], tuple[str, int, int, Mapping[str, str] | None]] = field(
+        default_factory=dict)
     # Each InferenceJob's autoscaler (huorn.operator.autoscaling.ScalerState). Memory only: a
     # restarted operator keeps the replicas in status until its window has filled again.
     autoscalers: dict[tuple[str, str], Any] = field(default_factory=dict)

@@ -94,7 +94,11 @@ def count_wanted(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]) -> in
     return max(0, min(lent, ctx.index.unmet_demand(vc, own, others) - free_gpus(ctx, vc)))
 
 
-def serving_replicas_waiting(ctx: Context, vc: str) -> list[int]:
+# A replica waiting for GPUs on one node: its GPUs, and its job's nodeSelector (None: any node).
+WaitingReplica = tuple[int, Mapping[str, str] | None]
+
+
+def serving_replicas_waiting(ctx: Context, vc: str) -> list[WaitingReplica]:
     """The GPUs of each serving replica waiting on `vc` (ctx.serving_unplaced), of the jobs the
     index still counts as its demand (a job moved or refused since its last reconcile waits
     here for nothing), and no more replicas than that demand still lacks: a replica placed since
@@ -102,20 +106,16 @@ def serving_replicas_waiting(ctx: Context, vc: str) -> list[int]:
     held at once, and a borrower was stopped for it. Counted in replicas, not GPUs: while a
     smaller `resources.gpus` rolls, the old replicas hold more GPUs than the demand's share, and
     a count in GPUs hid the rolled replica's successor."""
-    out = []
-    for key, (cluster, gpus, count) in ctx.serving_unplaced.items():
+    out: list[WaitingReplica] = []
+    for key, (cluster, gpus, count, selector) in ctx.serving_unplaced.items():
         demand_vc, demand = ctx.index.inference_demand.get(key, ("", 0))
         if cluster != vc or gpus <= 0 or demand_vc != vc:
             continue
         holders = [*ctx.index.pods_of(*key), *(r for (ns, _), r in ctx.index.reservations.items()
                                               if ns == key[0] and r.job == key[1])]
         held = sum(1 for p in holders if p.vertex == serving.SERVER and p.holds_resources and not p.deleting)
-        out += [gpus] * min(count, max(0, demand // gpus - held))
+        out += [(gpus, selector)] * min(count, max(0, demand // gpus - held))
     return out
-
-
-# A replica waiting for GPUs on one node: its GPUs, and its job's nodeSelector (None: any node).
-WaitingReplica = tuple[int, Mapping[str, str] | None]
 
 
 def node_shortfall(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower], replicas: list[WaitingReplica]
@@ -283,7 +283,7 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
     else:
         if inference:
             wanted = count_wanted(ctx, name, borrowers)  # the InferenceJobs' floors, or the forecast
-            waiting: list[WaitingReplica] = [(gpus, None) for gpus in serving_replicas_waiting(ctx, name)]
+            waiting = serving_replicas_waiting(ctx, name)
         else:  # the line's gangs, each replica whole on one node too, on the nodes it selects
             waiting = [(job.gpus, job.node_selector) for job in line for _ in range(job.missing)]
         short, nodes = node_shortfall(ctx, name, borrowers, waiting)

@@ -115,9 +115,9 @@ def shrink_order(graph: Graph, replicas: int, ready: Mapping[str, bool]) -> list
 
 def free_gpus(ctx: Context, vc: str, node_selector: Mapping[str, str] | None = None) -> dict[str, int]:
     """GPUs free now on each schedulable member node of `vc` (of those with every label of
-    `node_selector`, an RLJob's): its GPUs less what pods (deleting ones too, until they are
-    gone), this operator's reservations and other controllers' pods hold there (a replica was
-    bound to GPUs another controller's pod held, and stayed Pending)."""
+    `node_selector`, an RLJob's or an InferenceJob's): its GPUs less what pods (deleting ones
+    too, until they are gone), this operator's reservations and other controllers' pods hold
+    there (a replica was bound to GPUs another controller's pod held, and stayed Pending)."""
     selector = node_selector or {}
     free = {n.name: n.gpus for n in ctx.index.members_of(vc)
             if not n.unschedulable and all(n.labels.get(k) == v for k, v in selector.items())}
@@ -266,7 +266,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         await ctx.client.delete("Pod", ns, stale.name)
     placed = 0
     async with ctx.placement_lock:
-        nodes = choose_nodes(free_gpus(ctx, vc), gpus, len(missing)) if gpus else [""] * len(missing)
+        selector = job.spec.node_selector
+        nodes = (choose_nodes(free_gpus(ctx, vc, selector), gpus, len(missing)) if gpus
+                 else [""] * len(missing))
         pods_new = [manifests.build_serve_pod(ref, i, node, spec, vc, ctx.index.tolerations_on(node))
                     for i, node in zip(missing, nodes, strict=False)]
         ctx.index.reserve(r for r in (index.build_pod_record(p) for p in pods_new) if r is not None)
@@ -294,7 +296,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     unplaced = len(missing) - placed
     if unplaced:
         ctx.serving_waiting[(ns, name)] = vc
-        ctx.serving_unplaced[(ns, name)] = (vc, gpus, unplaced)
+        ctx.serving_unplaced[(ns, name)] = (vc, gpus, unplaced, selector)
     else:
         ctx.serving_waiting.pop((ns, name), None)
         ctx.serving_unplaced.pop((ns, name), None)
@@ -304,9 +306,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     activator_ready = any(f is not None and is_ready(f) for f in fronts)
     if unplaced:
         reason = "WaitingForGPUs"
+        where = "" if not selector else (" on its nodes labelled " + ",".join(
+            f"{k}={v}" for k, v in sorted(selector.items())) + " (spec.nodeSelector)")
         message = (f"{unplaced} of {server.replicas} replica(s) wait for {gpus} GPU(s) each on virtual "
-                   f"cluster {vc!r} (GPUs it lent are reclaimed for them; otherwise they wait for "
-                   "GPUs to free)")
+                   f"cluster {vc!r}{where} (GPUs it lent are reclaimed for them; otherwise they wait "
+                   "for GPUs to free)")
     elif ready < server.replicas:
         reason, message = "ReplicasStarting", f"{ready} of {server.replicas} replica(s) ready"
     elif server.replicas == 0 and not activator_ready:

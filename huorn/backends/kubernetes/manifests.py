@@ -588,7 +588,9 @@ SERVE_PORT = 8000
 SERVE_GRACE_SECONDS = inference.SERVE_PRESTOP_SECONDS + inference.SERVE_DRAIN_SECONDS + 5
 ANNOTATION_TEMPLATE = "huorn.io/template"
 # Spec fields a running replica never rereads: changing them rolls no pod.
-UNROLLED_FIELDS = frozenset({"autoscaling", "slo", "priority", "elasticity", "remediation", "routing"})
+# nodeSelector: where replicas placed from now on go; those placed before keep serving where they run.
+UNROLLED_FIELDS = frozenset({"autoscaling", "slo", "priority", "elasticity", "remediation", "routing",
+                             "nodeSelector"})
 
 
 def serve_service_name(job: JobRef) -> str:
