@@ -334,3 +334,36 @@ def test_a_reclaim_for_a_gang_with_a_node_selector_frees_gpus_on_the_nodes_it_se
     assert loans.node_shortfall(ctx, "train", borrowers, [(4, None)]) == (2, {"t0"})
     assert loans.node_shortfall(ctx, "train", borrowers, [(4, {"gpu": "h100"})]) == (3, {"h0"})
     assert loans.node_shortfall(ctx, "train", borrowers, [(4, {"gpu": "a100"})]) == (0, set())
+
+
+def test_a_lender_reclaims_for_a_waiting_gang_with_a_selector_only_where_it_could_go() -> None:
+    """The lender's own job `busy` holds a0 (its only H100 node); a borrower holds a1 (T4s). Its
+    job `owner`, waiting for 4 H100s, cannot use a1: the line counted every node, stopped the
+    borrower there, and held the GPUs unlent while `owner` went on waiting. With the borrower on
+    a0 instead, the reclaim is for a0, where `owner` goes."""
+    from huorn.operator import context, queue
+
+    def lender(borrower_on: str) -> tuple[context.Context, dict]:
+        """a0 H100 and a1 T4 and a2 H100, 4 GPUs each: `busy` on a0, the borrower on
+        `borrower_on`, the lender's job `t` on the third."""
+        ctx = context.Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
+        ctx.index.observe_vc(builders.make_virtual_cluster("lender", pool="a", lend=8))
+        for node, gpu in (("a0", "h100"), ("a1", "t4"), ("a2", "h100")):
+            ctx.index.observe_node(builders.make_node(node, 4, pool="a", gpu=gpu))
+        other = "a2" if borrower_on == "a1" else "a1"
+        held = (("team", "busy", "a0", "lender"), ("other", "guest", borrower_on, "borrower"),
+                ("team", "t", other, "lender"))
+        for ns, job, node, vc in held:
+            pod = index.PodRecord(ns, f"{job}-trainer-0", job, "trainer", "trainer-0", node, 4, 0, vc,
+                                  phase="Running")
+            ctx.index.pods[(ns, pod.name)] = pod
+        ctx.queue.record(queue.QueuedJob("team", "owner", "lender", 50, 0.0, 4, missing=1,
+                                         node_selector={"gpu": "h100"}))
+        return ctx, loans.find_borrowers(ctx, "lender")
+
+    ctx, borrowers = lender("a1")
+    assert loans.line_wanted(ctx, "lender", borrowers) == (0, 0, [])  # nothing to reclaim or reserve
+    ctx, borrowers = lender("a2")
+    need, debt, line = loans.line_wanted(ctx, "lender", borrowers)
+    assert (need, debt, [j.name for j in line]) == (4, 0, ["owner"])  # reserved; reclaimed where it goes:
+    assert loans.node_shortfall(ctx, "lender", borrowers, [(4, {"gpu": "h100"})]) == (4, {"a2"})

@@ -34,7 +34,7 @@ import calendar
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,17 +65,26 @@ def find_borrowers(ctx: Context, vc: str) -> dict[tuple[str, str], Borrower]:
     return out
 
 
-def lent_by(borrowers: Mapping[Any, Borrower]) -> int:
-    """GPUs the borrowers' pods hold on the lender's nodes."""
-    return sum(p.gpus for b in borrowers.values() for p in b.pods)
+def lent_by(borrowers: Mapping[Any, Borrower], nodes: Container[str] | None = None) -> int:
+    """GPUs the borrowers' pods hold on the lender's nodes (on `nodes` only, when given)."""
+    return sum(p.gpus for b in borrowers.values() for p in b.pods if nodes is None or p.node in nodes)
 
 
-def free_gpus(ctx: Context, vc: str) -> int:
-    """GPUs free on `vc`'s member nodes that take new pods: their GPUs less what live Huorn pods
-    and other controllers' pods hold there. Pods on a node taking no new pods (cordoned, not
-    Ready, tainted) hold GPUs that node's capacity no longer counts: counted as used, they made
-    a lender read fewer free GPUs than it had and reclaim more than it needed."""
-    schedulable = {n.name: n.gpus for n in ctx.index.members_of(vc) if not n.unschedulable}
+def selected_nodes(ctx: Context, vc: str, node_selector: Mapping[str, str] | None) -> set[str]:
+    """`vc`'s member nodes that carry every label of a job's nodeSelector."""
+    selector = node_selector or {}
+    return {n.name for n in ctx.index.members_of(vc)
+            if all(n.labels.get(k) == v for k, v in selector.items())}
+
+
+def free_gpus(ctx: Context, vc: str, nodes: Container[str] | None = None) -> int:
+    """GPUs free on `vc`'s member nodes that take new pods (of `nodes` only, when given): their
+    GPUs less what live Huorn pods and other controllers' pods hold there. Pods on a node taking
+    no new pods (cordoned, not Ready, tainted) hold GPUs that node's capacity no longer counts:
+    counted as used, they made a lender read fewer free GPUs than it had and reclaim more than it
+    needed."""
+    schedulable = {n.name: n.gpus for n in ctx.index.members_of(vc)
+                   if not n.unschedulable and (nodes is None or n.name in nodes)}
     used = sum(p.gpus for p in ctx.index.pods.values()
                if p.node in schedulable and p.holds_resources and not p.deleting)
     # capped by the Huorn pods counted here, which leave out those being deleted
@@ -224,17 +233,30 @@ def line_wanted(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]
 
     Jobs are taken first in line first, each only while the GPUs reclaim could give (free + lent)
     still hold it: a gang larger than all of that would not be placed after a reclaim either, and
-    reclaiming for it would only stop borrowers for GPUs that then sit idle."""
+    reclaiming for it would only stop borrowers for GPUs that then sit idle.
+
+    A job with a nodeSelector counts only the nodes it selects, and adds nothing to the debt
+    returned: GPUs reclaimed anywhere need not help it, so its reclaim is the targeted one of
+    `node_shortfall` (the lender's reclaim, below). Counted over every node, a lender stopped a
+    borrower on a node the job could not use, and held the GPUs unlent while the job waited."""
     free = free_gpus(ctx, vc)
     lent = lent_by(borrowers)
-    room, need, jobs = free + lent, 0, []
+    room, need, anywhere, jobs = free + lent, 0, 0, []
     for job in ctx.queue.waiting():
         gpus = job.missing * job.gpus
-        if job.virtual_cluster != vc or gpus > room - need:
+        if job.virtual_cluster != vc:
             continue
+        if job.node_selector:
+            nodes = selected_nodes(ctx, vc, job.node_selector)
+            if gpus > min(room - need, free_gpus(ctx, vc, nodes) + lent_by(borrowers, nodes)):
+                continue
+        elif gpus > room - need:
+            continue
+        else:
+            anywhere += gpus
         need += gpus
         jobs.append(job)
-    return need, max(0, min(lent, need - free)), jobs
+    return need, max(0, min(lent, anywhere - free)), jobs
 
 
 def reserve_for_line(ctx: Context, vc: str, need: int) -> None:
