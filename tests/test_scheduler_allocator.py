@@ -229,6 +229,22 @@ def test_a_job_with_a_node_selector_runs_on_its_nodes_and_is_offered_no_more_tha
     assert allocator.selected_slots(build_snapshot(), build_job("x", node_selector={"gpu": "a100"})) == 0
 
 
+def test_a_selected_node_the_job_may_not_borrow_does_not_raise_its_bound() -> None:
+    """An H100 node of an inference cluster that lends nothing is no room for the job that
+    selects H100s: counted, it lifted the job's bound to 16, the greedy gave it GPUs placement
+    could not use, and the job beside it, running at 8, was shrunk to 1 (a review)."""
+    for lend, borrow, bound in ((0, 0, 8), (8, 0, 8), (8, 4, 12), (2, 8, 10)):
+        snap = build_snapshot(infer_nodes=1, lend=lend, borrow=borrow)
+        assert allocator.selected_slots(snap, build_job("good", node_selector={"gpu": "h100"})) == bound
+        snap.assume("good", "train", Placement(["t0"] * 8), 1)
+        snap.assume("bad", "train", Placement(["t1"] * 8), 1)
+        jobs = [build_job("good", node_selector={"gpu": "h100"}, replicas=8, last_resize=-1e9),
+                build_job("bad", SCALES_BADLY, replicas=8, last_resize=-1e9)]
+        got = {d.job: d for d in allocator.Allocator().allocate(snap, jobs, 1000.0)}
+        assert got["bad"].replicas == 8 and set(got["bad"].assignments) == {"t1"}, (lend, borrow)
+        assert got["good"].replicas <= bound and set(got["good"].assignments) <= {"t0", "i0"}
+
+
 def test_a_pinned_job_is_never_shrunk_onto_a_better_packed_smaller_gang() -> None:
     """Regression (found by the property test above in a full-suite run): a pinned job of 4
     replicas spread over the training node and a lender's node was moved to 3 replicas on the

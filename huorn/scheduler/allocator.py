@@ -158,11 +158,30 @@ def slowest_local_batch(local: np.ndarray | float, micro_batch: int) -> np.ndarr
     return np.maximum(per_rank, 1.0) * micro_batch
 
 
-def selected_slots(snap: snapshot.ClusterSnapshot, job: JobView) -> int:
-    """The replicas of `job` that the nodes its node_selector admits hold, empty and in service
-    (its own cluster's and any it may borrow from): a bound on its size, not a placement."""
-    return sum(view.gpus_total // job.gpus_per_replica for view in snap.node_views()
-               if not view.cordoned and placement.fits_selector(view, job.node_selector))
+def selected_slots(snap: snapshot.ClusterSnapshot, job: JobView, lend: Mapping[str, int] | None = None,
+                   borrow: Mapping[str, int] | None = None) -> int:
+    """The replicas of `job` that the nodes its node_selector admits can hold, in service and
+    empty: its own cluster's, and what it may borrow of other clusters' (within its borrowing
+    budget and each lender's, `borrow` and `lend` as Allocator._budgets gives them; the snapshot's
+    when not given). A bound on its size, not a placement. Counted over every matching node, an
+    H100 node of a cluster that lends nothing raised the bound past what the job could reach, and
+    the greedy took GPUs from another job for replicas placement then cut."""
+    gpr, vc = job.gpus_per_replica, job.virtual_cluster
+    own = 0
+    elsewhere: dict[str, int] = {}
+    for view in snap.node_views():
+        if view.cordoned or not placement.fits_selector(view, job.node_selector):
+            continue
+        if not vc or view.virtual_cluster == vc:
+            own += view.gpus_total // gpr
+        elif view.virtual_cluster:  # a node of no cluster lends nothing to one that has one
+            elsewhere[view.virtual_cluster] = elsewhere.get(view.virtual_cluster, 0) + view.gpus_total
+    if not vc or not elsewhere:
+        return own
+    lend_left = lend if lend is not None else {name: snap.lend_left(name) for name in elsewhere}
+    borrow_left = borrow.get(vc, 0) if borrow is not None else snap.borrow_left(vc)
+    lendable = sum(min(lend_left.get(name, 0), gpus) for name, gpus in elsewhere.items())
+    return own + min(borrow_left, lendable) // gpr
 
 
 # The runtime's batch rules (huorn.api.training.BatchRule's values): `goodput`, the allocator
@@ -432,7 +451,7 @@ class Allocator:
         for j in jobs:
             if j.node_selector:
                 # no size beyond what its nodes hold: the GPUs would go unused this cycle
-                values[j.name] = values[j.name][: selected_slots(snap, j) + 1]
+                values[j.name] = values[j.name][: selected_slots(snap, j, lend, borrow) + 1]
 
         def take(job: JobView, gpus: int, commit: bool) -> bool:
             vc = job.virtual_cluster
