@@ -82,3 +82,36 @@ def test_the_line_is_rebuilt_from_the_jobs_status_after_a_restart() -> None:
     assert entry(body("Unplaceable", graph), running).missing == 0
     assert entry(body("Unplaceable", graph), running[:2]).missing == 2  # below it: all that is missing
     assert entry(body("Draining", graph)).missing == 0, "a job draining is not in line"
+
+
+def test_a_job_with_a_node_selector_shrinks_an_elastic_gang_by_its_replicas_on_the_selected_nodes() -> None:
+    """Gang v (elastic, minimum 2) runs two replicas on h0 (H100s) and two on t0 (T4s); w needs 2
+    replicas of 2 GPUs. Without a selector the newest two go (on t0); selecting the H100s, the
+    two on h0 go. Counted from its replicas on h0 alone, v had no surplus and was stopped whole
+    (a review)."""
+    from kube import builders
+
+    from huorn.operator import context, training
+
+    ctx = context.Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
+    ctx.index.observe_vc(builders.make_virtual_cluster("train", pool="a"))
+    ctx.index.observe_node(builders.make_node("h0", 4, pool="a", gpu="h100"))
+    ctx.index.observe_node(builders.make_node("t0", 4, pool="a", gpu="t4"))
+    for i, node in enumerate(["h0", "h0", "t0", "t0"]):
+        pod = index.PodRecord("team", f"v-trainer-{i}", "v", "trainer", f"trainer-{i}", node, 2, 0, "train",
+                              phase="Running", created=100.0 + i)
+        ctx.index.pods[(pod.namespace, pod.name)] = pod
+    ctx.queue.record(queue.QueuedJob("team", "v", "train", 10, 1.0, 2, 0, min_replicas=2, elastic=True))
+    for selector, given in ((None, ("trainer-3", "trainer-2")), ({"gpu": "h100"}, ("trainer-1", "trainer-0")),
+                            ({"gpu": "a100"}, None)):
+        waiting = queue.QueuedJob("team", "w", "train", 90, 2.0, 2, missing=2, min_replicas=2,
+                                  node_selector=selector)
+        ctx.queue.record(waiting)
+        ctx.preemptions.clear()
+        message = training.plan_preemption(ctx, waiting, 2, "needs 4 GPUs")
+        if given is None:  # no node it selects: nobody is stopped or shrunk for it
+            assert message == "needs 4 GPUs" and not ctx.preemptions
+            continue
+        assert "shrinking team/v by 2" in message
+        plan = ctx.preemptions[("team", "w")][0]
+        assert plan.victims == () and plan.shrinks == (("team/v", given),)

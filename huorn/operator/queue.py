@@ -18,7 +18,7 @@ then records its job again. A job not seen yet is never a victim (its priority i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,9 +123,16 @@ class AdmissionQueue:
                 return other
         return None
 
-    def candidates(self, pods: Iterable[PodRecord]) -> tuple[list[preemption.Candidate], list[str]]:
+    def candidates(self, pods: Iterable[PodRecord], nodes: Container[str] | None = None
+                   ) -> tuple[list[preemption.Candidate], list[str]]:
         """Running gangs as preemption sees them, and the jobs already stopping (every pod that
-        holds GPUs is being deleted), by snapshot binding key."""
+        holds GPUs is being deleted), by snapshot binding key.
+
+        `nodes`: the only nodes where freed GPUs help (a waiting job's nodeSelector): a gang with
+        no replica there is no candidate, and an elastic one offers only its replicas there as
+        surplus, as many as it has above its minimum counted over all of them. Counted from its
+        replicas on those nodes alone, a gang of 4 at minimum 2 with two there had no surplus,
+        and was stopped whole where a shrink by two would do."""
         held: dict[tuple[str, str], list[PodRecord]] = {}
         for p in pods:
             if p.gpus and p.holds_resources:
@@ -143,6 +150,9 @@ class AdmissionQueue:
                           key=lambda p: (p.created, p.instance), reverse=True)
             started = max((p.created for p in live), default=0.0)
             spare = max(0, len(live) - known.min_replicas) if known.elastic else 0
-            surplus = tuple((p.instance, p.node, p.gpus) for p in live[:spare])
+            useful = [p for p in live if nodes is None or p.node in nodes]
+            if nodes is not None and not any(p.node in nodes for p in mine if not p.deleting):
+                continue
+            surplus = tuple((p.instance, p.node, p.gpus) for p in useful[:spare])
             candidates.append(preemption.Candidate(binding, known.priority, started, surplus))
         return candidates, stopping

@@ -482,11 +482,13 @@ def plan_preemption(ctx: Context, job: queue.QueuedJob, replicas: int, why: str)
     gangs stopping whole counted as gone; the next reconcile after a shrink, while the replicas
     given up still checkpointed, found the cluster as full as before and the shrunk gang with no
     surplus left, and stopped it (or another) whole as well."""
-    # only the gangs on nodes it may use: stopping one elsewhere (a job with a nodeSelector on a
-    # cluster of mixed GPUs) frees nothing it can take
-    nodes = {n.name for n in ctx.index.members_of(job.virtual_cluster)
-             if all(n.labels.get(k) == v for k, v in (job.node_selector or {}).items())}
-    candidates, stopping = ctx.queue.candidates(p for p in ctx.index.pods.values() if p.node in nodes)
+    # a job with a nodeSelector: only gangs on the nodes it selects free GPUs it can take
+    members = {n.name for n in ctx.index.members_of(job.virtual_cluster)}
+    selected = ({n.name for n in ctx.index.members_of(job.virtual_cluster)
+                 if all(n.labels.get(k) == v for k, v in job.node_selector.items())}
+                if job.node_selector else None)
+    candidates, stopping = ctx.queue.candidates((p for p in ctx.index.pods.values() if p.node in members),
+                                                selected)
     snap = ctx.index.build_snapshot(leaving=False)
     plan = sched_preemption.plan_preemption(snap, job.virtual_cluster, replicas, job.gpus, job.priority,
                                             candidates, stopping, borrow=job.borrows,
