@@ -712,3 +712,19 @@ def test_a_stored_job_with_fields_its_kind_no_longer_has_still_loads() -> None:
     # what a user applies is still judged as the API server with the new CRDs judges it
     with pytest.raises(api_manifests.ManifestError, match=r"spec\.priority"):
         api_manifests.load_manifest(stored)
+
+
+def test_gpus_held_for_waiting_jobs_are_held_on_the_nodes_their_selectors_admit() -> None:
+    """Two jobs wait on t0 (H100s) and t1 (T4s), 8 GPUs each: one for any 8, one for 8 H100s.
+    Held in key order, the first took t0 and the H100 job's hold found no room, so a peer's
+    growth could take t1 and one of them went on waiting (a review)."""
+    from huorn.operator import allocation
+    from huorn.scheduler import placement, snapshot
+
+    nodes = [placement.NodeView("t0", 8, 8, labels={"gpu": "h100"}, virtual_cluster="train"),
+             placement.NodeView("t1", 8, 8, labels={"gpu": "t4"}, virtual_cluster="train")]
+    snap = snapshot.ClusterSnapshot(nodes, [snapshot.VirtualClusterView("train")])
+    allocation.hold_for_waiting(snap, {("train", ()): 8, ("train", (("gpu", "h100"),)): 8})
+    held = {key: dict(b.gpus_by_node) for key, b in snap.bindings().items()}
+    assert held == {"waiting-in-line/train/gpu=h100": {"t0": 8}, "waiting-in-line/train": {"t1": 8}}
+    assert all(v.gpus_free == 0 for v in snap.node_views())

@@ -78,7 +78,9 @@ def hold_for_waiting(snap: snapshot.ClusterSnapshot, owed: Owed) -> None:
     is an extra, and every waiting gang's minimum comes before extras. Those of gangs with a
     nodeSelector are held on the nodes they admit: held anywhere, they left the selected nodes
     free for growth and the waiting gang short."""
-    for (vc, selector), gpus in sorted(owed.items()):
+    # those that select nodes first: held before them, a hold that may go anywhere took the
+    # nodes they select, and theirs found no room
+    for (vc, selector), gpus in sorted(owed.items(), key=lambda kv: (kv[0][0], not kv[0][1], kv[0][1])):
         if vc not in {v.name for v in snap.virtual_clusters()}:
             continue
         labels = dict(selector) or None
