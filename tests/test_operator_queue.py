@@ -106,6 +106,7 @@ def test_a_job_with_a_node_selector_shrinks_an_elastic_gang_by_its_replicas_on_t
                             ({"gpu": "a100"}, None)):
         waiting = queue.QueuedJob("team", "w", "train", 90, 2.0, 2, missing=2, min_replicas=2,
                                   node_selector=selector)
+        assert len({waiting, waiting}) == 1  # an entry stays hashable with a selector (a dict)
         ctx.queue.record(waiting)
         ctx.preemptions.clear()
         message = training.plan_preemption(ctx, waiting, 2, "needs 4 GPUs")

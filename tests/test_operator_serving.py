@@ -242,8 +242,8 @@ def test_replicas_go_on_the_selected_nodes_and_a_new_selector_rolls_none(
     kube: builders.Kube, operator: operator_mod.OperatorThread
 ) -> None:
     """The serving cluster's only node is b0: replicas that select it are placed there, and ones
-    that select a node outside the cluster wait and say which nodes they wait on. An edit of the
-    selector replaces no running replica."""
+    that select a node outside the cluster wait and say that no node of it matches. An edit of
+    the selector replaces no running replica."""
     kube.create_job(NS, serving.make_inference_job("chat", "serve", nodeSelector={"pool": "b"}), plural=IJ)
     wait_for(lambda: len(servers(kube, "chat")) == 1, what="one replica")
     assert {p.metadata.annotations["huorn.io/node"] for p in servers(kube, "chat").values()} == {"b0"}
@@ -253,7 +253,8 @@ def test_replicas_go_on_the_selected_nodes_and_a_new_selector_rolls_none(
     kube.create_job(NS, outside, plural=IJ)
     cond = wait_for(lambda: (c := kube.condition(NS, "elsewhere", "Reconciling", IJ)).get("reason")
                     == "WaitingForGPUs" and c, what="waiting")
-    assert "on virtual cluster 'serve' on its nodes labelled pool=a (spec.nodeSelector)" in cond["message"]
+    assert ("on virtual cluster 'serve' on its nodes labelled pool=a (spec.nodeSelector), of which it has "
+            "none: label nodes so, or change the selector") in cond["message"]
     assert servers(kube, "elsewhere") == {}
     kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, IJ, "chat",
                                                {"spec": {"nodeSelector": {"pool": "b", "zone": "z1"}}})

@@ -228,3 +228,9 @@ def test_a_gang_with_a_node_selector_goes_on_its_nodes_and_the_reason_counts_onl
     assert isinstance(refused, Unplaceable)
     assert refused.reason.startswith("needs 12 GPUs (3 replicas × 4) in virtual cluster a on nodes labelled "
                                      "gpu=t4 (spec.nodeSelector), 8 free")
+
+    # a selector no node carries says so, rather than "0 free" (a typo in a label is not a busy cluster)
+    nowhere = placement.place_gang(nodes, 1, 4, virtual_cluster="a", node_selector={"gpu": "h100x"})
+    assert isinstance(nowhere, Unplaceable)
+    assert nowhere.reason == ("no node of virtual cluster a, nor of one it may borrow from, carries "
+                              "gpu=h100x (spec.nodeSelector): label nodes so, or change the selector")

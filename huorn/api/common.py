@@ -417,12 +417,11 @@ def _service_account_field() -> Any:
                              "namespace's default.")
 
 
-def _node_selector_field() -> Any:
+def _node_selector_field(borrows: bool = True) -> Any:
+    where = "among its virtual cluster's nodes" + (" and those it borrows" if borrows else "")
     return Field(
         default=None, max_length=16,
-        description="Labels a node must carry for the job's GPU pods (trainers, Ray workers, serving "
-                    "replicas) to be "
-                    "placed on it, among its virtual cluster's nodes and those it borrows (e.g. "
+        description=f"Labels a node must carry for the job's GPU pods to be placed on it, {where} (e.g. "
                     "nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3 on a cluster of mixed GPUs). Pods placed "
                     "before an edit stay where they run. Unset: any node of the virtual cluster.")
 
@@ -445,7 +444,7 @@ class JobBasics(ApiModel):
     image_pull_secrets: list[LocalObjectReference] | None = _image_pull_secrets_field()
     service_account_name: DnsSubdomain | None = _service_account_field()
     pod_metadata: PodMetadata | None = _pod_metadata_field()
-    node_selector: NodeSelector = _node_selector_field()
+    node_selector: NodeSelector = _node_selector_field(borrows=False)  # serving replicas borrow nothing
 
 
 def _priority_field() -> Any:
@@ -473,7 +472,7 @@ class JobCommon(ApiModel):
     image_pull_secrets: list[LocalObjectReference] | None = _image_pull_secrets_field()
     service_account_name: DnsSubdomain | None = _service_account_field()
     pod_metadata: PodMetadata | None = _pod_metadata_field()
-    node_selector: NodeSelector = _node_selector_field()
+    node_selector: NodeSelector = _node_selector_field(borrows=False)  # an RLJob borrows nothing
 
 
 class ElasticJobCommon(ApiModel):

@@ -42,7 +42,8 @@ class QueuedJob:
     # its Ray workers wait, a job in line like any other, placed on its own nodes only.
     kind: str = "TrainingJob"
     borrows: bool = True  # False: it never takes GPUs from other virtual clusters
-    node_selector: Mapping[str, str] | None = None  # its spec's: placed on such nodes only
+    # its spec's: placed on such nodes only (left out of the hash, which a dict would break)
+    node_selector: Mapping[str, str] | None = field(default=None, hash=False)
 
     @property
     def key(self) -> tuple[str, str]:

@@ -426,12 +426,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
                   f"room on virtual cluster {vc!r}, after every job waiting in line")
     else:
         ctx.rl_waiting[(ns, name)] = vc  # GPUs freed on it wake this job (ctx.wake_line)
-        selector = job.spec.node_selector
-        free = sum(max(0, n) for n in serving.free_gpus(ctx, vc, selector).values())
-        which = ("its nodes" if not selector else "its nodes labelled "
-                 + ",".join(f"{k}={v}" for k, v in sorted(selector.items())) + " (spec.nodeSelector)")
+        free = sum(max(0, n) for n in serving.free_gpus(ctx, vc, job.spec.node_selector).values())
         message = (f"waiting for {len(missing_workers)} Ray worker(s) of {layout.gpus_per_worker} GPU(s) "
-                   f"each on virtual cluster {vc!r} ({free} GPU(s) free on {which}, none borrowed); "
+                   f"each on virtual cluster {vc!r} ({free} GPU(s) free on "
+                   f"{serving.nodes_in_words(ctx, vc, job.spec.node_selector)}, none borrowed); "
                    "the gang starts when all of them fit")
         if ahead is not None:
             ctx.wake_queued(ahead)

@@ -58,6 +58,7 @@ from huorn.graph.model import Graph, Instance
 from huorn.operator import conditions, images, index, namesakes, validation
 from huorn.operator.context import Context
 from huorn.operator.training import build_decisions, stall, write_status
+from huorn.scheduler import placement
 
 PLURAL = "inferencejobs"
 ACTIVATOR, REPLICAS, ROUTER = "activator", "replicas", "router"  # where the job's Service sends requests
@@ -129,6 +130,18 @@ def free_gpus(ctx: Context, vc: str, node_selector: Mapping[str, str] | None = N
         if node in free:
             free[node] -= gpus
     return free
+
+
+def nodes_in_words(ctx: Context, vc: str, node_selector: Mapping[str, str] | None) -> str:
+    """The nodes a job of `vc` may use, for its waiting message: with a nodeSelector that no
+    member node matches, says so (counted "0 free", a typo in a label read as a busy cluster)."""
+    if not node_selector:
+        return "its nodes"
+    labels = placement.selector_labels(node_selector)
+    if not any(all(n.labels.get(k) == v for k, v in node_selector.items()) for n in ctx.index.members_of(vc)):
+        return (f"its nodes labelled {labels} (spec.nodeSelector), of which it has none: label nodes so, "
+                "or change the selector")
+    return f"its nodes labelled {labels} (spec.nodeSelector)"
 
 
 def choose_nodes(free: dict[str, int], gpus: int, count: int) -> list[str]:
@@ -306,8 +319,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     activator_ready = any(f is not None and is_ready(f) for f in fronts)
     if unplaced:
         reason = "WaitingForGPUs"
-        where = "" if not selector else (" on its nodes labelled " + ",".join(
-            f"{k}={v}" for k, v in sorted(selector.items())) + " (spec.nodeSelector)")
+        where = "" if not selector else f" on {nodes_in_words(ctx, vc, selector)}"
         message = (f"{unplaced} of {server.replicas} replica(s) wait for {gpus} GPU(s) each on virtual "
                    f"cluster {vc!r}{where} (GPUs it lent are reclaimed for them; otherwise they wait "
                    "for GPUs to free)")

@@ -67,6 +67,11 @@ class Unplaceable:
     reason: str
 
 
+def selector_labels(selector: Mapping[str, str]) -> str:
+    """A nodeSelector as kubectl's `-l` writes it: gpu=h100,zone=z1."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+
+
 def fits_selector(node: NodeView, selector: Mapping[str, str] | None) -> bool:
     """Whether the node carries every label of a job's nodeSelector (None or empty: any node)."""
     return not selector or all(node.labels.get(k) == v for k, v in selector.items())
@@ -135,9 +140,11 @@ def place_gang(
     down: list[str] = []  # "node: why" of nodes taking no pods for another reason than a cordon
     own_free = 0
     largest_own = 0
+    matched = 0
     for node in nodes:
         if not fits_selector(node, node_selector):
             continue
+        matched += 1
         if node.cordoned:
             if node.unavailable and node.unavailable != "cordoned":
                 down.append(f"{node.name}: {node.unavailable}")
@@ -153,6 +160,12 @@ def place_gang(
             foreign.setdefault(node.virtual_cluster, []).append((node.name, slots))
             foreign_free[node.virtual_cluster] = foreign_free.get(node.virtual_cluster, 0) + node.gpus_free
 
+    if node_selector and not matched:
+        # "0 free" would read as a busy cluster; a typo in a label reads the same
+        where = f"virtual cluster {virtual_cluster}" if virtual_cluster else "the cluster"
+        return Unplaceable(f"no node of {where}, nor of one it may borrow from, carries "
+                           f"{selector_labels(node_selector)} (spec.nodeSelector): label nodes so, or "
+                           "change the selector")
     if single_node:
         # The whole gang on one node, its own cluster's or a lender's (within both limits): the
         # tightest that fits, own nodes first on a tie.
@@ -235,8 +248,7 @@ def _explain(
     if selector:
         # the counts below are of these nodes only: "0 free" in a cluster with free GPUs elsewhere
         # must say why those do not count
-        labels = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
-        where += f" on nodes labelled {labels} (spec.nodeSelector)"
+        where += f" on nodes labelled {selector_labels(selector)} (spec.nodeSelector)"
     parts = [f"needs {need} GPUs ({need // per if per else 0} replicas × {per}) {where}, {own_free} free"]
     if own_slots * per < own_free:
         # Some free GPUs cannot hold a replica: say whether CPU or fragmentation is to blame.
