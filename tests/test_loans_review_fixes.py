@@ -367,3 +367,134 @@ def test_a_lender_reclaims_for_a_waiting_gang_with_a_selector_only_where_it_coul
     need, debt, line = loans.line_wanted(ctx, "lender", borrowers)
     assert (need, debt, [j.name for j in line]) == (4, 0, ["owner"])  # reserved; reclaimed where it goes:
     assert loans.node_shortfall(ctx, "lender", borrowers, [(4, {"gpu": "h100"})]) == (4, {"a2"})
+
+
+def _trainer_nodes(kube: builders.Kube, job: str) -> list[str]:
+    return [p.metadata.annotations["huorn.io/node"] for p in kube.pods(NS, job, "trainer")
+            if not p.metadata.deletion_timestamp]
+
+
+def test_gpus_reclaimed_for_a_selector_job_stay_on_its_nodes_until_it_is_placed(
+        cluster: EmulatedCluster) -> None:
+    """A borrower's gang of 4 holds a0, the lender's only H100 node (a1 has T4s, free); the
+    lender's job `owner` waits for 4 H100s. Its reserve was a count over both nodes, so the
+    borrower's successor took a0 again each time it was freed, 42 preemptions in 45 s with the
+    owner never placed (a review). Now the freed a0 is kept for the owner: one reclaim, and the
+    borrower's successor goes to a1."""
+    kube = builders.Kube(cluster.api_client())
+    kube.create_node(builders.make_node("a0", 4, pool="a", gpu="h100"))
+    kube.create_node(builders.make_node("a1", 4, pool="a", gpu="t4"))
+    kube.create_node(builders.make_node("b0", 0, pool="b"))
+    lender = builders.make_virtual_cluster("lender", pool="a", lend=8)
+    lender["spec"]["lending"]["reclaimGraceSeconds"] = 2
+    kube.create_vc(lender)
+    kube.create_vc(builders.make_virtual_cluster("borrower", pool="b", borrow=8))
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        h100 = {"gpu": "h100"}
+        kube.create_job(NS, builders.make_training_job("guest", "borrower", replicas=1, max_replicas=1,
+                                                       gpus=4, nodeSelector=h100))
+        wait_for(lambda: _trainer_nodes(kube, "guest") == ["a0"], what="the borrower on a0")
+        kube.run_all_pods(NS, "guest")
+        # placed on a0 by its selector, which it then drops (live: no restart), free to go anywhere
+        kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
+                                                   "guest", {"spec": {"nodeSelector": None}})
+        kube.create_job(NS, builders.make_training_job("owner", "lender", replicas=1, max_replicas=1, gpus=4,
+                                                       nodeSelector=h100))
+        wait_for(lambda: _trainer_nodes(kube, "owner") == ["a0"], what="the owner on a0", timeout=60)
+        wait_for(lambda: _trainer_nodes(kube, "guest") == ["a1"], what="the borrower's successor on a1")
+        assert kube.job_status(NS, "guest").get("preemptReplacements") == 1
+
+
+def test_an_inference_lender_reclaims_for_a_selector_replica_once_and_for_none_it_cannot_place(
+        cluster: EmulatedCluster) -> None:
+    """An inference cluster's b0 (H100s) is lent to a borrower's gang, b1 (T4s) free. A replica
+    selecting H100s is placed on b0 after one reclaim: the freed b0 is kept for it (a review saw
+    the borrower's successor retake it 38 times). A replica selecting a product no node has
+    reclaims nothing: counted in the cluster's demand, it stopped the borrower for GPUs that then
+    sat reserved and idle."""
+    kube = builders.Kube(cluster.api_client())
+    kube.create_node(builders.make_node("b0", 4, pool="b", gpu="h100"))
+    kube.create_node(builders.make_node("b1", 4, pool="b", gpu="t4"))
+    kube.create_node(builders.make_node("a0", 0, pool="a"))
+    serve = builders.make_virtual_cluster("serve", pool="b", lend=8)
+    serve["spec"]["purpose"] = "inference"
+    serve["spec"]["lending"]["reclaimGraceSeconds"] = 2
+    kube.create_vc(serve)
+    kube.create_vc(builders.make_virtual_cluster("train", pool="a", borrow=8))
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        kube.create_job(NS, builders.make_training_job("guest", "train", replicas=1, max_replicas=1, gpus=4,
+                                                       nodeSelector={"gpu": "h100"}))
+        wait_for(lambda: _trainer_nodes(kube, "guest") == ["b0"], what="the borrower on b0")
+        kube.run_all_pods(NS, "guest")
+        kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
+                                                   "guest", {"spec": {"nodeSelector": None}})
+        nowhere = serving.make_inference_job("nowhere", "serve", gpus=4, nodeSelector={"gpu": "a100"})
+        kube.create_job(NS, nowhere, plural="inferencejobs")
+        wait_for(lambda: "of which it has none" in kube.job_status(NS, "nowhere", plural="inferencejobs")
+                 .get("message", ""), what="the replica that fits no node waiting")
+        time.sleep(TICKS)
+        assert not kube.job_status(NS, "guest").get("preemptReplacements")
+        assert _trainer_nodes(kube, "guest") == ["b0"]
+        kube.create_job(NS, serving.make_inference_job("chat", "serve", gpus=4, nodeSelector={"gpu": "h100"}),
+                        plural="inferencejobs")
+        wait_for(lambda: [p.metadata.annotations["huorn.io/node"] for p in kube.pods(NS, "chat", "server")
+                          if not p.metadata.deletion_timestamp] == ["b0"], what="the replica on b0",
+                 timeout=60)
+        wait_for(lambda: _trainer_nodes(kube, "guest") == ["b1"], what="the borrower's successor on b1")
+        assert kube.job_status(NS, "guest").get("preemptReplacements") == 1
+
+
+def test_an_inference_lenders_count_leaves_out_jobs_that_select_nodes() -> None:
+    """`chat` (H100s) has one replica on h0 and waits for a second; a borrower holds l0 (L4s),
+    where chat cannot go. The untargeted count asked for the borrower's 8 GPUs back; only the
+    node-by-node reclaim may speak for chat, and it finds nothing to free (a review)."""
+    from huorn.operator import context
+
+    ctx = context.Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
+    serve = builders.make_virtual_cluster("serve", pool="b", lend=8)
+    serve["spec"]["purpose"] = "inference"
+    ctx.index.observe_vc(serve)
+    ctx.index.observe_node(builders.make_node("h0", 8, pool="b", gpu="h100"))
+    ctx.index.observe_node(builders.make_node("l0", 8, pool="b", gpu="l4"))
+    for pod in (index.PodRecord("team", "chat-server-0", "chat", "server", "server-0", "h0", 8, 0, "serve",
+                                phase="Running"),
+                index.PodRecord("other", "b-trainer-0", "b", "trainer", "trainer-0", "l0", 8, 0, "train",
+                                phase="Running")):
+        ctx.index.pods[(pod.namespace, pod.name)] = pod
+    chat = {"metadata": {"namespace": "team", "name": "chat"},
+            "spec": {"virtualCluster": "serve", "resources": {"gpus": 8}, "nodeSelector": {"gpu": "h100"},
+                     "autoscaling": {"minReplicas": 2}}, "status": {"desiredReplicas": 2}}
+    ctx.index.observe_inference_job(chat)
+    ctx.serving_unplaced[("team", "chat")] = ("serve", 8, 1, {"gpu": "h100"})
+    borrowers = loans.find_borrowers(ctx, "serve")
+    assert loans.count_wanted(ctx, "serve", borrowers) == 0
+    waiting = loans.serving_replicas_waiting(ctx, "serve")
+    assert waiting == [(8, {"gpu": "h100"})]
+    assert loans.node_shortfall(ctx, "serve", borrowers, waiting) == (0, set())
+    # the same job without a selector is the cluster's demand, counted as before
+    del chat["spec"]["nodeSelector"]
+    ctx.index.observe_inference_job(chat)
+    assert loans.count_wanted(ctx, "serve", borrowers) == 8
+    assert ctx.index.kept_on_nodes() == {}
+
+
+def test_jobs_that_select_the_same_nodes_are_counted_against_them_once() -> None:
+    """Two waiting jobs want 4 H100s each, and the lender has 4 (a0; a1 and a2 are T4s, 12 GPUs
+    free in all): only the first is in the line, and its 4 GPUs are kept on a0. Both were
+    counted, 8 GPUs were held back for them, and the lender lent 4 where it could lend 8."""
+    from huorn.operator import context, queue
+
+    ctx = context.Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
+    ctx.index.observe_vc(builders.make_virtual_cluster("lender", pool="a", lend=12))
+    for node, gpu in (("a0", "h100"), ("a1", "t4"), ("a2", "t4")):
+        ctx.index.observe_node(builders.make_node(node, 4, pool="a", gpu=gpu))
+    for i in range(2):
+        ctx.queue.record(queue.QueuedJob("team", f"owner{i}", "lender", 50, float(i), 4, missing=1,
+                                         node_selector={"gpu": "h100"}))
+    need, debt, line = loans.line_wanted(ctx, "lender", {})
+    assert (need, debt, [j.name for j in line]) == (4, 0, ["owner0"])
+    loans.reserve_for_line(ctx, "lender", need, line)
+    assert ctx.index.kept_on_nodes() == {"a0": 4}
+    snap = ctx.index.build_snapshot()
+    assert snap.lend_left("lender") == 8
+    assert {v.name: v.kept for v in snap.node_views()} == {"a0": 4, "a1": 0, "a2": 0}

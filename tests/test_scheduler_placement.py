@@ -234,3 +234,20 @@ def test_a_gang_with_a_node_selector_goes_on_its_nodes_and_the_reason_counts_onl
     assert isinstance(nowhere, Unplaceable)
     assert nowhere.reason == ("no node of virtual cluster a, nor of one it may borrow from, carries "
                               "gpu=h100x (spec.nodeSelector): label nodes so, or change the selector")
+
+
+def test_gpus_a_cluster_keeps_for_its_own_waiting_jobs_are_not_lent() -> None:
+    """l0 of lender `a` keeps 4 of its 8 free GPUs (a waiting job of `a` selects it): `a` itself
+    may place there, a borrower from `b` only on the other 4, in place_gang and in place_at."""
+    nodes = [NodeView("l0", 8, 8, virtual_cluster="a", kept=4)]
+    mine = placement.place_gang(nodes, 2, 4, virtual_cluster="a")
+    assert isinstance(mine, Placement) and mine.assignments == ["l0", "l0"]
+    borrowed = placement.place_gang(nodes, 1, 4, virtual_cluster="b", borrow_limit=8, lend_limits={"a": 8})
+    assert isinstance(borrowed, Placement) and borrowed.assignments == ["l0"]
+    too_much = placement.place_gang(nodes, 2, 4, virtual_cluster="b", borrow_limit=8, lend_limits={"a": 8})
+    assert isinstance(too_much, Unplaceable)
+    snap = snapshot.ClusterSnapshot(nodes, [snapshot.VirtualClusterView("a", lendable=True, max_gpus_lent=8),
+                                            snapshot.VirtualClusterView("b", max_gpus_borrowed=8)])
+    assert isinstance(snap.place_at("b", ["l0"], 4), Placement)
+    assert isinstance(snap.place_at("b", ["l0", "l0"], 4), Unplaceable)
+    assert isinstance(snap.place_at("a", ["l0", "l0"], 4), Placement)

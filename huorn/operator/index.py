@@ -320,6 +320,10 @@ class ClusterIndex:
     forecast_demand: dict[str, int] = field(default_factory=dict)
     # GPUs a training lender keeps unlent while its own jobs wait for them (loans.reserve_for_line)
     line_reserve: dict[str, int] = field(default_factory=dict)
+    # Of those, the GPUs of its waiting jobs that select nodes: (nodeSelector, GPUs), kept on the
+    # nodes they select (build_snapshot's `kept`); the InferenceJobs' nodeSelectors, by job
+    line_kept: dict[str, list[tuple[Mapping[str, str], int]]] = field(default_factory=dict)
+    demand_selector: dict[tuple[str, str], Mapping[str, str]] = field(default_factory=dict)
     # GPUs that pods of other controllers (Kueue, notebooks, a DaemonSet) hold on a node, by pod:
     # (node, GPUs) of each one bound to a node, not ended, that requests any (observe_foreign_pod)
     foreign: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
@@ -370,6 +374,7 @@ class ClusterIndex:
         self.vcs.pop(name, None)
         self.vc_created.pop(name, None)
         self.line_reserve.pop(name, None)
+        self.line_kept.pop(name, None)
         return self.judge_nodes()
 
     def tolerations_on(self, node: NodeRecord | str) -> list[dict[str, Any]]:
@@ -405,6 +410,7 @@ class ClusterIndex:
         if (deleted or not spec.get("virtualCluster") or (admits and key[0] not in admits)
                 or (body.get("status") or {}).get("phase") == "Stalled"):
             self.inference_demand.pop(key, None)
+            self.demand_selector.pop(key, None)
             return
         try:
             # The autoscaler's count once it has one (status.desiredReplicas), the floor before:
@@ -418,11 +424,62 @@ class ClusterIndex:
             gpus = int((spec.get("resources") or {}).get("gpus", 1))
         except (TypeError, ValueError):
             self.inference_demand.pop(key, None)  # invalid: its reconcile reports it, it holds nothing
+            self.demand_selector.pop(key, None)
             return
         self.inference_demand[key] = (str(spec["virtualCluster"]), max(0, replicas) * max(0, gpus))
+        if isinstance(spec.get("nodeSelector"), Mapping) and spec["nodeSelector"]:
+            self.demand_selector[key] = dict(spec["nodeSelector"])
+        else:
+            self.demand_selector.pop(key, None)
 
-    def floors_of(self, vc: str) -> int:
-        return sum(gpus for cluster, gpus in self.inference_demand.values() if cluster == vc)
+    def floors_of(self, vc: str, selecting: bool | None = None) -> int:
+        """The GPUs `vc`'s InferenceJobs ask for: of those that select nodes only (`selecting`
+        True), of the others only (False), or of all. One that selects nodes asks for no more
+        than they hold: a selector no node of the cluster matches kept GPUs unlent for replicas
+        that could never be placed."""
+        total = 0
+        for key, (cluster, gpus) in self.inference_demand.items():
+            selector = self.demand_selector.get(key)
+            if cluster != vc or (selecting is not None and (selector is not None) != selecting):
+                continue
+            if selector is not None:
+                gpus = min(gpus, sum(n.gpus for n in self.members_of(vc) if not n.unschedulable
+                                     and all(n.labels.get(k) == v for k, v in selector.items())))
+            total += gpus
+        return total
+
+    def kept_on_nodes(self, leaving: bool = True) -> dict[str, int]:
+        """Free GPUs each node keeps for its own cluster's waiting jobs that select it (NodeView.kept):
+        a training lender's line (line_kept) and the InferenceJobs with a nodeSelector whose
+        pods hold less than they ask for. Each need takes the free GPUs of the nodes it selects,
+        the freest first: a borrower may not land there, so GPUs a reclaim frees for the job stay
+        free until it is placed, where a count over the whole cluster let the borrower's successor
+        take them back."""
+        owner = self.owners()
+        free = {n.name: n.gpus for n in self.nodes.values() if not n.unschedulable}
+        held_by_job: dict[tuple[str, str], int] = {}
+        for p in self._holders(leaving):
+            if p.node in free:
+                free[p.node] -= p.gpus
+            if p.vertex == "server":
+                held_by_job[p.job_key] = held_by_job.get(p.job_key, 0) + p.gpus
+        for node, gpus in self.held_by_others(leaving).items():
+            if node in free:
+                free[node] -= gpus
+        needs = [(vc, selector, gpus) for vc, kept in self.line_kept.items() for selector, gpus in kept]
+        needs += [(vc, self.demand_selector[key], gpus - held_by_job.get(key, 0))
+                  for key, (vc, gpus) in self.inference_demand.items() if key in self.demand_selector]
+        kept: dict[str, int] = {}
+        for vc, selector, gpus in needs:
+            nodes = [name for name in free if owner.get(name) == vc
+                     and all(self.nodes[name].labels.get(k) == v for k, v in selector.items())]
+            for name in sorted(nodes, key=lambda n: (-(free[n] - kept.get(n, 0)), n)):
+                take = min(gpus, max(0, free[name] - kept.get(name, 0)))
+                if take <= 0:
+                    break
+                kept[name] = kept.get(name, 0) + take
+                gpus -= take
+        return kept
 
     def demand_of(self, vc: str) -> int:
         """What an inference cluster keeps unlent: its InferenceJobs' desired replicas' GPUs, or
@@ -430,14 +487,15 @@ class ClusterIndex:
         rate is idle)."""
         return max(self.floors_of(vc), self.forecast_demand.get(vc, 0))
 
-    def unmet_demand(self, vc: str, own: int, others: int) -> int:
+    def unmet_demand(self, vc: str, own: int, others: int, selecting: bool | None = None) -> int:
         """GPUs `vc`'s demand still lacks: `own` is what its own Huorn pods hold on its nodes,
         `others` what other controllers' pods hold there (others_held). Its InferenceJobs'
         floors are met by their pods alone; the forecast counts the whole service's load, so
         the pods of a serving stack Huorn does not run (vLLM, Triton) meet it too: counted only
         as taken, their GPUs were reserved a second time, nothing was lent, and a rising
-        forecast reclaimed what they already served."""
-        return max(0, self.floors_of(vc) - own, self.forecast_demand.get(vc, 0) - own - others)
+        forecast reclaimed what they already served. `selecting`: the floors of the InferenceJobs
+        with a nodeSelector only, or of the others only (floors_of), `own` counted alike."""
+        return max(0, self.floors_of(vc, selecting) - own, self.forecast_demand.get(vc, 0) - own - others)
 
     def others_held(self, leaving: bool = True) -> dict[str, int]:
         """GPUs other controllers' pods hold on each cluster's own nodes (held_by_others)."""
@@ -637,6 +695,7 @@ class ClusterIndex:
         which is what preemption plans against (huorn.operator.training.plan_preemption)."""
         owner = self.owners()
         others = self.held_by_others(leaving)
+        kept = self.kept_on_nodes(leaving)
         views = [
             placement.NodeView(
                 name=n.name,
@@ -646,6 +705,7 @@ class ClusterIndex:
                 virtual_cluster=owner[n.name],
                 cordoned=n.unschedulable,
                 unavailable=n.why,
+                kept=kept.get(n.name, 0),
             )
             for n in self.nodes.values()
         ]

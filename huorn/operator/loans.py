@@ -94,13 +94,21 @@ def free_gpus(ctx: Context, vc: str, nodes: Container[str] | None = None) -> int
 
 def count_wanted(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]) -> int:
     """GPUs an inference cluster takes back: what its demand lacks (index.unmet_demand) beyond
-    its free GPUs, at most what it has lent."""
+    its free GPUs, at most what it has lent.
+
+    InferenceJobs with a nodeSelector are left out, their pods and their demand alike: GPUs
+    reclaimed anywhere need not be where they can go, so their waiting replicas are reclaimed
+    for node by node (node_shortfall). Counted here, a replica that selected no node of the
+    cluster stopped a borrower, and the GPUs it freed were then held unlent for nothing."""
     names = {n.name for n in ctx.index.members_of(vc)}
+    selecting = ctx.index.demand_selector
     own = sum(p.gpus for p in ctx.index.pods.values()  # demand already met by its own pods
-              if p.node in names and p.holds_resources and not p.deleting and p.virtual_cluster == vc)
+              if p.node in names and p.holds_resources and not p.deleting and p.virtual_cluster == vc
+              and p.job_key not in selecting)
     others = ctx.index.others_held(leaving=False).get(vc, 0)
     lent = lent_by(borrowers)
-    return max(0, min(lent, ctx.index.unmet_demand(vc, own, others) - free_gpus(ctx, vc)))
+    unmet = ctx.index.unmet_demand(vc, own, others, selecting=False)
+    return max(0, min(lent, unmet - free_gpus(ctx, vc)))
 
 
 # A replica waiting for GPUs on one node: its GPUs, and its job's nodeSelector (None: any node).
@@ -242,14 +250,18 @@ def line_wanted(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]
     free = free_gpus(ctx, vc)
     lent = lent_by(borrowers)
     room, need, anywhere, jobs = free + lent, 0, 0, []
+    selecting: list[tuple[set[str], int]] = []  # the nodes and GPUs of the selecting jobs taken
     for job in ctx.queue.waiting():
         gpus = job.missing * job.gpus
         if job.virtual_cluster != vc:
             continue
         if job.node_selector:
             nodes = selected_nodes(ctx, vc, job.node_selector)
-            if gpus > min(room - need, free_gpus(ctx, vc, nodes) + lent_by(borrowers, nodes)):
+            # less what jobs ahead of it that select any of its nodes were counted on
+            ahead = sum(taken for others, taken in selecting if others & nodes)
+            if gpus > min(room - need, free_gpus(ctx, vc, nodes) + lent_by(borrowers, nodes) - ahead):
                 continue
+            selecting.append((nodes, gpus))
         elif gpus > room - need:
             continue
         else:
@@ -259,7 +271,7 @@ def line_wanted(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]
     return need, max(0, min(lent, anywhere - free)), jobs
 
 
-def reserve_for_line(ctx: Context, vc: str, need: int) -> None:
+def reserve_for_line(ctx: Context, vc: str, need: int, line: list[queue.QueuedJob] | None = None) -> None:
     """Keep `need` GPUs of a training lender unlent while its own jobs wait for them, as an
     inference cluster keeps its InferenceJobs' demand: placement's snapshot never lends a
     cluster's reserve (`index.build_snapshot`).
@@ -272,6 +284,13 @@ def reserve_for_line(ctx: Context, vc: str, need: int) -> None:
         ctx.index.line_reserve[vc] = need
     else:
         ctx.index.line_reserve.pop(vc, None)
+    # and a job that selects nodes has its GPUs kept there (index.kept_on_nodes): counted only,
+    # they were lent from another node and the borrower's successor took the selected one back
+    kept = [(job.node_selector, job.missing * job.gpus) for job in line or [] if job.node_selector]
+    if need > 0 and kept:
+        ctx.index.line_kept[vc] = kept
+    else:
+        ctx.index.line_kept.pop(vc, None)
 
 
 async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Reclaim]:
@@ -296,7 +315,7 @@ async def reclaim(ctx: Context, vc_body: Mapping[str, Any]) -> list[loaning.Recl
     targeted: list[str] = []  # the nodes a reclaim for whole serving replicas frees GPUs on
     if lends and not inference:
         need, wanted, line = line_wanted(ctx, name, borrowers)
-    reserve_for_line(ctx, name, need)
+    reserve_for_line(ctx, name, need, line)
     if not borrowers:
         return []
     lent = lent_by(borrowers)

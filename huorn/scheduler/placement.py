@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,11 @@ class NodeView:
     unavailable: str = ""  # why it takes none, when not simply cordoned: "not Ready (Unknown)", a taint
     cpu_free_milli: int | None = None  # None: CPU is not a constraint on this node
     gpu_type: str = ""
+    # Free GPUs its own cluster keeps for its waiting jobs that select this node (a nodeSelector):
+    # its own jobs may take them, other clusters' may not borrow them. A lender's reserve is a
+    # count over all its nodes, so a borrower's successor took back the selected node a reclaim
+    # had just freed, and the lender reclaimed it again, in a loop (index.build_snapshot).
+    kept: int = 0
 
     def __post_init__(self) -> None:
         if self.gpus_total < 0:
@@ -151,14 +156,16 @@ def place_gang(
             else:
                 cordoned += 1
             continue
-        slots = _replica_slots(node, gpus_per_replica, cpu_milli_per_replica)
         if not virtual_cluster or node.virtual_cluster == virtual_cluster:
-            own.append((node.name, slots))
+            own.append((node.name, _replica_slots(node, gpus_per_replica, cpu_milli_per_replica)))
             own_free += node.gpus_free
             largest_own = max(largest_own, node.gpus_free)
         else:
+            lendable = node if not node.kept else replace(node, gpus_free=max(0, node.gpus_free - node.kept))
+            slots = _replica_slots(lendable, gpus_per_replica, cpu_milli_per_replica)
             foreign.setdefault(node.virtual_cluster, []).append((node.name, slots))
-            foreign_free[node.virtual_cluster] = foreign_free.get(node.virtual_cluster, 0) + node.gpus_free
+            vc_free = foreign_free.get(node.virtual_cluster, 0)
+            foreign_free[node.virtual_cluster] = vc_free + lendable.gpus_free
 
     if node_selector and not matched:
         # "0 free" would read as a busy cluster; a typo in a label reads the same

@@ -177,9 +177,11 @@ class ClusterSnapshot:
             if node not in self._nodes:
                 return placement.Unplaceable(f"node {node} is gone")
             view = self._nodes[node]
-            if view.cordoned or self._free[node] < gpus:
+            # a node another cluster keeps for its own waiting jobs lends none of those GPUs
+            free = self._free[node] - (view.kept if view.virtual_cluster not in ("", vc) else 0)
+            if view.cordoned or free < gpus:
                 why = f" ({view.unavailable or 'cordoned'})" if view.cordoned else ""
-                return placement.Unplaceable(f"node {node}: {gpus} GPUs wanted, {self._free[node]} free{why}")
+                return placement.Unplaceable(f"node {node}: {gpus} GPUs wanted, {max(0, free)} free{why}")
         if not self.limits_allow(vc, need):
             return placement.Unplaceable(f"the lending or borrowing limits no longer allow {need}")
         return where
