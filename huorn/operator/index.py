@@ -443,8 +443,8 @@ class ClusterIndex:
             if cluster != vc or (selecting is not None and (selector is not None) != selecting):
                 continue
             if selector is not None:
-                gpus = min(gpus, sum(n.gpus for n in self.members_of(vc) if not n.unschedulable
-                                     and all(n.labels.get(k) == v for k, v in selector.items())))
+                room = sum(n.gpus for n in self.selected_members(vc, selector) if not n.unschedulable)
+                gpus = min(gpus, room)
             total += gpus
         return total
 
@@ -471,8 +471,8 @@ class ClusterIndex:
                   for key, (vc, gpus) in self.inference_demand.items() if key in self.demand_selector]
         kept: dict[str, int] = {}
         for vc, selector, gpus in needs:
-            nodes = [name for name in free if owner.get(name) == vc
-                     and all(self.nodes[name].labels.get(k) == v for k, v in selector.items())]
+            nodes = [name for name in free
+                     if owner.get(name) == vc and placement.labels_match(self.nodes[name].labels, selector)]
             for name in sorted(nodes, key=lambda n: (-(free[n] - kept.get(n, 0)), n)):
                 take = min(gpus, max(0, free[name] - kept.get(name, 0)))
                 if take <= 0:
@@ -670,16 +670,17 @@ class ClusterIndex:
         owners = self.owners()
         return [n for n in self.nodes.values() if owners[n.name] == vc]
 
+    def selected_members(self, vc: str, node_selector: Mapping[str, str] | None) -> list[NodeRecord]:
+        """`vc`'s member nodes that carry every label of a job's nodeSelector (None: all of them)."""
+        return [n for n in self.members_of(vc) if placement.labels_match(n.labels, node_selector)]
+
     def gpu_type(self, vc: str, node_selector: Mapping[str, str] | None = None) -> str:
         """The GPU type (a `perfmodel.GPU_SPEED` key) of most of `vc`'s GPUs, read from GPU feature
         discovery's product label; "" where no member node names a known one (the performance
         model's prior then assumes an H200). With a job's `node_selector`, of the nodes it
         admits: a job that selects one product on a cluster of mixed GPUs is priced at it."""
         counts: dict[str, int] = {}
-        selector = node_selector or {}
-        for node in self.members_of(vc):
-            if any(node.labels.get(k) != v for k, v in selector.items()):
-                continue
+        for node in self.selected_members(vc, node_selector):
             kind = perfmodel.gpu_type_of(node.labels.get(GPU_PRODUCT_LABEL, ""))
             if kind and node.gpus:
                 counts[kind] = counts.get(kind, 0) + node.gpus

@@ -72,9 +72,7 @@ def lent_by(borrowers: Mapping[Any, Borrower], nodes: Container[str] | None = No
 
 def selected_nodes(ctx: Context, vc: str, node_selector: Mapping[str, str] | None) -> set[str]:
     """`vc`'s member nodes that carry every label of a job's nodeSelector."""
-    selector = node_selector or {}
-    return {n.name for n in ctx.index.members_of(vc)
-            if all(n.labels.get(k) == v for k, v in selector.items())}
+    return {n.name for n in ctx.index.selected_members(vc, node_selector)}
 
 
 def free_gpus(ctx: Context, vc: str, nodes: Container[str] | None = None) -> int:

@@ -119,9 +119,7 @@ def free_gpus(ctx: Context, vc: str, node_selector: Mapping[str, str] | None = N
     `node_selector`, an RLJob's or an InferenceJob's): its GPUs less what pods (deleting ones
     too, until they are gone), this operator's reservations and other controllers' pods hold
     there (a replica was bound to GPUs another controller's pod held, and stayed Pending)."""
-    selector = node_selector or {}
-    free = {n.name: n.gpus for n in ctx.index.members_of(vc)
-            if not n.unschedulable and all(n.labels.get(k) == v for k, v in selector.items())}
+    free = {n.name: n.gpus for n in ctx.index.selected_members(vc, node_selector) if not n.unschedulable}
     holders = [*ctx.index.pods.values(), *ctx.index.reservations.values()]
     for pod in holders:
         if pod.node in free and pod.holds_resources and pod.gpus:
@@ -138,7 +136,7 @@ def nodes_in_words(ctx: Context, vc: str, node_selector: Mapping[str, str] | Non
     if not node_selector:
         return "its nodes"
     labels = placement.selector_labels(node_selector)
-    if not any(all(n.labels.get(k) == v for k, v in node_selector.items()) for n in ctx.index.members_of(vc)):
+    if not ctx.index.selected_members(vc, node_selector):
         return (f"its nodes labelled {labels} (spec.nodeSelector), of which it has none: label nodes so, "
                 "or change the selector")
     return f"its nodes labelled {labels} (spec.nodeSelector)"

@@ -484,8 +484,7 @@ def plan_preemption(ctx: Context, job: queue.QueuedJob, replicas: int, why: str)
     surplus left, and stopped it (or another) whole as well."""
     # a job with a nodeSelector: only gangs on the nodes it selects free GPUs it can take
     members = {n.name for n in ctx.index.members_of(job.virtual_cluster)}
-    selected = ({n.name for n in ctx.index.members_of(job.virtual_cluster)
-                 if all(n.labels.get(k) == v for k, v in job.node_selector.items())}
+    selected = ({n.name for n in ctx.index.selected_members(job.virtual_cluster, job.node_selector)}
                 if job.node_selector else None)
     candidates, stopping = ctx.queue.candidates((p for p in ctx.index.pods.values() if p.node in members),
                                                 selected)

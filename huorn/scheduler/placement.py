@@ -77,9 +77,14 @@ def selector_labels(selector: Mapping[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
 
 
+def labels_match(labels: Mapping[str, str], selector: Mapping[str, str] | None) -> bool:
+    """Whether `labels` hold every label of a nodeSelector (None or empty: any labels do)."""
+    return not selector or all(labels.get(k) == v for k, v in selector.items())
+
+
 def fits_selector(node: NodeView, selector: Mapping[str, str] | None) -> bool:
     """Whether the node carries every label of a job's nodeSelector (None or empty: any node)."""
-    return not selector or all(node.labels.get(k) == v for k, v in selector.items())
+    return labels_match(node.labels, selector)
 
 
 def _replica_slots(node: NodeView, gpus_per_replica: int, cpu_milli: int) -> int:
