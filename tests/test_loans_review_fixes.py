@@ -405,14 +405,9 @@ def test_gpus_reclaimed_for_a_selector_job_stay_on_its_nodes_until_it_is_placed(
         assert kube.job_status(NS, "guest").get("preemptReplacements") == 1
 
 
-def test_an_inference_lender_reclaims_for_a_selector_replica_once_and_for_none_it_cannot_place(
-        cluster: EmulatedCluster) -> None:
-    """An inference cluster's b0 (H100s) is lent to a borrower's gang, b1 (T4s) free. A replica
-    selecting H100s is placed on b0 after one reclaim: the freed b0 is kept for it (a review saw
-    the borrower's successor retake it 38 times). A replica selecting a product no node has
-    reclaims nothing: counted in the cluster's demand, it stopped the borrower for GPUs that then
-    sat reserved and idle."""
-    kube = builders.Kube(cluster.api_client())
+def _inference_lender(kube: builders.Kube) -> None:
+    """`serve` (inference, lends 8, reclaim grace 2 s) owns b0 (4 H100s) and b1 (4 T4s); `train`
+    (no GPUs of its own) may borrow 8."""
     kube.create_node(builders.make_node("b0", 4, pool="b", gpu="h100"))
     kube.create_node(builders.make_node("b1", 4, pool="b", gpu="t4"))
     kube.create_node(builders.make_node("a0", 0, pool="a"))
@@ -421,20 +416,26 @@ def test_an_inference_lender_reclaims_for_a_selector_replica_once_and_for_none_i
     serve["spec"]["lending"]["reclaimGraceSeconds"] = 2
     kube.create_vc(serve)
     kube.create_vc(builders.make_virtual_cluster("train", pool="a", borrow=8))
+
+
+def _borrow_b0(kube: builders.Kube) -> None:
+    """`guest` (4 GPUs) placed on b0 by a selector it then drops (live: no restart)."""
+    kube.create_job(NS, builders.make_training_job("guest", "train", replicas=1, max_replicas=1, gpus=4,
+                                                   nodeSelector={"gpu": "h100"}))
+    wait_for(lambda: _trainer_nodes(kube, "guest") == ["b0"], what="the borrower on b0")
+    kube.run_all_pods(NS, "guest")
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
+                                               "guest", {"spec": {"nodeSelector": None}})
+
+
+def test_an_inference_lender_reclaims_for_a_selector_replica_once(cluster: EmulatedCluster) -> None:
+    """b0 (H100s) is lent to a borrower's gang, b1 (T4s) is free. A replica selecting H100s is
+    placed on b0 after one reclaim, and the borrower's successor goes to b1: the freed b0 is
+    kept for the replica (a review saw the successor retake it 38 times)."""
+    kube = builders.Kube(cluster.api_client())
+    _inference_lender(kube)
     with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
-        kube.create_job(NS, builders.make_training_job("guest", "train", replicas=1, max_replicas=1, gpus=4,
-                                                       nodeSelector={"gpu": "h100"}))
-        wait_for(lambda: _trainer_nodes(kube, "guest") == ["b0"], what="the borrower on b0")
-        kube.run_all_pods(NS, "guest")
-        kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
-                                                   "guest", {"spec": {"nodeSelector": None}})
-        nowhere = serving.make_inference_job("nowhere", "serve", gpus=4, nodeSelector={"gpu": "a100"})
-        kube.create_job(NS, nowhere, plural="inferencejobs")
-        wait_for(lambda: "of which it has none" in kube.job_status(NS, "nowhere", plural="inferencejobs")
-                 .get("message", ""), what="the replica that fits no node waiting")
-        time.sleep(TICKS)
-        assert not kube.job_status(NS, "guest").get("preemptReplacements")
-        assert _trainer_nodes(kube, "guest") == ["b0"]
+        _borrow_b0(kube)
         kube.create_job(NS, serving.make_inference_job("chat", "serve", gpus=4, nodeSelector={"gpu": "h100"}),
                         plural="inferencejobs")
         wait_for(lambda: [p.metadata.annotations["huorn.io/node"] for p in kube.pods(NS, "chat", "server")
@@ -442,6 +443,26 @@ def test_an_inference_lender_reclaims_for_a_selector_replica_once_and_for_none_i
                  timeout=60)
         wait_for(lambda: _trainer_nodes(kube, "guest") == ["b1"], what="the borrower's successor on b1")
         assert kube.job_status(NS, "guest").get("preemptReplacements") == 1
+
+
+def test_an_inference_lender_reclaims_nothing_for_a_replica_no_node_can_hold(
+        cluster: EmulatedCluster) -> None:
+    """b0 is lent, b1 serves `busy` (no selector), so nothing is free. A replica selecting a
+    product no node has was counted in the cluster's demand: the lender stopped the borrower,
+    and the GPUs it freed sat reserved and idle (a review)."""
+    kube = builders.Kube(cluster.api_client())
+    _inference_lender(kube)
+    with operator_mod.OperatorThread(cluster.api_client(), operator_mod.FAST):
+        _borrow_b0(kube)
+        kube.create_job(NS, serving.make_inference_job("busy", "serve", gpus=4), plural="inferencejobs")
+        wait_for(lambda: len(kube.pods(NS, "busy", "server")) == 1, what="busy on b1")
+        nowhere = serving.make_inference_job("nowhere", "serve", gpus=4, nodeSelector={"gpu": "a100"})
+        kube.create_job(NS, nowhere, plural="inferencejobs")
+        wait_for(lambda: "of which it has none" in kube.job_status(NS, "nowhere", plural="inferencejobs")
+                 .get("message", ""), what="the replica that fits no node waiting")
+        time.sleep(TICKS)
+        assert not kube.job_status(NS, "guest").get("preemptReplacements")
+        assert _trainer_nodes(kube, "guest") == ["b0"]
 
 
 def test_an_inference_lenders_count_leaves_out_jobs_that_select_nodes() -> None:
@@ -471,6 +492,12 @@ def test_an_inference_lenders_count_leaves_out_jobs_that_select_nodes() -> None:
     waiting = loans.serving_replicas_waiting(ctx, "serve")
     assert waiting == [(8, {"gpu": "h100"})]
     assert loans.node_shortfall(ctx, "serve", borrowers, waiting) == (0, set())
+    # a forecast of the whole service's load is met by chat's replica too: nothing to reclaim
+    # (the replica left out of the count as well, the lender reclaimed l0 for load h0 served,
+    # lent it again, and looped: a third review)
+    ctx.index.forecast_demand["serve"] = 8
+    assert loans.count_wanted(ctx, "serve", borrowers) == 0
+    del ctx.index.forecast_demand["serve"]
     # the same job without a selector is the cluster's demand, counted as before
     del chat["spec"]["nodeSelector"]
     ctx.index.observe_inference_job(chat)

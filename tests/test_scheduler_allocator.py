@@ -243,6 +243,11 @@ def test_a_selected_node_the_job_may_not_borrow_does_not_raise_its_bound() -> No
         got = {d.job: d for d in allocator.Allocator().allocate(snap, jobs, 1000.0)}
         assert got["bad"].replicas == 8 and set(got["bad"].assignments) == {"t1"}, (lend, borrow)
         assert got["good"].replicas <= bound and set(got["good"].assignments) <= {"t0", "i0"}
+    # what the lender keeps there for its own waiting jobs (NodeView.kept) is no room either
+    kept = [dataclasses.replace(v, kept=8) if v.name == "i0" else v
+            for v in build_snapshot(infer_nodes=1).node_views()]
+    snap = snapshot.ClusterSnapshot(kept, build_snapshot(infer_nodes=1, lend=8, borrow=8).virtual_clusters())
+    assert allocator.selected_slots(snap, build_job("good", node_selector={"gpu": "h100"})) == 8
 
 
 def test_a_pinned_job_is_never_shrunk_onto_a_better_packed_smaller_gang() -> None:

@@ -448,14 +448,16 @@ class ClusterIndex:
             total += gpus
         return total
 
-    def kept_on_nodes(self, leaving: bool = True) -> dict[str, int]:
+    def kept_on_nodes(self, leaving: bool = True, owner: Mapping[str, str] | None = None) -> dict[str, int]:
         """Free GPUs each node keeps for its own cluster's waiting jobs that select it (NodeView.kept):
         a training lender's line (line_kept) and the InferenceJobs with a nodeSelector whose
         pods hold less than they ask for. Each need takes the free GPUs of the nodes it selects,
         the freest first: a borrower may not land there, so GPUs a reclaim frees for the job stay
         free until it is placed, where a count over the whole cluster let the borrower's successor
         take them back."""
-        owner = self.owners()
+        if not self.line_kept and not self.demand_selector:
+            return {}  # no job selects nodes: nothing to keep, at no cost to a large cluster
+        owner = owner if owner is not None else self.owners()
         free = {n.name: n.gpus for n in self.nodes.values() if not n.unschedulable}
         held_by_job: dict[tuple[str, str], int] = {}
         for p in self._holders(leaving):
@@ -487,15 +489,19 @@ class ClusterIndex:
         rate is idle)."""
         return max(self.floors_of(vc), self.forecast_demand.get(vc, 0))
 
-    def unmet_demand(self, vc: str, own: int, others: int, selecting: bool | None = None) -> int:
+    def unmet_demand(self, vc: str, own: int, others: int, selecting: bool | None = None,
+                     own_floors: int | None = None) -> int:
         """GPUs `vc`'s demand still lacks: `own` is what its own Huorn pods hold on its nodes,
         `others` what other controllers' pods hold there (others_held). Its InferenceJobs'
         floors are met by their pods alone; the forecast counts the whole service's load, so
         the pods of a serving stack Huorn does not run (vLLM, Triton) meet it too: counted only
         as taken, their GPUs were reserved a second time, nothing was lent, and a rising
         forecast reclaimed what they already served. `selecting`: the floors of the InferenceJobs
-        with a nodeSelector only, or of the others only (floors_of), `own` counted alike."""
-        return max(0, self.floors_of(vc, selecting) - own, self.forecast_demand.get(vc, 0) - own - others)
+        with a nodeSelector only, or of the others only (floors_of), `own_floors` what those
+        jobs' pods hold (default `own`); the forecast is met by all of `own`."""
+        floors_met = own if own_floors is None else own_floors
+        forecast = self.forecast_demand.get(vc, 0)
+        return max(0, self.floors_of(vc, selecting) - floors_met, forecast - own - others)
 
     def others_held(self, leaving: bool = True) -> dict[str, int]:
         """GPUs other controllers' pods hold on each cluster's own nodes (held_by_others)."""
@@ -696,7 +702,7 @@ class ClusterIndex:
         which is what preemption plans against (huorn.operator.training.plan_preemption)."""
         owner = self.owners()
         others = self.held_by_others(leaving)
-        kept = self.kept_on_nodes(leaving)
+        kept = self.kept_on_nodes(leaving, owner)
         views = [
             placement.NodeView(
                 name=n.name,

@@ -100,12 +100,14 @@ def count_wanted(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower]) -> in
     cluster stopped a borrower, and the GPUs it freed were then held unlent for nothing."""
     names = {n.name for n in ctx.index.members_of(vc)}
     selecting = ctx.index.demand_selector
-    own = sum(p.gpus for p in ctx.index.pods.values()  # demand already met by its own pods
-              if p.node in names and p.holds_resources and not p.deleting and p.virtual_cluster == vc
-              and p.job_key not in selecting)
+    pods = [p for p in ctx.index.pods.values()  # demand already met by its own pods
+            if p.node in names and p.holds_resources and not p.deleting and p.virtual_cluster == vc]
+    own = sum(p.gpus for p in pods)
     others = ctx.index.others_held(leaving=False).get(vc, 0)
     lent = lent_by(borrowers)
-    unmet = ctx.index.unmet_demand(vc, own, others, selecting=False)
+    # the forecast counts the whole service's load, which the selecting jobs' pods serve too
+    unmet = ctx.index.unmet_demand(vc, own, others, selecting=False,
+                                   own_floors=sum(p.gpus for p in pods if p.job_key not in selecting))
     return max(0, min(lent, unmet - free_gpus(ctx, vc)))
 
 

@@ -175,7 +175,9 @@ def selected_slots(snap: snapshot.ClusterSnapshot, job: JobView, lend: Mapping[s
         if not vc or view.virtual_cluster == vc:
             own += view.gpus_total // gpr
         elif view.virtual_cluster:  # a node of no cluster lends nothing to one that has one
-            elsewhere[view.virtual_cluster] = elsewhere.get(view.virtual_cluster, 0) + view.gpus_total
+            # less what its cluster keeps there for its own waiting jobs (NodeView.kept)
+            lendable = view.gpus_total - view.kept
+            elsewhere[view.virtual_cluster] = elsewhere.get(view.virtual_cluster, 0) + lendable
     if not vc or not elsewhere:
         return own
     lend_left = lend if lend is not None else {name: snap.lend_left(name) for name in elsewhere}
