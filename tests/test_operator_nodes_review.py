@@ -293,6 +293,24 @@ def test_a_node_back_to_ready_wakes_the_line_before_its_resync(cluster: Emulated
         assert [_pinned_node(p) for p in pods] == ["a0"]
 
 
+def test_labelling_a_node_wakes_the_jobs_that_select_it_before_their_resync(cluster: EmulatedCluster) -> None:
+    """A job that selects gpu=a100 waits, its message saying to label nodes so; labelling a0 so
+    placed it only at its resync timer (30 s by default), where editing the selector placed it
+    at once (a review). A node's new labels wake the line, as its return to Ready does."""
+    kube = builders.Kube(cluster.api_client())
+    kube.create_node(builders.make_node("a0", 4, pool="a", gpu="t4"))
+    kube.create_vc(builders.make_virtual_cluster("train", pool="a"))
+    slow = dataclasses.replace(operator_mod.FAST, resync_seconds=120.0, mirror_resync_seconds=120.0)
+    with operator_mod.OperatorThread(cluster.api_client(), slow):
+        kube.create_job(NS, builders.make_training_job("llm", "train", replicas=1, max_replicas=1, gpus=4,
+                                                       nodeSelector={"gpu": "a100"}))
+        wait_for(lambda: "carries gpu=a100" in kube.condition(NS, "llm", "Reconciling").get("message", ""),
+                 what="llm waiting for a node labelled gpu=a100")
+        kube.core.patch_node("a0", {"metadata": {"labels": {"gpu": "a100"}}})
+        pods = wait_for(lambda: kube.pods(NS, "llm", "trainer"), timeout=20, what="llm placed on a0")
+        assert [_pinned_node(p) for p in pods] == ["a0"]
+
+
 # ---------------------------------------------------------------- 4. taints a cluster tolerates
 DEDICATED = {"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}
 TOLERATE_DEDICATED = {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}

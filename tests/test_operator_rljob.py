@@ -213,9 +213,17 @@ def test_ray_workers_go_on_the_selected_nodes_and_an_edit_of_the_selector_restar
     assert ("(0 GPU(s) free on its nodes labelled kubernetes.io/hostname=a1 (spec.nodeSelector), none "
             "borrowed)") in waiting
     assert kube.pods(NS, "also-a1") == []
+    # growth waits on the selected nodes too, and says so (a0's 4 GPUs are free, but not its)
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, RL, "on-a1",
+                                               {"spec": {"gpus": 6}})
+    grows = wait_for(lambda: "more Ray worker" in (m := kube.condition(NS, "on-a1", "Ready", RL)
+                                                   .get("message", "")) and m, what="the growth waiting")
+    assert "on its nodes labelled kubernetes.io/hostname=a1 (spec.nodeSelector)" in grows
+    kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, RL, "on-a1",
+                                               {"spec": {"gpus": 4}})
     kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, RL, "on-a1",
                                                {"spec": {"nodeSelector": {"kubernetes.io/hostname": "a0"}}})
-    wait_for(lambda: status(kube, "on-a1").get("observedGeneration") == 2, what="the edit seen")
+    wait_for(lambda: status(kube, "on-a1").get("observedGeneration") == 4, what="the edit seen")
     assert sorted(live_pods(kube, "on-a1")) == ["on-a1-ray-head-0", "on-a1-ray-worker-0",
                                                "on-a1-ray-worker-1"]
 

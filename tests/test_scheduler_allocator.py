@@ -229,6 +229,21 @@ def test_a_job_with_a_node_selector_runs_on_its_nodes_and_is_offered_no_more_tha
     assert allocator.selected_slots(build_snapshot(), build_job("x", node_selector={"gpu": "a100"})) == 0
 
 
+def test_a_job_that_selects_nodes_is_placed_before_one_that_may_go_anywhere() -> None:
+    """`edited` (minimum 2) selects the H100s of t0 and gives up replicas there; `other`, at the
+    same priority and placed first for its size, took all of t0 for its growth and left `edited`
+    preempted below its minimum (a review). The most constrained job is placed first now."""
+    snap = build_snapshot()
+    snap.assume("edited", "train", Placement(["t0"] * 4), 1)
+    snap.assume("other", "train", Placement(["t1"] * 8), 1)
+    jobs = [build_job("edited", SCALES_BADLY, node_selector={"gpu": "h100"}, replicas=4, min_replicas=2,
+                      max_replicas=4, last_resize=-1e9),
+            build_job("other", replicas=8, last_resize=-1e9)]
+    got = {d.job: d for d in allocator.Allocator().allocate(snap, jobs, 1000.0)}
+    assert got["edited"].replicas >= 2 and set(got["edited"].assignments) == {"t0"}
+    assert got["other"].replicas + got["edited"].replicas == 16
+
+
 def test_a_selected_node_the_job_may_not_borrow_does_not_raise_its_bound() -> None:
     """An H100 node of an inference cluster that lends nothing is no room for the job that
     selects H100s: counted, it lifted the job's bound to 16, the greedy gave it GPUs placement

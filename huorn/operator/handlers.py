@@ -315,9 +315,12 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             return
         before = ctx.index.nodes.get(name)
         record = ctx.index.observe_node(body)
-        if not record.unschedulable and (before is None or before.unschedulable or record.gpus > before.gpus):
-            # a node back to Ready, uncordoned or untainted (or new, or with more GPUs): jobs in
-            # line try it now; they had waited for their resync timer
+        if not record.unschedulable and (before is None or before.unschedulable or record.gpus > before.gpus
+                                         or record.labels != before.labels):
+            # a node back to Ready, uncordoned or untainted (or new, or with more GPUs, or new
+            # labels: what a waiting job's nodeSelector, or a VirtualCluster's, asks for, as its
+            # waiting message says to add): jobs in line try it now; they had waited for their
+            # resync timer
             ctx.wake_line()
 
     @kopf.on.event("", "v1", "pods", labels={manifests.LABEL_JOB: kopf.PRESENT}, registry=registry)

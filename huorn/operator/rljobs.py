@@ -422,8 +422,10 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         ctx.rl_waiting[(ns, name)] = vc  # GPUs freed on it wake this job (ctx.wake_line)
         if ahead is not None:
             ctx.wake_queued(ahead)
+        selector = job.spec.node_selector
+        on = f" on {serving.nodes_in_words(ctx, vc, selector)}" if selector else ""
         growth = (f"; {len(missing_workers)} more Ray worker(s) of {layout.gpus_per_worker} GPU(s) wait for "
-                  f"room on virtual cluster {vc!r}, after every job waiting in line")
+                  f"room on virtual cluster {vc!r}{on}, after every job waiting in line")
     else:
         ctx.rl_waiting[(ns, name)] = vc  # GPUs freed on it wake this job (ctx.wake_line)
         free = sum(max(0, n) for n in serving.free_gpus(ctx, vc, job.spec.node_selector).values())

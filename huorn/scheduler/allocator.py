@@ -636,9 +636,12 @@ class Allocator:
         # (deferred above), so no gang placed before it takes its old GPUs or the lender's room
         # they are counted in (it was then preempted, or kept on top of the other's loan, over
         # the lender's limit: found by the property test).
+        # (jobs that select nodes before the others of their priority: placed after, a gang that
+        # may go anywhere took the selected nodes and left the selecting job below its minimum)
         changing = sorted((j for j in jobs if not (j.name in bound and target[j.name] == j.replicas)),
                           key=lambda j: (-j.priority, not (j.name in bound and j.priority >= PINNED_PRIORITY),
-                                         -target[j.name] * j.gpus_per_replica, j.submitted))
+                                         not j.node_selector, -target[j.name] * j.gpus_per_replica,
+                                         j.submitted))
         for job in jobs:
             if job.name in bound and target[job.name] == job.replicas:
                 decisions.append(self._keep(job, bound[job.name], "size unchanged"))
