@@ -525,3 +525,22 @@ def test_jobs_that_select_the_same_nodes_are_counted_against_them_once() -> None
     snap = ctx.index.build_snapshot()
     assert snap.lend_left("lender") == 8
     assert {v.name: v.kept for v in snap.node_views()} == {"a0": 4, "a1": 0, "a2": 0}
+
+
+def test_what_a_lender_keeps_for_a_selector_job_goes_once_the_job_is_placed() -> None:
+    """a0 and a3 have H100s: the lender keeps 4 for `owner`; placed on a0, it keeps none. The keep
+    moved to a3 until the lender's next pass (a review), unlendable for nothing."""
+    from huorn.operator import context, queue
+
+    ctx = context.Context(client=None, post_event=lambda *_: None)  # type: ignore[arg-type]
+    ctx.index.observe_vc(builders.make_virtual_cluster("lender", pool="a", lend=8))
+    for node in ("a0", "a3"):
+        ctx.index.observe_node(builders.make_node(node, 4, pool="a", gpu="h100"))
+    owner = queue.QueuedJob("team", "owner", "lender", 50, 0.0, 4, missing=1, node_selector={"gpu": "h100"})
+    ctx.queue.record(owner)
+    need, _, line = loans.line_wanted(ctx, "lender", {})
+    loans.reserve_for_line(ctx, "lender", need, line)
+    assert sum(ctx.index.kept_on_nodes().values()) == 4
+    placed = index.PodRecord("team", "owner-trainer-0", "owner", "trainer", "trainer-0", "a0", 4, 0, "lender")
+    ctx.index.reservations[("team", placed.name)] = placed
+    assert ctx.index.kept_on_nodes() == {}

@@ -320,9 +320,11 @@ class ClusterIndex:
     forecast_demand: dict[str, int] = field(default_factory=dict)
     # GPUs a training lender keeps unlent while its own jobs wait for them (loans.reserve_for_line)
     line_reserve: dict[str, int] = field(default_factory=dict)
-    # Of those, the GPUs of its waiting jobs that select nodes: (nodeSelector, GPUs), kept on the
-    # nodes they select (build_snapshot's `kept`); the InferenceJobs' nodeSelectors, by job
-    line_kept: dict[str, list[tuple[Mapping[str, str], int]]] = field(default_factory=dict)
+    # Of those, the GPUs of its waiting jobs that select nodes, kept on the nodes they select
+    # (build_snapshot's `kept`): (job, nodeSelector, GPUs, what its pods held then); the
+    # InferenceJobs' nodeSelectors, by job
+    line_kept: dict[str, list[tuple[tuple[str, str], Mapping[str, str], int, int]]] = field(
+        default_factory=dict)
     demand_selector: dict[tuple[str, str], Mapping[str, str]] = field(default_factory=dict)
     # GPUs that pods of other controllers (Kueue, notebooks, a DaemonSet) hold on a node, by pod:
     # (node, GPUs) of each one bound to a node, not ended, that requests any (observe_foreign_pod)
@@ -448,6 +450,10 @@ class ClusterIndex:
             total += gpus
         return total
 
+    def held_by(self, job: tuple[str, str], leaving: bool = True) -> int:
+        """GPUs the pods (and reservations) of one job hold."""
+        return sum(p.gpus for p in self._holders(leaving) if p.job_key == job)
+
     def kept_on_nodes(self, leaving: bool = True, owner: Mapping[str, str] | None = None) -> dict[str, int]:
         """Free GPUs each node keeps for its own cluster's waiting jobs that select it (NodeView.kept):
         a training lender's line (line_kept) and the InferenceJobs with a nodeSelector whose
@@ -463,12 +469,15 @@ class ClusterIndex:
         for p in self._holders(leaving):
             if p.node in free:
                 free[p.node] -= p.gpus
-            if p.vertex == "server":
-                held_by_job[p.job_key] = held_by_job.get(p.job_key, 0) + p.gpus
+            held_by_job[p.job_key] = held_by_job.get(p.job_key, 0) + p.gpus
         for node, gpus in self.held_by_others(leaving).items():
             if node in free:
                 free[node] -= gpus
-        needs = [(vc, selector, gpus) for vc, kept in self.line_kept.items() for selector, gpus in kept]
+        # a line job's need shrinks by what its pods came to hold since (placed, it holds them
+        # all): kept on until the lender's next pass, it moved to another selected node for up to
+        # a tick after the job was placed
+        needs = [(vc, selector, gpus - max(0, held_by_job.get(key, 0) - then))
+                 for vc, kept in self.line_kept.items() for key, selector, gpus, then in kept]
         needs += [(vc, self.demand_selector[key], gpus - held_by_job.get(key, 0))
                   for key, (vc, gpus) in self.inference_demand.items() if key in self.demand_selector]
         kept: dict[str, int] = {}

@@ -286,7 +286,8 @@ def reserve_for_line(ctx: Context, vc: str, need: int, line: list[queue.QueuedJo
         ctx.index.line_reserve.pop(vc, None)
     # and a job that selects nodes has its GPUs kept there (index.kept_on_nodes): counted only,
     # they were lent from another node and the borrower's successor took the selected one back
-    kept = [(job.node_selector, job.missing * job.gpus) for job in line or [] if job.node_selector]
+    kept = [(job.key, job.node_selector, job.missing * job.gpus, ctx.index.held_by(job.key))
+            for job in line or [] if job.node_selector]
     if need > 0 and kept:
         ctx.index.line_kept[vc] = kept
     else:
