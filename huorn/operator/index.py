@@ -651,7 +651,7 @@ class ClusterIndex:
         if node.name in (members.get("nodes") or []):
             return True
         selector = ((members.get("nodeSelector") or {}).get("matchLabels")) or None
-        return bool(selector) and all(node.labels.get(k) == v for k, v in selector.items())
+        return bool(selector) and placement.labels_match(node.labels, selector)
 
     def claimants(self, node: NodeRecord) -> list[str]:
         """Every virtual cluster that lists the node or selects it, its owner first."""

@@ -42,7 +42,7 @@ from huorn.backends.kubernetes import manifests
 from huorn.graph import serialise
 from huorn.operator import board, index, preempting, queue, rljobs, serving, training, validation
 from huorn.operator.context import Context
-from huorn.scheduler import allocator, loaning
+from huorn.scheduler import allocator, loaning, placement
 
 logger = logging.getLogger("huorn.operator.loans")
 
@@ -149,12 +149,12 @@ def node_shortfall(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower], rep
     node it fits (serving.choose_nodes' best fit), else the node where reclaiming costs the
     fewest GPUs: its free GPUs (counting pods being deleted as gone, as free_gpus does) plus what
     borrowers hold there must hold it, or no reclaim can place it."""
-    waiting = sorted(((gpus, selector or {}) for gpus, selector in replicas if gpus > 0),
-                     key=lambda r: -r[0])
+    waiting = sorted(((gpus, selector) for gpus, selector in replicas if gpus > 0), key=lambda r: -r[0])
     if not waiting:
         return 0, set()
-    labels = {n.name: n.labels for n in ctx.index.members_of(vc)}
-    free = {n.name: n.gpus for n in ctx.index.members_of(vc) if not n.unschedulable}
+    members = ctx.index.members_of(vc)
+    labels = {n.name: n.labels for n in members}
+    free = {n.name: n.gpus for n in members if not n.unschedulable}
     holders = [*ctx.index.pods.values(), *ctx.index.reservations.values()]
     for pod in holders:
         if pod.node in free and pod.holds_resources and not pod.deleting and pod.gpus:
@@ -169,8 +169,7 @@ def node_shortfall(ctx: Context, vc: str, borrowers: Mapping[Any, Borrower], rep
                 lent_on[pod.node] = lent_on.get(pod.node, 0) + pod.gpus
     need, nodes = 0, set()
     for gpus, selector in waiting:
-        usable = {name: left for name, left in free.items()
-                  if all(labels[name].get(k) == v for k, v in selector.items())}
+        usable = {name: left for name, left in free.items() if placement.labels_match(labels[name], selector)}
         fits = sorted((left, name) for name, left in usable.items() if left >= gpus)
         if fits:
             free[fits[0][1]] -= gpus
