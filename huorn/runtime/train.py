@@ -159,6 +159,7 @@ class Trainer:
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
                                         self.replicas(), self.chosen_batch)
         self.microbatch_counts: tuple[int, ...] | None = None  # S2 plan; None: even round-robin
+        self.first_micro_sq: float | None = None  # a world of one's small-batch reading (update_noise_scale)
         self.microbatch_seconds: float | None = None  # last step's compute per micro-batch (S2's input)
         self.step_waits: dict[str, float] = {}  # last step's waits by kind (a pipeline's receive, reduce)
         self.step_links: dict[str, float] = {}  # last step's pipeline link figures (telemetry.record_step)
@@ -445,6 +446,10 @@ class Trainer:
         self.telemetry.set_parameter("micro_batches", {"total": self.plan.micro_batches, "mine": len(mine)})
         weight = 1.0 / self.plan.micro_batches if mine else 0.0
         loss_sum = 0.0
+        # A world of one has no per-rank gradient to set against the reduced one; its first
+        # micro-batch is the small batch instead (AdaptDL's reading under gradient accumulation).
+        self.first_micro_sq = None
+        read_first = self.world == 1 and len(mine) >= 2
         loop_started, comm_before = time.perf_counter(), self.telemetry.comm_seconds_so_far()
         for i, index in enumerate(work):
             if mine:
@@ -459,6 +464,8 @@ class Trainer:
                     if self.teacher is not None:
                         loss = loss + self.distillation_term(tokens, logits)
                 (loss * weight).backward()
+            if read_first and i == 0:
+                self.first_micro_sq = self.squared_gradient_norm() / weight**2
             loss_sum += float(loss.detach()) if mine else 0.0
             if mine:
                 self.injector.after_micro_batch(time.perf_counter() - batch_started
@@ -511,13 +518,24 @@ class Trainer:
         self.ddk.restore(state)
         self.mixture = self.validation_mixture.with_probabilities(self.ddk.weights)
 
+    def squared_gradient_norm(self) -> float:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) ** 2 if grads else 0.0
+
     def update_noise_scale(self, small_sq_sum: float, contributors: int) -> float | None:
-        """B_noise from this step's per-rank (small batch) and reduced (global batch) gradient norms;
-        unchanged in a world of one, where there is no second batch size to compare with."""
-        if contributors < 2:
-            return self.noise.value
-        b_small = self.plan.global_batch / contributors
-        return self.noise.update(small_sq_sum / contributors, self.global_sq, b_small, self.plan.global_batch)
+        """B_noise from this step's small-batch and global-batch gradient norms. The small batch is a
+        rank's share where two or more ranks computed; in a world of one it is the first of two or
+        more micro-batches, so a job trained by one replica (the common start) tells the goodput
+        policy its noise scale, which prices larger batches at 0 until it reads one. With a single
+        micro-batch there is no second size and the value stays as it was."""
+        if contributors >= 2:
+            b_small = self.plan.global_batch / contributors
+            return self.noise.update(small_sq_sum / contributors, self.global_sq, b_small,
+                                     self.plan.global_batch)
+        if self.first_micro_sq is not None:
+            return self.noise.update(self.first_micro_sq, self.global_sq, self.plan.micro_batch,
+                                     self.plan.global_batch)
+        return self.noise.value
 
     def validate(self) -> float:
         self.model.eval()
