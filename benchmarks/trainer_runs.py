@@ -25,8 +25,9 @@ from huorn.runtime.data import build, corpora
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_trainer(name: str, body: dict, out: Path, data_dir: Path
+def start_trainer(name: str, body: dict, out: Path, data_dir: Path, nproc: int = 1
                   ) -> tuple[run_config.RunConfig, subprocess.Popen]:
+    """A world of one, or of `nproc` local ranks under the runtime's torchrun agent."""
     directory = out / name
     shutil.rmtree(directory, ignore_errors=True)  # a fresh run: no checkpoint, no plan from before
     config = run_config.RunConfig.model_validate({
@@ -36,22 +37,25 @@ def start_trainer(name: str, body: dict, out: Path, data_dir: Path
     path = run_config.write_run_config(config, directory / "config.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     log = open(directory / "train.log", "wb")  # noqa: SIM115 - closed with the process, below
-    process = subprocess.Popen([sys.executable, "-m", "huorn.runtime.train", "--config", str(path)],
+    agent = ([] if nproc == 1 else
+             ["-m", "huorn.runtime.agent", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"])
+    process = subprocess.Popen([sys.executable, *agent, "-m", "huorn.runtime.train", "--config", str(path)],
                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     return config, process
 
 
 def run_all(jobs: dict[str, dict], out: Path, data_dir: Path, progress: Progress,
-            parallel: int) -> dict[str, run_config.RunConfig]:
-    """Each job a real trainer, `parallel` at a time (one thread each), with a bar per job."""
+            parallel: int, ranks: dict[str, int] | None = None) -> dict[str, run_config.RunConfig]:
+    """Each job a real trainer, `parallel` at a time (one thread each), with a bar per job;
+    `ranks` names the jobs that run as more than a world of one."""
     waiting = list(jobs.items())
     running: dict[str, tuple[run_config.RunConfig, subprocess.Popen, object]] = {}
     done: dict[str, run_config.RunConfig] = {}
     while waiting or running:
         while waiting and len(running) < parallel:
             name, body = waiting.pop(0)
-            config, process = start_trainer(name, body, out, data_dir)
+            config, process = start_trainer(name, body, out, data_dir, (ranks or {}).get(name, 1))
             running[name] = (config, process, progress.add_task(name, total=body["optimization"]["steps"]))
         time.sleep(0.5)
         for name, (config, process, task) in list(running.items()):

@@ -5,8 +5,8 @@ the return of reclaimed GPUs. Between events every running job progresses at its
 completions land at their exact time; the scheduler runs on ticks only, and only on ticks where
 something changed (or every fifth tick for the elastic policies, whose noise scales drift). The
 engine owns the ClusterSnapshot that the policies decide against. Policies never see a job's true
-step-time curve, only telemetry samples of it; they do read its true gradient noise scale, Huorn and
-Pollux alike (state.py's docstring).
+step-time curve, only telemetry samples of it, and of its gradient noise scale only the runtime's
+reading, drawn each tick with the runtime's measured error (state.py's docstring).
 """
 
 from __future__ import annotations
@@ -236,6 +236,7 @@ class Simulation:
                 for js in running:
                     js.sync(t)
                     js.refresh_rate()
+                    js.read_noise_scale(t)
                     if js.maybe_report(t, self.rng):
                         dirty = True
                 full_due = self.spec.elastic and t - last_full >= 5 * self.config.tick_seconds

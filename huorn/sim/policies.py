@@ -280,8 +280,8 @@ def _schedule_static(sim: Simulation) -> None:
 
 def job_view(js: state.JobState, in_place_resize: bool = False) -> allocator.JobView:
     """What the allocator sees of a job: its own model and the runtime's reports, never its true
-    step-time curve. The noise scale is the true one (JobState.noise_scale), as if the runtime
-    measured it exactly: every elastic policy, Huorn and Pollux alike, reads the same value.
+    step-time curve. The noise scale is the runtime's last reading (JobState.noise_reading), which
+    every elastic policy, Huorn and Pollux alike, reads the same.
 
     Its restart time is the family's full one; where the policy resizes in place (one process per
     replica, as JobState.resize_seconds has it), the allocator charges the in-place share of it
@@ -291,10 +291,10 @@ def job_view(js: state.JobState, in_place_resize: bool = False) -> allocator.Job
     fam = js.job.family
     return allocator.JobView(
         js.job.name, TRAIN, js.belief, fam.gpus_per_replica, js.job.min_replicas, js.job.max_replicas,
-        replicas=js.replicas, noise_scale=js.noise_scale, base_batch=fam.base_batch,
+        replicas=js.replicas, noise_scale=js.noise_reading, base_batch=fam.base_batch,
         max_local_batch=fam.max_local_batch, restart_seconds=fam.restart_seconds,
         last_resize=js.last_resize, last_direction=js.last_direction, submitted=js.job.arrival,
-        model_version=js.model_version * 1000 + int(4 * math.log1p(js.noise_scale)),
+        model_version=js.model_version * 1000 + int(4 * math.log1p(js.noise_reading)),
         remaining_work=_declared_remaining(js),
         resizes_in_place=in_place_resize and fam.gpus_per_replica == 1)  # as JobState.resize_seconds
 

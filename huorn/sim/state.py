@@ -2,14 +2,16 @@
 
 The truth (a job's real Pollux curve, its real noise scale) lives here. A policy's step times
 come only from its own performance model, fed by the telemetry samples the engine reports, as the
-operator's would. The gradient noise scale is the exception: every elastic policy, Huorn and
-Pollux alike, reads the true one (`JobState.noise_scale`, passed on by policies.job_view), as if
-the runtime measured it without error. It favours neither, since both get the same value.
+operator's would. Its gradient noise scale is what the runtime reports (`JobState.noise_reading`):
+none (0, as the goodput policy starts) until the job has trained, then the true one with the
+runtime's measured error, drawn afresh each tick. Every elastic policy, Huorn and Pollux alike,
+reads the same reading of a job at the same time. Until 2026-12-07 they read the true value.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +24,14 @@ MEASURE_SECONDS = 120.0  # a configuration reports a step time once it has run t
 CHECKPOINT_EVERY = 600.0  # periodic checkpoint interval (seconds of progress)
 TELEMETRY_NOISE = 0.05  # log-normal σ of a reported step time
 IN_PLACE_RESIZE_SHARE = allocator.IN_PLACE_RESIZE_SHARE  # the policies' price of an in-place resize
+# Log-normal σ of one step's noise-scale reading, on one GPU (its first micro-batch against the
+# step) and on two or more (each rank against the reduced gradient): the median spread across data
+# seeds of the runtime's own reading at the same step (benchmarks/noise_scale_reading.py).
+NOISE_READING_SIGMA_ALONE = 0.48
+NOISE_READING_SIGMA = 0.29
+# Fixed standard normal draws, indexed by job and time: a job's reading at a time is the same
+# under every policy, and costs no generator call.
+_READING_ERRORS = np.random.default_rng(20261207).standard_normal(4093)
 
 
 @dataclass
@@ -59,6 +69,12 @@ class JobState:
     _step_cache: dict[tuple[int, int, float], float] = field(default_factory=dict, repr=False)
     # A pending job's admission key (model version, progress, key): it only changes when they do.
     admission_key: tuple[int, float, float] | None = field(default=None, repr=False)
+    # What the runtime last reported of the gradient noise scale: 0 until the job has trained.
+    noise_reading: float = 0.0
+    _reading_offset: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        self._reading_offset = zlib.crc32(self.job.name.encode())
 
     @property
     def gpus(self) -> int:
@@ -67,6 +83,15 @@ class JobState:
     @property
     def noise_scale(self) -> float:
         return self.job.noise_scale * (1 + NOISE_GROWTH * min(1.0, self.done / self.job.work))
+
+    def read_noise_scale(self, t: float) -> None:
+        """The runtime's reading at tick `t`: the true noise scale times a log-normal error, once
+        the job has made progress (a job that has not trained has reported nothing)."""
+        if self.done <= 0:
+            return
+        z = _READING_ERRORS[(self._reading_offset + int(t)) % len(_READING_ERRORS)]
+        sigma = NOISE_READING_SIGMA if self.gpus >= 2 else NOISE_READING_SIGMA_ALONE
+        self.noise_reading = self.noise_scale * math.exp(sigma * float(z))
 
     def true_step_time(self, replicas: int, nodes: int, local: float) -> float:
         key = (replicas, nodes, local)
