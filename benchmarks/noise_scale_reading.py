@@ -11,10 +11,13 @@ Two figures come out of it:
 
     .venv/bin/python benchmarks/noise_scale_reading.py                 # ~6 min on the 2-core VM
     .venv/bin/python benchmarks/noise_scale_reading.py --seeds 2 --steps 60   # smoke run
+    .venv/bin/python benchmarks/noise_scale_reading.py --layers 4 --width 256 --context 128 \
+        --global-batch 64 --micro-batch 8 --learning-rate 0.001      # a larger model and batch
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
@@ -33,17 +36,18 @@ from matplotlib import pyplot  # after choosing the headless backend
 WORLDS = (1, 2)
 
 
-def job_body(seed: int, steps: int) -> dict:
-    """A decoder small enough for two ranks on two cores, with 8 micro-batches a step: a world of
-    one reads 2 sequences against 16, each of two ranks 8 against 16."""
+def job_body(seed: int, args: argparse.Namespace) -> dict:
+    """By default a decoder small enough for two ranks on two cores, with 8 micro-batches a step: a
+    world of one reads 2 sequences against 16, each of two ranks 8 against 16."""
     return {
         "virtualCluster": "bench",
         "elasticity": {"minReplicas": 1, "maxReplicas": 2},
-        "model": {"layers": 2, "width": 64, "heads": 2, "context": 64},
+        "model": {"layers": args.layers, "width": args.width, "heads": max(2, args.width // 64),
+                  "context": args.context},
         "data": {"sources": [{"name": "general", "weight": 2}, {"name": "code", "weight": 1},
                              {"name": "math", "weight": 1}], "seed": seed},
-        "optimization": {"globalBatch": 16, "microBatch": 2, "learningRate": 0.003, "warmupSteps": 10,
-                         "steps": steps},
+        "optimization": {"globalBatch": args.global_batch, "microBatch": args.micro_batch,
+                         "learningRate": args.learning_rate, "warmupSteps": 10, "steps": args.steps},
         "checkpoint": {"path": "/checkpoints"},
     }
 
@@ -96,14 +100,23 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--settle", type=int, default=50, help="steps left out while the EMA fills")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--learning-rate", type=float, default=0.003)
     args = parser.parse_args()
+    if args.global_batch % (2 * args.micro_batch):
+        raise SystemExit(f"--global-batch must be a multiple of 2 × --micro-batch ({2 * args.micro_batch}), "
+                         f"so that two ranks split it evenly; got {args.global_batch}")
     if not 0 < args.settle < args.steps:
         raise SystemExit(f"--settle must be between 0 and --steps ({args.steps}), got {args.settle}")
     if args.seeds < 2:
         raise SystemExit(f"--seeds must be at least 2 (a spread needs two), got {args.seeds}")
     started = time.perf_counter()
     data_dir = trainer_runs.build_corpora(args.work)
-    jobs = {f"w{w}-s{s}": job_body(s, args.steps) for w in WORLDS for s in range(args.seeds)}
+    jobs = {f"w{w}-s{s}": job_body(s, args) for w in WORLDS for s in range(args.seeds)}
     ranks = {name: int(name[1]) for name in jobs}
     with Progress() as progress:
         configs = trainer_runs.run_all(jobs, args.work, data_dir, progress, parallel=1, ranks=ranks)
