@@ -86,7 +86,7 @@ def plot(series: dict[int, list[list[float | None]]], settle: int, path: Path, t
         for i, run in enumerate(runs):
             steps = [s + 1 for s, v in enumerate(run) if v]
             axis.plot(steps, [v for v in run if v], color=colours[world], alpha=0.5, lw=1,
-                      label=f"world of {world}: {'first micro-batch' if world == 1 else 'per rank'}"
+                      label=f"world of {world}: {'micro-batch halves' if world == 1 else 'per rank'}"
                       if i == 0 else None)
     axis.axvline(settle, color="grey", ls=":", lw=1)
     axis.set_yscale("log")

@@ -53,6 +53,7 @@ from huorn.runtime import (
     microbatches,
     mixture_plan,
     noise_scale,
+    solo_noise,
     steplog,
     telemetry,
 )
@@ -159,7 +160,7 @@ class Trainer:
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
                                         self.replicas(), self.chosen_batch)
         self.microbatch_counts: tuple[int, ...] | None = None  # S2 plan; None: even round-robin
-        self.first_micro_sq: float | None = None  # a world of one's small-batch reading (update_noise_scale)
+        self.solo_reading: tuple[float, float] | None = None  # a world of one's small batch (solo_noise)
         self.microbatch_seconds: float | None = None  # last step's compute per micro-batch (S2's input)
         self.step_waits: dict[str, float] = {}  # last step's waits by kind (a pipeline's receive, reduce)
         self.step_links: dict[str, float] = {}  # last step's pipeline link figures (telemetry.record_step)
@@ -446,10 +447,10 @@ class Trainer:
         self.telemetry.set_parameter("micro_batches", {"total": self.plan.micro_batches, "mine": len(mine)})
         weight = 1.0 / self.plan.micro_batches if mine else 0.0
         loss_sum = 0.0
-        # A world of one has no per-rank gradient to set against the reduced one; its first
-        # micro-batch is the small batch instead (AdaptDL's reading under gradient accumulation).
-        self.first_micro_sq = None
-        read_first = self.world == 1 and len(mine) >= 2
+        # A world of one has no per-rank gradient to set against the reduced one; its micro-batches
+        # give the small batches instead (solo_noise).
+        solo = (solo_noise.SoloReading(len(mine), self.plan.micro_batch, self.room_for_gradients)
+                if self.world == 1 and len(mine) >= 2 else None)
         loop_started, comm_before = time.perf_counter(), self.telemetry.comm_seconds_so_far()
         for i, index in enumerate(work):
             if mine:
@@ -464,8 +465,8 @@ class Trainer:
                     if self.teacher is not None:
                         loss = loss + self.distillation_term(tokens, logits)
                 (loss * weight).backward()
-            if read_first and i == 0:
-                self.first_micro_sq = self.squared_gradient_norm() / weight**2
+            if solo is not None:
+                solo.after_backward(i + 1, self.gradients())
             loss_sum += float(loss.detach()) if mine else 0.0
             if mine:
                 self.injector.after_micro_batch(time.perf_counter() - batch_started
@@ -474,6 +475,7 @@ class Trainer:
         self.microbatch_seconds = (max(0.0, time.perf_counter() - loop_started - loop_comm) / len(mine)
                                    if mine else None)
         local_sq, self.global_sq = self.hook_state.norms.take()
+        self.solo_reading = solo.reading(self.gradients()) if solo is not None else None
         # The bucket held (n/M)·g_local; rescale to the squared norm of this rank's mean gradient.
         small_sq = local_sq * (self.plan.micro_batches / len(mine)) ** 2 if mine else 0.0
         return loss_sum, small_sq, len(mine)
@@ -518,23 +520,27 @@ class Trainer:
         self.ddk.restore(state)
         self.mixture = self.validation_mixture.with_probabilities(self.ddk.weights)
 
-    def squared_gradient_norm(self) -> float:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        return float(torch.nn.utils.get_total_norm(grads)) ** 2 if grads else 0.0
+    def gradients(self) -> list[torch.Tensor | None]:
+        return [p.grad for p in self.model.parameters()]
+
+    def room_for_gradients(self, nbytes: int) -> bool:
+        """Whether a copy of the gradients fits: always in host memory; on a GPU with as much
+        again to spare, so that the copy never costs the step its memory."""
+        return self.device.type != "cuda" or torch.cuda.mem_get_info(self.device)[0] >= 2 * nbytes
 
     def update_noise_scale(self, small_sq_sum: float, contributors: int) -> float | None:
         """B_noise from this step's small-batch and global-batch gradient norms. The small batch is a
-        rank's share where two or more ranks computed; in a world of one it is the first of two or
-        more micro-batches, so a job trained by one replica (the common start) tells the goodput
-        policy its noise scale, which prices larger batches at 0 until it reads one. With a single
-        micro-batch there is no second size and the value stays as it was."""
+        rank's share where two or more ranks computed; in a world of one it comes from two or more
+        micro-batches (solo_noise), so a job trained by one replica (the common start) tells the
+        goodput policy its noise scale, which prices larger batches at 0 until it reads one. With
+        a single micro-batch there is no second size and the value stays as it was."""
         if contributors >= 2:
             b_small = self.plan.global_batch / contributors
             return self.noise.update(small_sq_sum / contributors, self.global_sq, b_small,
                                      self.plan.global_batch)
-        if self.first_micro_sq is not None:
-            return self.noise.update(self.first_micro_sq, self.global_sq, self.plan.micro_batch,
-                                     self.plan.global_batch)
+        if self.solo_reading is not None:
+            small_sq, b_small = self.solo_reading
+            return self.noise.update(small_sq, self.global_sq, b_small, self.plan.global_batch)
         return self.noise.value
 
     def validate(self) -> float:

@@ -24,10 +24,11 @@ MEASURE_SECONDS = 120.0  # a configuration reports a step time once it has run t
 CHECKPOINT_EVERY = 600.0  # periodic checkpoint interval (seconds of progress)
 TELEMETRY_NOISE = 0.05  # log-normal σ of a reported step time
 IN_PLACE_RESIZE_SHARE = allocator.IN_PLACE_RESIZE_SHARE  # the policies' price of an in-place resize
-# Log-normal σ of one step's noise-scale reading, on one GPU (its first micro-batch against the
-# step) and on two or more (each rank against the reduced gradient): the median spread across data
-# seeds of the runtime's own reading at the same step (benchmarks/noise_scale_reading.py).
-NOISE_READING_SIGMA_ALONE = 0.48
+# Log-normal σ of one step's noise-scale reading, on one GPU (two halves of its micro-batches,
+# runtime.solo_noise) and on two or more (each rank against the reduced gradient): the median
+# spread across data seeds of the runtime's own reading at the same step
+# (benchmarks/noise_scale_reading.py).
+NOISE_READING_SIGMA_ALONE = 0.31
 NOISE_READING_SIGMA = 0.29
 # Fixed standard normal draws, indexed by job and time: a job's reading at a time is the same
 # under every policy, and costs no generator call.
