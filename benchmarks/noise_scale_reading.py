@@ -1,6 +1,6 @@
 """How well the runtime reads the gradient noise scale: the same small decoder trained by a world
-of one (its first micro-batch against the step) and by two ranks (each rank against the reduced
-gradient), on several data seeds, side by side in one run.
+of one (two halves of its micro-batches, huorn.runtime.solo_noise) and by two ranks (each rank
+against the reduced gradient), on several data seeds, side by side in one run.
 
 Two figures come out of it:
 - **agreement**: the two readings estimate the same B_noise, so the one-replica reading over the
@@ -9,7 +9,7 @@ Two figures come out of it:
   policy sees in one step's value. The simulator draws what its policies read with this σ
   (huorn.sim.state.NOISE_READING_SIGMA_ALONE and NOISE_READING_SIGMA).
 
-    .venv/bin/python benchmarks/noise_scale_reading.py                 # ~6 min on the 2-core VM
+    .venv/bin/python benchmarks/noise_scale_reading.py                 # ~3 min on the 2-core VM
     .venv/bin/python benchmarks/noise_scale_reading.py --seeds 2 --steps 60   # smoke run
     .venv/bin/python benchmarks/noise_scale_reading.py --layers 4 --width 256 --context 128 \
         --global-batch 64 --micro-batch 8 --learning-rate 0.001      # a larger model and batch
@@ -38,7 +38,7 @@ WORLDS = (1, 2)
 
 def job_body(seed: int, args: argparse.Namespace) -> dict:
     """By default a decoder small enough for two ranks on two cores, with 8 micro-batches a step: a
-    world of one reads 2 sequences against 16, each of two ranks 8 against 16."""
+    world of one reads two halves of 8 sequences against 16, as two ranks of 8 do."""
     return {
         "virtualCluster": "bench",
         "elasticity": {"minReplicas": 1, "maxReplicas": 2},

@@ -33,7 +33,7 @@ def micro_gradients(m: int, seed: int = 0) -> list[list[torch.Tensor]]:
 
 def test_two_halves_read_what_two_ranks_of_half_the_batch_would() -> None:
     micro = micro_gradients(4)
-    reading = solo_noise.SoloReading(4, micro_batch=2, room=lambda _: True)
+    reading = solo_noise.SoloReading(4, micro_batch=2, copy_fits=True)
     total = accumulate(micro, reading)
     half_a = [(a + b) / 2 for a, b in zip(micro[0], micro[1], strict=True)]
     half_b = [(a + b) / 2 for a, b in zip(micro[2], micro[3], strict=True)]
@@ -46,23 +46,25 @@ def test_two_halves_read_what_two_ranks_of_half_the_batch_would() -> None:
 def test_without_room_for_a_copy_or_with_an_odd_count_the_first_micro_batch_is_read() -> None:
     for m, room in ((4, False), (3, True)):
         micro = micro_gradients(m, seed=m)
-        reading = solo_noise.SoloReading(m, micro_batch=2, room=lambda _, room=room: room)
+        reading = solo_noise.SoloReading(m, micro_batch=2, copy_fits=room)
         total = accumulate(micro, reading)
         assert reading.mode == "first micro-batch" and reading.copy is None
         small_sq, b_small = reading.reading(total)  # type: ignore[misc]
         assert b_small == 2.0 and small_sq == pytest.approx(sq(micro[0]), rel=1e-9)
 
 
-def test_the_copy_asks_for_the_gradients_bytes() -> None:
-    asked: list[int] = []
-    reading = solo_noise.SoloReading(2, micro_batch=1, room=lambda n: asked.append(n) or True)
-    accumulate(micro_gradients(2), reading)
-    assert asked == [(12 + 5) * 8]  # float64 gradients of 3×4 and 5 elements
+def test_the_room_asked_for_counts_every_parameter_that_trains() -> None:
+    """An expert that the first micro-batch did not reach has no gradient then, but is copied at
+    the half: counting the gradients present at the first micro-batch asked for 4,000 bytes and
+    copied 40,000."""
+    model = torch.nn.ModuleList([torch.nn.Linear(10, 100), torch.nn.Linear(100, 10)])
+    model[0].bias.requires_grad_(False)
+    assert solo_noise.gradient_bytes(model.parameters()) == (1000 + 1000 + 10) * 4
 
 
 def test_a_parameter_without_gradient_in_the_first_half_counts_whole_in_the_second() -> None:
     """A mixture-of-experts expert that no token of the first half reached has no .grad yet."""
-    reading = solo_noise.SoloReading(2, micro_batch=1, room=lambda _: True)
+    reading = solo_noise.SoloReading(2, micro_batch=1, copy_fits=True)
     first, second = torch.tensor([1.0, 2.0]), torch.tensor([3.0])
     reading.after_backward(1, [first / 2, None])
     total = [first / 2 + torch.tensor([0.5, 0.5]), second / 2]
@@ -72,7 +74,7 @@ def test_a_parameter_without_gradient_in_the_first_half_counts_whole_in_the_seco
 
 def test_one_micro_batch_is_refused() -> None:
     with pytest.raises(ValueError, match="two or more micro-batches"):
-        solo_noise.SoloReading(1, micro_batch=8, room=lambda _: True)
+        solo_noise.SoloReading(1, micro_batch=8, copy_fits=True)
 
 
 @pytest.mark.parametrize("room", [True, False])
@@ -86,7 +88,7 @@ def test_either_reading_recovers_a_known_gradient_noise(room: bool) -> None:
     for _ in range(400):
         samples = true + sigma * rng.normal(size=(m, micro_batch, dim))
         micro = [[torch.from_numpy(s.mean(axis=0))] for s in samples]
-        reading = solo_noise.SoloReading(m, micro_batch, room=lambda _: room)
+        reading = solo_noise.SoloReading(m, micro_batch, copy_fits=room)
         total = accumulate(micro, reading)
         small_sq, b_small = reading.reading(total)  # type: ignore[misc]
         estimator.update(small_sq, sq(total), b_small, m * micro_batch)

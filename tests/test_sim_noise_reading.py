@@ -27,7 +27,7 @@ def test_a_job_that_has_not_trained_reads_no_noise_scale_and_the_policy_sees_zer
 @pytest.mark.parametrize(("replicas", "sigma"), [(1, state.NOISE_READING_SIGMA_ALONE),
                                                   (2, state.NOISE_READING_SIGMA)])
 def test_the_reading_scatters_around_the_truth_with_the_measured_sigma(replicas: int, sigma: float) -> None:
-    """One GPU reads from its first micro-batch, more widely than ranks against the reduced gradient."""
+    """One GPU reads two halves of its micro-batches, a little more widely than two or more ranks."""
     js = state.JobState(_job())
     js.replicas = replicas
     js.done = js.job.work / 2  # the true noise scale no longer moves while nothing trains

@@ -15,7 +15,7 @@ smaller batches. Two ways to read them, measured against two ranks on the same m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -27,20 +27,22 @@ def squared_norm(grads: Gradients) -> float:
     return float(torch.nn.utils.get_total_norm(present)) ** 2 if present else 0.0
 
 
-def gradient_bytes(grads: Gradients) -> int:
-    return sum(g.numel() * g.element_size() for g in grads if g is not None)
+def gradient_bytes(parameters: Iterable[torch.nn.Parameter]) -> int:
+    """The bytes of the gradients of every parameter that trains, whether or not it has one yet."""
+    return sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
 
 
 class SoloReading:
     """One step's reading. The trainer's accumulated gradient after d of M micro-batches is
-    (1/M)·Σ_{i≤d} g_i, each g_i a micro-batch's mean gradient; `room(bytes)` says whether a copy
-    of that many bytes of gradients fits."""
+    (1/M)·Σ_{i≤d} g_i, each g_i a micro-batch's mean gradient; `copy_fits` says whether a copy of
+    the gradients fits (of every parameter that trains: a mixture of experts' expert that the
+    first micro-batch did not reach has no gradient yet, but has one by the half)."""
 
-    def __init__(self, micro_batches: int, micro_batch: int, room: Callable[[int], bool]) -> None:
+    def __init__(self, micro_batches: int, micro_batch: int, copy_fits: bool) -> None:
         if micro_batches < 2:
             raise ValueError(f"a solo reading needs two or more micro-batches, got {micro_batches}")
-        self.micro_batches, self.micro_batch, self.room = micro_batches, micro_batch, room
-        self.half = micro_batches // 2 if micro_batches % 2 == 0 else 0
+        self.micro_batches, self.micro_batch = micro_batches, micro_batch
+        self.half = micro_batches // 2 if micro_batches % 2 == 0 and copy_fits else 0
         self.first_sq: float | None = None
         self.copy: list[torch.Tensor | None] | None = None
 
@@ -50,8 +52,6 @@ class SoloReading:
 
     def after_backward(self, done: int, grads: Gradients) -> None:
         """Called after each micro-batch's backward pass with the accumulated gradients."""
-        if done == 1 and self.half and not self.room(gradient_bytes(grads)):
-            self.half = 0
         if done == 1 and not self.half:
             self.first_sq = squared_norm(grads) * self.micro_batches**2
         if self.half and done == self.half:

@@ -449,7 +449,7 @@ class Trainer:
         loss_sum = 0.0
         # A world of one has no per-rank gradient to set against the reduced one; its micro-batches
         # give the small batches instead (solo_noise).
-        solo = (solo_noise.SoloReading(len(mine), self.plan.micro_batch, self.room_for_gradients)
+        solo = (solo_noise.SoloReading(len(mine), self.plan.micro_batch, self.room_for_gradients())
                 if self.world == 1 and len(mine) >= 2 else None)
         loop_started, comm_before = time.perf_counter(), self.telemetry.comm_seconds_so_far()
         for i, index in enumerate(work):
@@ -523,10 +523,16 @@ class Trainer:
     def gradients(self) -> list[torch.Tensor | None]:
         return [p.grad for p in self.model.parameters()]
 
-    def room_for_gradients(self, nbytes: int) -> bool:
+    def room_for_gradients(self) -> bool:
         """Whether a copy of the gradients fits: always in host memory; on a GPU with as much
-        again to spare, so that the copy never costs the step its memory."""
-        return self.device.type != "cuda" or torch.cuda.mem_get_info(self.device)[0] >= 2 * nbytes
+        again to spare, so that the copy never costs the step its memory. Free counts what torch's
+        allocator holds unused (the last step's copy, once released), which the driver does not,
+        so that a job does not pass at its first step and fail at every later one."""
+        if self.device.type != "cuda":
+            return True
+        free = (torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
+                - torch.cuda.memory_allocated(self.device))
+        return free >= 2 * solo_noise.gradient_bytes(self.model.parameters())
 
     def update_noise_scale(self, small_sq_sum: float, contributors: int) -> float | None:
         """B_noise from this step's small-batch and global-batch gradient norms. The small batch is a
