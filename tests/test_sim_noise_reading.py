@@ -3,6 +3,7 @@ nothing before a job has trained, then the truth with the runtime's measured err
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -67,3 +68,34 @@ def test_in_a_run_every_job_that_trained_was_last_seen_through_a_reading() -> No
     assert all(js.noise_reading != js.noise_scale for js in read)
     ratios = np.log([js.noise_reading / js.noise_scale for js in read])
     assert float(np.max(np.abs(ratios))) < 6 * state.NOISE_READING_SIGMA_ALONE
+
+
+@pytest.mark.skipif(not sim_support.TRACE.exists(), reason="shared OpenB trace not present")
+@pytest.mark.parametrize("period", [60.0, 300.0])
+def test_a_reading_is_kept_for_noise_reading_seconds_but_a_first_one_comes_at_once(
+        period: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: dict[str, list[float]] = {}
+    first_read_at: dict[str, float] = {}
+    original = state.JobState.read_noise_scale
+
+    def record(js: state.JobState, t: float) -> None:
+        had = js.noise_reading > 0
+        original(js, t)
+        if had:
+            calls.setdefault(js.job.name, []).append(t)
+        elif js.noise_reading > 0:
+            first_read_at[js.job.name] = t
+
+    monkeypatch.setattr(state.JobState, "read_noise_scale", record)
+    config = engine.SimConfig(gpus=32, seed=1, noise_reading_seconds=period)
+    run.run_policies(sim_support.TRACE, sim_support.NODES, sim_support.QPS, ["huorn"], config)
+    gaps = [b - a for times in calls.values() for a, b in itertools.pairwise(times)]
+    assert gaps and min(gaps) >= period
+    # a job that has trained reads at the first tick after, not at the next reading time
+    off_period = [t for t in first_read_at.values() if t % period]
+    assert (len(off_period) > 0) == (period > 60.0)
+
+
+def test_noise_reading_seconds_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="noise_reading_seconds must be > 0, got 0"):
+        engine.SimConfig(gpus=32, noise_reading_seconds=0)

@@ -38,6 +38,11 @@ class SimConfig:
     # share of jobs that declare none: a study of Huorn's JCT terms; 0 and 0 are exact.
     work_estimate_error: float = 0.0
     undeclared_share: float = 0.0
+    # How long the policies keep a job's noise-scale reading before a fresh one (state.JobState.
+    # read_noise_scale): a tick by default, since the runtime's reading decorrelates within about
+    # 40 steps (benchmarks/noise_scale_reading.py); longer is a study of how much the readings'
+    # jitter costs the elastic policies.
+    noise_reading_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         if self.gpus < 8:
@@ -58,6 +63,8 @@ class SimConfig:
             raise ValueError(f"work_estimate_error must be >= 0, got {self.work_estimate_error}")
         if not 0 <= self.undeclared_share <= 1:
             raise ValueError(f"undeclared_share must lie in [0, 1], got {self.undeclared_share}")
+        if not self.noise_reading_seconds > 0:
+            raise ValueError(f"noise_reading_seconds must be > 0, got {self.noise_reading_seconds}")
 
 
 @dataclass
@@ -185,7 +192,7 @@ class Simulation:
     def run(self, progress: Callable[[float], None] | None = None) -> list[state.JobState]:
         arrivals = [js.job.arrival for js in self.jobs]
         nxt, finished, total = 0, 0, len(self.jobs)
-        next_tick, next_bin = 0.0, 0.0
+        next_tick, next_bin, next_reading = 0.0, 0.0, 0.0
         dirty, last_full = True, -math.inf
         running: list[state.JobState] = []
         while finished < total:
@@ -233,10 +240,14 @@ class Simulation:
             admit_arrived = self.spec.arrival_admission and nxt > first_arrival and t < next_tick
             if t >= next_tick:
                 next_tick = t + self.config.tick_seconds
+                read = t >= next_reading
+                if read:
+                    next_reading = t + self.config.noise_reading_seconds
                 for js in running:
                     js.sync(t)
                     js.refresh_rate()
-                    js.read_noise_scale(t)
+                    if read or js.noise_reading == 0:  # a job's first reading comes at once
+                        js.read_noise_scale(t)
                     if js.maybe_report(t, self.rng):
                         dirty = True
                 full_due = self.spec.elastic and t - last_full >= 5 * self.config.tick_seconds
