@@ -77,19 +77,26 @@ def test_one_micro_batch_is_refused() -> None:
         solo_noise.SoloReading(1, micro_batch=8, copy_fits=True)
 
 
-@pytest.mark.parametrize("room", [True, False])
-def test_either_reading_recovers_a_known_gradient_noise(room: bool) -> None:
-    """Per-sample gradients G + ε, ε ~ N(0, σ²I): B_noise = d·σ²/|G|²."""
+@pytest.mark.parametrize("reading", ["ranks", "halves", "first micro-batch"])
+def test_each_reading_recovers_a_known_gradient_noise(reading: str) -> None:
+    """Per-sample gradients G + ε, ε ~ N(0, σ²I): B_noise = d·σ²/|G|². Four ranks of 8 sequences
+    each (the rank's gradient against the reduced one), or one rank's 8 micro-batches of 4."""
     rng = np.random.default_rng(1)
-    dim, sigma, micro_batch, m = 200, 0.5, 4, 8
+    dim, sigma, parts, part_size = 200, 0.5, 8, 4
     true = rng.normal(size=dim)
     expected = dim * sigma**2 / float(true @ true)
     estimator = noise_scale.NoiseScale(decay=0.99)
     for _ in range(400):
-        samples = true + sigma * rng.normal(size=(m, micro_batch, dim))
+        samples = true + sigma * rng.normal(size=(parts, part_size, dim))
+        if reading == "ranks":
+            ranks = samples.reshape(4, -1, dim)
+            small_sq = float(np.mean([np.sum(r.mean(axis=0) ** 2) for r in ranks]))
+            big_sq = float(np.sum(samples.reshape(-1, dim).mean(axis=0) ** 2))
+            estimator.update(small_sq, big_sq, parts * part_size / 4, parts * part_size)
+            continue
         micro = [[torch.from_numpy(s.mean(axis=0))] for s in samples]
-        reading = solo_noise.SoloReading(m, micro_batch, copy_fits=room)
-        total = accumulate(micro, reading)
-        small_sq, b_small = reading.reading(total)  # type: ignore[misc]
-        estimator.update(small_sq, sq(total), b_small, m * micro_batch)
+        solo = solo_noise.SoloReading(parts, part_size, copy_fits=reading == "halves")
+        total = accumulate(micro, solo)
+        small_sq, b_small = solo.reading(total)  # type: ignore[misc]
+        estimator.update(small_sq, sq(total), b_small, parts * part_size)
     assert estimator.value == pytest.approx(expected, rel=0.15)
