@@ -205,6 +205,7 @@ def test_injected_hangs_show_in_sequence_numbers_of_a_real_gang(tmp_path: Path) 
         noise = harness.wait_for(lambda: [s["gradient_noise_scale"] for s in _telemetry(tmp_path, 0)["steps"]
                                           if s["gradient_noise_scale"]], 120, "a gradient noise scale")
         assert all(0 < value < 1e6 for value in noise)
+        assert {s.get("gradient_noise_reading") for s in _telemetry(tmp_path, 0)["steps"]} == {"ranks"}
         control = tmp_path / "run" / run_config.FAULTS_FILE
 
         # hang-compute on rank 1: it stops entering collectives; rank 0 waits inside the next one.

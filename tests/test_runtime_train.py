@@ -45,6 +45,7 @@ def test_loss_goes_down_on_the_shipped_corpora(tmp_path: Path, data_dir: Path) -
     # A world of one reads its noise scale from its 6 micro-batches, two halves of 3 (it read none before).
     noise = [s["gradient_noise_scale"] for s in steps[10:]]
     assert all(n is not None and math.isfinite(n) and n > 0 for n in noise), noise
+    assert {s["gradient_noise_reading"] for s in steps} == {"halves"}  # host memory has room for the copy
 
     # Continual pre-training from those weights starts where this run ended, not from scratch.
     task = {"kind": "cpt", "initCheckpoint": str(tmp_path / "ckpt")}

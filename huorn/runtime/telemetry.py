@@ -174,7 +174,7 @@ class Telemetry:
                     waits: Mapping[str, float] | None = None,
                     links: Mapping[str, float] | None = None,
                     global_batch: int | None = None, learning_rate: float | None = None,
-                    tokens: int | None = None) -> None:
+                    tokens: int | None = None, noise_reading: str | None = None) -> None:
         """`microbatch_seconds`: compute seconds of one of this rank's micro-batches (forward and
         backward, collectives excluded). S2 plans from it: the step's compute also holds work
         that does not scale with the micro-batches (the optimizer step), which would make a
@@ -193,7 +193,9 @@ class Telemetry:
         step's included. The batch, and so a
         step's tokens, changes with the world under `scale-with-replicas`, so a run with a budget
         in tokens ends after fewer steps than the spec's globalBatch makes of it: the operator
-        measures progress, the final step and the work left by this count, not by steps."""
+        measures progress, the final step and the work left by this count, not by steps.
+        `noise_reading`: how this step read the noise scale (`ranks`, or a world of one's `halves`
+        or `first micro-batch`; none with one micro-batch), since the readings differ in quality."""
         comm = min(comm_seconds, step_seconds)
         record = {
             "step": step, "time": time.time(), "world_size": self.world_size, "step_seconds": step_seconds,
@@ -208,6 +210,8 @@ class Telemetry:
             record["learning_rate"] = learning_rate
         if tokens is not None:
             record["tokens"] = tokens
+        if noise_reading is not None:
+            record["gradient_noise_reading"] = noise_reading
         record.update(waits or {})
         record.update(links or {})
         with self._lock:

@@ -161,6 +161,7 @@ class Trainer:
                                         self.replicas(), self.chosen_batch)
         self.microbatch_counts: tuple[int, ...] | None = None  # S2 plan; None: even round-robin
         self.solo_reading: tuple[float, float] | None = None  # a world of one's small batch (solo_noise)
+        self.noise_reading: str | None = None  # how the last step read the noise scale (telemetry)
         self.microbatch_seconds: float | None = None  # last step's compute per micro-batch (S2's input)
         self.step_waits: dict[str, float] = {}  # last step's waits by kind (a pipeline's receive, reduce)
         self.step_links: dict[str, float] = {}  # last step's pipeline link figures (telemetry.record_step)
@@ -476,6 +477,7 @@ class Trainer:
                                    if mine else None)
         local_sq, self.global_sq = self.hook_state.norms.take()
         self.solo_reading = solo.reading(self.gradients()) if solo is not None else None
+        self.noise_reading = solo.mode if solo is not None else None
         # The bucket held (n/M)·g_local; rescale to the squared norm of this rank's mean gradient.
         small_sq = local_sq * (self.plan.micro_batches / len(mine)) ** 2 if mine else 0.0
         return loss_sum, small_sq, len(mine)
@@ -541,12 +543,14 @@ class Trainer:
         goodput policy its noise scale, which prices larger batches at 0 until it reads one. With
         a single micro-batch there is no second size and the value stays as it was."""
         if contributors >= 2:
+            self.noise_reading = "ranks"
             b_small = self.plan.global_batch / contributors
             return self.noise.update(small_sq_sum / contributors, self.global_sq, b_small,
                                      self.plan.global_batch)
         if self.solo_reading is not None:
             small_sq, b_small = self.solo_reading
             return self.noise.update(small_sq, self.global_sq, b_small, self.plan.global_batch)
+        self.noise_reading = None
         return self.noise.value
 
     def validate(self) -> float:
@@ -652,7 +656,7 @@ class Trainer:
         self.telemetry.record_step(step, elapsed, comm_s, loss, tokens_per_s, noise,
                                    microbatch_seconds=self.microbatch_seconds, waits=self.step_waits,
                                    links=self.step_links, global_batch=self.plan.global_batch,
-                                   learning_rate=lr, tokens=self.tokens)
+                                   learning_rate=lr, tokens=self.tokens, noise_reading=self.noise_reading)
         record = {"event": "step", "step": step, "loss": loss, "world_size": self.world, "lr": lr,
                   "global_batch": self.plan.global_batch, "tokens": self.tokens,
                   "tokens_per_second": tokens_per_s, "step_seconds": elapsed, "comm_seconds": comm_s,
@@ -661,6 +665,8 @@ class Trainer:
             record["microbatches"] = list(self.microbatch_counts)
         if self.microbatch_seconds is not None:
             record["microbatch_seconds"] = self.microbatch_seconds
+        if self.noise_reading is not None:
+            record["gradient_noise_reading"] = self.noise_reading
         if self.cfg.validation_interval and step % self.cfg.validation_interval == 0:
             record["validation_loss"] = self.validate()
         if stats_by_name["plan_changed"] > 0:
