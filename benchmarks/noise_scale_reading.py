@@ -29,6 +29,7 @@ import trainer_runs
 from rich.progress import Progress
 
 from huorn.runtime import config as run_config
+from huorn.runtime import steplog
 
 matplotlib.use("Agg")
 from matplotlib import pyplot  # after choosing the headless backend
@@ -54,8 +55,7 @@ def job_body(seed: int, args: argparse.Namespace) -> dict:
 
 def readings(config: run_config.RunConfig) -> list[float | None]:
     """Rank 0's gradient noise scale at each step, in step order."""
-    lines = (Path(config.run_dir) / run_config.STEPS_FILE).read_text().splitlines()
-    steps = [e for e in map(json.loads, lines) if e.get("event") == "step"]
+    steps = steplog.steps_of(steplog.read_events(Path(config.run_dir)))
     return [e.get("gradient_noise_scale") for e in sorted(steps, key=lambda e: e["step"])]
 
 

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +19,7 @@ from matplotlib.ticker import NullFormatter, ScalarFormatter
 from rich.progress import Progress
 
 from huorn.runtime import config as run_config
+from huorn.runtime import launcher
 from huorn.runtime.data import build, corpora
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,9 +37,7 @@ def start_trainer(name: str, body: dict, out: Path, data_dir: Path, nproc: int =
     path = run_config.write_run_config(config, directory / "config.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     log = open(directory / "train.log", "wb")  # noqa: SIM115 - closed with the process, below
-    agent = ([] if nproc == 1 else
-             ["-m", "huorn.runtime.agent", "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"])
-    process = subprocess.Popen([sys.executable, *agent, "-m", "huorn.runtime.train", "--config", str(path)],
+    process = subprocess.Popen(launcher.build_standalone_command(path, nproc),
                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     return config, process

@@ -60,16 +60,13 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def trainer_command(config: Path, nproc: int) -> list[str]:
     """The trainer under torchrun on `nproc` local ranks (no restarts), or alone for one."""
-    if nproc == 1:
-        return [sys.executable, "-m", "huorn.runtime.train", "--config", str(config)]
-    return [sys.executable, "-m", "huorn.runtime.agent", "--standalone", f"--nproc-per-node={nproc}",
-            "--max-restarts=0", "-m", "huorn.runtime.train", "--config", str(config)]
+    return launcher.build_standalone_command(config, nproc)
 
 
 def start_trainer(config: Path, log: Path) -> subprocess.Popen:
     """The trainer without torchrun: a world of one."""
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "huorn.runtime.train", "--config", str(config)],
+        return subprocess.Popen(launcher.build_standalone_command(config, 1),
                                 cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
 
 

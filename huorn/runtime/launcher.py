@@ -94,6 +94,15 @@ def build_rdzv_conf(settings: ElasticSettings) -> str:
     return ",".join(f"{k}={v}" for k, v in rdzv_conf(settings).items())
 
 
+def build_standalone_command(config_path: Path | str, nproc: int, python: str = sys.executable) -> list[str]:
+    """argv of the trainer on `config_path` alone (a world of one), or of `nproc` local ranks under
+    the agent with a rendezvous of its own and no restarts: a run on one host, no gang to join."""
+    if nproc == 1:
+        return [python, "-m", "huorn.runtime.train", "--config", str(config_path)]
+    return [python, "-m", "huorn.runtime.agent", "--standalone", f"--nproc-per-node={nproc}",
+            "--max-restarts=0", "-m", "huorn.runtime.train", "--config", str(config_path)]
+
+
 def build_agent_command(config_path: Path | str, settings: ElasticSettings,
                         python: str = sys.executable) -> list[str]:
     """argv of one agent (one replica) that runs the Huorn trainer on `config_path`: torchrun's

@@ -160,7 +160,8 @@ class Trainer:
         self.plan = batching.plan_batch(self.spec.optimization, self.spec.elasticity.min_replicas,
                                         self.replicas(), self.chosen_batch)
         self.microbatch_counts: tuple[int, ...] | None = None  # S2 plan; None: even round-robin
-        self.solo_reading: tuple[float, float] | None = None  # a world of one's small batch (solo_noise)
+        # a world of one's small batch (solo_noise): squared norm, sequences, how it was read
+        self.solo_reading: tuple[float, float, str] | None = None
         self.noise_reading: str | None = None  # how the last step read the noise scale (telemetry)
         self.microbatch_seconds: float | None = None  # last step's compute per micro-batch (S2's input)
         self.step_waits: dict[str, float] = {}  # last step's waits by kind (a pipeline's receive, reduce)
@@ -476,8 +477,8 @@ class Trainer:
         self.microbatch_seconds = (max(0.0, time.perf_counter() - loop_started - loop_comm) / len(mine)
                                    if mine else None)
         local_sq, self.global_sq = self.hook_state.norms.take()
-        self.solo_reading = solo.reading(self.gradients()) if solo is not None else None
-        self.noise_reading = solo.mode if solo is not None else None
+        reading = solo.reading(self.gradients()) if solo is not None else None
+        self.solo_reading = (*reading, solo.mode) if solo is not None and reading is not None else None
         # The bucket held (n/M)·g_local; rescale to the squared norm of this rank's mean gradient.
         small_sq = local_sq * (self.plan.micro_batches / len(mine)) ** 2 if mine else 0.0
         return loss_sum, small_sq, len(mine)
@@ -548,7 +549,7 @@ class Trainer:
             return self.noise.update(small_sq_sum / contributors, self.global_sq, b_small,
                                      self.plan.global_batch)
         if self.solo_reading is not None:
-            small_sq, b_small = self.solo_reading
+            small_sq, b_small, self.noise_reading = self.solo_reading
             return self.noise.update(small_sq, self.global_sq, b_small, self.plan.global_batch)
         self.noise_reading = None
         return self.noise.value
