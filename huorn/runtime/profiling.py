@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import cProfile
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,9 @@ class DecodeProfile:
     def __init__(self, directory: str | os.PathLike[str] | None) -> None:
         self.directory = Path(directory) if directory else None
         self.profile = cProfile.Profile() if self.directory else None
+        # held while the decoding thread decodes: the replica's stop writes the profile from the
+        # event loop, and the thread, told to stop, may still be inside a step
+        self._decoding = threading.Lock()
 
     @classmethod
     def from_env(cls) -> DecodeProfile:
@@ -36,17 +40,20 @@ class DecodeProfile:
         if self.profile is None:
             yield
             return
-        self.profile.enable()
-        try:
-            yield
-        finally:
-            self.profile.disable()
+        with self._decoding:
+            self.profile.enable()
+            try:
+                yield
+            finally:
+                self.profile.disable()
 
     def write(self) -> Path | None:
-        """The profile so far, to the directory; None when profiling is off."""
+        """The profile so far, to the directory, once no step is under way (a step cut in two
+        left its last calls out of the file); None when profiling is off."""
         if self.profile is None or self.directory is None:
             return None
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"decode-{os.getpid()}.prof"
-        self.profile.dump_stats(path)
+        with self._decoding:
+            self.profile.dump_stats(path)
         return path
