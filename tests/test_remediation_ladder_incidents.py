@@ -113,6 +113,50 @@ def test_a_slowdown_that_recovered_at_s1_does_not_take_the_next_stragglers_s4() 
     assert gang.replaced == ["trainer-0"], pol.decisions
 
 
+def micro_batches(rank: int) -> dict[str, Any]:
+    return {"parameters": {"micro_batches": {"total": 8, "mine": 4}}}
+
+
+def eases(rank: int, pod: str, step: int, until: int = 10_000) -> float:
+    """trainer-1 computes 4× slower from step 30, 3.4× from step 45 (a 15 % easing), healthy
+    again from `until`."""
+    return 4.0 if rank == 1 and 30 <= step < 45 else 3.4 if rank == 1 and 45 <= step < until else 1.0
+
+
+def test_a_straggler_that_eases_but_stays_slow_still_gets_s2() -> None:
+    """A drop of a 4× straggler's compute to 3.4× is a validated change of factor < 1. It was
+    taken as the slowdown's end: the ladder came to rest at S1, and the job ran the rest of its
+    steps 3.4× slow with no rung taken (a full suite's run of the S2 scenario, a 4.30× straggler
+    eased ×0.87 on a loaded host)."""
+    graph = build_graph()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), ladder.LadderCosts(rebalance=6.0))
+    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=1, extra=micro_batches)
+    from huorn.operator import monitoring
+
+    state = monitoring.JobPolicies(("uid", 1), pol, None)
+    gang.run(60, eases)
+    assert [d.action for d in pol.decisions] == ["observe", "eased"], pol.decisions
+    assert "is still ×3.4" in pol.decisions[1].reason, pol.decisions[1].reason
+    assert pol.ladder.finding is not None and 3.2 < pol.ladder.finding.factor < 3.6  # what is left of it
+    # the operator logs the easing and keeps S1 in `mitigation`: it changes nothing in force
+    monitoring.record_ladder(graph, state)
+    assert graph.vertex("trainer").params["mitigation"]["action"] == "observe"
+    assert any("(eased)" in m.reason for m in graph.log), [m.reason for m in graph.log]
+    gang.run(160, eases)
+    assert [d.action for d in pol.decisions] == ["observe", "eased", "rebalance-microbatches"], pol.decisions
+
+
+def test_a_straggler_that_eased_comes_to_rest_when_it_is_healthy_again() -> None:
+    """The easing keeps the incident open at what is left of the slowdown (4× × 0.85); the return
+    to the healthy level ends it (the ladder's price of S2 is not paid in between)."""
+    graph = build_graph()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), ladder.LadderCosts(rebalance=60.0))
+    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=1, extra=micro_batches)
+    gang.run(160, lambda rank, pod, step: eases(rank, pod, step, until=90))
+    assert [d.action for d in pol.decisions] == ["observe", "eased", "recovered"], pol.decisions
+    assert pol.ladder.level is None and pol.ladder.finding is None
+
+
 def test_a_new_straggler_takes_the_place_of_a_milder_one_observed_at_s1() -> None:
     """trainer-1 stays 1.3× slow from step 30, too mild for its loss to have paid for S4 by step
     150, when trainer-0 slows 3×. The new finding was dropped while the ladder sat at S1, and S4,

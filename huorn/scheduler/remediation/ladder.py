@@ -37,8 +37,11 @@ import dataclasses
 from collections.abc import Sequence
 
 from huorn.api.common import MitigationLevel
-from huorn.scheduler.remediation import failslow, hang, rebalance
+from huorn.scheduler.remediation import bocd, failslow, hang, rebalance
 
+# A worker at this multiple of its healthy speed or slower is still slow: a shift of the
+# detector's own threshold (FALCON's 10 %, bocd.BocdConfig.min_shift) would be found as a fail-slow.
+STILL_SLOW = 1.0 + bocd.BocdConfig.min_shift
 ORDER = (MitigationLevel.OBSERVE, MitigationLevel.REBALANCE, MitigationLevel.RESPLIT, MitigationLevel.RESTART)
 ACTIONS = {
     MitigationLevel.OBSERVE: "observe",
@@ -164,14 +167,28 @@ class MitigationLadder:
         began, and nothing of the ladder's is in force, the slowdown is over and the ladder comes
         to rest (a decision that says so); else None. An S2 or S3 plan in force is left to its
         re-planning, which restores the even split once that pays.
+        A drop that leaves the worker still slower than its healthy level by what the detector
+        reports as a fail-slow (×4.30, then ×0.87: still ×3.74) is an easing, not the end: the
+        ladder keeps observing the slowdown at what is left of it (a decision that says so).
         NB: recoveries were ignored, and the ladder took new findings only at rest, so it sat at
         S1 for good after a short slowdown: a later straggler elsewhere climbed it under the old
-        finding, and S4 replaced the pod that had recovered long before."""
+        finding, and S4 replaced the pod that had recovered long before. Then any drop ended the
+        incident: a 13 % easing of a 4× straggler on a loaded host put the ladder at rest, and the
+        rest of the job ran 3.7× slow with no rung taken (a run of the S2 scenario test in the
+        suite's alone part)."""
         current = self.finding
         if current is None or finding.factor >= 1 or not self.holds_no_plan() \
                 or finding.onset_iteration <= current.onset_iteration \
                 or (finding.where(), finding.kind) != (current.where(), current.kind):
             return None
+        left = current.factor * finding.factor  # segment means: new over old, times old over healthy
+        if left >= STILL_SLOW:
+            self.finding = dataclasses.replace(current, factor=left)
+            return Decision(
+                MitigationLevel.OBSERVE, "eased",
+                f"fail-slow ({current.kind}) on {current.where()} since step {current.onset_iteration} "
+                f"eased ×{finding.factor:.2f} from step {finding.onset_iteration} and is still "
+                f"×{left:.2f}: the ladder keeps observing it", self.ranks)
         ranks = self.ranks
         self._reset()
         return Decision(
