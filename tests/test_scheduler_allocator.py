@@ -423,6 +423,37 @@ def test_jct_weight_gives_the_extra_gpus_to_the_job_that_finishes_sooner() -> No
     assert weighted["short"] + weighted["long"] == plain["short"] + plain["long"]
 
 
+def test_rank_weights_follow_the_order_of_remaining_times_not_their_ratios() -> None:
+    """heSRPT: with speedups k^p the optimal shares weigh job i (the i-th longest of J) by about
+    i^p, whatever the sizes are: the same weights whether the long job has twice the short one's
+    work left or a thousand times. Weighed by remaining time, the long job's weight moves."""
+    def weights(long_work: float, by: str) -> dict[str, float]:
+        config = allocator.AllocatorConfig(jct_weight=0.5, jct_weight_by=by, horizon_seconds=3600.0)
+        jobs = [build_job("short", remaining_work=2e5), build_job("long", remaining_work=long_work)]
+        return allocator.Allocator(config)._jct_weights(jobs)
+
+    assert weights(4e5, "rank") == weights(4e8, "rank") == pytest.approx({"short": 2 ** 0.5, "long": 1.0})
+    assert weights(4e5, "remaining")["long"] > 10 * weights(4e8, "remaining")["long"]
+
+    jobs = [build_job("short", remaining_work=2e4), build_job("long", remaining_work=2e7, submitted=1)]
+    config = allocator.AllocatorConfig(jct_weight=0.5, jct_weight_by="rank")
+    got = {d.job: d.replicas for d in allocator.Allocator(config).allocate(build_snapshot(), jobs, 0)}
+    assert got["short"] > got["long"] >= 1  # identical curves split evenly unweighed (the test above)
+
+
+def test_rank_weights_count_the_jobs_at_least_as_long_ties_and_unknown_lengths_included() -> None:
+    alloc = allocator.Allocator(allocator.AllocatorConfig(jct_weight=0.5, jct_weight_by="rank",
+                                                          horizon_seconds=3600.0))
+    jobs = [build_job("a", remaining_work=1e3), build_job("b", remaining_work=1e3),
+            build_job("c", remaining_work=1e9), build_job("unknown", remaining_work=None)]
+    left = {j.name: alloc.remaining_seconds(j) for j in jobs}
+    assert left["a"] < left["unknown"] == 3600 < left["c"]  # an unknown length: one horizon left
+    weights = alloc._jct_weights(jobs)
+    assert weights == pytest.approx({"a": 2.0, "b": 2.0, "unknown": 2 ** 0.5, "c": 1.0})
+    with pytest.raises(ValueError, match="jct_weight_by must be rank or remaining"):
+        allocator.AllocatorConfig(jct_weight_by="size")
+
+
 def test_restarts_are_charged_over_the_remaining_time() -> None:
     def grows(remaining: float) -> bool:
         snap = build_snapshot(train_nodes=1)
