@@ -1,12 +1,13 @@
 """Huorn's allocator settings, step by step, against the best Pollux on many seeds.
 
-Why: four changes to Huorn's allocator (the in-place price of a placement that keeps a resized
+Why: five changes to Huorn's allocator (the in-place price of a placement that keeps a resized
 gang's replicas, each resize also tried around the replicas, the protection of jobs near their
-end, the remaining-time weight's exponent) were measured on many seeds; the two numbers were
-chosen on seeds 0-9, with seeds 10-19 held out from that choice (docs/scheduling.md,
-"Allocator", item 9). This reruns that table: each step on top of the ones before, with the best
-of the six Pollux forms (three objectives, each with and without AdaptDL's admission on arrival)
-as the baseline of each seed, in one run.
+end, the remaining-time weight's exponent, then the weight by rank) were measured on many seeds;
+their numbers were chosen on seeds 0-9, with seeds 10-19 (and, for the rank weight, 10-29) held
+out from that choice (docs/scheduling.md, "Allocator", items 9 and 10). This reruns that
+table: each step on top of the ones before, with the best of the six Pollux forms (three
+objectives, each with and without AdaptDL's admission on arrival) as the baseline of each seed,
+in one run.
 
     .venv/bin/python benchmarks/scheduling_huorn_settings.py                 # 128 GPUs, seeds 0-19
     .venv/bin/python benchmarks/scheduling_huorn_settings.py --seeds 20-39 --tuned none
@@ -28,14 +29,16 @@ from huorn.sim import engine, policies, report, run
 POLLUXES = policies.POLLUX_FORMS  # the best of them per seed is the baseline (report.best_pollux)
 # Each step on top of the ones before; the last is allocator.HUORN as committed.
 BEFORE = dataclasses.replace(allocator.HUORN, in_place_share=1.0, protect_finishing_restarts=5.0,
-                             jct_weight=0.5)
+                             jct_weight=0.5, jct_weight_by="remaining")
 PRICED = dataclasses.replace(BEFORE, in_place_share=allocator.IN_PLACE_RESIZE_SHARE)
+PROTECTED = dataclasses.replace(PRICED, protect_finishing_restarts=16.0)
 STEPS = {
     "before": BEFORE,
     "in-place pricing": dataclasses.replace(PRICED, resize_around_replicas=False),
     "+ around the replicas": PRICED,
-    "+ protection 16": dataclasses.replace(PRICED, protect_finishing_restarts=16.0),
-    "+ weight 0.35 (HUORN)": allocator.HUORN,
+    "+ protection 16": PROTECTED,
+    "+ weight 0.35": dataclasses.replace(PROTECTED, jct_weight=0.35),
+    "+ rank weight 0.4 (HUORN)": allocator.HUORN,
 }
 
 
