@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import yaml
 from remediation_support import Seen
 
 import huorn.graph.jobs  # noqa: F401  (registers the TrainingJob compiler)
 from huorn.api.common import MitigationLevel, Remediation
 from huorn.graph import compiler, managers, model
-from huorn.scheduler.remediation import ladder, policy
+from huorn.scheduler.remediation import failslow, ladder, policy
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 
@@ -155,6 +156,21 @@ def test_a_straggler_that_eased_comes_to_rest_when_it_is_healthy_again() -> None
     gang.run(160, lambda rank, pod, step: eases(rank, pod, step, until=90))
     assert [d.action for d in pol.decisions] == ["observe", "eased", "recovered"], pol.decisions
     assert pol.ladder.level is None and pol.ladder.finding is None
+
+
+def test_an_easing_seen_again_at_a_shifted_onset_is_not_taken_twice() -> None:
+    """The policy skips findings it has seen by their onset, but an onset can move by a few steps
+    once the detector's window slides; each sighting of the same easing compounded it again, and
+    enough of them would have ended the incident of a worker that is still 3.4× slow."""
+    lad = ladder.MitigationLadder(MitigationLevel.RESTART)
+    lad.on_fail_slow(failslow.SlowFinding("trainer-1", "compute", 30, 40, 4.0), (1,))
+    eased = lad.on_recovery(failslow.SlowFinding("trainer-1", "compute", 45, 55, 0.85))
+    assert eased is not None and eased.action == "eased"
+    assert lad.on_recovery(failslow.SlowFinding("trainer-1", "compute", 47, 57, 0.86)) is None
+    assert lad.finding is not None and lad.finding.factor == pytest.approx(3.4)
+    # a full recovery soon after is a change of its own
+    over = lad.on_recovery(failslow.SlowFinding("trainer-1", "compute", 52, 60, 0.3))
+    assert over is not None and over.action == "recovered" and lad.level is None and lad.eased == []
 
 
 def test_a_new_straggler_takes_the_place_of_a_milder_one_observed_at_s1() -> None:

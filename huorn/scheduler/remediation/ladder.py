@@ -34,6 +34,7 @@ Decisions are plain objects; the graph turns them into mutations and Events.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from huorn.api.common import MitigationLevel
@@ -116,6 +117,7 @@ class MitigationLadder:
         self.replan_gain = 0.0  # seconds the best plan would have saved since the applied one
         self.counts_in_force: list[int] | None = None  # S2's counts, kept while S3 holds
         self.passed = False  # the rung in force was passed: its even split is what `applied` holds
+        self.eased: list[failslow.SlowFinding] = []  # the incident's easings taken (on_recovery)
         self._priced: tuple[JobShape, tuple[int, ...], Priced | None] | None = None  # per shape and plan
 
     def applicable(self, level: MitigationLevel) -> bool:
@@ -181,9 +183,12 @@ class MitigationLadder:
                 or finding.onset_iteration <= current.onset_iteration \
                 or (finding.where(), finding.kind) != (current.where(), current.kind):
             return None
+        if any(_same_change(finding, taken) for taken in self.eased):
+            return None  # an easing already taken, its onset moved as the detector's window slid
         left = current.factor * finding.factor  # segment means: new over old, times old over healthy
         if left >= STILL_SLOW:
             self.finding = dataclasses.replace(current, factor=left)
+            self.eased.append(finding)
             return Decision(
                 MitigationLevel.OBSERVE, "eased",
                 f"fail-slow ({current.kind}) on {current.where()} since step {current.onset_iteration} "
@@ -374,6 +379,7 @@ class MitigationLadder:
         self.level, self.finding, self.ranks, self.loss_since_rung = None, None, (), 0.0
         self.applied, self.counts_in_force, self.passed = None, None, False
         self.steps_on_plan, self.replan_gain = 0, 0.0
+        self.eased = []
 
     def _restart(self, decision: Decision) -> Decision:
         """S4 ends the incident: the pod is replaced and the gang restarts from its checkpoint.
@@ -505,3 +511,10 @@ class MitigationLadder:
         by_rank = None if not (self.ranks and ranks) else not set(ranks) & set(self.ranks)
         known = [clear for clear in (by_pod, by_rank) if clear is not None]
         return bool(known) and all(known)
+
+
+def _same_change(a: failslow.SlowFinding, b: failslow.SlowFinding) -> bool:
+    """One change seen twice: onsets within the detector's tolerance and factors within its
+    threshold of each other (a full recovery soon after an easing is a change of its own)."""
+    return (abs(a.onset_iteration - b.onset_iteration) <= failslow.ONSET_TOLERANCE
+            and abs(math.log(a.factor / b.factor)) < bocd.BocdConfig.min_shift)
