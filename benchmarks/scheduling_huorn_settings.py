@@ -21,7 +21,14 @@ import dataclasses
 import json
 import statistics
 
-from study_common import TRACE, run_seeds, seed_list, seed_study_arguments
+from study_common import (
+    TRACE,
+    huorn_variant,
+    register_huorn_variants,
+    run_seeds,
+    seed_list,
+    seed_study_arguments,
+)
 
 from huorn.scheduler import allocator
 from huorn.sim import engine, policies, report, run
@@ -42,33 +49,22 @@ STEPS = {
 }
 
 
-def _policy_name(step: str) -> str:
-    return f"huorn[{step}]"
-
-
-def _register() -> None:
-    """Each step as a simulator policy: Huorn's spec with that allocator (in every worker too)."""
-    for step, config in STEPS.items():
-        policies.POLICIES[_policy_name(step)] = dataclasses.replace(
-            policies.POLICIES["huorn"], name=_policy_name(step), allocator=config)
-
-
-_register()
+register_huorn_variants(STEPS)
 
 
 def _one(task: tuple[int, int, float, str]) -> dict:
     seed, gpus, load, qps_start = task
     config = engine.SimConfig(gpus=gpus, seed=seed, load=load, qps_start=qps_start)
-    names = [*POLLUXES, *(_policy_name(s) for s in STEPS)]
+    names = [*POLLUXES, *(huorn_variant(s) for s in STEPS)]
     results, _ = run.run_policies(*TRACE, names, config)
     best = report.best_pollux(results)
     return {
         "seed": seed, "best_pollux": best, "best_pollux_jct_mean_s": results[best]["jct_mean_s"],
-        "huorn": {step: {"jct_mean_s": results[_policy_name(step)]["jct_mean_s"],
-                         "jct_reduction_vs_best_pollux": 1 - results[_policy_name(step)]["jct_mean_s"]
+        "huorn": {step: {"jct_mean_s": results[huorn_variant(step)]["jct_mean_s"],
+                         "jct_reduction_vs_best_pollux": 1 - results[huorn_variant(step)]["jct_mean_s"]
                          / results[best]["jct_mean_s"],
-                         "restarts": results[_policy_name(step)]["restarts"],
-                         "slo": results[_policy_name(step)]["inference_slo_attainment"]}
+                         "restarts": results[huorn_variant(step)]["restarts"],
+                         "slo": results[huorn_variant(step)]["inference_slo_attainment"]}
                   for step in STEPS},
     }
 

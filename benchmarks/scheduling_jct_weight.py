@@ -20,7 +20,14 @@ import dataclasses
 import json
 import statistics
 
-from study_common import TRACE, run_seeds, seed_list, seed_study_arguments
+from study_common import (
+    TRACE,
+    huorn_variant,
+    register_huorn_variants,
+    run_seeds,
+    seed_list,
+    seed_study_arguments,
+)
 
 from huorn.scheduler import allocator
 from huorn.sim import engine, policies, report, run
@@ -33,30 +40,19 @@ WEIGHTS = {"remaining^0.35 (before)": dataclasses.replace(allocator.HUORN, jct_w
               for e in RANK_EXPONENTS}}
 
 
-def _policy_name(weight: str) -> str:
-    return f"huorn[{weight}]"
-
-
-def _register() -> None:
-    """Each weight as a simulator policy: Huorn's spec with that allocator (in every worker too)."""
-    for weight, config in WEIGHTS.items():
-        policies.POLICIES[_policy_name(weight)] = dataclasses.replace(
-            policies.POLICIES["huorn"], name=_policy_name(weight), allocator=config)
-
-
-_register()
+register_huorn_variants(WEIGHTS)
 
 
 def _one(task: tuple[int, int, float, str]) -> dict:
     seed, gpus, load, qps_start = task
     config = engine.SimConfig(gpus=gpus, seed=seed, load=load, qps_start=qps_start)
-    results, _ = run.run_policies(*TRACE, [*POLLUXES, *(_policy_name(w) for w in WEIGHTS)], config)
+    results, _ = run.run_policies(*TRACE, [*POLLUXES, *(huorn_variant(w) for w in WEIGHTS)], config)
     best = report.best_pollux(results)
     return {"seed": seed, "best_pollux": best, "best_pollux_jct_mean_s": results[best]["jct_mean_s"],
-            "huorn": {w: {"jct_mean_s": results[_policy_name(w)]["jct_mean_s"],
-                          "jct_reduction_vs_best_pollux": 1 - results[_policy_name(w)]["jct_mean_s"]
+            "huorn": {w: {"jct_mean_s": results[huorn_variant(w)]["jct_mean_s"],
+                          "jct_reduction_vs_best_pollux": 1 - results[huorn_variant(w)]["jct_mean_s"]
                           / results[best]["jct_mean_s"],
-                          "restarts": results[_policy_name(w)]["restarts"]}
+                          "restarts": results[huorn_variant(w)]["restarts"]}
                       for w in WEIGHTS}}
 
 

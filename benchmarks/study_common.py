@@ -8,13 +8,15 @@ Each study (`scheduling_elastic_range.py`, `scheduling_restart_cost.py`,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from rich.progress import track
 
+from huorn.scheduler import allocator
 from huorn.sim import policies, shared_data
 
 DATA = shared_data.shared_data_dir()
@@ -22,6 +24,19 @@ TRACE = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.c
 # Every Pollux form (three objectives, each with and without AdaptDL's admission on arrival): the
 # best of them per case is the baseline (report.best_pollux)
 POLLUXES = policies.POLLUX_FORMS
+
+
+def huorn_variant(label: str) -> str:
+    """The simulator policy name of Huorn run with one of a study's allocators."""
+    return f"huorn[{label}]"
+
+
+def register_huorn_variants(allocators: Mapping[str, allocator.AllocatorConfig]) -> None:
+    """Each allocator as a simulator policy, Huorn's spec with that allocator, named by
+    `huorn_variant`. Called when a study's module is imported, so every worker process has them."""
+    for label, config in allocators.items():
+        name = huorn_variant(label)
+        policies.POLICIES[name] = dataclasses.replace(policies.POLICIES["huorn"], name=name, allocator=config)
 
 
 def arguments(doc: str, cases: str, output: str) -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from huorn.scheduler import placement
+from huorn.scheduler import allocator, placement
 from huorn.sim import engine, policies, report, run, shared_data, workload
 
 DATA = shared_data.shared_data_dir()
@@ -144,7 +144,8 @@ def test_six_pollux_forms_and_the_best_pollux_is_taken_over_all_of_them() -> Non
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-REGISTERING = ("scheduling_huorn_settings", "scheduling_pollux_borrowing", "study_common")
+REGISTERING = ("scheduling_huorn_settings", "scheduling_jct_weight", "scheduling_pollux_borrowing",
+               "study_common")
 
 
 @pytest.fixture
@@ -172,6 +173,24 @@ def test_the_benchmarks_take_the_best_pollux_over_all_six_forms() -> None:
                                **{k: {"jct_mean_s": 100.0 if k != "pollux-arrival" else 90.0}
                                   for k in policies.POLLUX_FORMS}})
     assert compared["best_baseline_by_mean_jct"] == "pollux-arrival"
+
+
+@pytest.mark.usefixtures("benchmark_modules")
+def test_the_weight_studies_run_huorn_as_committed_beside_the_weight_before_it() -> None:
+    """The rank weight's evidence (docs/scheduling.md, "Allocator", item 10): the studies' last
+    arm is Huorn as committed, and the arm before it differs from it in the weight alone."""
+    import scheduling_huorn_settings as settings
+    import scheduling_jct_weight as weights
+    import study_common
+
+    for study in (settings.STEPS, weights.WEIGHTS):
+        for label, config in study.items():
+            spec = policies.POLICIES[study_common.huorn_variant(label)]
+            assert spec == dataclasses.replace(policies.POLICIES["huorn"], name=spec.name, allocator=config)
+    assert weights.WEIGHTS["rank^0.4"] == settings.STEPS["+ rank weight 0.4 (HUORN)"] == allocator.HUORN
+    for before in (weights.WEIGHTS["remaining^0.35 (before)"], settings.STEPS["+ weight 0.35"]):
+        assert (before.jct_weight_by, before.jct_weight) == ("remaining", 0.35)
+        assert dataclasses.replace(before, jct_weight=0.4, jct_weight_by="rank") == allocator.HUORN
 
 
 # ---------------------------------------------------------------- the borrowing study (finding 1)
