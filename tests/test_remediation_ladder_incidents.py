@@ -173,6 +173,19 @@ def test_an_easing_seen_again_at_a_shifted_onset_is_not_taken_twice() -> None:
     assert over is not None and over.action == "recovered" and lad.level is None and lad.eased == []
 
 
+def test_two_halvings_in_a_row_are_two_changes_and_end_the_incident() -> None:
+    """4× from step 30, 2× from 50, healthy from 65: both drops are ×0.5 within 20 steps of each
+    other, which the repeat check alone took for one easing seen twice, and the incident of a
+    healthy worker never ended. The detector still reports the first when the second comes."""
+    graph = build_graph()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), ladder.LadderCosts(rebalance=60.0))
+    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=1, extra=micro_batches)
+    gang.run(110, lambda rank, pod, step: (4.0 if 30 <= step < 50 else 2.0 if 50 <= step < 65 else 1.0)
+             if rank == 1 else 1.0)
+    assert [d.action for d in pol.decisions] == ["observe", "eased", "recovered"], pol.decisions
+    assert pol.ladder.level is None
+
+
 def test_a_new_straggler_takes_the_place_of_a_milder_one_observed_at_s1() -> None:
     """trainer-1 stays 1.3× slow from step 30, too mild for its loss to have paid for S4 by step
     150, when trainer-0 slows 3×. The new finding was dropped while the ladder sat at S1, and S4,

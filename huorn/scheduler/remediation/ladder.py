@@ -164,7 +164,7 @@ class MitigationLadder:
         return self.level is not None and self.passed and (
             counts is None or list(counts) == rebalance.even_split(sum(counts), len(counts)))
 
-    def on_recovery(self, finding: failslow.SlowFinding) -> Decision | None:
+    def on_recovery(self, finding: failslow.SlowFinding, reported: Sequence[int] = ()) -> Decision | None:
         """A validated recovery (factor < 1): if it is where the ladder's slowdown was, after it
         began, and nothing of the ladder's is in force, the slowdown is over and the ladder comes
         to rest (a decision that says so); else None. An S2 or S3 plan in force is left to its
@@ -177,13 +177,17 @@ class MitigationLadder:
         finding, and S4 replaced the pod that had recovered long before. Then any drop ended the
         incident: a 13 % easing of a 4× straggler on a loaded host put the ladder at rest, and the
         rest of the job ran 3.7× slow with no rung taken (a run of the S2 scenario test in the
-        suite's alone part)."""
+        suite's alone part).
+        `reported`: the onsets of this tick's changes where the finding is. An easing already
+        taken that the detector still reports makes a close change of a like factor a second
+        change (4× → 2× → 1×), not the same one seen again at a moved onset."""
         current = self.finding
         if current is None or finding.factor >= 1 or not self.holds_no_plan() \
                 or finding.onset_iteration <= current.onset_iteration \
                 or (finding.where(), finding.kind) != (current.where(), current.kind):
             return None
-        if any(_same_change(finding, taken) for taken in self.eased):
+        if any(_same_change(finding, taken) and taken.onset_iteration not in reported
+               for taken in self.eased):
             return None  # an easing already taken, its onset moved as the detector's window slid
         left = current.factor * finding.factor  # segment means: new over old, times old over healthy
         if left >= STILL_SLOW:

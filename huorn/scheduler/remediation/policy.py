@@ -244,7 +244,8 @@ class RemediationPolicy:
                 continue
             if finding.factor <= 1:
                 # the ladder's slowdown is over: at S1 (or a passed rung) nothing else would end it
-                if (recovered := self.ladder.on_recovery(finding)) is not None:
+                reported = [f.onset_iteration for f in found if f.where() == finding.where()]
+                if (recovered := self.ladder.on_recovery(finding, reported)) is not None:
                     self._slow_seen.add((finding.where(), finding.onset_iteration))
                     self.decisions.append(recovered)
                 continue
