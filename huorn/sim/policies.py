@@ -326,9 +326,11 @@ def _schedule_elastic(sim: Simulation, admission_only: bool = False) -> None:
         capacity = sim.train_gpus + sim.snap.lend_left(INFER) + sim.snap.lent(INFER)
         room = max(0, capacity - sum(js.job.min_replicas * js.job.family.gpus_per_replica for js in running))
 
-    # Pending jobs beyond what could ever get their minimum this cycle cannot change the outcome:
-    # the first room + 1 in the allocator's own admission order (arrival order, or shortest
-    # remaining time first, which needs every pending job's estimate to pick them).
+    # Pending jobs beyond what could ever get their minimum this cycle get no GPUs: the first
+    # room + 1 in the allocator's own admission order (arrival order, or shortest remaining time
+    # first, which needs every pending job's estimate to pick them) are handed over. NB: they do
+    # move Huorn's rank weights (AllocatorConfig.jct_weight_by), which count the jobs handed over
+    # (docs/scheduling.md, "Allocator", item 10).
     pending = [js for js in sim.active() if js.status == "pending"]
     if sim.spec.allocator.pending_order == "remaining" and len(pending) > 1:
         pending = sorted(pending, key=lambda js: (_remaining_seconds(sim, js), js.job.arrival, js.job.name))
