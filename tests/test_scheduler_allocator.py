@@ -454,6 +454,18 @@ def test_rank_weights_count_the_jobs_at_least_as_long_ties_and_unknown_lengths_i
         allocator.AllocatorConfig(jct_weight_by="size")
 
 
+def test_rank_weights_count_the_jobs_of_the_same_virtual_cluster_only() -> None:
+    """Ranked across virtual clusters, one team's long jobs moved how another team's jobs split
+    its own GPUs (a review: 16/0 became 11/5 with four long jobs added elsewhere)."""
+    alloc = allocator.Allocator(allocator.AllocatorConfig(jct_weight=0.4, jct_weight_by="rank"))
+    mine = [build_job("short", remaining_work=1e3), build_job("long", remaining_work=1e6)]
+    others = [build_job(f"other-{i}", remaining_work=1e9, virtual_cluster="infer") for i in range(4)]
+    alone, beside = alloc._jct_weights(mine), alloc._jct_weights(mine + others)
+    assert alone == {"short": pytest.approx(2 ** 0.4), "long": 1.0}
+    assert {name: beside[name] for name in alone} == alone
+    assert beside["other-0"] == pytest.approx(4 ** 0.4)  # ties share the higher rank, among their own
+
+
 def test_restarts_are_charged_over_the_remaining_time() -> None:
     def grows(remaining: float) -> bool:
         snap = build_snapshot(train_nodes=1)
