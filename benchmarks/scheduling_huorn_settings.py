@@ -22,8 +22,7 @@ import json
 import statistics
 
 from study_common import (
-    TRACE,
-    huorn_variant,
+    huorn_variants_against_best_pollux,
     register_huorn_variants,
     run_seeds,
     seed_list,
@@ -31,7 +30,7 @@ from study_common import (
 )
 
 from huorn.scheduler import allocator
-from huorn.sim import engine, policies, report, run
+from huorn.sim import policies
 
 POLLUXES = policies.POLLUX_FORMS  # the best of them per seed is the baseline (report.best_pollux)
 # Each step on top of the ones before; the last is allocator.HUORN as committed.
@@ -53,20 +52,7 @@ register_huorn_variants(STEPS)
 
 
 def _one(task: tuple[int, int, float, str]) -> dict:
-    seed, gpus, load, qps_start = task
-    config = engine.SimConfig(gpus=gpus, seed=seed, load=load, qps_start=qps_start)
-    names = [*POLLUXES, *(huorn_variant(s) for s in STEPS)]
-    results, _ = run.run_policies(*TRACE, names, config)
-    best = report.best_pollux(results)
-    return {
-        "seed": seed, "best_pollux": best, "best_pollux_jct_mean_s": results[best]["jct_mean_s"],
-        "huorn": {step: {"jct_mean_s": results[huorn_variant(step)]["jct_mean_s"],
-                         "jct_reduction_vs_best_pollux": 1 - results[huorn_variant(step)]["jct_mean_s"]
-                         / results[best]["jct_mean_s"],
-                         "restarts": results[huorn_variant(step)]["restarts"],
-                         "slo": results[huorn_variant(step)]["inference_slo_attainment"]}
-                  for step in STEPS},
-    }
+    return huorn_variants_against_best_pollux(task, STEPS)
 
 
 def main() -> None:

@@ -21,8 +21,7 @@ import json
 import statistics
 
 from study_common import (
-    TRACE,
-    huorn_variant,
+    huorn_variants_against_best_pollux,
     register_huorn_variants,
     run_seeds,
     seed_list,
@@ -30,9 +29,7 @@ from study_common import (
 )
 
 from huorn.scheduler import allocator
-from huorn.sim import engine, policies, report, run
 
-POLLUXES = policies.POLLUX_FORMS
 RANK_EXPONENTS = (0.2, 0.3, 0.35, 0.4, 0.5, 0.7)
 WEIGHTS = {"remaining^0.35 (before)": dataclasses.replace(allocator.HUORN, jct_weight=0.35,
                                                           jct_weight_by="remaining"),
@@ -44,16 +41,7 @@ register_huorn_variants(WEIGHTS)
 
 
 def _one(task: tuple[int, int, float, str]) -> dict:
-    seed, gpus, load, qps_start = task
-    config = engine.SimConfig(gpus=gpus, seed=seed, load=load, qps_start=qps_start)
-    results, _ = run.run_policies(*TRACE, [*POLLUXES, *(huorn_variant(w) for w in WEIGHTS)], config)
-    best = report.best_pollux(results)
-    return {"seed": seed, "best_pollux": best, "best_pollux_jct_mean_s": results[best]["jct_mean_s"],
-            "huorn": {w: {"jct_mean_s": results[huorn_variant(w)]["jct_mean_s"],
-                          "jct_reduction_vs_best_pollux": 1 - results[huorn_variant(w)]["jct_mean_s"]
-                          / results[best]["jct_mean_s"],
-                          "restarts": results[huorn_variant(w)]["restarts"]}
-                      for w in WEIGHTS}}
+    return huorn_variants_against_best_pollux(task, WEIGHTS)
 
 
 def main() -> None:

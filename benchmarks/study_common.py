@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from rich.progress import track
 
 from huorn.scheduler import allocator
-from huorn.sim import policies, shared_data
+from huorn.sim import engine, policies, report, run, shared_data
 
 DATA = shared_data.shared_data_dir()
 TRACE = (DATA / "openb_pod_list_default.csv", DATA / "openb_node_list_gpu_node.csv", DATA / "genai_qps.csv")
@@ -37,6 +37,23 @@ def register_huorn_variants(allocators: Mapping[str, allocator.AllocatorConfig])
     for label, config in allocators.items():
         name = huorn_variant(label)
         policies.POLICIES[name] = dataclasses.replace(policies.POLICIES["huorn"], name=name, allocator=config)
+
+
+def huorn_variants_against_best_pollux(task: tuple[int, int, float, str], labels: Iterable[str]) -> dict:
+    """One seed of a study (`run_seeds`' task): every Pollux form, and Huorn with each of the
+    study's allocators (registered by `register_huorn_variants`), each against the best Pollux."""
+    seed, gpus, load, qps_start = task
+    config = engine.SimConfig(gpus=gpus, seed=seed, load=load, qps_start=qps_start)
+    labels = list(labels)
+    results, _ = run.run_policies(*TRACE, [*POLLUXES, *(huorn_variant(label) for label in labels)], config)
+    best = report.best_pollux(results)
+    baseline = results[best]["jct_mean_s"]
+    variants = {label: results[huorn_variant(label)] for label in labels}
+    return {"seed": seed, "best_pollux": best, "best_pollux_jct_mean_s": baseline,
+            "huorn": {label: {"jct_mean_s": r["jct_mean_s"],
+                              "jct_reduction_vs_best_pollux": 1 - r["jct_mean_s"] / baseline,
+                              "restarts": r["restarts"], "slo": r["inference_slo_attainment"]}
+                      for label, r in variants.items()}}
 
 
 def arguments(doc: str, cases: str, output: str) -> argparse.ArgumentParser:
