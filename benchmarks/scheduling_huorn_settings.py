@@ -1,13 +1,13 @@
 """Huorn's allocator settings, step by step, against the best Pollux on many seeds.
 
-Why: five changes to Huorn's allocator (the in-place price of a placement that keeps a resized
+Why: six changes to Huorn's allocator (the in-place price of a placement that keeps a resized
 gang's replicas, each resize also tried around the replicas, the protection of jobs near their
-end, the remaining-time weight's exponent, then the weight by rank) were measured on many seeds;
-their numbers were chosen on seeds 0-9, with seeds 10-19 (and, for the rank weight, 10-29) held
-out from that choice (docs/scheduling.md, "Allocator", items 9 and 10). This reruns that
-table: each step on top of the ones before, with the best of the six Pollux forms (three
-objectives, each with and without AdaptDL's admission on arrival) as the baseline of each seed,
-in one run.
+end, the remaining-time weight's exponent, the weight by rank, then the rank among every live
+job) were measured on many seeds; their numbers were chosen on seeds 0-9, with seeds 10-19 (and,
+for the rank weights, 10-29) held out from that choice (docs/scheduling.md, "Allocator", items 9
+to 11). This reruns that table: each step on top of the ones before, with the best of the six
+Pollux forms (three objectives, each with and without AdaptDL's admission on arrival) as the
+baseline of each seed, in one run.
 
     .venv/bin/python benchmarks/scheduling_huorn_settings.py                 # 128 GPUs, seeds 0-19
     .venv/bin/python benchmarks/scheduling_huorn_settings.py --seeds 20-39 --tuned none
@@ -44,7 +44,9 @@ STEPS = {
     "+ around the replicas": PRICED,
     "+ protection 16": PROTECTED,
     "+ weight 0.35": dataclasses.replace(PROTECTED, jct_weight=0.35),
-    "+ rank weight 0.4 (HUORN)": allocator.HUORN,
+    "+ rank weight 0.4 among the allocation": dataclasses.replace(
+        allocator.HUORN, jct_weight=0.4, rank_among="allocation"),
+    "+ rank among live jobs, 0.6 (HUORN)": allocator.HUORN,
 }
 
 

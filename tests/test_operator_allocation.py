@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+import pytest
+
 from huorn import graph
+from huorn.api import kinds
 from huorn.backends import goodput
 from huorn.graph import mutate
 from huorn.operator import allocation, context, index, queue
@@ -238,10 +241,78 @@ def test_a_peer_is_weighed_with_its_own_resize_mode(monkeypatch) -> None:
     weighed: list[dict[str, bool]] = []
     real = allocation.decide
 
-    def recording(decider, snap, me, peers, now):  # the real allocation, its inputs noted
+    def recording(decider, snap, me, peers, now, also_ranked=None):  # the real one, its inputs noted
         weighed.append({v.name: v.resizes_in_place for v in [me, *peers]})
-        return real(decider, snap, me, peers, now)
+        return real(decider, snap, me, peers, now, also_ranked)
 
     monkeypatch.setattr(allocation, "decide", recording)
     allocation.arbiter_for(ctx, "t", "other")(other, 0.0)
     assert weighed == [{"t/other": False, "t/mover": True}]
+
+
+def test_jobs_in_line_count_in_the_rank_weights_as_every_live_job_does(monkeypatch) -> None:
+    """The allocator ranks each job among every live job of its virtual cluster (heSRPT's set, as
+    the simulator ranks them); the arbiter hands over the running jobs alone, so it passes the
+    others' remaining times from their queue entries' rank views: those of the jobs in line, not
+    those of the jobs it hands over, nor of another cluster's. (What the times do to the split is
+    the allocator's: tests/test_scheduler_allocator.py.)"""
+    ctx = build_ctx(16)
+    short = watch(ctx, "short", SCALES_WELL, 1, remaining_work=2e6)
+    long = watch(ctx, "long", SCALES_WELL, 1, remaining_work=2e7, submitted=1.0)
+    waiting = [dataclasses.replace(long, name=allocation.ranked_name(f"t/waiting-{i}"), remaining_work=w,
+                                   replicas=0) for i, w in enumerate((1e5, 2e9, 2e9))]
+    for i, view in enumerate(waiting):
+        ctx.queue.record(queue.QueuedJob("t", f"waiting-{i}", "train", 50, float(i), gpus=1, missing=1,
+                                         ranked=view))
+    elsewhere = dataclasses.replace(waiting[1], name=allocation.ranked_name("t/other"),
+                                    virtual_cluster="serve")
+    ctx.queue.record(queue.QueuedJob("t", "other", "serve", 50, 0.0, gpus=1, missing=1, ranked=elsewhere))
+    ctx.queue.record(queue.QueuedJob("t", "long", "train", 50, 0.0, gpus=1,
+                                     ranked=dataclasses.replace(long, name=allocation.ranked_name("t/long"))))
+    passed: list[dict[str, list[float]] | None] = []
+    real = allocation.decide
+
+    def recording(decider, snap, me, peers, now, also_ranked=None):  # the real one, its inputs noted
+        passed.append(also_ranked)
+        return real(decider, snap, me, peers, now, also_ranked)
+
+    monkeypatch.setattr(allocation, "decide", recording)
+    got = allocation.arbiter_for(ctx, "t", "short")(short, 0.0)
+    decider = ctx.allocators[16]
+    left = sorted(decider.remaining_seconds(v) for v in waiting)
+    assert [{vc: sorted(times) for vc, times in p.items()} for p in passed] == [
+        {"train": left, "serve": [decider.remaining_seconds(elsewhere)]}]
+    snap = _bound(ctx)
+    allocation.hold_for_waiting(snap, allocation._owed(ctx, ("t", "short")))
+    reference = allocator.Allocator(decider.config).allocate(snap, [_named(short), _named(long)], 0.0,
+                                                             also_ranked={"train": left})
+    assert got.replicas == next(d.replicas for d in reference if d.job == "t/short")
+    unranked = allocator.Allocator(decider.config)._jct_weights([_named(short), _named(long)], {})
+    ranked = decider._jct_weights([_named(short), _named(long)], {"train": left})
+    assert ranked == pytest.approx({"t/short": 4 ** 0.6, "t/long": 3 ** 0.6}) != unranked
+
+
+def test_a_job_in_line_is_ranked_at_its_prior_with_the_work_past_its_last_checkpoint() -> None:
+    body = {"apiVersion": "huorn.io/v1alpha1", "kind": "TrainingJob",
+            "metadata": {"name": "llm", "namespace": "t"},
+            "spec": {"virtualCluster": "train", "resources": {"gpus": 2},
+                     "elasticity": {"minReplicas": 2, "maxReplicas": 6, "policy": "goodput"},
+                     "optimization": {"steps": 1000, "globalBatch": 64, "microBatch": 4}}}
+    job = kinds.RESOURCE_MODELS["TrainingJob"].model_validate(body)
+    view = allocation.rank_view(job, {"lastCheckpoint": {"step": 400}}, "")
+    assert view is not None
+    assert (view.name, view.virtual_cluster, view.min_replicas, view.max_replicas, view.replicas) == (
+        "t/llm#ranked", "train", 2, 6, 0)
+    assert view.remaining_work == 600 * 64  # steps past the checkpoint, in samples of globalBatch
+    fresh = allocation.rank_view(job, {}, "")
+    assert fresh is not None and fresh.remaining_work == 1000 * 64
+    decider = allocator.Allocator(allocator.HUORN_RUNTIME)
+    assert 0 < decider.remaining_seconds(view) < decider.remaining_seconds(fresh)
+
+    def variant(**spec: object) -> object:
+        return kinds.RESOURCE_MODELS["TrainingJob"].model_validate({**body, "spec": {**body["spec"], **spec}})
+
+    assert allocation.rank_view(variant(suspend=True), {}, "") is None
+    assert allocation.rank_view(variant(resources={"gpus": 0}), {}, "") is None
+    fixed = variant(elasticity={"minReplicas": 2, "maxReplicas": 2, "policy": "fixed"})
+    assert allocation.rank_view(fixed, {}, "") is None

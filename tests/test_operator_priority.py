@@ -439,10 +439,15 @@ async def test_a_suspend_right_after_a_reclaim_shrink_keeps_the_reclaims_grace(
     """The same window for spec.suspend: it deletes every pod of the job, and the reclaimed one,
     not yet seen deleting, went again with the pods' own 30 s; it now keeps the reclaim's 120 s."""
     ctx, kubelet = await shrunk_by_a_reclaim(cluster, kube)
+    # its entry in line ranks it for the goodput allocator (allocation.rank_view), while it runs
+    ranked = ctx.queue.jobs[(NS, "elastic")].ranked
+    assert ranked is not None and (ranked.name, ranked.remaining_work) == (f"{NS}/elastic#ranked", 100 * 48)
     kube.custom.patch_namespaced_custom_object(builders.GROUP, builders.VERSION, NS, "trainingjobs",
                                                "elastic", {"spec": {"suspend": True}})
     assert await training.reconcile(ctx, await ctx.client.get_custom(training.PLURAL, NS, "elastic")) \
         == "Suspended"
+    entry = ctx.queue.jobs.get((NS, "elastic"))  # suspended, it competes for nothing
+    assert entry is None or entry.ranked is None
     graces = delete_graces(kubelet)
     assert graces == {"elastic-trainer-2": {"120"}, "elastic-trainer-0": {None}, "elastic-trainer-1": {None},
                       "elastic-rendezvous-0": {None}}

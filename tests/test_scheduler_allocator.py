@@ -430,7 +430,7 @@ def test_rank_weights_follow_the_order_of_remaining_times_not_their_ratios() -> 
     def weights(long_work: float, by: str) -> dict[str, float]:
         config = allocator.AllocatorConfig(jct_weight=0.5, jct_weight_by=by, horizon_seconds=3600.0)
         jobs = [build_job("short", remaining_work=2e5), build_job("long", remaining_work=long_work)]
-        return allocator.Allocator(config)._jct_weights(jobs)
+        return allocator.Allocator(config)._jct_weights(jobs, {})
 
     assert weights(4e5, "rank") == weights(4e8, "rank") == pytest.approx({"short": 2 ** 0.5, "long": 1.0})
     assert weights(4e5, "remaining")["long"] > 10 * weights(4e8, "remaining")["long"]
@@ -448,7 +448,7 @@ def test_rank_weights_count_the_jobs_at_least_as_long_ties_and_unknown_lengths_i
             build_job("c", remaining_work=1e9), build_job("unknown", remaining_work=None)]
     left = {j.name: alloc.remaining_seconds(j) for j in jobs}
     assert left["a"] < left["unknown"] == 3600 < left["c"]  # an unknown length: one horizon left
-    weights = alloc._jct_weights(jobs)
+    weights = alloc._jct_weights(jobs, {})
     assert weights == pytest.approx({"a": 2.0, "b": 2.0, "unknown": 2 ** 0.5, "c": 1.0})
     with pytest.raises(ValueError, match="jct_weight_by must be rank or remaining"):
         allocator.AllocatorConfig(jct_weight_by="size")
@@ -460,10 +460,43 @@ def test_rank_weights_count_the_jobs_of_the_same_virtual_cluster_only() -> None:
     alloc = allocator.Allocator(allocator.AllocatorConfig(jct_weight=0.4, jct_weight_by="rank"))
     mine = [build_job("short", remaining_work=1e3), build_job("long", remaining_work=1e6)]
     others = [build_job(f"other-{i}", remaining_work=1e9, virtual_cluster="infer") for i in range(4)]
-    alone, beside = alloc._jct_weights(mine), alloc._jct_weights(mine + others)
+    alone, beside = alloc._jct_weights(mine, {}), alloc._jct_weights(mine + others, {})
     assert alone == {"short": pytest.approx(2 ** 0.4), "long": 1.0}
     assert {name: beside[name] for name in alone} == alone
     assert beside["other-0"] == pytest.approx(4 ** 0.4)  # ties share the higher rank, among their own
+
+
+def test_rank_weights_count_the_live_jobs_left_out_so_the_cut_does_not_move_them() -> None:
+    """A caller that hands over only the pending jobs that could start (the simulator) or only
+    the running ones (the operator's arbiter) passes the others' remaining times: the split of
+    the GPUs among the jobs handed over is then the same whichever of them were left out, and
+    is the split of the allocation over every live job."""
+    config = allocator.AllocatorConfig(jct_weight=0.6, jct_weight_by="rank", horizon_seconds=3600.0)
+    alloc = allocator.Allocator(config)
+    short, middle = build_job("short", remaining_work=2e4), build_job("middle", remaining_work=2e6)
+    waiting = [build_job(f"waiting-{i}", remaining_work=w, submitted=i)
+               for i, w in enumerate((1e5, 1e7, 1e8))]  # one between them, two longer than both
+    everyone = alloc._jct_weights([short, middle, *waiting], {})
+    left_out = {"train": [alloc.remaining_seconds(j) for j in waiting]}
+    handed = alloc._jct_weights([short, middle], left_out)
+    assert handed == pytest.approx({"short": 5 ** 0.6, "middle": 3 ** 0.6})
+    assert handed == pytest.approx({name: everyone[name] for name in handed})
+    assert alloc._jct_weights([short, middle], {}) == pytest.approx({"short": 2 ** 0.6, "middle": 1.0})
+    assert alloc._jct_weights([short, middle], {"infer": [1e9] * 4}) == pytest.approx(
+        {"short": 2 ** 0.6, "middle": 1.0})  # another cluster's jobs do not count
+
+    old_form = allocator.Allocator(dataclasses.replace(config, rank_among="allocation"))
+    assert old_form._jct_weights([short, middle], left_out) == pytest.approx(
+        {"short": 2 ** 0.6, "middle": 1.0})
+    with pytest.raises(ValueError, match="rank_among must be live or allocation"):
+        allocator.AllocatorConfig(rank_among="queue")
+
+    def split(left: dict[str, list[float]]) -> dict[str, int]:
+        jobs = [build_job("short", remaining_work=2e5, max_replicas=16),
+                build_job("middle", remaining_work=2e6, max_replicas=16, submitted=1)]
+        return {d.job: d.replicas for d in alloc.allocate(build_snapshot(), jobs, 0, also_ranked=left)}
+
+    assert split({}) != split({"train": [1e9] * 6})  # six longer jobs waiting: both weigh nearly alike
 
 
 def test_restarts_are_charged_over_the_remaining_time() -> None:

@@ -17,19 +17,28 @@ pytestmark = pytest.mark.skipif(not TRACE.exists(), reason="shared OpenB trace n
 Call = tuple[list[allocator.JobView], list[allocator.JobView]]  # pending jobs handed over, left out
 
 
-def handed_over(policy: str, monkeypatch: pytest.MonkeyPatch) -> list[Call]:
-    """Every allocation call: the pending jobs handed over, and those left out, as the policy sees them."""
+def handed_over(policy: str, monkeypatch: pytest.MonkeyPatch,
+                ranked: list[tuple[list[float], list[float]]] | None = None) -> list[Call]:
+    """Every allocation call: the pending jobs handed over, and those left out, as the policy sees
+    them. `ranked` gets, for each call, the remaining times the allocator was also given for its
+    rank weights, and those of the live jobs it was not handed."""
     sim = run.build_simulation(TRACE, NODES, QPS, policy, engine.SimConfig(gpus=32, seed=1, load=1.5))
     calls: list[Call] = []
     real = allocator.Allocator.allocate
 
-    def spy(self: allocator.Allocator, snap, jobs, now, cluster_jobs=None):  # type: ignore[no-untyped-def]
+    def spy(self: allocator.Allocator, snap, jobs, now, cluster_jobs=None,  # type: ignore[no-untyped-def]
+            also_ranked=None):
         given = {j.name for j in jobs if not j.replicas}
         waiting = [policies.job_view(js) for js in sim.active() if js.status == "pending"]
         calls.append(([v for v in waiting if v.name in given], [v for v in waiting if v.name not in given]))
+        if ranked is not None:
+            handed = {j.name for j in jobs}
+            live = [self.remaining_seconds(policies.job_view(js)) for js in sim.active()
+                    if js.job.name not in handed]
+            ranked.append((sorted((also_ranked or {}).get("train", [])), sorted(live)))
         for v in waiting:  # the key, while the job is still where the allocator saw it
             v.remaining_work = self.remaining_seconds(v)
-        return real(self, snap, jobs, now, cluster_jobs)
+        return real(self, snap, jobs, now, cluster_jobs, also_ranked)
 
     monkeypatch.setattr(allocator.Allocator, "allocate", spy)
     sim.run()
@@ -59,7 +68,12 @@ def _passed_over_only_for_smaller_jobs(given: list[allocator.JobView], left_out:
 
 
 def test_huorn_sees_the_shortest_pending_jobs_not_the_oldest(monkeypatch: pytest.MonkeyPatch) -> None:
-    cut = [c for c in handed_over("huorn", monkeypatch) if c[1] and c[0]]
+    ranked: list[tuple[list[float], list[float]]] = []
+    cut = [c for c in handed_over("huorn", monkeypatch, ranked) if c[1] and c[0]]
+    # Every live job it was not handed still counts in its rank weights (AllocatorConfig.rank_among):
+    # the jobs left out of each call's cut, and the running ones when only admission runs.
+    assert all(given == pytest.approx(live) for given, live in ranked)
+    assert sum(bool(given) for given, _ in ranked) >= 20
     assert len(cut) >= 20  # the queue was longer than the room often enough to matter
     late_but_short = 0
     for given, left_out in cut:

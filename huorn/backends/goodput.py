@@ -199,29 +199,8 @@ class GoodputPolicy:
         v = graph.vertex(self.vertex)
         now = self.clock()
         last_resize, last_direction = last_resize_of(graph, self.vertex)
-        job = allocator.JobView(
-            name=self.job,
-            virtual_cluster=self.virtual_cluster,
-            perf=self.perf,
-            gpus_per_replica=self.gpus_per_replica,
-            priority=self.priority,
-            min_replicas=v.min_replicas,
-            max_replicas=v.max_replicas,
-            replicas=v.replicas,
-            noise_scale=self.noise_scale,
-            base_batch=self.global_batch,
-            max_local_batch=self.global_batch * (self.max_batch_scale if self.batch_rule == "goodput"
-                                                 else 1.0),
-            restart_seconds=self.restart_seconds,
-            resizes_in_place=self.in_place,
-            batch_rule=self.batch_rule,
-            micro_batch=self.replica_micro_batch(),
-            node_selector=self.node_selector,
-            last_resize=last_resize,
-            last_direction=last_direction,
-            model_version=self.model_version(),
-            remaining_work=self.remaining_work(step),
-        )
+        job = self.job_view(v.min_replicas, v.max_replicas, v.replicas, self.remaining_work(step),
+                            last_resize, last_direction)
         self.view = job
         if self.arbiter is not None:
             decision = self.arbiter(job, now)
@@ -242,6 +221,34 @@ class GoodputPolicy:
             events.append(managers.Event(managers.SCHEDULER_DECISION, self.vertex, data))
         batch = self.batch_event(graph, decision, now)
         return events + ([batch] if batch is not None else [])
+
+    def job_view(self, min_replicas: int, max_replicas: int, replicas: int, remaining_work: float | None,
+                 last_resize: float = -math.inf, last_direction: int = 0) -> allocator.JobView:
+        """The job as the allocator sees it, at its model as it stands: what `decide` hands over,
+        and what the operator ranks a job in line by (allocation.rank_view)."""
+        return allocator.JobView(
+            name=self.job,
+            virtual_cluster=self.virtual_cluster,
+            perf=self.perf,
+            gpus_per_replica=self.gpus_per_replica,
+            priority=self.priority,
+            min_replicas=min_replicas,
+            max_replicas=max_replicas,
+            replicas=replicas,
+            noise_scale=self.noise_scale,
+            base_batch=self.global_batch,
+            max_local_batch=self.global_batch * (self.max_batch_scale if self.batch_rule == "goodput"
+                                                 else 1.0),
+            restart_seconds=self.restart_seconds,
+            resizes_in_place=self.in_place,
+            batch_rule=self.batch_rule,
+            micro_batch=self.replica_micro_batch(),
+            node_selector=self.node_selector,
+            last_resize=last_resize,
+            last_direction=last_direction,
+            model_version=self.model_version(),
+            remaining_work=remaining_work,
+        )
 
     def batch_event(self, graph: model.Graph, decision: allocator.Decision, now: float
                     ) -> managers.Event | None:

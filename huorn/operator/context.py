@@ -223,6 +223,7 @@ class Context:
         self.monitors.pop((namespace, name), None)
         for decider in self.allocators.values():  # its goodput tables (huorn.operator.allocation)
             decider.forget_job(f"{namespace}/{name}")
+            decider.forget_job(f"{namespace}/{name}#ranked")  # allocation.ranked_name's
         self.queue.forget(namespace, name)
         self.preemptions.pop((namespace, name), None)
         self.serving_waiting.pop((namespace, name), None)

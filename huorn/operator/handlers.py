@@ -262,7 +262,8 @@ def register(registry: kopf.OperatorRegistry, tunables: context.OperatorSettings
             except validation.InvalidSpec:
                 continue
             meta = body["metadata"]
-            ctx.queue.record(queue.from_job(job, body, ctx.index.pods_of(meta["namespace"], meta["name"])))
+            entry = queue.from_job(job, body, ctx.index.pods_of(meta["namespace"], meta["name"]))
+            ctx.queue.record(training.with_rank_view(ctx, entry, job, body.get("status") or {}))
         for body in await ctx.client.list_custom(rljobs.PLURAL, None):
             if (body.get("status") or {}).get("phase") in ("Succeeded", "Failed", "Suspended"):
                 continue

@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from huorn.api.common import ElasticityPolicy, MitigationLevel
-from huorn.api.training import TrainingJobSpec, declared_steps, processes_per_replica, token_budget
+from huorn.api.common import MitigationLevel
+from huorn.api.training import declared_steps, token_budget
 from huorn.backends import goodput, monitor
 from huorn.backends.kubernetes import manifests, observe
 from huorn.graph import jobs, model, mutate, serialise
@@ -86,23 +86,7 @@ def build_policies(job: Any, key: tuple[str, int], graph: model.Graph | None = N
     scaled to."""
     spec = job.spec
     total = declared_steps(spec)
-    grow = None
-    if spec.elasticity.policy == ElasticityPolicy.GOODPUT:
-        gpus = spec.resources.gpus
-        grow = goodput.GoodputPolicy(
-            job=job.metadata.name, virtual_cluster=spec.virtual_cluster,
-            # A job of no GPUs competes for none: it grows within its own bounds, alone.
-            slots=spec.elasticity.max_replicas if not gpus else 0, gpus_per_replica=max(1, gpus),
-            arbiter=arbiter if gpus else None,
-            global_batch=float(spec.optimization.global_batch), total_steps=total, priority=spec.priority,
-            tokens=token_budget(spec), context=spec.model.context,
-            batch_rule=goodput.batch_rule_priced(spec), micro_batch=spec.optimization.micro_batch,
-            ranks_per_replica=ranks_per_replica(spec),
-            node_selector=spec.node_selector,
-            # each pipeline's stages make one data-parallel rank
-            data_ranks_per_replica=ranks_per_replica(spec) // spec.parallelism.pipeline_stages,
-            perf=goodput.prior_model(spec, gpu_type),
-        )
+    grow = allocation.goodput_policy(job, arbiter, gpu_type)
     remediation = policy.RemediationPolicy(spec.remediation)
     trainer = graph.vertices.get("trainer") if graph is not None else None
     if trainer is not None and remediation.resume(trainer.params):
@@ -164,12 +148,6 @@ def mark_cordons(ctx: Context, namespace: str, job: str, mutations: list[model.M
             m.detail[cordon.DETAIL_KEY] = pod.node
 
 
-def ranks_per_replica(spec: TrainingJobSpec) -> int:
-    """The trainer processes of one pod (training.processes_per_replica), each with its own
-    telemetry port, and the unit a step log's world size is divided by to count replicas."""
-    return processes_per_replica(spec.parallelism.pipeline_stages, spec.resources.gpus)
-
-
 async def fetch_observation(
     ctx: Context, body: Mapping[str, Any], graph: model.Graph, state: JobPolicies, ranks: int
 ) -> monitor.Observation:
@@ -215,7 +193,8 @@ async def tick_job(ctx: Context, namespace: str, name: str) -> list[model.Mutati
     observed = serialise.from_status(status["graph"])
     state = _policies_for(ctx, body, job, observed)
     if polling:
-        observation = await fetch_observation(ctx, body, observed, state, ranks_per_replica(job.spec))
+        ranks = allocation.ranks_per_replica(job.spec)
+        observation = await fetch_observation(ctx, body, observed, state, ranks)
     else:
         observation = monitor.Observation(time=time.time())
     settling = evaluation.has_finished_pod(observed, ctx.index.pods_of(namespace, name), now, start_seconds)

@@ -24,6 +24,7 @@ from typing import Any
 
 from huorn.operator.index import PodRecord, parse_time
 from huorn.scheduler import placement, preemption
+from huorn.scheduler.allocator import JobView
 from huorn.scheduler.snapshot import ClusterSnapshot
 
 
@@ -44,6 +45,9 @@ class QueuedJob:
     borrows: bool = True  # False: it never takes GPUs from other virtual clusters
     # its spec's: placed on such nodes only (left out of the hash, which a dict would break)
     node_selector: Mapping[str, str] | None = field(default=None, hash=False)
+    # How the goodput allocator ranks it while no arbitration hands it over (allocation.rank_view);
+    # None for a job that competes for no GPUs by goodput.
+    ranked: JobView | None = field(default=None, hash=False, compare=False)
 
     @property
     def key(self) -> tuple[str, str]:

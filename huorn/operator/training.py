@@ -109,6 +109,14 @@ def _event(ctx: Context, body: Mapping[str, Any], kind: str, reason: str, messag
     ctx.post_event(body, kind, reason, message)
 
 
+def with_rank_view(ctx: Context, entry: queue.QueuedJob, job: Any, status: Mapping[str, Any]
+                   ) -> queue.QueuedJob:
+    """The job's queue entry with how the goodput allocator ranks it (allocation.rank_view), at
+    the prior for its virtual cluster's GPUs."""
+    gpu_type = ctx.index.gpu_type(job.spec.virtual_cluster, job.spec.node_selector)
+    return dataclasses.replace(entry, ranked=allocation.rank_view(job, status, gpu_type))
+
+
 async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
     """Bring one job one step closer to its spec; returns the phase written."""
     if (taken := await namesakes.older_namesake(ctx, body)) is not None:
@@ -132,7 +140,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str:
         ctx.queue.forget(ns, name)
         return await stall(ctx, body, "InvalidSpec", str(exc))
     known = ctx.queue.jobs.get((ns, name))
-    queued = queue.build_entry(job, meta, known.missing if known is not None else 0)
+    queued = with_rank_view(ctx, queue.build_entry(job, meta, known.missing if known is not None else 0),
+                            job, old)
     ctx.queue.record(queued)
 
     fresh = compiler.compile(job)

@@ -236,6 +236,17 @@ def _could_start(pending: list[state.JobState], room: int) -> list[state.JobStat
     return out
 
 
+def _left_out_remaining(sim: Simulation, handed: list[state.JobState]) -> dict[str, list[float]]:
+    """The remaining seconds of the live jobs not handed to the allocator (the pending ones that
+    cannot start this cycle; the running ones too when only admission runs), for its rank weights
+    (every job is of the training cluster); none when the weights are not by rank."""
+    config = sim.spec.allocator
+    if config.jct_weight_by != "rank" or config.jct_weight == 0 or config.rank_among != "live":
+        return {}
+    names = {js.job.name for js in handed}
+    return {TRAIN: [_remaining_seconds(sim, js) for js in sim.active() if js.job.name not in names]}
+
+
 def _staying_replicas(sim: Simulation, js: state.JobState, released: int) -> list[str]:
     """The nodes of a borrower's replicas that stay when `released` of them leave the lender."""
     nodes = _replica_nodes(sim, js)
@@ -307,7 +318,8 @@ def _declared_remaining(js: state.JobState) -> float | None:
 
 
 def _remaining_seconds(sim: Simulation, js: state.JobState) -> float:
-    """The allocator's SRPT key for a pending job, cached while its model and progress stand still."""
+    """The allocator's SRPT key for a pending job (and a job's rank among the live ones), cached
+    while its model and progress stand still."""
     key = js.admission_key
     if key is None or key[0] != js.model_version or key[1] != js.done:
         key = (js.model_version, js.done, sim.allocator.remaining_seconds(job_view(js)))
@@ -328,16 +340,18 @@ def _schedule_elastic(sim: Simulation, admission_only: bool = False) -> None:
 
     # Pending jobs beyond what could ever get their minimum this cycle get no GPUs: the first
     # room + 1 in the allocator's own admission order (arrival order, or shortest remaining time
-    # first, which needs every pending job's estimate to pick them) are handed over. NB: they do
-    # move Huorn's rank weights (AllocatorConfig.jct_weight_by), which count the jobs handed over
-    # (docs/scheduling.md, "Allocator", item 10).
+    # first, which needs every pending job's estimate to pick them) are handed over. The others
+    # still count in Huorn's rank weights (AllocatorConfig.jct_weight_by; `also_ranked`), so that
+    # the cut does not move them (docs/scheduling.md, "Allocator", item 10).
     pending = [js for js in sim.active() if js.status == "pending"]
     if sim.spec.allocator.pending_order == "remaining" and len(pending) > 1:
         pending = sorted(pending, key=lambda js: (_remaining_seconds(sim, js), js.job.arrival, js.job.name))
-    views = [job_view(js, sim.spec.in_place_resize) for js in running + _could_start(pending, room)]
+    handed = _could_start(pending, room)
+    views = [job_view(js, sim.spec.in_place_resize) for js in running + handed]
     before = {name: dict(b.gpus_by_node) for name, b in sim.snap.bindings().items()}
     # J for Pollux's fair-share speedup: every job waiting or running, not only those handed over.
-    for d in sim.allocator.allocate(sim.snap, views, sim.now, cluster_jobs=len(sim.active())):
+    for d in sim.allocator.allocate(sim.snap, views, sim.now, cluster_jobs=len(sim.active()),
+                                    also_ranked=_left_out_remaining(sim, running + handed)):
         js = sim.by_name[d.job]
         if d.action == "keep":
             if d.local_batch and d.local_batch != js.local_batch:
