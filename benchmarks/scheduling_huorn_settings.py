@@ -46,7 +46,7 @@ STEPS = {
     "+ weight 0.35": dataclasses.replace(PROTECTED, jct_weight=0.35),
     "+ rank weight 0.4 among the allocation": dataclasses.replace(
         allocator.HUORN, jct_weight=0.4, rank_among="allocation"),
-    "+ rank among live jobs, 0.6 (HUORN)": allocator.HUORN,
+    "+ rank among live jobs, 0.7 (HUORN)": allocator.HUORN,
 }
 
 

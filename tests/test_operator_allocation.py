@@ -289,7 +289,7 @@ def test_jobs_in_line_count_in_the_rank_weights_as_every_live_job_does(monkeypat
     assert got.replicas == next(d.replicas for d in reference if d.job == "t/short")
     unranked = allocator.Allocator(decider.config)._jct_weights([_named(short), _named(long)], {})
     ranked = decider._jct_weights([_named(short), _named(long)], {"train": left})
-    assert ranked == pytest.approx({"t/short": 4 ** 0.6, "t/long": 3 ** 0.6}) != unranked
+    assert ranked == pytest.approx({"t/short": 4 ** 0.7, "t/long": 3 ** 0.7}) != unranked
 
 
 def test_a_job_in_line_is_ranked_at_its_prior_with_the_work_past_its_last_checkpoint() -> None:

@@ -187,16 +187,16 @@ def test_the_weight_studies_run_huorn_as_committed_beside_the_weight_before_it()
         for label, config in study.items():
             spec = policies.POLICIES[study_common.huorn_variant(label)]
             assert spec == dataclasses.replace(policies.POLICIES["huorn"], name=spec.name, allocator=config)
-    huorn = settings.STEPS["+ rank among live jobs, 0.6 (HUORN)"]
-    assert weights.WEIGHTS["rank^0.6"] == huorn == allocator.HUORN
+    huorn = settings.STEPS["+ rank among live jobs, 0.7 (HUORN)"]
+    assert weights.WEIGHTS["rank^0.7"] == huorn == allocator.HUORN
     ranked_before = (weights.WEIGHTS["rank^0.4 among the allocation (before)"],
                      settings.STEPS["+ rank weight 0.4 among the allocation"])
     for before in ranked_before:
         assert (before.jct_weight_by, before.jct_weight, before.rank_among) == ("rank", 0.4, "allocation")
-        assert dataclasses.replace(before, jct_weight=0.6, rank_among="live") == allocator.HUORN
+        assert dataclasses.replace(before, jct_weight=0.7, rank_among="live") == allocator.HUORN
     for before in (weights.WEIGHTS["remaining^0.35 (before)"], settings.STEPS["+ weight 0.35"]):
         assert (before.jct_weight_by, before.jct_weight) == ("remaining", 0.35)
-        assert dataclasses.replace(before, jct_weight=0.6, jct_weight_by="rank") == allocator.HUORN
+        assert dataclasses.replace(before, jct_weight=0.7, jct_weight_by="rank") == allocator.HUORN
 
 
 # ---------------------------------------------------------------- the borrowing study (finding 1)

@@ -295,7 +295,7 @@ class AllocatorConfig:
 # Huorn's own settings: what the operator, the local backend and the simulator all run (the
 # defaults above are the neutral, Pollux-like allocator the baselines build on). JCT-aware:
 # speedups weighed by the job's rank by remaining time among its cluster's live jobs to the power
-# 0.6 (heSRPT), restarts charged over the shorter of a one-hour horizon and the job's remaining
+# 0.7 (heSRPT), restarts charged over the shorter of a one-hour horizon and the job's remaining
 # time, pending jobs shortest first, jobs within sixteen restarts of finishing not shrunk to admit
 # others, a pending job admitted when its first GPUs are worth more than a running job's extras,
 # and a placement that resizes in place charged the in-place share of a restart, tried around the
@@ -303,7 +303,7 @@ class AllocatorConfig:
 # 0-9, with seeds 10-29 held out). The
 # JCT terms need a job's remaining work (JobView.remaining_work); a job without it is weighed as
 # one horizon from its end.
-HUORN = AllocatorConfig(horizon_seconds=3600.0, jct_weight=0.6, jct_weight_by="rank",
+HUORN = AllocatorConfig(horizon_seconds=3600.0, jct_weight=0.7, jct_weight_by="rank",
                         restart_over_remaining=True, pending_order="remaining",
                         protect_finishing_restarts=16.0, admission="value",
                         in_place_share=IN_PLACE_RESIZE_SHARE)
