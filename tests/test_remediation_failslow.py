@@ -142,6 +142,23 @@ def test_compute_straggler_does_not_also_blame_the_waiting_peers_comm() -> None:
     assert [(f.worker, f.kind) for f in found] == [("2", "compute")]
 
 
+def test_a_change_after_a_change_is_validated_against_the_segment_it_ends() -> None:
+    """Rank 2 computes 4× slower from step 30, 2× from 50, 4× from 70 and 2× from 90. The last
+    drop was measured against the median of the 100 steps before it (healthy, 4× and 2× ones:
+    about 2× itself), moved nothing, and was dropped: the worker read as 4× slow to the end."""
+    rng = np.random.default_rng(3)
+    rows = []
+    shape = np.array([1.0 if i < 30 else 4.0 if i < 50 or 70 <= i < 90 else 2.0 for i in range(140)])
+    computes = [0.1 * np.exp(rng.normal(0, 0.02, 140)) * (shape if w == 2 else 1.0) for w in range(4)]
+    step = np.max(computes, axis=0) + 0.02  # each waits for the slowest, then the all-reduce
+    for w, compute in enumerate(computes):
+        rows += [{"iteration": i, "worker": str(w), "time": float(step[i]), "compute": float(compute[i]),
+                  "comm": float(step[i] - compute[i])} for i in range(140)]
+    found = failslow.detect_fail_slow(steptable.build_table(rows, (*steptable.REQUIRED, *steptable.OPTIONAL)))
+    assert [(f.worker, f.onset_iteration, round(f.factor, 1)) for f in found if f.kind == "compute"] == [
+        ("2", 30, 4.0), ("2", 50, 0.5), ("2", 70, 2.0), ("2", 90, 0.5)], found
+
+
 def test_localisation_uses_two_x_for_compute_and_one_point_one_x_for_comm() -> None:
     compute = {0: 1.0, 1: 1.1, 2: 2.3, 3: 0.9}
     comm = {0: 1.0, 1: 1.0, 2: 1.02, 3: 1.15}

@@ -170,7 +170,7 @@ def test_an_easing_seen_again_at_a_shifted_onset_is_not_taken_twice() -> None:
     assert lad.finding is not None and lad.finding.factor == pytest.approx(3.4)
     # a full recovery soon after is a change of its own
     over = lad.on_recovery(failslow.SlowFinding("trainer-1", "compute", 52, 60, 0.3))
-    assert over is not None and over.action == "recovered" and lad.level is None and lad.eased == []
+    assert over is not None and over.action == "recovered" and lad.level is None and lad.changes == []
 
 
 def test_two_halvings_in_a_row_are_two_changes_and_end_the_incident() -> None:
@@ -184,6 +184,51 @@ def test_two_halvings_in_a_row_are_two_changes_and_end_the_incident() -> None:
              if rank == 1 else 1.0)
     assert [d.action for d in pol.decisions] == ["observe", "eased", "recovered"], pol.decisions
     assert pol.ladder.level is None
+
+
+def see_saw(rank: int, pod: str, step: int) -> float:
+    """trainer-1 computes 4× slower from step 30, 2× from 50, 4× again from 70, 2× from 90."""
+    if rank != 1 or step < 30:
+        return 1.0
+    return 4.0 if step < 50 or 70 <= step < 90 else 2.0
+
+
+def test_a_straggler_that_worsens_again_after_an_easing_is_not_taken_for_recovered() -> None:
+    """The rise after an easing was ignored (it neither starts an incident nor supersedes its
+    own), so 4× → 2× → 4× → 2× read as 4× eased to 2× and then to 1×: the incident ended while
+    the worker still ran twice as slow, and the ladder sat at rest."""
+    graph = build_graph()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"), ladder.LadderCosts(rebalance=600.0))
+    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=1, extra=micro_batches)
+    from huorn.operator import monitoring
+
+    state = monitoring.JobPolicies(("uid", 1), pol, None)
+    gang.run(130, see_saw)
+    assert [d.action for d in pol.decisions] == ["observe", "eased", "worsened", "eased"], pol.decisions
+    assert "is now ×4" in pol.decisions[2].reason, pol.decisions[2].reason
+    assert pol.ladder.level is MitigationLevel.OBSERVE
+    assert pol.ladder.finding is not None and 1.8 < pol.ladder.finding.factor < 2.2  # still 2× slow
+    monitoring.record_ladder(graph, state)  # a log-only note, as an easing is
+    assert graph.vertex("trainer").params["mitigation"]["action"] == "observe"
+    assert any("(worsened)" in m.reason for m in graph.log), [m.reason for m in graph.log]
+
+
+def test_the_slowdown_seen_again_at_a_moved_onset_is_not_a_rise() -> None:
+    """The detector's window moves an onset by a few steps: the slowdown itself, seen again so,
+    must not compound (4× × 4×), while a second rise it still reports beside the first does."""
+    lad = ladder.MitigationLadder(MitigationLevel.RESTART)
+    lad.on_fail_slow(failslow.SlowFinding("trainer-1", "compute", 30, 40, 4.0), (1,))
+    assert lad.on_worsening(failslow.SlowFinding("trainer-1", "compute", 33, 43, 4.1)) is None
+    assert lad.on_worsening(failslow.SlowFinding("trainer-0", "compute", 60, 70, 2.0)) is None  # elsewhere
+    eased = lad.on_recovery(failslow.SlowFinding("trainer-1", "compute", 50, 60, 0.5))
+    assert eased is not None and eased.action == "eased"
+    first_again = failslow.SlowFinding("trainer-1", "compute", 34, 61, 4.0)
+    assert lad.on_worsening(first_again) is None
+    worse = lad.on_worsening(failslow.SlowFinding("trainer-1", "compute", 70, 80, 2.0), reported=(50, 70))
+    assert worse is not None and worse.action == "worsened"
+    assert lad.finding is not None and lad.finding.factor == pytest.approx(4.0)
+    assert lad.on_worsening(failslow.SlowFinding("trainer-1", "compute", 72, 82, 2.0)) is None  # seen again
+    assert lad.finding.factor == pytest.approx(4.0)
 
 
 def test_a_new_straggler_takes_the_place_of_a_milder_one_observed_at_s1() -> None:
@@ -365,3 +410,20 @@ def test_a_survivors_slowdown_that_begins_in_the_steps_re_run_after_s4_is_decide
     gang.run(400, factor)
     assert resumed["at"] < 100
     assert gang.replaced == ["trainer-1", "trainer-0"], pol.decisions
+
+
+def test_steps_past_a_workers_newest_are_forgotten_when_the_gang_goes_back_to_a_checkpoint() -> None:
+    """A rank that restarts from a checkpoint serves its steps from there again. Its history kept
+    the old records of the steps after it, so each re-run step's time sat beside the old times
+    of the next ones, which read as a change at the step being re-run (a fresh 3× straggler
+    after an S4 was taken for recovered ten steps later, its ladder at rest)."""
+    graph = build_graph()
+    pol = policy.RemediationPolicy(Remediation(hang_timeout="30s"))
+    gang = Gang(graph, pol, {0: "trainer-0", 1: "trainer-1"}, seed=2)
+    gang.run(100, lambda rank, pod, step: 1.0)
+    assert all(max(h) == 99 for h in pol.history.values())
+    for r in gang.served:  # the gang went back to step 70 and ran it again
+        gang.served[r] = [x for x in gang.served[r] if x["step"] < 70]
+    gang.step = 70
+    gang.run(75, lambda rank, pod, step: 3.0 if rank == 0 else 1.0)
+    assert sorted(max(h) for h in pol.history.values()) == [74, 74]

@@ -47,7 +47,7 @@ from huorn.scheduler.remediation import policy
 logger = logging.getLogger("huorn.operator.monitor")
 MITIGATION_PARAM = "mitigation"
 # ladder records that change nothing in force: they go into the log, not into `mitigation`
-NO_OP_ACTIONS = frozenset({"stalled-outside-collectives", "recovered", "eased"})
+NO_OP_ACTIONS = frozenset({"stalled-outside-collectives", "recovered", "eased", "worsened"})
 ACTIVE_PHASES = frozenset({"Running", "Resizing"})
 
 

@@ -166,10 +166,15 @@ def _iteration_seconds(table: StepTable) -> np.ndarray:
     return np.array([by_iteration[i] for i in sorted(by_iteration)])
 
 
-def _rise(iterations: np.ndarray, series: np.ndarray, finding: SlowFinding) -> float:
+def _rise(iterations: np.ndarray, series: np.ndarray, finding: SlowFinding, since: int | None = None
+          ) -> float:
     """Seconds a step that the shift added: the median of 20 steps from its onset less that of
-    up to 100 before it (NaN when either side is empty)."""
-    before = series[iterations < finding.onset_iteration][-100:]
+    up to 100 before it, from `since` (the series' previous change) on (NaN when either side is
+    empty). NB: taken across the previous change, a straggler's return to 2× after 4× was
+    measured against a median of healthy, 4× and 2× steps, near 2× itself, and never validated:
+    4× → 2× → 4× → 2× read as a slowdown that eased, worsened and stayed at 4×."""
+    before = series[(iterations < finding.onset_iteration)
+                    & (iterations >= (since if since is not None else -math.inf))][-100:]
     after = series[iterations >= finding.onset_iteration][:20]
     if len(before) == 0 or len(after) == 0:
         return math.nan
@@ -177,11 +182,16 @@ def _rise(iterations: np.ndarray, series: np.ndarray, finding: SlowFinding) -> f
 
 
 def _moves_iteration(series: np.ndarray, iterations: np.ndarray, finding: SlowFinding,
-                     step_seconds: float, min_shift: float) -> bool:
+                     step_seconds: float, min_shift: float, since: int | None = None) -> bool:
     """FALCON validates on iteration time: a shift in one part counts only if it moves the
     whole step by min_shift. A 2× jitter in a 1 ms wait is not a fail-slow."""
-    rise = _rise(iterations, series, finding)
+    rise = _rise(iterations, series, finding, since)
     return not math.isnan(rise) and abs(rise) >= min_shift * step_seconds
+
+
+def _after_previous(changes: list[tuple[int, int, float]]) -> list[tuple[tuple[int, int, float], int | None]]:
+    """Each change of one series (in onset order) with the onset of the change before it."""
+    return [(c, changes[i - 1][0] if i else None) for i, c in enumerate(changes)]
 
 
 def detect_fail_slow(table: StepTable, config: bocd.BocdConfig | None = None,
@@ -195,17 +205,18 @@ def detect_fail_slow(table: StepTable, config: bocd.BocdConfig | None = None,
         return sorted(_merge_job_wide(found, list(table.workers), host_of),
                       key=lambda f: (f.onset_iteration, f.worker))
     step_seconds = float(np.median(_iteration_seconds(table)))
-    compute = [f for w in table.workers
-               for f in (SlowFinding(w, "compute", *c)
-                         for c in _changes(table.iterations[w], table.compute[w], config))
-               if _moves_iteration(table.compute[w], table.iterations[w], f, step_seconds, config.min_shift)]
+    compute = [SlowFinding(w, "compute", *c) for w in table.workers
+               for c, since in _after_previous(_changes(table.iterations[w], table.compute[w], config))
+               if _moves_iteration(table.compute[w], table.iterations[w], SlowFinding(w, "compute", *c),
+                                   step_seconds, config.min_shift, since)]
     # NB: per-rank comm time is mostly waiting for the slowest peer, so it is noisy and moves
     # whenever anybody computes slowly. The last rank to arrive waits for nobody: the minimum
     # over ranks is the collective's own latency, and that is what a slow network raises.
     iterations, comm = _min_comm(table)
-    network = [f for f in (SlowFinding(JOB_WIDE, "communication", *c)
-                           for c in _changes(iterations, comm, config))
-               if _moves_iteration(comm, iterations, f, step_seconds, config.min_shift)]
+    network = [SlowFinding(JOB_WIDE, "communication", *c)
+               for c, since in _after_previous(_changes(iterations, comm, config))
+               if _moves_iteration(comm, iterations, SlowFinding(JOB_WIDE, "communication", *c), step_seconds,
+                                   config.min_shift, since)]
     found = _merge_job_wide(compute, list(table.workers), host_of) + network
     return sorted(found, key=lambda f: (f.onset_iteration, f.worker))
 
@@ -331,11 +342,11 @@ def detect_pipeline_fail_slow(table: PipelineTable,
     compute = []
     for w in steps.workers:
         where = table.ranks[w]
-        for c in _changes(steps.iterations[w], steps.compute[w], config):
+        for c, since in _after_previous(_changes(steps.iterations[w], steps.compute[w], config)):
             finding = SlowFinding(where.instance, "compute", *c, rank=where.rank, replica=where.replica,
                                   stage=where.stage)
             if _moves_iteration(steps.compute[w], steps.iterations[w], finding, step_seconds,
-                                config.min_shift):
+                                config.min_shift, since):
                 compute.append(finding)
     replicas = len({p.replica for p in table.ranks.values()})
     compute = _merge_pipeline(compute, replicas)
@@ -411,9 +422,9 @@ def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
     def detect(series: tuple[np.ndarray, np.ndarray], into: list[SlowFinding] | None = None,
                **where: object) -> None:
         iterations, values = series
-        for c in _changes(iterations, np.maximum(values, floor), config):
+        for c, since in _after_previous(_changes(iterations, np.maximum(values, floor), config)):
             finding = SlowFinding(JOB_WIDE, "communication", *c, **where)  # type: ignore[arg-type]
-            if _moves_iteration(values, iterations, finding, step_seconds, config.min_shift):
+            if _moves_iteration(values, iterations, finding, step_seconds, config.min_shift, since):
                 (found if into is None else into).append(finding)
 
     if table.recv_wait is None or table.reduce_wait is None:

@@ -117,7 +117,9 @@ class MitigationLadder:
         self.replan_gain = 0.0  # seconds the best plan would have saved since the applied one
         self.counts_in_force: list[int] | None = None  # S2's counts, kept while S3 holds
         self.passed = False  # the rung in force was passed: its even split is what `applied` holds
-        self.eased: list[failslow.SlowFinding] = []  # the incident's easings taken (on_recovery)
+        # the incident's later changes taken where its slowdown is: easings (on_recovery) and
+        # worsenings (on_worsening)
+        self.changes: list[failslow.SlowFinding] = []
         self._priced: tuple[JobShape, tuple[int, ...], Priced | None] | None = None  # per shape and plan
 
     def applicable(self, level: MitigationLevel) -> bool:
@@ -186,13 +188,12 @@ class MitigationLadder:
                 or finding.onset_iteration <= current.onset_iteration \
                 or (finding.where(), finding.kind) != (current.where(), current.kind):
             return None
-        if any(_same_change(finding, taken) and taken.onset_iteration not in reported
-               for taken in self.eased):
+        if self._taken(finding, reported):
             return None  # an easing already taken, its onset moved as the detector's window slid
         left = current.factor * finding.factor  # segment means: new over old, times old over healthy
         if left >= STILL_SLOW:
             self.finding = dataclasses.replace(current, factor=left)
-            self.eased.append(finding)
+            self.changes.append(finding)
             return Decision(
                 MitigationLevel.OBSERVE, "eased",
                 f"fail-slow ({current.kind}) on {current.where()} since step {current.onset_iteration} "
@@ -205,6 +206,42 @@ class MitigationLadder:
             f"fail-slow ({current.kind}) on {current.where()} since step {current.onset_iteration} is "
             f"over: ×{finding.factor:.2f} from step {finding.onset_iteration}; nothing was in force, "
             "so the ladder comes to rest", ranks)
+
+    def on_worsening(self, finding: failslow.SlowFinding, reported: Sequence[int] = ()) -> Decision | None:
+        """A validated rise (factor > 1) where the ladder's slowdown is, after it began, while
+        nothing of the ladder's is in force: the slowdown is now its factor times the rise's (a
+        decision that says so). Else None.
+        NB: a rise there was ignored (it neither starts an incident nor supersedes its own), so
+        4× → 2× → 4× → 2× was taken for 4× eased to 2×, then eased to 1×: the incident ended,
+        and the ladder sat at rest while the worker ran twice as slow. The first sighting of the
+        slowdown itself, at an onset the detector's window moved, is not a rise."""
+        current = self.finding
+        if current is None or finding.factor <= 1 or not self.holds_no_plan() \
+                or finding.onset_iteration <= current.onset_iteration \
+                or (finding.where(), finding.kind) != (current.where(), current.kind):
+            return None
+        first = dataclasses.replace(current, factor=self._onset_factor())
+        if self._taken(finding, reported, also=first):
+            return None
+        self.finding = dataclasses.replace(current, factor=current.factor * finding.factor)
+        self.changes.append(finding)
+        return Decision(
+            MitigationLevel.OBSERVE, "worsened",
+            f"fail-slow ({current.kind}) on {current.where()} since step {current.onset_iteration} "
+            f"worsened ×{finding.factor:.2f} from step {finding.onset_iteration} and is now "
+            f"×{self.finding.factor:.2f}: the ladder keeps observing it", self.ranks)
+
+    def _onset_factor(self) -> float:
+        """The slowdown's factor as first found: what is left of it now, less its changes since."""
+        assert self.finding is not None
+        return self.finding.factor / math.prod(c.factor for c in self.changes)
+
+    def _taken(self, finding: failslow.SlowFinding, reported: Sequence[int],
+               also: failslow.SlowFinding | None = None) -> bool:
+        """Whether `finding` is a change the incident already took (or `also`), seen again at an
+        onset the detector's sliding window moved: one it no longer reports where it was."""
+        return any(_same_change(finding, taken) and taken.onset_iteration not in reported
+                   for taken in [*self.changes, *([also] if also is not None else [])])
 
     def supersedes(self, finding: failslow.SlowFinding) -> bool:
         """Whether a new slowdown takes the place of the one the ladder observes: elsewhere, begun
@@ -383,7 +420,7 @@ class MitigationLadder:
         self.level, self.finding, self.ranks, self.loss_since_rung = None, None, (), 0.0
         self.applied, self.counts_in_force, self.passed = None, None, False
         self.steps_on_plan, self.replan_gain = 0, 0.0
-        self.eased = []
+        self.changes = []
 
     def _restart(self, decision: Decision) -> Decision:
         """S4 ends the incident: the pod is replaced and the gang restarts from its checkpoint.

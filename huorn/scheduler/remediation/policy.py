@@ -210,8 +210,17 @@ class RemediationPolicy:
         for key, snap in snapshots.items():
             served.add(history_key := self._history_key(key, snap))
             steps = self.history.setdefault(history_key, {})
-            for record in snap.get("steps") or []:
+            served_steps = snap.get("steps") or []
+            for record in served_steps:
                 steps[int(record["step"])] = record
+            if served_steps:
+                # A worker serves the tail of its run: steps past its newest are from before the
+                # gang went back to a checkpoint (an S4, a restart), and are run again. Kept, each
+                # re-run step's new time sat beside the old times of the steps after it, which
+                # read as a change at the step being re-run on every tick.
+                newest = max(int(r["step"]) for r in served_steps)
+                for stale in [k for k in steps if k > newest]:
+                    del steps[stale]
             for old in sorted(steps)[:-HISTORY_STEPS]:
                 del steps[old]
         self._forget_gone(graph, served)
@@ -242,15 +251,17 @@ class RemediationPolicy:
                     or (finding.onset_iteration < restarted
                         and (finding.worker == failslow.JOB_WIDE or finding.worker in replaced)):
                 continue
+            reported = [f.onset_iteration for f in found if f.where() == finding.where()]
             if finding.factor <= 1:
                 # the ladder's slowdown is over: at S1 (or a passed rung) nothing else would end it
-                reported = [f.onset_iteration for f in found if f.where() == finding.where()]
                 if (recovered := self.ladder.on_recovery(finding, reported)) is not None:
                     self._slow_seen.add((finding.where(), finding.onset_iteration))
                     self.decisions.append(recovered)
                 continue
             self._slow_seen.add((finding.where(), finding.onset_iteration))
-            if self.ladder.level is None or self.ladder.supersedes(finding):
+            if self.ladder.level is not None and (worse := self.ladder.on_worsening(finding, reported)):
+                self.decisions.append(worse)  # where the ladder's slowdown is: it is now worse
+            elif self.ladder.level is None or self.ladder.supersedes(finding):
                 self.decisions.append(self.ladder.on_fail_slow(finding, _culprit_ranks(finding, found)))
                 # ski-rental's rent runs from the onset, not from the detection: the steps between
                 # were lost all the same, and a detector slowed by a noisy host must not also
