@@ -142,21 +142,41 @@ def test_compute_straggler_does_not_also_blame_the_waiting_peers_comm() -> None:
     assert [(f.worker, f.kind) for f in found] == [("2", "compute")]
 
 
+def rank_2_shaped(shape: np.ndarray, seed: int = 3) -> steptable.StepTable:
+    """Four ranks of 0.1 s compute each step, rank 2's scaled by `shape`; each waits for the
+    slowest, then the all-reduce."""
+    rng = np.random.default_rng(seed)
+    computes = [0.1 * np.exp(rng.normal(0, 0.02, len(shape))) * (shape if w == 2 else 1.0) for w in range(4)]
+    step = np.max(computes, axis=0) + 0.02
+    rows = []
+    for w, compute in enumerate(computes):
+        rows += [{"iteration": i, "worker": str(w), "time": float(step[i]), "compute": float(compute[i]),
+                  "comm": float(step[i] - compute[i])} for i in range(len(shape))]
+    return steptable.build_table(rows, (*steptable.REQUIRED, *steptable.OPTIONAL))
+
+
 def test_a_change_after_a_change_is_validated_against_the_segment_it_ends() -> None:
     """Rank 2 computes 4× slower from step 30, 2× from 50, 4× from 70 and 2× from 90. The last
     drop was measured against the median of the 100 steps before it (healthy, 4× and 2× ones:
     about 2× itself), moved nothing, and was dropped: the worker read as 4× slow to the end."""
-    rng = np.random.default_rng(3)
-    rows = []
     shape = np.array([1.0 if i < 30 else 4.0 if i < 50 or 70 <= i < 90 else 2.0 for i in range(140)])
-    computes = [0.1 * np.exp(rng.normal(0, 0.02, 140)) * (shape if w == 2 else 1.0) for w in range(4)]
-    step = np.max(computes, axis=0) + 0.02  # each waits for the slowest, then the all-reduce
-    for w, compute in enumerate(computes):
-        rows += [{"iteration": i, "worker": str(w), "time": float(step[i]), "compute": float(compute[i]),
-                  "comm": float(step[i] - compute[i])} for i in range(140)]
-    found = failslow.detect_fail_slow(steptable.build_table(rows, (*steptable.REQUIRED, *steptable.OPTIONAL)))
+    found = failslow.detect_fail_slow(rank_2_shaped(shape))
     assert [(f.worker, f.onset_iteration, round(f.factor, 1)) for f in found if f.kind == "compute"] == [
         ("2", 30, 4.0), ("2", 50, 0.5), ("2", 70, 2.0), ("2", 90, 0.5)], found
+
+
+@pytest.mark.parametrize("burst", [5, 6, 8])
+def test_a_burst_of_a_few_steps_leaves_no_lone_change(burst: int) -> None:
+    """A burst starts and ends a change for BOCD, and 20 steps after its start are mostly past it,
+    so its rise is not validated. Its fall was measured from the rise all the same (against the
+    burst's own steps) and reported alone: an easing of a healthy worker, and on a 4× straggler
+    an easing to 2× that made its later real easing to 2× read as its recovery."""
+    healthy = np.array([2.0 if 100 <= i < 100 + burst else 1.0 for i in range(200)])
+    assert failslow.detect_fail_slow(rank_2_shaped(healthy)) == []
+    straggler = np.array([1.0 if i < 30 else 8.0 if 100 <= i < 100 + burst else 4.0 for i in range(200)])
+    found = failslow.detect_fail_slow(rank_2_shaped(straggler))
+    assert [(f.worker, f.onset_iteration) for f in found] == [("2", 30)], found
+    assert found[0].factor == pytest.approx(4.0, rel=0.05)
 
 
 def test_localisation_uses_two_x_for_compute_and_one_point_one_x_for_comm() -> None:

@@ -261,3 +261,22 @@ def test_a_slow_receiver_still_explains_its_incoming_link() -> None:
     assert not failslow._explained(link, [sender])
     assert not failslow._explained(link, [dataclasses.replace(receiver, onset_iteration=16)])
     assert failslow._explained(dataclasses.replace(link, direction=None), [sender])  # from waits
+
+
+@pytest.mark.parametrize("healthy_from", [80, 90])
+def test_a_slow_links_recovery_is_named_as_the_link_its_slowdown_was(healthy_from: int) -> None:
+    """The forward link (0, 1) is 50 ms slow a message from step 50 (its late receiver 10 ms), then
+    healthy again. The recovery was validated against the steps since the slowdown began, but the
+    rises that tell a late receiver from its link were still taken across it (both near 0), so
+    the receiver's drop was kept and merged with the link's into `both` directions, which is not
+    where the ladder's slowdown is: its incident never ended."""
+    slow, receiver = (0, 1, "forward"), (0, 1, "backward")
+    bad, good = records({slow: 0.05, receiver: 0.01}), records({})
+    spliced = {rank: [b if b["step"] < healthy_from else g
+                      for b, g in zip(bad[rank], good[rank], strict=True)] for rank in bad}
+    found = [f for f in failslow.detect_pipeline_fail_slow(table(spliced)) if f.link]
+    assert [(f.direction, f.factor > 1) for f in found] == [("forward", True), ("forward", False)], found
+    lad = ladder.MitigationLadder(MitigationLevel.RESTART)
+    lad.on_fail_slow(found[0], ())
+    over = lad.on_recovery(found[1], [f.onset_iteration for f in found if f.where() == found[1].where()])
+    assert over is not None and over.action == "recovered" and lad.level is None

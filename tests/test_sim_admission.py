@@ -34,7 +34,7 @@ def handed_over(policy: str, monkeypatch: pytest.MonkeyPatch,
         if ranked is not None:
             handed = {j.name for j in jobs}
             live = [self.remaining_seconds(policies.job_view(js)) for js in sim.active()
-                    if js.job.name not in handed]
+                    if js.job.name not in handed and js.status in ("pending", "running")]
             ranked.append((sorted((also_ranked or {}).get("train", [])), sorted(live)))
         for v in waiting:  # the key, while the job is still where the allocator saw it
             v.remaining_work = self.remaining_seconds(v)

@@ -244,7 +244,9 @@ def _left_out_remaining(sim: Simulation, handed: list[state.JobState]) -> dict[s
     if config.jct_weight_by != "rank" or config.jct_weight == 0 or config.rank_among != "live":
         return {}
     names = {js.job.name for js in handed}
-    return {TRAIN: [_remaining_seconds(sim, js) for js in sim.active() if js.job.name not in names]}
+    # a job that finished this tick is still in sim.active() until the engine's loop drops it
+    return {TRAIN: [_remaining_seconds(sim, js) for js in sim.active()
+                    if js.status in ("pending", "running") and js.job.name not in names]}
 
 
 def _staying_replicas(sim: Simulation, js: state.JobState, released: int) -> list[str]:

@@ -169,10 +169,7 @@ def _iteration_seconds(table: StepTable) -> np.ndarray:
 def _rise(iterations: np.ndarray, series: np.ndarray, finding: SlowFinding, since: int | None = None
           ) -> float:
     """Seconds a step that the shift added: the median of 20 steps from its onset less that of
-    up to 100 before it, from `since` (the series' previous change) on (NaN when either side is
-    empty). NB: taken across the previous change, a straggler's return to 2× after 4× was
-    measured against a median of healthy, 4× and 2× steps, near 2× itself, and never validated:
-    4× → 2× → 4× → 2× read as a slowdown that eased, worsened and stayed at 4×."""
+    up to 100 before it, from `since` on (NaN when either side is empty)."""
     before = series[(iterations < finding.onset_iteration)
                     & (iterations >= (since if since is not None else -math.inf))][-100:]
     after = series[iterations >= finding.onset_iteration][:20]
@@ -181,17 +178,26 @@ def _rise(iterations: np.ndarray, series: np.ndarray, finding: SlowFinding, sinc
     return float(np.median(after)) - float(np.median(before))
 
 
-def _moves_iteration(series: np.ndarray, iterations: np.ndarray, finding: SlowFinding,
-                     step_seconds: float, min_shift: float, since: int | None = None) -> bool:
-    """FALCON validates on iteration time: a shift in one part counts only if it moves the
-    whole step by min_shift. A 2× jitter in a 1 ms wait is not a fail-slow."""
-    rise = _rise(iterations, series, finding, since)
-    return not math.isnan(rise) and abs(rise) >= min_shift * step_seconds
-
-
-def _after_previous(changes: list[tuple[int, int, float]]) -> list[tuple[tuple[int, int, float], int | None]]:
-    """Each change of one series (in onset order) with the onset of the change before it."""
-    return [(c, changes[i - 1][0] if i else None) for i, c in enumerate(changes)]
+def _validated(iterations: np.ndarray, series: np.ndarray, changes: list[tuple[int, int, float]],
+               finding_of: Callable[[tuple[int, int, float]], SlowFinding], step_seconds: float,
+               min_shift: float) -> list[tuple[SlowFinding, float]]:
+    """The changes of one series that FALCON validates on iteration time, with each one's rise: a
+    shift in one part counts only if it moves the whole step by min_shift (a 2× jitter in a 1 ms
+    wait is not a fail-slow). Each change is measured from the last validated change before it.
+    NB: measured across it, a straggler's return to 2× after 4× was set against a median of
+    healthy, 4× and 2× steps, near 2× itself, and dropped: 4× → 2× → 4× → 2× read as a slowdown
+    that eased, worsened and stayed at 4×. Measured from the last change BOCD found, validated
+    or not, a burst of a few steps (its rise dropped, its 20 steps mostly past it) left its fall
+    to be measured against the burst alone: a lone easing that never happened."""
+    found: list[tuple[SlowFinding, float]] = []
+    since: int | None = None
+    for change in changes:
+        finding = finding_of(change)
+        rise = _rise(iterations, series, finding, since)
+        if not math.isnan(rise) and abs(rise) >= min_shift * step_seconds:
+            found.append((finding, rise))
+            since = finding.onset_iteration
+    return found
 
 
 def detect_fail_slow(table: StepTable, config: bocd.BocdConfig | None = None,
@@ -205,18 +211,18 @@ def detect_fail_slow(table: StepTable, config: bocd.BocdConfig | None = None,
         return sorted(_merge_job_wide(found, list(table.workers), host_of),
                       key=lambda f: (f.onset_iteration, f.worker))
     step_seconds = float(np.median(_iteration_seconds(table)))
-    compute = [SlowFinding(w, "compute", *c) for w in table.workers
-               for c, since in _after_previous(_changes(table.iterations[w], table.compute[w], config))
-               if _moves_iteration(table.compute[w], table.iterations[w], SlowFinding(w, "compute", *c),
-                                   step_seconds, config.min_shift, since)]
+    compute = [f for w in table.workers
+               for f, _ in _validated(table.iterations[w], table.compute[w],
+                                      _changes(table.iterations[w], table.compute[w], config),
+                                      lambda c, w=w: SlowFinding(w, "compute", *c),
+                                      step_seconds, config.min_shift)]
     # NB: per-rank comm time is mostly waiting for the slowest peer, so it is noisy and moves
     # whenever anybody computes slowly. The last rank to arrive waits for nobody: the minimum
     # over ranks is the collective's own latency, and that is what a slow network raises.
     iterations, comm = _min_comm(table)
-    network = [SlowFinding(JOB_WIDE, "communication", *c)
-               for c, since in _after_previous(_changes(iterations, comm, config))
-               if _moves_iteration(comm, iterations, SlowFinding(JOB_WIDE, "communication", *c), step_seconds,
-                                   config.min_shift, since)]
+    network = [f for f, _ in _validated(iterations, comm, _changes(iterations, comm, config),
+                                        lambda c: SlowFinding(JOB_WIDE, "communication", *c), step_seconds,
+                                        config.min_shift)]
     found = _merge_job_wide(compute, list(table.workers), host_of) + network
     return sorted(found, key=lambda f: (f.onset_iteration, f.worker))
 
@@ -342,12 +348,11 @@ def detect_pipeline_fail_slow(table: PipelineTable,
     compute = []
     for w in steps.workers:
         where = table.ranks[w]
-        for c, since in _after_previous(_changes(steps.iterations[w], steps.compute[w], config)):
-            finding = SlowFinding(where.instance, "compute", *c, rank=where.rank, replica=where.replica,
-                                  stage=where.stage)
-            if _moves_iteration(steps.compute[w], steps.iterations[w], finding, step_seconds,
-                                config.min_shift, since):
-                compute.append(finding)
+        compute += [f for f, _ in _validated(
+            steps.iterations[w], steps.compute[w], _changes(steps.iterations[w], steps.compute[w], config),
+            lambda c, where=where: SlowFinding(where.instance, "compute", *c, rank=where.rank,
+                                               replica=where.replica, stage=where.stage),
+            step_seconds, config.min_shift)]
     replicas = len({p.replica for p in table.ranks.values()})
     compute = _merge_pipeline(compute, replicas)
     network = [f for f in _pipeline_network(table, config, step_seconds) if not _explained(f, compute)]
@@ -420,12 +425,16 @@ def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
     floor = config.min_shift / 2 * step_seconds
 
     def detect(series: tuple[np.ndarray, np.ndarray], into: list[SlowFinding] | None = None,
-               **where: object) -> None:
+               rises: list[float] | None = None, **where: object) -> None:
+        """The series' validated changes into `into` (or `found`), and their rises into `rises`."""
         iterations, values = series
-        for c, since in _after_previous(_changes(iterations, np.maximum(values, floor), config)):
-            finding = SlowFinding(JOB_WIDE, "communication", *c, **where)  # type: ignore[arg-type]
-            if _moves_iteration(values, iterations, finding, step_seconds, config.min_shift, since):
-                (found if into is None else into).append(finding)
+        for finding, rise in _validated(
+                iterations, values, _changes(iterations, np.maximum(values, floor), config),
+                lambda c: SlowFinding(JOB_WIDE, "communication", *c, **where),  # type: ignore[arg-type]
+                step_seconds, config.min_shift):
+            (found if into is None else into).append(finding)
+            if rises is not None:
+                rises.append(rise)
 
     if table.recv_wait is None or table.reduce_wait is None:
         # NB: a runtime that publishes only the sum cannot tell a stage's wait for its neighbour
@@ -448,9 +457,8 @@ def _pipeline_network(table: PipelineTable, config: bocd.BocdConfig,
                 for links, sender, direction in ((table.send_link, first, "forward"),
                                                  (table.grad_link, second, "backward")):
                     series = _per_iteration(steps, {sender: links[sender].seconds()}, [sender], min)  # type: ignore[index]
-                    before = len(measured)
-                    detect(series, measured, replica=replica, stage=stage, link=True, direction=direction)
-                    rises += [_rise(*series, f) for f in measured[before:]]
+                    detect(series, measured, rises, replica=replica, stage=stage, link=True,
+                           direction=direction)
             found += _merge_directions(_without_late_receivers(measured, rises))
             continue
         waits: list[SlowFinding] = []
