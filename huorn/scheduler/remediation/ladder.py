@@ -184,21 +184,12 @@ class MitigationLadder:
         taken that the detector still reports makes a close change of a like factor a second
         change (4× → 2× → 1×), not the same one seen again at a moved onset."""
         current = self.finding
-        if current is None or finding.factor >= 1 or not self.holds_no_plan() \
-                or finding.onset_iteration <= current.onset_iteration \
-                or (finding.where(), finding.kind) != (current.where(), current.kind):
+        if current is None or finding.factor >= 1 or not self._at_the_slowdown(finding):
             return None
         if self._taken(finding, reported):
             return None  # an easing already taken, its onset moved as the detector's window slid
-        left = current.factor * finding.factor  # segment means: new over old, times old over healthy
-        if left >= STILL_SLOW:
-            self.finding = dataclasses.replace(current, factor=left)
-            self.changes.append(finding)
-            return Decision(
-                MitigationLevel.OBSERVE, "eased",
-                f"fail-slow ({current.kind}) on {current.where()} since step {current.onset_iteration} "
-                f"eased ×{finding.factor:.2f} from step {finding.onset_iteration} and is still "
-                f"×{left:.2f}: the ladder keeps observing it", self.ranks)
+        if current.factor * finding.factor >= STILL_SLOW:
+            return self._compound(finding, "eased", "still")
         ranks = self.ranks
         self._reset()
         return Decision(
@@ -216,19 +207,32 @@ class MitigationLadder:
         and the ladder sat at rest while the worker ran twice as slow. The first sighting of the
         slowdown itself, at an onset the detector's window moved, is not a rise."""
         current = self.finding
-        if current is None or finding.factor <= 1 or not self.holds_no_plan() \
-                or finding.onset_iteration <= current.onset_iteration \
-                or (finding.where(), finding.kind) != (current.where(), current.kind):
+        if current is None or finding.factor <= 1 or not self._at_the_slowdown(finding):
             return None
         first = dataclasses.replace(current, factor=self._onset_factor())
         if self._taken(finding, reported, also=first):
             return None
+        return self._compound(finding, "worsened", "now")
+
+    def _at_the_slowdown(self, finding: failslow.SlowFinding) -> bool:
+        """Whether a change is one of the observed slowdown's own (where and of the kind it is,
+        after its onset) while nothing of the ladder's is in force."""
+        current = self.finding
+        return (current is not None and self.holds_no_plan()
+                and finding.onset_iteration > current.onset_iteration
+                and (finding.where(), finding.kind) == (current.where(), current.kind))
+
+    def _compound(self, finding: failslow.SlowFinding, action: str, state: str) -> Decision:
+        """Take a change of the observed slowdown: it is now its factor times the change's (segment
+        means: new over old, times old over healthy), and a decision that says so."""
+        current = self.finding
+        assert current is not None
         self.finding = dataclasses.replace(current, factor=current.factor * finding.factor)
         self.changes.append(finding)
         return Decision(
-            MitigationLevel.OBSERVE, "worsened",
+            MitigationLevel.OBSERVE, action,
             f"fail-slow ({current.kind}) on {current.where()} since step {current.onset_iteration} "
-            f"worsened ×{finding.factor:.2f} from step {finding.onset_iteration} and is now "
+            f"{action} ×{finding.factor:.2f} from step {finding.onset_iteration} and is {state} "
             f"×{self.finding.factor:.2f}: the ladder keeps observing it", self.ranks)
 
     def _onset_factor(self) -> float:
