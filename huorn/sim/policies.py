@@ -344,7 +344,7 @@ def _schedule_elastic(sim: Simulation, admission_only: bool = False) -> None:
     # room + 1 in the allocator's own admission order (arrival order, or shortest remaining time
     # first, which needs every pending job's estimate to pick them) are handed over. The others
     # still count in Huorn's rank weights (AllocatorConfig.jct_weight_by; `also_ranked`), so that
-    # the cut does not move them (docs/scheduling.md, "Allocator", item 10).
+    # the cut does not move them (docs/scheduling.md, "Allocator", item 11).
     pending = [js for js in sim.active() if js.status == "pending"]
     if sim.spec.allocator.pending_order == "remaining" and len(pending) > 1:
         pending = sorted(pending, key=lambda js: (_remaining_seconds(sim, js), js.job.arrival, js.job.name))
